@@ -1,0 +1,143 @@
+"""Llama-family checkpoints in the Hugging Face layout: config.json plus one or
+more *.safetensors files (sharded with model.safetensors.index.json or not),
+read one tensor at a time; and the base fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FINGERPRINT_CACHE = "bitdelta-fingerprint.json"
+# Files besides the weights that a checkpoint directory carries along.
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "chat_template.jinja")
+
+
+def read_config(ckpt: str | os.PathLike) -> dict:
+    path = Path(ckpt) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{ckpt} is not a checkpoint directory: no config.json")
+    return json.loads(path.read_text())
+
+
+def weight_files(ckpt: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a checkpoint, in a stable order."""
+    ckpt = Path(ckpt)
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [ckpt / n for n in names]
+    else:
+        files = sorted(ckpt.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {ckpt}")
+    return files
+
+
+class CheckpointReader:
+    """Random access to a checkpoint's tensors without loading them all.
+
+    >>> with CheckpointReader(dir) as r: w = r.get("model.norm.weight")
+    """
+
+    def __init__(self, ckpt: str | os.PathLike):
+        self.path = Path(ckpt)
+        self._handles = [safe_open(str(f), framework="pt") for f in weight_files(ckpt)]
+        self._where = {}
+        for h in self._handles:
+            for k in h.keys():
+                self._where[k] = h
+
+    def keys(self) -> list[str]:
+        return sorted(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self._where[name].get_tensor(name)
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor {name!r}") from None
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._where[name].get_slice(name).get_shape())
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for k in self.keys():
+            yield k, self.get(k)
+
+    def close(self) -> None:
+        self._handles.clear()
+        self._where.clear()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def fingerprint(ckpt: str | os.PathLike) -> str:
+    """sha256 over (name, dtype, shape, bytes) of every stored tensor, sorted by name.
+
+    Cached in the checkpoint directory, keyed by the weight files' sizes and
+    modification times, because hashing a 140 GB base takes minutes.
+    """
+    ckpt = Path(ckpt)
+    files = weight_files(ckpt)
+    key = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    cache = ckpt / FINGERPRINT_CACHE
+    if cache.is_file():
+        try:
+            cached = json.loads(cache.read_text())
+            if cached.get("files") == key:
+                return cached["fingerprint"]
+        except (json.JSONDecodeError, KeyError):
+            pass
+    h = hashlib.sha256()
+    with CheckpointReader(ckpt) as r:
+        for name in r.keys():
+            t = r.get(name).contiguous()
+            h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+            h.update(t.view(torch.uint8).numpy().data if t.numel() else b"")
+    fp = h.hexdigest()
+    try:
+        cache.write_text(json.dumps({"files": key, "fingerprint": fp}))
+    except OSError:
+        pass  # read-only checkpoint: fine, just slower next time
+    return fp
+
+
+def save_checkpoint(state: dict[str, torch.Tensor], out: str | os.PathLike, config: dict,
+                    side_files_from: str | os.PathLike | None = None) -> Path:
+    """Write a one-file HF checkpoint atomically: a temporary directory renamed into place."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        if side_files_from is not None:
+            for name in SIDE_FILES:
+                src = Path(side_files_from) / name
+                if src.is_file():
+                    shutil.copy2(src, tmp / name)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,194 @@
+"""`bitdelta`: the offline toolkit (compress, apply, inspect, verify, ...).
+
+Each subcommand is a small function taking parsed arguments; heavy modules are
+imported inside them so `bitdelta --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+class CliError(Exception):
+    """A user-facing failure: printed without a traceback, exit code 1 (or `code`)."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def cmd_compress(a: argparse.Namespace) -> None:
+    from bitdelta.compress import compress
+
+    out = compress(a.base, a.finetuned, a.out, alpha_mode=a.alpha, variant=a.variant, embeddings=a.embeddings)
+    if a.distill:
+        if not a.calib:
+            raise CliError("--distill needs calibration text: --calib FILE [FILE ...]")
+        from bitdelta import distill as d
+        from bitdelta.format import load_delta
+
+        cfg = d.DistillConfig(steps=a.steps, lr=a.lr, batch=a.batch, seq_len=a.seq_len, seed=a.seed)
+        tokens = d.tokenize_files(a.base, a.calib)
+        # Hold out the stream's last tenth to report the logit MSE on unseen text.
+        cut = int(len(tokens) * 0.9)
+        heldout = d.token_windows(tokens[cut:], cfg.seq_len, 4, seed=1) if len(tokens) - cut > cfg.seq_len else None
+        delta, record = d.distill(a.base, a.finetuned, load_delta(out), tokens[:cut], cfg, heldout)
+        d.save(delta, out)
+        if heldout is not None:
+            print(f"held-out logit MSE: {record['heldout_mse_before']:.4e} -> {record['heldout_mse_after']:.4e}")
+    print(f"wrote {out}")
+    _print_inspect(out)
+
+
+def cmd_apply(a: argparse.Namespace) -> None:
+    from bitdelta.compress import apply
+
+    print(f"wrote {apply(a.base, a.delta, a.out)}")
+
+
+def _print_inspect(path: Path, as_json: bool = False) -> None:
+    from bitdelta.format import read_header
+
+    h = read_header(path)
+    meta = h.meta
+    roles = h.bytes_by_role()
+    params = sum(d_out * d_in for d_out, d_in in meta.shapes.values())
+    bf16_equiv = params * 2 + roles["dense"]
+    info = {
+        "file": str(path),
+        "variant": meta.variant,
+        "base_model": meta.base_model,
+        "base_fingerprint": meta.base_fingerprint,
+        "format_version": h.metadata["format_version"],
+        "alpha_mode": meta.alpha_mode,
+        "distilled": meta.distilled,
+        "tool_version": meta.tool_version,
+        "compressed_weights": len(meta.shapes),
+        "compressed_params": params,
+        "dense_tensors": sum(t.role == "dense" for t in h.tensors),
+        "bytes": {"signs": roles["sign"], "alpha": roles["alpha"], "dense": roles["dense"],
+                  "header": h.header_bytes, "total": h.file_size},
+        "ratio_vs_bf16": round(bf16_equiv / h.file_size, 2) if h.file_size else None,
+        "ratio_compressed_part": round(params * 2 / max(1, roles["sign"] + roles["alpha"]), 2),
+    }
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    print(f"{path}: BitDelta v{info['format_version']} variant {meta.variant!r} of base {meta.base_model!r}")
+    print(f"  base fingerprint  {meta.base_fingerprint}")
+    print(f"  alpha mode        {meta.alpha_mode}; distilled: {json.dumps(meta.distilled) if meta.distilled else 'no'}")
+    print(f"  compressed        {len(meta.shapes)} weights, {params:,} params")
+    print(f"  signs             {_human(roles['sign'])}")
+    print(f"  alpha             {_human(roles['alpha'])}")
+    print(f"  dense             {_human(roles['dense'])} in {info['dense_tensors']} tensors")
+    print(f"  file              {_human(h.file_size)}")
+    print(f"  ratio             {info['ratio_vs_bf16']}x smaller than the same parameters in bf16 "
+          f"({info['ratio_compressed_part']}x on the compressed weights alone)")
+
+
+def cmd_inspect(a: argparse.Namespace) -> None:
+    for f in a.files:
+        _print_inspect(Path(f), as_json=a.json)
+
+
+def cmd_verify(a: argparse.Namespace) -> None:
+    from bitdelta.checkpoint import fingerprint
+    from bitdelta.format import verify
+
+    fp = fingerprint(a.base) if a.base else None
+    failed = False
+    for f in a.files:
+        try:
+            h = verify(f, fp)
+        except (ValueError, OSError) as e:  # DeltaFormatError, BaseMismatchError, missing file
+            print(f"FAIL {f}: {e}", file=sys.stderr)
+            failed = True
+            continue
+        extra = " and matches the base" if fp else ""
+        print(f"OK   {f}: {len(h.tensors)} tensors verified{extra}")
+    if failed:
+        raise CliError("verification failed", code=2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bitdelta", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser("compress", help="fine-tuned checkpoint -> BitDelta file")
+    c.add_argument("--base", required=True, type=Path, help="base checkpoint directory (HF layout)")
+    c.add_argument("--finetuned", required=True, type=Path, help="fine-tuned checkpoint directory")
+    c.add_argument("--out", required=True, type=Path, help="delta file to write (.bitdelta.safetensors)")
+    c.add_argument("--alpha", choices=["row", "matrix"], default="row", help="one scale per output row or per matrix")
+    c.add_argument("--embeddings", choices=["dense", "sign"], default="dense",
+                   help="store changed embeddings / LM head whole (dense) or as signs + α too")
+    c.add_argument("--variant", help="variant name (default: the fine-tune's directory name)")
+    c.add_argument("--distill", action="store_true", help="tune the α's on calibration text (scale distillation)")
+    c.add_argument("--calib", nargs="+", type=Path, help="calibration text files for --distill")
+    c.add_argument("--steps", type=int, default=150)
+    c.add_argument("--lr", type=float, default=1e-5)
+    c.add_argument("--batch", type=int, default=4)
+    c.add_argument("--seq-len", type=int, default=128)
+    c.add_argument("--seed", type=int, default=0)
+    c.set_defaults(func=cmd_compress)
+
+    c = sub.add_parser("apply", help="base + delta -> dense fine-tuned checkpoint")
+    c.add_argument("--base", required=True, type=Path)
+    c.add_argument("--delta", required=True, type=Path)
+    c.add_argument("--out", required=True, type=Path)
+    c.set_defaults(func=cmd_apply)
+
+    c = sub.add_parser("inspect", help="print a delta's metadata, sizes and compression ratio")
+    c.add_argument("files", nargs="+", type=Path)
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_inspect)
+
+    c = sub.add_parser("verify", help="check every hash (and the base fingerprint with --base)")
+    c.add_argument("files", nargs="+", type=Path)
+    c.add_argument("--base", type=Path, help="base checkpoint the deltas must match")
+    c.set_defaults(func=cmd_verify)
+
+    for register in _extensions():
+        register(sub)
+    return p
+
+
+def _extensions():
+    """Subcommands contributed by other modules of the toolkit (family, quality, plan, merge, ...)."""
+    import importlib
+
+    for mod in ("bitdelta.family.cli", "bitdelta.plan", "bitdelta.merge.cli"):
+        try:
+            m = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name and mod.startswith(e.name):
+                continue  # not built yet
+            raise
+        yield m.register
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except CliError as e:
+        print(f"bitdelta: {e}", file=sys.stderr)
+        return e.code
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"bitdelta {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Offline half of BitDelta: fine-tune → delta file (`compress`) and back (`apply`).
+
+Both stream one tensor at a time, so a 7B pair needs about one model's worth
+of RAM for the two readers' current tensors plus the 1/32-size signs, not
+three copies of the model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from bitdelta.bits import pack_signs, unpack_signs
+from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config, save_checkpoint
+from bitdelta.format import DeltaMeta, load_delta, write_delta
+from bitdelta.model import PROJECTIONS
+
+EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def is_compressed(name: str, shape: list[int], embeddings: str) -> bool:
+    """Which parameters become signs + α: the attention/MLP projections always,
+    the embeddings and LM head when `embeddings == "sign"`."""
+    if len(shape) != 2:
+        return False
+    if name in EMBEDDINGS:
+        return embeddings == "sign"
+    return name.endswith(".weight") and name.rsplit(".", 2)[-2] in PROJECTIONS
+
+
+def compress_weight(delta: torch.Tensor, alpha_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Δ [d_out, d_in] -> (signs uint8 [d_out, ceil(d_in/8)], α fp32 [d_out] or [1]).
+
+    α = mean|Δ| over the row (per-row: the L2-optimal scale for fixed signs)
+    or over the whole matrix (per-matrix, the paper's choice).
+    """
+    delta = delta.float()
+    if alpha_mode == "row":
+        alpha = delta.abs().mean(dim=1)
+    elif alpha_mode == "matrix":
+        alpha = delta.abs().mean().reshape(1)
+    else:
+        raise ValueError(f"alpha_mode must be 'row' or 'matrix', not {alpha_mode!r}")
+    return pack_signs(delta), alpha
+
+
+def compress(
+    base: str | os.PathLike,
+    finetuned: str | os.PathLike,
+    out: str | os.PathLike,
+    alpha_mode: str = "row",
+    variant: str | None = None,
+    embeddings: str = "dense",
+    progress: bool = True,
+) -> Path:
+    """Write the BitDelta of `finetuned` against `base` to `out` (atomically)."""
+    base, finetuned, out = Path(base), Path(finetuned), Path(out)
+    base_cfg, ft_cfg = read_config(base), read_config(finetuned)
+    for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"):
+        if base_cfg.get(key) != ft_cfg.get(key):
+            raise ValueError(f"{finetuned} is not a fine-tune of {base}: {key} {ft_cfg.get(key)} != {base_cfg.get(key)}")
+    tensors: dict[str, torch.Tensor] = {}
+    shapes: dict[str, list[int]] = {}
+    with CheckpointReader(base) as rb, CheckpointReader(finetuned) as rf:
+        names = rf.keys()
+        for name in tqdm(names, desc=f"compress {finetuned.name}", unit="tensor", disable=not progress):
+            w_ft = rf.get(name)
+            if name not in rb:
+                if name == "lm_head.weight" and base_cfg.get("tie_word_embeddings"):
+                    w_base = rb.get("model.embed_tokens.weight")
+                else:
+                    raise ValueError(f"{finetuned} has tensor {name!r}, which the base lacks")
+            else:
+                w_base = rb.get(name)
+            if w_base.shape != w_ft.shape:
+                raise ValueError(f"{name}: fine-tune shape {tuple(w_ft.shape)} != base {tuple(w_base.shape)}")
+            if torch.equal(w_base, w_ft):
+                continue  # unchanged: not stored
+            if is_compressed(name, list(w_ft.shape), embeddings):
+                signs, alpha = compress_weight(w_ft.float() - w_base.float(), alpha_mode)
+                tensors[name + ".sign"], tensors[name + ".alpha"] = signs, alpha
+                shapes[name] = list(w_ft.shape)
+            else:
+                tensors[name + ".dense"] = w_ft.contiguous()
+    meta = DeltaMeta(
+        variant=variant or finetuned.name,
+        base_model=base_cfg.get("_name_or_path") or base.name,
+        base_fingerprint=fingerprint(base),
+        alpha_mode=alpha_mode,
+        shapes=shapes,
+        extra={"embeddings": embeddings},
+    )
+    write_delta(out, tensors, meta)
+    return out
+
+
+def apply(base: str | os.PathLike, delta_path: str | os.PathLike, out: str | os.PathLike,
+          progress: bool = True) -> Path:
+    """Write the dense checkpoint W_base + α ⊙ S (and the dense replacements) to `out`."""
+    base = Path(base)
+    delta = load_delta(delta_path, base_fingerprint=fingerprint(base))
+    cfg = read_config(base)
+    state = {}
+    with CheckpointReader(base) as rb:
+        for name in tqdm(rb.keys(), desc=f"apply {delta.meta.variant}", unit="tensor", disable=not progress):
+            state[name] = reconstruct(name, rb.get(name), delta)
+        for name in delta.dense.keys() - set(state):
+            state[name] = delta.dense[name]  # e.g. an untied LM head
+        for name in delta.compressed.keys() - set(state):
+            if name == "lm_head.weight":
+                state[name] = reconstruct(name, rb.get("model.embed_tokens.weight"), delta)
+    if "lm_head.weight" in state and cfg.get("tie_word_embeddings"):
+        cfg = {**cfg, "tie_word_embeddings": False}
+    return save_checkpoint(state, out, cfg, side_files_from=base)
+
+
+def reconstruct(name: str, w_base: torch.Tensor, delta) -> torch.Tensor:
+    """The variant's value of one parameter, in the base's dtype (math in fp32)."""
+    if name in delta.dense:
+        return delta.dense[name]
+    cw = delta.compressed.get(name)
+    if cw is None:
+        return w_base
+    s = unpack_signs(cw.signs, cw.shape[1], torch.float32)
+    alpha = cw.alpha.float().reshape(-1, 1)
+    return (w_base.float() + alpha * s).to(w_base.dtype)

@@ -1,0 +1,402 @@
+"""The BitDelta delta file, format v1 (spec: docs/delta-format.md).
+
+One safetensors file per variant. For each compressed weight P [d_out, d_in]:
+`P.sign` uint8 [d_out, ceil(d_in/8)] (bit convention in `bitdelta.bits`) and
+`P.alpha` float32 [d_out] or [1]. Parameters stored whole: `P.dense`. The
+header's `__metadata__` carries the format version, variant, base model and
+base fingerprint, α mode, distillation record, tool version, the original
+shapes of compressed weights and a sha256 per tensor.
+
+This module parses the header itself (8-byte little-endian length, JSON,
+data) instead of trusting a library, so that truncated, malformed and
+tampered files give errors that name the bad part, and so the delta store can
+stream tensors by file offset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO, Iterable
+
+import torch
+
+FORMAT_NAME = "bitdelta"
+FORMAT_VERSION = "1"
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+HASH_BLOCK = 16 * 1024 * 1024
+
+# safetensors dtype strings <-> torch dtypes (the subset a delta may hold).
+DTYPES: dict[str, torch.dtype] = {
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+SUFFIXES = {"sign": ".sign", "alpha": ".alpha", "dense": ".dense"}
+
+
+class DeltaFormatError(ValueError):
+    """A delta file is malformed, truncated or corrupted. `tensor` names the bad tensor, if one."""
+
+    def __init__(self, message: str, tensor: str | None = None):
+        super().__init__(message)
+        self.tensor = tensor
+
+
+class BaseMismatchError(ValueError):
+    """A delta was built for a different base model than the one it is applied to."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a delta file; `start`/`end` are absolute file offsets."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def role(self) -> str:
+        """"sign", "alpha" or "dense"."""
+        return self.name.rsplit(".", 1)[1]
+
+    @property
+    def param(self) -> str:
+        """The model parameter this tensor belongs to."""
+        return self.name.rsplit(".", 1)[0]
+
+
+@dataclass
+class DeltaMeta:
+    """What `__metadata__` records. All values are strings in the file."""
+
+    variant: str
+    base_model: str
+    base_fingerprint: str
+    alpha_mode: str  # "row" | "matrix"
+    shapes: dict[str, list[int]] = field(default_factory=dict)  # compressed param -> [d_out, d_in]
+    distilled: dict | None = None  # e.g. {"steps": 150, "lr": 1e-5, "final_mse": ...}
+    tool_version: str = ""
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def to_strings(self) -> dict[str, str]:
+        from bitdelta import __version__
+
+        out = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "variant": self.variant,
+            "base_model": self.base_model,
+            "base_fingerprint": self.base_fingerprint,
+            "alpha_mode": self.alpha_mode,
+            "shapes": json.dumps(self.shapes, sort_keys=True),
+            "distilled": json.dumps(self.distilled),
+            "tool_version": self.tool_version or f"bitdelta {__version__}",
+        }
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_strings(cls, md: dict[str, str]) -> "DeltaMeta":
+        known = {"format", "format_version", "variant", "base_model", "base_fingerprint", "alpha_mode", "shapes",
+                 "distilled", "tool_version", "sha256"}
+        try:
+            return cls(
+                variant=md["variant"],
+                base_model=md["base_model"],
+                base_fingerprint=md["base_fingerprint"],
+                alpha_mode=md["alpha_mode"],
+                shapes=json.loads(md["shapes"]),
+                distilled=json.loads(md.get("distilled", "null")),
+                tool_version=md.get("tool_version", ""),
+                extra={k: v for k, v in md.items() if k not in known},
+            )
+        except (KeyError, json.JSONDecodeError) as e:
+            raise DeltaFormatError(f"metadata is incomplete or malformed: {e}") from None
+
+
+@dataclass
+class DeltaHeader:
+    """The parsed header of a delta file."""
+
+    metadata: dict[str, str]
+    tensors: list[TensorEntry]  # in file order
+    header_bytes: int  # 8-byte length prefix + JSON
+    sha256: dict[str, str]
+
+    @property
+    def meta(self) -> DeltaMeta:
+        return DeltaMeta.from_strings(self.metadata)
+
+    @property
+    def file_size(self) -> int:
+        return self.tensors[-1].end if self.tensors else self.header_bytes
+
+    def bytes_by_role(self) -> dict[str, int]:
+        out = {"sign": 0, "alpha": 0, "dense": 0}
+        for t in self.tensors:
+            out[t.role] += t.nbytes
+        return out
+
+
+def parse_header(prefix: bytes, file_size: int | None = None) -> DeltaHeader:
+    """Parse a delta header from the first bytes of a file.
+
+    `prefix` must hold at least the whole header (see `header_length`). With
+    `file_size`, truncation is detected here too.
+    """
+    n = header_length(prefix)
+    if len(prefix) < 8 + n:
+        raise DeltaFormatError(f"file is truncated inside its header (need {8 + n} bytes, have {len(prefix)})")
+    try:
+        raw = json.loads(prefix[8 : 8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DeltaFormatError(f"header is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise DeltaFormatError("header is not a JSON object")
+    md = raw.pop("__metadata__", None)
+    if not isinstance(md, dict) or md.get("format") != FORMAT_NAME:
+        raise DeltaFormatError("not a BitDelta file: __metadata__.format is not 'bitdelta'")
+    if md.get("format_version") != FORMAT_VERSION:
+        raise DeltaFormatError(f"unsupported delta format version {md.get('format_version')!r} (this tool reads {FORMAT_VERSION})")
+    try:
+        sha = json.loads(md["sha256"])
+    except (KeyError, json.JSONDecodeError):
+        raise DeltaFormatError("header has no valid per-tensor sha256 table") from None
+
+    base = 8 + n
+    entries = []
+    for name, info in raw.items():
+        try:
+            dtype, shape, (s, e) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise DeltaFormatError(f"tensor {name}: malformed header entry", tensor=name) from None
+        if dtype not in DTYPES:
+            raise DeltaFormatError(f"tensor {name}: unsupported dtype {dtype}", tensor=name)
+        if "." not in name or name.rsplit(".", 1)[1] not in SUFFIXES:
+            raise DeltaFormatError(f"tensor {name}: name must end in .sign, .alpha or .dense", tensor=name)
+        numel = 1
+        for d in shape:
+            numel *= d
+        if e - s != numel * DTYPES[dtype].itemsize or s < 0:
+            raise DeltaFormatError(f"tensor {name}: data offsets do not match its shape and dtype", tensor=name)
+        if name not in sha:
+            raise DeltaFormatError(f"tensor {name}: no sha256 recorded", tensor=name)
+        entries.append(TensorEntry(name, dtype, shape, base + s, base + e))
+    entries.sort(key=lambda t: t.start)
+    pos = base
+    for t in entries:
+        if t.start != pos:
+            raise DeltaFormatError(f"tensor {t.name}: data is not contiguous (gap or overlap)", tensor=t.name)
+        pos = t.end
+    header = DeltaHeader(metadata=md, tensors=entries, header_bytes=base, sha256=sha)
+    header.meta  # validates the remaining metadata
+    if file_size is not None and file_size < header.file_size:
+        short = next(t for t in entries if t.end > file_size)
+        raise DeltaFormatError(
+            f"file is truncated: {file_size} bytes, header promises {header.file_size}; tensor {short.name} is cut",
+            tensor=short.name,
+        )
+    if file_size is not None and file_size > header.file_size:
+        raise DeltaFormatError(f"file has {file_size - header.file_size} trailing bytes after the last tensor")
+    return header
+
+
+def header_length(prefix: bytes) -> int:
+    """Length of the JSON header, from the first 8 bytes."""
+    if len(prefix) < 8:
+        raise DeltaFormatError("file is truncated: shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n == 0 or n > MAX_HEADER_BYTES:
+        raise DeltaFormatError(f"header length {n} is not plausible; not a delta file or corrupted")
+    return n
+
+
+def read_header(path: str | os.PathLike) -> DeltaHeader:
+    """Read and check the header of a delta file on disk (not the data)."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        first = f.read(8)
+        n = header_length(first)
+        prefix = first + f.read(n)
+    return parse_header(prefix, file_size=size)
+
+
+def verify(path: str | os.PathLike, base_fingerprint: str | None = None) -> DeltaHeader:
+    """Check a delta file completely: header, sizes, every tensor's sha256,
+    shapes of signs and scales, and (if given) the base fingerprint.
+
+    Raises DeltaFormatError naming the bad tensor, or BaseMismatchError.
+    """
+    header = read_header(path)
+    meta = header.meta
+    if base_fingerprint is not None:
+        check_base(meta, base_fingerprint)
+    check_structure(header)
+    with open(path, "rb") as f:
+        for t in header.tensors:
+            f.seek(t.start)
+            digest = _sha256_stream(f, t.nbytes)
+            if digest != header.sha256[t.name]:
+                raise DeltaFormatError(f"tensor {t.name}: sha256 mismatch (corrupted data)", tensor=t.name)
+    return header
+
+
+def check_base(meta: DeltaMeta, base_fingerprint: str) -> None:
+    if meta.base_fingerprint != base_fingerprint:
+        raise BaseMismatchError(
+            f"delta {meta.variant!r} was built for base {meta.base_model!r} with fingerprint "
+            f"{meta.base_fingerprint[:16]}…, but the base here has fingerprint {base_fingerprint[:16]}…"
+        )
+
+
+def check_structure(header: DeltaHeader) -> None:
+    """Signs and scales pair up and have the shapes the metadata promises."""
+    meta = header.meta
+    if meta.alpha_mode not in ("row", "matrix"):
+        raise DeltaFormatError(f"alpha_mode must be 'row' or 'matrix', not {meta.alpha_mode!r}")
+    by_name = {t.name: t for t in header.tensors}
+    for param, (d_out, d_in) in meta.shapes.items():
+        sign, alpha = by_name.get(param + ".sign"), by_name.get(param + ".alpha")
+        if sign is None or alpha is None:
+            raise DeltaFormatError(f"tensor {param}: compressed weight lacks .sign or .alpha", tensor=param)
+        if sign.dtype != "U8" or sign.shape != (d_out, (d_in + 7) // 8):
+            raise DeltaFormatError(f"tensor {sign.name}: expected uint8 [{d_out}, {(d_in + 7) // 8}]", tensor=sign.name)
+        want = (d_out,) if meta.alpha_mode == "row" else (1,)
+        if alpha.dtype != "F32" or alpha.shape != want:
+            raise DeltaFormatError(f"tensor {alpha.name}: expected float32 {list(want)}", tensor=alpha.name)
+    for t in header.tensors:
+        if t.role in ("sign", "alpha") and t.param not in meta.shapes:
+            raise DeltaFormatError(f"tensor {t.name}: no shape recorded for {t.param}", tensor=t.name)
+
+
+def _sha256_stream(f: BinaryIO, n: int) -> str:
+    h = hashlib.sha256()
+    left = n
+    while left:
+        block = f.read(min(HASH_BLOCK, left))
+        if not block:
+            break
+        h.update(block)
+        left -= len(block)
+    return h.hexdigest()
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw little-endian bytes of a tensor, as safetensors stores them."""
+    t = t.detach().contiguous().cpu()
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def write_delta(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: DeltaMeta) -> DeltaHeader:
+    """Write a delta file atomically (temporary file in the same directory, fsync, rename).
+
+    `tensors` maps full names (`P.sign`, `P.alpha`, `P.dense`) to tensors.
+    An interrupted write leaves no file at `path`.
+    """
+    path = Path(path)
+    names = sorted(tensors)
+    header: dict = {}
+    offset = 0
+    sha = {}
+    for name in names:
+        t = tensors[name]
+        if t.dtype not in DTYPE_NAMES:
+            raise ValueError(f"tensor {name}: dtype {t.dtype} is not storable")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        sha[name] = hashlib.sha256(tensor_bytes(t)).hexdigest()
+        offset += nbytes
+    md = meta.to_strings()
+    md["sha256"] = json.dumps(sha, sort_keys=True)
+    header["__metadata__"] = md
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # align data to 8 bytes, as safetensors does
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for name in names:
+                f.write(tensor_bytes(tensors[name]))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return read_header(path)
+
+
+@dataclass
+class CompressedWeight:
+    """α ⊙ S for one weight: signs uint8 [d_out, ceil(d_in/8)], alpha fp32 [d_out] or [1]."""
+
+    signs: torch.Tensor
+    alpha: torch.Tensor
+    shape: tuple[int, int]
+
+
+@dataclass
+class Delta:
+    """A delta in memory: compressed weights and dense replacements, by parameter name."""
+
+    meta: DeltaMeta
+    compressed: dict[str, CompressedWeight]
+    dense: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        c = sum(w.signs.numel() + w.alpha.numel() * 4 for w in self.compressed.values())
+        return c + sum(t.numel() * t.element_size() for t in self.dense.values())
+
+
+def delta_from_tensors(meta: DeltaMeta, tensors: dict[str, torch.Tensor]) -> Delta:
+    compressed, dense = {}, {}
+    for param, shape in meta.shapes.items():
+        compressed[param] = CompressedWeight(tensors[param + ".sign"], tensors[param + ".alpha"], tuple(shape))
+    for name, t in tensors.items():
+        if name.endswith(".dense"):
+            dense[name[: -len(".dense")]] = t
+    return Delta(meta, compressed, dense)
+
+
+def load_delta(path: str | os.PathLike, base_fingerprint: str | None = None, verify_hashes: bool = True) -> Delta:
+    """Load a delta file into memory, checking it (hashes unless told not to) and its base."""
+    path = Path(path)
+    header = verify(path, base_fingerprint) if verify_hashes else read_header(path)
+    if not verify_hashes:
+        if base_fingerprint is not None:
+            check_base(header.meta, base_fingerprint)
+        check_structure(header)
+    tensors = {}
+    with open(path, "rb") as f:
+        for t in header.tensors:
+            f.seek(t.start)
+            buf = bytearray(f.read(t.nbytes))
+            tensors[t.name] = torch.frombuffer(buf, dtype=DTYPES[t.dtype]).reshape(t.shape) if t.nbytes else \
+                torch.empty(t.shape, dtype=DTYPES[t.dtype])
+    return delta_from_tensors(header.meta, tensors)
+
+
+def iter_param_names(header: DeltaHeader) -> Iterable[str]:
+    return sorted({t.param for t in header.tensors})

@@ -1,0 +1,147 @@
+"""Build (once) and load the C CPU kernels in `csrc/bitdelta_cpu.c`.
+
+Why a plain C library through ctypes rather than a torch C++ extension: it
+compiles in about a second (torch/extension.h alone costs ~40 s per build),
+does not depend on the torch ABI (the same source serves torch 2.11 and 2.13),
+and ctypes releases the GIL during the call. The library is compiled for the
+host CPU (-march=native) into a directory keyed by a hash of the source, the
+flags, the compiler and the CPU's feature flags, so a copied build directory
+never runs code for the wrong CPU. Writes go to a temporary file that is then
+renamed, so concurrent first builds (pytest workers, server processes) are safe.
+
+If no compiler is found or the build fails, `load_cpu_lib()` returns None and
+logs ONE warning; callers then use the pure-torch path.
+
+Environment:
+    BITDELTA_CPU_KERNELS=0          never build/load (force the torch path)
+    BITDELTA_KERNELS_BUILD_DIR=DIR  where to cache the library
+    CC=...                          the C compiler (default: cc, then gcc)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch  # noqa: F401  # loads libgomp.so.1 first so the library shares torch's OpenMP runtime
+
+log = logging.getLogger("kernels")
+
+SOURCE = Path(__file__).with_name("csrc") / "bitdelta_cpu.c"
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+COMPILE_TIMEOUT_S = 120
+
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+unavailable_reason: str | None = None
+
+
+def _default_build_dir() -> Path:
+    env = os.environ.get("BITDELTA_KERNELS_BUILD_DIR")
+    if env:
+        return Path(env)
+    repo_build = Path(__file__).resolve().parents[1] / "build"  # the repo's ignored /build/
+    if os.access(repo_build.parent, os.W_OK):
+        return repo_build / "kernels_cpu"
+    return Path.home() / ".cache" / "bitdelta" / "kernels_cpu"
+
+
+def _cpu_fingerprint() -> str:
+    """The host's ISA flags: a -march=native binary is only valid where they match."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _build(cc: str, build_dir: Path) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_fingerprint()]).encode()
+    ).hexdigest()[:16]
+    lib_path = build_dir / f"libbitdelta_cpu_{key}.so"
+    if lib_path.exists():
+        return lib_path
+    build_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=build_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, lib_path)
+        log.info("kernels: built %s", lib_path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib_path
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.bd_isa.restype = i32
+    lib.bd_isa.argtypes = []
+    # x, M, ldx, s, d_out, d_in, lds, alpha, alpha_stride, y, ldy, method, n_threads
+    lib.bd_delta_gemv.restype = i32
+    lib.bd_delta_gemv.argtypes = [p, i64, i64, p, i64, i64, i64, p, i64, p, i64, i32, i32]
+    # w, w_dtype, ldw, s, lds, alpha, alpha_stride, r0, r1, d_in, out, ldo, n_threads
+    lib.bd_merge.restype = None
+    lib.bd_merge.argtypes = [p, i32, i64, p, i64, p, i64, i64, i64, i64, p, i64, i32]
+
+
+def load_cpu_lib() -> ctypes.CDLL | None:
+    """The compiled library, building it on first use; None if unavailable."""
+    global _lib, _tried, unavailable_reason
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        try:
+            if os.environ.get("BITDELTA_CPU_KERNELS", "1") == "0":
+                raise RuntimeError("disabled by BITDELTA_CPU_KERNELS=0")
+            cc = _compiler()
+            if cc is None:
+                raise RuntimeError("no C compiler found (set CC)")
+            lib = ctypes.CDLL(str(_build(cc, _default_build_dir())))
+            _declare(lib)
+            _lib = lib
+            log.info("kernels: C CPU kernels loaded (%s)", ISA_NAMES.get(lib.bd_isa(), "?"))
+        except Exception as e:  # noqa: BLE001  # any failure means: use the torch path
+            unavailable_reason = str(e)
+            log.warning(
+                "kernels: C CPU kernels unavailable (%s); using the pure-torch unpack path (slow)", e
+            )
+        _tried = True
+        return _lib
+
+
+def cpu_isa() -> str:
+    """'avx512' | 'avx2' | 'scalar' for the loaded library, 'torch' without one."""
+    lib = load_cpu_lib()
+    return "torch" if lib is None else ISA_NAMES.get(lib.bd_isa(), "?")

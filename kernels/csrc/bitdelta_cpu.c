@@ -1,0 +1,311 @@
+/* CPU kernels for 1-bit deltas, loaded with ctypes by kernels/cpu_build.py.
+ *
+ * Plain C (no torch headers) so that it compiles in about a second and does
+ * not depend on the torch ABI; -march=native picks the SIMD path of the host.
+ *
+ * Bit convention (bitdelta/bits.py): column k of a row is bit (k mod 8) of
+ * byte k/8, LSB first; bit 1 = +1, bit 0 = -1. So 16 consecutive columns
+ * starting at a multiple of 16 are exactly the little-endian uint16 at byte
+ * 2j: that word IS an AVX-512 lane mask, and no bit is ever unpacked.
+ *
+ * Σ_k x_k s_k = 2 Σ_{k: bit=1} x_k − Σ_k x_k, so the delta GEMV only sums x
+ * over set bits (one masked add per 16 columns) and corrects with Σx once.
+ *
+ * All matrices are fp32 row-major with a leading-dimension argument unless
+ * said otherwise; n_threads is the caller's torch.get_num_threads(). Torch
+ * loads libgomp.so.1 first, so this library shares torch's OpenMP runtime.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define BD_ISA_SCALAR 0
+#define BD_ISA_AVX2 1
+#define BD_ISA_AVX512 2
+
+/* Which SIMD path this build took (for the log line and the benchmark). */
+int bd_isa(void) {
+#if defined(__AVX512F__)
+    return BD_ISA_AVX512;
+#elif defined(__AVX2__)
+    return BD_ISA_AVX2;
+#else
+    return BD_ISA_SCALAR;
+#endif
+}
+
+/* Up to 16 sign bits for columns [16j, 16j+16) of a row with n_bytes bytes;
+ * only whole bytes inside the row are read (the last row ends the buffer). */
+static inline uint32_t load_bits16(const uint8_t *row, int64_t j, int64_t n_bytes) {
+    int64_t b = 2 * j;
+    uint32_t lo = row[b];
+    uint32_t hi = (b + 1 < n_bytes) ? row[b + 1] : 0u;
+    return lo | (hi << 8);
+}
+
+/* Rows per register block: 8 independent accumulator chains cover the 3–4
+ * cycle add latency at one masked add per cycle. */
+#define ROWS 8
+
+/* ---------------------------------------------------------------------- */
+/* delta GEMV, "mask" method: y[m, r] += α_r · Σ_k x[m, k] · s[r, k]       */
+/* ---------------------------------------------------------------------- */
+static void delta_rows_mask(const float *x, int64_t ldx, int64_t M, const float *xsum,
+                            const uint8_t *s, int64_t lds, int64_t d_in,
+                            const float *alpha, int64_t alpha_stride,
+                            float *y, int64_t ldy, int64_t r0, int64_t r1) {
+    const int64_t n_bytes = (d_in + 7) / 8;
+    const int64_t nfull = d_in / 16;   /* whole 16-column blocks */
+    const int rem = (int)(d_in % 16);  /* columns in the last partial block */
+    for (int64_t r = r0; r < r1; r += ROWS) {
+        const int nr = (r1 - r) < ROWS ? (int)(r1 - r) : ROWS;
+        const uint8_t *rows[ROWS];
+        for (int i = 0; i < ROWS; ++i)  /* missing rows alias row r; their sums are dropped */
+            rows[i] = s + (r + (i < nr ? i : 0)) * lds;
+        for (int64_t m = 0; m < M; ++m) {
+            const float *xm = x + m * ldx;
+            float tot[ROWS];
+#if defined(__AVX512F__)
+            __m512 acc[ROWS];
+            for (int i = 0; i < ROWS; ++i) acc[i] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < nfull; ++j) {
+                const __m512 xv = _mm512_loadu_ps(xm + 16 * j);
+                for (int i = 0; i < ROWS; ++i) {
+                    uint16_t bits;
+                    memcpy(&bits, rows[i] + 2 * j, 2);
+                    acc[i] = _mm512_mask_add_ps(acc[i], (__mmask16)bits, acc[i], xv);
+                }
+            }
+            if (rem) {
+                const __mmask16 valid = (__mmask16)((1u << rem) - 1u);
+                const __m512 xv = _mm512_maskz_loadu_ps(valid, xm + 16 * nfull);
+                for (int i = 0; i < ROWS; ++i) {
+                    const __mmask16 bits = (__mmask16)(load_bits16(rows[i], nfull, n_bytes) & valid);
+                    acc[i] = _mm512_mask_add_ps(acc[i], bits, acc[i], xv);
+                }
+            }
+            for (int i = 0; i < ROWS; ++i) tot[i] = _mm512_reduce_add_ps(acc[i]);
+#elif defined(__AVX2__)
+            /* No mask registers: broadcast the byte, test one bit per lane. */
+            const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+            __m256 acc[ROWS];
+            for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_setzero_ps();
+            const int64_t nfull8 = d_in / 8;
+            for (int64_t j = 0; j < nfull8; ++j) {
+                const __m256 xv = _mm256_loadu_ps(xm + 8 * j);
+                for (int i = 0; i < ROWS; ++i) {
+                    const __m256i b = _mm256_set1_epi32(rows[i][j]);
+                    const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(b, lane_bit), lane_bit);
+                    acc[i] = _mm256_add_ps(acc[i], _mm256_and_ps(_mm256_castsi256_ps(on), xv));
+                }
+            }
+            for (int i = 0; i < ROWS; ++i) {
+                __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+                h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+                h = _mm_add_ss(h, _mm_movehdup_ps(h));
+                tot[i] = _mm_cvtss_f32(h);
+                for (int64_t k = nfull8 * 8; k < d_in; ++k)
+                    if ((rows[i][k >> 3] >> (k & 7)) & 1) tot[i] += xm[k];
+            }
+            (void)nfull; (void)rem; (void)n_bytes;
+#else
+            for (int i = 0; i < ROWS; ++i) {
+                float t = 0.f;
+                for (int64_t k = 0; k < d_in; ++k)
+                    if ((rows[i][k >> 3] >> (k & 7)) & 1) t += xm[k];
+                tot[i] = t;
+            }
+            (void)nfull; (void)rem; (void)n_bytes;
+#endif
+            for (int i = 0; i < nr; ++i)
+                y[m * ldy + r + i] += alpha[(r + i) * alpha_stride] * (2.f * tot[i] - xsum[m]);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------- */
+/* delta GEMV, "lut8" method (the byte lookup table of the design doc):     */
+/* T[g][b] = Σ_{i<8} x[8g+i] · (bit_i(b) ? +1 : −1), then Σ_g T[g][byte_g]  */
+/* ---------------------------------------------------------------------- */
+static void build_lut8(const float *xm, int64_t d_in, float *T) {
+    const int64_t n_bytes = (d_in + 7) / 8;
+    for (int64_t g = 0; g < n_bytes; ++g) {
+        float xv[8];
+        float neg = 0.f;
+        for (int i = 0; i < 8; ++i) {
+            const int64_t k = 8 * g + i;
+            xv[i] = k < d_in ? xm[k] : 0.f;  /* padding columns count as x = 0 */
+            neg -= xv[i];
+        }
+        float *t = T + g * 256;
+        t[0] = neg;
+        /* each entry adds 2·x of its lowest set bit to the entry without it */
+        for (int b = 1; b < 256; ++b) t[b] = t[b & (b - 1)] + 2.f * xv[__builtin_ctz(b)];
+    }
+}
+
+static void delta_rows_lut8(const float *T, int64_t M, const uint8_t *s, int64_t lds, int64_t d_in,
+                            const float *alpha, int64_t alpha_stride,
+                            float *y, int64_t ldy, int64_t r0, int64_t r1) {
+    const int64_t n_bytes = (d_in + 7) / 8;
+    for (int64_t r = r0; r < r1; r += ROWS) {
+        const int nr = (r1 - r) < ROWS ? (int)(r1 - r) : ROWS;
+        for (int64_t m = 0; m < M; ++m) {
+            const float *Tm = T + m * n_bytes * 256;
+            float acc[ROWS] = {0};
+            for (int64_t g = 0; g < n_bytes; ++g) {
+                const float *t = Tm + g * 256;
+                for (int i = 0; i < nr; ++i) acc[i] += t[s[(r + i) * lds + g]];
+            }
+            for (int i = 0; i < nr; ++i) y[m * ldy + r + i] += alpha[(r + i) * alpha_stride] * acc[i];
+        }
+    }
+}
+
+/* Row range of thread t out of n, in multiples of ROWS. */
+static void split_rows(int64_t d_out, int t, int n, int64_t *r0, int64_t *r1) {
+    const int64_t blocks = (d_out + ROWS - 1) / ROWS;
+    const int64_t b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
+    *r0 = b0 * ROWS;
+    *r1 = b1 * ROWS < d_out ? b1 * ROWS : d_out;
+}
+
+/* y[m, r] += α_r · Σ_k x[m, k] · s[r, k]
+ *   x: fp32 [M, ldx≥d_in]; s: uint8 [d_out, lds≥ceil(d_in/8)];
+ *   alpha: fp32, α_r = alpha[r·alpha_stride] (stride 0: one α per matrix);
+ *   y: fp32 [M, ldy≥d_out], accumulated in place.
+ *   method: 0 = mask (SIMD masked adds), 1 = lut8 (byte lookup table).
+ * Returns 0, or −1 when scratch memory could not be allocated. */
+int bd_delta_gemv(const float *x, int64_t M, int64_t ldx,
+                  const uint8_t *s, int64_t d_out, int64_t d_in, int64_t lds,
+                  const float *alpha, int64_t alpha_stride,
+                  float *y, int64_t ldy, int method, int n_threads) {
+    if (n_threads < 1) n_threads = 1;
+    if (method == 1) {
+        const int64_t n_bytes = (d_in + 7) / 8;
+        float *T = (float *)malloc(sizeof(float) * (size_t)(M * n_bytes * 256));
+        if (!T) return -1;
+        for (int64_t m = 0; m < M; ++m) build_lut8(x + m * ldx, d_in, T + m * n_bytes * 256);
+#pragma omp parallel num_threads(n_threads)
+        {
+#ifdef _OPENMP
+            const int t = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+            const int t = 0, n = 1;
+#endif
+            int64_t r0, r1;
+            split_rows(d_out, t, n, &r0, &r1);
+            delta_rows_lut8(T, M, s, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
+        }
+        free(T);
+        return 0;
+    }
+    float *xsum = (float *)malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
+    if (!xsum) return -1;
+    for (int64_t m = 0; m < M; ++m) {
+        float t = 0.f;
+        for (int64_t k = 0; k < d_in; ++k) t += x[m * ldx + k];
+        xsum[m] = t;
+    }
+#pragma omp parallel num_threads(n_threads)
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+        const int t = 0, n = 1;
+#endif
+        int64_t r0, r1;
+        split_rows(d_out, t, n, &r0, &r1);
+        delta_rows_mask(x, ldx, M, xsum, s, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
+    }
+    free(xsum);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------- */
+/* merge: out[r − r0, k] = w[r, k] + α_r · s[r, k]   for r in [r0, r1)      */
+/* ---------------------------------------------------------------------- */
+#define BD_W_NONE 0  /* no base: out = α·s (the unpacked, scaled delta) */
+#define BD_W_F32 1
+#define BD_W_BF16 2
+#define BD_W_F16 3
+
+static inline float w_at(const void *w, int w_dtype, int64_t i) {
+    switch (w_dtype) {
+    case BD_W_F32: return ((const float *)w)[i];
+    case BD_W_BF16: {
+        uint32_t u = (uint32_t)((const uint16_t *)w)[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    case BD_W_F16: {
+        /* IEEE half → float without F16C (scalar tail / portable path) */
+        uint16_t h = ((const uint16_t *)w)[i];
+        uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
+        if (e == 0) {
+            if (m == 0) u = sign;
+            else {  /* subnormal: renormalise */
+                e = 127 - 15 + 1;
+                while (!(m & 0x400)) { m <<= 1; --e; }
+                u = sign | (e << 23) | ((m & 0x3ff) << 13);
+            }
+        } else if (e == 31) u = sign | 0x7f800000u | (m << 13);
+        else u = sign | ((e + 127 - 15) << 23) | (m << 13);
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    default: return 0.f;
+    }
+}
+
+static void merge_row(const void *w, int w_dtype, int64_t w_off, const uint8_t *srow, float a,
+                      int64_t d_in, float *orow) {
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    const int64_t n_bytes = (d_in + 7) / 8;
+    const __m512 pos = _mm512_set1_ps(a), neg = _mm512_set1_ps(-a);
+    for (; k + 16 <= d_in; k += 16) {
+        uint16_t bits;
+        memcpy(&bits, srow + k / 8, 2);
+        __m512 v = _mm512_mask_blend_ps((__mmask16)bits, neg, pos);
+        if (w_dtype == BD_W_F32) {
+            v = _mm512_add_ps(v, _mm512_loadu_ps((const float *)w + w_off + k));
+        } else if (w_dtype == BD_W_BF16) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + w_off + k));
+            v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        } else if (w_dtype == BD_W_F16) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + w_off + k));
+            v = _mm512_add_ps(v, _mm512_cvtph_ps(h));
+        }
+        _mm512_storeu_ps(orow + k, v);
+    }
+    (void)n_bytes;
+#endif
+    for (; k < d_in; ++k) {
+        const float sg = ((srow[k >> 3] >> (k & 7)) & 1) ? a : -a;
+        orow[k] = (w_dtype == BD_W_NONE ? 0.f : w_at(w, w_dtype, w_off + k)) + sg;
+    }
+}
+
+/*   w: [d_out, ldw] in w_dtype (ignored for BD_W_NONE); s: uint8 [d_out, lds];
+ *   alpha as in bd_delta_gemv (NULL: α = 1, i.e. plain ±1 unpack);
+ *   out: fp32 [r1 − r0, ldo]. */
+void bd_merge(const void *w, int w_dtype, int64_t ldw, const uint8_t *s, int64_t lds,
+              const float *alpha, int64_t alpha_stride, int64_t r0, int64_t r1, int64_t d_in,
+              float *out, int64_t ldo, int n_threads) {
+    if (n_threads < 1) n_threads = 1;
+#pragma omp parallel for schedule(static) num_threads(n_threads)
+    for (int64_t r = r0; r < r1; ++r) {
+        const float a = alpha ? alpha[r * alpha_stride] : 1.f;
+        merge_row(w, w_dtype, r * ldw, s + r * lds, a, d_in, out + (r - r0) * ldo);
+    }
+}
