@@ -70,6 +70,8 @@ class CheckpointReader:
         except KeyError:
             raise KeyError(f"{self.path}: no tensor {name!r}") from None
 
+    __getitem__ = get
+
     def shape(self, name: str) -> list[int]:
         return list(self._where[name].get_slice(name).get_shape())
 

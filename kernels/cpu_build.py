@@ -112,6 +112,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     # w, w_dtype, ldw, s, lds, alpha, alpha_stride, r0, r1, d_in, out, ldo, n_threads
     lib.bd_merge.restype = None
     lib.bd_merge.argtypes = [p, i32, i64, p, i64, p, i64, i64, i64, i64, p, i64, i32]
+    # x, M, ldx, w, w_dtype, ldw, s, d_out, d_in, lds, alpha, alpha_stride, y, ldy, n_threads
+    lib.bd_linear_gemv.restype = i32
+    lib.bd_linear_gemv.argtypes = [p, i64, i64, p, i32, i64, p, i64, i64, i64, p, i64, p, i64, i32]
 
 
 def load_cpu_lib() -> ctypes.CDLL | None:

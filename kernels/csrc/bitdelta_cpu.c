@@ -309,3 +309,132 @@ void bd_merge(const void *w, int w_dtype, int64_t ldw, const uint8_t *s, int64_t
         merge_row(w, w_dtype, r * ldw, s + r * lds, a, d_in, out + (r - r0) * ldo);
     }
 }
+
+/* ---------------------------------------------------------------------- */
+/* fused linear GEMV: y[m, r] = Σ_k x[m,k]·w[r,k] + α_r · Σ_k x[m,k]·s[r,k] */
+/* One pass over W and the bits: a FMA for the base and a masked add for    */
+/* the delta per 16 columns, so the delta rides on the memory-bound base.   */
+/* ---------------------------------------------------------------------- */
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) __m512 load_w16(const void *w, int w_dtype, int64_t i) {
+    if (w_dtype == BD_W_F32) return _mm512_loadu_ps((const float *)w + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
+    if (w_dtype == BD_W_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* R weight rows × MB rows of x per register block (R·MB·2 accumulators). */
+static inline __attribute__((always_inline)) void linear_block(
+    const float *x, int64_t ldx, const float *xsum, const void *w, int w_dtype, int64_t ldw,
+    const uint8_t *s, int64_t lds, int64_t d_in, const float *alpha, int64_t alpha_stride,
+    float *y, int64_t ldy, int64_t r, int nr, int64_t m0, const int R, const int MB) {
+    const int64_t nfull = d_in / 16;
+    __m512 base[MB][R], dlt[MB][R];
+    for (int b = 0; b < MB; ++b)
+        for (int i = 0; i < R; ++i) base[b][i] = dlt[b][i] = _mm512_setzero_ps();
+    int64_t ri[R];
+    for (int i = 0; i < R; ++i) ri[i] = r + (i < nr ? i : 0);  /* missing rows alias row r */
+    for (int64_t j = 0; j < nfull; ++j) {
+        __m512 xv[MB];
+        for (int b = 0; b < MB; ++b) xv[b] = _mm512_loadu_ps(x + (m0 + b) * ldx + 16 * j);
+        for (int i = 0; i < R; ++i) {
+            const __m512 wv = load_w16(w, w_dtype, ri[i] * ldw + 16 * j);
+            uint16_t bits;
+            memcpy(&bits, s + ri[i] * lds + 2 * j, 2);
+            for (int b = 0; b < MB; ++b) {
+                base[b][i] = _mm512_fmadd_ps(xv[b], wv, base[b][i]);
+                dlt[b][i] = _mm512_mask_add_ps(dlt[b][i], (__mmask16)bits, dlt[b][i], xv[b]);
+            }
+        }
+    }
+    for (int b = 0; b < MB; ++b) {
+        const float *xm = x + (m0 + b) * ldx;
+        for (int i = 0; i < nr; ++i) {
+            float bt = _mm512_reduce_add_ps(base[b][i]), dt = _mm512_reduce_add_ps(dlt[b][i]);
+            for (int64_t k = 16 * nfull; k < d_in; ++k) {  /* ragged tail */
+                bt += xm[k] * w_at(w, w_dtype, ri[i] * ldw + k);
+                if ((s[ri[i] * lds + (k >> 3)] >> (k & 7)) & 1) dt += xm[k];
+            }
+            y[(m0 + b) * ldy + r + i] = bt + alpha[(r + i) * alpha_stride] * (2.f * dt - xsum[m0 + b]);
+        }
+    }
+}
+
+static void linear_rows(const float *x, int64_t ldx, int64_t M, const float *xsum, const void *w, int w_dtype,
+                        int64_t ldw, const uint8_t *s, int64_t lds, int64_t d_in, const float *alpha,
+                        int64_t alpha_stride, float *y, int64_t ldy, int64_t r0, int64_t r1) {
+    /* M = 1: 8 rows in flight (16 chains) to keep enough loads outstanding;
+     * M ≥ 2: 4 rows × 2 x-rows so each W vector feeds two FMAs. */
+    if (M == 1) {
+        for (int64_t r = r0; r < r1; r += 8) {
+            const int nr = (r1 - r) < 8 ? (int)(r1 - r) : 8;
+            if (w_dtype == BD_W_F32)
+                linear_block(x, ldx, xsum, w, BD_W_F32, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, r, nr, 0, 8, 1);
+            else if (w_dtype == BD_W_BF16)
+                linear_block(x, ldx, xsum, w, BD_W_BF16, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, r, nr, 0, 8, 1);
+            else
+                linear_block(x, ldx, xsum, w, BD_W_F16, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, r, nr, 0, 8, 1);
+        }
+        return;
+    }
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int nr = (r1 - r) < 4 ? (int)(r1 - r) : 4;
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) {
+            if (w_dtype == BD_W_F32)
+                linear_block(x, ldx, xsum, w, BD_W_F32, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, r, nr, m, 4, 2);
+            else if (w_dtype == BD_W_BF16)
+                linear_block(x, ldx, xsum, w, BD_W_BF16, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, r, nr, m, 4, 2);
+            else
+                linear_block(x, ldx, xsum, w, BD_W_F16, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, r, nr, m, 4, 2);
+        }
+        if (m < M)
+            linear_block(x, ldx, xsum, w, w_dtype, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, r, nr, m, 4, 1);
+    }
+}
+#else
+static void linear_rows(const float *x, int64_t ldx, int64_t M, const float *xsum, const void *w, int w_dtype,
+                        int64_t ldw, const uint8_t *s, int64_t lds, int64_t d_in, const float *alpha,
+                        int64_t alpha_stride, float *y, int64_t ldy, int64_t r0, int64_t r1) {
+    /* Portable path (the Python side prefers BLAS + delta GEMV without AVX-512). */
+    for (int64_t r = r0; r < r1; ++r)
+        for (int64_t m = 0; m < M; ++m) {
+            const float *xm = x + m * ldx;
+            float bt = 0.f, dt = 0.f;
+            for (int64_t k = 0; k < d_in; ++k) {
+                bt += xm[k] * w_at(w, w_dtype, r * ldw + k);
+                if ((s[r * lds + (k >> 3)] >> (k & 7)) & 1) dt += xm[k];
+            }
+            y[m * ldy + r] = bt + alpha[r * alpha_stride] * (2.f * dt - xsum[m]);
+        }
+}
+#endif
+
+/* y = x · Wᵀ + α ⊙ (x · Sᵀ), overwriting y.
+ *   x: fp32 [M, ldx]; w: [d_out, ldw] in w_dtype (BD_W_F32/BF16/F16);
+ *   s, alpha as in bd_delta_gemv; y: fp32 [M, ldy]. Returns 0 or −1 (no memory). */
+int bd_linear_gemv(const float *x, int64_t M, int64_t ldx, const void *w, int w_dtype, int64_t ldw,
+                   const uint8_t *s, int64_t d_out, int64_t d_in, int64_t lds,
+                   const float *alpha, int64_t alpha_stride, float *y, int64_t ldy, int n_threads) {
+    if (n_threads < 1) n_threads = 1;
+    float *xsum = (float *)malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
+    if (!xsum) return -1;
+    for (int64_t m = 0; m < M; ++m) {
+        float t = 0.f;
+        for (int64_t k = 0; k < d_in; ++k) t += x[m * ldx + k];
+        xsum[m] = t;
+    }
+#pragma omp parallel num_threads(n_threads)
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+        const int t = 0, n = 1;
+#endif
+        int64_t r0, r1;
+        split_rows(d_out, t, n, &r0, &r1);
+        linear_rows(x, ldx, M, xsum, w, w_dtype, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
+    }
+    free(xsum);
+    return 0;
+}
