@@ -1,13 +1,27 @@
 """1-bit delta kernels. Public API:
 
     bitdelta_linear(x, w_base, signs, alpha) -> y
-    bitdelta_delta_batched(x, signs_stack, alpha_stack, row_variant, y) -> y
+        y = x · W_baseᵀ + α ⊙ (x · Sᵀ)          (fused: W_eff never stored)
+    bitdelta_delta_batched(x, signs_stack, alpha_stack, row_variant, y, *, plan=None) -> y
+        y[r] += α_v ⊙ (x[r] · S_vᵀ), v = row_variant[r] ≥ 0   (mixed-variant batch)
+    plan_batch(row_variant, n_variants, ...) -> BatchPlan     (build once per step, reuse per layer)
 
-(Dispatch to Triton / CPU paths is added by the kernels work; until then the
-torch references serve.)
+Triton on CUDA (and in the interpreter under TRITON_INTERPRET=1), compiled C on
+CPU, torch references as oracle and fallback. See docs/kernels.md.
 """
 
-from kernels.reference import bitdelta_delta_batched_ref as bitdelta_delta_batched
-from kernels.reference import bitdelta_linear_ref as bitdelta_linear
+from kernels.dispatch import backend_for, bitdelta_delta_batched, bitdelta_linear
+from kernels.merged_cache import MergedWeightCache
+from kernels.plan import BatchPlan, plan_batch
+from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
 
-__all__ = ["bitdelta_linear", "bitdelta_delta_batched"]
+__all__ = [
+    "bitdelta_linear",
+    "bitdelta_delta_batched",
+    "plan_batch",
+    "BatchPlan",
+    "MergedWeightCache",
+    "backend_for",
+    "bitdelta_linear_ref",
+    "bitdelta_delta_batched_ref",
+]

@@ -50,10 +50,10 @@ def _default_build_dir() -> Path:
     env = os.environ.get("BITDELTA_KERNELS_BUILD_DIR")
     if env:
         return Path(env)
-    repo_build = Path(__file__).resolve().parents[1] / "build"  # the repo's ignored /build/
-    if os.access(repo_build.parent, os.W_OK):
-        return repo_build / "kernels_cpu"
-    return Path.home() / ".cache" / "bitdelta" / "kernels_cpu"
+    repo = Path(__file__).resolve().parents[1]
+    if (repo / "pyproject.toml").exists() and os.access(repo, os.W_OK):  # a checkout: its ignored /build/
+        return repo / "build" / "kernels_cpu"
+    return Path.home() / ".cache" / "bitdelta" / "kernels_cpu"  # an installed package
 
 
 def _cpu_fingerprint() -> str:
@@ -96,6 +96,9 @@ def _build(cc: str, build_dir: Path) -> Path:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, lib_path)
         log.info("kernels: built %s", lib_path)
+        for old in build_dir.glob("libbitdelta_cpu_*.so"):  # builds of older sources (a running
+            if old != lib_path:  # process keeps its mapping of a removed file)
+                old.unlink(missing_ok=True)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -109,9 +112,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     # x, M, ldx, s, d_out, d_in, lds, alpha, alpha_stride, y, ldy, method, n_threads
     lib.bd_delta_gemv.restype = i32
     lib.bd_delta_gemv.argtypes = [p, i64, i64, p, i64, i64, i64, p, i64, p, i64, i32, i32]
-    # w, w_dtype, ldw, s, lds, alpha, alpha_stride, r0, r1, d_in, out, ldo, n_threads
+    # w, w_dtype, ldw, s, lds, alpha, alpha_stride, r0, r1, d_in, out, out_dtype, ldo, n_threads
     lib.bd_merge.restype = None
-    lib.bd_merge.argtypes = [p, i32, i64, p, i64, p, i64, i64, i64, i64, p, i64, i32]
+    lib.bd_merge.argtypes = [p, i32, i64, p, i64, p, i64, i64, i64, i64, p, i32, i64, i32]
+    # x, M, ldx, s, stride_sv, d_out, d_in, lds, alpha, stride_av, alpha_stride, row_variant, y, ldy, n_threads
+    lib.bd_delta_batched.restype = i32
+    lib.bd_delta_batched.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p, i64, i64, p, p, i64, i32]
     # x, M, ldx, w, w_dtype, ldw, s, d_out, d_in, lds, alpha, alpha_stride, y, ldy, n_threads
     lib.bd_linear_gemv.restype = i32
     lib.bd_linear_gemv.argtypes = [p, i64, i64, p, i32, i64, p, i64, i64, i64, p, i64, p, i64, i32]

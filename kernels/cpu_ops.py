@@ -1,17 +1,19 @@
 """CPU paths for the 1-bit delta kernels (no bit is unpacked per call at decode).
 
-Two building blocks from `csrc/bitdelta_cpu.c`:
+Building blocks from `csrc/bitdelta_cpu.c`:
 - `delta_gemv_cpu`: y += α ⊙ (x · Sᵀ) straight from the packed bits. With
   AVX-512 each 16 sign bits are one lane mask and x is summed over set bits by
   one masked add ("mask"); the byte lookup table of the design doc ("lut8")
   is kept as the portable alternative and for the benchmark.
-- `merge_cpu`: W_base + α·S (or α·S alone) for a block of rows, in fp32,
+- `merge_cpu`: W_base + α·S (or α·S alone) for a block of rows, in fp32/bf16/fp16,
   for the prefill path: merge a row block once, then one BLAS GEMM.
+- `linear_gemv_cpu`: the fused decode GEMV, y = x·Wᵀ + α ⊙ (x·Sᵀ) in one pass
+  over W and the bits (an FMA and a masked add per 16 columns).
 
-Which one runs is chosen per M (measured on a 2-core AVX-512 EPYC, see
-docs/kernels.md): decode-sized M uses base GEMV + delta GEMV; from
-MERGE_MIN_M rows on, merge-then-GEMM is cheaper because the merge costs one
-pass over the weights and the GEMM then does base and delta in one product.
+Which one runs is chosen per M and weight dtype (thresholds below, measured):
+decode-sized M takes the fused GEMV; larger M merges W_eff block by block and
+runs one BLAS GEMM, since the merge is one pass over W and the GEMM then does
+base and delta in one product.
 
 Without the compiled library everything falls back to torch (unpack per call;
 correct, 20–60× slower, logged once by `cpu_build`).
@@ -22,15 +24,23 @@ from __future__ import annotations
 import torch
 
 from bitdelta.bits import packed_cols, unpack_signs
-from kernels.cpu_build import load_cpu_lib
+from kernels.cpu_build import cpu_isa, load_cpu_lib
 from kernels.reference import bitdelta_linear_ref
 
-# Rows of x from which merge-then-GEMM beats GEMV + delta GEMV (fused linear),
-# and from which unpack(α·S)-then-GEMM beats the delta GEMV (delta only).
-# Measured with bench/kernels.py --cpu-sweep at 2048² and 4096²; see docs/kernels.md.
-MERGE_MIN_M = 48
-UNPACK_MIN_M = 48
-# Merge at most this many bytes of fp32 weights at a time: big enough that the
+# Path thresholds, from `python bench/kernels.py --cpu-sweep --only-sweep --threads 1`
+# at 2048² and 4096² on a 2-core AVX-512 EPYC (table in docs/kernels.md):
+# - up to FUSED_GEMV_MAX_M rows, the one-pass C GEMV (base FMA + delta masked add)
+#   is as fast as torch's base GEMV alone (0.9× at M=1; torch's small-M sgemm is
+#   slower still). bf16 is lower: torch's bf16 GEMM has hardware bf16 dot products
+#   that the fp32 C loop lacks, so merge-then-GEMM in bf16 wins sooner;
+# - beyond, merge a row block of W_eff and run ONE BLAS GEMM (merge ≈ one pass over W);
+# - without AVX-512 the C GEMV is not vectorised: BLAS + delta GEMV below MERGE_MIN_M;
+# - delta only (batched): the delta GEMV costs ≈ a dense GEMM at M ≈ 32, beyond
+#   which unpack(α·S)-then-GEMM wins.
+FUSED_GEMV_MAX_M = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 24}
+MERGE_MIN_M = 32
+UNPACK_MIN_M = 32
+# Merge at most this many bytes of weights at a time: big enough that the
 # GEMM on a block runs at full speed, small enough to stay in the L3 cache.
 MERGE_BLOCK_BYTES = 8 << 20
 
@@ -48,11 +58,16 @@ def _alpha_f32(alpha: torch.Tensor, d_out: int) -> tuple[torch.Tensor, int]:
     return a, 1
 
 
-def _check_signs(signs: torch.Tensor, d_in: int) -> None:
+def _check_signs(signs: torch.Tensor, d_in: int, d_out: int | None = None, *tensors: torch.Tensor | None) -> None:
+    """Shapes and devices the C code relies on (it would read out of bounds otherwise)."""
     if signs.dtype != torch.uint8 or signs.dim() != 2:
         raise ValueError(f"signs must be 2-D uint8, got {signs.dtype} {tuple(signs.shape)}")
     if signs.shape[1] != packed_cols(d_in):
         raise ValueError(f"signs have {signs.shape[1]} bytes per row; d_in={d_in} needs {packed_cols(d_in)}")
+    if d_out is not None and signs.shape[0] != d_out:
+        raise ValueError(f"signs have {signs.shape[0]} rows; expected {d_out}")
+    if any(t is not None and t.device.type != "cpu" for t in (signs, *tensors)):
+        raise ValueError("the CPU kernels take CPU tensors")
 
 
 def delta_gemv_cpu(
@@ -66,7 +81,7 @@ def delta_gemv_cpu(
     lib = load_cpu_lib()
     M, d_in = x.shape
     d_out = signs.shape[0]
-    _check_signs(signs, d_in)
+    _check_signs(signs, d_in, d_out, x, alpha, y)
     if y.dtype != torch.float32 or y.shape != (M, d_out) or (d_out > 1 and y.stride(1) != 1):
         raise ValueError(f"y must be fp32 [{M}, {d_out}] with unit column stride")
     if lib is None:
@@ -87,21 +102,31 @@ def delta_gemv_cpu(
 
 def merge_cpu(
     w_base: torch.Tensor | None, signs: torch.Tensor, alpha: torch.Tensor | None, d_in: int,
-    r0: int = 0, r1: int | None = None, out: torch.Tensor | None = None,
+    r0: int = 0, r1: int | None = None, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:  # fmt: skip
-    """Rows [r0, r1) of W_base + α·S (w_base None: α·S; alpha None too: S) -> fp32 [r1−r0, d_in]."""
+    """Rows [r0, r1) of W_base + α·S (w_base None: α·S; alpha None too: S) -> [r1−r0, d_in] in `dtype`.
+
+    w_base: [d_out, d_in] fp32/bf16/fp16; signs: uint8 [d_out, ceil(d_in/8)]; alpha: [d_out] or [1].
+    The sum is formed in fp32 and rounded once to `dtype` (fp32, bf16 or fp16).
+    """
     lib = load_cpu_lib()
     d_out = signs.shape[0]
     r1 = d_out if r1 is None else r1
-    _check_signs(signs, d_in)
+    _check_signs(signs, d_in, None, w_base, alpha, out)
+    if not 0 <= r0 <= r1 <= d_out or (w_base is not None and tuple(w_base.shape) != (d_out, d_in)):
+        raise ValueError(f"rows [{r0}, {r1}) of a [{d_out}, {d_in}] matrix requested")
     if out is None:
-        out = torch.empty(r1 - r0, d_in, dtype=torch.float32)
+        out = torch.empty(r1 - r0, d_in, dtype=dtype)
+    if out.dtype not in _W_DTYPE_CODE or out.shape != (r1 - r0, d_in) or (d_in > 1 and out.stride(1) != 1):
+        raise ValueError(f"out must be fp32/bf16/fp16 [{r1 - r0}, {d_in}] with unit column stride")
     if lib is None:
-        s = unpack_signs(signs[r0:r1], d_in, torch.float32)
+        m = unpack_signs(signs[r0:r1], d_in, torch.float32)
         if alpha is not None:
-            s *= alpha.float().reshape(-1, 1)[r0:r1] if alpha.numel() > 1 else alpha.float()
-        out.copy_(s if w_base is None else w_base[r0:r1].float() + s)
-        return out
+            a = alpha.float().reshape(-1)
+            m *= a[r0:r1].reshape(-1, 1) if a.numel() > 1 else a
+        if w_base is not None:
+            m += w_base[r0:r1].float()
+        return out.copy_(m)
     if w_base is None:
         w, code, ldw = None, 0, 0
     else:
@@ -109,14 +134,11 @@ def merge_cpu(
         w = w if w.stride(1) == 1 else w.contiguous()
         code, ldw = _W_DTYPE_CODE[w.dtype], w.stride(0)
     s = signs if signs.stride(1) == 1 else signs.contiguous()
-    if alpha is None:
-        a, a_stride = None, 0
-    else:
-        a, a_stride = _alpha_f32(alpha, d_out)
+    a, a_stride = (None, 0) if alpha is None else _alpha_f32(alpha, d_out)
     lib.bd_merge(
         None if w is None else w.data_ptr(), code, ldw, s.data_ptr(), s.stride(0),
         None if a is None else a.data_ptr(), a_stride, r0, r1, d_in,
-        out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        out.data_ptr(), _W_DTYPE_CODE[out.dtype], out.stride(0), torch.get_num_threads(),
     )  # fmt: skip
     return out
 
@@ -129,7 +151,9 @@ def linear_gemv_cpu(x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, 
     lib = load_cpu_lib()
     M, d_in = x.shape
     d_out = w_base.shape[0]
-    _check_signs(signs, d_in)
+    _check_signs(signs, d_in, d_out, x, w_base, alpha)
+    if w_base.shape[1] != d_in:
+        raise ValueError(f"w_base has {w_base.shape[1]} columns; x has {d_in}")
     if lib is None:
         return bitdelta_linear_ref(x.float(), w_base, signs, alpha)
     x32 = x.to(torch.float32).contiguous()
@@ -148,48 +172,94 @@ def linear_gemv_cpu(x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, 
     return y
 
 
-def _block_rows(d_in: int, d_out: int) -> int:
-    return max(16, min(d_out, MERGE_BLOCK_BYTES // (4 * d_in)))
+def _compute_dtype(x: torch.Tensor, w_base: torch.Tensor) -> torch.dtype:
+    """The GEMM dtype on CPU: the weights' when x matches them and BLAS is fast in it
+    (fp32; bf16 has hardware dot products on AVX-512-BF16/AMX), else fp32."""
+    if x.dtype == w_base.dtype and w_base.dtype in (torch.float32, torch.bfloat16):
+        return w_base.dtype
+    return torch.float32
 
 
-def bitdelta_linear_cpu(x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """y = x · W_baseᵀ + α ⊙ (x · Sᵀ) on CPU; same contract as `bitdelta_linear_ref`.
+def _block_rows(d_in: int, d_out: int, itemsize: int) -> int:
+    return max(16, min(d_out, MERGE_BLOCK_BYTES // (itemsize * d_in)))
 
-    x: [M, d_in]; w_base: [d_out, d_in]; signs: uint8 [d_out, ceil(d_in/8)];
-    alpha: [d_out] or [1] -> y: [M, d_out] in x.dtype.
+
+def linear_merge_gemm_cpu(x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """Prefill path: merge a block of rows of W_eff at a time (never all of it), one GEMM per block.
+
+    x: [M, d_in]; w_base: [d_out, d_in] -> y: [M, d_out] in x.dtype.
     """
     M, d_in = x.shape
     d_out = w_base.shape[0]
-    if M < MERGE_MIN_M:
-        # decode: base GEMV in the weights' dtype (BLAS), then the delta from the bits
-        xw = x if x.dtype == w_base.dtype else x.to(w_base.dtype)
-        y = torch.mm(xw, w_base.t()).to(torch.float32)
-        delta_gemv_cpu(x, signs, alpha, y)
-        return y.to(x.dtype)
-    # prefill: merge a block of rows of W_eff at a time (never all of it), one GEMM per block
-    x32 = x.to(torch.float32)
-    y = torch.empty(M, d_out, dtype=torch.float32)
-    rows = _block_rows(d_in, d_out)
-    buf = torch.empty(rows, d_in, dtype=torch.float32)
+    ct = _compute_dtype(x, w_base)
+    xc = x.to(ct)
+    rows = _block_rows(d_in, d_out, torch.finfo(ct).bits // 8)
+    buf = torch.empty(rows, d_in, dtype=ct)
+    if rows >= d_out:
+        return (xc @ merge_cpu(w_base, signs, alpha, d_in, out=buf).t()).to(x.dtype)
+    y = torch.empty(M, d_out, dtype=ct)
     for r0 in range(0, d_out, rows):
         r1 = min(d_out, r0 + rows)
         blk = merge_cpu(w_base, signs, alpha, d_in, r0, r1, out=buf[: r1 - r0])
-        y[:, r0:r1] = x32 @ blk.t()
+        y[:, r0:r1] = xc @ blk.t()
     return y.to(x.dtype)
 
 
-def delta_rows_cpu(x: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor, y32: torch.Tensor) -> torch.Tensor:
-    """y32 += α ⊙ (x · Sᵀ) for one variant, choosing GEMV or unpack-then-GEMM by M."""
+def linear_blas_delta_cpu(x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """Base GEMM by BLAS in the weights' dtype, then the delta GEMV from the bits -> [M, d_out] in x.dtype."""
+    ct = _compute_dtype(x, w_base)
+    y = torch.mm(x.to(ct), w_base.t() if w_base.dtype == ct else w_base.t().to(ct)).to(torch.float32)
+    delta_gemv_cpu(x, signs, alpha, y)
+    return y.to(x.dtype)
+
+
+def linear_path_cpu(M: int, w_dtype: torch.dtype) -> str:
+    """Which CPU path `bitdelta_linear_cpu` takes for M rows (measured; docs/kernels.md)."""
+    if load_cpu_lib() is None:
+        return "torch"
+    if cpu_isa() == "avx512":
+        return "fused_gemv" if M <= FUSED_GEMV_MAX_M.get(w_dtype, 0) else "merge_gemm"
+    return "blas_delta" if M < MERGE_MIN_M else "merge_gemm"
+
+
+def bitdelta_linear_cpu(
+    x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor, path: str | None = None
+) -> torch.Tensor:
+    """y = x · W_baseᵀ + α ⊙ (x · Sᵀ) on CPU; same contract as `bitdelta_linear_ref`.
+
+    x: [M, d_in]; w_base: [d_out, d_in]; signs: uint8 [d_out, ceil(d_in/8)];
+    alpha: [d_out] or [1] -> y: [M, d_out] in x.dtype. `path` forces a path (benchmarks).
+    """
+    path = path or linear_path_cpu(x.shape[0], w_base.dtype)
+    if path == "fused_gemv":
+        return linear_gemv_cpu(x, w_base, signs, alpha).to(x.dtype)
+    if path == "blas_delta":
+        return linear_blas_delta_cpu(x, w_base, signs, alpha)
+    if path == "merge_gemm":
+        return linear_merge_gemm_cpu(x, w_base, signs, alpha)
+    if path == "torch":
+        return bitdelta_linear_ref(x, w_base, signs, alpha)
+    raise ValueError(f"unknown CPU path {path!r}")
+
+
+def delta_rows_cpu(
+    x: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor, y32: torch.Tensor, path: str | None = None
+) -> torch.Tensor:
+    """y32 += α ⊙ (x · Sᵀ) for one variant: the delta GEMV for few rows, unpack(α·S)-then-GEMM for many.
+
+    x: [M, d_in]; signs: uint8 [d_out, ceil(d_in/8)]; alpha: [d_out] or [1]; y32: fp32 [M, d_out].
+    """
     M, d_in = x.shape
-    if M < UNPACK_MIN_M:
+    path = path or ("delta_gemv" if M < UNPACK_MIN_M else "unpack_gemm")
+    if path == "delta_gemv" or load_cpu_lib() is None:
         return delta_gemv_cpu(x, signs, alpha, y32)
     x32 = x.to(torch.float32)
     d_out = signs.shape[0]
-    rows = _block_rows(d_in, d_out)
+    rows = _block_rows(d_in, d_out, 4)
     buf = torch.empty(rows, d_in, dtype=torch.float32)
     for r0 in range(0, d_out, rows):
         r1 = min(d_out, r0 + rows)
-        blk = merge_cpu(None, signs, alpha, d_in, r0, r1, out=buf[: r1 - r0])  # α·S block
+        blk = merge_cpu(None, signs, alpha, d_in, r0, r1, out=buf[: r1 - r0])  # α·S rows
         y32[:, r0:r1] += x32 @ blk.t()
     return y32
 
@@ -199,25 +269,50 @@ def bitdelta_delta_batched_cpu(
 ) -> torch.Tensor:
     """y[r] += α_v ⊙ (x[r] · S_vᵀ), v = row_variant[r] ≥ 0; same contract as the reference.
 
-    x: [M, d_in]; signs_stack: uint8 [V, d_out, ceil(d_in/8)]; alpha_stack: [V, d_out] or [V, 1];
+    x: [M, d_in]; signs_stack: uint8 [V, d_out, ceil(d_in/8)]; alpha_stack: [V, d_out], [V, 1] or [V];
     row_variant: int [M] (−1: base only); y: [M, d_out], updated in place and returned.
+    Variants with ≥ UNPACK_MIN_M rows go through unpack-then-GEMM, one variant at a time;
+    all other rows through ONE call of the C batched delta GEMV (one parallel region:
+    on a busy host every extra region can cost a scheduler slice).
     """
-    rv = row_variant.to("cpu", torch.int64)
-    variants = torch.unique(rv)
-    variants = variants[variants >= 0].tolist()
-    if not variants:
+    M, d_in = x.shape
+    V, d_out, _ = signs_stack.shape
+    if signs_stack.dtype != torch.uint8 or signs_stack.shape[2] != packed_cols(d_in):
+        raise ValueError(f"signs_stack must be uint8 [V, d_out, {packed_cols(d_in)}], got {tuple(signs_stack.shape)}")
+    if tuple(y.shape) != (M, d_out) or row_variant.shape != (M,) or alpha_stack.shape[0] != V:
+        raise ValueError(f"y must be [{M}, {d_out}], row_variant [{M}] and alpha_stack [{V}, ...]")
+    if any(t.device.type != "cpu" for t in (x, signs_stack, alpha_stack, y)):
+        raise ValueError("the CPU kernels take CPU tensors")
+    rv = row_variant.to("cpu", torch.int64).contiguous()
+    if M and (int(rv.max()) >= V or int(rv.min()) < -1):
+        raise ValueError(f"row_variant values must lie in [-1, {V - 1}]")
+    active = rv >= 0
+    if not bool(active.any()):
         return y
-    if len(variants) == 1 and bool((rv == variants[0]).all()):
-        # one variant for the whole batch: no gather/scatter
-        v = variants[0]
-        y32 = y if y.dtype == torch.float32 and y.stride(1) == 1 else y.to(torch.float32)
-        delta_rows_cpu(x, signs_stack[v], alpha_stack[v], y32)
-        if y32 is not y:
-            y.copy_(y32)
-        return y
-    for v in variants:
+    alpha_stack = alpha_stack.reshape(V, -1)
+    lib = load_cpu_lib()
+    y32 = y if y.dtype == torch.float32 and y.stride(1) == 1 else y.to(torch.float32)
+    variants, counts = torch.unique(rv[active], return_counts=True)
+    gemv_rv = rv
+    for v, c in zip(variants.tolist(), counts.tolist()):
+        if lib is not None and c < UNPACK_MIN_M:
+            continue  # left to the single batched GEMV call below
         rows = (rv == v).nonzero(as_tuple=True)[0]
-        y32 = y[rows].to(torch.float32)  # gathered copy: [n_rows, d_out]
-        delta_rows_cpu(x[rows], signs_stack[v], alpha_stack[v], y32)
-        y[rows] = y32.to(y.dtype)
+        part = y32[rows]  # gathered copy: [n_rows, d_out]
+        delta_rows_cpu(x[rows], signs_stack[v], alpha_stack[v], part)
+        y32[rows] = part
+        gemv_rv = gemv_rv.masked_fill(rv == v, -1)
+    if bool((gemv_rv >= 0).any()):
+        x32 = x.to(torch.float32).contiguous()
+        s = signs_stack if signs_stack.stride(2) == 1 else signs_stack.contiguous()
+        a = alpha_stack.to(torch.float32).contiguous()
+        rc = lib.bd_delta_batched(
+            x32.data_ptr(), M, x32.stride(0), s.data_ptr(), s.stride(0), d_out, d_in, s.stride(1),
+            a.data_ptr(), a.stride(0), 0 if a.shape[1] == 1 else 1, gemv_rv.data_ptr(),
+            y32.data_ptr(), y32.stride(0), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("bd_delta_batched could not allocate its scratch")
+    if y32 is not y:
+        y.copy_(y32)
     return y

@@ -57,19 +57,26 @@ static inline uint32_t load_bits16(const uint8_t *row, int64_t j, int64_t n_byte
 /* ---------------------------------------------------------------------- */
 /* delta GEMV, "mask" method: y[m, r] += α_r · Σ_k x[m, k] · s[r, k]       */
 /* ---------------------------------------------------------------------- */
+/* row_variant NULL: every x row uses variant 0; else row m uses variant
+ * row_variant[m] (< 0: skipped), i.e. signs s + v·stride_sv and α alpha + v·stride_av.
+ * Rows of one variant reuse its sign block of this row range from cache. */
 static void delta_rows_mask(const float *x, int64_t ldx, int64_t M, const float *xsum,
-                            const uint8_t *s, int64_t lds, int64_t d_in,
-                            const float *alpha, int64_t alpha_stride,
+                            const uint8_t *s, int64_t stride_sv, int64_t lds, int64_t d_in,
+                            const float *alpha, int64_t stride_av, int64_t alpha_stride,
+                            const int64_t *row_variant,
                             float *y, int64_t ldy, int64_t r0, int64_t r1) {
     const int64_t n_bytes = (d_in + 7) / 8;
     const int64_t nfull = d_in / 16;   /* whole 16-column blocks */
     const int rem = (int)(d_in % 16);  /* columns in the last partial block */
     for (int64_t r = r0; r < r1; r += ROWS) {
         const int nr = (r1 - r) < ROWS ? (int)(r1 - r) : ROWS;
-        const uint8_t *rows[ROWS];
-        for (int i = 0; i < ROWS; ++i)  /* missing rows alias row r; their sums are dropped */
-            rows[i] = s + (r + (i < nr ? i : 0)) * lds;
         for (int64_t m = 0; m < M; ++m) {
+            const int64_t v = row_variant ? row_variant[m] : 0;
+            if (v < 0) continue;
+            const uint8_t *rows[ROWS];
+            for (int i = 0; i < ROWS; ++i)  /* missing rows alias row r; their sums are dropped */
+                rows[i] = s + v * stride_sv + (r + (i < nr ? i : 0)) * lds;
+            const float *av = alpha + v * stride_av;
             const float *xm = x + m * ldx;
             float tot[ROWS];
 #if defined(__AVX512F__)
@@ -125,7 +132,7 @@ static void delta_rows_mask(const float *x, int64_t ldx, int64_t M, const float 
             (void)nfull; (void)rem; (void)n_bytes;
 #endif
             for (int i = 0; i < nr; ++i)
-                y[m * ldy + r + i] += alpha[(r + i) * alpha_stride] * (2.f * tot[i] - xsum[m]);
+                y[m * ldy + r + i] += av[(r + i) * alpha_stride] * (2.f * tot[i] - xsum[m]);
         }
     }
 }
@@ -223,7 +230,39 @@ int bd_delta_gemv(const float *x, int64_t M, int64_t ldx,
 #endif
         int64_t r0, r1;
         split_rows(d_out, t, n, &r0, &r1);
-        delta_rows_mask(x, ldx, M, xsum, s, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
+        delta_rows_mask(x, ldx, M, xsum, s, 0, lds, d_in, alpha, 0, alpha_stride, NULL, y, ldy, r0, r1);
+    }
+    free(xsum);
+    return 0;
+}
+
+/* Mixed-variant batch in one parallel region ("mask" method):
+ * y[m, r] += α_v[r] · Σ_k x[m, k] · S_v[r, k],  v = row_variant[m] ≥ 0 (int64; < 0 skipped).
+ *   s: uint8 [V, d_out, lds], variant stride stride_sv; alpha: fp32, α_v[r] =
+ *   alpha[v·stride_av + r·alpha_stride]; x, y as in bd_delta_gemv. Indices are checked by the caller. */
+int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
+                     const uint8_t *s, int64_t stride_sv, int64_t d_out, int64_t d_in, int64_t lds,
+                     const float *alpha, int64_t stride_av, int64_t alpha_stride,
+                     const int64_t *row_variant, float *y, int64_t ldy, int n_threads) {
+    if (n_threads < 1) n_threads = 1;
+    float *xsum = (float *)malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
+    if (!xsum) return -1;
+    for (int64_t m = 0; m < M; ++m) {
+        float t = 0.f;
+        for (int64_t k = 0; k < d_in; ++k) t += x[m * ldx + k];
+        xsum[m] = t;
+    }
+#pragma omp parallel num_threads(n_threads)
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+        const int t = 0, n = 1;
+#endif
+        int64_t r0, r1;
+        split_rows(d_out, t, n, &r0, &r1);
+        delta_rows_mask(x, ldx, M, xsum, s, stride_sv, lds, d_in, alpha, stride_av, alpha_stride, row_variant,
+                        y, ldy, r0, r1);
     }
     free(xsum);
     return 0;
@@ -267,11 +306,23 @@ static inline float w_at(const void *w, int w_dtype, int64_t i) {
     }
 }
 
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, like torch */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline void store_out(void *out, int out_dtype, int64_t i, float v) {
+    if (out_dtype == BD_W_F32) ((float *)out)[i] = v;
+    else if (out_dtype == BD_W_BF16) ((uint16_t *)out)[i] = f32_to_bf16(v);
+    else ((_Float16 *)out)[i] = (_Float16)v;
+}
+
 static void merge_row(const void *w, int w_dtype, int64_t w_off, const uint8_t *srow, float a,
-                      int64_t d_in, float *orow) {
+                      int64_t d_in, void *out, int out_dtype, int64_t o_off) {
     int64_t k = 0;
 #if defined(__AVX512F__)
-    const int64_t n_bytes = (d_in + 7) / 8;
     const __m512 pos = _mm512_set1_ps(a), neg = _mm512_set1_ps(-a);
     for (; k + 16 <= d_in; k += 16) {
         uint16_t bits;
@@ -286,27 +337,37 @@ static void merge_row(const void *w, int w_dtype, int64_t w_off, const uint8_t *
             const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + w_off + k));
             v = _mm512_add_ps(v, _mm512_cvtph_ps(h));
         }
-        _mm512_storeu_ps(orow + k, v);
+        if (out_dtype == BD_W_F32) {
+            _mm512_storeu_ps((float *)out + o_off + k, v);
+        } else if (out_dtype == BD_W_BF16) {
+            /* round to nearest even (no NaN can come out of finite weights + α) */
+            __m512i u = _mm512_castps_si512(v);
+            const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+            u = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + o_off + k), _mm512_cvtepi32_epi16(u));
+        } else {
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + o_off + k),
+                                _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
     }
-    (void)n_bytes;
 #endif
     for (; k < d_in; ++k) {
         const float sg = ((srow[k >> 3] >> (k & 7)) & 1) ? a : -a;
-        orow[k] = (w_dtype == BD_W_NONE ? 0.f : w_at(w, w_dtype, w_off + k)) + sg;
+        store_out(out, out_dtype, o_off + k, (w_dtype == BD_W_NONE ? 0.f : w_at(w, w_dtype, w_off + k)) + sg);
     }
 }
 
 /*   w: [d_out, ldw] in w_dtype (ignored for BD_W_NONE); s: uint8 [d_out, lds];
  *   alpha as in bd_delta_gemv (NULL: α = 1, i.e. plain ±1 unpack);
- *   out: fp32 [r1 − r0, ldo]. */
+ *   out: [r1 − r0, ldo] in out_dtype (BD_W_F32/BF16/F16), rounded to nearest even. */
 void bd_merge(const void *w, int w_dtype, int64_t ldw, const uint8_t *s, int64_t lds,
               const float *alpha, int64_t alpha_stride, int64_t r0, int64_t r1, int64_t d_in,
-              float *out, int64_t ldo, int n_threads) {
+              void *out, int out_dtype, int64_t ldo, int n_threads) {
     if (n_threads < 1) n_threads = 1;
 #pragma omp parallel for schedule(static) num_threads(n_threads)
     for (int64_t r = r0; r < r1; ++r) {
         const float a = alpha ? alpha[r * alpha_stride] : 1.f;
-        merge_row(w, w_dtype, r * ldw, s + r * lds, a, d_in, out + (r - r0) * ldo);
+        merge_row(w, w_dtype, r * ldw, s + r * lds, a, d_in, out, out_dtype, (r - r0) * ldo);
     }
 }
 
@@ -323,73 +384,73 @@ static inline __attribute__((always_inline)) __m512 load_w16(const void *w, int 
     return _mm512_cvtph_ps(h);
 }
 
-/* R weight rows × MB rows of x per register block (R·MB·2 accumulators). */
-static inline __attribute__((always_inline)) void linear_block(
-    const float *x, int64_t ldx, const float *xsum, const void *w, int w_dtype, int64_t ldw,
-    const uint8_t *s, int64_t lds, int64_t d_in, const float *alpha, int64_t alpha_stride,
-    float *y, int64_t ldy, int64_t r, int nr, int64_t m0, const int R, const int MB) {
-    const int64_t nfull = d_in / 16;
-    __m512 base[MB][R], dlt[MB][R];
-    for (int b = 0; b < MB; ++b)
-        for (int i = 0; i < R; ++i) base[b][i] = dlt[b][i] = _mm512_setzero_ps();
-    int64_t ri[R];
-    for (int i = 0; i < R; ++i) ri[i] = r + (i < nr ? i : 0);  /* missing rows alias row r */
-    for (int64_t j = 0; j < nfull; ++j) {
-        __m512 xv[MB];
-        for (int b = 0; b < MB; ++b) xv[b] = _mm512_loadu_ps(x + (m0 + b) * ldx + 16 * j);
-        for (int i = 0; i < R; ++i) {
-            const __m512 wv = load_w16(w, w_dtype, ri[i] * ldw + 16 * j);
-            uint16_t bits;
-            memcpy(&bits, s + ri[i] * lds + 2 * j, 2);
-            for (int b = 0; b < MB; ++b) {
-                base[b][i] = _mm512_fmadd_ps(xv[b], wv, base[b][i]);
-                dlt[b][i] = _mm512_mask_add_ps(dlt[b][i], (__mmask16)bits, dlt[b][i], xv[b]);
-            }
-        }
+/* R weight rows × MB rows of x per register block (2·R·MB accumulators). R, MB
+ * and the weight dtype must be literal constants so that the accumulator arrays
+ * live in registers (as runtime-sized arrays GCC kept them on the stack: 1.5× slower),
+ * hence one function per combination, stamped out by this macro. */
+#define LINEAR_BLOCK(NAME, R, MB, WD)                                                                   \
+    static void NAME(const float *x, int64_t ldx, const float *xsum, const void *w, int64_t ldw,         \
+                     const uint8_t *s, int64_t lds, int64_t d_in, const float *alpha,                    \
+                     int64_t alpha_stride, float *y, int64_t ldy, int64_t r, int nr, int64_t m0) {       \
+        const int64_t nfull = d_in / 16;                                                                 \
+        __m512 base[MB][R], dlt[MB][R];                                                                  \
+        for (int b = 0; b < MB; ++b)                                                                     \
+            for (int i = 0; i < R; ++i) base[b][i] = dlt[b][i] = _mm512_setzero_ps();                    \
+        int64_t ri[R];                                                                                   \
+        for (int i = 0; i < R; ++i) ri[i] = r + (i < nr ? i : 0); /* missing rows alias row r */         \
+        for (int64_t j = 0; j < nfull; ++j) {                                                            \
+            __m512 xv[MB];                                                                               \
+            for (int b = 0; b < MB; ++b) xv[b] = _mm512_loadu_ps(x + (m0 + b) * ldx + 16 * j);           \
+            for (int i = 0; i < R; ++i) {                                                                \
+                const __m512 wv = load_w16(w, WD, ri[i] * ldw + 16 * j);                                 \
+                uint16_t bits;                                                                           \
+                memcpy(&bits, s + ri[i] * lds + 2 * j, 2);                                               \
+                for (int b = 0; b < MB; ++b) {                                                           \
+                    base[b][i] = _mm512_fmadd_ps(xv[b], wv, base[b][i]);                                 \
+                    dlt[b][i] = _mm512_mask_add_ps(dlt[b][i], (__mmask16)bits, dlt[b][i], xv[b]);        \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+        for (int b = 0; b < MB; ++b) {                                                                   \
+            const float *xm = x + (m0 + b) * ldx;                                                        \
+            for (int i = 0; i < nr; ++i) {                                                               \
+                float bt = _mm512_reduce_add_ps(base[b][i]), dt = _mm512_reduce_add_ps(dlt[b][i]);       \
+                for (int64_t k = 16 * nfull; k < d_in; ++k) { /* ragged tail */                          \
+                    bt += xm[k] * w_at(w, WD, ri[i] * ldw + k);                                          \
+                    if ((s[ri[i] * lds + (k >> 3)] >> (k & 7)) & 1) dt += xm[k];                         \
+                }                                                                                        \
+                y[(m0 + b) * ldy + r + i] = bt + alpha[(r + i) * alpha_stride] * (2.f * dt - xsum[m0 + b]); \
+            }                                                                                            \
+        }                                                                                                \
     }
-    for (int b = 0; b < MB; ++b) {
-        const float *xm = x + (m0 + b) * ldx;
-        for (int i = 0; i < nr; ++i) {
-            float bt = _mm512_reduce_add_ps(base[b][i]), dt = _mm512_reduce_add_ps(dlt[b][i]);
-            for (int64_t k = 16 * nfull; k < d_in; ++k) {  /* ragged tail */
-                bt += xm[k] * w_at(w, w_dtype, ri[i] * ldw + k);
-                if ((s[ri[i] * lds + (k >> 3)] >> (k & 7)) & 1) dt += xm[k];
-            }
-            y[(m0 + b) * ldy + r + i] = bt + alpha[(r + i) * alpha_stride] * (2.f * dt - xsum[m0 + b]);
-        }
-    }
-}
+
+LINEAR_BLOCK(block8x1_f32, 8, 1, BD_W_F32)
+LINEAR_BLOCK(block8x1_bf16, 8, 1, BD_W_BF16)
+LINEAR_BLOCK(block8x1_f16, 8, 1, BD_W_F16)
+LINEAR_BLOCK(block4x2_f32, 4, 2, BD_W_F32)
+LINEAR_BLOCK(block4x2_bf16, 4, 2, BD_W_BF16)
+LINEAR_BLOCK(block4x2_f16, 4, 2, BD_W_F16)
+
+typedef void (*block_fn)(const float *, int64_t, const float *, const void *, int64_t, const uint8_t *, int64_t,
+                         int64_t, const float *, int64_t, float *, int64_t, int64_t, int, int64_t);
 
 static void linear_rows(const float *x, int64_t ldx, int64_t M, const float *xsum, const void *w, int w_dtype,
                         int64_t ldw, const uint8_t *s, int64_t lds, int64_t d_in, const float *alpha,
                         int64_t alpha_stride, float *y, int64_t ldy, int64_t r0, int64_t r1) {
-    /* M = 1: 8 rows in flight (16 chains) to keep enough loads outstanding;
-     * M ≥ 2: 4 rows × 2 x-rows so each W vector feeds two FMAs. */
-    if (M == 1) {
-        for (int64_t r = r0; r < r1; r += 8) {
-            const int nr = (r1 - r) < 8 ? (int)(r1 - r) : 8;
-            if (w_dtype == BD_W_F32)
-                linear_block(x, ldx, xsum, w, BD_W_F32, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, r, nr, 0, 8, 1);
-            else if (w_dtype == BD_W_BF16)
-                linear_block(x, ldx, xsum, w, BD_W_BF16, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, r, nr, 0, 8, 1);
-            else
-                linear_block(x, ldx, xsum, w, BD_W_F16, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, r, nr, 0, 8, 1);
-        }
-        return;
-    }
-    for (int64_t r = r0; r < r1; r += 4) {
-        const int nr = (r1 - r) < 4 ? (int)(r1 - r) : 4;
+    /* 8 rows × 1 x-row: 16 chains keep enough loads in flight for one row of x;
+     * 4 rows × 2 x-rows: each W vector feeds two FMAs when M ≥ 2. */
+    const int k = w_dtype == BD_W_F32 ? 0 : (w_dtype == BD_W_BF16 ? 1 : 2);
+    const block_fn one[3] = {block8x1_f32, block8x1_bf16, block8x1_f16};
+    const block_fn two[3] = {block4x2_f32, block4x2_bf16, block4x2_f16};
+    for (int64_t r = r0; r < r1; r += 8) {
+        const int64_t re = (r + 8) < r1 ? r + 8 : r1;
         int64_t m = 0;
-        for (; m + 2 <= M; m += 2) {
-            if (w_dtype == BD_W_F32)
-                linear_block(x, ldx, xsum, w, BD_W_F32, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, r, nr, m, 4, 2);
-            else if (w_dtype == BD_W_BF16)
-                linear_block(x, ldx, xsum, w, BD_W_BF16, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, r, nr, m, 4, 2);
-            else
-                linear_block(x, ldx, xsum, w, BD_W_F16, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, r, nr, m, 4, 2);
-        }
+        for (; m + 2 <= M; m += 2)
+            for (int64_t q = r; q < re; q += 4)
+                two[k](x, ldx, xsum, w, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, q,
+                       (re - q) < 4 ? (int)(re - q) : 4, m);
         if (m < M)
-            linear_block(x, ldx, xsum, w, w_dtype, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, r, nr, m, 4, 1);
+            one[k](x, ldx, xsum, w, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, r, (int)(re - r), m);
     }
 }
 #else

@@ -1,0 +1,307 @@
+"""Benchmark of the 1-bit delta kernels: ratios against the obvious baseline, and roofline fractions.
+
+    python bench/kernels.py [--quick] [--out bench/results] [--device cpu|cuda] [--cpu-sweep]
+
+Every number is a ratio measured in this one run (time ÷ time of the baseline on the
+same shapes), plus the fraction of the memory roofline: bytes the kernel must read and
+write ÷ time ÷ the device's bandwidth measured here (CUDA: copy; CPU: read-only sum).
+On CUDA the timer is triton.testing.do_bench (median, L2 flushed between runs); on CPU
+the minimum of several runs (other processes only ever add time). On a shared CPU host
+use --threads 1: with every core busy, multi-threaded timings measure the scheduler.
+Not a test: it asserts nothing.
+Targets (docs/kernels.md): fused decode ≤ 1.15× base GEMV (limit 1.0625 in bf16),
+fused prefill ≤ 1.10× base GEMM, batched delta ≥ 70% of roofline, CPU delta GEMV
+within 2× of a dense fp32 GEMV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bitdelta.bits import pack_signs, packed_cols, unpack_signs  # noqa: E402
+from kernels import MergedWeightCache, cpu_ops, plan_batch  # noqa: E402
+from kernels.cpu_build import cpu_isa  # noqa: E402
+
+
+# ---------------------------------------------------------------- timing
+def timer(dev: torch.device, reps: int):
+    if dev.type == "cuda":
+        import triton.testing
+
+        def run(fn):
+            return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+        return run
+
+    def run(fn):
+        fn()  # warm-up (first call may build/allocate)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        return best * 1e3
+
+    return run
+
+
+def copy_bandwidth(dev: torch.device, t) -> float:
+    """Bytes/s the device moves, the roofline's denominator.
+
+    CUDA: a 1 GiB device copy (read + write). CPU: a read-only sum over 256 MiB, since
+    a CPU copy also pays write-allocate traffic and would understate what a GEMV can read.
+    """
+    if dev.type == "cuda":
+        src = torch.empty(1 << 28, dtype=torch.float32, device=dev).fill_(1.0)
+        dst = torch.empty_like(src)
+        return 2 * src.numel() * 4 / (t(lambda: dst.copy_(src)) * 1e-3)
+    src = torch.ones(1 << 26, dtype=torch.float32)
+    return src.numel() * 4 / (t(lambda: src.sum()) * 1e-3)
+
+
+# ---------------------------------------------------------------- data
+def linear_inputs(M, d_out, d_in, dtype, dev, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, d_in, generator=g).to(dtype).to(dev)
+    w = (torch.randn(d_out, d_in, generator=g) * 0.02).to(dtype).to(dev)
+    signs = pack_signs(torch.randn(d_out, d_in, generator=g)).to(dev)
+    alpha = (torch.rand(d_out, generator=g) * 0.01).to(dev)
+    return x, w, signs, alpha
+
+
+def linear_bytes(M, d_out, d_in, es, with_delta=True):
+    b = d_out * d_in * es + M * d_in * es + M * d_out * es
+    if with_delta:
+        b += d_out * packed_cols(d_in) + 4 * d_out
+    return b
+
+
+# ---------------------------------------------------------------- implementations per device
+def impls(dev: torch.device):
+    """The fused kernel, the batched delta, and the two alternatives a user would try."""
+    if dev.type == "cuda":
+        from kernels.dispatch import bitdelta_delta_batched
+        from kernels.triton_linear import bitdelta_linear_triton as fused
+    else:
+        fused = cpu_ops.bitdelta_linear_cpu
+        bitdelta_delta_batched = None
+
+    def batched(x, s, a, rv, y, plan):
+        if dev.type == "cuda":
+            return bitdelta_delta_batched(x, s, a, rv, y, plan=plan)
+        return cpu_ops.bitdelta_delta_batched_cpu(x, s, a, rv, y)
+
+    def materialise(x, w, s, a):  # W_eff = W + α·S for every call, then one GEMM
+        if dev.type == "cpu":
+            w_eff = cpu_ops.merge_cpu(w, s, a, w.shape[1], dtype=w.dtype)
+        else:
+            w_eff = (w.float() + unpack_signs(s, w.shape[1], torch.float32) * a[:, None]).to(w.dtype)
+        return x @ w_eff.t()
+
+    def unpack_matmul(x, w, s, a):  # what a user writes in torch
+        return x @ w.t() + ((x @ unpack_signs(s, w.shape[1], x.dtype).t()).float() * a).to(x.dtype)
+
+    return fused, batched, materialise, unpack_matmul
+
+
+# ---------------------------------------------------------------- sections
+def bench_fused(dev, t, bw, dtype, cases, rows, section):
+    fused, _, materialise, unpack_matmul = impls(dev)
+    es = torch.finfo(dtype).bits // 8
+    for d, M in cases:
+        x, w, s, a = linear_inputs(M, d, d, dtype, dev)
+        t_base = t(lambda: x @ w.t())
+        t_fused = t(lambda: fused(x, w, s, a))
+        row = {
+            "section": section, "d": d, "M": M, "dtype": str(dtype).removeprefix("torch."),
+            "base_ms": t_base, "fused_ms": t_fused, "fused/base": t_fused / t_base,
+            "fused_roofline": linear_bytes(M, d, d, es) / (t_fused * 1e-3) / bw,
+            "base_roofline": linear_bytes(M, d, d, es, False) / (t_base * 1e-3) / bw,
+        }  # fmt: skip
+        if section == "fused decode" or M <= 512:
+            row["materialise/base"] = t(lambda: materialise(x, w, s, a)) / t_base
+            row["unpack_matmul/base"] = t(lambda: unpack_matmul(x, w, s, a)) / t_base
+        if dev.type == "cpu":
+            row["path"] = cpu_ops.linear_path_cpu(M, dtype)
+        rows.append(row)
+        print_row(row)
+        del x, w, s, a
+
+
+def bench_batched(dev, t, bw, dtype, d, n_variants_list, rows, M=16):
+    _, batched, _, _ = impls(dev)
+    es = torch.finfo(dtype).bits // 8
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(M, d, generator=g).to(dtype).to(dev)
+    w = (torch.randn(d, d, generator=g) * 0.02).to(dtype).to(dev)
+    V = max(n_variants_list)
+    signs = torch.randint(0, 256, (V, d, packed_cols(d)), generator=g, dtype=torch.uint8).to(dev)
+    alpha = (torch.rand(V, d, generator=g) * 0.01).to(dev)
+    for n in n_variants_list:
+        rv = (torch.arange(M) % n).to(dev)  # 16 rows spread over n variants, interleaved
+        plan = plan_batch(rv, V, dev) if dev.type == "cuda" else None  # once per step, as a worker does
+        y = x @ w.t()
+        t_base = t(lambda: x @ w.t())  # re-measured next to each ratio: load on a shared host drifts
+        t_delta = t(lambda: batched(x, signs, alpha, rv, y, plan))
+        t_both = t(lambda: batched(x, signs, alpha, rv, x @ w.t(), plan))
+        delta_bytes = n * (d * packed_cols(d) + 4 * d) + M * d * es + 2 * M * d * es
+        row = {
+            "section": "batched decode", "d": d, "M": M, "variants": n, "dtype": str(dtype).removeprefix("torch."),
+            "base_ms": t_base, "delta_ms": t_delta, "(base+delta)/base": t_both / t_base,
+            "delta_roofline": delta_bytes / (t_delta * 1e-3) / bw,
+            "kernel": (plan.kind if plan is not None else "cpu"),
+        }  # fmt: skip
+        rows.append(row)
+        print_row(row)
+
+
+def bench_cpu_gemv(t, bw, d, Ms, rows):
+    """The CPU delta GEMV (both methods) against a dense fp32 GEMV of the same shape."""
+    for M in Ms:
+        x, w, s, a = linear_inputs(M, d, d, torch.float32, torch.device("cpu"))
+        y = torch.zeros(M, d)
+        t_dense = t(lambda: x @ w.t())
+        row = {"section": "cpu delta gemv", "d": d, "M": M, "dense_fp32_ms": t_dense}
+        for method in ("mask", "lut8"):
+            t_m = t(lambda: cpu_ops.delta_gemv_cpu(x, s, a, y, method=method))
+            row[f"{method}/dense"] = t_m / t_dense
+        row["unpack_torch/dense"] = t(lambda: x @ unpack_signs(s, d).t()) / t_dense
+        cache = MergedWeightCache(budget_bytes=1 << 34)
+        cache.get("v", w, s, a)
+        row["merged_cache_hit/dense"] = t(lambda: cache.linear("v", x, w, s, a)) / t_dense
+        row["merge_once_ms"] = t(lambda: cpu_ops.merge_cpu(w, s, a, d))
+        rows.append(row)
+        print_row(row)
+
+
+def cpu_sweep(t, rows):
+    """Crossovers behind MERGE_MIN_M / UNPACK_MIN_M / FUSED_GEMV_MAX_M (docs/kernels.md)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for d in (2048, 4096):
+            for M in (1, 2, 4, 8, 16, 32, 64, 128):
+                x, w, s, a = linear_inputs(M, d, d, dtype, torch.device("cpu"))
+                t_base = t(lambda: x @ w.t())
+                row = {"section": "cpu sweep", "dtype": str(dtype).removeprefix("torch."), "d": d, "M": M}
+                for path in ("fused_gemv", "blas_delta", "merge_gemm"):
+                    row[path] = t(lambda: cpu_ops.bitdelta_linear_cpu(x, w, s, a, path=path)) / t_base
+                if dtype == torch.float32:
+                    y = torch.zeros(M, d)
+                    for path in ("delta_gemv", "unpack_gemm"):
+                        row["delta:" + path] = t(lambda: cpu_ops.delta_rows_cpu(x, s, a, y, path=path)) / t_base
+                rows.append(row)
+                print_row(row)
+
+
+# ---------------------------------------------------------------- output
+def fmt(v):
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def print_row(row):
+    print("  " + "  ".join(f"{k}={fmt(v)}" for k, v in row.items() if k != "section"), flush=True)
+
+
+def markdown(meta, rows) -> str:
+    out = [f"# Kernel benchmark — {meta['device']}", ""]
+    out += [f"- {k}: {fmt(v)}" for k, v in meta.items()]
+    sections = []
+    for r in rows:
+        if r["section"] not in sections:
+            sections.append(r["section"])
+    for sec in sections:
+        rs = [r for r in rows if r["section"] == sec]
+        keys = [k for k in rs[0] if k != "section"]
+        for r in rs:
+            keys += [k for k in r if k not in keys and k != "section"]
+        out += ["", f"## {sec}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        out += ["| " + " | ".join(fmt(r.get(k, "")) for k in keys) + " |" for r in rs]
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer and smaller shapes")
+    ap.add_argument("--out", type=Path, help="write results.json and results.md here (e.g. bench/results)")
+    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    ap.add_argument("--cpu-sweep", action="store_true", help="also sweep the CPU paths over M (slow)")
+    ap.add_argument("--reps", type=int, default=None, help="CPU repetitions per timing")
+    ap.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads on CPU (default: torch's)")
+    ap.add_argument("--only-sweep", action="store_true", help="with --cpu-sweep: skip the other sections")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    dev = torch.device("cuda" if cuda else "cpu")
+    t = timer(dev, args.reps or (5 if args.quick else 10))
+    bw = copy_bandwidth(dev, t)
+    name = torch.cuda.get_device_name(dev) if cuda else (platform.processor() or platform.machine())
+    meta = {
+        "device": name, "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "quick": args.quick, "bandwidth_GBps": bw / 1e9,
+        "threads": torch.get_num_threads(),
+    }  # fmt: skip
+    if not cuda:
+        meta["cpu_kernels"] = cpu_isa()
+        # a shared host: with every core busy, each OpenMP region waits for a descheduled
+        # thread and multi-threaded timings mostly measure the scheduler (try --threads 1)
+        meta["load_average_1min"] = os.getloadavg()[0]
+    print(f"device: {name}; measured bandwidth {bw / 1e9:.1f} GB/s")
+    rows: list[dict] = []
+
+    if cuda:
+        import triton
+
+        meta["triton"] = triton.__version__
+        dtype = torch.bfloat16
+        dec_d = (4096,) if args.quick else (4096, 8192)
+        print("fused decode (÷ base GEMV, cuBLAS):")
+        bench_fused(dev, t, bw, dtype, [(d, M) for d in dec_d for M in (1, 4, 16)], rows, "fused decode")
+        print("fused prefill (÷ base GEMM):")
+        pre = [(4096, 512)] if args.quick else [(4096, 512), (4096, 2048), (8192, 2048)]
+        bench_fused(dev, t, bw, dtype, pre, rows, "fused prefill")
+        print("batched decode, 16 rows:")
+        for d in dec_d:
+            bench_batched(dev, t, bw, dtype, d, (1, 4, 8, 16), rows)
+    elif args.only_sweep:
+        cpu_sweep(t, rows)
+    else:
+        dtype = torch.float32
+        dec_d = (4096,) if args.quick else (4096, 8192)
+        print("CPU fused decode (÷ torch base GEMV):")
+        bench_fused(dev, t, bw, dtype, [(d, M) for d in dec_d for M in (1, 4, 16)], rows, "fused decode")
+        print("CPU fused prefill (÷ torch base GEMM):")
+        pre = [(2048, 512)] if args.quick else [(4096, 512), (4096, 2048)]
+        bench_fused(dev, t, bw, dtype, pre, rows, "fused prefill")
+        print("CPU batched decode, 16 rows:")
+        bench_batched(dev, t, bw, dtype, 4096, (1, 4, 16) if args.quick else (1, 4, 8, 16), rows)
+        print("CPU delta GEMV vs dense fp32 GEMV:")
+        bench_cpu_gemv(t, bw, 4096, (1, 4, 16), rows)
+        if args.cpu_sweep:
+            print("CPU path sweep (÷ torch base):")
+            cpu_sweep(t, rows)
+
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = "kernels_" + ("cuda" if cuda else "cpu") + ("_quick" if args.quick else "")
+        stem += f"_t{args.threads}" if args.threads else ""
+        (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        (args.out / f"{stem}.md").write_text(markdown(meta, rows))
+        print(f"wrote {args.out / stem}.json and .md")
+
+
+if __name__ == "__main__":
+    main()

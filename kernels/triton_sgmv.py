@@ -1,0 +1,99 @@
+"""Segmented 1-bit delta (Punica SGMV style): rows grouped by variant, one tensor-core dot per tile."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.configs import interpreting
+
+
+@triton.jit
+def _bitdelta_sgmv_kernel(
+    # pointers
+    x_ptr, s_ptr, alpha_ptr, y_ptr, row_idx_ptr, tile_start_ptr, tile_end_ptr, tile_variant_ptr,
+    # sizes
+    N, K,
+    # strides
+    stride_xm, stride_xk, stride_sv, stride_sn, stride_av, stride_an, stride_ym, stride_yn,
+    # meta
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """y[r, n] += α_v[n] · Σ_k x[r, k] · S_v[n, k]  for the rows r of one tile, all of variant v.
+
+    x: [M, K]; s: uint8 [V, N, ceil(K/8)]; α: fp32 [V, N] (stride_an 0: one per matrix);
+    y: [M, N], updated in place. Tile t (program axis 0) covers rows
+    row_idx[tile_start[t] : tile_end[t]] (≤ BLOCK_M rows, one variant tile_variant[t]);
+    axis 1 tiles N. A row belongs to one tile, so no two programs write one y element.
+    S is ±1 and exact in fp16/bf16, so the dot runs in x's dtype with fp32 accumulation.
+    """
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    start = tl.load(tile_start_ptr + pid_t)
+    end = tl.load(tile_end_ptr + pid_t)
+    v = tl.load(tile_variant_ptr + pid_t).to(tl.int64)  # int64 before it multiplies a stride
+    offs = start + tl.arange(0, BLOCK_M)
+    m_mask = offs < end
+    rows = tl.load(row_idx_ptr + offs, mask=m_mask, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    s_base = s_ptr + v * stride_sv
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # range over a step count, not range(0, K, BLOCK_K): the latter breaks triton 3.6's interpreter with numpy ≥ 2.4
+    for step in range(0, tl.cdiv(K, BLOCK_K)):
+        offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+            mask=m_mask[:, None] & k_mask[None, :], other=0.0,
+        )  # fmt: skip
+        # bits of the [BK, BN] tile; padded columns read as −1 but meet x = 0
+        byte = tl.load(
+            s_base + offs_n[None, :] * stride_sn + (offs_k[:, None] // 8),
+            mask=k_mask[:, None] & n_mask[None, :], other=0,
+        )  # fmt: skip
+        bit = (byte.to(tl.int32) >> (offs_k[:, None] % 8)) & 1
+        sgn = tl.where(bit != 0, 1.0, -1.0)  # fp32 [BK, BN]
+        if DOT_FP32:
+            acc += tl.dot(x.to(tl.float32), sgn, input_precision=PRECISION)
+        else:
+            acc += tl.dot(x, sgn.to(x.dtype))
+
+    alpha = tl.load(alpha_ptr + v * stride_av + offs_n * stride_an, mask=n_mask, other=0.0)
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    y_old = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y_old + acc * alpha[None, :]).to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def sgmv_launch(
+    x: torch.Tensor, signs_stack: torch.Tensor, alpha_stack: torch.Tensor, y: torch.Tensor,
+    row_idx: torch.Tensor, tile_start: torch.Tensor, tile_end: torch.Tensor, tile_variant: torch.Tensor,
+    blocks: dict,
+) -> torch.Tensor:  # fmt: skip
+    """Launch over precomputed tiles (see kernels.plan.plan_batch); shapes are checked by the caller.
+
+    x: [M, d_in]; signs_stack: uint8 [V, d_out, ceil(d_in/8)]; alpha_stack: fp32 [V, d_out] or [V, 1];
+    y: [M, d_out]; row_idx: int32 [rows]; tile_*: int32 [T]. Returns y, updated in place.
+    """
+    n_tiles = tile_start.numel()
+    N, K = signs_stack.shape[1], x.shape[1]
+    if n_tiles == 0 or N == 0:
+        return y
+    dot_fp32 = x.dtype == torch.float32 or (interpreting() and x.dtype == torch.bfloat16)
+    precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    grid = (n_tiles, triton.cdiv(N, blocks["BLOCK_N"]))
+    _bitdelta_sgmv_kernel[grid](
+        x, signs_stack, alpha_stack, y, row_idx, tile_start, tile_end, tile_variant,
+        N, K,
+        x.stride(0), x.stride(1), signs_stack.stride(0), signs_stack.stride(1),
+        alpha_stack.stride(0), 0 if alpha_stack.shape[1] == 1 else alpha_stack.stride(1),
+        y.stride(0), y.stride(1),
+        BLOCK_M=blocks["BLOCK_M"], BLOCK_N=blocks["BLOCK_N"], BLOCK_K=blocks["BLOCK_K"],
+        DOT_FP32=dot_fp32, PRECISION=precision,
+        num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
+    )  # fmt: skip
+    return y
