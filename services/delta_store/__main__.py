@@ -1,0 +1,3 @@
+from services.delta_store.server import main
+
+main()

@@ -1,0 +1,127 @@
+"""Storage backends of the delta store: one interface, swappable.
+
+A backend stores opaque objects (delta files) under variant names. It knows
+nothing of the delta format: the core verifies what it reads and writes.
+
+    objects = await backend.list()                 # [ObjectInfo], only committed objects
+    info    = await backend.head(name)             # NotFound if absent
+    reader  = await backend.open(name)             # reader.readinto(offset, buf) -> bytes read
+    upload  = await backend.begin_upload(name, size)
+    await upload.write(data) ...; await upload.commit(overwrite)   # atomic: visible all at once
+    await backend.delete(name)
+
+Errors: `NotFound`, `AlreadyExists`, and `BackendUnavailable` for anything
+that a retry might fix (unreachable, timed out, missing directory or bucket).
+Names reaching a backend have passed `check_name`; backends check again
+before building a path or key, so no name can address anything outside the store.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from services.delta_store.errors import InvalidName
+
+SUFFIX = ".safetensors"  # object name = variant name + SUFFIX
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+def check_name(name: str) -> str:
+    """Return `name` if it is a plain variant name, else raise InvalidName.
+
+    Allowed: 1-128 characters of [A-Za-z0-9_.-], starting with a letter or
+    digit, without "..". So no path separators, no parent directories, no
+    hidden files, no control characters, no empty name.
+    """
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
+        raise InvalidName(
+            f"invalid delta name {name!r}: use 1-128 characters of letters, digits, '_', '-' and '.', "
+            "starting with a letter or digit, without '..' or path separators"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    name: str
+    size: int
+    version: str  # changes whenever the object's content may have changed (mtime+inode, ETag)
+
+
+class Reader(ABC):
+    """An open object for (large, sequential) ranged reads."""
+
+    size: int
+
+    @abstractmethod
+    async def readinto(self, offset: int, buf: memoryview) -> int:
+        """Fill `buf` from `offset`; returns the bytes read, fewer only at the end of the object."""
+
+    @abstractmethod
+    async def aclose(self) -> None: ...
+
+    async def __aenter__(self) -> "Reader":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+class Upload(ABC):
+    """An upload in progress; invisible to `list`/`head`/`open` until `commit`."""
+
+    @abstractmethod
+    async def write(self, data: bytes | memoryview) -> None: ...
+
+    @abstractmethod
+    async def commit(self, overwrite: bool) -> ObjectInfo:
+        """Make the object visible atomically; AlreadyExists if it exists and not `overwrite`."""
+
+    @abstractmethod
+    async def abort(self) -> None:
+        """Discard the upload (idempotent; safe after a failed commit)."""
+
+
+class Backend(ABC):
+    kind: str
+
+    @abstractmethod
+    async def list(self) -> list[ObjectInfo]: ...
+
+    @abstractmethod
+    async def head(self, name: str) -> ObjectInfo: ...
+
+    @abstractmethod
+    async def open(self, name: str) -> Reader: ...
+
+    @abstractmethod
+    async def begin_upload(self, name: str, size: int) -> Upload: ...
+
+    @abstractmethod
+    async def delete(self, name: str) -> None: ...
+
+    async def close(self) -> None:
+        pass
+
+    async def read_range(self, name: str, offset: int, length: int) -> bytes:
+        """Up to `length` bytes from `offset` (fewer at the end of the object)."""
+        buf = bytearray(length)
+        async with await self.open(name) as r:
+            n = await r.readinto(offset, memoryview(buf))
+        return bytes(buf[:n])
+
+
+def make_backend(config) -> Backend:
+    """The backend that `config` (a services.delta_store.config.Config) selects."""
+    if config.backend == "local":
+        from services.delta_store.backends.local import LocalBackend
+
+        return LocalBackend(config.root)
+    from services.delta_store.backends.s3 import S3Backend
+
+    return S3Backend(
+        bucket=config.s3_bucket, prefix=config.s3_prefix, endpoint=config.s3_endpoint,
+        region=config.s3_region, timeout_s=config.backend_timeout_s,
+    )

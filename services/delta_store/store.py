@@ -1,0 +1,491 @@
+"""The delta store's core: List, Stat, Fetch, Put and Delete over a backend and the host cache.
+
+Knows the delta format (through `bitdelta.format`), not gRPC. Every name is
+checked by `check_name` before it reaches a backend. What it reads from a
+backend is verified: the header always (a truncated file or a bad header is
+`CorruptDelta`), each tensor's sha256 while it streams (`verify_reads`).
+What it is sent by Put is verified completely before it becomes visible.
+
+Fetch, in order: HEAD the object (its version; if the backend is down, a
+complete cached copy is served instead); check the base fingerprint; then
+one of: follow a cached or loading entry (hit / join), start the single
+loader of a new entry (miss), or stream straight from the backend when the
+delta cannot be cached (bypass). Spans: `delta_store.fetch` with the
+attribute `cache.result` (hit | join | miss | bypass), and
+`delta_store.backend.read` for every read of a whole delta from the backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import hashlib
+import logging
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from opentelemetry import trace
+
+from bitdelta.format import DeltaFormatError, DeltaHeader, check_base, check_structure, header_length, parse_header
+from services.delta_store.backends import Backend, ObjectInfo, Reader, check_name
+from services.delta_store.checksums import crc32
+from services.delta_store.cache import Entry, HostCache
+from services.delta_store.config import MAX_CHUNK_BYTES
+from services.delta_store.errors import AlreadyExists, BackendUnavailable, CorruptDelta, InvalidUpload, NotFound
+
+log = logging.getLogger(__name__)
+HEADER_PROBE_BYTES = 64 * 1024  # first read of a header; most headers fit
+HASH_DEPTH = 8  # blocks a load may read ahead of the checks (they land in the entry: no extra memory)
+MAX_CACHED_HEADERS = 4096
+
+
+@dataclass(frozen=True)
+class StoredDelta:
+    """One stored delta: its name, backend version and parsed header."""
+
+    name: str
+    size: int
+    version: str
+    header: DeltaHeader
+
+    def info_proto(self):
+        from bitdelta.delta_store.v1 import delta_store_pb2 as pb
+
+        meta, by_role = self.header.meta, self.header.bytes_by_role()
+        return pb.DeltaInfo(
+            name=self.name, size_bytes=self.size, base_model=meta.base_model, base_fingerprint=meta.base_fingerprint,
+            format_version=self.header.metadata.get("format_version", ""),
+            alpha_mode={"row": pb.ALPHA_MODE_ROW, "matrix": pb.ALPHA_MODE_MATRIX}.get(meta.alpha_mode, 0),
+            distilled=bool(meta.distilled), sign_bytes=by_role["sign"], alpha_bytes=by_role["alpha"],
+            dense_bytes=by_role["dense"], metadata=self.header.metadata, version=self.version,
+        )
+
+    def tensors_proto(self) -> list:
+        from bitdelta.delta_store.v1 import delta_store_pb2 as pb
+
+        roles = {"sign": pb.TENSOR_ROLE_SIGN, "alpha": pb.TENSOR_ROLE_ALPHA, "dense": pb.TENSOR_ROLE_DENSE}
+        return [
+            pb.TensorInfo(name=t.name, role=roles[t.role], dtype=t.dtype, shape=t.shape, file_offset=t.start,
+                          nbytes=t.nbytes, sha256=self.header.sha256[t.name])
+            for t in self.header.tensors
+        ]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    tensor_index: int
+    offset: int  # within the tensor
+    data: bytes
+    crc32: int
+
+
+def _tensor_pieces(tensors, ends: list[int], offset: int, view: memoryview):
+    """(index, tensor, offset within the tensor, bytes) of every tensor overlapping [offset, offset + len(view))."""
+    end = offset + len(view)
+    for i in range(bisect.bisect_right(ends, offset), len(tensors)):
+        t = tensors[i]
+        if t.start >= end:
+            return
+        a, b = max(t.start, offset), min(t.end, end)
+        if a < b:
+            yield i, t, a - t.start, view[a - offset: b - offset]
+
+
+class _TensorChecks:
+    """sha256 of every tensor (if `verify`) and crc32 of every `chunk_bytes` chunk (if `crcs`), fed the file's bytes.
+
+    A tensor's pieces must be fed in order; different tensors are independent,
+    so `feed_parallel` hashes them on worker threads at once (hashlib and zlib
+    release the GIL), chained per tensor. A mismatch raises DeltaFormatError
+    naming the tensor.
+    """
+
+    def __init__(self, header: DeltaHeader, verify: bool = True, chunk_bytes: int = 0,
+                 crcs: list[list[int]] | None = None):
+        self.header, self.verify, self.chunk_bytes, self.crcs = header, verify, chunk_bytes, crcs
+        self._ends = [t.end for t in header.tensors]
+        self._state: dict[int, list] = {}  # tensor index -> [sha256, running crc] while in progress
+        self._finished: set[int] = set()
+        self._tails: dict[int, asyncio.Future] = {}  # last scheduled update per tensor
+        for i, t in enumerate(header.tensors):
+            if not t.nbytes:
+                self._finish(i, t, hashlib.sha256())
+
+    def _finish(self, i: int, t, sha) -> None:
+        if self.verify and sha.hexdigest() != self.header.sha256[t.name]:
+            raise DeltaFormatError(f"tensor {t.name}: sha256 mismatch (corrupted data)", tensor=t.name)
+        self._finished.add(i)
+
+    def _update(self, i: int, t, pos: int, piece: memoryview) -> None:
+        state = self._state.get(i)
+        if state is None:
+            state = self._state[i] = [hashlib.sha256() if self.verify else None, 0]
+        if self.verify:
+            state[0].update(piece)
+        end = pos + len(piece)
+        if self.crcs is not None:
+            crc, chunk, out = state[1], self.chunk_bytes, self.crcs[i]
+            while piece:
+                part, piece = piece[: chunk - pos % chunk], piece[chunk - pos % chunk:]
+                crc = crc32(part, crc)
+                pos += len(part)
+                if pos % chunk == 0 or pos == t.nbytes:
+                    out.append(crc)
+                    crc = 0
+            state[1] = crc
+        if end == t.nbytes:
+            del self._state[i]
+            self._finish(i, t, state[0])
+
+    def feed(self, offset: int, view: memoryview) -> None:
+        for i, t, pos, piece in _tensor_pieces(self.header.tensors, self._ends, offset, view):
+            self._update(i, t, pos, piece)
+
+    def feed_parallel(self, offset: int, view: memoryview) -> asyncio.Future:
+        """Schedule the pieces of [offset, offset + len(view)); the result is done when they are checked."""
+        steps = []
+        if not self.verify and self.crcs is None:
+            return asyncio.gather()  # nothing to compute
+        for i, t, pos, piece in _tensor_pieces(self.header.tensors, self._ends, offset, view):
+            step = asyncio.ensure_future(self._step(self._tails.get(i), i, t, pos, piece))
+            self._tails[i] = step
+            steps.append(step)
+        return asyncio.gather(*steps)
+
+    async def _step(self, previous, i, t, pos, piece) -> None:
+        if previous is not None:
+            await previous
+        if len(piece) < 65536:
+            self._update(i, t, pos, piece)
+        else:
+            await asyncio.to_thread(self._update, i, t, pos, piece)
+        if self._tails.get(i) is asyncio.current_task():
+            del self._tails[i]
+
+    async def settle(self) -> None:
+        """Wait until no scheduled update runs (a thread may be reading a buffer that is about to go)."""
+        await asyncio.gather(*self._tails.values(), return_exceptions=True)
+
+    def done(self) -> bool:
+        return len(self._finished) == len(self.header.tensors)
+
+
+class FetchStream:
+    """What Fetch streams: `delta` first, then the chunks (`async for`); use it as `async with`."""
+
+    def __init__(self, delta: StoredDelta, chunks: AsyncIterator[Chunk], span: trace.Span, release=None):
+        self.delta, self._chunks, self._span, self._release = delta, chunks, span, release
+        self.bytes_sent = 0
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Chunk:
+        c = await self._chunks.__anext__()
+        self.bytes_sent += len(c.data)
+        return c
+
+    async def __aenter__(self) -> "FetchStream":
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        try:
+            await self._chunks.aclose()
+        finally:
+            if self._release is not None:
+                self._release()
+            self._span.set_attribute("delta.bytes_sent", self.bytes_sent)
+            if exc is not None and not isinstance(exc, asyncio.CancelledError):
+                self._span.record_exception(exc)
+                self._span.set_status(trace.StatusCode.ERROR, str(exc))
+            elif exc_type is asyncio.CancelledError or exc_type is GeneratorExit:
+                self._span.set_attribute("fetch.cancelled", True)
+            self._span.end()
+
+
+class DeltaStore:
+    def __init__(self, backend: Backend, cache: HostCache, *, chunk_bytes: int = 1 << 20, read_block_bytes: int = 8 << 20,
+                 verify_reads: bool = True, tracer_provider: trace.TracerProvider | None = None):
+        self.backend, self.cache = backend, cache
+        self.chunk_bytes, self.read_block_bytes, self.verify_reads = chunk_bytes, read_block_bytes, verify_reads
+        self.tracer = trace.get_tracer("services.delta_store", tracer_provider=tracer_provider)
+        self._headers: OrderedDict[str, tuple[str, DeltaHeader]] = OrderedDict()
+        self._bad: dict[str, tuple[str, CorruptDelta]] = {}  # name -> (version, error) of deltas that failed verification
+        self._header_reads: dict[tuple[str, str], asyncio.Future] = {}
+
+    async def close(self) -> None:
+        for name in list(self.cache.entries):
+            self.cache.drop(name)
+        await self.backend.close()
+
+    # -- List / Stat -------------------------------------------------------------------
+    async def list(self) -> list[StoredDelta]:
+        objects = await self.backend.list()
+        sem = asyncio.Semaphore(8)
+
+        async def describe(o: ObjectInfo) -> StoredDelta | None:
+            async with sem:
+                try:
+                    return await self._describe(o)
+                except (CorruptDelta, NotFound) as e:  # invalid files and ones deleted meanwhile are not listed
+                    log.debug("not listing %s: %s", o.name, e)
+                    return None
+
+        found = await asyncio.gather(*(describe(o) for o in objects))
+        return sorted((d for d in found if d is not None), key=lambda d: d.name)
+
+    async def stat(self, name: str) -> StoredDelta:
+        check_name(name)
+        return await self._describe(await self.backend.head(name))
+
+    async def _describe(self, o: ObjectInfo) -> StoredDelta:
+        bad = self._bad.get(o.name)
+        if bad is not None and bad[0] == o.version:
+            raise bad[1]
+        cached = self._headers.get(o.name)
+        if cached is not None and cached[0] == o.version:
+            self._headers.move_to_end(o.name)
+            return StoredDelta(o.name, o.size, o.version, cached[1])
+        key = (o.name, o.version)
+        read = self._header_reads.get(key)
+        if read is None:  # single flight for headers too
+            read = self._header_reads[key] = asyncio.ensure_future(self._read_header(o))
+            read.add_done_callback(lambda _: self._header_reads.pop(key, None))
+        header = await asyncio.shield(read)
+        self._remember_header(o.name, o.version, header)
+        return StoredDelta(o.name, o.size, o.version, header)
+
+    async def _read_header(self, o: ObjectInfo) -> DeltaHeader:
+        try:
+            prefix = await self.backend.read_range(o.name, 0, min(o.size, HEADER_PROBE_BYTES))
+            need = 8 + header_length(prefix)
+            if need > len(prefix) and o.size >= need:
+                prefix += await self.backend.read_range(o.name, len(prefix), need - len(prefix))
+            header = parse_header(prefix, file_size=o.size)
+            check_structure(header)
+            return header
+        except DeltaFormatError as e:
+            raise self._corrupt(o, e) from None
+
+    def _remember_header(self, name: str, version: str, header: DeltaHeader) -> None:
+        self._headers[name] = (version, header)
+        self._headers.move_to_end(name)
+        while len(self._headers) > MAX_CACHED_HEADERS:
+            self._headers.popitem(last=False)
+
+    def _corrupt(self, o: ObjectInfo, e: DeltaFormatError) -> CorruptDelta:
+        err = CorruptDelta(o.name, str(e), tensor=e.tensor)
+        self._bad[o.name] = (o.version, err)
+        log.error("%s", err)
+        return err
+
+    def _forget(self, name: str, history: bool = False) -> None:
+        self._headers.pop(name, None)
+        self._bad.pop(name, None)
+        self.cache.drop(name, forget=history)
+
+    # -- Fetch -------------------------------------------------------------------------
+    async def fetch(self, name: str, chunk_bytes: int = 0, expect_base_fingerprint: str = "") -> FetchStream:
+        """Open a Fetch: raises NotFound, BaseMismatchError, CorruptDelta, BackendUnavailable before any data."""
+        check_name(name)
+        chunk = min(chunk_bytes or self.chunk_bytes, MAX_CHUNK_BYTES)
+        span = self.tracer.start_span("delta_store.fetch", attributes={"delta.name": name, "fetch.chunk_bytes": chunk})
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                stream = await self._open(name, chunk, expect_base_fingerprint, span)
+        except BaseException as e:
+            span.record_exception(e)
+            span.set_status(trace.StatusCode.ERROR, str(e))
+            span.end()
+            raise
+        return stream
+
+    async def _open(self, name: str, chunk: int, expect: str, span: trace.Span) -> FetchStream:
+        try:
+            o = await self.backend.head(name)
+            delta = await self._describe(o)
+        except BackendUnavailable:
+            e = self.cache.entries.get(name)
+            if e is None or not e.complete:
+                raise
+            log.warning("backend unavailable; serving %s from the cache", name)
+            o = ObjectInfo(name, e.size, e.version)
+            delta = StoredDelta(name, e.size, e.version, e.header)
+        span.set_attribute("delta.size_bytes", delta.size)
+        if expect:
+            check_base(delta.header.meta, expect)
+        entry = self.cache.lookup(name, o.version)
+        if entry is not None:
+            result = "hit" if entry.complete else "join"
+        else:
+            entry = self.cache.reserve(name, o.version, delta.header, self.chunk_bytes)
+            result = "miss" if entry is not None else "bypass"
+        self.cache.stats[result] += 1
+        span.set_attribute("cache.result", result)
+        span.set_attribute("cache.hit", result == "hit")
+        if entry is None:
+            return FetchStream(delta, self._chunks_direct(delta, chunk, span), span)
+        entry.readers += 1  # before any await: the loader lives while someone reads
+        if result == "miss":
+            entry.loader = asyncio.get_running_loop().create_task(self._load(entry), name=f"load {name}")
+        return FetchStream(delta, self._chunks_from(entry, chunk), span, release=lambda: self.cache.release(entry))
+
+    async def _chunks_from(self, entry: Entry, chunk: int) -> AsyncIterator[Chunk]:
+        for i, t in enumerate(entry.header.tensors):
+            for off in range(0, t.nbytes, chunk):
+                n = min(chunk, t.nbytes - off)
+                if entry.filled < t.start + off + n:
+                    await entry.wait_for(t.start + off + n)
+                data = bytes(entry.view[t.start + off: t.start + off + n])
+                crc = entry.crc(i, off, chunk)
+                yield Chunk(i, off, data, crc32(data) if crc is None else crc)
+
+    async def _chunks_direct(self, delta: StoredDelta, chunk: int, fetch_span: trace.Span) -> AsyncIterator[Chunk]:
+        """Stream without caching: blocks from the backend, cut into chunks."""
+        header = delta.header
+        with self.tracer.start_as_current_span("delta_store.backend.read", attributes=self._read_attrs(delta),
+                                               context=trace.set_span_in_context(fetch_span)):
+            async with await self.backend.open(delta.name) as reader:
+                i, pos = 0, 0  # tensor index, offset within it
+                carry = bytearray()  # a chunk that spans two blocks
+                async for start, view in self._verified_blocks(delta, reader):
+                    end = start + len(view)
+                    while i < len(header.tensors):
+                        t = header.tensors[i]
+                        if pos == t.nbytes:
+                            i, pos = i + 1, 0
+                            continue
+                        n = min(chunk, t.nbytes - pos)
+                        a = t.start + pos + len(carry)
+                        b = t.start + pos + n
+                        if b > end:
+                            carry += view[a - start:]
+                            break
+                        data = bytes(carry + view[a - start: b - start]) if carry else bytes(view[a - start: b - start])
+                        carry = bytearray()
+                        yield Chunk(i, pos, data, crc32(data))
+                        pos += n
+
+    def _read_attrs(self, delta: StoredDelta) -> dict:
+        return {"delta.name": delta.name, "delta.size_bytes": delta.size, "backend.kind": self.backend.kind,
+                "verify_reads": self.verify_reads}
+
+    async def _load(self, entry: Entry) -> None:
+        """The one loader of an entry: read the whole delta into it, verifying as it goes."""
+        delta = StoredDelta(entry.name, entry.size, entry.version, entry.header)
+        try:
+            with self.tracer.start_as_current_span("delta_store.backend.read", attributes=self._read_attrs(delta)):
+                async with await self.backend.open(entry.name) as reader:
+                    async for start, view in self._verified_blocks(delta, reader, into=entry.view, crcs=entry.crcs):
+                        entry.publish(start + len(view))
+        except asyncio.CancelledError:
+            entry.fail(BackendUnavailable(f"loading {entry.name!r} was cancelled"))
+            raise
+        except Exception as e:
+            if self.cache.entries.get(entry.name) is entry:
+                self.cache.drop(entry.name)
+            entry.fail(e)
+
+    async def _verified_blocks(self, delta: StoredDelta, reader: Reader, into: memoryview | None = None,
+                               crcs: list[list[int]] | None = None) -> AsyncIterator[tuple[int, memoryview]]:
+        """Consecutive blocks of the whole file, (file offset, bytes), read sequentially.
+
+        Reads land in `into` (the cache entry) or in a few reused buffers. While
+        the next blocks are read, worker threads hash the tensors of earlier ones
+        (several tensors at once); a block is yielded, in order, once all its
+        bytes are checked, so every tensor that ends in it has passed its sha256
+        check (if verify_reads). Chunk crc32s go to `crcs` if given.
+        """
+        size, block = delta.size, self.read_block_bytes
+        o = ObjectInfo(delta.name, delta.size, delta.version)
+        if reader.size != size:
+            raise BackendUnavailable(f"delta {delta.name!r} changed while it was being read; retry")
+        depth = HASH_DEPTH if into is not None else 2  # blocks read ahead of the checks
+        spare = [] if into is not None else [bytearray(min(block, size)) for _ in range(depth + 1)]
+        checks = _TensorChecks(delta.header, self.verify_reads, self.chunk_bytes, crcs)
+        inflight: deque = deque()  # (start, view, checks done)
+        try:
+            for i, start in enumerate(range(0, size, block)):
+                n = min(block, size - start)
+                buf = into[start: start + n] if into is not None else memoryview(spare[i % len(spare)])[:n]
+                got = await reader.readinto(start, buf)
+                if got < n:
+                    cut = next((t.name for t in delta.header.tensors if t.end > start + got), None)
+                    raise self._corrupt(o, DeltaFormatError(f"file is truncated at byte {start + got}; tensor {cut} is cut",
+                                                            tensor=cut))
+                inflight.append((start, buf, checks.feed_parallel(start, buf)))
+                while inflight and (inflight[0][2].done() or len(inflight) >= depth):
+                    first, view, checked = inflight.popleft()
+                    await checked
+                    yield first, view
+            while inflight:
+                first, view, checked = inflight.popleft()
+                await checked
+                yield first, view
+        except DeltaFormatError as e:
+            raise self._corrupt(o, e) from None
+        finally:
+            await checks.settle()
+
+    # -- Put / Delete --------------------------------------------------------------------
+    async def put(self, name: str, size: int, overwrite: bool, data: AsyncIterator[bytes]) -> StoredDelta:
+        """Store a delta from consecutive pieces of its file; visible only once verified completely."""
+        check_name(name)
+        if size < 8:
+            raise InvalidUpload(f"size_bytes={size} is too small for a delta file")
+        if not overwrite:
+            try:
+                await self.backend.head(name)
+            except NotFound:
+                pass
+            else:
+                raise AlreadyExists(f"a delta named {name!r} exists; Delete it first or Put with overwrite=true")
+        with self.tracer.start_as_current_span("delta_store.put", attributes={"delta.name": name, "delta.size_bytes": size}):
+            upload = await self.backend.begin_upload(name, size)
+            try:
+                header = await self._receive(name, size, data, upload)
+                info = await upload.commit(overwrite)
+            except BaseException:
+                await asyncio.shield(upload.abort())
+                raise
+        self._forget(name)
+        self._remember_header(name, info.version, header)
+        log.info("stored delta %s (%d bytes)", name, info.size)
+        return StoredDelta(name, info.size, info.version, header)
+
+    async def _receive(self, name: str, size: int, data: AsyncIterator[bytes], upload) -> DeltaHeader:
+        prefix, got = bytearray(), 0
+        header, sha = None, None
+        try:
+            async for piece in data:
+                if got + len(piece) > size:
+                    raise InvalidUpload(f"upload of {name!r} sent more than size_bytes={size} bytes")
+                if header is None:
+                    prefix += piece
+                    if len(prefix) >= 8 and len(prefix) >= 8 + header_length(prefix):
+                        header = parse_header(bytes(prefix), file_size=size)
+                        check_structure(header)
+                        sha = _TensorChecks(header)
+                        await asyncio.to_thread(sha.feed, 0, memoryview(prefix))
+                        prefix = None
+                else:
+                    if len(piece) > 65536:
+                        await asyncio.to_thread(sha.feed, got, memoryview(piece))
+                    else:
+                        sha.feed(got, memoryview(piece))
+                await upload.write(piece)
+                got += len(piece)
+            if got != size:
+                raise InvalidUpload(f"upload of {name!r} ended after {got} of size_bytes={size} bytes")
+            if header is None or not sha.done():
+                raise InvalidUpload(f"upload of {name!r} is not a complete delta file")
+            return header
+        except DeltaFormatError as e:
+            raise InvalidUpload(f"upload of {name!r} is not a valid delta: {e}") from None
+
+    async def delete(self, name: str) -> None:
+        check_name(name)
+        await self.backend.delete(name)
+        self._forget(name, history=True)
+        log.info("deleted delta %s", name)
