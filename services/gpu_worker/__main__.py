@@ -1,0 +1,16 @@
+"""`python -m services.gpu_worker --base DIR [--delta-store HOST:PORT | --delta-dir DIR] ...`"""
+
+import asyncio
+import logging
+
+from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.server import serve
+
+
+def main(argv=None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(WorkerConfig.from_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

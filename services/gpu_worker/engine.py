@@ -1,0 +1,229 @@
+"""The engine thread: schedule → step → sample → stream, forever.
+
+The model step runs here, never on the asyncio loop, so streaming, loads and
+health stay responsive while the accelerator (or the CPU) computes. The loop
+talks to the engine through two thread-safe inboxes (new sequences,
+cancellations); the engine talks back with one `call_soon_threadsafe` per
+step carrying every event of that step.
+
+Cancellation and deadlines are checked before every step: a cancelled or
+expired sequence leaves the batch at the next step and its KV blocks are
+freed at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from services.gpu_worker.runner import ModelRunner, SeqWork
+from services.gpu_worker.sampling import Sampler, TextStream
+from services.gpu_worker.scheduler import Scheduler, SeqState
+
+log = logging.getLogger("gpu_worker.engine")
+
+# How long an idle engine sleeps before re-checking deadlines.
+IDLE_POLL_S = 0.05
+
+
+@dataclass
+class TokenEvent:
+    """One streamed token (domain form of GenerateResponse)."""
+
+    token_id: int
+    text: str
+    elapsed_ms: float
+    finish_reason: str | None = None  # "length" | "eos" | "stop" | "cancelled"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft: dict | None = None  # on the first event: delta_load_ms, schedule_ms, prefill_ms, total_ms
+
+
+@dataclass
+class Sequence:
+    """Engine-side state of one request (the scheduler's `SeqState` plus sampling and streaming)."""
+
+    state: SeqState
+    sampler: Sampler
+    text: TextStream
+    eos_ids: frozenset[int]
+    emit: Callable[[object], None]  # called on the loop with a TokenEvent or an Exception
+    delta_name: str | None  # the slot reference to release when the sequence leaves
+    t_arrival: float  # perf_counter() when the request arrived
+    delta_load_ms: float = 0.0
+    deadline: float | None = None  # time.monotonic() deadline
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first_sched: float | None = None
+    sent_first: bool = False
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, loop, release: Callable[[str], None]):
+        self.runner, self.scheduler, self.loop = runner, scheduler, loop
+        self._release = release  # manager.release, called on the loop
+        self._inbox: deque[Sequence] = deque()
+        self._cancels: deque[int] = deque()
+        self._seqs: dict[int, Sequence] = {}
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.steps = 0
+        self.last_step_s = 0.0
+
+    # -- from the loop (thread-safe) -----------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, seq: Sequence) -> None:
+        with self._cv:
+            self._inbox.append(seq)
+            self._cv.notify()
+
+    def cancel(self, seq_id: int) -> None:
+        with self._cv:
+            self._cancels.append(seq_id)
+            self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    @property
+    def running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self._inbox)
+
+    # -- the thread ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        if self.runner.device.type == "cuda":
+            torch.cuda.set_device(self.runner.device)  # Triton launches on the current device
+        while True:
+            with self._cv:
+                while not self._stop and not self._inbox and not self._cancels and not self.scheduler.has_work():
+                    self._cv.wait()
+                if self._stop:
+                    break
+                new = list(self._inbox)
+                self._inbox.clear()
+                cancels = list(self._cancels)
+                self._cancels.clear()
+            posts: list[tuple[Callable, object]] = []
+            for s in new:
+                self._seqs[s.state.seq_id] = s
+                self.scheduler.add(s.state)
+            now = time.monotonic()
+            for sid in cancels:
+                self._drop(sid, posts, None)
+            for sid, s in list(self._seqs.items()):
+                if s.deadline is not None and now >= s.deadline:
+                    self._drop(sid, posts, "cancelled")
+            work = []
+            try:
+                work = self.scheduler.schedule()
+                if work:
+                    self._step(work, posts)
+                elif self.scheduler.has_work():
+                    with self._cv:  # waiting for KV space that only a cancel/deadline can free
+                        self._cv.wait(IDLE_POLL_S)
+            except Exception as e:  # noqa: BLE001  # fail this batch, keep serving the rest
+                log.exception("step failed")
+                for w in work:
+                    self._drop(w.seq.seq_id, posts, None, error=e)
+            if posts:
+                self.loop.call_soon_threadsafe(_deliver, posts)
+        # shutting down: every open request ends
+        posts = []
+        for sid in list(self._seqs):
+            self._drop(sid, posts, None, error=RuntimeError("the worker is shutting down"))
+        if posts and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(_deliver, posts)
+
+    def _step(self, work, posts) -> None:
+        t0 = time.perf_counter()
+        batch = []
+        for w in work:
+            s = w.seq
+            seq = self._seqs[s.seq_id]
+            if seq.t_first_sched is None:
+                seq.t_first_sched = t0
+            toks = s.tokens[s.computed:s.computed + w.n_tokens]
+            batch.append(SeqWork(toks, s.computed, s.slot, s.blocks, w.samples))
+        logits = self.runner.forward(batch)  # [R, vocab] fp32, rows of the sampling sequences in order
+        samplers = [self._seqs[w.seq.seq_id].sampler for w in work if w.samples]
+        picks = logits.argmax(-1).tolist() if logits.shape[0] else []
+        hot = [i for i, sp in enumerate(samplers) if not sp.greedy]
+        if hot:
+            rows = logits[torch.tensor(hot, device=logits.device)].cpu()
+            for j, i in enumerate(hot):
+                picks[i] = samplers[i].sample(rows[j])
+        t1 = time.perf_counter()
+        self.steps += 1
+        self.last_step_s = t1 - t0
+        r = 0
+        for w in work:
+            s = w.seq
+            s.computed += w.n_tokens
+            if not w.samples:
+                continue
+            tok = picks[r]
+            r += 1
+            self._emit_token(self._seqs[s.seq_id], tok, t1, posts)
+
+    def _emit_token(self, seq: Sequence, tok: int, now: float, posts) -> None:
+        s = seq.state
+        s.output.append(tok)
+        text, stopped = seq.text.add(tok)
+        reason = None
+        if stopped:
+            reason = "stop"
+        elif tok in seq.eos_ids:
+            reason = "eos"
+        elif len(s.output) >= s.max_new:
+            reason = "length"
+        if reason and reason != "stop":
+            text += seq.text.flush()
+        ev = TokenEvent(tok, text, (now - seq.t_arrival) * 1e3, reason, len(s.prompt), len(s.output))
+        if not seq.sent_first:
+            seq.sent_first = True
+            ev.ttft = {
+                "delta_load_ms": seq.delta_load_ms,
+                "schedule_ms": (seq.t_first_sched - seq.t_submit) * 1e3,
+                "prefill_ms": (now - seq.t_first_sched) * 1e3,
+                "total_ms": (now - seq.t_arrival) * 1e3,
+            }
+        posts.append((seq.emit, ev))
+        if reason:
+            self._drop(s.seq_id, posts, None, notify=False)
+
+    def _drop(self, seq_id: int, posts, reason: str | None, error: Exception | None = None, notify: bool = True) -> None:
+        """Remove a sequence from the batch, free its KV blocks and its slot reference."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        self.scheduler.remove(seq_id)
+        if seq.delta_name is not None:
+            posts.append((self._release, seq.delta_name))
+        if error is not None:
+            posts.append((seq.emit, error))
+        elif notify and reason:
+            s = seq.state
+            posts.append((seq.emit, TokenEvent(s.output[-1] if s.output else 0, seq.text.flush(),
+                                               (time.perf_counter() - seq.t_arrival) * 1e3, reason,
+                                               len(s.prompt), len(s.output))))  # fmt: skip
+
+
+def _deliver(posts) -> None:
+    for fn, arg in posts:
+        fn(arg)

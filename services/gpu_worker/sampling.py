@@ -1,0 +1,94 @@
+"""Picking tokens and turning them into text.
+
+- `Sampler`: greedy (temperature 0), or temperature + nucleus (top-p) with a
+  per-request generator: same seed, same tokens, whatever else is in the batch.
+- `TextStream`: incremental detokenisation (decode a short window around the
+  new token so multi-byte characters and leading spaces come out right) and
+  stop strings: text that could still become a stop string is held back, and
+  the stop string itself is never returned.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+class Sampler:
+    def __init__(self, temperature: float, top_p: float, seed: int):
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.greedy = self.temperature <= 0.0
+        self.generator = None
+        if not self.greedy:
+            self.generator = torch.Generator().manual_seed(seed or int.from_bytes(os.urandom(8), "little") >> 1)
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """logits: fp32 [vocab] on the CPU -> token id."""
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        if 0.0 < self.top_p < 1.0:
+            p, idx = probs.sort(descending=True)
+            cum = p.cumsum(0)
+            keep = (cum - p) < self.top_p  # the smallest prefix whose mass reaches top_p (never empty)
+            p = p * keep
+            choice = torch.multinomial(p / p.sum(), 1, generator=self.generator)
+            return int(idx[choice])
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+class TextStream:
+    """Token ids in, text pieces out (see module docstring)."""
+
+    def __init__(self, tokenizer, prompt: list[int], stop: list[str]):
+        self.tok = tokenizer
+        self.ids = list(prompt)
+        self.prefix_offset = max(len(prompt) - 5, 0)
+        self.read_offset = len(prompt)
+        self.stop = [s for s in stop if s]
+        self.text = ""  # generated text so far (decoded)
+        self.sent = 0  # characters of `text` already returned
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def add(self, token: int) -> tuple[str, bool]:
+        """Append one token. Returns (text to send now, whether a stop string was produced)."""
+        self.ids.append(token)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._release()
+
+    def _release(self) -> tuple[str, bool]:
+        if not self.stop:
+            out, self.sent = self.text[self.sent:], len(self.text)
+            return out, False
+        hit = -1
+        for s in self.stop:
+            i = self.text.find(s, self.sent)
+            if i >= 0 and (hit < 0 or i < hit):
+                hit = i
+        if hit >= 0:
+            out, self.sent = self.text[self.sent:hit], len(self.text)
+            return out, True
+        pending = self.text[self.sent:]
+        hold = 0
+        for k in range(min(max(map(len, self.stop)) - 1, len(pending)), 0, -1):
+            if any(s.startswith(pending[-k:]) for s in self.stop):
+                hold = k
+                break
+        end = len(self.text) - hold
+        out, self.sent = self.text[self.sent:end], end
+        return out, False
+
+    def flush(self) -> str:
+        """At the end (no stop string can follow): whatever was held back, incomplete characters included."""
+        if self.read_offset < len(self.ids):
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            self.text += self._decode(self.ids[self.prefix_offset:])[len(prefix):]
+            self.prefix_offset = self.read_offset = len(self.ids)
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out

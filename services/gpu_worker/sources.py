@@ -1,0 +1,248 @@
+"""Where deltas come from: a small interface with two implementations.
+
+    source.open(name, base_fingerprint) -> DeltaInfo      (header only, no data)
+    await source.stream(info, sink)                        (bytes into the sink)
+
+- `LocalDeltaSource`: a directory of `<name>.bitdelta` (or `<name>.safetensors`)
+  files. Reads straight into the sink's buffers (`readinto`, no copy) on a
+  thread, so the event loop never waits on the disk.
+- `DeltaStoreSource`: the delta_store service over gRPC (`Fetch`), talking to
+  the proto directly so chunks land in the sink without an intermediate copy.
+
+The sink (`loader.SlotWriter`) places bytes, checks crc32 per chunk and sha256
+per tensor; sources only move bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+
+from bitdelta.format import DeltaFormatError, check_base, check_structure, read_header
+from services.gpu_worker.errors import NotFound, Unavailable
+
+# Bytes per read from a local file: large enough for full disk bandwidth,
+# small enough that hashing overlaps the next read.
+READ_BYTES = 2 << 20
+IOV_MAX = 1024  # buffers per preadv (the Linux limit)
+FILE_SUFFIXES = (".bitdelta.safetensors", ".safetensors", ".bitdelta", ".delta")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a delta as the source announces it."""
+
+    name: str  # e.g. "model.layers.0.self_attn.q_proj.weight.sign"
+    dtype: str  # safetensors dtype string
+    shape: tuple[int, ...]
+    nbytes: int
+    sha256: str
+    file_offset: int = 0
+
+    @property
+    def param(self) -> str:
+        return self.name.rsplit(".", 1)[0]
+
+    @property
+    def role(self) -> str:
+        return self.name.rsplit(".", 1)[1]
+
+
+@dataclass
+class DeltaInfo:
+    """A delta's header: enough to validate and size it before any data moves."""
+
+    name: str
+    base_model: str
+    base_fingerprint: str
+    alpha_mode: str
+    size_bytes: int
+    tensors: list[TensorSpec]
+    metadata: dict[str, str] = field(default_factory=dict)
+    handle: object = None  # source-private (an open stream, a path)
+
+
+class Sink(Protocol):
+    def direct(self, index: int) -> memoryview | None:
+        """A writable host view of tensor `index`'s final bytes, or None (then use `put`)."""
+
+    def put(self, index: int, offset: int, data: bytes | memoryview, crc32: int | None = None) -> None:
+        """Bytes [offset, offset+len) of tensor `index`. Thread-safe; ordered per tensor."""
+
+    def landed(self, pieces: list[tuple[int, int, int]]) -> None:
+        """Each (index, offset, n): bytes [offset, offset+n) of tensor `index` were written into
+        `direct(index)`. Thread-safe."""
+
+
+class DeltaSource(Protocol):
+    async def open(self, name: str, base_fingerprint: str) -> DeltaInfo: ...
+
+    async def stream(self, info: DeltaInfo, sink: Sink) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class LocalDeltaSource:
+    """Delta files in a directory, named `<variant><suffix>`."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    def path_of(self, name: str) -> Path:
+        if not name or "/" in name or name.startswith("."):
+            raise NotFound(f"{name!r} is not a valid delta name")
+        for suf in FILE_SUFFIXES:
+            p = self.root / f"{name}{suf}"
+            if p.is_file():
+                return p
+        raise NotFound(f"no delta named {name!r} in {self.root} (looked for {', '.join(name + s for s in FILE_SUFFIXES)})")
+
+    async def open(self, name: str, base_fingerprint: str) -> DeltaInfo:
+        path = self.path_of(name)
+        header = await asyncio.to_thread(read_header, path)
+        meta = header.meta
+        check_base(meta, base_fingerprint)
+        check_structure(header)
+        specs = [TensorSpec(t.name, t.dtype, t.shape, t.nbytes, header.sha256[t.name], t.start) for t in header.tensors]
+        return DeltaInfo(name, meta.base_model, meta.base_fingerprint, meta.alpha_mode, header.file_size, specs,
+                         dict(header.metadata), handle=path)  # fmt: skip
+
+    async def stream(self, info: DeltaInfo, sink: Sink) -> None:
+        await asyncio.to_thread(self._read, Path(info.handle), info, sink)
+
+    @staticmethod
+    def _read(path: Path, info: DeltaInfo, sink: Sink) -> None:
+        """Scatter-read runs of file-contiguous tensors straight into the sink's buffers:
+        one `preadv` per READ_BYTES, however many (small) tensors that covers."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            run: list[tuple[int, int, memoryview]] = []  # (tensor, offset in it, destination)
+            run_start = run_bytes = 0
+
+            def flush():
+                nonlocal run, run_bytes
+                if not run:
+                    return
+                if os.preadv(fd, [v for _, _, v in run], run_start) != run_bytes:
+                    # short read (rare: EOF or a signal): redo it buffer by buffer to find where it ends
+                    pos = run_start
+                    for i, _, v in run:
+                        done = 0
+                        while done < len(v):
+                            k = os.preadv(fd, [v[done:]], pos + done)
+                            if k <= 0:
+                                t = info.tensors[i]
+                                raise DeltaFormatError(f"{path}: file ends inside tensor {t.name}", tensor=t.name)
+                            done += k
+                        pos += len(v)
+                sink.landed([(i, off, len(v)) for i, off, v in run])
+                run, run_bytes = [], 0
+
+            for i, t in enumerate(info.tensors):
+                dst = sink.direct(i)
+                off = 0
+                while off < t.nbytes:
+                    n = min(READ_BYTES - run_bytes, t.nbytes - off)
+                    if run and run_start + run_bytes != t.file_offset + off:
+                        flush()  # not contiguous with the current run
+                        continue
+                    if not run:
+                        run_start = t.file_offset + off
+                    run.append((i, off, dst[off:off + n]))
+                    run_bytes += n
+                    off += n
+                    if run_bytes >= READ_BYTES or len(run) >= IOV_MAX:
+                        flush()
+            flush()
+        finally:
+            os.close(fd)
+
+    async def close(self) -> None:
+        pass
+
+
+class DeltaStoreSource:
+    """The delta_store service (`bitdelta.delta_store.v1.DeltaStoreService.Fetch`)."""
+
+    def __init__(self, address: str, timeout_s: float = 600.0, chunk_bytes: int = 1 << 20):
+        from bitdelta.delta_store.v1 import delta_store_pb2, delta_store_pb2_grpc
+
+        self._pb = delta_store_pb2
+        self.address, self.timeout_s, self.chunk_bytes = address, timeout_s, chunk_bytes
+        opts = [("grpc.max_receive_message_length", 64 << 20)]
+        self._channel = grpc.aio.insecure_channel(address, options=opts)
+        self._stub = delta_store_pb2_grpc.DeltaStoreServiceStub(self._channel)
+
+    async def open(self, name: str, base_fingerprint: str) -> DeltaInfo:
+        pb = self._pb
+        call = self._stub.Fetch(
+            pb.FetchRequest(name=name, chunk_bytes=self.chunk_bytes, expect_base_fingerprint=base_fingerprint),
+            timeout=self.timeout_s,
+        )
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as e:
+            raise _store_error(name, self.address, e) from None
+        if first is grpc.aio.EOF or not first.HasField("info"):
+            call.cancel()
+            raise DeltaFormatError(f"delta store sent no header for {name!r}")
+        info = first.info
+        mode = {pb.ALPHA_MODE_ROW: "row", pb.ALPHA_MODE_MATRIX: "matrix"}.get(info.alpha_mode, "")
+        specs = [TensorSpec(t.name, t.dtype, tuple(t.shape), t.nbytes, t.sha256, t.file_offset) for t in first.tensors]
+        di = DeltaInfo(info.name or name, info.base_model, info.base_fingerprint, mode, info.size_bytes, specs,
+                       dict(info.metadata), handle=(call, first))  # fmt: skip
+        if info.format_version and info.format_version != "1":
+            call.cancel()
+            raise DeltaFormatError(f"delta {name!r} has format version {info.format_version}; this worker reads 1")
+        if info.base_fingerprint != base_fingerprint:
+            call.cancel()
+            from bitdelta.format import BaseMismatchError
+
+            raise BaseMismatchError(
+                f"delta {name!r} was built for base {info.base_model!r} with fingerprint "
+                f"{info.base_fingerprint[:16]}…, but this worker's base has fingerprint {base_fingerprint[:16]}…"
+            )
+        if "shapes" in info.metadata:
+            json.loads(info.metadata["shapes"])  # malformed metadata fails here, before data moves
+        return di
+
+    async def stream(self, info: DeltaInfo, sink: Sink) -> None:
+        call, first = info.handle
+        try:
+            msg = first
+            while msg is not grpc.aio.EOF:
+                if msg.HasField("chunk"):
+                    c = msg.chunk
+                    if c.tensor_index >= len(info.tensors):
+                        raise DeltaFormatError(f"delta store sent a chunk for tensor #{c.tensor_index}, "
+                                               f"but announced {len(info.tensors)} tensors")
+                    sink.put(c.tensor_index, c.offset, c.data, c.crc32)
+                msg = await call.read()
+        except grpc.aio.AioRpcError as e:
+            raise _store_error(info.name, self.address, e) from None
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+def _store_error(name: str, address: str, e: grpc.aio.AioRpcError) -> Exception:
+    from bitdelta.format import BaseMismatchError
+
+    code = e.code()
+    if code == grpc.StatusCode.NOT_FOUND:
+        return NotFound(f"delta store {address} has no delta {name!r}: {e.details()}")
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return BaseMismatchError(f"delta store refused {name!r}: {e.details()}")
+    if code == grpc.StatusCode.DATA_LOSS:
+        return DeltaFormatError(f"delta store reports {name!r} corrupted: {e.details()}")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return Unavailable(f"delta store {address} is unreachable or too slow for {name!r}: {e.details()}")
+    return Unavailable(f"delta store {address} failed on {name!r}: {code.name} {e.details()}")

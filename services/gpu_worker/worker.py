@@ -1,0 +1,238 @@
+"""The worker's core: base weights, delta slots, KV pool and engine behind
+plain Python methods (the servicer only translates protobuf to these).
+
+    worker = Worker(config); await worker.start()
+    async for ev in worker.generate(GenerateParams(model_id="coder", prompt="def f(")): ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+import torch
+
+from bitdelta.cache_policy import WeightedLRUPolicy
+from bitdelta.checkpoint import fingerprint, read_config
+from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.engine import Engine, Sequence, TokenEvent
+from services.gpu_worker.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.gpu_worker.manager import DeltaManager, DeltaState, SlotInfo
+from services.gpu_worker.runner import BaseWeights, KVPool, ModelRunner
+from services.gpu_worker.sampling import Sampler, TextStream
+from services.gpu_worker.scheduler import BlockAllocator, Scheduler, SeqState
+from services.gpu_worker.slots import SlotLayout, SlotTensors
+from services.gpu_worker.sources import DeltaStoreSource, LocalDeltaSource
+
+log = logging.getLogger("gpu_worker")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class GenerateParams:
+    """A Generate request in domain form."""
+
+    model_id: str
+    prompt: str
+    max_new_tokens: int = 0  # 0: the worker's default
+    temperature: float = 0.0
+    top_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    seed: int = 0
+    request_id: str = ""
+    deadline: float | None = None  # time.monotonic() by which the request must end
+
+
+@dataclass
+class WorkerStatus:
+    base_model: str
+    base_fingerprint: str
+    device: str
+    slots: list[SlotInfo]
+    delta_budget_bytes: int
+    delta_used_bytes: int
+    running: int
+    waiting: int
+    kv_tokens_used: int
+    kv_tokens_total: int
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        dev = config.device
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(dev)
+        dt = config.dtype
+        if dt == "auto":
+            dt = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.dtype = DTYPES[dt]
+        cfg = read_config(config.base)
+        self.base_name = config.base_name or cfg.get("_name_or_path") or Path(config.base).name
+        self.ready = False
+        self.draining = False
+        self._ids = itertools.count(1)
+        self.base_fingerprint = ""
+        self.manager: DeltaManager | None = None
+        self.engine: Engine | None = None
+        self.source = None
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Load the base (off the loop), allocate slots and the KV pool, start the engine."""
+        c = self.config
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        self.base_fingerprint = await asyncio.to_thread(fingerprint, c.base)
+        self.base, self.args = await asyncio.to_thread(BaseWeights.load, c.base, self.dtype, self.device)
+        self.layout = SlotLayout(self.args, self.dtype)
+        n_slots = c.max_slots or c.delta_budget // self.layout.slot_bytes
+        self.slots = await asyncio.to_thread(SlotTensors.allocate, self.layout, n_slots, self.device,
+                                             self.base.norms, self.base.final_norm)  # fmt: skip
+        kv_tokens = c.kv_cache // KVPool.bytes_per_token(self.args, self.dtype)
+        n_blocks = kv_tokens // c.block_size
+        if n_blocks < 1:
+            raise ValueError(f"--kv-cache {c.kv_cache} bytes holds less than one block of {c.block_size} tokens")
+        self.kv = KVPool(self.args, n_blocks, c.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(self.base, self.args, self.slots, self.kv, use_fused=c.fused_single_variant)
+        self.scheduler = Scheduler(BlockAllocator(n_blocks), c.block_size, c.max_running, c.max_batch_tokens)
+        if c.delta_store:
+            self.source = DeltaStoreSource(c.delta_store, timeout_s=c.store_timeout_s)
+        elif c.delta_dir:
+            self.source = LocalDeltaSource(c.delta_dir)
+        policy = WeightedLRUPolicy(c.delta_budget, half_life_s=c.rate_half_life_s, pin_top_n=c.pin_hottest)
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.manager = DeltaManager(self.layout, self.slots, self.source, self.base_fingerprint, c.delta_budget,
+                                    policy, load_stream=stream)  # fmt: skip
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(Path(c.base) / "tokenizer.json"))
+        self.eos_ids = frozenset(_eos_ids(c.base, self.args.eos_token_id))
+        self.engine = Engine(self.runner, self.scheduler, loop, self.manager.release)
+        self.engine.start()
+        self.ready = True
+        log.info("worker ready: base %s (%s, %.0f MB) on %s %s, %d delta slots (%d bytes each), "
+                 "%d KV tokens, in %.1f s", self.base_name, self.base_fingerprint[:12], self.base.nbytes / 1e6,
+                 self.device, str(self.dtype).removeprefix("torch."), n_slots, self.layout.slot_bytes,
+                 n_blocks * c.block_size, time.perf_counter() - t0)  # fmt: skip
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    async def close(self) -> None:
+        self.ready = False
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop)
+        if self.source is not None:
+            await self.source.close()
+
+    def _check_serving(self) -> None:
+        if self.draining:
+            raise Unavailable("this worker is draining (shutting down); send the request to another worker")
+        if not self.ready:
+            raise Unavailable("this worker is still loading its base model; retry shortly")
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def is_base(self, model_id: str) -> bool:
+        return model_id in ("", self.base_name)
+
+    async def generate(self, p: GenerateParams) -> AsyncIterator[TokenEvent]:
+        t_arrival = time.perf_counter()
+        self._check_serving()
+        if p.temperature < 0 or not (0.0 <= p.top_p <= 1.0):
+            raise InvalidArgument(f"temperature must be >= 0 and top_p in [0, 1]; got {p.temperature}, {p.top_p}")
+        ids = self.tokenizer.encode(p.prompt).ids
+        if not ids:
+            if self.args.bos_token_id is None:
+                raise InvalidArgument("the prompt is empty and the model has no BOS token to start from")
+            ids = [self.args.bos_token_id]
+        room = self.args.max_seq_len - len(ids)
+        if room <= 0:
+            raise InvalidArgument(f"the prompt has {len(ids)} tokens; the model's context is {self.args.max_seq_len}")
+        max_new = min(p.max_new_tokens or self.config.default_max_new_tokens, room)
+        if self.scheduler.blocks_for(len(ids) + max_new) > self.scheduler.allocator.n_blocks:
+            raise ResourceExhausted(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the whole KV "
+                                    f"cache ({self.scheduler.capacity_tokens()} tokens); shorten it or raise --kv-cache")
+        if self.engine.waiting >= self.config.max_waiting:
+            raise ResourceExhausted(f"{self.engine.waiting} requests are already waiting on this worker; retry later")
+        name = None if self.is_base(p.model_id) else p.model_id
+        queue: asyncio.Queue = asyncio.Queue()
+        seq_id = next(self._ids)
+        acquired = submitted = finished = False
+        try:
+            slot, load_ms = -1, 0.0
+            if name is not None:
+                t = time.perf_counter()
+                slot = await self.manager.acquire(name)
+                acquired = True
+                load_ms = (time.perf_counter() - t) * 1e3
+            seq = Sequence(
+                state=SeqState(seq_id, ids, max_new, slot),
+                sampler=Sampler(p.temperature, p.top_p, p.seed),
+                text=TextStream(self.tokenizer, ids, list(p.stop)),
+                eos_ids=self.eos_ids, emit=queue.put_nowait, delta_name=name,
+                t_arrival=t_arrival, delta_load_ms=load_ms, deadline=p.deadline,
+            )  # fmt: skip
+            self.engine.submit(seq)
+            submitted = True
+            while True:
+                ev = await queue.get()
+                if isinstance(ev, BaseException):
+                    finished = True
+                    raise ev
+                finished = ev.finish_reason is not None
+                yield ev
+                if finished:
+                    return
+        finally:
+            if submitted and not finished:
+                self.engine.cancel(seq_id)  # leaves the batch at the next step; the engine releases the slot
+            elif acquired and not submitted:
+                self.manager.release(name)
+
+    async def load_delta(self, name: str, pin: bool = False) -> tuple[SlotInfo, float]:
+        self._check_serving()
+        if self.is_base(name):
+            raise InvalidArgument(f"{name!r} is the base model, which is always resident")
+        t = time.perf_counter()
+        was_resident = self.manager.state_of(name) == DeltaState.RESIDENT
+        await self.manager.load(name, pin=pin)
+        waited = 0.0 if was_resident else (time.perf_counter() - t) * 1e3
+        return self.slot_info(name), waited
+
+    async def evict_delta(self, name: str) -> DeltaState:
+        if not self.ready:
+            raise Unavailable("this worker is still loading its base model; retry shortly")
+        return await self.manager.evict(name)
+
+    def slot_info(self, name: str) -> SlotInfo:
+        for s in self.manager.snapshot():
+            if s.name == name:
+                return s
+        return SlotInfo(name, DeltaState.ABSENT, 0, False, 0.0, "")
+
+    def status(self) -> WorkerStatus:
+        if not self.ready:
+            return WorkerStatus(self.base_name, self.base_fingerprint, self.device.type, [], self.config.delta_budget,
+                                0, 0, 0, 0, 0)  # fmt: skip
+        return WorkerStatus(
+            self.base_name, self.base_fingerprint, self.device.type, self.manager.snapshot(),
+            self.manager.budget_bytes, self.manager.used_bytes, self.engine.running, self.engine.waiting,
+            self.scheduler.used_tokens(), self.scheduler.capacity_tokens(),
+        )  # fmt: skip
+
+
+def _eos_ids(base: Path, eos: int | None) -> set[int]:
+    out = {eos} if eos is not None else set()
+    gen = Path(base) / "generation_config.json"
+    if gen.is_file():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        out |= set(e) if isinstance(e, list) else ({e} if e is not None else set())
+    return out

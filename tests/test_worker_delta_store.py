@@ -1,0 +1,80 @@
+"""The worker loading deltas from a real delta_store server on a loopback port."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from bitdelta.common.v1 import generation_pb2 as gen_pb
+from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
+from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
+from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.testing import make_test_family, offline_generate, running_worker
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+T = 60
+N = 12
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_kernels():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("BITDELTA_KERNEL_BACKEND", "cpu")
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    return make_test_family(tmp_path_factory.mktemp("worker_store_family"), n_variants=2)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=[True, False], ids=["store-verifies", "worker-verifies"])
+async def store(family, request):
+    """A delta_store over the family's delta directory; with verify_reads off, only the worker checks hashes."""
+    from services.delta_store.config import Config
+    from services.delta_store.server import create_server
+
+    server, port = create_server(dataclasses.replace(
+        Config(address="127.0.0.1:0", root=family.deltas, verify_reads=request.param, cache_bytes=0)).check())
+    await server.start()
+    yield f"127.0.0.1:{port}", request.param
+    await server.stop(0)
+
+
+async def generate(stub, model_id, prompt, n=N):
+    req = pb.GenerateRequest(model_id=model_id, prompt=prompt, sampling=gen_pb.SamplingParams(max_new_tokens=n))
+    return [m.token_id async for m in stub.Generate(req, timeout=T)]
+
+
+async def test_load_from_the_delta_store_and_generate(store, family):
+    store, store_verifies = store
+    cfg = WorkerConfig(base=family.base, delta_store=store, delta_budget=4 << 20, kv_cache=4 << 20)
+    async with running_worker(cfg) as (worker, _, channel):
+        stub = pb_grpc.GpuWorkerServiceStub(channel)
+        r = await stub.LoadDelta(pb.LoadDeltaRequest(name="v1"), timeout=T)
+        assert r.slot.state == pb.DELTA_STATE_RESIDENT and r.load_ms > 0
+        for name, prompt in (("v1", "Hello world"), ("v0", "def f(x):")):  # v0 loads on first use
+            want = offline_generate(family.merged[name], list(prompt.encode()), N, 256)
+            assert await generate(stub, name, prompt) == want
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.LoadDelta(pb.LoadDeltaRequest(name=family.other_base), timeout=T)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.LoadDelta(pb.LoadDeltaRequest(name=family.corrupt), timeout=T)
+        # the store refuses it (DATA_LOSS) or, not verifying reads, streams it and the worker's sha256 check fails
+        assert e.value.code() == grpc.StatusCode.DATA_LOSS, e.value.details()
+        if not store_verifies:
+            assert "sha256 mismatch" in e.value.details() and ".sign" in e.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.LoadDelta(pb.LoadDeltaRequest(name="missing"), timeout=T)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        st = await stub.Status(pb.StatusRequest(), timeout=T)
+        states = {s.name: s.state for s in st.slots}
+        assert states["v0"] == states["v1"] == pb.DELTA_STATE_RESIDENT
+        assert states[family.corrupt] == pb.DELTA_STATE_FAILED
+        assert st.delta_used_bytes <= st.delta_budget_bytes
+        assert len(await generate(stub, "", "still serving", n=3)) == 3
