@@ -28,6 +28,7 @@ import torch
 
 FORMAT_NAME = "bitdelta"
 FORMAT_VERSION = "1"
+DELTA_SUFFIX = ".bitdelta.safetensors"  # file / object name = variant name + DELTA_SUFFIX
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 HASH_BLOCK = 16 * 1024 * 1024
 

@@ -290,6 +290,24 @@ async def test_budget_is_bytes_and_eviction_follows_the_policy(family):
             family.merged["v2"], list(PROMPTS[3].encode()), N, EOS)
 
 
+async def test_more_variants_at_once_than_the_budget_holds_all_complete(family):
+    """Three concurrent requests for three variants with room for one delta: the
+    later loads wait for the earlier requests to finish, none is refused."""
+    from bitdelta.format import read_header
+
+    async with running_worker(config(family)) as (w0, _, _):
+        size = w0.layout.slot_bytes + sum(
+            w0.layout.extra_bytes(t.param, t.role, t.shape) for t in read_header(family.delta_path("v0")).tensors
+            if t.param in ("model.embed_tokens.weight", "lm_head.weight"))
+    async with running_worker(config(family, delta_budget=size + size // 2)) as (worker, _, channel):
+        stub = pb_grpc.GpuWorkerServiceStub(channel)
+        outs = await asyncio.gather(*[generate(stub, f"v{i}", PROMPTS[3], n=4) for i in range(3)])
+        for i, (ids, _, _) in enumerate(outs):
+            assert ids == offline_generate(family.merged[f"v{i}"], list(PROMPTS[3].encode()), 4, EOS)
+        assert worker.manager.peak_used_bytes <= worker.manager.budget_bytes
+        assert worker.manager.loads_started == 3
+
+
 async def test_evicting_a_delta_in_use_waits_for_its_sequences(served):
     _, stub, _ = served
     alone = (await generate(stub, "v2", PROMPTS[2], n=40))[0]

@@ -23,6 +23,7 @@ import asyncio
 import enum
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from bitdelta.cache_policy import WeightedLRUPolicy
@@ -75,6 +76,7 @@ class DeltaManager:
         self.policy = policy
         self.load_stream = load_stream
         self.entries: dict[str, DeltaEntry] = {}
+        self._wanted: Counter[str] = Counter()  # requests waiting in acquire(), by delta
         self.free_slots: list[int] = list(range(slots.n_slots - 1, -1, -1))
         self.peak_used_bytes = 0
         self.loads_started = 0  # load tasks created (coalesced calls share one)
@@ -105,15 +107,24 @@ class DeltaManager:
     async def acquire(self, name: str) -> int:
         """Slot index of `name`, loading it if needed; the caller must `release(name)` once done."""
         self.policy.record(name, time.monotonic())
-        while True:
-            e = self.entries.get(name)
-            if e is not None and e.state == DeltaState.EVICTING:
-                e.state = DeltaState.RESIDENT  # revive: its bytes never left the slot
-                self._notify()
-            if e is not None and e.state == DeltaState.RESIDENT:
-                e.refs += 1
-                return e.slot
-            await self._load_task(name)
+        # While a request waits for its delta, that delta must not be evicted between
+        # becoming resident and the request taking its reference (two loads would
+        # otherwise evict each other forever when the budget holds one of them).
+        self._wanted[name] += 1
+        try:
+            while True:
+                e = self.entries.get(name)
+                if e is not None and e.state == DeltaState.EVICTING:
+                    e.state = DeltaState.RESIDENT  # revive: its bytes never left the slot
+                    self._notify()
+                if e is not None and e.state == DeltaState.RESIDENT:
+                    e.refs += 1
+                    return e.slot
+                await self._load_task(name)
+        finally:
+            self._wanted[name] -= 1
+            if not self._wanted[name]:
+                del self._wanted[name]
 
     def release(self, name: str) -> None:
         e = self.entries.get(name)
@@ -173,6 +184,9 @@ class DeltaManager:
             e = self.entries[name] = DeltaEntry(name, DeltaState.LOADING)
             self.loads_started += 1
             e.task = asyncio.get_running_loop().create_task(self._load(e), name=f"load-{name}")
+            # The failure is reported through the entry's state and to every waiter; a load
+            # whose waiters all went away must not log "exception was never retrieved".
+            e.task.add_done_callback(lambda t: t.cancelled() or t.exception())
         if e.state == DeltaState.LOADING:
             await asyncio.shield(e.task)
 
@@ -222,9 +236,15 @@ class DeltaManager:
             now = time.monotonic()
             # Bytes to free: enough for `size`, and at least one delta when no slot is free.
             need = size if self.free_slots else max(size, self.budget_bytes - used + 1)
-            protected = {n for n, x in self.entries.items()
-                         if x.pinned or x.state == DeltaState.LOADING or n == e.name}  # fmt: skip
+            # Held only for now: loads in flight, and deltas whose requests are about to use them.
+            transient = {n for n, x in self.entries.items() if n != e.name and
+                         (x.state == DeltaState.LOADING or (self._wanted.get(n) and x.refs == 0))}  # fmt: skip
+            protected = transient | {n for n, x in self.entries.items() if x.pinned} | {e.name}
             victims = self.policy.plan(e.name, need, now, busy=protected)
+            if victims is None and transient:
+                # Once those are in use they can be evicted after their requests finish: wait, don't fail.
+                await self._changed.wait()
+                continue
             if victims is None:
                 pinned = [n for n in self.entries if n in protected and n != e.name]
                 raise ResourceExhausted(

@@ -26,7 +26,7 @@ from bitdelta.testing import make_finetune, tiny_args, write_byte_tokenizer
 # token under greedy decoding; at 0.2 its outputs vary from token to token.
 TEST_STD = 0.2
 FT_SCALE = 0.02
-SUFFIX = ".safetensors"  # the delta store's object suffix; the local source reads it too
+from bitdelta.format import DELTA_SUFFIX as SUFFIX  # the delta store's object suffix; the local source reads it too
 
 
 @dataclass
