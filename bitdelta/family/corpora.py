@@ -83,7 +83,7 @@ def _assign_splits(corpus: str, raw: list[tuple[str, str, str, str | None]]) -> 
 # Left out: tests (huge, repetitive), IDLE and the turtle demos (GUI apps),
 # generated data tables (encodings, pydoc topics), vendored wheels.
 _STDLIB_SKIP = {"test", "tests", "idlelib", "turtledemo", "encodings", "pydoc_data", "site-packages",
-                "ensurepip", "__pycache__", "lib2to3", "distutils", "config-3.11-x86_64-linux-gnu", "__phello__"}
+                "ensurepip", "__pycache__", "lib2to3", "distutils", "__phello__"}
 _STDLIB_MAX_BYTES = 400_000  # a few generated giants (e.g. _pydecimal is fine, 230 KB); keeps one file from dominating
 
 

