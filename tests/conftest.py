@@ -17,3 +17,47 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# --- the real model family ------------------------------------------------------------------
+# Tests whose point is the real model use the converted SmolLM2-135M base (converted into the
+# data directory on first use, ~30 s, as `bitdelta family build` would) and real deltas: the
+# family's own when built, otherwise two short real fine-tunes of the base (a few optimizer
+# steps each), compressed like the serving default. Nothing is skipped when data/ is empty.
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def real_base():
+    from bitdelta import family
+    from bitdelta.family import build as fb
+
+    return fb.build_base(family.paths())
+
+
+@pytest.fixture(scope="session")
+def real_deltas(real_base, tmp_path_factory) -> dict:
+    """variant name -> delta file (at least two) for the real base."""
+    from bitdelta import family
+    from bitdelta.checkpoint import fingerprint
+    from bitdelta.format import read_header
+
+    p = family.paths()
+    fp = fingerprint(real_base)
+    built = {v: p.deltas[v] for v in p.variants
+             if p.deltas[v].is_file() and read_header(p.deltas[v]).meta.base_fingerprint == fp}
+    if len(built) >= 2:
+        return built
+    from bitdelta.compress import compress
+    from bitdelta.family.finetune import FinetuneConfig, finetune
+
+    root = tmp_path_factory.mktemp("real_deltas")
+    out = {}
+    for variant, corpus in (("math", "arithmetic"), ("coder", "stdlib")):
+        ft = root / "finetuned" / variant
+        finetune(real_base, corpus, ft, FinetuneConfig(steps=3, batch=1, seq_len=64, warmup=0, lr=3e-4,
+                                                       eval_windows=1), progress=False)
+        out[variant] = compress(real_base, ft, root / "deltas" / f"{variant}.bitdelta.safetensors",
+                                variant=variant, embeddings="sign", progress=False)
+    return out

@@ -541,3 +541,18 @@ async def test_health_reflection_and_sigterm_drain(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_a_real_family_delta_streams_byte_identically(start_store, real_deltas):
+    """A delta of the real SmolLM2-135M family (see conftest `real_deltas`), served by the local
+    backend over its directory, arrives byte for byte, with the base fingerprint checked."""
+    from services.delta_store.backends.local import LocalBackend
+
+    name, path = sorted(real_deltas.items())[0]
+    s = await start_store(LocalBackend(path.parent))
+    assert name in [d.name for d in await s.client.list()]
+    header = read_header(path)
+    info, tensors, got = await fetch_all(s.client, name, expect_base_fingerprint=header.meta.base_fingerprint)
+    assert info.size_bytes == path.stat().st_size
+    data = path.read_bytes()
+    assert data[: header.header_bytes] + b"".join(got[i] for i in range(len(tensors))) == data

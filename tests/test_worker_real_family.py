@@ -1,5 +1,5 @@
-"""The worker on the real family (SmolLM2-135M base + fine-tuned variants in data/, built by
-`bitdelta.family`). Skipped where the family has not been built."""
+"""The worker on the real model: the SmolLM2-135M base and real deltas (the family's when
+built, else short real fine-tunes; see conftest `real_deltas`)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,12 @@ import asyncio
 import pytest
 import torch
 
-from bitdelta.family import paths
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.testing import offline_generate, running_worker
 
-FAMILY = paths()
-READY = [v for v in FAMILY.variants if FAMILY.deltas[v].is_file()]
-pytestmark = [pytest.mark.skipif(not (FAMILY.base / "config.json").is_file() or len(READY) < 2,
-                                 reason="the real family (data/) is not built"),
-              pytest.mark.asyncio]  # fmt: skip
+pytestmark = pytest.mark.asyncio
 N = 12
-PROMPTS = {"": "The capital of France is", READY[0] if READY else "-": "def fibonacci(n):",
-           READY[1] if len(READY) > 1 else "--": "ROMEO:"}  # fmt: skip
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "ROMEO:"]
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +21,7 @@ def cpu_kernels(monkeypatch):
     monkeypatch.setenv("BITDELTA_KERNEL_BACKEND", "cpu")
 
 
-async def test_real_family_matches_references_alone_and_mixed(tmp_path):
+async def test_real_family_matches_references_alone_and_mixed(tmp_path, real_base, real_deltas):
     from tokenizers import Tokenizer
     from transformers import LlamaForCausalLM
 
@@ -36,9 +30,11 @@ async def test_real_family_matches_references_alone_and_mixed(tmp_path):
     from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
     from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
 
-    tok = Tokenizer.from_file(str(FAMILY.base / "tokenizer.json"))
+    v0, v1 = sorted(real_deltas)[:2]
+    prompts = {"": PROMPTS[0], v0: PROMPTS[1], v1: PROMPTS[2]}
+    tok = Tokenizer.from_file(str(real_base / "tokenizer.json"))
     eos = 2
-    cfg = WorkerConfig(base=FAMILY.base, delta_dir=str(FAMILY.deltas[READY[0]].parent), delta_budget=1 << 30,
+    cfg = WorkerConfig(base=real_base, delta_dir=str(real_deltas[v0].parent), delta_budget=1 << 30,
                        kv_cache=32 << 20)
     async with running_worker(cfg) as (_, _, channel):
         stub = pb_grpc.GpuWorkerServiceStub(channel)
@@ -47,17 +43,16 @@ async def test_real_family_matches_references_alone_and_mixed(tmp_path):
             req = pb.GenerateRequest(model_id=m, prompt=p, sampling=gen_pb.SamplingParams(max_new_tokens=N))
             return [x.token_id async for x in stub.Generate(req, timeout=300)]
 
-        alone = {m: await gen(m, p) for m, p in PROMPTS.items()}
-        mixed = await asyncio.gather(*[gen(m, p) for m, p in PROMPTS.items()])
+        alone = {m: await gen(m, p) for m, p in prompts.items()}
+        mixed = await asyncio.gather(*[gen(m, p) for m, p in prompts.items()])
     assert list(alone.values()) == mixed
-    ids = tok.encode(PROMPTS[""]).ids
-    hf = LlamaForCausalLM.from_pretrained(str(FAMILY.base), dtype=torch.float32).eval()
+    ids = tok.encode(prompts[""]).ids
+    hf = LlamaForCausalLM.from_pretrained(str(real_base), dtype=torch.float32).eval()
     with torch.no_grad():
         want = hf.generate(torch.tensor([ids]), max_new_tokens=N, do_sample=False, eos_token_id=eos,
                            pad_token_id=eos)[0, len(ids):].tolist()  # fmt: skip
     del hf
     assert alone[""] == want
-    v = READY[0]
-    dense = apply(FAMILY.base, FAMILY.deltas[v], tmp_path / v, progress=False)
-    assert alone[v] == offline_generate(dense, tok.encode(PROMPTS[v]).ids, N, eos)
-    assert alone[v] != alone[""]
+    for v in (v0, v1):
+        dense = apply(real_base, real_deltas[v], tmp_path / v, progress=False)
+        assert alone[v] == offline_generate(dense, tok.encode(prompts[v]).ids, N, eos)
