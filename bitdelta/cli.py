@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from bitdelta.units import human_bytes
+
 
 class CliError(Exception):
     """A user-facing failure: printed without a traceback, exit code 1 (or `code`)."""
@@ -18,14 +20,6 @@ class CliError(Exception):
     def __init__(self, message: str, code: int = 1):
         super().__init__(message)
         self.code = code
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
 
 
 def cmd_compress(a: argparse.Namespace) -> None:
@@ -89,10 +83,10 @@ def _print_inspect(path: Path, as_json: bool = False) -> None:
     print(f"  base fingerprint  {meta.base_fingerprint}")
     print(f"  alpha mode        {meta.alpha_mode}; distilled: {json.dumps(meta.distilled) if meta.distilled else 'no'}")
     print(f"  compressed        {len(meta.shapes)} weights, {params:,} params")
-    print(f"  signs             {_human(roles['sign'])}")
-    print(f"  alpha             {_human(roles['alpha'])}")
-    print(f"  dense             {_human(roles['dense'])} in {info['dense_tensors']} tensors")
-    print(f"  file              {_human(h.file_size)}")
+    print(f"  signs             {human_bytes(roles['sign'])}")
+    print(f"  alpha             {human_bytes(roles['alpha'])}")
+    print(f"  dense             {human_bytes(roles['dense'])} in {info['dense_tensors']} tensors")
+    print(f"  file              {human_bytes(h.file_size)}")
     print(f"  ratio             {info['ratio_vs_bf16']}x smaller than the same parameters in bf16 "
           f"({info['ratio_compressed_part']}x on the compressed weights alone)")
 

@@ -33,6 +33,8 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bitdelta.units import parse_bytes
+
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 GB = 1e9
 
@@ -126,16 +128,6 @@ def nominal_size(params: int) -> float:
     if abs(best * 1e9 - params) <= 0.08 * params:
         return best * 1e9
     return float(f"{params:.2g}")
-
-
-def parse_bytes(text: str) -> float:
-    """'80GB' -> 80e9, '80GiB' -> 80·2³⁰, '141 GB', '512MiB', plain numbers are bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*", text, flags=re.IGNORECASE)
-    if not m:
-        raise ValueError(f"cannot read a memory size from {text!r} (try 80GB or 80GiB)")
-    num, prefix, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
-    power = " KMGT".index(prefix) if prefix else 0
-    return num * ((1024 if binary else 1000) ** power)
 
 
 def parse_count(text: str) -> float:

@@ -74,7 +74,7 @@ def test_planner_agrees_with_real_compressed_files(tmp_path):
 
 
 @pytest.mark.parametrize("text,value", [("80GB", 80e9), ("80GiB", 80 * 2**30), ("141 GB", 141e9),
-                                        ("512MiB", 512 * 2**20), ("1e3", None)])
+                                        ("512MiB", 512 * 2**20), ("1e3", None), ("2k", 2000), ("3 kB", 3000)])
 def test_parse_bytes(text, value):
     if value is None:
         with pytest.raises(ValueError):

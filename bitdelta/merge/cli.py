@@ -12,16 +12,7 @@ import re
 from pathlib import Path
 
 from bitdelta.cli import CliError
-
-_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
-
-
-def parse_bytes(text: str) -> int:
-    """'1500000', '1.5MB', '2 MiB' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m[2].lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1500000, 1.5MB, 2MiB)")
-    return int(float(m[1]) * _UNITS[m[2].lower()])
+from bitdelta.units import parse_bytes
 
 
 def _need_dir(path: Path, what: str) -> None:

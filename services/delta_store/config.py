@@ -17,12 +17,10 @@ from pathlib import Path
 from typing import Mapping, Sequence
 from urllib.parse import urlparse
 
+from bitdelta.units import parse_bytes
+
 ENV_PREFIX = "BITDELTA_DELTA_STORE_"
 MAX_CHUNK_BYTES = 16 * 1024 * 1024  # largest Fetch message payload; clients raise their receive limit to match
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
-
-
 class ConfigError(ValueError):
     """A bad setting; the message names the flag and the environment variable."""
 
@@ -135,13 +133,6 @@ class Config:
         )
         return cfg.check()
 
-
-def parse_bytes(text: str) -> int:
-    """'4GiB' -> 4294967296; '1.5GB' -> 1500000000; '4096' -> 4096."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError("expected a size like 512MiB, 4GiB or a number of bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def parse_bool(text: str) -> bool:

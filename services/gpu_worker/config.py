@@ -13,21 +13,9 @@ import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from bitdelta.units import parse_bytes
+
 ENV_PREFIX = "BITDELTA_WORKER_"
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
-          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}  # fmt: skip
-
-
-def parse_bytes(text: str | int) -> int:
-    """'512MiB', '2GB', '1048576' -> bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{text!r} is not a byte size (examples: 512MiB, 2GB, 1048576)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
 _TYPES = {"Path": Path, "str": str, "int": int, "float": float, "bool": bool}
 
 
