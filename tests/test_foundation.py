@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from bitdelta import cli
 from bitdelta.bits import pack_signs, unpack_signs
-from bitdelta.checkpoint import CheckpointReader, fingerprint, save_checkpoint
+from bitdelta.checkpoint import CheckpointReader, fingerprint
 from bitdelta.compress import compress, apply
 from bitdelta.format import BaseMismatchError, DeltaFormatError, load_delta, read_header, verify
 from bitdelta.model import BitDeltaLinear, attach_delta, load_model

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import triton  # noqa: E402
 
 from bitdelta.bits import pack_signs  # noqa: E402
 from kernels import bitdelta_delta_batched, bitdelta_linear, plan_batch  # noqa: E402

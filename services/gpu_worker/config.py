@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from services.delta_store.errors import InvalidName
 
-from bitdelta.format import DELTA_SUFFIX as SUFFIX  # object name = variant name + SUFFIX
+from bitdelta.format import DELTA_SUFFIX as SUFFIX  # noqa: F401  (re-exported: object name = variant name + SUFFIX)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
