@@ -34,7 +34,7 @@ def test_process_serves_and_stops_on_sigterm(tmp_path):
     port = free_port()
     env = {**os.environ, "BITDELTA_WORKER_KV_CACHE": "2MiB", "BITDELTA_KERNEL_BACKEND": "cpu"}
     proc = subprocess.Popen([sys.executable, "-m", "services.gpu_worker", "--base", str(base),
-                             "--listen", f"127.0.0.1:{port}", "--grace-s", "5"],
+                             "--address", f"127.0.0.1:{port}", "--grace-s", "5"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:

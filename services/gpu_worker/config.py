@@ -21,7 +21,7 @@ _TYPES = {"Path": Path, "str": str, "int": int, "float": float, "bool": bool}
 @dataclass(frozen=True)
 class WorkerConfig:
     base: Path
-    listen: str = "[::]:50061"
+    address: str = "[::]:50061"  # HOST:PORT to listen on
     base_name: str = ""  # "" -> the checkpoint's _name_or_path or its directory name
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16

@@ -178,9 +178,9 @@ async def drain_and_stop(worker: Worker, server, grace_s: float) -> None:
 async def serve(config) -> None:
     """The process: bind, load the base, serve until SIGTERM/SIGINT, drain."""
     worker = Worker(config)
-    server, port = await create_server(worker, config.listen)
+    server, port = await create_server(worker, config.address)
     await server.start()
-    log.info("gpu_worker listening on %s (port %d); loading base %s", config.listen, port, config.base)
+    log.info("gpu_worker listening on %s (port %d); loading base %s", config.address, port, config.base)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -96,9 +96,9 @@ async def running_worker(config):
     from services.gpu_worker.server import create_server, start_worker
     from services.gpu_worker.worker import Worker
 
-    config = dataclasses.replace(config, listen="127.0.0.1:0")
+    config = dataclasses.replace(config, address="127.0.0.1:0")
     worker = Worker(config)
-    server, port = await create_server(worker, config.listen)
+    server, port = await create_server(worker, config.address)
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
