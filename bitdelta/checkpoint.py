@@ -17,6 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from bitdelta.format import current_umask
+
 FINGERPRINT_CACHE = "bitdelta-fingerprint.json"
 # Files besides the weights that a checkpoint directory carries along.
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -136,6 +138,7 @@ def save_checkpoint(state: dict[str, torch.Tensor], out: str | os.PathLike, conf
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700; a checkpoint is meant to be shared
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

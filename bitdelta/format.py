@@ -341,11 +341,19 @@ def write_delta(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta:
                 f.write(tensor_bytes(tensors[name]))
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600; the file is meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return read_header(path)
+
+
+def current_umask() -> int:
+    """The process's umask (to give atomically written files the usual permissions)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 @dataclass

@@ -293,3 +293,11 @@ def test_buf_lint_passes():
     buf = shutil.which("buf") or str(Path(sys.executable).parent / "buf")
     p = subprocess.run([buf, "lint"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_written_files_are_shareable(family, tmp_path):
+    base, (v0, _) = family
+    out = compress(base, v0, tmp_path / "d.safetensors", progress=False)
+    assert out.stat().st_mode & 0o044 == 0o044, oct(out.stat().st_mode)  # group/other may read
+    ck = apply(base, out, tmp_path / "ck", progress=False)
+    assert ck.stat().st_mode & 0o055 == 0o055, oct(ck.stat().st_mode)
