@@ -7,7 +7,6 @@ of the real base, and on every variant the data directory already holds)."""
 from __future__ import annotations
 
 import ast
-import os
 from pathlib import Path
 
 import pytest
@@ -65,8 +64,18 @@ def test_paths_follow_the_data_dir(monkeypatch, tmp_path):
     assert p.root == tmp_path.resolve() and p.base == tmp_path.resolve() / "base"
     assert set(p.variants) == {"coder", "writer", "scripture", "math"}
     assert p.deltas["math"].name == "math.bitdelta.safetensors"
-    assert p.delta_mode("math", "row-distilled") == p.deltas["math"]
-    assert p.delta_mode("math", "matrix").parent == p.modes_dir
+    assert family.SERVING_MODE == "row-sign-emb-distilled"
+    assert p.delta_mode("math", family.SERVING_MODE) == p.deltas["math"]
+    for mode in ("matrix", "row-distilled", "row-sign-emb"):
+        assert p.delta_mode("math", mode).parent == p.modes_dir
+
+
+def test_serving_default_is_one_mode_of_the_report():
+    """build() builds MODES[SERVING_MODE] into data/deltas/: per-row α, sign embeddings, distilled."""
+    from bitdelta.family.quality import MODES
+
+    assert MODES[family.SERVING_MODE] == (fb.SERVING_ALPHA, fb.SERVING_EMBEDDINGS, True) == ("row", "sign", True)
+    assert MODES["row-distilled"] == ("row", "dense", True)
 
 
 # --- build stamps (tiny family, no real model) ----------------------------------
@@ -100,9 +109,55 @@ def test_build_delta_is_skipped_when_stamped_and_redone_when_corrupted(tmp_path,
     assert fb.is_built(p, "finetuned/coder", recipe, p.finetuned["coder"], "checkpoint")
     assert not fb.is_built(p, "finetuned/coder", {"config": {"betas": (0.9, 0.99)}}, p.finetuned["coder"],
                            "checkpoint")
-    # A different recipe (another α mode) also rebuilds.
+    # A different recipe (another α mode, dense embeddings) also rebuilds.
     fb.build_delta(p, "coder", alpha="matrix", distill_steps=0)
     assert "written" in capsys.readouterr().out
+    fb.build_delta(p, "coder", embeddings="dense", distill_steps=0)
+    assert "written" in capsys.readouterr().out
+
+
+def test_serving_delta_distils_projection_alphas_only(tmp_path):
+    """The serving default (tied embedding/LM head as signs + α, distilled): distillation
+    trains the projections' α's; the tied pair's one α stays mean|Δ| (attach_delta
+    materialises the table and ties the head to it, so nothing there is trainable), and
+    the model attach_delta builds equals the checkpoint `bitdelta apply` writes."""
+    from bitdelta.checkpoint import fingerprint
+    from bitdelta.compress import apply, compress
+    from bitdelta.family.quality import merged_variant
+    from bitdelta.format import load_delta
+    from bitdelta.model import BitDeltaLinear, attach_delta, load_model
+    from bitdelta.testing import make_base, make_finetune
+
+    p = family.paths(tmp_path)
+    make_base(p.base)
+    make_finetune(p.base, p.finetuned["math"], seed=1)
+    fb.write_stamp(p, "base", {"test": 1}, {"fingerprint": fingerprint(p.base)})
+    fb.write_stamp(p, "finetuned/math", {"test": 1}, {"fingerprint": fingerprint(p.finetuned["math"])})
+
+    out = fb.build_delta(p, "math", distill_steps=2)
+    assert out == p.deltas["math"]
+    delta = load_delta(out)
+    undistilled = load_delta(compress(p.base, p.finetuned["math"], tmp_path / "u.safetensors", variant="math",
+                                      embeddings="sign", progress=False))
+    emb = "model.embed_tokens.weight"
+    assert delta.meta.extra["embeddings"] == "sign" and delta.meta.alpha_mode == "row"
+    assert emb in delta.compressed and "lm_head.weight" not in delta.compressed  # one pair for the tied head
+    assert not any(n.startswith(("model.embed_tokens", "lm_head")) for n in delta.dense)
+    assert delta.meta.distilled["alpha_frozen"] == [emb]
+    assert torch.equal(delta.compressed[emb].alpha, undistilled.compressed[emb].alpha)
+    assert all(not torch.equal(cw.alpha, undistilled.compressed[k].alpha)
+               for k, cw in delta.compressed.items() if k != emb)
+
+    student = attach_delta(load_model(p.base), delta, trainable_alpha=True)
+    trainable = {n for n, t in student.named_parameters() if t.requires_grad}
+    assert trainable and all(n.endswith("_proj.alpha") for n in trainable)
+    assert not isinstance(student.lm_head, BitDeltaLinear)
+    assert student.lm_head.weight is student.model.embed_tokens.weight
+
+    applied = load_model(apply(p.base, out, tmp_path / "applied", progress=False))
+    x = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(merged_variant(p.base, delta)(x), applied(x), rtol=1e-5, atol=1e-5)
 
 
 # --- the real family (needs `bitdelta family build`) ----------------------------
@@ -186,4 +241,7 @@ def test_every_compressed_weight_moves_in_fine_tuning(short_finetune):
                 delta = rf.get(name) - rb.get(name)
                 assert (delta != 0).float().mean() > 0.99, (label, name)
         if label != "short" and P.deltas[label].is_file():
-            assert set(read_header(P.deltas[label]).meta.shapes) == set(names)
+            # The serving default compresses the projections and the tied embedding/LM head.
+            meta = read_header(P.deltas[label]).meta
+            assert set(meta.shapes) == set(names) | {"model.embed_tokens.weight"}
+            assert meta.extra["embeddings"] == "sign" and meta.alpha_mode == "row" and meta.distilled

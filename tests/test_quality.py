@@ -130,6 +130,8 @@ def test_report_table_and_plot(tmp_path):
     assert "| math | base |" in md and "1/40" in md
     assert "coder: best matrix, 95.0 % kept, meets the target" in md
     assert "math: best matrix, 75.0 % kept, **misses the target**" in md
+    # The serving default is the 6th mode: 3.0 + 6 × 0.05 = 3.3 -> 70 %.
+    assert "serving default row-sign-emb-distilled (120.0 MB) keeps 70.0 % (**misses the target**)" in md
     png = q.plot(res, tmp_path / "gain.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -155,14 +157,19 @@ def test_reports_end_to_end_on_a_tiny_family(tmp_path):
         fb.write_stamp(p, f"finetuned/{v}", {"test": 1}, rec)
         fb.build_delta(p, v, distill_steps=1)
     cfg = q.QualityConfig(eval_windows=2, seq_len=32, math_problems=2, math_max_new=3, humaneval=1,
-                          humaneval_max_new=4, distill_steps=1, modes=("row", "row-distilled", "row-sign-emb"))
+                          humaneval_max_new=4, distill_steps=1,
+                          modes=("row", "row-distilled", "row-sign-emb", "row-sign-emb-distilled"))
     out = tmp_path / "reports"
     res = q.run_reports(out, variants=["math", "coder"], cfg=cfg, root=p.root, skip_build=True,
                         command="bitdelta quality (test)")
     math_res, coder_res = res["results"]
-    assert set(math_res["models"]) == {"finetuned", "base", "row", "row-distilled", "row-sign-emb"}
+    assert set(math_res["models"]) == {"finetuned", "base", "row", "row-distilled", "row-sign-emb",
+                                       "row-sign-emb-distilled"}
+    # Distilled with the report's step count (1, not the build's): never the serving file itself.
+    assert math_res["models"]["row-sign-emb-distilled"]["distill"]["steps"] == 1
     assert math_res["math_exact_match"]["base"]["n"] == 2
-    assert coder_res["humaneval"]["row-distilled"]["n"] == 1
+    assert set(coder_res["humaneval"]) == {"finetuned", "base", family.SERVING_MODE}
+    assert coder_res["humaneval"][family.SERVING_MODE]["n"] == 1
     for s in math_res["models"].values():
         assert s["ppl"] > 1 and s["tokens"] == 2 * 32
     assert coder_res["models"]["finetuned"]["gain_kept"] == pytest.approx(1.0)
@@ -171,4 +178,5 @@ def test_reports_end_to_end_on_a_tiny_family(tmp_path):
     assert "| math | row-sign-emb |" in md and "bitdelta quality (test)" in md
     assert (out / "gain_kept.png").stat().st_size > 1000
     mem = (out / "memory.md").read_text()
-    assert "| math | row-distilled |" in mem and "`bitdelta inspect`" in mem
+    assert f"| math | {family.SERVING_MODE} |" in mem and "`bitdelta inspect`" in mem
+    assert "Dense tensors of a serving delta" in mem

@@ -12,8 +12,10 @@ the repository root):
 
     data/base/                         the converted base (HF layout, fp32 safetensors, tokenizer)
     data/finetuned/<variant>/          full fine-tunes (HF layout)
-    data/deltas/<variant>.bitdelta.safetensors    serving default: per-row α, distilled
-    data/deltas-modes/<variant>.<mode>.bitdelta.safetensors   the other modes (quality report)
+    data/deltas/<variant>.bitdelta.safetensors    serving default (SERVING_MODE): per-row α, the tied
+                                       embedding/LM head as signs too, distilled projection α's
+    data/deltas-modes/<variant>.<mode>.bitdelta.safetensors   the other modes (quality report),
+                                       e.g. row-distilled (the same with the embeddings stored dense)
     data/corpora/<variant>.{train,heldout}.txt   the text of each split
     data/stamps/*.json                 what was built from what (a build step is skipped when its stamp matches)
 
@@ -37,6 +39,12 @@ from bitdelta.format import DELTA_SUFFIX
 # variant -> corpus; the order is the family's order everywhere (reports, demos).
 VARIANTS: dict[str, str] = {"coder": "stdlib", "writer": "shakespeare", "scripture": "kjv", "math": "arithmetic"}
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# The mode (bitdelta.family.quality.MODES) of data/deltas/, which the delta store serves and
+# the GPU worker loads: per-row α, the tied embedding/LM head compressed to signs + α as well
+# (1/16 of the base's bf16 bytes, no dense per-variant head), scale-distilled. Distillation
+# trains the projections' α's only: the tied pair is materialised once by `attach_delta`, so
+# its α stays mean|Δ| (one α per row, used by both the lookup and the head).
+SERVING_MODE = "row-sign-emb-distilled"
 
 
 def data_dir() -> Path:
@@ -51,7 +59,7 @@ class FamilyPaths:
     base: Path
     variants: tuple[str, ...]
     finetuned: dict[str, Path] = field(default_factory=dict)
-    deltas: dict[str, Path] = field(default_factory=dict)   # serving default (row α, distilled)
+    deltas: dict[str, Path] = field(default_factory=dict)   # serving default (SERVING_MODE)
     train: dict[str, Path] = field(default_factory=dict)    # training text per variant
     heldout: dict[str, Path] = field(default_factory=dict)  # held-out text per variant (never trained on)
     corpus: dict[str, str] = field(default_factory=dict)    # variant -> corpus name
@@ -59,8 +67,10 @@ class FamilyPaths:
     modes_dir: Path = Path()
 
     def delta_mode(self, variant: str, mode: str) -> Path:
-        """A delta in another mode, e.g. mode "matrix" or "row-distilled" or "row-sign-emb"."""
-        if mode == "row-distilled":
+        """The delta of a mode (bitdelta.family.quality.MODES): the serving default
+        (SERVING_MODE, "row-sign-emb-distilled") is data/deltas/<variant>…, every other
+        mode ("matrix", "row-distilled", "row-sign-emb", …) is in data/deltas-modes/."""
+        if mode == SERVING_MODE:
             return self.deltas[variant]
         return self.modes_dir / f"{variant}.{mode}.bitdelta.safetensors"
 
@@ -91,4 +101,4 @@ def paths(root: str | os.PathLike | None = None) -> FamilyPaths:
     )
 
 
-__all__ = ["VARIANTS", "FamilyPaths", "paths", "data_dir", "corpora"]
+__all__ = ["VARIANTS", "SERVING_MODE", "FamilyPaths", "paths", "data_dir", "corpora"]

@@ -24,6 +24,10 @@ from bitdelta.family import VARIANTS, FamilyPaths, corpora, paths
 from bitdelta.family.finetune import FinetuneConfig
 
 RECIPE_VERSION = 1
+# The serving default's compression (data/deltas/, mode SERVING_MODE =
+# "row-sign-emb-distilled" in bitdelta.family.quality.MODES): per-row α, the
+# tied embedding/LM head as signs + α too, distilled.
+SERVING_ALPHA, SERVING_EMBEDDINGS = "row", "sign"
 # Scale distillation for the serving default (and the report's distilled
 # modes). lr 1e-5: the paper's 1e-4 overshoots on this model (REFERENCES.md).
 DISTILL_STEPS, DISTILL_LR, DISTILL_BATCH, DISTILL_SEQ = 30, 1e-5, 4, 128
@@ -160,9 +164,16 @@ def build_finetune(p: FamilyPaths, variant: str, cfg: FinetuneConfig, force: boo
     return out
 
 
-def build_delta(p: FamilyPaths, variant: str, alpha: str = "row", embeddings: str = "dense",
+def build_delta(p: FamilyPaths, variant: str, alpha: str = SERVING_ALPHA, embeddings: str = SERVING_EMBEDDINGS,
                 distill_steps: int = DISTILL_STEPS, out: Path | None = None, force: bool = False) -> Path:
-    """Compress one fine-tune (and distil its α's when distill_steps > 0)."""
+    """Compress one fine-tune (and distil its α's when distill_steps > 0). The defaults
+    build the serving default into data/deltas/.
+
+    Distillation trains the α of every BitDeltaLinear, i.e. of the projections. A
+    compressed tied embedding/LM head is materialised once by `attach_delta` (the head
+    is tied to that table, not a BitDeltaLinear), so its α stays mean|Δ|: the file
+    holds one α per row for the pair, used alike by the worker's lookup and head and
+    by `bitdelta apply`. The record lists the α's left untrained ("alpha_frozen")."""
     from bitdelta.compress import compress
     from bitdelta.family.convert import file_sha256
 
@@ -192,6 +203,10 @@ def build_delta(p: FamilyPaths, variant: str, alpha: str = "row", embeddings: st
         with torch.autocast(device_type="cpu", dtype=torch.bfloat16, enabled=DISTILL_AUTOCAST):
             delta, record = d.distill(p.base, p.finetuned[variant], load_delta(tmp), calib, cfg)
         record["autocast"] = "bf16" if DISTILL_AUTOCAST else "fp32"
+        undistilled = load_delta(tmp)
+        record["alpha_frozen"] = sorted(k for k, cw in delta.compressed.items()
+                                        if torch.equal(cw.alpha, undistilled.compressed[k].alpha))
+        del undistilled
         d.save(delta, out)
         tmp.unlink(missing_ok=True)
         result["distill"] = record
@@ -225,10 +240,15 @@ def build(variants: list[str] | None = None, cfg: FinetuneConfig = FinetuneConfi
     t = time.time()
     build_base(p, force)
     write_corpus_texts(p)
+    from bitdelta.family import SERVING_MODE
+    from bitdelta.family.quality import MODES
+
+    alpha, emb, distilled = MODES[SERVING_MODE]
     for v in variants:
         build_finetune(p, v, cfg, force)
-        if deltas:
-            build_delta(p, v, force=force)
+        if deltas:  # the serving default only; the report builds the other modes into data/deltas-modes/
+            build_delta(p, v, alpha=alpha, embeddings=emb, distill_steps=DISTILL_STEPS if distilled else 0,
+                        force=force)
     _log(f"family ready in {p.root} ({time.time() - t:.0f} s)")
     return p
 

@@ -13,9 +13,11 @@ import math
 import time
 from pathlib import Path
 
-from bitdelta.family import FamilyPaths
+from bitdelta.family import SERVING_MODE, FamilyPaths
 
 FLEET_SIZES = (1, 4, 14, 100)
+# The serving default's twin with the fine-tuned embedding table stored dense (for comparison).
+DENSE_EMB_MODE = "row-distilled"
 
 
 def _mb(n: float) -> str:
@@ -38,7 +40,7 @@ def delta_rows(p: FamilyPaths, variants: list[str]) -> list[dict]:
 
     rows = []
     for v in variants:
-        for mode in ("row-distilled", "row-sign-emb"):
+        for mode in (SERVING_MODE, DENSE_EMB_MODE):
             path = p.delta_mode(v, mode)
             if not path.is_file():
                 continue
@@ -76,8 +78,11 @@ def memory_markdown(p: FamilyPaths, variants: list[str], command: str) -> str:
         "",
         "## One delta per variant",
         "",
-        "`row-distilled` is the serving default (per-row α, distilled; changed embeddings stored dense, "
-        "in the fine-tune's fp32). `row-sign-emb` compresses the tied embedding/LM head to signs + α as well.",
+        f"`{SERVING_MODE}` is the serving default (data/deltas/): per-row α, the tied embedding/LM head "
+        "compressed to signs + α like the projections, projection α's distilled; only the RMSNorm weights are "
+        f"stored dense. `{DENSE_EMB_MODE}` is the same with the changed embedding table stored dense, in the "
+        "fine-tune's fp32 (data/deltas-modes/). Target: about 1/16 of the base's bf16 bytes (1 bit against 16 "
+        "per weight), 16×.",
         "",
         "| variant | mode | signs MB | α MB | dense MB | file MB | base bf16 ÷ delta |",
         "|---|---|---:|---:|---:|---:|---:|",
@@ -85,22 +90,32 @@ def memory_markdown(p: FamilyPaths, variants: list[str], command: str) -> str:
     for r in rows:
         lines.append(f"| {r['variant']} | {r['mode']} | {_mb(r['signs'])} | {_mb(r['alpha'])} | {_mb(r['dense'])} | "
                      f"{_mb(r['total'])} | {base_bf16 / r['total']:.1f}× |")
-    dense_example = next((r for r in rows if r["mode"] == "row-distilled"), None)
+    serving = next((r for r in rows if r["mode"] == SERVING_MODE), None)
+    if serving:
+        names = serving["dense_names"]
+        what = "the RMSNorm weights" if all(n.endswith("norm.weight") for n in names) else ", ".join(names[:4])
+        lines += ["", f"Dense tensors of a serving delta: {len(names)} ({what}). "
+                      f"It is {base_bf16 / serving['total']:.1f}× smaller than the bf16 base: the signs alone are "
+                      f"{base_bf16 / serving['signs']:.1f}×; the fp32 per-row α's ({_mb(serving['alpha'])} MB, "
+                      "one per output row and one per vocabulary row) and the norms make up the rest."]
+    dense_example = next((r for r in rows if r["mode"] == DENSE_EMB_MODE), None)
     if dense_example:
-        lines += ["", f"Dense tensors of a row-distilled delta: {len(dense_example['dense_names'])} "
+        lines += ["", f"Dense tensors of a {DENSE_EMB_MODE} delta: {len(dense_example['dense_names'])} "
                       f"(the embedding table and the RMSNorm weights; full fine-tuning moved them, so they are "
                       f"stored whole). At this size the embedding table (49152 × 576) is {49152 * 576 / n_params:.0%} "
                       "of the parameters, so it dominates a dense-embedding delta (and it is stored in the "
                       "fine-tune's fp32: 113 MB; 57 MB in bf16). On Llama-2-70B the embedding and head are 0.8 % "
                       "of the parameters, on Llama-3-70B 3 % (a 128k vocabulary)."]
     lines += ["", "## A fleet of N variants: N full copies against base + N deltas (bf16 base)", "",
-              "| N | N full copies MB | base + N row-distilled MB | base + N row-sign-emb MB |", "|---:|---:|---:|---:|"]
+              f"| N | N full copies MB | base + N {SERVING_MODE} (serving) MB | base + N {DENSE_EMB_MODE} MB |",
+              "|---:|---:|---:|---:|"]
     def mean_total(mode):
         t = [r["total"] for r in rows if r["mode"] == mode]
         return sum(t) / len(t) if t else float("nan")
-    d_dense, d_sign = mean_total("row-distilled"), mean_total("row-sign-emb")
+    d_serving, d_dense = mean_total(SERVING_MODE), mean_total(DENSE_EMB_MODE)
     for n in FLEET_SIZES:
-        lines.append(f"| {n} | {_mb(n * base_bf16)} | {_mb(base_bf16 + n * d_dense)} | {_mb(base_bf16 + n * d_sign)} |")
+        lines.append(f"| {n} | {_mb(n * base_bf16)} | {_mb(base_bf16 + n * d_serving)} | "
+                     f"{_mb(base_bf16 + n * d_dense)} |")
     lines += ["", "(mean delta size over the variants; 100 is extrapolated.) For the 70B arithmetic and GPU "
               "placement, see `bitdelta plan` and reports/plan-70b.md.", "", "## `bitdelta inspect` on each delta", ""]
     for r in rows:

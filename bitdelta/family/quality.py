@@ -5,7 +5,8 @@ calibration):
 
 - perplexity of the base, the full fine-tune, and BitDelta in each mode
   (α per matrix / per row, with and without scale distillation, and per-row α
-  with the embeddings compressed to signs too);
+  with the tied embedding/LM head compressed to signs too, with and without
+  distillation: the distilled one is the serving default);
 - gain kept = (ppl_base − ppl_mode) / (ppl_base − ppl_ft): 1.0 keeps all of
   the fine-tuning gain, 0.0 none of it;
 - KL(ft ‖ mode) of next-token distributions, in nats per token: fidelity to
@@ -35,17 +36,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bitdelta.family import VARIANTS, FamilyPaths, corpora, paths
+from bitdelta.family import SERVING_MODE, VARIANTS, FamilyPaths, corpora, paths
 from bitdelta.model import BitDeltaLinear, Llama, attach_delta, load_model
 
-# mode -> (α, embeddings, distilled). "row-distilled" is the serving default
-# (data/deltas/); the others live in data/deltas-modes/.
+# mode -> (α, embeddings, distilled). SERVING_MODE ("row-sign-emb-distilled") is the
+# serving default (data/deltas/); the others live in data/deltas-modes/. In the
+# distilled sign-embedding mode only the projections' α's are trained (the tied
+# embedding/LM head keeps mean|Δ|: see bitdelta.family.build.build_delta).
 MODES: dict[str, tuple[str, str, bool]] = {
     "matrix": ("matrix", "dense", False),
     "matrix-distilled": ("matrix", "dense", True),
     "row": ("row", "dense", False),
     "row-distilled": ("row", "dense", True),
     "row-sign-emb": ("row", "sign", False),
+    "row-sign-emb-distilled": ("row", "sign", True),
 }
 HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert")
 
@@ -208,7 +212,7 @@ def humaneval_pass(model: Llama, tok, n: int, max_new: int, timeout: float) -> d
 # --------------------------------------------------------------------------- per variant
 
 def mode_path(p: FamilyPaths, variant: str, mode: str, steps: int) -> Path:
-    """Where a mode's delta lives. The serving default (row-distilled with the build's
+    """Where a mode's delta lives. The serving default (SERVING_MODE with the build's
     steps) is data/deltas/<variant>…; other step counts never overwrite it."""
     from bitdelta.family.build import DISTILL_STEPS
 
@@ -262,22 +266,22 @@ def evaluate_variant(p: FamilyPaths, variant: str, cfg: QualityConfig, log=print
         if math_probs:
             r = math_exact_match(model, tok, math_probs, cfg.math_max_new)
             res["math_exact_match"][name] = r
-            log(f"  math exact match {name:17s} {r['correct']}/{r['n']}")
-        if "humaneval" in res and name in ("base", "finetuned", "row-distilled"):
+            log(f"  math exact match {name:22s} {r['correct']}/{r['n']}")
+        if "humaneval" in res and name in ("base", "finetuned", SERVING_MODE):
             r = humaneval_pass(model, tok, cfg.humaneval, cfg.humaneval_max_new, cfg.humaneval_timeout)
             res["humaneval"][name] = r
-            log(f"  HumanEval {name:17s} {r['passed']}/{r['n']}")
+            log(f"  HumanEval {name:22s} {r['passed']}/{r['n']}")
 
     ft = load_model(p.finetuned[variant])
     ft_score = score(ft, wins, cfg.batch, keep_logp=True)
     ref = ft_score.pop("logp")
     res["models"]["finetuned"] = ft_score
-    log(f"  {variant:9s} {'finetuned':17s} ppl {ft_score['ppl']:8.3f}")
+    log(f"  {variant:9s} {'finetuned':22s} ppl {ft_score['ppl']:8.3f}")
     extras("finetuned", ft)
     del ft
     base = load_model(p.base)
     res["models"]["base"] = score(base, wins, cfg.batch, ref)
-    log(f"  {variant:9s} {'base':17s} ppl {res['models']['base']['ppl']:8.3f}  "
+    log(f"  {variant:9s} {'base':22s} ppl {res['models']['base']['ppl']:8.3f}  "
         f"KL(ft‖·) {res['models']['base']['kl_from_ft']:.4f}")
     extras("base", base)
     del base
@@ -290,7 +294,7 @@ def evaluate_variant(p: FamilyPaths, variant: str, cfg: QualityConfig, log=print
             s["distill"] = {k: delta.meta.distilled.get(k) for k in ("steps", "lr", "batch", "seq_len",
                                                                      "final_train_mse")}
         res["models"][mode] = s
-        log(f"  {variant:9s} {mode:17s} ppl {s['ppl']:8.3f}  KL(ft‖·) {s['kl_from_ft']:.4f}")
+        log(f"  {variant:9s} {mode:22s} ppl {s['ppl']:8.3f}  KL(ft‖·) {s['kl_from_ft']:.4f}")
         extras(mode, m)
         del m, delta
     del ref
@@ -360,7 +364,9 @@ def quality_markdown(results: list[dict], cfg: QualityConfig, command: str, buil
         "KL = KL(fine-tune ‖ model), nats per token. Distilled modes: "
         f"{steps} steps of scale distillation (α only, logit MSE, AdamW lr {DISTILL_LR}, cosine, batch 4 × 128 "
         "tokens of the train split, bf16 autocast). `row-sign-emb`: per-row α with the tied embedding/LM head "
-        "compressed to signs too (undistilled); the other modes keep the fine-tuned embeddings dense.",
+        "compressed to signs too; `row-sign-emb-distilled` distils the projections' α's of it (the tied pair's α "
+        "stays mean|Δ|) and is the serving default (data/deltas/). The other modes keep the fine-tuned "
+        "embeddings dense.",
         "",
         "| variant | model | delta MB | held-out ppl | gain kept | KL(ft‖·) |",
         "|---|---|---:|---:|---:|---:|",
@@ -377,9 +383,13 @@ def quality_markdown(results: list[dict], cfg: QualityConfig, command: str, buil
         best = max(modes, key=lambda k: modes[k]["gain_kept"])
         g = modes[best]["gain_kept"]
         verdict = "meets the target" if g >= 0.9 else "**misses the target**"
-        lines.append(f"- {r['variant']}: best {best}, {100 * g:.1f} % kept, {verdict}; "
-                     f"serving default row-distilled keeps {100 * modes['row-distilled']['gain_kept']:.1f} %"
-                     if "row-distilled" in modes else f"- {r['variant']}: best {best}, {100 * g:.1f} %")
+        line = f"- {r['variant']}: best {best}, {100 * g:.1f} % kept, {verdict}"
+        if SERVING_MODE in modes:
+            sg = modes[SERVING_MODE]["gain_kept"]
+            mb = _fmt(modes[SERVING_MODE].get("delta_bytes", float("nan")) / 1e6, ".1f")
+            line += (f"; serving default {SERVING_MODE} ({mb} MB) keeps {100 * sg:.1f} %"
+                     f"{'' if sg >= 0.9 else ' (**misses the target**)'}")
+        lines.append(line)
     for r in results:
         if "math_exact_match" in r:
             lines += ["", "## Math: exact match on held-out problems (greedy)", "",
@@ -429,8 +439,8 @@ def plot(results: list[dict], out: Path) -> Path:
         ax.set_xticks(range(len(variants)), variants)
     axes[0].set_ylim(0, 110)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     plt.close(fig)
