@@ -383,7 +383,7 @@ async def test_health_reflection_and_drain(family):
     from services.gpu_worker.server import begin_drain, create_server, drain_and_stop, start_worker
     from services.gpu_worker.worker import Worker
 
-    worker = Worker(dataclasses.replace(config(family), listen="127.0.0.1:0"))
+    worker = Worker(dataclasses.replace(config(family), address="127.0.0.1:0"))
     server, port = await create_server(worker, "127.0.0.1:0")
     await server.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
