@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -123,13 +124,29 @@ def fingerprint(ckpt: str | os.PathLike) -> str:
     return fp
 
 
-def save_checkpoint(state: dict[str, torch.Tensor], out: str | os.PathLike, config: dict,
-                    side_files_from: str | os.PathLike | None = None) -> Path:
-    """Write a one-file HF checkpoint atomically: a temporary directory renamed into place."""
+@contextmanager
+def atomic_dir(out: str | os.PathLike) -> Iterator[Path]:
+    """A temporary directory beside `out` to fill; when the block ends without an
+    error it replaces `out` in one rename (with the usual permissions), otherwise
+    it is removed, so readers never see a half-written directory."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
+        yield tmp
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700; outputs are meant to be shared
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_checkpoint(state: dict[str, torch.Tensor], out: str | os.PathLike, config: dict,
+                    side_files_from: str | os.PathLike | None = None) -> Path:
+    """Write a one-file HF checkpoint atomically (see `atomic_dir`)."""
+    with atomic_dir(out) as tmp:
         if side_files_from is not None:
             for name in SIDE_FILES:
                 src = Path(side_files_from) / name
@@ -138,11 +155,4 @@ def save_checkpoint(state: dict[str, torch.Tensor], out: str | os.PathLike, conf
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
-        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700; a checkpoint is meant to be shared
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(out)

@@ -19,14 +19,14 @@ import json
 import math
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from bitdelta.checkpoint import atomic_dir
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -256,17 +256,9 @@ def save_adapter(adapter: LoraAdapter, out: str | os.PathLike, base_model: str |
     for k, m in mods.items():
         tensors[f"{PREFIX}{k}.lora_A.weight"] = m.A.contiguous()
         tensors[f"{PREFIX}{k}.lora_B.weight"] = m.B.contiguous()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         for fname, text in (extra_files or {}).items():
             (tmp / fname).write_text(text)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
