@@ -180,3 +180,22 @@ def test_reports_end_to_end_on_a_tiny_family(tmp_path):
     mem = (out / "memory.md").read_text()
     assert f"| math | {family.SERVING_MODE} |" in mem and "`bitdelta inspect`" in mem
     assert "Dense tensors of a serving delta" in mem
+
+
+def test_quality_report_embeds_the_merging_report(tmp_path):
+    """The quality report gains the MonoSoup and K-Merge tables and plots of `bitdelta merge report`."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from bitdelta.family.quality import merging_markdown
+
+    assert merging_markdown(tmp_path) == ""
+    committed = Path(__file__).resolve().parents[1] / "reports" / "merging" / "results.json"
+    (tmp_path / "merging").mkdir()
+    shutil.copy(committed, tmp_path / "merging" / "results.json")
+    md = merging_markdown(tmp_path)
+    assert "MonoSoup" in md and "K-Merge" in md
+    assert "](merging/monosoup.png)" in md and "](merging/kmerge.png)" in md
+    for variant in json.loads(committed.read_text())["monosoup"]["variants"]:
+        assert f"| {variant} |" in md

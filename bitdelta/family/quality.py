@@ -447,6 +447,19 @@ def plot(results: list[dict], out: Path) -> Path:
     return out
 
 
+def merging_markdown(report_dir: Path) -> str:
+    """The merging report's MonoSoup and K-Merge tables and plots, when `bitdelta merge report`
+    has written them under report_dir/merging/ (it evaluates the same family)."""
+    results = Path(report_dir) / "merging" / "results.json"
+    if not results.is_file():
+        return ""
+    from bitdelta.merge.report import merging_sections
+
+    lines = ["", "## Merging: MonoSoup and K-Merge", "",
+             "From `bitdelta merge report` (full report: [merging/README.md](merging/README.md)).", ""]
+    return "\n".join(lines + merging_sections(json.loads(results.read_text()), images="merging/")) + "\n"
+
+
 def run_reports(report_dir: Path, variants: list[str] | None = None, cfg: QualityConfig = QualityConfig(),
                 root: str | os.PathLike | None = None, skip_build: bool = False, command: str | None = None) -> dict:
     """Build what is missing, evaluate every variant, write quality.md/.json, the plot and memory.md."""
@@ -477,7 +490,8 @@ def run_reports(report_dir: Path, variants: list[str] | None = None, cfg: Qualit
     (report_dir / "quality.json").write_text(json.dumps(
         {"made": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(), "command": command,
          "config": asdict(cfg), "results": results, "build": build_info}, indent=2, default=str))
-    (report_dir / "quality.md").write_text(quality_markdown(results, cfg, command, build_info))
+    (report_dir / "quality.md").write_text(quality_markdown(results, cfg, command, build_info)
+                                           + merging_markdown(report_dir))
     plot(results, report_dir / "gain_kept.png")
     (report_dir / "memory.md").write_text(memory_markdown(p, variants, command))
     print(f"[quality] wrote {report_dir}/quality.md, quality.json, gain_kept.png, memory.md "

@@ -316,7 +316,7 @@ def _plot_kmerge(km: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _monosoup_md(ms: dict) -> list[str]:
+def _monosoup_md(ms: dict, images: str = "") -> list[str]:
     vs = ms["variants"]
     out = [
         "## MonoSoup (arXiv:2602.09689) on the real family",
@@ -344,11 +344,11 @@ def _monosoup_md(ms: dict) -> list[str]:
     for v in vs:
         for kind, d in (("fine-tune", ms["finetuned"][v]), ("MonoSoup", ms["monosoup"][v])):
             out.append(f"| {v} {kind} | " + " | ".join(f"{d[s]['ppl']:.2f}" for s in vs) + " |")
-    out += ["", "![MonoSoup](monosoup.png)", ""]
+    out += ["", f"![MonoSoup]({images}monosoup.png)", ""]
     return out
 
 
-def _kmerge_md(km: dict) -> list[str]:
+def _kmerge_md(km: dict, images: str = "") -> list[str]:
     tasks = km["stream"]
     lc = km["lora"]
     secs = sum(v["seconds"] for v in km["training"].values())
@@ -386,7 +386,7 @@ def _kmerge_md(km: dict) -> list[str]:
             "| | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
     for t, row in zip(tasks, km["similarity"]):
         out.append(f"| {t} | " + " | ".join(f"{x:.3f}" for x in row) + " |")
-    out += ["", "![K-Merge](kmerge.png)", ""]
+    out += ["", f"![K-Merge]({images}kmerge.png)", ""]
     return out
 
 
@@ -464,6 +464,17 @@ def _kmerge_notes(km: dict) -> list[str]:
     return notes
 
 
+def merging_sections(results: dict, images: str = "") -> list[str]:
+    """The MonoSoup and K-Merge sections (Markdown lines); `images` prefixes the plots' paths
+    (the quality report embeds them from its own directory as "merging/")."""
+    lines: list[str] = []
+    if "monosoup" in results:
+        lines += _monosoup_md(results["monosoup"], images)
+    if "kmerge" in results:
+        lines += _kmerge_md(results["kmerge"], images)
+    return lines
+
+
 def write_readme(results: dict, out: Path) -> Path:
     lines = [
         "# Merging report",
@@ -472,10 +483,7 @@ def write_readme(results: dict, out: Path) -> Path:
         "differences from the brief: docs/merging.md.",
         "",
     ]
-    if "monosoup" in results:
-        lines += _monosoup_md(results["monosoup"])
-    if "kmerge" in results:
-        lines += _kmerge_md(results["kmerge"])
+    lines += merging_sections(results)
     path = out / "README.md"
     path.write_text("\n".join(lines))
     return path
