@@ -96,7 +96,7 @@ async def main() -> None:
         await wait_serving(store_addr, store, "delta store")
         print(f"[demo] delta store serving {p.deltas['coder'].parent} on {store_addr}")
         worker = subprocess.Popen([py, "-m", "services.gpu_worker", "--base", str(p.base), "--address", worker_addr,
-                                   "--delta-store", store_addr, "--delta-budget", "1GiB"], cwd=ROOT)
+                                   "--delta-store", store_addr, "--delta-budget", "256MiB"], cwd=ROOT)
         procs.append(worker)
         await wait_serving(worker_addr, worker, "worker")
         print(f"[demo] worker serving base {p.base} on {worker_addr}\n")
