@@ -13,10 +13,21 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module")
+def cpu_kernels():
+    """The worker's production CPU path (the compiled C kernels) for a whole module: the
+    Triton interpreter costs seconds per token at model sizes (test_worker_triton covers it)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("BITDELTA_KERNEL_BACKEND", "cpu")
+    yield
+    mp.undo()
 
 
 # --- the real model family ------------------------------------------------------------------
@@ -24,8 +35,6 @@ if not torch.cuda.is_available():
 # data directory on first use, ~30 s, as `bitdelta family build` would) and real deltas: the
 # family's own when built, otherwise two short real fine-tunes of the base (a few optimizer
 # steps each), compressed like the serving default. Nothing is skipped when data/ is empty.
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

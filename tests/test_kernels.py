@@ -17,6 +17,7 @@ from kernels import bitdelta_delta_batched, bitdelta_linear, plan_batch  # noqa:
 from kernels.dispatch import backend_for  # noqa: E402
 from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref  # noqa: E402
 from kernels.triton_linear import bitdelta_linear_triton  # noqa: E402
+from kernel_cases import make_linear, rel_err  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SHAPES = [(72, 100), (264, 257)]  # (d_out, d_in): ragged against every block size
@@ -42,19 +43,6 @@ def padding_untouched(view: torch.Tensor, buf: torch.Tensor) -> bool:
     c0 = (view.data_ptr() - buf.data_ptr()) // buf.element_size() % buf.stride(0)
     mask[r0 : r0 + view.shape[0], c0 : c0 + view.shape[1]] = False
     return bool(buf[mask].isnan().all())
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
-
-
-def make_linear(M, d_out, d_in, dtype, per_row, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, d_in, generator=g).to(dtype)
-    w = (torch.randn(d_out, d_in, generator=g) * 0.1).to(dtype)
-    signs = pack_signs(torch.randn(d_out, d_in, generator=g))
-    alpha = torch.rand(d_out if per_row else 1, generator=g) * 0.05 + 0.01
-    return x, w, signs, alpha
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -10,23 +10,11 @@ import torch
 from bitdelta.bits import pack_signs, unpack_signs
 from kernels import MergedWeightCache, bitdelta_delta_batched, bitdelta_linear, cpu_build, cpu_ops
 from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
+from kernel_cases import make_linear as make, rel_err
 
 SHAPES = [(72, 100), (264, 257), (33, 17), (5, 8), (16, 1)]  # (d_out, d_in), ragged against 8 and 16
 MS = [1, 2, 5, 16, 64]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-
-
-def rel_err(out, ref):
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
-
-
-def make(M, d_out, d_in, dtype=torch.float32, per_row=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, d_in, generator=g).to(dtype)
-    w = (torch.randn(d_out, d_in, generator=g) * 0.1).to(dtype)
-    signs = pack_signs(torch.randn(d_out, d_in, generator=g))
-    alpha = torch.rand(d_out if per_row else 1, generator=g) * 0.05 + 0.01
-    return x, w, signs, alpha
 
 
 def padded_rows(t: torch.Tensor, extra: int = 3) -> torch.Tensor:

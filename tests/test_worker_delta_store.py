@@ -14,17 +14,9 @@ from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.testing import make_test_family, offline_generate, running_worker
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.usefixtures("cpu_kernels")]
 T = 60
 N = 12
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cpu_kernels():
-    mp = pytest.MonkeyPatch()
-    mp.setenv("BITDELTA_KERNEL_BACKEND", "cpu")
-    yield
-    mp.undo()
 
 
 @pytest.fixture(scope="module")

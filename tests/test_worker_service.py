@@ -23,22 +23,12 @@ from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.testing import make_test_family, offline_generate, running_worker
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.usefixtures("cpu_kernels")]
 
 N = 16  # new tokens per generation: enough to see divergence, cheap on 2 shared cores
 PROMPTS = ["Hello world", "The quick brown fox", "abc xyz", "def f(x):"]
 EOS = 256
 T = 60  # deadline (s) of every client call in these tests
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cpu_kernels():
-    # The worker's production CPU path (compiled C kernels). The Triton interpreter
-    # (conftest) costs seconds per token at these sizes; test_worker_triton covers it.
-    mp = pytest.MonkeyPatch()
-    mp.setenv("BITDELTA_KERNEL_BACKEND", "cpu")
-    yield
-    mp.undo()
 
 
 @pytest.fixture(scope="module")

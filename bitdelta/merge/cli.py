@@ -92,28 +92,6 @@ def cmd_report(a: argparse.Namespace) -> None:
     report.run(out=a.out, parts=a.parts, n_windows=a.windows, seq_len=a.seq_len)
 
 
-def _evaluator(base: Path, heldout: dict[str, Path], n_windows: int, seq_len: int):
-    """evaluate(adapter | None, task) -> next-token accuracy on the task's held-out text (cached)."""
-    from bitdelta.merge.evaluate import score, tokenize, windows
-    from bitdelta.merge.lora import applied
-    from bitdelta.model import load_model
-
-    model = load_model(base)
-    wins = {t: windows(tokenize(base, p.read_text(errors="replace")), seq_len, n_windows) for t, p in heldout.items()}
-    cache: dict[tuple[int, str], dict] = {}
-    keep = []  # hold the adapters whose id() keys the cache
-
-    def full(adapter, task):
-        key = (id(adapter), task)
-        if key not in cache:
-            keep.append(adapter)
-            with applied(model, adapter):
-                cache[key] = score(model, wins[task])
-        return cache[key]
-
-    return (lambda adapter, task: full(adapter, task)["acc"]), full
-
-
 def cmd_kmerge(a: argparse.Namespace) -> None:
     from bitdelta.merge.adapter import load_adapter
     from bitdelta.merge.kmerge import AdapterPool, mean_score, scores, stream
@@ -139,7 +117,10 @@ def cmd_kmerge(a: argparse.Namespace) -> None:
     missing = [t for t, p in heldout.items() if not p.is_file()]
     if missing:
         raise CliError(f"no held-out text for {missing}: put heldout.txt in the adapter directory or pass --heldout TASK=FILE")
-    evaluate, _ = _evaluator(a.base, heldout, a.windows, a.seq_len)
+    from bitdelta.merge.evaluate import adapter_evaluator
+
+    texts = {t: p.read_text(errors="replace") for t, p in heldout.items()}
+    evaluate, _ = adapter_evaluator(a.base, texts, a.windows, a.seq_len)
     pool = AdapterPool(k=a.k, budget_bytes=a.budget, threshold=a.threshold, merge=a.merge, merge_rank=a.merge_rank,
                        gate=a.gate, evaluate=evaluate if a.gate is not None else None)
     decisions = stream(pool, list(own.items()))

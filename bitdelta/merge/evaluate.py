@@ -47,3 +47,27 @@ def score(model: Llama, wins: torch.Tensor, batch: int = 8) -> dict[str, float]:
         count += target.numel()
     mean = nll / count
     return {"nll": mean, "ppl": math.exp(mean), "acc": correct / count, "tokens": count}
+
+
+def adapter_evaluator(base: str | os.PathLike, heldout: dict[str, str], n_windows: int, seq_len: int):
+    """(acc, full): `acc(adapter | None, task)` is the next-token accuracy of the base with
+    `adapter` applied on the task's held-out text; `full` returns every metric of `score`.
+    Results are cached per (adapter object, task); the adapters are kept alive so their ids
+    stay valid keys."""
+    from bitdelta.merge.lora import applied
+    from bitdelta.model import load_model
+
+    model = load_model(base)
+    wins = {t: windows(tokenize(base, text), seq_len, n_windows) for t, text in heldout.items()}
+    cache: dict[tuple[int, str], dict] = {}
+    keep = []
+
+    def full(adapter, task):
+        key = (id(adapter), task)
+        if key not in cache:
+            keep.append(adapter)
+            with applied(model, adapter):
+                cache[key] = score(model, wins[task])
+        return cache[key]
+
+    return (lambda adapter, task: full(adapter, task)["acc"]), full

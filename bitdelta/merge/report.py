@@ -189,29 +189,14 @@ def kmerge_configs(one_adapter_bytes: int) -> list[tuple[str, dict]]:
 def kmerge_part(n_windows: int, seq_len: int, lora_cfg: LoraConfig = DEFAULT_LORA) -> dict:
     from bitdelta import family
     from bitdelta.merge.adapter import load_adapter, similarity
-    from bitdelta.merge.evaluate import score, tokenize, windows
+    from bitdelta.merge.evaluate import adapter_evaluator
     from bitdelta.merge.kmerge import AdapterPool, mean_score, stream
-    from bitdelta.merge.lora import applied
-    from bitdelta.model import load_model
 
     dirs = train_adapters(lora_cfg)
     base = family.paths().base
     own = {t: load_adapter(dirs[t]) for t in STREAM}
-    wins = {t: windows(tokenize(base, (dirs[t] / "heldout.txt").read_text()), seq_len, n_windows) for t in STREAM}
-    model = load_model(base)
-    cache: dict[tuple[int, str], dict] = {}
-    hold = []
-
-    def full(adapter, task):
-        key = (id(adapter), task)
-        if key not in cache:
-            hold.append(adapter)
-            with applied(model, adapter):
-                cache[key] = score(model, wins[task])
-        return cache[key]
-
-    def acc(adapter, task):
-        return full(adapter, task)["acc"]
+    texts = {t: (dirs[t] / "heldout.txt").read_text(errors="replace") for t in STREAM}
+    acc, full = adapter_evaluator(base, texts, n_windows, seq_len)
 
     t0 = time.perf_counter()
     res: dict = {"windows": n_windows, "seq_len": seq_len, "stream": STREAM, "tasks": {t: TASKS[t] for t in STREAM},

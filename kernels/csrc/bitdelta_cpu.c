@@ -177,6 +177,19 @@ static void delta_rows_lut8(const float *T, int64_t M, const uint8_t *s, int64_t
 }
 
 /* Row range of thread t out of n, in multiples of ROWS. */
+/* Σ_k x[m, k] for every row m (the masked kernels add α·(2·Σ_{bit=1} x − Σ x)).
+ * Returns a malloc'ed fp32 [max(M, 1)] the caller frees, or NULL when out of memory. */
+static float *row_sums(const float *x, int64_t M, int64_t ldx, int64_t d_in) {
+    float *xsum = (float *)malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
+    if (!xsum) return NULL;
+    for (int64_t m = 0; m < M; ++m) {
+        float t = 0.f;
+        for (int64_t k = 0; k < d_in; ++k) t += x[m * ldx + k];
+        xsum[m] = t;
+    }
+    return xsum;
+}
+
 static void split_rows(int64_t d_out, int t, int n, int64_t *r0, int64_t *r1) {
     const int64_t blocks = (d_out + ROWS - 1) / ROWS;
     const int64_t b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
@@ -214,13 +227,8 @@ int bd_delta_gemv(const float *x, int64_t M, int64_t ldx,
         free(T);
         return 0;
     }
-    float *xsum = (float *)malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
+    float *xsum = row_sums(x, M, ldx, d_in);
     if (!xsum) return -1;
-    for (int64_t m = 0; m < M; ++m) {
-        float t = 0.f;
-        for (int64_t k = 0; k < d_in; ++k) t += x[m * ldx + k];
-        xsum[m] = t;
-    }
 #pragma omp parallel num_threads(n_threads)
     {
 #ifdef _OPENMP
@@ -245,13 +253,8 @@ int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
                      const float *alpha, int64_t stride_av, int64_t alpha_stride,
                      const int64_t *row_variant, float *y, int64_t ldy, int n_threads) {
     if (n_threads < 1) n_threads = 1;
-    float *xsum = (float *)malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
+    float *xsum = row_sums(x, M, ldx, d_in);
     if (!xsum) return -1;
-    for (int64_t m = 0; m < M; ++m) {
-        float t = 0.f;
-        for (int64_t k = 0; k < d_in; ++k) t += x[m * ldx + k];
-        xsum[m] = t;
-    }
 #pragma omp parallel num_threads(n_threads)
     {
 #ifdef _OPENMP
@@ -478,13 +481,8 @@ int bd_linear_gemv(const float *x, int64_t M, int64_t ldx, const void *w, int w_
                    const uint8_t *s, int64_t d_out, int64_t d_in, int64_t lds,
                    const float *alpha, int64_t alpha_stride, float *y, int64_t ldy, int n_threads) {
     if (n_threads < 1) n_threads = 1;
-    float *xsum = (float *)malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
+    float *xsum = row_sums(x, M, ldx, d_in);
     if (!xsum) return -1;
-    for (int64_t m = 0; m < M; ++m) {
-        float t = 0.f;
-        for (int64_t k = 0; k < d_in; ++k) t += x[m * ldx + k];
-        xsum[m] = t;
-    }
 #pragma omp parallel num_threads(n_threads)
     {
 #ifdef _OPENMP
