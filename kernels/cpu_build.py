@@ -6,7 +6,11 @@ does not depend on the torch ABI (the same source serves torch 2.11 and 2.13),
 and ctypes releases the GIL during the call. The library is compiled for the
 host CPU (-march=native) into a directory keyed by a hash of the source, the
 flags, the compiler and the CPU's feature flags, so a copied build directory
-never runs code for the wrong CPU. Writes go to a temporary file that is then
+never runs code for the wrong CPU. `BITDELTA_CPU_ISA=avx2` builds the AVX2
+path instead (-march=x86-64-v3: AVX2 + FMA, no AVX-512) on a host that has
+AVX-512, so the code an AVX2-only machine runs is tested everywhere (the tests
+also load it explicitly with `load_variant("avx2")`); `scalar` builds the
+portable C path (-march=x86-64). Writes go to a temporary file that is then
 renamed, so concurrent first builds (pytest workers, server processes) are safe.
 
 If no compiler is found or the build fails, `load_cpu_lib()` returns None and
@@ -14,6 +18,8 @@ logs ONE warning; callers then use the pure-torch path.
 
 Environment:
     BITDELTA_CPU_KERNELS=0          never build/load (force the torch path)
+    BITDELTA_CPU_ISA=native|avx2|scalar   which SIMD path to build (default native:
+                                    whatever the host has; the others must run here)
     BITDELTA_KERNELS_BUILD_DIR=DIR  where to cache the library
     CC=...                          the C compiler (default: cc, then gcc)
 """
@@ -35,10 +41,18 @@ import torch  # noqa: F401  # loads libgomp.so.1 first so the library shares tor
 log = logging.getLogger("kernels")
 
 SOURCE = Path(__file__).with_name("csrc") / "bitdelta_cpu.c"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 COMPILE_TIMEOUT_S = 120
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
+ISA_ENV = "BITDELTA_CPU_ISA"
+# Build request -> target flags. x86-64-v3 is the AVX2 level (AVX2, FMA, F16C, BMI1/2,
+# MOVBE): what an AVX2-only EPYC or Core runs. x86-64 is the baseline (SSE2): the
+# library's portable C loops, which the compiler may still vectorise with SSE2.
+ISA_MARCH = {"native": "-march=native", "avx2": "-march=x86-64-v3", "scalar": "-march=x86-64"}
+# CPU flags (/proc/cpuinfo) a build needs at run time; checked before loading so a
+# forced build never dies of SIGILL on a CPU without them.
+ISA_NEEDS = {"native": (), "avx2": ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"), "scalar": ()}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -77,12 +91,36 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(cc: str, build_dir: Path) -> Path:
+def requested_isa() -> str:
+    """`BITDELTA_CPU_ISA` (default "native"), checked."""
+    isa = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if isa not in ISA_MARCH:
+        raise ValueError(f"{ISA_ENV}={isa!r}: use one of {', '.join(ISA_MARCH)}")
+    return isa
+
+
+def _check_host(isa: str) -> None:
+    """Refuse a forced build the host cannot run (it would crash with SIGILL, not fail)."""
+    import platform
+
+    if isa == "native":
+        return
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise RuntimeError(f"{ISA_ENV}={isa} is an x86-64 build; this host is {platform.machine()}")
+    flags = set(_cpu_fingerprint().split(":", 1)[-1].split())
+    missing = [f for f in ISA_NEEDS[isa] if f not in flags]
+    if missing:
+        raise RuntimeError(f"{ISA_ENV}={isa} needs CPU flags this host lacks: {', '.join(missing)}")
+
+
+def _build(cc: str, build_dir: Path, isa: str = "native") -> Path:
+    _check_host(isa)
+    flags = [*CFLAGS, ISA_MARCH[isa]]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_fingerprint()]).encode()
+        "\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_fingerprint()]).encode()
     ).hexdigest()[:16]
-    lib_path = build_dir / f"libbitdelta_cpu_{key}.so"
+    lib_path = build_dir / f"libbitdelta_cpu_{isa}_{key}.so"
     if lib_path.exists():
         return lib_path
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -90,13 +128,13 @@ def _build(cc: str, build_dir: Path) -> Path:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S
+            [cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S
         )
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, lib_path)
         log.info("kernels: built %s", lib_path)
-        for old in build_dir.glob("libbitdelta_cpu_*.so"):  # builds of older sources (a running
+        for old in build_dir.glob(f"libbitdelta_cpu_{isa}_*.so"):  # builds of older sources (a running
             if old != lib_path:  # process keeps its mapping of a removed file)
                 old.unlink(missing_ok=True)
     finally:
@@ -123,22 +161,34 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.bd_linear_gemv.argtypes = [p, i64, i64, p, i32, i64, p, i64, i64, i64, p, i64, p, i64, i32]
 
 
+def load_variant(isa: str) -> ctypes.CDLL:
+    """Build (once) and load the library for one ISA ("native", "avx2", "scalar") apart
+    from the process-wide one; raises when that is impossible here. For tests and
+    benchmarks that compare the SIMD paths on one machine."""
+    if isa not in ISA_MARCH:
+        raise ValueError(f"unknown ISA {isa!r}: use one of {', '.join(ISA_MARCH)}")
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    lib = ctypes.CDLL(str(_build(cc, _default_build_dir(), isa)))
+    _declare(lib)
+    return lib
+
+
 def load_cpu_lib() -> ctypes.CDLL | None:
-    """The compiled library, building it on first use; None if unavailable."""
+    """The compiled library (`BITDELTA_CPU_ISA`'s build, native by default), building it
+    on first use; None if unavailable."""
     global _lib, _tried, unavailable_reason
     if _tried:
         return _lib
     with _lock:
         if _tried:
             return _lib
+        isa = requested_isa()  # a misspelt request is an error, not a silent fallback
         try:
             if os.environ.get("BITDELTA_CPU_KERNELS", "1") == "0":
                 raise RuntimeError("disabled by BITDELTA_CPU_KERNELS=0")
-            cc = _compiler()
-            if cc is None:
-                raise RuntimeError("no C compiler found (set CC)")
-            lib = ctypes.CDLL(str(_build(cc, _default_build_dir())))
-            _declare(lib)
+            lib = load_variant(isa)
             _lib = lib
             log.info("kernels: C CPU kernels loaded (%s)", ISA_NAMES.get(lib.bd_isa(), "?"))
         except Exception as e:  # noqa: BLE001  # any failure means: use the torch path

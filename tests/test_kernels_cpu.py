@@ -25,6 +25,23 @@ def padded_rows(t: torch.Tensor, extra: int = 3) -> torch.Tensor:
     return buf[:, : t.shape[1]]
 
 
+# The C library's SIMD paths under test: the host's own build and the AVX2 build
+# (-march=x86-64-v3, what an AVX2-only CPU runs), which the host can run too. A CPU
+# without AVX2 cannot run the AVX2 build: there the parameter fails with its reason.
+ISAS = ["native", "avx2"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch):
+    """Make every CPU op in the test use the C library built for one ISA."""
+    lib = cpu_build.load_variant(request.param)
+    monkeypatch.setattr(cpu_build, "_tried", True)
+    monkeypatch.setattr(cpu_build, "_lib", lib)
+    if request.param == "avx2":
+        assert cpu_build.cpu_isa() == "avx2"
+    return request.param
+
+
 @pytest.fixture
 def no_cpu_lib(monkeypatch):
     """Pretend the C library could not be built: every CPU op takes the torch path."""
@@ -42,7 +59,7 @@ def test_library_builds_here():
 @pytest.mark.parametrize("per_row", [True, False], ids=["alpha_row", "alpha_matrix"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("M", MS)
-def test_delta_gemv(M, shape, per_row, method):
+def test_delta_gemv(M, shape, per_row, method, isa):
     x, w, signs, alpha = make(M, *shape, per_row=per_row)
     ref = bitdelta_linear_ref(x, torch.zeros_like(w), signs, alpha)
     y0 = torch.randn(M, shape[0])
@@ -55,7 +72,7 @@ def test_delta_gemv(M, shape, per_row, method):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(72, 100), (264, 257), (33, 17)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("M", [1, 3, 16, 64])
-def test_linear_paths(M, shape, dtype, path):
+def test_linear_paths(M, shape, dtype, path, isa):
     x, w, signs, alpha = make(M, *shape, dtype=dtype, per_row=M % 2 == 1)
     ref = bitdelta_linear_ref(x, w, signs, alpha)
     y = cpu_ops.bitdelta_linear_cpu(x, padded_rows(w), padded_rows(signs), alpha, path=path)
@@ -76,7 +93,7 @@ def test_merge_block_loop(monkeypatch):
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("w_dtype", [None, torch.float32, torch.bfloat16, torch.float16])
-def test_merge(w_dtype, out_dtype):
+def test_merge(w_dtype, out_dtype, isa):
     _, w, signs, alpha = make(1, 40, 75)
     w = None if w_dtype is None else w.to(w_dtype)
     exp = unpack_signs(signs, 75) * alpha.reshape(-1, 1) + (0 if w is None else w.float())
@@ -88,7 +105,7 @@ def test_merge(w_dtype, out_dtype):
 
 @pytest.mark.parametrize("per_row", [True, False], ids=["alpha_row", "alpha_matrix"])
 @pytest.mark.parametrize("M", MS)
-def test_batched_cpu(M, per_row):
+def test_batched_cpu(M, per_row, isa):
     d_out, d_in, V = 264, 257, 3
     g = torch.Generator().manual_seed(M)
     x = torch.randn(M, d_in, generator=g)
@@ -116,6 +133,50 @@ def test_batched_cpu_single_variant_and_unpack(monkeypatch):
         y = torch.zeros(40, 72, dtype=torch.bfloat16)
         cpu_ops.bitdelta_delta_batched_cpu(x, stack, astack, rv, y)
         assert rel_err(y, ref) <= TOL[torch.bfloat16]
+
+
+def test_isa_env_forces_the_avx2_build(monkeypatch):
+    """BITDELTA_CPU_ISA=avx2 makes the process-wide library the AVX2 build, with the
+    paths an AVX2-only CPU takes (BLAS + delta GEMV at decode, no fused AVX-512 GEMV)."""
+    monkeypatch.setattr(cpu_build, "_tried", False)
+    monkeypatch.setattr(cpu_build, "_lib", None)
+    monkeypatch.setenv("BITDELTA_CPU_ISA", "avx2")
+    lib = cpu_build.load_cpu_lib()
+    assert lib is not None, cpu_build.unavailable_reason
+    assert cpu_build.cpu_isa() == "avx2"
+    assert cpu_ops.linear_path_cpu(1, torch.float32) == "blas_delta"
+    x, w, signs, alpha = make(3, 264, 257)
+    assert rel_err(cpu_ops.bitdelta_linear_cpu(x, w, signs, alpha), bitdelta_linear_ref(x, w, signs, alpha)) <= 1e-5
+
+
+def test_isa_request_errors(monkeypatch):
+    monkeypatch.setattr(cpu_build, "_tried", False)
+    monkeypatch.setattr(cpu_build, "_lib", None)
+    monkeypatch.setenv("BITDELTA_CPU_ISA", "avx1024")
+    with pytest.raises(ValueError, match="native, avx2, scalar"):
+        cpu_build.load_cpu_lib()
+    with pytest.raises(ValueError, match="unknown ISA"):
+        cpu_build.load_variant("sse9")
+    # a forced build the CPU cannot run is refused before it is loaded (no SIGILL)
+    monkeypatch.setattr(cpu_build, "_cpu_fingerprint", lambda: "flags\t\t: fpu sse sse2")
+    monkeypatch.setattr("platform.machine", lambda: "x86_64")
+    with pytest.raises(RuntimeError, match="lacks: avx2, fma"):
+        cpu_build.load_variant("avx2")
+
+
+def test_scalar_build_matches_the_reference(monkeypatch):
+    """The portable C loops (-march=x86-64), which a CPU without AVX2 runs."""
+    lib = cpu_build.load_variant("scalar")
+    assert cpu_build.ISA_NAMES[lib.bd_isa()] == "scalar"
+    monkeypatch.setattr(cpu_build, "_tried", True)
+    monkeypatch.setattr(cpu_build, "_lib", lib)
+    x, w, signs, alpha = make(5, 264, 257)
+    ref = bitdelta_linear_ref(x, w, signs, alpha)
+    for path in ("fused_gemv", "blas_delta", "merge_gemm"):
+        assert rel_err(cpu_ops.bitdelta_linear_cpu(x, w, signs, alpha, path=path), ref) <= 1e-5, path
+    stack, astack, rv = torch.stack([signs, signs.flip(1)]), torch.stack([alpha, alpha * 2]), torch.tensor([1, 0, -1, 1, 1])
+    y = cpu_ops.bitdelta_delta_batched_cpu(x, stack, astack, rv, torch.zeros(5, 264))
+    assert rel_err(y, bitdelta_delta_batched_ref(x, stack, astack, rv, torch.zeros(5, 264))) <= 1e-5
 
 
 def test_auto_path_choice():
