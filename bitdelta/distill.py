@@ -2,7 +2,9 @@
 logits match the fine-tuned model's (MSE on logits, AdamW, cosine schedule).
 
 The paper's code accidentally trains embeddings and norms too; here exactly
-the α's require gradients, everything else is frozen.
+the α's require gradients, everything else is frozen. The forward passes run
+in `bitdelta.precision`'s choice for the CPU (bf16 autocast only where the CPU
+has native bf16, fp32 otherwise); α and the optimizer stay fp32.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from bitdelta import precision
 from bitdelta.format import Delta
 from bitdelta.model import BitDeltaLinear, Llama, attach_delta, load_model
 
@@ -78,6 +81,9 @@ def distill(
     heldout: optional [n, seq_len] windows on which the logit MSE is reported
     before and after.
     """
+    prec = precision.cpu_precision()
+    if progress:
+        print(f"[distill] {delta.meta.variant}: {prec.describe()}", flush=True)
     teacher = load_model(finetuned)
     student = attach_delta(load_model(base), delta, trainable_alpha=True)
     params = list(alphas(student).values())
@@ -92,16 +98,17 @@ def distill(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     windows = token_windows(calibration, cfg.seq_len, cfg.steps * cfg.batch, cfg.seed)
     record = {"steps": cfg.steps, "lr": cfg.lr, "batch": cfg.batch, "seq_len": cfg.seq_len,
-              "schedule": "cosine", "trained": "alpha only"}
+              "schedule": "cosine", "trained": "alpha only", "precision": prec.record()}
     if heldout is not None:
         record["heldout_mse_before"] = logit_mse(teacher, student, heldout)
     bar = tqdm(range(cfg.steps), desc=f"distill {delta.meta.variant}", disable=not progress)
     loss_val = float("nan")
     for step in bar:
         x = windows[step * cfg.batch : (step + 1) * cfg.batch]
-        with torch.no_grad():
-            target = teacher(x)
-        loss = F.mse_loss(student(x), target)
+        with precision.autocast("cpu"):
+            with torch.no_grad():
+                target = teacher(x)
+            loss = F.mse_loss(student(x), target)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -31,7 +31,6 @@ SERVING_ALPHA, SERVING_EMBEDDINGS = "row", "sign"
 # Scale distillation for the serving default (and the report's distilled
 # modes). lr 1e-5: the paper's 1e-4 overshoots on this model (REFERENCES.md).
 DISTILL_STEPS, DISTILL_LR, DISTILL_BATCH, DISTILL_SEQ = 30, 1e-5, 4, 128
-DISTILL_AUTOCAST = True
 
 
 def _log(msg: str) -> None:
@@ -110,8 +109,7 @@ def delta_recipe(p: FamilyPaths, variant: str, alpha: str, embeddings: str, dist
     r = {"version": RECIPE_VERSION, "base": _base_fp(p), "finetuned": ft, "alpha": alpha, "embeddings": embeddings}
     if distill_steps:
         r["distill"] = {"steps": distill_steps, "lr": DISTILL_LR, "batch": DISTILL_BATCH, "seq_len": DISTILL_SEQ,
-                        "calibration": f"{VARIANTS[variant]} train split", "seed": 0,
-                        "autocast": "bf16" if DISTILL_AUTOCAST else "fp32"}
+                        "calibration": f"{VARIANTS[variant]} train split", "seed": 0}
     return r
 
 
@@ -198,11 +196,10 @@ def build_delta(p: FamilyPaths, variant: str, alpha: str = SERVING_ALPHA, embedd
         calib = corpus_tokens(p.base, VARIANTS[variant], "train")
         # No held-out windows here: the quality report measures held-out
         # perplexity and KL of every mode itself (with merged weights).
-        # bf16 autocast halves the CPU time (as in fine-tuning); α and the
-        # optimizer stay fp32, and the report measures KL in fp32.
-        with torch.autocast(device_type="cpu", dtype=torch.bfloat16, enabled=DISTILL_AUTOCAST):
-            delta, record = d.distill(p.base, p.finetuned[variant], load_delta(tmp), calib, cfg)
-        record["autocast"] = "bf16" if DISTILL_AUTOCAST else "fp32"
+        # distill() runs in bitdelta.precision's choice for the CPU (bf16 autocast
+        # only with native bf16); α and the optimizer stay fp32, and the report
+        # measures KL in fp32.
+        delta, record = d.distill(p.base, p.finetuned[variant], load_delta(tmp), calib, cfg)
         undistilled = load_delta(tmp)
         record["alpha_frozen"] = sorted(k for k, cw in delta.compressed.items()
                                         if torch.equal(cw.alpha, undistilled.compressed[k].alpha))

@@ -1,0 +1,168 @@
+"""Which floating-point precision torch computes in on this machine: one rule for
+every place that trains or runs a model (fine-tuning, distillation, the quality
+report, the worker's `--dtype auto`, the benchmarks).
+
+The rule: bf16 only where the hardware does bf16 natively, fp32 otherwise.
+
+- CUDA: bf16 (every GPU this project targets has bf16 tensor cores).
+- CPU: bf16 autocast only when the CPU has native bf16 dot products (x86:
+  AVX-512 BF16 or AMX-BF16; Arm: the BF16 extension), read once from the CPU
+  flags; elsewhere fp32. Without hardware support torch emulates bf16: on a
+  2-core AVX2 EPYC a 512×576·576×1536 matmul took 15 ms in fp32 and 963 ms in
+  bf16, and one fine-tuning step of SmolLM2-135M 135 s instead of ~5 s
+  (REFERENCES.md, "CPU portability").
+- `BITDELTA_CPU_PRECISION=fp32|bf16|auto` overrides the CPU choice (auto: the
+  rule). fp32 emulates a CPU without bf16 on one that has it (CI does so);
+  bf16 on a CPU without it is allowed but slow, and says so.
+
+Training autocasts its forward/backward to `cpu_precision().name`; weights,
+gradients and optimizer state stay fp32 either way, so the choice changes the
+numerics of matmuls only. Every build record and report states the choice.
+
+Serving on CPU (`serving_dtype`) keeps fp32 under `auto` even where bf16 is
+native: the C kernels accumulate in fp32 and the worker's answers are checked
+against the fp32 reference; `BITDELTA_CPU_PRECISION=bf16` opts in to bf16
+weights there (half the memory traffic). On CPU it is never bf16 without the
+user asking, so a CPU without bf16 never runs emulated bf16.
+
+    >>> from bitdelta.precision import cpu_precision, autocast
+    >>> cpu_precision()
+    Precision(name='fp32', reason='no native bf16 on this CPU (AVX2; no avx512_bf16/amx_bf16 flag)', source='cpu flags')
+    >>> with autocast("cpu"):
+    ...     loss = model(x)
+
+Only the standard library is imported at module level; torch is imported by the
+functions that need it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV = "BITDELTA_CPU_PRECISION"
+CHOICES = ("auto", "fp32", "bf16")
+# CPU flags (/proc/cpuinfo "flags" on x86, "Features" on Arm) that mean native bf16 dot products.
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+_TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A precision choice: `name` ("fp32" | "bf16"), why, and where the decision came from
+    ("env", "cpu flags", "cuda", "serving default")."""
+
+    name: str
+    reason: str
+    source: str
+
+    @property
+    def dtype(self):
+        """The torch dtype (torch.float32 or torch.bfloat16)."""
+        import torch
+
+        return getattr(torch, _TORCH_NAMES[self.name])
+
+    @property
+    def torch_name(self) -> str:
+        """"float32" | "bfloat16" (the worker's --dtype spelling)."""
+        return _TORCH_NAMES[self.name]
+
+    def describe(self) -> str:
+        """One line for logs and the reports' "made on" line: `fp32 (no native bf16 …)`."""
+        return f"{self.name} ({self.reason})"
+
+    def record(self) -> dict:
+        """What build stamps and reports store."""
+        return {"precision": self.name, "reason": self.reason, "source": self.source}
+
+
+def _read_cpu_flags() -> set[str] | None:
+    """The CPU's feature flags, or None where /proc/cpuinfo is unreadable (not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return None
+
+
+def _torch_capability() -> str:
+    """torch's own view of the CPU's SIMD level ("AVX512", "AVX2", "DEFAULT", …)."""
+    try:
+        import torch
+
+        return torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001  # an old or unusual torch: the flags decide alone
+        return "unknown"
+
+
+@functools.lru_cache(maxsize=1)
+def native_bf16() -> tuple[bool, str]:
+    """(whether this CPU has native bf16 dot products, why), checked once per process."""
+    cap = _torch_capability()
+    flags = _read_cpu_flags()
+    if flags is None:
+        return False, f"CPU flags unreadable (torch capability {cap}); assuming no native bf16"
+    found = sorted(f for f in NATIVE_BF16_FLAGS if f in flags)
+    if found:
+        return True, f"native bf16 on this CPU ({cap}; {', '.join(found)})"
+    return False, f"no native bf16 on this CPU ({cap}; no {'/'.join(NATIVE_BF16_FLAGS[:2])} flag)"
+
+
+def _env_choice() -> str:
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"{ENV}={os.environ[ENV]!r}: use one of {', '.join(CHOICES)}")
+    return value
+
+
+def cpu_precision() -> Precision:
+    """The precision for training and running torch models on this CPU (the rule above)."""
+    choice = _env_choice()
+    native, why = native_bf16()
+    if choice == "fp32":
+        return Precision("fp32", f"forced by {ENV}=fp32; {why}", "env")
+    if choice == "bf16":
+        note = "" if native else " (emulated: slow)"
+        return Precision("bf16", f"forced by {ENV}=bf16; {why}{note}", "env")
+    return Precision("bf16" if native else "fp32", why, "cpu flags")
+
+
+def precision_for(device) -> Precision:
+    """The training precision on `device` (a torch.device or "cpu"/"cuda")."""
+    kind = getattr(device, "type", None) or str(device).split(":")[0]
+    if kind == "cuda":
+        return Precision("bf16", "CUDA: bf16 tensor cores", "cuda")
+    if kind != "cpu":
+        return Precision("fp32", f"{kind}: no bf16 rule for this device", "default")
+    return cpu_precision()
+
+
+def autocast(device):
+    """torch.autocast to `precision_for(device)`: bf16 autocast where the rule says bf16,
+    a disabled autocast (plain fp32) otherwise."""
+    import torch
+
+    kind = getattr(device, "type", None) or str(device).split(":")[0]
+    p = precision_for(kind)
+    return torch.autocast(kind, dtype=torch.bfloat16, enabled=p.name == "bf16")
+
+
+def serving_dtype(device) -> Precision:
+    """The weights' dtype for the worker's `--dtype auto` (and the benchmarks' default):
+    bf16 on CUDA; on CPU fp32 unless `BITDELTA_CPU_PRECISION=bf16` asks for bf16."""
+    kind = getattr(device, "type", None) or str(device).split(":")[0]
+    if kind == "cuda":
+        return precision_for(kind)
+    if kind == "cpu" and _env_choice() == "bf16":
+        return cpu_precision()
+    _, why = native_bf16()
+    return Precision("fp32", f"serving on {kind} keeps fp32 unless {ENV}=bf16; {why}", "serving default")
+
+
+__all__ = ["ENV", "Precision", "autocast", "cpu_precision", "native_bf16", "precision_for", "serving_dtype"]
