@@ -103,12 +103,19 @@ def _torch_capability() -> str:
 
 @functools.lru_cache(maxsize=1)
 def native_bf16() -> tuple[bool, str]:
-    """(whether this CPU has native bf16 dot products, why), checked once per process."""
+    """(whether this CPU has native bf16 dot products, why), checked once per process.
+
+    x86 needs the avx512_bf16 or amx_bf16 flag AND torch dispatching to its AVX-512
+    kernels (`ATEN_CPU_CAPABILITY=avx2` or an old torch leaves bf16 emulated even on
+    such a CPU); Arm needs the bf16 feature."""
     cap = _torch_capability()
     flags = _read_cpu_flags()
     if flags is None:
         return False, f"CPU flags unreadable (torch capability {cap}); assuming no native bf16"
     found = sorted(f for f in NATIVE_BF16_FLAGS if f in flags)
+    x86 = "sse2" in flags or "avx2" in flags or any(f.startswith("avx512") for f in flags)
+    if found and x86 and not cap.upper().startswith(("AVX512", "AMX")):
+        return False, f"no native bf16 in torch here (CPU has {', '.join(found)} but torch dispatches {cap})"
     if found:
         return True, f"native bf16 on this CPU ({cap}; {', '.join(found)})"
     return False, f"no native bf16 on this CPU ({cap}; no {'/'.join(NATIVE_BF16_FLAGS[:2])} flag)"

@@ -17,8 +17,9 @@ def cpu_flags(monkeypatch):
     """Pretend the CPU has the given flags (None: /proc/cpuinfo unreadable); auto rule."""
     monkeypatch.delenv(precision.ENV, raising=False)
 
-    def set_flags(flags):
+    def set_flags(flags, capability="AVX512"):
         monkeypatch.setattr(precision, "_read_cpu_flags", lambda: None if flags is None else set(flags))
+        monkeypatch.setattr(precision, "_torch_capability", lambda: capability)
         precision.native_bf16.cache_clear()
 
     yield set_flags
@@ -30,12 +31,16 @@ def test_auto_uses_bf16_only_with_native_bf16(cpu_flags):
     p = precision.cpu_precision()
     assert (p.name, p.source) == ("fp32", "cpu flags") and p.dtype == torch.float32
     assert "no native bf16" in p.reason
-    for native in ({"avx512f", "avx512_bf16"}, {"amx_bf16", "avx512f"}, {"asimd", "bf16"}):  # Arm: "bf16"
-        cpu_flags(native)
+    for native, cap in (({"avx512f", "avx512_bf16"}, "AVX512"), ({"amx_bf16", "avx512f"}, "AVX512"),
+                        ({"asimd", "bf16"}, "DEFAULT")):  # Arm: the "bf16" feature
+        cpu_flags(native, cap)
         p = precision.cpu_precision()
         assert p.name == "bf16" and p.dtype == torch.bfloat16, native
     cpu_flags({"avx512f", "avx512bw"})  # AVX-512 without BF16 is not enough
     assert precision.cpu_precision().name == "fp32"
+    cpu_flags({"avx512f", "avx512_bf16"}, "AVX2")  # torch held to AVX2 (ATEN_CPU_CAPABILITY=avx2): emulated
+    p = precision.cpu_precision()
+    assert p.name == "fp32" and "dispatches AVX2" in p.reason
     cpu_flags(None)
     p = precision.cpu_precision()
     assert p.name == "fp32" and "unreadable" in p.reason
