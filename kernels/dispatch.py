@@ -18,7 +18,7 @@ import torch
 
 from bitdelta.bits import packed_cols
 from kernels import cpu_ops
-from kernels.configs import config_for, interpreting
+from kernels.configs import config_for, fit, interpreting, smem_limit
 from kernels.plan import BatchPlan, plan_batch
 from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
 
@@ -27,9 +27,13 @@ try:
     from kernels.triton_linear import bitdelta_linear_triton
     from kernels.triton_sgmv import sgmv_launch
 
+    from kernels.triton_linear import uses_fp32_dot
+
     HAVE_TRITON = True
-except ImportError:  # CPU-only installs without triton
+    TRITON_ERROR = ""
+except ImportError as e:  # CPU-only installs without triton; on CUDA the worker refuses to start (worker.py)
     HAVE_TRITON = False
+    TRITON_ERROR = f"{type(e).__name__}: {e}"
 
 # Largest M·N·K run by the Triton interpreter through the public functions (≈0.1–1 s).
 INTERPRET_MAX_WORK = int(os.environ.get("BITDELTA_INTERPRET_MAX_WORK", 1 << 24))
@@ -116,7 +120,10 @@ def bitdelta_delta_batched(
         return y
     s = signs_stack if signs_stack.stride(2) == 1 else signs_stack.contiguous()
     a = alpha_stack.to(torch.float32)
-    if plan.kind == "bgmv":
-        return bgmv_launch(x, s, a, plan.row_variant, y, cfg["bgmv"])
-    blocks = dict(cfg["sgmv"], BLOCK_M=plan.block_m)
+    kind = plan.kind
+    blocks = dict(cfg[kind], BLOCK_M=plan.block_m) if kind == "sgmv" else dict(cfg[kind])
+    if x.device.type == "cuda":  # fewer stages if the resource model says these blocks overflow this GPU
+        blocks = fit(kind, blocks, 4 if uses_fp32_dot(x.dtype) else x.element_size(), smem_limit(cfg, x.device))
+    if kind == "bgmv":
+        return bgmv_launch(x, s, a, plan.row_variant, y, blocks)
     return sgmv_launch(x, s, a, y, plan.row_idx, plan.tile_start, plan.tile_end, plan.tile_variant, blocks)

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.configs import interpreting
+from kernels.triton_linear import uses_fp32_dot
 
 
 @triton.jit
@@ -27,7 +27,10 @@ def _bitdelta_sgmv_kernel(
     y: [M, N], updated in place. Tile t (program axis 0) covers rows
     row_idx[tile_start[t] : tile_end[t]] (≤ BLOCK_M rows, one variant tile_variant[t]);
     axis 1 tiles N. A row belongs to one tile, so no two programs write one y element.
-    S is ±1 and exact in fp16/bf16, so the dot runs in x's dtype with fp32 accumulation.
+    Numerics: with S = 2B − 1 (B ∈ {0, 1}, exact in fp16/bf16/fp32), x · S = 2 · x · B − Σx:
+    one dot in x's dtype with fp32 accumulation plus a row sum, scaled by α in fp32.
+    Bits: each K-step loads the tile's sign bytes once as [BLOCK_N, BLOCK_K/8] and expands
+    them in registers ONCE for all rows of the tile (see triton_linear for the bit trick).
     """
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -41,32 +44,46 @@ def _bitdelta_sgmv_kernel(
     n_mask = offs_n < N
     s_base = s_ptr + v * stride_sv
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    BYTES: tl.constexpr = BLOCK_K // 8
+    bitval = 1 << tl.arange(0, 8)  # [8] int32: the mask of bit j
+    if DOT_FP32:
+        one = (0x3F800000 >> tl.arange(0, 8)).to(tl.int32)  # fp32 1.0 >> j
+    elif x_ptr.dtype.element_ty == tl.bfloat16:
+        one = (0x3F80 >> tl.arange(0, 8)).to(tl.int32)  # bf16 1.0 >> j
+    else:
+        one = (0x3C00 >> tl.arange(0, 8)).to(tl.int32)  # fp16 1.0 >> j
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # x · Bᵀ
+    xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)  # Σ_k x
     # range over a step count, not range(0, K, BLOCK_K): the latter breaks triton 3.6's interpreter with numpy ≥ 2.4
     for step in range(0, tl.cdiv(K, BLOCK_K)):
         offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
+        offs_g = step * BYTES + tl.arange(0, BYTES)  # the tile's byte columns
         x = tl.load(
             x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
             mask=m_mask[:, None] & k_mask[None, :], other=0.0,
-        )  # fmt: skip
-        # bits of the [BK, BN] tile; padded columns read as −1 but meet x = 0
+        )  # [BM, BK]  # fmt: skip
+        # bits past K (last byte of a ragged row) may be 1; x is 0 there
         byte = tl.load(
-            s_base + offs_n[None, :] * stride_sn + (offs_k[:, None] // 8),
-            mask=k_mask[:, None] & n_mask[None, :], other=0,
-        )  # fmt: skip
-        bit = (byte.to(tl.int32) >> (offs_k[:, None] % 8)) & 1
-        sgn = tl.where(bit != 0, 1.0, -1.0)  # fp32 [BK, BN]
+            s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
+            mask=n_mask[:, None] & (offs_g[None, :] * 8 < K), other=0,
+        ).to(tl.int32)  # [BN, BYTES]  # fmt: skip
+        pat = (byte[:, :, None] & bitval[None, None, :]) * one[None, None, :]  # B's bit patterns [BN, BYTES, 8]
+        pat = tl.reshape(pat, (BLOCK_N, BLOCK_K))
         if DOT_FP32:
-            acc += tl.dot(x.to(tl.float32), sgn, input_precision=PRECISION)
+            xf = x.to(tl.float32)
+            acc += tl.dot(xf, tl.trans(pat.to(tl.float32, bitcast=True)), input_precision=PRECISION)
+            xsum += tl.sum(xf, axis=1)
         else:
-            acc += tl.dot(x, sgn.to(x.dtype))
+            acc += tl.dot(x, tl.trans(pat.to(tl.int16).to(x.dtype, bitcast=True)))
+            xsum += tl.sum(x.to(tl.float32), axis=1)
 
     alpha = tl.load(alpha_ptr + v * stride_av + offs_n * stride_an, mask=n_mask, other=0.0)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
     y_mask = m_mask[:, None] & n_mask[None, :]
     y_old = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (y_old + acc * alpha[None, :]).to(y_ptr.dtype.element_ty), mask=y_mask)
+    delta = (2.0 * acc - xsum[:, None]) * alpha[None, :]
+    tl.store(y_ptrs, (y_old + delta).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 def sgmv_launch(
@@ -83,7 +100,9 @@ def sgmv_launch(
     N, K = signs_stack.shape[1], x.shape[1]
     if n_tiles == 0 or N == 0:
         return y
-    dot_fp32 = x.dtype == torch.float32 or (interpreting() and x.dtype == torch.bfloat16)
+    if blocks["BLOCK_K"] % 8:
+        raise ValueError("sgmv BLOCK_K must be a multiple of 8 (a K-step covers whole sign bytes)")
+    dot_fp32 = uses_fp32_dot(x.dtype)
     precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
     grid = (n_tiles, triton.cdiv(N, blocks["BLOCK_N"]))
     _bitdelta_sgmv_kernel[grid](
