@@ -116,6 +116,36 @@ def test_build_delta_is_skipped_when_stamped_and_redone_when_corrupted(tmp_path,
     assert "written" in capsys.readouterr().out
 
 
+def test_quick_build_keeps_a_full_fine_tune(tmp_path, capsys, monkeypatch):
+    """--quick (the first run's recipe) accepts a fine-tune built with the full recipe; a
+    full build does not accept a quick one (it is rebuilt)."""
+    from dataclasses import replace
+
+    from bitdelta.checkpoint import fingerprint
+    from bitdelta.family import finetune as ftmod
+    from bitdelta.family.finetune import FinetuneConfig
+    from bitdelta.testing import make_base, make_finetune
+
+    p = family.paths(tmp_path)
+    make_base(p.base)
+    make_finetune(p.base, p.finetuned["math"], seed=1)
+    fb.write_stamp(p, "base", {"test": 1}, {"fingerprint": fingerprint(p.base)})
+    full, quick = FinetuneConfig(), replace(FinetuneConfig(), steps=fb.QUICK_STEPS)
+    assert quick.steps < full.steps
+    fb.write_stamp(p, "finetuned/math", fb.finetune_recipe(p, "math", full),
+                   {"fingerprint": fingerprint(p.finetuned["math"])})
+    ran = []
+    record = {"heldout_ppl_before": 2.0, "heldout_ppl_after": 1.0, "seconds": 0.0}
+    monkeypatch.setattr(ftmod, "finetune", lambda *a, **k: ran.append(a) or dict(record))  # no real training
+    assert fb.build_finetune(p, "math", quick, also_accept=(full,)) == p.finetuned["math"]
+    assert not ran and f"up to date ({full.steps} steps)" in capsys.readouterr().out
+    assert fb.finetuned_steps(p, "math") == full.steps
+    fb.write_stamp(p, "finetuned/math", fb.finetune_recipe(p, "math", quick),
+                   {"fingerprint": fingerprint(p.finetuned["math"])})
+    fb.build_finetune(p, "math", full)
+    assert len(ran) == 1 and ran[0][3] == full and fb.finetuned_steps(p, "math") == full.steps
+
+
 def test_serving_delta_distils_projection_alphas_only(tmp_path):
     """The serving default (tied embedding/LM head as signs + α, distilled): distillation
     trains the projections' α's; the tied pair's one α stays mean|Δ| (attach_delta

@@ -31,6 +31,12 @@ SERVING_ALPHA, SERVING_EMBEDDINGS = "row", "sign"
 # Scale distillation for the serving default (and the report's distilled
 # modes). lr 1e-5: the paper's 1e-4 overshoots on this model (REFERENCES.md).
 DISTILL_STEPS, DISTILL_LR, DISTILL_BATCH, DISTILL_SEQ = 30, 1e-5, 4, 128
+# `bitdelta family build --quick`, the first command's family (scripts/demo.sh): the same
+# four variants and kind of serving delta from a shorter fine-tune and distillation, so a
+# first run on 2 cores without bf16 (fp32: ~5–12 s per fine-tuning step) fits in 30
+# minutes. The full recipe above is what the quality report describes; a full artifact
+# already in the data directory satisfies --quick, and a full build replaces quick ones.
+QUICK_STEPS, QUICK_DISTILL_STEPS = 24, 10
 
 
 def _log(msg: str) -> None:
@@ -145,15 +151,20 @@ def write_corpus_texts(p: FamilyPaths) -> None:
             os.replace(tmp, target)
 
 
-def build_finetune(p: FamilyPaths, variant: str, cfg: FinetuneConfig, force: bool = False) -> Path:
+def build_finetune(p: FamilyPaths, variant: str, cfg: FinetuneConfig, force: bool = False,
+                   also_accept: tuple[FinetuneConfig, ...] = ()) -> Path:
+    """Fine-tune one variant with `cfg` unless it is built and verified with `cfg` or
+    with one of `also_accept` (--quick accepts the full recipe)."""
     from bitdelta.checkpoint import fingerprint
     from bitdelta.family.finetune import finetune
 
     name, out = f"finetuned/{variant}", p.finetuned[variant]
     recipe = finetune_recipe(p, variant, cfg)
-    if not force and is_built(p, name, recipe, out, "checkpoint"):
-        _log(f"{name}: up to date")
-        return out
+    if not force:
+        for c in (cfg, *also_accept):
+            if is_built(p, name, finetune_recipe(p, variant, c), out, "checkpoint"):
+                _log(f"{name}: up to date ({c.steps} steps)")
+                return out
     record = finetune(p.base, VARIANTS[variant], out, cfg)
     record["fingerprint"] = fingerprint(out)
     write_stamp(p, name, recipe, record)
@@ -225,15 +236,28 @@ def apply_thread_setting() -> None:
         torch.set_num_threads(int(n))
 
 
+def finetuned_steps(p: FamilyPaths, variant: str) -> int | None:
+    """The fine-tuning steps of the variant's stamped fine-tune (None: not built)."""
+    stamp = read_stamp(p, f"finetuned/{variant}") or {}
+    return stamp.get("recipe", {}).get("config", {}).get("steps")
+
+
 def build(variants: list[str] | None = None, cfg: FinetuneConfig = FinetuneConfig(), force: bool = False,
-          root: str | os.PathLike | None = None, deltas: bool = True) -> FamilyPaths:
-    """The whole family; what is built and verified is skipped."""
+          root: str | os.PathLike | None = None, deltas: bool = True, quick: bool = False) -> FamilyPaths:
+    """The whole family; what is built and verified is skipped. quick: the first run's
+    smaller recipe (QUICK_STEPS fine-tuning, QUICK_DISTILL_STEPS distillation) for what is
+    not built yet; full artifacts already built are kept."""
+    from dataclasses import replace
+
+    from bitdelta import precision
+
     p = paths(root)
     variants = variants or list(VARIANTS)
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise ValueError(f"unknown variants {sorted(unknown)}; the family is {', '.join(VARIANTS)}")
     apply_thread_setting()
+    _log(f"precision: {precision.cpu_precision().describe()}; {torch.get_num_threads()} torch thread(s)")
     t = time.time()
     build_base(p, force)
     write_corpus_texts(p)
@@ -241,12 +265,25 @@ def build(variants: list[str] | None = None, cfg: FinetuneConfig = FinetuneConfi
     from bitdelta.family.quality import MODES
 
     alpha, emb, distilled = MODES[SERVING_MODE]
-    for v in variants:
-        build_finetune(p, v, cfg, force)
+    ft_cfg = replace(cfg, steps=QUICK_STEPS) if quick else cfg
+    spent: list[float] = []  # seconds of each variant that was (re)built, for the estimate
+    for i, v in enumerate(variants):
+        left = len(variants) - i
+        eta = f"about {sum(spent) / len(spent) * left / 60:.0f} min left at most" if spent else "timing the first"
+        _log(f"variant {i + 1} of {len(variants)}: {v} ({eta})")
+        tv = time.time()
+        build_finetune(p, v, ft_cfg, force, also_accept=(cfg,) if quick else ())
         if deltas:  # the serving default only; the report builds the other modes into data/deltas-modes/
-            build_delta(p, v, alpha=alpha, embeddings=emb, distill_steps=DISTILL_STEPS if distilled else 0,
-                        force=force)
+            steps = DISTILL_STEPS
+            if quick and finetuned_steps(p, v) != cfg.steps:
+                steps = QUICK_DISTILL_STEPS  # a quick fine-tune gets the quick distillation
+            build_delta(p, v, alpha=alpha, embeddings=emb, distill_steps=steps if distilled else 0, force=force)
+        if time.time() - tv > 60:  # built, not just verified
+            spent.append(time.time() - tv)
     _log(f"family ready in {p.root} ({time.time() - t:.0f} s)")
+    if quick and any(finetuned_steps(p, v) != cfg.steps for v in variants):
+        _log(f"this is the quick family ({QUICK_STEPS} fine-tuning steps per variant); "
+             f"`bitdelta family build` builds the full one ({cfg.steps} steps, what reports/ describe)")
     return p
 
 

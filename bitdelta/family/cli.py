@@ -13,11 +13,15 @@ def cmd_build(a: argparse.Namespace) -> None:
     from bitdelta.family.build import build
     from bitdelta.family.finetune import FinetuneConfig
 
+    from bitdelta.cli import CliError
+
     cfg = FinetuneConfig()
     if a.steps is not None:
+        if a.quick:
+            raise CliError("--quick sets the steps itself; give --quick or --steps, not both")
         cfg = replace(cfg, steps=a.steps)
     _check_variants(a.variants)
-    build(a.variants, cfg, force=a.force, root=a.data, deltas=not a.no_deltas)
+    build(a.variants, cfg, force=a.force, root=a.data, deltas=not a.no_deltas, quick=a.quick)
 
 
 def _check_variants(variants):
@@ -69,6 +73,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                       "(skips what is built and verified)")
     c.add_argument("--variants", nargs="+", help="only these (default: all)")
     c.add_argument("--steps", type=int, help="fine-tuning steps per variant (default: the recipe's)")
+    c.add_argument("--quick", action="store_true",
+                   help="the first run's smaller family (fewer fine-tuning and distillation steps; what is already "
+                        "built with the full recipe is kept); without it, the full family that reports/ describe")
     c.add_argument("--force", action="store_true", help="rebuild even what is up to date")
     c.add_argument("--no-deltas", action="store_true", help="stop after the fine-tunes")
     c.set_defaults(func=cmd_build)
