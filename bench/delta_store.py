@@ -144,7 +144,7 @@ async def grpc_fetch(target: str, name: str) -> float:
 
     from bitdelta.delta_store.v1 import delta_store_pb2 as pb
     from bitdelta.delta_store.v1 import delta_store_pb2_grpc as pb_grpc
-    from services.delta_store.client import MAX_MESSAGE_BYTES
+    from bitdelta.rpc.clients.delta_store import MAX_MESSAGE_BYTES
 
     async with grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]) as ch:
         t = time.perf_counter()
@@ -155,7 +155,7 @@ async def grpc_fetch(target: str, name: str) -> float:
 
 
 async def client_fetch(target: str, name: str) -> float:
-    from services.delta_store.client import DeltaStoreClient
+    from bitdelta.rpc.clients.delta_store import DeltaStoreClient
 
     async with DeltaStoreClient(target) as c:
         n = 0

@@ -22,7 +22,7 @@ from bitdelta.delta_store.v1 import delta_store_pb2_grpc as pb_grpc
 from bitdelta.format import read_header
 from services.delta_store.backends import SUFFIX
 from services.delta_store.backends.local import LocalBackend
-from services.delta_store.client import BaseMismatch, DeltaNotFound, DeltaStoreClient, IntegrityError, StoreUnavailable
+from bitdelta.rpc.clients.delta_store import BaseMismatch, DeltaNotFound, DeltaStoreClient, IntegrityError, StoreUnavailable
 from services.delta_store.config import Config, ConfigError
 
 sys.path.insert(0, str(Path(__file__).parent))  # for `servers` (see tests/servers/__init__.py)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import grpc
 import pytest
@@ -30,11 +29,13 @@ async def store(family, request):
     from services.delta_store.config import Config
     from services.delta_store.server import create_server
 
-    server, port = create_server(dataclasses.replace(
-        Config(address="127.0.0.1:0", root=family.deltas, verify_reads=request.param, cache_bytes=0)).check())
+    config = Config(address="127.0.0.1:0", root=family.deltas, verify_reads=request.param, cache_bytes=0)
+    config.check()
+    server, store = create_server(config)
     await server.start()
-    yield f"127.0.0.1:{port}", request.param
+    yield f"127.0.0.1:{server.port}", request.param
     await server.stop(0)
+    await store.close()
 
 
 async def generate(stub, model_id, prompt, n=N):

@@ -370,13 +370,13 @@ async def test_loading_does_not_stall_generation(family):
 async def test_health_reflection_and_drain(family):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    from services.gpu_worker.server import begin_drain, create_server, drain_and_stop, start_worker
+    from services.gpu_worker.server import create_server, drain_and_stop, start_worker
     from services.gpu_worker.worker import Worker
 
     worker = Worker(dataclasses.replace(config(family), address="127.0.0.1:0"))
-    server, port = await create_server(worker, "127.0.0.1:0")
+    server = create_server(worker, "127.0.0.1:0")
     await server.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
         health = health_pb2_grpc.HealthStub(ch)
         svc = "bitdelta.gpu_worker.v1.GpuWorkerService"
         r = await health.Check(health_pb2.HealthCheckRequest(service=svc), timeout=T)
@@ -385,7 +385,10 @@ async def test_health_reflection_and_drain(family):
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await generate(stub, "", "x", n=1)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=svc), timeout=T)  # streaming health works
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
         await start_worker(worker, server)
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
         r = await health.Check(health_pb2.HealthCheckRequest(service=svc), timeout=T)
         assert r.status == health_pb2.HealthCheckResponse.SERVING
         alone = (await generate(stub, "", PROMPTS[0], n=30))[0]
@@ -395,22 +398,26 @@ async def test_health_reflection_and_drain(family):
                                                     timeout=T):  # fmt: skip
             names = [s.name for s in resp.list_services_response.service]
         assert svc in names
-        # drain: a running stream finishes, health goes NOT_SERVING, new requests are refused
+        # drain: health goes NOT_SERVING and is still answered (a probe sees NOT_SERVING, not "failed to
+        # connect"), new requests are refused, a running stream finishes within the grace period
         call = stub.Generate(pb.GenerateRequest(prompt=PROMPTS[0], sampling=gen_pb.SamplingParams(
             max_new_tokens=30)), timeout=T)
         first = await call.read()
-        await begin_drain(worker, server)
+        stopper = asyncio.create_task(drain_and_stop(worker, server, grace_s=20))
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
         r = await health.Check(health_pb2.HealthCheckRequest(service=svc), timeout=T)
         assert r.status == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await generate(stub, "", "x", n=1)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
-        stopper = asyncio.create_task(drain_and_stop(worker, server, grace_s=20))
-        rest = []  # the running stream finishes within the grace period
+        st = await status(stub)  # Status stays open while draining, and says so
+        assert st.draining and st.ready
+        rest = []
         while (m := await call.read()) is not grpc.aio.EOF:
             rest.append(m)
         assert [first.token_id] + [m.token_id for m in rest] == alone
         assert rest[-1].finish_reason in (gen_pb.FINISH_REASON_LENGTH, gen_pb.FINISH_REASON_EOS)
+        watch.cancel()
         await stopper
 
 

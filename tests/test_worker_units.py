@@ -126,6 +126,7 @@ def test_plan_delta_rejects_what_does_not_fit_this_base():
 
 def test_config_from_flags_and_env(tmp_path):
     from bitdelta.testing import make_base
+    from bitdelta.rpc.config import ConfigError
     from services.gpu_worker.config import WorkerConfig
 
     base = make_base(tmp_path / "base")
@@ -134,9 +135,11 @@ def test_config_from_flags_and_env(tmp_path):
     assert (c.delta_budget, c.kv_cache, c.pin_hottest, c.fused_single_variant) == (64 << 20, 10**9, 3, False)
     c = WorkerConfig.from_args([], env={"BITDELTA_WORKER_BASE": str(base)})
     assert c.base == base
-    with pytest.raises(SystemExit):
-        WorkerConfig.from_args(["--base", str(tmp_path)], env={})  # no config.json: a clear error, exit 2
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ConfigError, match="no config.json"):
+        WorkerConfig.from_args(["--base", str(tmp_path)], env={})
+    with pytest.raises(ConfigError, match="--base .*BITDELTA_WORKER_BASE.* is required"):
+        WorkerConfig.from_args([], env={})
+    with pytest.raises(ConfigError, match="not both"):
         WorkerConfig(base=base, delta_dir=str(tmp_path), delta_store="x:1")
 
 

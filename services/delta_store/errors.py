@@ -1,11 +1,14 @@
 """What can go wrong in the delta store, as domain exceptions.
 
 The core raises these; the server's one interceptor maps them to gRPC status
-codes (see `server.STATUS_OF`). Messages are written for the person who reads
-them: they say what was asked, what is wrong and, where it helps, what to do.
+codes (see `server.STATUS_OF`) through the shared `bitdelta.rpc` layer.
+Messages are written for the person who reads them: they say what was asked,
+what is wrong and, where it helps, what to do.
 """
 
 from __future__ import annotations
+
+from bitdelta.rpc.clients.delta_store import TENSOR_METADATA_KEY
 
 
 class StoreError(Exception):
@@ -39,6 +42,11 @@ class CorruptDelta(StoreError):
         super().__init__(f"delta {name!r} is corrupted in the backend: {message}; re-upload it with Put(overwrite=true)")
         self.name = name
         self.tensor = tensor
+
+    @property
+    def trailers(self) -> dict[str, str]:
+        """Sent as the status's trailing metadata: the bad tensor's name for the client."""
+        return {TENSOR_METADATA_KEY: self.tensor} if self.tensor else {}
 
 
 class BackendUnavailable(StoreError):

@@ -8,8 +8,9 @@ from services.gpu_worker.server import serve
 
 
 def main(argv=None) -> None:
+    config = WorkerConfig.main_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(WorkerConfig.from_args(argv)))
+    asyncio.run(serve(config))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Domain errors of the worker. The servicer never builds status codes itself:
-`server.ErrorInterceptor` maps these (and the format errors of `bitdelta.format`)
+the shared server's one interceptor (`bitdelta.rpc.serve`) maps these (and the format errors of `bitdelta.format`)
 to gRPC status codes with the message unchanged, so it must tell a user what to do.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 import grpc
 
 from bitdelta.format import BaseMismatchError, DeltaFormatError
+from bitdelta.rpc.errors import status_of as rpc_status_of
 
 
 class WorkerError(Exception):
@@ -36,6 +37,18 @@ class Unavailable(WorkerError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Aborted(WorkerError):
+    """The operation was overtaken by another one (a load cancelled by EvictDelta); retrying may work."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class SamplingError(WorkerError):
+    """Picking the next token of one sequence failed (non-finite probabilities); only that sequence ends."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 class ChecksumError(DeltaFormatError):
     """Bytes that arrived do not match the checksum the delta records (names the tensor)."""
 
@@ -49,16 +62,15 @@ class DeltaLoadError(WorkerError):
         self.code = status_of(cause)
 
 
+# Exceptions of the core library and the standard library, by status; anything carrying its own
+# `code` (WorkerError, and RpcError from a call downstream) keeps it (bitdelta.rpc.errors.status_of).
+STATUS_OF: dict[type, grpc.StatusCode] = {
+    BaseMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
+    DeltaFormatError: grpc.StatusCode.DATA_LOSS,
+    FileNotFoundError: grpc.StatusCode.NOT_FOUND,
+}
+
+
 def status_of(e: BaseException) -> grpc.StatusCode:
     """The gRPC status code for any error the worker raises."""
-    if isinstance(e, WorkerError):
-        return e.code
-    if isinstance(e, BaseMismatchError):
-        return grpc.StatusCode.FAILED_PRECONDITION
-    if isinstance(e, DeltaFormatError):
-        return grpc.StatusCode.DATA_LOSS
-    if isinstance(e, FileNotFoundError):
-        return grpc.StatusCode.NOT_FOUND
-    if isinstance(e, grpc.aio.AioRpcError):
-        return e.code()
-    return grpc.StatusCode.INTERNAL
+    return rpc_status_of(e, STATUS_OF)

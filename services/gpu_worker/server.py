@@ -1,32 +1,29 @@
-"""gRPC surface of the worker: the servicer (protobuf ↔ domain only), one
-interceptor that maps exceptions to status codes, health and reflection, and
-the process lifecycle (SIGTERM → NOT_SERVING → stop(grace)).
+"""gRPC surface of the worker on the shared server skeleton (`bitdelta.rpc.serve`): the servicer
+(protobuf <-> domain only) and the process lifecycle. The skeleton maps exceptions to status codes
+(`errors.status_of`), serves health and reflection, and drains on SIGTERM.
 
     worker = Worker(config)
-    server, port = await create_server(worker, "127.0.0.1:0")   # port 0 in tests
-    await server.start(); await start_worker(worker, server)     # health SERVING once the base is loaded
+    server = create_server(worker, "127.0.0.1:0")       # port 0 in tests; server.port says which
+    await server.start(); await start_worker(worker, server)   # health SERVING once the base is loaded
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
 import time
-
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from bitdelta.common.v1 import generation_pb2
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
-from services.gpu_worker.errors import status_of
+from bitdelta.rpc.serve import Server, Service, run_until_signal
+from bitdelta.rpc.serve import create_server as create_rpc_server
+from services.gpu_worker.errors import STATUS_OF
 from services.gpu_worker.manager import DeltaState, SlotInfo
 from services.gpu_worker.worker import GenerateParams, Worker
 
 log = logging.getLogger("gpu_worker.server")
 SERVICE = pb.DESCRIPTOR.services_by_name["GpuWorkerService"].full_name
+MAX_MESSAGE_BYTES = 64 << 20
 
 FINISH = {
     "length": generation_pb2.FINISH_REASON_LENGTH, "eos": generation_pb2.FINISH_REASON_EOS,
@@ -82,117 +79,39 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
             slots=[slot_to_pb(x) for x in s.slots], delta_budget_bytes=s.delta_budget_bytes,
             delta_used_bytes=s.delta_used_bytes, running=s.running, waiting=s.waiting,
             kv_tokens_used=s.kv_tokens_used, kv_tokens_total=s.kv_tokens_total,
+            draining=self.worker.draining, ready=self.worker.ready,
         )  # fmt: skip
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Every exception a handler raises becomes a status code with its message (see errors.status_of)."""
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        method = details.method
-        if handler.unary_unary:
-            inner = handler.unary_unary
-
-            async def unary(request, context):
-                try:
-                    return await inner(request, context)
-                except Exception as e:  # noqa: BLE001
-                    await _abort(context, method, e)
-
-            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer,
-                                                       handler.response_serializer)
-        if handler.unary_stream:
-            inner_s = handler.unary_stream
-
-            async def stream(request, context):
-                try:
-                    async for msg in inner_s(request, context):
-                        yield msg
-                except Exception as e:  # noqa: BLE001
-                    await _abort(context, method, e)
-
-            return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
-                                                        handler.response_serializer)
-        return handler
-
-
-async def _abort(context, method: str, e: Exception):
-    if isinstance(e, grpc.aio.AbortError):
-        raise e
-    code = status_of(e)
-    if code == grpc.StatusCode.INTERNAL:
-        log.exception("%s failed", method, exc_info=e)
-    else:
-        log.info("%s: %s: %s", method, code.name, e)
-    await context.abort(code, str(e) or type(e).__name__)
-
-
-async def create_server(worker: Worker, address: str) -> tuple[grpc.aio.Server, int]:
+def create_server(worker: Worker, address: str) -> Server:
     """A server for `worker` bound to `address` (port 0 picks a free port); not started.
 
     Health reports NOT_SERVING until `start_worker` has loaded the base.
     """
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=[
-        ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
-    pb_grpc.add_GpuWorkerServiceServicer_to_server(GpuWorkerServicer(worker), server)
-    hs = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    for name in ("", SERVICE):
-        await hs.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"could not bind {address}")
-    server.health = hs  # for start_worker / drain
-    return server, port
+    servicer = GpuWorkerServicer(worker)
+    service = Service(SERVICE, lambda s: pb_grpc.add_GpuWorkerServiceServicer_to_server(servicer, s))
+    return create_rpc_server(address, [service], STATUS_OF, serving=False, max_message_bytes=MAX_MESSAGE_BYTES,
+                             open_while_draining=("Status", "EvictDelta"))
 
 
-async def set_health(server, serving: bool) -> None:
-    st = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", SERVICE):
-        await server.health.set(name, st)
-
-
-async def start_worker(worker: Worker, server) -> None:
+async def start_worker(worker: Worker, server: Server) -> None:
     """Load the base, then report SERVING."""
     await worker.start()
-    await set_health(server, True)
+    await server.set_serving(True)
 
 
-async def begin_drain(worker: Worker, server) -> None:
-    """Health NOT_SERVING and new requests refused (UNAVAILABLE); running streams go on."""
+async def drain_and_stop(worker: Worker, server: Server, grace_s: float) -> None:
+    """Health NOT_SERVING, new requests refused (UNAVAILABLE), running streams finish for up to
+    `grace_s`, then stop."""
     worker.begin_drain()
-    await set_health(server, False)
-
-
-async def drain_and_stop(worker: Worker, server, grace_s: float) -> None:
-    """Drain, let running streams finish for up to `grace_s`, stop."""
-    await begin_drain(worker, server)
-    await server.stop(grace_s)
+    await server.drain(grace_s)
     await worker.close()
 
 
 async def serve(config) -> None:
     """The process: bind, load the base, serve until SIGTERM/SIGINT, drain."""
     worker = Worker(config)
-    server, port = await create_server(worker, config.address)
-    await server.start()
-    log.info("gpu_worker listening on %s (port %d); loading base %s", config.address, port, config.base)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    starter = asyncio.create_task(start_worker(worker, server))
-    stopper = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait({starter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    if starter in done and starter.exception() is not None:
-        log.error("could not start: %s", starter.exception())
-        await server.stop(0)
-        raise SystemExit(1)
-    await stopper
-    log.info("draining (grace %.0f s)", config.grace_s)
-    starter.cancel()
-    await drain_and_stop(worker, server, config.grace_s)
+    server = create_server(worker, config.address)
+    log.info("gpu_worker listening on %s (port %d); loading base %s", config.address, server.port, config.base)
+    await run_until_signal(server, config.grace_s, startup=worker.start(), on_drain=worker.begin_drain,
+                           on_stop=worker.close)

@@ -6,8 +6,9 @@
 - `LocalDeltaSource`: a directory of `<name>.bitdelta` (or `<name>.safetensors`)
   files. Reads straight into the sink's buffers (`readinto`, no copy) on a
   thread, so the event loop never waits on the disk.
-- `DeltaStoreSource`: the delta_store service over gRPC (`Fetch`), talking to
-  the proto directly so chunks land in the sink without an intermediate copy.
+- `DeltaStoreSource`: the delta_store service over gRPC (`Fetch`), through the
+  shared client's `open_fetch`, so chunks land in the sink without an
+  intermediate copy.
 
 The sink (`loader.SlotWriter`) places bytes, checks crc32 per chunk and sha256
 per tensor; sources only move bytes.
@@ -22,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-import grpc
-
+from bitdelta.delta_store.v1.delta_store_pb2 import ALPHA_MODE_MATRIX, ALPHA_MODE_ROW
 from bitdelta.format import DeltaFormatError, check_base, check_structure, read_header
-from services.gpu_worker.errors import NotFound, Unavailable
+from bitdelta.rpc.clients.delta_store import DeltaStoreClient, FetchStream
+from services.gpu_worker.errors import NotFound
 
 # Bytes per read from a local file: large enough for full disk bandwidth,
 # small enough that hashing overlaps the next read.
@@ -168,81 +169,36 @@ class LocalDeltaSource:
 
 
 class DeltaStoreSource:
-    """The delta_store service (`bitdelta.delta_store.v1.DeltaStoreService.Fetch`)."""
+    """The delta_store service, through the shared client (`bitdelta.rpc.clients.delta_store`):
+    the header via `open_fetch`, then chunks straight into the sink, which verifies them.
+    The store's errors arrive as `DeltaStoreError` with the store's status code, which the worker
+    passes on unchanged (a store-side INVALID_ARGUMENT stays INVALID_ARGUMENT)."""
 
     def __init__(self, address: str, timeout_s: float = 600.0, chunk_bytes: int = 1 << 20):
-        from bitdelta.delta_store.v1 import delta_store_pb2, delta_store_pb2_grpc
-
-        self._pb = delta_store_pb2
-        self.address, self.timeout_s, self.chunk_bytes = address, timeout_s, chunk_bytes
-        opts = [("grpc.max_receive_message_length", 64 << 20)]
-        self._channel = grpc.aio.insecure_channel(address, options=opts)
-        self._stub = delta_store_pb2_grpc.DeltaStoreServiceStub(self._channel)
+        self.address, self.chunk_bytes = address, chunk_bytes
+        self.client = DeltaStoreClient(address, fetch_timeout_s=timeout_s)
 
     async def open(self, name: str, base_fingerprint: str) -> DeltaInfo:
-        pb = self._pb
-        call = self._stub.Fetch(
-            pb.FetchRequest(name=name, chunk_bytes=self.chunk_bytes, expect_base_fingerprint=base_fingerprint),
-            timeout=self.timeout_s,
-        )
+        stream = await self.client.open_fetch(name, expect_base_fingerprint=base_fingerprint,
+                                              chunk_bytes=self.chunk_bytes)  # fmt: skip
+        info = stream.info
         try:
-            first = await call.read()
-        except grpc.aio.AioRpcError as e:
-            raise _store_error(name, self.address, e) from None
-        if first is grpc.aio.EOF or not first.HasField("info"):
-            call.cancel()
-            raise DeltaFormatError(f"delta store sent no header for {name!r}")
-        info = first.info
-        mode = {pb.ALPHA_MODE_ROW: "row", pb.ALPHA_MODE_MATRIX: "matrix"}.get(info.alpha_mode, "")
-        specs = [TensorSpec(t.name, t.dtype, tuple(t.shape), t.nbytes, t.sha256, t.file_offset) for t in first.tensors]
-        di = DeltaInfo(info.name or name, info.base_model, info.base_fingerprint, mode, info.size_bytes, specs,
-                       dict(info.metadata), handle=(call, first))  # fmt: skip
-        if info.format_version and info.format_version != "1":
-            call.cancel()
-            raise DeltaFormatError(f"delta {name!r} has format version {info.format_version}; this worker reads 1")
-        if info.base_fingerprint != base_fingerprint:
-            call.cancel()
-            from bitdelta.format import BaseMismatchError
-
-            raise BaseMismatchError(
-                f"delta {name!r} was built for base {info.base_model!r} with fingerprint "
-                f"{info.base_fingerprint[:16]}…, but this worker's base has fingerprint {base_fingerprint[:16]}…"
-            )
-        if "shapes" in info.metadata:
-            json.loads(info.metadata["shapes"])  # malformed metadata fails here, before data moves
-        return di
+            if info.format_version and info.format_version != "1":
+                raise DeltaFormatError(f"delta {name!r} has format version {info.format_version}; this worker reads 1")
+            if "shapes" in info.metadata:
+                json.loads(info.metadata["shapes"])  # malformed metadata fails here, before data moves
+        except (DeltaFormatError, ValueError) as e:
+            stream.cancel()
+            raise DeltaFormatError(f"delta {name!r}: {e}") from None
+        mode = {ALPHA_MODE_ROW: "row", ALPHA_MODE_MATRIX: "matrix"}.get(info.alpha_mode, "")
+        specs = [TensorSpec(t.name, t.dtype, tuple(t.shape), t.nbytes, t.sha256, t.file_offset) for t in stream.tensors]
+        return DeltaInfo(info.name or name, info.base_model, info.base_fingerprint, mode, info.size_bytes, specs,
+                         dict(info.metadata), handle=stream)  # fmt: skip
 
     async def stream(self, info: DeltaInfo, sink: Sink) -> None:
-        call, first = info.handle
-        try:
-            msg = first
-            while msg is not grpc.aio.EOF:
-                if msg.HasField("chunk"):
-                    c = msg.chunk
-                    if c.tensor_index >= len(info.tensors):
-                        raise DeltaFormatError(f"delta store sent a chunk for tensor #{c.tensor_index}, "
-                                               f"but announced {len(info.tensors)} tensors")
-                    sink.put(c.tensor_index, c.offset, c.data, c.crc32)
-                msg = await call.read()
-        except grpc.aio.AioRpcError as e:
-            raise _store_error(info.name, self.address, e) from None
-        finally:
-            call.cancel()
+        stream: FetchStream = info.handle
+        async for c in stream.chunks():
+            sink.put(c.tensor_index, c.offset, c.data, c.crc32)
 
     async def close(self) -> None:
-        await self._channel.close()
-
-
-def _store_error(name: str, address: str, e: grpc.aio.AioRpcError) -> Exception:
-    from bitdelta.format import BaseMismatchError
-
-    code = e.code()
-    if code == grpc.StatusCode.NOT_FOUND:
-        return NotFound(f"delta store {address} has no delta {name!r}: {e.details()}")
-    if code == grpc.StatusCode.FAILED_PRECONDITION:
-        return BaseMismatchError(f"delta store refused {name!r}: {e.details()}")
-    if code == grpc.StatusCode.DATA_LOSS:
-        return DeltaFormatError(f"delta store reports {name!r} corrupted: {e.details()}")
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return Unavailable(f"delta store {address} is unreachable or too slow for {name!r}: {e.details()}")
-    return Unavailable(f"delta store {address} failed on {name!r}: {code.name} {e.details()}")
+        await self.client.close()

@@ -98,9 +98,9 @@ async def running_worker(config):
 
     config = dataclasses.replace(config, address="127.0.0.1:0")
     worker = Worker(config)
-    server, port = await create_server(worker, config.address)
+    server = create_server(worker, config.address)
     await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     try:
         await start_worker(worker, server)
         yield worker, server, channel

@@ -20,9 +20,11 @@ import torch
 from bitdelta.format import DeltaMeta, write_delta
 from services.delta_store.backends import SUFFIX, Backend
 from services.delta_store.backends.local import LocalBackend
-from services.delta_store.client import DeltaStoreClient
+from bitdelta.rpc.clients.delta_store import DeltaStoreClient
 from services.delta_store.config import Config
-from services.delta_store.server import DeltaStoreServer, create_server
+from bitdelta.rpc.serve import Server
+from services.delta_store.server import create_server
+from services.delta_store.store import DeltaStore
 from servers.swift import TcpRelay
 
 BASE_FP = "f" * 64
@@ -122,13 +124,13 @@ def backend_under_test(request, tmp_path) -> BackendUnderTest:
 
 @dataclass
 class RunningStore:
-    server: DeltaStoreServer
-    port: int
+    server: Server
+    store: DeltaStore
     client: DeltaStoreClient
 
     @property
-    def store(self):
-        return self.server.store
+    def port(self) -> int:
+        return self.server.port
 
     @property
     def target(self) -> str:
@@ -142,9 +144,9 @@ async def start_store():
 
     async def start(backend: Backend, tracer_provider=None, **config) -> RunningStore:
         cfg = Config(address="127.0.0.1:0", backend=getattr(backend, "kind", "local"), **config)
-        server, port = create_server(cfg, backend=backend, tracer_provider=tracer_provider)
+        server, store = create_server(cfg, backend=backend, tracer_provider=tracer_provider)
         await server.start()
-        r = RunningStore(server, port, DeltaStoreClient(f"127.0.0.1:{port}", timeout_s=10, fetch_timeout_s=60))
+        r = RunningStore(server, store, DeltaStoreClient(f"127.0.0.1:{server.port}", timeout_s=10, fetch_timeout_s=60))
         running.append(r)
         return r
 
@@ -152,3 +154,4 @@ async def start_store():
     for r in running:
         await r.client.close()
         await r.server.stop(0)
+        await r.store.close()

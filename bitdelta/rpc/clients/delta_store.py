@@ -1,4 +1,4 @@
-"""The async client of the delta store, for GPU workers and tools.
+"""The async client of the delta store, for workers, the router and tools.
 
     async with DeltaStoreClient("delta-store:50052") as store:
         info, tensors = await store.fetch_into(
@@ -9,12 +9,15 @@
 
 `fetch_into` places every chunk at its offset in the tensor's buffer, checks
 its crc32, checks each tensor's sha256 once complete, and only then calls
-`on_tensor` (a function or a coroutine function). Chunks must arrive in order
-(the server sends them so). Every call has a deadline (`timeout_s`, per call
-overridable). Errors are `DeltaStoreError` subclasses: `DeltaNotFound`,
-`BaseMismatch`, `IntegrityError` (a bad chunk or tensor, detected here or by
-the server: `.tensor` names it), `StoreUnavailable` (retry later); other
-failures are `DeltaStoreError` with the gRPC `.code`.
+`on_tensor`. A caller with its own sink (the worker's slot writer, which
+checks while it copies to the device) uses `open_fetch`: the header first,
+then the raw chunks in order.
+
+Every call has a deadline (`timeout_s`, per call overridable). Errors are
+`DeltaStoreError` (an `RpcError`: `.code` is the store's status, kept by
+whoever re-raises it) with subclasses by code: `DeltaNotFound`,
+`BaseMismatch`, `IntegrityError` (`.tensor` names the bad tensor),
+`StoreUnavailable` (retry later); `InvalidRequest` for values the store refuses.
 """
 
 from __future__ import annotations
@@ -23,30 +26,37 @@ import asyncio
 import hashlib
 import inspect
 import os
-from typing import Any, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import aiofiles
 import grpc
 
 from bitdelta.delta_store.v1 import delta_store_pb2 as pb
 from bitdelta.delta_store.v1 import delta_store_pb2_grpc as pb_grpc
-from services.delta_store.checksums import crc32
-from services.delta_store.config import MAX_CHUNK_BYTES
+from bitdelta.rpc.checksums import crc32
+from bitdelta.rpc.errors import RpcError, from_aio_error
 
-MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 20)
-TENSOR_METADATA_KEY = "bitdelta-tensor"
+MAX_CHUNK_BYTES = 16 * 1024 * 1024  # largest Fetch chunk payload the store sends
+MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 20)  # a chunk plus the first message's header listing
+TENSOR_METADATA_KEY = "bitdelta-tensor"  # trailing metadata of DATA_LOSS: the bad tensor's name
+SERVICE = "delta store"
 
 
-class DeltaStoreError(Exception):
-    """A delta store call failed; `code` is the gRPC status code (None for checks made here)."""
+class DeltaStoreError(RpcError):
+    """A delta store call failed (or its data failed a check here); `code` is the status."""
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None, tensor: str | None = None):
-        super().__init__(message)
-        self.code, self.tensor = code, tensor
+    @property
+    def tensor(self) -> str | None:
+        return self.trailers.get(TENSOR_METADATA_KEY)
 
 
 class DeltaNotFound(DeltaStoreError):
     pass
+
+
+class InvalidRequest(DeltaStoreError):
+    """The store refused the request's values (a name that is not a plain name, a malformed upload)."""
 
 
 class BaseMismatch(DeltaStoreError):
@@ -61,29 +71,59 @@ class StoreUnavailable(DeltaStoreError):
     pass
 
 
-_ERRORS = {
+_TYPES = {
     grpc.StatusCode.NOT_FOUND: DeltaNotFound,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
     grpc.StatusCode.FAILED_PRECONDITION: BaseMismatch,
     grpc.StatusCode.DATA_LOSS: IntegrityError,
     grpc.StatusCode.UNAVAILABLE: StoreUnavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: StoreUnavailable,
 }
 
 
-def _error(e: grpc.aio.AioRpcError) -> DeltaStoreError:
-    tensor = dict(e.trailing_metadata() or ()).get(TENSOR_METADATA_KEY)
-    return _ERRORS.get(e.code(), DeltaStoreError)(f"{e.code().name}: {e.details()}", e.code(), tensor)
+def _local(cls: type[DeltaStoreError], code: grpc.StatusCode, message: str, tensor: str | None = None):
+    """An error found here, not by the store (same types and codes as the store's own)."""
+    return cls(message, code, service=SERVICE, trailers={TENSOR_METADATA_KEY: tensor} if tensor else None)
+
+
+def _integrity(message: str, tensor: str | None = None) -> IntegrityError:
+    return _local(IntegrityError, grpc.StatusCode.DATA_LOSS, message, tensor)
+
+
+@dataclass
+class FetchStream:
+    """An open Fetch: the delta's info and tensor list, then its chunks in order (`async for`)."""
+
+    info: pb.DeltaInfo
+    tensors: list[pb.TensorInfo]
+    _call: Any
+    _client: "DeltaStoreClient"
+
+    async def chunks(self) -> AsyncIterator[pb.Chunk]:
+        try:
+            while (m := await self._call.read()) is not grpc.aio.EOF:  # read(): the header came by read() too
+                if m.HasField("chunk"):
+                    if m.chunk.tensor_index >= len(self.tensors):
+                        raise _integrity(f"delta {self.info.name!r}: a chunk for tensor #{m.chunk.tensor_index}, "
+                                         f"but the store announced {len(self.tensors)} tensors")
+                    yield m.chunk
+        except grpc.aio.AioRpcError as e:
+            raise self._client._error(e, f"Fetch({self.info.name!r})") from None
+        finally:
+            self._call.cancel()
+
+    def cancel(self) -> None:
+        self._call.cancel()
 
 
 class DeltaStoreClient:
     """One channel to a delta store; share it. Use `async with` or call `close()`."""
 
     def __init__(self, target: str, *, timeout_s: float = 30.0, fetch_timeout_s: float = 600.0):
-        self.timeout_s, self.fetch_timeout_s = timeout_s, fetch_timeout_s
+        self.target, self.timeout_s, self.fetch_timeout_s = target, timeout_s, fetch_timeout_s
         self._channel = grpc.aio.insecure_channel(target, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ])
+        ])  # fmt: skip
         self._stub = pb_grpc.DeltaStoreServiceStub(self._channel)
 
     async def close(self) -> None:
@@ -95,24 +135,30 @@ class DeltaStoreClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    def _error(self, e: grpc.aio.AioRpcError, what: str) -> DeltaStoreError:
+        err = from_aio_error(e, f"{SERVICE} {self.target}", what, _TYPES)
+        if type(err) is RpcError:
+            err = DeltaStoreError(str(err), err.code, service=err.service, details=err.details, trailers=err.trailers)
+        return err
+
     async def list(self, timeout_s: float | None = None) -> list[pb.DeltaInfo]:
         try:
             r = await self._stub.List(pb.ListRequest(), timeout=timeout_s or self.timeout_s)
         except grpc.aio.AioRpcError as e:
-            raise _error(e) from None
+            raise self._error(e, "List") from None
         return list(r.deltas)
 
     async def stat(self, name: str, timeout_s: float | None = None) -> pb.StatResponse:
         try:
             return await self._stub.Stat(pb.StatRequest(name=name), timeout=timeout_s or self.timeout_s)
         except grpc.aio.AioRpcError as e:
-            raise _error(e) from None
+            raise self._error(e, "Stat") from None
 
     async def delete(self, name: str, timeout_s: float | None = None) -> None:
         try:
             await self._stub.Delete(pb.DeleteRequest(name=name), timeout=timeout_s or self.timeout_s)
         except grpc.aio.AioRpcError as e:
-            raise _error(e) from None
+            raise self._error(e, "Delete") from None
 
     async def put(self, name: str, data: bytes | str | os.PathLike, *, overwrite: bool = False,
                   chunk_bytes: int = 1 << 20, timeout_s: float | None = None) -> pb.DeltaInfo:
@@ -133,8 +179,37 @@ class DeltaStoreClient:
         try:
             r = await self._stub.Put(requests(), timeout=timeout_s or self.fetch_timeout_s)
         except grpc.aio.AioRpcError as e:
-            raise _error(e) from None
+            raise self._error(e, "Put") from None
         return r.info
+
+    async def open_fetch(self, name: str, *, expect_base_fingerprint: str = "", chunk_bytes: int = 0,
+                         timeout_s: float | None = None) -> FetchStream:
+        """Start streaming delta `name`: returns once its header arrived (nothing else has moved).
+
+        A base mismatch fails here (the store checks `expect_base_fingerprint` before any data, and
+        so does this client). The caller reads `chunks()` and verifies what it places.
+        """
+        call = self._stub.Fetch(
+            pb.FetchRequest(name=name, chunk_bytes=chunk_bytes, expect_base_fingerprint=expect_base_fingerprint),
+            timeout=timeout_s or self.fetch_timeout_s,
+        )
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e, f"Fetch({name!r})") from None
+        except BaseException:
+            call.cancel()
+            raise
+        if first is grpc.aio.EOF or not first.HasField("info"):
+            call.cancel()
+            raise _integrity(f"delta {name!r}: the first Fetch message lacks the delta's info")
+        info = first.info
+        if expect_base_fingerprint and info.base_fingerprint != expect_base_fingerprint:
+            call.cancel()
+            raise _local(BaseMismatch, grpc.StatusCode.FAILED_PRECONDITION,
+                         f"delta {name!r} was built for base {info.base_model!r} with fingerprint "
+                         f"{info.base_fingerprint[:16]}…, expected {expect_base_fingerprint[:16]}…")
+        return FetchStream(info, list(first.tensors), call, self)
 
     async def fetch_into(
         self,
@@ -153,35 +228,18 @@ class DeltaStoreClient:
         `on_tensor(index, tensor, buffer)` is called once per tensor, in file order,
         after its sha256 matched. Returns the delta's info and tensor list.
         """
-        alloc = alloc or (lambda t: bytearray(t.nbytes))
-        call = self._stub.Fetch(
-            pb.FetchRequest(name=name, chunk_bytes=chunk_bytes, expect_base_fingerprint=expect_base_fingerprint),
-            timeout=timeout_s or self.fetch_timeout_s,
-        )
-        info, tensors, current = None, [], None
+        stream = await self.open_fetch(name, expect_base_fingerprint=expect_base_fingerprint, chunk_bytes=chunk_bytes,
+                                       timeout_s=timeout_s)  # fmt: skip
+        receiver = _Receiver(name, stream.tensors, alloc or (lambda t: bytearray(t.nbytes)))
         try:
-            async for m in call:
-                if info is None:
-                    if not m.HasField("info"):
-                        raise IntegrityError(f"delta {name!r}: the first Fetch message lacks the delta's info")
-                    info, tensors = m.info, list(m.tensors)
-                    if expect_base_fingerprint and info.base_fingerprint != expect_base_fingerprint:
-                        raise BaseMismatch(f"delta {name!r} was built for base {info.base_fingerprint[:16]}…, "
-                                           f"expected {expect_base_fingerprint[:16]}…")
-                    current = _Receiver(name, tensors, alloc)
-                    await current.flush_complete(on_tensor)  # empty tensors
-                if m.HasField("chunk"):
-                    await asyncio.to_thread(current.place, m.chunk)
-                    await current.flush_complete(on_tensor)
-        except grpc.aio.AioRpcError as e:
-            raise _error(e) from None
-        except BaseException:
-            call.cancel()
-            raise
-        if info is None:
-            raise IntegrityError(f"delta {name!r}: the Fetch stream was empty")
-        current.check_done()
-        return info, tensors
+            await receiver.flush_complete(on_tensor)  # empty tensors
+            async for chunk in stream.chunks():
+                await asyncio.to_thread(receiver.place, chunk)
+                await receiver.flush_complete(on_tensor)
+        finally:
+            stream.cancel()
+        receiver.check_done()
+        return stream.info, stream.tensors
 
 
 class _Receiver:
@@ -208,7 +266,7 @@ class _Receiver:
     def _finish(self) -> None:
         t = self.tensors[self.i]
         if self.sha.hexdigest() != t.sha256:
-            raise IntegrityError(f"delta {self.name!r}: tensor {t.name}: sha256 mismatch after receiving it", tensor=t.name)
+            raise _integrity(f"delta {self.name!r}: tensor {t.name}: sha256 mismatch after receiving it", t.name)
         self.ready.append((self.i, self.buf))
         self.i += 1
 
@@ -217,11 +275,11 @@ class _Receiver:
         t = self.tensors[self.i] if self.i < len(self.tensors) else None
         if t is None or c.tensor_index != self.i or c.offset != self.pos or self.pos + len(c.data) > t.nbytes:
             where = t.name if t is not None else "after the last tensor"
-            raise IntegrityError(f"delta {self.name!r}: chunk (tensor {c.tensor_index}, offset {c.offset}) out of order; "
-                                 f"expected tensor {self.i} ({where}) at offset {self.pos}", tensor=t and t.name)
+            raise _integrity(f"delta {self.name!r}: chunk (tensor {c.tensor_index}, offset {c.offset}) out of order; "
+                             f"expected tensor {self.i} ({where}) at offset {self.pos}", t and t.name)
         if crc32(c.data) != c.crc32:
-            raise IntegrityError(f"delta {self.name!r}: tensor {t.name}: crc32 mismatch in the chunk at offset {c.offset}",
-                                 tensor=t.name)
+            raise _integrity(f"delta {self.name!r}: tensor {t.name}: crc32 mismatch in the chunk at offset {c.offset}",
+                             t.name)
         memoryview(self.buf).cast("B")[c.offset: c.offset + len(c.data)] = c.data
         self.sha.update(c.data)
         self.pos += len(c.data)
@@ -239,5 +297,5 @@ class _Receiver:
     def check_done(self) -> None:
         if self.i != len(self.tensors):
             t = self.tensors[self.i]
-            raise IntegrityError(f"delta {self.name!r}: the stream ended inside tensor {t.name} "
-                                 f"({self.pos} of {t.nbytes} bytes)", tensor=t.name)
+            raise _integrity(f"delta {self.name!r}: the stream ended inside tensor {t.name} "
+                             f"({self.pos} of {t.nbytes} bytes)", t.name)

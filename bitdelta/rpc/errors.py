@@ -1,0 +1,82 @@
+"""Errors across service boundaries: one status code per failure, kept across hops.
+
+A service's core raises its own domain exceptions; the server's one interceptor
+turns them into status codes through `status_of(e, table)`:
+
+1. an exception that carries its own `code` (a `grpc.StatusCode`) keeps it —
+   this is how a downstream status survives a hop: a client raises `RpcError`
+   with the downstream code, the service lets it propagate (or wraps it in a
+   domain error that copies the code), and the caller upstream sees the same
+   code. A store-side INVALID_ARGUMENT is never turned into a retryable
+   UNAVAILABLE;
+2. otherwise the first type in the service's table that matches;
+3. otherwise INTERNAL.
+
+Messages echo what the caller sent, so they are clipped (`clip`): a 20,000
+character name must give INVALID_ARGUMENT, not a "metadata size exceeds
+limit" from the transport.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import grpc
+
+MAX_MESSAGE_CHARS = 1024  # status details are sent as metadata (8 KiB limit by default)
+MAX_ECHO_CHARS = 80  # how much of a caller's value an error message repeats
+
+StatusTable = Mapping[type, grpc.StatusCode]
+
+# Codes after which the same request may succeed elsewhere or later.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+
+class RpcError(Exception):
+    """A call to another service failed. `code` is the status it returned (kept upstream),
+    `service` which service, `details` its message, `trailers` its trailing metadata."""
+
+    def __init__(self, message: str, code: grpc.StatusCode, *, service: str = "", details: str = "",
+                 trailers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.code, self.service, self.details = code, service, details
+        self.trailers = dict(trailers or {})
+
+    @property
+    def retryable(self) -> bool:
+        return self.code in RETRYABLE
+
+
+def from_aio_error(e: grpc.aio.AioRpcError, service: str, what: str,
+                   types: Mapping[grpc.StatusCode, type[RpcError]] | None = None) -> RpcError:
+    """An `RpcError` (or the subclass `types` names for its code) for a failed call."""
+    code = e.code()
+    trailers = {k: v for k, v in (e.trailing_metadata() or ()) if isinstance(v, str)}
+    cls = (types or {}).get(code, RpcError)
+    return cls(f"{service} {what}: {code.name}: {e.details()}", code, service=service, details=e.details() or "",
+               trailers=trailers)
+
+
+def status_of(e: BaseException, table: StatusTable) -> grpc.StatusCode:
+    """The status code of any exception a service raises (see the module docstring)."""
+    code = getattr(e, "code", None)
+    if isinstance(code, grpc.StatusCode):
+        return code
+    for t, c in table.items():
+        if isinstance(e, t):
+            return c
+    return grpc.StatusCode.INTERNAL
+
+
+def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """`text` shortened to `limit` characters for an error message (repr-quoted, with its length)."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text)} characters)"
+
+
+def clip_message(message: str) -> str:
+    """A status message short enough to travel as metadata."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return message[: MAX_MESSAGE_CHARS - 20] + f"… [{len(message)} chars]"
