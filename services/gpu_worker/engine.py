@@ -164,10 +164,14 @@ class Engine:
         samplers = [self._seqs[w.seq.seq_id].sampler for w in work if w.samples]
         picks = logits.argmax(-1).tolist() if logits.shape[0] else []
         hot = [i for i, sp in enumerate(samplers) if not sp.greedy]
+        failed: dict[int, Exception] = {}  # sampling row -> why it could not be sampled
         if hot:
             rows = logits[torch.tensor(hot, device=logits.device)].cpu()
             for j, i in enumerate(hot):
-                picks[i] = samplers[i].sample(rows[j])
+                try:
+                    picks[i] = samplers[i].sample(rows[j])
+                except Exception as e:  # noqa: BLE001  # this sequence ends alone; the batch goes on
+                    failed[i] = e
         t1 = time.perf_counter()
         self.steps += 1
         self.last_step_s = t1 - t0
@@ -179,7 +183,15 @@ class Engine:
                 continue
             tok = picks[r]
             r += 1
-            self._emit_token(self._seqs[s.seq_id], tok, t1, posts)
+            if r - 1 in failed:
+                log.warning("sequence %d: %s", s.seq_id, failed[r - 1])
+                self._drop(s.seq_id, posts, None, error=failed[r - 1])
+                continue
+            try:
+                self._emit_token(self._seqs[s.seq_id], tok, t1, posts)
+            except Exception as e:  # noqa: BLE001  # e.g. detokenising: end this sequence, not the batch
+                log.exception("sequence %d: emitting token %d failed", s.seq_id, tok)
+                self._drop(s.seq_id, posts, None, error=e)
 
     def _emit_token(self, seq: Sequence, tok: int, now: float, posts) -> None:
         s = seq.state

@@ -1,8 +1,11 @@
 """Who holds a device slot: the lifecycle of every delta on this worker.
 
     ABSENT ──load──▶ LOADING ──verified──▶ RESIDENT ──evict──▶ EVICTING ──last ref released──▶ ABSENT
-                        │                      ▲                   │
-                        └──error──▶ FAILED     └────── requested ──┘   (revived: its bytes are still there)
+                        │  │                   ▲                   │
+                        │  └─evict─▶ EVICTING  └────── requested ──┘   (revived: its bytes are still there)
+                        │           (aborted: every waiter gets ABORTED at once; ABSENT once its reads stop)
+                        └──error──▶ FAILED (kept for Status, at most MAX_FAILED_ENTRIES of them)
+                           (unknown delta or no room: no entry at all, so unknown names cannot grow Status)
 
 - The budget is bytes: a delta costs one slot of the stacks (`SlotLayout.slot_bytes`)
   plus its embedding/head tensors. Bytes are reserved before the first byte
@@ -12,7 +15,13 @@
   (LoadDelta pin=true), loading deltas and deltas in use by running
   sequences are never evicted at once; a victim in use turns EVICTING and its
   slot is freed when its last sequence leaves the batch.
-- Loads are idempotent and coalesced: one task per delta, every caller awaits it.
+- A load waits for room only while some bytes are held for now (a load
+  streaming, a delta whose requests are about to take it, a victim whose
+  sequences are finishing): each of those frees or becomes evictable without
+  waiting for anything, so loads never wait on each other in a cycle. A load
+  that pinned deltas leave no room for fails at once (RESOURCE_EXHAUSTED).
+- Loads are idempotent and coalesced: one task per delta, every caller awaits
+  its `done` future.
 - Runs on the asyncio loop only; the engine thread releases references
   through `loop.call_soon_threadsafe(manager.release, name)`.
 """
@@ -27,12 +36,21 @@ from collections import Counter
 from dataclasses import dataclass
 
 from bitdelta.cache_policy import WeightedLRUPolicy
-from services.gpu_worker.errors import DeltaLoadError, NotFound, ResourceExhausted
+import grpc
+
+from services.gpu_worker.errors import Aborted, DeltaLoadError, NotFound, ResourceExhausted
 from services.gpu_worker.loader import SlotWriter, plan_delta
 from services.gpu_worker.slots import SlotLayout, SlotTensors
 from services.gpu_worker.sources import DeltaSource
 
 log = logging.getLogger("gpu_worker.manager")
+
+# FAILED entries kept for Status (the oldest go first): enough to see what broke, bounded
+# however many distinct broken deltas clients ask for.
+MAX_FAILED_ENTRIES = 32
+# Load failures that say nothing about the delta itself leave no entry (an unknown name,
+# no room now): otherwise every request for a new unknown name would grow Status forever.
+_NO_ENTRY_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class DeltaState(enum.Enum):
@@ -52,7 +70,9 @@ class DeltaEntry:
     pinned: bool = False  # explicitly (LoadDelta pin=true)
     refs: int = 0  # sequences that use the slot
     error: str = ""
-    task: asyncio.Task | None = None
+    task: asyncio.Task | None = None  # the load
+    done: asyncio.Future | None = None  # the load's outcome for its waiters (None, or the error)
+    aborted: bool = False  # evicted while loading: its slot returns once the load's reads have stopped
 
 
 @dataclass(frozen=True)
@@ -107,24 +127,9 @@ class DeltaManager:
     async def acquire(self, name: str) -> int:
         """Slot index of `name`, loading it if needed; the caller must `release(name)` once done."""
         self.policy.record(name, time.monotonic())
-        # While a request waits for its delta, that delta must not be evicted between
-        # becoming resident and the request taking its reference (two loads would
-        # otherwise evict each other forever when the budget holds one of them).
-        self._wanted[name] += 1
-        try:
-            while True:
-                e = self.entries.get(name)
-                if e is not None and e.state == DeltaState.EVICTING:
-                    e.state = DeltaState.RESIDENT  # revive: its bytes never left the slot
-                    self._notify()
-                if e is not None and e.state == DeltaState.RESIDENT:
-                    e.refs += 1
-                    return e.slot
-                await self._load_task(name)
-        finally:
-            self._wanted[name] -= 1
-            if not self._wanted[name]:
-                del self._wanted[name]
+        e = await self._resident(name)
+        e.refs += 1
+        return e.slot
 
     def release(self, name: str) -> None:
         e = self.entries.get(name)
@@ -139,31 +144,24 @@ class DeltaManager:
     async def load(self, name: str, pin: bool = False) -> DeltaEntry:
         """Make `name` resident (idempotent; concurrent calls share one load)."""
         self.policy.record(name, time.monotonic())
-        while True:
-            e = self.entries.get(name)
-            if e is not None and e.state == DeltaState.EVICTING:
-                e.state = DeltaState.RESIDENT
-                self._notify()
-            if e is not None and e.state == DeltaState.RESIDENT:
-                e.pinned = e.pinned or pin
-                return e
-            await self._load_task(name)
+        e = await self._resident(name)
+        e.pinned = e.pinned or pin
+        return e
 
     async def evict(self, name: str) -> DeltaState:
-        """Free `name`'s slot (now, or when its running sequences finish). Idempotent; overrides pins."""
+        """Free `name`'s slot (now, or when its running sequences finish). Idempotent; overrides pins.
+
+        Evicting a LOADING delta cancels the load: every request waiting on it ends at once with
+        ABORTED, and this call returns once the load's reads have stopped and its slot is free.
+        """
         e = self.entries.get(name)
         if e is None:
             return DeltaState.ABSENT
         e.pinned = False
-        if e.state == DeltaState.LOADING:
-            e.task.cancel()
-            try:
-                await asyncio.shield(e.task)
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001  # the load's error is moot
-                pass
-            e = self.entries.get(name)
-            if e is None:
-                return DeltaState.ABSENT
+        if e.state == DeltaState.LOADING or e.aborted:
+            self._abort(e)
+            await self._stopped(e)
+            return self.state_of(name)  # ABSENT, unless a new request has started a new load since
         if e.state == DeltaState.FAILED:
             del self.entries[name]
             return DeltaState.ABSENT
@@ -175,57 +173,120 @@ class DeltaManager:
         return DeltaState.ABSENT
 
     # -- internals ---------------------------------------------------------------------------------------
+    async def _resident(self, name: str) -> DeltaEntry:
+        """`name`'s entry once it is RESIDENT: loaded (or joined to its load), revived, or as it is."""
+        # While a caller waits, its delta must not be evicted between becoming resident and the
+        # caller taking it (two loads would otherwise evict each other forever when the budget
+        # holds one of them): `_reserve` treats wanted deltas as held for now.
+        self._wanted[name] += 1
+        try:
+            while True:
+                e = self.entries.get(name)
+                if e is not None and e.aborted:
+                    await self._stopped(e)  # a cancelled load still stopping its reads: then load anew
+                    continue
+                if e is not None and e.state == DeltaState.EVICTING:
+                    e.state = DeltaState.RESIDENT  # revive: its bytes never left the slot
+                    self._notify()
+                if e is not None and e.state == DeltaState.RESIDENT:
+                    return e
+                await self._load_task(name)
+        finally:
+            self._wanted[name] -= 1
+            if not self._wanted[name]:
+                del self._wanted[name]
+                self._notify()  # a load may be waiting for this delta to be taken or let go
+
     async def _load_task(self, name: str) -> None:
         e = self.entries.get(name)
         if e is None or e.state == DeltaState.FAILED:
             if self.source is None:
                 raise NotFound(f"no delta source is configured on this worker, so {name!r} cannot be loaded "
                                "(start it with --delta-store or --delta-dir)")
-            e = self.entries[name] = DeltaEntry(name, DeltaState.LOADING)
+            loop = asyncio.get_running_loop()
+            e = self.entries[name] = DeltaEntry(name, DeltaState.LOADING, done=loop.create_future())
             self.loads_started += 1
-            e.task = asyncio.get_running_loop().create_task(self._load(e), name=f"load-{name}")
-            # The failure is reported through the entry's state and to every waiter; a load
-            # whose waiters all went away must not log "exception was never retrieved".
-            e.task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            # The outcome reaches every waiter through `done`; a load whose waiters all went away
+            # must not log "exception was never retrieved".
+            e.done.add_done_callback(_retrieve)
+            e.task = loop.create_task(self._load(e), name=f"load-{name}")
+            e.task.add_done_callback(_retrieve)
         if e.state == DeltaState.LOADING:
-            await asyncio.shield(e.task)
+            await asyncio.shield(e.done)  # a waiter that goes away leaves the load running for the others
+
+    async def _stopped(self, e: DeltaEntry) -> None:
+        """Wait until the aborted load of `e` has ended and its entry is gone."""
+        await asyncio.wait([e.task])  # its outcome went to its waiters; not raised here
+        if self.entries.get(e.name) is e:  # cancelled before it ever ran, so nothing was reserved
+            del self.entries[e.name]
+            self._notify()
+
+    def _abort(self, e: DeltaEntry) -> None:
+        """Cancel `e`'s load: its waiters get ABORTED now; it stays EVICTING (holding its bytes) until
+        the load's task has stopped writing into its slot (a read thread cannot be interrupted)."""
+        if e.aborted:
+            return
+        e.aborted = True
+        e.state = DeltaState.EVICTING
+        _settle(e.done, Aborted(f"delta {e.name!r} was evicted (EvictDelta) while it was loading, so its load was "
+                                "cancelled; send the request again to load it anew"))
+        e.task.cancel()
+        self._notify()
 
     async def _load(self, e: DeltaEntry) -> None:
         t0 = time.perf_counter()
-        writer = None
+        writer = streaming = None
         try:
             info = await self.source.open(e.name, self.base_fingerprint)
             plan = plan_delta(self.layout, info)
             await self._reserve(e, plan.total_bytes)
             writer = SlotWriter(plan, self.slots, e.slot, self.load_stream)
-            await self.source.stream(info, writer)
+            # A task of its own, so that a cancelled load can wait for its reads to stop before
+            # the slot is handed to another delta.
+            streaming = asyncio.ensure_future(self.source.stream(info, writer))
+            streaming.add_done_callback(_retrieve)
+            await asyncio.shield(streaming)
             extras = await writer.finish()
+            if e.aborted:  # evicted at the last moment (a source swallowed the cancellation)
+                raise asyncio.CancelledError
             if extras.embed is not None or extras.head is not None:
                 self.slots.extras = {**self.slots.extras, e.slot: extras}  # copy-on-write for the engine
             e.state = DeltaState.RESIDENT
             e.error = ""
+            _settle(e.done, None)
             log.info("delta %s resident in slot %d (%d bytes, %.1f ms)", e.name, e.slot, e.bytes,
                      (time.perf_counter() - t0) * 1e3)
         except BaseException as exc:
             if writer is not None:
                 writer.abort()
+            if streaming is not None and not streaming.done():
+                await asyncio.wait([streaming])  # bytes may still be landing in the slot
             if e.slot is not None:
                 self._free(e, keep_entry=True)
-            cancelled = isinstance(exc, asyncio.CancelledError)
-            if cancelled:
-                self.entries.pop(e.name, None)
+            if e.aborted or isinstance(exc, asyncio.CancelledError):
+                if self.entries.get(e.name) is e:
+                    del self.entries[e.name]
+                _settle(e.done, Aborted(f"the load of delta {e.name!r} was cancelled; send the request again"))
+                raise
+            err = exc if isinstance(exc, DeltaLoadError) else DeltaLoadError(e.name, exc)
+            if err.code in _NO_ENTRY_CODES:
+                if self.entries.get(e.name) is e:
+                    del self.entries[e.name]
+                if err.code == grpc.StatusCode.NOT_FOUND:
+                    self.policy.forget(e.name)  # nor a request history
             else:
                 e.state, e.error = DeltaState.FAILED, str(exc)
-                log.warning("delta %s failed to load: %s", e.name, exc)
-            self._notify()
-            if cancelled or isinstance(exc, DeltaLoadError):
-                raise
-            raise DeltaLoadError(e.name, exc) from exc
+                self._trim_failed()
+            # An unknown name or no room is the caller's business (and cheap to repeat): not a warning.
+            log.log(logging.INFO if err.code in _NO_ENTRY_CODES else logging.WARNING, "delta %s failed to load: %s",
+                    e.name, exc)
+            _settle(e.done, err)
         finally:
             self._notify()
 
     async def _reserve(self, e: DeltaEntry, size: int) -> None:
-        """Find a slot and `size` bytes for `e`, evicting what the policy says; may wait for busy victims."""
+        """Find a slot and `size` bytes for `e`, evicting what the policy says; may wait for bytes held
+        for now (see module docstring), never for what only an eviction by hand could free."""
         if size > self.budget_bytes:
             raise ResourceExhausted(f"delta {e.name!r} needs {size} device bytes but the whole delta budget is "
                                     f"{self.budget_bytes}; raise --delta-budget")
@@ -234,23 +295,35 @@ class DeltaManager:
             if self.free_slots and used + size <= self.budget_bytes:
                 break
             now = time.monotonic()
+            hot = self.policy.pinned(now)
+            holding = {n: x for n, x in self.entries.items() if n != e.name and x.slot is not None}
+            # Held for good: explicit pins and the --pin-hottest top. If they leave no room, nothing
+            # that finishes by itself can make room: fail now, whoever else is waiting.
+            pinned = {n for n, x in holding.items() if x.state != DeltaState.EVICTING and (x.pinned or n in hot)}
+            pinned_bytes = sum(holding[n].bytes for n in pinned)
+            if pinned_bytes + size > self.budget_bytes or len(pinned) >= self.slots.n_slots:
+                raise ResourceExhausted(
+                    f"delta {e.name!r} ({size} bytes) cannot be loaded while the pinned deltas {sorted(pinned)} "
+                    f"hold {pinned_bytes} of the {self.budget_bytes}-byte delta budget ({len(pinned)} of "
+                    f"{self.slots.n_slots} slots); evict one of them (EvictDelta also unpins), lower "
+                    "--pin-hottest, or raise --delta-budget")
+            # Held for now: loads streaming (they become resident, then evictable), cancelled loads
+            # whose reads are stopping, deltas whose waiting requests are about to take them, and
+            # victims whose sequences are finishing. Each of these changes state by itself, without
+            # waiting for any other load, so waiting for them cannot close a cycle.
+            transient = {n for n, x in holding.items()
+                         if x.state == DeltaState.LOADING or x.aborted or (self._wanted.get(n) and x.refs == 0)}
+            finishing = {n for n, x in holding.items() if x.state == DeltaState.EVICTING and x.refs}
             # Bytes to free: enough for `size`, and at least one delta when no slot is free.
             need = size if self.free_slots else max(size, self.budget_bytes - used + 1)
-            # Held only for now: loads in flight, and deltas whose requests are about to use them.
-            transient = {n for n, x in self.entries.items() if n != e.name and
-                         (x.state == DeltaState.LOADING or (self._wanted.get(n) and x.refs == 0))}  # fmt: skip
-            protected = transient | {n for n, x in self.entries.items() if x.pinned} | {e.name}
-            victims = self.policy.plan(e.name, need, now, busy=protected)
-            if victims is None and transient:
-                # Once those are in use they can be evicted after their requests finish: wait, don't fail.
-                await self._changed.wait()
+            victims = self.policy.plan(e.name, need, now, busy=transient | pinned | {e.name})
+            if victims is None and (transient or finishing):
+                await self._changed.wait()  # one of them will change state and notify
                 continue
-            if victims is None:
-                pinned = [n for n in self.entries if n in protected and n != e.name]
+            if victims is None:  # not expected: what is neither pinned nor transient can be evicted
                 raise ResourceExhausted(
                     f"delta {e.name!r} ({size} bytes) does not fit: budget {self.budget_bytes} bytes, "
-                    f"{used} in use, and the rest is held by pinned or loading deltas {sorted(pinned)}; "
-                    "evict or unpin some, or raise --delta-budget")
+                    f"{used} in use by {sorted(holding)}; evict some, or raise --delta-budget")
             waiting = False
             for v in victims:
                 x = self.entries.get(v)
@@ -270,6 +343,11 @@ class DeltaManager:
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
         assert self.used_bytes <= self.budget_bytes
 
+    def _trim_failed(self) -> None:
+        failed = [n for n, x in self.entries.items() if x.state == DeltaState.FAILED]
+        for n in failed[:max(0, len(failed) - MAX_FAILED_ENTRIES)]:
+            del self.entries[n]
+
     def _free(self, e: DeltaEntry, keep_entry: bool = False) -> None:
         if e.slot is not None:
             if e.slot in self.slots.extras:
@@ -279,3 +357,18 @@ class DeltaManager:
         self.policy.remove(e.name)
         if not keep_entry:
             self.entries.pop(e.name, None)
+
+
+def _settle(fut: asyncio.Future | None, outcome: BaseException | None) -> None:
+    """Resolve a load's `done` future once (the first outcome wins)."""
+    if fut is None or fut.done():
+        return
+    if outcome is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(outcome)
+
+
+def _retrieve(f: asyncio.Future) -> None:
+    if not f.cancelled():
+        f.exception()

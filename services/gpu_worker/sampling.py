@@ -10,9 +10,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
+
+from services.gpu_worker.errors import SamplingError
 
 
 class Sampler:
@@ -25,8 +28,14 @@ class Sampler:
             self.generator = torch.Generator().manual_seed(seed or int.from_bytes(os.urandom(8), "little") >> 1)
 
     def sample(self, logits: torch.Tensor) -> int:
-        """logits: fp32 [vocab] on the CPU -> token id."""
+        """logits: fp32 [vocab] on the CPU -> token id. Raises SamplingError (this sequence only)
+        when the probabilities are not finite: a NaN or infinite temperature or top_p, a temperature
+        so small that logits / temperature overflows, or non-finite logits."""
+        if not (math.isfinite(self.temperature) and math.isfinite(self.top_p)):
+            raise self._error("the sampling parameters are not finite")
         probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        if not bool(torch.isfinite(probs).all()):
+            raise self._error("the token probabilities are not finite")
         if 0.0 < self.top_p < 1.0:
             p, idx = probs.sort(descending=True)
             cum = p.cumsum(0)
@@ -35,6 +44,11 @@ class Sampler:
             choice = torch.multinomial(p / p.sum(), 1, generator=self.generator)
             return int(idx[choice])
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def _error(self, what: str) -> SamplingError:
+        return SamplingError(f"cannot sample the next token: {what} (temperature={self.temperature!r}, "
+                             f"top_p={self.top_p!r}); use temperature 0 (greedy) or a finite temperature "
+                             "of at least 1e-3, and top_p in [0, 1]")
 
 
 class TextStream:

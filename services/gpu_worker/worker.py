@@ -11,6 +11,8 @@ import asyncio
 import itertools
 import json
 import logging
+import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,15 @@ from services.gpu_worker.sources import DeltaStoreSource, LocalDeltaSource
 
 log = logging.getLogger("gpu_worker")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# What a request may carry (checked before any work; INVALID_ARGUMENT names the field and limit).
+# Delta names: the delta store's rule (services/delta_store/backends.check_name), so a name the
+# worker accepts is one the store can hold.
+DELTA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+# Below this, sampling is greedy in effect and logits / temperature overflows fp32 near 1e-37.
+MIN_TEMPERATURE = 1e-3
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # stop strings are searched on the engine thread every token
+ECHO_CHARS = 64  # how much of a rejected value an error message repeats
 
 
 @dataclass
@@ -146,13 +157,22 @@ class Worker:
     async def generate(self, p: GenerateParams) -> AsyncIterator[TokenEvent]:
         t_arrival = time.perf_counter()
         self._check_serving()
-        if p.temperature < 0 or not (0.0 <= p.top_p <= 1.0):
-            raise InvalidArgument(f"temperature must be >= 0 and top_p in [0, 1]; got {p.temperature}, {p.top_p}")
-        ids = self.tokenizer.encode(p.prompt).ids
+        name = None if self.is_base(p.model_id) else check_delta_name(p.model_id, "model_id")
+        check_sampling(p)
+        limit = self.config.max_prompt_bytes
+        if len(p.prompt) > limit or len(p.prompt.encode()) > limit:  # characters <= bytes: cheap test first
+            raise InvalidArgument(f"the prompt has {len(p.prompt.encode())} bytes; this worker accepts at most "
+                                  f"{limit} (--max-prompt-bytes)")
+        # Off the loop, through encode_batch, which releases the GIL (encode holds it throughout);
+        # `.ids` builds the Python list, so that happens on the thread too.
+        ids = await asyncio.to_thread(lambda: self.tokenizer.encode_batch([p.prompt])[0].ids)
         if not ids:
             if self.args.bos_token_id is None:
                 raise InvalidArgument("the prompt is empty and the model has no BOS token to start from")
             ids = [self.args.bos_token_id]
+        if self.config.max_prompt_tokens and len(ids) > self.config.max_prompt_tokens:
+            raise InvalidArgument(f"the prompt has {len(ids)} tokens; this worker accepts at most "
+                                  f"{self.config.max_prompt_tokens} (--max-prompt-tokens)")
         room = self.args.max_seq_len - len(ids)
         if room <= 0:
             raise InvalidArgument(f"the prompt has {len(ids)} tokens; the model's context is {self.args.max_seq_len}")
@@ -162,7 +182,6 @@ class Worker:
                                     f"cache ({self.scheduler.capacity_tokens()} tokens); shorten it or raise --kv-cache")
         if self.engine.waiting >= self.config.max_waiting:
             raise ResourceExhausted(f"{self.engine.waiting} requests are already waiting on this worker; retry later")
-        name = None if self.is_base(p.model_id) else p.model_id
         queue: asyncio.Queue = asyncio.Queue()
         seq_id = next(self._ids)
         acquired = submitted = finished = False
@@ -201,6 +220,7 @@ class Worker:
         self._check_serving()
         if self.is_base(name):
             raise InvalidArgument(f"{name!r} is the base model, which is always resident")
+        check_delta_name(name, "name")
         t = time.perf_counter()
         was_resident = self.manager.state_of(name) == DeltaState.RESIDENT
         await self.manager.load(name, pin=pin)
@@ -210,6 +230,9 @@ class Worker:
     async def evict_delta(self, name: str) -> DeltaState:
         if not self.ready:
             raise Unavailable("this worker is still loading its base model; retry shortly")
+        if self.is_base(name):
+            raise InvalidArgument(f"{name!r} is the base model, which is always resident and cannot be evicted")
+        check_delta_name(name, "name")
         return await self.manager.evict(name)
 
     def slot_info(self, name: str) -> SlotInfo:
@@ -227,6 +250,39 @@ class Worker:
             self.manager.budget_bytes, self.manager.used_bytes, self.engine.running, self.engine.waiting,
             self.scheduler.used_tokens(), self.scheduler.capacity_tokens(),
         )  # fmt: skip
+
+
+def echo(value: str) -> str:
+    """`value` for an error message: quoted, and cut to ECHO_CHARS (a long value would not fit a
+    status message's metadata)."""
+    if len(value) <= ECHO_CHARS:
+        return repr(value)
+    return f"{value[:ECHO_CHARS]!r}... ({len(value)} characters)"
+
+
+def check_delta_name(name: str, field: str) -> str:
+    if not DELTA_NAME.fullmatch(name) or ".." in name:
+        raise InvalidArgument(f"{field} {echo(name)} is not a delta name: use 1-128 characters of letters, digits, "
+                              "'_', '-' and '.', starting with a letter or digit, without '..' (or the base's "
+                              "name, or empty, for the base)")
+    return name
+
+
+def check_sampling(p: GenerateParams) -> None:
+    """INVALID_ARGUMENT for sampling values that would make the sampler fail (NaN, inf, tiny)."""
+    t, top_p = p.temperature, p.top_p
+    if not math.isfinite(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
+        raise InvalidArgument(f"sampling.temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}; "
+                              f"got {t!r}")
+    if not (math.isfinite(top_p) and 0.0 <= top_p <= 1.0):
+        raise InvalidArgument(f"sampling.top_p must be in [0, 1] (0 or 1: no truncation); got {top_p!r}")
+    if p.max_new_tokens < 0:
+        raise InvalidArgument(f"sampling.max_new_tokens must be >= 0 (0: the worker's default); got {p.max_new_tokens}")
+    if len(p.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"sampling.stop has {len(p.stop)} strings; at most {MAX_STOP_STRINGS} are accepted")
+    for s in p.stop:
+        if len(s) > MAX_STOP_CHARS:
+            raise InvalidArgument(f"sampling.stop string {echo(s)} is longer than {MAX_STOP_CHARS} characters")
 
 
 def _eos_ids(base: Path, eos: int | None) -> set[int]:
