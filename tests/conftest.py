@@ -26,12 +26,21 @@ if not torch.cuda.is_available():
 os.environ.setdefault("BITDELTA_CPU_PRECISION", "fp32")
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "cuda: the CUDA profile (`pytest -m cuda`, run by bench/gpu.sh): kernel grids and batch invariance "
+        "in bf16. They run everywhere: on CPU through the interpreter / C kernels, on a GPU with real dots.",
+    )
+
+
 @pytest.fixture(scope="module")
 def cpu_kernels():
-    """The worker's production CPU path (the compiled C kernels) for a whole module: the
-    Triton interpreter costs seconds per token at model sizes (test_worker_triton covers it)."""
+    """The worker's production kernels for this machine, for a whole module: the compiled C
+    kernels on CPU (the Triton interpreter costs seconds per token at model sizes;
+    test_worker_triton covers it), Triton on CUDA (the worker's tensors are on the GPU there)."""
     mp = pytest.MonkeyPatch()
-    mp.setenv("BITDELTA_KERNEL_BACKEND", "cpu")
+    mp.setenv("BITDELTA_KERNEL_BACKEND", "auto" if torch.cuda.is_available() else "cpu")
     yield
     mp.undo()
 
@@ -41,6 +50,80 @@ def cpu_kernels():
 # data directory on first use, ~30 s, as `bitdelta family build` would) and real deltas: the
 # family's own when built, otherwise two short real fine-tunes of the base (a few optimizer
 # steps each), compressed like the serving default. Nothing is skipped when data/ is empty.
+# What the tests build from the real model is cached under <data>/test-cache/, keyed by
+# everything it is made from, so a second pytest run (or a concurrent one) reuses it.
+
+TEST_CACHE_VERSION = 1
+
+
+def cached_real_artifact(name: str, key: dict, build) -> Path:
+    """<data>/test-cache/<name>-<hash of key>/, filled by `build(dir)` once. Built in a
+    private temporary directory and renamed into place, so concurrent sessions never see
+    a half-built entry (the loser of a race discards its copy)."""
+    import hashlib
+    import json
+    import shutil
+    import tempfile
+
+    from bitdelta import family
+
+    key = {"cache_version": TEST_CACHE_VERSION, **key}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    final = family.data_dir() / "test-cache" / f"{name}-{digest}"
+    if (final / "done.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        build(tmp)
+        (tmp / "done.json").write_text(json.dumps(key, indent=2, default=str))
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another session renamed its copy first
+            if not (final / "done.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def short_real_finetune(real_base: Path, variant: str, corpus: str, cfg, delta: bool) -> Path:
+    """A cached short real fine-tune of the base (and its serving-style delta when `delta`):
+    the entry's directory, holding finetuned/<variant>/ and deltas/<variant>.bitdelta.safetensors."""
+    from dataclasses import asdict
+
+    from bitdelta import precision
+    from bitdelta.checkpoint import fingerprint
+    from bitdelta.family import corpora
+
+    def build(root: Path) -> None:
+        from bitdelta.compress import compress
+        from bitdelta.family.finetune import finetune
+
+        ft = root / "finetuned" / variant
+        finetune(real_base, corpus, ft, cfg, progress=False)
+        if delta:
+            compress(real_base, ft, root / "deltas" / f"{variant}.bitdelta.safetensors", variant=variant,
+                     embeddings="sign", progress=False)
+
+    key = {"base": fingerprint(real_base), "variant": variant, "corpus": corpus,
+           "corpus_sha256": corpora.describe(corpus)["sha256"], "config": asdict(cfg), "delta": delta,
+           "precision": precision.cpu_precision().name}
+    return cached_real_artifact(f"short-{variant}", key, build)
+
+
+@pytest.fixture(scope="session")
+def artifact_cache():
+    """`cached_real_artifact` for test modules: (name, key, build) -> entry dir."""
+    return cached_real_artifact
+
+
+@pytest.fixture(scope="session")
+def real_finetune_cache():
+    """`short_real_finetune` for test modules: (real_base, variant, corpus, cfg, delta) -> entry dir."""
+    return short_real_finetune
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +135,7 @@ def real_base():
 
 
 @pytest.fixture(scope="session")
-def real_deltas(real_base, tmp_path_factory) -> dict:
+def real_deltas(real_base) -> dict:
     """variant name -> delta file (at least two) for the real base."""
     from bitdelta import family
     from bitdelta.checkpoint import fingerprint
@@ -64,15 +147,8 @@ def real_deltas(real_base, tmp_path_factory) -> dict:
              if p.deltas[v].is_file() and read_header(p.deltas[v]).meta.base_fingerprint == fp}
     if len(built) >= 2:
         return built
-    from bitdelta.compress import compress
-    from bitdelta.family.finetune import FinetuneConfig, finetune
+    from bitdelta.family.finetune import FinetuneConfig
 
-    root = tmp_path_factory.mktemp("real_deltas")
-    out = {}
-    for variant, corpus in (("math", "arithmetic"), ("coder", "stdlib")):
-        ft = root / "finetuned" / variant
-        finetune(real_base, corpus, ft, FinetuneConfig(steps=3, batch=1, seq_len=64, warmup=0, lr=3e-4,
-                                                       eval_windows=1), progress=False)
-        out[variant] = compress(real_base, ft, root / "deltas" / f"{variant}.bitdelta.safetensors",
-                                variant=variant, embeddings="sign", progress=False)
-    return out
+    cfg = FinetuneConfig(steps=3, batch=1, seq_len=64, warmup=0, lr=3e-4, eval_windows=1)
+    return {variant: short_real_finetune(real_base, variant, corpus, cfg, delta=True) / "deltas"
+            / f"{variant}.bitdelta.safetensors" for variant, corpus in (("math", "arithmetic"), ("coder", "stdlib"))}

@@ -190,6 +190,30 @@ def test_serving_delta_distils_projection_alphas_only(tmp_path):
         torch.testing.assert_close(merged_variant(p.base, delta)(x), applied(x), rtol=1e-5, atol=1e-5)
 
 
+def test_test_artifacts_are_cached_in_the_data_dir(tmp_path, monkeypatch, artifact_cache):
+    """What the tests build from the real model is made once: a second session (or a
+    concurrent one that finished first) gets the same directory without building."""
+    monkeypatch.setenv("BITDELTA_DATA", str(tmp_path))
+    built = []
+
+    def build(d):
+        built.append(d)
+        (d / "x.txt").write_text("made once")
+
+    first = artifact_cache("thing", {"a": 1}, build)
+    assert first.parent == tmp_path / "test-cache" and (first / "x.txt").read_text() == "made once"
+    assert artifact_cache("thing", {"a": 1}, lambda d: pytest.fail("rebuilt a cached artifact")) == first
+    assert artifact_cache("thing", {"a": 2}, build) != first and len(built) == 2  # another key, another entry
+
+    def fails(d):
+        (d / "half.txt").write_text("")
+        raise RuntimeError("crashed")
+
+    with pytest.raises(RuntimeError):
+        artifact_cache("broken", {}, fails)
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "test-cache").iterdir()) == ["thing", "thing"]
+
+
 # --- the real family (needs `bitdelta family build`) ----------------------------
 
 P = family.paths()
@@ -200,24 +224,37 @@ def _built(name: str, path: Path) -> bool:
     return stamp is not None and path.exists()
 
 
-@pytest.fixture(scope="session")
-def real_base() -> Path:
-    """The converted base in the data directory (converted now if missing: ~30 s)."""
-    return fb.build_base(P)
+CHECKED_TENSORS = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                   "model.layers.0.self_attn.k_proj.weight", "model.layers.17.mlp.down_proj.weight",
+                   "model.layers.29.post_attention_layernorm.weight", "model.norm.weight"]
+CHECKED_CONFIG = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "intermediate_size", "tie_word_embeddings", "rms_norm_eps")
 
 
 @pytest.fixture(scope="session")
-def gguf_state():
-    """The GGUF as transformers loads it (dequantising takes ~12 s: once per session)."""
-    from bitdelta.family.convert import load_gguf_state
+def gguf_state(artifact_cache):
+    """The checked tensors and config values of the GGUF as transformers loads it (dequantising
+    takes ~12 s on a quiet machine, a minute on a busy one), cached under <data>/test-cache/
+    keyed by the GGUF's bytes and the transformers version."""
+    import json
 
-    state, cfg, _ = load_gguf_state()
-    return state, cfg
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from bitdelta.family.convert import file_sha256, gguf_path, load_gguf_state
+
+    def build(d: Path) -> None:
+        state, cfg, _ = load_gguf_state()
+        save_file({n: state[n].contiguous() for n in CHECKED_TENSORS}, str(d / "tensors.safetensors"))
+        (d / "config.json").write_text(json.dumps({k: getattr(cfg, k) for k in CHECKED_CONFIG}))
+
+    key = {"gguf_sha256": file_sha256(gguf_path()), "transformers": transformers.__version__,
+           "tensors": CHECKED_TENSORS, "config": CHECKED_CONFIG}
+    d = artifact_cache("gguf-reference", key, build)
+    return load_file(str(d / "tensors.safetensors")), json.loads((d / "config.json").read_text())
 
 
-@pytest.mark.parametrize("name", ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-                                  "model.layers.0.self_attn.k_proj.weight", "model.layers.17.mlp.down_proj.weight",
-                                  "model.layers.29.post_attention_layernorm.weight", "model.norm.weight"])
+@pytest.mark.parametrize("name", CHECKED_TENSORS)
 def test_conversion_is_bit_exact(real_base, gguf_state, name):
     from bitdelta.checkpoint import CheckpointReader
 
@@ -234,22 +271,20 @@ def test_converted_config_matches_the_gguf(real_base, gguf_state):
 
     _, cfg = gguf_state
     ours = read_config(P.base)
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "tie_word_embeddings", "rms_norm_eps"):
-        assert ours[key] == getattr(cfg, key), key
+    for key in CHECKED_CONFIG:
+        assert ours[key] == cfg[key], key
     assert "quantization_config" not in ours
     assert (P.base / "tokenizer.json").is_file()
 
 
 @pytest.fixture(scope="session")
-def short_finetune(real_base, tmp_path_factory) -> Path:
-    """Two real optimizer steps of the family's fine-tuning on the real base (seconds, not minutes)."""
-    from bitdelta.family.finetune import FinetuneConfig, finetune
+def short_finetune(real_base, real_finetune_cache) -> Path:
+    """Two real optimizer steps of the family's fine-tuning on the real base (seconds, not
+    minutes; cached under <data>/test-cache/ by conftest's real_finetune_cache)."""
+    from bitdelta.family.finetune import FinetuneConfig
 
-    out = tmp_path_factory.mktemp("short_ft") / "math"
-    finetune(real_base, "arithmetic", out, FinetuneConfig(steps=2, batch=1, seq_len=32, warmup=0, eval_windows=1),
-             progress=False)
-    return out
+    cfg = FinetuneConfig(steps=2, batch=1, seq_len=32, warmup=0, eval_windows=1)
+    return real_finetune_cache(real_base, "math", "arithmetic", cfg, delta=False) / "finetuned" / "math"
 
 
 def test_every_compressed_weight_moves_in_fine_tuning(short_finetune):
