@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bitdelta.bits import pack_signs, packed_cols, unpack_signs  # noqa: E402
+from bitdelta.precision import cpu_precision, precision_for, serving_dtype  # noqa: E402
 from kernels import MergedWeightCache, cpu_ops, plan_batch  # noqa: E402
 from kernels.cpu_build import cpu_isa  # noqa: E402
 
@@ -187,7 +188,8 @@ def bench_cpu_gemv(t, bw, d, Ms, rows):
 
 def cpu_sweep(t, rows):
     """Crossovers behind MERGE_MIN_M / UNPACK_MIN_M / FUSED_GEMV_MAX_M (docs/kernels.md)."""
-    for dtype in (torch.float32, torch.bfloat16):
+    # bf16 only where bitdelta.precision finds it native: emulated bf16 is ~60x slower, not a path
+    for dtype in (torch.float32, *([torch.bfloat16] if cpu_precision().name == "bf16" else [])):
         for d in (2048, 4096):
             for M in (1, 2, 4, 8, 16, 32, 64, 128):
                 x, w, s, a = linear_inputs(M, d, d, dtype, torch.device("cpu"))
@@ -256,6 +258,7 @@ def main(argv=None):
     }  # fmt: skip
     if not cuda:
         meta["cpu_kernels"] = cpu_isa()
+        meta["cpu_precision"] = cpu_precision().describe()
         # a shared host: with every core busy, each OpenMP region waits for a descheduled
         # thread and multi-threaded timings mostly measure the scheduler (try --threads 1)
         meta["load_average_1min"] = os.getloadavg()[0]
@@ -266,7 +269,7 @@ def main(argv=None):
         import triton
 
         meta["triton"] = triton.__version__
-        dtype = torch.bfloat16
+        dtype = precision_for(dev).dtype  # bf16 on CUDA (bitdelta.precision)
         dec_d = (4096,) if args.quick else (4096, 8192)
         print("fused decode (÷ base GEMV, cuBLAS):")
         bench_fused(dev, t, bw, dtype, [(d, M) for d in dec_d for M in (1, 4, 16)], rows, "fused decode")
@@ -279,7 +282,7 @@ def main(argv=None):
     elif args.only_sweep:
         cpu_sweep(t, rows)
     else:
-        dtype = torch.float32
+        dtype = serving_dtype(dev).dtype  # the worker's CPU dtype (fp32 unless BITDELTA_CPU_PRECISION=bf16)
         dec_d = (4096,) if args.quick else (4096, 8192)
         print("CPU fused decode (÷ torch base GEMV):")
         bench_fused(dev, t, bw, dtype, [(d, M) for d in dec_d for M in (1, 4, 16)], rows, "fused decode")

@@ -39,9 +39,9 @@ from bitdelta.format import load_delta, read_header, write_delta  # noqa: E402
 
 PRESETS = {
     # ~93M params (a 12 MB delta): GEMMs, not Python, dominate a CPU step, and a load is not all fixed cost
-    "cpu": dict(dim=1024, n_layers=8, n_heads=8, n_kv_heads=4, intermediate_size=2752, dtype="float32"),
+    "cpu": dict(dim=1024, n_layers=8, n_heads=8, n_kv_heads=4, intermediate_size=2752),
     # ~0.4B params in bf16 on one GPU
-    "gpu": dict(dim=2048, n_layers=8, n_heads=16, n_kv_heads=8, intermediate_size=5504, dtype="bfloat16"),
+    "gpu": dict(dim=2048, n_layers=8, n_heads=16, n_kv_heads=8, intermediate_size=5504),
 }
 N_DELTAS = 14
 BATCH = 8
@@ -163,7 +163,11 @@ async def bench(args) -> dict:
     paths = {n: next(deltas.glob(f"{n}.*")) for n in names}
     size = statistics.mean(p.stat().st_size for p in paths.values())
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = preset["dtype"] if not args.dtype else args.dtype
+    # bitdelta.precision's rule, as the worker's --dtype auto: bf16 on CUDA, fp32 on CPU
+    # unless BITDELTA_CPU_PRECISION=bf16
+    from bitdelta.precision import serving_dtype
+
+    dtype = args.dtype or serving_dtype(device).torch_name
 
     # the per-delta device cost, to size the budget for exactly N_DELTAS resident
     probe = Worker(WorkerConfig(base=base, device=device, dtype=dtype, delta_budget=0, kv_cache=args.kv_cache))

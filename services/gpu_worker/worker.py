@@ -82,8 +82,12 @@ class Worker:
             dev = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(dev)
         dt = config.dtype
-        if dt == "auto":
-            dt = "bfloat16" if self.device.type == "cuda" else "float32"
+        if dt == "auto":  # bitdelta.precision: bf16 on CUDA; fp32 on CPU unless BITDELTA_CPU_PRECISION=bf16
+            from bitdelta.precision import serving_dtype
+
+            chosen = serving_dtype(self.device)
+            dt = chosen.torch_name
+            log.info("dtype auto: %s", chosen.describe())
         self.dtype = DTYPES[dt]
         cfg = read_config(config.base)
         self.base_name = config.base_name or cfg.get("_name_or_path") or Path(config.base).name
