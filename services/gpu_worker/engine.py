@@ -43,6 +43,7 @@ class TokenEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     ttft: dict | None = None  # on the first event: delta_load_ms, schedule_ms, prefill_ms, total_ms
+    arrival: str = ""  # on the first event (set by the worker): the delta's state when the request arrived
 
 
 @dataclass

@@ -35,6 +35,8 @@ STATES = {
     DeltaState.FAILED: pb.DELTA_STATE_FAILED,
 }  # fmt: skip
 
+ARRIVAL = {"resident": pb.DELTA_STATE_RESIDENT, "loading": pb.DELTA_STATE_LOADING, "absent": pb.DELTA_STATE_ABSENT}
+
 
 def slot_to_pb(s: SlotInfo) -> pb.DeltaSlot:
     return pb.DeltaSlot(name=s.name, state=STATES[s.state], bytes=s.bytes, pinned=s.pinned,
@@ -58,6 +60,7 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
             msg = pb.GenerateResponse(token_id=ev.token_id, text=ev.text, elapsed_ms=ev.elapsed_ms)
             if ev.ttft is not None:
                 msg.ttft.CopyFrom(generation_pb2.TtftBreakdown(**ev.ttft))
+                msg.arrival_state = ARRIVAL[ev.arrival]
             if ev.finish_reason is not None:
                 msg.finish_reason = FINISH[ev.finish_reason]
                 msg.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=ev.prompt_tokens,
@@ -80,6 +83,7 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
             delta_used_bytes=s.delta_used_bytes, running=s.running, waiting=s.waiting,
             kv_tokens_used=s.kv_tokens_used, kv_tokens_total=s.kv_tokens_total,
             draining=self.worker.draining, ready=self.worker.ready,
+            loads_started=self.worker.manager.loads_started if self.worker.manager is not None else 0,
         )  # fmt: skip
 
 

@@ -190,8 +190,10 @@ class Worker:
         seq_id = next(self._ids)
         acquired = submitted = finished = False
         try:
-            slot, load_ms = -1, 0.0
+            slot, load_ms, arrival = -1, 0.0, "resident"
             if name is not None:
+                arrival = {DeltaState.RESIDENT: "resident", DeltaState.LOADING: "loading"}.get(
+                    self.manager.state_of(name), "absent")
                 t = time.perf_counter()
                 slot = await self.manager.acquire(name)
                 acquired = True
@@ -211,6 +213,8 @@ class Worker:
                     finished = True
                     raise ev
                 finished = ev.finish_reason is not None
+                if ev.ttft is not None:
+                    ev.arrival = arrival
                 yield ev
                 if finished:
                     return

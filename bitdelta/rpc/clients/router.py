@@ -77,3 +77,10 @@ class RouterClient:
         except grpc.aio.AioRpcError as e:
             raise self._error(e, "ListModels") from None
         return list(r.models)
+
+    async def list_workers(self, timeout_s: float | None = None) -> list[pb.WorkerInfo]:
+        try:
+            r = await self._stub.ListWorkers(pb.ListWorkersRequest(), timeout=timeout_s or self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e, "ListWorkers") from None
+        return list(r.workers)

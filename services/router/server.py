@@ -1,0 +1,99 @@
+"""The router's gRPC surface on the shared server skeleton: the servicer (protobuf <-> domain
+only) and the process. Errors keep their status codes: the router's own (`errors`) and the
+workers' and store's (`RpcError`, passed through).
+
+    router = Router(config, pool, registry)
+    server = create_server(router, "127.0.0.1:0")       # server.port
+    await server.start(); await router.start()
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from bitdelta.common.v1 import generation_pb2 as gen_pb
+from bitdelta.router.v1 import router_pb2 as pb
+from bitdelta.router.v1 import router_pb2_grpc as pb_grpc
+from bitdelta.rpc.clients.delta_store import DeltaStoreClient
+from bitdelta.rpc.serve import Server, Service, run_until_signal
+from bitdelta.rpc.serve import create_server as create_rpc_server
+from services.router.config import RouterConfig
+from services.router.pool import WorkerPool
+from services.router.registry import Registry
+from services.router.router import Arrival, GenerateParams, Router
+
+log = logging.getLogger("services.router.server")
+SERVICE = pb.DESCRIPTOR.services_by_name["RouterService"].full_name
+MAX_MESSAGE_BYTES = 64 << 20
+ARRIVAL = {Arrival.BASE: pb.ARRIVAL_STATE_UNSPECIFIED, Arrival.RESIDENT: pb.ARRIVAL_STATE_RESIDENT,
+           Arrival.LOADING: pb.ARRIVAL_STATE_LOADING, Arrival.COLD: pb.ARRIVAL_STATE_COLD}
+
+
+class RouterServicer(pb_grpc.RouterServiceServicer):
+    def __init__(self, router: Router):
+        self.router = router
+
+    async def Generate(self, request, context):
+        sp = request.sampling
+        remaining = context.time_remaining()
+        params = GenerateParams(
+            model_id=request.model_id, prompt=request.prompt, max_new_tokens=sp.max_new_tokens,
+            temperature=sp.temperature, top_p=sp.top_p, stop=tuple(sp.stop), seed=sp.seed,
+            request_id=request.request_id, deadline=None if remaining is None else time.monotonic() + remaining,
+        )  # fmt: skip
+        async for ev in self.router.generate(params):
+            m = ev.msg
+            out = pb.GenerateResponse(token_id=m.token_id, text=m.text, elapsed_ms=ev.elapsed_ms,
+                                      finish_reason=m.finish_reason)  # fmt: skip
+            if m.HasField("usage"):
+                out.usage.CopyFrom(m.usage)
+            if ev.first is not None:
+                f = ev.first
+                out.worker, out.arrival_state = f.worker, ARRIVAL[f.arrival]
+                out.ttft.CopyFrom(gen_pb.TtftBreakdown(
+                    queue_ms=f.queue_ms, delta_load_ms=m.ttft.delta_load_ms, schedule_ms=m.ttft.schedule_ms,
+                    prefill_ms=m.ttft.prefill_ms, total_ms=f.total_ms))  # fmt: skip
+            yield out
+
+    async def ListModels(self, request, context):
+        return pb.ListModelsResponse(models=[pb.ModelInfo(
+            model_id=e.variant.model_id, base_model=e.variant.base_model, delta_bytes=e.variant.delta_bytes,
+            resident_on=e.resident_on, servable=e.servable, reason=e.reason, in_flight=e.in_flight,
+            loading_on=e.loading_on, base_fingerprint=e.variant.base_fingerprint, is_base=e.variant.is_base,
+        ) for e in await self.router.models()])  # fmt: skip
+
+    async def ListWorkers(self, request, context):
+        return pb.ListWorkersResponse(workers=[pb.WorkerInfo(
+            address=w.address, up=w.up, reason=w.reason, device=w.device, resident=sorted(w.resident),
+            in_flight=w.in_flight, capacity=w.capacity, delta_used_bytes=w.used_bytes,
+            delta_budget_bytes=w.budget_bytes,
+        ) for w in self.router.workers()])  # fmt: skip
+
+
+def build_router(config: RouterConfig) -> Router:
+    store = DeltaStoreClient(config.delta_store, timeout_s=config.call_timeout_s)
+    pool = WorkerPool(config.workers, capacity=config.max_in_flight_per_worker, poll_s=config.poll_s,
+                      call_timeout_s=config.call_timeout_s)  # fmt: skip
+    return Router(config, pool, Registry(store, refresh_s=config.refresh_s, call_timeout_s=config.call_timeout_s))
+
+
+def create_server(router: Router, address: str) -> Server:
+    """A server for `router` bound to `address` (port 0 picks a free port); not started."""
+    servicer = RouterServicer(router)
+    service = Service(SERVICE, lambda s: pb_grpc.add_RouterServiceServicer_to_server(servicer, s))
+    return create_rpc_server(address, [service], {}, serving=False, max_message_bytes=MAX_MESSAGE_BYTES,
+                             open_while_draining=("ListModels", "ListWorkers"))
+
+
+async def close_router(router: Router) -> None:
+    await router.close()
+    await router.registry.store.close()
+
+
+async def serve(config: RouterConfig) -> None:
+    router = build_router(config)
+    server = create_server(router, config.address)
+    log.info("router listening on %s (port %d); workers %s; delta store %s", config.address, server.port,
+             ",".join(config.workers), config.delta_store)
+    await run_until_signal(server, config.grace_s, startup=router.start(), on_stop=lambda: close_router(router))
