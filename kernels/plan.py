@@ -1,8 +1,9 @@
 """Per-batch metadata for the batched delta: which rows go to which variant, and which kernel runs.
 
 The plan depends only on `row_variant`, so a worker builds it ONCE per decode
-step and passes it to every layer (`plan=`); building it costs one host copy of
-row_variant (a device sync on CUDA), which is why it is not rebuilt per layer.
+step and passes it to every layer (`plan=`). Built from a host `row_variant` (the
+worker's case) it reads nothing back from the device and copies its index tensors
+asynchronously from pinned memory; from a device `row_variant` it costs one sync.
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ class BatchPlan:
     tile_variant: torch.Tensor | None = None
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without a host sync (pinned + asynchronous copy on CUDA)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def plan_batch(
     row_variant: torch.Tensor, n_variants: int, device: torch.device | None = None,
     sgmv_min_rows: int | None = None, block_m: int | None = None,
@@ -60,7 +68,7 @@ def plan_batch(
     if m and (int(rv.max()) >= n_variants or int(rv.min()) < -1):
         raise ValueError(f"row_variant values must lie in [-1, {n_variants - 1}]")
     active = rv >= 0
-    rv_dev = row_variant.to(device=device, dtype=torch.int32)
+    rv_dev = _to(rv.to(torch.int32), device)
     if not bool(active.any()):
         return BatchPlan("none", m, device, rv_dev, 0, ())
     variants, counts = torch.unique(rv[active], return_counts=True)
@@ -79,7 +87,7 @@ def plan_batch(
         pos += c
 
     def dev(a):
-        return torch.as_tensor(a, dtype=torch.int32).to(device)
+        return _to(torch.as_tensor(a, dtype=torch.int32), device)
 
     return BatchPlan(
         "sgmv", m, device, rv_dev, max_rows, tuple(variants.tolist()), block_m,

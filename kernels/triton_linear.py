@@ -172,6 +172,10 @@ def bitdelta_linear_triton(
     split_k = blocks["SPLIT_K"]
     if split_k > 1:
         y = torch.zeros(M, N, device=x.device, dtype=torch.float32)  # the K slices add into it
+    elif interpreting() and x.dtype == torch.bfloat16:
+        # the interpreter truncates fp32→bf16 stores; the GPU rounds to nearest, as torch does:
+        # store fp32 and let torch round, so CPU runs see the GPU's numbers
+        y = torch.empty(M, N, device=x.device, dtype=torch.float32)
     else:
         y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     if M == 0 or N == 0:

@@ -45,6 +45,7 @@ class WorkerConfig(ServiceConfig):
     max_prompt_bytes: int = setting(1 << 20, "longer prompts are INVALID_ARGUMENT before tokenising", parse=parse_bytes)
     max_prompt_tokens: int = setting(0, "longer prompts are INVALID_ARGUMENT; 0: the model's context")
     fused_single_variant: bool = setting(True, "a batch of one variant uses the fused kernel")
+    allow_slow_kernels: bool = setting(False, "on CUDA without Triton, serve with the torch reference kernels (~10x slower) instead of refusing to start")  # noqa: E501
     grace_s: float = setting(10.0, "SIGTERM: running streams get this long to finish")
     store_timeout_s: float = setting(600.0, "deadline of one Fetch from the delta store, seconds")
 

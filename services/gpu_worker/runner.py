@@ -10,6 +10,12 @@ belong to one variant uses the fused `bitdelta_linear` instead. Attention runs
 per sequence against its own blocks of the paged KV pool (decode rows of all
 sequences in one padded call).
 
+No host sync inside a step: every index tensor of a step is built on the host in
+`prepare` (from the scheduler's lists, never from device values) and copied over
+asynchronously from pinned memory; the layers only launch work. The one sync per
+step is the engine reading the sampled tokens. `warmup` runs every kernel
+configuration a step can launch once at start-up, so no request pays a JIT compile.
+
 This module sees tensors and slot indices only; who runs (ids, budgets) is the
 scheduler's business, which delta sits in which slot is the manager's.
 """
@@ -125,6 +131,10 @@ class StepMeta:
     logit_rows: torch.Tensor  # [R] rows whose logits are wanted
     logit_slots: list[int]  # [R] their slots
     plan: object = None  # kernels.BatchPlan: rows grouped by slot, shared by every layer of the step
+    extras: dict | None = None  # the slots' extras snapshot this step reads (copy-on-write in slots.py)
+    embed_rows: dict | None = None  # slot -> [n] rows of x whose slot has its own embedding
+    logit_norm_idx: torch.Tensor | None = None  # [R] final-norm rows of the logit rows (None: single_norm)
+    logit_groups: list | None = None  # [(slot or −1, [r] rows of the logits)]: which head serves which rows
 
 
 class ModelRunner:
@@ -138,8 +148,15 @@ class ModelRunner:
         self.use_fused = use_fused
 
     # -- metadata -------------------------------------------------------------------------------
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device without a host sync: pinned, then copied asynchronously
+        (torch's pinned allocator keeps the buffer until the copy has run)."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     def prepare(self, work: list[SeqWork]) -> StepMeta:
-        dev = self.device
+        """Every index a step needs, built on the host from `work` (no device value is read)."""
         tokens, positions, row_slot, write_rows = [], [], [], []
         decode_rows, decode_ctx, prefills, logit_rows, logit_slots = [], [], [], [], []
         r = 0
@@ -157,32 +174,47 @@ class ModelRunner:
                 L = w.start + n
                 q_pos = torch.arange(w.start, L)[:, None]
                 mask = torch.arange(L)[None, :] <= q_pos  # [n, L]: query i sees 0..start+i
-                prefills.append((r, n, ctx.to(dev), mask.to(dev)))
+                prefills.append((r, n, self._dev(ctx), self._dev(mask)))
             if w.want_logits:
                 logit_rows.append(r + n - 1)
                 logit_slots.append(w.slot)
             r += n
         slots_set = set(row_slot)
         single = next(iter(slots_set)) if len(slots_set) == 1 else None
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        pos_t = self._dev(torch.tensor(positions, dtype=torch.int64))
         cos, sin = rope_tables(self.args, pos_t, self.dtype)
         rs = torch.tensor(row_slot, dtype=torch.int32)
+        extras = self.slots.extras  # one snapshot for the whole step
         meta = StepMeta(
-            tokens=torch.tensor(tokens, dtype=torch.int64, device=dev),
+            tokens=self._dev(torch.tensor(tokens, dtype=torch.int64)),
             cos=cos[:, None, :], sin=sin[:, None, :],
-            row_slot=rs.to(dev),
-            norm_idx=None if single is not None else (rs.to(torch.int64) + 1).to(dev),
+            row_slot=self._dev(rs),
+            norm_idx=None if single is not None else self._dev(rs.to(torch.int64) + 1),
             single_norm=(single + 1) if single is not None else 0,
             any_delta=any(s >= 0 for s in slots_set),
             single_slot=single if (single is not None and single >= 0 and self.use_fused) else None,
-            write_rows=torch.cat(write_rows).to(dev),
+            write_rows=self._dev(torch.cat(write_rows)),
             decode_rows=None, decode_gather=None, decode_mask=None,
             prefills=prefills,
-            logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+            logit_rows=self._dev(torch.tensor(logit_rows, dtype=torch.int64)),
             logit_slots=logit_slots,
+            extras=extras,
         )  # fmt: skip
         if meta.any_delta and meta.single_slot is None:
-            meta.plan = plan_batch(rs, self.slots.n_slots, device=dev)  # from the host copy: no device sync
+            meta.plan = plan_batch(rs, self.slots.n_slots, device=self.device)  # from the host copy: no device sync
+        # rows whose slot brings its own embedding (dense or signs): found here, not by a device nonzero()
+        meta.embed_rows = {}
+        for slot, ex in extras.items():
+            if ex.embed is not None and slot in slots_set:
+                rows = (rs == slot).nonzero(as_tuple=True)[0]  # host tensor: no sync
+                meta.embed_rows[slot] = self._dev(rows.to(torch.int64))
+        if len(set(logit_slots)) > 1:
+            meta.logit_norm_idx = self._dev(torch.tensor(logit_slots, dtype=torch.int64) + 1)
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(logit_slots):
+            ex = extras.get(s) if s >= 0 else None
+            groups.setdefault(s if (ex is not None and ex.head is not None) else -1, []).append(i)
+        meta.logit_groups = [(s, self._dev(torch.tensor(idx, dtype=torch.int64))) for s, idx in groups.items()]
         if decode_rows:
             lmax = max(len(c) for c in decode_ctx)
             gather = torch.zeros(len(decode_ctx), lmax, dtype=torch.int64)
@@ -190,9 +222,9 @@ class ModelRunner:
             for b, c in enumerate(decode_ctx):
                 gather[b, : len(c)] = c
                 mask[b, : len(c)] = True
-            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.int64, device=dev)
-            meta.decode_gather = gather.to(dev)
-            meta.decode_mask = mask[:, None, None, :].to(dev)
+            meta.decode_rows = self._dev(torch.tensor(decode_rows, dtype=torch.int64))
+            meta.decode_gather = self._dev(gather)
+            meta.decode_mask = self._dev(mask[:, None, None, :])
         return meta
 
     # -- layers ---------------------------------------------------------------------------------
@@ -205,10 +237,30 @@ class ModelRunner:
         signs, alpha = self.slots.signs[layer][group], self.slots.alpha[layer][group]
         if m.single_slot is not None:
             return bitdelta_linear(x, w, signs[m.single_slot], alpha[m.single_slot])
-        y = x @ w.t()
-        if m.any_delta:
-            bitdelta_delta_batched(x, signs, alpha, m.row_slot, y, plan=m.plan)
-        return y
+        if not m.any_delta or x.dtype == torch.float32:
+            y = x @ w.t()
+            if m.any_delta:
+                bitdelta_delta_batched(x, signs, alpha, m.row_slot, y, plan=m.plan)
+            return y
+        # fp16/bf16: the base GEMM's output stays fp32 until the delta is in, then rounds ONCE,
+        # like the fused kernel. Rounding x·Wᵀ to bf16 first would erase a real delta (a few
+        # tenths of y's bf16 spacing): a request's tokens would depend on its batch.
+        y = self._mm_fp32(x, w)
+        bitdelta_delta_batched(x, signs, alpha, m.row_slot, y, plan=m.plan)
+        return y.to(x.dtype)
+
+    _mm_out_dtype: bool | None = None  # torch.mm(..., out_dtype=) works here (CUDA, torch ≥ 2.8)
+
+    def _mm_fp32(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x · wᵀ with fp32 accumulation AND fp32 output. x: [N, d_in]; w: [d_out, d_in] -> fp32 [N, d_out]."""
+        if x.device.type == "cuda" and self._mm_out_dtype is not False:
+            try:
+                y = torch.mm(x, w.t(), out_dtype=torch.float32)  # cuBLAS: bf16 inputs, fp32 output
+                self._mm_out_dtype = True
+                return y
+            except (RuntimeError, TypeError, NotImplementedError):
+                self._mm_out_dtype = False  # older torch: upcast instead (slower, same numbers)
+        return x.float() @ w.float().t()
 
     def _norm(self, x: torch.Tensor, weights: torch.Tensor, m: StepMeta, eps: float) -> torch.Tensor:
         """RMSNorm with a per-row weight. x: [N, dim]; weights: [n_slots + 1, dim] (row 0 = base)."""
@@ -240,39 +292,27 @@ class ModelRunner:
 
     def _embed(self, m: StepMeta) -> torch.Tensor:
         x = self.base.embed[m.tokens]  # [N, dim]
-        if not m.any_delta or not self.slots.extras:
-            return x
-        rs = m.row_slot
-        for slot, ex in self.slots.extras.items():
-            if ex.embed is None:
-                continue
-            rows = (rs == slot).nonzero(as_tuple=True)[0]
-            if rows.numel() == 0:
-                continue
+        for slot, rows in m.embed_rows.items():  # rows found on the host in prepare()
+            ex = m.extras[slot].embed
             t = m.tokens[rows]
-            if ex.embed.weight is not None:
-                x[rows] = ex.embed.weight[t]
+            if ex.weight is not None:
+                x[rows] = ex.weight[t]
             else:
-                s = unpack_signs(ex.embed.signs[t], self.args.dim, torch.float32)
-                x[rows] = (x[rows].float() + ex.embed.alpha[t][:, None] * s).to(x.dtype)
+                s = unpack_signs(ex.signs[t], self.args.dim, torch.float32)
+                x[rows] = (x[rows].float() + ex.alpha[t][:, None] * s).to(x.dtype)
         return x
 
     def _logits(self, h: torch.Tensor, m: StepMeta) -> torch.Tensor:
         """h: [R, dim] (final-normed) -> fp32 logits [R, vocab], each row through its variant's head."""
-        groups: dict[int, list[int]] = {}
-        for i, s in enumerate(m.logit_slots):
-            ex = self.slots.extras.get(s) if s >= 0 else None
-            groups.setdefault(s if (ex is not None and ex.head is not None) else -1, []).append(i)
-        if list(groups) == [-1]:
+        if len(m.logit_groups) == 1 and m.logit_groups[0][0] == -1:
             return (h @ self.base.head.t()).float()
         out = torch.empty(h.shape[0], self.base.head.shape[0], dtype=torch.float32, device=h.device)
-        for s, idx in groups.items():
-            rows = torch.tensor(idx, dtype=torch.int64, device=h.device)
+        for s, rows in m.logit_groups:  # row indices built in prepare()
             hr = h[rows]
             if s < 0:
                 out[rows] = (hr @ self.base.head.t()).float()
                 continue
-            head = self.slots.extras[s].head
+            head = m.extras[s].head
             if head.weight is not None:
                 out[rows] = (hr @ head.weight.t()).float()
             else:
@@ -304,10 +344,67 @@ class ModelRunner:
         if m.logit_rows.numel() == 0:
             return torch.empty(0, a.vocab_size, dtype=torch.float32, device=x.device)
         xl = x[m.logit_rows]
-        sub = StepMeta(**{**m.__dict__, "norm_idx": None if m.norm_idx is None else
-                          torch.tensor(m.logit_slots, dtype=torch.int64, device=x.device) + 1})
+        sub = StepMeta(**{**m.__dict__, "norm_idx": m.logit_norm_idx,
+                          "single_norm": (m.logit_slots[0] + 1) if m.logit_norm_idx is None else 0})
         h = self._norm(xl, self.slots.final_norm, sub, a.norm_eps)
         return self._logits(h, m)
+
+    # -- start-up -------------------------------------------------------------------------------
+    def warm_sizes(self, max_rows: int) -> list[int]:
+        """One row count per distinct compiled variant of the fused kernel, for 1..max_rows rows.
+
+        Triton compiles one binary per constexpr set (blocks, SPLIT_K: chosen from M, N, K by
+        `launch_blocks`) and per specialisation of integer arguments (M == 1, M % 16 == 0), so
+        two row counts with the same key share a binary; the smallest of each key is returned.
+        """
+        try:
+            from kernels.triton_linear import launch_blocks
+        except ImportError:  # no Triton: nothing compiles
+            return [1]
+        shapes = [tuple(w.shape) for w in self.base.layers[0].values()] + [tuple(self.base.head.shape)]
+        seen: dict[tuple, int] = {}
+        for M in range(1, max_rows + 1):
+            key = (M == 1, M % 16 == 0) + tuple(tuple(sorted(launch_blocks(M, n, k, self.dtype, self.device).items()))
+                                                for n, k in shapes)  # fmt: skip
+            seen.setdefault(key, M)
+        return sorted(seen.values())
+
+    @torch.inference_mode()
+    def warmup(self, max_rows: int, max_seqs: int) -> list[tuple[int, str]]:
+        """Launch every kernel binary a request can need once, so no request pays a JIT compile.
+
+        The fused kernel at each of `warm_sizes(max_rows)` (decode-shaped, one token per
+        sequence, up to max_seqs sequences; prefill-shaped beyond), also on the LM head's
+        shape (a variant with its own compressed head); the batched delta as BGMV (few rows
+        per variant) and SGMV (≥ sgmv_min_rows rows of one variant). Slot 0 is read with
+        whatever it holds (α = 0 before any load); the KV blocks written are overwritten by
+        their next owner before it reads them. Returns the (rows, path) pairs run.
+        """
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # Triton launches on the current device
+        if self.slots.n_slots == 0:
+            return []
+        bs, nb = self.kv.block_size, self.kv.n_blocks
+        done = []
+        head, dim = self.base.head, self.base.head.shape[1]
+        head_signs = torch.zeros(head.shape[0], (dim + 7) // 8, dtype=torch.uint8, device=self.device)
+        head_alpha = torch.zeros(head.shape[0], dtype=torch.float32, device=self.device)
+        for M in self.warm_sizes(max_rows):
+            if M <= max_seqs:  # M decodes of slot 0 in one step, all at position 0 of block 0
+                self.forward([SeqWork([0], 0, 0, [0], True) for _ in range(M)])
+                bitdelta_linear(torch.zeros(M, dim, dtype=self.dtype, device=self.device), head, head_signs,
+                                head_alpha)  # fmt: skip
+                done.append((M, "fused/decode"))
+            elif -(-M // bs) <= nb:  # one prefill chunk of M tokens
+                self.forward([SeqWork([0] * M, 0, 0, list(range(-(-M // bs))), True)])
+                done.append((M, "fused/prefill"))
+        for rows, path in ((2, "bgmv"), (8, "sgmv")):  # mixed: half the rows base, half slot 0
+            if rows <= max_seqs:
+                self.forward([SeqWork([0], 0, -1 if r % 2 else 0, [0], True) for r in range(rows)])
+                done.append((rows, "mixed/" + path))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return done
 
 
 __all__ = ["ModelRunner", "BaseWeights", "KVPool", "SeqWork", "StepMeta", "NORMS"]

@@ -101,10 +101,21 @@ class Worker:
 
     # -- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Load the base (off the loop), allocate slots and the KV pool, start the engine."""
+        """Load the base (off the loop), allocate slots and the KV pool, compile the kernels
+        (CUDA), start the engine."""
         c = self.config
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            from kernels.dispatch import HAVE_TRITON, TRITON_ERROR
+
+            if not HAVE_TRITON and not c.allow_slow_kernels:
+                # the fallback materialises an fp32 ±1 matrix per call: ~10x slower, and silent
+                raise RuntimeError(f"the Triton kernels cannot be imported on this CUDA machine ({TRITON_ERROR}); "
+                                   "install the triton that matches torch, or pass --allow-slow-kernels to serve "
+                                   "with the torch reference kernels")  # fmt: skip
+            if not HAVE_TRITON:
+                log.warning("Triton unavailable (%s): serving with the slow torch reference kernels", TRITON_ERROR)
         self.base_fingerprint = await asyncio.to_thread(fingerprint, c.base)
         self.base, self.args = await asyncio.to_thread(BaseWeights.load, c.base, self.dtype, self.device)
         self.layout = SlotLayout(self.args, self.dtype)
@@ -130,6 +141,10 @@ class Worker:
 
         self.tokenizer = Tokenizer.from_file(str(Path(c.base) / "tokenizer.json"))
         self.eos_ids = frozenset(_eos_ids(c.base, self.args.eos_token_id))
+        if self.device.type == "cuda":  # compile every kernel binary now: TTFT never pays a JIT
+            tw = time.perf_counter()
+            ran = await asyncio.to_thread(self.runner.warmup, c.max_batch_tokens, c.max_running)
+            log.info("kernels warmed up: %d step shapes in %.1f s", len(ran), time.perf_counter() - tw)
         self.engine = Engine(self.runner, self.scheduler, loop, self.manager.release)
         self.engine.start()
         self.ready = True
