@@ -176,10 +176,15 @@ def test_reports_end_to_end_on_a_tiny_family(tmp_path):
     assert coder_res["models"]["base"]["gain_kept"] == 0.0
     md = (out / "quality.md").read_text()
     assert "| math | row-sign-emb |" in md and "bitdelta quality (test)" in md
+    # the "made on" line: this machine's precision choice (the suite forces the fp32 rule) and what
+    # the family was trained in, from the build records (these fake fine-tunes recorded none)
+    made = next(line for line in md.splitlines() if line.startswith("Made "))
+    assert "CPU precision fp32 (forced by BITDELTA_CPU_PRECISION=fp32" in made
+    assert "Family trained in: fine-tuning unrecorded, serving deltas' distillation fp32" in made
     assert (out / "gain_kept.png").stat().st_size > 1000
     mem = (out / "memory.md").read_text()
     assert f"| math | {family.SERVING_MODE} |" in mem and "`bitdelta inspect`" in mem
-    assert "Dense tensors of a serving delta" in mem
+    assert "Dense tensors of a serving delta" in mem and "CPU precision fp32" in mem
 
 
 def test_quality_report_embeds_the_merging_report(tmp_path):

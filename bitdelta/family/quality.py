@@ -341,29 +341,49 @@ def machine() -> str:
                 break
     except OSError:
         pass
+    from bitdelta.precision import cpu_precision
+
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{platform.node()}: {cpu}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__}, Python {platform.python_version()}"
+    return (f"{platform.node()}: {cpu}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__}, "
+            f"Python {platform.python_version()}; CPU precision {cpu_precision().describe()}")
+
+
+def built_precisions(p: FamilyPaths, variants: list[str]) -> str:
+    """What the family's training ran in, from the build stamps: e.g. "fine-tuning fp32,
+    distillation fp32" (several values when variants were built on different machines)."""
+    from bitdelta.family.build import read_stamp
+
+    ft, dist = set(), set()
+    for v in variants:
+        rec = (read_stamp(p, f"finetuned/{v}") or {}).get("result", {})
+        ft.add(rec.get("precision", {}).get("precision", "unrecorded"))
+        drec = (read_stamp(p, "deltas/" + p.deltas[v].name) or {}).get("result", {}).get("distill", {})
+        dist.add(drec.get("precision", {}).get("precision", "unrecorded"))
+    return f"fine-tuning {'/'.join(sorted(ft))}, serving deltas' distillation {'/'.join(sorted(dist))}"
 
 
 def _fmt(x: float, spec: str) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def quality_markdown(results: list[dict], cfg: QualityConfig, command: str, build_info: dict) -> str:
+def quality_markdown(results: list[dict], cfg: QualityConfig, command: str, build_info: dict,
+                     precisions: str = "") -> str:
     from bitdelta.family.build import DISTILL_LR, DISTILL_STEPS
 
     steps = cfg.distill_steps if cfg.distill_steps is not None else DISTILL_STEPS
     lines = [
         "# Quality report: BitDelta on the SmolLM2-135M family",
         "",
-        f"Made {time.strftime('%Y-%m-%d %H:%M %Z')} on {machine()}.",
+        f"Made {time.strftime('%Y-%m-%d %H:%M %Z')} on {machine()}."
+        + (f" Family trained in: {precisions} (bitdelta.precision); every score below is computed in fp32."
+           if precisions else ""),
         f"Command: `{command}`",
         "",
         f"Held-out split of each corpus, {cfg.eval_windows} windows × {cfg.seq_len} tokens per variant "
         "(spread evenly over the split). Gain kept = (ppl_base − ppl) / (ppl_base − ppl_ft). "
         "KL = KL(fine-tune ‖ model), nats per token. Distilled modes: "
         f"{steps} steps of scale distillation (α only, logit MSE, AdamW lr {DISTILL_LR}, cosine, batch 4 × 128 "
-        "tokens of the train split, bf16 autocast). `row-sign-emb`: per-row α with the tied embedding/LM head "
+        "tokens of the train split, in the precision the rule picks: bf16 autocast only with native bf16). `row-sign-emb`: per-row α with the tied embedding/LM head "
         "compressed to signs too; `row-sign-emb-distilled` distils the projections' α's of it (the tied pair's α "
         "stays mean|Δ|) and is the serving default (data/deltas/). The other modes keep the fine-tuned "
         "embeddings dense.",
@@ -489,8 +509,10 @@ def run_reports(report_dir: Path, variants: list[str] | None = None, cfg: Qualit
     report_dir.mkdir(parents=True, exist_ok=True)
     (report_dir / "quality.json").write_text(json.dumps(
         {"made": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(), "command": command,
+         "trained_in": built_precisions(p, variants),
          "config": asdict(cfg), "results": results, "build": build_info}, indent=2, default=str))
-    (report_dir / "quality.md").write_text(quality_markdown(results, cfg, command, build_info)
+    precisions = built_precisions(p, variants)
+    (report_dir / "quality.md").write_text(quality_markdown(results, cfg, command, build_info, precisions)
                                            + merging_markdown(report_dir))
     plot(results, report_dir / "gain_kept.png")
     (report_dir / "memory.md").write_text(memory_markdown(p, variants, command))
