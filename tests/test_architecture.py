@@ -1,0 +1,51 @@
+"""The rules of the house (docs/architecture.md, "Rules"), checked on the code itself:
+services share code only through the core library and the torch-free RPC layer; no service
+imports another; the router and the RPC layer load no torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVICES = sorted(p.name for p in (ROOT / "services").iterdir() if (p / "__init__.py").is_file())
+
+
+def imports_of(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+    return out
+
+
+def test_no_service_imports_another():
+    assert {"router", "delta_store", "gpu_worker"} <= set(SERVICES)
+    bad = []
+    for svc in SERVICES:
+        for f in (ROOT / "services" / svc).rglob("*.py"):
+            for mod in imports_of(f):
+                parts = mod.split(".")
+                if parts[0] == "services" and len(parts) > 1 and parts[1] != svc:
+                    bad.append(f"{f.relative_to(ROOT)} imports {mod}")
+    assert not bad, "\n".join(bad)
+
+
+def test_rpc_layer_imports_no_service_and_no_torch():
+    bad = [f"{f.relative_to(ROOT)} imports {m}" for f in (ROOT / "bitdelta" / "rpc").rglob("*.py")
+           for m in imports_of(f) if m.split(".")[0] in ("services", "torch", "kernels")]
+    assert not bad, "\n".join(bad)
+
+
+def test_importing_the_router_loads_no_torch_and_no_other_service():
+    code = ("import sys, services.router.server, services.router.__main__, bitdelta.rpc.clients.worker, "
+            "bitdelta.rpc.clients.delta_store, bitdelta.rpc.config; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'kernels') "
+            "or m.startswith(('services.gpu_worker', 'services.delta_store'))))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout

@@ -1,0 +1,131 @@
+"""The shared RPC layer on its own: the server skeleton (status table, clipping, health, drain),
+typed config -> flags + env, and status codes kept across hops. A real gRPC server on a loopback
+port serves a small generic service defined here."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bitdelta.rpc.config import ConfigError, ServiceConfig, check_address, parse_list, setting
+from bitdelta.rpc.errors import RpcError, clip, status_of
+from bitdelta.rpc.serve import Service, create_server
+from bitdelta.units import parse_bytes
+
+SERVICE = "test.v1.Echo"
+
+
+class Missing(Exception):
+    pass
+
+
+def _echo_service(release: asyncio.Event) -> Service:
+    async def unary(request: bytes, context):
+        text = request.decode()
+        if text == "missing":
+            raise Missing("no such thing")
+        if text == "downstream":
+            raise RpcError("store said no", grpc.StatusCode.INVALID_ARGUMENT)
+        if text == "long":
+            raise Missing("x" * 50_000)
+        if text == "bug":
+            raise ZeroDivisionError("oops")
+        return request
+
+    async def stream(request: bytes, context):
+        yield b"first"
+        await release.wait()
+        yield b"second"
+
+    ident = dict(request_deserializer=None, response_serializer=None)
+    handlers = {"Say": grpc.unary_unary_rpc_method_handler(unary, **ident),
+                "Stream": grpc.unary_stream_rpc_method_handler(stream, **ident)}
+    return Service(SERVICE, lambda s: s.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE, handlers),)))
+
+
+async def test_server_skeleton_maps_errors_and_drains():
+    release = asyncio.Event()
+    server = create_server("127.0.0.1:0", [_echo_service(release)], {Missing: grpc.StatusCode.NOT_FOUND})
+    await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        say = ch.unary_unary(f"/{SERVICE}/Say")
+        assert await say(b"hello", timeout=10) == b"hello"
+        for text, code in [("missing", grpc.StatusCode.NOT_FOUND), ("downstream", grpc.StatusCode.INVALID_ARGUMENT),
+                           ("bug", grpc.StatusCode.INTERNAL), ("long", grpc.StatusCode.NOT_FOUND)]:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await say(text.encode(), timeout=10)
+            assert e.value.code() == code, text
+            assert len(e.value.details()) <= 1024  # a 50,000-character message travels clipped
+        health = health_pb2_grpc.HealthStub(ch)
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE), timeout=10)
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING  # Watch is not wrapped
+        call = ch.unary_stream(f"/{SERVICE}/Stream")(b"", timeout=10)
+        assert await call.read() == b"first"
+        drain = asyncio.create_task(server.drain(grace_s=10))
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        r = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)  # still answered while draining
+        assert r.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await say(b"hello", timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
+        assert server.in_flight == 1 and not drain.done()
+        release.set()
+        assert await call.read() == b"second"  # the call in flight finished within the grace period
+        assert await drain is True
+
+
+def test_status_kept_across_hops():
+    class Wrapped(Exception):
+        def __init__(self, cause):
+            self.code = status_of(cause, {})
+
+    downstream = RpcError("x", grpc.StatusCode.NOT_FOUND)
+    assert status_of(downstream, {Exception: grpc.StatusCode.UNAVAILABLE}) == grpc.StatusCode.NOT_FOUND
+    assert status_of(Wrapped(downstream), {}) == grpc.StatusCode.NOT_FOUND
+    assert status_of(KeyError("k"), {LookupError: grpc.StatusCode.NOT_FOUND}) == grpc.StatusCode.NOT_FOUND
+    assert status_of(ValueError("v"), {}) == grpc.StatusCode.INTERNAL
+    assert not downstream.retryable and RpcError("y", grpc.StatusCode.UNAVAILABLE).retryable
+    assert clip("abc") == "'abc'" and "(10000 characters)" in clip("z" * 10_000) and len(clip("z" * 10_000)) < 120
+
+
+@dataclass(frozen=True)
+class DemoConfig(ServiceConfig):
+    """A demo service."""
+
+    ENV_PREFIX: ClassVar[str] = "DEMO_"
+    root: Path = setting(help="a directory")
+    address: str = setting("[::]:1", "HOST:PORT", check=check_address)
+    peers: tuple[str, ...] = setting((), "comma-separated", parse=parse_list)
+    budget: int = setting(1 << 20, "bytes", parse=parse_bytes)
+    verify: bool = setting(True, "check things")
+    ratio: float = setting(0.5, "a ratio")
+
+    def check(self) -> None:
+        if not 0 <= self.ratio <= 1:
+            raise ConfigError(f"{self.flag_of('ratio')} must be in [0, 1]")
+
+
+def test_typed_config_from_flags_and_environment(tmp_path):
+    env = {"DEMO_ROOT": str(tmp_path), "DEMO_BUDGET": "2GiB", "DEMO_VERIFY": "false", "DEMO_PEERS": "a:1,b:2"}
+    c = DemoConfig.from_args(["--budget", "3MiB"], env=env)
+    assert (c.root, c.budget, c.verify, c.peers, c.ratio) == (tmp_path, 3 << 20, False, ("a:1", "b:2"), 0.5)
+    assert DemoConfig.from_args(["--verify"], env=env).verify is True
+    assert DemoConfig.from_args(["--no-verify", "--root", "/x"], env={}).verify is False
+    assert DemoConfig.from_args(["--verify=false", "--root", "/x"], env={}).verify is False
+    for argv, env, words in [
+        ([], {}, "--root (or DEMO_ROOT) is required"),
+        (["--root", "/x", "--budget", "lots"], {}, "--budget (or DEMO_BUDGET) = 'lots'"),
+        (["--root", "/x", "--address", "nowhere"], {}, "--address (or DEMO_ADDRESS) = nowhere: must be HOST:PORT"),
+        (["--root", "/x"], {"DEMO_RATIO": "2"}, "--ratio (DEMO_RATIO) must be in [0, 1]"),
+        (["--root", "/x", "--verify", "maybe"], {}, "expected true or false"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            DemoConfig.from_args(argv, env=env)
+        assert words in str(e.value), str(e.value)
