@@ -298,3 +298,30 @@ async def test_full_queues_and_deadlines(clients, cluster):
 
     await wait_for(freed, what="the worker to free the expired sequence")
     assert seen_running, "the request reached a worker before its deadline"
+
+
+# -- the command line ---------------------------------------------------------------------------------------
+
+
+async def test_cli_generate_and_models(clients, cluster, family):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    router, _, _ = clients
+    text = "".join(m.text for m in await run(router, "v0", PROMPTS["v0"]))
+    cli = [str(Path(sys.executable).parent / "bitdelta")]  # the installed command
+    r = await asyncio.to_thread(subprocess.run, [*cli, "generate", "--router", cluster.r.address, "--model", "v0",
+                                                 "--max-new-tokens", str(N), PROMPTS["v0"]],
+                                capture_output=True, text=True, timeout=T)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == PROMPTS["v0"] + text + "\n"
+    assert "ttft" in r.stderr and "prefill" in r.stderr and f"{N} tokens" in r.stderr
+    r = await asyncio.to_thread(subprocess.run, [*cli, "models", "--router", cluster.r.address],
+                                capture_output=True, text=True, timeout=T)
+    assert r.returncode == 0, r.stderr
+    lines = {line.split()[0]: line for line in r.stdout.splitlines()[1:]}
+    assert set(family.variants) <= set(lines) and "NOT SERVABLE" in lines[family.other_base]
+    r = await asyncio.to_thread(subprocess.run, [*cli, "generate", "--router", cluster.r.address, "--model", "nope",
+                                                 "hi"], capture_output=True, text=True, timeout=T)
+    assert r.returncode == 1 and "NOT_FOUND" in r.stderr and "Traceback" not in r.stderr

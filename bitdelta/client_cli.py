@@ -1,0 +1,111 @@
+"""`bitdelta generate | models | workers`: talk to a running router (the public API).
+
+    bitdelta generate --router 127.0.0.1:50051 --model coder "def fibonacci(n):"
+    bitdelta models --router 127.0.0.1:50051
+    bitdelta workers --router 127.0.0.1:50051
+
+Torch-free: only the shared RPC layer's router client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+DEFAULT_ROUTER = os.environ.get("BITDELTA_ROUTER", "127.0.0.1:50051")
+
+
+def _fail(e) -> None:
+    from bitdelta.cli import CliError
+
+    raise CliError(f"{e.code.name}: {e.details}") from None
+
+
+async def _generate(a: argparse.Namespace) -> None:
+    from bitdelta.rpc.clients.router import RouterCallError, RouterClient
+    from bitdelta.router.v1 import router_pb2 as pb
+
+    async with RouterClient(a.router) as r:
+        try:
+            last = None
+            async for m in r.generate(a.model, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                                      top_p=a.top_p, stop=a.stop or (), seed=a.seed, timeout_s=a.timeout):
+                if m.worker:
+                    t = m.ttft
+                    state = pb.ArrivalState.Name(m.arrival_state).removeprefix("ARRIVAL_STATE_").lower()
+                    print(f"[{a.model or 'base'} on {m.worker}, {state}: ttft {t.total_ms:.1f} ms = queue "
+                          f"{t.queue_ms:.1f} + delta load {t.delta_load_ms:.1f} + schedule {t.schedule_ms:.1f} "
+                          f"+ prefill {t.prefill_ms:.1f} + hops]", file=sys.stderr)
+                    print(a.prompt, end="", flush=True)
+                print(m.text, end="", flush=True)
+                last = m
+            print()
+            if last is not None:
+                reason = last.finish_reason
+                from bitdelta.common.v1 import generation_pb2 as gen_pb
+
+                print(f"[{last.usage.completion_tokens} tokens, "
+                      f"{gen_pb.FinishReason.Name(reason).removeprefix('FINISH_REASON_').lower()}, "
+                      f"{last.elapsed_ms:.0f} ms]", file=sys.stderr)
+        except RouterCallError as e:
+            _fail(e)
+
+
+async def _models(a: argparse.Namespace) -> None:
+    from bitdelta.rpc.clients.router import RouterCallError, RouterClient
+    from bitdelta.units import human_bytes
+
+    async with RouterClient(a.router) as r:
+        try:
+            models = await r.list_models()
+        except RouterCallError as e:
+            _fail(e)
+    print(f"{'model':24s} {'delta':>10s} {'in flight':>9s}  resident on")
+    for m in models:
+        size = "base" if m.is_base else human_bytes(m.delta_bytes)
+        where = ", ".join(m.resident_on) or "-"
+        if m.loading_on:
+            where += f" (loading on {', '.join(m.loading_on)})"
+        line = f"{m.model_id:24s} {size:>10s} {m.in_flight:9d}  {where}"
+        print(line if m.servable else f"{m.model_id:24s} {size:>10s} {'':9s}  NOT SERVABLE: {m.reason}")
+
+
+async def _workers(a: argparse.Namespace) -> None:
+    from bitdelta.rpc.clients.router import RouterCallError, RouterClient
+    from bitdelta.units import human_bytes
+
+    async with RouterClient(a.router) as r:
+        try:
+            workers = await r.list_workers()
+        except RouterCallError as e:
+            _fail(e)
+    for w in workers:
+        state = f"up ({w.device})" if w.up else f"DOWN: {w.reason}"
+        print(f"{w.address:22s} {state:24s} {w.in_flight}/{w.capacity} in flight, "
+              f"deltas {human_bytes(w.delta_used_bytes)} of {human_bytes(w.delta_budget_bytes)}: "
+              f"{', '.join(w.resident) or '-'}")
+
+
+def register(sub) -> None:
+    help_router = f"router HOST:PORT (default $BITDELTA_ROUTER or {DEFAULT_ROUTER})"
+    c = sub.add_parser("generate", help="stream an answer from a running router")
+    c.add_argument("prompt")
+    c.add_argument("--router", default=DEFAULT_ROUTER, help=help_router)
+    c.add_argument("--model", default="", help="variant name; empty: the base")
+    c.add_argument("--max-new-tokens", type=int, default=64)
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--top-p", type=float, default=0.0)
+    c.add_argument("--stop", action="append", help="stop string (repeatable)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    c.set_defaults(func=lambda a: asyncio.run(_generate(a)))
+
+    c = sub.add_parser("models", help="list the base and every variant a running router serves")
+    c.add_argument("--router", default=DEFAULT_ROUTER, help=help_router)
+    c.set_defaults(func=lambda a: asyncio.run(_models(a)))
+
+    c = sub.add_parser("workers", help="list the workers behind a running router")
+    c.add_argument("--router", default=DEFAULT_ROUTER, help=help_router)
+    c.set_defaults(func=lambda a: asyncio.run(_workers(a)))
