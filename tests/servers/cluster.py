@@ -106,6 +106,31 @@ class Cluster:
                                                     "--poll-s", "0.3", "--refresh-s", "1", "--grace-s", "5",
                                                     *extra])  # fmt: skip
 
+    def gateway(self, router: str, name: str = "gateway", chat_template: Path | None = None,
+                extra: tuple[str, ...] = (), wait: bool = True, timeout: float = 120) -> Proc:
+        """The OpenAI-compatible HTTP gateway (`python -m services.gateway`) in front of `router`; with
+        `wait`, returns once its /health answers (it is HTTP: `wait_serving` does not apply)."""
+        import urllib.request
+
+        args = ["--router", router, "--grace-s", "5"]
+        if chat_template is not None:
+            args += ["--chat-template", str(chat_template)]
+        p = self.start(name, "services.gateway", [*args, *extra])
+        deadline = time.monotonic() + timeout
+        while wait:
+            if not p.alive():
+                raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{p.log_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"http://{p.address}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{p.name} did not answer /health in {timeout:.0f} s:\n{p.log_text()[-4000:]}")
+            time.sleep(0.1)
+        return p
+
     def restart(self, p: Proc) -> Proc:
         """Start `p` again with the same command line (same address)."""
         p.stop()

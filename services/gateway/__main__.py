@@ -1,0 +1,30 @@
+"""`python -m services.gateway --address HOST:PORT --router HOST:PORT [--chat-template DIR|FILE]`"""
+
+import logging
+import sys
+
+import uvicorn
+
+from services.gateway.app import Templates, create_app
+from services.gateway.chat import ChatTemplateError
+from services.gateway.config import GatewayConfig
+
+
+def main(argv=None) -> None:
+    config = GatewayConfig.main_args(argv)
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        templates = Templates.from_config(config)
+    except ChatTemplateError as e:
+        print(f"gateway: bad configuration: --chat-template: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    host, port = config.host_port
+    # uvicorn on SIGTERM stops accepting, lets requests in flight finish for grace_s, then cancels them
+    # (which cancels their router calls).
+    uvicorn.run(create_app(config, templates), host=host, port=port, log_level=config.log_level.lower(),
+                access_log=config.log_level == "DEBUG", timeout_graceful_shutdown=config.grace_s,
+                lifespan="on", proxy_headers=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""The gateway's HTTP application: OpenAI's routes over one `RouterClient`.
+
+    app = create_app(config, templates)      # a Starlette (ASGI) app; `python -m services.gateway` serves it
+
+Why Starlette on uvicorn: vLLM's and SGLang's OpenAI servers run FastAPI, which is Starlette plus
+pydantic models, on uvicorn; this gateway checks bodies by hand (to answer in OpenAI's error shape
+naming the field), so it needs only Starlette's routing and responses. aiohttp would do too, but
+the ASGI pair is what the field's servers and their users deploy and tune.
+
+Cancellation. A generation runs inside `_Generation`, an ASGI response that watches the
+connection (`receive()` -> `http.disconnect`) for its whole life, streamed or not, whatever ASGI
+spec version the server declares (Starlette's StreamingResponse only watches under spec < 2.4;
+under 2.4 it notices a gone client at the next write, which may be a long delta load away). A
+client that goes away cancels the handler, which closes the router stream (`call.cancel()`), which
+cancels the worker call, which frees the sequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import anyio
+import grpc
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from bitdelta.common.v1 import generation_pb2 as gen_pb
+from bitdelta.router.v1 import router_pb2 as pb
+from bitdelta.rpc.clients.router import RouterCallError, RouterClient
+from services.gateway import protocol as api
+from services.gateway.chat import ChatTemplate, ChatTemplateError
+from services.gateway.config import GatewayConfig
+from services.gateway.protocol import ApiError
+
+log = logging.getLogger("services.gateway")
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}  # no proxy buffering of the stream
+
+
+class Templates:
+    """The base's chat template and the variants' own ones."""
+
+    def __init__(self, base: ChatTemplate | None = None, variants: dict[str, ChatTemplate] | None = None):
+        self.base, self.variants = base, dict(variants or {})
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig) -> "Templates":
+        """Raises ChatTemplateError naming the file (the process then refuses to start)."""
+        base = ChatTemplate.load(config.chat_template) if config.chat_template is not None else None
+        return cls(base, {name: ChatTemplate.load(p) for name, p in config.variant_templates().items()})
+
+    def for_model(self, model: str) -> ChatTemplate:
+        t = self.variants.get(model, self.base)
+        if t is None:
+            raise ApiError(400, f"no chat template is configured for {model!r}: start the gateway with "
+                                "--chat-template (the base's tokenizer directory or tokenizer_config.json), or "
+                                "use /v1/completions with your own prompt", param="messages",
+                           code="chat_template_missing")  # fmt: skip
+        return t
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _Generation(Response):
+    """Runs one generation against the router and answers it (JSON or server-sent events), cancelling
+    the router call when the client disconnects (module docstring)."""
+
+    def __init__(self, router: RouterClient, req: api.Request, metadata: tuple[tuple[str, str], ...],
+                 timeout_s: float):  # fmt: skip
+        self.router, self.req, self.metadata, self.timeout_s = router, req, metadata, timeout_s
+        self.prompt_param = "prompt" if req.kind == "completion" else "messages"
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                if not done:
+                    log.info("%s: the client disconnected; cancelling the generation", self.req.id)
+                tg.cancel_scope.cancel()
+
+            done = False
+            tg.start_soon(watch)
+            try:
+                await self._respond(send)
+            finally:
+                done = True
+                tg.cancel_scope.cancel()
+
+    def _error(self, e: RouterCallError) -> ApiError:
+        return api.error_of_rpc(e.code, e.details or str(e), self.prompt_param)
+
+    async def _send_json(self, send: Send, status: int, body: dict) -> None:
+        data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
+
+    async def _respond(self, send: Send) -> None:
+        r = self.req
+        request = pb.GenerateRequest(model_id=r.model, prompt=r.prompt, sampling=r.sampling(), request_id=r.id)
+        stream = self.router.generate_request(request, timeout_s=self.timeout_s, metadata=self.metadata)
+        try:
+            try:  # nothing is sent before the first token: errors up to there get their own HTTP status
+                first = await stream.__anext__()
+            except RouterCallError as e:
+                return await self._fail(send, self._error(e))
+            except StopAsyncIteration:
+                return await self._fail(send, ApiError(502, "the router ended the stream without a token",
+                                                       type="server_error", code="empty_stream"))
+            if r.stream:
+                await self._stream(send, first, stream)
+            else:
+                await self._whole(send, first, stream)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()  # cancels the router call if it is still running
+
+    async def _fail(self, send: Send, e: ApiError) -> None:
+        log.info("%s: %d %s", self.req.id, e.status, e.message[:200])
+        await self._send_json(send, e.status, e.body())
+
+    @staticmethod
+    def _finish(msg: pb.GenerateResponse) -> str:
+        finish = api.FINISH.get(msg.finish_reason)
+        if finish is None:
+            raise ApiError(504, "the generation was cancelled before it finished (its deadline passed or the "
+                                "server is shutting down)", type="timeout_error", code="cancelled")  # fmt: skip
+        return finish
+
+    async def _whole(self, send: Send, first: pb.GenerateResponse, stream) -> None:
+        parts, last = [first.text], first
+        try:
+            async for msg in stream:
+                parts.append(msg.text)
+                last = msg
+            finish = self._finish(last)
+        except RouterCallError as e:
+            return await self._fail(send, self._error(e))
+        except ApiError as e:
+            return await self._fail(send, e)
+        await self._send_json(send, 200, api.response(self.req, "".join(parts), finish, last.usage))
+
+    async def _stream(self, send: Send, first: pb.GenerateResponse, stream) -> None:
+        r = self.req
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                *((k.encode(), v.encode()) for k, v in SSE_HEADERS.items())]})
+
+        async def body(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        if r.kind == "chat":
+            await body(_sse(api.chunk(r, "", first=True)))  # OpenAI's first chat chunk: the role
+        msg: gen_pb.GenerateResponse | None = first
+        usage = None
+        try:
+            while msg is not None:
+                if msg.text:
+                    await body(_sse(api.chunk(r, msg.text)))
+                if msg.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED or msg.HasField("usage"):
+                    await body(_sse(api.chunk(r, None if r.kind == "chat" else "", self._finish(msg))))
+                    usage = msg.usage
+                    break
+                msg = await anext(stream, None)
+            else:
+                raise ApiError(502, "the router's stream ended without a finish reason", type="server_error",
+                               code="truncated_stream")
+            if r.include_usage:
+                await body(_sse(api.usage_chunk(r, usage)))
+        except RouterCallError as e:  # after the first token: the status is sent, so the error is an event
+            err = self._error(e)
+            log.info("%s: stream ended by %d %s", r.id, err.status, err.message[:200])
+            await body(_sse(err.body()))
+        except ApiError as e:
+            await body(_sse(e.body()))
+        await body(b"data: [DONE]\n\n")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def create_app(config: GatewayConfig, templates: Templates | None = None) -> Starlette:
+    templates = templates or Templates()
+    state: dict[str, RouterClient] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state["router"] = RouterClient(config.router, timeout_s=config.call_timeout_s,
+                                       generate_timeout_s=config.request_timeout_s)
+        log.info("gateway for router %s; chat template: %s", config.router,
+                 templates.base.origin if templates.base else "none (chat answers 400)")
+        try:
+            yield
+        finally:
+            await state["router"].close()
+
+    async def read_json(request: HttpRequest) -> Any:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > config.max_body_bytes:
+            raise ApiError(413, f"request body of {size} bytes is larger than this gateway accepts "
+                                f"({config.max_body_bytes})", code="body_too_large")  # fmt: skip
+        chunks, n = [], 0
+        async for c in request.stream():
+            n += len(c)
+            if n > config.max_body_bytes:
+                raise ApiError(413, f"request body is larger than this gateway accepts ({config.max_body_bytes})",
+                               code="body_too_large")
+            chunks.append(c)
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise api.invalid(None, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+    def metadata(request: HttpRequest) -> tuple[tuple[str, str], ...]:
+        auth = request.headers.get("authorization")
+        return (("authorization", auth),) if auth else ()
+
+    async def list_models(request: HttpRequest) -> Response:
+        try:
+            models = await state["router"].list_models()
+        except RouterCallError as e:
+            raise api.error_of_rpc(e.code, e.details or str(e)) from None
+        return JSONResponse(api.model_list(models, config.owned_by))
+
+    async def get_model(request: HttpRequest) -> Response:
+        name = request.path_params["model"]
+        try:
+            models = await state["router"].list_models()
+        except RouterCallError as e:
+            raise api.error_of_rpc(e.code, e.details or str(e)) from None
+        for m in api.model_list(models, config.owned_by)["data"]:
+            if m["id"] == name:
+                return JSONResponse(m)
+        raise ApiError(404, f"model {name!r} does not exist or cannot be served; /v1/models lists the base and "
+                            "every servable variant", param="model", code="model_not_found")  # fmt: skip
+
+    async def completions(request: HttpRequest) -> Response:
+        req = api.parse_completion(await read_json(request), config.completion_default_max_tokens)
+        return _Generation(state["router"], req, metadata(request), config.request_timeout_s)
+
+    async def chat_completions(request: HttpRequest) -> Response:
+        req = api.parse_chat(await read_json(request))
+        try:
+            req.prompt = templates.for_model(req.model).render(req.messages)
+        except ChatTemplateError as e:
+            raise api.invalid("messages", str(e), code="chat_template_error") from None
+        return _Generation(state["router"], req, metadata(request), config.request_timeout_s)
+
+    async def health(request: HttpRequest) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request: HttpRequest) -> Response:
+        try:
+            await state["router"].list_models(timeout_s=min(config.call_timeout_s, 2.0))
+        except RouterCallError as e:
+            return JSONResponse({"status": "router unavailable", "detail": e.details or str(e)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def on_api_error(request: HttpRequest, e: ApiError) -> Response:
+        return error_response(e)
+
+    async def on_http_error(request: HttpRequest, e: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=code))
+
+    async def on_crash(request: HttpRequest, e: Exception) -> Response:
+        log.exception("%s %s failed", request.method, request.url.path, exc_info=e)
+        return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}"[:1000], type="server_error",
+                                       code="internal_error"))
+
+    routes = [
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash})

@@ -1,0 +1,149 @@
+"""Chat templates as Hugging Face tokenizers ship them, rendered without torch or transformers.
+
+    t = ChatTemplate.load(Path("data/base"))   # chat_template.jinja, or tokenizer_config.json's chat_template
+    prompt = t.render([{"role": "user", "content": "Hi"}])   # add_generation_prompt=True
+
+Rendering follows `transformers`' `apply_chat_template`: a sandboxed, immutable Jinja
+environment with `trim_blocks` and `lstrip_blocks`, the `raise_exception(msg)` and
+`strftime_now(fmt)` helpers, a `tojson` that keeps non-ASCII text, loop controls, the
+`{% generation %}` tag (rendered as its body), and the tokenizer's special tokens
+(`bos_token`, `eos_token`, ...) as variables. A template that calls `raise_exception`
+(e.g. "roles must alternate") gives `ChatTemplateError`, which the gateway answers with 400.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+JINJA_NAME = "chat_template.jinja"  # where transformers >= 4.43 saves the template
+CONFIG_NAME = "tokenizer_config.json"  # where older ones (and the Hub's SmolLM2-Instruct) keep it
+
+
+class ChatTemplateError(ValueError):
+    """A template that cannot be loaded, or that refuses the messages (`raise_exception`)."""
+
+
+class _TemplateRaised(Exception):
+    pass
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateRaised(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers marks assistant spans with it): the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                       extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _token_text(v: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict) and isinstance(v.get("content"), str):
+        return v["content"]
+    return None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ChatTemplateError(f"cannot read {path}: {e}") from None
+    if not isinstance(d, dict):
+        raise ChatTemplateError(f"{path} is not a JSON object")
+    return d
+
+
+def _template_of_config(config: dict, path: Path) -> str | None:
+    t = config.get("chat_template")
+    if t is None or isinstance(t, str):
+        return t
+    if isinstance(t, list):  # named templates: [{"name": "default", "template": "..."}, ...]
+        named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+    raise ChatTemplateError(f"{path}: chat_template is neither a string nor a list with a 'default' template")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    source: str  # the template text
+    origin: str  # where it came from (for messages and logs)
+    specials: dict[str, str]  # bos_token, eos_token, ... -> text
+
+    @classmethod
+    def load(cls, path: Path) -> "ChatTemplate":
+        """From a tokenizer directory, a tokenizer_config.json (or any JSON with `chat_template`) or a
+        template file. Raises ChatTemplateError naming the path when there is none or it does not compile."""
+        path = Path(path)
+        if path.is_dir():
+            config_path, jinja_path = path / CONFIG_NAME, path / JINJA_NAME
+        elif path.suffix == ".json":
+            config_path, jinja_path = path, path.parent / JINJA_NAME
+        elif path.is_file():
+            config_path, jinja_path = path.parent / CONFIG_NAME, path
+        else:
+            raise ChatTemplateError(f"{path} does not exist")
+        config = _read_json(config_path) if config_path.is_file() else {}
+        source, origin = _template_of_config(config, config_path), str(config_path)
+        if jinja_path.is_file() and (source is None or jinja_path == path):
+            source, origin = jinja_path.read_text(encoding="utf-8"), str(jinja_path)
+        if not source:
+            raise ChatTemplateError(f"{path} has no chat template (looked for {JINJA_NAME} and the chat_template "
+                                    f"of {CONFIG_NAME})")
+        specials = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
+        out = cls(source, origin, specials)
+        out._compiled()  # fail at start-up, not on the first request
+        return out
+
+    def _compiled(self) -> jinja2.Template:
+        cached = self.__dict__.get("_template")
+        if cached is None:
+            try:
+                cached = _environment().from_string(self.source)
+            except jinja2.TemplateError as e:
+                raise ChatTemplateError(f"chat template from {self.origin} does not compile: {e}") from None
+            object.__setattr__(self, "_template", cached)
+        return cached
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages` (OpenAI's role/content dicts), ending with the assistant's turn."""
+        try:
+            return self._compiled().render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                           tools=None, documents=None, **self.specials)
+        except _TemplateRaised as e:
+            raise ChatTemplateError(f"the chat template refuses these messages: {e}") from None
+        except jinja2.TemplateError as e:  # includes the sandbox's SecurityError
+            raise ChatTemplateError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            raise ChatTemplateError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None

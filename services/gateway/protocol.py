@@ -1,0 +1,275 @@
+"""OpenAI's request and response shapes <-> the router's Generate, and its error shape.
+
+Only translation lives here (no I/O): `parse_completion` / `parse_chat` check a JSON body and
+return a `Request` (or raise `ApiError` naming the field), the `*_response` / `*_chunk` builders
+write OpenAI's objects, and `error_of_rpc` maps a router status to an HTTP error.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from bitdelta.common.v1 import generation_pb2 as gen_pb
+
+MAX_STOP = 4  # OpenAI's limit on `stop` strings
+SEED_ZERO = 2**64 - 1  # the router reads seed 0 as "random"; an OpenAI seed of 0 is a fixed seed like any other
+MAX_SEED = 2**64 - 1
+
+FINISH = {gen_pb.FINISH_REASON_LENGTH: "length", gen_pb.FINISH_REASON_EOS: "stop", gen_pb.FINISH_REASON_STOP: "stop"}
+
+# Fields whose non-default values change what OpenAI would return and that this server cannot honour:
+# refused with 400 naming the field rather than silently ignored. (Others, e.g. `user`, are ignored.)
+UNSUPPORTED = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "functions": (None, []), "function_call": (None, "none", "auto"),
+}
+
+
+class ApiError(Exception):
+    """An error in OpenAI's shape: HTTP status, `type`, `param` (the request field) and `code`."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str | None, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+# gRPC status -> (HTTP status, OpenAI error type, code). FAILED_PRECONDITION (e.g. a variant built for
+# another base) is 400 and ABORTED 409, as in Google's gRPC <-> HTTP mapping (google/rpc/code.proto).
+STATUS_HTTP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", "invalid_value"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", "model_not_servable"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    grpc.StatusCode.ABORTED: (409, "conflict_error", "aborted"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", "invalid_api_key"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", "permission_denied"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "queue_full"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "deadline_exceeded"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled_error", "cancelled"),
+    grpc.StatusCode.UNIMPLEMENTED: (501, "server_error", "not_implemented"),
+}
+
+# The field an INVALID_ARGUMENT from the router (or a worker) names, in OpenAI's terms.
+_PARAM_RE = re.compile(r"^(?:sampling\.)?(model_id|prompt|temperature|top_p|max_new_tokens|stop|seed)\b")
+_PARAMS = {"model_id": "model", "max_new_tokens": "max_tokens"}
+
+
+def error_of_rpc(code: grpc.StatusCode, details: str, prompt_param: str = "prompt") -> ApiError:
+    status, type_, code_name = STATUS_HTTP.get(code, (500, "server_error", "internal_error"))
+    param = None
+    if status == 400:
+        m = _PARAM_RE.match(details)
+        if m:
+            param = _PARAMS.get(m.group(1), m.group(1))
+            param = prompt_param if param == "prompt" else param
+    elif status == 404:
+        param = "model"
+    return ApiError(status, details or code.name, type=type_, param=param, code=code_name)
+
+
+# -- requests ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    """One generation asked for in OpenAI's terms, ready for the router."""
+
+    kind: str  # "completion" or "chat"
+    model: str
+    prompt: str = ""  # completions: the prompt; chat: filled in by the app after rendering
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    max_tokens: int = 0  # 0: the router's default
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int = 0  # the router's seed (0: random)
+    stream: bool = False
+    include_usage: bool = False
+    id: str = ""
+    created: int = 0
+
+    def sampling(self) -> gen_pb.SamplingParams:
+        return gen_pb.SamplingParams(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                                     stop=list(self.stop), seed=self.seed)  # fmt: skip
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+        raise invalid(name, f"{name} must be a number between {lo:g} and {hi:g}, got {str(v)[:40]}")
+    return float(v)
+
+
+def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise invalid(name, f"{name} must be an integer between {lo} and {hi}, got {str(v)[:40]}")
+    return v
+
+
+def _common(body: Any, kind: str) -> Request:
+    if not isinstance(body, dict):
+        raise invalid(None, "the request body must be a JSON object", code="invalid_json")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model", "model must be a non-empty string: the variant's id from /v1/models")
+    for name, allowed in UNSUPPORTED.items():
+        if name in body and body[name] not in allowed:
+            raise invalid(name, f"{name} is not supported by this server", code="unsupported_parameter")
+    n = _integer(body, "n", 1, 1 << 30)
+    if n is not None and n != 1:
+        raise invalid("n", f"n must be 1 (this server returns one choice per request), got {n}")
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP:
+        stops = tuple(stop)
+    else:
+        raise invalid("stop", f"stop must be a string or a list of at most {MAX_STOP} strings")
+    if any(not s for s in stops):
+        raise invalid("stop", "stop strings must not be empty")
+    seed = _integer(body, "seed", 0, MAX_SEED)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise invalid("stream", "stream must be true or false")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise invalid("stream_options", "stream_options must be an object")
+    include_usage = bool((opts or {}).get("include_usage", False))
+    if include_usage and not stream:
+        raise invalid("stream_options", "stream_options is only allowed with stream: true")
+    return Request(
+        kind=kind, model=model, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0), stop=stops,
+        seed=0 if seed is None else (seed or SEED_ZERO), stream=stream, include_usage=include_usage,
+        id=("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex, created=int(time.time()),
+    )  # fmt: skip
+
+
+def parse_completion(body: Any, default_max_tokens: int) -> Request:
+    r = _common(body, "completion")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        raise invalid("prompt", f"one prompt per request: got a list of {len(prompt)}")
+    if isinstance(prompt, list):
+        raise invalid("prompt", "prompt must be a string (token ids are not accepted)")
+    if not isinstance(prompt, str) or not prompt:
+        raise invalid("prompt", "prompt must be a non-empty string")
+    r.prompt = prompt
+    mt = _integer(body, "max_tokens", 1, 1 << 31)
+    r.max_tokens = default_max_tokens if mt is None else mt
+    return r
+
+
+def parse_chat(body: Any) -> Request:
+    r = _common(body, "chat")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise invalid("messages", "messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
+            raise invalid("messages", f"{where} must be an object with a string role")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise invalid("messages", f"{where}.content: only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        if content is not None and not isinstance(content, str):
+            raise invalid("messages", f"{where}.content must be a string, a list of text parts or null")
+        msg = {"role": m["role"], "content": content or ""}
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    r.messages = out
+    mt = _integer(body, "max_completion_tokens", 1, 1 << 31)
+    mt = _integer(body, "max_tokens", 1, 1 << 31) if mt is None else mt
+    r.max_tokens = mt or 0
+    return r
+
+
+# -- responses ---------------------------------------------------------------------------------------------
+
+
+def usage(u: gen_pb.Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+
+def _envelope(r: Request, obj: str) -> dict:
+    return {"id": r.id, "object": obj, "created": r.created, "model": r.model, "system_fingerprint": None}
+
+
+def response(r: Request, text: str, finish: str, u: gen_pb.Usage) -> dict:
+    """The whole (non-streamed) answer."""
+    if r.kind == "completion":
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**_envelope(r, "text_completion"), "choices": [choice], "usage": usage(u)}
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+    return {**_envelope(r, "chat.completion"), "choices": [choice], "usage": usage(u)}
+
+
+def chunk(r: Request, text: str | None, finish: str | None = None, *, first: bool = False) -> dict:
+    """One streamed piece: `text` added (chat: a delta, with the role on the first), or the finish."""
+    if r.kind == "completion":
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        out = {**_envelope(r, "text_completion"), "choices": [choice]}
+    else:
+        delta: dict[str, Any] = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        out = {**_envelope(r, "chat.completion.chunk"), "choices": [choice]}
+    if r.include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(r: Request, u: gen_pb.Usage) -> dict:
+    """`stream_options.include_usage`: the last chunk, no choices, the usage."""
+    obj = "text_completion" if r.kind == "completion" else "chat.completion.chunk"
+    return {**_envelope(r, obj), "choices": [], "usage": usage(u)}
+
+
+def model_list(models, owned_by: str) -> dict:
+    """/v1/models from the router's ListModels (base first). Unservable variants are omitted (a request
+    for one gets 400 with the reason)."""
+    base = next((m.model_id for m in models if m.is_base), None)
+    data = []
+    for m in models:
+        if not m.servable:
+            continue
+        entry = {"id": m.model_id, "object": "model", "created": 0, "owned_by": owned_by,
+                 "root": m.model_id if m.is_base else base, "parent": None if m.is_base else base}
+        data.append(entry)
+    return {"object": "list", "data": data}
