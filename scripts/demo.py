@@ -1,18 +1,27 @@
-"""The main job, end to end on one machine: serve the real model family.
+"""The main job, end to end on one machine: serve the real model family through the router.
 
-Starts the delta store (local backend over data/deltas) and a worker holding
-the SmolLM2-135M base once, then sends concurrent streaming requests to the
-base and every variant, prints what each one says with its time to first
-token, and the worker's slots. (The router arrives in a later issue; until
-then the demo talks to the worker's Generate directly.)
+Starts, as separate processes on loopback ports, the delta store (local backend over
+data/deltas), TWO workers each holding the SmolLM2-135M base once, and the router in front of
+them; then sends real requests through the router's public `Generate`:
 
-    .venv/bin/python scripts/demo.py [--max-new-tokens 40]
+1. one request to the base and to every variant at once (all cold: each variant's delta is
+   streamed from the store into a worker's slot on first use),
+2. three requests per variant at once (warm: requests for one variant share one worker and batch
+   together with the others),
+3. one request to a variant evicted just before (cold again: its TTFT shows the delta load),
+
+and prints each answer with the worker that served it and its time-to-first-token breakdown,
+then the models and workers the router reports, a `grpcurl` line to try, and stops everything
+with SIGTERM (each service drains).
+
+    .venv/bin/python scripts/demo.py [--max-new-tokens 40] [--keep-running]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import socket
 import subprocess
@@ -20,14 +29,13 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bitdelta import family  # noqa: E402
-from bitdelta.common.v1 import generation_pb2  # noqa: E402
-from bitdelta.gpu_worker.v1 import gpu_worker_pb2, gpu_worker_pb2_grpc  # noqa: E402
+from bitdelta.common.v1 import generation_pb2 as gen_pb  # noqa: E402
+from bitdelta.router.v1 import router_pb2 as pb  # noqa: E402
+from bitdelta.rpc.clients.router import RouterCallError, RouterClient  # noqa: E402
+from bitdelta.rpc.clients.worker import WorkerClient  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 PROMPTS = {
@@ -37,6 +45,8 @@ PROMPTS = {
     "scripture": "Genesis 1:1 In the beginning",
     "math": "Question: What is 417 + 385?\nAnswer:",
 }
+ARRIVAL = {pb.ARRIVAL_STATE_UNSPECIFIED: "base", pb.ARRIVAL_STATE_RESIDENT: "resident",
+           pb.ARRIVAL_STATE_LOADING: "loading", pb.ARRIVAL_STATE_COLD: "cold"}
 
 
 def free_port() -> int:
@@ -45,13 +55,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def wait_serving(addr: str, proc: subprocess.Popen, what: str, timeout: float = 180.0) -> None:
+async def wait_serving(addr: str, proc: subprocess.Popen, what: str, timeout: float = 300.0) -> None:
+    import grpc
+
     deadline = time.monotonic() + timeout
     async with grpc.aio.insecure_channel(addr) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise SystemExit(f"{what} exited with code {proc.returncode}; see its log above")
+                raise SystemExit(f"{what} exited with code {proc.returncode}; see its log in .tmp/demo-logs/")
             try:
                 r = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
                 if r.status == health_pb2.HealthCheckResponse.SERVING:
@@ -62,72 +74,154 @@ async def wait_serving(addr: str, proc: subprocess.Popen, what: str, timeout: fl
     raise SystemExit(f"{what} did not become healthy within {timeout:.0f} s")
 
 
-async def one_request(stub, model_id: str, prompt: str, max_new: int) -> tuple[str, str, float, float, int]:
-    req = gpu_worker_pb2.GenerateRequest(
-        model_id=model_id, prompt=prompt, request_id=f"demo-{model_id or 'base'}",
-        sampling=generation_pb2.SamplingParams(max_new_tokens=max_new, temperature=0.0),
-    )
+async def one_request(router: RouterClient, model: str, max_new: int) -> dict:
     t0 = time.perf_counter()
-    ttft, text, n = None, [], 0
-    async for msg in stub.Generate(req, timeout=600):
-        if ttft is None:
-            ttft = (time.perf_counter() - t0) * 1000
-        text.append(msg.text)
+    first, text, n, last = None, [], 0, None
+    async for m in router.generate(model, PROMPTS.get(model, PROMPTS[""]), max_new_tokens=max_new,
+                                   request_id=f"demo-{model or 'base'}"):
+        if first is None:
+            first = m
+        text.append(m.text)
         n += 1
-    return model_id or "base", "".join(text), ttft or 0.0, (time.perf_counter() - t0) * 1000, n
+        last = m
+    return {"model": model or "base", "first": first, "text": "".join(text), "n": n, "last": last,
+            "wall_ms": (time.perf_counter() - t0) * 1e3}
+
+
+def show(r: dict, with_text: bool = True) -> None:
+    f, t = r["first"], r["first"].ttft
+    reason = gen_pb.FinishReason.Name(r["last"].finish_reason).removeprefix("FINISH_REASON_").lower()
+    print(f"--- {r['model']:9s} on {f.worker:15s} {ARRIVAL[f.arrival_state]:8s} ttft {t.total_ms:7.1f} ms = "
+          f"queue {t.queue_ms:5.1f} + delta load {t.delta_load_ms:6.1f} + schedule {t.schedule_ms:5.1f} + "
+          f"prefill {t.prefill_ms:6.1f} + hops {t.total_ms - t.queue_ms - t.delta_load_ms - t.schedule_ms - t.prefill_ms:5.1f}"
+          f"   {r['n']} tokens ({reason}) in {r['wall_ms']:.0f} ms")  # fmt: skip
+    if with_text:
+        prompt = PROMPTS["" if r["model"] == "base" else r["model"]]
+        print("    " + (prompt + r["text"]).replace("\n", "\n    ") + "\n")
+
+
+async def demo(router_addr: str, worker_addrs: list[str], variants: list[str], max_new: int) -> None:
+    async with RouterClient(router_addr) as router:
+        deadline = time.monotonic() + 60
+        while not all(w.up for w in await router.list_workers()):
+            if time.monotonic() > deadline:
+                raise SystemExit("the router does not see both workers up; see .tmp/demo-logs/")
+            await asyncio.sleep(0.2)
+        models = ["", *variants]
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*[one_request(router, m, max_new) for m in models])
+        wall = time.perf_counter() - t0
+        toks = sum(r["n"] for r in results)
+        print(f"\n=== round 1: the base and {len(variants)} variants at once, cold (each delta streams from the store "
+              f"into a worker on first use): {toks} tokens in {wall:.2f} s ({toks / wall:.1f} tok/s)\n")
+        for r in results:
+            show(r)
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*[one_request(router, m, max_new) for m in models for _ in range(3)])
+        wall = time.perf_counter() - t0
+        toks = sum(r["n"] for r in results)
+        print(f"=== round 2: 3 requests per model at once, warm: {toks} tokens in {wall:.2f} s ({toks / wall:.1f} tok/s); "
+              f"requests for one variant share one worker and its resident delta\n")
+        for r in results:
+            show(r, with_text=False)
+        for m in models:
+            same = [r for r in results if r["model"] == (m or "base")]
+            assert len({r["text"] for r in same}) == 1, f"greedy answers for {m or 'base'} differ"
+        print("    (the three greedy answers of each model are identical)\n")
+
+        cold = variants[-1]
+        for addr in worker_addrs:
+            async with WorkerClient(addr) as w:
+                await w.evict_delta(cold)
+        r = await one_request(router, cold, max_new)
+        print(f"=== round 3: {cold!r} evicted from both workers, then requested again: cold\n")
+        show(r, with_text=False)
+
+        print("\n=== what the router reports (ListModels, ListWorkers)\n")
+        for m in await router.list_models():
+            kind = "base" if m.is_base else f"delta {m.delta_bytes / 2**20:5.1f} MiB"
+            where = ", ".join(m.resident_on) or "-"
+            print(f"    {m.model_id:28s} {kind:17s} resident on {where}" + ("" if m.servable else f"  NOT SERVABLE: {m.reason}"))
+        print()
+        for w in await router.list_workers():
+            print(f"    worker {w.address:15s} {'up' if w.up else 'DOWN'} ({w.device}): {w.delta_used_bytes / 2**20:5.1f} "
+                  f"of {w.delta_budget_bytes / 2**20:.0f} MiB delta budget in use, resident: {', '.join(w.resident) or '-'}")
+        print(f"\n    try it: .venv/bin/bitdelta generate --router {router_addr} --model coder 'def add(a, b):'")
+        print(f"            grpcurl -plaintext -d '{{\"model_id\": \"writer\", \"prompt\": \"ROMEO. \"}}' "
+              f"{router_addr} bitdelta.router.v1.RouterService/Generate")
 
 
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-new-tokens", type=int, default=40)
+    ap.add_argument("--base", type=Path, help="base checkpoint (default: the family's data/base)")
+    ap.add_argument("--deltas", type=Path, help="directory of delta files (default: the family's data/deltas)")
+    ap.add_argument("--delta-budget", default="256MiB", help="each worker's delta budget")
+    ap.add_argument("--keep-running", action="store_true", help="leave the services up until Ctrl-C")
     a = ap.parse_args()
-    p = family.paths()
-    missing = [k for k, ok in p.exists().items() if not ok]
-    if missing:
-        raise SystemExit(f"the family is not built ({', '.join(missing)} missing): run `bitdelta family build`")
+    if a.base is None or a.deltas is None:
+        from bitdelta import family
 
-    store_addr, worker_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        p = family.paths()
+        missing = [k for k, ok in p.exists().items() if not ok]
+        if missing:
+            raise SystemExit(f"the family is not built ({', '.join(missing)} missing): run `bitdelta family build`")
+        a.base, a.deltas = a.base or p.base, a.deltas or p.deltas[p.variants[0]].parent
+        variants = list(p.variants)
+    else:
+        variants = sorted(f.name.split(".")[0] for f in a.deltas.glob("*.bitdelta.safetensors"))
+    for v in variants:
+        PROMPTS.setdefault(v, "Once upon a time")
+
     py = sys.executable
-    procs = []
-    try:
-        store = subprocess.Popen([py, "-m", "services.delta_store", "--address", store_addr, "--backend", "local",
-                                  "--root", str(p.deltas["coder"].parent)], cwd=ROOT)
-        procs.append(store)
-        await wait_serving(store_addr, store, "delta store")
-        print(f"[demo] delta store serving {p.deltas['coder'].parent} on {store_addr}")
-        worker = subprocess.Popen([py, "-m", "services.gpu_worker", "--base", str(p.base), "--address", worker_addr,
-                                   "--delta-store", store_addr, "--delta-budget", "256MiB"], cwd=ROOT)
-        procs.append(worker)
-        await wait_serving(worker_addr, worker, "worker")
-        print(f"[demo] worker serving base {p.base} on {worker_addr}\n")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    logs = ROOT / ".tmp" / "demo-logs"  # each service's log, so the answers below stay readable
+    logs.mkdir(parents=True, exist_ok=True)
 
-        async with grpc.aio.insecure_channel(worker_addr) as ch:
-            stub = gpu_worker_pb2_grpc.GpuWorkerServiceStub(ch)
-            for round_name in ("cold (deltas load on first use)", "warm (deltas resident)"):
-                t0 = time.perf_counter()
-                results = await asyncio.gather(*[one_request(stub, m, pr, a.max_new_tokens) for m, pr in PROMPTS.items()])
-                wall = time.perf_counter() - t0
-                toks = sum(r[4] for r in results)
-                print(f"=== {len(results)} concurrent requests, {round_name}: {toks} tokens in {wall:.2f} s "
-                      f"({toks / wall:.1f} tok/s)")
-                for name, text, ttft, total, n in results:
-                    prompt = PROMPTS["" if name == "base" else name]
-                    shown = (prompt + text).replace("\n", "\n    ")
-                    print(f"--- {name:9s} ttft {ttft:7.1f} ms, {n} tokens in {total:7.1f} ms\n    {shown}\n")
-            st = await stub.Status(gpu_worker_pb2.StatusRequest(), timeout=10)
-            print(f"[demo] worker on {st.device}: {st.delta_used_bytes / 2**20:.1f} of "
-                  f"{st.delta_budget_bytes / 2**20:.0f} MiB delta budget in use")
-            for s in st.slots:
-                print(f"    {s.name:10s} {gpu_worker_pb2.DeltaState.Name(s.state):22s} {s.bytes / 2**20:6.1f} MiB")
+    def spawn(name: str, argv: list[str]) -> subprocess.Popen:
+        with open(logs / f"{name}.log", "wb") as f:
+            return subprocess.Popen([py, *argv], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+
+    store, workers, router = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    workers = [workers, f"127.0.0.1:{free_port()}"]
+    procs: list[subprocess.Popen] = []
+    try:
+        procs.append(spawn("delta_store", ["-m", "services.delta_store", "--address", store, "--backend", "local",
+                                           "--root", str(a.deltas)]))
+        await wait_serving(store, procs[-1], "delta store")
+        print(f"[demo] delta store on {store} serving {a.deltas}")
+        for i, addr in enumerate(workers):
+            procs.append(spawn(f"worker{i + 1}", ["-m", "services.gpu_worker", "--base", str(a.base), "--address", addr,
+                                                  "--delta-store", store, "--delta-budget", a.delta_budget]))
+        for i, addr in enumerate(workers):
+            await wait_serving(addr, procs[1 + i], f"worker {i + 1}")
+            print(f"[demo] worker {i + 1} on {addr} holds base {a.base}")
+        procs.append(spawn("router", ["-m", "services.router", "--address", router, "--workers", ",".join(workers),
+                                      "--delta-store", store]))
+        await wait_serving(router, procs[-1], "router")
+        print(f"[demo] router on {router}: the only address clients need")
+        await demo(router, workers, variants, a.max_new_tokens)
+        if a.keep_running:
+            print("\n[demo] services keep running; Ctrl-C stops them")
+            stop = asyncio.Event()
+            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop.set)
+            await stop.wait()
+    except RouterCallError as e:
+        raise SystemExit(f"[demo] request failed: {e}") from None
     finally:
-        for proc in reversed(procs):
+        for proc in reversed(procs):  # router first, then workers, then the store: each drains
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in procs:
+        codes = []
+        for proc in reversed(procs):
             try:
-                proc.wait(timeout=30)
+                codes.append(proc.wait(timeout=30))
             except subprocess.TimeoutExpired:
                 proc.kill()
+                codes.append("killed")
+        print(f"\n[demo] stopped router, workers and store (exit codes {codes}); their logs: {logs.relative_to(ROOT)}/")
 
 
 if __name__ == "__main__":
