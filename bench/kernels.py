@@ -1,6 +1,10 @@
 """Benchmark of the 1-bit delta kernels: ratios against the obvious baseline, and roofline fractions.
 
-    python bench/kernels.py [--quick] [--out bench/results] [--device cpu|cuda] [--cpu-sweep]
+    python bench/kernels.py [--quick] [--out bench/results] [--device cpu|cuda] [--cpu-sweep] [--dry-run]
+
+On CUDA (without --quick): the fused kernel at M = 1…2048 and the batched delta at V = 1, 4, 8, 16
+(BGMV and SGMV each) on Llama-2-7B and Llama-2-70B/8 shard shapes, in bf16. --dry-run runs those
+sections on CPU in the Triton interpreter with tiny shapes (bench/gpu.sh --dry-run).
 
 Every number is a ratio measured in this one run (time ÷ time of the baseline on the
 same shapes), plus the fraction of the memory roofline: bytes the kernel must read and
@@ -205,6 +209,65 @@ def cpu_sweep(t, rows):
                 print_row(row)
 
 
+# ---------------------------------------------------------------- GPU (and its CPU dry run)
+# (name, d_out, d_in) of the projection groups the worker runs (q‖k‖v and gate‖up fused):
+# Llama-2-7B whole, Llama-2-70B as one of 8 tensor-parallel shards (heads and the MLP split).
+LLAMA_SHAPES = {
+    "7b": [("7b.qkv", 12288, 4096), ("7b.o", 4096, 4096), ("7b.gate_up", 22016, 4096), ("7b.down", 4096, 11008)],
+    "70b-tp8": [("70b/8.qkv", 1280, 8192), ("70b/8.o", 8192, 1024), ("70b/8.gate_up", 7168, 8192),
+                ("70b/8.down", 8192, 3584)],
+}  # fmt: skip
+DRY_SHAPES = [("dry.a", 264, 257), ("dry.b", 136, 520)]
+
+
+def gpu_sections(dev, t, bw, dtype, dry, rows):
+    """Fused decode / mid / prefill ÷ the base GEMM (cuBLAS), and the batched delta at V variants
+    with BGMV and SGMV each forced, on the real shard shapes (tiny ones in a dry run)."""
+    from kernels.dispatch import bitdelta_delta_batched
+    from kernels.triton_linear import bitdelta_linear_triton, launch_blocks
+
+    es = torch.finfo(dtype).bits // 8
+    shapes = DRY_SHAPES if dry else LLAMA_SHAPES["7b"] + LLAMA_SHAPES["70b-tp8"]
+    print("fused linear (÷ base GEMM; bytes limit 1.0625 at small M; targets ≤ 1.15 decode, ≤ 1.10 prefill):")
+    for name, N, K in shapes:
+        for M in ((1, 16, 40) if dry else (1, 4, 16, 32, 64, 512, 2048)):
+            if M >= 512 and not (name.endswith("gate_up") or name.endswith("qkv")):
+                continue  # prefill: two shapes per model show the trend
+            x, w, s, a = linear_inputs(M, N, K, dtype, dev)
+            t_base = t(lambda: x @ w.t())
+            t_fused = t(lambda: bitdelta_linear_triton(x, w, s, a))
+            b = launch_blocks(M, N, K, dtype, dev)
+            row = {"section": "fused", "shape": name, "M": M, "base_ms": t_base, "fused/base": t_fused / t_base,
+                   "fused_roofline": linear_bytes(M, N, K, es) / (t_fused * 1e-3) / bw,
+                   "base_roofline": linear_bytes(M, N, K, es, False) / (t_base * 1e-3) / bw,
+                   "blocks": f"{b['BLOCK_M']}x{b['BLOCK_N']}x{b['BLOCK_K']}/s{b['SPLIT_K']}/st{b['num_stages']}"}
+            rows.append(row)
+            print_row(row)
+            del x, w, s, a
+    print("batched delta, 16 rows over V variants (roofline: its own bytes ÷ time ÷ bandwidth; target ≥ 0.7):")
+    g = torch.Generator().manual_seed(0)
+    for name, N, K in (shapes if dry else [LLAMA_SHAPES["7b"][0], LLAMA_SHAPES["7b"][3], LLAMA_SHAPES["70b-tp8"][2]]):
+        M, Vmax = 16, 16
+        x = torch.randn(M, K, generator=g).to(dtype).to(dev)
+        w = (torch.randn(N, K, generator=g) * 0.02).to(dtype).to(dev)
+        signs = torch.randint(0, 256, (Vmax, N, packed_cols(K)), generator=g, dtype=torch.uint8).to(dev)
+        alpha = (torch.rand(Vmax, N, generator=g) * 1e-3).to(dev)
+        t_base = t(lambda: x @ w.t())
+        for V in (1, 4, 8, 16):
+            rv = (torch.arange(M) % V).to(dev)
+            y = torch.empty(M, N, dtype=torch.float32, device=dev)  # the worker adds into fp32
+            for kind in ("bgmv", "sgmv"):
+                plan = plan_batch(rv, Vmax, dev, sgmv_min_rows=1 if kind == "sgmv" else 10**9)
+                t_d = t(lambda: bitdelta_delta_batched(x, signs, alpha, rv, y, plan=plan))
+                own = V * (N * packed_cols(K) + 4 * N) + M * K * es + 2 * M * N * 4
+                row = {"section": "batched", "shape": name, "M": M, "V": V, "kind": kind,
+                       "delta_ms": t_d, "delta/base_gemm": t_d / t_base, "delta_roofline": own / (t_d * 1e-3) / bw,
+                       "(base+delta)/base": (t_base + t_d) / t_base, "limit": (2 + V / 8) / 2}
+                rows.append(row)
+                print_row(row)
+        del x, w, signs, alpha
+
+
 # ---------------------------------------------------------------- output
 def fmt(v):
     if isinstance(v, float):
@@ -242,6 +305,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None, help="CPU repetitions per timing")
     ap.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads on CPU (default: torch's)")
     ap.add_argument("--only-sweep", action="store_true", help="with --cpu-sweep: skip the other sections")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="the GPU sections on CPU with tiny shapes (Triton interpreter): checks bench/gpu.sh end to end")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -265,7 +330,17 @@ def main(argv=None):
     print(f"device: {name}; measured bandwidth {bw / 1e9:.1f} GB/s")
     rows: list[dict] = []
 
-    if cuda:
+    if args.dry_run and not cuda:
+        import triton
+
+        meta["triton"] = triton.__version__
+        gpu_sections(dev, t, bw, torch.bfloat16, True, rows)
+    elif cuda and not args.quick:
+        import triton
+
+        meta["triton"] = triton.__version__
+        gpu_sections(dev, t, bw, precision_for(dev).dtype, False, rows)  # bf16 on CUDA (bitdelta.precision)
+    elif cuda:
         import triton
 
         meta["triton"] = triton.__version__
@@ -299,7 +374,7 @@ def main(argv=None):
 
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = "kernels_" + ("cuda" if cuda else "cpu") + ("_quick" if args.quick else "")
+        stem = "kernels_" + ("cuda" if cuda else "cpu") + ("_quick" if args.quick else "") + ("_dry" if args.dry_run else "")
         stem += f"_t{args.threads}" if args.threads else ""
         (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         (args.out / f"{stem}.md").write_text(markdown(meta, rows))

@@ -6,6 +6,8 @@ and the tile/split choice is arithmetic on the shapes and the SM count.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kernels import configs as kc
@@ -88,3 +90,15 @@ def test_the_search_space_fits(gpu):
         kind = key.split("_")[0]
         for c in cands:
             assert kc.fits(kind, {**base[key], **c}, 2, cfg["smem_per_block"]), (key, c)
+
+
+@pytest.mark.parametrize("gpu", ["H100", "H200", "A100"])
+def test_tune_candidates_start_from_the_shipped_blocks_and_fit(gpu):
+    from kernels import tune
+
+    cfg = kc.device_config(gpu)
+    for bucket in ("linear_decode", "linear_mid", "linear_prefill", "sgmv", "bgmv"):
+        cands = tune.candidates(cfg, bucket, 2, cfg["smem_per_block"])
+        kind = bucket.split("_")[0]
+        assert len(cands) >= 2 and all(kc.fits(kind, b, 2, cfg["smem_per_block"]) for b in cands)
+        assert len({json.dumps(b, sort_keys=True) for b in cands}) == len(cands)

@@ -24,6 +24,7 @@ from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
 from kernels.triton_linear import bitdelta_linear_triton
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.cuda  # the CUDA profile: `pytest -m cuda` on a GPU runs these with real dots
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # δ's relative RMS error allowed per dtype. The inputs cancel the base term exactly
 # (kernel_cases.make_realistic), so the output is δ rounded once to the dtype: half a spacing
@@ -102,3 +103,16 @@ def test_batched_delta_keeps_a_realistic_delta(kind, dtype):
     slope, rms = delta_fidelity(y[act], y0[act], delta[act])
     assert slope == pytest.approx(1.0, abs=0.01)
     assert rms <= TOL[dtype]
+
+
+def test_cuda_profile_really_runs_on_the_gpu():
+    # bench/gpu.sh sets BITDELTA_REQUIRE_CUDA=1: the profile must not pass by running on CPU
+    import os
+
+    from kernels import backend_for
+
+    if os.environ.get("BITDELTA_REQUIRE_CUDA") == "1":
+        assert torch.cuda.is_available() and DEV.type == "cuda"
+        assert backend_for(DEV, 1 << 30) == "triton"
+    else:
+        assert backend_for(DEV, 1) == "triton"  # CPU: the same kernels, in the interpreter

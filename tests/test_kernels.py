@@ -20,6 +20,7 @@ from kernels.triton_linear import bitdelta_linear_triton  # noqa: E402
 from kernel_cases import make_linear, rel_err  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.cuda  # the CUDA profile: `pytest -m cuda` on a GPU runs these with real dots
 SHAPES = [(72, 100), (264, 257)]  # (d_out, d_in): ragged against every block size
 MS = [1, 5, 16, 64]
 # relative to max|ref|: fp32 dots are exact in the interpreter (TF32 is off by default

@@ -57,8 +57,9 @@ def test_warmup_runs_every_path_and_leaves_no_trace(tmp_path):
     torch.testing.assert_close(logits[0].cpu(), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.asyncio
-async def test_no_silent_slow_kernels_on_cuda(tmp_path, monkeypatch):
+def test_no_silent_slow_kernels_on_cuda(tmp_path, monkeypatch):
+    import asyncio
+
     import kernels.dispatch
     from services.gpu_worker.config import WorkerConfig
     from services.gpu_worker.worker import Worker
@@ -68,9 +69,9 @@ async def test_no_silent_slow_kernels_on_cuda(tmp_path, monkeypatch):
     monkeypatch.setattr(kernels.dispatch, "TRITON_ERROR", "ImportError: no triton")
     w = Worker(WorkerConfig(base=base, device="cuda", dtype="bfloat16"))
     with pytest.raises(RuntimeError, match="--allow-slow-kernels"):
-        await w.start()
+        asyncio.run(w.start())
     if not torch.cuda.is_available():  # with the flag it goes on (and here fails later, for want of a GPU)
         w = Worker(WorkerConfig(base=base, device="cuda", dtype="bfloat16", allow_slow_kernels=True))
         with pytest.raises(Exception) as e:
-            await w.start()
+            asyncio.run(w.start())
         assert "allow-slow-kernels" not in str(e.value)

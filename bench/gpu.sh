@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One GPU session in one command (< 8 minutes on an H200), from the repository root, with the
+# machine's own python3 (no .venv there; it must not install anything):
+#
+#   bash bench/gpu.sh            # CUDA test profile, tuning sweep, kernel and worker benchmarks
+#   bash bench/gpu.sh --dry-run  # the same steps on CPU with tiny shapes (Triton interpreter)
+#
+# Everything lands in bench/results/<date>-<gpu>/ (logs included), each step under its own
+# time limit so one overrun still leaves the others' results. Exit status: 0 if every step
+# passed, else the number of failed steps.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
+
+if [ $DRY = 1 ]; then
+    export TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    gpu=cpu-dry-run
+else
+    gpu=$("$PY" -c 'import torch; print(torch.cuda.get_device_name(0).replace(" ", "-"))') || {
+        echo "[gpu] no CUDA device visible to $PY"; exit 1; }
+fi
+out=${OUT_DIR:-bench/results/$(date -u +%Y-%m-%d)-$gpu}
+mkdir -p "$out"
+echo "[gpu] results in $out"
+"$PY" - > "$out/versions.txt" 2>&1 <<'PYEOF'
+import platform, numpy, torch
+print("python", platform.python_version(), "torch", torch.__version__, "numpy", numpy.__version__)
+try:
+    import triton; print("triton", triton.__version__)
+except Exception as e: print("triton: not importable:", e)
+print("cuda", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")
+PYEOF
+cat "$out/versions.txt"
+
+# the generated protobuf modules are git-ignored: generate them (grpc_tools) or use carried ones
+if "$PY" -c 'import grpc_tools' 2>/dev/null; then
+    "$PY" -m bitdelta.protos_build || echo "[gpu] protos_build failed"
+fi
+if ! "$PY" -c 'import bitdelta.delta_store.v1.delta_store_pb2' 2>/dev/null; then
+    echo "[gpu] WARNING: no generated protobuf modules (no grpc_tools here and none carried):"
+    echo "[gpu]          the worker steps will fail; carry bitdelta/{common,delta_store,gpu_worker,router}/v1"
+fi
+
+failed=0
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to $out/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    echo "[gpu] == $name (limit ${limit}s)"
+    timeout --signal=INT --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
+    local rc=$?
+    tail -n 25 "$out/$name.log"
+    echo "[gpu] == $name: exit $rc in $((SECONDS - t0))s"
+    [ $rc = 0 ] || failed=$((failed + 1))
+}
+
+if [ $DRY = 1 ]; then
+    # CPU: the profile's tests through the interpreter / C kernels (the GPU guard test is off)
+    step tests 900 "$PY" -m pytest -q -m cuda -x -p no:cacheprovider tests/test_kernel_numerics.py \
+        tests/test_worker_batch_invariance.py
+    step kernels 600 "$PY" bench/kernels.py --dry-run --reps 1 --out "$out"
+    step worker 600 "$PY" bench/worker.py --preset tiny --new-tokens 4 --prompt-len 32 --reps 1 \
+        --kv-cache 8388608 --out "$out/worker.json"
+else
+    export BITDELTA_REQUIRE_CUDA=1  # the profile fails if it is not really on the GPU
+    step tests 170 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/
+    step tune 60 "$PY" -m kernels.tune --out "$out/tuned_configs.json"
+    step kernels 120 "$PY" bench/kernels.py --out "$out"
+    step worker 150 "$PY" bench/worker.py --preset gpu7b --new-tokens 32 --prompt-len 256 --reps 2 \
+        --kv-cache 1073741824 --out "$out/worker.json"
+fi
+echo "[gpu] done: $failed step(s) failed; results in $out"
+exit $failed
