@@ -62,14 +62,16 @@ if [ $DRY = 1 ]; then
         tests/test_worker_batch_invariance.py
     step kernels 600 "$PY" bench/kernels.py --dry-run --reps 1 --out "$out"
     step worker 600 "$PY" bench/worker.py --preset tiny --new-tokens 4 --prompt-len 32 --reps 1 \
-        --kv-cache 8388608 --out "$out/worker.json"
+        --variants 1,4 --kv-cache 8388608 --out "$out/worker.json"
 else
+    # most important first; Triton compiles (~1-2 s per binary) dominate the first two steps
     export BITDELTA_REQUIRE_CUDA=1  # the profile fails if it is not really on the GPU
-    step tests 170 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/
-    step tune 60 "$PY" -m kernels.tune --out "$out/tuned_configs.json"
-    step kernels 120 "$PY" bench/kernels.py --out "$out"
+    step tests 180 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/test_kernel_numerics.py \
+        tests/test_worker_batch_invariance.py tests/test_kernels.py
     step worker 150 "$PY" bench/worker.py --preset gpu7b --new-tokens 32 --prompt-len 256 --reps 2 \
         --kv-cache 1073741824 --out "$out/worker.json"
+    step kernels 100 "$PY" bench/kernels.py --out "$out"
+    step tune 40 "$PY" -m kernels.tune --out "$out/tuned_configs.json"
 fi
 echo "[gpu] done: $failed step(s) failed; results in $out"
 exit $failed
