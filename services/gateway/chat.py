@@ -116,7 +116,7 @@ class ChatTemplate:
             raise ChatTemplateError(f"{path} does not exist")
         config = _read_json(config_path) if config_path.is_file() else {}
         source, origin = _template_of_config(config, config_path), str(config_path)
-        if jinja_path.is_file() and (source is None or jinja_path == path):
+        if jinja_path.is_file():  # as in transformers: chat_template.jinja overrides the config's
             source, origin = jinja_path.read_text(encoding="utf-8"), str(jinja_path)
         if not source:
             raise ChatTemplateError(f"{path} has no chat template (looked for {JINJA_NAME} and the chat_template "
