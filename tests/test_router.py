@@ -23,7 +23,8 @@ from bitdelta.router.v1 import router_pb2 as pb
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
-from servers.cluster import Cluster
+from servers.cluster import Cluster, free_port
+from servers.metrics import sample
 from services.gpu_worker.testing import SUFFIX, make_test_family
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -48,7 +49,8 @@ def cluster(family, tmp_path_factory):
     shutil.copytree(family.deltas, root)
     with Cluster(work) as c:
         c.root = root
-        c.st = c.store(root)
+        c.store_metrics_port = free_port()
+        c.st = c.store(root, extra=("--metrics-address", f"127.0.0.1:{c.store_metrics_port}"))
         c.w = [c.worker(family.base, c.st.address, name=f"worker{i}") for i in range(2)]
         c.r = c.router([w.address for w in c.w], c.st.address, extra=("--max-prompt-bytes", "4096"))
         c.wait_serving(c.st, *c.w, c.r)
@@ -210,6 +212,7 @@ async def test_fifty_requests_for_a_cold_variant_cause_one_load(clients, cluster
         await w.evict_delta("v2")
     await run(router, "v0", "warm", n=1)
     before = [(await w.status()).loads_started for w in workers]
+    fetches_before = sample(cluster.store_metrics_port, "bitdelta_delta_store_fetches_total", delta="v2")
     cluster.st.popen.send_signal(signal.SIGSTOP)
     try:
         cold = [asyncio.create_task(run(router, "v2", PROMPTS["v2"])) for _ in range(50)]
@@ -231,6 +234,8 @@ async def test_fifty_requests_for_a_cold_variant_cause_one_load(clients, cluster
     assert len({r[0].worker for r in results}) == 1
     after = [(await w.status()).loads_started for w in workers]
     assert sum(a - b for a, b in zip(after, before)) == 1, (before, after)
+    fetches = sample(cluster.store_metrics_port, "bitdelta_delta_store_fetches_total", delta="v2")
+    assert fetches - fetches_before == 1, "the store served one Fetch of v2"
     arrivals = sorted(r[0].arrival_state for r in results)
     assert arrivals.count(pb.ARRIVAL_STATE_COLD) == 1 and arrivals.count(pb.ARRIVAL_STATE_LOADING) == 49
 
@@ -298,6 +303,28 @@ async def test_full_queues_and_deadlines(clients, cluster):
 
     await wait_for(freed, what="the worker to free the expired sequence")
     assert seen_running, "the request reached a worker before its deadline"
+
+
+async def test_a_client_that_cancels_frees_the_sequence_on_the_worker(clients):
+    router, workers, _ = clients
+    prompt = "cancel me " * 5
+    t = time.monotonic()
+    full = await run(router, "v0", prompt, n=200)
+    full_s = time.monotonic() - t  # what the whole generation takes here
+    stream = router.generate("v0", prompt, max_new_tokens=200)
+    t = time.monotonic()
+    first = await anext(stream)
+    worker = next(w for w in workers if w.target == first.worker)
+    assert (await worker.status()).running == 1
+    await stream.aclose()  # leaving the loop cancels the call: router -> worker
+
+    async def freed():
+        s = await worker.status()
+        return s.running == 0 and s.waiting == 0 and s.kv_tokens_used == 0
+
+    await wait_for(freed, what="the worker to free the cancelled sequence")
+    assert len(full) > 50 and time.monotonic() - t < full_s, "freed before the generation could have finished"
+    assert len(await run(router, "v0", "next", n=2)) == 2
 
 
 # -- the command line ---------------------------------------------------------------------------------------
