@@ -161,7 +161,7 @@ def _extensions():
     """Subcommands contributed by other modules of the toolkit (family, quality, plan, merge, ...)."""
     import importlib
 
-    for mod in ("bitdelta.family.cli", "bitdelta.plan", "bitdelta.merge.cli", "bitdelta.client_cli"):
+    for mod in ("bitdelta.family.cli", "bitdelta.plan", "bitdelta.merge.cli", "bitdelta.client_cli", "bitdelta.traces"):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:

@@ -13,6 +13,8 @@ What every service gets:
   status codes through `errors.status_of` with clipped messages, calls in
   flight are counted, and while draining new calls get UNAVAILABLE (except the
   read-only methods named in `open_while_draining`).
+- Traces (`bitdelta.rpc.telemetry`): one SERVER span per domain call, in the caller's trace
+  (W3C `traceparent` in the metadata), its status code recorded.
 - Drain: health goes NOT_SERVING and the server keeps answering it (a probe
   sees NOT_SERVING, not "failed to connect") while calls in flight finish,
   for at most `grace_s`; then the server stops.
@@ -32,6 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from bitdelta.rpc.errors import StatusTable, clip_message, status_of
+from bitdelta.rpc.telemetry import ServerInterceptor as TraceInterceptor
 
 log = logging.getLogger("bitdelta.rpc")
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
@@ -200,7 +203,8 @@ def create_server(address: str, services: Sequence[Service], status_table: Statu
     calls = _Calls()
     names = [s.name for s in services]
     server = grpc.aio.server(
-        interceptors=[*interceptors, _ErrorInterceptor(names, status_table, calls, set(open_while_draining))],
+        interceptors=[*interceptors, TraceInterceptor(names),  # traces outside: they see the final status
+                      _ErrorInterceptor(names, status_table, calls, set(open_while_draining))],
         options=[("grpc.max_send_message_length", max_message_bytes),
                  ("grpc.max_receive_message_length", max_message_bytes)],
     )  # fmt: skip

@@ -47,6 +47,10 @@ class Config(ServiceConfig):
     grace_s: float = setting(10.0, "seconds calls in flight get to finish on SIGTERM")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR", parse=parse_log_level)
 
+    otlp_endpoint: str = setting("", "OTLP/gRPC collector for traces, e.g. http://jaeger:4317; empty: "
+                                 "OTEL_EXPORTER_OTLP_ENDPOINT, or no export")
+    metrics_address: str = setting("", "HOST:PORT of the Prometheus /metrics endpoint; empty: none",
+                                  check=lambda v: v and check_address(v))
     def check(self) -> None:
         if self.backend not in ("local", "s3"):
             raise ConfigError(f"--backend must be 'local' or 's3', not {self.backend!r} ({self.ENV_PREFIX}BACKEND)")

@@ -19,6 +19,8 @@ from bitdelta.delta_store.v1 import delta_store_pb2 as pb
 from bitdelta.delta_store.v1 import delta_store_pb2_grpc as pb_grpc
 from bitdelta.format import BaseMismatchError
 from bitdelta.rpc.clients.delta_store import MAX_MESSAGE_BYTES
+from bitdelta.rpc import telemetry
+from bitdelta.rpc.metrics import StoreMetrics
 from bitdelta.rpc.serve import Server, Service, run_until_signal
 from bitdelta.rpc.serve import create_server as create_rpc_server
 from services.delta_store.backends import Backend, make_backend
@@ -42,8 +44,8 @@ STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
 
 
 class DeltaStoreServicer(pb_grpc.DeltaStoreServiceServicer):
-    def __init__(self, store: DeltaStore):
-        self.store = store
+    def __init__(self, store: DeltaStore, metrics: StoreMetrics | None = None):
+        self.store, self.metrics = store, metrics
 
     async def List(self, request, context):
         return pb.ListResponse(deltas=[d.info_proto() for d in await self.store.list()])
@@ -54,10 +56,14 @@ class DeltaStoreServicer(pb_grpc.DeltaStoreServiceServicer):
 
     async def Fetch(self, request, context):
         stream = await self.store.fetch(request.name, request.chunk_bytes, request.expect_base_fingerprint)
+        if self.metrics is not None:
+            self.metrics.fetches.labels(request.name).inc()
         async with stream:
             yield pb.FetchResponse(info=stream.delta.info_proto(), tensors=stream.delta.tensors_proto())
             async for c in stream:
                 yield pb.FetchResponse(chunk=pb.Chunk(tensor_index=c.tensor_index, offset=c.offset, data=c.data, crc32=c.crc32))
+                if self.metrics is not None:
+                    self.metrics.bytes_served.inc(len(c.data))
 
     async def Put(self, request_iterator, context):
         first = await anext(aiter(request_iterator), None)
@@ -80,14 +86,17 @@ class DeltaStoreServicer(pb_grpc.DeltaStoreServiceServicer):
 
 
 def create_server(config: Config, *, backend: Backend | None = None,
-                  tracer_provider: trace.TracerProvider | None = None) -> tuple[Server, DeltaStore]:
+                  tracer_provider: trace.TracerProvider | None = None,
+                  metrics: bool = False) -> tuple[Server, DeltaStore]:
     """The server bound to `config.address` (port 0: any free port; `server.port` says which) and its
     store; not started. Call in a running loop."""
     backend = backend or make_backend(config)
     policy = WeightedLRUPolicy(config.cache_bytes, half_life_s=config.rate_half_life_s, pin_top_n=config.pin_top_n)
     store = DeltaStore(backend, HostCache(policy), chunk_bytes=config.chunk_bytes, read_block_bytes=config.read_block_bytes,
                        verify_reads=config.verify_reads, tracer_provider=tracer_provider)
-    servicer = DeltaStoreServicer(store)
+    servicer = DeltaStoreServicer(store, StoreMetrics(lambda: dict(store.cache.stats), lambda: store.cache.used_bytes)
+                                  if metrics else None)  # fmt: skip
+    store.metrics = servicer.metrics  # StoreMetrics, or None
     service = Service(SERVICE_NAME, lambda s: pb_grpc.add_DeltaStoreServiceServicer_to_server(servicer, s))
     server = create_rpc_server(config.address, [service], STATUS_OF, max_message_bytes=MAX_MESSAGE_BYTES,
                                open_while_draining=("List", "Stat"))
@@ -95,7 +104,11 @@ def create_server(config: Config, *, backend: Backend | None = None,
 
 
 async def serve(config: Config) -> None:
-    server, store = create_server(config)
+    telemetry.setup("delta_store", config.otlp_endpoint, instance=config.address)
+    server, store = create_server(config, metrics=True)
+    metrics = store.metrics
+    if config.metrics_address:
+        metrics.serve(config.metrics_address)
     where = config.root if config.backend == "local" else f"{config.s3_endpoint or 'aws'}/{config.s3_bucket}/{config.s3_prefix}"
     log.info("delta store listening on port %d (%s), backend %s %s, cache %d bytes", server.port, config.address,
              config.backend, where, config.cache_bytes)
@@ -106,7 +119,11 @@ async def serve(config: Config) -> None:
         except BackendUnavailable as e:
             log.warning("the backend is unavailable at start-up (calls fail with UNAVAILABLE until it is back): %s", e)
 
-    await run_until_signal(server, config.grace_s, startup=startup(), on_stop=store.close)
+    try:
+        await run_until_signal(server, config.grace_s, startup=startup(), on_stop=store.close)
+    finally:
+        metrics.close()
+        telemetry.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:

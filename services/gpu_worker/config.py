@@ -49,6 +49,10 @@ class WorkerConfig(ServiceConfig):
     grace_s: float = setting(10.0, "SIGTERM: running streams get this long to finish")
     store_timeout_s: float = setting(600.0, "deadline of one Fetch from the delta store, seconds")
 
+    otlp_endpoint: str = setting("", "OTLP/gRPC collector for traces, e.g. http://jaeger:4317; empty: "
+                                 "OTEL_EXPORTER_OTLP_ENDPOINT, or no export")
+    metrics_address: str = setting("", "HOST:PORT of the Prometheus /metrics endpoint; empty: none",
+                                  check=lambda v: v and check_address(v))
     def __post_init__(self):
         self.check()
 

@@ -44,6 +44,7 @@ class TokenEvent:
     completion_tokens: int = 0
     ttft: dict | None = None  # on the first event: delta_load_ms, schedule_ms, prefill_ms, total_ms
     arrival: str = ""  # on the first event (set by the worker): the delta's state when the request arrived
+    prefill_batch: int = 0  # on the first event: sequences in the step that began this one's prefill (traces)
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Sequence:
     deadline: float | None = None  # time.monotonic() deadline
     t_submit: float = field(default_factory=time.perf_counter)
     t_first_sched: float | None = None
+    prefill_batch: int = 0  # sequences in the step that first scheduled this one (traces)
     sent_first: bool = False
 
 
@@ -159,6 +161,7 @@ class Engine:
             seq = self._seqs[s.seq_id]
             if seq.t_first_sched is None:
                 seq.t_first_sched = t0
+                seq.prefill_batch = len(work)
             toks = s.tokens[s.computed:s.computed + w.n_tokens]
             batch.append(SeqWork(toks, s.computed, s.slot, s.blocks, w.samples))
         logits = self.runner.forward(batch)  # [R, vocab] fp32, rows of the sampling sequences in order
@@ -210,6 +213,7 @@ class Engine:
         ev = TokenEvent(tok, text, (now - seq.t_arrival) * 1e3, reason, len(s.prompt), len(s.output))
         if not seq.sent_first:
             seq.sent_first = True
+            ev.prefill_batch = seq.prefill_batch
             ev.ttft = {
                 "delta_load_ms": seq.delta_load_ms,
                 "schedule_ms": (seq.t_first_sched - seq.t_submit) * 1e3,

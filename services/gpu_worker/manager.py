@@ -34,6 +34,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Callable
 
 from bitdelta.cache_policy import WeightedLRUPolicy
 import grpc
@@ -100,6 +101,8 @@ class DeltaManager:
         self.free_slots: list[int] = list(range(slots.n_slots - 1, -1, -1))
         self.peak_used_bytes = 0
         self.loads_started = 0  # load tasks created (coalesced calls share one)
+        self.evictions = 0  # deltas whose slot was freed by an eviction (policy, EvictDelta), for metrics
+        self.on_loaded: Callable[[str, int, float], None] | None = None  # (name, bytes, seconds), for metrics
         self._changed = asyncio.Event()
 
     # -- accounting --------------------------------------------------------------------------------
@@ -256,6 +259,8 @@ class DeltaManager:
             _settle(e.done, None)
             log.info("delta %s resident in slot %d (%d bytes, %.1f ms)", e.name, e.slot, e.bytes,
                      (time.perf_counter() - t0) * 1e3)
+            if self.on_loaded is not None:
+                self.on_loaded(e.name, e.bytes, time.perf_counter() - t0)
         except BaseException as exc:
             if writer is not None:
                 writer.abort()
@@ -353,6 +358,8 @@ class DeltaManager:
             if e.slot in self.slots.extras:
                 self.slots.extras = {k: v for k, v in self.slots.extras.items() if k != e.slot}
             self.free_slots.append(e.slot)
+        if not keep_entry and e.slot is not None:
+            self.evictions += 1
         e.slot, e.bytes = None, 0
         self.policy.remove(e.name)
         if not keep_entry:

@@ -9,12 +9,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 from bitdelta.common.v1 import generation_pb2
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
+from bitdelta.rpc import telemetry
+from bitdelta.rpc.errors import status_of
+from bitdelta.rpc.metrics import WorkerMetrics
 from bitdelta.rpc.serve import Server, Service, run_until_signal
 from bitdelta.rpc.serve import create_server as create_rpc_server
 from services.gpu_worker.errors import STATUS_OF
@@ -44,10 +48,33 @@ def slot_to_pb(s: SlotInfo) -> pb.DeltaSlot:
 
 
 class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
-    def __init__(self, worker: Worker):
-        self.worker = worker
+    def __init__(self, worker: Worker, metrics: WorkerMetrics | None = None):
+        self.worker, self.metrics = worker, metrics
 
     async def Generate(self, request, context):
+        if self.metrics is None:
+            async for msg in self._generate(request, context):
+                yield msg
+            return
+        m, model, status, last_ms = self.metrics, request.model_id or "base", "OK", None
+        try:
+            async for msg in self._generate(request, context):
+                if msg.HasField("ttft"):
+                    arrival = {pb.DELTA_STATE_ABSENT: "cold", pb.DELTA_STATE_LOADING: "loading"}.get(
+                        msg.arrival_state, "resident" if request.model_id else "base")
+                    m.ttft.labels(model, arrival).observe(msg.ttft.total_ms / 1e3)
+                elif last_ms is not None:
+                    m.itl.labels(model).observe((msg.elapsed_ms - last_ms) / 1e3)
+                m.tokens.labels(model).inc()
+                last_ms = msg.elapsed_ms
+                yield msg
+        except BaseException as e:
+            status = "CANCELLED" if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else status_of(e, STATUS_OF).name
+            raise
+        finally:
+            m.requests.labels(model, status).inc()
+
+    async def _generate(self, request, context):
         sp = request.sampling
         remaining = context.time_remaining()
         params = GenerateParams(
@@ -87,12 +114,12 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
         )  # fmt: skip
 
 
-def create_server(worker: Worker, address: str) -> Server:
+def create_server(worker: Worker, address: str, metrics: WorkerMetrics | None = None) -> Server:
     """A server for `worker` bound to `address` (port 0 picks a free port); not started.
 
     Health reports NOT_SERVING until `start_worker` has loaded the base.
     """
-    servicer = GpuWorkerServicer(worker)
+    servicer = GpuWorkerServicer(worker, metrics)
     service = Service(SERVICE, lambda s: pb_grpc.add_GpuWorkerServiceServicer_to_server(servicer, s))
     return create_rpc_server(address, [service], STATUS_OF, serving=False, max_message_bytes=MAX_MESSAGE_BYTES,
                              open_while_draining=("Status", "EvictDelta"))
@@ -114,8 +141,40 @@ async def drain_and_stop(worker: Worker, server: Server, grace_s: float) -> None
 
 async def serve(config) -> None:
     """The process: bind, load the base, serve until SIGTERM/SIGINT, drain."""
+    telemetry.setup("worker", config.otlp_endpoint, instance=config.address)
     worker = Worker(config)
-    server = create_server(worker, config.address)
+    metrics = worker_metrics(worker)
+    if config.metrics_address:
+        metrics.serve(config.metrics_address)
+    server = create_server(worker, config.address, metrics)
     log.info("gpu_worker listening on %s (port %d); loading base %s", config.address, server.port, config.base)
-    await run_until_signal(server, config.grace_s, startup=worker.start(), on_drain=worker.begin_drain,
-                           on_stop=worker.close)
+    try:
+        await run_until_signal(server, config.grace_s, startup=_start_with_metrics(worker, metrics),
+                               on_drain=worker.begin_drain, on_stop=worker.close)
+    finally:
+        metrics.close()
+        telemetry.shutdown()
+
+
+def worker_metrics(worker: Worker) -> WorkerMetrics:
+    """The worker's metrics; levels are read from the worker at scrape time."""
+
+    def state() -> dict:
+        mgr = worker.manager
+        if mgr is None or not worker.ready:
+            return dict.fromkeys(("resident_deltas", "delta_used_bytes", "loads", "evictions", "kv_blocks_used",
+                                  "kv_blocks_total", "running", "waiting"), 0) | {
+                "delta_budget_bytes": worker.config.delta_budget}
+        alloc = worker.scheduler.allocator
+        return {"resident_deltas": sum(e.state == DeltaState.RESIDENT for e in mgr.entries.values()),
+                "delta_used_bytes": mgr.used_bytes, "delta_budget_bytes": mgr.budget_bytes,
+                "loads": mgr.loads_started, "evictions": mgr.evictions,
+                "kv_blocks_used": alloc.n_blocks - alloc.n_free, "kv_blocks_total": alloc.n_blocks,
+                "running": worker.engine.running, "waiting": worker.engine.waiting}
+
+    return WorkerMetrics(state)
+
+
+async def _start_with_metrics(worker: Worker, metrics: WorkerMetrics) -> None:
+    await worker.start()
+    worker.manager.on_loaded = lambda name, nbytes, seconds: metrics.load_seconds.observe(seconds)

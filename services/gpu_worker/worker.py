@@ -8,6 +8,7 @@ plain Python methods (the servicer only translates protobuf to these).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -19,9 +20,11 @@ from pathlib import Path
 from typing import AsyncIterator
 
 import torch
+from opentelemetry import trace
 
 from bitdelta.cache_policy import WeightedLRUPolicy
 from bitdelta.checkpoint import fingerprint, read_config
+from bitdelta.rpc import telemetry
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.engine import Engine, Sequence, TokenEvent
 from services.gpu_worker.errors import InvalidArgument, ResourceExhausted, Unavailable
@@ -175,6 +178,7 @@ class Worker:
 
     async def generate(self, p: GenerateParams) -> AsyncIterator[TokenEvent]:
         t_arrival = time.perf_counter()
+        t_arrival_ns = first_ns = time.time_ns()  # traces: the engine's times become spans after the fact
         self._check_serving()
         name = None if self.is_base(p.model_id) else check_delta_name(p.model_id, "model_id")
         check_sampling(p)
@@ -210,8 +214,11 @@ class Worker:
                 arrival = {DeltaState.RESIDENT: "resident", DeltaState.LOADING: "loading"}.get(
                     self.manager.state_of(name), "absent")
                 t = time.perf_counter()
-                slot = await self.manager.acquire(name)
-                acquired = True
+                with _load_span(name, arrival) as span:  # the store's Fetch joins this trace (cold loads)
+                    slot = await self.manager.acquire(name)
+                    acquired = True
+                    entry = self.manager.entries.get(name)
+                    span.set_attribute("delta.bytes", entry.bytes if entry is not None else 0)
                 load_ms = (time.perf_counter() - t) * 1e3
             seq = Sequence(
                 state=SeqState(seq_id, ids, max_new, slot),
@@ -230,6 +237,9 @@ class Worker:
                 finished = ev.finish_reason is not None
                 if ev.ttft is not None:
                     ev.arrival = arrival
+                    first_ns = _trace_first_token(ev, t_arrival_ns, name, arrival, len(ids))
+                if finished and ev.completion_tokens:
+                    _trace_decode(ev, t_arrival_ns, first_ns)
                 yield ev
                 if finished:
                     return
@@ -273,6 +283,40 @@ class Worker:
             self.manager.budget_bytes, self.manager.used_bytes, self.engine.running, self.engine.waiting,
             self.scheduler.used_tokens(), self.scheduler.capacity_tokens(),
         )  # fmt: skip
+
+
+def _load_span(name: str, arrival: str):
+    """A live span around waiting for a delta that is not resident (nothing for a resident one)."""
+    if arrival == "resident":
+        return contextlib.nullcontext(trace.INVALID_SPAN)
+    return telemetry.tracer().start_as_current_span("worker.load_delta", attributes={
+        "delta.name": name, "arrival_state": {"absent": "cold"}.get(arrival, arrival),
+        "delta.load_joined": arrival == "loading"})
+
+
+def _trace_first_token(ev: TokenEvent, t0_ns: int, name: str | None, arrival: str, prompt_tokens: int) -> int:
+    """schedule wait and prefill as spans, from the engine's times (TokenEvent.ttft, ms since arrival)."""
+    span = trace.get_current_span()
+    t = ev.ttft
+    first = t0_ns + int(t["total_ms"] * 1e6)
+    prefill = first - int(t["prefill_ms"] * 1e6)
+    sched = prefill - int(t["schedule_ms"] * 1e6)
+    arrival = "base" if name is None else {"absent": "cold"}.get(arrival, arrival)  # the router's words
+    span.set_attributes({"model_id": name or "", "arrival_state": arrival, "prompt_tokens": prompt_tokens,
+                         "prefill.batch_size": ev.prefill_batch, **{f"ttft.{k}": v for k, v in t.items()}})
+    telemetry.record_span("worker.schedule", sched, prefill)
+    telemetry.record_span("worker.prefill", prefill, first, {"batch_size": ev.prefill_batch,
+                                                             "prompt_tokens": prompt_tokens})
+    span.add_event("first_token", timestamp=first)
+    return first
+
+
+def _trace_decode(ev: TokenEvent, t0_ns: int, first_ns: int) -> None:
+    """One span from the first token to the last, with the token count (not a span per token)."""
+    span = trace.get_current_span()
+    span.set_attributes({"completion_tokens": ev.completion_tokens, "finish_reason": ev.finish_reason or ""})
+    telemetry.record_span("worker.decode", first_ns, t0_ns + int(ev.elapsed_ms * 1e6),
+                          {"completion_tokens": ev.completion_tokens})
 
 
 def echo(value: str) -> str:

@@ -36,6 +36,10 @@ class RouterConfig(ServiceConfig):
     grace_s: float = setting(10.0, "SIGTERM: streams in flight get this long to finish")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR", parse=parse_log_level)
 
+    otlp_endpoint: str = setting("", "OTLP/gRPC collector for traces, e.g. http://jaeger:4317; empty: "
+                                 "OTEL_EXPORTER_OTLP_ENDPOINT, or no export")
+    metrics_address: str = setting("", "HOST:PORT of the Prometheus /metrics endpoint; empty: none",
+                                  check=lambda v: v and check_address(v))
     def check(self) -> None:
         if not self.workers:
             raise ConfigError(f"{self.flag_of('workers')} needs at least one HOST:PORT")

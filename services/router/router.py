@@ -31,6 +31,7 @@ from typing import AsyncIterator
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
+from bitdelta.rpc import telemetry
 from bitdelta.rpc.errors import RpcError, clip
 from services.router.config import RouterConfig
 from services.router.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
@@ -220,7 +221,9 @@ class Router:
         tried: list[str] = []
         try:
             while True:
-                address, arrival = await self._place(variant, tried, deadline)
+                with telemetry.tracer().start_as_current_span("router.placement") as span:
+                    address, arrival = await self._place(variant, tried, deadline)
+                    span.set_attributes({"worker": address, "arrival_state": arrival.value, "retry": bool(tried)})
                 queue_ms = (time.monotonic() - t0) * 1e3
                 w = self.pool.workers[address]
                 started = False
@@ -262,6 +265,7 @@ class Router:
                 return placed
         self._check_any_up(variant, exclude)
         ticket = self.admission.join(variant.model_id, clip(variant.model_id))
+        queued = telemetry.tracer().start_span("router.admission_queue", attributes={"queue_depth": len(self.admission)})
         try:
             while True:
                 try:
@@ -273,7 +277,12 @@ class Router:
                 if placed is not None:
                     return placed
                 self._check_any_up(variant, exclude)
+        except BaseException as e:
+            queued.record_exception(e)
+            queued.set_status(telemetry.Status(telemetry.StatusCode.ERROR, str(e)))
+            raise
         finally:
+            queued.end()
             self.admission.leave(ticket)
 
     def _try_place(self, variant: Variant, exclude: list[str]) -> tuple[str, Arrival] | None:

@@ -9,13 +9,17 @@ workers' and store's (`RpcError`, passed through).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.router.v1 import router_pb2 as pb
 from bitdelta.router.v1 import router_pb2_grpc as pb_grpc
+from bitdelta.rpc import telemetry
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient
+from bitdelta.rpc.errors import status_of
+from bitdelta.rpc.metrics import RouterMetrics
 from bitdelta.rpc.serve import Server, Service, run_until_signal
 from bitdelta.rpc.serve import create_server as create_rpc_server
 from services.router.config import RouterConfig
@@ -26,15 +30,45 @@ from services.router.router import Arrival, GenerateParams, Router
 log = logging.getLogger("services.router.server")
 SERVICE = pb.DESCRIPTOR.services_by_name["RouterService"].full_name
 MAX_MESSAGE_BYTES = 64 << 20
+TTFT_FIELDS = ("queue_ms", "delta_load_ms", "schedule_ms", "prefill_ms", "total_ms")
 ARRIVAL = {Arrival.BASE: pb.ARRIVAL_STATE_UNSPECIFIED, Arrival.RESIDENT: pb.ARRIVAL_STATE_RESIDENT,
            Arrival.LOADING: pb.ARRIVAL_STATE_LOADING, Arrival.COLD: pb.ARRIVAL_STATE_COLD}
+ARRIVAL_NAME = {v: ("base" if k == Arrival.BASE else k.value) for k, v in ARRIVAL.items()}
 
 
 class RouterServicer(pb_grpc.RouterServiceServicer):
-    def __init__(self, router: Router):
-        self.router = router
+    def __init__(self, router: Router, metrics: RouterMetrics | None = None):
+        self.router, self.metrics = router, metrics
 
     async def Generate(self, request, context):
+        status, last_ms, arrival = "OK", None, ""  # instrumentation: metrics and the span's attributes
+        span = telemetry.trace.get_current_span()
+        span.set_attribute("model_id", request.model_id)
+        try:
+            async for out in self._generate(request, context):
+                if out.HasField("ttft"):
+                    arrival = ARRIVAL_NAME[out.arrival_state]
+                    span.set_attributes({"worker": out.worker, "arrival_state": arrival, **{
+                        f"ttft.{k}": getattr(out.ttft, k) for k in TTFT_FIELDS}})  # fmt: skip
+                    if self.metrics:
+                        self.metrics.ttft.labels(request.model_id, arrival).observe(out.ttft.total_ms / 1e3)
+                if out.HasField("usage"):
+                    span.set_attributes({"prompt_tokens": out.usage.prompt_tokens,
+                                         "completion_tokens": out.usage.completion_tokens})
+                if self.metrics:
+                    self.metrics.tokens.labels(request.model_id).inc()
+                    if last_ms is not None:
+                        self.metrics.itl.labels(request.model_id).observe((out.elapsed_ms - last_ms) / 1e3)
+                last_ms = out.elapsed_ms
+                yield out
+        except BaseException as e:
+            status = "CANCELLED" if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else status_of(e, {}).name
+            raise
+        finally:
+            if self.metrics:
+                self.metrics.requests.labels(request.model_id, status).inc()
+
+    async def _generate(self, request, context):
         sp = request.sampling
         remaining = context.time_remaining()
         params = GenerateParams(
@@ -78,9 +112,9 @@ def build_router(config: RouterConfig) -> Router:
     return Router(config, pool, Registry(store, refresh_s=config.refresh_s, call_timeout_s=config.call_timeout_s))
 
 
-def create_server(router: Router, address: str) -> Server:
+def create_server(router: Router, address: str, metrics: RouterMetrics | None = None) -> Server:
     """A server for `router` bound to `address` (port 0 picks a free port); not started."""
-    servicer = RouterServicer(router)
+    servicer = RouterServicer(router, metrics)
     service = Service(SERVICE, lambda s: pb_grpc.add_RouterServiceServicer_to_server(servicer, s))
     return create_rpc_server(address, [service], {}, serving=False, max_message_bytes=MAX_MESSAGE_BYTES,
                              open_while_draining=("ListModels", "ListWorkers"))
@@ -92,8 +126,17 @@ async def close_router(router: Router) -> None:
 
 
 async def serve(config: RouterConfig) -> None:
+    telemetry.setup("router", config.otlp_endpoint, instance=config.address)
     router = build_router(config)
-    server = create_server(router, config.address)
+    metrics = RouterMetrics(queue_depth=lambda: len(router.admission),
+                            in_flight=lambda: {(k,): v for k, v in router.in_flight.items()})
+    if config.metrics_address:
+        metrics.serve(config.metrics_address)
+    server = create_server(router, config.address, metrics)
     log.info("router listening on %s (port %d); workers %s; delta store %s", config.address, server.port,
              ",".join(config.workers), config.delta_store)
-    await run_until_signal(server, config.grace_s, startup=router.start(), on_stop=lambda: close_router(router))
+    try:
+        await run_until_signal(server, config.grace_s, startup=router.start(), on_stop=lambda: close_router(router))
+    finally:
+        metrics.close()
+        telemetry.shutdown()

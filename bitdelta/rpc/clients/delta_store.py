@@ -36,6 +36,7 @@ from bitdelta.delta_store.v1 import delta_store_pb2 as pb
 from bitdelta.delta_store.v1 import delta_store_pb2_grpc as pb_grpc
 from bitdelta.rpc.checksums import crc32
 from bitdelta.rpc.errors import RpcError, from_aio_error
+from bitdelta.rpc.telemetry import client_interceptors
 
 MAX_CHUNK_BYTES = 16 * 1024 * 1024  # largest Fetch chunk payload the store sends
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 20)  # a chunk plus the first message's header listing
@@ -123,7 +124,7 @@ class DeltaStoreClient:
         self._channel = grpc.aio.insecure_channel(target, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ])  # fmt: skip
+        ], interceptors=client_interceptors())  # fmt: skip  (trace context to the callee)
         self._stub = pb_grpc.DeltaStoreServiceStub(self._channel)
 
     async def close(self) -> None:

@@ -18,6 +18,7 @@ from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.router.v1 import router_pb2 as pb
 from bitdelta.router.v1 import router_pb2_grpc as pb_grpc
 from bitdelta.rpc.errors import RpcError, from_aio_error
+from bitdelta.rpc.telemetry import client_interceptors
 
 MAX_MESSAGE_BYTES = 64 << 20
 
@@ -34,7 +35,7 @@ class RouterClient:
         self._channel = grpc.aio.insecure_channel(target, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ])  # fmt: skip
+        ], interceptors=client_interceptors())  # fmt: skip  (trace context to the callee)
         self._stub = pb_grpc.RouterServiceStub(self._channel)
 
     async def close(self) -> None:

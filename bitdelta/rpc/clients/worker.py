@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
 from bitdelta.rpc.errors import RpcError, from_aio_error
+from bitdelta.rpc.telemetry import client_interceptors
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GpuWorkerService"].full_name
 MAX_MESSAGE_BYTES = 64 << 20
@@ -38,7 +39,7 @@ class WorkerClient:
         self._channel = grpc.aio.insecure_channel(target, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ])  # fmt: skip
+        ], interceptors=client_interceptors())  # fmt: skip  (trace context to the callee)
         self._stub = pb_grpc.GpuWorkerServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
