@@ -194,11 +194,13 @@ class Server:
 
 def create_server(address: str, services: Sequence[Service], status_table: StatusTable, *, serving: bool = True,
                   max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, open_while_draining: Iterable[str] = (),
-                  interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> Server:
+                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                  credentials: grpc.ServerCredentials | None = None) -> Server:
     """A server for `services` bound to `address` (HOST:PORT; port 0 picks a free one), not started.
 
     `serving=False` keeps health NOT_SERVING after `start()` until `set_serving(True)` (a worker
     loading its base). Raises OSError naming the address when it cannot bind. Call in a running loop.
+    `credentials` (`bitdelta.rpc.security.TlsSettings.server_credentials`): TLS, else plain text.
     """
     calls = _Calls()
     names = [s.name for s in services]
@@ -214,7 +216,7 @@ def create_server(address: str, services: Sequence[Service], status_table: Statu
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
-        port = server.add_insecure_port(address)
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as e:
         raise OSError(f"cannot listen on {address}: {e}") from None
     if port == 0:

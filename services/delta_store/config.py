@@ -17,13 +17,14 @@ from urllib.parse import urlparse
 
 from bitdelta.rpc.clients.delta_store import MAX_CHUNK_BYTES
 from bitdelta.rpc.config import ConfigError, ServiceConfig, check_address, parse_log_level, setting
+from bitdelta.rpc.security import AuthSettings, TlsSettings
 from bitdelta.units import parse_bytes
 
 __all__ = ["Config", "ConfigError", "MAX_CHUNK_BYTES"]
 
 
 @dataclass(frozen=True)
-class Config(ServiceConfig):
+class Config(ServiceConfig, TlsSettings, AuthSettings):
     """BitDelta delta store: streams delta files from local disk or S3 through a host cache."""
 
     ENV_PREFIX: ClassVar[str] = "BITDELTA_DELTA_STORE_"
@@ -46,12 +47,14 @@ class Config(ServiceConfig):
     backend_timeout_s: float = setting(5.0, "timeout of one backend request, seconds")
     grace_s: float = setting(10.0, "seconds calls in flight get to finish on SIGTERM")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR", parse=parse_log_level)
-
     otlp_endpoint: str = setting("", "OTLP/gRPC collector for traces, e.g. http://jaeger:4317; empty: "
                                  "OTEL_EXPORTER_OTLP_ENDPOINT, or no export")
     metrics_address: str = setting("", "HOST:PORT of the Prometheus /metrics endpoint; empty: none",
                                   check=lambda v: v and check_address(v))
+
     def check(self) -> None:
+        self.check_tls()
+        self.tokens()  # a tokens file that cannot be used fails at start, naming the flag
         if self.backend not in ("local", "s3"):
             raise ConfigError(f"--backend must be 'local' or 's3', not {self.backend!r} ({self.ENV_PREFIX}BACKEND)")
         if self.backend == "local":

@@ -21,6 +21,7 @@ from bitdelta.format import BaseMismatchError
 from bitdelta.rpc.clients.delta_store import MAX_MESSAGE_BYTES
 from bitdelta.rpc import telemetry
 from bitdelta.rpc.metrics import StoreMetrics
+from bitdelta.rpc.security import AuthInterceptor, Role
 from bitdelta.rpc.serve import Server, Service, run_until_signal
 from bitdelta.rpc.serve import create_server as create_rpc_server
 from services.delta_store.backends import Backend, make_backend
@@ -42,6 +43,9 @@ STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
     BackendUnavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
+# With --tokens-file: Put and Delete need an admin token; List, Stat and Fetch need none (with mutual
+# TLS on, only holders of a certificate of the CA reach them).
+ADMIN_METHODS = {"Put": Role.ADMIN, "Delete": Role.ADMIN}
 
 class DeltaStoreServicer(pb_grpc.DeltaStoreServiceServicer):
     def __init__(self, store: DeltaStore, metrics: StoreMetrics | None = None):
@@ -99,7 +103,8 @@ def create_server(config: Config, *, backend: Backend | None = None,
     store.metrics = servicer.metrics  # StoreMetrics, or None
     service = Service(SERVICE_NAME, lambda s: pb_grpc.add_DeltaStoreServiceServicer_to_server(servicer, s))
     server = create_rpc_server(config.address, [service], STATUS_OF, max_message_bytes=MAX_MESSAGE_BYTES,
-                               open_while_draining=("List", "Stat"))
+                               open_while_draining=("List", "Stat"), credentials=config.server_credentials(),
+                               interceptors=[AuthInterceptor([SERVICE_NAME], config.tokens(), ADMIN_METHODS)])
     return server, store
 
 

@@ -19,6 +19,7 @@ from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
 from bitdelta.rpc import telemetry
 from bitdelta.rpc.errors import status_of
 from bitdelta.rpc.metrics import WorkerMetrics
+from bitdelta.rpc.security import AuthInterceptor, Role
 from bitdelta.rpc.serve import Server, Service, run_until_signal
 from bitdelta.rpc.serve import create_server as create_rpc_server
 from services.gpu_worker.errors import STATUS_OF
@@ -46,6 +47,9 @@ def slot_to_pb(s: SlotInfo) -> pb.DeltaSlot:
     return pb.DeltaSlot(name=s.name, state=STATES[s.state], bytes=s.bytes, pinned=s.pinned,
                         request_rate=s.request_rate, error=s.error)  # fmt: skip
 
+# With --tokens-file: loading and evicting deltas need an admin token; Generate and Status (the
+# router's calls) need none (with mutual TLS on, only holders of a certificate of the CA reach them).
+ADMIN_METHODS = {"LoadDelta": Role.ADMIN, "EvictDelta": Role.ADMIN}
 
 class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
     def __init__(self, worker: Worker, metrics: WorkerMetrics | None = None):
@@ -121,8 +125,10 @@ def create_server(worker: Worker, address: str, metrics: WorkerMetrics | None = 
     """
     servicer = GpuWorkerServicer(worker, metrics)
     service = Service(SERVICE, lambda s: pb_grpc.add_GpuWorkerServiceServicer_to_server(servicer, s))
+    c = worker.config
     return create_rpc_server(address, [service], STATUS_OF, serving=False, max_message_bytes=MAX_MESSAGE_BYTES,
-                             open_while_draining=("Status", "EvictDelta"))
+                             open_while_draining=("Status", "EvictDelta"), credentials=c.server_credentials(),
+                             interceptors=[AuthInterceptor([SERVICE], c.tokens(), ADMIN_METHODS)])
 
 
 async def start_worker(worker: Worker, server: Server) -> None:

@@ -8,11 +8,12 @@ from typing import ClassVar
 
 from bitdelta.rpc.config import (ConfigError, ServiceConfig, check_address, check_addresses, parse_list,
                                  parse_log_level, setting)
+from bitdelta.rpc.security import AuthSettings, TlsSettings
 from bitdelta.units import parse_bytes
 
 
 @dataclass(frozen=True)
-class RouterConfig(ServiceConfig):
+class RouterConfig(ServiceConfig, TlsSettings, AuthSettings):
     """BitDelta router: one public Generate for the base and every variant, over several workers."""
 
     ENV_PREFIX: ClassVar[str] = "BITDELTA_ROUTER_"
@@ -35,12 +36,14 @@ class RouterConfig(ServiceConfig):
     request_timeout_s: float = setting(600.0, "deadline of a Generate whose client set none, seconds")
     grace_s: float = setting(10.0, "SIGTERM: streams in flight get this long to finish")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR", parse=parse_log_level)
-
     otlp_endpoint: str = setting("", "OTLP/gRPC collector for traces, e.g. http://jaeger:4317; empty: "
                                  "OTEL_EXPORTER_OTLP_ENDPOINT, or no export")
     metrics_address: str = setting("", "HOST:PORT of the Prometheus /metrics endpoint; empty: none",
                                   check=lambda v: v and check_address(v))
+
     def check(self) -> None:
+        self.check_tls()
+        self.tokens()  # a tokens file that cannot be used fails at start, naming the flag
         if not self.workers:
             raise ConfigError(f"{self.flag_of('workers')} needs at least one HOST:PORT")
         if len(set(self.workers)) != len(self.workers):

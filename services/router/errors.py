@@ -26,6 +26,10 @@ class FailedPrecondition(RouterError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class PermissionDenied(RouterError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class ResourceExhausted(RouterError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

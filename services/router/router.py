@@ -33,8 +33,9 @@ from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
 from bitdelta.rpc import telemetry
 from bitdelta.rpc.errors import RpcError, clip
+from bitdelta.rpc.security import Principal
 from services.router.config import RouterConfig
-from services.router.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
+from services.router.errors import DeadlineExceeded, InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
 from services.router.placement import choose_worker
 from services.router.pool import WorkerPool
 from services.router.registry import Registry, Variant
@@ -72,6 +73,7 @@ class GenerateParams:
     seed: int = 0
     request_id: str = ""
     deadline: float | None = None  # time.monotonic() by which the request must end
+    principal: Principal | None = None  # the caller's token (None: auth off); checked before the lookup
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,8 @@ class Router:
         self.validate(p)
         if self.pool.family_base() is None:
             await self.pool.poll_all()  # no worker has answered yet (e.g. just started): ask now
+        if p.principal is not None:
+            self.check_allowed(p.principal, p.model_id)  # before the lookup: a refusal says nothing of what exists
         variant = await self.registry.lookup(p.model_id, self.pool.family_base())
         deadline = p.deadline if p.deadline is not None else t0 + self.config.request_timeout_s
         request = wpb.GenerateRequest(
@@ -256,6 +260,15 @@ class Router:
             self.in_flight[variant.model_id] -= 1
             if self.in_flight[variant.model_id] <= 0:
                 del self.in_flight[variant.model_id]
+
+    def check_allowed(self, who: Principal, model_id: str) -> None:
+        """PERMISSION_DENIED unless `who`'s token may use `model_id` ("" or the base's name: the base)."""
+        base = self.pool.family_base()
+        is_base = not model_id or (base is not None and model_id == base.name)
+        name = base.name if is_base and base is not None else (model_id or "base")
+        if not who.may_use(name, is_base):
+            shown = "the base" if is_base else f"model {clip(model_id)}"
+            raise PermissionDenied(f"token {who.name!r} may not use {shown}; it may use {who.shown_variants()}")
 
     async def _place(self, variant: Variant, exclude: list[str], deadline: float) -> tuple[str, Arrival]:
         """A worker with room for `variant` (acquired), waiting in the admission queue if all are full."""

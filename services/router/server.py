@@ -20,6 +20,7 @@ from bitdelta.rpc import telemetry
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient
 from bitdelta.rpc.errors import status_of
 from bitdelta.rpc.metrics import RouterMetrics
+from bitdelta.rpc.security import AuthInterceptor, Role, current_principal
 from bitdelta.rpc.serve import Server, Service, run_until_signal
 from bitdelta.rpc.serve import create_server as create_rpc_server
 from services.router.config import RouterConfig
@@ -31,6 +32,8 @@ log = logging.getLogger("services.router.server")
 SERVICE = pb.DESCRIPTOR.services_by_name["RouterService"].full_name
 MAX_MESSAGE_BYTES = 64 << 20
 TTFT_FIELDS = ("queue_ms", "delta_load_ms", "schedule_ms", "prefill_ms", "total_ms")
+# With --tokens-file: every method needs a known token; ListWorkers (the workers' addresses and load) an admin one.
+ROLES = {"ListWorkers": Role.ADMIN}
 ARRIVAL = {Arrival.BASE: pb.ARRIVAL_STATE_UNSPECIFIED, Arrival.RESIDENT: pb.ARRIVAL_STATE_RESIDENT,
            Arrival.LOADING: pb.ARRIVAL_STATE_LOADING, Arrival.COLD: pb.ARRIVAL_STATE_COLD}
 ARRIVAL_NAME = {v: ("base" if k == Arrival.BASE else k.value) for k, v in ARRIVAL.items()}
@@ -75,6 +78,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             model_id=request.model_id, prompt=request.prompt, max_new_tokens=sp.max_new_tokens,
             temperature=sp.temperature, top_p=sp.top_p, stop=tuple(sp.stop), seed=sp.seed,
             request_id=request.request_id, deadline=None if remaining is None else time.monotonic() + remaining,
+            principal=current_principal(),
         )  # fmt: skip
         async for ev in self.router.generate(params):
             m = ev.msg
@@ -91,11 +95,13 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             yield out
 
     async def ListModels(self, request, context):
+        who = current_principal()  # with tokens on: only the models this token may use
         return pb.ListModelsResponse(models=[pb.ModelInfo(
             model_id=e.variant.model_id, base_model=e.variant.base_model, delta_bytes=e.variant.delta_bytes,
             resident_on=e.resident_on, servable=e.servable, reason=e.reason, in_flight=e.in_flight,
             loading_on=e.loading_on, base_fingerprint=e.variant.base_fingerprint, is_base=e.variant.is_base,
-        ) for e in await self.router.models()])  # fmt: skip
+        ) for e in await self.router.models()
+            if who is None or who.may_use(e.variant.model_id, e.variant.is_base)])  # fmt: skip
 
     async def ListWorkers(self, request, context):
         return pb.ListWorkersResponse(workers=[pb.WorkerInfo(
@@ -116,8 +122,10 @@ def create_server(router: Router, address: str, metrics: RouterMetrics | None = 
     """A server for `router` bound to `address` (port 0 picks a free port); not started."""
     servicer = RouterServicer(router, metrics)
     service = Service(SERVICE, lambda s: pb_grpc.add_RouterServiceServicer_to_server(servicer, s))
+    c = router.config
     return create_rpc_server(address, [service], {}, serving=False, max_message_bytes=MAX_MESSAGE_BYTES,
-                             open_while_draining=("ListModels", "ListWorkers"))
+                             open_while_draining=("ListModels", "ListWorkers"), credentials=c.server_credentials(),
+                             interceptors=[AuthInterceptor([SERVICE], c.tokens(), ROLES, default=Role.USER)])
 
 
 async def close_router(router: Router) -> None:

@@ -9,6 +9,9 @@
 Each service runs with the exact command line a user would type (`python -m services.<name>`),
 logs to a file under the test's directory (shown when a start fails), and is stopped with
 SIGTERM at the end (SIGKILL after a timeout). Nothing is mocked.
+
+TLS and tokens (tests/test_security.py): pass each service its flags in `extra` (`tls_flags`)
+and give the cluster the `credentials` its own health checks present (`Cluster(..., credentials=)`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def tls_flags(certs: Path, name: str, client_auth: bool = True) -> tuple[str, ...]:
+    """A service's TLS flags for certificates made by `bitdelta.rpc.certs` in `certs` (`name`.pem/.key)."""
+    out = ("--tls-ca", str(certs / "ca.pem"), "--tls-cert", str(certs / f"{name}.pem"),
+           "--tls-key", str(certs / f"{name}.key"))
+    return out if client_auth else (*out, "--no-tls-client-auth")
 
 
 def free_port() -> int:
@@ -64,8 +74,10 @@ class Proc:
 
 
 class Cluster:
-    def __init__(self, workdir: Path, env: dict[str, str] | None = None):
+    def __init__(self, workdir: Path, env: dict[str, str] | None = None,
+                 credentials: grpc.ChannelCredentials | None = None):
         self.workdir = Path(workdir)
+        self.credentials = credentials  # for wait_serving's health checks when the services serve TLS
         self.workdir.mkdir(parents=True, exist_ok=True)
         # the compiled C kernels on CPU (the Triton interpreter costs seconds per token at model sizes);
         # one thread per process: several share the test machine's cores
@@ -142,7 +154,8 @@ class Cluster:
     def wait_serving(self, *procs: Proc, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
         for p in procs:
-            with grpc.insecure_channel(p.address) as ch:
+            with (grpc.secure_channel(p.address, self.credentials) if self.credentials
+                  else grpc.insecure_channel(p.address)) as ch:
                 stub = health_pb2_grpc.HealthStub(ch)
                 while True:
                     if not p.alive():
