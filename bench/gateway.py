@@ -1,0 +1,196 @@
+"""What the HTTP gateway costs: its time to first token against calling the router directly, under
+a bounded concurrent load, measured in one run on loopback.
+
+Starts a delta store, one worker, the router and the gateway as processes (the tiny random family
+with `--variants` variants, so the HTTP layer is a visible share of the time; on a real model it is
+a smaller one). For each concurrency in `--concurrency`, `--rounds` times in turn: `C` closed-loop
+clients send streamed requests for random resident variants (`--tokens` tokens each) for
+`--seconds`, once through the gateway (`POST /v1/completions`, `stream: true`, over one keep-alive
+HTTP/1.1 connection per client, read as raw bytes so the client's own parsing is not counted), once
+straight to the router (`RouterClient.generate`). Time to first token is from sending the request
+to the first token's bytes (the first SSE `data:` event, the first gRPC message). Printed: p50 and
+p99 of each and their ratios gateway ÷ router, and requests/s of both.
+
+    python bench/gateway.py [--variants 4] [--concurrency 1,8] [--seconds 5] [--rounds 2] [--tokens 16] \
+        [--out bench/results/gateway_cpu_<date>.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from bitdelta.rpc.clients.router import RouterClient  # noqa: E402
+
+PROMPT = "The quick brown fox"
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+class HttpStream:
+    """One keep-alive HTTP/1.1 connection to the gateway; `complete()` -> ms to the first SSE event."""
+
+    def __init__(self, address: str):
+        self.host, port = address.rsplit(":", 1)
+        self.port = int(port)
+        self.reader = self.writer = None
+
+    async def complete(self, model: str, tokens: int) -> float:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0,
+                           "stream": True}).encode()  # fmt: skip
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+        t = time.perf_counter()
+        self.writer.write(head + body)
+        buf, ttft = b"", None
+        while not buf.endswith(b"0\r\n\r\n"):  # the last chunk of a chunked body
+            data = await self.reader.read(65536)
+            if not data:
+                raise RuntimeError(f"the gateway closed the connection: {buf[:300]!r}")
+            buf += data
+            if ttft is None and b"data: {" in buf:
+                ttft = (time.perf_counter() - t) * 1e3
+        if not buf.startswith(b"HTTP/1.1 200") or b"data: [DONE]" not in buf:
+            raise RuntimeError(f"bad answer: {buf[:300]!r}")
+        return ttft
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def ttft_router(r: RouterClient, model: str, tokens: int) -> float:
+    t, ttft = time.perf_counter(), None
+    async for _ in r.generate(model, PROMPT, max_new_tokens=tokens):
+        if ttft is None:
+            ttft = (time.perf_counter() - t) * 1e3
+    return ttft
+
+
+async def load(make_send, models: list[str], concurrency: int, seconds: float) -> tuple[list[float], float]:
+    """(time to first token of every request in ms, requests/s) of `concurrency` closed-loop clients."""
+    ttfts: list[float] = []
+    stop = time.perf_counter() + seconds
+
+    async def client(seed: int):
+        rng = random.Random(seed)
+        send, close = await make_send()
+        try:
+            while time.perf_counter() < stop:
+                ttfts.append(await send(rng.choice(models)))
+        finally:
+            await close()
+
+    t = time.perf_counter()
+    await asyncio.gather(*[client(i) for i in range(concurrency)])
+    return ttfts, len(ttfts) / (time.perf_counter() - t)
+
+
+async def run(a: argparse.Namespace) -> dict:
+    from servers.cluster import Cluster
+    from services.gpu_worker.testing import make_test_family
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fam = make_test_family(Path(tmp) / "family", n_variants=a.variants, merged=False)
+        for bad in (fam.corrupt, fam.other_base):
+            os.remove(fam.delta_path(bad))
+        with Cluster(Path(tmp) / "cluster") as c:
+            st = c.store(fam.deltas)
+            w = c.worker(fam.base, st.address, delta_budget="64MiB")
+            r = c.router([w.address], st.address)
+            c.wait_serving(st, w, r)
+            g = c.gateway(r.address)
+            async with RouterClient(r.address) as router:
+                while not all(x.up for x in await router.list_workers()):
+                    await asyncio.sleep(0.1)
+                models = [m.model_id for m in await router.list_models() if m.servable]
+                warm = HttpStream(g.address)
+                for m in models:  # every delta resident, both paths touched
+                    await ttft_router(router, m, 2)
+                    await warm.complete(m, 2)
+                await warm.close()
+
+                async def via_gateway():
+                    s = HttpStream(g.address)
+                    return (lambda m: s.complete(m, a.tokens)), s.close
+
+                async def via_router():
+                    async def nothing():
+                        pass
+                    return (lambda m: ttft_router(router, m, a.tokens)), nothing
+
+                out = {}
+                for conc in a.concurrency:
+                    gw, direct, gw_rps, direct_rps = [], [], [], []
+                    for _ in range(a.rounds):  # alternate, so drift on a shared machine hits both alike
+                        x, rps = await load(via_gateway, models, conc, a.seconds)
+                        gw += x
+                        gw_rps.append(rps)
+                        x, rps = await load(via_router, models, conc, a.seconds)
+                        direct += x
+                        direct_rps.append(rps)
+                    out[conc] = {"requests": [len(gw), len(direct)],
+                                 "gateway_p50": statistics.median(gw), "gateway_p99": pct(gw, 0.99),
+                                 "router_p50": statistics.median(direct), "router_p99": pct(direct, 0.99),
+                                 "gateway_req_s": statistics.mean(gw_rps), "router_req_s": statistics.mean(direct_rps)}
+    return {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} cores",
+            "variants": a.variants, "seconds": a.seconds, "rounds": a.rounds, "tokens_per_request": a.tokens,
+            "by_concurrency": out}
+
+
+def report(res: dict) -> str:
+    lines = [f"gateway benchmark, {res['date']}, {res['machine']}, tiny random family with {res['variants']} "
+             "variants + base, store + worker + router + gateway as processes on loopback",
+             f"time to first token of streamed requests ({res['tokens_per_request']} tokens each, resident variants), "
+             f"closed-loop clients, {res['rounds']} x {res['seconds']:.0f} s per path, paths alternating:"]
+    for conc, t in res["by_concurrency"].items():
+        lines += [
+            f"  {conc} concurrent ({t['requests'][0]} via gateway, {t['requests'][1]} direct):",
+            f"    p50: gateway {t['gateway_p50']:.2f} ms vs router {t['router_p50']:.2f} ms -> "
+            f"ratio {t['gateway_p50'] / t['router_p50']:.2f} (+{t['gateway_p50'] - t['router_p50']:.2f} ms)",
+            f"    p99: gateway {t['gateway_p99']:.2f} ms vs router {t['router_p99']:.2f} ms -> "
+            f"ratio {t['gateway_p99'] / t['router_p99']:.2f} (+{t['gateway_p99'] - t['router_p99']:.2f} ms)",
+            f"    throughput: gateway {t['gateway_req_s']:.1f} req/s vs router {t['router_req_s']:.1f} req/s -> "
+            f"ratio {t['gateway_req_s'] / t['router_req_s']:.2f}",
+        ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", type=int, default=4)
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--out", type=Path, help="write the report here (and the numbers as .json beside it)")
+    a = ap.parse_args()
+    res = asyncio.run(run(a))
+    text = report(res)
+    print(text)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text + "\n")
+        a.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
