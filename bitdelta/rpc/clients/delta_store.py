@@ -35,8 +35,8 @@ import grpc
 from bitdelta.delta_store.v1 import delta_store_pb2 as pb
 from bitdelta.delta_store.v1 import delta_store_pb2_grpc as pb_grpc
 from bitdelta.rpc.checksums import crc32
-from bitdelta.rpc.errors import RpcError, from_aio_error
-from bitdelta.rpc.telemetry import client_interceptors
+from bitdelta.rpc.clients.base import Client
+from bitdelta.rpc.errors import RpcError
 
 MAX_CHUNK_BYTES = 16 * 1024 * 1024  # largest Fetch chunk payload the store sends
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 20)  # a chunk plus the first message's header listing
@@ -108,7 +108,7 @@ class FetchStream:
                                          f"but the store announced {len(self.tensors)} tensors")
                     yield m.chunk
         except grpc.aio.AioRpcError as e:
-            raise self._client._error(e, f"Fetch({self.info.name!r})") from None
+            raise self._client._error(e, f"Fetch({self.info.name[:80]!r})") from None
         finally:
             self._call.cancel()
 
@@ -116,50 +116,28 @@ class FetchStream:
         self._call.cancel()
 
 
-class DeltaStoreClient:
+class DeltaStoreClient(Client):
     """One channel to a delta store; share it. Use `async with` or call `close()`."""
 
-    def __init__(self, target: str, *, timeout_s: float = 30.0, fetch_timeout_s: float = 600.0):
-        self.target, self.timeout_s, self.fetch_timeout_s = target, timeout_s, fetch_timeout_s
-        self._channel = grpc.aio.insecure_channel(target, options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ], interceptors=client_interceptors())  # fmt: skip  (trace context to the callee)
-        self._stub = pb_grpc.DeltaStoreServiceStub(self._channel)
+    SERVICE = SERVICE
+    ERROR = DeltaStoreError
+    ERROR_TYPES = _TYPES
+    MAX_MESSAGE_BYTES = MAX_MESSAGE_BYTES
 
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def __aenter__(self) -> "DeltaStoreClient":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
-
-    def _error(self, e: grpc.aio.AioRpcError, what: str) -> DeltaStoreError:
-        err = from_aio_error(e, f"{SERVICE} {self.target}", what, _TYPES)
-        if type(err) is RpcError:
-            err = DeltaStoreError(str(err), err.code, service=err.service, details=err.details, trailers=err.trailers)
-        return err
+    def __init__(self, target: str, *, timeout_s: float = 30.0, fetch_timeout_s: float = 600.0,
+                 credentials: grpc.ChannelCredentials | None = None, token: str = ""):
+        super().__init__(target, timeout_s=timeout_s, credentials=credentials, token=token)  # TLS, bearer
+        self.fetch_timeout_s = fetch_timeout_s
+        self._stub = pb_grpc.DeltaStoreServiceStub(self.channel)
 
     async def list(self, timeout_s: float | None = None) -> list[pb.DeltaInfo]:
-        try:
-            r = await self._stub.List(pb.ListRequest(), timeout=timeout_s or self.timeout_s)
-        except grpc.aio.AioRpcError as e:
-            raise self._error(e, "List") from None
-        return list(r.deltas)
+        return list((await self._unary(self._stub.List, pb.ListRequest(), "List", timeout_s)).deltas)
 
     async def stat(self, name: str, timeout_s: float | None = None) -> pb.StatResponse:
-        try:
-            return await self._stub.Stat(pb.StatRequest(name=name), timeout=timeout_s or self.timeout_s)
-        except grpc.aio.AioRpcError as e:
-            raise self._error(e, "Stat") from None
+        return await self._unary(self._stub.Stat, pb.StatRequest(name=name), f"Stat({name[:80]!r})", timeout_s)
 
     async def delete(self, name: str, timeout_s: float | None = None) -> None:
-        try:
-            await self._stub.Delete(pb.DeleteRequest(name=name), timeout=timeout_s or self.timeout_s)
-        except grpc.aio.AioRpcError as e:
-            raise self._error(e, "Delete") from None
+        await self._unary(self._stub.Delete, pb.DeleteRequest(name=name), f"Delete({name[:80]!r})", timeout_s)
 
     async def put(self, name: str, data: bytes | str | os.PathLike, *, overwrite: bool = False,
                   chunk_bytes: int = 1 << 20, timeout_s: float | None = None) -> pb.DeltaInfo:
@@ -177,10 +155,7 @@ class DeltaStoreClient:
                     while piece := await f.read(chunk_bytes):
                         yield pb.PutRequest(data=piece)
 
-        try:
-            r = await self._stub.Put(requests(), timeout=timeout_s or self.fetch_timeout_s)
-        except grpc.aio.AioRpcError as e:
-            raise self._error(e, "Put") from None
+        r = await self._unary(self._stub.Put, requests(), f"Put({name[:80]!r})", timeout_s or self.fetch_timeout_s)
         return r.info
 
     async def open_fetch(self, name: str, *, expect_base_fingerprint: str = "", chunk_bytes: int = 0,
@@ -197,7 +172,7 @@ class DeltaStoreClient:
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as e:
-            raise self._error(e, f"Fetch({name!r})") from None
+            raise self._error(e, f"Fetch({name[:80]!r})") from None
         except BaseException:
             call.cancel()
             raise
