@@ -18,17 +18,13 @@ import socket
 import time
 from pathlib import Path
 
-import grpc
 import openai
 import pytest
 import pytest_asyncio
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb
-from bitdelta.router.v1 import router_pb2 as pb
-from bitdelta.router.v1 import router_pb2_grpc as pb_grpc
 from bitdelta.rpc.clients.router import RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
-from bitdelta.rpc.serve import Service, create_server
 from servers.cluster import Cluster, free_port
 from services.gateway.chat import ChatTemplate, ChatTemplateError
 from services.gpu_worker.testing import make_test_family
@@ -386,38 +382,40 @@ async def test_full_queue_is_429_and_deadline_is_504(clients, cluster):
 # -- Authorization -----------------------------------------------------------------------------------------
 
 
-class _RecordingRouter(pb_grpc.RouterServiceServicer):
-    """Stands in for the router in this one test: the real router does not check tokens yet, so it
-    cannot show what metadata it received. It records the metadata and answers one token."""
-
-    def __init__(self):
-        self.metadata: list[dict] = []
-
-    async def Generate(self, request, context):
-        self.metadata.append(dict(context.invocation_metadata()))
-        yield pb.GenerateResponse(token_id=1, text="ok", finish_reason=gen_pb.FINISH_REASON_EOS,
-                                  usage=gen_pb.Usage(prompt_tokens=1, completion_tokens=1))  # fmt: skip
-
-
-async def test_authorization_is_forwarded_to_the_router(cluster):
-    rec = _RecordingRouter()
-    server = create_server("127.0.0.1:0", [Service("bitdelta.router.v1.RouterService",
-                                                   lambda s: pb_grpc.add_RouterServiceServicer_to_server(rec, s))],
-                           status_table={})  # fmt: skip
-    await server.start()
-    g = await asyncio.to_thread(cluster.gateway, f"127.0.0.1:{server.port}", name="gateway-auth")
+async def test_authorization_is_forwarded_to_the_router(cluster, tmp_path):
+    """A router that checks bearer tokens (--tokens-file): the gateway forwards the HTTP Authorization
+    header as the gRPC `authorization` metadata, so the router's answers follow the token."""
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"sk-alice": {"name": "alice", "variants": ["v0"]}}))
+    ra = cluster.router([cluster.w.address], cluster.st.address, name="router-auth",
+                        extra=("--tokens-file", str(tokens)))
+    cluster.wait_serving(ra)
+    ga = await asyncio.to_thread(cluster.gateway, ra.address, name="gateway-auth")
     try:
-        async with oai(g, api_key="sk-secret-123") as client:
-            r = await client.completions.create(model="anything", prompt="hi", max_tokens=1)
-            assert r.choices[0].text == "ok" and r.choices[0].finish_reason == "stop"
-        got, _ = await asyncio.to_thread(http, g, "POST", "/v1/completions",
-                                         json.dumps({"model": "m", "prompt": "hi"}).encode())  # fmt: skip
-        assert got == 200
+        async with oai(ga, api_key="sk-alice") as alice, oai(ga, api_key="sk-mallory") as mallory, \
+                RouterClient(ra.address, generate_timeout_s=T, token="sk-alice") as direct:  # fmt: skip
+            deadline = time.monotonic() + 60
+            while not any(m.model_id == "v0" and m.servable for m in await direct.list_models()):
+                assert time.monotonic() < deadline, "the router never saw its worker up"
+                await asyncio.sleep(0.1)
+            want, _ = await router_text(direct, "v0", "The quick brown fox")
+            r = await alice.completions.create(model="v0", prompt="The quick brown fox", max_tokens=N, temperature=0)
+            assert r.choices[0].text == want
+            assert [m.id for m in (await alice.models.list()).data] == ["v0"], "ListModels follows the token"
+            with pytest.raises(openai.PermissionDeniedError) as e:
+                await alice.completions.create(model="v1", prompt="hi", max_tokens=2)
+            assert_error_shape(e.value.response.json(), 403, e.value.status_code)
+            with pytest.raises(openai.AuthenticationError) as e:
+                await mallory.completions.create(model="v0", prompt="hi", max_tokens=2)
+            assert_error_shape(e.value.response.json(), 401, e.value.status_code, None, "not valid")
+        got, out = await asyncio.to_thread(http, ga, "POST", "/v1/completions",
+                                           json.dumps({"model": "v0", "prompt": "hi"}).encode())  # fmt: skip
+        assert_error_shape(out, 401, got, None, "bearer token")
+        got, _ = await asyncio.to_thread(http, ga, "GET", "/ready")
+        assert got == 200, "a router that refuses a token-less probe is up"
     finally:
-        g.stop()
-        await server.stop(0)
-    assert rec.metadata[0].get("authorization") == "Bearer sk-secret-123"
-    assert "authorization" not in rec.metadata[1], "no header, no metadata"
+        ga.stop()
+        ra.stop()
 
 
 # -- disconnects -------------------------------------------------------------------------------------------

@@ -200,7 +200,8 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
     @contextlib.asynccontextmanager
     async def lifespan(app):
         state["router"] = RouterClient(config.router, timeout_s=config.call_timeout_s,
-                                       generate_timeout_s=config.request_timeout_s)
+                                       generate_timeout_s=config.request_timeout_s,
+                                       credentials=config.channel_credentials())
         log.info("gateway for router %s; chat template: %s", config.router,
                  templates.base.origin if templates.base else "none (chat answers 400)")
         try:
@@ -231,7 +232,7 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
 
     async def list_models(request: HttpRequest) -> Response:
         try:
-            models = await state["router"].list_models()
+            models = await state["router"].list_models(metadata=metadata(request))  # lists what the token may use
         except RouterCallError as e:
             raise api.error_of_rpc(e.code, e.details or str(e)) from None
         return JSONResponse(api.model_list(models, config.owned_by))
@@ -239,7 +240,7 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
     async def get_model(request: HttpRequest) -> Response:
         name = request.path_params["model"]
         try:
-            models = await state["router"].list_models()
+            models = await state["router"].list_models(metadata=metadata(request))
         except RouterCallError as e:
             raise api.error_of_rpc(e.code, e.details or str(e)) from None
         for m in api.model_list(models, config.owned_by)["data"]:
@@ -267,7 +268,9 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
         try:
             await state["router"].list_models(timeout_s=min(config.call_timeout_s, 2.0))
         except RouterCallError as e:
-            return JSONResponse({"status": "router unavailable", "detail": e.details or str(e)}, status_code=503)
+            if e.code not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                return JSONResponse({"status": "router unavailable", "detail": e.details or str(e)}, status_code=503)
+            # the router answered (it checks tokens and this probe has none): it is up
         return JSONResponse({"status": "ok"})
 
     async def on_api_error(request: HttpRequest, e: ApiError) -> Response:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from bitdelta.rpc.config import ConfigError, ServiceConfig, check_address, parse_list, parse_log_level, setting
+from bitdelta.rpc.security import TlsSettings
 from bitdelta.units import parse_bytes
 
 
@@ -19,9 +20,13 @@ def check_variant_templates(values: tuple[str, ...]) -> None:
 
 
 @dataclass(frozen=True)
-class GatewayConfig(ServiceConfig):
+class GatewayConfig(ServiceConfig, TlsSettings):
     """BitDelta gateway: the OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions)
-    in front of a router."""
+    in front of a router.
+
+    The --tls-* settings are for the gateway's calls to the router (verify it against --tls-ca; present
+    --tls-cert/--tls-key when the router requires client certificates); HTTP itself is plain: terminate
+    HTTPS in front of the gateway (ingress, load balancer)."""
 
     ENV_PREFIX: ClassVar[str] = "BITDELTA_GATEWAY_"
     PROG: ClassVar[str] = "python -m services.gateway"
@@ -44,6 +49,7 @@ class GatewayConfig(ServiceConfig):
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR", parse=parse_log_level)
 
     def check(self) -> None:
+        self.check_tls(needs_server_cert=False)
         for name in ("request_timeout_s", "call_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{self.flag_of(name)} must be > 0, got {getattr(self, name)}")
