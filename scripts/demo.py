@@ -1,8 +1,9 @@
 """The main job, end to end on one machine: serve the real model family through the router.
 
 Starts, as separate processes on loopback ports, the delta store (local backend over
-data/deltas), TWO workers each holding the SmolLM2-135M base once, and the router in front of
-them; then sends real requests through the router's public `Generate`:
+data/deltas), TWO workers each holding the SmolLM2-135M base once, the router in front of
+them and the OpenAI-compatible gateway in front of the router; then sends real requests
+through the router's public `Generate`:
 
 1. one request to the base and to every variant at once (all cold: each variant's delta is
    streamed from the store into a worker's slot on first use),
@@ -11,8 +12,9 @@ them; then sends real requests through the router's public `Generate`:
 3. one request to a variant evicted just before (cold again: its TTFT shows the delta load),
 
 and prints each answer with the worker that served it and its time-to-first-token breakdown,
-then the models and workers the router reports, a `grpcurl` line to try, and stops everything
-with SIGTERM (each service drains).
+then the models and workers the router reports and a `grpcurl` line to try; then one call to
+the gateway as curl would send it and the `openai` SDK streaming from a variant; and stops
+everything with SIGTERM (each service drains).
 
     .venv/bin/python scripts/demo.py [--max-new-tokens 40] [--keep-running]
 """
@@ -153,6 +155,64 @@ async def demo(router_addr: str, worker_addrs: list[str], variants: list[str], m
               f"{router_addr} bitdelta.router.v1.RouterService/Generate")
 
 
+def has_chat_template(base: Path) -> bool:
+    cfg = base / "tokenizer_config.json"
+    return (base / "chat_template.jinja").is_file() or (cfg.is_file() and "chat_template" in cfg.read_text())
+
+
+async def wait_http(url: str, proc: subprocess.Popen, what: str, timeout: float = 60.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited with code {proc.returncode}; see its log in .tmp/demo-logs/")
+        try:
+            await asyncio.to_thread(urllib.request.urlopen, url, timeout=2)
+            return
+        except OSError:
+            await asyncio.sleep(0.3)
+    raise SystemExit(f"{what} did not answer {url} within {timeout:.0f} s")
+
+
+async def openai_demo(base_url: str, variants: list[str], max_new: int, chat: bool) -> None:
+    """The same family through the OpenAI-compatible gateway: one plain HTTP call (what curl sends)
+    and the official `openai` SDK streaming from a variant."""
+    import json
+    import urllib.request
+
+    model = variants[1] if len(variants) > 1 else variants[0]
+    if chat:
+        path, body = "chat/completions", {"model": model, "max_tokens": max_new, "temperature": 0,
+                                          "messages": [{"role": "user", "content": "Write two lines about the sea."}]}
+    else:
+        path, body = "completions", {"model": model, "prompt": PROMPTS[model], "max_tokens": max_new, "temperature": 0}
+    print(f"\n=== the OpenAI-compatible gateway\n\n    curl {base_url}/{path} -H 'Content-Type: application/json' "
+          f"-d '{json.dumps(body)}'\n")
+    req = urllib.request.Request(f"{base_url}/{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    r = json.loads((await asyncio.to_thread(urllib.request.urlopen, req, timeout=600)).read())
+    choice = r["choices"][0]
+    text = choice["message"]["content"] if chat else choice["text"]
+    print("    " + text.replace("\n", "\n    ") + f"\n    [{r['usage']['completion_tokens']} tokens, "
+          f"finish_reason {choice['finish_reason']}]\n")
+
+    from openai import AsyncOpenAI
+
+    code = variants[0]
+    print(f"    client = AsyncOpenAI(base_url='{base_url}', api_key='unused')\n"
+          f"    stream = await client.completions.create(model='{code}', prompt=..., stream=True)\n")
+    client = AsyncOpenAI(base_url=base_url, api_key="unused")
+    stream = await client.completions.create(model=code, prompt=PROMPTS[code], max_tokens=max_new, temperature=0,
+                                             stream=True)
+    print("    " + PROMPTS[code].replace("\n", "\n    "), end="", flush=True)
+    async for chunk in stream:
+        if chunk.choices:
+            print(chunk.choices[0].text.replace("\n", "\n    "), end="", flush=True)
+    print()
+    await client.close()
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-new-tokens", type=int, default=40)
@@ -201,8 +261,14 @@ async def main() -> None:
         procs.append(spawn("router", ["-m", "services.router", "--address", router, "--workers", ",".join(workers),
                                       "--delta-store", store]))
         await wait_serving(router, procs[-1], "router")
-        print(f"[demo] router on {router}: the only address clients need")
+        print(f"[demo] router on {router}: the only address gRPC clients need")
+        gateway = f"127.0.0.1:{free_port()}"
+        template = ["--chat-template", str(a.base)] if has_chat_template(a.base) else []
+        procs.append(spawn("gateway", ["-m", "services.gateway", "--address", gateway, "--router", router, *template]))
+        await wait_http(f"http://{gateway}/health", procs[-1], "gateway")
+        print(f"[demo] OpenAI-compatible gateway on http://{gateway}/v1")
         await demo(router, workers, variants, a.max_new_tokens)
+        await openai_demo(f"http://{gateway}/v1", variants, a.max_new_tokens, chat=bool(template))
         if a.keep_running:
             print("\n[demo] services keep running; Ctrl-C stops them")
             stop = asyncio.Event()
@@ -221,7 +287,7 @@ async def main() -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 codes.append("killed")
-        print(f"\n[demo] stopped router, workers and store (exit codes {codes}); their logs: {logs.relative_to(ROOT)}/")
+        print(f"\n[demo] stopped gateway, router, workers and store (exit codes {codes}); logs: {logs.relative_to(ROOT)}/")
 
 
 if __name__ == "__main__":

@@ -30,4 +30,4 @@ def test_demo_serves_every_model_through_the_router(tmp_path):
     for model in ("base", "v0", "v1"):
         assert any(line.startswith(f"--- {model} ") and "ttft" in line and "prefill" in line
                    for line in out.splitlines()), model
-    assert "exit codes [0, 0, 0, 0]" in out
+    assert "exit codes [0, 0, 0, 0, 0]" in out and "the OpenAI-compatible gateway" in out and "AsyncOpenAI" in out

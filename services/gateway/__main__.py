@@ -1,6 +1,7 @@
 """`python -m services.gateway --address HOST:PORT --router HOST:PORT [--chat-template DIR|FILE]`"""
 
 import logging
+import signal
 import sys
 
 import uvicorn
@@ -21,6 +22,9 @@ def main(argv=None) -> None:
     host, port = config.host_port
     # uvicorn on SIGTERM stops accepting, lets requests in flight finish for grace_s, then cancels them
     # (which cancels their router calls).
+    # uvicorn re-raises the signal it caught once it has shut down; with this no-op handler in place
+    # a graceful stop exits 0, like the other services.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run(create_app(config, templates), host=host, port=port, log_level=config.log_level.lower(),
                 access_log=config.log_level == "DEBUG", timeout_graceful_shutdown=config.grace_s,
                 lifespan="on", proxy_headers=False)
