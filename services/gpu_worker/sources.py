@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import grpc
+
 from bitdelta.delta_store.v1.delta_store_pb2 import ALPHA_MODE_MATRIX, ALPHA_MODE_ROW
 from bitdelta.format import DeltaFormatError, check_base, check_structure, read_header
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient, FetchStream
@@ -174,9 +176,10 @@ class DeltaStoreSource:
     The store's errors arrive as `DeltaStoreError` with the store's status code, which the worker
     passes on unchanged (a store-side INVALID_ARGUMENT stays INVALID_ARGUMENT)."""
 
-    def __init__(self, address: str, timeout_s: float = 600.0, chunk_bytes: int = 1 << 20):
+    def __init__(self, address: str, timeout_s: float = 600.0, chunk_bytes: int = 1 << 20,
+                 credentials: grpc.ChannelCredentials | None = None):
         self.address, self.chunk_bytes = address, chunk_bytes
-        self.client = DeltaStoreClient(address, fetch_timeout_s=timeout_s)
+        self.client = DeltaStoreClient(address, fetch_timeout_s=timeout_s, credentials=credentials)  # TLS or None
 
     async def open(self, name: str, base_fingerprint: str) -> DeltaInfo:
         stream = await self.client.open_fetch(name, expect_base_fingerprint=base_fingerprint,

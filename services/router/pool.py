@@ -19,6 +19,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
+import grpc
+
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
 from bitdelta.rpc.clients.worker import WorkerClient
 from bitdelta.rpc.errors import RpcError
@@ -59,9 +61,11 @@ class WorkerState:
 
 class WorkerPool:
     def __init__(self, addresses: list[str] | tuple[str, ...], *, capacity: int, poll_s: float,
-                 call_timeout_s: float, on_change: Callable[[], None] = lambda: None):
+                 call_timeout_s: float, on_change: Callable[[], None] = lambda: None,
+                 credentials: grpc.ChannelCredentials | None = None):
         self.capacity, self.poll_s, self.call_timeout_s = capacity, poll_s, call_timeout_s
-        self.workers = {a: WorkerState(a, WorkerClient(a, timeout_s=call_timeout_s)) for a in addresses}
+        self.workers = {a: WorkerState(a, WorkerClient(a, timeout_s=call_timeout_s, credentials=credentials))
+                        for a in addresses}  # credentials: TLS (the router's certificate), or None
         self.on_change = on_change  # called when capacity frees or a worker comes up (wakes queued requests)
         self._task: asyncio.Task | None = None
 

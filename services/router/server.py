@@ -112,9 +112,10 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
 
 
 def build_router(config: RouterConfig) -> Router:
-    store = DeltaStoreClient(config.delta_store, timeout_s=config.call_timeout_s)
+    tls = config.channel_credentials()  # TLS on: the router's certificate for its calls, else None
+    store = DeltaStoreClient(config.delta_store, timeout_s=config.call_timeout_s, credentials=tls)
     pool = WorkerPool(config.workers, capacity=config.max_in_flight_per_worker, poll_s=config.poll_s,
-                      call_timeout_s=config.call_timeout_s)  # fmt: skip
+                      call_timeout_s=config.call_timeout_s, credentials=tls)  # fmt: skip
     return Router(config, pool, Registry(store, refresh_s=config.refresh_s, call_timeout_s=config.call_timeout_s))
 
 
