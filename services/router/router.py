@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+import grpc
+
 from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
 from bitdelta.rpc import telemetry
@@ -233,6 +235,9 @@ class Router:
                 started = False
                 try:
                     async for msg in w.client.generate(request, timeout_s=max(0.001, deadline - time.monotonic())):
+                        if msg is None:  # grpc's aio stub yields None for bytes it cannot decode: a broken worker
+                            raise RpcError(f"worker {address} sent a message that is not a GenerateResponse",
+                                           grpc.StatusCode.UNAVAILABLE, service=f"worker {address}")
                         now = time.monotonic()
                         first = None
                         if not started:
