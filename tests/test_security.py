@@ -25,7 +25,7 @@ from bitdelta.rpc.clients.router import RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
 from bitdelta.rpc.config import ConfigError
 from bitdelta.rpc.errors import RpcError
-from servers.cluster import Cluster, tls_flags
+from servers.cluster import Cluster, free_port, tls_flags
 from services.gpu_worker.testing import make_test_family
 
 aio = pytest.mark.asyncio(loop_scope="module")  # the async tests share the module's cluster
@@ -82,7 +82,8 @@ def cluster(family, certs, tokens_file, tmp_path_factory):
     auth = ("--tokens-file", str(tokens_file))
     with Cluster(work, credentials=creds(certs)) as c:
         c.root = root
-        c.st = c.store(root, extra=(*tls_flags(certs, "delta-store"), *auth))
+        c.health = f"127.0.0.1:{free_port()}"  # the store's plain-text health port (Kubernetes probes)
+        c.st = c.store(root, extra=(*tls_flags(certs, "delta-store"), *auth, "--health-address", c.health))
         c.w = c.worker(family.base, c.st.address, extra=(*tls_flags(certs, "worker"), *auth))
         c.r = c.router([c.w.address], c.st.address, extra=(*tls_flags(certs, "router"), *auth))
         c.wait_serving(c.st, c.w, c.r)
@@ -140,6 +141,19 @@ async def test_each_service_refuses_clients_without_a_certificate_of_its_ca(clus
     async with grpc.aio.secure_channel(address, creds(certs)) as ok:  # the control: the CA's client certificate
         r = await health_pb2_grpc.HealthStub(ok).Check(health_pb2.HealthCheckRequest(), timeout=20)
         assert r.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@aio
+async def test_plain_text_health_port_answers_health_and_nothing_else(cluster):
+    from bitdelta.delta_store.v1 import delta_store_pb2 as spb
+    from bitdelta.delta_store.v1 import delta_store_pb2_grpc as spb_grpc
+
+    async with grpc.aio.insecure_channel(cluster.health) as ch:
+        r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=20)
+        assert r.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await spb_grpc.DeltaStoreServiceStub(ch).List(spb.ListRequest(), timeout=20)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 @aio

@@ -44,7 +44,7 @@ from typing import Mapping
 
 import grpc
 
-from bitdelta.rpc.config import ConfigError, setting
+from bitdelta.rpc.config import ConfigError, check_address, setting
 
 log = logging.getLogger("bitdelta.rpc.security")
 AUTH_METADATA_KEY = "authorization"  # what the gateway forwards from HTTP's Authorization header
@@ -87,6 +87,9 @@ class TlsSettings:
                                       "services it calls")
     tls_key: Path | None = setting(None, "PEM private key of --tls-cert")
     tls_client_auth: bool = setting(True, "with --tls-ca: require a client certificate signed by it (mutual TLS)")
+    health_address: str = setting("", "HOST:PORT serving grpc.health.v1 alone in plain text (Kubernetes' grpc "
+                                      "probes cannot present a certificate); empty: none",
+                                  check=lambda v: v and check_address(v))
 
     @property
     def tls_on(self) -> bool:

@@ -152,6 +152,8 @@ class Server:
         self.grpc, self.port, self.services = grpc_server, port, tuple(services)
         self._health, self._calls = health_servicer, calls
         self._serving_at_start = True
+        self.health_only: grpc.aio.Server | None = None  # plain-text grpc.health.v1 only (`health_address`)
+        self.health_port = 0
 
     @property
     def in_flight(self) -> int:
@@ -163,6 +165,8 @@ class Server:
 
     async def start(self) -> None:
         await self.grpc.start()
+        if self.health_only is not None:
+            await self.health_only.start()
         await self.set_serving(self._serving_at_start)
 
     async def set_serving(self, serving: bool) -> None:
@@ -180,6 +184,8 @@ class Server:
         if not done:
             log.warning("%d calls still running after the %.1f s grace period; cancelling them", self._calls.n, grace_s)
         await self.grpc.stop(max(0.0, min(1.0, grace_s - (time.monotonic() - t))))
+        if self.health_only is not None:
+            await self.health_only.stop(0)
         return done
 
     async def stop(self, grace: float | None = None) -> None:
@@ -187,6 +193,8 @@ class Server:
         self._calls.draining = True
         await self._health.enter_graceful_shutdown()
         await self.grpc.stop(grace)
+        if self.health_only is not None:
+            await self.health_only.stop(0)
 
     async def wait_for_termination(self) -> None:
         await self.grpc.wait_for_termination()
@@ -195,12 +203,14 @@ class Server:
 def create_server(address: str, services: Sequence[Service], status_table: StatusTable, *, serving: bool = True,
                   max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, open_while_draining: Iterable[str] = (),
                   interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                  credentials: grpc.ServerCredentials | None = None) -> Server:
+                  credentials: grpc.ServerCredentials | None = None, health_address: str = "") -> Server:
     """A server for `services` bound to `address` (HOST:PORT; port 0 picks a free one), not started.
 
     `serving=False` keeps health NOT_SERVING after `start()` until `set_serving(True)` (a worker
     loading its base). Raises OSError naming the address when it cannot bind. Call in a running loop.
     `credentials` (`bitdelta.rpc.security.TlsSettings.server_credentials`): TLS, else plain text.
+    `health_address`: also serve `grpc.health.v1` alone, in plain text, there (Kubernetes' grpc
+    probes cannot present a client certificate); `server.health_port` says which port.
     """
     calls = _Calls()
     names = [s.name for s in services]
@@ -223,6 +233,13 @@ def create_server(address: str, services: Sequence[Service], status_table: Statu
         raise OSError(f"cannot listen on {address}")
     out = Server(server, port, names, hs, calls)
     out._serving_at_start = serving
+    if health_address:
+        out.health_only = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(hs, out.health_only)  # the same statuses, nothing else
+        try:
+            out.health_port = out.health_only.add_insecure_port(health_address)
+        except RuntimeError as e:
+            raise OSError(f"cannot listen on {health_address}: {e}") from None
     return out
 
 

@@ -104,7 +104,8 @@ def create_server(config: Config, *, backend: Backend | None = None,
     service = Service(SERVICE_NAME, lambda s: pb_grpc.add_DeltaStoreServiceServicer_to_server(servicer, s))
     server = create_rpc_server(config.address, [service], STATUS_OF, max_message_bytes=MAX_MESSAGE_BYTES,
                                open_while_draining=("List", "Stat"), credentials=config.server_credentials(),
-                               interceptors=[AuthInterceptor([SERVICE_NAME], config.tokens(), ADMIN_METHODS)])
+                               interceptors=[AuthInterceptor([SERVICE_NAME], config.tokens(), ADMIN_METHODS)],
+                               health_address=config.health_address)
     return server, store
 
 

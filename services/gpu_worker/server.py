@@ -128,7 +128,8 @@ def create_server(worker: Worker, address: str, metrics: WorkerMetrics | None = 
     c = worker.config
     return create_rpc_server(address, [service], STATUS_OF, serving=False, max_message_bytes=MAX_MESSAGE_BYTES,
                              open_while_draining=("Status", "EvictDelta"), credentials=c.server_credentials(),
-                             interceptors=[AuthInterceptor([SERVICE], c.tokens(), ADMIN_METHODS)])
+                             interceptors=[AuthInterceptor([SERVICE], c.tokens(), ADMIN_METHODS)],
+                             health_address=c.health_address)
 
 
 async def start_worker(worker: Worker, server: Server) -> None:

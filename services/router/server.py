@@ -126,7 +126,8 @@ def create_server(router: Router, address: str, metrics: RouterMetrics | None = 
     c = router.config
     return create_rpc_server(address, [service], {}, serving=False, max_message_bytes=MAX_MESSAGE_BYTES,
                              open_while_draining=("ListModels", "ListWorkers"), credentials=c.server_credentials(),
-                             interceptors=[AuthInterceptor([SERVICE], c.tokens(), ROLES, default=Role.USER)])
+                             interceptors=[AuthInterceptor([SERVICE], c.tokens(), ROLES, default=Role.USER)],
+                             health_address=c.health_address)
 
 
 async def close_router(router: Router) -> None:
