@@ -151,7 +151,8 @@ def test_k8s_containers_use_real_flags_grpc_probes_and_limits(tmp_path):
             res = c["resources"]
             assert res["requests"] and res["limits"], c["name"]
             if module != "services.gateway":
-                port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+                ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+                port = ports.get("health", ports["grpc"])  # mTLS on: the plain-text --health-address port
                 assert c["readinessProbe"]["grpc"]["port"] == port and c["livenessProbe"]["grpc"]["port"] == port
             if module == "services.gpu_worker":
                 assert res["limits"]["nvidia.com/gpu"] == "1"

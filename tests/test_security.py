@@ -303,3 +303,62 @@ def test_certificates_name_loopback_and_kubernetes_services(certs):
     assert {str(a) for a in san.get_values_for_type(x509.IPAddress)} == {"127.0.0.1", "::1"}
     assert oct((certs / "worker.key").stat().st_mode & 0o777) == "0o600"
 
+
+
+# -- Kubernetes: the manifests turn it all on ---------------------------------------------------------
+def test_k8s_services_run_mutual_tls_and_tokens_from_secrets(tmp_path):
+    """Every gRPC service's container gets the TLS files, the tokens file and a plain health port
+    from its environment, mounted from the Secrets `python -m bitdelta.rpc.certs --k8s-secrets` writes,
+    and probes that port; its config accepts exactly those settings."""
+    import yaml
+    from bitdelta.rpc.certs import k8s_secrets, make_tokens
+    from test_deploy import config_class, image_modules, k8s_objects
+
+    names = ["router", "gpu-worker", "delta-store", "gateway"]
+    make_all(tmp_path, names)
+    make_tokens(tmp_path)
+    made = {d["metadata"]["name"] for d in yaml.safe_load_all(k8s_secrets(tmp_path, names))}
+    modules = image_modules() | {"bitdelta/worker:cuda": "services.gpu_worker"}
+    seen = set()
+    for obj in k8s_objects():
+        if obj["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        spec = obj["spec"]["template"]["spec"]
+        for c in spec["containers"]:
+            module = modules.get(c["image"])
+            if module is None:
+                continue
+            seen.add(module)
+            mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+            secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+            assert secrets[mounts["/etc/bitdelta/tls"]] in made, c["name"]
+            env = {e["name"]: e["value"] for e in c["env"] if e["name"].startswith("BITDELTA_")}
+            prefix = config_class(module).ENV_PREFIX
+            files = {"/etc/bitdelta/tls/ca.pem": tmp_path / "ca.pem",
+                     "/etc/bitdelta/tls/tls.pem": tmp_path / f"{obj['metadata']['name']}.pem",
+                     "/etc/bitdelta/tls/tls.key": tmp_path / f"{obj['metadata']['name']}.key",
+                     "/etc/bitdelta/tokens/tokens.json": tmp_path / "tokens.json"}  # fmt: skip
+            config = config_class(module).from_args(_fixed_args(c["args"], tmp_path / "p"),
+                                                    env={k: str(files.get(v, v)) for k, v in env.items()})
+            assert config.tls_on and config.tls_cert is not None, c["name"]
+            if module == "services.gateway":
+                continue  # a client of the router only
+            assert config.tls_client_auth and config.tokens() is not None, c["name"]
+            assert secrets[mounts["/etc/bitdelta/tokens"]] in made
+            health = int(env[prefix + "HEALTH_ADDRESS"].rsplit(":", 1)[1])
+            ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+            assert ports["health"] == health
+            for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                if probe in c:
+                    assert c[probe]["grpc"]["port"] == health, (c["name"], probe)
+    assert seen == {"services.router", "services.delta_store", "services.gpu_worker", "services.gateway"}
+
+
+def _fixed_args(argv: list[str], tmp: Path) -> list[str]:
+    """`argv` with the checkpoint and store paths pointed at directories that exist."""
+    base = tmp / "base"
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "config.json").write_text("{}")
+    (base / "tokenizer.json").write_text("{}")
+    return [str(base) if prev in ("--base", "--chat-template") else str(tmp) if prev == "--root" else a
+            for prev, a in zip(["", *argv], argv)]

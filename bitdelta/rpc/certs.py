@@ -11,15 +11,27 @@ service's name and its Kubernetes Service names (`<name>`, `<name>.<namespace>`,
 pods of a headless Service such as `worker-0.worker`). Keys are EC P-256. The CA's key is
 written too (`ca.key`, to issue more); keep it out of the cluster.
 
+    python -m bitdelta.rpc.certs --out certs/ --names router,gpu-worker,delta-store,gateway,client \
+        --tokens --k8s-secrets certs/secrets.yaml       # + tokens.json/tokens.txt and the Secrets deploy/k8s mounts
+
+`--tokens` writes `tokens.json` (an admin token and a user token allowed every model, stored by
+sha256) and `tokens.txt` (the tokens themselves, mode 0600: hand them out, then delete it), unless
+`tokens.json` exists. `--k8s-secrets FILE` writes one Secret `bitdelta-tls-<name>` per certificate
+(`ca.pem`, `tls.pem`, `tls.key`) and `bitdelta-tokens` (`tokens.json`).
+
 Development tooling: needs the `cryptography` package; nothing that serves imports it.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import datetime as dt
+import hashlib
 import ipaddress
+import json
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -127,6 +139,38 @@ def make_all(out: Path, names: Sequence[str] = SERVICES, *, dns: Sequence[str] =
     return {n: issue(out, n, dns=dns, namespace=namespace, days=days) for n in names}
 
 
+def make_tokens(out: Path) -> Path:
+    """`out/tokens.json` with a new admin and a new user token (kept if it exists); the tokens in
+    `out/tokens.txt` (0600)."""
+    out = Path(out)
+    path = out / "tokens.json"
+    if path.is_file():
+        return path
+    tokens = {"admin": secrets.token_urlsafe(32), "user": secrets.token_urlsafe(32)}
+    table = {f"sha256:{hashlib.sha256(t.encode()).hexdigest()}": {"name": n, "variants": "*", "admin": n == "admin"}
+             for n, t in tokens.items()}
+    _write(path, (json.dumps(table, indent=2) + "\n").encode(), private=True)
+    _write(out / "tokens.txt", "".join(f"{n} {t}\n" for n, t in tokens.items()).encode(), private=True)
+    return path
+
+
+def k8s_secrets(out: Path, names: Sequence[str], namespace: str = "bitdelta") -> str:
+    """YAML of the Secrets deploy/k8s mounts: bitdelta-tls-<name> for each of `names`, and
+    bitdelta-tokens when `out/tokens.json` exists."""
+    out = Path(out)
+
+    def secret(name: str, files: dict[str, Path]) -> str:
+        data = "".join(f"  {k}: {base64.b64encode(p.read_bytes()).decode()}\n" for k, p in files.items())
+        return (f"apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\n  namespace: {namespace}\n"
+                f"type: Opaque\ndata:\n{data}")
+
+    docs = [secret(f"bitdelta-tls-{n}", {"ca.pem": out / "ca.pem", "tls.pem": out / f"{n}.pem",
+                                          "tls.key": out / f"{n}.key"}) for n in names]  # fmt: skip
+    if (out / "tokens.json").is_file():
+        docs.append(secret("bitdelta-tokens", {"tokens.json": out / "tokens.json"}))
+    return "---\n".join(docs)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bitdelta.rpc.certs", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True, help="directory for ca.pem/ca.key and <name>.pem/.key")
@@ -134,11 +178,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--dns", default="", help="extra DNS names for every certificate, comma-separated")
     p.add_argument("--namespace", default="bitdelta", help="Kubernetes namespace for the service names")
     p.add_argument("--days", type=int, default=DAYS)
+    p.add_argument("--tokens", action="store_true", help="also write tokens.json / tokens.txt (kept if present)")
+    p.add_argument("--k8s-secrets", type=Path, help="also write the Kubernetes Secrets (YAML) to this file")
     a = p.parse_args(argv)
     names = [n.strip() for n in a.names.split(",") if n.strip()]
     dns = [n.strip() for n in a.dns.split(",") if n.strip()]
     issued = make_all(a.out, names, dns=dns, namespace=a.namespace, days=a.days)
     print(f"CA {a.out / 'ca.pem'}; " + ", ".join(f"{n}: {i.cert.name}/{i.key.name}" for n, i in issued.items()))
+    if a.tokens:
+        print(f"tokens: {make_tokens(a.out)} (the tokens themselves: {a.out / 'tokens.txt'}, if new)")
+    if a.k8s_secrets:
+        _write(a.k8s_secrets, k8s_secrets(a.out, names, a.namespace).encode(), private=True)
+        print(f"Kubernetes Secrets: {a.k8s_secrets} (kubectl apply -f {a.k8s_secrets})")
 
 
 if __name__ == "__main__":
