@@ -210,7 +210,7 @@ async def test_fifty_requests_for_a_cold_variant_cause_one_load(clients, cluster
     router, workers, _ = clients
     for w in workers:
         await w.evict_delta("v2")
-    await run(router, "v0", "warm", n=1)
+        await w.load_delta("v0")  # resident everywhere: the request for it below causes no load
     before = [(await w.status()).loads_started for w in workers]
     fetches_before = sample(cluster.store_metrics_port, "bitdelta_delta_store_fetches_total", delta="v2")
     cluster.st.popen.send_signal(signal.SIGSTOP)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -72,3 +73,22 @@ def test_router_config():
                         (["--workers", "h:1", "--delta-store", "h:2", "--poll-s", "0"], "--poll-s")]:
         with pytest.raises(ConfigError, match=words):
             RouterConfig.from_args(argv, env={})
+
+
+async def test_a_stale_status_does_not_undo_what_the_router_saw_since():
+    """A Status answered before a load finished must not erase the residency the router learnt
+    from a token streamed after it asked (that would send the next request where the delta is not)."""
+    from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
+    from services.router.pool import WorkerPool
+
+    pool = WorkerPool(["127.0.0.1:9"], capacity=4, poll_s=1, call_timeout_s=1)
+    w = pool.workers["127.0.0.1:9"]
+    stale = wpb.StatusResponse(ready=True, base_model="b", base_fingerprint="f", slots=[
+        wpb.DeltaSlot(name="old", state=wpb.DELTA_STATE_RESIDENT)])
+    asked = time.monotonic()
+    pool.note_resident(w.address, "v")  # a token of v arrived after the poll asked
+    pool._apply(w, stale, asked)
+    assert w.resident == {"old", "v"}
+    pool._apply(w, stale, time.monotonic())  # a poll asked after that: its word holds
+    assert w.resident == {"old"}
+    await pool.close()

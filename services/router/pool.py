@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -57,6 +58,7 @@ class WorkerState:
     waiting: int = 0
     in_flight: int = 0
     by_variant: collections.Counter = field(default_factory=collections.Counter)
+    noted: dict[str, float] = field(default_factory=dict)  # variant -> when the router last learnt its state
 
 
 class WorkerPool:
@@ -95,23 +97,30 @@ class WorkerPool:
         """Refresh one worker from its Status; returns whether it answered."""
         w = self.workers[address]
         was_up = self.is_up(w)
+        asked = time.monotonic()
         try:
             st = await w.client.status(timeout_s=self.call_timeout_s)
         except RpcError as e:
             self._down(w, f"Status failed: {e.code.name}: {e.details[:200]}")
             return False
         w.reachable, w.why_down = True, ""
-        self._apply(w, st)
+        self._apply(w, st, asked)
         if self.is_up(w) and not was_up:
             log.info("worker %s is up (%s, base %s)", address, w.device, w.base.name if w.base else "?")
             self.on_change()
         return True
 
-    def _apply(self, w: WorkerState, st: wpb.StatusResponse) -> None:
+    def _apply(self, w: WorkerState, st: wpb.StatusResponse, asked: float) -> None:
+        """Take the worker's report, except for variants the router learnt about after asking: a
+        Status answered before a load finished must not undo the token the router saw since."""
         w.ready, w.draining, w.device = st.ready, st.draining, st.device
         w.base = BaseInfo(st.base_model, st.base_fingerprint) if st.base_fingerprint else None
-        w.resident = {s.name for s in st.slots if s.state == wpb.DELTA_STATE_RESIDENT}
-        w.loading = {s.name for s in st.slots if s.state == wpb.DELTA_STATE_LOADING}
+        fresher = {v for v, t in w.noted.items() if t > asked}
+        resident = {s.name for s in st.slots if s.state == wpb.DELTA_STATE_RESIDENT}
+        loading = {s.name for s in st.slots if s.state == wpb.DELTA_STATE_LOADING}
+        w.resident = (resident - fresher) | (w.resident & fresher)
+        w.loading = (loading - fresher) | (w.loading & fresher)
+        w.noted = {v: t for v, t in w.noted.items() if t > asked}
         w.budget_bytes, w.used_bytes = st.delta_budget_bytes, st.delta_used_bytes
         w.running, w.waiting = st.running, st.waiting
 
@@ -165,6 +174,7 @@ class WorkerPool:
             w.by_variant[variant] += 1
             if variant not in w.resident:
                 w.loading.add(variant)  # optimistic until the next poll: the worker is loading it for us
+                w.noted[variant] = time.monotonic()
 
     def release(self, address: str, variant: str | None) -> None:
         w = self.workers[address]
@@ -180,6 +190,7 @@ class WorkerPool:
         w = self.workers[address]
         w.resident.add(variant)
         w.loading.discard(variant)
+        w.noted[variant] = time.monotonic()
 
     def where(self, variant: str) -> tuple[list[str], list[str]]:
         """(workers where `variant` is resident, workers where it is loading), up workers only."""
