@@ -4,7 +4,10 @@
     bitdelta models --router 127.0.0.1:50051
     bitdelta workers --router 127.0.0.1:50051
 
-Torch-free: only the shared RPC layer's router client.
+Torch-free: only the shared RPC layer's router client. A router with TLS and tokens on (README
+"Security") is reached with the variables BITDELTA_TLS_CA (turns TLS on), BITDELTA_TLS_CERT and
+BITDELTA_TLS_KEY (a client certificate of that CA, for mutual TLS) and BITDELTA_TOKEN (the bearer
+token; a variable, not a flag, so it never shows in the process list).
 """
 
 from __future__ import annotations
@@ -17,6 +20,19 @@ import sys
 DEFAULT_ROUTER = os.environ.get("BITDELTA_ROUTER", "127.0.0.1:50051")
 
 
+def _router(a: argparse.Namespace):
+    """The router client, with TLS and a token when the BITDELTA_TLS_* / BITDELTA_TOKEN variables say so."""
+    from bitdelta.rpc.clients.router import RouterClient
+    from bitdelta.rpc.security import TlsFiles
+
+    ca = os.environ.get("BITDELTA_TLS_CA")
+    creds = None
+    if ca:
+        creds = TlsFiles.load(ca, os.environ.get("BITDELTA_TLS_CERT") or None,
+                              os.environ.get("BITDELTA_TLS_KEY") or None).channel_credentials()
+    return RouterClient(a.router, credentials=creds, token=os.environ.get("BITDELTA_TOKEN", ""))
+
+
 def _fail(e) -> None:
     from bitdelta.cli import CliError
 
@@ -24,10 +40,10 @@ def _fail(e) -> None:
 
 
 async def _generate(a: argparse.Namespace) -> None:
-    from bitdelta.rpc.clients.router import RouterCallError, RouterClient
+    from bitdelta.rpc.clients.router import RouterCallError
     from bitdelta.router.v1 import router_pb2 as pb
 
-    async with RouterClient(a.router) as r:
+    async with _router(a) as r:
         try:
             last = None
             async for m in r.generate(a.model, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
@@ -54,10 +70,10 @@ async def _generate(a: argparse.Namespace) -> None:
 
 
 async def _models(a: argparse.Namespace) -> None:
-    from bitdelta.rpc.clients.router import RouterCallError, RouterClient
+    from bitdelta.rpc.clients.router import RouterCallError
     from bitdelta.units import human_bytes
 
-    async with RouterClient(a.router) as r:
+    async with _router(a) as r:
         try:
             models = await r.list_models()
         except RouterCallError as e:
@@ -73,10 +89,10 @@ async def _models(a: argparse.Namespace) -> None:
 
 
 async def _workers(a: argparse.Namespace) -> None:
-    from bitdelta.rpc.clients.router import RouterCallError, RouterClient
+    from bitdelta.rpc.clients.router import RouterCallError
     from bitdelta.units import human_bytes
 
-    async with RouterClient(a.router) as r:
+    async with _router(a) as r:
         try:
             workers = await r.list_workers()
         except RouterCallError as e:

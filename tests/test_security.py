@@ -92,10 +92,10 @@ def cluster(family, certs, tokens_file, tmp_path_factory):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def ops(cluster, certs):
-    """The admin's router client, once the router sees its worker up."""
+    """The admin's router client, once the router sees its worker up and the store's variants."""
     async with RouterClient(cluster.r.address, credentials=creds(certs), token=OPS, generate_timeout_s=T) as r:
-        for _ in range(600):
-            if all(w.up for w in await r.list_workers()):
+        for _ in range(600):  # workers up and the store's variants known (the store may start after the router)
+            if all(w.up for w in await r.list_workers()) and {"v0", "v1"} <= {m.model_id for m in await r.list_models()}:
                 break
             await asyncio.sleep(0.2)
         yield r
@@ -220,6 +220,22 @@ async def test_admin_methods_need_an_admin_token(cluster, certs, family):
         assert await codes_of(anon.evict_delta("v1")) == grpc.StatusCode.UNAUTHENTICATED
         assert await codes_of(alice.evict_delta("v1")) == grpc.StatusCode.PERMISSION_DENIED
         await admin.evict_delta("v1")
+
+
+def test_cli_reaches_a_secure_router_with_the_variables(cluster, certs):
+    """`bitdelta models` with BITDELTA_TLS_* and BITDELTA_TOKEN: alice's models only; without: refused."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "BITDELTA_TLS_CA": str(certs / "ca.pem"), "BITDELTA_TLS_CERT": str(certs / "client.pem"),
+           "BITDELTA_TLS_KEY": str(certs / "client.key"), "BITDELTA_TOKEN": ALICE}  # fmt: skip
+    argv = [sys.executable, "-c", "from bitdelta.cli import main; raise SystemExit(main())", "models", "--router", cluster.r.address]
+    ok = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "v0" in ok.stdout and "v1" not in ok.stdout
+    no_token = subprocess.run(argv, env={**env, "BITDELTA_TOKEN": ""}, capture_output=True, text=True, timeout=120)
+    assert no_token.returncode != 0 and "UNAUTHENTICATED" in no_token.stderr
 
 
 @aio
