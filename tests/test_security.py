@@ -95,7 +95,8 @@ async def ops(cluster, certs):
     """The admin's router client, once the router sees its worker up and the store's variants."""
     async with RouterClient(cluster.r.address, credentials=creds(certs), token=OPS, generate_timeout_s=T) as r:
         for _ in range(600):  # workers up and the store's variants known (the store may start after the router)
-            if all(w.up for w in await r.list_workers()) and {"v0", "v1"} <= {m.model_id for m in await r.list_models()}:
+            known = {m.model_id for m in await r.list_models()}
+            if all(w.up for w in await r.list_workers()) and {"v0", "v1"} <= known:
                 break
             await asyncio.sleep(0.2)
         yield r
@@ -230,7 +231,8 @@ def test_cli_reaches_a_secure_router_with_the_variables(cluster, certs):
 
     env = {**os.environ, "BITDELTA_TLS_CA": str(certs / "ca.pem"), "BITDELTA_TLS_CERT": str(certs / "client.pem"),
            "BITDELTA_TLS_KEY": str(certs / "client.key"), "BITDELTA_TOKEN": ALICE}  # fmt: skip
-    argv = [sys.executable, "-c", "from bitdelta.cli import main; raise SystemExit(main())", "models", "--router", cluster.r.address]
+    argv = [sys.executable, "-c", "from bitdelta.cli import main; raise SystemExit(main())",
+            "models", "--router", cluster.r.address]
     ok = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "v0" in ok.stdout and "v1" not in ok.stdout

@@ -12,7 +12,8 @@ TLS (`TlsSettings`): off unless `--tls-ca` is set. Then a service serves TLS wit
 `--tls-key` and, unless `--no-tls-client-auth`, requires a client certificate signed by that CA
 (mutual TLS); its own calls to other services verify them against the same CA and present the
 same certificate. One CA, one certificate per service, SANs for every name it is called by
-(`python -m bitdelta.rpc.certs` makes them for the demo, the tests and Kubernetes).
+(`python -m bitdelta.rpc.certs` makes them for the tests and Kubernetes). `--health-address`
+adds a plain-text port serving grpc.health.v1 alone, for probes that cannot present a certificate.
 
 Bearer tokens (`AuthSettings`, `--tokens-file`): a JSON object, one entry per token:
 
@@ -397,4 +398,5 @@ def bearer_interceptors(token: str) -> list:
 
 
 __all__ = ["AUTH_METADATA_KEY", "AuthError", "AuthInterceptor", "AuthSettings", "Principal", "Role", "TlsFiles",
-           "TlsSettings", "TokenTable", "authorize", "bearer_interceptors", "current_principal", "parse_tokens", "token_digest"]
+           "TlsSettings", "TokenTable", "authorize", "bearer_interceptors", "current_principal", "parse_tokens",
+           "token_digest"]
