@@ -3,8 +3,14 @@
 Knows the delta format (through `bitdelta.format`), not gRPC. Every name is
 checked by `check_name` before it reaches a backend. What it reads from a
 backend is verified: the header always (a truncated file or a bad header is
-`CorruptDelta`), each tensor's sha256 while it streams (`verify_reads`).
-What it is sent by Put is verified completely before it becomes visible.
+`CorruptDelta`), and every byte (`verify_reads`): the first time a version of
+a delta is seen (Put, or the first read of a file put there by other means)
+by each tensor's sha256, recording the crc32 of every chunk; every later read
+of that same version (same inode, mtime and size; same ETag) by those crc32s
+alone, which run at memory speed where sha256 would halve a cold read. A byte
+changed at rest without a new version (bit rot) fails the crc32; a rewritten
+file is a new version and is hashed again. What Put sends is verified
+completely before it becomes visible.
 
 Fetch, in order: HEAD the object (its version; if the backend is down, a
 complete cached copy is served instead); check the base fingerprint; then
@@ -17,6 +23,7 @@ attribute `cache.result` (hit | join | miss | bypass), and
 
 from __future__ import annotations
 
+import array
 import asyncio
 import bisect
 import hashlib
@@ -38,6 +45,7 @@ log = logging.getLogger(__name__)
 HEADER_PROBE_BYTES = 64 * 1024  # first read of a header; most headers fit
 HASH_DEPTH = 8  # blocks a load may read ahead of the checks (they land in the entry: no extra memory)
 MAX_CACHED_HEADERS = 4096
+MAX_VERIFIED = 4096  # remembered verifications (4 bytes per chunk each: 4 KiB per GB of delta at 1 MiB chunks)
 
 
 @dataclass(frozen=True)
@@ -102,8 +110,9 @@ class _TensorChecks:
     """
 
     def __init__(self, header: DeltaHeader, verify: bool = True, chunk_bytes: int = 0,
-                 crcs: list[list[int]] | None = None):
+                 crcs: list[list[int]] | None = None, expect: list | None = None):
         self.header, self.verify, self.chunk_bytes, self.crcs = header, verify, chunk_bytes, crcs
+        self.expect = expect  # per tensor, the crc32s recorded when this version was verified: compare
         self._ends = [t.end for t in header.tensors]
         self._state: dict[int, list] = {}  # tensor index -> [sha256, running crc] while in progress
         self._finished: set[int] = set()
@@ -131,6 +140,9 @@ class _TensorChecks:
                 crc = crc32(part, crc)
                 pos += len(part)
                 if pos % chunk == 0 or pos == t.nbytes:
+                    if self.expect is not None and self.expect[i][len(out)] != crc:
+                        raise DeltaFormatError(f"tensor {t.name}: the chunk at offset {len(out) * chunk} changed since "
+                                               "the delta was verified (crc32 mismatch: corrupted at rest)", tensor=t.name)
                     out.append(crc)
                     crc = 0
             state[1] = crc
@@ -213,6 +225,8 @@ class DeltaStore:
         self._headers: OrderedDict[str, tuple[str, DeltaHeader]] = OrderedDict()
         self._bad: dict[str, tuple[str, CorruptDelta]] = {}  # name -> (version, error) of deltas that failed verification
         self._header_reads: dict[tuple[str, str], asyncio.Future] = {}
+        # name -> (version, chunk crc32s per tensor) of deltas whose every tensor passed sha256
+        self._verified: OrderedDict[str, tuple[str, list]] = OrderedDict()
 
     async def close(self) -> None:
         for name in list(self.cache.entries):
@@ -268,6 +282,17 @@ class DeltaStore:
         except DeltaFormatError as e:
             raise self._corrupt(o, e) from None
 
+    def _remember_verified(self, name: str, version: str, crcs: list[list[int]]) -> None:
+        self._verified[name] = (version, [array.array("I", c) for c in crcs])
+        self._verified.move_to_end(name)
+        while len(self._verified) > MAX_VERIFIED:
+            self._verified.popitem(last=False)
+
+    def verified_crcs(self, name: str, version: str) -> list | None:
+        """The chunk crc32s recorded when this version of `name` passed sha256, or None."""
+        rec = self._verified.get(name)
+        return rec[1] if rec is not None and rec[0] == version else None
+
     def _remember_header(self, name: str, version: str, header: DeltaHeader) -> None:
         self._headers[name] = (version, header)
         self._headers.move_to_end(name)
@@ -276,6 +301,7 @@ class DeltaStore:
 
     def _corrupt(self, o: ObjectInfo, e: DeltaFormatError) -> CorruptDelta:
         err = CorruptDelta(o.name, str(e), tensor=e.tensor)
+        self._verified.pop(o.name, None)
         self._bad[o.name] = (o.version, err)
         log.error("%s", err)
         return err
@@ -283,6 +309,7 @@ class DeltaStore:
     def _forget(self, name: str, history: bool = False) -> None:
         self._headers.pop(name, None)
         self._bad.pop(name, None)
+        self._verified.pop(name, None)
         self.cache.drop(name, forget=history)
 
     # -- Fetch -------------------------------------------------------------------------
@@ -403,7 +430,11 @@ class DeltaStore:
             raise BackendUnavailable(f"delta {delta.name!r} changed while it was being read; retry")
         depth = HASH_DEPTH if into is not None else 2  # blocks read ahead of the checks
         spare = [] if into is not None else [bytearray(min(block, size)) for _ in range(depth + 1)]
-        checks = _TensorChecks(delta.header, self.verify_reads, self.chunk_bytes, crcs)
+        expect = self.verified_crcs(delta.name, delta.version) if self.verify_reads else None
+        if self.verify_reads and crcs is None:
+            crcs = [[] for _ in delta.header.tensors]  # recorded (first sight) or compared (seen before)
+        # sha256 at first sight of this version; afterwards the recorded chunk crc32s check every byte
+        checks = _TensorChecks(delta.header, self.verify_reads and expect is None, self.chunk_bytes, crcs, expect)
         inflight: deque = deque()  # (start, view, checks done)
         try:
             for i, start in enumerate(range(0, size, block)):
@@ -423,6 +454,8 @@ class DeltaStore:
                 first, view, checked = inflight.popleft()
                 await checked
                 yield first, view
+            if self.verify_reads and expect is None and checks.done():
+                self._remember_verified(delta.name, delta.version, crcs)
         except DeltaFormatError as e:
             raise self._corrupt(o, e) from None
         finally:
@@ -444,17 +477,19 @@ class DeltaStore:
         with self.tracer.start_as_current_span("delta_store.put", attributes={"delta.name": name, "delta.size_bytes": size}):
             upload = await self.backend.begin_upload(name, size)
             try:
-                header = await self._receive(name, size, data, upload)
+                header, crcs = await self._receive(name, size, data, upload)
                 info = await upload.commit(overwrite)
             except BaseException:
                 await asyncio.shield(upload.abort())
                 raise
         self._forget(name)
         self._remember_header(name, info.version, header)
+        if info.size == size:
+            self._remember_verified(name, info.version, crcs)  # hashed as it arrived: no second pass
         log.info("stored delta %s (%d bytes)", name, info.size)
         return StoredDelta(name, info.size, info.version, header)
 
-    async def _receive(self, name: str, size: int, data: AsyncIterator[bytes], upload) -> DeltaHeader:
+    async def _receive(self, name: str, size: int, data: AsyncIterator[bytes], upload) -> tuple[DeltaHeader, list]:
         prefix, got = bytearray(), 0
         header, sha = None, None
         try:
@@ -466,7 +501,8 @@ class DeltaStore:
                     if len(prefix) >= 8 and len(prefix) >= 8 + header_length(prefix):
                         header = parse_header(bytes(prefix), file_size=size)
                         check_structure(header)
-                        sha = _TensorChecks(header)
+                        crcs = [[] for _ in header.tensors]
+                        sha = _TensorChecks(header, chunk_bytes=self.chunk_bytes, crcs=crcs)
                         await asyncio.to_thread(sha.feed, 0, memoryview(prefix))
                         prefix = None
                 else:
@@ -480,7 +516,7 @@ class DeltaStore:
                 raise InvalidUpload(f"upload of {name!r} ended after {got} of size_bytes={size} bytes")
             if header is None or not sha.done():
                 raise InvalidUpload(f"upload of {name!r} is not a complete delta file")
-            return header
+            return header, crcs
         except DeltaFormatError as e:
             raise InvalidUpload(f"upload of {name!r} is not a valid delta: {e}") from None
 
