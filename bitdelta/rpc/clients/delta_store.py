@@ -102,6 +102,8 @@ class FetchStream:
     async def chunks(self) -> AsyncIterator[pb.Chunk]:
         try:
             while (m := await self._call.read()) is not grpc.aio.EOF:  # read(): the header came by read() too
+                if m is None:  # grpc's aio stub yields None for bytes it cannot decode
+                    raise _integrity(f"delta {self.info.name!r}: the store sent a message that is not a FetchResponse")
                 if m.HasField("chunk"):
                     if m.chunk.tensor_index >= len(self.tensors):
                         raise _integrity(f"delta {self.info.name!r}: a chunk for tensor #{m.chunk.tensor_index}, "
@@ -176,7 +178,7 @@ class DeltaStoreClient(Client):
         except BaseException:
             call.cancel()
             raise
-        if first is grpc.aio.EOF or not first.HasField("info"):
+        if first is grpc.aio.EOF or first is None or not first.HasField("info"):
             call.cancel()
             raise _integrity(f"delta {name!r}: the first Fetch message lacks the delta's info")
         info = first.info
