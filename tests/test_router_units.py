@@ -92,3 +92,20 @@ async def test_a_stale_status_does_not_undo_what_the_router_saw_since():
     pool._apply(w, stale, time.monotonic())  # a poll asked after that: its word holds
     assert w.resident == {"old"}
     await pool.close()
+
+
+async def test_an_unknown_model_while_the_store_is_down_is_unavailable_not_not_found():
+    import grpc as _grpc
+
+    from bitdelta.rpc.clients.delta_store import DeltaStoreClient
+    from services.router.errors import Unavailable
+    from services.router.pool import BaseInfo
+    from services.router.registry import Registry
+
+    async with DeltaStoreClient("127.0.0.1:9", timeout_s=1) as store:  # nothing listens there
+        reg = Registry(store, refresh_s=60, call_timeout_s=1)
+        assert await reg.refresh() is False and reg.last_error
+        with pytest.raises(Unavailable) as e:
+            await reg.lookup("coder", BaseInfo("base", "f" * 64))
+        assert e.value.code == _grpc.StatusCode.UNAVAILABLE and "unreachable" in str(e.value)
+        assert (await reg.lookup("", BaseInfo("base", "f" * 64))).is_base  # the base needs no store

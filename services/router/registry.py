@@ -120,7 +120,9 @@ class Registry:
             return Variant(base.name, base.name, base.fingerprint, is_base=True)
         v = self.variants.get(model_id)
         if v is None:
-            await self.refresh()
+            if not await self.refresh():
+                raise Unavailable(f"cannot tell whether {clip(model_id)} exists: the delta store is unreachable "
+                                  f"({self.last_error[:200]}); retry later")
             v = self.variants.get(model_id)
         if v is None:
             if model_id in self.deleted:
