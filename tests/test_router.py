@@ -25,7 +25,7 @@ from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
 from servers.cluster import Cluster, free_port
 from servers.metrics import sample
-from services.gpu_worker.testing import SUFFIX, make_test_family
+from services.gpu_worker.testing import make_test_family
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

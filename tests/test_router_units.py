@@ -11,7 +11,7 @@ import pytest
 from services.router.config import RouterConfig
 from services.router.errors import ResourceExhausted
 from services.router.placement import WorkerView, choose_worker
-from services.router.router import Admission
+from services.router.admission import Admission
 from bitdelta.rpc.config import ConfigError
 
 

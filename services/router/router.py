@@ -5,7 +5,7 @@
         ...   # RoutedToken: the worker's message plus, on the first, where and how long
 
 Admission. A request runs on a worker with room (`max_in_flight_per_worker`); when every
-candidate is full it waits in a bounded FIFO (`Admission`: per variant and in total); beyond
+candidate is full it waits in a bounded FIFO (`admission.Admission`: per variant and in total); beyond
 those bounds it gets RESOURCE_EXHAUSTED at once. While anyone waits, newcomers queue behind them.
 
 Placement (`placement.choose_worker`) keeps a variant on the workers that already hold it, so
@@ -26,7 +26,7 @@ import logging
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
@@ -36,8 +36,9 @@ from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
 from bitdelta.rpc import telemetry
 from bitdelta.rpc.errors import RpcError, clip
 from bitdelta.rpc.security import Principal
+from services.router.admission import Admission
 from services.router.config import RouterConfig
-from services.router.errors import DeadlineExceeded, InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
+from services.router.errors import DeadlineExceeded, InvalidArgument, PermissionDenied, Unavailable
 from services.router.placement import choose_worker
 from services.router.pool import WorkerPool
 from services.router.registry import Registry, Variant
@@ -93,53 +94,6 @@ class RoutedToken:
     msg: wpb.GenerateResponse  # the worker's message (token, text, finish, usage, the worker's TTFT)
     elapsed_ms: float  # since the request reached the router
     first: FirstToken | None = None
-
-
-@dataclass
-class _Waiter:
-    key: str
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-class Admission:
-    """Requests waiting for a worker with room: bounded per variant and in total, FIFO."""
-
-    def __init__(self, max_total: int, max_per_variant: int):
-        self.max_total, self.max_per_variant = max_total, max_per_variant
-        self.waiters: collections.OrderedDict[int, _Waiter] = collections.OrderedDict()
-        self.by_key: collections.Counter[str] = collections.Counter()
-        self._ids = 0
-
-    def __len__(self) -> int:
-        return len(self.waiters)
-
-    def join(self, key: str, shown: str) -> int:
-        if len(self.waiters) >= self.max_total:
-            raise ResourceExhausted(f"the router's queue is full ({self.max_total} requests wait for a worker); "
-                                    f"retry later")
-        if self.by_key[key] >= self.max_per_variant:
-            raise ResourceExhausted(f"{self.max_per_variant} requests for {shown} already wait for a worker; "
-                                    f"retry later")
-        self._ids += 1
-        self.waiters[self._ids] = _Waiter(key)
-        self.by_key[key] += 1
-        return self._ids
-
-    async def wait(self, ticket: int) -> None:
-        w = self.waiters[ticket]
-        await w.event.wait()
-        w.event.clear()
-
-    def leave(self, ticket: int) -> None:
-        w = self.waiters.pop(ticket)
-        self.by_key[w.key] -= 1
-        if self.by_key[w.key] <= 0:
-            del self.by_key[w.key]
-
-    def wake_all(self) -> None:
-        """Capacity freed (or a worker came up): every waiter tries again, oldest first."""
-        for w in self.waiters.values():
-            w.event.set()
 
 
 @dataclass(frozen=True)
