@@ -148,10 +148,10 @@ class Server:
     """A started-or-not gRPC server with health, reflection, the error interceptor and drain."""
 
     def __init__(self, grpc_server: grpc.aio.Server, port: int, services: Sequence[str],
-                 health_servicer: health.aio.HealthServicer, calls: _Calls):
+                 health_servicer: health.aio.HealthServicer, calls: _Calls, serving_at_start: bool = True):
         self.grpc, self.port, self.services = grpc_server, port, tuple(services)
         self._health, self._calls = health_servicer, calls
-        self._serving_at_start = True
+        self._serving_at_start = serving_at_start
         self.health_only: grpc.aio.Server | None = None  # plain-text grpc.health.v1 only (`health_address`)
         self.health_port = 0
 
@@ -231,8 +231,7 @@ def create_server(address: str, services: Sequence[Service], status_table: Statu
         raise OSError(f"cannot listen on {address}: {e}") from None
     if port == 0:
         raise OSError(f"cannot listen on {address}")
-    out = Server(server, port, names, hs, calls)
-    out._serving_at_start = serving
+    out = Server(server, port, names, hs, calls, serving_at_start=serving)
     if health_address:
         out.health_only = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(hs, out.health_only)  # the same statuses, nothing else
