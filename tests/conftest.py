@@ -89,9 +89,10 @@ def cached_real_artifact(name: str, key: dict, build) -> Path:
     return final
 
 
-def short_real_finetune(real_base: Path, variant: str, corpus: str, cfg, delta: bool) -> Path:
-    """A cached short real fine-tune of the base (and its serving-style delta when `delta`):
-    the entry's directory, holding finetuned/<variant>/ and deltas/<variant>.bitdelta.safetensors."""
+def short_real_finetunes(real_base: Path, corpora_of: dict[str, str], cfg, delta: bool) -> Path:
+    """Cached short real fine-tunes of the base, one per variant -> corpus in `corpora_of` (and
+    their serving-style deltas when `delta`): the entry's directory, holding finetuned/<variant>/
+    and deltas/<variant>.bitdelta.safetensors (all deltas in one directory, as a worker reads them)."""
     from dataclasses import asdict
 
     from bitdelta import precision
@@ -102,16 +103,17 @@ def short_real_finetune(real_base: Path, variant: str, corpus: str, cfg, delta: 
         from bitdelta.compress import compress
         from bitdelta.family.finetune import finetune
 
-        ft = root / "finetuned" / variant
-        finetune(real_base, corpus, ft, cfg, progress=False)
-        if delta:
-            compress(real_base, ft, root / "deltas" / f"{variant}.bitdelta.safetensors", variant=variant,
-                     embeddings="sign", progress=False)
+        for variant, corpus in corpora_of.items():
+            ft = root / "finetuned" / variant
+            finetune(real_base, corpus, ft, cfg, progress=False)
+            if delta:
+                compress(real_base, ft, root / "deltas" / f"{variant}.bitdelta.safetensors", variant=variant,
+                         embeddings="sign", progress=False)
 
-    key = {"base": fingerprint(real_base), "variant": variant, "corpus": corpus,
-           "corpus_sha256": corpora.describe(corpus)["sha256"], "config": asdict(cfg), "delta": delta,
-           "precision": precision.cpu_precision().name}
-    return cached_real_artifact(f"short-{variant}", key, build)
+    key = {"base": fingerprint(real_base), "corpora": corpora_of,
+           "corpus_sha256": {c: corpora.describe(c)["sha256"] for c in sorted(set(corpora_of.values()))},
+           "config": asdict(cfg), "delta": delta, "precision": precision.cpu_precision().name}
+    return cached_real_artifact("short-" + "-".join(corpora_of), key, build)
 
 
 @pytest.fixture(scope="session")
@@ -122,8 +124,8 @@ def artifact_cache():
 
 @pytest.fixture(scope="session")
 def real_finetune_cache():
-    """`short_real_finetune` for test modules: (real_base, variant, corpus, cfg, delta) -> entry dir."""
-    return short_real_finetune
+    """`short_real_finetunes` for test modules: (real_base, {variant: corpus}, cfg, delta) -> entry dir."""
+    return short_real_finetunes
 
 
 @pytest.fixture(scope="session")
@@ -150,5 +152,5 @@ def real_deltas(real_base) -> dict:
     from bitdelta.family.finetune import FinetuneConfig
 
     cfg = FinetuneConfig(steps=3, batch=1, seq_len=64, warmup=0, lr=3e-4, eval_windows=1)
-    return {variant: short_real_finetune(real_base, variant, corpus, cfg, delta=True) / "deltas"
-            / f"{variant}.bitdelta.safetensors" for variant, corpus in (("math", "arithmetic"), ("coder", "stdlib"))}
+    root = short_real_finetunes(real_base, {"math": "arithmetic", "coder": "stdlib"}, cfg, delta=True)
+    return {v: root / "deltas" / f"{v}.bitdelta.safetensors" for v in ("math", "coder")}

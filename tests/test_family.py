@@ -284,7 +284,7 @@ def short_finetune(real_base, real_finetune_cache) -> Path:
     from bitdelta.family.finetune import FinetuneConfig
 
     cfg = FinetuneConfig(steps=2, batch=1, seq_len=32, warmup=0, eval_windows=1)
-    return real_finetune_cache(real_base, "math", "arithmetic", cfg, delta=False) / "finetuned" / "math"
+    return real_finetune_cache(real_base, {"math": "arithmetic"}, cfg, delta=False) / "finetuned" / "math"
 
 
 def test_every_compressed_weight_moves_in_fine_tuning(short_finetune):
