@@ -335,7 +335,8 @@ async def test_tokenising_a_large_prompt_does_not_block_the_loop(family):
         stop = True
         await ticker
         assert took > 0.3, f"tokenising took {took:.2f}s: too fast to show anything; use a longer prompt"
-        assert max(gaps) < 0.25, f"the loop stalled for {max(gaps):.2f}s while tokenising ({took:.2f}s)"
+        # on the loop, the stall would be the whole tokenisation; off it, scheduler noise on a busy machine
+        assert max(gaps) < max(0.25, took / 4), f"the loop stalled for {max(gaps):.2f}s while tokenising ({took:.2f}s)"
 
 
 async def test_unknown_ids_leave_no_status_entries_and_failures_are_bounded(family, monkeypatch):
