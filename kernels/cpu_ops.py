@@ -185,13 +185,15 @@ def _block_rows(d_in: int, d_out: int, itemsize: int) -> int:
 
 
 def linear_merge_gemm_cpu(x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """Prefill path: merge a block of rows of W_eff at a time (never all of it), one GEMM per block.
+    """Prefill path: merge a block of rows of W_eff at a time (never all of it), one fp32 GEMM per block.
 
     x: [M, d_in]; w_base: [d_out, d_in] -> y: [M, d_out] in x.dtype.
     """
     M, d_in = x.shape
     d_out = w_base.shape[0]
-    ct = _compute_dtype(x, w_base)
+    # W_eff is formed and used in fp32 whatever the weights' dtype: rounding W + α·S to bf16
+    # would erase most of the delta (α ~1e-4..1e-3 is below bf16's spacing at |W| ~ 0.1).
+    ct = torch.float32
     xc = x.to(ct)
     rows = _block_rows(d_in, d_out, torch.finfo(ct).bits // 8)
     buf = torch.empty(rows, d_in, dtype=ct)

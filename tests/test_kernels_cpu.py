@@ -282,3 +282,24 @@ def test_merged_cache_lru_and_pinning():
     big = MergedWeightCache(budget_bytes=one - 1)
     big.get("a", *mats["a"])
     assert len(big) == 0 and big.bytes_used == 0  # too big to keep, still served
+
+
+def test_bf16_merge_path_keeps_real_sized_deltas():
+    """bf16 weights and activations on the merge-then-GEMM path: W + α·S is never rounded to bf16
+    (α ~1e-4..1e-3 is below bf16's spacing at |W| ~ 0.1), so the bf16 output is the exact fp32
+    result rounded once, as on the other paths. Rounding W_eff first changed about 1 output in 3."""
+    from kernels.cpu_ops import linear_merge_gemm_cpu
+
+    g = torch.Generator().manual_seed(3)
+    d_out, d_in, M = 256, 512, 40
+    w = (torch.randn(d_out, d_in, generator=g) * 0.1).to(torch.bfloat16)
+    delta = torch.randn(d_out, d_in, generator=g)
+    signs = pack_signs(delta)
+    alpha = torch.rand(d_out, generator=g) * 9e-4 + 1e-4
+    x = torch.randn(M, d_in, generator=g).to(torch.bfloat16)
+    s = torch.where(delta >= 0, 1.0, -1.0)
+    exact = x.float() @ w.float().t() + (x.float() @ s.t()) * alpha  # [M, d_out], fp32
+    y = linear_merge_gemm_cpu(x, w, signs, alpha)
+    assert y.dtype == torch.bfloat16
+    mismatch = (y != exact.to(torch.bfloat16)).float().mean().item()
+    assert mismatch < 0.02, f"{mismatch:.1%} of outputs differ from the exact result rounded once"
