@@ -11,14 +11,9 @@ import torch
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.testing import offline_generate, running_worker
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("cpu_kernels")]  # kernels by device (conftest)
 N = 12
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "ROMEO:"]
-
-
-@pytest.fixture(autouse=True)
-def cpu_kernels(monkeypatch):
-    monkeypatch.setenv("BITDELTA_KERNEL_BACKEND", "cpu")
 
 
 async def test_real_family_matches_references_alone_and_mixed(tmp_path, real_base, real_deltas):
