@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import dataclass
 import os
 import re
 import sys
@@ -175,3 +176,20 @@ def _show(v: Any) -> str:
     if isinstance(v, tuple):
         return ",".join(map(str, v)) or "none"
     return str(v)
+
+
+@dataclass(frozen=True, kw_only=True)  # keyword-only: a service's own required fields may follow
+class ProcessSettings:
+    """What every service process is configured with besides its own settings: shutdown grace,
+    logging, and where traces and metrics go."""
+
+    grace_s: float = setting(10.0, "SIGTERM: calls in flight get this long to finish, seconds")
+    log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR", parse=parse_log_level)
+    otlp_endpoint: str = setting("", "OTLP/gRPC collector for traces, e.g. http://jaeger:4317; empty: "
+                                 "OTEL_EXPORTER_OTLP_ENDPOINT, or no export")
+    metrics_address: str = setting("", "HOST:PORT of the Prometheus /metrics endpoint; empty: none",
+                                   check=lambda v: v and check_address(v))
+
+    def check_process(self) -> None:
+        if not self.grace_s >= 0:
+            raise ConfigError(f"--grace-s must be >= 0, got {self.grace_s}")

@@ -16,7 +16,7 @@ from typing import ClassVar
 from urllib.parse import urlparse
 
 from bitdelta.rpc.clients.delta_store import MAX_CHUNK_BYTES
-from bitdelta.rpc.config import ConfigError, ServiceConfig, check_address, parse_log_level, setting
+from bitdelta.rpc.config import ConfigError, ProcessSettings, ServiceConfig, check_address, setting
 from bitdelta.rpc.security import AuthSettings, TlsSettings
 from bitdelta.units import parse_bytes
 
@@ -24,7 +24,7 @@ __all__ = ["Config", "ConfigError", "MAX_CHUNK_BYTES"]
 
 
 @dataclass(frozen=True)
-class Config(ServiceConfig, TlsSettings, AuthSettings):
+class Config(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
     """BitDelta delta store: streams delta files from local disk or S3 through a host cache."""
 
     ENV_PREFIX: ClassVar[str] = "BITDELTA_DELTA_STORE_"
@@ -45,14 +45,9 @@ class Config(ServiceConfig, TlsSettings, AuthSettings):
     read_block_bytes: int = setting(8 * 1024**2, "backend sequential read size", parse=parse_bytes)
     verify_reads: bool = setting(True, "sha256-check every tensor read from the backend")
     backend_timeout_s: float = setting(5.0, "timeout of one backend request, seconds")
-    grace_s: float = setting(10.0, "seconds calls in flight get to finish on SIGTERM")
-    log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR", parse=parse_log_level)
-    otlp_endpoint: str = setting("", "OTLP/gRPC collector for traces, e.g. http://jaeger:4317; empty: "
-                                 "OTEL_EXPORTER_OTLP_ENDPOINT, or no export")
-    metrics_address: str = setting("", "HOST:PORT of the Prometheus /metrics endpoint; empty: none",
-                                  check=lambda v: v and check_address(v))
 
     def check(self) -> None:
+        self.check_process()
         self.check_tls()
         self.tokens()  # a tokens file that cannot be used fails at start, naming the flag
         if self.backend not in ("local", "s3"):
@@ -78,5 +73,5 @@ class Config(ServiceConfig, TlsSettings, AuthSettings):
                              ("cache_bytes", 0, 1 << 50), ("pin_top_n", 0, 1 << 20)]:
             if not lo <= getattr(self, name) <= hi:
                 raise ConfigError(f"{self.flag_of(name)} must be between {lo} and {hi}, got {getattr(self, name)}")
-        if not self.rate_half_life_s > 0 or not self.backend_timeout_s > 0 or not self.grace_s >= 0:
-            raise ConfigError("--rate-half-life-s and --backend-timeout-s must be > 0, --grace-s >= 0")
+        if not self.rate_half_life_s > 0 or not self.backend_timeout_s > 0:
+            raise ConfigError("--rate-half-life-s and --backend-timeout-s must be > 0")

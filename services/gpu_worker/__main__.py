@@ -9,7 +9,7 @@ from services.gpu_worker.server import serve
 
 def main(argv=None) -> None:
     config = WorkerConfig.main_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve(config))
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from bitdelta.rpc.config import ConfigError, ServiceConfig, check_address, setting
+from bitdelta.rpc.config import ConfigError, ProcessSettings, ServiceConfig, check_address, setting
 from bitdelta.rpc.security import AuthSettings, TlsSettings
 from bitdelta.units import parse_bytes
 
@@ -20,7 +20,7 @@ ENV_PREFIX = "BITDELTA_WORKER_"
 
 
 @dataclass(frozen=True)
-class WorkerConfig(ServiceConfig, TlsSettings, AuthSettings):
+class WorkerConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
     """BitDelta GPU worker: one base, many variants, one batch."""
 
     ENV_PREFIX: ClassVar[str] = ENV_PREFIX
@@ -47,17 +47,13 @@ class WorkerConfig(ServiceConfig, TlsSettings, AuthSettings):
     max_prompt_tokens: int = setting(0, "longer prompts are INVALID_ARGUMENT; 0: the model's context")
     fused_single_variant: bool = setting(True, "a batch of one variant uses the fused kernel")
     allow_slow_kernels: bool = setting(False, "on CUDA without Triton, serve with the torch reference kernels (~10x slower) instead of refusing to start")  # noqa: E501
-    grace_s: float = setting(10.0, "SIGTERM: running streams get this long to finish")
     store_timeout_s: float = setting(600.0, "deadline of one Fetch from the delta store, seconds")
-    otlp_endpoint: str = setting("", "OTLP/gRPC collector for traces, e.g. http://jaeger:4317; empty: "
-                                 "OTEL_EXPORTER_OTLP_ENDPOINT, or no export")
-    metrics_address: str = setting("", "HOST:PORT of the Prometheus /metrics endpoint; empty: none",
-                                  check=lambda v: v and check_address(v))
 
     def __post_init__(self):
         self.check()
 
     def check(self) -> None:
+        self.check_process()
         self.check_tls()
         self.tokens()  # a tokens file that cannot be used fails at start, naming the flag
         base = Path(self.base)

@@ -6,14 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from bitdelta.rpc.config import (ConfigError, ServiceConfig, check_address, check_addresses, parse_list,
-                                 parse_log_level, setting)
+from bitdelta.rpc.config import (ConfigError, ProcessSettings, ServiceConfig, check_address, check_addresses,
+                                 parse_list, setting)
 from bitdelta.rpc.security import AuthSettings, TlsSettings
 from bitdelta.units import parse_bytes
 
 
 @dataclass(frozen=True)
-class RouterConfig(ServiceConfig, TlsSettings, AuthSettings):
+class RouterConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
     """BitDelta router: one public Generate for the base and every variant, over several workers."""
 
     ENV_PREFIX: ClassVar[str] = "BITDELTA_ROUTER_"
@@ -34,14 +34,9 @@ class RouterConfig(ServiceConfig, TlsSettings, AuthSettings):
     refresh_s: float = setting(5.0, "seconds between refreshes of the variant list from the delta store")
     call_timeout_s: float = setting(5.0, "deadline of the router's own calls (Status, List), seconds")
     request_timeout_s: float = setting(600.0, "deadline of a Generate whose client set none, seconds")
-    grace_s: float = setting(10.0, "SIGTERM: streams in flight get this long to finish")
-    log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR", parse=parse_log_level)
-    otlp_endpoint: str = setting("", "OTLP/gRPC collector for traces, e.g. http://jaeger:4317; empty: "
-                                 "OTEL_EXPORTER_OTLP_ENDPOINT, or no export")
-    metrics_address: str = setting("", "HOST:PORT of the Prometheus /metrics endpoint; empty: none",
-                                  check=lambda v: v and check_address(v))
 
     def check(self) -> None:
+        self.check_process()
         self.check_tls()
         self.tokens()  # a tokens file that cannot be used fails at start, naming the flag
         if not self.workers:
