@@ -25,6 +25,7 @@ import grpc
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
 from bitdelta.rpc.clients.worker import WorkerClient
 from bitdelta.rpc.errors import RpcError
+from services.router.periodic import Periodic
 from services.router.placement import WorkerView
 
 log = logging.getLogger("services.router.pool")
@@ -69,26 +70,16 @@ class WorkerPool:
         self.workers = {a: WorkerState(a, WorkerClient(a, timeout_s=call_timeout_s, credentials=credentials))
                         for a in addresses}  # credentials: TLS (the router's certificate), or None
         self.on_change = on_change  # called when capacity frees or a worker comes up (wakes queued requests)
-        self._task: asyncio.Task | None = None
+        self._poller = Periodic(self.poll_all, poll_s, "worker Status poll")
 
     async def start(self) -> None:
-        await self.poll_all()
-        self._task = asyncio.create_task(self._loop())
+        """Poll every worker once, then every `poll_s` in the background."""
+        await self._poller.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._poller.close()
         for w in self.workers.values():
             await w.client.close()
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_s)
-            try:
-                await self.poll_all()
-            except Exception:  # noqa: BLE001 - the loop must survive anything one poll does
-                log.exception("worker poll failed")
 
     async def poll_all(self) -> None:
         await asyncio.gather(*(self.poll(w.address) for w in self.workers.values()))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient
 from bitdelta.rpc.errors import RpcError, clip
 from services.router.errors import FailedPrecondition, NotFound, Unavailable
+from services.router.periodic import Periodic
 from services.router.pool import BaseInfo
 
 log = logging.getLogger("services.router.registry")
@@ -59,21 +60,14 @@ class Registry:
         self.last_error = "not refreshed yet"
         self._started = float("-inf")  # when the current (or last) List call started
         self._refreshing: asyncio.Task | None = None
-        self._task: asyncio.Task | None = None
+        self._refresher = Periodic(self.refresh, refresh_s, "variant list refresh")
 
     async def start(self) -> None:
-        await self.refresh()
-        self._task = asyncio.create_task(self._loop())
+        """Read the store's list once, then every `refresh_s` in the background."""
+        await self._refresher.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.refresh_s)
-            await self.refresh()
+        await self._refresher.close()
 
     async def refresh(self, since: float | None = None) -> bool:
         """Re-read the store's list with a List call that started at or after `since` (monotonic;
