@@ -36,6 +36,10 @@ def _echo_service(release: asyncio.Event) -> Service:
             raise Missing("x" * 50_000)
         if text == "bug":
             raise ZeroDivisionError("oops")
+        if text == "odd trailer":  # e.g. a tensor name read from a corrupted header
+            err = Missing("bad tensor")
+            err.trailers = {"bitdelta-tensor": "layers.0\x00\xdd<\x86" + "y" * 1000}
+            raise err
         return request
 
     async def stream(request: bytes, context):
@@ -63,6 +67,11 @@ async def test_server_skeleton_maps_errors_and_drains():
                 await say(text.encode(), timeout=10)
             assert e.value.code() == code, text
             assert len(e.value.details()) <= 1024  # a 50,000-character message travels clipped
+        with pytest.raises(grpc.aio.AioRpcError) as e:  # an invalid metadata value must not turn it INTERNAL
+            await say(b"odd trailer", timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        tensor = dict(e.value.trailing_metadata())["bitdelta-tensor"]
+        assert tensor.startswith("layers.0\\x00") and len(tensor) <= 256
         health = health_pb2_grpc.HealthStub(ch)
         watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE), timeout=10)
         assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING  # Watch is not wrapped

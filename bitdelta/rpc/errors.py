@@ -80,3 +80,11 @@ def clip_message(message: str) -> str:
     if len(message) <= MAX_MESSAGE_CHARS:
         return message
     return message[: MAX_MESSAGE_CHARS - 20] + f"… [{len(message)} chars]"
+
+
+def metadata_value(text: str, limit: int = 256) -> str:
+    """`text` as a valid gRPC metadata value: printable ASCII only (anything else escaped), clipped.
+    A trailer naming, say, a tensor read from a corrupted header would otherwise make the whole
+    status an INTERNAL "Invalid metadata"."""
+    out = "".join(c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii") for c in str(text))
+    return out if len(out) <= limit else out[: limit - 3] + "..."

@@ -33,7 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from bitdelta.rpc.errors import StatusTable, clip_message, status_of
+from bitdelta.rpc.errors import StatusTable, clip_message, metadata_value, status_of
 from bitdelta.rpc.telemetry import ServerInterceptor as TraceInterceptor
 
 log = logging.getLogger("bitdelta.rpc")
@@ -140,7 +140,7 @@ class _ErrorInterceptor(grpc.aio.ServerInterceptor):
         else:
             log.info("%s: %s: %s", method, code.name, clip_message(str(e)))
             message = str(e) or type(e).__name__
-        trailers = tuple((k, v) for k, v in (getattr(e, "trailers", None) or {}).items())
+        trailers = tuple((k, metadata_value(v)) for k, v in (getattr(e, "trailers", None) or {}).items())
         await context.abort(code, clip_message(message), trailing_metadata=trailers)
 
 
