@@ -116,7 +116,8 @@ async def test_nan_sampling_is_refused_while_a_batch_runs(system, expected):
         # sampled requests next to greedy ones: the greedy ones keep their tokens
         sampled = [asyncio.create_task(run(r, "v2", temperature=1.5, top_p=0.9, seed=s)) for s in range(3)]
         ok(expected, "v2", await run(r, "v2"))
-        assert all(len(x) == TOKENS for x in await asyncio.gather(*sampled))
+        # sampled answers complete (they may end early: a sampled token can be the end of sequence)
+        assert all(1 <= len(x) <= TOKENS for x in await asyncio.gather(*sampled))
 
 
 async def test_huge_prompts(system, expected):
