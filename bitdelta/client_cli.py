@@ -69,15 +69,21 @@ async def _generate(a: argparse.Namespace) -> None:
             _fail(e)
 
 
-async def _models(a: argparse.Namespace) -> None:
+async def _ask(a: argparse.Namespace, method: str) -> list:
+    """One listing call (`list_models`, `list_workers`) to the router; a failure is a CLI error."""
     from bitdelta.rpc.clients.router import RouterCallError
-    from bitdelta.units import human_bytes
 
     async with _router(a) as r:
         try:
-            models = await r.list_models()
+            return await getattr(r, method)()
         except RouterCallError as e:
             _fail(e)
+
+
+async def _models(a: argparse.Namespace) -> None:
+    from bitdelta.units import human_bytes
+
+    models = await _ask(a, "list_models")
     print(f"{'model':24s} {'delta':>10s} {'in flight':>9s}  resident on")
     for m in models:
         size = "base" if m.is_base else human_bytes(m.delta_bytes)
@@ -89,14 +95,9 @@ async def _models(a: argparse.Namespace) -> None:
 
 
 async def _workers(a: argparse.Namespace) -> None:
-    from bitdelta.rpc.clients.router import RouterCallError
     from bitdelta.units import human_bytes
 
-    async with _router(a) as r:
-        try:
-            workers = await r.list_workers()
-        except RouterCallError as e:
-            _fail(e)
+    workers = await _ask(a, "list_workers")
     for w in workers:
         state = f"up ({w.device})" if w.up else f"DOWN: {w.reason}"
         print(f"{w.address:22s} {state:24s} {w.in_flight}/{w.capacity} in flight, "

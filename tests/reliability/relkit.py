@@ -14,7 +14,6 @@ from pathlib import Path
 
 import grpc
 from servers.cluster import Cluster, Proc
-from services.gpu_worker.testing import make_test_family
 
 N_VARIANTS = 6
 TOKENS = 8  # new tokens of every checked greedy answer
@@ -78,6 +77,18 @@ class Tally:
 
 
 TALLY = Tally()
+
+
+async def routed_tokens(r, model: str, prompt: str = PROMPTS[0], n: int = TOKENS, **kw) -> list[int]:
+    """The token ids of one Generate through router client `r`, counted in TALLY (sent, rejected)."""
+    from bitdelta.rpc.clients.router import RouterCallError
+
+    TALLY.sent += 1
+    try:
+        return [m.token_id async for m in r.generate(model, prompt, max_new_tokens=n, **kw)]
+    except RouterCallError as e:
+        TALLY.reject(e.code)
+        raise
 
 
 class RelCluster(Cluster):

@@ -10,8 +10,6 @@ nothing half-written becomes visible, and the system recovers by itself when the
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import signal
 import subprocess
 import time
@@ -26,7 +24,7 @@ from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient, DeltaStoreError
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
-from relkit import NEVER, PROMPTS, TALLY, TOKENS, T, RelCluster, _wait_router_sees_workers, start_system, wait_for
+from relkit import NEVER, PROMPTS, RelCluster, T, TALLY, TOKENS, _wait_router_sees_workers, routed_tokens, start_system, wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 P = PROMPTS[0]
@@ -59,13 +57,7 @@ async def ref(family, clients) -> dict[str, list[int]]:
     return {m: await tokens(r, m) for m in ["", *family.variants]}
 
 
-async def tokens(r: RouterClient, model: str, prompt: str = P, n: int = TOKENS, **kw) -> list[int]:
-    TALLY.sent += 1
-    try:
-        return [m.token_id async for m in r.generate(model, prompt, max_new_tokens=n, **kw)]
-    except RouterCallError as e:
-        TALLY.reject(e.code)
-        raise
+tokens = routed_tokens  # one Generate, tallied (relkit)
 
 
 async def checked(r: RouterClient, ref, model: str) -> list[int]:

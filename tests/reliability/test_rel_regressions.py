@@ -21,19 +21,13 @@ from bitdelta.rpc.clients.delta_store import DeltaStoreClient, DeltaStoreError
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.clients.worker import WorkerCallError, WorkerClient
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
-from relkit import MAX_DETAILS, PROMPTS, TALLY, TOKENS, T, wait_for
+from relkit import MAX_DETAILS, PROMPTS, T, TALLY, TOKENS, routed_tokens, wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 P = PROMPTS[0]
 
 
-async def run(r: RouterClient, model: str, prompt: str = P, n: int = TOKENS, **kw) -> list[int]:
-    TALLY.sent += 1
-    try:
-        return [m.token_id async for m in r.generate(model, prompt, max_new_tokens=n, **kw)]
-    except RouterCallError as e:
-        TALLY.reject(e.code)
-        raise
+run = routed_tokens  # one Generate, tallied (relkit)
 
 
 async def refused(r: RouterClient, model: str, prompt: str = P, **kw) -> RouterCallError:
