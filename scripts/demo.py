@@ -248,8 +248,9 @@ async def main() -> None:
     workers = [workers, f"127.0.0.1:{free_port()}"]
     procs: list[subprocess.Popen] = []
     try:
+        shm = ["--shared-memory-dir", "/dev/shm/bitdelta-demo"] if Path("/dev/shm").is_dir() else []  # same host
         procs.append(spawn("delta_store", ["-m", "services.delta_store", "--address", store, "--backend", "local",
-                                           "--root", str(a.deltas)]))
+                                           "--root", str(a.deltas), *shm]))
         await wait_serving(store, procs[-1], "delta store")
         print(f"[demo] delta store on {store} serving {a.deltas}")
         for i, addr in enumerate(workers):

@@ -23,17 +23,22 @@ def family(tmp_path_factory):
     return make_test_family(tmp_path_factory.mktemp("worker_store_family"), n_variants=2)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=[True, False], ids=["store-verifies", "worker-verifies"])
-async def store(family, request):
-    """A delta_store over the family's delta directory; with verify_reads off, only the worker checks hashes."""
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["store-verifies", "worker-verifies", "shared-memory"])
+async def store(family, request, tmp_path_factory):
+    """A delta_store over the family's delta directory: it verifies and the worker checks crc32s; with
+    verify_reads off, the worker checks sha256s too; with its host cache in shared memory, the worker
+    copies the bytes out of it (same host) instead of receiving them."""
     from services.delta_store.config import Config
     from services.delta_store.server import create_server
 
-    config = Config(address="127.0.0.1:0", root=family.deltas, verify_reads=request.param, cache_bytes=0)
+    shared = request.param == "shared-memory"
+    config = Config(address="127.0.0.1:0", root=family.deltas, verify_reads=request.param != "worker-verifies",
+                    cache_bytes=64 << 20 if shared else 0,
+                    shared_memory_dir=tmp_path_factory.mktemp("shm") if shared else None)
     config.check()
     server, store = create_server(config)
     await server.start()
-    yield f"127.0.0.1:{server.port}", request.param
+    yield f"127.0.0.1:{server.port}", config.verify_reads, store
     await server.stop(0)
     await store.close()
 
@@ -44,7 +49,7 @@ async def generate(stub, model_id, prompt, n=N):
 
 
 async def test_load_from_the_delta_store_and_generate(store, family):
-    store, store_verifies = store
+    store, store_verifies, delta_store = store
     cfg = WorkerConfig(base=family.base, delta_store=store, delta_budget=4 << 20, kv_cache=4 << 20)
     async with running_worker(cfg) as (worker, _, channel):
         stub = pb_grpc.GpuWorkerServiceStub(channel)
@@ -71,3 +76,6 @@ async def test_load_from_the_delta_store_and_generate(store, family):
         assert states[family.corrupt] == pb.DELTA_STATE_FAILED
         assert st.delta_used_bytes <= st.delta_budget_bytes
         assert len(await generate(stub, "", "still serving", n=3)) == 3
+        shared = delta_store.cache.shared is not None
+        assert delta_store.transports["shared-memory" if shared else "stream"] >= 2  # v1 and v0 at least
+        assert delta_store.transports["stream" if shared else "shared-memory"] == 0

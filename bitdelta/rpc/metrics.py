@@ -133,7 +133,8 @@ class WorkerMetrics(ServiceMetrics):
 
 
 class StoreMetrics(ServiceMetrics):
-    def __init__(self, cache_stats: Callable[[], Mapping[str, int]], cache_used_bytes: Callable[[], float]):
+    def __init__(self, cache_stats: Callable[[], Mapping[str, int]], cache_used_bytes: Callable[[], float],
+                 transports: Callable[[], Mapping[str, int]] = dict):
         super().__init__()
         self.fetches = self.counter("bitdelta_delta_store_fetches_total", "Fetch calls opened, by delta",
                                     ("delta",))
@@ -145,3 +146,6 @@ class StoreMetrics(ServiceMetrics):
                           lambda: {(k,): v for k, v in cache_stats().items()}, ("result",))
         self.readings.add("gauge", "bitdelta_delta_store_cache_used_bytes", "host cache bytes in use",
                           cache_used_bytes)
+        self.readings.add("counter", "bitdelta_delta_store_fetch_transports",
+                          "Fetch calls by how their bytes travel: stream, or shared-memory (same-host workers)",
+                          lambda: {(k,): v for k, v in transports().items()}, ("transport",))

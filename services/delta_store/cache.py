@@ -13,6 +13,10 @@ budget bounds the memory the cache holds. A delta that does not fit is
 streamed without being cached. The buffers of dropped entries are reused for
 new ones of similar size while the budget allows: first-touch page faults
 of fresh memory cost more than the read itself on some machines.
+
+With a `SharedMemoryDir` (services/delta_store/shm.py) entries live in files
+that same-host workers map; they are recycled the same way, since a shared
+Fetch counts as a reader until the receiver has copied everything (its lease).
 """
 
 from __future__ import annotations
@@ -24,15 +28,18 @@ from typing import Callable
 
 from bitdelta.cache_policy import WeightedLRUPolicy
 from bitdelta.format import DeltaHeader
+from services.delta_store.shm import SharedFile, SharedMemoryDir
 
 
 class Entry:
     """One delta's bytes in host memory, with the fill progress of its loader."""
 
-    def __init__(self, name: str, version: str, header: DeltaHeader, chunk_bytes: int, buf: bytearray | None = None):
+    def __init__(self, name: str, version: str, header: DeltaHeader, chunk_bytes: int, buf: bytearray | None = None,
+                 shared: SharedFile | None = None):
         self.name, self.version, self.header = name, version, header
         self.size = header.file_size
-        self.buf = buf if buf is not None else bytearray(self.size)
+        self.shared = shared  # the file same-host readers map, if the entry lives in shared memory
+        self.buf = shared.map if shared is not None else buf if buf is not None else bytearray(self.size)
         self.view: memoryview | None = memoryview(self.buf)[: self.size]  # None once recycled
         self.filled = 0  # [0, filled) is read and every tensor ending in it verified
         self.error: BaseException | None = None
@@ -76,14 +83,20 @@ class Entry:
         return crcs[i] if i < len(crcs) else None
 
 
+def _nbytes(buf: bytearray | SharedFile) -> int:
+    return buf.size if isinstance(buf, SharedFile) else len(buf)
+
+
 class HostCache:
     """Entries by name, kept under a byte budget by the policy."""
 
-    def __init__(self, policy: WeightedLRUPolicy, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, policy: WeightedLRUPolicy, clock: Callable[[], float] = time.monotonic,
+                 shared: SharedMemoryDir | None = None):
         self.policy = policy
         self.clock = clock
+        self.shared = shared
         self.entries: dict[str, Entry] = {}
-        self._spare: list[bytearray] = []  # buffers of dropped entries, for reuse
+        self._spare: list[bytearray | SharedFile] = []  # buffers of dropped entries, for reuse
         # Fetches by outcome: hit, join (followed a load in progress: single flight),
         # miss (started the load), bypass (cannot be cached: streamed from the backend); evictions.
         self.stats: Counter[str] = Counter()
@@ -111,7 +124,11 @@ class HostCache:
         for v in victims:
             self.drop(v)
             self.stats["eviction"] += 1
-        e = Entry(name, version, header, chunk_bytes, self._take_spare(header.file_size))
+        spare = self._take_spare(header.file_size)
+        if self.shared is not None and spare is None:
+            spare = self.shared.allocate(header.file_size)  # None if the memory filesystem is full
+        shared = spare if isinstance(spare, SharedFile) else None
+        e = Entry(name, version, header, chunk_bytes, None if shared else spare, shared)
         self.entries[name] = e
         self.policy.add(name, e.size)
         self._trim_spares()
@@ -136,20 +153,33 @@ class HostCache:
             return
         e.view.release()
         e.view = None
-        self._spare.append(e.buf)
+        self._spare.append(e.shared if e.shared is not None else e.buf)
         self._trim_spares()
 
-    def _take_spare(self, size: int) -> bytearray | None:
-        fits = [b for b in self._spare if size <= len(b) <= 2 * size]
+    def _take_spare(self, size: int) -> bytearray | SharedFile | None:
+        fits = [b for b in self._spare if size <= _nbytes(b) <= 2 * size]
         if not fits:
             return None
-        best = min(fits, key=len)
+        best = min(fits, key=_nbytes)
         self._spare.remove(best)
         return best
 
     def _trim_spares(self) -> None:
-        while self._spare and self.used_bytes + sum(map(len, self._spare)) > self.policy.budget_bytes:
-            self._spare.pop(0)
+        while self._spare and self.used_bytes + sum(map(_nbytes, self._spare)) > self.policy.budget_bytes:
+            gone = self._spare.pop(0)
+            if isinstance(gone, SharedFile):
+                gone.release()
+
+    def close(self) -> None:
+        """Drop every entry and spare (the store is closing)."""
+        for name in list(self.entries):
+            self.drop(name)
+        for b in self._spare:
+            if isinstance(b, SharedFile):
+                b.release()
+        self._spare.clear()
+        if self.shared is not None:
+            self.shared.close()
 
     def release(self, entry: Entry) -> None:
         """A reader is done with `entry`; the last one out of an unfinished load cancels it."""

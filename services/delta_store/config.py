@@ -45,6 +45,10 @@ class Config(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
     read_block_bytes: int = setting(8 * 1024**2, "backend sequential read size", parse=parse_bytes)
     verify_reads: bool = setting(True, "sha256-check every tensor read from the backend")
     backend_timeout_s: float = setting(5.0, "timeout of one backend request, seconds")
+    shared_memory_dir: Path | None = setting(
+        None, "keep the host cache in files under this directory of a memory filesystem (e.g. /dev/shm/bitdelta) "
+        "so workers on this host map them instead of streaming the bytes; they must run as the same user",
+        parse=lambda v: Path(v).expanduser().resolve())
 
     def check(self) -> None:
         self.check_process()
@@ -73,5 +77,7 @@ class Config(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
                              ("cache_bytes", 0, 1 << 50), ("pin_top_n", 0, 1 << 20)]:
             if not lo <= getattr(self, name) <= hi:
                 raise ConfigError(f"{self.flag_of(name)} must be between {lo} and {hi}, got {getattr(self, name)}")
+        if self.shared_memory_dir is not None and self.shared_memory_dir.exists() and not self.shared_memory_dir.is_dir():
+            raise ConfigError(f"--shared-memory-dir {self.shared_memory_dir} exists and is not a directory")
         if not self.rate_half_life_s > 0 or not self.backend_timeout_s > 0:
             raise ConfigError("--rate-half-life-s and --backend-timeout-s must be > 0")

@@ -29,6 +29,7 @@ from services.delta_store.cache import HostCache
 from services.delta_store.config import Config
 from services.delta_store.errors import (AlreadyExists, BackendUnavailable, CorruptDelta, InvalidName, InvalidUpload,
                                          NotFound)
+from services.delta_store.shm import SHARED_LEASE_S, SharedMemoryDir
 from services.delta_store.store import DeltaStore
 
 log = logging.getLogger("services.delta_store")
@@ -59,15 +60,23 @@ class DeltaStoreServicer(pb_grpc.DeltaStoreServiceServicer):
         return pb.StatResponse(info=d.info_proto(), tensors=d.tensors_proto(), header_bytes=d.header.header_bytes)
 
     async def Fetch(self, request, context):
-        stream = await self.store.fetch(request.name, request.chunk_bytes, request.expect_base_fingerprint)
+        stream = await self.store.fetch(request.name, request.chunk_bytes, request.expect_base_fingerprint,
+                                        request.accept_shared_memory)
         if self.metrics is not None:
             self.metrics.fetches.labels(request.name).inc()
         async with stream:
-            yield pb.FetchResponse(info=stream.delta.info_proto(), tensors=stream.delta.tensors_proto())
+            shared = pb.SharedMemory(path=stream.shared_path, size_bytes=stream.delta.size) if stream.shared_path else None
+            yield pb.FetchResponse(info=stream.delta.info_proto(), tensors=stream.delta.tensors_proto(),
+                                   shared_memory=shared, verified=stream.verified)
             async for c in stream:
-                yield pb.FetchResponse(chunk=pb.Chunk(tensor_index=c.tensor_index, offset=c.offset, data=c.data, crc32=c.crc32))
+                yield pb.FetchResponse(chunk=pb.Chunk(tensor_index=c.tensor_index, offset=c.offset, data=c.data,
+                                                      crc32=c.crc32, length=c.length))
                 if self.metrics is not None:
-                    self.metrics.bytes_served.inc(len(c.data))
+                    self.metrics.bytes_served.inc(c.nbytes)
+            if stream.shared_path:
+                # The lease: the receiver copies out of the file after the last descriptor and ends the
+                # call when done (this task is cancelled then); until then the entry counts as read.
+                await asyncio.sleep(SHARED_LEASE_S)
 
     async def Put(self, request_iterator, context):
         first = await anext(aiter(request_iterator), None)
@@ -96,10 +105,12 @@ def create_server(config: Config, *, backend: Backend | None = None,
     store; not started. Call in a running loop."""
     backend = backend or make_backend(config)
     policy = WeightedLRUPolicy(config.cache_bytes, half_life_s=config.rate_half_life_s, pin_top_n=config.pin_top_n)
-    store = DeltaStore(backend, HostCache(policy), chunk_bytes=config.chunk_bytes, read_block_bytes=config.read_block_bytes,
+    shared = SharedMemoryDir(config.shared_memory_dir) if config.shared_memory_dir else None
+    store = DeltaStore(backend, HostCache(policy, shared=shared), chunk_bytes=config.chunk_bytes,
+                       read_block_bytes=config.read_block_bytes,
                        verify_reads=config.verify_reads, tracer_provider=tracer_provider)
-    servicer = DeltaStoreServicer(store, StoreMetrics(lambda: dict(store.cache.stats), lambda: store.cache.used_bytes)
-                                  if metrics else None)  # fmt: skip
+    servicer = DeltaStoreServicer(store, StoreMetrics(lambda: dict(store.cache.stats), lambda: store.cache.used_bytes,
+                                                      lambda: dict(store.transports)) if metrics else None)
     store.metrics = servicer.metrics  # StoreMetrics, or None
     service = Service(SERVICE_NAME, lambda s: pb_grpc.add_DeltaStoreServiceServicer_to_server(servicer, s))
     server = create_rpc_server(config.address, [service], STATUS_OF, max_message_bytes=MAX_MESSAGE_BYTES,
@@ -118,6 +129,8 @@ async def serve(config: Config) -> None:
     where = config.root if config.backend == "local" else f"{config.s3_endpoint or 'aws'}/{config.s3_bucket}/{config.s3_prefix}"
     log.info("delta store listening on port %d (%s), backend %s %s, cache %d bytes", server.port, config.address,
              config.backend, where, config.cache_bytes)
+    if store.cache.shared is not None:
+        log.info("host cache in shared memory under %s: same-host workers map it", store.cache.shared.dir)
 
     async def startup() -> None:
         try:

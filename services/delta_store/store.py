@@ -16,7 +16,10 @@ Fetch, in order: HEAD the object (its version; if the backend is down, a
 complete cached copy is served instead); check the base fingerprint; then
 one of: follow a cached or loading entry (hit / join), start the single
 loader of a new entry (miss), or stream straight from the backend when the
-delta cannot be cached (bypass). Spans: `delta_store.fetch` with the
+delta cannot be cached (bypass). A same-host caller that accepts shared
+memory gets, for an entry in shared memory (services/delta_store/shm.py),
+the entry's file and chunk descriptors (where, how long, crc32) instead of
+the bytes. Spans: `delta_store.fetch` with the
 attribute `cache.result` (hit | join | miss | bypass), and
 `delta_store.backend.read` for every read of a whole delta from the backend.
 """
@@ -28,7 +31,7 @@ import asyncio
 import bisect
 import hashlib
 import logging
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -84,8 +87,13 @@ class StoredDelta:
 class Chunk:
     tensor_index: int
     offset: int  # within the tensor
-    data: bytes
+    data: bytes  # empty when the bytes are in shared memory
     crc32: int
+    length: int = 0  # shared memory: the chunk's size (its bytes are at the tensor's start + offset)
+
+    @property
+    def nbytes(self) -> int:
+        return self.length or len(self.data)
 
 
 def _tensor_pieces(tensors, ends: list[int], offset: int, view: memoryview):
@@ -98,6 +106,28 @@ def _tensor_pieces(tensors, ends: list[int], offset: int, view: memoryview):
         a, b = max(t.start, offset), min(t.end, end)
         if a < b:
             yield i, t, a - t.start, view[a - offset: b - offset]
+
+
+async def _read_blocks(reader: Reader, size: int, block: int, into: memoryview | None,
+                       spare: list[bytearray]) -> AsyncIterator[tuple[int, memoryview]]:
+    """(file offset, bytes) of consecutive blocks of the object, the last one short if the object is.
+
+    Into a cache entry, the reader reads ahead on its own (`Reader.fill`: no memory but the entry's);
+    otherwise block by block into the `spare` buffers in turn, which the caller must be done with
+    `len(spare) - 1` blocks later."""
+    if into is not None:
+        start = 0
+        async for filled in reader.fill(into[:size], block):
+            yield start, into[start:filled]
+            start = filled
+        return
+    for i, start in enumerate(range(0, size, block)):
+        n = min(block, size - start)
+        buf = memoryview(spare[i % len(spare)])[:n]
+        got = await reader.readinto(start, buf)
+        yield start, buf[:got]
+        if got < n:
+            return
 
 
 class _TensorChecks:
@@ -186,8 +216,11 @@ class _TensorChecks:
 class FetchStream:
     """What Fetch streams: `delta` first, then the chunks (`async for`); use it as `async with`."""
 
-    def __init__(self, delta: StoredDelta, chunks: AsyncIterator[Chunk], span: trace.Span, release=None):
+    def __init__(self, delta: StoredDelta, chunks: AsyncIterator[Chunk], span: trace.Span, release=None, *,
+                 verified: bool = False, shared_path: str | None = None):
         self.delta, self._chunks, self._span, self._release = delta, chunks, span, release
+        self.verified = verified  # every byte was checked against the sha256s (or the crc32s recorded then)
+        self.shared_path = shared_path  # chunks carry no data: their bytes are in this file
         self.bytes_sent = 0
 
     def __aiter__(self):
@@ -195,7 +228,7 @@ class FetchStream:
 
     async def __anext__(self) -> Chunk:
         c = await self._chunks.__anext__()
-        self.bytes_sent += len(c.data)
+        self.bytes_sent += c.nbytes
         return c
 
     async def __aenter__(self) -> "FetchStream":
@@ -227,10 +260,10 @@ class DeltaStore:
         self._header_reads: dict[tuple[str, str], asyncio.Future] = {}
         # name -> (version, chunk crc32s per tensor) of deltas whose every tensor passed sha256
         self._verified: OrderedDict[str, tuple[str, list]] = OrderedDict()
+        self.transports: Counter[str] = Counter()  # Fetches opened, by how their bytes travel: stream | shared-memory
 
     async def close(self) -> None:
-        for name in list(self.cache.entries):
-            self.cache.drop(name)
+        self.cache.close()
         await self.backend.close()
 
     # -- List / Stat -------------------------------------------------------------------
@@ -313,14 +346,15 @@ class DeltaStore:
         self.cache.drop(name, forget=history)
 
     # -- Fetch -------------------------------------------------------------------------
-    async def fetch(self, name: str, chunk_bytes: int = 0, expect_base_fingerprint: str = "") -> FetchStream:
+    async def fetch(self, name: str, chunk_bytes: int = 0, expect_base_fingerprint: str = "",
+                    accept_shared_memory: bool = False) -> FetchStream:
         """Open a Fetch: raises NotFound, BaseMismatchError, CorruptDelta, BackendUnavailable before any data."""
         check_name(name)
         chunk = min(chunk_bytes or self.chunk_bytes, MAX_CHUNK_BYTES)
         span = self.tracer.start_span("delta_store.fetch", attributes={"delta.name": name, "fetch.chunk_bytes": chunk})
         try:
             with trace.use_span(span, end_on_exit=False):
-                stream = await self._open(name, chunk, expect_base_fingerprint, span)
+                stream = await self._open(name, chunk, expect_base_fingerprint, span, accept_shared_memory)
         except BaseException as e:
             span.record_exception(e)
             span.set_status(trace.StatusCode.ERROR, str(e))
@@ -328,7 +362,7 @@ class DeltaStore:
             raise
         return stream
 
-    async def _open(self, name: str, chunk: int, expect: str, span: trace.Span) -> FetchStream:
+    async def _open(self, name: str, chunk: int, expect: str, span: trace.Span, accept_shared: bool) -> FetchStream:
         try:
             o = await self.backend.head(name)
             delta = await self._describe(o)
@@ -352,20 +386,36 @@ class DeltaStore:
         span.set_attribute("cache.result", result)
         span.set_attribute("cache.hit", result == "hit")
         if entry is None:
-            return FetchStream(delta, self._chunks_direct(delta, chunk, span), span)
+            self._count_transport(span, False)
+            return FetchStream(delta, self._chunks_direct(delta, chunk, span), span, verified=self.verify_reads)
         entry.readers += 1  # before any await: the loader lives while someone reads
         if result == "miss":
             entry.loader = asyncio.get_running_loop().create_task(self._load(entry), name=f"load {name}")
-        return FetchStream(delta, self._chunks_from(entry, chunk), span, release=lambda: self.cache.release(entry))
+        shared = entry.shared.path if accept_shared and entry.shared is not None else None
+        self._count_transport(span, shared is not None)
+        return FetchStream(delta, self._chunks_from(entry, chunk, shared is not None), span,
+                           release=lambda: self.cache.release(entry), verified=self.verify_reads, shared_path=shared)
 
-    async def _chunks_from(self, entry: Entry, chunk: int) -> AsyncIterator[Chunk]:
+    def _count_transport(self, span: trace.Span, shared: bool) -> None:
+        transport = "shared-memory" if shared else "stream"
+        self.transports[transport] += 1
+        span.set_attribute("fetch.transport", transport)
+
+    async def _chunks_from(self, entry: Entry, chunk: int, shared: bool = False) -> AsyncIterator[Chunk]:
+        """The entry's chunks as it fills; `shared`: descriptors only, at the entry's chunk size (whose
+        crc32s were computed while loading), the bytes being in the entry's shared file."""
+        if shared:
+            chunk = entry.chunk_bytes
         for i, t in enumerate(entry.header.tensors):
             for off in range(0, t.nbytes, chunk):
                 n = min(chunk, t.nbytes - off)
                 if entry.filled < t.start + off + n:
                     await entry.wait_for(t.start + off + n)
-                data = bytes(entry.view[t.start + off: t.start + off + n])
                 crc = entry.crc(i, off, chunk)
+                if shared:
+                    yield Chunk(i, off, b"", crc32(entry.view[t.start + off: t.start + off + n]) if crc is None else crc, n)
+                    continue
+                data = bytes(entry.view[t.start + off: t.start + off + n])
                 yield Chunk(i, off, data, crc32(data) if crc is None else crc)
 
     async def _chunks_direct(self, delta: StoredDelta, chunk: int, fetch_span: trace.Span) -> AsyncIterator[Chunk]:
@@ -436,20 +486,19 @@ class DeltaStore:
         # sha256 at first sight of this version; afterwards the recorded chunk crc32s check every byte
         checks = _TensorChecks(delta.header, self.verify_reads and expect is None, self.chunk_bytes, crcs, expect)
         inflight: deque = deque()  # (start, view, checks done)
+        end = 0
         try:
-            for i, start in enumerate(range(0, size, block)):
-                n = min(block, size - start)
-                buf = into[start: start + n] if into is not None else memoryview(spare[i % len(spare)])[:n]
-                got = await reader.readinto(start, buf)
-                if got < n:
-                    cut = next((t.name for t in delta.header.tensors if t.end > start + got), None)
-                    raise self._corrupt(o, DeltaFormatError(f"file is truncated at byte {start + got}; tensor {cut} is cut",
-                                                            tensor=cut))
+            async for start, buf in _read_blocks(reader, size, block, into, spare):
+                end = start + len(buf)
                 inflight.append((start, buf, checks.feed_parallel(start, buf)))
                 while inflight and (inflight[0][2].done() or len(inflight) >= depth):
                     first, view, checked = inflight.popleft()
                     await checked
                     yield first, view
+            if end < size:
+                cut = next((t.name for t in delta.header.tensors if t.end > end), None)
+                raise self._corrupt(o, DeltaFormatError(f"file is truncated at byte {end}; tensor {cut} is cut",
+                                                        tensor=cut))
             while inflight:
                 first, view, checked = inflight.popleft()
                 await checked

@@ -48,6 +48,8 @@ class WorkerConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
     fused_single_variant: bool = setting(True, "a batch of one variant uses the fused kernel")
     allow_slow_kernels: bool = setting(False, "on CUDA without Triton, serve with the torch reference kernels (~10x slower) instead of refusing to start")  # noqa: E501
     store_timeout_s: float = setting(600.0, "deadline of one Fetch from the delta store, seconds")
+    store_shared_memory: bool = setting(True, "copy deltas out of the store's shared host cache when it offers one "
+                                        "(same host, store run with --shared-memory-dir) instead of streaming them")
 
     def __post_init__(self):
         self.check()

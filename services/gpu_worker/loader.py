@@ -8,9 +8,11 @@ delta fails fast and the budget is reserved exactly.
 buffer: on CPU the slot memory itself (bytes land where the kernels read them,
 no copy), on CUDA a staging buffer (pinned) that is copied to the slot on a
 side stream so loading never waits for, or stalls, the decode stream. Each
-chunk's crc32 (ISA-L when installed: several GB/s) and each tensor's sha256 are
-checked on worker threads as bytes arrive; the slot becomes usable only after all of them passed (the manager
-flips the state).
+chunk's crc32 (ISA-L when installed: several GB/s) is checked on the bytes as
+they lie in the buffer, and each tensor's sha256 unless the source verified it
+already (`check_sha256=False`: the delta store hashed it once, when the delta
+entered the store), on worker threads as bytes arrive; the slot becomes usable
+only after all of them passed (the manager flips the state).
 """
 
 from __future__ import annotations
@@ -129,8 +131,9 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
 class SlotWriter:
     """The sink for one load into one slot (see module docstring). Not reusable."""
 
-    def __init__(self, plan: DeltaPlan, slots: SlotTensors, slot: int, load_stream=None):
+    def __init__(self, plan: DeltaPlan, slots: SlotTensors, slot: int, load_stream=None, check_sha256: bool = True):
         self.plan, self.slots, self.slot = plan, slots, slot
+        self.check_sha256 = check_sha256
         self.device = slots.device
         self.cuda = self.device.type == "cuda"
         self.stream = load_stream
@@ -210,6 +213,11 @@ class SlotWriter:
     def put(self, i: int, offset: int, data, crc32: int | None = None) -> None:
         self._last = self._io.submit(self._guard, self._put, i, offset, data, crc32)
 
+    async def flushed(self) -> None:
+        """Until every `put` so far has copied its bytes (errors are kept for `finish`)."""
+        if self._last is not None:
+            await asyncio.wait([asyncio.wrap_future(self._last)])
+
     def landed(self, pieces: list[tuple[int, int, int]]) -> None:
         """(tensor, offset, n) pieces were written into `direct(tensor)`; thread-safe."""
         complete = []
@@ -260,13 +268,18 @@ class SlotWriter:
         if offset + n > spec.nbytes:
             raise DeltaFormatError(f"tensor {spec.name}: chunk [{offset}, {offset + n}) runs past its "
                                    f"{spec.nbytes} bytes", tensor=spec.name)
-        if crc32 is not None and crc32 != 0 and crc32_of(data) != crc32:
+        dst = self.direct(i)[offset:offset + n]
+        dst[:] = data
+        if crc32 is not None and crc32_of(dst) != crc32:  # the bytes as they lie where they will be used
             raise ChecksumError(f"delta {self.plan.name!r}: tensor {spec.name}: chunk at offset {offset} fails "
                                 "its crc32 (corrupted in transit)", tensor=spec.name)
-        self.direct(i)[offset:offset + n] = data
         if offset == self._next[i] and self._in_order[i]:
-            self._hash[i].update(data)
+            if self.check_sha256:
+                self._hash[i].update(dst)
             self._next[i] = offset + n
+        elif not self.check_sha256:  # only in-order chunks prove, with their crc32s, that every byte came
+            raise DeltaFormatError(f"delta {self.plan.name!r}: tensor {spec.name}: chunk at offset {offset} out of "
+                                   f"order (expected offset {self._next[i]})", tensor=spec.name)
         else:
             self._in_order[i] = False
         self._account(i, n)
@@ -277,7 +290,9 @@ class SlotWriter:
         if self._got[i] != spec.nbytes:
             raise DeltaFormatError(f"tensor {spec.name}: received {self._got[i]} of {spec.nbytes} bytes",
                                    tensor=spec.name)
-        if self._in_order[i]:
+        if not self.check_sha256:
+            digest = spec.sha256  # verified by the source; every chunk passed its crc32 above
+        elif self._in_order[i]:
             digest = self._hash[i].hexdigest()
         else:
             digest = hashlib.sha256(self.host[i] if spec.nbytes else b"").hexdigest()

@@ -243,7 +243,7 @@ class DeltaManager:
             info = await self.source.open(e.name, self.base_fingerprint)
             plan = plan_delta(self.layout, info)
             await self._reserve(e, plan.total_bytes)
-            writer = SlotWriter(plan, self.slots, e.slot, self.load_stream)
+            writer = SlotWriter(plan, self.slots, e.slot, self.load_stream, check_sha256=not info.verified)
             # A task of its own, so that a cancelled load can wait for its reads to stop before
             # the slot is handed to another delta.
             streaming = asyncio.ensure_future(self.source.stream(info, writer))
@@ -257,8 +257,8 @@ class DeltaManager:
             e.state = DeltaState.RESIDENT
             e.error = ""
             _settle(e.done, None)
-            log.info("delta %s resident in slot %d (%d bytes, %.1f ms)", e.name, e.slot, e.bytes,
-                     (time.perf_counter() - t0) * 1e3)
+            log.info("delta %s resident in slot %d (%d bytes, %.1f ms, %s)", e.name, e.slot, e.bytes,
+                     (time.perf_counter() - t0) * 1e3, info.transport)
             if self.on_loaded is not None:
                 self.on_loaded(e.name, e.bytes, time.perf_counter() - t0)
         except BaseException as exc:

@@ -8,10 +8,13 @@
   thread, so the event loop never waits on the disk.
 - `DeltaStoreSource`: the delta_store service over gRPC (`Fetch`), through the
   shared client's `open_fetch`, so chunks land in the sink without an
-  intermediate copy.
+  intermediate copy. On the store's host, chunks are copied out of the store's
+  shared host cache (`accept_shared_memory`) instead of streamed.
 
-The sink (`loader.SlotWriter`) places bytes, checks crc32 per chunk and sha256
-per tensor; sources only move bytes.
+The sink (`loader.SlotWriter`) places bytes and checks crc32 per chunk, and
+sha256 per tensor unless the source says the store verified them already
+(`DeltaInfo.verified`: the strong hash runs once, where a delta enters the
+store); sources only move bytes.
 """
 
 from __future__ import annotations
@@ -69,6 +72,10 @@ class DeltaInfo:
     tensors: list[TensorSpec]
     metadata: dict[str, str] = field(default_factory=dict)
     handle: object = None  # source-private (an open stream, a path)
+    # The source verified every byte against the tensors' sha256s (the delta store does, once per
+    # version of a delta); the sink then checks the chunk crc32s only.
+    verified: bool = False
+    transport: str = "file"  # how the bytes travel: file | stream | shared-memory
 
 
 class Sink(Protocol):
@@ -81,6 +88,9 @@ class Sink(Protocol):
     def landed(self, pieces: list[tuple[int, int, int]]) -> None:
         """Each (index, offset, n): bytes [offset, offset+n) of tensor `index` were written into
         `direct(index)`. Thread-safe."""
+
+    async def flushed(self) -> None:
+        """Until every `put` so far has copied its bytes (the source may then let go of them)."""
 
 
 class DeltaSource(Protocol):
@@ -177,13 +187,13 @@ class DeltaStoreSource:
     passes on unchanged (a store-side INVALID_ARGUMENT stays INVALID_ARGUMENT)."""
 
     def __init__(self, address: str, timeout_s: float = 600.0, chunk_bytes: int = 1 << 20,
-                 credentials: grpc.ChannelCredentials | None = None):
-        self.address, self.chunk_bytes = address, chunk_bytes
+                 credentials: grpc.ChannelCredentials | None = None, shared_memory: bool = True):
+        self.address, self.chunk_bytes, self.shared_memory = address, chunk_bytes, shared_memory
         self.client = DeltaStoreClient(address, fetch_timeout_s=timeout_s, credentials=credentials)  # TLS or None
 
     async def open(self, name: str, base_fingerprint: str) -> DeltaInfo:
         stream = await self.client.open_fetch(name, expect_base_fingerprint=base_fingerprint,
-                                              chunk_bytes=self.chunk_bytes)  # fmt: skip
+                                              chunk_bytes=self.chunk_bytes, accept_shared_memory=self.shared_memory)
         info = stream.info
         try:
             if info.format_version and info.format_version != "1":
@@ -196,12 +206,16 @@ class DeltaStoreSource:
         mode = {ALPHA_MODE_ROW: "row", ALPHA_MODE_MATRIX: "matrix"}.get(info.alpha_mode, "")
         specs = [TensorSpec(t.name, t.dtype, tuple(t.shape), t.nbytes, t.sha256, t.file_offset) for t in stream.tensors]
         return DeltaInfo(info.name or name, info.base_model, info.base_fingerprint, mode, info.size_bytes, specs,
-                         dict(info.metadata), handle=stream)  # fmt: skip
+                         dict(info.metadata), handle=stream, verified=stream.verified, transport=stream.transport)
 
     async def stream(self, info: DeltaInfo, sink: Sink) -> None:
         stream: FetchStream = info.handle
-        async for c in stream.chunks():
-            sink.put(c.tensor_index, c.offset, c.data, c.crc32)
+        try:
+            async for p in stream.chunks():
+                sink.put(p.tensor_index, p.offset, p.data, p.crc32)
+            await sink.flushed()  # every byte is out of the store's shared memory (if it came that way)
+        finally:
+            stream.cancel()  # ends the store's lease on its shared file
 
     async def close(self) -> None:
         await self.client.close()

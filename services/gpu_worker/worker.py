@@ -133,7 +133,7 @@ class Worker:
         self.runner = ModelRunner(self.base, self.args, self.slots, self.kv, use_fused=c.fused_single_variant)
         self.scheduler = Scheduler(BlockAllocator(n_blocks), c.block_size, c.max_running, c.max_batch_tokens)
         if c.delta_store:
-            self.source = DeltaStoreSource(c.delta_store, timeout_s=c.store_timeout_s,
+            self.source = DeltaStoreSource(c.delta_store, timeout_s=c.store_timeout_s, shared_memory=c.store_shared_memory,
                                            credentials=c.channel_credentials())  # TLS: the worker's certificate
         elif c.delta_dir:
             self.source = LocalDeltaSource(c.delta_dir)

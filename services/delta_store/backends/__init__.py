@@ -6,6 +6,7 @@ nothing of the delta format: the core verifies what it reads and writes.
     objects = await backend.list()                 # [ObjectInfo], only committed objects
     info    = await backend.head(name)             # NotFound if absent
     reader  = await backend.open(name)             # reader.readinto(offset, buf) -> bytes read
+    async for filled in reader.fill(view, block): ...  # the whole object into view, in order
     upload  = await backend.begin_upload(name, size)
     await upload.write(data) ...; await upload.commit(overwrite)   # atomic: visible all at once
     await backend.delete(name)
@@ -21,6 +22,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import AsyncIterator
 
 from services.delta_store.errors import InvalidName
 
@@ -58,6 +60,22 @@ class Reader(ABC):
     @abstractmethod
     async def readinto(self, offset: int, buf: memoryview) -> int:
         """Fill `buf` from `offset`; returns the bytes read, fewer only at the end of the object."""
+
+    async def fill(self, view: memoryview, block: int) -> AsyncIterator[int]:
+        """Read the object from its start into `view`, `block` bytes at a time, in order; yields how many
+        bytes are in place after each block (the last value is below len(view) only if the object is
+        shorter). Nothing is written into `view` once the iteration ended, however it ended.
+
+        This default waits for the caller between blocks; a backend that can read ahead on its own
+        (the local disk, from a thread) overrides it."""
+        pos = 0
+        while pos < len(view):
+            want = min(block, len(view) - pos)
+            n = await self.readinto(pos, view[pos: pos + want])
+            pos += n
+            yield pos
+            if n < want:
+                return
 
     @abstractmethod
     async def aclose(self) -> None: ...

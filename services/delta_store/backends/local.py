@@ -1,9 +1,13 @@
 """The local-filesystem backend (the embedded default): `<root>/<name>.safetensors`.
 
-Reads use aiofiles (a thread per blocking call) with large sequential
-`readinto`s into the caller's buffer, so bytes land where they are kept, and
-ask the kernel to prefetch the next few blocks (POSIX_FADV_WILLNEED), so a
-cold file streams at the disk's speed while the store checks what it read.
+Reads land where the caller keeps the bytes. A whole-file `fill` (a cache
+entry's load) runs on a thread of its own that reads sequentially without
+waiting for the event loop between blocks, so a cold file streams at the
+disk's speed while the store checks what it read (measured here: the event
+loop's gap between reads, or extra prefetch hints, cost 15-40 % of a fast
+disk's sequential speed). Single `readinto`s (streaming without caching) use
+aiofiles and ask the kernel to prefetch the next few blocks
+(POSIX_FADV_WILLNEED), which bridges the gaps while the caller works.
 Uploads go to `<root>/.partial/` and appear by a rename (overwrite) or a hard
 link (no overwrite: fails atomically if the name exists), after fsync.
 Files are opened with O_NOFOLLOW and only regular files count: a symlink in
@@ -17,8 +21,10 @@ import errno
 import logging
 import os
 import stat
+import threading
 import uuid
 from pathlib import Path
+from typing import AsyncIterator
 
 import aiofiles
 
@@ -151,6 +157,41 @@ class _LocalReader(Reader):
             return got
         except OSError as e:
             self._backend._fail(e, self._name)
+
+    async def fill(self, view: memoryview, block: int) -> AsyncIterator[int]:
+        loop = asyncio.get_running_loop()
+        progress: asyncio.Queue = asyncio.Queue()  # positions, then an OSError or None (done)
+        stop = threading.Event()
+        done = loop.create_future()
+        fd = self._f.fileno()
+
+        def post(item) -> None:
+            loop.call_soon_threadsafe(progress.put_nowait, item)
+
+        def read() -> None:
+            pos, end = 0, None
+            try:
+                while pos < len(view) and not stop.is_set():
+                    n = os.preadv(fd, [view[pos: pos + block]], pos)
+                    pos += n
+                    post(pos)
+                    if n == 0:
+                        break
+            except OSError as e:
+                end = e
+            finally:
+                post(end)
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+        threading.Thread(target=read, name=f"read {self._name}", daemon=True).start()
+        try:
+            while (item := await progress.get()) is not None:
+                if isinstance(item, OSError):
+                    self._backend._fail(item, self._name)
+                yield item
+        finally:
+            stop.set()
+            await asyncio.shield(done)  # the thread writes nothing into `view` after this
 
     async def aclose(self) -> None:
         await self._f.close()
