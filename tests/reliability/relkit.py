@@ -118,13 +118,21 @@ class RelCluster(Cluster):
 
 
 def start_system(family, work: Path, label: str, router_extra: tuple[str, ...] = (),
-                 n_workers: int = 2) -> RelCluster:
-    root = work / "deltas"
-    shutil.copytree(family.deltas, root)
-    os.remove(root / family.delta_path(family.corrupt).name)  # tests drop in their own corrupt files
-    c = RelCluster(work, label)
-    c.root = root
-    c.st = c.store(root)
+                 n_workers: int = 2, store_args: tuple[str, ...] | None = None,
+                 env: dict[str, str] | None = None) -> RelCluster:
+    """Store, workers and router. The store serves a copy of the family's deltas from a local
+    directory (`c.root`), or, with `store_args` (e.g. `--backend s3 ...`), runs with those flags
+    instead (`c.root` is None; the deltas must already be where they point)."""
+    c = RelCluster(work, label, env)
+    if store_args is None:
+        root = work / "deltas"
+        shutil.copytree(family.deltas, root)
+        os.remove(root / family.delta_path(family.corrupt).name)  # tests drop in their own corrupt files
+        c.root = root
+        c.st = c.store(root)
+    else:
+        c.root = None
+        c.st = c.start("store", "services.delta_store", [*store_args, "--grace-s", "5"])
     c.w = [c.worker(family.base, c.st.address, name=f"worker{i}", delta_budget=DELTA_BUDGET) for i in range(n_workers)]
     c.r = c.router([w.address for w in c.w], c.st.address, extra=("--call-timeout-s", "3", *router_extra))
     try:
