@@ -39,7 +39,7 @@ from opentelemetry import trace
 
 from bitdelta.format import DeltaFormatError, DeltaHeader, check_base, check_structure, header_length, parse_header
 from services.delta_store.backends import Backend, ObjectInfo, Reader, check_name
-from bitdelta.rpc.checksums import crc32
+from bitdelta.rpc.checksums import crc32, crc32_combine
 from services.delta_store.cache import Entry, HostCache
 from bitdelta.rpc.clients.delta_store import MAX_CHUNK_BYTES
 from services.delta_store.errors import AlreadyExists, BackendUnavailable, CorruptDelta, InvalidUpload, NotFound
@@ -49,6 +49,7 @@ HEADER_PROBE_BYTES = 64 * 1024  # first read of a header; most headers fit
 HASH_DEPTH = 8  # blocks a load may read ahead of the checks (they land in the entry: no extra memory)
 MAX_CACHED_HEADERS = 4096
 MAX_VERIFIED = 4096  # remembered verifications (4 bytes per chunk each: 4 KiB per GB of delta at 1 MiB chunks)
+SHARED_CHUNK_BYTES = 8 << 20  # a shared-memory chunk announces this much (fewer messages; its crc32 is combined)
 
 
 @dataclass(frozen=True)
@@ -402,21 +403,34 @@ class DeltaStore:
         span.set_attribute("fetch.transport", transport)
 
     async def _chunks_from(self, entry: Entry, chunk: int, shared: bool = False) -> AsyncIterator[Chunk]:
-        """The entry's chunks as it fills; `shared`: descriptors only, at the entry's chunk size (whose
-        crc32s were computed while loading), the bytes being in the entry's shared file."""
+        """The entry's chunks as it fills; `shared`: descriptors only (the bytes are in the entry's shared
+        file), SHARED_CHUNK_BYTES at a time, their crc32s combined from those computed while loading."""
         if shared:
-            chunk = entry.chunk_bytes
+            chunk = max(1, SHARED_CHUNK_BYTES // entry.chunk_bytes) * entry.chunk_bytes
         for i, t in enumerate(entry.header.tensors):
             for off in range(0, t.nbytes, chunk):
                 n = min(chunk, t.nbytes - off)
                 if entry.filled < t.start + off + n:
                     await entry.wait_for(t.start + off + n)
-                crc = entry.crc(i, off, chunk)
                 if shared:
-                    yield Chunk(i, off, b"", crc32(entry.view[t.start + off: t.start + off + n]) if crc is None else crc, n)
+                    yield Chunk(i, off, b"", self._shared_crc(entry, i, off, n), n)
                     continue
                 data = bytes(entry.view[t.start + off: t.start + off + n])
+                crc = entry.crc(i, off, chunk)
                 yield Chunk(i, off, data, crc32(data) if crc is None else crc)
+
+    @staticmethod
+    def _shared_crc(entry: Entry, i: int, off: int, n: int) -> int:
+        """crc32 of bytes [off, off + n) of tensor i: combined from the entry's chunk crc32s."""
+        step, crc = entry.chunk_bytes, None
+        for o in range(off, off + n, step):
+            part = entry.crc(i, o, step)
+            k = min(step, off + n - o)
+            if part is None:  # not recorded (cannot happen for an entry loaded here): compute it
+                start = entry.header.tensors[i].start
+                part = crc32(entry.view[start + o: start + o + k])
+            crc = part if crc is None else crc32_combine(crc, part, k)
+        return crc if crc is not None else 0
 
     async def _chunks_direct(self, delta: StoredDelta, chunk: int, fetch_span: trace.Span) -> AsyncIterator[Chunk]:
         """Stream without caching: blocks from the backend, cut into chunks."""
