@@ -47,7 +47,7 @@ def family(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def system(family, tmp_path_factory):
-    c = start_system(family, tmp_path_factory.mktemp("rel_system"), "system",
+    c = start_system(family, tmp_path_factory.mktemp("rel_system"), "system", shared_memory=True,
                      router_extra=("--max-in-flight-per-worker", "8", "--max-queue", "24",
                                    "--max-queue-per-variant", "12", "--max-prompt-bytes", "65536"))
     try:

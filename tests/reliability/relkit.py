@@ -119,17 +119,19 @@ class RelCluster(Cluster):
 
 def start_system(family, work: Path, label: str, router_extra: tuple[str, ...] = (),
                  n_workers: int = 2, store_args: tuple[str, ...] | None = None,
-                 env: dict[str, str] | None = None) -> RelCluster:
+                 env: dict[str, str] | None = None, shared_memory: bool = False) -> RelCluster:
     """Store, workers and router. The store serves a copy of the family's deltas from a local
     directory (`c.root`), or, with `store_args` (e.g. `--backend s3 ...`), runs with those flags
-    instead (`c.root` is None; the deltas must already be where they point)."""
+    instead (`c.root` is None; the deltas must already be where they point). `shared_memory`: the
+    store keeps its host cache in files under `c.shm` and the workers copy deltas out of them."""
     c = RelCluster(work, label, env)
+    c.shm = work / "shm" if shared_memory else None
     if store_args is None:
         root = work / "deltas"
         shutil.copytree(family.deltas, root)
         os.remove(root / family.delta_path(family.corrupt).name)  # tests drop in their own corrupt files
         c.root = root
-        c.st = c.store(root)
+        c.st = c.store(root, extra=("--shared-memory-dir", str(c.shm)) if shared_memory else ())
     else:
         c.root = None
         c.st = c.start("store", "services.delta_store", [*store_args, "--grace-s", "5"])

@@ -33,7 +33,7 @@ P = PROMPTS[0]
 @pytest.fixture(scope="module")
 def fc(family, tmp_path_factory):
     """Its own store + two workers + router: these tests kill and restart parts of it."""
-    c = start_system(family, tmp_path_factory.mktemp("rel_faults"), "faults")
+    c = start_system(family, tmp_path_factory.mktemp("rel_faults"), "faults", shared_memory=True)
     try:
         _wait_router_sees_workers(c.r.address, 2)
         yield c
@@ -181,6 +181,8 @@ async def test_kill9_of_the_store_during_a_load_and_a_stream(fc, clients, ref):
     await wait_for(served, what="v4 served again after the store came back", interval=0.5)
     TALLY.correct += 1
     TALLY.recovered("store restarted, loads resume without restarting workers or router")
+    # the killed store's shared-memory files were removed by the new one; only its own directory is left
+    assert [d.name.split("-")[1] for d in fc.shm.glob("store-*")] == [str(fc.st.popen.pid)]
 
 
 async def test_a_hanging_store_gives_deadline_exceeded_and_resident_variants_keep_serving(fc, clients, ref):
