@@ -236,3 +236,46 @@ def test_crc32_combine_is_the_crc32_of_the_joined_bytes(combine):
     for _ in range(40):
         a, b = rng.randbytes(rng.randint(0, 3000)), rng.randbytes(rng.choice([0, 1, 7, rng.randint(2, 70000)]))
         assert combine(crc32(a), crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+async def test_racing_receivers_and_a_cancel_mid_load(start_store, tmp_path, shm_dir):
+    """Three shared Fetches of one cold delta race (one load, two joins); one cancels after its first
+    piece, while the load may still run. The others get every byte right, each holds the entry until
+    it ends its call, nothing leaks, and the next receiver reuses the same file."""
+    root = tmp_path / "race"
+    root.mkdir()
+    path = big_delta(root / f"r{SUFFIX}", mib=24, seed=3)
+    want = tensors_of(path)
+    s = await start_store(LocalBackend(root), shared_memory_dir=shm_dir)
+    streams = await asyncio.gather(*(s.client.open_fetch("r", accept_shared_memory=True) for _ in range(3)))
+    assert all(st.transport == "shared-memory" for st in streams)
+    assert s.store.cache.stats["miss"] == 1 and s.store.cache.stats["join"] == 2
+    quitter = streams[0].chunks()
+    await anext(quitter)
+    streams[0].cancel()  # gone after one piece
+    got = await asyncio.gather(*(pieces(st) for st in streams[1:]))
+    for g in got:
+        assert [bytes(g[i]) for i in range(len(want))] == want
+    await wait_until(lambda: all(e.readers == 0 for e in s.store.cache.entries.values()))
+    again = await pieces(await s.client.open_fetch("r", accept_shared_memory=True))
+    assert [bytes(again[i]) for i in range(len(want))] == want
+    assert len(shared_files(shm_dir)) == 1
+
+
+async def test_a_cancel_before_the_load_finished_frees_the_entry(start_store, tmp_path, shm_dir):
+    """The only receiver of a cold shared Fetch leaves at once and the entry is dropped: its load is
+    cancelled or finishes, its file goes back to the spares, and a later Fetch reuses one."""
+    root = tmp_path / "cancel"
+    root.mkdir()
+    path = big_delta(root / f"c{SUFFIX}", mib=48, seed=4)
+    s = await start_store(LocalBackend(root), shared_memory_dir=shm_dir)
+    for _ in range(3):
+        st = await s.client.open_fetch("c", accept_shared_memory=True)
+        st.cancel()
+        s.store.cache.drop("c")  # as an eviction would, while the cancelled load may still be reading
+    # every load stopped or finished and every file went back to the spares: nothing leaked
+    await wait_until(lambda: len(s.store.cache._spare) == len(shared_files(shm_dir)) > 0)
+    files = shared_files(shm_dir)
+    got = await pieces(await s.client.open_fetch("c", accept_shared_memory=True))
+    assert [bytes(got[i]) for i in range(len(got))] == tensors_of(path)
+    assert shared_files(shm_dir) == files  # a spare was reused, no new file
