@@ -3,6 +3,7 @@ checked by the shared `bitdelta.rpc.config.ServiceConfig`."""
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -24,14 +25,15 @@ class GatewayConfig(ServiceConfig, TlsSettings):
     """BitDelta gateway: the OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions)
     in front of a router.
 
-    The --tls-* settings are for the gateway's calls to the router (verify it against --tls-ca; present
-    --tls-cert/--tls-key when the router requires client certificates); HTTP itself is plain: terminate
-    HTTPS in front of the gateway (ingress, load balancer)."""
+    Two separate TLS settings: --https-cert/--https-key/--https-client-ca are the gateway's own HTTP
+    listener (HTTPS to its clients, optionally requiring client certificates); --tls-* are the gateway's
+    calls to the router (verify it against --tls-ca; present --tls-cert/--tls-key when the router requires
+    client certificates). Without --https-cert the listener is plain HTTP."""
 
     ENV_PREFIX: ClassVar[str] = "BITDELTA_GATEWAY_"
     PROG: ClassVar[str] = "python -m services.gateway"
 
-    address: str = setting("[::]:8000", "HOST:PORT to listen on (HTTP)", check=check_address)
+    address: str = setting("[::]:8000", "HOST:PORT to listen on (HTTP; HTTPS with --https-cert)", check=check_address)
     router: str = setting("", "HOST:PORT of the router (gRPC)", check=check_address, required=True)
     chat_template: Path | None = setting(None, "the base's chat template: a tokenizer directory (chat_template.jinja "
                                                "or tokenizer_config.json), a tokenizer_config.json or a .jinja file; "
@@ -47,9 +49,26 @@ class GatewayConfig(ServiceConfig, TlsSettings):
     max_body_bytes: int = setting(4 << 20, "largest request body; beyond: 413", parse=parse_bytes)
     grace_s: float = setting(10.0, "SIGTERM: requests in flight get this long to finish")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR", parse=parse_log_level)
+    # TlsSettings' --tls-* again, with help that says they are the gateway -> router hop
+    tls_ca: Path | None = setting(None, "calls to the router (gRPC, not the HTTP listener: see --https-*): PEM CA "
+                                        "bundle the router's certificate must be signed by; turns TLS to the router on")
+    tls_cert: Path | None = setting(None, "calls to the router: PEM certificate (chain) presented to it when it "
+                                          "requires client certificates (the HTTP listener's is --https-cert)")
+    tls_key: Path | None = setting(None, "calls to the router: PEM private key of --tls-cert")
+    tls_client_auth: bool = setting(True, "no effect on the gateway (it serves no gRPC; for HTTPS client "
+                                          "certificates see --https-client-ca)")
+    # the HTTP listener's own TLS (clients -> gateway); not the --tls-* ones (gateway -> router)
+    https_cert: Path | None = setting(None, "PEM certificate (chain) the HTTP listener serves HTTPS with, to the "
+                                            "gateway's clients; with --https-key. (--tls-cert is for the calls to "
+                                            "the router)")
+    https_key: Path | None = setting(None, "PEM private key of --https-cert (unencrypted)")
+    https_client_ca: Path | None = setting(None, "PEM CA bundle: with --https-cert, HTTPS clients must present a "
+                                                 "certificate it signed (mutual TLS); empty: no client certificates "
+                                                 "asked. (--tls-ca is for the calls to the router)")
 
     def check(self) -> None:
         self.check_tls(needs_server_cert=False)
+        self.check_https()
         for name in ("request_timeout_s", "call_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{self.flag_of(name)} must be > 0, got {getattr(self, name)}")
@@ -59,6 +78,57 @@ class GatewayConfig(ServiceConfig, TlsSettings):
         if self.grace_s < 0:
             raise ConfigError(f"{self.flag_of('grace_s')} must be >= 0, got {self.grace_s}")
 
+    def check_https(self) -> None:
+        """ConfigError naming the flag for a partial HTTPS setting, or a file that is missing or does not
+        load as what it should be (the same loads uvicorn does at start, so it cannot fail later)."""
+        cert, key, ca = self.https_cert, self.https_key, self.https_client_ca
+        if (cert is None) != (key is None):
+            given, missing = ("https_cert", "https_key") if key is None else ("https_key", "https_cert")
+            raise ConfigError(f"{self.flag_of(given)} needs {self.flag_of(missing)}: the HTTPS certificate and its "
+                              f"key go together")
+        if ca is not None and cert is None:
+            raise ConfigError(f"{self.flag_of('https_client_ca')} needs {self.flag_of('https_cert')} and "
+                              f"{self.flag_of('https_key')}: client certificates are asked for over HTTPS only")
+        for name in ("https_cert", "https_key", "https_client_ca"):
+            p = getattr(self, name)
+            if p is not None and not Path(p).is_file():
+                raise ConfigError(f"{self.flag_of(name)} {p}: no such file")
+        if cert is None:
+            return
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            ctx.load_verify_locations(cafile=str(cert))  # parses every certificate in the file, nothing else
+        except (ssl.SSLError, OSError, ValueError) as e:
+            raise ConfigError(f"{self.flag_of('https_cert')} {cert}: not a PEM certificate ({_reason(e)})") from None
+
+        def no_password():
+            raise ValueError("the key is encrypted; give an unencrypted key")
+
+        try:
+            ctx.load_cert_chain(str(cert), str(key), password=no_password)
+        except (ssl.SSLError, OSError, ValueError) as e:
+            raise ConfigError(f"{self.flag_of('https_key')} {key}: not the PEM private key of "
+                              f"{self.flag_of('https_cert')} ({_reason(e)})") from None
+        if ca is not None:
+            try:
+                ctx.load_verify_locations(cafile=str(ca))
+            except (ssl.SSLError, OSError, ValueError) as e:
+                raise ConfigError(f"{self.flag_of('https_client_ca')} {ca}: not a PEM CA bundle ({_reason(e)})") \
+                    from None
+
+    @property
+    def https_on(self) -> bool:
+        return self.https_cert is not None
+
+    def uvicorn_ssl(self) -> dict:
+        """uvicorn.run's TLS keywords: {} for plain HTTP."""
+        if not self.https_on:
+            return {}
+        out = {"ssl_certfile": str(self.https_cert), "ssl_keyfile": str(self.https_key)}
+        if self.https_client_ca is not None:
+            out |= {"ssl_ca_certs": str(self.https_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
+        return out
+
     @property
     def host_port(self) -> tuple[str, int]:
         """(host, port) for the HTTP server: "[::]:8000" -> ("::", 8000)."""
@@ -67,3 +137,15 @@ class GatewayConfig(ServiceConfig, TlsSettings):
 
     def variant_templates(self) -> dict[str, Path]:
         return {name: Path(path).expanduser() for name, _, path in (v.partition("=") for v in self.variant_chat_templates)}
+
+
+def _reason(e: Exception) -> str:
+    """OpenSSL's reason (e.g. NO_CERTIFICATE_OR_CRL_FOUND, KEY_VALUES_MISMATCH) or the message."""
+    if isinstance(e, ssl.SSLError):
+        if e.reason:
+            return f"{e.library}: {e.reason}" if e.library else e.reason
+        if "PEM lib" in str(e):
+            return "no PEM private key in it"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e) or type(e).__name__
