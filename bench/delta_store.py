@@ -43,6 +43,7 @@ from services.delta_store.backends import SUFFIX  # noqa: E402
 from services.delta_store.backends.local import LocalBackend  # noqa: E402
 from services.delta_store.cache import HostCache  # noqa: E402
 from services.delta_store.store import DeltaStore  # noqa: E402
+from pagecache import evict  # noqa: E402  (bench/pagecache.py)
 
 GB = 1e9
 BLOCK = 8 << 20
@@ -75,16 +76,6 @@ def generate(path: Path, size_gb: float) -> None:
     meta = DeltaMeta(variant=path.stem, base_model="bench-7b-like", base_fingerprint="0" * 64, alpha_mode="row",
                      shapes=shapes)
     write_delta(path, tensors, meta)
-
-
-def evict(*paths: Path) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # dirty pages cannot be dropped
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def raw_read(path: Path) -> float:

@@ -53,6 +53,7 @@ from services.gpu_worker.loader import SlotWriter, plan_delta  # noqa: E402
 from services.gpu_worker.slots import SlotLayout, SlotTensors  # noqa: E402
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient  # noqa: E402
 from services.gpu_worker.sources import DeltaStoreSource, LocalDeltaSource  # noqa: E402
+from pagecache import evict  # noqa: E402  (bench/pagecache.py)
 
 GB = 1e9
 BLOCK = 8 << 20
@@ -76,15 +77,6 @@ def generate(path: Path, layout: SlotLayout, seed: int) -> None:
     meta = DeltaMeta(variant=path.stem, base_model="bench-llama-7b-shaped", base_fingerprint=FP, alpha_mode="row",
                      shapes=shapes)
     write_delta(path, tensors, meta)
-
-
-def evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def raw_cold_read(path: Path) -> float:

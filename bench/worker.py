@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bitdelta.format import load_delta, read_header, write_delta  # noqa: E402
+from pagecache import evict  # noqa: E402  (bench/pagecache.py)
 
 PRESETS = {
     # ~93M params (a 12 MB delta): GEMMs, not Python, dominate a CPU step, and a load is not all fixed cost
@@ -95,16 +96,6 @@ def build_family(root: Path, preset: dict) -> tuple[Path, Path, list[str]]:
 # -- measurements -------------------------------------------------------------------------------------
 
 
-def drop_cache(path: Path) -> None:
-    """Evict a file from the page cache (no root needed for files we can open)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def disk_bandwidth(files: list[Path]) -> float:
     """Bytes/s of plain cold reads of whole files (the page cache dropped for each).
 
@@ -115,7 +106,7 @@ def disk_bandwidth(files: list[Path]) -> float:
     """
     total = elapsed = 0.0
     for path in files:
-        drop_cache(path)
+        evict(path)
         nbytes = path.stat().st_size
         buf = bytearray(nbytes)
         t = time.perf_counter()
@@ -214,7 +205,7 @@ async def bench(args) -> dict:
     await worker.evict_delta(names[0])
     loads = []
     for n in names[:3]:
-        drop_cache(paths[n])
+        evict(paths[n])
         t = time.perf_counter()
         await worker.load_delta(n)
         dt = time.perf_counter() - t

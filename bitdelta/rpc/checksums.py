@@ -24,22 +24,15 @@ def crc32_combine_py(crc1: int, crc2: int, len2: int) -> int:
     def square(mat: list[int]) -> list[int]:
         return [times(mat, mat[n]) for n in range(32)]
 
-    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
-    even = square(odd)  # two zero bits
-    odd = square(even)  # four
-    while True:  # apply len2 zero bytes to crc1, one power of two at a time
-        even = square(odd)
+    op = [0xEDB88320] + [1 << n for n in range(31)]  # the operator that appends one zero bit
+    for _ in range(3):
+        op = square(op)  # ... eight zero bits: one zero byte
+    while len2:  # append len2 zero bytes to crc1, one power of two at a time
         if len2 & 1:
-            crc1 = times(even, crc1)
+            crc1 = times(op, crc1)
         len2 >>= 1
-        if not len2:
-            break
-        odd = square(even)
-        if len2 & 1:
-            crc1 = times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
+        if len2:
+            op = square(op)
     return crc1 ^ crc2
 
 
