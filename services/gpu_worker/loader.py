@@ -268,6 +268,9 @@ class SlotWriter:
         if offset + n > spec.nbytes:
             raise DeltaFormatError(f"tensor {spec.name}: chunk [{offset}, {offset + n}) runs past its "
                                    f"{spec.nbytes} bytes", tensor=spec.name)
+        if crc32 is None and not self.check_sha256:
+            raise DeltaFormatError(f"delta {self.plan.name!r}: tensor {spec.name}: a chunk without a crc32 while "
+                                   "sha256 checks are off: its bytes could not be verified", tensor=spec.name)
         dst = self.direct(i)[offset:offset + n]
         dst[:] = data
         if crc32 is not None and crc32_of(dst) != crc32:  # the bytes as they lie where they will be used
