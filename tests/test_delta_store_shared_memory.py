@@ -188,7 +188,7 @@ async def test_a_leased_file_is_never_reused_and_a_released_one_is(start_store, 
     first.cancel()
     assert [bytes(b1[i]) for i in range(len(b1))] == want1
 
-    await wait_until(lambda: not any(e.readers for e in s.store.cache.entries.values()) and s.store.cache._spare)
+    await wait_until(lambda: not any(e.readers for e in s.store.cache.entries.values()) and s.store.cache.spare_buffers)
     third = await s.client.open_fetch("b3", accept_shared_memory=True)
     got3 = await pieces(third)
     assert [bytes(got3[i]) for i in range(len(got3))] == tensors_of(paths["b3"])
@@ -274,7 +274,7 @@ async def test_a_cancel_before_the_load_finished_frees_the_entry(start_store, tm
         st.cancel()
         s.store.cache.drop("c")  # as an eviction would, while the cancelled load may still be reading
     # every load stopped or finished and every file went back to the spares: nothing leaked
-    await wait_until(lambda: len(s.store.cache._spare) == len(shared_files(shm_dir)) > 0)
+    await wait_until(lambda: s.store.cache.spare_buffers == len(shared_files(shm_dir)) > 0)
     files = shared_files(shm_dir)
     got = await pieces(await s.client.open_fetch("c", accept_shared_memory=True))
     assert [bytes(got[i]) for i in range(len(got))] == tensors_of(path)

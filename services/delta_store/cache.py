@@ -105,6 +105,11 @@ class HostCache:
     def used_bytes(self) -> int:
         return self.policy.used_bytes
 
+    @property
+    def spare_buffers(self) -> int:
+        """Buffers (or shared files) of dropped entries kept for reuse."""
+        return len(self._spare)
+
     def lookup(self, name: str, version: str) -> Entry | None:
         """Records a request for `name`; the usable entry of this version, if any."""
         self.policy.record(name, self.clock())
