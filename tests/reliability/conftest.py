@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from relkit import N_VARIANTS, PROMPTS, TALLY, _wait_router_sees_workers, router_tokens, start_system
+from relkit import N_VARIANTS, PROMPTS, TALLY, router_tokens, serving, start_system
 from services.gpu_worker.testing import make_test_family
 
 
@@ -50,11 +50,8 @@ def system(family, tmp_path_factory):
     c = start_system(family, tmp_path_factory.mktemp("rel_system"), "system", shared_memory=True,
                      router_extra=("--max-in-flight-per-worker", "8", "--max-queue", "24",
                                    "--max-queue-per-variant", "12", "--max-prompt-bytes", "65536"))
-    try:
-        _wait_router_sees_workers(c.r.address, len(c.w))
+    with serving(c):
         yield c
-    finally:
-        c.stop_all()
 
 
 @pytest.fixture(scope="session")

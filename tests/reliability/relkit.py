@@ -3,6 +3,7 @@ peak RSS, the system's start, checked calls."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import shutil
@@ -143,6 +144,16 @@ def start_system(family, work: Path, label: str, router_extra: tuple[str, ...] =
         c.stop_all()
         raise
     return c
+
+
+@contextlib.contextmanager
+def serving(c: RelCluster):
+    """`c` once its router sees all its workers up; every process stopped on exit."""
+    try:
+        _wait_router_sees_workers(c.r.address, len(c.w))
+        yield c
+    finally:
+        c.stop_all()
 
 
 def _wait_router_sees_workers(address: str, n: int, timeout: float = 120) -> None:

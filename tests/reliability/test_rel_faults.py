@@ -24,7 +24,7 @@ from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient, DeltaStoreError
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
-from relkit import NEVER, PROMPTS, RelCluster, T, TALLY, TOKENS, _wait_router_sees_workers, routed_tokens, start_system, wait_for
+from relkit import NEVER, PROMPTS, RelCluster, T, TALLY, TOKENS, routed_tokens, serving, start_system, wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 P = PROMPTS[0]
@@ -33,12 +33,8 @@ P = PROMPTS[0]
 @pytest.fixture(scope="module")
 def fc(family, tmp_path_factory):
     """Its own store + two workers + router: these tests kill and restart parts of it."""
-    c = start_system(family, tmp_path_factory.mktemp("rel_faults"), "faults", shared_memory=True)
-    try:
-        _wait_router_sees_workers(c.r.address, 2)
+    with serving(start_system(family, tmp_path_factory.mktemp("rel_faults"), "faults", shared_memory=True)) as c:
         yield c
-    finally:
-        c.stop_all()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -32,7 +32,7 @@ import pytest_asyncio
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient, StoreUnavailable
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
-from relkit import NEVER, PROMPTS, T, TALLY, _wait_router_sees_workers, routed_tokens, start_system, wait_for
+from relkit import NEVER, PROMPTS, T, TALLY, routed_tokens, serving, start_system, wait_for
 from servers.swift import Swift, _run, free_port
 from services.delta_store.backends import SUFFIX
 
@@ -112,11 +112,8 @@ def s3sys(family, private_swift, tmp_path_factory):
     env = {"AWS_ACCESS_KEY_ID": sw.access_key, "AWS_SECRET_ACCESS_KEY": sw.secret_key}
     c = start_system(family, tmp_path_factory.mktemp("rel_s3_hang"), "s3-hang", store_args=store_args, env=env)
     c.bucket, c.s3 = bucket, s3
-    try:
-        _wait_router_sees_workers(c.r.address, 2)
+    with serving(c):
         yield c
-    finally:
-        c.stop_all()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

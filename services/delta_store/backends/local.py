@@ -173,10 +173,10 @@ class _LocalReader(Reader):
             try:
                 while pos < len(view) and not stop.is_set():
                     n = os.preadv(fd, [view[pos: pos + block]], pos)
+                    if n == 0:  # the file is shorter than the view: the caller sees where it ended
+                        break
                     pos += n
                     post(pos)
-                    if n == 0:
-                        break
             except OSError as e:
                 end = e
             finally:
