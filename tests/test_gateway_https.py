@@ -4,7 +4,8 @@ delta store as processes on loopback (as in test_gateway.py), certificates from 
 `bitdelta.rpc.certs`; the clients are the official `openai` SDK and the standard library's
 `http.client`/`ssl`. Nothing is mocked.
 
-The gateway -> router hop stays plain gRPC here (that hop's TLS is the separate --tls-* setting).
+The gateway -> router hop is plain gRPC in the `cluster` fixture (that hop's TLS is the separate --tls-*
+setting); `tls_cluster` encrypts both hops: client -HTTPS-> gateway -mTLS-> router -mTLS-> worker/store.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from bitdelta.rpc.certs import make_all
 from bitdelta.rpc.clients.router import RouterClient
 from bitdelta.rpc.config import ConfigError
 from bitdelta.rpc.errors import RpcError
-from servers.cluster import ROOT, Cluster, Proc, free_port
+from servers.cluster import ROOT, Cluster, Proc, free_port, tls_flags
 from services.gateway.config import GatewayConfig
 from test_gateway import family  # noqa: F401  (the tiny random family, a module fixture)
+from test_security import creds  # gRPC channel credentials: our CA, our client certificate
 
 T = 60  # client deadlines (s): the machine may be busy
 N = 8  # new tokens per generation
@@ -39,9 +41,10 @@ PROMPT = "The quick brown fox"
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Path:
-    """ca.pem + gateway.pem/.key + client.pem/.key, and a second CA's client certificate in other/."""
+    """ca.pem + gateway/client/router/worker/delta-store .pem/.key, and a second CA's client certificate
+    in other/."""
     d = tmp_path_factory.mktemp("https_certs")
-    make_all(d, ["gateway", "client"])
+    make_all(d, ["gateway", "client", "router", "worker", "delta-store"])
     make_all(d / "other", ["client"])
     return d
 
@@ -109,6 +112,28 @@ def cluster(family, certs, tmp_path_factory):  # noqa: F811
         yield c
 
 
+@pytest.fixture(scope="module")
+def tls_cluster(family, certs, tmp_path_factory):  # noqa: F811
+    """Store, worker, router serving mutual TLS to each other (as in test_security.py, without tokens);
+    gateways serving HTTPS and calling the router over TLS: `g` presents its certificate (gateway.pem, the
+    one it serves HTTPS with), `g_nocert` verifies the router against the CA but presents none."""
+    work = tmp_path_factory.mktemp("https_tls_cluster")
+    root = work / "deltas"
+    shutil.copytree(family.deltas, root)
+    with Cluster(work, credentials=creds(certs)) as c:
+        c.st = c.store(root, extra=tls_flags(certs, "delta-store"))
+        c.w = c.worker(family.base, c.st.address, extra=tls_flags(certs, "worker"))
+        c.r = c.router([c.w.address], c.st.address, extra=tls_flags(certs, "router"))
+        c.g = c.gateway(c.r.address, extra=(*https_flags(certs), *tls_flags(certs, "gateway")), wait=False)
+        c.g_nocert = c.gateway(c.r.address, name="gateway-nocert", wait=False,
+                               extra=(*https_flags(certs), "--tls-ca", str(certs / "ca.pem")))
+        c.wait_serving(c.st, c.w, c.r)
+        wait_https(c.g, client_context(certs))
+        wait_https(c.g_nocert, client_context(certs))
+        asyncio.run(router_ready(c.r.address, credentials=creds(certs)))
+        yield c
+
+
 def oai(address: str, context: ssl.SSLContext | None = None) -> openai.AsyncOpenAI:
     """The SDK against https://`address`/v1, verifying with `context` (None: the SDK's default trust)."""
     http_client = openai.DefaultAsyncHttpx2Client(verify=context) if context else None
@@ -116,10 +141,10 @@ def oai(address: str, context: ssl.SSLContext | None = None) -> openai.AsyncOpen
                               http_client=http_client)
 
 
-async def router_ready(address: str, timeout: float = 120) -> None:
+async def router_ready(address: str, timeout: float = 120, credentials=None) -> None:
     """Until the router sees its worker up and the store's variants (it polls both)."""
     deadline = time.monotonic() + timeout
-    async with RouterClient(address, generate_timeout_s=T) as r:
+    async with RouterClient(address, generate_timeout_s=T, credentials=credentials) as r:
         while True:
             try:
                 workers, models = await r.list_workers(), {m.model_id for m in await r.list_models()}
@@ -131,9 +156,9 @@ async def router_ready(address: str, timeout: float = 120) -> None:
             await asyncio.sleep(0.1)
 
 
-async def router_greedy(cluster, model: str) -> str:
+async def router_greedy(cluster, model: str, credentials=None) -> str:
     """What the router itself generates for `model` (the reference the gateway must pass through)."""
-    async with RouterClient(cluster.r.address, generate_timeout_s=T) as r:
+    async with RouterClient(cluster.r.address, generate_timeout_s=T, credentials=credentials) as r:
         return "".join([m.text async for m in r.generate(model, PROMPT, max_new_tokens=N)])
 
 
@@ -202,6 +227,34 @@ async def test_client_ca_requires_a_certificate_signed_by_it(cluster, certs):
         r = await client.completions.create(model="v1", prompt=PROMPT, max_tokens=N, temperature=0)
     assert want and r.choices[0].text == want
     assert g.alive()
+
+
+# -- both hops encrypted -------------------------------------------------------------------------------------
+async def test_https_to_the_gateway_and_mutual_tls_behind_it(tls_cluster, certs):
+    """client -HTTPS-> gateway -mTLS-> router -mTLS-> worker -mTLS-> store: the SDK, trusting our CA, gets
+    exactly the router's own greedy text (the router called directly over mTLS). A gateway without its
+    router client certificate, in front of the same router, answers 503 in OpenAI's error shape."""
+    c = tls_cluster
+    want = await router_greedy(c, "v1", credentials=creds(certs))
+    async with oai(c.g.address, client_context(certs)) as client:
+        r = await client.completions.create(model="v1", prompt=PROMPT, max_tokens=N, temperature=0)
+    assert want and r.choices[0].text == want and r.usage.completion_tokens == N
+    assert get(c.g.address, "/ready", client_context(certs)) == (200, {"status": "ok"})
+
+    # the router requires a client certificate: it refuses the certificate-less gateway's TLS handshake
+    async with oai(c.g_nocert.address, client_context(certs)) as client:
+        with pytest.raises(openai.APIStatusError) as completion:
+            await client.completions.create(model="v1", prompt=PROMPT, max_tokens=N, temperature=0)
+        with pytest.raises(openai.APIStatusError) as models:
+            await client.models.list()
+    for e in (completion.value, models.value):
+        error = e.response.json()["error"]
+        assert e.status_code == 503, (e.status_code, error)
+        assert error["type"] == "service_unavailable_error" and error["code"] == "unavailable", error
+        assert c.r.address in error["message"], error  # gRPC's own text, naming the router's address
+    status, body = get(c.g_nocert.address, "/ready", client_context(certs))
+    assert status == 503 and body["status"] == "router unavailable", (status, body)
+    assert c.g_nocert.alive() and c.r.alive()
 
 
 # -- configuration -------------------------------------------------------------------------------------------
