@@ -63,6 +63,16 @@ def parse_list(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+def check_files(config, *names: str) -> None:
+    """ConfigError naming the flag (and its variable) of each setting in `names` that is set to a path
+    that is not a file."""
+    pre = getattr(config, "ENV_PREFIX", "")
+    for name in names:
+        p = getattr(config, name)
+        if p is not None and not Path(p).is_file():
+            raise ConfigError(f"--{name.replace('_', '-')} ({pre}{name.upper()}) {p}: no such file")
+
+
 def check_address(value: str) -> None:
     if not ADDRESS_RE.fullmatch(value):
         raise ValueError("must be HOST:PORT, e.g. 127.0.0.1:50051 or [::]:50051")

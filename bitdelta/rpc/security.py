@@ -45,7 +45,7 @@ from typing import Mapping
 
 import grpc
 
-from bitdelta.rpc.config import ConfigError, check_address, setting
+from bitdelta.rpc.config import ConfigError, check_address, check_files, setting
 
 log = logging.getLogger("bitdelta.rpc.security")
 AUTH_METADATA_KEY = "authorization"  # what the gateway forwards from HTTP's Authorization header
@@ -106,10 +106,7 @@ class TlsSettings:
         if self.tls_ca is not None and needs_server_cert and self.tls_cert is None:
             raise ConfigError(f"--tls-ca turns TLS on: give this service's --tls-cert and --tls-key "
                               f"({pre}TLS_CERT, {pre}TLS_KEY) too")
-        for name in ("tls_ca", "tls_cert", "tls_key"):
-            p = getattr(self, name)
-            if p is not None and not Path(p).is_file():
-                raise ConfigError(f"--{name.replace('_', '-')} ({pre}{name.upper()}) {p}: no such file")
+        check_files(self, "tls_ca", "tls_cert", "tls_key")
 
     def tls_files(self) -> TlsFiles | None:
         return TlsFiles.load(self.tls_ca, self.tls_cert, self.tls_key) if self.tls_on else None

@@ -34,13 +34,13 @@ from services.delta_store.shm import SharedFile, SharedMemoryDir
 class Entry:
     """One delta's bytes in host memory, with the fill progress of its loader."""
 
-    def __init__(self, name: str, version: str, header: DeltaHeader, chunk_bytes: int, buf: bytearray | None = None,
-                 shared: SharedFile | None = None):
+    def __init__(self, name: str, version: str, header: DeltaHeader, chunk_bytes: int,
+                 buf: bytearray | SharedFile | None = None):
         self.name, self.version, self.header = name, version, header
         self.size = header.file_size
-        self.shared = shared  # the file same-host readers map, if the entry lives in shared memory
-        self.buf = shared.map if shared is not None else buf if buf is not None else bytearray(self.size)
-        self.view: memoryview | None = memoryview(self.buf)[: self.size]  # None once recycled
+        self.buf = buf if buf is not None else bytearray(self.size)  # a reused buffer, or a shared file
+        mapped = self.buf.map if isinstance(self.buf, SharedFile) else self.buf
+        self.view: memoryview | None = memoryview(mapped)[: self.size]  # None once recycled
         self.filled = 0  # [0, filled) is read and every tensor ending in it verified
         self.error: BaseException | None = None
         self.loader: asyncio.Task | None = None
@@ -50,6 +50,11 @@ class Entry:
         self.chunk_bytes = chunk_bytes
         self.crcs: list[list[int]] = [[] for _ in header.tensors]
         self._progress = asyncio.get_running_loop().create_future()
+
+    @property
+    def shared(self) -> SharedFile | None:
+        """The file same-host readers map, if the entry lives in shared memory."""
+        return self.buf if isinstance(self.buf, SharedFile) else None
 
     @property
     def complete(self) -> bool:
@@ -85,6 +90,12 @@ class Entry:
 
 def _nbytes(buf: bytearray | SharedFile) -> int:
     return buf.size if isinstance(buf, SharedFile) else len(buf)
+
+
+def _free(buf: bytearray | SharedFile) -> None:
+    """A spare the cache lets go of: a shared file is unlinked and unmapped; private memory is just dropped."""
+    if isinstance(buf, SharedFile):
+        buf.release()
 
 
 class HostCache:
@@ -129,11 +140,10 @@ class HostCache:
         for v in victims:
             self.drop(v)
             self.stats["eviction"] += 1
-        spare = self._take_spare(header.file_size)
-        if self.shared is not None and spare is None:
-            spare = self.shared.allocate(header.file_size)  # None if the memory filesystem is full
-        shared = spare if isinstance(spare, SharedFile) else None
-        e = Entry(name, version, header, chunk_bytes, None if shared else spare, shared)
+        buf = self._take_spare(header.file_size)
+        if self.shared is not None and buf is None:
+            buf = self.shared.allocate(header.file_size)  # None if the memory filesystem is full
+        e = Entry(name, version, header, chunk_bytes, buf)
         self.entries[name] = e
         self.policy.add(name, e.size)
         self._trim_spares()
@@ -158,7 +168,7 @@ class HostCache:
             return
         e.view.release()
         e.view = None
-        self._spare.append(e.shared if e.shared is not None else e.buf)
+        self._spare.append(e.buf)
         self._trim_spares()
 
     def _take_spare(self, size: int) -> bytearray | SharedFile | None:
@@ -171,18 +181,14 @@ class HostCache:
 
     def _trim_spares(self) -> None:
         while self._spare and self.used_bytes + sum(map(_nbytes, self._spare)) > self.policy.budget_bytes:
-            gone = self._spare.pop(0)
-            if isinstance(gone, SharedFile):
-                gone.release()
+            _free(self._spare.pop(0))
 
     def close(self) -> None:
         """Drop every entry and spare (the store is closing)."""
         for name in list(self.entries):
             self.drop(name)
-        for b in self._spare:
-            if isinstance(b, SharedFile):
-                b.release()
-        self._spare.clear()
+        while self._spare:
+            _free(self._spare.pop())
         if self.shared is not None:
             self.shared.close()
 

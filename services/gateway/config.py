@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from bitdelta.rpc.config import ConfigError, ServiceConfig, check_address, parse_list, parse_log_level, setting
+from bitdelta.rpc.config import (ConfigError, ServiceConfig, check_address, check_files, parse_list, parse_log_level,
+                                 setting)
 from bitdelta.rpc.security import TlsSettings
 from bitdelta.units import parse_bytes
 
@@ -89,10 +90,7 @@ class GatewayConfig(ServiceConfig, TlsSettings):
         if ca is not None and cert is None:
             raise ConfigError(f"{self.flag_of('https_client_ca')} needs {self.flag_of('https_cert')} and "
                               f"{self.flag_of('https_key')}: client certificates are asked for over HTTPS only")
-        for name in ("https_cert", "https_key", "https_client_ca"):
-            p = getattr(self, name)
-            if p is not None and not Path(p).is_file():
-                raise ConfigError(f"{self.flag_of(name)} {p}: no such file")
+        check_files(self, "https_cert", "https_key", "https_client_ca")
         if cert is None:
             return
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

@@ -240,10 +240,8 @@ class DeltaStoreClient(Client):
                          f"delta {name!r} was built for base {info.base_model!r} with fingerprint "
                          f"{info.base_fingerprint[:16]}…, expected {expect_base_fingerprint[:16]}…")
         shared = None
-        if first.HasField("shared_memory"):
+        if accept_shared_memory and first.HasField("shared_memory"):  # unasked for, its chunks fail as empty
             try:
-                if not accept_shared_memory:
-                    raise OSError("it was not asked for")
                 shared = _map_shared(first.shared_memory, info.size_bytes)
             except OSError as e:
                 call.cancel()
