@@ -113,6 +113,36 @@ async def test_put_rules(backend_under_test, start_store, tmp_path):
     assert [got[i] for i in range(len(got))] == file_tensors(b)
 
 
+@pytest.mark.parametrize("refusal", ["exists", "garbage_header", "flipped_first_tensor"])
+async def test_a_refused_upload_reports_its_status_every_time(backend_under_test, start_store, tmp_path, refusal):
+    """grpc's asyncio client reports INTERNAL ("Internal error from Core") instead of the server's
+    status when the server ends a client-streaming call while the client still writes
+    (grpc/grpc#36066). The store ends a refused header at once (the client waits for the response
+    headers before sending data) and drains a refused upload before it answers: the client always
+    sees the real code, for a 24 MiB upload refused at its header or at its first data chunk."""
+    s = await start_store(backend_under_test.make())
+    path = big_delta(tmp_path / "big.safetensors", mib=24)
+    data = bytearray(path.read_bytes())
+    first = min(read_header(path).tensors, key=lambda t: t.start)
+    if refusal == "exists":
+        await s.client.put("v", make_delta(tmp_path / "small.safetensors"))
+        want = grpc.StatusCode.ALREADY_EXISTS
+    elif refusal == "garbage_header":
+        data[:8] = (1 << 40).to_bytes(8, "little")  # a header longer than the file
+        want = grpc.StatusCode.INVALID_ARGUMENT
+    else:
+        data[first.start] ^= 1  # detected when the first tensor is complete, with MiBs still to come
+        want = grpc.StatusCode.INVALID_ARGUMENT
+    for _ in range(6):
+        with pytest.raises(Exception) as e:
+            await s.client.put("v", bytes(data))
+        assert e.value.code == want, str(e.value)
+    names = [d.name for d in await s.client.list()]
+    assert names == (["v"] if refusal == "exists" else [])
+    await s.client.put("v", path, overwrite=True)  # the store still takes a good upload
+    assert (await s.client.stat("v")).info.size_bytes == path.stat().st_size
+
+
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "trailing", "flipped", "short_upload"])
 async def test_invalid_upload_never_appears(backend_under_test, start_store, tmp_path, damage):
     s = await start_store(backend_under_test.make())

@@ -13,6 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bitdelta.rpc.client_stream import ClientStream, call_with_handshake
 from bitdelta.rpc.config import ConfigError, ServiceConfig, check_address, parse_list, setting
 from bitdelta.rpc.errors import RpcError, clip, status_of
 from bitdelta.rpc.serve import Service, create_server
@@ -47,9 +48,23 @@ def _echo_service(release: asyncio.Event) -> Service:
         await release.wait()
         yield b"second"
 
+    async def upload(requests: ClientStream, context):
+        """Header b"ok", b"missing" (refused at the header) or b"later" (refused after 3 messages)."""
+        header = await requests.first()
+        if header == b"missing":
+            raise Missing("no such upload")
+        await requests.accept()
+        n = 0
+        async for m in requests:
+            n += len(m)
+            if header == b"later" and n >= 3 << 20:
+                raise Missing("refused part-way")
+        return str(n).encode()
+
     ident = dict(request_deserializer=None, response_serializer=None)
     handlers = {"Say": grpc.unary_unary_rpc_method_handler(unary, **ident),
-                "Stream": grpc.unary_stream_rpc_method_handler(stream, **ident)}
+                "Stream": grpc.unary_stream_rpc_method_handler(stream, **ident),
+                "Upload": grpc.stream_unary_rpc_method_handler(upload, **ident)}
     return Service(SERVICE, lambda s: s.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE, handlers),)))
 
@@ -138,3 +153,43 @@ def test_typed_config_from_flags_and_environment(tmp_path):
         with pytest.raises(ConfigError) as e:
             DemoConfig.from_args(argv, env=env)
         assert words in str(e.value), str(e.value)
+
+
+async def test_a_refused_client_stream_reports_its_status_every_time():
+    """grpc's asyncio client turns the server's status into INTERNAL "Internal error from Core" when
+    the server ends a client-streaming call while a message is in flight (grpc/grpc#36066). Through
+    the skeleton's handshake (bitdelta.rpc.client_stream) every refusal arrives with its own code:
+    at the header, part-way, and for a client that streams without waiting for the answer."""
+    server = create_server("127.0.0.1:0", [_echo_service(asyncio.Event())], {Missing: grpc.StatusCode.NOT_FOUND})
+    await server.start()
+    mib = b"x" * (1 << 20)
+    started = []
+
+    async def pieces(n=16):
+        started.append(True)
+        for _ in range(n):
+            yield mib
+
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            upload = ch.stream_unary(f"/{SERVICE}/Upload")
+            assert await call_with_handshake(upload(timeout=30), b"ok", pieces()) == str(16 << 20).encode()
+            started.clear()
+            for header in [b"missing", b"later"] * 8:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call_with_handshake(upload(timeout=30), header, pieces())
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND, (header, e.value.details())
+            assert len(started) == 8  # a refused header never started reading the data
+
+            async def no_handshake(header):
+                yield header
+                async for p in pieces():
+                    yield p
+
+            for header in [b"missing", b"later"] * 4:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await upload(no_handshake(header), timeout=30)
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND, (header, e.value.details())
+            assert server.in_flight == 0
+    finally:
+        await server.stop(0)

@@ -324,12 +324,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
         tokens = self.tokens
 
-        async def check(context) -> None:
-            try:
-                _principal.set(authorize(tokens, role, context.invocation_metadata(), what))
-            except AuthError as e:
-                log.info("%s refused: %s: %s", method, e.code.name, e)
-                await context.abort(e.code, str(e))
+        async def check(context) -> None:  # an AuthError carries its code to the error interceptor outside
+            _principal.set(authorize(tokens, role, context.invocation_metadata(), what))
 
         def unary(fn):
             async def call(request, context):

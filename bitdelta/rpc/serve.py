@@ -12,7 +12,9 @@ What every service gets:
   reflection, whose streaming `Watch` must stay untouched): exceptions become
   status codes through `errors.status_of` with clipped messages, calls in
   flight are counted, and while draining new calls get UNAVAILABLE (except the
-  read-only methods named in `open_while_draining`).
+  read-only methods named in `open_while_draining`). A client-streaming method
+  gets a `ClientStream` (`bitdelta.rpc.client_stream`): a refusal reaches the
+  client with its real status.
 - Traces (`bitdelta.rpc.telemetry`): one SERVER span per domain call, in the caller's trace
   (W3C `traceparent` in the metadata), its status code recorded.
 - Drain: health goes NOT_SERVING and the server keeps answering it (a probe
@@ -23,6 +25,7 @@ What every service gets:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -33,6 +36,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from bitdelta.rpc.client_stream import ClientStream
 from bitdelta.rpc.errors import StatusTable, clip_message, metadata_value, status_of
 from bitdelta.rpc.telemetry import ServerInterceptor as TraceInterceptor
 
@@ -76,6 +80,10 @@ class _Calls:
             return False
 
 
+class Draining(Exception):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 class _ErrorInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, services: Iterable[str], table: StatusTable, calls: _Calls, open_while_draining: set[str]):
         self.prefixes = tuple(f"/{s}/" for s in services)
@@ -92,43 +100,56 @@ class _ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, method, gate), **kw)
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(self._unary(handler.stream_unary, method, gate), **kw)
+            return grpc.stream_unary_rpc_method_handler(self._client_stream(handler.stream_unary, method, gate), **kw)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(self._stream(handler.unary_stream, method, gate), **kw)
         return grpc.stream_stream_rpc_method_handler(self._stream(handler.stream_stream, method, gate), **kw)
 
     def _unary(self, fn, method: str, gate: bool):
         async def call(request, context):
-            await self._admit(context, method, gate)
-            self.calls.enter()
             try:
-                return await fn(request, context)
+                with self._admitted(method, gate):
+                    return await fn(request, context)
             except Exception as e:  # noqa: BLE001 - every failure becomes a status
                 await self._abort(context, method, e)
-            finally:
-                self.calls.leave()
+
+        return call
+
+    def _client_stream(self, fn, method: str, gate: bool):
+        """The servicer gets a `ClientStream`; a refusal waits for the client (bitdelta.rpc.client_stream)."""
+        async def call(requests, context):
+            stream = ClientStream(requests, context)
+            try:
+                with self._admitted(method, gate):
+                    return await fn(stream, context)
+            except Exception as e:  # noqa: BLE001
+                if not isinstance(e, grpc.aio.AbortError):  # a status already sent cannot wait
+                    await stream.refuse()
+                await self._abort(context, method, e)
 
         return call
 
     def _stream(self, fn, method: str, gate: bool):
         async def call(request, context):
-            await self._admit(context, method, gate)
-            self.calls.enter()
             try:
-                async for response in fn(request, context):
-                    yield response
+                with self._admitted(method, gate):
+                    async for response in fn(request, context):
+                        yield response
             except Exception as e:  # noqa: BLE001
                 await self._abort(context, method, e)
-            finally:
-                self.calls.leave()
 
         return call
 
-    async def _admit(self, context, method: str, gate: bool) -> None:
+    @contextlib.contextmanager
+    def _admitted(self, method: str, gate: bool):
+        """Counts the call in flight; while draining, refuses it (`gate`) with UNAVAILABLE."""
         if gate and self.calls.draining:
-            service = method.split("/")[1]
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"{service} is draining (shutting down); send the request to another replica")
+            raise Draining(f"{method.split('/')[1]} is draining (shutting down); send the request to another replica")
+        self.calls.enter()
+        try:
+            yield
+        finally:
+            self.calls.leave()
 
     async def _abort(self, context, method: str, e: Exception) -> None:
         if isinstance(e, grpc.aio.AbortError):
@@ -211,12 +232,14 @@ def create_server(address: str, services: Sequence[Service], status_table: Statu
     `credentials` (`bitdelta.rpc.security.TlsSettings.server_credentials`): TLS, else plain text.
     `health_address`: also serve `grpc.health.v1` alone, in plain text, there (Kubernetes' grpc
     probes cannot present a client certificate); `server.health_port` says which port.
+    `interceptors` run inside the error interceptor: they refuse a call by raising an exception
+    whose `code` is a status code (`security.AuthInterceptor`).
     """
     calls = _Calls()
     names = [s.name for s in services]
     server = grpc.aio.server(
-        interceptors=[*interceptors, TraceInterceptor(names),  # traces outside: they see the final status
-                      _ErrorInterceptor(names, status_table, calls, set(open_while_draining))],
+        interceptors=[TraceInterceptor(names),  # traces outside: they see the final status
+                      _ErrorInterceptor(names, status_table, calls, set(open_while_draining)), *interceptors],
         options=[("grpc.max_send_message_length", max_message_bytes),
                  ("grpc.max_receive_message_length", max_message_bytes)],
     )  # fmt: skip

@@ -20,6 +20,7 @@ from bitdelta.delta_store.v1 import delta_store_pb2_grpc as pb_grpc
 from bitdelta.format import BaseMismatchError
 from bitdelta.rpc.clients.delta_store import MAX_MESSAGE_BYTES
 from bitdelta.rpc import telemetry
+from bitdelta.rpc.client_stream import ClientStream
 from bitdelta.rpc.metrics import StoreMetrics
 from bitdelta.rpc.security import AuthInterceptor, Role
 from bitdelta.rpc.serve import Server, Service, run_until_signal
@@ -78,19 +79,22 @@ class DeltaStoreServicer(pb_grpc.DeltaStoreServiceServicer):
                 # call when done (this task is cancelled then); until then the entry counts as read.
                 await asyncio.sleep(SHARED_LEASE_S)
 
-    async def Put(self, request_iterator, context):
-        first = await anext(aiter(request_iterator), None)
+    async def Put(self, requests: ClientStream, context):
+        """The store answers the header (`accept`) before the client sends data; a refusal is the
+        skeleton's (`bitdelta.rpc.client_stream`)."""
+        first = await requests.first()
         if first is None or first.WhichOneof("part") != "header":
             raise InvalidUpload("the first Put message must carry the header (name, size_bytes)")
         h = first.header
+        requests.announced(h.size_bytes)
 
         async def data():
-            async for m in request_iterator:
+            async for m in requests:
                 if m.WhichOneof("part") != "data":
                     raise InvalidUpload("only the first Put message may carry a header; the rest carry data")
                 yield m.data
 
-        d = await self.store.put(h.name, h.size_bytes, h.overwrite, data())
+        d = await self.store.put(h.name, h.size_bytes, h.overwrite, data(), accepted=requests.accept)
         return pb.PutResponse(info=d.info_proto())
 
     async def Delete(self, request, context):

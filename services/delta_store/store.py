@@ -33,7 +33,7 @@ import hashlib
 import logging
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from opentelemetry import trace
 
@@ -522,8 +522,12 @@ class DeltaStore:
             await checks.settle()
 
     # -- Put / Delete --------------------------------------------------------------------
-    async def put(self, name: str, size: int, overwrite: bool, data: AsyncIterator[bytes]) -> StoredDelta:
-        """Store a delta from consecutive pieces of its file; visible only once verified completely."""
+    async def put(self, name: str, size: int, overwrite: bool, data: AsyncIterator[bytes], *,
+                  accepted: Callable[[], Awaitable[None]] | None = None) -> StoredDelta:
+        """Store a delta from consecutive pieces of its file; visible only once verified completely.
+
+        `accepted` is awaited once the name, size and overwrite rule have passed and the upload has
+        begun, before `data` is read (the server answers the client's header with it)."""
         check_name(name)
         if size < 8:
             raise InvalidUpload(f"size_bytes={size} is too small for a delta file")
@@ -537,6 +541,8 @@ class DeltaStore:
         with self.tracer.start_as_current_span("delta_store.put", attributes={"delta.name": name, "delta.size_bytes": size}):
             upload = await self.backend.begin_upload(name, size)
             try:
+                if accepted is not None:
+                    await accepted()
                 header, crcs = await self._receive(name, size, data, upload)
                 info = await upload.commit(overwrite)
             except BaseException:

@@ -47,6 +47,7 @@ import grpc
 from bitdelta.delta_store.v1 import delta_store_pb2 as pb
 from bitdelta.delta_store.v1 import delta_store_pb2_grpc as pb_grpc
 from bitdelta.rpc.checksums import crc32
+from bitdelta.rpc.client_stream import call_with_handshake
 from bitdelta.rpc.clients.base import Client
 from bitdelta.rpc.errors import RpcError
 
@@ -195,9 +196,9 @@ class DeltaStoreClient(Client):
                   chunk_bytes: int = 1 << 20, timeout_s: float | None = None) -> pb.DeltaInfo:
         """Upload a delta file (a path, or its bytes); returns what the store verified and stored."""
         size = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else os.path.getsize(data)
+        header = pb.PutRequest(header=pb.PutHeader(name=name, size_bytes=size, overwrite=overwrite))
 
-        async def requests():
-            yield pb.PutRequest(header=pb.PutHeader(name=name, size_bytes=size, overwrite=overwrite))
+        async def pieces():
             if isinstance(data, (bytes, bytearray, memoryview)):
                 view = memoryview(data)
                 for i in range(0, size, chunk_bytes):
@@ -207,8 +208,11 @@ class DeltaStoreClient(Client):
                     while piece := await f.read(chunk_bytes):
                         yield pb.PutRequest(data=piece)
 
-        r = await self._unary(self._stub.Put, requests(), f"Put({name[:80]!r})", timeout_s or self.fetch_timeout_s)
-        return r.info
+        try:  # the store answers the header before any data moves (bitdelta.rpc.client_stream)
+            return (await call_with_handshake(self._stub.Put(timeout=timeout_s or self.fetch_timeout_s),
+                                              header, pieces())).info
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e, f"Put({name[:80]!r})") from None
 
     async def open_fetch(self, name: str, *, expect_base_fingerprint: str = "", chunk_bytes: int = 0,
                          timeout_s: float | None = None, accept_shared_memory: bool = False) -> FetchStream:
