@@ -145,6 +145,18 @@ async def test_each_service_refuses_clients_without_a_certificate_of_its_ca(clus
 
 
 @aio
+async def test_a_refused_connection_says_what_it_likely_means(cluster, certs):
+    """gRPC reports both TLS mismatches as a bare "Socket closed"; the project's clients add the likely cause."""
+    for client, hint in [(DeltaStoreClient(cluster.st.address), "may require TLS, and this client connects in plain text"),
+                         (DeltaStoreClient(cluster.st.address, credentials=creds(certs, who=None)),
+                          "may require a client certificate signed by its CA")]:
+        async with client:
+            with pytest.raises(RpcError) as e:
+                await client.list(timeout_s=20)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE and hint in str(e.value) and hint in e.value.details, e.value
+
+
+@aio
 async def test_plain_text_health_port_answers_health_and_nothing_else(cluster):
     from bitdelta.delta_store.v1 import delta_store_pb2 as spb
     from bitdelta.delta_store.v1 import delta_store_pb2_grpc as spb_grpc

@@ -52,6 +52,7 @@ class Client:
     def __init__(self, target: str, *, timeout_s: float, credentials: grpc.ChannelCredentials | None = None,
                  token: str = ""):
         self.target, self.timeout_s = target, timeout_s
+        self.tls = credentials is not None
         self.channel = open_channel(target, self.MAX_MESSAGE_BYTES, credentials, token)
 
     async def close(self) -> None:
@@ -67,7 +68,19 @@ class Client:
         """`ERROR_TYPES[code]` or `ERROR`, with the callee's code, details and trailers."""
         cls = self.ERROR_TYPES.get(e.code(), self.ERROR)
         err = from_aio_error(e, f"{self.SERVICE} {self.target}", what)
-        return cls(str(err), err.code, service=err.service, details=err.details, trailers=err.trailers)
+        hint = self._hint(err)
+        return cls(str(err) + hint, err.code, service=err.service, details=err.details + hint, trailers=err.trailers)
+
+    def _hint(self, err: RpcError) -> str:
+        """What a bare "Socket closed" usually means: the callee accepted the connection and closed it
+        during set-up, because the two sides disagree on TLS."""
+        if err.code != grpc.StatusCode.UNAVAILABLE or "Socket closed" not in err.details:
+            return ""
+        if self.tls:
+            return (f" (the {self.SERVICE} closed the connection during set-up: it may require a client "
+                    "certificate signed by its CA, which this client does not present)")
+        return (f" (the {self.SERVICE} closed the connection during set-up: it may require TLS, and this "
+                "client connects in plain text)")
 
     async def _unary(self, method, request, what: str, timeout_s: float | None,
                      metadata: Sequence[tuple[str, str]] = ()) -> Any:
