@@ -1,13 +1,18 @@
-"""`bitdelta generate | models | workers`: talk to a running router (the public API).
+"""`bitdelta generate | models | workers`: talk to a running router (the public API);
+`bitdelta store list | put | rm`: manage the deltas of a running delta store.
 
     bitdelta generate --router 127.0.0.1:50051 --model coder "def fibonacci(n):"
     bitdelta models --router 127.0.0.1:50051
     bitdelta workers --router 127.0.0.1:50051
+    bitdelta store put data/deltas/coder.bitdelta.safetensors --store 127.0.0.1:50052   # servable at once
+    bitdelta store list --store 127.0.0.1:50052
+    bitdelta store rm coder --store 127.0.0.1:50052
 
-Torch-free: only the shared RPC layer's router client. A router with TLS and tokens on (README
+Torch-free: only the shared RPC layer's clients. A service with TLS and tokens on (README
 "Security") is reached with the variables BITDELTA_TLS_CA (turns TLS on), BITDELTA_TLS_CERT and
 BITDELTA_TLS_KEY (a client certificate of that CA, for mutual TLS) and BITDELTA_TOKEN (the bearer
-token; a variable, not a flag, so it never shows in the process list).
+token; a variable, not a flag, so it never shows in the process list; `store put` and `rm` need
+an admin token when the store checks tokens).
 """
 
 from __future__ import annotations
@@ -18,11 +23,11 @@ import os
 import sys
 
 DEFAULT_ROUTER = os.environ.get("BITDELTA_ROUTER", "127.0.0.1:50051")
+DEFAULT_STORE = os.environ.get("BITDELTA_STORE", "127.0.0.1:50052")
 
 
-def _router(a: argparse.Namespace):
-    """The router client, with TLS and a token when the BITDELTA_TLS_* / BITDELTA_TOKEN variables say so."""
-    from bitdelta.rpc.clients.router import RouterClient
+def _client(cls, target: str):
+    """A client of `cls`, with TLS and a token when the BITDELTA_TLS_* / BITDELTA_TOKEN variables say so."""
     from bitdelta.rpc.security import TlsFiles
 
     ca = os.environ.get("BITDELTA_TLS_CA")
@@ -30,7 +35,13 @@ def _router(a: argparse.Namespace):
     if ca:
         creds = TlsFiles.load(ca, os.environ.get("BITDELTA_TLS_CERT") or None,
                               os.environ.get("BITDELTA_TLS_KEY") or None).channel_credentials()
-    return RouterClient(a.router, credentials=creds, token=os.environ.get("BITDELTA_TOKEN", ""))
+    return cls(target, credentials=creds, token=os.environ.get("BITDELTA_TOKEN", ""))
+
+
+def _router(a: argparse.Namespace):
+    from bitdelta.rpc.clients.router import RouterClient
+
+    return _client(RouterClient, a.router)
 
 
 def _fail(e) -> None:
@@ -105,6 +116,46 @@ async def _workers(a: argparse.Namespace) -> None:
               f"{', '.join(w.resident) or '-'}")
 
 
+async def _store(a: argparse.Namespace) -> None:
+    """`store list | put | rm`: one call to the delta store; a failure is a CLI error."""
+    from bitdelta.rpc.clients.delta_store import DeltaStoreClient, DeltaStoreError
+    from bitdelta.units import human_bytes
+
+    async with _client(DeltaStoreClient, a.store) as st:
+        try:
+            if a.store_command == "list":
+                deltas = await st.list()
+                print(f"{'name':24s} {'size':>10s}  {'base':24s} version")
+                for d in deltas:
+                    print(f"{d.name:24s} {human_bytes(d.size_bytes):>10s}  {d.base_model[:24]:24s} {d.version}")
+            elif a.store_command == "put":
+                await _put(st, a)
+            else:
+                await st.delete(a.name)
+                print(f"deleted {a.name}")
+        except DeltaStoreError as e:
+            _fail(e)
+
+
+async def _put(st, a: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from bitdelta.units import human_bytes
+
+    path = Path(a.file)
+    if not path.is_file():
+        from bitdelta.cli import CliError
+
+        raise CliError(f"{path}: no such file")
+    name = a.name or path.name.removesuffix(".safetensors").removesuffix(".bitdelta")  # torch-free: no bitdelta.format
+    with tqdm(total=path.stat().st_size, desc=f"put {name}", unit="B", unit_scale=True, file=sys.stderr) as bar:
+        info = await st.put(name, path, overwrite=a.overwrite, on_sent=bar.update)
+    print(f"stored {info.name}: {human_bytes(info.size_bytes)}, base {info.base_model}, version {info.version} "
+          "(verified: every tensor's sha256, the header, the size)")
+
+
 def register(sub) -> None:
     help_router = f"router HOST:PORT (default $BITDELTA_ROUTER or {DEFAULT_ROUTER})"
     c = sub.add_parser("generate", help="stream an answer from a running router")
@@ -126,3 +177,18 @@ def register(sub) -> None:
     c = sub.add_parser("workers", help="list the workers behind a running router")
     c.add_argument("--router", default=DEFAULT_ROUTER, help=help_router)
     c.set_defaults(func=lambda a: asyncio.run(_workers(a)))
+
+    c = sub.add_parser("store", help="list, upload (put) or delete (rm) the deltas of a running delta store")
+    store_sub = c.add_subparsers(dest="store_command", required=True, metavar="list|put|rm")
+    help_store = f"delta store HOST:PORT (default $BITDELTA_STORE or {DEFAULT_STORE})"
+    p = store_sub.add_parser("list", help="every delta the store holds")
+    p.add_argument("--store", default=DEFAULT_STORE, help=help_store)
+    p = store_sub.add_parser("put", help="upload a delta file; visible (and servable) once the store verified it")
+    p.add_argument("file", help="a BitDelta file (bitdelta compress)")
+    p.add_argument("--name", default="", help="variant name (default: the file name without .bitdelta.safetensors)")
+    p.add_argument("--overwrite", action="store_true", help="replace a delta of the same name")
+    p.add_argument("--store", default=DEFAULT_STORE, help=help_store)
+    p = store_sub.add_parser("rm", help="delete a delta")
+    p.add_argument("name")
+    p.add_argument("--store", default=DEFAULT_STORE, help=help_store)
+    c.set_defaults(func=lambda a: asyncio.run(_store(a)))

@@ -355,6 +355,45 @@ async def test_cli_generate_and_models(clients, cluster, family):
     assert r.returncode == 1 and "NOT_FOUND" in r.stderr and "Traceback" not in r.stderr
 
 
+async def test_cli_store_put_list_rm(clients, cluster, family):
+    """`bitdelta store put` makes a variant servable at once (v0's delta under a new name answers with
+    v0's tokens), `list` shows it, a second put without --overwrite is ALREADY_EXISTS, `rm` stops it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    router, workers, _ = clients
+    cli = [str(Path(sys.executable).parent / "bitdelta"), "store"]
+
+    async def bitdelta(*args):
+        return await asyncio.to_thread(subprocess.run, [*cli, *args, "--store", cluster.st.address],
+                                       capture_output=True, text=True, timeout=T)
+
+    r = await bitdelta("put", str(family.delta_path("v0")), "--name", "from-cli")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("stored from-cli:") and "put from-cli" in r.stderr  # the progress bar
+    msgs = await run(router, "from-cli", PROMPTS["v0"])
+    assert [m.token_id for m in msgs] == await worker_tokens(workers[0], "v0", PROMPTS["v0"])
+    r = await bitdelta("list")
+    rows = {line.split()[0]: line for line in r.stdout.splitlines()[1:]}
+    assert r.returncode == 0 and "from-cli" in rows and set(family.variants) <= set(rows), r.stdout
+    r = await bitdelta("put", str(family.delta_path("v1")), "--name", "from-cli")
+    assert r.returncode == 1 and "ALREADY_EXISTS" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = await bitdelta("rm", "from-cli")
+    assert r.returncode == 0 and r.stdout.strip() == "deleted from-cli", r.stderr
+
+    async def gone():
+        try:
+            await run(router, "from-cli", "hi", n=1)
+        except RouterCallError as e:
+            return e
+        return None
+
+    assert (await wait_for(gone, what="the deleted variant to stop")).code == grpc.StatusCode.NOT_FOUND
+    r = await bitdelta("rm", "from-cli")
+    assert r.returncode == 1 and "NOT_FOUND" in r.stderr, r.stderr
+
+
 async def test_grpcurl_through_reflection(clients, cluster):
     """The README's grpcurl line works: reflection describes the API, Generate streams JSON."""
     import json

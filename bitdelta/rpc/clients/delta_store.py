@@ -193,8 +193,10 @@ class DeltaStoreClient(Client):
         await self._unary(self._stub.Delete, pb.DeleteRequest(name=name), f"Delete({name[:80]!r})", timeout_s)
 
     async def put(self, name: str, data: bytes | str | os.PathLike, *, overwrite: bool = False,
-                  chunk_bytes: int = 1 << 20, timeout_s: float | None = None) -> pb.DeltaInfo:
-        """Upload a delta file (a path, or its bytes); returns what the store verified and stored."""
+                  chunk_bytes: int = 1 << 20, timeout_s: float | None = None,
+                  on_sent: Callable[[int], None] | None = None) -> pb.DeltaInfo:
+        """Upload a delta file (a path, or its bytes); returns what the store verified and stored.
+        `on_sent(n)` is called as each piece of n bytes goes out (a progress bar)."""
         size = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else os.path.getsize(data)
         header = pb.PutRequest(header=pb.PutHeader(name=name, size_bytes=size, overwrite=overwrite))
 
@@ -203,10 +205,14 @@ class DeltaStoreClient(Client):
                 view = memoryview(data)
                 for i in range(0, size, chunk_bytes):
                     yield pb.PutRequest(data=bytes(view[i: i + chunk_bytes]))
+                    if on_sent is not None:
+                        on_sent(min(chunk_bytes, size - i))
             else:
                 async with aiofiles.open(data, "rb") as f:
                     while piece := await f.read(chunk_bytes):
                         yield pb.PutRequest(data=piece)
+                        if on_sent is not None:
+                            on_sent(len(piece))
 
         try:  # the store answers the header before any data moves (bitdelta.rpc.client_stream)
             return (await call_with_handshake(self._stub.Put(timeout=timeout_s or self.fetch_timeout_s),
