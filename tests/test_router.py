@@ -83,6 +83,15 @@ async def worker_tokens(w: WorkerClient, model: str, prompt: str, n: int = N) ->
     return [m.token_id async for m in w.generate(req)]
 
 
+async def refusal(router: RouterClient, model: str) -> RouterCallError | None:
+    """The router's error for a one-token request to `model`, or None if it answered."""
+    try:
+        await run(router, model, "hi", n=1)
+    except RouterCallError as e:
+        return e
+    return None
+
+
 async def wait_for(pred, timeout: float = 30, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while True:
@@ -188,15 +197,7 @@ async def test_put_makes_a_variant_servable_and_delete_stops_it(clients, family)
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert not {m.model_id: m for m in await router.list_models()}["foreign"].servable
     await store.delete("fresh")
-
-    async def gone():
-        try:
-            await run(router, "fresh", "hi", n=1)
-        except RouterCallError as e:
-            return e
-        return None
-
-    e = await wait_for(gone, what="the deleted variant to stop")
+    e = await wait_for(lambda: refusal(router, "fresh"), what="the deleted variant to stop")
     assert e.code == grpc.StatusCode.NOT_FOUND and "deleted" in e.details
     assert len(await run(router, "v1", "others keep serving", n=2)) == 2
 
@@ -381,15 +382,8 @@ async def test_cli_store_put_list_rm(clients, cluster, family):
     assert r.returncode == 1 and "ALREADY_EXISTS" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = await bitdelta("rm", "from-cli")
     assert r.returncode == 0 and r.stdout.strip() == "deleted from-cli", r.stderr
-
-    async def gone():
-        try:
-            await run(router, "from-cli", "hi", n=1)
-        except RouterCallError as e:
-            return e
-        return None
-
-    assert (await wait_for(gone, what="the deleted variant to stop")).code == grpc.StatusCode.NOT_FOUND
+    e = await wait_for(lambda: refusal(router, "from-cli"), what="the deleted variant to stop")
+    assert e.code == grpc.StatusCode.NOT_FOUND
     r = await bitdelta("rm", "from-cli")
     assert r.returncode == 1 and "NOT_FOUND" in r.stderr, r.stderr
 
