@@ -5,6 +5,7 @@ port serves a small generic service defined here."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -13,6 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bitdelta.rpc import client_stream
 from bitdelta.rpc.client_stream import ClientStream, call_with_handshake
 from bitdelta.rpc.config import ConfigError, ServiceConfig, check_address, parse_list, setting
 from bitdelta.rpc.errors import RpcError, clip, status_of
@@ -191,5 +193,22 @@ async def test_a_refused_client_stream_reports_its_status_every_time():
                     await upload(no_handshake(header), timeout=30)
                 assert e.value.code() == grpc.StatusCode.NOT_FOUND, (header, e.value.details())
             assert server.in_flight == 0
+    finally:
+        await server.stop(0)
+
+
+async def test_a_refused_client_that_never_finishes_gets_its_status_after_the_drain_timeout(monkeypatch):
+    """A client that sends a refused header and then neither waits for the answer nor half-closes
+    holds the handler only DRAIN_TIMEOUT_S, then gets the status."""
+    monkeypatch.setattr(client_stream, "DRAIN_TIMEOUT_S", 0.5)
+    server = create_server("127.0.0.1:0", [_echo_service(asyncio.Event())], {Missing: grpc.StatusCode.NOT_FOUND})
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            call = ch.stream_unary(f"/{SERVICE}/Upload")(timeout=30)
+            await call.write(b"missing")  # and then nothing: no more data, no half-close
+            t = time.monotonic()
+            assert await call.code() == grpc.StatusCode.NOT_FOUND
+            assert 0.2 < time.monotonic() - t < 10  # it waited for the client, then gave up
     finally:
         await server.stop(0)

@@ -28,6 +28,7 @@ import grpc
 HANDSHAKE_KEY = "bitdelta-client-stream"
 ACCEPTED, REFUSED = "accepted", "refused"
 DEFAULT_DRAIN_BYTES = 64 << 20  # one largest message; more once the servicer knows what was announced
+DRAIN_TIMEOUT_S = 10.0  # a refused call holds its handler at most this long for the client to finish
 
 
 class ClientStream:
@@ -55,15 +56,19 @@ class ClientStream:
 
     async def refuse(self) -> None:
         """Before the status goes out: tell the client to stop, then drop what it still sends until
-        it half-closes (or sent more than `drain_limit_bytes`, or went away)."""
-        seen = 0
-        try:
+        it half-closes (or sent more than `drain_limit_bytes`, or took longer than DRAIN_TIMEOUT_S,
+        or went away: a client that neither waits nor finishes gets the status regardless)."""
+        async def drain() -> None:
             await self._answer(REFUSED)
+            seen = 0
             async for m in self._requests:
                 seen += len(m) if isinstance(m, bytes) else m.ByteSize()
                 if seen > self.drain_limit_bytes:
                     return
-        except Exception:  # noqa: BLE001 - the client went away: nobody waits for the status
+
+        try:
+            await asyncio.wait_for(drain(), DRAIN_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - timed out, or the client went away
             return
 
     async def _answer(self, value: str) -> None:
