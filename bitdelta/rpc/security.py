@@ -324,19 +324,19 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
         tokens = self.tokens
 
-        async def check(context) -> None:  # an AuthError carries its code to the error interceptor outside
+        def check(context) -> None:  # an AuthError carries its code to the error interceptor outside
             _principal.set(authorize(tokens, role, context.invocation_metadata(), what))
 
         def unary(fn):
             async def call(request, context):
-                await check(context)
+                check(context)
                 return await fn(request, context)
 
             return call
 
         def stream(fn):
             async def call(request, context):
-                await check(context)
+                check(context)
                 async for response in fn(request, context):
                     yield response
 

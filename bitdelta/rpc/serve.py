@@ -81,6 +81,8 @@ class _Calls:
 
 
 class Draining(Exception):
+    """A new call to a draining server (the client should try another replica)."""
+
     code = grpc.StatusCode.UNAVAILABLE
 
 

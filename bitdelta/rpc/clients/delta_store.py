@@ -200,19 +200,21 @@ class DeltaStoreClient(Client):
         size = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else os.path.getsize(data)
         header = pb.PutRequest(header=pb.PutHeader(name=name, size_bytes=size, overwrite=overwrite))
 
-        async def pieces():
+        async def read():
             if isinstance(data, (bytes, bytearray, memoryview)):
                 view = memoryview(data)
                 for i in range(0, size, chunk_bytes):
-                    yield pb.PutRequest(data=bytes(view[i: i + chunk_bytes]))
-                    if on_sent is not None:
-                        on_sent(min(chunk_bytes, size - i))
+                    yield bytes(view[i: i + chunk_bytes])
             else:
                 async with aiofiles.open(data, "rb") as f:
                     while piece := await f.read(chunk_bytes):
-                        yield pb.PutRequest(data=piece)
-                        if on_sent is not None:
-                            on_sent(len(piece))
+                        yield piece
+
+        async def pieces():
+            async for piece in read():
+                yield pb.PutRequest(data=piece)
+                if on_sent is not None:
+                    on_sent(len(piece))
 
         try:  # the store answers the header before any data moves (bitdelta.rpc.client_stream)
             return (await call_with_handshake(self._stub.Put(timeout=timeout_s or self.fetch_timeout_s),
