@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from pagecache import evict  # noqa: E402  (bench/pagecache.py)
 
 from bitdelta.cache_policy import WeightedLRUPolicy  # noqa: E402
 from bitdelta.format import DeltaMeta, write_delta  # noqa: E402
@@ -43,7 +44,6 @@ from services.delta_store.backends import SUFFIX  # noqa: E402
 from services.delta_store.backends.local import LocalBackend  # noqa: E402
 from services.delta_store.cache import HostCache  # noqa: E402
 from services.delta_store.store import DeltaStore  # noqa: E402
-from pagecache import evict  # noqa: E402  (bench/pagecache.py)
 
 GB = 1e9
 BLOCK = 8 << 20
@@ -60,11 +60,19 @@ def generate(path: Path, size_gb: float) -> None:
     tensors, shapes = {}, {}
     dense = target // 5
     for p in ("model.embed_tokens.weight", "lm_head.weight"):
-        tensors[p + ".dense"] = torch.randint(0, 256, (dense // 4096, 4096), dtype=torch.uint8, generator=g).view(torch.bfloat16)
+        tensors[p + ".dense"] = torch.randint(0, 256, (dense // 4096, 4096), dtype=torch.uint8, generator=g).view(
+            torch.bfloat16
+        )
     left, layer = target - 2 * dense, 0
-    proj = [("self_attn.q_proj", 4096, 4096), ("self_attn.k_proj", 4096, 4096), ("self_attn.v_proj", 4096, 4096),
-            ("self_attn.o_proj", 4096, 4096), ("mlp.gate_proj", 11008, 4096), ("mlp.up_proj", 11008, 4096),
-            ("mlp.down_proj", 4096, 11008)]
+    proj = [
+        ("self_attn.q_proj", 4096, 4096),
+        ("self_attn.k_proj", 4096, 4096),
+        ("self_attn.v_proj", 4096, 4096),
+        ("self_attn.o_proj", 4096, 4096),
+        ("mlp.gate_proj", 11008, 4096),
+        ("mlp.up_proj", 11008, 4096),
+        ("mlp.down_proj", 4096, 11008),
+    ]
     while left > 0:
         for name, d_out, d_in in proj:
             p = f"model.layers.{layer}.{name}.weight"
@@ -73,8 +81,9 @@ def generate(path: Path, size_gb: float) -> None:
             shapes[p] = [d_out, d_in]
             left -= d_out * ((d_in + 7) // 8) + 4 * d_out
         layer += 1
-    meta = DeltaMeta(variant=path.stem, base_model="bench-7b-like", base_fingerprint="0" * 64, alpha_mode="row",
-                     shapes=shapes)
+    meta = DeltaMeta(
+        variant=path.stem, base_model="bench-7b-like", base_fingerprint="0" * 64, alpha_mode="row", shapes=shapes
+    )
     write_delta(path, tensors, meta)
 
 
@@ -96,7 +105,7 @@ def memcpy_speed(path: Path, piece: int = 1 << 20) -> float:
     for _ in range(2):
         t = time.perf_counter()
         for o in range(0, len(src) - piece + 1, piece):
-            dst[:] = src[o: o + piece]
+            dst[:] = src[o : o + piece]
         best = max(best, (len(src) // piece * piece) / (time.perf_counter() - t))
     return best
 
@@ -137,7 +146,9 @@ async def grpc_fetch(target: str, name: str) -> float:
     from bitdelta.delta_store.v1 import delta_store_pb2_grpc as pb_grpc
     from bitdelta.rpc.clients.delta_store import MAX_MESSAGE_BYTES
 
-    async with grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]) as ch:
+    async with grpc.aio.insecure_channel(
+        target, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    ) as ch:
         t = time.perf_counter()
         n = 0
         async for m in pb_grpc.DeltaStoreServiceStub(ch).Fetch(pb.FetchRequest(name=name), timeout=600):
@@ -161,9 +172,14 @@ async def client_fetch(target: str, name: str) -> float:
 
 
 def start_server(args: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "services.delta_store", "--address", "127.0.0.1:0", *args],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.delta_store", "--address", "127.0.0.1:0", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     for line in proc.stdout:
         if "listening on port" in line:
             return proc, f"127.0.0.1:{int(line.split('listening on port')[1].split()[0])}"
@@ -194,8 +210,12 @@ async def bench_local(path: Path, size: int) -> None:
     evict(path)
     raw_cold = raw_read(path)
     evict(path)
-    row("store fetch, cold file, first sight (sha256 of every tensor)", await store_fetch(store, name), raw_cold,
-        "raw cold just before")
+    row(
+        "store fetch, cold file, first sight (sha256 of every tensor)",
+        await store_fetch(store, name),
+        raw_cold,
+        "raw cold just before",
+    )
     await drop(store, name)
     for verify in (True, False):
         tag = "verified (crc32s recorded at first sight)" if verify else "no verify"
@@ -208,7 +228,12 @@ async def bench_local(path: Path, size: int) -> None:
         evict(path)
         raw_cold = raw_read(path)  # the disk's speed varies: compare with a read right before
         evict(path)
-        row(f"store fetch, cache miss, cold file, {tag}", await store_fetch(store, name), raw_cold, "raw cold just before")
+        row(
+            f"store fetch, cache miss, cold file, {tag}",
+            await store_fetch(store, name),
+            raw_cold,
+            "raw cold just before",
+        )
         await drop(store, name)
         raw_read(path)
         row(f"store fetch, cache miss, warm file, {tag}", await store_fetch(store, name), raw_warm, "raw warm")
@@ -220,7 +245,12 @@ async def bench_local(path: Path, size: int) -> None:
     proc, target = start_server(["--root", str(path.parent), "--cache-bytes", str(size + (64 << 20))])
     try:
         raw_read(path)
-        row("gRPC loopback fetch (bytes counted), cache miss, warm file", await grpc_fetch(target, name), raw_warm, "raw warm")
+        row(
+            "gRPC loopback fetch (bytes counted), cache miss, warm file",
+            await grpc_fetch(target, name),
+            raw_warm,
+            "raw warm",
+        )
         row("gRPC loopback fetch (bytes counted), cache hit", await grpc_fetch(target, name), mem, "memcpy")
         row("client fetch_into (crc32 + sha256 checks), cache hit", await client_fetch(target, name), mem, "memcpy")
     finally:
@@ -236,8 +266,13 @@ async def bench_s3(path: Path, size: int, endpoint: str | None, swift_dir: Path 
 
     name = path.name[: -len(SUFFIX)]
     creds = dict(aws_access_key_id="test:tester", aws_secret_access_key="testing")
-    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                      config=BotoConfig(s3={"addressing_style": "path"}), **creds)
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        config=BotoConfig(s3={"addressing_style": "path"}),
+        **creds,
+    )
     bucket = "bench-deltas"
     try:
         s3.create_bucket(Bucket=bucket)
@@ -248,7 +283,9 @@ async def bench_s3(path: Path, size: int, endpoint: str | None, swift_dir: Path 
     from boto3.s3.transfer import TransferConfig
 
     s3.upload_file(str(path), bucket, name + SUFFIX, Config=TransferConfig(multipart_chunksize=64 << 20))
-    print(f"  upload (boto3 multipart, 64 MiB parts)                     {size / (time.perf_counter() - t) / GB:6.2f} GB/s")
+    print(
+        f"  upload (boto3 multipart, 64 MiB parts)                     {size / (time.perf_counter() - t) / GB:6.2f} GB/s"
+    )
     objects = list(swift_dir.glob("srv/**/*.data")) if swift_dir else []
 
     def swift_evict():
@@ -272,8 +309,13 @@ async def bench_s3(path: Path, size: int, endpoint: str | None, swift_dir: Path 
     mem = memcpy_speed(path)
     row("raw GET of the object, one stream, cold" + ("" if objects else " (not evicted)"), get_cold)
     row("raw GET of the object, one stream, warm", get_warm)
-    backend = S3Backend(bucket, endpoint=endpoint, access_key=creds["aws_access_key_id"],
-                        secret_key=creds["aws_secret_access_key"], timeout_s=30)
+    backend = S3Backend(
+        bucket,
+        endpoint=endpoint,
+        access_key=creds["aws_access_key_id"],
+        secret_key=creds["aws_secret_access_key"],
+        timeout_s=30,
+    )
     for verify in (True, False):
         tag = "sha256 verify" if verify else "no verify"
         store = new_store(backend, size, verify)
@@ -284,7 +326,12 @@ async def bench_s3(path: Path, size: int, endpoint: str | None, swift_dir: Path 
         await drop(store, name)
         row(f"store fetch, cache miss, warm, {tag}", await store_fetch(store, name), get_warm, "raw GET warm")
         if verify:
-            row("store fetch, cache hit", max([await store_fetch(store, name) for _ in range(2)], key=float), mem, "memcpy")
+            row(
+                "store fetch, cache hit",
+                max([await store_fetch(store, name) for _ in range(2)], key=float),
+                mem,
+                "memcpy",
+            )
         await drop(store, name)
     await backend.close()
 
@@ -294,7 +341,9 @@ async def main() -> None:
     ap.add_argument("--size-gb", type=float, default=1.0, help="size of the generated delta (default 1)")
     ap.add_argument("--dir", type=Path, default=ROOT / ".tmp" / "bench-delta-store", help="where the delta is kept")
     ap.add_argument("--backends", default="local,s3", help="comma-separated: local, s3")
-    ap.add_argument("--s3-endpoint", help="use this S3 endpoint (key test:tester / secret testing) instead of starting Swift")
+    ap.add_argument(
+        "--s3-endpoint", help="use this S3 endpoint (key test:tester / secret testing) instead of starting Swift"
+    )
     args = ap.parse_args()
 
     store_dir = args.dir / "store"
@@ -316,8 +365,17 @@ async def main() -> None:
             script = ROOT / "scripts" / "swift.sh"
             subprocess.run(["bash", str(script), "install"], check=True)
             d = Path(tempfile.mkdtemp(prefix="bench-swift-"))
-            subprocess.run(["bash", str(script), "start", str(d)], check=True, env={**os.environ, "SWIFT_PROXY_PORT": "18480",
-                           "SWIFT_OBJECT_PORT": "18400", "SWIFT_CONTAINER_PORT": "18401", "SWIFT_ACCOUNT_PORT": "18402"})
+            subprocess.run(
+                ["bash", str(script), "start", str(d)],
+                check=True,
+                env={
+                    **os.environ,
+                    "SWIFT_PROXY_PORT": "18480",
+                    "SWIFT_OBJECT_PORT": "18400",
+                    "SWIFT_CONTAINER_PORT": "18401",
+                    "SWIFT_ACCOUNT_PORT": "18402",
+                },
+            )
             try:
                 await bench_s3(path, size, "http://127.0.0.1:18480", d)
             finally:

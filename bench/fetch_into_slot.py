@@ -45,15 +45,15 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from pagecache import evict  # noqa: E402  (bench/pagecache.py)
 
 from bitdelta.format import DeltaMeta, write_delta  # noqa: E402
 from bitdelta.model import ModelArgs  # noqa: E402
+from bitdelta.rpc.clients.delta_store import DeltaStoreClient  # noqa: E402
 from services.delta_store.backends import SUFFIX  # noqa: E402
 from services.gpu_worker.loader import SlotWriter, plan_delta  # noqa: E402
 from services.gpu_worker.slots import SlotLayout, SlotTensors  # noqa: E402
-from bitdelta.rpc.clients.delta_store import DeltaStoreClient  # noqa: E402
 from services.gpu_worker.sources import DeltaStoreSource, LocalDeltaSource  # noqa: E402
-from pagecache import evict  # noqa: E402  (bench/pagecache.py)
 
 GB = 1e9
 BLOCK = 8 << 20
@@ -74,8 +74,9 @@ def generate(path: Path, layout: SlotLayout, seed: int) -> None:
         tensors[param + ".sign"] = torch.from_numpy(rng.integers(0, 256, (d_out, cols), dtype=np.uint8))
         tensors[param + ".alpha"] = torch.from_numpy(rng.random(d_out, dtype=np.float32) * 1e-3)
         shapes[param] = [d_out, p.d_in]
-    meta = DeltaMeta(variant=path.stem, base_model="bench-llama-7b-shaped", base_fingerprint=FP, alpha_mode="row",
-                     shapes=shapes)
+    meta = DeltaMeta(
+        variant=path.stem, base_model="bench-llama-7b-shaped", base_fingerprint=FP, alpha_mode="row", shapes=shapes
+    )
     write_delta(path, tensors, meta)
 
 
@@ -93,9 +94,26 @@ def raw_cold_read(path: Path) -> float:
 
 def start_store(root: Path, cache_bytes: int, shm: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.delta_store", "--address", "127.0.0.1:0", "--root", str(root),
-         "--cache-bytes", str(cache_bytes), "--pin-top-n", "0", "--shared-memory-dir", str(shm)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "services.delta_store",
+            "--address",
+            "127.0.0.1:0",
+            "--root",
+            str(root),
+            "--cache-bytes",
+            str(cache_bytes),
+            "--pin-top-n",
+            "0",
+            "--shared-memory-dir",
+            str(shm),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     for line in proc.stdout:
         if "listening on port" in line:
             return proc, f"127.0.0.1:{int(line.split('listening on port')[1].split()[0])}"
@@ -144,12 +162,15 @@ async def main() -> None:
             print(f"generating {p} …", flush=True)
             generate(p, layout, seed=i)
     size = paths[0].stat().st_size
-    print(f"delta: {size / GB:.3f} GB (Llama-7B-shaped signs + row scales, {args.layers} layers); "
-          f"CPUs: {os.cpu_count()}; load average {os.getloadavg()[0]:.1f} (a shared machine gives noisy numbers)")
+    print(
+        f"delta: {size / GB:.3f} GB (Llama-7B-shaped signs + row scales, {args.layers} layers); "
+        f"CPUs: {os.cpu_count()}; load average {os.getloadavg()[0]:.1f} (a shared machine gives noisy numbers)"
+    )
 
     a = layout.args
-    slots = SlotTensors.allocate(layout, 1, torch.device("cpu"), [(torch.ones(a.dim), torch.ones(a.dim))] * a.n_layers,
-                                 torch.ones(a.dim))
+    slots = SlotTensors.allocate(
+        layout, 1, torch.device("cpu"), [(torch.ones(a.dim), torch.ones(a.dim))] * a.n_layers, torch.ones(a.dim)
+    )
     for d in slots.signs:  # touch the slot's pages once, as a worker's slots are after their first load
         for t in d.values():
             t.fill_(1)
@@ -161,11 +182,16 @@ async def main() -> None:
         local, client = LocalDeltaSource(store_dir), DeltaStoreClient(target)
         for name in ("a", "b"):  # first sight: the store checks every sha256 and records the chunk crc32s
             secs, _, _ = await load(stream, name, layout, slots)
-            print(f"  first sight of {name} (store: sha256 of every tensor)        {size / secs / GB:6.2f} GB/s", flush=True)
-        cases = [("same-host: store's shared memory -> slot (crc32 per chunk)", lambda n: load(shared, n, layout, slots)),
-                 ("  the store alone: disk -> its shared entry (crc32s)", lambda n: announce_only(client, n)),
-                 ("gRPC stream: chunks as messages -> slot (crc32 per chunk)", lambda n: load(stream, n, layout, slots)),
-                 ("worker reads the file itself (--delta-dir, sha256 per tensor)", lambda n: load(local, n, layout, slots))]
+            print(
+                f"  first sight of {name} (store: sha256 of every tensor)        {size / secs / GB:6.2f} GB/s",
+                flush=True,
+            )
+        cases = [
+            ("same-host: store's shared memory -> slot (crc32 per chunk)", lambda n: load(shared, n, layout, slots)),
+            ("  the store alone: disk -> its shared entry (crc32s)", lambda n: announce_only(client, n)),
+            ("gRPC stream: chunks as messages -> slot (crc32 per chunk)", lambda n: load(stream, n, layout, slots)),
+            ("worker reads the file itself (--delta-dir, sha256 per tensor)", lambda n: load(local, n, layout, slots)),
+        ]
         name = "a"
         for r in range(args.rounds):
             for label, run in cases:
@@ -174,8 +200,11 @@ async def main() -> None:
                 raw = raw_cold_read(store_dir / f"{name}{SUFFIX}")
                 secs, cpu, transport = await run(name)
                 rows.setdefault(label, []).append((size / secs, raw, cpu / (size / GB)))
-                print(f"  round {r + 1}: {label:<64} {size / secs / GB:5.2f} GB/s  raw cold just before "
-                      f"{raw / GB:5.2f} GB/s  ({transport})", flush=True)
+                print(
+                    f"  round {r + 1}: {label:<64} {size / secs / GB:5.2f} GB/s  raw cold just before "
+                    f"{raw / GB:5.2f} GB/s  ({transport})",
+                    flush=True,
+                )
         for c in (shared, stream, client):
             await c.close()
     finally:
@@ -183,16 +212,22 @@ async def main() -> None:
         proc.wait()
         shutil.rmtree(shm, ignore_errors=True)
 
-    print(f"\ncold Fetch of a {size / GB:.2f} GB delta into a worker slot, median of {args.rounds} rounds "
-          "(the disk's speed swings between reads: each fetch is compared with a raw cold read just before it,")
+    print(
+        f"\ncold Fetch of a {size / GB:.2f} GB delta into a worker slot, median of {args.rounds} rounds "
+        "(the disk's speed swings between reads: each fetch is compared with a raw cold read just before it,"
+    )
     print("and with the median of all raw cold reads of the run):")
     raws = [raw for got in rows.values() for _, raw, _ in got]
     for label, got in rows.items():
         speed = statistics.median(s for s, _, _ in got)
-        print(f"  {label:<64} {speed / GB:5.2f} GB/s  {statistics.median(s / raw for s, raw, _ in got):5.2f} x raw just "
-              f"before  {speed / statistics.median(raws):5.2f} x median raw  "
-              f"cpu here {statistics.median(c for _, _, c in got):4.2f} s/GB")
-    print(f"  raw cold sequential read (8 MiB readinto), median of {len(raws)}: {statistics.median(raws) / GB:5.2f} GB/s")
+        print(
+            f"  {label:<64} {speed / GB:5.2f} GB/s  {statistics.median(s / raw for s, raw, _ in got):5.2f} x raw just "
+            f"before  {speed / statistics.median(raws):5.2f} x median raw  "
+            f"cpu here {statistics.median(c for _, _, c in got):4.2f} s/GB"
+        )
+    print(
+        f"  raw cold sequential read (8 MiB readinto), median of {len(raws)}: {statistics.median(raws) / GB:5.2f} GB/s"
+    )
 
 
 if __name__ == "__main__":

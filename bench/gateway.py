@@ -54,10 +54,13 @@ class HttpStream:
     async def complete(self, model: str, tokens: int) -> float:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0,
-                           "stream": True}).encode()  # fmt: skip
-        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\ncontent-type: application/json\r\n"
-                f"content-length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+        body = json.dumps(
+            {"model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True}
+        ).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n"
+        ).encode()
         t = time.perf_counter()
         self.writer.write(head + body)
         buf, ttft = b"", None
@@ -106,6 +109,7 @@ async def load(make_send, models: list[str], concurrency: int, seconds: float) -
 
 async def run(a: argparse.Namespace) -> dict:
     from servers.cluster import Cluster
+
     from services.gpu_worker.testing import make_test_family
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -135,6 +139,7 @@ async def run(a: argparse.Namespace) -> dict:
                 async def via_router():
                     async def nothing():
                         pass
+
                     return (lambda m: ttft_router(router, m, a.tokens)), nothing
 
                 out = {}
@@ -147,20 +152,33 @@ async def run(a: argparse.Namespace) -> dict:
                         x, rps = await load(via_router, models, conc, a.seconds)
                         direct += x
                         direct_rps.append(rps)
-                    out[conc] = {"requests": [len(gw), len(direct)],
-                                 "gateway_p50": statistics.median(gw), "gateway_p99": pct(gw, 0.99),
-                                 "router_p50": statistics.median(direct), "router_p99": pct(direct, 0.99),
-                                 "gateway_req_s": statistics.mean(gw_rps), "router_req_s": statistics.mean(direct_rps)}
-    return {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} cores",
-            "variants": a.variants, "seconds": a.seconds, "rounds": a.rounds, "tokens_per_request": a.tokens,
-            "by_concurrency": out}
+                    out[conc] = {
+                        "requests": [len(gw), len(direct)],
+                        "gateway_p50": statistics.median(gw),
+                        "gateway_p99": pct(gw, 0.99),
+                        "router_p50": statistics.median(direct),
+                        "router_p99": pct(direct, 0.99),
+                        "gateway_req_s": statistics.mean(gw_rps),
+                        "router_req_s": statistics.mean(direct_rps),
+                    }
+    return {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "variants": a.variants,
+        "seconds": a.seconds,
+        "rounds": a.rounds,
+        "tokens_per_request": a.tokens,
+        "by_concurrency": out,
+    }
 
 
 def report(res: dict) -> str:
-    lines = [f"gateway benchmark, {res['date']}, {res['machine']}, tiny random family with {res['variants']} "
-             "variants + base, store + worker + router + gateway as processes on loopback",
-             f"time to first token of streamed requests ({res['tokens_per_request']} tokens each, resident variants), "
-             f"closed-loop clients, {res['rounds']} x {res['seconds']:.0f} s per path, paths alternating:"]
+    lines = [
+        f"gateway benchmark, {res['date']}, {res['machine']}, tiny random family with {res['variants']} "
+        "variants + base, store + worker + router + gateway as processes on loopback",
+        f"time to first token of streamed requests ({res['tokens_per_request']} tokens each, resident variants), "
+        f"closed-loop clients, {res['rounds']} x {res['seconds']:.0f} s per path, paths alternating:",
+    ]
     for conc, t in res["by_concurrency"].items():
         lines += [
             f"  {conc} concurrent ({t['requests'][0]} via gateway, {t['requests'][1]} direct):",

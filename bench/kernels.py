@@ -31,12 +31,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from bitdelta.bits import pack_signs, packed_cols, unpack_signs  # noqa: E402
-from bitdelta.precision import cpu_precision, precision_for, serving_dtype  # noqa: E402
-from kernels import MergedWeightCache, cpu_ops, plan_batch  # noqa: E402
-from kernels.cpu_build import cpu_isa  # noqa: E402
+from bitdelta.bits import pack_signs, packed_cols, unpack_signs
+from bitdelta.precision import cpu_precision, precision_for, serving_dtype
+from kernels import MergedWeightCache, cpu_ops, plan_batch
+from kernels.cpu_build import cpu_isa
 
 
 # ---------------------------------------------------------------- timing
@@ -129,11 +129,16 @@ def bench_fused(dev, t, bw, dtype, cases, rows, section):
         t_base = t(lambda: x @ w.t())
         t_fused = t(lambda: fused(x, w, s, a))
         row = {
-            "section": section, "d": d, "M": M, "dtype": str(dtype).removeprefix("torch."),
-            "base_ms": t_base, "fused_ms": t_fused, "fused/base": t_fused / t_base,
+            "section": section,
+            "d": d,
+            "M": M,
+            "dtype": str(dtype).removeprefix("torch."),
+            "base_ms": t_base,
+            "fused_ms": t_fused,
+            "fused/base": t_fused / t_base,
             "fused_roofline": linear_bytes(M, d, d, es) / (t_fused * 1e-3) / bw,
             "base_roofline": linear_bytes(M, d, d, es, False) / (t_base * 1e-3) / bw,
-        }  # fmt: skip
+        }
         if section == "fused decode" or M <= 512:
             row["materialise/base"] = t(lambda: materialise(x, w, s, a)) / t_base
             row["unpack_matmul/base"] = t(lambda: unpack_matmul(x, w, s, a)) / t_base
@@ -162,11 +167,17 @@ def bench_batched(dev, t, bw, dtype, d, n_variants_list, rows, M=16):
         t_both = t(lambda: batched(x, signs, alpha, rv, x @ w.t(), plan))
         delta_bytes = n * (d * packed_cols(d) + 4 * d) + M * d * es + 2 * M * d * es
         row = {
-            "section": "batched decode", "d": d, "M": M, "variants": n, "dtype": str(dtype).removeprefix("torch."),
-            "base_ms": t_base, "delta_ms": t_delta, "(base+delta)/base": t_both / t_base,
+            "section": "batched decode",
+            "d": d,
+            "M": M,
+            "variants": n,
+            "dtype": str(dtype).removeprefix("torch."),
+            "base_ms": t_base,
+            "delta_ms": t_delta,
+            "(base+delta)/base": t_both / t_base,
             "delta_roofline": delta_bytes / (t_delta * 1e-3) / bw,
             "kernel": (plan.kind if plan is not None else "cpu"),
-        }  # fmt: skip
+        }
         rows.append(row)
         print_row(row)
 
@@ -214,9 +225,13 @@ def cpu_sweep(t, rows):
 # Llama-2-7B whole, Llama-2-70B as one of 8 tensor-parallel shards (heads and the MLP split).
 LLAMA_SHAPES = {
     "7b": [("7b.qkv", 12288, 4096), ("7b.o", 4096, 4096), ("7b.gate_up", 22016, 4096), ("7b.down", 4096, 11008)],
-    "70b-tp8": [("70b/8.qkv", 1280, 8192), ("70b/8.o", 8192, 1024), ("70b/8.gate_up", 7168, 8192),
-                ("70b/8.down", 8192, 3584)],
-}  # fmt: skip
+    "70b-tp8": [
+        ("70b/8.qkv", 1280, 8192),
+        ("70b/8.o", 8192, 1024),
+        ("70b/8.gate_up", 7168, 8192),
+        ("70b/8.down", 8192, 3584),
+    ],
+}
 DRY_SHAPES = [("dry.a", 264, 257), ("dry.b", 136, 520)]
 
 
@@ -230,23 +245,29 @@ def gpu_sections(dev, t, bw, dtype, dry, rows):
     shapes = DRY_SHAPES if dry else LLAMA_SHAPES["7b"] + LLAMA_SHAPES["70b-tp8"]
     print("fused linear (÷ base GEMM; bytes limit 1.0625 at small M; targets ≤ 1.15 decode, ≤ 1.10 prefill):")
     for name, N, K in shapes:
-        for M in ((1, 16, 40) if dry else (1, 4, 16, 32, 64, 512, 2048)):
+        for M in (1, 16, 40) if dry else (1, 4, 16, 32, 64, 512, 2048):
             if M >= 512 and not (name.endswith("gate_up") or name.endswith("qkv")):
                 continue  # prefill: two shapes per model show the trend
             x, w, s, a = linear_inputs(M, N, K, dtype, dev)
             t_base = t(lambda: x @ w.t())
             t_fused = t(lambda: bitdelta_linear_triton(x, w, s, a))
             b = launch_blocks(M, N, K, dtype, dev)
-            row = {"section": "fused", "shape": name, "M": M, "base_ms": t_base, "fused/base": t_fused / t_base,
-                   "fused_roofline": linear_bytes(M, N, K, es) / (t_fused * 1e-3) / bw,
-                   "base_roofline": linear_bytes(M, N, K, es, False) / (t_base * 1e-3) / bw,
-                   "blocks": f"{b['BLOCK_M']}x{b['BLOCK_N']}x{b['BLOCK_K']}/s{b['SPLIT_K']}/st{b['num_stages']}"}
+            row = {
+                "section": "fused",
+                "shape": name,
+                "M": M,
+                "base_ms": t_base,
+                "fused/base": t_fused / t_base,
+                "fused_roofline": linear_bytes(M, N, K, es) / (t_fused * 1e-3) / bw,
+                "base_roofline": linear_bytes(M, N, K, es, False) / (t_base * 1e-3) / bw,
+                "blocks": f"{b['BLOCK_M']}x{b['BLOCK_N']}x{b['BLOCK_K']}/s{b['SPLIT_K']}/st{b['num_stages']}",
+            }
             rows.append(row)
             print_row(row)
             del x, w, s, a
     print("batched delta, 16 rows over V variants (roofline: its own bytes ÷ time ÷ bandwidth; target ≥ 0.7):")
     g = torch.Generator().manual_seed(0)
-    for name, N, K in (shapes if dry else [LLAMA_SHAPES["7b"][0], LLAMA_SHAPES["7b"][3], LLAMA_SHAPES["70b-tp8"][2]]):
+    for name, N, K in shapes if dry else [LLAMA_SHAPES["7b"][0], LLAMA_SHAPES["7b"][3], LLAMA_SHAPES["70b-tp8"][2]]:
         M, Vmax = 16, 16
         x = torch.randn(M, K, generator=g).to(dtype).to(dev)
         w = (torch.randn(N, K, generator=g) * 0.02).to(dtype).to(dev)
@@ -260,9 +281,18 @@ def gpu_sections(dev, t, bw, dtype, dry, rows):
                 plan = plan_batch(rv, Vmax, dev, sgmv_min_rows=1 if kind == "sgmv" else 10**9)
                 t_d = t(lambda: bitdelta_delta_batched(x, signs, alpha, rv, y, plan=plan))
                 own = V * (N * packed_cols(K) + 4 * N) + M * K * es + 2 * M * N * 4
-                row = {"section": "batched", "shape": name, "M": M, "V": V, "kind": kind,
-                       "delta_ms": t_d, "delta/base_gemm": t_d / t_base, "delta_roofline": own / (t_d * 1e-3) / bw,
-                       "(base+delta)/base": (t_base + t_d) / t_base, "limit": (2 + V / 8) / 2}
+                row = {
+                    "section": "batched",
+                    "shape": name,
+                    "M": M,
+                    "V": V,
+                    "kind": kind,
+                    "delta_ms": t_d,
+                    "delta/base_gemm": t_d / t_base,
+                    "delta_roofline": own / (t_d * 1e-3) / bw,
+                    "(base+delta)/base": (t_base + t_d) / t_base,
+                    "limit": (2 + V / 8) / 2,
+                }
                 rows.append(row)
                 print_row(row)
         del x, w, signs, alpha
@@ -305,8 +335,11 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None, help="CPU repetitions per timing")
     ap.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads on CPU (default: torch's)")
     ap.add_argument("--only-sweep", action="store_true", help="with --cpu-sweep: skip the other sections")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="the GPU sections on CPU with tiny shapes (Triton interpreter): checks bench/gpu.sh end to end")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="the GPU sections on CPU with tiny shapes (Triton interpreter): checks bench/gpu.sh end to end",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -317,10 +350,13 @@ def main(argv=None):
     bw = copy_bandwidth(dev, t)
     name = torch.cuda.get_device_name(dev) if cuda else (platform.processor() or platform.machine())
     meta = {
-        "device": name, "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__, "quick": args.quick, "bandwidth_GBps": bw / 1e9,
+        "device": name,
+        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "quick": args.quick,
+        "bandwidth_GBps": bw / 1e9,
         "threads": torch.get_num_threads(),
-    }  # fmt: skip
+    }
     if not cuda:
         meta["cpu_kernels"] = cpu_isa()
         meta["cpu_precision"] = cpu_precision().describe()
@@ -374,7 +410,12 @@ def main(argv=None):
 
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = "kernels_" + ("cuda" if cuda else "cpu") + ("_quick" if args.quick else "") + ("_dry" if args.dry_run else "")
+        stem = (
+            "kernels_"
+            + ("cuda" if cuda else "cpu")
+            + ("_quick" if args.quick else "")
+            + ("_dry" if args.dry_run else "")
+        )
         stem += f"_t{args.threads}" if args.threads else ""
         (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         (args.out / f"{stem}.md").write_text(markdown(meta, rows))

@@ -78,6 +78,7 @@ async def load(send, variants: list[str], concurrency: int, seconds: float) -> t
 
 async def run(a: argparse.Namespace) -> dict:
     from servers.cluster import Cluster
+
     from services.gpu_worker.testing import make_test_family
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -110,8 +111,11 @@ async def run(a: argparse.Namespace) -> dict:
                     return len([x async for x in router.generate(m, "The quick brown fox", max_new_tokens=a.tokens)])
 
                 async def send_direct(m, rng):
-                    req = wpb.GenerateRequest(model_id=m, prompt="The quick brown fox",
-                                              sampling=gen_pb.SamplingParams(max_new_tokens=a.tokens))
+                    req = wpb.GenerateRequest(
+                        model_id=m,
+                        prompt="The quick brown fox",
+                        sampling=gen_pb.SamplingParams(max_new_tokens=a.tokens),
+                    )
                     return len([x async for x in rng.choice(workers).generate(req)])
 
                 thr_router = await load(send_router, models, a.concurrency, a.seconds)
@@ -119,31 +123,45 @@ async def run(a: argparse.Namespace) -> dict:
                 for w in workers:
                     await w.close()
     return {
-        "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} cores",
-        "variants": a.variants, "requests": a.requests, "concurrency": a.concurrency, "seconds": a.seconds,
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "variants": a.variants,
+        "requests": a.requests,
+        "concurrency": a.concurrency,
+        "seconds": a.seconds,
         "tokens_per_request": a.tokens,
-        "ttft_ms": {"router_p50": statistics.median(via), "router_p99": pct(via, 0.99),
-                    "direct_p50": statistics.median(direct), "direct_p99": pct(direct, 0.99)},
-        "throughput": {"router_req_s": thr_router[0], "router_tok_s": thr_router[1],
-                       "direct_req_s": thr_direct[0], "direct_tok_s": thr_direct[1]},
+        "ttft_ms": {
+            "router_p50": statistics.median(via),
+            "router_p99": pct(via, 0.99),
+            "direct_p50": statistics.median(direct),
+            "direct_p99": pct(direct, 0.99),
+        },
+        "throughput": {
+            "router_req_s": thr_router[0],
+            "router_tok_s": thr_router[1],
+            "direct_req_s": thr_direct[0],
+            "direct_tok_s": thr_direct[1],
+        },
     }
 
 
 def report(res: dict) -> str:
     t, h = res["ttft_ms"], res["throughput"]
-    return "\n".join([
-        f"router benchmark, {res['date']}, {res['machine']}, tiny random family with {res['variants']} variants, "
-        "store + 2 workers + router as processes on loopback",
-        f"time to first token, {res['requests']} sequential requests (resident variants):",
-        f"  p50: router {t['router_p50']:.2f} ms vs direct {t['direct_p50']:.2f} ms -> "
-        f"ratio {t['router_p50'] / t['direct_p50']:.2f} (+{t['router_p50'] - t['direct_p50']:.2f} ms)",
-        f"  p99: router {t['router_p99']:.2f} ms vs direct {t['direct_p99']:.2f} ms -> "
-        f"ratio {t['router_p99'] / t['direct_p99']:.2f} (+{t['router_p99'] - t['direct_p99']:.2f} ms)",
-        f"throughput, {res['concurrency']} concurrent clients x {res['seconds']:.0f} s, random variants, "
-        f"{res['tokens_per_request']} tokens each:",
-        f"  router {h['router_req_s']:.1f} req/s ({h['router_tok_s']:.0f} tok/s) vs direct {h['direct_req_s']:.1f} req/s "
-        f"({h['direct_tok_s']:.0f} tok/s) -> ratio {h['router_tok_s'] / h['direct_tok_s']:.2f}",
-    ])
+    return "\n".join(
+        [
+            f"router benchmark, {res['date']}, {res['machine']}, tiny random family with {res['variants']} variants, "
+            "store + 2 workers + router as processes on loopback",
+            f"time to first token, {res['requests']} sequential requests (resident variants):",
+            f"  p50: router {t['router_p50']:.2f} ms vs direct {t['direct_p50']:.2f} ms -> "
+            f"ratio {t['router_p50'] / t['direct_p50']:.2f} (+{t['router_p50'] - t['direct_p50']:.2f} ms)",
+            f"  p99: router {t['router_p99']:.2f} ms vs direct {t['direct_p99']:.2f} ms -> "
+            f"ratio {t['router_p99'] / t['direct_p99']:.2f} (+{t['router_p99'] - t['direct_p99']:.2f} ms)",
+            f"throughput, {res['concurrency']} concurrent clients x {res['seconds']:.0f} s, random variants, "
+            f"{res['tokens_per_request']} tokens each:",
+            f"  router {h['router_req_s']:.1f} req/s ({h['router_tok_s']:.0f} tok/s) vs direct {h['direct_req_s']:.1f} req/s "
+            f"({h['direct_tok_s']:.0f} tok/s) -> ratio {h['router_tok_s'] / h['direct_tok_s']:.2f}",
+        ]
+    )
 
 
 def main() -> None:

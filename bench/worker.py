@@ -36,9 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from pagecache import evict  # noqa: E402  (bench/pagecache.py)
 
 from bitdelta.format import load_delta, read_header, write_delta  # noqa: E402
-from pagecache import evict  # noqa: E402  (bench/pagecache.py)
 
 PRESETS = {
     # ~93M params (a 12 MB delta): GEMMs, not Python, dominate a CPU step, and a load is not all fixed cost
@@ -68,9 +68,15 @@ def build_family(root: Path, preset: dict) -> tuple[Path, Path, list[str]]:
     from bitdelta.compress import compress
     from bitdelta.testing import make_base, make_finetune, tiny_args
 
-    args = tiny_args(dim=preset["dim"], n_layers=preset["n_layers"], n_heads=preset["n_heads"],
-                     n_kv_heads=preset["n_kv_heads"], intermediate_size=preset["intermediate_size"],
-                     max_seq_len=2048, eos_token_id=None)  # no EOS: every sequence runs to max_new_tokens
+    args = tiny_args(
+        dim=preset["dim"],
+        n_layers=preset["n_layers"],
+        n_heads=preset["n_heads"],
+        n_kv_heads=preset["n_kv_heads"],
+        intermediate_size=preset["intermediate_size"],
+        max_seq_len=2048,
+        eos_token_id=None,
+    )  # no EOS: every sequence runs to max_new_tokens
     base = make_base(root / "base", args)
     ft = make_finetune(base, root / "ft", seed=1)
     deltas = root / "deltas"
@@ -175,11 +181,22 @@ async def bench(args) -> dict:
 
     layout = SlotLayout(ModelArgs.from_hf(read_config(base)), probe.dtype)
     hdr = read_header(paths[names[0]])
-    cost = layout.slot_bytes + sum(layout.extra_bytes(t.param, t.role, t.shape) for t in hdr.tensors
-                                   if t.param in ("model.embed_tokens.weight", "lm_head.weight"))
+    cost = layout.slot_bytes + sum(
+        layout.extra_bytes(t.param, t.role, t.shape)
+        for t in hdr.tensors
+        if t.param in ("model.embed_tokens.weight", "lm_head.weight")
+    )
     n_res = min(N_DELTAS, len(names))
-    cfg = WorkerConfig(base=base, delta_dir=str(deltas), device=device, dtype=dtype, delta_budget=n_res * cost,
-                       max_slots=n_res, kv_cache=args.kv_cache, max_batch_tokens=4096)  # fmt: skip
+    cfg = WorkerConfig(
+        base=base,
+        delta_dir=str(deltas),
+        device=device,
+        dtype=dtype,
+        delta_budget=n_res * cost,
+        max_slots=n_res,
+        kv_cache=args.kv_cache,
+        max_batch_tokens=4096,
+    )
 
     probe = [paths[n] for n in names[3:]] or [paths[n] for n in names]
     bw = disk_bandwidth(probe)
@@ -191,13 +208,20 @@ async def bench(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     worker = Worker(cfg)
     await worker.start()
-    res: dict = {"device": device, "dtype": dtype, "base_bytes": worker.base.nbytes, "delta_file_bytes": size,
-                 "delta_device_bytes": cost, "kernels": os.environ.get("BITDELTA_KERNEL_BACKEND", "auto"), **res_bw}
+    res: dict = {
+        "device": device,
+        "dtype": dtype,
+        "base_bytes": worker.base.nbytes,
+        "delta_file_bytes": size,
+        "delta_device_bytes": cost,
+        "kernels": os.environ.get("BITDELTA_KERNEL_BACKEND", "auto"),
+        **res_bw,
+    }
     try:
         from kernels import backend_for
 
         res["kernels"] = backend_for(worker.device, 1 << 30)
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
 
     # 3. cold loads (the first delta loaded also pays one-time costs: it is loaded, evicted, reloaded)
@@ -229,8 +253,10 @@ async def bench(args) -> dict:
         tv.append((await run_one(worker, names[0], prompt, 1))["ttft"]["total_ms"])
     res["ttft_base_ms"], res["ttft_variant_ms"] = statistics.median(tb), statistics.median(tv)
     res["prefill_ratio"] = res["ttft_variant_ms"] / res["ttft_base_ms"]
-    log(f"TTFT ({len(worker.tokenizer.encode(prompt).ids)} tokens): base {res['ttft_base_ms']:.1f} ms, "
-        f"variant {res['ttft_variant_ms']:.1f} ms")
+    log(
+        f"TTFT ({len(worker.tokenizer.encode(prompt).ids)} tokens): base {res['ttft_base_ms']:.1f} ms, "
+        f"variant {res['ttft_variant_ms']:.1f} ms"
+    )
 
     # 1. decode, 8 variants vs 8 x base, alternating
     rb, rv = [], []
@@ -239,8 +265,10 @@ async def bench(args) -> dict:
         rv.append(await decode_rate(worker, names[:BATCH], "Once upon a time", args.new_tokens))
     res["decode_base_tok_s"], res["decode_variants_tok_s"] = statistics.median(rb), statistics.median(rv)
     res["decode_ratio"] = res["decode_variants_tok_s"] / res["decode_base_tok_s"]
-    log(f"decode batch {BATCH}: base {res['decode_base_tok_s']:.0f} tok/s, "
-        f"{BATCH} variants {res['decode_variants_tok_s']:.0f} tok/s")
+    log(
+        f"decode batch {BATCH}: base {res['decode_base_tok_s']:.0f} tok/s, "
+        f"{BATCH} variants {res['decode_variants_tok_s']:.0f} tok/s"
+    )
 
     # 1b. decode with V distinct variants against the memory limit: the base reads 2 B/param
     # (bf16), each distinct variant adds 1/8 B/param, so the best a step can do is 2/(2 + V/8)
@@ -258,8 +286,10 @@ async def bench(args) -> dict:
         ratio = statistics.median(rv) / statistics.median(rb)
         limit = es / (es + V / 8)
         res["decode_vs_limit"][V] = {"ratio": ratio, "limit": limit, "fraction_of_limit": ratio / limit}
-        log(f"decode batch {BATCH} over {V} variants: {ratio:.3f} of base-only; limit {limit:.3f}; "
-            f"{ratio / limit:.2f} of the limit")
+        log(
+            f"decode batch {BATCH} over {V} variants: {ratio:.3f} of base-only; limit {limit:.3f}; "
+            f"{ratio / limit:.2f} of the limit"
+        )
 
     # 4. memory with n_res resident (after a mixed batch ran)
     kv_bytes = worker.kv.k.numel() * worker.kv.k.element_size() * 2
@@ -267,13 +297,22 @@ async def bench(args) -> dict:
     if device == "cuda":
         peak = torch.cuda.max_memory_allocated() - kv_bytes
     else:
-        extras = {id(t): t.numel() * t.element_size() for ex in worker.slots.extras.values()
-                  for bt in (ex.embed, ex.head) if bt is not None
-                  for t in (bt.weight, bt.signs, bt.alpha) if t is not None}  # fmt: skip
+        extras = {
+            id(t): t.numel() * t.element_size()
+            for ex in worker.slots.extras.values()
+            for bt in (ex.embed, ex.head)
+            if bt is not None
+            for t in (bt.weight, bt.signs, bt.alpha)
+            if t is not None
+        }
         peak = worker.base.nbytes + worker.slots.stack_bytes + sum(extras.values())
         res["rss_growth_bytes"] = rss_bytes() - rss0  # now, not the peak: ru_maxrss would include building the family
-    res.update(resident=len([s for s in worker.manager.snapshot() if s.state.name == "RESIDENT"]),
-               peak_bytes=peak, kv_pool_bytes=kv_bytes, memory_ratio=peak / want)
+    res.update(
+        resident=len([s for s in worker.manager.snapshot() if s.state.name == "RESIDENT"]),
+        peak_bytes=peak,
+        kv_pool_bytes=kv_bytes,
+        memory_ratio=peak / want,
+    )
     await worker.close()
     if tmp is not None:
         tmp.cleanup()
@@ -293,31 +332,53 @@ def main(argv=None) -> None:
     p.add_argument("--kv-cache", type=int, default=64 << 20)
     p.add_argument("--workdir", help="where to build the random family (default: the system temp dir)")
     p.add_argument("--out", help="also write the results as JSON here")
-    p.add_argument("--variants", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4, 8],
-                   help="distinct variants in a decode batch for the limit comparison (comma-separated)")
+    p.add_argument(
+        "--variants",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[1, 4, 8],
+        help="distinct variants in a decode batch for the limit comparison (comma-separated)",
+    )
     args = p.parse_args(argv)
     if bool(args.base) != bool(args.deltas):
         p.error("--base and --deltas go together")
     res = asyncio.run(bench(args))
-    targets = {"decode_ratio": ">= 0.85 (GPU)", "prefill_ratio": "<= 1.10", "cold_load_ratio": "<= 1.25",
-               "memory_ratio": "<= 1.05"}
-    print(f"gpu_worker bench on {res['device']} ({res['dtype']}, kernels: {res['kernels']}), "
-          f"base {res['base_bytes'] / 1e6:.1f} MB, delta {res['delta_file_bytes'] / 1e6:.2f} MB on disk")
+    targets = {
+        "decode_ratio": ">= 0.85 (GPU)",
+        "prefill_ratio": "<= 1.10",
+        "cold_load_ratio": "<= 1.25",
+        "memory_ratio": "<= 1.05",
+    }
+    print(
+        f"gpu_worker bench on {res['device']} ({res['dtype']}, kernels: {res['kernels']}), "
+        f"base {res['base_bytes'] / 1e6:.1f} MB, delta {res['delta_file_bytes'] / 1e6:.2f} MB on disk"
+    )
     print(f"{'metric':<18}{'ratio':>8}   target        detail")
-    print(f"{'decode_ratio':<18}{res['decode_ratio']:>8.3f}   {targets['decode_ratio']:<13} "
-          f"{res['decode_variants_tok_s']:.0f} vs {res['decode_base_tok_s']:.0f} tok/s, batch {BATCH}")
-    print(f"{'prefill_ratio':<18}{res['prefill_ratio']:>8.3f}   {targets['prefill_ratio']:<13} "
-          f"TTFT {res['ttft_variant_ms']:.1f} vs {res['ttft_base_ms']:.1f} ms")
-    print(f"{'cold_load_ratio':<18}{res['cold_load_ratio']:>8.3f}   {targets['cold_load_ratio']:<13} "
-          f"load time / (delta bytes / {res['disk_bytes_per_s'] / 1e9:.2f} GB/s plain cold read)")
-    print(f"{'memory_ratio':<18}{res['memory_ratio']:>8.3f}   {targets['memory_ratio']:<13} "
-          f"{res['peak_bytes'] / 1e6:.1f} MB with {res['resident']} deltas (KV pool {res['kv_pool_bytes'] / 1e6:.0f} MB apart)")
+    print(
+        f"{'decode_ratio':<18}{res['decode_ratio']:>8.3f}   {targets['decode_ratio']:<13} "
+        f"{res['decode_variants_tok_s']:.0f} vs {res['decode_base_tok_s']:.0f} tok/s, batch {BATCH}"
+    )
+    print(
+        f"{'prefill_ratio':<18}{res['prefill_ratio']:>8.3f}   {targets['prefill_ratio']:<13} "
+        f"TTFT {res['ttft_variant_ms']:.1f} vs {res['ttft_base_ms']:.1f} ms"
+    )
+    print(
+        f"{'cold_load_ratio':<18}{res['cold_load_ratio']:>8.3f}   {targets['cold_load_ratio']:<13} "
+        f"load time / (delta bytes / {res['disk_bytes_per_s'] / 1e9:.2f} GB/s plain cold read)"
+    )
+    print(
+        f"{'memory_ratio':<18}{res['memory_ratio']:>8.3f}   {targets['memory_ratio']:<13} "
+        f"{res['peak_bytes'] / 1e6:.1f} MB with {res['resident']} deltas (KV pool {res['kv_pool_bytes'] / 1e6:.0f} MB apart)"
+    )
     for V, r in res.get("decode_vs_limit", {}).items():
-        print(f"{'decode V=' + str(V):<18}{r['fraction_of_limit']:>8.3f}   {'>= 0.9':<13} "
-              f"{r['ratio']:.3f} of base-only; memory limit 2/(2+V/8) = {r['limit']:.3f}")
+        print(
+            f"{'decode V=' + str(V):<18}{r['fraction_of_limit']:>8.3f}   {'>= 0.9':<13} "
+            f"{r['ratio']:.3f} of base-only; memory limit 2/(2+V/8) = {r['limit']:.3f}"
+        )
     if "rss_growth_bytes" in res:
-        print(f"{'':<18}{'':>8}   {'':<13} process RSS growth since start {res['rss_growth_bytes'] / 1e6:.0f} MB "
-              "(incl. KV pool, activations, allocator caches)")
+        print(
+            f"{'':<18}{'':>8}   {'':<13} process RSS growth since start {res['rss_growth_bytes'] / 1e6:.0f} MB "
+            "(incl. KV pool, activations, allocator caches)"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))
 

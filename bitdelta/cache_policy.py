@@ -33,8 +33,8 @@ Decisions:
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass
-from typing import Collection, Hashable
 
 Key = Hashable
 

@@ -10,9 +10,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -22,8 +22,14 @@ from bitdelta.format import current_umask
 
 FINGERPRINT_CACHE = "bitdelta-fingerprint.json"
 # Files besides the weights that a checkpoint directory carries along.
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "chat_template.jinja")
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
 
 def read_config(ckpt: str | os.PathLike) -> dict:
@@ -86,7 +92,7 @@ class CheckpointReader:
         self._handles.clear()
         self._where.clear()
 
-    def __enter__(self) -> "CheckpointReader":
+    def __enter__(self) -> CheckpointReader:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -143,8 +149,12 @@ def atomic_dir(out: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
-def save_checkpoint(state: dict[str, torch.Tensor], out: str | os.PathLike, config: dict,
-                    side_files_from: str | os.PathLike | None = None) -> Path:
+def save_checkpoint(
+    state: dict[str, torch.Tensor],
+    out: str | os.PathLike,
+    config: dict,
+    side_files_from: str | os.PathLike | None = None,
+) -> Path:
     """Write a one-file HF checkpoint atomically (see `atomic_dir`)."""
     with atomic_dir(out) as tmp:
         if side_files_from is not None:
@@ -153,6 +163,7 @@ def save_checkpoint(state: dict[str, torch.Tensor], out: str | os.PathLike, conf
                 if src.is_file():
                     shutil.copy2(src, tmp / name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"}
+        )
     return Path(out)

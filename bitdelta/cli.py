@@ -71,8 +71,13 @@ def _print_inspect(path: Path, as_json: bool = False) -> None:
         "compressed_weights": len(meta.shapes),
         "compressed_params": params,
         "dense_tensors": sum(t.role == "dense" for t in h.tensors),
-        "bytes": {"signs": roles["sign"], "alpha": roles["alpha"], "dense": roles["dense"],
-                  "header": h.header_bytes, "total": h.file_size},
+        "bytes": {
+            "signs": roles["sign"],
+            "alpha": roles["alpha"],
+            "dense": roles["dense"],
+            "header": h.header_bytes,
+            "total": h.file_size,
+        },
         "ratio_vs_bf16": round(bf16_equiv / h.file_size, 2) if h.file_size else None,
         "ratio_compressed_part": round(params * 2 / max(1, roles["sign"] + roles["alpha"]), 2),
     }
@@ -87,8 +92,10 @@ def _print_inspect(path: Path, as_json: bool = False) -> None:
     print(f"  alpha             {human_bytes(roles['alpha'])}")
     print(f"  dense             {human_bytes(roles['dense'])} in {info['dense_tensors']} tensors")
     print(f"  file              {human_bytes(h.file_size)}")
-    print(f"  ratio             {info['ratio_vs_bf16']}x smaller than the same parameters in bf16 "
-          f"({info['ratio_compressed_part']}x on the compressed weights alone)")
+    print(
+        f"  ratio             {info['ratio_vs_bf16']}x smaller than the same parameters in bf16 "
+        f"({info['ratio_compressed_part']}x on the compressed weights alone)"
+    )
 
 
 def cmd_inspect(a: argparse.Namespace) -> None:
@@ -124,8 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--finetuned", required=True, type=Path, help="fine-tuned checkpoint directory")
     c.add_argument("--out", required=True, type=Path, help="delta file to write (.bitdelta.safetensors)")
     c.add_argument("--alpha", choices=["row", "matrix"], default="row", help="one scale per output row or per matrix")
-    c.add_argument("--embeddings", choices=["dense", "sign"], default="dense",
-                   help="store changed embeddings / LM head whole (dense) or as signs + α too")
+    c.add_argument(
+        "--embeddings",
+        choices=["dense", "sign"],
+        default="dense",
+        help="store changed embeddings / LM head whole (dense) or as signs + α too",
+    )
     c.add_argument("--variant", help="variant name (default: the fine-tune's directory name)")
     c.add_argument("--distill", action="store_true", help="tune the α's on calibration text (scale distillation)")
     c.add_argument("--calib", nargs="+", type=Path, help="calibration text files for --distill")

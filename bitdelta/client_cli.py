@@ -33,8 +33,9 @@ def _client(cls, target: str):
     ca = os.environ.get("BITDELTA_TLS_CA")
     creds = None
     if ca:
-        creds = TlsFiles.load(ca, os.environ.get("BITDELTA_TLS_CERT") or None,
-                              os.environ.get("BITDELTA_TLS_KEY") or None).channel_credentials()
+        creds = TlsFiles.load(
+            ca, os.environ.get("BITDELTA_TLS_CERT") or None, os.environ.get("BITDELTA_TLS_KEY") or None
+        ).channel_credentials()
     return cls(target, credentials=creds, token=os.environ.get("BITDELTA_TOKEN", ""))
 
 
@@ -51,20 +52,31 @@ def _fail(e) -> None:
 
 
 async def _generate(a: argparse.Namespace) -> None:
-    from bitdelta.rpc.clients.router import RouterCallError
     from bitdelta.router.v1 import router_pb2 as pb
+    from bitdelta.rpc.clients.router import RouterCallError
 
     async with _router(a) as r:
         try:
             last = None
-            async for m in r.generate(a.model, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-                                      top_p=a.top_p, stop=a.stop or (), seed=a.seed, timeout_s=a.timeout):
+            async for m in r.generate(
+                a.model,
+                a.prompt,
+                max_new_tokens=a.max_new_tokens,
+                temperature=a.temperature,
+                top_p=a.top_p,
+                stop=a.stop or (),
+                seed=a.seed,
+                timeout_s=a.timeout,
+            ):
                 if m.worker:
                     t = m.ttft
                     state = pb.ArrivalState.Name(m.arrival_state).removeprefix("ARRIVAL_STATE_").lower()
-                    print(f"[{a.model or 'base'} on {m.worker}, {state}: ttft {t.total_ms:.1f} ms = queue "
-                          f"{t.queue_ms:.1f} + delta load {t.delta_load_ms:.1f} + schedule {t.schedule_ms:.1f} "
-                          f"+ prefill {t.prefill_ms:.1f} + hops]", file=sys.stderr)
+                    print(
+                        f"[{a.model or 'base'} on {m.worker}, {state}: ttft {t.total_ms:.1f} ms = queue "
+                        f"{t.queue_ms:.1f} + delta load {t.delta_load_ms:.1f} + schedule {t.schedule_ms:.1f} "
+                        f"+ prefill {t.prefill_ms:.1f} + hops]",
+                        file=sys.stderr,
+                    )
                     print(a.prompt, end="", flush=True)
                 print(m.text, end="", flush=True)
                 last = m
@@ -73,9 +85,12 @@ async def _generate(a: argparse.Namespace) -> None:
                 reason = last.finish_reason
                 from bitdelta.common.v1 import generation_pb2 as gen_pb
 
-                print(f"[{last.usage.completion_tokens} tokens, "
-                      f"{gen_pb.FinishReason.Name(reason).removeprefix('FINISH_REASON_').lower()}, "
-                      f"{last.elapsed_ms:.0f} ms]", file=sys.stderr)
+                print(
+                    f"[{last.usage.completion_tokens} tokens, "
+                    f"{gen_pb.FinishReason.Name(reason).removeprefix('FINISH_REASON_').lower()}, "
+                    f"{last.elapsed_ms:.0f} ms]",
+                    file=sys.stderr,
+                )
         except RouterCallError as e:
             _fail(e)
 
@@ -111,9 +126,11 @@ async def _workers(a: argparse.Namespace) -> None:
     workers = await _ask(a, "list_workers")
     for w in workers:
         state = f"up ({w.device})" if w.up else f"DOWN: {w.reason}"
-        print(f"{w.address:22s} {state:24s} {w.in_flight}/{w.capacity} in flight, "
-              f"deltas {human_bytes(w.delta_used_bytes)} of {human_bytes(w.delta_budget_bytes)}: "
-              f"{', '.join(w.resident) or '-'}")
+        print(
+            f"{w.address:22s} {state:24s} {w.in_flight}/{w.capacity} in flight, "
+            f"deltas {human_bytes(w.delta_used_bytes)} of {human_bytes(w.delta_budget_bytes)}: "
+            f"{', '.join(w.resident) or '-'}"
+        )
 
 
 async def _store(a: argparse.Namespace) -> None:
@@ -152,8 +169,10 @@ async def _put(st, a: argparse.Namespace) -> None:
     name = a.name or path.name.removesuffix(".safetensors").removesuffix(".bitdelta")  # torch-free: no bitdelta.format
     with tqdm(total=path.stat().st_size, desc=f"put {name}", unit="B", unit_scale=True, file=sys.stderr) as bar:
         info = await st.put(name, path, overwrite=a.overwrite, on_sent=bar.update)
-    print(f"stored {info.name}: {human_bytes(info.size_bytes)}, base {info.base_model}, version {info.version} "
-          "(verified: every tensor's sha256, the header, the size)")
+    print(
+        f"stored {info.name}: {human_bytes(info.size_bytes)}, base {info.base_model}, version {info.version} "
+        "(verified: every tensor's sha256, the header, the size)"
+    )
 
 
 def register(sub) -> None:

@@ -61,7 +61,9 @@ def compress(
     base_cfg, ft_cfg = read_config(base), read_config(finetuned)
     for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"):
         if base_cfg.get(key) != ft_cfg.get(key):
-            raise ValueError(f"{finetuned} is not a fine-tune of {base}: {key} {ft_cfg.get(key)} != {base_cfg.get(key)}")
+            raise ValueError(
+                f"{finetuned} is not a fine-tune of {base}: {key} {ft_cfg.get(key)} != {base_cfg.get(key)}"
+            )
     tensors: dict[str, torch.Tensor] = {}
     shapes: dict[str, list[int]] = {}
     with CheckpointReader(base) as rb, CheckpointReader(finetuned) as rf:
@@ -97,8 +99,9 @@ def compress(
     return out
 
 
-def apply(base: str | os.PathLike, delta_path: str | os.PathLike, out: str | os.PathLike,
-          progress: bool = True) -> Path:
+def apply(
+    base: str | os.PathLike, delta_path: str | os.PathLike, out: str | os.PathLike, progress: bool = True
+) -> Path:
     """Write the dense checkpoint W_base + α ⊙ S (and the dense replacements) to `out`."""
     base = Path(base)
     delta = load_delta(delta_path, base_fingerprint=fingerprint(base))

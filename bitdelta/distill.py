@@ -97,8 +97,15 @@ def distill(
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     windows = token_windows(calibration, cfg.seq_len, cfg.steps * cfg.batch, cfg.seed)
-    record = {"steps": cfg.steps, "lr": cfg.lr, "batch": cfg.batch, "seq_len": cfg.seq_len,
-              "schedule": "cosine", "trained": "alpha only", "precision": prec.record()}
+    record = {
+        "steps": cfg.steps,
+        "lr": cfg.lr,
+        "batch": cfg.batch,
+        "seq_len": cfg.seq_len,
+        "schedule": "cosine",
+        "trained": "alpha only",
+        "precision": prec.record(),
+    }
     if heldout is not None:
         record["heldout_mse_before"] = logit_mse(teacher, student, heldout)
     bar = tqdm(range(cfg.steps), desc=f"distill {delta.meta.variant}", disable=not progress)

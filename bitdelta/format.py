@@ -20,9 +20,10 @@ import json
 import os
 import struct
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Iterable
+from typing import BinaryIO
 
 import torch
 
@@ -75,7 +76,7 @@ class TensorEntry:
 
     @property
     def role(self) -> str:
-        """"sign", "alpha" or "dense"."""
+        """ "sign", "alpha" or "dense"."""
         return self.name.rsplit(".", 1)[1]
 
     @property
@@ -115,9 +116,19 @@ class DeltaMeta:
         return out
 
     @classmethod
-    def from_strings(cls, md: dict[str, str]) -> "DeltaMeta":
-        known = {"format", "format_version", "variant", "base_model", "base_fingerprint", "alpha_mode", "shapes",
-                 "distilled", "tool_version", "sha256"}
+    def from_strings(cls, md: dict[str, str]) -> DeltaMeta:
+        known = {
+            "format",
+            "format_version",
+            "variant",
+            "base_model",
+            "base_fingerprint",
+            "alpha_mode",
+            "shapes",
+            "distilled",
+            "tool_version",
+            "sha256",
+        }
         try:
             return cls(
                 variant=md["variant"],
@@ -176,7 +187,9 @@ def parse_header(prefix: bytes, file_size: int | None = None) -> DeltaHeader:
     if not isinstance(md, dict) or md.get("format") != FORMAT_NAME:
         raise DeltaFormatError("not a BitDelta file: __metadata__.format is not 'bitdelta'")
     if md.get("format_version") != FORMAT_VERSION:
-        raise DeltaFormatError(f"unsupported delta format version {md.get('format_version')!r} (this tool reads {FORMAT_VERSION})")
+        raise DeltaFormatError(
+            f"unsupported delta format version {md.get('format_version')!r} (this tool reads {FORMAT_VERSION})"
+        )
     try:
         sha = json.loads(md["sha256"])
     except (KeyError, json.JSONDecodeError):
@@ -208,7 +221,7 @@ def parse_header(prefix: bytes, file_size: int | None = None) -> DeltaHeader:
             raise DeltaFormatError(f"tensor {t.name}: data is not contiguous (gap or overlap)", tensor=t.name)
         pos = t.end
     header = DeltaHeader(metadata=md, tensors=entries, header_bytes=base, sha256=sha)
-    header.meta  # validates the remaining metadata
+    _ = header.meta  # validates the remaining metadata
     if file_size is not None and file_size < header.file_size:
         short = next(t for t in entries if t.end > file_size)
         raise DeltaFormatError(
@@ -323,7 +336,11 @@ def write_delta(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta:
         if t.dtype not in DTYPE_NAMES:
             raise ValueError(f"tensor {name}: dtype {t.dtype} is not storable")
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         sha[name] = hashlib.sha256(tensor_bytes(t)).hexdigest()
         offset += nbytes
     md = meta.to_strings()
@@ -402,8 +419,11 @@ def load_delta(path: str | os.PathLike, base_fingerprint: str | None = None, ver
         for t in header.tensors:
             f.seek(t.start)
             buf = bytearray(f.read(t.nbytes))
-            tensors[t.name] = torch.frombuffer(buf, dtype=DTYPES[t.dtype]).reshape(t.shape) if t.nbytes else \
-                torch.empty(t.shape, dtype=DTYPES[t.dtype])
+            tensors[t.name] = (
+                torch.frombuffer(buf, dtype=DTYPES[t.dtype]).reshape(t.shape)
+                if t.nbytes
+                else torch.empty(t.shape, dtype=DTYPES[t.dtype])
+            )
     return delta_from_tensors(header.meta, tensors)
 
 

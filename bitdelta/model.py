@@ -52,7 +52,7 @@ class ModelArgs:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelArgs":
+    def from_hf(cls, cfg: dict) -> ModelArgs:
         """From a Hugging Face LlamaConfig dict."""
         arch = cfg.get("model_type", "llama")
         if arch not in ("llama", "mistral"):
@@ -82,14 +82,25 @@ class ModelArgs:
     def to_hf(self) -> dict:
         """A LlamaConfig dict (for writing test checkpoints)."""
         return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
-            "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads,
-            "intermediate_size": self.intermediate_size, "rms_norm_eps": self.norm_eps,
-            "rope_theta": self.rope_theta, "max_position_embeddings": self.max_seq_len,
-            "tie_word_embeddings": self.tie_embeddings, "head_dim": self.head_dim, "hidden_act": "silu",
-            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
-            "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "intermediate_size": self.intermediate_size,
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_seq_len,
+            "tie_word_embeddings": self.tie_embeddings,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": "float32",
         }
 
     def param_count(self) -> int:
@@ -115,8 +126,10 @@ class RMSNorm(nn.Module):
 
 def rope_tables(args: ModelArgs, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: [T, head_dim] for integer positions [T] (HF layout: halves concatenated)."""
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32,
-                                                         device=positions.device) / args.head_dim))
+    inv_freq = 1.0 / (
+        args.rope_theta
+        ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32, device=positions.device) / args.head_dim)
+    )
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -306,7 +319,9 @@ class BitDeltaLinear(nn.Module):
         return (self.weight.float() + self.alpha.detach()[:, None] * s).to(self.weight.dtype)
 
 
-def load_model(ckpt: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Llama:
+def load_model(
+    ckpt: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Llama:
     """Load a HF-layout Llama checkpoint into `Llama` (weights cast to `dtype`)."""
     from bitdelta.checkpoint import CheckpointReader, read_config
 
@@ -323,8 +338,10 @@ def load_model(ckpt: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     missing = set(model.state_dict()) - set(state)
     unexpected = set(state) - set(model.state_dict()) - {k for k in state if k.endswith("rotary_emb.inv_freq")}
     if missing or unexpected:
-        raise ValueError(f"{ckpt}: checkpoint does not match the config: missing {sorted(missing)[:5]}, "
-                         f"unexpected {sorted(unexpected)[:5]}")
+        raise ValueError(
+            f"{ckpt}: checkpoint does not match the config: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
     model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()}, assign=True, strict=True)
     if args.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -399,6 +416,12 @@ def init_random(args: ModelArgs, seed: int = 0, std: float = 0.02) -> Llama:
 
 
 __all__ = [
-    "ModelArgs", "Llama", "BitDeltaLinear", "load_model", "attach_delta", "state_dict_for_save", "init_random",
+    "ModelArgs",
+    "Llama",
+    "BitDeltaLinear",
+    "load_model",
+    "attach_delta",
+    "state_dict_for_save",
+    "init_random",
     "PROJECTIONS",
 ]

@@ -53,21 +53,34 @@ class Shape:
     tie_embeddings: bool
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "Shape":
+    def from_hf(cls, cfg: dict) -> Shape:
         arch = cfg.get("model_type", "llama")
         if arch not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"model_type {arch!r} is not a Llama-family config")
         heads = cfg["num_attention_heads"]
-        return cls(vocab=cfg["vocab_size"], dim=cfg["hidden_size"], layers=cfg["num_hidden_layers"], heads=heads,
-                   kv_heads=cfg.get("num_key_value_heads") or heads,
-                   head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, ffn=cfg["intermediate_size"],
-                   tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+        return cls(
+            vocab=cfg["vocab_size"],
+            dim=cfg["hidden_size"],
+            layers=cfg["num_hidden_layers"],
+            heads=heads,
+            kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            ffn=cfg["intermediate_size"],
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
 
     def projections(self) -> list[tuple[int, int]]:
         """[d_out, d_in] of the compressed matrices of ONE layer."""
         d, hd = self.dim, self.head_dim
-        return [(self.heads * hd, d), (self.kv_heads * hd, d), (self.kv_heads * hd, d), (d, self.heads * hd),
-                (self.ffn, d), (self.ffn, d), (d, self.ffn)]
+        return [
+            (self.heads * hd, d),
+            (self.kv_heads * hd, d),
+            (self.kv_heads * hd, d),
+            (d, self.heads * hd),
+            (self.ffn, d),
+            (self.ffn, d),
+            (d, self.ffn),
+        ]
 
     @property
     def projection_params(self) -> int:
@@ -98,8 +111,9 @@ class DeltaBytes:
         return self.signs + self.alpha + self.dense
 
 
-def delta_bytes(s: Shape, dtype: str = "bf16", alpha: str = "row", embeddings: str = "dense",
-                norms_changed: bool = True) -> DeltaBytes:
+def delta_bytes(
+    s: Shape, dtype: str = "bf16", alpha: str = "row", embeddings: str = "dense", norms_changed: bool = True
+) -> DeltaBytes:
     """One delta of a full fine-tune (every parameter changed), as `bitdelta compress` writes it.
 
     Dense parts are stored in the fine-tune's dtype (`dtype`)."""
@@ -164,10 +178,23 @@ class Plan:
     fits: bool
 
 
-def make_plan(cfg: dict, variants: int, gpu_mem: float, gpus: int, tp: int | None = None, dtype: str = "bf16",
-              alpha: str = "row", embeddings: str = "dense", context: int = 4096, reserve_frac: float = 0.10,
-              min_sequences: int = 1, nvme_gbps: tuple[float, float] = (3.0, 7.0), pcie_gbps: float = 25.0,
-              name: str = "", nominal_params: float | None = None) -> Plan:
+def make_plan(
+    cfg: dict,
+    variants: int,
+    gpu_mem: float,
+    gpus: int,
+    tp: int | None = None,
+    dtype: str = "bf16",
+    alpha: str = "row",
+    embeddings: str = "dense",
+    context: int = 4096,
+    reserve_frac: float = 0.10,
+    min_sequences: int = 1,
+    nvme_gbps: tuple[float, float] = (3.0, 7.0),
+    pcie_gbps: float = 25.0,
+    name: str = "",
+    nominal_params: float | None = None,
+) -> Plan:
     """The whole plan. `tp` defaults to `gpus` (one tensor-parallel replica over all GPUs);
     `reserve_frac` of each GPU is kept for activations, CUDA context and fragmentation."""
     s = Shape.from_hf(cfg)
@@ -189,16 +216,44 @@ def make_plan(cfg: dict, variants: int, gpu_mem: float, gpus: int, tp: int | Non
     room = gpu_mem - reserve - base_gpu - min_sequences * kv_gpu * context
     max_var = max(0, int(room // delta_gpu)) if room > 0 else 0
     params_brief = nominal_params if nominal_params else nominal_size(s.params)
-    brief = {"params": params_brief, "base": params_brief * 2, "delta": params_brief / 8,
-             "total": params_brief * 2 + variants * params_brief / 8, "cold_load_claim_s": 0.2}
-    load = {"nvme_s": [d.total / (g * GB) for g in nvme_gbps], "nvme_gbps": list(nvme_gbps),
-            "pcie_per_gpu_s": delta_gpu / (pcie_gbps * GB), "pcie_gbps": pcie_gbps,
-            "brief_delta_nvme_s": [brief["delta"] / (g * GB) for g in nvme_gbps]}
-    return Plan(config=name, params=s.params, base_bytes=base, delta=d, delta_sign_emb=d_sign, kv_per_token=kv,
-                variants=variants, gpus=gpus, tp=tp, replicas=gpus // tp, gpu_mem=gpu_mem, reserve=reserve,
-                context=context, base_per_gpu=base_gpu, delta_per_gpu=delta_gpu, kv_per_token_per_gpu=kv_gpu,
-                free_for_kv_per_gpu=max(0.0, free), sequences_per_replica=seqs, max_variants_per_gpu=max_var,
-                brief=brief, load=load, fits=free > 0)
+    brief = {
+        "params": params_brief,
+        "base": params_brief * 2,
+        "delta": params_brief / 8,
+        "total": params_brief * 2 + variants * params_brief / 8,
+        "cold_load_claim_s": 0.2,
+    }
+    load = {
+        "nvme_s": [d.total / (g * GB) for g in nvme_gbps],
+        "nvme_gbps": list(nvme_gbps),
+        "pcie_per_gpu_s": delta_gpu / (pcie_gbps * GB),
+        "pcie_gbps": pcie_gbps,
+        "brief_delta_nvme_s": [brief["delta"] / (g * GB) for g in nvme_gbps],
+    }
+    return Plan(
+        config=name,
+        params=s.params,
+        base_bytes=base,
+        delta=d,
+        delta_sign_emb=d_sign,
+        kv_per_token=kv,
+        variants=variants,
+        gpus=gpus,
+        tp=tp,
+        replicas=gpus // tp,
+        gpu_mem=gpu_mem,
+        reserve=reserve,
+        context=context,
+        base_per_gpu=base_gpu,
+        delta_per_gpu=delta_gpu,
+        kv_per_token_per_gpu=kv_gpu,
+        free_for_kv_per_gpu=max(0.0, free),
+        sequences_per_replica=seqs,
+        max_variants_per_gpu=max_var,
+        brief=brief,
+        load=load,
+        fits=free > 0,
+    )
 
 
 def _gb(x: float) -> str:
@@ -237,8 +292,7 @@ def render(p: Plan, alpha: str = "row", embeddings: str = "dense", dtype: str = 
         f"RMSNorm weights, stored whole |",
         f"| **one delta** | **{_gb(d.total)}** | {p.base_bytes / d.total:.1f}× smaller than the base "
         f"(with the embeddings as signs too: {_gb(ds.total)}) |",
-        f"| base + {n} deltas | {_gb(p.base_bytes + n * d.total)} | against {n} full copies: "
-        f"{_gb(n * p.base_bytes)} |",
+        f"| base + {n} deltas | {_gb(p.base_bytes + n * d.total)} | against {n} full copies: {_gb(n * p.base_bytes)} |",
         f"| KV cache per token | {p.kv_per_token / 1e6:.3f} MB | 2 × layers × kv_heads × head_dim × {dtype} |",
         "",
         f"## Per GPU (tensor parallel over {p.tp})",
@@ -280,9 +334,20 @@ def cmd_plan(a: argparse.Namespace) -> None:
         raise CliError(f"cannot read the config {a.config}: {e}") from None
     try:
         gpu_mem = parse_bytes(a.gpu_mem)
-        p = make_plan(cfg, a.variants, gpu_mem, a.gpus, a.tp, a.dtype, a.alpha, a.embeddings, a.context,
-                      a.reserve, name=Path(a.config).stem,
-                      nominal_params=parse_count(a.nominal) if a.nominal else None)
+        p = make_plan(
+            cfg,
+            a.variants,
+            gpu_mem,
+            a.gpus,
+            a.tp,
+            a.dtype,
+            a.alpha,
+            a.embeddings,
+            a.context,
+            a.reserve,
+            name=Path(a.config).stem,
+            nominal_params=parse_count(a.nominal) if a.nominal else None,
+        )
     except (KeyError, ValueError) as e:
         raise CliError(f"plan: {e}") from None
     if a.json:
@@ -296,7 +361,9 @@ def cmd_plan(a: argparse.Namespace) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("plan", help="capacity plan: base, delta and KV bytes, and what fits on the GPUs")
-    c.add_argument("--config", required=True, type=Path, help="a Llama-family config.json (e.g. configs/llama-2-70b.json)")
+    c.add_argument(
+        "--config", required=True, type=Path, help="a Llama-family config.json (e.g. configs/llama-2-70b.json)"
+    )
     c.add_argument("--variants", type=int, default=14, help="number of fine-tuned variants to serve")
     c.add_argument("--gpu-mem", default="80GB", help="memory per GPU: 80GB (decimal) or 80GiB")
     c.add_argument("--gpus", type=int, default=8)
@@ -306,7 +373,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--embeddings", choices=["dense", "sign"], default="dense")
     c.add_argument("--context", type=int, default=4096, help="tokens per sequence for the KV budget")
     c.add_argument("--reserve", type=float, default=0.10, help="fraction of each GPU kept free (activations etc.)")
-    c.add_argument("--nominal", help="the size the model is sold as, for the brief's arithmetic (e.g. 70B); "
-                                      "default: guessed from the parameter count")
+    c.add_argument(
+        "--nominal",
+        help="the size the model is sold as, for the brief's arithmetic (e.g. 70B); "
+        "default: guessed from the parameter count",
+    )
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_plan)

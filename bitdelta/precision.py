@@ -67,7 +67,7 @@ class Precision:
 
     @property
     def torch_name(self) -> str:
-        """"float32" | "bfloat16" (the worker's --dtype spelling)."""
+        """ "float32" | "bfloat16" (the worker's --dtype spelling)."""
         return _TORCH_NAMES[self.name]
 
     def describe(self) -> str:
@@ -97,7 +97,7 @@ def _torch_capability() -> str:
         import torch
 
         return torch.backends.cpu.get_cpu_capability()
-    except Exception:  # noqa: BLE001  # an old or unusual torch: the flags decide alone
+    except Exception:  # an old or unusual torch: the flags decide alone
         return "unknown"
 
 

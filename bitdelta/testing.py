@@ -19,8 +19,18 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def tiny_args(**overrides) -> ModelArgs:
-    kw = dict(vocab_size=256 + len(SPECIALS), dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-              intermediate_size=172, max_seq_len=256, tie_embeddings=True, bos_token_id=256, eos_token_id=256)
+    kw = dict(
+        vocab_size=256 + len(SPECIALS),
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        intermediate_size=172,
+        max_seq_len=256,
+        tie_embeddings=True,
+        bos_token_id=256,
+        eos_token_id=256,
+    )
     kw.update(overrides)
     return ModelArgs(**kw)
 
@@ -69,7 +79,11 @@ def make_finetune(base: Path, out: Path, seed: int, scale: float = 0.004, touch_
         for name, t in r:
             t = t.float()
             if t.dim() == 2:
-                noise = (torch.rand(t.shape, generator=g) - 0.5).sign() * torch.empty(t.shape).exponential_(generator=g) * scale
+                noise = (
+                    (torch.rand(t.shape, generator=g) - 0.5).sign()
+                    * torch.empty(t.shape).exponential_(generator=g)
+                    * scale
+                )
                 u = torch.randn(t.shape[0], 2, generator=g)
                 v = torch.randn(2, t.shape[1], generator=g)
                 t = t + noise + scale * 0.5 * (u @ v)

@@ -25,9 +25,9 @@ import threading
 import urllib.parse
 import urllib.request
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 PARTS = ("queue_ms", "delta_load_ms", "schedule_ms", "prefill_ms", "other_ms")
 ROOTS = ("router.Generate", "worker.Generate")
@@ -65,10 +65,18 @@ def spans_from_otlp(doc: dict) -> list[Span]:
         res = {a["key"]: _any_value(a["value"]) for a in rs.get("resource", {}).get("attributes", [])}
         for ss in rs.get("scopeSpans", []):
             for s in ss.get("spans", []):
-                out.append(Span(s.get("traceId", ""), s.get("spanId", ""), s.get("parentSpanId", ""), s["name"],
-                                int(s.get("startTimeUnixNano", 0)), int(s.get("endTimeUnixNano", 0)),
-                                res.get("service.name", ""),
-                                {a["key"]: _any_value(a["value"]) for a in s.get("attributes", [])}))  # fmt: skip
+                out.append(
+                    Span(
+                        s.get("traceId", ""),
+                        s.get("spanId", ""),
+                        s.get("parentSpanId", ""),
+                        s["name"],
+                        int(s.get("startTimeUnixNano", 0)),
+                        int(s.get("endTimeUnixNano", 0)),
+                        res.get("service.name", ""),
+                        {a["key"]: _any_value(a["value"]) for a in s.get("attributes", [])},
+                    )
+                )
     return out
 
 
@@ -80,9 +88,18 @@ def spans_from_jaeger(doc: dict) -> list[Span]:
         for s in t.get("spans", []):
             parent = next((r["spanID"] for r in s.get("references", []) if r.get("refType") == "CHILD_OF"), "")
             start = int(s["startTime"]) * 1000
-            out.append(Span(s["traceID"], s["spanID"], parent, s["operationName"], start,
-                            start + int(s.get("duration", 0)) * 1000, procs.get(s.get("processID"), ""),
-                            {x["key"]: x.get("value") for x in s.get("tags", [])}))  # fmt: skip
+            out.append(
+                Span(
+                    s["traceID"],
+                    s["spanID"],
+                    parent,
+                    s["operationName"],
+                    start,
+                    start + int(s.get("duration", 0)) * 1000,
+                    procs.get(s.get("processID"), ""),
+                    {x["key"]: x.get("value") for x in s.get("tags", [])},
+                )
+            )
     return out
 
 
@@ -120,8 +137,15 @@ def ttft_rows(spans: Iterable[Span]) -> list[dict]:
             parts = {p: float(a.get(f"ttft.{p}", 0.0)) for p in PARTS if p != "other_ms"}
             total = float(a["ttft.total_ms"])
             parts["other_ms"] = max(0.0, total - sum(parts.values()))
-            rows.append({"model_id": a.get("model_id") or "base", "arrival_state": a.get("arrival_state", ""),
-                         "total_ms": total, "trace_id": s.trace_id, **parts})  # fmt: skip
+            rows.append(
+                {
+                    "model_id": a.get("model_id") or "base",
+                    "arrival_state": a.get("arrival_state", ""),
+                    "total_ms": total,
+                    "trace_id": s.trace_id,
+                    **parts,
+                }
+            )
         if rows:
             return rows
     return []
@@ -148,9 +172,10 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def format_table(summary: list[dict]) -> str:
-    head = f"{'model':<12} {'arrival':<9} {'n':>4}  " + "  ".join(f"{p.removesuffix('_ms'):>17}"
-                                                                for p in (*PARTS, "total_ms"))  # fmt: skip
-    lines = [head, f"{'':<12} {'':<9} {'':>4}  " + "  ".join(f"{'p50 / p99 ms':>17}" for _ in (*PARTS, 'total'))]
+    head = f"{'model':<12} {'arrival':<9} {'n':>4}  " + "  ".join(
+        f"{p.removesuffix('_ms'):>17}" for p in (*PARTS, "total_ms")
+    )
+    lines = [head, f"{'':<12} {'':<9} {'':>4}  " + "  ".join(f"{'p50 / p99 ms':>17}" for _ in (*PARTS, "total"))]
     for r in summary:
         cells = "  ".join(f"{r[p + '_p50']:>8.1f}/{r[p + '_p99']:<8.1f}" for p in (*PARTS, "total_ms"))
         lines.append(f"{r['model_id'][:12]:<12} {r['arrival_state']:<9} {r['n']:>4}  {cells}")
@@ -185,9 +210,9 @@ class OtlpFileSink:
     """An OTLP/gRPC trace receiver that appends each export to `path` as one OTLP/JSON line."""
 
     def __init__(self, path: str | Path, address: str = "127.0.0.1:0"):
-        import grpc
         from concurrent import futures
 
+        import grpc
         from google.protobuf.json_format import MessageToDict
         from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as tpb
         from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tgrpc
@@ -217,8 +242,10 @@ def _hex_ids(doc):
     import base64
 
     if isinstance(doc, dict):
-        return {k: (base64.b64decode(v).hex() if k in ("traceId", "spanId", "parentSpanId") and v else _hex_ids(v))
-                for k, v in doc.items()}
+        return {
+            k: (base64.b64decode(v).hex() if k in ("traceId", "spanId", "parentSpanId") and v else _hex_ids(v))
+            for k, v in doc.items()
+        }
     if isinstance(doc, list):
         return [_hex_ids(x) for x in doc]
     return doc

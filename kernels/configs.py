@@ -38,7 +38,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _table() -> dict:
     path = os.environ.get("BITDELTA_KERNEL_CONFIGS") or CONFIG_FILE
     with open(path) as f:
@@ -58,7 +58,7 @@ def device_names() -> list[str]:
     return [k for k in _table() if k not in ("default", "interpreter", "search") and not k.startswith("_")]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def device_config(device_name: str) -> dict:
     """The entry for a device name ('interpreter' for the interpreter), completed from 'default'."""
     table = _table()
@@ -178,8 +178,10 @@ def fit(kind: str, b: dict, elem_bytes: int, smem_bytes: int) -> dict:
     while not fits(kind, b, elem_bytes, smem_bytes):
         if b["num_stages"] <= 1:
             smem, regs = RESOURCES[kind](b, elem_bytes)
-            raise ValueError(f"{kind} blocks {b} need {smem} B shared memory and ~{regs} registers per thread "
-                             f"with {elem_bytes}-byte inputs; the GPU allows {smem_bytes} B and "
-                             f"{MAX_REGS_PER_THREAD} registers: choose smaller blocks")  # fmt: skip
+            raise ValueError(
+                f"{kind} blocks {b} need {smem} B shared memory and ~{regs} registers per thread "
+                f"with {elem_bytes}-byte inputs; the GPU allows {smem_bytes} B and "
+                f"{MAX_REGS_PER_THREAD} registers: choose smaller blocks"
+            )
         b["num_stages"] -= 1
     return b

@@ -191,11 +191,9 @@ def load_cpu_lib() -> ctypes.CDLL | None:
             lib = load_variant(isa)
             _lib = lib
             log.info("kernels: C CPU kernels loaded (%s)", ISA_NAMES.get(lib.bd_isa(), "?"))
-        except Exception as e:  # noqa: BLE001  # any failure means: use the torch path
+        except Exception as e:  # any failure means: use the torch path
             unavailable_reason = str(e)
-            log.warning(
-                "kernels: C CPU kernels unavailable (%s); using the pure-torch unpack path (slow)", e
-            )
+            log.warning("kernels: C CPU kernels unavailable (%s); using the pure-torch unpack path (slow)", e)
         _tried = True
         return _lib
 

@@ -92,18 +92,35 @@ def delta_gemv_cpu(
     s = signs if signs.stride(1) == 1 else signs.contiguous()
     a, a_stride = _alpha_f32(alpha, d_out)
     rc = lib.bd_delta_gemv(
-        x32.data_ptr(), M, x32.stride(0), s.data_ptr(), d_out, d_in, s.stride(0),
-        a.data_ptr(), a_stride, y.data_ptr(), y.stride(0), METHODS[method], torch.get_num_threads(),
-    )  # fmt: skip
+        x32.data_ptr(),
+        M,
+        x32.stride(0),
+        s.data_ptr(),
+        d_out,
+        d_in,
+        s.stride(0),
+        a.data_ptr(),
+        a_stride,
+        y.data_ptr(),
+        y.stride(0),
+        METHODS[method],
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise MemoryError("bd_delta_gemv could not allocate its scratch")
     return y
 
 
 def merge_cpu(
-    w_base: torch.Tensor | None, signs: torch.Tensor, alpha: torch.Tensor | None, d_in: int,
-    r0: int = 0, r1: int | None = None, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:  # fmt: skip
+    w_base: torch.Tensor | None,
+    signs: torch.Tensor,
+    alpha: torch.Tensor | None,
+    d_in: int,
+    r0: int = 0,
+    r1: int | None = None,
+    out: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Rows [r0, r1) of W_base + α·S (w_base None: α·S; alpha None too: S) -> [r1−r0, d_in] in `dtype`.
 
     w_base: [d_out, d_in] fp32/bf16/fp16; signs: uint8 [d_out, ceil(d_in/8)]; alpha: [d_out] or [1].
@@ -136,10 +153,21 @@ def merge_cpu(
     s = signs if signs.stride(1) == 1 else signs.contiguous()
     a, a_stride = (None, 0) if alpha is None else _alpha_f32(alpha, d_out)
     lib.bd_merge(
-        None if w is None else w.data_ptr(), code, ldw, s.data_ptr(), s.stride(0),
-        None if a is None else a.data_ptr(), a_stride, r0, r1, d_in,
-        out.data_ptr(), _W_DTYPE_CODE[out.dtype], out.stride(0), torch.get_num_threads(),
-    )  # fmt: skip
+        None if w is None else w.data_ptr(),
+        code,
+        ldw,
+        s.data_ptr(),
+        s.stride(0),
+        None if a is None else a.data_ptr(),
+        a_stride,
+        r0,
+        r1,
+        d_in,
+        out.data_ptr(),
+        _W_DTYPE_CODE[out.dtype],
+        out.stride(0),
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -163,10 +191,22 @@ def linear_gemv_cpu(x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, 
     a, a_stride = _alpha_f32(alpha, d_out)
     y = torch.empty(M, d_out, dtype=torch.float32)
     rc = lib.bd_linear_gemv(
-        x32.data_ptr(), M, x32.stride(0), w.data_ptr(), _W_DTYPE_CODE[w.dtype], w.stride(0),
-        s.data_ptr(), d_out, d_in, s.stride(0), a.data_ptr(), a_stride, y.data_ptr(), y.stride(0),
+        x32.data_ptr(),
+        M,
+        x32.stride(0),
+        w.data_ptr(),
+        _W_DTYPE_CODE[w.dtype],
+        w.stride(0),
+        s.data_ptr(),
+        d_out,
+        d_in,
+        s.stride(0),
+        a.data_ptr(),
+        a_stride,
+        y.data_ptr(),
+        y.stride(0),
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     if rc != 0:
         raise MemoryError("bd_linear_gemv could not allocate its scratch")
     return y
@@ -184,7 +224,9 @@ def _block_rows(d_in: int, d_out: int, itemsize: int) -> int:
     return max(16, min(d_out, MERGE_BLOCK_BYTES // (itemsize * d_in)))
 
 
-def linear_merge_gemm_cpu(x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+def linear_merge_gemm_cpu(
+    x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor
+) -> torch.Tensor:
     """Prefill path: merge a block of rows of W_eff at a time (never all of it), one fp32 GEMM per block.
 
     x: [M, d_in]; w_base: [d_out, d_in] -> y: [M, d_out] in x.dtype.
@@ -207,7 +249,9 @@ def linear_merge_gemm_cpu(x: torch.Tensor, w_base: torch.Tensor, signs: torch.Te
     return y.to(x.dtype)
 
 
-def linear_blas_delta_cpu(x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+def linear_blas_delta_cpu(
+    x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor
+) -> torch.Tensor:
     """Base GEMM by BLAS in the weights' dtype, then the delta GEMV from the bits -> [M, d_out] in x.dtype."""
     ct = _compute_dtype(x, w_base)
     y = torch.mm(x.to(ct), w_base.t() if w_base.dtype == ct else w_base.t().to(ct)).to(torch.float32)
@@ -309,10 +353,22 @@ def bitdelta_delta_batched_cpu(
         s = signs_stack if signs_stack.stride(2) == 1 else signs_stack.contiguous()
         a = alpha_stack.to(torch.float32).contiguous()
         rc = lib.bd_delta_batched(
-            x32.data_ptr(), M, x32.stride(0), s.data_ptr(), s.stride(0), d_out, d_in, s.stride(1),
-            a.data_ptr(), a.stride(0), 0 if a.shape[1] == 1 else 1, gemv_rv.data_ptr(),
-            y32.data_ptr(), y32.stride(0), torch.get_num_threads(),
-        )  # fmt: skip
+            x32.data_ptr(),
+            M,
+            x32.stride(0),
+            s.data_ptr(),
+            s.stride(0),
+            d_out,
+            d_in,
+            s.stride(1),
+            a.data_ptr(),
+            a.stride(0),
+            0 if a.shape[1] == 1 else 1,
+            gemv_rv.data_ptr(),
+            y32.data_ptr(),
+            y32.stride(0),
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise MemoryError("bd_delta_batched could not allocate its scratch")
     if y32 is not y:

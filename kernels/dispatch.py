@@ -24,10 +24,8 @@ from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
 
 try:
     from kernels.triton_bgmv import bgmv_launch
-    from kernels.triton_linear import bitdelta_linear_triton
+    from kernels.triton_linear import bitdelta_linear_triton, uses_fp32_dot
     from kernels.triton_sgmv import sgmv_launch
-
-    from kernels.triton_linear import uses_fp32_dot
 
     HAVE_TRITON = True
     TRITON_ERROR = ""
@@ -83,9 +81,14 @@ def bitdelta_linear(x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, 
 
 
 def bitdelta_delta_batched(
-    x: torch.Tensor, signs_stack: torch.Tensor, alpha_stack: torch.Tensor, row_variant: torch.Tensor,
-    y: torch.Tensor, *, plan: BatchPlan | None = None,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    signs_stack: torch.Tensor,
+    alpha_stack: torch.Tensor,
+    row_variant: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    plan: BatchPlan | None = None,
+) -> torch.Tensor:
     """y[r] += α_v ⊙ (x[r] · S_vᵀ) for v = row_variant[r] ≥ 0; rows with −1 are untouched.
 
     x: [M, d_in]; signs_stack: uint8 [V, d_out, ceil(d_in/8)]; alpha_stack: [V, d_out] or [V, 1]

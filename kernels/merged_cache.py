@@ -71,7 +71,9 @@ class MergedWeightCache:
             self.bytes_used += nbytes
         return w
 
-    def linear(self, key: Hashable, x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    def linear(
+        self, key: Hashable, x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor
+    ) -> torch.Tensor:
         """x: [..., d_in] -> x · W_effᵀ: [..., d_out] in x.dtype."""
         w = self.get(key, w_base, signs, alpha)
         return (x.to(w.dtype) @ w.t()).to(x.dtype)

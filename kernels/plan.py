@@ -45,9 +45,12 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def plan_batch(
-    row_variant: torch.Tensor, n_variants: int, device: torch.device | None = None,
-    sgmv_min_rows: int | None = None, block_m: int | None = None,
-) -> BatchPlan:  # fmt: skip
+    row_variant: torch.Tensor,
+    n_variants: int,
+    device: torch.device | None = None,
+    sgmv_min_rows: int | None = None,
+    block_m: int | None = None,
+) -> BatchPlan:
     """Group the rows of a batch by variant.
 
     row_variant: int [M], −1 for base-only rows; n_variants: V of signs_stack (indices are
@@ -90,6 +93,15 @@ def plan_batch(
         return _to(torch.as_tensor(a, dtype=torch.int32), device)
 
     return BatchPlan(
-        "sgmv", m, device, rv_dev, max_rows, tuple(variants.tolist()), block_m,
-        dev(order), dev(starts), dev(ends), dev(tvars),
-    )  # fmt: skip
+        "sgmv",
+        m,
+        device,
+        rv_dev,
+        max_rows,
+        tuple(variants.tolist()),
+        block_m,
+        dev(order),
+        dev(starts),
+        dev(ends),
+        dev(tvars),
+    )

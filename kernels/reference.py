@@ -10,7 +10,9 @@ import torch
 from bitdelta.bits import unpack_signs
 
 
-def bitdelta_linear_ref(x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+def bitdelta_linear_ref(
+    x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor
+) -> torch.Tensor:
     """y = x · W_baseᵀ + α ⊙ (x · Sᵀ)
 
     x: [M, d_in]; w_base: [d_out, d_in]; signs: uint8 [d_out, ceil(d_in/8)];

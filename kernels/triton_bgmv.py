@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 
+# The kernel's arguments stay in their groups (pointers, sizes, strides, meta): fmt: skip.
 @triton.jit
 def _bitdelta_bgmv_kernel(
     # pointers
@@ -46,8 +47,9 @@ def _bitdelta_bgmv_kernel(
         # bytes past the row end (K not a multiple of 8·BYTES) read as 0; x there is 0
         byte = tl.load(
             s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
-            mask=n_mask[:, None] & (offs_g[None, :] * 8 < K), other=0,
-        )  # [BN, BYTES]  # fmt: skip
+            mask=n_mask[:, None] & (offs_g[None, :] * 8 < K),
+            other=0,
+        )  # [BN, BYTES]
         bit = (byte.to(tl.int32)[:, :, None] >> offs_b[None, None, :]) & 1  # [BN, BYTES, 8]
         contrib = tl.where(bit != 0, x[None, :, :], -x[None, :, :])
         acc += tl.sum(tl.sum(contrib, axis=2), axis=1)
@@ -59,9 +61,13 @@ def _bitdelta_bgmv_kernel(
 
 
 def bgmv_launch(
-    x: torch.Tensor, signs_stack: torch.Tensor, alpha_stack: torch.Tensor, row_variant: torch.Tensor,
-    y: torch.Tensor, blocks: dict,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    signs_stack: torch.Tensor,
+    alpha_stack: torch.Tensor,
+    row_variant: torch.Tensor,
+    y: torch.Tensor,
+    blocks: dict,
+) -> torch.Tensor:
     """Launch one program per (row, N-tile); shapes are checked by the caller.
 
     x: [M, d_in]; signs_stack: uint8 [V, d_out, ceil(d_in/8)]; alpha_stack: fp32 [V, d_out] or [V, 1];
@@ -75,12 +81,24 @@ def bgmv_launch(
         raise ValueError("bgmv BLOCK_K must be a multiple of 8")
     grid = (M, triton.cdiv(N, blocks["BLOCK_N"]))
     _bitdelta_bgmv_kernel[grid](
-        x, signs_stack, alpha_stack, y, row_variant,
-        N, K,
-        x.stride(0), x.stride(1), signs_stack.stride(0), signs_stack.stride(1),
-        alpha_stack.stride(0), 0 if alpha_stack.shape[1] == 1 else alpha_stack.stride(1),
-        y.stride(0), y.stride(1),
-        BLOCK_N=blocks["BLOCK_N"], BLOCK_K=blocks["BLOCK_K"],
-        num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
-    )  # fmt: skip
+        x,
+        signs_stack,
+        alpha_stack,
+        y,
+        row_variant,
+        N,
+        K,
+        x.stride(0),
+        x.stride(1),
+        signs_stack.stride(0),
+        signs_stack.stride(1),
+        alpha_stack.stride(0),
+        0 if alpha_stack.shape[1] == 1 else alpha_stack.stride(1),
+        y.stride(0),
+        y.stride(1),
+        BLOCK_N=blocks["BLOCK_N"],
+        BLOCK_K=blocks["BLOCK_K"],
+        num_warps=blocks["num_warps"],
+        num_stages=blocks["num_stages"],
+    )
     return y

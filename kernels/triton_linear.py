@@ -12,6 +12,7 @@ from kernels.configs import config_for, fit, interpreting, linear_blocks, num_sm
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+# The kernel's arguments stay in their groups (pointers, sizes, strides, meta): fmt: skip.
 @triton.jit
 def _bitdelta_linear_kernel(
     # pointers
@@ -83,17 +84,20 @@ def _bitdelta_linear_kernel(
         offs_g = k0 // 8 + tl.arange(0, BYTES)  # the tile's byte columns
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-            mask=m_mask[:, None] & k_mask[None, :], other=0.0,
-        )  # [BM, BK]  # fmt: skip
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # [BM, BK]
         w = tl.load(
             w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk,
-            mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-        )  # [BN, BK]  # fmt: skip
+            mask=n_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # [BN, BK]
         # bits past K (last byte of a ragged row) may be 1; x is 0 there
         byte = tl.load(
             s_ptr + offs_n[:, None] * stride_sn + offs_g[None, :],
-            mask=n_mask[:, None] & (offs_g[None, :] * 8 < K), other=0,
-        ).to(tl.int32)  # [BN, BYTES]  # fmt: skip
+            mask=n_mask[:, None] & (offs_g[None, :] * 8 < K),
+            other=0,
+        ).to(tl.int32)  # [BN, BYTES]
         pat = (byte[:, :, None] & bitval[None, None, :]) * one[None, None, :]  # [BN, BYTES, 8]
         pat = tl.reshape(pat, (BLOCK_N, BLOCK_K))
         if DOT_FP32:
@@ -182,12 +186,30 @@ def bitdelta_linear_triton(
         return y.to(x.dtype)
     precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
     _bitdelta_linear_kernel[(n_tiles, split_k)](
-        x, w_base, signs, alpha32, y,
-        M, N, K,
-        x.stride(0), x.stride(1), w_base.stride(0), w_base.stride(1), signs.stride(0),
-        0 if alpha32.numel() == 1 else 1, y.stride(0), y.stride(1),
-        BLOCK_M=blocks["BLOCK_M"], BLOCK_N=blocks["BLOCK_N"], BLOCK_K=blocks["BLOCK_K"],
-        GROUP_M=blocks["GROUP_M"], SPLIT_K=split_k, DOT_FP32=uses_fp32_dot(x.dtype), PRECISION=precision,
-        num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
-    )  # fmt: skip
+        x,
+        w_base,
+        signs,
+        alpha32,
+        y,
+        M,
+        N,
+        K,
+        x.stride(0),
+        x.stride(1),
+        w_base.stride(0),
+        w_base.stride(1),
+        signs.stride(0),
+        0 if alpha32.numel() == 1 else 1,
+        y.stride(0),
+        y.stride(1),
+        BLOCK_M=blocks["BLOCK_M"],
+        BLOCK_N=blocks["BLOCK_N"],
+        BLOCK_K=blocks["BLOCK_K"],
+        GROUP_M=blocks["GROUP_M"],
+        SPLIT_K=split_k,
+        DOT_FP32=uses_fp32_dot(x.dtype),
+        PRECISION=precision,
+        num_warps=blocks["num_warps"],
+        num_stages=blocks["num_stages"],
+    )
     return y if y.dtype == x.dtype else y.to(x.dtype)

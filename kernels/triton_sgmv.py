@@ -9,6 +9,7 @@ import triton.language as tl
 from kernels.triton_linear import uses_fp32_dot
 
 
+# The kernel's arguments stay in their groups (pointers, sizes, strides, meta): fmt: skip.
 @triton.jit
 def _bitdelta_sgmv_kernel(
     # pointers
@@ -61,13 +62,15 @@ def _bitdelta_sgmv_kernel(
         offs_g = step * BYTES + tl.arange(0, BYTES)  # the tile's byte columns
         x = tl.load(
             x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-            mask=m_mask[:, None] & k_mask[None, :], other=0.0,
-        )  # [BM, BK]  # fmt: skip
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # [BM, BK]
         # bits past K (last byte of a ragged row) may be 1; x is 0 there
         byte = tl.load(
             s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
-            mask=n_mask[:, None] & (offs_g[None, :] * 8 < K), other=0,
-        ).to(tl.int32)  # [BN, BYTES]  # fmt: skip
+            mask=n_mask[:, None] & (offs_g[None, :] * 8 < K),
+            other=0,
+        ).to(tl.int32)  # [BN, BYTES]
         pat = (byte[:, :, None] & bitval[None, None, :]) * one[None, None, :]  # B's bit patterns [BN, BYTES, 8]
         pat = tl.reshape(pat, (BLOCK_N, BLOCK_K))
         if DOT_FP32:
@@ -87,10 +90,16 @@ def _bitdelta_sgmv_kernel(
 
 
 def sgmv_launch(
-    x: torch.Tensor, signs_stack: torch.Tensor, alpha_stack: torch.Tensor, y: torch.Tensor,
-    row_idx: torch.Tensor, tile_start: torch.Tensor, tile_end: torch.Tensor, tile_variant: torch.Tensor,
+    x: torch.Tensor,
+    signs_stack: torch.Tensor,
+    alpha_stack: torch.Tensor,
+    y: torch.Tensor,
+    row_idx: torch.Tensor,
+    tile_start: torch.Tensor,
+    tile_end: torch.Tensor,
+    tile_variant: torch.Tensor,
     blocks: dict,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Launch over precomputed tiles (see kernels.plan.plan_batch); shapes are checked by the caller.
 
     x: [M, d_in]; signs_stack: uint8 [V, d_out, ceil(d_in/8)]; alpha_stack: fp32 [V, d_out] or [V, 1];
@@ -106,13 +115,30 @@ def sgmv_launch(
     precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
     grid = (n_tiles, triton.cdiv(N, blocks["BLOCK_N"]))
     _bitdelta_sgmv_kernel[grid](
-        x, signs_stack, alpha_stack, y, row_idx, tile_start, tile_end, tile_variant,
-        N, K,
-        x.stride(0), x.stride(1), signs_stack.stride(0), signs_stack.stride(1),
-        alpha_stack.stride(0), 0 if alpha_stack.shape[1] == 1 else alpha_stack.stride(1),
-        y.stride(0), y.stride(1),
-        BLOCK_M=blocks["BLOCK_M"], BLOCK_N=blocks["BLOCK_N"], BLOCK_K=blocks["BLOCK_K"],
-        DOT_FP32=dot_fp32, PRECISION=precision,
-        num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
-    )  # fmt: skip
+        x,
+        signs_stack,
+        alpha_stack,
+        y,
+        row_idx,
+        tile_start,
+        tile_end,
+        tile_variant,
+        N,
+        K,
+        x.stride(0),
+        x.stride(1),
+        signs_stack.stride(0),
+        signs_stack.stride(1),
+        alpha_stack.stride(0),
+        0 if alpha_stack.shape[1] == 1 else alpha_stack.stride(1),
+        y.stride(0),
+        y.stride(1),
+        BLOCK_M=blocks["BLOCK_M"],
+        BLOCK_N=blocks["BLOCK_N"],
+        BLOCK_K=blocks["BLOCK_K"],
+        DOT_FP32=dot_fp32,
+        PRECISION=precision,
+        num_warps=blocks["num_warps"],
+        num_stages=blocks["num_stages"],
+    )
     return y

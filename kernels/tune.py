@@ -72,20 +72,26 @@ def main(argv=None) -> None:
             for N, K in SHAPES[args.shapes]:
                 M = BUCKET_M.get(bucket, 16)
                 x = torch.randn(M, K, generator=g).to(dtype).to(dev)
-                s = torch.randint(0, 256, (8 if not bucket.startswith("linear") else 1, N, (K + 7) // 8),
-                                  generator=g, dtype=torch.uint8).to(dev)  # fmt: skip
+                s = torch.randint(
+                    0,
+                    256,
+                    (8 if not bucket.startswith("linear") else 1, N, (K + 7) // 8),
+                    generator=g,
+                    dtype=torch.uint8,
+                ).to(dev)
                 a = torch.rand(s.shape[0], N, generator=g).to(dev) * 1e-3
                 if bucket.startswith("linear"):
                     w = torch.randn(N, K, generator=g).to(dtype).to(dev)
                     over = {k: v for k, v in b.items() if k != "SPLIT_K"}
-                    fn = lambda: bitdelta_linear_triton(x, w, s[0], a[0], config=over)  # noqa: E731
+                    fn = lambda: bitdelta_linear_triton(x, w, s[0], a[0], config=over)
                 else:
                     rv = (torch.arange(M) % (2 if bucket == "sgmv" else 8)).to(dev)
-                    plan = plan_batch(rv, 8, dev, sgmv_min_rows=1 if bucket == "sgmv" else 10**9,
-                                      block_m=b.get("BLOCK_M"))  # fmt: skip
+                    plan = plan_batch(
+                        rv, 8, dev, sgmv_min_rows=1 if bucket == "sgmv" else 10**9, block_m=b.get("BLOCK_M")
+                    )
                     y = torch.zeros(M, N, device=dev, dtype=torch.float32)
                     cfg[bucket] = b  # the dispatcher reads this (cached) entry: time these blocks
-                    fn = lambda: bitdelta_delta_batched(x, s, a, rv, y, plan=plan)  # noqa: E731
+                    fn = lambda: bitdelta_delta_batched(x, s, a, rv, y, plan=plan)
                 total += triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
             timed.append((total, b))
             print(f"{bucket}: {total:.4f} ms  {b}", flush=True)

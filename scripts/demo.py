@@ -34,11 +34,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
 from bitdelta.common.v1 import generation_pb2 as gen_pb  # noqa: E402
 from bitdelta.router.v1 import router_pb2 as pb  # noqa: E402
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient  # noqa: E402
 from bitdelta.rpc.clients.worker import WorkerClient  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 PROMPTS = {
     "": "The capital of France is",
@@ -47,8 +48,12 @@ PROMPTS = {
     "scripture": "Genesis 1:1 In the beginning",
     "math": "Question: What is 417 + 385?\nAnswer:",
 }
-ARRIVAL = {pb.ARRIVAL_STATE_UNSPECIFIED: "base", pb.ARRIVAL_STATE_RESIDENT: "resident",
-           pb.ARRIVAL_STATE_LOADING: "loading", pb.ARRIVAL_STATE_COLD: "cold"}
+ARRIVAL = {
+    pb.ARRIVAL_STATE_UNSPECIFIED: "base",
+    pb.ARRIVAL_STATE_RESIDENT: "resident",
+    pb.ARRIVAL_STATE_LOADING: "loading",
+    pb.ARRIVAL_STATE_COLD: "cold",
+}
 
 
 def free_port() -> int:
@@ -79,24 +84,33 @@ async def wait_serving(addr: str, proc: subprocess.Popen, what: str, timeout: fl
 async def one_request(router: RouterClient, model: str, max_new: int) -> dict:
     t0 = time.perf_counter()
     first, text, n, last = None, [], 0, None
-    async for m in router.generate(model, PROMPTS.get(model, PROMPTS[""]), max_new_tokens=max_new,
-                                   request_id=f"demo-{model or 'base'}"):
+    async for m in router.generate(
+        model, PROMPTS.get(model, PROMPTS[""]), max_new_tokens=max_new, request_id=f"demo-{model or 'base'}"
+    ):
         if first is None:
             first = m
         text.append(m.text)
         n += 1
         last = m
-    return {"model": model or "base", "first": first, "text": "".join(text), "n": n, "last": last,
-            "wall_ms": (time.perf_counter() - t0) * 1e3}
+    return {
+        "model": model or "base",
+        "first": first,
+        "text": "".join(text),
+        "n": n,
+        "last": last,
+        "wall_ms": (time.perf_counter() - t0) * 1e3,
+    }
 
 
 def show(r: dict, with_text: bool = True) -> None:
     f, t = r["first"], r["first"].ttft
     reason = gen_pb.FinishReason.Name(r["last"].finish_reason).removeprefix("FINISH_REASON_").lower()
-    print(f"--- {r['model']:9s} on {f.worker:15s} {ARRIVAL[f.arrival_state]:8s} ttft {t.total_ms:7.1f} ms = "
-          f"queue {t.queue_ms:5.1f} + delta load {t.delta_load_ms:6.1f} + schedule {t.schedule_ms:5.1f} + "
-          f"prefill {t.prefill_ms:6.1f} + hops {t.total_ms - t.queue_ms - t.delta_load_ms - t.schedule_ms - t.prefill_ms:5.1f}"
-          f"   {r['n']} tokens ({reason}) in {r['wall_ms']:.0f} ms")  # fmt: skip
+    print(
+        f"--- {r['model']:9s} on {f.worker:15s} {ARRIVAL[f.arrival_state]:8s} ttft {t.total_ms:7.1f} ms = "
+        f"queue {t.queue_ms:5.1f} + delta load {t.delta_load_ms:6.1f} + schedule {t.schedule_ms:5.1f} + "
+        f"prefill {t.prefill_ms:6.1f} + hops {t.total_ms - t.queue_ms - t.delta_load_ms - t.schedule_ms - t.prefill_ms:5.1f}"
+        f"   {r['n']} tokens ({reason}) in {r['wall_ms']:.0f} ms"
+    )
     if with_text:
         prompt = PROMPTS["" if r["model"] == "base" else r["model"]]
         print("    " + (prompt + r["text"]).replace("\n", "\n    ") + "\n")
@@ -115,8 +129,10 @@ async def demo(router_addr: str, worker_addrs: list[str], variants: list[str], m
         results = await asyncio.gather(*[one_request(router, m, max_new) for m in models])
         wall = time.perf_counter() - t0
         toks = sum(r["n"] for r in results)
-        print(f"\n=== round 1: the base and {len(variants)} variants at once, cold (each delta streams from the store "
-              f"into a worker on first use): {toks} tokens in {wall:.2f} s ({toks / wall:.1f} tok/s)\n")
+        print(
+            f"\n=== round 1: the base and {len(variants)} variants at once, cold (each delta streams from the store "
+            f"into a worker on first use): {toks} tokens in {wall:.2f} s ({toks / wall:.1f} tok/s)\n"
+        )
         for r in results:
             show(r)
 
@@ -124,8 +140,10 @@ async def demo(router_addr: str, worker_addrs: list[str], variants: list[str], m
         results = await asyncio.gather(*[one_request(router, m, max_new) for m in models for _ in range(3)])
         wall = time.perf_counter() - t0
         toks = sum(r["n"] for r in results)
-        print(f"=== round 2: 3 requests per model at once, warm: {toks} tokens in {wall:.2f} s ({toks / wall:.1f} tok/s); "
-              f"requests for one variant share one worker and its resident delta\n")
+        print(
+            f"=== round 2: 3 requests per model at once, warm: {toks} tokens in {wall:.2f} s ({toks / wall:.1f} tok/s); "
+            f"requests for one variant share one worker and its resident delta\n"
+        )
         for r in results:
             show(r, with_text=False)
         for m in models:
@@ -145,14 +163,21 @@ async def demo(router_addr: str, worker_addrs: list[str], variants: list[str], m
         for m in await router.list_models():
             kind = "base" if m.is_base else f"delta {m.delta_bytes / 2**20:5.1f} MiB"
             where = ", ".join(m.resident_on) or "-"
-            print(f"    {m.model_id:28s} {kind:17s} resident on {where}" + ("" if m.servable else f"  NOT SERVABLE: {m.reason}"))
+            print(
+                f"    {m.model_id:28s} {kind:17s} resident on {where}"
+                + ("" if m.servable else f"  NOT SERVABLE: {m.reason}")
+            )
         print()
         for w in await router.list_workers():
-            print(f"    worker {w.address:15s} {'up' if w.up else 'DOWN'} ({w.device}): {w.delta_used_bytes / 2**20:5.1f} "
-                  f"of {w.delta_budget_bytes / 2**20:.0f} MiB delta budget in use, resident: {', '.join(w.resident) or '-'}")
+            print(
+                f"    worker {w.address:15s} {'up' if w.up else 'DOWN'} ({w.device}): {w.delta_used_bytes / 2**20:5.1f} "
+                f"of {w.delta_budget_bytes / 2**20:.0f} MiB delta budget in use, resident: {', '.join(w.resident) or '-'}"
+            )
         print(f"\n    try it: .venv/bin/bitdelta generate --router {router_addr} --model coder 'def add(a, b):'")
-        print(f"            grpcurl -plaintext -d '{{\"model_id\": \"writer\", \"prompt\": \"ROMEO. \"}}' "
-              f"{router_addr} bitdelta.router.v1.RouterService/Generate")
+        print(
+            f'            grpcurl -plaintext -d \'{{"model_id": "writer", "prompt": "ROMEO. "}}\' '
+            f"{router_addr} bitdelta.router.v1.RouterService/Generate"
+        )
 
 
 def has_chat_template(base: Path) -> bool:
@@ -183,28 +208,43 @@ async def openai_demo(base_url: str, variants: list[str], max_new: int, chat: bo
 
     model = variants[1] if len(variants) > 1 else variants[0]
     if chat:
-        path, body = "chat/completions", {"model": model, "max_tokens": max_new, "temperature": 0,
-                                          "messages": [{"role": "user", "content": "Write two lines about the sea."}]}
+        path, body = (
+            "chat/completions",
+            {
+                "model": model,
+                "max_tokens": max_new,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": "Write two lines about the sea."}],
+            },
+        )
     else:
         path, body = "completions", {"model": model, "prompt": PROMPTS[model], "max_tokens": max_new, "temperature": 0}
-    print(f"\n=== the OpenAI-compatible gateway\n\n    curl {base_url}/{path} -H 'Content-Type: application/json' "
-          f"-d '{json.dumps(body)}'\n")
-    req = urllib.request.Request(f"{base_url}/{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    print(
+        f"\n=== the OpenAI-compatible gateway\n\n    curl {base_url}/{path} -H 'Content-Type: application/json' "
+        f"-d '{json.dumps(body)}'\n"
+    )
+    req = urllib.request.Request(
+        f"{base_url}/{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     r = json.loads((await asyncio.to_thread(urllib.request.urlopen, req, timeout=600)).read())
     choice = r["choices"][0]
     text = choice["message"]["content"] if chat else choice["text"]
-    print("    " + text.replace("\n", "\n    ") + f"\n    [{r['usage']['completion_tokens']} tokens, "
-          f"finish_reason {choice['finish_reason']}]\n")
+    print(
+        "    " + text.replace("\n", "\n    ") + f"\n    [{r['usage']['completion_tokens']} tokens, "
+        f"finish_reason {choice['finish_reason']}]\n"
+    )
 
     from openai import AsyncOpenAI
 
     code = variants[0]
-    print(f"    client = AsyncOpenAI(base_url='{base_url}', api_key='unused')\n"
-          f"    stream = await client.completions.create(model='{code}', prompt=..., stream=True)\n")
+    print(
+        f"    client = AsyncOpenAI(base_url='{base_url}', api_key='unused')\n"
+        f"    stream = await client.completions.create(model='{code}', prompt=..., stream=True)\n"
+    )
     client = AsyncOpenAI(base_url=base_url, api_key="unused")
-    stream = await client.completions.create(model=code, prompt=PROMPTS[code], max_tokens=max_new, temperature=0,
-                                             stream=True)
+    stream = await client.completions.create(
+        model=code, prompt=PROMPTS[code], max_tokens=max_new, temperature=0, stream=True
+    )
     print("    " + PROMPTS[code].replace("\n", "\n    "), end="", flush=True)
     async for chunk in stream:
         if chunk.choices:
@@ -249,18 +289,41 @@ async def main() -> None:
     procs: list[subprocess.Popen] = []
     try:
         shm = ["--shared-memory-dir", "/dev/shm/bitdelta-demo"] if Path("/dev/shm").is_dir() else []  # same host
-        procs.append(spawn("delta_store", ["-m", "services.delta_store", "--address", store, "--backend", "local",
-                                           "--root", str(a.deltas), *shm]))
+        procs.append(
+            spawn(
+                "delta_store",
+                ["-m", "services.delta_store", "--address", store, "--backend", "local", "--root", str(a.deltas), *shm],
+            )
+        )
         await wait_serving(store, procs[-1], "delta store")
         print(f"[demo] delta store on {store} serving {a.deltas}")
         for i, addr in enumerate(workers):
-            procs.append(spawn(f"worker{i + 1}", ["-m", "services.gpu_worker", "--base", str(a.base), "--address", addr,
-                                                  "--delta-store", store, "--delta-budget", a.delta_budget]))
+            procs.append(
+                spawn(
+                    f"worker{i + 1}",
+                    [
+                        "-m",
+                        "services.gpu_worker",
+                        "--base",
+                        str(a.base),
+                        "--address",
+                        addr,
+                        "--delta-store",
+                        store,
+                        "--delta-budget",
+                        a.delta_budget,
+                    ],
+                )
+            )
         for i, addr in enumerate(workers):
             await wait_serving(addr, procs[1 + i], f"worker {i + 1}")
             print(f"[demo] worker {i + 1} on {addr} holds base {a.base}")
-        procs.append(spawn("router", ["-m", "services.router", "--address", router, "--workers", ",".join(workers),
-                                      "--delta-store", store]))
+        procs.append(
+            spawn(
+                "router",
+                ["-m", "services.router", "--address", router, "--workers", ",".join(workers), "--delta-store", store],
+            )
+        )
         await wait_serving(router, procs[-1], "router")
         print(f"[demo] router on {router}: the only address gRPC clients need")
         gateway = f"127.0.0.1:{free_port()}"
@@ -288,7 +351,9 @@ async def main() -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 codes.append("killed")
-        print(f"\n[demo] stopped gateway, router, workers and store (exit codes {codes}); logs: {logs.relative_to(ROOT)}/")
+        print(
+            f"\n[demo] stopped gateway, router, workers and store (exit codes {codes}); logs: {logs.relative_to(ROOT)}/"
+        )
 
 
 if __name__ == "__main__":

@@ -22,9 +22,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from servers.cluster import Cluster  # noqa: E402
+
 from bitdelta import traces  # noqa: E402
 from bitdelta.rpc.clients.router import RouterClient  # noqa: E402
-from servers.cluster import Cluster  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Write a haiku about the sea:", "Question: 2 + 2 ="]
 
@@ -32,15 +33,17 @@ PROMPTS = ["def fibonacci(n):", "The capital of France is", "Write a haiku about
 async def traffic(address: str, variants: list[str], rounds: int) -> None:
     async with RouterClient(address, generate_timeout_s=300) as r:
         deadline = time.monotonic() + 300
-        while not (all(w.up for w in await r.list_workers())
-                   and {m.model_id for m in await r.list_models() if m.servable} >= set(variants) - {""}):
+        while not (
+            all(w.up for w in await r.list_workers())
+            and {m.model_id for m in await r.list_models() if m.servable} >= set(variants) - {""}
+        ):
             assert time.monotonic() < deadline, "router not ready"
             await asyncio.sleep(0.2)
 
         async def one(v: str, i: int) -> None:
             [m async for m in r.generate(v, PROMPTS[i % len(PROMPTS)], max_new_tokens=16)]
 
-        for k in range(rounds):
+        for _ in range(rounds):
             for w in await r.list_workers():  # evict so each round starts cold
                 from bitdelta.rpc.clients.worker import WorkerClient
 
@@ -67,15 +70,31 @@ def main() -> None:
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink.port}", "OTEL_BSP_SCHEDULE_DELAY": "200"}
     with tempfile.TemporaryDirectory() as tmp, Cluster(Path(tmp), env=env) as c:
         st = c.store(a.data / "deltas")
-        ws = [c.worker(a.data / "base", st.address, name=f"worker{i}", delta_budget="256MiB", kv_cache="64MiB")
-              for i in range(2)]
+        ws = [
+            c.worker(a.data / "base", st.address, name=f"worker{i}", delta_budget="256MiB", kv_cache="64MiB")
+            for i in range(2)
+        ]
         r = c.router([w.address for w in ws], st.address)
         c.wait_serving(st, *ws, r)
         asyncio.run(traffic(r.address, [v if v != "base" else "" for v in variants], a.rounds))
         time.sleep(2)  # the last batch of spans
     sink.stop()
-    out = subprocess.run([sys.executable, "-m", "bitdelta.cli", "traces", "ttft", "--from", str(spans),
-                          "--png", str(a.out / "ttft.png")], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bitdelta.cli",
+            "traces",
+            "ttft",
+            "--from",
+            str(spans),
+            "--png",
+            str(a.out / "ttft.png"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     (a.out / "ttft.txt").write_text(out)
     print(out)
 

@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -107,12 +107,23 @@ def short_real_finetunes(real_base: Path, corpora_of: dict[str, str], cfg, delta
             ft = root / "finetuned" / variant
             finetune(real_base, corpus, ft, cfg, progress=False)
             if delta:
-                compress(real_base, ft, root / "deltas" / f"{variant}.bitdelta.safetensors", variant=variant,
-                         embeddings="sign", progress=False)
+                compress(
+                    real_base,
+                    ft,
+                    root / "deltas" / f"{variant}.bitdelta.safetensors",
+                    variant=variant,
+                    embeddings="sign",
+                    progress=False,
+                )
 
-    key = {"base": fingerprint(real_base), "corpora": corpora_of,
-           "corpus_sha256": {c: corpora.describe(c)["sha256"] for c in sorted(set(corpora_of.values()))},
-           "config": asdict(cfg), "delta": delta, "precision": precision.cpu_precision().name}
+    key = {
+        "base": fingerprint(real_base),
+        "corpora": corpora_of,
+        "corpus_sha256": {c: corpora.describe(c)["sha256"] for c in sorted(set(corpora_of.values()))},
+        "config": asdict(cfg),
+        "delta": delta,
+        "precision": precision.cpu_precision().name,
+    }
     return cached_real_artifact("short-" + "-".join(corpora_of), key, build)
 
 
@@ -145,8 +156,11 @@ def real_deltas(real_base) -> dict:
 
     p = family.paths()
     fp = fingerprint(real_base)
-    built = {v: p.deltas[v] for v in p.variants
-             if p.deltas[v].is_file() and read_header(p.deltas[v]).meta.base_fingerprint == fp}
+    built = {
+        v: p.deltas[v]
+        for v in p.variants
+        if p.deltas[v].is_file() and read_header(p.deltas[v]).meta.base_fingerprint == fp
+    }
     if len(built) >= 2:
         return built
     from bitdelta.family.finetune import FinetuneConfig

@@ -71,4 +71,3 @@ def delta_fidelity(y: torch.Tensor, y_without: torch.Tensor, delta: torch.Tensor
     e = y.double() - y_without.double()
     d = delta.double()
     return float((e * d).sum() / (d * d).sum()), float((e - d).norm() / d.norm())
-

@@ -36,16 +36,22 @@ def test_no_service_imports_another():
 
 
 def test_rpc_layer_imports_no_service_and_no_torch():
-    bad = [f"{f.relative_to(ROOT)} imports {m}" for f in (ROOT / "bitdelta" / "rpc").rglob("*.py")
-           for m in imports_of(f) if m.split(".")[0] in ("services", "torch", "kernels")]
+    bad = [
+        f"{f.relative_to(ROOT)} imports {m}"
+        for f in (ROOT / "bitdelta" / "rpc").rglob("*.py")
+        for m in imports_of(f)
+        if m.split(".")[0] in ("services", "torch", "kernels")
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_importing_the_router_loads_no_torch_and_no_other_service():
-    code = ("import sys, services.router.server, services.router.__main__, bitdelta.rpc.clients.worker, "
-            "bitdelta.rpc.clients.delta_store, bitdelta.rpc.config; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'kernels') "
-            "or m.startswith(('services.gpu_worker', 'services.delta_store'))))")
+    code = (
+        "import sys, services.router.server, services.router.__main__, bitdelta.rpc.clients.worker, "
+        "bitdelta.rpc.clients.delta_store, bitdelta.rpc.config; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'kernels') "
+        "or m.startswith(('services.gpu_worker', 'services.delta_store'))))"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]", r.stdout

@@ -14,15 +14,29 @@ from services.delta_store.errors import AlreadyExists, BackendUnavailable, Inval
 sys.path.insert(0, str(Path(__file__).parent))  # for `servers` (see tests/servers/__init__.py)
 pytest_plugins = ["servers.swift", "servers.delta_store"]
 
-BAD_NAMES = ["", "..", "../etc/passwd", "a/b", "a\\b", ".hidden", "a..b", "-x", "a\x00b", "a\nb", "/abs", "x" * 129,
-             "naïve", "a b"]
+BAD_NAMES = [
+    "",
+    "..",
+    "../etc/passwd",
+    "a/b",
+    "a\\b",
+    ".hidden",
+    "a..b",
+    "-x",
+    "a\x00b",
+    "a\nb",
+    "/abs",
+    "x" * 129,
+    "naïve",
+    "a b",
+]
 
 
 async def upload(backend, name: str, data: bytes, overwrite: bool = False, piece: int = 1 << 20):
     up = await backend.begin_upload(name, len(data))
     try:
         for i in range(0, len(data), piece):
-            await up.write(data[i: i + piece])
+            await up.write(data[i : i + piece])
         return await up.commit(overwrite)
     except BaseException:
         await up.abort()
@@ -58,7 +72,7 @@ async def test_multipart_sized_upload_is_invisible_until_commit(backend_under_te
     data = os.urandom(9 * 1024 * 1024 + 3)  # more than one S3 part
     up = await b.begin_upload("big", len(data))
     await up.write(data[: 8 * 1024 * 1024 + 1])
-    await up.write(data[8 * 1024 * 1024 + 1:])
+    await up.write(data[8 * 1024 * 1024 + 1 :])
     assert await b.list() == []
     with pytest.raises(NotFound):
         await b.head("big")

@@ -20,9 +20,15 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from bitdelta.delta_store.v1 import delta_store_pb2 as pb
 from bitdelta.delta_store.v1 import delta_store_pb2_grpc as pb_grpc
 from bitdelta.format import read_header
+from bitdelta.rpc.clients.delta_store import (
+    BaseMismatch,
+    DeltaNotFound,
+    DeltaStoreClient,
+    IntegrityError,
+    StoreUnavailable,
+)
 from services.delta_store.backends import SUFFIX
 from services.delta_store.backends.local import LocalBackend
-from bitdelta.rpc.clients.delta_store import BaseMismatch, DeltaNotFound, DeltaStoreClient, IntegrityError, StoreUnavailable
 from services.delta_store.config import Config, ConfigError
 
 sys.path.insert(0, str(Path(__file__).parent))  # for `servers` (see tests/servers/__init__.py)
@@ -41,7 +47,7 @@ async def fetch_all(client: DeltaStoreClient, name: str, **kw) -> tuple[pb.Delta
 
 def file_tensors(path: Path) -> list[bytes]:
     data = path.read_bytes()
-    return [data[t.start: t.end] for t in read_header(path).tensors]
+    return [data[t.start : t.end] for t in read_header(path).tensors]
 
 
 async def raw_fetch(target: str, name: str, **kw) -> list[pb.FetchResponse]:
@@ -50,6 +56,7 @@ async def raw_fetch(target: str, name: str, **kw) -> list[pb.FetchResponse]:
 
 
 # -- the API, on both backends ------------------------------------------------------------
+
 
 async def test_round_trip_of_real_deltas(backend_under_test, start_store, tiny_deltas):
     s = await start_store(backend_under_test.make())
@@ -66,11 +73,16 @@ async def test_round_trip_of_real_deltas(backend_under_test, start_store, tiny_d
         assert st.info.base_fingerprint == meta.base_fingerprint and st.info.base_model == meta.base_model
         assert st.info.alpha_mode == (pb.ALPHA_MODE_ROW if meta.alpha_mode == "row" else pb.ALPHA_MODE_MATRIX)
         by_role = header.bytes_by_role()
-        assert (st.info.sign_bytes, st.info.alpha_bytes, st.info.dense_bytes) == (by_role["sign"], by_role["alpha"], by_role["dense"])
+        assert (st.info.sign_bytes, st.info.alpha_bytes, st.info.dense_bytes) == (
+            by_role["sign"],
+            by_role["alpha"],
+            by_role["dense"],
+        )
         assert dict(st.info.metadata) == header.metadata
         assert st.header_bytes == header.header_bytes
-        assert [(t.name, t.file_offset, t.nbytes, t.sha256) for t in st.tensors] == \
-               [(t.name, t.start, t.nbytes, header.sha256[t.name]) for t in header.tensors]
+        assert [(t.name, t.file_offset, t.nbytes, t.sha256) for t in st.tensors] == [
+            (t.name, t.start, t.nbytes, header.sha256[t.name]) for t in header.tensors
+        ]
 
         # Byte-identical: header bytes + every tensor's streamed bytes == the file.
         for _ in range(2):  # cold (from the backend), then warm (from the cache)
@@ -153,14 +165,16 @@ async def test_invalid_upload_never_appears(backend_under_test, start_store, tmp
         "garbage": os.urandom(len(good)),
         "truncated": good[:-10],
         "trailing": good + b"\0" * 8,
-        "flipped": good[: victim.start + 3] + bytes([good[victim.start + 3] ^ 1]) + good[victim.start + 4:],
+        "flipped": good[: victim.start + 3] + bytes([good[victim.start + 3] ^ 1]) + good[victim.start + 4 :],
         "short_upload": good,
     }[damage]
     client = s.client
     if damage == "short_upload":  # header promises more than is sent
+
         async def reqs():
             yield pb.PutRequest(header=pb.PutHeader(name="bad", size_bytes=len(good)))
             yield pb.PutRequest(data=good[:1000])
+
         async with grpc.aio.insecure_channel(s.target) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await pb_grpc.DeltaStoreServiceStub(ch).Put(reqs(), timeout=10)
@@ -232,8 +246,12 @@ async def test_names(backend_under_test, start_store, tmp_path):
     with pytest.raises(DeltaNotFound):
         await s.client.delete("nope")
     for bad in ("../outside", "a/b", "..", "/etc/passwd", ".partial", "x\x00y", ""):
-        for call in (s.client.stat, s.client.delete, lambda n: fetch_all(s.client, n),
-                     lambda n: s.client.put(n, b"12345678")):
+        for call in (
+            s.client.stat,
+            s.client.delete,
+            lambda n: fetch_all(s.client, n),
+            lambda n: s.client.put(n, b"12345678"),
+        ):
             with pytest.raises(Exception) as e:
                 await call(bad)
             assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT, (bad, e.value)
@@ -310,6 +328,7 @@ async def test_backend_down_is_unavailable_fast_and_recovers(backend_under_test,
 
 # -- cache, single flight, cancellation, tracing (local backend) --------------------------
 
+
 class CountingBackend(LocalBackend):
     """The real local backend, counting whole-delta reads (opens) and open readers."""
 
@@ -365,7 +384,10 @@ async def test_single_flight_and_spans(start_store, tmp_path):
     assert len(reads) == 1
     miss = next(sp for sp in fetches if sp.attributes["cache.result"] == "miss")
     assert reads[0].parent.span_id == miss.context.span_id  # the read is a child of the fetch that caused it
-    assert reads[0].attributes["backend.kind"] == "local" and reads[0].attributes["delta.size_bytes"] == path.stat().st_size
+    assert (
+        reads[0].attributes["backend.kind"] == "local"
+        and reads[0].attributes["delta.size_bytes"] == path.stat().st_size
+    )
     assert all(sp.attributes["delta.bytes_sent"] == sum(map(len, want)) for sp in fetches)
     assert [sp.attributes["cache.hit"] for sp in fetches].count(True) == 1
 
@@ -440,7 +462,9 @@ async def test_oversized_delta_streams_uncached(start_store, tmp_path):
     root.mkdir()
     path = big_delta(root / ("big" + SUFFIX), mib=4)
     provider, spans = tracer()
-    s = await start_store(CountingBackend(root), cache_bytes=1 << 20, read_block_bytes=300 * 1024, tracer_provider=provider)
+    s = await start_store(
+        CountingBackend(root), cache_bytes=1 << 20, read_block_bytes=300 * 1024, tracer_provider=provider
+    )
     _, _, got = await fetch_all(s.client, "big", chunk_bytes=100_000)  # chunks straddle the read blocks
     assert [got[i] for i in range(len(got))] == file_tensors(path)
     assert s.store.cache.stats["bypass"] == 1 and s.store.cache.entries == {}
@@ -450,6 +474,7 @@ async def test_oversized_delta_streams_uncached(start_store, tmp_path):
 
 
 # -- the client's own checks -----------------------------------------------------------------
+
 
 async def test_client_rejects_a_bad_chunk(tmp_path):
     """A server that corrupts a chunk in flight (crc mismatch) or lies about a tensor (sha mismatch)."""
@@ -462,8 +487,12 @@ async def test_client_rejects_a_bad_chunk(tmp_path):
             self.mode = mode
 
         async def Fetch(self, request, context):
-            yield pb.FetchResponse(info=pb.DeltaInfo(name="v", base_fingerprint=BASE_FP), tensors=[
-                pb.TensorInfo(name=t.name, nbytes=t.nbytes, sha256=header.sha256[t.name]) for t in header.tensors])
+            yield pb.FetchResponse(
+                info=pb.DeltaInfo(name="v", base_fingerprint=BASE_FP),
+                tensors=[
+                    pb.TensorInfo(name=t.name, nbytes=t.nbytes, sha256=header.sha256[t.name]) for t in header.tensors
+                ],
+            )
             for i, data in enumerate(tensors):
                 sent = bytes([data[0] ^ 1]) + data[1:] if i == 1 else data
                 crc = zlib.crc32(data if self.mode == "crc" else sent)
@@ -477,7 +506,7 @@ async def test_client_rejects_a_bad_chunk(tmp_path):
         async with DeltaStoreClient(f"127.0.0.1:{port}") as client:
             seen = []
             with pytest.raises(IntegrityError, match=what) as e:
-                await client.fetch_into("v", lambda i, t, b: seen.append(i))
+                await client.fetch_into("v", lambda i, t, b: seen.append(i))  # noqa: B023 (called in this iteration)
             assert e.value.tensor == header.tensors[1].name
             assert seen == [0]  # the bad tensor was never handed over
         await server.stop(0)
@@ -505,9 +534,13 @@ async def test_fetch_into_places_bytes_in_caller_buffers(start_store, tmp_path):
 
 # -- process: configuration, health, reflection, drain ----------------------------------------
 
+
 def test_config_from_flags_and_env(tmp_path):
-    env = {"BITDELTA_DELTA_STORE_ROOT": str(tmp_path), "BITDELTA_DELTA_STORE_CACHE_BYTES": "2GiB",
-           "BITDELTA_DELTA_STORE_VERIFY_READS": "false"}
+    env = {
+        "BITDELTA_DELTA_STORE_ROOT": str(tmp_path),
+        "BITDELTA_DELTA_STORE_CACHE_BYTES": "2GiB",
+        "BITDELTA_DELTA_STORE_VERIFY_READS": "false",
+    }
     c = Config.from_args(["--cache-bytes", "512MiB", "--pin-top-n", "3"], env=env)
     assert (c.root, c.cache_bytes, c.pin_top_n, c.verify_reads) == (tmp_path, 512 << 20, 3, False)
     bad = [
@@ -527,8 +560,13 @@ def test_config_from_flags_and_env(tmp_path):
 
 
 def test_bad_configuration_exits_with_a_clear_message(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "services.delta_store", "--root", str(tmp_path / "nope")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "services.delta_store", "--root", str(tmp_path / "nope")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "--root" in r.stderr and "nope" in r.stderr
 
 
@@ -536,8 +574,23 @@ async def test_health_reflection_and_sigterm_drain(tmp_path):
     root = tmp_path / "store"
     root.mkdir()
     big_delta(root / ("big" + SUFFIX), mib=8)
-    proc = subprocess.Popen([sys.executable, "-m", "services.delta_store", "--root", str(root), "--address", "127.0.0.1:0",
-                             "--grace-s", "20"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.delta_store",
+            "--root",
+            str(root),
+            "--address",
+            "127.0.0.1:0",
+            "--grace-s",
+            "20",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         port = None
         for line in proc.stdout:
@@ -551,7 +604,9 @@ async def test_health_reflection_and_sigterm_drain(tmp_path):
                 r = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
                 assert r.status == health_pb2.HealthCheckResponse.SERVING
             refl = reflection_pb2_grpc.ServerReflectionStub(ch)
-            async for r in refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5):
+            async for r in refl.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+            ):
                 names = {s.name for s in r.list_services_response.service}
             assert "bitdelta.delta_store.v1.DeltaStoreService" in names and "grpc.health.v1.Health" in names
 

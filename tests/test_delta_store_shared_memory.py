@@ -10,9 +10,9 @@ bytes when the store drops the entry; files of dead stores are cleaned up.
 import asyncio
 import os
 import shutil
-import time
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -55,7 +55,7 @@ def root(tmp_path):
 
 def tensors_of(path: Path) -> list[bytes]:
     data = path.read_bytes()
-    return [data[t.start: t.end] for t in read_header(path).tensors]
+    return [data[t.start : t.end] for t in read_header(path).tensors]
 
 
 async def pieces(stream) -> dict[int, bytearray]:
@@ -94,8 +94,9 @@ async def test_same_bytes_and_none_in_messages(start_store, root, shm_dir):
     assert shared_files(shm_dir)[0].stat().st_mode & 0o077 == 0
 
     async with grpc.aio.insecure_channel(s.target) as ch:  # on the wire: descriptors only
-        call = pb_grpc.DeltaStoreServiceStub(ch).Fetch(pb.FetchRequest(name="big", accept_shared_memory=True),
-                                                      timeout=30)
+        call = pb_grpc.DeltaStoreServiceStub(ch).Fetch(
+            pb.FetchRequest(name="big", accept_shared_memory=True), timeout=30
+        )
         first, chunks = await call.read(), []
         while sum(c.length for c in chunks) < sum(map(len, want)):
             chunks.append((await call.read()).chunk)
@@ -115,7 +116,11 @@ async def test_same_bytes_and_none_in_messages(start_store, root, shm_dir):
     assert [bytes(b) for _, b in sorted((await pieces(plain)).items())] == want
     for accept in (True, False):
         got = {}
-        await s.client.fetch_into("big", lambda i, t, b: got.__setitem__(i, bytes(b)), accept_shared_memory=accept)
+        await s.client.fetch_into(
+            "big",
+            lambda i, t, b: got.__setitem__(i, bytes(b)),  # noqa: B023 (called in this iteration)
+            accept_shared_memory=accept,
+        )
         assert [got[i] for i in range(len(want))] == want
     assert s.store.transports["shared-memory"] == 3 and s.store.transports["stream"] == 2
 

@@ -78,7 +78,7 @@ def parse_with_config(module: str, argv: list[str], tmp: Path) -> object:
     base.mkdir(exist_ok=True)
     (base / "config.json").write_text("{}")
     (base / "tokenizer.json").write_text("{}")
-    fixed, skip = [], False
+    fixed = []
     for i, a in enumerate(argv):
         prev = argv[i - 1] if i else ""
         if prev in ("--base", "--chat-template"):
@@ -92,14 +92,20 @@ def parse_with_config(module: str, argv: list[str], tmp: Path) -> object:
 # -- docker-compose ------------------------------------------------------------------------------------
 def test_compose_file_is_valid():
     for profile in ([], ["--profile", "cuda"], ["--profile", "seed"]):
-        r = subprocess.run([compose_bin(), "-f", str(COMPOSE), *profile, "config", "-q"], capture_output=True,
-                           text=True, cwd=ROOT)  # fmt: skip
+        r = subprocess.run(
+            [compose_bin(), "-f", str(COMPOSE), *profile, "config", "-q"], capture_output=True, text=True, cwd=ROOT
+        )
         assert r.returncode == 0, r.stderr
 
 
 def test_compose_command_lines_are_the_services_real_flags(tmp_path):
-    r = subprocess.run([compose_bin(), "-f", str(COMPOSE), "--profile", "cuda", "config"], capture_output=True,
-                       text=True, cwd=ROOT, check=True)  # fmt: skip
+    r = subprocess.run(
+        [compose_bin(), "-f", str(COMPOSE), "--profile", "cuda", "config"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    )
     resolved = yaml.safe_load(r.stdout)["services"]
     modules = image_modules()
     checked = set()
@@ -168,7 +174,9 @@ def test_router_lists_every_worker_pod_of_the_statefulset():
     args = router["spec"]["template"]["spec"]["containers"][0]["args"]
     workers = args[args.index("--workers") + 1].split(",")
     ns, name = sts["metadata"]["namespace"], sts["metadata"]["name"]
-    want = [f"{name}-{i}.{svc['metadata']['name']}.{ns}.svc.cluster.local:50061" for i in range(sts["spec"]["replicas"])]
+    want = [
+        f"{name}-{i}.{svc['metadata']['name']}.{ns}.svc.cluster.local:50061" for i in range(sts["spec"]["replicas"])
+    ]
     assert workers == want
     assert {o["kind"] for o in objs} >= {"ConfigMap", "PersistentVolumeClaim", "PodDisruptionBudget", "Namespace"}
 
@@ -176,8 +184,9 @@ def test_router_lists_every_worker_pod_of_the_statefulset():
 def test_a_wrong_flag_would_fail(tmp_path):
     """The negative control: the check above rejects a flag the service does not have."""
     with pytest.raises(SystemExit):
-        parse_with_config("services.router", ["--workers", "a:1", "--delta-store", "b:2", "--metrics-adress", "x:1"],
-                          tmp_path)
+        parse_with_config(
+            "services.router", ["--workers", "a:1", "--delta-store", "b:2", "--metrics-adress", "x:1"], tmp_path
+        )
 
 
 # -- images ---------------------------------------------------------------------------------------------
@@ -188,7 +197,9 @@ def test_images_are_small_non_root_and_health_checked():
         assert "HEALTHCHECK" in text, f.name
         entrypoint_module(f)
     router = (DEPLOY / "docker" / "router.Dockerfile").read_text()
-    assert not [l for l in router.splitlines() if "pip install" in l and "torch" in l], "the router carries no torch"
+    assert not [line for line in router.splitlines() if "pip install" in line and "torch" in line], (
+        "the router carries no torch"
+    )
     assert "torch" not in (DEPLOY / "docker" / "requirements-rpc.txt").read_text()
     cuda = (DEPLOY / "docker" / "gpu_worker-cuda.Dockerfile").read_text()
     assert re.search(r"^FROM pytorch/pytorch:[\w.-]*cuda", cuda, re.M)

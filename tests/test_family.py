@@ -19,6 +19,7 @@ from bitdelta.model import PROJECTIONS
 
 # --- corpora -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("corpus", corpora.CORPORA)
 def test_splits_are_disjoint_and_every_subset_has_heldout(corpus):
     train = corpora.documents(corpus, "train")
@@ -80,6 +81,7 @@ def test_serving_default_is_one_mode_of_the_report():
 
 # --- build stamps (tiny family, no real model) ----------------------------------
 
+
 def test_build_delta_is_skipped_when_stamped_and_redone_when_corrupted(tmp_path, capsys):
     from bitdelta.checkpoint import fingerprint
     from bitdelta.testing import make_base, make_finetune
@@ -107,8 +109,7 @@ def test_build_delta_is_skipped_when_stamped_and_redone_when_corrupted(tmp_path,
     recipe = {"config": {"betas": (0.9, 0.95)}}
     fb.write_stamp(p, "finetuned/coder", recipe, {"fingerprint": fingerprint(p.finetuned["coder"])})
     assert fb.is_built(p, "finetuned/coder", recipe, p.finetuned["coder"], "checkpoint")
-    assert not fb.is_built(p, "finetuned/coder", {"config": {"betas": (0.9, 0.99)}}, p.finetuned["coder"],
-                           "checkpoint")
+    assert not fb.is_built(p, "finetuned/coder", {"config": {"betas": (0.9, 0.99)}}, p.finetuned["coder"], "checkpoint")
     # A different recipe (another α mode, dense embeddings) also rebuilds.
     fb.build_delta(p, "coder", alpha="matrix", distill_steps=0)
     assert "written" in capsys.readouterr().out
@@ -132,16 +133,18 @@ def test_quick_build_keeps_a_full_fine_tune(tmp_path, capsys, monkeypatch):
     fb.write_stamp(p, "base", {"test": 1}, {"fingerprint": fingerprint(p.base)})
     full, quick = FinetuneConfig(), replace(FinetuneConfig(), steps=fb.QUICK_STEPS)
     assert quick.steps < full.steps
-    fb.write_stamp(p, "finetuned/math", fb.finetune_recipe(p, "math", full),
-                   {"fingerprint": fingerprint(p.finetuned["math"])})
+    fb.write_stamp(
+        p, "finetuned/math", fb.finetune_recipe(p, "math", full), {"fingerprint": fingerprint(p.finetuned["math"])}
+    )
     ran = []
     record = {"heldout_ppl_before": 2.0, "heldout_ppl_after": 1.0, "seconds": 0.0}
     monkeypatch.setattr(ftmod, "finetune", lambda *a, **k: ran.append(a) or dict(record))  # no real training
     assert fb.build_finetune(p, "math", quick, also_accept=(full,)) == p.finetuned["math"]
     assert not ran and f"up to date ({full.steps} steps)" in capsys.readouterr().out
     assert fb.finetuned_steps(p, "math") == full.steps
-    fb.write_stamp(p, "finetuned/math", fb.finetune_recipe(p, "math", quick),
-                   {"fingerprint": fingerprint(p.finetuned["math"])})
+    fb.write_stamp(
+        p, "finetuned/math", fb.finetune_recipe(p, "math", quick), {"fingerprint": fingerprint(p.finetuned["math"])}
+    )
     fb.build_finetune(p, "math", full)
     assert len(ran) == 1 and ran[0][3] == full and fb.finetuned_steps(p, "math") == full.steps
 
@@ -167,16 +170,20 @@ def test_serving_delta_distils_projection_alphas_only(tmp_path):
     out = fb.build_delta(p, "math", distill_steps=2)
     assert out == p.deltas["math"]
     delta = load_delta(out)
-    undistilled = load_delta(compress(p.base, p.finetuned["math"], tmp_path / "u.safetensors", variant="math",
-                                      embeddings="sign", progress=False))
+    undistilled = load_delta(
+        compress(
+            p.base, p.finetuned["math"], tmp_path / "u.safetensors", variant="math", embeddings="sign", progress=False
+        )
+    )
     emb = "model.embed_tokens.weight"
     assert delta.meta.extra["embeddings"] == "sign" and delta.meta.alpha_mode == "row"
     assert emb in delta.compressed and "lm_head.weight" not in delta.compressed  # one pair for the tied head
     assert not any(n.startswith(("model.embed_tokens", "lm_head")) for n in delta.dense)
     assert delta.meta.distilled["alpha_frozen"] == [emb]
     assert torch.equal(delta.compressed[emb].alpha, undistilled.compressed[emb].alpha)
-    assert all(not torch.equal(cw.alpha, undistilled.compressed[k].alpha)
-               for k, cw in delta.compressed.items() if k != emb)
+    assert all(
+        not torch.equal(cw.alpha, undistilled.compressed[k].alpha) for k, cw in delta.compressed.items() if k != emb
+    )
 
     student = attach_delta(load_model(p.base), delta, trainable_alpha=True)
     trainable = {n for n, t in student.named_parameters() if t.requires_grad}
@@ -224,11 +231,24 @@ def _built(name: str, path: Path) -> bool:
     return stamp is not None and path.exists()
 
 
-CHECKED_TENSORS = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-                   "model.layers.0.self_attn.k_proj.weight", "model.layers.17.mlp.down_proj.weight",
-                   "model.layers.29.post_attention_layernorm.weight", "model.norm.weight"]
-CHECKED_CONFIG = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                  "intermediate_size", "tie_word_embeddings", "rms_norm_eps")
+CHECKED_TENSORS = [
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.self_attn.k_proj.weight",
+    "model.layers.17.mlp.down_proj.weight",
+    "model.layers.29.post_attention_layernorm.weight",
+    "model.norm.weight",
+]
+CHECKED_CONFIG = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "tie_word_embeddings",
+    "rms_norm_eps",
+)
 
 
 @pytest.fixture(scope="session")
@@ -248,8 +268,12 @@ def gguf_state(artifact_cache):
         save_file({n: state[n].contiguous() for n in CHECKED_TENSORS}, str(d / "tensors.safetensors"))
         (d / "config.json").write_text(json.dumps({k: getattr(cfg, k) for k in CHECKED_CONFIG}))
 
-    key = {"gguf_sha256": file_sha256(gguf_path()), "transformers": transformers.__version__,
-           "tensors": CHECKED_TENSORS, "config": CHECKED_CONFIG}
+    key = {
+        "gguf_sha256": file_sha256(gguf_path()),
+        "transformers": transformers.__version__,
+        "tensors": CHECKED_TENSORS,
+        "config": CHECKED_CONFIG,
+    }
     d = artifact_cache("gguf-reference", key, build)
     return load_file(str(d / "tensors.safetensors")), json.loads((d / "config.json").read_text())
 
@@ -295,8 +319,11 @@ def test_every_compressed_weight_moves_in_fine_tuning(short_finetune):
     from bitdelta.format import read_header
 
     n_layers = read_config(P.base)["num_hidden_layers"]
-    names = [f"model.layers.{i}.{'self_attn' if p.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}"
-             f".{p}.weight" for i in range(n_layers) for p in PROJECTIONS]
+    names = [
+        f"model.layers.{i}.{'self_attn' if p.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}.{p}.weight"
+        for i in range(n_layers)
+        for p in PROJECTIONS
+    ]
     checked = {"short": short_finetune}
     checked.update({v: P.finetuned[v] for v in family.VARIANTS if _built(f"finetuned/{v}", P.finetuned[v])})
     for label, ckpt in checked.items():

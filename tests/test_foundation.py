@@ -14,7 +14,7 @@ import torch
 
 from bitdelta.bits import pack_signs, unpack_signs
 from bitdelta.checkpoint import CheckpointReader, fingerprint
-from bitdelta.compress import compress, apply
+from bitdelta.compress import apply, compress
 from bitdelta.format import BaseMismatchError, DeltaFormatError, load_delta, read_header, verify
 from bitdelta.model import BitDeltaLinear, attach_delta, load_model
 from bitdelta.testing import make_base, make_finetune, make_tiny_family, tiny_args
@@ -37,6 +37,7 @@ def delta_file(family, tmp_path_factory):
 
 # --- bits -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("d_in", [8, 13, 64, 257])
 def test_pack_matches_numpy_packbits_little(d_in):
     g = torch.Generator().manual_seed(d_in)
@@ -58,9 +59,11 @@ def test_unpack_rejects_wrong_width():
 
 # --- model --------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_model_matches_transformers(tmp_path, tied):
     import transformers
+
     args = tiny_args(tie_embeddings=tied, n_kv_heads=2, n_heads=4)
     base = make_base(tmp_path / "m", args, seed=3)
     ours = load_model(base)
@@ -75,7 +78,7 @@ def test_model_matches_transformers(tmp_path, tied):
     seq = list(prompt)
     for _ in range(len(gen)):
         seq.append(int(ours(torch.tensor([seq]))[0, -1].argmax()))
-    assert gen == seq[len(prompt):]
+    assert gen == seq[len(prompt) :]
 
 
 def test_sharded_checkpoint_loads_like_single(tmp_path, family):
@@ -111,6 +114,7 @@ def test_bitdelta_linear_equals_merged_dense():
 
 
 # --- compression round trip -------------------------------------------------------
+
 
 @pytest.mark.parametrize("alpha_mode", ["row", "matrix"])
 def test_compress_apply_round_trip_is_exact(family, tmp_path, alpha_mode):
@@ -181,6 +185,7 @@ def test_distillation_lowers_heldout_logit_mse(family, delta_file):
 
 
 # --- bad files ---------------------------------------------------------------------
+
 
 def _run_cli(*args: str) -> tuple[int, str]:
     p = subprocess.run([sys.executable, "-m", "bitdelta.cli", *args], capture_output=True, text=True, cwd=ROOT)
@@ -261,10 +266,12 @@ def test_interrupted_compress_leaves_nothing(family, tmp_path, monkeypatch):
 def test_cli_compress_inspect_apply(family, tmp_path):
     base, (v0, _) = family
     out = tmp_path / "c.safetensors"
-    code, text = _run_cli("compress", "--base", str(base), "--finetuned", str(v0), "--out", str(out), "--alpha", "matrix")
+    code, text = _run_cli(
+        "compress", "--base", str(base), "--finetuned", str(v0), "--out", str(out), "--alpha", "matrix"
+    )
     assert code == 0, text
     code, text = _run_cli("inspect", str(out), "--json")
-    info = json.loads(text[text.index("{"):])
+    info = json.loads(text[text.index("{") :])
     assert info["alpha_mode"] == "matrix"
     assert info["bytes"]["total"] == out.stat().st_size
     assert info["ratio_compressed_part"] > 10  # 1 bit vs 16 bits, less the scales
@@ -275,6 +282,7 @@ def test_cli_compress_inspect_apply(family, tmp_path):
 
 
 # --- protos ------------------------------------------------------------------------
+
 
 def test_generated_protos_import():
     from bitdelta.delta_store.v1 import delta_store_pb2, delta_store_pb2_grpc

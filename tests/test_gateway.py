@@ -16,16 +16,15 @@ import shutil
 import signal
 import socket
 import time
-from pathlib import Path
 
 import openai
 import pytest
 import pytest_asyncio
+from servers.cluster import Cluster, free_port
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.rpc.clients.router import RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
-from servers.cluster import Cluster, free_port
 from services.gateway.chat import ChatTemplate, ChatTemplateError
 from services.gpu_worker.testing import make_test_family
 
@@ -34,10 +33,12 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 N = 12  # new tokens per generation
 T = 120  # client deadlines (s): generous, the machine may be busy
 # The family's byte tokenizer has no chat template: these stand in for the base's and one variant's.
-BASE_TEMPLATE = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
-                 "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
-                 "{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}{{ bos_token }}assistant: {% endif %}")  # fmt: skip
+BASE_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ bos_token }}assistant: {% endif %}"
+)
 V1_TEMPLATE = "{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}[ASSISTANT] "
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 BOS = "<s>"
@@ -77,8 +78,9 @@ def cluster(family, tmp_path_factory):
 
 
 def oai(gateway, **kw) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(**{"base_url": f"http://{gateway.address}/v1", "api_key": "test-key",
-                                 "max_retries": 0, "timeout": T, **kw})
+    return openai.AsyncOpenAI(
+        **{"base_url": f"http://{gateway.address}/v1", "api_key": "test-key", "max_retries": 0, "timeout": T, **kw}
+    )
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -142,9 +144,9 @@ async def test_models_list_the_base_and_servable_variants(clients, family):
     assert family.other_base in {m.model_id for m in listed} and family.other_base not in ids
     for m in page.data:
         assert m.object == "model" and m.owned_by == "bitdelta"
-        assert getattr(m, "parent") == (None if m.id == base else base)
+        assert m.parent == (None if m.id == base else base)
     one = await client.models.retrieve("v0")
-    assert one.id == "v0" and getattr(one, "parent") == base
+    assert one.id == "v0" and one.parent == base
     with pytest.raises(openai.NotFoundError):
         await client.models.retrieve("nope")
 
@@ -165,8 +167,9 @@ async def test_greedy_completion_equals_the_routers_generate(clients, model, pro
     assert r.usage.completion_tokens == N and r.usage.prompt_tokens == msgs[-1].usage.prompt_tokens
     assert r.usage.total_tokens == r.usage.prompt_tokens + N
 
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=N, temperature=0, stream=True,
-                                             stream_options={"include_usage": True})  # fmt: skip
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=N, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
     chunks = [c async for c in stream]
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
@@ -182,8 +185,9 @@ async def test_stop_maps_to_stop_and_matches_the_router(clients):
     i, stop = next((i, ch) for i, ch in enumerate(full) if i > 0 and ch.isascii() and ch.isprintable())
     want, msgs = await router_text(router, "v0", "The quick brown fox", n=40, stop=[stop])
     assert msgs[-1].finish_reason == gen_pb.FINISH_REASON_STOP and want == full[:i]
-    r = await client.completions.create(model="v0", prompt="The quick brown fox", max_tokens=40, temperature=0,
-                                        stop=stop)  # fmt: skip
+    r = await client.completions.create(
+        model="v0", prompt="The quick brown fox", max_tokens=40, temperature=0, stop=stop
+    )
     assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
 
 
@@ -213,8 +217,7 @@ async def test_chat_renders_the_template_and_equals_the_router(clients, model, r
     assert r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens == msgs[-1].usage.prompt_tokens and r.usage.completion_tokens == N
 
-    stream = await client.chat.completions.create(model=model, messages=CHAT, max_tokens=N, temperature=0,
-                                                  stream=True)  # fmt: skip
+    stream = await client.chat.completions.create(model=model, messages=CHAT, max_tokens=N, temperature=0, stream=True)
     chunks = [c async for c in stream]
     assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
@@ -232,8 +235,9 @@ async def test_chat_template_errors(clients, cluster):
             await plain.chat.completions.create(model="v0", messages=CHAT)
         assert_error_shape(e.value.response.json(), 400, e.value.status_code, "messages", "--chat-template")
         assert e.value.code == "chat_template_missing"
-        r = await plain.completions.create(model="v0", prompt="still serves completions", max_tokens=2,
-                                           temperature=0)  # greedy: sampling (OpenAI's default 1.0) may draw EOS
+        r = await plain.completions.create(
+            model="v0", prompt="still serves completions", max_tokens=2, temperature=0
+        )  # greedy: sampling (OpenAI's default 1.0) may draw EOS
         assert r.usage.completion_tokens == 2
 
 
@@ -244,16 +248,27 @@ async def test_the_real_base_keeps_its_chat_template_and_renders_like_transforme
 
     t = ChatTemplate.load(real_base)
     tok = AutoTokenizer.from_pretrained(str(real_base))
-    for msgs in (CHAT, [{"role": "user", "content": "Écris « bonjour » ✓"}],
-                 [*CHAT, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}]):
+    for msgs in (
+        CHAT,
+        [{"role": "user", "content": "Écris « bonjour » ✓"}],
+        [*CHAT, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}],
+    ):
         assert t.render(msgs) == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert "<|im_start|>assistant\n" in t.render(CHAT)
 
 
 async def test_chat_template_loading(tmp_path):
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
-        {"name": "tool_use", "template": "tools"}, {"name": "default", "template": "{{ eos_token }}!"}],
-        "eos_token": {"content": "</s>", "special": True}}))  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": [
+                    {"name": "tool_use", "template": "tools"},
+                    {"name": "default", "template": "{{ eos_token }}!"},
+                ],
+                "eos_token": {"content": "</s>", "special": True},
+            }
+        )
+    )
     assert ChatTemplate.load(tmp_path).render(CHAT) == "</s>!"  # named templates, AddedToken dicts
     (tmp_path / "chat_template.jinja").write_text("J{{ messages | length }}")
     assert ChatTemplate.load(tmp_path).render(CHAT) == "J2"  # the .jinja file wins, as in transformers
@@ -274,28 +289,31 @@ async def test_chat_template_loading(tmp_path):
 # -- errors ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path,body,status,param,words", [
-    ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model", "unknown model"),
-    ("/v1/chat/completions", {"model": "nope", "messages": CHAT}, 404, "model", "unknown model"),
-    ("/v1/completions", {"model": "otherbase", "prompt": "hi"}, 400, None, "compress it again"),
-    ("/v1/completions", {"model": "v0", "prompt": "hi", "n": 2}, 400, "n", "n must be 1"),
-    ("/v1/chat/completions", {"model": "v0", "messages": CHAT, "n": 3}, 400, "n", "n must be 1"),
-    ("/v1/completions", {"model": "v0", "prompt": "hi", "temperature": 3}, 400, "temperature", "between 0 and 2"),
-    ("/v1/completions", {"model": "v0", "prompt": "hi", "top_p": -1}, 400, "top_p", "between 0 and 1"),
-    ("/v1/completions", {"model": "v0", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
-    ("/v1/completions", {"model": "v0", "prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens", "allows"),
-    ("/v1/completions", {"model": "v0", "prompt": "hi", "stop": ["a"] * 5}, 400, "stop", "at most 4"),
-    ("/v1/completions", {"model": "v0", "prompt": "hi", "seed": -1}, 400, "seed", "seed"),
-    ("/v1/completions", {"model": "v0", "prompt": "hi", "logprobs": 3}, 400, "logprobs", "not supported"),
-    ("/v1/completions", {"model": "v0", "prompt": ""}, 400, "prompt", "prompt"),
-    ("/v1/completions", {"model": "v0", "prompt": [1, 2, 3]}, 400, "prompt", "token ids"),
-    ("/v1/completions", {"model": "v0", "prompt": "x" * 5000}, 400, "prompt", "bytes"),  # the router's limit
-    ("/v1/completions", {"prompt": "hi"}, 400, "model", "model"),
-    ("/v1/completions", {"model": "../etc/passwd", "prompt": "hi"}, 400, "model", "model_id"),
-    ("/v1/chat/completions", {"model": "v0", "messages": []}, 400, "messages", "messages"),
-    ("/v1/chat/completions", {"model": "v0", "messages": [{"content": "no role"}]}, 400, "messages", "role"),
-    ("/v1/completions", [1, 2], 400, None, "JSON object"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "path,body,status,param,words",
+    [
+        ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model", "unknown model"),
+        ("/v1/chat/completions", {"model": "nope", "messages": CHAT}, 404, "model", "unknown model"),
+        ("/v1/completions", {"model": "otherbase", "prompt": "hi"}, 400, None, "compress it again"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "n": 2}, 400, "n", "n must be 1"),
+        ("/v1/chat/completions", {"model": "v0", "messages": CHAT, "n": 3}, 400, "n", "n must be 1"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "temperature": 3}, 400, "temperature", "between 0 and 2"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "top_p": -1}, 400, "top_p", "between 0 and 1"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens", "allows"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "stop": ["a"] * 5}, 400, "stop", "at most 4"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "seed": -1}, 400, "seed", "seed"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "logprobs": 3}, 400, "logprobs", "not supported"),
+        ("/v1/completions", {"model": "v0", "prompt": ""}, 400, "prompt", "prompt"),
+        ("/v1/completions", {"model": "v0", "prompt": [1, 2, 3]}, 400, "prompt", "token ids"),
+        ("/v1/completions", {"model": "v0", "prompt": "x" * 5000}, 400, "prompt", "bytes"),  # the router's limit
+        ("/v1/completions", {"prompt": "hi"}, 400, "model", "model"),
+        ("/v1/completions", {"model": "../etc/passwd", "prompt": "hi"}, 400, "model", "model_id"),
+        ("/v1/chat/completions", {"model": "v0", "messages": []}, 400, "messages", "messages"),
+        ("/v1/chat/completions", {"model": "v0", "messages": [{"content": "no role"}]}, 400, "messages", "role"),
+        ("/v1/completions", [1, 2], 400, None, "JSON object"),
+    ],
+)
 async def test_bad_requests_get_openai_errors(clients, cluster, path, body, status, param, words):
     got, out = await asyncio.to_thread(http, cluster.g, "POST", path, json.dumps(body).encode())
     assert_error_shape(out, status, got, param, words)
@@ -327,8 +345,11 @@ async def test_openai_client_errors_carry_the_shape(clients):
 
 async def test_router_down_is_503(cluster):
     async with oai(cluster.g_dead) as dead:
-        for call in (dead.models.list(), dead.completions.create(model="v0", prompt="hi"),
-                     dead.chat.completions.create(model="v0", messages=CHAT)):  # no template: 400 comes first
+        for call in (
+            dead.models.list(),
+            dead.completions.create(model="v0", prompt="hi"),
+            dead.chat.completions.create(model="v0", messages=CHAT),
+        ):  # no template: 400 comes first
             with pytest.raises(openai.APIStatusError) as e:
                 await call
             if e.value.status_code == 400:
@@ -347,12 +368,19 @@ async def test_full_queue_is_429_and_deadline_is_504(clients, cluster):
     cold variant's load holds the worker's one slot: the next request is refused at once (429). A
     gateway with a 1 s deadline per generation gets 504 for a request stuck on that load."""
     _, _, worker = clients
-    small = cluster.router([cluster.w.address], cluster.st.address, name="router-small",
-                           extra=("--max-in-flight-per-worker", "1", "--max-queue", "0"))
+    small = cluster.router(
+        [cluster.w.address],
+        cluster.st.address,
+        name="router-small",
+        extra=("--max-in-flight-per-worker", "1", "--max-queue", "0"),
+    )
     cluster.wait_serving(small)
     g_small = cluster.gateway(small.address, name="gateway-small")
-    async with RouterClient(small.address, generate_timeout_s=T) as rs, oai(g_small) as client, \
-            oai(cluster.g_short) as short:  # fmt: skip
+    async with (
+        RouterClient(small.address, generate_timeout_s=T) as rs,
+        oai(g_small) as client,
+        oai(cluster.g_short) as short,
+    ):
         while not all(w.up for w in await rs.list_workers()):
             await asyncio.sleep(0.1)
         await worker.evict_delta("v1")
@@ -388,13 +416,17 @@ async def test_authorization_is_forwarded_to_the_router(cluster, tmp_path):
     header as the gRPC `authorization` metadata, so the router's answers follow the token."""
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps({"sk-alice": {"name": "alice", "variants": ["v0"]}}))
-    ra = cluster.router([cluster.w.address], cluster.st.address, name="router-auth",
-                        extra=("--tokens-file", str(tokens)))
+    ra = cluster.router(
+        [cluster.w.address], cluster.st.address, name="router-auth", extra=("--tokens-file", str(tokens))
+    )
     cluster.wait_serving(ra)
     ga = await asyncio.to_thread(cluster.gateway, ra.address, name="gateway-auth")
     try:
-        async with oai(ga, api_key="sk-alice") as alice, oai(ga, api_key="sk-mallory") as mallory, \
-                RouterClient(ra.address, generate_timeout_s=T, token="sk-alice") as direct:  # fmt: skip
+        async with (
+            oai(ga, api_key="sk-alice") as alice,
+            oai(ga, api_key="sk-mallory") as mallory,
+            RouterClient(ra.address, generate_timeout_s=T, token="sk-alice") as direct,
+        ):
             deadline = time.monotonic() + 60
             while not any(m.model_id == "v0" and m.servable for m in await direct.list_models()):
                 assert time.monotonic() < deadline, "the router never saw its worker up"
@@ -409,8 +441,9 @@ async def test_authorization_is_forwarded_to_the_router(cluster, tmp_path):
             with pytest.raises(openai.AuthenticationError) as e:
                 await mallory.completions.create(model="v0", prompt="hi", max_tokens=2)
             assert_error_shape(e.value.response.json(), 401, e.value.status_code, None, "not valid")
-        got, out = await asyncio.to_thread(http, ga, "POST", "/v1/completions",
-                                           json.dumps({"model": "v0", "prompt": "hi"}).encode())  # fmt: skip
+        got, out = await asyncio.to_thread(
+            http, ga, "POST", "/v1/completions", json.dumps({"model": "v0", "prompt": "hi"}).encode()
+        )
         assert_error_shape(out, 401, got, None, "bearer token")
         got, _ = await asyncio.to_thread(http, ga, "GET", "/ready")
         assert got == 200, "a router that refuses a token-less probe is up"
@@ -434,8 +467,10 @@ async def test_a_client_that_disconnects_mid_stream_frees_the_sequence(clients, 
     sock = socket.create_connection((host, int(port)), timeout=T)
     frozen = False
     try:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\ncontent-type: application/json\r\n"
-                     b"content-length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
         got = b""
         while b"data: {" not in got:
             got += await asyncio.to_thread(sock.recv, 65536)

@@ -24,15 +24,15 @@ from pathlib import Path
 
 import openai
 import pytest
+from servers.cluster import ROOT, Cluster, Proc, free_port, tls_flags
+from test_gateway import family  # noqa: F401  (the tiny random family, a module fixture)
+from test_security import creds  # gRPC channel credentials: our CA, our client certificate
 
 from bitdelta.rpc.certs import make_all
 from bitdelta.rpc.clients.router import RouterClient
 from bitdelta.rpc.config import ConfigError
 from bitdelta.rpc.errors import RpcError
-from servers.cluster import ROOT, Cluster, Proc, free_port, tls_flags
 from services.gateway.config import GatewayConfig
-from test_gateway import family  # noqa: F401  (the tiny random family, a module fixture)
-from test_security import creds  # gRPC channel credentials: our CA, our client certificate
 
 T = 60  # client deadlines (s): the machine may be busy
 N = 8  # new tokens per generation
@@ -67,8 +67,11 @@ def client_context(certs: Path, ca: Path | None = None, who: str | None = None) 
 def get(address: str, path: str, context: ssl.SSLContext | None) -> tuple[int, object]:
     """(status, JSON) of one GET; HTTPS with `context`, plain HTTP without."""
     host, port = address.rsplit(":", 1)
-    conn = (http.client.HTTPSConnection(host, int(port), context=context, timeout=T) if context
-            else http.client.HTTPConnection(host, int(port), timeout=T))  # fmt: skip
+    conn = (
+        http.client.HTTPSConnection(host, int(port), context=context, timeout=T)
+        if context
+        else http.client.HTTPConnection(host, int(port), timeout=T)
+    )
     try:
         conn.request("GET", path)
         r = conn.getresponse()
@@ -88,8 +91,9 @@ def wait_https(p: Proc, context: ssl.SSLContext, timeout: float = 60) -> None:
         except (OSError, http.client.HTTPException):
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{p.name} did not answer /health over HTTPS in {timeout:.0f} s:\n"
-                               f"{p.log_text()[-4000:]}")
+            raise RuntimeError(
+                f"{p.name} did not answer /health over HTTPS in {timeout:.0f} s:\n{p.log_text()[-4000:]}"
+            )
         time.sleep(0.1)
 
 
@@ -125,8 +129,12 @@ def tls_cluster(family, certs, tmp_path_factory):  # noqa: F811
         c.w = c.worker(family.base, c.st.address, extra=tls_flags(certs, "worker"))
         c.r = c.router([c.w.address], c.st.address, extra=tls_flags(certs, "router"))
         c.g = c.gateway(c.r.address, extra=(*https_flags(certs), *tls_flags(certs, "gateway")), wait=False)
-        c.g_nocert = c.gateway(c.r.address, name="gateway-nocert", wait=False,
-                               extra=(*https_flags(certs), "--tls-ca", str(certs / "ca.pem")))
+        c.g_nocert = c.gateway(
+            c.r.address,
+            name="gateway-nocert",
+            wait=False,
+            extra=(*https_flags(certs), "--tls-ca", str(certs / "ca.pem")),
+        )
         c.wait_serving(c.st, c.w, c.r)
         wait_https(c.g, client_context(certs))
         wait_https(c.g_nocert, client_context(certs))
@@ -137,8 +145,9 @@ def tls_cluster(family, certs, tmp_path_factory):  # noqa: F811
 def oai(address: str, context: ssl.SSLContext | None = None) -> openai.AsyncOpenAI:
     """The SDK against https://`address`/v1, verifying with `context` (None: the SDK's default trust)."""
     http_client = openai.DefaultAsyncHttpx2Client(verify=context) if context else None
-    return openai.AsyncOpenAI(base_url=f"https://{address}/v1", api_key="test-key", max_retries=0, timeout=T,
-                              http_client=http_client)
+    return openai.AsyncOpenAI(
+        base_url=f"https://{address}/v1", api_key="test-key", max_retries=0, timeout=T, http_client=http_client
+    )
 
 
 async def router_ready(address: str, timeout: float = 120, credentials=None) -> None:
@@ -260,14 +269,19 @@ async def test_https_to_the_gateway_and_mutual_tls_behind_it(tls_cluster, certs)
 
 # -- configuration -------------------------------------------------------------------------------------------
 def test_https_settings_from_the_environment(certs):
-    env = {"BITDELTA_GATEWAY_ROUTER": "127.0.0.1:1", "BITDELTA_GATEWAY_HTTPS_CERT": str(certs / "gateway.pem"),
-           "BITDELTA_GATEWAY_HTTPS_KEY": str(certs / "gateway.key"),
-           "BITDELTA_GATEWAY_HTTPS_CLIENT_CA": str(certs / "ca.pem")}  # fmt: skip
+    env = {
+        "BITDELTA_GATEWAY_ROUTER": "127.0.0.1:1",
+        "BITDELTA_GATEWAY_HTTPS_CERT": str(certs / "gateway.pem"),
+        "BITDELTA_GATEWAY_HTTPS_KEY": str(certs / "gateway.key"),
+        "BITDELTA_GATEWAY_HTTPS_CLIENT_CA": str(certs / "ca.pem"),
+    }
     c = GatewayConfig.from_args([], env=env)
-    assert c.https_on and c.uvicorn_ssl() == {"ssl_certfile": str(certs / "gateway.pem"),
-                                              "ssl_keyfile": str(certs / "gateway.key"),
-                                              "ssl_ca_certs": str(certs / "ca.pem"),
-                                              "ssl_cert_reqs": ssl.CERT_REQUIRED}  # fmt: skip
+    assert c.https_on and c.uvicorn_ssl() == {
+        "ssl_certfile": str(certs / "gateway.pem"),
+        "ssl_keyfile": str(certs / "gateway.key"),
+        "ssl_ca_certs": str(certs / "ca.pem"),
+        "ssl_cert_reqs": ssl.CERT_REQUIRED,
+    }
     assert not c.tls_on  # the router-facing --tls-* settings are separate
     plain = GatewayConfig.from_args(["--router", "127.0.0.1:1"], env={})
     assert not plain.https_on and plain.uvicorn_ssl() == {}
@@ -283,22 +297,34 @@ def bad_flag_cases(certs: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
     return {
         "cert without key": (["--https-cert", cert], "--https-cert (BITDELTA_GATEWAY_HTTPS_CERT) needs --https-key"),
         "key without cert": (["--https-key", key], "--https-key (BITDELTA_GATEWAY_HTTPS_KEY) needs --https-cert"),
-        "client CA without cert": (["--https-client-ca", ca], "--https-client-ca (BITDELTA_GATEWAY_HTTPS_CLIENT_CA) "
-                                                              "needs --https-cert"),
-        "missing cert": (["--https-cert", str(tmp / "nope.pem"), "--https-key", key], "--https-cert "
-                         f"(BITDELTA_GATEWAY_HTTPS_CERT) {tmp / 'nope.pem'}: no such file"),
-        "cert not PEM": (["--https-cert", str(tmp / "garbage.pem"), "--https-key", key],
-                         "--https-cert (BITDELTA_GATEWAY_HTTPS_CERT) " f"{tmp / 'garbage.pem'}: not a PEM certificate"),
-        "key not PEM": (["--https-cert", cert, "--https-key", str(tmp / "garbage.pem")],
-                        "--https-key (BITDELTA_GATEWAY_HTTPS_KEY) " f"{tmp / 'garbage.pem'}: not the PEM private key"),
-        "key of another certificate": (["--https-cert", cert, "--https-key", str(certs / "client.key")],
-                                       "--https-key (BITDELTA_GATEWAY_HTTPS_KEY) " f"{certs / 'client.key'}: not the "
-                                       "PEM private key of --https-cert (BITDELTA_GATEWAY_HTTPS_CERT) "
-                                       "(X509: KEY_VALUES_MISMATCH)"),
-        "client CA not PEM": (["--https-cert", cert, "--https-key", key, "--https-client-ca", str(tmp / "garbage.pem")],
-                              "--https-client-ca (BITDELTA_GATEWAY_HTTPS_CLIENT_CA) " f"{tmp / 'garbage.pem'}: "
-                              "not a PEM CA bundle"),
-    }  # fmt: skip
+        "client CA without cert": (
+            ["--https-client-ca", ca],
+            "--https-client-ca (BITDELTA_GATEWAY_HTTPS_CLIENT_CA) needs --https-cert",
+        ),
+        "missing cert": (
+            ["--https-cert", str(tmp / "nope.pem"), "--https-key", key],
+            f"--https-cert (BITDELTA_GATEWAY_HTTPS_CERT) {tmp / 'nope.pem'}: no such file",
+        ),
+        "cert not PEM": (
+            ["--https-cert", str(tmp / "garbage.pem"), "--https-key", key],
+            f"--https-cert (BITDELTA_GATEWAY_HTTPS_CERT) {tmp / 'garbage.pem'}: not a PEM certificate",
+        ),
+        "key not PEM": (
+            ["--https-cert", cert, "--https-key", str(tmp / "garbage.pem")],
+            f"--https-key (BITDELTA_GATEWAY_HTTPS_KEY) {tmp / 'garbage.pem'}: not the PEM private key",
+        ),
+        "key of another certificate": (
+            ["--https-cert", cert, "--https-key", str(certs / "client.key")],
+            "--https-key (BITDELTA_GATEWAY_HTTPS_KEY) "
+            f"{certs / 'client.key'}: not the "
+            "PEM private key of --https-cert (BITDELTA_GATEWAY_HTTPS_CERT) "
+            "(X509: KEY_VALUES_MISMATCH)",
+        ),
+        "client CA not PEM": (
+            ["--https-cert", cert, "--https-key", key, "--https-client-ca", str(tmp / "garbage.pem")],
+            f"--https-client-ca (BITDELTA_GATEWAY_HTTPS_CLIENT_CA) {tmp / 'garbage.pem'}: not a PEM CA bundle",
+        ),
+    }
 
 
 def test_bad_https_flags_stop_the_process_with_exit_2_naming_the_flag(certs, tmp_path):
@@ -309,12 +335,18 @@ def test_bad_https_flags_stop_the_process_with_exit_2_naming_the_flag(certs, tmp
     env = {k: v for k, v in os.environ.items() if not k.startswith("BITDELTA_GATEWAY_")} | {"OMP_NUM_THREADS": "1"}
 
     def run(flags):
-        return subprocess.run([*base, "--address", f"127.0.0.1:{free_port()}", *flags], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=T)  # fmt: skip
+        return subprocess.run(
+            [*base, "--address", f"127.0.0.1:{free_port()}", *flags],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=T,
+        )
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         done = dict(zip(cases, pool.map(run, [flags for flags, _ in cases.values()])))
-    for name, (flags, words) in cases.items():
+    for name, (_, words) in cases.items():
         r = done[name]
         assert r.returncode == 2, (name, r.returncode, r.stderr)
         assert r.stderr.startswith("services.gateway: bad configuration: ") and words in r.stderr, (name, r.stderr)
@@ -327,9 +359,9 @@ def test_k8s_gateway_serves_https_from_its_secret_and_probes_it(tmp_path):
     `python -m bitdelta.rpc.certs --k8s-secrets` writes), its config accepts them (with that script's
     gateway certificate), its probes speak HTTPS, and the Service forwards to that port."""
     import yaml
+    from test_deploy import k8s_objects
 
     from bitdelta.rpc.certs import k8s_secrets
-    from test_deploy import k8s_objects
 
     make_all(tmp_path, ["gateway"])
     secret = next(d for d in yaml.safe_load_all(k8s_secrets(tmp_path, ["gateway"])))
@@ -341,14 +373,18 @@ def test_k8s_gateway_serves_https_from_its_secret_and_probes_it(tmp_path):
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     assert secrets[mounts["/etc/bitdelta/tls"]] == secret["metadata"]["name"] == "bitdelta-tls-gateway"
     env = {e["name"]: e["value"] for e in c["env"]}
-    files = {f"/etc/bitdelta/tls/{k}": tmp_path / v for k, v in
-             {"ca.pem": "ca.pem", "tls.pem": "gateway.pem", "tls.key": "gateway.key"}.items()}  # fmt: skip
+    files = {
+        f"/etc/bitdelta/tls/{k}": tmp_path / v
+        for k, v in {"ca.pem": "ca.pem", "tls.pem": "gateway.pem", "tls.key": "gateway.key"}.items()
+    }
     assert {env["BITDELTA_GATEWAY_HTTPS_CERT"], env["BITDELTA_GATEWAY_HTTPS_KEY"]} <= set(files)
-    assert {Path(p).name for p in (env["BITDELTA_GATEWAY_HTTPS_CERT"], env["BITDELTA_GATEWAY_HTTPS_KEY"])} <= \
-        set(secret["data"])
+    assert {Path(p).name for p in (env["BITDELTA_GATEWAY_HTTPS_CERT"], env["BITDELTA_GATEWAY_HTTPS_KEY"])} <= set(
+        secret["data"]
+    )
     config = GatewayConfig.from_args(
         [str(tmp_path) if prev == "--chat-template" else a for prev, a in zip(["", *c["args"]], c["args"])],
-        env={k: str(files.get(v, v)) for k, v in env.items()})
+        env={k: str(files.get(v, v)) for k, v in env.items()},
+    )
     assert config.https_on and config.https_client_ca is None and config.tls_on
     port = config.host_port[1]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}

@@ -81,8 +81,13 @@ def test_override_wins_and_bucket_order():
 def test_the_search_space_fits(gpu):
     # python -m kernels.tune tunes the GPU's serving dtype (bf16) and skips what does not fit; all of these do
     cfg = kc.device_config(gpu)
-    base = {"linear_decode": kc.linear_bucket(cfg, 1), "linear_mid": kc.linear_bucket(cfg, 32),
-            "linear_prefill": kc.linear_bucket(cfg, 10**6), "sgmv": cfg["sgmv"], "bgmv": cfg["bgmv"]}
+    base = {
+        "linear_decode": kc.linear_bucket(cfg, 1),
+        "linear_mid": kc.linear_bucket(cfg, 32),
+        "linear_prefill": kc.linear_bucket(cfg, 10**6),
+        "sgmv": cfg["sgmv"],
+        "bgmv": cfg["bgmv"],
+    }
     space = kc._table()["search"]
     for key, cands in space.items():
         if key.startswith("_"):

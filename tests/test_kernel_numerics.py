@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import delta_fidelity, delta_term, make_realistic
 
 from bitdelta.bits import unpack_signs
-from kernel_cases import delta_fidelity, delta_term, make_realistic
 from kernels import bitdelta_delta_batched, plan_batch
 from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
 from kernels.triton_linear import bitdelta_linear_triton
@@ -68,8 +68,9 @@ def test_fused_linear_keeps_a_realistic_delta(impl, M, dtype, regime):
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_fused_linear_split_k_keeps_a_realistic_delta(split_k):
     x, w, signs, alpha = make_realistic(3, 72, 1000, torch.float16, "smollm2")
-    y = bitdelta_linear_triton(x.to(DEV), w.to(DEV), signs.to(DEV), alpha.to(DEV),
-                               config={"SPLIT_K": split_k, "BLOCK_K": 64}).cpu()  # fmt: skip
+    y = bitdelta_linear_triton(
+        x.to(DEV), w.to(DEV), signs.to(DEV), alpha.to(DEV), config={"SPLIT_K": split_k, "BLOCK_K": 64}
+    ).cpu()
     base = x.double() @ w.double().t()
     delta = delta_term(x, signs, alpha, 1000)
     slope, rms = delta_fidelity(y, base, delta)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import make_linear, rel_err
 
-
-from bitdelta.bits import pack_signs  # noqa: E402
-from kernels import bitdelta_delta_batched, bitdelta_linear, plan_batch  # noqa: E402
-from kernels.dispatch import backend_for  # noqa: E402
-from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref  # noqa: E402
-from kernels.triton_linear import bitdelta_linear_triton  # noqa: E402
-from kernel_cases import make_linear, rel_err  # noqa: E402
+from bitdelta.bits import pack_signs
+from kernels import bitdelta_delta_batched, bitdelta_linear, plan_batch
+from kernels.dispatch import backend_for
+from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
+from kernels.triton_linear import bitdelta_linear_triton
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.cuda  # the CUDA profile: `pytest -m cuda` on a GPU runs these with real dots
@@ -167,8 +166,10 @@ def test_plan_batch_segments():
     assert plan.row_idx.tolist() == [1, 5, 0, 3, 4, 7, 8]
     # variant 0: rows [0, 2); variant 2: 5 rows split into tiles of ≤ 4
     assert list(zip(plan.tile_start.tolist(), plan.tile_end.tolist(), plan.tile_variant.tolist())) == [
-        (0, 2, 0), (2, 6, 2), (6, 7, 2),
-    ]  # fmt: skip
+        (0, 2, 0),
+        (2, 6, 2),
+        (6, 7, 2),
+    ]
     assert plan_batch(rv, 3, torch.device("cpu"), sgmv_min_rows=6).kind == "bgmv"
     assert plan_batch(torch.full((4,), -1), 3).kind == "none"
     with pytest.raises(ValueError):

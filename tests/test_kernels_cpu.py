@@ -6,11 +6,12 @@ import logging
 
 import pytest
 import torch
+from kernel_cases import make_linear as make
+from kernel_cases import rel_err
 
 from bitdelta.bits import pack_signs, unpack_signs
 from kernels import MergedWeightCache, bitdelta_delta_batched, bitdelta_linear, cpu_build, cpu_ops
 from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
-from kernel_cases import make_linear as make, rel_err
 
 SHAPES = [(72, 100), (264, 257), (33, 17), (5, 8), (16, 1)]  # (d_out, d_in), ragged against 8 and 16
 MS = [1, 2, 5, 16, 64]
@@ -174,7 +175,11 @@ def test_scalar_build_matches_the_reference(monkeypatch):
     ref = bitdelta_linear_ref(x, w, signs, alpha)
     for path in ("fused_gemv", "blas_delta", "merge_gemm"):
         assert rel_err(cpu_ops.bitdelta_linear_cpu(x, w, signs, alpha, path=path), ref) <= 1e-5, path
-    stack, astack, rv = torch.stack([signs, signs.flip(1)]), torch.stack([alpha, alpha * 2]), torch.tensor([1, 0, -1, 1, 1])
+    stack, astack, rv = (
+        torch.stack([signs, signs.flip(1)]),
+        torch.stack([alpha, alpha * 2]),
+        torch.tensor([1, 0, -1, 1, 1]),
+    )
     y = cpu_ops.bitdelta_delta_batched_cpu(x, stack, astack, rv, torch.zeros(5, 264))
     assert rel_err(y, bitdelta_delta_batched_ref(x, stack, astack, rv, torch.zeros(5, 264))) <= 1e-5
 
@@ -227,7 +232,11 @@ def test_torch_fallback_without_compiler(no_cpu_lib):
     assert rel_err(y, ref - x @ w.t()) <= 1e-5
     m = cpu_ops.merge_cpu(w, signs, alpha, 257, dtype=torch.bfloat16)
     assert torch.equal(m, (w + unpack_signs(signs, 257) * alpha.reshape(-1, 1)).bfloat16())
-    stack, astack, rv = torch.stack([signs, signs.flip(1)]), torch.stack([alpha, alpha * 2]), torch.tensor([1, 0, -1, 1, 1])
+    stack, astack, rv = (
+        torch.stack([signs, signs.flip(1)]),
+        torch.stack([alpha, alpha * 2]),
+        torch.tensor([1, 0, -1, 1, 1]),
+    )
     y = cpu_ops.bitdelta_delta_batched_cpu(x, stack, astack, rv, torch.zeros(5, 264))
     assert rel_err(y, bitdelta_delta_batched_ref(x, stack, astack, rv, torch.zeros(5, 264))) <= 1e-5
 

@@ -10,28 +10,43 @@ from safetensors.torch import save_file
 
 from bitdelta.cli import main
 from bitdelta.merge import lora
-from bitdelta.merge.adapter import (LoraAdapter, LoraModule, dense_to_lora, load_adapter, lowrank_sum,
-                                    module_inner, save_adapter, similarity)
+from bitdelta.merge.adapter import (
+    LoraAdapter,
+    LoraModule,
+    dense_to_lora,
+    load_adapter,
+    lowrank_sum,
+    module_inner,
+    save_adapter,
+    similarity,
+)
 from bitdelta.merge.kmerge import AdapterPool, mean_score, scores, stream
 from bitdelta.model import load_model
 from bitdelta.testing import make_tiny_family
 
-MODULES = {f"model.layers.{i}.self_attn.{p}": shape for i in range(2)
-           for p, shape in (("q_proj", (64, 64)), ("v_proj", (32, 64)))}
+MODULES = {
+    f"model.layers.{i}.self_attn.{p}": shape
+    for i in range(2)
+    for p, shape in (("q_proj", (64, 64)), ("v_proj", (32, 64)))
+}
 
 
 def random_adapter(seed: int, rank: int = 4, scale: float = 2.0) -> LoraAdapter:
     g = torch.Generator().manual_seed(seed)
-    mods = {k: LoraModule(torch.randn(rank, d_in, generator=g) / 8, torch.randn(d_out, rank, generator=g) / 8, scale)
-            for k, (d_out, d_in) in MODULES.items()}
+    mods = {
+        k: LoraModule(torch.randn(rank, d_in, generator=g) / 8, torch.randn(d_out, rank, generator=g) / 8, scale)
+        for k, (d_out, d_in) in MODULES.items()
+    }
     return LoraAdapter(mods, f"a{seed}")
 
 
 def near(adapter: LoraAdapter, seed: int, noise: float = 0.3) -> LoraAdapter:
     """A task similar to `adapter`: same A, B perturbed (cosine ≈ 1/√(1+noise²))."""
     g = torch.Generator().manual_seed(seed)
-    mods = {k: LoraModule(m.A.clone(), m.B + noise * m.B.std() * torch.randn(m.B.shape, generator=g), m.scale)
-            for k, m in adapter.modules.items()}
+    mods = {
+        k: LoraModule(m.A.clone(), m.B + noise * m.B.std() * torch.randn(m.B.shape, generator=g), m.scale)
+        for k, m in adapter.modules.items()
+    }
     return LoraAdapter(mods, f"near{seed}")
 
 
@@ -40,8 +55,11 @@ def dense_cos(x: LoraAdapter, y: LoraAdapter) -> float:
     tot = 0.0
     for k in names:
         if k in x.modules and k in y.modules:
-            tot += float(torch.nn.functional.cosine_similarity(x.modules[k].delta().flatten(),
-                                                               y.modules[k].delta().flatten(), dim=0))
+            tot += float(
+                torch.nn.functional.cosine_similarity(
+                    x.modules[k].delta().flatten(), y.modules[k].delta().flatten(), dim=0
+                )
+            )
     return tot / len(names)
 
 
@@ -62,7 +80,10 @@ def test_factored_inner_products_equal_dense():
 
 
 def test_lowrank_sum_is_exact_then_eckart_young():
-    a, b = random_adapter(1).modules["model.layers.0.self_attn.q_proj"], random_adapter(2).modules["model.layers.0.self_attn.q_proj"]
+    a, b = (
+        random_adapter(1).modules["model.layers.0.self_attn.q_proj"],
+        random_adapter(2).modules["model.layers.0.self_attn.q_proj"],
+    )
     dense = 0.25 * a.delta() + 0.75 * b.delta()
     exact = lowrank_sum([(0.25, a), (0.75, b)], rank=None)
     assert exact.rank == 8 and exact.scale == 1.0
@@ -103,7 +124,9 @@ def test_peft_reader_scales_and_refusals(tmp_path):
     tensors = {f"{key}.lora_A.weight": A, f"{key}.lora_B.weight": B}
     _write_peft(tmp_path / "rs", {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "use_rslora": True}, tensors)
     assert load_adapter(tmp_path / "rs").modules["model.layers.0.self_attn.q_proj"].scale == pytest.approx(8 / 2)
-    _write_peft(tmp_path / "pat", {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "alpha_pattern": {"q_proj": 2}}, tensors)
+    _write_peft(
+        tmp_path / "pat", {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "alpha_pattern": {"q_proj": 2}}, tensors
+    )
     assert load_adapter(tmp_path / "pat").modules["model.layers.0.self_attn.q_proj"].scale == pytest.approx(0.5)
     _write_peft(tmp_path / "dora", {"peft_type": "LORA", "r": 4, "use_dora": True}, tensors)
     with pytest.raises(ValueError, match="DoRA"):
@@ -243,11 +266,14 @@ def test_lora_training_lowers_loss_and_leaves_model_unchanged(tiny):
     model = load_model(base)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     tokens = torch.tensor(list(b"abcabcabd" * 200))
-    cfg = lora.LoraConfig(rank=4, alpha=8, steps=25, lr=1e-2, batch=4, seq_len=32, targets=("q_proj", "v_proj", "up_proj"))
+    cfg = lora.LoraConfig(
+        rank=4, alpha=8, steps=25, lr=1e-2, batch=4, seq_len=32, targets=("q_proj", "v_proj", "up_proj")
+    )
     adapter, rec = lora.train(model, tokens, cfg, progress=False)
     assert rec["loss_last_5"] < rec["loss_first"] - 0.5
-    assert set(adapter.modules) == {f"model.layers.{i}.{p}" for i in range(2)
-                                    for p in ("self_attn.q_proj", "self_attn.v_proj", "mlp.up_proj")}
+    assert set(adapter.modules) == {
+        f"model.layers.{i}.{p}" for i in range(2) for p in ("self_attn.q_proj", "self_attn.v_proj", "mlp.up_proj")
+    }
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(isinstance(m, torch.nn.Linear) for n, m in model.named_modules() if n.endswith("q_proj"))
     # Applying the adapter changes outputs and is undone exactly.
@@ -278,21 +304,61 @@ def test_kmerge_cli_on_trained_adapters(tiny, capsys):
     for task, data in texts.items():
         (root / f"{task}.txt").write_bytes(data)
         out = root / "adapters" / task
-        assert main(["merge", "train-lora", "--base", str(base), "--text", str(root / f"{task}.txt"),
-                     "--heldout", str(root / f"{task}.txt"), "--out", str(out), "--rank", "4",
-                     "--steps", "15", "--lr", "1e-2", "--seq-len", "32"]) == 0
+        assert (
+            main(
+                [
+                    "merge",
+                    "train-lora",
+                    "--base",
+                    str(base),
+                    "--text",
+                    str(root / f"{task}.txt"),
+                    "--heldout",
+                    str(root / f"{task}.txt"),
+                    "--out",
+                    str(out),
+                    "--rank",
+                    "4",
+                    "--steps",
+                    "15",
+                    "--lr",
+                    "1e-2",
+                    "--seq-len",
+                    "32",
+                ]
+            )
+            == 0
+        )
         dirs.append(str(out))
     capsys.readouterr()
-    assert main(["kmerge", "--base", str(base), "--adapters", *dirs, "--k", "2", "--windows", "4",
-                 "--seq-len", "32"]) == 0
+    assert (
+        main(["kmerge", "--base", str(base), "--adapters", *dirs, "--k", "2", "--windows", "4", "--seq-len", "32"]) == 0
+    )
     out = capsys.readouterr().out
     assert "mean score (pool acc / own acc)" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split() and line.split()[0] in texts}
     assert rows["ab"][1] == "0" and rows["abx"][1] == "1" and rows["qz"][1] in ("0", "1")
     alone = "abx" if rows["qz"][1] == "0" else "ab"
     assert float(rows[alone][5]) == pytest.approx(1.0)  # alone in its slot: served = own
-    assert main(["kmerge", "--base", str(base), "--adapters", *dirs, "--budget", "1B", "--json",
-                 "--windows", "2", "--seq-len", "32"]) == 0
+    assert (
+        main(
+            [
+                "kmerge",
+                "--base",
+                str(base),
+                "--adapters",
+                *dirs,
+                "--budget",
+                "1B",
+                "--json",
+                "--windows",
+                "2",
+                "--seq-len",
+                "32",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert [d["action"] for d in report["decisions"]] == ["reject"] * 3 and report["bytes"] == 0
     assert main(["kmerge", "--base", str(base), "--adapters", str(root)]) == 1
@@ -306,29 +372,62 @@ def test_report_rendering_from_results(tmp_path):
     tasks = ["a1", "b1", "a2", "b2"]
     acc_own = {t: 0.5 for t in tasks}
     cfgs = []
-    for label, opts, groups, sc in (("K=4 (every task its own)", {"k": 4}, [["a1"], ["b1"], ["a2"], ["b2"]], 1.0),
-                                    ("K-Merge K=2", {"k": 2}, [["a1", "a2"], ["b1", "b2"]], 0.95),
-                                    ("K=2 + quality gate 0.97", {"k": 2, "gate": 0.97}, [["a1", "a2"], ["b1"]], 0.9)):
+    for label, opts, groups, sc in (
+        ("K=4 (every task its own)", {"k": 4}, [["a1"], ["b1"], ["a2"], ["b2"]], 1.0),
+        ("K-Merge K=2", {"k": 2}, [["a1", "a2"], ["b1", "b2"]], 0.95),
+        ("K=2 + quality gate 0.97", {"k": 2, "gate": 0.97}, [["a1", "a2"], ["b1"]], 0.9),
+    ):
         per = {t: {"slot": 0, "acc": 0.5 * sc, "ppl": 10.0, "score": sc, "ppl_ratio": sc} for t in tasks}
-        dec = [{"task": t, "action": "reject" if (t == "b2" and "gate" in opts) else "new", "slot": 0, "reason": "",
-                "max_similarity": None, "gate": {}} for t in tasks]
-        cfgs.append({"label": label, "options": opts, "slots": len(groups), "bytes": 1000 * len(groups),
-                     "groups": groups, "decisions": dec, "per_task": per, "mean_score": sc, "mean_ppl_ratio": sc})
-    km = {"windows": 2, "seq_len": 8, "stream": tasks,
-          "tasks": {"a1": ["x", ["p"]], "a2": ["x", ["q"]], "b1": ["y", ["p"]], "b2": ["y", ["q"]]},
-          "adapter_bytes": 1000, "lora": {"rank": 8, "targets": ["q_proj"], "alpha": 16, "steps": 2, "batch": 1,
-                                          "seq_len": 8, "lr": 0.1},
-          "training": {t: {"loss_first": 2.0, "loss_last_5": 1.0, "seconds": 1.0} for t in tasks},
-          "similarity": [[1, 0.01, 0.3, 0.02], [0.01, 1, 0.0, 0.4], [0.3, 0.0, 1, 0.03], [0.02, 0.4, 0.03, 1]],
-          "own": {t: {"acc": acc_own[t], "ppl": 10.0} for t in tasks},
-          "base": {t: {"acc": 0.4, "ppl": 12.0} for t in tasks}, "configs": cfgs, "base_mean_score": 0.8}
+        dec = [
+            {
+                "task": t,
+                "action": "reject" if (t == "b2" and "gate" in opts) else "new",
+                "slot": 0,
+                "reason": "",
+                "max_similarity": None,
+                "gate": {},
+            }
+            for t in tasks
+        ]
+        cfgs.append(
+            {
+                "label": label,
+                "options": opts,
+                "slots": len(groups),
+                "bytes": 1000 * len(groups),
+                "groups": groups,
+                "decisions": dec,
+                "per_task": per,
+                "mean_score": sc,
+                "mean_ppl_ratio": sc,
+            }
+        )
+    km = {
+        "windows": 2,
+        "seq_len": 8,
+        "stream": tasks,
+        "tasks": {"a1": ["x", ["p"]], "a2": ["x", ["q"]], "b1": ["y", ["p"]], "b2": ["y", ["q"]]},
+        "adapter_bytes": 1000,
+        "lora": {"rank": 8, "targets": ["q_proj"], "alpha": 16, "steps": 2, "batch": 1, "seq_len": 8, "lr": 0.1},
+        "training": {t: {"loss_first": 2.0, "loss_last_5": 1.0, "seconds": 1.0} for t in tasks},
+        "similarity": [[1, 0.01, 0.3, 0.02], [0.01, 1, 0.0, 0.4], [0.3, 0.0, 1, 0.03], [0.02, 0.4, 0.03, 1]],
+        "own": {t: {"acc": acc_own[t], "ppl": 10.0} for t in tasks},
+        "base": {t: {"acc": 0.4, "ppl": 12.0} for t in tasks},
+        "configs": cfgs,
+        "base_mean_score": 0.8,
+    }
     vs = ["v", "w"]
-    split = lambda ppl: {"ppl": ppl, "nll": 0.0, "tokens": 1}  # noqa: E731
-    ms = {"windows": 2, "seq_len": 8, "rule": "entropy", "variants": vs,
-          "base": {"v": split(10.0), "w": split(20.0)},
-          "finetuned": {"v": {"v": split(6.0), "w": split(22.0)}, "w": {"v": split(11.0), "w": split(25.0)}},
-          "monosoup": {"v": {"v": split(7.0), "w": split(21.0)}, "w": {"v": split(10.5), "w": split(26.0)}},
-          "layers": {v: {"k_median": 3, "rank_median": 8, "lambda_high_mean": 0.9} for v in vs}}
+    split = lambda ppl: {"ppl": ppl, "nll": 0.0, "tokens": 1}
+    ms = {
+        "windows": 2,
+        "seq_len": 8,
+        "rule": "entropy",
+        "variants": vs,
+        "base": {"v": split(10.0), "w": split(20.0)},
+        "finetuned": {"v": {"v": split(6.0), "w": split(22.0)}, "w": {"v": split(11.0), "w": split(25.0)}},
+        "monosoup": {"v": {"v": split(7.0), "w": split(21.0)}, "w": {"v": split(10.5), "w": split(26.0)}},
+        "layers": {v: {"k_median": 3, "rank_median": 8, "lambda_high_mean": 0.9} for v in vs},
+    }
     report._plot_kmerge(km, tmp_path / "kmerge.png")
     report._plot_monosoup(ms, tmp_path / "monosoup.png")
     text = report.write_readme({"kmerge": km, "monosoup": ms}, tmp_path).read_text()

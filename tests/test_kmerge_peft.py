@@ -3,16 +3,15 @@ dependency installed by the set-up, never needed at serving time):
 adapters PEFT saves load here with the same outputs, and adapters saved here
 load in PEFT with the same outputs."""
 
+import peft
 import pytest
 import torch
-
-import peft
 import transformers
 
 from bitdelta.merge.adapter import load_adapter, save_adapter
-from bitdelta.merge.lora import applied  # noqa: E402
-from bitdelta.model import load_model  # noqa: E402
-from bitdelta.testing import make_tiny_family  # noqa: E402
+from bitdelta.merge.lora import applied
+from bitdelta.model import load_model
+from bitdelta.testing import make_tiny_family
 
 
 @pytest.fixture(scope="module")
@@ -25,15 +24,24 @@ def _hf(base):
     return transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("extra", [
-    {},
-    {"use_rslora": True},
-    {"rank_pattern": {"v_proj": 2}, "alpha_pattern": {"layers.1.self_attn.q_proj": 3.0}},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"use_rslora": True},
+        {"rank_pattern": {"v_proj": 2}, "alpha_pattern": {"layers.1.self_attn.q_proj": 3.0}},
+    ],
+)
 def test_peft_saved_adapter_gives_the_same_outputs(base, tmp_path, extra):
     torch.manual_seed(0)
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                          init_lora_weights=False, task_type="CAUSAL_LM", **extra)
+    cfg = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        init_lora_weights=False,
+        task_type="CAUSAL_LM",
+        **extra,
+    )
     model = peft.get_peft_model(_hf(base), cfg).eval()
     model.save_pretrained(str(tmp_path / "task"))
     x = torch.randint(0, 256, (2, 12))

@@ -144,8 +144,23 @@ def test_svd_soup_truncation_is_eckart_young():
 def test_svd_soup_checkpoints_and_cli(family, tmp_path, capsys):
     base, variants = family
     out = tmp_path / "soup"
-    assert main(["merge", "svd-soup", "--base", str(base), "--checkpoints", *map(str, variants),
-                 "--rank", "4", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "merge",
+                "svd-soup",
+                "--base",
+                str(base),
+                "--checkpoints",
+                *map(str, variants),
+                "--rank",
+                "4",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "wrote" in capsys.readouterr().out
     with CheckpointReader(base) as r0, CheckpointReader(out) as r:
         readers = [CheckpointReader(v) for v in variants]
@@ -242,8 +257,12 @@ def test_opcm_norm_is_mean_of_task_norms():
     m, norms = opcm.OPCM(), []
     for t in range(5):
         scale = 0.5 + t  # tasks of different sizes
-        tau = {"a.weight": scale * torch.randn(16, 8, generator=g), "b.weight": scale * torch.randn(8, 8, generator=g),
-               "norm.weight": scale * torch.randn(8, generator=g), "embed_tokens.weight": torch.randn(20, 8, generator=g)}
+        tau = {
+            "a.weight": scale * torch.randn(16, 8, generator=g),
+            "b.weight": scale * torch.randn(8, 8, generator=g),
+            "norm.weight": scale * torch.randn(8, generator=g),
+            "embed_tokens.weight": torch.randn(20, 8, generator=g),
+        }
         norms.append(opcm.global_norm(tau.values()))
         m.add(tau)
         assert opcm.global_norm(m.merged.values()) == pytest.approx(sum(norms) / len(norms), rel=1e-5)
@@ -267,8 +286,10 @@ def test_opcm_checkpoints_cli(family, tmp_path):
 def test_monosoup_cli_and_errors(family, tmp_path, capsys):
     base, (ft, *_) = family
     out = tmp_path / "m"
-    assert main(["merge", "monosoup", "--base", str(base), "--finetuned", str(ft), "--out", str(out),
-                 "--rule", "energy"]) == 0
+    assert (
+        main(["merge", "monosoup", "--base", str(base), "--finetuned", str(ft), "--out", str(out), "--rule", "energy"])
+        == 0
+    )
     text = capsys.readouterr().out
     assert "re-weighted (rank rule energy)" in text and "wrote" in text
     assert main(["merge", "monosoup", "--base", str(tmp_path), "--finetuned", str(ft), "--out", str(out)]) == 1

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
+
 import pytest
+from servers.cluster import Cluster, free_port
+from servers.metrics import scrape
 
 from bitdelta.rpc.clients.router import RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
-from servers.cluster import Cluster, free_port
-from servers.metrics import scrape
+from bitdelta.rpc.errors import RpcError
 from services.gpu_worker.testing import make_test_family
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -35,7 +37,7 @@ def cluster(tmp_path_factory):
     with Cluster(work) as c:
         c.family = fam
         c.ports = {k: free_port() for k in ("store", "worker", "router")}
-        flag = lambda k: ("--metrics-address", f"127.0.0.1:{c.ports[k]}")  # noqa: E731
+        flag = lambda k: ("--metrics-address", f"127.0.0.1:{c.ports[k]}")
         c.st = c.store(root, extra=flag("store"))
         c.w = c.worker(fam.base, c.st.address, extra=("--max-slots", "1", *flag("worker")))
         c.r = c.router([c.w.address], c.st.address, extra=flag("router"))
@@ -48,14 +50,16 @@ async def test_counters_move_on_every_endpoint(cluster):
     before = {k: scrape(p) for k, p in cluster.ports.items()}
     async with RouterClient(cluster.r.address, generate_timeout_s=120) as r:
         deadline = time.monotonic() + 60
-        while not (all(w.up for w in await r.list_workers())
-                   and sum(m.servable and not m.is_base for m in await r.list_models()) >= 2):
+        while not (
+            all(w.up for w in await r.list_workers())
+            and sum(m.servable and not m.is_base for m in await r.list_models()) >= 2
+        ):
             assert time.monotonic() < deadline
             await asyncio.sleep(0.1)
         for v in (fam.variants[0], fam.variants[1], fam.variants[0]):  # one slot: one delta at a time
             msgs = [m async for m in r.generate(v, "The quick brown fox", max_new_tokens=5)]
             assert msgs[-1].finish_reason != 0
-        with pytest.raises(Exception):
+        with pytest.raises(RpcError):
             [m async for m in r.generate("nope", "hi", max_new_tokens=1)]
     async with WorkerClient(cluster.w.address) as w:
         st = await w.status()
@@ -65,8 +69,11 @@ async def test_counters_move_on_every_endpoint(cluster):
     v0 = fam.variants[0]
 
     # router: requests by variant and status, tokens, TTFT by arrival state, inter-token latency
-    assert value(ro, "bitdelta_router_requests_total", model_id=v0, status="OK") - \
-        value(rb, "bitdelta_router_requests_total", model_id=v0, status="OK") == 2
+    assert (
+        value(ro, "bitdelta_router_requests_total", model_id=v0, status="OK")
+        - value(rb, "bitdelta_router_requests_total", model_id=v0, status="OK")
+        == 2
+    )
     assert value(ro, "bitdelta_router_requests_total", model_id="nope", status="NOT_FOUND") == 1
     assert value(ro, "bitdelta_router_tokens_total", model_id=v0) == 10
     assert total(ro, "bitdelta_router_ttft_seconds_count", model_id=v0, arrival_state="cold") >= 1
@@ -88,8 +95,10 @@ async def test_counters_move_on_every_endpoint(cluster):
     assert value(so, "bitdelta_delta_store_fetches_total", delta=v0) == 2
     assert value(so, "bitdelta_delta_store_cache_events_total", result="miss") >= 2
     assert value(so, "bitdelta_delta_store_cache_events_total", result="hit") >= 1
-    assert value(so, "bitdelta_delta_store_served_bytes_total") - value(sb, "bitdelta_delta_store_served_bytes_total") \
+    assert (
+        value(so, "bitdelta_delta_store_served_bytes_total") - value(sb, "bitdelta_delta_store_served_bytes_total")
         >= 3 * 1000
+    )
     assert value(so, "bitdelta_delta_store_cache_used_bytes") > 0
 
 

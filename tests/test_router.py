@@ -17,14 +17,14 @@ import time
 import grpc
 import pytest
 import pytest_asyncio
+from servers.cluster import Cluster, free_port
+from servers.metrics import sample
 
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
 from bitdelta.router.v1 import router_pb2 as pb
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
-from servers.cluster import Cluster, free_port
-from servers.metrics import sample
 from services.gpu_worker.testing import make_test_family
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -155,17 +155,20 @@ async def test_requests_for_one_variant_share_a_worker(clients):
 # -- bad input -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model,prompt,kw,code,words", [
-    ("nope", "hi", {}, grpc.StatusCode.NOT_FOUND, "ListModels"),
-    ("v0", "", {}, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
-    ("v0", "x" * 5000, {}, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
-    ("v0", "hi", {"temperature": math.nan}, grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
-    ("v0", "hi", {"temperature": 1e-45}, grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
-    ("v0", "hi", {"top_p": 2.0}, grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
-    ("v0", "hi", {"n": 10**6}, grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
-    ("../etc/passwd", "hi", {}, grpc.StatusCode.INVALID_ARGUMENT, "model_id"),
-    ("m" * 20000, "hi", {}, grpc.StatusCode.INVALID_ARGUMENT, "model_id"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "model,prompt,kw,code,words",
+    [
+        ("nope", "hi", {}, grpc.StatusCode.NOT_FOUND, "ListModels"),
+        ("v0", "", {}, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        ("v0", "x" * 5000, {}, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        ("v0", "hi", {"temperature": math.nan}, grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        ("v0", "hi", {"temperature": 1e-45}, grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        ("v0", "hi", {"top_p": 2.0}, grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        ("v0", "hi", {"n": 10**6}, grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+        ("../etc/passwd", "hi", {}, grpc.StatusCode.INVALID_ARGUMENT, "model_id"),
+        ("m" * 20000, "hi", {}, grpc.StatusCode.INVALID_ARGUMENT, "model_id"),
+    ],
+)
 async def test_bad_requests_get_a_clear_status(clients, model, prompt, kw, code, words):
     router, _, _ = clients
     with pytest.raises(RouterCallError) as e:
@@ -248,8 +251,12 @@ async def test_fifty_requests_for_a_cold_variant_cause_one_load(clients, cluster
 async def test_full_queues_and_deadlines(clients, cluster):
     """A second router over the same workers, one request per worker at a time, a queue of 2."""
     _, workers, _ = clients
-    r2 = cluster.router([cluster.w[0].address], cluster.st.address, name="router-small",
-                        extra=("--max-in-flight-per-worker", "1", "--max-queue", "2", "--max-queue-per-variant", "2"))
+    r2 = cluster.router(
+        [cluster.w[0].address],
+        cluster.st.address,
+        name="router-small",
+        extra=("--max-in-flight-per-worker", "1", "--max-queue", "2", "--max-queue-per-variant", "2"),
+    )
     cluster.wait_serving(r2)
     async with RouterClient(r2.address, generate_timeout_s=T) as small:
         await workers[0].evict_delta("v1")
@@ -340,19 +347,29 @@ async def test_cli_generate_and_models(clients, cluster, family):
     router, _, _ = clients
     text = "".join(m.text for m in await run(router, "v0", PROMPTS["v0"]))
     cli = [str(Path(sys.executable).parent / "bitdelta")]  # the installed command
-    r = await asyncio.to_thread(subprocess.run, [*cli, "generate", "--router", cluster.r.address, "--model", "v0",
-                                                 "--max-new-tokens", str(N), PROMPTS["v0"]],
-                                capture_output=True, text=True, timeout=T)  # fmt: skip
+    r = await asyncio.to_thread(
+        subprocess.run,
+        [*cli, "generate", "--router", cluster.r.address, "--model", "v0", "--max-new-tokens", str(N), PROMPTS["v0"]],
+        capture_output=True,
+        text=True,
+        timeout=T,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout == PROMPTS["v0"] + text + "\n"
     assert "ttft" in r.stderr and "prefill" in r.stderr and f"{N} tokens" in r.stderr
-    r = await asyncio.to_thread(subprocess.run, [*cli, "models", "--router", cluster.r.address],
-                                capture_output=True, text=True, timeout=T)
+    r = await asyncio.to_thread(
+        subprocess.run, [*cli, "models", "--router", cluster.r.address], capture_output=True, text=True, timeout=T
+    )
     assert r.returncode == 0, r.stderr
     lines = {line.split()[0]: line for line in r.stdout.splitlines()[1:]}
     assert set(family.variants) <= set(lines) and "NOT SERVABLE" in lines[family.other_base]
-    r = await asyncio.to_thread(subprocess.run, [*cli, "generate", "--router", cluster.r.address, "--model", "nope",
-                                                 "hi"], capture_output=True, text=True, timeout=T)
+    r = await asyncio.to_thread(
+        subprocess.run,
+        [*cli, "generate", "--router", cluster.r.address, "--model", "nope", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=T,
+    )
     assert r.returncode == 1 and "NOT_FOUND" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -367,8 +384,9 @@ async def test_cli_store_put_list_rm(clients, cluster, family):
     cli = [str(Path(sys.executable).parent / "bitdelta"), "store"]
 
     async def bitdelta(*args):
-        return await asyncio.to_thread(subprocess.run, [*cli, *args, "--store", cluster.st.address],
-                                       capture_output=True, text=True, timeout=T)
+        return await asyncio.to_thread(
+            subprocess.run, [*cli, *args, "--store", cluster.st.address], capture_output=True, text=True, timeout=T
+        )
 
     r = await bitdelta("put", str(family.delta_path("v0")), "--name", "from-cli")
     assert r.returncode == 0, r.stderr
@@ -399,9 +417,13 @@ async def test_grpcurl_through_reflection(clients, cluster):
     router, _, _ = clients
     grpcurl = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or "grpcurl"
     body = json.dumps({"model_id": "v0", "prompt": PROMPTS["v0"], "sampling": {"max_new_tokens": N}})
-    r = await asyncio.to_thread(subprocess.run, [grpcurl, "-plaintext", "-d", body, cluster.r.address,
-                                                 "bitdelta.router.v1.RouterService/Generate"],
-                                capture_output=True, text=True, timeout=T)  # fmt: skip
+    r = await asyncio.to_thread(
+        subprocess.run,
+        [grpcurl, "-plaintext", "-d", body, cluster.r.address, "bitdelta.router.v1.RouterService/Generate"],
+        capture_output=True,
+        text=True,
+        timeout=T,
+    )
     assert r.returncode == 0, r.stderr
     msgs = [json.loads(m) for m in r.stdout.replace("}\n{", "}\x00{").split("\x00")]
     want = [m.token_id for m in await run(router, "v0", PROMPTS["v0"])]

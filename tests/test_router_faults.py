@@ -11,12 +11,12 @@ import time
 
 import grpc
 import pytest
+from servers.cluster import Cluster
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
-from servers.cluster import Cluster
 from services.gpu_worker.testing import make_test_family
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -40,11 +40,17 @@ async def test_kill9_of_a_worker_mid_run(tmp_path):
     fam = make_test_family(tmp_path / "family", n_variants=2, merged=False)
     with Cluster(tmp_path / "cluster") as c:
         st = c.store(fam.deltas)
-        victim, survivor = c.worker(fam.base, st.address, name="victim"), c.worker(fam.base, st.address, name="survivor")
+        victim, survivor = (
+            c.worker(fam.base, st.address, name="victim"),
+            c.worker(fam.base, st.address, name="survivor"),
+        )
         router = c.router([victim.address, survivor.address], st.address, extra=("--call-timeout-s", "3"))
         c.wait_serving(st, victim, survivor, router)
-        async with RouterClient(router.address, generate_timeout_s=T) as r, \
-                WorkerClient(victim.address) as wv, WorkerClient(survivor.address) as ws:
+        async with (
+            RouterClient(router.address, generate_timeout_s=T) as r,
+            WorkerClient(victim.address) as wv,
+            WorkerClient(survivor.address) as ws,
+        ):
             await wait_for(lambda: _all_up(r), what="both workers up")
             want = await tokens(ws, "v1", "hello there", 8)
             # v1 resident on the victim only, so the router sends its requests there

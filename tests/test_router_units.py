@@ -8,11 +8,11 @@ import time
 import grpc
 import pytest
 
+from bitdelta.rpc.config import ConfigError
+from services.router.admission import Admission
 from services.router.config import RouterConfig
 from services.router.errors import ResourceExhausted
 from services.router.placement import WorkerView, choose_worker
-from services.router.admission import Admission
-from bitdelta.rpc.config import ConfigError
 
 
 def w(addr, **kw) -> WorkerView:
@@ -67,10 +67,13 @@ async def test_admission_bounds_and_fifo():
 def test_router_config():
     c = RouterConfig.from_args(["--workers", "127.0.0.1:1,127.0.0.1:2", "--delta-store", "127.0.0.1:3"], env={})
     assert c.workers == ("127.0.0.1:1", "127.0.0.1:2") and c.max_queue == 256
-    for argv, words in [(["--delta-store", "h:1"], "--workers"), (["--workers", "h:1"], "--delta-store"),
-                        (["--workers", "h:1,h:1", "--delta-store", "h:2"], "twice"),
-                        (["--workers", "nohost", "--delta-store", "h:2"], "HOST:PORT"),
-                        (["--workers", "h:1", "--delta-store", "h:2", "--poll-s", "0"], "--poll-s")]:
+    for argv, words in [
+        (["--delta-store", "h:1"], "--workers"),
+        (["--workers", "h:1"], "--delta-store"),
+        (["--workers", "h:1,h:1", "--delta-store", "h:2"], "twice"),
+        (["--workers", "nohost", "--delta-store", "h:2"], "HOST:PORT"),
+        (["--workers", "h:1", "--delta-store", "h:2", "--poll-s", "0"], "--poll-s"),
+    ]:
         with pytest.raises(ConfigError, match=words):
             RouterConfig.from_args(argv, env={})
 
@@ -83,8 +86,12 @@ async def test_a_stale_status_does_not_undo_what_the_router_saw_since():
 
     pool = WorkerPool(["127.0.0.1:9"], capacity=4, poll_s=1, call_timeout_s=1)
     w = pool.workers["127.0.0.1:9"]
-    stale = wpb.StatusResponse(ready=True, base_model="b", base_fingerprint="f", slots=[
-        wpb.DeltaSlot(name="old", state=wpb.DELTA_STATE_RESIDENT)])
+    stale = wpb.StatusResponse(
+        ready=True,
+        base_model="b",
+        base_fingerprint="f",
+        slots=[wpb.DeltaSlot(name="old", state=wpb.DELTA_STATE_RESIDENT)],
+    )
     asked = time.monotonic()
     pool.note_resident(w.address, "v")  # a token of v arrived after the poll asked
     pool._apply(w, stale, asked)

@@ -64,11 +64,14 @@ def _echo_service(release: asyncio.Event) -> Service:
         return str(n).encode()
 
     ident = dict(request_deserializer=None, response_serializer=None)
-    handlers = {"Say": grpc.unary_unary_rpc_method_handler(unary, **ident),
-                "Stream": grpc.unary_stream_rpc_method_handler(stream, **ident),
-                "Upload": grpc.stream_unary_rpc_method_handler(upload, **ident)}
-    return Service(SERVICE, lambda s: s.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE, handlers),)))
+    handlers = {
+        "Say": grpc.unary_unary_rpc_method_handler(unary, **ident),
+        "Stream": grpc.unary_stream_rpc_method_handler(stream, **ident),
+        "Upload": grpc.stream_unary_rpc_method_handler(upload, **ident),
+    }
+    return Service(
+        SERVICE, lambda s: s.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    )
 
 
 async def test_server_skeleton_maps_errors_and_drains():
@@ -78,8 +81,12 @@ async def test_server_skeleton_maps_errors_and_drains():
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
         say = ch.unary_unary(f"/{SERVICE}/Say")
         assert await say(b"hello", timeout=10) == b"hello"
-        for text, code in [("missing", grpc.StatusCode.NOT_FOUND), ("downstream", grpc.StatusCode.INVALID_ARGUMENT),
-                           ("bug", grpc.StatusCode.INTERNAL), ("long", grpc.StatusCode.NOT_FOUND)]:
+        for text, code in [
+            ("missing", grpc.StatusCode.NOT_FOUND),
+            ("downstream", grpc.StatusCode.INVALID_ARGUMENT),
+            ("bug", grpc.StatusCode.INTERNAL),
+            ("long", grpc.StatusCode.NOT_FOUND),
+        ]:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await say(text.encode(), timeout=10)
             assert e.value.code() == code, text

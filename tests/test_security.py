@@ -17,6 +17,7 @@ import grpc
 import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from servers.cluster import Cluster, free_port, tls_flags
 
 from bitdelta.rpc import security
 from bitdelta.rpc.certs import make_all
@@ -25,7 +26,6 @@ from bitdelta.rpc.clients.router import RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
 from bitdelta.rpc.config import ConfigError
 from bitdelta.rpc.errors import RpcError
-from servers.cluster import Cluster, free_port, tls_flags
 from services.gpu_worker.testing import make_test_family
 
 aio = pytest.mark.asyncio(loop_scope="module")  # the async tests share the module's cluster
@@ -52,11 +52,15 @@ def certs(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tokens_file(tmp_path_factory) -> Path:
     p = tmp_path_factory.mktemp("tokens") / "tokens.json"
-    p.write_text(json.dumps({
-        f"sha256:{sha(ALICE)}": {"name": "alice", "variants": ["v0"]},
-        f"sha256:{sha(BOB)}": {"name": "bob", "variants": ["base"]},
-        OPS: {"name": "ops", "variants": "*", "admin": True},  # a plain key works too (demos)
-    }))  # fmt: skip
+    p.write_text(
+        json.dumps(
+            {
+                f"sha256:{sha(ALICE)}": {"name": "alice", "variants": ["v0"]},
+                f"sha256:{sha(BOB)}": {"name": "bob", "variants": ["base"]},
+                OPS: {"name": "ops", "variants": "*", "admin": True},  # a plain key works too (demos)
+            }
+        )
+    )
     return p
 
 
@@ -132,8 +136,9 @@ async def test_each_service_refuses_clients_without_a_certificate_of_its_ca(clus
         "a certificate from another CA": grpc.aio.secure_channel(address, creds(certs, who="other")),
         "plain text": grpc.aio.insecure_channel(address),
         "a server from another CA (client side)": grpc.aio.secure_channel(
-            address, creds(certs, who="client", ca=certs / "other" / "ca.pem")),
-    }  # fmt: skip
+            address, creds(certs, who="client", ca=certs / "other" / "ca.pem")
+        ),
+    }
     for why, channel in refused.items():
         async with channel:
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -147,9 +152,13 @@ async def test_each_service_refuses_clients_without_a_certificate_of_its_ca(clus
 @aio
 async def test_a_refused_connection_says_what_it_likely_means(cluster, certs):
     """gRPC reports both TLS mismatches as a bare "Socket closed"; the project's clients add the likely cause."""
-    for client, hint in [(DeltaStoreClient(cluster.st.address), "may require TLS, and this client connects in plain text"),
-                         (DeltaStoreClient(cluster.st.address, credentials=creds(certs, who=None)),
-                          "may require a client certificate signed by its CA")]:
+    for client, hint in [
+        (DeltaStoreClient(cluster.st.address), "may require TLS, and this client connects in plain text"),
+        (
+            DeltaStoreClient(cluster.st.address, credentials=creds(certs, who=None)),
+            "may require a client certificate signed by its CA",
+        ),
+    ]:
         async with client:
             with pytest.raises(RpcError) as e:
                 await client.list(timeout_s=20)
@@ -172,10 +181,12 @@ async def test_plain_text_health_port_answers_health_and_nothing_else(cluster):
 @aio
 async def test_router_tokens(cluster, certs, ops):
     addr, cc = cluster.r.address, creds(certs)
-    async with RouterClient(addr, credentials=cc, generate_timeout_s=T) as anon, \
-            RouterClient(addr, credentials=cc, token="not-a-token", generate_timeout_s=T) as bogus, \
-            RouterClient(addr, credentials=cc, token=ALICE, generate_timeout_s=T) as alice, \
-            RouterClient(addr, credentials=cc, token=BOB, generate_timeout_s=T) as bob:  # fmt: skip
+    async with (
+        RouterClient(addr, credentials=cc, generate_timeout_s=T) as anon,
+        RouterClient(addr, credentials=cc, token="not-a-token", generate_timeout_s=T) as bogus,
+        RouterClient(addr, credentials=cc, token=ALICE, generate_timeout_s=T) as alice,
+        RouterClient(addr, credentials=cc, token=BOB, generate_timeout_s=T) as bob,
+    ):
         with pytest.raises(RpcError) as e:
             await collect(anon, "v0")
         assert e.value.code == grpc.StatusCode.UNAUTHENTICATED and "Bearer" in e.value.details
@@ -211,9 +222,11 @@ async def test_router_tokens(cluster, certs, ops):
 async def test_admin_methods_need_an_admin_token(cluster, certs, family):
     cc = creds(certs)
     data = family.delta_path("v1").read_bytes()
-    async with DeltaStoreClient(cluster.st.address, credentials=cc) as anon, \
-            DeltaStoreClient(cluster.st.address, credentials=cc, token=ALICE) as alice, \
-            DeltaStoreClient(cluster.st.address, credentials=cc, token=OPS) as admin:  # fmt: skip
+    async with (
+        DeltaStoreClient(cluster.st.address, credentials=cc) as anon,
+        DeltaStoreClient(cluster.st.address, credentials=cc, token=ALICE) as alice,
+        DeltaStoreClient(cluster.st.address, credentials=cc, token=OPS) as admin,
+    ):
         assert await codes_of(anon.put("v1copy", data)) == grpc.StatusCode.UNAUTHENTICATED
         assert await codes_of(alice.put("v1copy", data)) == grpc.StatusCode.PERMISSION_DENIED
         assert (await admin.put("v1copy", data)).name == "v1copy"
@@ -223,9 +236,11 @@ async def test_admin_methods_need_an_admin_token(cluster, certs, family):
         await admin.delete("v1copy")
         assert "v1copy" not in {d.name for d in await anon.list()}
 
-    async with WorkerClient(cluster.w.address, credentials=cc, generate_timeout_s=T) as anon, \
-            WorkerClient(cluster.w.address, credentials=cc, token=ALICE, generate_timeout_s=T) as alice, \
-            WorkerClient(cluster.w.address, credentials=cc, token=OPS, generate_timeout_s=T) as admin:  # fmt: skip
+    async with (
+        WorkerClient(cluster.w.address, credentials=cc, generate_timeout_s=T) as anon,
+        WorkerClient(cluster.w.address, credentials=cc, token=ALICE, generate_timeout_s=T) as alice,
+        WorkerClient(cluster.w.address, credentials=cc, token=OPS, generate_timeout_s=T) as admin,
+    ):
         assert await codes_of(anon.load_delta("v1")) == grpc.StatusCode.UNAUTHENTICATED
         assert await codes_of(alice.load_delta("v1")) == grpc.StatusCode.PERMISSION_DENIED
         await admin.load_delta("v1")
@@ -241,10 +256,21 @@ def test_cli_reaches_a_secure_router_with_the_variables(cluster, certs):
     import subprocess
     import sys
 
-    env = {**os.environ, "BITDELTA_TLS_CA": str(certs / "ca.pem"), "BITDELTA_TLS_CERT": str(certs / "client.pem"),
-           "BITDELTA_TLS_KEY": str(certs / "client.key"), "BITDELTA_TOKEN": ALICE}  # fmt: skip
-    argv = [sys.executable, "-c", "from bitdelta.cli import main; raise SystemExit(main())",
-            "models", "--router", cluster.r.address]
+    env = {
+        **os.environ,
+        "BITDELTA_TLS_CA": str(certs / "ca.pem"),
+        "BITDELTA_TLS_CERT": str(certs / "client.pem"),
+        "BITDELTA_TLS_KEY": str(certs / "client.key"),
+        "BITDELTA_TOKEN": ALICE,
+    }
+    argv = [
+        sys.executable,
+        "-c",
+        "from bitdelta.cli import main; raise SystemExit(main())",
+        "models",
+        "--router",
+        cluster.r.address,
+    ]
     ok = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "v0" in ok.stdout and "v1" not in ok.stdout
@@ -274,23 +300,31 @@ def test_partial_tls_settings_are_refused(certs, tmp_path):
         RouterConfig.from_args([*need, "--tls-cert", str(certs / "router.pem"), "--tls-key", str(certs / "router.key")])
     with pytest.raises(ConfigError, match="no such file"):
         RouterConfig.from_args([*need, *tls_flags(tmp_path, "router")])
-    c = RouterConfig.from_args(need, env={"BITDELTA_ROUTER_TLS_CA": str(certs / "ca.pem"),
-                                          "BITDELTA_ROUTER_TLS_CERT": str(certs / "router.pem"),
-                                          "BITDELTA_ROUTER_TLS_KEY": str(certs / "router.key")})  # fmt: skip
+    c = RouterConfig.from_args(
+        need,
+        env={
+            "BITDELTA_ROUTER_TLS_CA": str(certs / "ca.pem"),
+            "BITDELTA_ROUTER_TLS_CERT": str(certs / "router.pem"),
+            "BITDELTA_ROUTER_TLS_KEY": str(certs / "router.key"),
+        },
+    )
     assert c.tls_on and c.tls_client_auth and c.server_credentials() is not None
     assert RouterConfig.from_args(need).server_credentials() is None  # off by default
 
 
-@pytest.mark.parametrize("text, error", [
-    ("[]", "must be a JSON object"),
-    ('{"t": {"variants": "*"}}', "'name'"),
-    ('{"t": {"name": "a", "variants": "v0"}}', "'variants'"),
-    ('{"t": {"name": "a", "admin": "yes"}}', "'admin'"),
-    ('{"t": {"name": "a", "role": "x"}}', "unknown fields"),
-    ('{"sha256:12": {"name": "a"}}', "64 hex digits"),
-    ('{"t": {"name": "a"}, "sha256:' + sha("t") + '": {"name": "b"}}', "the same token as 'a'"),
-    ("{nope", "not JSON"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("[]", "must be a JSON object"),
+        ('{"t": {"variants": "*"}}', "'name'"),
+        ('{"t": {"name": "a", "variants": "v0"}}', "'variants'"),
+        ('{"t": {"name": "a", "admin": "yes"}}', "'admin'"),
+        ('{"t": {"name": "a", "role": "x"}}', "unknown fields"),
+        ('{"sha256:12": {"name": "a"}}', "64 hex digits"),
+        ('{"t": {"name": "a"}, "sha256:' + sha("t") + '": {"name": "b"}}', "the same token as 'a'"),
+        ("{nope", "not JSON"),
+    ],
+)
 def test_tokens_file_errors_name_the_entry_never_the_token(text, error):
     with pytest.raises(ValueError, match=error) as e:
         security.parse_tokens(text)
@@ -334,15 +368,15 @@ def test_certificates_name_loopback_and_kubernetes_services(certs):
     assert oct((certs / "worker.key").stat().st_mode & 0o777) == "0o600"
 
 
-
 # -- Kubernetes: the manifests turn it all on ---------------------------------------------------------
 def test_k8s_services_run_mutual_tls_and_tokens_from_secrets(tmp_path):
     """Every gRPC service's container gets the TLS files, the tokens file and a plain health port
     from its environment, mounted from the Secrets `python -m bitdelta.rpc.certs --k8s-secrets` writes,
     and probes that port; its config accepts exactly those settings."""
     import yaml
-    from bitdelta.rpc.certs import k8s_secrets, make_tokens
     from test_deploy import config_class, image_modules, k8s_objects
+
+    from bitdelta.rpc.certs import k8s_secrets, make_tokens
 
     names = ["router", "gpu-worker", "delta-store", "gateway"]
     make_all(tmp_path, names)
@@ -364,12 +398,15 @@ def test_k8s_services_run_mutual_tls_and_tokens_from_secrets(tmp_path):
             assert secrets[mounts["/etc/bitdelta/tls"]] in made, c["name"]
             env = {e["name"]: e["value"] for e in c["env"] if e["name"].startswith("BITDELTA_")}
             prefix = config_class(module).ENV_PREFIX
-            files = {"/etc/bitdelta/tls/ca.pem": tmp_path / "ca.pem",
-                     "/etc/bitdelta/tls/tls.pem": tmp_path / f"{obj['metadata']['name']}.pem",
-                     "/etc/bitdelta/tls/tls.key": tmp_path / f"{obj['metadata']['name']}.key",
-                     "/etc/bitdelta/tokens/tokens.json": tmp_path / "tokens.json"}  # fmt: skip
-            config = config_class(module).from_args(_fixed_args(c["args"], tmp_path / "p"),
-                                                    env={k: str(files.get(v, v)) for k, v in env.items()})
+            files = {
+                "/etc/bitdelta/tls/ca.pem": tmp_path / "ca.pem",
+                "/etc/bitdelta/tls/tls.pem": tmp_path / f"{obj['metadata']['name']}.pem",
+                "/etc/bitdelta/tls/tls.key": tmp_path / f"{obj['metadata']['name']}.key",
+                "/etc/bitdelta/tokens/tokens.json": tmp_path / "tokens.json",
+            }
+            config = config_class(module).from_args(
+                _fixed_args(c["args"], tmp_path / "p"), env={k: str(files.get(v, v)) for k, v in env.items()}
+            )
             assert config.tls_on and config.tls_cert is not None, c["name"]
             if module == "services.gateway":
                 continue  # a client of the router only
@@ -390,5 +427,7 @@ def _fixed_args(argv: list[str], tmp: Path) -> list[str]:
     base.mkdir(parents=True, exist_ok=True)
     (base / "config.json").write_text("{}")
     (base / "tokenizer.json").write_text("{}")
-    return [str(base) if prev in ("--base", "--chat-template") else str(tmp) if prev == "--root" else a
-            for prev, a in zip(["", *argv], argv)]
+    return [
+        str(base) if prev in ("--base", "--chat-template") else str(tmp) if prev == "--root" else a
+        for prev, a in zip(["", *argv], argv)
+    ]

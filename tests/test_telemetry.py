@@ -7,7 +7,6 @@ writing OTLP/JSON lines). One request is one trace with the TTFT breakdown as sp
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import subprocess
 import time
@@ -15,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from servers.cluster import Cluster, free_port
 
 from bitdelta import traces
 from bitdelta.cli import main as cli_main
 from bitdelta.router.v1 import router_pb2 as pb
 from bitdelta.rpc.clients.router import RouterClient
-from servers.cluster import Cluster, free_port
 from services.gpu_worker.testing import make_test_family
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -45,11 +44,25 @@ def traced(family, tmp_path_factory):
     sink = traces.OtlpFileSink(work / "spans.jsonl")
     rotel_port = free_port()
     rotel = subprocess.Popen(
-        [str(rotel_binary()), "start", "--otlp-grpc-endpoint", f"127.0.0.1:{rotel_port}",
-         "--otlp-http-endpoint", f"127.0.0.1:{free_port()}", "--exporter", "otlp",
-         "--otlp-exporter-endpoint", f"http://127.0.0.1:{sink.port}", "--otlp-exporter-protocol", "grpc",
-         "--batch-timeout", "100ms"],
-        stdout=open(work / "rotel.log", "wb"), stderr=subprocess.STDOUT)  # fmt: skip
+        [
+            str(rotel_binary()),
+            "start",
+            "--otlp-grpc-endpoint",
+            f"127.0.0.1:{rotel_port}",
+            "--otlp-http-endpoint",
+            f"127.0.0.1:{free_port()}",
+            "--exporter",
+            "otlp",
+            "--otlp-exporter-endpoint",
+            f"http://127.0.0.1:{sink.port}",
+            "--otlp-exporter-protocol",
+            "grpc",
+            "--batch-timeout",
+            "100ms",
+        ],
+        stdout=open(work / "rotel.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{rotel_port}", "OTEL_BSP_SCHEDULE_DELAY": "100"}
     root = work / "deltas"
     shutil.copytree(family.deltas, root)
@@ -96,8 +109,10 @@ async def router(traced):
 async def until_workers_up(r: RouterClient, timeout: float = 60) -> None:
     """Workers up and the variants listed (the router refreshes them from the store every second)."""
     deadline = time.monotonic() + timeout
-    while not (all(w.up for w in await r.list_workers()) and
-               sum(m.servable and not m.is_base for m in await r.list_models()) >= 2):
+    while not (
+        all(w.up for w in await r.list_workers())
+        and sum(m.servable and not m.is_base for m in await r.list_models()) >= 2
+    ):
         assert time.monotonic() < deadline, "the router never saw its workers up and the variants listed"
         await asyncio.sleep(0.1)
 
@@ -106,8 +121,18 @@ async def test_one_cold_request_is_one_trace_through_rotel(traced, router, famil
     model = family.variants[0]
     msgs = [m async for m in router.generate(model, "The quick brown fox", max_new_tokens=6)]
     assert msgs[0].arrival_state == pb.ARRIVAL_STATE_COLD
-    want = {"router.Generate", "router.placement", "worker.Generate", "worker.load_delta", "delta_store.Fetch",
-            "delta_store.fetch", "delta_store.backend.read", "worker.schedule", "worker.prefill", "worker.decode"}
+    want = {
+        "router.Generate",
+        "router.placement",
+        "worker.Generate",
+        "worker.load_delta",
+        "delta_store.Fetch",
+        "delta_store.fetch",
+        "delta_store.backend.read",
+        "worker.schedule",
+        "worker.prefill",
+        "worker.decode",
+    }
     tid, spans = await wait_trace(traced.spans_file, want)
     by = {s.name: s for s in spans}
     ids = {s.span_id: s for s in spans}
@@ -145,8 +170,9 @@ async def test_one_cold_request_is_one_trace_through_rotel(traced, router, famil
     # the second request is resident: no load span, a router span saying so
     msgs = [m async for m in router.generate(model, "abc", max_new_tokens=3)]
     assert msgs[0].arrival_state == pb.ARRIVAL_STATE_RESIDENT
-    tid2, spans2 = await wait_trace(traced.spans_file, {"router.Generate", "worker.decode"},
-                                    after=by["router.Generate"].start_ns)
+    tid2, spans2 = await wait_trace(
+        traced.spans_file, {"router.Generate", "worker.decode"}, after=by["router.Generate"].start_ns
+    )
     assert tid2 != tid and len(tid) == 32  # hex, as OTLP/JSON has it
     assert "worker.load_delta" not in {s.name for s in spans2}
     assert {s.attrs.get("arrival_state") for s in spans2 if s.name == "router.Generate"} == {"resident"}
@@ -158,8 +184,11 @@ async def test_errors_are_recorded_with_their_status(traced, router):
     assert "NOT_FOUND" in str(e.value) or "not found" in str(e.value).lower()
     deadline = time.monotonic() + 60
     while True:
-        bad = [s for s in traces.read_file(traced.spans_file)
-               if s.name == "router.Generate" and s.attrs.get("model_id") == "no-such-variant"]
+        bad = [
+            s
+            for s in traces.read_file(traced.spans_file)
+            if s.name == "router.Generate" and s.attrs.get("model_id") == "no-such-variant"
+        ]
         if bad:
             break
         assert time.monotonic() < deadline, "the failed request's span did not arrive"
@@ -216,7 +245,7 @@ async def test_a_collector_that_is_down_costs_a_request_nothing(family, tmp_path
         down_t = await timed(rs[1].address, 10)
         down_t += await timed(rs[1].address, 30)
         rss1 = rss(rs[1])
-        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        med = lambda xs: sorted(xs)[len(xs) // 2]
         # generous bound: the machine is shared; an exporter blocking the loop would cost seconds
         assert med(down_t) < 2 * med(base_t) + 0.05, (med(base_t), med(down_t))
         assert max(down_t) < 2.0, max(down_t)

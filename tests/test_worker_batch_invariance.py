@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from bitdelta.compress import compress
 from bitdelta.testing import make_finetune, tiny_args
@@ -25,8 +24,13 @@ from services.gpu_worker.worker import GenerateParams, Worker
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("cpu_kernels")]
 
 N = 16
-JOBS = [("v0", "The quick brown fox"), ("", "Hello world"), ("v1", "abc xyz"), ("v2", "def f(x):"),
-        ("v0", "Hello world")]  # fmt: skip
+JOBS = [
+    ("v0", "The quick brown fox"),
+    ("", "Hello world"),
+    ("v1", "abc xyz"),
+    ("v2", "def f(x):"),
+    ("v0", "Hello world"),
+]
 REAL_SCALE = 0.0006  # fine-tune noise; the base's weights have std 0.2 (services.gpu_worker.testing)
 
 

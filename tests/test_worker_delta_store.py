@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import grpc
 import pytest
 import pytest_asyncio
@@ -23,7 +22,9 @@ def family(tmp_path_factory):
     return make_test_family(tmp_path_factory.mktemp("worker_store_family"), n_variants=2)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["store-verifies", "worker-verifies", "shared-memory"])
+@pytest_asyncio.fixture(
+    scope="module", loop_scope="module", params=["store-verifies", "worker-verifies", "shared-memory"]
+)
 async def store(family, request, tmp_path_factory):
     """A delta_store over the family's delta directory: it verifies and the worker checks crc32s; with
     verify_reads off, the worker checks sha256s too; with its host cache in shared memory, the worker
@@ -32,9 +33,13 @@ async def store(family, request, tmp_path_factory):
     from services.delta_store.server import create_server
 
     shared = request.param == "shared-memory"
-    config = Config(address="127.0.0.1:0", root=family.deltas, verify_reads=request.param != "worker-verifies",
-                    cache_bytes=64 << 20 if shared else 0,
-                    shared_memory_dir=tmp_path_factory.mktemp("shm") if shared else None)
+    config = Config(
+        address="127.0.0.1:0",
+        root=family.deltas,
+        verify_reads=request.param != "worker-verifies",
+        cache_bytes=64 << 20 if shared else 0,
+        shared_memory_dir=tmp_path_factory.mktemp("shm") if shared else None,
+    )
     config.check()
     server, store = create_server(config)
     await server.start()

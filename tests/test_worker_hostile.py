@@ -54,9 +54,11 @@ def size(family) -> int:
 
     _, args = BaseWeights.load(family.base, torch.float32, torch.device("cpu"))
     layout = SlotLayout(args, torch.float32)
-    return layout.slot_bytes + sum(layout.extra_bytes(t.param, t.role, t.shape)
-                                   for t in read_header(family.delta_path("v0")).tensors
-                                   if t.param in ("model.embed_tokens.weight", "lm_head.weight"))
+    return layout.slot_bytes + sum(
+        layout.extra_bytes(t.param, t.role, t.shape)
+        for t in read_header(family.delta_path("v0")).tensors
+        if t.param in ("model.embed_tokens.weight", "lm_head.weight")
+    )
 
 
 def config(family, **kw) -> WorkerConfig:
@@ -66,9 +68,12 @@ def config(family, **kw) -> WorkerConfig:
 
 
 async def generate(stub, model_id, prompt, n=4, timeout=T, **sampling) -> list[int]:
-    call = stub.Generate(pb.GenerateRequest(model_id=model_id, prompt=prompt,
-                                            sampling=gen_pb.SamplingParams(max_new_tokens=n, **sampling)),
-                         timeout=timeout)  # fmt: skip
+    call = stub.Generate(
+        pb.GenerateRequest(
+            model_id=model_id, prompt=prompt, sampling=gen_pb.SamplingParams(max_new_tokens=n, **sampling)
+        ),
+        timeout=timeout,
+    )
     return [m.token_id async for m in call]
 
 
@@ -251,6 +256,7 @@ async def test_nan_sampling_ends_its_sequence_alone_in_a_mixed_batch(family):
     from services.gpu_worker.worker import GenerateParams
 
     async with running_worker(config(family)) as (worker, _, _):
+
         async def solo(model_id, prompt, **kw):
             return [ev.token_id async for ev in worker.generate(GenerateParams(model_id, prompt, 8, **kw))]
 
@@ -258,15 +264,27 @@ async def test_nan_sampling_ends_its_sequence_alone_in_a_mixed_batch(family):
         sampled = await solo("", "abc", temperature=0.8, seed=5)
         slot_v0 = await worker.manager.acquire("v0")
         queues, seqs = [], []
-        for i, (name, prompt, sampler) in enumerate([("v0", "Hello", Sampler(0.0, 0.0, 0)),
-                                                     (None, "abc", Sampler(0.8, 0.0, 5)),
-                                                     (None, "xyz", Sampler(math.nan, 0.0, 1))]):
+        for i, (name, prompt, sampler) in enumerate(
+            [
+                ("v0", "Hello", Sampler(0.0, 0.0, 0)),
+                (None, "abc", Sampler(0.8, 0.0, 5)),
+                (None, "xyz", Sampler(math.nan, 0.0, 1)),
+            ]
+        ):
             ids = worker.tokenizer.encode(prompt).ids
             q = asyncio.Queue()
             queues.append(q)
-            seqs.append(Sequence(state=SeqState(10_000 + i, ids, 8, slot_v0 if name else -1), sampler=sampler,
-                                 text=TextStream(worker.tokenizer, ids, []), eos_ids=worker.eos_ids,
-                                 emit=q.put_nowait, delta_name=name, t_arrival=time.perf_counter()))
+            seqs.append(
+                Sequence(
+                    state=SeqState(10_000 + i, ids, 8, slot_v0 if name else -1),
+                    sampler=sampler,
+                    text=TextStream(worker.tokenizer, ids, []),
+                    eos_ids=worker.eos_ids,
+                    emit=q.put_nowait,
+                    delta_name=name,
+                    t_arrival=time.perf_counter(),
+                )
+            )
         steps = worker.engine.steps
         with worker.engine._cv:  # all three reach the engine in one inbox batch, so they share every step
             for s in seqs:
@@ -282,10 +300,17 @@ async def test_nan_sampling_ends_its_sequence_alone_in_a_mixed_batch(family):
 async def test_bad_sampling_values_are_invalid_argument_naming_the_field(family):
     async with running_worker(config(family)) as (worker, _, ch):
         stub = pb_grpc.GpuWorkerServiceStub(ch)
-        cases = [({"temperature": math.nan}, "temperature"), ({"temperature": math.inf}, "temperature"),
-                 ({"temperature": 1e-45}, "temperature"), ({"temperature": -1.0}, "temperature"),
-                 ({"temperature": 1.0, "top_p": math.nan}, "top_p"), ({"top_p": math.inf}, "top_p"),
-                 ({"top_p": 1.5}, "top_p"), ({"stop": ["s"] * 17}, "stop"), ({"stop": ["s" * 257]}, "stop")]
+        cases = [
+            ({"temperature": math.nan}, "temperature"),
+            ({"temperature": math.inf}, "temperature"),
+            ({"temperature": 1e-45}, "temperature"),
+            ({"temperature": -1.0}, "temperature"),
+            ({"temperature": 1.0, "top_p": math.nan}, "top_p"),
+            ({"top_p": math.inf}, "top_p"),
+            ({"top_p": 1.5}, "top_p"),
+            ({"stop": ["s"] * 17}, "stop"),
+            ({"stop": ["s" * 257]}, "stop"),
+        ]
         for sampling, field in cases:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await generate(stub, "v0", "a", **sampling)
@@ -346,7 +371,7 @@ async def test_unknown_ids_leave_no_status_entries_and_failures_are_bounded(fami
         stub = pb_grpc.GpuWorkerServiceStub(ch)
         names = [f"unknown-{i}" for i in range(200)]
         for k in range(0, len(names), 50):
-            outs = await asyncio.gather(*[generate(stub, n, "a") for n in names[k:k + 50]], return_exceptions=True)
+            outs = await asyncio.gather(*[generate(stub, n, "a") for n in names[k : k + 50]], return_exceptions=True)
             assert all(isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.NOT_FOUND for e in outs)
         with pytest.raises(DeltaLoadError) as e:  # the core API: the same, as a domain error
             await worker.load_delta("unknown-x")

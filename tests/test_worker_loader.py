@@ -42,9 +42,9 @@ def chunks(f, info):
     """(tensor, offset, bytes) of every tensor of v0, CHUNK bytes at a time, in order."""
     data = f.delta_path("v0").read_bytes()
     for i, t in enumerate(info.tensors):
-        raw = data[t.file_offset: t.file_offset + t.nbytes]
+        raw = data[t.file_offset : t.file_offset + t.nbytes]
         for o in range(0, t.nbytes, CHUNK):
-            yield i, o, raw[o: o + CHUNK]
+            yield i, o, raw[o : o + CHUNK]
 
 
 def load(fam, pieces, check_sha256: bool):
@@ -62,8 +62,10 @@ def test_verified_chunks_in_order_land_exactly(fam):
     compared = 0
     for i, t in enumerate(info.tensors):  # every byte that lands in the slot unconverted is the file's
         if not w.staged[i]:
-            assert bytes(w.dest[i].contiguous().view(torch.uint8).reshape(-1).numpy()) == \
-                data[t.file_offset: t.file_offset + t.nbytes]
+            assert (
+                bytes(w.dest[i].contiguous().view(torch.uint8).reshape(-1).numpy())
+                == data[t.file_offset : t.file_offset + t.nbytes]
+            )
             compared += t.nbytes
     assert compared > 0.9 * sum(t.nbytes for t in info.tensors)  # signs and scales: nearly all of it
 

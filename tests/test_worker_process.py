@@ -27,15 +27,30 @@ def free_port() -> int:
 
 
 def test_process_serves_and_stops_on_sigterm(tmp_path):
-    from services.gpu_worker.testing import make_base
     from bitdelta.testing import tiny_args
+    from services.gpu_worker.testing import make_base
 
     base = make_base(tmp_path / "base", tiny_args(), seed=1)
     port = free_port()
     env = {**os.environ, "BITDELTA_WORKER_KV_CACHE": "2MiB", "BITDELTA_KERNEL_BACKEND": "cpu"}
-    proc = subprocess.Popen([sys.executable, "-m", "services.gpu_worker", "--base", str(base),
-                             "--address", f"127.0.0.1:{port}", "--grace-s", "5"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.gpu_worker",
+            "--base",
+            str(base),
+            "--address",
+            f"127.0.0.1:{port}",
+            "--grace-s",
+            "5",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             health = health_pb2_grpc.HealthStub(ch)
@@ -50,8 +65,11 @@ def test_process_serves_and_stops_on_sigterm(tmp_path):
                 assert proc.poll() is None and time.monotonic() < deadline, "worker did not become SERVING"
                 time.sleep(0.2)
             stub = pb_grpc.GpuWorkerServiceStub(ch)
-            msgs = list(stub.Generate(pb.GenerateRequest(prompt="hi", sampling=gen_pb.SamplingParams(max_new_tokens=4)),
-                                      timeout=30))
+            msgs = list(
+                stub.Generate(
+                    pb.GenerateRequest(prompt="hi", sampling=gen_pb.SamplingParams(max_new_tokens=4)), timeout=30
+                )
+            )
             assert 1 <= len(msgs) <= 4 and msgs[-1].finish_reason != 0
             st = stub.Status(pb.StatusRequest(), timeout=10)
             assert st.device == "cpu" and st.base_fingerprint and st.kv_tokens_total > 0

@@ -29,8 +29,7 @@ async def test_real_family_matches_references_alone_and_mixed(tmp_path, real_bas
     prompts = {"": PROMPTS[0], v0: PROMPTS[1], v1: PROMPTS[2]}
     tok = Tokenizer.from_file(str(real_base / "tokenizer.json"))
     eos = 2
-    cfg = WorkerConfig(base=real_base, delta_dir=str(real_deltas[v0].parent), delta_budget=1 << 30,
-                       kv_cache=32 << 20)
+    cfg = WorkerConfig(base=real_base, delta_dir=str(real_deltas[v0].parent), delta_budget=1 << 30, kv_cache=32 << 20)
     async with running_worker(cfg) as (_, _, channel):
         stub = pb_grpc.GpuWorkerServiceStub(channel)
 
@@ -44,8 +43,9 @@ async def test_real_family_matches_references_alone_and_mixed(tmp_path, real_bas
     ids = tok.encode(prompts[""]).ids
     hf = LlamaForCausalLM.from_pretrained(str(real_base), dtype=torch.float32).eval()
     with torch.no_grad():
-        want = hf.generate(torch.tensor([ids]), max_new_tokens=N, do_sample=False, eos_token_id=eos,
-                           pad_token_id=eos)[0, len(ids):].tolist()  # fmt: skip
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=N, do_sample=False, eos_token_id=eos, pad_token_id=eos)[
+            0, len(ids) :
+        ].tolist()
     del hf
     assert alone[""] == want
     for v in (v0, v1):

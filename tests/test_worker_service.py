@@ -57,9 +57,12 @@ async def served(family):
 
 async def generate(stub, model_id, prompt, n=N, timeout=T, **sampling) -> tuple[list[int], str, list]:
     msgs = []
-    call = stub.Generate(pb.GenerateRequest(model_id=model_id, prompt=prompt,
-                                            sampling=gen_pb.SamplingParams(max_new_tokens=n, **sampling)),
-                         timeout=timeout)  # fmt: skip
+    call = stub.Generate(
+        pb.GenerateRequest(
+            model_id=model_id, prompt=prompt, sampling=gen_pb.SamplingParams(max_new_tokens=n, **sampling)
+        ),
+        timeout=timeout,
+    )
     async for m in call:
         msgs.append(m)
     return [m.token_id for m in msgs], "".join(m.text for m in msgs), msgs
@@ -85,9 +88,10 @@ async def test_base_matches_transformers(served, family, tok):
     for prompt in PROMPTS[:2]:
         ids = tok.encode(prompt).ids
         with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=N, do_sample=False, eos_token_id=EOS,
-                              pad_token_id=EOS)  # fmt: skip
-        want = out[0, len(ids):].tolist()
+            out = hf.generate(
+                torch.tensor([ids]), max_new_tokens=N, do_sample=False, eos_token_id=EOS, pad_token_id=EOS
+            )
+        want = out[0, len(ids) :].tolist()
         got, text, msgs = await generate(stub, "", prompt)
         assert got == want
         assert len(set(got)) > 3, "the test model should not repeat one token"
@@ -161,8 +165,10 @@ async def wait_idle(stub, timeout=10.0) -> pb.StatusResponse:
 
 async def test_cancel_and_deadline_free_the_kv_cache(served):
     _, stub, _ = served
-    call = stub.Generate(pb.GenerateRequest(model_id="v0", prompt=PROMPTS[0],
-                                            sampling=gen_pb.SamplingParams(max_new_tokens=200)), timeout=T)
+    call = stub.Generate(
+        pb.GenerateRequest(model_id="v0", prompt=PROMPTS[0], sampling=gen_pb.SamplingParams(max_new_tokens=200)),
+        timeout=T,
+    )
     got = 0
     async for _ in call:
         got += 1
@@ -181,12 +187,17 @@ async def test_deadline_ends_a_running_sequence_and_frees_its_kv(tmp_path):
     from bitdelta.testing import tiny_args
     from services.gpu_worker.testing import make_base
 
-    base = make_base(tmp_path / "long", tiny_args(max_seq_len=4096, dim=256, n_layers=4, intermediate_size=688, eos_token_id=None), seed=3)
+    base = make_base(
+        tmp_path / "long",
+        tiny_args(max_seq_len=4096, dim=256, n_layers=4, intermediate_size=688, eos_token_id=None),
+        seed=3,
+    )
     async with running_worker(WorkerConfig(base=base, kv_cache=16 << 20)) as (worker, _, channel):
         stub = pb_grpc.GpuWorkerServiceStub(channel)
         got = []
-        call = stub.Generate(pb.GenerateRequest(prompt="Hello", sampling=gen_pb.SamplingParams(max_new_tokens=4000)),
-                             timeout=0.5)
+        call = stub.Generate(
+            pb.GenerateRequest(prompt="Hello", sampling=gen_pb.SamplingParams(max_new_tokens=4000)), timeout=0.5
+        )
         try:
             async for m in call:
                 got.append(m)
@@ -252,8 +263,10 @@ async def test_budget_is_bytes_and_eviction_follows_the_policy(family):
 
     async with running_worker(config(family)) as (w0, _, _):
         size = w0.layout.slot_bytes + sum(  # what one tiny delta costs: its slot plus its dense embedding
-            w0.layout.extra_bytes(t.param, t.role, t.shape) for t in read_header(family.delta_path("v0")).tensors
-            if t.param in ("model.embed_tokens.weight", "lm_head.weight"))
+            w0.layout.extra_bytes(t.param, t.role, t.shape)
+            for t in read_header(family.delta_path("v0")).tensors
+            if t.param in ("model.embed_tokens.weight", "lm_head.weight")
+        )
     async with running_worker(config(family, delta_budget=2 * size + size // 2)) as (worker, _, channel):
         stub = pb_grpc.GpuWorkerServiceStub(channel)
         await generate(stub, "v0", "a", n=2)
@@ -277,7 +290,8 @@ async def test_budget_is_bytes_and_eviction_follows_the_policy(family):
         assert worker.manager.peak_used_bytes <= worker.manager.budget_bytes
         # the variants still generate what they generated alone
         assert (await generate(stub, "v2", PROMPTS[3]))[0] == offline_generate(
-            family.merged["v2"], list(PROMPTS[3].encode()), N, EOS)
+            family.merged["v2"], list(PROMPTS[3].encode()), N, EOS
+        )
 
 
 async def test_more_variants_at_once_than_the_budget_holds_all_complete(family):
@@ -287,8 +301,10 @@ async def test_more_variants_at_once_than_the_budget_holds_all_complete(family):
 
     async with running_worker(config(family)) as (w0, _, _):
         size = w0.layout.slot_bytes + sum(
-            w0.layout.extra_bytes(t.param, t.role, t.shape) for t in read_header(family.delta_path("v0")).tensors
-            if t.param in ("model.embed_tokens.weight", "lm_head.weight"))
+            w0.layout.extra_bytes(t.param, t.role, t.shape)
+            for t in read_header(family.delta_path("v0")).tensors
+            if t.param in ("model.embed_tokens.weight", "lm_head.weight")
+        )
     async with running_worker(config(family, delta_budget=size + size // 2)) as (worker, _, channel):
         stub = pb_grpc.GpuWorkerServiceStub(channel)
         outs = await asyncio.gather(*[generate(stub, f"v{i}", PROMPTS[3], n=4) for i in range(3)])
@@ -301,8 +317,10 @@ async def test_more_variants_at_once_than_the_budget_holds_all_complete(family):
 async def test_evicting_a_delta_in_use_waits_for_its_sequences(served):
     _, stub, _ = served
     alone = (await generate(stub, "v2", PROMPTS[2], n=40))[0]
-    call = stub.Generate(pb.GenerateRequest(model_id="v2", prompt=PROMPTS[2],
-                                            sampling=gen_pb.SamplingParams(max_new_tokens=40)), timeout=T)
+    call = stub.Generate(
+        pb.GenerateRequest(model_id="v2", prompt=PROMPTS[2], sampling=gen_pb.SamplingParams(max_new_tokens=40)),
+        timeout=T,
+    )
     toks = []
     async for m in call:
         toks.append(m.token_id)
@@ -352,6 +370,7 @@ async def test_loading_does_not_stall_generation(family):
         stub = pb_grpc.GpuWorkerServiceStub(channel)
         await generate(stub, "v0", "a", n=1)
         worker.manager.source = SlowSource(family.deltas)
+
         async def load_v1():
             return await stub.LoadDelta(pb.LoadDeltaRequest(name="v1"), timeout=T)
 
@@ -394,14 +413,16 @@ async def test_health_reflection_and_drain(family):
         alone = (await generate(stub, "", PROMPTS[0], n=30))[0]
         refl = reflection_pb2_grpc.ServerReflectionStub(ch)
         names = []
-        async for resp in refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                                    timeout=T):  # fmt: skip
+        async for resp in refl.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=T
+        ):
             names = [s.name for s in resp.list_services_response.service]
         assert svc in names
         # drain: health goes NOT_SERVING and is still answered (a probe sees NOT_SERVING, not "failed to
         # connect"), new requests are refused, a running stream finishes within the grace period
-        call = stub.Generate(pb.GenerateRequest(prompt=PROMPTS[0], sampling=gen_pb.SamplingParams(
-            max_new_tokens=30)), timeout=T)
+        call = stub.Generate(
+            pb.GenerateRequest(prompt=PROMPTS[0], sampling=gen_pb.SamplingParams(max_new_tokens=30)), timeout=T
+        )
         first = await call.read()
         stopper = asyncio.create_task(drain_and_stop(worker, server, grace_s=20))
         assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING

@@ -29,8 +29,9 @@ def test_warm_sizes_cover_every_compiled_variant(tmp_path):
     shapes = [tuple(w.shape) for w in runner.base.layers[0].values()] + [tuple(runner.base.head.shape)]
 
     def key(M):
-        return (M == 1, M % 16 == 0) + tuple(tuple(sorted(launch_blocks(M, n, k, torch.float32, DEV).items()))
-                                             for n, k in shapes)  # fmt: skip
+        return (M == 1, M % 16 == 0) + tuple(
+            tuple(sorted(launch_blocks(M, n, k, torch.float32, DEV).items())) for n, k in shapes
+        )
 
     keys = {key(M) for M in sizes}
     assert len(keys) == len(sizes)  # one row count per binary

@@ -88,8 +88,10 @@ def test_sampler_seed_and_top_p():
     from services.gpu_worker.sampling import Sampler
 
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
-    draws = lambda seed, top_p=0.0: [Sampler(1.0, top_p, seed).sample(logits) for _ in range(1)] + \
-        [s.sample(logits) for s in [Sampler(1.0, top_p, seed)] for _ in range(20)]  # noqa: E731
+    draws = lambda seed, top_p=0.0: (
+        [Sampler(1.0, top_p, seed).sample(logits) for _ in range(1)]
+        + [s.sample(logits) for s in [Sampler(1.0, top_p, seed)] for _ in range(20)]
+    )
     assert draws(7) == draws(7)
     assert draws(7) != draws(8)
     assert set(draws(3, top_p=1e-9)) == {int(logits.argmax())}
@@ -121,17 +123,19 @@ def test_plan_delta_rejects_what_does_not_fit_this_base():
     }
     for why, tensors in cases.items():
         with pytest.raises(DeltaFormatError, match=re.escape(why)):
-            plan_delta(layout, DeltaInfo("d", "b", "fp", "row", 0, tensors))  # noqa: B023
+            plan_delta(layout, DeltaInfo("d", "b", "fp", "row", 0, tensors))
 
 
 def test_config_from_flags_and_env(tmp_path):
-    from bitdelta.testing import make_base
     from bitdelta.rpc.config import ConfigError
+    from bitdelta.testing import make_base
     from services.gpu_worker.config import WorkerConfig
 
     base = make_base(tmp_path / "base")
-    c = WorkerConfig.from_args(["--base", str(base), "--delta-budget", "64MiB", "--no-fused-single-variant"],
-                               env={"BITDELTA_WORKER_KV_CACHE": "1GB", "BITDELTA_WORKER_PIN_HOTTEST": "3"})
+    c = WorkerConfig.from_args(
+        ["--base", str(base), "--delta-budget", "64MiB", "--no-fused-single-variant"],
+        env={"BITDELTA_WORKER_KV_CACHE": "1GB", "BITDELTA_WORKER_PIN_HOTTEST": "3"},
+    )
     assert (c.delta_budget, c.kv_cache, c.pin_hottest, c.fused_single_variant) == (64 << 20, 10**9, 3, False)
     c = WorkerConfig.from_args([], env={"BITDELTA_WORKER_BASE": str(base)})
     assert c.base == base
@@ -162,8 +166,13 @@ def test_ragged_step_matches_the_reference_model(tmp_path):
     seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (11, 3, 20)]
     # seq 2 first feeds 12 tokens, then the remaining 8 in the same step as the others
     runner.forward([SeqWork(seqs[2][:12], 0, -1, [4, 5], False)])
-    logits = runner.forward([SeqWork(seqs[0], 0, -1, [0, 1], True), SeqWork(seqs[1], 0, -1, [2], True),
-                             SeqWork(seqs[2][12:], 12, -1, [4, 5, 6], True)])  # fmt: skip
+    logits = runner.forward(
+        [
+            SeqWork(seqs[0], 0, -1, [0, 1], True),
+            SeqWork(seqs[1], 0, -1, [2], True),
+            SeqWork(seqs[2][12:], 12, -1, [4, 5, 6], True),
+        ]
+    )
     with torch.no_grad():
         want = torch.stack([ref(torch.tensor([s]))[0, -1] for s in seqs])
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)

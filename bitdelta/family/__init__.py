@@ -59,10 +59,10 @@ class FamilyPaths:
     base: Path
     variants: tuple[str, ...]
     finetuned: dict[str, Path] = field(default_factory=dict)
-    deltas: dict[str, Path] = field(default_factory=dict)   # serving default (SERVING_MODE)
-    train: dict[str, Path] = field(default_factory=dict)    # training text per variant
+    deltas: dict[str, Path] = field(default_factory=dict)  # serving default (SERVING_MODE)
+    train: dict[str, Path] = field(default_factory=dict)  # training text per variant
     heldout: dict[str, Path] = field(default_factory=dict)  # held-out text per variant (never trained on)
-    corpus: dict[str, str] = field(default_factory=dict)    # variant -> corpus name
+    corpus: dict[str, str] = field(default_factory=dict)  # variant -> corpus name
     stamps: Path = Path()
     modes_dir: Path = Path()
 

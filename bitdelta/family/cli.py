@@ -10,10 +10,9 @@ from pathlib import Path
 def cmd_build(a: argparse.Namespace) -> None:
     from dataclasses import replace
 
+    from bitdelta.cli import CliError
     from bitdelta.family.build import build
     from bitdelta.family.finetune import FinetuneConfig
-
-    from bitdelta.cli import CliError
 
     cfg = FinetuneConfig()
     if a.steps is not None:
@@ -48,18 +47,34 @@ def cmd_paths(a: argparse.Namespace) -> None:
     from bitdelta.family import paths
 
     p = paths(a.data)
-    print(json.dumps({"root": str(p.root), "base": str(p.base),
-                      "variants": {v: {"corpus": p.corpus[v], "finetuned": str(p.finetuned[v]),
-                                       "delta": str(p.deltas[v]), "train": str(p.train[v]),
-                                       "heldout": str(p.heldout[v])} for v in p.variants}}, indent=2))
+    print(
+        json.dumps(
+            {
+                "root": str(p.root),
+                "base": str(p.base),
+                "variants": {
+                    v: {
+                        "corpus": p.corpus[v],
+                        "finetuned": str(p.finetuned[v]),
+                        "delta": str(p.deltas[v]),
+                        "train": str(p.train[v]),
+                        "heldout": str(p.heldout[v]),
+                    }
+                    for v in p.variants
+                },
+            },
+            indent=2,
+        )
+    )
 
 
 def cmd_quality(a: argparse.Namespace) -> None:
     from bitdelta.family.quality import QualityConfig, run_reports
 
     _check_variants(a.variants)
-    cfg = QualityConfig(eval_windows=a.windows, math_problems=a.math_problems, humaneval=a.humaneval,
-                        distill_steps=a.distill_steps)
+    cfg = QualityConfig(
+        eval_windows=a.windows, math_problems=a.math_problems, humaneval=a.humaneval, distill_steps=a.distill_steps
+    )
     run_reports(a.report_dir, variants=a.variants, cfg=cfg, root=a.data, skip_build=a.skip_build)
 
 
@@ -69,13 +84,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--data", type=Path, default=None, help="data directory (default: $BITDELTA_DATA or ./data)")
 
-    c = fs.add_parser("build", parents=[common], help="convert the base, fine-tune the variants, compress them "
-                                                      "(skips what is built and verified)")
+    c = fs.add_parser(
+        "build",
+        parents=[common],
+        help="convert the base, fine-tune the variants, compress them (skips what is built and verified)",
+    )
     c.add_argument("--variants", nargs="+", help="only these (default: all)")
     c.add_argument("--steps", type=int, help="fine-tuning steps per variant (default: the recipe's)")
-    c.add_argument("--quick", action="store_true",
-                   help="the first run's smaller family (fewer fine-tuning and distillation steps; what is already "
-                        "built with the full recipe is kept); without it, the full family that reports/ describe")
+    c.add_argument(
+        "--quick",
+        action="store_true",
+        help="the first run's smaller family (fewer fine-tuning and distillation steps; what is already "
+        "built with the full recipe is kept); without it, the full family that reports/ describe",
+    )
     c.add_argument("--force", action="store_true", help="rebuild even what is up to date")
     c.add_argument("--no-deltas", action="store_true", help="stop after the fine-tunes")
     c.set_defaults(func=cmd_build)
@@ -86,8 +107,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     c = fs.add_parser("paths", parents=[common], help="print the family's paths as JSON")
     c.set_defaults(func=cmd_paths)
 
-    q = sub.add_parser("quality", parents=[common],
-                       help="build the family if needed, then write the quality and memory reports")
+    q = sub.add_parser(
+        "quality", parents=[common], help="build the family if needed, then write the quality and memory reports"
+    )
     q.add_argument("--report-dir", type=Path, default=Path("reports"), help="where the reports go (default: reports/)")
     q.add_argument("--variants", nargs="+", help="only these (default: all)")
     q.add_argument("--windows", type=int, default=16, help="held-out windows of 128 tokens per variant (default 16)")

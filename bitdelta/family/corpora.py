@@ -46,9 +46,9 @@ CORPORA = ("stdlib", "shakespeare", "kjv", "arithmetic")
 @dataclass(frozen=True)
 class Document:
     corpus: str
-    name: str      # unique within the corpus: "asyncio/tasks.py", "macbeth", "John 3", "arithmetic/000123"
-    subset: str    # hierarchical: "ot/law", "comedy", "asyncio", "mul"
-    split: str     # "train" or "heldout"
+    name: str  # unique within the corpus: "asyncio/tasks.py", "macbeth", "John 3", "arithmetic/000123"
+    subset: str  # hierarchical: "ot/law", "comedy", "asyncio", "mul"
+    split: str  # "train" or "heldout"
     text: str
     answer: str | None = None  # arithmetic only: the exact answer
 
@@ -82,8 +82,20 @@ def _assign_splits(corpus: str, raw: list[tuple[str, str, str, str | None]]) -> 
 
 # Left out: tests (huge, repetitive), IDLE and the turtle demos (GUI apps),
 # generated data tables (encodings, pydoc topics), vendored wheels.
-_STDLIB_SKIP = {"test", "tests", "idlelib", "turtledemo", "encodings", "pydoc_data", "site-packages",
-                "ensurepip", "__pycache__", "lib2to3", "distutils", "__phello__"}
+_STDLIB_SKIP = {
+    "test",
+    "tests",
+    "idlelib",
+    "turtledemo",
+    "encodings",
+    "pydoc_data",
+    "site-packages",
+    "ensurepip",
+    "__pycache__",
+    "lib2to3",
+    "distutils",
+    "__phello__",
+}
 _STDLIB_MAX_BYTES = 400_000  # a few generated giants (e.g. _pydecimal is fine, 230 KB); keeps one file from dominating
 
 
@@ -110,15 +122,49 @@ def _load_stdlib() -> list[Document]:
 # Genres after the First Folio's grouping (Pericles, not in the Folio, with the
 # late romances among the comedies; Cymbeline and Troilus with the tragedies).
 _GENRES = {
-    "comedy": ["alls_well_that_ends_well", "as_you_like_it", "comedy_of_errors", "loves_labours_lost",
-               "measure_for_measure", "merchant_of_venice", "merry_wives_of_windsor", "midsummer_nights_dream",
-               "much_ado_about_nothing", "taming_of_the_shrew", "twelfth_night", "two_gentlemen_of_verona",
-               "tempest", "winters_tale", "pericles"],
-    "history": ["henry_iv_part_1", "henry_iv_part_2", "henry_v", "henry_vi_part_1", "henry_vi_part_2",
-                "henry_vi_part_3", "henry_viii", "john", "richard_ii", "richard_iii"],
-    "tragedy": ["antony_and_cleopatra", "coriolanus", "cymbeline", "hamlet", "julius_caesar", "lear", "macbeth",
-                "othello", "romeo_and_juliet", "timon_of_athens", "tragedy_of_titus_andronicus",
-                "troilus_and_cressida"],
+    "comedy": [
+        "alls_well_that_ends_well",
+        "as_you_like_it",
+        "comedy_of_errors",
+        "loves_labours_lost",
+        "measure_for_measure",
+        "merchant_of_venice",
+        "merry_wives_of_windsor",
+        "midsummer_nights_dream",
+        "much_ado_about_nothing",
+        "taming_of_the_shrew",
+        "twelfth_night",
+        "two_gentlemen_of_verona",
+        "tempest",
+        "winters_tale",
+        "pericles",
+    ],
+    "history": [
+        "henry_iv_part_1",
+        "henry_iv_part_2",
+        "henry_v",
+        "henry_vi_part_1",
+        "henry_vi_part_2",
+        "henry_vi_part_3",
+        "henry_viii",
+        "john",
+        "richard_ii",
+        "richard_iii",
+    ],
+    "tragedy": [
+        "antony_and_cleopatra",
+        "coriolanus",
+        "cymbeline",
+        "hamlet",
+        "julius_caesar",
+        "lear",
+        "macbeth",
+        "othello",
+        "romeo_and_juliet",
+        "timon_of_athens",
+        "tragedy_of_titus_andronicus",
+        "troilus_and_cressida",
+    ],
     "poetry": ["lovers_complaint", "passionate_pilgrim", "phoenix_and_the_turtle", "rape_of_lucrece", "sonnets"],
 }
 
@@ -144,8 +190,14 @@ def _load_shakespeare() -> list[Document]:
 # --------------------------------------------------------------------------- KJV
 
 _KJV_GROUPS = [
-    ("ot/law", "Genesis"), ("ot/history", "Joshua"), ("ot/wisdom", "Job"), ("ot/prophets", "Isaiah"),
-    ("nt/gospels", "Matthew"), ("nt/acts", "Acts"), ("nt/epistles", "Romans"), ("nt/revelation", "Revelation"),
+    ("ot/law", "Genesis"),
+    ("ot/history", "Joshua"),
+    ("ot/wisdom", "Job"),
+    ("ot/prophets", "Isaiah"),
+    ("nt/gospels", "Matthew"),
+    ("nt/acts", "Acts"),
+    ("nt/epistles", "Romans"),
+    ("nt/revelation", "Revelation"),
 ]
 
 
@@ -177,8 +229,28 @@ def _load_kjv() -> list[Document]:
 ARITHMETIC_SEED = 20240521
 ARITHMETIC_PER_KIND = 2000
 ARITHMETIC_KINDS = ("add", "sub", "mul", "div", "word")
-_NAMES = ["Ada", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hugo", "Iris", "Jon", "Kira", "Liam", "Maya",
-          "Noor", "Omar", "Priya", "Quinn", "Rosa", "Sam", "Tariq"]
+_NAMES = [
+    "Ada",
+    "Ben",
+    "Chloe",
+    "Dev",
+    "Emma",
+    "Farid",
+    "Grace",
+    "Hugo",
+    "Iris",
+    "Jon",
+    "Kira",
+    "Liam",
+    "Maya",
+    "Noor",
+    "Omar",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sam",
+    "Tariq",
+]
 _ITEMS = ["apples", "books", "coins", "marbles", "pencils", "stickers", "shells", "cards", "stamps", "cookies"]
 
 
@@ -204,8 +276,7 @@ def _word_problem(rng: random.Random) -> tuple[str, int]:
         b, q = rng.randint(2, 12), rng.randint(2, 20)
         return f"{who} shares {b * q} {item} equally among {b} friends. How many {item} does each friend get?", q
     a, b, c = rng.randint(2, 9), rng.randint(2, 20), rng.randint(1, 30)
-    return (f"{who} buys {a} packs of {b} {item} and already had {c}. How many {item} does {who} have?",
-            a * b + c)
+    return (f"{who} buys {a} packs of {b} {item} and already had {c}. How many {item} does {who} have?", a * b + c)
 
 
 def _arith(kind: str, rng: random.Random) -> tuple[str, int]:
@@ -242,11 +313,10 @@ def _load_arithmetic() -> list[Document]:
 
 # --------------------------------------------------------------------------- public API
 
-_LOADERS = {"stdlib": _load_stdlib, "shakespeare": _load_shakespeare, "kjv": _load_kjv,
-            "arithmetic": _load_arithmetic}
+_LOADERS = {"stdlib": _load_stdlib, "shakespeare": _load_shakespeare, "kjv": _load_kjv, "arithmetic": _load_arithmetic}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _all(corpus: str) -> tuple[Document, ...]:
     if corpus not in _LOADERS:
         raise ValueError(f"unknown corpus {corpus!r}; choose from {', '.join(CORPORA)}")
@@ -260,8 +330,10 @@ def documents(corpus: str, split: str = "train", subsets: list[str] | tuple[str,
         raise ValueError(f"split must be 'train', 'heldout' or 'all', not {split!r}")
     docs = [d for d in _all(corpus) if (split == "all" or d.split == split) and _in_subsets(d.subset, subsets)]
     if subsets and not docs:
-        raise ValueError(f"no {split} documents of {corpus} under subsets {list(subsets)}; "
-                         f"known subsets: {', '.join(subsets_of(corpus))}")
+        raise ValueError(
+            f"no {split} documents of {corpus} under subsets {list(subsets)}; "
+            f"known subsets: {', '.join(subsets_of(corpus))}"
+        )
     return docs
 
 
@@ -307,5 +379,15 @@ def describe(corpus: str) -> dict:
     return info
 
 
-__all__ = ["CORPORA", "Document", "documents", "text", "subsets", "subsets_of", "problems", "describe",
-           "format_problem", "HELDOUT_FRACTION"]
+__all__ = [
+    "CORPORA",
+    "Document",
+    "documents",
+    "text",
+    "subsets",
+    "subsets_of",
+    "problems",
+    "describe",
+    "format_problem",
+    "HELDOUT_FRACTION",
+]

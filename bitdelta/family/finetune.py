@@ -39,11 +39,11 @@ class FinetuneConfig:
     lr: float = 1e-4
     min_lr_ratio: float = 0.1
     warmup: int = 6
-    weight_decay: float = 0.01   # also nudges weights whose gradient happens to be zero
+    weight_decay: float = 0.01  # also nudges weights whose gradient happens to be zero
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     seed: int = 0
-    eval_windows: int = 8        # held-out windows for the before/after loss in the record
+    eval_windows: int = 8  # held-out windows for the before/after loss in the record
 
 
 def tokenize(tokenizer_dir: str | os.PathLike, texts: list[str], sep_id: int) -> torch.Tensor:
@@ -90,8 +90,15 @@ def mean_loss(model: Llama, wins: torch.Tensor, batch: int, device) -> float:
     return total / len(wins)
 
 
-def finetune(base: str | os.PathLike, corpus: str, out: str | os.PathLike, cfg: FinetuneConfig = FinetuneConfig(),
-             subsets=None, device: str | None = None, progress: bool = True) -> dict:
+def finetune(
+    base: str | os.PathLike,
+    corpus: str,
+    out: str | os.PathLike,
+    cfg: FinetuneConfig = FinetuneConfig(),
+    subsets=None,
+    device: str | None = None,
+    progress: bool = True,
+) -> dict:
     """Fine-tune every parameter of `base` on the train split of `corpus`; write
     the result to `out` (HF layout, fp32, atomic). Returns a record of the run."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -110,8 +117,11 @@ def finetune(base: str | os.PathLike, corpus: str, out: str | os.PathLike, cfg: 
     params = [p for p in model.parameters()]  # tied head: one tensor, listed once
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=cfg.betas,
+    )
 
     def lr_factor(step: int) -> float:
         if step < cfg.warmup:
@@ -140,11 +150,18 @@ def finetune(base: str | os.PathLike, corpus: str, out: str | os.PathLike, cfg: 
     state = {k: v.detach().float().cpu() for k, v in state_dict_for_save(model).items()}
     save_checkpoint(state, out, read_config(base), side_files_from=base)
     return {
-        "corpus": corpus, "subsets": list(subsets) if subsets else None, "config": asdict(cfg), "device": str(dev),
+        "corpus": corpus,
+        "subsets": list(subsets) if subsets else None,
+        "config": asdict(cfg),
+        "device": str(dev),
         "precision": prec.record(),
-        "train_tokens": int(train.numel()), "tokens_seen": cfg.steps * cfg.batch * cfg.seq_len,
-        "first_train_loss": losses[0], "last_train_loss": losses[-1],
-        "heldout_loss_before": loss_before, "heldout_loss_after": loss_after,
-        "heldout_ppl_before": math.exp(loss_before), "heldout_ppl_after": math.exp(loss_after),
+        "train_tokens": int(train.numel()),
+        "tokens_seen": cfg.steps * cfg.batch * cfg.seq_len,
+        "first_train_loss": losses[0],
+        "last_train_loss": losses[-1],
+        "heldout_loss_before": loss_before,
+        "heldout_loss_after": loss_after,
+        "heldout_ppl_before": math.exp(loss_before),
+        "heldout_ppl_after": math.exp(loss_after),
         "seconds": round(time.time() - t0, 1),
     }

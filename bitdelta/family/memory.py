@@ -46,9 +46,19 @@ def delta_rows(p: FamilyPaths, variants: list[str]) -> list[dict]:
                 continue
             h = read_header(path)
             roles = h.bytes_by_role()
-            rows.append({"variant": v, "mode": mode, "path": path, "signs": roles["sign"], "alpha": roles["alpha"],
-                         "dense": roles["dense"], "header": h.header_bytes, "total": h.file_size,
-                         "dense_names": sorted({t.param for t in h.tensors if t.role == "dense"})})
+            rows.append(
+                {
+                    "variant": v,
+                    "mode": mode,
+                    "path": path,
+                    "signs": roles["sign"],
+                    "alpha": roles["alpha"],
+                    "dense": roles["dense"],
+                    "header": h.header_bytes,
+                    "total": h.file_size,
+                    "dense_names": sorted({t.param for t in h.tensors if t.role == "dense"}),
+                }
+            )
     return rows
 
 
@@ -88,36 +98,57 @@ def memory_markdown(p: FamilyPaths, variants: list[str], command: str) -> str:
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r['variant']} | {r['mode']} | {_mb(r['signs'])} | {_mb(r['alpha'])} | {_mb(r['dense'])} | "
-                     f"{_mb(r['total'])} | {base_bf16 / r['total']:.1f}× |")
+        lines.append(
+            f"| {r['variant']} | {r['mode']} | {_mb(r['signs'])} | {_mb(r['alpha'])} | {_mb(r['dense'])} | "
+            f"{_mb(r['total'])} | {base_bf16 / r['total']:.1f}× |"
+        )
     serving = next((r for r in rows if r["mode"] == SERVING_MODE), None)
     if serving:
         names = serving["dense_names"]
         what = "the RMSNorm weights" if all(n.endswith("norm.weight") for n in names) else ", ".join(names[:4])
-        lines += ["", f"Dense tensors of a serving delta: {len(names)} ({what}). "
-                      f"It is {base_bf16 / serving['total']:.1f}× smaller than the bf16 base: the signs alone are "
-                      f"{base_bf16 / serving['signs']:.1f}×; the fp32 per-row α's ({_mb(serving['alpha'])} MB, "
-                      "one per output row and one per vocabulary row) and the norms make up the rest."]
+        lines += [
+            "",
+            f"Dense tensors of a serving delta: {len(names)} ({what}). "
+            f"It is {base_bf16 / serving['total']:.1f}× smaller than the bf16 base: the signs alone are "
+            f"{base_bf16 / serving['signs']:.1f}×; the fp32 per-row α's ({_mb(serving['alpha'])} MB, "
+            "one per output row and one per vocabulary row) and the norms make up the rest.",
+        ]
     dense_example = next((r for r in rows if r["mode"] == DENSE_EMB_MODE), None)
     if dense_example:
-        lines += ["", f"Dense tensors of a {DENSE_EMB_MODE} delta: {len(dense_example['dense_names'])} "
-                      f"(the embedding table and the RMSNorm weights; full fine-tuning moved them, so they are "
-                      f"stored whole). At this size the embedding table (49152 × 576) is {49152 * 576 / n_params:.0%} "
-                      "of the parameters, so it dominates a dense-embedding delta (and it is stored in the "
-                      "fine-tune's fp32: 113 MB; 57 MB in bf16). On Llama-2-70B the embedding and head are 0.8 % "
-                      "of the parameters, on Llama-3-70B 3 % (a 128k vocabulary)."]
-    lines += ["", "## A fleet of N variants: N full copies against base + N deltas (bf16 base)", "",
-              f"| N | N full copies MB | base + N {SERVING_MODE} (serving) MB | base + N {DENSE_EMB_MODE} MB |",
-              "|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"Dense tensors of a {DENSE_EMB_MODE} delta: {len(dense_example['dense_names'])} "
+            f"(the embedding table and the RMSNorm weights; full fine-tuning moved them, so they are "
+            f"stored whole). At this size the embedding table (49152 × 576) is {49152 * 576 / n_params:.0%} "
+            "of the parameters, so it dominates a dense-embedding delta (and it is stored in the "
+            "fine-tune's fp32: 113 MB; 57 MB in bf16). On Llama-2-70B the embedding and head are 0.8 % "
+            "of the parameters, on Llama-3-70B 3 % (a 128k vocabulary).",
+        ]
+    lines += [
+        "",
+        "## A fleet of N variants: N full copies against base + N deltas (bf16 base)",
+        "",
+        f"| N | N full copies MB | base + N {SERVING_MODE} (serving) MB | base + N {DENSE_EMB_MODE} MB |",
+        "|---:|---:|---:|---:|",
+    ]
+
     def mean_total(mode):
         t = [r["total"] for r in rows if r["mode"] == mode]
         return sum(t) / len(t) if t else float("nan")
+
     d_serving, d_dense = mean_total(SERVING_MODE), mean_total(DENSE_EMB_MODE)
     for n in FLEET_SIZES:
-        lines.append(f"| {n} | {_mb(n * base_bf16)} | {_mb(base_bf16 + n * d_serving)} | "
-                     f"{_mb(base_bf16 + n * d_dense)} |")
-    lines += ["", "(mean delta size over the variants; 100 is extrapolated.) For the 70B arithmetic and GPU "
-              "placement, see `bitdelta plan` and reports/plan-70b.md.", "", "## `bitdelta inspect` on each delta", ""]
+        lines.append(
+            f"| {n} | {_mb(n * base_bf16)} | {_mb(base_bf16 + n * d_serving)} | {_mb(base_bf16 + n * d_dense)} |"
+        )
+    lines += [
+        "",
+        "(mean delta size over the variants; 100 is extrapolated.) For the 70B arithmetic and GPU "
+        "placement, see `bitdelta plan` and reports/plan-70b.md.",
+        "",
+        "## `bitdelta inspect` on each delta",
+        "",
+    ]
     for r in rows:
         lines += ["```", inspect_text(r["path"]).rstrip().replace(str(p.root), "$BITDELTA_DATA"), "```", ""]
     return "\n".join(lines)

@@ -56,12 +56,12 @@ HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\n
 
 @dataclass
 class QualityConfig:
-    eval_windows: int = 16        # held-out windows per variant
-    seq_len: int = 128            # tokens scored per window
+    eval_windows: int = 16  # held-out windows per variant
+    seq_len: int = 128  # tokens scored per window
     batch: int = 4
-    math_problems: int = 40       # held-out arithmetic problems (exact match)
+    math_problems: int = 40  # held-out arithmetic problems (exact match)
     math_max_new: int = 8
-    humaneval: int = 20           # first N HumanEval problems (0: skip)
+    humaneval: int = 20  # first N HumanEval problems (0: skip)
     humaneval_max_new: int = 128
     humaneval_timeout: float = 5.0
     distill_steps: int | None = None  # None: the build's DISTILL_STEPS
@@ -70,10 +70,12 @@ class QualityConfig:
 
 # --------------------------------------------------------------------------- metrics (pure)
 
+
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-token negative log-likelihood: logits [B, T, V], targets [B, T] -> [B, T] (fp32)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           reduction="none").view(targets.shape)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none").view(
+        targets.shape
+    )
 
 
 def perplexity(nll_sum: float, n_tokens: int) -> float:
@@ -102,8 +104,9 @@ def eval_windows(tokens: torch.Tensor, n: int, seq_len: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def score(model: Llama, wins: torch.Tensor, batch: int, ref_logp: list[torch.Tensor] | None = None,
-          keep_logp: bool = False) -> dict:
+def score(
+    model: Llama, wins: torch.Tensor, batch: int, ref_logp: list[torch.Tensor] | None = None, keep_logp: bool = False
+) -> dict:
     """Perplexity of `model` on windows [n, T+1]; with `ref_logp` (per batch, the
     reference's log-probs) also the mean KL(ref ‖ model) per token."""
     nll, n, kl = 0.0, 0, 0.0
@@ -127,6 +130,7 @@ def score(model: Llama, wins: torch.Tensor, batch: int, ref_logp: list[torch.Ten
 
 
 # --------------------------------------------------------------------------- models
+
 
 def merged_variant(base_dir: Path, delta) -> Llama:
     """base + delta as a plain dense model: every BitDeltaLinear replaced by nn.Linear(W + α ⊙ S)."""
@@ -171,8 +175,7 @@ def math_exact_match(model: Llama, tok, problems: list[tuple[str, str]], max_new
     newline = tok.encode("\n", add_special_tokens=False).ids[-1]
     correct, samples = 0, []
     for prompt, answer in problems:
-        ids = greedy(model, tok.encode(prompt, add_special_tokens=False).ids, max_new,
-                     lambda out: out[-1] == newline)
+        ids = greedy(model, tok.encode(prompt, add_special_tokens=False).ids, max_new, lambda out: out[-1] == newline)
         text = tok.decode(ids)
         m = re.search(r"-?\d+", text.split("\n")[0])
         ok = bool(m) and m.group(0) == answer
@@ -204,12 +207,14 @@ def humaneval_pass(model: Llama, tok, n: int, max_new: int, timeout: float) -> d
         completion = text[:cut]
         r = check_correctness(prob, completion, timeout)
         passed += r["passed"]
-        results.append({"task_id": prob["task_id"], "passed": r["passed"], "result": r["result"],
-                        "completion": completion})
+        results.append(
+            {"task_id": prob["task_id"], "passed": r["passed"], "result": r["result"], "completion": completion}
+        )
     return {"pass@1": passed / len(problems), "passed": passed, "n": len(problems), "results": results}
 
 
 # --------------------------------------------------------------------------- per variant
+
 
 def mode_path(p: FamilyPaths, variant: str, mode: str, steps: int) -> Path:
     """Where a mode's delta lives. The serving default (SERVING_MODE with the build's
@@ -229,8 +234,14 @@ def build_modes(p: FamilyPaths, variant: str, cfg: QualityConfig) -> dict[str, P
     out = {}
     for mode in cfg.modes:
         alpha, emb, distilled = MODES[mode]
-        out[mode] = build_delta(p, variant, alpha=alpha, embeddings=emb, distill_steps=steps if distilled else 0,
-                                out=mode_path(p, variant, mode, steps))
+        out[mode] = build_delta(
+            p,
+            variant,
+            alpha=alpha,
+            embeddings=emb,
+            distill_steps=steps if distilled else 0,
+            out=mode_path(p, variant, mode, steps),
+        )
     return out
 
 
@@ -251,8 +262,13 @@ def evaluate_variant(p: FamilyPaths, variant: str, cfg: QualityConfig, log=print
         pass
     tok = _tokenizer(p.base)
     wins = eval_windows(corpus_tokens(p.base, VARIANTS[variant], "heldout"), cfg.eval_windows, cfg.seq_len)
-    res: dict = {"variant": variant, "corpus": VARIANTS[variant], "windows": cfg.eval_windows, "seq_len": cfg.seq_len,
-                 "models": {}}
+    res: dict = {
+        "variant": variant,
+        "corpus": VARIANTS[variant],
+        "windows": cfg.eval_windows,
+        "seq_len": cfg.seq_len,
+        "models": {},
+    }
     math_probs = []
     if variant == "math" and cfg.math_problems:
         probs = corpora.problems("heldout")
@@ -281,8 +297,10 @@ def evaluate_variant(p: FamilyPaths, variant: str, cfg: QualityConfig, log=print
     del ft
     base = load_model(p.base)
     res["models"]["base"] = score(base, wins, cfg.batch, ref)
-    log(f"  {variant:9s} {'base':22s} ppl {res['models']['base']['ppl']:8.3f}  "
-        f"KL(ft‖·) {res['models']['base']['kl_from_ft']:.4f}")
+    log(
+        f"  {variant:9s} {'base':22s} ppl {res['models']['base']['ppl']:8.3f}  "
+        f"KL(ft‖·) {res['models']['base']['kl_from_ft']:.4f}"
+    )
     extras("base", base)
     del base
     for mode, path in deltas.items():
@@ -291,8 +309,9 @@ def evaluate_variant(p: FamilyPaths, variant: str, cfg: QualityConfig, log=print
         s = score(m, wins, cfg.batch, ref)
         s["delta_bytes"] = path.stat().st_size
         if delta.meta.distilled:
-            s["distill"] = {k: delta.meta.distilled.get(k) for k in ("steps", "lr", "batch", "seq_len",
-                                                                     "final_train_mse")}
+            s["distill"] = {
+                k: delta.meta.distilled.get(k) for k in ("steps", "lr", "batch", "seq_len", "final_train_mse")
+            }
         res["models"][mode] = s
         log(f"  {variant:9s} {mode:22s} ppl {s['ppl']:8.3f}  KL(ft‖·) {s['kl_from_ft']:.4f}")
         extras(mode, m)
@@ -324,13 +343,19 @@ def _cache_key(p: FamilyPaths, variant: str, cfg: QualityConfig, deltas: dict[st
         st = read_stamp(p, name) or {}
         return st.get("result", {}).get("fingerprint") or st.get("result", {}).get("sha256")
 
-    parts = {"version": EVAL_VERSION, "cfg": asdict(cfg), "variant": variant, "base": result_of("base"),
-             "finetuned": result_of(f"finetuned/{variant}"),
-             "deltas": {m: result_of("deltas/" + path.name) for m, path in deltas.items()}}
+    parts = {
+        "version": EVAL_VERSION,
+        "cfg": asdict(cfg),
+        "variant": variant,
+        "base": result_of("base"),
+        "finetuned": result_of(f"finetuned/{variant}"),
+        "deltas": {m: result_of("deltas/" + path.name) for m, path in deltas.items()},
+    }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
 # --------------------------------------------------------------------------- report
+
 
 def machine() -> str:
     cpu = platform.processor() or "unknown CPU"
@@ -344,8 +369,10 @@ def machine() -> str:
     from bitdelta.precision import cpu_precision
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{platform.node()}: {cpu}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__}, "
-            f"Python {platform.python_version()}; CPU precision {cpu_precision().describe()}")
+    return (
+        f"{platform.node()}: {cpu}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__}, "
+        f"Python {platform.python_version()}; CPU precision {cpu_precision().describe()}"
+    )
 
 
 def built_precisions(p: FamilyPaths, variants: list[str]) -> str:
@@ -366,8 +393,9 @@ def _fmt(x: float, spec: str) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def quality_markdown(results: list[dict], cfg: QualityConfig, command: str, build_info: dict,
-                     precisions: str = "") -> str:
+def quality_markdown(
+    results: list[dict], cfg: QualityConfig, command: str, build_info: dict, precisions: str = ""
+) -> str:
     from bitdelta.family.build import DISTILL_LR, DISTILL_STEPS
 
     steps = cfg.distill_steps if cfg.distill_steps is not None else DISTILL_STEPS
@@ -375,8 +403,11 @@ def quality_markdown(results: list[dict], cfg: QualityConfig, command: str, buil
         "# Quality report: BitDelta on the SmolLM2-135M family",
         "",
         f"Made {time.strftime('%Y-%m-%d %H:%M %Z')} on {machine()}."
-        + (f" Family trained in: {precisions} (bitdelta.precision); every score below is computed in fp32."
-           if precisions else ""),
+        + (
+            f" Family trained in: {precisions} (bitdelta.precision); every score below is computed in fp32."
+            if precisions
+            else ""
+        ),
         f"Command: `{command}`",
         "",
         f"Held-out split of each corpus, {cfg.eval_windows} windows × {cfg.seq_len} tokens per variant "
@@ -407,32 +438,50 @@ def quality_markdown(results: list[dict], cfg: QualityConfig, command: str, buil
         if SERVING_MODE in modes:
             sg = modes[SERVING_MODE]["gain_kept"]
             mb = _fmt(modes[SERVING_MODE].get("delta_bytes", float("nan")) / 1e6, ".1f")
-            line += (f"; serving default {SERVING_MODE} ({mb} MB) keeps {100 * sg:.1f} %"
-                     f"{'' if sg >= 0.9 else ' (**misses the target**)'}")
+            line += (
+                f"; serving default {SERVING_MODE} ({mb} MB) keeps {100 * sg:.1f} %"
+                f"{'' if sg >= 0.9 else ' (**misses the target**)'}"
+            )
         lines.append(line)
     for r in results:
         if "math_exact_match" in r:
-            lines += ["", "## Math: exact match on held-out problems (greedy)", "",
-                      "| model | correct | accuracy |", "|---|---:|---:|"]
+            lines += [
+                "",
+                "## Math: exact match on held-out problems (greedy)",
+                "",
+                "| model | correct | accuracy |",
+                "|---|---:|---:|",
+            ]
             for name, m in r["math_exact_match"].items():
                 lines.append(f"| {name} | {m['correct']}/{m['n']} | {100 * m['accuracy']:.1f} % |")
         if "humaneval" in r:
             n = next(iter(r["humaneval"].values()))["n"]
-            lines += ["", f"## Coder: HumanEval pass@1 (greedy, first {n} of 164 problems, executed offline)", "",
-                      "Prompt with trailing whitespace stripped; completion cut at the first of "
-                      f"{', '.join(repr(x) for x in HUMANEVAL_STOPS)}; at most {cfg.humaneval_max_new} new tokens.",
-                      "",
-                      "| model | passed | pass@1 |", "|---|---:|---:|"]
+            lines += [
+                "",
+                f"## Coder: HumanEval pass@1 (greedy, first {n} of 164 problems, executed offline)",
+                "",
+                "Prompt with trailing whitespace stripped; completion cut at the first of "
+                f"{', '.join(repr(x) for x in HUMANEVAL_STOPS)}; at most {cfg.humaneval_max_new} new tokens.",
+                "",
+                "| model | passed | pass@1 |",
+                "|---|---:|---:|",
+            ]
             for name, m in r["humaneval"].items():
                 lines.append(f"| {name} | {m['passed']}/{m['n']} | {100 * m['pass@1']:.1f} % |")
     if build_info:
-        lines += ["", "## How the family was built", "",
-                  "| variant | corpus | steps × batch × seq | lr | held-out ppl before → after (8 windows) | seconds |",
-                  "|---|---|---|---:|---|---:|"]
+        lines += [
+            "",
+            "## How the family was built",
+            "",
+            "| variant | corpus | steps × batch × seq | lr | held-out ppl before → after (8 windows) | seconds |",
+            "|---|---|---|---:|---|---:|",
+        ]
         for v, rec in build_info.items():
             c = rec["config"]
-            lines.append(f"| {v} | {rec['corpus']} | {c['steps']} × {c['batch']} × {c['seq_len']} | {c['lr']:g} | "
-                         f"{rec['heldout_ppl_before']:.2f} → {rec['heldout_ppl_after']:.2f} | {rec['seconds']:.0f} |")
+            lines.append(
+                f"| {v} | {rec['corpus']} | {c['steps']} × {c['batch']} × {c['seq_len']} | {c['lr']:g} | "
+                f"{rec['heldout_ppl_before']:.2f} → {rec['heldout_ppl_after']:.2f} | {rec['seconds']:.0f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -475,14 +524,26 @@ def merging_markdown(report_dir: Path) -> str:
         return ""
     from bitdelta.merge.report import merging_sections
 
-    lines = ["", "## Merging: MonoSoup and K-Merge", "",
-             "From `bitdelta merge report` (full report: [merging/README.md](merging/README.md)).", ""]
+    lines = [
+        "",
+        "## Merging: MonoSoup and K-Merge",
+        "",
+        "From `bitdelta merge report` (full report: [merging/README.md](merging/README.md)).",
+        "",
+    ]
     return "\n".join(lines + merging_sections(json.loads(results.read_text()), images="merging/")) + "\n"
 
 
-def run_reports(report_dir: Path, variants: list[str] | None = None, cfg: QualityConfig = QualityConfig(),
-                root: str | os.PathLike | None = None, skip_build: bool = False, command: str | None = None) -> dict:
+def run_reports(
+    report_dir: Path,
+    variants: list[str] | None = None,
+    cfg: QualityConfig | None = None,
+    root: str | os.PathLike | None = None,
+    skip_build: bool = False,
+    command: str | None = None,
+) -> dict:
     """Build what is missing, evaluate every variant, write quality.md/.json, the plot and memory.md."""
+    cfg = cfg if cfg is not None else QualityConfig()
     import sys
 
     from bitdelta.family.build import apply_thread_setting, build, read_stamp, status
@@ -507,15 +568,29 @@ def run_reports(report_dir: Path, variants: list[str] | None = None, cfg: Qualit
     build_info = {v: read_stamp(p, f"finetuned/{v}")["result"] for v in variants}
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
-    (report_dir / "quality.json").write_text(json.dumps(
-        {"made": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(), "command": command,
-         "trained_in": built_precisions(p, variants),
-         "config": asdict(cfg), "results": results, "build": build_info}, indent=2, default=str))
+    (report_dir / "quality.json").write_text(
+        json.dumps(
+            {
+                "made": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "machine": machine(),
+                "command": command,
+                "trained_in": built_precisions(p, variants),
+                "config": asdict(cfg),
+                "results": results,
+                "build": build_info,
+            },
+            indent=2,
+            default=str,
+        )
+    )
     precisions = built_precisions(p, variants)
-    (report_dir / "quality.md").write_text(quality_markdown(results, cfg, command, build_info, precisions)
-                                           + merging_markdown(report_dir))
+    (report_dir / "quality.md").write_text(
+        quality_markdown(results, cfg, command, build_info, precisions) + merging_markdown(report_dir)
+    )
     plot(results, report_dir / "gain_kept.png")
     (report_dir / "memory.md").write_text(memory_markdown(p, variants, command))
-    print(f"[quality] wrote {report_dir}/quality.md, quality.json, gain_kept.png, memory.md "
-          f"({time.time() - t:.0f} s)", flush=True)
+    print(
+        f"[quality] wrote {report_dir}/quality.md, quality.json, gain_kept.png, memory.md ({time.time() - t:.0f} s)",
+        flush=True,
+    )
     return {"results": results}

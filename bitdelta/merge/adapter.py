@@ -96,7 +96,7 @@ class LoraAdapter:
     def dense(self) -> dict[str, torch.Tensor]:
         return {k: m.delta() for k, m in self.modules.items()}
 
-    def to(self, dtype: torch.dtype) -> "LoraAdapter":
+    def to(self, dtype: torch.dtype) -> LoraAdapter:
         mods = {k: LoraModule(m.A.to(dtype), m.B.to(dtype), m.scale) for k, m in self.modules.items()}
         return LoraAdapter(mods, self.name, dict(self.config))
 
@@ -199,8 +199,10 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
         for key in f.keys():
             m = _KEY.match(key)
             if m is None:
-                raise ValueError(f"{path}: tensor {key!r} is not a lora_A/lora_B weight "
-                                 "(biases, embeddings and DoRA vectors are not supported)")
+                raise ValueError(
+                    f"{path}: tensor {key!r} is not a lora_A/lora_B weight "
+                    "(biases, embeddings and DoRA vectors are not supported)"
+                )
             factors.setdefault(m["module"], {})[m["which"]] = f.get_tensor(key)
     modules = {}
     for module, ab in sorted(factors.items()):
@@ -217,8 +219,12 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
     return LoraAdapter(modules, name or path.name, cfg)
 
 
-def save_adapter(adapter: LoraAdapter, out: str | os.PathLike, base_model: str | None = None,
-                 extra_files: dict[str, str] | None = None) -> Path:
+def save_adapter(
+    adapter: LoraAdapter,
+    out: str | os.PathLike,
+    base_model: str | None = None,
+    extra_files: dict[str, str] | None = None,
+) -> Path:
     """Write `adapter` as a PEFT LoRA directory, atomically.
 
     The config's r / lora_alpha reproduce every module's scale: the most common
@@ -243,11 +249,21 @@ def save_adapter(adapter: LoraAdapter, out: str | os.PathLike, base_model: str |
     targets = sorted({k.rsplit(".", 1)[-1] for k in mods})
     keep = {k: v for k, v in adapter.config.items() if k in ("task_type", "base_model_name_or_path", "lora_dropout")}
     cfg = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", **keep,
-        "r": r0, "lora_alpha": s0 * r0, "target_modules": targets,
-        "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
-        "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "bias": "none",
-        "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        **keep,
+        "r": r0,
+        "lora_alpha": s0 * r0,
+        "target_modules": targets,
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "bias": "none",
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
     }
     cfg.setdefault("lora_dropout", 0.0)
     if base_model is not None:

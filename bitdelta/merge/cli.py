@@ -30,8 +30,10 @@ def cmd_monosoup(a: argparse.Namespace) -> None:
     if done:
         ks = sorted(r["k"] for r in done)
         lam = sum(r["lambda_high"] for r in done) / len(done)
-        print(f"{len(done)} matrices re-weighted (rank rule {a.rule}): k median {ks[len(ks) // 2]} "
-              f"(min {ks[0]}, max {ks[-1]}), mean λ_high {lam:.3f}; {kept} parameters kept the fine-tuned values")
+        print(
+            f"{len(done)} matrices re-weighted (rank rule {a.rule}): k median {ks[len(ks) // 2]} "
+            f"(min {ks[0]}, max {ks[-1]}), mean λ_high {lam:.3f}; {kept} parameters kept the fine-tuned values"
+        )
     print(f"wrote {out}")
 
 
@@ -58,8 +60,16 @@ def cmd_opcm(a: argparse.Namespace) -> None:
 def _lora_cfg(a: argparse.Namespace):
     from bitdelta.merge.lora import LoraConfig
 
-    given = {"rank": a.rank, "alpha": a.lora_alpha, "targets": tuple(a.targets) if a.targets else None,
-             "steps": a.steps, "lr": a.lr, "batch": a.batch, "seq_len": a.seq_len, "seed": a.seed}
+    given = {
+        "rank": a.rank,
+        "alpha": a.lora_alpha,
+        "targets": tuple(a.targets) if a.targets else None,
+        "steps": a.steps,
+        "lr": a.lr,
+        "batch": a.batch,
+        "seq_len": a.seq_len,
+        "seed": a.seed,
+    }
     return LoraConfig(**{k: v for k, v in given.items() if v is not None})
 
 
@@ -116,18 +126,37 @@ def cmd_kmerge(a: argparse.Namespace) -> None:
         heldout[task] = Path(path)
     missing = [t for t, p in heldout.items() if not p.is_file()]
     if missing:
-        raise CliError(f"no held-out text for {missing}: put heldout.txt in the adapter directory or pass --heldout TASK=FILE")
+        raise CliError(
+            f"no held-out text for {missing}: put heldout.txt in the adapter directory or pass --heldout TASK=FILE"
+        )
     from bitdelta.merge.evaluate import adapter_evaluator
 
     texts = {t: p.read_text(errors="replace") for t, p in heldout.items()}
     evaluate, _ = adapter_evaluator(a.base, texts, a.windows, a.seq_len)
-    pool = AdapterPool(k=a.k, budget_bytes=a.budget, threshold=a.threshold, merge=a.merge, merge_rank=a.merge_rank,
-                       gate=a.gate, evaluate=evaluate if a.gate is not None else None)
+    pool = AdapterPool(
+        k=a.k,
+        budget_bytes=a.budget,
+        threshold=a.threshold,
+        merge=a.merge,
+        merge_rank=a.merge_rank,
+        gate=a.gate,
+        evaluate=evaluate if a.gate is not None else None,
+    )
     decisions = stream(pool, list(own.items()))
     per_task = scores(pool, own, evaluate)
     if a.json:
-        print(json.dumps({"decisions": [d.__dict__ for d in decisions], "scores": per_task,
-                          "mean_score": mean_score(per_task), "slots": len(pool.slots), "bytes": pool.nbytes}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "decisions": [d.__dict__ for d in decisions],
+                    "scores": per_task,
+                    "mean_score": mean_score(per_task),
+                    "slots": len(pool.slots),
+                    "bytes": pool.nbytes,
+                },
+                indent=2,
+            )
+        )
         return
     limit = " and ".join(x for x in (f"K={a.k}" if a.k else "", f"B={a.budget} bytes" if a.budget else "") if x)
     print(f"pool: {limit}, merge={a.merge}, threshold={a.threshold}, gate={a.gate}")
@@ -136,8 +165,10 @@ def cmd_kmerge(a: argparse.Namespace) -> None:
     print(f"{len(pool.slots)} slots, {pool.nbytes:,} bytes")
     print(f"{'task':<18} {'slot':>4} {'own acc':>8} {'pool acc':>8} {'base acc':>8} {'score':>6} {'base':>6}")
     for t, s in per_task.items():
-        print(f"{t:<18} {'-' if s['slot'] is None else s['slot']:>4} {s['own']:>8.4f} {s['pool']:>8.4f} "
-              f"{s['base']:>8.4f} {s['score']:>6.3f} {s['base_score']:>6.3f}")
+        print(
+            f"{t:<18} {'-' if s['slot'] is None else s['slot']:>4} {s['own']:>8.4f} {s['pool']:>8.4f} "
+            f"{s['base']:>8.4f} {s['score']:>6.3f} {s['base_score']:>6.3f}"
+        )
     print(f"mean score (pool acc / own acc): {mean_score(per_task):.3f}")
 
 
@@ -162,12 +193,18 @@ def register(sub) -> None:
     c.add_argument("--base", required=True, type=Path)
     c.add_argument("--finetuned", required=True, type=Path)
     c.add_argument("--out", required=True, type=Path)
-    c.add_argument("--rule", choices=["entropy", "energy"], default="entropy",
-                   help="rank k: ⌈exp(entropy of σ/Σσ)⌉ (the paper's default) or the energy threshold")
+    c.add_argument(
+        "--rule",
+        choices=["entropy", "energy"],
+        default="entropy",
+        help="rank k: ⌈exp(entropy of σ/Σσ)⌉ (the paper's default) or the energy threshold",
+    )
     c.add_argument("--energy", type=float, default=0.8, help="energy fraction for --rule energy")
     c.set_defaults(func=cmd_monosoup)
 
-    c = msub.add_parser("svd-soup", help="the brief's soup: mean of rank-r truncated task vectors of several checkpoints")
+    c = msub.add_parser(
+        "svd-soup", help="the brief's soup: mean of rank-r truncated task vectors of several checkpoints"
+    )
     c.add_argument("--base", required=True, type=Path)
     c.add_argument("--checkpoints", required=True, nargs="+", type=Path)
     c.add_argument("--rank", required=True, type=int)
@@ -198,19 +235,31 @@ def register(sub) -> None:
 
     c = msub.add_parser("report", help="evaluate MonoSoup and K-Merge on the real family; write reports/merging")
     c.add_argument("--out", type=Path, default=Path("reports/merging"))
-    c.add_argument("--parts", nargs="*", choices=["monosoup", "kmerge"], default=["monosoup", "kmerge"],
-                   help="what to (re)compute; --parts with none only redraws plots and README from results.json")
+    c.add_argument(
+        "--parts",
+        nargs="*",
+        choices=["monosoup", "kmerge"],
+        default=["monosoup", "kmerge"],
+        help="what to (re)compute; --parts with none only redraws plots and README from results.json",
+    )
     c.add_argument("--windows", type=int, default=16, help="held-out windows per split")
     c.add_argument("--seq-len", type=int, default=128)
     c.set_defaults(func=cmd_report)
 
     c = sub.add_parser("kmerge", help="run LoRA adapters through a K-Merge pool; print merged ÷ own score per task")
     c.add_argument("--base", required=True, type=Path)
-    c.add_argument("--adapters", required=True, nargs="+", type=Path,
-                   help="PEFT adapter directories, in arrival order (directory name = task)")
+    c.add_argument(
+        "--adapters",
+        required=True,
+        nargs="+",
+        type=Path,
+        help="PEFT adapter directories, in arrival order (directory name = task)",
+    )
     c.add_argument("--k", type=int, help="at most K slots (default 5 when no --budget)")
     c.add_argument("--budget", type=parse_bytes, help="byte budget for the stored factors, e.g. 2MiB")
-    c.add_argument("--threshold", type=float, help="K-Merge++: open a free slot only below this similarity (paper: 0.02-0.03)")
+    c.add_argument(
+        "--threshold", type=float, help="K-Merge++: open a free slot only below this similarity (paper: 0.02-0.03)"
+    )
     c.add_argument("--merge", choices=["mean", "opcm"], default="mean")
     c.add_argument("--merge-rank", type=int, help="rank of merged adapters (default: the slot's rank)")
     c.add_argument("--gate", type=float, help="keep a merge only if every task keeps ≥ GATE × its own accuracy")

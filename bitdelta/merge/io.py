@@ -24,8 +24,9 @@ DEFAULT_SHARD_BYTES = 2 * 1024**3
 
 
 class ShardedWriter:
-    def __init__(self, out: str | os.PathLike, config_from: str | os.PathLike,
-                 max_shard_bytes: int = DEFAULT_SHARD_BYTES):
+    def __init__(
+        self, out: str | os.PathLike, config_from: str | os.PathLike, max_shard_bytes: int = DEFAULT_SHARD_BYTES
+    ):
         self.out = Path(out)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", dir=self.out.parent))
@@ -82,7 +83,7 @@ class ShardedWriter:
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def __enter__(self) -> "ShardedWriter":
+    def __enter__(self) -> ShardedWriter:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
@@ -93,5 +94,6 @@ class ShardedWriter:
 def check_same_keys(base_keys: list[str], other_keys: list[str], other: str | os.PathLike) -> None:
     missing, extra = set(base_keys) - set(other_keys), set(other_keys) - set(base_keys)
     if missing or extra:
-        raise ValueError(f"{other} does not have the base's tensors: missing {sorted(missing)[:5]}, "
-                         f"extra {sorted(extra)[:5]}")
+        raise ValueError(
+            f"{other} does not have the base's tensors: missing {sorted(missing)[:5]}, extra {sorted(extra)[:5]}"
+        )

@@ -24,8 +24,8 @@ The pool handles ids, bytes and factors; evaluation is a callable it is given.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -58,9 +58,17 @@ class Decision:
 
 
 class AdapterPool:
-    def __init__(self, k: int | None = 5, budget_bytes: int | None = None, threshold: float | None = None,
-                 merge: str = "mean", merge_rank: int | None = None, opcm_alpha: float = DEFAULT_ALPHA,
-                 gate: float | None = None, evaluate: Evaluate | None = None):
+    def __init__(
+        self,
+        k: int | None = 5,
+        budget_bytes: int | None = None,
+        threshold: float | None = None,
+        merge: str = "mean",
+        merge_rank: int | None = None,
+        opcm_alpha: float = DEFAULT_ALPHA,
+        gate: float | None = None,
+        evaluate: Evaluate | None = None,
+    ):
         if k is None and budget_bytes is None:
             raise ValueError("give a slot count k, a byte budget, or both")
         if k is not None and k < 1:
@@ -90,8 +98,9 @@ class AdapterPool:
         return None if i is None else self.slots[i].adapter
 
     def _room_for(self, nbytes: int) -> bool:
-        return (self.k is None or len(self.slots) < self.k) and \
-               (self.budget is None or self.nbytes + nbytes <= self.budget)
+        return (self.k is None or len(self.slots) < self.k) and (
+            self.budget is None or self.nbytes + nbytes <= self.budget
+        )
 
     # ------------------------------------------------------------------ policy
     def add(self, task: str, adapter: LoraAdapter) -> Decision:
@@ -103,14 +112,20 @@ class AdapterPool:
         fits_alone = self.budget is None or adapter.nbytes <= self.budget
         room = fits_alone and self._room_for(adapter.nbytes)
         if room and (self.threshold is None or not sims or max(sims) < self.threshold):
-            why = "free slot" if self.threshold is None or not sims else \
-                f"free slot, max similarity {max(sims):.4f} < threshold {self.threshold}"
+            why = (
+                "free slot"
+                if self.threshold is None or not sims
+                else f"free slot, max similarity {max(sims):.4f} < threshold {self.threshold}"
+            )
             return self._record(self._open(task, adapter, sims, why))
 
         refused: dict[int, dict] = {}
         for i in sorted(range(len(self.slots)), key=lambda j: -sims[j]):
             merged_slot = self._merged(self.slots[i], task, adapter)
-            if self.budget is not None and self.nbytes - self.slots[i].adapter.nbytes + merged_slot.adapter.nbytes > self.budget:
+            if (
+                self.budget is not None
+                and self.nbytes - self.slots[i].adapter.nbytes + merged_slot.adapter.nbytes > self.budget
+            ):
                 refused[i] = {"bytes": merged_slot.adapter.nbytes}
                 continue
             if self.gate is not None:
@@ -122,13 +137,18 @@ class AdapterPool:
                 ratios = {}
             self.slots[i] = merged_slot
             self.task_slot[task] = i
-            why = f"most similar slot ({sims[i]:.4f})" if not refused else \
-                f"slot {i} ({sims[i]:.4f}) after slots {sorted(refused)} were refused"
+            why = (
+                f"most similar slot ({sims[i]:.4f})"
+                if not refused
+                else f"slot {i} ({sims[i]:.4f}) after slots {sorted(refused)} were refused"
+            )
             return self._record(Decision(task, "merge", i, sims, why, ratios))
         if room:  # only reachable with a gate or byte refusals under K-Merge++
             return self._record(self._open(task, adapter, sims, f"merges refused ({refused}); free slot"))
         self.task_slot[task] = None
-        why = "larger than the whole budget" if not fits_alone else f"no slot accepts it ({refused}); served by the base"
+        why = (
+            "larger than the whole budget" if not fits_alone else f"no slot accepts it ({refused}); served by the base"
+        )
         return self._record(Decision(task, "reject", None, sims, why))
 
     def _open(self, task: str, adapter: LoraAdapter, sims: list[float], why: str) -> Decision:
@@ -205,8 +225,14 @@ def scores(pool: AdapterPool, own: dict[str, LoraAdapter], evaluate: Evaluate) -
         m_own = evaluate(adapter, task)
         m_pool = evaluate(pool.adapter_for(task), task)
         m_base = evaluate(None, task)
-        out[task] = {"own": m_own, "pool": m_pool, "base": m_base, "score": m_pool / m_own,
-                     "base_score": m_base / m_own, "slot": pool.task_slot[task]}
+        out[task] = {
+            "own": m_own,
+            "pool": m_pool,
+            "base": m_base,
+            "score": m_pool / m_own,
+            "base_score": m_base / m_own,
+            "slot": pool.task_slot[task],
+        }
     return out
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -114,8 +114,9 @@ class LoraConfig:
     data_seed: int = 0  # which windows are drawn
 
 
-def train(model: Llama, tokens: torch.Tensor, cfg: LoraConfig, progress: bool = True,
-          desc: str = "lora") -> tuple[LoraAdapter, dict]:
+def train(
+    model: Llama, tokens: torch.Tensor, cfg: LoraConfig, progress: bool = True, desc: str = "lora"
+) -> tuple[LoraAdapter, dict]:
     """Train a LoRA adapter on a 1-D token stream with next-token cross-entropy.
 
     AdamW, linear warm-up over the first tenth then cosine decay. The model is
@@ -129,7 +130,11 @@ def train(model: Llama, tokens: torch.Tensor, cfg: LoraConfig, progress: bool = 
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
         warm = max(1, cfg.steps // 10)
         sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, cfg.steps - warm))))
+            opt,
+            lambda s: (
+                (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, cfg.steps - warm)))
+            ),
+        )
         windows = token_windows(tokens, cfg.seq_len + 1, cfg.steps * cfg.batch, cfg.data_seed)
         losses, t0, c0 = [], time.perf_counter(), time.process_time()
         bar = tqdm(range(cfg.steps), desc=desc, disable=not progress)
@@ -145,8 +150,18 @@ def train(model: Llama, tokens: torch.Tensor, cfg: LoraConfig, progress: bool = 
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
     finally:
         adapter = eject(model, wrapped)
-    record = {"steps": cfg.steps, "lr": cfg.lr, "batch": cfg.batch, "seq_len": cfg.seq_len, "rank": cfg.rank,
-              "alpha": cfg.alpha, "targets": list(cfg.targets), "seed": cfg.seed,
-              "loss_first": losses[0], "loss_last_5": sum(losses[-5:]) / len(losses[-5:]),
-              "seconds": round(time.perf_counter() - t0, 1), "cpu_seconds": round(time.process_time() - c0, 1)}
+    record = {
+        "steps": cfg.steps,
+        "lr": cfg.lr,
+        "batch": cfg.batch,
+        "seq_len": cfg.seq_len,
+        "rank": cfg.rank,
+        "alpha": cfg.alpha,
+        "targets": list(cfg.targets),
+        "seed": cfg.seed,
+        "loss_first": losses[0],
+        "loss_last_5": sum(losses[-5:]) / len(losses[-5:]),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "cpu_seconds": round(time.process_time() - c0, 1),
+    }
     return adapter, record

@@ -58,8 +58,9 @@ def choose_k(s: torch.Tensor, rule: str = "entropy", energy: float = ENERGY_THRE
     raise ValueError(f"unknown rank rule {rule!r}: use 'entropy' or 'energy'")
 
 
-def monosoup_matrix(w0: torch.Tensor, w1: torch.Tensor, rule: str = "entropy",
-                    energy: float = ENERGY_THRESHOLD) -> tuple[torch.Tensor, LayerInfo]:
+def monosoup_matrix(
+    w0: torch.Tensor, w1: torch.Tensor, rule: str = "entropy", energy: float = ENERGY_THRESHOLD
+) -> tuple[torch.Tensor, LayerInfo]:
     """MonoSoup of one parameter; returns (W in w1's dtype, what was done)."""
     if w0.shape != w1.shape:
         raise ValueError(f"shape mismatch {tuple(w0.shape)} vs {tuple(w1.shape)}")
@@ -87,9 +88,14 @@ def monosoup_matrix(w0: torch.Tensor, w1: torch.Tensor, rule: str = "entropy",
     return w.reshape(shape).to(w1.dtype), LayerInfo(k, rank, p_k, rho, lam_high, lam_low)
 
 
-def monosoup_checkpoint(base: str | os.PathLike, finetuned: str | os.PathLike, out: str | os.PathLike,
-                        rule: str = "entropy", energy: float = ENERGY_THRESHOLD,
-                        progress: bool = True) -> tuple[Path, dict[str, dict]]:
+def monosoup_checkpoint(
+    base: str | os.PathLike,
+    finetuned: str | os.PathLike,
+    out: str | os.PathLike,
+    rule: str = "entropy",
+    energy: float = ENERGY_THRESHOLD,
+    progress: bool = True,
+) -> tuple[Path, dict[str, dict]]:
     """MonoSoup of a whole checkpoint, one parameter in memory at a time.
 
     Writes a Hugging Face checkpoint (the fine-tune's config and tokenizer) and

@@ -88,8 +88,9 @@ class OPCM:
             self.norms, self.lam = [tau_norm], 1.0
             return
         if set(tau) != set(self.merged):
-            raise ValueError(f"task vector names differ from the merged ones: "
-                             f"{sorted(set(tau) ^ set(self.merged))[:5]}")
+            raise ValueError(
+                f"task vector names differ from the merged ones: {sorted(set(tau) ^ set(self.merged))[:5]}"
+            )
         combined = {}
         for k in tqdm(list(tau), desc="opcm", disable=not progress):
             t = tau[k].float()
@@ -109,8 +110,13 @@ def check_norm(merged_norm: float, target: float) -> None:
         raise AssertionError(f"OPCM invariant broken: ‖τ_merged‖ = {merged_norm:.6g}, mean ‖τ_i‖ = {target:.6g}")
 
 
-def opcm_checkpoints(base: str | os.PathLike, checkpoints: list[str | os.PathLike], out: str | os.PathLike,
-                     alpha: float = DEFAULT_ALPHA, progress: bool = True) -> Path:
+def opcm_checkpoints(
+    base: str | os.PathLike,
+    checkpoints: list[str | os.PathLike],
+    out: str | os.PathLike,
+    alpha: float = DEFAULT_ALPHA,
+    progress: bool = True,
+) -> Path:
     """OPCM over whole checkpoints in the given order.
 
     Memory: the merged task vector and one checkpoint's task vector (fp32),

@@ -75,8 +75,9 @@ def task_texts(task: str) -> tuple[str, str]:
     return train, heldout
 
 
-def train_adapters(cfg: LoraConfig = DEFAULT_LORA, tasks: list[str] | None = None, out: Path | None = None,
-                   force: bool = False) -> dict[str, Path]:
+def train_adapters(
+    cfg: LoraConfig = DEFAULT_LORA, tasks: list[str] | None = None, out: Path | None = None, force: bool = False
+) -> dict[str, Path]:
     """Train the task set's adapters (skipping those already trained with the same recipe)."""
     from bitdelta import family
     from bitdelta.merge import lora
@@ -105,10 +106,20 @@ def train_adapters(cfg: LoraConfig = DEFAULT_LORA, tasks: list[str] | None = Non
         train, heldout = task_texts(task)
         tokens = tokenize(base, train)
         adapter, record = lora.train(model, tokens, cfg, desc=f"lora {task}")
-        record = {"recipe": recipe, "task": task, "corpus": TASKS[task][0], "subsets": TASKS[task][1],
-                  "train_tokens": tokens.numel(), **record}
-        save_adapter(adapter, d, base_model=str(base),
-                     extra_files={"heldout.txt": heldout, "training.json": json.dumps(record, indent=2)})
+        record = {
+            "recipe": recipe,
+            "task": task,
+            "corpus": TASKS[task][0],
+            "subsets": TASKS[task][1],
+            "train_tokens": tokens.numel(),
+            **record,
+        }
+        save_adapter(
+            adapter,
+            d,
+            base_model=str(base),
+            extra_files={"heldout.txt": heldout, "training.json": json.dumps(record, indent=2)},
+        )
         _log(f"{task}: loss {record['loss_first']:.3f} -> {record['loss_last_5']:.3f} in {record['seconds']} s")
         done[task] = d
     return done
@@ -139,28 +150,42 @@ def monosoup_part(n_windows: int, seq_len: int, math_problems: int = 40) -> dict
         model = load_model(ckpt)
         res = {split: q.score(model, w, batch=4) for split, w in wins.items()}
         if exact_match and probs:
-            res["math_exact_match"] = {k: v for k, v in q.math_exact_match(model, tok, probs, 8).items() if k != "samples"}
+            res["math_exact_match"] = {
+                k: v for k, v in q.math_exact_match(model, tok, probs, 8).items() if k != "samples"
+            }
         del model
         return res
 
-    res: dict = {"windows": n_windows, "seq_len": seq_len, "rule": "entropy", "variants": list(p.variants),
-                 "math_problems": len(probs)}
+    res: dict = {
+        "windows": n_windows,
+        "seq_len": seq_len,
+        "rule": "entropy",
+        "variants": list(p.variants),
+        "math_problems": len(probs),
+    }
     t0 = time.perf_counter()
     res["base"] = evaluate(p.base, exact_match="math" in p.variants)
     res["finetuned"], res["monosoup"], res["layers"] = {}, {}, {}
     for v in p.variants:
         out = p.root / "merge" / "monosoup" / v
-        if not (out / "monosoup.json").is_file() or \
-                (out / "monosoup.json").stat().st_mtime < (p.finetuned[v] / "config.json").stat().st_mtime:
+        if (
+            not (out / "monosoup.json").is_file()
+            or (out / "monosoup.json").stat().st_mtime < (p.finetuned[v] / "config.json").stat().st_mtime
+        ):
             _log(f"monosoup {v}")
             _, layers = monosoup_checkpoint(p.base, p.finetuned[v], out)
         else:
             layers = json.loads((out / "monosoup.json").read_text())["layers"]
         mats = [x for x in layers.values() if not x["skipped"]]
         ks = sorted(x["k"] for x in mats)
-        res["layers"][v] = {"matrices": len(mats), "k_median": ks[len(ks) // 2], "k_min": ks[0], "k_max": ks[-1],
-                            "rank_median": sorted(x["rank"] for x in mats)[len(mats) // 2],
-                            "lambda_high_mean": sum(x["lambda_high"] for x in mats) / len(mats)}
+        res["layers"][v] = {
+            "matrices": len(mats),
+            "k_median": ks[len(ks) // 2],
+            "k_min": ks[0],
+            "k_max": ks[-1],
+            "rank_median": sorted(x["rank"] for x in mats)[len(mats) // 2],
+            "lambda_high_mean": sum(x["lambda_high"] for x in mats) / len(mats),
+        }
         _log(f"evaluate {v}: fine-tune and MonoSoup on {len(wins)} splits")
         res["finetuned"][v] = evaluate(p.finetuned[v], exact_match=v == "math")
         res["monosoup"][v] = evaluate(out, exact_match=v == "math")
@@ -199,10 +224,18 @@ def kmerge_part(n_windows: int, seq_len: int, lora_cfg: LoraConfig = DEFAULT_LOR
     acc, full = adapter_evaluator(base, texts, n_windows, seq_len)
 
     t0 = time.perf_counter()
-    res: dict = {"windows": n_windows, "seq_len": seq_len, "stream": STREAM, "tasks": {t: TASKS[t] for t in STREAM},
-                 "adapter_bytes": own[STREAM[0]].nbytes, "lora": json.loads((dirs[STREAM[0]] / "training.json").read_text())}
-    res["training"] = {t: {k: json.loads((dirs[t] / "training.json").read_text())[k]
-                           for k in ("loss_first", "loss_last_5", "seconds")} for t in STREAM}
+    res: dict = {
+        "windows": n_windows,
+        "seq_len": seq_len,
+        "stream": STREAM,
+        "tasks": {t: TASKS[t] for t in STREAM},
+        "adapter_bytes": own[STREAM[0]].nbytes,
+        "lora": json.loads((dirs[STREAM[0]] / "training.json").read_text()),
+    }
+    res["training"] = {
+        t: {k: json.loads((dirs[t] / "training.json").read_text())[k] for k in ("loss_first", "loss_last_5", "seconds")}
+        for t in STREAM
+    }
     res["similarity"] = [[similarity(own[a], own[b]) for b in STREAM] for a in STREAM]
     res["own"] = {t: full(own[t], t) for t in STREAM}
     res["base"] = {t: full(None, t) for t in STREAM}
@@ -214,17 +247,36 @@ def kmerge_part(n_windows: int, seq_len: int, lora_cfg: LoraConfig = DEFAULT_LOR
         per_task = {}
         for t in STREAM:
             served = full(pool.adapter_for(t), t)
-            per_task[t] = {"slot": pool.task_slot[t], "acc": served["acc"], "ppl": served["ppl"],
-                           "score": served["acc"] / res["own"][t]["acc"],
-                           "ppl_ratio": res["own"][t]["ppl"] / served["ppl"]}
-        res["configs"].append({
-            "label": label, "options": {k: v for k, v in kw.items()}, "slots": len(pool.slots), "bytes": pool.nbytes,
-            "groups": [s.tasks for s in pool.slots],
-            "decisions": [{"task": d.task, "action": d.action, "slot": d.slot, "reason": d.reason,
-                           "max_similarity": max(d.similarities) if d.similarities else None, "gate": d.gate}
-                          for d in decisions],
-            "per_task": per_task, "mean_score": mean_score(per_task),
-            "mean_ppl_ratio": sum(v["ppl_ratio"] for v in per_task.values()) / len(per_task)})
+            per_task[t] = {
+                "slot": pool.task_slot[t],
+                "acc": served["acc"],
+                "ppl": served["ppl"],
+                "score": served["acc"] / res["own"][t]["acc"],
+                "ppl_ratio": res["own"][t]["ppl"] / served["ppl"],
+            }
+        res["configs"].append(
+            {
+                "label": label,
+                "options": {k: v for k, v in kw.items()},
+                "slots": len(pool.slots),
+                "bytes": pool.nbytes,
+                "groups": [s.tasks for s in pool.slots],
+                "decisions": [
+                    {
+                        "task": d.task,
+                        "action": d.action,
+                        "slot": d.slot,
+                        "reason": d.reason,
+                        "max_similarity": max(d.similarities) if d.similarities else None,
+                        "gate": d.gate,
+                    }
+                    for d in decisions
+                ],
+                "per_task": per_task,
+                "mean_score": mean_score(per_task),
+                "mean_ppl_ratio": sum(v["ppl_ratio"] for v in per_task.values()) / len(per_task),
+            }
+        )
     res["base_mean_score"] = sum(res["base"][t]["acc"] / res["own"][t]["acc"] for t in STREAM) / len(STREAM)
     res["seconds"] = round(time.perf_counter() - t0, 1)
     return res
@@ -246,7 +298,7 @@ def _plot_monosoup(ms: dict, path: Path) -> None:
         rows = []
         for v in vs:
             splits = [v] if kind == "in-distribution" else [s for s in vs if s != v]
-            mean = lambda d, sp=splits: sum(d[s]["ppl"] for s in sp) / len(sp)  # noqa: E731
+            mean = lambda d, sp=splits: sum(d[s]["ppl"] for s in sp) / len(sp)
             ft = mean(ms["finetuned"][v])
             rows.append((mean(ms["base"]) / ft, mean(ms["monosoup"][v]) / ft))
         x = torch.arange(len(vs)).float()
@@ -279,17 +331,34 @@ def _plot_kmerge(km: dict, path: Path) -> None:
     ax1.set_yticks(range(len(tasks)), tasks)
     for i in range(len(tasks)):
         for j in range(len(tasks)):
-            ax1.text(j, i, f"{sim[i, j]:.2f}", ha="center", va="center", fontsize=7,
-                     color="black" if sim[i, j] > 0.6 * top else "white")
+            ax1.text(
+                j,
+                i,
+                f"{sim[i, j]:.2f}",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="black" if sim[i, j] > 0.6 * top else "white",
+            )
     ax1.set_title("adapter similarity (mean cosine of BA over modules)\ncolour scale: off-diagonal range")
     fig.colorbar(im, ax=ax1, fraction=0.046)
     cfgs = km["configs"]
     width = 0.8 / len(cfgs)
     for i, c in enumerate(cfgs):
-        ax2.bar([j + (i - len(cfgs) / 2 + 0.5) * width for j in range(len(tasks))],
-                [c["per_task"][t]["score"] for t in tasks], width, label=f"{c['label']} ({c['mean_score']:.3f})")
-    ax2.plot(range(len(tasks)), [km["base"][t]["acc"] / km["own"][t]["acc"] for t in tasks], "k_", markersize=18,
-             mew=2, label=f"base model ({km['base_mean_score']:.3f})")
+        ax2.bar(
+            [j + (i - len(cfgs) / 2 + 0.5) * width for j in range(len(tasks))],
+            [c["per_task"][t]["score"] for t in tasks],
+            width,
+            label=f"{c['label']} ({c['mean_score']:.3f})",
+        )
+    ax2.plot(
+        range(len(tasks)),
+        [km["base"][t]["acc"] / km["own"][t]["acc"] for t in tasks],
+        "k_",
+        markersize=18,
+        mew=2,
+        label=f"base model ({km['base_mean_score']:.3f})",
+    )
     ax2.set_xticks(range(len(tasks)), tasks, rotation=30, ha="right")
     lo = min(min(c["per_task"][t]["score"] for t in tasks for c in cfgs), km["base_mean_score"]) - 0.02
     ax2.set_ylim(max(0.0, lo), 1.02)
@@ -317,14 +386,23 @@ def _monosoup_md(ms: dict, images: str = "") -> list[str]:
     for v in vs:
         others = [s for s in vs if s != v]
         b, f, m = ms["base"][v]["ppl"], ms["finetuned"][v][v]["ppl"], ms["monosoup"][v][v]["ppl"]
-        ood = [sum(d[s]["ppl"] for s in others) / len(others) for d in (ms["base"], ms["finetuned"][v], ms["monosoup"][v])]
+        ood = [
+            sum(d[s]["ppl"] for s in others) / len(others) for d in (ms["base"], ms["finetuned"][v], ms["monosoup"][v])
+        ]
         kept = f"{(b - m) / (b - f):.0%}" if b > f else "n/a (fine-tune ≥ base)"
         lay = ms["layers"][v]
-        out.append(f"| {v} | {b:.2f} | {f:.2f} | {m:.2f} | {kept} | {ood[0]:.2f} | {ood[1]:.2f} | {ood[2]:.2f} | "
-                   f"{lay['k_median']} / {lay['rank_median']} | {lay['lambda_high_mean']:.3f} |")
+        out.append(
+            f"| {v} | {b:.2f} | {f:.2f} | {m:.2f} | {kept} | {ood[0]:.2f} | {ood[1]:.2f} | {ood[2]:.2f} | "
+            f"{lay['k_median']} / {lay['rank_median']} | {lay['lambda_high_mean']:.3f} |"
+        )
     out += [""] + _monosoup_notes(ms)
-    out += ["", "Every split, every model (perplexity; rows: model, columns: held-out split):", "",
-            "| model | " + " | ".join(vs) + " |", "|---|" + "---|" * len(vs)]
+    out += [
+        "",
+        "Every split, every model (perplexity; rows: model, columns: held-out split):",
+        "",
+        "| model | " + " | ".join(vs) + " |",
+        "|---|" + "---|" * len(vs),
+    ]
     out.append("| base | " + " | ".join(f"{ms['base'][s]['ppl']:.2f}" for s in vs) + " |")
     for v in vs:
         for kind, d in (("fine-tune", ms["finetuned"][v]), ("MonoSoup", ms["monosoup"][v])):
@@ -355,20 +433,32 @@ def _kmerge_md(km: dict, images: str = "") -> list[str]:
     for t in tasks:
         c, s = km["tasks"][t]
         tr = km["training"][t]
-        out.append(f"| {t} | {c} / {', '.join(s)} | {km['base'][t]['acc']:.4f} | {km['own'][t]['acc']:.4f} | "
-                   f"{tr['loss_first']:.2f} → {tr['loss_last_5']:.2f} |")
-    out += ["", "| pool | slots | bytes | groups | mean score | mean ppl ratio | " + " | ".join(tasks) + " |",
-            "|---|---|---|---|---|---|" + "---|" * len(tasks)]
+        out.append(
+            f"| {t} | {c} / {', '.join(s)} | {km['base'][t]['acc']:.4f} | {km['own'][t]['acc']:.4f} | "
+            f"{tr['loss_first']:.2f} → {tr['loss_last_5']:.2f} |"
+        )
+    out += [
+        "",
+        "| pool | slots | bytes | groups | mean score | mean ppl ratio | " + " | ".join(tasks) + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(tasks),
+    ]
     for c in km["configs"]:
         groups = "; ".join("+".join(g) for g in c["groups"])
         rejected = [d["task"] for d in c["decisions"] if d["action"] == "reject"]
         if rejected:
             groups += f"; base serves {', '.join(rejected)}"
-        out.append(f"| {c['label']} | {c['slots']} | {c['bytes']:,} | {groups} | {c['mean_score']:.3f} | "
-                   f"{c['mean_ppl_ratio']:.3f} | " + " | ".join(f"{c['per_task'][t]['score']:.3f}" for t in tasks) + " |")
+        out.append(
+            f"| {c['label']} | {c['slots']} | {c['bytes']:,} | {groups} | {c['mean_score']:.3f} | "
+            f"{c['mean_ppl_ratio']:.3f} | " + " | ".join(f"{c['per_task'][t]['score']:.3f}" for t in tasks) + " |"
+        )
     out += [""] + _kmerge_notes(km)
-    out += ["", "Similarity of the adapters (mean over modules of the cosine of the dense BA):", "",
-            "| | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
+    out += [
+        "",
+        "Similarity of the adapters (mean over modules of the cosine of the dense BA):",
+        "",
+        "| | " + " | ".join(tasks) + " |",
+        "|---|" + "---|" * len(tasks),
+    ]
     for t, row in zip(tasks, km["similarity"]):
         out.append(f"| {t} | " + " | ".join(f"{x:.3f}" for x in row) + " |")
     out += ["", f"![K-Merge]({images}kmerge.png)", ""]
@@ -385,24 +475,36 @@ def _monosoup_notes(ms: dict) -> list[str]:
             ood_better.append(v)
         if ms["finetuned"][v][v]["ppl"] >= ms["base"][v]["ppl"]:
             worse_ft.append(v)
-    notes = [f"* In distribution MonoSoup matches or beats its fine-tune for {len(id_better)} of {len(vs)} variants "
-             f"({', '.join(id_better)}); out of distribution it is better than the fine-tune for "
-             f"{len(ood_better)} of {len(vs)} ({', '.join(ood_better)}), the paper's claim.",
-             f"* Full fine-tunes have high-rank deltas: the entropy rule keeps a median k of "
-             f"{min(ms['layers'][v]['k_median'] for v in vs)}–{max(ms['layers'][v]['k_median'] for v in vs)} of "
-             f"rank {ms['layers'][vs[0]]['rank_median']}, and mean λ_high "
-             f"{min(ms['layers'][v]['lambda_high_mean'] for v in vs):.2f}–"
-             f"{max(ms['layers'][v]['lambda_high_mean'] for v in vs):.2f} shrinks the tail of the spectrum "
-             f"rather than cutting it."]
+    notes = [
+        f"* In distribution MonoSoup matches or beats its fine-tune for {len(id_better)} of {len(vs)} variants "
+        f"({', '.join(id_better)}); out of distribution it is better than the fine-tune for "
+        f"{len(ood_better)} of {len(vs)} ({', '.join(ood_better)}), the paper's claim.",
+        f"* Full fine-tunes have high-rank deltas: the entropy rule keeps a median k of "
+        f"{min(ms['layers'][v]['k_median'] for v in vs)}–{max(ms['layers'][v]['k_median'] for v in vs)} of "
+        f"rank {ms['layers'][vs[0]]['rank_median']}, and mean λ_high "
+        f"{min(ms['layers'][v]['lambda_high_mean'] for v in vs):.2f}–"
+        f"{max(ms['layers'][v]['lambda_high_mean'] for v in vs):.2f} shrinks the tail of the spectrum "
+        f"rather than cutting it.",
+    ]
     if "math" in vs and "math_exact_match" in ms["monosoup"].get("math", {}):
-        em = {k: d["math_exact_match"] for k, d in (("base", ms["base"]), ("fine-tune", ms["finetuned"]["math"]),
-                                                    ("MonoSoup", ms["monosoup"]["math"]))}
-        notes.append("* math, exact-match answers on " + str(em["base"]["n"]) + " held-out problems (greedy; the "
-                     "quality report's check): " + ", ".join(f"{k} {v['correct']}/{v['n']}" for k, v in em.items()) + ".")
+        em = {
+            k: d["math_exact_match"]
+            for k, d in (
+                ("base", ms["base"]),
+                ("fine-tune", ms["finetuned"]["math"]),
+                ("MonoSoup", ms["monosoup"]["math"]),
+            )
+        }
+        notes.append(
+            "* math, exact-match answers on " + str(em["base"]["n"]) + " held-out problems (greedy; the "
+            "quality report's check): " + ", ".join(f"{k} {v['correct']}/{v['n']}" for k, v in em.items()) + "."
+        )
     if worse_ft:
-        notes.append(f"* {', '.join(worse_ft)}: the fine-tune's held-out perplexity is not below the base's, so "
-                     f"'gain kept' is undefined (perplexity over whole problems is dominated by the unpredictable "
-                     f"operands; the exact-match answers are the better measure).")
+        notes.append(
+            f"* {', '.join(worse_ft)}: the fine-tune's held-out perplexity is not below the base's, so "
+            f"'gain kept' is undefined (perplexity over whole problems is dominated by the unpredictable "
+            f"operands; the exact-match answers are the better measure)."
+        )
     return notes
 
 
@@ -414,38 +516,52 @@ def _kmerge_notes(km: dict) -> list[str]:
     sim = km["similarity"]
     same = [sim[i][j] for i in range(len(tasks)) for j in range(i) if corpus[tasks[i]] == corpus[tasks[j]]]
     cross = sorted(sim[i][j] for i in range(len(tasks)) for j in range(i) if corpus[tasks[i]] != corpus[tasks[j]])
-    notes = [f"* Similarity: same-corpus pairs {min(same):.3f}–{max(same):.3f}, cross-corpus pairs "
-             f"{cross[0]:.3f}–{cross[-1]:.3f} (median {cross[len(cross) // 2]:.3f}). Each task's most similar "
-             f"other adapter is its sibling for "
-             f"{sum(corpus[tasks[max((j for j in range(len(tasks)) if j != i), key=lambda j: sim[i][j])]] == corpus[tasks[i]] for i in range(len(tasks)))}"
-             f" of {len(tasks)} tasks."]
+    notes = [
+        f"* Similarity: same-corpus pairs {min(same):.3f}–{max(same):.3f}, cross-corpus pairs "
+        f"{cross[0]:.3f}–{cross[-1]:.3f} (median {cross[len(cross) // 2]:.3f}). Each task's most similar "
+        f"other adapter is its sibling for "
+        f"{sum(corpus[tasks[max((j for j in range(len(tasks)) if j != i), key=lambda j: sim[i][j])]] == corpus[tasks[i]] for i in range(len(tasks)))}"
+        f" of {len(tasks)} tasks."
+    ]
     for c in km["configs"]:
-        if c["options"].get("k") == 4 and not c["options"].get("threshold") and c["options"].get("merge", "mean") == "mean":
+        if (
+            c["options"].get("k") == 4
+            and not c["options"].get("threshold")
+            and c["options"].get("merge", "mean") == "mean"
+        ):
             pure = all(len({corpus[t] for t in g}) == 1 for g in c["groups"])
-            notes.append(f"* {c['label']}: {'every slot holds one corpus' if pure else 'slots mix corpora'}; "
-                         f"mean score {c['mean_score']:.3f} at half the bytes of K=8 (the base alone: "
-                         f"{km['base_mean_score']:.3f}).")
+            notes.append(
+                f"* {c['label']}: {'every slot holds one corpus' if pure else 'slots mix corpora'}; "
+                f"mean score {c['mean_score']:.3f} at half the bytes of K=8 (the base alone: "
+                f"{km['base_mean_score']:.3f})."
+            )
     paper = next((c for c in km["configs"] if "paper" in c["label"]), None)
     if paper:
         t = paper["options"]["threshold"]
-        notes.append(f"* The paper's K-Merge++ threshold {t} lies below {sum(x > t for x in cross)} of the "
-                     f"{len(cross)} cross-corpus similarities of these adapters, so it merged unrelated tasks "
-                     f"and used {paper['slots']} of 4 slots (mean "
-                     f"{paper['mean_score']:.3f}); the threshold depends on the adapters (rank, steps, shared init).")
+        notes.append(
+            f"* The paper's K-Merge++ threshold {t} lies below {sum(x > t for x in cross)} of the "
+            f"{len(cross)} cross-corpus similarities of these adapters, so it merged unrelated tasks "
+            f"and used {paper['slots']} of 4 slots (mean "
+            f"{paper['mean_score']:.3f}); the threshold depends on the adapters (rank, steps, shared init)."
+        )
     gated = next((c for c in km["configs"] if c["options"].get("gate")), None)
     if gated:
         plain = next((c for c in km["configs"] if c["options"] == {"k": gated["options"]["k"]}), None)
         rej = [d["task"] for d in gated["decisions"] if d["action"] == "reject"]
         if plain:
-            notes.append(f"* The quality gate ({gated['options']['gate']}) kept every merged task at ≥ "
-                         f"{gated['options']['gate']} of its own score but rejected {len(rej)} adapters "
-                         f"({', '.join(rej) or 'none'}), whose tasks fall back to the base: mean "
-                         f"{gated['mean_score']:.3f} vs {plain['mean_score']:.3f} without the gate. A gate protects "
-                         f"what is merged at the cost of what is refused.")
+            notes.append(
+                f"* The quality gate ({gated['options']['gate']}) kept every merged task at ≥ "
+                f"{gated['options']['gate']} of its own score but rejected {len(rej)} adapters "
+                f"({', '.join(rej) or 'none'}), whose tasks fall back to the base: mean "
+                f"{gated['mean_score']:.3f} vs {plain['mean_score']:.3f} without the gate. A gate protects "
+                f"what is merged at the cost of what is refused."
+            )
     opcm = next((c for c in km["configs"] if c["options"].get("merge") == "opcm"), None)
     mean4 = by.get("K-Merge K=4")
     if opcm and mean4:
-        notes.append(f"* OPCM vs running mean at K=4: mean score {opcm['mean_score']:.3f} vs {mean4['mean_score']:.3f}.")
+        notes.append(
+            f"* OPCM vs running mean at K=4: mean score {opcm['mean_score']:.3f} vs {mean4['mean_score']:.3f}."
+        )
     return notes
 
 
@@ -474,8 +590,12 @@ def write_readme(results: dict, out: Path) -> Path:
     return path
 
 
-def run(out: Path = Path("reports/merging"), parts: list[str] = ("monosoup", "kmerge"), n_windows: int = 16,
-        seq_len: int = 128) -> Path:
+def run(
+    out: Path = Path("reports/merging"),
+    parts: list[str] = ("monosoup", "kmerge"),
+    n_windows: int = 16,
+    seq_len: int = 128,
+) -> Path:
     """Run the given parts (the other part's numbers are kept from results.json);
     no parts: only redraw the plots and README from results.json."""
     out = Path(out)

@@ -13,8 +13,8 @@ the current checkpoint with the best so far every N steps: `SoupHook`.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -47,8 +47,13 @@ def svd_soup_tensor(w0: torch.Tensor, ws: list[torch.Tensor], rank: int) -> torc
     return (a0 + mean).to(w0.dtype)
 
 
-def svd_soup_checkpoints(base: str | os.PathLike, checkpoints: list[str | os.PathLike], rank: int,
-                         out: str | os.PathLike, progress: bool = True) -> Path:
+def svd_soup_checkpoints(
+    base: str | os.PathLike,
+    checkpoints: list[str | os.PathLike],
+    rank: int,
+    out: str | os.PathLike,
+    progress: bool = True,
+) -> Path:
     """The soup of whole checkpoints, one parameter (times n checkpoints) in memory at a time."""
     from bitdelta.checkpoint import CheckpointReader
     from bitdelta.merge.io import ShardedWriter, check_same_keys
@@ -83,8 +88,14 @@ class SoupHook:
     parameters of `model` that it names). Returns a record on merge steps.
     """
 
-    def __init__(self, base: dict[str, torch.Tensor], rank: int, every: int,
-                 evaluate: Callable[[], float] | None = None, write_back: bool = True):
+    def __init__(
+        self,
+        base: dict[str, torch.Tensor],
+        rank: int,
+        every: int,
+        evaluate: Callable[[], float] | None = None,
+        write_back: bool = True,
+    ):
         if every < 1:
             raise ValueError("every must be ≥ 1")
         self.base = {k: v.detach().float().clone() for k, v in base.items()}
@@ -127,7 +138,11 @@ class SoupHook:
             cur_loss = self.evaluate()
             self._load(model, merged)
             merged_loss = self.evaluate()
-            cands = [("best", self.best_loss, self.best), ("current", cur_loss, current), ("merged", merged_loss, merged)]
+            cands = [
+                ("best", self.best_loss, self.best),
+                ("current", cur_loss, current),
+                ("merged", merged_loss, merged),
+            ]
             name, loss, state = min(cands, key=lambda c: c[1])
             self.best, self.best_loss = state, loss
             rec.update(kept=name, loss_best_before=cands[0][1], loss_current=cur_loss, loss_merged=merged_loss)

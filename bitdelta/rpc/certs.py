@@ -32,9 +32,9 @@ import ipaddress
 import json
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 SERVICES = ("router", "worker", "delta-store", "gateway", "client")
 DAYS = 365
@@ -62,8 +62,9 @@ def _write(path: Path, data: bytes, private: bool = False) -> None:
 def _pem_key(key) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def make_ca(out: Path, name: str = "bitdelta-serve local CA", days: int = DAYS) -> Issued:
@@ -75,15 +76,32 @@ def make_ca(out: Path, name: str = "bitdelta-serve local CA", days: int = DAYS) 
     key = _key()
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = dt.datetime.now(dt.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + dt.timedelta(days=days))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .sign(key, hashes.SHA256()))  # fmt: skip
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
     out = Path(out)
     _write(out / "ca.pem", cert.public_bytes(serialization.Encoding.PEM))
     _write(out / "ca.key", _pem_key(key), private=True)
@@ -98,8 +116,15 @@ def k8s_names(name: str, namespace: str = "bitdelta") -> list[str]:
     return out + [f"*.{name}"]
 
 
-def issue(out: Path, name: str, *, ca_dir: Path | None = None, dns: Sequence[str] = (),
-          namespace: str = "bitdelta", days: int = DAYS) -> Issued:
+def issue(
+    out: Path,
+    name: str,
+    *,
+    ca_dir: Path | None = None,
+    dns: Sequence[str] = (),
+    namespace: str = "bitdelta",
+    days: int = DAYS,
+) -> Issued:
     """`out/<name>.pem` and `out/<name>.key`, signed by `ca_dir` (default `out`)'s ca.pem/ca.key;
     CN = `name`; SANs: loopback, localhost, the Kubernetes names of `name` and `dns`."""
     from cryptography import x509
@@ -114,24 +139,35 @@ def issue(out: Path, name: str, *, ca_dir: Path | None = None, dns: Sequence[str
     names = list(dict.fromkeys(["localhost", *k8s_names(name, namespace), *dns]))
     sans = [x509.DNSName(n) for n in names] + [x509.IPAddress(ipaddress.ip_address(a)) for a in ("127.0.0.1", "::1")]
     now = dt.datetime.now(dt.timezone.utc)
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(ca_cert.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + dt.timedelta(days=days))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256()))  # fmt: skip
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     _write(out / f"{name}.pem", cert.public_bytes(serialization.Encoding.PEM))
     _write(out / f"{name}.key", _pem_key(key), private=True)
     return Issued(out / f"{name}.pem", out / f"{name}.key")
 
 
-def make_all(out: Path, names: Sequence[str] = SERVICES, *, dns: Sequence[str] = (), namespace: str = "bitdelta",
-             days: int = DAYS) -> dict[str, Issued]:
+def make_all(
+    out: Path,
+    names: Sequence[str] = SERVICES,
+    *,
+    dns: Sequence[str] = (),
+    namespace: str = "bitdelta",
+    days: int = DAYS,
+) -> dict[str, Issued]:
     """A CA (kept if `out/ca.pem` and `out/ca.key` exist) and a certificate for each of `names`."""
     out = Path(out)
     if not ((out / "ca.pem").is_file() and (out / "ca.key").is_file()):
@@ -147,8 +183,10 @@ def make_tokens(out: Path) -> Path:
     if path.is_file():
         return path
     tokens = {"admin": secrets.token_urlsafe(32), "user": secrets.token_urlsafe(32)}
-    table = {f"sha256:{hashlib.sha256(t.encode()).hexdigest()}": {"name": n, "variants": "*", "admin": n == "admin"}
-             for n, t in tokens.items()}
+    table = {
+        f"sha256:{hashlib.sha256(t.encode()).hexdigest()}": {"name": n, "variants": "*", "admin": n == "admin"}
+        for n, t in tokens.items()
+    }
     _write(path, (json.dumps(table, indent=2) + "\n").encode(), private=True)
     _write(out / "tokens.txt", "".join(f"{n} {t}\n" for n, t in tokens.items()).encode(), private=True)
     return path
@@ -161,11 +199,17 @@ def k8s_secrets(out: Path, names: Sequence[str], namespace: str = "bitdelta") ->
 
     def secret(name: str, files: dict[str, Path]) -> str:
         data = "".join(f"  {k}: {base64.b64encode(p.read_bytes()).decode()}\n" for k, p in files.items())
-        return (f"apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\n  namespace: {namespace}\n"
-                f"type: Opaque\ndata:\n{data}")
+        return (
+            f"apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\n  namespace: {namespace}\n"
+            f"type: Opaque\ndata:\n{data}"
+        )
 
-    docs = [secret(f"bitdelta-tls-{n}", {"ca.pem": out / "ca.pem", "tls.pem": out / f"{n}.pem",
-                                          "tls.key": out / f"{n}.key"}) for n in names]  # fmt: skip
+    docs = [
+        secret(
+            f"bitdelta-tls-{n}", {"ca.pem": out / "ca.pem", "tls.pem": out / f"{n}.pem", "tls.key": out / f"{n}.key"}
+        )
+        for n in names
+    ]
     if (out / "tokens.json").is_file():
         docs.append(secret("bitdelta-tokens", {"tokens.json": out / "tokens.json"}))
     return "---\n".join(docs)

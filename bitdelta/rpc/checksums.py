@@ -7,6 +7,7 @@ from their crc32s (the store announces 8 MiB of shared memory at once from
 the 1 MiB chunk crc32s it recorded, without reading the bytes again).
 """
 
+
 def crc32_combine_py(crc1: int, crc2: int, len2: int) -> int:
     """zlib's crc32_combine (GF(2) matrix powers): crc32(a + b) from crc32(a), crc32(b), len(b)."""
     if len2 <= 0:

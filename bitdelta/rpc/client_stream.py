@@ -21,7 +21,8 @@ checks. `call_with_handshake` is the client half.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -58,6 +59,7 @@ class ClientStream:
         """Before the status goes out: tell the client to stop, then drop what it still sends until
         it half-closes (or sent more than `drain_limit_bytes`, or took longer than DRAIN_TIMEOUT_S,
         or went away: a client that neither waits nor finishes gets the status regardless)."""
+
         async def drain() -> None:
             await self._answer(REFUSED)
             seen = 0
@@ -68,7 +70,7 @@ class ClientStream:
 
         try:
             await asyncio.wait_for(drain(), DRAIN_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - timed out, or the client went away
+        except Exception:
             return
 
     async def _answer(self, value: str) -> None:

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
 import os
 import re
 import sys
 import types
 import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 C = TypeVar("C", bound="ServiceConfig")
 ADDRESS_RE = re.compile(r"(\[[0-9a-fA-F:.]*\]|[\w.-]+):\d{1,5}")
@@ -40,8 +41,14 @@ class ConfigError(ValueError):
     """A bad setting; the message names the flag and the environment variable."""
 
 
-def setting(default: Any = dataclasses.MISSING, help: str = "", *, parse: Callable[[str], Any] | None = None,
-            check: Callable[[Any], None] | None = None, required: bool = False):
+def setting(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    parse: Callable[[str], Any] | None = None,
+    check: Callable[[Any], None] | None = None,
+    required: bool = False,
+):
     """A config field: its default, help text, optional parser for text values and a per-value check
     (raise ValueError with the reason)."""
     meta = {"help": help, "parse": parse, "check": check, "required": required}
@@ -123,8 +130,11 @@ class ServiceConfig:
     def from_args(cls: type[C], argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> C:
         env = os.environ if env is None else env
         hints = typing.get_type_hints(cls)
-        p = argparse.ArgumentParser(prog=cls.PROG or None, description=(cls.__doc__ or "").split("\n")[0],
-                                    epilog=f"Every flag --foo-bar also reads {cls.ENV_PREFIX}FOO_BAR.")
+        p = argparse.ArgumentParser(
+            prog=cls.PROG or None,
+            description=(cls.__doc__ or "").split("\n")[0],
+            epilog=f"Every flag --foo-bar also reads {cls.ENV_PREFIX}FOO_BAR.",
+        )
         fields = [f for f in dataclasses.fields(cls) if f.init]
         for f in fields:
             flag = "--" + f.name.replace("_", "-")
@@ -132,8 +142,9 @@ class ServiceConfig:
             h = f"{f.metadata.get('help', '')}{default}; env {cls.ENV_PREFIX}{f.name.upper()}"
             if _parser_for(hints[f.name])[1]:
                 p.add_argument(flag, dest=f.name, nargs="?", const="true", metavar="BOOL", help=h)
-                p.add_argument("--no-" + flag[2:], dest=f.name, action="store_const", const="false",
-                               help=argparse.SUPPRESS)
+                p.add_argument(
+                    "--no-" + flag[2:], dest=f.name, action="store_const", const="false", help=argparse.SUPPRESS
+                )
             else:
                 p.add_argument(flag, dest=f.name, metavar=f.name.upper(), help=h)
         args = vars(p.parse_args(argv))
@@ -160,8 +171,9 @@ class ServiceConfig:
                 try:
                     chk(value)
                 except ValueError as e:
-                    raise ConfigError(f"--{f.name.replace('_', '-')} (or {cls.ENV_PREFIX}{f.name.upper()}) = "
-                                      f"{_show(value)}: {e}") from None
+                    raise ConfigError(
+                        f"--{f.name.replace('_', '-')} (or {cls.ENV_PREFIX}{f.name.upper()}) = {_show(value)}: {e}"
+                    ) from None
         try:
             config = cls(**values)
         except ConfigError:
@@ -195,10 +207,12 @@ class ProcessSettings:
 
     grace_s: float = setting(10.0, "SIGTERM: calls in flight get this long to finish, seconds")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR", parse=parse_log_level)
-    otlp_endpoint: str = setting("", "OTLP/gRPC collector for traces, e.g. http://jaeger:4317; empty: "
-                                 "OTEL_EXPORTER_OTLP_ENDPOINT, or no export")
-    metrics_address: str = setting("", "HOST:PORT of the Prometheus /metrics endpoint; empty: none",
-                                   check=lambda v: v and check_address(v))
+    otlp_endpoint: str = setting(
+        "", "OTLP/gRPC collector for traces, e.g. http://jaeger:4317; empty: OTEL_EXPORTER_OTLP_ENDPOINT, or no export"
+    )
+    metrics_address: str = setting(
+        "", "HOST:PORT of the Prometheus /metrics endpoint; empty: none", check=lambda v: v and check_address(v)
+    )
 
     def check_process(self) -> None:
         if not self.grace_s >= 0:

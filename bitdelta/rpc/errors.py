@@ -19,7 +19,7 @@ limit" from the transport.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import grpc
 
@@ -36,8 +36,15 @@ class RpcError(Exception):
     """A call to another service failed. `code` is the status it returned (kept upstream),
     `service` which service, `details` its message, `trailers` its trailing metadata."""
 
-    def __init__(self, message: str, code: grpc.StatusCode, *, service: str = "", details: str = "",
-                 trailers: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        message: str,
+        code: grpc.StatusCode,
+        *,
+        service: str = "",
+        details: str = "",
+        trailers: Mapping[str, str] | None = None,
+    ):
         super().__init__(message)
         self.code, self.service, self.details = code, service, details
         self.trailers = dict(trailers or {})
@@ -47,14 +54,20 @@ class RpcError(Exception):
         return self.code in RETRYABLE
 
 
-def from_aio_error(e: grpc.aio.AioRpcError, service: str, what: str,
-                   types: Mapping[grpc.StatusCode, type[RpcError]] | None = None) -> RpcError:
+def from_aio_error(
+    e: grpc.aio.AioRpcError, service: str, what: str, types: Mapping[grpc.StatusCode, type[RpcError]] | None = None
+) -> RpcError:
     """An `RpcError` (or the subclass `types` names for its code) for a failed call."""
     code = e.code()
     trailers = {k: v for k, v in (e.trailing_metadata() or ()) if isinstance(v, str)}
     cls = (types or {}).get(code, RpcError)
-    return cls(f"{service} {what}: {code.name}: {e.details()}", code, service=service, details=e.details() or "",
-               trailers=trailers)
+    return cls(
+        f"{service} {what}: {code.name}: {e.details()}",
+        code,
+        service=service,
+        details=e.details() or "",
+        trailers=trailers,
+    )
 
 
 def status_of(e: BaseException, table: StatusTable) -> grpc.StatusCode:

@@ -15,7 +15,7 @@ service; the services pass their callables in.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -43,7 +43,7 @@ class _Readings:
         for kind, name, doc, labels, fn in self.items:
             try:
                 value = fn()
-            except Exception:  # noqa: BLE001 - a scrape must not fail because one reading did
+            except Exception:
                 log.exception("metric %s could not be read", name)
                 continue
             family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=labels)
@@ -89,17 +89,31 @@ class ServiceMetrics:
 class RouterMetrics(ServiceMetrics):
     def __init__(self, queue_depth: Callable[[], float], in_flight: Callable[[], Mapping]):
         super().__init__()
-        self.requests = self.counter("bitdelta_router_requests_total",
-                                     "Generate requests that ended, by model and gRPC status", ("model_id", "status"))
-        self.ttft = self.histogram("bitdelta_router_ttft_seconds", "time to first token at the router",
-                                   ("model_id", "arrival_state"), TTFT_BUCKETS)
-        self.itl = self.histogram("bitdelta_router_inter_token_seconds", "time between streamed tokens",
-                                  ("model_id",), ITL_BUCKETS)
+        self.requests = self.counter(
+            "bitdelta_router_requests_total",
+            "Generate requests that ended, by model and gRPC status",
+            ("model_id", "status"),
+        )
+        self.ttft = self.histogram(
+            "bitdelta_router_ttft_seconds",
+            "time to first token at the router",
+            ("model_id", "arrival_state"),
+            TTFT_BUCKETS,
+        )
+        self.itl = self.histogram(
+            "bitdelta_router_inter_token_seconds", "time between streamed tokens", ("model_id",), ITL_BUCKETS
+        )
         self.tokens = self.counter("bitdelta_router_tokens_total", "tokens streamed to clients", ("model_id",))
-        self.readings.add("gauge", "bitdelta_router_queue_depth", "requests waiting for a worker with room",
-                          queue_depth)
-        self.readings.add("gauge", "bitdelta_router_in_flight_requests", "requests admitted and not finished",
-                          in_flight, ("model_id",))
+        self.readings.add(
+            "gauge", "bitdelta_router_queue_depth", "requests waiting for a worker with room", queue_depth
+        )
+        self.readings.add(
+            "gauge",
+            "bitdelta_router_in_flight_requests",
+            "requests admitted and not finished",
+            in_flight,
+            ("model_id",),
+        )
 
 
 class WorkerMetrics(ServiceMetrics):
@@ -107,15 +121,24 @@ class WorkerMetrics(ServiceMetrics):
         """`worker_state()` -> {resident_deltas, delta_used_bytes, delta_budget_bytes, loads, evictions,
         kv_blocks_used, kv_blocks_total, running, waiting}."""
         super().__init__()
-        self.requests = self.counter("bitdelta_worker_requests_total",
-                                     "Generate requests that ended, by model and gRPC status", ("model_id", "status"))
-        self.ttft = self.histogram("bitdelta_worker_ttft_seconds", "time to first token inside the worker",
-                                   ("model_id", "arrival_state"), TTFT_BUCKETS)
-        self.itl = self.histogram("bitdelta_worker_inter_token_seconds", "time between tokens of one sequence",
-                                  ("model_id",), ITL_BUCKETS)
+        self.requests = self.counter(
+            "bitdelta_worker_requests_total",
+            "Generate requests that ended, by model and gRPC status",
+            ("model_id", "status"),
+        )
+        self.ttft = self.histogram(
+            "bitdelta_worker_ttft_seconds",
+            "time to first token inside the worker",
+            ("model_id", "arrival_state"),
+            TTFT_BUCKETS,
+        )
+        self.itl = self.histogram(
+            "bitdelta_worker_inter_token_seconds", "time between tokens of one sequence", ("model_id",), ITL_BUCKETS
+        )
         self.tokens = self.counter("bitdelta_worker_tokens_total", "tokens generated", ("model_id",))
-        self.load_seconds = self.histogram("bitdelta_worker_delta_load_seconds",
-                                           "time to stream one delta into a slot", (), LOAD_BUCKETS)
+        self.load_seconds = self.histogram(
+            "bitdelta_worker_delta_load_seconds", "time to stream one delta into a slot", (), LOAD_BUCKETS
+        )
         st = worker_state
         for kind, name, key, doc in [
             ("gauge", "bitdelta_worker_resident_deltas", "resident_deltas", "deltas resident in device slots"),
@@ -127,25 +150,37 @@ class WorkerMetrics(ServiceMetrics):
             ("gauge", "bitdelta_worker_kv_blocks", "kv_blocks_total", "KV cache blocks in all"),
             ("gauge", "bitdelta_worker_running_sequences", "running", "sequences in the batch"),
             ("gauge", "bitdelta_worker_waiting_sequences", "waiting", "sequences waiting for the batch"),
-        ]:  # fmt: skip
-            self.readings.add(kind, name.removesuffix("_total") if kind == "counter" else name, doc,
-                              lambda key=key: st()[key])
+        ]:
+            self.readings.add(
+                kind, name.removesuffix("_total") if kind == "counter" else name, doc, lambda key=key: st()[key]
+            )
 
 
 class StoreMetrics(ServiceMetrics):
-    def __init__(self, cache_stats: Callable[[], Mapping[str, int]], cache_used_bytes: Callable[[], float],
-                 transports: Callable[[], Mapping[str, int]] = dict):
+    def __init__(
+        self,
+        cache_stats: Callable[[], Mapping[str, int]],
+        cache_used_bytes: Callable[[], float],
+        transports: Callable[[], Mapping[str, int]] = dict,
+    ):
         super().__init__()
-        self.fetches = self.counter("bitdelta_delta_store_fetches_total", "Fetch calls opened, by delta",
-                                    ("delta",))
+        self.fetches = self.counter("bitdelta_delta_store_fetches_total", "Fetch calls opened, by delta", ("delta",))
         self.bytes_served = self.counter("bitdelta_delta_store_served_bytes_total", "delta bytes streamed by Fetch")
-        self.requests = self.counter("bitdelta_delta_store_requests_total", "calls that ended, by method and status",
-                                     ("method", "status"))
-        self.readings.add("counter", "bitdelta_delta_store_cache_events",
-                          "host cache outcomes: hit, miss, join (a load in progress), bypass, eviction",
-                          lambda: {(k,): v for k, v in cache_stats().items()}, ("result",))
-        self.readings.add("gauge", "bitdelta_delta_store_cache_used_bytes", "host cache bytes in use",
-                          cache_used_bytes)
-        self.readings.add("counter", "bitdelta_delta_store_fetch_transports",
-                          "Fetch calls by how their bytes travel: stream, or shared-memory (same-host workers)",
-                          lambda: {(k,): v for k, v in transports().items()}, ("transport",))
+        self.requests = self.counter(
+            "bitdelta_delta_store_requests_total", "calls that ended, by method and status", ("method", "status")
+        )
+        self.readings.add(
+            "counter",
+            "bitdelta_delta_store_cache_events",
+            "host cache outcomes: hit, miss, join (a load in progress), bypass, eviction",
+            lambda: {(k,): v for k, v in cache_stats().items()},
+            ("result",),
+        )
+        self.readings.add("gauge", "bitdelta_delta_store_cache_used_bytes", "host cache bytes in use", cache_used_bytes)
+        self.readings.add(
+            "counter",
+            "bitdelta_delta_store_fetch_transports",
+            "Fetch calls by how their bytes travel: stream, or shared-memory (same-host workers)",
+            lambda: {(k,): v for k, v in transports().items()},
+            ("transport",),
+        )

@@ -39,9 +39,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import grpc
 
@@ -62,35 +62,45 @@ class TlsFiles:
     key: bytes | None = None
 
     @classmethod
-    def load(cls, ca: Path | str, cert: Path | str | None = None, key: Path | str | None = None) -> "TlsFiles":
-        return cls(Path(ca).read_bytes(), Path(cert).read_bytes() if cert else None,
-                   Path(key).read_bytes() if key else None)
+    def load(cls, ca: Path | str, cert: Path | str | None = None, key: Path | str | None = None) -> TlsFiles:
+        return cls(
+            Path(ca).read_bytes(), Path(cert).read_bytes() if cert else None, Path(key).read_bytes() if key else None
+        )
 
     def server_credentials(self, require_client_auth: bool = True) -> grpc.ServerCredentials:
         if self.cert is None or self.key is None:
             raise ValueError("a TLS server needs its certificate and key")
-        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
-                                           require_client_auth=require_client_auth)
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=require_client_auth
+        )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """Verify the server against the CA; present our certificate when we have one (mutual TLS)."""
-        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
-                                            certificate_chain=self.cert)
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
 
 
 @dataclass(frozen=True, kw_only=True)  # keyword-only: a service's own required fields may follow
 class TlsSettings:
     """Mixin for a service config: TLS for its server and for its calls to other services."""
 
-    tls_ca: Path | None = setting(None, "PEM CA bundle: turns TLS on; peers (servers called, clients when "
-                                    "--tls-client-auth) must have certificates it signed")
-    tls_cert: Path | None = setting(None, "PEM certificate (chain) this service serves with and presents to the "
-                                      "services it calls")
+    tls_ca: Path | None = setting(
+        None,
+        "PEM CA bundle: turns TLS on; peers (servers called, clients when "
+        "--tls-client-auth) must have certificates it signed",
+    )
+    tls_cert: Path | None = setting(
+        None, "PEM certificate (chain) this service serves with and presents to the services it calls"
+    )
     tls_key: Path | None = setting(None, "PEM private key of --tls-cert")
     tls_client_auth: bool = setting(True, "with --tls-ca: require a client certificate signed by it (mutual TLS)")
-    health_address: str = setting("", "HOST:PORT serving grpc.health.v1 alone in plain text (Kubernetes' grpc "
-                                      "probes cannot present a certificate); empty: none",
-                                  check=lambda v: v and check_address(v))
+    health_address: str = setting(
+        "",
+        "HOST:PORT serving grpc.health.v1 alone in plain text (Kubernetes' grpc "
+        "probes cannot present a certificate); empty: none",
+        check=lambda v: v and check_address(v),
+    )
 
     @property
     def tls_on(self) -> bool:
@@ -104,8 +114,9 @@ class TlsSettings:
         if self.tls_cert is not None and self.tls_ca is None:
             raise ConfigError(f"--tls-cert needs --tls-ca ({pre}TLS_CA): the CA that signed the other services")
         if self.tls_ca is not None and needs_server_cert and self.tls_cert is None:
-            raise ConfigError(f"--tls-ca turns TLS on: give this service's --tls-cert and --tls-key "
-                              f"({pre}TLS_CERT, {pre}TLS_KEY) too")
+            raise ConfigError(
+                f"--tls-ca turns TLS on: give this service's --tls-cert and --tls-key ({pre}TLS_CERT, {pre}TLS_KEY) too"
+            )
         check_files(self, "tls_ca", "tls_cert", "tls_key")
 
     def tls_files(self) -> TlsFiles | None:
@@ -228,8 +239,12 @@ class TokenTable:
             self._by_digest = parse_tokens(self.path.read_text(), str(self.path))
             log.info("tokens file %s re-read: %d tokens", self.path, len(self._by_digest))
         except (OSError, ValueError) as e:
-            log.error("tokens file %s changed but cannot be used (keeping the previous %d tokens): %s",
-                      self.path, len(self._by_digest), e)
+            log.error(
+                "tokens file %s changed but cannot be used (keeping the previous %d tokens): %s",
+                self.path,
+                len(self._by_digest),
+                e,
+            )
 
     def __len__(self) -> int:
         return len(self._by_digest)
@@ -243,8 +258,9 @@ class TokenTable:
 class AuthSettings:
     """Mixin for a service config: the bearer tokens file (off when unset)."""
 
-    tokens_file: Path | None = setting(None, "JSON file of bearer tokens {token or 'sha256:<hex>': {name, variants, "
-                                         "admin}}; empty: no token checks")
+    tokens_file: Path | None = setting(
+        None, "JSON file of bearer tokens {token or 'sha256:<hex>': {name, variants, admin}}; empty: no token checks"
+    )
 
     def tokens(self) -> TokenTable | None:
         """The table (None: auth off); ConfigError naming the flag when the file is unusable."""
@@ -287,18 +303,20 @@ def authorize(tokens: TokenTable, role: Role, metadata, what: str) -> Principal:
     """The caller's principal if it may call `what` with `role`; AuthError otherwise."""
     token = bearer_token(metadata)
     if token is None:
-        raise AuthError(grpc.StatusCode.UNAUTHENTICATED,
-                        f"{what} needs a bearer token: send the metadata '{AUTH_METADATA_KEY}: Bearer <token>' "
-                        f"(HTTP: the Authorization header)")
+        raise AuthError(
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"{what} needs a bearer token: send the metadata '{AUTH_METADATA_KEY}: Bearer <token>' "
+            f"(HTTP: the Authorization header)",
+        )
     if not token:
-        raise AuthError(grpc.StatusCode.UNAUTHENTICATED,
-                        f"the '{AUTH_METADATA_KEY}' metadata must be 'Bearer <token>'")
+        raise AuthError(grpc.StatusCode.UNAUTHENTICATED, f"the '{AUTH_METADATA_KEY}' metadata must be 'Bearer <token>'")
     principal = tokens.lookup(token)
     if principal is None:
         raise AuthError(grpc.StatusCode.UNAUTHENTICATED, f"{what}: the bearer token is not valid here")
     if role >= Role.ADMIN and not principal.admin:
-        raise AuthError(grpc.StatusCode.PERMISSION_DENIED,
-                        f"{what} needs an admin token; token {principal.name!r} is not admin")
+        raise AuthError(
+            grpc.StatusCode.PERMISSION_DENIED, f"{what} needs an admin token; token {principal.name!r} is not admin"
+        )
     return principal
 
 
@@ -356,8 +374,7 @@ def _with_token(details: grpc.aio.ClientCallDetails, value: str) -> grpc.aio.Cli
     md = grpc.aio.Metadata(*(tuple(details.metadata or ())))
     if AUTH_METADATA_KEY not in md:  # a per-call token (the gateway forwarding its caller's) wins
         md.add(AUTH_METADATA_KEY, value)
-    return grpc.aio.ClientCallDetails(details.method, details.timeout, md, details.credentials,
-                                      details.wait_for_ready)
+    return grpc.aio.ClientCallDetails(details.method, details.timeout, md, details.credentials, details.wait_for_ready)
 
 
 class _TokenUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
@@ -390,6 +407,19 @@ def bearer_interceptors(token: str) -> list:
     return [_TokenUnaryUnary(value), _TokenUnaryStream(value), _TokenStreamUnary(value)]
 
 
-__all__ = ["AUTH_METADATA_KEY", "AuthError", "AuthInterceptor", "AuthSettings", "Principal", "Role", "TlsFiles",
-           "TlsSettings", "TokenTable", "authorize", "bearer_interceptors", "current_principal", "parse_tokens",
-           "token_digest"]
+__all__ = [
+    "AUTH_METADATA_KEY",
+    "AuthError",
+    "AuthInterceptor",
+    "AuthSettings",
+    "Principal",
+    "Role",
+    "TlsFiles",
+    "TlsSettings",
+    "TokenTable",
+    "authorize",
+    "bearer_interceptors",
+    "current_principal",
+    "parse_tokens",
+    "token_digest",
+]

@@ -29,8 +29,8 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -112,19 +112,20 @@ class _ErrorInterceptor(grpc.aio.ServerInterceptor):
             try:
                 with self._admitted(method, gate):
                     return await fn(request, context)
-            except Exception as e:  # noqa: BLE001 - every failure becomes a status
+            except Exception as e:
                 await self._abort(context, method, e)
 
         return call
 
     def _client_stream(self, fn, method: str, gate: bool):
         """The servicer gets a `ClientStream`; a refusal waits for the client (bitdelta.rpc.client_stream)."""
+
         async def call(requests, context):
             stream = ClientStream(requests, context)
             try:
                 with self._admitted(method, gate):
                     return await fn(stream, context)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 if not isinstance(e, grpc.aio.AbortError):  # a status already sent cannot wait
                     await stream.refuse()
                 await self._abort(context, method, e)
@@ -137,7 +138,7 @@ class _ErrorInterceptor(grpc.aio.ServerInterceptor):
                 with self._admitted(method, gate):
                     async for response in fn(request, context):
                         yield response
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 await self._abort(context, method, e)
 
         return call
@@ -170,8 +171,15 @@ class _ErrorInterceptor(grpc.aio.ServerInterceptor):
 class Server:
     """A started-or-not gRPC server with health, reflection, the error interceptor and drain."""
 
-    def __init__(self, grpc_server: grpc.aio.Server, port: int, services: Sequence[str],
-                 health_servicer: health.aio.HealthServicer, calls: _Calls, serving_at_start: bool = True):
+    def __init__(
+        self,
+        grpc_server: grpc.aio.Server,
+        port: int,
+        services: Sequence[str],
+        health_servicer: health.aio.HealthServicer,
+        calls: _Calls,
+        serving_at_start: bool = True,
+    ):
         self.grpc, self.port, self.services = grpc_server, port, tuple(services)
         self._health, self._calls = health_servicer, calls
         self._serving_at_start = serving_at_start
@@ -223,10 +231,18 @@ class Server:
         await self.grpc.wait_for_termination()
 
 
-def create_server(address: str, services: Sequence[Service], status_table: StatusTable, *, serving: bool = True,
-                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, open_while_draining: Iterable[str] = (),
-                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                  credentials: grpc.ServerCredentials | None = None, health_address: str = "") -> Server:
+def create_server(
+    address: str,
+    services: Sequence[Service],
+    status_table: StatusTable,
+    *,
+    serving: bool = True,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    open_while_draining: Iterable[str] = (),
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    credentials: grpc.ServerCredentials | None = None,
+    health_address: str = "",
+) -> Server:
     """A server for `services` bound to `address` (HOST:PORT; port 0 picks a free one), not started.
 
     `serving=False` keeps health NOT_SERVING after `start()` until `set_serving(True)` (a worker
@@ -240,11 +256,16 @@ def create_server(address: str, services: Sequence[Service], status_table: Statu
     calls = _Calls()
     names = [s.name for s in services]
     server = grpc.aio.server(
-        interceptors=[TraceInterceptor(names),  # traces outside: they see the final status
-                      _ErrorInterceptor(names, status_table, calls, set(open_while_draining)), *interceptors],
-        options=[("grpc.max_send_message_length", max_message_bytes),
-                 ("grpc.max_receive_message_length", max_message_bytes)],
-    )  # fmt: skip
+        interceptors=[
+            TraceInterceptor(names),  # traces outside: they see the final status
+            _ErrorInterceptor(names, status_table, calls, set(open_while_draining)),
+            *interceptors,
+        ],
+        options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ],
+    )
     for s in services:
         s.register(server)
     hs = health.aio.HealthServicer()
@@ -267,9 +288,14 @@ def create_server(address: str, services: Sequence[Service], status_table: Statu
     return out
 
 
-async def run_until_signal(server: Server, grace_s: float, *, startup: Awaitable[None] | None = None,
-                           on_drain: Callable[[], None] | None = None,
-                           on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+async def run_until_signal(
+    server: Server,
+    grace_s: float,
+    *,
+    startup: Awaitable[None] | None = None,
+    on_drain: Callable[[], None] | None = None,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+) -> None:
     """The process lifecycle: start, run `startup` (then SERVING), serve until SIGTERM/SIGINT, then
     `on_drain()`, drain (`Server.drain`), `on_stop()`.
 

@@ -28,7 +28,8 @@ import logging
 import os
 import re
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import grpc
 from opentelemetry import context as otel_context
@@ -86,14 +87,23 @@ def setup(service: str, otlp_endpoint: str = "", *, instance: str = "", exporter
         insecure = not endpoint.startswith("https://")
         exporter = OTLPSpanExporter(endpoint=endpoint, insecure=insecure, timeout=EXPORT_TIMEOUT_S)
     if exporter is not None:
-        provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=MAX_QUEUE,
-                                                       schedule_delay_millis=SCHEDULE_DELAY_MS,
-                                                       export_timeout_millis=EXPORT_TIMEOUT_S * 1e3))  # fmt: skip
-        log.info("traces: exporting OTLP/gRPC to %s (sampler %s)", endpoint or type(exporter).__name__,
-                 os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on"))
+        provider.add_span_processor(
+            BatchSpanProcessor(
+                exporter,
+                max_queue_size=MAX_QUEUE,
+                schedule_delay_millis=SCHEDULE_DELAY_MS,
+                export_timeout_millis=EXPORT_TIMEOUT_S * 1e3,
+            )
+        )
+        log.info(
+            "traces: exporting OTLP/gRPC to %s (sampler %s)",
+            endpoint or type(exporter).__name__,
+            os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on"),
+        )
     else:
-        log.info("traces: no OTLP endpoint configured (--otlp-endpoint or OTEL_EXPORTER_OTLP_ENDPOINT); "
-                 "nothing is exported")
+        log.info(
+            "traces: no OTLP endpoint configured (--otlp-endpoint or OTEL_EXPORTER_OTLP_ENDPOINT); nothing is exported"
+        )
     trace.set_tracer_provider(provider)
     _provider = provider
     return provider
@@ -109,8 +119,9 @@ def shutdown(timeout_s: float = EXPORT_TIMEOUT_S) -> None:
         _provider.shutdown()
 
 
-def record_span(name: str, start_ns: int, end_ns: int, attributes: Mapping[str, Any] | None = None,
-                parent: trace.Span | None = None) -> None:
+def record_span(
+    name: str, start_ns: int, end_ns: int, attributes: Mapping[str, Any] | None = None, parent: trace.Span | None = None
+) -> None:
     """A finished span with explicit times, child of `parent` (default: the current span)."""
     ctx = trace.set_span_in_context(parent) if parent is not None else None
     span = tracer().start_span(name, context=ctx, start_time=int(start_ns), attributes=dict(attributes or {}))
@@ -178,15 +189,19 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         if parent is None and poll:
             return None
         service = method.lstrip("/").split("/")[0]
-        return tracer().start_span(name, context=parent, kind=SpanKind.SERVER, attributes={
-            "rpc.system": "grpc", "rpc.service": service, "rpc.method": method.rsplit("/", 1)[1]})
+        return tracer().start_span(
+            name,
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method.rsplit("/", 1)[1]},
+        )
 
     @staticmethod
     def _finish(span, context, e: BaseException | None) -> None:
         code = None
         try:
             code = context.code()
-        except Exception:  # noqa: BLE001 - older runtimes
+        except Exception:
             pass
         if e is not None and isinstance(e, BaseException) and code in (None, grpc.StatusCode.OK):
             from bitdelta.rpc.errors import status_of
@@ -254,8 +269,7 @@ def _with_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDet
     md = grpc.aio.Metadata(*(tuple(details.metadata or ())))
     for k, v in carrier.items():
         md.add(k, v)
-    return grpc.aio.ClientCallDetails(details.method, details.timeout, md, details.credentials,
-                                      details.wait_for_ready)
+    return grpc.aio.ClientCallDetails(details.method, details.timeout, md, details.credentials, details.wait_for_ready)
 
 
 class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 from bitdelta.cache_policy import WeightedLRUPolicy
 from bitdelta.format import DeltaHeader
@@ -34,8 +34,9 @@ from services.delta_store.shm import SharedFile, SharedMemoryDir
 class Entry:
     """One delta's bytes in host memory, with the fill progress of its loader."""
 
-    def __init__(self, name: str, version: str, header: DeltaHeader, chunk_bytes: int,
-                 buf: bytearray | SharedFile | None = None):
+    def __init__(
+        self, name: str, version: str, header: DeltaHeader, chunk_bytes: int, buf: bytearray | SharedFile | None = None
+    ):
         self.name, self.version, self.header = name, version, header
         self.size = header.file_size
         self.buf = buf if buf is not None else bytearray(self.size)  # a reused buffer, or a shared file
@@ -101,8 +102,12 @@ def _free(buf: bytearray | SharedFile) -> None:
 class HostCache:
     """Entries by name, kept under a byte budget by the policy."""
 
-    def __init__(self, policy: WeightedLRUPolicy, clock: Callable[[], float] = time.monotonic,
-                 shared: SharedMemoryDir | None = None):
+    def __init__(
+        self,
+        policy: WeightedLRUPolicy,
+        clock: Callable[[], float] = time.monotonic,
+        shared: SharedMemoryDir | None = None,
+    ):
         self.policy = policy
         self.clock = clock
         self.shared = shared
@@ -164,7 +169,12 @@ class HostCache:
 
     def _recycle(self, e: Entry) -> None:
         """Keep a dropped entry's buffer for reuse once nothing can touch its bytes any more."""
-        if e.readers or (e.loader is not None and not e.loader.done()) or e.view is None or self.entries.get(e.name) is e:
+        if (
+            e.readers
+            or (e.loader is not None and not e.loader.done())
+            or e.view is None
+            or self.entries.get(e.name) is e
+        ):
             return
         e.view.release()
         e.view = None

@@ -32,8 +32,9 @@ class Config(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
 
     address: str = setting("[::]:50052", "HOST:PORT to listen on", check=check_address)
     backend: str = setting("local", "storage backend: local | s3")
-    root: Path | None = setting(None, "local backend: the directory of delta files",
-                                parse=lambda v: Path(v).expanduser().resolve())
+    root: Path | None = setting(
+        None, "local backend: the directory of delta files", parse=lambda v: Path(v).expanduser().resolve()
+    )
     s3_endpoint: str | None = setting(None, "S3 API URL, e.g. http://127.0.0.1:8080 (default: AWS)")
     s3_bucket: str | None = setting(None, "S3 bucket holding the deltas")
     s3_prefix: str = setting("", "key prefix inside the bucket, ending in '/'")
@@ -46,9 +47,11 @@ class Config(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
     verify_reads: bool = setting(True, "sha256-check every tensor read from the backend")
     backend_timeout_s: float = setting(5.0, "timeout of one backend request, seconds")
     shared_memory_dir: Path | None = setting(
-        None, "keep the host cache in files under this directory of a memory filesystem (e.g. /dev/shm/bitdelta) "
+        None,
+        "keep the host cache in files under this directory of a memory filesystem (e.g. /dev/shm/bitdelta) "
         "so workers on this host map them instead of streaming the bytes; they must run as the same user",
-        parse=lambda v: Path(v).expanduser().resolve())
+        parse=lambda v: Path(v).expanduser().resolve(),
+    )
 
     def check(self) -> None:
         self.check_process()
@@ -58,9 +61,13 @@ class Config(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
             raise ConfigError(f"--backend must be 'local' or 's3', not {self.backend!r} ({self.ENV_PREFIX}BACKEND)")
         if self.backend == "local":
             if self.root is None:
-                raise ConfigError(f"the local backend needs --root DIR ({self.ENV_PREFIX}ROOT): the directory of delta files")
+                raise ConfigError(
+                    f"the local backend needs --root DIR ({self.ENV_PREFIX}ROOT): the directory of delta files"
+                )
             if not self.root.is_dir():
-                raise ConfigError(f"--root {self.root} is not an existing directory ({self.ENV_PREFIX}ROOT); create it first")
+                raise ConfigError(
+                    f"--root {self.root} is not an existing directory ({self.ENV_PREFIX}ROOT); create it first"
+                )
         else:
             if not self.s3_bucket:
                 raise ConfigError(f"the s3 backend needs --s3-bucket ({self.ENV_PREFIX}S3_BUCKET)")
@@ -69,15 +76,24 @@ class Config(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
             if self.s3_endpoint is not None:
                 u = urlparse(self.s3_endpoint)
                 if u.scheme not in ("http", "https") or not u.netloc:
-                    raise ConfigError(f"--s3-endpoint {self.s3_endpoint!r} must be an http(s):// URL "
-                                      f"({self.ENV_PREFIX}S3_ENDPOINT)")
+                    raise ConfigError(
+                        f"--s3-endpoint {self.s3_endpoint!r} must be an http(s):// URL ({self.ENV_PREFIX}S3_ENDPOINT)"
+                    )
             if self.s3_prefix and not self.s3_prefix.endswith("/"):
                 raise ConfigError(f"--s3-prefix {self.s3_prefix!r} must end with '/'")
-        for name, lo, hi in [("chunk_bytes", 1024, MAX_CHUNK_BYTES), ("read_block_bytes", 64 * 1024, 1024**3),
-                             ("cache_bytes", 0, 1 << 50), ("pin_top_n", 0, 1 << 20)]:
+        for name, lo, hi in [
+            ("chunk_bytes", 1024, MAX_CHUNK_BYTES),
+            ("read_block_bytes", 64 * 1024, 1024**3),
+            ("cache_bytes", 0, 1 << 50),
+            ("pin_top_n", 0, 1 << 20),
+        ]:
             if not lo <= getattr(self, name) <= hi:
                 raise ConfigError(f"{self.flag_of(name)} must be between {lo} and {hi}, got {getattr(self, name)}")
-        if self.shared_memory_dir is not None and self.shared_memory_dir.exists() and not self.shared_memory_dir.is_dir():
+        if (
+            self.shared_memory_dir is not None
+            and self.shared_memory_dir.exists()
+            and not self.shared_memory_dir.is_dir()
+        ):
             raise ConfigError(f"--shared-memory-dir {self.shared_memory_dir} exists and is not a directory")
         if not self.rate_half_life_s > 0 or not self.backend_timeout_s > 0:
             raise ConfigError("--rate-half-life-s and --backend-timeout-s must be > 0")

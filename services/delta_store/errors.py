@@ -39,7 +39,9 @@ class CorruptDelta(StoreError):
     """A stored delta's bytes do not match its header: truncated or corrupted in the backend."""
 
     def __init__(self, name: str, message: str, tensor: str | None = None):
-        super().__init__(f"delta {name!r} is corrupted in the backend: {message}; re-upload it with Put(overwrite=true)")
+        super().__init__(
+            f"delta {name!r} is corrupted in the backend: {message}; re-upload it with Put(overwrite=true)"
+        )
         self.name = name
         self.tensor = tensor
 

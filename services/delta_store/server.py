@@ -18,9 +18,9 @@ from bitdelta.cache_policy import WeightedLRUPolicy
 from bitdelta.delta_store.v1 import delta_store_pb2 as pb
 from bitdelta.delta_store.v1 import delta_store_pb2_grpc as pb_grpc
 from bitdelta.format import BaseMismatchError
-from bitdelta.rpc.clients.delta_store import MAX_MESSAGE_BYTES
 from bitdelta.rpc import telemetry
 from bitdelta.rpc.client_stream import ClientStream
+from bitdelta.rpc.clients.delta_store import MAX_MESSAGE_BYTES
 from bitdelta.rpc.metrics import StoreMetrics
 from bitdelta.rpc.security import AuthInterceptor, Role
 from bitdelta.rpc.serve import Server, Service, run_until_signal
@@ -28,8 +28,14 @@ from bitdelta.rpc.serve import create_server as create_rpc_server
 from services.delta_store.backends import Backend, make_backend
 from services.delta_store.cache import HostCache
 from services.delta_store.config import Config
-from services.delta_store.errors import (AlreadyExists, BackendUnavailable, CorruptDelta, InvalidName, InvalidUpload,
-                                         NotFound)
+from services.delta_store.errors import (
+    AlreadyExists,
+    BackendUnavailable,
+    CorruptDelta,
+    InvalidName,
+    InvalidUpload,
+    NotFound,
+)
 from services.delta_store.shm import SHARED_LEASE_S, SharedMemoryDir
 from services.delta_store.store import DeltaStore
 
@@ -49,6 +55,7 @@ STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
 # TLS on, only holders of a certificate of the CA reach them).
 ADMIN_METHODS = {"Put": Role.ADMIN, "Delete": Role.ADMIN}
 
+
 class DeltaStoreServicer(pb_grpc.DeltaStoreServiceServicer):
     def __init__(self, store: DeltaStore, metrics: StoreMetrics | None = None):
         self.store, self.metrics = store, metrics
@@ -61,17 +68,27 @@ class DeltaStoreServicer(pb_grpc.DeltaStoreServiceServicer):
         return pb.StatResponse(info=d.info_proto(), tensors=d.tensors_proto(), header_bytes=d.header.header_bytes)
 
     async def Fetch(self, request, context):
-        stream = await self.store.fetch(request.name, request.chunk_bytes, request.expect_base_fingerprint,
-                                        request.accept_shared_memory)
+        stream = await self.store.fetch(
+            request.name, request.chunk_bytes, request.expect_base_fingerprint, request.accept_shared_memory
+        )
         if self.metrics is not None:
             self.metrics.fetches.labels(request.name).inc()
         async with stream:
-            shared = pb.SharedMemory(path=stream.shared_path, size_bytes=stream.delta.size) if stream.shared_path else None
-            yield pb.FetchResponse(info=stream.delta.info_proto(), tensors=stream.delta.tensors_proto(),
-                                   shared_memory=shared, verified=stream.verified)
+            shared = (
+                pb.SharedMemory(path=stream.shared_path, size_bytes=stream.delta.size) if stream.shared_path else None
+            )
+            yield pb.FetchResponse(
+                info=stream.delta.info_proto(),
+                tensors=stream.delta.tensors_proto(),
+                shared_memory=shared,
+                verified=stream.verified,
+            )
             async for c in stream:
-                yield pb.FetchResponse(chunk=pb.Chunk(tensor_index=c.tensor_index, offset=c.offset, data=c.data,
-                                                      crc32=c.crc32, length=c.length))
+                yield pb.FetchResponse(
+                    chunk=pb.Chunk(
+                        tensor_index=c.tensor_index, offset=c.offset, data=c.data, crc32=c.crc32, length=c.length
+                    )
+                )
                 if self.metrics is not None:
                     self.metrics.bytes_served.inc(c.nbytes)
             if stream.shared_path:
@@ -102,25 +119,44 @@ class DeltaStoreServicer(pb_grpc.DeltaStoreServiceServicer):
         return pb.DeleteResponse()
 
 
-def create_server(config: Config, *, backend: Backend | None = None,
-                  tracer_provider: trace.TracerProvider | None = None,
-                  metrics: bool = False) -> tuple[Server, DeltaStore]:
+def create_server(
+    config: Config,
+    *,
+    backend: Backend | None = None,
+    tracer_provider: trace.TracerProvider | None = None,
+    metrics: bool = False,
+) -> tuple[Server, DeltaStore]:
     """The server bound to `config.address` (port 0: any free port; `server.port` says which) and its
     store; not started. Call in a running loop."""
     backend = backend or make_backend(config)
     policy = WeightedLRUPolicy(config.cache_bytes, half_life_s=config.rate_half_life_s, pin_top_n=config.pin_top_n)
     shared = SharedMemoryDir(config.shared_memory_dir) if config.shared_memory_dir else None
-    store = DeltaStore(backend, HostCache(policy, shared=shared), chunk_bytes=config.chunk_bytes,
-                       read_block_bytes=config.read_block_bytes,
-                       verify_reads=config.verify_reads, tracer_provider=tracer_provider)
-    servicer = DeltaStoreServicer(store, StoreMetrics(lambda: dict(store.cache.stats), lambda: store.cache.used_bytes,
-                                                      lambda: dict(store.transports)) if metrics else None)
+    store = DeltaStore(
+        backend,
+        HostCache(policy, shared=shared),
+        chunk_bytes=config.chunk_bytes,
+        read_block_bytes=config.read_block_bytes,
+        verify_reads=config.verify_reads,
+        tracer_provider=tracer_provider,
+    )
+    servicer = DeltaStoreServicer(
+        store,
+        StoreMetrics(lambda: dict(store.cache.stats), lambda: store.cache.used_bytes, lambda: dict(store.transports))
+        if metrics
+        else None,
+    )
     store.metrics = servicer.metrics  # StoreMetrics, or None
     service = Service(SERVICE_NAME, lambda s: pb_grpc.add_DeltaStoreServiceServicer_to_server(servicer, s))
-    server = create_rpc_server(config.address, [service], STATUS_OF, max_message_bytes=MAX_MESSAGE_BYTES,
-                               open_while_draining=("List", "Stat"), credentials=config.server_credentials(),
-                               interceptors=[AuthInterceptor([SERVICE_NAME], config.tokens(), ADMIN_METHODS)],
-                               health_address=config.health_address)
+    server = create_rpc_server(
+        config.address,
+        [service],
+        STATUS_OF,
+        max_message_bytes=MAX_MESSAGE_BYTES,
+        open_while_draining=("List", "Stat"),
+        credentials=config.server_credentials(),
+        interceptors=[AuthInterceptor([SERVICE_NAME], config.tokens(), ADMIN_METHODS)],
+        health_address=config.health_address,
+    )
     return server, store
 
 
@@ -130,9 +166,19 @@ async def serve(config: Config) -> None:
     metrics = store.metrics
     if config.metrics_address:
         metrics.serve(config.metrics_address)
-    where = config.root if config.backend == "local" else f"{config.s3_endpoint or 'aws'}/{config.s3_bucket}/{config.s3_prefix}"
-    log.info("delta store listening on port %d (%s), backend %s %s, cache %d bytes", server.port, config.address,
-             config.backend, where, config.cache_bytes)
+    where = (
+        config.root
+        if config.backend == "local"
+        else f"{config.s3_endpoint or 'aws'}/{config.s3_bucket}/{config.s3_prefix}"
+    )
+    log.info(
+        "delta store listening on port %d (%s), backend %s %s, cache %d bytes",
+        server.port,
+        config.address,
+        config.backend,
+        where,
+        config.cache_bytes,
+    )
     if store.cache.shared is not None:
         log.info("host cache in shared memory under %s: same-host workers map it", store.cache.shared.dir)
 

@@ -88,8 +88,12 @@ class SharedMemoryDir:
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EOPNOTSUPP):
                     raise
-                log.warning("no room for a %d-byte delta in %s (%s): cached in private memory instead",
-                            size, self.root, os.strerror(e.errno))
+                log.warning(
+                    "no room for a %d-byte delta in %s (%s): cached in private memory instead",
+                    size,
+                    self.root,
+                    os.strerror(e.errno),
+                )
                 os.unlink(path)
                 return None
             return SharedFile(path, size, mmap.mmap(fd, max(size, 1)))
@@ -108,7 +112,7 @@ class SharedMemoryDir:
     def _remove_stale(self) -> None:
         """Subdirectories left by store processes that are gone (a crash leaves its files behind)."""
         for d in self.root.glob(f"{PREFIX}*"):
-            pid = d.name[len(PREFIX):].split("-", 1)[0]
+            pid = d.name[len(PREFIX) :].split("-", 1)[0]
             if pid.isdigit() and not _alive(int(pid)):
                 shutil.rmtree(d, ignore_errors=True)
                 log.info("removed %s, left by a store process that is gone", d)

@@ -32,16 +32,16 @@ import bisect
 import hashlib
 import logging
 from collections import Counter, OrderedDict, deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable
 
 from opentelemetry import trace
 
 from bitdelta.format import DeltaFormatError, DeltaHeader, check_base, check_structure, header_length, parse_header
-from services.delta_store.backends import Backend, ObjectInfo, Reader, check_name
 from bitdelta.rpc.checksums import crc32, crc32_combine
-from services.delta_store.cache import Entry, HostCache
 from bitdelta.rpc.clients.delta_store import MAX_CHUNK_BYTES
+from services.delta_store.backends import Backend, ObjectInfo, Reader, check_name
+from services.delta_store.cache import Entry, HostCache
 from services.delta_store.errors import AlreadyExists, BackendUnavailable, CorruptDelta, InvalidUpload, NotFound
 
 log = logging.getLogger(__name__)
@@ -66,11 +66,18 @@ class StoredDelta:
 
         meta, by_role = self.header.meta, self.header.bytes_by_role()
         return pb.DeltaInfo(
-            name=self.name, size_bytes=self.size, base_model=meta.base_model, base_fingerprint=meta.base_fingerprint,
+            name=self.name,
+            size_bytes=self.size,
+            base_model=meta.base_model,
+            base_fingerprint=meta.base_fingerprint,
             format_version=self.header.metadata.get("format_version", ""),
             alpha_mode={"row": pb.ALPHA_MODE_ROW, "matrix": pb.ALPHA_MODE_MATRIX}.get(meta.alpha_mode, 0),
-            distilled=bool(meta.distilled), sign_bytes=by_role["sign"], alpha_bytes=by_role["alpha"],
-            dense_bytes=by_role["dense"], metadata=self.header.metadata, version=self.version,
+            distilled=bool(meta.distilled),
+            sign_bytes=by_role["sign"],
+            alpha_bytes=by_role["alpha"],
+            dense_bytes=by_role["dense"],
+            metadata=self.header.metadata,
+            version=self.version,
         )
 
     def tensors_proto(self) -> list:
@@ -78,8 +85,15 @@ class StoredDelta:
 
         roles = {"sign": pb.TENSOR_ROLE_SIGN, "alpha": pb.TENSOR_ROLE_ALPHA, "dense": pb.TENSOR_ROLE_DENSE}
         return [
-            pb.TensorInfo(name=t.name, role=roles[t.role], dtype=t.dtype, shape=t.shape, file_offset=t.start,
-                          nbytes=t.nbytes, sha256=self.header.sha256[t.name])
+            pb.TensorInfo(
+                name=t.name,
+                role=roles[t.role],
+                dtype=t.dtype,
+                shape=t.shape,
+                file_offset=t.start,
+                nbytes=t.nbytes,
+                sha256=self.header.sha256[t.name],
+            )
             for t in self.header.tensors
         ]
 
@@ -106,11 +120,12 @@ def _tensor_pieces(tensors, ends: list[int], offset: int, view: memoryview):
             return
         a, b = max(t.start, offset), min(t.end, end)
         if a < b:
-            yield i, t, a - t.start, view[a - offset: b - offset]
+            yield i, t, a - t.start, view[a - offset : b - offset]
 
 
-async def _read_blocks(reader: Reader, size: int, block: int, into: memoryview | None,
-                       spare: list[bytearray]) -> AsyncIterator[tuple[int, memoryview]]:
+async def _read_blocks(
+    reader: Reader, size: int, block: int, into: memoryview | None, spare: list[bytearray]
+) -> AsyncIterator[tuple[int, memoryview]]:
     """(file offset, bytes) of consecutive blocks of the object, the last one short if the object is.
 
     Into a cache entry, the reader reads ahead on its own (`Reader.fill`: no memory but the entry's);
@@ -140,8 +155,14 @@ class _TensorChecks:
     naming the tensor.
     """
 
-    def __init__(self, header: DeltaHeader, verify: bool = True, chunk_bytes: int = 0,
-                 crcs: list[list[int]] | None = None, expect: list | None = None):
+    def __init__(
+        self,
+        header: DeltaHeader,
+        verify: bool = True,
+        chunk_bytes: int = 0,
+        crcs: list[list[int]] | None = None,
+        expect: list | None = None,
+    ):
         self.header, self.verify, self.chunk_bytes, self.crcs = header, verify, chunk_bytes, crcs
         self.expect = expect  # per tensor, the crc32s recorded when this version was verified: compare
         self._ends = [t.end for t in header.tensors]
@@ -167,13 +188,16 @@ class _TensorChecks:
         if self.crcs is not None:
             crc, chunk, out = state[1], self.chunk_bytes, self.crcs[i]
             while piece:
-                part, piece = piece[: chunk - pos % chunk], piece[chunk - pos % chunk:]
+                part, piece = piece[: chunk - pos % chunk], piece[chunk - pos % chunk :]
                 crc = crc32(part, crc)
                 pos += len(part)
                 if pos % chunk == 0 or pos == t.nbytes:
                     if self.expect is not None and self.expect[i][len(out)] != crc:
-                        raise DeltaFormatError(f"tensor {t.name}: the chunk at offset {len(out) * chunk} changed since "
-                                               "the delta was verified (crc32 mismatch: corrupted at rest)", tensor=t.name)
+                        raise DeltaFormatError(
+                            f"tensor {t.name}: the chunk at offset {len(out) * chunk} changed since "
+                            "the delta was verified (crc32 mismatch: corrupted at rest)",
+                            tensor=t.name,
+                        )
                     out.append(crc)
                     crc = 0
             state[1] = crc
@@ -217,8 +241,16 @@ class _TensorChecks:
 class FetchStream:
     """What Fetch streams: `delta` first, then the chunks (`async for`); use it as `async with`."""
 
-    def __init__(self, delta: StoredDelta, chunks: AsyncIterator[Chunk], span: trace.Span, release=None, *,
-                 verified: bool = False, shared_path: str | None = None):
+    def __init__(
+        self,
+        delta: StoredDelta,
+        chunks: AsyncIterator[Chunk],
+        span: trace.Span,
+        release=None,
+        *,
+        verified: bool = False,
+        shared_path: str | None = None,
+    ):
         self.delta, self._chunks, self._span, self._release = delta, chunks, span, release
         self.verified = verified  # every byte was checked against the sha256s (or the crc32s recorded then)
         self.shared_path = shared_path  # chunks carry no data: their bytes are in this file
@@ -232,7 +264,7 @@ class FetchStream:
         self.bytes_sent += c.nbytes
         return c
 
-    async def __aenter__(self) -> "FetchStream":
+    async def __aenter__(self) -> FetchStream:
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
@@ -251,13 +283,23 @@ class FetchStream:
 
 
 class DeltaStore:
-    def __init__(self, backend: Backend, cache: HostCache, *, chunk_bytes: int = 1 << 20, read_block_bytes: int = 8 << 20,
-                 verify_reads: bool = True, tracer_provider: trace.TracerProvider | None = None):
+    def __init__(
+        self,
+        backend: Backend,
+        cache: HostCache,
+        *,
+        chunk_bytes: int = 1 << 20,
+        read_block_bytes: int = 8 << 20,
+        verify_reads: bool = True,
+        tracer_provider: trace.TracerProvider | None = None,
+    ):
         self.backend, self.cache = backend, cache
         self.chunk_bytes, self.read_block_bytes, self.verify_reads = chunk_bytes, read_block_bytes, verify_reads
         self.tracer = trace.get_tracer("services.delta_store", tracer_provider=tracer_provider)
         self._headers: OrderedDict[str, tuple[str, DeltaHeader]] = OrderedDict()
-        self._bad: dict[str, tuple[str, CorruptDelta]] = {}  # name -> (version, error) of deltas that failed verification
+        self._bad: dict[
+            str, tuple[str, CorruptDelta]
+        ] = {}  # name -> (version, error) of deltas that failed verification
         self._header_reads: dict[tuple[str, str], asyncio.Future] = {}
         # name -> (version, chunk crc32s per tensor) of deltas whose every tensor passed sha256
         self._verified: OrderedDict[str, tuple[str, list]] = OrderedDict()
@@ -347,8 +389,9 @@ class DeltaStore:
         self.cache.drop(name, forget=history)
 
     # -- Fetch -------------------------------------------------------------------------
-    async def fetch(self, name: str, chunk_bytes: int = 0, expect_base_fingerprint: str = "",
-                    accept_shared_memory: bool = False) -> FetchStream:
+    async def fetch(
+        self, name: str, chunk_bytes: int = 0, expect_base_fingerprint: str = "", accept_shared_memory: bool = False
+    ) -> FetchStream:
         """Open a Fetch: raises NotFound, BaseMismatchError, CorruptDelta, BackendUnavailable before any data."""
         check_name(name)
         chunk = min(chunk_bytes or self.chunk_bytes, MAX_CHUNK_BYTES)
@@ -394,8 +437,14 @@ class DeltaStore:
             entry.loader = asyncio.get_running_loop().create_task(self._load(entry), name=f"load {name}")
         shared = entry.shared.path if accept_shared and entry.shared is not None else None
         self._count_transport(span, shared is not None)
-        return FetchStream(delta, self._chunks_from(entry, chunk, shared is not None), span,
-                           release=lambda: self.cache.release(entry), verified=self.verify_reads, shared_path=shared)
+        return FetchStream(
+            delta,
+            self._chunks_from(entry, chunk, shared is not None),
+            span,
+            release=lambda: self.cache.release(entry),
+            verified=self.verify_reads,
+            shared_path=shared,
+        )
 
     def _count_transport(self, span: trace.Span, shared: bool) -> None:
         transport = "shared-memory" if shared else "stream"
@@ -415,7 +464,7 @@ class DeltaStore:
                 if shared:
                     yield Chunk(i, off, b"", self._shared_crc(entry, i, off, n), n)
                     continue
-                data = bytes(entry.view[t.start + off: t.start + off + n])
+                data = bytes(entry.view[t.start + off : t.start + off + n])
                 crc = entry.crc(i, off, chunk)
                 yield Chunk(i, off, data, crc32(data) if crc is None else crc)
 
@@ -432,8 +481,11 @@ class DeltaStore:
     async def _chunks_direct(self, delta: StoredDelta, chunk: int, fetch_span: trace.Span) -> AsyncIterator[Chunk]:
         """Stream without caching: blocks from the backend, cut into chunks."""
         header = delta.header
-        with self.tracer.start_as_current_span("delta_store.backend.read", attributes=self._read_attrs(delta),
-                                               context=trace.set_span_in_context(fetch_span)):
+        with self.tracer.start_as_current_span(
+            "delta_store.backend.read",
+            attributes=self._read_attrs(delta),
+            context=trace.set_span_in_context(fetch_span),
+        ):
             async with await self.backend.open(delta.name) as reader:
                 i, pos = 0, 0  # tensor index, offset within it
                 carry = bytearray()  # a chunk that spans two blocks
@@ -448,16 +500,22 @@ class DeltaStore:
                         a = t.start + pos + len(carry)
                         b = t.start + pos + n
                         if b > end:
-                            carry += view[a - start:]
+                            carry += view[a - start :]
                             break
-                        data = bytes(carry + view[a - start: b - start]) if carry else bytes(view[a - start: b - start])
+                        data = (
+                            bytes(carry + view[a - start : b - start]) if carry else bytes(view[a - start : b - start])
+                        )
                         carry = bytearray()
                         yield Chunk(i, pos, data, crc32(data))
                         pos += n
 
     def _read_attrs(self, delta: StoredDelta) -> dict:
-        return {"delta.name": delta.name, "delta.size_bytes": delta.size, "backend.kind": self.backend.kind,
-                "verify_reads": self.verify_reads}
+        return {
+            "delta.name": delta.name,
+            "delta.size_bytes": delta.size,
+            "backend.kind": self.backend.kind,
+            "verify_reads": self.verify_reads,
+        }
 
     async def _load(self, entry: Entry) -> None:
         """The one loader of an entry: read the whole delta into it, verifying as it goes."""
@@ -475,8 +533,9 @@ class DeltaStore:
                 self.cache.drop(entry.name)
             entry.fail(e)
 
-    async def _verified_blocks(self, delta: StoredDelta, reader: Reader, into: memoryview | None = None,
-                               crcs: list[list[int]] | None = None) -> AsyncIterator[tuple[int, memoryview]]:
+    async def _verified_blocks(
+        self, delta: StoredDelta, reader: Reader, into: memoryview | None = None, crcs: list[list[int]] | None = None
+    ) -> AsyncIterator[tuple[int, memoryview]]:
         """Consecutive blocks of the whole file, (file offset, bytes), read sequentially.
 
         Reads land in `into` (the cache entry) or in a few reused buffers. While
@@ -508,8 +567,9 @@ class DeltaStore:
                     yield first, view
             if end < size:
                 cut = next((t.name for t in delta.header.tensors if t.end > end), None)
-                raise self._corrupt(o, DeltaFormatError(f"file is truncated at byte {end}; tensor {cut} is cut",
-                                                        tensor=cut))
+                raise self._corrupt(
+                    o, DeltaFormatError(f"file is truncated at byte {end}; tensor {cut} is cut", tensor=cut)
+                )
             while inflight:
                 first, view, checked = inflight.popleft()
                 await checked
@@ -522,8 +582,15 @@ class DeltaStore:
             await checks.settle()
 
     # -- Put / Delete --------------------------------------------------------------------
-    async def put(self, name: str, size: int, overwrite: bool, data: AsyncIterator[bytes], *,
-                  accepted: Callable[[], Awaitable[None]] | None = None) -> StoredDelta:
+    async def put(
+        self,
+        name: str,
+        size: int,
+        overwrite: bool,
+        data: AsyncIterator[bytes],
+        *,
+        accepted: Callable[[], Awaitable[None]] | None = None,
+    ) -> StoredDelta:
         """Store a delta from consecutive pieces of its file; visible only once verified completely.
 
         `accepted` is awaited once the name, size and overwrite rule have passed and the upload has
@@ -538,7 +605,9 @@ class DeltaStore:
                 pass
             else:
                 raise AlreadyExists(f"a delta named {name!r} exists; Delete it first or Put with overwrite=true")
-        with self.tracer.start_as_current_span("delta_store.put", attributes={"delta.name": name, "delta.size_bytes": size}):
+        with self.tracer.start_as_current_span(
+            "delta_store.put", attributes={"delta.name": name, "delta.size_bytes": size}
+        ):
             upload = await self.backend.begin_upload(name, size)
             try:
                 if accepted is not None:

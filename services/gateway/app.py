@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -51,7 +50,7 @@ class Templates:
         self.base, self.variants = base, dict(variants or {})
 
     @classmethod
-    def from_config(cls, config: GatewayConfig) -> "Templates":
+    def from_config(cls, config: GatewayConfig) -> Templates:
         """Raises ChatTemplateError naming the file (the process then refuses to start)."""
         base = ChatTemplate.load(config.chat_template) if config.chat_template is not None else None
         return cls(base, {name: ChatTemplate.load(p) for name, p in config.variant_templates().items()})
@@ -59,10 +58,14 @@ class Templates:
     def for_model(self, model: str) -> ChatTemplate:
         t = self.variants.get(model, self.base)
         if t is None:
-            raise ApiError(400, f"no chat template is configured for {model!r}: start the gateway with "
-                                "--chat-template (the base's tokenizer directory or tokenizer_config.json), or "
-                                "use /v1/completions with your own prompt", param="messages",
-                           code="chat_template_missing")  # fmt: skip
+            raise ApiError(
+                400,
+                f"no chat template is configured for {model!r}: start the gateway with "
+                "--chat-template (the base's tokenizer directory or tokenizer_config.json), or "
+                "use /v1/completions with your own prompt",
+                param="messages",
+                code="chat_template_missing",
+            )
         return t
 
 
@@ -78,8 +81,7 @@ class _Generation(Response):
     """Runs one generation against the router and answers it (JSON or server-sent events), cancelling
     the router call when the client disconnects (module docstring)."""
 
-    def __init__(self, router: RouterClient, req: api.Request, metadata: tuple[tuple[str, str], ...],
-                 timeout_s: float):  # fmt: skip
+    def __init__(self, router: RouterClient, req: api.Request, metadata: tuple[tuple[str, str], ...], timeout_s: float):
         self.router, self.req, self.metadata, self.timeout_s = router, req, metadata, timeout_s
         self.prompt_param = "prompt" if req.kind == "completion" else "messages"
         self.background = None
@@ -107,8 +109,13 @@ class _Generation(Response):
 
     async def _send_json(self, send: Send, status: int, body: dict) -> None:
         data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": data})
 
     async def _respond(self, send: Send) -> None:
@@ -121,8 +128,12 @@ class _Generation(Response):
             except RouterCallError as e:
                 return await self._fail(send, self._error(e))
             except StopAsyncIteration:
-                return await self._fail(send, ApiError(502, "the router ended the stream without a token",
-                                                       type="server_error", code="empty_stream"))
+                return await self._fail(
+                    send,
+                    ApiError(
+                        502, "the router ended the stream without a token", type="server_error", code="empty_stream"
+                    ),
+                )
             if r.stream:
                 await self._stream(send, first, stream)
             else:
@@ -139,8 +150,12 @@ class _Generation(Response):
     def _finish(msg: pb.GenerateResponse) -> str:
         finish = api.FINISH.get(msg.finish_reason)
         if finish is None:
-            raise ApiError(504, "the generation was cancelled before it finished (its deadline passed or the "
-                                "server is shutting down)", type="timeout_error", code="cancelled")  # fmt: skip
+            raise ApiError(
+                504,
+                "the generation was cancelled before it finished (its deadline passed or the server is shutting down)",
+                type="timeout_error",
+                code="cancelled",
+            )
         return finish
 
     async def _whole(self, send: Send, first: pb.GenerateResponse, stream) -> None:
@@ -158,9 +173,16 @@ class _Generation(Response):
 
     async def _stream(self, send: Send, first: pb.GenerateResponse, stream) -> None:
         r = self.req
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                                *((k.encode(), v.encode()) for k, v in SSE_HEADERS.items())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    *((k.encode(), v.encode()) for k, v in SSE_HEADERS.items()),
+                ],
+            }
+        )
 
         async def body(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
@@ -179,8 +201,12 @@ class _Generation(Response):
                     break
                 msg = await anext(stream, None)
             else:
-                raise ApiError(502, "the router's stream ended without a finish reason", type="server_error",
-                               code="truncated_stream")
+                raise ApiError(
+                    502,
+                    "the router's stream ended without a finish reason",
+                    type="server_error",
+                    code="truncated_stream",
+                )
             if r.include_usage:
                 await body(_sse(api.usage_chunk(r, usage)))
         except RouterCallError as e:  # after the first token: the status is sent, so the error is an event
@@ -199,11 +225,17 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        state["router"] = RouterClient(config.router, timeout_s=config.call_timeout_s,
-                                       generate_timeout_s=config.request_timeout_s,
-                                       credentials=config.channel_credentials())
-        log.info("gateway for router %s; chat template: %s", config.router,
-                 templates.base.origin if templates.base else "none (chat answers 400)")
+        state["router"] = RouterClient(
+            config.router,
+            timeout_s=config.call_timeout_s,
+            generate_timeout_s=config.request_timeout_s,
+            credentials=config.channel_credentials(),
+        )
+        log.info(
+            "gateway for router %s; chat template: %s",
+            config.router,
+            templates.base.origin if templates.base else "none (chat answers 400)",
+        )
         try:
             yield
         finally:
@@ -212,14 +244,20 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
     async def read_json(request: HttpRequest) -> Any:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > config.max_body_bytes:
-            raise ApiError(413, f"request body of {size} bytes is larger than this gateway accepts "
-                                f"({config.max_body_bytes})", code="body_too_large")  # fmt: skip
+            raise ApiError(
+                413,
+                f"request body of {size} bytes is larger than this gateway accepts ({config.max_body_bytes})",
+                code="body_too_large",
+            )
         chunks, n = [], 0
         async for c in request.stream():
             n += len(c)
             if n > config.max_body_bytes:
-                raise ApiError(413, f"request body is larger than this gateway accepts ({config.max_body_bytes})",
-                               code="body_too_large")
+                raise ApiError(
+                    413,
+                    f"request body is larger than this gateway accepts ({config.max_body_bytes})",
+                    code="body_too_large",
+                )
             chunks.append(c)
         try:
             return json.loads(b"".join(chunks))
@@ -246,8 +284,12 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
         for m in api.model_list(models, config.owned_by)["data"]:
             if m["id"] == name:
                 return JSONResponse(m)
-        raise ApiError(404, f"model {name!r} does not exist or cannot be served; /v1/models lists the base and "
-                            "every servable variant", param="model", code="model_not_found")  # fmt: skip
+        raise ApiError(
+            404,
+            f"model {name!r} does not exist or cannot be served; /v1/models lists the base and every servable variant",
+            param="model",
+            code="model_not_found",
+        )
 
     async def completions(request: HttpRequest) -> Response:
         req = api.parse_completion(await read_json(request), config.completion_default_max_tokens)
@@ -282,8 +324,9 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
 
     async def on_crash(request: HttpRequest, e: Exception) -> Response:
         log.exception("%s %s failed", request.method, request.url.path, exc_info=e)
-        return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}"[:1000], type="server_error",
-                                       code="internal_error"))
+        return error_response(
+            ApiError(500, f"internal error: {type(e).__name__}: {e}"[:1000], type="server_error", code="internal_error")
+        )
 
     routes = [
         Route("/v1/models", list_models, methods=["GET"]),
@@ -293,5 +336,8 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan,
-                     exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash})
+    return Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash},
+    )

@@ -57,8 +57,9 @@ class _GenerationTag(Extension):
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                       extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -102,7 +103,7 @@ class ChatTemplate:
     specials: dict[str, str]  # bos_token, eos_token, ... -> text
 
     @classmethod
-    def load(cls, path: Path) -> "ChatTemplate":
+    def load(cls, path: Path) -> ChatTemplate:
         """From a tokenizer directory, a tokenizer_config.json (or any JSON with `chat_template`) or a
         template file. Raises ChatTemplateError naming the path when there is none or it does not compile."""
         path = Path(path)
@@ -119,8 +120,9 @@ class ChatTemplate:
         if jinja_path.is_file():  # as in transformers: chat_template.jinja overrides the config's
             source, origin = jinja_path.read_text(encoding="utf-8"), str(jinja_path)
         if not source:
-            raise ChatTemplateError(f"{path} has no chat template (looked for {JINJA_NAME} and the chat_template "
-                                    f"of {CONFIG_NAME})")
+            raise ChatTemplateError(
+                f"{path} has no chat template (looked for {JINJA_NAME} and the chat_template of {CONFIG_NAME})"
+            )
         specials = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
         out = cls(source, origin, specials)
         out._compiled()  # fail at start-up, not on the first request
@@ -139,8 +141,13 @@ class ChatTemplate:
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages` (OpenAI's role/content dicts), ending with the assistant's turn."""
         try:
-            return self._compiled().render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                           tools=None, documents=None, **self.specials)
+            return self._compiled().render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                **self.specials,
+            )
         except _TemplateRaised as e:
             raise ChatTemplateError(f"the chat template refuses these messages: {e}") from None
         except jinja2.TemplateError as e:  # includes the sandbox's SecurityError

@@ -8,8 +8,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from bitdelta.rpc.config import (ConfigError, ServiceConfig, check_address, check_files, parse_list, parse_log_level,
-                                 setting)
+from bitdelta.rpc.config import (
+    ConfigError,
+    ServiceConfig,
+    check_address,
+    check_files,
+    parse_list,
+    parse_log_level,
+    setting,
+)
 from bitdelta.rpc.security import TlsSettings
 from bitdelta.units import parse_bytes
 
@@ -36,36 +43,58 @@ class GatewayConfig(ServiceConfig, TlsSettings):
 
     address: str = setting("[::]:8000", "HOST:PORT to listen on (HTTP; HTTPS with --https-cert)", check=check_address)
     router: str = setting("", "HOST:PORT of the router (gRPC)", check=check_address, required=True)
-    chat_template: Path | None = setting(None, "the base's chat template: a tokenizer directory (chat_template.jinja "
-                                               "or tokenizer_config.json), a tokenizer_config.json or a .jinja file; "
-                                               "without one, /v1/chat/completions answers 400")
-    variant_chat_templates: tuple[str, ...] = setting((), "VARIANT=FILE|DIR,... : variants with a template of their "
-                                                          "own (the others use --chat-template)",
-                                                      parse=parse_list, check=check_variant_templates)
+    chat_template: Path | None = setting(
+        None,
+        "the base's chat template: a tokenizer directory (chat_template.jinja "
+        "or tokenizer_config.json), a tokenizer_config.json or a .jinja file; "
+        "without one, /v1/chat/completions answers 400",
+    )
+    variant_chat_templates: tuple[str, ...] = setting(
+        (),
+        "VARIANT=FILE|DIR,... : variants with a template of their own (the others use --chat-template)",
+        parse=parse_list,
+        check=check_variant_templates,
+    )
     owned_by: str = setting("bitdelta", "the `owned_by` of every model in /v1/models")
     request_timeout_s: float = setting(600.0, "deadline of one generation at the router, seconds (beyond: 504)")
     call_timeout_s: float = setting(10.0, "deadline of the router's ListModels, seconds")
-    completion_default_max_tokens: int = setting(16, "max_tokens of a /v1/completions request that sets none "
-                                                     "(OpenAI's default is 16); chat uses the router's default")
+    completion_default_max_tokens: int = setting(
+        16,
+        "max_tokens of a /v1/completions request that sets none "
+        "(OpenAI's default is 16); chat uses the router's default",
+    )
     max_body_bytes: int = setting(4 << 20, "largest request body; beyond: 413", parse=parse_bytes)
     grace_s: float = setting(10.0, "SIGTERM: requests in flight get this long to finish")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR", parse=parse_log_level)
     # TlsSettings' --tls-* again, with help that says they are the gateway -> router hop
-    tls_ca: Path | None = setting(None, "calls to the router (gRPC, not the HTTP listener: see --https-*): PEM CA "
-                                        "bundle the router's certificate must be signed by; turns TLS to the router on")
-    tls_cert: Path | None = setting(None, "calls to the router: PEM certificate (chain) presented to it when it "
-                                          "requires client certificates (the HTTP listener's is --https-cert)")
+    tls_ca: Path | None = setting(
+        None,
+        "calls to the router (gRPC, not the HTTP listener: see --https-*): PEM CA "
+        "bundle the router's certificate must be signed by; turns TLS to the router on",
+    )
+    tls_cert: Path | None = setting(
+        None,
+        "calls to the router: PEM certificate (chain) presented to it when it "
+        "requires client certificates (the HTTP listener's is --https-cert)",
+    )
     tls_key: Path | None = setting(None, "calls to the router: PEM private key of --tls-cert")
-    tls_client_auth: bool = setting(True, "no effect on the gateway (it serves no gRPC; for HTTPS client "
-                                          "certificates see --https-client-ca)")
+    tls_client_auth: bool = setting(
+        True, "no effect on the gateway (it serves no gRPC; for HTTPS client certificates see --https-client-ca)"
+    )
     # the HTTP listener's own TLS (clients -> gateway); not the --tls-* ones (gateway -> router)
-    https_cert: Path | None = setting(None, "PEM certificate (chain) the HTTP listener serves HTTPS with, to the "
-                                            "gateway's clients; with --https-key. (--tls-cert is for the calls to "
-                                            "the router)")
+    https_cert: Path | None = setting(
+        None,
+        "PEM certificate (chain) the HTTP listener serves HTTPS with, to the "
+        "gateway's clients; with --https-key. (--tls-cert is for the calls to "
+        "the router)",
+    )
     https_key: Path | None = setting(None, "PEM private key of --https-cert (unencrypted)")
-    https_client_ca: Path | None = setting(None, "PEM CA bundle: with --https-cert, HTTPS clients must present a "
-                                                 "certificate it signed (mutual TLS); empty: no client certificates "
-                                                 "asked. (--tls-ca is for the calls to the router)")
+    https_client_ca: Path | None = setting(
+        None,
+        "PEM CA bundle: with --https-cert, HTTPS clients must present a "
+        "certificate it signed (mutual TLS); empty: no client certificates "
+        "asked. (--tls-ca is for the calls to the router)",
+    )
 
     def check(self) -> None:
         self.check_tls(needs_server_cert=False)
@@ -85,11 +114,14 @@ class GatewayConfig(ServiceConfig, TlsSettings):
         cert, key, ca = self.https_cert, self.https_key, self.https_client_ca
         if (cert is None) != (key is None):
             given, missing = ("https_cert", "https_key") if key is None else ("https_key", "https_cert")
-            raise ConfigError(f"{self.flag_of(given)} needs {self.flag_of(missing)}: the HTTPS certificate and its "
-                              f"key go together")
+            raise ConfigError(
+                f"{self.flag_of(given)} needs {self.flag_of(missing)}: the HTTPS certificate and its key go together"
+            )
         if ca is not None and cert is None:
-            raise ConfigError(f"{self.flag_of('https_client_ca')} needs {self.flag_of('https_cert')} and "
-                              f"{self.flag_of('https_key')}: client certificates are asked for over HTTPS only")
+            raise ConfigError(
+                f"{self.flag_of('https_client_ca')} needs {self.flag_of('https_cert')} and "
+                f"{self.flag_of('https_key')}: client certificates are asked for over HTTPS only"
+            )
         check_files(self, "https_cert", "https_key", "https_client_ca")
         if cert is None:
             return
@@ -105,14 +137,17 @@ class GatewayConfig(ServiceConfig, TlsSettings):
         try:
             ctx.load_cert_chain(str(cert), str(key), password=no_password)
         except (ssl.SSLError, OSError, ValueError) as e:
-            raise ConfigError(f"{self.flag_of('https_key')} {key}: not the PEM private key of "
-                              f"{self.flag_of('https_cert')} ({_reason(e)})") from None
+            raise ConfigError(
+                f"{self.flag_of('https_key')} {key}: not the PEM private key of "
+                f"{self.flag_of('https_cert')} ({_reason(e)})"
+            ) from None
         if ca is not None:
             try:
                 ctx.load_verify_locations(cafile=str(ca))
             except (ssl.SSLError, OSError, ValueError) as e:
-                raise ConfigError(f"{self.flag_of('https_client_ca')} {ca}: not a PEM CA bundle ({_reason(e)})") \
-                    from None
+                raise ConfigError(
+                    f"{self.flag_of('https_client_ca')} {ca}: not a PEM CA bundle ({_reason(e)})"
+                ) from None
 
     @property
     def https_on(self) -> bool:
@@ -134,7 +169,9 @@ class GatewayConfig(ServiceConfig, TlsSettings):
         return host.strip("[]"), int(port)
 
     def variant_templates(self) -> dict[str, Path]:
-        return {name: Path(path).expanduser() for name, _, path in (v.partition("=") for v in self.variant_chat_templates)}
+        return {
+            name: Path(path).expanduser() for name, _, path in (v.partition("=") for v in self.variant_chat_templates)
+        }
 
 
 def _reason(e: Exception) -> str:

@@ -27,18 +27,33 @@ FINISH = {gen_pb.FINISH_REASON_LENGTH: "length", gen_pb.FINISH_REASON_EOS: "stop
 # Fields whose non-default values change what OpenAI would return and that this server cannot honour:
 # refused with 400 naming the field rather than silently ignored. (Others, e.g. `user`, are ignored.)
 UNSUPPORTED = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "tools": (None, []), "tool_choice": (None, "none", "auto"),
-    "functions": (None, []), "function_call": (None, "none", "auto"),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
 }
 
 
 class ApiError(Exception):
     """An error in OpenAI's shape: HTTP status, `type`, `param` (the request field) and `code`."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -107,8 +122,13 @@ class Request:
     created: int = 0
 
     def sampling(self) -> gen_pb.SamplingParams:
-        return gen_pb.SamplingParams(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                                     stop=list(self.stop), seed=self.seed)  # fmt: skip
+        return gen_pb.SamplingParams(
+            max_new_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stop=list(self.stop),
+            seed=self.seed,
+        )
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
@@ -163,11 +183,17 @@ def _common(body: Any, kind: str) -> Request:
     if include_usage and not stream:
         raise invalid("stream_options", "stream_options is only allowed with stream: true")
     return Request(
-        kind=kind, model=model, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0), stop=stops,
-        seed=0 if seed is None else (seed or SEED_ZERO), stream=stream, include_usage=include_usage,
-        id=("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex, created=int(time.time()),
-    )  # fmt: skip
+        kind=kind,
+        model=model,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        stop=stops,
+        seed=0 if seed is None else (seed or SEED_ZERO),
+        stream=stream,
+        include_usage=include_usage,
+        id=("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex,
+        created=int(time.time()),
+    )
 
 
 def parse_completion(body: Any, default_max_tokens: int) -> Request:
@@ -199,8 +225,9 @@ def parse_chat(body: Any) -> Request:
             raise invalid("messages", f"{where} must be an object with a string role")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
                 raise invalid("messages", f"{where}.content: only text parts are supported")
             content = "".join(p["text"] for p in content)
         if content is not None and not isinstance(content, str):
@@ -220,8 +247,11 @@ def parse_chat(body: Any) -> Request:
 
 
 def usage(u: gen_pb.Usage) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens}
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    }
 
 
 def _envelope(r: Request, obj: str) -> dict:
@@ -269,7 +299,13 @@ def model_list(models, owned_by: str) -> dict:
     for m in models:
         if not m.servable:
             continue
-        entry = {"id": m.model_id, "object": "model", "created": 0, "owned_by": owned_by,
-                 "root": m.model_id if m.is_base else base, "parent": None if m.is_base else base}
+        entry = {
+            "id": m.model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": owned_by,
+            "root": m.model_id if m.is_base else base,
+            "parent": None if m.is_base else base,
+        }
         data.append(entry)
     return {"object": "list", "data": data}

@@ -46,10 +46,16 @@ class WorkerConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
     max_prompt_bytes: int = setting(1 << 20, "longer prompts are INVALID_ARGUMENT before tokenising", parse=parse_bytes)
     max_prompt_tokens: int = setting(0, "longer prompts are INVALID_ARGUMENT; 0: the model's context")
     fused_single_variant: bool = setting(True, "a batch of one variant uses the fused kernel")
-    allow_slow_kernels: bool = setting(False, "on CUDA without Triton, serve with the torch reference kernels (~10x slower) instead of refusing to start")  # noqa: E501
+    allow_slow_kernels: bool = setting(
+        False,
+        "on CUDA without Triton, serve with the torch reference kernels (~10x slower) instead of refusing to start",
+    )
     store_timeout_s: float = setting(600.0, "deadline of one Fetch from the delta store, seconds")
-    store_shared_memory: bool = setting(True, "copy deltas out of the store's shared host cache when it offers one "
-                                        "(same host, store run with --shared-memory-dir) instead of streaming them")
+    store_shared_memory: bool = setting(
+        True,
+        "copy deltas out of the store's shared host cache when it offers one "
+        "(same host, store run with --shared-memory-dir) instead of streaming them",
+    )
 
     def __post_init__(self):
         self.check()
@@ -74,8 +80,15 @@ class WorkerConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
             raise ConfigError(f"--delta-dir {self.delta_dir}: not a directory")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")
-        for name in ("delta_budget", "kv_cache", "block_size", "max_running", "max_batch_tokens",
-                     "default_max_new_tokens", "max_waiting"):  # fmt: skip
+        for name in (
+            "delta_budget",
+            "kv_cache",
+            "block_size",
+            "max_running",
+            "max_batch_tokens",
+            "default_max_new_tokens",
+            "max_waiting",
+        ):
             if getattr(self, name) < (0 if name == "delta_budget" else 1):
                 raise ConfigError(f"{self.flag_of(name)} must be positive, got {getattr(self, name)}")
         if self.max_slots < 0 or self.pin_hottest < 0:

@@ -17,8 +17,8 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -140,7 +140,7 @@ class Engine:
                 elif self.scheduler.has_work():
                     with self._cv:  # waiting for KV space that only a cancel/deadline can free
                         self._cv.wait(IDLE_POLL_S)
-            except Exception as e:  # noqa: BLE001  # fail this batch, keep serving the rest
+            except Exception as e:  # fail this batch, keep serving the rest
                 log.exception("step failed")
                 for w in work:
                     self._drop(w.seq.seq_id, posts, None, error=e)
@@ -162,7 +162,7 @@ class Engine:
             if seq.t_first_sched is None:
                 seq.t_first_sched = t0
                 seq.prefill_batch = len(work)
-            toks = s.tokens[s.computed:s.computed + w.n_tokens]
+            toks = s.tokens[s.computed : s.computed + w.n_tokens]
             batch.append(SeqWork(toks, s.computed, s.slot, s.blocks, w.samples))
         logits = self.runner.forward(batch)  # [R, vocab] fp32, rows of the sampling sequences in order
         samplers = [self._seqs[w.seq.seq_id].sampler for w in work if w.samples]
@@ -174,7 +174,7 @@ class Engine:
             for j, i in enumerate(hot):
                 try:
                     picks[i] = samplers[i].sample(rows[j])
-                except Exception as e:  # noqa: BLE001  # this sequence ends alone; the batch goes on
+                except Exception as e:  # this sequence ends alone; the batch goes on
                     failed[i] = e
         t1 = time.perf_counter()
         self.steps += 1
@@ -193,7 +193,7 @@ class Engine:
                 continue
             try:
                 self._emit_token(self._seqs[s.seq_id], tok, t1, posts)
-            except Exception as e:  # noqa: BLE001  # e.g. detokenising: end this sequence, not the batch
+            except Exception as e:  # e.g. detokenising: end this sequence, not the batch
                 log.exception("sequence %d: emitting token %d failed", s.seq_id, tok)
                 self._drop(s.seq_id, posts, None, error=e)
 
@@ -224,7 +224,9 @@ class Engine:
         if reason:
             self._drop(s.seq_id, posts, None, notify=False)
 
-    def _drop(self, seq_id: int, posts, reason: str | None, error: Exception | None = None, notify: bool = True) -> None:
+    def _drop(
+        self, seq_id: int, posts, reason: str | None, error: Exception | None = None, notify: bool = True
+    ) -> None:
         """Remove a sequence from the batch, free its KV blocks and its slot reference."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
@@ -236,9 +238,19 @@ class Engine:
             posts.append((seq.emit, error))
         elif notify and reason:
             s = seq.state
-            posts.append((seq.emit, TokenEvent(s.output[-1] if s.output else 0, seq.text.flush(),
-                                               (time.perf_counter() - seq.t_arrival) * 1e3, reason,
-                                               len(s.prompt), len(s.output))))  # fmt: skip
+            posts.append(
+                (
+                    seq.emit,
+                    TokenEvent(
+                        s.output[-1] if s.output else 0,
+                        seq.text.flush(),
+                        (time.perf_counter() - seq.t_arrival) * 1e3,
+                        reason,
+                        len(s.prompt),
+                        len(s.output),
+                    ),
+                )
+            )
 
 
 def _deliver(posts) -> None:

@@ -87,8 +87,11 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
             d_out = p.r1 - p.r0
             if role == "sign":
                 if t.dtype != "U8" or t.shape != (d_out, packed_cols(p.d_in)):
-                    raise _bad(info.name, t, f"must be uint8 [{d_out}, {packed_cols(p.d_in)}] for this base, "
-                                             f"is {t.dtype} {list(t.shape)}")
+                    raise _bad(
+                        info.name,
+                        t,
+                        f"must be uint8 [{d_out}, {packed_cols(p.d_in)}] for this base, is {t.dtype} {list(t.shape)}",
+                    )
                 out.append(Placement(t, "proj_sign", proj=p))
             elif role == "alpha":
                 if t.dtype != "F32" or t.shape not in ((d_out,), (1,)):
@@ -120,8 +123,9 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
             raise _bad(info.name, t, "names a parameter this base does not have (or the worker cannot place)")
     for param, roles in seen.items():
         if (param in layout.proj or roles & {"sign", "alpha"}) and roles & {"sign", "alpha"} != {"sign", "alpha"}:
-            raise DeltaFormatError(f"delta {info.name!r}: {param} has {sorted(roles)} but needs both .sign and .alpha",
-                                   tensor=param)
+            raise DeltaFormatError(
+                f"delta {info.name!r}: {param} has {sorted(roles)} but needs both .sign and .alpha", tensor=param
+            )
     for param, roles in big_roles.items():
         if "dense" in roles and roles & {"sign", "alpha"}:
             raise DeltaFormatError(f"delta {info.name!r}: {param} is both dense and compressed", tensor=param)
@@ -167,8 +171,9 @@ class SlotWriter:
             d = self._dest_of(p, bigs)
             self.dest.append(d)
             src_dtype = DTYPES[p.spec.dtype]
-            direct = (not self.cuda and d.dtype == src_dtype and tuple(d.shape) == tuple(p.spec.shape)
-                      and d.is_contiguous())  # fmt: skip
+            direct = (
+                not self.cuda and d.dtype == src_dtype and tuple(d.shape) == tuple(p.spec.shape) and d.is_contiguous()
+            )
             self.staged.append(not direct)
             self._host_t.append(d if direct else None)
             self.host.append(_bytes_view(d) if direct else None)
@@ -242,7 +247,7 @@ class SlotWriter:
         if self._error is None:
             try:
                 fn(*args)
-            except BaseException as e:  # noqa: BLE001  # reported by finish()
+            except BaseException as e:  # reported by finish()
                 self._error = e
 
     def _account(self, i: int, n: int) -> None:
@@ -266,23 +271,34 @@ class SlotWriter:
         spec = self.plan.placements[i].spec
         n = len(data)
         if offset + n > spec.nbytes:
-            raise DeltaFormatError(f"tensor {spec.name}: chunk [{offset}, {offset + n}) runs past its "
-                                   f"{spec.nbytes} bytes", tensor=spec.name)
+            raise DeltaFormatError(
+                f"tensor {spec.name}: chunk [{offset}, {offset + n}) runs past its {spec.nbytes} bytes",
+                tensor=spec.name,
+            )
         if crc32 is None and not self.check_sha256:
-            raise DeltaFormatError(f"delta {self.plan.name!r}: tensor {spec.name}: a chunk without a crc32 while "
-                                   "sha256 checks are off: its bytes could not be verified", tensor=spec.name)
-        dst = self.direct(i)[offset:offset + n]
+            raise DeltaFormatError(
+                f"delta {self.plan.name!r}: tensor {spec.name}: a chunk without a crc32 while "
+                "sha256 checks are off: its bytes could not be verified",
+                tensor=spec.name,
+            )
+        dst = self.direct(i)[offset : offset + n]
         dst[:] = data
         if crc32 is not None and crc32_of(dst) != crc32:  # the bytes as they lie where they will be used
-            raise ChecksumError(f"delta {self.plan.name!r}: tensor {spec.name}: chunk at offset {offset} fails "
-                                "its crc32 (corrupted in transit)", tensor=spec.name)
+            raise ChecksumError(
+                f"delta {self.plan.name!r}: tensor {spec.name}: chunk at offset {offset} fails "
+                "its crc32 (corrupted in transit)",
+                tensor=spec.name,
+            )
         if offset == self._next[i] and self._in_order[i]:
             if self.check_sha256:
                 self._hash[i].update(dst)
             self._next[i] = offset + n
         elif not self.check_sha256:  # only in-order chunks prove, with their crc32s, that every byte came
-            raise DeltaFormatError(f"delta {self.plan.name!r}: tensor {spec.name}: chunk at offset {offset} out of "
-                                   f"order (expected offset {self._next[i]})", tensor=spec.name)
+            raise DeltaFormatError(
+                f"delta {self.plan.name!r}: tensor {spec.name}: chunk at offset {offset} out of "
+                f"order (expected offset {self._next[i]})",
+                tensor=spec.name,
+            )
         else:
             self._in_order[i] = False
         self._account(i, n)
@@ -291,8 +307,9 @@ class SlotWriter:
         p = self.plan.placements[i]
         spec = p.spec
         if self._got[i] != spec.nbytes:
-            raise DeltaFormatError(f"tensor {spec.name}: received {self._got[i]} of {spec.nbytes} bytes",
-                                   tensor=spec.name)
+            raise DeltaFormatError(
+                f"tensor {spec.name}: received {self._got[i]} of {spec.nbytes} bytes", tensor=spec.name
+            )
         if not self.check_sha256:
             digest = spec.sha256  # verified by the source; every chunk passed its crc32 above
         elif self._in_order[i]:
@@ -300,8 +317,11 @@ class SlotWriter:
         else:
             digest = hashlib.sha256(self.host[i] if spec.nbytes else b"").hexdigest()
         if digest != spec.sha256:
-            raise ChecksumError(f"delta {self.plan.name!r}: tensor {spec.name}: sha256 mismatch "
-                                "(the data is corrupted; re-upload or re-compress the delta)", tensor=spec.name)
+            raise ChecksumError(
+                f"delta {self.plan.name!r}: tensor {spec.name}: sha256 mismatch "
+                "(the data is corrupted; re-upload or re-compress the delta)",
+                tensor=spec.name,
+            )
         if self.staged[i] and spec.nbytes:
             src = self._host_t[i].view(DTYPES[spec.dtype]).reshape(spec.shape)
             dst = self.dest[i]
@@ -329,8 +349,9 @@ class SlotWriter:
                 raise self._error
             missing = [p.spec.name for p, d in zip(self.plan.placements, self._done) if not d]
             if missing:
-                raise DeltaFormatError(f"delta {self.plan.name!r}: stream ended before tensor {missing[0]} was complete",
-                                       tensor=missing[0])
+                raise DeltaFormatError(
+                    f"delta {self.plan.name!r}: stream ended before tensor {missing[0]} was complete", tensor=missing[0]
+                )
             if self.cuda and self.stream is not None:
                 await asyncio.to_thread(self.stream.synchronize)
             return self.extras

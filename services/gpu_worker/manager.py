@@ -33,12 +33,12 @@ import enum
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from bitdelta.cache_policy import WeightedLRUPolicy
 import grpc
 
+from bitdelta.cache_policy import WeightedLRUPolicy
 from services.gpu_worker.errors import Aborted, DeltaLoadError, NotFound, ResourceExhausted
 from services.gpu_worker.loader import SlotWriter, plan_delta
 from services.gpu_worker.slots import SlotLayout, SlotTensors
@@ -89,8 +89,16 @@ class SlotInfo:
 
 
 class DeltaManager:
-    def __init__(self, layout: SlotLayout, slots: SlotTensors, source: DeltaSource | None, base_fingerprint: str,
-                 budget_bytes: int, policy: WeightedLRUPolicy, load_stream=None):  # fmt: skip
+    def __init__(
+        self,
+        layout: SlotLayout,
+        slots: SlotTensors,
+        source: DeltaSource | None,
+        base_fingerprint: str,
+        budget_bytes: int,
+        policy: WeightedLRUPolicy,
+        load_stream=None,
+    ):
         self.layout, self.slots, self.source = layout, slots, source
         self.base_fingerprint = base_fingerprint
         self.budget_bytes = budget_bytes
@@ -108,8 +116,11 @@ class DeltaManager:
     # -- accounting --------------------------------------------------------------------------------
     @property
     def used_bytes(self) -> int:
-        return sum(e.bytes for e in self.entries.values()
-                   if e.state in (DeltaState.LOADING, DeltaState.RESIDENT, DeltaState.EVICTING))
+        return sum(
+            e.bytes
+            for e in self.entries.values()
+            if e.state in (DeltaState.LOADING, DeltaState.RESIDENT, DeltaState.EVICTING)
+        )
 
     def _notify(self) -> None:
         self._changed.set()
@@ -122,9 +133,17 @@ class DeltaManager:
     def snapshot(self) -> list[SlotInfo]:
         now = time.monotonic()
         hot = self.policy.pinned(now)
-        return [SlotInfo(e.name, e.state, e.bytes, e.pinned or (e.name in hot and e.state == DeltaState.RESIDENT),
-                         self.policy.rate(e.name, now), e.error)
-                for e in sorted(self.entries.values(), key=lambda e: e.name)]  # fmt: skip
+        return [
+            SlotInfo(
+                e.name,
+                e.state,
+                e.bytes,
+                e.pinned or (e.name in hot and e.state == DeltaState.RESIDENT),
+                self.policy.rate(e.name, now),
+                e.error,
+            )
+            for e in sorted(self.entries.values(), key=lambda e: e.name)
+        ]
 
     # -- use by requests ------------------------------------------------------------------------------
     async def acquire(self, name: str) -> int:
@@ -204,8 +223,10 @@ class DeltaManager:
         e = self.entries.get(name)
         if e is None or e.state == DeltaState.FAILED:
             if self.source is None:
-                raise NotFound(f"no delta source is configured on this worker, so {name!r} cannot be loaded "
-                               "(start it with --delta-store or --delta-dir)")
+                raise NotFound(
+                    f"no delta source is configured on this worker, so {name!r} cannot be loaded "
+                    "(start it with --delta-store or --delta-dir)"
+                )
             loop = asyncio.get_running_loop()
             e = self.entries[name] = DeltaEntry(name, DeltaState.LOADING, done=loop.create_future())
             self.loads_started += 1
@@ -231,8 +252,13 @@ class DeltaManager:
             return
         e.aborted = True
         e.state = DeltaState.EVICTING
-        _settle(e.done, Aborted(f"delta {e.name!r} was evicted (EvictDelta) while it was loading, so its load was "
-                                "cancelled; send the request again to load it anew"))
+        _settle(
+            e.done,
+            Aborted(
+                f"delta {e.name!r} was evicted (EvictDelta) while it was loading, so its load was "
+                "cancelled; send the request again to load it anew"
+            ),
+        )
         e.task.cancel()
         self._notify()
 
@@ -257,8 +283,14 @@ class DeltaManager:
             e.state = DeltaState.RESIDENT
             e.error = ""
             _settle(e.done, None)
-            log.info("delta %s resident in slot %d (%d bytes, %.1f ms, %s)", e.name, e.slot, e.bytes,
-                     (time.perf_counter() - t0) * 1e3, info.transport)
+            log.info(
+                "delta %s resident in slot %d (%d bytes, %.1f ms, %s)",
+                e.name,
+                e.slot,
+                e.bytes,
+                (time.perf_counter() - t0) * 1e3,
+                info.transport,
+            )
             if self.on_loaded is not None:
                 self.on_loaded(e.name, e.bytes, time.perf_counter() - t0)
         except BaseException as exc:
@@ -283,8 +315,12 @@ class DeltaManager:
                 e.state, e.error = DeltaState.FAILED, str(exc)
                 self._trim_failed()
             # An unknown name or no room is the caller's business (and cheap to repeat): not a warning.
-            log.log(logging.INFO if err.code in _NO_ENTRY_CODES else logging.WARNING, "delta %s failed to load: %s",
-                    e.name, exc)
+            log.log(
+                logging.INFO if err.code in _NO_ENTRY_CODES else logging.WARNING,
+                "delta %s failed to load: %s",
+                e.name,
+                exc,
+            )
             _settle(e.done, err)
         finally:
             self._notify()
@@ -293,8 +329,10 @@ class DeltaManager:
         """Find a slot and `size` bytes for `e`, evicting what the policy says; may wait for bytes held
         for now (see module docstring), never for what only an eviction by hand could free."""
         if size > self.budget_bytes:
-            raise ResourceExhausted(f"delta {e.name!r} needs {size} device bytes but the whole delta budget is "
-                                    f"{self.budget_bytes}; raise --delta-budget")
+            raise ResourceExhausted(
+                f"delta {e.name!r} needs {size} device bytes but the whole delta budget is "
+                f"{self.budget_bytes}; raise --delta-budget"
+            )
         while True:
             used = self.used_bytes
             if self.free_slots and used + size <= self.budget_bytes:
@@ -311,13 +349,17 @@ class DeltaManager:
                     f"delta {e.name!r} ({size} bytes) cannot be loaded while the pinned deltas {sorted(pinned)} "
                     f"hold {pinned_bytes} of the {self.budget_bytes}-byte delta budget ({len(pinned)} of "
                     f"{self.slots.n_slots} slots); evict one of them (EvictDelta also unpins), lower "
-                    "--pin-hottest, or raise --delta-budget")
+                    "--pin-hottest, or raise --delta-budget"
+                )
             # Held for now: loads streaming (they become resident, then evictable), cancelled loads
             # whose reads are stopping, deltas whose waiting requests are about to take them, and
             # victims whose sequences are finishing. Each of these changes state by itself, without
             # waiting for any other load, so waiting for them cannot close a cycle.
-            transient = {n for n, x in holding.items()
-                         if x.state == DeltaState.LOADING or x.aborted or (self._wanted.get(n) and x.refs == 0)}
+            transient = {
+                n
+                for n, x in holding.items()
+                if x.state == DeltaState.LOADING or x.aborted or (self._wanted.get(n) and x.refs == 0)
+            }
             finishing = {n for n, x in holding.items() if x.state == DeltaState.EVICTING and x.refs}
             # Bytes to free: enough for `size`, and at least one delta when no slot is free.
             need = size if self.free_slots else max(size, self.budget_bytes - used + 1)
@@ -328,7 +370,8 @@ class DeltaManager:
             if victims is None:  # not expected: what is neither pinned nor transient can be evicted
                 raise ResourceExhausted(
                     f"delta {e.name!r} ({size} bytes) does not fit: budget {self.budget_bytes} bytes, "
-                    f"{used} in use by {sorted(holding)}; evict some, or raise --delta-budget")
+                    f"{used} in use by {sorted(holding)}; evict some, or raise --delta-budget"
+                )
             waiting = False
             for v in victims:
                 x = self.entries.get(v)
@@ -350,7 +393,7 @@ class DeltaManager:
 
     def _trim_failed(self) -> None:
         failed = [n for n, x in self.entries.items() if x.state == DeltaState.FAILED]
-        for n in failed[:max(0, len(failed) - MAX_FAILED_ENTRIES)]:
+        for n in failed[: max(0, len(failed) - MAX_FAILED_ENTRIES)]:
             del self.entries[n]
 
     def _free(self, e: DeltaEntry, keep_entry: bool = False) -> None:

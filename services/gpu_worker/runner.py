@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from bitdelta.bits import unpack_signs
-from kernels import bitdelta_delta_batched, bitdelta_linear, plan_batch
 from bitdelta.model import ModelArgs, apply_rope, load_model, rope_tables
+from kernels import bitdelta_delta_batched, bitdelta_linear, plan_batch
 from services.gpu_worker.slots import GROUPS, NORMS, SlotTensors
 
 
@@ -59,7 +59,7 @@ class BaseWeights:
     head: torch.Tensor  # [vocab, dim]; the embedding itself when tied
 
     @classmethod
-    def load(cls, ckpt, dtype: torch.dtype, device: torch.device) -> tuple["BaseWeights", ModelArgs]:
+    def load(cls, ckpt, dtype: torch.dtype, device: torch.device) -> tuple[BaseWeights, ModelArgs]:
         model = load_model(ckpt, dtype=dtype, device="cpu")
         args = model.args
         layers, norms = [], []
@@ -140,8 +140,7 @@ class StepMeta:
 class ModelRunner:
     """Holds the base weights, the slot stacks and the KV pool; runs steps."""
 
-    def __init__(self, base: BaseWeights, args: ModelArgs, slots: SlotTensors, kv: KVPool,
-                 use_fused: bool = True):  # fmt: skip
+    def __init__(self, base: BaseWeights, args: ModelArgs, slots: SlotTensors, kv: KVPool, use_fused: bool = True):
         self.base, self.args, self.slots, self.kv = base, args, slots, kv
         self.device = base.embed.device
         self.dtype = base.embed.dtype
@@ -166,7 +165,7 @@ class ModelRunner:
             positions.extend(range(w.start, w.start + n))
             row_slot.extend([w.slot] * n)
             ctx = self.kv.rows(w.blocks, 0, w.start + n)  # [L] the whole context incl. the new tokens
-            write_rows.append(ctx[w.start:])
+            write_rows.append(ctx[w.start :])
             if n == 1:
                 decode_rows.append(r)
                 decode_ctx.append(ctx)
@@ -187,19 +186,22 @@ class ModelRunner:
         extras = self.slots.extras  # one snapshot for the whole step
         meta = StepMeta(
             tokens=self._dev(torch.tensor(tokens, dtype=torch.int64)),
-            cos=cos[:, None, :], sin=sin[:, None, :],
+            cos=cos[:, None, :],
+            sin=sin[:, None, :],
             row_slot=self._dev(rs),
             norm_idx=None if single is not None else self._dev(rs.to(torch.int64) + 1),
             single_norm=(single + 1) if single is not None else 0,
             any_delta=any(s >= 0 for s in slots_set),
             single_slot=single if (single is not None and single >= 0 and self.use_fused) else None,
             write_rows=self._dev(torch.cat(write_rows)),
-            decode_rows=None, decode_gather=None, decode_mask=None,
+            decode_rows=None,
+            decode_gather=None,
+            decode_mask=None,
             prefills=prefills,
             logit_rows=self._dev(torch.tensor(logit_rows, dtype=torch.int64)),
             logit_slots=logit_slots,
             extras=extras,
-        )  # fmt: skip
+        )
         if meta.any_delta and meta.single_slot is None:
             meta.plan = plan_batch(rs, self.slots.n_slots, device=self.device)  # from the host copy: no device sync
         # rows whose slot brings its own embedding (dense or signs): found here, not by a device nonzero()
@@ -283,11 +285,11 @@ class ModelRunner:
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=m.decode_mask, enable_gqa=gqa)
             out[m.decode_rows] = od[:, :, 0, :]
         for r0, n, ctx, mask in m.prefills:
-            qs = q[r0:r0 + n].transpose(0, 1)[None]  # [1, H, n, hd]
+            qs = q[r0 : r0 + n].transpose(0, 1)[None]  # [1, H, n, hd]
             ks = kc[ctx].transpose(0, 1)[None]  # [1, KV, L, hd]
             vs = vc[ctx].transpose(0, 1)[None]
             os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
-            out[r0:r0 + n] = os_[0].transpose(0, 1)
+            out[r0 : r0 + n] = os_[0].transpose(0, 1)
         return out
 
     def _embed(self, m: StepMeta) -> torch.Tensor:
@@ -344,8 +346,13 @@ class ModelRunner:
         if m.logit_rows.numel() == 0:
             return torch.empty(0, a.vocab_size, dtype=torch.float32, device=x.device)
         xl = x[m.logit_rows]
-        sub = StepMeta(**{**m.__dict__, "norm_idx": m.logit_norm_idx,
-                          "single_norm": (m.logit_slots[0] + 1) if m.logit_norm_idx is None else 0})
+        sub = StepMeta(
+            **{
+                **m.__dict__,
+                "norm_idx": m.logit_norm_idx,
+                "single_norm": (m.logit_slots[0] + 1) if m.logit_norm_idx is None else 0,
+            }
+        )
         h = self._norm(xl, self.slots.final_norm, sub, a.norm_eps)
         return self._logits(h, m)
 
@@ -364,8 +371,9 @@ class ModelRunner:
         shapes = [tuple(w.shape) for w in self.base.layers[0].values()] + [tuple(self.base.head.shape)]
         seen: dict[tuple, int] = {}
         for M in range(1, max_rows + 1):
-            key = (M == 1, M % 16 == 0) + tuple(tuple(sorted(launch_blocks(M, n, k, self.dtype, self.device).items()))
-                                                for n, k in shapes)  # fmt: skip
+            key = (M == 1, M % 16 == 0) + tuple(
+                tuple(sorted(launch_blocks(M, n, k, self.dtype, self.device).items())) for n, k in shapes
+            )
             seen.setdefault(key, M)
         return sorted(seen.values())
 
@@ -392,8 +400,7 @@ class ModelRunner:
         for M in self.warm_sizes(max_rows):
             if M <= max_seqs:  # M decodes of slot 0 in one step, all at position 0 of block 0
                 self.forward([SeqWork([0], 0, 0, [0], True) for _ in range(M)])
-                bitdelta_linear(torch.zeros(M, dim, dtype=self.dtype, device=self.device), head, head_signs,
-                                head_alpha)  # fmt: skip
+                bitdelta_linear(torch.zeros(M, dim, dtype=self.dtype, device=self.device), head, head_signs, head_alpha)
                 done.append((M, "fused/decode"))
             elif -(-M // bs) <= nb:  # one prefill chunk of M tokens
                 self.forward([SeqWork([0] * M, 0, 0, list(range(-(-M // bs))), True)])

@@ -46,9 +46,11 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
     def _error(self, what: str) -> SamplingError:
-        return SamplingError(f"cannot sample the next token: {what} (temperature={self.temperature!r}, "
-                             f"top_p={self.top_p!r}); use temperature 0 (greedy) or a finite temperature "
-                             "of at least 1e-3, and top_p in [0, 1]")
+        return SamplingError(
+            f"cannot sample the next token: {what} (temperature={self.temperature!r}, "
+            f"top_p={self.top_p!r}); use temperature 0 (greedy) or a finite temperature "
+            "of at least 1e-3, and top_p in [0, 1]"
+        )
 
 
 class TextStream:
@@ -69,16 +71,16 @@ class TextStream:
     def add(self, token: int) -> tuple[str, bool]:
         """Append one token. Returns (text to send now, whether a stop string was produced)."""
         self.ids.append(token)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.text += full[len(prefix):]
+            self.text += full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return self._release()
 
     def _release(self) -> tuple[str, bool]:
         if not self.stop:
-            out, self.sent = self.text[self.sent:], len(self.text)
+            out, self.sent = self.text[self.sent :], len(self.text)
             return out, False
         hit = -1
         for s in self.stop:
@@ -86,23 +88,23 @@ class TextStream:
             if i >= 0 and (hit < 0 or i < hit):
                 hit = i
         if hit >= 0:
-            out, self.sent = self.text[self.sent:hit], len(self.text)
+            out, self.sent = self.text[self.sent : hit], len(self.text)
             return out, True
-        pending = self.text[self.sent:]
+        pending = self.text[self.sent :]
         hold = 0
         for k in range(min(max(map(len, self.stop)) - 1, len(pending)), 0, -1):
             if any(s.startswith(pending[-k:]) for s in self.stop):
                 hold = k
                 break
         end = len(self.text) - hold
-        out, self.sent = self.text[self.sent:end], end
+        out, self.sent = self.text[self.sent : end], end
         return out, False
 
     def flush(self) -> str:
         """At the end (no stop string can follow): whatever was held back, incomplete characters included."""
         if self.read_offset < len(self.ids):
-            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-            self.text += self._decode(self.ids[self.prefix_offset:])[len(prefix):]
+            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            self.text += self._decode(self.ids[self.prefix_offset :])[len(prefix) :]
             self.prefix_offset = self.read_offset = len(self.ids)
-        out, self.sent = self.text[self.sent:], len(self.text)
+        out, self.sent = self.text[self.sent :], len(self.text)
         return out

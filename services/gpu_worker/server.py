@@ -31,25 +31,32 @@ SERVICE = pb.DESCRIPTOR.services_by_name["GpuWorkerService"].full_name
 MAX_MESSAGE_BYTES = 64 << 20
 
 FINISH = {
-    "length": generation_pb2.FINISH_REASON_LENGTH, "eos": generation_pb2.FINISH_REASON_EOS,
-    "stop": generation_pb2.FINISH_REASON_STOP, "cancelled": generation_pb2.FINISH_REASON_CANCELLED,
-}  # fmt: skip
+    "length": generation_pb2.FINISH_REASON_LENGTH,
+    "eos": generation_pb2.FINISH_REASON_EOS,
+    "stop": generation_pb2.FINISH_REASON_STOP,
+    "cancelled": generation_pb2.FINISH_REASON_CANCELLED,
+}
 STATES = {
-    DeltaState.ABSENT: pb.DELTA_STATE_ABSENT, DeltaState.LOADING: pb.DELTA_STATE_LOADING,
-    DeltaState.RESIDENT: pb.DELTA_STATE_RESIDENT, DeltaState.EVICTING: pb.DELTA_STATE_EVICTING,
+    DeltaState.ABSENT: pb.DELTA_STATE_ABSENT,
+    DeltaState.LOADING: pb.DELTA_STATE_LOADING,
+    DeltaState.RESIDENT: pb.DELTA_STATE_RESIDENT,
+    DeltaState.EVICTING: pb.DELTA_STATE_EVICTING,
     DeltaState.FAILED: pb.DELTA_STATE_FAILED,
-}  # fmt: skip
+}
 
 ARRIVAL = {"resident": pb.DELTA_STATE_RESIDENT, "loading": pb.DELTA_STATE_LOADING, "absent": pb.DELTA_STATE_ABSENT}
 
 
 def slot_to_pb(s: SlotInfo) -> pb.DeltaSlot:
-    return pb.DeltaSlot(name=s.name, state=STATES[s.state], bytes=s.bytes, pinned=s.pinned,
-                        request_rate=s.request_rate, error=s.error)  # fmt: skip
+    return pb.DeltaSlot(
+        name=s.name, state=STATES[s.state], bytes=s.bytes, pinned=s.pinned, request_rate=s.request_rate, error=s.error
+    )
+
 
 # With --tokens-file: loading and evicting deltas need an admin token; Generate and Status (the
 # router's calls) need none (with mutual TLS on, only holders of a certificate of the CA reach them).
 ADMIN_METHODS = {"LoadDelta": Role.ADMIN, "EvictDelta": Role.ADMIN}
+
 
 class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
     def __init__(self, worker: Worker, metrics: WorkerMetrics | None = None):
@@ -65,7 +72,8 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
             async for msg in self._generate(request, context):
                 if msg.HasField("ttft"):
                     arrival = {pb.DELTA_STATE_ABSENT: "cold", pb.DELTA_STATE_LOADING: "loading"}.get(
-                        msg.arrival_state, "resident" if request.model_id else "base")
+                        msg.arrival_state, "resident" if request.model_id else "base"
+                    )
                     m.ttft.labels(model, arrival).observe(msg.ttft.total_ms / 1e3)
                 elif last_ms is not None:
                     m.itl.labels(model).observe((msg.elapsed_ms - last_ms) / 1e3)
@@ -73,7 +81,9 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
                 last_ms = msg.elapsed_ms
                 yield msg
         except BaseException as e:
-            status = "CANCELLED" if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else status_of(e, STATUS_OF).name
+            status = (
+                "CANCELLED" if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else status_of(e, STATUS_OF).name
+            )
             raise
         finally:
             m.requests.labels(model, status).inc()
@@ -82,11 +92,16 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
         sp = request.sampling
         remaining = context.time_remaining()
         params = GenerateParams(
-            model_id=request.model_id, prompt=request.prompt, max_new_tokens=sp.max_new_tokens,
-            temperature=sp.temperature, top_p=sp.top_p, stop=list(sp.stop), seed=sp.seed,
+            model_id=request.model_id,
+            prompt=request.prompt,
+            max_new_tokens=sp.max_new_tokens,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            stop=list(sp.stop),
+            seed=sp.seed,
             request_id=request.request_id,
             deadline=None if remaining is None else time.monotonic() + remaining,
-        )  # fmt: skip
+        )
         async for ev in self.worker.generate(params):
             msg = pb.GenerateResponse(token_id=ev.token_id, text=ev.text, elapsed_ms=ev.elapsed_ms)
             if ev.ttft is not None:
@@ -94,8 +109,9 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
                 msg.arrival_state = ARRIVAL[ev.arrival]
             if ev.finish_reason is not None:
                 msg.finish_reason = FINISH[ev.finish_reason]
-                msg.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=ev.prompt_tokens,
-                                                        completion_tokens=ev.completion_tokens))
+                msg.usage.CopyFrom(
+                    generation_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens)
+                )
             yield msg
 
     async def LoadDelta(self, request, context):
@@ -109,13 +125,20 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
     async def Status(self, request, context):
         s = self.worker.status()
         return pb.StatusResponse(
-            base_model=s.base_model, base_fingerprint=s.base_fingerprint, device=s.device,
-            slots=[slot_to_pb(x) for x in s.slots], delta_budget_bytes=s.delta_budget_bytes,
-            delta_used_bytes=s.delta_used_bytes, running=s.running, waiting=s.waiting,
-            kv_tokens_used=s.kv_tokens_used, kv_tokens_total=s.kv_tokens_total,
-            draining=self.worker.draining, ready=self.worker.ready,
+            base_model=s.base_model,
+            base_fingerprint=s.base_fingerprint,
+            device=s.device,
+            slots=[slot_to_pb(x) for x in s.slots],
+            delta_budget_bytes=s.delta_budget_bytes,
+            delta_used_bytes=s.delta_used_bytes,
+            running=s.running,
+            waiting=s.waiting,
+            kv_tokens_used=s.kv_tokens_used,
+            kv_tokens_total=s.kv_tokens_total,
+            draining=self.worker.draining,
+            ready=self.worker.ready,
             loads_started=self.worker.manager.loads_started if self.worker.manager is not None else 0,
-        )  # fmt: skip
+        )
 
 
 def create_server(worker: Worker, address: str, metrics: WorkerMetrics | None = None) -> Server:
@@ -126,10 +149,17 @@ def create_server(worker: Worker, address: str, metrics: WorkerMetrics | None = 
     servicer = GpuWorkerServicer(worker, metrics)
     service = Service(SERVICE, lambda s: pb_grpc.add_GpuWorkerServiceServicer_to_server(servicer, s))
     c = worker.config
-    return create_rpc_server(address, [service], STATUS_OF, serving=False, max_message_bytes=MAX_MESSAGE_BYTES,
-                             open_while_draining=("Status", "EvictDelta"), credentials=c.server_credentials(),
-                             interceptors=[AuthInterceptor([SERVICE], c.tokens(), ADMIN_METHODS)],
-                             health_address=c.health_address)
+    return create_rpc_server(
+        address,
+        [service],
+        STATUS_OF,
+        serving=False,
+        max_message_bytes=MAX_MESSAGE_BYTES,
+        open_while_draining=("Status", "EvictDelta"),
+        credentials=c.server_credentials(),
+        interceptors=[AuthInterceptor([SERVICE], c.tokens(), ADMIN_METHODS)],
+        health_address=c.health_address,
+    )
 
 
 async def start_worker(worker: Worker, server: Server) -> None:
@@ -156,8 +186,13 @@ async def serve(config) -> None:
     server = create_server(worker, config.address, metrics)
     log.info("gpu_worker listening on %s (port %d); loading base %s", config.address, server.port, config.base)
     try:
-        await run_until_signal(server, config.grace_s, startup=_start_with_metrics(worker, metrics),
-                               on_drain=worker.begin_drain, on_stop=worker.close)
+        await run_until_signal(
+            server,
+            config.grace_s,
+            startup=_start_with_metrics(worker, metrics),
+            on_drain=worker.begin_drain,
+            on_stop=worker.close,
+        )
     finally:
         metrics.close()
         telemetry.shutdown()
@@ -169,15 +204,31 @@ def worker_metrics(worker: Worker) -> WorkerMetrics:
     def state() -> dict:
         mgr = worker.manager
         if mgr is None or not worker.ready:
-            return dict.fromkeys(("resident_deltas", "delta_used_bytes", "loads", "evictions", "kv_blocks_used",
-                                  "kv_blocks_total", "running", "waiting"), 0) | {
-                "delta_budget_bytes": worker.config.delta_budget}
+            return dict.fromkeys(
+                (
+                    "resident_deltas",
+                    "delta_used_bytes",
+                    "loads",
+                    "evictions",
+                    "kv_blocks_used",
+                    "kv_blocks_total",
+                    "running",
+                    "waiting",
+                ),
+                0,
+            ) | {"delta_budget_bytes": worker.config.delta_budget}
         alloc = worker.scheduler.allocator
-        return {"resident_deltas": sum(e.state == DeltaState.RESIDENT for e in mgr.entries.values()),
-                "delta_used_bytes": mgr.used_bytes, "delta_budget_bytes": mgr.budget_bytes,
-                "loads": mgr.loads_started, "evictions": mgr.evictions,
-                "kv_blocks_used": alloc.n_blocks - alloc.n_free, "kv_blocks_total": alloc.n_blocks,
-                "running": worker.engine.running, "waiting": worker.engine.waiting}
+        return {
+            "resident_deltas": sum(e.state == DeltaState.RESIDENT for e in mgr.entries.values()),
+            "delta_used_bytes": mgr.used_bytes,
+            "delta_budget_bytes": mgr.budget_bytes,
+            "loads": mgr.loads_started,
+            "evictions": mgr.evictions,
+            "kv_blocks_used": alloc.n_blocks - alloc.n_free,
+            "kv_blocks_total": alloc.n_blocks,
+            "running": worker.engine.running,
+            "waiting": worker.engine.waiting,
+        }
 
     return WorkerMetrics(state)
 

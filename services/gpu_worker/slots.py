@@ -74,10 +74,14 @@ class SlotLayout:
         self.args, self.dtype = args, dtype
         hd, d, f = args.head_dim, args.dim, args.intermediate_size
         dims = {
-            "q_proj": (args.n_heads * hd, d), "k_proj": (args.n_kv_heads * hd, d),
-            "v_proj": (args.n_kv_heads * hd, d), "o_proj": (d, args.n_heads * hd),
-            "gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f),
-        }  # fmt: skip
+            "q_proj": (args.n_heads * hd, d),
+            "k_proj": (args.n_kv_heads * hd, d),
+            "v_proj": (args.n_kv_heads * hd, d),
+            "o_proj": (d, args.n_heads * hd),
+            "gate_proj": (f, d),
+            "up_proj": (f, d),
+            "down_proj": (d, f),
+        }
         self.group_shape: dict[str, tuple[int, int]] = {}  # group -> (d_out total, d_in)
         self.proj: dict[str, ProjPlace] = {}
         for g, members in GROUPS.items():
@@ -157,15 +161,29 @@ class SlotTensors:
     extras: dict[int, SlotExtras] = field(default_factory=dict)
 
     @classmethod
-    def allocate(cls, layout: SlotLayout, n_slots: int, device: torch.device,
-                 base_norms: list[tuple[torch.Tensor, torch.Tensor]], base_final_norm: torch.Tensor) -> "SlotTensors":
+    def allocate(
+        cls,
+        layout: SlotLayout,
+        n_slots: int,
+        device: torch.device,
+        base_norms: list[tuple[torch.Tensor, torch.Tensor]],
+        base_final_norm: torch.Tensor,
+    ) -> SlotTensors:
         st = cls(layout, n_slots, device)
         dim = layout.args.dim
         for i in range(layout.args.n_layers):
-            st.signs.append({g: torch.zeros(n_slots, d_out, packed_cols(d_in), dtype=torch.uint8, device=device)
-                             for g, (d_out, d_in) in layout.group_shape.items()})
-            st.alpha.append({g: torch.zeros(n_slots, d_out, dtype=torch.float32, device=device)
-                             for g, (d_out, _) in layout.group_shape.items()})
+            st.signs.append(
+                {
+                    g: torch.zeros(n_slots, d_out, packed_cols(d_in), dtype=torch.uint8, device=device)
+                    for g, (d_out, d_in) in layout.group_shape.items()
+                }
+            )
+            st.alpha.append(
+                {
+                    g: torch.zeros(n_slots, d_out, dtype=torch.float32, device=device)
+                    for g, (d_out, _) in layout.group_shape.items()
+                }
+            )
             norms = torch.empty(2, n_slots + 1, dim, dtype=layout.dtype, device=device)
             norms[0, :] = base_norms[i][0]
             norms[1, :] = base_norms[i][1]
@@ -184,8 +202,10 @@ class SlotTensors:
 
     def proj_views(self, slot: int, place: ProjPlace) -> tuple[torch.Tensor, torch.Tensor]:
         """signs uint8 [d_out, ceil(d_in/8)] and α fp32 [d_out] of one projection in one slot (views)."""
-        return (self.signs[place.layer][place.group][slot, place.r0:place.r1],
-                self.alpha[place.layer][place.group][slot, place.r0:place.r1])
+        return (
+            self.signs[place.layer][place.group][slot, place.r0 : place.r1],
+            self.alpha[place.layer][place.group][slot, place.r0 : place.r1],
+        )
 
     def norm_view(self, slot: int, place: NormPlace) -> torch.Tensor:
         """dtype [dim] view of one norm weight of one slot."""

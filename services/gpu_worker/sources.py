@@ -114,7 +114,9 @@ class LocalDeltaSource:
             p = self.root / f"{name}{suf}"
             if p.is_file():
                 return p
-        raise NotFound(f"no delta named {name!r} in {self.root} (looked for {', '.join(name + s for s in FILE_SUFFIXES)})")
+        raise NotFound(
+            f"no delta named {name!r} in {self.root} (looked for {', '.join(name + s for s in FILE_SUFFIXES)})"
+        )
 
     async def open(self, name: str, base_fingerprint: str) -> DeltaInfo:
         path = self.path_of(name)
@@ -123,8 +125,16 @@ class LocalDeltaSource:
         check_base(meta, base_fingerprint)
         check_structure(header)
         specs = [TensorSpec(t.name, t.dtype, t.shape, t.nbytes, header.sha256[t.name], t.start) for t in header.tensors]
-        return DeltaInfo(name, meta.base_model, meta.base_fingerprint, meta.alpha_mode, header.file_size, specs,
-                         dict(header.metadata), handle=path)  # fmt: skip
+        return DeltaInfo(
+            name,
+            meta.base_model,
+            meta.base_fingerprint,
+            meta.alpha_mode,
+            header.file_size,
+            specs,
+            dict(header.metadata),
+            handle=path,
+        )
 
     async def stream(self, info: DeltaInfo, sink: Sink) -> None:
         await asyncio.to_thread(self._read, Path(info.handle), info, sink)
@@ -167,7 +177,7 @@ class LocalDeltaSource:
                         continue
                     if not run:
                         run_start = t.file_offset + off
-                    run.append((i, off, dst[off:off + n]))
+                    run.append((i, off, dst[off : off + n]))
                     run_bytes += n
                     off += n
                     if run_bytes >= READ_BYTES or len(run) >= IOV_MAX:
@@ -186,14 +196,24 @@ class DeltaStoreSource:
     The store's errors arrive as `DeltaStoreError` with the store's status code, which the worker
     passes on unchanged (a store-side INVALID_ARGUMENT stays INVALID_ARGUMENT)."""
 
-    def __init__(self, address: str, timeout_s: float = 600.0, chunk_bytes: int = 1 << 20,
-                 credentials: grpc.ChannelCredentials | None = None, shared_memory: bool = True):
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 600.0,
+        chunk_bytes: int = 1 << 20,
+        credentials: grpc.ChannelCredentials | None = None,
+        shared_memory: bool = True,
+    ):
         self.address, self.chunk_bytes, self.shared_memory = address, chunk_bytes, shared_memory
         self.client = DeltaStoreClient(address, fetch_timeout_s=timeout_s, credentials=credentials)  # TLS or None
 
     async def open(self, name: str, base_fingerprint: str) -> DeltaInfo:
-        stream = await self.client.open_fetch(name, expect_base_fingerprint=base_fingerprint,
-                                              chunk_bytes=self.chunk_bytes, accept_shared_memory=self.shared_memory)
+        stream = await self.client.open_fetch(
+            name,
+            expect_base_fingerprint=base_fingerprint,
+            chunk_bytes=self.chunk_bytes,
+            accept_shared_memory=self.shared_memory,
+        )
         info = stream.info
         try:
             if info.format_version and info.format_version != "1":
@@ -205,8 +225,18 @@ class DeltaStoreSource:
             raise DeltaFormatError(f"delta {name!r}: {e}") from None
         mode = {ALPHA_MODE_ROW: "row", ALPHA_MODE_MATRIX: "matrix"}.get(info.alpha_mode, "")
         specs = [TensorSpec(t.name, t.dtype, tuple(t.shape), t.nbytes, t.sha256, t.file_offset) for t in stream.tensors]
-        return DeltaInfo(info.name or name, info.base_model, info.base_fingerprint, mode, info.size_bytes, specs,
-                         dict(info.metadata), handle=stream, verified=stream.verified, transport=stream.transport)
+        return DeltaInfo(
+            info.name or name,
+            info.base_model,
+            info.base_fingerprint,
+            mode,
+            info.size_bytes,
+            specs,
+            dict(info.metadata),
+            handle=stream,
+            verified=stream.verified,
+            transport=stream.transport,
+        )
 
     async def stream(self, info: DeltaInfo, sink: Sink) -> None:
         stream: FetchStream = info.handle

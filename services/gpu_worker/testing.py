@@ -18,6 +18,7 @@ import grpc
 
 from bitdelta.checkpoint import save_checkpoint
 from bitdelta.compress import apply, compress
+from bitdelta.format import DELTA_SUFFIX as SUFFIX  # the delta store's object suffix; the local source reads it too
 from bitdelta.format import read_header
 from bitdelta.model import ModelArgs, init_random, state_dict_for_save
 from bitdelta.testing import make_finetune, tiny_args, write_byte_tokenizer
@@ -26,7 +27,6 @@ from bitdelta.testing import make_finetune, tiny_args, write_byte_tokenizer
 # token under greedy decoding; at 0.2 its outputs vary from token to token.
 TEST_STD = 0.2
 FT_SCALE = 0.02
-from bitdelta.format import DELTA_SUFFIX as SUFFIX  # the delta store's object suffix; the local source reads it too
 
 
 @dataclass
@@ -49,8 +49,9 @@ def make_base(out: Path, args: ModelArgs, seed: int) -> Path:
     return out
 
 
-def make_test_family(root: Path, n_variants: int = 3, args: ModelArgs | None = None, merged: bool = True,
-                     seed: int = 1) -> WorkerFamily:  # fmt: skip
+def make_test_family(
+    root: Path, n_variants: int = 3, args: ModelArgs | None = None, merged: bool = True, seed: int = 1
+) -> WorkerFamily:
     root = Path(root)
     args = args or tiny_args()
     base = make_base(root / "base", args, seed)
@@ -60,8 +61,9 @@ def make_test_family(root: Path, n_variants: int = 3, args: ModelArgs | None = N
         name = f"v{i}"
         ft = make_finetune(base, root / f"ft{i}", seed=100 + i, scale=FT_SCALE)
         # one variant with a per-matrix α, the others per row: both paths are served
-        compress(base, ft, deltas / f"{name}{SUFFIX}", alpha_mode="matrix" if i == 2 else "row", variant=name,
-                 progress=False)
+        compress(
+            base, ft, deltas / f"{name}{SUFFIX}", alpha_mode="matrix" if i == 2 else "row", variant=name, progress=False
+        )
         shutil.rmtree(ft)
         if merged:
             dense[name] = apply(base, deltas / f"{name}{SUFFIX}", root / f"merged{i}", progress=False)

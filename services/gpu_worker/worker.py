@@ -15,9 +15,9 @@ import logging
 import math
 import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
 
 import torch
 from opentelemetry import trace
@@ -114,17 +114,20 @@ class Worker:
 
             if not HAVE_TRITON and not c.allow_slow_kernels:
                 # the fallback materialises an fp32 ±1 matrix per call: ~10x slower, and silent
-                raise RuntimeError(f"the Triton kernels cannot be imported on this CUDA machine ({TRITON_ERROR}); "
-                                   "install the triton that matches torch, or pass --allow-slow-kernels to serve "
-                                   "with the torch reference kernels")  # fmt: skip
+                raise RuntimeError(
+                    f"the Triton kernels cannot be imported on this CUDA machine ({TRITON_ERROR}); "
+                    "install the triton that matches torch, or pass --allow-slow-kernels to serve "
+                    "with the torch reference kernels"
+                )
             if not HAVE_TRITON:
                 log.warning("Triton unavailable (%s): serving with the slow torch reference kernels", TRITON_ERROR)
         self.base_fingerprint = await asyncio.to_thread(fingerprint, c.base)
         self.base, self.args = await asyncio.to_thread(BaseWeights.load, c.base, self.dtype, self.device)
         self.layout = SlotLayout(self.args, self.dtype)
         n_slots = c.max_slots or c.delta_budget // self.layout.slot_bytes
-        self.slots = await asyncio.to_thread(SlotTensors.allocate, self.layout, n_slots, self.device,
-                                             self.base.norms, self.base.final_norm)  # fmt: skip
+        self.slots = await asyncio.to_thread(
+            SlotTensors.allocate, self.layout, n_slots, self.device, self.base.norms, self.base.final_norm
+        )
         kv_tokens = c.kv_cache // KVPool.bytes_per_token(self.args, self.dtype)
         n_blocks = kv_tokens // c.block_size
         if n_blocks < 1:
@@ -133,14 +136,19 @@ class Worker:
         self.runner = ModelRunner(self.base, self.args, self.slots, self.kv, use_fused=c.fused_single_variant)
         self.scheduler = Scheduler(BlockAllocator(n_blocks), c.block_size, c.max_running, c.max_batch_tokens)
         if c.delta_store:
-            self.source = DeltaStoreSource(c.delta_store, timeout_s=c.store_timeout_s, shared_memory=c.store_shared_memory,
-                                           credentials=c.channel_credentials())  # TLS: the worker's certificate
+            self.source = DeltaStoreSource(
+                c.delta_store,
+                timeout_s=c.store_timeout_s,
+                shared_memory=c.store_shared_memory,
+                credentials=c.channel_credentials(),
+            )  # TLS: the worker's certificate
         elif c.delta_dir:
             self.source = LocalDeltaSource(c.delta_dir)
         policy = WeightedLRUPolicy(c.delta_budget, half_life_s=c.rate_half_life_s, pin_top_n=c.pin_hottest)
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.manager = DeltaManager(self.layout, self.slots, self.source, self.base_fingerprint, c.delta_budget,
-                                    policy, load_stream=stream)  # fmt: skip
+        self.manager = DeltaManager(
+            self.layout, self.slots, self.source, self.base_fingerprint, c.delta_budget, policy, load_stream=stream
+        )
         from tokenizers import Tokenizer
 
         self.tokenizer = Tokenizer.from_file(str(Path(c.base) / "tokenizer.json"))
@@ -152,10 +160,18 @@ class Worker:
         self.engine = Engine(self.runner, self.scheduler, loop, self.manager.release)
         self.engine.start()
         self.ready = True
-        log.info("worker ready: base %s (%s, %.0f MB) on %s %s, %d delta slots (%d bytes each), "
-                 "%d KV tokens, in %.1f s", self.base_name, self.base_fingerprint[:12], self.base.nbytes / 1e6,
-                 self.device, str(self.dtype).removeprefix("torch."), n_slots, self.layout.slot_bytes,
-                 n_blocks * c.block_size, time.perf_counter() - t0)  # fmt: skip
+        log.info(
+            "worker ready: base %s (%s, %.0f MB) on %s %s, %d delta slots (%d bytes each), %d KV tokens, in %.1f s",
+            self.base_name,
+            self.base_fingerprint[:12],
+            self.base.nbytes / 1e6,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            n_slots,
+            self.layout.slot_bytes,
+            n_blocks * c.block_size,
+            time.perf_counter() - t0,
+        )
 
     def begin_drain(self) -> None:
         self.draining = True
@@ -185,8 +201,10 @@ class Worker:
         check_sampling(p)
         limit = self.config.max_prompt_bytes
         if len(p.prompt) > limit or len(p.prompt.encode()) > limit:  # characters <= bytes: cheap test first
-            raise InvalidArgument(f"the prompt has {len(p.prompt.encode())} bytes; this worker accepts at most "
-                                  f"{limit} (--max-prompt-bytes)")
+            raise InvalidArgument(
+                f"the prompt has {len(p.prompt.encode())} bytes; this worker accepts at most "
+                f"{limit} (--max-prompt-bytes)"
+            )
         # Off the loop, through encode_batch, which releases the GIL (encode holds it throughout);
         # `.ids` builds the Python list, so that happens on the thread too.
         ids = await asyncio.to_thread(lambda: self.tokenizer.encode_batch([p.prompt])[0].ids)
@@ -195,15 +213,19 @@ class Worker:
                 raise InvalidArgument("the prompt is empty and the model has no BOS token to start from")
             ids = [self.args.bos_token_id]
         if self.config.max_prompt_tokens and len(ids) > self.config.max_prompt_tokens:
-            raise InvalidArgument(f"the prompt has {len(ids)} tokens; this worker accepts at most "
-                                  f"{self.config.max_prompt_tokens} (--max-prompt-tokens)")
+            raise InvalidArgument(
+                f"the prompt has {len(ids)} tokens; this worker accepts at most "
+                f"{self.config.max_prompt_tokens} (--max-prompt-tokens)"
+            )
         room = self.args.max_seq_len - len(ids)
         if room <= 0:
             raise InvalidArgument(f"the prompt has {len(ids)} tokens; the model's context is {self.args.max_seq_len}")
         max_new = min(p.max_new_tokens or self.config.default_max_new_tokens, room)
         if self.scheduler.blocks_for(len(ids) + max_new) > self.scheduler.allocator.n_blocks:
-            raise ResourceExhausted(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the whole KV "
-                                    f"cache ({self.scheduler.capacity_tokens()} tokens); shorten it or raise --kv-cache")
+            raise ResourceExhausted(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the whole KV "
+                f"cache ({self.scheduler.capacity_tokens()} tokens); shorten it or raise --kv-cache"
+            )
         if self.engine.waiting >= self.config.max_waiting:
             raise ResourceExhausted(f"{self.engine.waiting} requests are already waiting on this worker; retry later")
         queue: asyncio.Queue = asyncio.Queue()
@@ -213,7 +235,8 @@ class Worker:
             slot, load_ms, arrival = -1, 0.0, "resident"
             if name is not None:
                 arrival = {DeltaState.RESIDENT: "resident", DeltaState.LOADING: "loading"}.get(
-                    self.manager.state_of(name), "absent")
+                    self.manager.state_of(name), "absent"
+                )
                 t = time.perf_counter()
                 with _load_span(name, arrival) as span:  # the store's Fetch joins this trace (cold loads)
                     slot = await self.manager.acquire(name)
@@ -225,9 +248,13 @@ class Worker:
                 state=SeqState(seq_id, ids, max_new, slot),
                 sampler=Sampler(p.temperature, p.top_p, p.seed),
                 text=TextStream(self.tokenizer, ids, list(p.stop)),
-                eos_ids=self.eos_ids, emit=queue.put_nowait, delta_name=name,
-                t_arrival=t_arrival, delta_load_ms=load_ms, deadline=p.deadline,
-            )  # fmt: skip
+                eos_ids=self.eos_ids,
+                emit=queue.put_nowait,
+                delta_name=name,
+                t_arrival=t_arrival,
+                delta_load_ms=load_ms,
+                deadline=p.deadline,
+            )
             self.engine.submit(seq)
             submitted = True
             while True:
@@ -277,22 +304,35 @@ class Worker:
 
     def status(self) -> WorkerStatus:
         if not self.ready:
-            return WorkerStatus(self.base_name, self.base_fingerprint, self.device.type, [], self.config.delta_budget,
-                                0, 0, 0, 0, 0)  # fmt: skip
+            return WorkerStatus(
+                self.base_name, self.base_fingerprint, self.device.type, [], self.config.delta_budget, 0, 0, 0, 0, 0
+            )
         return WorkerStatus(
-            self.base_name, self.base_fingerprint, self.device.type, self.manager.snapshot(),
-            self.manager.budget_bytes, self.manager.used_bytes, self.engine.running, self.engine.waiting,
-            self.scheduler.used_tokens(), self.scheduler.capacity_tokens(),
-        )  # fmt: skip
+            self.base_name,
+            self.base_fingerprint,
+            self.device.type,
+            self.manager.snapshot(),
+            self.manager.budget_bytes,
+            self.manager.used_bytes,
+            self.engine.running,
+            self.engine.waiting,
+            self.scheduler.used_tokens(),
+            self.scheduler.capacity_tokens(),
+        )
 
 
 def _load_span(name: str, arrival: str):
     """A live span around waiting for a delta that is not resident (nothing for a resident one)."""
     if arrival == "resident":
         return contextlib.nullcontext(trace.INVALID_SPAN)
-    return telemetry.tracer().start_as_current_span("worker.load_delta", attributes={
-        "delta.name": name, "arrival_state": {"absent": "cold"}.get(arrival, arrival),
-        "delta.load_joined": arrival == "loading"})
+    return telemetry.tracer().start_as_current_span(
+        "worker.load_delta",
+        attributes={
+            "delta.name": name,
+            "arrival_state": {"absent": "cold"}.get(arrival, arrival),
+            "delta.load_joined": arrival == "loading",
+        },
+    )
 
 
 def _trace_first_token(ev: TokenEvent, t0_ns: int, name: str | None, arrival: str, prompt_tokens: int) -> int:
@@ -303,11 +343,19 @@ def _trace_first_token(ev: TokenEvent, t0_ns: int, name: str | None, arrival: st
     prefill = first - int(t["prefill_ms"] * 1e6)
     sched = prefill - int(t["schedule_ms"] * 1e6)
     arrival = "base" if name is None else {"absent": "cold"}.get(arrival, arrival)  # the router's words
-    span.set_attributes({"model_id": name or "", "arrival_state": arrival, "prompt_tokens": prompt_tokens,
-                         "prefill.batch_size": ev.prefill_batch, **{f"ttft.{k}": v for k, v in t.items()}})
+    span.set_attributes(
+        {
+            "model_id": name or "",
+            "arrival_state": arrival,
+            "prompt_tokens": prompt_tokens,
+            "prefill.batch_size": ev.prefill_batch,
+            **{f"ttft.{k}": v for k, v in t.items()},
+        }
+    )
     telemetry.record_span("worker.schedule", sched, prefill)
-    telemetry.record_span("worker.prefill", prefill, first, {"batch_size": ev.prefill_batch,
-                                                             "prompt_tokens": prompt_tokens})
+    telemetry.record_span(
+        "worker.prefill", prefill, first, {"batch_size": ev.prefill_batch, "prompt_tokens": prompt_tokens}
+    )
     span.add_event("first_token", timestamp=first)
     return first
 
@@ -316,8 +364,9 @@ def _trace_decode(ev: TokenEvent, t0_ns: int, first_ns: int) -> None:
     """One span from the first token to the last, with the token count (not a span per token)."""
     span = trace.get_current_span()
     span.set_attributes({"completion_tokens": ev.completion_tokens, "finish_reason": ev.finish_reason or ""})
-    telemetry.record_span("worker.decode", first_ns, t0_ns + int(ev.elapsed_ms * 1e6),
-                          {"completion_tokens": ev.completion_tokens})
+    telemetry.record_span(
+        "worker.decode", first_ns, t0_ns + int(ev.elapsed_ms * 1e6), {"completion_tokens": ev.completion_tokens}
+    )
 
 
 def echo(value: str) -> str:
@@ -330,9 +379,11 @@ def echo(value: str) -> str:
 
 def check_delta_name(name: str, field: str) -> str:
     if not DELTA_NAME.fullmatch(name) or ".." in name:
-        raise InvalidArgument(f"{field} {echo(name)} is not a delta name: use 1-128 characters of letters, digits, "
-                              "'_', '-' and '.', starting with a letter or digit, without '..' (or the base's "
-                              "name, or empty, for the base)")
+        raise InvalidArgument(
+            f"{field} {echo(name)} is not a delta name: use 1-128 characters of letters, digits, "
+            "'_', '-' and '.', starting with a letter or digit, without '..' (or the base's "
+            "name, or empty, for the base)"
+        )
     return name
 
 
@@ -340,8 +391,9 @@ def check_sampling(p: GenerateParams) -> None:
     """INVALID_ARGUMENT for sampling values that would make the sampler fail (NaN, inf, tiny)."""
     t, top_p = p.temperature, p.top_p
     if not math.isfinite(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
-        raise InvalidArgument(f"sampling.temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}; "
-                              f"got {t!r}")
+        raise InvalidArgument(
+            f"sampling.temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}; got {t!r}"
+        )
     if not (math.isfinite(top_p) and 0.0 <= top_p <= 1.0):
         raise InvalidArgument(f"sampling.top_p must be in [0, 1] (0 or 1: no truncation); got {top_p!r}")
     if p.max_new_tokens < 0:

@@ -35,11 +35,13 @@ class Admission:
 
     def join(self, key: str, shown: str) -> int:
         if len(self.waiters) >= self.max_total:
-            raise ResourceExhausted(f"the router's queue is full ({self.max_total} requests wait for a worker); "
-                                    f"retry later")
+            raise ResourceExhausted(
+                f"the router's queue is full ({self.max_total} requests wait for a worker); retry later"
+            )
         if self.by_key[key] >= self.max_per_variant:
-            raise ResourceExhausted(f"{self.max_per_variant} requests for {shown} already wait for a worker; "
-                                    f"retry later")
+            raise ResourceExhausted(
+                f"{self.max_per_variant} requests for {shown} already wait for a worker; retry later"
+            )
         self._ids += 1
         self.waiters[self._ids] = _Waiter(key)
         self.by_key[key] += 1

@@ -6,8 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from bitdelta.rpc.config import (ConfigError, ProcessSettings, ServiceConfig, check_address, check_addresses,
-                                 parse_list, setting)
+from bitdelta.rpc.config import (
+    ConfigError,
+    ProcessSettings,
+    ServiceConfig,
+    check_address,
+    check_addresses,
+    parse_list,
+    setting,
+)
 from bitdelta.rpc.security import AuthSettings, TlsSettings
 from bitdelta.units import parse_bytes
 
@@ -20,15 +27,18 @@ class RouterConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
     PROG: ClassVar[str] = "python -m services.router"
 
     address: str = setting("[::]:50051", "HOST:PORT to listen on", check=check_address)
-    workers: tuple[str, ...] = setting((), "worker addresses HOST:PORT, comma-separated", parse=parse_list,
-                                       check=check_addresses, required=True)
-    delta_store: str = setting("", "HOST:PORT of the delta store (the registry of variants)", check=check_address,
-                               required=True)
+    workers: tuple[str, ...] = setting(
+        (), "worker addresses HOST:PORT, comma-separated", parse=parse_list, check=check_addresses, required=True
+    )
+    delta_store: str = setting(
+        "", "HOST:PORT of the delta store (the registry of variants)", check=check_address, required=True
+    )
     max_in_flight_per_worker: int = setting(64, "requests the router keeps running on one worker at once")
     max_queue: int = setting(256, "requests waiting for a worker, in total; beyond: RESOURCE_EXHAUSTED")
     max_queue_per_variant: int = setting(64, "requests waiting for a worker, per variant; beyond: RESOURCE_EXHAUSTED")
-    max_prompt_bytes: int = setting(1 << 20, "largest prompt in UTF-8 bytes; beyond: INVALID_ARGUMENT",
-                                    parse=parse_bytes)
+    max_prompt_bytes: int = setting(
+        1 << 20, "largest prompt in UTF-8 bytes; beyond: INVALID_ARGUMENT", parse=parse_bytes
+    )
     max_new_tokens_limit: int = setting(4096, "largest max_new_tokens a request may ask for")
     poll_s: float = setting(1.0, "seconds between Status polls of each worker")
     refresh_s: float = setting(5.0, "seconds between refreshes of the variant list from the delta store")

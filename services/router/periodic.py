@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 log = logging.getLogger("services.router")
 
@@ -35,5 +35,5 @@ class Periodic:
             await asyncio.sleep(self.every_s)
             try:
                 await self.fn()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("%s failed", self.what)

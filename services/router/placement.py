@@ -19,8 +19,8 @@ Rules, in order (ties go to the lower address, so decisions are repeatable):
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Collection, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,9 @@ def tier(view: WorkerView, variant: str, delta_bytes: int) -> tuple[int, int]:
     return 3, 0 if delta_bytes <= view.free_bytes else 1
 
 
-def choose_worker(variant: str | None, delta_bytes: int, views: Sequence[WorkerView],
-                  exclude: Collection[str] = ()) -> WorkerView | None:
+def choose_worker(
+    variant: str | None, delta_bytes: int, views: Sequence[WorkerView], exclude: Collection[str] = ()
+) -> WorkerView | None:
     """The worker for a request of `variant` (None: the base), or None if no candidate has room."""
     candidates = [v for v in views if v.up and v.address not in exclude and v.has_room]
     if not candidates:

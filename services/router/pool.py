@@ -17,8 +17,8 @@ import asyncio
 import collections
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import grpc
 
@@ -63,12 +63,20 @@ class WorkerState:
 
 
 class WorkerPool:
-    def __init__(self, addresses: list[str] | tuple[str, ...], *, capacity: int, poll_s: float,
-                 call_timeout_s: float, on_change: Callable[[], None] = lambda: None,
-                 credentials: grpc.ChannelCredentials | None = None):
+    def __init__(
+        self,
+        addresses: list[str] | tuple[str, ...],
+        *,
+        capacity: int,
+        poll_s: float,
+        call_timeout_s: float,
+        on_change: Callable[[], None] = lambda: None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
         self.capacity, self.poll_s, self.call_timeout_s = capacity, poll_s, call_timeout_s
-        self.workers = {a: WorkerState(a, WorkerClient(a, timeout_s=call_timeout_s, credentials=credentials))
-                        for a in addresses}  # credentials: TLS (the router's certificate), or None
+        self.workers = {
+            a: WorkerState(a, WorkerClient(a, timeout_s=call_timeout_s, credentials=credentials)) for a in addresses
+        }  # credentials: TLS (the router's certificate), or None
         self.on_change = on_change  # called when capacity frees or a worker comes up (wakes queued requests)
         self._poller = Periodic(self.poll_all, poll_s, "worker Status poll")
 
@@ -149,11 +157,19 @@ class WorkerPool:
 
     # -- views and accounting --------------------------------------------------------------------------
     def views(self) -> list[WorkerView]:
-        return [WorkerView(
-            address=w.address, up=self.is_up(w), capacity=self.capacity, in_flight=w.in_flight,
-            resident=frozenset(w.resident), loading=frozenset(w.loading),
-            free_bytes=max(0, w.budget_bytes - w.used_bytes), in_flight_by_variant=dict(w.by_variant),
-        ) for w in self.workers.values()]  # fmt: skip
+        return [
+            WorkerView(
+                address=w.address,
+                up=self.is_up(w),
+                capacity=self.capacity,
+                in_flight=w.in_flight,
+                resident=frozenset(w.resident),
+                loading=frozenset(w.loading),
+                free_bytes=max(0, w.budget_bytes - w.used_bytes),
+                in_flight_by_variant=dict(w.by_variant),
+            )
+            for w in self.workers.values()
+        ]
 
     def any_up(self, exclude: tuple[str, ...] | list[str] = ()) -> bool:
         return any(self.is_up(w) for a, w in self.workers.items() if a not in exclude)
@@ -186,5 +202,7 @@ class WorkerPool:
     def where(self, variant: str) -> tuple[list[str], list[str]]:
         """(workers where `variant` is resident, workers where it is loading), up workers only."""
         up = [w for w in self.workers.values() if self.is_up(w)]
-        return ([w.address for w in up if variant in w.resident],
-                [w.address for w in up if variant in w.loading and variant not in w.resident])
+        return (
+            [w.address for w in up if variant in w.resident],
+            [w.address for w in up if variant in w.loading and variant not in w.resident],
+        )

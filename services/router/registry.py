@@ -47,9 +47,11 @@ class Variant:
         """Why this variant cannot run on `base` ("" when it can)."""
         if self.is_base or self.base_fingerprint == base.fingerprint:
             return ""
-        return (f"variant {self.model_id!r} was built for base {self.base_model!r} (fingerprint "
-                f"{self.base_fingerprint[:12]}…), but the workers serve {base.name!r} ({base.fingerprint[:12]}…); "
-                f"compress it again against this base")
+        return (
+            f"variant {self.model_id!r} was built for base {self.base_model!r} (fingerprint "
+            f"{self.base_fingerprint[:12]}…), but the workers serve {base.name!r} ({base.fingerprint[:12]}…); "
+            f"compress it again against this base"
+        )
 
 
 class Registry:
@@ -88,8 +90,9 @@ class Registry:
             deltas = await self.store.list(timeout_s=self.call_timeout_s)
         except RpcError as e:
             if self.last_error != str(e):
-                log.warning("cannot refresh the variant list from the delta store (keeping %d known): %s",
-                            len(self.variants), e)
+                log.warning(
+                    "cannot refresh the variant list from the delta store (keeping %d known): %s", len(self.variants), e
+                )
             self.last_error = str(e)
             return False
         fresh = {d.name: Variant(d.name, d.base_model, d.base_fingerprint, d.size_bytes) for d in deltas}
@@ -115,15 +118,21 @@ class Registry:
         v = self.variants.get(model_id)
         if v is None:
             if not await self.refresh():
-                raise Unavailable(f"cannot tell whether {clip(model_id)} exists: the delta store is unreachable "
-                                  f"({self.last_error[:200]}); retry later")
+                raise Unavailable(
+                    f"cannot tell whether {clip(model_id)} exists: the delta store is unreachable "
+                    f"({self.last_error[:200]}); retry later"
+                )
             v = self.variants.get(model_id)
         if v is None:
             if model_id in self.deleted:
-                raise NotFound(f"model {clip(model_id)} was deleted from the delta store; ListModels lists the "
-                               f"models this router serves")
-            raise NotFound(f"unknown model {clip(model_id)}; ListModels (or `bitdelta models --router HOST:PORT`) "
-                           f"lists the base and every variant this router serves")
+                raise NotFound(
+                    f"model {clip(model_id)} was deleted from the delta store; ListModels lists the "
+                    f"models this router serves"
+                )
+            raise NotFound(
+                f"unknown model {clip(model_id)}; ListModels (or `bitdelta models --router HOST:PORT`) "
+                f"lists the base and every variant this router serves"
+            )
         why = v.mismatch(base)
         if why:
             raise FailedPrecondition(why)

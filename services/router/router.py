@@ -26,8 +26,8 @@ import logging
 import math
 import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import grpc
 
@@ -59,8 +59,11 @@ class Arrival(enum.Enum):
     COLD = "cold"
 
 
-WORKER_ARRIVAL = {wpb.DELTA_STATE_RESIDENT: Arrival.RESIDENT, wpb.DELTA_STATE_LOADING: Arrival.LOADING,
-                  wpb.DELTA_STATE_ABSENT: Arrival.COLD}
+WORKER_ARRIVAL = {
+    wpb.DELTA_STATE_RESIDENT: Arrival.RESIDENT,
+    wpb.DELTA_STATE_LOADING: Arrival.LOADING,
+    wpb.DELTA_STATE_ABSENT: Arrival.COLD,
+}
 
 
 @dataclass(frozen=True)
@@ -142,24 +145,31 @@ class Router:
     def validate(self, p: GenerateParams) -> None:
         c = self.config
         if p.model_id and not MODEL_ID_RE.fullmatch(p.model_id):
-            raise InvalidArgument(f"model_id {clip(p.model_id)} is not a model name: 1-128 letters, digits, '.', "
-                                  f"'_' or '-', starting with a letter or digit")
+            raise InvalidArgument(
+                f"model_id {clip(p.model_id)} is not a model name: 1-128 letters, digits, '.', "
+                f"'_' or '-', starting with a letter or digit"
+            )
         if not p.prompt:
             raise InvalidArgument("prompt: must not be empty")
         n = len(p.prompt.encode("utf-8", "surrogatepass"))
         if n > c.max_prompt_bytes:
             raise InvalidArgument(f"prompt: {n} bytes is more than this router accepts ({c.max_prompt_bytes})")
         if not (p.temperature == 0 or MIN_TEMPERATURE <= p.temperature <= MAX_TEMPERATURE):
-            raise InvalidArgument(f"sampling.temperature: {p.temperature} must be 0 (greedy) or between "
-                                  f"{MIN_TEMPERATURE} and {MAX_TEMPERATURE}")
+            raise InvalidArgument(
+                f"sampling.temperature: {p.temperature} must be 0 (greedy) or between "
+                f"{MIN_TEMPERATURE} and {MAX_TEMPERATURE}"
+            )
         if not (math.isfinite(p.top_p) and 0.0 <= p.top_p <= 1.0):
             raise InvalidArgument(f"sampling.top_p: {p.top_p} must be between 0 and 1")
         if p.max_new_tokens > c.max_new_tokens_limit:
-            raise InvalidArgument(f"sampling.max_new_tokens: {p.max_new_tokens} is more than this router allows "
-                                  f"({c.max_new_tokens_limit})")
+            raise InvalidArgument(
+                f"sampling.max_new_tokens: {p.max_new_tokens} is more than this router allows "
+                f"({c.max_new_tokens_limit})"
+            )
         if len(p.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in p.stop):
-            raise InvalidArgument(f"sampling.stop: at most {MAX_STOP_STRINGS} non-empty strings of at most "
-                                  f"{MAX_STOP_CHARS} characters")
+            raise InvalidArgument(
+                f"sampling.stop: at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters"
+            )
         if len(p.request_id) > 128:
             raise InvalidArgument(f"request_id: {len(p.request_id)} characters; at most 128")
 
@@ -173,10 +183,17 @@ class Router:
         variant = await self.registry.lookup(p.model_id, self.pool.family_base())
         deadline = p.deadline if p.deadline is not None else t0 + self.config.request_timeout_s
         request = wpb.GenerateRequest(
-            model_id=variant.key or "", prompt=p.prompt, request_id=p.request_id,
-            sampling=gen_pb.SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature,
-                                           top_p=p.top_p, stop=list(p.stop), seed=p.seed),
-        )  # fmt: skip
+            model_id=variant.key or "",
+            prompt=p.prompt,
+            request_id=p.request_id,
+            sampling=gen_pb.SamplingParams(
+                max_new_tokens=p.max_new_tokens,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                stop=list(p.stop),
+                seed=p.seed,
+            ),
+        )
         self.in_flight[variant.model_id] += 1
         tried: list[str] = []
         try:
@@ -190,8 +207,11 @@ class Router:
                 try:
                     async for msg in w.client.generate(request, timeout_s=max(0.001, deadline - time.monotonic())):
                         if msg is None:  # grpc's aio stub yields None for bytes it cannot decode: a broken worker
-                            raise RpcError(f"worker {address} sent a message that is not a GenerateResponse",
-                                           grpc.StatusCode.UNAVAILABLE, service=f"worker {address}")
+                            raise RpcError(
+                                f"worker {address} sent a message that is not a GenerateResponse",
+                                grpc.StatusCode.UNAVAILABLE,
+                                service=f"worker {address}",
+                            )
                         now = time.monotonic()
                         first = None
                         if not started:
@@ -211,8 +231,12 @@ class Router:
                         self.pool.mark_down(address, f"Generate failed: {e.details[:200]}")
                     if not self.pool.any_up(exclude=tried):
                         raise
-                    log.warning("request for %r failed on %s before its first token (%s); retrying elsewhere",
-                                variant.model_id, address, e.code.name)
+                    log.warning(
+                        "request for %r failed on %s before its first token (%s); retrying elsewhere",
+                        variant.model_id,
+                        address,
+                        e.code.name,
+                    )
                 finally:
                     self.pool.release(address, variant.key)
         finally:
@@ -237,14 +261,18 @@ class Router:
                 return placed
         self._check_any_up(variant, exclude)
         ticket = self.admission.join(variant.model_id, clip(variant.model_id))
-        queued = telemetry.tracer().start_span("router.admission_queue", attributes={"queue_depth": len(self.admission)})
+        queued = telemetry.tracer().start_span(
+            "router.admission_queue", attributes={"queue_depth": len(self.admission)}
+        )
         try:
             while True:
                 try:
                     await asyncio.wait_for(self.admission.wait(ticket), deadline - time.monotonic())
                 except asyncio.TimeoutError:
-                    raise DeadlineExceeded(f"the deadline passed while the request waited for a worker "
-                                           f"({len(self.admission)} requests wait)") from None
+                    raise DeadlineExceeded(
+                        f"the deadline passed while the request waited for a worker "
+                        f"({len(self.admission)} requests wait)"
+                    ) from None
                 placed = self._try_place(variant, exclude)
                 if placed is not None:
                     return placed
@@ -274,8 +302,9 @@ class Router:
 
     def _check_any_up(self, variant: Variant, exclude: list[str]) -> None:
         if not self.pool.any_up(exclude):
-            why = "; ".join(f"{w.address}: {self.pool.why_not_up(w) or 'failed this request'}"
-                            for w in self.pool.workers.values())
+            why = "; ".join(
+                f"{w.address}: {self.pool.why_not_up(w) or 'failed this request'}" for w in self.pool.workers.values()
+            )
             raise Unavailable(f"no worker can serve {clip(variant.model_id)} now ({why}); retry later")
 
     # -- ListModels ----------------------------------------------------------------------------------------
@@ -286,8 +315,16 @@ class Router:
         out = []
         if base is not None:
             up = tuple(v.address for v in self.pool.views() if v.up)
-            out.append(ModelEntry(Variant(base.name, base.name, base.fingerprint, is_base=True), True, "", up, (),
-                                  self.in_flight.get(base.name, 0)))  # fmt: skip
+            out.append(
+                ModelEntry(
+                    Variant(base.name, base.name, base.fingerprint, is_base=True),
+                    True,
+                    "",
+                    up,
+                    (),
+                    self.in_flight.get(base.name, 0),
+                )
+            )
         for v in self.registry.all():
             why = v.mismatch(base) if base is not None else "no worker is up to serve it"
             resident, loading = self.pool.where(v.model_id)
@@ -298,6 +335,17 @@ class Router:
         out = []
         for w in self.pool.workers.values():
             why = self.pool.why_not_up(w)
-            out.append(WorkerEntry(w.address, not why, why, w.device, frozenset(w.resident), w.in_flight,
-                                   self.pool.capacity, w.used_bytes, w.budget_bytes))  # fmt: skip
+            out.append(
+                WorkerEntry(
+                    w.address,
+                    not why,
+                    why,
+                    w.device,
+                    frozenset(w.resident),
+                    w.in_flight,
+                    self.pool.capacity,
+                    w.used_bytes,
+                    w.budget_bytes,
+                )
+            )
         return out

@@ -15,8 +15,8 @@ test_rel_faults.py (a gRPC server that streams nonsense), which says so.
 from __future__ import annotations
 
 import pytest
-
 from relkit import N_VARIANTS, PROMPTS, TALLY, router_tokens, serving, start_system
+
 from services.gpu_worker.testing import make_test_family
 
 
@@ -26,16 +26,17 @@ def pytest_terminal_summary(terminalreporter):
         return
     w = terminalreporter
     w.section("reliability summary")
-    w.line(f"requests sent {t.sent}; answered correctly (tokens checked) {t.correct}; answered (unchecked) "
-           f"{t.answered}; rejected by status {sum(t.rejected.values())}: "
-           + ", ".join(f"{k} {v}" for k, v in sorted(t.rejected.items())))
+    w.line(
+        f"requests sent {t.sent}; answered correctly (tokens checked) {t.correct}; answered (unchecked) "
+        f"{t.answered}; rejected by status {sum(t.rejected.values())}: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(t.rejected.items()))
+    )
     w.line("faults injected: " + (", ".join(f"{k} {v}" for k, v in sorted(t.faults.items())) or "none"))
     w.line("recoveries: " + (", ".join(f"{k} {v}" for k, v in sorted(t.recoveries.items())) or "none"))
     for label, kib in sorted(t.peak_rss_kib.items()):
         w.line(f"peak RSS (VmHWM) {label:<34} {kib / 1024:8.1f} MiB")
     for n in t.notes:
         w.line(n)
-
 
 
 @pytest.fixture(scope="session")
@@ -47,9 +48,22 @@ def family(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def system(family, tmp_path_factory):
-    c = start_system(family, tmp_path_factory.mktemp("rel_system"), "system", shared_memory=True,
-                     router_extra=("--max-in-flight-per-worker", "8", "--max-queue", "24",
-                                   "--max-queue-per-variant", "12", "--max-prompt-bytes", "65536"))
+    c = start_system(
+        family,
+        tmp_path_factory.mktemp("rel_system"),
+        "system",
+        shared_memory=True,
+        router_extra=(
+            "--max-in-flight-per-worker",
+            "8",
+            "--max-queue",
+            "24",
+            "--max-queue-per-variant",
+            "12",
+            "--max-prompt-bytes",
+            "65536",
+        ),
+    )
     with serving(c):
         yield c
 

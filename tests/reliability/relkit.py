@@ -1,5 +1,6 @@
 """Shared parts of the reliability suite (see conftest.py): the tally, a cluster that records
 peak RSS, the system's start, checked calls."""
+
 from __future__ import annotations
 
 import asyncio
@@ -118,9 +119,16 @@ class RelCluster(Cluster):
         super().stop_all()
 
 
-def start_system(family, work: Path, label: str, router_extra: tuple[str, ...] = (),
-                 n_workers: int = 2, store_args: tuple[str, ...] | None = None,
-                 env: dict[str, str] | None = None, shared_memory: bool = False) -> RelCluster:
+def start_system(
+    family,
+    work: Path,
+    label: str,
+    router_extra: tuple[str, ...] = (),
+    n_workers: int = 2,
+    store_args: tuple[str, ...] | None = None,
+    env: dict[str, str] | None = None,
+    shared_memory: bool = False,
+) -> RelCluster:
     """Store, workers and router. The store serves a copy of the family's deltas from a local
     directory (`c.root`), or, with `store_args` (e.g. `--backend s3 ...`), runs with those flags
     instead (`c.root` is None; the deltas must already be where they point). `shared_memory`: the
@@ -171,8 +179,9 @@ def _wait_router_sees_workers(address: str, n: int, timeout: float = 120) -> Non
             time.sleep(0.2)
 
 
-def router_tokens(address: str, model: str, prompt: str, n: int = TOKENS, timeout: float = T,
-                  count: bool = True) -> list[int]:
+def router_tokens(
+    address: str, model: str, prompt: str, n: int = TOKENS, timeout: float = T, count: bool = True
+) -> list[int]:
     """Greedy tokens through a router (sync client: usable from hypothesis tests)."""
     from bitdelta.common.v1 import generation_pb2 as gen_pb
     from bitdelta.router.v1 import router_pb2 as pb

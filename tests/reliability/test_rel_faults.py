@@ -19,12 +19,12 @@ import grpc
 import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from relkit import NEVER, PROMPTS, TALLY, TOKENS, RelCluster, T, routed_tokens, serving, start_system, wait_for
 
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient, DeltaStoreError
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
-from relkit import NEVER, PROMPTS, RelCluster, T, TALLY, TOKENS, routed_tokens, serving, start_system, wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 P = PROMPTS[0]
@@ -114,7 +114,7 @@ async def _loading_worker(ws, name):
         try:
             if await state_on(w, name) == wpb.DELTA_STATE_LOADING:
                 return w
-        except Exception:  # noqa: BLE001  (a worker that is down does not count)
+        except Exception:
             pass
     return None
 
@@ -231,8 +231,11 @@ async def test_disk_full_during_put_refuses_cleanly_and_recovers(fc, family, tmp
         how = "RLIMIT_FSIZE"
     TALLY.notes.append(f"disk full during Put: simulated with {how}")
     try:
-        st = c.start("store", "services.delta_store", ["--backend", "local", "--root", str(root), "--grace-s", "2"]) \
-            if how == "tmpfs" else _start_store_with_fsize_limit(c, root, 120 * 1024)
+        st = (
+            c.start("store", "services.delta_store", ["--backend", "local", "--root", str(root), "--grace-s", "2"])
+            if how == "tmpfs"
+            else _start_store_with_fsize_limit(c, root, 120 * 1024)
+        )
         c.wait_serving(st)
         async with DeltaStoreClient(st.address, timeout_s=T, fetch_timeout_s=T) as s:
             await s.put("first", family.delta_path("v0"))
@@ -283,11 +286,28 @@ def _start_store_with_fsize_limit(c: RelCluster, root: Path, limit: int):
     from servers.cluster import Proc, free_port
 
     address = f"127.0.0.1:{free_port()}"
-    argv = [sys.executable, "-m", "services.delta_store", "--address", address, "--backend", "local", "--root",
-            str(root), "--grace-s", "2"]
+    argv = [
+        sys.executable,
+        "-m",
+        "services.delta_store",
+        "--address",
+        address,
+        "--backend",
+        "local",
+        "--root",
+        str(root),
+        "--grace-s",
+        "2",
+    ]
     log = open(c.workdir / "store.log", "ab")  # opened here: the limit applies to files the store writes
-    p = subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[2], env=c.env, stdout=log, stderr=log,
-                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    p = subprocess.Popen(
+        argv,
+        cwd=Path(__file__).resolve().parents[2],
+        env=c.env,
+        stdout=log,
+        stderr=log,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+    )
     proc = Proc("store", address, p, c.workdir / "store.log", argv)
     c.procs.append(proc)
     return proc
@@ -318,8 +338,11 @@ class GarbageWorker:
         async def status(request: bytes, context):
             st = wpb.StatusResponse.FromString(await real.unary_unary(f"/{self.SERVICE}/Status")(request, timeout=5))
             have = {s.name for s in st.slots}  # claim every variant resident, so the router comes here first
-            st.slots.extend(wpb.DeltaSlot(name=f"v{i}", state=wpb.DELTA_STATE_RESIDENT, bytes=1)
-                            for i in range(6) if f"v{i}" not in have)
+            st.slots.extend(
+                wpb.DeltaSlot(name=f"v{i}", state=wpb.DELTA_STATE_RESIDENT, bytes=1)
+                for i in range(6)
+                if f"v{i}" not in have
+            )
             for s in st.slots:
                 s.state = wpb.DELTA_STATE_RESIDENT
             return st.SerializeToString()
@@ -334,8 +357,10 @@ class GarbageWorker:
                 await asyncio.sleep(3600)
 
         ident = dict(request_deserializer=None, response_serializer=None)
-        handlers = {"Status": grpc.unary_unary_rpc_method_handler(status, **ident),
-                    "Generate": grpc.unary_stream_rpc_method_handler(generate, **ident)}
+        handlers = {
+            "Status": grpc.unary_unary_rpc_method_handler(status, **ident),
+            "Generate": grpc.unary_stream_rpc_method_handler(generate, **ident),
+        }
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(self.SERVICE, handlers),))
         hs = health.HealthServicer()
         hs.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -363,8 +388,9 @@ async def test_a_worker_that_answers_garbage(fc, clients, ref):
         fake = GarbageWorker(real, mode)
         await fake.start()
         TALLY.fault(f"garbage worker ({mode})")
-        rt = fc.router([fake.address, real], fc.st.address, name=f"router-garbage-{mode}",
-                       extra=("--call-timeout-s", "3"))
+        rt = fc.router(
+            [fake.address, real], fc.st.address, name=f"router-garbage-{mode}", extra=("--call-timeout-s", "3")
+        )
         try:
             fc.wait_serving(rt)
             async with RouterClient(rt.address, generate_timeout_s=T) as r:

@@ -24,6 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from relkit import BAD, PROMPTS, TALLY, TOKENS, T, call_ok_or_status, check_answer, router_tokens
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.delta_store.v1 import delta_store_pb2 as spb
@@ -33,21 +34,64 @@ from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as wpb_grpc
 from bitdelta.router.v1 import router_pb2 as rpb
 from bitdelta.router.v1 import router_pb2_grpc as rpb_grpc
-from relkit import BAD, PROMPTS, TALLY, TOKENS, T, call_ok_or_status, check_answer, router_tokens
 
-SETTINGS = settings(max_examples=int(os.environ.get("BITDELTA_FUZZ_EXAMPLES", "30")), deadline=None,
-                    suppress_health_check=list(HealthCheck), database=None, derandomize=False)
+SETTINGS = settings(
+    max_examples=int(os.environ.get("BITDELTA_FUZZ_EXAMPLES", "30")),
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    database=None,
+    derandomize=False,
+)
 
 # -- strategies: the values a hostile client sends ---------------------------------------------------------
 
-TRICK_NAMES = ["", ".", "..", "../etc/passwd", "v0/../v1", "/etc/passwd", ".hidden", "v0\x00", "a\x00b", "v0\n",
-               "v0 ", " v0", "~root", "%2e%2e%2fetc", "v0.safetensors", "v0.bitdelta.safetensors", "CON", "NUL",
-               "ü", "模型", "\u202ev0", "a" * 128, "a" * 129, "m" * 20000, "v0/", "\\..\\x", "-v0", "_v0", "v0..",
-               ".partial", "v0\r\n\r\nX-Injected: 1", "\ud7ff", "\U0010ffff"]  # fmt: skip
-names = st.one_of(st.sampled_from(TRICK_NAMES), st.text(max_size=40), st.text(min_size=129, max_size=400),
-                  st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True))
-floats = st.one_of(st.floats(width=32), st.sampled_from([math.nan, -math.nan, math.inf, -math.inf, 0.0, -0.0,
-                                                         1e-45, 1e-3, 3.4e38, -1.0, 1.0, 100.0, 100.1]))
+TRICK_NAMES = [
+    "",
+    ".",
+    "..",
+    "../etc/passwd",
+    "v0/../v1",
+    "/etc/passwd",
+    ".hidden",
+    "v0\x00",
+    "a\x00b",
+    "v0\n",
+    "v0 ",
+    " v0",
+    "~root",
+    "%2e%2e%2fetc",
+    "v0.safetensors",
+    "v0.bitdelta.safetensors",
+    "CON",
+    "NUL",
+    "ü",
+    "模型",
+    "\u202ev0",
+    "a" * 128,
+    "a" * 129,
+    "m" * 20000,
+    "v0/",
+    "\\..\\x",
+    "-v0",
+    "_v0",
+    "v0..",
+    ".partial",
+    "v0\r\n\r\nX-Injected: 1",
+    "\ud7ff",
+    "\U0010ffff",
+]
+names = st.one_of(
+    st.sampled_from(TRICK_NAMES),
+    st.text(max_size=40),
+    st.text(min_size=129, max_size=400),
+    st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True),
+)
+floats = st.one_of(
+    st.floats(width=32),
+    st.sampled_from(
+        [math.nan, -math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-45, 1e-3, 3.4e38, -1.0, 1.0, 100.0, 100.1]
+    ),
+)
 u32 = st.one_of(st.integers(0, 12), st.sampled_from([2**32 - 1, 2**31, 4096, 4097, 257, 10**6]))
 u64 = st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([0, 2**63, 2**64 - 1]))
 
@@ -56,12 +100,14 @@ def big(n: int, ch: str = "x") -> str:
     return ch * n
 
 
-prompts = st.one_of(st.sampled_from(["", "\x00", "\x00" * 100, "a\x00b", "\ufeff", "🙂" * 50, "\r\n" * 100]),
-                    st.text(max_size=200), st.sampled_from([70_000, 1 << 20, (1 << 20) + 1, 3 << 20]).map(big),
-                    st.sampled_from([2000, 20_000]).map(lambda n: big(n, "ab ")))
+prompts = st.one_of(
+    st.sampled_from(["", "\x00", "\x00" * 100, "a\x00b", "\ufeff", "🙂" * 50, "\r\n" * 100]),
+    st.text(max_size=200),
+    st.sampled_from([70_000, 1 << 20, (1 << 20) + 1, 3 << 20]).map(big),
+    st.sampled_from([2000, 20_000]).map(lambda n: big(n, "ab ")),
+)
 stops = st.lists(st.one_of(st.text(max_size=8), st.sampled_from(["", "\x00", "x" * 300])), max_size=20)
-sampling = st.builds(gen_pb.SamplingParams, max_new_tokens=u32, temperature=floats, top_p=floats, stop=stops,
-                     seed=u64)
+sampling = st.builds(gen_pb.SamplingParams, max_new_tokens=u32, temperature=floats, top_p=floats, stop=stops, seed=u64)
 
 
 # -- the router --------------------------------------------------------------------------------------------
@@ -76,8 +122,9 @@ def test_router_generate_hostile(system, expected, model, prompt, sampling, requ
 
 
 @SETTINGS
-@given(model=st.sampled_from(["", "v0", "v1", "v2", "v3", "v4", "v5"]), prompt=st.sampled_from(PROMPTS),
-       sampling=sampling)
+@given(
+    model=st.sampled_from(["", "v0", "v1", "v2", "v3", "v4", "v5"]), prompt=st.sampled_from(PROMPTS), sampling=sampling
+)
 def test_router_generate_valid_models_hostile_sampling(system, expected, model, prompt, sampling):
     """Known models, hostile sampling: accepted ones stream, others are refused naming the field."""
     stub = rpb_grpc.RouterServiceStub(_channel(system.r.address))
@@ -123,17 +170,24 @@ def test_worker_load_evict_hostile(system, expected, name, pin, evict):
 def test_store_stat_fetch_delete_hostile(system, name, chunk, fp):
     stub = spb_grpc.DeltaStoreServiceStub(_channel(system.st.address))
     call_ok_or_status(lambda: stub.Stat(spb.StatRequest(name=name), timeout=T), "Stat")
-    call_ok_or_status(lambda: list(stub.Fetch(spb.FetchRequest(name=name, chunk_bytes=chunk,
-                                                                expect_base_fingerprint=fp), timeout=T)), "Fetch")
+    call_ok_or_status(
+        lambda: list(stub.Fetch(spb.FetchRequest(name=name, chunk_bytes=chunk, expect_base_fingerprint=fp), timeout=T)),
+        "Fetch",
+    )
     if name not in {f"v{i}" for i in range(6)} | {"otherbase"}:  # the family stays
         call_ok_or_status(lambda: stub.Delete(spb.DeleteRequest(name=name), timeout=T), "Delete")
 
 
 @SETTINGS
-@given(name=names, size=u64, overwrite=st.booleans(),
-       pieces=st.lists(st.one_of(st.binary(max_size=64), st.sampled_from([b"", b"\x00" * 8, struct.pack("<Q", 2**63)])),
-                       max_size=5),
-       no_header=st.booleans())
+@given(
+    name=names,
+    size=u64,
+    overwrite=st.booleans(),
+    pieces=st.lists(
+        st.one_of(st.binary(max_size=64), st.sampled_from([b"", b"\x00" * 8, struct.pack("<Q", 2**63)])), max_size=5
+    ),
+    no_header=st.booleans(),
+)
 def test_store_put_hostile(system, name, size, overwrite, pieces, no_header):
     stub = spb_grpc.DeltaStoreServiceStub(_channel(system.st.address))
     assume(name not in {f"v{i}" for i in range(6)} | {"otherbase"})
@@ -177,8 +231,11 @@ def _region(original: bytes, pos: int) -> str:
     return "length" if pos < 8 else "header" if pos < 8 + hlen else "tensor bytes"
 
 
-damage = st.tuples(st.sampled_from(["flip", "flip", "flip", "truncate", "append", "header_len"]),
-                   st.integers(0, 2**31), st.integers(0, 255))
+damage = st.tuples(
+    st.sampled_from(["flip", "flip", "flip", "truncate", "append", "header_len"]),
+    st.integers(0, 2**31),
+    st.integers(0, 255),
+)
 _accepted: list[str] = []
 
 
@@ -198,13 +255,23 @@ def test_damaged_delta_never_loads(system, family, expected, original, d, in_hea
     TALLY.fault("damaged delta file")
     stub = wpb_grpc.GpuWorkerServiceStub(_channel(system.w[0].address))
     try:
-        ok = call_ok_or_status(lambda: stub.LoadDelta(wpb.LoadDeltaRequest(name=name), timeout=T), "LoadDelta",
-                               allowed=BAD)
+        ok = call_ok_or_status(
+            lambda: stub.LoadDelta(wpb.LoadDeltaRequest(name=name), timeout=T), "LoadDelta", allowed=BAD
+        )
         if ok:  # loaded: only possible if no tensor byte and nothing checked changed
             _accepted.append(f"{kind}@{_region(original, where % len(original))}")
-            TALLY.notes.append(f"damaged delta accepted (weights intact): {kind} in the {_region(original, where % len(original))}")
-            toks = [m.token_id for m in stub.Generate(wpb.GenerateRequest(
-                model_id=name, prompt=PROMPTS[0], sampling=gen_pb.SamplingParams(max_new_tokens=TOKENS)), timeout=T)]
+            TALLY.notes.append(
+                f"damaged delta accepted (weights intact): {kind} in the {_region(original, where % len(original))}"
+            )
+            toks = [
+                m.token_id
+                for m in stub.Generate(
+                    wpb.GenerateRequest(
+                        model_id=name, prompt=PROMPTS[0], sampling=gen_pb.SamplingParams(max_new_tokens=TOKENS)
+                    ),
+                    timeout=T,
+                )
+            ]
             check_answer(expected, "v0", PROMPTS[0], toks)
             assert kind == "flip" and _region(original, where % len(original)) == "header"
     finally:
@@ -224,15 +291,16 @@ def test_damaged_delta_put_is_refused(system, original, d):
     def requests():
         yield spb.PutRequest(header=spb.PutHeader(name="fz-put", size_bytes=len(data), overwrite=True))
         for i in range(0, len(data), 16384):
-            yield spb.PutRequest(data=data[i: i + 16384])
+            yield spb.PutRequest(data=data[i : i + 16384])
 
     TALLY.fault("damaged Put")
     ok = call_ok_or_status(lambda: stub.Put(requests(), timeout=T), "Put", allowed=BAD)
     if ok:  # whitespace / free-text metadata only: every tensor byte and checked field is the original's
         assert kind == "flip" and _region(original, where % len(original)) == "header"
         got, want = read_header_bytes(data), read_header_bytes(original)
-        assert [(t.name, t.dtype, t.shape, t.start) for t in got.tensors] == \
-               [(t.name, t.dtype, t.shape, t.start) for t in want.tensors] and got.sha256 == want.sha256
+        assert [(t.name, t.dtype, t.shape, t.start) for t in got.tensors] == [
+            (t.name, t.dtype, t.shape, t.start) for t in want.tensors
+        ] and got.sha256 == want.sha256
         stub.Delete(spb.DeleteRequest(name="fz-put"), timeout=T)
     else:
         assert "fz-put" not in {x.name for x in stub.List(spb.ListRequest(), timeout=T).deltas}
@@ -263,8 +331,9 @@ _channels: dict[str, grpc.Channel] = {}
 
 def _channel(address: str) -> grpc.Channel:
     if address not in _channels:
-        _channels[address] = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20),
-                                                                     ("grpc.max_receive_message_length", 64 << 20)])
+        _channels[address] = grpc.insecure_channel(
+            address, options=[("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+        )
     return _channels[address]
 
 

@@ -17,11 +17,11 @@ import os
 
 import grpc
 import pytest
+from relkit import TALLY, RelCluster, T
 
 from bitdelta.format import read_header
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient, IntegrityError
 from bitdelta.rpc.clients.worker import WorkerCallError, WorkerClient
-from relkit import TALLY, T, RelCluster
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -54,8 +54,10 @@ async def test_a_file_changed_after_it_was_verified_is_never_served(family, tmp_
         st = c.store(root, extra=("--cache-bytes", "0"))
         w = c.worker(family.base, st.address)
         c.wait_serving(st, w)
-        async with DeltaStoreClient(st.address, timeout_s=T, fetch_timeout_s=T) as s, \
-                WorkerClient(w.address, generate_timeout_s=T) as wc:
+        async with (
+            DeltaStoreClient(st.address, timeout_s=T, fetch_timeout_s=T) as s,
+            WorkerClient(w.address, generate_timeout_s=T) as wc,
+        ):
             await s.fetch_into("v0", lambda *a: None)  # first sight: every tensor's sha256, crc32s recorded
             await s.fetch_into("v0", lambda *a: None)  # seen before: checked by the recorded crc32s
             await wc.load_delta("v0")  # a load through the store

@@ -16,12 +16,12 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from relkit import MAX_DETAILS, PROMPTS, TALLY, TOKENS, T, routed_tokens, wait_for
 
+from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient, DeltaStoreError
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.clients.worker import WorkerCallError, WorkerClient
-from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
-from relkit import MAX_DETAILS, PROMPTS, T, TALLY, TOKENS, routed_tokens, wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 P = PROMPTS[0]
@@ -101,8 +101,12 @@ async def test_evict_during_a_load_is_aborted_at_once_through_the_router(system,
 async def test_nan_sampling_is_refused_while_a_batch_runs(system, expected):
     async with RouterClient(system.r.address, generate_timeout_s=T) as r:
         good = [asyncio.create_task(run(r, m)) for m in ("v0", "", "v1", "v0")]
-        for bad in (dict(temperature=math.nan), dict(top_p=math.nan), dict(temperature=math.inf),
-                    dict(temperature=-1.0)):  # fmt: skip
+        for bad in (
+            dict(temperature=math.nan),
+            dict(top_p=math.nan),
+            dict(temperature=math.inf),
+            dict(temperature=-1.0),
+        ):
             e = await refused(r, "v0", **bad)
             assert e.code == grpc.StatusCode.INVALID_ARGUMENT and ("temperature" in e.details or "top_p" in e.details)
         for m, g in zip(("v0", "", "v1", "v0"), await asyncio.gather(*good)):
@@ -144,6 +148,7 @@ async def test_a_store_status_reaches_the_router_client_unchanged(system, family
     TALLY.fault("corrupted delta on disk")
     try:
         async with RouterClient(system.r.address, generate_timeout_s=T) as r:
+
             async def listed():
                 return "rot" in {m.model_id for m in await r.list_models()}
 
@@ -159,8 +164,11 @@ async def test_a_store_status_reaches_the_router_client_unchanged(system, family
 
 async def test_long_names_are_clipped_in_every_service_s_errors(system):
     name = "n" * 20_000
-    async with RouterClient(system.r.address) as r, WorkerClient(system.w[0].address) as w, \
-            DeltaStoreClient(system.st.address) as s:
+    async with (
+        RouterClient(system.r.address) as r,
+        WorkerClient(system.w[0].address) as w,
+        DeltaStoreClient(system.st.address) as s,
+    ):
         e = await refused(r, name)
         assert e.code == grpc.StatusCode.INVALID_ARGUMENT
         for call in (lambda: w.load_delta(name), lambda: w.evict_delta(name)):

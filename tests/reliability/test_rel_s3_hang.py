@@ -28,12 +28,12 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
+from relkit import NEVER, PROMPTS, TALLY, T, routed_tokens, serving, start_system, wait_for
+from servers.swift import Swift, _run, free_port
 
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient, StoreUnavailable
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
-from relkit import NEVER, PROMPTS, T, TALLY, routed_tokens, serving, start_system, wait_for
-from servers.swift import Swift, _run, free_port
 from services.delta_store.backends import SUFFIX
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -79,8 +79,10 @@ class PrivateSwift:
 def private_swift(tmp_path_factory):
     _run(["install"])
     d = tmp_path_factory.mktemp("swift-hang")
-    ports = {k: str(free_port()) for k in ("SWIFT_PROXY_PORT", "SWIFT_OBJECT_PORT", "SWIFT_CONTAINER_PORT",
-                                           "SWIFT_ACCOUNT_PORT")}
+    ports = {
+        k: str(free_port())
+        for k in ("SWIFT_PROXY_PORT", "SWIFT_OBJECT_PORT", "SWIFT_CONTAINER_PORT", "SWIFT_ACCOUNT_PORT")
+    }
     _run(["start", str(d)], env=ports, timeout=180)
     try:
         pids = [int(f.read_text()) for f in sorted((d / "run").glob("*.pid"))]
@@ -107,8 +109,20 @@ def s3sys(family, private_swift, tmp_path_factory):
     s3 = sw.client()
     for name in family.variants:
         s3.put_object(Bucket=bucket, Key=name + SUFFIX, Body=family.delta_path(name).read_bytes())
-    store_args = ("--backend", "s3", "--s3-endpoint", sw.endpoint, "--s3-bucket", bucket, "--s3-region", sw.region,
-                  "--backend-timeout-s", str(BACKEND_TIMEOUT_S), "--cache-bytes", "0")
+    store_args = (
+        "--backend",
+        "s3",
+        "--s3-endpoint",
+        sw.endpoint,
+        "--s3-bucket",
+        bucket,
+        "--s3-region",
+        sw.region,
+        "--backend-timeout-s",
+        str(BACKEND_TIMEOUT_S),
+        "--cache-bytes",
+        "0",
+    )
     env = {"AWS_ACCESS_KEY_ID": sw.access_key, "AWS_SECRET_ACCESS_KEY": sw.secret_key}
     c = start_system(family, tmp_path_factory.mktemp("rel_s3_hang"), "s3-hang", store_args=store_args, env=env)
     c.bucket, c.s3 = bucket, s3
@@ -132,8 +146,9 @@ async def ref(clients, family) -> dict[str, list[int]]:
     r, _, _ = clients
     # The router may have started before the store listened (the S3 store starts slower than the
     # local one): its first List failed and it lists again by itself. Ready once it knows the variants.
-    await wait_for(lambda: _lists(r, family.variants), timeout=120, interval=0.2,
-                   what="the router to list the variants in S3")
+    await wait_for(
+        lambda: _lists(r, family.variants), timeout=120, interval=0.2, what="the router to list the variants in S3"
+    )
     out = {m: await routed_tokens(r, m) for m in ("", "v1", "v2")}
     TALLY.answered += len(out)
     assert len({tuple(v) for v in out.values()}) == 3, "the base and the variants must differ"
@@ -159,7 +174,8 @@ async def _resident(ws, name) -> list[int]:
 
 
 async def test_a_hanging_s3_server_gives_unavailable_and_resident_variants_keep_serving(
-        s3sys, private_swift, clients, ref, family):
+    s3sys, private_swift, clients, ref, family
+):
     r, ws, st = clients
     procs = [s3sys.st, *s3sys.w, s3sys.r]
     pids = [p.popen.pid for p in procs]
@@ -174,8 +190,12 @@ async def test_a_hanging_s3_server_gives_unavailable_and_resident_variants_keep_
     private_swift.signal(signal.SIGSTOP)
     TALLY.fault("S3 server hangs (Swift SIGSTOP)")
     try:
-        await wait_for(lambda: private_swift.states() == {"T"}, timeout=10, interval=0.02,
-                       what="Swift's processes stopped (else the test would test nothing)")
+        await wait_for(
+            lambda: private_swift.states() == {"T"},
+            timeout=10,
+            interval=0.02,
+            what="Swift's processes stopped (else the test would test nothing)",
+        )
 
         # the cold variant: a clear status, within the bound, from the store's backend timeout
         t = time.monotonic()
@@ -186,8 +206,10 @@ async def test_a_hanging_s3_server_gives_unavailable_and_resident_variants_keep_
         assert took < STATUS_BOUND_S, f"the cold request took {took:.1f} s to fail"
         assert took > BACKEND_TIMEOUT_S, f"failed in {took:.1f} s: not from the backend's timeout"
         assert "timeout" in str(e.value).lower(), e.value  # the store's reason reaches the client
-        TALLY.notes.append(f"S3 hang: a cold variant got {e.value.code.name} after {took:.1f} s "
-                           f"(--backend-timeout-s {BACKEND_TIMEOUT_S:g})")
+        TALLY.notes.append(
+            f"S3 hang: a cold variant got {e.value.code.name} after {took:.1f} s "
+            f"(--backend-timeout-s {BACKEND_TIMEOUT_S:g})"
+        )
 
         # the resident variant and the base are not held behind S3
         for m in ("v1", "", "v1"):
@@ -198,8 +220,11 @@ async def test_a_hanging_s3_server_gives_unavailable_and_resident_variants_keep_
         assert {m.model_id for m in await r.list_models(timeout_s=10)} >= {"v1", "v2"}
 
         # the store itself: a clear status for calls that need S3 (List, Stat, Put), not a hang
-        for what, call in (("List", lambda: st.list()), ("Stat", lambda: st.stat("v2")),
-                           ("Put", lambda: st.put("late", family.delta_path("v0")))):
+        for what, call in (
+            ("List", lambda: st.list()),
+            ("Stat", lambda: st.stat("v2")),
+            ("Put", lambda: st.put("late", family.delta_path("v0"))),
+        ):
             TALLY.sent += 1
             t = time.monotonic()
             with pytest.raises(StoreUnavailable) as e:
@@ -221,8 +246,10 @@ async def test_a_hanging_s3_server_gives_unavailable_and_resident_variants_keep_
     assert keys == {n + SUFFIX for n in family.variants}, keys
     info = await st.put("late", family.delta_path("v0"))
     assert info.size_bytes == family.delta_path("v0").stat().st_size
-    assert s3sys.s3.get_object(Bucket=s3sys.bucket, Key="late" + SUFFIX)["Body"].read() == \
-        family.delta_path("v0").read_bytes()
+    assert (
+        s3sys.s3.get_object(Bucket=s3sys.bucket, Key="late" + SUFFIX)["Body"].read()
+        == family.delta_path("v0").read_bytes()
+    )
     assert await routed_tokens(r, "v1") == ref["v1"]
     TALLY.correct += 1
     assert [p.popen.pid for p in procs] == pids and all(p.alive() for p in procs), "something was restarted"

@@ -29,10 +29,10 @@ import time
 
 import grpc
 import pytest
+from relkit import PROMPTS, TALLY, TOKENS, T, vm_rss_kib, wait_for
 
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
-from relkit import PROMPTS, TALLY, TOKENS, T, vm_rss_kib, wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 SOAK_S = float(os.environ.get("BITDELTA_SOAK_S", "60"))
@@ -60,8 +60,9 @@ async def test_soak(system, family, expected):
             return total
 
         loads_before = await loads()
-        burst_ref = {m: [x.token_id async for x in r.generate(m, PROMPTS[0], max_new_tokens=BURST_TOKENS)]
-                     for m in models}  # alone, before the soak
+        burst_ref = {}  # alone, before the soak
+        for m in models:
+            burst_ref[m] = [x.token_id async for x in r.generate(m, PROMPTS[0], max_new_tokens=BURST_TOKENS)]
 
         async def one(model: str, prompt: str, mode: str, n: int = TOKENS) -> None:
             TALLY.sent += 1
@@ -100,8 +101,9 @@ async def test_soak(system, family, expected):
             while time.monotonic() < end - 5:
                 await asyncio.sleep(SOAK_S / 4)
                 model = rng.choice(models)
-                got = await asyncio.gather(*[one(model, PROMPTS[0], "plain", BURST_TOKENS) for _ in range(BURST)],
-                                           return_exceptions=True)
+                got = await asyncio.gather(
+                    *[one(model, PROMPTS[0], "plain", BURST_TOKENS) for _ in range(BURST)], return_exceptions=True
+                )
                 bad = [g for g in got if g is not None and not isinstance(g, _Exhausted)]
                 assert not bad, bad[:3]
                 burst_exhausted.append(sum(isinstance(g, _Exhausted) for g in got))
@@ -121,11 +123,13 @@ async def test_soak(system, family, expected):
         # nothing left behind
         workers = [WorkerClient(w.address) for w in system.w]
         try:
+
             async def idle():
                 sts = [await w.status() for w in workers]
                 models_ = await r.list_models()
-                return all(s.running == 0 and s.waiting == 0 and s.kv_tokens_used == 0 for s in sts) and \
-                    all(m.in_flight == 0 for m in models_)
+                return all(s.running == 0 and s.waiting == 0 and s.kv_tokens_used == 0 for s in sts) and all(
+                    m.in_flight == 0 for m in models_
+                )
 
             await wait_for(idle, timeout=30, what="workers and router idle after the soak")
             for w in workers:
@@ -138,10 +142,13 @@ async def test_soak(system, family, expected):
     for p in (system.st, *system.w, system.r):
         assert p.alive(), f"{p.name} died during the soak"
         TALLY.rss(f"system/{p.name}", p.popen.pid)
-    TALLY.notes.append(f"soak {SOAK_S:.0f} s: {outcome}; bursts of {BURST}: RESOURCE_EXHAUSTED {burst_exhausted}; "
-                        f"{churn} delta loads (eviction churn)")
-    assert outcome["correct"] > 0 and burst_exhausted and all(n > 0 for n in burst_exhausted), \
+    TALLY.notes.append(
+        f"soak {SOAK_S:.0f} s: {outcome}; bursts of {BURST}: RESOURCE_EXHAUSTED {burst_exhausted}; "
+        f"{churn} delta loads (eviction churn)"
+    )
+    assert outcome["correct"] > 0 and burst_exhausted and all(n > 0 for n in burst_exhausted), (
         "bursts past the queue bounds must be refused, not queued"
+    )
     # RSS flat after warm-up
     lines = []
     for name, xs in samples.items():

@@ -33,8 +33,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def tls_flags(certs: Path, name: str, client_auth: bool = True) -> tuple[str, ...]:
     """A service's TLS flags for certificates made by `bitdelta.rpc.certs` in `certs` (`name`.pem/.key)."""
-    out = ("--tls-ca", str(certs / "ca.pem"), "--tls-cert", str(certs / f"{name}.pem"),
-           "--tls-key", str(certs / f"{name}.key"))
+    out = (
+        "--tls-ca",
+        str(certs / "ca.pem"),
+        "--tls-cert",
+        str(certs / f"{name}.pem"),
+        "--tls-key",
+        str(certs / f"{name}.key"),
+    )
     return out if client_auth else (*out, "--no-tls-client-auth")
 
 
@@ -74,18 +80,24 @@ class Proc:
 
 
 class Cluster:
-    def __init__(self, workdir: Path, env: dict[str, str] | None = None,
-                 credentials: grpc.ChannelCredentials | None = None):
+    def __init__(
+        self, workdir: Path, env: dict[str, str] | None = None, credentials: grpc.ChannelCredentials | None = None
+    ):
         self.workdir = Path(workdir)
         self.credentials = credentials  # for wait_serving's health checks when the services serve TLS
         self.workdir.mkdir(parents=True, exist_ok=True)
         # the compiled C kernels on CPU (the Triton interpreter costs seconds per token at model sizes);
         # one thread per process: several share the test machine's cores
-        self.env = {**os.environ, "BITDELTA_KERNEL_BACKEND": "cpu", "OMP_NUM_THREADS": "1",
-                    "PYTHONUNBUFFERED": "1", **(env or {})}  # fmt: skip
+        self.env = {
+            **os.environ,
+            "BITDELTA_KERNEL_BACKEND": "cpu",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
         self.procs: list[Proc] = []
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -104,22 +116,65 @@ class Cluster:
         return p
 
     def store(self, root: Path, name: str = "store", extra: tuple[str, ...] = ()) -> Proc:
-        return self.start(name, "services.delta_store", ["--backend", "local", "--root", str(root), "--grace-s", "5",
-                                                         *extra])  # fmt: skip
+        return self.start(
+            name, "services.delta_store", ["--backend", "local", "--root", str(root), "--grace-s", "5", *extra]
+        )
 
-    def worker(self, base: Path, store: str, name: str = "worker", delta_budget: str = "8MiB",
-               kv_cache: str = "4MiB", extra: tuple[str, ...] = ()) -> Proc:
-        return self.start(name, "services.gpu_worker", ["--base", str(base), "--delta-store", store,
-                                                        "--delta-budget", delta_budget, "--kv-cache", kv_cache,
-                                                        "--grace-s", "5", *extra])  # fmt: skip
+    def worker(
+        self,
+        base: Path,
+        store: str,
+        name: str = "worker",
+        delta_budget: str = "8MiB",
+        kv_cache: str = "4MiB",
+        extra: tuple[str, ...] = (),
+    ) -> Proc:
+        return self.start(
+            name,
+            "services.gpu_worker",
+            [
+                "--base",
+                str(base),
+                "--delta-store",
+                store,
+                "--delta-budget",
+                delta_budget,
+                "--kv-cache",
+                kv_cache,
+                "--grace-s",
+                "5",
+                *extra,
+            ],
+        )
 
     def router(self, workers: list[str], store: str, name: str = "router", extra: tuple[str, ...] = ()) -> Proc:
-        return self.start(name, "services.router", ["--workers", ",".join(workers), "--delta-store", store,
-                                                    "--poll-s", "0.3", "--refresh-s", "1", "--grace-s", "5",
-                                                    *extra])  # fmt: skip
+        return self.start(
+            name,
+            "services.router",
+            [
+                "--workers",
+                ",".join(workers),
+                "--delta-store",
+                store,
+                "--poll-s",
+                "0.3",
+                "--refresh-s",
+                "1",
+                "--grace-s",
+                "5",
+                *extra,
+            ],
+        )
 
-    def gateway(self, router: str, name: str = "gateway", chat_template: Path | None = None,
-                extra: tuple[str, ...] = (), wait: bool = True, timeout: float = 120) -> Proc:
+    def gateway(
+        self,
+        router: str,
+        name: str = "gateway",
+        chat_template: Path | None = None,
+        extra: tuple[str, ...] = (),
+        wait: bool = True,
+        timeout: float = 120,
+    ) -> Proc:
         """The OpenAI-compatible HTTP gateway (`python -m services.gateway`) in front of `router`; with
         `wait`, returns once its /health answers (it is HTTP: `wait_serving` does not apply)."""
         import urllib.request
@@ -154,21 +209,27 @@ class Cluster:
     def wait_serving(self, *procs: Proc, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
         for p in procs:
-            with (grpc.secure_channel(p.address, self.credentials) if self.credentials
-                  else grpc.insecure_channel(p.address)) as ch:
+            with (
+                grpc.secure_channel(p.address, self.credentials)
+                if self.credentials
+                else grpc.insecure_channel(p.address)
+            ) as ch:
                 stub = health_pb2_grpc.HealthStub(ch)
                 while True:
                     if not p.alive():
                         raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{p.log_text()[-4000:]}")
                     try:
-                        if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
-                                health_pb2.HealthCheckResponse.SERVING:
+                        if (
+                            stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                            == health_pb2.HealthCheckResponse.SERVING
+                        ):
                             break
                     except grpc.RpcError:
                         pass
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"{p.name} did not become SERVING in {timeout:.0f} s:\n"
-                                           f"{p.log_text()[-4000:]}")
+                        raise RuntimeError(
+                            f"{p.name} did not become SERVING in {timeout:.0f} s:\n{p.log_text()[-4000:]}"
+                        )
                     time.sleep(0.2)
 
     def stop_all(self) -> None:

@@ -10,33 +10,42 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
 
 from bitdelta.format import DeltaMeta, write_delta
+from bitdelta.rpc.clients.delta_store import DeltaStoreClient
+from bitdelta.rpc.serve import Server
+from servers.swift import TcpRelay
 from services.delta_store.backends import SUFFIX, Backend
 from services.delta_store.backends.local import LocalBackend
-from bitdelta.rpc.clients.delta_store import DeltaStoreClient
 from services.delta_store.config import Config
-from bitdelta.rpc.serve import Server
 from services.delta_store.server import create_server
 from services.delta_store.store import DeltaStore
-from servers.swift import TcpRelay
 
 BASE_FP = "f" * 64
 
 
-def make_delta(path: Path, variant: str = "v", seed: int = 0, base_fingerprint: str = BASE_FP,
-               shapes: dict[str, tuple[int, int]] | None = None, dense: dict[str, tuple[int, ...]] | None = None,
-               alpha_mode: str = "row") -> Path:
+def make_delta(
+    path: Path,
+    variant: str = "v",
+    seed: int = 0,
+    base_fingerprint: str = BASE_FP,
+    shapes: dict[str, tuple[int, int]] | None = None,
+    dense: dict[str, tuple[int, ...]] | None = None,
+    alpha_mode: str = "row",
+) -> Path:
     """A valid delta file with random signs and scales (signs drawn as raw bytes: no float matrix needed)."""
     g = torch.Generator().manual_seed(seed)
-    shapes = shapes if shapes is not None else {"model.layers.0.self_attn.q_proj.weight": (64, 100),
-                                                "model.layers.0.mlp.up_proj.weight": (172, 64)}
+    shapes = (
+        shapes
+        if shapes is not None
+        else {"model.layers.0.self_attn.q_proj.weight": (64, 100), "model.layers.0.mlp.up_proj.weight": (172, 64)}
+    )
     dense = dense if dense is not None else {"model.norm.weight": (64,)}
     tensors = {}
     for p, (d_out, d_in) in shapes.items():
@@ -44,8 +53,13 @@ def make_delta(path: Path, variant: str = "v", seed: int = 0, base_fingerprint: 
         tensors[p + ".alpha"] = torch.rand(d_out if alpha_mode == "row" else 1, generator=g)
     for p, shape in dense.items():
         tensors[p + ".dense"] = torch.randn(shape, generator=g).to(torch.bfloat16)
-    meta = DeltaMeta(variant=variant, base_model="tiny-test", base_fingerprint=base_fingerprint, alpha_mode=alpha_mode,
-                     shapes={p: list(s) for p, s in shapes.items()})
+    meta = DeltaMeta(
+        variant=variant,
+        base_model="tiny-test",
+        base_fingerprint=base_fingerprint,
+        alpha_mode=alpha_mode,
+        shapes={p: list(s) for p, s in shapes.items()},
+    )
     write_delta(path, tensors, meta)
     return path
 
@@ -53,9 +67,15 @@ def make_delta(path: Path, variant: str = "v", seed: int = 0, base_fingerprint: 
 def big_delta(path: Path, mib: int, seed: int = 0) -> Path:
     """A delta of about `mib` MiB in one large sign tensor plus small ones."""
     d_out = mib * 64  # rows of 16 KiB packed signs
-    return make_delta(path, variant=path.stem, seed=seed,
-                      shapes={"model.layers.0.mlp.down_proj.weight": (d_out, 16384 * 8),
-                              "model.layers.0.self_attn.q_proj.weight": (64, 100)})
+    return make_delta(
+        path,
+        variant=path.stem,
+        seed=seed,
+        shapes={
+            "model.layers.0.mlp.down_proj.weight": (d_out, 16384 * 8),
+            "model.layers.0.self_attn.q_proj.weight": (64, 100),
+        },
+    )
 
 
 @pytest.fixture(scope="session")
@@ -69,8 +89,9 @@ def tiny_deltas(tmp_path_factory) -> dict[str, Path]:
     out = {}
     for i, v in enumerate(variants):
         name = f"tiny-{i}"
-        out[name] = compress(base, v, root / f"{name}{SUFFIX}", alpha_mode="row" if i == 0 else "matrix",
-                             variant=name, progress=False)
+        out[name] = compress(
+            base, v, root / f"{name}{SUFFIX}", alpha_mode="row" if i == 0 else "matrix", variant=name, progress=False
+        )
     return out
 
 
@@ -97,8 +118,14 @@ def backend_under_test(request, tmp_path) -> BackendUnderTest:
         def put_raw(name: str, data: bytes) -> None:
             (root / (name + SUFFIX)).write_bytes(data)
 
-        yield BackendUnderTest("local", lambda: LocalBackend(root), put_raw,
-                               down=lambda: os.rename(root, away), up=lambda: os.rename(away, root), root=root)
+        yield BackendUnderTest(
+            "local",
+            lambda: LocalBackend(root),
+            put_raw,
+            down=lambda: os.rename(root, away),
+            up=lambda: os.rename(away, root),
+            root=root,
+        )
         if away.exists() and not root.exists():
             os.rename(away, root)
         shutil.rmtree(root, ignore_errors=True)
@@ -111,14 +138,26 @@ def backend_under_test(request, tmp_path) -> BackendUnderTest:
     host, port = swift.endpoint.rsplit("/", 1)[1].split(":")
     relay = TcpRelay(host, int(port))
     s3 = swift.client()
-    kw = dict(bucket=bucket, endpoint=relay.url, access_key=swift.access_key, secret_key=swift.secret_key,
-              region=swift.region, timeout_s=2.0)
+    kw = dict(
+        bucket=bucket,
+        endpoint=relay.url,
+        access_key=swift.access_key,
+        secret_key=swift.secret_key,
+        region=swift.region,
+        timeout_s=2.0,
+    )
 
     def put_raw(name: str, data: bytes) -> None:
         s3.put_object(Bucket=bucket, Key=name + SUFFIX, Body=data)
 
-    yield BackendUnderTest("s3", lambda: S3Backend(**kw), put_raw, down=relay.down, up=relay.up,
-                           s3={"client": s3, "bucket": bucket, "relay": relay})
+    yield BackendUnderTest(
+        "s3",
+        lambda: S3Backend(**kw),
+        put_raw,
+        down=relay.down,
+        up=relay.up,
+        s3={"client": s3, "bucket": bucket, "relay": relay},
+    )
     relay.close()
 
 

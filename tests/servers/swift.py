@@ -34,9 +34,14 @@ class Swift:
         import boto3
         from botocore.config import Config
 
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.access_key,
-                            aws_secret_access_key=self.secret_key, region_name=self.region,
-                            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 2}))
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name=self.region,
+            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 2}),
+        )
 
     def new_bucket(self) -> str:
         name = f"t-{uuid.uuid4().hex[:20]}"
@@ -53,18 +58,25 @@ def free_port() -> int:
 def _run(args: list[str], env: dict | None = None, timeout: float = 600) -> None:
     import os
 
-    r = subprocess.run(["bash", str(SCRIPT), *args], env={**os.environ, **(env or {})}, capture_output=True,
-                       text=True, timeout=timeout)
+    r = subprocess.run(
+        ["bash", str(SCRIPT), *args], env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout
+    )
     if r.returncode != 0:
-        pytest.fail(f"scripts/swift.sh {' '.join(args)} failed (exit {r.returncode}); the S3 backend tests need "
-                    f"a real Swift:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}", pytrace=False)
+        pytest.fail(
+            f"scripts/swift.sh {' '.join(args)} failed (exit {r.returncode}); the S3 backend tests need "
+            f"a real Swift:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(scope="session")
 def swift(tmp_path_factory) -> Swift:
     _run(["install"])
     d = tmp_path_factory.mktemp("swift")
-    ports = {k: str(free_port()) for k in ("SWIFT_PROXY_PORT", "SWIFT_OBJECT_PORT", "SWIFT_CONTAINER_PORT", "SWIFT_ACCOUNT_PORT")}
+    ports = {
+        k: str(free_port())
+        for k in ("SWIFT_PROXY_PORT", "SWIFT_OBJECT_PORT", "SWIFT_CONTAINER_PORT", "SWIFT_ACCOUNT_PORT")
+    }
     _run(["start", str(d)], env=ports, timeout=180)
     try:
         yield Swift(endpoint=f"http://127.0.0.1:{ports['SWIFT_PROXY_PORT']}")

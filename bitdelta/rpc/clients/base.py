@@ -17,7 +17,8 @@ failed call into `ERROR` (or the subclass `ERROR_TYPES` names for its code), kee
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, ClassVar, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, ClassVar
 
 import grpc
 
@@ -28,13 +29,19 @@ from bitdelta.rpc.telemetry import client_interceptors
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 
 
-def open_channel(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 credentials: grpc.ChannelCredentials | None = None, token: str = "") -> grpc.aio.Channel:
+def open_channel(
+    target: str,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    credentials: grpc.ChannelCredentials | None = None,
+    token: str = "",
+) -> grpc.aio.Channel:
     """A channel to `target` with the project's options and client interceptors; TLS with
     `credentials` (`TlsSettings.channel_credentials`), else plain text; with `token`, every call
     carries `authorization: Bearer <token>` (bitdelta.rpc.security)."""
-    options = [("grpc.max_receive_message_length", max_message_bytes),
-               ("grpc.max_send_message_length", max_message_bytes)]
+    options = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
     interceptors = [*client_interceptors(), *(bearer_interceptors(token) if token else ())]  # trace context first
     if credentials is not None:
         return grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)
@@ -49,8 +56,9 @@ class Client:
     ERROR_TYPES: ClassVar[Mapping[grpc.StatusCode, type[RpcError]]] = {}
     MAX_MESSAGE_BYTES: ClassVar[int] = DEFAULT_MAX_MESSAGE_BYTES
 
-    def __init__(self, target: str, *, timeout_s: float, credentials: grpc.ChannelCredentials | None = None,
-                 token: str = ""):
+    def __init__(
+        self, target: str, *, timeout_s: float, credentials: grpc.ChannelCredentials | None = None, token: str = ""
+    ):
         self.target, self.timeout_s = target, timeout_s
         self.tls = credentials is not None
         self.channel = open_channel(target, self.MAX_MESSAGE_BYTES, credentials, token)
@@ -77,20 +85,26 @@ class Client:
         if err.code != grpc.StatusCode.UNAVAILABLE or "Socket closed" not in err.details:
             return ""
         if self.tls:
-            return (f" (the {self.SERVICE} closed the connection during set-up: it may require a client "
-                    "certificate signed by its CA, which this client does not present)")
-        return (f" (the {self.SERVICE} closed the connection during set-up: it may require TLS, and this "
-                "client connects in plain text)")
+            return (
+                f" (the {self.SERVICE} closed the connection during set-up: it may require a client "
+                "certificate signed by its CA, which this client does not present)"
+            )
+        return (
+            f" (the {self.SERVICE} closed the connection during set-up: it may require TLS, and this "
+            "client connects in plain text)"
+        )
 
-    async def _unary(self, method, request, what: str, timeout_s: float | None,
-                     metadata: Sequence[tuple[str, str]] = ()) -> Any:
+    async def _unary(
+        self, method, request, what: str, timeout_s: float | None, metadata: Sequence[tuple[str, str]] = ()
+    ) -> Any:
         try:
             return await method(request, timeout=timeout_s or self.timeout_s, metadata=tuple(metadata) or None)
         except grpc.aio.AioRpcError as e:
             raise self._error(e, what) from None
 
-    async def _stream(self, method, request, what: str, timeout_s: float,
-                      metadata: Sequence[tuple[str, str]] = ()) -> AsyncIterator[Any]:
+    async def _stream(
+        self, method, request, what: str, timeout_s: float, metadata: Sequence[tuple[str, str]] = ()
+    ) -> AsyncIterator[Any]:
         """The responses of a server-streaming call; leaving the loop early (or being cancelled)
         cancels the call, so the callee stops its work."""
         call = method(request, timeout=timeout_s, metadata=tuple(metadata) or None)

@@ -38,8 +38,9 @@ import inspect
 import logging
 import mmap
 import os
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiofiles
 import grpc
@@ -122,7 +123,7 @@ class FetchStream:
     info: pb.DeltaInfo
     tensors: list[pb.TensorInfo]
     _call: Any
-    _client: "DeltaStoreClient"
+    _client: DeltaStoreClient
     # The store checked every byte against the sha256s (at Put or first sight of this version) or the
     # chunk crc32s recorded then: a receiver that trusts the store needs only the crc32s.
     verified: bool = False
@@ -145,8 +146,10 @@ class FetchStream:
                     continue
                 c = m.chunk
                 if c.tensor_index >= len(self.tensors):
-                    raise _integrity(f"delta {name!r}: a chunk for tensor #{c.tensor_index}, "
-                                     f"but the store announced {len(self.tensors)} tensors")
+                    raise _integrity(
+                        f"delta {name!r}: a chunk for tensor #{c.tensor_index}, "
+                        f"but the store announced {len(self.tensors)} tensors"
+                    )
                 if self.shared is None:
                     if c.length and c.length != len(c.data):
                         raise _integrity(f"delta {name!r}: a chunk of {c.length} bytes carries {len(c.data)}")
@@ -155,10 +158,13 @@ class FetchStream:
                 t = self.tensors[c.tensor_index]
                 start = t.file_offset + c.offset
                 if c.data or not c.length or c.offset + c.length > t.nbytes or start + c.length > len(self.shared):
-                    raise _integrity(f"delta {name!r}: tensor {t.name}: a shared-memory chunk (offset {c.offset}, "
-                                     f"{c.length} bytes) outside the tensor or the shared file", t.name)
+                    raise _integrity(
+                        f"delta {name!r}: tensor {t.name}: a shared-memory chunk (offset {c.offset}, "
+                        f"{c.length} bytes) outside the tensor or the shared file",
+                        t.name,
+                    )
                 left -= c.length
-                yield Piece(c.tensor_index, c.offset, self.shared[start: start + c.length], c.crc32)
+                yield Piece(c.tensor_index, c.offset, self.shared[start : start + c.length], c.crc32)
         except grpc.aio.AioRpcError as e:
             raise self._client._error(e, f"Fetch({name[:80]!r})") from None
         finally:
@@ -177,8 +183,15 @@ class DeltaStoreClient(Client):
     ERROR_TYPES = _TYPES
     MAX_MESSAGE_BYTES = MAX_MESSAGE_BYTES
 
-    def __init__(self, target: str, *, timeout_s: float = 30.0, fetch_timeout_s: float = 600.0,
-                 credentials: grpc.ChannelCredentials | None = None, token: str = ""):
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float = 30.0,
+        fetch_timeout_s: float = 600.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        token: str = "",
+    ):
         super().__init__(target, timeout_s=timeout_s, credentials=credentials, token=token)  # TLS, bearer
         self.fetch_timeout_s = fetch_timeout_s
         self._stub = pb_grpc.DeltaStoreServiceStub(self.channel)
@@ -192,19 +205,26 @@ class DeltaStoreClient(Client):
     async def delete(self, name: str, timeout_s: float | None = None) -> None:
         await self._unary(self._stub.Delete, pb.DeleteRequest(name=name), f"Delete({name[:80]!r})", timeout_s)
 
-    async def put(self, name: str, data: bytes | str | os.PathLike, *, overwrite: bool = False,
-                  chunk_bytes: int = 1 << 20, timeout_s: float | None = None,
-                  on_sent: Callable[[int], None] | None = None) -> pb.DeltaInfo:
+    async def put(
+        self,
+        name: str,
+        data: bytes | str | os.PathLike,
+        *,
+        overwrite: bool = False,
+        chunk_bytes: int = 1 << 20,
+        timeout_s: float | None = None,
+        on_sent: Callable[[int], None] | None = None,
+    ) -> pb.DeltaInfo:
         """Upload a delta file (a path, or its bytes); returns what the store verified and stored.
         `on_sent(n)` is called as each piece of n bytes goes out (a progress bar)."""
-        size = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else os.path.getsize(data)
+        size = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else os.path.getsize(data)  # noqa: ASYNC240 (one stat)
         header = pb.PutRequest(header=pb.PutHeader(name=name, size_bytes=size, overwrite=overwrite))
 
         async def read():
             if isinstance(data, (bytes, bytearray, memoryview)):
                 view = memoryview(data)
                 for i in range(0, size, chunk_bytes):
-                    yield bytes(view[i: i + chunk_bytes])
+                    yield bytes(view[i : i + chunk_bytes])
             else:
                 async with aiofiles.open(data, "rb") as f:
                     while piece := await f.read(chunk_bytes):
@@ -217,13 +237,21 @@ class DeltaStoreClient(Client):
                     on_sent(len(piece))
 
         try:  # the store answers the header before any data moves (bitdelta.rpc.client_stream)
-            return (await call_with_handshake(self._stub.Put(timeout=timeout_s or self.fetch_timeout_s),
-                                              header, pieces())).info
+            return (
+                await call_with_handshake(self._stub.Put(timeout=timeout_s or self.fetch_timeout_s), header, pieces())
+            ).info
         except grpc.aio.AioRpcError as e:
             raise self._error(e, f"Put({name[:80]!r})") from None
 
-    async def open_fetch(self, name: str, *, expect_base_fingerprint: str = "", chunk_bytes: int = 0,
-                         timeout_s: float | None = None, accept_shared_memory: bool = False) -> FetchStream:
+    async def open_fetch(
+        self,
+        name: str,
+        *,
+        expect_base_fingerprint: str = "",
+        chunk_bytes: int = 0,
+        timeout_s: float | None = None,
+        accept_shared_memory: bool = False,
+    ) -> FetchStream:
         """Start streaming delta `name`: returns once its header arrived (nothing else has moved).
 
         A base mismatch fails here (the store checks `expect_base_fingerprint` before any data, and
@@ -231,8 +259,12 @@ class DeltaStoreClient(Client):
         `accept_shared_memory`: see the module docstring; `transport` says what was used.
         """
         call = self._stub.Fetch(
-            pb.FetchRequest(name=name, chunk_bytes=chunk_bytes, expect_base_fingerprint=expect_base_fingerprint,
-                            accept_shared_memory=accept_shared_memory),
+            pb.FetchRequest(
+                name=name,
+                chunk_bytes=chunk_bytes,
+                expect_base_fingerprint=expect_base_fingerprint,
+                accept_shared_memory=accept_shared_memory,
+            ),
             timeout=timeout_s or self.fetch_timeout_s,
         )
         try:
@@ -248,9 +280,12 @@ class DeltaStoreClient(Client):
         info = first.info
         if expect_base_fingerprint and info.base_fingerprint != expect_base_fingerprint:
             call.cancel()
-            raise _local(BaseMismatch, grpc.StatusCode.FAILED_PRECONDITION,
-                         f"delta {name!r} was built for base {info.base_model!r} with fingerprint "
-                         f"{info.base_fingerprint[:16]}…, expected {expect_base_fingerprint[:16]}…")
+            raise _local(
+                BaseMismatch,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"delta {name!r} was built for base {info.base_model!r} with fingerprint "
+                f"{info.base_fingerprint[:16]}…, expected {expect_base_fingerprint[:16]}…",
+            )
         shared = None
         if accept_shared_memory and first.HasField("shared_memory"):  # unasked for, its chunks fail as empty
             try:
@@ -258,8 +293,9 @@ class DeltaStoreClient(Client):
             except OSError as e:
                 call.cancel()
                 log.warning("cannot map the store's shared memory for %r (%s); fetching it as a stream", name[:80], e)
-                return await self.open_fetch(name, expect_base_fingerprint=expect_base_fingerprint,
-                                             chunk_bytes=chunk_bytes, timeout_s=timeout_s)
+                return await self.open_fetch(
+                    name, expect_base_fingerprint=expect_base_fingerprint, chunk_bytes=chunk_bytes, timeout_s=timeout_s
+                )
         return FetchStream(info, list(first.tensors), call, self, verified=first.verified, shared=shared)
 
     async def fetch_into(
@@ -280,8 +316,13 @@ class DeltaStoreClient(Client):
         `on_tensor(index, tensor, buffer)` is called once per tensor, in file order,
         after its sha256 matched. Returns the delta's info and tensor list.
         """
-        stream = await self.open_fetch(name, expect_base_fingerprint=expect_base_fingerprint, chunk_bytes=chunk_bytes,
-                                       timeout_s=timeout_s, accept_shared_memory=accept_shared_memory)
+        stream = await self.open_fetch(
+            name,
+            expect_base_fingerprint=expect_base_fingerprint,
+            chunk_bytes=chunk_bytes,
+            timeout_s=timeout_s,
+            accept_shared_memory=accept_shared_memory,
+        )
         receiver = _Receiver(name, stream.tensors, alloc or (lambda t: bytearray(t.nbytes)))
         try:
             await receiver.flush_complete(on_tensor)  # empty tensors
@@ -323,7 +364,9 @@ class _Receiver:
             t = self.tensors[self.i]
             self.buf = self.alloc(t)
             if memoryview(self.buf).nbytes != t.nbytes:
-                raise ValueError(f"alloc returned {memoryview(self.buf).nbytes} bytes for tensor {t.name} of {t.nbytes}")
+                raise ValueError(
+                    f"alloc returned {memoryview(self.buf).nbytes} bytes for tensor {t.name} of {t.nbytes}"
+                )
             self.sha, self.pos = hashlib.sha256(), 0
             if t.nbytes:
                 return
@@ -341,12 +384,16 @@ class _Receiver:
         t = self.tensors[self.i] if self.i < len(self.tensors) else None
         if t is None or c.tensor_index != self.i or c.offset != self.pos or self.pos + len(c.data) > t.nbytes:
             where = t.name if t is not None else "after the last tensor"
-            raise _integrity(f"delta {self.name!r}: chunk (tensor {c.tensor_index}, offset {c.offset}) out of order; "
-                             f"expected tensor {self.i} ({where}) at offset {self.pos}", t and t.name)
+            raise _integrity(
+                f"delta {self.name!r}: chunk (tensor {c.tensor_index}, offset {c.offset}) out of order; "
+                f"expected tensor {self.i} ({where}) at offset {self.pos}",
+                t and t.name,
+            )
         if crc32(c.data) != c.crc32:
-            raise _integrity(f"delta {self.name!r}: tensor {t.name}: crc32 mismatch in the chunk at offset {c.offset}",
-                             t.name)
-        memoryview(self.buf).cast("B")[c.offset: c.offset + len(c.data)] = c.data
+            raise _integrity(
+                f"delta {self.name!r}: tensor {t.name}: crc32 mismatch in the chunk at offset {c.offset}", t.name
+            )
+        memoryview(self.buf).cast("B")[c.offset : c.offset + len(c.data)] = c.data
         self.sha.update(c.data)
         self.pos += len(c.data)
         if self.pos == t.nbytes:
@@ -363,5 +410,6 @@ class _Receiver:
     def check_done(self) -> None:
         if self.i != len(self.tensors):
             t = self.tensors[self.i]
-            raise _integrity(f"delta {self.name!r}: the stream ended inside tensor {t.name} "
-                             f"({self.pos} of {t.nbytes} bytes)", t.name)
+            raise _integrity(
+                f"delta {self.name!r}: the stream ended inside tensor {t.name} ({self.pos} of {t.nbytes} bytes)", t.name
+            )

@@ -10,7 +10,7 @@ Failures raise `RouterCallError` (an `RpcError`) with the router's status code.
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
@@ -31,33 +31,59 @@ class RouterClient(Client):
     SERVICE = "router"
     ERROR = RouterCallError
 
-    def __init__(self, target: str, *, timeout_s: float = 10.0, generate_timeout_s: float = 600.0,
-                 credentials: grpc.ChannelCredentials | None = None, token: str = ""):
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float = 10.0,
+        generate_timeout_s: float = 600.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        token: str = "",
+    ):
         super().__init__(target, timeout_s=timeout_s, credentials=credentials, token=token)  # TLS, bearer
         self.generate_timeout_s = generate_timeout_s
         self._stub = pb_grpc.RouterServiceStub(self.channel)
 
-    def generate_request(self, request: pb.GenerateRequest, timeout_s: float | None = None,
-                         metadata: Sequence[tuple[str, str]] = ()) -> AsyncIterator[pb.GenerateResponse]:
+    def generate_request(
+        self, request: pb.GenerateRequest, timeout_s: float | None = None, metadata: Sequence[tuple[str, str]] = ()
+    ) -> AsyncIterator[pb.GenerateResponse]:
         """The router's stream for `request`; leaving the loop early cancels the call downstream."""
-        return self._stream(self._stub.Generate, request, f"Generate({request.model_id[:80]!r})",
-                            timeout_s or self.generate_timeout_s, metadata)  # fmt: skip
+        return self._stream(
+            self._stub.Generate,
+            request,
+            f"Generate({request.model_id[:80]!r})",
+            timeout_s or self.generate_timeout_s,
+            metadata,
+        )
 
-    def generate(self, model_id: str, prompt: str, *, max_new_tokens: int = 0, temperature: float = 0.0,
-                 top_p: float = 0.0, stop: Sequence[str] = (), seed: int = 0, request_id: str = "",
-                 timeout_s: float | None = None,
-                 metadata: Sequence[tuple[str, str]] = ()) -> AsyncIterator[pb.GenerateResponse]:
-        sampling = gen_pb.SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                         stop=list(stop), seed=seed)  # fmt: skip
+    def generate(
+        self,
+        model_id: str,
+        prompt: str,
+        *,
+        max_new_tokens: int = 0,
+        temperature: float = 0.0,
+        top_p: float = 0.0,
+        stop: Sequence[str] = (),
+        seed: int = 0,
+        request_id: str = "",
+        timeout_s: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        sampling = gen_pb.SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop=list(stop), seed=seed
+        )
         req = pb.GenerateRequest(model_id=model_id, prompt=prompt, sampling=sampling, request_id=request_id)
         return self.generate_request(req, timeout_s, metadata)
 
-    async def list_models(self, timeout_s: float | None = None,
-                          metadata: Sequence[tuple[str, str]] = ()) -> list[pb.ModelInfo]:
+    async def list_models(
+        self, timeout_s: float | None = None, metadata: Sequence[tuple[str, str]] = ()
+    ) -> list[pb.ModelInfo]:
         r = await self._unary(self._stub.ListModels, pb.ListModelsRequest(), "ListModels", timeout_s, metadata)
         return list(r.models)
 
-    async def list_workers(self, timeout_s: float | None = None,
-                           metadata: Sequence[tuple[str, str]] = ()) -> list[pb.WorkerInfo]:
+    async def list_workers(
+        self, timeout_s: float | None = None, metadata: Sequence[tuple[str, str]] = ()
+    ) -> list[pb.WorkerInfo]:
         r = await self._unary(self._stub.ListWorkers, pb.ListWorkersRequest(), "ListWorkers", timeout_s, metadata)
         return list(r.workers)

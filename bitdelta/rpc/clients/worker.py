@@ -13,11 +13,10 @@ call, so the worker frees the sequence.
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Sequence
-
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
@@ -37,32 +36,51 @@ class WorkerClient(Client):
     SERVICE = "worker"
     ERROR = WorkerCallError
 
-    def __init__(self, target: str, *, timeout_s: float = 10.0, generate_timeout_s: float = 600.0,
-                 credentials: grpc.ChannelCredentials | None = None, token: str = ""):
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float = 10.0,
+        generate_timeout_s: float = 600.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        token: str = "",
+    ):
         super().__init__(target, timeout_s=timeout_s, credentials=credentials, token=token)  # TLS, bearer
         self.generate_timeout_s = generate_timeout_s
         self._stub = pb_grpc.GpuWorkerServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
-    def generate(self, request: pb.GenerateRequest, timeout_s: float | None = None,
-                 metadata: Sequence[tuple[str, str]] = ()) -> AsyncIterator[pb.GenerateResponse]:
+    def generate(
+        self, request: pb.GenerateRequest, timeout_s: float | None = None, metadata: Sequence[tuple[str, str]] = ()
+    ) -> AsyncIterator[pb.GenerateResponse]:
         """The worker's stream for `request`; breaking out of the loop (or being cancelled) cancels the call."""
-        return self._stream(self._stub.Generate, request, f"Generate({request.model_id[:80]!r})",
-                            timeout_s or self.generate_timeout_s, metadata)  # fmt: skip
+        return self._stream(
+            self._stub.Generate,
+            request,
+            f"Generate({request.model_id[:80]!r})",
+            timeout_s or self.generate_timeout_s,
+            metadata,
+        )
 
     async def load_delta(self, name: str, pin: bool = False, timeout_s: float | None = None) -> pb.LoadDeltaResponse:
-        return await self._unary(self._stub.LoadDelta, pb.LoadDeltaRequest(name=name, pin=pin),
-                                 f"LoadDelta({name[:80]!r})", timeout_s or self.generate_timeout_s)  # fmt: skip
+        return await self._unary(
+            self._stub.LoadDelta,
+            pb.LoadDeltaRequest(name=name, pin=pin),
+            f"LoadDelta({name[:80]!r})",
+            timeout_s or self.generate_timeout_s,
+        )
 
     async def evict_delta(self, name: str, timeout_s: float | None = None) -> pb.EvictDeltaResponse:
-        return await self._unary(self._stub.EvictDelta, pb.EvictDeltaRequest(name=name), f"EvictDelta({name[:80]!r})",
-                                 timeout_s)  # fmt: skip
+        return await self._unary(
+            self._stub.EvictDelta, pb.EvictDeltaRequest(name=name), f"EvictDelta({name[:80]!r})", timeout_s
+        )
 
     async def status(self, timeout_s: float | None = None) -> pb.StatusResponse:
         return await self._unary(self._stub.Status, pb.StatusRequest(), "Status", timeout_s)
 
     async def serving(self, timeout_s: float | None = None) -> bool:
         """Whether the worker's health says SERVING (False while loading its base or draining)."""
-        r = await self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=SERVICE_NAME), "Health.Check",
-                              timeout_s)  # fmt: skip
+        r = await self._unary(
+            self._health.Check, health_pb2.HealthCheckRequest(service=SERVICE_NAME), "Health.Check", timeout_s
+        )
         return r.status == health_pb2.HealthCheckResponse.SERVING

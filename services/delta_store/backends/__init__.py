@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
-
-from services.delta_store.errors import InvalidName
 
 from bitdelta.format import DELTA_SUFFIX as SUFFIX  # noqa: F401  (re-exported: object name = variant name + SUFFIX)
+from services.delta_store.errors import InvalidName
+
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
@@ -71,7 +71,7 @@ class Reader(ABC):
         pos = 0
         while pos < len(view):
             want = min(block, len(view) - pos)
-            n = await self.readinto(pos, view[pos: pos + want])
+            n = await self.readinto(pos, view[pos : pos + want])
             pos += n
             yield pos
             if n < want:
@@ -80,7 +80,7 @@ class Reader(ABC):
     @abstractmethod
     async def aclose(self) -> None: ...
 
-    async def __aenter__(self) -> "Reader":
+    async def __aenter__(self) -> Reader:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -120,7 +120,7 @@ class Backend(ABC):
     @abstractmethod
     async def delete(self, name: str) -> None: ...
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 (optional: most backends hold nothing to close)
         pass
 
     async def read_range(self, name: str, offset: int, length: int) -> bytes:
@@ -140,6 +140,9 @@ def make_backend(config) -> Backend:
     from services.delta_store.backends.s3 import S3Backend
 
     return S3Backend(
-        bucket=config.s3_bucket, prefix=config.s3_prefix, endpoint=config.s3_endpoint,
-        region=config.s3_region, timeout_s=config.backend_timeout_s,
+        bucket=config.s3_bucket,
+        prefix=config.s3_prefix,
+        endpoint=config.s3_endpoint,
+        region=config.s3_region,
+        timeout_s=config.backend_timeout_s,
     )

@@ -23,8 +23,8 @@ import os
 import stat
 import threading
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import aiofiles
 
@@ -172,7 +172,7 @@ class _LocalReader(Reader):
             pos, end = 0, None
             try:
                 while pos < len(view) and not stop.is_set():
-                    n = os.preadv(fd, [view[pos: pos + block]], pos)
+                    n = os.preadv(fd, [view[pos : pos + block]], pos)
                     if n == 0:  # the file is shorter than the view: the caller sees where it ended
                         break
                     pos += n

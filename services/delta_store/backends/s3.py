@@ -33,16 +33,28 @@ READ_AHEAD = 3  # ranged GETs in flight ahead of a sequential reader
 class S3Backend(Backend):
     kind = "s3"
 
-    def __init__(self, bucket: str, prefix: str = "", endpoint: str | None = None, region: str = "us-east-1",
-                 timeout_s: float = 5.0, access_key: str | None = None, secret_key: str | None = None,
-                 max_threads: int = 16):
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        endpoint: str | None = None,
+        region: str = "us-east-1",
+        timeout_s: float = 5.0,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        max_threads: int = 16,
+    ):
         self.bucket, self.prefix = bucket, prefix
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="s3-backend")
         self._s3 = boto3.session.Session().client(
-            "s3", endpoint_url=endpoint, region_name=region,
-            aws_access_key_id=access_key, aws_secret_access_key=secret_key,
+            "s3",
+            endpoint_url=endpoint,
+            region_name=region,
+            aws_access_key_id=access_key,
+            aws_secret_access_key=secret_key,
             config=BotoConfig(
-                connect_timeout=timeout_s, read_timeout=timeout_s,
+                connect_timeout=timeout_s,
+                read_timeout=timeout_s,
                 retries={"max_attempts": 2, "mode": "standard"},
                 max_pool_connections=max_threads,
                 s3={"addressing_style": "path"},
@@ -64,7 +76,9 @@ class S3Backend(Backend):
             if code in ("NoSuchKey", "404", "NotFound") and name is not None:
                 raise NotFound(name) from None
             if code == "NoSuchBucket":
-                raise BackendUnavailable(f"{self._where}: the bucket does not exist; create it or fix --s3-bucket") from None
+                raise BackendUnavailable(
+                    f"{self._where}: the bucket does not exist; create it or fix --s3-bucket"
+                ) from None
             if code in ("PreconditionFailed", "412"):
                 raise BackendUnavailable(f"{self._where}: {name!r} changed while it was read; retry") from None
             raise BackendUnavailable(f"{self._where}: {code or status} {err.get('Message', '')}".rstrip()) from None
@@ -79,7 +93,7 @@ class S3Backend(Backend):
                 kw["ContinuationToken"] = token
             page = await self._call(None, self._s3.list_objects_v2, **kw)
             for o in page.get("Contents", []):
-                rest = o["Key"][len(self.prefix):]
+                rest = o["Key"][len(self.prefix) :]
                 if not rest.endswith(SUFFIX):
                     continue
                 try:
@@ -100,8 +114,9 @@ class S3Backend(Backend):
 
     async def _get(self, name: str, etag: str, offset: int, length: int) -> bytes:
         def get():
-            r = self._s3.get_object(Bucket=self.bucket, Key=self._key(name), IfMatch=etag,
-                                    Range=f"bytes={offset}-{offset + length - 1}")
+            r = self._s3.get_object(
+                Bucket=self.bucket, Key=self._key(name), IfMatch=etag, Range=f"bytes={offset}-{offset + length - 1}"
+            )
             with r["Body"] as body:
                 return body.read()
 
@@ -172,8 +187,15 @@ class _S3Upload(Upload):
             self._upload_id = r["UploadId"]
         number = len(self._parts) + 1
         body, self._buf = bytes(self._buf), bytearray()
-        r = await b._call(self._name, b._s3.upload_part, Bucket=b.bucket, Key=self._key,
-                          UploadId=self._upload_id, PartNumber=number, Body=body)
+        r = await b._call(
+            self._name,
+            b._s3.upload_part,
+            Bucket=b.bucket,
+            Key=self._key,
+            UploadId=self._upload_id,
+            PartNumber=number,
+            Body=body,
+        )
         self._parts.append({"PartNumber": number, "ETag": r["ETag"]})
 
     async def write(self, data) -> None:
@@ -197,8 +219,14 @@ class _S3Upload(Upload):
         else:
             if self._buf:
                 await self._flush_part()
-            await b._call(self._name, b._s3.complete_multipart_upload, Bucket=b.bucket, Key=self._key,
-                          UploadId=self._upload_id, MultipartUpload={"Parts": self._parts})
+            await b._call(
+                self._name,
+                b._s3.complete_multipart_upload,
+                Bucket=b.bucket,
+                Key=self._key,
+                UploadId=self._upload_id,
+                MultipartUpload={"Parts": self._parts},
+            )
             self._upload_id = None
         return await b.head(self._name)
 
@@ -207,7 +235,12 @@ class _S3Upload(Upload):
         if self._upload_id is not None:
             upload_id, self._upload_id = self._upload_id, None
             try:
-                await self._b._call(self._name, self._b._s3.abort_multipart_upload, Bucket=self._b.bucket,
-                                    Key=self._key, UploadId=upload_id)
+                await self._b._call(
+                    self._name,
+                    self._b._s3.abort_multipart_upload,
+                    Bucket=self._b.bucket,
+                    Key=self._key,
+                    UploadId=upload_id,
+                )
             except (BackendUnavailable, NotFound):
                 pass  # the store's lifecycle rules reap abandoned uploads
