@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from bitdelta.bits import pack_signs, packed_cols, unpack_signs
 from bitdelta.precision import cpu_precision, precision_for, serving_dtype
 from kernels import MergedWeightCache, cpu_ops, plan_batch
+from kernels.bits import pack_signs, packed_cols, unpack_signs
 from kernels.cpu_build import cpu_isa
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bitdelta.bits import pack_signs, unpack_signs
 from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config, save_checkpoint
 from bitdelta.format import DeltaMeta, load_delta, write_delta
 from bitdelta.model import PROJECTIONS
+from kernels.bits import pack_signs, unpack_signs
 
 EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
 

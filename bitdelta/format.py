@@ -1,7 +1,7 @@
 """The BitDelta delta file, format v1 (spec: docs/delta-format.md).
 
 One safetensors file per variant. For each compressed weight P [d_out, d_in]:
-`P.sign` uint8 [d_out, ceil(d_in/8)] (bit convention in `bitdelta.bits`) and
+`P.sign` uint8 [d_out, ceil(d_in/8)] (bit convention in `kernels.bits`) and
 `P.alpha` float32 [d_out] or [1]. Parameters stored whole: `P.dense`. The
 header's `__metadata__` carries the format version, variant, base model and
 base fingerprint, α mode, distillation record, tool version, the original

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bitdelta.bits import unpack_signs
+from kernels import bitdelta_linear
+from kernels.bits import unpack_signs
 
 # The projection weights BitDelta compresses (the paper compresses exactly these).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -302,8 +303,6 @@ class BitDeltaLinear(nn.Module):
         if self.alpha.requires_grad and torch.is_grad_enabled():
             y = self._differentiable(x2)
         else:
-            from kernels import bitdelta_linear
-
             y = bitdelta_linear(x2, self.weight, self.signs, self.alpha)
         return y.reshape(*lead, self.out_features)
 

@@ -8,6 +8,9 @@
 
 Triton on CUDA (and in the interpreter under TRITON_INTERPRET=1), compiled C on
 CPU, torch references as oracle and fallback. See docs/kernels.md.
+
+The sign packing every layer reads is `kernels.bits`. This package imports nothing else
+of the project: the core (`bitdelta`) imports it, never the reverse.
 """
 
 from kernels.dispatch import backend_for, bitdelta_delta_batched, bitdelta_linear

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from bitdelta.bits import packed_cols, unpack_signs
+from kernels.bits import packed_cols, unpack_signs
 from kernels.cpu_build import cpu_isa, load_cpu_lib
 from kernels.reference import bitdelta_linear_ref
 

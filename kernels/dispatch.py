@@ -16,8 +16,8 @@ import os
 
 import torch
 
-from bitdelta.bits import packed_cols
 from kernels import cpu_ops
+from kernels.bits import packed_cols
 from kernels.configs import config_for, fit, interpreting, smem_limit
 from kernels.plan import BatchPlan, plan_batch
 from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
@@ -56,7 +56,7 @@ def bitdelta_linear(x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, 
     """y = x · W_baseᵀ + α ⊙ (x · Sᵀ), never forming W_base + α·S in memory on GPU.
 
     x: [..., d_in] fp16/bf16/fp32; w_base: [d_out, d_in]; signs: uint8 [d_out, ceil(d_in/8)]
-    (bitdelta.bits convention); alpha: [d_out] (per row) or [1] (per matrix)
+    (kernels.bits convention); alpha: [d_out] (per row) or [1] (per matrix)
     -> y: [..., d_out] in x.dtype.
     """
     d_out, d_in = w_base.shape

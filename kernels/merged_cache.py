@@ -15,8 +15,8 @@ from collections.abc import Hashable
 
 import torch
 
-from bitdelta.bits import unpack_signs
 from kernels import cpu_ops
+from kernels.bits import unpack_signs
 
 
 def merge_weights(w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from bitdelta.bits import unpack_signs
+from kernels.bits import unpack_signs
 
 
 def bitdelta_linear_ref(

@@ -14,13 +14,29 @@ SERVICES = sorted(p.name for p in (ROOT / "services").iterdir() if (p / "__init_
 
 
 def imports_of(path: Path) -> set[str]:
+    """Every module `path` imports, at the top or inside a function (ast.walk sees both),
+    including `importlib.import_module("x")` with a literal name."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             out.add(node.module)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute | ast.Name)
+            and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            out.add(node.args[0].value)
     return out
+
+
+def package_imports(package: str) -> list[tuple[str, str]]:
+    """(file, imported module) for every import in the top-level package `package`."""
+    return [(str(f.relative_to(ROOT)), m) for f in sorted((ROOT / package).rglob("*.py")) for m in imports_of(f)]
 
 
 def test_no_service_imports_another():
@@ -55,3 +71,24 @@ def test_importing_the_router_loads_no_torch_and_no_other_service():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_kernels_import_nothing_of_the_core_or_the_services():
+    """The arrows point one way: `bitdelta` imports `kernels` (the model's fused linear, the bit
+    convention in `kernels.bits`), so no module of `kernels` may import `bitdelta` (or a service)."""
+    assert ("bitdelta/model.py", "kernels") in package_imports("bitdelta")  # the direction kept
+    bad = [f"{f} imports {m}" for f, m in package_imports("kernels") if m.split(".")[0] in ("bitdelta", "services")]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_core_imports_no_service():
+    bad = [f"{f} imports {m}" for f, m in package_imports("bitdelta") if m.split(".")[0] == "services"]
+    assert not bad, "\n".join(bad)
+
+
+def test_import_rules_see_imports_inside_functions(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text(
+        "def g():\n    from bitdelta import model\n    import importlib\n    importlib.import_module('kernels.bits')\n"
+    )
+    assert imports_of(f) == {"bitdelta", "importlib", "kernels.bits"}

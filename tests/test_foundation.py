@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from bitdelta.bits import pack_signs, unpack_signs
 from bitdelta.checkpoint import CheckpointReader, fingerprint
 from bitdelta.compress import apply, compress
 from bitdelta.format import BaseMismatchError, DeltaFormatError, load_delta, read_header, verify
 from bitdelta.model import BitDeltaLinear, attach_delta, load_model
 from bitdelta.testing import make_base, make_finetune, make_tiny_family, tiny_args
+from kernels.bits import pack_signs, unpack_signs
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 from kernel_cases import delta_fidelity, delta_term, make_realistic
 
-from bitdelta.bits import unpack_signs
 from kernels import bitdelta_delta_batched, plan_batch
+from kernels.bits import unpack_signs
 from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
 from kernels.triton_linear import bitdelta_linear_triton
 

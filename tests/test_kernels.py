@@ -12,8 +12,8 @@ import pytest
 import torch
 from kernel_cases import make_linear, rel_err
 
-from bitdelta.bits import pack_signs
 from kernels import bitdelta_delta_batched, bitdelta_linear, plan_batch
+from kernels.bits import pack_signs
 from kernels.dispatch import backend_for
 from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
 from kernels.triton_linear import bitdelta_linear_triton

@@ -9,8 +9,8 @@ import torch
 from kernel_cases import make_linear as make
 from kernel_cases import rel_err
 
-from bitdelta.bits import pack_signs, unpack_signs
 from kernels import MergedWeightCache, bitdelta_delta_batched, bitdelta_linear, cpu_build, cpu_ops
+from kernels.bits import pack_signs, unpack_signs
 from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
 
 SHAPES = [(72, 100), (264, 257), (33, 17), (5, 8), (16, 1)]  # (d_out, d_in), ragged against 8 and 16

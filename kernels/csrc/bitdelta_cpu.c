@@ -3,7 +3,7 @@
  * Plain C (no torch headers) so that it compiles in about a second and does
  * not depend on the torch ABI; -march=native picks the SIMD path of the host.
  *
- * Bit convention (bitdelta/bits.py): column k of a row is bit (k mod 8) of
+ * Bit convention (kernels/bits.py): column k of a row is bit (k mod 8) of
  * byte k/8, LSB first; bit 1 = +1, bit 0 = -1. So 16 consecutive columns
  * starting at a multiple of 16 are exactly the little-endian uint16 at byte
  * 2j: that word IS an AVX-512 lane mask, and no bit is ever unpacked.

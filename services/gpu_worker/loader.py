@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from bitdelta.bits import packed_cols
 from bitdelta.format import DTYPES, DeltaFormatError
 from bitdelta.rpc.checksums import crc32 as crc32_of
+from kernels.bits import packed_cols
 from services.gpu_worker.errors import ChecksumError
 from services.gpu_worker.slots import EMBED, HEAD, BigTensor, NormPlace, ProjPlace, SlotExtras, SlotLayout, SlotTensors
 from services.gpu_worker.sources import DeltaInfo, TensorSpec

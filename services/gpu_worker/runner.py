@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from bitdelta.bits import unpack_signs
 from bitdelta.model import ModelArgs, apply_rope, load_model, rope_tables
 from kernels import bitdelta_delta_batched, bitdelta_linear, plan_batch
+from kernels.bits import unpack_signs
 from services.gpu_worker.slots import GROUPS, NORMS, SlotTensors
 
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bitdelta.bits import packed_cols
 from bitdelta.model import ModelArgs
+from kernels.bits import packed_cols
 
 # group -> the projections it concatenates, in order, and their module path
 GROUPS: dict[str, tuple[tuple[str, str], ...]] = {

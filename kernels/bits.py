@@ -1,4 +1,4 @@
-"""The one bit convention of the project.
+"""The one bit convention of the project (kernels, delta files, the worker's slots).
 
 Column k of a row is bit (k mod 8) of byte (k div 8), least significant bit
 first; bit 1 means +1 (Δ ≥ 0, so sign(0) = +1) and bit 0 means −1. This is
