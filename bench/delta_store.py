@@ -144,7 +144,7 @@ async def grpc_fetch(target: str, name: str) -> float:
 
     from bitdelta.delta_store.v1 import delta_store_pb2 as pb
     from bitdelta.delta_store.v1 import delta_store_pb2_grpc as pb_grpc
-    from bitdelta.rpc.clients.delta_store import MAX_MESSAGE_BYTES
+    from bitdelta.rpc.wire.delta_store import MAX_MESSAGE_BYTES
 
     async with grpc.aio.insecure_channel(
         target, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]

@@ -61,6 +61,18 @@ def test_rpc_layer_imports_no_service_and_no_torch():
     assert not bad, "\n".join(bad)
 
 
+def test_the_store_server_imports_no_client():
+    """The store and its client share the protocol's constants through `bitdelta.rpc.wire`, never
+    the server through its own client."""
+    bad = [
+        f"{f.relative_to(ROOT)} imports {m}"
+        for f in (ROOT / "services" / "delta_store").rglob("*.py")
+        for m in imports_of(f)
+        if m == "bitdelta.rpc.clients" or m.startswith("bitdelta.rpc.clients.")
+    ]
+    assert not bad, "\n".join(bad)
+
+
 def test_importing_the_router_loads_no_torch_and_no_other_service():
     code = (
         "import sys, services.router.server, services.router.__main__, bitdelta.rpc.clients.worker, "

@@ -12,4 +12,6 @@
 - `clients`: the delta store's, the worker's and the router's clients; a
   deadline on every call, errors as `RpcError` subclasses with their code.
 - `checksums`: the crc32 of Fetch chunks.
+- `wire`: each protocol's constants beyond its protos (the delta store's chunk
+  limits, trailer key and shared-memory lease), shared by server and client.
 """

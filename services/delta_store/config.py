@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import ClassVar
 from urllib.parse import urlparse
 
-from bitdelta.rpc.clients.delta_store import MAX_CHUNK_BYTES
 from bitdelta.rpc.config import ConfigError, ProcessSettings, ServiceConfig, check_address, setting
 from bitdelta.rpc.security import AuthSettings, TlsSettings
+from bitdelta.rpc.wire.delta_store import MAX_CHUNK_BYTES
 from bitdelta.units import parse_bytes
 
-__all__ = ["Config", "ConfigError", "MAX_CHUNK_BYTES"]
+__all__ = ["Config", "ConfigError"]
 
 
 @dataclass(frozen=True)

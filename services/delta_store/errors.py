@@ -8,7 +8,7 @@ what is wrong and, where it helps, what to do.
 
 from __future__ import annotations
 
-from bitdelta.rpc.clients.delta_store import TENSOR_METADATA_KEY
+from bitdelta.rpc.wire.delta_store import TENSOR_METADATA_KEY
 
 
 class StoreError(Exception):

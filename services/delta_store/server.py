@@ -20,11 +20,11 @@ from bitdelta.delta_store.v1 import delta_store_pb2_grpc as pb_grpc
 from bitdelta.format import BaseMismatchError
 from bitdelta.rpc import telemetry
 from bitdelta.rpc.client_stream import ClientStream
-from bitdelta.rpc.clients.delta_store import MAX_MESSAGE_BYTES
 from bitdelta.rpc.metrics import StoreMetrics
 from bitdelta.rpc.security import AuthInterceptor, Role
 from bitdelta.rpc.serve import Server, Service, run_until_signal
 from bitdelta.rpc.serve import create_server as create_rpc_server
+from bitdelta.rpc.wire.delta_store import MAX_MESSAGE_BYTES, SHARED_LEASE_S
 from services.delta_store.backends import Backend, make_backend
 from services.delta_store.cache import HostCache
 from services.delta_store.config import Config
@@ -36,7 +36,7 @@ from services.delta_store.errors import (
     InvalidUpload,
     NotFound,
 )
-from services.delta_store.shm import SHARED_LEASE_S, SharedMemoryDir
+from services.delta_store.shm import SharedMemoryDir
 from services.delta_store.store import DeltaStore
 
 log = logging.getLogger("services.delta_store")

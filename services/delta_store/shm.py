@@ -16,7 +16,7 @@ What keeps it safe:
   of dropped entries are reused for new entries (fresh memory-filesystem pages
   cost more than a fast disk's read of them: fallocate and first-touch faults
   measured 0.6 s/GB here); a receiver that overstays the lease
-  (`SHARED_LEASE_S`) may see the file change, and its crc32 check fails
+  (`bitdelta.rpc.wire.delta_store.SHARED_LEASE_S`) may see the file change, and its crc32 check fails
   (DATA_LOSS), never a silent wrong byte.
 - Space is reserved with `posix_fallocate` before the first write, so a full
   memory filesystem is an ENOSPC at reserve time (the entry then lives in
@@ -43,7 +43,6 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 PREFIX = "store-"
-SHARED_LEASE_S = 60.0  # how long a shared Fetch waits after its last chunk for the receiver to end it
 
 
 @dataclass

@@ -39,7 +39,7 @@ from opentelemetry import trace
 
 from bitdelta.format import DeltaFormatError, DeltaHeader, check_base, check_structure, header_length, parse_header
 from bitdelta.rpc.checksums import crc32, crc32_combine
-from bitdelta.rpc.clients.delta_store import MAX_CHUNK_BYTES
+from bitdelta.rpc.wire.delta_store import MAX_CHUNK_BYTES
 from services.delta_store.backends import Backend, ObjectInfo, Reader, check_name
 from services.delta_store.cache import Entry, HostCache
 from services.delta_store.errors import AlreadyExists, BackendUnavailable, CorruptDelta, InvalidUpload, NotFound

@@ -51,10 +51,8 @@ from bitdelta.rpc.checksums import crc32
 from bitdelta.rpc.client_stream import call_with_handshake
 from bitdelta.rpc.clients.base import Client
 from bitdelta.rpc.errors import RpcError
+from bitdelta.rpc.wire.delta_store import MAX_MESSAGE_BYTES, TENSOR_METADATA_KEY
 
-MAX_CHUNK_BYTES = 16 * 1024 * 1024  # largest Fetch chunk payload the store sends
-MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 20)  # a chunk plus the first message's header listing
-TENSOR_METADATA_KEY = "bitdelta-tensor"  # trailing metadata of DATA_LOSS: the bad tensor's name
 SERVICE = "delta store"
 log = logging.getLogger(__name__)
 
