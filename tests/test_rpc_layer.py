@@ -17,15 +17,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bitdelta.rpc import client_stream
 from bitdelta.rpc.client_stream import ClientStream, call_with_handshake
 from bitdelta.rpc.config import ConfigError, ServiceConfig, check_address, parse_list, setting
-from bitdelta.rpc.errors import RpcError, clip, status_of
+from bitdelta.rpc.errors import RpcError, ServiceError, clip, status_of
 from bitdelta.rpc.serve import Service, create_server
 from bitdelta.units import parse_bytes
 
 SERVICE = "test.v1.Echo"
 
 
-class Missing(Exception):
-    pass
+class Missing(ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
 
 
 def _echo_service(release: asyncio.Event) -> Service:
@@ -37,6 +37,8 @@ def _echo_service(release: asyncio.Event) -> Service:
             raise RpcError("store said no", grpc.StatusCode.INVALID_ARGUMENT)
         if text == "long":
             raise Missing("x" * 50_000)
+        if text == "lookup":  # outside the ServiceError family: the status table's
+            raise KeyError("no such key")
         if text == "bug":
             raise ZeroDivisionError("oops")
         if text == "odd trailer":  # e.g. a tensor name read from a corrupted header
@@ -76,13 +78,14 @@ def _echo_service(release: asyncio.Event) -> Service:
 
 async def test_server_skeleton_maps_errors_and_drains():
     release = asyncio.Event()
-    server = create_server("127.0.0.1:0", [_echo_service(release)], {Missing: grpc.StatusCode.NOT_FOUND})
+    server = create_server("127.0.0.1:0", [_echo_service(release)], {LookupError: grpc.StatusCode.NOT_FOUND})
     await server.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
         say = ch.unary_unary(f"/{SERVICE}/Say")
         assert await say(b"hello", timeout=10) == b"hello"
         for text, code in [
             ("missing", grpc.StatusCode.NOT_FOUND),
+            ("lookup", grpc.StatusCode.NOT_FOUND),
             ("downstream", grpc.StatusCode.INVALID_ARGUMENT),
             ("bug", grpc.StatusCode.INTERNAL),
             ("long", grpc.StatusCode.NOT_FOUND),
@@ -115,7 +118,7 @@ async def test_server_skeleton_maps_errors_and_drains():
 
 
 def test_status_kept_across_hops():
-    class Wrapped(Exception):
+    class Wrapped(ServiceError):
         def __init__(self, cause):
             self.code = status_of(cause, {})
 

@@ -1,12 +1,13 @@
 """The one RPC layer the services share. Imports neither torch nor any service.
 
-- `serve`: `create_server(address, services, status_table)` -> a `Server` with
-  `grpc.health.v1`, reflection, ONE interceptor that maps domain exceptions to
-  status codes (`errors.status_of`), in-flight accounting and graceful drain;
+- `serve`: `create_server(address, services)` -> a `Server` with
+  `grpc.health.v1`, reflection, ONE interceptor that answers domain exceptions
+  with their status codes (`errors.status_of`), in-flight accounting and graceful drain;
   `run_until_signal` is the process lifecycle (SIGTERM -> NOT_SERVING ->
   in-flight calls finish within the grace period -> stop).
-- `errors`: `RpcError` (a call to another service failed; its status code is
-  kept across hops), `status_of`, message clipping.
+- `errors`: `ServiceError` (every service's errors: each class carries its
+  status code), `RpcError` (a call to another service failed; its status code
+  is kept across hops), `status_of`, message clipping.
 - `config`: a typed, frozen dataclass -> command-line flags + environment
   variables + a start-up check with a clear error (`ServiceConfig`).
 - `clients`: the delta store's, the worker's and the router's clients; a

@@ -1,15 +1,18 @@
 """Errors across service boundaries: one status code per failure, kept across hops.
 
-A service's core raises its own domain exceptions; the server's one interceptor
-turns them into status codes through `status_of(e, table)`:
+Every service's domain errors are one family, `ServiceError`: each class names
+the status code it answers with (`code = grpc.StatusCode.NOT_FOUND`), and may
+carry trailing metadata (`trailers`). The server's one interceptor turns any
+exception into a status code through `status_of(e, table)`:
 
-1. an exception that carries its own `code` (a `grpc.StatusCode`) keeps it —
-   this is how a downstream status survives a hop: a client raises `RpcError`
-   with the downstream code, the service lets it propagate (or wraps it in a
-   domain error that copies the code), and the caller upstream sees the same
-   code. A store-side INVALID_ARGUMENT is never turned into a retryable
-   UNAVAILABLE;
-2. otherwise the first type in the service's table that matches;
+1. a `ServiceError` answers with its `code` — this is also how a downstream
+   status survives a hop: a client raises `RpcError` (a `ServiceError` whose
+   code is the one the callee returned), the service lets it propagate (or
+   wraps it in a domain error that copies the code), and the caller upstream
+   sees the same code. A store-side INVALID_ARGUMENT is never turned into a
+   retryable UNAVAILABLE;
+2. otherwise (exceptions of the core and standard libraries, which know no
+   gRPC) the first type in the service's table that matches;
 3. otherwise INTERNAL.
 
 Messages echo what the caller sent, so they are clipped (`clip`): a 20,000
@@ -20,19 +23,29 @@ limit" from the transport.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 
 import grpc
 
 MAX_MESSAGE_CHARS = 1024  # status details are sent as metadata (8 KiB limit by default)
 MAX_ECHO_CHARS = 80  # how much of a caller's value an error message repeats
 
-StatusTable = Mapping[type, grpc.StatusCode]
+StatusTable = Mapping[type, grpc.StatusCode]  # exception types outside the ServiceError family -> code
+NO_TABLE: StatusTable = MappingProxyType({})
 
 # Codes after which the same request may succeed elsewhere or later.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
 
 
-class RpcError(Exception):
+class ServiceError(Exception):
+    """Base of every service's domain errors. A subclass names its status code; an instance may
+    set its own (`RpcError`: the callee's). `trailers` travel as the status's trailing metadata."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    trailers: Mapping[str, str] = MappingProxyType({})
+
+
+class RpcError(ServiceError):
     """A call to another service failed. `code` is the status it returned (kept upstream),
     `service` which service, `details` its message, `trailers` its trailing metadata."""
 
@@ -70,11 +83,10 @@ def from_aio_error(
     )
 
 
-def status_of(e: BaseException, table: StatusTable) -> grpc.StatusCode:
+def status_of(e: BaseException, table: StatusTable = NO_TABLE) -> grpc.StatusCode:
     """The status code of any exception a service raises (see the module docstring)."""
-    code = getattr(e, "code", None)
-    if isinstance(code, grpc.StatusCode):
-        return code
+    if isinstance(e, ServiceError):
+        return e.code
     for t, c in table.items():
         if isinstance(e, t):
             return c

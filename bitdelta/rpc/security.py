@@ -46,6 +46,7 @@ from pathlib import Path
 import grpc
 
 from bitdelta.rpc.config import ConfigError, check_address, check_files, setting
+from bitdelta.rpc.errors import ServiceError
 
 log = logging.getLogger("bitdelta.rpc.security")
 AUTH_METADATA_KEY = "authorization"  # what the gateway forwards from HTTP's Authorization header
@@ -293,7 +294,9 @@ def bearer_token(metadata) -> str | None:
     return None
 
 
-class AuthError(Exception):
+class AuthError(ServiceError):
+    """A call without the right credentials: UNAUTHENTICATED or PERMISSION_DENIED."""
+
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code = code

@@ -1,7 +1,7 @@
 """The one server skeleton every service runs on.
 
     server = create_server("127.0.0.1:0", [Service(NAME, lambda s: add_XServicer_to_server(servicer, s))],
-                           status_table={MyNotFound: grpc.StatusCode.NOT_FOUND})
+                           status_table={FileNotFoundError: grpc.StatusCode.NOT_FOUND})
     await server.start()                      # health SERVING (or `serving=False` until ready)
     print(server.port)                        # port 0 picks a free port (tests)
     await run_until_signal(server, grace_s=10, on_stop=core.close)   # the process
@@ -10,7 +10,9 @@ What every service gets:
 - `grpc.health.v1` for "" and each service; reflection for all of them.
 - ONE interceptor around the domain services' methods (never around health or
   reflection, whose streaming `Watch` must stay untouched): exceptions become
-  status codes through `errors.status_of` with clipped messages, calls in
+  status codes through `errors.status_of` with clipped messages (a
+  `ServiceError` answers with its own code and trailers; `status_table` maps
+  only exceptions outside that family), calls in
   flight are counted, and while draining new calls get UNAVAILABLE (except the
   read-only methods named in `open_while_draining`). A client-streaming method
   gets a `ClientStream` (`bitdelta.rpc.client_stream`): a refusal reaches the
@@ -37,7 +39,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from bitdelta.rpc.client_stream import ClientStream
-from bitdelta.rpc.errors import StatusTable, clip_message, metadata_value, status_of
+from bitdelta.rpc.errors import NO_TABLE, ServiceError, StatusTable, clip_message, metadata_value, status_of
 from bitdelta.rpc.telemetry import ServerInterceptor as TraceInterceptor
 
 log = logging.getLogger("bitdelta.rpc")
@@ -80,7 +82,7 @@ class _Calls:
             return False
 
 
-class Draining(Exception):
+class Draining(ServiceError):
     """A new call to a draining server (the client should try another replica)."""
 
     code = grpc.StatusCode.UNAVAILABLE
@@ -164,7 +166,7 @@ class _ErrorInterceptor(grpc.aio.ServerInterceptor):
         else:
             log.info("%s: %s: %s", method, code.name, clip_message(str(e)))
             message = str(e) or type(e).__name__
-        trailers = tuple((k, metadata_value(v)) for k, v in (getattr(e, "trailers", None) or {}).items())
+        trailers = tuple((k, metadata_value(v)) for k, v in e.trailers.items()) if isinstance(e, ServiceError) else ()
         await context.abort(code, clip_message(message), trailing_metadata=trailers)
 
 
@@ -234,7 +236,7 @@ class Server:
 def create_server(
     address: str,
     services: Sequence[Service],
-    status_table: StatusTable,
+    status_table: StatusTable = NO_TABLE,
     *,
     serving: bool = True,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -250,8 +252,9 @@ def create_server(
     `credentials` (`bitdelta.rpc.security.TlsSettings.server_credentials`): TLS, else plain text.
     `health_address`: also serve `grpc.health.v1` alone, in plain text, there (Kubernetes' grpc
     probes cannot present a client certificate); `server.health_port` says which port.
-    `interceptors` run inside the error interceptor: they refuse a call by raising an exception
-    whose `code` is a status code (`security.AuthInterceptor`).
+    `interceptors` run inside the error interceptor: they refuse a call by raising a
+    `ServiceError` (`security.AuthInterceptor`). `status_table`: codes of exceptions outside the
+    `ServiceError` family (the core library's, which knows no gRPC).
     """
     calls = _Calls()
     names = [s.name for s in services]

@@ -206,7 +206,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         if e is not None and isinstance(e, BaseException) and code in (None, grpc.StatusCode.OK):
             from bitdelta.rpc.errors import status_of
 
-            code = grpc.StatusCode.CANCELLED if isinstance(e, (GeneratorExit,)) else status_of(e, {})
+            code = grpc.StatusCode.CANCELLED if isinstance(e, (GeneratorExit,)) else status_of(e)
         set_error(span, code if code is not None else grpc.StatusCode.OK, e)
         span.end()
 

@@ -1,26 +1,33 @@
 """What can go wrong in the delta store, as domain exceptions.
 
-The core raises these; the server's one interceptor maps them to gRPC status
-codes (see `server.STATUS_OF`) through the shared `bitdelta.rpc` layer.
+The core raises these; each class carries its gRPC status code (the RPC layer's
+`ServiceError` family), which the shared server's one interceptor answers with.
 Messages are written for the person who reads them: they say what was asked,
 what is wrong and, where it helps, what to do.
 """
 
 from __future__ import annotations
 
+import grpc
+
+from bitdelta.rpc.errors import ServiceError
 from bitdelta.rpc.wire.delta_store import TENSOR_METADATA_KEY
 
 
-class StoreError(Exception):
+class StoreError(ServiceError):
     """Base of the delta store's errors."""
 
 
 class InvalidName(StoreError):
     """A variant name that is not a plain name (path separators, `..`, control characters, ...)."""
 
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
 
 class NotFound(StoreError):
     """No stored delta has this name."""
+
+    code = grpc.StatusCode.NOT_FOUND
 
     def __init__(self, name: str):
         super().__init__(f"no delta named {name!r} in the store (List shows the stored deltas)")
@@ -30,13 +37,26 @@ class NotFound(StoreError):
 class AlreadyExists(StoreError):
     """Put without overwrite of a name that exists."""
 
+    code = grpc.StatusCode.ALREADY_EXISTS
+
 
 class InvalidUpload(StoreError):
     """An uploaded delta is not a valid delta file, or the upload is malformed."""
 
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class BaseMismatch(StoreError):
+    """A Fetch expected another base fingerprint than the delta's (`bitdelta.format.check_base`'s message)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
 
 class CorruptDelta(StoreError):
-    """A stored delta's bytes do not match its header: truncated or corrupted in the backend."""
+    """A stored delta's bytes do not match its header: truncated or corrupted in the backend.
+    Its trailers name the bad tensor for the client."""
+
+    code = grpc.StatusCode.DATA_LOSS
 
     def __init__(self, name: str, message: str, tensor: str | None = None):
         super().__init__(
@@ -44,12 +64,10 @@ class CorruptDelta(StoreError):
         )
         self.name = name
         self.tensor = tensor
-
-    @property
-    def trailers(self) -> dict[str, str]:
-        """Sent as the status's trailing metadata: the bad tensor's name for the client."""
-        return {TENSOR_METADATA_KEY: self.tensor} if self.tensor else {}
+        self.trailers = {TENSOR_METADATA_KEY: tensor} if tensor else {}
 
 
 class BackendUnavailable(StoreError):
     """The storage backend cannot be reached or failed; retrying later may succeed."""
+
+    code = grpc.StatusCode.UNAVAILABLE

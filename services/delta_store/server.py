@@ -1,8 +1,8 @@
 """The delta store's gRPC surface on the shared server skeleton (`bitdelta.rpc.serve`).
 
 The servicer only translates protobuf <-> the core (`store.DeltaStore`); the
-skeleton's one interceptor maps the core's exceptions to status codes through
-`STATUS_OF` and gives health, reflection and the SIGTERM drain.
+skeleton's one interceptor answers the core's exceptions with the status code
+each carries (`errors`) and gives health, reflection and the SIGTERM drain.
 """
 
 from __future__ import annotations
@@ -11,13 +11,11 @@ import asyncio
 import logging
 import sys
 
-import grpc
 from opentelemetry import trace
 
 from bitdelta.cache_policy import WeightedLRUPolicy
 from bitdelta.delta_store.v1 import delta_store_pb2 as pb
 from bitdelta.delta_store.v1 import delta_store_pb2_grpc as pb_grpc
-from bitdelta.format import BaseMismatchError
 from bitdelta.rpc import telemetry
 from bitdelta.rpc.client_stream import ClientStream
 from bitdelta.rpc.metrics import StoreMetrics
@@ -28,28 +26,12 @@ from bitdelta.rpc.wire.delta_store import MAX_MESSAGE_BYTES, SHARED_LEASE_S
 from services.delta_store.backends import Backend, make_backend
 from services.delta_store.cache import HostCache
 from services.delta_store.config import Config
-from services.delta_store.errors import (
-    AlreadyExists,
-    BackendUnavailable,
-    CorruptDelta,
-    InvalidName,
-    InvalidUpload,
-    NotFound,
-)
+from services.delta_store.errors import BackendUnavailable, InvalidUpload
 from services.delta_store.shm import SharedMemoryDir
 from services.delta_store.store import DeltaStore
 
 log = logging.getLogger("services.delta_store")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DeltaStoreService"].full_name
-STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
-    InvalidName: grpc.StatusCode.INVALID_ARGUMENT,
-    InvalidUpload: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
-    BaseMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
-    CorruptDelta: grpc.StatusCode.DATA_LOSS,
-    BackendUnavailable: grpc.StatusCode.UNAVAILABLE,
-}
 
 # With --tokens-file: Put and Delete need an admin token; List, Stat and Fetch need none (with mutual
 # TLS on, only holders of a certificate of the CA reach them).
@@ -150,7 +132,6 @@ def create_server(
     server = create_rpc_server(
         config.address,
         [service],
-        STATUS_OF,
         max_message_bytes=MAX_MESSAGE_BYTES,
         open_while_draining=("List", "Stat"),
         credentials=config.server_credentials(),

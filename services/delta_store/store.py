@@ -37,12 +37,27 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 
-from bitdelta.format import DeltaFormatError, DeltaHeader, check_base, check_structure, header_length, parse_header
+from bitdelta.format import (
+    BaseMismatchError,
+    DeltaFormatError,
+    DeltaHeader,
+    check_base,
+    check_structure,
+    header_length,
+    parse_header,
+)
 from bitdelta.rpc.checksums import crc32, crc32_combine
 from bitdelta.rpc.wire.delta_store import MAX_CHUNK_BYTES
 from services.delta_store.backends import Backend, ObjectInfo, Reader, check_name
 from services.delta_store.cache import Entry, HostCache
-from services.delta_store.errors import AlreadyExists, BackendUnavailable, CorruptDelta, InvalidUpload, NotFound
+from services.delta_store.errors import (
+    AlreadyExists,
+    BackendUnavailable,
+    BaseMismatch,
+    CorruptDelta,
+    InvalidUpload,
+    NotFound,
+)
 
 log = logging.getLogger(__name__)
 HEADER_PROBE_BYTES = 64 * 1024  # first read of a header; most headers fit
@@ -392,7 +407,7 @@ class DeltaStore:
     async def fetch(
         self, name: str, chunk_bytes: int = 0, expect_base_fingerprint: str = "", accept_shared_memory: bool = False
     ) -> FetchStream:
-        """Open a Fetch: raises NotFound, BaseMismatchError, CorruptDelta, BackendUnavailable before any data."""
+        """Open a Fetch: raises NotFound, BaseMismatch, CorruptDelta, BackendUnavailable before any data."""
         check_name(name)
         chunk = min(chunk_bytes or self.chunk_bytes, MAX_CHUNK_BYTES)
         span = self.tracer.start_span("delta_store.fetch", attributes={"delta.name": name, "fetch.chunk_bytes": chunk})
@@ -419,7 +434,10 @@ class DeltaStore:
             delta = StoredDelta(name, e.size, e.version, e.header)
         span.set_attribute("delta.size_bytes", delta.size)
         if expect:
-            check_base(delta.header.meta, expect)
+            try:
+                check_base(delta.header.meta, expect)
+            except BaseMismatchError as e:
+                raise BaseMismatch(str(e)) from None
         entry = self.cache.lookup(name, o.version)
         if entry is not None:
             result = "hit" if entry.complete else "join"

@@ -1,6 +1,7 @@
-"""Domain errors of the worker. The servicer never builds status codes itself:
-the shared server's one interceptor (`bitdelta.rpc.serve`) maps these (and the format errors of `bitdelta.format`)
-to gRPC status codes with the message unchanged, so it must tell a user what to do.
+"""Domain errors of the worker, of the RPC layer's `ServiceError` family: each class carries its
+status code. The servicer never builds status codes itself: the shared server's one interceptor
+(`bitdelta.rpc.serve`) answers with these codes (and maps the format errors of `bitdelta.format`
+through `STATUS_OF`) with the message unchanged, so it must tell a user what to do.
 """
 
 from __future__ import annotations
@@ -8,11 +9,12 @@ from __future__ import annotations
 import grpc
 
 from bitdelta.format import BaseMismatchError, DeltaFormatError
+from bitdelta.rpc.errors import ServiceError
 from bitdelta.rpc.errors import status_of as rpc_status_of
 
 
-class WorkerError(Exception):
-    """Base class; `code` is the gRPC status it maps to."""
+class WorkerError(ServiceError):
+    """Base class of the worker's errors."""
 
     code = grpc.StatusCode.INTERNAL
 
@@ -62,8 +64,8 @@ class DeltaLoadError(WorkerError):
         self.code = status_of(cause)
 
 
-# Exceptions of the core library and the standard library, by status; anything carrying its own
-# `code` (WorkerError, and RpcError from a call downstream) keeps it (bitdelta.rpc.errors.status_of).
+# Exceptions of the core library and the standard library, by status; a ServiceError (WorkerError,
+# and RpcError from a call downstream) keeps its own code (bitdelta.rpc.errors.status_of).
 STATUS_OF: dict[type, grpc.StatusCode] = {
     BaseMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
     DeltaFormatError: grpc.StatusCode.DATA_LOSS,

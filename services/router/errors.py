@@ -1,4 +1,5 @@
-"""The router's domain errors; each carries its status code (the shared interceptor keeps it).
+"""The router's domain errors, of the RPC layer's `ServiceError` family: each class carries its
+status code (the shared interceptor answers with it).
 
 Errors from a worker or the store arrive as `bitdelta.rpc.errors.RpcError` with
 their own code and pass through unchanged, so a worker's INVALID_ARGUMENT
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import grpc
 
+from bitdelta.rpc.errors import ServiceError
 
-class RouterError(Exception):
+
+class RouterError(ServiceError):
     code = grpc.StatusCode.INTERNAL
 
 

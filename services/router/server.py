@@ -75,7 +75,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                 last_ms = out.elapsed_ms
                 yield out
         except BaseException as e:
-            status = "CANCELLED" if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else status_of(e, {}).name
+            status = "CANCELLED" if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else status_of(e).name
             raise
         finally:
             if self.metrics:
@@ -178,7 +178,6 @@ def create_server(router: Router, address: str, metrics: RouterMetrics | None = 
     return create_rpc_server(
         address,
         [service],
-        {},
         serving=False,
         max_message_bytes=MAX_MESSAGE_BYTES,
         open_while_draining=("ListModels", "ListWorkers"),
