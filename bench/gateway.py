@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))
 
 from bitdelta.rpc.clients.router import RouterClient  # noqa: E402
 
@@ -108,9 +108,8 @@ async def load(make_send, models: list[str], concurrency: int, seconds: float) -
 
 
 async def run(a: argparse.Namespace) -> dict:
-    from servers.cluster import Cluster
-
-    from services.gpu_worker.testing import make_test_family
+    from bitdelta.testing.cluster import Cluster
+    from bitdelta.testing.family import make_test_family
 
     with tempfile.TemporaryDirectory() as tmp:
         fam = make_test_family(Path(tmp) / "family", n_variants=a.variants, merged=False)

@@ -58,16 +58,16 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $out/NAME.lo
 
 if [ $DRY = 1 ]; then
     # CPU: the profile's tests through the interpreter / C kernels (the GPU guard test is off)
-    step tests 900 "$PY" -m pytest -q -m cuda -x -p no:cacheprovider tests/test_kernel_numerics.py \
-        tests/test_worker_batch_invariance.py
+    step tests 900 "$PY" -m pytest -q -m cuda -x -p no:cacheprovider tests/kernels/test_kernel_numerics.py \
+        tests/gpu_worker/test_worker_batch_invariance.py
     step kernels 600 "$PY" bench/kernels.py --dry-run --reps 1 --out "$out"
     step worker 600 "$PY" bench/worker.py --preset tiny --new-tokens 4 --prompt-len 32 --reps 1 \
         --variants 1,4 --kv-cache 8388608 --out "$out/worker.json"
 else
     # most important first; Triton compiles (~1-2 s per binary) dominate the first two steps
     export BITDELTA_REQUIRE_CUDA=1  # the profile fails if it is not really on the GPU
-    step tests 180 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/test_kernel_numerics.py \
-        tests/test_worker_batch_invariance.py tests/test_kernels.py
+    step tests 180 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/kernels/test_kernel_numerics.py \
+        tests/gpu_worker/test_worker_batch_invariance.py tests/kernels/test_kernels.py
     step worker 150 "$PY" bench/worker.py --preset gpu7b --new-tokens 32 --prompt-len 256 --reps 2 \
         --kv-cache 1073741824 --out "$out/worker.json"
     step kernels 100 "$PY" bench/kernels.py --out "$out"

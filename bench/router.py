@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb  # noqa: E402
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb  # noqa: E402
@@ -77,9 +77,8 @@ async def load(send, variants: list[str], concurrency: int, seconds: float) -> t
 
 
 async def run(a: argparse.Namespace) -> dict:
-    from servers.cluster import Cluster
-
-    from services.gpu_worker.testing import make_test_family
+    from bitdelta.testing.cluster import Cluster
+    from bitdelta.testing.family import make_test_family
 
     with tempfile.TemporaryDirectory() as tmp:
         fam = make_test_family(Path(tmp) / "family", n_variants=a.variants, merged=False)

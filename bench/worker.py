@@ -66,7 +66,7 @@ def build_family(root: Path, preset: dict) -> tuple[Path, Path, list[str]]:
     """A random base, one real fine-tune compressed, and 13 more deltas with the same
     structure (fresh random signs, scaled α): real delta files the worker loads like any other."""
     from bitdelta.compress import compress
-    from bitdelta.testing import make_base, make_finetune, tiny_args
+    from bitdelta.testing.family import make_base, make_finetune, tiny_args
 
     args = tiny_args(
         dim=preset["dim"],

@@ -20,12 +20,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from servers.cluster import Cluster  # noqa: E402
+sys.path.insert(0, str(ROOT))
 
 from bitdelta import traces  # noqa: E402
 from bitdelta.rpc.clients.router import RouterClient  # noqa: E402
+from bitdelta.testing.cluster import Cluster  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Write a haiku about the sea:", "Question: 2 + 2 ="]
 

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 # Every CPU code path runs under the fp32 rule of bitdelta.precision, as on a CPU without
 # native bf16 (the slowest common case, and the same numerics on every machine); the
-# bf16 rule itself is tested in test_precision.py. Set BITDELTA_CPU_PRECISION=auto to run
+# bf16 rule itself is tested in tests/core/test_precision.py. Set BITDELTA_CPU_PRECISION=auto to run
 # the suite under this machine's own choice.
 os.environ.setdefault("BITDELTA_CPU_PRECISION", "fp32")
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.gpu_worker.testing import make_test_family
+from bitdelta.testing.family import make_test_family
 
 ROOT = Path(__file__).resolve().parents[1]
 

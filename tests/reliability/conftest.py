@@ -8,16 +8,16 @@ of what was done to it, and the summary printed at the end of the run.
                 recoveries, peak RSS (VmHWM) of every process the suite started
 
 Every process is started exactly as a user would (`python -m services.<name>`, see
-tests/servers/cluster.py). Mocks: none, except the deliberately fake worker of
+bitdelta/testing/cluster.py). Mocks: none, except the deliberately fake worker of
 test_rel_faults.py (a gRPC server that streams nonsense), which says so.
 """
 
 from __future__ import annotations
 
 import pytest
-from relkit import N_VARIANTS, PROMPTS, TALLY, router_tokens, serving, start_system
 
-from services.gpu_worker.testing import make_test_family
+from bitdelta.testing.family import make_test_family
+from tests.support.reliability import N_VARIANTS, PROMPTS, TALLY, router_tokens, serving, start_system
 
 
 def pytest_terminal_summary(terminalreporter):

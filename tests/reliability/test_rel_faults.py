@@ -4,7 +4,7 @@ a store that hangs (SIGSTOP); a disk that fills during Put; a worker that answer
 Each gives the client a clear status or a transparent retry, the other variants keep serving,
 nothing half-written becomes visible, and the system recovers by itself when the part comes back
 (the router and the other services are never restarted). Real processes throughout
-(tests/servers/cluster.py); the one fake is `GarbageWorker`, a deliberately broken gRPC server.
+(bitdelta/testing/cluster.py); the one fake is `GarbageWorker`, a deliberately broken gRPC server.
 """
 
 from __future__ import annotations
@@ -19,12 +19,23 @@ import grpc
 import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from relkit import NEVER, PROMPTS, TALLY, TOKENS, RelCluster, T, routed_tokens, serving, start_system, wait_for
 
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient, DeltaStoreError
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
+from tests.support.reliability import (
+    NEVER,
+    PROMPTS,
+    TALLY,
+    TOKENS,
+    RelCluster,
+    T,
+    routed_tokens,
+    serving,
+    start_system,
+    wait_for,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 P = PROMPTS[0]
@@ -53,7 +64,7 @@ async def ref(family, clients) -> dict[str, list[int]]:
     return {m: await tokens(r, m) for m in ["", *family.variants]}
 
 
-tokens = routed_tokens  # one Generate, tallied (relkit)
+tokens = routed_tokens  # one Generate, tallied (tests.support.reliability)
 
 
 async def checked(r: RouterClient, ref, model: str) -> list[int]:
@@ -283,7 +294,7 @@ def _start_store_with_fsize_limit(c: RelCluster, root: Path, limit: int):
     import resource
     import sys
 
-    from servers.cluster import Proc, free_port
+    from bitdelta.testing.cluster import Proc, free_port
 
     address = f"127.0.0.1:{free_port()}"
     argv = [

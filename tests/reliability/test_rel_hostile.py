@@ -24,7 +24,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from relkit import BAD, PROMPTS, TALLY, TOKENS, T, call_ok_or_status, check_answer, router_tokens
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.delta_store.v1 import delta_store_pb2 as spb
@@ -34,6 +33,7 @@ from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as wpb_grpc
 from bitdelta.router.v1 import router_pb2 as rpb
 from bitdelta.router.v1 import router_pb2_grpc as rpb_grpc
+from tests.support.reliability import BAD, PROMPTS, TALLY, TOKENS, T, call_ok_or_status, check_answer, router_tokens
 
 SETTINGS = settings(
     max_examples=int(os.environ.get("BITDELTA_FUZZ_EXAMPLES", "30")),

@@ -17,11 +17,11 @@ import os
 
 import grpc
 import pytest
-from relkit import TALLY, RelCluster, T
 
 from bitdelta.format import read_header
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient, IntegrityError
 from bitdelta.rpc.clients.worker import WorkerCallError, WorkerClient
+from tests.support.reliability import TALLY, RelCluster, T
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

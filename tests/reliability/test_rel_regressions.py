@@ -1,5 +1,5 @@
-"""Regression tests for the defects earlier hostile testing found (tests/test_worker_hostile.py,
-tests/test_rpc_layer.py), here through the router and the whole system where the path allows:
+"""Regression tests for the defects earlier hostile testing found (tests/gpu_worker/test_worker_hostile.py,
+tests/rpc/test_rpc_layer.py), here through the router and the whole system where the path allows:
 a pinned budget (fails fast, names the pins; no deadlock), EvictDelta during a load (ABORTED at
 once), NaN sampling next to a batch of good requests, huge prompts, Health.Watch on every service,
 a store-side status reaching the router's client unchanged across two hops, long names clipped in
@@ -16,18 +16,18 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from relkit import MAX_DETAILS, PROMPTS, TALLY, TOKENS, T, routed_tokens, wait_for
 
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient, DeltaStoreError
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.clients.worker import WorkerCallError, WorkerClient
+from tests.support.reliability import MAX_DETAILS, PROMPTS, TALLY, TOKENS, T, routed_tokens, wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 P = PROMPTS[0]
 
 
-run = routed_tokens  # one Generate, tallied (relkit)
+run = routed_tokens  # one Generate, tallied (tests.support.reliability)
 
 
 async def refused(r: RouterClient, model: str, prompt: str = P, **kw) -> RouterCallError:

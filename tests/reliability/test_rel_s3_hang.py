@@ -3,7 +3,7 @@ OpenStack Swift, and Swift's own processes (proxy, object, container and account
 stopped with SIGSTOP: they accept connections and answer nothing, as a hung S3 endpoint does.
 
 What must hold, with real processes throughout (a private Swift on its own ports and directory,
-started by scripts/swift.sh; the store, two workers and the router as in tests/servers/cluster.py):
+started by scripts/swift.sh; the store, two workers and the router as in bitdelta/testing/cluster.py):
 
     a cold variant        (resident on no worker; the store runs with --cache-bytes 0, so it has no
                           copy of its own to fall back to) gets UNAVAILABLE, within a bound set by
@@ -28,13 +28,13 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
-from relkit import NEVER, PROMPTS, TALLY, T, routed_tokens, serving, start_system, wait_for
-from servers.swift import Swift, _run, free_port
 
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient, StoreUnavailable
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
 from services.delta_store.backends import SUFFIX
+from tests.support.reliability import NEVER, PROMPTS, TALLY, T, routed_tokens, serving, start_system, wait_for
+from tests.support.swift import Swift, _run, free_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 P = PROMPTS[0]

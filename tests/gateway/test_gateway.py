@@ -1,0 +1,512 @@
+"""The OpenAI-compatible gateway end to end: the official `openai` client (and raw HTTP where the
+client would hide the wire) against gateway + router + worker + delta store as processes on
+loopback, a tiny random family (real checkpoints and delta files).
+
+Correctness is "the same text as the router's Generate for the same variant and prompt"; the
+router and the worker are checked against their own references in test_router.py and
+test_worker_service.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import time
+
+import openai
+import pytest
+import pytest_asyncio
+
+from bitdelta.common.v1 import generation_pb2 as gen_pb
+from bitdelta.rpc.clients.router import RouterClient
+from bitdelta.rpc.clients.worker import WorkerClient
+from bitdelta.testing.cluster import Cluster, free_port
+from bitdelta.testing.family import make_test_family
+from services.gateway.chat import ChatTemplate, ChatTemplateError
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+N = 12  # new tokens per generation
+T = 120  # client deadlines (s): generous, the machine may be busy
+# The family's byte tokenizer has no chat template: these stand in for the base's and one variant's.
+BASE_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ bos_token }}assistant: {% endif %}"
+)
+V1_TEMPLATE = "{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}[ASSISTANT] "
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+BOS = "<s>"
+BASE_RENDERED = f"{BOS}system: Be brief.\n{BOS}user: Hi there\n{BOS}assistant: "  # BASE_TEMPLATE by hand
+V1_RENDERED = "[SYSTEM] Be brief.\n[USER] Hi there\n[ASSISTANT] "
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    fam = make_test_family(tmp_path_factory.mktemp("gateway_family"), n_variants=2, merged=False)
+    os.remove(fam.delta_path(fam.corrupt))
+    return fam
+
+
+@pytest.fixture(scope="module")
+def cluster(family, tmp_path_factory):
+    """Store, one worker, one router; gateways: with the chat templates, without any, in front of a
+    router that is not there, and with a 1 s deadline per generation."""
+    work = tmp_path_factory.mktemp("gateway_cluster")
+    root = work / "deltas"
+    shutil.copytree(family.deltas, root)
+    tok = work / "tokenizer"
+    tok.mkdir()
+    (tok / "tokenizer_config.json").write_text(json.dumps({"chat_template": BASE_TEMPLATE, "bos_token": BOS}))
+    (work / "v1.jinja").write_text(V1_TEMPLATE)
+    with Cluster(work) as c:
+        c.st = c.store(root)
+        c.w = c.worker(family.base, c.st.address)
+        c.r = c.router([c.w.address], c.st.address, extra=("--max-prompt-bytes", "4096"))
+        c.wait_serving(c.st, c.w, c.r)
+        c.g = c.gateway(c.r.address, chat_template=tok, extra=("--variant-chat-templates", f"v1={work / 'v1.jinja'}"))
+        c.g_plain = c.gateway(c.r.address, name="gateway-plain")
+        c.g_dead = c.gateway(f"127.0.0.1:{free_port()}", name="gateway-dead")
+        c.g_short = c.gateway(c.r.address, name="gateway-short", extra=("--request-timeout-s", "1"))
+        yield c
+
+
+def oai(gateway, **kw) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        **{"base_url": f"http://{gateway.address}/v1", "api_key": "test-key", "max_retries": 0, "timeout": T, **kw}
+    )
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def clients(cluster):
+    router = RouterClient(cluster.r.address, generate_timeout_s=T)
+    worker = WorkerClient(cluster.w.address, generate_timeout_s=T)
+    client = oai(cluster.g)
+    deadline = time.monotonic() + 60
+    while not all(w.up for w in await router.list_workers()):
+        assert time.monotonic() < deadline, "the router never saw its worker up"
+        await asyncio.sleep(0.1)
+    yield client, router, worker
+    await client.close()
+    await router.close()
+    await worker.close()
+
+
+async def router_text(router: RouterClient, model: str, prompt: str, n: int = N, **kw) -> tuple[str, list]:
+    msgs = [m async for m in router.generate(model, prompt, max_new_tokens=n, **kw)]
+    return "".join(m.text for m in msgs), msgs
+
+
+def http(gateway, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    """(status, parsed JSON or text) of one raw HTTP request."""
+    import http.client
+
+    host, port = gateway.address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=T)
+    try:
+        conn.request(method, path, body=body, headers={"content-type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        data = r.read().decode()
+    finally:
+        conn.close()
+    try:
+        return r.status, json.loads(data)
+    except ValueError:
+        return r.status, data
+
+
+def assert_error_shape(body, status: int, got_status: int, param=None, words: str = ""):
+    assert got_status == status, body
+    assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS, body
+    e = body["error"]
+    assert isinstance(e["message"], str) and e["message"] and isinstance(e["type"], str), e
+    assert e["param"] == param, e
+    assert words in e["message"], e
+
+
+# -- models ------------------------------------------------------------------------------------------------
+
+
+async def test_models_list_the_base_and_servable_variants(clients, family):
+    client, router, _ = clients
+    page = await client.models.list()
+    ids = [m.id for m in page.data]
+    listed = await router.list_models()
+    base = listed[0].model_id
+    assert listed[0].is_base and ids[0] == base
+    assert set(ids) == {base, *family.variants}, "servable variants only; the wrong-base delta is omitted"
+    assert family.other_base in {m.model_id for m in listed} and family.other_base not in ids
+    for m in page.data:
+        assert m.object == "model" and m.owned_by == "bitdelta"
+        assert m.parent == (None if m.id == base else base)
+    one = await client.models.retrieve("v0")
+    assert one.id == "v0" and one.parent == base
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("nope")
+
+
+# -- completions -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model,prompt", [("v0", "The quick brown fox"), ("v1", "abc xyz"), ("", "Hello world")])
+async def test_greedy_completion_equals_the_routers_generate(clients, model, prompt):
+    client, router, _ = clients
+    model = model or (await router.list_models())[0].model_id
+    want, msgs = await router_text(router, model, prompt)
+    assert msgs[-1].finish_reason == gen_pb.FINISH_REASON_LENGTH
+    r = await client.completions.create(model=model, prompt=prompt, max_tokens=N, temperature=0)
+    assert r.object == "text_completion" and r.model == model and r.id.startswith("cmpl-")
+    assert len(r.choices) == 1 and r.choices[0].text == want
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == N and r.usage.prompt_tokens == msgs[-1].usage.prompt_tokens
+    assert r.usage.total_tokens == r.usage.prompt_tokens + N
+
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=N, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and not any(finishes[:-1])
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1, "tokens arrive as separate chunks"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == N
+    assert len({c.id for c in chunks}) == 1
+
+
+async def test_stop_maps_to_stop_and_matches_the_router(clients):
+    client, router, _ = clients
+    full, _ = await router_text(router, "v0", "The quick brown fox", n=40)
+    i, stop = next((i, ch) for i, ch in enumerate(full) if i > 0 and ch.isascii() and ch.isprintable())
+    want, msgs = await router_text(router, "v0", "The quick brown fox", n=40, stop=[stop])
+    assert msgs[-1].finish_reason == gen_pb.FINISH_REASON_STOP and want == full[:i]
+    r = await client.completions.create(
+        model="v0", prompt="The quick brown fox", max_tokens=40, temperature=0, stop=stop
+    )
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+
+
+async def test_seeded_sampling_is_repeatable_and_equals_the_router(clients):
+    client, router, _ = clients
+    kw = dict(model="v1", prompt="abc xyz", max_tokens=N, temperature=0.9, top_p=0.95)
+    a = await client.completions.create(seed=5, **kw)
+    b = await client.completions.create(seed=5, **kw)
+    want, _ = await router_text(router, "v1", "abc xyz", temperature=0.9, top_p=0.95, seed=5)
+    assert a.choices[0].text == b.choices[0].text == want
+    # seed 0 is a seed like any other (the router's 0 would mean "random")
+    z = [(await client.completions.create(seed=0, **kw)).choices[0].text for _ in range(2)]
+    assert z[0] == z[1]
+
+
+# -- chat --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model,rendered", [("v0", BASE_RENDERED), ("v1", V1_RENDERED)])
+async def test_chat_renders_the_template_and_equals_the_router(clients, model, rendered):
+    """v0 has no template of its own: the base's; v1 has its own (--variant-chat-templates)."""
+    client, router, _ = clients
+    want, msgs = await router_text(router, model, rendered)
+    r = await client.chat.completions.create(model=model, messages=CHAT, max_tokens=N, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == msgs[-1].usage.prompt_tokens and r.usage.completion_tokens == N
+
+    stream = await client.chat.completions.create(model=model, messages=CHAT, max_tokens=N, temperature=0, stream=True)
+    chunks = [c async for c in stream]
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert not any(c.choices[0].finish_reason for c in chunks[:-1])
+
+
+async def test_chat_template_errors(clients, cluster):
+    client, _, _ = clients
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model="v0", messages=[{"role": "robot", "content": "hi"}])
+    assert_error_shape(e.value.response.json(), 400, e.value.status_code, "messages", "unknown role robot")
+    async with oai(cluster.g_plain) as plain:
+        with pytest.raises(openai.BadRequestError) as e:
+            await plain.chat.completions.create(model="v0", messages=CHAT)
+        assert_error_shape(e.value.response.json(), 400, e.value.status_code, "messages", "--chat-template")
+        assert e.value.code == "chat_template_missing"
+        r = await plain.completions.create(
+            model="v0", prompt="still serves completions", max_tokens=2, temperature=0
+        )  # greedy: sampling (OpenAI's default 1.0) may draw EOS
+        assert r.usage.completion_tokens == 2
+
+
+async def test_the_real_base_keeps_its_chat_template_and_renders_like_transformers(real_base):
+    """`bitdelta family build`'s converted SmolLM2-Instruct carries its template; the gateway's torch-free
+    rendering is character for character what transformers' apply_chat_template gives."""
+    from transformers import AutoTokenizer
+
+    t = ChatTemplate.load(real_base)
+    tok = AutoTokenizer.from_pretrained(str(real_base))
+    for msgs in (
+        CHAT,
+        [{"role": "user", "content": "Écris « bonjour » ✓"}],
+        [*CHAT, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}],
+    ):
+        assert t.render(msgs) == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert "<|im_start|>assistant\n" in t.render(CHAT)
+
+
+async def test_chat_template_loading(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": [
+                    {"name": "tool_use", "template": "tools"},
+                    {"name": "default", "template": "{{ eos_token }}!"},
+                ],
+                "eos_token": {"content": "</s>", "special": True},
+            }
+        )
+    )
+    assert ChatTemplate.load(tmp_path).render(CHAT) == "</s>!"  # named templates, AddedToken dicts
+    (tmp_path / "chat_template.jinja").write_text("J{{ messages | length }}")
+    assert ChatTemplate.load(tmp_path).render(CHAT) == "J2"  # the .jinja file wins, as in transformers
+    sandbox = tmp_path / "sandbox.jinja"
+    sandbox.write_text("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(ChatTemplateError, match="failed"):
+        ChatTemplate.load(sandbox).render(CHAT)
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for %}")
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        ChatTemplate.load(bad)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        ChatTemplate.load(empty)
+
+
+# -- errors ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path,body,status,param,words",
+    [
+        ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model", "unknown model"),
+        ("/v1/chat/completions", {"model": "nope", "messages": CHAT}, 404, "model", "unknown model"),
+        ("/v1/completions", {"model": "otherbase", "prompt": "hi"}, 400, None, "compress it again"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "n": 2}, 400, "n", "n must be 1"),
+        ("/v1/chat/completions", {"model": "v0", "messages": CHAT, "n": 3}, 400, "n", "n must be 1"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "temperature": 3}, 400, "temperature", "between 0 and 2"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "top_p": -1}, 400, "top_p", "between 0 and 1"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens", "allows"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "stop": ["a"] * 5}, 400, "stop", "at most 4"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "seed": -1}, 400, "seed", "seed"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "logprobs": 3}, 400, "logprobs", "not supported"),
+        ("/v1/completions", {"model": "v0", "prompt": ""}, 400, "prompt", "prompt"),
+        ("/v1/completions", {"model": "v0", "prompt": [1, 2, 3]}, 400, "prompt", "token ids"),
+        ("/v1/completions", {"model": "v0", "prompt": "x" * 5000}, 400, "prompt", "bytes"),  # the router's limit
+        ("/v1/completions", {"prompt": "hi"}, 400, "model", "model"),
+        ("/v1/completions", {"model": "../etc/passwd", "prompt": "hi"}, 400, "model", "model_id"),
+        ("/v1/chat/completions", {"model": "v0", "messages": []}, 400, "messages", "messages"),
+        ("/v1/chat/completions", {"model": "v0", "messages": [{"content": "no role"}]}, 400, "messages", "role"),
+        ("/v1/completions", [1, 2], 400, None, "JSON object"),
+    ],
+)
+async def test_bad_requests_get_openai_errors(clients, cluster, path, body, status, param, words):
+    got, out = await asyncio.to_thread(http, cluster.g, "POST", path, json.dumps(body).encode())
+    assert_error_shape(out, status, got, param, words)
+    r = await clients[0].completions.create(model="v0", prompt="still fine", max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+
+
+async def test_malformed_json_and_unknown_routes(cluster):
+    got, out = await asyncio.to_thread(http, cluster.g, "POST", "/v1/completions", b'{"model": "v0", "prompt": ')
+    assert_error_shape(out, 400, got, None, "not valid JSON")
+    assert out["error"]["code"] == "invalid_json"
+    got, out = await asyncio.to_thread(http, cluster.g, "GET", "/v1/engines")
+    assert_error_shape(out, 404, got, None, "/v1/engines")
+    got, out = await asyncio.to_thread(http, cluster.g, "GET", "/v1/completions")
+    assert_error_shape(out, 405, got, None, "")
+
+
+async def test_openai_client_errors_carry_the_shape(clients):
+    client, _, _ = clients
+    with pytest.raises(openai.NotFoundError) as e:
+        await client.completions.create(model="nope", prompt="hi")
+    assert e.value.code == "model_not_found" and e.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(model="v0", prompt="hi", temperature=-0.5)
+    assert e.value.param == "temperature"
+    with pytest.raises(openai.NotFoundError):  # streaming: the error comes before any event
+        await client.completions.create(model="nope", prompt="hi", stream=True)
+
+
+async def test_router_down_is_503(cluster):
+    async with oai(cluster.g_dead) as dead:
+        for call in (
+            dead.models.list(),
+            dead.completions.create(model="v0", prompt="hi"),
+            dead.chat.completions.create(model="v0", messages=CHAT),
+        ):  # no template: 400 comes first
+            with pytest.raises(openai.APIStatusError) as e:
+                await call
+            if e.value.status_code == 400:
+                assert e.value.code == "chat_template_missing"
+                continue
+            assert e.value.status_code == 503, e.value
+            assert_error_shape(e.value.response.json(), 503, e.value.status_code)
+    got, out = await asyncio.to_thread(http, cluster.g_dead, "GET", "/ready")
+    assert got == 503 and out["status"] == "router unavailable"
+    got, out = await asyncio.to_thread(http, cluster.g, "GET", "/ready")
+    assert got == 200
+
+
+async def test_full_queue_is_429_and_deadline_is_504(clients, cluster):
+    """A second router with one request per worker and no queue; the store stopped (SIGSTOP) so a
+    cold variant's load holds the worker's one slot: the next request is refused at once (429). A
+    gateway with a 1 s deadline per generation gets 504 for a request stuck on that load."""
+    _, _, worker = clients
+    small = cluster.router(
+        [cluster.w.address],
+        cluster.st.address,
+        name="router-small",
+        extra=("--max-in-flight-per-worker", "1", "--max-queue", "0"),
+    )
+    cluster.wait_serving(small)
+    g_small = cluster.gateway(small.address, name="gateway-small")
+    async with (
+        RouterClient(small.address, generate_timeout_s=T) as rs,
+        oai(g_small) as client,
+        oai(cluster.g_short) as short,
+    ):
+        while not all(w.up for w in await rs.list_workers()):
+            await asyncio.sleep(0.1)
+        await worker.evict_delta("v1")
+        cluster.st.popen.send_signal(signal.SIGSTOP)
+        try:
+            hold = asyncio.create_task(router_text(rs, "v1", "hold the worker", n=2))
+            deadline = time.monotonic() + 60
+            while (await rs.list_workers())[0].in_flight != 1:
+                assert time.monotonic() < deadline and not hold.done(), "the first request never took the slot"
+                await asyncio.sleep(0.05)
+            with pytest.raises(openai.RateLimitError) as e:
+                await client.completions.create(model="v0", prompt="one too many", max_tokens=2)
+            assert_error_shape(e.value.response.json(), 429, e.value.status_code, None, "queue")
+            t = time.monotonic()
+            with pytest.raises(openai.APIStatusError) as e:
+                await short.completions.create(model="v1", prompt="stuck behind the load", max_tokens=2)
+            assert e.value.status_code == 504 and e.value.code == "deadline_exceeded", e.value
+            assert_error_shape(e.value.response.json(), 504, e.value.status_code)
+            assert time.monotonic() - t < 30
+            assert not hold.done()
+        finally:
+            cluster.st.popen.send_signal(signal.SIGCONT)
+        assert len((await hold)[1]) == 2
+    g_small.stop()
+    small.stop()
+
+
+# -- Authorization -----------------------------------------------------------------------------------------
+
+
+async def test_authorization_is_forwarded_to_the_router(cluster, tmp_path):
+    """A router that checks bearer tokens (--tokens-file): the gateway forwards the HTTP Authorization
+    header as the gRPC `authorization` metadata, so the router's answers follow the token."""
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"sk-alice": {"name": "alice", "variants": ["v0"]}}))
+    ra = cluster.router(
+        [cluster.w.address], cluster.st.address, name="router-auth", extra=("--tokens-file", str(tokens))
+    )
+    cluster.wait_serving(ra)
+    ga = await asyncio.to_thread(cluster.gateway, ra.address, name="gateway-auth")
+    try:
+        async with (
+            oai(ga, api_key="sk-alice") as alice,
+            oai(ga, api_key="sk-mallory") as mallory,
+            RouterClient(ra.address, generate_timeout_s=T, token="sk-alice") as direct,
+        ):
+            deadline = time.monotonic() + 60
+            while not any(m.model_id == "v0" and m.servable for m in await direct.list_models()):
+                assert time.monotonic() < deadline, "the router never saw its worker up"
+                await asyncio.sleep(0.1)
+            want, _ = await router_text(direct, "v0", "The quick brown fox")
+            r = await alice.completions.create(model="v0", prompt="The quick brown fox", max_tokens=N, temperature=0)
+            assert r.choices[0].text == want
+            assert [m.id for m in (await alice.models.list()).data] == ["v0"], "ListModels follows the token"
+            with pytest.raises(openai.PermissionDeniedError) as e:
+                await alice.completions.create(model="v1", prompt="hi", max_tokens=2)
+            assert_error_shape(e.value.response.json(), 403, e.value.status_code)
+            with pytest.raises(openai.AuthenticationError) as e:
+                await mallory.completions.create(model="v0", prompt="hi", max_tokens=2)
+            assert_error_shape(e.value.response.json(), 401, e.value.status_code, None, "not valid")
+        got, out = await asyncio.to_thread(
+            http, ga, "POST", "/v1/completions", json.dumps({"model": "v0", "prompt": "hi"}).encode()
+        )
+        assert_error_shape(out, 401, got, None, "bearer token")
+        got, _ = await asyncio.to_thread(http, ga, "GET", "/ready")
+        assert got == 200, "a router that refuses a token-less probe is up"
+    finally:
+        ga.stop()
+        ra.stop()
+
+
+# -- disconnects -------------------------------------------------------------------------------------------
+
+
+async def test_a_client_that_disconnects_mid_stream_frees_the_sequence(clients, cluster):
+    """Read the first streamed token, freeze the worker (SIGSTOP: the generation cannot finish on its
+    own), hang up. The router must drop the request (its in_flight goes to 0 while the worker is still
+    frozen: only a cancellation from the gateway can do that); once the worker runs again it frees the
+    sequence (Status: running == 0, kv_tokens_used == 0)."""
+    _, router, worker = clients
+    base = "v0"  # a variant: ListModels lists it (with in_flight) even while its only worker is frozen
+    host, port = cluster.g.address.rsplit(":", 1)
+    body = json.dumps({"model": base, "prompt": "x", "max_tokens": 240, "temperature": 0, "stream": True}).encode()
+    sock = socket.create_connection((host, int(port)), timeout=T)
+    frozen = False
+    try:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        got = b""
+        while b"data: {" not in got:
+            got += await asyncio.to_thread(sock.recv, 65536)
+        cluster.w.popen.send_signal(signal.SIGSTOP)
+        frozen = True
+        assert got.startswith(b"HTTP/1.1 200") and b"text/event-stream" in got
+        sock.settimeout(0.3)
+        try:
+            while chunk := await asyncio.to_thread(sock.recv, 65536):
+                got += chunk
+        except TimeoutError:
+            pass
+        assert b"[DONE]" not in got, "the generation finished before the worker was frozen: make it longer"
+        models = {m.model_id: m for m in await router.list_models()}
+        assert models[base].in_flight == 1
+    finally:
+        sock.close()
+    try:
+        deadline = time.monotonic() + 30
+        while {m.model_id: m for m in await router.list_models()}[base].in_flight:
+            assert time.monotonic() < deadline, "the router kept the request after the client hung up"
+            await asyncio.sleep(0.05)
+    finally:
+        if frozen:
+            cluster.w.popen.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while True:
+        st = await worker.status()
+        if st.running == 0 and st.waiting == 0 and st.kv_tokens_used == 0:
+            break
+        assert time.monotonic() < deadline, f"the worker kept the sequence: {st}"
+        await asyncio.sleep(0.05)
+    assert "client disconnected" in cluster.g.log_text()
+    deadline = time.monotonic() + 30
+    while not all(w.up for w in await router.list_workers()):  # it may have been marked down while frozen
+        assert time.monotonic() < deadline, "the router never saw the worker up again"
+        await asyncio.sleep(0.1)
+    r = await clients[0].completions.create(model=base, prompt="after", max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2

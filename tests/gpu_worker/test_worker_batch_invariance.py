@@ -1,0 +1,96 @@
+"""A request's greedy tokens do not depend on its batch: alone (fused single-variant kernel)
+and in a mixed batch (base GEMM + batched delta) give the same tokens, in fp32 and in bf16.
+
+The family has real delta magnitudes: fine-tune noise of 0.0006 on weights of std 0.2 gives
+α/|W| ≈ 3e-3, as SmolLM2's fine-tunes (α 2e-4–7e-4 against |W| ≈ 0.15). In bf16 that delta is a
+few tenths of the output's spacing, so any path that rounds before adding it (W + α·S rounded
+to bf16; or the base GEMM's output rounded to bf16, then the delta added) loses it and changes
+tokens. Kernels by device: the C CPU path on CPU (plus the Triton interpreter once), Triton on
+CUDA, where `pytest -m cuda` runs this file with real bf16 dots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bitdelta.compress import compress
+from bitdelta.testing.family import VARIED_STD, make_base, make_finetune, tiny_args
+from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.worker import GenerateParams, Worker
+
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("cpu_kernels")]
+
+N = 16
+JOBS = [
+    ("v0", "The quick brown fox"),
+    ("", "Hello world"),
+    ("v1", "abc xyz"),
+    ("v2", "def f(x):"),
+    ("v0", "Hello world"),
+]
+REAL_SCALE = 0.0006  # fine-tune noise; the base's weights have std 0.2 (bitdelta.testing.family.VARIED_STD)
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    root = tmp_path_factory.mktemp("invariance")
+    base = make_base(root / "base", tiny_args(), seed=1, std=VARIED_STD)
+    for i in range(3):
+        ft = make_finetune(base, root / f"ft{i}", seed=100 + i, scale=REAL_SCALE)
+        compress(base, ft, root / "deltas" / f"v{i}.bitdelta.safetensors", variant=f"v{i}", progress=False)
+    return base, root / "deltas"
+
+
+async def _run(family, dtype: str) -> tuple[list, list, list, int]:
+    base, deltas = family
+    w = Worker(WorkerConfig(base=base, delta_dir=str(deltas), delta_budget=4 << 20, kv_cache=4 << 20, dtype=dtype))
+    await w.start()
+    try:
+
+        async def gen(m, p):
+            return [e.token_id async for e in w.generate(GenerateParams(model_id=m, prompt=p, max_new_tokens=N))]
+
+        alone = [await gen(m, p) for m, p in JOBS]
+        on_base = [await gen("", p) for _, p in JOBS]
+        steps = w.engine.steps
+        mixed = await asyncio.gather(*[gen(m, p) for m, p in JOBS])
+        return alone, mixed, on_base, w.engine.steps - steps
+    finally:
+        await w.close()
+
+
+def _check(alone, mixed, on_base, steps):
+    assert steps < len(JOBS) * N  # the sequences really shared steps
+    for job, a, b in zip(JOBS, alone, mixed):
+        assert len(a) == N
+        assert a == b, job
+    # the deltas matter: some variant's tokens differ from the base's on the same prompt
+    assert any(a != c for (m, _), a, c in zip(JOBS, alone, on_base) if m)
+
+
+# plain functions with asyncio.run: the GPU machine's python has no pytest-asyncio, and an
+# async test without it would be skipped, not run
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tokens_do_not_depend_on_the_batch(family, dtype):
+    _check(*asyncio.run(_run(family, dtype)))
+
+
+def test_tokens_do_not_depend_on_the_batch_triton_bf16(family, monkeypatch):
+    # the Triton kernels' bf16 math (in the interpreter on CPU: bf16 operands dotted in fp32)
+    monkeypatch.setenv("BITDELTA_KERNEL_BACKEND", "triton")
+    _check(*asyncio.run(_run(family, "bfloat16")))
+
+
+def test_the_check_catches_a_batch_dependent_path(family, monkeypatch):
+    # the previous mixed path (base GEMM rounded to bf16, then the delta added) loses the delta
+    # and changes tokens: the same check fails on it
+    from services.gpu_worker import runner
+
+    def round_first(self, x, w):
+        return (x @ w.t()).float()
+
+    monkeypatch.setattr(runner.ModelRunner, "_mm_fp32", round_first)
+    with pytest.raises(AssertionError):
+        _check(*asyncio.run(_run(family, "bfloat16")))

@@ -1,0 +1,53 @@
+"""The worker on the real model: the SmolLM2-135M base and real deltas (the family's when
+built, else short real fine-tunes; see conftest `real_deltas`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from services.gpu_worker.config import WorkerConfig
+from tests.support.worker import offline_generate, running_worker
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("cpu_kernels")]  # kernels by device (conftest)
+N = 12
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "ROMEO:"]
+
+
+async def test_real_family_matches_references_alone_and_mixed(tmp_path, real_base, real_deltas):
+    from tokenizers import Tokenizer
+    from transformers import LlamaForCausalLM
+
+    from bitdelta.common.v1 import generation_pb2 as gen_pb
+    from bitdelta.compress import apply
+    from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
+    from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
+
+    v0, v1 = sorted(real_deltas)[:2]
+    prompts = {"": PROMPTS[0], v0: PROMPTS[1], v1: PROMPTS[2]}
+    tok = Tokenizer.from_file(str(real_base / "tokenizer.json"))
+    eos = 2
+    cfg = WorkerConfig(base=real_base, delta_dir=str(real_deltas[v0].parent), delta_budget=1 << 30, kv_cache=32 << 20)
+    async with running_worker(cfg) as (_, _, channel):
+        stub = pb_grpc.GpuWorkerServiceStub(channel)
+
+        async def gen(m, p):
+            req = pb.GenerateRequest(model_id=m, prompt=p, sampling=gen_pb.SamplingParams(max_new_tokens=N))
+            return [x.token_id async for x in stub.Generate(req, timeout=300)]
+
+        alone = {m: await gen(m, p) for m, p in prompts.items()}
+        mixed = await asyncio.gather(*[gen(m, p) for m, p in prompts.items()])
+    assert list(alone.values()) == mixed
+    ids = tok.encode(prompts[""]).ids
+    hf = LlamaForCausalLM.from_pretrained(str(real_base), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=N, do_sample=False, eos_token_id=eos, pad_token_id=eos)[
+            0, len(ids) :
+        ].tolist()
+    del hf
+    assert alone[""] == want
+    for v in (v0, v1):
+        dense = apply(real_base, real_deltas[v], tmp_path / v, progress=False)
+        assert alone[v] == offline_generate(dense, tok.encode(prompts[v]).ids, N, eos)

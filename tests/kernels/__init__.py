@@ -1,0 +1,1 @@
+"""The kernels (kernels/): Triton and C paths against the reference, numerics, launch configurations."""

@@ -1,0 +1,1 @@
+"""The reliability suite: the whole system as processes under faults, hostile clients and load."""

@@ -1,0 +1,1 @@
+"""The router (services/router/): its pure parts, end to end, and when a worker dies."""

@@ -1,0 +1,430 @@
+"""The router end to end: a delta store, two workers and routers as separate processes on loopback
+ports, a tiny random family (real checkpoints and delta files), the shared clients.
+
+Correctness is "the same greedy tokens as the worker alone"; the worker itself is checked against
+independent references in test_worker_service.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import shutil
+import signal
+import time
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
+from bitdelta.router.v1 import router_pb2 as pb
+from bitdelta.rpc.clients.delta_store import DeltaStoreClient
+from bitdelta.rpc.clients.router import RouterCallError, RouterClient
+from bitdelta.rpc.clients.worker import WorkerClient
+from bitdelta.testing.cluster import Cluster, free_port
+from bitdelta.testing.family import make_test_family
+from tests.support.metrics import sample
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+N = 12  # new tokens per generation
+T = 120  # deadline (s) of client calls: generous, the machine may be busy
+PROMPTS = {"": "Hello world", "v0": "The quick brown fox", "v1": "abc xyz", "v2": "def f(x):"}
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    fam = make_test_family(tmp_path_factory.mktemp("router_family"), n_variants=3, merged=False)
+    os.remove(fam.delta_path(fam.corrupt))  # corrupt deltas are the reliability suite's subject
+    return fam
+
+
+@pytest.fixture(scope="module")
+def cluster(family, tmp_path_factory):
+    """Store (over a copy of the family's deltas), two workers, one router."""
+    work = tmp_path_factory.mktemp("router_cluster")
+    root = work / "deltas"
+    shutil.copytree(family.deltas, root)
+    with Cluster(work) as c:
+        c.root = root
+        c.store_metrics_port = free_port()
+        c.st = c.store(root, extra=("--metrics-address", f"127.0.0.1:{c.store_metrics_port}"))
+        c.w = [c.worker(family.base, c.st.address, name=f"worker{i}") for i in range(2)]
+        c.r = c.router([w.address for w in c.w], c.st.address, extra=("--max-prompt-bytes", "4096"))
+        c.wait_serving(c.st, *c.w, c.r)
+        yield c
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def clients(cluster):
+    router = RouterClient(cluster.r.address, generate_timeout_s=T)
+    workers = [WorkerClient(w.address, generate_timeout_s=T) for w in cluster.w]
+    store = DeltaStoreClient(cluster.st.address)
+
+    async def all_up():
+        return all(w.up for w in await router.list_workers())
+
+    await wait_for(all_up, what="the router to see both workers up")
+    yield router, workers, store
+    for c in (router, *workers, store):
+        await c.close()
+
+
+async def run(router: RouterClient, model: str, prompt: str, n: int = N, **kw) -> list[pb.GenerateResponse]:
+    return [m async for m in router.generate(model, prompt, max_new_tokens=n, **kw)]
+
+
+async def worker_tokens(w: WorkerClient, model: str, prompt: str, n: int = N) -> list[int]:
+    from bitdelta.common.v1 import generation_pb2 as gen_pb
+
+    req = wpb.GenerateRequest(model_id=model, prompt=prompt, sampling=gen_pb.SamplingParams(max_new_tokens=n))
+    return [m.token_id async for m in w.generate(req)]
+
+
+async def refusal(router: RouterClient, model: str) -> RouterCallError | None:
+    """The router's error for a one-token request to `model`, or None if it answered."""
+    try:
+        await run(router, model, "hi", n=1)
+    except RouterCallError as e:
+        return e
+    return None
+
+
+async def wait_for(pred, timeout: float = 30, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        r = await pred()
+        if r:
+            return r
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+# -- correctness and the first message --------------------------------------------------------------
+
+
+async def test_same_tokens_as_the_worker_alone(clients):
+    router, workers, _ = clients
+    for model, prompt in PROMPTS.items():
+        msgs = await run(router, model, prompt)
+        alone = await worker_tokens(workers[0], model, prompt)
+        assert [m.token_id for m in msgs] == alone, model
+        first, last = msgs[0], msgs[-1]
+        assert first.worker in {w.target for w in workers}
+        t = first.ttft
+        assert t.total_ms > 0 and t.prefill_ms > 0 and t.queue_ms >= 0 and t.total_ms >= t.prefill_ms
+        assert all(not m.worker for m in msgs[1:]) and not any(m.HasField("ttft") for m in msgs[1:])
+        assert last.finish_reason != 0 and last.usage.completion_tokens == len(msgs)
+        assert last.usage.prompt_tokens > 0
+
+
+async def test_concurrent_mixed_variants_match(clients):
+    router, workers, _ = clients
+    want = {m: await worker_tokens(workers[1], m, p) for m, p in PROMPTS.items()}
+    got = await asyncio.gather(*[run(router, m, p) for m, p in PROMPTS.items() for _ in range(3)])
+    for (m, _), msgs in zip([(m, p) for m, p in PROMPTS.items() for _ in range(3)], got):
+        assert [x.token_id for x in msgs] == want[m], m
+
+
+async def test_list_models_and_workers(clients, family, cluster):
+    router, _, _ = clients
+    await run(router, "v0", "hi", n=2)
+    models = {m.model_id: m for m in await router.list_models()}
+    first = (await router.list_models())[0]
+    assert first.is_base and first.servable and first.delta_bytes == 0
+    for v in family.variants:
+        m = models[v]
+        assert m.servable and not m.reason and m.delta_bytes == family.delta_path(v).stat().st_size
+        assert m.base_fingerprint == first.base_fingerprint
+    assert models["v0"].resident_on, "v0 just ran: it is resident somewhere"
+    other = models[family.other_base]
+    assert not other.servable and "built for base" in other.reason
+    ws = await router.list_workers()
+    assert [w.address for w in ws] == [w.address for w in cluster.w]
+    assert all(w.up and not w.reason and w.device == "cpu" and w.capacity > 0 for w in ws)
+
+
+async def test_requests_for_one_variant_share_a_worker(clients):
+    router, _, _ = clients
+    msgs = await asyncio.gather(*[run(router, "v1", "same worker please", n=3) for _ in range(6)])
+    assert len({m[0].worker for m in msgs}) == 1, "requests for one variant share its worker while it has room"
+
+
+# -- bad input -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model,prompt,kw,code,words",
+    [
+        ("nope", "hi", {}, grpc.StatusCode.NOT_FOUND, "ListModels"),
+        ("v0", "", {}, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        ("v0", "x" * 5000, {}, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        ("v0", "hi", {"temperature": math.nan}, grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        ("v0", "hi", {"temperature": 1e-45}, grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        ("v0", "hi", {"top_p": 2.0}, grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        ("v0", "hi", {"n": 10**6}, grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+        ("../etc/passwd", "hi", {}, grpc.StatusCode.INVALID_ARGUMENT, "model_id"),
+        ("m" * 20000, "hi", {}, grpc.StatusCode.INVALID_ARGUMENT, "model_id"),
+    ],
+)
+async def test_bad_requests_get_a_clear_status(clients, model, prompt, kw, code, words):
+    router, _, _ = clients
+    with pytest.raises(RouterCallError) as e:
+        await run(router, model, prompt, **kw)
+    assert e.value.code == code and words in e.value.details, e.value.details
+    assert len(e.value.details) < 1200  # long values are clipped, not echoed
+    assert len(await run(router, "v0", "still fine", n=2)) >= 1  # the next normal request is served
+
+
+async def test_wrong_base_delta_is_refused_and_others_keep_serving(clients, family):
+    router, _, _ = clients
+    with pytest.raises(RouterCallError) as e:
+        await run(router, family.other_base, "hi")
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "compress it again" in e.value.details
+    assert len(await run(router, "v2", "hi", n=3)) == 3
+
+
+# -- the registry follows the store ----------------------------------------------------------------------
+
+
+async def test_put_makes_a_variant_servable_and_delete_stops_it(clients, family):
+    router, workers, store = clients
+    await store.put("fresh", family.delta_path("v0"))  # v0's delta under a new name
+    msgs = await run(router, "fresh", PROMPTS["v0"])
+    assert [m.token_id for m in msgs] == await worker_tokens(workers[0], "v0", PROMPTS["v0"])
+    await store.put("foreign", family.delta_path(family.other_base))
+    with pytest.raises(RouterCallError) as e:
+        await run(router, "foreign", "hi")
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert not {m.model_id: m for m in await router.list_models()}["foreign"].servable
+    await store.delete("fresh")
+    e = await wait_for(lambda: refusal(router, "fresh"), what="the deleted variant to stop")
+    assert e.code == grpc.StatusCode.NOT_FOUND and "deleted" in e.details
+    assert len(await run(router, "v1", "others keep serving", n=2)) == 2
+
+
+# -- coalescing of a cold variant ---------------------------------------------------------------------------
+
+
+async def test_fifty_requests_for_a_cold_variant_cause_one_load(clients, cluster):
+    """50 concurrent requests for a cold variant: one load on one worker (the store stalled with
+    SIGSTOP so the load is still running when all 50 are in), while a resident variant is served."""
+    router, workers, _ = clients
+    for w in workers:
+        await w.evict_delta("v2")
+        await w.load_delta("v0")  # resident everywhere: the request for it below causes no load
+    before = [(await w.status()).loads_started for w in workers]
+    fetches_before = sample(cluster.store_metrics_port, "bitdelta_delta_store_fetches_total", delta="v2")
+    cluster.st.popen.send_signal(signal.SIGSTOP)
+    try:
+        cold = [asyncio.create_task(run(router, "v2", PROMPTS["v2"])) for _ in range(50)]
+
+        async def all_admitted():
+            m = {x.model_id: x for x in await router.list_models()}
+            return m["v2"].in_flight == 50 and m["v2"].loading_on
+
+        await wait_for(all_admitted, what="50 requests in flight for v2")
+        t = time.monotonic()
+        warm = await run(router, "v0", PROMPTS["v0"])  # resident: never held behind the load
+        assert warm[-1].finish_reason != 0 and time.monotonic() - t < 60
+        assert not any(c.done() for c in cold), "the cold requests cannot finish while the store is stopped"
+    finally:
+        cluster.st.popen.send_signal(signal.SIGCONT)
+    results = await asyncio.gather(*cold)
+    after = [(await w.status()).loads_started for w in workers]
+    assert sum(a - b for a, b in zip(after, before)) == 1, (before, after)
+    fetches = sample(cluster.store_metrics_port, "bitdelta_delta_store_fetches_total", delta="v2")
+    assert fetches - fetches_before == 1, "the store served one Fetch of v2"
+    assert len({r[0].worker for r in results}) == 1
+    home = next(w for w in workers if w.target == results[0][0].worker)
+    want = await worker_tokens(home, "v2", PROMPTS["v2"])
+    assert all([m.token_id for m in r] == want for r in results)
+    arrivals = sorted(r[0].arrival_state for r in results)
+    assert arrivals.count(pb.ARRIVAL_STATE_COLD) == 1 and arrivals.count(pb.ARRIVAL_STATE_LOADING) == 49
+
+
+# -- admission and deadlines -----------------------------------------------------------------------------
+
+
+async def test_full_queues_and_deadlines(clients, cluster):
+    """A second router over the same workers, one request per worker at a time, a queue of 2."""
+    _, workers, _ = clients
+    r2 = cluster.router(
+        [cluster.w[0].address],
+        cluster.st.address,
+        name="router-small",
+        extra=("--max-in-flight-per-worker", "1", "--max-queue", "2", "--max-queue-per-variant", "2"),
+    )
+    cluster.wait_serving(r2)
+    async with RouterClient(r2.address, generate_timeout_s=T) as small:
+        await workers[0].evict_delta("v1")
+        cluster.st.popen.send_signal(signal.SIGSTOP)  # the load of v1 cannot finish: its request holds the slot
+        try:
+            hold = asyncio.create_task(run(small, "v1", "hold the worker", n=2))
+
+            async def holding():
+                return (await small.list_workers())[0].in_flight == 1
+
+            await wait_for(holding, what="the first request to take the worker's one slot")
+            queued = [asyncio.create_task(run(small, "v0", "wait", n=2)) for _ in range(2)]
+
+            async def queue_full():
+                return {m.model_id: m for m in await small.list_models()}["v0"].in_flight == 2
+
+            await wait_for(queue_full, what="two requests in the queue")
+            with pytest.raises(RouterCallError) as e:
+                await run(small, "v0", "one too many", n=2)
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue" in e.value.details
+            assert not hold.done() and not any(q.done() for q in queued)
+        finally:
+            cluster.st.popen.send_signal(signal.SIGCONT)
+        assert len(await hold) == 2
+        assert all(len(q) == 2 for q in await asyncio.gather(*queued))  # the queue drains
+    r2.stop()
+
+    # a deadline shorter than the work: DEADLINE_EXCEEDED, and the worker frees the sequence
+    async with RouterClient(cluster.r.address) as router:
+        prompt = "a long prompt " * 10
+        t = time.monotonic()
+        await run(router, "", prompt, n=240)
+        deadline = max(0.05, 0.4 * (time.monotonic() - t))  # well inside the time the work takes here
+        seen_running = False
+
+        async def watch():
+            nonlocal seen_running
+            while True:
+                st = await workers[0].status()
+                st1 = await workers[1].status()
+                seen_running |= st.running + st1.running > 0
+                await asyncio.sleep(0.02)
+
+        watcher = asyncio.create_task(watch())
+        with pytest.raises(RouterCallError) as e:
+            await run(router, "", prompt, n=240, timeout_s=deadline)
+        watcher.cancel()
+        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    async def freed():
+        sts = [await w.status() for w in workers]
+        return all(s.running == 0 and s.waiting == 0 and s.kv_tokens_used == 0 for s in sts)
+
+    await wait_for(freed, what="the worker to free the expired sequence")
+    assert seen_running, "the request reached a worker before its deadline"
+
+
+async def test_a_client_that_cancels_frees_the_sequence_on_the_worker(clients):
+    router, workers, _ = clients
+    prompt = "cancel me " * 5
+    t = time.monotonic()
+    full = await run(router, "v0", prompt, n=200)
+    full_s = time.monotonic() - t  # what the whole generation takes here
+    stream = router.generate("v0", prompt, max_new_tokens=200)
+    t = time.monotonic()
+    first = await anext(stream)
+    worker = next(w for w in workers if w.target == first.worker)
+    assert (await worker.status()).running == 1
+    await stream.aclose()  # leaving the loop cancels the call: router -> worker
+
+    async def freed():
+        s = await worker.status()
+        return s.running == 0 and s.waiting == 0 and s.kv_tokens_used == 0
+
+    await wait_for(freed, what="the worker to free the cancelled sequence")
+    assert len(full) > 50 and time.monotonic() - t < full_s, "freed before the generation could have finished"
+    assert len(await run(router, "v0", "next", n=2)) == 2
+
+
+# -- the command line ---------------------------------------------------------------------------------------
+
+
+async def test_cli_generate_and_models(clients, cluster, family):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    router, _, _ = clients
+    text = "".join(m.text for m in await run(router, "v0", PROMPTS["v0"]))
+    cli = [str(Path(sys.executable).parent / "bitdelta")]  # the installed command
+    r = await asyncio.to_thread(
+        subprocess.run,
+        [*cli, "generate", "--router", cluster.r.address, "--model", "v0", "--max-new-tokens", str(N), PROMPTS["v0"]],
+        capture_output=True,
+        text=True,
+        timeout=T,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == PROMPTS["v0"] + text + "\n"
+    assert "ttft" in r.stderr and "prefill" in r.stderr and f"{N} tokens" in r.stderr
+    r = await asyncio.to_thread(
+        subprocess.run, [*cli, "models", "--router", cluster.r.address], capture_output=True, text=True, timeout=T
+    )
+    assert r.returncode == 0, r.stderr
+    lines = {line.split()[0]: line for line in r.stdout.splitlines()[1:]}
+    assert set(family.variants) <= set(lines) and "NOT SERVABLE" in lines[family.other_base]
+    r = await asyncio.to_thread(
+        subprocess.run,
+        [*cli, "generate", "--router", cluster.r.address, "--model", "nope", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=T,
+    )
+    assert r.returncode == 1 and "NOT_FOUND" in r.stderr and "Traceback" not in r.stderr
+
+
+async def test_cli_store_put_list_rm(clients, cluster, family):
+    """`bitdelta store put` makes a variant servable at once (v0's delta under a new name answers with
+    v0's tokens), `list` shows it, a second put without --overwrite is ALREADY_EXISTS, `rm` stops it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    router, workers, _ = clients
+    cli = [str(Path(sys.executable).parent / "bitdelta"), "store"]
+
+    async def bitdelta(*args):
+        return await asyncio.to_thread(
+            subprocess.run, [*cli, *args, "--store", cluster.st.address], capture_output=True, text=True, timeout=T
+        )
+
+    r = await bitdelta("put", str(family.delta_path("v0")), "--name", "from-cli")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("stored from-cli:") and "put from-cli" in r.stderr  # the progress bar
+    msgs = await run(router, "from-cli", PROMPTS["v0"])
+    assert [m.token_id for m in msgs] == await worker_tokens(workers[0], "v0", PROMPTS["v0"])
+    r = await bitdelta("list")
+    rows = {line.split()[0]: line for line in r.stdout.splitlines()[1:]}
+    assert r.returncode == 0 and "from-cli" in rows and set(family.variants) <= set(rows), r.stdout
+    r = await bitdelta("put", str(family.delta_path("v1")), "--name", "from-cli")
+    assert r.returncode == 1 and "ALREADY_EXISTS" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = await bitdelta("rm", "from-cli")
+    assert r.returncode == 0 and r.stdout.strip() == "deleted from-cli", r.stderr
+    e = await wait_for(lambda: refusal(router, "from-cli"), what="the deleted variant to stop")
+    assert e.code == grpc.StatusCode.NOT_FOUND
+    r = await bitdelta("rm", "from-cli")
+    assert r.returncode == 1 and "NOT_FOUND" in r.stderr, r.stderr
+
+
+async def test_grpcurl_through_reflection(clients, cluster):
+    """The README's grpcurl line works: reflection describes the API, Generate streams JSON."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    router, _, _ = clients
+    grpcurl = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or "grpcurl"
+    body = json.dumps({"model_id": "v0", "prompt": PROMPTS["v0"], "sampling": {"max_new_tokens": N}})
+    r = await asyncio.to_thread(
+        subprocess.run,
+        [grpcurl, "-plaintext", "-d", body, cluster.r.address, "bitdelta.router.v1.RouterService/Generate"],
+        capture_output=True,
+        text=True,
+        timeout=T,
+    )
+    assert r.returncode == 0, r.stderr
+    msgs = [json.loads(m) for m in r.stdout.replace("}\n{", "}\x00{").split("\x00")]
+    want = [m.token_id for m in await run(router, "v0", PROMPTS["v0"])]
+    assert [m.get("token_id", 0) for m in msgs] == want and msgs[0]["worker"] and msgs[0]["ttft"]["total_ms"] > 0

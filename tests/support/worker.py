@@ -1,0 +1,38 @@
+"""The worker's test helpers: the offline dense reference of a variant, and a worker running
+on a loopback port (a real gRPC server; the families are `bitdelta.testing.family`'s).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from pathlib import Path
+
+import grpc
+
+
+def offline_generate(ckpt: Path, prompt: list[int], n: int, eos: int | None) -> list[int]:
+    """Greedy tokens of a dense checkpoint through `bitdelta.model` (the reference for variants)."""
+    from bitdelta.model import load_model
+
+    return load_model(ckpt).generate(prompt, n, stop_ids=(eos,) if eos is not None else ())
+
+
+@contextlib.asynccontextmanager
+async def running_worker(config):
+    """A started worker behind a gRPC server on a free loopback port; yields (worker, server, channel)."""
+    from services.gpu_worker.server import create_server, start_worker
+    from services.gpu_worker.worker import Worker
+
+    config = dataclasses.replace(config, address="127.0.0.1:0")
+    worker = Worker(config)
+    server = create_server(worker, config.address)
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        await start_worker(worker, server)
+        yield worker, server, channel
+    finally:
+        await channel.close()
+        await server.stop(0)
+        await worker.close()
