@@ -1,1 +1,1 @@
-"""The core library (bitdelta/): bits, model, checkpoints, the delta format, compression, distillation, the CLI, the planner, the precision rule."""
+"""The core library (bitdelta/): model, checkpoints, the delta format, compression, distillation, the CLI, the planner, the precision rule."""
