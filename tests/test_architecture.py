@@ -1,6 +1,7 @@
 """The rules of the house (docs/architecture.md, "Rules"), checked on the code itself:
 services share code only through the core library and the torch-free RPC layer; no service
-imports another; the router and the RPC layer load no torch."""
+imports another; the router and the RPC layer load no torch; the code and the tests meet only
+where the tests import the code (tests/support/ is the tests' own)."""
 
 from __future__ import annotations
 
@@ -104,3 +105,53 @@ def test_import_rules_see_imports_inside_functions(tmp_path):
         "def g():\n    from bitdelta import model\n    import importlib\n    importlib.import_module('kernels.bits')\n"
     )
     assert imports_of(f) == {"bitdelta", "importlib", "kernels.bits"}
+
+
+def tracked_py_files() -> list[Path]:
+    """Every Python file in the repository (git's list: the virtual environment and data/ are not in it)."""
+    r = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return [ROOT / f for f in r.stdout.split()]
+
+
+def test_nothing_outside_tests_imports_the_tests():
+    """tests/support/ holds what only the tests use: no module outside tests/ imports it (nor any
+    test module); a helper bench/ or scripts/ need as well lives once in `bitdelta.testing`."""
+    files = tracked_py_files()
+    assert ROOT / "bench" / "router.py" in files  # the list is the repository's
+    bad = [
+        f"{f.relative_to(ROOT)} imports {m}"
+        for f in files
+        if f.relative_to(ROOT).parts[0] != "tests"
+        for m in imports_of(f)
+        if m.split(".")[0] == "tests"
+    ]
+    assert not bad, "\n".join(bad)
+
+
+TEST_HELPER_NAMES = ("testing", "conftest", "fixtures", "mocks", "fakes")
+
+
+def test_the_code_holds_no_test_only_helper_module():
+    """The code's packages hold no helper module for tests, but for `bitdelta.testing`, the one that
+    bench/ shares with the tests: each of its modules is imported by bench/ or scripts/ (one that
+    only tests import belongs in tests/support/)."""
+    bad = [
+        str(f.relative_to(ROOT))
+        for package in ("bitdelta", "kernels", "services")
+        for f in sorted((ROOT / package).rglob("*.py"))
+        if (f.stem.startswith("test_") or f.stem in TEST_HELPER_NAMES or f.parent.name in TEST_HELPER_NAMES)
+        and f.parent != ROOT / "bitdelta" / "testing"
+    ]
+    assert not bad, "test-only helpers in the code (move them to tests/support/): " + ", ".join(bad)
+    used = {
+        m
+        for f in tracked_py_files()
+        if f.relative_to(ROOT).parts[0] in ("bench", "scripts")
+        for m in imports_of(f)
+        if m.startswith("bitdelta.testing.")
+    }
+    shared = {
+        f"bitdelta.testing.{f.stem}" for f in (ROOT / "bitdelta" / "testing").glob("*.py") if f.stem != "__init__"
+    }
+    assert shared and shared <= used, f"only the tests import {sorted(shared - used)}: move it to tests/support/"
