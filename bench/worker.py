@@ -126,10 +126,10 @@ def disk_bandwidth(files: list[Path]) -> float:
 
 
 async def run_one(worker, model_id: str, prompt: str, n: int) -> dict:
-    from services.gpu_worker.worker import GenerateParams
+    from bitdelta.generation import Request, Sampling
 
     times, first = [], None
-    async for ev in worker.generate(GenerateParams(model_id=model_id, prompt=prompt, max_new_tokens=n)):
+    async for ev in worker.generate(Request(model_id, prompt, Sampling(max_new_tokens=n))):
         times.append(time.perf_counter())
         if first is None:
             first = ev.ttft
@@ -249,8 +249,8 @@ async def bench(args) -> dict:
     # 2. prefill / TTFT, alternating base and variant
     tb, tv = [], []
     for _ in range(args.reps + 2):
-        tb.append((await run_one(worker, "", prompt, 1))["ttft"]["total_ms"])
-        tv.append((await run_one(worker, names[0], prompt, 1))["ttft"]["total_ms"])
+        tb.append((await run_one(worker, "", prompt, 1))["ttft"].total_ms)
+        tv.append((await run_one(worker, names[0], prompt, 1))["ttft"].total_ms)
     res["ttft_base_ms"], res["ttft_variant_ms"] = statistics.median(tb), statistics.median(tv)
     res["prefill_ratio"] = res["ttft_variant_ms"] / res["ttft_base_ms"]
     log(

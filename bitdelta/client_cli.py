@@ -183,9 +183,9 @@ def register(sub) -> None:
     c.add_argument("--model", default="", help="variant name; empty: the base")
     c.add_argument("--max-new-tokens", type=int, default=64)
     c.add_argument("--temperature", type=float, default=0.0)
-    c.add_argument("--top-p", type=float, default=0.0)
+    c.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: no truncation")
     c.add_argument("--stop", action="append", help="stop string (repeatable)")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=int, default=None, help="same seed, same tokens; default: random")
     c.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     c.set_defaults(func=lambda a: asyncio.run(_generate(a)))
 

@@ -32,6 +32,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb
+from bitdelta.generation import FinishReason
 from bitdelta.router.v1 import router_pb2 as pb
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from services.gateway import protocol as api
@@ -120,7 +121,7 @@ class _Generation(Response):
 
     async def _respond(self, send: Send) -> None:
         r = self.req
-        request = pb.GenerateRequest(model_id=r.model, prompt=r.prompt, sampling=r.sampling(), request_id=r.id)
+        request = pb.GenerateRequest(model_id=r.model, prompt=r.prompt, sampling=r.sampling().to_pb(), request_id=r.id)
         stream = self.router.generate_request(request, timeout_s=self.timeout_s, metadata=self.metadata)
         try:
             try:  # nothing is sent before the first token: errors up to there get their own HTTP status
@@ -148,7 +149,7 @@ class _Generation(Response):
 
     @staticmethod
     def _finish(msg: pb.GenerateResponse) -> str:
-        finish = api.FINISH.get(msg.finish_reason)
+        finish = api.FINISH.get(FinishReason.from_pb(msg.finish_reason))
         if finish is None:
             raise ApiError(
                 504,

@@ -17,12 +17,12 @@ from typing import Any
 import grpc
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb
+from bitdelta.generation import FinishReason, Sampling
 
 MAX_STOP = 4  # OpenAI's limit on `stop` strings
-SEED_ZERO = 2**64 - 1  # the router reads seed 0 as "random"; an OpenAI seed of 0 is a fixed seed like any other
 MAX_SEED = 2**64 - 1
 
-FINISH = {gen_pb.FINISH_REASON_LENGTH: "length", gen_pb.FINISH_REASON_EOS: "stop", gen_pb.FINISH_REASON_STOP: "stop"}
+FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP: "stop"}  # OpenAI's words
 
 # Fields whose non-default values change what OpenAI would return and that this server cannot honour:
 # refused with 400 naming the field rather than silently ignored. (Others, e.g. `user`, are ignored.)
@@ -115,18 +115,18 @@ class Request:
     temperature: float = 1.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
-    seed: int = 0  # the router's seed (0: random)
+    seed: int | None = None  # None: random
     stream: bool = False
     include_usage: bool = False
     id: str = ""
     created: int = 0
 
-    def sampling(self) -> gen_pb.SamplingParams:
-        return gen_pb.SamplingParams(
+    def sampling(self) -> Sampling:
+        return Sampling(
             max_new_tokens=self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
-            stop=list(self.stop),
+            stop=self.stop,
             seed=self.seed,
         )
 
@@ -188,7 +188,7 @@ def _common(body: Any, kind: str) -> Request:
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
         stop=stops,
-        seed=0 if seed is None else (seed or SEED_ZERO),
+        seed=seed,
         stream=stream,
         include_usage=include_usage,
         id=("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex,

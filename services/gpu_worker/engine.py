@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bitdelta.generation import ArrivalState, FinishReason, TokenEvent, Ttft, Usage
 from services.gpu_worker.runner import ModelRunner, SeqWork
 from services.gpu_worker.sampling import Sampler, TextStream
 from services.gpu_worker.scheduler import Scheduler, SeqState
@@ -30,21 +31,6 @@ log = logging.getLogger("gpu_worker.engine")
 
 # How long an idle engine sleeps before re-checking deadlines.
 IDLE_POLL_S = 0.05
-
-
-@dataclass
-class TokenEvent:
-    """One streamed token (domain form of GenerateResponse)."""
-
-    token_id: int
-    text: str
-    elapsed_ms: float
-    finish_reason: str | None = None  # "length" | "eos" | "stop" | "cancelled"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    ttft: dict | None = None  # on the first event: delta_load_ms, schedule_ms, prefill_ms, total_ms
-    arrival: str = ""  # on the first event (set by the worker): the delta's state when the request arrived
-    prefill_batch: int = 0  # on the first event: sequences in the step that began this one's prefill (traces)
 
 
 @dataclass
@@ -57,6 +43,7 @@ class Sequence:
     eos_ids: frozenset[int]
     emit: Callable[[object], None]  # called on the loop with a TokenEvent or an Exception
     delta_name: str | None  # the slot reference to release when the sequence leaves
+    arrival: ArrivalState  # the delta's state when the request arrived (sent with the first token)
     t_arrival: float  # perf_counter() when the request arrived
     delta_load_ms: float = 0.0
     deadline: float | None = None  # time.monotonic() deadline
@@ -131,7 +118,7 @@ class Engine:
                 self._drop(sid, posts, None)
             for sid, s in list(self._seqs.items()):
                 if s.deadline is not None and now >= s.deadline:
-                    self._drop(sid, posts, "cancelled")
+                    self._drop(sid, posts, FinishReason.CANCELLED)
             work = []
             try:
                 work = self.scheduler.schedule()
@@ -201,31 +188,45 @@ class Engine:
         s = seq.state
         s.output.append(tok)
         text, stopped = seq.text.add(tok)
-        reason = None
+        finish = None
         if stopped:
-            reason = "stop"
+            finish = FinishReason.STOP
         elif tok in seq.eos_ids:
-            reason = "eos"
+            finish = FinishReason.EOS
         elif len(s.output) >= s.max_new:
-            reason = "length"
-        if reason and reason != "stop":
+            finish = FinishReason.LENGTH
+        if finish is not None and finish is not FinishReason.STOP:
             text += seq.text.flush()
-        ev = TokenEvent(tok, text, (now - seq.t_arrival) * 1e3, reason, len(s.prompt), len(s.output))
+        ttft = None
         if not seq.sent_first:
             seq.sent_first = True
-            ev.prefill_batch = seq.prefill_batch
-            ev.ttft = {
-                "delta_load_ms": seq.delta_load_ms,
-                "schedule_ms": (seq.t_first_sched - seq.t_submit) * 1e3,
-                "prefill_ms": (now - seq.t_first_sched) * 1e3,
-                "total_ms": (now - seq.t_arrival) * 1e3,
-            }
+            ttft = Ttft(
+                delta_load_ms=seq.delta_load_ms,
+                schedule_ms=(seq.t_first_sched - seq.t_submit) * 1e3,
+                prefill_ms=(now - seq.t_first_sched) * 1e3,
+                total_ms=(now - seq.t_arrival) * 1e3,
+            )
+        ev = TokenEvent(
+            tok,
+            text,
+            (now - seq.t_arrival) * 1e3,
+            finish_reason=finish,
+            usage=Usage(len(s.prompt), len(s.output)) if finish is not None else None,
+            ttft=ttft,
+            arrival=seq.arrival if ttft is not None else None,
+            prefill_batch=seq.prefill_batch if ttft is not None else 0,
+        )
         posts.append((seq.emit, ev))
-        if reason:
+        if finish is not None:
             self._drop(s.seq_id, posts, None, notify=False)
 
     def _drop(
-        self, seq_id: int, posts, reason: str | None, error: Exception | None = None, notify: bool = True
+        self,
+        seq_id: int,
+        posts,
+        finish: FinishReason | None,
+        error: Exception | None = None,
+        notify: bool = True,
     ) -> None:
         """Remove a sequence from the batch, free its KV blocks and its slot reference."""
         seq = self._seqs.pop(seq_id, None)
@@ -236,21 +237,16 @@ class Engine:
             posts.append((self._release, seq.delta_name))
         if error is not None:
             posts.append((seq.emit, error))
-        elif notify and reason:
+        elif notify and finish is not None:
             s = seq.state
-            posts.append(
-                (
-                    seq.emit,
-                    TokenEvent(
-                        s.output[-1] if s.output else 0,
-                        seq.text.flush(),
-                        (time.perf_counter() - seq.t_arrival) * 1e3,
-                        reason,
-                        len(s.prompt),
-                        len(s.output),
-                    ),
-                )
+            ev = TokenEvent(
+                s.output[-1] if s.output else 0,
+                seq.text.flush(),
+                (time.perf_counter() - seq.t_arrival) * 1e3,
+                finish_reason=finish,
+                usage=Usage(len(s.prompt), len(s.output)),
             )
+            posts.append((seq.emit, ev))
 
 
 def _deliver(posts) -> None:

@@ -15,17 +15,19 @@ import os
 
 import torch
 
+from bitdelta.generation import Sampling
 from services.gpu_worker.errors import SamplingError
 
 
 class Sampler:
-    def __init__(self, temperature: float, top_p: float, seed: int):
-        self.temperature = float(temperature)
-        self.top_p = float(top_p)
-        self.greedy = self.temperature <= 0.0
+    def __init__(self, sampling: Sampling):
+        self.temperature = float(sampling.temperature)
+        self.top_p = float(sampling.top_p)
+        self.greedy = sampling.greedy
         self.generator = None
         if not self.greedy:
-            self.generator = torch.Generator().manual_seed(seed or int.from_bytes(os.urandom(8), "little") >> 1)
+            seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little")
+            self.generator = torch.Generator().manual_seed(seed)
 
     def sample(self, logits: torch.Tensor) -> int:
         """logits: fp32 [vocab] on the CPU -> token id. Raises SamplingError (this sequence only)

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 
-from bitdelta.common.v1 import generation_pb2
+from bitdelta.generation import Request
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
 from bitdelta.rpc import telemetry
@@ -22,20 +22,15 @@ from bitdelta.rpc.metrics import WorkerMetrics
 from bitdelta.rpc.security import AuthInterceptor, Role
 from bitdelta.rpc.serve import Server, Service, run_until_signal
 from bitdelta.rpc.serve import create_server as create_rpc_server
+from bitdelta.rpc.wire.gpu_worker import event_to_pb
 from services.gpu_worker.errors import STATUS_OF
 from services.gpu_worker.manager import DeltaState, SlotInfo
-from services.gpu_worker.worker import GenerateParams, Worker
+from services.gpu_worker.worker import Worker
 
 log = logging.getLogger("gpu_worker.server")
 SERVICE = pb.DESCRIPTOR.services_by_name["GpuWorkerService"].full_name
 MAX_MESSAGE_BYTES = 64 << 20
 
-FINISH = {
-    "length": generation_pb2.FINISH_REASON_LENGTH,
-    "eos": generation_pb2.FINISH_REASON_EOS,
-    "stop": generation_pb2.FINISH_REASON_STOP,
-    "cancelled": generation_pb2.FINISH_REASON_CANCELLED,
-}
 STATES = {
     DeltaState.ABSENT: pb.DELTA_STATE_ABSENT,
     DeltaState.LOADING: pb.DELTA_STATE_LOADING,
@@ -43,8 +38,6 @@ STATES = {
     DeltaState.EVICTING: pb.DELTA_STATE_EVICTING,
     DeltaState.FAILED: pb.DELTA_STATE_FAILED,
 }
-
-ARRIVAL = {"resident": pb.DELTA_STATE_RESIDENT, "loading": pb.DELTA_STATE_LOADING, "absent": pb.DELTA_STATE_ABSENT}
 
 
 def slot_to_pb(s: SlotInfo) -> pb.DeltaSlot:
@@ -63,56 +56,27 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
         self.worker, self.metrics = worker, metrics
 
     async def Generate(self, request, context):
-        if self.metrics is None:
-            async for msg in self._generate(request, context):
-                yield msg
-            return
+        remaining = context.time_remaining()
+        req = Request.from_pb(request, None if remaining is None else time.monotonic() + remaining)
         m, model, status, last_ms = self.metrics, request.model_id or "base", "OK", None
         try:
-            async for msg in self._generate(request, context):
-                if msg.HasField("ttft"):
-                    arrival = {pb.DELTA_STATE_ABSENT: "cold", pb.DELTA_STATE_LOADING: "loading"}.get(
-                        msg.arrival_state, "resident" if request.model_id else "base"
-                    )
-                    m.ttft.labels(model, arrival).observe(msg.ttft.total_ms / 1e3)
-                elif last_ms is not None:
-                    m.itl.labels(model).observe((msg.elapsed_ms - last_ms) / 1e3)
-                m.tokens.labels(model).inc()
-                last_ms = msg.elapsed_ms
-                yield msg
+            async for ev in self.worker.generate(req):
+                if m is not None:
+                    if ev.ttft is not None:
+                        m.ttft.labels(model, ev.arrival.value).observe(ev.ttft.total_ms / 1e3)
+                    elif last_ms is not None:
+                        m.itl.labels(model).observe((ev.elapsed_ms - last_ms) / 1e3)
+                    m.tokens.labels(model).inc()
+                last_ms = ev.elapsed_ms
+                yield event_to_pb(ev)
         except BaseException as e:
             status = (
                 "CANCELLED" if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else status_of(e, STATUS_OF).name
             )
             raise
         finally:
-            m.requests.labels(model, status).inc()
-
-    async def _generate(self, request, context):
-        sp = request.sampling
-        remaining = context.time_remaining()
-        params = GenerateParams(
-            model_id=request.model_id,
-            prompt=request.prompt,
-            max_new_tokens=sp.max_new_tokens,
-            temperature=sp.temperature,
-            top_p=sp.top_p,
-            stop=list(sp.stop),
-            seed=sp.seed,
-            request_id=request.request_id,
-            deadline=None if remaining is None else time.monotonic() + remaining,
-        )
-        async for ev in self.worker.generate(params):
-            msg = pb.GenerateResponse(token_id=ev.token_id, text=ev.text, elapsed_ms=ev.elapsed_ms)
-            if ev.ttft is not None:
-                msg.ttft.CopyFrom(generation_pb2.TtftBreakdown(**ev.ttft))
-                msg.arrival_state = ARRIVAL[ev.arrival]
-            if ev.finish_reason is not None:
-                msg.finish_reason = FINISH[ev.finish_reason]
-                msg.usage.CopyFrom(
-                    generation_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens)
-                )
-            yield msg
+            if m is not None:
+                m.requests.labels(model, status).inc()
 
     async def LoadDelta(self, request, context):
         info, waited = await self.worker.load_delta(request.name, pin=request.pin)

@@ -2,7 +2,7 @@
 plain Python methods (the servicer only translates protobuf to these).
 
     worker = Worker(config); await worker.start()
-    async for ev in worker.generate(GenerateParams(model_id="coder", prompt="def f(")): ...
+    async for ev in worker.generate(Request(model_id="coder", prompt="def f(")): ...   # TokenEvents
 """
 
 from __future__ import annotations
@@ -12,11 +12,9 @@ import contextlib
 import itertools
 import json
 import logging
-import math
-import re
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,9 +22,10 @@ from opentelemetry import trace
 
 from bitdelta.cache_policy import WeightedLRUPolicy
 from bitdelta.checkpoint import fingerprint, read_config
+from bitdelta.generation import ArrivalState, Request, TokenEvent, check_model_id
 from bitdelta.rpc import telemetry
 from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.engine import Engine, Sequence, TokenEvent
+from services.gpu_worker.engine import Engine, Sequence
 from services.gpu_worker.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.gpu_worker.manager import DeltaManager, DeltaState, SlotInfo
 from services.gpu_worker.runner import BaseWeights, KVPool, ModelRunner
@@ -37,30 +36,6 @@ from services.gpu_worker.sources import DeltaStoreSource, LocalDeltaSource
 
 log = logging.getLogger("gpu_worker")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# What a request may carry (checked before any work; INVALID_ARGUMENT names the field and limit).
-# Delta names: the delta store's rule (services/delta_store/backends.check_name), so a name the
-# worker accepts is one the store can hold.
-DELTA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
-# Below this, sampling is greedy in effect and logits / temperature overflows fp32 near 1e-37.
-MIN_TEMPERATURE = 1e-3
-MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # stop strings are searched on the engine thread every token
-ECHO_CHARS = 64  # how much of a rejected value an error message repeats
-
-
-@dataclass
-class GenerateParams:
-    """A Generate request in domain form."""
-
-    model_id: str
-    prompt: str
-    max_new_tokens: int = 0  # 0: the worker's default
-    temperature: float = 0.0
-    top_p: float = 0.0
-    stop: list[str] = field(default_factory=list)
-    seed: int = 0
-    request_id: str = ""
-    deadline: float | None = None  # time.monotonic() by which the request must end
 
 
 @dataclass
@@ -193,12 +168,13 @@ class Worker:
     def is_base(self, model_id: str) -> bool:
         return model_id in ("", self.base_name)
 
-    async def generate(self, p: GenerateParams) -> AsyncIterator[TokenEvent]:
+    async def generate(self, p: Request) -> AsyncIterator[TokenEvent]:
         t_arrival = time.perf_counter()
         t_arrival_ns = first_ns = time.time_ns()  # traces: the engine's times become spans after the fact
         self._check_serving()
-        name = None if self.is_base(p.model_id) else check_delta_name(p.model_id, "model_id")
-        check_sampling(p)
+        p.validate()
+        name = None if self.is_base(p.model_id) else p.model_id
+        sp = p.sampling
         limit = self.config.max_prompt_bytes
         if len(p.prompt) > limit or len(p.prompt.encode()) > limit:  # characters <= bytes: cheap test first
             raise InvalidArgument(
@@ -220,7 +196,7 @@ class Worker:
         room = self.args.max_seq_len - len(ids)
         if room <= 0:
             raise InvalidArgument(f"the prompt has {len(ids)} tokens; the model's context is {self.args.max_seq_len}")
-        max_new = min(p.max_new_tokens or self.config.default_max_new_tokens, room)
+        max_new = min(sp.max_new_tokens or self.config.default_max_new_tokens, room)
         if self.scheduler.blocks_for(len(ids) + max_new) > self.scheduler.allocator.n_blocks:
             raise ResourceExhausted(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the whole KV "
@@ -232,10 +208,10 @@ class Worker:
         seq_id = next(self._ids)
         acquired = submitted = finished = False
         try:
-            slot, load_ms, arrival = -1, 0.0, "resident"
+            slot, load_ms, arrival = -1, 0.0, ArrivalState.BASE
             if name is not None:
-                arrival = {DeltaState.RESIDENT: "resident", DeltaState.LOADING: "loading"}.get(
-                    self.manager.state_of(name), "absent"
+                arrival = {DeltaState.RESIDENT: ArrivalState.RESIDENT, DeltaState.LOADING: ArrivalState.LOADING}.get(
+                    self.manager.state_of(name), ArrivalState.COLD
                 )
                 t = time.perf_counter()
                 with _load_span(name, arrival) as span:  # the store's Fetch joins this trace (cold loads)
@@ -246,11 +222,12 @@ class Worker:
                 load_ms = (time.perf_counter() - t) * 1e3
             seq = Sequence(
                 state=SeqState(seq_id, ids, max_new, slot),
-                sampler=Sampler(p.temperature, p.top_p, p.seed),
-                text=TextStream(self.tokenizer, ids, list(p.stop)),
+                sampler=Sampler(sp),
+                text=TextStream(self.tokenizer, ids, list(sp.stop)),
                 eos_ids=self.eos_ids,
                 emit=queue.put_nowait,
                 delta_name=name,
+                arrival=arrival,
                 t_arrival=t_arrival,
                 delta_load_ms=load_ms,
                 deadline=p.deadline,
@@ -264,9 +241,8 @@ class Worker:
                     raise ev
                 finished = ev.finish_reason is not None
                 if ev.ttft is not None:
-                    ev.arrival = arrival
-                    first_ns = _trace_first_token(ev, t_arrival_ns, name, arrival, len(ids))
-                if finished and ev.completion_tokens:
+                    first_ns = _trace_first_token(ev, t_arrival_ns, name, len(ids))
+                if finished and ev.usage.completion_tokens:
                     _trace_decode(ev, t_arrival_ns, first_ns)
                 yield ev
                 if finished:
@@ -281,7 +257,7 @@ class Worker:
         self._check_serving()
         if self.is_base(name):
             raise InvalidArgument(f"{name!r} is the base model, which is always resident")
-        check_delta_name(name, "name")
+        check_model_id(name, "name")
         t = time.perf_counter()
         was_resident = self.manager.state_of(name) == DeltaState.RESIDENT
         await self.manager.load(name, pin=pin)
@@ -293,7 +269,7 @@ class Worker:
             raise Unavailable("this worker is still loading its base model; retry shortly")
         if self.is_base(name):
             raise InvalidArgument(f"{name!r} is the base model, which is always resident and cannot be evicted")
-        check_delta_name(name, "name")
+        check_model_id(name, "name")
         return await self.manager.evict(name)
 
     def slot_info(self, name: str) -> SlotInfo:
@@ -321,35 +297,37 @@ class Worker:
         )
 
 
-def _load_span(name: str, arrival: str):
+def _load_span(name: str, arrival: ArrivalState):
     """A live span around waiting for a delta that is not resident (nothing for a resident one)."""
-    if arrival == "resident":
+    if arrival is ArrivalState.RESIDENT:
         return contextlib.nullcontext(trace.INVALID_SPAN)
     return telemetry.tracer().start_as_current_span(
         "worker.load_delta",
         attributes={
             "delta.name": name,
-            "arrival_state": {"absent": "cold"}.get(arrival, arrival),
-            "delta.load_joined": arrival == "loading",
+            "arrival_state": arrival.value,
+            "delta.load_joined": arrival is ArrivalState.LOADING,
         },
     )
 
 
-def _trace_first_token(ev: TokenEvent, t0_ns: int, name: str | None, arrival: str, prompt_tokens: int) -> int:
+def _trace_first_token(ev: TokenEvent, t0_ns: int, name: str | None, prompt_tokens: int) -> int:
     """schedule wait and prefill as spans, from the engine's times (TokenEvent.ttft, ms since arrival)."""
     span = trace.get_current_span()
     t = ev.ttft
-    first = t0_ns + int(t["total_ms"] * 1e6)
-    prefill = first - int(t["prefill_ms"] * 1e6)
-    sched = prefill - int(t["schedule_ms"] * 1e6)
-    arrival = "base" if name is None else {"absent": "cold"}.get(arrival, arrival)  # the router's words
+    first = t0_ns + int(t.total_ms * 1e6)
+    prefill = first - int(t.prefill_ms * 1e6)
+    sched = prefill - int(t.schedule_ms * 1e6)
     span.set_attributes(
         {
             "model_id": name or "",
-            "arrival_state": arrival,
+            "arrival_state": ev.arrival.value,
             "prompt_tokens": prompt_tokens,
             "prefill.batch_size": ev.prefill_batch,
-            **{f"ttft.{k}": v for k, v in t.items()},
+            "ttft.delta_load_ms": t.delta_load_ms,
+            "ttft.schedule_ms": t.schedule_ms,
+            "ttft.prefill_ms": t.prefill_ms,
+            "ttft.total_ms": t.total_ms,
         }
     )
     telemetry.record_span("worker.schedule", sched, prefill)
@@ -363,46 +341,9 @@ def _trace_first_token(ev: TokenEvent, t0_ns: int, name: str | None, arrival: st
 def _trace_decode(ev: TokenEvent, t0_ns: int, first_ns: int) -> None:
     """One span from the first token to the last, with the token count (not a span per token)."""
     span = trace.get_current_span()
-    span.set_attributes({"completion_tokens": ev.completion_tokens, "finish_reason": ev.finish_reason or ""})
-    telemetry.record_span(
-        "worker.decode", first_ns, t0_ns + int(ev.elapsed_ms * 1e6), {"completion_tokens": ev.completion_tokens}
-    )
-
-
-def echo(value: str) -> str:
-    """`value` for an error message: quoted, and cut to ECHO_CHARS (a long value would not fit a
-    status message's metadata)."""
-    if len(value) <= ECHO_CHARS:
-        return repr(value)
-    return f"{value[:ECHO_CHARS]!r}... ({len(value)} characters)"
-
-
-def check_delta_name(name: str, field: str) -> str:
-    if not DELTA_NAME.fullmatch(name) or ".." in name:
-        raise InvalidArgument(
-            f"{field} {echo(name)} is not a delta name: use 1-128 characters of letters, digits, "
-            "'_', '-' and '.', starting with a letter or digit, without '..' (or the base's "
-            "name, or empty, for the base)"
-        )
-    return name
-
-
-def check_sampling(p: GenerateParams) -> None:
-    """INVALID_ARGUMENT for sampling values that would make the sampler fail (NaN, inf, tiny)."""
-    t, top_p = p.temperature, p.top_p
-    if not math.isfinite(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
-        raise InvalidArgument(
-            f"sampling.temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}; got {t!r}"
-        )
-    if not (math.isfinite(top_p) and 0.0 <= top_p <= 1.0):
-        raise InvalidArgument(f"sampling.top_p must be in [0, 1] (0 or 1: no truncation); got {top_p!r}")
-    if p.max_new_tokens < 0:
-        raise InvalidArgument(f"sampling.max_new_tokens must be >= 0 (0: the worker's default); got {p.max_new_tokens}")
-    if len(p.stop) > MAX_STOP_STRINGS:
-        raise InvalidArgument(f"sampling.stop has {len(p.stop)} strings; at most {MAX_STOP_STRINGS} are accepted")
-    for s in p.stop:
-        if len(s) > MAX_STOP_CHARS:
-            raise InvalidArgument(f"sampling.stop string {echo(s)} is longer than {MAX_STOP_CHARS} characters")
+    n = ev.usage.completion_tokens
+    span.set_attributes({"completion_tokens": n, "finish_reason": ev.finish_reason.value})
+    telemetry.record_span("worker.decode", first_ns, t0_ns + int(ev.elapsed_ms * 1e6), {"completion_tokens": n})
 
 
 def _eos_ids(base: Path, eos: int | None) -> set[int]:

@@ -1,8 +1,8 @@
 """The router's core: validate, look up, admit, place, stream from a worker, retry once.
 
     router = Router(config, pool, registry)
-    async for ev in router.generate(GenerateParams(model_id="coder", prompt="def f(")):
-        ...   # RoutedToken: the worker's message plus, on the first, where and how long
+    async for ev in router.generate(Request(model_id="coder", prompt="def f(")):
+        ...   # TokenEvent: the worker's, timed from the router; the first says where and how long
 
 Admission. A request runs on a worker with room (`max_in_flight_per_worker`); when every
 candidate is full it waits in a bounded FIFO (`admission.Admission`: per variant and in total); beyond
@@ -21,21 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import enum
+import dataclasses
 import logging
-import math
-import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import grpc
-
-from bitdelta.common.v1 import generation_pb2 as gen_pb
-from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
+from bitdelta.generation import ArrivalState, Request, TokenEvent, Ttft
 from bitdelta.rpc import telemetry
 from bitdelta.rpc.errors import RpcError, clip
 from bitdelta.rpc.security import Principal
+from bitdelta.rpc.wire.gpu_worker import request_to_pb
 from services.router.admission import Admission
 from services.router.config import RouterConfig
 from services.router.errors import DeadlineExceeded, InvalidArgument, PermissionDenied, Unavailable
@@ -44,59 +40,6 @@ from services.router.pool import WorkerPool
 from services.router.registry import Registry, Variant
 
 log = logging.getLogger("services.router")
-MODEL_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
-MAX_TEMPERATURE = 100.0
-MIN_TEMPERATURE = 1e-3  # below this the softmax overflows; 0 means greedy
-
-
-class Arrival(enum.Enum):
-    """Where the variant was on the chosen worker when the request arrived."""
-
-    BASE = "base"
-    RESIDENT = "resident"
-    LOADING = "loading"
-    COLD = "cold"
-
-
-WORKER_ARRIVAL = {
-    wpb.DELTA_STATE_RESIDENT: Arrival.RESIDENT,
-    wpb.DELTA_STATE_LOADING: Arrival.LOADING,
-    wpb.DELTA_STATE_ABSENT: Arrival.COLD,
-}
-
-
-@dataclass(frozen=True)
-class GenerateParams:
-    """A Generate request in domain form."""
-
-    model_id: str
-    prompt: str
-    max_new_tokens: int = 0
-    temperature: float = 0.0
-    top_p: float = 0.0
-    stop: tuple[str, ...] = ()
-    seed: int = 0
-    request_id: str = ""
-    deadline: float | None = None  # time.monotonic() by which the request must end
-    principal: Principal | None = None  # the caller's token (None: auth off); checked before the lookup
-
-
-@dataclass(frozen=True)
-class FirstToken:
-    """Router-side facts sent with the first token."""
-
-    worker: str
-    arrival: Arrival
-    queue_ms: float  # admission wait + placement, including a retry's
-    total_ms: float  # arrival at the router -> first token ready to leave it
-
-
-@dataclass(frozen=True)
-class RoutedToken:
-    msg: wpb.GenerateResponse  # the worker's message (token, text, finish, usage, the worker's TTFT)
-    elapsed_ms: float  # since the request reached the router
-    first: FirstToken | None = None
 
 
 @dataclass(frozen=True)
@@ -142,58 +85,33 @@ class Router:
         await self.pool.close()
 
     # -- Generate ------------------------------------------------------------------------------------
-    def validate(self, p: GenerateParams) -> None:
-        c = self.config
-        if p.model_id and not MODEL_ID_RE.fullmatch(p.model_id):
-            raise InvalidArgument(
-                f"model_id {clip(p.model_id)} is not a model name: 1-128 letters, digits, '.', "
-                f"'_' or '-', starting with a letter or digit"
-            )
+    def validate(self, p: Request) -> None:
+        p.validate()
         if not p.prompt:
             raise InvalidArgument("prompt: must not be empty")
         n = len(p.prompt.encode("utf-8", "surrogatepass"))
-        if n > c.max_prompt_bytes:
-            raise InvalidArgument(f"prompt: {n} bytes is more than this router accepts ({c.max_prompt_bytes})")
-        if not (p.temperature == 0 or MIN_TEMPERATURE <= p.temperature <= MAX_TEMPERATURE):
+        limit = self.config.max_prompt_bytes
+        if n > limit:
+            raise InvalidArgument(f"prompt: {n} bytes is more than this router accepts ({limit})")
+        if p.sampling.max_new_tokens > self.config.max_new_tokens_limit:
             raise InvalidArgument(
-                f"sampling.temperature: {p.temperature} must be 0 (greedy) or between "
-                f"{MIN_TEMPERATURE} and {MAX_TEMPERATURE}"
+                f"sampling.max_new_tokens: {p.sampling.max_new_tokens} is more than this router allows "
+                f"({self.config.max_new_tokens_limit})"
             )
-        if not (math.isfinite(p.top_p) and 0.0 <= p.top_p <= 1.0):
-            raise InvalidArgument(f"sampling.top_p: {p.top_p} must be between 0 and 1")
-        if p.max_new_tokens > c.max_new_tokens_limit:
-            raise InvalidArgument(
-                f"sampling.max_new_tokens: {p.max_new_tokens} is more than this router allows "
-                f"({c.max_new_tokens_limit})"
-            )
-        if len(p.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in p.stop):
-            raise InvalidArgument(
-                f"sampling.stop: at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters"
-            )
-        if len(p.request_id) > 128:
-            raise InvalidArgument(f"request_id: {len(p.request_id)} characters; at most 128")
 
-    async def generate(self, p: GenerateParams) -> AsyncIterator[RoutedToken]:
+    async def generate(self, p: Request, principal: Principal | None = None) -> AsyncIterator[TokenEvent]:
+        """The worker's events, timed from the router's arrival; the first carries the worker, the
+        arrival state and the whole TTFT (queue_ms and total_ms the router's). `principal`: the
+        caller's token (None: auth off), checked before the lookup."""
         t0 = time.monotonic()
         self.validate(p)
         if self.pool.family_base() is None:
             await self.pool.poll_all()  # no worker has answered yet (e.g. just started): ask now
-        if p.principal is not None:
-            self.check_allowed(p.principal, p.model_id)  # before the lookup: a refusal says nothing of what exists
+        if principal is not None:
+            self.check_allowed(principal, p.model_id)  # before the lookup: a refusal says nothing of what exists
         variant = await self.registry.lookup(p.model_id, self.pool.family_base())
         deadline = p.deadline if p.deadline is not None else t0 + self.config.request_timeout_s
-        request = wpb.GenerateRequest(
-            model_id=variant.key or "",
-            prompt=p.prompt,
-            request_id=p.request_id,
-            sampling=gen_pb.SamplingParams(
-                max_new_tokens=p.max_new_tokens,
-                temperature=p.temperature,
-                top_p=p.top_p,
-                stop=list(p.stop),
-                seed=p.seed,
-            ),
-        )
+        request = request_to_pb(dataclasses.replace(p, model_id=variant.key or ""))
         self.in_flight[variant.model_id] += 1
         tried: list[str] = []
         try:
@@ -205,23 +123,24 @@ class Router:
                 w = self.pool.workers[address]
                 started = False
                 try:
-                    async for msg in w.client.generate(request, timeout_s=max(0.001, deadline - time.monotonic())):
-                        if msg is None:  # grpc's aio stub yields None for bytes it cannot decode: a broken worker
-                            raise RpcError(
-                                f"worker {address} sent a message that is not a GenerateResponse",
-                                grpc.StatusCode.UNAVAILABLE,
-                                service=f"worker {address}",
-                            )
-                        now = time.monotonic()
-                        first = None
-                        if not started:
-                            started = True
-                            if variant.key is not None:
-                                self.pool.note_resident(address, variant.key)
-                            if variant.key is not None:  # the worker knows the truth; our view may be stale
-                                arrival = WORKER_ARRIVAL.get(msg.arrival_state, arrival)
-                            first = FirstToken(address, arrival, queue_ms, (now - t0) * 1e3)
-                        yield RoutedToken(msg, (now - t0) * 1e3, first)
+                    async for ev in w.client.generate(request, timeout_s=max(0.001, deadline - time.monotonic())):
+                        elapsed_ms = (time.monotonic() - t0) * 1e3
+                        if started:
+                            yield dataclasses.replace(ev, elapsed_ms=elapsed_ms)
+                            continue
+                        started = True
+                        if variant.key is not None:
+                            self.pool.note_resident(address, variant.key)
+                            if ev.arrival is not None:  # the worker knows the truth; our view may be stale
+                                arrival = ev.arrival
+                        ttft = ev.ttft or Ttft()
+                        yield dataclasses.replace(
+                            ev,
+                            elapsed_ms=elapsed_ms,
+                            worker=address,
+                            arrival=arrival,
+                            ttft=dataclasses.replace(ttft, queue_ms=queue_ms, total_ms=elapsed_ms),
+                        )
                     return
                 except RpcError as e:
                     if started or not e.retryable or tried:
@@ -253,7 +172,7 @@ class Router:
             shown = "the base" if is_base else f"model {clip(model_id)}"
             raise PermissionDenied(f"token {who.name!r} may not use {shown}; it may use {who.shown_variants()}")
 
-    async def _place(self, variant: Variant, exclude: list[str], deadline: float) -> tuple[str, Arrival]:
+    async def _place(self, variant: Variant, exclude: list[str], deadline: float) -> tuple[str, ArrivalState]:
         """A worker with room for `variant` (acquired), waiting in the admission queue if all are full."""
         if not len(self.admission):  # FIFO: while anyone waits, newcomers queue behind them
             placed = self._try_place(variant, exclude)
@@ -285,18 +204,18 @@ class Router:
             queued.end()
             self.admission.leave(ticket)
 
-    def _try_place(self, variant: Variant, exclude: list[str]) -> tuple[str, Arrival] | None:
+    def _try_place(self, variant: Variant, exclude: list[str]) -> tuple[str, ArrivalState] | None:
         view = choose_worker(variant.key, variant.delta_bytes, self.pool.views(), exclude)
         if view is None:
             return None
         if variant.key is None:
-            arrival = Arrival.BASE
+            arrival = ArrivalState.BASE
         elif variant.key in view.resident:
-            arrival = Arrival.RESIDENT
+            arrival = ArrivalState.RESIDENT
         elif variant.key in view.loading or view.in_flight_by_variant.get(variant.key, 0) > 0:
-            arrival = Arrival.LOADING
+            arrival = ArrivalState.LOADING
         else:
-            arrival = Arrival.COLD
+            arrival = ArrivalState.COLD
         self.pool.acquire(view.address, variant.key)
         return view.address, arrival
 

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 
-from bitdelta.common.v1 import generation_pb2 as gen_pb
+from bitdelta.generation import ArrivalState, Request, TokenEvent
 from bitdelta.router.v1 import router_pb2 as pb
 from bitdelta.router.v1 import router_pb2_grpc as pb_grpc
 from bitdelta.rpc import telemetry
@@ -26,21 +26,31 @@ from bitdelta.rpc.serve import create_server as create_rpc_server
 from services.router.config import RouterConfig
 from services.router.pool import WorkerPool
 from services.router.registry import Registry
-from services.router.router import Arrival, GenerateParams, Router
+from services.router.router import Router
 
 log = logging.getLogger("services.router.server")
 SERVICE = pb.DESCRIPTOR.services_by_name["RouterService"].full_name
 MAX_MESSAGE_BYTES = 64 << 20
-TTFT_FIELDS = ("queue_ms", "delta_load_ms", "schedule_ms", "prefill_ms", "total_ms")
 # With --tokens-file: every method needs a known token; ListWorkers (the workers' addresses and load) an admin one.
 ROLES = {"ListWorkers": Role.ADMIN}
-ARRIVAL = {
-    Arrival.BASE: pb.ARRIVAL_STATE_UNSPECIFIED,
-    Arrival.RESIDENT: pb.ARRIVAL_STATE_RESIDENT,
-    Arrival.LOADING: pb.ARRIVAL_STATE_LOADING,
-    Arrival.COLD: pb.ARRIVAL_STATE_COLD,
+ARRIVAL_PB = {
+    ArrivalState.BASE: pb.ARRIVAL_STATE_UNSPECIFIED,
+    ArrivalState.RESIDENT: pb.ARRIVAL_STATE_RESIDENT,
+    ArrivalState.LOADING: pb.ARRIVAL_STATE_LOADING,
+    ArrivalState.COLD: pb.ARRIVAL_STATE_COLD,
 }
-ARRIVAL_NAME = {v: ("base" if k == Arrival.BASE else k.value) for k, v in ARRIVAL.items()}
+
+
+def event_to_pb(ev: TokenEvent) -> pb.GenerateResponse:
+    out = pb.GenerateResponse(token_id=ev.token_id, text=ev.text, elapsed_ms=ev.elapsed_ms, worker=ev.worker)
+    if ev.ttft is not None:
+        out.ttft.CopyFrom(ev.ttft.to_pb())
+        out.arrival_state = ARRIVAL_PB[ev.arrival]
+    if ev.finish_reason is not None:
+        out.finish_reason = ev.finish_reason.to_pb()
+    if ev.usage is not None:
+        out.usage.CopyFrom(ev.usage.to_pb())
+    return out
 
 
 class RouterServicer(pb_grpc.RouterServiceServicer):
@@ -48,74 +58,44 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         self.router, self.metrics = router, metrics
 
     async def Generate(self, request, context):
-        status, last_ms, arrival = "OK", None, ""  # instrumentation: metrics and the span's attributes
+        remaining = context.time_remaining()
+        req = Request.from_pb(request, None if remaining is None else time.monotonic() + remaining)
+        status, last_ms, m = "OK", None, self.metrics  # instrumentation: metrics and the span's attributes
         span = telemetry.trace.get_current_span()
         span.set_attribute("model_id", request.model_id)
         try:
-            async for out in self._generate(request, context):
-                if out.HasField("ttft"):
-                    arrival = ARRIVAL_NAME[out.arrival_state]
+            async for ev in self.router.generate(req, principal=current_principal()):
+                if ev.ttft is not None:
+                    t = ev.ttft
                     span.set_attributes(
                         {
-                            "worker": out.worker,
-                            "arrival_state": arrival,
-                            **{f"ttft.{k}": getattr(out.ttft, k) for k in TTFT_FIELDS},
+                            "worker": ev.worker,
+                            "arrival_state": ev.arrival.value,
+                            "ttft.queue_ms": t.queue_ms,
+                            "ttft.delta_load_ms": t.delta_load_ms,
+                            "ttft.schedule_ms": t.schedule_ms,
+                            "ttft.prefill_ms": t.prefill_ms,
+                            "ttft.total_ms": t.total_ms,
                         }
                     )
-                    if self.metrics:
-                        self.metrics.ttft.labels(request.model_id, arrival).observe(out.ttft.total_ms / 1e3)
-                if out.HasField("usage"):
+                    if m:
+                        m.ttft.labels(request.model_id, ev.arrival.value).observe(t.total_ms / 1e3)
+                if ev.usage is not None:
                     span.set_attributes(
-                        {"prompt_tokens": out.usage.prompt_tokens, "completion_tokens": out.usage.completion_tokens}
+                        {"prompt_tokens": ev.usage.prompt_tokens, "completion_tokens": ev.usage.completion_tokens}
                     )
-                if self.metrics:
-                    self.metrics.tokens.labels(request.model_id).inc()
+                if m:
+                    m.tokens.labels(request.model_id).inc()
                     if last_ms is not None:
-                        self.metrics.itl.labels(request.model_id).observe((out.elapsed_ms - last_ms) / 1e3)
-                last_ms = out.elapsed_ms
-                yield out
+                        m.itl.labels(request.model_id).observe((ev.elapsed_ms - last_ms) / 1e3)
+                last_ms = ev.elapsed_ms
+                yield event_to_pb(ev)
         except BaseException as e:
             status = "CANCELLED" if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else status_of(e).name
             raise
         finally:
-            if self.metrics:
-                self.metrics.requests.labels(request.model_id, status).inc()
-
-    async def _generate(self, request, context):
-        sp = request.sampling
-        remaining = context.time_remaining()
-        params = GenerateParams(
-            model_id=request.model_id,
-            prompt=request.prompt,
-            max_new_tokens=sp.max_new_tokens,
-            temperature=sp.temperature,
-            top_p=sp.top_p,
-            stop=tuple(sp.stop),
-            seed=sp.seed,
-            request_id=request.request_id,
-            deadline=None if remaining is None else time.monotonic() + remaining,
-            principal=current_principal(),
-        )
-        async for ev in self.router.generate(params):
-            m = ev.msg
-            out = pb.GenerateResponse(
-                token_id=m.token_id, text=m.text, elapsed_ms=ev.elapsed_ms, finish_reason=m.finish_reason
-            )
-            if m.HasField("usage"):
-                out.usage.CopyFrom(m.usage)
-            if ev.first is not None:
-                f = ev.first
-                out.worker, out.arrival_state = f.worker, ARRIVAL[f.arrival]
-                out.ttft.CopyFrom(
-                    gen_pb.TtftBreakdown(
-                        queue_ms=f.queue_ms,
-                        delta_load_ms=m.ttft.delta_load_ms,
-                        schedule_ms=m.ttft.schedule_ms,
-                        prefill_ms=m.ttft.prefill_ms,
-                        total_ms=f.total_ms,
-                    )
-                )
-            yield out
+            if m:
+                m.requests.labels(request.model_id, status).inc()
 
     async def ListModels(self, request, context):
         who = current_principal()  # with tokens on: only the models this token may use

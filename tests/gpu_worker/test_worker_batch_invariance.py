@@ -16,9 +16,10 @@ import asyncio
 import pytest
 
 from bitdelta.compress import compress
+from bitdelta.generation import Request, Sampling
 from bitdelta.testing.family import VARIED_STD, make_base, make_finetune, tiny_args
 from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.worker import GenerateParams, Worker
+from services.gpu_worker.worker import Worker
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("cpu_kernels")]
 
@@ -50,7 +51,7 @@ async def _run(family, dtype: str) -> tuple[list, list, list, int]:
     try:
 
         async def gen(m, p):
-            return [e.token_id async for e in w.generate(GenerateParams(model_id=m, prompt=p, max_new_tokens=N))]
+            return [e.token_id async for e in w.generate(Request(m, p, Sampling(max_new_tokens=N)))]
 
         alone = [await gen(m, p) for m, p in JOBS]
         on_base = [await gen("", p) for _, p in JOBS]

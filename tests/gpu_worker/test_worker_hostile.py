@@ -251,15 +251,16 @@ async def collect(queue: asyncio.Queue) -> list[int] | BaseException:
 async def test_nan_sampling_ends_its_sequence_alone_in_a_mixed_batch(family):
     """Three sequences in one batch (a variant greedy, the base sampled, the base with temperature NaN
     that got past the edge): the NaN one ends with SamplingError, the others with their own tokens."""
+    from bitdelta.generation import ArrivalState, Request, Sampling
     from services.gpu_worker.engine import Sequence
     from services.gpu_worker.sampling import Sampler, TextStream
     from services.gpu_worker.scheduler import SeqState
-    from services.gpu_worker.worker import GenerateParams
 
     async with running_worker(config(family)) as (worker, _, _):
 
         async def solo(model_id, prompt, **kw):
-            return [ev.token_id async for ev in worker.generate(GenerateParams(model_id, prompt, 8, **kw))]
+            req = Request(model_id, prompt, Sampling(max_new_tokens=8, **kw))
+            return [ev.token_id async for ev in worker.generate(req)]
 
         greedy = await solo("v0", "Hello")
         sampled = await solo("", "abc", temperature=0.8, seed=5)
@@ -267,9 +268,9 @@ async def test_nan_sampling_ends_its_sequence_alone_in_a_mixed_batch(family):
         queues, seqs = [], []
         for i, (name, prompt, sampler) in enumerate(
             [
-                ("v0", "Hello", Sampler(0.0, 0.0, 0)),
-                (None, "abc", Sampler(0.8, 0.0, 5)),
-                (None, "xyz", Sampler(math.nan, 0.0, 1)),
+                ("v0", "Hello", Sampler(Sampling())),
+                (None, "abc", Sampler(Sampling(temperature=0.8, seed=5))),
+                (None, "xyz", Sampler(Sampling(temperature=math.nan, seed=1))),
             ]
         ):
             ids = worker.tokenizer.encode(prompt).ids
@@ -283,6 +284,7 @@ async def test_nan_sampling_ends_its_sequence_alone_in_a_mixed_batch(family):
                     eos_ids=worker.eos_ids,
                     emit=q.put_nowait,
                     delta_name=name,
+                    arrival=ArrivalState.RESIDENT if name else ArrivalState.BASE,
                     t_arrival=time.perf_counter(),
                 )
             )
@@ -339,7 +341,7 @@ async def test_prompt_limits_are_checked_before_and_after_tokenising(family):
 
 
 async def test_tokenising_a_large_prompt_does_not_block_the_loop(family):
-    from services.gpu_worker.worker import GenerateParams
+    from bitdelta.generation import Request
 
     async with running_worker(config(family, max_prompt_bytes=8 << 20)) as (worker, _, _):
         gaps, stop = [], False
@@ -355,7 +357,7 @@ async def test_tokenising_a_large_prompt_does_not_block_the_loop(family):
         ticker = asyncio.create_task(tick())
         t = time.perf_counter()
         with pytest.raises(InvalidArgument, match="context"):  # 2 M tokens: longer than the context
-            async for _ in worker.generate(GenerateParams("", "hello world " * 175_000)):
+            async for _ in worker.generate(Request("", "hello world " * 175_000)):
                 pass
         took = time.perf_counter() - t
         stop = True

@@ -85,12 +85,14 @@ def test_text_stream_multibyte_and_stop_strings():
 
 
 def test_sampler_seed_and_top_p():
+    from bitdelta.generation import Sampling
     from services.gpu_worker.sampling import Sampler
 
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
-    draws = lambda seed, top_p=0.0: (
-        [Sampler(1.0, top_p, seed).sample(logits) for _ in range(1)]
-        + [s.sample(logits) for s in [Sampler(1.0, top_p, seed)] for _ in range(20)]
+    sampler = lambda seed, top_p: Sampler(Sampling(temperature=1.0, top_p=top_p, seed=seed))
+    draws = lambda seed, top_p=1.0: (
+        [sampler(seed, top_p).sample(logits) for _ in range(1)]
+        + [s.sample(logits) for s in [sampler(seed, top_p)] for _ in range(20)]
     )
     assert draws(7) == draws(7)
     assert draws(7) != draws(8)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from bitdelta.common.v1 import generation_pb2 as gen_pb
+from bitdelta.generation import Sampling
 from bitdelta.router.v1 import router_pb2 as pb
 from bitdelta.router.v1 import router_pb2_grpc as pb_grpc
 from bitdelta.rpc.clients.base import Client
@@ -63,17 +63,16 @@ class RouterClient(Client):
         *,
         max_new_tokens: int = 0,
         temperature: float = 0.0,
-        top_p: float = 0.0,
+        top_p: float = 1.0,
         stop: Sequence[str] = (),
-        seed: int = 0,
+        seed: int | None = None,
         request_id: str = "",
         timeout_s: float | None = None,
         metadata: Sequence[tuple[str, str]] = (),
     ) -> AsyncIterator[pb.GenerateResponse]:
-        sampling = gen_pb.SamplingParams(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop=list(stop), seed=seed
-        )
-        req = pb.GenerateRequest(model_id=model_id, prompt=prompt, sampling=sampling, request_id=request_id)
+        """Generate with these sampling fields (`bitdelta.generation.Sampling`'s, unchecked: the router checks)."""
+        sampling = Sampling(max_new_tokens, temperature, top_p, tuple(stop), seed)
+        req = pb.GenerateRequest(model_id=model_id, prompt=prompt, sampling=sampling.to_pb(), request_id=request_id)
         return self.generate_request(req, timeout_s, metadata)
 
     async def list_models(

@@ -1,9 +1,9 @@
 """The async client of a GPU worker, for the router and tools.
 
     async with WorkerClient("127.0.0.1:50061") as w:
-        async for msg in w.generate(gpu_worker_pb2.GenerateRequest(model_id="coder", prompt="def f("),
-                                    timeout_s=30):
-            ...
+        async for ev in w.generate(gpu_worker_pb2.GenerateRequest(model_id="coder", prompt="def f("),
+                                   timeout_s=30):
+            ...   # bitdelta.generation.TokenEvent
         st = await w.status()
 
 Every call has a deadline. Failures raise `WorkerCallError` (an `RpcError`) with
@@ -18,10 +18,12 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bitdelta.generation import TokenEvent
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
 from bitdelta.rpc.clients.base import Client
 from bitdelta.rpc.errors import RpcError
+from bitdelta.rpc.wire.gpu_worker import event_of_pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GpuWorkerService"].full_name
 
@@ -50,17 +52,24 @@ class WorkerClient(Client):
         self._stub = pb_grpc.GpuWorkerServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
-    def generate(
+    async def generate(
         self, request: pb.GenerateRequest, timeout_s: float | None = None, metadata: Sequence[tuple[str, str]] = ()
-    ) -> AsyncIterator[pb.GenerateResponse]:
-        """The worker's stream for `request`; breaking out of the loop (or being cancelled) cancels the call."""
-        return self._stream(
-            self._stub.Generate,
-            request,
-            f"Generate({request.model_id[:80]!r})",
-            timeout_s or self.generate_timeout_s,
-            metadata,
-        )
+    ) -> AsyncIterator[TokenEvent]:
+        """The worker's stream for `request` as domain events; breaking out of the loop (or being
+        cancelled) cancels the call."""
+        what = f"Generate({request.model_id[:80]!r})"
+        stream = self._stream(self._stub.Generate, request, what, timeout_s or self.generate_timeout_s, metadata)
+        try:
+            async for msg in stream:
+                if msg is None:  # grpc's aio stub yields None for bytes it cannot decode: a broken worker
+                    raise self.ERROR(
+                        f"{self.SERVICE} {self.target} {what}: sent a message that is not a GenerateResponse",
+                        grpc.StatusCode.UNAVAILABLE,
+                        service=f"{self.SERVICE} {self.target}",
+                    )
+                yield event_of_pb(msg)
+        finally:
+            await stream.aclose()
 
     async def load_delta(self, name: str, pin: bool = False, timeout_s: float | None = None) -> pb.LoadDeltaResponse:
         return await self._unary(

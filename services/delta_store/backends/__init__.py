@@ -19,29 +19,22 @@ before building a path or key, so no name can address anything outside the store
 
 from __future__ import annotations
 
-import re
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from bitdelta.format import DELTA_SUFFIX as SUFFIX  # noqa: F401  (re-exported: object name = variant name + SUFFIX)
+from bitdelta.generation import MODEL_ID_RULE, is_model_id
+from bitdelta.rpc.errors import clip
 from services.delta_store.errors import InvalidName
-
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
 def check_name(name: str) -> str:
-    """Return `name` if it is a plain variant name, else raise InvalidName.
-
-    Allowed: 1-128 characters of [A-Za-z0-9_.-], starting with a letter or
-    digit, without "..". So no path separators, no parent directories, no
-    hidden files, no control characters, no empty name.
-    """
-    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
-        raise InvalidName(
-            f"invalid delta name {name!r}: use 1-128 characters of letters, digits, '_', '-' and '.', "
-            "starting with a letter or digit, without '..' or path separators"
-        )
+    """Return `name` if it is a plain variant name (the model-id rule every service shares,
+    `bitdelta.generation.is_model_id`: no path separators, parent directories, hidden files,
+    control characters or empty name), else raise InvalidName."""
+    if not is_model_id(name):
+        raise InvalidName(f"invalid delta name {clip(str(name))}: use {MODEL_ID_RULE}")
     return name
 
 

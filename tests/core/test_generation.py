@@ -1,0 +1,116 @@
+"""The generation vocabulary (bitdelta/generation.py): one validate() naming the field, one
+model-id rule, and conversions to and from protobuf that keep every value (and read v1's zeros as
+unset)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bitdelta.common.v1 import generation_pb2 as gen_pb
+from bitdelta.generation import (
+    ArrivalState,
+    FinishReason,
+    GenerationError,
+    Request,
+    Sampling,
+    TokenEvent,
+    Ttft,
+    Usage,
+    check_model_id,
+)
+from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
+from bitdelta.rpc.wire.gpu_worker import event_of_pb, event_to_pb, request_to_pb
+
+
+@pytest.mark.parametrize(
+    "sampling,field",
+    [
+        (Sampling(temperature=math.nan), "sampling.temperature"),
+        (Sampling(temperature=1e-4), "sampling.temperature"),
+        (Sampling(temperature=101.0), "sampling.temperature"),
+        (Sampling(temperature=-1.0), "sampling.temperature"),
+        (Sampling(top_p=0.0), "sampling.top_p"),
+        (Sampling(top_p=1.5), "sampling.top_p"),
+        (Sampling(top_p=math.inf), "sampling.top_p"),
+        (Sampling(max_new_tokens=-1), "sampling.max_new_tokens"),
+        (Sampling(stop=("s",) * 17), "sampling.stop"),
+        (Sampling(stop=("",)), "sampling.stop"),
+        (Sampling(stop=("s" * 257,)), "sampling.stop"),
+        (Sampling(seed=2**64), "sampling.seed"),
+    ],
+)
+def test_validate_names_the_field(sampling, field):
+    with pytest.raises(GenerationError) as e:
+        sampling.validate()
+    assert e.value.field == field and str(e.value).startswith(field + ":")
+    with pytest.raises(GenerationError) as e:
+        Request("v0", "hi", sampling).validate()
+    assert e.value.field == field
+
+
+def test_the_edges_pass():
+    for s in (Sampling(), Sampling(temperature=1e-3, top_p=1e-6, seed=0), Sampling(temperature=100.0, seed=2**64 - 1)):
+        assert s.validate() is s
+
+
+@pytest.mark.parametrize("name", ["v0", "smollm2.coder-1_b", "a" * 128])
+def test_model_ids(name):
+    assert check_model_id(name) == name
+
+
+@pytest.mark.parametrize("name", ["", "../etc/passwd", "a..b", ".hidden", "a/b", "a" * 129, "é"])
+def test_bad_model_ids_name_the_field_and_clip_the_value(name):
+    with pytest.raises(GenerationError) as e:
+        check_model_id(name, "name")
+    assert e.value.field == "name" and "is not a model name" in str(e.value)
+
+
+def test_the_store_uses_the_same_model_id_rule():
+    from services.delta_store.backends import check_name
+    from services.delta_store.errors import InvalidName
+
+    assert check_name("smollm2.coder-1_b") == "smollm2.coder-1_b"
+    for bad in ("a..b", "x" * 20_000, "a/b"):
+        with pytest.raises(InvalidName) as e:
+            check_name(bad)
+        assert len(str(e.value)) < 300  # the echoed value is clipped
+
+
+def test_sampling_round_trips_and_reads_zeros_as_unset():
+    s = Sampling(max_new_tokens=7, temperature=0.5, top_p=0.25, stop=("a", "bc"), seed=0)
+    m = s.to_pb()
+    assert m.HasField("seed") and m.seed == 0, "seed 0 is a seed, sent with presence"
+    assert Sampling.from_pb(m) == s
+    assert Sampling.from_pb(gen_pb.SamplingParams()) == Sampling(), "zeros: greedy, top_p 1, random seed"
+    assert not Sampling().to_pb().HasField("seed")
+    # a v1 sender that wrote seed 0 without presence (proto3 drops it) asked for a random seed
+    assert Sampling.from_pb(gen_pb.SamplingParams.FromString(b"")).seed is None
+
+
+def test_worker_events_round_trip():
+    first = TokenEvent(
+        5,
+        "he",
+        1.5,
+        ttft=Ttft(delta_load_ms=1.0, schedule_ms=2.0, prefill_ms=3.0, total_ms=6.0),
+        arrival=ArrivalState.COLD,
+    )
+    last = TokenEvent(9, "llo", 9.0, finish_reason=FinishReason.EOS, usage=Usage(4, 2))
+    middle = TokenEvent(7, "", 3.0)
+    for ev in (first, last, middle, TokenEvent(1, "", 0.5, ttft=Ttft(), arrival=ArrivalState.BASE)):
+        assert event_of_pb(wpb.GenerateResponse.FromString(event_to_pb(ev).SerializeToString())) == ev
+    assert event_to_pb(first).arrival_state == wpb.DELTA_STATE_ABSENT
+    assert event_to_pb(last).finish_reason == gen_pb.FINISH_REASON_EOS
+
+
+def test_requests_reach_the_worker_unchanged():
+    req = Request("v1", "hello", Sampling(max_new_tokens=3, temperature=1.0, seed=11), request_id="r-1")
+    assert Request.from_pb(request_to_pb(req)) == req
+
+
+def test_finish_reasons_round_trip():
+    for f in FinishReason:
+        assert FinishReason.from_pb(f.to_pb()) is f
+    assert FinishReason.from_pb(gen_pb.FINISH_REASON_UNSPECIFIED) is None
