@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from bitdelta.common.v1 import generation_pb2 as pb
-from bitdelta.rpc.errors import clip
+from bitdelta.rpc.errors import ServiceError, clip
 
 # -- names -----------------------------------------------------------------------------------------------
 
@@ -32,9 +32,9 @@ MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MODEL_ID_RULE = "1-128 letters, digits, '_', '-' or '.', starting with a letter or digit, without '..'"
 
 
-class GenerationError(ValueError):
+class GenerationError(ServiceError, ValueError):
     """A request field out of its rule; `field` names it (dotted, e.g. "sampling.top_p"), and the
-    message starts with it. Every service answers it with INVALID_ARGUMENT."""
+    message starts with it. Every service answers it with INVALID_ARGUMENT (a `ServiceError`)."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
 
