@@ -39,6 +39,7 @@ import torch  # noqa: E402
 from pagecache import evict  # noqa: E402  (bench/pagecache.py)
 
 from bitdelta.format import load_delta, read_header, write_delta  # noqa: E402
+from kernels import backend_for  # noqa: E402
 
 PRESETS = {
     # ~93M params (a 12 MB delta): GEMMs, not Python, dominate a CPU step, and a load is not all fixed cost
@@ -168,7 +169,7 @@ async def bench(args) -> dict:
     size = statistics.mean(p.stat().st_size for p in paths.values())
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # bitdelta.precision's rule, as the worker's --dtype auto: bf16 on CUDA, fp32 on CPU
-    # unless BITDELTA_CPU_PRECISION=bf16
+    # unless the process's choice (BITDELTA_CPU_PRECISION) is bf16
     from bitdelta.precision import serving_dtype
 
     dtype = args.dtype or serving_dtype(device).torch_name
@@ -214,15 +215,9 @@ async def bench(args) -> dict:
         "base_bytes": worker.base.nbytes,
         "delta_file_bytes": size,
         "delta_device_bytes": cost,
-        "kernels": os.environ.get("BITDELTA_KERNEL_BACKEND", "auto"),
+        "kernels": backend_for(worker.device, 1 << 30, worker.kernel_backend),  # what a model-sized call runs
         **res_bw,
     }
-    try:
-        from kernels import backend_for
-
-        res["kernels"] = backend_for(worker.device, 1 << 30)
-    except Exception:
-        pass
 
     # 3. cold loads (the first delta loaded also pays one-time costs: it is loaded, evicted, reloaded)
     await worker.load_delta(names[0])

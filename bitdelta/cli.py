@@ -124,6 +124,12 @@ def cmd_verify(a: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bitdelta", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--cpu-precision",
+        metavar="auto|fp32|bf16",
+        help="precision of torch on the CPU for training and evaluation (bitdelta.precision; "
+        "default: $BITDELTA_CPU_PRECISION, else auto: bf16 only where the CPU has native bf16)",
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     c = sub.add_parser("compress", help="fine-tuned checkpoint -> BitDelta file")
@@ -183,7 +189,18 @@ def _extensions():
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from bitdelta import precision
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        precision.configure(
+            precision.choice_from_env()
+            if args.cpu_precision is None
+            else precision.check_choice(args.cpu_precision, "--cpu-precision")
+        )
+    except ValueError as e:
+        parser.error(str(e))
     try:
         args.func(args)
     except CliError as e:

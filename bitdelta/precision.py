@@ -11,9 +11,14 @@ The rule: bf16 only where the hardware does bf16 natively, fp32 otherwise.
   2-core AVX2 EPYC a 512×576·576×1536 matmul took 15 ms in fp32 and 963 ms in
   bf16, and one fine-tuning step of SmolLM2-135M 135 s instead of ~5 s
   (REFERENCES.md, "CPU portability").
-- `BITDELTA_CPU_PRECISION=fp32|bf16|auto` overrides the CPU choice (auto: the
-  rule). fp32 emulates a CPU without bf16 on one that has it (CI does so);
-  bf16 on a CPU without it is allowed but slow, and says so.
+- The choice `fp32|bf16|auto` overrides the CPU rule (auto: the rule): the
+  `bitdelta --cpu-precision` flag, whose alias is `BITDELTA_CPU_PRECISION`. fp32
+  emulates a CPU without bf16 on one that has it (CI does so); bf16 on a CPU
+  without it is allowed but slow, and says so.
+
+The process's choice is set once at the edge (`configure`, by the CLI from its flag);
+a process that sets none reads `BITDELTA_CPU_PRECISION` once, the first time it is
+needed (`process_choice`). Every function below also takes the choice explicitly.
 
 Training autocasts its forward/backward to `cpu_precision().name`; weights,
 gradients and optimizer state stay fp32 either way, so the choice changes the
@@ -21,7 +26,7 @@ numerics of matmuls only. Every build record and report states the choice.
 
 Serving on CPU (`serving_dtype`) keeps fp32 under `auto` even where bf16 is
 native: the C kernels accumulate in fp32 and the worker's answers are checked
-against the fp32 reference; `BITDELTA_CPU_PRECISION=bf16` opts in to bf16
+against the fp32 reference; the choice bf16 opts in to bf16
 weights there (half the memory traffic). On CPU it is never bf16 without the
 user asking, so a CPU without bf16 never runs emulated bf16.
 
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,16 +127,42 @@ def native_bf16() -> tuple[bool, str]:
     return False, f"no native bf16 on this CPU ({cap}; no {'/'.join(NATIVE_BF16_FLAGS[:2])} flag)"
 
 
-def _env_choice() -> str:
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in CHOICES:
-        raise ValueError(f"{ENV}={os.environ[ENV]!r}: use one of {', '.join(CHOICES)}")
-    return value
+def check_choice(value: str, where: str = "cpu precision") -> str:
+    """`value` as a choice ("auto" | "fp32" | "bf16"; case and blanks ignored, empty: auto), or a
+    ValueError naming `where` (the flag or the variable it came from)."""
+    choice = value.strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise ValueError(f"{where}={value!r}: use one of {', '.join(CHOICES)}")
+    return choice
 
 
-def cpu_precision() -> Precision:
-    """The precision for training and running torch models on this CPU (the rule above)."""
-    choice = _env_choice()
+def choice_from_env(env: Mapping[str, str] | None = None) -> str:
+    """The choice the environment's `BITDELTA_CPU_PRECISION` gives (unset: auto)."""
+    env = os.environ if env is None else env
+    return check_choice(env.get(ENV, "auto"), ENV)
+
+
+_choice: str | None = None  # the process's choice: set by configure(), else read once by process_choice()
+
+
+def configure(choice: str) -> None:
+    """Set the process's choice (an entry point, from its flag or config)."""
+    global _choice
+    _choice = check_choice(choice)
+
+
+def process_choice() -> str:
+    """The process's choice: what `configure` set, else `BITDELTA_CPU_PRECISION` (read once)."""
+    global _choice
+    if _choice is None:
+        _choice = choice_from_env()
+    return _choice
+
+
+def cpu_precision(choice: str | None = None) -> Precision:
+    """The precision for training and running torch models on this CPU (the rule above), under
+    `choice` (default: the process's)."""
+    choice = _resolve(choice)
     native, why = native_bf16()
     if choice == "fp32":
         return Precision("fp32", f"forced by {ENV}=fp32; {why}", "env")
@@ -140,36 +172,54 @@ def cpu_precision() -> Precision:
     return Precision("bf16" if native else "fp32", why, "cpu flags")
 
 
-def precision_for(device) -> Precision:
-    """The training precision on `device` (a torch.device or "cpu"/"cuda")."""
+def _resolve(value: str | None) -> str:
+    return process_choice() if value is None else check_choice(value)
+
+
+def precision_for(device, choice: str | None = None) -> Precision:
+    """The training precision on `device` (a torch.device or "cpu"/"cuda"); `choice` as in
+    `cpu_precision`."""
     kind = getattr(device, "type", None) or str(device).split(":")[0]
     if kind == "cuda":
         return Precision("bf16", "CUDA: bf16 tensor cores", "cuda")
     if kind != "cpu":
         return Precision("fp32", f"{kind}: no bf16 rule for this device", "default")
-    return cpu_precision()
+    return cpu_precision(choice)
 
 
-def autocast(device):
-    """torch.autocast to `precision_for(device)`: bf16 autocast where the rule says bf16,
-    a disabled autocast (plain fp32) otherwise."""
+def autocast(device, choice: str | None = None):
+    """torch.autocast to `precision_for(device, choice)`: bf16 autocast where the rule says
+    bf16, a disabled autocast (plain fp32) otherwise."""
     import torch
 
     kind = getattr(device, "type", None) or str(device).split(":")[0]
-    p = precision_for(kind)
+    p = precision_for(kind, choice)
     return torch.autocast(kind, dtype=torch.bfloat16, enabled=p.name == "bf16")
 
 
-def serving_dtype(device) -> Precision:
+def serving_dtype(device, choice: str | None = None) -> Precision:
     """The weights' dtype for the worker's `--dtype auto` (and the benchmarks' default):
-    bf16 on CUDA; on CPU fp32 unless `BITDELTA_CPU_PRECISION=bf16` asks for bf16."""
+    bf16 on CUDA; on CPU fp32 unless the choice (default: the process's) is bf16."""
     kind = getattr(device, "type", None) or str(device).split(":")[0]
     if kind == "cuda":
         return precision_for(kind)
-    if kind == "cpu" and _env_choice() == "bf16":
-        return cpu_precision()
+    choice = _resolve(choice)
+    if kind == "cpu" and choice == "bf16":
+        return cpu_precision(choice)
     _, why = native_bf16()
     return Precision("fp32", f"serving on {kind} keeps fp32 unless {ENV}=bf16; {why}", "serving default")
 
 
-__all__ = ["ENV", "Precision", "autocast", "cpu_precision", "native_bf16", "precision_for", "serving_dtype"]
+__all__ = [
+    "ENV",
+    "Precision",
+    "autocast",
+    "check_choice",
+    "choice_from_env",
+    "configure",
+    "cpu_precision",
+    "native_bf16",
+    "precision_for",
+    "process_choice",
+    "serving_dtype",
+]

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.settings import current
+
 CONFIG_FILE = Path(__file__).with_name("configs.json")
 # Registers a thread may use before the compiler spills (sm_80/sm_90), and per SM.
 MAX_REGS_PER_THREAD = 255
@@ -33,14 +35,20 @@ REGS_PER_SM = 65536
 REG_OVERHEAD = 40
 
 
+@functools.cache
 def interpreting() -> bool:
-    """True when Triton runs kernels on CPU tensors (TRITON_INTERPRET=1, set before import)."""
+    """True when Triton runs kernels on CPU tensors: Triton's own TRITON_INTERPRET=1, which it
+    reads when the kernels are defined (so it is set before `kernels` is imported), read once."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.cache
 def _table() -> dict:
-    path = os.environ.get("BITDELTA_KERNEL_CONFIGS") or CONFIG_FILE
+    """The table of the setting `configs_file` (BITDELTA_KERNEL_CONFIGS), else configs.json."""
+    return _load_table(current().configs_file or CONFIG_FILE)
+
+
+@functools.cache
+def _load_table(path: Path) -> dict:
     with open(path) as f:
         return json.load(f)
 
@@ -55,14 +63,22 @@ def _merge(base: dict, over: dict) -> dict:
 
 def device_names() -> list[str]:
     """The GPU keys of the table (not 'default', 'interpreter' or '_'-prefixed notes)."""
-    return [k for k in _table() if k not in ("default", "interpreter", "search") and not k.startswith("_")]
+    return _device_names(_table())
+
+
+def _device_names(table: dict) -> list[str]:
+    return [k for k in table if k not in ("default", "interpreter", "search") and not k.startswith("_")]
+
+
+def device_config(device_name: str) -> dict:
+    """The entry for a device name ('interpreter' for the interpreter), completed from 'default'."""
+    return _device_config(current().configs_file or CONFIG_FILE, device_name)
 
 
 @functools.cache
-def device_config(device_name: str) -> dict:
-    """The entry for a device name ('interpreter' for the interpreter), completed from 'default'."""
-    table = _table()
-    for key in device_names():
+def _device_config(path: Path, device_name: str) -> dict:
+    table = _load_table(path)
+    for key in _device_names(table):
         if key in device_name:
             return _merge(table["default"], table[key])
     if device_name == "interpreter" and "interpreter" in table:

@@ -6,7 +6,7 @@ does not depend on the torch ABI (the same source serves torch 2.11 and 2.13),
 and ctypes releases the GIL during the call. The library is compiled for the
 host CPU (-march=native) into a directory keyed by a hash of the source, the
 flags, the compiler and the CPU's feature flags, so a copied build directory
-never runs code for the wrong CPU. `BITDELTA_CPU_ISA=avx2` builds the AVX2
+never runs code for the wrong CPU. The setting `cpu_isa="avx2"` builds the AVX2
 path instead (-march=x86-64-v3: AVX2 + FMA, no AVX-512) on a host that has
 AVX-512, so the code an AVX2-only machine runs is tested everywhere (the tests
 also load it explicitly with `load_variant("avx2")`); `scalar` builds the
@@ -16,12 +16,14 @@ renamed, so concurrent first builds (pytest workers, server processes) are safe.
 If no compiler is found or the build fails, `load_cpu_lib()` returns None and
 logs ONE warning; callers then use the pure-torch path.
 
-Environment:
-    BITDELTA_CPU_KERNELS=0          never build/load (force the torch path)
-    BITDELTA_CPU_ISA=native|avx2|scalar   which SIMD path to build (default native:
-                                    whatever the host has; the others must run here)
-    BITDELTA_KERNELS_BUILD_DIR=DIR  where to cache the library
-    CC=...                          the C compiler (default: cc, then gcc)
+Settings (`kernels.settings`, with their environment aliases):
+    cpu_kernels=False   BITDELTA_CPU_KERNELS=0          never build/load (force the torch path)
+    cpu_isa             BITDELTA_CPU_ISA=native|avx2|scalar   which SIMD path to build (default
+                                    native: whatever the host has; the others must run here)
+    build_dir           BITDELTA_KERNELS_BUILD_DIR=DIR  where to cache the library
+    cc                  CC=...                          the C compiler (default: cc, then gcc)
+The process's library is the one for the current settings: new CPU settings
+(`kernels.settings.configure`) load theirs on next use.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from pathlib import Path
 
 import torch  # noqa: F401  # loads libgomp.so.1 first so the library shares torch's OpenMP runtime
 
+from kernels.settings import ENV, KernelSettings, current
+
 log = logging.getLogger("kernels")
 
 SOURCE = Path(__file__).with_name("csrc") / "bitdelta_cpu.c"
@@ -45,7 +49,7 @@ CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 COMPILE_TIMEOUT_S = 120
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
-ISA_ENV = "BITDELTA_CPU_ISA"
+ISA_ENV = ENV["cpu_isa"]
 # Build request -> target flags. x86-64-v3 is the AVX2 level (AVX2, FMA, F16C, BMI1/2,
 # MOVBE): what an AVX2-only EPYC or Core runs. x86-64 is the baseline (SSE2): the
 # library's portable C loops, which the compiler may still vectorise with SSE2.
@@ -55,15 +59,15 @@ ISA_MARCH = {"native": "-march=native", "avx2": "-march=x86-64-v3", "scalar": "-
 ISA_NEEDS = {"native": (), "avx2": ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"), "scalar": ()}
 
 _lock = threading.Lock()
+# The settings the process's library was loaded (or found unavailable) for, and the result.
+_loaded_for: KernelSettings | None = None
 _lib: ctypes.CDLL | None = None
-_tried = False
 unavailable_reason: str | None = None
 
 
 def _default_build_dir() -> Path:
-    env = os.environ.get("BITDELTA_KERNELS_BUILD_DIR")
-    if env:
-        return Path(env)
+    if current().build_dir is not None:
+        return current().build_dir
     repo = Path(__file__).resolve().parents[1]
     if (repo / "pyproject.toml").exists() and os.access(repo, os.W_OK):  # a checkout: its ignored /build/
         return repo / "build" / "kernels_cpu"
@@ -85,18 +89,10 @@ def _cpu_fingerprint() -> str:
 
 
 def _compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+    for cc in (current().cc, "cc", "gcc", "clang"):
         if cc and shutil.which(cc):
             return cc
     return None
-
-
-def requested_isa() -> str:
-    """`BITDELTA_CPU_ISA` (default "native"), checked."""
-    isa = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
-    if isa not in ISA_MARCH:
-        raise ValueError(f"{ISA_ENV}={isa!r}: use one of {', '.join(ISA_MARCH)}")
-    return isa
 
 
 def _check_host(isa: str) -> None:
@@ -176,25 +172,25 @@ def load_variant(isa: str) -> ctypes.CDLL:
 
 
 def load_cpu_lib() -> ctypes.CDLL | None:
-    """The compiled library (`BITDELTA_CPU_ISA`'s build, native by default), building it
-    on first use; None if unavailable."""
-    global _lib, _tried, unavailable_reason
-    if _tried:
+    """The compiled library for the current settings (`cpu_isa`'s build, native by default),
+    building it on first use; None if unavailable (one warning per settings)."""
+    global _lib, _loaded_for, unavailable_reason
+    settings = current()
+    if _loaded_for is settings:
         return _lib
     with _lock:
-        if _tried:
+        if _loaded_for is settings:
             return _lib
-        isa = requested_isa()  # a misspelt request is an error, not a silent fallback
+        lib, unavailable_reason = None, None
         try:
-            if os.environ.get("BITDELTA_CPU_KERNELS", "1") == "0":
-                raise RuntimeError("disabled by BITDELTA_CPU_KERNELS=0")
-            lib = load_variant(isa)
-            _lib = lib
+            if not settings.cpu_kernels:
+                raise RuntimeError(f"disabled (cpu_kernels=False, {ENV['cpu_kernels']}=0)")
+            lib = load_variant(settings.cpu_isa)
             log.info("kernels: C CPU kernels loaded (%s)", ISA_NAMES.get(lib.bd_isa(), "?"))
         except Exception as e:  # any failure means: use the torch path
             unavailable_reason = str(e)
             log.warning("kernels: C CPU kernels unavailable (%s); using the pure-torch unpack path (slow)", e)
-        _tried = True
+        _lib, _loaded_for = lib, settings
         return _lib
 
 

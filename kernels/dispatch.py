@@ -3,16 +3,15 @@
 Backend choice (`backend_for`):
 - CUDA tensors: Triton.
 - CPU tensors with TRITON_INTERPRET=1 (CI): the same Triton kernels in the
-  interpreter, as long as the call is small (M·N·K ≤ INTERPRET_MAX_WORK); the
+  interpreter, as long as the call is small (M·N·K ≤ the setting `interpret_max_work`); the
   interpreter costs ~1 ms per program × K-step, so a real model layer would take
   seconds. Bigger calls take the CPU path.
 - other CPU tensors: the C CPU path (`cpu_ops`), torch if it cannot be built.
-BITDELTA_KERNEL_BACKEND=triton|cpu|torch forces one (benchmarks, debugging).
+`backend=` on a call, else the process's `kernels.settings` (`BITDELTA_KERNEL_BACKEND`),
+forces triton|cpu|torch (the worker's --kernel-backend, benchmarks, debugging).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -21,6 +20,7 @@ from kernels.bits import packed_cols
 from kernels.configs import config_for, fit, interpreting, smem_limit
 from kernels.plan import BatchPlan, plan_batch
 from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
+from kernels.settings import BACKENDS, current
 
 try:
     from kernels.triton_bgmv import bgmv_launch
@@ -33,31 +33,31 @@ except ImportError as e:  # CPU-only installs without triton; on CUDA the worker
     HAVE_TRITON = False
     TRITON_ERROR = f"{type(e).__name__}: {e}"
 
-# Largest M·N·K run by the Triton interpreter through the public functions (≈0.1–1 s).
-INTERPRET_MAX_WORK = int(os.environ.get("BITDELTA_INTERPRET_MAX_WORK", 1 << 24))
-BACKENDS = ("auto", "triton", "cpu", "torch")
 
-
-def backend_for(device: torch.device, work: int) -> str:
-    """'triton' | 'cpu' | 'torch' for a call on `device` doing `work` multiply-adds."""
-    forced = os.environ.get("BITDELTA_KERNEL_BACKEND", "auto")
+def backend_for(device: torch.device, work: int, backend: str | None = None) -> str:
+    """'triton' | 'cpu' | 'torch' for a call on `device` doing `work` multiply-adds: `backend`
+    when given, else the process's setting; 'auto' chooses by device (above)."""
+    settings = current()
+    forced = settings.backend if backend is None else backend
     if forced not in BACKENDS:
-        raise ValueError(f"BITDELTA_KERNEL_BACKEND must be one of {BACKENDS}, got {forced!r}")
+        raise ValueError(f"kernel backend must be one of {', '.join(BACKENDS)}, got {forced!r}")
     if forced != "auto":
         return forced
     if device.type == "cuda":
         return "triton" if HAVE_TRITON else "torch"
-    if HAVE_TRITON and interpreting() and work <= INTERPRET_MAX_WORK:
+    if HAVE_TRITON and interpreting() and work <= settings.interpret_max_work:
         return "triton"
     return "cpu"
 
 
-def bitdelta_linear(x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+def bitdelta_linear(
+    x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor, *, backend: str | None = None
+) -> torch.Tensor:
     """y = x · W_baseᵀ + α ⊙ (x · Sᵀ), never forming W_base + α·S in memory on GPU.
 
     x: [..., d_in] fp16/bf16/fp32; w_base: [d_out, d_in]; signs: uint8 [d_out, ceil(d_in/8)]
     (kernels.bits convention); alpha: [d_out] (per row) or [1] (per matrix)
-    -> y: [..., d_out] in x.dtype.
+    -> y: [..., d_out] in x.dtype. `backend`: see `backend_for`.
     """
     d_out, d_in = w_base.shape
     if x.shape[-1] != d_in:
@@ -69,7 +69,7 @@ def bitdelta_linear(x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, 
         raise ValueError(f"alpha must have {d_out} values or 1, got {alpha.numel()}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, d_in)
-    backend = backend_for(x.device, x2.shape[0] * d_out * d_in)
+    backend = backend_for(x.device, x2.shape[0] * d_out * d_in, backend)
     if backend == "triton":
         xw = x2 if x2.dtype == w_base.dtype else x2.to(w_base.dtype)
         y = bitdelta_linear_triton(xw, w_base, signs.contiguous(), alpha).to(x.dtype)
@@ -88,6 +88,7 @@ def bitdelta_delta_batched(
     y: torch.Tensor,
     *,
     plan: BatchPlan | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """y[r] += α_v ⊙ (x[r] · S_vᵀ) for v = row_variant[r] ≥ 0; rows with −1 are untouched.
 
@@ -96,6 +97,7 @@ def bitdelta_delta_batched(
     The base GEMM (y = x · W_baseᵀ) runs once for the whole batch outside. On GPU, rows are
     segmented by variant (SGMV) when some variant has several rows, else one row per program
     (BGMV); `plan` (kernels.plan_batch) lets all layers of a step share that grouping.
+    `backend`: see `backend_for`.
     """
     if x.dim() != 2 or y.dim() != 2 or signs_stack.dim() != 3:
         raise ValueError("x [M, d_in], signs_stack [V, d_out, bytes] and y [M, d_out] expected")
@@ -109,7 +111,7 @@ def bitdelta_delta_batched(
         raise ValueError(f"alpha_stack must be [{V}, {d_out}] or [{V}, 1], got {tuple(alpha_stack.shape)}")
     if tuple(y.shape) != (M, d_out) or row_variant.shape != (M,):
         raise ValueError(f"y must be [{M}, {d_out}] and row_variant [{M}]")
-    backend = backend_for(x.device, M * d_out * d_in)
+    backend = backend_for(x.device, M * d_out * d_in, backend)
     if backend == "cpu":
         return cpu_ops.bitdelta_delta_batched_cpu(x, signs_stack, alpha_stack, row_variant, y)
     if backend == "torch":

@@ -22,7 +22,8 @@ if not torch.cuda.is_available():
 # Every CPU code path runs under the fp32 rule of bitdelta.precision, as on a CPU without
 # native bf16 (the slowest common case, and the same numerics on every machine); the
 # bf16 rule itself is tested in tests/core/test_precision.py. Set BITDELTA_CPU_PRECISION=auto to run
-# the suite under this machine's own choice.
+# the suite under this machine's own choice. The variable is the choice's alias, read once
+# per process (here and in every server process a test starts).
 os.environ.setdefault("BITDELTA_CPU_PRECISION", "fp32")
 
 
@@ -39,10 +40,10 @@ def cpu_kernels():
     """The worker's production kernels for this machine, for a whole module: the compiled C
     kernels on CPU (the Triton interpreter costs seconds per token at model sizes;
     test_worker_triton covers it), Triton on CUDA (the worker's tensors are on the GPU there)."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("BITDELTA_KERNEL_BACKEND", "auto" if torch.cuda.is_available() else "cpu")
-    yield
-    mp.undo()
+    from kernels.settings import configured
+
+    with configured(backend="auto" if torch.cuda.is_available() else "cpu"):
+        yield
 
 
 # --- the real model family ------------------------------------------------------------------

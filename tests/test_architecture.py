@@ -155,3 +155,57 @@ def test_the_code_holds_no_test_only_helper_module():
         f"bitdelta.testing.{f.stem}" for f in (ROOT / "bitdelta" / "testing").glob("*.py") if f.stem != "__init__"
     }
     assert shared and shared <= used, f"only the tests import {sorted(shared - used)}: move it to tests/support/"
+
+
+# Where the environment may be read: at the edges, once (docs/architecture.md, "One way to configure").
+# (file, outermost function or "<module>") -> why
+ENV_READERS = {
+    ("bitdelta/rpc/config.py", "from_args"): "a service's typed config: flags and BITDELTA_<SERVICE>_*",
+    ("bitdelta/rpc/telemetry.py", "endpoint_from"): "OpenTelemetry's standard OTEL_* variables, at start-up",
+    ("bitdelta/rpc/telemetry.py", "setup"): "OpenTelemetry's standard OTEL_* variables, at start-up",
+    ("bitdelta/precision.py", "choice_from_env"): "BITDELTA_CPU_PRECISION, the --cpu-precision alias, read once",
+    ("kernels/settings.py", "from_env"): "the kernel settings' aliases, read once per process",
+    ("kernels/configs.py", "interpreting"): "Triton's own TRITON_INTERPRET, read once",
+    ("bitdelta/client_cli.py", "<module>"): "the client commands' defaults (BITDELTA_ROUTER, BITDELTA_STORE)",
+    ("bitdelta/client_cli.py", "_client"): "the client commands' TLS and token (BITDELTA_TLS_*, BITDELTA_TOKEN)",
+    ("bitdelta/family/cli.py", "register"): "--threads' alias BITDELTA_THREADS",
+    ("bitdelta/family/__init__.py", "data_dir"): "BITDELTA_DATA, the data directory (the CLI's --data default)",
+}
+
+
+def env_reads(path: Path) -> set[str]:
+    """The outermost function (or "<module>") of every `os.environ` / `os.getenv` in `path`."""
+    found = set()
+
+    def visit(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                visit(child, child.name if where == "<module>" else where)
+                continue
+            if (
+                isinstance(child, ast.Attribute)
+                and child.attr in ("environ", "getenv")
+                and isinstance(child.value, ast.Name)
+                and child.value.id == "os"
+            ):
+                found.add(where)
+            visit(child, where)
+
+    visit(ast.parse(path.read_text()), "<module>")
+    return found
+
+
+def test_the_environment_is_read_only_at_the_edges():
+    """Configuration flows from the typed configs; variables are their aliases, read where a process
+    starts or a command parses its flags, never inside a kernel or a request (kernels.settings,
+    bitdelta.precision)."""
+    bad = [
+        f"{rel}: {where} reads the environment"
+        for pkg in ("bitdelta", "kernels", "services")
+        for f in sorted((ROOT / pkg).rglob("*.py"))
+        if not f.name.endswith(("_pb2.py", "_pb2_grpc.py"))
+        for rel in [str(f.relative_to(ROOT))]
+        for where in env_reads(f)
+        if (rel, where) not in ENV_READERS
+    ]
+    assert not bad, "\n".join(bad)

@@ -256,14 +256,13 @@ def build_delta(
     return out
 
 
-def apply_thread_setting() -> None:
-    """BITDELTA_THREADS=N caps torch's CPU threads. On a machine shared with other
-    torch jobs, 1 thread avoids OpenMP threads spinning at barriers while their
-    siblings wait for a core (measured here: 2.5 s/step alone, 20–55 s/step with
-    two 2-thread jobs on 2 cores)."""
-    n = os.environ.get("BITDELTA_THREADS")
+def set_threads(n: int | None) -> None:
+    """Cap torch's CPU threads at `n` (None: torch's choice); the CLI's --threads, alias
+    BITDELTA_THREADS. On a machine shared with other torch jobs, 1 thread avoids OpenMP
+    threads spinning at barriers while their siblings wait for a core (measured here:
+    2.5 s/step alone, 20–55 s/step with two 2-thread jobs on 2 cores)."""
     if n:
-        torch.set_num_threads(int(n))
+        torch.set_num_threads(n)
 
 
 def finetuned_steps(p: FamilyPaths, variant: str) -> int | None:
@@ -279,10 +278,11 @@ def build(
     root: str | os.PathLike | None = None,
     deltas: bool = True,
     quick: bool = False,
+    threads: int | None = None,
 ) -> FamilyPaths:
     """The whole family; what is built and verified is skipped. quick: the first run's
     smaller recipe (QUICK_STEPS fine-tuning, QUICK_DISTILL_STEPS distillation) for what is
-    not built yet; full artifacts already built are kept."""
+    not built yet; full artifacts already built are kept. threads: `set_threads`."""
     from dataclasses import replace
 
     from bitdelta import precision
@@ -292,7 +292,7 @@ def build(
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise ValueError(f"unknown variants {sorted(unknown)}; the family is {', '.join(VARIANTS)}")
-    apply_thread_setting()
+    set_threads(threads)
     _log(f"precision: {precision.cpu_precision().describe()}; {torch.get_num_threads()} torch thread(s)")
     t = time.time()
     build_base(p, force)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
+
+
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def cmd_build(a: argparse.Namespace) -> None:
@@ -20,7 +28,7 @@ def cmd_build(a: argparse.Namespace) -> None:
             raise CliError("--quick sets the steps itself; give --quick or --steps, not both")
         cfg = replace(cfg, steps=a.steps)
     _check_variants(a.variants)
-    build(a.variants, cfg, force=a.force, root=a.data, deltas=not a.no_deltas, quick=a.quick)
+    build(a.variants, cfg, force=a.force, root=a.data, deltas=not a.no_deltas, quick=a.quick, threads=a.threads)
 
 
 def _check_variants(variants):
@@ -75,7 +83,7 @@ def cmd_quality(a: argparse.Namespace) -> None:
     cfg = QualityConfig(
         eval_windows=a.windows, math_problems=a.math_problems, humaneval=a.humaneval, distill_steps=a.distill_steps
     )
-    run_reports(a.report_dir, variants=a.variants, cfg=cfg, root=a.data, skip_build=a.skip_build)
+    run_reports(a.report_dir, variants=a.variants, cfg=cfg, root=a.data, skip_build=a.skip_build, threads=a.threads)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -83,10 +91,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     fs = f.add_subparsers(dest="family_command", required=True, metavar="ACTION")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--data", type=Path, default=None, help="data directory (default: $BITDELTA_DATA or ./data)")
+    torch_jobs = argparse.ArgumentParser(add_help=False)
+    torch_jobs.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=os.environ.get("BITDELTA_THREADS") or None,  # argparse parses a text default like the flag
+        help="cap torch's CPU threads (default: $BITDELTA_THREADS, else torch's choice; 1 on a shared machine)",
+    )
 
     c = fs.add_parser(
         "build",
-        parents=[common],
+        parents=[common, torch_jobs],
         help="convert the base, fine-tune the variants, compress them (skips what is built and verified)",
     )
     c.add_argument("--variants", nargs="+", help="only these (default: all)")
@@ -108,7 +123,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=cmd_paths)
 
     q = sub.add_parser(
-        "quality", parents=[common], help="build the family if needed, then write the quality and memory reports"
+        "quality",
+        parents=[common, torch_jobs],
+        help="build the family if needed, then write the quality and memory reports",
     )
     q.add_argument("--report-dir", type=Path, default=Path("reports"), help="where the reports go (default: reports/)")
     q.add_argument("--variants", nargs="+", help="only these (default: all)")

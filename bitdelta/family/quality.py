@@ -541,15 +541,17 @@ def run_reports(
     root: str | os.PathLike | None = None,
     skip_build: bool = False,
     command: str | None = None,
+    threads: int | None = None,
 ) -> dict:
-    """Build what is missing, evaluate every variant, write quality.md/.json, the plot and memory.md."""
+    """Build what is missing, evaluate every variant, write quality.md/.json, the plot and memory.md.
+    threads: torch's CPU threads (`build.set_threads`)."""
     cfg = cfg if cfg is not None else QualityConfig()
     import sys
 
-    from bitdelta.family.build import apply_thread_setting, build, read_stamp, status
+    from bitdelta.family.build import build, read_stamp, set_threads, status
     from bitdelta.family.memory import memory_markdown
 
-    apply_thread_setting()
+    set_threads(threads)
     p = paths(root)
     variants = variants or list(VARIANTS)
     if skip_build:

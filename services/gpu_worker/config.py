@@ -15,6 +15,7 @@ from typing import ClassVar
 from bitdelta.rpc.config import ConfigError, ProcessSettings, ServiceConfig, check_address, setting
 from bitdelta.rpc.security import AuthSettings, TlsSettings
 from bitdelta.units import parse_bytes
+from kernels.settings import BACKENDS
 
 ENV_PREFIX = "BITDELTA_WORKER_"
 
@@ -46,6 +47,11 @@ class WorkerConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
     max_prompt_bytes: int = setting(1 << 20, "longer prompts are INVALID_ARGUMENT before tokenising", parse=parse_bytes)
     max_prompt_tokens: int = setting(0, "longer prompts are INVALID_ARGUMENT; 0: the model's context")
     fused_single_variant: bool = setting(True, "a batch of one variant uses the fused kernel")
+    kernel_backend: str = setting(
+        "",
+        "auto | triton | cpu | torch: the kernels every layer runs (auto: Triton on CUDA, the C kernels on CPU); "
+        "empty: the process's kernel settings (BITDELTA_KERNEL_BACKEND, else auto)",
+    )
     allow_slow_kernels: bool = setting(
         False,
         "on CUDA without Triton, serve with the torch reference kernels (~10x slower) instead of refusing to start",
@@ -78,6 +84,10 @@ class WorkerConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
                 raise ConfigError(f"--delta-store {self.delta_store!r}: {e}") from None
         if self.delta_dir and not Path(self.delta_dir).is_dir():
             raise ConfigError(f"--delta-dir {self.delta_dir}: not a directory")
+        if self.kernel_backend and self.kernel_backend not in BACKENDS:
+            raise ConfigError(
+                f"--kernel-backend {self.kernel_backend!r}: use {', '.join(BACKENDS)} (or leave it empty)"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")
         for name in (

@@ -140,11 +140,21 @@ class StepMeta:
 class ModelRunner:
     """Holds the base weights, the slot stacks and the KV pool; runs steps."""
 
-    def __init__(self, base: BaseWeights, args: ModelArgs, slots: SlotTensors, kv: KVPool, use_fused: bool = True):
+    def __init__(
+        self,
+        base: BaseWeights,
+        args: ModelArgs,
+        slots: SlotTensors,
+        kv: KVPool,
+        use_fused: bool = True,
+        backend: str | None = None,
+    ):
+        """backend: the kernels' backend for every call (kernels.backend_for); None: the process's."""
         self.base, self.args, self.slots, self.kv = base, args, slots, kv
         self.device = base.embed.device
         self.dtype = base.embed.dtype
         self.use_fused = use_fused
+        self.backend = backend
 
     # -- metadata -------------------------------------------------------------------------------
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
@@ -238,17 +248,17 @@ class ModelRunner:
         w = self.base.layers[layer][group]
         signs, alpha = self.slots.signs[layer][group], self.slots.alpha[layer][group]
         if m.single_slot is not None:
-            return bitdelta_linear(x, w, signs[m.single_slot], alpha[m.single_slot])
+            return bitdelta_linear(x, w, signs[m.single_slot], alpha[m.single_slot], backend=self.backend)
         if not m.any_delta or x.dtype == torch.float32:
             y = x @ w.t()
             if m.any_delta:
-                bitdelta_delta_batched(x, signs, alpha, m.row_slot, y, plan=m.plan)
+                bitdelta_delta_batched(x, signs, alpha, m.row_slot, y, plan=m.plan, backend=self.backend)
             return y
         # fp16/bf16: the base GEMM's output stays fp32 until the delta is in, then rounds ONCE,
         # like the fused kernel. Rounding x·Wᵀ to bf16 first would erase a real delta (a few
         # tenths of y's bf16 spacing): a request's tokens would depend on its batch.
         y = self._mm_fp32(x, w)
-        bitdelta_delta_batched(x, signs, alpha, m.row_slot, y, plan=m.plan)
+        bitdelta_delta_batched(x, signs, alpha, m.row_slot, y, plan=m.plan, backend=self.backend)
         return y.to(x.dtype)
 
     _mm_out_dtype: bool | None = None  # torch.mm(..., out_dtype=) works here (CUDA, torch ≥ 2.8)
@@ -318,7 +328,7 @@ class ModelRunner:
             if head.weight is not None:
                 out[rows] = (hr @ head.weight.t()).float()
             else:
-                out[rows] = bitdelta_linear(hr, self.base.head, head.signs, head.alpha).float()
+                out[rows] = bitdelta_linear(hr, self.base.head, head.signs, head.alpha, backend=self.backend).float()
         return out
 
     # -- step -----------------------------------------------------------------------------------
@@ -400,7 +410,13 @@ class ModelRunner:
         for M in self.warm_sizes(max_rows):
             if M <= max_seqs:  # M decodes of slot 0 in one step, all at position 0 of block 0
                 self.forward([SeqWork([0], 0, 0, [0], True) for _ in range(M)])
-                bitdelta_linear(torch.zeros(M, dim, dtype=self.dtype, device=self.device), head, head_signs, head_alpha)
+                bitdelta_linear(
+                    torch.zeros(M, dim, dtype=self.dtype, device=self.device),
+                    head,
+                    head_signs,
+                    head_alpha,
+                    backend=self.backend,
+                )
                 done.append((M, "fused/decode"))
             elif -(-M // bs) <= nb:  # one prefill chunk of M tokens
                 self.forward([SeqWork([0] * M, 0, 0, list(range(-(-M // bs))), True)])

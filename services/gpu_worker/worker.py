@@ -24,6 +24,7 @@ from bitdelta.cache_policy import WeightedLRUPolicy
 from bitdelta.checkpoint import fingerprint, read_config
 from bitdelta.generation import ArrivalState, Request, TokenEvent, check_model_id
 from bitdelta.rpc import telemetry
+from kernels.settings import current as kernel_settings
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.engine import Engine, Sequence
 from services.gpu_worker.errors import InvalidArgument, ResourceExhausted, Unavailable
@@ -60,13 +61,16 @@ class Worker:
             dev = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(dev)
         dt = config.dtype
-        if dt == "auto":  # bitdelta.precision: bf16 on CUDA; fp32 on CPU unless BITDELTA_CPU_PRECISION=bf16
+        if dt == "auto":  # bitdelta.precision: bf16 on CUDA; fp32 on CPU unless the choice is bf16
             from bitdelta.precision import serving_dtype
 
             chosen = serving_dtype(self.device)
             dt = chosen.torch_name
             log.info("dtype auto: %s", chosen.describe())
         self.dtype = DTYPES[dt]
+        # --kernel-backend, else the process's kernel settings (BITDELTA_KERNEL_BACKEND), fixed here
+        self.kernel_backend = config.kernel_backend or kernel_settings().backend
+        log.info("kernels: backend %s", self.kernel_backend)
         cfg = read_config(config.base)
         self.base_name = config.base_name or cfg.get("_name_or_path") or Path(config.base).name
         self.ready = False
@@ -108,7 +112,9 @@ class Worker:
         if n_blocks < 1:
             raise ValueError(f"--kv-cache {c.kv_cache} bytes holds less than one block of {c.block_size} tokens")
         self.kv = KVPool(self.args, n_blocks, c.block_size, self.dtype, self.device)
-        self.runner = ModelRunner(self.base, self.args, self.slots, self.kv, use_fused=c.fused_single_variant)
+        self.runner = ModelRunner(
+            self.base, self.args, self.slots, self.kv, use_fused=c.fused_single_variant, backend=self.kernel_backend
+        )
         self.scheduler = Scheduler(BlockAllocator(n_blocks), c.block_size, c.max_running, c.max_batch_tokens)
         if c.delta_store:
             self.source = DeltaStoreSource(

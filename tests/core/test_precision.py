@@ -2,7 +2,7 @@
 natively, fp32 elsewhere, the override, and that training follows it and records it.
 
 The suite itself runs with BITDELTA_CPU_PRECISION=fp32 (tests/conftest.py), i.e.
-as on a CPU without bf16; these tests set the variable themselves."""
+as on a CPU without bf16; these tests set the process's choice themselves (`choose`)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,16 @@ from bitdelta import precision
 
 
 @pytest.fixture
-def cpu_flags(monkeypatch):
+def choose(monkeypatch):
+    """precision.configure for one test: the process's choice comes back after it."""
+    monkeypatch.setattr(precision, "_choice", precision.process_choice())
+    return precision.configure
+
+
+@pytest.fixture
+def cpu_flags(choose, monkeypatch):
     """Pretend the CPU has the given flags (None: /proc/cpuinfo unreadable); auto rule."""
-    monkeypatch.delenv(precision.ENV, raising=False)
+    choose("auto")
 
     def set_flags(flags, capability="AVX512"):
         monkeypatch.setattr(precision, "_read_cpu_flags", lambda: None if flags is None else set(flags))
@@ -49,40 +56,56 @@ def test_auto_uses_bf16_only_with_native_bf16(cpu_flags):
     assert p.name == "fp32" and "unreadable" in p.reason
 
 
-def test_env_override(cpu_flags, monkeypatch):
+def test_override(cpu_flags, choose):
     cpu_flags({"avx512f", "avx512_bf16"})
-    monkeypatch.setenv(precision.ENV, "fp32")
+    choose("fp32")
     p = precision.cpu_precision()
     assert (p.name, p.source) == ("fp32", "env") and "forced by BITDELTA_CPU_PRECISION=fp32" in p.describe()
     cpu_flags({"avx2"})
-    monkeypatch.setenv(precision.ENV, "BF16")
+    choose("BF16")
     p = precision.cpu_precision()
     assert p.name == "bf16" and "emulated" in p.reason  # allowed, but it says it is slow
-    monkeypatch.setenv(precision.ENV, "fp16")
+    assert precision.cpu_precision("fp32").name == "fp32"  # an explicit choice wins over the process's
+    assert precision.choice_from_env({precision.ENV: " BF16 "}) == "bf16"
+    assert precision.choice_from_env({}) == "auto"
     with pytest.raises(ValueError, match="BITDELTA_CPU_PRECISION='fp16': use one of auto, fp32, bf16"):
-        precision.cpu_precision()
+        precision.choice_from_env({precision.ENV: "fp16"})
+    with pytest.raises(ValueError, match="use one of auto, fp32, bf16"):
+        choose("fp16")
 
 
-def test_autocast_follows_the_rule(monkeypatch):
+def test_cli_flag_sets_the_process_choice(choose, capsys):
+    """`bitdelta --cpu-precision` is the edge that sets the choice (its alias: the variable)."""
+    from bitdelta import cli
+
+    assert cli.main(["--cpu-precision", "bf16", "inspect", "/nonexistent.bitdelta.safetensors"]) == 1
+    assert precision.process_choice() == "bf16"
+    with pytest.raises(SystemExit):
+        cli.main(["--cpu-precision", "fp16", "inspect", "x"])
+    assert "--cpu-precision='fp16': use one of auto, fp32, bf16" in capsys.readouterr().err
+
+
+def test_autocast_follows_the_rule(choose):
     a, b = torch.randn(8, 16), torch.randn(16, 4)
-    monkeypatch.setenv(precision.ENV, "fp32")
+    choose("fp32")
     with precision.autocast("cpu"):
         assert (a @ b).dtype == torch.float32
-    monkeypatch.setenv(precision.ENV, "bf16")
+    choose("bf16")
     with precision.autocast(torch.device("cpu")):
         assert (a @ b).dtype == torch.bfloat16
     assert precision.precision_for("cuda").name == "bf16"
 
 
-def test_serving_keeps_fp32_on_cpu_unless_asked(cpu_flags, monkeypatch):
+def test_serving_keeps_fp32_on_cpu_unless_asked(cpu_flags, choose):
     cpu_flags({"avx512f", "avx512_bf16"})
     assert precision.serving_dtype("cpu").torch_name == "float32"  # native bf16, yet auto serves fp32
     assert precision.serving_dtype("cuda").torch_name == "bfloat16"
-    monkeypatch.setenv(precision.ENV, "bf16")
+    assert precision.serving_dtype("cpu", "bf16").torch_name == "bfloat16"
+    choose("bf16")
     assert precision.serving_dtype(torch.device("cpu")).torch_name == "bfloat16"
 
 
-def test_finetune_and_distill_record_the_precision_and_agree(tmp_path, monkeypatch):
+def test_finetune_and_distill_record_the_precision_and_agree(tmp_path, choose):
     """The choice changes only the matmuls' rounding: fp32 and bf16 distillation of the
     same tiny delta improve the held-out logit MSE (measured in fp32) by nearly the
     same amount, and each run records what it used."""
@@ -93,7 +116,7 @@ def test_finetune_and_distill_record_the_precision_and_agree(tmp_path, monkeypat
     from bitdelta.testing.family import make_base, make_finetune
 
     base = make_base(tmp_path / "base")
-    monkeypatch.setenv(precision.ENV, "fp32")
+    choose("fp32")
     ft = tmp_path / "ft"
     rec = finetune(
         base,
@@ -111,7 +134,7 @@ def test_finetune_and_distill_record_the_precision_and_agree(tmp_path, monkeypat
     cfg = d.DistillConfig(steps=8, lr=3e-4, batch=2, seq_len=16)
     rec = {}
     for name in ("fp32", "bf16"):
-        monkeypatch.setenv(precision.ENV, name)
+        choose(name)
         _, rec[name] = d.distill(base, ft, delta, calib, cfg, heldout=heldout, progress=False)
         assert rec[name]["precision"]["precision"] == name
     before = rec["fp32"]["heldout_mse_before"]
@@ -121,7 +144,7 @@ def test_finetune_and_distill_record_the_precision_and_agree(tmp_path, monkeypat
     assert abs(gain["bf16"] - gain["fp32"]) <= 0.1 * gain["fp32"]  # measured here: 1 % apart
 
 
-def test_family_recipes_do_not_depend_on_the_precision(tmp_path, monkeypatch):
+def test_family_recipes_do_not_depend_on_the_precision(tmp_path, choose):
     """A family built on a CPU without bf16 (fp32) is reused as is on one with it: the
     precision is recorded in the build's result, never in the recipe that decides a rebuild."""
     import json
@@ -135,7 +158,7 @@ def test_family_recipes_do_not_depend_on_the_precision(tmp_path, monkeypatch):
     fb.write_stamp(p, "finetuned/math", {"test": 1}, {"fingerprint": "f"})
     recipes = []
     for name in ("fp32", "bf16"):
-        monkeypatch.setenv(precision.ENV, name)
+        choose(name)
         recipes.append(
             json.dumps(
                 [

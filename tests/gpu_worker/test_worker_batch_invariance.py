@@ -78,10 +78,12 @@ def test_tokens_do_not_depend_on_the_batch(family, dtype):
     _check(*asyncio.run(_run(family, dtype)))
 
 
-def test_tokens_do_not_depend_on_the_batch_triton_bf16(family, monkeypatch):
+def test_tokens_do_not_depend_on_the_batch_triton_bf16(family):
     # the Triton kernels' bf16 math (in the interpreter on CPU: bf16 operands dotted in fp32)
-    monkeypatch.setenv("BITDELTA_KERNEL_BACKEND", "triton")
-    _check(*asyncio.run(_run(family, "bfloat16")))
+    from kernels.settings import configured
+
+    with configured(backend="triton"):
+        _check(*asyncio.run(_run(family, "bfloat16")))
 
 
 def test_the_check_catches_a_batch_dependent_path(family, monkeypatch):

@@ -18,12 +18,16 @@ N = 4  # the interpreter costs ~1 s per layer call: a few tokens are enough
 
 
 @pytest.mark.asyncio
-async def test_mixed_batch_through_triton_kernels(tmp_path, monkeypatch):
+async def test_mixed_batch_through_triton_kernels(tmp_path):
     # Force the Triton kernels (the interpreter on CPU: conftest sets TRITON_INTERPRET=1).
-    monkeypatch.setenv("BITDELTA_KERNEL_BACKEND", "triton")
     fam = make_test_family(tmp_path, n_variants=2)
     cfg = WorkerConfig(
-        base=fam.base, delta_dir=str(fam.deltas), delta_budget=4 << 20, kv_cache=4 << 20, dtype="float32"
+        base=fam.base,
+        delta_dir=str(fam.deltas),
+        delta_budget=4 << 20,
+        kv_cache=4 << 20,
+        dtype="float32",
+        kernel_backend="triton",
     )
     jobs = [("", "Hello"), ("v0", "abc"), ("v1", "xyz")]
     async with running_worker(cfg) as (_, _, channel):

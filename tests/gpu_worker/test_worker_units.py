@@ -147,6 +147,11 @@ def test_config_from_flags_and_env(tmp_path):
         WorkerConfig.from_args([], env={})
     with pytest.raises(ConfigError, match="not both"):
         WorkerConfig(base=base, delta_dir=str(tmp_path), delta_store="x:1")
+    assert WorkerConfig.from_args([], env={"BITDELTA_WORKER_BASE": str(base)}).kernel_backend == ""
+    c = WorkerConfig.from_args(["--base", str(base), "--kernel-backend", "torch"], env={})
+    assert c.kernel_backend == "torch"
+    with pytest.raises(ConfigError, match="--kernel-backend 'cuda': use auto, triton, cpu, torch"):
+        WorkerConfig(base=base, kernel_backend="cuda")
 
 
 def test_ragged_step_matches_the_reference_model(tmp_path):

@@ -201,9 +201,14 @@ def test_public_batched_default_plan():
     assert rel_err(y.cpu(), ref) <= TOL[torch.float16]
 
 
-def test_backend_override(monkeypatch):
-    monkeypatch.setenv("BITDELTA_KERNEL_BACKEND", "torch")
-    assert backend_for(DEV, 1) == "torch"
-    monkeypatch.setenv("BITDELTA_KERNEL_BACKEND", "bogus")
-    with pytest.raises(ValueError):
-        backend_for(DEV, 1)
+def test_backend_override():
+    from kernels.settings import KernelSettings, configured
+
+    with configured(backend="torch"):
+        assert backend_for(DEV, 1) == "torch"
+        assert backend_for(DEV, 1, "cpu") == "cpu"  # a caller's own setting wins
+    with pytest.raises(ValueError, match="must be one of auto, triton, cpu, torch"):
+        backend_for(DEV, 1, "bogus")
+    assert KernelSettings.from_env({"BITDELTA_KERNEL_BACKEND": "torch"}).backend == "torch"
+    with pytest.raises(ValueError, match="BITDELTA_KERNEL_BACKEND='bogus'"):
+        KernelSettings.from_env({"BITDELTA_KERNEL_BACKEND": "bogus"})

@@ -10,6 +10,7 @@ import torch
 from kernels import MergedWeightCache, bitdelta_delta_batched, bitdelta_linear, cpu_build, cpu_ops
 from kernels.bits import pack_signs, unpack_signs
 from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
+from kernels.settings import KernelSettings, configured
 from tests.support.kernel_cases import make_linear as make
 from tests.support.kernel_cases import rel_err
 
@@ -33,21 +34,20 @@ ISAS = ["native", "avx2"]
 
 
 @pytest.fixture(params=ISAS)
-def isa(request, monkeypatch):
+def isa(request):
     """Make every CPU op in the test use the C library built for one ISA."""
-    lib = cpu_build.load_variant(request.param)
-    monkeypatch.setattr(cpu_build, "_tried", True)
-    monkeypatch.setattr(cpu_build, "_lib", lib)
-    if request.param == "avx2":
-        assert cpu_build.cpu_isa() == "avx2"
-    return request.param
+    with configured(cpu_isa=request.param):
+        assert cpu_build.load_cpu_lib() is not None, cpu_build.unavailable_reason
+        if request.param == "avx2":
+            assert cpu_build.cpu_isa() == "avx2"
+        yield request.param
 
 
 @pytest.fixture
-def no_cpu_lib(monkeypatch):
-    """Pretend the C library could not be built: every CPU op takes the torch path."""
-    monkeypatch.setattr(cpu_build, "_tried", True)
-    monkeypatch.setattr(cpu_build, "_lib", None)
+def no_cpu_lib():
+    """No C library (as where it cannot be built): every CPU op takes the torch path."""
+    with configured(cpu_kernels=False):
+        yield
 
 
 def test_library_builds_here():
@@ -136,26 +136,24 @@ def test_batched_cpu_single_variant_and_unpack(monkeypatch):
         assert rel_err(y, ref) <= TOL[torch.bfloat16]
 
 
-def test_isa_env_forces_the_avx2_build(monkeypatch):
-    """BITDELTA_CPU_ISA=avx2 makes the process-wide library the AVX2 build, with the
-    paths an AVX2-only CPU takes (BLAS + delta GEMV at decode, no fused AVX-512 GEMV)."""
-    monkeypatch.setattr(cpu_build, "_tried", False)
-    monkeypatch.setattr(cpu_build, "_lib", None)
-    monkeypatch.setenv("BITDELTA_CPU_ISA", "avx2")
-    lib = cpu_build.load_cpu_lib()
-    assert lib is not None, cpu_build.unavailable_reason
-    assert cpu_build.cpu_isa() == "avx2"
-    assert cpu_ops.linear_path_cpu(1, torch.float32) == "blas_delta"
-    x, w, signs, alpha = make(3, 264, 257)
-    assert rel_err(cpu_ops.bitdelta_linear_cpu(x, w, signs, alpha), bitdelta_linear_ref(x, w, signs, alpha)) <= 1e-5
+def test_isa_setting_forces_the_avx2_build():
+    """cpu_isa="avx2" (BITDELTA_CPU_ISA=avx2) makes the process-wide library the AVX2 build, with
+    the paths an AVX2-only CPU takes (BLAS + delta GEMV at decode, no fused AVX-512 GEMV)."""
+    assert KernelSettings.from_env({"BITDELTA_CPU_ISA": "AVX2"}).cpu_isa == "avx2"
+    with configured(cpu_isa="avx2"):
+        lib = cpu_build.load_cpu_lib()
+        assert lib is not None, cpu_build.unavailable_reason
+        assert cpu_build.cpu_isa() == "avx2"
+        assert cpu_ops.linear_path_cpu(1, torch.float32) == "blas_delta"
+        x, w, signs, alpha = make(3, 264, 257)
+        y = cpu_ops.bitdelta_linear_cpu(x, w, signs, alpha)
+        assert rel_err(y, bitdelta_linear_ref(x, w, signs, alpha)) <= 1e-5
+    assert cpu_build.load_cpu_lib() is not lib  # the previous settings' library again
 
 
 def test_isa_request_errors(monkeypatch):
-    monkeypatch.setattr(cpu_build, "_tried", False)
-    monkeypatch.setattr(cpu_build, "_lib", None)
-    monkeypatch.setenv("BITDELTA_CPU_ISA", "avx1024")
-    with pytest.raises(ValueError, match="native, avx2, scalar"):
-        cpu_build.load_cpu_lib()
+    with pytest.raises(ValueError, match="BITDELTA_CPU_ISA='avx1024'.*native, avx2, scalar"):
+        KernelSettings.from_env({"BITDELTA_CPU_ISA": "avx1024"})
     with pytest.raises(ValueError, match="unknown ISA"):
         cpu_build.load_variant("sse9")
     # a forced build the CPU cannot run is refused before it is loaded (no SIGILL)
@@ -165,12 +163,14 @@ def test_isa_request_errors(monkeypatch):
         cpu_build.load_variant("avx2")
 
 
-def test_scalar_build_matches_the_reference(monkeypatch):
+def test_scalar_build_matches_the_reference():
     """The portable C loops (-march=x86-64), which a CPU without AVX2 runs."""
-    lib = cpu_build.load_variant("scalar")
-    assert cpu_build.ISA_NAMES[lib.bd_isa()] == "scalar"
-    monkeypatch.setattr(cpu_build, "_tried", True)
-    monkeypatch.setattr(cpu_build, "_lib", lib)
+    with configured(cpu_isa="scalar"):
+        _check_scalar_build()
+
+
+def _check_scalar_build():
+    assert cpu_build.cpu_isa() == "scalar"
     x, w, signs, alpha = make(5, 264, 257)
     ref = bitdelta_linear_ref(x, w, signs, alpha)
     for path in ("fused_gemv", "blas_delta", "merge_gemm"):
@@ -191,16 +191,17 @@ def test_auto_path_choice():
     assert cpu_ops.linear_path_cpu(4096, torch.bfloat16) == "merge_gemm"
 
 
-def test_public_functions_on_cpu_backend(monkeypatch):
-    monkeypatch.setenv("BITDELTA_KERNEL_BACKEND", "cpu")
+def test_public_functions_on_cpu_backend():
     for M in (4, 64):
         x, w, signs, alpha = make(M, 72, 100)
-        assert rel_err(bitdelta_linear(x, w, signs, alpha), bitdelta_linear_ref(x, w, signs, alpha)) <= 1e-5
+        y = bitdelta_linear(x, w, signs, alpha, backend="cpu")
+        assert rel_err(y, bitdelta_linear_ref(x, w, signs, alpha)) <= 1e-5
     stack = torch.stack([signs, signs.flip(0)])
     astack = torch.stack([alpha, alpha.flip(0)])
     rv = torch.tensor([1, -1, 0, 1])
     ref = bitdelta_delta_batched_ref(x[:4], stack, astack, rv, torch.zeros(4, 72))
-    assert rel_err(bitdelta_delta_batched(x[:4], stack, astack, rv, torch.zeros(4, 72)), ref) <= 1e-5
+    y = bitdelta_delta_batched(x[:4], stack, astack, rv, torch.zeros(4, 72), backend="cpu")
+    assert rel_err(y, ref) <= 1e-5
 
 
 def test_shape_guards_protect_the_c_code():
@@ -217,9 +218,10 @@ def test_shape_guards_protect_the_c_code():
 
 def test_big_calls_leave_the_interpreter():
     # under TRITON_INTERPRET a real-model-sized call must not crawl through the interpreter
-    from kernels.dispatch import INTERPRET_MAX_WORK, backend_for
+    from kernels.dispatch import backend_for
+    from kernels.settings import current
 
-    assert backend_for(torch.device("cpu"), INTERPRET_MAX_WORK + 1) == "cpu"
+    assert backend_for(torch.device("cpu"), current().interpret_max_work + 1) == "cpu"
 
 
 def test_torch_fallback_without_compiler(no_cpu_lib):
@@ -241,11 +243,9 @@ def test_torch_fallback_without_compiler(no_cpu_lib):
     assert rel_err(y, bitdelta_delta_batched_ref(x, stack, astack, rv, torch.zeros(5, 264))) <= 1e-5
 
 
-def test_disabled_build_logs_once(monkeypatch, caplog):
-    monkeypatch.setattr(cpu_build, "_tried", False)
-    monkeypatch.setattr(cpu_build, "_lib", None)
-    monkeypatch.setenv("BITDELTA_CPU_KERNELS", "0")
-    with caplog.at_level(logging.WARNING, logger="kernels"):
+def test_disabled_build_logs_once(caplog):
+    assert not KernelSettings.from_env({"BITDELTA_CPU_KERNELS": "0"}).cpu_kernels
+    with configured(cpu_kernels=False), caplog.at_level(logging.WARNING, logger="kernels"):
         assert cpu_build.load_cpu_lib() is None
         assert cpu_build.load_cpu_lib() is None
     msgs = [r.getMessage() for r in caplog.records if "pure-torch" in r.getMessage()]
