@@ -170,6 +170,7 @@ ENV_READERS = {
     ("bitdelta/client_cli.py", "_client"): "the client commands' TLS and token (BITDELTA_TLS_*, BITDELTA_TOKEN)",
     ("bitdelta/family/cli.py", "register"): "--threads' alias BITDELTA_THREADS",
     ("bitdelta/family/__init__.py", "data_dir"): "BITDELTA_DATA, the data directory (the CLI's --data default)",
+    ("bitdelta/testing/cluster.py", "__init__"): "the environment it hands the server processes it starts",
 }
 
 
