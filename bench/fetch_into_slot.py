@@ -8,7 +8,7 @@ disk's raw sequential read of the same file, every byte verified.
 
 What runs: a real delta store process (local backend, host cache, its cache in
 shared memory under /dev/shm) and, in this process, the worker's own load path
-(`DeltaStoreSource` -> `plan_delta` -> `SlotWriter` into a `SlotTensors` slot of
+(`DeltaStoreSource` -> `plan_delta` -> `Receiver` -> `SlotWriter` into a `SlotTensors` slot of
 a Llama-7B-shaped layout on the CPU), exactly what `DeltaManager._load` runs.
 
 "Cold" means: the store has seen the delta before (its sha256s were checked
@@ -50,6 +50,7 @@ from pagecache import evict  # noqa: E402  (bench/pagecache.py)
 from bitdelta.format import DeltaMeta, write_delta  # noqa: E402
 from bitdelta.model import ModelArgs  # noqa: E402
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient  # noqa: E402
+from bitdelta.rpc.receiver import Receiver  # noqa: E402
 from services.delta_store.backends import SUFFIX  # noqa: E402
 from services.gpu_worker.loader import SlotWriter, plan_delta  # noqa: E402
 from services.gpu_worker.slots import SlotLayout, SlotTensors  # noqa: E402
@@ -124,12 +125,15 @@ async def load(source, name: str, layout: SlotLayout, slots: SlotTensors) -> tup
     """The worker's load path (DeltaManager._load without the bookkeeping): seconds, CPU seconds, transport."""
     t, c = time.perf_counter(), time.process_time()
     info = await source.open(name, FP)
-    writer = SlotWriter(plan_delta(layout, info), slots, 0, check_sha256=not info.verified)
+    plan = plan_delta(layout, info)
+    writer = SlotWriter(plan, slots, 0)
+    receiver = Receiver(plan.name, plan.tensors, writer, check_sha256=not info.verified)
     try:
-        await source.stream(info, writer)
+        await source.stream(info, receiver)
+        await receiver.finish()
         await writer.finish()
     except BaseException:
-        writer.abort()
+        receiver.abort()
         raise
     return time.perf_counter() - t, time.process_time() - c, info.transport
 

@@ -13,6 +13,9 @@
 - `clients`: the delta store's, the worker's and the router's clients; a
   deadline on every call, errors as `RpcError` subclasses with their code.
 - `checksums`: the crc32 of Fetch chunks.
+- `receiver`: the one receiver of a delta's pieces (the store's client and the
+  worker's loads): places them in a destination's buffers, checks every
+  chunk's crc32 and each tensor's sha256 before handing a tensor over.
 - `wire`: each protocol's constants beyond its protos (the delta store's chunk
   limits, trailer key and shared-memory lease), shared by server and client.
 """

@@ -161,6 +161,11 @@ async def _read_blocks(
             return
 
 
+def _retrieve(f: asyncio.Future) -> None:
+    if not f.cancelled():
+        f.exception()
+
+
 class _TensorChecks:
     """sha256 of every tensor (if `verify`) and crc32 of every `chunk_bytes` chunk (if `crcs`), fed the file's bytes.
 
@@ -253,8 +258,9 @@ class _TensorChecks:
         return len(self._finished) == len(self.header.tensors)
 
 
-class FetchStream:
-    """What Fetch streams: `delta` first, then the chunks (`async for`); use it as `async with`."""
+class Delivery:
+    """One Fetch as the store serves it: `delta` first, then the chunks (`async for`); use it as
+    `async with`. (The receiving end is the client's `FetchStream`.)"""
 
     def __init__(
         self,
@@ -279,7 +285,7 @@ class FetchStream:
         self.bytes_sent += c.nbytes
         return c
 
-    async def __aenter__(self) -> FetchStream:
+    async def __aenter__(self) -> Delivery:
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
@@ -406,7 +412,7 @@ class DeltaStore:
     # -- Fetch -------------------------------------------------------------------------
     async def fetch(
         self, name: str, chunk_bytes: int = 0, expect_base_fingerprint: str = "", accept_shared_memory: bool = False
-    ) -> FetchStream:
+    ) -> Delivery:
         """Open a Fetch: raises NotFound, BaseMismatch, CorruptDelta, BackendUnavailable before any data."""
         check_name(name)
         chunk = min(chunk_bytes or self.chunk_bytes, MAX_CHUNK_BYTES)
@@ -421,7 +427,7 @@ class DeltaStore:
             raise
         return stream
 
-    async def _open(self, name: str, chunk: int, expect: str, span: trace.Span, accept_shared: bool) -> FetchStream:
+    async def _open(self, name: str, chunk: int, expect: str, span: trace.Span, accept_shared: bool) -> Delivery:
         try:
             o = await self.backend.head(name)
             delta = await self._describe(o)
@@ -449,13 +455,13 @@ class DeltaStore:
         span.set_attribute("cache.hit", result == "hit")
         if entry is None:
             self._count_transport(span, False)
-            return FetchStream(delta, self._chunks_direct(delta, chunk, span), span, verified=self.verify_reads)
+            return Delivery(delta, self._chunks_direct(delta, chunk, span), span, verified=self.verify_reads)
         entry.readers += 1  # before any await: the loader lives while someone reads
         if result == "miss":
             entry.loader = asyncio.get_running_loop().create_task(self._load(entry), name=f"load {name}")
         shared = entry.shared.path if accept_shared and entry.shared is not None else None
         self._count_transport(span, shared is not None)
-        return FetchStream(
+        return Delivery(
             delta,
             self._chunks_from(entry, chunk, shared is not None),
             span,
@@ -597,6 +603,8 @@ class DeltaStore:
         except DeltaFormatError as e:
             raise self._corrupt(o, e) from None
         finally:
+            for _, _, checked in inflight:  # checks nobody waits for any more must not log when collected
+                checked.add_done_callback(_retrieve)
             await checks.settle()
 
     # -- Put / Delete --------------------------------------------------------------------

@@ -51,10 +51,6 @@ class SamplingError(WorkerError):
     code = grpc.StatusCode.INTERNAL
 
 
-class ChecksumError(DeltaFormatError):
-    """Bytes that arrived do not match the checksum the delta records (names the tensor)."""
-
-
 class DeltaLoadError(WorkerError):
     """A delta could not be made resident; `cause` is the original error (its type picks the code)."""
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import grpc
 
 from bitdelta.cache_policy import WeightedLRUPolicy
+from bitdelta.rpc.receiver import Receiver
 from services.gpu_worker.errors import Aborted, DeltaLoadError, NotFound, ResourceExhausted
 from services.gpu_worker.loader import SlotWriter, plan_delta
 from services.gpu_worker.slots import SlotLayout, SlotTensors
@@ -264,17 +265,19 @@ class DeltaManager:
 
     async def _load(self, e: DeltaEntry) -> None:
         t0 = time.perf_counter()
-        writer = streaming = None
+        receiver = streaming = None
         try:
             info = await self.source.open(e.name, self.base_fingerprint)
             plan = plan_delta(self.layout, info)
             await self._reserve(e, plan.total_bytes)
-            writer = SlotWriter(plan, self.slots, e.slot, self.load_stream, check_sha256=not info.verified)
+            writer = SlotWriter(plan, self.slots, e.slot, self.load_stream)
+            receiver = Receiver(plan.name, plan.tensors, writer, check_sha256=not info.verified)
             # A task of its own, so that a cancelled load can wait for its reads to stop before
             # the slot is handed to another delta.
-            streaming = asyncio.ensure_future(self.source.stream(info, writer))
+            streaming = asyncio.ensure_future(self.source.stream(info, receiver))
             streaming.add_done_callback(_retrieve)
             await asyncio.shield(streaming)
+            await receiver.finish()
             extras = await writer.finish()
             if e.aborted:  # evicted at the last moment (a source swallowed the cancellation)
                 raise asyncio.CancelledError
@@ -294,8 +297,8 @@ class DeltaManager:
             if self.on_loaded is not None:
                 self.on_loaded(e.name, e.bytes, time.perf_counter() - t0)
         except BaseException as exc:
-            if writer is not None:
-                writer.abort()
+            if receiver is not None:
+                receiver.abort()
             if streaming is not None and not streaming.done():
                 await asyncio.wait([streaming])  # bytes may still be landing in the slot
             if e.slot is not None:

@@ -1,20 +1,21 @@
 """Where deltas come from: a small interface with two implementations.
 
     source.open(name, base_fingerprint) -> DeltaInfo      (header only, no data)
-    await source.stream(info, sink)                        (bytes into the sink)
+    await source.stream(info, receiver)                    (bytes into the receiver)
 
 - `LocalDeltaSource`: a directory of `<name>.bitdelta` (or `<name>.safetensors`)
-  files. Reads straight into the sink's buffers (`readinto`, no copy) on a
+  files. Reads straight into the receiver's buffers (`readinto`, no copy) on a
   thread, so the event loop never waits on the disk.
 - `DeltaStoreSource`: the delta_store service over gRPC (`Fetch`), through the
-  shared client's `open_fetch`, so chunks land in the sink without an
+  shared client's `open_fetch`, so chunks land in the receiver without an
   intermediate copy. On the store's host, chunks are copied out of the store's
   shared host cache (`accept_shared_memory`) instead of streamed.
 
-The sink (`loader.SlotWriter`) places bytes and checks crc32 per chunk, and
-sha256 per tensor unless the source says the store verified them already
-(`DeltaInfo.verified`: the strong hash runs once, where a delta enters the
-store); sources only move bytes.
+The shared receiver (`bitdelta.rpc.receiver.Receiver`, into the loader's
+`SlotWriter`) places bytes and checks crc32 per chunk, and sha256 per tensor
+unless the source says the store verified them already (`DeltaInfo.verified`:
+the strong hash runs once, where a delta enters the store); sources only move
+bytes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import grpc
 from bitdelta.delta_store.v1.delta_store_pb2 import ALPHA_MODE_MATRIX, ALPHA_MODE_ROW
 from bitdelta.format import DeltaFormatError, check_base, check_structure, read_header
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient, FetchStream
+from bitdelta.rpc.receiver import Receiver
 from services.gpu_worker.errors import NotFound
 
 # Bytes per read from a local file: large enough for full disk bandwidth,
@@ -73,30 +75,15 @@ class DeltaInfo:
     metadata: dict[str, str] = field(default_factory=dict)
     handle: object = None  # source-private (an open stream, a path)
     # The source verified every byte against the tensors' sha256s (the delta store does, once per
-    # version of a delta); the sink then checks the chunk crc32s only.
+    # version of a delta); the receiver then checks the chunk crc32s only.
     verified: bool = False
     transport: str = "file"  # how the bytes travel: file | stream | shared-memory
-
-
-class Sink(Protocol):
-    def direct(self, index: int) -> memoryview | None:
-        """A writable host view of tensor `index`'s final bytes, or None (then use `put`)."""
-
-    def put(self, index: int, offset: int, data: bytes | memoryview, crc32: int | None = None) -> None:
-        """Bytes [offset, offset+len) of tensor `index`. Thread-safe; ordered per tensor."""
-
-    def landed(self, pieces: list[tuple[int, int, int]]) -> None:
-        """Each (index, offset, n): bytes [offset, offset+n) of tensor `index` were written into
-        `direct(index)`. Thread-safe."""
-
-    async def flushed(self) -> None:
-        """Until every `put` so far has copied its bytes (the source may then let go of them)."""
 
 
 class DeltaSource(Protocol):
     async def open(self, name: str, base_fingerprint: str) -> DeltaInfo: ...
 
-    async def stream(self, info: DeltaInfo, sink: Sink) -> None: ...
+    async def stream(self, info: DeltaInfo, receiver: Receiver) -> None: ...
 
     async def close(self) -> None: ...
 
@@ -136,12 +123,12 @@ class LocalDeltaSource:
             handle=path,
         )
 
-    async def stream(self, info: DeltaInfo, sink: Sink) -> None:
-        await asyncio.to_thread(self._read, Path(info.handle), info, sink)
+    async def stream(self, info: DeltaInfo, receiver: Receiver) -> None:
+        await asyncio.to_thread(self._read, Path(info.handle), info, receiver)
 
     @staticmethod
-    def _read(path: Path, info: DeltaInfo, sink: Sink) -> None:
-        """Scatter-read runs of file-contiguous tensors straight into the sink's buffers:
+    def _read(path: Path, info: DeltaInfo, receiver: Receiver) -> None:
+        """Scatter-read runs of file-contiguous tensors straight into the receiver's buffers:
         one `preadv` per READ_BYTES, however many (small) tensors that covers."""
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -164,11 +151,13 @@ class LocalDeltaSource:
                                 raise DeltaFormatError(f"{path}: file ends inside tensor {t.name}", tensor=t.name)
                             done += k
                         pos += len(v)
-                sink.landed([(i, off, len(v)) for i, off, v in run])
+                receiver.landed([(i, off, len(v)) for i, off, v in run])
                 run, run_bytes = [], 0
 
             for i, t in enumerate(info.tensors):
-                dst = sink.direct(i)
+                if not t.nbytes:
+                    continue  # complete as announced
+                dst = receiver.buffer(i)
                 off = 0
                 while off < t.nbytes:
                     n = min(READ_BYTES - run_bytes, t.nbytes - off)
@@ -192,7 +181,7 @@ class LocalDeltaSource:
 
 class DeltaStoreSource:
     """The delta_store service, through the shared client (`bitdelta.rpc.clients.delta_store`):
-    the header via `open_fetch`, then chunks straight into the sink, which verifies them.
+    the header via `open_fetch`, then chunks straight into the receiver, which verifies them.
     The store's errors arrive as `DeltaStoreError` with the store's status code, which the worker
     passes on unchanged (a store-side INVALID_ARGUMENT stays INVALID_ARGUMENT)."""
 
@@ -238,12 +227,12 @@ class DeltaStoreSource:
             transport=stream.transport,
         )
 
-    async def stream(self, info: DeltaInfo, sink: Sink) -> None:
+    async def stream(self, info: DeltaInfo, receiver: Receiver) -> None:
         stream: FetchStream = info.handle
         try:
             async for p in stream.chunks():
-                sink.put(p.tensor_index, p.offset, p.data, p.crc32)
-            await sink.flushed()  # every byte is out of the store's shared memory (if it came that way)
+                receiver.put(p.tensor_index, p.offset, p.data, p.crc32)
+            await receiver.flushed()  # every byte is out of the store's shared memory (if it came that way)
         finally:
             stream.cancel()  # ends the store's lease on its shared file
 

@@ -107,7 +107,7 @@ def test_sampler_seed_and_top_p():
 def test_plan_delta_rejects_what_does_not_fit_this_base():
     from bitdelta.format import DeltaFormatError
     from bitdelta.testing.family import tiny_args
-    from services.gpu_worker.loader import plan_delta
+    from services.gpu_worker.loader import Kind, plan_delta
     from services.gpu_worker.slots import SlotLayout
     from services.gpu_worker.sources import DeltaInfo, TensorSpec
 
@@ -115,7 +115,10 @@ def test_plan_delta_rejects_what_does_not_fit_this_base():
     q = "model.layers.0.self_attn.q_proj.weight"
     good = [TensorSpec(q + ".sign", "U8", (64, 8), 512, "x"), TensorSpec(q + ".alpha", "F32", (64,), 256, "x")]
     plan = plan_delta(layout, DeltaInfo("d", "b", "fp", "row", 0, good))
-    assert plan.total_bytes == layout.slot_bytes and [p.kind for p in plan.placements] == ["proj_sign", "proj_alpha"]
+    assert plan.total_bytes == layout.slot_bytes and [p.kind for p in plan.placements] == [
+        Kind.PROJ_SIGN,
+        Kind.PROJ_ALPHA,
+    ]
     cases = {
         "must be uint8 [64, 8]": [TensorSpec(q + ".sign", "U8", (64, 9), 576, "x"), good[1]],
         "needs both": [good[0]],

@@ -8,10 +8,11 @@
         )
 
 `fetch_into` places every chunk at its offset in the tensor's buffer, checks
-its crc32, checks each tensor's sha256 once complete, and only then calls
-`on_tensor`. A caller with its own sink (the worker's slot writer, which
-checks while it copies to the device) uses `open_fetch`: the header first,
-then the chunks in order, as `Piece`s (tensor, offset, bytes, crc32).
+its crc32, checks each tensor's sha256 once complete (the shared
+`bitdelta.rpc.receiver.Receiver`), and only then calls `on_tensor`. A caller
+with its own destination (the worker's slot writer, which copies to the
+device) uses `open_fetch`: the header first, then the chunks in order, as
+`Piece`s (tensor, offset, bytes, crc32), which it gives its own `Receiver`.
 
 Same host: with `accept_shared_memory=True`, a store that keeps the delta in
 shared memory (`--shared-memory-dir`) names its file, this client maps it
@@ -32,12 +33,11 @@ whoever re-raises it) with subclasses by code: `DeltaNotFound`,
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
 import inspect
 import logging
 import mmap
 import os
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,10 +47,10 @@ import grpc
 
 from bitdelta.delta_store.v1 import delta_store_pb2 as pb
 from bitdelta.delta_store.v1 import delta_store_pb2_grpc as pb_grpc
-from bitdelta.rpc.checksums import crc32
 from bitdelta.rpc.client_stream import call_with_handshake
 from bitdelta.rpc.clients.base import Client
 from bitdelta.rpc.errors import RpcError
+from bitdelta.rpc.receiver import ReceiveError, Receiver
 from bitdelta.rpc.wire.delta_store import MAX_MESSAGE_BYTES, TENSOR_METADATA_KEY
 
 SERVICE = "delta store"
@@ -321,15 +321,22 @@ class DeltaStoreClient(Client):
             timeout_s=timeout_s,
             accept_shared_memory=accept_shared_memory,
         )
-        receiver = _Receiver(name, stream.tensors, alloc or (lambda t: bytearray(t.nbytes)))
+        buffers = _Buffers(stream.tensors, alloc or (lambda t: bytearray(t.nbytes)))
+        receiver = Receiver(name, stream.tensors, buffers)
         try:
-            await receiver.flush_complete(on_tensor)  # empty tensors
-            async for chunk in stream.chunks():
-                await asyncio.to_thread(receiver.place, chunk)
-                await receiver.flush_complete(on_tensor)
+            await receiver.settled()  # empty tensors
+            await buffers.hand_over(on_tensor)
+            async for p in stream.chunks():
+                receiver.put(p.tensor_index, p.offset, p.data, p.crc32)
+                await receiver.settled()  # placed and, if it completed a tensor, checked
+                await buffers.hand_over(on_tensor)
+            await receiver.finish()
+            await buffers.hand_over(on_tensor)
+        except ReceiveError as e:
+            raise _integrity(str(e), e.tensor) from None
         finally:
+            receiver.abort()
             stream.cancel()
-        receiver.check_done()
         return stream.info, stream.tensors
 
 
@@ -347,67 +354,39 @@ def _map_shared(shared: pb.SharedMemory, size: int) -> memoryview:
         os.close(fd)
 
 
-class _Receiver:
-    """Per-fetch state: buffers, running sha256, the next expected (tensor, offset)."""
+class _Buffers:
+    """`fetch_into`'s destination: a buffer from `alloc` per tensor, handed to `on_tensor` in file
+    order once the receiver checked it."""
 
-    def __init__(self, name: str, tensors: list[pb.TensorInfo], alloc):
-        self.name, self.tensors, self.alloc = name, tensors, alloc
-        self.i, self.pos = 0, 0  # next expected tensor and offset in it
-        self.buf, self.sha = None, None
-        self.ready: list[tuple[int, Any]] = []  # verified tensors not yet handed to on_tensor
-        self._open_next()
+    def __init__(self, tensors: list[pb.TensorInfo], alloc: Callable[[pb.TensorInfo], Any]):
+        self.tensors, self.alloc = tensors, alloc
+        self._bufs: dict[int, Any] = {}
+        self._checked: set[int] = set()
+        self._next = 0  # the next tensor to hand over
+        self._lock = threading.Lock()
 
-    def _open_next(self) -> None:
-        while self.i < len(self.tensors):
-            t = self.tensors[self.i]
-            self.buf = self.alloc(t)
-            if memoryview(self.buf).nbytes != t.nbytes:
-                raise ValueError(
-                    f"alloc returned {memoryview(self.buf).nbytes} bytes for tensor {t.name} of {t.nbytes}"
-                )
-            self.sha, self.pos = hashlib.sha256(), 0
-            if t.nbytes:
-                return
-            self._finish()
+    def _alloc(self, index: int) -> Any:
+        with self._lock:
+            if index not in self._bufs:
+                self._bufs[index] = self.alloc(self.tensors[index])
+            return self._bufs[index]
 
-    def _finish(self) -> None:
-        t = self.tensors[self.i]
-        if self.sha.hexdigest() != t.sha256:
-            raise _integrity(f"delta {self.name!r}: tensor {t.name}: sha256 mismatch after receiving it", t.name)
-        self.ready.append((self.i, self.buf))
-        self.i += 1
+    def buffer(self, index: int) -> memoryview:
+        return memoryview(self._alloc(index)).cast("B")
 
-    def place(self, c: Piece) -> None:
-        """Runs on a worker thread: check, copy and hash one chunk."""
-        t = self.tensors[self.i] if self.i < len(self.tensors) else None
-        if t is None or c.tensor_index != self.i or c.offset != self.pos or self.pos + len(c.data) > t.nbytes:
-            where = t.name if t is not None else "after the last tensor"
-            raise _integrity(
-                f"delta {self.name!r}: chunk (tensor {c.tensor_index}, offset {c.offset}) out of order; "
-                f"expected tensor {self.i} ({where}) at offset {self.pos}",
-                t and t.name,
-            )
-        if crc32(c.data) != c.crc32:
-            raise _integrity(
-                f"delta {self.name!r}: tensor {t.name}: crc32 mismatch in the chunk at offset {c.offset}", t.name
-            )
-        memoryview(self.buf).cast("B")[c.offset : c.offset + len(c.data)] = c.data
-        self.sha.update(c.data)
-        self.pos += len(c.data)
-        if self.pos == t.nbytes:
-            self._finish()
-            self._open_next()
+    def complete(self, index: int) -> None:
+        self._alloc(index)  # an empty tensor gets its (empty) buffer here
+        with self._lock:
+            self._checked.add(index)
 
-    async def flush_complete(self, on_tensor) -> None:
-        ready, self.ready = self.ready, []
-        for i, buf in ready:
+    async def hand_over(self, on_tensor) -> None:
+        while True:
+            with self._lock:
+                i = self._next
+                if i not in self._checked:
+                    return
+                self._next += 1
+                buf = self._bufs.pop(i)
             r = on_tensor(i, self.tensors[i], buf)
             if inspect.isawaitable(r):
                 await r
-
-    def check_done(self) -> None:
-        if self.i != len(self.tensors):
-            t = self.tensors[self.i]
-            raise _integrity(
-                f"delta {self.name!r}: the stream ended inside tensor {t.name} ({self.pos} of {t.nbytes} bytes)", t.name
-            )
