@@ -17,10 +17,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy"
-COMPOSE = DEPLOY / "docker-compose.yml"
-MANIFESTS = sorted((DEPLOY / "k8s").glob("*.yaml"))
+from tests.support.deploy import (
+    COMPOSE,
+    DEPLOY,
+    MANIFESTS,
+    ROOT,
+    config_class,
+    entrypoint_module,
+    image_modules,
+    k8s_objects,
+)
+
 DOCKERFILES = sorted((DEPLOY / "docker").glob("*.Dockerfile"))
 
 
@@ -31,44 +38,6 @@ def compose_bin() -> str:
     exe = shutil.which("docker-compose")
     assert exe, "scripts/compose.sh did not install docker-compose"
     return exe
-
-
-def config_class(module: str):
-    """The typed config of `python -m <module>`."""
-    if module == "services.router":
-        from services.router.config import RouterConfig
-
-        return RouterConfig
-    if module == "services.delta_store":
-        from services.delta_store.config import Config
-
-        return Config
-    if module == "services.gpu_worker":
-        from services.gpu_worker.config import WorkerConfig
-
-        return WorkerConfig
-    if module == "services.gateway":
-        from services.gateway.config import GatewayConfig
-
-        return GatewayConfig
-    raise AssertionError(f"unknown service module {module}")
-
-
-def entrypoint_module(dockerfile: Path) -> str:
-    m = re.search(r'^ENTRYPOINT \["python", "-m", "([\w.]+)"\]', dockerfile.read_text(), re.M)
-    assert m, f"{dockerfile.name}: no ENTRYPOINT python -m MODULE"
-    return m.group(1)
-
-
-def image_modules() -> dict[str, str]:
-    """image name (as compose and k8s refer to it) -> the service module its ENTRYPOINT runs."""
-    compose = yaml.safe_load(COMPOSE.read_text())
-    out = {}
-    for svc in compose["services"].values():
-        b = svc.get("build")
-        if b:
-            out[svc["image"]] = entrypoint_module(ROOT / b["dockerfile"])
-    return out
 
 
 def parse_with_config(module: str, argv: list[str], tmp: Path) -> object:
@@ -136,10 +105,6 @@ def test_manifests_validate_strictly():
     r = subprocess.run([str(exe), "--strict", "--no-warn", *map(str, MANIFESTS)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("passed") >= 15
-
-
-def k8s_objects() -> list[dict]:
-    return [d for f in MANIFESTS for d in yaml.safe_load_all(f.read_text()) if d]
 
 
 def test_k8s_containers_use_real_flags_grpc_probes_and_limits(tmp_path):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import signal
 import socket
@@ -25,7 +24,6 @@ from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.rpc.clients.router import RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
 from bitdelta.testing.cluster import Cluster, free_port
-from bitdelta.testing.family import make_test_family
 from services.gateway.chat import ChatTemplate, ChatTemplateError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -45,13 +43,6 @@ BOS = "<s>"
 BASE_RENDERED = f"{BOS}system: Be brief.\n{BOS}user: Hi there\n{BOS}assistant: "  # BASE_TEMPLATE by hand
 V1_RENDERED = "[SYSTEM] Be brief.\n[USER] Hi there\n[ASSISTANT] "
 ERROR_KEYS = {"message", "type", "param", "code"}
-
-
-@pytest.fixture(scope="module")
-def family(tmp_path_factory):
-    fam = make_test_family(tmp_path_factory.mktemp("gateway_family"), n_variants=2, merged=False)
-    os.remove(fam.delta_path(fam.corrupt))
-    return fam
 
 
 @pytest.fixture(scope="module")

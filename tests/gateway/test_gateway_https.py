@@ -31,8 +31,7 @@ from bitdelta.rpc.config import ConfigError
 from bitdelta.rpc.errors import RpcError
 from bitdelta.testing.cluster import ROOT, Cluster, Proc, free_port, tls_flags
 from services.gateway.config import GatewayConfig
-from tests.gateway.test_gateway import family  # noqa: F401  (the tiny random family, a module fixture)
-from tests.rpc.test_security import creds  # gRPC channel credentials: our CA, our client certificate
+from tests.support.tls import creds  # gRPC channel credentials: our CA, our client certificate
 
 T = 60  # client deadlines (s): the machine may be busy
 N = 8  # new tokens per generation
@@ -98,7 +97,7 @@ def wait_https(p: Proc, context: ssl.SSLContext, timeout: float = 60) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(family, certs, tmp_path_factory):  # noqa: F811
+def cluster(family, certs, tmp_path_factory):
     """Store, worker, router; gateways: HTTPS (`g`), HTTPS requiring client certificates (`g_mtls`)."""
     work = tmp_path_factory.mktemp("https_cluster")
     root = work / "deltas"
@@ -117,7 +116,7 @@ def cluster(family, certs, tmp_path_factory):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def tls_cluster(family, certs, tmp_path_factory):  # noqa: F811
+def tls_cluster(family, certs, tmp_path_factory):
     """Store, worker, router serving mutual TLS to each other (as in test_security.py, without tokens);
     gateways serving HTTPS and calling the router over TLS: `g` presents its certificate (gateway.pem, the
     one it serves HTTPS with), `g_nocert` verifies the router against the CA but presents none."""
@@ -361,7 +360,7 @@ def test_k8s_gateway_serves_https_from_its_secret_and_probes_it(tmp_path):
     import yaml
 
     from bitdelta.rpc.certs import k8s_secrets
-    from tests.deploy.test_deploy import k8s_objects
+    from tests.support.deploy import k8s_objects
 
     make_all(tmp_path, ["gateway"])
     secret = next(d for d in yaml.safe_load_all(k8s_secrets(tmp_path, ["gateway"])))

@@ -27,6 +27,7 @@ from bitdelta.rpc.config import ConfigError
 from bitdelta.rpc.errors import RpcError
 from bitdelta.testing.cluster import Cluster, free_port, tls_flags
 from bitdelta.testing.family import make_test_family
+from tests.support.tls import creds
 
 aio = pytest.mark.asyncio(loop_scope="module")  # the async tests share the module's cluster
 
@@ -62,15 +63,6 @@ def tokens_file(tmp_path_factory) -> Path:
         )
     )
     return p
-
-
-def creds(certs: Path, who: str | None = "client", ca: Path | None = None) -> grpc.ChannelCredentials:
-    """Verify the server against `ca` (default ours); present `who`'s certificate (None: none)."""
-    root = (ca or certs / "ca.pem").read_bytes()
-    if who is None:
-        return grpc.ssl_channel_credentials(root)
-    d = certs / "other" if who == "other" else certs  # "other": the client certificate of the second CA
-    return grpc.ssl_channel_credentials(root, (d / "client.key").read_bytes(), (d / "client.pem").read_bytes())
 
 
 @pytest.fixture(scope="module")
@@ -376,7 +368,7 @@ def test_k8s_services_run_mutual_tls_and_tokens_from_secrets(tmp_path):
     import yaml
 
     from bitdelta.rpc.certs import k8s_secrets, make_tokens
-    from tests.deploy.test_deploy import config_class, image_modules, k8s_objects
+    from tests.support.deploy import config_class, image_modules, k8s_objects
 
     names = ["router", "gpu-worker", "delta-store", "gateway"]
     make_all(tmp_path, names)
