@@ -175,17 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extensions():
-    """Subcommands contributed by other modules of the toolkit (family, quality, plan, merge, ...)."""
-    import importlib
+    """The `register` of each module contributing subcommands (family, quality, plan, merge, ...)."""
+    from bitdelta import client_cli, plan, traces
+    from bitdelta.family import cli as family_cli
+    from bitdelta.merge import cli as merge_cli
 
-    for mod in ("bitdelta.family.cli", "bitdelta.plan", "bitdelta.merge.cli", "bitdelta.client_cli", "bitdelta.traces"):
-        try:
-            m = importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name and mod.startswith(e.name):
-                continue  # not built yet
-            raise
-        yield m.register
+    return (family_cli.register, plan.register, merge_cli.register, client_cli.register, traces.register)
 
 
 def main(argv: list[str] | None = None) -> int:

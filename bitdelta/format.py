@@ -20,7 +20,6 @@ import json
 import os
 import struct
 import tempfile
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -425,7 +424,3 @@ def load_delta(path: str | os.PathLike, base_fingerprint: str | None = None, ver
                 else torch.empty(t.shape, dtype=DTYPES[t.dtype])
             )
     return delta_from_tensors(header.meta, tensors)
-
-
-def iter_param_names(header: DeltaHeader) -> Iterable[str]:
-    return sorted({t.param for t in header.tensors})

@@ -36,6 +36,9 @@ ARRIVAL_ORDER = {"base": 0, "resident": 1, "loading": 2, "cold": 3}
 
 @dataclass
 class Span:
+    """One exported span as read back. The TTFT summary reads `name`, `attrs` and `trace_id`; the
+    ids and times are there for callers that rebuild a trace's tree (the tests check traces so)."""
+
     trace_id: str
     span_id: str
     parent_id: str

@@ -4,7 +4,9 @@ When it pays (measured, docs/kernels.md): on CPU at decode it does not, since th
 one-pass C GEMV reads W_base and the bits as fast as a dense GEMV reads W_eff; it
 does for repeated prefill of a hot variant, where it saves the merge pass in front
 of each GEMM, at the price of a full dense copy of each cached matrix.
-The cache holds tensors only; which variants are hot is the caller's (the worker's) call.
+The cache holds tensors only; which variants are hot is the caller's call. Nothing serves
+through it yet: bench/kernels.py measures it (and the tests check it) for the worker's CPU path
+(docs/worker.md).
 """
 
 from __future__ import annotations
@@ -81,10 +83,6 @@ class MergedWeightCache:
     def pin(self, key: Hashable) -> None:
         with self._lock:
             self._pinned.add(key)
-
-    def unpin(self, key: Hashable) -> None:
-        with self._lock:
-            self._pinned.discard(key)
 
     def evict(self, key: Hashable) -> bool:
         with self._lock:

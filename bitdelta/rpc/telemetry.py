@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -126,11 +125,6 @@ def record_span(
     ctx = trace.set_span_in_context(parent) if parent is not None else None
     span = tracer().start_span(name, context=ctx, start_time=int(start_ns), attributes=dict(attributes or {}))
     span.end(end_time=max(int(start_ns), int(end_ns)))
-
-
-def epoch_ns_of(perf_counter_s: float) -> int:
-    """Wall-clock ns (what spans carry) of a `time.perf_counter()` reading taken in this process."""
-    return time.time_ns() - int((time.perf_counter() - perf_counter_s) * 1e9)
 
 
 def set_error(span: trace.Span, code: grpc.StatusCode | None, e: BaseException | None) -> None:

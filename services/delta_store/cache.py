@@ -123,7 +123,7 @@ class HostCache:
 
     @property
     def spare_buffers(self) -> int:
-        """Buffers (or shared files) of dropped entries kept for reuse."""
+        """Buffers (or shared files) of dropped entries kept for reuse (the tests watch it)."""
         return len(self._spare)
 
     def lookup(self, name: str, version: str) -> Entry | None:

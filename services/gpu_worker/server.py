@@ -4,7 +4,10 @@
 
     worker = Worker(config)
     server = create_server(worker, "127.0.0.1:0")       # port 0 in tests; server.port says which
-    await server.start(); await start_worker(worker, server)   # health SERVING once the base is loaded
+    await server.start(); await worker.start(); await server.set_serving(True)  # SERVING once loaded
+
+`serve(config)` is the process (`python -m services.gpu_worker`); tests run the pieces
+themselves (tests/support/worker.py).
 """
 
 from __future__ import annotations
@@ -108,7 +111,7 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
 def create_server(worker: Worker, address: str, metrics: WorkerMetrics | None = None) -> Server:
     """A server for `worker` bound to `address` (port 0 picks a free port); not started.
 
-    Health reports NOT_SERVING until `start_worker` has loaded the base.
+    Health reports NOT_SERVING until the base is loaded and `server.set_serving(True)`.
     """
     servicer = GpuWorkerServicer(worker, metrics)
     service = Service(SERVICE, lambda s: pb_grpc.add_GpuWorkerServiceServicer_to_server(servicer, s))
@@ -124,20 +127,6 @@ def create_server(worker: Worker, address: str, metrics: WorkerMetrics | None = 
         interceptors=[AuthInterceptor([SERVICE], c.tokens(), ADMIN_METHODS)],
         health_address=c.health_address,
     )
-
-
-async def start_worker(worker: Worker, server: Server) -> None:
-    """Load the base, then report SERVING."""
-    await worker.start()
-    await server.set_serving(True)
-
-
-async def drain_and_stop(worker: Worker, server: Server, grace_s: float) -> None:
-    """Health NOT_SERVING, new requests refused (UNAVAILABLE), running streams finish for up to
-    `grace_s`, then stop."""
-    worker.begin_drain()
-    await server.drain(grace_s)
-    await worker.close()
 
 
 async def serve(config) -> None:

@@ -110,12 +110,6 @@ class SlotLayout:
         n *= self.args.n_layers
         return n + len(self.norms) * self.args.dim * self.dtype.itemsize
 
-    @property
-    def max_extra_bytes(self) -> int:
-        """The most per-delta bytes outside the stacks: a dense embedding and a dense LM head."""
-        emb = self.args.vocab_size * self.args.dim * self.dtype.itemsize
-        return emb * (1 if self.args.tie_embeddings else 2)
-
     def extra_bytes(self, param: str, role: str, shape: tuple[int, ...]) -> int:
         """Device bytes a big (embedding/head) tensor of a delta takes in its slot's extras."""
         if role == "dense":
@@ -215,6 +209,8 @@ class SlotTensors:
 
     @property
     def stack_bytes(self) -> int:
+        """Device bytes of the slot stacks (signs, α, norms); for the benchmarks' memory account
+        (bench/worker.py)."""
         n = sum(t.numel() * t.element_size() for d in self.signs + self.alpha for t in d.values())
         n += sum(t.numel() * t.element_size() for t in self.norms)
         return n + self.final_norm.numel() * self.final_norm.element_size()

@@ -23,13 +23,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import grpc
 
-from bitdelta.delta_store.v1.delta_store_pb2 import ALPHA_MODE_MATRIX, ALPHA_MODE_ROW
 from bitdelta.format import DeltaFormatError, check_base, check_structure, read_header
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient, FetchStream
 from bitdelta.rpc.receiver import Receiver
@@ -64,15 +63,11 @@ class TensorSpec:
 
 @dataclass
 class DeltaInfo:
-    """A delta's header: enough to validate and size it before any data moves."""
+    """A delta's header: enough to validate and size it before any data moves (the source has
+    checked its base and format when it opened it)."""
 
     name: str
-    base_model: str
-    base_fingerprint: str
-    alpha_mode: str
-    size_bytes: int
     tensors: list[TensorSpec]
-    metadata: dict[str, str] = field(default_factory=dict)
     handle: object = None  # source-private (an open stream, a path)
     # The source verified every byte against the tensors' sha256s (the delta store does, once per
     # version of a delta); the receiver then checks the chunk crc32s only.
@@ -108,20 +103,10 @@ class LocalDeltaSource:
     async def open(self, name: str, base_fingerprint: str) -> DeltaInfo:
         path = self.path_of(name)
         header = await asyncio.to_thread(read_header, path)
-        meta = header.meta
-        check_base(meta, base_fingerprint)
+        check_base(header.meta, base_fingerprint)
         check_structure(header)
         specs = [TensorSpec(t.name, t.dtype, t.shape, t.nbytes, header.sha256[t.name], t.start) for t in header.tensors]
-        return DeltaInfo(
-            name,
-            meta.base_model,
-            meta.base_fingerprint,
-            meta.alpha_mode,
-            header.file_size,
-            specs,
-            dict(header.metadata),
-            handle=path,
-        )
+        return DeltaInfo(name, specs, handle=path)
 
     async def stream(self, info: DeltaInfo, receiver: Receiver) -> None:
         await asyncio.to_thread(self._read, Path(info.handle), info, receiver)
@@ -212,16 +197,10 @@ class DeltaStoreSource:
         except (DeltaFormatError, ValueError) as e:
             stream.cancel()
             raise DeltaFormatError(f"delta {name!r}: {e}") from None
-        mode = {ALPHA_MODE_ROW: "row", ALPHA_MODE_MATRIX: "matrix"}.get(info.alpha_mode, "")
         specs = [TensorSpec(t.name, t.dtype, tuple(t.shape), t.nbytes, t.sha256, t.file_offset) for t in stream.tensors]
         return DeltaInfo(
             info.name or name,
-            info.base_model,
-            info.base_fingerprint,
-            mode,
-            info.size_bytes,
             specs,
-            dict(info.metadata),
             handle=stream,
             verified=stream.verified,
             transport=stream.transport,

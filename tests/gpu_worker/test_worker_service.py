@@ -22,7 +22,7 @@ from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
 from bitdelta.testing.family import make_test_family
 from services.gpu_worker.config import WorkerConfig
-from tests.support.worker import offline_generate, running_worker
+from tests.support.worker import drain_and_stop, offline_generate, running_worker, start_worker
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.usefixtures("cpu_kernels")]
 
@@ -390,7 +390,7 @@ async def test_loading_does_not_stall_generation(family):
 async def test_health_reflection_and_drain(family):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    from services.gpu_worker.server import create_server, drain_and_stop, start_worker
+    from services.gpu_worker.server import create_server
     from services.gpu_worker.worker import Worker
 
     worker = Worker(dataclasses.replace(config(family), address="127.0.0.1:0"))

@@ -114,7 +114,7 @@ def test_plan_delta_rejects_what_does_not_fit_this_base():
     layout = SlotLayout(tiny_args(), torch.float32)
     q = "model.layers.0.self_attn.q_proj.weight"
     good = [TensorSpec(q + ".sign", "U8", (64, 8), 512, "x"), TensorSpec(q + ".alpha", "F32", (64,), 256, "x")]
-    plan = plan_delta(layout, DeltaInfo("d", "b", "fp", "row", 0, good))
+    plan = plan_delta(layout, DeltaInfo("d", good))
     assert plan.total_bytes == layout.slot_bytes and [p.kind for p in plan.placements] == [
         Kind.PROJ_SIGN,
         Kind.PROJ_ALPHA,
@@ -128,7 +128,7 @@ def test_plan_delta_rejects_what_does_not_fit_this_base():
     }
     for why, tensors in cases.items():
         with pytest.raises(DeltaFormatError, match=re.escape(why)):
-            plan_delta(layout, DeltaInfo("d", "b", "fp", "row", 0, tensors))
+            plan_delta(layout, DeltaInfo("d", tensors))
 
 
 def test_config_from_flags_and_env(tmp_path):

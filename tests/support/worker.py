@@ -18,10 +18,24 @@ def offline_generate(ckpt: Path, prompt: list[int], n: int, eos: int | None) -> 
     return load_model(ckpt).generate(prompt, n, stop_ids=(eos,) if eos is not None else ())
 
 
+async def start_worker(worker, server) -> None:
+    """Load the base, then report SERVING (what `serve` does at start-up)."""
+    await worker.start()
+    await server.set_serving(True)
+
+
+async def drain_and_stop(worker, server, grace_s: float) -> None:
+    """What `serve` does on SIGTERM: health NOT_SERVING, new requests refused (UNAVAILABLE),
+    running streams finish for up to `grace_s`, then stop."""
+    worker.begin_drain()
+    await server.drain(grace_s)
+    await worker.close()
+
+
 @contextlib.asynccontextmanager
 async def running_worker(config):
     """A started worker behind a gRPC server on a free loopback port; yields (worker, server, channel)."""
-    from services.gpu_worker.server import create_server, start_worker
+    from services.gpu_worker.server import create_server
     from services.gpu_worker.worker import Worker
 
     config = dataclasses.replace(config, address="127.0.0.1:0")
