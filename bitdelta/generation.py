@@ -132,6 +132,7 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)
     request_id: str = ""  # the caller's id, echoed in traces and logs
     deadline: float | None = None  # time.monotonic() by which it must end; None: the server's timeout
+    templated: bool = False  # a rendered chat template: the tokenizer adds no special tokens (BOS) of its own
 
     def validate(self) -> Request:
         """self, or GenerationError naming the field (the prompt's limits are each service's)."""
@@ -145,7 +146,7 @@ class Request:
     @classmethod
     def from_pb(cls, m, deadline: float | None = None) -> Request:
         """From a router's or a worker's GenerateRequest (the same four fields); not validated."""
-        return cls(m.model_id, m.prompt, Sampling.from_pb(m.sampling), m.request_id, deadline)
+        return cls(m.model_id, m.prompt, Sampling.from_pb(m.sampling), m.request_id, deadline, m.templated)
 
 
 # -- events ----------------------------------------------------------------------------------------------

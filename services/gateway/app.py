@@ -121,7 +121,13 @@ class _Generation(Response):
 
     async def _respond(self, send: Send) -> None:
         r = self.req
-        request = pb.GenerateRequest(model_id=r.model, prompt=r.prompt, sampling=r.sampling().to_pb(), request_id=r.id)
+        request = pb.GenerateRequest(
+            model_id=r.model,
+            prompt=r.prompt,
+            sampling=r.sampling().to_pb(),
+            request_id=r.id,
+            templated=r.kind == "chat",
+        )
         stream = self.router.generate_request(request, timeout_s=self.timeout_s, metadata=self.metadata)
         try:
             try:  # nothing is sent before the first token: errors up to there get their own HTTP status
@@ -264,6 +270,8 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
             return json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as e:
             raise api.invalid(None, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        except RecursionError:  # the decoder recurses once per level of nesting
+            raise api.invalid(None, "the request body is nested too deeply", code="invalid_json") from None
 
     def metadata(request: HttpRequest) -> tuple[tuple[str, str], ...]:
         auth = request.headers.get("authorization")
@@ -326,7 +334,12 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
     async def on_crash(request: HttpRequest, e: Exception) -> Response:
         log.exception("%s %s failed", request.method, request.url.path, exc_info=e)
         return error_response(
-            ApiError(500, f"internal error: {type(e).__name__}: {e}"[:1000], type="server_error", code="internal_error")
+            ApiError(
+                500,
+                f"internal error ({type(e).__name__}); the gateway's log has the details",
+                type="server_error",
+                code="internal_error",
+            )
         )
 
     routes = [

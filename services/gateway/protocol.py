@@ -18,28 +18,12 @@ import grpc
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.generation import FinishReason, Sampling
+from services.gateway import fields
 
 MAX_STOP = 4  # OpenAI's limit on `stop` strings
 MAX_SEED = 2**64 - 1
 
 FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP: "stop"}  # OpenAI's words
-
-# Fields whose non-default values change what OpenAI would return and that this server cannot honour:
-# refused with 400 naming the field rather than silently ignored. (Others, e.g. `user`, are ignored.)
-UNSUPPORTED = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "functions": (None, []),
-    "function_call": (None, "none", "auto"),
-}
 
 
 class ApiError(Exception):
@@ -131,13 +115,43 @@ class Request:
         )
 
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+def _number(body: dict, name: str, default: float, lo: float, hi: float, low_open: bool = False) -> float:
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
-        raise invalid(name, f"{name} must be a number between {lo:g} and {hi:g}, got {str(v)[:40]}")
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or not math.isfinite(v)
+        or not (lo < v <= hi if low_open else lo <= v <= hi)
+    ):
+        what = f"greater than {lo:g} and at most {hi:g}" if low_open else f"between {lo:g} and {hi:g}"
+        raise invalid(name, f"{name} must be a number {what}, got {str(v)[:40]}")
     return float(v)
+
+
+def _is_off(value: Any, off: tuple) -> bool:
+    """`value` is one of `off` (type and value: `0` is not `false`)."""
+    return any(type(value) is type(o) and value == o for o in off)
+
+
+def check_fields(body: dict, kind: str) -> None:
+    """400 `unsupported_parameter` naming the first field that this endpoint neither honours nor may
+    ignore (`fields.FIELDS`); null, or a refused field's value that means "off", passes."""
+    for name, value in body.items():
+        f = fields.BY_NAME.get(name)
+        use = f.use(kind) if f is not None else None
+        if use in (fields.Use.HONOURED, fields.Use.IGNORED) or value is None:
+            continue
+        if use is fields.Use.REFUSED and _is_off(value, f.off):
+            continue
+        shown = str(name)[:64]
+        why = f": {f.note}" if use is fields.Use.REFUSED and f.note else ""
+        raise invalid(
+            shown,
+            f"{shown} is not supported by this server{why} (docs/gateway.md lists every field)",
+            code="unsupported_parameter",
+        )
 
 
 def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
@@ -155,12 +169,7 @@ def _common(body: Any, kind: str) -> Request:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "model must be a non-empty string: the variant's id from /v1/models")
-    for name, allowed in UNSUPPORTED.items():
-        if name in body and body[name] not in allowed:
-            raise invalid(name, f"{name} is not supported by this server", code="unsupported_parameter")
-    n = _integer(body, "n", 1, 1 << 30)
-    if n is not None and n != 1:
-        raise invalid("n", f"n must be 1 (this server returns one choice per request), got {n}")
+    check_fields(body, kind)
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -179,14 +188,22 @@ def _common(body: Any, kind: str) -> Request:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise invalid("stream_options", "stream_options must be an object")
-    include_usage = bool((opts or {}).get("include_usage", False))
+    include_usage = (opts or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise invalid("stream_options", "stream_options.include_usage must be true or false")
+    if set(opts or {}) - {"include_usage"}:
+        raise invalid(
+            "stream_options",
+            f"stream_options: only include_usage is supported, got {sorted(opts)}"[:200],
+            code="unsupported_parameter",
+        )
     if include_usage and not stream:
         raise invalid("stream_options", "stream_options is only allowed with stream: true")
     return Request(
         kind=kind,
         model=model,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         stop=stops,
         seed=seed,
         stream=stream,

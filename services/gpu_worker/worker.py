@@ -189,7 +189,11 @@ class Worker:
             )
         # Off the loop, through encode_batch, which releases the GIL (encode holds it throughout);
         # `.ids` builds the Python list, so that happens on the thread too.
-        ids = await asyncio.to_thread(lambda: self.tokenizer.encode_batch([p.prompt])[0].ids)
+        # A rendered chat template wrote its own BOS: the tokenizer must not add a second one.
+        specials = not p.templated
+        ids = await asyncio.to_thread(
+            lambda: self.tokenizer.encode_batch([p.prompt], add_special_tokens=specials)[0].ids
+        )
         if not ids:
             if self.args.bos_token_id is None:
                 raise InvalidArgument("the prompt is empty and the model has no BOS token to start from")
@@ -202,11 +206,17 @@ class Worker:
         room = self.args.max_seq_len - len(ids)
         if room <= 0:
             raise InvalidArgument(f"the prompt has {len(ids)} tokens; the model's context is {self.args.max_seq_len}")
+        if sp.max_new_tokens > room:  # asked for explicitly: refused, never silently cut short
+            raise InvalidArgument(
+                f"sampling.max_new_tokens: {sp.max_new_tokens} is more than the context leaves after the "
+                f"prompt's {len(ids)} tokens ({room} of {self.args.max_seq_len})"
+            )
         max_new = min(sp.max_new_tokens or self.config.default_max_new_tokens, room)
         if self.scheduler.blocks_for(len(ids) + max_new) > self.scheduler.allocator.n_blocks:
-            raise ResourceExhausted(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the whole KV "
-                f"cache ({self.scheduler.capacity_tokens()} tokens); shorten it or raise --kv-cache"
+            # no amount of waiting makes it fit: INVALID_ARGUMENT, not RESOURCE_EXHAUSTED (retried forever)
+            raise InvalidArgument(
+                f"sampling.max_new_tokens: the prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) is more "
+                f"than this worker's whole KV cache ({self.scheduler.capacity_tokens()} tokens); shorten them"
             )
         if self.engine.waiting >= self.config.max_waiting:
             raise ResourceExhausted(f"{self.engine.waiting} requests are already waiting on this worker; retry later")

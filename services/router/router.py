@@ -29,12 +29,12 @@ from dataclasses import dataclass
 
 from bitdelta.generation import ArrivalState, Request, TokenEvent, Ttft
 from bitdelta.rpc import telemetry
-from bitdelta.rpc.errors import RpcError, clip
+from bitdelta.rpc.errors import RpcError, clip, clip_message
 from bitdelta.rpc.security import Principal
 from bitdelta.rpc.wire.gpu_worker import request_to_pb
 from services.router.admission import Admission
 from services.router.config import RouterConfig
-from services.router.errors import DeadlineExceeded, InvalidArgument, PermissionDenied, Unavailable
+from services.router.errors import DeadlineExceeded, InvalidArgument, PermissionDenied, Unavailable, WorkerFailed
 from services.router.placement import choose_worker
 from services.router.pool import WorkerPool
 from services.router.registry import Registry, Variant
@@ -143,13 +143,14 @@ class Router:
                         )
                     return
                 except RpcError as e:
+                    log.info("request for %r on %s: %s", variant.model_id, address, clip_message(str(e)))
                     if started or not e.retryable or tried:
-                        raise
+                        raise WorkerFailed(e) from None
                     tried.append(address)
                     if not await self.pool.poll(address):  # the worker itself is gone, not just this call
                         self.pool.mark_down(address, f"Generate failed: {e.details[:200]}")
                     if not self.pool.any_up(exclude=tried):
-                        raise
+                        raise WorkerFailed(e) from None
                     log.warning(
                         "request for %r failed on %s before its first token (%s); retrying elsewhere",
                         variant.model_id,
@@ -224,7 +225,11 @@ class Router:
             why = "; ".join(
                 f"{w.address}: {self.pool.why_not_up(w) or 'failed this request'}" for w in self.pool.workers.values()
             )
-            raise Unavailable(f"no worker can serve {clip(variant.model_id)} now ({why}); retry later")
+            log.warning("no worker can serve %r: %s", variant.model_id, why)  # the addresses stay in the log
+            raise Unavailable(
+                f"no worker can serve {clip(variant.model_id)} now (none of {len(self.pool.workers)} is up; "
+                "ListWorkers, with an admin token, says why); retry later"
+            )
 
     # -- ListModels ----------------------------------------------------------------------------------------
     async def models(self) -> list[ModelEntry]:

@@ -106,7 +106,7 @@ def test_worker_events_round_trip():
 
 
 def test_requests_reach_the_worker_unchanged():
-    req = Request("v1", "hello", Sampling(max_new_tokens=3, temperature=1.0, seed=11), request_id="r-1")
+    req = Request("v1", "hello", Sampling(max_new_tokens=3, temperature=1.0, seed=11), request_id="r-1", templated=True)
     assert Request.from_pb(request_to_pb(req)) == req
 
 

@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -286,10 +287,30 @@ async def test_chat_template_loading(tmp_path):
         ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model", "unknown model"),
         ("/v1/chat/completions", {"model": "nope", "messages": CHAT}, 404, "model", "unknown model"),
         ("/v1/completions", {"model": "otherbase", "prompt": "hi"}, 400, None, "compress it again"),
-        ("/v1/completions", {"model": "v0", "prompt": "hi", "n": 2}, 400, "n", "n must be 1"),
-        ("/v1/chat/completions", {"model": "v0", "messages": CHAT, "n": 3}, 400, "n", "n must be 1"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "n": 2}, 400, "n", "not supported"),
+        ("/v1/chat/completions", {"model": "v0", "messages": CHAT, "n": 3}, 400, "n", "not supported"),
         ("/v1/completions", {"model": "v0", "prompt": "hi", "temperature": 3}, 400, "temperature", "between 0 and 2"),
-        ("/v1/completions", {"model": "v0", "prompt": "hi", "top_p": -1}, 400, "top_p", "between 0 and 1"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "top_p": -1}, 400, "top_p", "greater than 0"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "top_p": 0}, 400, "top_p", "greater than 0"),
+        (
+            "/v1/chat/completions",
+            {"model": "v0", "messages": CHAT, "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+            "structured output",
+        ),
+        ("/v1/chat/completions", {"model": "v0", "messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools", ""),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "frobnicate": 1}, 400, "frobnicate", "not supported"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "messages": CHAT}, 400, "messages", "not supported"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "logprobs": 0}, 400, "logprobs", "not supported"),
+        (
+            "/v1/completions",
+            {"model": "v0", "prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}},
+            400,
+            "stream_options",
+            "true or false",
+        ),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "max_tokens": 1000}, 400, "max_tokens", "context leaves"),
         ("/v1/completions", {"model": "v0", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
         ("/v1/completions", {"model": "v0", "prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens", "allows"),
         ("/v1/completions", {"model": "v0", "prompt": "hi", "stop": ["a"] * 5}, 400, "stop", "at most 4"),
@@ -310,6 +331,58 @@ async def test_bad_requests_get_openai_errors(clients, cluster, path, body, stat
     assert_error_shape(out, status, got, param, words)
     r = await clients[0].completions.create(model="v0", prompt="still fine", max_tokens=2, temperature=0)
     assert r.usage.completion_tokens == 2
+
+
+async def test_harmless_fields_are_ignored_and_off_values_pass(clients):
+    client, router, _ = clients
+    want, _ = await router_text(router, "v0", "The quick brown fox")
+    extra = {
+        "user": "u-1",
+        "metadata": {"k": "v"},
+        "store": False,
+        "service_tier": "auto",
+        "n": 1,
+        "echo": False,
+        "logprobs": None,  # null: as if absent
+        "best_of": 1,
+        "response_format": {"type": "text"},
+    }
+    r = await client.completions.create(
+        model="v0", prompt="The quick brown fox", max_tokens=N, temperature=0, extra_body=extra
+    )
+    assert r.choices[0].text == want
+
+
+async def test_public_errors_name_no_internal_address(cluster):
+    """A prompt + max_tokens beyond the model's context (the worker's refusal) is 400 naming both
+    numbers; nothing in it names the worker or any address of the deployment."""
+    body = {"model": "v0", "prompt": "abc", "max_tokens": 1000, "temperature": 0}
+    got, out = await asyncio.to_thread(http, cluster.g, "POST", "/v1/completions", json.dumps(body).encode())
+    assert_error_shape(out, 400, got, "max_tokens", "1000")
+    msg = out["error"]["message"]
+    assert "prompt's 3 tokens" in msg and "253 of 256" in msg, msg
+    assert "127.0.0.1" not in msg and cluster.w.address not in msg and "worker" not in msg, msg
+
+
+async def test_a_deeply_nested_body_is_400(cluster):
+    deep = b'{"model": "v0", "prompt": "hi", "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    got, out = await asyncio.to_thread(http, cluster.g, "POST", "/v1/completions", deep)
+    assert_error_shape(out, 400, got, None, "nested too deeply")
+    assert out["error"]["code"] == "invalid_json"
+
+
+async def test_the_docs_field_table_is_the_allowlist():
+    """docs/gateway.md's table of request fields is `services.gateway.fields.table()` verbatim
+    (regenerate: `python -m services.gateway.fields`)."""
+    from services.gateway import fields
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "gateway.md").read_text()
+    begin, end = "<!-- fields: begin -->\n", "<!-- fields: end -->"
+    assert begin in doc and end in doc
+    assert doc.split(begin, 1)[1].split(end, 1)[0] == fields.table()
+    assert {"user", "metadata", "store", "service_tier"} <= {
+        f.name for f in fields.FIELDS if f.use("chat") is fields.Use.IGNORED
+    }
 
 
 async def test_malformed_json_and_unknown_routes(cluster):

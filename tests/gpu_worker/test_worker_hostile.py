@@ -413,3 +413,54 @@ async def test_long_and_odd_names_are_invalid_argument_with_a_short_echo(family)
             assert "5000 characters" in e.value.details()
         assert not worker.manager.entries
         assert len(await generate(stub, "v0", "a")) == 4  # a good name still serves
+
+
+async def test_max_new_tokens_beyond_the_context_or_the_kv_cache_is_invalid_argument(family):
+    """Asked for explicitly, more tokens than the context leaves is refused naming both numbers (never
+    cut short to end with `length`); a request larger than the whole KV cache can never run, so it is
+    INVALID_ARGUMENT (a client retries RESOURCE_EXHAUSTED)."""
+    from bitdelta.generation import Request, Sampling
+
+    kv = 64 * 2 * 2 * 2 * 16 * 4  # the tiny family's bytes per token (fp32 K and V) times 64 tokens
+    async with running_worker(config(family, kv_cache=kv, block_size=16)) as (worker, _, ch):
+        stub = pb_grpc.GpuWorkerServiceStub(ch)
+        assert worker.scheduler.capacity_tokens() < worker.args.max_seq_len
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await generate(stub, "", "abc", n=300)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        d = e.value.details()
+        assert d.startswith("sampling.max_new_tokens: 300") and "prompt's 3 tokens" in d and "253 of 256" in d, d
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await generate(stub, "", "abc", n=200)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "whole KV cache" in e.value.details()
+        # one that fits serves
+        assert [ev async for ev in worker.generate(Request("", "abc", Sampling(max_new_tokens=40)))]
+
+
+async def test_a_templated_prompt_gets_no_second_bos(family, tmp_path):
+    """A tokenizer that adds BOS itself (as Llama's do): a rendered chat template that wrote BOS
+    (`templated`) is tokenised without another one; a plain prompt gets the tokenizer's."""
+    import json
+
+    from bitdelta.generation import Request, Sampling
+
+    base = tmp_path / "base"
+    shutil.copytree(family.base, base)
+    spec = json.loads((base / "tokenizer.json").read_text())
+    bos = "<|endoftext|>"
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [256], "tokens": [bos]}},
+    }
+    (base / "tokenizer.json").write_text(json.dumps(spec))
+    async with running_worker(WorkerConfig(base=str(base), kv_cache=4 << 20)) as (worker, _, _):
+
+        async def prompt_tokens(prompt: str, templated: bool) -> int:
+            req = Request("", prompt, Sampling(max_new_tokens=1), templated=templated)
+            return [ev async for ev in worker.generate(req)][-1].usage.prompt_tokens
+
+        assert await prompt_tokens("hi", templated=False) == 3  # BOS + 2 bytes
+        assert await prompt_tokens(bos + "hi", templated=False) == 4  # what a doubled BOS looks like
+        assert await prompt_tokens(bos + "hi", templated=True) == 3

@@ -286,9 +286,9 @@ async def test_full_queues_and_deadlines(clients, cluster):
 
     # a deadline shorter than the work: DEADLINE_EXCEEDED, and the worker frees the sequence
     async with RouterClient(cluster.r.address) as router:
-        prompt = "a long prompt " * 10
+        prompt = "a long prompt " * 10  # 140 tokens: 116 more fill the context
         t = time.monotonic()
-        await run(router, "", prompt, n=240)
+        await run(router, "", prompt, n=116)
         deadline = max(0.05, 0.4 * (time.monotonic() - t))  # well inside the time the work takes here
         seen_running = False
 
@@ -302,7 +302,7 @@ async def test_full_queues_and_deadlines(clients, cluster):
 
         watcher = asyncio.create_task(watch())
         with pytest.raises(RouterCallError) as e:
-            await run(router, "", prompt, n=240, timeout_s=deadline)
+            await run(router, "", prompt, n=116, timeout_s=deadline)
         watcher.cancel()
         assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 

@@ -45,5 +45,9 @@ def event_of_pb(msg: pb.GenerateResponse) -> TokenEvent:
 def request_to_pb(req: Request) -> pb.GenerateRequest:
     """The worker's GenerateRequest (the deadline travels as the call's own)."""
     return pb.GenerateRequest(
-        model_id=req.model_id, prompt=req.prompt, sampling=req.sampling.to_pb(), request_id=req.request_id
+        model_id=req.model_id,
+        prompt=req.prompt,
+        sampling=req.sampling.to_pb(),
+        request_id=req.request_id,
+        templated=req.templated,
     )

@@ -1,0 +1,135 @@
+"""The gateway's request surface: every field a client of OpenAI's or vLLM's server may send, and what
+this gateway does with it. The one allowlist: `protocol` refuses anything not honoured or ignored
+here (400 `unsupported_parameter` naming the field), and docs/gateway.md's field table is this
+module's `table()` (a test checks they are equal; `python -m services.gateway.fields` prints it).
+
+- honoured: it changes the answer as it would on OpenAI's or vLLM's server;
+- ignored: harmless to drop (it changes nothing a client reads back);
+- refused: 400, unless the value is null or one that means "off" (`off`: e.g. `n: 1`, `echo: false`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Use(enum.Enum):
+    HONOURED = "honoured"
+    IGNORED = "ignored"
+    REFUSED = "refused (400)"
+
+
+HON, IGN, REF = Use.HONOURED, Use.IGNORED, Use.REFUSED
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    completion: Use | None  # None: not a field of that endpoint (refused like any unknown field)
+    chat: Use | None
+    origin: str  # "OpenAI" or "vLLM" (vLLM's extra sampling and request fields)
+    note: str = ""
+    off: tuple = ()  # refused fields: values that mean "not used" and so pass
+
+    def use(self, kind: str) -> Use | None:
+        return self.completion if kind == "completion" else self.chat
+
+
+LATER = "not yet served"
+STRUCTURED = "structured output and tools: not yet served"
+FIELDS: tuple[Field, ...] = (
+    # -- OpenAI's --------------------------------------------------------------------------------------
+    Field("model", HON, HON, "OpenAI", "the base or a variant (`/v1/models`)"),
+    Field("prompt", HON, None, "OpenAI", "one string (token ids: refused)"),
+    Field("messages", None, HON, "OpenAI", "text content (a string or text parts), rendered with the chat template"),
+    Field("max_tokens", HON, HON, "OpenAI", "beyond the context the prompt leaves: 400 naming both"),
+    Field("max_completion_tokens", None, HON, "OpenAI", "as max_tokens"),
+    Field("temperature", HON, HON, "OpenAI", "0–2; 0 is greedy"),
+    Field("top_p", HON, HON, "OpenAI", "(0, 1]"),
+    Field("stop", HON, HON, "OpenAI", "a string or up to 4 (not returned)"),
+    Field("seed", HON, HON, "OpenAI", "same seed, same text, whatever else is batched"),
+    Field("stream", HON, HON, "OpenAI", "server-sent events"),
+    Field("stream_options", HON, HON, "OpenAI", "`include_usage` (a boolean)"),
+    Field("n", REF, REF, "OpenAI", f"n > 1: {LATER}", off=(1,)),
+    Field("logprobs", REF, REF, "OpenAI", LATER, off=(False,)),
+    Field("top_logprobs", None, REF, "OpenAI", LATER, off=(0,)),
+    Field("echo", REF, REF, "OpenAI / vLLM (chat)", LATER, off=(False,)),
+    Field("best_of", REF, None, "OpenAI", "best_of > 1: not served", off=(1,)),
+    Field("suffix", REF, None, "OpenAI", "insertion: not served", off=("",)),
+    Field("logit_bias", REF, REF, "OpenAI", LATER, off=({},)),
+    Field("presence_penalty", REF, REF, "OpenAI", LATER, off=(0, 0.0)),
+    Field("frequency_penalty", REF, REF, "OpenAI", LATER, off=(0, 0.0)),
+    Field("response_format", REF, REF, "OpenAI", STRUCTURED, off=({"type": "text"},)),
+    Field("tools", None, REF, "OpenAI", STRUCTURED, off=([],)),
+    Field("tool_choice", None, REF, "OpenAI", STRUCTURED, off=("none",)),
+    Field("parallel_tool_calls", None, REF, "OpenAI", STRUCTURED),
+    Field("functions", None, REF, "OpenAI", STRUCTURED, off=([],)),
+    Field("function_call", None, REF, "OpenAI", STRUCTURED, off=("none",)),
+    Field("audio", None, REF, "OpenAI", "text only"),
+    Field("modalities", None, REF, "OpenAI", "text only", off=(["text"],)),
+    Field("prediction", None, REF, "OpenAI", "predicted outputs: not served"),
+    Field("reasoning_effort", None, REF, "OpenAI", "not a reasoning model"),
+    Field("verbosity", None, REF, "OpenAI", "not served"),
+    Field("web_search_options", None, REF, "OpenAI", "not served"),
+    Field("prompt_cache_key", None, IGN, "OpenAI", "a cache hint"),
+    Field("safety_identifier", None, IGN, "OpenAI", "an end-user id for abuse checks"),
+    Field("user", IGN, IGN, "OpenAI", "an end-user id"),
+    Field("metadata", IGN, IGN, "OpenAI", "stored-completion tags"),
+    Field("store", IGN, IGN, "OpenAI", "nothing is stored"),
+    Field("service_tier", IGN, IGN, "OpenAI", "one tier"),
+    # -- vLLM's extra fields ---------------------------------------------------------------------------
+    Field("top_k", REF, REF, "vLLM", LATER, off=(0, -1)),
+    Field("min_p", REF, REF, "vLLM", LATER, off=(0, 0.0)),
+    Field("repetition_penalty", REF, REF, "vLLM", LATER, off=(1, 1.0)),
+    Field("stop_token_ids", REF, REF, "vLLM", LATER, off=([],)),
+    Field("min_tokens", REF, REF, "vLLM", LATER, off=(0,)),
+    Field("ignore_eos", REF, REF, "vLLM", LATER, off=(False,)),
+    Field("include_stop_str_in_output", REF, REF, "vLLM", LATER, off=(False,)),
+    Field("prompt_logprobs", REF, REF, "vLLM", LATER),
+    Field("use_beam_search", REF, REF, "vLLM", "beam search: not served", off=(False,)),
+    Field("length_penalty", REF, REF, "vLLM", "beam search: not served", off=(1, 1.0)),
+    Field("allowed_token_ids", REF, REF, "vLLM", "not served"),
+    Field("bad_words", REF, REF, "vLLM", "not served", off=([],)),
+    Field("skip_special_tokens", REF, REF, "vLLM", "special tokens are always skipped", off=(True,)),
+    Field("spaces_between_special_tokens", REF, REF, "vLLM", "not served", off=(True,)),
+    Field("truncate_prompt_tokens", REF, REF, "vLLM", "a prompt too long is 400, never cut"),
+    Field("add_special_tokens", REF, REF, "vLLM", "the server decides (chat: the template's own)"),
+    Field("add_generation_prompt", None, REF, "vLLM", "always on", off=(True,)),
+    Field("continue_final_message", None, REF, "vLLM", "not served", off=(False,)),
+    Field("chat_template", None, REF, "vLLM", "the gateway's templates only (`--chat-template`)"),
+    Field("chat_template_kwargs", None, REF, "vLLM", "not served"),
+    Field("documents", None, REF, "vLLM", "not served"),
+    Field("mm_processor_kwargs", None, REF, "vLLM", "text only"),
+    Field("guided_json", REF, REF, "vLLM", STRUCTURED),
+    Field("guided_regex", REF, REF, "vLLM", STRUCTURED),
+    Field("guided_choice", REF, REF, "vLLM", STRUCTURED),
+    Field("guided_grammar", REF, REF, "vLLM", STRUCTURED),
+    Field("guided_decoding_backend", REF, REF, "vLLM", STRUCTURED),
+    Field("guided_whitespace_pattern", REF, REF, "vLLM", STRUCTURED),
+    Field("structural_tag", None, REF, "vLLM", STRUCTURED),
+    Field("logits_processors", REF, REF, "vLLM", "no code from requests"),
+    Field("return_tokens_as_token_ids", REF, REF, "vLLM", "not served", off=(False,)),
+    Field("priority", REF, REF, "vLLM", "one FIFO per variant", off=(0,)),
+    Field("request_id", IGN, IGN, "vLLM", "the gateway makes its own"),
+    Field("cache_salt", IGN, IGN, "vLLM", "no prefix cache is shared"),
+    Field("kv_transfer_params", REF, REF, "vLLM", "not served"),
+    Field("vllm_xargs", REF, REF, "vLLM", "not served"),
+)
+BY_NAME = {f.name: f for f in FIELDS}
+
+
+def table() -> str:
+    """The markdown table of docs/gateway.md: every field, what each endpoint does with it."""
+    cell = {None: "—", HON: "**honoured**", IGN: "ignored", REF: "refused (400)"}
+    rows = [
+        "| field | from | `/v1/completions` | `/v1/chat/completions` | note |",
+        "|---|---|---|---|---|",
+    ]
+    for f in FIELDS:
+        rows.append(f"| `{f.name}` | {f.origin} | {cell[f.completion]} | {cell[f.chat]} | {f.note} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(table(), end="")
