@@ -66,41 +66,39 @@ class DeltaStoreError(RpcError):
 
 
 class DeltaNotFound(DeltaStoreError):
-    pass
+    code = grpc.StatusCode.NOT_FOUND
 
 
 class InvalidRequest(DeltaStoreError):
     """The store refused the request's values (a name that is not a plain name, a malformed upload)."""
 
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
 
 class BaseMismatch(DeltaStoreError):
-    pass
+    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class IntegrityError(DeltaStoreError):
     """Corrupted or inconsistent data; `tensor` names the bad tensor when known."""
 
+    code = grpc.StatusCode.DATA_LOSS
+
 
 class StoreUnavailable(DeltaStoreError):
-    pass
+    code = grpc.StatusCode.UNAVAILABLE
 
 
-_TYPES = {
-    grpc.StatusCode.NOT_FOUND: DeltaNotFound,
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
-    grpc.StatusCode.FAILED_PRECONDITION: BaseMismatch,
-    grpc.StatusCode.DATA_LOSS: IntegrityError,
-    grpc.StatusCode.UNAVAILABLE: StoreUnavailable,
-}
+_TYPES = {cls.code: cls for cls in (DeltaNotFound, InvalidRequest, BaseMismatch, IntegrityError, StoreUnavailable)}
 
 
-def _local(cls: type[DeltaStoreError], code: grpc.StatusCode, message: str, tensor: str | None = None):
+def _local(cls: type[DeltaStoreError], message: str, tensor: str | None = None):
     """An error found here, not by the store (same types and codes as the store's own)."""
-    return cls(message, code, service=SERVICE, trailers={TENSOR_METADATA_KEY: tensor} if tensor else None)
+    return cls(message, cls.code, service=SERVICE, trailers={TENSOR_METADATA_KEY: tensor} if tensor else None)
 
 
 def _integrity(message: str, tensor: str | None = None) -> IntegrityError:
-    return _local(IntegrityError, grpc.StatusCode.DATA_LOSS, message, tensor)
+    return _local(IntegrityError, message, tensor)
 
 
 @dataclass(frozen=True)
@@ -280,7 +278,6 @@ class DeltaStoreClient(Client):
             call.cancel()
             raise _local(
                 BaseMismatch,
-                grpc.StatusCode.FAILED_PRECONDITION,
                 f"delta {name!r} was built for base {info.base_model!r} with fingerprint "
                 f"{info.base_fingerprint[:16]}…, expected {expect_base_fingerprint[:16]}…",
             )
