@@ -52,22 +52,29 @@ def _fail(e) -> None:
 
 
 async def _generate(a: argparse.Namespace) -> None:
+    from bitdelta.generation import Sampling
     from bitdelta.router.v1 import router_pb2 as pb
     from bitdelta.rpc.clients.router import RouterCallError
 
+    sampling = Sampling(
+        max_new_tokens=a.max_new_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        stop=tuple(a.stop or ()),
+        seed=a.seed,
+        top_k=a.top_k,
+        min_p=a.min_p,
+        repetition_penalty=a.repetition_penalty,
+        presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty,
+        min_tokens=a.min_tokens,
+        ignore_eos=a.ignore_eos,
+    )
+    request = pb.GenerateRequest(model_id=a.model, prompt=a.prompt, sampling=sampling.to_pb())
     async with _router(a) as r:
         try:
             last = None
-            async for m in r.generate(
-                a.model,
-                a.prompt,
-                max_new_tokens=a.max_new_tokens,
-                temperature=a.temperature,
-                top_p=a.top_p,
-                stop=a.stop or (),
-                seed=a.seed,
-                timeout_s=a.timeout,
-            ):
+            async for m in r.generate_request(request, timeout_s=a.timeout):
                 if m.worker:
                     t = m.ttft
                     state = pb.ArrivalState.Name(m.arrival_state).removeprefix("ARRIVAL_STATE_").lower()
@@ -186,6 +193,13 @@ def register(sub) -> None:
     c.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: no truncation")
     c.add_argument("--stop", action="append", help="stop string (repeatable)")
     c.add_argument("--seed", type=int, default=None, help="same seed, same tokens; default: random")
+    c.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0: all")
+    c.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least this × as likely as the top one")
+    c.add_argument("--repetition-penalty", type=float, default=1.0, help="prompt and output tokens (1: none)")
+    c.add_argument("--presence-penalty", type=float, default=0.0, help="-2 to 2 (OpenAI's)")
+    c.add_argument("--frequency-penalty", type=float, default=0.0, help="-2 to 2 (OpenAI's)")
+    c.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop before this many tokens")
+    c.add_argument("--ignore-eos", action="store_true", help="EOS does not end the answer")
     c.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     c.set_defaults(func=lambda a: asyncio.run(_generate(a)))
 

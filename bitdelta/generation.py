@@ -61,6 +61,10 @@ def check_model_id(name: str, field: str = "model_id") -> str:
 MIN_TEMPERATURE = 1e-3  # below this logits / temperature overflows fp32; 0 means greedy
 MAX_TEMPERATURE = 100.0
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # stop strings are searched on the engine thread every token
+MAX_STOP_TOKEN_IDS = 64
+MAX_REPETITION_PENALTY = 100.0
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range
+MAX_BIAS, MAX_LOGIT_BIAS = 100.0, 1024  # OpenAI's range of a bias; how many tokens one request may bias
 
 
 @dataclass(frozen=True)
@@ -70,8 +74,29 @@ class Sampling:
     max_new_tokens: int = 0  # 0: the server's default
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p; 1: all
-    stop: tuple[str, ...] = ()  # end when the text contains one of these (not returned)
+    stop: tuple[str, ...] = ()  # end when the text contains one of these (not returned, unless asked)
     seed: int | None = None  # same seed, same tokens, whatever else is batched; None: a random seed
+    top_k: int = 0  # keep the k most likely tokens; 0: all
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the most likely one; 0: all
+    repetition_penalty: float = 1.0  # tokens of the prompt or the output: logit / p if > 0 else logit * p
+    presence_penalty: float = 0.0  # minus this for every token the output already holds
+    frequency_penalty: float = 0.0  # minus this times how often the output holds the token
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids ascending
+    stop_token_ids: tuple[int, ...] = ()  # end when one of these is produced (its text not returned)
+    min_tokens: int = 0  # neither EOS, a stop token nor a stop string ends the output before this many
+    ignore_eos: bool = False  # EOS does not end the output
+    include_stop_str_in_output: bool = False  # the stop string (or stop token's text) is returned too
+
+    @property
+    def plain(self) -> bool:
+        """Nothing changes the logits before the pick: greedy is the batch's argmax."""
+        return (
+            self.repetition_penalty == 1.0
+            and not self.presence_penalty
+            and not self.frequency_penalty
+            and not self.logit_bias
+            and not self.min_tokens
+        )
 
     def validate(self) -> Sampling:
         """self, or GenerationError naming the first field out of its rule."""
@@ -93,6 +118,43 @@ class Sampling:
                 raise GenerationError("sampling.stop", f"{clip(s)} must be 1 to {MAX_STOP_CHARS} characters long")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise GenerationError("sampling.seed", f"{self.seed} must be in [0, 2**64)")
+        if not 0 <= self.top_k < 2**31:
+            raise GenerationError("sampling.top_k", f"{self.top_k} must be >= 0 (0: no limit)")
+        if not (math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise GenerationError("sampling.min_p", f"{self.min_p!r} must be in [0, 1]")
+        rp = self.repetition_penalty
+        if not (math.isfinite(rp) and 0.0 < rp <= MAX_REPETITION_PENALTY):
+            raise GenerationError(
+                "sampling.repetition_penalty", f"{rp!r} must be in (0, {MAX_REPETITION_PENALTY:g}] (1: none)"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -MAX_PENALTY <= v <= MAX_PENALTY):
+                raise GenerationError(f"sampling.{name}", f"{v!r} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise GenerationError("sampling.logit_bias", f"{len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS}")
+        for tok, bias in self.logit_bias:
+            if tok < 0 or not (math.isfinite(bias) and -MAX_BIAS <= bias <= MAX_BIAS):
+                raise GenerationError(
+                    "sampling.logit_bias", f"token {tok}: {bias!r} must be between -{MAX_BIAS:g} and {MAX_BIAS:g}"
+                )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in self.stop_token_ids):
+            raise GenerationError("sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids >= 0")
+        if self.min_tokens < 0 or (self.max_new_tokens and self.min_tokens > self.max_new_tokens):
+            raise GenerationError(
+                "sampling.min_tokens",
+                f"{self.min_tokens} must be >= 0 and at most max_new_tokens ({self.max_new_tokens})",
+            )
+        return self
+
+    def check_vocab(self, vocab_size: int) -> Sampling:
+        """self, or GenerationError for a token id the model does not have."""
+        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise GenerationError(
+                    f"sampling.{name}", f"token {bad[0]} is not below the vocabulary size {vocab_size}"
+                )
         return self
 
     @property
@@ -106,6 +168,16 @@ class Sampling:
             top_p=0.0 if self.top_p == 1.0 else self.top_p,
             stop=list(self.stop),
             seed=self.seed,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=0.0 if self.repetition_penalty == 1.0 else self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=dict(self.logit_bias),
+            stop_token_ids=list(self.stop_token_ids),
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
     @classmethod
@@ -117,6 +189,16 @@ class Sampling:
             top_p=m.top_p or 1.0,
             stop=tuple(m.stop),
             seed=m.seed if m.HasField("seed") else None,
+            top_k=m.top_k,
+            min_p=m.min_p,
+            repetition_penalty=m.repetition_penalty or 1.0,
+            presence_penalty=m.presence_penalty,
+            frequency_penalty=m.frequency_penalty,
+            logit_bias=tuple(sorted(m.logit_bias.items())),
+            stop_token_ids=tuple(m.stop_token_ids),
+            min_tokens=m.min_tokens,
+            ignore_eos=m.ignore_eos,
+            include_stop_str_in_output=m.include_stop_str_in_output,
         )
 
 

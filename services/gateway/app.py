@@ -124,7 +124,7 @@ class _Generation(Response):
         request = pb.GenerateRequest(
             model_id=r.model,
             prompt=r.prompt,
-            sampling=r.sampling().to_pb(),
+            sampling=r.sampling.to_pb(),
             request_id=r.id,
             templated=r.kind == "chat",
         )

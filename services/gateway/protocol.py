@@ -7,6 +7,7 @@ write OpenAI's objects, and `error_of_rpc` maps a router status to an HTTP error
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import time
@@ -17,7 +18,7 @@ from typing import Any
 import grpc
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb
-from bitdelta.generation import FinishReason, Sampling
+from bitdelta.generation import FinishReason, GenerationError, Sampling
 from services.gateway import fields
 
 MAX_STOP = 4  # OpenAI's limit on `stop` strings
@@ -66,9 +67,16 @@ STATUS_HTTP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.UNIMPLEMENTED: (501, "server_error", "not_implemented"),
 }
 
-# The field an INVALID_ARGUMENT from the router (or a worker) names, in OpenAI's terms.
-_PARAM_RE = re.compile(r"^(?:sampling\.)?(model_id|prompt|temperature|top_p|max_new_tokens|stop|seed)\b")
+# The field an INVALID_ARGUMENT from the router (or a worker) names ("sampling.top_k: ..."), in OpenAI's terms.
+_PARAM_RE = re.compile(r"^(?:sampling\.)?(\w+):")
 _PARAMS = {"model_id": "model", "max_new_tokens": "max_tokens"}
+
+
+def param_of(field_name: str) -> str | None:
+    """The request field a `GenerationError.field` (or an error message's first word) names."""
+    name = field_name.removeprefix("sampling.")
+    name = _PARAMS.get(name, name)
+    return name if name in fields.BY_NAME else None
 
 
 def error_of_rpc(code: grpc.StatusCode, details: str, prompt_param: str = "prompt") -> ApiError:
@@ -77,8 +85,7 @@ def error_of_rpc(code: grpc.StatusCode, details: str, prompt_param: str = "promp
     if status == 400:
         m = _PARAM_RE.match(details)
         if m:
-            param = _PARAMS.get(m.group(1), m.group(1))
-            param = prompt_param if param == "prompt" else param
+            param = prompt_param if m.group(1) == "prompt" else param_of(m.group(1))
     elif status == 404:
         param = "model"
     return ApiError(status, details or code.name, type=type_, param=param, code=code_name)
@@ -95,24 +102,11 @@ class Request:
     model: str
     prompt: str = ""  # completions: the prompt; chat: filled in by the app after rendering
     messages: list[dict[str, Any]] = field(default_factory=list)
-    max_tokens: int = 0  # 0: the router's default
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None  # None: random
+    sampling: Sampling = field(default_factory=Sampling)  # max_new_tokens 0: the router's default
     stream: bool = False
     include_usage: bool = False
     id: str = ""
     created: int = 0
-
-    def sampling(self) -> Sampling:
-        return Sampling(
-            max_new_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            stop=self.stop,
-            seed=self.seed,
-        )
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float, low_open: bool = False) -> float:
@@ -199,18 +193,81 @@ def _common(body: Any, kind: str) -> Request:
         )
     if include_usage and not stream:
         raise invalid("stream_options", "stream_options is only allowed with stream: true")
-    return Request(
-        kind=kind,
-        model=model,
+    sampling = Sampling(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         stop=stops,
         seed=seed,
+        **_vllm_sampling(body),
+    )
+    return Request(
+        kind=kind,
+        model=model,
+        sampling=sampling,
         stream=stream,
         include_usage=include_usage,
         id=("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex,
         created=int(time.time()),
     )
+
+
+def _boolean(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise invalid(name, f"{name} must be true or false")
+    return v
+
+
+def _token_ids(body: dict, name: str) -> tuple[int, ...]:
+    v = body.get(name)
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
+        raise invalid(name, f"{name} must be a list of token ids (integers >= 0)")
+    return tuple(v)
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} (the keys are strings in JSON)."""
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise invalid("logit_bias", "logit_bias must be an object of token id -> bias")
+    out = {}
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isdigit()) or isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise invalid("logit_bias", f"logit_bias: {str(k)[:20]!r}: keys are token ids, values numbers")
+        out[int(k)] = float(b)
+    return tuple(sorted(out.items()))
+
+
+def _vllm_sampling(body: dict) -> dict:
+    """The sampling fields beyond OpenAI's temperature/top_p/stop/seed (vLLM's names and meanings)."""
+    top_k = _integer(body, "top_k", -1, 1 << 30)
+    return {
+        "top_k": 0 if top_k in (None, -1) else top_k,  # vLLM's -1 (and 0): no limit
+        "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.0, 100.0, low_open=True),
+        "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "logit_bias": _logit_bias(body),
+        "stop_token_ids": _token_ids(body, "stop_token_ids"),
+        "min_tokens": _integer(body, "min_tokens", 0, 1 << 31) or 0,
+        "ignore_eos": _boolean(body, "ignore_eos"),
+        "include_stop_str_in_output": _boolean(body, "include_stop_str_in_output"),
+    }
+
+
+def _with_max_tokens(r: Request, max_tokens: int) -> Request:
+    r.sampling = dataclasses.replace(r.sampling, max_new_tokens=max_tokens)
+    try:
+        r.sampling.validate()
+    except GenerationError as e:
+        raise invalid(param_of(e.field), str(e).removeprefix("sampling.")) from None
+    return r
 
 
 def parse_completion(body: Any, default_max_tokens: int) -> Request:
@@ -226,8 +283,7 @@ def parse_completion(body: Any, default_max_tokens: int) -> Request:
         raise invalid("prompt", "prompt must be a non-empty string")
     r.prompt = prompt
     mt = _integer(body, "max_tokens", 1, 1 << 31)
-    r.max_tokens = default_max_tokens if mt is None else mt
-    return r
+    return _with_max_tokens(r, default_max_tokens if mt is None else mt)
 
 
 def parse_chat(body: Any) -> Request:
@@ -256,8 +312,7 @@ def parse_chat(body: Any) -> Request:
     r.messages = out
     mt = _integer(body, "max_completion_tokens", 1, 1 << 31)
     mt = _integer(body, "max_tokens", 1, 1 << 31) if mt is None else mt
-    r.max_tokens = mt or 0
-    return r
+    return _with_max_tokens(r, mt or 0)
 
 
 # -- responses ---------------------------------------------------------------------------------------------

@@ -153,7 +153,7 @@ class Engine:
         logits = self.runner.forward(batch)  # [R, vocab] fp32, rows of the sampling sequences in order
         samplers = [self._seqs[w.seq.seq_id].sampler for w in work if w.samples]
         picks = logits.argmax(-1).tolist() if logits.shape[0] else []
-        hot = [i for i, sp in enumerate(samplers) if not sp.greedy]
+        hot = [i for i, sp in enumerate(samplers) if not sp.plain]  # rows with their own rule
         failed: dict[int, Exception] = {}  # sampling row -> why it could not be sampled
         if hot:
             rows = logits[torch.tensor(hot, device=logits.device)].cpu()
@@ -184,17 +184,24 @@ class Engine:
 
     def _emit_token(self, seq: Sequence, tok: int, now: float, posts) -> None:
         s = seq.state
+        sp = seq.sampler.sampling
         s.output.append(tok)
-        text, stopped = seq.text.add(tok)
+        may_stop = len(s.output) >= sp.min_tokens  # as vLLM: the min_tokens-th token may end it
         finish = None
-        if stopped:
-            finish = FinishReason.STOP
-        elif tok in seq.eos_ids:
-            finish = FinishReason.EOS
-        elif len(s.output) >= s.max_new:
-            finish = FinishReason.LENGTH
-        if finish is not None and finish is not FinishReason.STOP:
+        if tok in sp.stop_token_ids and may_stop:  # its text only with include_stop_str_in_output
+            text = seq.text.add(tok)[0] if sp.include_stop_str_in_output else ""
             text += seq.text.flush()
+            finish = FinishReason.STOP
+        else:
+            text, stopped = seq.text.add(tok, may_stop)
+            if stopped:
+                finish = FinishReason.STOP
+            elif tok in seq.eos_ids and not sp.ignore_eos:
+                finish = FinishReason.EOS
+            elif len(s.output) >= s.max_new:
+                finish = FinishReason.LENGTH
+            if finish is not None and finish is not FinishReason.STOP:
+                text += seq.text.flush()
         ttft = None
         if not seq.sent_first:
             seq.sent_first = True

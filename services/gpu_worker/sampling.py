@@ -1,11 +1,22 @@
 """Picking tokens and turning them into text.
 
-- `Sampler`: greedy (temperature 0), or temperature + nucleus (top-p) with a
-  per-request generator: same seed, same tokens, whatever else is in the batch.
+- `Sampler`: one sequence's way to pick its next token from its row of the step's logits, with
+  the state its rules need (vLLM's order, `bitdelta.common.v1.SamplingParams`):
+
+      l = logits                                   # fp32 [vocab], the model's raw row
+      l[bias_ids] += bias
+      l[eos_ids + stop_token_ids] = -inf           # while the output is shorter than min_tokens
+      l[seen] = where(l[seen] > 0, l / rep, l * rep)   # seen: prompt and output tokens
+      l -= frequency * count + presence * (count > 0)  # count: each token in the output
+      greedy: argmax(l); else l / T cut by top_k, then top_p, then min_p (each on what the one
+      before kept: transformers' warpers), p = softmax, drawn by the request's own generator:
+      same seed, same tokens, whatever else is in the batch.
+
+  A `plain` greedy sequence (nothing of the above) takes the batch's argmax and costs nothing.
 - `TextStream`: incremental detokenisation (decode a short window around the
   new token so multi-byte characters and leading spaces come out right) and
   stop strings: text that could still become a stop string is held back, and
-  the stop string itself is never returned.
+  the stop string itself is returned only with include_stop_str_in_output.
 """
 
 from __future__ import annotations
@@ -20,46 +31,109 @@ from services.gpu_worker.errors import SamplingError
 
 
 class Sampler:
-    def __init__(self, sampling: Sampling):
-        self.temperature = float(sampling.temperature)
-        self.top_p = float(sampling.top_p)
-        self.greedy = sampling.greedy
+    """One sequence's picking rule and its state (module docstring). Runs on the CPU: the engine
+    hands it its row of the logits."""
+
+    def __init__(self, sampling: Sampling, prompt: list[int] = (), vocab_size: int = 0, eos_ids=frozenset()):
+        self.sampling = sp = sampling
+        self.temperature = float(sp.temperature)
+        self.top_p = float(sp.top_p)
+        self.greedy = sp.greedy
+        self.plain = sp.greedy and sp.plain  # the batch's argmax is this sequence's pick
+        self.n_out = 0
         self.generator = None
         if not self.greedy:
-            seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little")
+            seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(8), "little")
             self.generator = torch.Generator().manual_seed(seed)
+        self.seen = self.counts = None
+        if sp.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # prompt and output tokens
+            self.seen[torch.tensor(list(prompt), dtype=torch.int64)] = True
+        if sp.presence_penalty or sp.frequency_penalty:
+            self.counts = torch.zeros(vocab_size, dtype=torch.float32)  # output tokens
+        self.bias_ids = torch.tensor([t for t, _ in sp.logit_bias], dtype=torch.int64)
+        self.bias = torch.tensor([b for _, b in sp.logit_bias], dtype=torch.float32)
+        self.banned = torch.tensor(sorted(set(eos_ids) | set(sp.stop_token_ids)), dtype=torch.int64)
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: fp32 [vocab] on the CPU -> the row after the bias, min_tokens and penalties
+        (vLLM's and transformers' order: processors before penalties)."""
+        sp = self.sampling
+        out = logits.float().clone()
+        if len(self.bias_ids):
+            out[self.bias_ids] += self.bias
+        if self.n_out < sp.min_tokens and len(self.banned):
+            out[self.banned] = -math.inf
+        if self.seen is not None:
+            rep = sp.repetition_penalty
+            hit = out[self.seen]
+            out[self.seen] = torch.where(hit > 0, hit / rep, hit * rep)
+        if self.counts is not None:
+            out -= sp.frequency_penalty * self.counts + sp.presence_penalty * (self.counts > 0).float()
+        return out
+
+    def distribution(self, row: torch.Tensor) -> torch.Tensor:
+        """A processed row -> the probabilities the draw uses: [vocab], 0 where cut."""
+        sp = self.sampling
+        low = torch.tensor(-math.inf)
+        lt = row / self.temperature
+        if sp.top_k and sp.top_k < lt.numel():
+            kth = torch.topk(lt, sp.top_k).values[-1]
+            lt = torch.where(lt < kth, low, lt)
+        if 0.0 < self.top_p < 1.0:
+            sl, idx = lt.sort(descending=True)
+            p = torch.softmax(sl, -1)
+            cut = (p.cumsum(0) - p) >= self.top_p  # the smallest prefix whose mass reaches top_p stays
+            cut[0] = False
+            lt = lt.clone()
+            lt[idx[cut]] = -math.inf
+        if sp.min_p:
+            p = torch.softmax(lt, -1)
+            lt = torch.where(p < sp.min_p * p.max(), low, lt)
+        return torch.softmax(lt, -1)
 
     def sample(self, logits: torch.Tensor) -> int:
-        """logits: fp32 [vocab] on the CPU -> token id. Raises SamplingError (this sequence only)
-        when the probabilities are not finite: a NaN or infinite temperature or top_p, a temperature
-        so small that logits / temperature overflows, or non-finite logits."""
+        """logits: fp32 [vocab] on the CPU -> token id (and the state notes it). Raises SamplingError
+        (this sequence only) when the probabilities are not finite: a NaN or infinite temperature or
+        top_p, a temperature so small that logits / temperature overflows, or non-finite logits."""
         if not (math.isfinite(self.temperature) and math.isfinite(self.top_p)):
             raise self._error("the sampling parameters are not finite")
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        row = self.process(logits)
+        if self.greedy:
+            tok = int(row.argmax())
+        else:
+            tok = self._draw(row)
+        self.note(tok)
+        return tok
+
+    def note(self, tok: int) -> None:
+        """`tok` joined the output (the plain path's pick too)."""
+        self.n_out += 1
+        if self.seen is not None:
+            self.seen[tok] = True
+        if self.counts is not None:
+            self.counts[tok] += 1
+
+    def _draw(self, row: torch.Tensor) -> int:
+        probs = self.distribution(row)
         if not bool(torch.isfinite(probs).all()):
             raise self._error("the token probabilities are not finite")
-        if 0.0 < self.top_p < 1.0:
-            p, idx = probs.sort(descending=True)
-            cum = p.cumsum(0)
-            keep = (cum - p) < self.top_p  # the smallest prefix whose mass reaches top_p (never empty)
-            p = p * keep
-            choice = torch.multinomial(p / p.sum(), 1, generator=self.generator)
-            return int(idx[choice])
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
     def _error(self, what: str) -> SamplingError:
         return SamplingError(
             f"cannot sample the next token: {what} (temperature={self.temperature!r}, "
             f"top_p={self.top_p!r}); use temperature 0 (greedy) or a finite temperature "
-            "of at least 1e-3, and top_p in [0, 1]"
+            "of at least 1e-3, and top_p in (0, 1]"
         )
 
 
 class TextStream:
     """Token ids in, text pieces out (see module docstring)."""
 
-    def __init__(self, tokenizer, prompt: list[int], stop: list[str]):
+    def __init__(self, tokenizer, prompt: list[int], stop: list[str], include_stop: bool = False):
         self.tok = tokenizer
+        self.include_stop = include_stop
         self.ids = list(prompt)
         self.prefix_offset = max(len(prompt) - 5, 0)
         self.read_offset = len(prompt)
@@ -70,27 +144,28 @@ class TextStream:
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def add(self, token: int) -> tuple[str, bool]:
-        """Append one token. Returns (text to send now, whether a stop string was produced)."""
+    def add(self, token: int, may_stop: bool = True) -> tuple[str, bool]:
+        """Append one token. Returns (text to send now, whether a stop string was produced).
+        `may_stop` False (the output is shorter than min_tokens): stop strings are not looked for."""
         self.ids.append(token)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.text += full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return self._release()
+        return self._release(may_stop)
 
-    def _release(self) -> tuple[str, bool]:
-        if not self.stop:
+    def _release(self, may_stop: bool) -> tuple[str, bool]:
+        if not self.stop or not may_stop:
             out, self.sent = self.text[self.sent :], len(self.text)
             return out, False
-        hit = -1
+        hit, end = -1, -1
         for s in self.stop:
             i = self.text.find(s, self.sent)
             if i >= 0 and (hit < 0 or i < hit):
-                hit = i
+                hit, end = i, i + len(s)
         if hit >= 0:
-            out, self.sent = self.text[self.sent : hit], len(self.text)
+            out, self.sent = self.text[self.sent : end if self.include_stop else hit], len(self.text)
             return out, True
         pending = self.text[self.sent :]
         hold = 0

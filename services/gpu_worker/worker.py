@@ -179,6 +179,7 @@ class Worker:
         t_arrival_ns = first_ns = time.time_ns()  # traces: the engine's times become spans after the fact
         self._check_serving()
         p.validate()
+        p.sampling.check_vocab(self.args.vocab_size)
         name = None if self.is_base(p.model_id) else p.model_id
         sp = p.sampling
         limit = self.config.max_prompt_bytes
@@ -238,8 +239,8 @@ class Worker:
                 load_ms = (time.perf_counter() - t) * 1e3
             seq = Sequence(
                 state=SeqState(seq_id, ids, max_new, slot),
-                sampler=Sampler(sp),
-                text=TextStream(self.tokenizer, ids, list(sp.stop)),
+                sampler=Sampler(sp, ids, self.args.vocab_size, self.eos_ids),
+                text=TextStream(self.tokenizer, ids, list(sp.stop), sp.include_stop_str_in_output),
                 eos_ids=self.eos_ids,
                 emit=queue.put_nowait,
                 delta_name=name,

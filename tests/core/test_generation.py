@@ -39,6 +39,19 @@ from bitdelta.rpc.wire.gpu_worker import event_of_pb, event_to_pb, request_to_pb
         (Sampling(stop=("",)), "sampling.stop"),
         (Sampling(stop=("s" * 257,)), "sampling.stop"),
         (Sampling(seed=2**64), "sampling.seed"),
+        (Sampling(top_k=-1), "sampling.top_k"),
+        (Sampling(min_p=1.5), "sampling.min_p"),
+        (Sampling(repetition_penalty=0.0), "sampling.repetition_penalty"),
+        (Sampling(repetition_penalty=math.nan), "sampling.repetition_penalty"),
+        (Sampling(presence_penalty=2.5), "sampling.presence_penalty"),
+        (Sampling(frequency_penalty=-3.0), "sampling.frequency_penalty"),
+        (Sampling(logit_bias=((5, 101.0),)), "sampling.logit_bias"),
+        (Sampling(logit_bias=((-1, 1.0),)), "sampling.logit_bias"),
+        (Sampling(logit_bias=tuple((i, 1.0) for i in range(1025))), "sampling.logit_bias"),
+        (Sampling(stop_token_ids=(-1,)), "sampling.stop_token_ids"),
+        (Sampling(stop_token_ids=tuple(range(65))), "sampling.stop_token_ids"),
+        (Sampling(min_tokens=-1), "sampling.min_tokens"),
+        (Sampling(max_new_tokens=4, min_tokens=5), "sampling.min_tokens"),
     ],
 )
 def test_validate_names_the_field(sampling, field):
@@ -76,6 +89,31 @@ def test_the_store_uses_the_same_model_id_rule():
         with pytest.raises(InvalidName) as e:
             check_name(bad)
         assert len(str(e.value)) < 300  # the echoed value is clipped
+
+
+def test_every_field_round_trips():
+    s = Sampling(
+        max_new_tokens=9,
+        temperature=0.5,
+        top_p=0.5,
+        stop=("x",),
+        seed=3,
+        top_k=7,
+        min_p=0.25,
+        repetition_penalty=1.5,
+        presence_penalty=-0.5,
+        frequency_penalty=0.75,
+        logit_bias=((3, -1.0), (70, 2.5)),
+        stop_token_ids=(1, 9),
+        min_tokens=2,
+        ignore_eos=True,
+        include_stop_str_in_output=True,
+    ).validate()
+    assert Sampling.from_pb(gen_pb.SamplingParams.FromString(s.to_pb().SerializeToString())) == s
+    assert not s.plain and Sampling(top_k=3, temperature=1.0).plain, "only logit changes make a row non-plain"
+    with pytest.raises(GenerationError, match="vocabulary size 50"):
+        s.check_vocab(50)
+    assert s.check_vocab(71) is s
 
 
 def test_sampling_round_trips_and_reads_zeros_as_unset():

@@ -22,6 +22,8 @@ import pytest
 import pytest_asyncio
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb
+from bitdelta.generation import Sampling
+from bitdelta.router.v1 import router_pb2 as rpb
 from bitdelta.rpc.clients.router import RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
 from bitdelta.testing.cluster import Cluster, free_port
@@ -331,6 +333,107 @@ async def test_bad_requests_get_openai_errors(clients, cluster, path, body, stat
     assert_error_shape(out, status, got, param, words)
     r = await clients[0].completions.create(model="v0", prompt="still fine", max_tokens=2, temperature=0)
     assert r.usage.completion_tokens == 2
+
+
+VLLM_SAMPLING = {
+    "top_k": 12,
+    "min_p": 0.02,
+    "repetition_penalty": 1.4,
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.3,
+    "logit_bias": {"101": 4.0},
+    "min_tokens": 3,
+    "ignore_eos": True,
+}
+
+
+async def test_vllm_sampling_fields_reach_the_worker(clients):
+    """The openai SDK with vLLM's extra fields (extra_body) gets exactly the router's tokens for the
+    same Sampling, seeded and greedy, on both endpoints; and the fields change the answer."""
+    client, router, _ = clients
+    for temperature, seed in ((0.0, None), (0.9, 7)):
+        s = Sampling(
+            max_new_tokens=N,
+            temperature=temperature,
+            seed=seed,
+            top_k=12,
+            min_p=0.02,
+            repetition_penalty=1.4,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            logit_bias=((101, 4.0),),
+            min_tokens=3,
+            ignore_eos=True,
+        )
+        req = rpb.GenerateRequest(model_id="v1", prompt="abc xyz", sampling=s.to_pb())
+        want = "".join([m.text async for m in router.generate_request(req)])
+        r = await client.completions.create(
+            model="v1", prompt="abc xyz", max_tokens=N, temperature=temperature, seed=seed, extra_body=VLLM_SAMPLING
+        )
+        assert r.choices[0].text == want
+        plain = await client.completions.create(
+            model="v1", prompt="abc xyz", max_tokens=N, temperature=temperature, seed=seed
+        )
+        assert plain.choices[0].text != want
+    chat = await client.chat.completions.create(
+        model="v1", messages=CHAT, max_tokens=N, temperature=0, extra_body=VLLM_SAMPLING
+    )
+    s = Sampling(
+        max_new_tokens=N,
+        top_k=12,
+        min_p=0.02,
+        repetition_penalty=1.4,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        logit_bias=((101, 4.0),),
+        min_tokens=3,
+        ignore_eos=True,
+    )
+    req = rpb.GenerateRequest(model_id="v1", prompt=V1_RENDERED, sampling=s.to_pb(), templated=True)
+    assert chat.choices[0].message.content == "".join([m.text async for m in router.generate_request(req)])
+
+
+async def test_stop_token_ids_and_include_stop_str(clients):
+    client, router, _ = clients
+    full = await client.completions.create(model="v0", prompt="The quick brown fox", max_tokens=N, temperature=0)
+    text = full.choices[0].text
+    stop = text[4:6]
+    r = await client.completions.create(
+        model="v0",
+        prompt="The quick brown fox",
+        max_tokens=N,
+        temperature=0,
+        stop=stop,
+        extra_body={"include_stop_str_in_output": True},
+    )
+    assert r.choices[0].text == text[: text.index(stop) + 2] and r.choices[0].finish_reason == "stop"
+    # the family's byte tokenizer: an ASCII character's token id is its byte
+    ch = next(c for c in text[1:] if c.isascii())
+    r = await client.completions.create(
+        model="v0", prompt="The quick brown fox", max_tokens=N, temperature=0, extra_body={"stop_token_ids": [ord(ch)]}
+    )
+    assert r.choices[0].text == text[: text.index(ch)] and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"top_k": "x"}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias"),  # beyond the vocabulary: the worker's check
+        ({"min_tokens": 20}, "min_tokens"),  # more than max_tokens
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+    ],
+)
+async def test_bad_sampling_fields_are_400_naming_the_field(cluster, extra, param):
+    body = {"model": "v0", "prompt": "hi", "max_tokens": 4, **extra}
+    got, out = await asyncio.to_thread(http, cluster.g, "POST", "/v1/completions", json.dumps(body).encode())
+    assert_error_shape(out, 400, got, param)
 
 
 async def test_harmless_fields_are_ignored_and_off_values_pass(clients):

@@ -357,6 +357,34 @@ async def test_cli_generate_and_models(clients, cluster, family):
     assert r.returncode == 0, r.stderr
     assert r.stdout == PROMPTS["v0"] + text + "\n"
     assert "ttft" in r.stderr and "prefill" in r.stderr and f"{N} tokens" in r.stderr
+    # vLLM's sampling fields on the command line: what the router gives for the same Sampling
+    from bitdelta.generation import Sampling
+    from bitdelta.router.v1 import router_pb2 as rpb
+
+    s = Sampling(max_new_tokens=N, repetition_penalty=1.5, top_k=5, temperature=0.8, seed=3)
+    req = rpb.GenerateRequest(model_id="v0", prompt=PROMPTS["v0"], sampling=s.to_pb())
+    want = "".join([m.text async for m in router.generate_request(req)])
+    flags = ["--repetition-penalty", "1.5", "--top-k", "5", "--temperature", "0.8", "--seed", "3"]
+    r = await asyncio.to_thread(
+        subprocess.run,
+        [
+            *cli,
+            "generate",
+            "--router",
+            cluster.r.address,
+            "--model",
+            "v0",
+            "--max-new-tokens",
+            str(N),
+            *flags,
+            PROMPTS["v0"],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=T,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == PROMPTS["v0"] + want + "\n" and want != text
     r = await asyncio.to_thread(
         subprocess.run, [*cli, "models", "--router", cluster.r.address], capture_output=True, text=True, timeout=T
     )

@@ -1,0 +1,200 @@
+"""vLLM's sampling fields in the worker, each against an independent reference on the dense model
+(transformers' LlamaForCausalLM on the base and on a variant's dense checkpoint W_base + α·S):
+greedy with a repetition penalty, a logit bias and min_tokens equals transformers' generate with
+the same processors; presence and frequency penalties equal a torch reference loop of the rule;
+top_k, top_p and min_p cut the distribution as transformers' warpers do. Every rule is per row: a
+batch mixing all of them gives each request the tokens it gets alone, seeded or greedy."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+import torch
+
+from bitdelta.generation import FinishReason, Request, Sampling
+from bitdelta.testing.family import make_test_family
+from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.sampling import Sampler
+from tests.support.worker import running_worker
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.usefixtures("cpu_kernels")]
+
+N = 16
+EOS = 256
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    return make_test_family(tmp_path_factory.mktemp("sampling_family"), n_variants=1)
+
+
+@pytest.fixture(scope="module")
+def tok(family):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(family.base / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def dense(family):
+    """model id -> transformers' model of the same weights (the variant's dense checkpoint)."""
+    from transformers import LlamaForCausalLM
+
+    load = lambda path: LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return {"": load(family.base), "v0": load(family.merged["v0"])}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def worker(family):
+    cfg = WorkerConfig(base=family.base, delta_dir=str(family.deltas), delta_budget=4 << 20, kv_cache=4 << 20)
+    async with running_worker(cfg) as (w, _, _):
+        yield w
+
+
+async def run(worker, model: str, sampling: Sampling, prompt: str = PROMPT):
+    evs = [ev async for ev in worker.generate(Request(model, prompt, sampling))]
+    return [e.token_id for e in evs], "".join(e.text for e in evs), evs[-1]
+
+
+@pytest.mark.parametrize("model", ["", "v0"])
+async def test_greedy_with_repetition_penalty_bias_and_min_tokens_equals_transformers(worker, dense, tok, model):
+    ids = tok.encode(PROMPT).ids
+    plain, _, _ = await run(worker, model, Sampling(max_new_tokens=N))
+    s = Sampling(max_new_tokens=N, repetition_penalty=1.8, logit_bias=((EOS, 12.0), (plain[1], -5.0)), min_tokens=5)
+    got, _, last = await run(worker, model, s)
+    with torch.no_grad():
+        out = dense[model].generate(
+            torch.tensor([ids]),
+            max_new_tokens=N,
+            do_sample=False,
+            repetition_penalty=1.8,
+            sequence_bias={(EOS,): 12.0, (plain[1],): -5.0},
+            min_new_tokens=5,
+            eos_token_id=EOS,
+            pad_token_id=EOS,
+        )
+    want = out[0, len(ids) :].tolist()
+    if want[-1] == EOS:  # transformers pads after EOS; the worker stops at it
+        want = want[: want.index(EOS) + 1]
+    assert got == want and got != plain
+    assert EOS not in got[:5], "min_tokens holds EOS back"
+    if got[-1] == EOS:
+        assert last.finish_reason is FinishReason.EOS and len(got) >= 6
+
+
+def reference_penalised_greedy(model, ids: list[int], n: int, presence: float, frequency: float) -> list[int]:
+    """The OpenAI rule by hand, on transformers' logits: l -= frequency * count + presence * (count > 0)."""
+    out: list[int] = []
+    counts = torch.zeros(model.config.vocab_size)
+    for _ in range(n):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + out])).logits[0, -1].float()
+        logits = logits - frequency * counts - presence * (counts > 0).float()
+        t = int(logits.argmax())
+        out.append(t)
+        counts[t] += 1
+        if t == EOS:
+            break
+    return out
+
+
+@pytest.mark.parametrize("model,presence,frequency", [("", -2.0, 0.3), ("v0", 0.7, 1.1)])
+async def test_greedy_with_presence_and_frequency_penalties_equals_a_torch_reference(
+    worker, dense, tok, model, presence, frequency
+):
+    """(The base repeats nothing in N tokens on its own: a negative presence penalty invites repeats.)"""
+    ids = tok.encode(PROMPT).ids
+    want = reference_penalised_greedy(dense[model], ids, N, presence, frequency)
+    s = Sampling(max_new_tokens=N, presence_penalty=presence, frequency_penalty=frequency)
+    got, _, _ = await run(worker, model, s)
+    plain, _, _ = await run(worker, model, Sampling(max_new_tokens=N))
+    assert got == want and got != plain
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (0, 0.6, 0.0), (0, 1.0, 0.2), (8, 0.9, 0.05)])
+def test_top_k_top_p_min_p_cut_like_transformers_warpers(top_k, top_p, min_p):
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(top_k + int(100 * top_p)))
+    s = Sampler(Sampling(temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p, seed=1))
+    ours = s.distribution(s.process(logits))
+    hf = logits[None].clone()
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    for w in (
+        TemperatureLogitsWarper(0.7),
+        TopKLogitsWarper(top_k) if top_k else None,
+        TopPLogitsWarper(top_p) if top_p < 1 else None,
+        MinPLogitsWarper(min_p) if min_p else None,
+    ):
+        if w is not None:
+            hf = w(ids, hf)
+    want = torch.softmax(hf[0], -1)
+    assert torch.equal(ours > 0, want > 0), "the same tokens are kept"
+    assert torch.allclose(ours, want, atol=1e-6)
+    assert 0 < int((ours > 0).sum()) < 300
+
+
+async def test_stop_token_ids_ignore_eos_and_include_stop_str(worker, tok):
+    plain, text, _ = await run(worker, "v0", Sampling(max_new_tokens=N))
+    k = next(i for i in range(2, N) if plain[i] not in plain[:i])  # a token seen first at position k
+    got, got_text, last = await run(worker, "v0", Sampling(max_new_tokens=N, stop_token_ids=(plain[k],)))
+    assert got == plain[: k + 1] and last.finish_reason is FinishReason.STOP
+    assert got_text == tok.decode(plain[:k], skip_special_tokens=True), "the stop token's text is not returned"
+    _, with_stop, _ = await run(
+        worker, "v0", Sampling(max_new_tokens=N, stop_token_ids=(plain[k],), include_stop_str_in_output=True)
+    )
+    assert with_stop == tok.decode(plain[: k + 1], skip_special_tokens=True)
+    # min_tokens: the stop token cannot end the output before it
+    late, _, _ = await run(worker, "v0", Sampling(max_new_tokens=N, stop_token_ids=(plain[k],), min_tokens=k + 2))
+    assert len(late) > k + 1 and late[k] != plain[k]
+
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    i = text.index(stop)
+    _, cut, last = await run(worker, "v0", Sampling(max_new_tokens=N, stop=(stop,)))
+    _, kept, _ = await run(worker, "v0", Sampling(max_new_tokens=N, stop=(stop,), include_stop_str_in_output=True))
+    assert cut == text[:i] and kept == text[: i + len(stop)] and last.finish_reason is FinishReason.STOP
+
+    eos_first = Sampling(max_new_tokens=6, logit_bias=((EOS, 100.0),))
+    assert (await run(worker, "v0", eos_first))[0] == [EOS]
+    ignored, _, last = await run(worker, "v0", Sampling(max_new_tokens=6, logit_bias=((EOS, 100.0),), ignore_eos=True))
+    assert ignored == [EOS] * 6 and last.finish_reason is FinishReason.LENGTH
+
+
+async def test_every_rule_is_per_row_in_a_mixed_batch(worker):
+    """Seven requests, two models, every rule: alone, then all at once in shared steps: each gets the
+    same tokens (seeded draws included: each row has its own generator)."""
+    jobs = [
+        ("v0", Sampling(max_new_tokens=N)),
+        ("", Sampling(max_new_tokens=N, repetition_penalty=1.5)),
+        ("v0", Sampling(max_new_tokens=N, presence_penalty=1.0, frequency_penalty=0.5)),
+        ("", Sampling(max_new_tokens=N, temperature=0.9, top_k=20, min_p=0.05, seed=3)),
+        ("v0", Sampling(max_new_tokens=N, temperature=1.2, top_p=0.8, repetition_penalty=1.2, seed=4)),
+        ("", Sampling(max_new_tokens=N, logit_bias=((65, 3.0),), min_tokens=4)),
+        ("v0", Sampling(max_new_tokens=N, temperature=0.7, seed=3)),
+    ]
+    alone = [(await run(worker, m, s))[0] for m, s in jobs]
+    steps = worker.engine.steps
+    together = await asyncio.gather(*[run(worker, m, s) for m, s in jobs])
+    assert [t[0] for t in together] == alone
+    assert worker.engine.steps - steps < sum(map(len, alone)) * 0.5, "they shared steps"
+    assert len({tuple(a) for a in alone}) >= 5, "the rules change the tokens"
+
+
+async def test_token_ids_beyond_the_vocabulary_are_invalid_argument(worker):
+    from bitdelta.generation import GenerationError
+
+    for s, field in (
+        (Sampling(logit_bias=((10**6, 1.0),)), "sampling.logit_bias"),
+        (Sampling(stop_token_ids=(10**6,)), "sampling.stop_token_ids"),
+    ):
+        with pytest.raises(GenerationError) as e:
+            await run(worker, "", s)
+        assert e.value.field == field and "vocabulary" in str(e.value)
