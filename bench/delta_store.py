@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from pagecache import evict  # noqa: E402  (bench/pagecache.py)
 
 from bitdelta.cache_policy import WeightedLRUPolicy  # noqa: E402
-from bitdelta.format import DeltaMeta, write_delta  # noqa: E402
+from bitdelta.format import V1_LAYOUT, DeltaMeta, write_delta  # noqa: E402
 from services.delta_store.backends import SUFFIX  # noqa: E402
 from services.delta_store.backends.local import LocalBackend  # noqa: E402
 from services.delta_store.cache import HostCache  # noqa: E402
@@ -82,7 +82,13 @@ def generate(path: Path, size_gb: float) -> None:
             left -= d_out * ((d_in + 7) // 8) + 4 * d_out
         layer += 1
     meta = DeltaMeta(
-        variant=path.stem, base_model="bench-7b-like", base_fingerprint="0" * 64, alpha_mode="row", shapes=shapes
+        variant=path.stem,
+        base_model="bench-7b-like",
+        base_fingerprint="0" * 64,
+        alpha_mode="row",
+        architecture="llama",
+        layout=V1_LAYOUT,
+        shapes=shapes,
     )
     write_delta(path, tensors, meta)
 

@@ -76,7 +76,13 @@ def generate(path: Path, layout: SlotLayout, seed: int) -> None:
         tensors[param + ".alpha"] = torch.from_numpy(rng.random(d_out, dtype=np.float32) * 1e-3)
         shapes[param] = [d_out, p.d_in]
     meta = DeltaMeta(
-        variant=path.stem, base_model="bench-llama-7b-shaped", base_fingerprint=FP, alpha_mode="row", shapes=shapes
+        variant=path.stem,
+        base_model="bench-llama-7b-shaped",
+        base_fingerprint=FP,
+        alpha_mode="row",
+        architecture=layout.args.model_type,
+        layout=layout.args.layout,
+        shapes=shapes,
     )
     write_delta(path, tensors, meta)
 
@@ -173,7 +179,11 @@ async def main() -> None:
 
     a = layout.args
     slots = SlotTensors.allocate(
-        layout, 1, torch.device("cpu"), [(torch.ones(a.dim), torch.ones(a.dim))] * a.n_layers, torch.ones(a.dim)
+        layout,
+        1,
+        torch.device("cpu"),
+        [{name: torch.ones(size) for name, size in a.layer_norms()}] * a.n_layers,
+        torch.ones(a.dim),
     )
     for d in slots.signs:  # touch the slot's pages once, as a worker's slots are after their first load
         for t in d.values():

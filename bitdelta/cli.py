@@ -65,12 +65,15 @@ def _print_inspect(path: Path, as_json: bool = False) -> None:
         "base_model": meta.base_model,
         "base_fingerprint": meta.base_fingerprint,
         "format_version": h.metadata["format_version"],
+        "architecture": meta.architecture or "llama/mistral (format v1)",
+        "layout": meta.layout,
         "alpha_mode": meta.alpha_mode,
         "distilled": meta.distilled,
         "tool_version": meta.tool_version,
         "compressed_weights": len(meta.shapes),
         "compressed_params": params,
         "dense_tensors": sum(t.role == "dense" for t in h.tensors),
+        "dense_biases": sum(t.role == "dense" and t.param.endswith(".bias") for t in h.tensors),
         "bytes": {
             "signs": roles["sign"],
             "alpha": roles["alpha"],
@@ -86,11 +89,15 @@ def _print_inspect(path: Path, as_json: bool = False) -> None:
         return
     print(f"{path}: BitDelta v{info['format_version']} variant {meta.variant!r} of base {meta.base_model!r}")
     print(f"  base fingerprint  {meta.base_fingerprint}")
+    print(f"  architecture      {info['architecture']}, layout {meta.layout}")
     print(f"  alpha mode        {meta.alpha_mode}; distilled: {json.dumps(meta.distilled) if meta.distilled else 'no'}")
     print(f"  compressed        {len(meta.shapes)} weights, {params:,} params")
     print(f"  signs             {human_bytes(roles['sign'])}")
     print(f"  alpha             {human_bytes(roles['alpha'])}")
-    print(f"  dense             {human_bytes(roles['dense'])} in {info['dense_tensors']} tensors")
+    print(
+        f"  dense             {human_bytes(roles['dense'])} in {info['dense_tensors']} tensors "
+        f"({info['dense_biases']} of them biases)"
+    )
     print(f"  file              {human_bytes(h.file_size)}")
     print(
         f"  ratio             {info['ratio_vs_bf16']}x smaller than the same parameters in bf16 "
@@ -104,15 +111,19 @@ def cmd_inspect(a: argparse.Namespace) -> None:
 
 
 def cmd_verify(a: argparse.Namespace) -> None:
-    from bitdelta.checkpoint import fingerprint
-    from bitdelta.format import verify
+    from bitdelta.arch import ModelArgs
+    from bitdelta.checkpoint import fingerprint, read_config
+    from bitdelta.format import check_arch, verify
 
     fp = fingerprint(a.base) if a.base else None
+    args = ModelArgs.from_hf(read_config(a.base)) if a.base else None
     failed = False
     for f in a.files:
         try:
             h = verify(f, fp)
-        except (ValueError, OSError) as e:  # DeltaFormatError, BaseMismatchError, missing file
+            if args is not None:
+                check_arch(h.meta.variant, h.meta.architecture, h.meta.layout, args)
+        except (ValueError, OSError) as e:  # DeltaFormatError, BaseMismatchError/ArchMismatchError, missing file
             print(f"FAIL {f}: {e}", file=sys.stderr)
             failed = True
             continue

@@ -13,22 +13,37 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bitdelta.arch import ModelArgs
 from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config, save_checkpoint
-from bitdelta.format import DeltaMeta, load_delta, write_delta
-from bitdelta.model import PROJECTIONS
+from bitdelta.format import DeltaMeta, check_arch, load_delta, write_delta
 from kernels.bits import pack_signs, unpack_signs
 
 EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def is_compressed(name: str, shape: list[int], embeddings: str) -> bool:
-    """Which parameters become signs + α: the attention/MLP projections always,
-    the embeddings and LM head when `embeddings == "sign"`."""
-    if len(shape) != 2:
-        return False
+def is_compressed(name: str, args: ModelArgs, embeddings: str) -> bool:
+    """Which parameters become signs + α: the attention/MLP matrices as the family stores them
+    (split q/k/v or fused qkv, ...) always, the embeddings and LM head when `embeddings == "sign"`.
+    Everything else that changed (norms, biases) is stored dense."""
     if name in EMBEDDINGS:
         return embeddings == "sign"
-    return name.endswith(".weight") and name.rsplit(".", 2)[-2] in PROJECTIONS
+    return name in args.compressed_names()
+
+
+def same_model(base_cfg: dict, ft_cfg: dict, finetuned: Path, base: Path) -> ModelArgs:
+    """The base's description; the fine-tune's config must describe the same forward pass."""
+    args, ft = ModelArgs.from_hf(base_cfg), ModelArgs.from_hf(ft_cfg)
+    differ = [
+        k
+        for k in args.__dataclass_fields__
+        if k not in ("bos_token_id", "eos_token_id", "max_seq_len") and getattr(args, k) != getattr(ft, k)
+    ]
+    if differ:
+        raise ValueError(
+            f"{finetuned} is not a fine-tune of {base}: its config differs in "
+            + ", ".join(f"{k} ({getattr(ft, k)} != {getattr(args, k)})" for k in differ)
+        )
+    return args
 
 
 def compress_weight(delta: torch.Tensor, alpha_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,12 +73,8 @@ def compress(
 ) -> Path:
     """Write the BitDelta of `finetuned` against `base` to `out` (atomically)."""
     base, finetuned, out = Path(base), Path(finetuned), Path(out)
-    base_cfg, ft_cfg = read_config(base), read_config(finetuned)
-    for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"):
-        if base_cfg.get(key) != ft_cfg.get(key):
-            raise ValueError(
-                f"{finetuned} is not a fine-tune of {base}: {key} {ft_cfg.get(key)} != {base_cfg.get(key)}"
-            )
+    base_cfg = read_config(base)
+    args = same_model(base_cfg, read_config(finetuned), finetuned, base)
     tensors: dict[str, torch.Tensor] = {}
     shapes: dict[str, list[int]] = {}
     with CheckpointReader(base) as rb, CheckpointReader(finetuned) as rf:
@@ -81,7 +92,7 @@ def compress(
                 raise ValueError(f"{name}: fine-tune shape {tuple(w_ft.shape)} != base {tuple(w_base.shape)}")
             if torch.equal(w_base, w_ft):
                 continue  # unchanged: not stored
-            if is_compressed(name, list(w_ft.shape), embeddings):
+            if is_compressed(name, args, embeddings):
                 signs, alpha = compress_weight(w_ft.float() - w_base.float(), alpha_mode)
                 tensors[name + ".sign"], tensors[name + ".alpha"] = signs, alpha
                 shapes[name] = list(w_ft.shape)
@@ -93,6 +104,8 @@ def compress(
         base_fingerprint=fingerprint(base),
         alpha_mode=alpha_mode,
         shapes=shapes,
+        architecture=args.model_type,
+        layout=args.layout,
         extra={"embeddings": embeddings},
     )
     write_delta(out, tensors, meta)
@@ -106,6 +119,7 @@ def apply(
     base = Path(base)
     delta = load_delta(delta_path, base_fingerprint=fingerprint(base))
     cfg = read_config(base)
+    check_arch(delta.meta.variant, delta.meta.architecture, delta.meta.layout, ModelArgs.from_hf(cfg))
     state = {}
     with CheckpointReader(base) as rb:
         for name in tqdm(rb.keys(), desc=f"apply {delta.meta.variant}", unit="tensor", disable=not progress):

@@ -1,10 +1,10 @@
-"""The BitDelta delta file, format v1 (spec: docs/delta-format.md).
+"""The BitDelta delta file, format v2 (spec: docs/delta-format.md; v1 files are read too).
 
 One safetensors file per variant. For each compressed weight P [d_out, d_in]:
 `P.sign` uint8 [d_out, ceil(d_in/8)] (bit convention in `kernels.bits`) and
 `P.alpha` float32 [d_out] or [1]. Parameters stored whole: `P.dense`. The
 header's `__metadata__` carries the format version, variant, base model and
-base fingerprint, α mode, distillation record, tool version, the original
+base fingerprint, the base's architecture and parameter layout (v2), α mode, distillation record, tool version, the original
 shapes of compressed weights and a sha256 per tensor.
 
 This module parses the header itself (8-byte little-endian length, JSON,
@@ -27,7 +27,11 @@ from typing import BinaryIO
 import torch
 
 FORMAT_NAME = "bitdelta"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
+READ_VERSIONS = ("1", "2")
+# What a v1 file was made for: v1 tools accepted Llama and Mistral bases only, whose layout is this.
+V1_ARCHITECTURES = ("llama", "mistral")
+V1_LAYOUT = "q,k,v,o,gate,up,down"
 DELTA_SUFFIX = ".bitdelta.safetensors"  # file / object name = variant name + DELTA_SUFFIX
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 HASH_BLOCK = 16 * 1024 * 1024
@@ -57,6 +61,10 @@ class DeltaFormatError(ValueError):
 
 class BaseMismatchError(ValueError):
     """A delta was built for a different base model than the one it is applied to."""
+
+
+class ArchMismatchError(BaseMismatchError):
+    """A delta was built for another architecture or parameter layout than the base's."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,8 @@ class DeltaMeta:
     base_model: str
     base_fingerprint: str
     alpha_mode: str  # "row" | "matrix"
+    architecture: str  # the base's model_type (bitdelta.arch); "" read from a v1 file: llama or mistral
+    layout: str  # the base's parameter layout (ModelArgs.layout)
     shapes: dict[str, list[int]] = field(default_factory=dict)  # compressed param -> [d_out, d_in]
     distilled: dict | None = None  # e.g. {"steps": 150, "lr": 1e-5, "final_mse": ...}
     tool_version: str = ""
@@ -100,6 +110,8 @@ class DeltaMeta:
     def to_strings(self) -> dict[str, str]:
         from bitdelta import __version__
 
+        if not self.architecture or not self.layout:
+            raise ValueError("a delta records the architecture and layout of its base (bitdelta.arch.ModelArgs)")
         out = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
@@ -107,6 +119,8 @@ class DeltaMeta:
             "base_model": self.base_model,
             "base_fingerprint": self.base_fingerprint,
             "alpha_mode": self.alpha_mode,
+            "architecture": self.architecture,
+            "layout": self.layout,
             "shapes": json.dumps(self.shapes, sort_keys=True),
             "distilled": json.dumps(self.distilled),
             "tool_version": self.tool_version or f"bitdelta {__version__}",
@@ -123,13 +137,18 @@ class DeltaMeta:
             "base_model",
             "base_fingerprint",
             "alpha_mode",
+            "architecture",
+            "layout",
             "shapes",
             "distilled",
             "tool_version",
             "sha256",
         }
+        v2 = md.get("format_version") != "1"
         try:
             return cls(
+                architecture=md["architecture"] if v2 else "",
+                layout=md["layout"] if v2 else V1_LAYOUT,
                 variant=md["variant"],
                 base_model=md["base_model"],
                 base_fingerprint=md["base_fingerprint"],
@@ -185,9 +204,10 @@ def parse_header(prefix: bytes, file_size: int | None = None) -> DeltaHeader:
     md = raw.pop("__metadata__", None)
     if not isinstance(md, dict) or md.get("format") != FORMAT_NAME:
         raise DeltaFormatError("not a BitDelta file: __metadata__.format is not 'bitdelta'")
-    if md.get("format_version") != FORMAT_VERSION:
+    if md.get("format_version") not in READ_VERSIONS:
         raise DeltaFormatError(
-            f"unsupported delta format version {md.get('format_version')!r} (this tool reads {FORMAT_VERSION})"
+            f"unsupported delta format version {md.get('format_version')!r} "
+            f"(this tool reads {' and '.join(READ_VERSIONS)})"
         )
     try:
         sha = json.loads(md["sha256"])
@@ -278,6 +298,17 @@ def check_base(meta: DeltaMeta, base_fingerprint: str) -> None:
         raise BaseMismatchError(
             f"delta {meta.variant!r} was built for base {meta.base_model!r} with fingerprint "
             f"{meta.base_fingerprint[:16]}…, but the base here has fingerprint {base_fingerprint[:16]}…"
+        )
+
+
+def check_arch(variant: str, architecture: str, layout: str, args) -> None:
+    """A delta (its recorded `architecture` and `layout`; "" = a v1 file) was made for a base of
+    `args`' architecture and layout (a bitdelta.arch.ModelArgs), else ArchMismatchError naming both."""
+    made_for = (architecture,) if architecture else V1_ARCHITECTURES
+    if args.model_type not in made_for or layout != args.layout:
+        raise ArchMismatchError(
+            f"delta {variant!r} was made for a {architecture or '/'.join(V1_ARCHITECTURES) + ' (format v1)'} "
+            f"base with layout {layout!r}, but the base here is {args.model_type} with layout {args.layout!r}"
         )
 
 

@@ -1,115 +1,35 @@
-"""A compact Llama (gpt-fast sized) with Hugging Face parameter names, so HF
-checkpoints and delta files map onto it without a renaming table.
+"""The compact model (gpt-fast sized): ONE forward for every supported family, with Hugging
+Face parameter names, so HF checkpoints and delta files map onto it without a renaming table.
 
-    Llama
+    Llama (any family of `bitdelta.arch`)
       model.embed_tokens            [vocab, dim]
-      model.layers[i].self_attn.{q,k,v,o}_proj   (nn.Linear or BitDeltaLinear)
-      model.layers[i].mlp.{gate,up,down}_proj
+      model.layers[i].self_attn.{q,k,v}_proj | qkv_proj   (split or fused, as the family stores them)
+      model.layers[i].self_attn.o_proj
+      model.layers[i].self_attn.{q,k}_norm                 (Qwen3: per-head RMSNorm of q and k)
+      model.layers[i].mlp.{gate,up}_proj | gate_up_proj
+      model.layers[i].mlp.down_proj
       model.layers[i].{input,post_attention}_layernorm
       model.norm
       lm_head                       (tied to embed_tokens when the config says so)
 
-A variant is the base model with its projections swapped for
-`BitDeltaLinear` (packed signs and α as buffers, the base weight shared) and
-its changed dense parameters replaced: `attach_delta`.
+The switches (fused projections, biases, q/k norms, rope variant, sliding window) come
+from `ModelArgs` (bitdelta.arch), the one description of a family. A variant is the base
+model with its projections swapped for `BitDeltaLinear` (packed signs and α as buffers,
+the base weight and bias shared) and its changed dense parameters (norms, biases,
+embeddings) replaced: `attach_delta`.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bitdelta.arch import ModelArgs
 from kernels import bitdelta_linear
 from kernels.bits import unpack_signs
-
-# The projection weights BitDelta compresses (the paper compresses exactly these).
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass
-class ModelArgs:
-    vocab_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    intermediate_size: int
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_seq_len: int = 2048
-    tie_embeddings: bool = False
-    head_dim: int = 0  # 0: dim // n_heads
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-
-    def __post_init__(self):
-        if self.head_dim == 0:
-            self.head_dim = self.dim // self.n_heads
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-
-    @classmethod
-    def from_hf(cls, cfg: dict) -> ModelArgs:
-        """From a Hugging Face LlamaConfig dict."""
-        arch = cfg.get("model_type", "llama")
-        if arch not in ("llama", "mistral"):
-            raise ValueError(f"unsupported model_type {arch!r}: this build serves Llama-family models")
-        scaling = cfg.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"rope_scaling {scaling} is not supported yet")
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise ValueError("attention/MLP biases are not supported (Llama has none)")
-        eos = cfg.get("eos_token_id")
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            dim=cfg["hidden_size"],
-            n_layers=cfg["num_hidden_layers"],
-            n_heads=cfg["num_attention_heads"],
-            n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-            intermediate_size=cfg["intermediate_size"],
-            norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            max_seq_len=cfg.get("max_position_embeddings", 2048),
-            tie_embeddings=cfg.get("tie_word_embeddings", False),
-            head_dim=cfg.get("head_dim") or 0,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=eos[0] if isinstance(eos, list) else eos,
-        )
-
-    def to_hf(self) -> dict:
-        """A LlamaConfig dict (for writing test checkpoints)."""
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.dim,
-            "num_hidden_layers": self.n_layers,
-            "num_attention_heads": self.n_heads,
-            "num_key_value_heads": self.n_kv_heads,
-            "intermediate_size": self.intermediate_size,
-            "rms_norm_eps": self.norm_eps,
-            "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_seq_len,
-            "tie_word_embeddings": self.tie_embeddings,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "attention_bias": False,
-            "mlp_bias": False,
-            "torch_dtype": "float32",
-        }
-
-    def param_count(self) -> int:
-        d, f, hd = self.dim, self.intermediate_size, self.head_dim
-        attn = d * hd * (self.n_heads * 2 + self.n_kv_heads * 2)
-        per_layer = attn + 3 * d * f + 2 * d
-        emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
-        return self.n_layers * per_layer + emb + d
 
 
 class RMSNorm(nn.Module):
@@ -125,22 +45,31 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_tables(args: ModelArgs, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [T, head_dim] for integer positions [T] (HF layout: halves concatenated)."""
-    inv_freq = 1.0 / (
-        args.rope_theta
-        ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32, device=positions.device) / args.head_dim)
-    )
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+def rope_tables(
+    args: ModelArgs, positions: torch.Tensor, dtype: torch.dtype, seq_lens: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [T, rotary dims] for integer positions [T] (HF layout: halves concatenated).
+    `seq_lens`: see `Rope.tables` (dynamic and LongRoPE depend on the sequence's length)."""
+    return args.rope.tables(positions, dtype, seq_lens)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, H, T, hd]; cos/sin: [T, hd] or [B, 1, T, hd]
-    half = x.shape[-1] // 2
+    """x: [..., hd]; cos/sin broadcast to [..., r] with r ≤ hd: the first r dims rotate (Phi-3's
+    partial rotary factor), the rest pass through."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+    half = r // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """bool [Tq, Tk]: query at q_pos[i] sees keys at k_pos[j] ≤ q_pos[i] (and > q_pos[i] − window)."""
+    ok = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        ok &= k_pos[None, :] > q_pos[:, None] - window
+    return ok
 
 
 class KVCache(nn.Module):
@@ -160,49 +89,78 @@ class KVCache(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.args = args
-        hd = args.head_dim
-        self.q_proj = nn.Linear(args.dim, args.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(args.n_heads * hd, args.dim, bias=False)
+        self.window = args.window(layer)
+        hd, d = args.head_dim, args.dim
+        q, kv = args.n_heads * hd, args.n_kv_heads * hd
+        if args.family.fused:
+            self.qkv_proj = nn.Linear(d, q + 2 * kv, bias=args.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(d, q, bias=args.qkv_bias)
+            self.k_proj = nn.Linear(d, kv, bias=args.qkv_bias)
+            self.v_proj = nn.Linear(d, kv, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(q, d, bias=args.o_bias)
+        if args.family.qk_norm:
+            self.q_norm = RMSNorm(hd, args.norm_eps)
+            self.k_norm = RMSNorm(hd, args.norm_eps)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
-        # x: [B, T, dim]
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        # x: [B, T, dim]; pos: [T] positions of the T tokens
         a = self.args
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, a.n_heads, a.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if pos is not None and self.kv_cache is not None:
-            k, v = self.kv_cache.update(pos, k, v)
-            # Query t sees cache slots 0..pos[t].
-            mask = torch.arange(k.shape[2], device=x.device)[None, :] <= pos[:, None]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a.n_heads != a.n_kv_heads)
+        if a.family.fused:
+            kv = a.n_kv_heads * a.head_dim
+            q, k, v = self.qkv_proj(x).split([a.n_heads * a.head_dim, kv, kv], dim=-1)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=a.n_heads != a.n_kv_heads)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(B, T, a.n_heads, a.head_dim)
+        k = k.reshape(B, T, a.n_kv_heads, a.head_dim)
+        if a.family.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.reshape(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gqa = a.n_heads != a.n_kv_heads
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(pos, k, v)
+            mask = attention_mask(pos, torch.arange(k.shape[2], device=x.device), self.window)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        elif self.window is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attention_mask(pos, pos, self.window), enable_gqa=gqa
+            )
         return self.o_proj(out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim))
 
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.fused = args.family.fused
+        d, f = args.dim, args.intermediate_size
+        if self.fused:
+            self.gate_up_proj = nn.Linear(d, 2 * f, bias=args.mlp_bias)
+        else:
+            self.gate_proj = nn.Linear(d, f, bias=args.mlp_bias)
+            self.up_proj = nn.Linear(d, f, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(f, d, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, layer)
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
@@ -216,11 +174,13 @@ class Body(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
 
 
 class Llama(nn.Module):
+    """The compact model of any supported family (the name is the lineage: gpt-fast's Llama)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -247,9 +207,11 @@ class Llama(nn.Module):
         B, T = input_ids.shape
         positions = pos if pos is not None else torch.arange(T, device=input_ids.device)
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_tables(self.args, positions, x.dtype)
+        # the sequence is max(pos) + 1 long at this step (dynamic/LongRoPE read it; one host read)
+        seq_len = (int(positions[-1]) + 1) if self.args.rope.length_dependent else 0
+        cos, sin = rope_tables(self.args, positions, x.dtype, [seq_len] * T if seq_len else None)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, pos)
+            x = layer(x, cos, sin, positions)
         return self.lm_head(self.model.norm(x)).float()
 
     @torch.inference_mode()
@@ -268,7 +230,9 @@ class Llama(nn.Module):
                 if nxt in stop_ids or len(out) == max_new_tokens:
                     break
                 p = len(prompt) + i
-                logits = self(torch.tensor([[nxt]], device=device), torch.tensor([p], device=device))
+                start = self.args.rope.step_start(p, 1)  # 0: LongRoPE switches, recompute the cache
+                ids = torch.tensor([(prompt + out)[start:]], device=device)
+                logits = self(ids, torch.arange(start, p + 1, device=device))
             return out
         finally:
             self.clear_caches()
@@ -278,11 +242,14 @@ class BitDeltaLinear(nn.Module):
     """y = x · W_baseᵀ + α ⊙ (x · Sᵀ), S ∈ {−1, +1} packed 8 per byte.
 
     weight: the base's [d_out, d_in] (shared, never copied); signs: uint8
-    [d_out, ceil(d_in/8)]; alpha: fp32 [d_out] or [1]. α is a Parameter so
-    scale distillation can train it; everything else is frozen.
+    [d_out, ceil(d_in/8)]; alpha: fp32 [d_out] or [1]; bias: the layer's [d_out]
+    bias (the base's, or the variant's when it changed), or None. α is a
+    Parameter so scale distillation can train it; everything else is frozen.
     """
 
-    def __init__(self, weight: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor):
+    def __init__(
+        self, weight: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None = None
+    ):
         super().__init__()
         d_out, d_in = weight.shape
         if signs.shape != (d_out, (d_in + 7) // 8) or signs.dtype != torch.uint8:
@@ -294,6 +261,9 @@ class BitDeltaLinear(nn.Module):
         self.weight.requires_grad_(False)
         self.register_buffer("signs", signs)
         self.alpha = nn.Parameter(alpha.float().clone(), requires_grad=False)
+        if bias is not None and tuple(bias.shape) != (d_out,):
+            raise ValueError(f"bias shape {tuple(bias.shape)} must be [{d_out}]")
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self._dense_signs: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -304,13 +274,15 @@ class BitDeltaLinear(nn.Module):
             y = self._differentiable(x2)
         else:
             y = bitdelta_linear(x2, self.weight, self.signs, self.alpha)
+            if self.bias is not None:
+                y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
     def _differentiable(self, x: torch.Tensor) -> torch.Tensor:
         # Distillation only: keep ±1 unpacked once (it is re-used every step).
         if self._dense_signs is None:
             self._dense_signs = unpack_signs(self.signs, self.in_features, x.dtype)
-        return F.linear(x, self.weight) + F.linear(x, self._dense_signs) * self.alpha.to(x.dtype)
+        return F.linear(x, self.weight, self.bias) + F.linear(x, self._dense_signs) * self.alpha.to(x.dtype)
 
     def merged_weight(self) -> torch.Tensor:
         """W_base + α ⊙ S in the base dtype (computed in fp32)."""
@@ -321,7 +293,10 @@ class BitDeltaLinear(nn.Module):
 def load_model(
     ckpt: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> Llama:
-    """Load a HF-layout Llama checkpoint into `Llama` (weights cast to `dtype`)."""
+    """Load a HF-layout checkpoint of a supported family into `Llama` (weights cast to `dtype`).
+
+    The checkpoint's tensor names must be exactly the ones its config describes (a fused
+    Phi-3 checkpoint has qkv_proj, a Qwen2 one has q/k/v biases, ...)."""
     from bitdelta.checkpoint import CheckpointReader, read_config
 
     args = ModelArgs.from_hf(read_config(ckpt))
@@ -365,7 +340,12 @@ def state_dict_for_save(model: Llama) -> dict[str, torch.Tensor]:
 
 def attach_delta(model: Llama, delta, trainable_alpha: bool = False) -> Llama:
     """Turn `model` (a base) into the variant `delta` in place: swap projections for
-    BitDeltaLinear and replace changed dense parameters. Returns the model."""
+    BitDeltaLinear and replace changed dense parameters (norms, biases, embeddings).
+    A delta made for another architecture or layout is refused (format.ArchMismatchError).
+    Returns the model."""
+    from bitdelta.format import check_arch
+
+    check_arch(delta.meta.variant, delta.meta.architecture, delta.meta.layout, model.args)
     modules = dict(model.named_modules())
     for param, cw in delta.compressed.items():
         mod_name = param.removesuffix(".weight")
@@ -380,7 +360,8 @@ def attach_delta(model: Llama, delta, trainable_alpha: bool = False) -> Llama:
             raise ValueError(f"delta compresses {param}, which is not a linear layer of this model")
         if tuple(base.weight.shape) != tuple(cw.shape):
             raise ValueError(f"{param}: delta shape {cw.shape} != model shape {tuple(base.weight.shape)}")
-        new = BitDeltaLinear(base.weight, cw.signs.to(base.weight.device), cw.alpha.to(base.weight.device))
+        dev = base.weight.device
+        new = BitDeltaLinear(base.weight, cw.signs.to(dev), cw.alpha.to(dev), base.bias)
         new.alpha.requires_grad_(trainable_alpha)
         parent_name, _, child = mod_name.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, child, new)
@@ -405,7 +386,7 @@ def init_random(args: ModelArgs, seed: int = 0, std: float = 0.02) -> Llama:
     g = torch.Generator().manual_seed(seed)
     model = Llama(args)
     for name, p in model.named_parameters():
-        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+        if name.endswith("norm.weight"):  # RMSNorm weights (layers, q/k, final) near 1
             p.data = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
         else:
             p.data = torch.randn(p.shape, generator=g) * std
@@ -422,5 +403,4 @@ __all__ = [
     "attach_delta",
     "state_dict_for_save",
     "init_random",
-    "PROJECTIONS",
 ]

@@ -1,4 +1,4 @@
-"""Capacity planner: from a Llama-family config.json, the bytes of the base, of
+"""Capacity planner: from a config.json of a supported family (bitdelta.arch), the bytes of the base, of
 one BitDelta delta, of the KV cache, and what fits on a set of GPUs.
 
     bitdelta plan --config configs/llama-2-70b.json --variants 14 --gpu-mem 80GB --gpus 8
@@ -33,6 +33,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bitdelta.arch import ModelArgs
 from bitdelta.units import parse_bytes
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -41,46 +42,43 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Shape:
-    """The sizes of a Llama-family model that the plan needs (parsed from a HF config)."""
+    """The sizes the plan needs, read off the one model description (`bitdelta.arch.ModelArgs`,
+    so every supported family plans with its own layout: fused or split projections, biases,
+    Qwen3's q/k norms, tied embeddings)."""
 
-    vocab: int
-    dim: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    tie_embeddings: bool
+    args: ModelArgs
 
     @classmethod
     def from_hf(cls, cfg: dict) -> Shape:
-        arch = cfg.get("model_type", "llama")
-        if arch not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"model_type {arch!r} is not a Llama-family config")
-        heads = cfg["num_attention_heads"]
-        return cls(
-            vocab=cfg["vocab_size"],
-            dim=cfg["hidden_size"],
-            layers=cfg["num_hidden_layers"],
-            heads=heads,
-            kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            ffn=cfg["intermediate_size"],
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
+        return cls(ModelArgs.from_hf(cfg))
+
+    @property
+    def vocab(self) -> int:
+        return self.args.vocab_size
+
+    @property
+    def dim(self) -> int:
+        return self.args.dim
+
+    @property
+    def layers(self) -> int:
+        return self.args.n_layers
+
+    @property
+    def kv_heads(self) -> int:
+        return self.args.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.args.head_dim
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return self.args.tie_embeddings
 
     def projections(self) -> list[tuple[int, int]]:
-        """[d_out, d_in] of the compressed matrices of ONE layer."""
-        d, hd = self.dim, self.head_dim
-        return [
-            (self.heads * hd, d),
-            (self.kv_heads * hd, d),
-            (self.kv_heads * hd, d),
-            (d, self.heads * hd),
-            (self.ffn, d),
-            (self.ffn, d),
-            (d, self.ffn),
-        ]
+        """[d_out, d_in] of the compressed matrices of ONE layer, as the checkpoint stores them."""
+        return [(m.d_out, m.d_in) for m in self.args.matrices()]
 
     @property
     def projection_params(self) -> int:
@@ -93,11 +91,16 @@ class Shape:
 
     @property
     def norm_params(self) -> int:
-        return self.dim * (2 * self.layers + 1)
+        """Every RMSNorm weight (the layers' own, Qwen3's q/k norms, the final norm)."""
+        return self.layers * sum(n for _, n in self.args.layer_norms()) + self.dim
+
+    @property
+    def bias_params(self) -> int:
+        return self.layers * sum(m.d_out for m in self.args.matrices() if m.bias)
 
     @property
     def params(self) -> int:
-        return self.projection_params + self.embedding_params + self.norm_params
+        return self.projection_params + self.embedding_params + self.norm_params + self.bias_params
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,8 @@ def delta_bytes(
         mats += [(s.vocab, s.dim)] * (1 if s.tie_embeddings else 2)
     signs = sum(o * math.ceil(i / 8) for o, i in mats)
     a = sum(o if alpha == "row" else 1 for o, _ in mats) * 4
-    dense = (s.embedding_params * b if embeddings == "dense" else 0) + (s.norm_params * b if norms_changed else 0)
+    small = s.norm_params + s.bias_params  # norms and biases: changed in a full fine-tune, stored whole
+    dense = (s.embedding_params * b if embeddings == "dense" else 0) + (small * b if norms_changed else 0)
     return DeltaBytes(signs, a, dense)
 
 
@@ -362,7 +366,10 @@ def cmd_plan(a: argparse.Namespace) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("plan", help="capacity plan: base, delta and KV bytes, and what fits on the GPUs")
     c.add_argument(
-        "--config", required=True, type=Path, help="a Llama-family config.json (e.g. configs/llama-2-70b.json)"
+        "--config",
+        required=True,
+        type=Path,
+        help="a config.json of a supported family (e.g. configs/llama-3.1-70b.json, configs/qwen2.5-72b.json)",
     )
     c.add_argument("--variants", type=int, default=14, help="number of fine-tuned variants to serve")
     c.add_argument("--gpu-mem", default="80GB", help="memory per GPU: 80GB (decimal) or 80GiB")

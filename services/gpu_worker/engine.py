@@ -148,8 +148,10 @@ class Engine:
             if seq.t_first_sched is None:
                 seq.t_first_sched = t0
                 seq.prefill_batch = len(work)
-            toks = s.tokens[s.computed : s.computed + w.n_tokens]
-            batch.append(SeqWork(toks, s.computed, s.slot, s.blocks, w.samples))
+            # from 0 when LongRoPE switches to its long factors in this step (its cached keys change)
+            start = self.runner.args.rope.step_start(s.computed, w.n_tokens)
+            toks = s.tokens[start : s.computed + w.n_tokens]
+            batch.append(SeqWork(toks, start, s.slot, s.blocks, w.samples))
         logits = self.runner.forward(batch)  # [R, vocab] fp32, rows of the sampling sequences in order
         samplers = [self._seqs[w.seq.seq_id].sampler for w in work if w.samples]
         picks = logits.argmax(-1).tolist() if logits.shape[0] else []

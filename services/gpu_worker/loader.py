@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bitdelta.format import DTYPES, DeltaFormatError
+from bitdelta.format import DTYPES, DeltaFormatError, check_arch
 from kernels.bits import packed_cols
 from services.gpu_worker.slots import EMBED, HEAD, BigTensor, NormPlace, ProjPlace, SlotExtras, SlotLayout, SlotTensors
 from services.gpu_worker.sources import DeltaInfo, TensorSpec
@@ -37,6 +37,7 @@ class Kind(enum.Enum):
 
     PROJ_SIGN = "proj_sign"  # a projection's packed signs: its rows of the slot's sign stack
     PROJ_ALPHA = "proj_alpha"  # its α: its rows of the slot's α stack
+    BIAS = "bias"  # a changed bias: its rows of the slot's entry in the bias stack
     NORM = "norm"  # a norm weight: the slot's entry in the norm stack
     BIG_DENSE = "big_dense"  # a changed embedding / LM head, whole: allocated per delta (the slot's extras)
     BIG_SIGN = "big_sign"  # ... compressed: its signs
@@ -64,6 +65,8 @@ class Kind(enum.Enum):
             return slots.proj_views(slot, p.proj)[0]
         if self is Kind.PROJ_ALPHA:
             return slots.proj_views(slot, p.proj)[1]
+        if self is Kind.BIAS:
+            return slots.bias_view(slot, p.proj)
         if self is Kind.NORM:
             return slots.norm_view(slot, p.norm)
         return getattr(bigs[p.big], self.big_field)
@@ -102,8 +105,10 @@ def _bad(name: str, t: TensorSpec, why: str) -> DeltaFormatError:
 
 
 def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
-    """Map every tensor of `info` to its place, or raise DeltaFormatError naming the tensor."""
+    """Map every tensor of `info` to its place, or raise DeltaFormatError naming the tensor
+    (ArchMismatchError when the delta was made for another architecture or layout)."""
     a = layout.args
+    check_arch(info.name, info.architecture, info.layout, a)
     out: list[Placement] = []
     seen: dict[str, set[str]] = {}
     extra = 0
@@ -133,10 +138,16 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
                 out.append(Placement(t, Kind.PROJ_ALPHA, proj=p))
             else:
                 raise _bad(info.name, t, "replaces a projection densely; the worker serves compressed projections only")
+        elif param in layout.bias:
+            p = layout.bias[param]
+            if role != "dense" or t.shape != (p.r1 - p.r0,) or t.dtype not in FLOAT_DTYPES:
+                raise _bad(info.name, t, f"must be a dense float [{p.r1 - p.r0}] bias")
+            out.append(Placement(t, Kind.BIAS, proj=p))
         elif param in layout.norms:
-            if role != "dense" or t.shape != (a.dim,) or t.dtype not in FLOAT_DTYPES:
-                raise _bad(info.name, t, f"must be a dense float [{a.dim}] norm weight")
-            out.append(Placement(t, Kind.NORM, norm=layout.norms[param]))
+            n = layout.norms[param]
+            if role != "dense" or t.shape != (n.size,) or t.dtype not in FLOAT_DTYPES:
+                raise _bad(info.name, t, f"must be a dense float [{n.size}] norm weight")
+            out.append(Placement(t, Kind.NORM, norm=n))
         elif param in (EMBED, HEAD):
             big_roles.setdefault(param, set()).add(role)
             if role == "dense":

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from bitdelta.model import ModelArgs, apply_rope, load_model, rope_tables
+from bitdelta.model import ModelArgs, apply_rope, attention_mask, load_model, rope_tables
 from kernels import bitdelta_delta_batched, bitdelta_linear, plan_batch
 from kernels.bits import unpack_signs
-from services.gpu_worker.slots import GROUPS, NORMS, SlotTensors
+from services.gpu_worker.slots import SlotTensors
 
 
 @dataclass
@@ -50,11 +50,13 @@ class SeqWork:
 
 @dataclass
 class BaseWeights:
-    """The base, resident once. Projections of a group are fused along d_out (see slots.GROUPS)."""
+    """The base, resident once. The matrices of a projection group are concatenated along d_out
+    in the checkpoint's own layout (`ModelArgs.matrices()`: q ‖ k ‖ v, or Phi-3's fused qkv)."""
 
     embed: torch.Tensor  # [vocab, dim]
     layers: list[dict[str, torch.Tensor]]  # group -> [d_out_g, d_in_g]
-    norms: list[tuple[torch.Tensor, torch.Tensor]]  # (input, post-attention) [dim]
+    norms: list[dict[str, torch.Tensor]]  # norm name (ModelArgs.layer_norms) -> [size]
+    biases: list[dict[str, torch.Tensor]]  # group -> [d_out_g], for groups with biases
     final_norm: torch.Tensor  # [dim]
     head: torch.Tensor  # [vocab, dim]; the embedding itself when tied
 
@@ -62,26 +64,28 @@ class BaseWeights:
     def load(cls, ckpt, dtype: torch.dtype, device: torch.device) -> tuple[BaseWeights, ModelArgs]:
         model = load_model(ckpt, dtype=dtype, device="cpu")
         args = model.args
-        layers, norms = [], []
+        layers, norms, biases = [], [], []
         for blk in model.model.layers:
-            fused = {}
-            for g, members in GROUPS.items():
-                parts = [getattr(getattr(blk, mod), name) for mod, name in members]
-                fused[g] = torch.cat([p.weight for p in parts]).to(device).contiguous()
-                for p in parts:  # free the host copy layer by layer: peak stays ~ one base
+            groups: dict[str, list[torch.nn.Linear]] = {}
+            for mat in args.matrices():
+                groups.setdefault(mat.group, []).append(blk.get_submodule(mat.name))
+            layers.append({g: torch.cat([p.weight for p in ps]).to(device).contiguous() for g, ps in groups.items()})
+            biases.append(
+                {g: torch.cat([p.bias for p in ps]).to(device) for g, ps in groups.items() if ps[0].bias is not None}
+            )
+            for ps in groups.values():  # free the host copy layer by layer: peak stays ~ one base
+                for p in ps:
                     p.weight = None
-            layers.append(fused)
-            norms.append((blk.input_layernorm.weight.to(device), blk.post_attention_layernorm.weight.to(device)))
+            norms.append({name: blk.get_submodule(name).weight.to(device) for name, _ in args.layer_norms()})
         embed = model.model.embed_tokens.weight.to(device)
         head = embed if args.tie_embeddings else model.lm_head.weight.to(device)
         final = model.model.norm.weight.to(device)
         del model
-        return cls(embed, layers, norms, final, head), args
+        return cls(embed, layers, norms, biases, final, head), args
 
     @property
     def nbytes(self) -> int:
-        ts = [self.embed, self.final_norm] + [t for d in self.layers for t in d.values()]
-        ts += [t for pair in self.norms for t in pair]
+        ts = [self.embed, self.final_norm] + [t for d in self.layers + self.norms + self.biases for t in d.values()]
         if self.head is not self.embed:
             ts.append(self.head)
         return sum(t.numel() * t.element_size() for t in ts)
@@ -116,7 +120,7 @@ class StepMeta:
     """Per-step index metadata (vLLM's punica wrapper role): built once, read by every layer."""
 
     tokens: torch.Tensor  # [N] int64
-    cos: torch.Tensor  # [N, 1, hd]
+    cos: torch.Tensor  # [N, 1, rotary dims]
     sin: torch.Tensor
     row_slot: torch.Tensor  # [N] int32, −1 = base
     norm_idx: torch.Tensor | None  # [N] int64 into the norm stacks; None: all rows share `single_norm`
@@ -126,8 +130,8 @@ class StepMeta:
     write_rows: torch.Tensor  # [N] pool rows the new k/v go to
     decode_rows: torch.Tensor | None  # [B] rows of x that are single-token decodes
     decode_gather: torch.Tensor | None  # [B, Lmax] pool rows of their contexts (padded)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax] bool
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (row0, n, pool rows [L], mask [n, L])
+    decode_mask: dict | None  # window (None: full) -> [B, 1, 1, Lmax] bool
+    prefills: list[tuple[int, int, torch.Tensor, dict]]  # (row0, n, pool rows [L], window -> mask [n, L])
     logit_rows: torch.Tensor  # [R] rows whose logits are wanted
     logit_slots: list[int]  # [R] their slots
     plan: object = None  # kernels.BatchPlan: rows grouped by slot, shared by every layer of the step
@@ -166,13 +170,15 @@ class ModelRunner:
 
     def prepare(self, work: list[SeqWork]) -> StepMeta:
         """Every index a step needs, built on the host from `work` (no device value is read)."""
-        tokens, positions, row_slot, write_rows = [], [], [], []
+        tokens, positions, seq_lens, row_slot, write_rows = [], [], [], [], []
         decode_rows, decode_ctx, prefills, logit_rows, logit_slots = [], [], [], [], []
+        windows = set(self.args.windows or (None,))  # the distinct per-layer windows (None: full attention)
         r = 0
         for w in work:
             n = len(w.tokens)
             tokens.extend(w.tokens)
             positions.extend(range(w.start, w.start + n))
+            seq_lens.extend([w.start + n] * n)  # the sequence's length at this step (dynamic rope, LongRoPE)
             row_slot.extend([w.slot] * n)
             ctx = self.kv.rows(w.blocks, 0, w.start + n)  # [L] the whole context incl. the new tokens
             write_rows.append(ctx[w.start :])
@@ -181,9 +187,9 @@ class ModelRunner:
                 decode_ctx.append(ctx)
             else:
                 L = w.start + n
-                q_pos = torch.arange(w.start, L)[:, None]
-                mask = torch.arange(L)[None, :] <= q_pos  # [n, L]: query i sees 0..start+i
-                prefills.append((r, n, self._dev(ctx), self._dev(mask)))
+                q_pos, k_pos = torch.arange(w.start, L), torch.arange(L)
+                masks = {win: self._dev(attention_mask(q_pos, k_pos, win)) for win in windows}  # [n, L] each
+                prefills.append((r, n, self._dev(ctx), masks))
             if w.want_logits:
                 logit_rows.append(r + n - 1)
                 logit_slots.append(w.slot)
@@ -191,7 +197,7 @@ class ModelRunner:
         slots_set = set(row_slot)
         single = next(iter(slots_set)) if len(slots_set) == 1 else None
         pos_t = self._dev(torch.tensor(positions, dtype=torch.int64))
-        cos, sin = rope_tables(self.args, pos_t, self.dtype)
+        cos, sin = rope_tables(self.args, pos_t, self.dtype, seq_lens)
         rs = torch.tensor(row_slot, dtype=torch.int32)
         extras = self.slots.extras  # one snapshot for the whole step
         meta = StepMeta(
@@ -230,13 +236,13 @@ class ModelRunner:
         if decode_rows:
             lmax = max(len(c) for c in decode_ctx)
             gather = torch.zeros(len(decode_ctx), lmax, dtype=torch.int64)
-            mask = torch.zeros(len(decode_ctx), lmax, dtype=torch.bool)
+            q_pos = torch.tensor([len(c) - 1 for c in decode_ctx])  # each decode's one query
             for b, c in enumerate(decode_ctx):
                 gather[b, : len(c)] = c
-                mask[b, : len(c)] = True
+            masks = {win: attention_mask(q_pos, torch.arange(lmax), win) for win in windows}  # [B, Lmax]
             meta.decode_rows = self._dev(torch.tensor(decode_rows, dtype=torch.int64))
             meta.decode_gather = self._dev(gather)
-            meta.decode_mask = self._dev(mask[:, None, None, :])
+            meta.decode_mask = {win: self._dev(mask[:, None, None, :]) for win, mask in masks.items()}
         return meta
 
     # -- layers ---------------------------------------------------------------------------------
@@ -245,6 +251,14 @@ class ModelRunner:
 
         x: [N, d_in] -> y: [N, d_out_g]
         """
+        y = self._linear_nobias(x, layer, group, m)
+        bias = self.slots.biases[layer].get(group)
+        if bias is None:
+            return y
+        # each row adds its variant's bias (row 0 of the stack: the base's), like the norms
+        return y + (bias[m.single_norm] if m.norm_idx is None else bias[m.norm_idx])
+
+    def _linear_nobias(self, x: torch.Tensor, layer: int, group: str, m: StepMeta) -> torch.Tensor:
         w = self.base.layers[layer][group]
         signs, alpha = self.slots.signs[layer][group], self.slots.alpha[layer][group]
         if m.single_slot is not None:
@@ -275,14 +289,19 @@ class ModelRunner:
         return x.float() @ w.float().t()
 
     def _norm(self, x: torch.Tensor, weights: torch.Tensor, m: StepMeta, eps: float) -> torch.Tensor:
-        """RMSNorm with a per-row weight. x: [N, dim]; weights: [n_slots + 1, dim] (row 0 = base)."""
+        """RMSNorm over the last dim with a per-row weight. x: [N, size] or [N, heads, size] (Qwen3's
+        per-head q/k norms); weights: [n_slots + 1, size] (row 0 = base)."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         w = weights[m.single_norm] if m.norm_idx is None else weights[m.norm_idx]
+        if x.dim() == 3 and w.dim() == 2:
+            w = w[:, None, :]
         return w * xf.to(x.dtype)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, m: StepMeta) -> torch.Tensor:
-        """q: [N, H, hd]; k, v: [N, KV, hd] (new tokens) -> [N, H, hd]."""
+        """q: [N, H, hd]; k, v: [N, KV, hd] (new tokens) -> [N, H, hd]. The layer's sliding window
+        (if any) is in the masks prepare() built for each distinct window."""
+        win = self.args.window(layer)
         kc, vc = self.kv.k[layer], self.kv.v[layer]  # [rows, KV, hd]
         kc[m.write_rows] = k
         vc[m.write_rows] = v
@@ -292,13 +311,13 @@ class ModelRunner:
             kd = kc[m.decode_gather].transpose(1, 2)  # [B, KV, Lmax, hd]
             vd = vc[m.decode_gather].transpose(1, 2)
             qd = q[m.decode_rows][:, :, None, :]  # [B, H, 1, hd]
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=m.decode_mask, enable_gqa=gqa)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=m.decode_mask[win], enable_gqa=gqa)
             out[m.decode_rows] = od[:, :, 0, :]
         for r0, n, ctx, mask in m.prefills:
             qs = q[r0 : r0 + n].transpose(0, 1)[None]  # [1, H, n, hd]
             ks = kc[ctx].transpose(0, 1)[None]  # [1, KV, L, hd]
             vs = vc[ctx].transpose(0, 1)[None]
-            os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
+            os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[win], enable_gqa=gqa)
             out[r0 : r0 + n] = os_[0].transpose(0, 1)
         return out
 
@@ -341,15 +360,19 @@ class ModelRunner:
         x = self._embed(m)
         N = x.shape[0]
         for i in range(a.n_layers):
-            h = self._norm(x, self.slots.norms[i][0], m, a.norm_eps)
+            norms = self.slots.norms[i]
+            h = self._norm(x, norms["input_layernorm"], m, a.norm_eps)
             qkv = self._linear(h, i, "qkv", m)
             q = qkv[:, : H * hd].view(N, H, hd)
             k = qkv[:, H * hd : (H + KV) * hd].view(N, KV, hd)
             v = qkv[:, (H + KV) * hd :].view(N, KV, hd)
+            if a.family.qk_norm:
+                q = self._norm(q, norms["self_attn.q_norm"], m, a.norm_eps)
+                k = self._norm(k, norms["self_attn.k_norm"], m, a.norm_eps)
             q, k = apply_rope(q, m.cos, m.sin), apply_rope(k, m.cos, m.sin)
             att = self._attention(q, k, v, i, m)
             x = x + self._linear(att.reshape(N, H * hd), i, "o", m)
-            h = self._norm(x, self.slots.norms[i][1], m, a.norm_eps)
+            h = self._norm(x, norms["post_attention_layernorm"], m, a.norm_eps)
             gu = self._linear(h, i, "gate_up", m)
             f = a.intermediate_size
             x = x + self._linear(F.silu(gu[:, :f]) * gu[:, f:], i, "down", m)
@@ -430,4 +453,4 @@ class ModelRunner:
         return done
 
 
-__all__ = ["ModelRunner", "BaseWeights", "KVPool", "SeqWork", "StepMeta", "NORMS"]
+__all__ = ["ModelRunner", "BaseWeights", "KVPool", "SeqWork", "StepMeta"]

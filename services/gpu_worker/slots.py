@@ -7,15 +7,20 @@ Compressed projections of all resident deltas sit in pre-allocated stacks, one
 per (layer, projection group), so one kernel launch can serve a batch that
 mixes variants (the stack is the kernel's `signs_stack`/`alpha_stack`):
 
-    signs[l][g]: uint8 [n_slots, d_out_g, ceil(d_in_g/8)]
-    alpha[l][g]: fp32  [n_slots, d_out_g]
-    norms[l]:    dtype [2, n_slots + 1, dim]   (input, post-attention; index 0 = the base)
-    final_norm:  dtype [n_slots + 1, dim]
+    signs[l][g]:  uint8 [n_slots, d_out_g, ceil(d_in_g/8)]
+    alpha[l][g]:  fp32  [n_slots, d_out_g]
+    norms[l][n]:  dtype [n_slots + 1, size_n]   (every RMSNorm of the layer; index 0 = the base)
+    biases[l][g]: dtype [n_slots + 1, d_out_g]  (groups whose base has biases; index 0 = the base)
+    final_norm:   dtype [n_slots + 1, dim]
 
-Projection groups fuse the projections that read the same input, so the base
+Projection groups gather the matrices that read the same input, so the base
 GEMM and the delta kernel run once per group: qkv = q ‖ k ‖ v, gate_up =
-gate ‖ up (concatenated along d_out). A projection a delta leaves unchanged
-gets α = 0 in its rows, which adds exactly nothing.
+gate ‖ up (concatenated along d_out). Which matrices a group holds comes from
+the checkpoint's own layout (`ModelArgs.matrices()`): a Phi-3 base stores qkv
+and gate_up fused, so its groups hold one matrix each, with one sign matrix
+and one α per row of it. A projection a delta leaves unchanged gets α = 0 in
+its rows, which adds exactly nothing; a bias or norm it leaves unchanged keeps
+the base's row.
 
 Large dense tensors (a changed embedding or LM head) are the exception: they
 are allocated per delta at load time (`SlotExtras`) and count against the same
@@ -28,17 +33,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bitdelta.model import ModelArgs
+from bitdelta.arch import ModelArgs
 from kernels.bits import packed_cols
 
-# group -> the projections it concatenates, in order, and their module path
-GROUPS: dict[str, tuple[tuple[str, str], ...]] = {
-    "qkv": (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj")),
-    "o": (("self_attn", "o_proj"),),
-    "gate_up": (("mlp", "gate_proj"), ("mlp", "up_proj")),
-    "down": (("mlp", "down_proj"),),
-}
-NORMS = ("input_layernorm", "post_attention_layernorm")
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
 FINAL_NORM = "model.norm.weight"
@@ -46,7 +43,7 @@ FINAL_NORM = "model.norm.weight"
 
 @dataclass(frozen=True)
 class ProjPlace:
-    """Where one compressed projection of a delta goes: rows [r0, r1) of group `group` of layer `layer`."""
+    """Where one compressed matrix of a delta goes: rows [r0, r1) of group `group` of layer `layer`."""
 
     layer: int
     group: str
@@ -57,10 +54,11 @@ class ProjPlace:
 
 @dataclass(frozen=True)
 class NormPlace:
-    """Where one norm weight goes: `layer` = −1 for the final norm, `which` 0/1 = input/post-attention."""
+    """Where one norm weight goes: `layer` = −1 for the final norm, else the layer's norm `name`."""
 
     layer: int
-    which: int
+    name: str
+    size: int
 
 
 class SlotLayout:
@@ -72,43 +70,34 @@ class SlotLayout:
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype):
         self.args, self.dtype = args, dtype
-        hd, d, f = args.head_dim, args.dim, args.intermediate_size
-        dims = {
-            "q_proj": (args.n_heads * hd, d),
-            "k_proj": (args.n_kv_heads * hd, d),
-            "v_proj": (args.n_kv_heads * hd, d),
-            "o_proj": (d, args.n_heads * hd),
-            "gate_proj": (f, d),
-            "up_proj": (f, d),
-            "down_proj": (d, f),
-        }
-        self.group_shape: dict[str, tuple[int, int]] = {}  # group -> (d_out total, d_in)
-        self.proj: dict[str, ProjPlace] = {}
-        for g, members in GROUPS.items():
-            r = 0
-            d_in = dims[members[0][1]][1]
-            for i in range(args.n_layers):
-                r = 0
-                for mod, name in members:
-                    d_out, din = dims[name]
-                    assert din == d_in
-                    self.proj[f"model.layers.{i}.{mod}.{name}.weight"] = ProjPlace(i, g, r, r + d_out, d_in)
-                    r += d_out
-            self.group_shape[g] = (r, d_in)
-        self.norms: dict[str, NormPlace] = {FINAL_NORM: NormPlace(-1, 0)}
+        self.group_shape: dict[str, tuple[int, int]] = args.group_shapes()  # group -> (d_out total, d_in)
+        self.biased_groups = tuple(dict.fromkeys(m.group for m in args.matrices() if m.bias))
+        self.proj: dict[str, ProjPlace] = {}  # "model.layers.i.<matrix>.weight" -> place
+        self.bias: dict[str, ProjPlace] = {}  # "model.layers.i.<matrix>.bias" -> place
         for i in range(args.n_layers):
-            for w, n in enumerate(NORMS):
-                self.norms[f"model.layers.{i}.{n}.weight"] = NormPlace(i, w)
+            rows: dict[str, int] = {}
+            for m in args.matrices():
+                r0 = rows.get(m.group, 0)
+                place = ProjPlace(i, m.group, r0, r0 + m.d_out, m.d_in)
+                rows[m.group] = r0 + m.d_out
+                self.proj[f"model.layers.{i}.{m.name}.weight"] = place
+                if m.bias:
+                    self.bias[f"model.layers.{i}.{m.name}.bias"] = place
+        self.norms: dict[str, NormPlace] = {FINAL_NORM: NormPlace(-1, "norm", args.dim)}
+        for i in range(args.n_layers):
+            for name, size in args.layer_norms():
+                self.norms[f"model.layers.{i}.{name}.weight"] = NormPlace(i, name, size)
         self.embed_shape = (args.vocab_size, args.dim)
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes one slot of the stacks takes: signs + α of every projection, and the norms."""
+        """Bytes one slot of the stacks takes: signs + α of every projection, the norms and biases."""
         n = 0
         for d_out, d_in in self.group_shape.values():
             n += d_out * packed_cols(d_in) + d_out * 4
         n *= self.args.n_layers
-        return n + len(self.norms) * self.args.dim * self.dtype.itemsize
+        n += sum(p.size for p in self.norms.values()) * self.dtype.itemsize
+        return n + sum(p.r1 - p.r0 for p in self.bias.values()) * self.dtype.itemsize
 
     def extra_bytes(self, param: str, role: str, shape: tuple[int, ...]) -> int:
         """Device bytes a big (embedding/head) tensor of a delta takes in its slot's extras."""
@@ -149,7 +138,8 @@ class SlotTensors:
     device: torch.device
     signs: list[dict[str, torch.Tensor]] = field(default_factory=list)
     alpha: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    norms: list[torch.Tensor] = field(default_factory=list)
+    norms: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    biases: list[dict[str, torch.Tensor]] = field(default_factory=list)
     final_norm: torch.Tensor | None = None
     # Copy-on-write: the manager swaps in a new dict, the engine reads one snapshot per step.
     extras: dict[int, SlotExtras] = field(default_factory=dict)
@@ -160,11 +150,20 @@ class SlotTensors:
         layout: SlotLayout,
         n_slots: int,
         device: torch.device,
-        base_norms: list[tuple[torch.Tensor, torch.Tensor]],
+        base_norms: list[dict[str, torch.Tensor]],
         base_final_norm: torch.Tensor,
+        base_biases: list[dict[str, torch.Tensor]] | None = None,
     ) -> SlotTensors:
+        """Stacks for `n_slots` deltas; row 0 of the norm and bias stacks holds the base's
+        (base_norms[l][name], base_biases[l][group]: see runner.BaseWeights), every slot starts equal."""
         st = cls(layout, n_slots, device)
-        dim = layout.args.dim
+        dt = layout.dtype
+
+        def stack(base: torch.Tensor) -> torch.Tensor:
+            t = torch.empty(n_slots + 1, *base.shape, dtype=dt, device=device)
+            t[:] = base
+            return t
+
         for i in range(layout.args.n_layers):
             st.signs.append(
                 {
@@ -178,20 +177,22 @@ class SlotTensors:
                     for g, (d_out, _) in layout.group_shape.items()
                 }
             )
-            norms = torch.empty(2, n_slots + 1, dim, dtype=layout.dtype, device=device)
-            norms[0, :] = base_norms[i][0]
-            norms[1, :] = base_norms[i][1]
-            st.norms.append(norms)
-        st.final_norm = torch.empty(n_slots + 1, dim, dtype=layout.dtype, device=device)
-        st.final_norm[:] = base_final_norm
+            st.norms.append({name: stack(w) for name, w in base_norms[i].items()})
+            st.biases.append({g: stack(b) for g, b in (base_biases[i] if base_biases else {}).items()})
+            if set(st.biases[i]) != set(layout.biased_groups):
+                raise ValueError(
+                    f"layer {i}: base biases for {sorted(st.biases[i])}, layout has {layout.biased_groups}"
+                )
+        st.final_norm = stack(base_final_norm)
         return st
 
     def reset_slot(self, slot: int) -> None:
-        """Make slot `slot` equal the base (α = 0, base norms) before a delta is written in."""
+        """Make slot `slot` equal the base (α = 0, base norms and biases) before a delta is written in."""
         for i in range(self.layout.args.n_layers):
             for a in self.alpha[i].values():
                 a[slot].zero_()
-            self.norms[i][:, slot + 1] = self.norms[i][:, 0]
+            for t in (*self.norms[i].values(), *self.biases[i].values()):
+                t[slot + 1] = t[0]
         self.final_norm[slot + 1] = self.final_norm[0]
 
     def proj_views(self, slot: int, place: ProjPlace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,16 +202,19 @@ class SlotTensors:
             self.alpha[place.layer][place.group][slot, place.r0 : place.r1],
         )
 
+    def bias_view(self, slot: int, place: ProjPlace) -> torch.Tensor:
+        """dtype [d_out] view of one matrix's bias in one slot."""
+        return self.biases[place.layer][place.group][slot + 1, place.r0 : place.r1]
+
     def norm_view(self, slot: int, place: NormPlace) -> torch.Tensor:
-        """dtype [dim] view of one norm weight of one slot."""
+        """dtype [size] view of one norm weight of one slot."""
         if place.layer < 0:
             return self.final_norm[slot + 1]
-        return self.norms[place.layer][place.which, slot + 1]
+        return self.norms[place.layer][place.name][slot + 1]
 
     @property
     def stack_bytes(self) -> int:
         """Device bytes of the slot stacks (signs, α, norms); for the benchmarks' memory account
         (bench/worker.py)."""
-        n = sum(t.numel() * t.element_size() for d in self.signs + self.alpha for t in d.values())
-        n += sum(t.numel() * t.element_size() for t in self.norms)
-        return n + self.final_norm.numel() * self.final_norm.element_size()
+        ts = [t for d in self.signs + self.alpha + self.norms + self.biases for t in d.values()]
+        return sum(t.numel() * t.element_size() for t in ts) + self.final_norm.numel() * self.final_norm.element_size()

@@ -21,7 +21,6 @@ bytes.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,15 @@ from typing import Protocol
 
 import grpc
 
-from bitdelta.format import DeltaFormatError, check_base, check_structure, read_header
+from bitdelta.format import (
+    READ_VERSIONS,
+    V1_LAYOUT,
+    DeltaFormatError,
+    DeltaMeta,
+    check_base,
+    check_structure,
+    read_header,
+)
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient, FetchStream
 from bitdelta.rpc.receiver import Receiver
 from services.gpu_worker.errors import NotFound
@@ -73,6 +80,9 @@ class DeltaInfo:
     # version of a delta); the receiver then checks the chunk crc32s only.
     verified: bool = False
     transport: str = "file"  # how the bytes travel: file | stream | shared-memory
+    # The base it was made for (format v2); a v1 file: "" and the v1 layout (a Llama/Mistral base).
+    architecture: str = ""
+    layout: str = V1_LAYOUT
 
 
 class DeltaSource(Protocol):
@@ -106,7 +116,7 @@ class LocalDeltaSource:
         check_base(header.meta, base_fingerprint)
         check_structure(header)
         specs = [TensorSpec(t.name, t.dtype, t.shape, t.nbytes, header.sha256[t.name], t.start) for t in header.tensors]
-        return DeltaInfo(name, specs, handle=path)
+        return DeltaInfo(name, specs, handle=path, architecture=header.meta.architecture, layout=header.meta.layout)
 
     async def stream(self, info: DeltaInfo, receiver: Receiver) -> None:
         await asyncio.to_thread(self._read, Path(info.handle), info, receiver)
@@ -190,10 +200,12 @@ class DeltaStoreSource:
         )
         info = stream.info
         try:
-            if info.format_version and info.format_version != "1":
-                raise DeltaFormatError(f"delta {name!r} has format version {info.format_version}; this worker reads 1")
-            if "shapes" in info.metadata:
-                json.loads(info.metadata["shapes"])  # malformed metadata fails here, before data moves
+            if info.format_version and info.format_version not in READ_VERSIONS:
+                raise DeltaFormatError(
+                    f"delta {name!r} has format version {info.format_version}; "
+                    f"this worker reads {' and '.join(READ_VERSIONS)}"
+                )
+            meta = DeltaMeta.from_strings(dict(info.metadata))  # malformed metadata fails here, before data moves
         except (DeltaFormatError, ValueError) as e:
             stream.cancel()
             raise DeltaFormatError(f"delta {name!r}: {e}") from None
@@ -204,6 +216,8 @@ class DeltaStoreSource:
             handle=stream,
             verified=stream.verified,
             transport=stream.transport,
+            architecture=meta.architecture,
+            layout=meta.layout,
         )
 
     async def stream(self, info: DeltaInfo, receiver: Receiver) -> None:

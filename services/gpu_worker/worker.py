@@ -105,7 +105,13 @@ class Worker:
         self.layout = SlotLayout(self.args, self.dtype)
         n_slots = c.max_slots or c.delta_budget // self.layout.slot_bytes
         self.slots = await asyncio.to_thread(
-            SlotTensors.allocate, self.layout, n_slots, self.device, self.base.norms, self.base.final_norm
+            SlotTensors.allocate,
+            self.layout,
+            n_slots,
+            self.device,
+            self.base.norms,
+            self.base.final_norm,
+            self.base.biases,
         )
         kv_tokens = c.kv_cache // KVPool.bytes_per_token(self.args, self.dtype)
         n_blocks = kv_tokens // c.block_size

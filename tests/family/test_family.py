@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from bitdelta import family
+from bitdelta.arch import ModelArgs
 from bitdelta.family import build as fb
 from bitdelta.family import corpora
-from bitdelta.model import PROJECTIONS
 
 # --- corpora -------------------------------------------------------------------
 
@@ -318,12 +318,7 @@ def test_every_compressed_weight_moves_in_fine_tuning(short_finetune):
     from bitdelta.checkpoint import CheckpointReader, read_config
     from bitdelta.format import read_header
 
-    n_layers = read_config(P.base)["num_hidden_layers"]
-    names = [
-        f"model.layers.{i}.{'self_attn' if p.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}.{p}.weight"
-        for i in range(n_layers)
-        for p in PROJECTIONS
-    ]
+    names = sorted(ModelArgs.from_hf(read_config(P.base)).compressed_names())
     checked = {"short": short_finetune}
     checked.update({v: P.finetuned[v] for v in family.VARIANTS if _built(f"finetuned/{v}", P.finetuned[v])})
     for label, ckpt in checked.items():

@@ -32,7 +32,8 @@ def fam(tmp_path_factory):
     args = ModelArgs.from_hf(json.loads((f.base / "config.json").read_text()))
     layout = SlotLayout(args, torch.float32)
     z = torch.zeros(args.dim)
-    slots = SlotTensors.allocate(layout, 1, torch.device("cpu"), [(z, z)] * args.n_layers, z)
+    norms = {name: torch.zeros(size) for name, size in args.layer_norms()}
+    slots = SlotTensors.allocate(layout, 1, torch.device("cpu"), [norms] * args.n_layers, z)
     fingerprint = read_header(f.delta_path("v0")).meta.base_fingerprint  # the family's own base
     info = asyncio.run(LocalDeltaSource(f.deltas).open("v0", fingerprint))
     return f, layout, slots, info

@@ -16,7 +16,7 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 def _runner(base, slots=1):
     w, args = BaseWeights.load(base, torch.float32, DEV)
-    st = SlotTensors.allocate(SlotLayout(args, torch.float32), slots, DEV, w.norms, w.final_norm)
+    st = SlotTensors.allocate(SlotLayout(args, torch.float32), slots, DEV, w.norms, w.final_norm, w.biases)
     return ModelRunner(w, args, st, KVPool(args, 32, 8, torch.float32, DEV)), st
 
 

@@ -168,7 +168,7 @@ def test_ragged_step_matches_the_reference_model(tmp_path):
     base = make_base(tmp_path / "b", tiny_args(), seed=5, std=VARIED_STD)
     w, args = BaseWeights.load(base, torch.float32, torch.device("cpu"))
     layout = SlotLayout(args, torch.float32)
-    slots = SlotTensors.allocate(layout, 1, torch.device("cpu"), w.norms, w.final_norm)
+    slots = SlotTensors.allocate(layout, 1, torch.device("cpu"), w.norms, w.final_norm, w.biases)
     runner = ModelRunner(w, args, slots, KVPool(args, 16, 8, torch.float32, torch.device("cpu")))
     ref = load_model(base)
     g = torch.Generator().manual_seed(0)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bitdelta.format import DeltaMeta, write_delta
+from bitdelta.format import V1_LAYOUT, DeltaMeta, write_delta
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient
 from bitdelta.rpc.serve import Server
 from services.delta_store.backends import SUFFIX, Backend
@@ -58,6 +58,8 @@ def make_delta(
         base_model="tiny-test",
         base_fingerprint=base_fingerprint,
         alpha_mode=alpha_mode,
+        architecture="llama",
+        layout=V1_LAYOUT,
         shapes={p: list(s) for p, s in shapes.items()},
     )
     write_delta(path, tensors, meta)

@@ -1,0 +1,626 @@
+"""What a base model is: one typed description per family, read from a Hugging Face config.
+
+    args = ModelArgs.from_hf(json.load(open("config.json")))
+    args.family           # Family: parameter names, fused or split projections, biases, norms
+    args.rope             # Rope: the rotary variant and its parameters
+    args.matrices()       # the compressed matrices of one layer, as the checkpoint stores them
+
+Everything that reads a base (the compact model, the worker's runner and slots,
+the loader's checks, compression, apply, verify, distillation, the planner)
+takes its layout from here, so a family is described once.
+
+`from_hf` honours every config field that changes the forward pass or refuses
+the config naming the field: a served answer is right or there is none. Key
+spellings of both transformers generations are read (`rope_scaling` or
+`rope_parameters`, `rope_theta` at the top or inside `rope_parameters`,
+`type` or `rope_type`). Fields that only matter for training (dropouts,
+initializer range) or for other tools are ignored; any other field whose value
+is set is refused, so a new transformers feature cannot slip through as the
+default behaviour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+
+
+class UnsupportedModel(ValueError):
+    """A config asks for something this build cannot serve exactly (the message names the field)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one architecture lays out its parameters (the switches of the one forward pass)."""
+
+    model_type: str
+    fused: bool  # Phi-3: self_attn.qkv_proj and mlp.gate_up_proj instead of q/k/v and gate/up
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k (self_attn.q_norm / k_norm, [head_dim])
+    partial_rotary: bool  # the family honours partial_rotary_factor (rope on the first dims only)
+    fields: frozenset[str]  # the family-specific config fields it reads
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", False, False, False, frozenset({"attention_bias", "mlp_bias"})),
+    "mistral": Family("mistral", False, False, False, frozenset({"sliding_window"})),
+    "qwen2": Family(
+        "qwen2",
+        False,
+        False,
+        False,
+        frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}),
+    ),
+    "qwen3": Family(
+        "qwen3",
+        False,
+        True,
+        False,
+        frozenset({"attention_bias", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}),
+    ),
+    "phi3": Family("phi3", True, False, True, frozenset({"sliding_window", "original_max_position_embeddings"})),
+}
+
+# Fields every family reads.
+COMMON_FIELDS = frozenset(
+    {
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "head_dim",
+        "hidden_act",
+        "bos_token_id",
+        "eos_token_id",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "partial_rotary_factor",
+    }
+)
+# Fields that do not change inference: bookkeeping, training-only knobs, other tools' settings
+# (and every "_"-prefixed key and "*_token_id").
+IGNORED_FIELDS = frozenset(
+    {
+        "_name_or_path",
+        "architectures",
+        "auto_map",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "use_cache",
+        "initializer_range",
+        "attention_dropout",
+        "embd_pdrop",
+        "resid_pdrop",
+        "pad_token_id",
+        "pretraining_tp",  # a training-time split of the projections; the math is the same
+        "id2label",
+        "label2id",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "output_attentions",
+        "output_hidden_states",
+        "problem_type",
+        "return_dict",
+        "tokenizer_class",
+        "is_llama_config",  # a serving framework's marker in SmolLM configs
+    }
+)
+ROPE_FIELDS: dict[str, frozenset[str]] = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "dynamic": frozenset({"factor"}),
+    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    "yarn": frozenset(
+        {
+            "factor",
+            "original_max_position_embeddings",
+            "attention_factor",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        }
+    ),
+    "longrope": frozenset(
+        {"short_factor", "long_factor", "original_max_position_embeddings", "attention_factor", "factor"}
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Rope:
+    """A rotary embedding: inverse frequencies over the first `dim` dims of a head, cos/sin scaled by
+    `attention_factor` (yarn, longrope). `dynamic` and `longrope` depend on the length of the sequence
+    at the step a token is computed (transformers' single-sequence semantics): `tables` takes that
+    length per row."""
+
+    kind: str = "default"
+    theta: float = 10000.0
+    dim: int = 0  # rotated dims of a head (head_dim · partial_rotary_factor); 0: ModelArgs fills in head_dim
+    factor: float = 1.0
+    original_max: int = 0  # the pre-training context (llama3, yarn, longrope)
+    max_positions: int = 0  # max_position_embeddings (dynamic)
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+
+    @property
+    def length_dependent(self) -> bool:
+        return self.kind in ("dynamic", "longrope")
+
+    def step_start(self, cached: int, new: int) -> int:
+        """Where a step that adds `new` tokens to a sequence with `cached` tokens in its KV cache
+        must compute from: 0 when LongRoPE switches to its long factors in this step (the sequence
+        passes the original context), so every cached key is recomputed with them, as
+        transformers' Phi-3 does; else `cached`. Dynamic rope keeps its cached keys (transformers too)."""
+        if self.kind == "longrope" and 0 < cached <= self.original_max < cached + new:
+            return 0
+        return cached
+
+    def _base_powers(self) -> torch.Tensor:
+        return torch.arange(0, self.dim, 2, dtype=torch.int64).float() / self.dim
+
+    def inv_freq(self, seq_len: int = 0) -> torch.Tensor:
+        """fp32 [dim // 2] for a sequence that is `seq_len` tokens long at this step."""
+        powers = self._base_powers()
+        if self.kind == "default":
+            return 1.0 / self.theta**powers
+        if self.kind == "linear":
+            return 1.0 / self.theta**powers / self.factor
+        if self.kind == "dynamic":
+            n = max(seq_len, self.max_positions)
+            base = self.theta * ((self.factor * n / self.max_positions) - (self.factor - 1)) ** (
+                self.dim / (self.dim - 2)
+            )
+            return 1.0 / base**powers
+        if self.kind == "llama3":
+            inv = 1.0 / self.theta**powers
+            wavelen = 2 * math.pi / inv
+            low_wl = self.original_max / self.low_freq_factor
+            high_wl = self.original_max / self.high_freq_factor
+            scaled = torch.where(wavelen > low_wl, inv / self.factor, inv)
+            smooth = (self.original_max / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor
+            )
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+            return torch.where(medium, smoothed, scaled)
+        if self.kind == "yarn":
+            return self._yarn()
+        if self.kind == "longrope":
+            ext = self.long_factor if seq_len > self.original_max else self.short_factor
+            return 1.0 / (torch.tensor(ext, dtype=torch.float32) * self.theta**powers)
+        raise UnsupportedModel(f"rope type {self.kind!r} is not supported (supported: {', '.join(ROPE_KINDS)})")
+
+    def _yarn(self) -> torch.Tensor:
+        def correction_dim(rotations: float) -> float:
+            return (self.dim * math.log(self.original_max / (rotations * 2 * math.pi))) / (2 * math.log(self.theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, self.dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(self.dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate by `factor`
+        pos_freqs = self.theta ** self._base_powers()
+        return (1.0 / (self.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype, seq_lens: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, dim] for integer positions [T] (halves concatenated, the HF layout).
+
+        seq_lens: per row, the length of its sequence at this step (only `length_dependent`
+        kinds read it; None: one sequence of max(positions) + 1 tokens, which needs a host read)."""
+        device = positions.device
+        if not self.length_dependent:
+            inv = self.inv_freq().to(device)[None, :]
+        else:
+            if seq_lens is None:
+                seq_lens = [int(positions.max()) + 1] * positions.shape[0]
+            distinct = sorted(set(seq_lens))
+            table = torch.stack([self.inv_freq(n) for n in distinct])  # [U, dim/2]
+            which = torch.tensor([distinct.index(n) for n in seq_lens], dtype=torch.int64)
+            inv = table[which].to(device)
+        freqs = positions.float()[:, None] * inv
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """One compressed matrix of a layer as the checkpoint stores it.
+
+    name: module path inside the layer ("self_attn.qkv_proj"); group: the worker's projection
+    group it belongs to ("qkv", "o", "gate_up", "down": projections that read the same input);
+    bias: the base has a bias vector for it."""
+
+    name: str
+    group: str
+    d_out: int
+    d_in: int
+    bias: bool
+
+    @property
+    def short(self) -> str:
+        return self.name.rsplit(".", 1)[1].removesuffix("_proj")
+
+
+GROUP_ORDER = ("qkv", "o", "gate_up", "down")
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    intermediate_size: int
+    norm_eps: float = 1e-5
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    head_dim: int = 0  # 0: dim // n_heads
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    model_type: str = "llama"
+    rope: Rope = field(default_factory=Rope)
+    qkv_bias: bool = False  # q, k, v projections have biases (Qwen2; Llama/Qwen3 attention_bias)
+    o_bias: bool = False  # o_proj has a bias (Llama/Qwen3 attention_bias)
+    mlp_bias: bool = False  # gate, up, down have biases (Llama mlp_bias)
+    windows: tuple[int | None, ...] = ()  # per layer: sliding-window size, None = full attention; (): all full
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            self.head_dim = self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.model_type not in FAMILIES:
+            raise UnsupportedModel(_unsupported_type(self.model_type))
+        if self.rope.dim == 0:
+            self.rope = dataclasses.replace(self.rope, dim=self.head_dim)
+        if self.windows and len(self.windows) != self.n_layers:
+            raise ValueError(f"windows has {len(self.windows)} entries for {self.n_layers} layers")
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
+
+    # -- layout ---------------------------------------------------------------------------------
+    def matrices(self) -> tuple[Matrix, ...]:
+        """The compressed matrices of one layer, in the checkpoint's own layout, grouped in GROUP_ORDER."""
+        d, f, hd = self.dim, self.intermediate_size, self.head_dim
+        q, kv = self.n_heads * hd, self.n_kv_heads * hd
+        if self.family.fused:
+            attn = [Matrix("self_attn.qkv_proj", "qkv", q + 2 * kv, d, self.qkv_bias)]
+            mlp = [Matrix("mlp.gate_up_proj", "gate_up", 2 * f, d, self.mlp_bias)]
+        else:
+            attn = [
+                Matrix("self_attn.q_proj", "qkv", q, d, self.qkv_bias),
+                Matrix("self_attn.k_proj", "qkv", kv, d, self.qkv_bias),
+                Matrix("self_attn.v_proj", "qkv", kv, d, self.qkv_bias),
+            ]
+            mlp = [
+                Matrix("mlp.gate_proj", "gate_up", f, d, self.mlp_bias),
+                Matrix("mlp.up_proj", "gate_up", f, d, self.mlp_bias),
+            ]
+        return (
+            *attn,
+            Matrix("self_attn.o_proj", "o", d, q, self.o_bias),
+            *mlp,
+            Matrix("mlp.down_proj", "down", d, f, self.mlp_bias),
+        )
+
+    def layer_norms(self) -> tuple[tuple[str, int], ...]:
+        """(module path inside a layer, size) of each RMSNorm of a layer."""
+        out = [("input_layernorm", self.dim), ("post_attention_layernorm", self.dim)]
+        if self.family.qk_norm:
+            out += [("self_attn.q_norm", self.head_dim), ("self_attn.k_norm", self.head_dim)]
+        return tuple(out)
+
+    def group_shapes(self) -> dict[str, tuple[int, int]]:
+        """Worker projection group -> (d_out of its matrices together, d_in)."""
+        out: dict[str, tuple[int, int]] = {}
+        for m in self.matrices():
+            d_out, _ = out.get(m.group, (0, m.d_in))
+            out[m.group] = (d_out + m.d_out, m.d_in)
+        return out
+
+    def compressed_names(self) -> set[str]:
+        """Full names of every matrix compression turns into signs + α (embeddings aside)."""
+        return {f"model.layers.{i}.{m.name}.weight" for i in range(self.n_layers) for m in self.matrices()}
+
+    @property
+    def layout(self) -> str:
+        """A short canonical description of the parameter layout a delta must match, e.g.
+        `q,k,v,o,gate,up,down;bias=q,k,v` or `qkv,o,gate_up,down` or `...;qk_norm`."""
+        mats = self.matrices()
+        text = ",".join(m.short for m in mats)
+        biased = [m.short for m in mats if m.bias]
+        if biased:
+            text += ";bias=" + ",".join(biased)
+        if self.family.qk_norm:
+            text += ";qk_norm"
+        return text
+
+    def param_count(self) -> int:
+        per_layer = sum(m.d_out * m.d_in + (m.d_out if m.bias else 0) for m in self.matrices())
+        per_layer += sum(n for _, n in self.layer_norms())
+        emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * per_layer + emb + self.dim
+
+    # -- configs --------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, cfg: dict) -> ModelArgs:
+        """From a Hugging Face config dict; UnsupportedModel names any field it cannot honour."""
+        return _from_hf(cls, cfg)
+
+    def to_hf(self) -> dict:
+        """A config dict transformers reads as this model (for writing test checkpoints)."""
+        names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}
+        out = {
+            "architectures": [f"{names[self.model_type]}ForCausalLM"],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "intermediate_size": self.intermediate_size,
+            "rms_norm_eps": self.norm_eps,
+            "max_position_embeddings": self.max_seq_len,
+            "tie_word_embeddings": self.tie_embeddings,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "torch_dtype": "float32",
+            "rope_parameters": _rope_to_hf(self.rope, self.head_dim),
+        }
+        if self.model_type in ("llama", "qwen3"):
+            out["attention_bias"] = self.o_bias
+        if self.model_type == "llama":
+            out["mlp_bias"] = self.mlp_bias
+        if self.model_type == "phi3" and self.rope.original_max:
+            out["original_max_position_embeddings"] = self.rope.original_max
+        windows = {w for w in self.windows if w is not None}
+        if windows:
+            (w,) = windows
+            if self.model_type in ("qwen2", "qwen3"):
+                out |= {
+                    "use_sliding_window": True,
+                    "sliding_window": w,
+                    "layer_types": ["sliding_attention" if x else "full_attention" for x in self.windows],
+                }
+            else:
+                out["sliding_window"] = w
+        return out
+
+
+def _rope_to_hf(rope: Rope, head_dim: int) -> dict:
+    out: dict = {"rope_type": rope.kind, "rope_theta": rope.theta}
+    if rope.dim != head_dim:
+        out["partial_rotary_factor"] = rope.dim / head_dim
+    if rope.kind in ("linear", "dynamic", "llama3", "yarn"):
+        out["factor"] = rope.factor
+    if rope.kind in ("llama3", "yarn", "longrope"):
+        out["original_max_position_embeddings"] = rope.original_max
+    if rope.kind == "llama3":
+        out |= {"low_freq_factor": rope.low_freq_factor, "high_freq_factor": rope.high_freq_factor}
+    if rope.kind == "yarn":
+        out |= {"beta_fast": rope.beta_fast, "beta_slow": rope.beta_slow, "attention_factor": rope.attention_factor}
+    if rope.kind == "longrope":
+        out |= {"short_factor": list(rope.short_factor), "long_factor": list(rope.long_factor)}
+    return out
+
+
+def _unsupported_type(model_type) -> str:
+    hint = ""
+    if isinstance(model_type, str) and (
+        "moe" in model_type or model_type in ("mixtral", "dbrx", "deepseek_v2", "deepseek_v3")
+    ):
+        hint = " (mixture-of-experts models are not supported)"
+    elif isinstance(model_type, str) and model_type.startswith(("gemma", "llava", "idefics", "qwen2_vl", "mllama")):
+        hint = " (soft-capped and multimodal models are not supported)"
+    return f"model_type {model_type!r} is not supported{hint}; this build serves {', '.join(SUPPORTED)}"
+
+
+def _is_set(value) -> bool:
+    return value is not None and value is not False and value != {} and value != []
+
+
+def _from_hf(cls, cfg: dict) -> ModelArgs:
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in FAMILIES:
+        raise UnsupportedModel(_unsupported_type(model_type))
+    fam = FAMILIES[model_type]
+    for key in ("text_config", "vision_config", "audio_config"):
+        if _is_set(cfg.get(key)):
+            raise UnsupportedModel(f"config field {key!r}: multimodal models are not supported")
+    known = COMMON_FIELDS | IGNORED_FIELDS | fam.fields
+    # "_"-prefixed keys are bookkeeping (_name_or_path, _attn_implementation_autoset, comments)
+    # and token ids (unk_token_id, sep_token_id, ...) are the tokenizer's business
+    unknown = sorted(
+        k for k in cfg if k not in known and not k.startswith("_") and not k.endswith("_token_id") and _is_set(cfg[k])
+    )
+    if unknown:
+        raise UnsupportedModel(
+            f"{model_type} config field(s) {', '.join(repr(k) for k in unknown)} would change the model in a way "
+            f"this build does not implement (e.g. quantization, mixture-of-experts, soft-capping); "
+            f"a {model_type} config may set {', '.join(sorted(COMMON_FIELDS | fam.fields))}"
+        )
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModel(f"hidden_act {act!r} is not supported (only 'silu')")
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    n_layers = cfg["num_hidden_layers"]
+    max_pos = cfg.get("max_position_embeddings", 2048)
+    rope = _rope_from_hf(cfg, fam, head_dim, max_pos)
+    attn_bias = bool(cfg.get("attention_bias", False))
+    eos = cfg.get("eos_token_id")
+    return cls(
+        vocab_size=cfg["vocab_size"],
+        dim=cfg["hidden_size"],
+        n_layers=n_layers,
+        n_heads=heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or heads,
+        intermediate_size=cfg["intermediate_size"],
+        norm_eps=cfg.get("rms_norm_eps", 1e-5 if model_type == "phi3" else 1e-6),
+        max_seq_len=max_pos,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        head_dim=head_dim,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        model_type=model_type,
+        rope=rope,
+        qkv_bias=model_type == "qwen2" or attn_bias,
+        o_bias=attn_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        windows=_windows(cfg, model_type, n_layers),
+    )
+
+
+def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding windows as transformers applies them for this family."""
+    window = cfg.get("sliding_window")
+    if model_type in ("qwen2", "qwen3"):
+        if not cfg.get("use_sliding_window", False):
+            return ()  # transformers drops the window when use_sliding_window is off
+        if window is None:
+            return ()
+        types = cfg.get("layer_types")
+        if types is None:
+            first = cfg.get("max_window_layers", 28)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+        if len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
+            raise UnsupportedModel(
+                f"layer_types {types!r}: expected {n_layers} of 'full_attention'/'sliding_attention'"
+            )
+        out = tuple(int(window) if t == "sliding_attention" else None for t in types)
+    elif model_type in ("mistral", "phi3"):
+        if window is None:
+            return ()
+        out = (int(window),) * n_layers
+    else:
+        return ()
+    if any(w is not None and w < 1 for w in out):
+        raise UnsupportedModel(f"sliding_window {window!r} must be a positive number of tokens")
+    return out if any(w is not None for w in out) else ()
+
+
+def _rope_from_hf(cfg: dict, fam: Family, head_dim: int, max_pos: int) -> Rope:
+    if _is_set(cfg.get("rope_scaling")) and _is_set(cfg.get("rope_parameters")):
+        if cfg["rope_scaling"] != {k: v for k, v in cfg["rope_parameters"].items() if k in cfg["rope_scaling"]}:
+            raise UnsupportedModel(
+                f"config has both rope_scaling {cfg['rope_scaling']} and rope_parameters "
+                f"{cfg['rope_parameters']}, and they disagree"
+            )
+    params = dict(cfg.get("rope_parameters") or {})
+    params.update(cfg.get("rope_scaling") or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise UnsupportedModel(f"rope_parameters {params}: per-layer-type rope parameters are not supported")
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if fam.model_type == "phi3" and kind in ("su", "yarn"):
+        kind = "longrope"  # transformers' Phi-3 reads these names as LongRoPE
+    if kind not in ROPE_KINDS:
+        raise UnsupportedModel(
+            f"rope type {kind!r} (rope_parameters.rope_type) is not supported; supported: {', '.join(ROPE_KINDS)}"
+        )
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    partial = params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial is None:
+        partial = 1.0
+    if partial != 1.0 and not fam.partial_rotary:
+        raise UnsupportedModel(f"partial_rotary_factor {partial} is not used by {fam.model_type} models")
+    dim = int(head_dim * partial)
+    if dim % 2 or dim <= 2:
+        raise UnsupportedModel(
+            f"rotary dimension {dim} (head_dim {head_dim} × partial_rotary_factor {partial}) must be even"
+        )
+    extra = sorted(set(params) - ROPE_FIELDS[kind])
+    if extra:
+        raise UnsupportedModel(
+            f"rope_parameters field(s) {', '.join(extra)} are not used by rope type {kind!r} "
+            f"(it reads {', '.join(sorted(ROPE_FIELDS[kind])) or 'only rope_theta'})"
+        )
+    kw: dict = {"kind": kind, "theta": theta, "dim": dim}
+    if kind in ("llama3", "yarn", "longrope"):
+        if "original_max_position_embeddings" in cfg:  # transformers lets the top-level value win
+            orig = cfg["original_max_position_embeddings"]
+        else:
+            orig = params.get("original_max_position_embeddings", max_pos)
+        kw["original_max"] = int(orig)
+    try:
+        if kind in ("linear", "dynamic", "llama3"):
+            kw["factor"] = float(params["factor"])
+        if kind == "dynamic":
+            kw["max_positions"] = int(max_pos)
+        if kind == "llama3":
+            kw["low_freq_factor"] = float(params["low_freq_factor"])
+            kw["high_freq_factor"] = float(params["high_freq_factor"])
+    except KeyError as e:
+        raise UnsupportedModel(f"rope type {kind!r} needs rope_parameters.{e.args[0]}") from None
+    if kind == "yarn":
+        factor = params.get("factor")
+        factor = float(factor) if factor is not None else max_pos / kw["original_max"]
+        kw["factor"] = factor
+        kw["attention_factor"] = _yarn_attention_factor(factor, params)
+        kw["beta_fast"] = float(params.get("beta_fast") or 32)
+        kw["beta_slow"] = float(params.get("beta_slow") or 1)
+        kw["truncate"] = bool(params.get("truncate", True))
+    if kind == "longrope":
+        try:
+            short, long = tuple(map(float, params["short_factor"])), tuple(map(float, params["long_factor"]))
+        except (KeyError, TypeError, ValueError):
+            raise UnsupportedModel("rope type 'longrope' needs lists short_factor and long_factor") from None
+        if len(short) != dim // 2 or len(long) != dim // 2:
+            raise UnsupportedModel(f"longrope short_factor/long_factor must have {dim // 2} entries each")
+        factor = params.get("factor")
+        factor = float(factor) if factor is not None else max_pos / kw["original_max"]
+        att = params.get("attention_factor")
+        if att is None:
+            att = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(kw["original_max"]))
+        kw |= {"short_factor": short, "long_factor": long, "factor": factor, "attention_factor": float(att)}
+    return Rope(**kw)
+
+
+def _yarn_attention_factor(factor: float, params: dict) -> float:
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+    if m and m_all:
+        return float(mscale(factor, m) / mscale(factor, m_all))
+    return mscale(factor)
+
+
+__all__ = ["ModelArgs", "Rope", "Family", "Matrix", "FAMILIES", "SUPPORTED", "UnsupportedModel", "GROUP_ORDER"]

@@ -1,0 +1,149 @@
+"""The model description of every supported family (bitdelta.arch) and the one forward pass
+(bitdelta.model) against transformers itself: tiny random bases built with transformers' own
+config classes, logits compared in fp32 at a context past the rope's original length; every
+config field that changes the forward pass is honoured or refused by name."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from bitdelta.arch import ModelArgs, UnsupportedModel
+from bitdelta.checkpoint import read_config
+from bitdelta.model import load_model
+from tests.support.archs import (
+    FAMILY_MEMBERS,
+    LONG,
+    ORIGINAL,
+    ROPE_MEMBERS,
+    VOCAB,
+    hf_greedy,
+    hf_model,
+    make_hf_base,
+)
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("arch_bases")
+    return {name: make_hf_base(root / name, name, seed=i) for i, name in enumerate(FAMILY_MEMBERS + ROPE_MEMBERS)}
+
+
+@pytest.mark.parametrize("name", FAMILY_MEMBERS + ROPE_MEMBERS)
+def test_logits_equal_transformers(bases, name):
+    """fp32 logits of the compact model == transformers' AutoModelForCausalLM on the same weights,
+    over LONG tokens (past the original context of llama3/yarn/longrope/dynamic, past the windows)."""
+    ids = torch.randint(0, VOCAB, (2, LONG), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf_model(bases[name])(ids).logits
+        got = load_model(bases[name])(ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert want.abs().max() > 1  # the logits are not trivially small
+
+
+@pytest.mark.parametrize("name", FAMILY_MEMBERS + ("llama-dynamic",))
+def test_greedy_with_kv_cache_equals_transformers(bases, name):
+    """Incremental decoding (the KV cache, LongRoPE/dynamic switching with the sequence's length
+    at each step) gives transformers' greedy tokens, from a prompt shorter than the original
+    context into a continuation past it."""
+    prompt = torch.randint(0, 256, (ORIGINAL - 4,), generator=torch.Generator().manual_seed(2)).tolist()
+    n = LONG - len(prompt)
+    want = hf_greedy(bases[name], prompt, n, stop_at_eos=False)
+    assert len(want) == n and len(set(want)) > 5
+    assert load_model(bases[name]).generate(prompt, n) == want
+
+
+def test_descriptions_of_the_families(bases):
+    """Each family's layout, biases, norms and rope as the config describes them."""
+    args = {n: ModelArgs.from_hf(read_config(bases[n])) for n in FAMILY_MEMBERS}
+    assert args["llama-3.1"].layout == "q,k,v,o,gate,up,down" and args["llama-3.1"].rope.kind == "llama3"
+    assert args["llama-3.1"].rope.theta == 500000.0 and args["llama-3.1"].rope.original_max == ORIGINAL
+    assert args["llama-3.2"].tie_embeddings
+    assert args["qwen2.5"].layout == "q,k,v,o,gate,up,down;bias=q,k,v" and args["qwen2.5"].rope.theta == 1e6
+    assert args["qwen3"].layout == "q,k,v,o,gate,up,down;qk_norm" and args["qwen3"].head_dim == 16
+    assert dict(args["qwen3"].layer_norms())["self_attn.q_norm"] == 16
+    assert args["mistral"].windows == (8, 8)
+    assert args["phi3-mini"].layout == "qkv,o,gate_up,down"
+    assert args["phi3-mini"].group_shapes() == {"qkv": (64, 32), "o": (32, 32), "gate_up": (96, 32), "down": (32, 48)}
+    long = args["phi3-longrope"].rope
+    assert (long.kind, long.dim, long.original_max) == ("longrope", 4, ORIGINAL)
+    assert long.attention_factor > 1  # sqrt(1 + ln(64/16) / ln 16)
+    assert ModelArgs.from_hf(read_config(bases["qwen2-swa"])).windows == (None, 8)
+    for a in args.values():
+        assert a.param_count() == sum(p.numel() for p in load_model(bases[_name(args, a)]).state_dict().values()) - (
+            a.vocab_size * a.dim if a.tie_embeddings else 0
+        )
+
+
+def _name(args: dict, a: ModelArgs) -> str:
+    return next(n for n, x in args.items() if x is a)
+
+
+def test_both_key_spellings_give_one_description(bases):
+    """transformers v5 writes rope_parameters (with rope_theta inside); v4 wrote rope_scaling and
+    a top-level rope_theta, and older files 'type' for 'rope_type': the same model either way."""
+    v5 = read_config(bases["llama-3.1"])
+    assert "rope_parameters" in v5 and "rope_scaling" not in v5
+    v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}
+    params = dict(v5["rope_parameters"])
+    v4["rope_theta"] = params.pop("rope_theta")
+    params["type"] = params.pop("rope_type")
+    v4["rope_scaling"] = params
+    assert ModelArgs.from_hf(v4) == ModelArgs.from_hf(v5)
+    # the Llama-3.1 config the issue found served with the default rope: now llama3
+    assert ModelArgs.from_hf(v5).rope.kind == "llama3"
+
+
+def test_fields_that_would_change_the_model_are_refused(bases):
+    """Anything the build does not implement is refused at start-up, naming the field."""
+    llama = read_config(bases["llama-3.1"])
+    cases = {
+        "'num_local_experts'": {"num_local_experts": 8},
+        "'quantization_config'": {"quantization_config": {"quant_method": "awq"}},
+        "'final_logit_softcapping'": {"final_logit_softcapping": 30.0},
+        "hidden_act 'gelu'": {"hidden_act": "gelu"},
+        "partial_rotary_factor": {"partial_rotary_factor": 0.5},  # Llama does not read it
+        "rope type 'mrope'": {"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4}},
+        "mrope_section": {"rope_parameters": {**llama["rope_parameters"], "mrope_section": [2, 1, 1]}},
+        "needs rope_parameters.low_freq_factor": {
+            "rope_parameters": {k: v for k, v in llama["rope_parameters"].items() if k != "low_freq_factor"}
+        },
+        "'sliding_window'": {"sliding_window": 8},  # Llama has no sliding window: not silently ignored
+        "disagree": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    }
+    for why, change in cases.items():
+        with pytest.raises(UnsupportedModel, match=why.replace("(", r"\(")):
+            ModelArgs.from_hf({**copy.deepcopy(llama), **change})
+    for model_type, what in (("mixtral", "mixture-of-experts"), ("gemma2", "soft-capped"), ("llava", "multimodal")):
+        with pytest.raises(UnsupportedModel, match=f"{model_type}.*{what}.*llama, mistral, qwen2, qwen3, phi3"):
+            ModelArgs.from_hf({**llama, "model_type": model_type})
+    with pytest.raises(UnsupportedModel, match="multimodal"):
+        ModelArgs.from_hf({**llama, "vision_config": {"hidden_size": 8}})
+
+
+def test_sliding_window_only_where_transformers_applies_it(bases):
+    qwen = read_config(bases["qwen2.5"])
+    assert ModelArgs.from_hf({**qwen, "sliding_window": 4096, "use_sliding_window": False}).windows == ()
+    del qwen["layer_types"]  # transformers derives them from max_window_layers when the config has none
+    on = ModelArgs.from_hf({**qwen, "sliding_window": 8, "use_sliding_window": True, "max_window_layers": 1})
+    assert on.windows == (None, 8)
+    on = ModelArgs.from_hf({**on.to_hf(), "layer_types": ["sliding_attention", "full_attention"]})
+    assert on.windows == (8, None)
+    assert ModelArgs.from_hf({**read_config(bases["phi3-mini"]), "sliding_window": 2047}).windows == (2047, 2047)
+
+
+def test_the_checkpoint_must_match_its_config(bases, tmp_path):
+    """A config that says Phi-3 over a checkpoint with split projections is refused, not half-loaded."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(bases["llama-3.1"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(
+        json.dumps({**cfg, "model_type": "phi3", "rope_parameters": {"rope_type": "default"}})
+    )
+    with pytest.raises(ValueError, match="missing .*qkv_proj.*unexpected"):
+        load_model(bad)

@@ -1,0 +1,110 @@
+"""Every supported family served by the worker's own step (runner, slots, loader): a base of each
+family (built by transformers), two random fine-tunes (weights, biases, norms moved), compressed
+by `bitdelta compress`, loaded into slots by the real loader; one ragged step that mixes both
+variants and the base equals the compact model with each delta attached, row by row."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from bitdelta.compress import compress
+from bitdelta.format import ArchMismatchError, DeltaFormatError, load_delta
+from bitdelta.model import attach_delta, load_model
+from bitdelta.rpc.receiver import Receiver
+from bitdelta.testing.family import make_finetune
+from services.gpu_worker.loader import SlotWriter, plan_delta
+from services.gpu_worker.runner import BaseWeights, KVPool, ModelRunner, SeqWork
+from services.gpu_worker.slots import SlotLayout, SlotTensors
+from services.gpu_worker.sources import LocalDeltaSource
+from tests.support.archs import FAMILY_MEMBERS, LONG, VOCAB, make_hf_base
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+FT_SCALE = 0.02
+
+
+def build(root, name: str, n_variants: int = 2):
+    base = make_hf_base(root / "base", name, seed=3)
+    for i in range(n_variants):
+        ft = make_finetune(base, root / f"ft{i}", seed=10 + i, scale=FT_SCALE)
+        compress(base, ft, root / "deltas" / f"v{i}.bitdelta.safetensors", variant=f"v{i}", progress=False)
+    return base, root / "deltas"
+
+
+def runner_with(base, deltas, names):
+    w, args = BaseWeights.load(base, torch.float32, torch.device("cpu"))
+    layout = SlotLayout(args, torch.float32)
+    slots = SlotTensors.allocate(layout, len(names), torch.device("cpu"), w.norms, w.final_norm, w.biases)
+    source = LocalDeltaSource(deltas)
+    extras = {}
+    for slot, name in enumerate(names):
+        info = asyncio.run(source.open(name, load_delta(deltas / f"{name}.bitdelta.safetensors").meta.base_fingerprint))
+        plan = plan_delta(layout, info)
+        writer = SlotWriter(plan, slots, slot)
+
+        async def go(info=info, plan=plan, writer=writer):
+            receiver = Receiver(plan.name, plan.tensors, writer)
+            await source.stream(info, receiver)
+            await receiver.finish()
+            return await writer.finish()
+
+        ex = asyncio.run(go())
+        if ex.embed is not None or ex.head is not None:
+            extras[slot] = ex
+    slots.extras = extras
+    return ModelRunner(w, args, slots, KVPool(args, 32, 8, torch.float32, torch.device("cpu"))), layout
+
+
+@pytest.mark.parametrize("name", FAMILY_MEMBERS)
+def test_a_mixed_step_equals_each_variant_alone(tmp_path, name):
+    base, deltas = build(tmp_path, name)
+    runner, layout = runner_with(base, deltas, ["v0", "v1"])
+    refs = {-1: load_model(base)}
+    for slot in (0, 1):
+        refs[slot] = attach_delta(load_model(base), load_delta(deltas / f"v{slot}.bitdelta.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (LONG, 9, 23, LONG - 3)]
+    slots = [0, -1, 1, 0]
+    # the last sequence: a prefill of all but one token, then its last token decodes in the mixed step
+    runner.forward([SeqWork(seqs[3][:-1], 0, 0, [12, 13, 14, 15, 16], False)])
+    logits = runner.forward(
+        [
+            SeqWork(seqs[0], 0, 0, [0, 1, 2, 3, 4], True),
+            SeqWork(seqs[1], 0, -1, [5, 6], True),
+            SeqWork(seqs[2], 0, 1, [7, 8, 9], True),
+            SeqWork(seqs[3][-1:], len(seqs[3]) - 1, 0, [12, 13, 14, 15, 16], True),
+        ]
+    )
+    with torch.no_grad():
+        want = torch.stack([refs[s](torch.tensor([q]))[0, -1] for q, s in zip(seqs, slots)])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    # the variants differ from the base and from each other: the slots really served them
+    assert (want[0] - refs[-1](torch.tensor([seqs[0]]))[0, -1]).abs().max() > 1e-2
+
+
+def test_deltas_record_and_check_their_layout(tmp_path):
+    """A delta of a Phi-3 base (fused projections) names its architecture and layout; the worker's
+    plan of it for a Llama base is refused naming both, before any byte is read."""
+    base, deltas = build(tmp_path / "phi3", "phi3-mini", n_variants=1)
+    meta = load_delta(deltas / "v0.bitdelta.safetensors").meta
+    assert (meta.architecture, meta.layout) == ("phi3", "qkv,o,gate_up,down")
+    assert any(p.endswith("qkv_proj.weight") for p in meta.shapes)
+    llama = make_hf_base(tmp_path / "llama", "llama-3.1")
+    w, args = BaseWeights.load(llama, torch.float32, torch.device("cpu"))
+    info = asyncio.run(LocalDeltaSource(deltas).open("v0", meta.base_fingerprint))
+    with pytest.raises(ArchMismatchError, match=r"phi3 base with layout 'qkv,o,gate_up,down'.*llama with layout"):
+        plan_delta(SlotLayout(args, torch.float32), info)
+    with pytest.raises(DeltaFormatError, match="o_proj.bias.dense names a parameter this base does not have"):
+        plan_delta(SlotLayout(args, torch.float32), _with_tensor(info, "model.layers.0.self_attn.o_proj.bias.dense"))
+
+
+def _with_tensor(info, name):
+    import dataclasses
+
+    from services.gpu_worker.sources import TensorSpec
+
+    return dataclasses.replace(
+        info, architecture="llama", layout="q,k,v,o,gate,up,down", tensors=[TensorSpec(name, "F32", (32,), 128, "x")]
+    )

@@ -1,0 +1,128 @@
+"""Tiny random bases of every supported family, built with transformers' own config classes
+and saved by transformers itself, so the reference is the outside implementation, not ours.
+
+    base = make_hf_base(tmp_path / "qwen3", "qwen3")      # config.json, model.safetensors, tokenizer.json
+    ref = hf_model(base)                                   # transformers.AutoModelForCausalLM, fp32
+
+Every config is small (2 layers, dim 32) but exercises what its family adds; the rope
+variants that depend on length have an original context of ORIGINAL tokens, so a test at
+LONG tokens runs past it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from bitdelta.testing.family import SPECIALS, write_byte_tokenizer
+
+ORIGINAL = 16  # the rope's "original" context of the long-context configs
+LONG = 40  # a context past it
+VOCAB = 256 + len(SPECIALS)
+EOS = 256
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=48,
+    max_position_embeddings=64,
+    bos_token_id=EOS,
+    eos_token_id=EOS,
+    pad_token_id=EOS + 1,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": ORIGINAL,
+}
+
+
+def hf_config(name: str):
+    """The transformers config of one named tiny family member."""
+    import transformers as tf
+
+    if name == "llama-3.1":  # llama3 rope, written as current transformers writes it (rope_parameters)
+        return tf.LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE)
+    if name == "llama-3.2":  # tied embeddings, the older rope_scaling spelling
+        rope = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+        return tf.LlamaConfig(**COMMON, tie_word_embeddings=True, rope_scaling=rope, rope_theta=500000.0)
+    if name == "llama-linear":
+        return tf.LlamaConfig(**COMMON, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    if name == "llama-dynamic":
+        return tf.LlamaConfig(
+            **{**COMMON, "max_position_embeddings": ORIGINAL}, rope_scaling={"type": "dynamic", "factor": 2.0}
+        )
+    if name == "llama-yarn":
+        return tf.LlamaConfig(
+            **COMMON, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL}
+        )
+    if name == "llama-bias":  # attention_bias (q, k, v, o) and mlp_bias
+        return tf.LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True)
+    if name == "qwen2.5":  # q/k/v biases
+        return tf.Qwen2Config(**COMMON, rope_theta=1000000.0)
+    if name == "qwen2-swa":  # use_sliding_window: layers from max_window_layers on see 8 tokens
+        return tf.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    if name == "qwen3":  # per-head q/k norm, head_dim != hidden / heads
+        return tf.Qwen3Config(**COMMON, head_dim=16)
+    if name == "mistral":  # sliding window of 8 tokens (Mistral v0.1)
+        return tf.MistralConfig(**COMMON, sliding_window=8, head_dim=8)
+    if name == "phi3-mini":  # fused qkv_proj / gate_up_proj
+        return tf.Phi3Config(**COMMON)
+    if name == "phi3-longrope":  # LongRoPE short/long factors, partial rotary factor
+        n = int(8 * 0.5) // 2
+        return tf.Phi3Config(
+            **COMMON,
+            original_max_position_embeddings=ORIGINAL,
+            partial_rotary_factor=0.5,
+            rope_parameters={
+                "rope_type": "longrope",
+                "short_factor": [1.0 + 0.1 * i for i in range(n)],
+                "long_factor": [1.0 + 0.7 * i for i in range(n)],
+            },
+        )
+    raise KeyError(name)
+
+
+# The members the issue names, one per family feature; and the extra rope variants.
+FAMILY_MEMBERS = ("llama-3.1", "llama-3.2", "qwen2.5", "qwen3", "mistral", "phi3-mini", "phi3-longrope")
+ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa")
+
+
+def make_hf_base(out: Path, name: str, seed: int = 0, std: float = 0.2) -> Path:
+    """A random base of family member `name`, saved by transformers (safetensors) with a byte
+    tokenizer. std 0.2 makes greedy outputs vary from token to token (see gpu_worker.testing)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(name), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if pname.endswith("norm.weight") else std * noise)
+    model.save_pretrained(out)
+    write_byte_tokenizer(Path(out))
+    return Path(out)
+
+
+def hf_model(ckpt: Path):
+    """transformers' own model of a checkpoint (fp32, eval), fresh: its dynamic rope keeps state."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+
+def hf_greedy(ckpt: Path, prompt: list[int], n: int, stop_at_eos: bool = True) -> list[int]:
+    """transformers' greedy continuation of `prompt`: n tokens, or up to and including EOS."""
+    model = hf_model(ckpt)
+    if not stop_at_eos:
+        model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=EOS + 1)
+    return out[0, len(prompt) :].tolist()
