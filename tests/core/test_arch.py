@@ -147,3 +147,80 @@ def test_the_checkpoint_must_match_its_config(bases, tmp_path):
     )
     with pytest.raises(ValueError, match="missing .*qkv_proj.*unexpected"):
         load_model(bad)
+
+
+def as_v1(path, out):
+    """The same delta as the v1 tools wrote it: no architecture/layout, format_version 1."""
+    import struct
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    md = header["__metadata__"]
+    del md["architecture"], md["layout"]
+    md["format_version"] = "1"
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    out.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n :])
+    return out
+
+
+def test_v1_files_are_read_as_llama_or_mistral_deltas(tmp_path, bases):
+    from bitdelta.compress import apply, compress
+    from bitdelta.format import ArchMismatchError, load_delta, verify
+    from bitdelta.model import attach_delta
+    from bitdelta.testing.family import make_finetune
+    from tests.support.family import make_tiny_family
+
+    base, (ft,) = make_tiny_family(tmp_path / "fam", n_variants=1)
+    v2 = compress(base, ft, tmp_path / "v.bitdelta.safetensors", progress=False)
+    v1 = as_v1(v2, tmp_path / "v1.bitdelta.safetensors")
+    verify(v1)  # every tensor's sha256 still holds
+    d1, d2 = load_delta(v1), load_delta(v2)
+    assert (d1.meta.architecture, d1.meta.layout) == ("", "q,k,v,o,gate,up,down")
+    assert (d2.meta.architecture, d2.meta.layout) == ("llama", "q,k,v,o,gate,up,down")
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.equal(attach_delta(load_model(base), d1)(ids), attach_delta(load_model(base), d2)(ids))
+    assert load_model(apply(base, v1, tmp_path / "applied", progress=False))  # apply reads v1 too
+    # a v1 delta on a Qwen2 base (biases: another layout) is refused naming both
+    qwen_ft = make_finetune(bases["qwen2.5"], tmp_path / "qft", seed=1)
+    q = compress(bases["qwen2.5"], qwen_ft, tmp_path / "q.bitdelta.safetensors", progress=False)
+    assert load_delta(q).meta.layout == "q,k,v,o,gate,up,down;bias=q,k,v"
+    with pytest.raises(ArchMismatchError, match=r"llama/mistral \(format v1\).*qwen2 with layout"):
+        attach_delta(load_model(bases["qwen2.5"]), d1)
+
+
+@pytest.mark.parametrize("name", ["llama-3.2", "qwen2.5", "qwen3", "phi3-mini"])
+def test_planner_bytes_equal_a_written_delta_of_each_family(tmp_path, bases, name):
+    """`bitdelta plan`'s delta bytes for a full fine-tune are the bytes `bitdelta compress` writes,
+    per family (tied embeddings, biases, q/k norms, fused projections), so the published configs'
+    plans (configs/llama-3.1-*.json, qwen2.5-*.json) are the same arithmetic at their shapes."""
+    from bitdelta import plan
+    from bitdelta.compress import compress
+    from bitdelta.format import read_header
+    from bitdelta.testing.family import make_finetune
+
+    ft = make_finetune(bases[name], tmp_path / "ft", seed=4)
+    s = plan.Shape.from_hf(read_config(bases[name]))
+    for alpha, emb in (("row", "dense"), ("matrix", "sign")):
+        out = compress(
+            bases[name], ft, tmp_path / f"{alpha}-{emb}.st", alpha_mode=alpha, embeddings=emb, progress=False
+        )
+        roles = read_header(out).bytes_by_role()
+        want = plan.delta_bytes(s, "fp32", alpha, emb)
+        assert (roles["sign"], roles["alpha"], roles["dense"]) == (want.signs, want.alpha, want.dense), (alpha, emb)
+
+
+def test_plans_of_published_configs():
+    """Parameter counts of the published configs, as their model cards give them."""
+    from pathlib import Path
+
+    from bitdelta import plan
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    counts = {"llama-3.1-8b": 8.03e9, "llama-3.1-70b": 70.55e9, "qwen2.5-7b": 7.62e9, "qwen2.5-72b": 72.71e9}
+    for name, n in counts.items():
+        p = plan.make_plan(json.loads((root / f"{name}.json").read_text()), variants=4, gpu_mem=80e9, gpus=8)
+        assert p.params == pytest.approx(n, rel=1e-3), name
+        assert p.delta.dense > 0 and p.delta.signs == pytest.approx(n / 8, rel=0.15)
