@@ -192,9 +192,9 @@ async def test_errors_are_recorded_with_their_status(traced, router):
     assert "NOT_FOUND" in str(e.value) or "not found" in str(e.value).lower()
     deadline = time.monotonic() + 60
     while True:
-        bad = [
+        bad = [  # the file appears with the first span that reaches the sink (this test may run first)
             s
-            for s in traces.read_file(traced.spans_file)
+            for s in (traces.read_file(traced.spans_file) if traced.spans_file.exists() else ())
             if s.name == "router.Generate" and s.attrs.get("model_id") == "no-such-variant"
         ]
         if bad:
