@@ -151,6 +151,12 @@ def real_base():
 @pytest.fixture(scope="session")
 def real_deltas(real_base) -> dict:
     """variant name -> delta file (at least two) for the real base."""
+    return real_deltas_of(real_base)
+
+
+def real_deltas_of(real_base: Path) -> dict:
+    """The family's deltas for `real_base` when at least two are built, else two short real
+    fine-tunes' (cached); also scripts/deploy_check.py's family when data/ holds none."""
     from bitdelta import family
     from bitdelta.checkpoint import fingerprint
     from bitdelta.format import read_header

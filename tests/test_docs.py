@@ -16,6 +16,9 @@ GENERATED = ("data/", "build/", ".venv/")
 SPAN = re.compile(r"`([^`\n]+)`")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 PLACEHOLDER = re.compile(r"[<>{}$…]|\.\.\.")
+IMAGE = re.compile(
+    r"[a-z0-9][\w.-]*(/[\w.-]+)+:[A-Za-z][\w.-]*"
+)  # a container image, NAME:TAG (`bitdelta/router:latest`)
 
 
 def tracked() -> list[str]:
@@ -49,6 +52,8 @@ def named_paths(text: str, doc: str, files: list[str]) -> set[str]:
     for m in SPAN.finditer(text):
         token = _clean(m.group(1).strip())
         if " " in token or "://" in token or PLACEHOLDER.search(token) or token.startswith(("-", "/", "~")):
+            continue
+        if IMAGE.fullmatch(token):
             continue
         if "/" not in token and "." not in token:
             continue
@@ -112,7 +117,8 @@ def test_the_extraction_finds_paths_and_only_paths():
         "[the router](router.md), [gone](old.md#part), `tests/router/test_router.py::test_x`, "
         "`README.md`; not paths: `--delta-store`, `bitdelta.rpc`, `1/32`, `python -m services.router`, "
         "[a URL](https://example.com/docs/x.md), [anchor](#rules), `data/deltas/v.safetensors`, "
-        "`services/<name>/config.py`, `BITDELTA_TOKEN=...`, `services/*/config.py`; in docs/ `worker.md` "
+        "`services/<name>/config.py`, `BITDELTA_TOKEN=...`, `services/*/config.py`, `services/router:latest` (an "
+        "image); in docs/ `worker.md` "
         "and `workers.md` (a rename), `k8s/` (a name of deploy/, not of docs/)."
     )
     names = named_paths(text, "docs/router.md", files)

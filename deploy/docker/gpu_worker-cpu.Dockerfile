@@ -1,23 +1,40 @@
-# The worker on CPU (development, small models): the CPU-only torch wheel and a C compiler for
-# the compiled CPU kernels (kernels/csrc, built on first use).
+# The worker on CPU (development, small models): the CPU-only torch wheel. Its C kernels
+# (kernels/csrc) are compiled at first start for the CPU the container runs on (-march=native,
+# kernels/cpu_build.py), which an image build cannot know: so this is the one runtime image with a
+# C compiler (gcc, libc6-dev).
 #   docker build -f deploy/docker/gpu_worker-cpu.Dockerfile -t bitdelta/worker:cpu .
-FROM python:3.11-slim
-ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PORT=50061 \
-    BITDELTA_KERNEL_BACKEND=cpu
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/* \
- && useradd --uid 10001 --create-home --shell /usr/sbin/nologin bitdelta \
- && mkdir -p /models && chown bitdelta /models
+# Stages, BASE_IMAGE and TORCH_INDEX_URL as in delta_store.Dockerfile (the same first layers, so
+# the two share them).
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE} AS build
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_CERT
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY deploy/docker/requirements-build.txt deploy/docker/requirements-rpc.txt /tmp/
+RUN python -m venv /opt/protoc && /opt/protoc/bin/pip install -q -r /tmp/requirements-build.txt \
+ && python -m venv /opt/venv && /opt/venv/bin/pip install -q -r /tmp/requirements-rpc.txt
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN /opt/venv/bin/pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
+RUN /opt/venv/bin/pip install -q "numpy>=1.26" "safetensors>=0.6" "tokenizers>=0.21" "tqdm>=4.66"
 WORKDIR /app
-COPY deploy/docker/requirements-rpc.txt /tmp/requirements-rpc.txt
-RUN pip install -r /tmp/requirements-rpc.txt "numpy>=1.26" "safetensors>=0.6" "tokenizers>=0.21" "tqdm>=4.66" \
- && pip install --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
 COPY protos protos
 COPY bitdelta bitdelta
 COPY kernels kernels
 COPY services/__init__.py services/__init__.py
 COPY services/gpu_worker services/gpu_worker
 COPY deploy/docker/healthcheck.py healthcheck.py
-RUN python -m bitdelta.protos_build && chown -R bitdelta /app
+RUN /opt/protoc/bin/python -m bitdelta.protos_build --force && rm -r protos bitdelta/.protos-stamp
+
+FROM ${BASE_IMAGE}
+ENV PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH PORT=50061 BITDELTA_KERNEL_BACKEND=cpu
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/* \
+ && useradd --uid 10001 --create-home --shell /usr/sbin/nologin bitdelta \
+ && mkdir -p /models && chown bitdelta /models
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build /app /app
+WORKDIR /app
 USER 10001
 EXPOSE 50061 9400
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 CMD ["python", "/app/healthcheck.py"]
