@@ -64,6 +64,7 @@ MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # stop strings are searched on the e
 MAX_STOP_TOKEN_IDS = 64
 MAX_REPETITION_PENALTY = 100.0
 MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_BIAS, MAX_LOGIT_BIAS = 100.0, 1024  # OpenAI's range of a bias; how many tokens one request may bias
 
 
@@ -86,6 +87,7 @@ class Sampling:
     min_tokens: int = 0  # neither EOS, a stop token nor a stop string ends the output before this many
     ignore_eos: bool = False  # EOS does not end the output
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) is returned too
+    logprobs: int | None = None  # the sampled token's logprob and this many alternatives (raw logits)
 
     @property
     def plain(self) -> bool:
@@ -145,6 +147,8 @@ class Sampling:
                 "sampling.min_tokens",
                 f"{self.min_tokens} must be >= 0 and at most max_new_tokens ({self.max_new_tokens})",
             )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise GenerationError("sampling.logprobs", f"{self.logprobs} must be between 0 and {MAX_LOGPROBS}")
         return self
 
     def check_vocab(self, vocab_size: int) -> Sampling:
@@ -178,6 +182,7 @@ class Sampling:
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=self.logprobs,
         )
 
     @classmethod
@@ -199,6 +204,7 @@ class Sampling:
             min_tokens=m.min_tokens,
             ignore_eos=m.ignore_eos,
             include_stop_str_in_output=m.include_stop_str_in_output,
+            logprobs=m.logprobs if m.HasField("logprobs") else None,
         )
 
 
@@ -307,6 +313,35 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str  # the token decoded alone
+    logprob: float  # log softmax of the raw logits
+
+    def to_pb(self) -> pb.TokenLogprob:
+        return pb.TokenLogprob(token_id=self.token_id, token=self.token, logprob=self.logprob)
+
+    @classmethod
+    def from_pb(cls, m: pb.TokenLogprob) -> TokenLogprob:
+        return cls(m.token_id, m.token, m.logprob)
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """The sampled token's log-probability and the most likely tokens at its position."""
+
+    sampled: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
+
+    def to_pb(self) -> pb.Logprobs:
+        return pb.Logprobs(sampled=self.sampled.to_pb(), top=[t.to_pb() for t in self.top])
+
+    @classmethod
+    def from_pb(cls, m: pb.Logprobs) -> Logprobs:
+        return cls(TokenLogprob.from_pb(m.sampled), tuple(TokenLogprob.from_pb(t) for t in m.top))
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One streamed token. The first event of a generation carries `ttft` and `arrival` (and, from
     the router, `worker`); the last carries `finish_reason` and `usage`."""
@@ -319,4 +354,5 @@ class TokenEvent:
     ttft: Ttft | None = None
     arrival: ArrivalState | None = None
     worker: str = ""  # the worker that served it (the router's events)
+    logprobs: Logprobs | None = None  # with Sampling.logprobs
     prefill_batch: int = field(default=0, compare=False)  # sequences in the step that began its prefill (traces)

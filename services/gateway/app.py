@@ -166,17 +166,18 @@ class _Generation(Response):
         return finish
 
     async def _whole(self, send: Send, first: pb.GenerateResponse, stream) -> None:
-        parts, last = [first.text], first
+        msgs = [first]
         try:
             async for msg in stream:
-                parts.append(msg.text)
-                last = msg
-            finish = self._finish(last)
+                msgs.append(msg)
+            finish = self._finish(msgs[-1])
         except RouterCallError as e:
             return await self._fail(send, self._error(e))
         except ApiError as e:
             return await self._fail(send, e)
-        await self._send_json(send, 200, api.response(self.req, "".join(parts), finish, last.usage))
+        logprobs = api.logprobs(self.req, [m.logprobs for m in msgs if m.HasField("logprobs")])
+        text = "".join(m.text for m in msgs)
+        await self._send_json(send, 200, api.response(self.req, text, finish, msgs[-1].usage, logprobs))
 
     async def _stream(self, send: Send, first: pb.GenerateResponse, stream) -> None:
         r = self.req
@@ -197,11 +198,13 @@ class _Generation(Response):
         if r.kind == "chat":
             await body(_sse(api.chunk(r, "", first=True)))  # OpenAI's first chat chunk: the role
         msg: gen_pb.GenerateResponse | None = first
-        usage = None
+        usage, offset = None, 0
         try:
             while msg is not None:
-                if msg.text:
-                    await body(_sse(api.chunk(r, msg.text)))
+                lp = api.logprobs(r, [msg.logprobs], offset) if msg.HasField("logprobs") else None
+                if msg.text or lp is not None:
+                    await body(_sse(api.chunk(r, msg.text, logprobs=lp)))
+                    offset += len(msg.text)
                 if msg.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED or msg.HasField("usage"):
                     await body(_sse(api.chunk(r, None if r.kind == "chat" else "", self._finish(msg))))
                     usage = msg.usage

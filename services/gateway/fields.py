@@ -38,6 +38,7 @@ class Field:
 
 LATER = "not yet served"
 STRUCTURED = "structured output and tools: not yet served"
+RAW = "from the model's raw logits (before penalties, bias, masks, temperature: vLLM's raw_logprobs)"
 FIELDS: tuple[Field, ...] = (
     # -- OpenAI's --------------------------------------------------------------------------------------
     Field("model", HON, HON, "OpenAI", "the base or a variant (`/v1/models`)"),
@@ -52,8 +53,14 @@ FIELDS: tuple[Field, ...] = (
     Field("stream", HON, HON, "OpenAI", "server-sent events"),
     Field("stream_options", HON, HON, "OpenAI", "`include_usage` (a boolean)"),
     Field("n", REF, REF, "OpenAI", f"n > 1: {LATER}", off=(1,)),
-    Field("logprobs", REF, REF, "OpenAI", LATER, off=(False,)),
-    Field("top_logprobs", None, REF, "OpenAI", LATER, off=(0,)),
+    Field(
+        "logprobs",
+        HON,
+        HON,
+        "OpenAI",
+        RAW + "; completions: 0–20 alternatives (0: the sampled token's), chat: true/false",
+    ),
+    Field("top_logprobs", None, HON, "OpenAI", "0–20 alternatives, with logprobs: true"),
     Field("echo", REF, REF, "OpenAI / vLLM (chat)", LATER, off=(False,)),
     Field("best_of", REF, None, "OpenAI", "best_of > 1: not served", off=(1,)),
     Field("suffix", REF, None, "OpenAI", "insertion: not served", off=("",)),

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb
-from bitdelta.generation import FinishReason, GenerationError, Sampling
+from bitdelta.generation import MAX_LOGPROBS, FinishReason, GenerationError, Sampling
 from services.gateway import fields
 
 MAX_STOP = 4  # OpenAI's limit on `stop` strings
@@ -272,6 +272,8 @@ def _with_max_tokens(r: Request, max_tokens: int) -> Request:
 
 def parse_completion(body: Any, default_max_tokens: int) -> Request:
     r = _common(body, "completion")
+    n = _integer(body, "logprobs", 0, MAX_LOGPROBS)  # an int: the alternatives (0: the sampled token's alone)
+    r.sampling = dataclasses.replace(r.sampling, logprobs=n)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -288,6 +290,11 @@ def parse_completion(body: Any, default_max_tokens: int) -> Request:
 
 def parse_chat(body: Any) -> Request:
     r = _common(body, "chat")
+    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if _boolean(body, "logprobs"):
+        r.sampling = dataclasses.replace(r.sampling, logprobs=top or 0)
+    elif top:
+        raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise invalid("messages", "messages must be a non-empty list of {role, content} objects")
@@ -330,19 +337,50 @@ def _envelope(r: Request, obj: str) -> dict:
     return {"id": r.id, "object": obj, "created": r.created, "model": r.model, "system_fingerprint": None}
 
 
-def response(r: Request, text: str, finish: str, u: gen_pb.Usage) -> dict:
+def logprobs(r: Request, lps: list[gen_pb.Logprobs], offset: int = 0) -> dict | None:
+    """OpenAI's `logprobs` of a choice (or of a chunk's tokens, `offset` characters into the text);
+    None when the request asked for none. Completions: tokens, token_logprobs, top_logprobs (the
+    sampled token among them, as vLLM does) and text_offset; chat: content entries with bytes."""
+    if r.sampling.logprobs is None:
+        return None
+    if r.kind == "completion":
+        offsets = []
+        for lp in lps:
+            offsets.append(offset)
+            offset += len(lp.sampled.token)
+        return {
+            "tokens": [lp.sampled.token for lp in lps],
+            "token_logprobs": [lp.sampled.logprob for lp in lps],
+            "top_logprobs": [
+                {**{t.token: t.logprob for t in lp.top}, lp.sampled.token: lp.sampled.logprob} for lp in lps
+            ],
+            "text_offset": offsets,
+        }
+
+    def entry(t: gen_pb.TokenLogprob) -> dict:
+        return {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8", "surrogatepass"))}
+
+    return {
+        "content": [{**entry(lp.sampled), "top_logprobs": [entry(t) for t in lp.top]} for lp in lps],
+        "refusal": None,
+    }
+
+
+def response(r: Request, text: str, finish: str, u: gen_pb.Usage, lps: dict | None = None) -> dict:
     """The whole (non-streamed) answer."""
     if r.kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish}
         return {**_envelope(r, "text_completion"), "choices": [choice], "usage": usage(u)}
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps, "finish_reason": finish}
     return {**_envelope(r, "chat.completion"), "choices": [choice], "usage": usage(u)}
 
 
-def chunk(r: Request, text: str | None, finish: str | None = None, *, first: bool = False) -> dict:
+def chunk(
+    r: Request, text: str | None, finish: str | None = None, *, first: bool = False, logprobs: dict | None = None
+) -> dict:
     """One streamed piece: `text` added (chat: a delta, with the role on the first), or the finish."""
     if r.kind == "completion":
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         out = {**_envelope(r, "text_completion"), "choices": [choice]}
     else:
         delta: dict[str, Any] = {}
@@ -350,7 +388,7 @@ def chunk(r: Request, text: str | None, finish: str | None = None, *, first: boo
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         out = {**_envelope(r, "chat.completion.chunk"), "choices": [choice]}
     if r.include_usage:
         out["usage"] = None

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bitdelta.generation import ArrivalState, FinishReason, TokenEvent, Ttft, Usage
+from bitdelta.generation import ArrivalState, FinishReason, Logprobs, TokenEvent, TokenLogprob, Ttft, Usage
 from services.gpu_worker.runner import ModelRunner, SeqWork
 from services.gpu_worker.sampling import Sampler, TextStream
 from services.gpu_worker.scheduler import Scheduler, SeqState
@@ -164,6 +164,7 @@ class Engine:
                     picks[i] = samplers[i].sample(rows[j])
                 except Exception as e:  # this sequence ends alone; the batch goes on
                     failed[i] = e
+        raw = self._raw_logprobs(logits, samplers, picks)
         t1 = time.perf_counter()
         self.steps += 1
         r = 0
@@ -179,12 +180,27 @@ class Engine:
                 self._drop(s.seq_id, posts, None, error=failed[r - 1])
                 continue
             try:
-                self._emit_token(self._seqs[s.seq_id], tok, t1, posts)
+                self._emit_token(self._seqs[s.seq_id], tok, t1, posts, raw.get(r - 1))
             except Exception as e:  # e.g. detokenising: end this sequence, not the batch
                 log.exception("sequence %d: emitting token %d failed", s.seq_id, tok)
                 self._drop(s.seq_id, posts, None, error=e)
 
-    def _emit_token(self, seq: Sequence, tok: int, now: float, posts) -> None:
+    @staticmethod
+    def _raw_logprobs(logits: torch.Tensor, samplers, picks: list[int]) -> dict[int, tuple]:
+        """sampling row -> (logprob of its pick, [(id, logprob)] of its top alternatives), for the rows
+        that asked (Sampling.logprobs), from the raw logits: before penalties, masks, temperature."""
+        want = [i for i, sp in enumerate(samplers) if sp.sampling.logprobs is not None]
+        if not want:
+            return {}
+        lp = torch.log_softmax(logits[torch.tensor(want, device=logits.device)].float(), -1)  # [W, vocab]
+        chosen = lp.gather(1, torch.tensor([picks[i] for i in want], device=lp.device)[:, None])[:, 0].tolist()
+        k = max(samplers[i].sampling.logprobs for i in want)
+        top_v, top_i = (t.tolist() for t in lp.topk(k, -1)) if k else ([[]] * len(want), [[]] * len(want))
+        return {
+            i: (chosen[j], list(zip(top_i[j], top_v[j]))[: samplers[i].sampling.logprobs]) for j, i in enumerate(want)
+        }
+
+    def _emit_token(self, seq: Sequence, tok: int, now: float, posts, raw: tuple | None = None) -> None:
         s = seq.state
         sp = seq.sampler.sampling
         s.output.append(tok)
@@ -222,6 +238,7 @@ class Engine:
             ttft=ttft,
             arrival=seq.arrival if ttft is not None else None,
             prefill_batch=seq.prefill_batch if ttft is not None else 0,
+            logprobs=None if raw is None else _logprobs(seq, tok, raw),
         )
         posts.append((seq.emit, ev))
         if finish is not None:
@@ -254,6 +271,13 @@ class Engine:
                 usage=Usage(len(s.prompt), len(s.output)),
             )
             posts.append((seq.emit, ev))
+
+
+def _logprobs(seq: Sequence, tok: int, raw: tuple) -> Logprobs:
+    """The event's Logprobs: each token decoded alone (special tokens as their text)."""
+    text = lambda t: seq.text.tok.decode([t], skip_special_tokens=False)
+    chosen, top = raw
+    return Logprobs(TokenLogprob(tok, text(tok), chosen), tuple(TokenLogprob(t, text(t), v) for t, v in top))
 
 
 def _deliver(posts) -> None:

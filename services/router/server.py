@@ -50,6 +50,8 @@ def event_to_pb(ev: TokenEvent) -> pb.GenerateResponse:
         out.finish_reason = ev.finish_reason.to_pb()
     if ev.usage is not None:
         out.usage.CopyFrom(ev.usage.to_pb())
+    if ev.logprobs is not None:
+        out.logprobs.CopyFrom(ev.logprobs.to_pb())
     return out
 
 

@@ -13,9 +13,11 @@ from bitdelta.generation import (
     ArrivalState,
     FinishReason,
     GenerationError,
+    Logprobs,
     Request,
     Sampling,
     TokenEvent,
+    TokenLogprob,
     Ttft,
     Usage,
     check_model_id,
@@ -52,6 +54,8 @@ from bitdelta.rpc.wire.gpu_worker import event_of_pb, event_to_pb, request_to_pb
         (Sampling(stop_token_ids=tuple(range(65))), "sampling.stop_token_ids"),
         (Sampling(min_tokens=-1), "sampling.min_tokens"),
         (Sampling(max_new_tokens=4, min_tokens=5), "sampling.min_tokens"),
+        (Sampling(logprobs=21), "sampling.logprobs"),
+        (Sampling(logprobs=-1), "sampling.logprobs"),
     ],
 )
 def test_validate_names_the_field(sampling, field):
@@ -108,6 +112,7 @@ def test_every_field_round_trips():
         min_tokens=2,
         ignore_eos=True,
         include_stop_str_in_output=True,
+        logprobs=0,
     ).validate()
     assert Sampling.from_pb(gen_pb.SamplingParams.FromString(s.to_pb().SerializeToString())) == s
     assert not s.plain and Sampling(top_k=3, temperature=1.0).plain, "only logit changes make a row non-plain"
@@ -122,7 +127,7 @@ def test_sampling_round_trips_and_reads_zeros_as_unset():
     assert m.HasField("seed") and m.seed == 0, "seed 0 is a seed, sent with presence"
     assert Sampling.from_pb(m) == s
     assert Sampling.from_pb(gen_pb.SamplingParams()) == Sampling(), "zeros: greedy, top_p 1, random seed"
-    assert not Sampling().to_pb().HasField("seed")
+    assert not Sampling().to_pb().HasField("seed") and not Sampling().to_pb().HasField("logprobs")
     # a v1 sender that wrote seed 0 without presence (proto3 drops it) asked for a random seed
     assert Sampling.from_pb(gen_pb.SamplingParams.FromString(b"")).seed is None
 
@@ -135,7 +140,8 @@ def test_worker_events_round_trip():
         ttft=Ttft(delta_load_ms=1.0, schedule_ms=2.0, prefill_ms=3.0, total_ms=6.0),
         arrival=ArrivalState.COLD,
     )
-    last = TokenEvent(9, "llo", 9.0, finish_reason=FinishReason.EOS, usage=Usage(4, 2))
+    lp = Logprobs(TokenLogprob(9, "llo", -0.5), (TokenLogprob(9, "llo", -0.5), TokenLogprob(3, "x", -1.25)))
+    last = TokenEvent(9, "llo", 9.0, finish_reason=FinishReason.EOS, usage=Usage(4, 2), logprobs=lp)
     middle = TokenEvent(7, "", 3.0)
     for ev in (first, last, middle, TokenEvent(1, "", 0.5, ttft=Ttft(), arrival=ArrivalState.BASE)):
         assert event_of_pb(wpb.GenerateResponse.FromString(event_to_pb(ev).SerializeToString())) == ev

@@ -304,7 +304,6 @@ async def test_chat_template_loading(tmp_path):
         ("/v1/chat/completions", {"model": "v0", "messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools", ""),
         ("/v1/completions", {"model": "v0", "prompt": "hi", "frobnicate": 1}, 400, "frobnicate", "not supported"),
         ("/v1/completions", {"model": "v0", "prompt": "hi", "messages": CHAT}, 400, "messages", "not supported"),
-        ("/v1/completions", {"model": "v0", "prompt": "hi", "logprobs": 0}, 400, "logprobs", "not supported"),
         (
             "/v1/completions",
             {"model": "v0", "prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}},
@@ -317,7 +316,9 @@ async def test_chat_template_loading(tmp_path):
         ("/v1/completions", {"model": "v0", "prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens", "allows"),
         ("/v1/completions", {"model": "v0", "prompt": "hi", "stop": ["a"] * 5}, 400, "stop", "at most 4"),
         ("/v1/completions", {"model": "v0", "prompt": "hi", "seed": -1}, 400, "seed", "seed"),
-        ("/v1/completions", {"model": "v0", "prompt": "hi", "logprobs": 3}, 400, "logprobs", "not supported"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "logprobs": 21}, 400, "logprobs", "between 0 and 20"),
+        ("/v1/chat/completions", {"model": "v0", "messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
+        ("/v1/chat/completions", {"model": "v0", "messages": CHAT, "logprobs": 2}, 400, "logprobs", "true or false"),
         ("/v1/completions", {"model": "v0", "prompt": ""}, 400, "prompt", "prompt"),
         ("/v1/completions", {"model": "v0", "prompt": [1, 2, 3]}, 400, "prompt", "token ids"),
         ("/v1/completions", {"model": "v0", "prompt": "x" * 5000}, 400, "prompt", "bytes"),  # the router's limit
@@ -436,6 +437,90 @@ async def test_bad_sampling_fields_are_400_naming_the_field(cluster, extra, para
     assert_error_shape(out, 400, got, param)
 
 
+def hf_logprobs(base, prompt_ids: list[int], out: list[int]) -> list:
+    """log softmax of transformers' raw logits at each generated position (the dense base)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt_ids + out])).logits[0, len(prompt_ids) - 1 : -1].float()
+    return torch.log_softmax(logits, -1)
+
+
+async def test_logprobs_equal_transformers_raw_logits_in_openai_shapes(clients, family):
+    """Completions (an int) and chat (bool + top_logprobs), whole and streamed: the sampled token's
+    logprob and the top alternatives are transformers' log softmax of the raw logits at that
+    position, also under a repetition penalty (raw: before penalties)."""
+    from tokenizers import Tokenizer
+
+    client, router, _ = clients
+    base = (await router.list_models())[0].model_id
+    tok = Tokenizer.from_file(str(family.base / "tokenizer.json"))
+    prompt = "The quick brown fox"
+    ids = tok.encode(prompt).ids
+    for extra in ({}, {"repetition_penalty": 1.6}):
+        r = await client.completions.create(
+            model=base, prompt=prompt, max_tokens=N, temperature=0, logprobs=3, extra_body=extra
+        )
+        lp = r.choices[0].logprobs
+        s = Sampling(max_new_tokens=N, repetition_penalty=extra.get("repetition_penalty", 1.0))
+        req = rpb.GenerateRequest(model_id=base, prompt=prompt, sampling=s.to_pb())
+        out = [m.token_id async for m in router.generate_request(req)]  # the ids (the text may not round-trip)
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == N
+        ref = hf_logprobs(family.base, ids, out)
+        for i in range(N):
+            assert abs(lp.token_logprobs[i] - float(ref[i, out[i]])) < 1e-3, i
+            top = sorted(ref[i].tolist(), reverse=True)[:3] + [float(ref[i, out[i]])]
+            # keyed by the token's text: bytes of a multi-byte character all read "\ufffd" alone
+            got = lp.top_logprobs[i].values()
+            assert all(any(abs(v - t) < 1e-3 for t in top) for v in got) and abs(max(got) - top[0]) < 1e-3, i
+            assert lp.tokens[i] in lp.top_logprobs[i], "the sampled token is among completions' top_logprobs"
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+        if not extra:
+            greedy_lp = lp
+    z = await client.completions.create(model=base, prompt=prompt, max_tokens=2, temperature=0, logprobs=0)
+    assert len(z.choices[0].logprobs.token_logprobs) == 2 and all(
+        len(d) == 1 for d in z.choices[0].logprobs.top_logprobs
+    )
+
+    c = await client.chat.completions.create(
+        model=base, messages=CHAT, max_tokens=N, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = c.choices[0].logprobs.content
+    assert len(content) == N and all(len(e.top_logprobs) == 2 for e in content)
+    assert all(e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in content)
+    assert all(e.bytes == list(e.token.encode()) for e in content)
+    assert all(abs(e.logprob - e.top_logprobs[0].logprob) < 1e-6 for e in content), "greedy: the top one"
+    rendered = tok.encode(BASE_RENDERED).ids
+    req = rpb.GenerateRequest(
+        model_id=base, prompt=BASE_RENDERED, sampling=Sampling(max_new_tokens=N).to_pb(), templated=True
+    )
+    ref = hf_logprobs(family.base, rendered, [m.token_id async for m in router.generate_request(req)])
+    for i, e in enumerate(content):
+        want = sorted(ref[i].tolist(), reverse=True)[:2]
+        assert [t.logprob for t in e.top_logprobs] == pytest.approx(want, abs=1e-3), i
+    plain = await client.chat.completions.create(model=base, messages=CHAT, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+    stream = await client.chat.completions.create(
+        model=base, messages=CHAT, max_tokens=N, temperature=0, logprobs=True, top_logprobs=2, stream=True
+    )
+    streamed = [
+        e
+        for ch in [x async for x in stream]
+        if ch.choices and ch.choices[0].logprobs
+        for e in ch.choices[0].logprobs.content
+    ]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    stream = await client.completions.create(
+        model=base, prompt=prompt, max_tokens=N, temperature=0, logprobs=3, stream=True
+    )
+    chunks = [x async for x in stream]
+    toks = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.token_logprobs]
+    assert toks == greedy_lp.token_logprobs
+
+
 async def test_harmless_fields_are_ignored_and_off_values_pass(clients):
     client, router, _ = clients
     want, _ = await router_text(router, "v0", "The quick brown fox")
@@ -446,7 +531,7 @@ async def test_harmless_fields_are_ignored_and_off_values_pass(clients):
         "service_tier": "auto",
         "n": 1,
         "echo": False,
-        "logprobs": None,  # null: as if absent
+        "suffix": None,  # null: as if absent
         "best_of": 1,
         "response_format": {"type": "text"},
     }

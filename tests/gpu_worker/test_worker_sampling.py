@@ -198,3 +198,24 @@ async def test_token_ids_beyond_the_vocabulary_are_invalid_argument(worker):
         with pytest.raises(GenerationError) as e:
             await run(worker, "", s)
         assert e.value.field == field and "vocabulary" in str(e.value)
+
+
+async def test_logprobs_are_the_variants_raw_log_softmax(worker, dense, tok):
+    """On a variant, sampled under penalties and a bias: each event's logprobs are transformers' log
+    softmax of the dense model's raw logits at that position (before penalties, bias, temperature)."""
+    ids = tok.encode(PROMPT).ids
+    s = Sampling(max_new_tokens=N, temperature=0.8, seed=9, repetition_penalty=1.3, logit_bias=((65, 2.0),), logprobs=4)
+    evs = [ev async for ev in worker.generate(Request("v0", PROMPT, s))]
+    out = [e.token_id for e in evs]
+    with torch.no_grad():
+        logits = dense["v0"](torch.tensor([ids + out])).logits[0, len(ids) - 1 : -1].float()
+    ref = torch.log_softmax(logits, -1)
+    for i, e in enumerate(evs):
+        assert e.logprobs.sampled.token_id == out[i]
+        assert abs(e.logprobs.sampled.logprob - float(ref[i, out[i]])) < 1e-4
+        top_v, top_i = ref[i].topk(4)
+        assert [t.token_id for t in e.logprobs.top] == top_i.tolist()
+        assert [t.logprob for t in e.logprobs.top] == pytest.approx(top_v.tolist(), abs=1e-4)
+        assert e.logprobs.sampled.token == tok.decode([out[i]], skip_special_tokens=False)
+    none = [ev async for ev in worker.generate(Request("v0", PROMPT, Sampling(max_new_tokens=2)))]
+    assert all(e.logprobs is None for e in none)

@@ -5,7 +5,7 @@ ends share one mapping (the arrival state is the worker's `DeltaState` on this h
 
 from __future__ import annotations
 
-from bitdelta.generation import ArrivalState, FinishReason, Request, TokenEvent, Ttft, Usage
+from bitdelta.generation import ArrivalState, FinishReason, Logprobs, Request, TokenEvent, Ttft, Usage
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
 
 ARRIVAL_PB = {
@@ -26,6 +26,8 @@ def event_to_pb(ev: TokenEvent) -> pb.GenerateResponse:
         msg.finish_reason = ev.finish_reason.to_pb()
     if ev.usage is not None:
         msg.usage.CopyFrom(ev.usage.to_pb())
+    if ev.logprobs is not None:
+        msg.logprobs.CopyFrom(ev.logprobs.to_pb())
     return msg
 
 
@@ -39,6 +41,7 @@ def event_of_pb(msg: pb.GenerateResponse) -> TokenEvent:
         usage=Usage.from_pb(msg.usage) if msg.HasField("usage") else None,
         ttft=Ttft.from_pb(msg.ttft) if first else None,
         arrival=ARRIVAL_OF_PB.get(msg.arrival_state, ArrivalState.BASE) if first else None,
+        logprobs=Logprobs.from_pb(msg.logprobs) if msg.HasField("logprobs") else None,
     )
 
 
