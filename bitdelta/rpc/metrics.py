@@ -116,6 +116,25 @@ class RouterMetrics(ServiceMetrics):
         )
 
 
+class GatewayMetrics(ServiceMetrics):
+    """The gateway's HTTP requests (served at its own `/metrics` route). `model` is a model the
+    router served or listed, else "other": a client cannot grow the series with made-up ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.requests = self.counter(
+            "bitdelta_gateway_requests_total",
+            "HTTP requests that ended, by route, model and status",
+            ("route", "model", "status"),
+        )
+        self.latency = self.histogram(
+            "bitdelta_gateway_request_seconds", "HTTP request to its last byte", ("route", "model"), TTFT_BUCKETS
+        )
+        self.errors = self.counter(
+            "bitdelta_gateway_errors_total", "HTTP requests answered 4xx or 5xx, by route and model", ("route", "model")
+        )
+
+
 class WorkerMetrics(ServiceMetrics):
     def __init__(self, worker_state: Callable[[], Mapping[str, float]]):
         """`worker_state()` -> {resident_deltas, delta_used_bytes, delta_budget_bytes, loads, evictions,

@@ -20,12 +20,15 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from typing import Any
 
 import anyio
 import grpc
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -35,6 +38,7 @@ from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.generation import FinishReason
 from bitdelta.router.v1 import router_pb2 as pb
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
+from bitdelta.rpc.metrics import GatewayMetrics
 from services.gateway import protocol as api
 from services.gateway.chat import ChatTemplate, ChatTemplateError
 from services.gateway.config import GatewayConfig
@@ -229,9 +233,48 @@ class _Generation(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/ready", "/metrics")
+
+
+class _Measured:
+    """ASGI middleware: every HTTP request counted and timed by route, model and status. The model
+    label is the request's model only when the router served it with 200 or listed it (`known`);
+    anything else is "other", so made-up ids cannot grow the series."""
+
+    def __init__(self, app, metrics: GatewayMetrics, known: set[str]):
+        self.app, self.metrics, self.known = app, metrics, known
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.perf_counter(), 500
+
+        async def watched(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        finally:
+            path = scope["path"]
+            route = path if path in ROUTES else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+            model = scope.get("state", {}).get("model")
+            if model and status == 200:
+                self.known.add(model)
+            label = model if model in self.known else "other" if model else ""
+            m = self.metrics
+            m.requests.labels(route, label, str(status)).inc()
+            m.latency.labels(route, label).observe(time.perf_counter() - t0)
+            if status >= 400:
+                m.errors.labels(route, label).inc()
+
+
 def create_app(config: GatewayConfig, templates: Templates | None = None) -> Starlette:
     templates = templates or Templates()
     state: dict[str, RouterClient] = {}
+    metrics, known = GatewayMetrics(), set()  # known: models the router listed or served
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -285,10 +328,13 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
             models = await state["router"].list_models(metadata=metadata(request))  # lists what the token may use
         except RouterCallError as e:
             raise api.error_of_rpc(e.code, e.details or str(e)) from None
-        return JSONResponse(api.model_list(models, config.owned_by))
+        listed = api.model_list(models, config.owned_by)
+        known.update(m["id"] for m in listed["data"])
+        return JSONResponse(listed)
 
     async def get_model(request: HttpRequest) -> Response:
         name = request.path_params["model"]
+        request.state.model = name
         try:
             models = await state["router"].list_models(metadata=metadata(request))
         except RouterCallError as e:
@@ -305,15 +351,20 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
 
     async def completions(request: HttpRequest) -> Response:
         req = api.parse_completion(await read_json(request), config.completion_default_max_tokens)
+        request.state.model = req.model  # the metrics' label (_Measured)
         return _Generation(state["router"], req, metadata(request), config.request_timeout_s)
 
     async def chat_completions(request: HttpRequest) -> Response:
         req = api.parse_chat(await read_json(request))
+        request.state.model = req.model
         try:
             req.prompt = templates.for_model(req.model).render(req.messages)
         except ChatTemplateError as e:
             raise api.invalid("messages", str(e), code="chat_template_error") from None
         return _Generation(state["router"], req, metadata(request), config.request_timeout_s)
+
+    async def prometheus(request: HttpRequest) -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def health(request: HttpRequest) -> Response:
         return JSONResponse({"status": "ok"})
@@ -352,9 +403,11 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
     ]
     return Starlette(
         routes=routes,
         lifespan=lifespan,
+        middleware=[Middleware(_Measured, metrics=metrics, known=known)],
         exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash},
     )

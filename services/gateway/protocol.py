@@ -416,6 +416,8 @@ def model_list(models, owned_by: str) -> dict:
             "owned_by": owned_by,
             "root": m.model_id if m.is_base else base,
             "parent": None if m.is_base else base,
+            "base_model": m.base_model,  # the base this variant's delta was built for (the base: itself)
+            "delta_bytes": m.delta_bytes,  # the size of its 1-bit delta; 0 for the base
         }
         data.append(entry)
     return {"object": "list", "data": data}

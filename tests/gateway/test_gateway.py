@@ -521,6 +521,33 @@ async def test_logprobs_equal_transformers_raw_logits_in_openai_shapes(clients, 
     assert toks == greedy_lp.token_logprobs
 
 
+async def test_the_gateways_own_metrics_bound_the_model_label(clients, cluster):
+    """/metrics counts requests by route, model and status; a made-up model id is "other", so
+    unknown ids cannot grow the series."""
+    client, _, _ = clients
+    await client.completions.create(model="v0", prompt="count me", max_tokens=2, temperature=0)
+    for name in ("made-up-1", "made-up-2"):
+        with pytest.raises(openai.NotFoundError):
+            await client.completions.create(model=name, prompt="hi", max_tokens=2)
+    got, text = await asyncio.to_thread(http, cluster.g, "GET", "/metrics")
+    assert got == 200 and isinstance(text, str)
+    assert 'bitdelta_gateway_requests_total{model="v0",route="/v1/completions",status="200"}' in text
+    assert 'bitdelta_gateway_requests_total{model="other",route="/v1/completions",status="404"}' in text
+    assert 'bitdelta_gateway_errors_total{model="other",route="/v1/completions"}' in text
+    assert "made-up" not in text
+    assert 'bitdelta_gateway_request_seconds_count{model="v0",route="/v1/completions"}' in text
+
+
+async def test_a_models_card_names_its_base_and_size(clients, family):
+    client, router, _ = clients
+    listed = {m.model_id: m for m in await router.list_models()}
+    card = await client.models.retrieve("v0")
+    base = next(m for m in listed.values() if m.is_base)
+    assert card.parent == base.model_id and card.base_model == listed["v0"].base_model
+    assert card.delta_bytes == listed["v0"].delta_bytes > 0
+    assert (await client.models.retrieve(base.model_id)).delta_bytes == 0
+
+
 async def test_harmless_fields_are_ignored_and_off_values_pass(clients):
     client, router, _ = clients
     want, _ = await router_text(router, "v0", "The quick brown fox")
