@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -224,3 +225,30 @@ def test_plans_of_published_configs():
         p = plan.make_plan(json.loads((root / f"{name}.json").read_text()), variants=4, gpu_mem=80e9, gpus=8)
         assert p.params == pytest.approx(n, rel=1e-3), name
         assert p.delta.dense > 0 and p.delta.signs == pytest.approx(n / 8, rel=0.15)
+
+
+@pytest.mark.parametrize("name", FAMILY_MEMBERS)
+def test_compression_and_distillation_run_on_each_family(tmp_path, bases, name, capsys):
+    """compress → distill (α only, biases and norms kept dense) → save → inspect shows the layout;
+    the distilled delta is closer to the fine-tune on windows of the calibration text."""
+    from bitdelta import cli
+    from bitdelta import distill as d
+    from bitdelta.compress import compress
+    from bitdelta.format import load_delta
+    from bitdelta.testing.family import make_finetune
+
+    ft = make_finetune(bases[name], tmp_path / "ft", seed=5, scale=0.02)
+    delta = load_delta(compress(bases[name], ft, tmp_path / "v.bitdelta.safetensors", progress=False))
+    calib = torch.randint(0, 256, (2000,), generator=torch.Generator().manual_seed(0))
+    cfg = d.DistillConfig(steps=20, lr=1e-4, batch=2, seq_len=24)
+    heldout = d.token_windows(calib, cfg.seq_len, 4, seed=1)  # of the calibration text (random text generalises little)
+    distilled, record = d.distill(bases[name], ft, delta, calib, cfg, heldout, progress=False)
+    assert record["heldout_mse_after"] < record["heldout_mse_before"], record
+    assert distilled.dense.keys() == delta.dense.keys()  # biases, norms: dense, untouched by distillation
+    out = d.save(distilled, tmp_path / "distilled.bitdelta.safetensors")
+    assert cli.main(["inspect", str(out)]) in (0, None)
+    args = ModelArgs.from_hf(read_config(bases[name]))
+    shown = capsys.readouterr().out
+    assert f"architecture      {args.model_type}, layout {args.layout}" in shown
+    biases = int(re.search(r"\((\d+) of them biases\)", shown).group(1))
+    assert biases == sum(m.bias for m in args.matrices()) * args.n_layers  # a full fine-tune moved every bias
