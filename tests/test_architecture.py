@@ -6,6 +6,7 @@ where the tests import the code (tests/support/ is the tests' own)."""
 from __future__ import annotations
 
 import ast
+import gc
 import subprocess
 import sys
 from pathlib import Path
@@ -14,11 +15,23 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVICES = sorted(p.name for p in (ROOT / "services").iterdir() if (p / "__init__.py").is_file())
 
 
+def parse(path: Path) -> ast.Module:
+    """`ast.parse` with the garbage collector held off: CPython 3.11's AST constructor fails with
+    "SystemError: AST constructor recursion depth mismatch" when a finalizer that runs Python code
+    (an asyncio task's 'exception was never retrieved' log, left by an earlier test) runs inside it."""
+    gc.collect()
+    gc.disable()
+    try:
+        return ast.parse(path.read_text())
+    finally:
+        gc.enable()
+
+
 def imports_of(path: Path) -> set[str]:
     """Every module `path` imports, at the top or inside a function (ast.walk sees both),
     including `importlib.import_module("x")` with a literal name."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -192,7 +205,7 @@ def env_reads(path: Path) -> set[str]:
                 found.add(where)
             visit(child, where)
 
-    visit(ast.parse(path.read_text()), "<module>")
+    visit(parse(path), "<module>")
     return found
 
 
