@@ -22,6 +22,7 @@ default behaviour.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -235,17 +236,25 @@ class Rope:
         kinds read it; None: one sequence of max(positions) + 1 tokens, which needs a host read)."""
         device = positions.device
         if not self.length_dependent:
-            inv = self.inv_freq().to(device)[None, :]
+            inv = _inv_freq_on(self, 0, device)[None, :]  # cached per device: no copy per step
         else:
             if seq_lens is None:
                 seq_lens = [int(positions.max()) + 1] * positions.shape[0]
-            distinct = sorted(set(seq_lens))
-            table = torch.stack([self.inv_freq(n) for n in distinct])  # [U, dim/2]
-            which = torch.tensor([distinct.index(n) for n in seq_lens], dtype=torch.int64)
-            inv = table[which].to(device)
+            index = {n: i for i, n in enumerate(sorted(set(seq_lens)))}
+            table = torch.stack([_inv_freq_on(self, n, device) for n in index])  # [U, dim/2]
+            which = torch.tensor([index[n] for n in seq_lens], dtype=torch.int64)
+            if device.type == "cuda":  # pinned and asynchronous, like the runner's other step indices
+                which = which.pin_memory().to(device, non_blocking=True)
+            inv = table[which]
         freqs = positions.float()[:, None] * inv
         emb = torch.cat([freqs, freqs], dim=-1)
         return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _inv_freq_on(rope: Rope, seq_len: int, device: torch.device) -> torch.Tensor:
+    """rope.inv_freq(seq_len) on `device`, computed and copied once (dynamic rope: per length)."""
+    return rope.inv_freq(seq_len).to(device)
 
 
 @dataclass(frozen=True)
