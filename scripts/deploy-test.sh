@@ -137,10 +137,10 @@ IMAGES=(  # tag dockerfile (the compose files name the same tags)
 : >"$OUT/build-times.txt"
 for ((i = 0; i < ${#IMAGES[@]}; i += 2)); do
     tag=${IMAGES[i]} file=${IMAGES[i + 1]} t=$(date +%s)
-    log "building $tag ($file)"
     docker build --network host -f "$file" -t "$tag" --build-arg BASE_IMAGE="$BASE_IMAGE" "${BUILD_ARGS[@]}" . \
         >"$OUT/build-$(basename "$file" .Dockerfile).log" 2>&1 || die "docker build of $tag failed: see $OUT/build-$(basename "$file" .Dockerfile).log"
     echo "$tag $(($(date +%s) - t))" >>"$OUT/build-times.txt"
+    log "built $tag in $(($(date +%s) - t)) s"
 done
 kill "$RELAY_PID" 2>/dev/null; RELAY_PID=""
 log "images built in $(($(date +%s) - T0)) s so far"
