@@ -4,7 +4,7 @@
 #
 #   bash scripts/deploy-test.sh          (as root, on Debian/Ubuntu; tests/deploy/test_compose_run.py runs it)
 #
-# 0. scripts/setup.sh (idempotent): .venv, for the checks (scripts/deploy_check.py).
+# 0. One run at a time (a lock in /var/lock); scripts/setup.sh (idempotent): .venv, for the checks.
 # 1. docker.io, docker-compose and debootstrap from the distribution if missing; dockerd started
 #    if none runs (no default bridge: --bridge=none), and stopped again at the end.
 # 2. The base image: BASE_IMAGE if set, else python:3.11-slim if it is here or can be pulled, else
@@ -34,6 +34,9 @@ export DOCKER_BUILDKIT=0 COMPOSE_DOCKER_CLI_BUILD=0  # the classic builder: Debi
 log() { echo "[deploy-test] $(date +%T) $*"; }
 die() { echo "[deploy-test] error: $*" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || die "run as root (it installs packages and starts dockerd)"
+# One run at a time on a machine: runs share dockerd, the project's name and its ports.
+exec 9>/var/lock/bitdelta-deploy-test.lock
+flock -n 9 || { log "waiting for another deploy test on this machine"; flock -w 1500 9; } || die "the other deploy test did not finish in 25 minutes"
 bash scripts/setup.sh >/dev/null  # .venv and the generated code, for the checks and the reference system
 mkdir -p "$OUT" && rm -f "$OUT/report.json" "$OUT/spans.jsonl" "$OUT/times.json"  # report.json is merged into
 T0=$(date +%s)
@@ -70,7 +73,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 if ! docker info >/dev/null 2>&1; then
     log "starting dockerd (--bridge=none: containers use the host's network only)"
-    dockerd --bridge=none --iptables=false --ip6tables=false >"$OUT/dockerd.log" 2>&1 &
+    dockerd --bridge=none --iptables=false --ip6tables=false >"$OUT/dockerd.log" 2>&1 9>&- &  # not holding the lock
     STARTED_DOCKERD=$!
     for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
     docker info >/dev/null 2>&1 || die "dockerd did not start: $OUT/dockerd.log"
@@ -106,7 +109,7 @@ make_base() {  # bitdelta/base:bookworm: Debian minbase, python3 (venv, libpytho
 }
 
 # pip's settings, with local places served on loopback for the builds
-"$ROOT/.venv/bin/python" deploy/local/pip_relay.py --port "$RELAY_PORT" >"$OUT/pip.env" 2>"$OUT/pip_relay.log" &
+"$ROOT/.venv/bin/python" deploy/local/pip_relay.py --port "$RELAY_PORT" >"$OUT/pip.env" 2>"$OUT/pip_relay.log" 9>&- &
 RELAY_PID=$!
 for _ in $(seq 50); do [ -s "$OUT/pip.env" ] && break; kill -0 "$RELAY_PID" 2>/dev/null || break; sleep 0.2; done
 [ -s "$OUT/pip.env" ] || die "deploy/local/pip_relay.py did not start: $OUT/pip_relay.log"
