@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -72,6 +73,26 @@ class Templates:
                 code="chat_template_missing",
             )
         return t
+
+
+class Tokens:
+    """The base's tokenizer (every variant shares it) for /tokenize and /detokenize (vLLM's)."""
+
+    def __init__(self, directory: Path):
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
+        config = Path(directory) / "config.json"
+        self.max_model_len = None
+        if config.is_file():
+            self.max_model_len = json.loads(config.read_text()).get("max_position_embeddings")
+
+    def tokenize(self, text: str, add_special_tokens: bool) -> dict:
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+
+    def detokenize(self, ids: list[int]) -> dict:
+        return {"prompt": self.tokenizer.decode(ids, skip_special_tokens=False)}
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -233,7 +254,16 @@ class _Generation(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/ready", "/metrics")
+ROUTES = (
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/health",
+    "/ready",
+    "/metrics",
+    "/tokenize",
+    "/detokenize",
+)
 
 
 class _Measured:
@@ -363,6 +393,57 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
             raise api.invalid("messages", str(e), code="chat_template_error") from None
         return _Generation(state["router"], req, metadata(request), config.request_timeout_s)
 
+    tokens = Tokens(config.tokenizer) if config.tokenizer is not None else None
+
+    async def known_model(request: HttpRequest, body: Any) -> str:
+        """The body's model, which the router must list (404 otherwise)."""
+        if not isinstance(body, dict):
+            raise api.invalid(None, "the request body must be a JSON object", code="invalid_json")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise api.invalid("model", "model must be a non-empty string: the variant's id from /v1/models")
+        request.state.model = model
+        try:
+            listed = api.model_list(await state["router"].list_models(metadata=metadata(request)), config.owned_by)
+        except RouterCallError as e:
+            raise api.error_of_rpc(e.code, e.details or str(e)) from None
+        if model not in {m["id"] for m in listed["data"]}:
+            raise ApiError(404, f"model {model!r} does not exist", param="model", code="model_not_found")
+        if tokens is None:
+            raise ApiError(
+                400, "start the gateway with --tokenizer (the base's directory) to tokenize", code="tokenizer_missing"
+            )
+        return model
+
+    async def tokenize(request: HttpRequest) -> Response:
+        body = await read_json(request)
+        model = await known_model(request, body)
+        if "messages" in body:
+            r = api.parse_chat({"model": model, "messages": body["messages"]})
+            try:
+                text = templates.for_model(model).render(r.messages)
+            except ChatTemplateError as e:
+                raise api.invalid("messages", str(e), code="chat_template_error") from None
+            return JSONResponse(tokens.tokenize(text, add_special_tokens=False))  # the template wrote its own
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise api.invalid("prompt", "prompt must be a string (or send messages)")
+        add = body.get("add_special_tokens", True)
+        if not isinstance(add, bool):
+            raise api.invalid("add_special_tokens", "add_special_tokens must be true or false")
+        return JSONResponse(tokens.tokenize(prompt, add_special_tokens=add))
+
+    async def detokenize(request: HttpRequest) -> Response:
+        body = await read_json(request)
+        await known_model(request, body)
+        ids = body.get("tokens")
+        vocab = tokens.tokenizer.get_vocab_size(with_added_tokens=True)
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids
+        ):
+            raise api.invalid("tokens", f"tokens must be a list of token ids below {vocab}")
+        return JSONResponse(tokens.detokenize(ids))
+
     async def prometheus(request: HttpRequest) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -404,6 +485,8 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
     ]
     return Starlette(
         routes=routes,

@@ -55,6 +55,11 @@ class GatewayConfig(ServiceConfig, TlsSettings):
         parse=parse_list,
         check=check_variant_templates,
     )
+    tokenizer: Path | None = setting(
+        None,
+        "the base's directory (tokenizer.json; config.json for max_model_len), for /tokenize and "
+        "/detokenize; without it they answer 400",
+    )
     owned_by: str = setting("bitdelta", "the `owned_by` of every model in /v1/models")
     request_timeout_s: float = setting(600.0, "deadline of one generation at the router, seconds (beyond: 504)")
     call_timeout_s: float = setting(10.0, "deadline of the router's ListModels, seconds")
@@ -98,6 +103,8 @@ class GatewayConfig(ServiceConfig, TlsSettings):
 
     def check(self) -> None:
         self.check_tls(needs_server_cert=False)
+        if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
+            raise ConfigError(f"{self.flag_of('tokenizer')} {self.tokenizer}: no tokenizer.json in it")
         self.check_https()
         for name in ("request_timeout_s", "call_timeout_s"):
             if not getattr(self, name) > 0:

@@ -64,7 +64,11 @@ def cluster(family, tmp_path_factory):
         c.w = c.worker(family.base, c.st.address)
         c.r = c.router([c.w.address], c.st.address, extra=("--max-prompt-bytes", "4096"))
         c.wait_serving(c.st, c.w, c.r)
-        c.g = c.gateway(c.r.address, chat_template=tok, extra=("--variant-chat-templates", f"v1={work / 'v1.jinja'}"))
+        c.g = c.gateway(
+            c.r.address,
+            chat_template=tok,
+            extra=("--variant-chat-templates", f"v1={work / 'v1.jinja'}", "--tokenizer", str(family.base)),
+        )
         c.g_plain = c.gateway(c.r.address, name="gateway-plain")
         c.g_dead = c.gateway(f"127.0.0.1:{free_port()}", name="gateway-dead")
         c.g_short = c.gateway(c.r.address, name="gateway-short", extra=("--request-timeout-s", "1"))
@@ -546,6 +550,39 @@ async def test_a_models_card_names_its_base_and_size(clients, family):
     assert card.parent == base.model_id and card.base_model == listed["v0"].base_model
     assert card.delta_bytes == listed["v0"].delta_bytes > 0
     assert (await client.models.retrieve(base.model_id)).delta_bytes == 0
+
+
+async def test_tokenize_and_detokenize_in_vllms_shapes(clients, cluster, family):
+    """/tokenize gives the ids the worker counts as the prompt (a prompt, or messages through the
+    chat template); /detokenize gives the text back."""
+    client, _, _ = clients
+    prompt = "The quick brown fox"
+    got, out = await asyncio.to_thread(
+        http, cluster.g, "POST", "/tokenize", json.dumps({"model": "v0", "prompt": prompt}).encode()
+    )
+    assert got == 200 and set(out) == {"count", "max_model_len", "tokens"}, out
+    r = await client.completions.create(model="v0", prompt=prompt, max_tokens=1, temperature=0)
+    assert out["count"] == len(out["tokens"]) == r.usage.prompt_tokens and out["max_model_len"] == 256
+    got, back = await asyncio.to_thread(
+        http, cluster.g, "POST", "/detokenize", json.dumps({"model": "v0", "tokens": out["tokens"]}).encode()
+    )
+    assert got == 200 and back == {"prompt": prompt}
+    got, chat = await asyncio.to_thread(
+        http, cluster.g, "POST", "/tokenize", json.dumps({"model": "v1", "messages": CHAT}).encode()
+    )
+    c = await client.chat.completions.create(model="v1", messages=CHAT, max_tokens=1, temperature=0)
+    assert got == 200 and chat["count"] == c.usage.prompt_tokens == len(V1_RENDERED.encode())
+    for path, body, status, param in (
+        ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
+        ("/detokenize", {"model": "v0", "tokens": [10**6]}, 400, "tokens"),
+        ("/tokenize", {"model": "v0", "prompt": 5}, 400, "prompt"),
+    ):
+        got, err = await asyncio.to_thread(http, cluster.g, "POST", path, json.dumps(body).encode())
+        assert_error_shape(err, status, got, param)
+    got, err = await asyncio.to_thread(
+        http, cluster.g_plain, "POST", "/tokenize", json.dumps({"model": "v0", "prompt": "x"}).encode()
+    )
+    assert got == 400 and err["error"]["code"] == "tokenizer_missing"
 
 
 async def test_harmless_fields_are_ignored_and_off_values_pass(clients):
