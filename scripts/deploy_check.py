@@ -161,7 +161,7 @@ def compose_file(project: str, out: Path) -> None:
 def family() -> None:
     from bitdelta import family as fam
     from bitdelta.family import build as fb
-    from tests.conftest import real_deltas_of  # what the tests serve when data/ has no family
+    from bitdelta.testing.real import real_deltas_of  # what the tests serve when data/ has no family
 
     with redirect_stdout(sys.stderr):  # stdout is the assignments alone
         base = fb.build_base(fam.paths())

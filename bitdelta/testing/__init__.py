@@ -1,4 +1,5 @@
 """Helpers used by tests and bench/ (and scripts/trace_report.py): tiny random model families
-(`family`) and the whole system as processes on loopback (`cluster`). They live in the core
+(`family`), the whole system as processes on loopback (`cluster`), and the real model's
+cached test deltas (`real`, also scripts/deploy_check.py's family). They live in the core
 once because bench/ runs them outside pytest; what only the tests use is in tests/support/.
 """
