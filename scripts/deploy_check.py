@@ -39,9 +39,11 @@ from demo import PROMPTS  # noqa: E402  (the demo's requests)
 
 from bitdelta import traces  # noqa: E402
 from bitdelta.rpc.clients.router import RouterClient  # noqa: E402
+from bitdelta.rpc.clients.worker import WorkerClient  # noqa: E402
 from bitdelta.testing.cluster import Cluster  # noqa: E402
 
 ROUTER, GATEWAY, PROMETHEUS, SINK = "127.0.0.1:25051", "127.0.0.1:25080", "127.0.0.1:25090", "127.0.0.1:25319"
+WORKER = "127.0.0.1:25061"  # the CPU worker of deploy/local/docker-compose.local.yml
 SERVICES = ("delta-store", "worker", "router", "gateway", "otel-collector", "prometheus")
 # image -> (the service module its entry point runs or None, whether torch belongs in it, whether a C compiler does)
 IMAGES = {
@@ -325,6 +327,10 @@ async def check_stack(a: argparse.Namespace) -> None:
             fail(f"the worker did not read every delta from the store's shared memory: Fetch transports {tr}")
         if set(seen["fetch_transports"]) != {"shared-memory"}:
             fail(f"delta_store.fetch spans' transports: {seen['fetch_transports']}")
+        async with WorkerClient(WORKER) as w:  # the worker's own word: how each resident delta arrived
+            slots = {s.name: s.transport for s in (await w.status()).slots if s.name in variants}
+        if slots != dict.fromkeys(variants, "shared-memory"):
+            fail(f"the worker's Status does not say every delta came through shared memory: {slots}")
         say(f"{2 * len(models)} requests, {2 * len(models)} traces with TTFT spans; Fetch transports {tr}")
         say(f"Prometheus targets up: {', '.join(t['job'] for t in targets)}")
         report(
@@ -334,6 +340,7 @@ async def check_stack(a: argparse.Namespace) -> None:
             texts=texts,
             traces={"requests": 2 * len(models), **seen},
             fetch_transports=tr,
+            worker_slot_transports=slots,
             prometheus_targets=targets,
         )
     finally:

@@ -72,6 +72,7 @@ class DeltaEntry:
     pinned: bool = False  # explicitly (LoadDelta pin=true)
     refs: int = 0  # sequences that use the slot
     error: str = ""
+    transport: str = ""  # how the resident bytes arrived: file | stream | shared-memory
     task: asyncio.Task | None = None  # the load
     done: asyncio.Future | None = None  # the load's outcome for its waiters (None, or the error)
     aborted: bool = False  # evicted while loading: its slot returns once the load's reads have stopped
@@ -87,6 +88,7 @@ class SlotInfo:
     pinned: bool
     request_rate: float
     error: str
+    transport: str
 
 
 class DeltaManager:
@@ -142,6 +144,7 @@ class DeltaManager:
                 e.pinned or (e.name in hot and e.state == DeltaState.RESIDENT),
                 self.policy.rate(e.name, now),
                 e.error,
+                e.transport if e.state == DeltaState.RESIDENT else "",
             )
             for e in sorted(self.entries.values(), key=lambda e: e.name)
         ]
@@ -284,7 +287,7 @@ class DeltaManager:
             if extras.embed is not None or extras.head is not None:
                 self.slots.extras = {**self.slots.extras, e.slot: extras}  # copy-on-write for the engine
             e.state = DeltaState.RESIDENT
-            e.error = ""
+            e.error, e.transport = "", info.transport
             _settle(e.done, None)
             log.info(
                 "delta %s resident in slot %d (%d bytes, %.1f ms, %s)",

@@ -45,7 +45,13 @@ STATES = {
 
 def slot_to_pb(s: SlotInfo) -> pb.DeltaSlot:
     return pb.DeltaSlot(
-        name=s.name, state=STATES[s.state], bytes=s.bytes, pinned=s.pinned, request_rate=s.request_rate, error=s.error
+        name=s.name,
+        state=STATES[s.state],
+        bytes=s.bytes,
+        pinned=s.pinned,
+        request_rate=s.request_rate,
+        error=s.error,
+        transport=s.transport,
     )
 
 

@@ -299,7 +299,7 @@ class Worker:
         for s in self.manager.snapshot():
             if s.name == name:
                 return s
-        return SlotInfo(name, DeltaState.ABSENT, 0, False, 0.0, "")
+        return SlotInfo(name, DeltaState.ABSENT, 0, False, 0.0, "", "")
 
     def status(self) -> WorkerStatus:
         if not self.ready:

@@ -85,3 +85,7 @@ async def test_load_from_the_delta_store_and_generate(store, family):
         shared = delta_store.cache.shared is not None
         assert delta_store.transports["shared-memory" if shared else "stream"] >= 2  # v1 and v0 at least
         assert delta_store.transports["stream" if shared else "shared-memory"] == 0
+        # the worker's Status says how each resident delta arrived; a failed one names none
+        transport = {s.name: s.transport for s in st.slots}
+        assert transport["v0"] == transport["v1"] == ("shared-memory" if shared else "stream")
+        assert transport[family.corrupt] == ""
