@@ -448,7 +448,8 @@ async def test_health_is_not_serving_during_drain_and_the_router_routes_around(f
         from bitdelta.common.v1 import generation_pb2 as gen_pb
 
         long = [asyncio.create_task(_drain_collect(w, gen_pb)) for _ in range(6)]
-        await wait_for(lambda: _running(w), what="streams running on the victim")
+        # every stream admitted before the drain begins (one that arrives after it is rightly refused)
+        await wait_for(lambda: _admitted(w, len(long)), what="the streams admitted on the victim")
         victim.popen.send_signal(signal.SIGTERM)
         TALLY.fault("SIGTERM (drain) of a worker")
         async with grpc.aio.insecure_channel(victim.address) as ch:
@@ -473,8 +474,9 @@ async def test_health_is_not_serving_during_drain_and_the_router_routes_around(f
     TALLY.recovered("drained worker restarted")
 
 
-async def _running(w: WorkerClient) -> bool:
-    return (await w.status()).running > 0
+async def _admitted(w: WorkerClient, n: int) -> bool:
+    st = await w.status()
+    return st.running > 0 and st.running + st.waiting >= n
 
 
 async def _drain_collect(w: WorkerClient, gen_pb) -> list[int]:
