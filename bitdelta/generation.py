@@ -66,6 +66,7 @@ MAX_REPETITION_PENALTY = 100.0
 MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_BIAS, MAX_LOGIT_BIAS = 100.0, 1024  # OpenAI's range of a bias; how many tokens one request may bias
+MAX_N = 16  # choices of one request (each a running sequence after the shared prefill)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class Sampling:
     ignore_eos: bool = False  # EOS does not end the output
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) is returned too
     logprobs: int | None = None  # the sampled token's logprob and this many alternatives (raw logits)
+    n: int = 1  # choices, forked after one shared prefill; choice i of a seeded request: choice_seed(i)
 
     @property
     def plain(self) -> bool:
@@ -149,7 +151,16 @@ class Sampling:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise GenerationError("sampling.logprobs", f"{self.logprobs} must be between 0 and {MAX_LOGPROBS}")
+        if not 1 <= self.n <= MAX_N:
+            raise GenerationError("sampling.n", f"{self.n} must be between 1 and {MAX_N}")
         return self
+
+    def choice_seed(self, index: int) -> int | None:
+        """The seed choice `index` draws with: the request's for choice 0 (n = 1 and choice 0 of
+        n agree), a distinct one derived from it for the others; None: unseeded."""
+        if self.seed is None or index == 0:
+            return self.seed
+        return (self.seed + index * 0x9E3779B97F4A7C15) % 2**64
 
     def check_vocab(self, vocab_size: int) -> Sampling:
         """self, or GenerationError for a token id the model does not have."""
@@ -183,6 +194,7 @@ class Sampling:
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=self.logprobs,
+            n=0 if self.n == 1 else self.n,
         )
 
     @classmethod
@@ -205,6 +217,7 @@ class Sampling:
             ignore_eos=m.ignore_eos,
             include_stop_str_in_output=m.include_stop_str_in_output,
             logprobs=m.logprobs if m.HasField("logprobs") else None,
+            n=m.n or 1,
         )
 
 
@@ -355,4 +368,5 @@ class TokenEvent:
     arrival: ArrivalState | None = None
     worker: str = ""  # the worker that served it (the router's events)
     logprobs: Logprobs | None = None  # with Sampling.logprobs
+    index: int = 0  # the choice (Sampling.n > 1); each choice's last event has its own finish and usage
     prefill_batch: int = field(default=0, compare=False)  # sequences in the step that began its prefill (traces)

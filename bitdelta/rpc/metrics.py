@@ -138,7 +138,7 @@ class GatewayMetrics(ServiceMetrics):
 class WorkerMetrics(ServiceMetrics):
     def __init__(self, worker_state: Callable[[], Mapping[str, float]]):
         """`worker_state()` -> {resident_deltas, delta_used_bytes, delta_budget_bytes, loads, evictions,
-        kv_blocks_used, kv_blocks_total, running, waiting}."""
+        kv_blocks_used, kv_blocks_total, running, waiting, prefill_tokens}."""
         super().__init__()
         self.requests = self.counter(
             "bitdelta_worker_requests_total",
@@ -169,6 +169,12 @@ class WorkerMetrics(ServiceMetrics):
             ("gauge", "bitdelta_worker_kv_blocks", "kv_blocks_total", "KV cache blocks in all"),
             ("gauge", "bitdelta_worker_running_sequences", "running", "sequences in the batch"),
             ("gauge", "bitdelta_worker_waiting_sequences", "waiting", "sequences waiting for the batch"),
+            (
+                "counter",
+                "bitdelta_worker_prefill_tokens_total",
+                "prefill_tokens",
+                "prompt tokens put through the model (the choices of one request share one prefill)",
+            ),
         ]:
             self.readings.add(
                 kind, name.removesuffix("_total") if kind == "counter" else name, doc, lambda key=key: st()[key]

@@ -195,14 +195,23 @@ class _Generation(Response):
         try:
             async for msg in stream:
                 msgs.append(msg)
-            finish = self._finish(msgs[-1])
         except RouterCallError as e:
             return await self._fail(send, self._error(e))
-        except ApiError as e:
-            return await self._fail(send, e)
-        logprobs = api.logprobs(self.req, [m.logprobs for m in msgs if m.HasField("logprobs")])
-        text = "".join(m.text for m in msgs)
-        await self._send_json(send, 200, api.response(self.req, text, finish, msgs[-1].usage, logprobs))
+        choices, usages = [], []
+        for i in range(self.req.sampling.n):
+            mine = [m for m in msgs if m.index == i]
+            try:
+                if not mine:
+                    raise ApiError(
+                        502, f"the router's stream has no choice {i}", type="server_error", code="truncated_stream"
+                    )
+                finish = self._finish(mine[-1])
+            except ApiError as e:
+                return await self._fail(send, e)
+            lps = api.logprobs(self.req, [m.logprobs for m in mine if m.HasField("logprobs")])
+            choices.append(api.Choice("".join(m.text for m in mine), finish, lps))
+            usages.append(mine[-1].usage)
+        await self._send_json(send, 200, api.response(self.req, choices, api.total_usage(usages)))
 
     async def _stream(self, send: Send, first: pb.GenerateResponse, stream) -> None:
         r = self.req
@@ -220,20 +229,24 @@ class _Generation(Response):
         async def body(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
-        if r.kind == "chat":
-            await body(_sse(api.chunk(r, "", first=True)))  # OpenAI's first chat chunk: the role
+        n = r.sampling.n
+        if r.kind == "chat":  # OpenAI's first chat chunk of each choice: the role
+            for i in range(n):
+                await body(_sse(api.chunk(r, "", first=True, index=i)))
         msg: gen_pb.GenerateResponse | None = first
-        usage, offset = None, 0
+        usages, offsets = [], [0] * n
         try:
             while msg is not None:
-                lp = api.logprobs(r, [msg.logprobs], offset) if msg.HasField("logprobs") else None
+                i = msg.index
+                lp = api.logprobs(r, [msg.logprobs], offsets[i]) if msg.HasField("logprobs") else None
                 if msg.text or lp is not None:
-                    await body(_sse(api.chunk(r, msg.text, logprobs=lp)))
-                    offset += len(msg.text)
+                    await body(_sse(api.chunk(r, msg.text, logprobs=lp, index=i)))
+                    offsets[i] += len(msg.text)
                 if msg.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED or msg.HasField("usage"):
-                    await body(_sse(api.chunk(r, None if r.kind == "chat" else "", self._finish(msg))))
-                    usage = msg.usage
-                    break
+                    await body(_sse(api.chunk(r, None if r.kind == "chat" else "", self._finish(msg), index=i)))
+                    usages.append(msg.usage)
+                    if len(usages) == n:
+                        break
                 msg = await anext(stream, None)
             else:
                 raise ApiError(
@@ -243,7 +256,7 @@ class _Generation(Response):
                     code="truncated_stream",
                 )
             if r.include_usage:
-                await body(_sse(api.usage_chunk(r, usage)))
+                await body(_sse(api.usage_chunk(r, api.total_usage(usages))))
         except RouterCallError as e:  # after the first token: the status is sent, so the error is an event
             err = self._error(e)
             log.info("%s: stream ended by %d %s", r.id, err.status, err.message[:200])

@@ -52,7 +52,7 @@ FIELDS: tuple[Field, ...] = (
     Field("seed", HON, HON, "OpenAI", "same seed, same text, whatever else is batched"),
     Field("stream", HON, HON, "OpenAI", "server-sent events"),
     Field("stream_options", HON, HON, "OpenAI", "`include_usage` (a boolean)"),
-    Field("n", REF, REF, "OpenAI", f"n > 1: {LATER}", off=(1,)),
+    Field("n", HON, HON, "OpenAI", "1–16 choices sharing one prefill; a seeded request's are reproducible"),
     Field(
         "logprobs",
         HON,

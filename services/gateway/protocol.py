@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb
-from bitdelta.generation import MAX_LOGPROBS, FinishReason, GenerationError, Sampling
+from bitdelta.generation import MAX_LOGPROBS, MAX_N, FinishReason, GenerationError, Sampling
 from services.gateway import fields
 
 MAX_STOP = 4  # OpenAI's limit on `stop` strings
@@ -198,6 +198,7 @@ def _common(body: Any, kind: str) -> Request:
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         stop=stops,
         seed=seed,
+        n=_integer(body, "n", 1, MAX_N) or 1,
         **_vllm_sampling(body),
     )
     return Request(
@@ -325,6 +326,11 @@ def parse_chat(body: Any) -> Request:
 # -- responses ---------------------------------------------------------------------------------------------
 
 
+def total_usage(us: list[gen_pb.Usage]) -> gen_pb.Usage:
+    """The request's usage from its choices' (one prompt, every choice's tokens)."""
+    return gen_pb.Usage(prompt_tokens=us[0].prompt_tokens, completion_tokens=sum(u.completion_tokens for u in us))
+
+
 def usage(u: gen_pb.Usage) -> dict:
     return {
         "prompt_tokens": u.prompt_tokens,
@@ -366,21 +372,46 @@ def logprobs(r: Request, lps: list[gen_pb.Logprobs], offset: int = 0) -> dict | 
     }
 
 
-def response(r: Request, text: str, finish: str, u: gen_pb.Usage, lps: dict | None = None) -> dict:
-    """The whole (non-streamed) answer."""
+@dataclass(frozen=True)
+class Choice:
+    text: str
+    finish: str
+    logprobs: dict | None = None
+
+
+def response(r: Request, choices: list[Choice], u: gen_pb.Usage) -> dict:
+    """The whole (non-streamed) answer: `choices` by index."""
     if r.kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish}
-        return {**_envelope(r, "text_completion"), "choices": [choice], "usage": usage(u)}
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps, "finish_reason": finish}
-    return {**_envelope(r, "chat.completion"), "choices": [choice], "usage": usage(u)}
+        out = [
+            {"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish}
+            for i, c in enumerate(choices)
+        ]
+        return {**_envelope(r, "text_completion"), "choices": out, "usage": usage(u)}
+    out = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": c.logprobs,
+            "finish_reason": c.finish,
+        }
+        for i, c in enumerate(choices)
+    ]
+    return {**_envelope(r, "chat.completion"), "choices": out, "usage": usage(u)}
 
 
 def chunk(
-    r: Request, text: str | None, finish: str | None = None, *, first: bool = False, logprobs: dict | None = None
+    r: Request,
+    text: str | None,
+    finish: str | None = None,
+    *,
+    first: bool = False,
+    logprobs: dict | None = None,
+    index: int = 0,
 ) -> dict:
-    """One streamed piece: `text` added (chat: a delta, with the role on the first), or the finish."""
+    """One streamed piece of choice `index`: `text` added (chat: a delta, with the role on the
+    first), or the finish."""
     if r.kind == "completion":
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         out = {**_envelope(r, "text_completion"), "choices": [choice]}
     else:
         delta: dict[str, Any] = {}
@@ -388,7 +419,7 @@ def chunk(
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         out = {**_envelope(r, "chat.completion.chunk"), "choices": [choice]}
     if r.include_usage:
         out["usage"] = None

@@ -51,6 +51,8 @@ class Sequence:
     t_first_sched: float | None = None
     prefill_batch: int = 0  # sequences in the step that first scheduled this one (traces)
     sent_first: bool = False
+    index: int = 0  # the request's choice (Sampling.n)
+    forks: list[Sequence] = field(default_factory=list)  # its other choices, started once the prompt is cached
 
 
 class Engine:
@@ -64,6 +66,7 @@ class Engine:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.steps = 0  # steps run so far: the tests check that sequences share steps
+        self.prefill_tokens = 0  # prompt tokens put through the model (n choices share one prefill)
 
     # -- from the loop (thread-safe) -----------------------------------------------------------------
     def start(self) -> None:
@@ -152,8 +155,20 @@ class Engine:
             start = self.runner.args.rope.step_start(s.computed, w.n_tokens)
             toks = s.tokens[start : s.computed + w.n_tokens]
             batch.append(SeqWork(toks, start, s.slot, s.blocks, w.samples))
+            self.prefill_tokens += max(0, min(w.n_tokens, len(s.prompt) - s.computed))
         logits = self.runner.forward(batch)  # [R, vocab] fp32, rows of the sampling sequences in order
-        samplers = [self._seqs[w.seq.seq_id].sampler for w in work if w.samples]
+        seqs = [self._seqs[w.seq.seq_id] for w in work if w.samples]
+        rows = list(range(len(seqs)))  # each sampling sequence's row of the logits
+        for r, seq in enumerate(list(seqs)):  # a prompt cached in this step: its other choices start here
+            if seq.forks and not seq.state.output:
+                for child in seq.forks:
+                    self._fork(seq, child)
+                    seqs.append(child)
+                    rows.append(r)
+                seq.forks, seq.state.forks = [], 0
+        if len(rows) > logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        samplers = [seq.sampler for seq in seqs]
         picks = logits.argmax(-1).tolist() if logits.shape[0] else []
         hot = [i for i, sp in enumerate(samplers) if not sp.plain]  # rows with their own rule
         failed: dict[int, Exception] = {}  # sampling row -> why it could not be sampled
@@ -167,23 +182,28 @@ class Engine:
         raw = self._raw_logprobs(logits, samplers, picks)
         t1 = time.perf_counter()
         self.steps += 1
-        r = 0
         for w in work:
-            s = w.seq
-            s.computed += w.n_tokens
-            if not w.samples:
-                continue
-            tok = picks[r]
-            r += 1
-            if r - 1 in failed:
-                log.warning("sequence %d: %s", s.seq_id, failed[r - 1])
-                self._drop(s.seq_id, posts, None, error=failed[r - 1])
+            w.seq.computed += w.n_tokens
+        for r, seq in enumerate(seqs):
+            sid, tok = seq.state.seq_id, picks[r]
+            if r in failed:
+                log.warning("sequence %d: %s", sid, failed[r])
+                self._drop(sid, posts, None, error=failed[r])
                 continue
             try:
-                self._emit_token(self._seqs[s.seq_id], tok, t1, posts, raw.get(r - 1))
+                self._emit_token(seq, tok, t1, posts, raw.get(r))
             except Exception as e:  # e.g. detokenising: end this sequence, not the batch
-                log.exception("sequence %d: emitting token %d failed", s.seq_id, tok)
-                self._drop(s.seq_id, posts, None, error=e)
+                log.exception("sequence %d: emitting token %d failed", sid, tok)
+                self._drop(sid, posts, None, error=e)
+
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start choice `child` on `parent`'s cached prompt (scheduler.fork), copying the prompt's
+        partly filled last block into the child's own."""
+        copy = self.scheduler.fork(parent.state, child.state)
+        if copy is not None:
+            self.runner.kv.copy_rows(*copy)
+        child.t_first_sched, child.prefill_batch = parent.t_first_sched, parent.prefill_batch
+        self._seqs[child.state.seq_id] = child
 
     @staticmethod
     def _raw_logprobs(logits: torch.Tensor, samplers, picks: list[int]) -> dict[int, tuple]:
@@ -239,6 +259,7 @@ class Engine:
             arrival=seq.arrival if ttft is not None else None,
             prefill_batch=seq.prefill_batch if ttft is not None else 0,
             logprobs=None if raw is None else _logprobs(seq, tok, raw),
+            index=seq.index,
         )
         posts.append((seq.emit, ev))
         if finish is not None:
@@ -257,6 +278,10 @@ class Engine:
         if seq is None:
             return
         self.scheduler.remove(seq_id)
+        for child in seq.forks:  # choices not started yet end with it
+            self._seqs[child.state.seq_id] = child
+            self._drop(child.state.seq_id, posts, finish, error, notify)
+        seq.forks = []
         if seq.delta_name is not None:
             posts.append((self._release, seq.delta_name))
         if error is not None:
@@ -269,6 +294,7 @@ class Engine:
                 (time.perf_counter() - seq.t_arrival) * 1e3,
                 finish_reason=finish,
                 usage=Usage(len(s.prompt), len(s.output)),
+                index=seq.index,
             )
             posts.append((seq.emit, ev))
 

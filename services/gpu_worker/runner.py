@@ -108,6 +108,13 @@ class KVPool:
     def bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
         return 2 * args.n_layers * args.n_kv_heads * args.head_dim * dtype.itemsize
 
+    def copy_rows(self, src: int, dst: int, rows: int) -> None:
+        """The first `rows` tokens of block `src` into block `dst` (a forked sequence's own copy of a
+        shared, partly filled block), every layer."""
+        a, b = src * self.block_size, dst * self.block_size
+        self.k[:, b : b + rows] = self.k[:, a : a + rows]
+        self.v[:, b : b + rows] = self.v[:, a : a + rows]
+
     def rows(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
         """Pool rows of positions [start, end) of a sequence with block table `blocks` (CPU int64)."""
         pos = torch.arange(start, end)

@@ -173,6 +173,7 @@ def worker_metrics(worker: Worker) -> WorkerMetrics:
                     "kv_blocks_total",
                     "running",
                     "waiting",
+                    "prefill_tokens",
                 ),
                 0,
             ) | {"delta_budget_bytes": worker.config.delta_budget}
@@ -187,6 +188,7 @@ def worker_metrics(worker: Worker) -> WorkerMetrics:
             "kv_blocks_total": alloc.n_blocks,
             "running": worker.engine.running,
             "waiting": worker.engine.waiting,
+            "prefill_tokens": worker.engine.prefill_tokens,
         }
 
     return WorkerMetrics(state)

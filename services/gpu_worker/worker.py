@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -219,17 +220,23 @@ class Worker:
                 f"prompt's {len(ids)} tokens ({room} of {self.args.max_seq_len})"
             )
         max_new = min(sp.max_new_tokens or self.config.default_max_new_tokens, room)
-        if self.scheduler.blocks_for(len(ids) + max_new) > self.scheduler.allocator.n_blocks:
+        if sp.n > self.scheduler.max_running:
+            raise InvalidArgument(
+                f"sampling.n: {sp.n} choices; this worker runs at most {self.scheduler.max_running} sequences"
+            )
+        states = [SeqState(next(self._ids), ids, max_new, -1) for _ in range(sp.n)]
+        states[0].forks = sp.n - 1
+        if self.scheduler.blocks_needed(states[0]) > self.scheduler.allocator.n_blocks:
             # no amount of waiting makes it fit: INVALID_ARGUMENT, not RESOURCE_EXHAUSTED (retried forever)
             raise InvalidArgument(
-                f"sampling.max_new_tokens: the prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) is more "
-                f"than this worker's whole KV cache ({self.scheduler.capacity_tokens()} tokens); shorten them"
+                f"sampling.max_new_tokens: the prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) "
+                f"x {sp.n} choices is more than this worker's whole KV cache "
+                f"({self.scheduler.capacity_tokens()} tokens); shorten them"
             )
         if self.engine.waiting >= self.config.max_waiting:
             raise ResourceExhausted(f"{self.engine.waiting} requests are already waiting on this worker; retry later")
         queue: asyncio.Queue = asyncio.Queue()
-        seq_id = next(self._ids)
-        acquired = submitted = finished = False
+        held, submitted, finished = 0, False, False  # held: slot references (one per choice)
         try:
             slot, load_ms, arrival = -1, 0.0, ArrivalState.BASE
             if name is not None:
@@ -239,42 +246,58 @@ class Worker:
                 t = time.perf_counter()
                 with _load_span(name, arrival) as span:  # the store's Fetch joins this trace (cold loads)
                     slot = await self.manager.acquire(name)
-                    acquired = True
+                    held = 1
                     entry = self.manager.entries.get(name)
                     span.set_attribute("delta.bytes", entry.bytes if entry is not None else 0)
                 load_ms = (time.perf_counter() - t) * 1e3
-            seq = Sequence(
-                state=SeqState(seq_id, ids, max_new, slot),
-                sampler=Sampler(sp, ids, self.args.vocab_size, self.eos_ids),
-                text=TextStream(self.tokenizer, ids, list(sp.stop), sp.include_stop_str_in_output),
-                eos_ids=self.eos_ids,
-                emit=queue.put_nowait,
-                delta_name=name,
-                arrival=arrival,
-                t_arrival=t_arrival,
-                delta_load_ms=load_ms,
-                deadline=p.deadline,
-            )
-            self.engine.submit(seq)
+                while held < sp.n:  # resident now: every choice holds the slot until it leaves
+                    await self.manager.acquire(name)
+                    held += 1
+            seqs = []
+            for i, st in enumerate(states):
+                st.slot = slot
+                choice = dataclasses.replace(sp, seed=sp.choice_seed(i))
+                seqs.append(
+                    Sequence(
+                        state=st,
+                        sampler=Sampler(choice, ids, self.args.vocab_size, self.eos_ids),
+                        text=TextStream(self.tokenizer, ids, list(sp.stop), sp.include_stop_str_in_output),
+                        eos_ids=self.eos_ids,
+                        emit=queue.put_nowait,
+                        delta_name=name,
+                        arrival=arrival,
+                        t_arrival=t_arrival,
+                        delta_load_ms=load_ms,
+                        deadline=p.deadline,
+                        sent_first=i > 0,  # the first token of choice 0 carries the request's TTFT
+                        index=i,
+                    )
+                )
+            seqs[0].forks = seqs[1:]
+            self.engine.submit(seqs[0])
             submitted = True
+            open_choices = sp.n
             while True:
                 ev = await queue.get()
-                if isinstance(ev, BaseException):
-                    finished = True
+                if isinstance(ev, BaseException):  # the other choices are cancelled below
                     raise ev
-                finished = ev.finish_reason is not None
                 if ev.ttft is not None:
                     first_ns = _trace_first_token(ev, t_arrival_ns, name, len(ids))
-                if finished and ev.usage.completion_tokens:
-                    _trace_decode(ev, t_arrival_ns, first_ns)
+                if ev.finish_reason is not None:
+                    open_choices -= 1
+                    if ev.index == 0 and ev.usage.completion_tokens:
+                        _trace_decode(ev, t_arrival_ns, first_ns)
+                finished = open_choices == 0
                 yield ev
                 if finished:
                     return
         finally:
             if submitted and not finished:
-                self.engine.cancel(seq_id)  # leaves the batch at the next step; the engine releases the slot
-            elif acquired and not submitted:
-                self.manager.release(name)
+                for st in states:  # each leaves the batch at the next step; the engine releases its slot
+                    self.engine.cancel(st.seq_id)
+            elif not submitted:
+                for _ in range(held):
+                    self.manager.release(name)
 
     async def load_delta(self, name: str, pin: bool = False) -> tuple[SlotInfo, float]:
         self._check_serving()

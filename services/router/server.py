@@ -42,7 +42,9 @@ ARRIVAL_PB = {
 
 
 def event_to_pb(ev: TokenEvent) -> pb.GenerateResponse:
-    out = pb.GenerateResponse(token_id=ev.token_id, text=ev.text, elapsed_ms=ev.elapsed_ms, worker=ev.worker)
+    out = pb.GenerateResponse(
+        token_id=ev.token_id, text=ev.text, elapsed_ms=ev.elapsed_ms, worker=ev.worker, index=ev.index
+    )
     if ev.ttft is not None:
         out.ttft.CopyFrom(ev.ttft.to_pb())
         out.arrival_state = ARRIVAL_PB[ev.arrival]

@@ -10,6 +10,7 @@ test_worker_service.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 import signal
@@ -28,6 +29,7 @@ from bitdelta.rpc.clients.router import RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
 from bitdelta.testing.cluster import Cluster, free_port
 from services.gateway.chat import ChatTemplate, ChatTemplateError
+from tests.support.metrics import sample
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -61,7 +63,8 @@ def cluster(family, tmp_path_factory):
     (work / "v1.jinja").write_text(V1_TEMPLATE)
     with Cluster(work) as c:
         c.st = c.store(root)
-        c.w = c.worker(family.base, c.st.address)
+        c.w_metrics = free_port()  # the worker's prefill counter (n choices share one prefill)
+        c.w = c.worker(family.base, c.st.address, extra=("--metrics-address", f"127.0.0.1:{c.w_metrics}"))
         c.r = c.router([c.w.address], c.st.address, extra=("--max-prompt-bytes", "4096"))
         c.wait_serving(c.st, c.w, c.r)
         c.g = c.gateway(
@@ -201,6 +204,48 @@ async def test_seeded_sampling_is_repeatable_and_equals_the_router(clients):
     assert z[0] == z[1]
 
 
+async def test_n_choices_share_one_prefill(clients, cluster):
+    """n = 4: one prefill on the worker (its counter grows by the prompt's tokens once), four
+    choices with their index, usage counting every choice's tokens. Seeded: choice i is what a
+    single request with choice i's seed gives (so the forked KV cache is the prompt's, the partly
+    filled block's copy included), the choices differ, a second request repeats them; streamed
+    (chat), each choice's chunks carry its index and add up to the whole answer's."""
+    client, router, _ = clients
+    prompt = "the shared prompt, forked"  # not a multiple of the block size: a partial block to copy
+    kw = dict(model="v1", prompt=prompt, max_tokens=N, temperature=0.9, seed=11, extra_body={"ignore_eos": True})
+    before = await asyncio.to_thread(sample, cluster.w_metrics, "bitdelta_worker_prefill_tokens_total")
+    r = await client.completions.create(n=4, **kw)
+    after = await asyncio.to_thread(sample, cluster.w_metrics, "bitdelta_worker_prefill_tokens_total")
+    assert after - before == r.usage.prompt_tokens, "four choices, one prefill"
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.completion_tokens == 4 * N and all(c.finish_reason == "length" for c in r.choices)
+    texts = [c.text for c in r.choices]
+    assert len(set(texts)) > 1, "each choice draws with its own seed"
+    assert [c.text for c in (await client.completions.create(n=4, **kw)).choices] == texts
+    sp = Sampling(max_new_tokens=N, temperature=0.9, seed=11, ignore_eos=True)
+    for i in range(4):
+        s = dataclasses.replace(sp, seed=sp.choice_seed(i))
+        req = rpb.GenerateRequest(model_id="v1", prompt=prompt, sampling=s.to_pb())
+        assert "".join([m.text async for m in router.generate_request(req)]) == texts[i], i
+    greedy = await client.completions.create(model="v0", prompt=prompt, max_tokens=N, temperature=0, n=3)
+    want, _ = await router_text(router, "v0", prompt)
+    assert [c.text for c in greedy.choices] == [want] * 3
+
+    ckw = dict(model="v1", messages=CHAT, max_tokens=N, temperature=0.9, seed=3, n=2)
+    whole = await client.chat.completions.create(**ckw)
+    stream = await client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **ckw)
+    parts, finishes, usage = {0: "", 1: ""}, {}, None
+    async for ch in stream:
+        if ch.usage is not None:
+            usage = ch.usage
+        for c in ch.choices:
+            parts[c.index] += c.delta.content or ""
+            if c.finish_reason is not None:
+                finishes[c.index] = c.finish_reason
+    assert [parts[0], parts[1]] == [c.message.content for c in whole.choices]
+    assert set(finishes) == {0, 1} and usage.completion_tokens == whole.usage.completion_tokens
+
+
 # -- chat --------------------------------------------------------------------------------------------------
 
 
@@ -293,8 +338,8 @@ async def test_chat_template_loading(tmp_path):
         ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model", "unknown model"),
         ("/v1/chat/completions", {"model": "nope", "messages": CHAT}, 404, "model", "unknown model"),
         ("/v1/completions", {"model": "otherbase", "prompt": "hi"}, 400, None, "compress it again"),
-        ("/v1/completions", {"model": "v0", "prompt": "hi", "n": 2}, 400, "n", "not supported"),
-        ("/v1/chat/completions", {"model": "v0", "messages": CHAT, "n": 3}, 400, "n", "not supported"),
+        ("/v1/completions", {"model": "v0", "prompt": "hi", "n": 17}, 400, "n", "between 1 and 16"),
+        ("/v1/chat/completions", {"model": "v0", "messages": CHAT, "n": 0}, 400, "n", "between 1 and 16"),
         ("/v1/completions", {"model": "v0", "prompt": "hi", "temperature": 3}, 400, "temperature", "between 0 and 2"),
         ("/v1/completions", {"model": "v0", "prompt": "hi", "top_p": -1}, 400, "top_p", "greater than 0"),
         ("/v1/completions", {"model": "v0", "prompt": "hi", "top_p": 0}, 400, "top_p", "greater than 0"),

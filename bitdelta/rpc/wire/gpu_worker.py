@@ -18,7 +18,7 @@ ARRIVAL_OF_PB = {v: k for k, v in ARRIVAL_PB.items()}
 
 
 def event_to_pb(ev: TokenEvent) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(token_id=ev.token_id, text=ev.text, elapsed_ms=ev.elapsed_ms)
+    msg = pb.GenerateResponse(token_id=ev.token_id, text=ev.text, elapsed_ms=ev.elapsed_ms, index=ev.index)
     if ev.ttft is not None:
         msg.ttft.CopyFrom(ev.ttft.to_pb())
         msg.arrival_state = ARRIVAL_PB[ev.arrival or ArrivalState.BASE]
@@ -42,6 +42,7 @@ def event_of_pb(msg: pb.GenerateResponse) -> TokenEvent:
         ttft=Ttft.from_pb(msg.ttft) if first else None,
         arrival=ARRIVAL_OF_PB.get(msg.arrival_state, ArrivalState.BASE) if first else None,
         logprobs=Logprobs.from_pb(msg.logprobs) if msg.HasField("logprobs") else None,
+        index=msg.index,
     )
 
 
