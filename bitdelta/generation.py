@@ -90,6 +90,7 @@ class Sampling:
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) is returned too
     logprobs: int | None = None  # the sampled token's logprob and this many alternatives (raw logits)
     n: int = 1  # choices, forked after one shared prefill; choice i of a seeded request: choice_seed(i)
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs and this many alternatives (echo)
 
     @property
     def plain(self) -> bool:
@@ -151,6 +152,10 @@ class Sampling:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise GenerationError("sampling.logprobs", f"{self.logprobs} must be between 0 and {MAX_LOGPROBS}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise GenerationError(
+                "sampling.prompt_logprobs", f"{self.prompt_logprobs} must be between 0 and {MAX_LOGPROBS}"
+            )
         if not 1 <= self.n <= MAX_N:
             raise GenerationError("sampling.n", f"{self.n} must be between 1 and {MAX_N}")
         return self
@@ -195,6 +200,7 @@ class Sampling:
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=self.logprobs,
             n=0 if self.n == 1 else self.n,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     @classmethod
@@ -218,6 +224,7 @@ class Sampling:
             include_stop_str_in_output=m.include_stop_str_in_output,
             logprobs=m.logprobs if m.HasField("logprobs") else None,
             n=m.n or 1,
+            prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
         )
 
 
@@ -369,4 +376,5 @@ class TokenEvent:
     worker: str = ""  # the worker that served it (the router's events)
     logprobs: Logprobs | None = None  # with Sampling.logprobs
     index: int = 0  # the choice (Sampling.n > 1); each choice's last event has its own finish and usage
+    prompt_logprobs: tuple[Logprobs, ...] = ()  # Sampling.prompt_logprobs, first event: per prompt token
     prefill_batch: int = field(default=0, compare=False)  # sequences in the step that began its prefill (traces)

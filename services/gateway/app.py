@@ -197,8 +197,10 @@ class _Generation(Response):
                 msgs.append(msg)
         except RouterCallError as e:
             return await self._fail(send, self._error(e))
+        r = self.req
+        echo = r.prompt if r.echo else ""
         choices, usages = [], []
-        for i in range(self.req.sampling.n):
+        for i in range(r.sampling.n):
             mine = [m for m in msgs if m.index == i]
             try:
                 if not mine:
@@ -208,10 +210,10 @@ class _Generation(Response):
                 finish = self._finish(mine[-1])
             except ApiError as e:
                 return await self._fail(send, e)
-            lps = api.logprobs(self.req, [m.logprobs for m in mine if m.HasField("logprobs")])
-            choices.append(api.Choice("".join(m.text for m in mine), finish, lps))
+            lps = api.logprobs(r, [m.logprobs for m in mine if m.HasField("logprobs")], prompt=first.prompt_logprobs)
+            choices.append(api.Choice(echo + "".join(m.text for m in mine), finish, lps))
             usages.append(mine[-1].usage)
-        await self._send_json(send, 200, api.response(self.req, choices, api.total_usage(usages)))
+        await self._send_json(send, 200, api.response(r, choices, api.total_usage(usages)))
 
     async def _stream(self, send: Send, first: pb.GenerateResponse, stream) -> None:
         r = self.req
@@ -233,8 +235,14 @@ class _Generation(Response):
         if r.kind == "chat":  # OpenAI's first chat chunk of each choice: the role
             for i in range(n):
                 await body(_sse(api.chunk(r, "", first=True, index=i)))
+        offset = 0
+        if r.echo:  # each choice starts with the prompt (and its tokens' logprobs)
+            lp = api.logprobs(r, [], prompt=first.prompt_logprobs)
+            offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp else 0
+            for i in range(n):
+                await body(_sse(api.chunk(r, r.prompt, logprobs=lp, index=i)))
         msg: gen_pb.GenerateResponse | None = first
-        usages, offsets = [], [0] * n
+        usages, offsets = [], [offset] * n
         try:
             while msg is not None:
                 i = msg.index

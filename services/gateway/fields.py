@@ -61,7 +61,15 @@ FIELDS: tuple[Field, ...] = (
         RAW + "; completions: 0–20 alternatives (0: the sampled token's), chat: true/false",
     ),
     Field("top_logprobs", None, HON, "OpenAI", "0–20 alternatives, with logprobs: true"),
-    Field("echo", REF, REF, "OpenAI / vLLM (chat)", LATER, off=(False,)),
+    Field(
+        "echo",
+        HON,
+        REF,
+        "OpenAI / vLLM (chat)",
+        "completions: the prompt before the text; with logprobs, its tokens' first (the first one's null)."
+        f" Chat: {LATER}",
+        off=(False,),
+    ),
     Field("best_of", REF, None, "OpenAI", "best_of > 1: not served", off=(1,)),
     Field("suffix", REF, None, "OpenAI", "insertion: not served", off=("",)),
     Field("logit_bias", HON, HON, "OpenAI", "token id (a string) → bias, -100 to 100, added to the raw logits"),

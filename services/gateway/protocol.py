@@ -105,6 +105,7 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)  # max_new_tokens 0: the router's default
     stream: bool = False
     include_usage: bool = False
+    echo: bool = False  # completions: the prompt before each choice's text (and its logprobs)
     id: str = ""
     created: int = 0
 
@@ -274,7 +275,8 @@ def _with_max_tokens(r: Request, max_tokens: int) -> Request:
 def parse_completion(body: Any, default_max_tokens: int) -> Request:
     r = _common(body, "completion")
     n = _integer(body, "logprobs", 0, MAX_LOGPROBS)  # an int: the alternatives (0: the sampled token's alone)
-    r.sampling = dataclasses.replace(r.sampling, logprobs=n)
+    r.echo = _boolean(body, "echo")
+    r.sampling = dataclasses.replace(r.sampling, logprobs=n, prompt_logprobs=n if r.echo else None)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -343,18 +345,21 @@ def _envelope(r: Request, obj: str) -> dict:
     return {"id": r.id, "object": obj, "created": r.created, "model": r.model, "system_fingerprint": None}
 
 
-def logprobs(r: Request, lps: list[gen_pb.Logprobs], offset: int = 0) -> dict | None:
+def logprobs(r: Request, lps: list[gen_pb.Logprobs], offset: int = 0, prompt=()) -> dict | None:
     """OpenAI's `logprobs` of a choice (or of a chunk's tokens, `offset` characters into the text);
     None when the request asked for none. Completions: tokens, token_logprobs, top_logprobs (the
-    sampled token among them, as vLLM does) and text_offset; chat: content entries with bytes."""
+    sampled token among them, as vLLM does) and text_offset, with echo's `prompt` tokens first
+    (the first one's logprob and alternatives null: nothing precedes it); chat: content entries
+    with bytes."""
     if r.sampling.logprobs is None:
         return None
     if r.kind == "completion":
+        lps = [*prompt, *lps]
         offsets = []
         for lp in lps:
             offsets.append(offset)
             offset += len(lp.sampled.token)
-        return {
+        out = {
             "tokens": [lp.sampled.token for lp in lps],
             "token_logprobs": [lp.sampled.logprob for lp in lps],
             "top_logprobs": [
@@ -362,6 +367,9 @@ def logprobs(r: Request, lps: list[gen_pb.Logprobs], offset: int = 0) -> dict | 
             ],
             "text_offset": offsets,
         }
+        if prompt:
+            out["token_logprobs"][0] = out["top_logprobs"][0] = None
+        return out
 
     def entry(t: gen_pb.TokenLogprob) -> dict:
         return {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8", "surrogatepass"))}

@@ -14,6 +14,7 @@ freed at once.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -53,6 +54,7 @@ class Sequence:
     sent_first: bool = False
     index: int = 0  # the request's choice (Sampling.n)
     forks: list[Sequence] = field(default_factory=list)  # its other choices, started once the prompt is cached
+    prompt_lps: list[Logprobs] = field(default_factory=list)  # Sampling.prompt_logprobs: prompt tokens 1.. so far
 
 
 class Engine:
@@ -144,7 +146,7 @@ class Engine:
 
     def _step(self, work, posts) -> None:
         t0 = time.perf_counter()
-        batch = []
+        batch, echoed = [], []  # echoed: (sequence, first position) of the prompt logits rows, in work order
         for w in work:
             s = w.seq
             seq = self._seqs[s.seq_id]
@@ -154,10 +156,17 @@ class Engine:
             # from 0 when LongRoPE switches to its long factors in this step (its cached keys change)
             start = self.runner.args.rope.step_start(s.computed, w.n_tokens)
             toks = s.tokens[start : s.computed + w.n_tokens]
-            batch.append(SeqWork(toks, start, s.slot, s.blocks, w.samples))
+            first = None
+            if seq.sampler.sampling.prompt_logprobs is not None and s.computed < len(s.prompt):
+                first = s.computed - start  # the new tokens' rows each predict the next prompt token
+                echoed.append((seq, s.computed, w.n_tokens - int(w.samples)))
+            batch.append(SeqWork(toks, start, s.slot, s.blocks, w.samples, first))
             self.prefill_tokens += max(0, min(w.n_tokens, len(s.prompt) - s.computed))
         logits = self.runner.forward(batch)  # [R, vocab] fp32, rows of the sampling sequences in order
         seqs = [self._seqs[w.seq.seq_id] for w in work if w.samples]
+        if echoed:
+            self._prompt_logprobs(logits[len(seqs) :], echoed)
+            logits = logits[: len(seqs)]
         rows = list(range(len(seqs)))  # each sampling sequence's row of the logits
         for r, seq in enumerate(list(seqs)):  # a prompt cached in this step: its other choices start here
             if seq.forks and not seq.state.output:
@@ -220,6 +229,24 @@ class Engine:
             i: (chosen[j], list(zip(top_i[j], top_v[j]))[: samplers[i].sampling.logprobs]) for j, i in enumerate(want)
         }
 
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, echoed) -> None:
+        """Each echoed sequence's rows of `logits` (in order) -> its next prompt tokens' Logprobs."""
+        lp = torch.log_softmax(logits.float(), -1)  # [P, vocab]: the raw logits, as the sampled tokens'
+        r = 0
+        for seq, pos, n in echoed:
+            s = seq.state
+            want = torch.tensor(s.prompt[pos + 1 : pos + 1 + n], device=lp.device)
+            rows = lp[r : r + n]
+            r += n
+            if not n:
+                continue
+            chosen = rows.gather(1, want[:, None])[:, 0].tolist()
+            k = seq.sampler.sampling.prompt_logprobs
+            top_v, top_i = (t.tolist() for t in rows.topk(k, -1)) if k else ([[]] * n, [[]] * n)
+            for j in range(n):
+                seq.prompt_lps.append(_logprobs(seq, s.prompt[pos + 1 + j], (chosen[j], list(zip(top_i[j], top_v[j])))))
+
     def _emit_token(self, seq: Sequence, tok: int, now: float, posts, raw: tuple | None = None) -> None:
         s = seq.state
         sp = seq.sampler.sampling
@@ -260,6 +287,7 @@ class Engine:
             prefill_batch=seq.prefill_batch if ttft is not None else 0,
             logprobs=None if raw is None else _logprobs(seq, tok, raw),
             index=seq.index,
+            prompt_logprobs=_echo(seq) if ttft is not None else (),
         )
         posts.append((seq.emit, ev))
         if finish is not None:
@@ -297,6 +325,15 @@ class Engine:
                 index=seq.index,
             )
             posts.append((seq.emit, ev))
+
+
+def _echo(seq: Sequence) -> tuple[Logprobs, ...]:
+    """The first event's prompt logprobs (Sampling.prompt_logprobs): the first prompt token's is NaN."""
+    if seq.sampler.sampling.prompt_logprobs is None:
+        return ()
+    t0 = seq.state.prompt[0]
+    first = Logprobs(TokenLogprob(t0, seq.text.tok.decode([t0], skip_special_tokens=False), math.nan))
+    return (first, *seq.prompt_lps)
 
 
 def _logprobs(seq: Sequence, tok: int, raw: tuple) -> Logprobs:

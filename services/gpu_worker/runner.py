@@ -38,7 +38,9 @@ class SeqWork:
     """One sequence's part of a step (built by the engine from scheduler output).
 
     tokens: the new token ids; start: position of tokens[0]; slot: delta slot
-    (−1 = base); blocks: its KV block table; want_logits: sample after this step.
+    (−1 = base); blocks: its KV block table; want_logits: sample after this step; prompt_logits: i,
+    also the logits of tokens[i:] (but the sampling row) after the sampling rows: each predicts
+    the next prompt token (echo's prompt logprobs).
     """
 
     tokens: list[int]
@@ -46,6 +48,7 @@ class SeqWork:
     slot: int
     blocks: list[int]
     want_logits: bool
+    prompt_logits: int | None = None
 
 
 @dataclass
@@ -179,6 +182,7 @@ class ModelRunner:
         """Every index a step needs, built on the host from `work` (no device value is read)."""
         tokens, positions, seq_lens, row_slot, write_rows = [], [], [], [], []
         decode_rows, decode_ctx, prefills, logit_rows, logit_slots = [], [], [], [], []
+        prompt_rows, prompt_slots = [], []  # after the sampling rows, in work order
         windows = set(self.args.windows or (None,))  # the distinct per-layer windows (None: full attention)
         r = 0
         for w in work:
@@ -200,7 +204,12 @@ class ModelRunner:
             if w.want_logits:
                 logit_rows.append(r + n - 1)
                 logit_slots.append(w.slot)
+            if w.prompt_logits is not None:  # each row predicts the next prompt token (the sampling row: none)
+                rows = range(r + w.prompt_logits, r + n - int(w.want_logits))
+                prompt_rows.extend(rows)
+                prompt_slots.extend([w.slot] * len(rows))
             r += n
+        logit_rows, logit_slots = logit_rows + prompt_rows, logit_slots + prompt_slots
         slots_set = set(row_slot)
         single = next(iter(slots_set)) if len(slots_set) == 1 else None
         pos_t = self._dev(torch.tensor(positions, dtype=torch.int64))
@@ -360,7 +369,8 @@ class ModelRunner:
     # -- step -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, work: list[SeqWork]) -> torch.Tensor:
-        """Run one step; returns fp32 logits [R, vocab] of the sequences with want_logits, in order."""
+        """Run one step; returns fp32 logits [R, vocab]: the last row of each sequence with want_logits,
+        in order, then the prompt_logits rows."""
         m = self.prepare(work)
         a = self.args
         hd, H, KV = a.head_dim, a.n_heads, a.n_kv_heads

@@ -54,6 +54,7 @@ def event_to_pb(ev: TokenEvent) -> pb.GenerateResponse:
         out.usage.CopyFrom(ev.usage.to_pb())
     if ev.logprobs is not None:
         out.logprobs.CopyFrom(ev.logprobs.to_pb())
+    out.prompt_logprobs.extend(lp.to_pb() for lp in ev.prompt_logprobs)
     return out
 
 

@@ -570,6 +570,50 @@ async def test_logprobs_equal_transformers_raw_logits_in_openai_shapes(clients, 
     assert toks == greedy_lp.token_logprobs
 
 
+async def test_echo_returns_the_prompt_and_its_logprobs_from_transformers_raw_logits(clients, family):
+    """echo on completions: the prompt before each choice's text; with logprobs, the prompt's tokens
+    first (the first one's logprob and alternatives null), each the log softmax of transformers'
+    raw logits at the position before it, then the generated tokens' as without echo; streamed, the
+    first chunk of each choice is the prompt with the same logprobs."""
+    from tokenizers import Tokenizer
+
+    client, router, _ = clients
+    base = (await router.list_models())[0].model_id
+    tok = Tokenizer.from_file(str(family.base / "tokenizer.json"))
+    prompt = "Echo this prompt back"
+    ids = tok.encode(prompt).ids
+    P = len(ids)
+    kw = dict(model=base, prompt=prompt, max_tokens=4, temperature=0, logprobs=2)
+    plain = await client.completions.create(**kw)
+    r = await client.completions.create(echo=True, n=2, **kw)
+    assert [c.text for c in r.choices] == [prompt + plain.choices[0].text] * 2
+    lp = r.choices[1].logprobs
+    assert len(lp.tokens) == P + 4 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.tokens[P:] == plain.choices[0].logprobs.tokens
+    # the head's GEMM over more rows (the prompt's too) may round differently in the last bits
+    assert lp.token_logprobs[P:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[P] == sum(len(t) for t in lp.tokens[:P])
+    ref = hf_logprobs(family.base, ids[:1], ids[1:])  # [P - 1, vocab]: each prompt token's position
+    for j in range(1, P):
+        assert abs(lp.token_logprobs[j] - float(ref[j - 1, ids[j]])) < 1e-3, j
+        top = sorted(ref[j - 1].tolist(), reverse=True)[:2] + [float(ref[j - 1, ids[j]])]
+        # keyed by text: alternatives that decode alike (bytes of one character) keep one value
+        assert all(any(abs(v - t) < 1e-3 for t in top) for v in lp.top_logprobs[j].values()), j
+    only = await client.completions.create(model=base, prompt=prompt, max_tokens=4, temperature=0, echo=True)
+    assert only.choices[0].text == r.choices[0].text and only.choices[0].logprobs is None
+
+    stream = await client.completions.create(echo=True, stream=True, **kw)
+    chunks = [x async for x in stream]
+    head = chunks[0].choices[0]
+    assert head.text == prompt and head.logprobs.token_logprobs[0] is None
+    assert head.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:P], abs=1e-5)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    toks = [
+        t for ch in chunks[1:] if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.token_logprobs
+    ]
+    assert toks == pytest.approx(lp.token_logprobs[P:], abs=1e-5)
+
+
 async def test_the_gateways_own_metrics_bound_the_model_label(clients, cluster):
     """/metrics counts requests by route, model and status; a made-up model id is "other", so
     unknown ids cannot grow the series."""

@@ -28,6 +28,7 @@ def event_to_pb(ev: TokenEvent) -> pb.GenerateResponse:
         msg.usage.CopyFrom(ev.usage.to_pb())
     if ev.logprobs is not None:
         msg.logprobs.CopyFrom(ev.logprobs.to_pb())
+    msg.prompt_logprobs.extend(lp.to_pb() for lp in ev.prompt_logprobs)
     return msg
 
 
@@ -43,6 +44,7 @@ def event_of_pb(msg: pb.GenerateResponse) -> TokenEvent:
         arrival=ARRIVAL_OF_PB.get(msg.arrival_state, ArrivalState.BASE) if first else None,
         logprobs=Logprobs.from_pb(msg.logprobs) if msg.HasField("logprobs") else None,
         index=msg.index,
+        prompt_logprobs=tuple(Logprobs.from_pb(lp) for lp in msg.prompt_logprobs),
     )
 
 
