@@ -11,8 +11,15 @@ straight to the router (`RouterClient.generate`). Time to first token is from se
 to the first token's bytes (the first SSE `data:` event, the first gRPC message). Printed: p50 and
 p99 of each and their ratios gateway ÷ router, and requests/s of both.
 
+In the same run, what logprobs and penalties cost per decode step: `--decode-concurrency` closed-loop
+clients stream `--decode-tokens` greedy tokens from random variants through the router, in turn
+plain, with `logprobs` (the sampled token's and 5 alternatives per token) and with penalties
+(repetition 1.2, presence 0.5, frequency 0.5: each row through the CPU sampler), `--rounds` times
+for `--seconds` each. Printed per mode: the median milliseconds per decode step of a stream (first
+token to last ÷ tokens after the first), decode tokens/s over all streams, and both ÷ plain.
+
     python bench/gateway.py [--variants 4] [--concurrency 1,8] [--seconds 5] [--rounds 2] [--tokens 16] \
-        [--out bench/results/gateway_cpu_<date>.txt]
+        [--decode-tokens 64] [--decode-concurrency 8] [--out bench/results/gateway_cpu_<date>.txt]
 """
 
 from __future__ import annotations
@@ -33,9 +40,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bitdelta.generation import Sampling  # noqa: E402
+from bitdelta.router.v1 import router_pb2 as rpb  # noqa: E402
 from bitdelta.rpc.clients.router import RouterClient  # noqa: E402
 
 PROMPT = "The quick brown fox"
+DECODE_MODES = {  # name -> the Sampling fields of the decode benchmark, greedy throughout
+    "plain": {},
+    "logprobs": {"logprobs": 5},
+    "penalties": {"repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.5},
+}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -86,6 +100,36 @@ async def ttft_router(r: RouterClient, model: str, tokens: int) -> float:
         if ttft is None:
             ttft = (time.perf_counter() - t) * 1e3
     return ttft
+
+
+async def decode(r: RouterClient, model: str, sampling: Sampling) -> tuple[float, int]:
+    """(ms per decode step of one stream, its decode tokens: those after the first)."""
+    req = rpb.GenerateRequest(model_id=model, prompt=PROMPT, sampling=sampling.to_pb())
+    t_first, n = None, 0
+    async for _ in r.generate_request(req):
+        n += 1
+        if t_first is None:
+            t_first = time.perf_counter()
+    return (time.perf_counter() - t_first) * 1e3 / max(1, n - 1), n - 1
+
+
+async def decode_load(r: RouterClient, models: list[str], sampling: Sampling, conc: int, seconds: float):
+    """(ms per step of every stream, decode tokens/s over all) of `conc` closed-loop clients."""
+    steps: list[float] = []
+    tokens = 0
+    stop = time.perf_counter() + seconds
+
+    async def client(seed: int):
+        nonlocal tokens
+        rng = random.Random(seed)
+        while time.perf_counter() < stop:
+            ms, n = await decode(r, rng.choice(models), sampling)
+            steps.append(ms)
+            tokens += n
+
+    t = time.perf_counter()
+    await asyncio.gather(*[client(i) for i in range(conc)])
+    return steps, tokens / (time.perf_counter() - t)
 
 
 async def load(make_send, models: list[str], concurrency: int, seconds: float) -> tuple[list[float], float]:
@@ -160,6 +204,17 @@ async def run(a: argparse.Namespace) -> dict:
                         "gateway_req_s": statistics.mean(gw_rps),
                         "router_req_s": statistics.mean(direct_rps),
                     }
+                dec = {m: ([], []) for m in DECODE_MODES}
+                for _ in range(a.rounds):  # the modes alternate, so drift hits all alike
+                    for mode, fields in DECODE_MODES.items():
+                        sp = Sampling(max_new_tokens=a.decode_tokens, ignore_eos=True, **fields)
+                        steps, tps = await decode_load(router, models, sp, a.decode_concurrency, a.seconds)
+                        dec[mode][0].extend(steps)
+                        dec[mode][1].append(tps)
+                decode_out = {
+                    m: {"streams": len(st), "step_ms_p50": statistics.median(st), "tok_s": statistics.mean(tps)}
+                    for m, (st, tps) in dec.items()
+                }
     return {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()} {os.cpu_count()} cores",
@@ -168,6 +223,9 @@ async def run(a: argparse.Namespace) -> dict:
         "rounds": a.rounds,
         "tokens_per_request": a.tokens,
         "by_concurrency": out,
+        "decode_tokens": a.decode_tokens,
+        "decode_concurrency": a.decode_concurrency,
+        "decode": decode_out,
     }
 
 
@@ -188,6 +246,17 @@ def report(res: dict) -> str:
             f"    throughput: gateway {t['gateway_req_s']:.1f} req/s vs router {t['router_req_s']:.1f} req/s -> "
             f"ratio {t['gateway_req_s'] / t['router_req_s']:.2f}",
         ]
+    plain = res["decode"]["plain"]
+    lines.append(
+        f"decode cost per step: {res['decode_concurrency']} concurrent streams of {res['decode_tokens']} greedy "
+        f"tokens through the router, {res['rounds']} x {res['seconds']:.0f} s per mode, modes alternating:"
+    )
+    for mode, d in res["decode"].items():
+        lines.append(
+            f"  {mode:<9} ({d['streams']} streams): {d['step_ms_p50']:.2f} ms/step p50 "
+            f"({d['step_ms_p50'] / plain['step_ms_p50']:.2f} x plain), {d['tok_s']:.0f} decode tok/s "
+            f"({d['tok_s'] / plain['tok_s']:.2f} x plain)"
+        )
     return "\n".join(lines)
 
 
@@ -198,6 +267,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--decode-concurrency", type=int, default=8)
     ap.add_argument("--out", type=Path, help="write the report here (and the numbers as .json beside it)")
     a = ap.parse_args()
     res = asyncio.run(run(a))
