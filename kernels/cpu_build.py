@@ -10,17 +10,28 @@ never runs code for the wrong CPU. The setting `cpu_isa="avx2"` builds the AVX2
 path instead (-march=x86-64-v3: AVX2 + FMA, no AVX-512) on a host that has
 AVX-512, so the code an AVX2-only machine runs is tested everywhere (the tests
 also load it explicitly with `load_variant("avx2")`); `scalar` builds the
-portable C path (-march=x86-64). Writes go to a temporary file that is then
-renamed, so concurrent first builds (pytest workers, server processes) are safe.
+portable C path (-march=x86-64), `avx512` the AVX-512 level (-march=x86-64-v4).
+Writes go to a temporary file that is then renamed, so concurrent first builds
+(pytest workers, server processes) are safe.
+
+An image without a compiler ships libraries built ahead of time for fixed targets:
+`python -m kernels.cpu_build --prebuild DIR --isa avx512 --isa avx2 --isa scalar`
+writes one per ISA into DIR, named by a hash of the source and flags only (a
+fixed target does not depend on the build host's CPU). With the setting
+`prebuilt_dir` pointing there, the process loads the best of them the CPU can run
+(checked against its /proc/cpuinfo flags, ISA_NEEDS; `cpu_isa` other than native
+asks for that one), without a compiler; a library of another source is never
+loaded, and with none that fits, the build below runs as without the setting.
 
 If no compiler is found or the build fails, `load_cpu_lib()` returns None and
 logs ONE warning; callers then use the pure-torch path.
 
 Settings (`kernels.settings`, with their environment aliases):
     cpu_kernels=False   BITDELTA_CPU_KERNELS=0          never build/load (force the torch path)
-    cpu_isa             BITDELTA_CPU_ISA=native|avx2|scalar   which SIMD path to build (default
+    cpu_isa             BITDELTA_CPU_ISA=native|avx512|avx2|scalar   which SIMD path to build (default
                                     native: whatever the host has; the others must run here)
     build_dir           BITDELTA_KERNELS_BUILD_DIR=DIR  where to cache the library
+    prebuilt_dir        BITDELTA_KERNELS_PREBUILT_DIR=DIR  libraries built by --prebuild, loaded first
     cc                  CC=...                          the C compiler (default: cc, then gcc)
 The process's library is the one for the current settings: new CPU settings
 (`kernels.settings.configure`) load theirs on next use.
@@ -28,14 +39,17 @@ The process's library is the one for the current settings: new CPU settings
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import hashlib
 import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch  # noqa: F401  # loads libgomp.so.1 first so the library shares torch's OpenMP runtime
@@ -53,10 +67,24 @@ ISA_ENV = ENV["cpu_isa"]
 # Build request -> target flags. x86-64-v3 is the AVX2 level (AVX2, FMA, F16C, BMI1/2,
 # MOVBE): what an AVX2-only EPYC or Core runs. x86-64 is the baseline (SSE2): the
 # library's portable C loops, which the compiler may still vectorise with SSE2.
-ISA_MARCH = {"native": "-march=native", "avx2": "-march=x86-64-v3", "scalar": "-march=x86-64"}
+# x86-64-v4 adds AVX-512 F, BW, CD, DQ and VL (Skylake-SP and later, Zen 4).
+ISA_MARCH = {
+    "native": "-march=native",
+    "avx512": "-march=x86-64-v4",
+    "avx2": "-march=x86-64-v3",
+    "scalar": "-march=x86-64",
+}
 # CPU flags (/proc/cpuinfo) a build needs at run time; checked before loading so a
 # forced build never dies of SIGILL on a CPU without them.
-ISA_NEEDS = {"native": (), "avx2": ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"), "scalar": ()}
+_AVX2_NEEDS = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")
+ISA_NEEDS = {
+    "native": (),
+    "avx512": (*_AVX2_NEEDS, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+    "avx2": _AVX2_NEEDS,
+    "scalar": (),
+}
+# The fixed targets `--prebuild` can build, best first (the order a prebuilt directory is tried in).
+PREBUILT_ISAS = ("avx512", "avx2", "scalar")
 
 _lock = threading.Lock()
 # The settings the process's library was loaded (or found unavailable) for, and the result.
@@ -95,18 +123,49 @@ def _compiler() -> str | None:
     return None
 
 
-def _check_host(isa: str) -> None:
-    """Refuse a forced build the host cannot run (it would crash with SIGILL, not fail)."""
+def _host_lacks(isa: str) -> list[str]:
+    """The CPU flags `isa`'s build needs that this host lacks (non-x86: all of a fixed target's)."""
     import platform
 
     if isa == "native":
-        return
+        return []
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise RuntimeError(f"{ISA_ENV}={isa} is an x86-64 build; this host is {platform.machine()}")
+        return [f"x86-64 (this host is {platform.machine()})"]
     flags = set(_cpu_fingerprint().split(":", 1)[-1].split())
-    missing = [f for f in ISA_NEEDS[isa] if f not in flags]
+    return [f for f in ISA_NEEDS[isa] if f not in flags]
+
+
+def _check_host(isa: str) -> None:
+    """Refuse a forced build the host cannot run (it would crash with SIGILL, not fail)."""
+    missing = _host_lacks(isa)
     if missing:
         raise RuntimeError(f"{ISA_ENV}={isa} needs CPU flags this host lacks: {', '.join(missing)}")
+
+
+def _compile(cc: str, isa: str, lib_path: Path) -> None:
+    """Compile the source for `isa` into `lib_path` through a temporary file and a rename."""
+    build_dir = lib_path.parent
+    build_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=build_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cc, *CFLAGS, ISA_MARCH[isa], "-o", tmp, str(SOURCE)],
+            capture_output=True,
+            text=True,
+            timeout=COMPILE_TIMEOUT_S,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o644)  # not mkstemp's 0600: an image's runtime user is not the one that built it
+        os.replace(tmp, lib_path)
+        log.info("kernels: built %s", lib_path)
+        for old in build_dir.glob(f"libbitdelta_cpu_{isa}_*.so"):  # builds of older sources (a running
+            if old != lib_path:  # process keeps its mapping of a removed file)
+                old.unlink(missing_ok=True)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _build(cc: str, build_dir: Path, isa: str = "native") -> Path:
@@ -117,26 +176,45 @@ def _build(cc: str, build_dir: Path, isa: str = "native") -> Path:
         "\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_fingerprint()]).encode()
     ).hexdigest()[:16]
     lib_path = build_dir / f"libbitdelta_cpu_{isa}_{key}.so"
-    if lib_path.exists():
-        return lib_path
-    build_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=build_dir)
-    os.close(fd)
-    try:
-        proc = subprocess.run(
-            [cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, lib_path)
-        log.info("kernels: built %s", lib_path)
-        for old in build_dir.glob(f"libbitdelta_cpu_{isa}_*.so"):  # builds of older sources (a running
-            if old != lib_path:  # process keeps its mapping of a removed file)
-                old.unlink(missing_ok=True)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    if not lib_path.exists():
+        _compile(cc, isa, lib_path)
     return lib_path
+
+
+def _prebuilt_path(prebuilt_dir: Path, isa: str) -> Path:
+    """Where `--prebuild` puts (and the loader looks for) `isa`'s library of the current source."""
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join([*CFLAGS, ISA_MARCH[isa]])]).encode())
+    return prebuilt_dir / f"libbitdelta_cpu_{isa}_{key.hexdigest()[:16]}.so"
+
+
+def prebuild(prebuilt_dir: Path, isas: Sequence[str], cc: str | None = None) -> list[Path]:
+    """Compile the library for each fixed target in `isas` (PREBUILT_ISAS) into `prebuilt_dir`,
+    for CPUs other than this one (an image build): nothing is checked against this host."""
+    bad = [isa for isa in isas if isa not in PREBUILT_ISAS]
+    if bad or not isas:
+        raise ValueError(f"prebuilt ISAs must be some of {', '.join(PREBUILT_ISAS)}, got {list(isas)}")
+    cc = cc or _compiler()
+    if cc is None or not shutil.which(cc):
+        raise RuntimeError(f"no C compiler found ({cc or 'set CC'})")
+    paths = [_prebuilt_path(prebuilt_dir, isa) for isa in isas]
+    for isa, path in zip(isas, paths, strict=True):
+        _compile(cc, isa, path)
+    return paths
+
+
+def _find_prebuilt(isa: str) -> Path | None:
+    """The prebuilt library to load for the `cpu_isa` request, None without one (or without the
+    setting). native: the best the CPU runs; another request: that one, refused if it cannot."""
+    prebuilt_dir = current().prebuilt_dir
+    if prebuilt_dir is None:
+        return None
+    if isa != "native":
+        _check_host(isa)
+    for candidate in PREBUILT_ISAS if isa == "native" else (isa,):
+        path = _prebuilt_path(prebuilt_dir, candidate)
+        if not _host_lacks(candidate) and path.exists():
+            return path
+    return None
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -157,16 +235,30 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.bd_linear_gemv.argtypes = [p, i64, i64, p, i32, i64, p, i64, i64, i64, p, i64, p, i64, i32]
 
 
-def load_variant(isa: str) -> ctypes.CDLL:
-    """Build (once) and load the library for one ISA ("native", "avx2", "scalar") apart
-    from the process-wide one; raises when that is impossible here. For tests and
-    benchmarks that compare the SIMD paths on one machine."""
+def _library_path(isa: str) -> Path:
+    """The library for an ISA request: the prebuilt one if the settings have one that fits,
+    else this host's build (compiled once)."""
     if isa not in ISA_MARCH:
         raise ValueError(f"unknown ISA {isa!r}: use one of {', '.join(ISA_MARCH)}")
+    prebuilt = _find_prebuilt(isa)
+    if prebuilt is not None:
+        return prebuilt
     cc = _compiler()
     if cc is None:
-        raise RuntimeError("no C compiler found (set CC)")
-    lib = ctypes.CDLL(str(_build(cc, _default_build_dir(), isa)))
+        where = f"no prebuilt library for it in {current().prebuilt_dir} and " if current().prebuilt_dir else ""
+        raise RuntimeError(f"{where}no C compiler found (set CC)")
+    return _build(cc, _default_build_dir(), isa)
+
+
+def load_variant(isa: str) -> ctypes.CDLL:
+    """Load (building it once if needed) the library for one ISA ("native", "avx512", "avx2",
+    "scalar") apart from the process-wide one; raises when that is impossible here. For tests
+    and benchmarks that compare the SIMD paths on one machine."""
+    return _open(_library_path(isa))
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
     _declare(lib)
     return lib
 
@@ -185,8 +277,9 @@ def load_cpu_lib() -> ctypes.CDLL | None:
         try:
             if not settings.cpu_kernels:
                 raise RuntimeError(f"disabled (cpu_kernels=False, {ENV['cpu_kernels']}=0)")
-            lib = load_variant(settings.cpu_isa)
-            log.info("kernels: C CPU kernels loaded (%s)", ISA_NAMES.get(lib.bd_isa(), "?"))
+            path = _library_path(settings.cpu_isa)
+            lib = _open(path)
+            log.info("kernels: C CPU kernels loaded (%s, %s)", ISA_NAMES.get(lib.bd_isa(), "?"), path)
         except Exception as e:  # any failure means: use the torch path
             unavailable_reason = str(e)
             log.warning("kernels: C CPU kernels unavailable (%s); using the pure-torch unpack path (slow)", e)
@@ -198,3 +291,28 @@ def cpu_isa() -> str:
     """'avx512' | 'avx2' | 'scalar' for the loaded library, 'torch' without one."""
     lib = load_cpu_lib()
     return "torch" if lib is None else ISA_NAMES.get(lib.bd_isa(), "?")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kernels.cpu_build",
+        description="Build the C CPU kernels ahead of time for fixed targets (for an image without a compiler).",
+    )
+    parser.add_argument("--prebuild", type=Path, required=True, metavar="DIR", help="directory to write into")
+    parser.add_argument(
+        "--isa", action="append", choices=PREBUILT_ISAS, help="target (repeatable; default: all of them)"
+    )
+    parser.add_argument("--cc", help="the C compiler (default: the cc setting, then cc, gcc, clang)")
+    args = parser.parse_args(argv)
+    try:
+        paths = prebuild(args.prebuild, args.isa or PREBUILT_ISAS, args.cc)
+    except (RuntimeError, ValueError) as e:
+        print(f"cpu_build: {e}", file=sys.stderr)
+        return 1
+    for path in paths:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,8 +10,10 @@ kernel call as `backend=`).
     backend              BITDELTA_KERNEL_BACKEND=auto|triton|cpu|torch   auto (dispatch.backend_for)
     interpret_max_work   BITDELTA_INTERPRET_MAX_WORK=N         2^24 multiply-adds
     cpu_kernels          BITDELTA_CPU_KERNELS=0|1              1 (0: never build the C kernels)
-    cpu_isa              BITDELTA_CPU_ISA=native|avx2|scalar   native (cpu_build)
+    cpu_isa              BITDELTA_CPU_ISA=native|avx512|avx2|scalar   native (cpu_build)
     build_dir            BITDELTA_KERNELS_BUILD_DIR=DIR        the checkout's build/, else ~/.cache
+    prebuilt_dir         BITDELTA_KERNELS_PREBUILT_DIR=DIR     none (libraries built ahead of time by
+                                                               `python -m kernels.cpu_build --prebuild`)
     configs_file         BITDELTA_KERNEL_CONFIGS=FILE          kernels/configs.json (configs)
     cc                   CC=compiler                           cc, then gcc, then clang
 
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BACKENDS = ("auto", "triton", "cpu", "torch")
-ISAS = ("native", "avx2", "scalar")
+ISAS = ("native", "avx512", "avx2", "scalar")
 # Largest M·N·K run by the Triton interpreter through the public functions (≈0.1–1 s): the
 # interpreter costs ~1 ms per program × K-step, so a real model layer would take seconds.
 INTERPRET_MAX_WORK = 1 << 24
@@ -39,6 +41,7 @@ ENV = {
     "cpu_kernels": "BITDELTA_CPU_KERNELS",
     "cpu_isa": "BITDELTA_CPU_ISA",
     "build_dir": "BITDELTA_KERNELS_BUILD_DIR",
+    "prebuilt_dir": "BITDELTA_KERNELS_PREBUILT_DIR",
     "configs_file": "BITDELTA_KERNEL_CONFIGS",
     "cc": "CC",
 }
@@ -53,6 +56,7 @@ class KernelSettings:
     cpu_kernels: bool = True
     cpu_isa: str = "native"
     build_dir: Path | None = None
+    prebuilt_dir: Path | None = None
     configs_file: Path | None = None
     cc: str | None = None
 
@@ -81,7 +85,7 @@ class KernelSettings:
                     if raw not in ("0", "1"):
                         raise ValueError("use 0 or 1")
                     values[name] = raw == "1"
-                elif name in ("build_dir", "configs_file"):
+                elif name in ("build_dir", "prebuilt_dir", "configs_file"):
                     values[name] = Path(raw).expanduser()
                 elif name in ("backend", "cpu_isa"):
                     values[name] = raw.lower()

@@ -50,7 +50,7 @@ IMAGES = {
     "bitdelta/router:latest": ("services.router", False, False),
     "bitdelta/gateway:latest": ("services.gateway", False, False),
     "bitdelta/delta-store:latest": ("services.delta_store", True, False),
-    "bitdelta/worker:cpu": ("services.gpu_worker", True, True),  # its kernels compile for the CPU it runs on
+    "bitdelta/worker:cpu": ("services.gpu_worker", True, False),  # its C kernels are built in the build stage
     "bitdelta/rotel:local": (None, False, False),
     "bitdelta/prometheus:local": (None, False, False),
 }
@@ -297,6 +297,17 @@ def wait_traces(path: Path, n: int, timeout: float = 60) -> dict:
     return {"ttft": rows, "fetch_transports": fetch, "spans": len(spans)}
 
 
+def worker_kernels(container: str) -> str:
+    """The C kernel library the worker container loaded (its log's line), which must be a prebuilt
+    one: the image has no compiler, so the torch fallback would mean the prebuilt libraries failed."""
+    r = subprocess.run(["docker", "logs", container], capture_output=True, text=True)
+    lines = [line for line in (r.stdout + r.stderr).splitlines() if "kernels: C CPU kernels" in line]
+    loaded = [line.split("kernels: C CPU kernels loaded ", 1)[1] for line in lines if " loaded " in line]
+    if not loaded or "/opt/bitdelta-kernels/" not in loaded[0]:
+        fail(f"the worker did not load its prebuilt C kernels: {lines or 'no kernels line in its log'}")
+    return loaded[0]
+
+
 async def check_stack(a: argparse.Namespace) -> None:
     out = a.out
     sink = traces.OtlpFileSink(out / "spans.jsonl", SINK)
@@ -331,7 +342,9 @@ async def check_stack(a: argparse.Namespace) -> None:
             slots = {s.name: s.transport for s in (await w.status()).slots if s.name in variants}
         if slots != dict.fromkeys(variants, "shared-memory"):
             fail(f"the worker's Status does not say every delta came through shared memory: {slots}")
+        kernels = worker_kernels(cs["worker"]["Name"].lstrip("/"))
         say(f"{2 * len(models)} requests, {2 * len(models)} traces with TTFT spans; Fetch transports {tr}")
+        say(f"the worker's CPU kernels: {kernels}")
         say(f"Prometheus targets up: {', '.join(t['job'] for t in targets)}")
         report(
             out,
@@ -341,6 +354,7 @@ async def check_stack(a: argparse.Namespace) -> None:
             traces={"requests": 2 * len(models), **seen},
             fetch_transports=tr,
             worker_slot_transports=slots,
+            worker_cpu_kernels=kernels,
             prometheus_targets=targets,
         )
     finally:

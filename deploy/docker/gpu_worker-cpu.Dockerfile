@@ -1,7 +1,9 @@
 # The worker on CPU (development, small models): the CPU-only torch wheel. Its C kernels
-# (kernels/csrc) are compiled at first start for the CPU the container runs on (-march=native,
-# kernels/cpu_build.py), which an image build cannot know: so this is the one runtime image with a
-# C compiler (gcc, libc6-dev).
+# (kernels/csrc) are compiled in the build stage, which has gcc, for fixed targets: AVX-512
+# (-march=x86-64-v4), AVX2 (-march=x86-64-v3) and portable (x86-64), by
+# `python -m kernels.cpu_build --prebuild` into /opt/bitdelta-kernels. The runtime stage has no
+# compiler: BITDELTA_KERNELS_PREBUILT_DIR points there, and the worker loads the best of them the
+# CPU it runs on has the flags for (/proc/cpuinfo); it logs which at its first kernel call.
 #   docker build -f deploy/docker/gpu_worker-cpu.Dockerfile -t bitdelta/worker:cpu .
 # Stages, BASE_IMAGE and TORCH_INDEX_URL as in delta_store.Dockerfile (the same first layers, so
 # the two share them).
@@ -26,13 +28,16 @@ COPY services/__init__.py services/__init__.py
 COPY services/gpu_worker services/gpu_worker
 COPY deploy/docker/healthcheck.py healthcheck.py
 RUN /opt/protoc/bin/python -m bitdelta.protos_build --force && rm -r protos bitdelta/.protos-stamp
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/* \
+ && /opt/venv/bin/python -m kernels.cpu_build --prebuild /opt/bitdelta-kernels --isa avx512 --isa avx2 --isa scalar
 
 FROM ${BASE_IMAGE}
-ENV PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH PORT=50061 BITDELTA_KERNEL_BACKEND=cpu
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/* \
- && useradd --uid 10001 --create-home --shell /usr/sbin/nologin bitdelta \
+ENV PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH PORT=50061 BITDELTA_KERNEL_BACKEND=cpu \
+    BITDELTA_KERNELS_PREBUILT_DIR=/opt/bitdelta-kernels
+RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin bitdelta \
  && mkdir -p /models && chown bitdelta /models
 COPY --from=build /opt/venv /opt/venv
+COPY --from=build /opt/bitdelta-kernels /opt/bitdelta-kernels
 COPY --from=build /app /app
 WORKDIR /app
 USER 10001

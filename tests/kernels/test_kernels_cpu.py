@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -152,7 +154,7 @@ def test_isa_setting_forces_the_avx2_build():
 
 
 def test_isa_request_errors(monkeypatch):
-    with pytest.raises(ValueError, match="BITDELTA_CPU_ISA='avx1024'.*native, avx2, scalar"):
+    with pytest.raises(ValueError, match="BITDELTA_CPU_ISA='avx1024'.*native, avx512, avx2, scalar"):
         KernelSettings.from_env({"BITDELTA_CPU_ISA": "avx1024"})
     with pytest.raises(ValueError, match="unknown ISA"):
         cpu_build.load_variant("sse9")
@@ -250,6 +252,81 @@ def test_disabled_build_logs_once(caplog):
         assert cpu_build.load_cpu_lib() is None
     msgs = [r.getMessage() for r in caplog.records if "pure-torch" in r.getMessage()]
     assert len(msgs) == 1 and "BITDELTA_CPU_KERNELS=0" in msgs[0]
+
+
+def _outputs() -> list[torch.Tensor]:
+    """What the process's library computes on one case through every C entry point."""
+    x, w, signs, alpha = make(5, 264, 257)
+    ys = [cpu_ops.bitdelta_linear_cpu(x, w, signs, alpha, path=p) for p in ("fused_gemv", "blas_delta", "merge_gemm")]
+    stack, astack, rv = torch.stack([signs, signs.flip(1)]), torch.stack([alpha, alpha * 2]), torch.tensor([1, 0, 1])
+    ys.append(cpu_ops.bitdelta_delta_batched_cpu(x[:3], stack, astack, rv, torch.zeros(3, 264)))
+    return ys
+
+
+def _no_compiler(monkeypatch, tmp_path):
+    """No C compiler reachable: the cc setting names a missing program, PATH has none, and any
+    compiler run fails the test."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(cpu_build.subprocess, "run", _compiler_must_not_run(cpu_build.subprocess.run))
+    return str(tmp_path / "no-such-cc")
+
+
+@pytest.fixture(scope="module")
+def prebuilt(tmp_path_factory):
+    """Every fixed target built ahead of time through the entry point an image's build stage runs."""
+    out = tmp_path_factory.mktemp("prebuilt")
+    args = ["--prebuild", str(out), "--isa", "avx512", "--isa", "avx2", "--isa", "scalar"]
+    proc = subprocess.run([sys.executable, "-m", "kernels.cpu_build", *args], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.split()) == sorted(str(p) for p in out.iterdir()) and len(proc.stdout.split()) == 3
+    assert all(p.stat().st_mode & 0o004 for p in out.iterdir())  # readable by an image's runtime user
+    return out
+
+
+def test_prebuilt_libraries_load_without_a_compiler(prebuilt, tmp_path, monkeypatch):
+    """With prebuilt_dir, the library loads with no compiler anywhere: for native the best
+    prebuilt one the CPU runs, each with the same numerics as this host's own build of its ISA."""
+    assert KernelSettings.from_env({"BITDELTA_KERNELS_PREBUILT_DIR": str(prebuilt)}).prebuilt_dir == prebuilt
+    runnable = [isa for isa in cpu_build.PREBUILT_ISAS if not cpu_build._host_lacks(isa)]
+    built_here = {}
+    for isa in runnable:
+        with configured(cpu_isa=isa):
+            assert cpu_build.cpu_isa() == isa, cpu_build.unavailable_reason
+            built_here[isa] = _outputs()
+    cc = _no_compiler(monkeypatch, tmp_path)
+    for request, isa in [("native", runnable[0]), *((i, i) for i in runnable)]:
+        with configured(prebuilt_dir=prebuilt, cpu_isa=request, cc=cc):
+            assert cpu_build.cpu_isa() == isa, cpu_build.unavailable_reason
+            for got, want in zip(_outputs(), built_here[isa], strict=True):
+                assert torch.equal(got, want), request
+    with configured(cpu_isa="native", cc=cc):  # without the setting: today's build, which needs a compiler
+        assert cpu_build.load_cpu_lib() is None and "no C compiler" in cpu_build.unavailable_reason
+
+
+def test_prebuilt_library_the_cpu_lacks_is_never_loaded(prebuilt, tmp_path, monkeypatch):
+    cc = _no_compiler(monkeypatch, tmp_path)
+    monkeypatch.setattr(cpu_build, "_cpu_fingerprint", lambda: "flags\t\t: fpu sse sse2 avx2 fma")
+    monkeypatch.setattr("platform.machine", lambda: "x86_64")
+    with configured(prebuilt_dir=prebuilt, cc=cc):  # avx512 and avx2 lie there; this CPU runs neither
+        assert cpu_build._library_path("native").parent == prebuilt
+        assert cpu_build._library_path("native").name.startswith("libbitdelta_cpu_scalar_")
+        for isa in ("avx512", "avx2"):
+            with pytest.raises(RuntimeError, match="lacks: "):
+                cpu_build._library_path(isa)
+    stale = tmp_path / "stale"  # a library of another source (an older image's) is not loaded
+    stale.mkdir()
+    (stale / "libbitdelta_cpu_scalar_0123456789abcdef.so").write_bytes(b"not this source")
+    with configured(prebuilt_dir=stale, cc=cc):
+        with pytest.raises(RuntimeError, match="no prebuilt library for it in .*stale and no C compiler"):
+            cpu_build._library_path("native")
+
+
+def test_prebuild_errors(tmp_path, capsys):
+    assert cpu_build.main(["--prebuild", str(tmp_path), "--cc", str(tmp_path / "no-such-cc")]) == 1
+    assert "no C compiler found" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="native"):  # a host-specific build is no prebuilt target
+        cpu_build.prebuild(tmp_path, ["native"])
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_build_cache_reused(tmp_path, monkeypatch):
