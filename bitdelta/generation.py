@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -378,3 +379,19 @@ class TokenEvent:
     index: int = 0  # the choice (Sampling.n > 1); each choice's last event has its own finish and usage
     prompt_logprobs: tuple[Logprobs, ...] = ()  # Sampling.prompt_logprobs, first event: per prompt token
     prefill_batch: int = field(default=0, compare=False)  # sequences in the step that began its prefill (traces)
+
+    def fill_pb(self, msg, arrival_codes: Mapping[ArrivalState, int]):
+        """Write the event into `msg`, a GenerateResponse of the worker's or the router's API (they
+        share these fields; each hop has its own arrival-state enum, given by `arrival_codes`)."""
+        msg.token_id, msg.text, msg.elapsed_ms, msg.index = self.token_id, self.text, self.elapsed_ms, self.index
+        if self.ttft is not None:
+            msg.ttft.CopyFrom(self.ttft.to_pb())
+            msg.arrival_state = arrival_codes[self.arrival or ArrivalState.BASE]
+        if self.finish_reason is not None:
+            msg.finish_reason = self.finish_reason.to_pb()
+        if self.usage is not None:
+            msg.usage.CopyFrom(self.usage.to_pb())
+        if self.logprobs is not None:
+            msg.logprobs.CopyFrom(self.logprobs.to_pb())
+        msg.prompt_logprobs.extend(lp.to_pb() for lp in self.prompt_logprobs)
+        return msg

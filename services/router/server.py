@@ -42,20 +42,7 @@ ARRIVAL_PB = {
 
 
 def event_to_pb(ev: TokenEvent) -> pb.GenerateResponse:
-    out = pb.GenerateResponse(
-        token_id=ev.token_id, text=ev.text, elapsed_ms=ev.elapsed_ms, worker=ev.worker, index=ev.index
-    )
-    if ev.ttft is not None:
-        out.ttft.CopyFrom(ev.ttft.to_pb())
-        out.arrival_state = ARRIVAL_PB[ev.arrival]
-    if ev.finish_reason is not None:
-        out.finish_reason = ev.finish_reason.to_pb()
-    if ev.usage is not None:
-        out.usage.CopyFrom(ev.usage.to_pb())
-    if ev.logprobs is not None:
-        out.logprobs.CopyFrom(ev.logprobs.to_pb())
-    out.prompt_logprobs.extend(lp.to_pb() for lp in ev.prompt_logprobs)
-    return out
+    return ev.fill_pb(pb.GenerateResponse(worker=ev.worker), ARRIVAL_PB)
 
 
 class RouterServicer(pb_grpc.RouterServiceServicer):

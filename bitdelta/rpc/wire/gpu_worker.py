@@ -18,18 +18,7 @@ ARRIVAL_OF_PB = {v: k for k, v in ARRIVAL_PB.items()}
 
 
 def event_to_pb(ev: TokenEvent) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(token_id=ev.token_id, text=ev.text, elapsed_ms=ev.elapsed_ms, index=ev.index)
-    if ev.ttft is not None:
-        msg.ttft.CopyFrom(ev.ttft.to_pb())
-        msg.arrival_state = ARRIVAL_PB[ev.arrival or ArrivalState.BASE]
-    if ev.finish_reason is not None:
-        msg.finish_reason = ev.finish_reason.to_pb()
-    if ev.usage is not None:
-        msg.usage.CopyFrom(ev.usage.to_pb())
-    if ev.logprobs is not None:
-        msg.logprobs.CopyFrom(ev.logprobs.to_pb())
-    msg.prompt_logprobs.extend(lp.to_pb() for lp in ev.prompt_logprobs)
-    return msg
+    return ev.fill_pb(pb.GenerateResponse(), ARRIVAL_PB)
 
 
 def event_of_pb(msg: pb.GenerateResponse) -> TokenEvent:
