@@ -174,7 +174,13 @@ def _wait_router_sees_workers(address: str, n: int, timeout: float = 120) -> Non
         stub = pb_grpc.RouterServiceStub(ch)
         while True:
             ws = stub.ListWorkers(pb.ListWorkersRequest(), timeout=10).workers
-            if len(ws) == n and all(w.up for w in ws):
+            # and it reaches the store: its registry lists the variants (a router that tried the store
+            # before it listened waits out gRPC's reconnect backoff, and would answer UNAVAILABLE)
+            try:
+                models = stub.ListModels(pb.ListModelsRequest(), timeout=10).models
+            except grpc.RpcError:
+                models = []
+            if len(ws) == n and all(w.up for w in ws) and sum(not m.is_base for m in models) > 0:
                 return
             assert time.monotonic() < deadline, f"the router did not see {n} workers up: {ws}"
             time.sleep(0.2)
