@@ -7,6 +7,8 @@ in one torch-free module, converted to and from protobuf here and nowhere else.
 
 - `Sampling`: how to pick tokens and when to stop. On the wire (`bitdelta.common.v1.SamplingParams`)
   a zero means "unset" (proto3), so `from_pb` turns zeros into the defaults the fields document.
+- `Constraint`: what a constrained output must be (a JSON schema, any JSON object, a regex, one of
+  some strings, a grammar), carried in `Sampling.constraint`; `bitdelta.grammar` compiles it.
 - `FinishReason` and `ArrivalState`: why a generation ended, where its variant was on arrival.
 - `Ttft`: where the time to first token went.
 - `TokenEvent`: one streamed token, as the worker's engine makes it and the router passes it on.
@@ -17,6 +19,7 @@ in one torch-free module, converted to and from protobuf here and nowhere else.
 from __future__ import annotations
 
 import enum
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -70,6 +73,84 @@ MAX_BIAS, MAX_LOGIT_BIAS = 100.0, 1024  # OpenAI's range of a bias; how many tok
 MAX_N = 16  # choices of one request (each a running sequence after the shared prefill)
 
 
+# -- constraints -----------------------------------------------------------------------------------------
+
+MAX_CONSTRAINT_CHARS = 65536  # a schema, regex or grammar; llguidance's own limits bound what it compiles to
+MAX_CHOICES, MAX_CHOICE_CHARS = 256, 1024
+
+
+class ConstraintKind(enum.Enum):
+    JSON_SCHEMA = "json_schema"  # JSON valid under the schema in `text`
+    JSON_OBJECT = "json_object"  # any JSON object
+    REGEX = "regex"  # text the regular expression in `text` matches whole
+    CHOICE = "choice"  # exactly one of `choices`
+    GRAMMAR = "grammar"  # text the grammar in `text` (Lark, or GBNF with "::=") derives
+
+    def to_pb(self) -> int:
+        return _KIND_PB[self]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a constrained output must be (hashable: the worker caches compiled grammars by it)."""
+
+    kind: ConstraintKind
+    text: str = ""  # JSON_SCHEMA: the schema as JSON text; REGEX: the pattern; GRAMMAR: the grammar
+    choices: tuple[str, ...] = ()  # CHOICE only
+
+    def validate(self) -> Constraint:
+        """self, or GenerationError ("sampling.constraint: ...") for a constraint out of shape; whether
+        the schema, regex or grammar compiles is `bitdelta.grammar.check`'s."""
+        f, k = "sampling.constraint", self.kind
+        has_text = k in (ConstraintKind.JSON_SCHEMA, ConstraintKind.REGEX, ConstraintKind.GRAMMAR)
+        if has_text and not self.text:
+            raise GenerationError(f, f"a {k.value} constraint needs its text")
+        if not has_text and self.text:
+            raise GenerationError(f, f"a {k.value} constraint has no text")
+        if len(self.text) > MAX_CONSTRAINT_CHARS:
+            raise GenerationError(
+                f, f"the {k.value} is {len(self.text)} characters long; at most {MAX_CONSTRAINT_CHARS}"
+            )
+        if (k is ConstraintKind.CHOICE) != bool(self.choices):
+            raise GenerationError(f, "choices belong to a choice constraint, and it needs at least one")
+        if len(self.choices) > MAX_CHOICES:
+            raise GenerationError(f, f"{len(self.choices)} choices; at most {MAX_CHOICES}")
+        for c in self.choices:
+            if not c or len(c) > MAX_CHOICE_CHARS:
+                raise GenerationError(f, f"choice {clip(c)} must be 1 to {MAX_CHOICE_CHARS} characters long")
+        if k is ConstraintKind.JSON_SCHEMA:
+            try:
+                schema = json.loads(self.text)
+            except (ValueError, RecursionError) as e:
+                raise GenerationError(f, f"the JSON schema is not valid JSON: {clip(str(e))}") from None
+            if not isinstance(schema, dict):
+                raise GenerationError(f, "the JSON schema must be a JSON object")
+        return self
+
+    def to_pb(self) -> pb.Constraint:
+        return pb.Constraint(kind=self.kind.to_pb(), text=self.text, choices=list(self.choices))
+
+    @classmethod
+    def from_pb(cls, m: pb.Constraint) -> Constraint | None:
+        """None for CONSTRAINT_KIND_UNSPECIFIED (free text); GenerationError for a kind this side does not know."""
+        if m.kind == pb.CONSTRAINT_KIND_UNSPECIFIED:
+            return None
+        kind = _KIND_OF_PB.get(m.kind)
+        if kind is None:
+            raise GenerationError("sampling.constraint", f"unknown constraint kind {m.kind}")
+        return cls(kind, m.text, tuple(m.choices))
+
+
+_KIND_PB = {
+    ConstraintKind.JSON_SCHEMA: pb.CONSTRAINT_KIND_JSON_SCHEMA,
+    ConstraintKind.JSON_OBJECT: pb.CONSTRAINT_KIND_JSON_OBJECT,
+    ConstraintKind.REGEX: pb.CONSTRAINT_KIND_REGEX,
+    ConstraintKind.CHOICE: pb.CONSTRAINT_KIND_CHOICE,
+    ConstraintKind.GRAMMAR: pb.CONSTRAINT_KIND_GRAMMAR,
+}
+_KIND_OF_PB = {v: k for k, v in _KIND_PB.items()}
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How to pick tokens and when to stop (defaults: greedy, the server's max_new_tokens)."""
@@ -92,6 +173,7 @@ class Sampling:
     logprobs: int | None = None  # the sampled token's logprob and this many alternatives (raw logits)
     n: int = 1  # choices, forked after one shared prefill; choice i of a seeded request: choice_seed(i)
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs and this many alternatives (echo)
+    constraint: Constraint | None = None  # the output must satisfy it (masks per step); None: free text
 
     @property
     def plain(self) -> bool:
@@ -102,6 +184,7 @@ class Sampling:
             and not self.frequency_penalty
             and not self.logit_bias
             and not self.min_tokens
+            and self.constraint is None
         )
 
     def validate(self) -> Sampling:
@@ -159,6 +242,15 @@ class Sampling:
             )
         if not 1 <= self.n <= MAX_N:
             raise GenerationError("sampling.n", f"{self.n} must be between 1 and {MAX_N}")
+        if self.constraint is not None:
+            self.constraint.validate()
+            # the grammar says where the output may end: EOS is allowed exactly there
+            for name in ("min_tokens", "ignore_eos"):
+                if getattr(self, name):
+                    raise GenerationError(
+                        f"sampling.{name}",
+                        "cannot be combined with a constraint (the grammar decides where the output ends)",
+                    )
         return self
 
     def choice_seed(self, index: int) -> int | None:
@@ -202,6 +294,7 @@ class Sampling:
             logprobs=self.logprobs,
             n=0 if self.n == 1 else self.n,
             prompt_logprobs=self.prompt_logprobs,
+            constraint=None if self.constraint is None else self.constraint.to_pb(),
         )
 
     @classmethod
@@ -226,6 +319,7 @@ class Sampling:
             logprobs=m.logprobs if m.HasField("logprobs") else None,
             n=m.n or 1,
             prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+            constraint=Constraint.from_pb(m.constraint),
         )
 
 

@@ -11,7 +11,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY deploy/docker/requirements-build.txt deploy/docker/requirements-rpc.txt /tmp/
 RUN python -m venv /opt/protoc && /opt/protoc/bin/pip install -q -r /tmp/requirements-build.txt \
  && python -m venv /opt/venv && /opt/venv/bin/pip install -q -r /tmp/requirements-rpc.txt
-RUN /opt/venv/bin/pip install -q "starlette>=1.10,<2" "uvicorn>=0.54,<1" "jinja2>=3.1,<4"
+RUN /opt/venv/bin/pip install -q "starlette>=1.10,<2" "uvicorn>=0.54,<1" "jinja2>=3.1,<4" "llguidance==1.9.1"
 WORKDIR /app
 COPY protos protos
 COPY bitdelta bitdelta

@@ -19,7 +19,7 @@ RUN python -m venv /opt/protoc && /opt/protoc/bin/pip install -q -r /tmp/require
  && python -m venv /opt/venv && /opt/venv/bin/pip install -q -r /tmp/requirements-rpc.txt
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN /opt/venv/bin/pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
-RUN /opt/venv/bin/pip install -q "numpy>=1.26" "safetensors>=0.6" "tokenizers>=0.21" "tqdm>=4.66"
+RUN /opt/venv/bin/pip install -q "numpy>=1.26" "safetensors>=0.6" "tokenizers>=0.21" "tqdm>=4.66" "llguidance==1.9.1"
 WORKDIR /app
 COPY protos protos
 COPY bitdelta bitdelta

@@ -8,7 +8,7 @@ RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin bitdelta \
  && mkdir -p /models && chown bitdelta /models
 WORKDIR /app
 COPY deploy/docker/requirements-rpc.txt /tmp/requirements-rpc.txt
-RUN pip install -r /tmp/requirements-rpc.txt "numpy>=1.26" "safetensors>=0.6" "tokenizers>=0.21" "tqdm>=4.66"
+RUN pip install -r /tmp/requirements-rpc.txt "numpy>=1.26" "safetensors>=0.6" "tokenizers>=0.21" "tqdm>=4.66" "llguidance==1.9.1"
 COPY protos protos
 COPY bitdelta bitdelta
 COPY kernels kernels

@@ -8,6 +8,7 @@
       l[eos_ids + stop_token_ids] = -inf           # while the output is shorter than min_tokens
       l[seen] = where(l[seen] > 0, l / rep, l * rep)   # seen: prompt and output tokens
       l -= frequency * count + presence * (count > 0)  # count: each token in the output
+      l[not allowed by the constraint's grammar] = -inf  # Sampling.constraint (constraints.py)
       greedy: argmax(l); else l / T cut by top_k, then top_p, then min_p (each on what the one
       before kept: transformers' warpers), p = softmax, drawn by the request's own generator:
       same seed, same tokens, whatever else is in the batch.
@@ -23,19 +24,31 @@ from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from bitdelta.generation import Sampling
 from services.gpu_worker.errors import SamplingError
 
+if TYPE_CHECKING:
+    from services.gpu_worker.constraints import GrammarState
+
 
 class Sampler:
     """One sequence's picking rule and its state (module docstring). Runs on the CPU: the engine
     hands it its row of the logits."""
 
-    def __init__(self, sampling: Sampling, prompt: list[int] = (), vocab_size: int = 0, eos_ids=frozenset()):
+    def __init__(
+        self,
+        sampling: Sampling,
+        prompt: list[int] = (),
+        vocab_size: int = 0,
+        eos_ids=frozenset(),
+        grammar: GrammarState | None = None,
+    ):
         self.sampling = sp = sampling
+        self.grammar = grammar  # Sampling.constraint compiled (constraints.py): masks each row, advances each pick
         self.temperature = float(sp.temperature)
         self.top_p = float(sp.top_p)
         self.greedy = sp.greedy
@@ -70,6 +83,8 @@ class Sampler:
             out[self.seen] = torch.where(hit > 0, hit / rep, hit * rep)
         if self.counts is not None:
             out -= sp.frequency_penalty * self.counts + sp.presence_penalty * (self.counts > 0).float()
+        if self.grammar is not None:
+            self.grammar.mask(out)
         return out
 
     def distribution(self, row: torch.Tensor) -> torch.Tensor:
@@ -109,6 +124,8 @@ class Sampler:
     def note(self, tok: int) -> None:
         """`tok` joined the output (the plain path's pick too)."""
         self.n_out += 1
+        if self.grammar is not None:
+            self.grammar.accept(tok)
         if self.seen is not None:
             self.seen[tok] = True
         if self.counts is not None:

@@ -27,6 +27,7 @@ from bitdelta.generation import ArrivalState, Request, TokenEvent, check_model_i
 from bitdelta.rpc import telemetry
 from kernels.settings import current as kernel_settings
 from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.constraints import GrammarCompiler
 from services.gpu_worker.engine import Engine, Sequence
 from services.gpu_worker.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.gpu_worker.manager import DeltaManager, DeltaState, SlotInfo
@@ -81,6 +82,7 @@ class Worker:
         self.manager: DeltaManager | None = None
         self.engine: Engine | None = None
         self.source = None
+        self.grammars: GrammarCompiler | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -141,6 +143,7 @@ class Worker:
 
         self.tokenizer = Tokenizer.from_file(str(Path(c.base) / "tokenizer.json"))
         self.eos_ids = frozenset(_eos_ids(c.base, self.args.eos_token_id))
+        self.grammars = GrammarCompiler(Path(c.base) / "tokenizer.json", self.args.vocab_size, self.eos_ids)
         if self.device.type == "cuda":  # compile every kernel binary now: TTFT never pays a JIT
             tw = time.perf_counter()
             ran = await asyncio.to_thread(self.runner.warmup, c.max_batch_tokens, c.max_running)
@@ -170,6 +173,8 @@ class Worker:
             await asyncio.to_thread(self.engine.stop)
         if self.source is not None:
             await self.source.close()
+        if self.grammars is not None:
+            self.grammars.close()
 
     def _check_serving(self) -> None:
         if self.draining:
@@ -235,6 +240,8 @@ class Worker:
             )
         if self.engine.waiting >= self.config.max_waiting:
             raise ResourceExhausted(f"{self.engine.waiting} requests are already waiting on this worker; retry later")
+        # compiled on the compiler's threads (cached); a constraint that does not compile: INVALID_ARGUMENT
+        grammar = None if sp.constraint is None else await self.grammars.compile(sp.constraint)
         queue: asyncio.Queue = asyncio.Queue()
         held, submitted, finished = 0, False, False  # held: slot references (one per choice)
         try:
@@ -260,7 +267,13 @@ class Worker:
                 seqs.append(
                     Sequence(
                         state=st,
-                        sampler=Sampler(choice, ids, self.args.vocab_size, self.eos_ids),
+                        sampler=Sampler(
+                            choice,
+                            ids,
+                            self.args.vocab_size,
+                            self.eos_ids,
+                            None if grammar is None else grammar.start(),
+                        ),
                         text=TextStream(self.tokenizer, ids, list(sp.stop), sp.include_stop_str_in_output),
                         eos_ids=self.eos_ids,
                         emit=queue.put_nowait,

@@ -11,6 +11,8 @@ import pytest
 from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.generation import (
     ArrivalState,
+    Constraint,
+    ConstraintKind,
     FinishReason,
     GenerationError,
     Logprobs,
@@ -56,6 +58,17 @@ from bitdelta.rpc.wire.gpu_worker import event_of_pb, event_to_pb, request_to_pb
         (Sampling(max_new_tokens=4, min_tokens=5), "sampling.min_tokens"),
         (Sampling(logprobs=21), "sampling.logprobs"),
         (Sampling(logprobs=-1), "sampling.logprobs"),
+        (Sampling(constraint=Constraint(ConstraintKind.REGEX)), "sampling.constraint"),
+        (Sampling(constraint=Constraint(ConstraintKind.JSON_OBJECT, "{}")), "sampling.constraint"),
+        (Sampling(constraint=Constraint(ConstraintKind.JSON_SCHEMA, "[1]")), "sampling.constraint"),
+        (Sampling(constraint=Constraint(ConstraintKind.JSON_SCHEMA, "{")), "sampling.constraint"),
+        (Sampling(constraint=Constraint(ConstraintKind.REGEX, "a" * 65537)), "sampling.constraint"),
+        (Sampling(constraint=Constraint(ConstraintKind.CHOICE)), "sampling.constraint"),
+        (Sampling(constraint=Constraint(ConstraintKind.CHOICE, choices=("a", ""))), "sampling.constraint"),
+        (Sampling(constraint=Constraint(ConstraintKind.CHOICE, choices=("a",) * 257)), "sampling.constraint"),
+        (Sampling(constraint=Constraint(ConstraintKind.REGEX, "a", choices=("a",))), "sampling.constraint"),
+        (Sampling(min_tokens=1, constraint=Constraint(ConstraintKind.JSON_OBJECT)), "sampling.min_tokens"),
+        (Sampling(ignore_eos=True, constraint=Constraint(ConstraintKind.JSON_OBJECT)), "sampling.ignore_eos"),
     ],
 )
 def test_validate_names_the_field(sampling, field):
@@ -116,6 +129,17 @@ def test_every_field_round_trips():
     ).validate()
     assert Sampling.from_pb(gen_pb.SamplingParams.FromString(s.to_pb().SerializeToString())) == s
     assert not s.plain and Sampling(top_k=3, temperature=1.0).plain, "only logit changes make a row non-plain"
+    for c in (
+        Constraint(ConstraintKind.JSON_SCHEMA, '{"type": "object"}'),
+        Constraint(ConstraintKind.JSON_OBJECT),
+        Constraint(ConstraintKind.REGEX, "[a-z]+"),
+        Constraint(ConstraintKind.CHOICE, choices=("a", "b ☃")),
+        Constraint(ConstraintKind.GRAMMAR, 'start: "x"'),
+    ):
+        sc = Sampling(constraint=c).validate()
+        assert Sampling.from_pb(gen_pb.SamplingParams.FromString(sc.to_pb().SerializeToString())) == sc
+        assert not sc.plain, "a constrained row is masked"
+    assert Sampling.from_pb(Sampling().to_pb()).constraint is None
     with pytest.raises(GenerationError, match="vocabulary size 50"):
         s.check_vocab(50)
     assert s.check_vocab(71) is s
