@@ -336,6 +336,7 @@ class Request:
     request_id: str = ""  # the caller's id, echoed in traces and logs
     deadline: float | None = None  # time.monotonic() by which it must end; None: the server's timeout
     templated: bool = False  # a rendered chat template: the tokenizer adds no special tokens (BOS) of its own
+    priority: int = 0  # lower first, FIFO within a value (vLLM's); orders admission and preemption
 
     def validate(self) -> Request:
         """self, or GenerationError naming the field (the prompt's limits are each service's)."""
@@ -348,8 +349,8 @@ class Request:
 
     @classmethod
     def from_pb(cls, m, deadline: float | None = None) -> Request:
-        """From a router's or a worker's GenerateRequest (the same four fields); not validated."""
-        return cls(m.model_id, m.prompt, Sampling.from_pb(m.sampling), m.request_id, deadline, m.templated)
+        """From a router's or a worker's GenerateRequest (the same fields); not validated."""
+        return cls(m.model_id, m.prompt, Sampling.from_pb(m.sampling), m.request_id, deadline, m.templated, m.priority)
 
 
 # -- events ----------------------------------------------------------------------------------------------

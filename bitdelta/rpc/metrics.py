@@ -138,7 +138,7 @@ class GatewayMetrics(ServiceMetrics):
 class WorkerMetrics(ServiceMetrics):
     def __init__(self, worker_state: Callable[[], Mapping[str, float]]):
         """`worker_state()` -> {resident_deltas, delta_used_bytes, delta_budget_bytes, loads, evictions,
-        kv_blocks_used, kv_blocks_total, running, waiting, prefill_tokens}."""
+        kv_blocks_used, kv_blocks_total, running, waiting, prefill_tokens, preemptions}."""
         super().__init__()
         self.requests = self.counter(
             "bitdelta_worker_requests_total",
@@ -174,6 +174,12 @@ class WorkerMetrics(ServiceMetrics):
                 "bitdelta_worker_prefill_tokens_total",
                 "prefill_tokens",
                 "prompt tokens put through the model (the choices of one request share one prefill)",
+            ),
+            (
+                "counter",
+                "bitdelta_worker_preemptions_total",
+                "preemptions",
+                "sequences preempted for KV blocks or a better priority (freed, recomputed later)",
             ),
         ]:
             self.readings.add(

@@ -152,6 +152,7 @@ class _Generation(Response):
             sampling=r.sampling.to_pb(),
             request_id=r.id,
             templated=r.kind == "chat",
+            priority=r.priority,
         )
         stream = self.router.generate_request(request, timeout_s=self.timeout_s, metadata=self.metadata)
         try:

@@ -131,7 +131,14 @@ FIELDS: tuple[Field, ...] = (
     Field("structural_tag", None, REF, "vLLM", STRUCTURED),
     Field("logits_processors", REF, REF, "vLLM", "no code from requests"),
     Field("return_tokens_as_token_ids", REF, REF, "vLLM", "not served", off=(False,)),
-    Field("priority", REF, REF, "vLLM", "one FIFO per variant", off=(0,)),
+    Field(
+        "priority",
+        HON,
+        HON,
+        "vLLM",
+        "an integer, lower first, FIFO within one value (0 by default): orders the router's queue and each "
+        "worker's admission; a worse one running is preempted (recomputed later) for a better one waiting",
+    ),
     Field("request_id", IGN, IGN, "vLLM", "the gateway makes its own"),
     Field("cache_salt", IGN, IGN, "vLLM", "no prefix cache is shared"),
     Field("kv_transfer_params", REF, REF, "vLLM", "not served"),

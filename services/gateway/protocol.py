@@ -106,6 +106,7 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False  # completions: the prompt before each choice's text (and its logprobs)
+    priority: int = 0  # vLLM's: lower first, FIFO within one value
     id: str = ""
     created: int = 0
 
@@ -208,6 +209,7 @@ def _common(body: Any, kind: str) -> Request:
         sampling=sampling,
         stream=stream,
         include_usage=include_usage,
+        priority=_integer(body, "priority", -(2**31), 2**31 - 1) or 0,
         id=("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex,
         created=int(time.time()),
     )

@@ -157,9 +157,10 @@ class Engine:
             start = self.runner.args.rope.step_start(s.computed, w.n_tokens)
             toks = s.tokens[start : s.computed + w.n_tokens]
             first = None
-            if seq.sampler.sampling.prompt_logprobs is not None and s.computed < len(s.prompt):
-                first = s.computed - start  # the new tokens' rows each predict the next prompt token
-                echoed.append((seq, s.computed, w.n_tokens - int(w.samples)))
+            lo = max(s.computed, len(seq.prompt_lps))  # rows echoed before a preemption: not again
+            if seq.sampler.sampling.prompt_logprobs is not None and not s.output and lo < s.computed + w.n_tokens:
+                first = lo - start  # the new tokens' rows each predict the next prompt token
+                echoed.append((seq, lo, s.computed + w.n_tokens - int(w.samples) - lo))
             batch.append(SeqWork(toks, start, s.slot, s.blocks, w.samples, first))
             self.prefill_tokens += max(0, min(w.n_tokens, len(s.prompt) - s.computed))
         logits = self.runner.forward(batch)  # [R, vocab] fp32, rows of the sampling sequences in order

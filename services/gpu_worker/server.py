@@ -111,6 +111,7 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
             draining=self.worker.draining,
             ready=self.worker.ready,
             loads_started=self.worker.manager.loads_started if self.worker.manager is not None else 0,
+            preemptions=s.preemptions,
         )
 
 
@@ -174,6 +175,7 @@ def worker_metrics(worker: Worker) -> WorkerMetrics:
                     "running",
                     "waiting",
                     "prefill_tokens",
+                    "preemptions",
                 ),
                 0,
             ) | {"delta_budget_bytes": worker.config.delta_budget}
@@ -189,6 +191,7 @@ def worker_metrics(worker: Worker) -> WorkerMetrics:
             "running": worker.engine.running,
             "waiting": worker.engine.waiting,
             "prefill_tokens": worker.engine.prefill_tokens,
+            "preemptions": worker.scheduler.preemptions,
         }
 
     return WorkerMetrics(state)

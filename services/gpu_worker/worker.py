@@ -53,6 +53,7 @@ class WorkerStatus:
     waiting: int
     kv_tokens_used: int
     kv_tokens_total: int
+    preemptions: int = 0  # sequences whose KV blocks were taken back (recomputed later)
 
 
 class Worker:
@@ -229,7 +230,7 @@ class Worker:
             raise InvalidArgument(
                 f"sampling.n: {sp.n} choices; this worker runs at most {self.scheduler.max_running} sequences"
             )
-        states = [SeqState(next(self._ids), ids, max_new, -1) for _ in range(sp.n)]
+        states = [SeqState(next(self._ids), ids, max_new, -1, priority=p.priority) for _ in range(sp.n)]
         states[0].forks = sp.n - 1
         if self.scheduler.blocks_needed(states[0]) > self.scheduler.allocator.n_blocks:
             # no amount of waiting makes it fit: INVALID_ARGUMENT, not RESOURCE_EXHAUSTED (retried forever)
@@ -353,6 +354,7 @@ class Worker:
             self.engine.waiting,
             self.scheduler.used_tokens(),
             self.scheduler.capacity_tokens(),
+            self.scheduler.preemptions,
         )
 
 

@@ -5,8 +5,9 @@
         ...   # TokenEvent: the worker's, timed from the router; the first says where and how long
 
 Admission. A request runs on a worker with room (`max_in_flight_per_worker`); when every
-candidate is full it waits in a bounded FIFO (`admission.Admission`: per variant and in total); beyond
-those bounds it gets RESOURCE_EXHAUSTED at once. While anyone waits, newcomers queue behind them.
+candidate is full it waits in a bounded queue (`admission.Admission`: per variant and in total; by the
+request's priority, lower first, then FIFO); beyond those bounds it gets RESOURCE_EXHAUSTED at once.
+While anyone waits, newcomers queue behind them. The priority travels on to the worker.
 
 Placement (`placement.choose_worker`) keeps a variant on the workers that already hold it, so
 concurrent requests share one resident delta and one load. A request that fails with a
@@ -117,7 +118,7 @@ class Router:
         try:
             while True:
                 with telemetry.tracer().start_as_current_span("router.placement") as span:
-                    address, arrival = await self._place(variant, tried, deadline)
+                    address, arrival = await self._place(variant, tried, deadline, p.priority)
                     span.set_attributes({"worker": address, "arrival_state": arrival.value, "retry": bool(tried)})
                 queue_ms = (time.monotonic() - t0) * 1e3
                 w = self.pool.workers[address]
@@ -173,14 +174,16 @@ class Router:
             shown = "the base" if is_base else f"model {clip(model_id)}"
             raise PermissionDenied(f"token {who.name!r} may not use {shown}; it may use {who.shown_variants()}")
 
-    async def _place(self, variant: Variant, exclude: list[str], deadline: float) -> tuple[str, ArrivalState]:
+    async def _place(
+        self, variant: Variant, exclude: list[str], deadline: float, priority: int = 0
+    ) -> tuple[str, ArrivalState]:
         """A worker with room for `variant` (acquired), waiting in the admission queue if all are full."""
         if not len(self.admission):  # FIFO: while anyone waits, newcomers queue behind them
             placed = self._try_place(variant, exclude)
             if placed is not None:
                 return placed
         self._check_any_up(variant, exclude)
-        ticket = self.admission.join(variant.model_id, clip(variant.model_id))
+        ticket = self.admission.join(variant.model_id, clip(variant.model_id), priority)
         queued = telemetry.tracer().start_span(
             "router.admission_queue", attributes={"queue_depth": len(self.admission)}
         )

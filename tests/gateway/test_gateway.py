@@ -478,6 +478,8 @@ async def test_stop_token_ids_and_include_stop_str(clients):
         ({"min_tokens": 20}, "min_tokens"),  # more than max_tokens
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"priority": 1.5}, "priority"),
+        ({"priority": 2**31}, "priority"),
     ],
 )
 async def test_bad_sampling_fields_are_400_naming_the_field(cluster, extra, param):
@@ -672,6 +674,14 @@ async def test_tokenize_and_detokenize_in_vllms_shapes(clients, cluster, family)
         http, cluster.g_plain, "POST", "/tokenize", json.dumps({"model": "v0", "prompt": "x"}).encode()
     )
     assert got == 400 and err["error"]["code"] == "tokenizer_missing"
+
+
+async def test_priority_is_parsed_for_the_router():
+    from services.gateway.protocol import parse_chat, parse_completion
+
+    assert parse_completion({"model": "v0", "prompt": "x", "priority": -4}, 8).priority == -4
+    assert parse_chat({"model": "v0", "messages": [{"role": "user", "content": "x"}], "priority": 9}).priority == 9
+    assert parse_completion({"model": "v0", "prompt": "x"}, 8).priority == 0
 
 
 async def test_harmless_fields_are_ignored_and_off_values_pass(clients):

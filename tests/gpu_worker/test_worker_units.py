@@ -12,15 +12,16 @@ import torch
 from services.gpu_worker.scheduler import BlockAllocator, Scheduler, SeqState
 
 
-def test_scheduler_reserves_whole_sequences_and_fifo_waits():
+def test_scheduler_takes_blocks_as_sequences_grow_and_fifo_waits():
     s = Scheduler(BlockAllocator(6), block_size=4, max_running=8, max_batch_tokens=100)
-    a, b, c = SeqState(1, [1] * 5, 7, -1), SeqState(2, [2] * 3, 1, 0), SeqState(3, [3] * 2, 2, 1)
+    a, b, c = SeqState(1, [1] * 5, 7, -1), SeqState(2, [2] * 4, 1, 0), SeqState(3, [3] * 2, 2, 1)
     for x in (a, b, c):
         s.add(x)
     first = s.schedule()
-    # a needs 3 blocks, b 1, c 1: all fit; prefill chunks are whole prompts
-    assert [(w.seq.seq_id, w.n_tokens, w.samples) for w in first] == [(1, 5, True), (2, 3, True), (3, 2, True)]
-    big = SeqState(4, [4] * 4, 8, -1)  # needs 3 blocks, 1 is free: waits
+    # the prompts' blocks only (a 2, b 1, c 1), not prompt + max_new; chunks are whole prompts
+    assert [(w.seq.seq_id, w.n_tokens, w.samples) for w in first] == [(1, 5, True), (2, 4, True), (3, 2, True)]
+    assert [len(x.blocks) for x in (a, b, c)] == [2, 1, 1] and s.allocator.n_free == 2
+    big = SeqState(4, [4] * 12, 1, -1)  # needs 3 blocks, 2 are free: waits
     small = SeqState(5, [5], 1, -1)  # would fit, but may not overtake the head of the queue
     s.add(big)
     s.add(small)
@@ -30,9 +31,11 @@ def test_scheduler_reserves_whole_sequences_and_fifo_waits():
     nxt = s.schedule()
     assert sorted(w.seq.seq_id for w in nxt) == [1, 2, 3] and all(w.n_tokens == 1 for w in nxt)
     assert list(s.waiting) == [big, small]
-    s.remove(1)  # a finishes: its 3 blocks return
-    assert s.allocator.n_free == 4
-    assert [w.seq.seq_id for w in s.schedule() if w.seq.seq_id > 3] == [4, 5]
+    assert [len(x.blocks) for x in (a, b, c)] == [2, 2, 1], "b's 4th token crossed into a block of its own"
+    s.remove(1)  # a finishes: its 2 blocks return
+    assert s.allocator.n_free == 3
+    assert [w.seq.seq_id for w in s.schedule() if w.seq.seq_id > 3] == [4]
+    assert list(s.waiting) == [small] and s.preemptions == 0
     assert s.used_tokens() <= s.capacity_tokens()
 
 

@@ -64,6 +64,31 @@ async def test_admission_bounds_and_fifo():
     q.join("x", "'x'")  # room again
 
 
+async def test_admission_serves_better_priorities_first_then_fifo():
+    q = Admission(max_total=8, max_per_variant=8)
+    tickets = [(q.join("v", "'v'", priority=p), p) for p in (2, 0, 2, -1, 0)]
+    order = []
+
+    async def waiter(t):
+        await q.wait(t)
+        order.append(t)
+        q.leave(t)
+
+    tasks = [asyncio.create_task(waiter(t)) for t, _ in tickets]
+    await asyncio.sleep(0)
+    q.wake_all()
+    await asyncio.gather(*tasks)
+    assert order == [t for t, _ in sorted(tickets, key=lambda tp: (tp[1], tp[0]))]
+
+
+def test_the_priority_travels_to_the_worker():
+    from bitdelta.generation import Request
+    from bitdelta.rpc.wire.gpu_worker import request_to_pb
+
+    req = Request("v", "hi", priority=-3)
+    assert Request.from_pb(request_to_pb(req)).priority == -3
+
+
 def test_router_config():
     c = RouterConfig.from_args(["--workers", "127.0.0.1:1,127.0.0.1:2", "--delta-store", "127.0.0.1:3"], env={})
     assert c.workers == ("127.0.0.1:1", "127.0.0.1:2") and c.max_queue == 256

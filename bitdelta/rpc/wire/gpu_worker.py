@@ -45,4 +45,5 @@ def request_to_pb(req: Request) -> pb.GenerateRequest:
         sampling=req.sampling.to_pb(),
         request_id=req.request_id,
         templated=req.templated,
+        priority=req.priority,
     )
