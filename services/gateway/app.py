@@ -35,8 +35,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from bitdelta import grammar
 from bitdelta.common.v1 import generation_pb2 as gen_pb
-from bitdelta.generation import FinishReason
+from bitdelta.generation import FinishReason, GenerationError
 from bitdelta.router.v1 import router_pb2 as pb
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.metrics import GatewayMetrics
@@ -401,9 +402,20 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
             code="model_not_found",
         )
 
+    async def check_constraint(req: api.Request) -> None:
+        """400 at once for a constraint that does not compile (bitdelta.grammar.check: on a thread,
+        cached per constraint), before anything reaches the router."""
+        c = req.sampling.constraint
+        if c is not None:
+            try:
+                await anyio.to_thread.run_sync(grammar.check, c)
+            except GenerationError as e:
+                raise api.constraint_error(req, e) from None
+
     async def completions(request: HttpRequest) -> Response:
         req = api.parse_completion(await read_json(request), config.completion_default_max_tokens)
         request.state.model = req.model  # the metrics' label (_Measured)
+        await check_constraint(req)
         return _Generation(state["router"], req, metadata(request), config.request_timeout_s)
 
     async def chat_completions(request: HttpRequest) -> Response:
@@ -413,6 +425,7 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
             req.prompt = templates.for_model(req.model).render(req.messages)
         except ChatTemplateError as e:
             raise api.invalid("messages", str(e), code="chat_template_error") from None
+        await check_constraint(req)
         return _Generation(state["router"], req, metadata(request), config.request_timeout_s)
 
     tokens = Tokens(config.tokenizer) if config.tokenizer is not None else None

@@ -37,7 +37,8 @@ class Field:
 
 
 LATER = "not yet served"
-STRUCTURED = "structured output and tools: not yet served"
+STRUCTURED = "tools: not yet served"
+GUIDED = "the output constrained by its grammar (docs/structured-output.md); one constraint per request"
 RAW = "from the model's raw logits (before penalties, bias, masks, temperature: vLLM's raw_logprobs)"
 FIELDS: tuple[Field, ...] = (
     # -- OpenAI's --------------------------------------------------------------------------------------
@@ -75,7 +76,14 @@ FIELDS: tuple[Field, ...] = (
     Field("logit_bias", HON, HON, "OpenAI", "token id (a string) → bias, -100 to 100, added to the raw logits"),
     Field("presence_penalty", HON, HON, "OpenAI", "-2 to 2, minus this for every token the output holds"),
     Field("frequency_penalty", HON, HON, "OpenAI", "-2 to 2, minus this times the token's count in the output"),
-    Field("response_format", REF, REF, "OpenAI", STRUCTURED, off=({"type": "text"},)),
+    Field(
+        "response_format",
+        HON,
+        HON,
+        "OpenAI",
+        "`text`, `json_object`, `json_schema` {name, schema, strict}: enforced by a grammar, strict or not"
+        " (docs/structured-output.md)",
+    ),
     Field("tools", None, REF, "OpenAI", STRUCTURED, off=([],)),
     Field("tool_choice", None, REF, "OpenAI", STRUCTURED, off=("none",)),
     Field("parallel_tool_calls", None, REF, "OpenAI", STRUCTURED),
@@ -122,12 +130,19 @@ FIELDS: tuple[Field, ...] = (
     Field("chat_template_kwargs", None, REF, "vLLM", "not served"),
     Field("documents", None, REF, "vLLM", "not served"),
     Field("mm_processor_kwargs", None, REF, "vLLM", "text only"),
-    Field("guided_json", REF, REF, "vLLM", STRUCTURED),
-    Field("guided_regex", REF, REF, "vLLM", STRUCTURED),
-    Field("guided_choice", REF, REF, "vLLM", STRUCTURED),
-    Field("guided_grammar", REF, REF, "vLLM", STRUCTURED),
-    Field("guided_decoding_backend", REF, REF, "vLLM", STRUCTURED),
-    Field("guided_whitespace_pattern", REF, REF, "vLLM", STRUCTURED),
+    Field("guided_json", HON, HON, "vLLM", "a JSON schema (an object or its JSON text): " + GUIDED),
+    Field("guided_regex", HON, HON, "vLLM", "the whole output matches it: " + GUIDED),
+    Field("guided_choice", HON, HON, "vLLM", "the output is one of these strings: " + GUIDED),
+    Field("guided_grammar", HON, HON, "vLLM", "Lark (llguidance's) or GBNF (with `::=`): " + GUIDED),
+    Field(
+        "structured_outputs",
+        HON,
+        HON,
+        "vLLM",
+        "one of `json`, `regex`, `choice`, `grammar`, `json_object: true` (as the guided_* fields)",
+    ),
+    Field("guided_decoding_backend", IGN, IGN, "vLLM", "one backend: llguidance"),
+    Field("guided_whitespace_pattern", REF, REF, "vLLM", "JSON's layout is fixed (docs/structured-output.md)"),
     Field("structural_tag", None, REF, "vLLM", STRUCTURED),
     Field("logits_processors", REF, REF, "vLLM", "no code from requests"),
     Field("return_tokens_as_token_ids", REF, REF, "vLLM", "not served", off=(False,)),

@@ -8,6 +8,7 @@ write OpenAI's objects, and `error_of_rpc` maps a router status to an HTTP error
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import time
@@ -18,7 +19,15 @@ from typing import Any
 import grpc
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb
-from bitdelta.generation import MAX_LOGPROBS, MAX_N, FinishReason, GenerationError, Sampling
+from bitdelta.generation import (
+    MAX_LOGPROBS,
+    MAX_N,
+    Constraint,
+    ConstraintKind,
+    FinishReason,
+    GenerationError,
+    Sampling,
+)
 from services.gateway import fields
 
 MAX_STOP = 4  # OpenAI's limit on `stop` strings
@@ -107,6 +116,7 @@ class Request:
     include_usage: bool = False
     echo: bool = False  # completions: the prompt before each choice's text (and its logprobs)
     priority: int = 0  # vLLM's: lower first, FIFO within one value
+    constraint_param: str | None = None  # the field sampling.constraint came from (errors name it)
     id: str = ""
     created: int = 0
 
@@ -195,7 +205,9 @@ def _common(body: Any, kind: str) -> Request:
         )
     if include_usage and not stream:
         raise invalid("stream_options", "stream_options is only allowed with stream: true")
+    constraint, constraint_param = parse_constraint(body)
     sampling = Sampling(
+        constraint=constraint,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         stop=stops,
@@ -207,6 +219,7 @@ def _common(body: Any, kind: str) -> Request:
         kind=kind,
         model=model,
         sampling=sampling,
+        constraint_param=constraint_param,
         stream=stream,
         include_usage=include_usage,
         priority=_integer(body, "priority", -(2**31), 2**31 - 1) or 0,
@@ -265,13 +278,124 @@ def _vllm_sampling(body: dict) -> dict:
     }
 
 
+def _schema_text(param: str, schema: Any) -> str:
+    """A JSON schema given as an object (or, as vLLM takes it, as JSON text) -> its JSON text."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise invalid(param, f"{param}: the schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise invalid(param, f"{param}: the schema must be a JSON object")
+    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+
+
+def _response_format(v: Any) -> Constraint | None:
+    """OpenAI's response_format: text, json_object, or json_schema {name, schema, strict, description}."""
+    p = "response_format"
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind == "text" and set(v) == {"type"}:
+        return None
+    if kind == "json_object" and set(v) == {"type"}:
+        return Constraint(ConstraintKind.JSON_OBJECT)
+    if kind == "json_schema" and set(v) == {"type", "json_schema"}:
+        js = v["json_schema"]
+        if not isinstance(js, dict) or set(js) - {"name", "schema", "strict", "description"}:
+            raise invalid(p, "response_format.json_schema must be an object of name, schema, strict and description")
+        name = js.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+            raise invalid(p, "response_format.json_schema.name must be 1-64 letters, digits, '_' or '-'")
+        if not isinstance(js.get("strict", False), (bool, type(None))):
+            raise invalid(p, "response_format.json_schema.strict must be true or false")
+        if "schema" not in js:
+            raise invalid(p, "response_format.json_schema.schema: the JSON schema is missing")
+        return Constraint(ConstraintKind.JSON_SCHEMA, _schema_text("response_format.json_schema.schema", js["schema"]))
+    raise invalid(
+        p,
+        "response_format must be {type: text}, {type: json_object} or {type: json_schema, json_schema: {name, schema}}",
+    )
+
+
+def _string(param: str, v: Any) -> str:
+    if not isinstance(v, str) or not v:
+        raise invalid(param, f"{param} must be a non-empty string")
+    return v
+
+
+def _choices(param: str, v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or not v or not all(isinstance(c, str) for c in v):
+        raise invalid(param, f"{param} must be a non-empty list of strings")
+    return tuple(v)
+
+
+# vLLM's guided_* fields and the keys of its structured_outputs (the same meanings)
+_GUIDED = {
+    "json": lambda p, v: Constraint(ConstraintKind.JSON_SCHEMA, _schema_text(p, v)),
+    "regex": lambda p, v: Constraint(ConstraintKind.REGEX, _string(p, v)),
+    "choice": lambda p, v: Constraint(ConstraintKind.CHOICE, choices=_choices(p, v)),
+    "grammar": lambda p, v: Constraint(ConstraintKind.GRAMMAR, _string(p, v)),
+}
+
+
+def _structured_outputs(v: Any) -> Constraint:
+    p = "structured_outputs"
+    if not isinstance(v, dict):
+        raise invalid(p, "structured_outputs must be an object with one of json, regex, choice, grammar, json_object")
+    given = {k: x for k, x in v.items() if x is not None and x is not False}
+    extra = set(given) - {*_GUIDED, "json_object"}
+    if extra:
+        raise invalid(
+            p,
+            f"structured_outputs: {sorted(extra)} not supported (one of json, regex, choice, grammar, json_object)"[
+                :200
+            ],
+            code="unsupported_parameter",
+        )
+    if len(given) != 1:
+        raise invalid(p, "structured_outputs must give exactly one of json, regex, choice, grammar, json_object")
+    ((k, x),) = given.items()
+    if k == "json_object":
+        if x is not True:
+            raise invalid(p, "structured_outputs.json_object must be true")
+        return Constraint(ConstraintKind.JSON_OBJECT)
+    return _GUIDED[k](f"{p}.{k}", x)
+
+
+def parse_constraint(body: dict) -> tuple[Constraint | None, str | None]:
+    """The output's constraint from response_format, guided_json/_regex/_choice/_grammar or
+    structured_outputs (at most one of them), and the field it came from."""
+    found = []
+    if body.get("response_format") is not None:
+        found.append(("response_format", _response_format(body["response_format"])))
+    for k, make in _GUIDED.items():
+        if body.get(f"guided_{k}") is not None:
+            found.append((f"guided_{k}", make(f"guided_{k}", body[f"guided_{k}"])))
+    if body.get("structured_outputs") is not None:
+        found.append(("structured_outputs", _structured_outputs(body["structured_outputs"])))
+    found = [(p, c) for p, c in found if c is not None]
+    if len(found) > 1:
+        names = ", ".join(p for p, _ in found)
+        raise invalid(found[1][0], f"one structured-output constraint per request: got {names}")
+    return found[0][1] if found else None, found[0][0] if found else None
+
+
 def _with_max_tokens(r: Request, max_tokens: int) -> Request:
     r.sampling = dataclasses.replace(r.sampling, max_new_tokens=max_tokens)
     try:
         r.sampling.validate()
     except GenerationError as e:
-        raise invalid(param_of(e.field), str(e).removeprefix("sampling.")) from None
+        raise (
+            constraint_error(r, e)
+            if e.field == "sampling.constraint"
+            else invalid(param_of(e.field), str(e).removeprefix("sampling."))
+        ) from None
     return r
+
+
+def constraint_error(r: Request, e: GenerationError) -> ApiError:
+    """A constraint that does not compile, as 400 naming the request's field it came from."""
+    message = str(e).removeprefix("sampling.constraint: ")
+    return invalid(r.constraint_param, f"{r.constraint_param}: {message}", code="invalid_constraint")
 
 
 def parse_completion(body: Any, default_max_tokens: int) -> Request:

@@ -345,10 +345,10 @@ async def test_chat_template_loading(tmp_path):
         ("/v1/completions", {"model": "v0", "prompt": "hi", "top_p": 0}, 400, "top_p", "greater than 0"),
         (
             "/v1/chat/completions",
-            {"model": "v0", "messages": CHAT, "response_format": {"type": "json_object"}},
+            {"model": "v0", "messages": CHAT, "response_format": {"type": "json_schema"}},
             400,
             "response_format",
-            "structured output",
+            "json_schema: {name, schema}",
         ),
         ("/v1/chat/completions", {"model": "v0", "messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools", ""),
         ("/v1/completions", {"model": "v0", "prompt": "hi", "frobnicate": 1}, 400, "frobnicate", "not supported"),
