@@ -324,6 +324,7 @@ class Sampling:
 
 
 MAX_REQUEST_ID_CHARS = 128
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -337,6 +338,7 @@ class Request:
     deadline: float | None = None  # time.monotonic() by which it must end; None: the server's timeout
     templated: bool = False  # a rendered chat template: the tokenizer adds no special tokens (BOS) of its own
     priority: int = 0  # lower first, FIFO within a value (vLLM's); orders admission and preemption
+    cache_salt: str = ""  # vLLM's: only requests with the same salt share prefix-cached KV blocks
 
     def validate(self) -> Request:
         """self, or GenerationError naming the field (the prompt's limits are each service's)."""
@@ -344,13 +346,24 @@ class Request:
             check_model_id(self.model_id)
         if len(self.request_id) > MAX_REQUEST_ID_CHARS:
             raise GenerationError("request_id", f"{len(self.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+        if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise GenerationError("cache_salt", f"{len(self.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
         self.sampling.validate()
         return self
 
     @classmethod
     def from_pb(cls, m, deadline: float | None = None) -> Request:
         """From a router's or a worker's GenerateRequest (the same fields); not validated."""
-        return cls(m.model_id, m.prompt, Sampling.from_pb(m.sampling), m.request_id, deadline, m.templated, m.priority)
+        return cls(
+            m.model_id,
+            m.prompt,
+            Sampling.from_pb(m.sampling),
+            m.request_id,
+            deadline,
+            m.templated,
+            m.priority,
+            m.cache_salt,
+        )
 
 
 # -- events ----------------------------------------------------------------------------------------------

@@ -138,7 +138,8 @@ class GatewayMetrics(ServiceMetrics):
 class WorkerMetrics(ServiceMetrics):
     def __init__(self, worker_state: Callable[[], Mapping[str, float]]):
         """`worker_state()` -> {resident_deltas, delta_used_bytes, delta_budget_bytes, loads, evictions,
-        kv_blocks_used, kv_blocks_total, running, waiting, prefill_tokens, preemptions}."""
+        kv_blocks_used, kv_blocks_total, running, waiting, prefill_tokens, preemptions, prefix_cache_queries,
+        prefix_cache_hits}."""
         super().__init__()
         self.requests = self.counter(
             "bitdelta_worker_requests_total",
@@ -180,6 +181,18 @@ class WorkerMetrics(ServiceMetrics):
                 "bitdelta_worker_preemptions_total",
                 "preemptions",
                 "sequences preempted for KV blocks or a better priority (freed, recomputed later)",
+            ),
+            (
+                "counter",
+                "bitdelta_worker_prefix_cache_queries_total",
+                "prefix_cache_queries",
+                "tokens of admitted sequences looked up in the prefix cache",
+            ),
+            (
+                "counter",
+                "bitdelta_worker_prefix_cache_hits_total",
+                "prefix_cache_hits",
+                "tokens found in the prefix cache (their KV blocks shared, not computed again)",
             ),
         ]:
             self.readings.add(

@@ -154,6 +154,7 @@ class _Generation(Response):
             request_id=r.id,
             templated=r.kind == "chat",
             priority=r.priority,
+            cache_salt=r.cache_salt,
         )
         stream = self.router.generate_request(request, timeout_s=self.timeout_s, metadata=self.metadata)
         try:

@@ -155,7 +155,7 @@ FIELDS: tuple[Field, ...] = (
         "worker's admission; a worse one running is preempted (recomputed later) for a better one waiting",
     ),
     Field("request_id", IGN, IGN, "vLLM", "the gateway makes its own"),
-    Field("cache_salt", IGN, IGN, "vLLM", "no prefix cache is shared"),
+    Field("cache_salt", HON, HON, "vLLM", "a string: only requests with the same salt share prefix-cached KV blocks"),
     Field("kv_transfer_params", REF, REF, "vLLM", "not served"),
     Field("vllm_xargs", REF, REF, "vLLM", "not served"),
 )

@@ -20,6 +20,7 @@ import grpc
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.generation import (
+    MAX_CACHE_SALT_CHARS,
     MAX_LOGPROBS,
     MAX_N,
     Constraint,
@@ -117,6 +118,7 @@ class Request:
     echo: bool = False  # completions: the prompt before each choice's text (and its logprobs)
     priority: int = 0  # vLLM's: lower first, FIFO within one value
     constraint_param: str | None = None  # the field sampling.constraint came from (errors name it)
+    cache_salt: str = ""  # vLLM's: only requests with the same salt share prefix-cached KV blocks
     id: str = ""
     created: int = 0
 
@@ -166,6 +168,17 @@ def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise invalid(name, f"{name} must be an integer between {lo} and {hi}, got {str(v)[:40]}")
+    return v
+
+
+def _salt(body: dict) -> str:
+    v = body.get("cache_salt")
+    if v is None:
+        return ""
+    if not isinstance(v, str) or not v or len(v) > MAX_CACHE_SALT_CHARS:
+        raise invalid(
+            "cache_salt", f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters"
+        )
     return v
 
 
@@ -223,6 +236,7 @@ def _common(body: Any, kind: str) -> Request:
         stream=stream,
         include_usage=include_usage,
         priority=_integer(body, "priority", -(2**31), 2**31 - 1) or 0,
+        cache_salt=_salt(body),
         id=("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex,
         created=int(time.time()),
     )

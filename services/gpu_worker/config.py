@@ -40,6 +40,11 @@ class WorkerConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
     rate_half_life_s: float = setting(60.0, "half-life of the request-rate weighting, seconds")
     kv_cache: int = setting(256 << 20, "device bytes for the KV cache", parse=parse_bytes)
     block_size: int = setting(16, "tokens per KV block")
+    prefix_caching: bool = setting(
+        True,
+        "reuse the KV blocks of a cached prefix (same weights, same tokens, same cache salt); "
+        "off for a length-dependent rope (dynamic, LongRoPE)",
+    )
     max_running: int = setting(64, "sequences per batch")
     max_batch_tokens: int = setting(2048, "tokens per step (prefill chunks + decodes)")
     max_waiting: int = setting(1024, "queued sequences beyond which Generate is RESOURCE_EXHAUSTED")

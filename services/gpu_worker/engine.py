@@ -193,7 +193,7 @@ class Engine:
         t1 = time.perf_counter()
         self.steps += 1
         for w in work:
-            w.seq.computed += w.n_tokens
+            self.scheduler.advance(w.seq, w.n_tokens)
         for r, seq in enumerate(seqs):
             sid, tok = seq.state.seq_id, picks[r]
             if r in failed:

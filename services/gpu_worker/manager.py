@@ -73,6 +73,7 @@ class DeltaEntry:
     refs: int = 0  # sequences that use the slot
     error: str = ""
     transport: str = ""  # how the resident bytes arrived: file | stream | shared-memory
+    content: str = ""  # the resident bytes' identity (DeltaInfo.content_id): keys its prefix-cached KV
     task: asyncio.Task | None = None  # the load
     done: asyncio.Future | None = None  # the load's outcome for its waiters (None, or the error)
     aborted: bool = False  # evicted while loading: its slot returns once the load's reads have stopped
@@ -287,7 +288,7 @@ class DeltaManager:
             if extras.embed is not None or extras.head is not None:
                 self.slots.extras = {**self.slots.extras, e.slot: extras}  # copy-on-write for the engine
             e.state = DeltaState.RESIDENT
-            e.error, e.transport = "", info.transport
+            e.error, e.transport, e.content = "", info.transport, info.content_id
             _settle(e.done, None)
             log.info(
                 "delta %s resident in slot %d (%d bytes, %.1f ms, %s)",

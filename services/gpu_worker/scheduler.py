@@ -20,6 +20,14 @@ priority nothing is preempted for admission. The best running sequence can alway
 others, and the worker refuses a request whose one choice would not fit the whole pool, so the
 batch always makes progress.
 
+Prefix caching (`prefix_caching`): a block whose tokens are all computed enters the cache under a
+hash chain of its tokens and every token before it, rooted in the identity of the weights that
+computed its K/V (`cache_root`: the base's fingerprint, a variant's delta content, the request's
+cache salt), so a variant never reads the base's blocks nor a re-uploaded variant its old ones. An
+admitted sequence shares the cached blocks of its longest cached prefix (refcounted, read only: it
+writes only past them) and computes from there; its last token is always computed (its logits are
+needed). A cached block nobody holds stays free in LRU order until an allocation needs it.
+
 A request with n > 1 choices is one sequence until its prompt is in the cache; then `fork` starts
 the other choices on the same prompt blocks (refcounted: a block returns to the free list when its
 last holder leaves). The prompt's last, partly filled block is not shared: each choice has its own
@@ -30,40 +38,109 @@ takes those copies' blocks with the parent's; the rest each choice takes as it g
 from __future__ import annotations
 
 import bisect
+import hashlib
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
 class BlockAllocator:
-    """Free list of KV blocks (ids), each with a count of the sequences holding it."""
+    """KV blocks (ids), each with a count of the sequences holding it, and the prefix cache.
+
+    A full block whose K/V is computed can be registered under the hash of its contents
+    (`block_hashes`); a registered block nobody holds is free but keeps its contents, in LRU order
+    (least recently released first), until an allocation needs it: blocks that never held cached
+    contents go first. `lookup` finds the longest run of registered blocks for a chain of hashes;
+    `share` takes them (one more holder each).
+    """
 
     def __init__(self, n_blocks: int):
         self.n_blocks = n_blocks
-        self._free = list(range(n_blocks - 1, -1, -1))
+        self._free = list(range(n_blocks - 1, -1, -1))  # holding nothing worth keeping
         self._refs = [0] * n_blocks
+        self._hash: list[bytes | None] = [None] * n_blocks
+        self._by_hash: dict[bytes, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # free, registered blocks, oldest release first
 
     @property
     def n_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take (cached ones nobody holds included)."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def n_cached(self) -> int:
+        return len(self._by_hash)
+
+    def free_besides(self, blocks: list[int]) -> int:
+        """`n_free` once `blocks` (cached ones about to be shared) are taken."""
+        return self.n_free - sum(1 for b in blocks if self._refs[b] == 0)
 
     def allocate(self, n: int) -> list[int] | None:
-        if n > len(self._free):
+        if n > self.n_free:
             return None
-        out = [self._free.pop() for _ in range(n)]
-        for b in out:
+        out = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:  # the least recently released cached block loses its contents
+                b, _ = self._lru.popitem(last=False)
+                del self._by_hash[self._hash[b]]
+                self._hash[b] = None
             self._refs[b] = 1
+            out.append(b)
         return out
 
     def share(self, blocks: list[int]) -> None:
-        """One more holder of each of `blocks` (a forked sequence)."""
+        """One more holder of each of `blocks` (a forked sequence, a prefix-cache hit)."""
         for b in blocks:
+            if self._refs[b] == 0:
+                del self._lru[b]
             self._refs[b] += 1
 
     def free(self, blocks: list[int]) -> None:
-        """One holder fewer of each; a block nobody holds returns to the free list."""
+        """One holder fewer of each; a block nobody holds is free (keeping its cached contents)."""
         for b in reversed(blocks):
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free.append(b)
+                if self._hash[b] is None:
+                    self._free.append(b)
+                else:
+                    self._lru[b] = None
+
+    def register(self, block: int, h: bytes) -> None:
+        """`block` (held, full, computed) holds the contents hashed `h`. Contents another block
+        already holds (two sequences prefilled the same prefix at once) stay that block's."""
+        if self._hash[block] is None and h not in self._by_hash:
+            self._hash[block] = h
+            self._by_hash[h] = block
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The registered blocks of the longest prefix of `hashes`."""
+        out = []
+        for h in hashes:
+            b = self._by_hash.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+
+def cache_root(weights: str, salt: str = "") -> bytes:
+    """The start of a sequence's block-hash chain: the identity of the weights that compute its
+    K/V (the base's fingerprint, and the variant's delta content) and the request's cache salt."""
+    return hashlib.blake2b(f"kv\0{weights}\0{salt}".encode(), digest_size=16).digest()
+
+
+def block_hashes(root: bytes, tokens: list[int], block_size: int, have: list[bytes], n_full: int) -> list[bytes]:
+    """`have` (the chain's first hashes) extended to `n_full` blocks of `tokens`: each block's hash
+    covers the one before it, so equal hashes mean equal weights and equal tokens up to there."""
+    out = list(have)
+    prev = out[-1] if out else root
+    for i in range(len(out), n_full):
+        chunk = array("I", tokens[i * block_size : (i + 1) * block_size]).tobytes()
+        prev = hashlib.blake2b(prev + chunk, digest_size=16).digest()
+        out.append(prev)
+    return out
 
 
 @dataclass
@@ -81,6 +158,10 @@ class SeqState:
     reserved: list[int] = field(default_factory=list)  # the forks' copies of the partial prompt block
     priority: int = 0  # lower first (vLLM's rule)
     preemptions: int = 0  # times its blocks were taken back (it was recomputed after each)
+    cache_root: bytes | None = None  # its blocks' hash chain starts here (cache_root()); None: not cached
+    reuse: bool = True  # may start from cached blocks (not when each prompt row's logits are wanted)
+    hashes: list[bytes] = field(default_factory=list)  # of its first full blocks (cache_root's chain)
+    registered: int = 0  # its first blocks that are in the prefix cache (or were found there)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -112,12 +193,22 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_running: int, max_batch_tokens: int):
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        max_running: int,
+        max_batch_tokens: int,
+        prefix_caching: bool = False,
+    ):
         self.allocator, self.block_size = allocator, block_size
         self.max_running, self.max_batch_tokens = max_running, max_batch_tokens
+        self.prefix_caching = prefix_caching
         self.waiting: list[SeqState] = []  # sorted by SeqState.key
         self.running: list[SeqState] = []
         self.preemptions = 0  # sequences preempted so far (Status, metrics)
+        self.prefix_queries = 0  # tokens of admitted sequences looked up in the prefix cache
+        self.prefix_hits = 0  # of them, tokens found (their K/V not computed again)
 
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
@@ -181,10 +272,40 @@ class Scheduler:
         """Take `s`'s blocks back and queue it again, to be recomputed (its output stays)."""
         self.running.remove(s)
         self._release(s)
-        s.computed = 0
+        s.computed = s.registered = 0
         s.preemptions += 1
         self.preemptions += 1
         self.add(s)
+
+    def advance(self, s: SeqState, n_tokens: int) -> None:
+        """A step computed `n_tokens` more of `s`'s K/V: its blocks that are full now enter the
+        prefix cache."""
+        s.computed += n_tokens
+        if not self.prefix_caching or s.cache_root is None:
+            return
+        full = s.computed // self.block_size
+        if full > s.registered:
+            s.hashes = block_hashes(s.cache_root, s.tokens, self.block_size, s.hashes, full)
+            for i in range(s.registered, full):
+                self.allocator.register(s.blocks[i], s.hashes[i])
+            s.registered = full
+
+    def _hits(self, s: SeqState) -> list[int]:
+        """Cached blocks `s` can start from: full blocks of its tokens but the last token's (whose
+        logits it needs)."""
+        if not self.prefix_caching or s.cache_root is None or not s.reuse:
+            return []
+        n = (len(s.tokens) - 1) // self.block_size
+        s.hashes = block_hashes(s.cache_root, s.tokens, self.block_size, s.hashes[:n], n)
+        return self.allocator.lookup(s.hashes)
+
+    def _fits(self, s: SeqState, need: int) -> bool:
+        """`s` can be admitted now: a place in the batch for it and its forks, and `need` blocks
+        (its tokens' and its forks' copies) of which the cached prefix brings some."""
+        hits = self._hits(s)
+        return self.occupied() + 1 + s.forks <= self.max_running and need - len(hits) <= self.allocator.free_besides(
+            hits
+        )
 
     def _grow(self, s: SeqState, n_tokens: int, scheduled: dict[int, Scheduled]) -> bool:
         """Blocks for `s`'s first `n_tokens` tokens, preempting the last running sequences by key
@@ -213,20 +334,28 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0:
             s = self.waiting[0]
-            need = self.blocks_for(len(s.tokens)) + s.forks * self.fork_copies(len(s.prompt))
-            while self.occupied() + 1 + s.forks > self.max_running or need > self.allocator.n_free:
+            k = self.blocks_for(len(s.tokens))
+            need = k + s.forks * self.fork_copies(len(s.prompt))
+
+            while not self._fits(s, need):
                 worst = max(self.running, key=lambda r: r.key, default=None)
                 if worst is None or worst.priority <= s.priority:
                     break  # within a priority, nothing is preempted for admission
                 gone = out.pop(worst.seq_id, None)
                 budget += gone.n_tokens if gone is not None else 0
                 self.preempt(worst)
-            if self.occupied() + 1 + s.forks > self.max_running or need > self.allocator.n_free:
+            if not self._fits(s, need):
                 break  # waits; nothing behind it overtakes it
             del self.waiting[0]
-            blocks = self.allocator.allocate(need)
-            k = self.blocks_for(len(s.tokens))
+            hits = self._hits(s)
+            self.allocator.share(hits)
+            blocks = hits + self.allocator.allocate(need - len(hits))
             s.blocks, s.reserved = blocks[:k], blocks[k:]
+            s.computed = len(hits) * self.block_size
+            s.registered = len(hits)
+            if self.prefix_caching and s.cache_root is not None and s.reuse:
+                self.prefix_queries += len(s.tokens)
+                self.prefix_hits += s.computed
             self.running.append(s)
             n = min(s.pending, budget)
             out[s.seq_id] = Scheduled(s, n)

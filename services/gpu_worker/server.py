@@ -112,6 +112,8 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
             ready=self.worker.ready,
             loads_started=self.worker.manager.loads_started if self.worker.manager is not None else 0,
             preemptions=s.preemptions,
+            prefix_cache_queries=s.prefix_queries,
+            prefix_cache_hits=s.prefix_hits,
         )
 
 
@@ -176,6 +178,8 @@ def worker_metrics(worker: Worker) -> WorkerMetrics:
                     "waiting",
                     "prefill_tokens",
                     "preemptions",
+                    "prefix_cache_queries",
+                    "prefix_cache_hits",
                 ),
                 0,
             ) | {"delta_budget_bytes": worker.config.delta_budget}
@@ -192,6 +196,8 @@ def worker_metrics(worker: Worker) -> WorkerMetrics:
             "waiting": worker.engine.waiting,
             "prefill_tokens": worker.engine.prefill_tokens,
             "preemptions": worker.scheduler.preemptions,
+            "prefix_cache_queries": worker.scheduler.prefix_queries,
+            "prefix_cache_hits": worker.scheduler.prefix_hits,
         }
 
     return WorkerMetrics(state)

@@ -21,6 +21,7 @@ bytes.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,15 @@ class DeltaInfo:
     # The base it was made for (format v2); a v1 file: "" and the v1 layout (a Llama/Mistral base).
     architecture: str = ""
     layout: str = V1_LAYOUT
+
+    @property
+    def content_id(self) -> str:
+        """The delta's contents: a hash over every tensor's name and sha256 (what the receiver
+        verifies the bytes against), so a delta uploaded again with new contents has a new one."""
+        h = hashlib.sha256()
+        for t in sorted(self.tensors, key=lambda t: t.name):
+            h.update(f"{t.name}\0{t.sha256}\0".encode())
+        return h.hexdigest()
 
 
 class DeltaSource(Protocol):

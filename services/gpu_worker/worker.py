@@ -33,7 +33,7 @@ from services.gpu_worker.errors import InvalidArgument, ResourceExhausted, Unava
 from services.gpu_worker.manager import DeltaManager, DeltaState, SlotInfo
 from services.gpu_worker.runner import BaseWeights, KVPool, ModelRunner
 from services.gpu_worker.sampling import Sampler, TextStream
-from services.gpu_worker.scheduler import BlockAllocator, Scheduler, SeqState
+from services.gpu_worker.scheduler import BlockAllocator, Scheduler, SeqState, cache_root
 from services.gpu_worker.slots import SlotLayout, SlotTensors
 from services.gpu_worker.sources import DeltaStoreSource, LocalDeltaSource
 
@@ -54,6 +54,8 @@ class WorkerStatus:
     kv_tokens_used: int
     kv_tokens_total: int
     preemptions: int = 0  # sequences whose KV blocks were taken back (recomputed later)
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of them, found (not computed again)
 
 
 class Worker:
@@ -125,7 +127,14 @@ class Worker:
         self.runner = ModelRunner(
             self.base, self.args, self.slots, self.kv, use_fused=c.fused_single_variant, backend=self.kernel_backend
         )
-        self.scheduler = Scheduler(BlockAllocator(n_blocks), c.block_size, c.max_running, c.max_batch_tokens)
+        # A length-dependent rope (dynamic, LongRoPE) gives a token's K/V that depends on the sequence's
+        # length when it was computed (LongRoPE even recomputes them): its blocks are not reusable.
+        prefix = c.prefix_caching and not self.args.rope.length_dependent
+        if c.prefix_caching and not prefix:
+            log.info("prefix caching off: the %s rope's keys depend on the sequence's length", self.args.rope.kind)
+        self.scheduler = Scheduler(
+            BlockAllocator(n_blocks), c.block_size, c.max_running, c.max_batch_tokens, prefix_caching=prefix
+        )
         if c.delta_store:
             self.source = DeltaStoreSource(
                 c.delta_store,
@@ -255,15 +264,18 @@ class Worker:
                 with _load_span(name, arrival) as span:  # the store's Fetch joins this trace (cold loads)
                     slot = await self.manager.acquire(name)
                     held = 1
-                    entry = self.manager.entries.get(name)
-                    span.set_attribute("delta.bytes", entry.bytes if entry is not None else 0)
+                    entry = self.manager.entries[name]  # resident and held: its bytes are these
+                    span.set_attribute("delta.bytes", entry.bytes)
                 load_ms = (time.perf_counter() - t) * 1e3
                 while held < sp.n:  # resident now: every choice holds the slot until it leaves
                     await self.manager.acquire(name)
                     held += 1
+            weights = self.base_fingerprint if name is None else f"{self.base_fingerprint}/{entry.content}"
+            root = cache_root(weights, p.cache_salt)
             seqs = []
             for i, st in enumerate(states):
                 st.slot = slot
+                st.cache_root, st.reuse = root, sp.prompt_logprobs is None  # echo needs every prompt row
                 choice = dataclasses.replace(sp, seed=sp.choice_seed(i))
                 seqs.append(
                     Sequence(
@@ -355,6 +367,8 @@ class Worker:
             self.scheduler.used_tokens(),
             self.scheduler.capacity_tokens(),
             self.scheduler.preemptions,
+            self.scheduler.prefix_queries,
+            self.scheduler.prefix_hits,
         )
 
 

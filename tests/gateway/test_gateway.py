@@ -480,6 +480,8 @@ async def test_stop_token_ids_and_include_stop_str(clients):
         ({"ignore_eos": "yes"}, "ignore_eos"),
         ({"priority": 1.5}, "priority"),
         ({"priority": 2**31}, "priority"),
+        ({"cache_salt": 5}, "cache_salt"),
+        ({"cache_salt": "s" * 257}, "cache_salt"),
     ],
 )
 async def test_bad_sampling_fields_are_400_naming_the_field(cluster, extra, param):
@@ -676,12 +678,13 @@ async def test_tokenize_and_detokenize_in_vllms_shapes(clients, cluster, family)
     assert got == 400 and err["error"]["code"] == "tokenizer_missing"
 
 
-async def test_priority_is_parsed_for_the_router():
+async def test_priority_and_cache_salt_are_parsed_for_the_router():
     from services.gateway.protocol import parse_chat, parse_completion
 
     assert parse_completion({"model": "v0", "prompt": "x", "priority": -4}, 8).priority == -4
     assert parse_chat({"model": "v0", "messages": [{"role": "user", "content": "x"}], "priority": 9}).priority == 9
     assert parse_completion({"model": "v0", "prompt": "x"}, 8).priority == 0
+    assert parse_completion({"model": "v0", "prompt": "x", "cache_salt": "tenant-a"}, 8).cache_salt == "tenant-a"
 
 
 async def test_harmless_fields_are_ignored_and_off_values_pass(clients):

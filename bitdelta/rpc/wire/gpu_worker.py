@@ -46,4 +46,5 @@ def request_to_pb(req: Request) -> pb.GenerateRequest:
         request_id=req.request_id,
         templated=req.templated,
         priority=req.priority,
+        cache_salt=req.cache_salt,
     )
