@@ -565,13 +565,16 @@ async def test_logprobs_equal_transformers_raw_logits_in_openai_shapes(clients, 
         if ch.choices and ch.choices[0].logprobs
         for e in ch.choices[0].logprobs.content
     ]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert [e.token for e in streamed] == [e.token for e in content]  # logprobs: see the prefix cache below
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
     stream = await client.completions.create(
         model=base, prompt=prompt, max_tokens=N, temperature=0, logprobs=3, stream=True
     )
     chunks = [x async for x in stream]
     toks = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.token_logprobs]
-    assert toks == greedy_lp.token_logprobs
+    # the same request again: its prompt's KV comes from the prefix cache, so its logits are computed
+    # over other shapes than the first time's and may differ in the last bits (tokens do not)
+    assert toks == pytest.approx(greedy_lp.token_logprobs, abs=1e-5)
 
 
 async def test_echo_returns_the_prompt_and_its_logprobs_from_transformers_raw_logits(clients, family):
