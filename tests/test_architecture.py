@@ -196,6 +196,8 @@ ENV_READERS = {
     ("bitdelta/family/cli.py", "register"): "--threads' alias BITDELTA_THREADS",
     ("bitdelta/family/__init__.py", "data_dir"): "BITDELTA_DATA, the data directory (the CLI's --data default)",
     ("bitdelta/testing/cluster.py", "__init__"): "the environment it hands the server processes it starts",
+    ("services/gpu_worker/parallel.py", "from_env"): "torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*, once",
+    ("services/gpu_worker/parallel.py", "_spawn"): "the environment it hands the tensor-parallel ranks it starts",
 }
 
 

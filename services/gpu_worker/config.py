@@ -68,6 +68,15 @@ class WorkerConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
         "(same host, store run with --shared-memory-dir) instead of streaming them",
     )
 
+    tensor_parallel: int = setting(
+        1,
+        "ranks (one process per device) that hold one worker's base and deltas split Megatron-style; "
+        "the worker starts the other ranks itself, or runs under torchrun (docs/tensor-parallel.md)",
+    )
+    tp_timeout_s: float = setting(
+        30.0, "deadline of every collective between the ranks, seconds: a dead or hung rank stops the worker"
+    )
+
     def __post_init__(self):
         self.check()
 
@@ -106,5 +115,9 @@ class WorkerConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
         ):
             if getattr(self, name) < (0 if name == "delta_budget" else 1):
                 raise ConfigError(f"{self.flag_of(name)} must be positive, got {getattr(self, name)}")
+        if self.tensor_parallel < 1:
+            raise ConfigError(f"--tensor-parallel must be >= 1, got {self.tensor_parallel}")
+        if self.tp_timeout_s <= 0:
+            raise ConfigError(f"--tp-timeout-s must be positive, got {self.tp_timeout_s}")
         if self.max_slots < 0 or self.pin_hottest < 0:
             raise ConfigError("--max-slots and --pin-hottest must be >= 0")

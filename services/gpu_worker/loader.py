@@ -239,7 +239,7 @@ class SlotWriter:
         """Tensor `index` passed its checks: a staged one is copied (converted) to its place."""
         t, spec = self.targets[index], self.plan.placements[index].spec
         if t.staged and spec.nbytes:
-            src = t.host.view(DTYPES[spec.dtype]).reshape(spec.shape)
+            src = self.select(index, t.host.view(DTYPES[spec.dtype]).reshape(spec.shape))
             if self.cuda:
                 with torch.cuda.stream(self.stream):
                     staged = src.to(self.device, non_blocking=True)
@@ -247,6 +247,11 @@ class SlotWriter:
             else:
                 t.dest.copy_(src.to(t.dest.dtype).expand_as(t.dest))
             t.host = None  # staging freed as soon as it is copied
+
+    def select(self, index: int, src: torch.Tensor) -> torch.Tensor:
+        """The part of tensor `index` (as it arrived) that this slot holds: all of it here; a
+        tensor-parallel rank's slice in `parallel.ShardWriter`."""
+        return src
 
     async def finish(self) -> SlotExtras:
         """After the receiver finished: the copies to the device are done. Returns the slot's extras."""

@@ -102,12 +102,17 @@ class DeltaManager:
         budget_bytes: int,
         policy: WeightedLRUPolicy,
         load_stream=None,
+        shard=None,
+        peers=None,
     ):
+        """shard, peers: tensor parallelism (`parallel.ShardedLoad`: this rank's slice of each delta;
+        `parallel.Driver`: the other ranks load theirs, a load is resident once every rank has it)."""
         self.layout, self.slots, self.source = layout, slots, source
         self.base_fingerprint = base_fingerprint
         self.budget_bytes = budget_bytes
         self.policy = policy
         self.load_stream = load_stream
+        self.shard, self.peers = shard, peers
         self.entries: dict[str, DeltaEntry] = {}
         self._wanted: Counter[str] = Counter()  # requests waiting in acquire(), by delta
         self.free_slots: list[int] = list(range(slots.n_slots - 1, -1, -1))
@@ -269,12 +274,17 @@ class DeltaManager:
 
     async def _load(self, e: DeltaEntry) -> None:
         t0 = time.perf_counter()
-        receiver = streaming = None
+        receiver = streaming = peer = None
         try:
             info = await self.source.open(e.name, self.base_fingerprint)
-            plan = plan_delta(self.layout, info)
+            plan = plan_delta(self.layout, info) if self.shard is None else self.shard.plan(info)
             await self._reserve(e, plan.total_bytes)
-            writer = SlotWriter(plan, self.slots, e.slot, self.load_stream)
+            writer = (SlotWriter if self.shard is None else self.shard.writer)(
+                plan, self.slots, e.slot, self.load_stream
+            )
+            if self.peers is not None:  # the other ranks load their slices meanwhile
+                peer = asyncio.ensure_future(self.peers.load(e.name, e.slot))
+                peer.add_done_callback(_retrieve)
             receiver = Receiver(plan.name, plan.tensors, writer, check_sha256=not info.verified)
             # A task of its own, so that a cancelled load can wait for its reads to stop before
             # the slot is handed to another delta.
@@ -283,6 +293,8 @@ class DeltaManager:
             await asyncio.shield(streaming)
             await receiver.finish()
             extras = await writer.finish()
+            if peer is not None:
+                await asyncio.shield(peer)  # resident only once every rank holds its slice
             if e.aborted:  # evicted at the last moment (a source swallowed the cancellation)
                 raise asyncio.CancelledError
             if extras.embed is not None or extras.head is not None:
@@ -305,6 +317,9 @@ class DeltaManager:
                 receiver.abort()
             if streaming is not None and not streaming.done():
                 await asyncio.wait([streaming])  # bytes may still be landing in the slot
+            if peer is not None and not peer.done():
+                peer.cancel()  # and on the other ranks
+                await asyncio.wait([peer])
             if e.slot is not None:
                 self._free(e, keep_entry=True)
             if e.aborted or isinstance(exc, asyncio.CancelledError):
@@ -407,6 +422,8 @@ class DeltaManager:
         if e.slot is not None:
             if e.slot in self.slots.extras:
                 self.slots.extras = {k: v for k, v in self.slots.extras.items() if k != e.slot}
+            if self.peers is not None:
+                self.peers.free(e.slot)
             self.free_slots.append(e.slot)
         if not keep_entry and e.slot is not None:
             self.evictions += 1

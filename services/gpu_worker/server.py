@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import time
 
 from bitdelta.generation import Request
@@ -114,6 +116,17 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
             preemptions=s.preemptions,
             prefix_cache_queries=s.prefix_queries,
             prefix_cache_hits=s.prefix_hits,
+            tensor_parallel=s.tensor_parallel,
+            ranks=[
+                pb.RankMemory(
+                    rank=r.rank,
+                    device=r.device,
+                    base_bytes=r.base_bytes,
+                    slot_stack_bytes=r.slot_stack_bytes,
+                    kv_bytes=r.kv_bytes,
+                )
+                for r in s.ranks
+            ],
         )
 
 
@@ -142,6 +155,7 @@ async def serve(config) -> None:
     """The process: bind, load the base, serve until SIGTERM/SIGINT, drain."""
     telemetry.setup("worker", config.otlp_endpoint, instance=config.address)
     worker = Worker(config)
+    worker.on_fatal = lambda: os.kill(os.getpid(), signal.SIGTERM)  # drain and stop, as on SIGTERM
     metrics = worker_metrics(worker)
     if config.metrics_address:
         metrics.serve(config.metrics_address)
@@ -158,6 +172,9 @@ async def serve(config) -> None:
     finally:
         metrics.close()
         telemetry.shutdown()
+    if worker.fatal:
+        log.error("stopped: %s", worker.fatal)
+        raise SystemExit(1)
 
 
 def worker_metrics(worker: Worker) -> WorkerMetrics:

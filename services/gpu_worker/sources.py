@@ -241,3 +241,17 @@ class DeltaStoreSource:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+def source_of(config) -> DeltaSource | None:
+    """The source a worker's config names (a `WorkerConfig`): the store, a directory, or none."""
+    if config.delta_store:
+        return DeltaStoreSource(
+            config.delta_store,
+            timeout_s=config.store_timeout_s,
+            shared_memory=config.store_shared_memory,
+            credentials=config.channel_credentials(),  # TLS: the worker's certificate
+        )
+    if config.delta_dir:
+        return LocalDeltaSource(config.delta_dir)
+    return None

@@ -35,7 +35,7 @@ from services.gpu_worker.runner import BaseWeights, KVPool, ModelRunner
 from services.gpu_worker.sampling import Sampler, TextStream
 from services.gpu_worker.scheduler import BlockAllocator, Scheduler, SeqState, cache_root
 from services.gpu_worker.slots import SlotLayout, SlotTensors
-from services.gpu_worker.sources import DeltaStoreSource, LocalDeltaSource
+from services.gpu_worker.sources import source_of
 
 log = logging.getLogger("gpu_worker")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,6 +56,8 @@ class WorkerStatus:
     preemptions: int = 0  # sequences whose KV blocks were taken back (recomputed later)
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of them, found (not computed again)
+    tensor_parallel: int = 1
+    ranks: tuple = ()  # parallel.RankInfo per rank (tensor parallelism)
 
 
 class Worker:
@@ -86,6 +88,14 @@ class Worker:
         self.engine: Engine | None = None
         self.source = None
         self.grammars: GrammarCompiler | None = None
+        self.tp = None  # parallel.Driver with --tensor-parallel N > 1
+        self.fatal = ""  # why the worker stopped serving for good (a tensor-parallel rank failed)
+        self.on_fatal = self.begin_drain  # serve(): stop the process (SIGTERM to itself)
+        if config.tensor_parallel > 1:  # rank 0: cuda:LOCAL_RANK, LOCAL_RANK 0 unless torchrun says so
+            from services.gpu_worker.parallel import Rendezvous, rank_device
+
+            rv = Rendezvous.from_env()
+            self.device = rank_device(config, rv.local_rank if rv is not None else 0)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -107,26 +117,39 @@ class Worker:
             if not HAVE_TRITON:
                 log.warning("Triton unavailable (%s): serving with the slow torch reference kernels", TRITON_ERROR)
         self.base_fingerprint = await asyncio.to_thread(fingerprint, c.base)
-        self.base, self.args = await asyncio.to_thread(BaseWeights.load, c.base, self.dtype, self.device)
-        self.layout = SlotLayout(self.args, self.dtype)
-        n_slots = c.max_slots or c.delta_budget // self.layout.slot_bytes
-        self.slots = await asyncio.to_thread(
-            SlotTensors.allocate,
-            self.layout,
-            n_slots,
-            self.device,
-            self.base.norms,
-            self.base.final_norm,
-            self.base.biases,
-        )
-        kv_tokens = c.kv_cache // KVPool.bytes_per_token(self.args, self.dtype)
-        n_blocks = kv_tokens // c.block_size
-        if n_blocks < 1:
-            raise ValueError(f"--kv-cache {c.kv_cache} bytes holds less than one block of {c.block_size} tokens")
-        self.kv = KVPool(self.args, n_blocks, c.block_size, self.dtype, self.device)
-        self.runner = ModelRunner(
-            self.base, self.args, self.slots, self.kv, use_fused=c.fused_single_variant, backend=self.kernel_backend
-        )
+        if c.tensor_parallel > 1:  # this rank's shards; ranks 1..N-1 start beside it (parallel.py)
+            from services.gpu_worker.parallel import Rendezvous, start_driver
+
+            def failed(why: str) -> None:  # on the engine's or the heartbeat's thread
+                loop.call_soon_threadsafe(self._tp_failed, why)
+
+            rv = Rendezvous.from_env()  # torchrun's, else None: rank 0 starts the other ranks itself
+            self.tp = await asyncio.to_thread(start_driver, c, self.dtype, failed, self.kernel_backend, rv)
+            m = self.tp.model
+            self.base, self.args, self.layout, self.slots, self.kv = m.base, m.args, m.layout, m.slots, m.kv
+            self.runner = self.tp  # the engine's runner: broadcasts each step, then runs it on rank 0's shards
+            n_slots, n_blocks = m.slots.n_slots, m.kv.n_blocks
+        else:
+            self.base, self.args = await asyncio.to_thread(BaseWeights.load, c.base, self.dtype, self.device)
+            self.layout = SlotLayout(self.args, self.dtype)
+            n_slots = c.max_slots or c.delta_budget // self.layout.slot_bytes
+            self.slots = await asyncio.to_thread(
+                SlotTensors.allocate,
+                self.layout,
+                n_slots,
+                self.device,
+                self.base.norms,
+                self.base.final_norm,
+                self.base.biases,
+            )
+            kv_tokens = c.kv_cache // KVPool.bytes_per_token(self.args, self.dtype)
+            n_blocks = kv_tokens // c.block_size
+            if n_blocks < 1:
+                raise ValueError(f"--kv-cache {c.kv_cache} bytes holds less than one block of {c.block_size} tokens")
+            self.kv = KVPool(self.args, n_blocks, c.block_size, self.dtype, self.device)
+            self.runner = ModelRunner(
+                self.base, self.args, self.slots, self.kv, use_fused=c.fused_single_variant, backend=self.kernel_backend
+            )
         # A length-dependent rope (dynamic, LongRoPE) gives a token's K/V that depends on the sequence's
         # length when it was computed (LongRoPE even recomputes them): its blocks are not reusable.
         prefix = c.prefix_caching and not self.args.rope.length_dependent
@@ -135,19 +158,19 @@ class Worker:
         self.scheduler = Scheduler(
             BlockAllocator(n_blocks), c.block_size, c.max_running, c.max_batch_tokens, prefix_caching=prefix
         )
-        if c.delta_store:
-            self.source = DeltaStoreSource(
-                c.delta_store,
-                timeout_s=c.store_timeout_s,
-                shared_memory=c.store_shared_memory,
-                credentials=c.channel_credentials(),
-            )  # TLS: the worker's certificate
-        elif c.delta_dir:
-            self.source = LocalDeltaSource(c.delta_dir)
+        self.source = source_of(c)
         policy = WeightedLRUPolicy(c.delta_budget, half_life_s=c.rate_half_life_s, pin_top_n=c.pin_hottest)
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.manager = DeltaManager(
-            self.layout, self.slots, self.source, self.base_fingerprint, c.delta_budget, policy, load_stream=stream
+            self.layout,
+            self.slots,
+            self.source,
+            self.base_fingerprint,
+            c.delta_budget,
+            policy,
+            load_stream=stream,
+            shard=self.tp.model.shard_load if self.tp is not None else None,
+            peers=self.tp,
         )
         from tokenizers import Tokenizer
 
@@ -177,10 +200,19 @@ class Worker:
     def begin_drain(self) -> None:
         self.draining = True
 
+    def _tp_failed(self, why: str) -> None:
+        """A rank died or hung (on the loop): the worker stops serving and stops (`on_fatal`)."""
+        if not self.fatal:
+            self.fatal = why
+            self.draining = True
+            self.on_fatal()
+
     async def close(self) -> None:
         self.ready = False
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
+        if self.tp is not None:
+            await asyncio.to_thread(self.tp.stop)
         if self.source is not None:
             await self.source.close()
         if self.grammars is not None:
@@ -353,7 +385,17 @@ class Worker:
     def status(self) -> WorkerStatus:
         if not self.ready:
             return WorkerStatus(
-                self.base_name, self.base_fingerprint, self.device.type, [], self.config.delta_budget, 0, 0, 0, 0, 0
+                self.base_name,
+                self.base_fingerprint,
+                self.device.type,
+                [],
+                self.config.delta_budget,
+                0,
+                0,
+                0,
+                0,
+                0,
+                tensor_parallel=self.config.tensor_parallel,
             )
         return WorkerStatus(
             self.base_name,
@@ -369,6 +411,8 @@ class Worker:
             self.scheduler.preemptions,
             self.scheduler.prefix_queries,
             self.scheduler.prefix_hits,
+            tensor_parallel=self.config.tensor_parallel,
+            ranks=tuple(self.tp.ranks) if self.tp is not None else (),
         )
 
 

@@ -1,0 +1,268 @@
+"""Tensor-parallel split rules: which part of every base and delta tensor rank r of N holds.
+
+Megatron-style, the same split for the base and for every delta (as DeltaZip and vLLM's LoRA
+layers do), so a rank's delta term always lines up with its slice of the base:
+
+    column-parallel  q, k, v, gate, up (fused qkv / gate_up too): rank r holds its rows of W
+                     [d_out, d_in] and the SAME rows of the packed signs [d_out, ceil(d_in/8)],
+                     of α [d_out] (a per-matrix α [1] is replicated) and of the bias
+    row-parallel     o, down: rank r holds its input columns of W and the same columns of the
+                     packed signs, on whole-byte boundaries (every rank's first column is a
+                     multiple of 8); α and the bias are replicated (the bias is added once, after
+                     the all-reduce of the partial sums)
+    vocab-parallel   the embedding and the LM head (a variant's dense or sign tables too): rank r
+                     holds its rows of the vocabulary; α per row: the same rows
+    replicated       every norm (q/k norms included)
+
+Units, balanced over the ranks (rank r gets units [⌈r·U/N⌉, ⌈(r+1)·U/N⌉): rank 0 the most):
+    attention  GQA groups (one KV head and its n_heads/n_kv_heads query heads) when
+               n_kv_heads ≥ N; when N > n_kv_heads (N a multiple of it) each KV head is
+               REPLICATED on N/n_kv_heads ranks, which split its query heads
+    MLP        blocks of 8 intermediate columns (down's packed sign bytes)
+    vocab      rows
+
+The split needs no divisibility beyond that: SmolLM2-135M's 9 heads and 3 KV heads over 2 ranks
+are 2 + 1 GQA groups. Pure integer arithmetic on a `ModelArgs`, shared by the worker (its slices of
+the base and of each delta), the capacity planner (bytes per rank) and the tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from bitdelta.arch import ModelArgs
+
+EMBED = "model.embed_tokens.weight"
+HEAD = "lm_head.weight"
+COLUMN_GROUPS = ("qkv", "gate_up")
+ROW_GROUPS = ("o", "down")
+
+
+class Split(enum.Enum):
+    """How one tensor is divided among the ranks."""
+
+    COLUMN = "column"  # rows of d_out (column-parallel linear: its output features)
+    ROW = "row"  # columns of d_in (row-parallel linear: its input features), whole sign bytes
+    VOCAB = "vocab"  # rows of the vocabulary
+    REPLICATED = "replicated"
+
+
+class ShardError(ValueError):
+    """This model cannot be split over this many ranks (the message says why)."""
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """Rank r's part of one tensor: `rows` (runs of the first dim) and `cols` (one run of the
+    second dim, in the tensor's own elements: bytes for packed signs). None: all of that dim.
+
+    take(t) = t[rows concatenated][:, cols]"""
+
+    split: Split
+    rows: tuple[tuple[int, int], ...] | None = None
+    cols: tuple[int, int] | None = None
+
+    def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
+        """The slice's shape, for a tensor of shape `full`."""
+        out = list(full)
+        if self.rows is not None:
+            out[0] = sum(b - a for a, b in self.rows)
+        if self.cols is not None:
+            out[1] = self.cols[1] - self.cols[0]
+        return tuple(out)
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank r's slice of the full tensor `t` (contiguous; a copy unless nothing is cut)."""
+        if self.rows is not None:
+            parts = [t[a:b] for a, b in self.rows]
+            t = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if self.cols is not None:
+            t = t[:, self.cols[0] : self.cols[1]]
+        return t.contiguous()
+
+    def byte_runs(self, full: tuple[int, ...], itemsize: int) -> list[tuple[int, int]]:
+        """(offset, length) runs of the full tensor's row-major bytes that make up the slice, in
+        order (what a sender streams for this rank)."""
+        row_bytes = itemsize
+        for d in full[1:]:
+            row_bytes *= d
+        rows = self.rows if self.rows is not None else ((0, full[0] if full else 1),)
+        if self.cols is None:
+            return [(a * row_bytes, (b - a) * row_bytes) for a, b in rows if b > a]
+        inner = row_bytes // full[1]
+        c0, c1 = self.cols
+        return [(r * row_bytes + c0 * inner, (c1 - c0) * inner) for a, b in rows for r in range(a, b) if c1 > c0]
+
+
+def _balanced(units: int, size: int, rank: int) -> tuple[int, int]:
+    """Rank's units of `units` split over `size` ranks, the larger parts first: rank 0 always holds
+    the most of everything, so its byte accounting bounds every rank's."""
+    return -(-rank * units // size), -(-(rank + 1) * units // size)
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """The split of one model over `size` ranks, seen from rank `rank`."""
+
+    args: ModelArgs
+    size: int
+    rank: int
+
+    def __post_init__(self):
+        a, n = self.args, self.size
+        if n < 1 or not 0 <= self.rank < n:
+            raise ShardError(f"rank {self.rank} of {n}: the tensor-parallel size must be ≥ 1 and 0 ≤ rank < size")
+        kv, group = a.n_kv_heads, a.n_heads // a.n_kv_heads
+        if n > kv:
+            if n % kv:
+                raise ShardError(
+                    f"{n} ranks cannot share {kv} KV heads: with more ranks than KV heads the ranks must be "
+                    f"a multiple of the KV heads (each KV head replicated on the same number of ranks)"
+                )
+            if group < n // kv:
+                raise ShardError(f"{n} ranks: each of the {a.n_heads} query heads would be split; at most {a.n_heads}")
+        if n > -(-a.intermediate_size // 8):
+            raise ShardError(f"{n} ranks: the MLP's {a.intermediate_size} columns give fewer 8-column blocks")
+        if n > a.vocab_size:
+            raise ShardError(f"{n} ranks for a vocabulary of {a.vocab_size}")
+        for r in range(n):
+            q0, _ = TPLayout._heads(a, n, r)
+            if q0 * a.head_dim % 8:
+                raise ShardError(
+                    f"rank {r}'s first o_proj column {q0 * a.head_dim} is not on a whole sign byte "
+                    f"(head_dim {a.head_dim}); use a size that splits at whole bytes"
+                )
+
+    # -- the units -------------------------------------------------------------------------------
+    @staticmethod
+    def _heads(a: ModelArgs, n: int, r: int) -> tuple[int, int]:
+        kv, group = a.n_kv_heads, a.n_heads // a.n_kv_heads
+        if n <= kv:
+            g0, g1 = _balanced(kv, n, r)
+            return g0 * group, g1 * group
+        per = n // kv  # ranks per KV head
+        h, sub = divmod(r, per)
+        s0, s1 = _balanced(group, per, sub)
+        return h * group + s0, h * group + s1
+
+    def heads(self, rank: int | None = None) -> tuple[int, int]:
+        """Query heads [q0, q1) of a rank (default: this one)."""
+        return self._heads(self.args, self.size, self.rank if rank is None else rank)
+
+    def kv_heads(self, rank: int | None = None) -> tuple[int, int]:
+        """KV heads [k0, k1) of a rank: its groups' (n_kv_heads ≥ N), else the one it replicates."""
+        a, r = self.args, self.rank if rank is None else rank
+        q0, q1 = self.heads(r)
+        group = a.n_heads // a.n_kv_heads
+        return q0 // group, -(-q1 // group)
+
+    def ffn(self, rank: int | None = None) -> tuple[int, int]:
+        """Intermediate columns [f0, f1) of a rank (8-column blocks, the last one cut at the size)."""
+        f = self.args.intermediate_size
+        b0, b1 = _balanced(-(-f // 8), self.size, self.rank if rank is None else rank)
+        return 8 * b0, min(8 * b1, f)
+
+    def vocab(self, rank: int | None = None) -> tuple[int, int]:
+        """Vocabulary rows [v0, v1) of a rank."""
+        return _balanced(self.args.vocab_size, self.size, self.rank if rank is None else rank)
+
+    @property
+    def vocab_max(self) -> int:
+        """The most vocabulary rows any rank holds (the head's gather pads to it)."""
+        return max(b - a for a, b in (self.vocab(r) for r in range(self.size)))
+
+    def local_args(self) -> ModelArgs:
+        """The model as this rank computes it: its heads, KV heads, MLP columns and vocabulary rows
+        (head_dim, dim and everything else unchanged). Its `matrices()`, `group_shapes()` and layout
+        string describe exactly this rank's slices."""
+        a = self.args
+        q0, q1 = self.heads()
+        k0, k1 = self.kv_heads()
+        f0, f1 = self.ffn()
+        v0, v1 = self.vocab()
+        return dataclasses.replace(
+            a, n_heads=q1 - q0, n_kv_heads=k1 - k0, intermediate_size=f1 - f0, vocab_size=v1 - v0, head_dim=a.head_dim
+        )
+
+    # -- per group / tensor ------------------------------------------------------------------------
+    def group_rows(self, group: str) -> tuple[tuple[int, int], ...]:
+        """Rank's rows of a column-parallel group's d_out (q ‖ k ‖ v, gate ‖ up)."""
+        a, hd = self.args, self.args.head_dim
+        if group == "qkv":
+            q, kv = a.n_heads * hd, a.n_kv_heads * hd
+            q0, q1 = self.heads()
+            k0, k1 = self.kv_heads()
+            return ((q0 * hd, q1 * hd), (q + k0 * hd, q + k1 * hd), (q + kv + k0 * hd, q + kv + k1 * hd))
+        if group == "gate_up":
+            f = a.intermediate_size
+            f0, f1 = self.ffn()
+            return ((f0, f1), (f + f0, f + f1))
+        raise ValueError(f"{group} is not a column-parallel group")
+
+    def group_cols(self, group: str) -> tuple[int, int]:
+        """Rank's input columns [c0, c1) of a row-parallel group (o, down), in elements of W."""
+        if group == "o":
+            q0, q1 = self.heads()
+            return q0 * self.args.head_dim, q1 * self.args.head_dim
+        if group == "down":
+            return self.ffn()
+        raise ValueError(f"{group} is not a row-parallel group")
+
+    def _matrices(self) -> dict[str, tuple[str, int, int]]:
+        """matrix module path -> (group, first row in its group, d_out)."""
+        out, rows = {}, {}
+        for m in self.args.matrices():
+            r0 = rows.get(m.group, 0)
+            out[m.name] = (m.group, r0, m.d_out)
+            rows[m.group] = r0 + m.d_out
+        return out
+
+    def matrix_rows(self, group: str, r0: int, d_out: int) -> tuple[tuple[int, int], ...]:
+        """Rank's rows of one matrix that sits at rows [r0, r0 + d_out) of its column-parallel group."""
+        out = []
+        for a, b in self.group_rows(group):
+            lo, hi = max(a, r0), min(b, r0 + d_out)
+            if hi > lo:
+                out.append((lo - r0, hi - r0))
+        return tuple(out) or ((0, 0),)
+
+    def shard_of(self, param: str, role: str, shape: tuple[int, ...]) -> TensorShard:
+        """Rank's part of one tensor of a base or a delta: `param` a full parameter name
+        ("model.layers.3.self_attn.o_proj.weight", "...bias"), `role` "weight" for the base or a
+        delta file's role ("sign", "alpha", "dense"), `shape` the tensor's full shape."""
+        if param in (EMBED, HEAD):
+            if role == "alpha" and tuple(shape) == (1,):
+                return TensorShard(Split.REPLICATED)
+            return TensorShard(Split.VOCAB, rows=(self.vocab(),))
+        if not param.startswith("model.layers."):
+            return TensorShard(Split.REPLICATED)  # the final norm
+        module = param.split(".", 3)[3].rsplit(".", 1)[0]  # "self_attn.o_proj"
+        mats = self._matrices()
+        if module not in mats:
+            return TensorShard(Split.REPLICATED)  # a norm (q/k norms included)
+        group, r0, d_out = mats[module]
+        is_bias = param.endswith(".bias")
+        if group in ROW_GROUPS:
+            if is_bias or role == "alpha":
+                return TensorShard(Split.REPLICATED)
+            c0, c1 = self.group_cols(group)
+            if role == "sign":  # packed: 8 columns a byte; c0 is a multiple of 8 (checked above)
+                return TensorShard(Split.ROW, cols=(c0 // 8, -(-c1 // 8)))
+            return TensorShard(Split.ROW, cols=(c0, c1))
+        if role == "alpha" and tuple(shape) == (1,):
+            return TensorShard(Split.REPLICATED)
+        return TensorShard(Split.COLUMN, rows=self.matrix_rows(group, r0, d_out))
+
+    def group_shard(self, group: str) -> TensorShard:
+        """Rank's part of a projection group's concatenated base weight [d_out_g, d_in_g] (and of
+        its bias [d_out_g] when column-parallel)."""
+        if group in ROW_GROUPS:
+            return TensorShard(Split.ROW, cols=self.group_cols(group))
+        return TensorShard(Split.COLUMN, rows=self.group_rows(group))
+
+
+__all__ = ["TPLayout", "TensorShard", "Split", "ShardError", "COLUMN_GROUPS", "ROW_GROUPS"]

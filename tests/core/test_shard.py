@@ -1,0 +1,148 @@
+"""bitdelta.shard: the tensor-parallel split of every tensor role, checked against the unsharded
+computation (column-parallel outputs concatenate, row-parallel partial sums add up, the vocabulary
+splits and gathers), on layouts with more and fewer KV heads than ranks, fused and split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bitdelta.arch import ModelArgs
+from bitdelta.shard import EMBED, ShardError, Split, TPLayout
+from bitdelta.testing.family import tiny_args
+from kernels.bits import pack_signs, unpack_signs
+
+LAYOUTS = {
+    "gqa 4/2 heads": tiny_args(),
+    "1 kv head": tiny_args(n_kv_heads=1),
+    "smollm2 9/3 heads": tiny_args(dim=72, n_heads=9, n_kv_heads=3, head_dim=8, intermediate_size=96),
+    "phi3 fused": tiny_args(model_type="phi3", n_kv_heads=4, tie_embeddings=False),
+    "qwen2 biases": tiny_args(model_type="qwen2", qkv_bias=True),
+}
+
+
+def delta_linear(x, w, signs, alpha, d_in):
+    # x: [T, d_in] -> [T, d_out]: x·Wᵀ + α ⊙ (x·Sᵀ), the serving math
+    return x @ w.t() + (x @ unpack_signs(signs, d_in, x.dtype).t()) * alpha
+
+
+def layouts(args: ModelArgs, sizes=(2, 3, 4)):
+    for n in sizes:
+        try:
+            yield n, [TPLayout(args, n, r) for r in range(n)]
+        except ShardError:
+            continue
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_units_cover_the_model_once_and_rank0_holds_the_most(name):
+    a = LAYOUTS[name]
+    for n, ranks in layouts(a):
+        heads = [t.heads() for t in ranks]
+        assert heads[0][0] == 0 and heads[-1][1] == a.n_heads
+        assert all(heads[i][1] == heads[i + 1][0] for i in range(n - 1))  # contiguous, no gaps
+        ffn = [t.ffn() for t in ranks]
+        assert sum(b - c for c, b in ffn) == a.intermediate_size and all(c % 8 == 0 for c, _ in ffn)
+        assert sum(b - c for c, b in (t.vocab() for t in ranks)) == a.vocab_size
+        loc = [t.local_args() for t in ranks]
+        for f in ("n_heads", "n_kv_heads", "intermediate_size", "vocab_size"):
+            assert getattr(loc[0], f) == max(getattr(x, f) for x in loc), f
+        assert all(x.layout == a.layout and x.head_dim == a.head_dim for x in loc)
+        if n > a.n_kv_heads:  # each KV head replicated on n / n_kv_heads ranks
+            assert all(x.n_kv_heads == 1 for x in loc)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_projection_shards_reproduce_the_unsharded_delta_linear(name):
+    a = LAYOUTS[name]
+    g = torch.Generator().manual_seed(0)
+    for n, ranks in layouts(a):
+        for m in a.matrices():
+            param = f"model.layers.0.{m.name}.weight"
+            w = torch.randn(m.d_out, m.d_in, generator=g, dtype=torch.float64)
+            signs = pack_signs(torch.randn(m.d_out, m.d_in, generator=g))
+            for alpha in (
+                torch.rand(m.d_out, generator=g, dtype=torch.float64),
+                torch.tensor([0.3], dtype=torch.float64),
+            ):
+                x = torch.randn(5, m.d_in, generator=g, dtype=torch.float64)
+                full = delta_linear(x, w, signs, alpha, m.d_in)
+                parts = []
+                for t in ranks:
+                    ws = t.shard_of(param, "weight", tuple(w.shape))
+                    ss = t.shard_of(param, "sign", tuple(signs.shape))
+                    al = t.shard_of(param, "alpha", tuple(alpha.shape))
+                    assert ws.split == ss.split
+                    wl, sl, alp = ws.take(w), ss.take(signs), al.take(alpha)
+                    assert sl.shape == ss.shape(tuple(signs.shape))
+                    if m.group in ("o", "down"):  # row-parallel: input columns, α replicated
+                        assert ws.split is Split.ROW and al.split is Split.REPLICATED
+                        c0, c1 = ws.cols
+                        assert c0 % 8 == 0 and sl.shape[1] == (c1 - c0 + 7) // 8
+                        parts.append(delta_linear(x[:, c0:c1], wl, sl, alp, c1 - c0))
+                    else:  # column-parallel: output rows of W, signs and α alike
+                        assert ws.split is Split.COLUMN and ss.rows == ws.rows
+                        parts.append(delta_linear(x, wl, sl, alp, m.d_in))
+                if m.group in ("o", "down"):
+                    torch.testing.assert_close(sum(parts), full)  # the one all-reduce
+                else:
+                    # every rank's rows, in group order: the q, k, v (gate, up) of each rank
+                    rows = [ranks[r].shard_of(param, "weight", tuple(w.shape)).rows for r in range(n)]
+                    if m.group == "qkv" and n > a.n_kv_heads and m.short in ("k", "v"):
+                        continue  # replicated KV heads: checked in the next test
+                    order = torch.cat([torch.arange(p, q) for rr in rows for p, q in rr])
+                    torch.testing.assert_close(torch.cat(parts, 1), full[:, order])
+                    assert sorted(order.tolist()) == list(range(m.d_out))  # each row on exactly one rank
+
+
+def test_more_ranks_than_kv_heads_replicate_each_kv_head_with_its_query_heads():
+    a = tiny_args(n_kv_heads=1)
+    for n in (2, 4):
+        ranks = [TPLayout(a, n, r) for r in range(n)]
+        assert all(t.kv_heads() == (0, 1) for t in ranks)
+        q = [t.heads() for t in ranks]
+        assert q == [(r * a.n_heads // n, (r + 1) * a.n_heads // n) for r in range(n)]
+
+
+def test_vocab_parallel_embedding_and_head_gather():
+    a = tiny_args()
+    g = torch.Generator().manual_seed(1)
+    emb = torch.randn(a.vocab_size, a.dim, generator=g)
+    tokens = torch.randint(0, a.vocab_size, (9,), generator=g)
+    h = torch.randn(4, a.dim, generator=g)
+    for _, ranks in layouts(a):
+        x = torch.zeros(9, a.dim)
+        logits = []
+        for t in ranks:
+            sh = t.shard_of(EMBED, "dense", tuple(emb.shape))
+            assert sh.split is Split.VOCAB
+            part, (v0, v1) = sh.take(emb), t.vocab()
+            local = tokens - v0
+            inside = (local >= 0) & (local < v1 - v0)
+            x += part[local.clamp(0, v1 - v0 - 1)] * inside[:, None]  # the embedding's all-reduce
+            logits.append(h @ part.t())  # the head's gather
+        torch.testing.assert_close(x, emb[tokens])
+        torch.testing.assert_close(torch.cat(logits, 1), h @ emb.t())
+        assert ranks[0].shard_of(EMBED, "alpha", (1,)).split is Split.REPLICATED
+
+
+def test_byte_runs_are_the_slice():
+    a = LAYOUTS["smollm2 9/3 heads"]
+    signs = torch.randint(0, 255, (a.dim, a.n_heads * a.head_dim // 8), dtype=torch.uint8)
+    q = torch.randint(0, 255, (a.n_heads * a.head_dim, a.dim // 8), dtype=torch.uint8)
+    for t in TPLayout(a, 2, 0), TPLayout(a, 2, 1):
+        for param, full in (
+            ("model.layers.1.self_attn.o_proj.weight", signs),
+            ("model.layers.1.self_attn.q_proj.weight", q),
+        ):
+            sh = t.shard_of(param, "sign", tuple(full.shape))
+            raw = full.numpy().tobytes()
+            got = b"".join(raw[o : o + k] for o, k in sh.byte_runs(tuple(full.shape), 1))
+            assert got == sh.take(full).numpy().tobytes()
+
+
+def test_impossible_splits_are_refused_with_the_reason():
+    with pytest.raises(ShardError, match="multiple of the KV heads"):
+        TPLayout(tiny_args(n_heads=6, n_kv_heads=3), 4, 0)
+    with pytest.raises(ShardError, match="whole sign byte"):
+        TPLayout(tiny_args(dim=36, n_heads=9, n_kv_heads=9, head_dim=4), 2, 0)

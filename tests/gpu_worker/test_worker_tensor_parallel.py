@@ -1,0 +1,192 @@
+"""One worker as two tensor-parallel ranks on gloo (services/gpu_worker/parallel.py): greedy tokens
+equal the single-process worker's, alone and in one mixed batch (a tiny model with ONE KV head,
+fewer than the ranks, and the real SmolLM2 family, whose 9 heads and 3 KV heads split unevenly);
+one decode step's collectives; Status; a corrupt delta; kill -9 of rank 1 mid-stream.
+
+Rank 1 is a real process that rank 0 spawns (`python -m services.gpu_worker.parallel`)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bitdelta.common.v1 import generation_pb2 as gen_pb
+from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
+from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
+from bitdelta.testing.cluster import Cluster
+from bitdelta.testing.family import make_test_family, tiny_args
+from services.gpu_worker.config import WorkerConfig
+from tests.support.worker import running_worker
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("cpu_kernels")]
+N = 10
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """A tiny family whose base has one KV head (replicated on both ranks), three variants."""
+    return make_test_family(
+        tmp_path_factory.mktemp("tp_family"), n_variants=3, args=tiny_args(n_kv_heads=1), merged=False
+    )
+
+
+def config(base: Path, deltas: Path, tp: int, **kw) -> WorkerConfig:
+    return WorkerConfig(
+        base=base, delta_dir=str(deltas), delta_budget=8 << 20, kv_cache=2 << 20, tensor_parallel=tp, **kw
+    )
+
+
+async def answers(cfg: WorkerConfig, prompts: dict[str, str], n: int = N, check=None):
+    """Each model's greedy tokens alone, then all at once (one mixed batch); `check(worker, stub)` runs
+    before the worker stops."""
+    async with running_worker(cfg) as (worker, _, channel):
+        stub = pb_grpc.GpuWorkerServiceStub(channel)
+
+        async def gen(m: str, p: str) -> list[int]:
+            req = pb.GenerateRequest(model_id=m, prompt=p, sampling=gen_pb.SamplingParams(max_new_tokens=n))
+            return [x.token_id async for x in stub.Generate(req, timeout=300)]
+
+        alone = {m: await gen(m, p) for m, p in prompts.items()}
+        mixed = dict(zip(prompts, await asyncio.gather(*[gen(m, p) for m, p in prompts.items()])))
+        if check is not None:
+            await check(worker, stub, gen)
+    return alone, mixed
+
+
+async def test_two_ranks_with_one_kv_head_equal_one_process_and_count_the_collectives(family):
+    prompts = {"": "Hello world", **{v: f"abc {v} xyz" for v in family.variants}}
+    one = await answers(config(family.base, family.deltas, 1), prompts)
+    seen = {}
+
+    async def check(worker, stub, gen):
+        d = worker.tp
+        layers = worker.args.n_layers
+        # one decode step: ONE broadcast of its metadata, the embedding's all-reduce, one all-reduce per
+        # row-parallel projection (o, down) of each layer, the head's gather; nothing per variant
+        want = {"broadcast": 1, "all_reduce": 1 + 2 * layers, "gather": 1}
+        await gen("", "Hello world")
+        seen["base"] = dict(d.last_step)
+        await asyncio.gather(*[gen(m, p) for m, p in prompts.items()])  # its last step: decodes only
+        seen["mixed"] = dict(d.last_step)
+        assert seen == {"base": want, "mixed": want}
+        st = await stub.Status(pb.StatusRequest())
+        assert st.tensor_parallel == 2 and [r.rank for r in st.ranks] == [0, 1]
+        assert all(r.base_bytes > 0 and r.kv_bytes > 0 for r in st.ranks)
+        # rank 0 holds the most of every part (its accounting bounds both): here its half of the vocab
+        assert st.ranks[0].base_bytes >= st.ranks[1].base_bytes
+        # per-rank delta bytes: the slot stacks of rank 0's shapes plus its vocabulary rows of the head
+        assert 0 < st.delta_used_bytes <= worker.manager.budget_bytes
+
+    two = await answers(config(family.base, family.deltas, 2), prompts, check=check)
+    assert two == one
+    assert one[0] == one[1]
+    assert len({tuple(t) for t in one[0].values()}) == len(prompts)  # every model answers differently
+
+
+async def test_a_corrupt_delta_is_data_loss_and_the_ranks_keep_serving(family):
+    async def check(worker, stub, gen):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await gen(family.corrupt, "abc")
+        assert e.value.code() == grpc.StatusCode.DATA_LOSS
+        assert "model.layers" in e.value.details() or "embed" in e.value.details()  # names the tensor
+        assert await gen(family.variants[0], "abc") == want
+
+    (want,) = (await answers(config(family.base, family.deltas, 1), {family.variants[0]: "abc"}))[0].values()
+    await answers(config(family.base, family.deltas, 2), {"": "abc"}, check=check)
+
+
+async def test_real_family_on_two_ranks_equals_one_process(real_base, real_deltas):
+    # SmolLM2-135M: 9 query heads in 3 GQA groups -> 2 + 1 groups; 30 layers
+    prompts = {"": "The capital of France is", **{v: "def fibonacci(n):" for v in sorted(real_deltas)}}
+    deltas = next(iter(real_deltas.values())).parent
+    cfg = dataclasses.replace(config(real_base, deltas, 1), delta_budget=1 << 30, kv_cache=16 << 20)
+    one = await answers(cfg, prompts, n=8)
+    two = await answers(dataclasses.replace(cfg, tensor_parallel=2), prompts, n=8)
+    assert two == one
+    assert one[0] == one[1]
+
+
+def _ranks_of(pid: int) -> list[int]:
+    """The pids of the ranks worker `pid` spawned."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            stat = (p / "stat").read_text()
+            cmd = (p / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"services.gpu_worker.parallel" in cmd:
+            out.append(int(p.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    st = Path(f"/proc/{pid}/stat").read_text() if Path(f"/proc/{pid}/stat").exists() else ""
+    return bool(st) and st.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def test_kill9_of_rank1_mid_stream_stops_the_worker_and_the_router_uses_another(family, tmp_path):
+    from bitdelta.rpc.clients.router import RouterCallError, RouterClient
+    from bitdelta.rpc.clients.worker import WorkerCallError, WorkerClient
+
+    with Cluster(tmp_path) as c:
+        st = c.store(family.deltas)
+        tp = c.worker(family.base, st.address, name="tp", extra=("--tensor-parallel", "2"))
+        single = c.worker(family.base, st.address, name="single")
+        c.wait_serving(st, tp, single)
+        r = c.router([tp.address, single.address], st.address)
+        c.wait_serving(r)
+        (rank1,) = _ranks_of(tp.popen.pid)
+        w = WorkerClient(tp.address, generate_timeout_s=60)
+        router = RouterClient(r.address, generate_timeout_s=60)
+        try:
+            want = [m.token_id async for m in router.generate("v0", "Hello", max_new_tokens=N)]
+            got, t_kill = [], None
+            req = pb.GenerateRequest(model_id="v1", prompt="abc", sampling=gen_pb.SamplingParams(max_new_tokens=200))
+            with pytest.raises(WorkerCallError) as e:
+                async for ev in w.generate(req):
+                    got.append(ev.token_id)
+                    if len(got) == 3:
+                        os.kill(rank1, signal.SIGKILL)
+                        t_kill = time.monotonic()
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE, e.value
+            assert time.monotonic() - t_kill < 30
+            assert 3 <= len(got) < 200
+            health = health_pb2_grpc.HealthStub(grpc.insecure_channel(tp.address))
+            try:  # NOT_SERVING while it drains, then gone
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            except grpc.RpcError as gone:
+                assert gone.code() == grpc.StatusCode.UNAVAILABLE
+            tp.popen.wait(timeout=60)
+            assert tp.popen.returncode == 1  # rank 0 exits, and says it failed
+            assert not _alive(rank1) and _ranks_of(tp.popen.pid) == []  # no orphan
+            for _ in range(3):  # the router sends new requests to the other worker
+                try:
+                    assert [m.token_id async for m in router.generate("v0", "Hello", max_new_tokens=N)] == want
+                except RouterCallError as retry:  # its first request may still find the dead one
+                    assert retry.code == grpc.StatusCode.UNAVAILABLE
+            c.restart(tp)  # a restart restores service
+            c.wait_serving(tp)
+            w2 = WorkerClient(tp.address, generate_timeout_s=60)
+            req = pb.GenerateRequest(model_id="v0", prompt="Hello", sampling=gen_pb.SamplingParams(max_new_tokens=N))
+            assert [ev.token_id async for ev in w2.generate(req)] == want
+            assert (await w2.status()).tensor_parallel == 2
+            await w2.close()
+        finally:
+            await w.close()
+            await router.close()
