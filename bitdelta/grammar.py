@@ -32,6 +32,11 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 MAX_GRAMMAR_SYMBOLS = 200_000
 
 
+def lark_json(schema: dict) -> str:
+    """`schema` as a Lark rule body (llguidance's `%json`), in the same compact layout as JSON_SCHEMA."""
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
+
+
 def limits() -> llguidance.LLParserLimits:
     return llguidance.LLParserLimits(max_grammar_size=MAX_GRAMMAR_SYMBOLS, verbose_errors=False)
 

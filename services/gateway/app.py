@@ -18,6 +18,7 @@ cancels the worker call, which frees the sequence.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -37,7 +38,7 @@ from starlette.types import Receive, Scope, Send
 
 from bitdelta import grammar
 from bitdelta.common.v1 import generation_pb2 as gen_pb
-from bitdelta.generation import FinishReason, GenerationError
+from bitdelta.generation import Constraint, ConstraintKind, FinishReason, GenerationError
 from bitdelta.router.v1 import router_pb2 as pb
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.metrics import GatewayMetrics
@@ -45,6 +46,7 @@ from services.gateway import protocol as api
 from services.gateway.chat import ChatTemplate, ChatTemplateError
 from services.gateway.config import GatewayConfig
 from services.gateway.protocol import ApiError
+from services.gateway.tools import CallStream, ToolFormat
 
 log = logging.getLogger("services.gateway")
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}  # no proxy buffering of the stream
@@ -214,7 +216,8 @@ class _Generation(Response):
             except ApiError as e:
                 return await self._fail(send, e)
             lps = api.logprobs(r, [m.logprobs for m in mine if m.HasField("logprobs")], prompt=first.prompt_logprobs)
-            choices.append(api.Choice(echo + "".join(m.text for m in mine), finish, lps))
+            text = echo + "".join(m.text for m in mine)
+            choices.append(dataclasses.replace(api.with_tool_calls(r, text, finish), logprobs=lps))
             usages.append(mine[-1].usage)
         await self._send_json(send, 200, api.response(r, choices, api.total_usage(usages)))
 
@@ -246,15 +249,25 @@ class _Generation(Response):
                 await body(_sse(api.chunk(r, r.prompt, logprobs=lp, index=i)))
         msg: gen_pb.GenerateResponse | None = first
         usages, offsets = [], [offset] * n
+        # tools: each choice's text from where a call may begin is held, and sent as tool_calls at its end
+        calls = [CallStream(r.tool_format) for _ in range(n)] if r.tools is not None and r.tools.parsed else None
         try:
             while msg is not None:
                 i = msg.index
                 lp = api.logprobs(r, [msg.logprobs], offsets[i]) if msg.HasField("logprobs") else None
-                if msg.text or lp is not None:
-                    await body(_sse(api.chunk(r, msg.text, logprobs=lp, index=i)))
+                text = msg.text if calls is None else calls[i].add(msg.text)
+                if text or lp is not None:
+                    await body(_sse(api.chunk(r, text, logprobs=lp, index=i)))
                     offsets[i] += len(msg.text)
                 if msg.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED or msg.HasField("usage"):
-                    await body(_sse(api.chunk(r, None if r.kind == "chat" else "", self._finish(msg), index=i)))
+                    finish = self._finish(msg)
+                    if calls is not None:
+                        rest, made, finish = calls[i].finish(finish)
+                        if rest:
+                            await body(_sse(api.chunk(r, rest, index=i)))
+                        if made:
+                            await body(_sse(api.chunk(r, None, tool_calls=made, index=i)))
+                    await body(_sse(api.chunk(r, None if r.kind == "chat" else "", finish, index=i)))
                     usages.append(msg.usage)
                     if len(usages) == n:
                         break
@@ -406,6 +419,15 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
     async def check_constraint(req: api.Request) -> None:
         """400 at once for a constraint that does not compile (bitdelta.grammar.check: on a thread,
         cached per constraint), before anything reaches the router."""
+        for i, t in enumerate(req.tools.tools if req.tools else ()):
+            schema = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(t.parameters))
+            try:
+                await anyio.to_thread.run_sync(grammar.check, schema)
+            except GenerationError as e:
+                message = str(e).removeprefix("sampling.constraint: ")
+                raise api.invalid(
+                    "tools", f"tools[{i}].function.parameters: {message}", code="invalid_constraint"
+                ) from None
         c = req.sampling.constraint
         if c is not None:
             try:
@@ -422,10 +444,23 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
     async def chat_completions(request: HttpRequest) -> Response:
         req = api.parse_chat(await read_json(request))
         request.state.model = req.model
+        template = templates.for_model(req.model)
+        tools = req.tools
         try:
-            req.prompt = templates.for_model(req.model).render(req.messages)
+            req.prompt = template.render(req.messages, tools=[t.to_template() for t in tools.tools] if tools else None)
         except ChatTemplateError as e:
             raise api.invalid("messages", str(e), code="chat_template_error") from None
+        if tools is not None:
+            req.tool_format = ToolFormat.of_template(template.source)
+            c = tools.constraint(req.tool_format)  # required / named: the grammar of the calls
+            if c is not None:
+                if req.sampling.constraint is not None:
+                    raise api.invalid(
+                        req.constraint_param,
+                        f"tool_choice {tools.mode.value} and {req.constraint_param}: one constraint per request",
+                    )
+                req.sampling = dataclasses.replace(req.sampling, constraint=c)
+                req.constraint_param = "tool_choice"
         await check_constraint(req)
         return _Generation(state["router"], req, metadata(request), config.request_timeout_s)
 

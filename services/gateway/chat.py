@@ -138,13 +138,17 @@ class ChatTemplate:
             object.__setattr__(self, "_template", cached)
         return cached
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` (OpenAI's role/content dicts), ending with the assistant's turn."""
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """The prompt text for `messages` (OpenAI's role/content dicts, with assistant tool_calls and
+        tool results), ending with the assistant's turn; `tools` as transformers passes them (OpenAI's
+        function definitions; None: no tools)."""
         try:
             return self._compiled().render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=tools,
                 documents=None,
                 **self.specials,
             )

@@ -37,7 +37,6 @@ class Field:
 
 
 LATER = "not yet served"
-STRUCTURED = "tools: not yet served"
 GUIDED = "the output constrained by its grammar (docs/structured-output.md); one constraint per request"
 RAW = "from the model's raw logits (before penalties, bias, masks, temperature: vLLM's raw_logprobs)"
 FIELDS: tuple[Field, ...] = (
@@ -84,11 +83,24 @@ FIELDS: tuple[Field, ...] = (
         "`text`, `json_object`, `json_schema` {name, schema, strict}: enforced by a grammar, strict or not"
         " (docs/structured-output.md)",
     ),
-    Field("tools", None, REF, "OpenAI", STRUCTURED, off=([],)),
-    Field("tool_choice", None, REF, "OpenAI", STRUCTURED, off=("none",)),
-    Field("parallel_tool_calls", None, REF, "OpenAI", STRUCTURED),
-    Field("functions", None, REF, "OpenAI", STRUCTURED, off=([],)),
-    Field("function_call", None, REF, "OpenAI", STRUCTURED, off=("none",)),
+    Field(
+        "tools",
+        None,
+        HON,
+        "OpenAI",
+        "function definitions, rendered by the chat template; calls parsed into `tool_calls` (Hermes `<tool_call>`,"
+        " Llama 3.1 JSON) (docs/structured-output.md)",
+    ),
+    Field(
+        "tool_choice",
+        None,
+        HON,
+        "OpenAI",
+        "`none`, `auto`, `required` or a named function: `required` and named enforced by a grammar of the calls",
+    ),
+    Field("parallel_tool_calls", None, HON, "OpenAI", "`false`: `required` makes exactly one call"),
+    Field("functions", None, REF, "OpenAI", "deprecated: use tools", off=([],)),
+    Field("function_call", None, REF, "OpenAI", "deprecated: use tool_choice", off=("none",)),
     Field("audio", None, REF, "OpenAI", "text only"),
     Field("modalities", None, REF, "OpenAI", "text only", off=(["text"],)),
     Field("prediction", None, REF, "OpenAI", "predicted outputs: not served"),
@@ -143,7 +155,7 @@ FIELDS: tuple[Field, ...] = (
     ),
     Field("guided_decoding_backend", IGN, IGN, "vLLM", "one backend: llguidance"),
     Field("guided_whitespace_pattern", REF, REF, "vLLM", "JSON's layout is fixed (docs/structured-output.md)"),
-    Field("structural_tag", None, REF, "vLLM", STRUCTURED),
+    Field("structural_tag", None, REF, "vLLM", "not served: the tools' grammar is built from `tools`"),
     Field("logits_processors", REF, REF, "vLLM", "no code from requests"),
     Field("return_tokens_as_token_ids", REF, REF, "vLLM", "not served", off=(False,)),
     Field(

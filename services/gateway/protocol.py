@@ -30,6 +30,7 @@ from bitdelta.generation import (
     Sampling,
 )
 from services.gateway import fields
+from services.gateway.tools import Call, CallStream, ToolError, ToolFormat, Tools, parse_tools
 
 MAX_STOP = 4  # OpenAI's limit on `stop` strings
 MAX_SEED = 2**64 - 1
@@ -119,6 +120,8 @@ class Request:
     priority: int = 0  # vLLM's: lower first, FIFO within one value
     constraint_param: str | None = None  # the field sampling.constraint came from (errors name it)
     cache_salt: str = ""  # vLLM's: only requests with the same salt share prefix-cached KV blocks
+    tools: Tools | None = None  # chat: the tools, tool_choice and parallel_tool_calls
+    tool_format: ToolFormat = ToolFormat.HERMES  # how the model's chat template writes a call (the app sets it)
     id: str = ""
     created: int = 0
 
@@ -431,6 +434,34 @@ def parse_completion(body: Any, default_max_tokens: int) -> Request:
     return _with_max_tokens(r, default_max_tokens if mt is None else mt)
 
 
+def _tool_calls(where: str, calls: Any) -> list[dict]:
+    """An assistant turn's tool_calls for the chat template: OpenAI's shape with the arguments as an
+    object (templates write them with tojson; vLLM hands them over the same way)."""
+    if not isinstance(calls, list):
+        raise invalid("messages", f"{where}.tool_calls must be a list")
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not (
+            isinstance(f, dict)
+            and c.get("type", "function") == "function"
+            and isinstance(c.get("id"), str)
+            and isinstance(f.get("name"), str)
+            and isinstance(f.get("arguments"), str)
+        ):
+            raise invalid(
+                "messages", f"{where}.tool_calls[{j}] must be {{id, type: function, function: {{name, arguments}}}}"
+            )
+        try:
+            args = json.loads(f["arguments"])
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            raise invalid("messages", f"{where}.tool_calls[{j}].function.arguments must be a JSON object's text")
+        out.append({"id": c["id"], "type": "function", "function": {"name": f["name"], "arguments": args}})
+    return out
+
+
 def parse_chat(body: Any) -> Request:
     r = _common(body, "chat")
     top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
@@ -438,6 +469,12 @@ def parse_chat(body: Any) -> Request:
         r.sampling = dataclasses.replace(r.sampling, logprobs=top or 0)
     elif top:
         raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
+    try:
+        r.tools = parse_tools(body)
+    except ToolError as e:
+        raise invalid(e.param, str(e)) from None
+    if r.tools is not None and r.tools.parsed and r.sampling.logprobs is not None:
+        raise invalid("logprobs", "logprobs with tools is not served (tool calls are parsed from the whole text)")
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise invalid("messages", "messages must be a non-empty list of {role, content} objects")
@@ -458,6 +495,14 @@ def parse_chat(body: Any) -> Request:
         msg = {"role": m["role"], "content": content or ""}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
+        if m.get("tool_calls") is not None:
+            if m["role"] != "assistant":
+                raise invalid("messages", f"{where}: only assistant messages have tool_calls")
+            msg["tool_calls"] = _tool_calls(where, m["tool_calls"])
+        if m["role"] == "tool":
+            if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+                raise invalid("messages", f"{where}: a tool message needs the tool_call_id it answers")
+            msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     r.messages = out
     mt = _integer(body, "max_completion_tokens", 1, 1 << 31)
@@ -522,9 +567,21 @@ def logprobs(r: Request, lps: list[gen_pb.Logprobs], offset: int = 0, prompt=())
 
 @dataclass(frozen=True)
 class Choice:
-    text: str
+    text: str | None
     finish: str
     logprobs: dict | None = None
+    tool_calls: tuple[Call, ...] = ()
+
+
+def with_tool_calls(r: Request, text: str, finish: str) -> Choice:
+    """A finished chat choice, its tool calls parsed out of the text when the request has tools
+    (finish_reason "tool_calls" when it made any; an answer cut by max_tokens stays text)."""
+    if r.tools is None or not r.tools.parsed or finish != "stop":
+        return Choice(text, finish)
+    s = CallStream(r.tool_format)  # as the stream would send it: the same content, the same calls
+    sent = s.add(text)
+    rest, calls, finish = s.finish(finish)
+    return Choice((sent + rest) or None, finish, tool_calls=calls) if calls else Choice(text, finish)
 
 
 def response(r: Request, choices: list[Choice], u: gen_pb.Usage) -> dict:
@@ -535,15 +592,12 @@ def response(r: Request, choices: list[Choice], u: gen_pb.Usage) -> dict:
             for i, c in enumerate(choices)
         ]
         return {**_envelope(r, "text_completion"), "choices": out, "usage": usage(u)}
-    out = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": c.logprobs,
-            "finish_reason": c.finish,
-        }
-        for i, c in enumerate(choices)
-    ]
+    out = []
+    for i, c in enumerate(choices):
+        message = {"role": "assistant", "content": c.text}
+        if c.tool_calls:
+            message["tool_calls"] = [t.to_openai() for t in c.tool_calls]
+        out.append({"index": i, "message": message, "logprobs": c.logprobs, "finish_reason": c.finish})
     return {**_envelope(r, "chat.completion"), "choices": out, "usage": usage(u)}
 
 
@@ -555,6 +609,7 @@ def chunk(
     first: bool = False,
     logprobs: dict | None = None,
     index: int = 0,
+    tool_calls: tuple[Call, ...] = (),
 ) -> dict:
     """One streamed piece of choice `index`: `text` added (chat: a delta, with the role on the
     first), or the finish."""
@@ -567,6 +622,8 @@ def chunk(
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = [t.to_openai(j) for j, t in enumerate(tool_calls)]
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         out = {**_envelope(r, "chat.completion.chunk"), "choices": [choice]}
     if r.include_usage:

@@ -1,0 +1,366 @@
+"""Tool calling through the gateway: the `openai` SDK's tool_calls objects against gateway + router +
+worker + delta store as processes on loopback, on a tiny random family with a 1024-token context.
+
+Two tool-capable chat templates written for the test: a Hermes one (`<tool_call>` blocks, as
+Qwen2.5's) for the base and v0, a Llama 3.1 JSON one for v1 (`--variant-chat-templates`). A random
+model makes a call only when the grammar makes it: `required` and a named function are enforced,
+so each answer is a call of a defined tool whose arguments validate against its parameters
+(bounded, so the grammar ends it); `auto` parses whatever the model writes, which a user grammar
+(`structured_outputs`) steers here into content followed by a call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import jsonschema
+import openai
+import pytest
+import pytest_asyncio
+
+from bitdelta.testing.cluster import Cluster
+from bitdelta.testing.family import make_test_family, tiny_args
+from services.gateway.chat import ChatTemplate
+from services.gateway.tools import CallStream, ToolFormat, parse_calls
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+T = 120
+BOS = "<s>"
+HERMES = (
+    "{%- if tools %}{{ bos_token }}system: tools:{% for t in tools %} {{ t.function.name }}{% endfor %}."
+    ' Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call>\n{% endif %}'
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}{{ bos_token }}assistant: {{ m.content }}"
+    "{% for tc in m.tool_calls %}<tool_call>\n"
+    '{{ {"name": tc.function.name, "arguments": tc.function.arguments} | tojson }}\n</tool_call>{% endfor %}\n'
+    "{% elif m.role == 'tool' %}{{ bos_token }}tool {{ m.tool_call_id }}: {{ m.content }}\n"
+    "{% else %}{{ bos_token }}{{ m.role }}: {{ m.content }}\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ bos_token }}assistant: {% endif %}"
+)
+LLAMA = (
+    '{%- if tools %}{{ bos_token }}system: answer {"name": function name, "parameters": dictionary}. Tools:'
+    "{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}{{ bos_token }}assistant: "
+    '{{ {"name": m.tool_calls[0].function.name, "parameters": m.tool_calls[0].function.arguments} | tojson }}\n'
+    "{% elif m.role == 'tool' %}{{ bos_token }}ipython: {{ m.content }}\n"
+    "{% else %}{{ bos_token }}{{ m.role }}: {{ m.content }}\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ bos_token }}assistant: {% endif %}"
+)
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Tokyo", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+ADD = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 99},
+        "b": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+PARAMS = {"get_weather": WEATHER, "add": ADD}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The forecast.", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": ADD}},
+]
+ASK = [{"role": "user", "content": "Weather in Lima?"}]
+MAX = 160  # tokens: more than any call of TOOLS
+HISTORY = [
+    {"role": "user", "content": "Weather in Lima?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Lima", "days": 2}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"},
+    {"role": "user", "content": "And 1 + 2?"},
+]
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    return make_test_family(
+        tmp_path_factory.mktemp("tools_family"), n_variants=2, merged=False, args=tiny_args(max_seq_len=1024)
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(family, tmp_path_factory):
+    work = tmp_path_factory.mktemp("tools_cluster")
+    root = work / "deltas"
+    shutil.copytree(family.deltas, root)
+    for bad in (family.corrupt, family.other_base):
+        (root / family.delta_path(bad).name).unlink()
+    tok = work / "tokenizer"
+    tok.mkdir()
+    (tok / "tokenizer_config.json").write_text(json.dumps({"chat_template": HERMES, "bos_token": BOS}))
+    (work / "llama.jinja").write_text(LLAMA)
+    with Cluster(work) as c:
+        c.st = c.store(root)
+        c.w = c.worker(family.base, c.st.address, kv_cache="32MiB", extra=("--max-running", "48"))
+        c.r = c.router([c.w.address], c.st.address)
+        c.wait_serving(c.st, c.w, c.r)
+        c.g = c.gateway(
+            c.r.address,
+            chat_template=tok,
+            extra=("--variant-chat-templates", f"v1={work / 'llama.jinja'}", "--tokenizer", str(family.base)),
+        )
+        yield c
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(cluster):
+    c = openai.AsyncOpenAI(base_url=f"http://{cluster.g.address}/v1", api_key="k", max_retries=0, timeout=T)
+    for _ in range(600):
+        if {"v0", "v1"} <= {m.id for m in (await c.models.list()).data}:
+            break
+        await asyncio.sleep(0.1)
+    c.base = (await c.models.list()).data[0].id
+    yield c
+    await c.close()
+
+
+async def chat(client, model: str, stream: bool, **kw):
+    """(content, [(name, arguments text)], finish_reason) of choice 0: from the SDK's message, or from
+    its streamed deltas assembled as OpenAI's docs do (by tool call index)."""
+    model = client.base if model == "base" else model
+    if not stream:
+        r = await client.chat.completions.create(model=model, **kw)
+        m = r.choices[0].message
+        return (
+            m.content,
+            [(t.function.name, t.function.arguments) for t in m.tool_calls or []],
+            r.choices[0].finish_reason,
+        )
+    content, calls, finish = "", {}, None
+    async for ch in await client.chat.completions.create(model=model, stream=True, **kw):
+        for c in ch.choices:
+            content += c.delta.content or ""
+            for t in c.delta.tool_calls or []:
+                name, args = calls.get(t.index, ("", ""))
+                calls[t.index] = (name + (t.function.name or ""), args + (t.function.arguments or ""))
+                assert t.id is None or t.id.startswith("call_")
+            finish = c.finish_reason or finish
+    return content or None, [calls[i] for i in sorted(calls)], finish
+
+
+def assert_valid_call(name: str, arguments: str, names=("get_weather", "add")) -> None:
+    assert name in names, name
+    jsonschema.validate(json.loads(arguments), PARAMS[name])
+
+
+async def test_required_and_named_calls_validate_for_every_model_and_format(client):
+    """required (one call: parallel_tool_calls false) and a named function, greedy and sampled,
+    streamed and whole, the base and v0 (Hermes) and v1 (Llama JSON) in one mixed batch."""
+    jobs, cases = [], []
+    for model in ("base", "v0", "v1"):
+        for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+            for temperature, seed, stream in ((0.0, None, False), (1.0, 3, True), (1.0, 4, False)):
+                kw = {"messages": ASK, "tools": TOOLS, "tool_choice": choice, "max_tokens": MAX}
+                kw.update(temperature=temperature, seed=seed, parallel_tool_calls=False)
+                jobs.append(chat(client, model, stream, **kw))
+                cases.append((model, choice, temperature, stream))
+    for case, (content, calls, finish) in zip(cases, await asyncio.gather(*jobs)):
+        assert finish == "tool_calls" and len(calls) == 1 and not content, (case, content, calls, finish)
+        names = ("add",) if isinstance(case[1], dict) else ("get_weather", "add")
+        assert_valid_call(*calls[0], names=names)
+
+
+async def test_required_with_parallel_calls_makes_at_least_one(client):
+    """Parallel calls have no bound (a random model goes on to the next call as often as it stops):
+    a bias on EOS, which the grammar allows only between whole calls, ends the answer after some."""
+    for seed in (1, 2):
+        content, calls, finish = await chat(
+            client,
+            "v0",
+            seed == 2,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=600,
+            temperature=1.0,
+            seed=seed,
+            logit_bias={"256": 8},
+        )
+        assert finish == "tool_calls" and calls and not content, (content, calls, finish)
+        for call in calls:
+            assert_valid_call(*call)
+
+
+STEERED = 'start: "Let me check. <tool_call>\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": {\\"city\\": \\"" CITY "\\", \\"days\\": " DAY "}}\\n</tool_call>"\nCITY: "Paris" | "Tokyo" | "Lima"\nDAY: /[1-7]/'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_auto_parses_what_the_model_writes_content_and_call(client, stream):
+    """tool_choice auto with a user grammar that makes the model write content and then a call:
+    the SDK sees the content and a tool_calls object (streamed: content first, the call at the end)."""
+    content, calls, finish = await chat(
+        client, "v0", stream, messages=ASK, tools=TOOLS, max_tokens=MAX, extra_body={"guided_grammar": STEERED}
+    )
+    assert finish == "tool_calls" and content == "Let me check. ", (content, calls)
+    assert len(calls) == 1 and calls[0][0] == "get_weather"
+    assert_valid_call(*calls[0])
+
+
+async def test_auto_text_that_is_no_call_is_content_and_none_is_text_only(client):
+    steered = {"guided_choice": ["It is sunny."]}
+    for choice in ("auto", "none"):
+        content, calls, finish = await chat(
+            client, "v0", True, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=MAX, extra_body=steered
+        )
+        assert (content, calls, finish) == ("It is sunny.", [], "stop")
+    call = {"guided_grammar": 'start: "<tool_call>\\n{\\"name\\": \\"add\\", \\"arguments\\": {}}\\n</tool_call>"'}
+    content, calls, finish = await chat(
+        client, "v0", False, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=MAX, extra_body=call
+    )
+    assert calls == [] and finish == "stop" and content.startswith("<tool_call>"), "none: the text as it is"
+
+
+async def test_multi_turn_history_with_tool_calls_and_results_is_rendered(client, cluster):
+    """An assistant turn with tool_calls and a tool turn with tool_call_id reach the template (the
+    prompt the worker gets, from /tokenize), and the next call is served."""
+    import urllib.request
+
+    def tokenize(model: str) -> str:
+        req = urllib.request.Request(
+            f"http://{cluster.g.address}/tokenize",
+            json.dumps({"model": model, "messages": HISTORY}).encode(),
+            {"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=T) as r:
+            ids = json.loads(r.read())["tokens"]
+        req = urllib.request.Request(
+            f"http://{cluster.g.address}/detokenize",
+            json.dumps({"model": model, "tokens": ids}).encode(),
+            {"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=T) as r:
+            return json.loads(r.read())["prompt"]
+
+    hermes, llama = await asyncio.gather(asyncio.to_thread(tokenize, "v0"), asyncio.to_thread(tokenize, "v1"))
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima", "days": 2}}\n</tool_call>' in hermes
+    assert "tool call_1: sunny, 24 C" in hermes and "user: And 1 + 2?" in hermes
+    assert '{"name": "get_weather", "parameters": {"city": "Lima", "days": 2}}' in llama and "ipython: sunny" in llama
+    for model in ("v0", "v1"):
+        _, calls, finish = await chat(
+            client,
+            model,
+            False,
+            messages=HISTORY,
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=MAX,
+            parallel_tool_calls=False,
+        )
+        assert finish == "tool_calls" and len(calls) == 1
+        assert_valid_call(*calls[0])
+
+
+async def test_the_templates_get_the_tools_as_transformers_passes_them():
+    t = ChatTemplate(HERMES, "test", {"bos_token": BOS})
+    assert t.render(ASK, tools=TOOLS).startswith(f"{BOS}system: tools: get_weather add. Call one as <tool_call>")
+    assert "tools:" not in t.render(ASK)
+
+
+async def test_parse_calls_and_the_stream_holder():
+    text = 'Hi <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima", "days": 3}}\n</tool_call>'
+    content, calls = parse_calls(text, ToolFormat.HERMES)
+    assert content == "Hi \n" and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("add", {"a": 1, "b": 2}),
+        ("get_weather", {"city": "Lima", "days": 3}),
+    ]
+    assert parse_calls("<tool_call>not json</tool_call>", ToolFormat.HERMES) == ("<tool_call>not json</tool_call>", ())
+    content, calls = parse_calls(' {"name": "add", "parameters": {"a": 1, "b": 2}}', ToolFormat.LLAMA_JSON)
+    assert content is None and calls[0].name == "add" and json.loads(calls[0].arguments) == {"a": 1, "b": 2}
+    assert parse_calls("{not a call", ToolFormat.LLAMA_JSON) == ("{not a call", ())
+    s = CallStream(ToolFormat.HERMES)
+    pieces = [s.add(p) for p in ("Hi <to", "ol_call>\n", text[3 + len("<tool_call>\n") :])]
+    assert pieces == ["Hi ", "", ""]
+    rest, made, finish = s.finish("stop")
+    assert finish == "tool_calls" and len(made) == 2 and rest == ""
+    s = CallStream(ToolFormat.HERMES)
+    assert s.add("a <to") == "a " and s.add("ast>") == "<toast>"  # held only while it could begin a call
+    assert s.finish("stop") == ("", (), "stop")
+
+
+@pytest.mark.parametrize(
+    "kw,param,words",
+    [
+        ({"tools": [{"type": "function"}]}, "tools", "tools[0] must be"),
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools", "function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+            "tools",
+            "object",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"type": "strng"}}},
+                        },
+                    }
+                ]
+            },
+            "tools",
+            "strng",
+        ),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools", "same name"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "not one of",
+        ),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice must be"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": TOOLS, "logprobs": True}, "logprobs", "not served"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+            "one constraint",
+        ),
+        ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "tool_call_id"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
+                        ],
+                    }
+                ]
+            },
+            "messages",
+            "JSON object",
+        ),
+        ({"functions": [{"name": "f"}]}, "functions", "use tools"),
+    ],
+)
+async def test_malformed_tools_are_400_naming_the_field(client, kw, param, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model="v0", **{"messages": ASK, "max_tokens": 8, **kw})
+    body = e.value.body
+    assert body["param"] == param and words in body["message"], body
