@@ -62,14 +62,15 @@ if [ $DRY = 1 ]; then
         tests/gpu_worker/test_worker_batch_invariance.py
     step kernels 600 "$PY" bench/kernels.py --dry-run --reps 1 --out "$out"
     step worker 600 "$PY" bench/worker.py --preset tiny --new-tokens 4 --prompt-len 32 --reps 1 \
-        --variants 1,4 --kv-cache 8388608 --out "$out/worker.json"
+        --variants 1,4 --decode-batches 1,8 --kv-cache 8388608 --out "$out/worker.json"
 else
     # most important first; Triton compiles (~1-2 s per binary) dominate the first two steps
     export BITDELTA_REQUIRE_CUDA=1  # the profile fails if it is not really on the GPU
     step tests 180 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/kernels/test_kernel_numerics.py \
         tests/gpu_worker/test_worker_batch_invariance.py tests/kernels/test_kernels.py
-    step worker 150 "$PY" bench/worker.py --preset gpu7b --new-tokens 32 --prompt-len 256 --reps 2 \
-        --kv-cache 1073741824 --out "$out/worker.json"
+    # decode at batch 1, 8, 64 as a fraction of the HBM limit: where the per-step overhead stands
+    step worker 170 "$PY" bench/worker.py --preset gpu7b --new-tokens 32 --prompt-len 256 --reps 2 \
+        --decode-batches 1,8,64 --kv-cache 1073741824 --out "$out/worker.json"
     step kernels 100 "$PY" bench/kernels.py --out "$out"
     step tune 40 "$PY" -m kernels.tune --out "$out/tuned_configs.json"
 fi

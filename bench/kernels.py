@@ -393,7 +393,7 @@ def main(argv=None):
     elif args.only_sweep:
         cpu_sweep(t, rows)
     else:
-        dtype = serving_dtype(dev).dtype  # the worker's CPU dtype (fp32 unless BITDELTA_CPU_PRECISION=bf16)
+        dtype = serving_dtype(dev).dtype  # the worker's CPU dtype (bitdelta.precision: bf16 where native)
         dec_d = (4096,) if args.quick else (4096, 8192)
         print("CPU fused decode (÷ torch base GEMV):")
         bench_fused(dev, t, bw, dtype, [(d, M) for d in dec_d for M in (1, 4, 16)], rows, "fused decode")

@@ -15,6 +15,8 @@
    On CUDA: torch.cuda.max_memory_allocated minus the KV pool (a separate, configured budget, reported).
    On CPU: the bytes of the worker's tensors (base, slot stacks, per-delta extras), and the process's
    RSS growth since before the worker started, for reference.
+5. (--decode-batches 1,8,64) base-only decode tok/s at each batch size as a fraction of the memory
+   limit: B × read bandwidth (measured in this run) ÷ (weight bytes + the batch's KV bytes).
 
 The worker runs in-process through `Worker.generate` / `load_delta` (the same code the gRPC
 servicer calls), so the ratios measure the engine, not the transport.
@@ -40,6 +42,7 @@ from pagecache import evict  # noqa: E402  (bench/pagecache.py)
 
 from bitdelta.format import load_delta, read_header, write_delta  # noqa: E402
 from kernels import backend_for  # noqa: E402
+from services.gpu_worker.runner import KVPool  # noqa: E402
 
 PRESETS = {
     # ~93M params (a 12 MB delta): GEMMs, not Python, dominate a CPU step, and a load is not all fixed cost
@@ -146,6 +149,24 @@ async def decode_rate(worker, models: list[str], prompt: str, n: int) -> float:
     return toks / (t1 - t0)
 
 
+def read_bandwidth(device: torch.device, reps: int = 5) -> float:
+    """Bytes/s the device reads: the best of `reps` sums over a tensor far beyond any cache
+    (2 GiB on CUDA, 512 MiB on CPU)."""
+    n = (1 << 30) if device.type == "cuda" else (128 << 20)  # fp32 elements
+    a = torch.ones(n, device=device)
+    best = 1e9
+    for _ in range(reps + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        a.sum()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t)
+    del a
+    return n * 4 / best
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -168,8 +189,8 @@ async def bench(args) -> dict:
     paths = {n: next(deltas.glob(f"{n}.*")) for n in names}
     size = statistics.mean(p.stat().st_size for p in paths.values())
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    # bitdelta.precision's rule, as the worker's --dtype auto: bf16 on CUDA, fp32 on CPU
-    # unless the process's choice (BITDELTA_CPU_PRECISION) is bf16
+    # bitdelta.precision's rule, as the worker's --dtype auto: bf16 on CUDA and on CPUs with native bf16
+    # (BITDELTA_CPU_PRECISION overrides)
     from bitdelta.precision import serving_dtype
 
     dtype = args.dtype or serving_dtype(device).torch_name
@@ -286,6 +307,26 @@ async def bench(args) -> dict:
             f"{ratio / limit:.2f} of the limit"
         )
 
+    # 1c. decode on the base at batch B as a fraction of the memory limit: a step reads the base's
+    # weights once (and each sequence's KV), so B tokens take at least bytes ÷ the device's read
+    # bandwidth (measured here); what is left is per-step overhead (where it stands on a GPU)
+    if args.decode_batches:
+        bw_dev = read_bandwidth(worker.device)
+        res["read_bandwidth_bytes_per_s"] = bw_dev
+        res["decode_vs_hbm"] = {}
+        ctx = len(worker.tokenizer.encode("Once upon a time").ids) + args.new_tokens // 2  # mean context
+        per_tok_kv = KVPool.bytes_per_token(worker.args, worker.dtype)
+        for B in args.decode_batches:
+            if B > worker.scheduler.max_running:
+                continue
+            rate = statistics.median(
+                [await decode_rate(worker, [""] * B, "Once upon a time", args.new_tokens) for _ in range(args.reps)]
+            )
+            step_bytes = worker.base.nbytes + B * ctx * per_tok_kv
+            limit = B * bw_dev / step_bytes
+            res["decode_vs_hbm"][B] = {"tok_s": rate, "limit_tok_s": limit, "fraction": rate / limit}
+            log(f"decode batch {B} (base): {rate:.0f} tok/s; memory limit {limit:.0f} tok/s; {rate / limit:.2f} of it")
+
     # 4. memory with n_res resident (after a mixed batch ran)
     kv_bytes = worker.kv.k.numel() * worker.kv.k.element_size() * 2
     want = worker.base.nbytes + n_res * size
@@ -325,6 +366,12 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--kv-cache", type=int, default=64 << 20)
+    p.add_argument(
+        "--decode-batches",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[],
+        help="base-only decode at these batch sizes as a fraction of the memory limit (e.g. 1,8,64)",
+    )
     p.add_argument("--workdir", help="where to build the random family (default: the system temp dir)")
     p.add_argument("--out", help="also write the results as JSON here")
     p.add_argument(
@@ -368,6 +415,12 @@ def main(argv=None) -> None:
         print(
             f"{'decode V=' + str(V):<18}{r['fraction_of_limit']:>8.3f}   {'>= 0.9':<13} "
             f"{r['ratio']:.3f} of base-only; memory limit 2/(2+V/8) = {r['limit']:.3f}"
+        )
+    for B, r in res.get("decode_vs_hbm", {}).items():
+        print(
+            f"{'decode B=' + str(B):<18}{r['fraction']:>8.3f}   {'of the limit':<13} "
+            f"{r['tok_s']:.0f} tok/s; weights + KV ÷ {res['read_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s "
+            f"read bandwidth = {r['limit_tok_s']:.0f} tok/s"
         )
     if "rss_growth_bytes" in res:
         print(

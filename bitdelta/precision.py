@@ -24,11 +24,9 @@ Training autocasts its forward/backward to `cpu_precision().name`; weights,
 gradients and optimizer state stay fp32 either way, so the choice changes the
 numerics of matmuls only. Every build record and report states the choice.
 
-Serving on CPU (`serving_dtype`) keeps fp32 under `auto` even where bf16 is
-native: the C kernels accumulate in fp32 and the worker's answers are checked
-against the fp32 reference; the choice bf16 opts in to bf16
-weights there (half the memory traffic). On CPU it is never bf16 without the
-user asking, so a CPU without bf16 never runs emulated bf16.
+Serving (`serving_dtype`, the worker's `--dtype auto`) follows the same rule: bf16 weights on a
+CPU with native bf16 (half the memory traffic of fp32; the C kernels widen them in registers and
+accumulate in fp32), fp32 elsewhere, so a CPU without bf16 never serves emulated bf16.
 
     >>> from bitdelta.precision import cpu_precision, autocast
     >>> cpu_precision()
@@ -198,16 +196,11 @@ def autocast(device, choice: str | None = None):
 
 
 def serving_dtype(device, choice: str | None = None) -> Precision:
-    """The weights' dtype for the worker's `--dtype auto` (and the benchmarks' default):
-    bf16 on CUDA; on CPU fp32 unless the choice (default: the process's) is bf16."""
-    kind = getattr(device, "type", None) or str(device).split(":")[0]
-    if kind == "cuda":
-        return precision_for(kind)
-    choice = _resolve(choice)
-    if kind == "cpu" and choice == "bf16":
-        return cpu_precision(choice)
-    _, why = native_bf16()
-    return Precision("fp32", f"serving on {kind} keeps fp32 unless {ENV}=bf16; {why}", "serving default")
+    """The weights' dtype for the worker's `--dtype auto` (and the benchmarks' default): the same
+    rule as training (`precision_for`): bf16 on CUDA; on CPU bf16 where the CPU has native bf16
+    (the C kernels' GEMVs read bf16 weights at their bandwidth, half of fp32's bytes; they
+    accumulate in fp32), fp32 elsewhere; the choice (default: the process's) overrides."""
+    return precision_for(device, choice)
 
 
 __all__ = [

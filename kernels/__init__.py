@@ -4,6 +4,7 @@
         y = x · W_baseᵀ + α ⊙ (x · Sᵀ)          (fused: W_eff never stored)
     bitdelta_delta_batched(x, signs_stack, alpha_stack, row_variant, y, *, plan=None) -> y
         y[r] += α_v ⊙ (x[r] · S_vᵀ), v = row_variant[r] ≥ 0   (mixed-variant batch)
+    dense_linear(x, w, *, out_fp32=False) -> y   y = x · wᵀ (base rows; the C GEMV at decode on CPU)
     plan_batch(row_variant, n_variants, ...) -> BatchPlan     (build once per step, reuse per layer)
 
 Triton on CUDA (and in the interpreter under TRITON_INTERPRET=1), compiled C on
@@ -13,7 +14,7 @@ The sign packing every layer reads is `kernels.bits`. This package imports nothi
 of the project: the core (`bitdelta`) imports it, never the reverse.
 """
 
-from kernels.dispatch import backend_for, bitdelta_delta_batched, bitdelta_linear
+from kernels.dispatch import backend_for, bitdelta_delta_batched, bitdelta_linear, dense_linear
 from kernels.merged_cache import MergedWeightCache
 from kernels.plan import BatchPlan, plan_batch
 from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
@@ -21,6 +22,7 @@ from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
 __all__ = [
     "bitdelta_linear",
     "bitdelta_delta_batched",
+    "dense_linear",
     "plan_batch",
     "BatchPlan",
     "MergedWeightCache",

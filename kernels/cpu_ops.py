@@ -7,11 +7,13 @@ Building blocks from `csrc/bitdelta_cpu.c`:
   is kept as the portable alternative and for the benchmark.
 - `merge_cpu`: W_base + α·S (or α·S alone) for a block of rows, in fp32/bf16/fp16,
   for the prefill path: merge a row block once, then one BLAS GEMM.
-- `linear_gemv_cpu`: the fused decode GEMV, y = x·Wᵀ + α ⊙ (x·Sᵀ) in one pass
-  over W and the bits (an FMA and a masked add per 16 columns).
+- `linear_gemv_cpu`: the decode GEMV, y = x·Wᵀ (+ α ⊙ (x·Sᵀ) fused, in one pass
+  over W and the bits: an FMA and a masked add per 16 columns). Without the delta it
+  is the base's decode GEMV (`dense_linear_cpu`), bf16 weights widened in registers.
 
 Which one runs is chosen per M and weight dtype (thresholds below, measured):
-decode-sized M takes the fused GEMV; larger M merges W_eff block by block and
+decode-sized M takes the base GEMV then the delta GEMV (`gemv_delta`: two passes beat
+the fused one from memory), up to FUSED_GEMV_MAX_M the fused GEMV; larger M merges W_eff block by block and
 runs one BLAS GEMM, since the merge is one pass over W and the GEMM then does
 base and delta in one product.
 
@@ -38,6 +40,10 @@ from kernels.reference import bitdelta_linear_ref
 # - delta only (batched): the delta GEMV costs ≈ a dense GEMM at M ≈ 32, beyond
 #   which unpack(α·S)-then-GEMM wins.
 FUSED_GEMV_MAX_M = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 24}
+# The same GEMV without the delta (a base row): torch's M=1 fp32 GEMV read the weights at
+# 16 GB/s and its bf16 GEMV at ~half the fp32 bandwidth, the C GEMV at 21 GB/s (fp32) and at
+# the bf16 weights' bandwidth (one thread, 2-core EPYC, SmolLM2-135M shapes).
+DENSE_GEMV_MAX_M = {torch.float32: 8, torch.bfloat16: 8, torch.float16: 8}
 MERGE_MIN_M = 32
 UNPACK_MIN_M = 32
 # Merge at most this many bytes of weights at a time: big enough that the
@@ -171,24 +177,36 @@ def merge_cpu(
     return out
 
 
-def linear_gemv_cpu(x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """y = x · W_baseᵀ + α ⊙ (x · Sᵀ) in one pass over W and the bits -> fp32 [M, d_out].
+def linear_gemv_cpu(
+    x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor | None, alpha: torch.Tensor | None
+) -> torch.Tensor:
+    """y = x · W_baseᵀ + α ⊙ (x · Sᵀ) in one pass over W and the bits -> fp32 [M, d_out];
+    signs None: y = x · W_baseᵀ alone (the base's decode GEMV, at the weights' bandwidth).
 
     x: [M, d_in]; w_base: [d_out, d_in] fp32/bf16/fp16; signs: uint8 [d_out, ceil(d_in/8)]; alpha: [d_out] or [1].
     """
     lib = load_cpu_lib()
     M, d_in = x.shape
     d_out = w_base.shape[0]
-    _check_signs(signs, d_in, d_out, x, w_base, alpha)
+    if signs is not None:
+        _check_signs(signs, d_in, d_out, x, w_base, alpha)
+    elif any(t.device.type != "cpu" for t in (x, w_base)):
+        raise ValueError("the CPU kernels take CPU tensors")
     if w_base.shape[1] != d_in:
         raise ValueError(f"w_base has {w_base.shape[1]} columns; x has {d_in}")
     if lib is None:
+        if signs is None:
+            return x.float() @ w_base.float().t()
         return bitdelta_linear_ref(x.float(), w_base, signs, alpha)
     x32 = x.to(torch.float32).contiguous()
     w = w_base if w_base.dtype in _W_DTYPE_CODE else w_base.float()
     w = w if w.stride(1) == 1 else w.contiguous()
-    s = signs if signs.stride(1) == 1 else signs.contiguous()
-    a, a_stride = _alpha_f32(alpha, d_out)
+    if signs is None:
+        s, lds, a, a_stride = None, 0, None, 0
+    else:
+        s = signs if signs.stride(1) == 1 else signs.contiguous()
+        lds = s.stride(0)
+        a, a_stride = _alpha_f32(alpha, d_out)
     y = torch.empty(M, d_out, dtype=torch.float32)
     rc = lib.bd_linear_gemv(
         x32.data_ptr(),
@@ -197,11 +215,11 @@ def linear_gemv_cpu(x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, 
         w.data_ptr(),
         _W_DTYPE_CODE[w.dtype],
         w.stride(0),
-        s.data_ptr(),
+        None if s is None else s.data_ptr(),
         d_out,
         d_in,
-        s.stride(0),
-        a.data_ptr(),
+        lds,
+        None if a is None else a.data_ptr(),
         a_stride,
         y.data_ptr(),
         y.stride(0),
@@ -210,6 +228,25 @@ def linear_gemv_cpu(x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, 
     if rc != 0:
         raise MemoryError("bd_linear_gemv could not allocate its scratch")
     return y
+
+
+def dense_path_cpu(M: int, w_dtype: torch.dtype) -> str:
+    """Which path `dense_linear_cpu` takes for M rows: the C GEMV ("gemv") or torch's GEMM ("blas")."""
+    if load_cpu_lib() is None or cpu_isa() == "scalar":
+        return "blas"
+    return "gemv" if M <= DENSE_GEMV_MAX_M.get(w_dtype, 0) else "blas"
+
+
+def dense_linear_cpu(x: torch.Tensor, w: torch.Tensor, out_fp32: bool = False) -> torch.Tensor:
+    """y = x · wᵀ with no delta (a base row's projection, the base's LM head) -> [M, d_out] in
+    x.dtype (fp32 with `out_fp32`). Decode-sized M reads W once at bandwidth in the C GEMV
+    (fp32 accumulation; bf16 weights widened in registers); larger M is torch's GEMM."""
+    if dense_path_cpu(x.shape[0], w.dtype) == "gemv":
+        y = linear_gemv_cpu(x, w, None, None)
+        return y if out_fp32 else y.to(x.dtype)
+    if out_fp32:
+        return x.float() @ w.float().t() if w.dtype != torch.float32 else x.float() @ w.t()
+    return x @ w.t()
 
 
 def _compute_dtype(x: torch.Tensor, w_base: torch.Tensor) -> torch.dtype:
@@ -259,10 +296,23 @@ def linear_blas_delta_cpu(
     return y.to(x.dtype)
 
 
+def linear_gemv_delta_cpu(
+    x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor
+) -> torch.Tensor:
+    """Decode path: the base's C GEMV, then the delta GEMV from the bits -> [M, d_out] in x.dtype.
+    Two passes: the weights' pass stays a pure stream at bandwidth (one pass with the masked adds
+    interleaved ran at 0.6-0.8x of it), the second reads only the bits (1/32 of fp32 W's bytes)."""
+    y = linear_gemv_cpu(x, w_base, None, None)
+    delta_gemv_cpu(x, signs, alpha, y)
+    return y.to(x.dtype)
+
+
 def linear_path_cpu(M: int, w_dtype: torch.dtype) -> str:
     """Which CPU path `bitdelta_linear_cpu` takes for M rows (measured; docs/kernels.md)."""
     if load_cpu_lib() is None:
         return "torch"
+    if dense_path_cpu(M, w_dtype) == "gemv":
+        return "gemv_delta"
     if cpu_isa() == "avx512":
         return "fused_gemv" if M <= FUSED_GEMV_MAX_M.get(w_dtype, 0) else "merge_gemm"
     return "blas_delta" if M < MERGE_MIN_M else "merge_gemm"
@@ -277,6 +327,8 @@ def bitdelta_linear_cpu(
     alpha: [d_out] or [1] -> y: [M, d_out] in x.dtype. `path` forces a path (benchmarks).
     """
     path = path or linear_path_cpu(x.shape[0], w_base.dtype)
+    if path == "gemv_delta":
+        return linear_gemv_delta_cpu(x, w_base, signs, alpha)
     if path == "fused_gemv":
         return linear_gemv_cpu(x, w_base, signs, alpha).to(x.dtype)
     if path == "blas_delta":

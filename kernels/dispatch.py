@@ -80,6 +80,33 @@ def bitdelta_linear(
     return y.reshape(*lead, d_out)
 
 
+def dense_linear(
+    x: torch.Tensor, w: torch.Tensor, *, out_fp32: bool = False, backend: str | None = None
+) -> torch.Tensor:
+    """y = x · wᵀ, no delta (a step's base rows, the base's LM head). x: [M, d_in]; w: [d_out, d_in]
+    -> [M, d_out] in x.dtype, or fp32 (accumulated and returned in fp32) with `out_fp32`.
+
+    On CPU with the C kernels, decode-sized M runs the C GEMV (`cpu_ops.dense_linear_cpu`:
+    the weights read once, bf16 widened in registers); elsewhere torch's GEMM.
+    """
+    if x.device.type == "cpu" and backend_for(x.device, 0, backend) == "cpu":
+        return cpu_ops.dense_linear_cpu(x, w, out_fp32)
+    if not out_fp32:
+        return x @ w.t()
+    global _MM_OUT_DTYPE
+    if x.device.type == "cuda" and _MM_OUT_DTYPE is not False:
+        try:  # cuBLAS: bf16 inputs, fp32 output (torch >= 2.8)
+            y = torch.mm(x, w.t(), out_dtype=torch.float32)
+            _MM_OUT_DTYPE = True
+            return y
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE = False  # older torch: upcast instead (slower, same numbers)
+    return x.float() @ w.float().t()
+
+
+_MM_OUT_DTYPE: bool | None = None  # torch.mm(..., out_dtype=) works here (CUDA, torch ≥ 2.8)
+
+
 def bitdelta_delta_batched(
     x: torch.Tensor,
     signs_stack: torch.Tensor,

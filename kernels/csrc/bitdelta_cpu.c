@@ -378,122 +378,255 @@ void bd_merge(const void *w, int w_dtype, int64_t ldw, const uint8_t *s, int64_t
 /* fused linear GEMV: y[m, r] = Σ_k x[m,k]·w[r,k] + α_r · Σ_k x[m,k]·s[r,k] */
 /* One pass over W and the bits: a FMA for the base and a masked add for    */
 /* the delta per 16 columns, so the delta rides on the memory-bound base.   */
+/* s == NULL: the base alone (the decode GEMV of a base row, or a bf16 one  */
+/* at full bandwidth: torch's small-M bf16 GEMM reads at about half of it). */
+/* bf16/fp16 weights are widened to fp32 in registers (a shift, or F16C), so */
+/* the same code runs on AVX2 and on AVX-512 without AVX512-BF16/AMX.       */
 /* ---------------------------------------------------------------------- */
+#if defined(__AVX512F__) || defined(__AVX2__)
+/* A chunk is 2·L columns (L = the vector's fp32 lanes: 16 for AVX-512, 8 for AVX2). bf16
+ * weights are widened without a shuffle: one load of 2·L bf16 values, `<< 16` gives the even
+ * columns as fp32 and `& 0xffff0000` the odd ones, multiplied by x's even and odd columns,
+ * which the caller lays out once per call (xeo: per chunk L even then L odd values). fp32/fp16
+ * weights take two natural vectors. The delta (bits of 2·L columns) takes two masked adds of
+ * x's natural vectors. */
 #if defined(__AVX512F__)
-static inline __attribute__((always_inline)) __m512 load_w16(const void *w, int w_dtype, int64_t i) {
-    if (w_dtype == BD_W_F32) return _mm512_loadu_ps((const float *)w + i);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
-    if (w_dtype == BD_W_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    return _mm512_cvtph_ps(h);
+#define LANES 16
+typedef __m512 vf;
+#define V_ZERO() _mm512_setzero_ps()
+#define V_LOAD(p) _mm512_loadu_ps(p)
+#define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define V_SUM(v) _mm512_reduce_add_ps(v)
+#define V_BF16_EVEN(h) _mm512_castsi512_ps(_mm512_slli_epi32(h, 16))
+#define V_BF16_ODD(h) _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32((int)0xffff0000u)))
+#define V_LOAD_I(p) _mm512_loadu_si512((const void *)(p))
+#define V_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+/* the delta of 16 columns whose bits start at byte p: a masked add */
+#define DELTA_PREP()
+#define DELTA_ADD(acc, p, xv) acc = _mm512_mask_add_ps(acc, _load_mask16((__mmask16 *)(p)), acc, xv)
+#else
+#define LANES 8
+typedef __m256 vf;
+#define V_ZERO() _mm256_setzero_ps()
+#define V_LOAD(p) _mm256_loadu_ps(p)
+#define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+static inline float hsum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
 }
+#define V_SUM(v) hsum8(v)
+#define V_BF16_EVEN(h) _mm256_castsi256_ps(_mm256_slli_epi32(h, 16))
+#define V_BF16_ODD(h) _mm256_castsi256_ps(_mm256_and_si256(h, _mm256_set1_epi32((int)0xffff0000u)))
+#define V_LOAD_I(p) _mm256_loadu_si256((const __m256i *)(p))
+#define V_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))) /* F16C: part of x86-64-v3 */
+/* no mask registers: broadcast the byte, test one bit per lane */
+#define DELTA_PREP() const __m256i lane_bit_ = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128)
+#define DELTA_ADD(acc, p, xv)                                                                            \
+    do {                                                                                                 \
+        const __m256i b_ = _mm256_set1_epi32(*(p));                                                      \
+        const __m256 on_ = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(b_, lane_bit_), lane_bit_)); \
+        acc = _mm256_add_ps(acc, _mm256_and_ps(on_, xv));                                                \
+    } while (0)
+#endif
 
-/* R weight rows × MB rows of x per register block (2·R·MB accumulators). R, MB
- * and the weight dtype must be literal constants so that the accumulator arrays
- * live in registers (as runtime-sized arrays GCC kept them on the stack: 1.5× slower),
- * hence one function per combination, stamped out by this macro. */
-#define LINEAR_BLOCK(NAME, R, MB, WD)                                                                   \
-    static void NAME(const float *x, int64_t ldx, const float *xsum, const void *w, int64_t ldw,         \
-                     const uint8_t *s, int64_t lds, int64_t d_in, const float *alpha,                    \
+/* R weight rows × MB rows of x per register block (R·MB base accumulators, and as many for
+ * the delta when D = 1). R, MB, D and the weight dtype must be literal constants so that the
+ * accumulator arrays live in registers (as runtime-sized arrays GCC kept them on the stack:
+ * 1.5× slower), hence one function per combination, stamped out by this macro. */
+#define LINEAR_BLOCK(NAME, R, MB, WD, D)                                                                \
+    static void NAME(const float *x, const float *xeo, int64_t ldx, const float *xsum, const void *w,    \
+                     int64_t ldw, const uint8_t *s, int64_t lds, int64_t d_in, const float *alpha,       \
                      int64_t alpha_stride, float *y, int64_t ldy, int64_t r, int nr, int64_t m0) {       \
-        const int64_t nfull = d_in / 16;                                                                 \
-        __m512 base[MB][R], dlt[MB][R];                                                                  \
+        const int64_t nchunk = d_in / (2 * LANES);                                                       \
+        DELTA_PREP();                                                                                    \
+        vf base[MB][R], dlt[MB][R];                                                                      \
         for (int b = 0; b < MB; ++b)                                                                     \
-            for (int i = 0; i < R; ++i) base[b][i] = dlt[b][i] = _mm512_setzero_ps();                    \
-        int64_t ri[R];                                                                                   \
-        for (int i = 0; i < R; ++i) ri[i] = r + (i < nr ? i : 0); /* missing rows alias row r */         \
-        for (int64_t j = 0; j < nfull; ++j) {                                                            \
-            __m512 xv[MB];                                                                               \
-            for (int b = 0; b < MB; ++b) xv[b] = _mm512_loadu_ps(x + (m0 + b) * ldx + 16 * j);           \
+            for (int i = 0; i < R; ++i) base[b][i] = dlt[b][i] = V_ZERO();                               \
+        const float *wf[R];                                                                              \
+        const uint16_t *wh[R];                                                                           \
+        const uint8_t *sr[R];                                                                            \
+        for (int i = 0; i < R; ++i) { /* missing rows alias row r; their sums are dropped */             \
+            const int64_t ri = r + (i < nr ? i : 0);                                                     \
+            wf[i] = (const float *)w + ri * ldw;                                                         \
+            wh[i] = (const uint16_t *)w + ri * ldw;                                                      \
+            sr[i] = D ? s + ri * lds : NULL;                                                             \
+        }                                                                                                \
+        for (int64_t j = 0; j < nchunk; ++j) {                                                           \
+            const int64_t c = 2 * LANES * j;                                                             \
+            vf x0[MB], x1[MB];                                                                           \
+            for (int b = 0; b < MB; ++b) {                                                               \
+                const float *xm = (WD == BD_W_BF16 ? xeo : x) + (m0 + b) * ldx + c;                      \
+                x0[b] = V_LOAD(xm);                                                                      \
+                x1[b] = V_LOAD(xm + LANES);                                                              \
+            }                                                                                            \
             for (int i = 0; i < R; ++i) {                                                                \
-                const __m512 wv = load_w16(w, WD, ri[i] * ldw + 16 * j);                                 \
-                uint16_t bits;                                                                           \
-                memcpy(&bits, s + ri[i] * lds + 2 * j, 2);                                               \
-                for (int b = 0; b < MB; ++b) {                                                           \
-                    base[b][i] = _mm512_fmadd_ps(xv[b], wv, base[b][i]);                                 \
-                    dlt[b][i] = _mm512_mask_add_ps(dlt[b][i], (__mmask16)bits, dlt[b][i], xv[b]);        \
+                vf w0, w1;                                                                               \
+                if (WD == BD_W_F32) {                                                                    \
+                    w0 = V_LOAD(wf[i] + c);                                                              \
+                    w1 = V_LOAD(wf[i] + c + LANES);                                                      \
+                } else if (WD == BD_W_BF16) {                                                            \
+                    const __typeof__(V_LOAD_I(wh[i])) h = V_LOAD_I(wh[i] + c);                           \
+                    w0 = V_BF16_EVEN(h);                                                                 \
+                    w1 = V_BF16_ODD(h);                                                                  \
+                } else {                                                                                 \
+                    w0 = V_F16(wh[i] + c);                                                               \
+                    w1 = V_F16(wh[i] + c + LANES);                                                       \
                 }                                                                                        \
+                for (int b = 0; b < MB; ++b) {                                                           \
+                    base[b][i] = V_FMA(x0[b], w0, base[b][i]);                                           \
+                    base[b][i] = V_FMA(x1[b], w1, base[b][i]);                                           \
+                }                                                                                        \
+                if (D)                                                                                   \
+                    for (int b = 0; b < MB; ++b) {                                                       \
+                        const float *xm = x + (m0 + b) * ldx + c;                                        \
+                        DELTA_ADD(dlt[b][i], sr[i] + c / 8, V_LOAD(xm));                                 \
+                        DELTA_ADD(dlt[b][i], sr[i] + c / 8 + LANES / 8, V_LOAD(xm + LANES));             \
+                    }                                                                                    \
             }                                                                                            \
         }                                                                                                \
         for (int b = 0; b < MB; ++b) {                                                                   \
             const float *xm = x + (m0 + b) * ldx;                                                        \
             for (int i = 0; i < nr; ++i) {                                                               \
-                float bt = _mm512_reduce_add_ps(base[b][i]), dt = _mm512_reduce_add_ps(dlt[b][i]);       \
-                for (int64_t k = 16 * nfull; k < d_in; ++k) { /* ragged tail */                          \
-                    bt += xm[k] * w_at(w, WD, ri[i] * ldw + k);                                          \
-                    if ((s[ri[i] * lds + (k >> 3)] >> (k & 7)) & 1) dt += xm[k];                         \
+                float bt = V_SUM(base[b][i]), dt = D ? V_SUM(dlt[b][i]) : 0.f;                           \
+                for (int64_t k = 2 * LANES * nchunk; k < d_in; ++k) { /* ragged tail */                  \
+                    bt += xm[k] * w_at(w, WD, (r + i) * ldw + k);                                        \
+                    if (D && ((s[(r + i) * lds + (k >> 3)] >> (k & 7)) & 1)) dt += xm[k];                \
                 }                                                                                        \
-                y[(m0 + b) * ldy + r + i] = bt + alpha[(r + i) * alpha_stride] * (2.f * dt - xsum[m0 + b]); \
+                y[(m0 + b) * ldy + r + i] =                                                              \
+                    D ? bt + alpha[(r + i) * alpha_stride] * (2.f * dt - xsum[m0 + b]) : bt;             \
             }                                                                                            \
         }                                                                                                \
     }
 
-LINEAR_BLOCK(block8x1_f32, 8, 1, BD_W_F32)
-LINEAR_BLOCK(block8x1_bf16, 8, 1, BD_W_BF16)
-LINEAR_BLOCK(block8x1_f16, 8, 1, BD_W_F16)
-LINEAR_BLOCK(block4x2_f32, 4, 2, BD_W_F32)
-LINEAR_BLOCK(block4x2_bf16, 4, 2, BD_W_BF16)
-LINEAR_BLOCK(block4x2_f16, 4, 2, BD_W_F16)
+#if defined(__AVX512F__)
+#define ROWS_A 8 /* weight rows of the one-x-row block */
+#define ROWS_AD 4 /* the same with the delta (twice the accumulators, and a sign pointer per row) */
+#define ROWS_B 4 /* weight rows of the two-x-rows block */
+LINEAR_BLOCK(delta_one_f32, ROWS_AD, 1, BD_W_F32, 1)
+LINEAR_BLOCK(delta_one_bf16, ROWS_AD, 1, BD_W_BF16, 1)
+LINEAR_BLOCK(delta_one_f16, ROWS_AD, 1, BD_W_F16, 1)
+LINEAR_BLOCK(dense_one_f32, 8, 1, BD_W_F32, 0)
+LINEAR_BLOCK(dense_one_bf16, 8, 1, BD_W_BF16, 0)
+LINEAR_BLOCK(dense_one_f16, 8, 1, BD_W_F16, 0)
+#else
+#define ROWS_A 4 /* 16 ymm registers */
+#define ROWS_AD 4
+#define ROWS_B 2
+LINEAR_BLOCK(delta_one_f32, ROWS_AD, 1, BD_W_F32, 1)
+LINEAR_BLOCK(delta_one_bf16, ROWS_AD, 1, BD_W_BF16, 1)
+LINEAR_BLOCK(delta_one_f16, ROWS_AD, 1, BD_W_F16, 1)
+LINEAR_BLOCK(dense_one_f32, 4, 1, BD_W_F32, 0)
+LINEAR_BLOCK(dense_one_bf16, 4, 1, BD_W_BF16, 0)
+LINEAR_BLOCK(dense_one_f16, 4, 1, BD_W_F16, 0)
+#endif
+#define MB_B 2
+LINEAR_BLOCK(delta_two_f32, ROWS_B, 2, BD_W_F32, 1)
+LINEAR_BLOCK(delta_two_bf16, ROWS_B, 2, BD_W_BF16, 1)
+LINEAR_BLOCK(delta_two_f16, ROWS_B, 2, BD_W_F16, 1)
+LINEAR_BLOCK(dense_two_f32, ROWS_B, 2, BD_W_F32, 0)
+LINEAR_BLOCK(dense_two_bf16, ROWS_B, 2, BD_W_BF16, 0)
+LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
+#define HAVE_LINEAR_BLOCKS 1
+#endif
 
-typedef void (*block_fn)(const float *, int64_t, const float *, const void *, int64_t, const uint8_t *, int64_t,
-                         int64_t, const float *, int64_t, float *, int64_t, int64_t, int, int64_t);
+#ifdef HAVE_LINEAR_BLOCKS
+typedef void (*block_fn)(const float *, const float *, int64_t, const float *, const void *, int64_t,
+                         const uint8_t *, int64_t, int64_t, const float *, int64_t, float *, int64_t, int64_t, int,
+                         int64_t);
 
-static void linear_rows(const float *x, int64_t ldx, int64_t M, const float *xsum, const void *w, int w_dtype,
+static void linear_rows(const float *x, const float *xeo, int64_t ldx, int64_t M, const float *xsum, const void *w, int w_dtype,
                         int64_t ldw, const uint8_t *s, int64_t lds, int64_t d_in, const float *alpha,
                         int64_t alpha_stride, float *y, int64_t ldy, int64_t r0, int64_t r1) {
-    /* 8 rows × 1 x-row: 16 chains keep enough loads in flight for one row of x;
-     * 4 rows × 2 x-rows: each W vector feeds two FMAs when M ≥ 2. */
+    /* ROWS_A rows × 1 x-row: enough chains to keep loads in flight for one row of x;
+     * ROWS_B rows × MB_B x-rows: each W vector feeds MB_B FMAs when M ≥ MB_B. */
     const int k = w_dtype == BD_W_F32 ? 0 : (w_dtype == BD_W_BF16 ? 1 : 2);
-    const block_fn one[3] = {block8x1_f32, block8x1_bf16, block8x1_f16};
-    const block_fn two[3] = {block4x2_f32, block4x2_bf16, block4x2_f16};
-    for (int64_t r = r0; r < r1; r += 8) {
-        const int64_t re = (r + 8) < r1 ? r + 8 : r1;
+    const block_fn one_d[3] = {delta_one_f32, delta_one_bf16, delta_one_f16};
+    const block_fn two_d[3] = {delta_two_f32, delta_two_bf16, delta_two_f16};
+    const block_fn one_b[3] = {dense_one_f32, dense_one_bf16, dense_one_f16};
+    const block_fn two_b[3] = {dense_two_f32, dense_two_bf16, dense_two_f16};
+    const block_fn one = s ? one_d[k] : one_b[k], two = s ? two_d[k] : two_b[k];
+    for (int64_t r = r0; r < r1; r += ROWS_A) {
+        const int64_t re = (r + ROWS_A) < r1 ? r + ROWS_A : r1;
         int64_t m = 0;
-        for (; m + 2 <= M; m += 2)
-            for (int64_t q = r; q < re; q += 4)
-                two[k](x, ldx, xsum, w, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, q,
-                       (re - q) < 4 ? (int)(re - q) : 4, m);
-        if (m < M)
-            one[k](x, ldx, xsum, w, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, r, (int)(re - r), m);
+        for (; m + MB_B <= M; m += MB_B)
+            for (int64_t q = r; q < re; q += ROWS_B)
+                two(x, xeo, ldx, xsum, w, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, q,
+                    (re - q) < ROWS_B ? (int)(re - q) : ROWS_B, m);
+        const int64_t ra = s ? ROWS_AD : ROWS_A;
+        for (; m < M; ++m)
+            for (int64_t q = r; q < re; q += ra)
+                one(x, xeo, ldx, xsum, w, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, q,
+                    (re - q) < ra ? (int)(re - q) : (int)ra, m);
     }
 }
 #else
-static void linear_rows(const float *x, int64_t ldx, int64_t M, const float *xsum, const void *w, int w_dtype,
+static void linear_rows(const float *x, const float *xeo, int64_t ldx, int64_t M, const float *xsum, const void *w, int w_dtype,
                         int64_t ldw, const uint8_t *s, int64_t lds, int64_t d_in, const float *alpha,
                         int64_t alpha_stride, float *y, int64_t ldy, int64_t r0, int64_t r1) {
-    /* Portable path (the Python side prefers BLAS + delta GEMV without AVX-512). */
+    /* Portable path (the Python side prefers BLAS + delta GEMV without AVX2). */
+    (void)xeo;
     for (int64_t r = r0; r < r1; ++r)
         for (int64_t m = 0; m < M; ++m) {
             const float *xm = x + m * ldx;
             float bt = 0.f, dt = 0.f;
             for (int64_t k = 0; k < d_in; ++k) {
                 bt += xm[k] * w_at(w, w_dtype, r * ldw + k);
-                if ((s[r * lds + (k >> 3)] >> (k & 7)) & 1) dt += xm[k];
+                if (s && ((s[r * lds + (k >> 3)] >> (k & 7)) & 1)) dt += xm[k];
             }
-            y[m * ldy + r] = bt + alpha[r * alpha_stride] * (2.f * dt - xsum[m]);
+            y[m * ldy + r] = s ? bt + alpha[r * alpha_stride] * (2.f * dt - xsum[m]) : bt;
         }
 }
 #endif
 
-/* y = x · Wᵀ + α ⊙ (x · Sᵀ), overwriting y.
+/* y = x · Wᵀ + α ⊙ (x · Sᵀ), overwriting y (s NULL: y = x · Wᵀ; alpha is then unused).
  *   x: fp32 [M, ldx]; w: [d_out, ldw] in w_dtype (BD_W_F32/BF16/F16);
- *   s, alpha as in bd_delta_gemv; y: fp32 [M, ldy]. Returns 0 or −1 (no memory). */
+ *   s, alpha as in bd_delta_gemv; y: fp32 [M, ldy]. Returns 0 or −1 (no memory).
+ *   n_threads 1 runs on the calling thread (no OpenMP region: on a busy host a region
+ *   waits for every one of its threads to be scheduled). */
 int bd_linear_gemv(const float *x, int64_t M, int64_t ldx, const void *w, int w_dtype, int64_t ldw,
                    const uint8_t *s, int64_t d_out, int64_t d_in, int64_t lds,
                    const float *alpha, int64_t alpha_stride, float *y, int64_t ldy, int n_threads) {
     if (n_threads < 1) n_threads = 1;
     float *xsum = row_sums(x, M, ldx, d_in);
     if (!xsum) return -1;
-#pragma omp parallel num_threads(n_threads)
-    {
-#ifdef _OPENMP
-        const int t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-        const int t = 0, n = 1;
-#endif
-        int64_t r0, r1;
-        split_rows(d_out, t, n, &r0, &r1);
-        linear_rows(x, ldx, M, xsum, w, w_dtype, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
+    float *xeo = NULL;
+#ifdef HAVE_LINEAR_BLOCKS
+    if (w_dtype == BD_W_BF16) { /* x's columns per chunk: LANES even, then LANES odd */
+        xeo = (float *)malloc(sizeof(float) * (size_t)(M > 0 ? M * ldx : 1));
+        if (!xeo) {
+            free(xsum);
+            return -1;
+        }
+        const int64_t nchunk = d_in / (2 * LANES);
+        for (int64_t m = 0; m < M; ++m) {
+            const float *xm = x + m * ldx;
+            float *em = xeo + m * ldx;
+            for (int64_t j = 0; j < nchunk; ++j)
+                for (int t = 0; t < LANES; ++t) {
+                    em[2 * LANES * j + t] = xm[2 * LANES * j + 2 * t];
+                    em[2 * LANES * j + LANES + t] = xm[2 * LANES * j + 2 * t + 1];
+                }
+        }
     }
+#endif
+    if (n_threads == 1) {
+        linear_rows(x, xeo, ldx, M, xsum, w, w_dtype, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, 0, d_out);
+    } else {
+#pragma omp parallel num_threads(n_threads)
+        {
+#ifdef _OPENMP
+            const int t = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+            const int t = 0, n = 1;
+#endif
+            int64_t r0, r1;
+            split_rows(d_out, t, n, &r0, &r1);
+            linear_rows(x, xeo, ldx, M, xsum, w, w_dtype, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
+        }
+    }
+    free(xeo);
     free(xsum);
     return 0;
 }

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from bitdelta.model import ModelArgs, apply_rope, attention_mask, load_model, rope_tables
-from kernels import bitdelta_delta_batched, bitdelta_linear, plan_batch
+from kernels import bitdelta_delta_batched, bitdelta_linear, dense_linear, plan_batch
 from kernels.bits import unpack_signs
 from services.gpu_worker.slots import SlotTensors
 
@@ -66,6 +66,10 @@ class BaseWeights:
     @classmethod
     def load(cls, ckpt, dtype: torch.dtype, device: torch.device) -> tuple[BaseWeights, ModelArgs]:
         model = load_model(ckpt, dtype=dtype, device="cpu")
+        # Every tensor kept is a copy of its own: a tensor of the checkpoint's dtype on CPU is a
+        # view of the safetensors file mapping, and one such view (the embedding) kept the whole
+        # mapping resident next to the copies (0.4 GB for SmolLM2-135M in fp32).
+        own = lambda t: t.to(device, copy=True)
         args = model.args
         layers, norms, biases = [], [], []
         for blk in model.model.layers:
@@ -79,11 +83,11 @@ class BaseWeights:
             for ps in groups.values():  # free the host copy layer by layer: peak stays ~ one base
                 for p in ps:
                     p.weight = None
-            norms.append({name: blk.get_submodule(name).weight.to(device) for name, _ in args.layer_norms()})
-        embed = model.model.embed_tokens.weight.to(device)
-        head = embed if args.tie_embeddings else model.lm_head.weight.to(device)
-        final = model.model.norm.weight.to(device)
-        del model
+            norms.append({name: own(blk.get_submodule(name).weight) for name, _ in args.layer_norms()})
+        embed = own(model.model.embed_tokens.weight)
+        head = embed if args.tie_embeddings else own(model.lm_head.weight)
+        final = own(model.model.norm.weight)
+        del model  # the last reference to the checkpoint's file mapping: it is unmapped here
         return cls(embed, layers, norms, biases, final, head), args
 
     @property
@@ -280,7 +284,7 @@ class ModelRunner:
         if m.single_slot is not None:
             return bitdelta_linear(x, w, signs[m.single_slot], alpha[m.single_slot], backend=self.backend)
         if not m.any_delta or x.dtype == torch.float32:
-            y = x @ w.t()
+            y = dense_linear(x, w, backend=self.backend)
             if m.any_delta:
                 bitdelta_delta_batched(x, signs, alpha, m.row_slot, y, plan=m.plan, backend=self.backend)
             return y
@@ -291,24 +295,14 @@ class ModelRunner:
         bitdelta_delta_batched(x, signs, alpha, m.row_slot, y, plan=m.plan, backend=self.backend)
         return y.to(x.dtype)
 
-    _mm_out_dtype: bool | None = None  # torch.mm(..., out_dtype=) works here (CUDA, torch ≥ 2.8)
-
     def _mm_fp32(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x · wᵀ with fp32 accumulation AND fp32 output. x: [N, d_in]; w: [d_out, d_in] -> fp32 [N, d_out]."""
-        if x.device.type == "cuda" and self._mm_out_dtype is not False:
-            try:
-                y = torch.mm(x, w.t(), out_dtype=torch.float32)  # cuBLAS: bf16 inputs, fp32 output
-                self._mm_out_dtype = True
-                return y
-            except (RuntimeError, TypeError, NotImplementedError):
-                self._mm_out_dtype = False  # older torch: upcast instead (slower, same numbers)
-        return x.float() @ w.float().t()
+        return dense_linear(x, w, out_fp32=True, backend=self.backend)
 
     def _norm(self, x: torch.Tensor, weights: torch.Tensor, m: StepMeta, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim with a per-row weight. x: [N, size] or [N, heads, size] (Qwen3's
         per-head q/k norms); weights: [n_slots + 1, size] (row 0 = base)."""
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        xf = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)  # one op for x·rsqrt(mean(x²) + eps)
         w = weights[m.single_norm] if m.norm_idx is None else weights[m.norm_idx]
         if x.dim() == 3 and w.dim() == 2:
             w = w[:, None, :]
@@ -352,12 +346,12 @@ class ModelRunner:
     def _logits(self, h: torch.Tensor, m: StepMeta) -> torch.Tensor:
         """h: [R, dim] (final-normed) -> fp32 logits [R, vocab], each row through its variant's head."""
         if len(m.logit_groups) == 1 and m.logit_groups[0][0] == -1:
-            return (h @ self.base.head.t()).float()
+            return dense_linear(h, self.base.head, backend=self.backend).float()
         out = torch.empty(h.shape[0], self.base.head.shape[0], dtype=torch.float32, device=h.device)
         for s, rows in m.logit_groups:  # row indices built in prepare()
             hr = h[rows]
             if s < 0:
-                out[rows] = (hr @ self.base.head.t()).float()
+                out[rows] = dense_linear(hr, self.base.head, backend=self.backend).float()
                 continue
             head = m.extras[s].head
             if head.weight is not None:
@@ -380,13 +374,14 @@ class ModelRunner:
             norms = self.slots.norms[i]
             h = self._norm(x, norms["input_layernorm"], m, a.norm_eps)
             qkv = self._linear(h, i, "qkv", m)
-            q = qkv[:, : H * hd].view(N, H, hd)
-            k = qkv[:, H * hd : (H + KV) * hd].view(N, KV, hd)
             v = qkv[:, (H + KV) * hd :].view(N, KV, hd)
             if a.family.qk_norm:
-                q = self._norm(q, norms["self_attn.q_norm"], m, a.norm_eps)
-                k = self._norm(k, norms["self_attn.k_norm"], m, a.norm_eps)
-            q, k = apply_rope(q, m.cos, m.sin), apply_rope(k, m.cos, m.sin)
+                q = self._norm(qkv[:, : H * hd].view(N, H, hd), norms["self_attn.q_norm"], m, a.norm_eps)
+                k = self._norm(qkv[:, H * hd : (H + KV) * hd].view(N, KV, hd), norms["self_attn.k_norm"], m, a.norm_eps)
+                q, k = apply_rope(q, m.cos, m.sin), apply_rope(k, m.cos, m.sin)
+            else:  # q ‖ k are adjacent in qkv: one rotation for both heads' sets (half the small ops)
+                qk = apply_rope(qkv[:, : (H + KV) * hd].view(N, H + KV, hd), m.cos, m.sin)
+                q, k = qk[:, :H], qk[:, H:]
             att = self._attention(q, k, v, i, m)
             x = x + self._linear(att.reshape(N, H * hd), i, "o", m)
             h = self._norm(x, norms["post_attention_layernorm"], m, a.norm_eps)

@@ -131,7 +131,13 @@ class SlotExtras:
 
 @dataclass
 class SlotTensors:
-    """The stacks (pre-allocated once, at start-up) plus per-slot extras."""
+    """The stacks (allocated once, at start-up) plus per-slot extras.
+
+    The sign stacks (~95 % of a slot's bytes) are allocated empty: on CPU their pages become
+    resident only as deltas are written into slots, so an idle worker holds the α, norm and bias
+    rows of every slot (zeroed: a slot without a delta adds exactly nothing) and the signs of the
+    slots in use, not the whole budget. A slot's signs are only read for rows of that slot, after
+    a load wrote them (a matrix the delta leaves unchanged has α = 0 there)."""
 
     layout: SlotLayout
     n_slots: int
@@ -165,9 +171,9 @@ class SlotTensors:
             return t
 
         for i in range(layout.args.n_layers):
-            st.signs.append(
+            st.signs.append(  # empty: a slot's pages become resident when a delta is written into it
                 {
-                    g: torch.zeros(n_slots, d_out, packed_cols(d_in), dtype=torch.uint8, device=device)
+                    g: torch.empty(n_slots, d_out, packed_cols(d_in), dtype=torch.uint8, device=device)
                     for g, (d_out, d_in) in layout.group_shape.items()
                 }
             )

@@ -68,7 +68,7 @@ class Worker:
             dev = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(dev)
         dt = config.dtype
-        if dt == "auto":  # bitdelta.precision: bf16 on CUDA; fp32 on CPU unless the choice is bf16
+        if dt == "auto":  # bitdelta.precision: bf16 on CUDA and on CPUs with native bf16, else fp32
             from bitdelta.precision import serving_dtype
 
             chosen = serving_dtype(self.device)

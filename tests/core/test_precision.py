@@ -96,13 +96,16 @@ def test_autocast_follows_the_rule(choose):
     assert precision.precision_for("cuda").name == "bf16"
 
 
-def test_serving_keeps_fp32_on_cpu_unless_asked(cpu_flags, choose):
+def test_serving_follows_the_training_rule(cpu_flags, choose):
     cpu_flags({"avx512f", "avx512_bf16"})
-    assert precision.serving_dtype("cpu").torch_name == "float32"  # native bf16, yet auto serves fp32
+    assert precision.serving_dtype("cpu").torch_name == "bfloat16"  # native bf16: bf16 weights
     assert precision.serving_dtype("cuda").torch_name == "bfloat16"
-    assert precision.serving_dtype("cpu", "bf16").torch_name == "bfloat16"
-    choose("bf16")
-    assert precision.serving_dtype(torch.device("cpu")).torch_name == "bfloat16"
+    assert precision.serving_dtype("cpu", "fp32").torch_name == "float32"
+    cpu_flags({"avx2", "fma"}, capability="AVX2")
+    assert precision.serving_dtype("cpu").torch_name == "float32"  # no native bf16: never emulated
+    assert precision.serving_dtype("cpu", "bf16").torch_name == "bfloat16"  # asked for
+    choose("fp32")
+    assert precision.serving_dtype(torch.device("cpu")).torch_name == "float32"
 
 
 def test_finetune_and_distill_record_the_precision_and_agree(tmp_path, choose):

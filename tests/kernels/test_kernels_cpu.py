@@ -71,7 +71,7 @@ def test_delta_gemv(M, shape, per_row, method, isa):
     assert rel_err(y - y0, ref) <= 1e-5
 
 
-@pytest.mark.parametrize("path", ["fused_gemv", "blas_delta", "merge_gemm", "torch"])
+@pytest.mark.parametrize("path", ["gemv_delta", "fused_gemv", "blas_delta", "merge_gemm", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(72, 100), (264, 257), (33, 17)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("M", [1, 3, 16, 64])
@@ -81,6 +81,29 @@ def test_linear_paths(M, shape, dtype, path, isa):
     y = cpu_ops.bitdelta_linear_cpu(x, padded_rows(w), padded_rows(signs), alpha, path=path)
     assert y.dtype == dtype and y.shape == ref.shape
     assert rel_err(y, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(72, 576), (264, 257), (33, 17), (9, 1536)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("M", [1, 2, 3, 8])
+def test_dense_gemv(M, shape, dtype, isa):
+    """The base's decode GEMV (no delta): every weight dtype widened in registers, ragged tails,
+    row strides wider than the rows; fp32 accumulation as the fp32 reference."""
+    x = torch.randn(M, shape[1] + 5)[:, : shape[1]]  # x rows with a wider stride too
+    w = (torch.randn(*shape) * 0.1).to(dtype)
+    ref = x.double() @ w.double().t()
+    y = cpu_ops.linear_gemv_cpu(x, padded_rows(w), None, None)
+    assert y.dtype == torch.float32 and rel_err(y.double(), ref) <= 1e-5
+    assert cpu_ops.dense_path_cpu(M, dtype) == "gemv"
+    out = cpu_ops.dense_linear_cpu(x.to(dtype), w)
+    assert out.dtype == dtype and rel_err(out.float(), (x.to(dtype).float() @ w.float().t())) <= TOL[dtype]
+    assert cpu_ops.dense_linear_cpu(x.to(dtype), w, out_fp32=True).dtype == torch.float32
+
+
+def test_dense_linear_large_m_is_blas():
+    x, w = torch.randn(64, 40), torch.randn(24, 40)
+    assert cpu_ops.dense_path_cpu(64, torch.float32) == "blas"
+    assert torch.equal(cpu_ops.dense_linear_cpu(x, w), x @ w.t())
 
 
 def test_merge_block_loop(monkeypatch):
@@ -146,7 +169,8 @@ def test_isa_setting_forces_the_avx2_build():
         lib = cpu_build.load_cpu_lib()
         assert lib is not None, cpu_build.unavailable_reason
         assert cpu_build.cpu_isa() == "avx2"
-        assert cpu_ops.linear_path_cpu(1, torch.float32) == "blas_delta"
+        assert cpu_ops.linear_path_cpu(1, torch.float32) == "gemv_delta"  # the AVX2 GEMV
+        assert cpu_ops.linear_path_cpu(16, torch.float32) == "blas_delta"
         x, w, signs, alpha = make(3, 264, 257)
         y = cpu_ops.bitdelta_linear_cpu(x, w, signs, alpha)
         assert rel_err(y, bitdelta_linear_ref(x, w, signs, alpha)) <= 1e-5
@@ -175,7 +199,7 @@ def _check_scalar_build():
     assert cpu_build.cpu_isa() == "scalar"
     x, w, signs, alpha = make(5, 264, 257)
     ref = bitdelta_linear_ref(x, w, signs, alpha)
-    for path in ("fused_gemv", "blas_delta", "merge_gemm"):
+    for path in ("gemv_delta", "fused_gemv", "blas_delta", "merge_gemm"):
         assert rel_err(cpu_ops.bitdelta_linear_cpu(x, w, signs, alpha, path=path), ref) <= 1e-5, path
     stack, astack, rv = (
         torch.stack([signs, signs.flip(1)]),
@@ -188,7 +212,8 @@ def _check_scalar_build():
 
 def test_auto_path_choice():
     if cpu_build.cpu_isa() == "avx512":
-        assert cpu_ops.linear_path_cpu(1, torch.float32) == "fused_gemv"
+        assert cpu_ops.linear_path_cpu(1, torch.float32) == "gemv_delta"
+        assert cpu_ops.linear_path_cpu(16, torch.float32) == "fused_gemv"
     assert cpu_ops.linear_path_cpu(4096, torch.float32) == "merge_gemm"
     assert cpu_ops.linear_path_cpu(4096, torch.bfloat16) == "merge_gemm"
 
@@ -257,7 +282,10 @@ def test_disabled_build_logs_once(caplog):
 def _outputs() -> list[torch.Tensor]:
     """What the process's library computes on one case through every C entry point."""
     x, w, signs, alpha = make(5, 264, 257)
-    ys = [cpu_ops.bitdelta_linear_cpu(x, w, signs, alpha, path=p) for p in ("fused_gemv", "blas_delta", "merge_gemm")]
+    ys = [
+        cpu_ops.bitdelta_linear_cpu(x, w, signs, alpha, path=p)
+        for p in ("gemv_delta", "fused_gemv", "blas_delta", "merge_gemm")
+    ]
     stack, astack, rv = torch.stack([signs, signs.flip(1)]), torch.stack([alpha, alpha * 2]), torch.tensor([1, 0, 1])
     ys.append(cpu_ops.bitdelta_delta_batched_cpu(x[:3], stack, astack, rv, torch.zeros(3, 264)))
     return ys

@@ -62,7 +62,7 @@ def test_triton_batched_delta_on_fused_shapes(name, kind, M):
 
 
 @pytest.mark.parametrize("name", FUSED)
-@pytest.mark.parametrize("path", ["fused_gemv", "blas_delta", "merge_gemm"])
+@pytest.mark.parametrize("path", ["gemv_delta", "fused_gemv", "blas_delta", "merge_gemm"])
 @pytest.mark.parametrize("M", [1, 3])
 def test_cpu_linear_on_fused_shapes(name, path, M):
     x, w, signs, alpha = fused_case(name, M)

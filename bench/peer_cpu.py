@@ -1,0 +1,404 @@
+"""The worker against llama.cpp on the same model and CPU, one run: issue #23's table as ratios.
+
+    bash bench/peer_env.sh                 # once: llama-cpp-python built from source + GGUF files
+    python bench/peer_cpu.py [--threads 1] [--out bench/results/peer_cpu_<date>.txt]
+
+Both peers run as processes with the same thread count: the worker (`python -m
+services.gpu_worker`, over gRPC on loopback, the real SmolLM2-135M in data/base and the real
+family deltas) and llama.cpp (llama-cpp-python in build/peer-venv, the benchmark's own
+environment, never the worker's; f32 and bf16 GGUF converted from the same checkpoint).
+
+Rows (decode: tokens/s of one greedy stream after its first token; limits: the bytes a
+decode step must read ÷ the memory read bandwidth measured in this run, in this process, as
+the best of several sums over a 512 MiB tensor with the same threads):
+- single-stream decode fp32 and bf16: worker ÷ llama.cpp (target ≥ 1.0) and ÷ the limit
+  (target ≥ 0.85);
+- a variant's single stream ÷ the base's (target ≥ 0.95; its limit W ÷ (W + delta bytes));
+- prefill of ~560 prompt tokens (time to the first token), fp32 and bf16;
+- 8 streams over 4 variants ÷ 8 streams on the base, fp32, against the limit 4/(4 + V/8)
+  (target ≥ 0.9 × it);
+- idle resident memory of each process (VmRSS) against weights + KV pool + the runtime's fixed
+  cost (the RSS of a process that imports what the worker imports and loads the tokenizer).
+
+On a shared machine every number moves with the other work on it: run it on an idle one, and
+compare only ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PROMPT_WORDS = (
+    "The history of computing is a story of machines that learned to remember, to count and "
+    "finally to reason about the world in ways their builders did not foresee. "
+)
+DECODE_PROMPT = "Once upon a time, in a small village by the sea, there lived"
+
+# llama.cpp's side: run by the peer's own python (llama_cpp is only installed there)
+PEER_SCRIPT = r"""
+import json, sys, time
+import llama_cpp
+cfg = json.loads(sys.argv[1])
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+out = {}
+for dtype, path in cfg["gguf"].items():
+    llm = llama_cpp.Llama(model_path=path, n_ctx=2048, n_batch=1024, n_threads=cfg["threads"],
+                          n_threads_batch=cfg["threads"], verbose=False)
+    time.sleep(0.5)
+    res = {"rss_idle": rss()}
+    toks = llm.tokenize(cfg["long"].encode(), add_bos=True)
+    best = 1e9
+    for _ in range(cfg["reps"]):
+        llm.reset()
+        t = time.perf_counter(); llm.eval(toks); best = min(best, time.perf_counter() - t)
+    res["prefill_s"], res["prefill_tokens"] = best, len(toks)
+    rates = []
+    for _ in range(cfg["reps"]):
+        llm.reset()
+        times = []
+        for i, tok in enumerate(llm.generate(llm.tokenize(cfg["short"].encode(), add_bos=True), top_k=1, temp=0.0)):
+            times.append(time.perf_counter())
+            if len(times) >= cfg["new_tokens"]:
+                break
+        rates.append((len(times) - 1) / (times[-1] - times[0]))
+    res["decode_tok_s"] = max(rates)
+    out[dtype] = res
+    del llm
+print(json.dumps(out))
+"""
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def read_bandwidth(threads: int, reps: int = 7) -> float:
+    """Bytes/s of the best of `reps` sums over a 512 MiB fp32 tensor (far beyond any cache)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a = torch.ones(128 << 20)
+    a.sum()
+    best = 1e9
+    for _ in range(reps):
+        t = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    return a.numel() * 4 / best
+
+
+def vm_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def runtime_fixed_rss(base: Path, env: dict) -> int:
+    """RSS of a process that imports what the worker imports and loads the tokenizer, no weights."""
+    code = (
+        "import torch, grpc, services.gpu_worker.server, kernels.cpu_build as b; b.load_cpu_lib()\n"
+        "from tokenizers import Tokenizer\n"
+        f"t = Tokenizer.from_file({str(base / 'tokenizer.json')!r})\n"
+        "print(int(open('/proc/self/statm').read().split()[1]) * 4096)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1])
+
+
+def weight_bytes(base: Path, itemsize: int) -> int:
+    """Bytes of the base's parameters at `itemsize` (a tied head is the embedding, counted once)."""
+    from bitdelta.checkpoint import CheckpointReader
+
+    with CheckpointReader(base) as r:
+        return sum(r.get(k).numel() for k in r.keys()) * itemsize
+
+
+def make_deltas(src: dict[str, Path], out: Path, n: int) -> list[str]:
+    """`n` variants in `out`: the real deltas, then copies of them with fresh random signs (same
+    structure and α: the same bytes per step as a real one)."""
+    import torch
+
+    from bitdelta.format import load_delta, write_delta
+
+    out.mkdir(parents=True, exist_ok=True)
+    names = []
+    real = list(src.items())
+    for i in range(n):
+        name, path = real[i % len(real)]
+        if i < len(real):
+            shutil.copy(path, out / path.name)
+            names.append(name)
+            continue
+        d = load_delta(path)
+        g = torch.Generator().manual_seed(i)
+        tensors = {}
+        for p, cw in d.compressed.items():
+            tensors[p + ".sign"] = torch.randint(0, 256, cw.signs.shape, dtype=torch.uint8, generator=g)
+            tensors[p + ".alpha"] = cw.alpha
+        for p, t in d.dense.items():
+            tensors[p + ".dense"] = t
+        meta = d.meta
+        meta.variant = f"copy{i}"
+        write_delta(out / f"copy{i}.bitdelta.safetensors", tensors, meta)
+        names.append(meta.variant)
+    return names
+
+
+@dataclass
+class WorkerProc:
+    proc: subprocess.Popen
+    address: str
+    log_path: Path
+
+
+def start_worker(base: Path, deltas: Path, dtype: str, threads: int, kv: str, logdir: Path, env: dict) -> WorkerProc:
+    from bitdelta.testing.cluster import free_port
+
+    port = free_port()
+    log_path = logdir / f"worker-{dtype}.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.gpu_worker",
+        "--base",
+        str(base),
+        "--delta-dir",
+        str(deltas),
+        "--dtype",
+        dtype,
+        "--device",
+        "cpu",
+        "--kv-cache",
+        kv,
+        "--address",
+        f"127.0.0.1:{port}",
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    return WorkerProc(proc, f"127.0.0.1:{port}", log_path)
+
+
+def wait_serving(w: WorkerProc, timeout: float = 300) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(w.address) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        while True:
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == 1:
+                    return
+            except grpc.RpcError:
+                pass
+            if w.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"worker did not become SERVING; log: {w.log_path.read_text()[-3000:]}")
+            time.sleep(0.3)
+
+
+def generate_times(stub, model_id: str, prompt: str, n: int) -> list[float]:
+    """Arrival times (perf_counter) of each message of one greedy stream of exactly n tokens."""
+    from bitdelta.common.v1 import generation_pb2 as gen_pb
+    from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
+
+    sp = gen_pb.SamplingParams(max_new_tokens=n, ignore_eos=True)
+    times = []
+    for _ in stub.Generate(pb.GenerateRequest(model_id=model_id, prompt=prompt, sampling=sp), timeout=600):
+        times.append(time.perf_counter())
+    return times
+
+
+def decode_rate(stub, model_id: str, prompt: str, n: int, reps: int) -> float:
+    best = 0.0
+    for _ in range(reps):
+        t = generate_times(stub, model_id, prompt, n)
+        best = max(best, (len(t) - 1) / (t[-1] - t[0]))
+    return best
+
+
+def multi_rate(stub, models: list[str], prompt: str, n: int, reps: int) -> float:
+    """Tokens/s of the decode phase (after every stream's first token) of concurrent streams."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    best = 0.0
+    for _ in range(reps):
+        with ThreadPoolExecutor(len(models)) as ex:
+            rs = list(ex.map(lambda m: generate_times(stub, m, prompt, n), models))
+        t0 = max(r[0] for r in rs)
+        t1 = max(r[-1] for r in rs)
+        toks = sum(sum(1 for t in r if t > t0) for r in rs)
+        best = max(best, toks / (t1 - t0))
+    return best
+
+
+def prefill_s(stub, prompt: str, reps: int) -> float:
+    best = 1e9
+    for _ in range(reps):
+        t = time.perf_counter()
+        times = generate_times(stub, "", prompt, 1)
+        best = min(best, times[0] - t)
+    return best
+
+
+def bench_worker(args, base, deltas, names, dtype, logdir, env) -> dict:
+    import grpc
+
+    from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
+
+    w = start_worker(base, deltas, dtype, args.threads, args.kv_cache, logdir, env)
+    try:
+        wait_serving(w)
+        time.sleep(1.0)
+        res = {"rss_idle": vm_rss(w.proc.pid)}
+        with grpc.insecure_channel(w.address) as ch:
+            stub = pb_grpc.GpuWorkerServiceStub(ch)
+            generate_times(stub, "", DECODE_PROMPT, 4)  # first request: lazy set-up out of the numbers
+            res["decode_tok_s"] = decode_rate(stub, "", DECODE_PROMPT, args.new_tokens, args.reps)
+            res["prefill_s"] = prefill_s(stub, PROMPT_WORDS * args.prompt_repeat, args.reps)
+            if dtype == "float32" or args.variants_bf16:
+                generate_times(stub, names[0], DECODE_PROMPT, 4)  # load it
+                res["variant_tok_s"] = decode_rate(stub, names[0], DECODE_PROMPT, args.new_tokens, args.reps)
+                for n in names:
+                    generate_times(stub, n, DECODE_PROMPT, 2)
+                res["base8_tok_s"] = multi_rate(stub, [""] * 8, DECODE_PROMPT, args.new_tokens, args.reps)
+                mixed = [names[i % len(names)] for i in range(8)]
+                res["mixed8_tok_s"] = multi_rate(stub, mixed, DECODE_PROMPT, args.new_tokens, args.reps)
+                res["rss_after_variants"] = vm_rss(w.proc.pid)
+        return res
+    finally:
+        w.proc.terminate()
+        try:
+            w.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+
+
+def bench_peer(args, gguf: dict[str, Path], env: dict) -> dict:
+    cfg = {
+        "gguf": {k: str(v) for k, v in gguf.items()},
+        "threads": args.threads,
+        "reps": args.reps,
+        "new_tokens": args.new_tokens,
+        "long": PROMPT_WORDS * args.prompt_repeat,
+        "short": DECODE_PROMPT,
+    }
+    out = subprocess.run(
+        [str(args.peer_python), "-c", PEER_SCRIPT, json.dumps(cfg)], env=env, capture_output=True, text=True
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"llama.cpp peer failed: {out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def table(r: dict) -> str:
+    w32, w16, p32, p16 = r["worker"]["float32"], r["worker"]["bfloat16"], r["peer"]["f32"], r["peer"]["bf16"]
+    bw = r["bandwidth"]
+    lim32, lim16 = bw / r["weights_fp32"], bw / r["weights_bf16"]
+    D = r["delta_bytes"]
+    var_lim = r["weights_fp32"] / (r["weights_fp32"] + D)
+    V = 4
+    mix_lim = 4 / (4 + V / 8)
+    gb = lambda b: f"{b / 1e9:.2f} GB"
+    rows = [
+        "| | worker | llama.cpp | limit | worker ÷ llama.cpp | worker ÷ limit | target |",
+        "|---|---|---|---|---|---|---|",
+        f"| single-stream decode, fp32 | {w32['decode_tok_s']:.1f} tok/s | {p32['decode_tok_s']:.1f} tok/s | "
+        f"{lim32:.1f} tok/s | {w32['decode_tok_s'] / p32['decode_tok_s']:.2f} | {w32['decode_tok_s'] / lim32:.2f} | "
+        "≥ 1.0 and ≥ 0.85 |",
+        f"| single-stream decode, bf16 | {w16['decode_tok_s']:.1f} tok/s | {p16['decode_tok_s']:.1f} tok/s | "
+        f"{lim16:.1f} tok/s | {w16['decode_tok_s'] / p16['decode_tok_s']:.2f} | {w16['decode_tok_s'] / lim16:.2f} | "
+        "≥ 1.0 and ≥ 0.85 |",
+        f"| same, a variant (fp32) ÷ base | {w32['variant_tok_s'] / w32['decode_tok_s']:.2f} | – | {var_lim:.2f} | – | "
+        f"{w32['variant_tok_s'] / w32['decode_tok_s'] / var_lim:.2f} | ≥ 0.95 × base |",
+        f"| prefill of {p32['prefill_tokens']} tokens, fp32 / bf16 | {w32['prefill_s']:.2f} s / {w16['prefill_s']:.2f} s"
+        f" | {p32['prefill_s']:.2f} s / {p16['prefill_s']:.2f} s | – | "
+        f"{p32['prefill_s'] / w32['prefill_s']:.2f} / {p16['prefill_s'] / w16['prefill_s']:.2f} (speed) | – | – |",
+        f"| 8 streams over 4 variants ÷ 8 on the base (fp32) | {w32['mixed8_tok_s'] / w32['base8_tok_s']:.2f} | – | "
+        f"{mix_lim:.2f} | – | {w32['mixed8_tok_s'] / w32['base8_tok_s'] / mix_lim:.2f} | ≥ 0.9 |",
+        f"| resident memory, base only, idle, fp32 | {gb(w32['rss_idle'])} | {gb(p32['rss_idle'])} | "
+        f"{gb(r['weights_fp32'] + r['kv_bytes'] + r['fixed_rss'])} (weights + KV + fixed) | "
+        f"{w32['rss_idle'] / p32['rss_idle']:.2f} | {w32['rss_idle'] / (r['weights_fp32'] + r['kv_bytes'] + r['fixed_rss']):.2f}"
+        " | ≤ 1 (+ slots in use) |",
+        f"| same, bf16 | {gb(w16['rss_idle'])} | {gb(p16['rss_idle'])} | "
+        f"{gb(r['weights_bf16'] + r['kv_bytes'] // 2 + r['fixed_rss'])} | {w16['rss_idle'] / p16['rss_idle']:.2f} | "
+        f"{w16['rss_idle'] / (r['weights_bf16'] + r['kv_bytes'] // 2 + r['fixed_rss']):.2f} | ≤ 1 |",
+    ]
+    notes = (
+        f"\nmemory read bandwidth {bw / 1e9:.1f} GB/s ({r['threads']} thread(s)); weights fp32 {gb(r['weights_fp32'])}, "
+        f"bf16 {gb(r['weights_bf16'])}; delta {D / 1e6:.1f} MB; KV pool {r['kv_bytes'] / 1e6:.0f} MB (fp32; half in bf16); "
+        f"runtime fixed cost {gb(r['fixed_rss'])}; 8 streams fp32: base {w32['base8_tok_s']:.1f} tok/s, "
+        f"4 variants {w32['mixed8_tok_s']:.1f} tok/s; worker RSS after serving 4 variants "
+        f"{gb(w32['rss_after_variants'])}\n"
+    )
+    return "\n".join(rows) + notes
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", type=Path, default=ROOT / "data" / "base")
+    ap.add_argument("--peer-python", type=Path, default=ROOT / "build" / "peer-venv" / "bin" / "python")
+    ap.add_argument("--gguf-dir", type=Path, default=ROOT / "build" / "peer-gguf")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads of both peers (1: a shared machine)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-repeat", type=int, default=20, help="the prefill prompt's sentence, this many times")
+    ap.add_argument("--reps", type=int, default=3, help="best of this many runs per number")
+    ap.add_argument("--kv-cache", default="64MiB")
+    ap.add_argument("--variants-bf16", action="store_true", help="the variant rows in bf16 too")
+    ap.add_argument("--out", type=Path, help="also write the table (and the raw numbers as .json) here")
+    args = ap.parse_args(argv)
+    from bitdelta.testing.real import real_deltas_of
+    from bitdelta.units import parse_bytes
+
+    gguf = {"f32": args.gguf_dir / "base-f32.gguf", "bf16": args.gguf_dir / "base-bf16.gguf"}
+    missing = [str(p) for p in (args.peer_python, *gguf.values()) if not p.exists()]
+    if missing:
+        log(f"missing {', '.join(missing)}: run `bash bench/peer_env.sh` first")
+        return 2
+    n = str(args.threads)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": n, "BITDELTA_CPU_PRECISION": "auto"}
+    r: dict = {"threads": args.threads, "kv_bytes": parse_bytes(args.kv_cache)}
+    r["bandwidth"] = read_bandwidth(args.threads)
+    log(f"bandwidth {r['bandwidth'] / 1e9:.1f} GB/s")
+    r["weights_fp32"], r["weights_bf16"] = weight_bytes(args.base, 4), weight_bytes(args.base, 2)
+    r["fixed_rss"] = runtime_fixed_rss(args.base, env)
+    real = real_deltas_of(args.base)
+    with tempfile.TemporaryDirectory(prefix="peer-cpu-") as tmp:
+        deltas = Path(tmp) / "deltas"
+        names = make_deltas(real, deltas, 4)
+        r["delta_bytes"] = next(deltas.iterdir()).stat().st_size
+        logdir = Path(tmp)
+        r["worker"] = {}
+        for dtype in ("float32", "bfloat16"):
+            log(f"worker {dtype} ...")
+            r["worker"][dtype] = bench_worker(args, args.base, deltas, names, dtype, logdir, env)
+            log(json.dumps(r["worker"][dtype]))
+        log("llama.cpp ...")
+        r["peer"] = bench_peer(args, gguf, env)
+        log(json.dumps(r["peer"]))
+    text = table(r)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        args.out.with_suffix(".json").write_text(json.dumps(r, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
