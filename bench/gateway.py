@@ -18,8 +18,17 @@ plain, with `logprobs` (the sampled token's and 5 alternatives per token) and wi
 for `--seconds` each. Printed per mode: the median milliseconds per decode step of a stream (first
 token to last ÷ tokens after the first), decode tokens/s over all streams, and both ÷ plain.
 
+And what one constrained row costs its batch: `--decode-concurrency` greedy streams, all free or
+one of them constrained by `TYPICAL_SCHEMA` (its strings have no bound, so the random model's row
+decodes every token under the mask), alternating; printed: decode tokens/s of the batch with the
+constrained row ÷ without (target >= 0.9), and the constrained row's ms per step. Then, in this
+process on `--grammar-tokenizer` (the real base's when data/base exists: 49,152 tokens): the
+worker's GrammarCompiler's tokenizer set-up, the compile of `TYPICAL_SCHEMA` (first and cached), and
+the mask per token (services/gpu_worker/constraints.py, over random allowed tokens).
+
     python bench/gateway.py [--variants 4] [--concurrency 1,8] [--seconds 5] [--rounds 2] [--tokens 16] \
-        [--decode-tokens 64] [--decode-concurrency 8] [--out bench/results/gateway_cpu_<date>.txt]
+        [--decode-tokens 64] [--decode-concurrency 8] [--grammar-tokenizer data/base/tokenizer.json] \
+        [--out bench/results/gateway_cpu_<date>.txt]
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bitdelta.generation import Sampling  # noqa: E402
+from bitdelta.generation import Constraint, ConstraintKind, Sampling  # noqa: E402
 from bitdelta.router.v1 import router_pb2 as rpb  # noqa: E402
 from bitdelta.rpc.clients.router import RouterClient  # noqa: E402
 
@@ -50,6 +59,27 @@ DECODE_MODES = {  # name -> the Sampling fields of the decode benchmark, greedy 
     "logprobs": {"logprobs": 5},
     "penalties": {"repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.5},
 }
+
+# an extraction schema as clients send them: nested object, array, enum, a format, free strings
+TYPICAL_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "email": {"type": "string", "format": "email"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "role": {"enum": ["admin", "editor", "viewer"]},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
+        "address": {
+            "type": "object",
+            "properties": {"street": {"type": "string"}, "city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["street", "city"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "email", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+SCHEMA_CONSTRAINT = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(TYPICAL_SCHEMA))
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -113,23 +143,78 @@ async def decode(r: RouterClient, model: str, sampling: Sampling) -> tuple[float
     return (time.perf_counter() - t_first) * 1e3 / max(1, n - 1), n - 1
 
 
-async def decode_load(r: RouterClient, models: list[str], sampling: Sampling, conc: int, seconds: float):
-    """(ms per step of every stream, decode tokens/s over all) of `conc` closed-loop clients."""
+async def decode_load(r: RouterClient, models: list[str], samplings: list[Sampling], conc: int, seconds: float):
+    """(ms per step of every stream, decode tokens/s over all, ms per step of client 0's streams) of
+    `conc` closed-loop clients; client i streams with samplings[min(i, len - 1)]."""
     steps: list[float] = []
+    first: list[float] = []
     tokens = 0
     stop = time.perf_counter() + seconds
 
     async def client(seed: int):
         nonlocal tokens
         rng = random.Random(seed)
+        sampling = samplings[min(seed, len(samplings) - 1)]
         while time.perf_counter() < stop:
             ms, n = await decode(r, rng.choice(models), sampling)
             steps.append(ms)
+            if seed == 0:
+                first.append(ms)
             tokens += n
 
     t = time.perf_counter()
     await asyncio.gather(*[client(i) for i in range(conc)])
-    return steps, tokens / (time.perf_counter() - t)
+    return steps, tokens / (time.perf_counter() - t), first
+
+
+async def grammar_costs(tokenizer_json: Path, rounds: int = 200) -> dict:
+    """The worker's GrammarCompiler in this process: tokenizer set-up, TYPICAL_SCHEMA's compile
+    (first, cached) and the mask per token over random allowed tokens, in ms."""
+    import torch
+
+    from services.gpu_worker.constraints import GrammarCompiler
+
+    tok = json.loads(tokenizer_json.read_text())
+    added = [t["id"] for t in tok.get("added_tokens", [])]
+    n_vocab = max([*tok["model"]["vocab"].values(), *added]) + 1
+    config = tokenizer_json.parent / "config.json"
+    eos = json.loads(config.read_text()).get("eos_token_id") if config.is_file() else None
+    eos = [eos] if isinstance(eos, int) else list(eos or added[:1] or [0])
+    compiler = GrammarCompiler(tokenizer_json, n_vocab, eos)
+
+    t = time.perf_counter()
+    await asyncio.to_thread(compiler._tokenizer_of)
+    setup = (time.perf_counter() - t) * 1e3
+    t = time.perf_counter()
+    g = await compiler.compile(SCHEMA_CONSTRAINT)
+    first = (time.perf_counter() - t) * 1e3
+    t = time.perf_counter()
+    await compiler.compile(SCHEMA_CONSTRAINT)
+    cached = (time.perf_counter() - t) * 1e3
+    rng = torch.Generator().manual_seed(0)
+    state, masks = g.start(), []
+    for _ in range(rounds):
+        row = torch.randn(n_vocab, generator=rng)
+        t = time.perf_counter()
+        state.mask(row)
+        masks.append((time.perf_counter() - t) * 1e3)
+        tok = int(torch.multinomial(torch.softmax(row, -1), 1, generator=rng))
+        if tok in eos:
+            state = g.start()
+            continue
+        state.accept(tok)
+    compiler.close()
+    return {
+        "tokenizer": str(
+            tokenizer_json.relative_to(ROOT) if tokenizer_json.is_relative_to(ROOT) else tokenizer_json.name
+        ),
+        "vocab": n_vocab,
+        "tokenizer_setup_ms": setup,
+        "compile_ms": first,
+        "compile_cached_ms": cached,
+        "mask_ms_mean": statistics.mean(masks),
+        "mask_ms_p99": pct(masks, 0.99),
+    }
 
 
 async def load(make_send, models: list[str], concurrency: int, seconds: float) -> tuple[list[float], float]:
@@ -208,12 +293,35 @@ async def run(a: argparse.Namespace) -> dict:
                 for _ in range(a.rounds):  # the modes alternate, so drift hits all alike
                     for mode, fields in DECODE_MODES.items():
                         sp = Sampling(max_new_tokens=a.decode_tokens, ignore_eos=True, **fields)
-                        steps, tps = await decode_load(router, models, sp, a.decode_concurrency, a.seconds)
+                        steps, tps, _ = await decode_load(router, models, [sp], a.decode_concurrency, a.seconds)
                         dec[mode][0].extend(steps)
                         dec[mode][1].append(tps)
                 decode_out = {
                     m: {"streams": len(st), "step_ms_p50": statistics.median(st), "tok_s": statistics.mean(tps)}
                     for m, (st, tps) in dec.items()
+                }
+                # one constrained row (client 0) among free ones; its strings are unbounded, so it mostly runs to the end
+                free = Sampling(max_new_tokens=a.decode_tokens, ignore_eos=True)
+                held = Sampling(max_new_tokens=a.decode_tokens, constraint=SCHEMA_CONSTRAINT)
+                await decode(router, models[0], held)  # compiled once before the clock runs (cached after)
+                con = {"free": ([], [], []), "one constrained": ([], [], [])}
+                for _ in range(a.rounds):
+                    for mode, samplings in (("free", [free]), ("one constrained", [held, free])):
+                        steps, tps, first = await decode_load(
+                            router, models, samplings, a.decode_concurrency, a.seconds
+                        )
+                        con[mode][0].extend(steps)
+                        con[mode][1].append(tps)
+                        con[mode][2].extend(first)
+                grammar = await grammar_costs(a.grammar_tokenizer or fam.base / "tokenizer.json")
+                constrained_out = {
+                    m: {
+                        "streams": len(st),
+                        "step_ms_p50": statistics.median(st),
+                        "tok_s": statistics.mean(tps),
+                        "row0_step_ms_p50": statistics.median(first),
+                    }
+                    for m, (st, tps, first) in con.items()
                 }
     return {
         "date": datetime.date.today().isoformat(),
@@ -226,6 +334,8 @@ async def run(a: argparse.Namespace) -> dict:
         "decode_tokens": a.decode_tokens,
         "decode_concurrency": a.decode_concurrency,
         "decode": decode_out,
+        "constrained": constrained_out,
+        "grammar": grammar,
     }
 
 
@@ -257,6 +367,22 @@ def report(res: dict) -> str:
             f"({d['step_ms_p50'] / plain['step_ms_p50']:.2f} x plain), {d['tok_s']:.0f} decode tok/s "
             f"({d['tok_s'] / plain['tok_s']:.2f} x plain)"
         )
+    con = res["constrained"]
+    free, one = con["free"], con["one constrained"]
+    lines += [
+        f"one constrained row in a batch of {res['decode_concurrency']}: greedy streams of {res['decode_tokens']} "
+        f"tokens, all free or client 0's constrained by a typical JSON schema, alternating:",
+        f"  decode tok/s {one['tok_s']:.0f} with it vs {free['tok_s']:.0f} without -> ratio "
+        f"{one['tok_s'] / free['tok_s']:.2f} (target >= 0.9); ms/step p50 {one['step_ms_p50']:.2f} vs "
+        f"{free['step_ms_p50']:.2f}; the constrained row's own {one['row0_step_ms_p50']:.2f} ms/step",
+    ]
+    g = res["grammar"]
+    lines.append(
+        f"grammar costs on {g['tokenizer']} ({g['vocab']} tokens), in process: tokenizer set-up "
+        f"{g['tokenizer_setup_ms']:.0f} ms once; the typical schema's compile {g['compile_ms']:.1f} ms "
+        f"(cached: {g['compile_cached_ms']:.2f} ms); mask per token {g['mask_ms_mean']:.3f} ms mean, "
+        f"{g['mask_ms_p99']:.3f} ms p99"
+    )
     return "\n".join(lines)
 
 
@@ -269,6 +395,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--decode-concurrency", type=int, default=8)
+    default_tok = ROOT / "data" / "base" / "tokenizer.json"
+    ap.add_argument(
+        "--grammar-tokenizer",
+        type=Path,
+        default=default_tok if default_tok.is_file() else None,
+        help="tokenizer.json the compile and mask costs are measured on (default: the real base's, else the tiny family's)",
+    )
     ap.add_argument("--out", type=Path, help="write the report here (and the numbers as .json beside it)")
     a = ap.parse_args()
     res = asyncio.run(run(a))
