@@ -134,7 +134,11 @@ class _Generation(Response):
                 tg.cancel_scope.cancel()
 
     def _error(self, e: RouterCallError) -> ApiError:
-        return api.error_of_rpc(e.code, e.details or str(e), self.prompt_param)
+        details = e.details or str(e)
+        if e.code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("sampling.constraint:"):
+            # found by the worker's compile for its tokenizer (e.g. past llguidance's per-step limits)
+            return api.constraint_error(self.req, GenerationError("sampling.constraint", details.split(": ", 1)[1]))
+        return api.error_of_rpc(e.code, details, self.prompt_param)
 
     async def _send_json(self, send: Send, status: int, body: dict) -> None:
         data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()

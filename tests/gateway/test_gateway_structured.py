@@ -267,6 +267,16 @@ async def test_a_bad_constraint_is_400_at_once_naming_the_problem(client, kw, pa
     assert r.choices[0].message.content == "ok"
 
 
+async def test_a_schema_only_the_workers_compile_refuses_is_400_naming_the_field(client):
+    """2000 optional properties pass the tokenizer-free check but exceed llguidance's per-step limit
+    on the worker's first step: INVALID_ARGUMENT there, 400 naming response_format here."""
+    schema = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(2000)}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "wide", "schema": schema}}
+    e = await error_of(client, response_format=fmt)
+    assert e.body["param"] == "response_format" and e.body["code"] == "invalid_constraint", e.body
+    assert "too large" in e.body["message"], e.body
+
+
 async def test_text_response_format_is_free_text(client):
     free = await client.completions.create(model="v0", prompt="JSON:", max_tokens=8, temperature=0)
     text = await client.completions.create(
