@@ -74,5 +74,9 @@ else
     step kernels 100 "$PY" bench/kernels.py --out "$out"
     step tune 40 "$PY" -m kernels.tune --out "$out/tuned_configs.json"
 fi
+# the worker step runs the tensor-parallel size 1 path (one process, one GPU); TP >= 2 (one rank per
+# GPU over NCCL, docs/tensor-parallel.md) needs a machine with several GPUs: its numbers wait for one
+echo "[gpu] tensor parallel: measured TP = 1 on one GPU; TP >= 2 numbers wait for a machine with several GPUs" \
+    | tee "$out/tensor-parallel.txt"
 echo "[gpu] done: $failed step(s) failed; results in $out"
 exit $failed

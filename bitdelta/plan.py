@@ -11,10 +11,12 @@ corrects them:
   whole bytes), one fp32 α per output row (or per matrix), and whatever else
   the fine-tune changed stored whole: embeddings, LM head, RMSNorm weights
   (or the embeddings as signs too, `--embeddings sign`);
-- with tensor parallelism every GPU holds 1/TP of the base and of each delta
-  (column/row-parallel projections split the signs and the α's with them;
-  the vocabulary-parallel embedding and head split by rows). KV heads are
-  split across GPUs, or replicated when TP exceeds the number of KV heads;
+- with tensor parallelism every GPU holds its slice of the base and of each
+  delta, exactly as the tensor-parallel worker splits them (`bitdelta.shard`:
+  column/row-parallel projections split the signs and the α's with them, the
+  vocabulary-parallel embedding and head split by rows, norms and row-parallel
+  α's replicated); KV heads are split across GPUs, or replicated when TP
+  exceeds the number of KV heads. Per GPU means rank 0's slice, the largest;
 - the KV cache is what limits concurrent sequences: 2 · layers · kv_heads ·
   head_dim · dtype bytes per token;
 - a cold load reads the delta from NVMe at 3–7 GB/s: 8.75 GB takes 1.3–3 s,
@@ -34,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bitdelta.arch import ModelArgs
+from bitdelta.shard import TPLayout
 from bitdelta.units import parse_bytes
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -210,9 +213,11 @@ def make_plan(
     d = delta_bytes(s, dtype, alpha, embeddings)
     d_sign = delta_bytes(s, dtype, alpha, "sign")
     kv = kv_bytes_per_token(s, dtype)
-    # KV heads split across the TP group, replicated when there are fewer heads than GPUs.
-    kv_gpu = kv * max(1, math.ceil(s.kv_heads / tp)) / s.kv_heads if tp > s.kv_heads else kv / tp
-    base_gpu, delta_gpu = base / tp, d.total / tp
+    # rank 0's slice of everything (the largest: bitdelta.shard), as the worker holds it; KV heads
+    # split across the TP group, replicated when there are fewer heads than GPUs
+    local = Shape(TPLayout(s.args, tp, 0).local_args()) if tp > 1 else s
+    kv_gpu = kv_bytes_per_token(local, dtype)
+    base_gpu, delta_gpu = local.params * b, delta_bytes(local, dtype, alpha, embeddings).total
     reserve = gpu_mem * reserve_frac
     free = gpu_mem - reserve - base_gpu - variants * delta_gpu
     seqs = max(0, int(free // (kv_gpu * context))) if free > 0 else 0
@@ -374,7 +379,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--variants", type=int, default=14, help="number of fine-tuned variants to serve")
     c.add_argument("--gpu-mem", default="80GB", help="memory per GPU: 80GB (decimal) or 80GiB")
     c.add_argument("--gpus", type=int, default=8)
-    c.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: all GPUs)")
+    c.add_argument(
+        "--tensor-parallel",
+        "--tp",
+        dest="tp",
+        type=int,
+        default=None,
+        help="tensor-parallel degree, as the worker's --tensor-parallel (default: all GPUs)",
+    )
     c.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     c.add_argument("--alpha", choices=["row", "matrix"], default="row")
     c.add_argument("--embeddings", choices=["dense", "sign"], default="dense")

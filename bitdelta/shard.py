@@ -32,9 +32,8 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
-import torch
-
 from bitdelta.arch import ModelArgs
+from bitdelta.rpc.wire.delta_store import slice_runs
 
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
@@ -75,8 +74,10 @@ class TensorShard:
             out[1] = self.cols[1] - self.cols[0]
         return tuple(out)
 
-    def take(self, t: torch.Tensor) -> torch.Tensor:
-        """Rank r's slice of the full tensor `t` (contiguous; a copy unless nothing is cut)."""
+    def take(self, t):
+        """Rank r's slice of the full tensor `t` (a torch.Tensor; contiguous, a copy unless nothing is cut)."""
+        import torch
+
         if self.rows is not None:
             parts = [t[a:b] for a, b in self.rows]
             t = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -86,16 +87,8 @@ class TensorShard:
 
     def byte_runs(self, full: tuple[int, ...], itemsize: int) -> list[tuple[int, int]]:
         """(offset, length) runs of the full tensor's row-major bytes that make up the slice, in
-        order (what a sender streams for this rank)."""
-        row_bytes = itemsize
-        for d in full[1:]:
-            row_bytes *= d
-        rows = self.rows if self.rows is not None else ((0, full[0] if full else 1),)
-        if self.cols is None:
-            return [(a * row_bytes, (b - a) * row_bytes) for a, b in rows if b > a]
-        inner = row_bytes // full[1]
-        c0, c1 = self.cols
-        return [(r * row_bytes + c0 * inner, (c1 - c0) * inner) for a, b in rows for r in range(a, b) if c1 > c0]
+        order (what the delta store streams for this rank)."""
+        return slice_runs(full, itemsize, list(self.rows) if self.rows is not None else None, self.cols)
 
 
 def _balanced(units: int, size: int, rank: int) -> tuple[int, int]:

@@ -24,6 +24,18 @@ class InvalidName(StoreError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class InvalidShard(StoreError):
+    """A Fetch's shard names a tensor the delta lacks or a slice outside its shape."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ShardNeedsVerifiedReads(StoreError):
+    """A slice has no sha256 of its own: only a store that verifies what it reads can serve one."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class NotFound(StoreError):
     """No stored delta has this name."""
 

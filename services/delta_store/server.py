@@ -28,7 +28,7 @@ from services.delta_store.cache import HostCache
 from services.delta_store.config import Config
 from services.delta_store.errors import BackendUnavailable, InvalidUpload
 from services.delta_store.shm import SharedMemoryDir
-from services.delta_store.store import DeltaStore
+from services.delta_store.store import DeltaStore, Shard, TensorSlice
 
 log = logging.getLogger("services.delta_store")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DeltaStoreService"].full_name
@@ -36,6 +36,21 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DeltaStoreService"].full_name
 # With --tokens-file: Put and Delete need an admin token; List, Stat and Fetch need none (with mutual
 # TLS on, only holders of a certificate of the CA reach them).
 ADMIN_METHODS = {"Put": Role.ADMIN, "Delete": Role.ADMIN}
+
+
+def shard_of(p: pb.Shard) -> Shard:
+    """FetchRequest.shard as the core's Shard."""
+    return Shard(
+        p.rank,
+        p.size,
+        {
+            s.tensor: TensorSlice(
+                tuple((r.start, r.end) for r in s.rows) or None,
+                (s.cols.start, s.cols.end) if s.HasField("cols") else None,
+            )
+            for s in p.slices
+        },
+    )
 
 
 class DeltaStoreServicer(pb_grpc.DeltaStoreServiceServicer):
@@ -51,7 +66,11 @@ class DeltaStoreServicer(pb_grpc.DeltaStoreServiceServicer):
 
     async def Fetch(self, request, context):
         stream = await self.store.fetch(
-            request.name, request.chunk_bytes, request.expect_base_fingerprint, request.accept_shared_memory
+            request.name,
+            request.chunk_bytes,
+            request.expect_base_fingerprint,
+            request.accept_shared_memory,
+            shard_of(request.shard) if request.HasField("shard") else None,
         )
         if self.metrics is not None:
             self.metrics.fetches.labels(request.name).inc()
@@ -61,7 +80,7 @@ class DeltaStoreServicer(pb_grpc.DeltaStoreServiceServicer):
             )
             yield pb.FetchResponse(
                 info=stream.delta.info_proto(),
-                tensors=stream.delta.tensors_proto(),
+                tensors=stream.tensors_proto(),
                 shared_memory=shared,
                 verified=stream.verified,
             )

@@ -47,7 +47,7 @@ from bitdelta.format import (
     parse_header,
 )
 from bitdelta.rpc.checksums import crc32, crc32_combine
-from bitdelta.rpc.wire.delta_store import MAX_CHUNK_BYTES
+from bitdelta.rpc.wire.delta_store import MAX_CHUNK_BYTES, slice_runs
 from services.delta_store.backends import Backend, ObjectInfo, Reader, check_name
 from services.delta_store.cache import Entry, HostCache
 from services.delta_store.errors import (
@@ -55,8 +55,10 @@ from services.delta_store.errors import (
     BackendUnavailable,
     BaseMismatch,
     CorruptDelta,
+    InvalidShard,
     InvalidUpload,
     NotFound,
+    ShardNeedsVerifiedReads,
 )
 
 log = logging.getLogger(__name__)
@@ -111,6 +113,56 @@ class StoredDelta:
             )
             for t in self.header.tensors
         ]
+
+
+@dataclass(frozen=True)
+class TensorSlice:
+    """A tensor-parallel rank's part of one tensor: runs of rows (None: all), one run of columns (None:
+    all; packed signs: bytes)."""
+
+    rows: tuple[tuple[int, int], ...] | None = None
+    cols: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A Fetch of one rank's slices: `slices` by tensor name (the others whole)."""
+
+    rank: int
+    size: int
+    slices: dict[str, TensorSlice]
+
+    def runs(self, header: DeltaHeader, name: str) -> dict[int, tuple[list[tuple[int, int]], tuple[int, ...]]]:
+        """tensor index -> ((offset, length) runs of its bytes this rank gets, the slice's shape);
+        InvalidShard for a tensor the delta lacks or a slice outside its shape."""
+        index = {t.name: i for i, t in enumerate(header.tensors)}
+        out = {}
+        for tname, sl in self.slices.items():
+            if tname not in index:
+                raise InvalidShard(f"delta {name!r} has no tensor {tname[:120]!r} (FetchRequest.shard)")
+            t = header.tensors[index[tname]]
+            shape = tuple(t.shape)
+            ok = all(0 <= a <= b <= (shape[0] if shape else 1) for a, b in sl.rows or ())
+            if sl.cols is not None:
+                ok = ok and len(shape) >= 2 and 0 <= sl.cols[0] <= sl.cols[1] <= shape[1]
+            if not ok:
+                raise InvalidShard(f"delta {name!r}: the shard's slice of {tname} lies outside its shape {list(shape)}")
+            itemsize = t.nbytes // max(1, _numel(shape))
+            runs = slice_runs(shape, itemsize, list(sl.rows) if sl.rows else None, sl.cols)
+            local = list(shape)
+            if sl.rows:
+                local[0] = sum(b - a for a, b in sl.rows)
+            if sl.cols is not None:
+                local[1] = sl.cols[1] - sl.cols[0]
+            out[index[tname]] = (runs, tuple(local))
+        return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 @dataclass(frozen=True)
@@ -271,11 +323,24 @@ class Delivery:
         *,
         verified: bool = False,
         shared_path: str | None = None,
+        runs: dict[int, tuple[list[tuple[int, int]], tuple[int, ...]]] | None = None,
     ):
         self.delta, self._chunks, self._span, self._release = delta, chunks, span, release
+        self.runs = runs  # a shard's: tensor index -> (byte runs it sends, the slice's shape); the others whole
         self.verified = verified  # every byte was checked against the sha256s (or the crc32s recorded then)
         self.shared_path = shared_path  # chunks carry no data: their bytes are in this file
         self.bytes_sent = 0
+
+    def tensors_proto(self) -> list:
+        """The tensors as this Fetch sends them: a shard's slices with their shapes and sizes (no
+        sha256: the chunk crc32s cover them, the store verified the whole)."""
+        out = self.delta.tensors_proto()
+        for i, (runs, shape) in (self.runs or {}).items():
+            t = out[i]
+            del t.shape[:]
+            t.shape.extend(shape)
+            t.nbytes, t.sha256 = sum(k for _, k in runs), ""
+        return out
 
     def __aiter__(self):
         return self
@@ -301,6 +366,50 @@ class Delivery:
             elif exc_type is asyncio.CancelledError or exc_type is GeneratorExit:
                 self._span.set_attribute("fetch.cancelled", True)
             self._span.end()
+
+
+async def _sliced(
+    chunks: AsyncIterator[Chunk], runs: dict[int, tuple[list[tuple[int, int]], tuple]], chunk: int
+) -> AsyncIterator[Chunk]:
+    """A shard's chunks, from the whole delta's (in tensor order): a tensor with runs keeps only
+    their bytes, re-cut into chunks of at most `chunk` bytes of the slice, each with its crc32; the
+    others pass as they are."""
+    cur, buf, pos, ri = -1, bytearray(), 0, 0  # tensor, its slice bytes not sent yet, where buf starts, next run
+
+    def cut(final: bool):
+        nonlocal buf, pos
+        while buf and (len(buf) >= chunk or final):
+            data = bytes(buf[:chunk])
+            del buf[:chunk]
+            yield Chunk(cur, pos, data, crc32(data))
+            pos += len(data)
+
+    try:
+        async for c in chunks:
+            if c.tensor_index != cur:
+                for out in cut(True):
+                    yield out
+                cur, pos, ri = c.tensor_index, 0, 0
+            if cur not in runs:
+                yield c
+                continue
+            rs, a0, a1 = runs[cur][0], c.offset, c.offset + len(c.data)
+            while ri < len(rs):
+                o, n = rs[ri]
+                if o >= a1:
+                    break
+                lo, hi = max(o, a0), min(o + n, a1)
+                if hi > lo:
+                    buf += c.data[lo - a0 : hi - a0]
+                if o + n > a1:
+                    break
+                ri += 1
+            for out in cut(False):
+                yield out
+        for out in cut(True):
+            yield out
+    finally:
+        await chunks.aclose()
 
 
 class DeltaStore:
@@ -411,15 +520,37 @@ class DeltaStore:
 
     # -- Fetch -------------------------------------------------------------------------
     async def fetch(
-        self, name: str, chunk_bytes: int = 0, expect_base_fingerprint: str = "", accept_shared_memory: bool = False
+        self,
+        name: str,
+        chunk_bytes: int = 0,
+        expect_base_fingerprint: str = "",
+        accept_shared_memory: bool = False,
+        shard: Shard | None = None,
     ) -> Delivery:
-        """Open a Fetch: raises NotFound, BaseMismatch, CorruptDelta, BackendUnavailable before any data."""
+        """Open a Fetch: raises NotFound, BaseMismatch, CorruptDelta, BackendUnavailable before any data.
+        `shard`: only one tensor-parallel rank's slices (InvalidShard, ShardNeedsVerifiedReads)."""
         check_name(name)
         chunk = min(chunk_bytes or self.chunk_bytes, MAX_CHUNK_BYTES)
         span = self.tracer.start_span("delta_store.fetch", attributes={"delta.name": name, "fetch.chunk_bytes": chunk})
         try:
             with trace.use_span(span, end_on_exit=False):
-                stream = await self._open(name, chunk, expect_base_fingerprint, span, accept_shared_memory)
+                if shard is not None and not self.verify_reads:
+                    raise ShardNeedsVerifiedReads(
+                        f"a sharded Fetch of {name!r} needs a store that verifies its reads (--verify-reads): "
+                        "a slice has no sha256 of its own"
+                    )
+                stream = await self._open(
+                    name, chunk, expect_base_fingerprint, span, accept_shared_memory and not shard
+                )
+                if shard is not None:
+                    try:
+                        runs = shard.runs(stream.delta.header, name)
+                    except InvalidShard:
+                        await stream.__aexit__(None, None, None)
+                        raise
+                    span.set_attribute("fetch.shard", f"{shard.rank}/{shard.size}")
+                    stream.runs = runs
+                    stream._chunks = _sliced(stream._chunks, runs, chunk)
         except BaseException as e:
             span.record_exception(e)
             span.set_status(trace.StatusCode.ERROR, str(e))

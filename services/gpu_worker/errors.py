@@ -54,8 +54,9 @@ class SamplingError(WorkerError):
 class DeltaLoadError(WorkerError):
     """A delta could not be made resident; `cause` is the original error (its type picks the code)."""
 
-    def __init__(self, name: str, cause: BaseException):
-        super().__init__(f"delta {name!r} could not be loaded: {cause}")
+    def __init__(self, name: str, cause: BaseException, where: str = ""):
+        """where: which tensor-parallel rank failed ("rank 1 of 2"), or ""."""
+        super().__init__(f"delta {name!r} could not be loaded{' on ' + where if where else ''}: {cause}")
         self.name, self.cause = name, cause
         self.code = status_of(cause)
 

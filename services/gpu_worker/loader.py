@@ -89,6 +89,7 @@ class DeltaPlan:
     placements: list[Placement]
     slot_bytes: int  # one slot of the stacks
     extra_bytes: int  # embedding / head tensors outside the stacks
+    whole: bool = False  # tensor parallelism: tensors arrive whole, the rank keeps its slice (parallel.ShardWriter)
 
     @property
     def total_bytes(self) -> int:

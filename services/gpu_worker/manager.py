@@ -327,7 +327,8 @@ class DeltaManager:
                     del self.entries[e.name]
                 _settle(e.done, Aborted(f"the load of delta {e.name!r} was cancelled; send the request again"))
                 raise
-            err = exc if isinstance(exc, DeltaLoadError) else DeltaLoadError(e.name, exc)
+            where = self.shard.where if self.shard is not None else ""
+            err = exc if isinstance(exc, DeltaLoadError) else DeltaLoadError(e.name, exc, where)
             if err.code in _NO_ENTRY_CODES:
                 if self.entries.get(e.name) is e:
                     del self.entries[e.name]

@@ -244,13 +244,18 @@ class ShardedLoad:
 
     def __init__(self, tp: TPLayout, layout: SlotLayout):
         self.tp, self.layout = tp, layout
+        self.where = f"rank {tp.rank} of {tp.size}"  # named in its load errors
 
     def plan(self, info: DeltaInfo) -> DeltaPlan:
         """plan_delta against this rank's layout (the slices' shapes), placements keeping the
-        announced tensors (the receiver's)."""
+        announced tensors (the receiver's): the slices themselves when the source sent only those
+        (`DeltaInfo.sliced`: the store's sharded Fetch), else whole tensors to cut here."""
+        if info.sliced:
+            return plan_delta(self.layout, info)
         local = dataclasses.replace(info, tensors=[self._local(t) for t in info.tensors])
         plan = plan_delta(self.layout, local)
         plan.placements = [dataclasses.replace(p, spec=t) for p, t in zip(plan.placements, info.tensors)]
+        plan.whole = True
         return plan
 
     def _local(self, t: TensorSpec) -> TensorSpec:
@@ -260,7 +265,9 @@ class ShardedLoad:
             n *= d
         return dataclasses.replace(t, shape=shape, nbytes=n if t.dtype in DTYPES else t.nbytes)
 
-    def writer(self, plan: DeltaPlan, slots: SlotTensors, slot: int, load_stream=None) -> ShardWriter:
+    def writer(self, plan: DeltaPlan, slots: SlotTensors, slot: int, load_stream=None) -> SlotWriter:
+        if not plan.whole:  # the slices arrived: they land like any tensor
+            return SlotWriter(plan, slots, slot, load_stream)
         return ShardWriter(plan, slots, slot, load_stream, tp=self.tp)
 
 
@@ -319,12 +326,12 @@ class StepMessage:
     work: list[SeqWork] | None
 
 
-class PeerLoadError(WorkerError):
-    """A follower could not load its slice; its status code and message (naming the rank)."""
+class PeerLoadError(DeltaLoadError):
+    """A follower could not load its slice: its status code and message (naming the rank)."""
 
-    def __init__(self, message: str, code: grpc.StatusCode):
-        super().__init__(message)
-        self.code = code
+    def __init__(self, name: str, message: str, code: grpc.StatusCode):
+        WorkerError.__init__(self, message)
+        self.name, self.cause, self.code = name, None, code
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,7 +468,7 @@ class Driver:
         load_id = next(self._ids)
         await asyncio.to_thread(self.send, LoadOp(load_id, name, slot))
         try:
-            await self._acks(load_id)
+            await self._acks(load_id, name)
         except asyncio.CancelledError:
             self.queue(CancelLoadOp(load_id))
             await asyncio.shield(asyncio.ensure_future(self._cancelled(load_id)))
@@ -474,7 +481,7 @@ class Driver:
         except WorkerError:
             pass  # cancelled or failed: either way that follower has stopped writing
 
-    async def _acks(self, load_id: int) -> None:
+    async def _acks(self, load_id: int, name: str = "") -> None:
         keys = [_ack_key(load_id, r) for r in range(1, self.comm.size)]
         while not self.store.check(keys):
             if self.failed is not None:
@@ -485,7 +492,7 @@ class Driver:
             self.store.delete_key(k)
         for a in acks:
             if a["code"] != "OK":
-                raise PeerLoadError(a["message"], grpc.StatusCode[a["code"]])
+                raise PeerLoadError(name, a["message"], grpc.StatusCode[a["code"]])
 
     def free(self, slot: int) -> None:
         """Slot `slot` was freed on rank 0: the followers drop its extras (embedding / head)."""
@@ -565,7 +572,7 @@ class Follower:
 
     async def _load(self, op: LoadOp) -> None:
         if self.source is None:
-            self.source = source_of(self.config)
+            self.source = source_of(self.config, self.model.tp)
         if self.source is None:
             raise DeltaLoadError(op.name, RuntimeError("no delta source is configured"))
         info = await self.source.open(op.name, self.fingerprint)
@@ -591,8 +598,8 @@ class Follower:
             ack = {"code": "ABORTED", "message": f"rank {r} of {n}: the load of {op.name!r} was cancelled"}
         elif fut.exception() is not None:
             e = fut.exception()
-            err = e if isinstance(e, DeltaLoadError) else DeltaLoadError(op.name, e)
-            ack = {"code": err.code.name, "message": f"rank {r} of {n}: {err}"}
+            err = e if isinstance(e, DeltaLoadError) else DeltaLoadError(op.name, e, f"rank {r} of {n}")
+            ack = {"code": err.code.name, "message": str(err)}
             log.warning("rank %d: delta %s failed to load: %s", r, op.name, e)
         else:
             ack = {"code": "OK", "message": ""}

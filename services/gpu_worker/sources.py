@@ -84,6 +84,9 @@ class DeltaInfo:
     # The base it was made for (format v2); a v1 file: "" and the v1 layout (a Llama/Mistral base).
     architecture: str = ""
     layout: str = V1_LAYOUT
+    # Tensor parallelism: the source sent this rank's slices only (`tensors` are the slices), not
+    # whole tensors for the rank to cut (parallel.ShardedLoad).
+    sliced: bool = False
 
     @property
     def content_id(self) -> str:
@@ -197,16 +200,21 @@ class DeltaStoreSource:
         chunk_bytes: int = 1 << 20,
         credentials: grpc.ChannelCredentials | None = None,
         shared_memory: bool = True,
+        tp=None,
     ):
+        """tp: a tensor-parallel rank's `bitdelta.shard.TPLayout`: Fetch only its slices."""
         self.address, self.chunk_bytes, self.shared_memory = address, chunk_bytes, shared_memory
+        self.tp = tp
         self.client = DeltaStoreClient(address, fetch_timeout_s=timeout_s, credentials=credentials)  # TLS or None
 
     async def open(self, name: str, base_fingerprint: str) -> DeltaInfo:
+        shard = None if self.tp is None else await self._shard(name)
         stream = await self.client.open_fetch(
             name,
             expect_base_fingerprint=base_fingerprint,
             chunk_bytes=self.chunk_bytes,
             accept_shared_memory=self.shared_memory,
+            shard=shard,
         )
         info = stream.info
         try:
@@ -228,7 +236,24 @@ class DeltaStoreSource:
             transport=stream.transport,
             architecture=meta.architecture,
             layout=meta.layout,
+            sliced=shard is not None,
         )
+
+    async def _shard(self, name: str):
+        """This rank's split rule for every tensor of `name` that is not replicated (from its Stat)."""
+        from bitdelta.delta_store.v1 import delta_store_pb2 as store_pb
+        from bitdelta.shard import Split
+
+        slices = []
+        for t in (await self.client.stat(name)).tensors:
+            param, role = t.name.rsplit(".", 1)
+            sh = self.tp.shard_of(param, role, tuple(t.shape))
+            if sh.split is Split.REPLICATED:
+                continue
+            rows = [store_pb.Range(start=a, end=b) for a, b in sh.rows or ()]
+            cols = store_pb.Range(start=sh.cols[0], end=sh.cols[1]) if sh.cols is not None else None
+            slices.append(store_pb.TensorSlice(tensor=t.name, rows=rows, cols=cols))
+        return store_pb.Shard(rank=self.tp.rank, size=self.tp.size, slices=slices)
 
     async def stream(self, info: DeltaInfo, receiver: Receiver) -> None:
         stream: FetchStream = info.handle
@@ -243,14 +268,16 @@ class DeltaStoreSource:
         await self.client.close()
 
 
-def source_of(config) -> DeltaSource | None:
-    """The source a worker's config names (a `WorkerConfig`): the store, a directory, or none."""
+def source_of(config, tp=None) -> DeltaSource | None:
+    """The source a worker's config names (a `WorkerConfig`): the store, a directory, or none. `tp`: a
+    tensor-parallel rank's `TPLayout` (the store then sends only its slices; files are cut by the rank)."""
     if config.delta_store:
         return DeltaStoreSource(
             config.delta_store,
             timeout_s=config.store_timeout_s,
             shared_memory=config.store_shared_memory,
             credentials=config.channel_credentials(),  # TLS: the worker's certificate
+            tp=tp,
         )
     if config.delta_dir:
         return LocalDeltaSource(config.delta_dir)

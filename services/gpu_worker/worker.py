@@ -158,7 +158,7 @@ class Worker:
         self.scheduler = Scheduler(
             BlockAllocator(n_blocks), c.block_size, c.max_running, c.max_batch_tokens, prefix_caching=prefix
         )
-        self.source = source_of(c)
+        self.source = source_of(c, self.tp.model.tp if self.tp is not None else None)
         policy = WeightedLRUPolicy(c.delta_budget, half_life_s=c.rate_half_life_s, pin_top_n=c.pin_hottest)
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.manager = DeltaManager(

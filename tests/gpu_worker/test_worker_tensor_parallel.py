@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import os
 import signal
 import time
@@ -18,6 +19,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bitdelta import plan
+from bitdelta.checkpoint import read_config
 from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
@@ -82,7 +85,12 @@ async def test_two_ranks_with_one_kv_head_equal_one_process_and_count_the_collec
         assert all(r.base_bytes > 0 and r.kv_bytes > 0 for r in st.ranks)
         # rank 0 holds the most of every part (its accounting bounds both): here its half of the vocab
         assert st.ranks[0].base_bytes >= st.ranks[1].base_bytes
-        # per-rank delta bytes: the slot stacks of rank 0's shapes plus its vocabulary rows of the head
+        # `bitdelta plan --tensor-parallel 2` per GPU = the worker's own per-rank accounting (fp32 here)
+        p = plan.make_plan(read_config(family.base), variants=1, gpu_mem=1e12, gpus=2, tp=2, dtype="fp32")
+        assert st.ranks[0].base_bytes == p.base_per_gpu
+        assert st.ranks[0].kv_bytes == st.kv_tokens_total * p.kv_per_token_per_gpu
+        per = {x.name: x.bytes for x in st.slots}
+        assert per[family.variants[0]] == per[family.variants[1]] == p.delta_per_gpu  # α per row, dense embedding
         assert 0 < st.delta_used_bytes <= worker.manager.budget_bytes
 
     two = await answers(config(family.base, family.deltas, 2), prompts, check=check)
@@ -190,3 +198,54 @@ async def test_kill9_of_rank1_mid_stream_stops_the_worker_and_the_router_uses_an
         finally:
             await w.close()
             await router.close()
+
+
+async def test_a_cold_load_from_the_store_moves_each_sliced_byte_once(family, tmp_path):
+    from bitdelta.checkpoint import read_config
+    from bitdelta.format import read_header
+    from bitdelta.model import ModelArgs
+    from bitdelta.rpc.clients.worker import WorkerClient
+    from bitdelta.shard import TPLayout
+    from bitdelta.testing.cluster import free_port
+    from tests.support.metrics import scrape
+
+    def served(port: int) -> float:
+        return sum(v for (n, _), v in scrape(port).items() if n == "bitdelta_delta_store_served_bytes_total")
+
+    mport = free_port()
+    with Cluster(tmp_path) as c:
+        st = c.store(family.deltas, extra=("--metrics-address", f"127.0.0.1:{mport}"))
+        tp = c.worker(family.base, st.address, name="tp", extra=("--tensor-parallel", "2"))
+        single = c.worker(family.base, st.address, name="single")
+        c.wait_serving(st, tp, single)
+        w, w1 = WorkerClient(tp.address, generate_timeout_s=60), WorkerClient(single.address, generate_timeout_s=60)
+        try:
+            v = family.variants[0]
+            header = read_header(family.delta_path(v))
+            args = ModelArgs.from_hf(read_config(family.base))
+            whole = sum(t.nbytes for t in header.tensors)
+            # what the two ranks' slices add up to: each sharded byte once; replicated tensors (the
+            # norms, o/down's α, here also k and v: one KV head on both ranks) to each rank
+            slices = sum(
+                k
+                for r in (0, 1)
+                for t in header.tensors
+                for _, k in TPLayout(args, 2, r)
+                .shard_of(t.param, t.role, t.shape)
+                .byte_runs(t.shape, t.nbytes // max(1, math.prod(t.shape)))
+            )
+            before = served(mport)
+            await w.load_delta(v)  # cold: both ranks fetch their slices
+            assert served(mport) - before == slices
+            assert whole < slices < 1.05 * whole
+            req = pb.GenerateRequest(model_id=v, prompt="Hello", sampling=gen_pb.SamplingParams(max_new_tokens=N))
+            assert [e.token_id async for e in w.generate(req)] == [e.token_id async for e in w1.generate(req)]
+            # a corrupt delta: DATA_LOSS naming the tensor and the rank, the worker keeps serving
+            with pytest.raises(Exception) as e:
+                await w.load_delta(family.corrupt)
+            assert e.value.code == grpc.StatusCode.DATA_LOSS
+            assert "rank" in str(e.value) and "model." in str(e.value)
+            assert (await w.status()).tensor_parallel == 2
+        finally:
+            await w.close()
+            await w1.close()

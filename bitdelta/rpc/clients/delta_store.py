@@ -247,19 +247,22 @@ class DeltaStoreClient(Client):
         chunk_bytes: int = 0,
         timeout_s: float | None = None,
         accept_shared_memory: bool = False,
+        shard: pb.Shard | None = None,
     ) -> FetchStream:
         """Start streaming delta `name`: returns once its header arrived (nothing else has moved).
 
         A base mismatch fails here (the store checks `expect_base_fingerprint` before any data, and
         so does this client). The caller reads `chunks()` and verifies what it places.
         `accept_shared_memory`: see the module docstring; `transport` says what was used.
+        `shard`: only a tensor-parallel rank's slices (the announced tensors are the slices).
         """
         call = self._stub.Fetch(
             pb.FetchRequest(
                 name=name,
                 chunk_bytes=chunk_bytes,
                 expect_base_fingerprint=expect_base_fingerprint,
-                accept_shared_memory=accept_shared_memory,
+                accept_shared_memory=accept_shared_memory and shard is None,
+                shard=shard,
             ),
             timeout=timeout_s or self.fetch_timeout_s,
         )
