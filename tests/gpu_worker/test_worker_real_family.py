@@ -51,3 +51,44 @@ async def test_real_family_matches_references_alone_and_mixed(tmp_path, real_bas
     for v in (v0, v1):
         dense = apply(real_base, real_deltas[v], tmp_path / v, progress=False)
         assert alone[v] == offline_generate(dense, tok.encode(prompts[v]).ids, N, eos)
+
+
+async def test_real_tokenizer_constrained_json_validates(real_base, real_deltas):
+    """Constrained decoding with the real base's 49,152-token BPE vocabulary (the tiny family's tests
+    have one byte per token): the base and a variant, greedy and sampled, in one batch, each output
+    ends with EOS and validates against a bounded schema."""
+    import json
+
+    import jsonschema
+
+    from bitdelta.generation import Constraint, ConstraintKind, FinishReason, Request, Sampling
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "city": {"enum": ["Paris", "Lyon", "Nice"]},
+            "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
+        },
+        "required": ["name", "age", "city", "hobbies"],
+        "additionalProperties": False,
+    }
+    c = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
+    prompt = (
+        "<|im_start|>user\nDescribe Ann, 31, from Lyon, who likes chess, as JSON.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    v0 = sorted(real_deltas)[0]
+    cfg = WorkerConfig(base=real_base, delta_dir=str(real_deltas[v0].parent), delta_budget=1 << 30, kv_cache=32 << 20)
+    async with running_worker(cfg) as (worker, _, _):
+
+        async def gen(model: str, temperature: float, seed: int | None):
+            s = Sampling(max_new_tokens=200, temperature=temperature, seed=seed, constraint=c)
+            evs = [ev async for ev in worker.generate(Request(model, prompt, s, templated=True))]
+            return "".join(ev.text for ev in evs), evs[-1].finish_reason
+
+        outs = await asyncio.gather(*[gen(m, t, s) for m in ("", v0) for t, s in ((0.0, None), (1.0, 1), (1.0, 2))])
+    for text, finish in outs:
+        assert finish is FinishReason.EOS, text
+        jsonschema.validate(json.loads(text), schema)
+    assert any("Ann" in text for text, _ in outs), outs  # the model's own words, within the grammar
