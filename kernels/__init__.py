@@ -6,6 +6,8 @@
         y[r] += α_v ⊙ (x[r] · S_vᵀ), v = row_variant[r] ≥ 0   (mixed-variant batch)
     dense_linear(x, w, *, out_fp32=False) -> y   y = x · wᵀ (base rows; the C GEMV at decode on CPU)
     plan_batch(row_variant, n_variants, ...) -> BatchPlan     (build once per step, reuse per layer)
+    paged_decode(q, k, v, tables, lens, block_size, window) -> out
+        decode attention over a paged KV pool, each sequence's blocks read in place (paged_attention.py)
 
 Triton on CUDA (and in the interpreter under TRITON_INTERPRET=1), compiled C on
 CPU, torch references as oracle and fallback. See docs/kernels.md.
@@ -16,6 +18,7 @@ of the project: the core (`bitdelta`) imports it, never the reverse.
 
 from kernels.dispatch import backend_for, bitdelta_delta_batched, bitdelta_linear, dense_linear
 from kernels.merged_cache import MergedWeightCache
+from kernels.paged_attention import paged_decode, paged_decode_ref
 from kernels.plan import BatchPlan, plan_batch
 from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
 
@@ -29,4 +32,6 @@ __all__ = [
     "backend_for",
     "bitdelta_linear_ref",
     "bitdelta_delta_batched_ref",
+    "paged_decode",
+    "paged_decode_ref",
 ]

@@ -15,6 +15,7 @@
  * said otherwise; n_threads is the caller's torch.get_num_threads(). Torch
  * loads libgomp.so.1 first, so this library shares torch's OpenMP runtime.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -629,4 +630,98 @@ int bd_linear_gemv(const float *x, int64_t M, int64_t ldx, const void *w, int w_
     free(xeo);
     free(xsum);
     return 0;
+}
+
+/* ---------------------------------------------------------------------- */
+/* paged decode attention: one query token per sequence, its KV read in   */
+/* place from the paged pool (no gather, no padding), fp32 online softmax */
+/* ---------------------------------------------------------------------- */
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float r = 0.f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    r = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float t[8];
+    _mm256_storeu_ps(t, acc);
+    r = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+#endif
+    for (; i < n; ++i) r += a[i] * b[i];
+    return r;
+}
+
+static inline void load_row(const void *base, int dtype, int64_t off, int64_t n, float *out) {
+    if (dtype == BD_W_F32) {
+        memcpy(out, (const float *)base + off, (size_t)n * sizeof(float));
+    } else if (dtype == BD_W_BF16) {
+        const uint16_t *p = (const uint16_t *)base + off;
+        for (int64_t i = 0; i < n; ++i) {
+            uint32_t u = (uint32_t)p[i] << 16;
+            memcpy(out + i, &u, 4);
+        }
+    } else {
+        for (int64_t i = 0; i < n; ++i) out[i] = w_at(base, dtype, off + i);
+    }
+}
+
+/* out[b, h, :] = Σ_t softmax_t(q[b, h] · k_t · scale) v_t over the keys t the query sees.
+ *   q, out: fp32 [B, H, D] contiguous; k, v: [rows, KV, D] contiguous in kv_dtype (BD_W_*), token t
+ *   of sequence b at row tables[b * max_blocks + t / bs] * bs + t % bs; lens[b]: its length (the
+ *   query is token lens[b] − 1); window > 0: keys t > lens[b] − 1 − window only.
+ *   One task per (sequence, KV head): its G = H / KV query heads share each key and value row,
+ *   which is read once. Returns 0 or −1 (no memory). */
+int bd_paged_decode(const float *q, int64_t B, int64_t H, int64_t KV, int64_t D, const void *k, const void *v,
+                    int kv_dtype, const int32_t *tables, int64_t max_blocks, const int32_t *lens, int64_t bs,
+                    int64_t window, float scale, float *out, int n_threads) {
+    if (n_threads < 1) n_threads = 1;
+    const int64_t G = H / KV;
+    int failed = 0;
+#pragma omp parallel num_threads(n_threads) reduction(| : failed)
+    {
+        float *buf = (float *)malloc((size_t)(2 * D + G * (D + 2)) * sizeof(float));
+        if (!buf) failed = 1;
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t g = 0; g < KV; ++g) {
+                if (!buf) continue;
+                float *kr = buf, *vr = buf + D, *acc = buf + 2 * D, *m = acc + G * D, *l = m + G;
+                const int64_t n = lens[b], lo = window > 0 && n - window > 0 ? n - window : 0;
+                const float *qg = q + (b * H + g * G) * D;
+                for (int64_t h = 0; h < G; ++h) {
+                    m[h] = -INFINITY;
+                    l[h] = 0.f;
+                }
+                memset(acc, 0, (size_t)(G * D) * sizeof(float));
+                for (int64_t t = lo; t < n; ++t) {
+                    const int64_t row = (int64_t)tables[b * max_blocks + t / bs] * bs + t % bs;
+                    const int64_t off = (row * KV + g) * D;
+                    load_row(k, kv_dtype, off, D, kr);
+                    load_row(v, kv_dtype, off, D, vr);
+                    for (int64_t h = 0; h < G; ++h) {
+                        const float s = dot_f32(qg + h * D, kr, D) * scale;
+                        float *a = acc + h * D;
+                        if (s > m[h]) {  /* a new maximum: rescale what was summed so far */
+                            const float c = expf(m[h] - s);
+                            l[h] *= c;
+                            for (int64_t d = 0; d < D; ++d) a[d] *= c;
+                            m[h] = s;
+                        }
+                        const float p = expf(s - m[h]);
+                        l[h] += p;
+                        for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
+                    }
+                }
+                for (int64_t h = 0; h < G; ++h) {
+                    float *o = out + (b * H + g * G + h) * D;
+                    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+                    for (int64_t d = 0; d < D; ++d) o[d] = acc[h * D + d] * inv;
+                }
+            }
+        free(buf);
+    }
+    return failed ? -1 : 0;
 }

@@ -7,8 +7,8 @@ For every linear layer the base GEMM runs ONCE over all N rows; then one
 `bitdelta_delta_batched` launch adds each row's delta, selected by
 `row_slot[r]` (−1 = base row) from the slot stacks. A batch whose rows all
 belong to one variant uses the fused `bitdelta_linear` instead. Attention runs
-per sequence against its own blocks of the paged KV pool (decode rows of all
-sequences in one padded call).
+per sequence against its own blocks of the paged KV pool (the decode rows of all
+sequences in one `kernels.paged_decode` call that reads their blocks in place).
 
 No host sync inside a step: every index tensor of a step is built on the host in
 `prepare` (from the scheduler's lists, never from device values) and copied over
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from bitdelta.model import ModelArgs, apply_rope, attention_mask, load_model, rope_tables
-from kernels import bitdelta_delta_batched, bitdelta_linear, dense_linear, plan_batch
+from kernels import bitdelta_delta_batched, bitdelta_linear, dense_linear, paged_decode, plan_batch
 from kernels.bits import unpack_signs
 from services.gpu_worker.slots import SlotTensors
 
@@ -143,8 +143,8 @@ class StepMeta:
     single_slot: int | None  # all rows belong to this one variant: the fused kernel serves
     write_rows: torch.Tensor  # [N] pool rows the new k/v go to
     decode_rows: torch.Tensor | None  # [B] rows of x that are single-token decodes
-    decode_gather: torch.Tensor | None  # [B, Lmax] pool rows of their contexts (padded)
-    decode_mask: dict | None  # window (None: full) -> [B, 1, 1, Lmax] bool
+    decode_tables: torch.Tensor | None  # [B, max_blocks] int32 their block tables (padded with 0)
+    decode_lens: torch.Tensor | None  # [B] int32 their lengths, the new token included
     prefills: list[tuple[int, int, torch.Tensor, dict]]  # (row0, n, pool rows [L], window -> mask [n, L])
     logit_rows: torch.Tensor  # [R] rows whose logits are wanted
     logit_slots: list[int]  # [R] their slots
@@ -199,7 +199,7 @@ class ModelRunner:
             write_rows.append(ctx[w.start :])
             if n == 1:
                 decode_rows.append(r)
-                decode_ctx.append(ctx)
+                decode_ctx.append((w.blocks[: -(-(w.start + 1) // self.kv.block_size)], w.start + 1))
             else:
                 L = w.start + n
                 q_pos, k_pos = torch.arange(w.start, L), torch.arange(L)
@@ -231,8 +231,8 @@ class ModelRunner:
             single_slot=single if (single is not None and single >= 0 and self.use_fused) else None,
             write_rows=self._dev(torch.cat(write_rows)),
             decode_rows=None,
-            decode_gather=None,
-            decode_mask=None,
+            decode_tables=None,
+            decode_lens=None,
             prefills=prefills,
             logit_rows=self._dev(torch.tensor(logit_rows, dtype=torch.int64)),
             logit_slots=logit_slots,
@@ -254,15 +254,13 @@ class ModelRunner:
             groups.setdefault(s if (ex is not None and ex.head is not None) else -1, []).append(i)
         meta.logit_groups = [(s, self._dev(torch.tensor(idx, dtype=torch.int64))) for s, idx in groups.items()]
         if decode_rows:
-            lmax = max(len(c) for c in decode_ctx)
-            gather = torch.zeros(len(decode_ctx), lmax, dtype=torch.int64)
-            q_pos = torch.tensor([len(c) - 1 for c in decode_ctx])  # each decode's one query
-            for b, c in enumerate(decode_ctx):
-                gather[b, : len(c)] = c
-            masks = {win: attention_mask(q_pos, torch.arange(lmax), win) for win in windows}  # [B, Lmax]
+            width = max(len(t) for t, _ in decode_ctx)
+            tables = torch.zeros(len(decode_ctx), width, dtype=torch.int32)
+            for b, (t, _) in enumerate(decode_ctx):
+                tables[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
             meta.decode_rows = self._dev(torch.tensor(decode_rows, dtype=torch.int64))
-            meta.decode_gather = self._dev(gather)
-            meta.decode_mask = {win: self._dev(mask[:, None, None, :]) for win, mask in masks.items()}
+            meta.decode_tables = self._dev(tables)
+            meta.decode_lens = self._dev(torch.tensor([n for _, n in decode_ctx], dtype=torch.int32))
         return meta
 
     # -- layers ---------------------------------------------------------------------------------
@@ -317,12 +315,10 @@ class ModelRunner:
         vc[m.write_rows] = v
         gqa = self.args.n_heads != self.args.n_kv_heads
         out = torch.empty_like(q)
-        if m.decode_rows is not None:
-            kd = kc[m.decode_gather].transpose(1, 2)  # [B, KV, Lmax, hd]
-            vd = vc[m.decode_gather].transpose(1, 2)
-            qd = q[m.decode_rows][:, :, None, :]  # [B, H, 1, hd]
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=m.decode_mask[win], enable_gqa=gqa)
-            out[m.decode_rows] = od[:, :, 0, :]
+        if m.decode_rows is not None:  # each sequence's blocks read in place, fp32 softmax
+            out[m.decode_rows] = paged_decode(
+                q[m.decode_rows], kc, vc, m.decode_tables, m.decode_lens, self.kv.block_size, win, backend=self.backend
+            )
         for r0, n, ctx, mask in m.prefills:
             qs = q[r0 : r0 + n].transpose(0, 1)[None]  # [1, H, n, hd]
             ks = kc[ctx].transpose(0, 1)[None]  # [1, KV, L, hd]
