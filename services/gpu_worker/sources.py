@@ -87,12 +87,14 @@ class DeltaInfo:
     # Tensor parallelism: the source sent this rank's slices only (`tensors` are the slices), not
     # whole tensors for the rank to cut (parallel.ShardedLoad).
     sliced: bool = False
+    version: str = ""  # the store's version of the stored bytes (DeltaInfo.version): a replaced delta's changes
 
     @property
     def content_id(self) -> str:
-        """The delta's contents: a hash over every tensor's name and sha256 (what the receiver
-        verifies the bytes against), so a delta uploaded again with new contents has a new one."""
-        h = hashlib.sha256()
+        """The delta's contents: a hash over the store's version of it and every tensor's name and
+        sha256 (what the receiver verifies the bytes against), so a delta uploaded again with new
+        contents has a new one (a tensor-parallel rank's slices have no sha256: the version tells)."""
+        h = hashlib.sha256(f"{self.version}\0".encode())
         for t in sorted(self.tensors, key=lambda t: t.name):
             h.update(f"{t.name}\0{t.sha256}\0".encode())
         return h.hexdigest()
@@ -237,6 +239,7 @@ class DeltaStoreSource:
             architecture=meta.architecture,
             layout=meta.layout,
             sliced=shard is not None,
+            version=info.version,
         )
 
     async def _shard(self, name: str):

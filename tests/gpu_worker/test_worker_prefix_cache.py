@@ -173,3 +173,16 @@ def test_a_hit_skips_the_prefix_prefill_and_the_salt_separates(family):
     assert c["hit"] <= len("second") + 4, c
     assert c["salted"] >= len(SYSTEM), "another salt: nothing shared"
     assert c["salted again"] <= len("x") + 4, "the same salt shares"
+
+
+def test_a_deltas_content_id_changes_with_its_tensors_or_the_stores_version():
+    from services.gpu_worker.sources import DeltaInfo, TensorSpec
+
+    t = [TensorSpec("a.sign", "U8", (4, 1), 4, "aa"), TensorSpec("a.alpha", "F32", (4,), 16, "bb")]
+    one = DeltaInfo("v", t).content_id
+    assert DeltaInfo("v", list(reversed(t))).content_id == one, "the order tensors arrive in does not matter"
+    assert DeltaInfo("v", [t[0], TensorSpec("a.alpha", "F32", (4,), 16, "cc")]).content_id != one
+    # a tensor-parallel rank's slices come without sha256s: the store's version of the delta tells
+    sliced = [TensorSpec("a.sign", "U8", (2, 1), 2, ""), TensorSpec("a.alpha", "F32", (2,), 8, "")]
+    a = DeltaInfo("v", sliced, sliced=True, version="etag-1").content_id
+    assert a != DeltaInfo("v", sliced, sliced=True, version="etag-2").content_id
