@@ -84,6 +84,18 @@ class CheckpointReader:
     def shape(self, name: str) -> list[int]:
         return list(self._where[name].get_slice(name).get_shape())
 
+    def get_part(self, name: str, rows: tuple[tuple[int, int], ...] | None = None, cols: tuple[int, int] | None = None):
+        """Rows (runs of the first dim, concatenated) and columns of one tensor, reading only those
+        bytes from the file (a tensor-parallel rank's slice of a base: bitdelta.shard)."""
+        if name not in self._where:
+            raise KeyError(f"{self.path}: no tensor {name!r}")
+        sl = self._where[name].get_slice(name)
+        c = slice(*cols) if cols is not None else slice(None)
+        if rows is None:
+            return sl[:, c] if cols is not None else sl[:]
+        parts = [sl[a:b, c] if cols is not None else sl[a:b] for a, b in rows]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for k in self.keys():
             yield k, self.get(k)

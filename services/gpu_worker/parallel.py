@@ -58,10 +58,10 @@ import torch
 import torch.distributed as dist
 
 from bitdelta.arch import ModelArgs
-from bitdelta.checkpoint import fingerprint
+from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config
 from bitdelta.format import DTYPES
 from bitdelta.rpc.receiver import Receiver
-from bitdelta.shard import COLUMN_GROUPS, ROW_GROUPS, TPLayout
+from bitdelta.shard import EMBED, HEAD, ROW_GROUPS, TPLayout
 from kernels.bits import unpack_signs
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.errors import DeltaLoadError, Unavailable, WorkerError
@@ -180,18 +180,32 @@ class ShardedRunner(ModelRunner):
         return self.comm.gather_vocab(super()._logits(h, m), self.tp)
 
 
-def shard_base(full: BaseWeights, tp: TPLayout, device: torch.device) -> BaseWeights:
-    """This rank's slices of the base (on the host), moved to `device`."""
-    layers = [{g: tp.group_shard(g).take(w).to(device) for g, w in lw.items()} for lw in full.layers]
-    biases = [
-        {g: (tp.group_shard(g).take(b) if g in COLUMN_GROUPS else b).to(device) for g, b in lb.items()}
-        for lb in full.biases
-    ]
-    v0, v1 = tp.vocab()
-    embed = full.embed[v0:v1].contiguous().to(device)
-    head = embed if full.head is full.embed else full.head[v0:v1].contiguous().to(device)
-    norms = [{n: w.to(device) for n, w in ln.items()} for ln in full.norms]
-    return BaseWeights(embed, layers, norms, biases, full.final_norm.to(device), head)
+def load_base_shard(ckpt, tp_size: int, rank: int, dtype: torch.dtype, device: torch.device):
+    """This rank's slices of the base, read straight from the checkpoint (only their bytes: a rank
+    never holds the whole base, on the host or the device), as `BaseWeights` with the group layout
+    of `BaseWeights.load`. Returns (base shard, the whole model's args, the layout)."""
+    args = ModelArgs.from_hf(read_config(ckpt))
+    tp = TPLayout(args, tp_size, rank)
+
+    def part(r: CheckpointReader, name: str) -> torch.Tensor:
+        sh = tp.shard_of(name, "weight", tuple(r.shape(name)))
+        return r.get_part(name, sh.rows, sh.cols).to(dtype).contiguous().to(device)
+
+    layers, norms, biases = [], [], []
+    with CheckpointReader(ckpt) as r:
+        for i in range(args.n_layers):
+            groups: dict[str, list[str]] = {}
+            for m in args.matrices():
+                groups.setdefault(m.group, []).append(f"model.layers.{i}.{m.name}")
+            layers.append({g: torch.cat([part(r, f"{n}.weight") for n in ns]) for g, ns in groups.items()})
+            biases.append(
+                {g: torch.cat([part(r, f"{n}.bias") for n in ns]) for g, ns in groups.items() if f"{ns[0]}.bias" in r}
+            )
+            norms.append({n: part(r, f"model.layers.{i}.{n}.weight") for n, _ in args.layer_norms()})
+        embed = part(r, EMBED)
+        head = embed if args.tie_embeddings else part(r, HEAD)
+        final = part(r, "model.norm.weight")
+    return BaseWeights(embed, layers, norms, biases, final, head), args, tp
 
 
 @dataclasses.dataclass
@@ -217,13 +231,9 @@ class RankModel:
 def build_rank(
     c: WorkerConfig, dtype: torch.dtype, device: torch.device, comm: Collectives, backend: str | None
 ) -> RankModel:
-    """Load the base on the host, keep this rank's slices on `device`, allocate its slot stacks and KV
-    pool. Slot and block counts come from rank 0's shapes (it holds the most of every part, see
+    """Load this rank's slices of the base onto `device`, allocate its slot stacks and KV pool. Slot and block counts come from rank 0's shapes (it holds the most of every part, see
     bitdelta.shard), so every rank has the same slots and blocks and rank 0's accounting bounds all."""
-    full, args = BaseWeights.load(c.base, dtype, torch.device("cpu"))
-    tp = TPLayout(args, comm.size, comm.rank)
-    base = shard_base(full, tp, device)
-    del full
+    base, args, tp = load_base_shard(c.base, comm.size, comm.rank, dtype, device)
     largest = TPLayout(args, comm.size, 0).local_args()
     local = tp.local_args()
     layout = SlotLayout(local, dtype)

@@ -21,6 +21,7 @@ from tests.support.deploy import (
     COMPOSE,
     DEPLOY,
     MANIFESTS,
+    MANIFESTS_70B,
     ROOT,
     config_class,
     entrypoint_module,
@@ -144,6 +145,34 @@ def test_router_lists_every_worker_pod_of_the_statefulset():
     ]
     assert workers == want
     assert {o["kind"] for o in objs} >= {"ConfigMap", "PersistentVolumeClaim", "PodDisruptionBudget", "Namespace"}
+
+
+def test_the_70b_plan_manifests_match_bitdelta_plan(tmp_path):
+    """deploy/k8s-70b/: one worker over 8 GPUs as 8 tensor-parallel ranks, its per-rank delta budget
+    and KV cache what `bitdelta plan --tensor-parallel 8` gives Llama-2-70B x 14 on 8 x 80 GB."""
+    import json
+
+    from bitdelta import plan
+
+    exe = Path(sys.executable).parent / "kubernetes-validate"
+    r = subprocess.run([str(exe), "--strict", "--no-warn", *map(str, MANIFESTS_70B)], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.count("passed") >= 7, r.stdout + r.stderr
+    objs = k8s_objects(MANIFESTS_70B)
+    sts = next(o for o in objs if o["kind"] == "StatefulSet")
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    cfg = parse_with_config("services.gpu_worker", c["args"], tmp_path)
+    p = plan.make_plan(
+        json.loads((ROOT / "configs" / "llama-2-70b.json").read_text()), variants=14, gpu_mem=80e9, gpus=8
+    )
+    assert cfg.tensor_parallel == p.tp == 8 and sts["spec"]["replicas"] == 1
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert 14 * p.delta_per_gpu <= cfg.delta_budget < 15 * p.delta_per_gpu  # 14 shards per rank, not 15
+    assert 0.95 * p.free_for_kv_per_gpu <= cfg.kv_cache <= p.free_for_kv_per_gpu
+    used = p.base_per_gpu + cfg.delta_budget + cfg.kv_cache + p.reserve
+    assert used <= 80e9
+    router = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "router")
+    args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--workers") + 1] == "gpu-worker-0.gpu-worker.bitdelta.svc.cluster.local:50061"
 
 
 def test_a_wrong_flag_would_fail(tmp_path):

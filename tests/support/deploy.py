@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
 MANIFESTS = sorted((DEPLOY / "k8s").glob("*.yaml"))
+MANIFESTS_70B = sorted((DEPLOY / "k8s-70b").glob("*.yaml"))  # the 70B x 14 plan's worker and router
 
 
 def config_class(module: str):
@@ -53,5 +54,5 @@ def image_modules() -> dict[str, str]:
     return out
 
 
-def k8s_objects() -> list[dict]:
-    return [d for f in MANIFESTS for d in yaml.safe_load_all(f.read_text()) if d]
+def k8s_objects(manifests: list[Path] = MANIFESTS) -> list[dict]:
+    return [d for f in manifests for d in yaml.safe_load_all(f.read_text()) if d]
