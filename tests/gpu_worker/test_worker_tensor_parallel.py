@@ -164,7 +164,8 @@ async def test_kill9_of_rank1_mid_stream_stops_the_worker_and_the_router_uses_an
         try:
             want = [m.token_id async for m in router.generate("v0", "Hello", max_new_tokens=N)]
             got, t_kill = [], None
-            req = pb.GenerateRequest(model_id="v1", prompt="abc", sampling=gen_pb.SamplingParams(max_new_tokens=200))
+            sampling = gen_pb.SamplingParams(max_new_tokens=200, ignore_eos=True)
+            req = pb.GenerateRequest(model_id="v1", prompt="abc", sampling=sampling)
             with pytest.raises(WorkerCallError) as e:
                 async for ev in w.generate(req):
                     got.append(ev.token_id)
@@ -249,3 +250,34 @@ async def test_a_cold_load_from_the_store_moves_each_sliced_byte_once(family, tm
         finally:
             await w.close()
             await w1.close()
+
+
+async def test_a_hung_rank_stops_the_worker_at_the_collective_timeout(family, tmp_path):
+    from bitdelta.rpc.clients.worker import WorkerCallError, WorkerClient
+
+    with Cluster(tmp_path) as c:
+        st = c.store(family.deltas)
+        tp = c.worker(family.base, st.address, name="tp", extra=("--tensor-parallel", "2", "--tp-timeout-s", "5"))
+        c.wait_serving(st, tp)
+        (rank1,) = _ranks_of(tp.popen.pid)
+        w = WorkerClient(tp.address, generate_timeout_s=60)
+        try:
+            sampling = gen_pb.SamplingParams(max_new_tokens=200, ignore_eos=True)
+            req = pb.GenerateRequest(model_id="", prompt="abc", sampling=sampling)
+            got, t_stop = 0, None
+            with pytest.raises(WorkerCallError) as e:
+                async for _ in w.generate(req):
+                    got += 1
+                    if got == 3:
+                        os.kill(rank1, signal.SIGSTOP)  # alive, but never answers a collective again
+                        t_stop = time.monotonic()
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE, e.value
+            assert time.monotonic() - t_stop < 5 + 10  # the timeout, not forever
+            tp.popen.wait(timeout=60)
+            assert tp.popen.returncode == 1
+            deadline = time.monotonic() + 10
+            while _alive(rank1) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert not _alive(rank1)  # killed, not left stopped
+        finally:
+            await w.close()
