@@ -139,7 +139,7 @@ class WorkerMetrics(ServiceMetrics):
     def __init__(self, worker_state: Callable[[], Mapping[str, float]]):
         """`worker_state()` -> {resident_deltas, delta_used_bytes, delta_budget_bytes, loads, evictions,
         kv_blocks_used, kv_blocks_total, running, waiting, prefill_tokens, preemptions, prefix_cache_queries,
-        prefix_cache_hits}."""
+        prefix_cache_hits, tensor_parallel, tp_collectives}."""
         super().__init__()
         self.requests = self.counter(
             "bitdelta_worker_requests_total",
@@ -193,6 +193,18 @@ class WorkerMetrics(ServiceMetrics):
                 "bitdelta_worker_prefix_cache_hits_total",
                 "prefix_cache_hits",
                 "tokens found in the prefix cache (their KV blocks shared, not computed again)",
+            ),
+            (
+                "gauge",
+                "bitdelta_worker_tensor_parallel_ranks",
+                "tensor_parallel",
+                "ranks of this worker (1: one process)",
+            ),
+            (
+                "counter",
+                "bitdelta_worker_tp_collectives_total",
+                "tp_collectives",
+                "collectives between the tensor-parallel ranks (broadcasts, all-reduces, gathers)",
             ),
         ]:
             self.readings.add(

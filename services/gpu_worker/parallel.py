@@ -87,7 +87,8 @@ class Collectives:
 
     def __init__(self, rank: int, size: int, device: torch.device):
         self.rank, self.size, self.device = rank, size, device
-        self.counts: Counter[str] = Counter()
+        # every kind present from the start: a scrape on another thread sums it while steps count
+        self.counts: Counter[str] = Counter(broadcast=0, all_reduce=0, gather=0)
         self._buf = torch.empty(STEP_BYTES, dtype=torch.uint8, device=device)
 
     def all_reduce(self, t: torch.Tensor) -> None:
@@ -419,6 +420,11 @@ class Driver:
         with self._lock:
             self._send(StepMessage([*self._take(), WarmupOp(max_rows, max_seqs)], None))
             return self.runner.warmup(max_rows, max_seqs)
+
+    @property
+    def collectives(self) -> int:
+        """Collectives rank 0 has run (each with every other rank), for the metrics."""
+        return sum(self.comm.counts.values())
 
     # -- control ---------------------------------------------------------------------------------
     def queue(self, op) -> None:

@@ -197,9 +197,10 @@ def worker_metrics(worker: Worker) -> WorkerMetrics:
                     "preemptions",
                     "prefix_cache_queries",
                     "prefix_cache_hits",
+                    "tp_collectives",
                 ),
                 0,
-            ) | {"delta_budget_bytes": worker.config.delta_budget}
+            ) | {"delta_budget_bytes": worker.config.delta_budget, "tensor_parallel": worker.config.tensor_parallel}
         alloc = worker.scheduler.allocator
         return {
             "resident_deltas": sum(e.state == DeltaState.RESIDENT for e in mgr.entries.values()),
@@ -215,6 +216,8 @@ def worker_metrics(worker: Worker) -> WorkerMetrics:
             "preemptions": worker.scheduler.preemptions,
             "prefix_cache_queries": worker.scheduler.prefix_queries,
             "prefix_cache_hits": worker.scheduler.prefix_hits,
+            "tensor_parallel": worker.config.tensor_parallel,
+            "tp_collectives": worker.tp.collectives if worker.tp is not None else 0,
         }
 
     return WorkerMetrics(state)

@@ -92,6 +92,15 @@ async def test_two_ranks_with_one_kv_head_equal_one_process_and_count_the_collec
         per = {x.name: x.bytes for x in st.slots}
         assert per[family.variants[0]] == per[family.variants[1]] == p.delta_per_gpu  # α per row, dense embedding
         assert 0 < st.delta_used_bytes <= worker.manager.budget_bytes
+        # metrics: the ranks, and the collectives between them (what the steps above counted, at least)
+        from prometheus_client import generate_latest
+
+        from services.gpu_worker.server import worker_metrics
+
+        text = generate_latest(worker_metrics(worker).registry).decode()
+        assert "bitdelta_worker_tensor_parallel_ranks 2.0" in text
+        (n,) = [float(x.split()[1]) for x in text.splitlines() if x.startswith("bitdelta_worker_tp_collectives_total ")]
+        assert n >= 2 * sum(want.values())
 
     two = await answers(config(family.base, family.deltas, 2), prompts, check=check)
     assert two == one
