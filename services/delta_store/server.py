@@ -87,7 +87,12 @@ class DeltaStoreServicer(pb_grpc.DeltaStoreServiceServicer):
             async for c in stream:
                 yield pb.FetchResponse(
                     chunk=pb.Chunk(
-                        tensor_index=c.tensor_index, offset=c.offset, data=c.data, crc32=c.crc32, length=c.length
+                        tensor_index=c.tensor_index,
+                        offset=c.offset,
+                        data=c.data,
+                        crc32=c.crc32,
+                        length=c.length,
+                        **({} if c.file_offset is None else {"file_offset": c.file_offset}),
                     )
                 )
                 if self.metrics is not None:

@@ -172,6 +172,7 @@ class Chunk:
     data: bytes  # empty when the bytes are in shared memory
     crc32: int
     length: int = 0  # shared memory: the chunk's size (its bytes are at the tensor's start + offset)
+    file_offset: int | None = None  # shared memory, a shard's slice: where its bytes are in the file instead
 
     @property
     def nbytes(self) -> int:
@@ -539,18 +540,7 @@ class DeltaStore:
                         f"a sharded Fetch of {name!r} needs a store that verifies its reads (--verify-reads): "
                         "a slice has no sha256 of its own"
                     )
-                stream = await self._open(
-                    name, chunk, expect_base_fingerprint, span, accept_shared_memory and not shard
-                )
-                if shard is not None:
-                    try:
-                        runs = shard.runs(stream.delta.header, name)
-                    except InvalidShard:
-                        await stream.__aexit__(None, None, None)
-                        raise
-                    span.set_attribute("fetch.shard", f"{shard.rank}/{shard.size}")
-                    stream.runs = runs
-                    stream._chunks = _sliced(stream._chunks, runs, chunk)
+                stream = await self._open(name, chunk, expect_base_fingerprint, span, accept_shared_memory, shard)
         except BaseException as e:
             span.record_exception(e)
             span.set_status(trace.StatusCode.ERROR, str(e))
@@ -558,7 +548,9 @@ class DeltaStore:
             raise
         return stream
 
-    async def _open(self, name: str, chunk: int, expect: str, span: trace.Span, accept_shared: bool) -> Delivery:
+    async def _open(
+        self, name: str, chunk: int, expect: str, span: trace.Span, accept_shared: bool, shard: Shard | None = None
+    ) -> Delivery:
         try:
             o = await self.backend.head(name)
             delta = await self._describe(o)
@@ -575,6 +567,9 @@ class DeltaStore:
                 check_base(delta.header.meta, expect)
             except BaseMismatchError as e:
                 raise BaseMismatch(str(e)) from None
+        runs = None if shard is None else shard.runs(delta.header, name)  # InvalidShard before any reservation
+        if shard is not None:
+            span.set_attribute("fetch.shard", f"{shard.rank}/{shard.size}")
         entry = self.cache.lookup(name, o.version)
         if entry is not None:
             result = "hit" if entry.complete else "join"
@@ -586,16 +581,25 @@ class DeltaStore:
         span.set_attribute("cache.hit", result == "hit")
         if entry is None:
             self._count_transport(span, False)
-            return Delivery(delta, self._chunks_direct(delta, chunk, span), span, verified=self.verify_reads)
+            chunks = self._chunks_direct(delta, chunk, span)
+            chunks = chunks if runs is None else _sliced(chunks, runs, chunk)
+            return Delivery(delta, chunks, span, verified=self.verify_reads, runs=runs)
         entry.readers += 1  # before any await: the loader lives while someone reads
         if result == "miss":
             entry.loader = asyncio.get_running_loop().create_task(self._load(entry), name=f"load {name}")
         shared = entry.shared.path if accept_shared and entry.shared is not None else None
         self._count_transport(span, shared is not None)
+        if runs is None:
+            chunks = self._chunks_from(entry, chunk, shared is not None)
+        elif shared is not None:
+            chunks = self._shared_slices(entry, runs)
+        else:
+            chunks = _sliced(self._chunks_from(entry, chunk), runs, chunk)
         return Delivery(
             delta,
-            self._chunks_from(entry, chunk, shared is not None),
+            chunks,
             span,
+            runs=runs,
             release=lambda: self.cache.release(entry),
             verified=self.verify_reads,
             shared_path=shared,
@@ -622,6 +626,32 @@ class DeltaStore:
                 data = bytes(entry.view[t.start + off : t.start + off + n])
                 crc = entry.crc(i, off, chunk)
                 yield Chunk(i, off, data, crc32(data) if crc is None else crc)
+
+    async def _shared_slices(self, entry: Entry, runs) -> AsyncIterator[Chunk]:
+        """A shard's descriptors into the entry's shared file: one per run of its slice's bytes (adjacent
+        runs merged, each at most SHARED_CHUNK_BYTES), with where the bytes lie in the file (they are
+        not at the tensor's start + offset) and their crc32; the other tensors as `_chunks_from` does."""
+        for i, t in enumerate(entry.header.tensors):
+            if i not in runs:
+                for off in range(0, t.nbytes, SHARED_CHUNK_BYTES):
+                    n = min(SHARED_CHUNK_BYTES, t.nbytes - off)
+                    if entry.filled < t.start + off + n:
+                        await entry.wait_for(t.start + off + n)
+                    yield Chunk(i, off, b"", crc32(entry.view[t.start + off : t.start + off + n]), n)
+                continue
+            merged: list[list[int]] = []
+            for o, n in runs[i][0]:
+                if merged and merged[-1][0] + merged[-1][1] == o and merged[-1][1] + n <= SHARED_CHUNK_BYTES:
+                    merged[-1][1] += n
+                else:
+                    merged.append([o, n])
+            pos = 0
+            for o, n in merged:
+                a = t.start + o
+                if entry.filled < a + n:
+                    await entry.wait_for(a + n)
+                yield Chunk(i, pos, b"", crc32(entry.view[a : a + n]), n, file_offset=a)
+                pos += n
 
     @staticmethod
     def _shared_crc(entry: Entry, i: int, off: int, n: int) -> int:

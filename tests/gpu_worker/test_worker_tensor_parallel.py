@@ -210,7 +210,8 @@ async def test_kill9_of_rank1_mid_stream_stops_the_worker_and_the_router_uses_an
             await router.close()
 
 
-async def test_a_cold_load_from_the_store_moves_each_sliced_byte_once(family, tmp_path):
+@pytest.mark.parametrize("transport", ["stream", "shared-memory"])
+async def test_a_cold_load_from_the_store_moves_each_sliced_byte_once(family, tmp_path, transport):
     from bitdelta.checkpoint import read_config
     from bitdelta.format import read_header
     from bitdelta.model import ModelArgs
@@ -224,7 +225,8 @@ async def test_a_cold_load_from_the_store_moves_each_sliced_byte_once(family, tm
 
     mport = free_port()
     with Cluster(tmp_path) as c:
-        st = c.store(family.deltas, extra=("--metrics-address", f"127.0.0.1:{mport}"))
+        shm = ("--shared-memory-dir", str(tmp_path / "shm")) if transport == "shared-memory" else ()
+        st = c.store(family.deltas, extra=("--metrics-address", f"127.0.0.1:{mport}", *shm))
         tp = c.worker(family.base, st.address, name="tp", extra=("--tensor-parallel", "2"))
         single = c.worker(family.base, st.address, name="single")
         c.wait_serving(st, tp, single)
@@ -248,6 +250,8 @@ async def test_a_cold_load_from_the_store_moves_each_sliced_byte_once(family, tm
             await w.load_delta(v)  # cold: both ranks fetch their slices
             assert served(mport) - before == slices
             assert whole < slices < 1.05 * whole
+            (slot,) = [x for x in (await w.status()).slots if x.name == v]
+            assert slot.transport == transport  # through shared memory, each rank copies only its runs
             req = pb.GenerateRequest(model_id=v, prompt="Hello", sampling=gen_pb.SamplingParams(max_new_tokens=N))
             assert [e.token_id async for e in w.generate(req)] == [e.token_id async for e in w1.generate(req)]
             # a corrupt delta: DATA_LOSS naming the tensor and the rank, the worker keeps serving

@@ -152,7 +152,7 @@ class FetchStream:
                     yield Piece(c.tensor_index, c.offset, c.data, c.crc32)
                     continue
                 t = self.tensors[c.tensor_index]
-                start = t.file_offset + c.offset
+                start = c.file_offset if c.HasField("file_offset") else t.file_offset + c.offset  # a shard's run
                 if c.data or not c.length or c.offset + c.length > t.nbytes or start + c.length > len(self.shared):
                     raise _integrity(
                         f"delta {name!r}: tensor {t.name}: a shared-memory chunk (offset {c.offset}, "
@@ -261,7 +261,7 @@ class DeltaStoreClient(Client):
                 name=name,
                 chunk_bytes=chunk_bytes,
                 expect_base_fingerprint=expect_base_fingerprint,
-                accept_shared_memory=accept_shared_memory and shard is None,
+                accept_shared_memory=accept_shared_memory,
                 shard=shard,
             ),
             timeout=timeout_s or self.fetch_timeout_s,
