@@ -188,3 +188,10 @@ def test_ragged_step_matches_the_reference_model(tmp_path):
     with torch.no_grad():
         want = torch.stack([ref(torch.tensor([s]))[0, -1] for s in seqs])
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    # then one decode token each: the paged decode attention reads the blocks in place
+    nxt = [int(t) for t in logits.argmax(-1)]
+    tables = [[0, 1], [2], [4, 5, 6]]
+    logits = runner.forward([SeqWork([t], len(s), -1, b, True) for s, t, b in zip(seqs, nxt, tables)])
+    with torch.no_grad():
+        want = torch.stack([ref(torch.tensor([s + [t]]))[0, -1] for s, t in zip(seqs, nxt)])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
