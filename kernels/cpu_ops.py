@@ -223,6 +223,7 @@ def linear_gemv_cpu(
         a_stride,
         y.data_ptr(),
         y.stride(0),
+        int(x.dtype == torch.bfloat16),  # exactly bf16 values: the bf16 dot products may read them
         torch.get_num_threads(),
     )
     if rc != 0:
