@@ -206,6 +206,8 @@ def start_worker(base: Path, deltas: Path, dtype: str, threads: int, kv: str, lo
         kv,
         "--address",
         f"127.0.0.1:{port}",
+        "--prefix-caching",  # every repetition computes its prompt, as llama.cpp's reset() does
+        "false",
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     return WorkerProc(proc, f"127.0.0.1:{port}", log_path)
