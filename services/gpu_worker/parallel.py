@@ -692,10 +692,11 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _spawn(config: WorkerConfig, rv: Rendezvous, backend: str | None) -> list[subprocess.Popen]:
+def _spawn(config: WorkerConfig, rv: Rendezvous, dtype: torch.dtype, backend: str | None) -> list[subprocess.Popen]:
     """Ranks 1..N-1 as `python -m services.gpu_worker.parallel`, each told its rank and rank 0's config
-    (with rank 0's kernels: its backend may come from its process settings, not a flag)."""
-    blob = base64.b64encode(pickle.dumps(dataclasses.replace(config, kernel_backend=backend or ""))).decode()
+    with rank 0's dtype and kernels (resolved there: `auto` and process settings decide nothing twice)."""
+    resolved = dataclasses.replace(config, kernel_backend=backend or "", dtype=str(dtype).removeprefix("torch."))
+    blob = base64.b64encode(pickle.dumps(resolved)).decode()
     procs = []
     for r in range(1, rv.size):
         env = {
@@ -730,7 +731,7 @@ def start_driver(
             raise ValueError(f"--tensor-parallel {n} but the launcher says rank {rv.rank} of WORLD_SIZE {rv.size}")
     else:
         rv = Rendezvous(0, n, 0, "127.0.0.1", _free_port())
-        procs = _spawn(config, rv, backend)
+        procs = _spawn(config, rv, dtype, backend)
     local = rv.local_rank
     device = rank_device(config, local)
     try:

@@ -294,3 +294,63 @@ async def test_a_hung_rank_stops_the_worker_at_the_collective_timeout(family, tm
             assert not _alive(rank1)  # killed, not left stopped
         finally:
             await w.close()
+
+
+async def test_torchrun_starts_the_ranks_and_they_serve_the_same_tokens(family, tmp_path):
+    import subprocess
+    import sys
+
+    from bitdelta.rpc.clients.worker import WorkerClient
+    from bitdelta.testing.cluster import free_port
+
+    prompts = {"": "Hello world", family.variants[0]: "abc"}
+    want, _ = await answers(config(family.base, family.deltas, 1), prompts, n=8)
+    port = free_port()
+    log = open(tmp_path / "torchrun.log", "wb")
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+    ]
+    worker = ["-m", "services.gpu_worker", "--tensor-parallel", "2", "--base", str(family.base)]
+    flags = [
+        "--delta-dir",
+        str(family.deltas),
+        "--address",
+        f"127.0.0.1:{port}",
+        "--kv-cache",
+        "2MiB",
+        "--grace-s",
+        "2",
+    ]
+    env = {**os.environ, "BITDELTA_KERNEL_BACKEND": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([*torchrun, *worker, *flags], stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            health, deadline = health_pb2_grpc.HealthStub(ch), time.monotonic() + 120
+            while True:
+                assert proc.poll() is None, (tmp_path / "torchrun.log").read_text()[-3000:]
+                try:
+                    if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == 1:
+                        break
+                except grpc.RpcError:
+                    pass
+                assert time.monotonic() < deadline, "the torchrun worker never became SERVING"
+                await asyncio.sleep(0.3)
+        w = WorkerClient(f"127.0.0.1:{port}", generate_timeout_s=60)
+        try:
+            for m, p in prompts.items():
+                req = pb.GenerateRequest(model_id=m, prompt=p, sampling=gen_pb.SamplingParams(max_new_tokens=8))
+                assert [e.token_id async for e in w.generate(req)] == want[m]
+            st = await w.status()
+            assert st.tensor_parallel == 2 and [r.rank for r in st.ranks] == [0, 1]
+        finally:
+            await w.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)  # torchrun passes it to both ranks
+        proc.wait(timeout=60)
+        log.close()
