@@ -178,9 +178,14 @@ def merge_cpu(
 
 
 def linear_gemv_cpu(
-    x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor | None, alpha: torch.Tensor | None
+    x: torch.Tensor,
+    w_base: torch.Tensor,
+    signs: torch.Tensor | None,
+    alpha: torch.Tensor | None,
+    two_pass: bool = False,
 ) -> torch.Tensor:
-    """y = x · W_baseᵀ + α ⊙ (x · Sᵀ) in one pass over W and the bits -> fp32 [M, d_out];
+    """y = x · W_baseᵀ + α ⊙ (x · Sᵀ) in one pass over W and the bits -> fp32 [M, d_out]
+    (`two_pass`: W's pass alone, then the delta's over the bits, in the same call);
     signs None: y = x · W_baseᵀ alone (the base's decode GEMV, at the weights' bandwidth).
 
     x: [M, d_in]; w_base: [d_out, d_in] fp32/bf16/fp16; signs: uint8 [d_out, ceil(d_in/8)]; alpha: [d_out] or [1].
@@ -224,6 +229,7 @@ def linear_gemv_cpu(
         y.data_ptr(),
         y.stride(0),
         int(x.dtype == torch.bfloat16),  # exactly bf16 values: the bf16 dot products may read them
+        int(two_pass),
         torch.get_num_threads(),
     )
     if rc != 0:
@@ -300,12 +306,10 @@ def linear_blas_delta_cpu(
 def linear_gemv_delta_cpu(
     x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor
 ) -> torch.Tensor:
-    """Decode path: the base's C GEMV, then the delta GEMV from the bits -> [M, d_out] in x.dtype.
-    Two passes: the weights' pass stays a pure stream at bandwidth (one pass with the masked adds
+    """Decode path: the base's C GEMV, then the delta from the bits, one C call -> [M, d_out] in
+    x.dtype. Two passes: the weights' pass stays a pure stream at bandwidth (one pass with the masked adds
     interleaved ran at 0.6-0.8x of it), the second reads only the bits (1/32 of fp32 W's bytes)."""
-    y = linear_gemv_cpu(x, w_base, None, None)
-    delta_gemv_cpu(x, signs, alpha, y)
-    return y.to(x.dtype)
+    return linear_gemv_cpu(x, w_base, signs, alpha, two_pass=True).to(x.dtype)
 
 
 def linear_path_cpu(M: int, w_dtype: torch.dtype) -> str:

@@ -624,19 +624,24 @@ static void linear_rows(const float *x, const float *xeo, const uint16_t *xb, in
 /* y = x · Wᵀ + α ⊙ (x · Sᵀ), overwriting y (s NULL: y = x · Wᵀ; alpha is then unused).
  *   x: fp32 [M, ldx]; w: [d_out, ldw] in w_dtype (BD_W_F32/BF16/F16);
  *   s, alpha as in bd_delta_gemv; y: fp32 [M, ldy]. x_is_bf16: x's values are exactly bf16 (the
- *   bf16 dot-product path may then read them as bf16). Returns 0 or −1 (no memory).
+ *   bf16 dot-product path may then read them as bf16). two_pass: W's rows alone first (a pure
+ *   stream at bandwidth), then the delta over the same rows from the bits (in cache-sized row
+ *   ranges per thread); else both in one pass. Returns 0 or −1 (no memory).
  *   n_threads 1 runs on the calling thread (no OpenMP region: on a busy host a region
  *   waits for every one of its threads to be scheduled). */
 int bd_linear_gemv(const float *x, int64_t M, int64_t ldx, const void *w, int w_dtype, int64_t ldw,
                    const uint8_t *s, int64_t d_out, int64_t d_in, int64_t lds,
-                   const float *alpha, int64_t alpha_stride, float *y, int64_t ldy, int x_is_bf16, int n_threads) {
+                   const float *alpha, int64_t alpha_stride, float *y, int64_t ldy, int x_is_bf16, int two_pass,
+                   int n_threads) {
     if (n_threads < 1) n_threads = 1;
+    /* two_pass: the weights' pass alone, then the delta over the same rows from the bits */
+    const uint8_t *s1 = two_pass ? NULL : s;
     float *xsum = row_sums(x, M, ldx, d_in);
     if (!xsum) return -1;
     float *xeo = NULL;
     uint16_t *xb = NULL;
 #ifdef HAVE_DP_BF16
-    if (x_is_bf16 && !s && w_dtype == BD_W_BF16) { /* x's values are bf16: its upper halves, exactly */
+    if (x_is_bf16 && !s1 && w_dtype == BD_W_BF16) { /* x's values are bf16: its upper halves, exactly */
         xb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M > 0 ? M * ldx : 1));
         if (!xb) {
             free(xsum);
@@ -671,7 +676,9 @@ int bd_linear_gemv(const float *x, int64_t M, int64_t ldx, const void *w, int w_
     }
 #endif
     if (n_threads == 1) {
-        linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, 0, d_out);
+        linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, s1, lds, d_in, alpha, alpha_stride, y, ldy, 0, d_out);
+        if (s && !s1)
+            delta_rows_mask(x, ldx, M, xsum, s, 0, lds, d_in, alpha, 0, alpha_stride, NULL, y, ldy, 0, d_out);
     } else {
 #pragma omp parallel num_threads(n_threads)
         {
@@ -682,7 +689,9 @@ int bd_linear_gemv(const float *x, int64_t M, int64_t ldx, const void *w, int w_
 #endif
             int64_t r0, r1;
             split_rows(d_out, t, n, &r0, &r1);
-            linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, s, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
+            linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, s1, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
+            if (s && !s1)
+                delta_rows_mask(x, ldx, M, xsum, s, 0, lds, d_in, alpha, 0, alpha_stride, NULL, y, ldy, r0, r1);
         }
     }
     free(xb);
