@@ -24,6 +24,7 @@ import pytest
 import pytest_asyncio
 
 from bitdelta.testing.cluster import Cluster
+from tests.support.structured import SCHEMA, gateway_client
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -34,26 +35,6 @@ TEMPLATE = (
     "{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}{{ bos_token }}assistant: {% endif %}"
 )
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 4},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 2},
-        "address": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 3},
-                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-            },
-            "required": ["city", "zip"],
-            "additionalProperties": False,
-        },
-        "ok": {"type": "boolean"},
-    },
-    "required": ["name", "age", "tags", "address", "ok"],
-    "additionalProperties": False,
-}
 MAX = 190  # tokens: more than any output of SCHEMA (the model's context is 256)
 REGEX = r"[a-z]{2,6}-[0-9]{3}"
 CHOICES = ["positive", "negative", "neutral ☃"]
@@ -79,12 +60,7 @@ def cluster(family, tmp_path_factory):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client(cluster):
-    c = openai.AsyncOpenAI(base_url=f"http://{cluster.g.address}/v1", api_key="k", max_retries=0, timeout=T)
-    for _ in range(600):  # the router lists the variants once its registry has read the store
-        if {"v0", "v1"} <= {m.id for m in (await c.models.list()).data}:
-            break
-        await asyncio.sleep(0.1)
-    c.base = (await c.models.list()).data[0].id
+    c = await gateway_client(cluster.g.address, {"v0", "v1"}, T)
     yield c
     await c.close()
 

@@ -24,6 +24,7 @@ from bitdelta.testing.cluster import Cluster
 from bitdelta.testing.family import make_test_family, tiny_args
 from services.gateway.chat import ChatTemplate
 from services.gateway.tools import CallStream, ToolFormat, parse_calls
+from tests.support.structured import gateway_client
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -128,12 +129,7 @@ def cluster(family, tmp_path_factory):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client(cluster):
-    c = openai.AsyncOpenAI(base_url=f"http://{cluster.g.address}/v1", api_key="k", max_retries=0, timeout=T)
-    for _ in range(600):
-        if {"v0", "v1"} <= {m.id for m in (await c.models.list()).data}:
-            break
-        await asyncio.sleep(0.1)
-    c.base = (await c.models.list()).data[0].id
+    c = await gateway_client(cluster.g.address, {"v0", "v1"}, T)
     yield c
     await c.close()
 

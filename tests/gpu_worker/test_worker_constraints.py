@@ -26,6 +26,7 @@ from bitdelta.grammar import check
 from bitdelta.rpc.clients.worker import WorkerCallError, WorkerClient
 from bitdelta.testing.family import make_test_family
 from services.gpu_worker.config import WorkerConfig
+from tests.support.structured import SCHEMA
 from tests.support.worker import running_worker
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.usefixtures("cpu_kernels")]
@@ -34,26 +35,6 @@ EOS = 256
 PROMPT = "Answer in JSON:"
 # nested objects, an array of enums, string length limits, an integer range, a pattern, a boolean;
 # at most ~200 bytes written compactly (a string's character at most a 12-byte surrogate-pair escape)
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 4},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
-        "address": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 3},
-                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-            },
-            "required": ["city", "zip"],
-            "additionalProperties": False,
-        },
-        "ok": {"type": "boolean"},
-    },
-    "required": ["name", "age", "tags", "address", "ok"],
-    "additionalProperties": False,
-}
 BOUND = 225  # tokens: more than any output of SCHEMA, REGEX or CHOICES (the model's context is 256)
 JSON_SCHEMA = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMA))
 REGEX = r"[a-z]{2,6}-[0-9]{3}( \(ok\))?"
