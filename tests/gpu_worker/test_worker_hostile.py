@@ -19,7 +19,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
@@ -28,7 +27,7 @@ from bitdelta.testing.family import make_test_family
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.errors import DeltaLoadError, InvalidArgument, SamplingError
 from services.gpu_worker.sources import LocalDeltaSource
-from tests.support.worker import running_worker
+from tests.support.worker import delta_device_bytes, running_worker
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.usefixtures("cpu_kernels")]
 
@@ -48,18 +47,7 @@ def family(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def size(family) -> int:
-    """Device bytes one tiny delta costs: its slot plus its embedding/head tensors."""
-    from bitdelta.format import read_header
-    from services.gpu_worker.runner import BaseWeights
-    from services.gpu_worker.slots import SlotLayout
-
-    _, args = BaseWeights.load(family.base, torch.float32, torch.device("cpu"))
-    layout = SlotLayout(args, torch.float32)
-    return layout.slot_bytes + sum(
-        layout.extra_bytes(t.param, t.role, t.shape)
-        for t in read_header(family.delta_path("v0")).tensors
-        if t.param in ("model.embed_tokens.weight", "lm_head.weight")
-    )
+    return delta_device_bytes(family)
 
 
 def config(family, **kw) -> WorkerConfig:

@@ -16,6 +16,7 @@ from bitdelta.testing.family import make_test_family
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.scheduler import BlockAllocator, Scheduler, SeqState
 from services.gpu_worker.worker import Worker
+from tests.support.worker import delta_device_bytes
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -168,20 +169,7 @@ def test_no_deadlock_with_the_delta_budget_full_of_pinned_deltas(family, size):
 
 @pytest.fixture(scope="module")
 def size(family) -> int:
-    """Device bytes one tiny delta costs: its slot plus its embedding/head tensors."""
-    import torch
-
-    from bitdelta.format import read_header
-    from services.gpu_worker.runner import BaseWeights
-    from services.gpu_worker.slots import SlotLayout
-
-    _, args = BaseWeights.load(family.base, torch.float32, torch.device("cpu"))
-    layout = SlotLayout(args, torch.float32)
-    return layout.slot_bytes + sum(
-        layout.extra_bytes(t.param, t.role, t.shape)
-        for t in read_header(family.delta_path("v0")).tensors
-        if t.param in ("model.embed_tokens.weight", "lm_head.weight")
-    )
+    return delta_device_bytes(family)
 
 
 def test_priority_orders_a_busy_worker(family):

@@ -50,3 +50,21 @@ async def running_worker(config):
         await channel.close()
         await server.stop(0)
         await worker.close()
+
+
+def delta_device_bytes(family) -> int:
+    """Device bytes one of a tiny family's deltas costs a worker in fp32: its slot plus its
+    embedding/head tensors (what the byte budget counts)."""
+    import torch
+
+    from bitdelta.format import read_header
+    from services.gpu_worker.runner import BaseWeights
+    from services.gpu_worker.slots import SlotLayout
+
+    _, args = BaseWeights.load(family.base, torch.float32, torch.device("cpu"))
+    layout = SlotLayout(args, torch.float32)
+    return layout.slot_bytes + sum(
+        layout.extra_bytes(t.param, t.role, t.shape)
+        for t in read_header(family.delta_path("v0")).tensors
+        if t.param in ("model.embed_tokens.weight", "lm_head.weight")
+    )
