@@ -15,7 +15,7 @@ use --threads 1: with every core busy, multi-threaded timings measure the schedu
 Not a test: it asserts nothing.
 Targets (docs/kernels.md): fused decode ≤ 1.15× base GEMV (limit 1.0625 in bf16),
 fused prefill ≤ 1.10× base GEMM, batched delta ≥ 70% of roofline, CPU delta GEMV
-within 2× of a dense fp32 GEMV.
+within 2× of a dense fp32 GEMV, each sign plane beyond the first ≤ 1/16 of a base GEMV.
 """
 
 from __future__ import annotations
@@ -197,6 +197,42 @@ def bench_cpu_gemv(t, bw, d, Ms, rows):
         cache.get("v", w, s, a)
         row["merged_cache_hit/dense"] = t(lambda: cache.linear("v", x, w, s, a)) / t_dense
         row["merge_once_ms"] = t(lambda: cpu_ops.merge_cpu(w, s, a, d))
+        rows.append(row)
+        print_row(row)
+
+
+def bench_planes(dev, t, dtype, d, Ms, rows):
+    """A delta beyond one sign plane (bitdelta.planes) as the compact model runs it
+    (`BitDeltaLinear`: base GEMM with plane 1 fused, then one delta launch per further plane and
+    two small GEMMs for a low-rank residual): each extra plane's and rank 64's cost ÷ the base
+    GEMV. Target: a plane costs at most its bytes, 1/16 of a bf16 GEMV's."""
+    from bitdelta.format import SignPlane
+    from bitdelta.model import BitDeltaLinear
+
+    for M in Ms:
+        x, w, s, a = linear_inputs(M, d, d, dtype, dev)
+        extra = [SignPlane(linear_inputs(1, d, d, dtype, dev, seed=i)[2], a * 0.5, "row") for i in (1, 2)]
+        t_base = t(lambda: x @ w.t())
+        g = torch.Generator().manual_seed(3)
+        u = (torch.randn(d, 64, generator=g) * 1e-3).half().to(dev)
+        v = (torch.randn(64, d, generator=g) * 1e-3).half().to(dev)
+        layers = [BitDeltaLinear(w, s, a, more=extra[:k]) for k in range(3)]
+        low = BitDeltaLinear(w, s, a, u=u, v=v)
+        with torch.inference_mode():
+            t_k = [t(lambda m=m: m(x)) for m in layers]
+            t_lr = t(lambda: low(x))
+        row = {
+            "section": "planes",
+            "d": d,
+            "M": M,
+            "base_ms": t_base,
+            "1 plane/base": t_k[0] / t_base,
+            "2 planes/base": t_k[1] / t_base,
+            "3 planes/base": t_k[2] / t_base,
+            "per extra plane/base": (t_k[2] - t_k[0]) / 2 / t_base,
+            "rank 64/base": (t_lr - t_k[0]) / t_base,
+            "target": 1 / 16,
+        }
         rows.append(row)
         print_row(row)
 
@@ -390,6 +426,8 @@ def main(argv=None):
         print("batched decode, 16 rows:")
         for d in dec_d:
             bench_batched(dev, t, bw, dtype, d, (1, 4, 8, 16), rows)
+        print("beyond one plane (÷ base GEMV; target per extra plane ≤ 1/16):")
+        bench_planes(dev, t, dtype, 4096, (1, 16), rows)
     elif args.only_sweep:
         cpu_sweep(t, rows)
     else:
@@ -404,6 +442,8 @@ def main(argv=None):
         bench_batched(dev, t, bw, dtype, 4096, (1, 4, 16) if args.quick else (1, 4, 8, 16), rows)
         print("CPU delta GEMV vs dense fp32 GEMV:")
         bench_cpu_gemv(t, bw, 4096, (1, 4, 16), rows)
+        print("CPU beyond one plane (÷ base GEMV; target per extra plane ≤ 1/16):")
+        bench_planes(dev, t, dtype, 4096, (1, 16), rows)
         if args.cpu_sweep:
             print("CPU path sweep (÷ torch base):")
             cpu_sweep(t, rows)

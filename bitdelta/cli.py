@@ -23,19 +23,47 @@ class CliError(Exception):
 
 
 def cmd_compress(a: argparse.Namespace) -> None:
-    from bitdelta.compress import compress
+    from bitdelta import distill as d
+    from bitdelta.compress import bf16_bytes, compress
+    from bitdelta.planes import PlaneConfig
+    from bitdelta.units import parse_bytes
 
-    out = compress(a.base, a.finetuned, a.out, alpha_mode=a.alpha, variant=a.variant, embeddings=a.embeddings)
+    budget = None
+    if a.budget:
+        try:
+            num, _, den = a.budget.partition("/")
+            budget = int(bf16_bytes(a.base) * int(num) / int(den)) if den else parse_bytes(a.budget)
+        except ValueError:
+            raise CliError(
+                f"--budget must be a size (16MiB, 17000000) or a fraction of the base's bf16 bytes (1/16), not {a.budget!r}"
+            ) from None
+    embeddings_alpha = a.alpha if a.alpha in ("row", "matrix") else "row"
+    try:
+        planes = PlaneConfig(alpha=a.alpha, planes=a.planes, rank=a.rank, rank_step=a.rank_step, budget=budget)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    tokens = d.tokenize_files(a.base, a.calib) if a.calib else None
+    # Hold out the stream's last tenth to report the logit MSE on unseen text.
+    cut = int(len(tokens) * 0.9) if tokens is not None else 0
+    try:
+        out = compress(
+            a.base,
+            a.finetuned,
+            a.out,
+            alpha_mode=embeddings_alpha,
+            variant=a.variant,
+            embeddings=a.embeddings,
+            planes=planes,
+            calibration=None if tokens is None else tokens[:cut],
+        )
+    except ValueError as e:
+        raise CliError(str(e)) from None
     if a.distill:
         if not a.calib:
             raise CliError("--distill needs calibration text: --calib FILE [FILE ...]")
-        from bitdelta import distill as d
         from bitdelta.format import load_delta
 
         cfg = d.DistillConfig(steps=a.steps, lr=a.lr, batch=a.batch, seq_len=a.seq_len, seed=a.seed)
-        tokens = d.tokenize_files(a.base, a.calib)
-        # Hold out the stream's last tenth to report the logit MSE on unseen text.
-        cut = int(len(tokens) * 0.9)
         heldout = d.token_windows(tokens[cut:], cfg.seq_len, 4, seed=1) if len(tokens) - cut > cfg.seq_len else None
         delta, record = d.distill(a.base, a.finetuned, load_delta(out), tokens[:cut], cfg, heldout)
         d.save(delta, out)
@@ -77,12 +105,16 @@ def _print_inspect(path: Path, as_json: bool = False) -> None:
         "bytes": {
             "signs": roles["sign"],
             "alpha": roles["alpha"],
+            "lowrank": roles["lowrank"],
             "dense": roles["dense"],
             "header": h.header_bytes,
             "total": h.file_size,
         },
+        "bytes_by_plane": h.bytes_by_plane(),
+        "weights_by_plane": {i: sum(len(meta.axes(p)) >= i for p in meta.shapes) for i in h.bytes_by_plane()},
+        "rank_total": sum(meta.rank(p) for p in meta.shapes),
         "ratio_vs_bf16": round(bf16_equiv / h.file_size, 2) if h.file_size else None,
-        "ratio_compressed_part": round(params * 2 / max(1, roles["sign"] + roles["alpha"]), 2),
+        "ratio_compressed_part": round(params * 2 / max(1, roles["sign"] + roles["alpha"] + roles["lowrank"]), 2),
     }
     if as_json:
         print(json.dumps(info, indent=2))
@@ -94,6 +126,12 @@ def _print_inspect(path: Path, as_json: bool = False) -> None:
     print(f"  compressed        {len(meta.shapes)} weights, {params:,} params")
     print(f"  signs             {human_bytes(roles['sign'])}")
     print(f"  alpha             {human_bytes(roles['alpha'])}")
+    if len(info["bytes_by_plane"]) > 1 or roles["lowrank"]:
+        for plane, n in info["bytes_by_plane"].items():
+            print(
+                f"    plane {plane}         {human_bytes(n)} (signs + alpha) in {info['weights_by_plane'][plane]} weights"
+            )
+        print(f"  low-rank          {human_bytes(roles['lowrank'])} (rank {info['rank_total']} over all weights)")
     print(
         f"  dense             {human_bytes(roles['dense'])} in {info['dense_tensors']} tensors "
         f"({info['dense_biases']} of them biases)"
@@ -147,7 +185,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--base", required=True, type=Path, help="base checkpoint directory (HF layout)")
     c.add_argument("--finetuned", required=True, type=Path, help="fine-tuned checkpoint directory")
     c.add_argument("--out", required=True, type=Path, help="delta file to write (.bitdelta.safetensors)")
-    c.add_argument("--alpha", choices=["row", "matrix"], default="row", help="one scale per output row or per matrix")
+    c.add_argument(
+        "--alpha",
+        choices=["row", "matrix", "col", "auto"],
+        default="row",
+        help="one scale per output row, per matrix, per input column, or per plane the one of least error "
+        "(col and auto: projections only; the embeddings take row)",
+    )
+    c.add_argument("--planes", type=int, default=1, help="at most this many residual sign planes per matrix")
+    c.add_argument("--rank", type=int, default=0, help="at most this rank of fp16 low-rank residual per matrix")
+    c.add_argument("--rank-step", type=int, default=8, help="the budget buys rank in steps of this many")
+    c.add_argument(
+        "--budget",
+        help="bytes for the whole delta's tensors (16MiB, 17000000) or a fraction of the base's bf16 bytes "
+        "(1/16), spent greedily on the planes and rank that lower the output error most per byte "
+        "(default: every matrix gets --planes and --rank); --calib weighs the error by the layers' inputs",
+    )
     c.add_argument(
         "--embeddings",
         choices=["dense", "sign"],
@@ -156,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--variant", help="variant name (default: the fine-tune's directory name)")
     c.add_argument("--distill", action="store_true", help="tune the α's on calibration text (scale distillation)")
-    c.add_argument("--calib", nargs="+", type=Path, help="calibration text files for --distill")
+    c.add_argument("--calib", nargs="+", type=Path, help="calibration text files for --distill and --budget")
     c.add_argument("--steps", type=int, default=150)
     c.add_argument("--lr", type=float, default=1e-5)
     c.add_argument("--batch", type=int, default=4)

@@ -15,7 +15,8 @@ from tqdm import tqdm
 
 from bitdelta.arch import ModelArgs
 from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config, save_checkpoint
-from bitdelta.format import DeltaMeta, check_arch, load_delta, write_delta
+from bitdelta.format import CompressedWeight, Delta, DeltaMeta, SignPlane, check_arch, load_delta, save_delta
+from bitdelta.planes import PlaneConfig, chain, spend
 from kernels.bits import pack_signs, unpack_signs
 
 EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
@@ -47,18 +48,20 @@ def same_model(base_cfg: dict, ft_cfg: dict, finetuned: Path, base: Path) -> Mod
 
 
 def compress_weight(delta: torch.Tensor, alpha_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Δ [d_out, d_in] -> (signs uint8 [d_out, ceil(d_in/8)], α fp32 [d_out] or [1]).
+    """Δ [d_out, d_in] -> (signs uint8 [d_out, ceil(d_in/8)], α fp32 [d_out], [1] or [d_in]).
 
-    α = mean|Δ| over the row (per-row: the L2-optimal scale for fixed signs)
-    or over the whole matrix (per-matrix, the paper's choice).
+    α = mean|Δ| over the row (per-row: the L2-optimal scale for fixed signs), over the whole
+    matrix (per-matrix, the paper's choice) or over the column (per-column).
     """
     delta = delta.float()
     if alpha_mode == "row":
         alpha = delta.abs().mean(dim=1)
     elif alpha_mode == "matrix":
         alpha = delta.abs().mean().reshape(1)
+    elif alpha_mode == "col":
+        alpha = delta.abs().mean(dim=0)
     else:
-        raise ValueError(f"alpha_mode must be 'row' or 'matrix', not {alpha_mode!r}")
+        raise ValueError(f"alpha_mode must be 'row', 'matrix' or 'col', not {alpha_mode!r}")
     return pack_signs(delta), alpha
 
 
@@ -70,13 +73,29 @@ def compress(
     variant: str | None = None,
     embeddings: str = "dense",
     progress: bool = True,
+    planes: PlaneConfig | None = None,
+    calibration: torch.Tensor | None = None,
 ) -> Path:
-    """Write the BitDelta of `finetuned` against `base` to `out` (atomically)."""
+    """Write the BitDelta of `finetuned` against `base` to `out` (atomically).
+
+    planes: compression beyond one sign plane per weight (`bitdelta.planes`: residual planes,
+    low-rank, per-column or chosen α, a byte budget for the whole file's tensors); its `alpha`
+    replaces `alpha_mode`, and compressed embeddings compete for the budget like the projections.
+    calibration: 1-D token ids whose inputs weigh each option's gain (`planes.input_power`)."""
     base, finetuned, out = Path(base), Path(finetuned), Path(out)
+    planes = planes if planes is not None else PlaneConfig(alpha=alpha_mode)
     base_cfg = read_config(base)
     args = same_model(base_cfg, read_config(finetuned), finetuned, base)
     tensors: dict[str, torch.Tensor] = {}
     shapes: dict[str, list[int]] = {}
+    compressed: dict[str, CompressedWeight] = {}
+    chains = {}
+    power = None
+    if calibration is not None and not planes.plain:
+        from bitdelta.model import load_model
+        from bitdelta.planes import input_power
+
+        power = input_power(load_model(base), calibration)
     with CheckpointReader(base) as rb, CheckpointReader(finetuned) as rf:
         names = rf.keys()
         for name in tqdm(names, desc=f"compress {finetuned.name}", unit="tensor", disable=not progress):
@@ -93,23 +112,52 @@ def compress(
             if torch.equal(w_base, w_ft):
                 continue  # unchanged: not stored
             if is_compressed(name, args, embeddings):
-                signs, alpha = compress_weight(w_ft.float() - w_base.float(), alpha_mode)
-                tensors[name + ".sign"], tensors[name + ".alpha"] = signs, alpha
                 shapes[name] = list(w_ft.shape)
+                d = w_ft.float() - w_base.float()
+                if planes.plain:
+                    signs, alpha = compress_weight(d, alpha_mode if name in EMBEDDINGS else planes.alpha)
+                    axis = alpha_mode if name in EMBEDDINGS else planes.alpha
+                    compressed[name] = CompressedWeight([SignPlane(signs, alpha, axis)], tuple(w_ft.shape))
+                else:
+                    # a (tied) embedding's error reaches the logits through the head: weighed by its inputs
+                    w = None if power is None else power.get("lm_head.weight" if name in EMBEDDINGS else name)
+                    chains[name] = chain(d, planes, w)
             else:
-                tensors[name + ".dense"] = w_ft.contiguous()
+                tensors[name] = w_ft.contiguous()
+    if chains:
+        fixed = sum(cw.nbytes for cw in compressed.values()) + sum(
+            t.numel() * t.element_size() for t in tensors.values()
+        )
+        if planes.budget is not None and planes.budget < fixed:
+            raise ValueError(
+                f"a budget of {planes.budget} bytes is less than the delta's dense tensors ({fixed} bytes)"
+            )
+        compressed.update(spend(chains, None if planes.budget is None else planes.budget - fixed))
+        shapes = {k: v for k, v in shapes.items() if k in compressed}
     meta = DeltaMeta(
         variant=variant or finetuned.name,
         base_model=base_cfg.get("_name_or_path") or base.name,
         base_fingerprint=fingerprint(base),
-        alpha_mode=alpha_mode,
+        alpha_mode=alpha_mode if planes.plain else planes.alpha,
         shapes=shapes,
         architecture=args.model_type,
         layout=args.layout,
         extra={"embeddings": embeddings},
     )
-    write_delta(out, tensors, meta)
+    if not planes.plain:
+        meta.extra["planes"] = f"planes={planes.planes} rank={planes.rank} budget={planes.budget}"
+    save_delta(out, Delta(meta, compressed, tensors))
     return out
+
+
+def bf16_bytes(base: str | os.PathLike) -> int:
+    """What the base's parameters take in bf16 (the budget fractions' unit)."""
+    with CheckpointReader(Path(base)) as rb:
+        n = 0
+        for name in rb.keys():
+            t = rb.get(name)
+            n += t.numel()
+    return n * 2
 
 
 def apply(
@@ -141,6 +189,8 @@ def reconstruct(name: str, w_base: torch.Tensor, delta) -> torch.Tensor:
     cw = delta.compressed.get(name)
     if cw is None:
         return w_base
+    if not cw.plain:
+        return (w_base.float() + cw.dense()).to(w_base.dtype)
     s = unpack_signs(cw.signs, cw.shape[1], torch.float32)
     alpha = cw.alpha.float().reshape(-1, 1)
     return (w_base.float() + alpha * s).to(w_base.dtype)

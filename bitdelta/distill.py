@@ -2,7 +2,8 @@
 logits match the fine-tuned model's (MSE on logits, AdamW, cosine schedule).
 
 The paper's code accidentally trains embeddings and norms too; here exactly
-the α's require gradients, everything else is frozen. The forward passes run
+the α's require gradients (every sign plane's, and the low-rank factors of a delta that has
+them, jointly: `BitDeltaLinear.trainable`), everything else is frozen. The forward passes run
 in `bitdelta.precision`'s choice for the CPU (bf16 autocast only where the CPU
 has native bf16, fp32 otherwise); α and the optimizer stay fp32.
 """
@@ -62,8 +63,9 @@ def logit_mse(teacher: Llama, student: Llama, windows: torch.Tensor, batch: int 
     return total / n
 
 
-def alphas(model: Llama) -> dict[str, torch.nn.Parameter]:
-    return {name + ".weight": m.alpha for name, m in model.named_modules() if isinstance(m, BitDeltaLinear)}
+def compressed_layers(model: Llama) -> dict[str, BitDeltaLinear]:
+    """param name ("….weight") -> its BitDeltaLinear."""
+    return {name + ".weight": m for name, m in model.named_modules() if isinstance(m, BitDeltaLinear)}
 
 
 def distill(
@@ -86,7 +88,8 @@ def distill(
         print(f"[distill] {delta.meta.variant}: {prec.describe()}", flush=True)
     teacher = load_model(finetuned)
     student = attach_delta(load_model(base), delta, trainable_alpha=True)
-    params = list(alphas(student).values())
+    layers = compressed_layers(student)
+    params = [t for m in layers.values() for t in m.trainable()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
 
     def lr_at(step: int) -> float:
@@ -103,7 +106,7 @@ def distill(
         "batch": cfg.batch,
         "seq_len": cfg.seq_len,
         "schedule": "cosine",
-        "trained": "alpha only",
+        "trained": "alpha only" if all(m.u is None for m in layers.values()) else "alpha and low-rank factors",
         "precision": prec.record(),
     }
     if heldout is not None:
@@ -126,20 +129,14 @@ def distill(
     if heldout is not None:
         record["heldout_mse_after"] = logit_mse(teacher, student, heldout)
 
-    new_alpha = {k: p.detach().clone() for k, p in alphas(student).items()}
-    compressed = {k: type(cw)(cw.signs, new_alpha.get(k, cw.alpha), cw.shape) for k, cw in delta.compressed.items()}
+    compressed = {k: layers[k].compressed() if k in layers else cw for k, cw in delta.compressed.items()}
     meta = type(delta.meta)(**{**delta.meta.__dict__, "distilled": record})
     return Delta(meta, compressed, delta.dense), record
 
 
 def save(delta: Delta, out: str | os.PathLike) -> Path:
     """Write an in-memory delta to a file (atomically)."""
-    from bitdelta.format import write_delta
+    from bitdelta.format import save_delta
 
-    tensors = {}
-    for name, cw in delta.compressed.items():
-        tensors[name + ".sign"], tensors[name + ".alpha"] = cw.signs, cw.alpha.float()
-    for name, t in delta.dense.items():
-        tensors[name + ".dense"] = t
-    write_delta(out, tensors, delta.meta)
+    save_delta(out, delta)
     return Path(out)

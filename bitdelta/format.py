@@ -1,4 +1,4 @@
-"""The BitDelta delta file, format v2 (spec: docs/delta-format.md; v1 files are read too).
+"""The BitDelta delta file, format v2 and v3 (spec: docs/delta-format.md; v1 files are read too).
 
 One safetensors file per variant. For each compressed weight P [d_out, d_in]:
 `P.sign` uint8 [d_out, ceil(d_in/8)] (bit convention in `kernels.bits`) and
@@ -6,6 +6,14 @@ One safetensors file per variant. For each compressed weight P [d_out, d_in]:
 header's `__metadata__` carries the format version, variant, base model and
 base fingerprint, the base's architecture and parameter layout (v2), α mode, distillation record, tool version, the original
 shapes of compressed weights and a sha256 per tensor.
+
+Format v3 (written only when a delta needs it) adds, per compressed weight, further residual
+sign planes `P.sign2`, `P.alpha2`, `P.sign3`, ... (plane i's signs and scale), a scale per
+input column as a plane's option (α float32 [d_in]) and a low-rank residual `P.lowrank_u`
+float16 [d_out, r] and `P.lowrank_v` float16 [r, d_in]; the metadata's `parts` says, for
+every compressed weight, each plane's α axis ("row", "matrix" or "col") and the rank r:
+
+    ΔW ≈ Σ_i α_i ⊙ S_i + U · V
 
 This module parses the header itself (8-byte little-endian length, JSON,
 data) instead of trusting a library, so that truncated, malformed and
@@ -27,8 +35,9 @@ from typing import BinaryIO
 import torch
 
 FORMAT_NAME = "bitdelta"
-FORMAT_VERSION = "2"
-READ_VERSIONS = ("1", "2")
+FORMAT_VERSION = "2"  # what a delta of one plane per matrix (row or matrix α, no low-rank) is written as
+PARTS_VERSION = "3"  # what a delta with further planes, column α's or low-rank factors is written as
+READ_VERSIONS = ("1", "2", "3")
 # What a v1 file was made for: v1 tools accepted Llama and Mistral bases only, whose layout is this.
 V1_ARCHITECTURES = ("llama", "mistral")
 V1_LAYOUT = "q,k,v,o,gate,up,down"
@@ -48,7 +57,27 @@ DTYPES: dict[str, torch.dtype] = {
     "I64": torch.int64,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-SUFFIXES = {"sign": ".sign", "alpha": ".alpha", "dense": ".dense"}
+AXES = ("row", "matrix", "col")  # what one α of a sign plane scales: an output row, the matrix, an input column
+LOWRANK_ROLES = ("lowrank_u", "lowrank_v")
+
+
+def split_role(suffix: str) -> tuple[str, int] | None:
+    """A tensor name's suffix -> (role, plane): "sign" -> ("sign", 1), "alpha3" -> ("alpha", 3),
+    "dense" / "lowrank_u" / "lowrank_v" -> (that, 0); None for anything else."""
+    if suffix in ("dense", *LOWRANK_ROLES):
+        return suffix, 0
+    for role in ("sign", "alpha"):
+        if suffix == role:
+            return role, 1
+        rest = suffix[len(role) :]
+        if suffix.startswith(role) and rest.isdigit() and not rest.startswith("0") and int(rest) >= 2:
+            return role, int(rest)
+    return None
+
+
+def plane_suffix(role: str, plane: int) -> str:
+    """("sign", 1) -> ".sign", ("alpha", 2) -> ".alpha2"."""
+    return f".{role}" if plane == 1 else f".{role}{plane}"
 
 
 class DeltaFormatError(ValueError):
@@ -83,8 +112,20 @@ class TensorEntry:
 
     @property
     def role(self) -> str:
-        """ "sign", "alpha" or "dense"."""
+        """The name's suffix: "sign", "alpha" or "dense"; in format v3 also "sign2", "alpha2", ...
+        (further planes) and "lowrank_u", "lowrank_v" (`split_role` parses it)."""
         return self.name.rsplit(".", 1)[1]
+
+    @property
+    def part(self) -> str:
+        """What `inspect` adds the tensor's bytes to: "sign", "alpha" (every plane), "lowrank" or "dense"."""
+        role, _ = split_role(self.role)
+        return "lowrank" if role in LOWRANK_ROLES else role
+
+    @property
+    def plane(self) -> int:
+        """The sign plane a sign/α tensor belongs to (1, 2, ...); 0 for other roles."""
+        return split_role(self.role)[1]
 
     @property
     def param(self) -> str:
@@ -99,13 +140,27 @@ class DeltaMeta:
     variant: str
     base_model: str
     base_fingerprint: str
-    alpha_mode: str  # "row" | "matrix"
+    alpha_mode: str  # "row" | "matrix"; v3 also "col" and "auto" (chosen per plane: `parts`)
     architecture: str  # the base's model_type (bitdelta.arch); "" read from a v1 file: llama or mistral
     layout: str  # the base's parameter layout (ModelArgs.layout)
     shapes: dict[str, list[int]] = field(default_factory=dict)  # compressed param -> [d_out, d_in]
     distilled: dict | None = None  # e.g. {"steps": 150, "lr": 1e-5, "final_mse": ...}
     tool_version: str = ""
     extra: dict[str, str] = field(default_factory=dict)
+    # v3: compressed param -> {"axes": [α axis of each plane], "rank": r} for every compressed
+    # weight; empty: one plane of alpha_mode's axis each, no low-rank (v1/v2)
+    parts: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def format_version(self) -> str:
+        return PARTS_VERSION if self.parts else FORMAT_VERSION
+
+    def axes(self, param: str) -> list[str]:
+        """The α axis of each sign plane of a compressed weight."""
+        return list(self.parts[param]["axes"]) if self.parts else [self.alpha_mode]
+
+    def rank(self, param: str) -> int:
+        return int(self.parts[param].get("rank", 0)) if self.parts else 0
 
     def to_strings(self) -> dict[str, str]:
         from bitdelta import __version__
@@ -114,7 +169,7 @@ class DeltaMeta:
             raise ValueError("a delta records the architecture and layout of its base (bitdelta.arch.ModelArgs)")
         out = {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": self.format_version,
             "variant": self.variant,
             "base_model": self.base_model,
             "base_fingerprint": self.base_fingerprint,
@@ -125,6 +180,8 @@ class DeltaMeta:
             "distilled": json.dumps(self.distilled),
             "tool_version": self.tool_version or f"bitdelta {__version__}",
         }
+        if self.parts:
+            out["parts"] = json.dumps(self.parts, sort_keys=True)
         out.update(self.extra)
         return out
 
@@ -143,6 +200,7 @@ class DeltaMeta:
             "distilled",
             "tool_version",
             "sha256",
+            "parts",
         }
         v2 = md.get("format_version") != "1"
         try:
@@ -157,6 +215,7 @@ class DeltaMeta:
                 distilled=json.loads(md.get("distilled", "null")),
                 tool_version=md.get("tool_version", ""),
                 extra={k: v for k, v in md.items() if k not in known},
+                parts=json.loads(md["parts"]) if md.get("format_version") == PARTS_VERSION else {},
             )
         except (KeyError, json.JSONDecodeError) as e:
             raise DeltaFormatError(f"metadata is incomplete or malformed: {e}") from None
@@ -180,10 +239,19 @@ class DeltaHeader:
         return self.tensors[-1].end if self.tensors else self.header_bytes
 
     def bytes_by_role(self) -> dict[str, int]:
-        out = {"sign": 0, "alpha": 0, "dense": 0}
+        """Bytes of every plane's signs, every plane's α's, low-rank factors and dense tensors."""
+        out = {"sign": 0, "alpha": 0, "lowrank": 0, "dense": 0}
         for t in self.tensors:
-            out[t.role] += t.nbytes
+            out[t.part] += t.nbytes
         return out
+
+    def bytes_by_plane(self) -> dict[int, int]:
+        """Signs + α bytes of sign plane 1, 2, ... over all compressed weights."""
+        out: dict[int, int] = {}
+        for t in self.tensors:
+            if t.plane:
+                out[t.plane] = out.get(t.plane, 0) + t.nbytes
+        return dict(sorted(out.items()))
 
 
 def parse_header(prefix: bytes, file_size: int | None = None) -> DeltaHeader:
@@ -223,8 +291,20 @@ def parse_header(prefix: bytes, file_size: int | None = None) -> DeltaHeader:
             raise DeltaFormatError(f"tensor {name}: malformed header entry", tensor=name) from None
         if dtype not in DTYPES:
             raise DeltaFormatError(f"tensor {name}: unsupported dtype {dtype}", tensor=name)
-        if "." not in name or name.rsplit(".", 1)[1] not in SUFFIXES:
-            raise DeltaFormatError(f"tensor {name}: name must end in .sign, .alpha or .dense", tensor=name)
+        suffix = name.rsplit(".", 1)[1] if "." in name else ""
+        parsed = split_role(suffix)
+        if parsed is None or (
+            md.get("format_version") != PARTS_VERSION and (parsed[1] > 1 or parsed[0] in LOWRANK_ROLES)
+        ):
+            raise DeltaFormatError(
+                f"tensor {name}: name must end in .sign, .alpha or .dense"
+                + (
+                    " (v3: also .signN, .alphaN, .lowrank_u, .lowrank_v)"
+                    if md.get("format_version") == PARTS_VERSION
+                    else ""
+                ),
+                tensor=name,
+            )
         numel = 1
         for d in shape:
             numel *= d
@@ -315,21 +395,45 @@ def check_arch(variant: str, architecture: str, layout: str, args) -> None:
 def check_structure(header: DeltaHeader) -> None:
     """Signs and scales pair up and have the shapes the metadata promises."""
     meta = header.meta
-    if meta.alpha_mode not in ("row", "matrix"):
-        raise DeltaFormatError(f"alpha_mode must be 'row' or 'matrix', not {meta.alpha_mode!r}")
+    modes = ("row", "matrix", "col", "auto") if meta.parts else ("row", "matrix")
+    if meta.alpha_mode not in modes:
+        raise DeltaFormatError(f"alpha_mode must be one of {', '.join(modes)}, not {meta.alpha_mode!r}")
+    if meta.parts and set(meta.parts) != set(meta.shapes):
+        raise DeltaFormatError("metadata 'parts' must describe exactly the compressed weights of 'shapes'")
     by_name = {t.name: t for t in header.tensors}
+    expected: set[str] = set()
     for param, (d_out, d_in) in meta.shapes.items():
-        sign, alpha = by_name.get(param + ".sign"), by_name.get(param + ".alpha")
-        if sign is None or alpha is None:
-            raise DeltaFormatError(f"tensor {param}: compressed weight lacks .sign or .alpha", tensor=param)
-        if sign.dtype != "U8" or sign.shape != (d_out, (d_in + 7) // 8):
-            raise DeltaFormatError(f"tensor {sign.name}: expected uint8 [{d_out}, {(d_in + 7) // 8}]", tensor=sign.name)
-        want = (d_out,) if meta.alpha_mode == "row" else (1,)
-        if alpha.dtype != "F32" or alpha.shape != want:
-            raise DeltaFormatError(f"tensor {alpha.name}: expected float32 {list(want)}", tensor=alpha.name)
+        try:
+            axes, rank = meta.axes(param), meta.rank(param)
+        except (KeyError, TypeError, ValueError):
+            raise DeltaFormatError(f"tensor {param}: malformed 'parts' entry", tensor=param) from None
+        if not axes or any(a not in AXES for a in axes) or rank < 0:
+            raise DeltaFormatError(f"tensor {param}: planes {axes} / rank {rank} are not valid", tensor=param)
+        for i, axis in enumerate(axes, start=1):
+            names = (param + plane_suffix("sign", i), param + plane_suffix("alpha", i))
+            sign, alpha = by_name.get(names[0]), by_name.get(names[1])
+            if sign is None or alpha is None:
+                raise DeltaFormatError(
+                    f"tensor {param}: compressed weight lacks {names[0]} or {names[1]}", tensor=param
+                )
+            if sign.dtype != "U8" or sign.shape != (d_out, (d_in + 7) // 8):
+                raise DeltaFormatError(
+                    f"tensor {sign.name}: expected uint8 [{d_out}, {(d_in + 7) // 8}]", tensor=sign.name
+                )
+            want = {"row": (d_out,), "matrix": (1,), "col": (d_in,)}[axis]
+            if alpha.dtype != "F32" or alpha.shape != want:
+                raise DeltaFormatError(f"tensor {alpha.name}: expected float32 {list(want)}", tensor=alpha.name)
+            expected.update(names)
+        if rank:
+            for role, want in (("lowrank_u", (d_out, rank)), ("lowrank_v", (rank, d_in))):
+                t = by_name.get(f"{param}.{role}")
+                if t is None or t.dtype != "F16" or t.shape != want:
+                    raise DeltaFormatError(f"tensor {param}.{role}: expected float16 {list(want)}", tensor=param)
+                expected.add(t.name)
     for t in header.tensors:
-        if t.role in ("sign", "alpha") and t.param not in meta.shapes:
-            raise DeltaFormatError(f"tensor {t.name}: no shape recorded for {t.param}", tensor=t.name)
+        if t.part != "dense" and t.name not in expected:
+            why = "no shape recorded for" if t.param not in meta.shapes else "not a part the metadata gives"
+            raise DeltaFormatError(f"tensor {t.name}: {why} {t.param}", tensor=t.name)
 
 
 def _sha256_stream(f: BinaryIO, n: int) -> str:
@@ -404,12 +508,81 @@ def current_umask() -> int:
 
 
 @dataclass
-class CompressedWeight:
-    """α ⊙ S for one weight: signs uint8 [d_out, ceil(d_in/8)], alpha fp32 [d_out] or [1]."""
+class SignPlane:
+    """α ⊙ S: signs uint8 [d_out, ceil(d_in/8)], alpha fp32 [d_out] ("row"), [1] ("matrix") or
+    [d_in] ("col")."""
 
     signs: torch.Tensor
     alpha: torch.Tensor
+    axis: str = "row"
+
+    def scale(self) -> torch.Tensor:
+        """α shaped to broadcast over [d_out, d_in]."""
+        a = self.alpha.float()
+        return a.reshape(1, -1) if self.axis == "col" else a.reshape(-1, 1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.signs.numel() + self.alpha.numel() * 4
+
+
+@dataclass
+class CompressedWeight:
+    """One compressed weight's delta: Σ_i α_i ⊙ S_i over its sign planes, + U · V when it has a
+    low-rank residual (u fp16 [d_out, r], v fp16 [r, d_in]). Plain BitDelta: one plane."""
+
+    planes: list[SignPlane]
     shape: tuple[int, int]
+    u: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+    @property
+    def signs(self) -> torch.Tensor:
+        """The first plane's signs."""
+        return self.planes[0].signs
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        """The first plane's α."""
+        return self.planes[0].alpha
+
+    @property
+    def plain(self) -> bool:
+        """One plane of row or matrix α and no low-rank part: what format v2 stores."""
+        return len(self.planes) == 1 and self.planes[0].axis != "col" and self.u is None
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.u is None else self.u.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.planes) + sum(t.numel() * 2 for t in (self.u, self.v) if t is not None)
+
+    def dense(self) -> torch.Tensor:
+        """The delta as fp32 [d_out, d_in]."""
+        from kernels.bits import unpack_signs
+
+        d = torch.zeros(self.shape, dtype=torch.float32)
+        for p in self.planes:
+            d += unpack_signs(p.signs, self.shape[1], torch.float32) * p.scale()
+        if self.u is not None:
+            d += self.u.float() @ self.v.float()
+        return d
+
+    def tensors(self, param: str) -> dict[str, torch.Tensor]:
+        """The file's tensors of this weight, by full name."""
+        out = {}
+        for i, p in enumerate(self.planes, start=1):
+            out[param + plane_suffix("sign", i)] = p.signs
+            out[param + plane_suffix("alpha", i)] = p.alpha.float()
+        if self.u is not None:
+            out[param + ".lowrank_u"], out[param + ".lowrank_v"] = self.u.half(), self.v.half()
+        return out
+
+    def part(self) -> dict:
+        """Its `parts` entry (format v3)."""
+        return {"axes": [p.axis for p in self.planes], "rank": self.rank}
 
 
 @dataclass
@@ -422,14 +595,41 @@ class Delta:
 
     @property
     def nbytes(self) -> int:
-        c = sum(w.signs.numel() + w.alpha.numel() * 4 for w in self.compressed.values())
+        c = sum(w.nbytes for w in self.compressed.values())
         return c + sum(t.numel() * t.element_size() for t in self.dense.values())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of its file, by full name."""
+        out = {}
+        for name, cw in self.compressed.items():
+            out.update(cw.tensors(name))
+        for name, t in self.dense.items():
+            out[name + ".dense"] = t
+        return out
+
+    def with_parts(self) -> DeltaMeta:
+        """Its metadata with `parts` filled in unless every weight is one plane of the delta's α mode
+        (row or matrix): then v2, else v3."""
+        from dataclasses import replace
+
+        plain = all(cw.plain and cw.planes[0].axis == self.meta.alpha_mode for cw in self.compressed.values())
+        return replace(self.meta, parts={} if plain else {k: cw.part() for k, cw in self.compressed.items()})
+
+
+def save_delta(path: str | os.PathLike, delta: Delta) -> DeltaHeader:
+    """Write an in-memory delta to a file (atomically): v2, or v3 when some weight is not plain."""
+    return write_delta(path, delta.tensors(), delta.with_parts())
 
 
 def delta_from_tensors(meta: DeltaMeta, tensors: dict[str, torch.Tensor]) -> Delta:
     compressed, dense = {}, {}
     for param, shape in meta.shapes.items():
-        compressed[param] = CompressedWeight(tensors[param + ".sign"], tensors[param + ".alpha"], tuple(shape))
+        planes = [
+            SignPlane(tensors[param + plane_suffix("sign", i)], tensors[param + plane_suffix("alpha", i)], axis)
+            for i, axis in enumerate(meta.axes(param), start=1)
+        ]
+        u, v = (tensors[f"{param}.lowrank_u"], tensors[f"{param}.lowrank_v"]) if meta.rank(param) else (None, None)
+        compressed[param] = CompressedWeight(planes, tuple(shape), u, v)
     for name, t in tensors.items():
         if name.endswith(".dense"):
             dense[name[: -len(".dense")]] = t

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bitdelta.arch import ModelArgs
-from kernels import bitdelta_linear
+from kernels import bitdelta_delta_batched, bitdelta_linear
 from kernels.bits import unpack_signs
 
 
@@ -245,26 +245,68 @@ class BitDeltaLinear(nn.Module):
     [d_out, ceil(d_in/8)]; alpha: fp32 [d_out] or [1]; bias: the layer's [d_out]
     bias (the base's, or the variant's when it changed), or None. α is a
     Parameter so scale distillation can train it; everything else is frozen.
+
+    Beyond one plane (`bitdelta.planes`): `axis` "col" makes α [d_in] scale input columns,
+    `more` adds further sign planes (their α's Parameters too) and `u` [d_out, r], `v` [r, d_in]
+    a low-rank residual U · V (Parameters, fp32 here):
+    y = x · W_baseᵀ + Σ_i (x · (α_i ⊙ S_i)ᵀ) + (x · Vᵀ) · Uᵀ.
     """
 
     def __init__(
-        self, weight: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        weight: torch.Tensor,
+        signs: torch.Tensor,
+        alpha: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        axis: str = "row",
+        more=(),
+        u: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
     ):
         super().__init__()
         d_out, d_in = weight.shape
-        if signs.shape != (d_out, (d_in + 7) // 8) or signs.dtype != torch.uint8:
-            raise ValueError(f"signs {tuple(signs.shape)} {signs.dtype} do not fit a weight of shape {(d_out, d_in)}")
-        if alpha.shape not in ((d_out,), (1,)):
-            raise ValueError(f"alpha shape {tuple(alpha.shape)} must be [{d_out}] or [1]")
         self.in_features, self.out_features = d_in, d_out
+        self.axes = [axis] + [p.axis for p in more]
+        for i, (s_, a_, ax) in enumerate([(signs, alpha, axis)] + [(p.signs, p.alpha, p.axis) for p in more]):
+            if s_.shape != (d_out, (d_in + 7) // 8) or s_.dtype != torch.uint8:
+                raise ValueError(f"signs {tuple(s_.shape)} {s_.dtype} do not fit a weight of shape {(d_out, d_in)}")
+            ok = ((d_in,),) if ax == "col" else ((d_out,), (1,))
+            if a_.shape not in ok:
+                raise ValueError(f"alpha shape {tuple(a_.shape)} of plane {i + 1} ({ax}) must be one of {ok}")
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.weight.requires_grad_(False)
         self.register_buffer("signs", signs)
         self.alpha = nn.Parameter(alpha.float().clone(), requires_grad=False)
+        for i, p in enumerate(more, start=2):
+            self.register_buffer(f"signs{i}", p.signs)
+            setattr(self, f"alpha{i}", nn.Parameter(p.alpha.float().clone(), requires_grad=False))
+        if (u is None) != (v is None) or (
+            u is not None and (u.shape[0], v.shape[1], u.shape[1]) != (d_out, d_in, v.shape[0])
+        ):
+            raise ValueError(f"low-rank factors must be u [{d_out}, r] and v [r, {d_in}]")
+        self.u = None if u is None else nn.Parameter(u.float().clone(), requires_grad=False)
+        self.v = None if v is None else nn.Parameter(v.float().clone(), requires_grad=False)
         if bias is not None and tuple(bias.shape) != (d_out,):
             raise ValueError(f"bias shape {tuple(bias.shape)} must be [{d_out}]")
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self._dense_signs: torch.Tensor | None = None
+        self._dense_signs: list[torch.Tensor] | None = None
+
+    @property
+    def plain(self) -> bool:
+        """One plane of row or matrix α, no low-rank: the fused kernel's case."""
+        return self.axes in (["row"], ["matrix"]) and self.u is None
+
+    def planes(self) -> list[tuple[torch.Tensor, nn.Parameter, str]]:
+        """(signs, α, axis) of every plane."""
+        out = [(self.signs, self.alpha, self.axes[0])]
+        return out + [
+            (getattr(self, f"signs{i}"), getattr(self, f"alpha{i}"), ax) for i, ax in enumerate(self.axes[1:], 2)
+        ]
+
+    def trainable(self) -> list[nn.Parameter]:
+        """What scale distillation tunes: every plane's α and the low-rank factors."""
+        return [a for _, a, _ in self.planes()] + [t for t in (self.u, self.v) if t is not None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., d_in] -> [..., d_out]
@@ -272,22 +314,75 @@ class BitDeltaLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.alpha.requires_grad and torch.is_grad_enabled():
             y = self._differentiable(x2)
-        else:
+        elif self.plain:
             y = bitdelta_linear(x2, self.weight, self.signs, self.alpha)
             if self.bias is not None:
                 y = y + self.bias
+        else:
+            y = self._planes(x2)
         return y.reshape(*lead, self.out_features)
+
+    def _planes(self, x: torch.Tensor) -> torch.Tensor:
+        """Base GEMM (with plane 1 fused when its α is per row or matrix), then one delta launch per
+        further plane and the low-rank term as two small GEMMs."""
+        planes = self.planes()
+        s1, a1, ax1 = planes[0]
+        if ax1 == "col":
+            y, rest = F.linear(x, self.weight), planes
+        else:
+            y, rest = bitdelta_linear(x, self.weight, s1, a1), planes[1:]
+        if self.bias is not None:
+            y = y + self.bias
+        rows = torch.zeros(x.shape[0], dtype=torch.int32, device=x.device)
+        for s, a, ax in rest:
+            if ax == "col":
+                xs, al = (x.float() * a).to(x.dtype), torch.ones(1, 1, device=x.device)
+            else:
+                xs, al = x, a.reshape(1, -1)
+            y = bitdelta_delta_batched(xs, s[None], al, rows, y)
+        if self.u is not None:
+            y = y + ((x.float() @ self.v.t()) @ self.u.t()).to(y.dtype)
+        return y
 
     def _differentiable(self, x: torch.Tensor) -> torch.Tensor:
         # Distillation only: keep ±1 unpacked once (it is re-used every step).
         if self._dense_signs is None:
-            self._dense_signs = unpack_signs(self.signs, self.in_features, x.dtype)
-        return F.linear(x, self.weight, self.bias) + F.linear(x, self._dense_signs) * self.alpha.to(x.dtype)
+            self._dense_signs = [unpack_signs(s, self.in_features, x.dtype) for s, _, _ in self.planes()]
+        y = F.linear(x, self.weight, self.bias)
+        for dense, (_, a, ax) in zip(self._dense_signs, self.planes()):
+            if ax == "col":
+                y = y + F.linear(x * a.to(x.dtype), dense)
+            else:
+                y = y + F.linear(x, dense) * a.to(x.dtype)
+        if self.u is not None:
+            y = y + (x @ self.v.t().to(x.dtype)) @ self.u.t().to(x.dtype)
+        return y
+
+    def delta(self) -> torch.Tensor:
+        """Σ_i α_i ⊙ S_i + U · V in fp32 [d_out, d_in] (the current α's and factors)."""
+        d = torch.zeros(self.out_features, self.in_features, dtype=torch.float32, device=self.weight.device)
+        for s, a, ax in self.planes():
+            sc = a.detach().float().reshape(1, -1) if ax == "col" else a.detach().float().reshape(-1, 1)
+            d += unpack_signs(s, self.in_features, torch.float32) * sc
+        if self.u is not None:
+            d += self.u.detach().half().float() @ self.v.detach().half().float()
+        return d
 
     def merged_weight(self) -> torch.Tensor:
-        """W_base + α ⊙ S in the base dtype (computed in fp32)."""
-        s = unpack_signs(self.signs, self.in_features, torch.float32)
-        return (self.weight.float() + self.alpha.detach()[:, None] * s).to(self.weight.dtype)
+        """W_base + α ⊙ S (every plane, + U · V) in the base dtype (computed in fp32)."""
+        if self.plain:
+            s = unpack_signs(self.signs, self.in_features, torch.float32)
+            return (self.weight.float() + self.alpha.detach()[:, None] * s).to(self.weight.dtype)
+        return (self.weight.float() + self.delta()).to(self.weight.dtype)
+
+    def compressed(self):
+        """Its delta as a `bitdelta.format.CompressedWeight` (the current α's and factors; the
+        factors in fp16, as the file stores them)."""
+        from bitdelta.format import CompressedWeight, SignPlane
+
+        planes = [SignPlane(s, a.detach().clone(), ax) for s, a, ax in self.planes()]
+        u, v = (None, None) if self.u is None else (self.u.detach().half(), self.v.detach().half())
+        return CompressedWeight(planes, (self.out_features, self.in_features), u, v)
 
 
 def load_model(
@@ -330,7 +425,7 @@ def state_dict_for_save(model: Llama) -> dict[str, torch.Tensor]:
         if isinstance(mod, BitDeltaLinear):
             out[f"{name}.weight"] = mod.merged_weight()
     for name, p in model.state_dict().items():
-        if name.endswith((".signs", ".alpha")) or name in out:
+        if name.rsplit(".", 1)[-1].rstrip("0123456789") in ("signs", "alpha", "u", "v") or name in out:
             continue
         out[name] = p
     if model.args.tie_embeddings:
@@ -353,7 +448,7 @@ def attach_delta(model: Llama, delta, trainable_alpha: bool = False) -> Llama:
         if isinstance(base, nn.Embedding):
             # A lookup reads only the rows it needs, so the variant's table is
             # materialised once (W + α ⊙ S) instead of a per-call kernel.
-            merged = BitDeltaLinear(base.weight, cw.signs, cw.alpha).merged_weight()
+            merged = (base.weight.float() + cw.dense().to(base.weight.device)).to(base.weight.dtype)
             base.weight = nn.Parameter(merged, requires_grad=False)
             continue
         if not isinstance(base, nn.Linear):
@@ -361,8 +456,13 @@ def attach_delta(model: Llama, delta, trainable_alpha: bool = False) -> Llama:
         if tuple(base.weight.shape) != tuple(cw.shape):
             raise ValueError(f"{param}: delta shape {cw.shape} != model shape {tuple(base.weight.shape)}")
         dev = base.weight.device
-        new = BitDeltaLinear(base.weight, cw.signs.to(dev), cw.alpha.to(dev), base.bias)
-        new.alpha.requires_grad_(trainable_alpha)
+        more = [type(p)(p.signs.to(dev), p.alpha.to(dev), p.axis) for p in cw.planes[1:]]
+        u, v = (None, None) if cw.u is None else (cw.u.to(dev), cw.v.to(dev))
+        new = BitDeltaLinear(
+            base.weight, cw.signs.to(dev), cw.alpha.to(dev), base.bias, axis=cw.planes[0].axis, more=more, u=u, v=v
+        )
+        for t in new.trainable():
+            t.requires_grad_(trainable_alpha)
         parent_name, _, child = mod_name.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, child, new)
     params = dict(model.named_parameters(remove_duplicate=False))

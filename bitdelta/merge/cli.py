@@ -74,9 +74,9 @@ def _lora_cfg(a: argparse.Namespace):
 
 
 def cmd_train_lora(a: argparse.Namespace) -> None:
+    from bitdelta.evaluate import tokenize
     from bitdelta.merge import lora
     from bitdelta.merge.adapter import save_adapter
-    from bitdelta.merge.evaluate import tokenize
     from bitdelta.model import load_model
 
     _need_dir(a.base, "--base")

@@ -80,9 +80,9 @@ def train_adapters(
 ) -> dict[str, Path]:
     """Train the task set's adapters (skipping those already trained with the same recipe)."""
     from bitdelta import family
+    from bitdelta.evaluate import tokenize
     from bitdelta.merge import lora
     from bitdelta.merge.adapter import save_adapter
-    from bitdelta.merge.evaluate import tokenize
     from bitdelta.model import load_model
 
     tasks = tasks or list(TASKS)
@@ -129,10 +129,10 @@ def train_adapters(
 
 
 def monosoup_part(n_windows: int, seq_len: int, math_problems: int = 40) -> dict:
-    """Uses the family's evaluator (bitdelta.family.quality): the same held-out
-    windows and perplexity as reports/quality, and its exact-match check for math."""
+    """Uses the project's evaluator (bitdelta.evaluate): the same held-out windows and
+    perplexity as reports/quality, and its exact-match check for math."""
+    from bitdelta import evaluate as ev
     from bitdelta import family
-    from bitdelta.family import quality as q
     from bitdelta.family.finetune import corpus_tokens
     from bitdelta.merge.monosoup import monosoup_checkpoint
     from bitdelta.model import load_model
@@ -141,18 +141,16 @@ def monosoup_part(n_windows: int, seq_len: int, math_problems: int = 40) -> dict
     missing = [v for v in p.variants if not (p.finetuned[v] / "config.json").is_file()]
     if missing:
         raise FileNotFoundError(f"fine-tunes missing for {missing}: run `bitdelta family build` first")
-    wins = {v: q.eval_windows(corpus_tokens(p.base, p.corpus[v], "heldout"), n_windows, seq_len) for v in p.variants}
-    tok = q._tokenizer(p.base)
+    wins = {v: ev.windows(corpus_tokens(p.base, p.corpus[v], "heldout"), n_windows, seq_len) for v in p.variants}
+    tok = ev.tokenizer(p.base)
     probs = family.corpora.problems("heldout")
     probs = probs[:: max(1, len(probs) // math_problems)][:math_problems]  # spread over kinds, as the quality report
 
     def evaluate(ckpt: Path, exact_match: bool) -> dict:
         model = load_model(ckpt)
-        res = {split: q.score(model, w, batch=4) for split, w in wins.items()}
+        res = {split: ev.score(model, w, batch=4)[0].as_dict() for split, w in wins.items()}
         if exact_match and probs:
-            res["math_exact_match"] = {
-                k: v for k, v in q.math_exact_match(model, tok, probs, 8).items() if k != "samples"
-            }
+            res["math_exact_match"] = {k: v for k, v in ev.exact_match(model, tok, probs, 8).items() if k != "samples"}
         del model
         return res
 
@@ -237,8 +235,8 @@ def kmerge_part(n_windows: int, seq_len: int, lora_cfg: LoraConfig = DEFAULT_LOR
         for t in STREAM
     }
     res["similarity"] = [[similarity(own[a], own[b]) for b in STREAM] for a in STREAM]
-    res["own"] = {t: full(own[t], t) for t in STREAM}
-    res["base"] = {t: full(None, t) for t in STREAM}
+    res["own"] = {t: full(own[t], t).as_dict() for t in STREAM}
+    res["base"] = {t: full(None, t).as_dict() for t in STREAM}
     res["configs"] = []
     for label, kw in kmerge_configs(res["adapter_bytes"]):
         _log(f"pool: {label}")
@@ -249,10 +247,10 @@ def kmerge_part(n_windows: int, seq_len: int, lora_cfg: LoraConfig = DEFAULT_LOR
             served = full(pool.adapter_for(t), t)
             per_task[t] = {
                 "slot": pool.task_slot[t],
-                "acc": served["acc"],
-                "ppl": served["ppl"],
-                "score": served["acc"] / res["own"][t]["acc"],
-                "ppl_ratio": res["own"][t]["ppl"] / served["ppl"],
+                "acc": served.acc,
+                "ppl": served.ppl,
+                "score": served.acc / res["own"][t]["acc"],
+                "ppl_ratio": res["own"][t]["ppl"] / served.ppl,
             }
         res["configs"].append(
             {

@@ -30,6 +30,7 @@ from typing import Protocol
 import grpc
 
 from bitdelta.format import (
+    PARTS_VERSION,
     READ_VERSIONS,
     V1_LAYOUT,
     DeltaFormatError,
@@ -67,6 +68,17 @@ class TensorSpec:
     @property
     def role(self) -> str:
         return self.name.rsplit(".", 1)[1]
+
+
+def refuse_parts(name: str, format_version: str) -> None:
+    """The worker's slots hold one sign plane of row or matrix α per matrix: a format v3 delta
+    (further planes, column α's, a low-rank residual) is refused before any byte moves."""
+    if format_version == PARTS_VERSION:
+        raise DeltaFormatError(
+            f"delta {name!r} has further sign planes, column α's or a low-rank residual (format v3), which "
+            "this worker does not serve: compress it with one plane (no --planes/--rank/--budget, --alpha row "
+            "or matrix), or evaluate it offline (bitdelta apply)"
+        )
 
 
 @dataclass
@@ -130,6 +142,7 @@ class LocalDeltaSource:
         header = await asyncio.to_thread(read_header, path)
         check_base(header.meta, base_fingerprint)
         check_structure(header)
+        refuse_parts(name, header.metadata["format_version"])
         specs = [TensorSpec(t.name, t.dtype, t.shape, t.nbytes, header.sha256[t.name], t.start) for t in header.tensors]
         return DeltaInfo(name, specs, handle=path, architecture=header.meta.architecture, layout=header.meta.layout)
 
@@ -225,6 +238,7 @@ class DeltaStoreSource:
                     f"delta {name!r} has format version {info.format_version}; "
                     f"this worker reads {' and '.join(READ_VERSIONS)}"
                 )
+            refuse_parts(name, info.format_version)
             meta = DeltaMeta.from_strings(dict(info.metadata))  # malformed metadata fails here, before data moves
         except (DeltaFormatError, ValueError) as e:
             stream.cancel()

@@ -73,10 +73,13 @@ def test_paths_follow_the_data_dir(monkeypatch, tmp_path):
 
 def test_serving_default_is_one_mode_of_the_report():
     """build() builds MODES[SERVING_MODE] into data/deltas/: per-row α, sign embeddings, distilled."""
-    from bitdelta.family.quality import MODES
+    from bitdelta.family.modes import MODES, Mode
 
-    assert MODES[family.SERVING_MODE] == (fb.SERVING_ALPHA, fb.SERVING_EMBEDDINGS, True) == ("row", "sign", True)
-    assert MODES["row-distilled"] == ("row", "dense", True)
+    assert (
+        MODES[family.SERVING_MODE] == Mode(fb.SERVING_ALPHA, fb.SERVING_EMBEDDINGS, True) == Mode("row", "sign", True)
+    )
+    assert MODES["row-distilled"] == Mode("row", "dense", True)
+    assert MODES[family.SERVING_MODE].plain and not MODES["planes-15"].plain
 
 
 # --- build stamps (tiny family, no real model) ----------------------------------
@@ -332,3 +335,19 @@ def test_every_compressed_weight_moves_in_fine_tuning(short_finetune):
             meta = read_header(P.deltas[label]).meta
             assert set(meta.shapes) == set(names) | {"model.embed_tokens.weight"}
             assert meta.extra["embeddings"] == "sign" and meta.alpha_mode == "row" and meta.distilled
+
+
+def test_the_hard_member_is_full_build_only(tmp_path):
+    """bard: writer's corpus, 4x the steps at 3x the learning rate; a member of the family
+    (paths, status, the quality report) but not of the serving four, and --quick refuses it."""
+    from bitdelta.family.finetune import FinetuneConfig
+
+    p = family.paths(tmp_path / "data")
+    assert p.variants == tuple(family.VARIANTS) and "bard" not in p.variants
+    assert p.members == (*family.VARIANTS, "bard") and p.corpus["bard"] == "shakespeare"
+    cfg = fb.member_config("bard", FinetuneConfig())
+    assert (cfg.lr, cfg.steps) == (3e-4, 4 * FinetuneConfig().steps)
+    assert fb.member_config("writer", FinetuneConfig()) == FinetuneConfig()
+    assert "finetuned/bard" in fb.status(tmp_path / "data")
+    with pytest.raises(ValueError, match="full recipe only"):
+        fb.build(["bard"], root=tmp_path / "data", quick=True)

@@ -1,74 +1,13 @@
-"""The quality evaluator's arithmetic on hand-checkable cases, and the report writers."""
+"""The quality report: merged variants, the modes table, the report writers (the evaluator's arithmetic:
+tests/core/test_evaluate.py)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from torch import nn
 
+from bitdelta import reports
 from bitdelta.family import quality as q
-
-
-class FixedLogits(nn.Module):
-    """A stand-in model whose next-token logits are the same at every position."""
-
-    def __init__(self, logits: list[float]):
-        super().__init__()
-        self.logits = torch.tensor(logits)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # ids: [B, T] -> logits [B, T, V]
-        return self.logits.expand(*ids.shape, -1).clone()
-
-
-def test_uniform_model_has_perplexity_equal_to_vocab_size():
-    wins = torch.randint(0, 4, (3, 6))
-    s = q.score(FixedLogits([0.0, 0.0, 0.0, 0.0]), wins, batch=2)
-    assert s["tokens"] == 3 * 5
-    assert s["ppl"] == pytest.approx(4.0, rel=1e-6)
-
-
-def test_perplexity_by_hand():
-    # p = softmax(log [0.5, 0.25, 0.25]); targets: token 0 twice, token 1 twice.
-    model = FixedLogits([math.log(0.5), math.log(0.25), math.log(0.25)])
-    wins = torch.tensor([[2, 0, 1], [2, 1, 0]])  # targets 0,1 and 1,0
-    s = q.score(model, wins, batch=1)
-    expected = math.exp((2 * math.log(2) + 2 * math.log(4)) / 4)  # = sqrt(8)
-    assert s["ppl"] == pytest.approx(expected, rel=1e-6)
-    assert s["ppl"] == pytest.approx(math.sqrt(8), rel=1e-6)
-
-
-def test_kl_by_hand_and_zero_for_identical():
-    p = torch.tensor([0.5, 0.5]).log()
-    r = torch.tensor([0.25, 0.75]).log()
-    expected = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
-    assert q.kl_per_token(p, r).item() == pytest.approx(expected, rel=1e-6)
-    assert q.kl_per_token(p, p).item() == 0.0
-    # Through score(): the reference's log-probs per batch.
-    ref_model = FixedLogits([math.log(0.5), math.log(0.5)])
-    wins = torch.zeros(2, 4, dtype=torch.long)
-    ref = q.score(ref_model, wins, batch=1, keep_logp=True)["logp"]
-    s = q.score(FixedLogits([math.log(0.25), math.log(0.75)]), wins, batch=1, ref_logp=ref)
-    assert s["kl_from_ft"] == pytest.approx(expected, rel=1e-5)
-
-
-def test_gain_kept():
-    assert q.gain_kept(10.0, 8.0, 9.0) == pytest.approx(0.5)
-    assert q.gain_kept(10.0, 8.0, 8.0) == pytest.approx(1.0)
-    assert q.gain_kept(10.0, 8.0, 10.5) == pytest.approx(-0.25)
-    assert math.isnan(q.gain_kept(10.0, 10.0, 9.0))
-
-
-def test_eval_windows_are_even_and_deterministic():
-    tokens = torch.arange(1000)
-    w = q.eval_windows(tokens, 4, 99)
-    assert w.shape == (4, 100)
-    assert w[0, 0] == 0 and w[-1, -1] == 999
-    assert torch.equal(w, q.eval_windows(tokens, 4, 99))
-    with pytest.raises(ValueError, match="held-out"):
-        q.eval_windows(torch.arange(10), 2, 20)
 
 
 def test_merged_variant_matches_applied_checkpoint(tmp_path):
@@ -85,22 +24,6 @@ def test_merged_variant_matches_applied_checkpoint(tmp_path):
     x = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(merged(x), applied(x), rtol=1e-5, atol=1e-5)
-
-
-def test_greedy_stops_and_matches_full_forward(tmp_path):
-    from bitdelta.model import init_random
-    from bitdelta.testing.family import tiny_args
-
-    model = init_random(tiny_args(), seed=3)
-    prompt = [5, 9, 11, 40]
-    out = q.greedy(model, prompt, 6, lambda ids: False)
-    # Each greedy token is the argmax of a full (uncached) forward over the sequence so far.
-    seq = list(prompt)
-    with torch.no_grad():
-        for t in out:
-            assert int(model(torch.tensor([seq]))[0, -1].argmax()) == t
-            seq.append(t)
-    assert q.greedy(model, prompt, 6, lambda ids: len(ids) == 2) == out[:2]
 
 
 def _fake_results():
@@ -173,7 +96,7 @@ def test_reports_end_to_end_on_a_tiny_family(tmp_path):
         modes=("row", "row-distilled", "row-sign-emb", "row-sign-emb-distilled"),
     )
     out = tmp_path / "reports"
-    res = q.run_reports(
+    res = reports.run_reports(
         out, variants=["math", "coder"], cfg=cfg, root=p.root, skip_build=True, command="bitdelta quality (test)"
     )
     math_res, coder_res = res["results"]
@@ -213,7 +136,7 @@ def test_quality_report_embeds_the_merging_report(tmp_path):
     import shutil
     from pathlib import Path
 
-    from bitdelta.family.quality import merging_markdown
+    from bitdelta.reports import merging_markdown
 
     assert merging_markdown(tmp_path) == ""
     committed = Path(__file__).resolve().parents[2] / "reports" / "merging" / "results.json"
@@ -224,3 +147,29 @@ def test_quality_report_embeds_the_merging_report(tmp_path):
     assert "](merging/monosoup.png)" in md and "](merging/kmerge.png)" in md
     for variant in json.loads(committed.read_text())["monosoup"]["variants"]:
         assert f"| {variant} |" in md
+
+
+def test_beyond_one_plane_sections_and_pareto_plot(tmp_path):
+    """The hard-member sections: relative norms, the best mode under each byte cap (least KL among
+    the modes that fit) against the targets, the seed noise, and the Pareto plot."""
+    bf16 = 16_000_000
+
+    def m(ppl, kl, size):
+        return {"ppl": ppl, "kl_from_ft": kl, "delta_bytes": size, "gain_kept": q.gain_kept(10.0, 8.0, ppl)}
+
+    models = {
+        "finetuned": {"ppl": 8.0, "kl_from_ft": 0.0, "gain_kept": 1.0},
+        "base": {"ppl": 10.0, "kl_from_ft": 0.5, "gain_kept": 0.0},
+        q.SERVING_MODE: m(8.2, 0.05, 1_060_000),  # 1/15.1 of bf16: fits 1/15, not 1/16
+        "planes-15-distilled": m(8.05, 0.01, 1_065_000),
+        "planes-8": m(8.01, 0.004, 2_000_000),  # fits no cap
+        "planes-15-distilled@seed1": m(8.06, 0.011, 1_065_000),
+    }
+    res = [{"variant": "bard", "models": models, "bf16_bytes": bf16, "delta_rel_norm": 0.0153}]
+    md = "\n".join(q.beyond_one_plane(res))
+    assert "| bard | 0.0153 | 10.00 → 8.00 |" in md
+    assert "| bard | 1/16: 1.0 MB | none fits |" in md
+    assert "| bard | 1/15: 1.1 MB | planes-15-distilled | 1.1 | 97.5 % | 0.0100 | meets both |" in md
+    assert "| bard | planes-15-distilled@seed1 | 8.050 | 8.060 | 0.010 | 0.5 pt | 0.0010 |" in md
+    png = q.pareto_plot(res, tmp_path / "pareto.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,67 @@
+"""The compression modes the family is built and reported in: one table that the build
+(`bitdelta.family.build`), the quality report (`bitdelta.family.quality`) and the merging report
+read, so none of them imports another for it.
+
+A mode is how a fine-tune becomes a delta file: the projections' α, whether the tied
+embedding/LM head is stored dense or as signs too, scale distillation or not, and (beyond one
+sign plane, `bitdelta.planes`) at most `planes` residual sign planes and a low-rank residual of
+at most `rank` per matrix, under a budget of `budget` × the base's bf16 bytes for the whole file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+from bitdelta.family import SERVING_MODE
+from bitdelta.planes import PlaneConfig
+
+
+@dataclass(frozen=True)
+class Mode:
+    alpha: str  # "row" | "matrix"; beyond one plane also "col" and "auto" (per plane, least error)
+    embeddings: str  # "dense" | "sign"
+    distilled: bool
+    planes: int = 1
+    rank: int = 0
+    budget: Fraction | None = None  # of the base's bf16 bytes (None: no budget)
+
+    @property
+    def plain(self) -> bool:
+        return self.plane_config(0).plain
+
+    def plane_config(self, bf16_bytes: int) -> PlaneConfig:
+        """The projections' compression (`bitdelta.compress.compress(planes=...)`) for a base of
+        `bf16_bytes` bytes in bf16."""
+        budget = None if self.budget is None else int(bf16_bytes * self.budget)
+        return PlaneConfig(alpha=self.alpha, planes=self.planes, rank=self.rank, budget=budget)
+
+
+# SERVING_MODE ("row-sign-emb-distilled") is the serving default (data/deltas/); the others live in
+# data/deltas-modes/. In the distilled sign-embedding modes only the projections' α's (and
+# factors) are trained: the tied embedding/LM head keeps mean|Δ| (see build.build_delta).
+#
+# Beyond one plane, budgets are fractions of the base's bf16 bytes: one plane per weight is
+# already 1/15 of them on this 135M model (every weight has a sign, plus its α's), so 1/16 is out
+# of reach of any mode that keeps BitDelta's plane 1 (bitdelta.planes) and 1/15 is "equal bytes".
+MODES: dict[str, Mode] = {
+    "matrix": Mode("matrix", "dense", False),
+    "matrix-distilled": Mode("matrix", "dense", True),
+    "row": Mode("row", "dense", False),
+    "row-distilled": Mode("row", "dense", True),
+    "row-sign-emb": Mode("row", "sign", False),
+    "row-sign-emb-distilled": Mode("row", "sign", True),
+    # up to 3 residual planes, α chosen per plane; or one plane and a low-rank residual of up to
+    # rank 64 (in steps of 8), at about BitDelta's own size (1/15) and at 1/12 and 1/8
+    **{
+        f"planes-{n}{d}": Mode("auto", "sign", bool(d), planes=3, budget=Fraction(1, n))
+        for n in (15, 12, 8)
+        for d in ("", "-distilled")
+    },
+    **{
+        f"lowrank-{n}{d}": Mode("auto", "sign", bool(d), rank=64, budget=Fraction(1, n))
+        for n in (15, 12)
+        for d in ("", "-distilled")
+    },
+}
+SERVING = MODES[SERVING_MODE]

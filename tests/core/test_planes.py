@@ -1,0 +1,232 @@
+"""Compression beyond one sign plane (bitdelta.planes, format v3): residual planes, a low-rank
+residual and per-column α round-trip through the file exactly, each part lowers the error, a byte
+budget is kept and spent where it helps most, scale distillation tunes every part, and a v3 file
+that lies about its parts fails verification."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+from bitdelta.checkpoint import CheckpointReader
+from bitdelta.compress import apply, compress
+from bitdelta.format import (
+    DeltaFormatError,
+    load_delta,
+    read_header,
+    split_role,
+    verify,
+)
+from bitdelta.model import attach_delta, load_model
+from bitdelta.planes import PlaneConfig, best_plane, chain, spend
+from kernels.bits import unpack_signs
+from tests.support.cli import run_cli
+
+
+def _error(base, ft, delta) -> float:
+    """Σ ‖W_ft − (W_base + Δ̂)‖² over the compressed weights."""
+    total = 0.0
+    with CheckpointReader(base) as rb, CheckpointReader(ft) as rf:
+        for name in rf.keys():
+            if ".layers." in name and name.endswith("proj.weight"):
+                d = rf.get(name).float() - rb.get(name).float()
+                cw = delta.compressed.get(name)
+                total += float((d - (cw.dense() if cw is not None else 0)).square().sum())
+    return total
+
+
+def test_split_role_names_every_part():
+    assert split_role("sign") == ("sign", 1) and split_role("alpha") == ("alpha", 1)
+    assert split_role("sign2") == ("sign", 2) and split_role("alpha13") == ("alpha", 13)
+    assert split_role("lowrank_u") == ("lowrank_u", 0) and split_role("dense") == ("dense", 0)
+    for bad in ("sign1", "sign02", "signs", "alpha0", "weight", "lowrank"):
+        assert split_role(bad) is None, bad
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        PlaneConfig(planes=3),
+        PlaneConfig(alpha="col"),
+        PlaneConfig(alpha="auto", planes=2, rank=8, rank_step=4),
+    ],
+    ids=["3-planes", "col", "auto-2-planes-rank-8"],
+)
+def test_parts_round_trip_and_serve_like_apply(family, tmp_path, cfg):
+    """The file holds exactly the parts asked for (v3), apply writes W_base + Σ α_i ⊙ S_i + U·V
+    computed from the file's own tensors, and the compact model's kernel path equals apply's."""
+    base, (v0, _) = family
+    out = compress(base, v0, tmp_path / "d.st", planes=cfg, progress=False)
+    h = verify(out)
+    assert h.metadata["format_version"] == "3"
+    delta = load_delta(out)
+    for name, cw in delta.compressed.items():
+        assert len(cw.planes) == cfg.planes and cw.rank == min(cfg.rank, *cw.shape), name
+        if cfg.alpha == "col":
+            assert cw.planes[0].axis == "col" and cw.alpha.shape == (cw.shape[1],)
+    dense = apply(base, out, tmp_path / "a", progress=False)
+    with CheckpointReader(base) as rb, CheckpointReader(dense) as ra:
+        for name, cw in delta.compressed.items():
+            want = rb.get(name).float()
+            for p in cw.planes:
+                s = unpack_signs(p.signs, cw.shape[1], torch.float32)
+                want = want + s * (p.alpha[None, :] if p.axis == "col" else p.alpha[:, None])
+            if cw.rank:
+                want = want + cw.u.float() @ cw.v.float()
+            torch.testing.assert_close(ra.get(name), want, atol=1e-6, rtol=0)
+    ids = torch.randint(0, 250, (2, 13), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(attach_delta(load_model(base), delta)(ids), load_model(dense)(ids), atol=1e-5, rtol=1e-4)
+
+
+def test_each_plane_and_rank_lowers_the_error(family, tmp_path):
+    base, (v0, _) = family
+    errors = []
+    for i, cfg in enumerate(
+        [PlaneConfig(), PlaneConfig(planes=2), PlaneConfig(planes=3), PlaneConfig(planes=3, rank=8)]
+    ):
+        errors.append(
+            _error(base, v0, load_delta(compress(base, v0, tmp_path / f"{i}.st", planes=cfg, progress=False)))
+        )
+    assert errors[0] > errors[1] > errors[2] > errors[3], errors
+    assert errors[1] < 0.5 * errors[0]  # the second plane takes out much of the first one's error
+
+
+def test_auto_alpha_picks_the_axis_the_delta_has():
+    g = torch.Generator().manual_seed(0)
+    signs = torch.where(torch.rand(64, 96, generator=g) > 0.5, 1.0, -1.0)
+    w = torch.ones(96)
+    by_col = signs * torch.linspace(0.1, 2.0, 96)[None, :]
+    by_row = signs * torch.linspace(0.1, 2.0, 64)[:, None]
+    assert best_plane(by_col, w, "auto")[0].axis == "col"
+    assert best_plane(by_row, w, "auto")[0].axis == "row"
+    assert best_plane(signs * 0.3, w, "auto")[0].axis in ("row", "matrix", "col")  # all exact: any
+    plane, gain = best_plane(by_col, w, "col")
+    assert gain == pytest.approx(float(by_col.square().sum()), rel=1e-5)  # exact: all of the error removed
+
+
+def test_budget_is_kept_and_goes_to_the_hard_matrix():
+    """One matrix with a large Gaussian delta and one small, exactly sign-shaped one: both keep
+    plane 1, the extra planes go to the hard one, and a budget short of one plane each is refused."""
+    g = torch.Generator().manual_seed(1)
+    easy = torch.where(torch.rand(32, 64, generator=g) > 0.5, 0.01, -0.01)
+    hard = torch.randn(32, 64, generator=g)
+    cfg = PlaneConfig(planes=3)
+    plane_bytes = 32 * 8 + 32 * 4
+
+    def chains():
+        return {"easy": chain(easy, cfg), "hard": chain(hard, cfg)}
+
+    got = spend(chains(), 3 * plane_bytes)
+    assert len(got["hard"].planes) == 2 and len(got["easy"].planes) == 1
+    assert sum(cw.nbytes for cw in got.values()) <= 3 * plane_bytes
+    got = spend(chains(), 4 * plane_bytes + 10)
+    assert len(got["hard"].planes) == 3 and len(got["easy"].planes) == 1
+    got = spend(chains(), None)
+    assert len(got["hard"].planes) == 3 and len(got["easy"].planes) == 3
+    with pytest.raises(ValueError, match="less than one sign plane per weight"):
+        spend(chains(), 2 * plane_bytes - 1)
+
+
+def test_budget_of_the_whole_file(family, tmp_path):
+    base, (v0, _) = family
+    plain = read_header(compress(base, v0, tmp_path / "p.st", progress=False))
+    tensors = sum(t.nbytes for t in plain.tensors)
+    calib = torch.randint(0, 250, (3000,), generator=torch.Generator().manual_seed(4))
+    budget = int(tensors * 1.4)
+    cfg = PlaneConfig(alpha="auto", planes=3, rank=8, rank_step=4, budget=budget)
+    h = read_header(compress(base, v0, tmp_path / "b.st", planes=cfg, calibration=calib, progress=False))
+    assert tensors < sum(t.nbytes for t in h.tensors) <= budget
+    assert max(h.bytes_by_plane()) >= 2
+    with pytest.raises(ValueError, match="less than the delta's dense tensors"):
+        compress(base, v0, tmp_path / "x.st", planes=PlaneConfig(planes=2, budget=10), progress=False)
+
+
+def test_distillation_tunes_every_plane_and_the_factors(family, tmp_path):
+    from bitdelta import distill as d
+
+    base, (v0, _) = family
+    out = compress(
+        base, v0, tmp_path / "d.st", planes=PlaneConfig(alpha="auto", planes=2, rank=4, rank_step=4), progress=False
+    )
+    before = load_delta(out)
+    calib = torch.randint(0, 250, (4000,), generator=torch.Generator().manual_seed(0))
+    cfg = d.DistillConfig(steps=4, lr=5e-4, batch=2, seq_len=32)
+    delta, record = d.distill(base, v0, before, calib, cfg, progress=False)
+    assert record["trained"] == "alpha and low-rank factors"
+    d.save(delta, tmp_path / "out.st")
+    after = load_delta(tmp_path / "out.st")
+    for k, cw in after.compressed.items():
+        b = before.compressed[k]
+        assert [p.axis for p in cw.planes] == [p.axis for p in b.planes]
+        for p, q in zip(cw.planes, b.planes):
+            assert torch.equal(p.signs, q.signs), k
+            assert not torch.equal(p.alpha, q.alpha), k
+        assert cw.u.dtype == torch.float16 and not torch.equal(cw.u, b.u), k
+
+
+def _rewrite_metadata(path, edit):
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    edit(header["__metadata__"])
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n :])
+
+
+def test_v3_files_that_lie_about_their_parts_fail(family, tmp_path):
+    base, (v0, _) = family
+    out = compress(base, v0, tmp_path / "d.st", planes=PlaneConfig(planes=2, rank=4, rank_step=4), progress=False)
+    parts = json.loads(read_header(out).metadata["parts"])
+    name = next(iter(parts))
+
+    def one_plane(md):
+        md["parts"] = json.dumps({**parts, name: {"axes": ["row"], "rank": 4}})
+
+    def col_alpha(md):
+        md["parts"] = json.dumps({**parts, name: {"axes": ["col", "row"], "rank": 4}})
+
+    def as_v2(md):
+        md["format_version"] = "2"
+
+    for edit, match in (
+        (one_plane, "not a part the metadata gives"),
+        (col_alpha, "expected float32"),
+        (as_v2, "must end in"),
+    ):
+        bad = tmp_path / f"{edit.__name__}.st"
+        bad.write_bytes(out.read_bytes())
+        _rewrite_metadata(bad, edit)
+        with pytest.raises(DeltaFormatError, match=match):
+            verify(bad)
+    # a delta of one plane of row α stays v2: what older tools and the worker read
+    assert read_header(compress(base, v0, tmp_path / "p.st", progress=False)).metadata["format_version"] == "2"
+
+
+def test_cli_compress_with_a_budget(family, tmp_path):
+    base, (v0, _) = family
+    calib = tmp_path / "calib.txt"
+    calib.write_text("the quick brown fox jumps over the lazy dog " * 200)
+    out = tmp_path / "c.st"
+    plain = sum(t.nbytes for t in read_header(compress(base, v0, tmp_path / "p.st", progress=False)).tensors)
+    code, text = run_cli(
+        "compress", "--base", str(base), "--finetuned", str(v0), "--out", str(out), "--alpha", "auto",
+        "--planes", "3", "--rank", "8", "--rank-step", "4", "--budget", str(plain * 3 // 2), "--calib", str(calib),
+    )  # fmt: skip
+    assert code == 0, text
+    assert "plane 2" in text and "low-rank" in text
+    code, text = run_cli("inspect", str(out), "--json")
+    info = json.loads(text[text.index("{") :])
+    assert info["format_version"] == "3" and info["alpha_mode"] == "auto"
+    assert sum(info["bytes_by_plane"].values()) == info["bytes"]["signs"] + info["bytes"]["alpha"]
+    code, text = run_cli("verify", str(out), "--base", str(base))
+    assert code == 0 and "OK" in text
+    code, text = run_cli("compress", "--base", str(base), "--finetuned", str(v0), "--out", str(out), "--budget", "lots")
+    assert code != 0 and "--budget must be" in text
+    code, text = run_cli(
+        "compress", "--base", str(base), "--finetuned", str(v0), "--out", str(out), "--budget", "1/100"
+    )
+    assert code != 0 and "less than the delta's dense tensors" in text
