@@ -100,11 +100,16 @@ class StoredDelta:
     def tensors_proto(self) -> list:
         from bitdelta.delta_store.v1 import delta_store_pb2 as pb
 
-        roles = {"sign": pb.TENSOR_ROLE_SIGN, "alpha": pb.TENSOR_ROLE_ALPHA, "dense": pb.TENSOR_ROLE_DENSE}
+        roles = {
+            "sign": pb.TENSOR_ROLE_SIGN,
+            "alpha": pb.TENSOR_ROLE_ALPHA,
+            "dense": pb.TENSOR_ROLE_DENSE,
+            "lowrank": pb.TENSOR_ROLE_LOWRANK,
+        }
         return [
             pb.TensorInfo(
                 name=t.name,
-                role=roles[t.role],
+                role=roles[t.part],
                 dtype=t.dtype,
                 shape=t.shape,
                 file_offset=t.start,
