@@ -8,6 +8,7 @@ three copies of the model.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -119,9 +120,12 @@ def compress(
                     axis = alpha_mode if name in EMBEDDINGS else planes.alpha
                     compressed[name] = CompressedWeight([SignPlane(signs, alpha, axis)], tuple(w_ft.shape))
                 else:
-                    # a (tied) embedding's error reaches the logits through the head: weighed by its inputs
+                    # a (tied) embedding's error reaches the logits through the head: weighed by its inputs;
+                    # its α's scale rows (tokens): one per column gives every token the changed tokens'
+                    # scale, which on the hard member made the head's logits noise (ppl 82, the base 56)
                     w = None if power is None else power.get("lm_head.weight" if name in EMBEDDINGS else name)
-                    chains[name] = chain(d, planes, w)
+                    cfg = replace(planes, alpha="row") if name in EMBEDDINGS else planes
+                    chains[name] = chain(d, cfg, w)
             else:
                 tensors[name] = w_ft.contiguous()
     if chains:

@@ -33,8 +33,9 @@ from kernels.bits import pack_signs, unpack_signs
 
 ALPHA_CHOICES = (*AXES, "auto")  # "auto": per plane, the axis with the least error
 # Bump when what `chain`/`spend` choose changes, so the family's stamped deltas are rebuilt.
-# 2: plane 1 of every weight first, the embeddings compete for the rest like the projections.
-ALGORITHM_VERSION = 2
+# 2: plane 1 of every weight first, the embeddings compete for the rest like the projections;
+# 3: the embeddings' planes scale rows (per token) whatever `alpha` says.
+ALGORITHM_VERSION = 3
 
 
 @dataclass(frozen=True)

@@ -230,3 +230,14 @@ def test_cli_compress_with_a_budget(family, tmp_path):
         "compress", "--base", str(base), "--finetuned", str(v0), "--out", str(out), "--budget", "1/100"
     )
     assert code != 0 and "less than the delta's dense tensors" in text
+
+
+def test_compressed_embeddings_keep_row_scales(family, tmp_path):
+    """A tied embedding's planes scale tokens (rows) whatever --alpha says: a scale per column gives
+    every token the changed tokens' scale (on the hard member: the head's logits became noise)."""
+    base, (v0, _) = family
+    cfg = PlaneConfig(alpha="col", planes=2)
+    delta = load_delta(compress(base, v0, tmp_path / "e.st", embeddings="sign", planes=cfg, progress=False))
+    emb = delta.compressed["model.embed_tokens.weight"]
+    assert [p.axis for p in emb.planes] == ["row", "row"]
+    assert all(cw.planes[0].axis == "col" for k, cw in delta.compressed.items() if "layers" in k)
