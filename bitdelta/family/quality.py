@@ -496,6 +496,7 @@ def pareto_plot(results: list[dict], out: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     rs = [r for r in results if "bf16_bytes" in r]
     cols = max(1, len(rs))
@@ -531,11 +532,14 @@ def pareto_plot(results: list[dict], out: Path) -> Path:
                 ax.set_yscale("log")
                 ax.set_xlabel("delta bytes / base bf16 bytes")
             ax.set_xscale("log")
+            ax.xaxis.set_major_locator(FixedLocator([1 / n for n in (16, 12, 8, 6, 4, 2)]))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"1/{1 / x:.0f}"))
+            ax.xaxis.set_minor_locator(NullLocator())
     axes[0][0].set_ylabel("held-out ppl gain kept (%)")
     axes[1][0].set_ylabel("KL(fine-tune ‖ ·), nats/token")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     plt.close(fig)
