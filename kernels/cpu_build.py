@@ -10,12 +10,13 @@ never runs code for the wrong CPU. The setting `cpu_isa="avx2"` builds the AVX2
 path instead (-march=x86-64-v3: AVX2 + FMA, no AVX-512) on a host that has
 AVX-512, so the code an AVX2-only machine runs is tested everywhere (the tests
 also load it explicitly with `load_variant("avx2")`); `scalar` builds the
-portable C path (-march=x86-64), `avx512` the AVX-512 level (-march=x86-64-v4).
+portable C path (-march=x86-64), `avx512` the AVX-512 level (-march=x86-64-v4),
+`avx512bf16` that with AVX512-BF16 (-mavx512bf16).
 Writes go to a temporary file that is then renamed, so concurrent first builds
 (pytest workers, server processes) are safe.
 
 An image without a compiler ships libraries built ahead of time for fixed targets:
-`python -m kernels.cpu_build --prebuild DIR --isa avx512 --isa avx2 --isa scalar`
+`python -m kernels.cpu_build --prebuild DIR --isa avx512bf16 --isa avx512 --isa avx2 --isa scalar`
 writes one per ISA into DIR, named by a hash of the source and flags only (a
 fixed target does not depend on the build host's CPU). With the setting
 `prebuilt_dir` pointing there, the process loads the best of them the CPU can run
@@ -28,7 +29,7 @@ logs ONE warning; callers then use the pure-torch path.
 
 Settings (`kernels.settings`, with their environment aliases):
     cpu_kernels=False   BITDELTA_CPU_KERNELS=0          never build/load (force the torch path)
-    cpu_isa             BITDELTA_CPU_ISA=native|avx512|avx2|scalar   which SIMD path to build (default
+    cpu_isa             BITDELTA_CPU_ISA=native|avx512bf16|avx512|avx2|scalar   which SIMD path to build (default
                                     native: whatever the host has; the others must run here)
     build_dir           BITDELTA_KERNELS_BUILD_DIR=DIR  where to cache the library
     prebuilt_dir        BITDELTA_KERNELS_PREBUILT_DIR=DIR  libraries built by --prebuild, loaded first
@@ -62,29 +63,33 @@ SOURCE = Path(__file__).with_name("csrc") / "bitdelta_cpu.c"
 CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 COMPILE_TIMEOUT_S = 120
 
-ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512bf16"}
 ISA_ENV = ENV["cpu_isa"]
 # Build request -> target flags. x86-64-v3 is the AVX2 level (AVX2, FMA, F16C, BMI1/2,
 # MOVBE): what an AVX2-only EPYC or Core runs. x86-64 is the baseline (SSE2): the
 # library's portable C loops, which the compiler may still vectorise with SSE2.
-# x86-64-v4 adds AVX-512 F, BW, CD, DQ and VL (Skylake-SP and later, Zen 4).
+# x86-64-v4 adds AVX-512 F, BW, CD, DQ and VL (Skylake-SP and later, Zen 4); avx512bf16 adds
+# AVX512-BF16's dot product (Cooper Lake, Sapphire Rapids and later, Zen 4), which the bf16 GEMV
+# uses: a host build with it (-march=native there) and one without it round differently.
 ISA_MARCH = {
-    "native": "-march=native",
-    "avx512": "-march=x86-64-v4",
-    "avx2": "-march=x86-64-v3",
-    "scalar": "-march=x86-64",
+    "native": ("-march=native",),
+    "avx512bf16": ("-march=x86-64-v4", "-mavx512bf16"),
+    "avx512": ("-march=x86-64-v4",),
+    "avx2": ("-march=x86-64-v3",),
+    "scalar": ("-march=x86-64",),
 }
 # CPU flags (/proc/cpuinfo) a build needs at run time; checked before loading so a
 # forced build never dies of SIGILL on a CPU without them.
 _AVX2_NEEDS = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")
 ISA_NEEDS = {
     "native": (),
+    "avx512bf16": (*_AVX2_NEEDS, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16"),
     "avx512": (*_AVX2_NEEDS, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
     "avx2": _AVX2_NEEDS,
     "scalar": (),
 }
 # The fixed targets `--prebuild` can build, best first (the order a prebuilt directory is tried in).
-PREBUILT_ISAS = ("avx512", "avx2", "scalar")
+PREBUILT_ISAS = ("avx512bf16", "avx512", "avx2", "scalar")
 
 _lock = threading.Lock()
 # The settings the process's library was loaded (or found unavailable) for, and the result.
@@ -150,7 +155,7 @@ def _compile(cc: str, isa: str, lib_path: Path) -> None:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [cc, *CFLAGS, ISA_MARCH[isa], "-o", tmp, str(SOURCE)],
+            [cc, *CFLAGS, *ISA_MARCH[isa], "-o", tmp, str(SOURCE)],
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,
@@ -170,7 +175,7 @@ def _compile(cc: str, isa: str, lib_path: Path) -> None:
 
 def _build(cc: str, build_dir: Path, isa: str = "native") -> Path:
     _check_host(isa)
-    flags = [*CFLAGS, ISA_MARCH[isa]]
+    flags = [*CFLAGS, *ISA_MARCH[isa]]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
         "\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_fingerprint()]).encode()
@@ -183,7 +188,7 @@ def _build(cc: str, build_dir: Path, isa: str = "native") -> Path:
 
 def _prebuilt_path(prebuilt_dir: Path, isa: str) -> Path:
     """Where `--prebuild` puts (and the loader looks for) `isa`'s library of the current source."""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join([*CFLAGS, ISA_MARCH[isa]])]).encode())
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join([*CFLAGS, *ISA_MARCH[isa]])]).encode())
     return prebuilt_dir / f"libbitdelta_cpu_{isa}_{key.hexdigest()[:16]}.so"
 
 

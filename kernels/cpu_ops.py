@@ -318,7 +318,7 @@ def linear_path_cpu(M: int, w_dtype: torch.dtype) -> str:
         return "torch"
     if dense_path_cpu(M, w_dtype) == "gemv":
         return "gemv_delta"
-    if cpu_isa() == "avx512":
+    if cpu_isa() in ("avx512", "avx512bf16"):
         return "fused_gemv" if M <= FUSED_GEMV_MAX_M.get(w_dtype, 0) else "merge_gemm"
     return "blas_delta" if M < MERGE_MIN_M else "merge_gemm"
 

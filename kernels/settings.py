@@ -10,7 +10,7 @@ kernel call as `backend=`).
     backend              BITDELTA_KERNEL_BACKEND=auto|triton|cpu|torch   auto (dispatch.backend_for)
     interpret_max_work   BITDELTA_INTERPRET_MAX_WORK=N         2^24 multiply-adds
     cpu_kernels          BITDELTA_CPU_KERNELS=0|1              1 (0: never build the C kernels)
-    cpu_isa              BITDELTA_CPU_ISA=native|avx512|avx2|scalar   native (cpu_build)
+    cpu_isa              BITDELTA_CPU_ISA=native|avx512bf16|avx512|avx2|scalar   native (cpu_build)
     build_dir            BITDELTA_KERNELS_BUILD_DIR=DIR        the checkout's build/, else ~/.cache
     prebuilt_dir         BITDELTA_KERNELS_PREBUILT_DIR=DIR     none (libraries built ahead of time by
                                                                `python -m kernels.cpu_build --prebuild`)
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BACKENDS = ("auto", "triton", "cpu", "torch")
-ISAS = ("native", "avx512", "avx2", "scalar")
+ISAS = ("native", "avx512bf16", "avx512", "avx2", "scalar")
 # Largest M·N·K run by the Triton interpreter through the public functions (≈0.1–1 s): the
 # interpreter costs ~1 ms per program × K-step, so a real model layer would take seconds.
 INTERPRET_MAX_WORK = 1 << 24

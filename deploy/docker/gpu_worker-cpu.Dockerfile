@@ -29,7 +29,7 @@ COPY services/gpu_worker services/gpu_worker
 COPY deploy/docker/healthcheck.py healthcheck.py
 RUN /opt/protoc/bin/python -m bitdelta.protos_build --force && rm -r protos bitdelta/.protos-stamp
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/* \
- && /opt/venv/bin/python -m kernels.cpu_build --prebuild /opt/bitdelta-kernels --isa avx512 --isa avx2 --isa scalar
+ && /opt/venv/bin/python -m kernels.cpu_build --prebuild /opt/bitdelta-kernels --isa avx512bf16 --isa avx512 --isa avx2 --isa scalar
 
 FROM ${BASE_IMAGE}
 ENV PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH PORT=50061 BITDELTA_KERNEL_BACKEND=cpu \

@@ -30,10 +30,13 @@
 #define BD_ISA_SCALAR 0
 #define BD_ISA_AVX2 1
 #define BD_ISA_AVX512 2
+#define BD_ISA_AVX512BF16 3 /* AVX-512 with AVX512-BF16's dot product (vdpbf16ps) */
 
 /* Which SIMD path this build took (for the log line and the benchmark). */
 int bd_isa(void) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    return BD_ISA_AVX512BF16;
+#elif defined(__AVX512F__)
     return BD_ISA_AVX512;
 #elif defined(__AVX2__)
     return BD_ISA_AVX2;

@@ -55,7 +55,7 @@ def no_cpu_lib():
 def test_library_builds_here():
     # CI has a compiler: a broken C build must fail here, not degrade silently
     assert cpu_build.load_cpu_lib() is not None, cpu_build.unavailable_reason
-    assert cpu_build.cpu_isa() in ("avx512", "avx2", "scalar")
+    assert cpu_build.cpu_isa() in ("avx512bf16", "avx512", "avx2", "scalar")
 
 
 @pytest.mark.parametrize("method", ["mask", "lut8"])
@@ -182,7 +182,7 @@ def test_isa_setting_forces_the_avx2_build():
 
 
 def test_isa_request_errors(monkeypatch):
-    with pytest.raises(ValueError, match="BITDELTA_CPU_ISA='avx1024'.*native, avx512, avx2, scalar"):
+    with pytest.raises(ValueError, match="BITDELTA_CPU_ISA='avx1024'.*native, avx512bf16, avx512, avx2, scalar"):
         KernelSettings.from_env({"BITDELTA_CPU_ISA": "avx1024"})
     with pytest.raises(ValueError, match="unknown ISA"):
         cpu_build.load_variant("sse9")
@@ -215,7 +215,7 @@ def _check_scalar_build():
 
 
 def test_auto_path_choice():
-    if cpu_build.cpu_isa() == "avx512":
+    if cpu_build.cpu_isa() in ("avx512", "avx512bf16"):
         assert cpu_ops.linear_path_cpu(1, torch.float32) == "gemv_delta"
         assert cpu_ops.linear_path_cpu(16, torch.float32) == "fused_gemv"
     assert cpu_ops.linear_path_cpu(4096, torch.float32) == "merge_gemm"
@@ -307,10 +307,12 @@ def _no_compiler(monkeypatch, tmp_path):
 def prebuilt(tmp_path_factory):
     """Every fixed target built ahead of time through the entry point an image's build stage runs."""
     out = tmp_path_factory.mktemp("prebuilt")
-    args = ["--prebuild", str(out), "--isa", "avx512", "--isa", "avx2", "--isa", "scalar"]
+    args = ["--prebuild", str(out), *(a for isa in cpu_build.PREBUILT_ISAS for a in ("--isa", isa))]
     proc = subprocess.run([sys.executable, "-m", "kernels.cpu_build", *args], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert sorted(proc.stdout.split()) == sorted(str(p) for p in out.iterdir()) and len(proc.stdout.split()) == 3
+    assert sorted(proc.stdout.split()) == sorted(str(p) for p in out.iterdir()) and len(proc.stdout.split()) == len(
+        cpu_build.PREBUILT_ISAS
+    )
     assert all(p.stat().st_mode & 0o004 for p in out.iterdir())  # readable by an image's runtime user
     return out
 
@@ -339,10 +341,10 @@ def test_prebuilt_library_the_cpu_lacks_is_never_loaded(prebuilt, tmp_path, monk
     cc = _no_compiler(monkeypatch, tmp_path)
     monkeypatch.setattr(cpu_build, "_cpu_fingerprint", lambda: "flags\t\t: fpu sse sse2 avx2 fma")
     monkeypatch.setattr("platform.machine", lambda: "x86_64")
-    with configured(prebuilt_dir=prebuilt, cc=cc):  # avx512 and avx2 lie there; this CPU runs neither
+    with configured(prebuilt_dir=prebuilt, cc=cc):  # avx512(bf16) and avx2 lie there; this CPU runs none
         assert cpu_build._library_path("native").parent == prebuilt
         assert cpu_build._library_path("native").name.startswith("libbitdelta_cpu_scalar_")
-        for isa in ("avx512", "avx2"):
+        for isa in ("avx512bf16", "avx512", "avx2"):
             with pytest.raises(RuntimeError, match="lacks: "):
                 cpu_build._library_path(isa)
     stale = tmp_path / "stale"  # a library of another source (an older image's) is not loaded
