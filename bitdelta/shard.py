@@ -250,6 +250,23 @@ class TPLayout:
             return TensorShard(Split.REPLICATED)
         return TensorShard(Split.COLUMN, rows=self.matrix_rows(group, r0, d_out))
 
+    def owner(self, param: str, role: str, shape: tuple[int, ...]) -> int:
+        """The rank that fetches this rank's part of a delta tensor from the store: the lowest rank
+        holding the same part (a replicated tensor: rank 0; a KV head several ranks share: the first
+        of them). It hands the part to the others, so each byte leaves the store once."""
+        mine = self.shard_of(param, role, shape)
+        return next(
+            r for r in range(self.size) if dataclasses.replace(self, rank=r).shard_of(param, role, shape) == mine
+        )
+
+    def receivers(self, param: str, role: str, shape: tuple[int, ...]) -> list[int]:
+        """The other ranks this rank hands its part of a delta tensor to (it is their `owner`)."""
+        return [
+            r
+            for r in range(self.size)
+            if r != self.rank and dataclasses.replace(self, rank=r).owner(param, role, shape) == self.rank
+        ]
+
     def group_shard(self, group: str) -> TensorShard:
         """Rank's part of a projection group's concatenated base weight [d_out_g, d_in_g] (and of
         its bias [d_out_g] when column-parallel)."""

@@ -47,6 +47,7 @@ def shard_of(p: pb.Shard) -> Shard:
             s.tensor: TensorSlice(
                 tuple((r.start, r.end) for r in s.rows) or None,
                 (s.cols.start, s.cols.end) if s.HasField("cols") else None,
+                s.omit,
             )
             for s in p.slices
         },

@@ -123,10 +123,12 @@ class StoredDelta:
 @dataclass(frozen=True)
 class TensorSlice:
     """A tensor-parallel rank's part of one tensor: runs of rows (None: all), one run of columns (None:
-    all; packed signs: bytes)."""
+    all; packed signs: bytes). `omit`: another rank fetches the same slice and hands it over, so it is
+    announced but none of its bytes are sent."""
 
     rows: tuple[tuple[int, int], ...] | None = None
     cols: tuple[int, int] | None = None
+    omit: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,8 +140,8 @@ class Shard:
     slices: dict[str, TensorSlice]
 
     def runs(self, header: DeltaHeader, name: str) -> dict[int, tuple[list[tuple[int, int]], tuple[int, ...]]]:
-        """tensor index -> ((offset, length) runs of its bytes this rank gets, the slice's shape);
-        InvalidShard for a tensor the delta lacks or a slice outside its shape."""
+        """tensor index -> ((offset, length) runs of its bytes this rank gets — none for an omitted
+        slice —, the slice's shape); InvalidShard for a tensor the delta lacks or a slice outside its shape."""
         index = {t.name: i for i, t in enumerate(header.tensors)}
         out = {}
         for tname, sl in self.slices.items():
@@ -159,7 +161,7 @@ class Shard:
                 local[0] = sum(b - a for a, b in sl.rows)
             if sl.cols is not None:
                 local[1] = sl.cols[1] - sl.cols[0]
-            out[index[tname]] = (runs, tuple(local))
+            out[index[tname]] = ([] if sl.omit else runs, tuple(local))
         return out
 
 
@@ -341,11 +343,12 @@ class Delivery:
         """The tensors as this Fetch sends them: a shard's slices with their shapes and sizes (no
         sha256: the chunk crc32s cover them, the store verified the whole)."""
         out = self.delta.tensors_proto()
-        for i, (runs, shape) in (self.runs or {}).items():
+        for i, (_, shape) in (self.runs or {}).items():
             t = out[i]
+            itemsize = t.nbytes // max(1, _numel(t.shape))
             del t.shape[:]
             t.shape.extend(shape)
-            t.nbytes, t.sha256 = sum(k for _, k in runs), ""
+            t.nbytes, t.sha256 = _numel(shape) * itemsize, ""
         return out
 
     def __aiter__(self):

@@ -15,8 +15,9 @@ every rank, and the metadata names them.
 
 Loads: the manager on rank 0 decides (slot, budget, eviction) as with one rank; a load sends one
 `LoadOp` to the followers, every rank streams its own slice from its own source (only that slice
-lands in its slot), and the delta is resident once every rank acknowledged its slice (acks through
-the rendezvous TCPStore). A failed slice fails the load with the follower's status code, naming
+lands in its slot; from the store, a part several ranks hold is fetched by the lowest of them and
+handed to the others through the TCPStore, so each byte leaves the store once), and the delta is
+resident once every rank acknowledged its slice (acks through the rendezvous TCPStore). A failed slice fails the load with the follower's status code, naming
 the rank; an evicted load is cancelled on every rank before its slot is reused.
 
 Faults: every collective runs under the process group's timeout (`--tp-timeout-s`); rank 0 sends a
@@ -60,6 +61,7 @@ import torch.distributed as dist
 from bitdelta.arch import ModelArgs
 from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config
 from bitdelta.format import DTYPES
+from bitdelta.rpc.checksums import crc32
 from bitdelta.rpc.receiver import Receiver
 from bitdelta.shard import EMBED, HEAD, ROW_GROUPS, TPLayout
 from kernels.bits import unpack_signs
@@ -230,7 +232,7 @@ class RankModel:
 
 
 def build_rank(
-    c: WorkerConfig, dtype: torch.dtype, device: torch.device, comm: Collectives, backend: str | None
+    c: WorkerConfig, dtype: torch.dtype, device: torch.device, comm: Collectives, backend: str | None, store
 ) -> RankModel:
     """Load this rank's slices of the base onto `device`, allocate its slot stacks and KV pool. Slot and block counts come from rank 0's shapes (it holds the most of every part, see
     bitdelta.shard), so every rank has the same slots and blocks and rank 0's accounting bounds all."""
@@ -245,16 +247,21 @@ def build_rank(
         raise ValueError(f"--kv-cache {c.kv_cache} bytes holds less than one block of {c.block_size} tokens")
     kv = KVPool(local, n_blocks, c.block_size, dtype, device)
     runner = ShardedRunner(base, local, slots, kv, comm, tp, use_fused=c.fused_single_variant, backend=backend)
-    return RankModel(tp, args, base, layout, slots, kv, runner, ShardedLoad(tp, layout))
+    return RankModel(tp, args, base, layout, slots, kv, runner, ShardedLoad(tp, layout, store, c.store_timeout_s))
 
 
 # -- loading a rank's slice of a delta ----------------------------------------------------------------
 class ShardedLoad:
     """Plan and write one rank's slice of a delta: every tensor of the delta as the source announces
-    it (whole: its crc32s and sha256 are checked as sent), only this rank's part kept in the slot."""
+    it (whole: its crc32s and sha256 are checked as sent), only this rank's part kept in the slot.
 
-    def __init__(self, tp: TPLayout, layout: SlotLayout):
-        self.tp, self.layout = tp, layout
+    From the store each slice leaves it once: a slice several ranks hold is fetched by the lowest of
+    them (`TPLayout.owner`), whose writer posts it, checked, with its crc32 on the TCPStore
+    (`HandoffWriter`); the others `receive` it from there into their receiver, which checks that
+    crc32 like any chunk's."""
+
+    def __init__(self, tp: TPLayout, layout: SlotLayout, store, timeout_s: float):
+        self.tp, self.layout, self.store, self.timeout_s = tp, layout, store, timeout_s
         self.where = f"rank {tp.rank} of {tp.size}"  # named in its load errors
 
     def plan(self, info: DeltaInfo) -> DeltaPlan:
@@ -262,7 +269,14 @@ class ShardedLoad:
         announced tensors (the receiver's): the slices themselves when the source sent only those
         (`DeltaInfo.sliced`: the store's sharded Fetch), else whole tensors to cut here."""
         if info.sliced:
-            return plan_delta(self.layout, info)
+            plan = plan_delta(self.layout, info)
+            index = {t.name: i for i, t in enumerate(plan.tensors)}
+            return ShardPlan(
+                **{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)},
+                handoff=f"hand/{info.name}/{info.version}/",
+                handed_from={index[n]: r for n, r in info.handed_from.items()},
+                hands_to={index[n]: k for n, k in info.hands_to.items()},
+            )
         local = dataclasses.replace(info, tensors=[self._local(t) for t in info.tensors])
         plan = plan_delta(self.layout, local)
         plan.placements = [dataclasses.replace(p, spec=t) for p, t in zip(plan.placements, info.tensors)]
@@ -277,9 +291,54 @@ class ShardedLoad:
         return dataclasses.replace(t, shape=shape, nbytes=n if t.dtype in DTYPES else t.nbytes)
 
     def writer(self, plan: DeltaPlan, slots: SlotTensors, slot: int, load_stream=None) -> SlotWriter:
-        if not plan.whole:  # the slices arrived: they land like any tensor
-            return SlotWriter(plan, slots, slot, load_stream)
+        if not plan.whole:  # the slices arrived: they land like any tensor (those others need: posted)
+            return HandoffWriter(plan, slots, slot, load_stream, store=self.store)
         return ShardWriter(plan, slots, slot, load_stream, tp=self.tp)
+
+    async def receive(self, plan: DeltaPlan, receiver: Receiver) -> None:
+        """The slices other ranks fetched for this one, from the TCPStore into `receiver` (crc32
+        checked there); the last rank to read one deletes it. Bounded by the store timeout. Rank 0
+        never receives: it is the lowest rank holding any part it holds."""
+        if not plan.whole:
+            for i, owner in plan.handed_from.items():
+                key, t = plan.handoff + plan.tensors[i].name, plan.tensors[i].name
+                deadline = time.monotonic() + self.timeout_s
+                while not self.store.check([key]):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"tensor {t}: rank {owner} did not hand it over in {self.timeout_s:.0f} s")
+                    await asyncio.sleep(POLL_S)
+                data = self.store.get(key)
+                crc, readers = struct.unpack("<II", data[:8])
+                receiver.put(i, 0, data[8:], crc)
+                if self.store.add(key + "/read", 1) == readers:
+                    self.store.delete_key(key)
+                    self.store.delete_key(key + "/read")
+
+
+@dataclasses.dataclass
+class ShardPlan(DeltaPlan):
+    """A plan of slices from the store, with what this rank hands over and receives (by tensor index)."""
+
+    handoff: str = ""  # the TCPStore key prefix of this delta's handed slices
+    handed_from: dict[int, int] = dataclasses.field(default_factory=dict)  # -> the rank that fetches it
+    hands_to: dict[int, int] = dataclasses.field(default_factory=dict)  # -> how many ranks receive it
+
+
+class HandoffWriter(SlotWriter):
+    """A SlotWriter that posts each slice other ranks receive from this one (`ShardPlan.hands_to`),
+    once it passed its checks, with its crc32 on the TCPStore."""
+
+    def __init__(self, plan: ShardPlan, slots: SlotTensors, slot: int, load_stream=None, *, store):
+        self.store = store
+        super().__init__(plan, slots, slot, load_stream)
+
+    def complete(self, index: int) -> None:
+        if index in self.plan.hands_to:
+            data = bytes(self.buffer(index))
+            key = self.plan.handoff + self.plan.tensors[index].name
+            self.store.set(key + "/read", "0")
+            self.store.set(key, struct.pack("<II", crc32(data), self.plan.hands_to[index]) + data)
+        super().complete(index)
 
 
 class ShardWriter(SlotWriter):
@@ -598,6 +657,7 @@ class Follower:
         receiver = Receiver(plan.name, plan.tensors, writer, check_sha256=not info.verified)
         try:
             await self.source.stream(info, receiver)
+            await sl.receive(plan, receiver)
             await receiver.finish()
         except BaseException:
             receiver.abort()
@@ -737,7 +797,7 @@ def start_driver(
     try:
         store = _init_group(rv, config, device)
         comm = Collectives(0, n, device)
-        model = build_rank(config, dtype, device, comm, backend)
+        model = build_rank(config, dtype, device, comm, backend, store)
         mem = model.memory
         ranks = [RankInfo(0, str(device), mem["base"], mem["slot_stacks"], mem["kv"])]
         for r in range(1, n):  # each follower posts its own once its shards are resident
@@ -764,7 +824,7 @@ def run_follower(config: WorkerConfig, rv: Rendezvous) -> None:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dt]
     store = _init_group(rv, config, device)
     comm = Collectives(rank, size, device)
-    model = build_rank(config, dtype, device, comm, config.kernel_backend or kernel_settings().backend)
+    model = build_rank(config, dtype, device, comm, config.kernel_backend or kernel_settings().backend, store)
     mem = model.memory
     store.set(
         f"rank/{rank}", json.dumps(dataclasses.asdict(RankInfo(rank, str(device), *mem.values())), sort_keys=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -100,6 +100,11 @@ class DeltaInfo:
     # whole tensors for the rank to cut (parallel.ShardedLoad).
     sliced: bool = False
     version: str = ""  # the store's version of the stored bytes (DeltaInfo.version): a replaced delta's changes
+    # Tensor parallelism from the store, each byte fetched once: tensors whose slice another rank
+    # fetches and hands to this one (name -> that rank; the store announces them, sends no bytes),
+    # and those this rank hands on (name -> how many ranks receive it).
+    handed_from: dict[str, int] = field(default_factory=dict)
+    hands_to: dict[str, int] = field(default_factory=dict)
 
     @property
     def content_id(self) -> str:
@@ -223,7 +228,7 @@ class DeltaStoreSource:
         self.client = DeltaStoreClient(address, fetch_timeout_s=timeout_s, credentials=credentials)  # TLS or None
 
     async def open(self, name: str, base_fingerprint: str) -> DeltaInfo:
-        shard = None if self.tp is None else await self._shard(name)
+        shard, handed_from, hands_to = (None, {}, {}) if self.tp is None else await self._shard(name)
         stream = await self.client.open_fetch(
             name,
             expect_base_fingerprint=base_fingerprint,
@@ -254,23 +259,33 @@ class DeltaStoreSource:
             layout=meta.layout,
             sliced=shard is not None,
             version=info.version,
+            handed_from=handed_from,
+            hands_to=hands_to,
         )
 
     async def _shard(self, name: str):
-        """This rank's split rule for every tensor of `name` that is not replicated (from its Stat)."""
+        """This rank's split rule for every tensor of `name` that it does not get whole (from its Stat):
+        a slice another rank also holds is fetched by the lowest of them only (`TPLayout.owner`), which
+        hands it on. Returns (the Shard, handed_from, hands_to) as in DeltaInfo."""
         from bitdelta.delta_store.v1 import delta_store_pb2 as store_pb
         from bitdelta.shard import Split
 
-        slices = []
+        slices, handed_from, hands_to = [], {}, {}
         for t in (await self.client.stat(name)).tensors:
             param, role = t.name.rsplit(".", 1)
-            sh = self.tp.shard_of(param, role, tuple(t.shape))
-            if sh.split is Split.REPLICATED:
+            shape = tuple(t.shape)
+            sh, owner = self.tp.shard_of(param, role, shape), self.tp.owner(param, role, shape)
+            if owner != self.tp.rank:
+                handed_from[t.name] = owner
+            elif receivers := self.tp.receivers(param, role, shape):
+                hands_to[t.name] = len(receivers)
+            if sh.split is Split.REPLICATED and owner == self.tp.rank:
                 continue
             rows = [store_pb.Range(start=a, end=b) for a, b in sh.rows or ()]
             cols = store_pb.Range(start=sh.cols[0], end=sh.cols[1]) if sh.cols is not None else None
-            slices.append(store_pb.TensorSlice(tensor=t.name, rows=rows, cols=cols))
-        return store_pb.Shard(rank=self.tp.rank, size=self.tp.size, slices=slices)
+            omit = owner != self.tp.rank
+            slices.append(store_pb.TensorSlice(tensor=t.name, rows=rows, cols=cols, omit=omit))
+        return store_pb.Shard(rank=self.tp.rank, size=self.tp.size, slices=slices), handed_from, hands_to
 
     async def stream(self, info: DeltaInfo, receiver: Receiver) -> None:
         stream: FetchStream = info.handle

@@ -4,6 +4,8 @@ splits and gathers), on layouts with more and fewer KV heads than ranks, fused a
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -146,3 +148,29 @@ def test_impossible_splits_are_refused_with_the_reason():
         TPLayout(tiny_args(n_heads=6, n_kv_heads=3), 4, 0)
     with pytest.raises(ShardError, match="whole sign byte"):
         TPLayout(tiny_args(dim=36, n_heads=9, n_kv_heads=9, head_dim=4), 2, 0)
+
+
+def delta_tensors(a: ModelArgs):
+    """(param, role, full shape) of one layer's delta tensors, the norms and the embedding."""
+    for m in a.matrices():
+        p = f"model.layers.0.{m.name}.weight"
+        yield from ((p, "sign", (m.d_out, -(-m.d_in // 8))), (p, "alpha", (m.d_out,)), (p, "alpha", (1,)))
+    for n, size in a.layer_norms():
+        yield f"model.layers.0.{n}.weight", "dense", (size,)
+    yield "model.norm.weight", "dense", (a.dim,)
+    yield EMBED, "dense", (a.vocab_size, a.dim)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_the_owners_of_each_part_fetch_every_element_once(name):
+    # the lowest rank holding a part fetches it and hands it to the others holding the same part
+    a = LAYOUTS[name]
+    for n, ranks in layouts(a):
+        for param, role, shape in delta_tensors(a):
+            owners = [r for r, t in enumerate(ranks) if t.owner(param, role, shape) == r]
+            fetched = sum(math.prod(ranks[r].shard_of(param, role, shape).shape(shape)) for r in owners)
+            assert fetched == math.prod(shape), (n, param, role)
+            for r, t in enumerate(ranks):
+                o = t.owner(param, role, shape)
+                assert o <= r and ranks[o].shard_of(param, role, shape) == t.shard_of(param, role, shape)
+                assert (r in ranks[o].receivers(param, role, shape)) == (o != r)

@@ -124,6 +124,7 @@ class FetchStream:
     # chunk crc32s recorded then: a receiver that trusts the store needs only the crc32s.
     verified: bool = False
     shared: memoryview | None = None  # the mapped shared file, when the bytes come through shared memory
+    omitted: frozenset[str] = frozenset()  # a shard's tensors announced but not sent (TensorSlice.omit)
 
     @property
     def transport(self) -> str:
@@ -133,7 +134,7 @@ class FetchStream:
         """The pieces in order. A shared stream ends after its last byte, without waiting for the call to
         end (the store holds the file for us until `cancel()`); a streamed one ends with the call."""
         name = self.info.name
-        left = sum(t.nbytes for t in self.tensors) if self.shared is not None else -1
+        left = sum(t.nbytes for t in self.tensors if t.name not in self.omitted) if self.shared is not None else -1
         try:
             while left and (m := await self._call.read()) is not grpc.aio.EOF:  # the header came by read() too
                 if m is None:  # grpc's aio stub yields None for bytes it cannot decode
@@ -292,9 +293,14 @@ class DeltaStoreClient(Client):
                 call.cancel()
                 log.warning("cannot map the store's shared memory for %r (%s); fetching it as a stream", name[:80], e)
                 return await self.open_fetch(
-                    name, expect_base_fingerprint=expect_base_fingerprint, chunk_bytes=chunk_bytes, timeout_s=timeout_s
+                    name,
+                    expect_base_fingerprint=expect_base_fingerprint,
+                    chunk_bytes=chunk_bytes,
+                    timeout_s=timeout_s,
+                    shard=shard,
                 )
-        return FetchStream(info, list(first.tensors), call, self, verified=first.verified, shared=shared)
+        omitted = frozenset(s.tensor for s in shard.slices if s.omit) if shard is not None else frozenset()
+        return FetchStream(info, list(first.tensors), call, self, first.verified, shared, omitted)
 
     async def fetch_into(
         self,
