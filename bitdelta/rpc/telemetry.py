@@ -18,6 +18,8 @@
   A collector that is down costs a request nothing: spans go through a BatchSpanProcessor whose
   queue is bounded (`MAX_QUEUE` spans; beyond it spans are dropped) and whose exports run on its
   own thread with a short timeout.
+- `traceparent()` / `context_of(tp)`: the trace context as a W3C string, for a hop that is not
+  gRPC (rank 0 -> the tensor-parallel ranks' loads).
 - `record_span(name, start_ns, end_ns, attributes)`: a span made after the fact from recorded
   timestamps (the worker's engine thread records times; the loop makes its spans).
 """
@@ -125,6 +127,19 @@ def record_span(
     ctx = trace.set_span_in_context(parent) if parent is not None else None
     span = tracer().start_span(name, context=ctx, start_time=int(start_ns), attributes=dict(attributes or {}))
     span.end(end_time=max(int(start_ns), int(end_ns)))
+
+
+def traceparent() -> str:
+    """The current span's W3C `traceparent` ('' outside a recording span): to carry a trace to a
+    process that is not called over gRPC (the tensor-parallel ranks get it in their LoadOp)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier.get("traceparent", "")
+
+
+def context_of(traceparent: str) -> otel_context.Context | None:
+    """The context a `traceparent()` string names (None for '': a new trace)."""
+    return propagate.extract({"traceparent": traceparent}) if traceparent else None
 
 
 def set_error(span: trace.Span, code: grpc.StatusCode | None, e: BaseException | None) -> None:

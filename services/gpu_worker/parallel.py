@@ -57,10 +57,12 @@ from datetime import timedelta
 import grpc
 import torch
 import torch.distributed as dist
+from opentelemetry import trace
 
 from bitdelta.arch import ModelArgs
 from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config
 from bitdelta.format import DTYPES
+from bitdelta.rpc import telemetry
 from bitdelta.rpc.checksums import crc32
 from bitdelta.rpc.receiver import Receiver
 from bitdelta.shard import EMBED, HEAD, ROW_GROUPS, TPLayout
@@ -358,6 +360,7 @@ class LoadOp:
     load_id: int
     name: str
     slot: int
+    traceparent: str = ""  # the load's trace (W3C): each rank's `worker.rank_load` span joins it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -541,7 +544,7 @@ class Driver:
         first follower's error (PeerLoadError, naming the rank). Cancelled: the followers' loads are
         cancelled and awaited (none writes into the slot afterwards)."""
         load_id = next(self._ids)
-        await asyncio.to_thread(self.send, LoadOp(load_id, name, slot))
+        await asyncio.to_thread(self.send, LoadOp(load_id, name, slot, telemetry.traceparent()))
         try:
             await self._acks(load_id, name)
         except asyncio.CancelledError:
@@ -646,6 +649,12 @@ class Follower:
             raise TypeError(f"unknown tensor-parallel op {op!r}")
 
     async def _load(self, op: LoadOp) -> None:
+        attrs = {"rank": self.comm.rank, "model_id": op.name}
+        ctx = telemetry.context_of(op.traceparent)
+        with telemetry.tracer().start_as_current_span("worker.rank_load", context=ctx, attributes=attrs) as span:
+            await self._load_slice(op, span)
+
+    async def _load_slice(self, op: LoadOp, span: trace.Span) -> None:
         if self.source is None:
             self.source = source_of(self.config, self.model.tp)
         if self.source is None:
@@ -653,6 +662,7 @@ class Follower:
         info = await self.source.open(op.name, self.fingerprint)
         sl = self.model.shard_load
         plan = sl.plan(info)
+        span.set_attributes({"bytes": plan.total_bytes, "transport": info.transport})
         writer = sl.writer(plan, self.model.slots, op.slot, self.load_stream)
         receiver = Receiver(plan.name, plan.tensors, writer, check_sha256=not info.verified)
         try:
@@ -822,6 +832,7 @@ def run_follower(config: WorkerConfig, rv: Rendezvous) -> None:
         raise SystemExit(f"--tensor-parallel {config.tensor_parallel} but WORLD_SIZE is {size}")
     dt = config.dtype if config.dtype != "auto" else serving_dtype(device).torch_name
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dt]
+    telemetry.setup("worker", config.otlp_endpoint, instance=f"{config.address}/rank{rank}")
     store = _init_group(rv, config, device)
     comm = Collectives(rank, size, device)
     model = build_rank(config, dtype, device, comm, config.kernel_backend or kernel_settings().backend, store)
@@ -839,6 +850,7 @@ def run_follower(config: WorkerConfig, rv: Rendezvous) -> None:
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+        telemetry.shutdown()
     log.info("rank %d of %d stopped", rank, size)
 
 

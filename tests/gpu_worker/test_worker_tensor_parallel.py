@@ -1,7 +1,8 @@
 """One worker as two tensor-parallel ranks on gloo (services/gpu_worker/parallel.py): greedy tokens
 equal the single-process worker's, alone and in one mixed batch (a tiny model with ONE KV head,
 fewer than the ranks, and the real SmolLM2 family, whose 9 heads and 3 KV heads split unevenly);
-one decode step's collectives; Status; a corrupt delta; kill -9 of rank 1 mid-stream.
+one decode step's collectives; Status; a corrupt delta; kill -9 of rank 1 mid-stream; rank 1's load
+span in the load's trace.
 
 Rank 1 is a real process that rank 0 spawns (`python -m services.gpu_worker.parallel`)."""
 
@@ -347,3 +348,43 @@ async def test_torchrun_starts_the_ranks_and_they_serve_the_same_tokens(family, 
         proc.send_signal(signal.SIGTERM)  # torchrun passes it to both ranks
         proc.wait(timeout=60)
         log.close()
+
+
+async def test_each_rank_load_is_a_span_in_the_load_trace(family, tmp_path):
+    """Rank 1's own load is a `worker.rank_load` span exported by rank 1 itself (same OTLP endpoint
+    as rank 0), a child of rank 0's load in the same trace, with its rank, bytes and transport."""
+    from bitdelta import traces
+    from bitdelta.rpc.clients.worker import WorkerClient
+
+    sink = traces.OtlpFileSink(tmp_path / "spans.jsonl")
+    try:
+        with Cluster(tmp_path) as c:
+            st = c.store(family.deltas)
+            otlp = ("--otlp-endpoint", f"127.0.0.1:{sink.port}")
+            tp = c.worker(family.base, st.address, name="tp", extra=("--tensor-parallel", "2", *otlp))
+            c.wait_serving(st, tp)
+            w = WorkerClient(tp.address, generate_timeout_s=60)
+            try:
+                await w.load_delta(family.variants[0])
+            finally:
+                await w.close()
+            deadline = time.monotonic() + 30  # batched exports: a second or so after the span ends
+            spans: list[traces.Span] = []
+            while time.monotonic() < deadline:
+                spans = traces.read_file(sink.path) if sink.path.exists() else []
+                if any(s.name == "worker.rank_load" for s in spans) and any(
+                    s.name == "worker.LoadDelta" for s in spans
+                ):
+                    break
+                await asyncio.sleep(0.2)
+    finally:
+        sink.stop()
+    (root,) = [s for s in spans if s.name == "worker.LoadDelta"]
+    ranks = [s for s in spans if s.name == "worker.rank_load"]
+    assert [s.attrs["rank"] for s in ranks] == [1]  # one per follower; rank 0's load is the request's own span
+    (r1,) = ranks
+    in_trace = {s.span_id for s in spans if s.trace_id == root.trace_id and s.service == "bitdelta-worker"}
+    assert r1.trace_id == root.trace_id and r1.parent_id in in_trace
+    assert r1.attrs["model_id"] == family.variants[0] and r1.attrs["transport"] == "stream"
+    assert 0 < r1.attrs["bytes"] < family.delta_path(family.variants[0]).stat().st_size
+    assert r1.service == "bitdelta-worker" and r1.end_ns >= r1.start_ns
