@@ -46,6 +46,17 @@ class ConstraintError(SamplingError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+def _mask_words(n_vocab: int) -> np.ndarray:
+    """llguidance's mask buffer: bit j of word i says whether token 32 i + j is allowed."""
+    return np.zeros((n_vocab + 31) // 32, dtype=np.int32)
+
+
+def _allowed(matcher: llguidance.LLMatcher, bits: np.ndarray, n_vocab: int) -> np.ndarray:
+    """bool [n_vocab]: the tokens `matcher` allows next (computed into `bits`)."""
+    matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+    return np.unpackbits(bits.view(np.uint8), bitorder="little")[:n_vocab].view(np.bool_)
+
+
 class Grammar:
     """One constraint compiled for the worker's tokenizer: a pristine matcher copied per sequence."""
 
@@ -61,14 +72,13 @@ class GrammarState:
 
     def __init__(self, matcher: llguidance.LLMatcher, n_vocab: int):
         self.matcher, self.n = matcher, n_vocab
-        self._bits = np.zeros((n_vocab + 31) // 32, dtype=np.int32)  # bit j of word i: token 32 i + j allowed
+        self._bits = _mask_words(n_vocab)
 
     def mask(self, row: torch.Tensor) -> None:
         """row: fp32 [vocab] on the CPU, contiguous, in place: every token the grammar does not allow
         next is -inf. In numpy (one thread): torch's masked_fill wakes its thread pool, which on a
         busy CPU cost milliseconds per row where this costs tens of microseconds."""
-        self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.n].view(np.bool_)
+        allowed = _allowed(self.matcher, self._bits, self.n)
         if self.matcher.is_error() or not allowed.any():
             raise ConstraintError(f"sampling.constraint: allows no next token ({self.matcher.get_error() or 'none'})")
         out = row.numpy()
@@ -110,9 +120,7 @@ class GrammarCompiler:
         m = llguidance.LLMatcher(self._tokenizer_of(), text, log_level=0, limits=grammars.limits())
         if not m.is_error():  # a first step, on a copy: a grammar too big for llguidance's per-step limits fails here
             probe = m.deep_copy()
-            bits = np.zeros((self._vocab + 31) // 32, dtype=np.int32)
-            probe.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
-            allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little")[: self._vocab])
+            allowed = np.flatnonzero(_allowed(probe, _mask_words(self._vocab), self._vocab))
             first = int(allowed[0]) if len(allowed) else -1
             if first >= 0 and first not in self._eos:
                 probe.consume_token(first)
