@@ -210,6 +210,87 @@ async def test_kill9_of_rank1_mid_stream_stops_the_worker_and_the_router_uses_an
             await router.close()
 
 
+async def test_requests_cut_before_their_first_token_by_a_kill9_complete_on_the_other_worker(family, tmp_path):
+    """kill -9 of rank 1 while requests wait on its worker (--max-running 1: one streams, the others
+    are queued there, no token yet): the one with tokens ends UNAVAILABLE, the router retries the
+    others on the other worker and they complete with its tokens, no error."""
+    from bitdelta.router.v1 import router_pb2 as rpb
+    from bitdelta.rpc.clients.router import RouterCallError, RouterClient
+    from bitdelta.rpc.clients.worker import WorkerClient
+
+    v, queued = family.variants[1], 3
+    with Cluster(tmp_path) as c:
+        st = c.store(family.deltas)
+        tp = c.worker(family.base, st.address, name="tp", extra=("--tensor-parallel", "2", "--max-running", "1"))
+        single = c.worker(family.base, st.address, name="single")
+        c.wait_serving(st, tp, single)
+        r = c.router([tp.address, single.address], st.address)
+        c.wait_serving(r)
+        (rank1,) = _ranks_of(tp.popen.pid)
+        w, w1 = WorkerClient(tp.address, generate_timeout_s=60), WorkerClient(single.address, generate_timeout_s=60)
+        router = RouterClient(r.address, generate_timeout_s=120)
+        try:
+            short = gen_pb.SamplingParams(max_new_tokens=N)
+            ref = pb.GenerateRequest(model_id=v, prompt="Hello", sampling=short)
+            await w.load_delta(v)  # on tp only
+            want = [e.token_id async for e in w.generate(ref)]  # what the single worker must answer too
+            deadline = time.monotonic() + 30
+            while True:  # the router places v's requests where v is resident: tp
+                (m,) = [m for m in await router.list_models() if m.model_id == v]
+                if list(m.resident_on) == [tp.address]:
+                    break
+                assert time.monotonic() < deadline, f"the router never saw {v} resident on tp only: {m}"
+                await asyncio.sleep(0.2)
+
+            async def streamed(req: rpb.GenerateRequest, first: asyncio.Event | None = None):
+                got, where = [], ""
+                try:
+                    async for ev in router.generate_request(req):
+                        where = where or ev.worker
+                        got.append(ev.token_id)
+                        if first is not None and len(got) == 3:
+                            first.set()
+                except RouterCallError as e:
+                    return got, where, e
+                return got, where, None
+
+            long = gen_pb.SamplingParams(max_new_tokens=200, ignore_eos=True)
+            started = asyncio.Event()
+            streaming = asyncio.create_task(
+                streamed(rpb.GenerateRequest(model_id=v, prompt="abc", sampling=long), started)
+            )
+            await asyncio.wait(
+                [streaming, asyncio.create_task(started.wait())], timeout=60, return_when="FIRST_COMPLETED"
+            )
+            assert started.is_set(), (
+                f"the long stream did not start: {streaming.result() if streaming.done() else 'no token in 60 s'}"
+            )
+            waiting = [
+                asyncio.create_task(streamed(rpb.GenerateRequest(model_id=v, prompt="Hello", sampling=short)))
+                for _ in range(queued)
+            ]
+            deadline = time.monotonic() + 30
+            while (s := await w.status()).waiting < queued:  # all queued on tp behind the streaming one
+                assert not streaming.done() and time.monotonic() < deadline, f"tp status: {s}"
+                await asyncio.sleep(0.05)
+            assert s.running == 1
+            os.kill(rank1, signal.SIGKILL)
+            t_kill = time.monotonic()
+            got, where, err = await asyncio.wait_for(streaming, 60)
+            assert where == tp.address and 3 <= len(got) < 200
+            assert err is not None and err.code == grpc.StatusCode.UNAVAILABLE, err  # tokens cannot be taken back
+            assert time.monotonic() - t_kill < 30
+            for got, where, err in await asyncio.wait_for(asyncio.gather(*waiting), 120):
+                assert err is None, f"a request cut before its first token failed instead of moving: {err}"
+                assert (where, got) == (single.address, want)
+            tp.popen.wait(timeout=60)
+            assert tp.popen.returncode == 1
+        finally:
+            await w.close()
+            await w1.close()
+            await router.close()
+
+
 @pytest.mark.parametrize("transport", ["stream", "shared-memory"])
 async def test_a_cold_load_from_the_store_moves_each_byte_once(family, tmp_path, transport):
     from bitdelta.checkpoint import read_config
