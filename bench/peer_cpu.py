@@ -28,6 +28,7 @@ compare only ratios of one run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -40,6 +41,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bitdelta.testing.memory import EMPTY_FLAGS, EMPTY_KV, empty_base, vm_rss  # noqa: E402
 
 PROMPT_WORDS = (
     "The history of computing is a story of machines that learned to remember, to count and "
@@ -103,50 +106,6 @@ def read_bandwidth(threads: int, reps: int = 7) -> float:
     return a.numel() * 4 / best
 
 
-def vm_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
-
-
-def runtime_fixed_rss(base: Path, env: dict) -> int:
-    """RSS of a process that imports what the worker imports and loads the tokenizer, no weights."""
-    code = (
-        "import torch, grpc, services.gpu_worker.server, kernels.cpu_build as b; b.load_cpu_lib()\n"
-        "from tokenizers import Tokenizer\n"
-        f"t = Tokenizer.from_file({str(base / 'tokenizer.json')!r})\n"
-        "print(int(open('/proc/self/statm').read().split()[1]) * 4096)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
-    return int(out.stdout.split()[-1])
-
-
-def weight_bytes(base: Path, itemsize: int) -> int:
-    """Bytes of the base's parameters at `itemsize` (a tied head is the embedding, counted once)."""
-    from bitdelta.checkpoint import CheckpointReader
-
-    with CheckpointReader(base) as r:
-        return sum(r.get(k).numel() for k in r.keys()) * itemsize
-
-
-def slot_rows_bytes(base: Path, itemsize: int, budget: int = 1 << 30) -> int:
-    """Bytes of every slot's α, norm and bias rows under the worker's default delta budget: resident
-    from start (zeroed), unlike the sign stacks, whose pages come in as deltas are written."""
-    import torch
-
-    from bitdelta.checkpoint import read_config
-    from bitdelta.model import ModelArgs
-    from kernels.bits import packed_cols
-    from services.gpu_worker.slots import SlotLayout
-
-    dtype = {4: torch.float32, 2: torch.bfloat16}[itemsize]
-    layout = SlotLayout(ModelArgs.from_hf(read_config(base)), dtype)
-    signs = layout.args.n_layers * sum(d_out * packed_cols(d_in) for d_out, d_in in layout.group_shape.values())
-    return budget // layout.slot_bytes * (layout.slot_bytes - signs)
-
-
 def make_deltas(src: dict[str, Path], out: Path, n: int) -> list[str]:
     """`n` variants in `out`: the real deltas, then copies of them with fresh random signs (same
     structure and α: the same bytes per step as a real one)."""
@@ -185,11 +144,13 @@ class WorkerProc:
     log_path: Path
 
 
-def start_worker(base: Path, deltas: Path, dtype: str, threads: int, kv: str, logdir: Path, env: dict) -> WorkerProc:
+def start_worker(
+    base: Path, deltas: Path, dtype: str, threads: int, kv: str, logdir: Path, env: dict, extra: tuple[str, ...] = ()
+) -> WorkerProc:
     from bitdelta.testing.cluster import free_port
 
     port = free_port()
-    log_path = logdir / f"worker-{dtype}.log"
+    log_path = logdir / f"worker-{base.name}-{dtype}.log"
     cmd = [
         sys.executable,
         "-m",
@@ -208,6 +169,7 @@ def start_worker(base: Path, deltas: Path, dtype: str, threads: int, kv: str, lo
         f"127.0.0.1:{port}",
         "--prefix-caching",  # every repetition computes its prompt, as llama.cpp's reset() does
         "false",
+        *extra,
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     return WorkerProc(proc, f"127.0.0.1:{port}", log_path)
@@ -275,6 +237,18 @@ def prefill_s(stub, prompt: str, reps: int) -> float:
     return best
 
 
+def idle_rss(base: Path, deltas: Path, dtype: str, args, logdir: Path, env: dict, extra: tuple[str, ...] = ()) -> int:
+    """VmRSS of an idle worker on `base` (started, serving, nothing asked of it yet)."""
+    w = start_worker(base, deltas, dtype, args.threads, args.kv_cache, logdir, env, extra)
+    try:
+        wait_serving(w)
+        time.sleep(1.0)
+        return vm_rss(w.proc.pid)
+    finally:
+        w.proc.terminate()
+        w.proc.wait(timeout=60)
+
+
 def bench_worker(args, base, deltas, names, dtype, logdir, env) -> dict:
     import grpc
 
@@ -334,8 +308,8 @@ def table(r: dict) -> str:
     V = 4
     mix_lim = 4 / (4 + V / 8)
     gb = lambda b: f"{b / 1e9:.2f} GB"
-    acc32 = r["weights_fp32"] + r["kv_bytes"] + r["slot_rows_fp32"] + r["fixed_rss"]
-    acc16 = r["weights_bf16"] + r["kv_bytes"] + r["slot_rows_bf16"] + r["fixed_rss"]
+    a32, a16 = r["account"]["float32"], r["account"]["bfloat16"]
+    acc32, acc16 = (sum(a.values()) for a in (a32, a16))
     rows = [
         "| | worker | llama.cpp | limit | worker ÷ llama.cpp | worker ÷ limit | target |",
         "|---|---|---|---|---|---|---|",
@@ -361,8 +335,9 @@ def table(r: dict) -> str:
     notes = (
         f"\nmemory read bandwidth {bw / 1e9:.1f} GB/s ({r['threads']} thread(s)); weights fp32 {gb(r['weights_fp32'])}, "
         f"bf16 {gb(r['weights_bf16'])}; delta {D / 1e6:.1f} MB; KV pool {r['kv_bytes'] / 1e6:.0f} MB; "
-        f"slot α/norm rows of the default 1 GiB budget {r['slot_rows_fp32'] / 1e6:.0f} MB (fp32); "
-        f"runtime fixed cost {gb(r['fixed_rss'])} (python, torch, gRPC, kernels, tokenizer); 8 streams fp32: base {w32['base8_tok_s']:.1f} tok/s, "
+        f"slot α/norm rows of the default 1 GiB budget {a32['slot_rows'] / 1e6:.0f} MB (fp32); runtime fixed cost "
+        f"{gb(a32['fixed'])} / {gb(a16['fixed'])} (python, torch, gRPC, kernels, tokenizer: the idle RSS of the worker "
+        f"serving a one-layer model of width 8 with the same tokenizer); 8 streams fp32: base {w32['base8_tok_s']:.1f} tok/s, "
         f"4 variants {w32['mixed8_tok_s']:.1f} tok/s; worker RSS after serving 4 variants "
         f"{gb(w32['rss_after_variants'])}\n"
     )
@@ -382,8 +357,11 @@ def main(argv=None) -> int:
     ap.add_argument("--variants-bf16", action="store_true", help="the variant rows in bf16 too")
     ap.add_argument("--out", type=Path, help="also write the table (and the raw numbers as .json) here")
     args = ap.parse_args(argv)
+    import torch
+
     from bitdelta.testing.real import real_deltas_of
     from bitdelta.units import parse_bytes
+    from services.gpu_worker.memory import account, with_fixed
 
     gguf = {"f32": args.gguf_dir / "base-f32.gguf", "bf16": args.gguf_dir / "base-bf16.gguf"}
     missing = [str(p) for p in (args.peer_python, *gguf.values()) if not p.exists()]
@@ -395,15 +373,20 @@ def main(argv=None) -> int:
     r: dict = {"threads": args.threads, "kv_bytes": parse_bytes(args.kv_cache)}
     r["bandwidth"] = read_bandwidth(args.threads)
     log(f"bandwidth {r['bandwidth'] / 1e9:.1f} GB/s")
-    r["weights_fp32"], r["weights_bf16"] = weight_bytes(args.base, 4), weight_bytes(args.base, 2)
-    r["fixed_rss"] = runtime_fixed_rss(args.base, env)
-    r["slot_rows_fp32"], r["slot_rows_bf16"] = slot_rows_bytes(args.base, 4), slot_rows_bytes(args.base, 2)
     real = real_deltas_of(args.base)
     with tempfile.TemporaryDirectory(prefix="peer-cpu-") as tmp:
         deltas = Path(tmp) / "deltas"
         names = make_deltas(real, deltas, 4)
         r["delta_bytes"] = next(deltas.iterdir()).stat().st_size
         logdir = Path(tmp)
+        empty = empty_base(args.base, Path(tmp) / "empty")
+        r["account"] = {}
+        for dtype in ("float32", "bfloat16"):  # the idle account, its fixed cost measured in this run
+            dt = getattr(torch, dtype)
+            rss = idle_rss(empty, deltas, dtype, args, logdir, env, EMPTY_FLAGS)
+            acc = with_fixed(account(args.base, dt, r["kv_bytes"]), rss, account(empty, dt, EMPTY_KV, max_slots=1))
+            r["account"][dtype] = dataclasses.asdict(acc)
+        r["weights_fp32"], r["weights_bf16"] = r["account"]["float32"]["weights"], r["account"]["bfloat16"]["weights"]
         r["worker"] = {}
         for dtype in ("float32", "bfloat16"):
             log(f"worker {dtype} ...")

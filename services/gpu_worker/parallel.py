@@ -65,7 +65,7 @@ from bitdelta.format import DTYPES
 from bitdelta.rpc import telemetry
 from bitdelta.rpc.checksums import crc32
 from bitdelta.rpc.receiver import Receiver
-from bitdelta.shard import EMBED, HEAD, ROW_GROUPS, TPLayout
+from bitdelta.shard import ROW_GROUPS, TPLayout
 from kernels.bits import unpack_signs
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.errors import DeltaLoadError, Unavailable, WorkerError
@@ -189,28 +189,14 @@ def load_base_shard(ckpt, tp_size: int, rank: int, dtype: torch.dtype, device: t
     """This rank's slices of the base, read straight from the checkpoint (only their bytes: a rank
     never holds the whole base, on the host or the device), as `BaseWeights` with the group layout
     of `BaseWeights.load`. Returns (base shard, the whole model's args, the layout)."""
-    args = ModelArgs.from_hf(read_config(ckpt))
-    tp = TPLayout(args, tp_size, rank)
+    tp = TPLayout(ModelArgs.from_hf(read_config(ckpt)), tp_size, rank)
 
     def part(r: CheckpointReader, name: str) -> torch.Tensor:
         sh = tp.shard_of(name, "weight", tuple(r.shape(name)))
-        return r.get_part(name, sh.rows, sh.cols).to(dtype).contiguous().to(device)
+        return r.get_part(name, sh.rows, sh.cols)
 
-    layers, norms, biases = [], [], []
-    with CheckpointReader(ckpt) as r:
-        for i in range(args.n_layers):
-            groups: dict[str, list[str]] = {}
-            for m in args.matrices():
-                groups.setdefault(m.group, []).append(f"model.layers.{i}.{m.name}")
-            layers.append({g: torch.cat([part(r, f"{n}.weight") for n in ns]) for g, ns in groups.items()})
-            biases.append(
-                {g: torch.cat([part(r, f"{n}.bias") for n in ns]) for g, ns in groups.items() if f"{ns[0]}.bias" in r}
-            )
-            norms.append({n: part(r, f"model.layers.{i}.{n}.weight") for n, _ in args.layer_norms()})
-        embed = part(r, EMBED)
-        head = embed if args.tie_embeddings else part(r, HEAD)
-        final = part(r, "model.norm.weight")
-    return BaseWeights(embed, layers, norms, biases, final, head), args, tp
+    base, args = BaseWeights.load(ckpt, dtype, device, part)
+    return base, args, tp
 
 
 @dataclasses.dataclass

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from bitdelta.model import ModelArgs, apply_rope, attention_mask, load_model, rope_tables
+from bitdelta.checkpoint import CheckpointReader, read_config
+from bitdelta.model import ModelArgs, apply_rope, attention_mask, rope_tables
+from bitdelta.shard import EMBED, HEAD
 from kernels import bitdelta_delta_batched, bitdelta_linear, dense_linear, paged_decode, plan_batch
 from kernels.bits import unpack_signs
 from services.gpu_worker.slots import SlotTensors
@@ -64,30 +66,49 @@ class BaseWeights:
     head: torch.Tensor  # [vocab, dim]; the embedding itself when tied
 
     @classmethod
-    def load(cls, ckpt, dtype: torch.dtype, device: torch.device) -> tuple[BaseWeights, ModelArgs]:
-        model = load_model(ckpt, dtype=dtype, device="cpu")
-        # Every tensor kept is a copy of its own: a tensor of the checkpoint's dtype on CPU is a
-        # view of the safetensors file mapping, and one such view (the embedding) kept the whole
-        # mapping resident next to the copies (0.4 GB for SmolLM2-135M in fp32).
-        own = lambda t: t.to(device, copy=True)
-        args = model.args
+    def load(cls, ckpt, dtype: torch.dtype, device: torch.device, part=None) -> tuple[BaseWeights, ModelArgs]:
+        """Read the base straight from the checkpoint: each tensor is copied from the file mapping
+        (cast to `dtype`) into its place in a tensor of its own, a group's matrices into one
+        [d_out_g, d_in_g], so the weights cost their bytes and nothing beside them (building the
+        model first left 77 MB more resident in fp32 for SmolLM2-135M, the allocator's leftovers of
+        its copies) and no view of the mapping outlives the reader. `part(reader, name)`: the
+        part of a tensor kept (a tensor-parallel rank's slice, `parallel.load_base_shard`); default
+        all of it. The checkpoint's tensors must be the ones its config describes."""
+        args = ModelArgs.from_hf(read_config(ckpt))
+        take = part or (lambda r, name: r.get(name))
+        read: set[str] = set()
+
+        def tensor(r: CheckpointReader, names: list[str]) -> torch.Tensor:
+            parts = [take(r, n) for n in names]  # views of the mapping (or a slice's read)
+            out = torch.empty((sum(t.shape[0] for t in parts), *parts[0].shape[1:]), dtype=dtype, device=device)
+            row = 0
+            for t in parts:
+                out[row : row + t.shape[0]].copy_(t)
+                row += t.shape[0]
+            read.update(names)
+            return out
+
         layers, norms, biases = [], [], []
-        for blk in model.model.layers:
-            groups: dict[str, list[torch.nn.Linear]] = {}
-            for mat in args.matrices():
-                groups.setdefault(mat.group, []).append(blk.get_submodule(mat.name))
-            layers.append({g: torch.cat([p.weight for p in ps]).to(device).contiguous() for g, ps in groups.items()})
-            biases.append(
-                {g: torch.cat([p.bias for p in ps]).to(device) for g, ps in groups.items() if ps[0].bias is not None}
-            )
-            for ps in groups.values():  # free the host copy layer by layer: peak stays ~ one base
-                for p in ps:
-                    p.weight = None
-            norms.append({name: own(blk.get_submodule(name).weight) for name, _ in args.layer_norms()})
-        embed = own(model.model.embed_tokens.weight)
-        head = embed if args.tie_embeddings else own(model.lm_head.weight)
-        final = own(model.model.norm.weight)
-        del model  # the last reference to the checkpoint's file mapping: it is unmapped here
+        with CheckpointReader(ckpt) as r:
+            for i in range(args.n_layers):
+                groups: dict[str, list[str]] = {}
+                for m in args.matrices():
+                    groups.setdefault(m.group, []).append(f"model.layers.{i}.{m.name}")
+                layers.append({g: tensor(r, [f"{n}.weight" for n in ns]) for g, ns in groups.items()})
+                biases.append(
+                    {g: tensor(r, [f"{n}.bias" for n in ns]) for g, ns in groups.items() if f"{ns[0]}.bias" in r}
+                )
+                norms.append({n: tensor(r, [f"model.layers.{i}.{n}.weight"]) for n, _ in args.layer_norms()})
+            embed = tensor(r, [EMBED])
+            head = embed if args.tie_embeddings else tensor(r, [HEAD])
+            final = tensor(r, ["model.norm.weight"])
+            unexpected = [
+                k
+                for k in r.keys()
+                if k not in read and not k.endswith("rotary_emb.inv_freq") and not (args.tie_embeddings and k == HEAD)
+            ]
+        if unexpected:
+            raise ValueError(f"{ckpt}: checkpoint does not match the config: unexpected {sorted(unexpected)[:5]}")
         return cls(embed, layers, norms, biases, final, head), args
 
     @property
