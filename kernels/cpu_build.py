@@ -234,7 +234,29 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.bd_merge.argtypes = [p, i32, i64, p, i64, p, i64, i64, i64, i64, p, i32, i64, i32]
     # x, M, ldx, s, stride_sv, d_out, d_in, lds, alpha, stride_av, alpha_stride, row_variant, y, ldy, n_threads
     lib.bd_delta_batched.restype = i32
-    lib.bd_delta_batched.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p, i64, i64, p, p, i64, i32]
+    lib.bd_delta_batched.argtypes = [
+        p,
+        i64,
+        i64,
+        p,
+        i64,
+        i64,
+        i64,
+        i64,
+        p,
+        i64,
+        i64,
+        p,
+        i64,
+        p,
+        i64,
+        i64,
+        p,
+        i64,
+        p,
+        i64,
+        i32,
+    ]
     # x, M, ldx, w, w_dtype, ldw, s, d_out, d_in, lds, alpha, alpha_stride, y, ldy, x_is_bf16, two_pass, n_threads
     lib.bd_linear_gemv.restype = i32
     lib.bd_linear_gemv.argtypes = [p, i64, i64, p, i32, i64, p, i64, i64, i64, p, i64, p, i64, i32, i32, i32]

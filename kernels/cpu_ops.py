@@ -346,18 +346,34 @@ def bitdelta_linear_cpu(
 
 
 def delta_rows_cpu(
-    x: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor, y32: torch.Tensor, path: str | None = None
+    x: torch.Tensor,
+    signs: torch.Tensor,
+    alpha: torch.Tensor,
+    y32: torch.Tensor,
+    path: str | None = None,
+    col_alpha: torch.Tensor | None = None,
+    bounds: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """y32 += α ⊙ (x · Sᵀ) for one variant: the delta GEMV for few rows, unpack(α·S)-then-GEMM for many.
+    """y32 += α ⊙ ((x ⊙ c_g) · Sᵀ) for one plane: the delta GEMV for few rows, unpack(α·S)-then-GEMM for many.
 
-    x: [M, d_in]; signs: uint8 [d_out, ceil(d_in/8)]; alpha: [d_out] or [1]; y32: fp32 [M, d_out].
+    x: [M, d_in]; signs: uint8 [d_out, ceil(d_in/8)]; alpha: [d_out] or [1]; y32: fp32 [M, d_out];
+    col_alpha: None (c = 1) or fp32 [G, d_in] over the row groups `bounds` (G + 1 row bounds):
+    each group is the same call on its rows with x ⊙ c_g.
     """
     M, d_in = x.shape
+    d_out = signs.shape[0]
+    if col_alpha is not None:
+        a = alpha.reshape(-1).float().expand(d_out)
+        for g in range(len(bounds) - 1):
+            r0, r1 = bounds[g], bounds[g + 1]
+            if r1 > r0:
+                xs = x.float() * col_alpha[g]
+                delta_rows_cpu(xs, signs[r0:r1], a[r0:r1], y32[:, r0:r1], path)
+        return y32
     path = path or ("delta_gemv" if M < UNPACK_MIN_M else "unpack_gemm")
     if path == "delta_gemv" or load_cpu_lib() is None:
         return delta_gemv_cpu(x, signs, alpha, y32)
     x32 = x.to(torch.float32)
-    d_out = signs.shape[0]
     rows = _block_rows(d_in, d_out, 4)
     buf = torch.empty(rows, d_in, dtype=torch.float32)
     for r0 in range(0, d_out, rows):
@@ -368,47 +384,69 @@ def delta_rows_cpu(
 
 
 def bitdelta_delta_batched_cpu(
-    x: torch.Tensor, signs_stack: torch.Tensor, alpha_stack: torch.Tensor, row_variant: torch.Tensor, y: torch.Tensor
+    x: torch.Tensor,
+    signs_stack: torch.Tensor,
+    alpha_stack: torch.Tensor,
+    row_slots: torch.Tensor,
+    y: torch.Tensor,
+    col_alpha: torch.Tensor | None = None,
+    bounds: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """y[r] += α_v ⊙ (x[r] · S_vᵀ), v = row_variant[r] ≥ 0; same contract as the reference.
+    """y[r] += Σ_p α_s ⊙ ((x[r] ⊙ c_s) · S_sᵀ), s = row_slots[r, p] ≥ 0; same contract as the reference.
 
     x: [M, d_in]; signs_stack: uint8 [V, d_out, ceil(d_in/8)]; alpha_stack: [V, d_out], [V, 1] or [V];
-    row_variant: int [M] (−1: base only); y: [M, d_out], updated in place and returned.
-    Variants with ≥ UNPACK_MIN_M rows go through unpack-then-GEMM, one variant at a time;
-    all other rows through ONE call of the C batched delta GEMV (one parallel region:
-    on a busy host every extra region can cost a scheduler slice).
+    row_slots: int [M] or [M, P] (−1: nothing); col_alpha: None or fp32 [V, G, d_in] over the row
+    groups `bounds` (G + 1 row bounds, 0 … d_out); y: [M, d_out], updated in place and returned.
+    A slot with ≥ UNPACK_MIN_M rows at one plane position goes through unpack-then-GEMM;
+    every other (row, plane) through ONE call of the C batched delta (one parallel region:
+    on a busy host every extra region can cost a scheduler slice), which loops over a row's
+    planes inside and adds their fp32 sum to y once.
     """
     M, d_in = x.shape
     V, d_out, _ = signs_stack.shape
     if signs_stack.dtype != torch.uint8 or signs_stack.shape[2] != packed_cols(d_in):
         raise ValueError(f"signs_stack must be uint8 [V, d_out, {packed_cols(d_in)}], got {tuple(signs_stack.shape)}")
-    if tuple(y.shape) != (M, d_out) or row_variant.shape != (M,) or alpha_stack.shape[0] != V:
-        raise ValueError(f"y must be [{M}, {d_out}], row_variant [{M}] and alpha_stack [{V}, ...]")
-    if any(t.device.type != "cpu" for t in (x, signs_stack, alpha_stack, y)):
+    if tuple(y.shape) != (M, d_out) or row_slots.dim() not in (1, 2) or row_slots.shape[0] != M:
+        raise ValueError(f"y must be [{M}, {d_out}] and row_slots [{M}] or [{M}, P]")
+    if alpha_stack.shape[0] != V:
+        raise ValueError(f"alpha_stack must be [{V}, ...]")
+    bounds = (0, d_out) if bounds is None else tuple(bounds)
+    G = len(bounds) - 1
+    if bounds[0] != 0 or bounds[-1] != d_out or any(b1 < b0 for b0, b1 in zip(bounds, bounds[1:])):
+        raise ValueError(f"bounds must rise from 0 to {d_out}, got {bounds}")
+    if col_alpha is not None and tuple(col_alpha.shape) != (V, G, d_in):
+        raise ValueError(f"col_alpha must be [{V}, {G}, {d_in}], got {tuple(col_alpha.shape)}")
+    if any(t is not None and t.device.type != "cpu" for t in (x, signs_stack, alpha_stack, y, col_alpha)):
         raise ValueError("the CPU kernels take CPU tensors")
-    rv = row_variant.to("cpu", torch.int64).contiguous()
-    if M and (int(rv.max()) >= V or int(rv.min()) < -1):
-        raise ValueError(f"row_variant values must lie in [-1, {V - 1}]")
-    active = rv >= 0
-    if not bool(active.any()):
+    rs = row_slots.to("cpu", torch.int64).reshape(M, -1).contiguous()
+    P = rs.shape[1]
+    if rs.numel() and (int(rs.max()) >= V or int(rs.min()) < -1):
+        raise ValueError(f"row_slots values must lie in [-1, {V - 1}]")
+    if not bool((rs >= 0).any()):
         return y
     alpha_stack = alpha_stack.reshape(V, -1)
+    cols = None if col_alpha is None else col_alpha.to(torch.float32).contiguous()
     lib = load_cpu_lib()
     y32 = y if y.dtype == torch.float32 and y.stride(1) == 1 else y.to(torch.float32)
-    variants, counts = torch.unique(rv[active], return_counts=True)
-    gemv_rv = rv
-    for v, c in zip(variants.tolist(), counts.tolist()):
-        if lib is not None and c < UNPACK_MIN_M:
-            continue  # left to the single batched GEMV call below
-        rows = (rv == v).nonzero(as_tuple=True)[0]
-        part = y32[rows]  # gathered copy: [n_rows, d_out]
-        delta_rows_cpu(x[rows], signs_stack[v], alpha_stack[v], part)
-        y32[rows] = part
-        gemv_rv = gemv_rv.masked_fill(rv == v, -1)
-    if bool((gemv_rv >= 0).any()):
+    gemv_rs = rs
+    for p in range(P):
+        slots, counts = torch.unique(rs[:, p][rs[:, p] >= 0], return_counts=True)
+        for v, c in zip(slots.tolist(), counts.tolist()):
+            if lib is not None and c < UNPACK_MIN_M:
+                continue  # left to the single batched call below
+            on = rs[:, p] == v
+            rows = on.nonzero(as_tuple=True)[0]
+            part = y32[rows]  # gathered copy: [n_rows, d_out]
+            col = None if cols is None else cols[v]
+            delta_rows_cpu(x[rows], signs_stack[v], alpha_stack[v], part, None, col, bounds)
+            y32[rows] = part
+            gemv_rs = gemv_rs.clone() if gemv_rs is rs else gemv_rs
+            gemv_rs[on, p] = -1
+    if bool((gemv_rs >= 0).any()):
         x32 = x.to(torch.float32).contiguous()
         s = signs_stack if signs_stack.stride(2) == 1 else signs_stack.contiguous()
         a = alpha_stack.to(torch.float32).contiguous()
+        b = torch.tensor(bounds, dtype=torch.int64)
         rc = lib.bd_delta_batched(
             x32.data_ptr(),
             M,
@@ -421,7 +459,13 @@ def bitdelta_delta_batched_cpu(
             a.data_ptr(),
             a.stride(0),
             0 if a.shape[1] == 1 else 1,
-            gemv_rv.data_ptr(),
+            gemv_rs.data_ptr(),
+            P,
+            None if cols is None else cols.data_ptr(),
+            0 if cols is None else cols.stride(0),
+            0 if cols is None else cols.stride(1),
+            b.data_ptr(),
+            G,
             y32.data_ptr(),
             y32.stride(0),
             torch.get_num_threads(),
@@ -431,3 +475,25 @@ def bitdelta_delta_batched_cpu(
     if y32 is not y:
         y.copy_(y32)
     return y
+
+
+def linear_planes_cpu(
+    x: torch.Tensor,
+    w_base: torch.Tensor,
+    signs: torch.Tensor,
+    alpha: torch.Tensor,
+    col_alpha: torch.Tensor | None = None,
+    bounds: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """y = x · W_baseᵀ + Σ_p α_p ⊙ ((x ⊙ c_p) · S_pᵀ) for the K planes of one variant -> [M, d_out] in x.dtype.
+
+    x: [M, d_in]; w_base: [d_out, d_in]; signs: uint8 [K, d_out, ceil(d_in/8)]; alpha: fp32 [K, d_out]
+    or [K, 1]; col_alpha: None or fp32 [K, G, d_in] over the row groups `bounds`.
+    The base's pass (the C GEMV at decode, BLAS beyond), then every plane from its bits in one
+    batched-delta call: the numbers a mixed batch computes for the same rows.
+    """
+    M = x.shape[0]
+    K = signs.shape[0]
+    y = dense_linear_cpu(x, w_base, out_fp32=True)
+    slots = torch.arange(K, dtype=torch.int64).expand(M, K)
+    return bitdelta_delta_batched_cpu(x, signs, alpha, slots, y, col_alpha, bounds).to(x.dtype)

@@ -19,7 +19,7 @@ from kernels import cpu_ops
 from kernels.bits import packed_cols
 from kernels.configs import config_for, fit, interpreting, smem_limit
 from kernels.plan import BatchPlan, plan_batch
-from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
+from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref, col_bounds
 from kernels.settings import BACKENDS, current
 
 try:
@@ -51,33 +51,100 @@ def backend_for(device: torch.device, work: int, backend: str | None = None) -> 
 
 
 def bitdelta_linear(
-    x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor, *, backend: str | None = None
+    x: torch.Tensor,
+    w_base: torch.Tensor,
+    signs: torch.Tensor,
+    alpha: torch.Tensor,
+    *,
+    col_alpha: torch.Tensor | None = None,
+    col_splits: tuple[int, ...] | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
-    """y = x · W_baseᵀ + α ⊙ (x · Sᵀ), never forming W_base + α·S in memory on GPU.
+    """y = x · W_baseᵀ + Σ_p α_p ⊙ ((x ⊙ c_p) · S_pᵀ), never forming W_base + α·S in memory on GPU.
 
     x: [..., d_in] fp16/bf16/fp32; w_base: [d_out, d_in]; signs: uint8 [d_out, ceil(d_in/8)]
-    (kernels.bits convention); alpha: [d_out] (per row) or [1] (per matrix)
-    -> y: [..., d_out] in x.dtype. `backend`: see `backend_for`.
+    (kernels.bits convention) with alpha [d_out] (per row) or [1] (per matrix), or the K planes of
+    one variant, signs [K, d_out, ceil(d_in/8)] with alpha [K, d_out] or [K, 1] (the sum of the
+    planes' terms, in fp32) -> y: [..., d_out] in x.dtype.
+    col_alpha (per-column α): None (c = 1), else [G, d_in] ([K, G, d_in] with K planes): ΔW_p[o, c]
+    = α_p[o] · c_p[g(o), c] · S_p[o, c], g(o) the group of output row o among `col_splits` (G row
+    counts summing to d_out, the matrices of a projection group in d_out order, q‖k‖v; None: G = 1).
+    A matrix of the group with per-row α has c = 1 on its rows; one with per-column α has α = 1
+    on its rows and its vector in c. `backend`: see `backend_for`.
     """
     d_out, d_in = w_base.shape
     if x.shape[-1] != d_in:
         raise ValueError(f"x has {x.shape[-1]} features; w_base expects {d_in}")
-    if signs.dtype != torch.uint8 or tuple(signs.shape) != (d_out, packed_cols(d_in)):
-        raise ValueError(f"signs must be uint8 [{d_out}, {packed_cols(d_in)}], got {signs.dtype} {tuple(signs.shape)}")
-    alpha = alpha.reshape(-1)
-    if alpha.numel() not in (1, d_out):
-        raise ValueError(f"alpha must have {d_out} values or 1, got {alpha.numel()}")
+    planes, alphas, cols, bounds = _check_planes(signs, alpha, col_alpha, col_splits, d_out, d_in, "signs")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, d_in)
-    backend = backend_for(x.device, x2.shape[0] * d_out * d_in, backend)
+    plain = signs.dim() == 2 and cols is None  # one plane of row or matrix α: the kernels of old
+    backend = backend_for(x.device, x2.shape[0] * d_out * d_in * planes.shape[0], backend)
     if backend == "triton":
         xw = x2 if x2.dtype == w_base.dtype else x2.to(w_base.dtype)
-        y = bitdelta_linear_triton(xw, w_base, signs.contiguous(), alpha).to(x.dtype)
+        if plain:
+            y = bitdelta_linear_triton(xw, w_base, signs.contiguous(), alpha.reshape(-1))
+        else:
+            dev_bounds = None if cols is None else _bounds_on(bounds, x.device)
+            y = bitdelta_linear_triton(xw, w_base, planes.contiguous(), alphas, col_alpha=cols, bounds=dev_bounds)
+        y = y.to(x.dtype)
     elif backend == "cpu":
-        y = cpu_ops.bitdelta_linear_cpu(x2, w_base, signs, alpha)
+        if plain:
+            y = cpu_ops.bitdelta_linear_cpu(x2, w_base, signs, alpha.reshape(-1))
+        else:
+            y = cpu_ops.linear_planes_cpu(x2, w_base, planes, alphas, cols, bounds)
     else:
-        y = bitdelta_linear_ref(x2, w_base, signs, alpha)
+        y = bitdelta_linear_ref(x2, w_base, planes, alphas, cols, col_splits)
     return y.reshape(*lead, d_out)
+
+
+def _check_planes(
+    signs: torch.Tensor,
+    alpha: torch.Tensor,
+    col_alpha: torch.Tensor | None,
+    col_splits: tuple[int, ...] | None,
+    d_out: int,
+    d_in: int,
+    name: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
+    """Shapes of signs [d_out, bytes] or [L, d_out, bytes], their α and column α's ->
+    (signs [L, d_out, bytes], fp32 α [L, d_out] or [L, 1], fp32 contiguous column α's [L, G, d_in]
+    or None, the groups' row bounds)."""
+    n_bytes = packed_cols(d_in)
+    if signs.dtype != torch.uint8 or signs.dim() not in (2, 3) or tuple(signs.shape[-2:]) != (d_out, n_bytes):
+        raise ValueError(
+            f"{name} must be uint8 [{d_out}, {n_bytes}] or [K, {d_out}, {n_bytes}], got {signs.dtype} {tuple(signs.shape)}"
+        )
+    lead = tuple(signs.shape[:-2])
+    planes = signs if signs.dim() == 3 else signs[None]
+    L = planes.shape[0]
+    a = alpha.reshape(-1, 1) if alpha.dim() == len(lead) else alpha  # [V] for a stack: one α per matrix
+    if a.dim() != len(lead) + 1 or tuple(a.shape[:-1]) != lead or a.shape[-1] not in (1, d_out):
+        what = f"[{d_out}] or [1]" if not lead else f"[{L}, {d_out}] or [{L}, 1]"
+        raise ValueError(f"alpha must be {what}, got {tuple(alpha.shape)}")
+    bounds = col_bounds(col_splits, d_out)
+    cols = None
+    if col_alpha is not None:
+        G = len(bounds) - 1
+        if tuple(col_alpha.shape) != (*lead, G, d_in):
+            raise ValueError(
+                f"col_alpha must be {[*lead, G, d_in]} (the groups of col_splits), got {tuple(col_alpha.shape)}"
+            )
+        cols = col_alpha.to(torch.float32).reshape(L, G, d_in).contiguous()
+    elif col_splits is not None:
+        raise ValueError("col_splits without col_alpha")
+    return planes, a.to(torch.float32).reshape(L, -1), cols, bounds
+
+
+_BOUNDS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _bounds_on(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The groups' row bounds as int32 on `device`, made once per (bounds, device): no copy per call."""
+    key = (bounds, device)
+    if key not in _BOUNDS:
+        _BOUNDS[key] = torch.tensor(bounds, dtype=torch.int32, device=device)
+    return _BOUNDS[key]
 
 
 def dense_linear(
@@ -111,51 +178,63 @@ def bitdelta_delta_batched(
     x: torch.Tensor,
     signs_stack: torch.Tensor,
     alpha_stack: torch.Tensor,
-    row_variant: torch.Tensor,
+    row_slots: torch.Tensor,
     y: torch.Tensor,
     *,
+    col_alpha: torch.Tensor | None = None,
+    col_splits: tuple[int, ...] | None = None,
     plan: BatchPlan | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """y[r] += α_v ⊙ (x[r] · S_vᵀ) for v = row_variant[r] ≥ 0; rows with −1 are untouched.
+    """y[r] += Σ_p α_s ⊙ ((x[r] · c_s) · S_sᵀ) over the slots s = row_slots[r, p] ≥ 0; a row with
+    no slot is untouched. ONE launch (one C parallel region) per call on every backend.
 
-    x: [M, d_in]; signs_stack: uint8 [V, d_out, ceil(d_in/8)]; alpha_stack: [V, d_out] or [V, 1]
-    (or [V]: one α per matrix); row_variant: int [M]; y: [M, d_out], updated in place and returned.
-    The base GEMM (y = x · W_baseᵀ) runs once for the whole batch outside. On GPU, rows are
-    segmented by variant (SGMV) when some variant has several rows, else one row per program
-    (BGMV); `plan` (kernels.plan_batch) lets all layers of a step share that grouping.
-    `backend`: see `backend_for`.
+    x: [M, d_in]; signs_stack: uint8 [V, d_out, ceil(d_in/8)] (V slots, one sign plane each);
+    alpha_stack: [V, d_out] or [V, 1] (or [V]: one α per matrix); y: [M, d_out], updated in place
+    and returned. row_slots: int [M], one slot per row (−1: base only), or [M, P]: row r adds the
+    plane of every slot row_slots[r, p] ≥ 0 (−1: nothing), so a k-plane variant occupies k slots of
+    the same stacks and rows of different plane counts mix in one batch. The planes' terms are
+    summed in fp32, then added to y once (y may be fp32 while x is bf16).
+    col_alpha (per-column α): None (c = 1) or [V, G, d_in]: ΔW_s[o, c] = α_s[o] · c_s[g(o), c] ·
+    S_s[o, c], g(o) the group of output row o among `col_splits` (G row counts summing to d_out:
+    the matrices of a projection group, q‖k‖v or gate‖up; None: G = 1). A matrix with per-row α
+    has c = 1 on its rows, one with per-column α has α = 1 on its rows; with col_alpha every
+    slot's term is scaled by its c. The base GEMM (y = x · W_baseᵀ) runs once for the whole
+    batch outside. On GPU, rows are segmented by slot set (SGMV) when some set has several rows,
+    else one row per program (BGMV); `plan` (kernels.plan_batch) lets all layers of a step share
+    that grouping. `backend`: see `backend_for`.
     """
     if x.dim() != 2 or y.dim() != 2 or signs_stack.dim() != 3:
         raise ValueError("x [M, d_in], signs_stack [V, d_out, bytes] and y [M, d_out] expected")
     M, d_in = x.shape
-    V, d_out, n_bytes = signs_stack.shape
-    if signs_stack.dtype != torch.uint8 or n_bytes != packed_cols(d_in):
-        raise ValueError(f"signs_stack must be uint8 [V, d_out, {packed_cols(d_in)}], got {tuple(signs_stack.shape)}")
-    if alpha_stack.dim() == 1:
-        alpha_stack = alpha_stack.reshape(-1, 1)
-    if alpha_stack.shape[0] != V or alpha_stack.shape[1] not in (1, d_out):
-        raise ValueError(f"alpha_stack must be [{V}, {d_out}] or [{V}, 1], got {tuple(alpha_stack.shape)}")
-    if tuple(y.shape) != (M, d_out) or row_variant.shape != (M,):
-        raise ValueError(f"y must be [{M}, {d_out}] and row_variant [{M}]")
-    backend = backend_for(x.device, M * d_out * d_in, backend)
+    V, d_out, _ = signs_stack.shape
+    _, alpha_stack, cols, bounds = _check_planes(
+        signs_stack, alpha_stack, col_alpha, col_splits, d_out, d_in, "signs_stack"
+    )
+    if tuple(y.shape) != (M, d_out) or row_slots.dim() not in (1, 2) or row_slots.shape[0] != M:
+        raise ValueError(f"y must be [{M}, {d_out}] and row_slots [{M}] or [{M}, P]")
+    P = 1 if row_slots.dim() == 1 else row_slots.shape[1]
+    backend = backend_for(x.device, M * d_out * d_in * P, backend)
     if backend == "cpu":
-        return cpu_ops.bitdelta_delta_batched_cpu(x, signs_stack, alpha_stack, row_variant, y)
+        return cpu_ops.bitdelta_delta_batched_cpu(x, signs_stack, alpha_stack, row_slots, y, cols, bounds)
     if backend == "torch":
-        return bitdelta_delta_batched_ref(x, signs_stack, alpha_stack.expand(V, d_out), row_variant, y)
+        return bitdelta_delta_batched_ref(x, signs_stack, alpha_stack.expand(V, d_out), row_slots, y, cols, col_splits)
     cfg = config_for(x.device)
     if plan is None:
-        plan = plan_batch(row_variant, V, x.device)
-    elif plan.m != M:
-        raise ValueError(f"plan was built for {plan.m} rows, batch has {M}")
+        plan = plan_batch(row_slots, V, x.device)
+    elif plan.m != M or plan.planes != P:
+        raise ValueError(f"plan was built for {plan.m} rows of {plan.planes} slots, batch has {M} of {P}")
     if plan.kind == "none":
         return y
     s = signs_stack if signs_stack.stride(2) == 1 else signs_stack.contiguous()
-    a = alpha_stack.to(torch.float32)
+    dev_bounds = None if cols is None else _bounds_on(bounds, x.device)
     kind = plan.kind
     blocks = dict(cfg[kind], BLOCK_M=plan.block_m) if kind == "sgmv" else dict(cfg[kind])
     if x.device.type == "cuda":  # fewer stages if the resource model says these blocks overflow this GPU
-        blocks = fit(kind, blocks, 4 if uses_fp32_dot(x.dtype) else x.element_size(), smem_limit(cfg, x.device))
+        es = 4 if uses_fp32_dot(x.dtype) or cols is not None else x.element_size()
+        blocks = fit(kind, blocks, es, smem_limit(cfg, x.device))
     if kind == "bgmv":
-        return bgmv_launch(x, s, a, plan.row_variant, y, blocks)
-    return sgmv_launch(x, s, a, y, plan.row_idx, plan.tile_start, plan.tile_end, plan.tile_variant, blocks)
+        return bgmv_launch(x, s, alpha_stack, plan.row_slots, y, blocks, cols, dev_bounds)
+    return sgmv_launch(
+        x, s, alpha_stack, y, plan.row_idx, plan.tile_start, plan.tile_end, plan.tile_slots, blocks, cols, dev_bounds
+    )

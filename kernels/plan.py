@@ -1,9 +1,9 @@
-"""Per-batch metadata for the batched delta: which rows go to which variant, and which kernel runs.
+"""Per-batch metadata for the batched delta: which rows add which slots' planes, and which kernel runs.
 
-The plan depends only on `row_variant`, so a worker builds it ONCE per decode
-step and passes it to every layer (`plan=`). Built from a host `row_variant` (the
+The plan depends only on `row_slots`, so a worker builds it ONCE per decode
+step and passes it to every layer (`plan=`). Built from a host `row_slots` (the
 worker's case) it reads nothing back from the device and copies its index tensors
-asynchronously from pinned memory; from a device `row_variant` it costs one sync.
+asynchronously from pinned memory; from a device `row_slots` it costs one sync.
 """
 
 from __future__ import annotations
@@ -17,24 +17,30 @@ from kernels.configs import config_for
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """kind: 'none' (no delta row), 'bgmv' (one program per row) or 'sgmv' (tiles of one variant).
+    """kind: 'none' (no delta row), 'bgmv' (one program per row) or 'sgmv' (tiles of one slot set).
 
-    row_variant: int32 [M] on the device (bgmv); row_idx: int32 [rows with v ≥ 0], sorted by
-    variant; tile_start / tile_end / tile_variant: int32 [T], each tile ≤ block_m rows of one
-    variant (sgmv). max_rows: most rows of one variant; variants: distinct variants ≥ 0.
+    row_slots: int32 [M, P] on the device (bgmv), each row's slots (−1: none; P = 1 for a 1-D
+    row_slots); row_idx: int32 [rows with a slot], sorted by slot set; tile_start / tile_end:
+    int32 [T], tile_slots: int32 [T, P], each tile ≤ block_m rows of one slot set (sgmv).
+    max_rows: most rows of one slot set; slot_sets: the distinct slot tuples of those rows.
     """
 
     kind: str
     m: int
     device: torch.device
-    row_variant: torch.Tensor
+    row_slots: torch.Tensor
     max_rows: int
-    variants: tuple[int, ...]
+    slot_sets: tuple[tuple[int, ...], ...]
     block_m: int = 0
     row_idx: torch.Tensor | None = None
     tile_start: torch.Tensor | None = None
     tile_end: torch.Tensor | None = None
-    tile_variant: torch.Tensor | None = None
+    tile_slots: torch.Tensor | None = None
+
+    @property
+    def planes(self) -> int:
+        """P: slots per row (the kernels' plane loop)."""
+        return self.row_slots.shape[1]
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -45,48 +51,52 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def plan_batch(
-    row_variant: torch.Tensor,
-    n_variants: int,
+    row_slots: torch.Tensor,
+    n_slots: int,
     device: torch.device | None = None,
     sgmv_min_rows: int | None = None,
     block_m: int | None = None,
 ) -> BatchPlan:
-    """Group the rows of a batch by variant.
+    """Group the rows of a batch by their whole slot tuple.
 
-    row_variant: int [M], −1 for base-only rows; n_variants: V of signs_stack (indices are
-    checked against it here, once, so the kernels never read outside the stack).
-    sgmv_min_rows and block_m default to the device's entry in configs.json.
-    SGMV is chosen when some variant has ≥ sgmv_min_rows rows (prefill-sized groups:
-    one tensor-core dot per tile reads S_v once per tile instead of once per row);
-    otherwise BGMV (decode: each row reads its variant's bits once anyway).
+    row_slots: int [M] (one slot per row) or [M, P] (row r adds the planes of the slots
+    row_slots[r, p] ≥ 0), −1 for nothing (a base-only row has no slot at all); n_slots: V of
+    signs_stack (indices are checked against it here, once, so the kernels never read outside
+    the stack). sgmv_min_rows and block_m default to the device's entry in configs.json.
+    SGMV is chosen when some slot set has ≥ sgmv_min_rows rows (prefill-sized groups:
+    one tensor-core dot per tile reads each plane once per tile instead of once per row);
+    otherwise BGMV (decode: each row reads its planes' bits once anyway).
     """
-    if row_variant.dim() != 1:
-        raise ValueError(f"row_variant must be 1-D, got {tuple(row_variant.shape)}")
-    device = row_variant.device if device is None else torch.device(device)
+    if row_slots.dim() not in (1, 2):
+        raise ValueError(f"row_slots must be [M] or [M, P], got {tuple(row_slots.shape)}")
+    device = row_slots.device if device is None else torch.device(device)
     cfg = config_for(device)
     sgmv_min_rows = cfg["sgmv_min_rows"] if sgmv_min_rows is None else sgmv_min_rows
     block_m = cfg["sgmv"]["BLOCK_M"] if block_m is None else block_m
-    rv = row_variant.to("cpu", torch.int64)
-    m = rv.numel()
-    if m and (int(rv.max()) >= n_variants or int(rv.min()) < -1):
-        raise ValueError(f"row_variant values must lie in [-1, {n_variants - 1}]")
-    active = rv >= 0
-    rv_dev = _to(rv.to(torch.int32), device)
+    rs = row_slots.to("cpu", torch.int64).reshape(row_slots.shape[0], -1)
+    m, planes = rs.shape
+    if planes < 1:
+        raise ValueError("row_slots [M, P] needs P ≥ 1")
+    if rs.numel() and (int(rs.max()) >= n_slots or int(rs.min()) < -1):
+        raise ValueError(f"row_slots values must lie in [-1, {n_slots - 1}]")
+    active = (rs >= 0).any(dim=1)
+    rs_dev = _to(rs.to(torch.int32), device)
     if not bool(active.any()):
-        return BatchPlan("none", m, device, rv_dev, 0, ())
-    variants, counts = torch.unique(rv[active], return_counts=True)
+        return BatchPlan("none", m, device, rs_dev, 0, ())
+    sets, key, counts = torch.unique(rs[active], dim=0, return_inverse=True, return_counts=True)
+    slot_sets = tuple(tuple(s) for s in sets.tolist())
     max_rows = int(counts.max())
     if max_rows < sgmv_min_rows:
-        return BatchPlan("bgmv", m, device, rv_dev, max_rows, tuple(variants.tolist()))
-    # sort active rows by variant (stable: rows keep their order inside a segment)
-    order = torch.argsort(rv.masked_fill(~active, n_variants), stable=True)[: int(active.sum())]
-    starts, ends, tvars = [], [], []
+        return BatchPlan("bgmv", m, device, rs_dev, max_rows, slot_sets)
+    # sort active rows by slot set (stable: rows keep their order inside a segment)
+    order = active.nonzero(as_tuple=True)[0][torch.argsort(key, stable=True)]
+    starts, ends, tsets = [], [], []
     pos = 0
-    for v, c in zip(variants.tolist(), counts.tolist()):
+    for s, c in zip(sets.tolist(), counts.tolist()):
         for t0 in range(0, c, block_m):
             starts.append(pos + t0)
             ends.append(pos + min(c, t0 + block_m))
-            tvars.append(v)
+            tsets.append(s)
         pos += c
 
     def dev(a):
@@ -96,12 +106,12 @@ def plan_batch(
         "sgmv",
         m,
         device,
-        rv_dev,
+        rs_dev,
         max_rows,
-        tuple(variants.tolist()),
+        slot_sets,
         block_m,
         dev(order),
         dev(starts),
         dev(ends),
-        dev(tvars),
+        dev(tsets),
     )

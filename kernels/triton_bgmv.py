@@ -11,67 +11,110 @@ import triton.language as tl
 @triton.jit
 def _bitdelta_bgmv_kernel(
     # pointers
-    x_ptr, s_ptr, alpha_ptr, y_ptr, row_variant_ptr,
+    x_ptr, s_ptr, alpha_ptr, y_ptr, slots_ptr, col_ptr, bounds_ptr,
     # sizes
     N, K,
     # strides
-    stride_xm, stride_xk, stride_sv, stride_sn, stride_av, stride_an, stride_ym, stride_yn,
+    stride_xm, stride_xk, stride_sv, stride_sn, stride_av, stride_an, stride_ym, stride_yn, stride_rm,
+    stride_cv, stride_cg,
     # meta
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PLANES: tl.constexpr, HAS_COL: tl.constexpr,
+    GROUPS: tl.constexpr,
 ):  # fmt: skip
-    """y[r, n] += α_v[n] · Σ_k x[r, k] · S_v[n, k],  v = row_variant[r]; rows with v < 0 are untouched.
+    """y[r, n] += Σ_p α_v[n] · Σ_k x[r, k] · c_v[g(n), k] · S_v[n, k],  v = slots[r, p] ≥ 0 (p < PLANES);
+    a row without any slot is untouched. The planes' terms are summed in fp32, then added to y once.
 
     x: [M, K]; s: uint8 [V, N, ceil(K/8)]; α: fp32 [V, N] (stride_an 0: one per matrix);
-    row_variant: int [M]; y: [M, N], updated in place. Program (r, pid_n) handles row r
-    and BLOCK_N outputs. Each sign byte is loaded once: the K-step is viewed as
-    [BLOCK_K/8 bytes, 8 bits] and x is loaded in the same [bytes, 8] shape, so
-    no reshape is needed; the sum runs on CUDA cores (no dot for one row).
+    slots: int32 [M, PLANES]; y: [M, N], updated in place. HAS_COL: column α's c: fp32
+    [V, GROUPS, K], group g on outputs [bounds[g], bounds[g+1]) (int32 [GROUPS + 1]); without, c = 1.
+    Program (r, pid_n) handles row r and BLOCK_N outputs. Each sign byte is loaded once per
+    plane: the K-step is viewed as [BLOCK_K/8 bytes, 8 bits] and x is loaded in the same
+    [bytes, 8] shape, so no reshape is needed; the sum runs on CUDA cores (no dot for one row).
+    With column α's the tile's groups are visited in turn (a tile crosses a group boundary
+    rarely), x scaled by the group's c in fp32.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    v = tl.load(row_variant_ptr + pid_m).to(tl.int64)  # int64 before it multiplies a stride
-    valid = v >= 0
-    v = tl.maximum(v, 0)  # base-only rows: every load and the store are masked off
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = (offs_n < N) & valid
+    n_in = offs_n < N
     offs_b = tl.arange(0, 8)
     BYTES: tl.constexpr = BLOCK_K // 8
-    s_base = s_ptr + v * stride_sv
     x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    any_slot = tl.load(slots_ptr + pid_m * stride_rm) >= 0
+    for p in tl.static_range(PLANES):
+        v = tl.load(slots_ptr + pid_m * stride_rm + p).to(tl.int64)  # int64 before it multiplies a stride
+        if p > 0:
+            any_slot = any_slot | (v >= 0)
+        if v >= 0:
+            s_base = s_ptr + v * stride_sv
+            alpha = tl.load(alpha_ptr + v * stride_av + offs_n * stride_an, mask=n_in, other=0.0)
+            if HAS_COL:
+                n_first = pid_n * BLOCK_N
+                n_last = tl.minimum(n_first + BLOCK_N, N) - 1
+                g_first = 0
+                g_last = 0
+                for j in tl.static_range(1, GROUPS):
+                    b = tl.load(bounds_ptr + j)
+                    g_first += (n_first >= b).to(tl.int32)
+                    g_last += (n_last >= b).to(tl.int32)
+                for g in range(g_first, g_last + 1):
+                    in_g = n_in & (offs_n >= tl.load(bounds_ptr + g)) & (offs_n < tl.load(bounds_ptr + g + 1))
+                    c_row = col_ptr + v * stride_cv + g * stride_cg
+                    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                    for step in range(0, tl.cdiv(K, BLOCK_K)):
+                        offs_g = step * BYTES + tl.arange(0, BYTES)  # byte index within the row
+                        offs_k = offs_g[:, None] * 8 + offs_b[None, :]  # [BYTES, 8] column index
+                        k_in = offs_k < K
+                        x = tl.load(x_row + offs_k * stride_xk, mask=k_in, other=0.0).to(tl.float32)
+                        x = x * tl.load(c_row + offs_k, mask=k_in, other=0.0)
+                        byte = tl.load(
+                            s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
+                            mask=in_g[:, None] & (offs_g[None, :] * 8 < K),
+                            other=0,
+                        )  # [BN, BYTES]
+                        bit = (byte.to(tl.int32)[:, :, None] >> offs_b[None, None, :]) & 1  # [BN, BYTES, 8]
+                        contrib = tl.where(bit != 0, x[None, :, :], -x[None, :, :])
+                        acc += tl.sum(tl.sum(contrib, axis=2), axis=1)
+                    total += tl.where(in_g, acc * alpha, 0.0)
+            else:
+                acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for step in range(0, tl.cdiv(K, BLOCK_K)):
+                    offs_g = step * BYTES + tl.arange(0, BYTES)  # byte index within the row
+                    offs_k = offs_g[:, None] * 8 + offs_b[None, :]  # [BYTES, 8] column index
+                    x = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0.0).to(tl.float32)
+                    # bytes past the row end (K not a multiple of 8·BYTES) read as 0; x there is 0
+                    byte = tl.load(
+                        s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
+                        mask=n_in[:, None] & (offs_g[None, :] * 8 < K),
+                        other=0,
+                    )  # [BN, BYTES]
+                    bit = (byte.to(tl.int32)[:, :, None] >> offs_b[None, None, :]) & 1  # [BN, BYTES, 8]
+                    contrib = tl.where(bit != 0, x[None, :, :], -x[None, :, :])
+                    acc += tl.sum(tl.sum(contrib, axis=2), axis=1)
+                total += acc * alpha
 
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for step in range(0, tl.cdiv(K, BLOCK_K)):
-        offs_g = step * BYTES + tl.arange(0, BYTES)  # byte index within the row
-        offs_k = offs_g[:, None] * 8 + offs_b[None, :]  # [BYTES, 8] column index
-        x = tl.load(x_row + offs_k * stride_xk, mask=(offs_k < K) & valid, other=0.0).to(tl.float32)
-        # bytes past the row end (K not a multiple of 8·BYTES) read as 0; x there is 0
-        byte = tl.load(
-            s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
-            mask=n_mask[:, None] & (offs_g[None, :] * 8 < K),
-            other=0,
-        )  # [BN, BYTES]
-        bit = (byte.to(tl.int32)[:, :, None] >> offs_b[None, None, :]) & 1  # [BN, BYTES, 8]
-        contrib = tl.where(bit != 0, x[None, :, :], -x[None, :, :])
-        acc += tl.sum(tl.sum(contrib, axis=2), axis=1)
-
-    alpha = tl.load(alpha_ptr + v * stride_av + offs_n * stride_an, mask=n_mask, other=0.0)
+    n_mask = n_in & any_slot  # a row without a slot: no load, no store
     y_ptrs = y_ptr + pid_m.to(tl.int64) * stride_ym + offs_n * stride_yn
     y_old = tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (y_old + acc * alpha).to(y_ptr.dtype.element_ty), mask=n_mask)
+    tl.store(y_ptrs, (y_old + total).to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 def bgmv_launch(
     x: torch.Tensor,
     signs_stack: torch.Tensor,
     alpha_stack: torch.Tensor,
-    row_variant: torch.Tensor,
+    row_slots: torch.Tensor,
     y: torch.Tensor,
     blocks: dict,
+    col_alpha: torch.Tensor | None = None,
+    bounds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch one program per (row, N-tile); shapes are checked by the caller.
 
     x: [M, d_in]; signs_stack: uint8 [V, d_out, ceil(d_in/8)]; alpha_stack: fp32 [V, d_out] or [V, 1];
-    row_variant: int [M] on x's device; y: [M, d_out]. Returns y, updated in place.
+    row_slots: int32 [M, P] on x's device; y: [M, d_out]; col_alpha: None or fp32 [V, G, d_in] (unit
+    column stride) with bounds: int32 [G + 1] on x's device. Returns y, updated in place.
     """
     M, K = x.shape
     N = signs_stack.shape[1]
@@ -79,13 +122,16 @@ def bgmv_launch(
         return y
     if blocks["BLOCK_K"] % 8:
         raise ValueError("bgmv BLOCK_K must be a multiple of 8")
+    has_col = col_alpha is not None
     grid = (M, triton.cdiv(N, blocks["BLOCK_N"]))
     _bitdelta_bgmv_kernel[grid](
         x,
         signs_stack,
         alpha_stack,
         y,
-        row_variant,
+        row_slots,
+        col_alpha if has_col else alpha_stack,  # an unread pointer without column α's
+        bounds if has_col else row_slots,
         N,
         K,
         x.stride(0),
@@ -96,8 +142,14 @@ def bgmv_launch(
         0 if alpha_stack.shape[1] == 1 else alpha_stack.stride(1),
         y.stride(0),
         y.stride(1),
+        row_slots.stride(0),
+        col_alpha.stride(0) if has_col else 0,
+        col_alpha.stride(1) if has_col else 0,
         BLOCK_N=blocks["BLOCK_N"],
         BLOCK_K=blocks["BLOCK_K"],
+        PLANES=row_slots.shape[1],
+        HAS_COL=has_col,
+        GROUPS=col_alpha.shape[1] if has_col else 1,
         num_warps=blocks["num_warps"],
         num_stages=blocks["num_stages"],
     )

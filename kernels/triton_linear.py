@@ -1,4 +1,4 @@
-"""Fused BitDelta linear: y = x · W_baseᵀ + α ⊙ (x · Sᵀ) in one pass over W and the sign bits."""
+"""Fused BitDelta linear: y = x · W_baseᵀ + Σ_p α_p ⊙ (x · S_pᵀ) in one pass over W, one over each plane's bits."""
 
 from __future__ import annotations
 
@@ -16,14 +16,16 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @triton.jit
 def _bitdelta_linear_kernel(
     # pointers
-    x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr,
+    x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, col_ptr, bounds_ptr,
     # sizes
     M, N, K,
     # strides
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_an, stride_ym, stride_yn,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_sp, stride_sn, stride_ap, stride_an, stride_ym, stride_yn,
+    stride_cp, stride_cg,
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    PLANES: tl.constexpr, HAS_COL: tl.constexpr, GROUPS: tl.constexpr, COL_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """y[m, n] = Σ_k x[m, k] · W[n, k]  +  α_n · Σ_k x[m, k] · S[n, k],
     S[n, k] = +1 if bit (k mod 8) of s[n, k // 8] else −1.
@@ -45,6 +47,14 @@ def _bitdelta_linear_kernel(
     (the bit pattern of 1.0 has ≥ 7 trailing zeros), two integer ops per weight and a
     free bitcast; [BLOCK_N, BLOCK_K/8, 8] reshapes to [BLOCK_N, BLOCK_K] (bit j of byte b
     is column 8b + j). With SPLIT_K > 1, y is an fp32 buffer the slices atomically add into.
+
+    Planes: s holds PLANES sign planes (plane stride stride_sp, α's stride_ap) of one variant,
+    y += Σ_p α_p ⊙ (x · S_pᵀ). Plane 0 rides on W's pass as above; each further plane is a pass
+    of its own over the same K slice, reading x (from cache) and its bits once, its term
+    added in fp32. HAS_COL: column α's c: fp32 [PLANES, GROUPS, K] (group g on outputs
+    [bounds[g], bounds[g+1]), int32 [GROUPS + 1]), term α_p ⊙ ((x ⊙ c_p,g) · S_pᵀ); then W's
+    pass is the base alone and every plane has its own pass, the tile's groups in turn, x ⊙ c in
+    fp32 dotted in COL_PRECISION (tf32x3 on a GPU: about fp32's accuracy).
     """
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -92,31 +102,104 @@ def _bitdelta_linear_kernel(
             mask=n_mask[:, None] & k_mask[None, :],
             other=0.0,
         )  # [BN, BK]
-        # bits past K (last byte of a ragged row) may be 1; x is 0 there
-        byte = tl.load(
-            s_ptr + offs_n[:, None] * stride_sn + offs_g[None, :],
-            mask=n_mask[:, None] & (offs_g[None, :] * 8 < K),
-            other=0,
-        ).to(tl.int32)  # [BN, BYTES]
-        pat = (byte[:, :, None] & bitval[None, None, :]) * one[None, None, :]  # [BN, BYTES, 8]
-        pat = tl.reshape(pat, (BLOCK_N, BLOCK_K))
-        if DOT_FP32:
-            # fp32 inputs (TF32 if torch allows it), and bf16 in the interpreter, whose bf16
-            # dot is wrong: bf16 values and 0/1 are exact in fp32, so this is the GPU's math
-            b = pat.to(tl.float32, bitcast=True)
-            xf = x.to(tl.float32)
-            acc_w += tl.dot(xf, tl.trans(w.to(tl.float32)), input_precision=PRECISION)
-            acc_b += tl.dot(xf, tl.trans(b), input_precision=PRECISION)
-            xsum += tl.sum(xf, axis=1)
+        if HAS_COL:  # the base alone: every plane takes its own pass below
+            if DOT_FP32:
+                acc_w += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision=PRECISION)
+            else:
+                acc_w += tl.dot(x, tl.trans(w))
         else:
-            b = pat.to(tl.int16).to(x.dtype, bitcast=True)
-            acc_w += tl.dot(x, tl.trans(w))
-            acc_b += tl.dot(x, tl.trans(b))
-            xsum += tl.sum(x.to(tl.float32), axis=1)
+            # bits past K (last byte of a ragged row) may be 1; x is 0 there
+            byte = tl.load(
+                s_ptr + offs_n[:, None] * stride_sn + offs_g[None, :],
+                mask=n_mask[:, None] & (offs_g[None, :] * 8 < K),
+                other=0,
+            ).to(tl.int32)  # [BN, BYTES]
+            pat = (byte[:, :, None] & bitval[None, None, :]) * one[None, None, :]  # [BN, BYTES, 8]
+            pat = tl.reshape(pat, (BLOCK_N, BLOCK_K))
+            if DOT_FP32:
+                # fp32 inputs (TF32 if torch allows it), and bf16 in the interpreter, whose bf16
+                # dot is wrong: bf16 values and 0/1 are exact in fp32, so this is the GPU's math
+                b = pat.to(tl.float32, bitcast=True)
+                xf = x.to(tl.float32)
+                acc_w += tl.dot(xf, tl.trans(w.to(tl.float32)), input_precision=PRECISION)
+                acc_b += tl.dot(xf, tl.trans(b), input_precision=PRECISION)
+                xsum += tl.sum(xf, axis=1)
+            else:
+                b = pat.to(tl.int16).to(x.dtype, bitcast=True)
+                acc_w += tl.dot(x, tl.trans(w))
+                acc_b += tl.dot(x, tl.trans(b))
+                xsum += tl.sum(x.to(tl.float32), axis=1)
 
-    # padded rows have α = 0 and padded columns x = 0: neither adds anything
-    alpha = tl.load(alpha_ptr + offs_n * stride_an, mask=n_mask, other=0.0)  # [BN] fp32
-    acc = acc_w + alpha[None, :] * (2.0 * acc_b - xsum[:, None])
+    if HAS_COL:
+        acc = acc_w
+        one32 = (0x3F800000 >> tl.arange(0, 8)).to(tl.int32)  # fp32 1.0 >> j
+        n_first = pid_n * BLOCK_N
+        n_last = tl.minimum(n_first + BLOCK_N, N) - 1
+        g_first = 0
+        g_last = 0
+        for j in tl.static_range(1, GROUPS):
+            bnd = tl.load(bounds_ptr + j)
+            g_first += (n_first >= bnd).to(tl.int32)
+            g_last += (n_last >= bnd).to(tl.int32)
+        for p in tl.static_range(PLANES):
+            alpha = tl.load(alpha_ptr + p * stride_ap + offs_n * stride_an, mask=n_mask, other=0.0)
+            for g in range(g_first, g_last + 1):
+                in_g = n_mask & (offs_n >= tl.load(bounds_ptr + g)) & (offs_n < tl.load(bounds_ptr + g + 1))
+                c_row = col_ptr + p * stride_cp + g * stride_cg
+                acc_c = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (x ⊙ c) · Bᵀ
+                xsum_c = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                for step in range(0, k_steps):
+                    k0 = k_first + step * BLOCK_K
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    k_mask = offs_k < K
+                    offs_g = k0 // 8 + tl.arange(0, BYTES)
+                    x = tl.load(
+                        x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=m_mask[:, None] & k_mask[None, :],
+                        other=0.0,
+                    ).to(tl.float32)
+                    xc = x * tl.load(c_row + offs_k, mask=k_mask, other=0.0)[None, :]
+                    byte = tl.load(
+                        s_ptr + p * stride_sp + offs_n[:, None] * stride_sn + offs_g[None, :],
+                        mask=in_g[:, None] & (offs_g[None, :] * 8 < K),
+                        other=0,
+                    ).to(tl.int32)
+                    pat = tl.reshape(
+                        (byte[:, :, None] & bitval[None, None, :]) * one32[None, None, :], (BLOCK_N, BLOCK_K)
+                    )
+                    acc_c += tl.dot(xc, tl.trans(pat.to(tl.float32, bitcast=True)), input_precision=COL_PRECISION)
+                    xsum_c += tl.sum(xc, axis=1)
+                acc += tl.where(in_g[None, :], (2.0 * acc_c - xsum_c[:, None]) * alpha[None, :], 0.0)
+    else:
+        # padded rows have α = 0 and padded columns x = 0: neither adds anything
+        alpha = tl.load(alpha_ptr + offs_n * stride_an, mask=n_mask, other=0.0)  # [BN] fp32
+        acc = acc_w + alpha[None, :] * (2.0 * acc_b - xsum[:, None])
+        for p in tl.static_range(1, PLANES):  # further planes: x (from cache) and their bits, once each
+            acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for step in range(0, k_steps):
+                k0 = k_first + step * BLOCK_K
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = offs_k < K
+                offs_g = k0 // 8 + tl.arange(0, BYTES)
+                x = tl.load(
+                    x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0,
+                )
+                byte = tl.load(
+                    s_ptr + p * stride_sp + offs_n[:, None] * stride_sn + offs_g[None, :],
+                    mask=n_mask[:, None] & (offs_g[None, :] * 8 < K),
+                    other=0,
+                ).to(tl.int32)
+                pat = tl.reshape((byte[:, :, None] & bitval[None, None, :]) * one[None, None, :], (BLOCK_N, BLOCK_K))
+                if DOT_FP32:
+                    acc_b += tl.dot(
+                        x.to(tl.float32), tl.trans(pat.to(tl.float32, bitcast=True)), input_precision=PRECISION
+                    )
+                else:
+                    acc_b += tl.dot(x, tl.trans(pat.to(tl.int16).to(x.dtype, bitcast=True)))
+            alpha = tl.load(alpha_ptr + p * stride_ap + offs_n * stride_an, mask=n_mask, other=0.0)
+            acc += alpha[None, :] * (2.0 * acc_b - xsum[:, None])  # Σx of this K slice: the pass above's
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
     y_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -131,12 +214,16 @@ def _check(x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: to
     if x.dtype not in _DTYPES or w_base.dtype != x.dtype:
         raise ValueError(f"x and w_base must share one of {_DTYPES}, got {x.dtype}, {w_base.dtype}")
     d_out, d_in = w_base.shape
-    if signs.dtype != torch.uint8 or tuple(signs.shape) != (d_out, packed_cols(d_in)):
-        raise ValueError(f"signs must be uint8 [{d_out}, {packed_cols(d_in)}], got {signs.dtype} {tuple(signs.shape)}")
-    if signs.stride(1) != 1:
+    lead = tuple(signs.shape[:-2])
+    if signs.dtype != torch.uint8 or signs.dim() not in (2, 3) or tuple(signs.shape[-2:]) != (d_out, packed_cols(d_in)):
+        raise ValueError(
+            f"signs must be uint8 [{d_out}, {packed_cols(d_in)}] or [K, {d_out}, {packed_cols(d_in)}], "
+            f"got {signs.dtype} {tuple(signs.shape)}"
+        )
+    if signs.stride(-1) != 1:
         raise ValueError("signs must have unit column stride")
-    if alpha.dim() != 1 or alpha.shape[0] not in (1, d_out):
-        raise ValueError(f"alpha must be [{d_out}] or [1], got {tuple(alpha.shape)}")
+    if alpha.dim() != len(lead) + 1 or tuple(alpha.shape[:-1]) != lead or alpha.shape[-1] not in (1, d_out):
+        raise ValueError(f"alpha must be [{d_out}] or [1] per plane, got {tuple(alpha.shape)} for signs {lead}")
     if not (x.device == w_base.device == signs.device == alpha.device):
         raise ValueError("x, w_base, signs and alpha must be on one device")
 
@@ -144,6 +231,12 @@ def _check(x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: to
 def uses_fp32_dot(dtype: torch.dtype) -> bool:
     """fp32 inputs dot in fp32; bf16 too in the interpreter (its bf16 dot multiplies raw bits)."""
     return dtype == torch.float32 or (interpreting() and dtype == torch.bfloat16)
+
+
+def col_precision(device: torch.device) -> str:
+    """The fp32 dot of x ⊙ c (column α's): tf32x3 (three TF32 products, about fp32's accuracy) on a
+    GPU, "ieee" in the interpreter."""
+    return "tf32x3" if device.type == "cuda" else "ieee"
 
 
 def launch_blocks(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, config: dict | None = None) -> dict:
@@ -158,20 +251,32 @@ def launch_blocks(M: int, N: int, K: int, dtype: torch.dtype, device: torch.devi
 
 
 def bitdelta_linear_triton(
-    x: torch.Tensor, w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor, config: dict | None = None
+    x: torch.Tensor,
+    w_base: torch.Tensor,
+    signs: torch.Tensor,
+    alpha: torch.Tensor,
+    config: dict | None = None,
+    col_alpha: torch.Tensor | None = None,
+    bounds: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = x · W_baseᵀ + α ⊙ (x · Sᵀ) with the fused Triton kernel.
+    """y = x · W_baseᵀ + Σ_p α_p ⊙ ((x ⊙ c_p) · S_pᵀ) with the fused Triton kernel.
 
-    x: [M, d_in] fp16/bf16/fp32; w_base: [d_out, d_in] same dtype; signs: uint8 [d_out, ceil(d_in/8)];
-    alpha: [d_out] or [1] -> y: [M, d_out] in x.dtype. `config` overrides the block sizes (tests, tuning).
+    x: [M, d_in] fp16/bf16/fp32; w_base: [d_out, d_in] same dtype; signs: uint8 [d_out, ceil(d_in/8)]
+    or [K, d_out, ceil(d_in/8)] (K planes); alpha: [d_out] or [1] ([K, d_out] or [K, 1] with K planes);
+    col_alpha: None (c = 1) or fp32 [K, G, d_in] with bounds: int32 [G + 1] on x's device (the row
+    bounds of the groups) -> y: [M, d_out] in x.dtype. `config` overrides the block sizes (tests, tuning).
     """
     _check(x, w_base, signs, alpha)
+    planes = signs if signs.dim() == 3 else signs[None]
     M, K = x.shape
     N = w_base.shape[0]
-    blocks = launch_blocks(M, N, K, x.dtype, x.device, config)
+    has_col = col_alpha is not None
+    blocks = launch_blocks(M, N, K, torch.float32 if has_col else x.dtype, x.device, config)  # x ⊙ c: fp32 tiles
     if blocks["BLOCK_K"] % 8:
         raise ValueError("BLOCK_K must be a multiple of 8 (a K-step covers whole sign bytes)")
-    alpha32 = alpha.to(torch.float32).contiguous()
+    alpha32 = alpha.to(torch.float32).reshape(planes.shape[0], -1).contiguous()
+    if has_col and (tuple(col_alpha.shape[::2]) != (planes.shape[0], K) or bounds is None):
+        raise ValueError(f"col_alpha must be [{planes.shape[0]}, G, {K}] with the groups' bounds")
     n_tiles = triton.cdiv(M, blocks["BLOCK_M"]) * triton.cdiv(N, blocks["BLOCK_N"])
     split_k = blocks["SPLIT_K"]
     if split_k > 1:
@@ -188,9 +293,11 @@ def bitdelta_linear_triton(
     _bitdelta_linear_kernel[(n_tiles, split_k)](
         x,
         w_base,
-        signs,
+        planes,
         alpha32,
         y,
+        col_alpha if has_col else alpha32,  # an unread pointer without column α's
+        bounds if has_col else alpha32,
         M,
         N,
         K,
@@ -198,10 +305,14 @@ def bitdelta_linear_triton(
         x.stride(1),
         w_base.stride(0),
         w_base.stride(1),
-        signs.stride(0),
-        0 if alpha32.numel() == 1 else 1,
+        planes.stride(0),
+        planes.stride(1),
+        alpha32.stride(0),
+        0 if alpha32.shape[1] == 1 else 1,
         y.stride(0),
         y.stride(1),
+        col_alpha.stride(0) if has_col else 0,
+        col_alpha.stride(1) if has_col else 0,
         BLOCK_M=blocks["BLOCK_M"],
         BLOCK_N=blocks["BLOCK_N"],
         BLOCK_K=blocks["BLOCK_K"],
@@ -209,6 +320,10 @@ def bitdelta_linear_triton(
         SPLIT_K=split_k,
         DOT_FP32=uses_fp32_dot(x.dtype),
         PRECISION=precision,
+        PLANES=planes.shape[0],
+        HAS_COL=has_col,
+        GROUPS=col_alpha.shape[1] if has_col else 1,
+        COL_PRECISION=col_precision(x.device),
         num_warps=blocks["num_warps"],
         num_stages=blocks["num_stages"],
     )

@@ -1,4 +1,4 @@
-"""Segmented 1-bit delta (Punica SGMV style): rows grouped by variant, one tensor-core dot per tile."""
+"""Segmented 1-bit delta (Punica SGMV style): rows grouped by slot set, one tensor-core dot per tile and plane."""
 
 from __future__ import annotations
 
@@ -6,28 +6,34 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_linear import uses_fp32_dot
+from kernels.triton_linear import col_precision, uses_fp32_dot
 
 
 # The kernel's arguments stay in their groups (pointers, sizes, strides, meta): fmt: skip.
 @triton.jit
 def _bitdelta_sgmv_kernel(
     # pointers
-    x_ptr, s_ptr, alpha_ptr, y_ptr, row_idx_ptr, tile_start_ptr, tile_end_ptr, tile_variant_ptr,
+    x_ptr, s_ptr, alpha_ptr, y_ptr, row_idx_ptr, tile_start_ptr, tile_end_ptr, tile_slots_ptr, col_ptr, bounds_ptr,
     # sizes
     N, K,
     # strides
-    stride_xm, stride_xk, stride_sv, stride_sn, stride_av, stride_an, stride_ym, stride_yn,
+    stride_xm, stride_xk, stride_sv, stride_sn, stride_av, stride_an, stride_ym, stride_yn, stride_tp,
+    stride_cv, stride_cg,
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, PLANES: tl.constexpr, HAS_COL: tl.constexpr,
+    GROUPS: tl.constexpr, COL_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """y[r, n] += α_v[n] · Σ_k x[r, k] · S_v[n, k]  for the rows r of one tile, all of variant v.
+    """y[r, n] += Σ_p α_v[n] · Σ_k x[r, k] · c_v[g(n), k] · S_v[n, k],  v = tile_slots[t, p] ≥ 0,
+    for the rows r of one tile, all of one slot set; the planes' terms summed in fp32, then added.
 
     x: [M, K]; s: uint8 [V, N, ceil(K/8)]; α: fp32 [V, N] (stride_an 0: one per matrix);
     y: [M, N], updated in place. Tile t (program axis 0) covers rows
-    row_idx[tile_start[t] : tile_end[t]] (≤ BLOCK_M rows, one variant tile_variant[t]);
+    row_idx[tile_start[t] : tile_end[t]] (≤ BLOCK_M rows, slots tile_slots[t, :PLANES]);
     axis 1 tiles N. A row belongs to one tile, so no two programs write one y element.
+    HAS_COL: column α's c: fp32 [V, GROUPS, K], group g on outputs [bounds[g], bounds[g+1])
+    (int32 [GROUPS + 1]); the tile's groups are visited in turn, x scaled by c in fp32 and
+    dotted in fp32 (COL_PRECISION: tf32x3 on a GPU, ~fp32 exact); without, c = 1.
     Numerics: with S = 2B − 1 (B ∈ {0, 1}, exact in fp16/bf16/fp32), x · S = 2 · x · B − Σx:
     one dot in x's dtype with fp32 accumulation plus a row sum, scaled by α in fp32.
     Bits: each K-step loads the tile's sign bytes once as [BLOCK_N, BLOCK_K/8] and expands
@@ -37,56 +43,94 @@ def _bitdelta_sgmv_kernel(
     pid_n = tl.program_id(1)
     start = tl.load(tile_start_ptr + pid_t)
     end = tl.load(tile_end_ptr + pid_t)
-    v = tl.load(tile_variant_ptr + pid_t).to(tl.int64)  # int64 before it multiplies a stride
     offs = start + tl.arange(0, BLOCK_M)
     m_mask = offs < end
     rows = tl.load(row_idx_ptr + offs, mask=m_mask, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    s_base = s_ptr + v * stride_sv
 
     BYTES: tl.constexpr = BLOCK_K // 8
     bitval = 1 << tl.arange(0, 8)  # [8] int32: the mask of bit j
-    if DOT_FP32:
+    if DOT_FP32 or HAS_COL:
         one = (0x3F800000 >> tl.arange(0, 8)).to(tl.int32)  # fp32 1.0 >> j
     elif x_ptr.dtype.element_ty == tl.bfloat16:
         one = (0x3F80 >> tl.arange(0, 8)).to(tl.int32)  # bf16 1.0 >> j
     else:
         one = (0x3C00 >> tl.arange(0, 8)).to(tl.int32)  # fp16 1.0 >> j
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # x · Bᵀ
-    xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)  # Σ_k x
-    # range over a step count, not range(0, K, BLOCK_K): the latter breaks triton 3.6's interpreter with numpy ≥ 2.4
-    for step in range(0, tl.cdiv(K, BLOCK_K)):
-        offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        offs_g = step * BYTES + tl.arange(0, BYTES)  # the tile's byte columns
-        x = tl.load(
-            x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-            mask=m_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )  # [BM, BK]
-        # bits past K (last byte of a ragged row) may be 1; x is 0 there
-        byte = tl.load(
-            s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
-            mask=n_mask[:, None] & (offs_g[None, :] * 8 < K),
-            other=0,
-        ).to(tl.int32)  # [BN, BYTES]
-        pat = (byte[:, :, None] & bitval[None, None, :]) * one[None, None, :]  # B's bit patterns [BN, BYTES, 8]
-        pat = tl.reshape(pat, (BLOCK_N, BLOCK_K))
-        if DOT_FP32:
-            xf = x.to(tl.float32)
-            acc += tl.dot(xf, tl.trans(pat.to(tl.float32, bitcast=True)), input_precision=PRECISION)
-            xsum += tl.sum(xf, axis=1)
-        else:
-            acc += tl.dot(x, tl.trans(pat.to(tl.int16).to(x.dtype, bitcast=True)))
-            xsum += tl.sum(x.to(tl.float32), axis=1)
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for p in tl.static_range(PLANES):
+        v = tl.load(tile_slots_ptr + pid_t * stride_tp + p).to(tl.int64)  # int64 before it multiplies a stride
+        if v >= 0:
+            s_base = s_ptr + v * stride_sv
+            alpha = tl.load(alpha_ptr + v * stride_av + offs_n * stride_an, mask=n_mask, other=0.0)
+            if HAS_COL:
+                n_first = pid_n * BLOCK_N
+                n_last = tl.minimum(n_first + BLOCK_N, N) - 1
+                g_first = 0
+                g_last = 0
+                for j in tl.static_range(1, GROUPS):
+                    b = tl.load(bounds_ptr + j)
+                    g_first += (n_first >= b).to(tl.int32)
+                    g_last += (n_last >= b).to(tl.int32)
+                for g in range(g_first, g_last + 1):
+                    in_g = n_mask & (offs_n >= tl.load(bounds_ptr + g)) & (offs_n < tl.load(bounds_ptr + g + 1))
+                    c_row = col_ptr + v * stride_cv + g * stride_cg
+                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (x ⊙ c) · Bᵀ
+                    xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)  # Σ_k x ⊙ c
+                    for step in range(0, tl.cdiv(K, BLOCK_K)):
+                        offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
+                        k_mask = offs_k < K
+                        offs_g = step * BYTES + tl.arange(0, BYTES)
+                        x = tl.load(
+                            x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                            mask=m_mask[:, None] & k_mask[None, :],
+                            other=0.0,
+                        ).to(tl.float32)
+                        xc = x * tl.load(c_row + offs_k, mask=k_mask, other=0.0)[None, :]
+                        byte = tl.load(
+                            s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
+                            mask=in_g[:, None] & (offs_g[None, :] * 8 < K),
+                            other=0,
+                        ).to(tl.int32)  # [BN, BYTES]
+                        pat = (byte[:, :, None] & bitval[None, None, :]) * one[None, None, :]
+                        pat = tl.reshape(pat, (BLOCK_N, BLOCK_K))
+                        acc += tl.dot(xc, tl.trans(pat.to(tl.float32, bitcast=True)), input_precision=COL_PRECISION)
+                        xsum += tl.sum(xc, axis=1)
+                    total += tl.where(in_g[None, :], (2.0 * acc - xsum[:, None]) * alpha[None, :], 0.0)
+            else:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # x · Bᵀ
+                xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)  # Σ_k x
+                # range over a step count, not range(0, K, BLOCK_K): the latter breaks triton 3.6's interpreter with numpy ≥ 2.4
+                for step in range(0, tl.cdiv(K, BLOCK_K)):
+                    offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
+                    k_mask = offs_k < K
+                    offs_g = step * BYTES + tl.arange(0, BYTES)  # the tile's byte columns
+                    x = tl.load(
+                        x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=m_mask[:, None] & k_mask[None, :],
+                        other=0.0,
+                    )  # [BM, BK]
+                    # bits past K (last byte of a ragged row) may be 1; x is 0 there
+                    byte = tl.load(
+                        s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
+                        mask=n_mask[:, None] & (offs_g[None, :] * 8 < K),
+                        other=0,
+                    ).to(tl.int32)  # [BN, BYTES]
+                    pat = (byte[:, :, None] & bitval[None, None, :]) * one[None, None, :]  # B's bit patterns
+                    pat = tl.reshape(pat, (BLOCK_N, BLOCK_K))
+                    if DOT_FP32:
+                        xf = x.to(tl.float32)
+                        acc += tl.dot(xf, tl.trans(pat.to(tl.float32, bitcast=True)), input_precision=PRECISION)
+                        xsum += tl.sum(xf, axis=1)
+                    else:
+                        acc += tl.dot(x, tl.trans(pat.to(tl.int16).to(x.dtype, bitcast=True)))
+                        xsum += tl.sum(x.to(tl.float32), axis=1)
+                total += (2.0 * acc - xsum[:, None]) * alpha[None, :]
 
-    alpha = tl.load(alpha_ptr + v * stride_av + offs_n * stride_an, mask=n_mask, other=0.0)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
     y_mask = m_mask[:, None] & n_mask[None, :]
     y_old = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-    delta = (2.0 * acc - xsum[:, None]) * alpha[None, :]
-    tl.store(y_ptrs, (y_old + delta).to(y_ptr.dtype.element_ty), mask=y_mask)
+    tl.store(y_ptrs, (y_old + total).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 def sgmv_launch(
@@ -97,13 +141,17 @@ def sgmv_launch(
     row_idx: torch.Tensor,
     tile_start: torch.Tensor,
     tile_end: torch.Tensor,
-    tile_variant: torch.Tensor,
+    tile_slots: torch.Tensor,
     blocks: dict,
+    col_alpha: torch.Tensor | None = None,
+    bounds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch over precomputed tiles (see kernels.plan.plan_batch); shapes are checked by the caller.
 
     x: [M, d_in]; signs_stack: uint8 [V, d_out, ceil(d_in/8)]; alpha_stack: fp32 [V, d_out] or [V, 1];
-    y: [M, d_out]; row_idx: int32 [rows]; tile_*: int32 [T]. Returns y, updated in place.
+    y: [M, d_out]; row_idx: int32 [rows]; tile_start / tile_end: int32 [T]; tile_slots: int32 [T, P];
+    col_alpha: None or fp32 [V, G, d_in] (unit column stride) with bounds: int32 [G + 1].
+    Returns y, updated in place.
     """
     n_tiles = tile_start.numel()
     N, K = signs_stack.shape[1], x.shape[1]
@@ -113,6 +161,7 @@ def sgmv_launch(
         raise ValueError("sgmv BLOCK_K must be a multiple of 8 (a K-step covers whole sign bytes)")
     dot_fp32 = uses_fp32_dot(x.dtype)
     precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    has_col = col_alpha is not None
     grid = (n_tiles, triton.cdiv(N, blocks["BLOCK_N"]))
     _bitdelta_sgmv_kernel[grid](
         x,
@@ -122,7 +171,9 @@ def sgmv_launch(
         row_idx,
         tile_start,
         tile_end,
-        tile_variant,
+        tile_slots,
+        col_alpha if has_col else alpha_stack,  # an unread pointer without column α's
+        bounds if has_col else tile_start,
         N,
         K,
         x.stride(0),
@@ -133,11 +184,18 @@ def sgmv_launch(
         0 if alpha_stack.shape[1] == 1 else alpha_stack.stride(1),
         y.stride(0),
         y.stride(1),
+        tile_slots.stride(0),
+        col_alpha.stride(0) if has_col else 0,
+        col_alpha.stride(1) if has_col else 0,
         BLOCK_M=blocks["BLOCK_M"],
         BLOCK_N=blocks["BLOCK_N"],
         BLOCK_K=blocks["BLOCK_K"],
         DOT_FP32=dot_fp32,
         PRECISION=precision,
+        PLANES=tile_slots.shape[1],
+        HAS_COL=has_col,
+        GROUPS=col_alpha.shape[1] if has_col else 1,
+        COL_PRECISION=col_precision(x.device),
         num_warps=blocks["num_warps"],
         num_stages=blocks["num_stages"],
     )

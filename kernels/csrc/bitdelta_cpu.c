@@ -61,84 +61,117 @@ static inline uint32_t load_bits16(const uint8_t *row, int64_t j, int64_t n_byte
 /* ---------------------------------------------------------------------- */
 /* delta GEMV, "mask" method: y[m, r] += α_r · Σ_k x[m, k] · s[r, k]       */
 /* ---------------------------------------------------------------------- */
-/* row_variant NULL: every x row uses variant 0; else row m uses variant
- * row_variant[m] (< 0: skipped), i.e. signs s + v·stride_sv and α alpha + v·stride_av.
- * Rows of one variant reuse its sign block of this row range from cache. */
+/* tot[i] = Σ_{k: bit k of rows[i] set} xm[k] for the ROWS sign rows `rows` (d_in columns). */
+static inline void mask_sums(const float *xm, const uint8_t *const *rows, int64_t d_in, float *tot) {
+    const int64_t n_bytes = (d_in + 7) / 8;
+#if defined(__AVX512F__)
+    const int64_t nfull = d_in / 16;   /* whole 16-column blocks */
+    const int rem = (int)(d_in % 16);  /* columns in the last partial block */
+    __m512 acc[ROWS];
+    for (int i = 0; i < ROWS; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nfull; ++j) {
+        const __m512 xv = _mm512_loadu_ps(xm + 16 * j);
+        for (int i = 0; i < ROWS; ++i) {
+            uint16_t bits;
+            memcpy(&bits, rows[i] + 2 * j, 2);
+            acc[i] = _mm512_mask_add_ps(acc[i], (__mmask16)bits, acc[i], xv);
+        }
+    }
+    if (rem) {
+        const __mmask16 valid = (__mmask16)((1u << rem) - 1u);
+        const __m512 xv = _mm512_maskz_loadu_ps(valid, xm + 16 * nfull);
+        for (int i = 0; i < ROWS; ++i) {
+            const __mmask16 bits = (__mmask16)(load_bits16(rows[i], nfull, n_bytes) & valid);
+            acc[i] = _mm512_mask_add_ps(acc[i], bits, acc[i], xv);
+        }
+    }
+    for (int i = 0; i < ROWS; ++i) tot[i] = _mm512_reduce_add_ps(acc[i]);
+#elif defined(__AVX2__)
+    /* No mask registers: broadcast the byte, test one bit per lane. */
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    __m256 acc[ROWS];
+    for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_setzero_ps();
+    const int64_t nfull8 = d_in / 8;
+    for (int64_t j = 0; j < nfull8; ++j) {
+        const __m256 xv = _mm256_loadu_ps(xm + 8 * j);
+        for (int i = 0; i < ROWS; ++i) {
+            const __m256i b = _mm256_set1_epi32(rows[i][j]);
+            const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(b, lane_bit), lane_bit);
+            acc[i] = _mm256_add_ps(acc[i], _mm256_and_ps(_mm256_castsi256_ps(on), xv));
+        }
+    }
+    for (int i = 0; i < ROWS; ++i) {
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        tot[i] = _mm_cvtss_f32(h);
+        for (int64_t k = nfull8 * 8; k < d_in; ++k)
+            if ((rows[i][k >> 3] >> (k & 7)) & 1) tot[i] += xm[k];
+    }
+    (void)n_bytes;
+#else
+    for (int i = 0; i < ROWS; ++i) {
+        float t = 0.f;
+        for (int64_t k = 0; k < d_in; ++k)
+            if ((rows[i][k >> 3] >> (k & 7)) & 1) t += xm[k];
+        tot[i] = t;
+    }
+    (void)n_bytes;
+#endif
+}
+
+/* The planes of a mixed batch over output rows [r0, r1):
+ *   y[m, r] += Σ_p α_v[r] · Σ_k xs[k] · S_v[r, k],  v = slots[m·n_planes + p] ≥ 0 (< 0: no plane),
+ * slot v's signs at s + v·stride_sv, its α_v[r] = alpha[v·stride_av + r·alpha_stride]; slots NULL:
+ * one plane, slot 0, for every row. xs is x's row m (xcol NULL) or, with column α's, its row
+ * scaled by slot v's column α of r's group g: xcol + ((m·n_planes + p)·n_groups + g)·d_in; xsum
+ * holds Σ_k xs[k] in the same order ([M] without column α's). Groups: rows [bounds[g],
+ * bounds[g + 1]) (bounds NULL: one group). The planes' terms are summed in fp32 and added to y
+ * once. Each register block of ROWS rows stays inside one group, and its sign rows stay in cache
+ * for all rows m and planes p. */
+static void delta_rows_planes(const float *x, int64_t ldx, int64_t M, const float *xsum, const float *xcol,
+                              const uint8_t *s, int64_t stride_sv, int64_t lds, int64_t d_in,
+                              const float *alpha, int64_t stride_av, int64_t alpha_stride,
+                              const int64_t *slots, int64_t n_planes, const int64_t *bounds, int64_t n_groups,
+                              float *y, int64_t ldy, int64_t r0, int64_t r1) {
+    int64_t g = 0;
+    for (int64_t r = r0; r < r1;) {
+        while (bounds && r >= bounds[g + 1]) ++g;
+        const int64_t end = bounds && bounds[g + 1] < r1 ? bounds[g + 1] : r1;
+        const int nr = (end - r) < ROWS ? (int)(end - r) : ROWS;
+        for (int64_t m = 0; m < M; ++m) {
+            float sum[ROWS] = {0};
+            int any = 0;
+            for (int64_t p = 0; p < n_planes; ++p) {
+                const int64_t v = slots ? slots[m * n_planes + p] : 0;
+                if (v < 0) continue;
+                any = 1;
+                const uint8_t *rows[ROWS];
+                for (int i = 0; i < ROWS; ++i)  /* missing rows alias row r; their sums are dropped */
+                    rows[i] = s + v * stride_sv + (r + (i < nr ? i : 0)) * lds;
+                const int64_t q = (m * n_planes + p) * n_groups + g;
+                const float *xm = xcol ? xcol + q * d_in : x + m * ldx;
+                const float xs = xcol ? xsum[q] : xsum[m];
+                const float *av = alpha + v * stride_av;
+                float tot[ROWS];
+                mask_sums(xm, rows, d_in, tot);
+                for (int i = 0; i < nr; ++i) sum[i] += av[(r + i) * alpha_stride] * (2.f * tot[i] - xs);
+            }
+            if (any)
+                for (int i = 0; i < nr; ++i) y[m * ldy + r + i] += sum[i];
+        }
+        r += nr;
+    }
+}
+
+/* One plane per x row (row_variant NULL: variant 0 for all): delta_rows_planes without column α's. */
 static void delta_rows_mask(const float *x, int64_t ldx, int64_t M, const float *xsum,
                             const uint8_t *s, int64_t stride_sv, int64_t lds, int64_t d_in,
                             const float *alpha, int64_t stride_av, int64_t alpha_stride,
                             const int64_t *row_variant,
                             float *y, int64_t ldy, int64_t r0, int64_t r1) {
-    const int64_t n_bytes = (d_in + 7) / 8;
-    const int64_t nfull = d_in / 16;   /* whole 16-column blocks */
-    const int rem = (int)(d_in % 16);  /* columns in the last partial block */
-    for (int64_t r = r0; r < r1; r += ROWS) {
-        const int nr = (r1 - r) < ROWS ? (int)(r1 - r) : ROWS;
-        for (int64_t m = 0; m < M; ++m) {
-            const int64_t v = row_variant ? row_variant[m] : 0;
-            if (v < 0) continue;
-            const uint8_t *rows[ROWS];
-            for (int i = 0; i < ROWS; ++i)  /* missing rows alias row r; their sums are dropped */
-                rows[i] = s + v * stride_sv + (r + (i < nr ? i : 0)) * lds;
-            const float *av = alpha + v * stride_av;
-            const float *xm = x + m * ldx;
-            float tot[ROWS];
-#if defined(__AVX512F__)
-            __m512 acc[ROWS];
-            for (int i = 0; i < ROWS; ++i) acc[i] = _mm512_setzero_ps();
-            for (int64_t j = 0; j < nfull; ++j) {
-                const __m512 xv = _mm512_loadu_ps(xm + 16 * j);
-                for (int i = 0; i < ROWS; ++i) {
-                    uint16_t bits;
-                    memcpy(&bits, rows[i] + 2 * j, 2);
-                    acc[i] = _mm512_mask_add_ps(acc[i], (__mmask16)bits, acc[i], xv);
-                }
-            }
-            if (rem) {
-                const __mmask16 valid = (__mmask16)((1u << rem) - 1u);
-                const __m512 xv = _mm512_maskz_loadu_ps(valid, xm + 16 * nfull);
-                for (int i = 0; i < ROWS; ++i) {
-                    const __mmask16 bits = (__mmask16)(load_bits16(rows[i], nfull, n_bytes) & valid);
-                    acc[i] = _mm512_mask_add_ps(acc[i], bits, acc[i], xv);
-                }
-            }
-            for (int i = 0; i < ROWS; ++i) tot[i] = _mm512_reduce_add_ps(acc[i]);
-#elif defined(__AVX2__)
-            /* No mask registers: broadcast the byte, test one bit per lane. */
-            const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-            __m256 acc[ROWS];
-            for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_setzero_ps();
-            const int64_t nfull8 = d_in / 8;
-            for (int64_t j = 0; j < nfull8; ++j) {
-                const __m256 xv = _mm256_loadu_ps(xm + 8 * j);
-                for (int i = 0; i < ROWS; ++i) {
-                    const __m256i b = _mm256_set1_epi32(rows[i][j]);
-                    const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(b, lane_bit), lane_bit);
-                    acc[i] = _mm256_add_ps(acc[i], _mm256_and_ps(_mm256_castsi256_ps(on), xv));
-                }
-            }
-            for (int i = 0; i < ROWS; ++i) {
-                __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
-                h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-                h = _mm_add_ss(h, _mm_movehdup_ps(h));
-                tot[i] = _mm_cvtss_f32(h);
-                for (int64_t k = nfull8 * 8; k < d_in; ++k)
-                    if ((rows[i][k >> 3] >> (k & 7)) & 1) tot[i] += xm[k];
-            }
-            (void)nfull; (void)rem; (void)n_bytes;
-#else
-            for (int i = 0; i < ROWS; ++i) {
-                float t = 0.f;
-                for (int64_t k = 0; k < d_in; ++k)
-                    if ((rows[i][k >> 3] >> (k & 7)) & 1) t += xm[k];
-                tot[i] = t;
-            }
-            (void)nfull; (void)rem; (void)n_bytes;
-#endif
-            for (int i = 0; i < nr; ++i)
-                y[m * ldy + r + i] += av[(r + i) * alpha_stride] * (2.f * tot[i] - xsum[m]);
-        }
-    }
+    delta_rows_planes(x, ldx, M, xsum, NULL, s, stride_sv, lds, d_in, alpha, stride_av, alpha_stride, row_variant,
+                      1, NULL, 1, y, ldy, r0, r1);
 }
 
 /* ---------------------------------------------------------------------- */
@@ -248,17 +281,51 @@ int bd_delta_gemv(const float *x, int64_t M, int64_t ldx,
     return 0;
 }
 
-/* Mixed-variant batch in one parallel region ("mask" method):
- * y[m, r] += α_v[r] · Σ_k x[m, k] · S_v[r, k],  v = row_variant[m] ≥ 0 (int64; < 0 skipped).
- *   s: uint8 [V, d_out, lds], variant stride stride_sv; alpha: fp32, α_v[r] =
- *   alpha[v·stride_av + r·alpha_stride]; x, y as in bd_delta_gemv. Indices are checked by the caller. */
+/* A mixed batch's planes in one parallel region ("mask" method):
+ *   y[m, r] += Σ_p α_v[r] · Σ_k x[m, k] · c_v[g(r), k] · S_v[r, k],  v = row_slots[m·n_planes + p]
+ * over the p with v ≥ 0 (int64; < 0: nothing), the planes' terms summed in fp32, then added to y.
+ *   s: uint8 [V, d_out, lds], slot stride stride_sv; alpha: fp32, α_v[r] = alpha[v·stride_av +
+ *   r·alpha_stride]; col_alpha: NULL (c = 1) or fp32, c_v[g, k] = col_alpha[v·stride_cv + g·stride_cg
+ *   + k], group g(r) the one with bounds[g] ≤ r < bounds[g + 1] (int64 [n_groups + 1], 0 … d_out;
+ *   NULL with one group); x, y as in bd_delta_gemv. Indices are checked by the caller.
+ * Returns 0, or −1 when scratch memory could not be allocated. */
 int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
                      const uint8_t *s, int64_t stride_sv, int64_t d_out, int64_t d_in, int64_t lds,
                      const float *alpha, int64_t stride_av, int64_t alpha_stride,
-                     const int64_t *row_variant, float *y, int64_t ldy, int n_threads) {
+                     const int64_t *row_slots, int64_t n_planes,
+                     const float *col_alpha, int64_t stride_cv, int64_t stride_cg,
+                     const int64_t *bounds, int64_t n_groups,
+                     float *y, int64_t ldy, int n_threads) {
     if (n_threads < 1) n_threads = 1;
-    float *xsum = row_sums(x, M, ldx, d_in);
-    if (!xsum) return -1;
+    float *xsum = NULL, *xcol = NULL;
+    if (!col_alpha) {
+        xsum = row_sums(x, M, ldx, d_in);
+        if (!xsum) return -1;
+    } else { /* x's row m scaled by each of its planes' column α's, once per call; and their sums */
+        const int64_t q_n = M * n_planes * n_groups;
+        xsum = (float *)malloc(sizeof(float) * (size_t)(q_n > 0 ? q_n : 1));
+        xcol = (float *)malloc(sizeof(float) * (size_t)(q_n > 0 ? q_n * d_in : 1));
+        if (!xsum || !xcol) {
+            free(xsum);
+            free(xcol);
+            return -1;
+        }
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t p = 0; p < n_planes; ++p) {
+                const int64_t v = row_slots[m * n_planes + p];
+                if (v < 0) continue;
+                for (int64_t g = 0; g < n_groups; ++g) {
+                    const int64_t q = (m * n_planes + p) * n_groups + g;
+                    const float *c = col_alpha + v * stride_cv + g * stride_cg, *xm = x + m * ldx;
+                    float *o = xcol + q * d_in, t = 0.f;
+                    for (int64_t k = 0; k < d_in; ++k) {
+                        o[k] = xm[k] * c[k];
+                        t += o[k];
+                    }
+                    xsum[q] = t;
+                }
+            }
+    }
 #pragma omp parallel num_threads(n_threads)
     {
 #ifdef _OPENMP
@@ -268,9 +335,10 @@ int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
 #endif
         int64_t r0, r1;
         split_rows(d_out, t, n, &r0, &r1);
-        delta_rows_mask(x, ldx, M, xsum, s, stride_sv, lds, d_in, alpha, stride_av, alpha_stride, row_variant,
-                        y, ldy, r0, r1);
+        delta_rows_planes(x, ldx, M, xsum, xcol, s, stride_sv, lds, d_in, alpha, stride_av, alpha_stride, row_slots,
+                          n_planes, col_alpha ? bounds : NULL, col_alpha ? n_groups : 1, y, ldy, r0, r1);
     }
+    free(xcol);
     free(xsum);
     return 0;
 }

@@ -162,10 +162,10 @@ def test_batched_delta_bf16_and_big_segment():
 def test_plan_batch_segments():
     rv = torch.tensor([2, 0, -1, 2, 2, 0, -1, 2, 2])
     plan = plan_batch(rv, 3, torch.device("cpu"), sgmv_min_rows=2, block_m=4)
-    assert plan.kind == "sgmv" and plan.variants == (0, 2) and plan.max_rows == 5
+    assert plan.kind == "sgmv" and plan.slot_sets == ((0,), (2,)) and plan.max_rows == 5 and plan.planes == 1
     assert plan.row_idx.tolist() == [1, 5, 0, 3, 4, 7, 8]
     # variant 0: rows [0, 2); variant 2: 5 rows split into tiles of ≤ 4
-    assert list(zip(plan.tile_start.tolist(), plan.tile_end.tolist(), plan.tile_variant.tolist())) == [
+    assert list(zip(plan.tile_start.tolist(), plan.tile_end.tolist(), plan.tile_slots[:, 0].tolist())) == [
         (0, 2, 0),
         (2, 6, 2),
         (6, 7, 2),
