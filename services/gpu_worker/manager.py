@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
@@ -37,8 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
 from bitdelta.cache_policy import WeightedLRUPolicy
+from bitdelta.rpc import telemetry
 from bitdelta.rpc.receiver import Receiver
 from services.gpu_worker.errors import Aborted, DeltaLoadError, NotFound, ResourceExhausted
 from services.gpu_worker.loader import SlotWriter, plan_delta
@@ -275,24 +278,29 @@ class DeltaManager:
     async def _load(self, e: DeltaEntry) -> None:
         t0 = time.perf_counter()
         receiver = streaming = peer = None
+        parent = telemetry.traceparent()  # the load's: every rank's slice is a span under it
+        # tensor parallelism: this rank's own slice is a `worker.rank_load` span, as each other rank's
+        rank_span = self.shard.span(e.name) if self.shard is not None else contextlib.nullcontext(trace.INVALID_SPAN)
         try:
-            info = await self.source.open(e.name, self.base_fingerprint)
-            plan = plan_delta(self.layout, info) if self.shard is None else self.shard.plan(info)
-            await self._reserve(e, plan.total_bytes)
-            writer = (SlotWriter if self.shard is None else self.shard.writer)(
-                plan, self.slots, e.slot, self.load_stream
-            )
-            if self.peers is not None:  # the other ranks load their slices meanwhile
-                peer = asyncio.ensure_future(self.peers.load(e.name, e.slot))
-                peer.add_done_callback(_retrieve)
-            receiver = Receiver(plan.name, plan.tensors, writer, check_sha256=not info.verified)
-            # A task of its own, so that a cancelled load can wait for its reads to stop before
-            # the slot is handed to another delta.
-            streaming = asyncio.ensure_future(self.source.stream(info, receiver))
-            streaming.add_done_callback(_retrieve)
-            await asyncio.shield(streaming)
-            await receiver.finish()
-            extras = await writer.finish()
+            with rank_span as span:
+                info = await self.source.open(e.name, self.base_fingerprint)
+                plan = plan_delta(self.layout, info) if self.shard is None else self.shard.plan(info)
+                span.set_attributes({"bytes": plan.total_bytes, "transport": info.transport})
+                await self._reserve(e, plan.total_bytes)
+                writer = (SlotWriter if self.shard is None else self.shard.writer)(
+                    plan, self.slots, e.slot, self.load_stream
+                )
+                if self.peers is not None:  # the other ranks load their slices meanwhile
+                    peer = asyncio.ensure_future(self.peers.load(e.name, e.slot, parent))
+                    peer.add_done_callback(_retrieve)
+                receiver = Receiver(plan.name, plan.tensors, writer, check_sha256=not info.verified)
+                # A task of its own, so that a cancelled load can wait for its reads to stop before
+                # the slot is handed to another delta.
+                streaming = asyncio.ensure_future(self.source.stream(info, receiver))
+                streaming.add_done_callback(_retrieve)
+                await asyncio.shield(streaming)
+                await receiver.finish()
+                extras = await writer.finish()
             if peer is not None:
                 await asyncio.shield(peer)  # resident only once every rank holds its slice
             if e.aborted:  # evicted at the last moment (a source swallowed the cancellation)

@@ -271,6 +271,16 @@ class ShardedLoad:
         plan.whole = True
         return plan
 
+    @contextlib.contextmanager
+    def span(self, name: str, traceparent: str = ""):
+        """This rank's `worker.rank_load` span over loading its slice of delta `name` (`rank`,
+        `model_id`; the loader adds `bytes` of the slice and `transport`): every rank has one, rank 0's a child of
+        the current span (the load's), a follower's of the LoadOp's `traceparent`, the same one."""
+        attrs = {"rank": self.tp.rank, "model_id": name}
+        ctx = telemetry.context_of(traceparent)
+        with telemetry.tracer().start_as_current_span("worker.rank_load", context=ctx, attributes=attrs) as span:
+            yield span
+
     def _local(self, t: TensorSpec) -> TensorSpec:
         shape = self.tp.shard_of(t.param, t.role, t.shape).shape(t.shape)
         n = DTYPES[t.dtype].itemsize if t.dtype in DTYPES else 0
@@ -525,12 +535,13 @@ class Driver:
                     self._lock.release()
 
     # -- the manager's side -------------------------------------------------------------------------
-    async def load(self, name: str, slot: int) -> None:
-        """Every follower loads its slice of `name` into `slot`; returns once all have it, raises the
-        first follower's error (PeerLoadError, naming the rank). Cancelled: the followers' loads are
-        cancelled and awaited (none writes into the slot afterwards)."""
+    async def load(self, name: str, slot: int, traceparent: str) -> None:
+        """Every follower loads its slice of `name` into `slot`, its span a child of `traceparent`
+        (the load's, as rank 0's own); returns once all have it, raises the first follower's error
+        (PeerLoadError, naming the rank). Cancelled: the followers' loads are cancelled and awaited
+        (none writes into the slot afterwards)."""
         load_id = next(self._ids)
-        await asyncio.to_thread(self.send, LoadOp(load_id, name, slot, telemetry.traceparent()))
+        await asyncio.to_thread(self.send, LoadOp(load_id, name, slot, traceparent))
         try:
             await self._acks(load_id, name)
         except asyncio.CancelledError:
@@ -635,9 +646,7 @@ class Follower:
             raise TypeError(f"unknown tensor-parallel op {op!r}")
 
     async def _load(self, op: LoadOp) -> None:
-        attrs = {"rank": self.comm.rank, "model_id": op.name}
-        ctx = telemetry.context_of(op.traceparent)
-        with telemetry.tracer().start_as_current_span("worker.rank_load", context=ctx, attributes=attrs) as span:
+        with self.model.shard_load.span(op.name, op.traceparent) as span:
             await self._load_slice(op, span)
 
     async def _load_slice(self, op: LoadOp, span: trace.Span) -> None:
