@@ -85,6 +85,13 @@ class TensorShard:
             t = t[:, self.cols[0] : self.cols[1]]
         return t.contiguous()
 
+    def leading_bytes(self, runs: int, full: tuple[int, ...], itemsize: int) -> int:
+        """Bytes of the slice's first `runs` row runs, where the rest begins in its row-major bytes."""
+        row = itemsize
+        for d in self.shape(full)[1:]:
+            row *= d
+        return sum(b - a for a, b in (self.rows or ())[:runs]) * row
+
     def byte_runs(self, full: tuple[int, ...], itemsize: int) -> list[tuple[int, int]]:
         """(offset, length) runs of the full tensor's row-major bytes that make up the slice, in
         order (what the delta store streams for this rank)."""
@@ -253,19 +260,43 @@ class TPLayout:
     def owner(self, param: str, role: str, shape: tuple[int, ...]) -> int:
         """The rank that fetches this rank's part of a delta tensor from the store: the lowest rank
         holding the same part (a replicated tensor: rank 0; a KV head several ranks share: the first
-        of them). It hands the part to the others, so each byte leaves the store once."""
+        of them). It hands the part to the others (`shared_from`), so each byte leaves the store once."""
         mine = self.shard_of(param, role, shape)
         return next(
             r for r in range(self.size) if dataclasses.replace(self, rank=r).shard_of(param, role, shape) == mine
         )
 
-    def receivers(self, param: str, role: str, shape: tuple[int, ...]) -> list[int]:
-        """The other ranks this rank hands its part of a delta tensor to (it is their `owner`)."""
-        return [
-            r
-            for r in range(self.size)
-            if r != self.rank and dataclasses.replace(self, rank=r).owner(param, role, shape) == self.rank
-        ]
+    def shared_from(self, param: str, role: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
+        """(owner, j) when a lower rank holds this rank's row runs `rows[j:]` of a delta tensor at the
+        same place in its own part: this rank fetches only `rows[:j]` from the store and receives the
+        rest from `owner`, the lowest such rank, so each byte leaves the store once. j = 0: the whole
+        part (`owner`: a replicated tensor, a KV head's k_proj several ranks share); j ≥ 1: a fused
+        qkv_proj's k and v rows of a KV head several ranks share, after this rank's own query rows.
+        None: this rank fetches all of its part."""
+        owner = self.owner(param, role, shape)
+        if owner != self.rank:
+            return owner, 0
+        mine = self.shard_of(param, role, shape)
+        if mine.split is not Split.COLUMN or mine.rows is None:
+            return None
+        n = len(mine.rows)
+        for j in range(1, n):
+            for r in range(self.rank):
+                other = dataclasses.replace(self, rank=r).shard_of(param, role, shape).rows
+                if other is not None and len(other) == n and other[j:] == mine.rows[j:]:
+                    return r, j
+        return None
+
+    def shared_to(self, param: str, role: str, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+        """(rank, j) of every other rank whose `shared_from` is this one: this rank hands it its
+        part's row runs from j on."""
+        out = []
+        for r in range(self.size):
+            if r != self.rank:
+                got = dataclasses.replace(self, rank=r).shared_from(param, role, shape)
+                if got is not None and got[0] == self.rank:
+                    out.append((r, got[1]))
+        return out
 
     def group_shard(self, group: str) -> TensorShard:
         """Rank's part of a projection group's concatenated base weight [d_out_g, d_in_g] (and of

@@ -262,8 +262,8 @@ class ShardedLoad:
             return ShardPlan(
                 **{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)},
                 handoff=f"hand/{info.name}/{info.version}/",
-                handed_from={index[n]: r for n, r in info.handed_from.items()},
-                hands_to={index[n]: k for n, k in info.hands_to.items()},
+                handed_from={index[n]: h for n, h in info.handed_from.items()},
+                hands_to={index[n]: h for n, h in info.hands_to.items()},
             )
         local = dataclasses.replace(info, tensors=[self._local(t) for t in info.tensors])
         plan = plan_delta(self.layout, local)
@@ -294,11 +294,13 @@ class ShardedLoad:
         return ShardWriter(plan, slots, slot, load_stream, tp=self.tp)
 
     async def receive(self, plan: DeltaPlan, receiver: Receiver) -> None:
-        """The slices other ranks fetched for this one, from the TCPStore into `receiver` (crc32
-        checked there); the last rank to read one deletes it. Bounded by the store timeout. Rank 0
-        never receives: it is the lowest rank holding any part it holds."""
+        """The parts of slices other ranks fetched for this one (a whole slice, or a fused qkv's
+        shared k/v rows after its own query rows, which came from the store), from the TCPStore into
+        `receiver` at their offset (crc32 checked there); the last rank to read one deletes it.
+        Bounded by the store timeout. Rank 0 never receives: it is the lowest rank holding any part
+        it holds."""
         if not plan.whole:
-            for i, owner in plan.handed_from.items():
+            for i, (owner, offset) in plan.handed_from.items():
                 key, t = plan.handoff + plan.tensors[i].name, plan.tensors[i].name
                 deadline = time.monotonic() + self.timeout_s
                 while not self.store.check([key]):
@@ -307,7 +309,7 @@ class ShardedLoad:
                     await asyncio.sleep(POLL_S)
                 data = self.store.get(key)
                 crc, readers = struct.unpack("<II", data[:8])
-                receiver.put(i, 0, data[8:], crc)
+                receiver.put(i, offset, data[8:], crc)
                 if self.store.add(key + "/read", 1) == readers:
                     self.store.delete_key(key)
                     self.store.delete_key(key + "/read")
@@ -318,13 +320,15 @@ class ShardPlan(DeltaPlan):
     """A plan of slices from the store, with what this rank hands over and receives (by tensor index)."""
 
     handoff: str = ""  # the TCPStore key prefix of this delta's handed slices
-    handed_from: dict[int, int] = dataclasses.field(default_factory=dict)  # -> the rank that fetches it
-    hands_to: dict[int, int] = dataclasses.field(default_factory=dict)  # -> how many ranks receive it
+    # -> (the rank that fetches its bytes from `offset` on, offset)
+    handed_from: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # -> (how many ranks receive its bytes from `offset` on, offset)
+    hands_to: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
 
 class HandoffWriter(SlotWriter):
-    """A SlotWriter that posts each slice other ranks receive from this one (`ShardPlan.hands_to`),
-    once it passed its checks, with its crc32 on the TCPStore."""
+    """A SlotWriter that posts each slice (or its shared tail) other ranks receive from this one
+    (`ShardPlan.hands_to`), once it passed its checks, with its crc32 on the TCPStore."""
 
     def __init__(self, plan: ShardPlan, slots: SlotTensors, slot: int, load_stream=None, *, store):
         self.store = store
@@ -332,10 +336,11 @@ class HandoffWriter(SlotWriter):
 
     def complete(self, index: int) -> None:
         if index in self.plan.hands_to:
-            data = bytes(self.buffer(index))
+            readers, offset = self.plan.hands_to[index]
+            data = bytes(self.buffer(index)[offset:])
             key = self.plan.handoff + self.plan.tensors[index].name
             self.store.set(key + "/read", "0")
-            self.store.set(key, struct.pack("<II", crc32(data), self.plan.hands_to[index]) + data)
+            self.store.set(key, struct.pack("<II", crc32(data), readers) + data)
         super().complete(index)
 
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -100,11 +101,13 @@ class DeltaInfo:
     # whole tensors for the rank to cut (parallel.ShardedLoad).
     sliced: bool = False
     version: str = ""  # the store's version of the stored bytes (DeltaInfo.version): a replaced delta's changes
-    # Tensor parallelism from the store, each byte fetched once: tensors whose slice another rank
-    # fetches and hands to this one (name -> that rank; the store announces them, sends no bytes),
-    # and those this rank hands on (name -> how many ranks receive it).
-    handed_from: dict[str, int] = field(default_factory=dict)
-    hands_to: dict[str, int] = field(default_factory=dict)
+    # Tensor parallelism from the store, each byte fetched once: tensors whose slice's bytes from an
+    # offset on another rank fetches and hands to this one (name -> (that rank, offset); offset 0:
+    # the store announces the slice, sends no bytes; else it sends the bytes before the offset, a
+    # fused qkv's own query rows), and those this rank hands on (name -> (how many ranks receive
+    # them, the offset of what they receive in this rank's slice)).
+    handed_from: dict[str, tuple[int, int]] = field(default_factory=dict)
+    hands_to: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def content_id(self) -> str:
@@ -228,7 +231,7 @@ class DeltaStoreSource:
         self.client = DeltaStoreClient(address, fetch_timeout_s=timeout_s, credentials=credentials)  # TLS or None
 
     async def open(self, name: str, base_fingerprint: str) -> DeltaInfo:
-        shard, handed_from, hands_to = (None, {}, {}) if self.tp is None else await self._shard(name)
+        shard, handed_from, hands_to, partial = (None, {}, {}, {}) if self.tp is None else await self._shard(name)
         stream = await self.client.open_fetch(
             name,
             expect_base_fingerprint=base_fingerprint,
@@ -249,6 +252,10 @@ class DeltaStoreSource:
             stream.cancel()
             raise DeltaFormatError(f"delta {name!r}: {e}") from None
         specs = [TensorSpec(t.name, t.dtype, tuple(t.shape), t.nbytes, t.sha256, t.file_offset) for t in stream.tensors]
+        for i, t in enumerate(specs):  # a slice sent in part (its tail handed over): announced whole
+            if t.name in partial:
+                shape = partial[t.name]
+                specs[i] = replace(t, shape=shape, nbytes=t.nbytes // math.prod(t.shape) * math.prod(shape))
         return DeltaInfo(
             info.name or name,
             specs,
@@ -265,27 +272,34 @@ class DeltaStoreSource:
 
     async def _shard(self, name: str):
         """This rank's split rule for every tensor of `name` that it does not get whole (from its Stat):
-        a slice another rank also holds is fetched by the lowest of them only (`TPLayout.owner`), which
-        hands it on. Returns (the Shard, handed_from, hands_to) as in DeltaInfo."""
+        the row runs of a slice that a lower rank also holds are fetched by the lowest of them only
+        (`TPLayout.shared_from`), which hands them on. Returns (the Shard, handed_from, hands_to as
+        in DeltaInfo, the whole slice's shape of each tensor asked for in part)."""
         from bitdelta.delta_store.v1 import delta_store_pb2 as store_pb
         from bitdelta.shard import Split
 
-        slices, handed_from, hands_to = [], {}, {}
+        slices, handed_from, hands_to, partial = [], {}, {}, {}
         for t in (await self.client.stat(name)).tensors:
             param, role = t.name.rsplit(".", 1)
             shape = tuple(t.shape)
-            sh, owner = self.tp.shard_of(param, role, shape), self.tp.owner(param, role, shape)
-            if owner != self.tp.rank:
-                handed_from[t.name] = owner
-            elif receivers := self.tp.receivers(param, role, shape):
-                hands_to[t.name] = len(receivers)
-            if sh.split is Split.REPLICATED and owner == self.tp.rank:
+            sh = self.tp.shard_of(param, role, shape)
+            itemsize = t.nbytes // max(1, math.prod(shape))
+            got, to = self.tp.shared_from(param, role, shape), self.tp.shared_to(param, role, shape)
+            if got is not None:
+                handed_from[t.name] = (got[0], sh.leading_bytes(got[1], shape, itemsize))
+            if to:
+                (j,) = {j for _, j in to}  # every receiver of one part takes the same runs
+                hands_to[t.name] = (len(to), sh.leading_bytes(j, shape, itemsize))
+            if sh.split is Split.REPLICATED and got is None:
                 continue
-            rows = [store_pb.Range(start=a, end=b) for a, b in sh.rows or ()]
+            runs = sh.rows
+            if got is not None and got[1] > 0:  # its own leading runs only; the rest is handed over
+                runs, partial[t.name] = sh.rows[: got[1]], sh.shape(shape)
+            rows = [store_pb.Range(start=a, end=b) for a, b in runs or ()]
             cols = store_pb.Range(start=sh.cols[0], end=sh.cols[1]) if sh.cols is not None else None
-            omit = owner != self.tp.rank
+            omit = got is not None and got[1] == 0
             slices.append(store_pb.TensorSlice(tensor=t.name, rows=rows, cols=cols, omit=omit))
-        return store_pb.Shard(rank=self.tp.rank, size=self.tp.size, slices=slices), handed_from, hands_to
+        return store_pb.Shard(rank=self.tp.rank, size=self.tp.size, slices=slices), handed_from, hands_to, partial
 
     async def stream(self, info: DeltaInfo, receiver: Receiver) -> None:
         stream: FetchStream = info.handle

@@ -291,8 +291,19 @@ async def test_requests_cut_before_their_first_token_by_a_kill9_complete_on_the_
             await router.close()
 
 
-@pytest.mark.parametrize("transport", ["stream", "shared-memory"])
-async def test_a_cold_load_from_the_store_moves_each_byte_once(family, tmp_path, transport):
+@pytest.fixture(scope="module")
+def fused_family(tmp_path_factory):
+    """A Phi-3 family (fused qkv_proj and gate_up_proj) whose base has one KV head: each rank's qkv
+    slice is its own query rows + the k and v rows both ranks hold."""
+    args = tiny_args(model_type="phi3", n_kv_heads=1, tie_embeddings=False)
+    return make_test_family(tmp_path_factory.mktemp("tp_fused"), n_variants=1, args=args, merged=False)
+
+
+@pytest.mark.parametrize(
+    "kind, transport",
+    [("llama", "stream"), ("llama", "shared-memory"), ("fused", "stream"), ("fused", "shared-memory")],
+)
+async def test_a_cold_load_from_the_store_moves_each_byte_once(request, tmp_path, kind, transport):
     from bitdelta.checkpoint import read_config
     from bitdelta.format import read_header
     from bitdelta.model import ModelArgs
@@ -304,6 +315,7 @@ async def test_a_cold_load_from_the_store_moves_each_byte_once(family, tmp_path,
     def served(port: int) -> float:
         return sum(v for (n, _), v in scrape(port).items() if n == "bitdelta_delta_store_served_bytes_total")
 
+    family = request.getfixturevalue("family" if kind == "llama" else "fused_family")
     mport = free_port()
     with Cluster(tmp_path) as c:
         shm = ("--shared-memory-dir", str(tmp_path / "shm")) if transport == "shared-memory" else ()
@@ -320,8 +332,12 @@ async def test_a_cold_load_from_the_store_moves_each_byte_once(family, tmp_path,
             # each byte leaves the store once: the sliced tensors' parts add up to them; a part both ranks
             # hold (the norms, o/down's α, here also k and v: one KV head on both ranks) goes to rank 0 only,
             # which hands it to rank 1
-            shared = [t for t in header.tensors if TPLayout(args, 2, 1).owner(t.param, t.role, tuple(t.shape)) == 0]
-            assert any(".k_proj." in t.name for t in shared) and any("norm" in t.name for t in shared)
+            handed = {t.name: TPLayout(args, 2, 1).shared_from(t.param, t.role, tuple(t.shape)) for t in header.tensors}
+            assert any(h == (0, 0) for n, h in handed.items() if "norm" in n)
+            if kind == "llama":  # k_proj, v_proj: rank 1's slices are rank 0's
+                assert any(h == (0, 0) for n, h in handed.items() if ".k_proj." in n)
+            else:  # qkv_proj: rank 1 fetches its query rows, rank 0 hands it the k and v rows after them
+                assert all(handed[n] == (0, 1) for n in handed if ".qkv_proj." in n)
             before = served(mport)
             await w.load_delta(v)  # cold: both ranks fetch their slices
             assert served(mport) - before == whole
