@@ -39,7 +39,9 @@ def cmd_compress(a: argparse.Namespace) -> None:
             ) from None
     embeddings_alpha = a.alpha if a.alpha in ("row", "matrix") else "row"
     try:
-        planes = PlaneConfig(alpha=a.alpha, planes=a.planes, rank=a.rank, rank_step=a.rank_step, budget=budget)
+        planes = PlaneConfig(
+            alpha=a.alpha, planes=a.planes, rank=a.rank, rank_step=a.rank_step, budget=budget, drop=a.drop
+        )
     except ValueError as e:
         raise CliError(str(e)) from None
     tokens = d.tokenize_files(a.base, a.calib) if a.calib else None
@@ -197,9 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--rank-step", type=int, default=8, help="the budget buys rank in steps of this many")
     c.add_argument(
         "--budget",
-        help="bytes for the whole delta's tensors (16MiB, 17000000) or a fraction of the base's bf16 bytes "
+        help="bytes for the whole delta file (16MiB, 17000000) or a fraction of the base's bf16 bytes "
         "(1/16), spent greedily on the planes and rank that lower the output error most per byte "
         "(default: every matrix gets --planes and --rank); --calib weighs the error by the layers' inputs",
+    )
+    c.add_argument(
+        "--drop",
+        action="store_true",
+        help="when --budget is below one sign plane per weight, leave whole kinds of weight out (all layers' "
+        "q_proj, say): the least KL(fine-tune ‖ ·) per byte first, measured on --calib",
     )
     c.add_argument(
         "--embeddings",

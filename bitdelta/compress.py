@@ -7,6 +7,7 @@ three copies of the model.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -80,8 +81,10 @@ def compress(
     """Write the BitDelta of `finetuned` against `base` to `out` (atomically).
 
     planes: compression beyond one sign plane per weight (`bitdelta.planes`: residual planes,
-    low-rank, per-column or chosen α, a byte budget for the whole file's tensors); its `alpha`
-    replaces `alpha_mode`, and compressed embeddings compete for the budget like the projections.
+    low-rank, per-column or chosen α, a byte budget for the whole file, its header included;
+    `drop`: whole kinds of weight left out by their measured KL when plane 1 of every weight does
+    not fit); its `alpha` replaces `alpha_mode`, and compressed embeddings compete for the budget
+    like the projections.
     calibration: 1-D token ids whose inputs weigh each option's gain (`planes.input_power`)."""
     base, finetuned, out = Path(base), Path(finetuned), Path(out)
     planes = planes if planes is not None else PlaneConfig(alpha=alpha_mode)
@@ -92,6 +95,7 @@ def compress(
     compressed: dict[str, CompressedWeight] = {}
     chains = {}
     power = None
+    meta_extra: dict[str, str] = {}
     if calibration is not None and not planes.plain:
         from bitdelta.model import load_model
         from bitdelta.planes import input_power
@@ -128,6 +132,7 @@ def compress(
                     chains[name] = chain(d, cfg, w)
             else:
                 tensors[name] = w_ft.contiguous()
+    budget = None
     if chains:
         fixed = sum(cw.nbytes for cw in compressed.values()) + sum(
             t.numel() * t.element_size() for t in tensors.values()
@@ -136,22 +141,44 @@ def compress(
             raise ValueError(
                 f"a budget of {planes.budget} bytes is less than the delta's dense tensors ({fixed} bytes)"
             )
-        compressed.update(spend(chains, None if planes.budget is None else planes.budget - fixed))
-        shapes = {k: v for k, v in shapes.items() if k in compressed}
-    meta = DeltaMeta(
-        variant=variant or finetuned.name,
-        base_model=base_cfg.get("_name_or_path") or base.name,
-        base_fingerprint=fingerprint(base),
-        alpha_mode=alpha_mode if planes.plain else planes.alpha,
-        shapes=shapes,
-        architecture=args.model_type,
-        layout=args.layout,
-        extra={"embeddings": embeddings},
-    )
-    if not planes.plain:
-        meta.extra["planes"] = f"planes={planes.planes} rank={planes.rank} budget={planes.budget}"
-    save_delta(out, Delta(meta, compressed, tensors))
-    return out
+        budget = None if planes.budget is None else planes.budget - fixed
+        if planes.drop and calibration is None:
+            raise ValueError("leaving kinds of weight out (drop) needs calibration tokens to measure their KL")
+    plain_weights = dict(compressed)
+    kl = None  # KL per kind of weight, measured once plane 1 of every weight does not fit (drop)
+    header = 0  # what the file holds beyond its tensors (its JSON header): the budget pays it too
+    while True:
+        if chains:
+            kept = chains
+            if planes.drop and budget is not None and sum(c.cost(0) for c in chains.values()) > budget - header:
+                from bitdelta.model import load_model
+                from bitdelta.planes import kind_kl, left_out
+
+                if kl is None:
+                    kl = kind_kl(load_model(base), load_model(finetuned), chains, calibration)
+                    meta_extra["kl_without_plane1"] = json.dumps({k: round(v, 5) for k, v in kl.items()})
+                gone = left_out(chains, kl, budget - header)
+                kept = {name: c for name, c in chains.items() if name not in gone}
+                meta_extra["left_out"] = json.dumps(gone)
+            compressed = {**plain_weights, **spend(kept, None if budget is None else budget - header)}
+        meta = DeltaMeta(
+            variant=variant or finetuned.name,
+            base_model=base_cfg.get("_name_or_path") or base.name,
+            base_fingerprint=fingerprint(base),
+            alpha_mode=alpha_mode if planes.plain else planes.alpha,
+            shapes={k: v for k, v in shapes.items() if k in compressed},
+            architecture=args.model_type,
+            layout=args.layout,
+            extra={"embeddings": embeddings},
+        )
+        if not planes.plain:
+            meta.extra["planes"] = f"planes={planes.planes} rank={planes.rank} budget={planes.budget}"
+            meta.extra.update(meta_extra)
+        save_delta(out, Delta(meta, compressed, tensors))
+        over = out.stat().st_size - planes.budget if chains and planes.budget is not None else 0
+        if over <= 0:
+            return out
+        header += over
 
 
 def bf16_bytes(base: str | os.PathLike) -> int:

@@ -13,8 +13,12 @@ before it:
 Each option's gain is how much it lowers the squared error of the layer's OUTPUT on calibration
 inputs, Σ_k E[x_k²] · Σ_n (R_nk² − R'_nk²) (with no calibration, E[x²] = 1: the Frobenius
 error), so gains of different layers compare. Every weight gets plane 1 (BitDelta itself: a
-weight left without it costs far more than its bytes, measured on the hard family member); the
-rest of a budget in bytes is spent greedily: always the option with the most gain per byte among
+weight left without it costs far more than its bytes, measured on the hard family member), unless
+the budget is below that and `drop` leaves weights out by the KL their plane 1 is measured to be
+worth per byte: measured per kind of weight (all layers' q_proj left out at once), shared within
+a kind by the output error (neither the output error nor the diagonal Fisher ranks kinds: both
+rate the embedding ~10x too high against the projections, and dropping weights by either alone
+on the hard member doubled KL against leaving out one measured kind); the rest of a budget in bytes is spent greedily: always the option with the most gain per byte among
 every weight's next one, so hard matrices get 2–3 planes and easy ones 1. Without a budget every
 weight gets the whole chain.
 α's are closed-form for the fixed signs (weighted mean of |R| along the axis); scale
@@ -24,6 +28,7 @@ distillation (`bitdelta.distill`) then tunes every plane's α and the low-rank f
 from __future__ import annotations
 
 import heapq
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +40,8 @@ ALPHA_CHOICES = (*AXES, "auto")  # "auto": per plane, the axis with the least er
 # Bump when what `chain`/`spend` choose changes, so the family's stamped deltas are rebuilt.
 # 2: plane 1 of every weight first, the embeddings compete for the rest like the projections;
 # 3: the embeddings' planes scale rows (per token) whatever `alpha` says.
-ALGORITHM_VERSION = 3
+# 4: the budget pays the file's header too (a 1/16 budget made a file of 1/15.9).
+ALGORITHM_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,10 @@ class PlaneConfig:
     rank: int = 0
     rank_step: int = 8
     budget: int | None = None
+    # When plane 1 of every weight does not fit `budget`: leave weights out, the ones whose plane 1
+    # is worth the least KL(ft ‖ ·) per byte (measured per kind of weight on calibration tokens,
+    # `kind_kl`, shared within a kind by the output signal, `left_out`), until it does.
+    drop: bool = False
 
     def __post_init__(self):
         if self.alpha not in ALPHA_CHOICES:
@@ -200,3 +210,71 @@ def input_power(base, tokens: torch.Tensor, windows: int = 8, seq_len: int = 128
         for h in hooks:
             h.remove()
     return {k: v / n for k, v in sums.items()}
+
+
+def kind(name: str) -> str:
+    """A weight's kind: its name without the layer index ("model.layers.*.mlp.down_proj.weight")."""
+    return re.sub(r"\.\d+\.", ".*.", name)
+
+
+@torch.no_grad()
+def kind_kl(
+    base, finetuned, chains: dict[str, _Chain], tokens: torch.Tensor, windows: int = 8, seq_len: int = 128
+) -> dict[str, float]:
+    """Per kind of weight, the KL(fine-tune ‖ ·) per token that leaving out the plane 1 of every
+    weight of that kind adds to base + every weight's plane 1; `base` and `finetuned` are `Llama`s
+    (`base` is changed in place), measured on `windows` evenly spread windows of `tokens` (1-D)."""
+    from bitdelta.evaluate import kl_per_token
+
+    n = max(1, min(windows, tokens.numel() // (seq_len + 1)))
+    starts = torch.linspace(0, tokens.numel() - seq_len - 1, n).long().tolist()
+    x = torch.stack([tokens[s : s + seq_len] for s in starts])
+    ref = [finetuned(x[i : i + 1]).float().log_softmax(-1) for i in range(n)]
+    params = dict(base.named_parameters())
+
+    def plane1(name: str, sign: float) -> None:
+        p, d_in = chains[name].planes[0], chains[name].shape[1]
+        w = params[name]
+        w.add_((sign * unpack_signs(p.signs, d_in, torch.float32) * p.scale()).to(w.dtype))
+
+    def kl() -> float:
+        return sum(float(kl_per_token(ref[i], base(x[i : i + 1]).float().log_softmax(-1)).mean()) for i in range(n)) / n
+
+    for name in chains:
+        plane1(name, 1.0)
+    every = kl()
+    out = {}
+    for k in sorted({kind(name) for name in chains}):
+        names = [name for name in chains if kind(name) == k]
+        for name in names:
+            plane1(name, -1.0)
+        out[k] = kl() - every
+        for name in names:
+            plane1(name, 1.0)
+    return out
+
+
+def left_out(chains: dict[str, _Chain], kl: dict[str, float], budget: int) -> list[str]:
+    """The weights to leave out so that plane 1 of every other weight fits `budget`: the least KL
+    per byte first, a weight's KL being its kind's (`kind_kl`) shared among the kind's weights by
+    their plane 1's gain (the output signal ranks weights of one kind, not kinds). ValueError when
+    not even one weight's plane 1 would be left."""
+    total: dict[str, float] = {}
+    for name, c in chains.items():
+        total[kind(name)] = total.get(kind(name), 0.0) + max(c.plane_gain[0], 0.0)
+
+    def kl_per_byte(name: str) -> float:
+        k, c = kind(name), chains[name]
+        share = max(c.plane_gain[0], 0.0) / total[k] if total[k] > 0 else 1 / len(chains)
+        return max(kl[k], 0.0) * share / c.cost(0)
+
+    need = sum(c.cost(0) for c in chains.values()) - budget
+    out = []
+    for name in sorted(chains, key=kl_per_byte):
+        if need <= 0:
+            break
+        out.append(name)
+        need -= chains[name].cost(0)
+    if need > 0 or len(out) == len(chains):
+        raise ValueError(f"a budget of {budget} bytes leaves no weight its sign plane")
+    return out

@@ -25,6 +25,7 @@ class Mode:
     planes: int = 1
     rank: int = 0
     budget: Fraction | None = None  # of the base's bf16 bytes (None: no budget)
+    drop: bool = False  # whole kinds of weight may be left out to fit the budget (PlaneConfig.drop)
 
     @property
     def plain(self) -> bool:
@@ -34,16 +35,19 @@ class Mode:
         """The projections' compression (`bitdelta.compress.compress(planes=...)`) for a base of
         `bf16_bytes` bytes in bf16."""
         budget = None if self.budget is None else int(bf16_bytes * self.budget)
-        return PlaneConfig(alpha=self.alpha, planes=self.planes, rank=self.rank, budget=budget)
+        return PlaneConfig(alpha=self.alpha, planes=self.planes, rank=self.rank, budget=budget, drop=self.drop)
 
 
 # SERVING_MODE ("row-sign-emb-distilled") is the serving default (data/deltas/); the others live in
 # data/deltas-modes/. In the distilled sign-embedding modes only the projections' α's (and
 # factors) are trained: the tied embedding/LM head keeps mean|Δ| (see build.build_delta).
 #
-# Beyond one plane, budgets are fractions of the base's bf16 bytes: one plane per weight is
-# already 1/15 of them on this 135M model (every weight has a sign, plus its α's), so 1/16 is out
-# of reach of any mode that keeps BitDelta's plane 1 (bitdelta.planes) and 1/15 is "equal bytes".
+# Beyond one plane, budgets are fractions of the base's bf16 bytes (of the whole file): one plane
+# per weight is already 1/15 of them on this 135M model (every weight has a sign, plus its α's and
+# the header), so 1/15 is "equal bytes" and 1/16 needs weights left out: every budgeted mode may
+# leave out the weights whose plane 1 is worth the least KL per byte (PlaneConfig.drop; at 1/16
+# on the hard member, q_proj). The v3 header of a multi-plane file is larger than v2's, so at
+# 1/15 it too leaves a few weights out.
 MODES: dict[str, Mode] = {
     "matrix": Mode("matrix", "dense", False),
     "matrix-distilled": Mode("matrix", "dense", True),
@@ -52,14 +56,14 @@ MODES: dict[str, Mode] = {
     "row-sign-emb": Mode("row", "sign", False),
     "row-sign-emb-distilled": Mode("row", "sign", True),
     # up to 3 residual planes, α chosen per plane; or one plane and a low-rank residual of up to
-    # rank 64 (in steps of 8), at about BitDelta's own size (1/15) and at 1/12 and 1/8
+    # rank 64 (in steps of 8), at 1/16, at about BitDelta's own size (1/15) and at 1/12 and 1/8
     **{
-        f"planes-{n}{d}": Mode("auto", "sign", bool(d), planes=3, budget=Fraction(1, n))
-        for n in (15, 12, 8)
+        f"planes-{n}{d}": Mode("auto", "sign", bool(d), planes=3, budget=Fraction(1, n), drop=True)
+        for n in (16, 15, 12, 8)
         for d in ("", "-distilled")
     },
     **{
-        f"lowrank-{n}{d}": Mode("auto", "sign", bool(d), rank=64, budget=Fraction(1, n))
+        f"lowrank-{n}{d}": Mode("auto", "sign", bool(d), rank=64, budget=Fraction(1, n), drop=True)
         for n in (15, 12)
         for d in ("", "-distilled")
     },

@@ -57,7 +57,12 @@ class QualityConfig:
     modes: tuple[str, ...] = tuple(MODES)
     # The run-to-run noise: on the hard members, these distilled modes again with each further
     # distillation seed (reported as "<mode>@seed<N>").
-    seed_modes: tuple[str, ...] = ("row-sign-emb-distilled", "planes-15-distilled", "lowrank-15-distilled")
+    seed_modes: tuple[str, ...] = (
+        "row-sign-emb-distilled",
+        "planes-15-distilled",
+        "planes-16-distilled",
+        "lowrank-15-distilled",
+    )
     seeds: tuple[int, ...] = (1,)
 
 

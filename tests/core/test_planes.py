@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from bitdelta.format import (
     verify,
 )
 from bitdelta.model import attach_delta, load_model
-from bitdelta.planes import PlaneConfig, best_plane, chain, spend
+from bitdelta.planes import PlaneConfig, best_plane, chain, kind, kind_kl, left_out, spend
 from kernels.bits import unpack_signs
 from tests.support.cli import run_cli
 
@@ -138,10 +139,92 @@ def test_budget_of_the_whole_file(family, tmp_path):
     budget = int(tensors * 1.4)
     cfg = PlaneConfig(alpha="auto", planes=3, rank=8, rank_step=4, budget=budget)
     h = read_header(compress(base, v0, tmp_path / "b.st", planes=cfg, calibration=calib, progress=False))
-    assert tensors < sum(t.nbytes for t in h.tensors) <= budget
+    assert tensors < sum(t.nbytes for t in h.tensors) and (tmp_path / "b.st").stat().st_size <= budget
     assert max(h.bytes_by_plane()) >= 2
     with pytest.raises(ValueError, match="less than the delta's dense tensors"):
         compress(base, v0, tmp_path / "x.st", planes=PlaneConfig(planes=2, budget=10), progress=False)
+
+
+def test_left_out_drops_the_weights_worth_least_kl_per_byte():
+    """A kind's measured KL is shared among its weights by their plane 1's gain: the cheap kind's
+    weak weight goes first, then its strong one and the other cheap kind's weak one."""
+    g = torch.Generator().manual_seed(2)
+    cfg = PlaneConfig()
+    chains = {
+        f"model.layers.{i}.{k}.weight": chain(torch.randn(32, 64, generator=g) * (1 + 2 * i), cfg)
+        for i in range(2)
+        for k in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj")
+    }
+    one = chains["model.layers.0.mlp.down_proj.weight"].cost(0)  # every plane 1 costs the same here
+    kl = {
+        "model.layers.*.self_attn.q_proj.weight": 0.01,
+        "model.layers.*.self_attn.k_proj.weight": 0.02,
+        "model.layers.*.mlp.down_proj.weight": 0.5,
+    }
+    assert left_out(chains, kl, 6 * one) == []
+    assert left_out(chains, kl, 5 * one) == ["model.layers.0.self_attn.q_proj.weight"]
+    assert left_out(chains, kl, 3 * one) == [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+    ]
+    with pytest.raises(ValueError, match="leaves no weight its sign plane"):
+        left_out(chains, kl, one - 1)
+    assert kind("model.layers.12.mlp.up_proj.weight") == "model.layers.*.mlp.up_proj.weight"
+
+
+def test_kind_kl_measures_what_each_kind_s_plane_is_worth(family):
+    """Each kind's number is KL(ft ‖ base + the plane 1 of every weight but that kind's) −
+    KL(ft ‖ base + every plane 1), recomputed here through attach_delta and the evaluator."""
+    from bitdelta.evaluate import kl_per_token
+    from bitdelta.format import CompressedWeight, Delta, load_delta
+
+    base, (v0, _) = family
+    chains = {}
+    with CheckpointReader(base) as rb, CheckpointReader(v0) as rf:
+        for name in rf.keys():
+            if ".layers." in name and name.endswith("proj.weight"):
+                chains[name] = chain(rf.get(name).float() - rb.get(name).float(), PlaneConfig())
+    calib = torch.randint(0, 250, (3000,), generator=torch.Generator().manual_seed(5))
+    ft = load_model(v0)
+    kl = kind_kl(load_model(base), ft, chains, calib, windows=2, seq_len=32)
+    assert set(kl) == {kind(n) for n in chains} and len(kl) == 7
+    meta = load_delta(compress(base, v0, Path(str(base) + "-kk.st"), progress=False)).meta
+    x = torch.stack([calib[s : s + 32] for s in torch.linspace(0, calib.numel() - 33, 2).long().tolist()])
+    ref = ft(x).float().log_softmax(-1)
+
+    def measured(names) -> float:
+        d = Delta(meta, {n: CompressedWeight(chains[n].planes[:1], chains[n].shape) for n in names}, {})
+        return float(kl_per_token(ref, attach_delta(load_model(base), d)(x).float().log_softmax(-1)).mean())
+
+    every = measured(chains)
+    for k in ("model.layers.*.self_attn.q_proj.weight", "model.layers.*.mlp.down_proj.weight"):
+        want = measured([n for n in chains if kind(n) != k]) - every
+        assert kl[k] == pytest.approx(want, rel=1e-3, abs=1e-7), k
+
+
+def test_a_budget_below_one_plane_each_leaves_kinds_out(family, tmp_path):
+    """drop: a file budget below plane 1 of every weight is met by leaving weights out (named in
+    the metadata with the KL each kind was measured to cost); the file fits, header included, and
+    serves like apply. Without drop, the same budget is refused."""
+    base, (v0, _) = family
+    plain = compress(base, v0, tmp_path / "p.st", progress=False)
+    budget = int(plain.stat().st_size * 0.93)
+    calib = torch.randint(0, 250, (3000,), generator=torch.Generator().manual_seed(4))
+    cfg = PlaneConfig(alpha="auto", planes=2, budget=budget, drop=True)
+    out = compress(base, v0, tmp_path / "d.st", planes=cfg, calibration=calib, progress=False)
+    assert out.stat().st_size <= budget
+    delta = load_delta(out)
+    gone = json.loads(delta.meta.extra["left_out"])
+    assert gone and len(json.loads(delta.meta.extra["kl_without_plane1"])) == 7
+    assert not set(gone) & set(delta.compressed) and len(delta.compressed) + len(gone) == 14  # 2 layers x 7
+    dense = apply(base, out, tmp_path / "a", progress=False)
+    ids = torch.randint(0, 250, (2, 13), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(attach_delta(load_model(base), delta)(ids), load_model(dense)(ids), atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="less than one sign plane per weight"):
+        compress(base, v0, tmp_path / "x.st", planes=PlaneConfig(planes=2, budget=budget), progress=False)
+    with pytest.raises(ValueError, match="needs calibration tokens"):
+        compress(base, v0, tmp_path / "y.st", planes=cfg, progress=False)
 
 
 def test_distillation_tunes_every_plane_and_the_factors(family, tmp_path):
