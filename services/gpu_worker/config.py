@@ -76,6 +76,11 @@ class WorkerConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
     tp_timeout_s: float = setting(
         30.0, "deadline of every collective between the ranks, seconds: a dead or hung rank stops the worker"
     )
+    tp_start_timeout_s: float = setting(
+        600.0,
+        "how long rank 0 waits for the other ranks to start and load their shards of the base, seconds "
+        "(a spawned rank that exits first fails the start at once)",
+    )
 
     def __post_init__(self):
         self.check()
@@ -117,7 +122,10 @@ class WorkerConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
                 raise ConfigError(f"{self.flag_of(name)} must be positive, got {getattr(self, name)}")
         if self.tensor_parallel < 1:
             raise ConfigError(f"--tensor-parallel must be >= 1, got {self.tensor_parallel}")
-        if self.tp_timeout_s <= 0:
-            raise ConfigError(f"--tp-timeout-s must be positive, got {self.tp_timeout_s}")
+        if self.tp_timeout_s <= 0 or self.tp_start_timeout_s <= 0:
+            raise ConfigError(
+                f"--tp-timeout-s and --tp-start-timeout-s must be positive, got {self.tp_timeout_s} and "
+                f"{self.tp_start_timeout_s}"
+            )
         if self.max_slots < 0 or self.pin_hottest < 0:
             raise ConfigError("--max-slots and --pin-hottest must be >= 0")

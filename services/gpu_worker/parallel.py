@@ -735,25 +735,39 @@ class Rendezvous:
         )
 
 
-def _init_group(rv: Rendezvous, config: WorkerConfig, device: torch.device):
-    """The process group (NCCL on CUDA, gloo on CPU) and the TCPStore beside it (load acks, rank info)."""
-    timeout = timedelta(seconds=config.tp_timeout_s)
+def _store(rv: Rendezvous, config: WorkerConfig):
+    """The ranks' TCPStore: rank 0 hosts it (unless torchrun's agent does), the others connect. Its
+    timeout is the start-up's: a rank may take long to import and load its shards, not a step."""
     master = rv.rank == 0 and not rv.agent_store
-    store = dist.TCPStore(rv.addr, rv.port, rv.size, is_master=master, timeout=timeout)
+    timeout = timedelta(seconds=config.tp_start_timeout_s)
+    return dist.TCPStore(rv.addr, rv.port, rv.size, is_master=master, timeout=timeout, wait_for_workers=False)
+
+
+def _init_group(rv: Rendezvous, config: WorkerConfig, device: torch.device, store):
+    """The process group (NCCL on CUDA, gloo on CPU) on the ranks' TCPStore, every collective under
+    --tp-timeout-s; returns the store's part for the load acks, rank info and handed slices."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     pg_store = dist.PrefixStore(f"bitdelta/{rv.run}/pg", store)
+    timeout = timedelta(seconds=config.tp_timeout_s)
     dist.init_process_group(backend, store=pg_store, rank=rv.rank, world_size=rv.size, timeout=timeout)
     return dist.PrefixStore(f"bitdelta/{rv.run}/tp", store)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _wait_for(store, key: str, what: str, procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """Wait until a follower set `key`, failing at once (with its exit code) when a spawned rank
+    exits first, and saying what did not happen after `timeout_s` (--tp-start-timeout-s)."""
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        for r, p in enumerate(procs, 1):
+            if p.poll() is not None:
+                raise RuntimeError(f"tensor parallelism: rank {r} exited with code {p.returncode} before {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"tensor parallelism: {what} did not happen within --tp-start-timeout-s {timeout_s:.0f} s"
+            )
+        time.sleep(POLL_S * 10)
 
 
 def _die_with_parent() -> None:
@@ -799,19 +813,26 @@ def start_driver(
         rv = rendezvous
         if rv.size != n or rv.rank != 0:
             raise ValueError(f"--tensor-parallel {n} but the launcher says rank {rv.rank} of WORLD_SIZE {rv.size}")
-    else:
-        rv = Rendezvous(0, n, 0, "127.0.0.1", _free_port())
+        store = _store(rv, config)
+    else:  # the store first, on a port it binds itself (a free port looked up, then bound, can be taken)
+        store = _store(Rendezvous(0, n, 0, "127.0.0.1", 0), config)
+        rv = Rendezvous(0, n, 0, "127.0.0.1", store.port)
         procs = _spawn(config, rv, dtype, backend)
-    local = rv.local_rank
-    device = rank_device(config, local)
+    device = rank_device(config, rv.local_rank)
+    wait = config.tp_start_timeout_s
     try:
-        store = _init_group(rv, config, device)
+        joined = dist.PrefixStore(f"bitdelta/{rv.run}/joined", store)
+        for r in range(1, n):  # before the process group's own rendezvous, which cannot see a rank exit
+            _wait_for(joined, str(r), f"rank {r} joining", procs, wait)
+        store = _init_group(rv, config, device, store)
         comm = Collectives(0, n, device)
         model = build_rank(config, dtype, device, comm, backend, store)
         mem = model.memory
         ranks = [RankInfo(0, str(device), mem["base"], mem["slot_stacks"], mem["kv"])]
         for r in range(1, n):  # each follower posts its own once its shards are resident
+            _wait_for(store, f"rank/{r}", f"rank {r} loading its shards of the base", procs, wait)
             ranks.append(RankInfo(**json.loads(store.get(f"rank/{r}"))))
+        store.set("started", "1")  # the followers' first broadcast now waits a heartbeat, not a load
     except BaseException:
         for p in procs:
             p.kill()
@@ -833,7 +854,9 @@ def run_follower(config: WorkerConfig, rv: Rendezvous) -> None:
     dt = config.dtype if config.dtype != "auto" else serving_dtype(device).torch_name
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dt]
     telemetry.setup("worker", config.otlp_endpoint, instance=f"{config.address}/rank{rank}")
-    store = _init_group(rv, config, device)
+    store = _store(rv, config)
+    dist.PrefixStore(f"bitdelta/{rv.run}/joined", store).set(str(rank), "1")
+    store = _init_group(rv, config, device, store)
     comm = Collectives(rank, size, device)
     model = build_rank(config, dtype, device, comm, config.kernel_backend or kernel_settings().backend, store)
     mem = model.memory
@@ -843,6 +866,12 @@ def run_follower(config: WorkerConfig, rv: Rendezvous) -> None:
     follower = Follower(model, comm, store, config, fingerprint(config.base))
     log.info("rank %d of %d ready on %s", rank, size, device)
     try:
+        try:  # rank 0 may still be loading its shards: the start's deadline, not a collective's
+            store.wait(["started"])
+        except Exception:
+            raise RuntimeError(
+                f"rank 0 did not finish starting within --tp-start-timeout-s {config.tp_start_timeout_s:.0f} s"
+            ) from None
         follower.run()
     except Exception as e:
         log.error("rank %d of %d: %s; stopping", rank, size, e)

@@ -127,8 +127,44 @@ async def test_real_family_on_two_ranks_equals_one_process(real_base, real_delta
     cfg = dataclasses.replace(config(real_base, deltas, 1), delta_budget=1 << 30, kv_cache=16 << 20)
     one = await answers(cfg, prompts, n=8)
     two = await answers(dataclasses.replace(cfg, tensor_parallel=2), prompts, n=8)
-    assert two == one
-    assert one[0] == one[1]
+    differ = {
+        f"{how} {m or 'base'}": {"one process": one[k][m], "two ranks": two[k][m]}
+        for k, how in enumerate(("alone", "mixed"))
+        for m in prompts
+        if one[k][m] != two[k][m]
+    }
+    assert not differ, f"greedy tokens of two ranks differ from one process's: {differ}"
+    assert one[0] == one[1], f"one process: alone {one[0]} but in one mixed batch {one[1]}"
+
+
+async def test_a_rank_that_exits_or_never_answers_fails_the_start_saying_so():
+    """Rank 0's start waits for each follower on the TCPStore (parallel._wait_for): a spawned rank
+    that exits fails it at once with its exit code, one that never posts fails at
+    --tp-start-timeout-s, each naming what did not happen."""
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from services.gpu_worker.parallel import _wait_for
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    dead.wait()
+    with pytest.raises(RuntimeError, match=r"rank 1 exited with code 3 before rank 1 joining"):
+        _wait_for(store, "joined/1", "rank 1 joining", [dead], 60)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"rank 1 loading its shards .* within --tp-start-timeout-s 1 s"):
+            _wait_for(store, "rank/1", "rank 1 loading its shards of the base", [alive], 1)
+        assert time.monotonic() - t0 < 5
+        store.set("rank/1", "{}")
+        _wait_for(store, "rank/1", "rank 1 loading its shards of the base", [alive], 1)  # there: returns
+    finally:
+        alive.kill()
+        alive.wait()
 
 
 def _ranks_of(pid: int) -> list[int]:
