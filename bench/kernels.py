@@ -15,7 +15,8 @@ use --threads 1: with every core busy, multi-threaded timings measure the schedu
 Not a test: it asserts nothing.
 Targets (docs/kernels.md): fused decode ≤ 1.15× base GEMV (limit 1.0625 in bf16),
 fused prefill ≤ 1.10× base GEMM, batched delta ≥ 70% of roofline, CPU delta GEMV
-within 2× of a dense fp32 GEMV, each sign plane beyond the first ≤ 1/16 of a base GEMV.
+within 2× of a dense fp32 GEMV, each sign plane beyond the first ≤ its bytes: 1/16 of a bf16
+base GEMV, 1/32 of an fp32 one (--planes: that section alone).
 """
 
 from __future__ import annotations
@@ -201,40 +202,56 @@ def bench_cpu_gemv(t, bw, d, Ms, rows):
         print_row(row)
 
 
-def bench_planes(dev, t, dtype, d, Ms, rows):
-    """A delta beyond one sign plane (bitdelta.planes) as the compact model runs it
-    (`BitDeltaLinear`: base GEMM with plane 1 fused, then one delta launch per further plane and
-    two small GEMMs for a low-rank residual): each extra plane's and rank 64's cost ÷ the base
-    GEMV. Target: a plane costs at most its bytes, 1/16 of a bf16 GEMV's."""
-    from bitdelta.format import SignPlane
-    from bitdelta.model import BitDeltaLinear
+def bench_planes(dev, t, dtypes, d, rows):
+    """Each sign plane beyond the first at decode, as the worker runs it: the base GEMV once for
+    the batch (`dense_linear`, fp32 out), then ONE batched-delta launch over every row's planes
+    (row_slots [M, P]). A plane's cost = (delta with 3 planes − delta with 1) / 2, ÷ the base
+    GEMV measured in the same run. M = 1 (one row of a 1/2/3-plane variant) and a mixed batch of
+    4 rows (a 3-plane, a 2-plane and a 1-plane variant and a base row; "k planes" gives each of
+    the delta rows k planes). Target: a plane costs at most its bytes: 1/16 of a bf16 base GEMV,
+    1/32 of an fp32 one (its bits are 1/16 and 1/32 of W's bytes)."""
+    from kernels import bitdelta_delta_batched, bitdelta_linear, dense_linear
 
-    for M in Ms:
-        x, w, s, a = linear_inputs(M, d, d, dtype, dev)
-        extra = [SignPlane(linear_inputs(1, d, d, dtype, dev, seed=i)[2], a * 0.5, "row") for i in (1, 2)]
-        t_base = t(lambda: x @ w.t())
-        g = torch.Generator().manual_seed(3)
-        u = (torch.randn(d, 64, generator=g) * 1e-3).half().to(dev)
-        v = (torch.randn(64, d, generator=g) * 1e-3).half().to(dev)
-        layers = [BitDeltaLinear(w, s, a, more=extra[:k]) for k in range(3)]
-        low = BitDeltaLinear(w, s, a, u=u, v=v)
-        with torch.inference_mode():
-            t_k = [t(lambda m=m: m(x)) for m in layers]
-            t_lr = t(lambda: low(x))
-        row = {
-            "section": "planes",
-            "d": d,
-            "M": M,
-            "base_ms": t_base,
-            "1 plane/base": t_k[0] / t_base,
-            "2 planes/base": t_k[1] / t_base,
-            "3 planes/base": t_k[2] / t_base,
-            "per extra plane/base": (t_k[2] - t_k[0]) / 2 / t_base,
-            "rank 64/base": (t_lr - t_k[0]) / t_base,
-            "target": 1 / 16,
-        }
-        rows.append(row)
-        print_row(row)
+    g = torch.Generator().manual_seed(0)
+    P = 3
+    signs = torch.randint(0, 256, (3 * P, d, packed_cols(d)), generator=g, dtype=torch.uint8).to(dev)
+    alpha = (torch.rand(3 * P, d, generator=g) * 1e-3).to(dev)
+    for dtype in dtypes:
+        w = (torch.randn(d, d, generator=g) * 0.02).to(dtype).to(dev)
+        for M, batch in ((1, "1 row"), (4, "mixed 4 rows")):
+            x = torch.randn(M, d, generator=g).to(dtype).to(dev)
+            y = torch.zeros(M, d, dtype=torch.float32, device=dev)
+            t_base = t(lambda x=x: dense_linear(x, w, out_fp32=True))
+            t_k = []
+            for k in (1, 2, 3):
+                rs = torch.full((M, P), -1, dtype=torch.int64)
+                for r in range(min(M, 3)):  # rows of variants 0, 1, 2 (slots 3v … 3v + k − 1); row 4: base
+                    rs[r, :k] = torch.arange(3 * r, 3 * r + k)
+                rs = rs.to(dev)
+                plan = plan_batch(rs, 3 * P, dev)
+                t_k.append(t(lambda x=x, rs=rs, plan=plan: bitdelta_delta_batched(x, signs, alpha, rs, y, plan=plan)))
+            mixed = torch.tensor([[0, 1, 2], [3, 4, -1], [6, -1, -1], [-1, -1, -1]])[:M].to(dev)
+            t_mix = t(lambda x=x, rs=mixed: bitdelta_delta_batched(x, signs, alpha, rs, y))
+            t_f1 = t(lambda x=x: bitdelta_linear(x, w, signs[0], alpha[0]))
+            t_f3 = t(lambda x=x: bitdelta_linear(x, w, signs[:P], alpha[:P]))
+            target = 1 / 16 if dtype.itemsize == 2 else 1 / 32
+            row = {
+                "section": "planes",
+                "dtype": str(dtype).removeprefix("torch."),
+                "d": d,
+                "batch": batch,
+                "base_gemv_ms": t_base,
+                "1 plane/base": t_k[0] / t_base,
+                "2 planes/base": t_k[1] / t_base,
+                "3 planes/base": t_k[2] / t_base,
+                "per extra plane/base": (t_k[2] - t_k[0]) / 2 / t_base,
+                "target": target,
+                "mixed 3+2+1/base": t_mix / t_base if M > 1 else float("nan"),
+                "fused 1 plane/base": t_f1 / t_base,
+                "fused 3 planes/base": t_f3 / t_base,
+            }
+            rows.append(row)
+            print_row(row)
 
 
 def cpu_sweep(t, rows):
@@ -371,6 +388,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None, help="CPU repetitions per timing")
     ap.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads on CPU (default: torch's)")
     ap.add_argument("--only-sweep", action="store_true", help="with --cpu-sweep: skip the other sections")
+    ap.add_argument("--planes", action="store_true", help="only the sign-plane section (cost per extra plane)")
     ap.add_argument(
         "--dry-run",
         action="store_true",
@@ -402,7 +420,13 @@ def main(argv=None):
     print(f"device: {name}; measured bandwidth {bw / 1e9:.1f} GB/s")
     rows: list[dict] = []
 
-    if args.dry_run and not cuda:
+    if args.planes:
+        dtypes = (
+            (precision_for(dev).dtype,) if cuda else tuple(dict.fromkeys((serving_dtype(dev).dtype, torch.float32)))
+        )
+        print("sign planes at decode (÷ base GEMV; target per extra plane ≤ 1/16 of a bf16 base, 1/32 of fp32):")
+        bench_planes(dev, t, dtypes, 4096, rows)
+    elif args.dry_run and not cuda:
         import triton
 
         meta["triton"] = triton.__version__
@@ -426,8 +450,8 @@ def main(argv=None):
         print("batched decode, 16 rows:")
         for d in dec_d:
             bench_batched(dev, t, bw, dtype, d, (1, 4, 8, 16), rows)
-        print("beyond one plane (÷ base GEMV; target per extra plane ≤ 1/16):")
-        bench_planes(dev, t, dtype, 4096, (1, 16), rows)
+        print("sign planes at decode (÷ base GEMV; target per extra plane ≤ 1/16 of a bf16 base):")
+        bench_planes(dev, t, (dtype,), 4096, rows)
     elif args.only_sweep:
         cpu_sweep(t, rows)
     else:
@@ -442,8 +466,8 @@ def main(argv=None):
         bench_batched(dev, t, bw, dtype, 4096, (1, 4, 16) if args.quick else (1, 4, 8, 16), rows)
         print("CPU delta GEMV vs dense fp32 GEMV:")
         bench_cpu_gemv(t, bw, 4096, (1, 4, 16), rows)
-        print("CPU beyond one plane (÷ base GEMV; target per extra plane ≤ 1/16):")
-        bench_planes(dev, t, dtype, 4096, (1, 16), rows)
+        print("CPU sign planes at decode (÷ base GEMV; target per extra plane ≤ 1/16 of a bf16 base, 1/32 of fp32):")
+        bench_planes(dev, t, tuple(dict.fromkeys((dtype, torch.float32))), 4096, rows)
         if args.cpu_sweep:
             print("CPU path sweep (÷ torch base):")
             cpu_sweep(t, rows)
@@ -456,6 +480,7 @@ def main(argv=None):
             + ("_quick" if args.quick else "")
             + ("_dry" if args.dry_run else "")
         )
+        stem += "_planes" if args.planes else ""
         stem += f"_t{args.threads}" if args.threads else ""
         (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         (args.out / f"{stem}.md").write_text(markdown(meta, rows))

@@ -420,16 +420,19 @@ def bitdelta_delta_batched_cpu(
         raise ValueError("the CPU kernels take CPU tensors")
     rs = row_slots.to("cpu", torch.int64).reshape(M, -1).contiguous()
     P = rs.shape[1]
-    if rs.numel() and (int(rs.max()) >= V or int(rs.min()) < -1):
+    if not rs.numel():
+        return y
+    lo, hi = (int(v) for v in rs.aminmax())
+    if hi >= V or lo < -1:
         raise ValueError(f"row_slots values must lie in [-1, {V - 1}]")
-    if not bool((rs >= 0).any()):
+    if hi < 0:
         return y
     alpha_stack = alpha_stack.reshape(V, -1)
     cols = None if col_alpha is None else col_alpha.to(torch.float32).contiguous()
     lib = load_cpu_lib()
     y32 = y if y.dtype == torch.float32 and y.stride(1) == 1 else y.to(torch.float32)
     gemv_rs = rs
-    for p in range(P):
+    for p in range(P if lib is None or M >= UNPACK_MIN_M else 0):  # fewer rows: all in the C call
         slots, counts = torch.unique(rs[:, p][rs[:, p] >= 0], return_counts=True)
         for v, c in zip(slots.tolist(), counts.tolist()):
             if lib is not None and c < UNPACK_MIN_M:
@@ -442,11 +445,11 @@ def bitdelta_delta_batched_cpu(
             y32[rows] = part
             gemv_rs = gemv_rs.clone() if gemv_rs is rs else gemv_rs
             gemv_rs[on, p] = -1
-    if bool((gemv_rs >= 0).any()):
+    if gemv_rs is rs or bool((gemv_rs >= 0).any()):
         x32 = x.to(torch.float32).contiguous()
         s = signs_stack if signs_stack.stride(2) == 1 else signs_stack.contiguous()
         a = alpha_stack.to(torch.float32).contiguous()
-        b = torch.tensor(bounds, dtype=torch.int64)
+        b = None if cols is None else torch.tensor(bounds, dtype=torch.int64)
         rc = lib.bd_delta_batched(
             x32.data_ptr(),
             M,
@@ -464,10 +467,11 @@ def bitdelta_delta_batched_cpu(
             None if cols is None else cols.data_ptr(),
             0 if cols is None else cols.stride(0),
             0 if cols is None else cols.stride(1),
-            b.data_ptr(),
+            None if b is None else b.data_ptr(),
             G,
             y32.data_ptr(),
             y32.stride(0),
+            int(x.dtype == torch.bfloat16),  # exactly bf16 values: the bf16 delta loop may read them
             torch.get_num_threads(),
         )
         if rc != 0:

@@ -71,11 +71,8 @@ static inline void mask_sums(const float *xm, const uint8_t *const *rows, int64_
     for (int i = 0; i < ROWS; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nfull; ++j) {
         const __m512 xv = _mm512_loadu_ps(xm + 16 * j);
-        for (int i = 0; i < ROWS; ++i) {
-            uint16_t bits;
-            memcpy(&bits, rows[i] + 2 * j, 2);
-            acc[i] = _mm512_mask_add_ps(acc[i], (__mmask16)bits, acc[i], xv);
-        }
+        for (int i = 0; i < ROWS; ++i)
+            acc[i] = _mm512_mask_add_ps(acc[i], _load_mask16((__mmask16 *)(rows[i] + 2 * j)), acc[i], xv);
     }
     if (rem) {
         const __mmask16 valid = (__mmask16)((1u << rem) - 1u);
@@ -120,58 +117,126 @@ static inline void mask_sums(const float *xm, const uint8_t *const *rows, int64_
 #endif
 }
 
+#if defined(__AVX512BF16__)
+/* mask_sums for an x that is exactly bf16 (xb: its bf16 words): 32 columns per mask register
+ * instead of 16, the k-register loads being what bounds the fp32 loop. The x values at unset bits
+ * are zeroed (a masked move of 32 bf16 lanes) and VDPBF16PS with ones adds the products,
+ * exact, in fp32 pairs (denormals flushed). 2.5× the fp32 loop's speed on one Zen 4 core. */
+static inline void mask_sums_bf16(const uint16_t *xb, const uint8_t *const *rows, int64_t d_in, float *tot) {
+    const int64_t n_bytes = (d_in + 7) / 8;
+    const int64_t nfull = d_in / 32;
+    const int rem = (int)(d_in % 32);
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);
+    __m512 acc[ROWS];
+    for (int i = 0; i < ROWS; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nfull; ++j) {
+        const __m512i xv = _mm512_loadu_si512((const void *)(xb + 32 * j));
+        for (int i = 0; i < ROWS; ++i) {
+            const __m512i on = _mm512_maskz_mov_epi16(_load_mask32((__mmask32 *)(rows[i] + 4 * j)), xv);
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)on, ones);
+        }
+    }
+    if (rem) {
+        const __mmask32 valid = (__mmask32)((1u << rem) - 1u);
+        const __m512i xv = _mm512_maskz_loadu_epi16(valid, xb + 32 * nfull);
+        for (int i = 0; i < ROWS; ++i) {
+            const uint32_t bits =
+                load_bits16(rows[i], 2 * nfull, n_bytes) | (load_bits16(rows[i], 2 * nfull + 1, n_bytes) << 16);
+            const __m512i on = _mm512_maskz_mov_epi16((__mmask32)(bits & valid), xv);
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)on, ones);
+        }
+    }
+    for (int i = 0; i < ROWS; ++i) tot[i] = _mm512_reduce_add_ps(acc[i]);
+}
+#define HAVE_MASK_BF16 1
+#endif
+
 /* The planes of a mixed batch over output rows [r0, r1):
  *   y[m, r] += Σ_p α_v[r] · Σ_k xs[k] · S_v[r, k],  v = slots[m·n_planes + p] ≥ 0 (< 0: no plane),
  * slot v's signs at s + v·stride_sv, its α_v[r] = alpha[v·stride_av + r·alpha_stride]; slots NULL:
  * one plane, slot 0, for every row. xs is x's row m (xcol NULL) or, with column α's, its row
  * scaled by slot v's column α of r's group g: xcol + ((m·n_planes + p)·n_groups + g)·d_in; xsum
  * holds Σ_k xs[k] in the same order ([M] without column α's). Groups: rows [bounds[g],
- * bounds[g + 1]) (bounds NULL: one group). The planes' terms are summed in fp32 and added to y
- * once. Each register block of ROWS rows stays inside one group, and its sign rows stay in cache
- * for all rows m and planes p. */
-static void delta_rows_planes(const float *x, int64_t ldx, int64_t M, const float *xsum, const float *xcol,
-                              const uint8_t *s, int64_t stride_sv, int64_t lds, int64_t d_in,
+ * bounds[g + 1]) (bounds NULL: one group). xb: NULL, or x's rows as bf16 words (x exactly bf16,
+ * no column α's; row stride ldx): the bf16 loop. The planes' terms are summed in fp32 and added to
+ * y once. Each register block of ROWS rows stays inside one group, and its sign rows stay in
+ * cache for all rows m and planes p. */
+static void delta_rows_planes(const float *x, const uint16_t *xb, int64_t ldx, int64_t M, const float *xsum,
+                              const float *xcol, const uint8_t *s, int64_t stride_sv, int64_t lds, int64_t d_in,
                               const float *alpha, int64_t stride_av, int64_t alpha_stride,
                               const int64_t *slots, int64_t n_planes, const int64_t *bounds, int64_t n_groups,
                               float *y, int64_t ldy, int64_t r0, int64_t r1) {
-    int64_t g = 0;
-    for (int64_t r = r0; r < r1;) {
-        while (bounds && r >= bounds[g + 1]) ++g;
-        const int64_t end = bounds && bounds[g + 1] < r1 ? bounds[g + 1] : r1;
-        const int nr = (end - r) < ROWS ? (int)(end - r) : ROWS;
+    /* CHUNK rows at a time, plane after plane: each plane's bits are one sequential run the
+     * hardware prefetcher follows (blocks of 8 rows alternating between planes ran at 0.6× once the
+     * bits came from memory); the chunk's rows of one x row sum their planes in `sum`. */
+    enum { CHUNK = 128 };
+    for (int64_t c0 = r0; c0 < r1; c0 += CHUNK) {
+        const int64_t c1 = (c0 + CHUNK) < r1 ? c0 + CHUNK : r1;
         for (int64_t m = 0; m < M; ++m) {
-            float sum[ROWS] = {0};
+            float sum[CHUNK];
             int any = 0;
             for (int64_t p = 0; p < n_planes; ++p) {
                 const int64_t v = slots ? slots[m * n_planes + p] : 0;
                 if (v < 0) continue;
+                if (!any) memset(sum, 0, sizeof(sum));
                 any = 1;
-                const uint8_t *rows[ROWS];
-                for (int i = 0; i < ROWS; ++i)  /* missing rows alias row r; their sums are dropped */
-                    rows[i] = s + v * stride_sv + (r + (i < nr ? i : 0)) * lds;
-                const int64_t q = (m * n_planes + p) * n_groups + g;
-                const float *xm = xcol ? xcol + q * d_in : x + m * ldx;
-                const float xs = xcol ? xsum[q] : xsum[m];
                 const float *av = alpha + v * stride_av;
-                float tot[ROWS];
-                mask_sums(xm, rows, d_in, tot);
-                for (int i = 0; i < nr; ++i) sum[i] += av[(r + i) * alpha_stride] * (2.f * tot[i] - xs);
+                int64_t g = 0;
+                for (int64_t r = c0; r < c1;) {
+                    while (bounds && r >= bounds[g + 1]) ++g;
+                    const int64_t end = bounds && bounds[g + 1] < c1 ? bounds[g + 1] : c1;
+                    const int nr = (end - r) < ROWS ? (int)(end - r) : ROWS;
+                    const uint8_t *rows[ROWS];
+                    for (int i = 0; i < ROWS; ++i)  /* missing rows alias row r; their sums are dropped */
+                        rows[i] = s + v * stride_sv + (r + (i < nr ? i : 0)) * lds;
+                    const int64_t q = (m * n_planes + p) * n_groups + g;
+                    const float xs = xcol ? xsum[q] : xsum[m];
+                    float tot[ROWS];
+#ifdef HAVE_MASK_BF16
+                    if (xb && !xcol)
+                        mask_sums_bf16(xb + m * ldx, rows, d_in, tot);
+                    else
+#endif
+                        mask_sums(xcol ? xcol + q * d_in : x + m * ldx, rows, d_in, tot);
+                    for (int i = 0; i < nr; ++i) sum[r - c0 + i] += av[(r + i) * alpha_stride] * (2.f * tot[i] - xs);
+                    r += nr;
+                }
             }
             if (any)
-                for (int i = 0; i < nr; ++i) y[m * ldy + r + i] += sum[i];
+                for (int64_t r = c0; r < c1; ++r) y[m * ldy + r] += sum[r - c0];
         }
-        r += nr;
     }
 }
 
-/* One plane per x row (row_variant NULL: variant 0 for all): delta_rows_planes without column α's. */
-static void delta_rows_mask(const float *x, int64_t ldx, int64_t M, const float *xsum,
-                            const uint8_t *s, int64_t stride_sv, int64_t lds, int64_t d_in,
-                            const float *alpha, int64_t stride_av, int64_t alpha_stride,
-                            const int64_t *row_variant,
+/* One plane of variant 0 for every x row: delta_rows_planes without column α's. */
+static void delta_rows_mask(const float *x, const uint16_t *xb, int64_t ldx, int64_t M, const float *xsum,
+                            const uint8_t *s, int64_t lds, int64_t d_in, const float *alpha, int64_t alpha_stride,
                             float *y, int64_t ldy, int64_t r0, int64_t r1) {
-    delta_rows_planes(x, ldx, M, xsum, NULL, s, stride_sv, lds, d_in, alpha, stride_av, alpha_stride, row_variant,
-                      1, NULL, 1, y, ldy, r0, r1);
+    delta_rows_planes(x, xb, ldx, M, xsum, NULL, s, 0, lds, d_in, alpha, 0, alpha_stride, NULL, 1, NULL, 1, y, ldy,
+                      r0, r1);
+}
+
+/* x's rows as bf16 words (x's values exactly bf16: their upper halves), a malloc'ed [M, ldx] the
+ * caller frees; NULL where the build has no AVX512-BF16 (*failed = 0) or memory ran out (*failed = 1). */
+static uint16_t *bf16_words(const float *x, int64_t M, int64_t ldx, int64_t d_in, int *failed) {
+    *failed = 0;
+#ifdef HAVE_MASK_BF16
+    uint16_t *xb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M > 0 ? M * ldx : 1));
+    if (!xb) {
+        *failed = 1;
+        return NULL;
+    }
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < d_in; ++k) {
+            uint32_t u;
+            memcpy(&u, x + m * ldx + k, 4);
+            xb[m * ldx + k] = (uint16_t)(u >> 16);
+        }
+    return xb;
+#else
+    (void)x, (void)M, (void)ldx, (void)d_in;
+    return NULL;
+#endif
 }
 
 /* ---------------------------------------------------------------------- */
@@ -275,7 +340,7 @@ int bd_delta_gemv(const float *x, int64_t M, int64_t ldx,
 #endif
         int64_t r0, r1;
         split_rows(d_out, t, n, &r0, &r1);
-        delta_rows_mask(x, ldx, M, xsum, s, 0, lds, d_in, alpha, 0, alpha_stride, NULL, y, ldy, r0, r1);
+        delta_rows_mask(x, NULL, ldx, M, xsum, s, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
     }
     free(xsum);
     return 0;
@@ -287,20 +352,27 @@ int bd_delta_gemv(const float *x, int64_t M, int64_t ldx,
  *   s: uint8 [V, d_out, lds], slot stride stride_sv; alpha: fp32, α_v[r] = alpha[v·stride_av +
  *   r·alpha_stride]; col_alpha: NULL (c = 1) or fp32, c_v[g, k] = col_alpha[v·stride_cv + g·stride_cg
  *   + k], group g(r) the one with bounds[g] ≤ r < bounds[g + 1] (int64 [n_groups + 1], 0 … d_out;
- *   NULL with one group); x, y as in bd_delta_gemv. Indices are checked by the caller.
- * Returns 0, or −1 when scratch memory could not be allocated. */
+ *   NULL with one group); x, y as in bd_delta_gemv; x_is_bf16: x's values are exactly bf16 (the
+ *   bf16 loop may read them as bf16; not with column α's, x ⊙ c is not). Indices are checked by
+ *   the caller. Returns 0, or −1 when scratch memory could not be allocated. */
 int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
                      const uint8_t *s, int64_t stride_sv, int64_t d_out, int64_t d_in, int64_t lds,
                      const float *alpha, int64_t stride_av, int64_t alpha_stride,
                      const int64_t *row_slots, int64_t n_planes,
                      const float *col_alpha, int64_t stride_cv, int64_t stride_cg,
                      const int64_t *bounds, int64_t n_groups,
-                     float *y, int64_t ldy, int n_threads) {
+                     float *y, int64_t ldy, int x_is_bf16, int n_threads) {
     if (n_threads < 1) n_threads = 1;
     float *xsum = NULL, *xcol = NULL;
+    uint16_t *xb = NULL;
     if (!col_alpha) {
+        int failed = 0;
         xsum = row_sums(x, M, ldx, d_in);
-        if (!xsum) return -1;
+        if (xsum && x_is_bf16) xb = bf16_words(x, M, ldx, d_in, &failed);
+        if (!xsum || failed) {
+            free(xsum);
+            return -1;
+        }
     } else { /* x's row m scaled by each of its planes' column α's, once per call; and their sums */
         const int64_t q_n = M * n_planes * n_groups;
         xsum = (float *)malloc(sizeof(float) * (size_t)(q_n > 0 ? q_n : 1));
@@ -335,9 +407,10 @@ int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
 #endif
         int64_t r0, r1;
         split_rows(d_out, t, n, &r0, &r1);
-        delta_rows_planes(x, ldx, M, xsum, xcol, s, stride_sv, lds, d_in, alpha, stride_av, alpha_stride, row_slots,
-                          n_planes, col_alpha ? bounds : NULL, col_alpha ? n_groups : 1, y, ldy, r0, r1);
+        delta_rows_planes(x, xb, ldx, M, xsum, xcol, s, stride_sv, lds, d_in, alpha, stride_av, alpha_stride,
+                          row_slots, n_planes, col_alpha ? bounds : NULL, col_alpha ? n_groups : 1, y, ldy, r0, r1);
     }
+    free(xb);
     free(xcol);
     free(xsum);
     return 0;
@@ -711,22 +784,15 @@ int bd_linear_gemv(const float *x, int64_t M, int64_t ldx, const void *w, int w_
     if (!xsum) return -1;
     float *xeo = NULL;
     uint16_t *xb = NULL;
-#ifdef HAVE_DP_BF16
-    if (x_is_bf16 && !s1 && w_dtype == BD_W_BF16) { /* x's values are bf16: its upper halves, exactly */
-        xb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M > 0 ? M * ldx : 1));
-        if (!xb) {
+    /* x's values are bf16: its upper halves, exactly, for the bf16 dense GEMV and the bf16 delta loop */
+    if (x_is_bf16 && ((!s1 && w_dtype == BD_W_BF16) || (s && !s1))) {
+        int failed;
+        xb = bf16_words(x, M, ldx, d_in, &failed);
+        if (failed) {
             free(xsum);
             return -1;
         }
-        for (int64_t m = 0; m < M; ++m)
-            for (int64_t k = 0; k < d_in; ++k) {
-                uint32_t u;
-                memcpy(&u, x + m * ldx + k, 4);
-                xb[m * ldx + k] = (uint16_t)(u >> 16);
-            }
     }
-#endif
-    (void)x_is_bf16;
 #ifdef HAVE_LINEAR_BLOCKS
     if (w_dtype == BD_W_BF16 && !xb) { /* x's columns per chunk: LANES even, then LANES odd */
         xeo = (float *)malloc(sizeof(float) * (size_t)(M > 0 ? M * ldx : 1));
@@ -749,7 +815,7 @@ int bd_linear_gemv(const float *x, int64_t M, int64_t ldx, const void *w, int w_
     if (n_threads == 1) {
         linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, s1, lds, d_in, alpha, alpha_stride, y, ldy, 0, d_out);
         if (s && !s1)
-            delta_rows_mask(x, ldx, M, xsum, s, 0, lds, d_in, alpha, 0, alpha_stride, NULL, y, ldy, 0, d_out);
+            delta_rows_mask(x, xb, ldx, M, xsum, s, lds, d_in, alpha, alpha_stride, y, ldy, 0, d_out);
     } else {
 #pragma omp parallel num_threads(n_threads)
         {
@@ -762,7 +828,7 @@ int bd_linear_gemv(const float *x, int64_t M, int64_t ldx, const void *w, int w_
             split_rows(d_out, t, n, &r0, &r1);
             linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, s1, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
             if (s && !s1)
-                delta_rows_mask(x, ldx, M, xsum, s, 0, lds, d_in, alpha, 0, alpha_stride, NULL, y, ldy, r0, r1);
+                delta_rows_mask(x, xb, ldx, M, xsum, s, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
         }
     }
     free(xb);

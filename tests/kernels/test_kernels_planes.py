@@ -121,17 +121,20 @@ def test_batched_planes(impl, shape, layout, alpha_kind, dtype):
     assert rel_err(y - y0.double(), want - y0.double()) <= (TOL[dtype] if dtype == torch.float32 else 0.05)
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x_fp32", "x_bf16"])
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("alpha_kind", ALPHAS)
-def test_batched_planes_c_builds(isa, alpha_kind):
-    """The C batched delta's SIMD paths (host build and AVX2 build), fp32 y, against the oracle;
-    and a batch big enough that one slot goes through unpack-then-GEMM while the rest stay in C."""
+def test_batched_planes_c_builds(isa, alpha_kind, x_dtype):
+    """The C batched delta's SIMD paths (host build and AVX2 build; an exactly-bf16 x takes the
+    bf16 loop where the build has AVX512-BF16), fp32 y, against the oracle at fp32's tolerance; and
+    a batch big enough that one slot goes through unpack-then-GEMM while the rest stay in C.
+    d_in = 257 and 100: ragged against the loops' 16 and 32 columns."""
     with configured(cpu_isa=isa):
         assert cpu_build.load_cpu_lib() is not None, cpu_build.unavailable_reason
-        for M in (9, 40):
-            x, signs, alpha, cols, splits = make_stack(136, 257, alpha_kind, torch.float32, M=M, seed=M)
+        for M, (d_out, d_in) in ((9, SHAPES[1]), (40, SHAPES[1]), (9, SHAPES[0])):
+            x, signs, alpha, cols, splits = make_stack(d_out, d_in, alpha_kind, x_dtype, M=M, seed=M)
             rs = torch.tensor(LAYOUTS["mixed"] * 5)[:M]
-            y0 = torch.randn(M, 136)
+            y0 = torch.randn(M, d_out)
             y = bitdelta_delta_batched(x, signs, alpha, rs, y0.clone(), backend="cpu", **col_args(cols, splits, "cpu"))
             assert rel_err(y, oracle(x, signs, alpha, cols, splits, rs, y0)) <= 1e-5
 
