@@ -132,7 +132,7 @@ async def load(source, name: str, layout: SlotLayout, slots: SlotTensors) -> tup
     t, c = time.perf_counter(), time.process_time()
     info = await source.open(name, FP)
     plan = plan_delta(layout, info)
-    writer = SlotWriter(plan, slots, 0)
+    writer = SlotWriter(plan, slots, (0,))
     receiver = Receiver(plan.name, plan.tensors, writer, check_sha256=not info.verified)
     try:
         await source.stream(info, receiver)

@@ -24,9 +24,19 @@ from dataclasses import dataclass
 
 import torch
 
-from bitdelta.format import DTYPES, DeltaFormatError, check_arch
+from bitdelta.format import DTYPES, LOWRANK_ROLES, DeltaFormatError, check_arch, split_role
 from kernels.bits import packed_cols
-from services.gpu_worker.slots import EMBED, HEAD, BigTensor, NormPlace, ProjPlace, SlotExtras, SlotLayout, SlotTensors
+from services.gpu_worker.slots import (
+    EMBED,
+    HEAD,
+    BigTensor,
+    LowRank,
+    NormPlace,
+    ProjPlace,
+    SlotExtras,
+    SlotLayout,
+    SlotTensors,
+)
 from services.gpu_worker.sources import DeltaInfo, TensorSpec
 
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
@@ -35,41 +45,48 @@ FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 class Kind(enum.Enum):
     """What a tensor of a delta is to a slot, and so where it goes (`destination`)."""
 
-    PROJ_SIGN = "proj_sign"  # a projection's packed signs: its rows of the slot's sign stack
-    PROJ_ALPHA = "proj_alpha"  # its α: its rows of the slot's α stack
+    PROJ_SIGN = "proj_sign"  # a projection's packed signs of one plane: its rows of that plane's slot's sign stack
+    PROJ_ALPHA = "proj_alpha"  # that plane's α: its rows of the plane's slot's α stack
+    PROJ_U = "proj_u"  # a projection's low-rank U: allocated per delta (the slot's extras, `LowRank`)
+    PROJ_V = "proj_v"  # ... and its V, in its group's stacked v
     BIAS = "bias"  # a changed bias: its rows of the slot's entry in the bias stack
     NORM = "norm"  # a norm weight: the slot's entry in the norm stack
     BIG_DENSE = "big_dense"  # a changed embedding / LM head, whole: allocated per delta (the slot's extras)
-    BIG_SIGN = "big_sign"  # ... compressed: its signs
-    BIG_ALPHA = "big_alpha"  # ... and its α
+    BIG_SIGN = "big_sign"  # ... compressed: one plane's signs
+    BIG_ALPHA = "big_alpha"  # ... that plane's α
+    BIG_U = "big_u"  # ... its low-rank U
+    BIG_V = "big_v"  # ... and V
 
     @property
     def big_field(self) -> str | None:
-        """The `BigTensor` field a tensor of this kind fills; None for the stacks' kinds."""
-        return {Kind.BIG_DENSE: "weight", Kind.BIG_SIGN: "signs", Kind.BIG_ALPHA: "alpha"}.get(self)
+        """The `BigTensor` field a tensor of this kind fills; None for the other kinds."""
+        return {
+            Kind.BIG_DENSE: "weight",
+            Kind.BIG_SIGN: "signs",
+            Kind.BIG_ALPHA: "alpha",
+            Kind.BIG_U: "u",
+            Kind.BIG_V: "v",
+        }.get(self)
 
-    def allocate(self, layout: SlotLayout, device: torch.device) -> torch.Tensor:
-        """A new extra for a BIG_* kind: dtype [vocab, dim], uint8 [vocab, ceil(dim/8)] or fp32 [vocab]."""
-        a = layout.args
-        if self is Kind.BIG_DENSE:
-            return torch.empty(a.vocab_size, a.dim, dtype=layout.dtype, device=device)
-        if self is Kind.BIG_SIGN:
-            return torch.empty(a.vocab_size, packed_cols(a.dim), dtype=torch.uint8, device=device)
-        if self is Kind.BIG_ALPHA:
-            return torch.empty(a.vocab_size, dtype=torch.float32, device=device)
-        raise ValueError(f"{self} lives in the slot's stacks")
-
-    def destination(self, p: Placement, slots: SlotTensors, slot: int, bigs: dict[str, BigTensor]) -> torch.Tensor:
-        """The final place of `p`'s tensor in slot `slot` (a view of the stacks, or its extra in `bigs`)."""
+    def destination(
+        self, p: Placement, slots: SlotTensors, ids: tuple[int, ...], bigs: dict[str, BigTensor], low: dict
+    ) -> torch.Tensor:
+        """The final place of `p`'s tensor for a delta in slots `ids` (a view of the stacks, or of its
+        extras: `bigs`, and `low`, (layer, group) -> LowRank)."""
         if self is Kind.PROJ_SIGN:
-            return slots.proj_views(slot, p.proj)[0]
+            return slots.proj_views(ids[p.plane - 1], p.proj)[0]
         if self is Kind.PROJ_ALPHA:
-            return slots.proj_views(slot, p.proj)[1]
+            return slots.proj_views(ids[p.plane - 1], p.proj)[1]
+        if self in (Kind.PROJ_U, Kind.PROJ_V):
+            lr = low[(p.proj.layer, p.proj.group)]
+            u = next((c0, t) for r0, c0, t in lr.u if r0 == p.proj.r0)
+            return u[1] if self is Kind.PROJ_U else lr.v[u[0] : u[0] + u[1].shape[1]]
         if self is Kind.BIAS:
-            return slots.bias_view(slot, p.proj)
+            return slots.bias_view(ids[0], p.proj)
         if self is Kind.NORM:
-            return slots.norm_view(slot, p.norm)
-        return getattr(bigs[p.big], self.big_field)
+            return slots.norm_view(ids[0], p.norm)
+        t = getattr(bigs[p.big], self.big_field)
+        return t[p.plane - 1] if self in (Kind.BIG_SIGN, Kind.BIG_ALPHA) else t
 
 
 @dataclass
@@ -81,6 +98,7 @@ class Placement:
     proj: ProjPlace | None = None
     norm: NormPlace | None = None
     big: str | None = None  # EMBED or HEAD
+    plane: int = 1  # the sign plane of a sign / α tensor (format v3: 2, 3, ...)
 
 
 @dataclass
@@ -88,12 +106,18 @@ class DeltaPlan:
     name: str
     placements: list[Placement]
     slot_bytes: int  # one slot of the stacks
-    extra_bytes: int  # embedding / head tensors outside the stacks
+    extra_bytes: int  # embedding / head tensors and low-rank factors, outside the stacks
     whole: bool = False  # tensor parallelism: tensors arrive whole, the rank keeps its slice (parallel.ShardWriter)
+    planes: int = 1  # sign planes of its matrices at most: the slots it holds (plane p of every matrix in the p-th)
 
     @property
     def total_bytes(self) -> int:
-        return self.slot_bytes + self.extra_bytes
+        """What the delta costs the byte budget: each of its slots, and its extras."""
+        return self.planes * self.slot_bytes + self.extra_bytes
+
+    @property
+    def lowrank(self) -> bool:
+        return any(p.kind in (Kind.PROJ_U, Kind.BIG_U) for p in self.placements)
 
     @property
     def tensors(self) -> list[TensorSpec]:
@@ -111,17 +135,19 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
     a = layout.args
     check_arch(info.name, info.architecture, info.layout, a)
     out: list[Placement] = []
-    seen: dict[str, set[str]] = {}
+    parts: dict[str, list[tuple[str, int, TensorSpec]]] = {}  # compressed param -> (role, plane, tensor)
     extra = 0
     big_roles: dict[str, set[str]] = {}
     for t in info.tensors:
-        param, role = t.param, t.role
-        seen.setdefault(param, set()).add(role)
+        param = t.param
+        role, plane = split_role(t.role) or (t.role, 0)
         numel = 1
         for d in t.shape:
             numel *= d
         if t.dtype not in DTYPES or numel * DTYPES[t.dtype].itemsize != t.nbytes:
             raise _bad(info.name, t, f"has dtype {t.dtype} and shape {list(t.shape)} but {t.nbytes} bytes")
+        if role in ("sign", "alpha", *LOWRANK_ROLES) and param in (*layout.proj, EMBED, HEAD):
+            parts.setdefault(param, []).append((role, plane, t))
         if param in layout.proj:
             p = layout.proj[param]
             d_out = p.r1 - p.r0
@@ -132,11 +158,18 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
                         t,
                         f"must be uint8 [{d_out}, {packed_cols(p.d_in)}] for this base, is {t.dtype} {list(t.shape)}",
                     )
-                out.append(Placement(t, Kind.PROJ_SIGN, proj=p))
+                out.append(Placement(t, Kind.PROJ_SIGN, proj=p, plane=plane))
             elif role == "alpha":
                 if t.dtype != "F32" or t.shape not in ((d_out,), (1,)):
                     raise _bad(info.name, t, f"must be float32 [{d_out}] or [1], is {t.dtype} {list(t.shape)}")
-                out.append(Placement(t, Kind.PROJ_ALPHA, proj=p))
+                out.append(Placement(t, Kind.PROJ_ALPHA, proj=p, plane=plane))
+            elif role in LOWRANK_ROLES:
+                u = role == "lowrank_u"
+                if t.dtype != "F16" or len(t.shape) != 2 or t.shape[0 if u else 1] != (d_out if u else p.d_in):
+                    want = f"[{d_out}, r]" if u else f"[r, {p.d_in}]"
+                    raise _bad(info.name, t, f"must be float16 {want}, is {t.dtype} {list(t.shape)}")
+                extra += layout.extra_bytes(param, t.role, t.shape)
+                out.append(Placement(t, Kind.PROJ_U if u else Kind.PROJ_V, proj=p))
             else:
                 raise _bad(info.name, t, "replaces a projection densely; the worker serves compressed projections only")
         elif param in layout.bias:
@@ -159,23 +192,44 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
                 if t.dtype != "U8" or t.shape != (a.vocab_size, packed_cols(a.dim)):
                     raise _bad(info.name, t, f"must be uint8 [{a.vocab_size}, {packed_cols(a.dim)}]")
                 kind = Kind.BIG_SIGN
-            else:
+            elif role == "alpha":
                 if t.dtype != "F32" or t.shape not in ((a.vocab_size,), (1,)):
                     raise _bad(info.name, t, f"must be float32 [{a.vocab_size}] or [1]")
                 kind = Kind.BIG_ALPHA
-            extra += layout.extra_bytes(param, role, t.shape)
-            out.append(Placement(t, kind, big=param))
+            elif role in LOWRANK_ROLES:
+                u = role == "lowrank_u"
+                if t.dtype != "F16" or len(t.shape) != 2 or t.shape[0 if u else 1] != (a.vocab_size if u else a.dim):
+                    raise _bad(info.name, t, f"must be float16 {f'[{a.vocab_size}, r]' if u else f'[r, {a.dim}]'}")
+                kind = Kind.BIG_U if u else Kind.BIG_V
+            else:
+                raise _bad(info.name, t, "is not a part of an embedding or head the worker knows")
+            extra += layout.extra_bytes(param, t.role, t.shape)
+            out.append(Placement(t, kind, big=param, plane=plane))
         else:
             raise _bad(info.name, t, "names a parameter this base does not have (or the worker cannot place)")
-    for param, roles in seen.items():
-        if (param in layout.proj or roles & {"sign", "alpha"}) and roles & {"sign", "alpha"} != {"sign", "alpha"}:
+    planes = 1
+    for param, got in parts.items():
+        signs = sorted(pl for r, pl, _ in got if r == "sign")
+        alphas = sorted(pl for r, pl, _ in got if r == "alpha")
+        k = len(signs)
+        if not k or signs != alphas or signs != list(range(1, k + 1)):
             raise DeltaFormatError(
-                f"delta {info.name!r}: {param} has {sorted(roles)} but needs both .sign and .alpha", tensor=param
+                f"delta {info.name!r}: {param} has sign planes {signs} and α's {alphas}, but needs both .sign "
+                "and .alpha of every plane (format v3: .signN and .alphaN for N = 2 up to its number of planes)",
+                tensor=param,
             )
+        low = {r: t for r, _, t in got if r in LOWRANK_ROLES}
+        if low and (len(low) != 2 or low["lowrank_u"].shape[1] != low["lowrank_v"].shape[0]):
+            raise DeltaFormatError(
+                f"delta {info.name!r}: {param} needs both .lowrank_u [d_out, r] and .lowrank_v [r, d_in] of one rank r",
+                tensor=param,
+            )
+        if param in layout.proj:
+            planes = max(planes, k)
     for param, roles in big_roles.items():
-        if "dense" in roles and roles & {"sign", "alpha"}:
+        if "dense" in roles and roles - {"dense"}:
             raise DeltaFormatError(f"delta {info.name!r}: {param} is both dense and compressed", tensor=param)
-    return DeltaPlan(info.name, out, layout.slot_bytes, extra)
+    return DeltaPlan(info.name, out, layout.slot_bytes, extra, planes=planes)
 
 
 @dataclass
@@ -188,38 +242,40 @@ class _Target:
 
 
 class SlotWriter:
-    """The receiver's destination for one load into one slot (see the module docstring). Not reusable.
+    """The receiver's destination for one load into the slots `ids` (the delta's own first, then one
+    per further sign plane: `plan.planes` of them; see the module docstring). Not reusable.
 
-    writer = SlotWriter(plan, slots, slot, load_stream)
+    writer = SlotWriter(plan, slots, ids, load_stream)
     receiver = Receiver(plan.name, plan.tensors, writer, check_sha256=not info.verified)
     await source.stream(info, receiver); await receiver.finish()
     extras = await writer.finish()
     """
 
-    def __init__(self, plan: DeltaPlan, slots: SlotTensors, slot: int, load_stream=None):
-        self.plan, self.slots, self.slot = plan, slots, slot
+    def __init__(self, plan: DeltaPlan, slots: SlotTensors, ids: tuple[int, ...], load_stream=None):
+        if len(ids) != plan.planes:
+            raise ValueError(f"delta {plan.name!r} has {plan.planes} sign planes, given {len(ids)} slots")
+        self.plan, self.slots, self.ids = plan, slots, tuple(ids)
         self.device = slots.device
         self.cuda = self.device.type == "cuda"
         self.stream = load_stream
-        self.extras = SlotExtras()
         bigs: dict[str, BigTensor] = {}
+        low: dict[tuple[int, str], LowRank] = {}
         # On CUDA everything a load does runs on the load stream: the reset is ordered before the
         # copies, and the extras come from that stream's pool, never from blocks the decode stream
         # just freed while its kernels may still read them.
         with _on_stream(self.stream):
-            slots.reset_slot(slot)
-            for p in plan.placements:  # extras (embedding / head) are allocated per delta
-                if p.kind.big_field is not None:
-                    setattr(
-                        bigs.setdefault(p.big, BigTensor()),
-                        p.kind.big_field,
-                        p.kind.allocate(slots.layout, self.device),
-                    )
-        self.extras.embed = bigs.get(EMBED)
-        self.extras.head = bigs.get(HEAD) or (self.extras.embed if slots.layout.args.tie_embeddings else None)
+            for i in self.ids:
+                slots.reset_slot(i)
+            self._allocate(plan, slots.layout, bigs, low)
+        self.extras = SlotExtras(
+            embed=bigs.get(EMBED),
+            head=bigs.get(HEAD) or (bigs.get(EMBED) if slots.layout.args.tie_embeddings else None),
+            slots=self.ids if len(self.ids) > 1 else (),
+            lowrank=low,
+        )
         self.targets: list[_Target] = []
         for p in plan.placements:
-            d = p.kind.destination(p, slots, slot, bigs)
+            d = p.kind.destination(p, slots, self.ids, bigs, low)
             direct = (
                 not self.cuda
                 and d.dtype == DTYPES[p.spec.dtype]
@@ -227,6 +283,43 @@ class SlotWriter:
                 and d.is_contiguous()
             )
             self.targets.append(_Target(d, d if direct else None, staged=not direct))
+
+    def _allocate(self, plan: DeltaPlan, layout: SlotLayout, bigs: dict, low: dict) -> None:
+        """The delta's extras: its embedding / head (k planes: [k, ...] stacks) and the low-rank
+        factors of each projection group, every matrix's V stacked in the group's order."""
+        a, dev = layout.args, self.device
+        planes: dict[str, int] = {}  # embedding / head -> its sign planes
+        for p in plan.placements:
+            if p.kind is Kind.BIG_SIGN:
+                planes[p.big] = max(planes.get(p.big, 0), p.plane)
+        for p in plan.placements:
+            if p.kind.big_field is None:
+                continue
+            b = bigs.setdefault(p.big, BigTensor())
+            if getattr(b, p.kind.big_field) is not None:
+                continue  # another plane's tensor allocated it
+            k = planes.get(p.big, 0)
+            shape, dtype = {
+                Kind.BIG_DENSE: ((a.vocab_size, a.dim), layout.dtype),
+                Kind.BIG_SIGN: ((k, a.vocab_size, packed_cols(a.dim)), torch.uint8),
+                Kind.BIG_ALPHA: ((k, a.vocab_size), torch.float32),
+            }.get(p.kind, (tuple(p.spec.shape), torch.float16))  # low-rank factors: fp16, as stored
+            setattr(b, p.kind.big_field, torch.empty(shape, dtype=dtype, device=dev))
+        ranks: dict[tuple[int, str], list[tuple[int, int, int]]] = {}  # (layer, group) -> (r0, d_out, r)
+        for p in plan.placements:
+            if p.kind is Kind.PROJ_U:
+                ranks.setdefault((p.proj.layer, p.proj.group), []).append(
+                    (p.proj.r0, p.proj.r1 - p.proj.r0, p.spec.shape[1])
+                )
+        for (layer, group), mats in ranks.items():
+            mats.sort()
+            d_in = layout.group_shape[group][1]
+            v = torch.empty(sum(r for _, _, r in mats), d_in, dtype=torch.float16, device=dev)
+            us, c0 = [], 0
+            for r0, d_out, r in mats:
+                us.append((r0, c0, torch.empty(d_out, r, dtype=torch.float16, device=dev)))
+                c0 += r
+            low[(layer, group)] = LowRank(v, us)
 
     # -- the receiver's Destination (any thread) -------------------------------------------------
     def buffer(self, index: int) -> memoryview:

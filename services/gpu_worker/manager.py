@@ -7,9 +7,11 @@
                         └──error──▶ FAILED (kept for Status, at most MAX_FAILED_ENTRIES of them)
                            (unknown delta or no room: no entry at all, so unknown names cannot grow Status)
 
-- The budget is bytes: a delta costs one slot of the stacks (`SlotLayout.slot_bytes`)
-  plus its embedding/head tensors. Bytes are reserved before the first byte
-  moves, so `used_bytes <= budget_bytes` holds at every instant.
+- The budget is bytes: a delta costs one slot of the stacks (`SlotLayout.slot_bytes`) per sign
+  plane of its matrices (format v3: k planes hold k slots, taken together, a contiguous run when
+  one is free) plus its embedding/head tensors and low-rank factors. Slots and bytes are reserved
+  before the first byte moves, so `used_bytes <= budget_bytes` holds at every instant; a delta
+  of more planes than this worker has slots is refused at once (RESOURCE_EXHAUSTED).
 - Victims come from `bitdelta.cache_policy.WeightedLRUPolicy` (LRU weighted by
   request rate, the hottest `pin_top_n` pinned). Explicitly pinned deltas
   (LoadDelta pin=true), loading deltas and deltas in use by running
@@ -70,7 +72,7 @@ class DeltaState(enum.Enum):
 class DeltaEntry:
     name: str
     state: DeltaState = DeltaState.ABSENT
-    slot: int | None = None
+    slots: tuple[int, ...] = ()  # every slot it holds: plane 1's (its own, what sequences carry) first
     bytes: int = 0
     pinned: bool = False  # explicitly (LoadDelta pin=true)
     refs: int = 0  # sequences that use the slot
@@ -80,6 +82,11 @@ class DeltaEntry:
     task: asyncio.Task | None = None  # the load
     done: asyncio.Future | None = None  # the load's outcome for its waiters (None, or the error)
     aborted: bool = False  # evicted while loading: its slot returns once the load's reads have stopped
+
+    @property
+    def slot(self) -> int | None:
+        """Its own slot (plane 1's: norms, biases, extras), the one a sequence carries; None: none held."""
+        return self.slots[0] if self.slots else None
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,7 @@ class SlotInfo:
     request_rate: float
     error: str
     transport: str
+    slots: int = 0  # device slots it holds (one per sign plane of its matrices)
 
 
 class DeltaManager:
@@ -154,6 +162,7 @@ class DeltaManager:
                 self.policy.rate(e.name, now),
                 e.error,
                 e.transport if e.state == DeltaState.RESIDENT else "",
+                len(e.slots),
             )
             for e in sorted(self.entries.values(), key=lambda e: e.name)
         ]
@@ -286,9 +295,9 @@ class DeltaManager:
                 info = await self.source.open(e.name, self.base_fingerprint)
                 plan = plan_delta(self.layout, info) if self.shard is None else self.shard.plan(info)
                 span.set_attributes({"bytes": plan.total_bytes, "transport": info.transport})
-                await self._reserve(e, plan.total_bytes)
+                await self._reserve(e, plan.total_bytes, plan.planes)
                 writer = (SlotWriter if self.shard is None else self.shard.writer)(
-                    plan, self.slots, e.slot, self.load_stream
+                    plan, self.slots, e.slots, self.load_stream
                 )
                 if self.peers is not None:  # the other ranks load their slices meanwhile
                     peer = asyncio.ensure_future(self.peers.load(e.name, e.slot, parent))
@@ -305,15 +314,15 @@ class DeltaManager:
                 await asyncio.shield(peer)  # resident only once every rank holds its slice
             if e.aborted:  # evicted at the last moment (a source swallowed the cancellation)
                 raise asyncio.CancelledError
-            if extras.embed is not None or extras.head is not None:
+            if not extras.empty:
                 self.slots.extras = {**self.slots.extras, e.slot: extras}  # copy-on-write for the engine
             e.state = DeltaState.RESIDENT
             e.error, e.transport, e.content = "", info.transport, info.content_id
             _settle(e.done, None)
             log.info(
-                "delta %s resident in slot %d (%d bytes, %.1f ms, %s)",
+                "delta %s resident in slot %s (%d bytes, %.1f ms, %s)",
                 e.name,
-                e.slot,
+                ",".join(map(str, e.slots)),
                 e.bytes,
                 (time.perf_counter() - t0) * 1e3,
                 info.transport,
@@ -328,7 +337,7 @@ class DeltaManager:
             if peer is not None and not peer.done():
                 peer.cancel()  # and on the other ranks
                 await asyncio.wait([peer])
-            if e.slot is not None:
+            if e.slots:
                 self._free(e, keep_entry=True)
             if e.aborted or isinstance(exc, asyncio.CancelledError):
                 if self.entries.get(e.name) is e:
@@ -356,9 +365,15 @@ class DeltaManager:
         finally:
             self._notify()
 
-    async def _reserve(self, e: DeltaEntry, size: int) -> None:
-        """Find a slot and `size` bytes for `e`, evicting what the policy says; may wait for bytes held
-        for now (see module docstring), never for what only an eviction by hand could free."""
+    async def _reserve(self, e: DeltaEntry, size: int, k: int = 1) -> None:
+        """Find `k` slots and `size` bytes for `e`, evicting what the policy says; may wait for bytes
+        held for now (see module docstring), never for what only an eviction by hand could free."""
+        if k > self.slots.n_slots:
+            raise ResourceExhausted(
+                f"delta {e.name!r} has {k} sign planes per matrix, each taking a slot, but this worker has "
+                f"{self.slots.n_slots} slots; raise --max-slots (and --delta-budget), or compress it with "
+                "fewer planes (--planes)"
+            )
         if size > self.budget_bytes:
             raise ResourceExhausted(
                 f"delta {e.name!r} needs {size} device bytes but the whole delta budget is "
@@ -366,7 +381,7 @@ class DeltaManager:
             )
         while True:
             used = self.used_bytes
-            if self.free_slots and used + size <= self.budget_bytes:
+            if len(self.free_slots) >= k and used + size <= self.budget_bytes:
                 break
             now = time.monotonic()
             hot = self.policy.pinned(now)
@@ -375,12 +390,13 @@ class DeltaManager:
             # that finishes by itself can make room: fail now, whoever else is waiting.
             pinned = {n for n, x in holding.items() if x.state != DeltaState.EVICTING and (x.pinned or n in hot)}
             pinned_bytes = sum(holding[n].bytes for n in pinned)
-            if pinned_bytes + size > self.budget_bytes or len(pinned) >= self.slots.n_slots:
+            pinned_slots = sum(len(holding[n].slots) for n in pinned)
+            if pinned_bytes + size > self.budget_bytes or pinned_slots + k > self.slots.n_slots:
                 raise ResourceExhausted(
-                    f"delta {e.name!r} ({size} bytes) cannot be loaded while the pinned deltas {sorted(pinned)} "
-                    f"hold {pinned_bytes} of the {self.budget_bytes}-byte delta budget ({len(pinned)} of "
-                    f"{self.slots.n_slots} slots); evict one of them (EvictDelta also unpins), lower "
-                    "--pin-hottest, or raise --delta-budget"
+                    f"delta {e.name!r} ({size} bytes, {k} slots) cannot be loaded while the pinned deltas "
+                    f"{sorted(pinned)} hold {pinned_bytes} of the {self.budget_bytes}-byte delta budget "
+                    f"({pinned_slots} of {self.slots.n_slots} slots); evict one of them (EvictDelta also "
+                    "unpins), lower --pin-hottest, or raise --delta-budget"
                 )
             # Held for now: loads streaming (they become resident, then evictable), cancelled loads
             # whose reads are stopping, deltas whose waiting requests are about to take them, and
@@ -392,8 +408,8 @@ class DeltaManager:
                 if x.state == DeltaState.LOADING or x.aborted or (self._wanted.get(n) and x.refs == 0)
             }
             finishing = {n for n, x in holding.items() if x.state == DeltaState.EVICTING and x.refs}
-            # Bytes to free: enough for `size`, and at least one delta when no slot is free.
-            need = size if self.free_slots else max(size, self.budget_bytes - used + 1)
+            # Bytes to free: enough for `size`, and at least one delta while fewer than k slots are free.
+            need = size if len(self.free_slots) >= k else max(size, self.budget_bytes - used + 1)
             victims = self.policy.plan(e.name, need, now, busy=transient | pinned | {e.name})
             if victims is None and (transient or finishing):
                 await self._changed.wait()  # one of them will change state and notify
@@ -414,9 +430,9 @@ class DeltaManager:
                 else:
                     x.state = DeltaState.EVICTING
                     waiting = True
-            if waiting and not (self.free_slots and self.used_bytes + size <= self.budget_bytes):
+            if waiting and not (len(self.free_slots) >= k and self.used_bytes + size <= self.budget_bytes):
                 await self._changed.wait()
-        e.slot = self.free_slots.pop()
+        e.slots = self._take_slots(k)
         e.bytes = size
         self.policy.add(e.name, size)
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
@@ -427,16 +443,25 @@ class DeltaManager:
         for n in failed[: max(0, len(failed) - MAX_FAILED_ENTRIES)]:
             del self.entries[n]
 
+    def _take_slots(self, k: int) -> tuple[int, ...]:
+        """k free slots: the lowest contiguous run of k if there is one (the single-variant fused
+        kernel then reads the delta's planes as one view of the stacks), else the lowest k."""
+        free = sorted(self.free_slots)
+        run = next((free[i : i + k] for i in range(len(free) - k + 1) if free[i + k - 1] - free[i] == k - 1), None)
+        taken = tuple(run if run is not None else free[:k])
+        self.free_slots = [s for s in self.free_slots if s not in taken]
+        return taken
+
     def _free(self, e: DeltaEntry, keep_entry: bool = False) -> None:
-        if e.slot is not None:
+        if e.slots:
             if e.slot in self.slots.extras:
                 self.slots.extras = {k: v for k, v in self.slots.extras.items() if k != e.slot}
             if self.peers is not None:
                 self.peers.free(e.slot)
-            self.free_slots.append(e.slot)
-        if not keep_entry and e.slot is not None:
+            self.free_slots.extend(reversed(e.slots))
+        if not keep_entry and e.slots:
             self.evictions += 1
-        e.slot, e.bytes = None, 0
+        e.slots, e.bytes = (), 0
         self.policy.remove(e.name)
         if not keep_entry:
             self.entries.pop(e.name, None)

@@ -66,7 +66,6 @@ from bitdelta.rpc import telemetry
 from bitdelta.rpc.checksums import crc32
 from bitdelta.rpc.receiver import Receiver
 from bitdelta.shard import ROW_GROUPS, TPLayout
-from kernels.bits import unpack_signs
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.errors import DeltaLoadError, Unavailable, WorkerError
 from services.gpu_worker.loader import DeltaPlan, SlotWriter, plan_delta
@@ -168,14 +167,7 @@ class ShardedRunner(ModelRunner):
         inside = (local >= 0) & (local < v1 - v0)
         t_all = torch.where(inside, local, torch.zeros_like(local))
         x = self.base.embed[t_all]  # [N, dim]
-        for slot, rows in m.embed_rows.items():
-            ex = m.extras[slot].embed
-            t = t_all[rows]
-            if ex.weight is not None:
-                x[rows] = ex.weight[t]
-            else:
-                s = unpack_signs(ex.signs[t], self.args.dim, torch.float32)
-                x[rows] = (x[rows].float() + ex.alpha[t][:, None] * s).to(x.dtype)
+        self._variant_embeddings(x, m, t_all)
         x = x.masked_fill(~inside[:, None], 0)
         self.comm.all_reduce(x)
         return x
@@ -288,10 +280,10 @@ class ShardedLoad:
             n *= d
         return dataclasses.replace(t, shape=shape, nbytes=n if t.dtype in DTYPES else t.nbytes)
 
-    def writer(self, plan: DeltaPlan, slots: SlotTensors, slot: int, load_stream=None) -> SlotWriter:
+    def writer(self, plan: DeltaPlan, slots: SlotTensors, ids: tuple[int, ...], load_stream=None) -> SlotWriter:
         if not plan.whole:  # the slices arrived: they land like any tensor (those others need: posted)
-            return HandoffWriter(plan, slots, slot, load_stream, store=self.store)
-        return ShardWriter(plan, slots, slot, load_stream, tp=self.tp)
+            return HandoffWriter(plan, slots, ids, load_stream, store=self.store)
+        return ShardWriter(plan, slots, ids, load_stream, tp=self.tp)
 
     async def receive(self, plan: DeltaPlan, receiver: Receiver) -> None:
         """The parts of slices other ranks fetched for this one (a whole slice, or a fused qkv's
@@ -330,9 +322,9 @@ class HandoffWriter(SlotWriter):
     """A SlotWriter that posts each slice (or its shared tail) other ranks receive from this one
     (`ShardPlan.hands_to`), once it passed its checks, with its crc32 on the TCPStore."""
 
-    def __init__(self, plan: ShardPlan, slots: SlotTensors, slot: int, load_stream=None, *, store):
+    def __init__(self, plan: ShardPlan, slots: SlotTensors, ids: tuple[int, ...], load_stream=None, *, store):
         self.store = store
-        super().__init__(plan, slots, slot, load_stream)
+        super().__init__(plan, slots, ids, load_stream)
 
     def complete(self, index: int) -> None:
         if index in self.plan.hands_to:
@@ -347,9 +339,9 @@ class HandoffWriter(SlotWriter):
 class ShardWriter(SlotWriter):
     """A SlotWriter that keeps this rank's slice of each tensor (`TensorShard.take`)."""
 
-    def __init__(self, plan: DeltaPlan, slots: SlotTensors, slot: int, load_stream=None, *, tp: TPLayout):
+    def __init__(self, plan: DeltaPlan, slots: SlotTensors, ids: tuple[int, ...], load_stream=None, *, tp: TPLayout):
         self.shards = [tp.shard_of(p.spec.param, p.spec.role, p.spec.shape) for p in plan.placements]
-        super().__init__(plan, slots, slot, load_stream)
+        super().__init__(plan, slots, ids, load_stream)
 
     def select(self, index: int, src: torch.Tensor) -> torch.Tensor:
         return self.shards[index].take(src)
@@ -663,7 +655,7 @@ class Follower:
         sl = self.model.shard_load
         plan = sl.plan(info)
         span.set_attributes({"bytes": plan.total_bytes, "transport": info.transport})
-        writer = sl.writer(plan, self.model.slots, op.slot, self.load_stream)
+        writer = sl.writer(plan, self.model.slots, (op.slot,), self.load_stream)  # one plane: v3 is refused
         receiver = Receiver(plan.name, plan.tensors, writer, check_sha256=not info.verified)
         try:
             await self.source.stream(info, receiver)
@@ -673,7 +665,7 @@ class Follower:
             receiver.abort()
             raise
         extras = await writer.finish()
-        if extras.embed is not None or extras.head is not None:
+        if not extras.empty:
             with self._extras_lock:
                 self.model.slots.extras = {**self.model.slots.extras, op.slot: extras}
 

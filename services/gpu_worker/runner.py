@@ -5,8 +5,10 @@ sequences of several variants and of the base.
 
 For every linear layer the base GEMM runs ONCE over all N rows; then one
 `bitdelta_delta_batched` launch adds each row's delta, selected by
-`row_slot[r]` (−1 = base row) from the slot stacks. A batch whose rows all
-belong to one variant uses the fused `bitdelta_linear` instead. Attention runs
+`row_slot[r]` (−1 = base row) from the slot stacks (a variant of k sign planes:
+each of its k slots, `row_slots[r, p]`), and each variant with a low-rank residual
+adds (x·Vᵀ)·Uᵀ to its rows, all in fp32 before the one rounding. A batch whose rows all
+belong to one variant of one plane uses the fused `bitdelta_linear` instead. Attention runs
 per sequence against its own blocks of the paged KV pool (the decode rows of all
 sequences in one `kernels.paged_decode` call that reads their blocks in place).
 
@@ -32,7 +34,7 @@ from bitdelta.model import ModelArgs, apply_rope, attention_mask, rope_tables
 from bitdelta.shard import EMBED, HEAD
 from kernels import bitdelta_delta_batched, bitdelta_linear, dense_linear, paged_decode, plan_batch
 from kernels.bits import unpack_signs
-from services.gpu_worker.slots import SlotTensors
+from services.gpu_worker.slots import BigTensor, SlotTensors
 
 
 @dataclass
@@ -174,6 +176,10 @@ class StepMeta:
     embed_rows: dict | None = None  # slot -> [n] rows of x whose slot has its own embedding
     logit_norm_idx: torch.Tensor | None = None  # [R] final-norm rows of the logit rows (None: single_norm)
     logit_groups: list | None = None  # [(slot or −1, [r] rows of the logits)]: which head serves which rows
+    # Variants of k > 1 sign planes in the batch: for planes 2..K, each row's slot of that plane
+    # ([N] int32, −1: none) and its kernels.BatchPlan; plane 1 is `row_slot` / `plan`.
+    planes: list[tuple[torch.Tensor, object]] | None = None
+    lowrank_rows: dict | None = None  # slot -> [n] rows of x (None: every row) whose variant has a low-rank part
 
 
 class ModelRunner:
@@ -241,6 +247,14 @@ class ModelRunner:
         cos, sin = rope_tables(self.args, pos_t, self.dtype, seq_lens)
         rs = torch.tensor(row_slot, dtype=torch.int32)
         extras = self.slots.extras  # one snapshot for the whole step
+        planes = {s: extras[s].slots for s in slots_set if s in extras and extras[s].slots}  # k > 1 planes
+        low = {s for s in slots_set if s in extras and extras[s].lowrank}
+        if single is not None and (single in planes or (single in low and self.dtype != torch.float32)):
+            # the fused kernel adds one plane and rounds once: more planes, or a low-rank term in a
+            # rounded dtype, go the batched way (every term in fp32, then one rounding)
+            fused = False
+        else:
+            fused = single is not None and single >= 0 and self.use_fused
         meta = StepMeta(
             tokens=self._dev(torch.tensor(tokens, dtype=torch.int64)),
             cos=cos[:, None, :],
@@ -249,7 +263,7 @@ class ModelRunner:
             norm_idx=None if single is not None else self._dev(rs.to(torch.int64) + 1),
             single_norm=(single + 1) if single is not None else 0,
             any_delta=any(s >= 0 for s in slots_set),
-            single_slot=single if (single is not None and single >= 0 and self.use_fused) else None,
+            single_slot=single if fused else None,
             write_rows=self._dev(torch.cat(write_rows)),
             decode_rows=None,
             decode_tables=None,
@@ -261,6 +275,20 @@ class ModelRunner:
         )
         if meta.any_delta and meta.single_slot is None:
             meta.plan = plan_batch(rs, self.slots.n_slots, device=self.device)  # from the host copy: no device sync
+        if planes:  # each row's slot of plane p (−1: its variant has fewer), from a table slot -> its slots
+            k = max(len(v) for v in planes.values())
+            table = torch.full((self.slots.n_slots + 1, k), -1, dtype=torch.int32)
+            for s, ids in planes.items():
+                table[s + 1, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+            meta.planes = []
+            for p in range(1, k):
+                col = table[rs.to(torch.int64) + 1, p].contiguous()
+                meta.planes.append((self._dev(col), plan_batch(col, self.slots.n_slots, device=self.device)))
+        if low:
+            meta.lowrank_rows = {
+                s: None if single is not None else self._dev((rs == s).nonzero(as_tuple=True)[0].to(torch.int64))
+                for s in low
+            }
         # rows whose slot brings its own embedding (dense or signs): found here, not by a device nonzero()
         meta.embed_rows = {}
         for slot, ex in extras.items():
@@ -300,19 +328,44 @@ class ModelRunner:
     def _linear_nobias(self, x: torch.Tensor, layer: int, group: str, m: StepMeta) -> torch.Tensor:
         w = self.base.layers[layer][group]
         signs, alpha = self.slots.signs[layer][group], self.slots.alpha[layer][group]
-        if m.single_slot is not None:
-            return bitdelta_linear(x, w, signs[m.single_slot], alpha[m.single_slot], backend=self.backend)
+        if m.single_slot is not None:  # a low-rank term here only in fp32 (prepare): no second rounding
+            y = bitdelta_linear(x, w, signs[m.single_slot], alpha[m.single_slot], backend=self.backend)
+            self._add_lowrank(x, y, layer, group, m)
+            return y
         if not m.any_delta or x.dtype == torch.float32:
             y = dense_linear(x, w, backend=self.backend)
             if m.any_delta:
-                bitdelta_delta_batched(x, signs, alpha, m.row_slot, y, plan=m.plan, backend=self.backend)
+                self._add_delta(x, signs, alpha, y, m)
+                self._add_lowrank(x, y, layer, group, m)
             return y
         # fp16/bf16: the base GEMM's output stays fp32 until the delta is in, then rounds ONCE,
         # like the fused kernel. Rounding x·Wᵀ to bf16 first would erase a real delta (a few
         # tenths of y's bf16 spacing): a request's tokens would depend on its batch.
         y = self._mm_fp32(x, w)
-        bitdelta_delta_batched(x, signs, alpha, m.row_slot, y, plan=m.plan, backend=self.backend)
+        self._add_delta(x, signs, alpha, y, m)
+        self._add_lowrank(x, y, layer, group, m)
         return y.to(x.dtype)
+
+    def _add_delta(self, x: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor, y: torch.Tensor, m: StepMeta):
+        """y[r] += Σ_p α ⊙ (x[r] · Sᵀ) over the slots of every sign plane of row r's variant."""
+        bitdelta_delta_batched(x, signs, alpha, m.row_slot, y, plan=m.plan, backend=self.backend)
+        for col, plan in m.planes or ():
+            bitdelta_delta_batched(x, signs, alpha, col, y, plan=plan, backend=self.backend)
+
+    def _add_lowrank(self, x: torch.Tensor, y: torch.Tensor, layer: int, group: str, m: StepMeta) -> None:
+        """y (fp32) [rows of each variant with a low-rank part] += (x · Vᵀ) · Uᵀ: one GEMM into its
+        stacked rank, one per matrix out of it, accumulated in fp32."""
+        for slot, rows in (m.lowrank_rows or {}).items():
+            lr = m.extras[slot].lowrank.get((layer, group))
+            if lr is None:
+                continue
+            xs = (x if rows is None else x[rows]).float()
+            t = xs @ lr.v.float().t()  # [n, R]
+            add = y if rows is None else torch.zeros(xs.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
+            for r0, c0, u in lr.u:
+                add[:, r0 : r0 + u.shape[0]] += t[:, c0 : c0 + u.shape[1]] @ u.float().t()
+            if rows is not None:
+                y.index_add_(0, rows, add)
 
     def _mm_fp32(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x · wᵀ with fp32 accumulation AND fp32 output. x: [N, d_in]; w: [d_out, d_in] -> fp32 [N, d_out]."""
@@ -350,15 +403,38 @@ class ModelRunner:
 
     def _embed(self, m: StepMeta) -> torch.Tensor:
         x = self.base.embed[m.tokens]  # [N, dim]
+        self._variant_embeddings(x, m, m.tokens)
+        return x
+
+    def _variant_embeddings(self, x: torch.Tensor, m: StepMeta, tokens: torch.Tensor) -> None:
+        """x[rows of each variant with its own embedding] = that embedding's rows `tokens` (indices
+        into this runner's table): its dense table, or the base's rows + Σ_p α_p ⊙ S_p (+ U · V)."""
         for slot, rows in m.embed_rows.items():  # rows found on the host in prepare()
-            ex = m.extras[slot].embed
-            t = m.tokens[rows]
+            ex: BigTensor = m.extras[slot].embed
+            t = tokens[rows]
             if ex.weight is not None:
                 x[rows] = ex.weight[t]
-            else:
-                s = unpack_signs(ex.signs[t], self.args.dim, torch.float32)
-                x[rows] = (x[rows].float() + ex.alpha[t][:, None] * s).to(x.dtype)
-        return x
+                continue
+            acc = x[rows].float()
+            for p in range(ex.signs.shape[0]):
+                acc += ex.alpha[p][t][:, None] * unpack_signs(ex.signs[p][t], self.args.dim, torch.float32)
+            if ex.u is not None:
+                acc += ex.u[t].float() @ ex.v.float()
+            x[rows] = acc.to(x.dtype)
+
+    def _head(self, h: torch.Tensor, head: BigTensor) -> torch.Tensor:
+        """fp32 logits of rows h through a variant's own head: dense, or the base's + its planes (+ U · V)."""
+        if head.weight is not None:
+            return (h @ head.weight.t()).float()
+        if head.signs.shape[0] == 1 and head.u is None:
+            return bitdelta_linear(h, self.base.head, head.signs[0], head.alpha[0], backend=self.backend).float()
+        y = self._mm_fp32(h, self.base.head)
+        rows = torch.zeros(h.shape[0], dtype=torch.int32)  # host: every row reads plane p's "slot" 0
+        for p in range(head.signs.shape[0]):
+            bitdelta_delta_batched(h, head.signs[p : p + 1], head.alpha[p : p + 1], rows, y, backend=self.backend)
+        if head.u is not None:
+            y += (h.float() @ head.v.float().t()) @ head.u.float().t()
+        return y
 
     def _logits(self, h: torch.Tensor, m: StepMeta) -> torch.Tensor:
         """h: [R, dim] (final-normed) -> fp32 logits [R, vocab], each row through its variant's head."""
@@ -370,11 +446,7 @@ class ModelRunner:
             if s < 0:
                 out[rows] = dense_linear(hr, self.base.head, backend=self.backend).float()
                 continue
-            head = m.extras[s].head
-            if head.weight is not None:
-                out[rows] = (hr @ head.weight.t()).float()
-            else:
-                out[rows] = bitdelta_linear(hr, self.base.head, head.signs, head.alpha, backend=self.backend).float()
+            out[rows] = self._head(hr, m.extras[s].head)
         return out
 
     # -- step -----------------------------------------------------------------------------------

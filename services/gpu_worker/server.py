@@ -54,6 +54,7 @@ def slot_to_pb(s: SlotInfo) -> pb.DeltaSlot:
         request_rate=s.request_rate,
         error=s.error,
         transport=s.transport,
+        slots=s.slots,
     )
 
 

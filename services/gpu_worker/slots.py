@@ -22,9 +22,15 @@ and one α per row of it. A projection a delta leaves unchanged gets α = 0 in
 its rows, which adds exactly nothing; a bias or norm it leaves unchanged keeps
 the base's row.
 
-Large dense tensors (a changed embedding or LM head) are the exception: they
-are allocated per delta at load time (`SlotExtras`) and count against the same
-byte budget.
+A delta of k sign planes per matrix (format v3, `bitdelta.planes`) holds k slots: plane p of
+every matrix is in its p-th slot (`SlotExtras.slots`), and a matrix with fewer planes has α = 0 in
+that slot's rows. Its first slot is the delta's own (its norms, biases, extras, and the id a
+sequence carries); the others hold sign planes only. The kernels add every plane of a row's
+variant in one pass over its slots.
+
+Tensors of a size only the delta knows are the exception: a changed embedding or LM head, and the
+low-rank residual U·V of its matrices (`LowRank`, per layer and group). They are allocated per
+delta at load time (`SlotExtras`) and count against the same byte budget.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bitdelta.arch import ModelArgs
+from bitdelta.format import LOWRANK_ROLES, split_role
 from kernels.bits import packed_cols
 
 EMBED = "model.embed_tokens.weight"
@@ -100,9 +107,13 @@ class SlotLayout:
         return n + sum(p.r1 - p.r0 for p in self.bias.values()) * self.dtype.itemsize
 
     def extra_bytes(self, param: str, role: str, shape: tuple[int, ...]) -> int:
-        """Device bytes a big (embedding/head) tensor of a delta takes in its slot's extras."""
+        """Device bytes one tensor of a delta takes in its slot's extras: a big (embedding/head)
+        tensor's, or a low-rank factor's (fp16, as stored). role: the tensor's ("sign2", "lowrank_u", ...)."""
+        role = split_role(role)[0]
         if role == "dense":
             return self.args.vocab_size * self.args.dim * self.dtype.itemsize
+        if role in LOWRANK_ROLES:
+            return shape[0] * shape[1] * 2
         if role == "sign":
             return shape[0] * shape[1]
         return self.args.vocab_size * 4  # α, always stored per row
@@ -110,23 +121,51 @@ class SlotLayout:
 
 @dataclass
 class BigTensor:
-    """A changed embedding or LM head of one delta: dense (`weight`) or compressed (`signs`, `alpha`)."""
+    """A changed embedding or LM head of one delta: dense (`weight`) or compressed (k sign planes
+    `signs`, `alpha`, and a low-rank residual `u` · `v` when it has one)."""
 
     weight: torch.Tensor | None = None  # dtype [vocab, dim]
-    signs: torch.Tensor | None = None  # uint8 [vocab, ceil(dim/8)]
-    alpha: torch.Tensor | None = None  # fp32 [vocab]
+    signs: torch.Tensor | None = None  # uint8 [k, vocab, ceil(dim/8)]
+    alpha: torch.Tensor | None = None  # fp32 [k, vocab]
+    u: torch.Tensor | None = None  # fp16 [vocab, r]
+    v: torch.Tensor | None = None  # fp16 [r, dim]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.weight, self.signs, self.alpha) if t is not None)
+        ts = (self.weight, self.signs, self.alpha, self.u, self.v)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+@dataclass
+class LowRank:
+    """The low-rank residual of one projection group of one delta: y += (x · vᵀ) · Uᵀ, with v fp16
+    [R, d_in] every matrix's V of the group stacked (R = the sum of their ranks) and, per matrix
+    with a rank, (r0, c0, U fp16 [d_out_m, r_m]): its rows r0.. of the group's output, its rows c0..
+    of v. Bytes: exactly the file's factors."""
+
+    v: torch.Tensor
+    u: list[tuple[int, int, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return self.v.numel() * 2 + sum(t.numel() * 2 for _, _, t in self.u)
 
 
 @dataclass
 class SlotExtras:
-    """Per-slot tensors outside the stacks. `head` None: the base's head serves."""
+    """A delta's tensors outside its slot of the stacks. `head` None: the base's head serves.
+    `slots`: every slot it holds, plane 1's first (the delta's own), when it has more than one sign
+    plane; empty: its own only. `lowrank[layer][group]`: its low-rank residuals (absent: none)."""
 
     embed: BigTensor | None = None
     head: BigTensor | None = None
+    slots: tuple[int, ...] = ()
+    lowrank: dict[tuple[int, str], LowRank] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing the runner reads beyond the delta's own slot (a plain one-plane delta)."""
+        return self.embed is None and self.head is None and len(self.slots) <= 1 and not self.lowrank
 
 
 @dataclass
@@ -148,6 +187,7 @@ class SlotTensors:
     biases: list[dict[str, torch.Tensor]] = field(default_factory=list)
     final_norm: torch.Tensor | None = None
     # Copy-on-write: the manager swaps in a new dict, the engine reads one snapshot per step.
+    # Keyed by a delta's own slot (its first); a plain one-plane delta has no entry.
     extras: dict[int, SlotExtras] = field(default_factory=dict)
 
     @classmethod

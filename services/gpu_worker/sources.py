@@ -31,7 +31,6 @@ from typing import Protocol
 import grpc
 
 from bitdelta.format import (
-    PARTS_VERSION,
     READ_VERSIONS,
     V1_LAYOUT,
     DeltaFormatError,
@@ -42,7 +41,7 @@ from bitdelta.format import (
 )
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient, FetchStream
 from bitdelta.rpc.receiver import Receiver
-from services.gpu_worker.errors import NotFound
+from services.gpu_worker.errors import FailedPrecondition, NotFound
 
 # Bytes per read from a local file: large enough for full disk bandwidth,
 # small enough that hashing overlaps the next read.
@@ -71,14 +70,23 @@ class TensorSpec:
         return self.name.rsplit(".", 1)[1]
 
 
-def refuse_parts(name: str, format_version: str) -> None:
-    """The worker's slots hold one sign plane of row or matrix α per matrix: a format v3 delta
-    (further planes, column α's, a low-rank residual) is refused before any byte moves."""
-    if format_version == PARTS_VERSION:
-        raise DeltaFormatError(
-            f"delta {name!r} has further sign planes, column α's or a low-rank residual (format v3), which "
-            "this worker does not serve: compress it with one plane (no --planes/--rank/--budget, --alpha row "
-            "or matrix), or evaluate it offline (bitdelta apply)"
+def refuse_parts(name: str, meta: DeltaMeta, tensor_parallel: bool = False) -> None:
+    """What this worker cannot serve of a format v3 delta, refused before any byte moves: a sign
+    plane whose α scales input columns (the slots hold α per output row), and, on tensor-parallel
+    ranks, any plane beyond the first or a low-rank residual (their slices are not cut yet)."""
+    col = sorted(p for p in meta.shapes if "col" in meta.axes(p))
+    if col:
+        raise FailedPrecondition(
+            f"delta {name!r} has sign planes whose α scales input columns ({len(col)} weights, e.g. {col[0]}), "
+            "which this worker does not serve: compress it again with --alpha row (or matrix), or evaluate it "
+            "offline (bitdelta apply)"
+        )
+    beyond = sorted(p for p in meta.parts if len(meta.axes(p)) > 1 or meta.rank(p))
+    if tensor_parallel and beyond:
+        raise FailedPrecondition(
+            f"delta {name!r} has further sign planes or a low-rank residual ({len(beyond)} weights, e.g. "
+            f"{beyond[0]}), which a tensor-parallel worker does not serve yet: serve it with --tensor-parallel 1, "
+            "or compress it with one plane (no --planes/--rank/--budget)"
         )
 
 
@@ -129,10 +137,11 @@ class DeltaSource(Protocol):
 
 
 class LocalDeltaSource:
-    """Delta files in a directory, named `<variant><suffix>`."""
+    """Delta files in a directory, named `<variant><suffix>`. tensor_parallel: a tensor-parallel
+    rank's source (it cuts whole tensors itself; `refuse_parts` says what it cannot serve)."""
 
-    def __init__(self, root: str | os.PathLike):
-        self.root = Path(root)
+    def __init__(self, root: str | os.PathLike, tensor_parallel: bool = False):
+        self.root, self.tensor_parallel = Path(root), tensor_parallel
 
     def path_of(self, name: str) -> Path:
         if not name or "/" in name or name.startswith("."):
@@ -150,7 +159,7 @@ class LocalDeltaSource:
         header = await asyncio.to_thread(read_header, path)
         check_base(header.meta, base_fingerprint)
         check_structure(header)
-        refuse_parts(name, header.metadata["format_version"])
+        refuse_parts(name, header.meta, self.tensor_parallel)
         specs = [TensorSpec(t.name, t.dtype, t.shape, t.nbytes, header.sha256[t.name], t.start) for t in header.tensors]
         return DeltaInfo(name, specs, handle=path, architecture=header.meta.architecture, layout=header.meta.layout)
 
@@ -246,11 +255,15 @@ class DeltaStoreSource:
                     f"delta {name!r} has format version {info.format_version}; "
                     f"this worker reads {' and '.join(READ_VERSIONS)}"
                 )
-            refuse_parts(name, info.format_version)
             meta = DeltaMeta.from_strings(dict(info.metadata))  # malformed metadata fails here, before data moves
         except (DeltaFormatError, ValueError) as e:
             stream.cancel()
             raise DeltaFormatError(f"delta {name!r}: {e}") from None
+        try:
+            refuse_parts(name, meta, self.tp is not None)
+        except FailedPrecondition:
+            stream.cancel()
+            raise
         specs = [TensorSpec(t.name, t.dtype, tuple(t.shape), t.nbytes, t.sha256, t.file_offset) for t in stream.tensors]
         for i, t in enumerate(specs):  # a slice sent in part (its tail handed over): announced whole
             if t.name in partial:
@@ -279,7 +292,9 @@ class DeltaStoreSource:
         from bitdelta.shard import Split
 
         slices, handed_from, hands_to, partial = [], {}, {}, {}
-        for t in (await self.client.stat(name)).tensors:
+        stat = await self.client.stat(name)
+        refuse_parts(name, DeltaMeta.from_strings(dict(stat.info.metadata)), tensor_parallel=True)
+        for t in stat.tensors:
             param, role = t.name.rsplit(".", 1)
             shape = tuple(t.shape)
             sh = self.tp.shard_of(param, role, shape)
@@ -326,5 +341,5 @@ def source_of(config, tp=None) -> DeltaSource | None:
             tp=tp,
         )
     if config.delta_dir:
-        return LocalDeltaSource(config.delta_dir)
+        return LocalDeltaSource(config.delta_dir, tensor_parallel=tp is not None)
     return None

@@ -1,5 +1,7 @@
 """A request's greedy tokens do not depend on its batch: alone (fused single-variant kernel)
-and in a mixed batch (base GEMM + batched delta) give the same tokens, in fp32 and in bf16.
+and in a mixed batch (base GEMM + batched delta) give the same tokens, in fp32 and in bf16; so
+do variants of three sign planes and of a low-rank residual (format v3), whose terms all land in
+the fp32 output before the one rounding.
 
 The family has real delta magnitudes: fine-tune noise of 0.0006 on weights of std 0.2 gives
 α/|W| ≈ 3e-3, as SmolLM2's fine-tunes (α 2e-4–7e-4 against |W| ≈ 0.15). In bf16 that delta is a
@@ -17,6 +19,7 @@ import pytest
 
 from bitdelta.compress import compress
 from bitdelta.generation import Request, Sampling
+from bitdelta.planes import PlaneConfig
 from bitdelta.testing.family import VARIED_STD, make_base, make_finetune, tiny_args
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.worker import Worker
@@ -30,6 +33,8 @@ JOBS = [
     ("v1", "abc xyz"),
     ("v2", "def f(x):"),
     ("v0", "Hello world"),
+    ("planes3", "Once upon"),
+    ("rank8", "The quick brown fox"),
 ]
 REAL_SCALE = 0.0006  # fine-tune noise; the base's weights have std 0.2 (bitdelta.testing.family.VARIED_STD)
 
@@ -41,6 +46,10 @@ def family(tmp_path_factory):
     for i in range(3):
         ft = make_finetune(base, root / f"ft{i}", seed=100 + i, scale=REAL_SCALE)
         compress(base, ft, root / "deltas" / f"v{i}.bitdelta.safetensors", variant=f"v{i}", progress=False)
+        if i == 0:
+            for name, cfg in (("planes3", PlaneConfig(planes=3)), ("rank8", PlaneConfig(rank=8))):
+                out = root / "deltas" / f"{name}.bitdelta.safetensors"
+                compress(base, ft, out, variant=name, planes=cfg, progress=False)
     return base, root / "deltas"
 
 

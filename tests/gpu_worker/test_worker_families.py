@@ -42,7 +42,7 @@ def runner_with(base, deltas, names):
     for slot, name in enumerate(names):
         info = asyncio.run(source.open(name, load_delta(deltas / f"{name}.bitdelta.safetensors").meta.base_fingerprint))
         plan = plan_delta(layout, info)
-        writer = SlotWriter(plan, slots, slot)
+        writer = SlotWriter(plan, slots, (slot,))
 
         async def go(info=info, plan=plan, writer=writer):
             receiver = Receiver(plan.name, plan.tensors, writer)
@@ -51,7 +51,7 @@ def runner_with(base, deltas, names):
             return await writer.finish()
 
         ex = asyncio.run(go())
-        if ex.embed is not None or ex.head is not None:
+        if not ex.empty:
             extras[slot] = ex
     slots.extras = extras
     return ModelRunner(w, args, slots, KVPool(args, 32, 8, torch.float32, torch.device("cpu"))), layout

@@ -51,7 +51,7 @@ def chunks(f, info):
 def load(fam, pieces, check_sha256: bool) -> SlotWriter:
     f, layout, slots, info = fam
     plan = plan_delta(layout, info)
-    w = SlotWriter(plan, slots, 0)
+    w = SlotWriter(plan, slots, (0,))
 
     async def run():
         r = Receiver(plan.name, plan.tensors, w, check_sha256=check_sha256)
@@ -79,18 +79,18 @@ def test_verified_chunks_in_order_land_exactly(fam):
     assert compared > 0.9 * sum(t.nbytes for t in info.tensors)  # signs and scales: nearly all of it
 
 
-def test_a_delta_beyond_one_plane_is_refused_before_any_byte_moves(fam, tmp_path):
-    """The slots hold one sign plane per matrix: a format v3 delta (further planes, column α's,
-    low-rank factors) is refused by name when the worker opens it, not misread (a per-column α of
-    a square matrix has a per-row α's shape)."""
+def test_a_delta_of_column_alphas_is_refused_before_any_byte_moves(fam, tmp_path):
+    """The slots hold α per output row: a format v3 delta whose planes scale input columns is
+    refused by name when the worker opens it, not misread (a per-column α of a square matrix has a
+    per-row α's shape)."""
     from bitdelta.compress import compress
-    from bitdelta.format import DeltaFormatError
     from bitdelta.planes import PlaneConfig
     from bitdelta.testing.family import make_finetune
+    from services.gpu_worker.errors import FailedPrecondition
 
     f = fam[0]
     ft = make_finetune(f.base, tmp_path / "ft", seed=5)
     compress(f.base, ft, tmp_path / "cols.safetensors", planes=PlaneConfig(alpha="col"), progress=False)
     fingerprint = read_header(tmp_path / "cols.safetensors").meta.base_fingerprint
-    with pytest.raises(DeltaFormatError, match=r"column α's or a low-rank residual \(format v3\)"):
+    with pytest.raises(FailedPrecondition, match=r"α scales input columns .* compress it again with --alpha row"):
         asyncio.run(LocalDeltaSource(tmp_path).open("cols", fingerprint))

@@ -128,10 +128,28 @@ def test_plan_delta_rejects_what_does_not_fit_this_base():
         "does not have": good + [TensorSpec("model.layers.9.mlp.up_proj.weight.dense", "F32", (4,), 16, "x")],
         "compressed projections only": [TensorSpec(q + ".dense", "F32", (64, 64), 64 * 64 * 4, "x")],
         "bytes": [TensorSpec(q + ".sign", "U8", (64, 8), 100, "x"), good[1]],
+        # format v3: planes 1..k each with signs and α, the low-rank factors in pairs of one rank
+        "sign planes [1, 3] and α's [1, 3]": good
+        + [s3 := TensorSpec(q + ".sign3", "U8", (64, 8), 512, "x")]
+        + [TensorSpec(q + ".alpha3", "F32", (64,), 256, "x")],
+        "sign planes [1, 3] and α's [1]": good + [s3],
+        "both .lowrank_u [d_out, r] and .lowrank_v": good
+        + [u := TensorSpec(q + ".lowrank_u", "F16", (64, 4), 512, "x")],
+        "of one rank": good + [u, TensorSpec(q + ".lowrank_v", "F16", (8, 64), 1024, "x")],
+        "must be float16 [64, r]": good + [TensorSpec(q + ".lowrank_u", "F32", (64, 4), 1024, "x")],
     }
     for why, tensors in cases.items():
         with pytest.raises(DeltaFormatError, match=re.escape(why)):
             plan_delta(layout, DeltaInfo("d", tensors))
+    # two planes and a rank-4 residual: two slots, plus the factors' fp16 bytes
+    v3 = good + [
+        TensorSpec(q + ".sign2", "U8", (64, 8), 512, "x"),
+        TensorSpec(q + ".alpha2", "F32", (1,), 4, "x"),
+        u,
+        TensorSpec(q + ".lowrank_v", "F16", (4, 64), 512, "x"),
+    ]
+    plan = plan_delta(layout, DeltaInfo("d", v3))
+    assert (plan.planes, plan.total_bytes, plan.lowrank) == (2, 2 * layout.slot_bytes + 1024, True)
 
 
 def test_config_from_flags_and_env(tmp_path):

@@ -1,0 +1,239 @@
+"""Deltas beyond one sign plane (format v3) served by the worker: a real server on a loopback port,
+a tiny random family, deltas made by `bitdelta compress --planes/--rank/--budget`.
+
+Greedy tokens of a multi-plane variant (3 planes, and 2 planes under a budget that leaves some
+matrices at 1) and of low-rank variants equal transformers' on the dense model `bitdelta apply`
+writes, alone and in one batch with a 1-plane variant and the base; what each costs the byte budget
+and the slots (a 1-plane delta: what it cost before); a k-plane delta evicted, pinned and refused as
+one; and what the worker does not serve is refused by name before any byte moves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+
+from bitdelta.common.v1 import generation_pb2 as gen_pb
+from bitdelta.compress import apply, compress
+from bitdelta.format import read_header
+from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
+from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
+from bitdelta.planes import PlaneConfig
+from bitdelta.testing.family import FT_SCALE, VARIED_STD, make_base, make_finetune, tiny_args
+from services.gpu_worker.config import WorkerConfig
+from tests.support.worker import running_worker
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.usefixtures("cpu_kernels")]
+
+N = 16
+EOS = 256
+T = 60
+SUFFIX = ".bitdelta.safetensors"
+# name -> (compress keywords): each v3 variant of one fine-tune, and the plain one-plane BitDelta
+VARIANTS = {
+    "plain": {},
+    "planes3": {"planes": PlaneConfig(planes=3)},
+    "rank8": {"planes": PlaneConfig(rank=8)},
+    "mixed2": {"planes": PlaneConfig(planes=2, rank=8)},  # budgeted below: some matrices keep 1 plane
+    "signemb": {"planes": PlaneConfig(planes=2, rank=8), "embeddings": "sign"},  # the embedding too
+}
+PROMPTS = {"": "Hello world", "plain": "The quick brown fox", "planes3": "abc xyz", "rank8": "def f(x):"}
+PROMPTS |= {"mixed2": "Once upon", "signemb": "1 + 2 ="}
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    root = tmp_path_factory.mktemp("planes_family")
+    base = make_base(root / "base", tiny_args(), 1, std=VARIED_STD)
+    ft = make_finetune(base, root / "ft", seed=100, scale=FT_SCALE)
+    deltas = root / "deltas"
+    for name, kw in VARIANTS.items():
+        if name == "mixed2":  # plane 1 of every weight, then about half of what the second planes cost
+            one = read_header(deltas / f"plain{SUFFIX}").bytes_by_role()
+            kw = {"planes": PlaneConfig(planes=2, rank=8, budget=sum(one.values()) + one["sign"] // 2)}
+        compress(base, ft, deltas / f"{name}{SUFFIX}", variant=name, progress=False, **kw)
+    shutil.rmtree(ft)
+    parts = read_header(deltas / f"mixed2{SUFFIX}").meta.parts
+    assert {len(p["axes"]) for p in parts.values()} == {1, 2}, "the budget leaves some matrices at one plane"
+    assert read_header(deltas / f"planes3{SUFFIX}").meta.format_version == "3"
+    dense = {name: apply(base, deltas / f"{name}{SUFFIX}", root / f"dense-{name}", progress=False) for name in VARIANTS}
+    return base, deltas, dense
+
+
+def hf_greedy(ckpt, prompt: str) -> list[int]:
+    """transformers' greedy tokens of a dense checkpoint (the reference)."""
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    ids = list(prompt.encode())
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=N, do_sample=False, eos_token_id=EOS, pad_token_id=EOS)
+    return out[0, len(ids) :].tolist()
+
+
+def config(family, **kw) -> WorkerConfig:
+    base, deltas, _ = family
+    kw.setdefault("delta_budget", 16 << 20)
+    kw.setdefault("kv_cache", 4 << 20)
+    return WorkerConfig(base=base, delta_dir=str(deltas), **kw)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(family):
+    async with running_worker(config(family)) as (worker, _, channel):
+        yield worker, pb_grpc.GpuWorkerServiceStub(channel)
+
+
+async def generate(stub, model_id: str, prompt: str, n: int = N) -> list[int]:
+    req = pb.GenerateRequest(model_id=model_id, prompt=prompt, sampling=gen_pb.SamplingParams(max_new_tokens=n))
+    return [m.token_id async for m in stub.Generate(req, timeout=T)]
+
+
+async def status(stub) -> dict[str, pb.DeltaSlot]:
+    return {s.name: s for s in (await stub.Status(pb.StatusRequest(), timeout=T)).slots}
+
+
+async def test_multi_plane_and_low_rank_variants_equal_transformers_alone_and_mixed(served, family):
+    base, _, dense = family
+    worker, stub = served
+    want = {m: hf_greedy(base if m == "" else dense[m], p) for m, p in PROMPTS.items()}
+    alone = {m: await generate(stub, m, p) for m, p in PROMPTS.items()}
+    assert alone == want
+    assert len({tuple(v) for v in want.values()}) == len(want), "every variant answers its own tokens"
+    steps = worker.engine.steps
+    together = await asyncio.gather(*[generate(stub, m, p) for m, p in PROMPTS.items()])
+    assert dict(zip(PROMPTS, together)) == want
+    assert worker.engine.steps - steps < sum(len(v) for v in want.values()) * 0.6, "they shared steps"
+    # one prompt for every variant in one batch: each row reads its own variant's planes and factors
+    same = await asyncio.gather(*[generate(stub, m, PROMPTS["planes3"]) for m in PROMPTS])
+    assert same == [hf_greedy(base if m == "" else dense[m], PROMPTS["planes3"]) for m in PROMPTS]
+
+
+async def test_each_plane_costs_a_slot_and_the_budget_counts_real_bytes(served, family):
+    """A k-plane delta holds k slots (a contiguous run here) and costs k slots' bytes plus its
+    low-rank factors (exactly the file's fp16 bytes) and embedding; a 1-plane delta costs one slot
+    and its embedding, as before v3. Status says both, and its used bytes are their sum."""
+    _, deltas, _ = family
+    worker, stub = served
+    for m in VARIANTS:
+        await worker.load_delta(m)
+    layout, entries = worker.layout, worker.manager.entries
+    st = await status(stub)
+    for m in VARIANTS:
+        h = read_header(deltas / f"{m}{SUFFIX}")
+        planes = max([len(p["axes"]) for k, p in h.meta.parts.items() if "layers" in k] or [1])
+        extras = sum(
+            layout.extra_bytes(t.param, t.role, t.shape)
+            for t in h.tensors
+            if t.param in ("model.embed_tokens.weight", "lm_head.weight") or t.part == "lowrank"
+        )
+        e = entries[m]
+        assert len(e.slots) == planes and e.slots == tuple(range(e.slots[0], e.slots[0] + planes))
+        assert e.bytes == planes * layout.slot_bytes + extras, m
+        assert (st[m].slots, st[m].bytes) == (planes, e.bytes)
+    assert (st["plain"].slots, st["planes3"].slots, st["rank8"].slots) == (1, 3, 1)
+    lowrank = read_header(deltas / f"rank8{SUFFIX}").bytes_by_role()["lowrank"]
+    assert entries["rank8"].bytes - entries["plain"].bytes == lowrank > 0
+    assert worker.manager.used_bytes == sum(s.bytes for s in st.values())
+    held = sorted(s for e in entries.values() for s in e.slots)
+    assert held == sorted(set(held)) and len(held) + len(worker.manager.free_slots) == worker.slots.n_slots
+
+
+async def test_a_multi_slot_delta_is_evicted_pinned_and_refused_as_one(family):
+    """Slots bind (4 of them, bytes to spare): the 3-plane delta goes as one victim, frees its three
+    slots, and pinned it leaves room for no 2-plane delta; a delta of more planes than the worker
+    has slots is refused at once, naming both numbers."""
+    async with running_worker(config(family, max_slots=4)) as (worker, _, channel):
+        stub = pb_grpc.GpuWorkerServiceStub(channel)
+        m = worker.manager
+        await generate(stub, "planes3", "a", n=1)
+        for _ in range(3):  # plain is the hot one
+            await generate(stub, "plain", "a", n=1)
+        assert len(m.free_slots) == 0
+        await stub.LoadDelta(pb.LoadDeltaRequest(name="rank8"), timeout=T)
+        st = await status(stub)
+        assert set(st) == {"plain", "rank8"} and len(m.free_slots) == 2  # planes3 left whole
+        assert (await generate(stub, "rank8", PROMPTS["rank8"])) == hf_greedy(family[2]["rank8"], PROMPTS["rank8"])
+        await stub.LoadDelta(pb.LoadDeltaRequest(name="planes3", pin=True), timeout=T)
+        st = await status(stub)
+        assert st["planes3"].pinned and st["planes3"].slots == 3 and len(st) == 2
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.LoadDelta(pb.LoadDeltaRequest(name="mixed2"), timeout=T)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "pinned deltas ['planes3']" in e.value.details() and "(3 of 4 slots)" in e.value.details()
+        r = await stub.EvictDelta(pb.EvictDeltaRequest(name="planes3"), timeout=T)
+        assert r.state == pb.DELTA_STATE_ABSENT
+        assert len(m.free_slots) == 4 - sum(len(x.slots) for x in m.entries.values())
+        await stub.LoadDelta(pb.LoadDeltaRequest(name="mixed2"), timeout=T)  # room again
+        assert (await generate(stub, "mixed2", "a", n=4)) == hf_greedy(family[2]["mixed2"], "a")[:4]
+    async with running_worker(config(family, max_slots=2)) as (worker, _, channel):
+        stub = pb_grpc.GpuWorkerServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await generate(stub, "planes3", "a", n=1)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "has 3 sign planes per matrix" in e.value.details() and "this worker has 2 slots" in e.value.details()
+        assert worker.manager.loads_started == 1 and "planes3" not in await status(stub)
+        assert sorted(worker.manager.free_slots) == [0, 1]
+        await generate(stub, "mixed2", "a", n=1)  # 2 planes fit
+
+
+async def test_what_the_worker_does_not_serve_is_refused_by_name(family, tmp_path):
+    """Column α's (the slots hold α per output row), and any plane beyond the first or a low-rank
+    part on a tensor-parallel rank: FAILED_PRECONDITION at open, before a byte of data moves."""
+    from services.gpu_worker.errors import FailedPrecondition
+    from services.gpu_worker.sources import LocalDeltaSource
+
+    base, deltas, _ = family
+    fp = read_header(deltas / f"plain{SUFFIX}").meta.base_fingerprint
+    ft = make_finetune(base, tmp_path / "ft", seed=5, scale=FT_SCALE)
+    compress(base, ft, tmp_path / f"cols{SUFFIX}", planes=PlaneConfig(planes=2, alpha="col"), progress=False)
+    with pytest.raises(FailedPrecondition, match=r"α scales input columns .* compress it again with --alpha row"):
+        await LocalDeltaSource(tmp_path).open("cols", fp)
+    tp = LocalDeltaSource(deltas, tensor_parallel=True)
+    for name in ("planes3", "rank8"):
+        with pytest.raises(FailedPrecondition, match="a tensor-parallel worker does not serve yet"):
+            await tp.open(name, fp)
+    assert (await tp.open("plain", fp)).tensors  # one plane: served as before
+
+
+async def test_from_the_delta_store_and_refused_there_under_tensor_parallelism(family):
+    """The same deltas streamed from a real delta store serve the same tokens; a tensor-parallel
+    rank's source refuses the v3 ones from the store's Stat, before it asks for any slice."""
+    from bitdelta.checkpoint import read_config
+    from bitdelta.model import ModelArgs
+    from bitdelta.shard import TPLayout
+    from services.delta_store.config import Config
+    from services.delta_store.server import create_server
+    from services.gpu_worker.errors import FailedPrecondition
+    from services.gpu_worker.sources import DeltaStoreSource
+
+    base, deltas, dense = family
+    cfg = Config(address="127.0.0.1:0", root=deltas)
+    cfg.check()
+    server, store = create_server(cfg)
+    await server.start()
+    address = f"127.0.0.1:{server.port}"
+    try:
+        wcfg = WorkerConfig(base=base, delta_store=address, delta_budget=16 << 20, kv_cache=4 << 20)
+        async with running_worker(wcfg) as (_, _, channel):
+            stub = pb_grpc.GpuWorkerServiceStub(channel)
+            got = await asyncio.gather(*[generate(stub, m, PROMPTS[m]) for m in ("planes3", "rank8", "plain")])
+            assert got == [hf_greedy(dense[m], PROMPTS[m]) for m in ("planes3", "rank8", "plain")]
+        fp = read_header(deltas / f"plain{SUFFIX}").meta.base_fingerprint
+        source = DeltaStoreSource(address, tp=TPLayout(ModelArgs.from_hf(read_config(base)), 2, 0))
+        try:
+            for name in ("planes3", "rank8"):
+                with pytest.raises(FailedPrecondition, match="a tensor-parallel worker does not serve yet"):
+                    await source.open(name, fp)
+            info = await source.open("plain", fp)
+            info.handle.cancel()
+        finally:
+            await source.close()
+    finally:
+        await server.stop(0)
+        await store.close()
