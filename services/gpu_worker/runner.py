@@ -6,9 +6,10 @@ sequences of several variants and of the base.
 For every linear layer the base GEMM runs ONCE over all N rows; then one
 `bitdelta_delta_batched` launch adds each row's delta, selected by
 `row_slot[r]` (−1 = base row) from the slot stacks (a variant of k sign planes:
-each of its k slots, `row_slots[r, p]`), and each variant with a low-rank residual
-adds (x·Vᵀ)·Uᵀ to its rows, all in fp32 before the one rounding. A batch whose rows all
-belong to one variant of one plane uses the fused `bitdelta_linear` instead. Attention runs
+each of its k slots, `row_slots[r, p]`, in the same launch), and each variant with a
+low-rank residual adds (x·Vᵀ)·Uᵀ to its rows, all in fp32 before the one rounding. A
+batch whose rows all belong to one variant uses the fused `bitdelta_linear` instead
+(its k planes as one view of the stacks when its slots are a contiguous run). Attention runs
 per sequence against its own blocks of the paged KV pool (the decode rows of all
 sequences in one `kernels.paged_decode` call that reads their blocks in place).
 
@@ -176,9 +177,10 @@ class StepMeta:
     embed_rows: dict | None = None  # slot -> [n] rows of x whose slot has its own embedding
     logit_norm_idx: torch.Tensor | None = None  # [R] final-norm rows of the logit rows (None: single_norm)
     logit_groups: list | None = None  # [(slot or −1, [r] rows of the logits)]: which head serves which rows
-    # Variants of k > 1 sign planes in the batch: for planes 2..K, each row's slot of that plane
-    # ([N] int32, −1: none) and its kernels.BatchPlan; plane 1 is `row_slot` / `plan`.
-    planes: list[tuple[torch.Tensor, object]] | None = None
+    # Variants of k > 1 sign planes in the batch: each row's slot of every plane ([N, K] int32,
+    # −1 where its variant has fewer; `plan` is built from it); None: `row_slot` alone
+    row_slots: torch.Tensor | None = None
+    single_planes: int = 1  # the fused path's variant: its planes, slots single_slot.. (a contiguous run)
     lowrank_rows: dict | None = None  # slot -> [n] rows of x (None: every row) whose variant has a low-rank part
 
 
@@ -249,12 +251,11 @@ class ModelRunner:
         extras = self.slots.extras  # one snapshot for the whole step
         planes = {s: extras[s].slots for s in slots_set if s in extras and extras[s].slots}  # k > 1 planes
         low = {s for s in slots_set if s in extras and extras[s].lowrank}
-        if single is not None and (single in planes or (single in low and self.dtype != torch.float32)):
-            # the fused kernel adds one plane and rounds once: more planes, or a low-rank term in a
-            # rounded dtype, go the batched way (every term in fp32, then one rounding)
-            fused = False
-        else:
-            fused = single is not None and single >= 0 and self.use_fused
+        fused = single is not None and single >= 0 and self.use_fused
+        if fused and single in planes:  # its planes as one view of the stacks: a contiguous run only
+            fused = planes[single] == tuple(range(single, single + len(planes[single])))
+        if fused and single in low and self.dtype != torch.float32:
+            fused = False  # the fused kernel rounds; a low-rank term goes in before the one rounding
         meta = StepMeta(
             tokens=self._dev(torch.tensor(tokens, dtype=torch.int64)),
             cos=cos[:, None, :],
@@ -264,6 +265,7 @@ class ModelRunner:
             single_norm=(single + 1) if single is not None else 0,
             any_delta=any(s >= 0 for s in slots_set),
             single_slot=single if fused else None,
+            single_planes=len(planes.get(single, (single,))) if fused else 1,
             write_rows=self._dev(torch.cat(write_rows)),
             decode_rows=None,
             decode_tables=None,
@@ -273,17 +275,17 @@ class ModelRunner:
             logit_slots=logit_slots,
             extras=extras,
         )
-        if meta.any_delta and meta.single_slot is None:
-            meta.plan = plan_batch(rs, self.slots.n_slots, device=self.device)  # from the host copy: no device sync
-        if planes:  # each row's slot of plane p (−1: its variant has fewer), from a table slot -> its slots
+        if planes and meta.single_slot is None:  # each row's slot of every plane, from a table slot -> its slots
             k = max(len(v) for v in planes.values())
             table = torch.full((self.slots.n_slots + 1, k), -1, dtype=torch.int32)
+            table[1:, 0] = torch.arange(self.slots.n_slots, dtype=torch.int32)
             for s, ids in planes.items():
                 table[s + 1, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-            meta.planes = []
-            for p in range(1, k):
-                col = table[rs.to(torch.int64) + 1, p].contiguous()
-                meta.planes.append((self._dev(col), plan_batch(col, self.slots.n_slots, device=self.device)))
+            rows = table[rs.to(torch.int64) + 1]  # [N, k]
+            meta.row_slots = self._dev(rows)
+            meta.plan = plan_batch(rows, self.slots.n_slots, device=self.device)  # host copy: no device sync
+        elif meta.any_delta and meta.single_slot is None:
+            meta.plan = plan_batch(rs, self.slots.n_slots, device=self.device)  # from the host copy: no device sync
         if low:
             meta.lowrank_rows = {
                 s: None if single is not None else self._dev((rs == s).nonzero(as_tuple=True)[0].to(torch.int64))
@@ -329,7 +331,9 @@ class ModelRunner:
         w = self.base.layers[layer][group]
         signs, alpha = self.slots.signs[layer][group], self.slots.alpha[layer][group]
         if m.single_slot is not None:  # a low-rank term here only in fp32 (prepare): no second rounding
-            y = bitdelta_linear(x, w, signs[m.single_slot], alpha[m.single_slot], backend=self.backend)
+            s, k = m.single_slot, m.single_planes
+            planes = (signs[s], alpha[s]) if k == 1 else (signs[s : s + k], alpha[s : s + k])
+            y = bitdelta_linear(x, w, *planes, backend=self.backend)
             self._add_lowrank(x, y, layer, group, m)
             return y
         if not m.any_delta or x.dtype == torch.float32:
@@ -347,10 +351,9 @@ class ModelRunner:
         return y.to(x.dtype)
 
     def _add_delta(self, x: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor, y: torch.Tensor, m: StepMeta):
-        """y[r] += Σ_p α ⊙ (x[r] · Sᵀ) over the slots of every sign plane of row r's variant."""
-        bitdelta_delta_batched(x, signs, alpha, m.row_slot, y, plan=m.plan, backend=self.backend)
-        for col, plan in m.planes or ():
-            bitdelta_delta_batched(x, signs, alpha, col, y, plan=plan, backend=self.backend)
+        """y[r] += Σ_p α ⊙ (x[r] · Sᵀ) over the slots of every sign plane of row r's variant: one launch."""
+        rows = m.row_slot if m.row_slots is None else m.row_slots
+        bitdelta_delta_batched(x, signs, alpha, rows, y, plan=m.plan, backend=self.backend)
 
     def _add_lowrank(self, x: torch.Tensor, y: torch.Tensor, layer: int, group: str, m: StepMeta) -> None:
         """y (fp32) [rows of each variant with a low-rank part] += (x · Vᵀ) · Uᵀ: one GEMM into its
@@ -426,14 +429,14 @@ class ModelRunner:
         """fp32 logits of rows h through a variant's own head: dense, or the base's + its planes (+ U · V)."""
         if head.weight is not None:
             return (h @ head.weight.t()).float()
-        if head.signs.shape[0] == 1 and head.u is None:
-            return bitdelta_linear(h, self.base.head, head.signs[0], head.alpha[0], backend=self.backend).float()
-        y = self._mm_fp32(h, self.base.head)
-        rows = torch.zeros(h.shape[0], dtype=torch.int32)  # host: every row reads plane p's "slot" 0
-        for p in range(head.signs.shape[0]):
-            bitdelta_delta_batched(h, head.signs[p : p + 1], head.alpha[p : p + 1], rows, y, backend=self.backend)
-        if head.u is not None:
-            y += (h.float() @ head.v.float().t()) @ head.u.float().t()
+        k = head.signs.shape[0]
+        planes = (head.signs[0], head.alpha[0]) if k == 1 else (head.signs, head.alpha)
+        if head.u is None:
+            return bitdelta_linear(h, self.base.head, *planes, backend=self.backend).float()
+        y = self._mm_fp32(h, self.base.head)  # every plane's term and U · V in fp32, no rounding
+        rows = torch.arange(k, dtype=torch.int32).repeat(h.shape[0], 1)  # host: every row adds all k planes
+        bitdelta_delta_batched(h, head.signs, head.alpha, rows, y, backend=self.backend)
+        y += (h.float() @ head.v.float().t()) @ head.u.float().t()
         return y
 
     def _logits(self, h: torch.Tensor, m: StepMeta) -> torch.Tensor:

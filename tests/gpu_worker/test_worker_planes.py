@@ -26,6 +26,7 @@ from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
 from bitdelta.planes import PlaneConfig
 from bitdelta.testing.family import FT_SCALE, VARIED_STD, make_base, make_finetune, tiny_args
 from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.runner import SeqWork
 from tests.support.worker import running_worker
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.usefixtures("cpu_kernels")]
@@ -142,6 +143,13 @@ async def test_each_plane_costs_a_slot_and_the_budget_counts_real_bytes(served, 
     assert worker.manager.used_bytes == sum(s.bytes for s in st.values())
     held = sorted(s for e in entries.values() for s in e.slots)
     assert held == sorted(set(held)) and len(held) + len(worker.manager.free_slots) == worker.slots.n_slots
+    # alone, the 3 planes are one view for the fused kernel; mixed, every row names its slots in one table
+    p3, one = entries["planes3"].slots, entries["plain"].slot
+    alone = worker.runner.prepare([SeqWork([1, 2], 0, p3[0], [0], True)])
+    assert (alone.single_slot, alone.single_planes, alone.row_slots) == (p3[0], 3, None)
+    mixed = worker.runner.prepare([SeqWork([1], 0, s, [i], True) for i, s in enumerate((one, p3[0], -1))])
+    assert mixed.row_slots.tolist() == [[one, -1, -1], list(p3), [-1, -1, -1]]
+    assert mixed.plan.planes == 3
 
 
 async def test_a_multi_slot_delta_is_evicted_pinned_and_refused_as_one(family):
