@@ -328,9 +328,9 @@ def table(r: dict) -> str:
         f"{mix_lim:.2f} | – | {w32['mixed8_tok_s'] / w32['base8_tok_s'] / mix_lim:.2f} | ≥ 0.9 |",
         f"| resident memory, base only, idle, fp32 | {gb(w32['rss_idle'])} | {gb(p32['rss_idle'])} | "
         f"{gb(acc32)} (weights + KV + slot rows + fixed) | {w32['rss_idle'] / p32['rss_idle']:.2f} | "
-        f"{w32['rss_idle'] / acc32:.2f} | ≤ 1 |",
+        f"{w32['rss_idle'] / acc32:.3f} | ≤ 1 |",
         f"| same, bf16 | {gb(w16['rss_idle'])} | {gb(p16['rss_idle'])} | {gb(acc16)} | "
-        f"{w16['rss_idle'] / p16['rss_idle']:.2f} | {w16['rss_idle'] / acc16:.2f} | ≤ 1 |",
+        f"{w16['rss_idle'] / p16['rss_idle']:.2f} | {w16['rss_idle'] / acc16:.3f} | ≤ 1 |",
     ]
     notes = (
         f"\nmemory read bandwidth {bw / 1e9:.1f} GB/s ({r['threads']} thread(s)); weights fp32 {gb(r['weights_fp32'])}, "

@@ -55,10 +55,13 @@ def account(base: Path, dtype: torch.dtype, kv_cache: int, delta_budget: int = 1
             n -= args.vocab_size * args.dim
     layout = SlotLayout(args, dtype)
     signs = args.n_layers * sum(d_out * packed_cols(d_in) for d_out, d_in in layout.group_shape.values())
+    alpha = args.n_layers * sum(d_out * 4 for d_out, _ in layout.group_shape.values())
     n_slots = max_slots or delta_budget // layout.slot_bytes
     per_token = KVPool.bytes_per_token(args, dtype)
     kv = kv_cache // per_token // 16 * 16 * per_token
-    return Account(n * dtype.itemsize, kv, n_slots * (layout.slot_bytes - signs))
+    # each slot's α, norm and bias rows, and the norm and bias stacks' row 0 (the base's)
+    rows = n_slots * (layout.slot_bytes - signs) + layout.slot_bytes - signs - alpha
+    return Account(n * dtype.itemsize, kv, rows)
 
 
 def with_fixed(acc: Account, empty_rss: int, empty: Account) -> Account:
