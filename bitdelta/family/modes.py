@@ -55,6 +55,12 @@ MODES: dict[str, Mode] = {
     "row-distilled": Mode("row", "dense", True),
     "row-sign-emb": Mode("row", "sign", False),
     "row-sign-emb-distilled": Mode("row", "sign", True),
+    # BitDelta's one plane of row α under a 1/16 budget: the weights worth the least KL per byte
+    # left out (still a v2 file, which the worker serves): the equal-bytes baseline at 1/16
+    **{
+        f"row-sign-emb-16{d}": Mode("row", "sign", bool(d), budget=Fraction(1, 16), drop=True)
+        for d in ("", "-distilled")
+    },
     # up to 3 residual planes, α chosen per plane; or one plane and a low-rank residual of up to
     # rank 64 (in steps of 8), at 1/16, at about BitDelta's own size (1/15) and at 1/12 and 1/8
     **{

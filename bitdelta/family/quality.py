@@ -61,6 +61,7 @@ class QualityConfig:
         "row-sign-emb-distilled",
         "planes-15-distilled",
         "planes-16-distilled",
+        "row-sign-emb-16-distilled",
         "lowrank-15-distilled",
     )
     seeds: tuple[int, ...] = (1,)
@@ -217,6 +218,9 @@ def evaluate_variant(p: FamilyPaths, variant: str, cfg: QualityConfig, log=print
             s["distill"] = {
                 k: delta.meta.distilled.get(k) for k in ("steps", "lr", "batch", "seq_len", "final_train_mse")
             }
+        for key in ("left_out", "kl_without_plane1"):  # what a budget below one plane each left out, and why
+            if key in delta.meta.extra:
+                s[key] = json.loads(delta.meta.extra[key])
         res["models"][mode] = s
         log(f"  {variant:9s} {mode:22s} ppl {s['ppl']:8.3f}  KL(ft‖·) {s['kl_from_ft']:.4f}")
         extras(mode, m)
@@ -421,6 +425,22 @@ TARGET_GAIN, TARGET_KL = 0.95, 0.02
 CAPS = (16, 15)
 
 
+KIND_NAMES = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _short(name: str) -> str:
+    """ "model.layers.*.mlp.down_proj.weight" -> "down_proj"."""
+    return name.removesuffix(".weight").rsplit(".", 1)[-1]
+
+
+def left_out_summary(names: list[str]) -> str:
+    """ "30 q_proj, 2 k_proj" for the weights a budget left out ("" for none)."""
+    counts: dict[str, int] = {}
+    for name in names:
+        counts[_short(name)] = counts.get(_short(name), 0) + 1
+    return ", ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def beyond_one_plane(results: list[dict]) -> list[str]:
     """The sections on the modes beyond one sign plane: how large each member's delta is, the
     best mode under each of CAPS against the targets, and the distillation seed noise."""
@@ -445,8 +465,9 @@ def beyond_one_plane(results: list[dict]) -> list[str]:
         "",
         "Best = least KL(ft ‖ ·) among the modes whose file fits the cap.",
         "",
-        "| variant | cap | best mode | delta MB | gain kept | KL(ft‖·) | verdict | 1-plane BitDelta (serving default) |",
-        "|---|---:|---|---:|---:|---:|---|---|",
+        "| variant | cap | best mode | delta MB | gain kept | KL(ft‖·) | verdict | weights left out | "
+        "1-plane BitDelta (serving default) |",
+        "|---|---:|---|---:|---:|---:|---|---|---|",
     ]
     for r, n in ((r, n) for r in results for n in CAPS):
         if "bf16_bytes" not in r:
@@ -460,15 +481,40 @@ def beyond_one_plane(results: list[dict]) -> list[str]:
             else ""
         )
         if not fits:
-            lines.append(f"| {r['variant']} | 1/{n}: {cap / 1e6:.1f} MB | none fits | | | | | {plain} |")
+            lines.append(f"| {r['variant']} | 1/{n}: {cap / 1e6:.1f} MB | none fits | | | | | | {plain} |")
             continue
         best = min(fits, key=lambda k: fits[k]["kl_from_ft"])
         b = fits[best]
         ok = b["gain_kept"] >= TARGET_GAIN and b["kl_from_ft"] <= TARGET_KL
         lines.append(
             f"| {r['variant']} | 1/{n}: {cap / 1e6:.1f} MB | {best} | {b['delta_bytes'] / 1e6:.1f} | "
-            f"{100 * b['gain_kept']:.1f} % | {b['kl_from_ft']:.4f} | {'meets both' if ok else '**misses**'} | {plain} |"
+            f"{100 * b['gain_kept']:.1f} % | {b['kl_from_ft']:.4f} | {'meets both' if ok else '**misses**'} | "
+            f"{left_out_summary(b.get('left_out', []))} | {plain} |"
         )
+    measured = [
+        (r, k, m["kl_without_plane1"]) for r in results for k, m in r["models"].items() if "kl_without_plane1" in m
+    ]
+    if measured:
+        lines += [
+            "",
+            "## What each kind of weight's plane 1 is worth",
+            "",
+            "KL(ft ‖ ·) added to base + every weight's plane 1 when the plane 1 of every layer's matrix of one kind "
+            "is left out, measured on the train split by the first mode that had to leave weights out "
+            "(`bitdelta.planes.kind_kl`); a budget below one plane each leaves out the least KL per byte first.",
+            "",
+            "| variant | measured by | " + " | ".join(KIND_NAMES) + " |",
+            "|---|---|" + "---:|" * len(KIND_NAMES),
+        ]
+        seen = set()
+        for r, k, kl in measured:
+            if r["variant"] in seen:
+                continue
+            seen.add(r["variant"])
+            by = {_short(name): v for name, v in kl.items()}
+            lines.append(
+                f"| {r['variant']} | {k} | " + " | ".join(f"{by.get(n, math.nan):.4f}" for n in KIND_NAMES) + " |"
+            )
     seeded = [(r, k) for r in results for k in r["models"] if "@seed" in k]
     if seeded:
         lines += [
