@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import asdict
@@ -205,6 +206,20 @@ def build_finetune(
     return out
 
 
+def built_undistilled(p: FamilyPaths, recipe: dict) -> Path | None:
+    """A delta built and verified from exactly `recipe` (the compression of a distilled mode, whose
+    own compression then needs no second run: the budget's KL measurement takes minutes)."""
+    want = json.loads(json.dumps(recipe))
+    for f in sorted(p.stamps.glob("deltas__*.json")):
+        file = f.stem.removeprefix("deltas__")
+        stamp = read_stamp(p, "deltas/" + file)
+        if stamp and stamp.get("recipe") == want:
+            for path in (p.root / "deltas" / file, p.modes_dir / file):
+                if _file_ok(path, stamp):
+                    return path
+    return None
+
+
 def build_delta(
     p: FamilyPaths,
     variant: str,
@@ -245,9 +260,14 @@ def build_delta(
         from bitdelta import distill as d
         from bitdelta.format import load_delta
 
-        # Compress to a temporary file, distil, then write the final file atomically.
+        # Compress to a temporary file (a copy of the same compression already built undistilled,
+        # when there is one), distil, then write the final file atomically.
         tmp = out.with_name(f".{out.name}.undistilled")
-        compress(p.base, p.finetuned[variant], tmp, **how)
+        same = built_undistilled(p, {k: v for k, v in recipe.items() if k != "distill"})
+        if same is not None:
+            shutil.copyfile(same, tmp)
+        else:
+            compress(p.base, p.finetuned[variant], tmp, **how)
         cfg = d.DistillConfig(steps=distill_steps, lr=DISTILL_LR, batch=DISTILL_BATCH, seq_len=DISTILL_SEQ, seed=seed)
         # No held-out windows here: the quality report measures held-out
         # perplexity and KL of every mode itself (with merged weights).

@@ -59,7 +59,6 @@ class QualityConfig:
     # distillation seed (reported as "<mode>@seed<N>").
     seed_modes: tuple[str, ...] = (
         "row-sign-emb-distilled",
-        "planes-15-distilled",
         "planes-16-distilled",
         "row-sign-emb-16-distilled",
         "lowrank-15-distilled",

@@ -152,6 +152,38 @@ def test_quick_build_keeps_a_full_fine_tune(tmp_path, capsys, monkeypatch):
     assert len(ran) == 1 and ran[0][3] == full and fb.finetuned_steps(p, "math") == full.steps
 
 
+def test_a_distilled_mode_reuses_its_compression_built_undistilled(tmp_path, monkeypatch):
+    """The distilled twin of a mode already built undistilled starts from a copy of that file (its
+    compression, with a budget's KL measurement, takes minutes on the real family): compress is not
+    run again, the signs are the undistilled file's and the α's are tuned."""
+    import bitdelta.compress
+    from bitdelta.checkpoint import fingerprint
+    from bitdelta.format import load_delta
+    from bitdelta.planes import PlaneConfig
+    from bitdelta.testing.family import make_base, make_finetune
+
+    p = family.paths(tmp_path)
+    make_base(p.base)
+    make_finetune(p.base, p.finetuned["coder"], seed=1)
+    fb.write_stamp(p, "base", {"test": 1}, {"fingerprint": fingerprint(p.base)})
+    fb.write_stamp(p, "finetuned/coder", {"test": 1}, {"fingerprint": fingerprint(p.finetuned["coder"])})
+    cfg = PlaneConfig(planes=2)
+    plain = fb.build_delta(p, "coder", distill_steps=0, out=p.modes_dir / "coder.two.st", planes=cfg)
+
+    def again(*args, **kwargs):
+        raise AssertionError("compressed again")
+
+    monkeypatch.setattr(bitdelta.compress, "compress", again)
+    out = fb.build_delta(p, "coder", distill_steps=2, out=p.modes_dir / "coder.two-distilled.st", planes=cfg)
+    d, u = load_delta(out), load_delta(plain)
+    assert d.meta.distilled and set(d.compressed) == set(u.compressed)
+    for k, cw in d.compressed.items():
+        assert all(torch.equal(a.signs, b.signs) for a, b in zip(cw.planes, u.compressed[k].planes)), k
+    assert any(not torch.equal(cw.alpha, u.compressed[k].alpha) for k, cw in d.compressed.items())
+    with pytest.raises(AssertionError, match="compressed again"):  # another compression is not reused
+        fb.build_delta(p, "coder", distill_steps=2, out=p.modes_dir / "coder.three.st", planes=PlaneConfig(planes=3))
+
+
 def test_serving_delta_distils_projection_alphas_only(tmp_path):
     """The serving default (tied embedding/LM head as signs + α, distilled): distillation
     trains the projections' α's; the tied pair's one α stays mean|Δ| (attach_delta
