@@ -60,7 +60,6 @@ class QualityConfig:
     seed_modes: tuple[str, ...] = (
         "row-sign-emb-distilled",
         "planes-16-distilled",
-        "row-sign-emb-16-distilled",
         "lowrank-15-distilled",
     )
     seeds: tuple[int, ...] = (1,)
