@@ -541,6 +541,7 @@ typedef __m512 vf;
 #define V_ZERO() _mm512_setzero_ps()
 #define V_LOAD(p) _mm512_loadu_ps(p)
 #define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define V_ADD(a, b) _mm512_add_ps(a, b)
 #define V_SUM(v) _mm512_reduce_add_ps(v)
 #define V_BF16_EVEN(h) _mm512_castsi512_ps(_mm512_slli_epi32(h, 16))
 #define V_BF16_ODD(h) _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32((int)0xffff0000u)))
@@ -555,6 +556,7 @@ typedef __m256 vf;
 #define V_ZERO() _mm256_setzero_ps()
 #define V_LOAD(p) _mm256_loadu_ps(p)
 #define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define V_ADD(a, b) _mm256_add_ps(a, b)
 static inline float hsum8(__m256 v) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -674,34 +676,66 @@ LINEAR_BLOCK(dense_two_f32, ROWS_B, 2, BD_W_F32, 0)
 LINEAR_BLOCK(dense_two_bf16, ROWS_B, 2, BD_W_BF16, 0)
 LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
 #define HAVE_LINEAR_BLOCKS 1
+
+/* fp32 weights, no delta: ONE weight row at a time, so W is read as one linear stream (the
+ * blocks above interleave ROWS_A rows' streams and read it at ~0.75 of the memory bandwidth on
+ * one core, this at ~0.9), four accumulators over its columns per x row. MB x rows share each
+ * weight vector. A row's sum order is the same for every MB, so a decode row's result does not
+ * depend on how many rows its step has. */
+#define STREAM_ROW(NAME, MB)                                                                             \
+    static void NAME(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t d_in, float *y,  \
+                     int64_t ldy, int64_t r, int64_t m0) {                                               \
+        const float *wr = w + r * ldw;                                                                   \
+        vf a[MB][4];                                                                                     \
+        for (int b = 0; b < MB; ++b)                                                                     \
+            for (int q = 0; q < 4; ++q) a[b][q] = V_ZERO();                                              \
+        const int64_t n4 = d_in / (4 * LANES);                                                           \
+        for (int64_t j = 0; j < n4; ++j) {                                                               \
+            const int64_t c = 4 * LANES * j;                                                             \
+            for (int q = 0; q < 4; ++q) {                                                                \
+                const vf wv = V_LOAD(wr + c + q * LANES);                                                \
+                for (int b = 0; b < MB; ++b)                                                             \
+                    a[b][q] = V_FMA(V_LOAD(x + (m0 + b) * ldx + c + q * LANES), wv, a[b][q]);            \
+            }                                                                                            \
+        }                                                                                                \
+        int64_t k = 4 * LANES * n4;                                                                      \
+        for (; k + LANES <= d_in; k += LANES) {                                                          \
+            const vf wv = V_LOAD(wr + k);                                                                \
+            for (int b = 0; b < MB; ++b) a[b][0] = V_FMA(V_LOAD(x + (m0 + b) * ldx + k), wv, a[b][0]);   \
+        }                                                                                                \
+        for (int b = 0; b < MB; ++b) {                                                                   \
+            const float *xm = x + (m0 + b) * ldx;                                                        \
+            float t = V_SUM(V_ADD(V_ADD(a[b][0], a[b][1]), V_ADD(a[b][2], a[b][3])));                    \
+            for (int64_t kk = k; kk < d_in; ++kk) t += xm[kk] * wr[kk]; /* ragged tail */               \
+            y[(m0 + b) * ldy + r] = t;                                                                   \
+        }                                                                                                \
+    }
+STREAM_ROW(stream_one_f32, 1)
+STREAM_ROW(stream_two_f32, 2)
 #endif
 
 #if defined(__AVX512BF16__)
 /* bf16 weights and an x that is exactly bf16 (a bf16 model's activations), no delta: one
  * VDPBF16PS per 32 weights (pairs of exact products summed in fp32; denormals flushed)
  * instead of widening both halves and two FMAs: on one core the widening path was
- * compute-bound at ~0.7x of the bf16 weights' bandwidth. xb: x as bf16, x's layout. */
+ * compute-bound at ~0.7x of the bf16 weights' bandwidth. One weight row at a time (one linear
+ * stream, as stream_one_f32), four accumulators over its columns. xb: x as bf16, x's layout. */
 static void dense_dp_bf16(const uint16_t *xb, int64_t ldx, const uint16_t *w, int64_t ldw, int64_t d_in,
-                          float *y, int64_t ldy, int64_t r, int nr, int64_t m) {
-    enum { R = 8 };
-    const int64_t nchunk = d_in / 32;
-    __m512 acc[R];
-    const uint16_t *wr[R];
-    for (int i = 0; i < R; ++i) { /* missing rows alias row r; their sums are dropped */
-        acc[i] = _mm512_setzero_ps();
-        wr[i] = w + (r + (i < nr ? i : 0)) * ldw;
-    }
-    const uint16_t *xm = xb + m * ldx;
-    for (int64_t j = 0; j < nchunk; ++j) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xm + 32 * j));
-        for (int i = 0; i < R; ++i)
-            acc[i] = _mm512_dpbf16_ps(acc[i], xv, (__m512bh)_mm512_loadu_si512((const void *)(wr[i] + 32 * j)));
-    }
-    for (int i = 0; i < nr; ++i) {
-        float t = _mm512_reduce_add_ps(acc[i]);
-        for (int64_t k = 32 * nchunk; k < d_in; ++k) t += w_at(xm, BD_W_BF16, k) * w_at(wr[i], BD_W_BF16, k);
-        y[m * ldy + r + i] = t;
-    }
+                          float *y, int64_t ldy, int64_t r, int64_t m) {
+    const uint16_t *wr = w + r * ldw, *xm = xb + m * ldx;
+    __m512 a[4];
+    for (int q = 0; q < 4; ++q) a[q] = _mm512_setzero_ps();
+#define DP_AT(acc, k) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const void *)(xm + (k))), \
+                                             (__m512bh)_mm512_loadu_si512((const void *)(wr + (k))))
+    const int64_t n4 = d_in / 128;
+    for (int64_t j = 0; j < n4; ++j)
+        for (int q = 0; q < 4; ++q) DP_AT(a[q], 128 * j + 32 * q);
+    int64_t k = 128 * n4;
+    for (; k + 32 <= d_in; k += 32) DP_AT(a[0], k);
+#undef DP_AT
+    float t = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+    for (; k < d_in; ++k) t += w_at(xm, BD_W_BF16, k) * w_at(wr, BD_W_BF16, k);
+    y[m * ldy + r] = t;
 }
 #define HAVE_DP_BF16 1
 #endif
@@ -724,13 +758,27 @@ static void linear_rows(const float *x, const float *xeo, const uint16_t *xb, in
     const block_fn one = s ? one_d[k] : one_b[k], two = s ? two_d[k] : two_b[k];
 #ifdef HAVE_DP_BF16
     if (xb && !s && w_dtype == BD_W_BF16) {
-        for (int64_t r = r0; r < r1; r += 8)
+        for (int64_t r = r0; r < r1; r += ROWS_A) { /* the block's rows stay in cache for x's other rows */
+            const int64_t re = (r + ROWS_A) < r1 ? r + ROWS_A : r1;
             for (int64_t m = 0; m < M; ++m)
-                dense_dp_bf16(xb, ldx, (const uint16_t *)w, ldw, d_in, y, ldy, r, (r1 - r) < 8 ? (int)(r1 - r) : 8, m);
+                for (int64_t q = r; q < re; ++q) dense_dp_bf16(xb, ldx, (const uint16_t *)w, ldw, d_in, y, ldy, q, m);
+        }
         return;
     }
 #endif
     (void)xb;
+    if (!s && w_dtype == BD_W_F32) {
+        const float *wf = (const float *)w;
+        for (int64_t r = r0; r < r1; r += ROWS_A) { /* the block's rows stay in cache for x's other rows */
+            const int64_t re = (r + ROWS_A) < r1 ? r + ROWS_A : r1;
+            int64_t m = 0;
+            for (; m + 2 <= M; m += 2)
+                for (int64_t q = r; q < re; ++q) stream_two_f32(x, ldx, wf, ldw, d_in, y, ldy, q, m);
+            for (; m < M; ++m)
+                for (int64_t q = r; q < re; ++q) stream_one_f32(x, ldx, wf, ldw, d_in, y, ldy, q, m);
+        }
+        return;
+    }
     for (int64_t r = r0; r < r1; r += ROWS_A) {
         const int64_t re = (r + ROWS_A) < r1 ? r + ROWS_A : r1;
         int64_t m = 0;
@@ -929,4 +977,129 @@ int bd_paged_decode(const float *q, int64_t B, int64_t H, int64_t KV, int64_t D,
         free(buf);
     }
     return failed ? -1 : 0;
+}
+
+/* ---------------------------------------------------------------------- */
+/* decode layers: every layer of a step's B single-token rows in one call */
+/* ---------------------------------------------------------------------- */
+/* The runner's layer (services/gpu_worker/runner.py) for decode rows, op for op and with its
+ * roundings: each op's result is rounded to the model's dtype where torch's op would round it
+ * (norm, projection, rope, attention, residual, silu and its product), the GEMVs and the
+ * attention are the functions above (bd_linear_gemv, bd_delta_batched, bd_paged_decode), so a row
+ * gets the same values in any batch. What it saves is the ~40 small torch ops and their dispatch
+ * per layer, ~40 % of a step at SmolLM2-135M's size. */
+typedef struct {
+    const void *w[4];      /* qkv, o, gate_up, down: [d_out, d_in] in the dtype, rows contiguous */
+    const uint8_t *s[4];   /* the slots' sign stacks [n_slots, d_out, ceil(d_in/8)], contiguous */
+    const float *a[4];     /* their α stacks, fp32 [n_slots, d_out] */
+    const void *bias[4];   /* [n_slots + 1, d_out] in the dtype (row 0: the base), or NULL */
+    const void *norm[2];   /* input and post-attention RMSNorm weights, [n_slots + 1, dim] */
+    void *k, *v;           /* this layer's KV pool [rows, KV, hd] in the dtype */
+    int64_t window;        /* sliding window; 0: full attention */
+} bd_decode_layer;
+
+static inline float round_to(int dtype, float v) {
+    if (dtype == BD_W_BF16) {
+        const uint32_t u = (uint32_t)f32_to_bf16(v) << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    if (dtype == BD_W_F16) return (float)(_Float16)v;
+    return v;
+}
+
+/* y = round(x · Wᵀ [+ α_v ⊙ (x · S_vᵀ) for row slot v ≥ 0]) [+ bias row], as runner._linear. */
+static int decode_proj(const bd_decode_layer *L, int g, const float *x, int64_t B, int64_t d_in, int64_t d_out,
+                       int dtype, const int64_t *row_slot, int any_delta, float *y, int n_threads) {
+    const int64_t lds = (d_in + 7) / 8;
+    if (bd_linear_gemv(x, B, d_in, L->w[g], dtype, d_in, NULL, d_out, d_in, 0, NULL, 0, y, d_out,
+                       dtype == BD_W_BF16, 0, n_threads))
+        return -1;
+    if (any_delta && bd_delta_batched(x, B, d_in, L->s[g], d_out * lds, d_out, d_in, lds, L->a[g], d_out, 1,
+                                      row_slot, 1, NULL, 0, 0, NULL, 1, y, d_out, dtype == BD_W_BF16, n_threads))
+        return -1;
+    for (int64_t b = 0; b < B; ++b) {
+        float *yb = y + b * d_out;
+        if (L->bias[g]) {
+            const int64_t off = (row_slot[b] + 1) * d_out;
+            for (int64_t r = 0; r < d_out; ++r)
+                yb[r] = round_to(dtype, round_to(dtype, yb[r]) + w_at(L->bias[g], dtype, off + r));
+        } else
+            for (int64_t r = 0; r < d_out; ++r) yb[r] = round_to(dtype, yb[r]);
+    }
+    return 0;
+}
+
+/* h = round(w · round(x · rsqrt(mean(x²) + eps))), w the row's slot's weights (runner._norm). */
+static void decode_norm(const float *x, const void *w, const int64_t *row_slot, int64_t B, int64_t D, float eps,
+                        int dtype, float *h) {
+    for (int64_t b = 0; b < B; ++b) {
+        const float *xb = x + b * D;
+        float ss = 0.f;
+        for (int64_t k = 0; k < D; ++k) ss += xb[k] * xb[k];
+        const float inv = 1.f / sqrtf(ss / (float)D + eps);
+        const int64_t off = (row_slot[b] + 1) * D;
+        for (int64_t k = 0; k < D; ++k)
+            h[b * D + k] = round_to(dtype, w_at(w, dtype, off + k) * round_to(dtype, xb[k] * inv));
+    }
+}
+
+/* x: fp32 [B, dim] holding dtype values (the embedded tokens), overwritten with the last layer's
+ * output. row_slot: int64 [B] (−1: the base); cos, sin: fp32 [B, hd] (the rotation over the whole
+ * head); write_rows: int64 [B] the pool rows of the new tokens' k, v; tables, lens, bs: as
+ * bd_paged_decode. dims: dim, n_heads, n_kv_heads, head_dim, intermediate. Returns 0 or −1. */
+int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, int64_t B, const int64_t *row_slot,
+                     int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t F, float eps, int dtype, const float *cos_t,
+                     const float *sin_t, const int64_t *write_rows, const int32_t *tables, int64_t max_blocks,
+                     const int32_t *lens, int64_t bs, float scale, int n_threads) {
+    const int64_t Q = (H + 2 * KV) * hd, HD = H * hd, half = hd / 2;
+    int any_delta = 0;
+    for (int64_t b = 0; b < B; ++b) any_delta |= row_slot[b] >= 0;
+    const int64_t n = B * (D + Q + 2 * HD + D + 3 * F + D);
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    if (!buf) return -1;
+    float *h = buf, *qkv = h + B * D, *q = qkv + B * Q, *att = q + B * HD, *o = att + B * HD, *gu = o + B * D,
+          *act = gu + B * 2 * F, *dn = act + B * F;
+    int rc = 0;
+    for (int64_t l = 0; l < n_layers && !rc; ++l) {
+        const bd_decode_layer *L = layers + l;
+        decode_norm(x, L->norm[0], row_slot, B, D, eps, dtype, h);
+        if ((rc = decode_proj(L, 0, h, B, D, Q, dtype, row_slot, any_delta, qkv, n_threads))) break;
+        for (int64_t b = 0; b < B; ++b) { /* rope over q's and k's heads (adjacent in qkv), then k, v into the pool */
+            const float *c = cos_t + b * hd, *sn = sin_t + b * hd;
+            float *row = qkv + b * Q;
+            for (int64_t j = 0; j < H + KV; ++j) {
+                float *xh = row + j * hd;
+                for (int64_t i = 0; i < half; ++i) {
+                    const float lo = xh[i], hi = xh[i + half];
+                    xh[i] = round_to(dtype, round_to(dtype, lo * c[i]) + round_to(dtype, -hi * sn[i]));
+                    xh[i + half] = round_to(dtype, round_to(dtype, hi * c[i + half]) + round_to(dtype, lo * sn[i + half]));
+                }
+            }
+            memcpy(q + b * HD, row, sizeof(float) * (size_t)HD);
+            const int64_t off = write_rows[b] * KV * hd;
+            for (int64_t i = 0; i < KV * hd; ++i) {
+                store_out(L->k, dtype, off + i, row[HD + i]);
+                store_out(L->v, dtype, off + i, row[HD + KV * hd + i]);
+            }
+        }
+        if ((rc = bd_paged_decode(q, B, H, KV, hd, L->k, L->v, dtype, tables, max_blocks, lens, bs, L->window, scale,
+                                  att, n_threads)))
+            break;
+        for (int64_t i = 0; i < B * HD; ++i) att[i] = round_to(dtype, att[i]);
+        if ((rc = decode_proj(L, 1, att, B, HD, D, dtype, row_slot, any_delta, o, n_threads))) break;
+        for (int64_t i = 0; i < B * D; ++i) x[i] = round_to(dtype, x[i] + o[i]);
+        decode_norm(x, L->norm[1], row_slot, B, D, eps, dtype, h);
+        if ((rc = decode_proj(L, 2, h, B, D, 2 * F, dtype, row_slot, any_delta, gu, n_threads))) break;
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t k = 0; k < F; ++k) {
+                const float g = gu[b * 2 * F + k];
+                act[b * F + k] = round_to(dtype, round_to(dtype, g / (1.f + expf(-g))) * gu[b * 2 * F + F + k]);
+            }
+        if ((rc = decode_proj(L, 3, act, B, F, D, dtype, row_slot, any_delta, dn, n_threads))) break;
+        for (int64_t i = 0; i < B * D; ++i) x[i] = round_to(dtype, x[i] + dn[i]);
+    }
+    free(buf);
+    return rc ? -1 : 0;
 }

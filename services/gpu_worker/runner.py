@@ -33,8 +33,10 @@ import torch.nn.functional as F
 from bitdelta.checkpoint import CheckpointReader, read_config
 from bitdelta.model import ModelArgs, apply_rope, attention_mask, rope_tables
 from bitdelta.shard import EMBED, HEAD
-from kernels import bitdelta_delta_batched, bitdelta_linear, dense_linear, paged_decode, plan_batch
+from kernels import backend_for, bitdelta_delta_batched, bitdelta_linear, dense_linear, paged_decode, plan_batch
 from kernels.bits import unpack_signs
+from kernels.cpu_decode import GROUPS, DecodeLayer, DecodeLayers, DecodeShape
+from kernels.cpu_ops import DENSE_GEMV_MAX_M
 from services.gpu_worker.slots import BigTensor, SlotTensors
 
 
@@ -54,6 +56,13 @@ class SeqWork:
     blocks: list[int]
     want_logits: bool
     prompt_logits: int | None = None
+
+
+def _one_plane(extras: dict, w: SeqWork) -> bool:
+    """Whether `w`'s rows need one sign plane per projection at most (the base, or a variant of one
+    plane without a low-rank term): what the C decode layers add."""
+    ex = extras.get(w.slot) if w.slot >= 0 else None
+    return ex is None or (len(ex.slots) <= 1 and not ex.lowrank)
 
 
 @dataclass
@@ -202,6 +211,7 @@ class ModelRunner:
         self.dtype = base.embed.dtype
         self.use_fused = use_fused
         self.backend = backend
+        self._c_layers: DecodeLayers | None = None  # built on the first step the C layers serve
 
     # -- metadata -------------------------------------------------------------------------------
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
@@ -456,7 +466,84 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, work: list[SeqWork]) -> torch.Tensor:
         """Run one step; returns fp32 logits [R, vocab]: the last row of each sequence with want_logits,
-        in order, then the prompt_logits rows."""
+        in order, then the prompt_logits rows.
+
+        On CPU the single-token rows of the base and of one-plane variants without a low-rank term
+        (up to the decode GEMV's row count) run every layer in one C
+        call (`kernels.cpu_decode`), the rest layer by layer: the two parts are separate sequences,
+        so a decode row takes the same path, and gets the same values, whatever else its step holds."""
+        extras = self.slots.extras
+        dec = [
+            i for i, w in enumerate(work) if len(w.tokens) == 1 and w.prompt_logits is None and _one_plane(extras, w)
+        ]
+        if not dec or len(dec) > DENSE_GEMV_MAX_M.get(self.dtype, 0) or not self._c_decode_serves(len(dec)):
+            return self._forward_layers(work)
+        if len(dec) == len(work):
+            return self._forward_c(work)
+        rest = [i for i in range(len(work)) if i not in set(dec)]
+        a, b = self._forward_c([work[i] for i in dec]), self._forward_layers([work[i] for i in rest])
+        # sampling rows in work order (from either part), then the rest's prompt_logits rows
+        where, n_a, n_b = [], 0, 0
+        part = dict.fromkeys(dec, 0) | dict.fromkeys(rest, 1)
+        for i, w in enumerate(work):
+            if w.want_logits:
+                where.append(n_a if part[i] == 0 else a.shape[0] + n_b)
+                n_a, n_b = n_a + (part[i] == 0), n_b + (part[i] == 1)
+        where.extend(range(a.shape[0] + n_b, a.shape[0] + b.shape[0]))
+        return torch.cat([a, b])[torch.tensor(where, dtype=torch.int64, device=a.device)]
+
+    def _c_decode_serves(self, rows: int) -> bool:
+        """Whether the C layers run this step's decode rows: the CPU kernels serve here (as every
+        projection of `rows` rows would choose them), the layer is one the C code has (full-head rope,
+        no q/k norms; a runner that changes a layer, as tensor parallelism's, keeps its own) and the
+        library is built with SIMD for this dtype."""
+        a = self.args
+        if self.device.type != "cpu" or a.family.qk_norm or a.rope.dim != a.head_dim:
+            return False
+        if any(getattr(type(self), f) is not getattr(ModelRunner, f) for f in ("_linear", "_norm", "_attention")):
+            return False
+        shapes = a.group_shapes()
+        if set(shapes) != set(GROUPS) or not DecodeShape.supported(self.dtype):
+            return False
+        return all(backend_for(self.device, rows * o * i, self.backend) == "cpu" for o, i in shapes.values())
+
+    def _forward_c(self, work: list[SeqWork]) -> torch.Tensor:
+        """`forward` for single-token rows only, every layer in the C call."""
+        m = self.prepare(work)
+        if self._c_layers is None:
+            self._c_layers = self._build_c_layers()
+        x = self._c_layers.run(
+            self._embed(m),
+            m.row_slot,
+            m.cos[:, 0],
+            m.sin[:, 0],
+            m.write_rows,
+            m.decode_tables,
+            m.decode_lens,
+            self.kv.block_size,
+        )
+        return self._final(x, m)
+
+    def _build_c_layers(self) -> DecodeLayers:
+        a, sl = self.args, self.slots
+        layers = [
+            DecodeLayer(
+                weights=tuple(self.base.layers[i][g] for g in GROUPS),
+                signs=tuple(sl.signs[i][g] for g in GROUPS),
+                alpha=tuple(sl.alpha[i][g] for g in GROUPS),
+                biases=tuple(sl.biases[i].get(g) for g in GROUPS),
+                norms=(sl.norms[i]["input_layernorm"], sl.norms[i]["post_attention_layernorm"]),
+                k=self.kv.k[i],
+                v=self.kv.v[i],
+                window=a.window(i),
+            )
+            for i in range(a.n_layers)
+        ]
+        shape = DecodeShape(a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.intermediate_size, a.norm_eps)
+        return DecodeLayers(layers, shape, self.dtype)
+
+    def _forward_layers(self, work: list[SeqWork]) -> torch.Tensor:
+        """`forward` layer by layer, op by op."""
         m = self.prepare(work)
         a = self.args
         hd, H, KV = a.head_dim, a.n_heads, a.n_kv_heads
@@ -480,6 +567,11 @@ class ModelRunner:
             gu = self._linear(h, i, "gate_up", m)
             f = a.intermediate_size
             x = x + self._linear(F.silu(gu[:, :f]) * gu[:, f:], i, "down", m)
+        return self._final(x, m)
+
+    def _final(self, x: torch.Tensor, m: StepMeta) -> torch.Tensor:
+        """The last layer's output [N, dim] -> fp32 logits of the step's logit rows (final norm, head)."""
+        a = self.args
         if m.logit_rows.numel() == 0:
             return torch.empty(0, a.vocab_size, dtype=torch.float32, device=x.device)
         xl = x[m.logit_rows]

@@ -82,8 +82,15 @@ def _check(alone, mixed, on_base, steps):
 
 # plain functions with asyncio.run: the GPU machine's python has no pytest-asyncio, and an
 # async test without it would be skipped, not run
+@pytest.mark.parametrize("c_layers", [True, False], ids=["c_layers", "layer_by_layer"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tokens_do_not_depend_on_the_batch(family, dtype):
+def test_tokens_do_not_depend_on_the_batch(family, dtype, c_layers, monkeypatch):
+    # on CPU the decode rows run every layer in one C call (kernels.cpu_decode); the runner's
+    # layer-by-layer path (GPUs, big batches) must be batch-invariant too
+    from services.gpu_worker import runner
+
+    if not c_layers:
+        monkeypatch.setattr(runner.ModelRunner, "_c_decode_serves", lambda self, rows: False)
     _check(*asyncio.run(_run(family, dtype)))
 
 
@@ -104,5 +111,6 @@ def test_the_check_catches_a_batch_dependent_path(family, monkeypatch):
         return (x @ w.t()).float()
 
     monkeypatch.setattr(runner.ModelRunner, "_mm_fp32", round_first)
+    monkeypatch.setattr(runner.ModelRunner, "_c_decode_serves", lambda self, rows: False)  # layer by layer
     with pytest.raises(AssertionError):
         _check(*asyncio.run(_run(family, "bfloat16")))

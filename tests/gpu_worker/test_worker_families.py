@@ -1,7 +1,8 @@
 """Every supported family served by the worker's own step (runner, slots, loader): a base of each
 family (built by transformers), two random fine-tunes (weights, biases, norms moved), compressed
 by `bitdelta compress`, loaded into slots by the real loader; one ragged step that mixes both
-variants and the base equals the compact model with each delta attached, row by row."""
+variants and the base equals the compact model with each delta attached, row by row; so does the
+next step, of decodes only."""
 
 from __future__ import annotations
 
@@ -82,6 +83,15 @@ def test_a_mixed_step_equals_each_variant_alone(tmp_path, name):
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
     # the variants differ from the base and from each other: the slots really served them
     assert (want[0] - refs[-1](torch.tensor([seqs[0]]))[0, -1]).abs().max() > 1e-2
+    # then one step of decodes only: on CPU every layer of it in the C call (kernels.cpu_decode)
+    # where the family's layer is one it has (no q/k norms, rope over the whole head)
+    assert runner._c_decode_serves(4) == (name not in ("qwen3", "phi3-longrope"))
+    nxt = [5, 6, 7, 8]
+    tables = [[0, 1, 2, 3, 4, 20], [5, 6], [7, 8, 9], [12, 13, 14, 15, 16]]
+    logits = runner.forward([SeqWork([t], len(q), s, b, True) for t, q, s, b in zip(nxt, seqs, slots, tables)])
+    with torch.no_grad():
+        want = torch.stack([refs[s](torch.tensor([q + [t]]))[0, -1] for t, q, s in zip(nxt, seqs, slots)])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
 
 
 def test_deltas_record_and_check_their_layout(tmp_path):

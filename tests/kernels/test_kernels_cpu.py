@@ -104,6 +104,19 @@ def test_dense_gemv(M, shape, dtype, isa):
         assert rel_err(yb.double(), xb.double() @ w.double().t()) <= 1e-5
 
 
+@pytest.mark.parametrize("delta", [False, True], ids=["base", "delta"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_rows_do_not_depend_on_m(dtype, delta, isa):
+    """A decode row's GEMV result is bit for bit the same alone and among up to 8 rows (every
+    row count the GEMV serves): a request's tokens must not depend on its batch."""
+    x, w, signs, alpha = make(8, 264, 576, dtype=dtype)
+    x = x.to(dtype)
+    s, a = (signs, alpha) if delta else (None, None)
+    alone = torch.cat([cpu_ops.linear_gemv_cpu(x[i : i + 1], w, s, a, two_pass=delta) for i in range(8)])
+    for M in range(2, 9):
+        assert torch.equal(cpu_ops.linear_gemv_cpu(x[:M], w, s, a, two_pass=delta), alone[:M]), M
+
+
 def test_dense_linear_large_m_is_blas():
     x, w = torch.randn(64, 40), torch.randn(24, 40)
     assert cpu_ops.dense_path_cpu(64, torch.float32) == "blas"
@@ -423,3 +436,50 @@ def test_bf16_merge_path_keeps_real_sized_deltas():
     assert y.dtype == torch.bfloat16
     mismatch = (y != exact.to(torch.bfloat16)).float().mean().item()
     assert mismatch < 0.02, f"{mismatch:.1%} of outputs differ from the exact result rounded once"
+
+
+def test_decode_layers_check_their_tensors():
+    """The C decode layers index their tensors unchecked: wrong shapes, dtypes and slot indices are
+    refused before the call (their results are tested against the model in
+    tests/gpu_worker/test_worker_families.py)."""
+    from kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape
+
+    D, H, KV, hd, F, S = 32, 2, 1, 16, 48, 1
+    shape = DecodeShape(D, H, KV, hd, F, 1e-5)
+    dims = {"qkv": ((H + 2 * KV) * hd, D), "o": (D, H * hd), "gate_up": (2 * F, D), "down": (D, F)}
+
+    def layer(**change):
+        fields = dict(
+            weights=tuple(torch.randn(o, i) for o, i in dims.values()),
+            signs=tuple(torch.zeros(S, o, (i + 7) // 8, dtype=torch.uint8) for o, i in dims.values()),
+            alpha=tuple(torch.zeros(S, o) for o, _ in dims.values()),
+            biases=(None,) * 4,
+            norms=(torch.ones(S + 1, D), torch.ones(S + 1, D)),
+            k=torch.zeros(16, KV, hd),
+            v=torch.zeros(16, KV, hd),
+            window=None,
+        )
+        return DecodeLayer(**{**fields, **change})
+
+    ok = DecodeLayers([layer()], shape, torch.float32)
+    with pytest.raises(ValueError, match="group o"):
+        DecodeLayers(
+            [layer(weights=(torch.randn(64, D), torch.randn(D, D + 1), *layer().weights[2:]))], shape, torch.float32
+        )
+    with pytest.raises(ValueError, match="norm stacks"):
+        DecodeLayers([layer(norms=(torch.ones(S + 1, D).bfloat16(), torch.ones(S + 1, D)))], shape, torch.float32)
+    with pytest.raises(ValueError, match="KV pool"):
+        DecodeLayers([layer(k=torch.zeros(16, KV, 8), v=torch.zeros(16, KV, 8))], shape, torch.float32)
+    args = dict(
+        cos=torch.ones(1, hd),
+        sin=torch.zeros(1, hd),
+        write_rows=torch.tensor([0]),
+        tables=torch.zeros(1, 1, dtype=torch.int32),
+        lens=torch.ones(1, dtype=torch.int32),
+        block_size=16,
+    )
+    with pytest.raises(ValueError, match="row_slot values"):
+        ok.run(torch.randn(1, D), torch.tensor([S]), **args)
+    with pytest.raises(ValueError, match="x must be"):
+        ok.run(torch.randn(1, D).bfloat16(), torch.tensor([-1]), **args)
+    assert ok.run(torch.randn(1, D), torch.tensor([-1]), **args).shape == (1, D)

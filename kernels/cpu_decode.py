@@ -1,0 +1,195 @@
+"""Every layer of a step's single-token decode rows in ONE C call (`bd_decode_layers` in
+csrc/bitdelta_cpu.c), on CPU.
+
+A decode step of a small model is short (SmolLM2-135M: ~15 ms of weights to read in fp32) and
+the runner's layer-by-layer path spends ~40 % more on top in ~40 small torch ops and four kernel
+dispatches per layer (norms, rope, the KV write, residuals, silu). The C call runs the same
+layer (norm, the qkv/o/gate_up/down projections through the decode GEMV and the batched delta,
+rope, the KV write, paged attention, residuals, silu · up) with the same roundings, op for op:
+each result is rounded to the model's dtype where the torch op rounds it. Each row's values do
+not depend on the other rows of the step (the GEMVs' per-row sums are the same for every row
+count), so a request's tokens do not depend on its batch.
+
+What it serves (`DecodeShape.supported`): the runner's layer with a full-head rotation and no
+q/k norms, weights in fp32, bf16 or fp16, one sign plane per slot; anything else takes the
+runner's layer-by-layer path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kernels.cpu_build import cpu_isa, load_cpu_lib
+
+_DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the C library's BD_W_*
+GROUPS = ("qkv", "o", "gate_up", "down")  # the projection groups of a layer, in the C struct's order
+
+
+class _Layer(ctypes.Structure):
+    """The C library's bd_decode_layer."""
+
+    _fields_ = [
+        ("w", ctypes.c_void_p * 4),
+        ("s", ctypes.c_void_p * 4),
+        ("a", ctypes.c_void_p * 4),
+        ("bias", ctypes.c_void_p * 4),
+        ("norm", ctypes.c_void_p * 2),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("window", ctypes.c_int64),
+    ]
+
+
+@dataclass(frozen=True)
+class DecodeLayer:
+    """One layer's tensors, each group's in GROUPS order: weights [d_out, d_in] (contiguous), the
+    slots' sign stacks uint8 [n_slots, d_out, ceil(d_in/8)] and α stacks fp32 [n_slots, d_out],
+    bias stacks [n_slots + 1, d_out] or None; the input and post-attention norm stacks
+    [n_slots + 1, dim]; this layer's KV pool k, v [rows, KV, hd]; its window (None: full)."""
+
+    weights: tuple[torch.Tensor, ...]
+    signs: tuple[torch.Tensor, ...]
+    alpha: tuple[torch.Tensor, ...]
+    biases: tuple[torch.Tensor | None, ...]
+    norms: tuple[torch.Tensor, torch.Tensor]
+    k: torch.Tensor
+    v: torch.Tensor
+    window: int | None
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """The model's dimensions the C layers need."""
+
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate: int
+    norm_eps: float
+
+    @staticmethod
+    def supported(dtype: torch.dtype) -> bool:
+        """Whether the C library can run the layers here: built with SIMD (the scalar build's GEMV
+        is far slower than BLAS) and a dtype it rounds to."""
+        return dtype in _DTYPE_CODE and load_cpu_lib() is not None and cpu_isa() != "scalar"
+
+
+def _check(layers: list[DecodeLayer], shape: DecodeShape, dtype: torch.dtype) -> None:
+    """Everything the C code indexes without checking (it would read out of bounds otherwise)."""
+    D, H, KV, hd, F = shape.dim, shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.intermediate
+    want = {"qkv": ((H + 2 * KV) * hd, D), "o": (D, H * hd), "gate_up": (2 * F, D), "down": (D, F)}
+    for i, L in enumerate(layers):
+        for g, w, s, a, b in zip(GROUPS, L.weights, L.signs, L.alpha, L.biases):
+            d_out, d_in = want[g]
+            n_slots = s.shape[0]
+            ok = (
+                tuple(w.shape) == (d_out, d_in)
+                and w.dtype == dtype
+                and w.is_contiguous()
+                and s.dtype == torch.uint8
+                and tuple(s.shape) == (n_slots, d_out, (d_in + 7) // 8)
+                and s.is_contiguous()
+                and a.dtype == torch.float32
+                and tuple(a.shape) == (n_slots, d_out)
+                and a.is_contiguous()
+                and (b is None or (b.dtype == dtype and tuple(b.shape) == (n_slots + 1, d_out) and b.is_contiguous()))
+            )
+            if not ok:
+                raise ValueError(f"layer {i}, group {g}: tensors do not fit a [{d_out}, {d_in}] {dtype} projection")
+        for t in L.norms:
+            if t.dtype != dtype or t.dim() != 2 or t.shape[1] != D or not t.is_contiguous():
+                raise ValueError(f"layer {i}: norm stacks must be {dtype} [n_slots + 1, {D}], contiguous")
+        if L.k.dtype != dtype or L.k.shape != L.v.shape or tuple(L.k.shape[1:]) != (KV, hd):
+            raise ValueError(f"layer {i}: the KV pool must be {dtype} [rows, {KV}, {hd}]")
+        if not (L.k.is_contiguous() and L.v.is_contiguous()):
+            raise ValueError(f"layer {i}: the KV pool must be contiguous")
+
+
+class DecodeLayers:
+    """The C layers over fixed tensors: checked and turned into the C struct array once (the base,
+    the slot stacks and the KV pool are allocated once and never move; this keeps them alive)."""
+
+    def __init__(self, layers: list[DecodeLayer], shape: DecodeShape, dtype: torch.dtype):
+        if not DecodeShape.supported(dtype):
+            raise RuntimeError("the C decode layers need the compiled C library (with SIMD)")
+        _check(layers, shape, dtype)
+        self.layers, self.shape, self.dtype = layers, shape, dtype
+        self.n_slots = layers[0].signs[0].shape[0] if layers else 0
+        self._arr = (_Layer * len(layers))()
+        ptr = lambda t: None if t is None else t.data_ptr()
+        for c, L in zip(self._arr, layers):
+            c.w[:] = [ptr(t) for t in L.weights]
+            c.s[:] = [ptr(t) for t in L.signs]
+            c.a[:] = [ptr(t) for t in L.alpha]
+            c.bias[:] = [ptr(t) for t in L.biases]
+            c.norm[:] = [ptr(t) for t in L.norms]
+            c.k, c.v, c.window = L.k.data_ptr(), L.v.data_ptr(), L.window or 0
+
+    def run(
+        self,
+        x: torch.Tensor,
+        row_slot: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        write_rows: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        block_size: int,
+    ) -> torch.Tensor:
+        """Every layer for B decode rows -> the last layer's output [B, dim] in the model's dtype.
+
+        x: [B, dim] the embedded tokens; row_slot: [B] slot per row (−1: the base; row slot + 1 of
+        the norm and bias stacks); cos, sin: [B, head_dim]; write_rows: [B] the pool rows the new k,
+        v go to; tables: int32 [B, max_blocks], lens: int32 [B] as `kernels.paged_decode` (lens
+        counts the new token). Pool rows and tables are the caller's (the runner builds them from
+        the scheduler's block tables); they must lie inside the pool.
+        """
+        sh, B = self.shape, x.shape[0]
+        hd = sh.head_dim
+        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != sh.dim:
+            raise ValueError(f"x must be {self.dtype} [B, {sh.dim}]")
+        if cos.shape != (B, hd) or sin.shape != (B, hd) or row_slot.shape != (B,) or write_rows.shape != (B,):
+            raise ValueError(f"cos, sin must be [{B}, {hd}]; row_slot and write_rows [{B}]")
+        if tables.dtype != torch.int32 or lens.dtype != torch.int32 or tables.shape[0] != B or lens.shape != (B,):
+            raise ValueError(f"tables must be int32 [{B}, max_blocks] and lens int32 [{B}]")
+        rs = row_slot.to(torch.int64).contiguous()
+        if B and (int(rs.min()) < -1 or int(rs.max()) >= self.n_slots):
+            raise ValueError(f"row_slot values must lie in [-1, {self.n_slots - 1}]")
+        x32 = x.to(torch.float32, copy=True).contiguous()  # dtype values in fp32; overwritten in place
+        c32, s32 = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
+        wr = write_rows.to(torch.int64).contiguous()
+        t, n = tables.contiguous(), lens.contiguous()
+        rc = load_cpu_lib().bd_decode_layers(
+            ctypes.addressof(self._arr),
+            len(self.layers),
+            x32.data_ptr(),
+            B,
+            rs.data_ptr(),
+            sh.dim,
+            sh.n_heads,
+            sh.n_kv_heads,
+            hd,
+            sh.intermediate,
+            sh.norm_eps,
+            _DTYPE_CODE[self.dtype],
+            c32.data_ptr(),
+            s32.data_ptr(),
+            wr.data_ptr(),
+            t.data_ptr(),
+            t.shape[1],
+            n.data_ptr(),
+            block_size,
+            1.0 / math.sqrt(hd),  # as kernels.paged_decode
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError("bd_decode_layers could not allocate its scratch")
+        return x32.to(self.dtype)
+
+
+__all__ = ["DecodeLayer", "DecodeLayers", "DecodeShape", "GROUPS"]
