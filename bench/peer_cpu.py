@@ -19,9 +19,11 @@ moment and make the limit look easy):
 - prefill of ~560 prompt tokens (time to the first token), fp32 and bf16;
 - 8 streams over 4 variants ÷ 8 streams on the base, fp32, against the limit 4/(4 + V/8)
   (target ≥ 0.9 × it);
-- idle resident memory of each process (VmRSS) against weights + KV pool + the slots' α/norm
-  rows (resident from start; the signs only as slots fill) + the runtime's fixed cost (the RSS of
-  a process that imports what the worker imports and loads the tokenizer).
+- idle resident memory of each process (VmRSS) against the worker's account
+  (services/gpu_worker/memory.py): weights + KV pool + the slots' α/norm rows (resident from
+  start; the signs only as slots fill) + the runtime's fixed cost, measured in the same run as
+  the idle RSS of the same worker serving a one-layer model of width 8 with the same tokenizer
+  (bitdelta.testing.memory.empty_base), per dtype.
 
 On a shared machine every number moves with the other work on it: run it on an idle one, and
 compare only ratios of one run.
