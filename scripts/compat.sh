@@ -20,5 +20,5 @@ if ! $V/bin/python -c 'import triton, numpy, sys; sys.exit(triton.__version__ !=
     $V/bin/python -m pip install -q --no-deps "triton==3.6.0" "numpy>=1.26,<2.4"
 fi
 $V/bin/python -c 'import torch, triton, numpy; print("compat stack: torch", torch.__version__, "triton", triton.__version__, "numpy", numpy.__version__)'
-OMP_NUM_THREADS=1 exec $V/bin/python -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py tests/kernels/test_kernel_numerics.py \
+OMP_NUM_THREADS=1 exec $V/bin/python -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py tests/kernels/test_kernels_planes.py tests/kernels/test_kernel_numerics.py \
     tests/kernels/test_kernel_configs.py tests/gpu_worker/test_worker_batch_invariance.py tests/gpu_worker/test_worker_startup.py "$@"

@@ -151,6 +151,81 @@ static inline void mask_sums_bf16(const uint16_t *xb, const uint8_t *const *rows
 #define HAVE_MASK_BF16 1
 #endif
 
+/* mask_sums of two x rows over the same sign rows, each mask register feeding both: per row the
+ * same adds in the same order as mask_sums, so a row's sums do not depend on having a partner. */
+static inline void mask_sums2(const float *x0, const float *x1, const uint8_t *const *rows, int64_t d_in,
+                              float *t0, float *t1) {
+#if defined(__AVX512F__)
+    const int64_t n_bytes = (d_in + 7) / 8;
+    const int64_t nfull = d_in / 16;
+    const int rem = (int)(d_in % 16);
+    __m512 a0[ROWS], a1[ROWS];
+    for (int i = 0; i < ROWS; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nfull; ++j) {
+        const __m512 v0 = _mm512_loadu_ps(x0 + 16 * j), v1 = _mm512_loadu_ps(x1 + 16 * j);
+        for (int i = 0; i < ROWS; ++i) {
+            const __mmask16 k = _load_mask16((__mmask16 *)(rows[i] + 2 * j));
+            a0[i] = _mm512_mask_add_ps(a0[i], k, a0[i], v0);
+            a1[i] = _mm512_mask_add_ps(a1[i], k, a1[i], v1);
+        }
+    }
+    if (rem) {
+        const __mmask16 valid = (__mmask16)((1u << rem) - 1u);
+        const __m512 v0 = _mm512_maskz_loadu_ps(valid, x0 + 16 * nfull), v1 = _mm512_maskz_loadu_ps(valid, x1 + 16 * nfull);
+        for (int i = 0; i < ROWS; ++i) {
+            const __mmask16 k = (__mmask16)(load_bits16(rows[i], nfull, n_bytes) & valid);
+            a0[i] = _mm512_mask_add_ps(a0[i], k, a0[i], v0);
+            a1[i] = _mm512_mask_add_ps(a1[i], k, a1[i], v1);
+        }
+    }
+    for (int i = 0; i < ROWS; ++i) {
+        t0[i] = _mm512_reduce_add_ps(a0[i]);
+        t1[i] = _mm512_reduce_add_ps(a1[i]);
+    }
+#else
+    mask_sums(x0, rows, d_in, t0);
+    mask_sums(x1, rows, d_in, t1);
+#endif
+}
+
+#ifdef HAVE_MASK_BF16
+/* mask_sums_bf16 of two x rows, each mask register feeding both (same per-row order). */
+static inline void mask_sums2_bf16(const uint16_t *x0, const uint16_t *x1, const uint8_t *const *rows, int64_t d_in,
+                                   float *t0, float *t1) {
+    const int64_t n_bytes = (d_in + 7) / 8;
+    const int64_t nfull = d_in / 32;
+    const int rem = (int)(d_in % 32);
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);
+    __m512 a0[ROWS], a1[ROWS];
+    for (int i = 0; i < ROWS; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nfull; ++j) {
+        const __m512i v0 = _mm512_loadu_si512((const void *)(x0 + 32 * j));
+        const __m512i v1 = _mm512_loadu_si512((const void *)(x1 + 32 * j));
+        for (int i = 0; i < ROWS; ++i) {
+            const __mmask32 k = _load_mask32((__mmask32 *)(rows[i] + 4 * j));
+            a0[i] = _mm512_dpbf16_ps(a0[i], (__m512bh)_mm512_maskz_mov_epi16(k, v0), ones);
+            a1[i] = _mm512_dpbf16_ps(a1[i], (__m512bh)_mm512_maskz_mov_epi16(k, v1), ones);
+        }
+    }
+    if (rem) {
+        const __mmask32 valid = (__mmask32)((1u << rem) - 1u);
+        const __m512i v0 = _mm512_maskz_loadu_epi16(valid, x0 + 32 * nfull);
+        const __m512i v1 = _mm512_maskz_loadu_epi16(valid, x1 + 32 * nfull);
+        for (int i = 0; i < ROWS; ++i) {
+            const uint32_t bits =
+                load_bits16(rows[i], 2 * nfull, n_bytes) | (load_bits16(rows[i], 2 * nfull + 1, n_bytes) << 16);
+            const __mmask32 k = (__mmask32)(bits & valid);
+            a0[i] = _mm512_dpbf16_ps(a0[i], (__m512bh)_mm512_maskz_mov_epi16(k, v0), ones);
+            a1[i] = _mm512_dpbf16_ps(a1[i], (__m512bh)_mm512_maskz_mov_epi16(k, v1), ones);
+        }
+    }
+    for (int i = 0; i < ROWS; ++i) {
+        t0[i] = _mm512_reduce_add_ps(a0[i]);
+        t1[i] = _mm512_reduce_add_ps(a1[i]);
+    }
+}
+#endif
+
 /* The planes of a mixed batch over output rows [r0, r1):
  *   y[m, r] += Σ_p α_v[r] · Σ_k xs[k] · S_v[r, k],  v = slots[m·n_planes + p] ≥ 0 (< 0: no plane),
  * slot v's signs at s + v·stride_sv, its α_v[r] = alpha[v·stride_av + r·alpha_stride]; slots NULL:
@@ -165,20 +240,26 @@ static void delta_rows_planes(const float *x, const uint16_t *xb, int64_t ldx, i
                               const float *xcol, const uint8_t *s, int64_t stride_sv, int64_t lds, int64_t d_in,
                               const float *alpha, int64_t stride_av, int64_t alpha_stride,
                               const int64_t *slots, int64_t n_planes, const int64_t *bounds, int64_t n_groups,
-                              float *y, int64_t ldy, int64_t r0, int64_t r1) {
+                              const int64_t *mate, float *y, int64_t ldy, int64_t r0, int64_t r1) {
     /* CHUNK rows at a time, plane after plane: each plane's bits are one sequential run the
      * hardware prefetcher follows (blocks of 8 rows alternating between planes ran at 0.6× once the
-     * bits came from memory); the chunk's rows of one x row sum their planes in `sum`. */
+     * bits came from memory); the chunk's rows of one x row sum their planes in `sum`. Two x rows
+     * with the same slots (mate) share every mask register load, the loop's bound. */
     enum { CHUNK = 128 };
     for (int64_t c0 = r0; c0 < r1; c0 += CHUNK) {
         const int64_t c1 = (c0 + CHUNK) < r1 ? c0 + CHUNK : r1;
         for (int64_t m = 0; m < M; ++m) {
-            float sum[CHUNK];
+            const int64_t m2 = mate ? mate[m] : (m % 2 == 0 && m + 1 < M ? m + 1 : (m % 2 ? -2 : -1));
+            if (m2 == -2) continue; /* done with its partner */
+            float sum[CHUNK], sum2[CHUNK];
             int any = 0;
             for (int64_t p = 0; p < n_planes; ++p) {
                 const int64_t v = slots ? slots[m * n_planes + p] : 0;
                 if (v < 0) continue;
-                if (!any) memset(sum, 0, sizeof(sum));
+                if (!any) {
+                    memset(sum, 0, sizeof(sum));
+                    memset(sum2, 0, sizeof(sum2));
+                }
                 any = 1;
                 const float *av = alpha + v * stride_av;
                 int64_t g = 0;
@@ -189,21 +270,59 @@ static void delta_rows_planes(const float *x, const uint16_t *xb, int64_t ldx, i
                     const uint8_t *rows[ROWS];
                     for (int i = 0; i < ROWS; ++i)  /* missing rows alias row r; their sums are dropped */
                         rows[i] = s + v * stride_sv + (r + (i < nr ? i : 0)) * lds;
-                    const int64_t q = (m * n_planes + p) * n_groups + g;
-                    const float xs = xcol ? xsum[q] : xsum[m];
-                    float tot[ROWS];
+                    const int64_t q = (m * n_planes + p) * n_groups + g, q2 = (m2 * n_planes + p) * n_groups + g;
+                    float tot[ROWS], tot2[ROWS];
 #ifdef HAVE_MASK_BF16
-                    if (xb && !xcol)
-                        mask_sums_bf16(xb + m * ldx, rows, d_in, tot);
-                    else
+                    if (xb && !xcol) {
+                        if (m2 >= 0)
+                            mask_sums2_bf16(xb + m * ldx, xb + m2 * ldx, rows, d_in, tot, tot2);
+                        else
+                            mask_sums_bf16(xb + m * ldx, rows, d_in, tot);
+                    } else
 #endif
+                    if (m2 >= 0) {
+                        mask_sums2(xcol ? xcol + q * d_in : x + m * ldx, xcol ? xcol + q2 * d_in : x + m2 * ldx, rows,
+                                   d_in, tot, tot2);
+                    } else {
                         mask_sums(xcol ? xcol + q * d_in : x + m * ldx, rows, d_in, tot);
+                    }
+                    const float xs = xcol ? xsum[q] : xsum[m];
                     for (int i = 0; i < nr; ++i) sum[r - c0 + i] += av[(r + i) * alpha_stride] * (2.f * tot[i] - xs);
+                    if (m2 >= 0) {
+                        const float xs2 = xcol ? xsum[q2] : xsum[m2];
+                        for (int i = 0; i < nr; ++i)
+                            sum2[r - c0 + i] += av[(r + i) * alpha_stride] * (2.f * tot2[i] - xs2);
+                    }
                     r += nr;
                 }
             }
-            if (any)
+            if (any) {
                 for (int64_t r = c0; r < c1; ++r) y[m * ldy + r] += sum[r - c0];
+                if (m2 >= 0)
+                    for (int64_t r = c0; r < c1; ++r) y[m2 * ldy + r] += sum2[r - c0];
+            }
+        }
+    }
+}
+
+/* Partners for delta_rows_planes: mate[m] = a later row with the same slots (each row in at most
+ * one pair), −1 none, −2 = some earlier row's partner. */
+static void find_mates(const int64_t *slots, int64_t M, int64_t n_planes, int64_t *mate) {
+    for (int64_t m = 0; m < M; ++m) mate[m] = -1;
+    for (int64_t m = 0; m < M; ++m) {
+        if (mate[m] != -1) continue;
+        for (int64_t m2 = m + 1; m2 < M; ++m2) {
+            if (mate[m2] != -1) continue;
+            int same = 1, any = 0;
+            for (int64_t p = 0; p < n_planes && same; ++p) {
+                same = slots[m * n_planes + p] == slots[m2 * n_planes + p];
+                any |= slots[m * n_planes + p] >= 0;
+            }
+            if (same && any) {
+                mate[m] = m2;
+                mate[m2] = -2;
+                break;
+            }
         }
     }
 }
@@ -212,8 +331,8 @@ static void delta_rows_planes(const float *x, const uint16_t *xb, int64_t ldx, i
 static void delta_rows_mask(const float *x, const uint16_t *xb, int64_t ldx, int64_t M, const float *xsum,
                             const uint8_t *s, int64_t lds, int64_t d_in, const float *alpha, int64_t alpha_stride,
                             float *y, int64_t ldy, int64_t r0, int64_t r1) {
-    delta_rows_planes(x, xb, ldx, M, xsum, NULL, s, 0, lds, d_in, alpha, 0, alpha_stride, NULL, 1, NULL, 1, y, ldy,
-                      r0, r1);
+    delta_rows_planes(x, xb, ldx, M, xsum, NULL, s, 0, lds, d_in, alpha, 0, alpha_stride, NULL, 1, NULL, 1, NULL, y,
+                      ldy, r0, r1);
 }
 
 /* x's rows as bf16 words (x's values exactly bf16: their upper halves), a malloc'ed [M, ldx] the
@@ -398,6 +517,14 @@ int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
                 }
             }
     }
+    int64_t *mate = (int64_t *)malloc(sizeof(int64_t) * (size_t)(M > 0 ? M : 1));
+    if (!mate) {
+        free(xb);
+        free(xcol);
+        free(xsum);
+        return -1;
+    }
+    find_mates(row_slots, M, n_planes, mate);
 #pragma omp parallel num_threads(n_threads)
     {
 #ifdef _OPENMP
@@ -408,8 +535,10 @@ int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
         int64_t r0, r1;
         split_rows(d_out, t, n, &r0, &r1);
         delta_rows_planes(x, xb, ldx, M, xsum, xcol, s, stride_sv, lds, d_in, alpha, stride_av, alpha_stride,
-                          row_slots, n_planes, col_alpha ? bounds : NULL, col_alpha ? n_groups : 1, y, ldy, r0, r1);
+                          row_slots, n_planes, col_alpha ? bounds : NULL, col_alpha ? n_groups : 1, mate, y, ldy, r0,
+                          r1);
     }
+    free(mate);
     free(xb);
     free(xcol);
     free(xsum);

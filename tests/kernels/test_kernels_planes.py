@@ -12,6 +12,8 @@ bit for bit, on every backend.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -256,3 +258,79 @@ def test_bad_plane_inputs_are_refused():
         bitdelta_delta_batched(x.to(DEV), signs.to(DEV), alpha.to(DEV), rs.to(DEV), y.to(DEV), plan=plan)
     with pytest.raises(ValueError, match=r"\[-1, 8\]"):
         bitdelta_delta_batched(x, signs, alpha, rs + 9, y, backend="cpu")
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x_fp32", "x_bf16"])
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_c_rows_sharing_slots_get_their_own_numbers(isa, x_dtype):
+    """The C loop pairs two rows with the same slots so each mask load feeds both; a row's result
+    must not depend on that: bit for bit the same alone, paired, or in a mixed batch (batch
+    invariance), in the batched delta and in the fused decode's second pass."""
+    with configured(cpu_isa=isa):
+        assert cpu_build.load_cpu_lib() is not None, cpu_build.unavailable_reason
+        x, signs, alpha, _, _ = make_stack(136, 257, "row", x_dtype, M=5, seed=3)
+        rs = torch.tensor([[0, 1, 2], [3, -1, -1], [0, 1, 2], [0, 1, 2], [3, -1, -1]])
+        y0 = torch.randn(5, 136)
+        batch = bitdelta_delta_batched(x, signs, alpha, rs, y0.clone(), backend="cpu")
+        for r in range(5):
+            alone = bitdelta_delta_batched(
+                x[r : r + 1], signs, alpha, rs[r : r + 1], y0[r : r + 1].clone(), backend="cpu"
+            )
+            assert torch.equal(alone[0], batch[r]), r
+        w = (torch.randn(136, 257) * 0.1).to(x_dtype)
+        from kernels import cpu_ops
+
+        two = cpu_ops.linear_gemv_cpu(x[:3], w, signs[0], alpha[0], two_pass=True)
+        for r in range(3):
+            assert torch.equal(cpu_ops.linear_gemv_cpu(x[r : r + 1], w, signs[0], alpha[0], two_pass=True)[0], two[r])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the grids above compile and run these kernels")
+@pytest.mark.parametrize("planes,col", [(3, False), (2, True)], ids=["3_planes", "2_planes_col_alpha"])
+def test_kernels_compile_for_hopper(planes, col):
+    """The interpreter runs the kernels as Python and type-checks nothing: compile the plane loops
+    (a runtime branch per slot, the group loop, the tf32x3 dots) with Triton's real compiler for
+    sm_90, the GPU image's target, down to a cubin (the ptxas triton ships), in bf16. In a process
+    of its own: the interpreter, once on, patches triton.language for the whole process."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = f"from tests.kernels.test_kernels_planes import compile_for_hopper; compile_for_hopper({planes}, {col})"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["_bitdelta_bgmv_kernel", "_bitdelta_sgmv_kernel", "_bitdelta_linear_kernel"]
+
+
+def compile_for_hopper(planes: int, col: bool) -> None:
+    """Compile the three delta kernels for sm_90 (no GPU needed); prints each one's name."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.triton_bgmv import _bitdelta_bgmv_kernel
+    from kernels.triton_linear import _bitdelta_linear_kernel
+    from kernels.triton_sgmv import _bitdelta_sgmv_kernel
+
+    shared = dict(PLANES=planes, HAS_COL=col, GROUPS=3 if col else 1)
+    dots = dict(DOT_FP32=False, PRECISION="ieee", COL_PRECISION="tf32x3")
+    cases = [
+        (_bitdelta_bgmv_kernel, dict(BLOCK_N=16, BLOCK_K=512, **shared)),
+        (_bitdelta_sgmv_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, **dots, **shared)),
+        (_bitdelta_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SPLIT_K=1, **dots, **shared)),
+    ]
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*u8", "y_ptr": "*fp32", "col_ptr": "*fp32"}
+    for fn, consts in cases:
+        sig = {}
+        for name in fn.arg_names:
+            if name in consts:
+                sig[name] = "constexpr"
+            elif name.endswith("_ptr"):
+                sig[name] = pointers.get(name, "*fp32" if name == "alpha_ptr" else "*i32")
+            else:
+                sig[name] = "i32"
+        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+        print(fn.__name__)
