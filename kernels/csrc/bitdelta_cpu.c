@@ -841,6 +841,77 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
     }
 STREAM_ROW(stream_one_f32, 1)
 STREAM_ROW(stream_two_f32, 2)
+
+#if defined(__AVX512F__)
+/* stream_*_f32 with each x row's delta over the same weight row, in the same pass: sb[b] the sign
+ * stack of x row b's slot (NULL: a base row, no delta), ab[b] its α (one per weight row). The delta
+ * sum is formed as mask_sums forms it (one chain over the 16-column blocks in column order, the
+ * partial block masked) and added as bd_delta_batched adds it, so y equals the two passes' (the
+ * GEMV, then the batched delta) bit for bit, at the cost of one pass over W: the masked adds ride
+ * in the memory-bound stream's idle cycles instead of a second, compute-bound pass. */
+#define STREAM_ROW_D(NAME, MB)                                                                           \
+    static void NAME(const float *x, int64_t ldx, const float *xsum, const float *w, int64_t ldw,        \
+                     int64_t d_in, const uint8_t *const *sb, const float *const *ab, int64_t lds,        \
+                     float *y, int64_t ldy, int64_t r, int64_t m0) {                                     \
+        const float *wr = w + r * ldw;                                                                   \
+        const uint8_t *sr[MB];                                                                           \
+        __m512 a[MB][4], d[MB];                                                                          \
+        for (int b = 0; b < MB; ++b) {                                                                   \
+            sr[b] = sb[m0 + b] ? sb[m0 + b] + r * lds : NULL;                                            \
+            d[b] = _mm512_setzero_ps();                                                                  \
+            for (int q = 0; q < 4; ++q) a[b][q] = _mm512_setzero_ps();                                   \
+        }                                                                                                \
+        const int64_t n4 = d_in / 64;                                                                    \
+        for (int64_t j = 0; j < n4; ++j)                                                                 \
+            for (int q = 0; q < 4; ++q) {                                                                \
+                const int64_t c = 64 * j + 16 * q;                                                       \
+                const __m512 wv = _mm512_loadu_ps(wr + c);                                               \
+                for (int b = 0; b < MB; ++b) {                                                           \
+                    const __m512 xv = _mm512_loadu_ps(x + (m0 + b) * ldx + c);                           \
+                    a[b][q] = _mm512_fmadd_ps(xv, wv, a[b][q]);                                          \
+                    if (sr[b]) {                                                                         \
+                        uint16_t bits;                                                                   \
+                        memcpy(&bits, sr[b] + c / 8, 2);                                                 \
+                        d[b] = _mm512_mask_add_ps(d[b], (__mmask16)bits, d[b], xv);                      \
+                    }                                                                                    \
+                }                                                                                        \
+            }                                                                                            \
+        int64_t k = 64 * n4;                                                                             \
+        for (; k + 16 <= d_in; k += 16) {                                                                \
+            const __m512 wv = _mm512_loadu_ps(wr + k);                                                   \
+            for (int b = 0; b < MB; ++b) {                                                               \
+                const __m512 xv = _mm512_loadu_ps(x + (m0 + b) * ldx + k);                               \
+                a[b][0] = _mm512_fmadd_ps(xv, wv, a[b][0]);                                              \
+                if (sr[b]) {                                                                             \
+                    uint16_t bits;                                                                       \
+                    memcpy(&bits, sr[b] + k / 8, 2);                                                     \
+                    d[b] = _mm512_mask_add_ps(d[b], (__mmask16)bits, d[b], xv);                          \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+        const int rem = (int)(d_in - k);                                                                 \
+        for (int b = 0; b < MB; ++b) {                                                                   \
+            const float *xm = x + (m0 + b) * ldx;                                                        \
+            float t = _mm512_reduce_add_ps(                                                              \
+                _mm512_add_ps(_mm512_add_ps(a[b][0], a[b][1]), _mm512_add_ps(a[b][2], a[b][3])));        \
+            for (int64_t kk = k; kk < d_in; ++kk) t += xm[kk] * wr[kk]; /* ragged tail */               \
+            if (sr[b]) {                                                                                 \
+                if (rem) {                                                                               \
+                    const __mmask16 valid = (__mmask16)((1u << rem) - 1u);                               \
+                    const __m512 xv = _mm512_maskz_loadu_ps(valid, xm + k);                              \
+                    const __mmask16 bits = (__mmask16)(load_bits16(sr[b], k / 16, (d_in + 7) / 8) & valid); \
+                    d[b] = _mm512_mask_add_ps(d[b], bits, d[b], xv);                                     \
+                }                                                                                        \
+                const float tot = _mm512_reduce_add_ps(d[b]);                                            \
+                t += 0.f + ab[m0 + b][r] * (2.f * tot - xsum[m0 + b]);                                   \
+            }                                                                                            \
+            y[(m0 + b) * ldy + r] = t;                                                                   \
+        }                                                                                                \
+    }
+STREAM_ROW_D(stream_delta_one_f32, 1)
+STREAM_ROW_D(stream_delta_two_f32, 2)
+#define HAVE_STREAM_DELTA 1
+#endif
 #endif
 
 #if defined(__AVX512BF16__)
@@ -1142,11 +1213,45 @@ static inline float round_to(int dtype, float v) {
 static int decode_proj(const bd_decode_layer *L, int g, const float *x, int64_t B, int64_t d_in, int64_t d_out,
                        int dtype, const int64_t *row_slot, int any_delta, float *y, int n_threads) {
     const int64_t lds = (d_in + 7) / 8;
+#ifdef HAVE_STREAM_DELTA
+    if (dtype == BD_W_F32 && any_delta && B <= 8) { /* fp32 with deltas: GEMV and delta in one pass */
+        const uint8_t *sb[8];
+        const float *ab[8];
+        for (int64_t b = 0; b < B; ++b) {
+            sb[b] = row_slot[b] >= 0 ? L->s[g] + row_slot[b] * d_out * lds : NULL;
+            ab[b] = row_slot[b] >= 0 ? L->a[g] + row_slot[b] * d_out : NULL;
+        }
+        float *xsum = row_sums(x, B, d_in, d_in);
+        if (!xsum) return -1;
+        const float *w = (const float *)L->w[g];
+#pragma omp parallel num_threads(n_threads) if (n_threads > 1)
+        {
+#ifdef _OPENMP
+            const int t = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+            const int t = 0, n = 1;
+#endif
+            int64_t r0, r1;
+            split_rows(d_out, t, n, &r0, &r1);
+            for (int64_t r = r0; r < r1; r += ROWS_A) { /* the block's rows stay in cache for x's other rows */
+                const int64_t re = (r + ROWS_A) < r1 ? r + ROWS_A : r1;
+                int64_t m = 0;
+                for (; m + 2 <= B; m += 2)
+                    for (int64_t q = r; q < re; ++q)
+                        stream_delta_two_f32(x, d_in, xsum, w, d_in, d_in, sb, ab, lds, y, d_out, q, m);
+                for (; m < B; ++m)
+                    for (int64_t q = r; q < re; ++q)
+                        stream_delta_one_f32(x, d_in, xsum, w, d_in, d_in, sb, ab, lds, y, d_out, q, m);
+            }
+        }
+        free(xsum);
+    } else
+#endif
     if (bd_linear_gemv(x, B, d_in, L->w[g], dtype, d_in, NULL, d_out, d_in, 0, NULL, 0, y, d_out,
                        dtype == BD_W_BF16, 0, n_threads))
         return -1;
-    if (any_delta && bd_delta_batched(x, B, d_in, L->s[g], d_out * lds, d_out, d_in, lds, L->a[g], d_out, 1,
-                                      row_slot, 1, NULL, 0, 0, NULL, 1, y, d_out, dtype == BD_W_BF16, n_threads))
+    else if (any_delta && bd_delta_batched(x, B, d_in, L->s[g], d_out * lds, d_out, d_in, lds, L->a[g], d_out, 1,
+                                           row_slot, 1, NULL, 0, 0, NULL, 1, y, d_out, dtype == BD_W_BF16, n_threads))
         return -1;
     for (int64_t b = 0; b < B; ++b) {
         float *yb = y + b * d_out;
