@@ -209,8 +209,9 @@ def bench_planes(dev, t, dtypes, d, rows):
     GEMV measured in the same run. M = 1 (one row of a 1/2/3-plane variant) and a mixed batch of
     4 rows (a 3-plane, a 2-plane and a 1-plane variant and a base row; "k planes" gives each of
     the delta rows k planes). Target: a plane costs at most its bytes: 1/16 of a bf16 base GEMV,
-    1/32 of an fp32 one (its bits are 1/16 and 1/32 of W's bytes)."""
-    from kernels import bitdelta_delta_batched, bitdelta_linear, dense_linear
+    1/32 of an fp32 one (its bits are 1/16 and 1/32 of W's bytes). Also a rank-64 low-rank residual
+    per delta row (`lowrank_delta_batched`, fp32 factors) and the fused call with a plane stack."""
+    from kernels import bitdelta_delta_batched, bitdelta_linear, dense_linear, lowrank_delta_batched
 
     g = torch.Generator().manual_seed(0)
     P = 3
@@ -232,6 +233,10 @@ def bench_planes(dev, t, dtypes, d, rows):
                 t_k.append(t(lambda x=x, rs=rs, plan=plan: bitdelta_delta_batched(x, signs, alpha, rs, y, plan=plan)))
             mixed = torch.tensor([[0, 1, 2], [3, 4, -1], [6, -1, -1], [-1, -1, -1]])[:M].to(dev)
             t_mix = t(lambda x=x, rs=mixed: bitdelta_delta_batched(x, signs, alpha, rs, y))
+            u = (torch.randn(3, d, 64, generator=g) * 1e-3).to(dev)  # rank 64, fp32 factors
+            v = (torch.randn(3, 64, d, generator=g) * 1e-3).to(dev)
+            lr_rows = torch.tensor([0, 1, 2, -1])[:M]
+            t_lr = t(lambda x=x: lowrank_delta_batched(x, u, v, lr_rows, y))
             t_f1 = t(lambda x=x: bitdelta_linear(x, w, signs[0], alpha[0]))
             t_f3 = t(lambda x=x: bitdelta_linear(x, w, signs[:P], alpha[:P]))
             target = 1 / 16 if dtype.itemsize == 2 else 1 / 32
@@ -247,6 +252,7 @@ def bench_planes(dev, t, dtypes, d, rows):
                 "per extra plane/base": (t_k[2] - t_k[0]) / 2 / t_base,
                 "target": target,
                 "mixed 3+2+1/base": t_mix / t_base if M > 1 else float("nan"),
+                "rank 64/base": t_lr / t_base,
                 "fused 1 plane/base": t_f1 / t_base,
                 "fused 3 planes/base": t_f3 / t_base,
             }
