@@ -117,3 +117,47 @@ def test_cuda_profile_really_runs_on_the_gpu():
         assert backend_for(DEV, 1 << 30) == "triton"
     else:
         assert backend_for(DEV, 1) == "triton"  # CPU: the same kernels, in the interpreter
+
+
+@pytest.mark.parametrize("axis", ["row", "col"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("kind", ["bgmv", "sgmv", "cpu", "reference"])
+def test_sign_planes_keep_a_realistic_delta(kind, dtype, axis):
+    """Residual planes at real magnitudes (plane p's α about α₁/3^p, as the residual shrinks), per-row
+    or per-column α: the sum of the planes' terms survives the kernels as one fp32 term. Rows have
+    3, 2, 1 and no planes; y starts as the base GEMM's output in `dtype`."""
+    M, d_out, d_in = 6, 264, 520
+    x, w, _, _ = make_realistic(M, d_out, d_in, dtype, "smollm2")
+    signs = torch.stack([make_realistic(1, d_out, d_in, dtype, "smollm2", seed=10 + s)[2] for s in range(3)])
+    if axis == "row":
+        alpha = torch.stack([make_realistic(1, d_out, d_in, dtype, "smollm2", seed=20)[3] / 3**s for s in range(3)])
+        cols, extra = None, {}
+    else:  # the α's scale input columns: row α 1, column α's at the real magnitude
+        alpha = torch.ones(3, d_out)
+        g = torch.Generator().manual_seed(30)
+        cols = torch.stack([(torch.rand(1, d_in, generator=g) * 5e-4 + 2e-4) / 3**s for s in range(3)])
+        extra = {"col_alpha": cols.to(DEV)}
+    rs = torch.tensor([[0, 1, 2], [0, 1, -1], [-1, -1, -1], [0, -1, -1], [0, 1, 2], [0, 1, 2]])
+    y0 = (x.float() @ w.float().t()).to(dtype)
+    if kind == "reference":
+        y = bitdelta_delta_batched_ref(x, signs, alpha, rs, y0.clone(), cols)
+    elif kind == "cpu":
+        y = bitdelta_delta_batched(
+            x, signs, alpha, rs, y0.clone(), backend="cpu", **({} if cols is None else {"col_alpha": cols})
+        )
+    else:
+        plan = plan_batch(rs, 3, DEV, sgmv_min_rows=1 if kind == "sgmv" else 10**9, block_m=16)
+        y = y0.clone().to(DEV)
+        bitdelta_delta_batched(x.to(DEV), signs.to(DEV), alpha.to(DEV), rs.to(DEV), y, plan=plan, **extra)
+        y = y.cpu()
+    delta = torch.zeros(M, d_out, dtype=torch.float64)
+    for r in range(M):
+        for s in rs[r].tolist():
+            if s >= 0:
+                xs = x[r : r + 1].double() * (1.0 if cols is None else cols[s, 0].double())
+                delta[r] += delta_term(xs, signs[s], alpha[s], d_in)[0]
+    act = (rs >= 0).any(dim=1)
+    assert torch.equal(y[~act], y0[~act])
+    slope, rms = delta_fidelity(y[act], y0[act], delta[act])
+    assert slope == pytest.approx(1.0, abs=0.01)
+    assert rms <= TOL[dtype]
