@@ -493,11 +493,31 @@ def linear_planes_cpu(
 
     x: [M, d_in]; w_base: [d_out, d_in]; signs: uint8 [K, d_out, ceil(d_in/8)]; alpha: fp32 [K, d_out]
     or [K, 1]; col_alpha: None or fp32 [K, G, d_in] over the row groups `bounds`.
-    The base's pass (the C GEMV at decode, BLAS beyond), then every plane from its bits in one
-    batched-delta call: the numbers a mixed batch computes for the same rows.
+    Decode-sized M: the base's C GEMV, then every plane from its bits in one batched-delta call
+    (the numbers a mixed batch computes for the same rows). Larger M: W_eff = W + Σ_p α_p ⊙ c_p ⊙ S_p
+    merged in fp32 a row block at a time, one GEMM per block (K + 1 GEMMs otherwise).
     """
-    M = x.shape[0]
-    K = signs.shape[0]
-    y = dense_linear_cpu(x, w_base, out_fp32=True)
-    slots = torch.arange(K, dtype=torch.int64).expand(M, K)
-    return bitdelta_delta_batched_cpu(x, signs, alpha, slots, y, col_alpha, bounds).to(x.dtype)
+    M, d_in = x.shape
+    K, d_out, _ = signs.shape
+    if dense_path_cpu(M, w_base.dtype) == "gemv" or load_cpu_lib() is None:
+        y = dense_linear_cpu(x, w_base, out_fp32=True)
+        slots = torch.arange(K, dtype=torch.int64).expand(M, K)
+        return bitdelta_delta_batched_cpu(x, signs, alpha, slots, y, col_alpha, bounds).to(x.dtype)
+    bounds = (0, d_out) if bounds is None else tuple(bounds)
+    x32 = x.to(torch.float32)
+    rows = _block_rows(d_in, d_out, 4)
+    buf, tmp = torch.empty(rows, d_in), torch.empty(rows, d_in)
+    y = torch.empty(M, d_out)
+    for r0 in range(0, d_out, rows):
+        r1 = min(d_out, r0 + rows)
+        blk = buf[: r1 - r0].copy_(w_base[r0:r1])
+        for p in range(K):
+            part = merge_cpu(None, signs[p], alpha[p], d_in, r0, r1, out=tmp[: r1 - r0])  # α_p·S_p rows
+            if col_alpha is not None:
+                for g in range(len(bounds) - 1):
+                    a, b = max(r0, bounds[g]), min(r1, bounds[g + 1])
+                    if a < b:
+                        part[a - r0 : b - r0] *= col_alpha[p, g]
+            blk += part
+        y[:, r0:r1] = x32 @ blk.t()
+    return y.to(x.dtype)

@@ -175,9 +175,12 @@ def test_fused_linear_planes(impl, k, alpha_kind, dtype):
 
 
 @pytest.mark.parametrize("impl", ["triton", "cpu"])
-def test_fused_linear_planes_paths(impl):
-    """The fused path's other shapes: split-K in Triton; on CPU the decode GEMV (M = 1) and the BLAS
-    base with the unpack-then-GEMM planes (M = 40)."""
+def test_fused_linear_planes_paths(impl, monkeypatch):
+    """The fused path's other shapes: split-K in Triton; on CPU the decode GEMV (M = 1) and W_eff
+    merged in 16-row blocks that cross the column groups' bounds (M = 40)."""
+    from kernels import cpu_ops
+
+    monkeypatch.setattr(cpu_ops, "MERGE_BLOCK_BYTES", 16 * 100 * 4)
     for M, cfg in ((1, {"SPLIT_K": 3, "BLOCK_K": 32}), (40, None)):
         for alpha_kind in ("row", "col"):
             x, signs, alpha, cols, splits = make_stack(
