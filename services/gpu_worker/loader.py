@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ class Kind(enum.Enum):
 
     PROJ_SIGN = "proj_sign"  # a projection's packed signs of one plane: its rows of that plane's slot's sign stack
     PROJ_ALPHA = "proj_alpha"  # that plane's α: its rows of the plane's slot's α stack
+    PROJ_COL = "proj_col"  # ... a plane's α of input columns: its row of the group's col_alpha (extras), α rows 1
     PROJ_U = "proj_u"  # a projection's low-rank U: allocated per delta (the slot's extras, `LowRank`)
     PROJ_V = "proj_v"  # ... and its V, in its group's stacked v
     BIAS = "bias"  # a changed bias: its rows of the slot's entry in the bias stack
@@ -69,14 +71,17 @@ class Kind(enum.Enum):
         }.get(self)
 
     def destination(
-        self, p: Placement, slots: SlotTensors, ids: tuple[int, ...], bigs: dict[str, BigTensor], low: dict
+        self, p: Placement, slots: SlotTensors, ids: tuple[int, ...], bigs: dict[str, BigTensor], low: dict, cols: dict
     ) -> torch.Tensor:
         """The final place of `p`'s tensor for a delta in slots `ids` (a view of the stacks, or of its
-        extras: `bigs`, and `low`, (layer, group) -> LowRank)."""
+        extras: `bigs`, `low` (layer, group) -> LowRank and `cols` (layer, group) -> col_alpha)."""
         if self is Kind.PROJ_SIGN:
             return slots.proj_views(ids[p.plane - 1], p.proj)[0]
         if self is Kind.PROJ_ALPHA:
             return slots.proj_views(ids[p.plane - 1], p.proj)[1]
+        if self is Kind.PROJ_COL:
+            starts = list(itertools.accumulate(slots.layout.group_rows[p.proj.group], initial=0))
+            return cols[(p.proj.layer, p.proj.group)][p.plane - 1, starts.index(p.proj.r0)]
         if self in (Kind.PROJ_U, Kind.PROJ_V):
             lr = low[(p.proj.layer, p.proj.group)]
             u = next((c0, t) for r0, c0, t in lr.u if r0 == p.proj.r0)
@@ -138,6 +143,7 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
     parts: dict[str, list[tuple[str, int, TensorSpec]]] = {}  # compressed param -> (role, plane, tensor)
     extra = 0
     big_roles: dict[str, set[str]] = {}
+    col_groups: set[tuple[int, str]] = set()  # (layer, group) where some matrix has a plane of column α's
     for t in info.tensors:
         param = t.param
         role, plane = split_role(t.role) or (t.role, 0)
@@ -159,6 +165,11 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
                         f"must be uint8 [{d_out}, {packed_cols(p.d_in)}] for this base, is {t.dtype} {list(t.shape)}",
                     )
                 out.append(Placement(t, Kind.PROJ_SIGN, proj=p, plane=plane))
+            elif role == "alpha" and _axis(info, param, plane) == "col":
+                if t.dtype != "F32" or t.shape != (p.d_in,):
+                    raise _bad(info.name, t, f"must be float32 [{p.d_in}] (α per column), is {t.dtype} {list(t.shape)}")
+                col_groups.add((p.layer, p.group))
+                out.append(Placement(t, Kind.PROJ_COL, proj=p, plane=plane))
             elif role == "alpha":
                 if t.dtype != "F32" or t.shape not in ((d_out,), (1,)):
                     raise _bad(info.name, t, f"must be float32 [{d_out}] or [1], is {t.dtype} {list(t.shape)}")
@@ -229,7 +240,15 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
     for param, roles in big_roles.items():
         if "dense" in roles and roles - {"dense"}:
             raise DeltaFormatError(f"delta {info.name!r}: {param} is both dense and compressed", tensor=param)
+    for _, group in col_groups:  # each such group's col_alpha: [planes, matrices of the group, d_in] fp32
+        extra += planes * len(layout.group_rows[group]) * layout.group_shape[group][1] * 4
     return DeltaPlan(info.name, out, layout.slot_bytes, extra, planes=planes)
+
+
+def _axis(info: DeltaInfo, param: str, plane: int) -> str:
+    """The α axis of plane `plane` of `param` ("row" unless the header's parts say otherwise)."""
+    axes = info.axes.get(param, ())
+    return axes[plane - 1] if plane <= len(axes) else "row"
 
 
 @dataclass
@@ -252,30 +271,35 @@ class SlotWriter:
     """
 
     def __init__(self, plan: DeltaPlan, slots: SlotTensors, ids: tuple[int, ...], load_stream=None):
-        if len(ids) != plan.planes:
-            raise ValueError(f"delta {plan.name!r} has {plan.planes} sign planes, given {len(ids)} slots")
+        if tuple(ids) != tuple(range(ids[0], ids[0] + plan.planes)):
+            raise ValueError(f"delta {plan.name!r} has {plan.planes} sign planes: a run of as many slots, not {ids}")
         self.plan, self.slots, self.ids = plan, slots, tuple(ids)
         self.device = slots.device
         self.cuda = self.device.type == "cuda"
         self.stream = load_stream
         bigs: dict[str, BigTensor] = {}
         low: dict[tuple[int, str], LowRank] = {}
+        cols: dict[tuple[int, str], torch.Tensor] = {}
         # On CUDA everything a load does runs on the load stream: the reset is ordered before the
         # copies, and the extras come from that stream's pool, never from blocks the decode stream
         # just freed while its kernels may still read them.
         with _on_stream(self.stream):
             for i in self.ids:
                 slots.reset_slot(i)
-            self._allocate(plan, slots.layout, bigs, low)
+            self._allocate(plan, slots.layout, bigs, low, cols)
+            for p in plan.placements:  # a plane of column α's: its rows' α is 1, its vector in col_alpha
+                if p.kind is Kind.PROJ_COL:
+                    slots.proj_views(self.ids[p.plane - 1], p.proj)[1].fill_(1.0)
         self.extras = SlotExtras(
             embed=bigs.get(EMBED),
             head=bigs.get(HEAD) or (bigs.get(EMBED) if slots.layout.args.tie_embeddings else None),
             slots=self.ids if len(self.ids) > 1 else (),
             lowrank=low,
+            cols=cols,
         )
         self.targets: list[_Target] = []
         for p in plan.placements:
-            d = p.kind.destination(p, slots, self.ids, bigs, low)
+            d = p.kind.destination(p, slots, self.ids, bigs, low, cols)
             direct = (
                 not self.cuda
                 and d.dtype == DTYPES[p.spec.dtype]
@@ -284,10 +308,15 @@ class SlotWriter:
             )
             self.targets.append(_Target(d, d if direct else None, staged=not direct))
 
-    def _allocate(self, plan: DeltaPlan, layout: SlotLayout, bigs: dict, low: dict) -> None:
-        """The delta's extras: its embedding / head (k planes: [k, ...] stacks) and the low-rank
-        factors of each projection group, every matrix's V stacked in the group's order."""
+    def _allocate(self, plan: DeltaPlan, layout: SlotLayout, bigs: dict, low: dict, cols: dict) -> None:
+        """The delta's extras: its embedding / head (k planes: [k, ...] stacks), the low-rank
+        factors of each projection group, every matrix's V stacked in the group's order, and the
+        col_alpha of each group with a plane of column α's (ones where a plane scales rows)."""
         a, dev = layout.args, self.device
+        for p in plan.placements:
+            if p.kind is Kind.PROJ_COL and (key := (p.proj.layer, p.proj.group)) not in cols:
+                shape = (plan.planes, len(layout.group_rows[p.proj.group]), layout.group_shape[p.proj.group][1])
+                cols[key] = torch.ones(shape, dtype=torch.float32, device=dev)
         planes: dict[str, int] = {}  # embedding / head -> its sign planes
         for p in plan.placements:
             if p.kind is Kind.BIG_SIGN:

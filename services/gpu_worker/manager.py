@@ -8,8 +8,8 @@
                            (unknown delta or no room: no entry at all, so unknown names cannot grow Status)
 
 - The budget is bytes: a delta costs one slot of the stacks (`SlotLayout.slot_bytes`) per sign
-  plane of its matrices (format v3: k planes hold k slots, taken together, a contiguous run when
-  one is free) plus its embedding/head tensors and low-rank factors. Slots and bytes are reserved
+  plane of its matrices (format v3: k planes hold a contiguous run of k slots, evicting until one
+  is free) plus its embedding/head tensors, low-rank factors and column α's. Slots and bytes are reserved
   before the first byte moves, so `used_bytes <= budget_bytes` holds at every instant; a delta
   of more planes than this worker has slots is refused at once (RESOURCE_EXHAUSTED).
 - Victims come from `bitdelta.cache_policy.WeightedLRUPolicy` (LRU weighted by
@@ -381,7 +381,7 @@ class DeltaManager:
             )
         while True:
             used = self.used_bytes
-            if len(self.free_slots) >= k and used + size <= self.budget_bytes:
+            if self._run(k) is not None and used + size <= self.budget_bytes:
                 break
             now = time.monotonic()
             hot = self.policy.pinned(now)
@@ -408,8 +408,8 @@ class DeltaManager:
                 if x.state == DeltaState.LOADING or x.aborted or (self._wanted.get(n) and x.refs == 0)
             }
             finishing = {n for n, x in holding.items() if x.state == DeltaState.EVICTING and x.refs}
-            # Bytes to free: enough for `size`, and at least one delta while fewer than k slots are free.
-            need = size if len(self.free_slots) >= k else max(size, self.budget_bytes - used + 1)
+            # Bytes to free: enough for `size`, and at least one delta while no run of k slots is free.
+            need = size if self._run(k) is not None else max(size, self.budget_bytes - used + 1)
             victims = self.policy.plan(e.name, need, now, busy=transient | pinned | {e.name})
             if victims is None and (transient or finishing):
                 await self._changed.wait()  # one of them will change state and notify
@@ -430,9 +430,10 @@ class DeltaManager:
                 else:
                     x.state = DeltaState.EVICTING
                     waiting = True
-            if waiting and not (len(self.free_slots) >= k and self.used_bytes + size <= self.budget_bytes):
+            if waiting and not (self._run(k) is not None and self.used_bytes + size <= self.budget_bytes):
                 await self._changed.wait()
-        e.slots = self._take_slots(k)
+        e.slots = self._run(k)
+        self.free_slots = [s for s in self.free_slots if s not in e.slots]
         e.bytes = size
         self.policy.add(e.name, size)
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
@@ -443,14 +444,13 @@ class DeltaManager:
         for n in failed[: max(0, len(failed) - MAX_FAILED_ENTRIES)]:
             del self.entries[n]
 
-    def _take_slots(self, k: int) -> tuple[int, ...]:
-        """k free slots: the lowest contiguous run of k if there is one (the single-variant fused
-        kernel then reads the delta's planes as one view of the stacks), else the lowest k."""
+    def _run(self, k: int) -> tuple[int, ...] | None:
+        """The lowest run of k contiguous free slots, None if there is none: a delta's planes are one
+        view of the stacks (the fused kernel's, and the column α's launch)."""
         free = sorted(self.free_slots)
-        run = next((free[i : i + k] for i in range(len(free) - k + 1) if free[i + k - 1] - free[i] == k - 1), None)
-        taken = tuple(run if run is not None else free[:k])
-        self.free_slots = [s for s in self.free_slots if s not in taken]
-        return taken
+        return next(
+            (tuple(free[i : i + k]) for i in range(len(free) - k + 1) if free[i + k - 1] - free[i] == k - 1), None
+        )
 
     def _free(self, e: DeltaEntry, keep_entry: bool = False) -> None:
         if e.slots:

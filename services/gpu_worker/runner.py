@@ -186,10 +186,14 @@ class StepMeta:
     embed_rows: dict | None = None  # slot -> [n] rows of x whose slot has its own embedding
     logit_norm_idx: torch.Tensor | None = None  # [R] final-norm rows of the logit rows (None: single_norm)
     logit_groups: list | None = None  # [(slot or −1, [r] rows of the logits)]: which head serves which rows
-    # Variants of k > 1 sign planes in the batch: each row's slot of every plane ([N, K] int32,
-    # −1 where its variant has fewer; `plan` is built from it); None: `row_slot` alone
+    # The batched launch's rows when they are not `row_slot`: with variants of k > 1 sign planes each
+    # row's slot of every plane ([N, K] int32, −1 where its variant has fewer), and without the
+    # rows of variants with column α's (−1), which launch apart (`col_launches`); `plan` is its plan
     row_slots: torch.Tensor | None = None
-    single_planes: int = 1  # the fused path's variant: its planes, slots single_slot.. (a contiguous run)
+    # Variants with column α's: (their first slot s, planes k, rows [N] or [N, k] into the view
+    # s..s+k of the stacks, −1 elsewhere, its plan): one launch each, with their col_alpha
+    col_launches: list[tuple[int, int, torch.Tensor, object]] | None = None
+    single_planes: int = 1  # the fused path's variant: its planes, slots single_slot.. (a run)
     lowrank_rows: dict | None = None  # slot -> [n] rows of x (None: every row) whose variant has a low-rank part
 
 
@@ -261,9 +265,8 @@ class ModelRunner:
         extras = self.slots.extras  # one snapshot for the whole step
         planes = {s: extras[s].slots for s in slots_set if s in extras and extras[s].slots}  # k > 1 planes
         low = {s for s in slots_set if s in extras and extras[s].lowrank}
-        fused = single is not None and single >= 0 and self.use_fused
-        if fused and single in planes:  # its planes as one view of the stacks: a contiguous run only
-            fused = planes[single] == tuple(range(single, single + len(planes[single])))
+        colv = {s: len(extras[s].slots) or 1 for s in slots_set if s in extras and extras[s].cols}
+        fused = single is not None and single >= 0 and self.use_fused  # a delta's slots are a run (SlotWriter)
         if fused and single in low and self.dtype != torch.float32:
             fused = False  # the fused kernel rounds; a low-rank term goes in before the one rounding
         meta = StepMeta(
@@ -285,17 +288,26 @@ class ModelRunner:
             logit_slots=logit_slots,
             extras=extras,
         )
-        if planes and meta.single_slot is None:  # each row's slot of every plane, from a table slot -> its slots
-            k = max(len(v) for v in planes.values())
-            table = torch.full((self.slots.n_slots + 1, k), -1, dtype=torch.int32)
-            table[1:, 0] = torch.arange(self.slots.n_slots, dtype=torch.int32)
-            for s, ids in planes.items():
-                table[s + 1, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-            rows = table[rs.to(torch.int64) + 1]  # [N, k]
-            meta.row_slots = self._dev(rows)
-            meta.plan = plan_batch(rows, self.slots.n_slots, device=self.device)  # host copy: no device sync
-        elif meta.any_delta and meta.single_slot is None:
-            meta.plan = plan_batch(rs, self.slots.n_slots, device=self.device)  # from the host copy: no device sync
+        if meta.any_delta and meta.single_slot is None:  # every plan from host copies: no device sync
+            main = rs.clone()
+            meta.col_launches = []
+            for s, k in colv.items():  # a launch of its own over the view s..s+k, with its col_alpha
+                mine = rs == s
+                main[mine] = -1
+                local = torch.full((len(row_slot), k), -1, dtype=torch.int32)
+                local[mine] = torch.arange(k, dtype=torch.int32)
+                local = local[:, 0].contiguous() if k == 1 else local
+                meta.col_launches.append((s, k, self._dev(local), plan_batch(local, k, device=self.device)))
+            if planes.keys() - colv.keys():  # each row's slot of every plane, from a table slot -> its slots
+                k = max(len(v) for s, v in planes.items() if s not in colv)
+                table = torch.full((self.slots.n_slots + 1, k), -1, dtype=torch.int32)
+                table[1:, 0] = torch.arange(self.slots.n_slots, dtype=torch.int32)
+                for s, ids in planes.items():
+                    table[s + 1, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+                main = table[main.to(torch.int64) + 1]  # [N, k]
+            if colv or planes:
+                meta.row_slots = self._dev(main)
+            meta.plan = plan_batch(main, self.slots.n_slots, device=self.device)
         if low:
             meta.lowrank_rows = {
                 s: None if single is not None else self._dev((rs == s).nonzero(as_tuple=True)[0].to(torch.int64))
@@ -342,28 +354,42 @@ class ModelRunner:
         signs, alpha = self.slots.signs[layer][group], self.slots.alpha[layer][group]
         if m.single_slot is not None:  # a low-rank term here only in fp32 (prepare): no second rounding
             s, k = m.single_slot, m.single_planes
+            ex = m.extras.get(s)
+            c = ex.cols.get((layer, group)) if ex is not None else None
+            cols = (
+                {}
+                if c is None
+                else {"col_alpha": c[0] if k == 1 else c, "col_splits": self.slots.layout.group_rows[group]}
+            )
             planes = (signs[s], alpha[s]) if k == 1 else (signs[s : s + k], alpha[s : s + k])
-            y = bitdelta_linear(x, w, *planes, backend=self.backend)
+            y = bitdelta_linear(x, w, *planes, **cols, backend=self.backend)
             self._add_lowrank(x, y, layer, group, m)
             return y
         if not m.any_delta or x.dtype == torch.float32:
             y = dense_linear(x, w, backend=self.backend)
             if m.any_delta:
-                self._add_delta(x, signs, alpha, y, m)
+                self._add_delta(x, signs, alpha, y, layer, group, m)
                 self._add_lowrank(x, y, layer, group, m)
             return y
         # fp16/bf16: the base GEMM's output stays fp32 until the delta is in, then rounds ONCE,
         # like the fused kernel. Rounding x·Wᵀ to bf16 first would erase a real delta (a few
         # tenths of y's bf16 spacing): a request's tokens would depend on its batch.
         y = self._mm_fp32(x, w)
-        self._add_delta(x, signs, alpha, y, m)
+        self._add_delta(x, signs, alpha, y, layer, group, m)
         self._add_lowrank(x, y, layer, group, m)
         return y.to(x.dtype)
 
-    def _add_delta(self, x: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor, y: torch.Tensor, m: StepMeta):
-        """y[r] += Σ_p α ⊙ (x[r] · Sᵀ) over the slots of every sign plane of row r's variant: one launch."""
+    def _add_delta(self, x, signs, alpha, y, layer: int, group: str, m: StepMeta) -> None:
+        """y[r] += Σ_p α ⊙ (x[r] · Sᵀ) over the slots of every sign plane of row r's variant: one
+        launch, and one per variant with column α's (over its slots' view, with its col_alpha)."""
         rows = m.row_slot if m.row_slots is None else m.row_slots
         bitdelta_delta_batched(x, signs, alpha, rows, y, plan=m.plan, backend=self.backend)
+        for s, k, local, plan in m.col_launches or ():
+            c = m.extras[s].cols.get((layer, group))
+            cols = {} if c is None else {"col_alpha": c, "col_splits": self.slots.layout.group_rows[group]}
+            bitdelta_delta_batched(
+                x, signs[s : s + k], alpha[s : s + k], local, y, **cols, plan=plan, backend=self.backend
+            )
 
     def _add_lowrank(self, x: torch.Tensor, y: torch.Tensor, layer: int, group: str, m: StepMeta) -> None:
         """y (fp32) [rows of each variant with a low-rank part] += (x · Vᵀ) · Uᵀ: one GEMM into its

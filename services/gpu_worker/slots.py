@@ -95,6 +95,10 @@ class SlotLayout:
             for name, size in args.layer_norms():
                 self.norms[f"model.layers.{i}.{name}.weight"] = NormPlace(i, name, size)
         self.embed_shape = (args.vocab_size, args.dim)
+        # group -> the d_out of each of its matrices, in order (the kernels' col_splits)
+        self.group_rows: dict[str, tuple[int, ...]] = {}
+        for m in args.matrices():
+            self.group_rows[m.group] = (*self.group_rows.get(m.group, ()), m.d_out)
 
     @property
     def slot_bytes(self) -> int:
@@ -155,17 +159,21 @@ class LowRank:
 class SlotExtras:
     """A delta's tensors outside its slot of the stacks. `head` None: the base's head serves.
     `slots`: every slot it holds, plane 1's first (the delta's own), when it has more than one sign
-    plane; empty: its own only. `lowrank[layer][group]`: its low-rank residuals (absent: none)."""
+    plane; empty: its own only. `lowrank[(layer, group)]`: its low-rank residuals (absent: none)."""
 
     embed: BigTensor | None = None
     head: BigTensor | None = None
     slots: tuple[int, ...] = ()
     lowrank: dict[tuple[int, str], LowRank] = field(default_factory=dict)
+    # (layer, group) -> fp32 [k, G, d_in]: the column α's of each of its k planes for each of the
+    # group's G matrices (1 where a matrix's plane scales rows; its α rows in the slot are then 1):
+    # the kernels' col_alpha, for the groups where some matrix has a plane of column α's
+    cols: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
         """Nothing the runner reads beyond the delta's own slot (a plain one-plane delta)."""
-        return self.embed is None and self.head is None and len(self.slots) <= 1 and not self.lowrank
+        return self.embed is None and self.head is None and len(self.slots) <= 1 and not self.lowrank and not self.cols
 
 
 @dataclass

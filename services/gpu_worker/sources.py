@@ -71,22 +71,23 @@ class TensorSpec:
 
 
 def refuse_parts(name: str, meta: DeltaMeta, tensor_parallel: bool = False) -> None:
-    """What this worker cannot serve of a format v3 delta, refused before any byte moves: a sign
-    plane whose α scales input columns (the slots hold α per output row), and, on tensor-parallel
-    ranks, any plane beyond the first or a low-rank residual (their slices are not cut yet)."""
-    col = sorted(p for p in meta.shapes if "col" in meta.axes(p))
+    """What this worker cannot serve of a format v3 delta, refused before any byte moves: an
+    embedding or head plane whose α scales its columns (its extras hold α per token), and, on
+    tensor-parallel ranks, any plane beyond the first, column α's or a low-rank residual (their
+    slices are not cut yet)."""
+    col = sorted(p for p in meta.shapes if "col" in meta.axes(p) and not p.startswith("model.layers."))
     if col:
         raise FailedPrecondition(
-            f"delta {name!r} has sign planes whose α scales input columns ({len(col)} weights, e.g. {col[0]}), "
-            "which this worker does not serve: compress it again with --alpha row (or matrix), or evaluate it "
-            "offline (bitdelta apply)"
+            f"delta {name!r} has an embedding or head plane whose α scales its columns ({col[0]}), which this "
+            "worker does not serve: compress it again (bitdelta compress gives them α per token), or evaluate "
+            "it offline (bitdelta apply)"
         )
-    beyond = sorted(p for p in meta.parts if len(meta.axes(p)) > 1 or meta.rank(p))
+    beyond = sorted(p for p in meta.parts if len(meta.axes(p)) > 1 or "col" in meta.axes(p) or meta.rank(p))
     if tensor_parallel and beyond:
         raise FailedPrecondition(
-            f"delta {name!r} has further sign planes or a low-rank residual ({len(beyond)} weights, e.g. "
-            f"{beyond[0]}), which a tensor-parallel worker does not serve yet: serve it with --tensor-parallel 1, "
-            "or compress it with one plane (no --planes/--rank/--budget)"
+            f"delta {name!r} has further sign planes, column α's or a low-rank residual ({len(beyond)} weights, "
+            f"e.g. {beyond[0]}), which a tensor-parallel worker does not serve yet: serve it with "
+            "--tensor-parallel 1, or compress it with one plane (no --planes/--rank/--budget, --alpha row)"
         )
 
 
@@ -116,6 +117,10 @@ class DeltaInfo:
     # them, the offset of what they receive in this rank's slice)).
     handed_from: dict[str, tuple[int, int]] = field(default_factory=dict)
     hands_to: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Format v3: compressed param -> the α axis of each of its sign planes ("row", "matrix",
+    # "col"), from the header's `parts` (a column α of a square matrix has a row α's shape); empty:
+    # one plane of row or matrix α each
+    axes: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def content_id(self) -> str:
@@ -161,7 +166,9 @@ class LocalDeltaSource:
         check_structure(header)
         refuse_parts(name, header.meta, self.tensor_parallel)
         specs = [TensorSpec(t.name, t.dtype, t.shape, t.nbytes, header.sha256[t.name], t.start) for t in header.tensors]
-        return DeltaInfo(name, specs, handle=path, architecture=header.meta.architecture, layout=header.meta.layout)
+        meta = header.meta
+        axes = {p: meta.axes(p) for p in meta.parts}
+        return DeltaInfo(name, specs, handle=path, architecture=meta.architecture, layout=meta.layout, axes=axes)
 
     async def stream(self, info: DeltaInfo, receiver: Receiver) -> None:
         await asyncio.to_thread(self._read, Path(info.handle), info, receiver)
@@ -281,6 +288,7 @@ class DeltaStoreSource:
             version=info.version,
             handed_from=handed_from,
             hands_to=hands_to,
+            axes={p: meta.axes(p) for p in meta.parts},
         )
 
     async def _shard(self, name: str):

@@ -1,7 +1,7 @@
 """A request's greedy tokens do not depend on its batch: alone (fused single-variant kernel)
 and in a mixed batch (base GEMM + batched delta) give the same tokens, in fp32 and in bf16; so
-do variants of three sign planes and of a low-rank residual (format v3), whose terms all land in
-the fp32 output before the one rounding.
+do variants of three sign planes, of a low-rank residual and of column α's (format v3), whose
+terms all land in the fp32 output before the one rounding.
 
 The family has real delta magnitudes: fine-tune noise of 0.0006 on weights of std 0.2 gives
 α/|W| ≈ 3e-3, as SmolLM2's fine-tunes (α 2e-4–7e-4 against |W| ≈ 0.15). In bf16 that delta is a
@@ -35,6 +35,7 @@ JOBS = [
     ("v0", "Hello world"),
     ("planes3", "Once upon"),
     ("rank8", "The quick brown fox"),
+    ("colauto", "abc xyz"),
 ]
 REAL_SCALE = 0.0006  # fine-tune noise; the base's weights have std 0.2 (bitdelta.testing.family.VARIED_STD)
 
@@ -47,7 +48,9 @@ def family(tmp_path_factory):
         ft = make_finetune(base, root / f"ft{i}", seed=100 + i, scale=REAL_SCALE)
         compress(base, ft, root / "deltas" / f"v{i}.bitdelta.safetensors", variant=f"v{i}", progress=False)
         if i == 0:
-            for name, cfg in (("planes3", PlaneConfig(planes=3)), ("rank8", PlaneConfig(rank=8))):
+            modes = {"planes3": PlaneConfig(planes=3), "rank8": PlaneConfig(rank=8)}
+            modes["colauto"] = PlaneConfig(planes=2, alpha="auto")  # row and column α's
+            for name, cfg in modes.items():
                 out = root / "deltas" / f"{name}.bitdelta.safetensors"
                 compress(base, ft, out, variant=name, planes=cfg, progress=False)
     return base, root / "deltas"

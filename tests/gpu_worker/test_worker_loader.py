@@ -79,18 +79,20 @@ def test_verified_chunks_in_order_land_exactly(fam):
     assert compared > 0.9 * sum(t.nbytes for t in info.tensors)  # signs and scales: nearly all of it
 
 
-def test_a_delta_of_column_alphas_is_refused_before_any_byte_moves(fam, tmp_path):
-    """The slots hold α per output row: a format v3 delta whose planes scale input columns is
-    refused by name when the worker opens it, not misread (a per-column α of a square matrix has a
-    per-row α's shape)."""
+def test_a_column_alpha_is_placed_by_the_header_not_its_shape(fam, tmp_path):
+    """A per-column α of a square matrix has a per-row α's shape: the header's parts say which it
+    is, and the plan puts it in the delta's col_alpha (its rows' α 1), not in the α rows."""
     from bitdelta.compress import compress
     from bitdelta.planes import PlaneConfig
     from bitdelta.testing.family import make_finetune
-    from services.gpu_worker.errors import FailedPrecondition
+    from services.gpu_worker.loader import Kind
 
-    f = fam[0]
+    f, layout = fam[0], fam[1]
     ft = make_finetune(f.base, tmp_path / "ft", seed=5)
     compress(f.base, ft, tmp_path / "cols.safetensors", planes=PlaneConfig(alpha="col"), progress=False)
     fingerprint = read_header(tmp_path / "cols.safetensors").meta.base_fingerprint
-    with pytest.raises(FailedPrecondition, match=r"α scales input columns .* compress it again with --alpha row"):
-        asyncio.run(LocalDeltaSource(tmp_path).open("cols", fingerprint))
+    info = asyncio.run(LocalDeltaSource(tmp_path).open("cols", fingerprint))
+    plan = plan_delta(layout, info)
+    q = next(p for p in plan.placements if p.spec.name == "model.layers.0.self_attn.q_proj.weight.alpha")
+    assert q.spec.shape == (layout.proj[q.spec.param].r1,) == (layout.proj[q.spec.param].d_in,)  # square
+    assert q.kind is Kind.PROJ_COL and not any(p.kind is Kind.PROJ_ALPHA for p in plan.placements)

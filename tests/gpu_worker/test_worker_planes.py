@@ -42,9 +42,11 @@ VARIANTS = {
     "rank8": {"planes": PlaneConfig(rank=8)},
     "mixed2": {"planes": PlaneConfig(planes=2, rank=8)},  # budgeted below: some matrices keep 1 plane
     "signemb": {"planes": PlaneConfig(planes=2, rank=8), "embeddings": "sign"},  # the embedding too
+    "colauto": {"planes": PlaneConfig(planes=2, alpha="auto")},  # each plane's axis chosen: row or column
+    "col": {"planes": PlaneConfig(alpha="col")},  # one plane of column α's everywhere
 }
 PROMPTS = {"": "Hello world", "plain": "The quick brown fox", "planes3": "abc xyz", "rank8": "def f(x):"}
-PROMPTS |= {"mixed2": "Once upon", "signemb": "1 + 2 ="}
+PROMPTS |= {"mixed2": "Once upon", "signemb": "1 + 2 =", "colauto": "zzz", "col": "Qwerty"}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,8 @@ def family(tmp_path_factory):
     parts = read_header(deltas / f"mixed2{SUFFIX}").meta.parts
     assert {len(p["axes"]) for p in parts.values()} == {1, 2}, "the budget leaves some matrices at one plane"
     assert read_header(deltas / f"planes3{SUFFIX}").meta.format_version == "3"
+    axes = {a for p in read_header(deltas / f"colauto{SUFFIX}").meta.parts.values() for a in p["axes"]}
+    assert {"row", "col"} <= axes, "auto chose column α's for some planes and row α's for others"
     dense = {name: apply(base, deltas / f"{name}{SUFFIX}", root / f"dense-{name}", progress=False) for name in VARIANTS}
     return base, deltas, dense
 
@@ -133,6 +137,9 @@ async def test_each_plane_costs_a_slot_and_the_budget_counts_real_bytes(served, 
             for t in h.tensors
             if t.param in ("model.embed_tokens.weight", "lm_head.weight") or t.part == "lowrank"
         )
+        cols = {(p.split(".")[2], layout.proj[p].group) for p, x in h.meta.parts.items() if "col" in x["axes"]}
+        for _, g in cols:  # a group with a plane of column α's: [planes, its matrices, d_in] fp32
+            extras += planes * len(layout.group_rows[g]) * layout.group_shape[g][1] * 4
         e = entries[m]
         assert len(e.slots) == planes and e.slots == tuple(range(e.slots[0], e.slots[0] + planes))
         assert e.bytes == planes * layout.slot_bytes + extras, m
@@ -190,20 +197,16 @@ async def test_a_multi_slot_delta_is_evicted_pinned_and_refused_as_one(family):
         await generate(stub, "mixed2", "a", n=1)  # 2 planes fit
 
 
-async def test_what_the_worker_does_not_serve_is_refused_by_name(family, tmp_path):
-    """Column α's (the slots hold α per output row), and any plane beyond the first or a low-rank
-    part on a tensor-parallel rank: FAILED_PRECONDITION at open, before a byte of data moves."""
+async def test_what_the_worker_does_not_serve_is_refused_by_name(family):
+    """Anything beyond one plane of row α's (further planes, column α's, a low-rank part) on a
+    tensor-parallel rank: FAILED_PRECONDITION at open, before a byte of data moves."""
     from services.gpu_worker.errors import FailedPrecondition
     from services.gpu_worker.sources import LocalDeltaSource
 
-    base, deltas, _ = family
+    _, deltas, _ = family
     fp = read_header(deltas / f"plain{SUFFIX}").meta.base_fingerprint
-    ft = make_finetune(base, tmp_path / "ft", seed=5, scale=FT_SCALE)
-    compress(base, ft, tmp_path / f"cols{SUFFIX}", planes=PlaneConfig(planes=2, alpha="col"), progress=False)
-    with pytest.raises(FailedPrecondition, match=r"α scales input columns .* compress it again with --alpha row"):
-        await LocalDeltaSource(tmp_path).open("cols", fp)
     tp = LocalDeltaSource(deltas, tensor_parallel=True)
-    for name in ("planes3", "rank8"):
+    for name in ("planes3", "rank8", "col"):
         with pytest.raises(FailedPrecondition, match="a tensor-parallel worker does not serve yet"):
             await tp.open(name, fp)
     assert (await tp.open("plain", fp)).tensors  # one plane: served as before
