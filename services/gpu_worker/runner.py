@@ -59,10 +59,10 @@ class SeqWork:
 
 
 def _one_plane(extras: dict, w: SeqWork) -> bool:
-    """Whether `w`'s rows need one sign plane per projection at most (the base, or a variant of one
-    plane without a low-rank term): what the C decode layers add."""
+    """Whether `w`'s rows need one sign plane of row α's per projection at most (the base, or a
+    variant of one plane without column α's or a low-rank term): what the C decode layers add."""
     ex = extras.get(w.slot) if w.slot >= 0 else None
-    return ex is None or (len(ex.slots) <= 1 and not ex.lowrank)
+    return ex is None or (len(ex.slots) <= 1 and not ex.lowrank and not ex.cols)
 
 
 @dataclass
