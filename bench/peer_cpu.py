@@ -8,8 +8,10 @@ services.gpu_worker`, over gRPC on loopback, the real SmolLM2-135M in data/base 
 family deltas) and llama.cpp (llama-cpp-python in build/peer-venv, the benchmark's own
 environment, never the worker's; f32 and bf16 GGUF converted from the same checkpoint).
 
-Rows (decode: tokens/s of one greedy stream after its first token; limits: the bytes a
-decode step must read ÷ the memory read bandwidth measured in this run, in this process, as
+Rows (decode: tokens/s of one greedy stream after its first token, the best of --reps runs, the
+base's, the variant's and the 8-stream runs taken in turns so that their ratios compare like
+moments; limits: the bytes a decode step must read ÷ the memory read bandwidth measured in this
+run, in this process, as
 the best of several sums over a 512 MiB tensor with the same threads, sampled at the start and
 after each peer, the best sample counting: on a shared machine one sample can fall in a busy
 moment and make the limit look easy):
@@ -209,26 +211,31 @@ def generate_times(stub, model_id: str, prompt: str, n: int) -> list[float]:
     return times
 
 
-def decode_rate(stub, model_id: str, prompt: str, n: int, reps: int) -> float:
-    best = 0.0
-    for _ in range(reps):
-        t = generate_times(stub, model_id, prompt, n)
-        best = max(best, (len(t) - 1) / (t[-1] - t[0]))
-    return best
+def decode_rate(stub, model_id: str, prompt: str, n: int) -> float:
+    """Tokens/s of one greedy stream after its first token."""
+    t = generate_times(stub, model_id, prompt, n)
+    return (len(t) - 1) / (t[-1] - t[0])
 
 
-def multi_rate(stub, models: list[str], prompt: str, n: int, reps: int) -> float:
+def multi_rate(stub, models: list[str], prompt: str, n: int) -> float:
     """Tokens/s of the decode phase (after every stream's first token) of concurrent streams."""
     from concurrent.futures import ThreadPoolExecutor
 
-    best = 0.0
+    with ThreadPoolExecutor(len(models)) as ex:
+        rs = list(ex.map(lambda m: generate_times(stub, m, prompt, n), models))
+    t0 = max(r[0] for r in rs)
+    t1 = max(r[-1] for r in rs)
+    toks = sum(sum(1 for t in r if t > t0) for r in rs)
+    return toks / (t1 - t0)
+
+
+def best_interleaved(runs: dict, reps: int) -> dict[str, float]:
+    """The best of `reps` runs of each measurement, taken in turns (a, b, a, b, ...), so the ratio
+    of two is not the ratio of a quiet moment and a busy one on a shared machine."""
+    best = dict.fromkeys(runs, 0.0)
     for _ in range(reps):
-        with ThreadPoolExecutor(len(models)) as ex:
-            rs = list(ex.map(lambda m: generate_times(stub, m, prompt, n), models))
-        t0 = max(r[0] for r in rs)
-        t1 = max(r[-1] for r in rs)
-        toks = sum(sum(1 for t in r if t > t0) for r in rs)
-        best = max(best, toks / (t1 - t0))
+        for k, run in runs.items():
+            best[k] = max(best[k], run())
     return best
 
 
@@ -266,16 +273,18 @@ def bench_worker(args, base, deltas, names, dtype, logdir, env) -> dict:
         with grpc.insecure_channel(w.address) as ch:
             stub = pb_grpc.GpuWorkerServiceStub(ch)
             generate_times(stub, "", DECODE_PROMPT, 4)  # first request: lazy set-up out of the numbers
-            res["decode_tok_s"] = decode_rate(stub, "", DECODE_PROMPT, args.new_tokens, args.reps)
-            res["prefill_s"] = prefill_s(stub, PROMPT_WORDS * args.prompt_repeat, args.reps)
+            n_new = args.new_tokens
+            runs = {"decode_tok_s": lambda: decode_rate(stub, "", DECODE_PROMPT, n_new)}
             if dtype == "float32" or args.variants_bf16:
-                generate_times(stub, names[0], DECODE_PROMPT, 4)  # load it
-                res["variant_tok_s"] = decode_rate(stub, names[0], DECODE_PROMPT, args.new_tokens, args.reps)
-                for n in names:
+                for n in names:  # load them
                     generate_times(stub, n, DECODE_PROMPT, 2)
-                res["base8_tok_s"] = multi_rate(stub, [""] * 8, DECODE_PROMPT, args.new_tokens, args.reps)
                 mixed = [names[i % len(names)] for i in range(8)]
-                res["mixed8_tok_s"] = multi_rate(stub, mixed, DECODE_PROMPT, args.new_tokens, args.reps)
+                runs["variant_tok_s"] = lambda: decode_rate(stub, names[0], DECODE_PROMPT, n_new)
+                runs["base8_tok_s"] = lambda: multi_rate(stub, [""] * 8, DECODE_PROMPT, n_new)
+                runs["mixed8_tok_s"] = lambda: multi_rate(stub, mixed, DECODE_PROMPT, n_new)
+            res.update(best_interleaved(runs, args.reps))
+            res["prefill_s"] = prefill_s(stub, PROMPT_WORDS * args.prompt_repeat, args.reps)
+            if "variant_tok_s" in res:
                 res["rss_after_variants"] = vm_rss(w.proc.pid)
         return res
     finally:
@@ -357,7 +366,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="CPU threads of both peers (1: a shared machine)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-repeat", type=int, default=18, help="the prefill prompt's sentence, this many times")
-    ap.add_argument("--reps", type=int, default=3, help="best of this many runs per number")
+    ap.add_argument("--reps", type=int, default=5, help="best of this many runs per number (in turns)")
     ap.add_argument("--kv-cache", default="64MiB")
     ap.add_argument("--variants-bf16", action="store_true", help="the variant rows in bf16 too")
     ap.add_argument("--out", type=Path, help="also write the table (and the raw numbers as .json) here")
