@@ -118,8 +118,11 @@ def _check_planes(
     lead = tuple(signs.shape[:-2])
     planes = signs if signs.dim() == 3 else signs[None]
     L = planes.shape[0]
-    a = alpha.reshape(-1, 1) if alpha.dim() == len(lead) else alpha  # [V] for a stack: one α per matrix
-    if a.dim() != len(lead) + 1 or tuple(a.shape[:-1]) != lead or a.shape[-1] not in (1, d_out):
+    if not lead:  # one plane: any shape of d_out values or one
+        a = alpha.reshape(1, -1)
+    else:
+        a = alpha.reshape(-1, 1) if alpha.dim() == 1 else alpha  # [V] for a stack: one α per matrix
+    if a.dim() != 2 or a.shape[0] != L or a.shape[1] not in (1, d_out):
         what = f"[{d_out}] or [1]" if not lead else f"[{L}, {d_out}] or [{L}, 1]"
         raise ValueError(f"alpha must be {what}, got {tuple(alpha.shape)}")
     bounds = col_bounds(col_splits, d_out)
