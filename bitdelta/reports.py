@@ -70,7 +70,8 @@ def run_reports(
     else:
         build(variants, root=root)
     if command is None:
-        command = "bitdelta " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("bitdelta") else "bitdelta quality"
+        # the command line as typed, whether through the `bitdelta` script or `python -m bitdelta.cli`
+        command = "bitdelta " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["quality"] else "bitdelta quality"
     t = time.time()
     results = []
     for v in variants:
