@@ -210,8 +210,8 @@ def bench_planes(dev, t, dtypes, d, rows):
     4 rows (a 3-plane, a 2-plane and a 1-plane variant and a base row; "k planes" gives each of
     the delta rows k planes). Target: a plane costs at most its bytes: 1/16 of a bf16 base GEMV,
     1/32 of an fp32 one (its bits are 1/16 and 1/32 of W's bytes). Also a rank-64 low-rank residual
-    per delta row (`lowrank_delta_batched`, fp32 factors) and the fused call with a plane stack."""
-    from kernels import bitdelta_delta_batched, bitdelta_linear, dense_linear, lowrank_delta_batched
+    per delta row (`lowrank_delta`, once per variant as the worker runs it) and the fused call with a plane stack."""
+    from kernels import bitdelta_delta_batched, bitdelta_linear, dense_linear, lowrank_delta
 
     g = torch.Generator().manual_seed(0)
     P = 3
@@ -233,10 +233,15 @@ def bench_planes(dev, t, dtypes, d, rows):
                 t_k.append(t(lambda x=x, rs=rs, plan=plan: bitdelta_delta_batched(x, signs, alpha, rs, y, plan=plan)))
             mixed = torch.tensor([[0, 1, 2], [3, 4, -1], [6, -1, -1], [-1, -1, -1]])[:M].to(dev)
             t_mix = t(lambda x=x, rs=mixed: bitdelta_delta_batched(x, signs, alpha, rs, y)) if M > 1 else 0.0
-            u = (torch.randn(3, d, 64, generator=g) * 1e-3).to(dev)  # rank 64, fp32 factors
-            v = (torch.randn(3, 64, d, generator=g) * 1e-3).to(dev)
-            lr_rows = torch.tensor([0, 1, 2, -1])[:M]
-            t_lr = t(lambda x=x: lowrank_delta_batched(x, u, v, lr_rows, y))
+            u = (torch.randn(3, d, 64, generator=g) * 1e-3).to(torch.float16).to(dev)  # rank 64, fp16 as stored
+            v = (torch.randn(3, 64, d, generator=g) * 1e-3).to(torch.float16).to(dev)
+            lr_rows = [None] if M == 1 else [torch.tensor([r], device=dev) for r in range(3)]  # delta rows
+
+            def lowrank_all(x=x, u=u, v=v, lr_rows=lr_rows):
+                for s, rows in enumerate(lr_rows):
+                    lowrank_delta(x, v[s], [(0, 0, u[s])], y, rows)
+
+            t_lr = t(lowrank_all)
             t_f1 = t(lambda x=x: bitdelta_linear(x, w, signs[0], alpha[0]))
             t_f3 = t(lambda x=x: bitdelta_linear(x, w, signs[:P], alpha[:P]))
             target = 1 / 16 if dtype.itemsize == 2 else 1 / 32

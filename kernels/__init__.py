@@ -6,8 +6,8 @@
         the K sign planes of one variant; per-column α over a projection group's matrices
     bitdelta_delta_batched(x, signs_stack, alpha_stack, row_slots, y, *, col_alpha=, col_splits=, plan=) -> y
         y[r] += Σ_p α_s ⊙ ((x[r] ⊙ c_s) · S_sᵀ), s = row_slots[r, p] ≥ 0   (mixed batch, one launch)
-    lowrank_delta_batched(x, u_stack, v_stack, row_slots, y) -> y
-        y[r] += (x[r] · V_sᵀ) · U_sᵀ, s = row_slots[r] ≥ 0   (a delta's low-rank residual: two GEMMs per variant)
+    lowrank_delta(x, v, us, y, rows=None) -> y
+        y[rows] += (x[rows] · Vᵀ) · Uᵀ per matrix of a group   (one variant's low-rank residual, fp32)
     dense_linear(x, w, *, out_fp32=False) -> y   y = x · wᵀ (base rows; the C GEMV at decode on CPU)
     plan_batch(row_slots, n_slots, ...) -> BatchPlan     (build once per step, reuse per layer)
     paged_decode(q, k, v, tables, lens, block_size, window) -> out
@@ -21,7 +21,7 @@ of the project: the core (`bitdelta`) imports it, never the reverse.
 """
 
 from kernels.dispatch import backend_for, bitdelta_delta_batched, bitdelta_linear, dense_linear
-from kernels.lowrank import lowrank_delta_batched
+from kernels.lowrank import lowrank_delta
 from kernels.merged_cache import MergedWeightCache
 from kernels.paged_attention import paged_decode, paged_decode_ref
 from kernels.plan import BatchPlan, plan_batch
@@ -31,7 +31,7 @@ __all__ = [
     "bitdelta_linear",
     "bitdelta_delta_batched",
     "dense_linear",
-    "lowrank_delta_batched",
+    "lowrank_delta",
     "plan_batch",
     "BatchPlan",
     "MergedWeightCache",

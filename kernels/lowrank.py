@@ -1,57 +1,54 @@
 """The low-rank residual of a delta (bitdelta.planes: U [d_out, r] · V [r, d_in] kept beside the sign
-planes) for a mixed batch: two small GEMMs per variant present, no custom kernel.
+planes), for one variant's rows of one projection group: two small GEMMs, no custom kernel.
 
-    y[r] += (x[r] · V_sᵀ) · U_sᵀ,  s = row_slots[r] ≥ 0
+    y[rows, r0_m : r0_m + d_out_m] += (x[rows] · Vᵀ)[:, c0_m : c0_m + r_m] · U_mᵀ   for each matrix m
 
-At decode the pair reads U and V once per variant (r·(d_in + d_out) values against the base's
-d_in·d_out) and does 2·r·(d_in + d_out) flops per row: a GEMM library at these sizes is what a
-kernel would be, on CPU and GPU alike (Punica's shrink/expand kernels pay off only with many
-adapters in one batch). Rows of one variant are gathered once (their indices from a host copy of
-`row_slots`: no device sync).
+A projection group concatenates matrices along d_out (q‖k‖v, gate‖up) and each chooses its own
+rank, so the group's V's are stacked into one [R, d_in] (R = the sum of the ranks: ONE shrink
+GEMM for the group) and every matrix with a rank expands its columns of the shrink through its
+own U into its rows of y: the factors' bytes are exactly the file's, with no zero padding.
+At decode the pair reads r·(d_in + d_out) values per matrix against the base's d_in·d_out: a
+GEMM library at these sizes is what a kernel would be, on CPU and GPU alike (Punica's
+shrink/expand kernels pay off only with many adapters in one batch). The caller runs it once per
+variant present in the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
-def lowrank_delta_batched(
-    x: torch.Tensor, u_stack: torch.Tensor, v_stack: torch.Tensor, row_slots: torch.Tensor, y: torch.Tensor
+def lowrank_delta(
+    x: torch.Tensor,
+    v: torch.Tensor,
+    us: Sequence[tuple[int, int, torch.Tensor]],
+    y: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y[r] += (x[r] · V_sᵀ) · U_sᵀ for s = row_slots[r] ≥ 0; rows with −1 are untouched.
+    """y[rows] += the group's low-rank residual of x[rows], in fp32; returns y.
 
-    x: [M, d_in]; u_stack: [L, d_out, R]; v_stack: [L, R, d_in] (L factor slots; a variant of rank
-    r < R has zeros in its last R − r columns of U and rows of V, which add exactly 0);
-    row_slots: int [M] (one factor slot per row, −1: none), best on the host; y: [M, d_out], updated
-    in place and returned. Both products in fp32 (factors in another dtype are widened per call:
-    keep them fp32 to skip that), added to y in fp32 and rounded once to y's dtype.
+    x: [M, d_in]; v: [R, d_in] (the group's V's stacked, any float dtype: widened to fp32 here);
+    us: (r0, c0, U [d_out_m, r_m]) per matrix with a rank: its rows r0.. of y, its rows c0.. of v;
+    y: fp32 [M, d_out] (the base's output before its one rounding), updated in place;
+    rows: int [n] indices into x and y (None: every row).
     """
-    if x.dim() != 2 or y.dim() != 2 or u_stack.dim() != 3 or v_stack.dim() != 3:
-        raise ValueError("x [M, d_in], u_stack [L, d_out, R], v_stack [L, R, d_in] and y [M, d_out] expected")
-    M, d_in = x.shape
-    L, d_out, R = u_stack.shape
-    if tuple(v_stack.shape) != (L, R, d_in):
-        raise ValueError(
-            f"v_stack must be [{L}, {R}, {d_in}] for u_stack {tuple(u_stack.shape)}, got {tuple(v_stack.shape)}"
-        )
-    if tuple(y.shape) != (M, d_out) or tuple(row_slots.shape) != (M,):
-        raise ValueError(f"y must be [{M}, {d_out}] and row_slots [{M}]")
-    rs = row_slots.to("cpu", torch.int64)
-    if M and (int(rs.max()) >= L or int(rs.min()) < -1):
-        raise ValueError(f"row_slots values must lie in [-1, {L - 1}]")
-    for s in torch.unique(rs).tolist():
-        if s < 0:
-            continue
-        rows = (rs == s).nonzero(as_tuple=True)[0]
-        if rows.numel() == M:
-            xs, ys = x, y
-        else:
-            rows = rows.to(x.device)
-            xs, ys = x[rows], y[rows]
-        t = xs.float() @ v_stack[s].float().t()  # [rows, R]: the shrink
-        out = (ys.float() + t @ u_stack[s].float().t()).to(y.dtype)  # the expand, added in fp32
-        if rows.numel() == M:
-            y.copy_(out)
-        else:
-            y[rows] = out
+    if x.dim() != 2 or y.dim() != 2 or v.dim() != 2:
+        raise ValueError("x [M, d_in], v [R, d_in] and y [M, d_out] expected")
+    if y.dtype != torch.float32:
+        raise ValueError(f"y must be fp32 (the residual goes in before the one rounding), got {y.dtype}")
+    (M, d_in), (R, d_out) = x.shape, (v.shape[0], y.shape[1])
+    if v.shape[1] != d_in or y.shape[0] != M:
+        raise ValueError(f"v must be [R, {d_in}] and y [{M}, d_out], got {tuple(v.shape)} and {tuple(y.shape)}")
+    for r0, c0, u in us:
+        if u.dim() != 2 or r0 < 0 or r0 + u.shape[0] > d_out or c0 < 0 or c0 + u.shape[1] > R:
+            raise ValueError(f"U {tuple(u.shape)} at rows {r0}, ranks {c0} does not fit y's {d_out} rows and v's {R}")
+    xs = (x if rows is None else x[rows]).float()
+    t = xs @ v.float().t()  # [n, R]: the shrink, once for the group
+    add = y if rows is None else torch.zeros(xs.shape[0], d_out, dtype=torch.float32, device=y.device)
+    for r0, c0, u in us:  # the expand, per matrix
+        add[:, r0 : r0 + u.shape[0]] += t[:, c0 : c0 + u.shape[1]] @ u.float().t()
+    if rows is not None:
+        y.index_add_(0, rows, add)
     return y

@@ -33,7 +33,15 @@ import torch.nn.functional as F
 from bitdelta.checkpoint import CheckpointReader, read_config
 from bitdelta.model import ModelArgs, apply_rope, attention_mask, rope_tables
 from bitdelta.shard import EMBED, HEAD
-from kernels import backend_for, bitdelta_delta_batched, bitdelta_linear, dense_linear, paged_decode, plan_batch
+from kernels import (
+    backend_for,
+    bitdelta_delta_batched,
+    bitdelta_linear,
+    dense_linear,
+    lowrank_delta,
+    paged_decode,
+    plan_batch,
+)
 from kernels.bits import unpack_signs
 from kernels.cpu_decode import GROUPS, DecodeLayer, DecodeLayers, DecodeShape
 from kernels.cpu_ops import DENSE_GEMV_MAX_M
@@ -398,13 +406,7 @@ class ModelRunner:
             lr = m.extras[slot].lowrank.get((layer, group))
             if lr is None:
                 continue
-            xs = (x if rows is None else x[rows]).float()
-            t = xs @ lr.v.float().t()  # [n, R]
-            add = y if rows is None else torch.zeros(xs.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
-            for r0, c0, u in lr.u:
-                add[:, r0 : r0 + u.shape[0]] += t[:, c0 : c0 + u.shape[1]] @ u.float().t()
-            if rows is not None:
-                y.index_add_(0, rows, add)
+            lowrank_delta(x, lr.v, lr.u, y, rows)
 
     def _mm_fp32(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x · wᵀ with fp32 accumulation AND fp32 output. x: [N, d_in]; w: [d_out, d_in] -> fp32 [N, d_out]."""
