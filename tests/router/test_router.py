@@ -58,7 +58,7 @@ def cluster(family, tmp_path_factory):
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def clients(cluster):
+async def clients(cluster, family):
     router = RouterClient(cluster.r.address, generate_timeout_s=T)
     workers = [WorkerClient(w.address, generate_timeout_s=T) for w in cluster.w]
     store = DeltaStoreClient(cluster.st.address)
@@ -66,7 +66,13 @@ async def clients(cluster):
     async def all_up():
         return all(w.up for w in await router.list_workers())
 
+    async def all_listed():  # the router's first List may have met a store still starting
+        return set(family.variants) <= {m.model_id for m in await router.list_models()}
+
     await wait_for(all_up, what="the router to see both workers up")
+    # Tests that stall the store (SIGSTOP) need the router to know the variants already: it
+    # reports SERVING before its first successful List (it answers the base without a store).
+    await wait_for(all_listed, what="the router to list the family's variants")
     yield router, workers, store
     for c in (router, *workers, store):
         await c.close()
