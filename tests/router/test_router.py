@@ -340,7 +340,9 @@ async def test_a_client_that_cancels_frees_the_sequence_on_the_worker(clients):
     # polled often: the whole generation takes only ~0.1 s on the tiny model, as long as one 0.1 s poll
     await wait_for(freed, what="the worker to free the cancelled sequence", every_s=0.005)
     freed_s = time.monotonic() - t
-    assert len(full) > 50 and freed_s < full_s, f"freed after {freed_s:.3f} s; the whole generation takes {full_s:.3f} s"
+    assert len(full) > 50 and freed_s < full_s, (
+        f"freed after {freed_s:.3f} s; the whole generation takes {full_s:.3f} s"
+    )
     assert len(await run(router, "v0", "next", n=2)) == 2
 
 
