@@ -15,11 +15,13 @@ inputs, Σ_k E[x_k²] · Σ_n (R_nk² − R'_nk²) (with no calibration, E[x²] 
 error), so gains of different layers compare. Every weight gets plane 1 (BitDelta itself: a
 weight left without it costs far more than its bytes, measured on the hard family member), unless
 the budget is below that and `drop` leaves weights out by the KL their plane 1 is measured to be
-worth per byte: measured per kind of weight (all layers' q_proj left out at once), shared within
-a kind by the output error (neither the output error nor the diagonal Fisher ranks kinds: both
-rate the embedding ~10x too high against the projections, and dropping weights by either alone
-on the hard member doubled KL against leaving out one measured kind); the rest of a budget in bytes is spent greedily: always the option with the most gain per byte among
-every weight's next one, so hard matrices get 2–3 planes and easy ones 1. Without a budget every
+worth per byte: measured per kind of weight (all layers' q_proj left out at once), whole kinds
+left out first, the least KL per byte of the kind first, and only the last kind needed in part,
+its weights ranked by the output error (neither the output error nor the diagonal Fisher ranks
+kinds: both rate the embedding ~10x too high against the projections, and dropping weights by
+either alone on the hard member doubled KL against leaving out one measured kind). The rest of a
+budget in bytes is spent greedily: always the option with the most gain per byte among every
+weight's next one, so hard matrices get 2–3 planes and easy ones 1. Without a budget every
 weight gets the whole chain.
 α's are closed-form for the fixed signs (weighted mean of |R| along the axis); scale
 distillation (`bitdelta.distill`) then tunes every plane's α and the low-rank factors jointly.
@@ -41,7 +43,8 @@ ALPHA_CHOICES = (*AXES, "auto")  # "auto": per plane, the axis with the least er
 # 2: plane 1 of every weight first, the embeddings compete for the rest like the projections;
 # 3: the embeddings' planes scale rows (per token) whatever `alpha` says.
 # 4: the budget pays the file's header too (a 1/16 budget made a file of 1/15.9).
-ALGORITHM_VERSION = 4
+# 5: a budget below plane 1 of every weight leaves out whole kinds first (`left_out`).
+ALGORITHM_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -255,26 +258,29 @@ def kind_kl(
 
 
 def left_out(chains: dict[str, _Chain], kl: dict[str, float], budget: int) -> list[str]:
-    """The weights to leave out so that plane 1 of every other weight fits `budget`: the least KL
-    per byte first, a weight's KL being its kind's (`kind_kl`) shared among the kind's weights by
-    their plane 1's gain (the output signal ranks weights of one kind, not kinds). ValueError when
-    not even one weight's plane 1 would be left."""
-    total: dict[str, float] = {}
-    for name, c in chains.items():
-        total[kind(name)] = total.get(kind(name), 0.0) + max(c.plane_gain[0], 0.0)
-
-    def kl_per_byte(name: str) -> float:
-        k, c = kind(name), chains[name]
-        share = max(c.plane_gain[0], 0.0) / total[k] if total[k] > 0 else 1 / len(chains)
-        return max(kl[k], 0.0) * share / c.cost(0)
-
-    need = sum(c.cost(0) for c in chains.values()) - budget
-    out = []
-    for name in sorted(chains, key=kl_per_byte):
+    """The weights to leave out so that plane 1 of every other weight fits `budget`: whole kinds
+    first, the least measured KL (`kind_kl`) per byte of the whole kind first; only the last kind
+    needed is left out in part, its weights ranked by their share of the kind's KL (their plane 1's
+    output gain: the output signal ranks weights of one kind, not kinds; sharing every kind's KL
+    this way left out 10 down_proj and 1 o_proj on the hard member, KL 0.084, where all its q_proj
+    cost 0.013). ValueError when not even one weight's plane 1 would be left."""
+    kinds: dict[str, list[str]] = {}
+    for name in chains:
+        kinds.setdefault(kind(name), []).append(name)
+    cost = {k: sum(chains[n].cost(0) for n in names) for k, names in kinds.items()}
+    need = sum(cost.values()) - budget
+    out: list[str] = []
+    for k in sorted(kinds, key=lambda k: max(kl[k], 0.0) / cost[k]):
         if need <= 0:
             break
-        out.append(name)
-        need -= chains[name].cost(0)
+        names = kinds[k]
+        if cost[k] > need:  # the last kind needed: its weights with the least output gain per byte first
+            names = sorted(names, key=lambda n: max(chains[n].plane_gain[0], 0.0) / chains[n].cost(0))
+        for name in names:
+            if need <= 0:
+                break
+            out.append(name)
+            need -= chains[name].cost(0)
     if need > 0 or len(out) == len(chains):
         raise ValueError(f"a budget of {budget} bytes leaves no weight its sign plane")
     return out

@@ -145,15 +145,17 @@ def test_budget_of_the_whole_file(family, tmp_path):
         compress(base, v0, tmp_path / "x.st", planes=PlaneConfig(planes=2, budget=10), progress=False)
 
 
-def test_left_out_drops_the_weights_worth_least_kl_per_byte():
-    """A kind's measured KL is shared among its weights by their plane 1's gain: the cheap kind's
-    weak weight goes first, then its strong one and the other cheap kind's weak one."""
+def test_left_out_drops_whole_kinds_worth_least_kl_per_byte():
+    """Whole kinds go first, the least measured KL per byte of the kind first; only the last kind
+    needed goes in part, its weak weight (least output gain) first. A down_proj with a tiny delta
+    stays although its share of down_proj's KL is below anything q_proj's weights are worth."""
     g = torch.Generator().manual_seed(2)
     cfg = PlaneConfig()
+    scale = {"self_attn.q_proj": (1, 3), "self_attn.k_proj": (1, 3), "mlp.down_proj": (0.01, 5)}
     chains = {
-        f"model.layers.{i}.{k}.weight": chain(torch.randn(32, 64, generator=g) * (1 + 2 * i), cfg)
+        f"model.layers.{i}.{k}.weight": chain(torch.randn(32, 64, generator=g) * scale[k][i], cfg)
         for i in range(2)
-        for k in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj")
+        for k in scale
     }
     one = chains["model.layers.0.mlp.down_proj.weight"].cost(0)  # every plane 1 costs the same here
     kl = {
@@ -165,8 +167,14 @@ def test_left_out_drops_the_weights_worth_least_kl_per_byte():
     assert left_out(chains, kl, 5 * one) == ["model.layers.0.self_attn.q_proj.weight"]
     assert left_out(chains, kl, 3 * one) == [
         "model.layers.0.self_attn.q_proj.weight",
-        "model.layers.0.self_attn.k_proj.weight",
         "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+    ]
+    assert left_out(chains, kl, 2 * one) == [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.1.self_attn.k_proj.weight",
     ]
     with pytest.raises(ValueError, match="leaves no weight its sign plane"):
         left_out(chains, kl, one - 1)
