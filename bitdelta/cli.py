@@ -206,8 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--drop",
         action="store_true",
-        help="when --budget is below one sign plane per weight, leave whole kinds of weight out (all layers' "
-        "q_proj, say): the least KL(fine-tune ‖ ·) per byte first, measured on --calib",
+        help="spend --budget by the KL(fine-tune ‖ ·) per byte measured on --calib per kind of weight (its "
+        "plane 1, its plane 2 or first rank chunk): may leave whole kinds out (all layers' q_proj, say), as it "
+        "must when --budget is below one sign plane per weight",
     )
     c.add_argument(
         "--embeddings",

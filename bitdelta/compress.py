@@ -82,8 +82,8 @@ def compress(
 
     planes: compression beyond one sign plane per weight (`bitdelta.planes`: residual planes,
     low-rank, per-column or chosen α, a byte budget for the whole file, its header included;
-    `drop`: whole kinds of weight left out by their measured KL when plane 1 of every weight does
-    not fit); its `alpha` replaces `alpha_mode`, and compressed embeddings compete for the budget
+    `drop`: the budget spent by the measured KL per byte of each kind of weight's plane 1 and
+    second option, `planes.spend`, which may leave weights out); its `alpha` replaces `alpha_mode`, and compressed embeddings compete for the budget
     like the projections.
     calibration: 1-D token ids whose inputs weigh each option's gain (`planes.input_power`)."""
     base, finetuned, out = Path(base), Path(finetuned), Path(out)
@@ -145,22 +145,22 @@ def compress(
         if planes.drop and calibration is None:
             raise ValueError("leaving kinds of weight out (drop) needs calibration tokens to measure their KL")
     plain_weights = dict(compressed)
-    kl = None  # KL per kind of weight, measured once plane 1 of every weight does not fit (drop)
+    kl = None  # what each kind of weight's plane 1 and second option are worth (drop: measured once)
+    if chains and planes.drop and budget is not None:
+        from bitdelta.model import load_model
+        from bitdelta.planes import kind_kl
+
+        kl = kind_kl(load_model(base), load_model(finetuned), chains, calibration)
+        meta_extra["kl_without_plane1"] = json.dumps({k: round(v.plane1, 5) for k, v in kl.items()})
+        meta_extra["kl_second_option"] = json.dumps(
+            {k: round(v.second, 5) for k, v in kl.items() if v.second is not None}
+        )
     header = 0  # what the file holds beyond its tensors (its JSON header): the budget pays it too
     while True:
         if chains:
-            kept = chains
-            if planes.drop and budget is not None and sum(c.cost(0) for c in chains.values()) > budget - header:
-                from bitdelta.model import load_model
-                from bitdelta.planes import kind_kl, left_out
-
-                if kl is None:
-                    kl = kind_kl(load_model(base), load_model(finetuned), chains, calibration)
-                    meta_extra["kl_without_plane1"] = json.dumps({k: round(v, 5) for k, v in kl.items()})
-                gone = left_out(chains, kl, budget - header)
-                kept = {name: c for name, c in chains.items() if name not in gone}
-                meta_extra["left_out"] = json.dumps(gone)
-            compressed = {**plain_weights, **spend(kept, None if budget is None else budget - header)}
+            compressed = {**plain_weights, **spend(chains, None if budget is None else budget - header, kl)}
+            if kl is not None:
+                meta_extra["left_out"] = json.dumps([name for name in chains if name not in compressed])
         meta = DeltaMeta(
             variant=variant or finetuned.name,
             base_model=base_cfg.get("_name_or_path") or base.name,

@@ -12,16 +12,18 @@ before it:
 
 Each option's gain is how much it lowers the squared error of the layer's OUTPUT on calibration
 inputs, Σ_k E[x_k²] · Σ_n (R_nk² − R'_nk²) (with no calibration, E[x²] = 1: the Frobenius
-error), so gains of different layers compare. Every weight gets plane 1 (BitDelta itself: a
-weight left without it costs far more than its bytes, measured on the hard family member), unless
-the budget is below that and `drop` leaves weights out by the KL their plane 1 is measured to be
-worth per byte: measured per kind of weight (all layers' q_proj left out at once), whole kinds
-left out first, the least KL per byte of the kind first, and only the last kind needed in part,
-its weights ranked by the output error (neither the output error nor the diagonal Fisher ranks
-kinds: both rate the embedding ~10x too high against the projections, and dropping weights by
-either alone on the hard member doubled KL against leaving out one measured kind). The rest of a
-budget in bytes is spent greedily: always the option with the most gain per byte among every
-weight's next one, so hard matrices get 2–3 planes and easy ones 1. Without a budget every
+error), so gains of different layers compare; they rank weights of one kind, not kinds (both the
+output error and the diagonal Fisher rate the embedding ~10x too high against the projections).
+
+Without `drop`, every weight gets plane 1 (BitDelta itself) and the rest of the budget goes
+greedily to the option with the most gain per byte among every weight's next one, so hard
+matrices get 2–3 planes and easy ones 1. With `drop`, the budget is first spent by KL measured
+per kind of weight (`kind_kl`: what all layers' plane 1 of the kind is worth, and what their
+second option removes, against base + every plane 1), in blocks of one kind's option on all its
+layers, the most KL per byte first (`spend`): a cheap kind's plane 1 (q_proj) can lose to another
+kind's plane 2, and a budget below plane 1 of every weight leaves out whole kinds, only the last
+one needed in part (sharing each kind's KL among its weights by output error instead left out 10
+down_proj on the hard member, KL 0.084, where all its q_proj cost 0.013). Without a budget every
 weight gets the whole chain.
 α's are closed-form for the fixed signs (weighted mean of |R| along the axis); scale
 distillation (`bitdelta.distill`) then tunes every plane's α and the low-rank factors jointly.
@@ -44,7 +46,8 @@ ALPHA_CHOICES = (*AXES, "auto")  # "auto": per plane, the axis with the least er
 # 3: the embeddings' planes scale rows (per token) whatever `alpha` says.
 # 4: the budget pays the file's header too (a 1/16 budget made a file of 1/15.9).
 # 5: a budget below plane 1 of every weight leaves out whole kinds first (`left_out`).
-ALGORITHM_VERSION = 5
+# 6: `drop` spends the budget by measured KL per byte of each kind's plane 1 and second option.
+ALGORITHM_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -58,9 +61,9 @@ class PlaneConfig:
     rank: int = 0
     rank_step: int = 8
     budget: int | None = None
-    # When plane 1 of every weight does not fit `budget`: leave weights out, the ones whose plane 1
-    # is worth the least KL(ft ‖ ·) per byte (measured per kind of weight on calibration tokens,
-    # `kind_kl`, shared within a kind by the output signal, `left_out`), until it does.
+    # Spend `budget` by the KL(ft ‖ ·) per byte measured per kind of weight on calibration tokens
+    # (`kind_kl`, `spend`): a kind's plane 1 against another's plane 2, and weights left out (they
+    # stay the base's) when that is worth least, as it must be when plane 1 of every weight does not fit.
     drop: bool = False
 
     def __post_init__(self):
@@ -126,6 +129,14 @@ class _Chain:
     def options(self) -> int:
         return len(self.planes) + len(self.rank_gain)
 
+    def option(self, i: int) -> torch.Tensor:
+        """Option i's term of the reconstruction: fp32 [d_out, d_in]."""
+        if i < len(self.planes):
+            p = self.planes[i]
+            return unpack_signs(p.signs, self.shape[1], torch.float32) * p.scale()
+        j = (i - len(self.planes)) * self.rank_step
+        return self.u[:, j : j + self.rank_step].float() @ self.v[j : j + self.rank_step].float()
+
     def result(self) -> CompressedWeight | None:
         k = min(self.taken, len(self.planes))
         if k == 0:
@@ -159,31 +170,75 @@ def chain(delta: torch.Tensor, cfg: PlaneConfig, w: torch.Tensor | None = None) 
     return c
 
 
-def spend(chains: dict[str, _Chain], budget: int | None) -> dict[str, CompressedWeight]:
-    """Plane 1 of every weight, then the other options greedily by gain per byte until `budget`
-    (None: all of them). ValueError when the budget does not cover plane 1 of every weight."""
+def spend(
+    chains: dict[str, _Chain], budget: int | None, kl: dict[str, KindKL] | None = None
+) -> dict[str, CompressedWeight]:
+    """Spend `budget` bytes (None: every option of every weight) on the chains' options.
+
+    Without `kl`: plane 1 of every weight (ValueError when the budget does not cover it), then
+    every weight's next option greedily by output gain per byte.
+
+    With `kl` (per kind, what its plane 1 and its second option are measured to be worth,
+    `kind_kl`): first the measured stage, in blocks of one kind's option i ∈ {1, 2} on all its
+    layers, the block of most measured KL per byte first (a kind's option 2 once its plane 1 is
+    in); each block's weights are taken in order of output gain per byte while they fit, so a
+    block that does not fit whole is taken in part and the cheaper blocks after it get what is
+    left. So a kind's plane 1 can lose to another kind's plane 2 (the embedding's, say, against
+    q_proj's plane 1), and a budget below plane 1 of every weight leaves out whole kinds, the
+    least KL per byte first, only the last one needed in part. Then the bytes left go to the
+    output-error greedy over the kept weights' next options (a weight left without plane 1 stays
+    out). ValueError when no weight keeps its plane 1."""
     if budget is None:
         for c in chains.values():
             c.taken = c.options
-    else:
+        return {name: cw for name, c in chains.items() if (cw := c.result()) is not None}
+    left = budget
+    for c in chains.values():
+        c.taken = 0
+    if kl is None:
         first = sum(c.cost(0) for c in chains.values())
         if first > budget:
             raise ValueError(f"a budget of {budget} bytes is less than one sign plane per weight ({first} bytes)")
-        left = budget - first
+        left -= first
         for c in chains.values():
             c.taken = 1
-        heap = [(-c.gain(1) / c.cost(1), name) for name, c in chains.items() if c.options > 1]
-        heapq.heapify(heap)
-        while heap:
-            _, name = heapq.heappop(heap)
-            c = chains[name]
-            cost = c.cost(c.taken)
-            if cost > left:
-                continue  # this weight's chain stops here; cheaper options elsewhere may still fit
-            left -= cost
-            c.taken += 1
-            if c.taken < c.options:
-                heapq.heappush(heap, (-c.gain(c.taken) / c.cost(c.taken), name))
+    else:
+        kinds: dict[str, list[str]] = {}
+        for name in chains:
+            kinds.setdefault(kind(name), []).append(name)
+
+        def block(k: str, i: int) -> tuple[float, str, int] | None:
+            names = [n for n in kinds[k] if chains[n].options > i]
+            value = kl[k].plane1 if i == 0 else kl[k].second
+            if not names or value is None:
+                return None
+            return (-max(value, 0.0) / sum(chains[n].cost(i) for n in names), k, i)
+
+        blocks = [b for k in kinds if (b := block(k, 0)) is not None]
+        heapq.heapify(blocks)
+        while blocks:
+            _, k, i = heapq.heappop(blocks)
+            names = [n for n in kinds[k] if chains[n].taken == i and chains[n].options > i]
+            for name in sorted(names, key=lambda n: -max(chains[n].gain(i), 0.0) / chains[n].cost(i)):
+                if chains[name].cost(i) <= left:
+                    left -= chains[name].cost(i)
+                    chains[name].taken = i + 1
+            if i == 0 and (b := block(k, 1)) is not None:
+                heapq.heappush(blocks, b)
+        if all(c.taken == 0 for c in chains.values()):
+            raise ValueError(f"a budget of {budget} bytes leaves no weight its sign plane")
+    heap = [(-c.gain(c.taken) / c.cost(c.taken), name) for name, c in chains.items() if 0 < c.taken < c.options]
+    heapq.heapify(heap)
+    while heap:
+        _, name = heapq.heappop(heap)
+        c = chains[name]
+        cost = c.cost(c.taken)
+        if cost > left:
+            continue  # this weight's chain stops here; cheaper options elsewhere may still fit
+        left -= cost
+        c.taken += 1
+        if c.taken < c.options:
+            heapq.heappush(heap, (-c.gain(c.taken) / c.cost(c.taken), name))
     return {name: cw for name, c in chains.items() if (cw := c.result()) is not None}
 
 
@@ -220,13 +275,24 @@ def kind(name: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", name)
 
 
+@dataclass(frozen=True)
+class KindKL:
+    """What one kind of weight's options are worth, in KL(fine-tune ‖ ·) per token on calibration
+    tokens, against base + every weight's plane 1."""
+
+    plane1: float  # added when the plane 1 of all the kind's layers is left out
+    second: float | None = None  # removed when the second option (plane 2, or the first rank chunk)
+    # of all the kind's layers that have one is added; None: none has one
+
+
 @torch.no_grad()
 def kind_kl(
     base, finetuned, chains: dict[str, _Chain], tokens: torch.Tensor, windows: int = 8, seq_len: int = 128
-) -> dict[str, float]:
-    """Per kind of weight, the KL(fine-tune ‖ ·) per token that leaving out the plane 1 of every
-    weight of that kind adds to base + every weight's plane 1; `base` and `finetuned` are `Llama`s
-    (`base` is changed in place), measured on `windows` evenly spread windows of `tokens` (1-D)."""
+) -> dict[str, KindKL]:
+    """Per kind of weight, what leaving out its plane 1 adds to and adding its second option
+    removes from KL(fine-tune ‖ base + every weight's plane 1), per token (`KindKL`); `base` and
+    `finetuned` are `Llama`s (`base` is changed in place), measured on `windows` evenly spread
+    windows of `tokens` (1-D)."""
     from bitdelta.evaluate import kl_per_token
 
     n = max(1, min(windows, tokens.numel() // (seq_len + 1)))
@@ -235,52 +301,26 @@ def kind_kl(
     ref = [finetuned(x[i : i + 1]).float().log_softmax(-1) for i in range(n)]
     params = dict(base.named_parameters())
 
-    def plane1(name: str, sign: float) -> None:
-        p, d_in = chains[name].planes[0], chains[name].shape[1]
-        w = params[name]
-        w.add_((sign * unpack_signs(p.signs, d_in, torch.float32) * p.scale()).to(w.dtype))
+    def add(names: list[str], i: int, sign: float) -> None:
+        for name in names:
+            w = params[name]
+            w.add_((sign * chains[name].option(i)).to(w.dtype))
 
     def kl() -> float:
         return sum(float(kl_per_token(ref[i], base(x[i : i + 1]).float().log_softmax(-1)).mean()) for i in range(n)) / n
 
-    for name in chains:
-        plane1(name, 1.0)
+    add(list(chains), 0, 1.0)
     every = kl()
     out = {}
     for k in sorted({kind(name) for name in chains}):
         names = [name for name in chains if kind(name) == k]
-        for name in names:
-            plane1(name, -1.0)
-        out[k] = kl() - every
-        for name in names:
-            plane1(name, 1.0)
-    return out
-
-
-def left_out(chains: dict[str, _Chain], kl: dict[str, float], budget: int) -> list[str]:
-    """The weights to leave out so that plane 1 of every other weight fits `budget`: whole kinds
-    first, the least measured KL (`kind_kl`) per byte of the whole kind first; only the last kind
-    needed is left out in part, its weights ranked by their share of the kind's KL (their plane 1's
-    output gain: the output signal ranks weights of one kind, not kinds; sharing every kind's KL
-    this way left out 10 down_proj and 1 o_proj on the hard member, KL 0.084, where all its q_proj
-    cost 0.013). ValueError when not even one weight's plane 1 would be left."""
-    kinds: dict[str, list[str]] = {}
-    for name in chains:
-        kinds.setdefault(kind(name), []).append(name)
-    cost = {k: sum(chains[n].cost(0) for n in names) for k, names in kinds.items()}
-    need = sum(cost.values()) - budget
-    out: list[str] = []
-    for k in sorted(kinds, key=lambda k: max(kl[k], 0.0) / cost[k]):
-        if need <= 0:
-            break
-        names = kinds[k]
-        if cost[k] > need:  # the last kind needed: its weights with the least output gain per byte first
-            names = sorted(names, key=lambda n: max(chains[n].plane_gain[0], 0.0) / chains[n].cost(0))
-        for name in names:
-            if need <= 0:
-                break
-            out.append(name)
-            need -= chains[name].cost(0)
-    if need > 0 or len(out) == len(chains):
-        raise ValueError(f"a budget of {budget} bytes leaves no weight its sign plane")
+        add(names, 0, -1.0)
+        plane1 = kl() - every
+        add(names, 0, 1.0)
+        second = None
+        if more := [name for name in names if chains[name].options > 1]:
+            add(more, 1, 1.0)
+            second = every - kl()
+            add(more, 1, -1.0)
+        out[k] = KindKL(plane1, second)
     return out

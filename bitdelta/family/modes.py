@@ -25,7 +25,7 @@ class Mode:
     planes: int = 1
     rank: int = 0
     budget: Fraction | None = None  # of the base's bf16 bytes (None: no budget)
-    drop: bool = False  # whole kinds of weight may be left out to fit the budget (PlaneConfig.drop)
+    drop: bool = False  # the budget spent by measured KL per byte of each kind (PlaneConfig.drop)
 
     @property
     def plain(self) -> bool:
@@ -44,10 +44,10 @@ class Mode:
 #
 # Beyond one plane, budgets are fractions of the base's bf16 bytes (of the whole file): one plane
 # per weight is already 1/15 of them on this 135M model (every weight has a sign, plus its α's and
-# the header), so 1/15 is "equal bytes" and 1/16 needs weights left out: every budgeted mode may
-# leave out the weights whose plane 1 is worth the least KL per byte (PlaneConfig.drop; at 1/16
-# on the hard member, q_proj). The v3 header of a multi-plane file is larger than v2's, so at
-# 1/15 it too leaves a few weights out.
+# the header), so 1/15 is "equal bytes" and 1/16 needs weights left out: every budgeted mode
+# spends its budget by the KL per byte measured per kind of weight (PlaneConfig.drop), which
+# leaves out the kinds whose plane 1 is worth least (at 1/16 on the hard member, q_proj) and may
+# trade a kind's plane 1 for another kind's plane 2.
 MODES: dict[str, Mode] = {
     "matrix": Mode("matrix", "dense", False),
     "matrix-distilled": Mode("matrix", "dense", True),

@@ -216,7 +216,7 @@ def evaluate_variant(p: FamilyPaths, variant: str, cfg: QualityConfig, log=print
             s["distill"] = {
                 k: delta.meta.distilled.get(k) for k in ("steps", "lr", "batch", "seq_len", "final_train_mse")
             }
-        for key in ("left_out", "kl_without_plane1"):  # what a budget below one plane each left out, and why
+        for key in ("left_out", "kl_without_plane1", "kl_second_option"):  # what a budget left out, and why
             if key in delta.meta.extra:
                 s[key] = json.loads(delta.meta.extra[key])
         res["models"][mode] = s
@@ -489,30 +489,35 @@ def beyond_one_plane(results: list[dict]) -> list[str]:
             f"{100 * b['gain_kept']:.1f} % | {b['kl_from_ft']:.4f} | {'meets both' if ok else '**misses**'} | "
             f"{left_out_summary(b.get('left_out', []))} | {plain} |"
         )
-    measured = [
-        (r, k, m["kl_without_plane1"]) for r in results for k, m in r["models"].items() if "kl_without_plane1" in m
-    ]
+    measured = [(r, k, m) for r in results for k, m in r["models"].items() if "kl_without_plane1" in m]
     if measured:
         lines += [
             "",
-            "## What each kind of weight's plane 1 is worth",
+            "## What each kind of weight's options are worth",
             "",
-            "KL(ft ‖ ·) added to base + every weight's plane 1 when the plane 1 of every layer's matrix of one kind "
-            "is left out, measured on the train split by the first mode that had to leave weights out "
-            "(`bitdelta.planes.kind_kl`); a budget below one plane each leaves out the least KL per byte first.",
+            "Against base + every weight's plane 1, measured on the train split (`bitdelta.planes.kind_kl`) by "
+            "the first mode of each measurement (the first with one plane; the first with a second option): "
+            "the KL(ft ‖ ·) that leaving out the plane 1 of every layer's matrix of one kind adds, and the KL "
+            "that adding their second option (plane 2, or the first rank chunk) removes. A measured budget "
+            "(`drop`) spends by these per byte of the whole kind (`bitdelta.planes.spend`).",
             "",
-            "| variant | measured by | " + " | ".join(KIND_NAMES) + " |",
-            "|---|---|" + "---:|" * len(KIND_NAMES),
+            "| variant | option | measured by | " + " | ".join(KIND_NAMES) + " |",
+            "|---|---|---|" + "---:|" * len(KIND_NAMES),
         ]
         seen = set()
-        for r, k, kl in measured:
-            if r["variant"] in seen:
-                continue
-            seen.add(r["variant"])
-            by = {_short(name): v for name, v in kl.items()}
-            lines.append(
-                f"| {r['variant']} | {k} | " + " | ".join(f"{by.get(n, math.nan):.4f}" for n in KIND_NAMES) + " |"
-            )
+        for r, k, m in measured:
+            for key, what in (("kl_without_plane1", "plane 1 (added when left out)"), ("kl_second_option", None)):
+                if key not in m or (r["variant"], key) in seen:
+                    continue
+                if what is None:
+                    what = "plane 2 (removed)" if MODES[k.split("@")[0]].planes > 1 else "rank chunk 1 (removed)"
+                seen.add((r["variant"], key))
+                by = {_short(name): v for name, v in m[key].items()}
+                lines.append(
+                    f"| {r['variant']} | {what} | {k} | "
+                    + " | ".join(f"{by.get(n, math.nan):.4f}" for n in KIND_NAMES)
+                    + " |"
+                )
     seeded = [(r, k) for r in results for k in r["models"] if "@seed" in k]
     if seeded:
         lines += [

@@ -22,7 +22,7 @@ from bitdelta.format import (
     verify,
 )
 from bitdelta.model import attach_delta, load_model
-from bitdelta.planes import PlaneConfig, best_plane, chain, kind, kind_kl, left_out, spend
+from bitdelta.planes import KindKL, PlaneConfig, best_plane, chain, kind, kind_kl, spend
 from kernels.bits import unpack_signs
 from tests.support.cli import run_cli
 
@@ -145,40 +145,71 @@ def test_budget_of_the_whole_file(family, tmp_path):
         compress(base, v0, tmp_path / "x.st", planes=PlaneConfig(planes=2, budget=10), progress=False)
 
 
-def test_left_out_drops_whole_kinds_worth_least_kl_per_byte():
-    """Whole kinds go first, the least measured KL per byte of the kind first; only the last kind
-    needed goes in part, its weak weight (least output gain) first. A down_proj with a tiny delta
-    stays although its share of down_proj's KL is below anything q_proj's weights are worth."""
+def _kinds_chains(cfg: PlaneConfig, scale: dict[str, tuple[float, float]]) -> dict:
     g = torch.Generator().manual_seed(2)
-    cfg = PlaneConfig()
-    scale = {"self_attn.q_proj": (1, 3), "self_attn.k_proj": (1, 3), "mlp.down_proj": (0.01, 5)}
-    chains = {
+    return {
         f"model.layers.{i}.{k}.weight": chain(torch.randn(32, 64, generator=g) * scale[k][i], cfg)
         for i in range(2)
         for k in scale
     }
-    one = chains["model.layers.0.mlp.down_proj.weight"].cost(0)  # every plane 1 costs the same here
+
+
+def test_a_measured_budget_leaves_out_whole_kinds_worth_least_kl_per_byte():
+    """Whole kinds go first, the least measured KL per byte of the kind first; only the last kind
+    needed goes in part, its weak weight (least output gain) first. A down_proj with a tiny delta
+    stays although its share of down_proj's KL is below anything q_proj's weights are worth."""
+    scale = {"self_attn.q_proj": (1, 3), "self_attn.k_proj": (1, 3), "mlp.down_proj": (0.01, 5)}
     kl = {
-        "model.layers.*.self_attn.q_proj.weight": 0.01,
-        "model.layers.*.self_attn.k_proj.weight": 0.02,
-        "model.layers.*.mlp.down_proj.weight": 0.5,
+        "model.layers.*.self_attn.q_proj.weight": KindKL(0.01),
+        "model.layers.*.self_attn.k_proj.weight": KindKL(0.02),
+        "model.layers.*.mlp.down_proj.weight": KindKL(0.5),
     }
-    assert left_out(chains, kl, 6 * one) == []
-    assert left_out(chains, kl, 5 * one) == ["model.layers.0.self_attn.q_proj.weight"]
-    assert left_out(chains, kl, 3 * one) == [
+    one = _kinds_chains(PlaneConfig(), scale)["model.layers.0.mlp.down_proj.weight"].cost(0)  # all cost the same
+
+    def left_out(budget: int) -> list[str]:
+        chains = _kinds_chains(PlaneConfig(), scale)
+        kept = spend(chains, budget, kl)
+        assert sum(cw.nbytes for cw in kept.values()) <= budget
+        return sorted(set(chains) - set(kept))
+
+    assert left_out(6 * one) == []
+    assert left_out(5 * one) == ["model.layers.0.self_attn.q_proj.weight"]
+    assert left_out(3 * one) == [
+        "model.layers.0.self_attn.k_proj.weight",
         "model.layers.0.self_attn.q_proj.weight",
         "model.layers.1.self_attn.q_proj.weight",
-        "model.layers.0.self_attn.k_proj.weight",
     ]
-    assert left_out(chains, kl, 2 * one) == [
-        "model.layers.0.self_attn.q_proj.weight",
-        "model.layers.1.self_attn.q_proj.weight",
+    assert left_out(2 * one) == [
         "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.q_proj.weight",
         "model.layers.1.self_attn.k_proj.weight",
+        "model.layers.1.self_attn.q_proj.weight",
     ]
     with pytest.raises(ValueError, match="leaves no weight its sign plane"):
-        left_out(chains, kl, one - 1)
+        spend(_kinds_chains(PlaneConfig(), scale), one - 1, kl)
     assert kind("model.layers.12.mlp.up_proj.weight") == "model.layers.*.mlp.up_proj.weight"
+
+
+def test_a_measured_budget_trades_a_cheap_plane_1_for_a_dear_plane_2():
+    """At the bytes of plane 1 everywhere, down_proj's plane 2 (measured to remove 0.2) beats
+    q_proj's plane 1 (worth 0.01): q_proj is left out, down_proj gets two planes; by output error
+    alone every weight keeps plane 1. Bytes past the measured blocks go by output gain."""
+    scale = {"self_attn.q_proj": (1, 1), "mlp.down_proj": (1, 1)}
+    cfg = PlaneConfig(planes=3)
+    kl = {
+        "model.layers.*.self_attn.q_proj.weight": KindKL(0.01, 0.001),
+        "model.layers.*.mlp.down_proj.weight": KindKL(0.5, 0.2),
+    }
+    one = _kinds_chains(cfg, scale)["model.layers.0.mlp.down_proj.weight"].cost(0)  # every option costs the same
+    got = spend(_kinds_chains(cfg, scale), 4 * one, kl)
+    assert sorted(got) == ["model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"]
+    assert all(len(cw.planes) == 2 for cw in got.values())
+    got = spend(_kinds_chains(cfg, scale), 4 * one)
+    assert len(got) == 4 and all(len(cw.planes) == 1 for cw in got.values())
+    got = spend(_kinds_chains(cfg, scale), 7 * one, kl)  # three blocks whole, q_proj's plane 2 in part
+    assert sorted(len(cw.planes) for cw in got.values()) == [1, 2, 2, 2]
+    got = spend(_kinds_chains(cfg, scale), 9 * one, kl)  # all four blocks (8), then one plane 3
+    assert sorted(len(cw.planes) for cw in got.values()) == [2, 2, 2, 3]
 
 
 def test_kind_kl_measures_what_each_kind_s_plane_is_worth(family):
@@ -192,7 +223,7 @@ def test_kind_kl_measures_what_each_kind_s_plane_is_worth(family):
     with CheckpointReader(base) as rb, CheckpointReader(v0) as rf:
         for name in rf.keys():
             if ".layers." in name and name.endswith("proj.weight"):
-                chains[name] = chain(rf.get(name).float() - rb.get(name).float(), PlaneConfig())
+                chains[name] = chain(rf.get(name).float() - rb.get(name).float(), PlaneConfig(planes=2))
     calib = torch.randint(0, 250, (3000,), generator=torch.Generator().manual_seed(5))
     ft = load_model(v0)
     kl = kind_kl(load_model(base), ft, chains, calib, windows=2, seq_len=32)
@@ -201,14 +232,17 @@ def test_kind_kl_measures_what_each_kind_s_plane_is_worth(family):
     x = torch.stack([calib[s : s + 32] for s in torch.linspace(0, calib.numel() - 33, 2).long().tolist()])
     ref = ft(x).float().log_softmax(-1)
 
-    def measured(names) -> float:
-        d = Delta(meta, {n: CompressedWeight(chains[n].planes[:1], chains[n].shape) for n in names}, {})
+    def measured(names, two=()) -> float:
+        cws = {n: CompressedWeight(chains[n].planes[: 2 if n in two else 1], chains[n].shape) for n in names}
+        d = Delta(meta, cws, {})
         return float(kl_per_token(ref, attach_delta(load_model(base), d)(x).float().log_softmax(-1)).mean())
 
     every = measured(chains)
     for k in ("model.layers.*.self_attn.q_proj.weight", "model.layers.*.mlp.down_proj.weight"):
         want = measured([n for n in chains if kind(n) != k]) - every
-        assert kl[k] == pytest.approx(want, rel=1e-3, abs=1e-7), k
+        assert kl[k].plane1 == pytest.approx(want, rel=1e-3, abs=1e-7), k
+        want = every - measured(chains, two=[n for n in chains if kind(n) == k])
+        assert kl[k].second == pytest.approx(want, rel=1e-3, abs=1e-7), k
 
 
 def test_a_budget_below_one_plane_each_leaves_kinds_out(family, tmp_path):
@@ -225,6 +259,7 @@ def test_a_budget_below_one_plane_each_leaves_kinds_out(family, tmp_path):
     delta = load_delta(out)
     gone = json.loads(delta.meta.extra["left_out"])
     assert gone and len(json.loads(delta.meta.extra["kl_without_plane1"])) == 7
+    assert len(json.loads(delta.meta.extra["kl_second_option"])) == 7
     assert not set(gone) & set(delta.compressed) and len(delta.compressed) + len(gone) == 14  # 2 layers x 7
     dense = apply(base, out, tmp_path / "a", progress=False)
     ids = torch.randint(0, 250, (2, 13), generator=torch.Generator().manual_seed(3))

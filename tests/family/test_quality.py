@@ -161,7 +161,11 @@ def test_beyond_one_plane_sections_and_pareto_plot(tmp_path):
         "finetuned": {"ppl": 8.0, "kl_from_ft": 0.0, "gain_kept": 1.0},
         "base": {"ppl": 10.0, "kl_from_ft": 0.5, "gain_kept": 0.0},
         q.SERVING_MODE: m(8.2, 0.05, 1_060_000),  # 1/15.1 of bf16: fits 1/15, not 1/16
-        "planes-15-distilled": m(8.05, 0.01, 1_065_000),
+        "planes-15-distilled": {
+            **m(8.05, 0.01, 1_065_000),
+            "kl_without_plane1": {"model.layers.*.self_attn.q_proj.weight": 0.0126},
+            "kl_second_option": {"model.embed_tokens.weight": 0.05, "model.layers.*.self_attn.q_proj.weight": 0.001},
+        },
         "planes-8": m(8.01, 0.004, 2_000_000),  # fits no cap
         "planes-15-distilled@seed1": m(8.06, 0.011, 1_065_000),
     }
@@ -171,5 +175,8 @@ def test_beyond_one_plane_sections_and_pareto_plot(tmp_path):
     assert "| bard | 1/16: 1.0 MB | none fits |" in md
     assert "| bard | 1/15: 1.1 MB | planes-15-distilled | 1.1 | 97.5 % | 0.0100 | meets both |" in md
     assert "| bard | planes-15-distilled@seed1 | 8.050 | 8.060 | 0.010 | 0.5 pt | 0.0010 |" in md
+    nan = " | nan" * 6
+    assert f"| bard | plane 1 (added when left out) | planes-15-distilled | nan | 0.0126{nan} |" in md
+    assert f"| bard | plane 2 (removed) | planes-15-distilled | 0.0500 | 0.0010{nan} |" in md
     png = q.pareto_plot(res, tmp_path / "pareto.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
