@@ -80,13 +80,21 @@ def run_reports(
     build_info = {v: read_stamp(p, f"finetuned/{v}")["result"] for v in variants}
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
+    precisions = built_precisions(p, variants)
+    previous = ""  # the machine and precision of the report replaced here, when not this run's
+    try:
+        old = json.loads((report_dir / "quality.json").read_text())
+        if (old.get("machine"), old.get("trained_in")) != (machine(), precisions):
+            previous = f"{old.get('machine')} (family trained in: {old.get('trained_in')}; made {old.get('made')})"
+    except (OSError, json.JSONDecodeError):
+        pass
     (report_dir / "quality.json").write_text(
         json.dumps(
             {
                 "made": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "machine": machine(),
                 "command": command,
-                "trained_in": built_precisions(p, variants),
+                "trained_in": precisions,
                 "config": asdict(cfg),
                 "results": results,
                 "build": build_info,
@@ -95,9 +103,8 @@ def run_reports(
             default=str,
         )
     )
-    precisions = built_precisions(p, variants)
     (report_dir / "quality.md").write_text(
-        quality_markdown(results, cfg, command, build_info, precisions) + merging_markdown(report_dir)
+        quality_markdown(results, cfg, command, build_info, precisions, previous) + merging_markdown(report_dir)
     )
     plot(results, report_dir / "gain_kept.png")
     pareto_plot(results, report_dir / "pareto.png")

@@ -59,6 +59,7 @@ class QualityConfig:
     # distillation seed (reported as "<mode>@seed<N>").
     seed_modes: tuple[str, ...] = (
         "row-sign-emb-distilled",
+        "row-sign-emb-16-distilled",
         "planes-16-distilled",
         "lowrank-15-distilled",
     )
@@ -325,8 +326,10 @@ def _fmt(x: float, spec: str) -> str:
 
 
 def quality_markdown(
-    results: list[dict], cfg: QualityConfig, command: str, build_info: dict, precisions: str = ""
+    results: list[dict], cfg: QualityConfig, command: str, build_info: dict, precisions: str = "", previous: str = ""
 ) -> str:
+    """The report. previous: the machine and precision of the report this one replaces, when they
+    differ from this one's ("" otherwise)."""
     from bitdelta.family.build import DISTILL_LR, DISTILL_STEPS
 
     steps = cfg.distill_steps if cfg.distill_steps is not None else DISTILL_STEPS
@@ -340,6 +343,15 @@ def quality_markdown(
             else ""
         ),
         f"Command: `{command}`",
+        *(
+            [
+                "",
+                f"**Another machine than the previous report's**: that one was made on {previous}. Numbers "
+                "differ between the two by machine and training precision, not by code alone.",
+            ]
+            if previous
+            else []
+        ),
         "",
         f"Held-out split of each corpus, {cfg.eval_windows} windows × {cfg.seq_len} tokens per variant "
         "(spread evenly over the split). Gain kept = (ppl_base − ppl) / (ppl_base − ppl_ft). "

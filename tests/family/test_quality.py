@@ -55,6 +55,9 @@ def test_report_table_and_plot(tmp_path):
     assert "math: best matrix, 75.0 % kept, **misses the target**" in md
     # The serving default is the 6th mode: 3.0 + 6 × 0.05 = 3.3 -> 70 %.
     assert "serving default row-sign-emb-distilled (120.0 MB) keeps 70.0 % (**misses the target**)" in md
+    assert "previous report" not in md
+    md = q.quality_markdown(res, q.QualityConfig(), "bitdelta quality", {}, previous="vm: AMD EPYC (bf16)")
+    assert "**Another machine than the previous report's**: that one was made on vm: AMD EPYC (bf16)." in md
     png = q.plot(res, tmp_path / "gain.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
