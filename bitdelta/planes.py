@@ -181,9 +181,8 @@ def spend(
     With `kl` (per kind, what its plane 1 and its second option are measured to be worth,
     `kind_kl`): first the measured stage, in blocks of one kind's option i ∈ {1, 2} on all its
     layers, the block of most measured KL per byte first (a kind's option 2 once its plane 1 is
-    in); each block's weights are taken in order of output gain per byte while they fit, so a
-    block that does not fit whole is taken in part and the cheaper blocks after it get what is
-    left. So a kind's plane 1 can lose to another kind's plane 2 (the embedding's, say, against
+    in); each block's weights are taken in order of output gain per byte while they fit, so the
+    first block that does not fit whole is taken in part and ends the stage. So a kind's plane 1 can lose to another kind's plane 2 (the embedding's, say, against
     q_proj's plane 1), and a budget below plane 1 of every weight leaves out whole kinds, the
     least KL per byte first, only the last one needed in part. Then the bytes left go to the
     output-error greedy over the kept weights' next options (a weight left without plane 1 stays
@@ -216,13 +215,16 @@ def spend(
 
         blocks = [b for k in kinds if (b := block(k, 0)) is not None]
         heapq.heapify(blocks)
-        while blocks:
+        full = False
+        while blocks and not full:
             _, k, i = heapq.heappop(blocks)
             names = [n for n in kinds[k] if chains[n].taken == i and chains[n].options > i]
             for name in sorted(names, key=lambda n: -max(chains[n].gain(i), 0.0) / chains[n].cost(i)):
-                if chains[name].cost(i) <= left:
-                    left -= chains[name].cost(i)
-                    chains[name].taken = i + 1
+                if chains[name].cost(i) > left:
+                    full = True  # this block is the last, taken in part
+                    break
+                left -= chains[name].cost(i)
+                chains[name].taken = i + 1
             if i == 0 and (b := block(k, 1)) is not None:
                 heapq.heappush(blocks, b)
         if all(c.taken == 0 for c in chains.values()):
