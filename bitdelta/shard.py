@@ -14,6 +14,13 @@ layers do), so a rank's delta term always lines up with its slice of the base:
                      holds its rows of the vocabulary; α per row: the same rows
     replicated       every norm (q/k norms included)
 
+Format v3 parts follow the same split (docs/tensor-parallel.md): plane p's signs and α like plane
+1's; a per-column α [d_in] split with the input columns of a row-parallel matrix, whole on a
+column-parallel one; the low-rank factors of y += (x·Vᵀ)·Uᵀ as the matrix's own rows and columns
+go: U [d_out, r] by rows and V [r, d_in] whole on a column-parallel matrix (and on the embedding /
+head: U by vocabulary rows), V by input columns and U whole on a row-parallel one, so that each
+rank's (x_r·V_rᵀ)·Uᵀ is a partial sum the layer's one all-reduce completes.
+
 Units, balanced over the ranks (rank r gets units [⌈r·U/N⌉, ⌈(r+1)·U/N⌉): rank 0 the most):
     attention  GQA groups (one KV head and its n_heads/n_kv_heads query heads) when
                n_kv_heads ≥ N; when N > n_kv_heads (N a multiple of it) each KV head is
@@ -230,13 +237,17 @@ class TPLayout:
                 out.append((lo - r0, hi - r0))
         return tuple(out) or ((0, 0),)
 
-    def shard_of(self, param: str, role: str, shape: tuple[int, ...]) -> TensorShard:
+    def shard_of(self, param: str, role: str, shape: tuple[int, ...], axis: str = "row") -> TensorShard:
         """Rank's part of one tensor of a base or a delta: `param` a full parameter name
         ("model.layers.3.self_attn.o_proj.weight", "...bias"), `role` "weight" for the base or a
-        delta file's role ("sign", "alpha", "dense"), `shape` the tensor's full shape."""
+        delta file's role ("sign", "alpha", "dense"; format v3's "sign2", "alpha3", "lowrank_u",
+        "lowrank_v"), `shape` the tensor's full shape, `axis` an α's axis ("row", "matrix" or "col":
+        the header's parts; a column α of a square matrix has a row α's shape)."""
+        kind = role.rstrip("0123456789")  # plane p's "signP" / "alphaP" split like plane 1's
+        col_alpha = kind == "alpha" and axis == "col"
         if param in (EMBED, HEAD):
-            if role == "alpha" and tuple(shape) == (1,):
-                return TensorShard(Split.REPLICATED)
+            if (kind == "alpha" and tuple(shape) == (1,)) or kind == "lowrank_v":
+                return TensorShard(Split.REPLICATED)  # per-matrix α; V [r, dim] (dim is not split)
             return TensorShard(Split.VOCAB, rows=(self.vocab(),))
         if not param.startswith("model.layers."):
             return TensorShard(Split.REPLICATED)  # the final norm
@@ -247,53 +258,55 @@ class TPLayout:
         group, r0, d_out = mats[module]
         is_bias = param.endswith(".bias")
         if group in ROW_GROUPS:
-            if is_bias or role == "alpha":
-                return TensorShard(Split.REPLICATED)
             c0, c1 = self.group_cols(group)
-            if role == "sign":  # packed: 8 columns a byte; c0 is a multiple of 8 (checked above)
+            if col_alpha:  # [d_in]: this rank's input columns
+                return TensorShard(Split.ROW, rows=((c0, c1),))
+            if is_bias or kind in ("alpha", "lowrank_u"):  # U [d_out, r]: whole, like α
+                return TensorShard(Split.REPLICATED)
+            if kind == "sign":  # packed: 8 columns a byte; c0 is a multiple of 8 (checked above)
                 return TensorShard(Split.ROW, cols=(c0 // 8, -(-c1 // 8)))
-            return TensorShard(Split.ROW, cols=(c0, c1))
-        if role == "alpha" and tuple(shape) == (1,):
-            return TensorShard(Split.REPLICATED)
+            return TensorShard(Split.ROW, cols=(c0, c1))  # W, and V [r, d_in]
+        if (kind == "alpha" and tuple(shape) == (1,)) or col_alpha or kind == "lowrank_v":
+            return TensorShard(Split.REPLICATED)  # per-matrix α; α or V over d_in, which is whole
         return TensorShard(Split.COLUMN, rows=self.matrix_rows(group, r0, d_out))
 
-    def owner(self, param: str, role: str, shape: tuple[int, ...]) -> int:
+    def owner(self, param: str, role: str, shape: tuple[int, ...], axis: str = "row") -> int:
         """The rank that fetches this rank's part of a delta tensor from the store: the lowest rank
         holding the same part (a replicated tensor: rank 0; a KV head several ranks share: the first
         of them). It hands the part to the others (`shared_from`), so each byte leaves the store once."""
-        mine = self.shard_of(param, role, shape)
+        mine = self.shard_of(param, role, shape, axis)
         return next(
-            r for r in range(self.size) if dataclasses.replace(self, rank=r).shard_of(param, role, shape) == mine
+            r for r in range(self.size) if dataclasses.replace(self, rank=r).shard_of(param, role, shape, axis) == mine
         )
 
-    def shared_from(self, param: str, role: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    def shared_from(self, param: str, role: str, shape: tuple[int, ...], axis: str = "row") -> tuple[int, int] | None:
         """(owner, j) when a lower rank holds this rank's row runs `rows[j:]` of a delta tensor at the
         same place in its own part: this rank fetches only `rows[:j]` from the store and receives the
         rest from `owner`, the lowest such rank, so each byte leaves the store once. j = 0: the whole
         part (`owner`: a replicated tensor, a KV head's k_proj several ranks share); j ≥ 1: a fused
         qkv_proj's k and v rows of a KV head several ranks share, after this rank's own query rows.
         None: this rank fetches all of its part."""
-        owner = self.owner(param, role, shape)
+        owner = self.owner(param, role, shape, axis)
         if owner != self.rank:
             return owner, 0
-        mine = self.shard_of(param, role, shape)
+        mine = self.shard_of(param, role, shape, axis)
         if mine.split is not Split.COLUMN or mine.rows is None:
             return None
         n = len(mine.rows)
         for j in range(1, n):
             for r in range(self.rank):
-                other = dataclasses.replace(self, rank=r).shard_of(param, role, shape).rows
+                other = dataclasses.replace(self, rank=r).shard_of(param, role, shape, axis).rows
                 if other is not None and len(other) == n and other[j:] == mine.rows[j:]:
                     return r, j
         return None
 
-    def shared_to(self, param: str, role: str, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    def shared_to(self, param: str, role: str, shape: tuple[int, ...], axis: str = "row") -> list[tuple[int, int]]:
         """(rank, j) of every other rank whose `shared_from` is this one: this rank hands it its
         part's row runs from j on."""
         out = []
         for r in range(self.size):
             if r != self.rank:
-                got = dataclasses.replace(self, rank=r).shared_from(param, role, shape)
+                got = dataclasses.replace(self, rank=r).shared_from(param, role, shape, axis)
                 if got is not None and got[0] == self.rank:
                     out.append((r, got[1]))
         return out

@@ -165,7 +165,7 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
                         f"must be uint8 [{d_out}, {packed_cols(p.d_in)}] for this base, is {t.dtype} {list(t.shape)}",
                     )
                 out.append(Placement(t, Kind.PROJ_SIGN, proj=p, plane=plane))
-            elif role == "alpha" and _axis(info, param, plane) == "col":
+            elif role == "alpha" and info.axis(t) == "col":
                 if t.dtype != "F32" or t.shape != (p.d_in,):
                     raise _bad(info.name, t, f"must be float32 [{p.d_in}] (α per column), is {t.dtype} {list(t.shape)}")
                 col_groups.add((p.layer, p.group))
@@ -245,12 +245,6 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
     return DeltaPlan(info.name, out, layout.slot_bytes, extra, planes=planes)
 
 
-def _axis(info: DeltaInfo, param: str, plane: int) -> str:
-    """The α axis of plane `plane` of `param` ("row" unless the header's parts say otherwise)."""
-    axes = info.axes.get(param, ())
-    return axes[plane - 1] if plane <= len(axes) else "row"
-
-
 @dataclass
 class _Target:
     """One tensor's place in the slot and the host bytes it lands in first."""
@@ -328,11 +322,15 @@ class SlotWriter:
             if getattr(b, p.kind.big_field) is not None:
                 continue  # another plane's tensor allocated it
             k = planes.get(p.big, 0)
+            r = p.spec.shape[1 if p.kind is Kind.BIG_U else 0] if p.kind in (Kind.BIG_U, Kind.BIG_V) else 0
+            # the layout's vocabulary rows (a tensor-parallel rank's), not the announced tensor's
             shape, dtype = {
                 Kind.BIG_DENSE: ((a.vocab_size, a.dim), layout.dtype),
                 Kind.BIG_SIGN: ((k, a.vocab_size, packed_cols(a.dim)), torch.uint8),
                 Kind.BIG_ALPHA: ((k, a.vocab_size), torch.float32),
-            }.get(p.kind, (tuple(p.spec.shape), torch.float16))  # low-rank factors: fp16, as stored
+                Kind.BIG_U: ((a.vocab_size, r), torch.float16),  # low-rank factors: fp16, as stored
+                Kind.BIG_V: ((r, a.dim), torch.float16),
+            }[p.kind]
             setattr(b, p.kind.big_field, torch.empty(shape, dtype=dtype, device=dev))
         ranks: dict[tuple[int, str], list[tuple[int, int, int]]] = {}  # (layer, group) -> (r0, d_out, r)
         for p in plan.placements:

@@ -142,6 +142,11 @@ class DeltaManager:
             if e.state in (DeltaState.LOADING, DeltaState.RESIDENT, DeltaState.EVICTING)
         )
 
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the deltas that hold their slots with every byte in (RESIDENT, EVICTING)."""
+        return sum(e.bytes for e in self.entries.values() if e.state in (DeltaState.RESIDENT, DeltaState.EVICTING))
+
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
@@ -300,7 +305,7 @@ class DeltaManager:
                     plan, self.slots, e.slots, self.load_stream
                 )
                 if self.peers is not None:  # the other ranks load their slices meanwhile
-                    peer = asyncio.ensure_future(self.peers.load(e.name, e.slot, parent))
+                    peer = asyncio.ensure_future(self.peers.load(e.name, e.slots, parent))
                     peer.add_done_callback(_retrieve)
                 receiver = Receiver(plan.name, plan.tensors, writer, check_sha256=not info.verified)
                 # A task of its own, so that a cancelled load can wait for its reads to stop before

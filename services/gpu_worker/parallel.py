@@ -68,7 +68,7 @@ from bitdelta.rpc.receiver import Receiver
 from bitdelta.shard import ROW_GROUPS, TPLayout
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.errors import DeltaLoadError, Unavailable, WorkerError
-from services.gpu_worker.loader import DeltaPlan, SlotWriter, plan_delta
+from services.gpu_worker.loader import DeltaPlan, Kind, SlotWriter, plan_delta
 from services.gpu_worker.runner import BaseWeights, KVPool, ModelRunner, SeqWork, StepMeta
 from services.gpu_worker.slots import SlotLayout, SlotTensors
 from services.gpu_worker.sources import DeltaInfo, TensorSpec, source_of
@@ -257,7 +257,7 @@ class ShardedLoad:
                 handed_from={index[n]: h for n, h in info.handed_from.items()},
                 hands_to={index[n]: h for n, h in info.hands_to.items()},
             )
-        local = dataclasses.replace(info, tensors=[self._local(t) for t in info.tensors])
+        local = dataclasses.replace(info, tensors=[self._local(t, info.axis(t)) for t in info.tensors])
         plan = plan_delta(self.layout, local)
         plan.placements = [dataclasses.replace(p, spec=t) for p, t in zip(plan.placements, info.tensors)]
         plan.whole = True
@@ -273,8 +273,8 @@ class ShardedLoad:
         with telemetry.tracer().start_as_current_span("worker.rank_load", context=ctx, attributes=attrs) as span:
             yield span
 
-    def _local(self, t: TensorSpec) -> TensorSpec:
-        shape = self.tp.shard_of(t.param, t.role, t.shape).shape(t.shape)
+    def _local(self, t: TensorSpec, axis: str) -> TensorSpec:
+        shape = self.tp.shard_of(t.param, t.role, t.shape, axis).shape(t.shape)
         n = DTYPES[t.dtype].itemsize if t.dtype in DTYPES else 0
         for d in shape:
             n *= d
@@ -340,7 +340,10 @@ class ShardWriter(SlotWriter):
     """A SlotWriter that keeps this rank's slice of each tensor (`TensorShard.take`)."""
 
     def __init__(self, plan: DeltaPlan, slots: SlotTensors, ids: tuple[int, ...], load_stream=None, *, tp: TPLayout):
-        self.shards = [tp.shard_of(p.spec.param, p.spec.role, p.spec.shape) for p in plan.placements]
+        self.shards = [
+            tp.shard_of(p.spec.param, p.spec.role, p.spec.shape, "col" if p.kind is Kind.PROJ_COL else "row")
+            for p in plan.placements
+        ]
         super().__init__(plan, slots, ids, load_stream)
 
     def select(self, index: int, src: torch.Tensor) -> torch.Tensor:
@@ -352,7 +355,7 @@ class ShardWriter(SlotWriter):
 class LoadOp:
     load_id: int
     name: str
-    slot: int
+    slots: tuple[int, ...]  # every slot the delta holds (one per sign plane), its own first
     traceparent: str = ""  # the load's trace (W3C): each rank's `worker.rank_load` span joins it
 
 
@@ -409,6 +412,7 @@ class RankInfo:
     base_bytes: int
     slot_stack_bytes: int
     kv_bytes: int
+    delta_bytes: int = 0  # its slices of the resident deltas: their slots and the extras it allocated
 
 
 def _ack_key(load_id: int, rank: int) -> str:
@@ -455,6 +459,7 @@ class Driver:
         self._pending: list = []
         self._last_sent = time.monotonic()
         self._ids = itertools.count(1)
+        self._held: dict[int, list[int]] = {}  # a loaded delta's own slot -> its bytes on ranks 1..N-1
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True)
         self._beat.start()
@@ -532,19 +537,21 @@ class Driver:
                     self._lock.release()
 
     # -- the manager's side -------------------------------------------------------------------------
-    async def load(self, name: str, slot: int, traceparent: str) -> None:
-        """Every follower loads its slice of `name` into `slot`, its span a child of `traceparent`
-        (the load's, as rank 0's own); returns once all have it, raises the first follower's error
-        (PeerLoadError, naming the rank). Cancelled: the followers' loads are cancelled and awaited
-        (none writes into the slot afterwards)."""
+    async def load(self, name: str, slots: tuple[int, ...], traceparent: str) -> None:
+        """Every follower loads its slice of `name` into `slots` (the same run as rank 0's: one slot
+        per sign plane, its own first), its span a child of `traceparent` (the load's, as rank 0's
+        own); returns once all have it, raises the first follower's error (PeerLoadError, naming
+        the rank). Cancelled: the followers' loads are cancelled and awaited (none writes into the
+        slots afterwards)."""
         load_id = next(self._ids)
-        await asyncio.to_thread(self.send, LoadOp(load_id, name, slot, traceparent))
+        await asyncio.to_thread(self.send, LoadOp(load_id, name, tuple(slots), traceparent))
         try:
-            await self._acks(load_id, name)
+            acks = await self._acks(load_id, name)
         except asyncio.CancelledError:
             self.queue(CancelLoadOp(load_id))
             await asyncio.shield(asyncio.ensure_future(self._cancelled(load_id)))
             raise
+        self._held[slots[0]] = [a["bytes"] for a in acks]
 
     async def _cancelled(self, load_id: int) -> None:
         await asyncio.to_thread(self.send)
@@ -553,7 +560,7 @@ class Driver:
         except WorkerError:
             pass  # cancelled or failed: either way that follower has stopped writing
 
-    async def _acks(self, load_id: int, name: str = "") -> None:
+    async def _acks(self, load_id: int, name: str = "") -> list[dict]:
         keys = [_ack_key(load_id, r) for r in range(1, self.comm.size)]
         while not self.store.check(keys):
             if self.failed is not None:
@@ -565,10 +572,21 @@ class Driver:
         for a in acks:
             if a["code"] != "OK":
                 raise PeerLoadError(name, a["message"], grpc.StatusCode[a["code"]])
+        return acks
 
     def free(self, slot: int) -> None:
-        """Slot `slot` was freed on rank 0: the followers drop its extras (embedding / head)."""
+        """The delta whose own slot is `slot` left rank 0 (all its slots): the followers drop its
+        extras (embedding / head, low-rank factors, column α's, its further planes' slots)."""
+        self._held.pop(slot, None)
         self.queue(FreeSlotOp(slot))
+
+    def rank_memory(self, rank0_delta_bytes: int) -> list[RankInfo]:
+        """Each rank's memory for Status: its device, base, stacks and KV pool, and the bytes of its
+        slices of the resident deltas (rank 0's as its manager counts them; each follower's as it
+        allocated them, sent with its acknowledgement)."""
+        held = [sum(b[r - 1] for b in self._held.values()) for r in range(1, self.comm.size)]
+        delta = [rank0_delta_bytes, *held]
+        return [dataclasses.replace(info, delta_bytes=d) for info, d in zip(self.ranks, delta)]
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def stop(self, timeout: float = 30.0) -> None:
@@ -631,7 +649,7 @@ class Follower:
             fut = self._loads.get(op.load_id)
             if fut is not None:
                 fut.cancel()
-        elif isinstance(op, FreeSlotOp):
+        elif isinstance(op, FreeSlotOp):  # the delta's further slots hold nothing beside its extras
             with self._extras_lock:
                 slots = self.model.slots
                 slots.extras = {k: v for k, v in slots.extras.items() if k != op.slot}
@@ -642,11 +660,12 @@ class Follower:
         else:
             raise TypeError(f"unknown tensor-parallel op {op!r}")
 
-    async def _load(self, op: LoadOp) -> None:
+    async def _load(self, op: LoadOp) -> int:
         with self.model.shard_load.span(op.name, op.traceparent) as span:
-            await self._load_slice(op, span)
+            return await self._load_slice(op, span)
 
-    async def _load_slice(self, op: LoadOp, span: trace.Span) -> None:
+    async def _load_slice(self, op: LoadOp, span: trace.Span) -> int:
+        """Load this rank's slice of the delta into `op.slots`; returns the bytes it holds here."""
         if self.source is None:
             self.source = source_of(self.config, self.model.tp)
         if self.source is None:
@@ -655,7 +674,7 @@ class Follower:
         sl = self.model.shard_load
         plan = sl.plan(info)
         span.set_attributes({"bytes": plan.total_bytes, "transport": info.transport})
-        writer = sl.writer(plan, self.model.slots, (op.slot,), self.load_stream)  # one plane: v3 is refused
+        writer = sl.writer(plan, self.model.slots, op.slots, self.load_stream)  # one slot per sign plane
         receiver = Receiver(plan.name, plan.tensors, writer, check_sha256=not info.verified)
         try:
             await self.source.stream(info, receiver)
@@ -667,7 +686,8 @@ class Follower:
         extras = await writer.finish()
         if not extras.empty:
             with self._extras_lock:
-                self.model.slots.extras = {**self.model.slots.extras, op.slot: extras}
+                self.model.slots.extras = {**self.model.slots.extras, op.slots[0]: extras}
+        return len(op.slots) * self.model.layout.slot_bytes + extras.nbytes
 
     def _ack(self, op: LoadOp, fut) -> None:
         self._loads.pop(op.load_id, None)
@@ -680,7 +700,7 @@ class Follower:
             ack = {"code": err.code.name, "message": str(err)}
             log.warning("rank %d: delta %s failed to load: %s", r, op.name, e)
         else:
-            ack = {"code": "OK", "message": ""}
+            ack = {"code": "OK", "message": "", "bytes": fut.result()}
         self.store.set(_ack_key(op.load_id, r), json.dumps(ack))
 
 

@@ -125,6 +125,7 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
                     base_bytes=r.base_bytes,
                     slot_stack_bytes=r.slot_stack_bytes,
                     kv_bytes=r.kv_bytes,
+                    delta_bytes=r.delta_bytes,
                 )
                 for r in s.ranks
             ],

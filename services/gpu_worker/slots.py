@@ -171,6 +171,14 @@ class SlotExtras:
     cols: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 
     @property
+    def nbytes(self) -> int:
+        """Device bytes these extras hold (a tied head is the embedding's, counted once)."""
+        bigs = [b for b in (self.embed, self.head) if b is not None]
+        n = sum(b.nbytes for i, b in enumerate(bigs) if all(b is not c for c in bigs[:i]))
+        n += sum(lr.nbytes for lr in self.lowrank.values())
+        return n + sum(c.numel() * c.element_size() for c in self.cols.values())
+
+    @property
     def empty(self) -> bool:
         """Nothing the runner reads beyond the delta's own slot (a plain one-plane delta)."""
         return self.embed is None and self.head is None and len(self.slots) <= 1 and not self.lowrank and not self.cols

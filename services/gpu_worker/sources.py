@@ -38,6 +38,7 @@ from bitdelta.format import (
     check_base,
     check_structure,
     read_header,
+    split_role,
 )
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient, FetchStream
 from bitdelta.rpc.receiver import Receiver
@@ -70,11 +71,10 @@ class TensorSpec:
         return self.name.rsplit(".", 1)[1]
 
 
-def refuse_parts(name: str, meta: DeltaMeta, tensor_parallel: bool = False) -> None:
+def refuse_parts(name: str, meta: DeltaMeta) -> None:
     """What this worker cannot serve of a format v3 delta, refused before any byte moves: an
-    embedding or head plane whose α scales its columns (its extras hold α per token), and, on
-    tensor-parallel ranks, any plane beyond the first, column α's or a low-rank residual (their
-    slices are not cut yet)."""
+    embedding or head plane whose α scales its columns (its extras hold α per token). Everything
+    else of v3 is served, by one process and by tensor-parallel ranks alike."""
     col = sorted(p for p in meta.shapes if "col" in meta.axes(p) and not p.startswith("model.layers."))
     if col:
         raise FailedPrecondition(
@@ -82,13 +82,15 @@ def refuse_parts(name: str, meta: DeltaMeta, tensor_parallel: bool = False) -> N
             "worker does not serve: compress it again (bitdelta compress gives them α per token), or evaluate "
             "it offline (bitdelta apply)"
         )
-    beyond = sorted(p for p in meta.parts if len(meta.axes(p)) > 1 or "col" in meta.axes(p) or meta.rank(p))
-    if tensor_parallel and beyond:
-        raise FailedPrecondition(
-            f"delta {name!r} has further sign planes, column α's or a low-rank residual ({len(beyond)} weights, "
-            f"e.g. {beyond[0]}), which a tensor-parallel worker does not serve yet: serve it with "
-            "--tensor-parallel 1, or compress it with one plane (no --planes/--rank/--budget, --alpha row)"
-        )
+
+
+def alpha_axis(axes: dict[str, list[str]], param: str, role: str) -> str:
+    """The α axis ("row", "matrix", "col") of the plane a tensor of `param` with role `role`
+    ("alpha", "sign3", ...) belongs to, from a header's axes per plane; "row" when it says none."""
+    got = split_role(role)
+    plane = got[1] if got is not None else 0
+    have = axes.get(param, ())
+    return have[plane - 1] if 1 <= plane <= len(have) else "row"
 
 
 @dataclass
@@ -122,6 +124,10 @@ class DeltaInfo:
     # one plane of row or matrix α each
     axes: dict[str, list[str]] = field(default_factory=dict)
 
+    def axis(self, t: TensorSpec) -> str:
+        """The α axis of tensor `t`'s plane (`alpha_axis`)."""
+        return alpha_axis(self.axes, t.param, t.role)
+
     @property
     def content_id(self) -> str:
         """The delta's contents: a hash over the store's version of it and every tensor's name and
@@ -142,11 +148,11 @@ class DeltaSource(Protocol):
 
 
 class LocalDeltaSource:
-    """Delta files in a directory, named `<variant><suffix>`. tensor_parallel: a tensor-parallel
-    rank's source (it cuts whole tensors itself; `refuse_parts` says what it cannot serve)."""
+    """Delta files in a directory, named `<variant><suffix>` (a tensor-parallel rank reads every
+    tensor whole and cuts its slice itself: `parallel.ShardWriter`)."""
 
-    def __init__(self, root: str | os.PathLike, tensor_parallel: bool = False):
-        self.root, self.tensor_parallel = Path(root), tensor_parallel
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
 
     def path_of(self, name: str) -> Path:
         if not name or "/" in name or name.startswith("."):
@@ -164,7 +170,7 @@ class LocalDeltaSource:
         header = await asyncio.to_thread(read_header, path)
         check_base(header.meta, base_fingerprint)
         check_structure(header)
-        refuse_parts(name, header.meta, self.tensor_parallel)
+        refuse_parts(name, header.meta)
         specs = [TensorSpec(t.name, t.dtype, t.shape, t.nbytes, header.sha256[t.name], t.start) for t in header.tensors]
         meta = header.meta
         axes = {p: meta.axes(p) for p in meta.parts}
@@ -267,7 +273,7 @@ class DeltaStoreSource:
             stream.cancel()
             raise DeltaFormatError(f"delta {name!r}: {e}") from None
         try:
-            refuse_parts(name, meta, self.tp is not None)
+            refuse_parts(name, meta)
         except FailedPrecondition:
             stream.cancel()
             raise
@@ -301,13 +307,16 @@ class DeltaStoreSource:
 
         slices, handed_from, hands_to, partial = [], {}, {}, {}
         stat = await self.client.stat(name)
-        refuse_parts(name, DeltaMeta.from_strings(dict(stat.info.metadata)), tensor_parallel=True)
+        meta = DeltaMeta.from_strings(dict(stat.info.metadata))
+        refuse_parts(name, meta)  # before asking for any slice
+        axes = {p: meta.axes(p) for p in meta.parts}  # a column α splits unlike a row α of its shape
         for t in stat.tensors:
             param, role = t.name.rsplit(".", 1)
             shape = tuple(t.shape)
-            sh = self.tp.shard_of(param, role, shape)
+            axis = alpha_axis(axes, param, role)
+            sh = self.tp.shard_of(param, role, shape, axis)
             itemsize = t.nbytes // max(1, math.prod(shape))
-            got, to = self.tp.shared_from(param, role, shape), self.tp.shared_to(param, role, shape)
+            got, to = self.tp.shared_from(param, role, shape, axis), self.tp.shared_to(param, role, shape, axis)
             if got is not None:
                 handed_from[t.name] = (got[0], sh.leading_bytes(got[1], shape, itemsize))
             if to:
@@ -349,5 +358,5 @@ def source_of(config, tp=None) -> DeltaSource | None:
             tp=tp,
         )
     if config.delta_dir:
-        return LocalDeltaSource(config.delta_dir, tensor_parallel=tp is not None)
+        return LocalDeltaSource(config.delta_dir)
     return None

@@ -412,7 +412,7 @@ class Worker:
             self.scheduler.prefix_queries,
             self.scheduler.prefix_hits,
             tensor_parallel=self.config.tensor_parallel,
-            ranks=tuple(self.tp.ranks) if self.tp is not None else (),
+            ranks=tuple(self.tp.rank_memory(self.manager.resident_bytes)) if self.tp is not None else (),
         )
 
 

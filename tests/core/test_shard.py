@@ -100,6 +100,69 @@ def test_projection_shards_reproduce_the_unsharded_delta_linear(name):
                     assert sorted(order.tolist() if once else set(order.tolist())) == list(range(m.d_out))
 
 
+def v3_linear(x, w, planes, u, v, d_in):
+    # x: [T, d_in] -> [T, d_out]: x·Wᵀ + Σ_p α_p ⊙ (x·S_pᵀ) (a column α scales x's columns) + (x·Vᵀ)·Uᵀ
+    y = x @ w.t() + (x @ v.t()) @ u.t()
+    for signs, alpha, axis in planes:
+        s = unpack_signs(signs, d_in, x.dtype)
+        y = y + ((x * alpha) @ s.t() if axis == "col" else (x @ s.t()) * alpha)
+    return y
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_format_v3_parts_shard_so_the_ranks_reproduce_the_unsharded_delta(name):
+    """Plane 2's signs and α split like plane 1's, a column α with the input columns (row-parallel)
+    or whole (column-parallel), U by rows and V whole (column-parallel), V by columns and U whole
+    (row-parallel): concatenated or summed (the one all-reduce), the ranks give the whole term."""
+    a = LAYOUTS[name]
+    g = torch.Generator().manual_seed(2)
+    for n, ranks in layouts(a):
+        for m in a.matrices():
+            if m.group == "qkv" and n > a.n_kv_heads:
+                continue  # replicated KV heads: their rows on several ranks (the test above)
+            param, r = f"model.layers.0.{m.name}.weight", 3
+            w = torch.randn(m.d_out, m.d_in, generator=g, dtype=torch.float64)
+            signs = [pack_signs(torch.randn(m.d_out, m.d_in, generator=g)) for _ in range(3)]
+            alphas = [torch.rand(m.d_out, generator=g, dtype=torch.float64) for _ in range(2)]
+            alphas.append(torch.rand(m.d_in, generator=g, dtype=torch.float64))  # plane 3: column α's
+            axes = ("row", "row", "col")
+            u = torch.randn(m.d_out, r, generator=g, dtype=torch.float64)
+            v = torch.randn(r, m.d_in, generator=g, dtype=torch.float64)
+            x = torch.randn(5, m.d_in, generator=g, dtype=torch.float64)
+            full = v3_linear(x, w, list(zip(signs, alphas, axes)), u, v, m.d_in)
+            parts = []
+            for t in ranks:
+                ws = t.shard_of(param, "weight", tuple(w.shape))
+                planes = []
+                for p, (sg, al, ax) in enumerate(zip(signs, alphas, axes), start=1):
+                    suffix = "" if p == 1 else str(p)
+                    ss = t.shard_of(param, f"sign{suffix}", tuple(sg.shape), ax)
+                    assert ss == t.shard_of(param, "sign", tuple(sg.shape))  # every plane like plane 1
+                    planes.append((ss.take(sg), t.shard_of(param, f"alpha{suffix}", tuple(al.shape), ax).take(al), ax))
+                ul = t.shard_of(param, "lowrank_u", tuple(u.shape)).take(u)
+                vl = t.shard_of(param, "lowrank_v", tuple(v.shape)).take(v)
+                if m.group in ("o", "down"):
+                    c0, c1 = ws.cols
+                    assert ul.shape == u.shape and vl.shape == (r, c1 - c0) and planes[2][1].shape == (c1 - c0,)
+                    parts.append(v3_linear(x[:, c0:c1], ws.take(w), planes, ul, vl, c1 - c0))
+                else:
+                    assert (
+                        vl.shape == v.shape and planes[2][1].shape == (m.d_in,) and ul.shape[0] == ws.shape(w.shape)[0]
+                    )
+                    parts.append(v3_linear(x, ws.take(w), planes, ul, vl, m.d_in))
+            if m.group in ("o", "down"):
+                torch.testing.assert_close(sum(parts), full)
+            else:
+                rows = [t.shard_of(param, "weight", tuple(w.shape)).rows for t in ranks]
+                order = torch.cat([torch.arange(p, q) for rr in rows for p, q in rr])
+                torch.testing.assert_close(torch.cat(parts, 1), full[:, order])
+    # the embedding / head: U by vocabulary rows, V [r, dim] whole on every rank
+    t = TPLayout(a, 2, 1)
+    assert t.shard_of(EMBED, "lowrank_u", (a.vocab_size, 4)).rows == (t.vocab(),)
+    assert t.shard_of(EMBED, "lowrank_v", (4, a.dim)).split is Split.REPLICATED
+    assert t.shard_of(EMBED, "sign2", (a.vocab_size, a.dim // 8)) == t.shard_of(EMBED, "sign", (a.vocab_size, 8))
+
+
 def test_more_ranks_than_kv_heads_replicate_each_kv_head_with_its_query_heads():
     a = tiny_args(n_kv_heads=1)
     for n in (2, 4):

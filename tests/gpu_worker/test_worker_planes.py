@@ -5,7 +5,9 @@ Greedy tokens of a multi-plane variant (3 planes, and 2 planes under a budget th
 matrices at 1) and of low-rank variants equal transformers' on the dense model `bitdelta apply`
 writes, alone and in one batch with a 1-plane variant and the base; what each costs the byte budget
 and the slots (a 1-plane delta: what it cost before); a k-plane delta evicted, pinned and refused as
-one; and what the worker does not serve is refused by name before any byte moves.
+one. The same on a tensor-parallel worker of two ranks (gloo, rank 1 a real process): its tokens
+equal one process's, each rank's bytes are its slices', evicting a k-plane delta frees its run on
+every rank, and what the worker does not serve is refused by name before any byte moves.
 """
 
 from __future__ import annotations
@@ -97,6 +99,21 @@ async def served(family):
 async def generate(stub, model_id: str, prompt: str, n: int = N) -> list[int]:
     req = pb.GenerateRequest(model_id=model_id, prompt=prompt, sampling=gen_pb.SamplingParams(max_new_tokens=n))
     return [m.token_id async for m in stub.Generate(req, timeout=T)]
+
+
+async def logprobs(stub, model_id: str, prompt: str, n: int = N) -> list[list[float]]:
+    """Each greedy token's log-probability and its 5 most likely alternatives'."""
+    sp = gen_pb.SamplingParams(max_new_tokens=n, logprobs=5)
+    req = pb.GenerateRequest(model_id=model_id, prompt=prompt, sampling=sp)
+    return [
+        [m.logprobs.sampled.logprob, *(t.logprob for t in m.logprobs.top)] async for m in stub.Generate(req, timeout=T)
+    ]
+
+
+def assert_close(got: list[list[float]], want: list[list[float]], tol: float = 1e-4) -> None:
+    """Log-probabilities equal up to fp32 summation order (the ranks' partial sums add up in another order)."""
+    worst = max(abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
+    assert worst < tol, f"log-probabilities differ by up to {worst:.2e}"
 
 
 async def status(stub) -> dict[str, pb.DeltaSlot]:
@@ -197,54 +214,172 @@ async def test_a_multi_slot_delta_is_evicted_pinned_and_refused_as_one(family):
         await generate(stub, "mixed2", "a", n=1)  # 2 planes fit
 
 
-async def test_what_the_worker_does_not_serve_is_refused_by_name(family):
-    """Anything beyond one plane of row α's (further planes, column α's, a low-rank part) on a
-    tensor-parallel rank: FAILED_PRECONDITION at open, before a byte of data moves."""
-    from services.gpu_worker.errors import FailedPrecondition
-    from services.gpu_worker.sources import LocalDeltaSource
-
-    _, deltas, _ = family
-    fp = read_header(deltas / f"plain{SUFFIX}").meta.base_fingerprint
-    tp = LocalDeltaSource(deltas, tensor_parallel=True)
-    for name in ("planes3", "rank8", "col"):
-        with pytest.raises(FailedPrecondition, match="a tensor-parallel worker does not serve yet"):
-            await tp.open(name, fp)
-    assert (await tp.open("plain", fp)).tensors  # one plane: served as before
-
-
-async def test_from_the_delta_store_and_refused_there_under_tensor_parallelism(family):
-    """The same deltas streamed from a real delta store serve the same tokens; a tensor-parallel
-    rank's source refuses the v3 ones from the store's Stat, before it asks for any slice."""
+def tp_bytes(family, name: str, rank: int) -> int:
+    """What delta `name` costs rank `rank` of 2, computed from its file alone: its slice of every
+    tensor as `bitdelta.shard` splits it (one slot of the rank's stacks per sign plane, its
+    embedding's vocabulary rows, its low-rank factors' and column α's parts)."""
     from bitdelta.checkpoint import read_config
     from bitdelta.model import ModelArgs
     from bitdelta.shard import TPLayout
+    from services.gpu_worker.slots import SlotLayout
+
+    base, deltas, _ = family
+    h = read_header(deltas / f"{name}{SUFFIX}")
+    tp = TPLayout(ModelArgs.from_hf(read_config(base)), 2, rank)
+    layout = SlotLayout(tp.local_args(), torch.float32)
+    axes = {p: x["axes"] for p, x in h.meta.parts.items()}
+    planes = max([len(a) for p, a in axes.items() if "layers" in p] or [1])
+    n = planes * layout.slot_bytes
+    for t in h.tensors:
+        if t.param in ("model.embed_tokens.weight", "lm_head.weight") or t.part == "lowrank":
+            shape = tp.shard_of(t.param, t.role, tuple(t.shape)).shape(tuple(t.shape))
+            n += layout.extra_bytes(t.param, t.role, shape)
+    for _, g in {(layout.proj[p].layer, layout.proj[p].group) for p, a in axes.items() if "col" in a}:
+        n += planes * len(layout.group_rows[g]) * layout.group_shape[g][1] * 4  # [planes, its matrices, d_in] fp32
+    return n
+
+
+async def test_two_ranks_serve_every_v3_variant_as_one_process_does(served, family):
+    """Tensor parallelism (2 ranks, gloo): further planes, low-rank residuals and column α's sharded
+    like plane 1 (docs/tensor-parallel.md) give the one-process worker's greedy tokens, which are
+    transformers' on `bitdelta apply`'s dense model: alone, mixed with 1-plane variants and the base
+    in one batch, and every variant on one prompt; each decode step still costs one broadcast and
+    one all-reduce per row-parallel layer (the low-rank partial products ride in it)."""
+    async with running_worker(config(family, tensor_parallel=2)) as (worker, _, channel):
+        await _two_ranks_serve_every_variant(worker, pb_grpc.GpuWorkerServiceStub(channel), served[1], family)
+
+
+async def _two_ranks_serve_every_variant(worker, stub, one, family) -> None:
+    base, _, dense = family
+    want = {m: hf_greedy(base if m == "" else dense[m], p) for m, p in PROMPTS.items()}
+    alone = {m: await generate(stub, m, p) for m, p in PROMPTS.items()}
+    assert alone == want
+    assert alone == {m: await generate(one, m, p) for m, p in PROMPTS.items()}
+    together = await asyncio.gather(*[generate(stub, m, p) for m, p in PROMPTS.items()])
+    assert dict(zip(PROMPTS, together)) == want
+    same = await asyncio.gather(*[generate(stub, m, PROMPTS["planes3"]) for m in PROMPTS])
+    assert same == [hf_greedy(base if m == "" else dense[m], PROMPTS["planes3"]) for m in PROMPTS]
+    # Status: each rank's bytes of the resident deltas are what it allocated, which its slices of
+    # the files say; rank 0's (it holds the most of every part) are what the byte budget counts
+    st = await stub.Status(pb.StatusRequest(), timeout=T)
+    entries = worker.manager.entries
+    rank0 = {m: len(e.slots) * worker.layout.slot_bytes for m, e in entries.items()}
+    for m, e in entries.items():
+        if e.slot in worker.slots.extras:
+            rank0[m] += worker.slots.extras[e.slot].nbytes
+    assert rank0 == {m: e.bytes for m, e in entries.items()} == {m: tp_bytes(family, m, 0) for m in entries}
+    assert set(entries) == set(PROMPTS) - {""}
+    assert [r.delta_bytes for r in st.ranks] == [sum(tp_bytes(family, m, r) for m in entries) for r in (0, 1)]
+    assert st.ranks[0].delta_bytes == st.delta_used_bytes > st.ranks[1].delta_bytes
+    assert {s.name: s.slots for s in st.slots}["planes3"] == 3
+    # one decode step of every variant and the base: ONE broadcast, the embedding's all-reduce, one
+    # per row-parallel projection (o, down) of each layer, the head's gather: nothing per variant,
+    # nor for their planes, column α's and low-rank terms (run last: it writes KV block 0)
+    work = [SeqWork([1], 0, s, [0], True) for s in [entries[m].slot for m in PROMPTS if m] + [-1]]
+    logits = await asyncio.to_thread(worker.tp.forward, work)
+    assert logits.shape[0] == len(work)
+    layers = worker.args.n_layers
+    assert dict(worker.tp.last_step) == {"broadcast": 1, "all_reduce": 1 + 2 * layers, "gather": 1}
+
+
+async def test_a_multi_plane_delta_on_two_ranks_is_evicted_pinned_and_refused_as_one(served, family):
+    """Two ranks, 4 slots: a 3-plane delta takes the same run of slots on both; evicted, every rank
+    lets its run go (a 1-plane delta without extras in its first slot then adds no stale plane on
+    rank 1: its log-probabilities are one process's); pinned, it leaves room for no 2-plane delta;
+    a delta of more planes than the slots is refused at once, and one with an embedding plane of
+    column α's by name, before any byte moves (what no worker serves)."""
+    from bitdelta.checkpoint import CheckpointReader, read_config, save_checkpoint
+    from bitdelta.format import SignPlane, load_delta, save_delta
+
+    base, deltas, dense = family
+    ft = make_finetune(base, deltas.parent / "ft5", seed=100, scale=FT_SCALE)
+    compress(base, ft, deltas / f"planes5{SUFFIX}", variant="planes5", progress=False, planes=PlaneConfig(planes=5))
+    # one plane, the embedding as the base's: nothing beside its slot (no extras on any rank)
+    with CheckpointReader(ft) as r, CheckpointReader(base) as b:
+        state = {n: (b.get(n) if n == "model.embed_tokens.weight" else t).clone() for n, t in r}
+    save_checkpoint(state, ft, read_config(base), side_files_from=base)
+    compress(base, ft, deltas / f"frozen{SUFFIX}", variant="frozen", progress=False)
+    shutil.rmtree(ft)
+    assert all("embed" not in t.name for t in read_header(deltas / f"frozen{SUFFIX}").tensors)
+    colemb = load_delta(deltas / f"signemb{SUFFIX}")
+    emb = colemb.compressed["model.embed_tokens.weight"]
+    emb.planes[0] = SignPlane(emb.planes[0].signs, torch.ones(emb.shape[1]), "col")
+    save_delta(deltas / f"colemb{SUFFIX}", colemb)
+    ref = {m: hf_greedy(dense[m], PROMPTS[m]) for m in ("plain", "planes3", "mixed2")}
+    async with running_worker(config(family, tensor_parallel=2, max_slots=4)) as (worker, _, channel):
+        stub = pb_grpc.GpuWorkerServiceStub(channel)
+        m = worker.manager
+        assert await generate(stub, "planes3", PROMPTS["planes3"]) == ref["planes3"]
+        assert m.entries["planes3"].slots == (0, 1, 2)
+        r = await stub.EvictDelta(pb.EvictDeltaRequest(name="planes3"), timeout=T)
+        assert r.state == pb.DELTA_STATE_ABSENT and sorted(m.free_slots) == [0, 1, 2, 3]
+        # in planes3's first slot, its planes 2 and 3 still in slots 1 and 2: no rank adds them
+        frozen = [await logprobs(x, "frozen", PROMPTS["plain"]) for x in (stub, served[1])]
+        assert_close(*frozen)
+        assert m.entries["frozen"].slots == (0,)
+        await stub.EvictDelta(pb.EvictDeltaRequest(name="frozen"), timeout=T)
+        assert await generate(stub, "plain", PROMPTS["plain"]) == ref["plain"]
+        assert m.entries["plain"].slots == (0,)
+        await stub.LoadDelta(pb.LoadDeltaRequest(name="planes3", pin=True), timeout=T)
+        assert m.entries["planes3"].slots == (1, 2, 3)
+        assert await generate(stub, "planes3", PROMPTS["planes3"]) == ref["planes3"]
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.LoadDelta(pb.LoadDeltaRequest(name="mixed2"), timeout=T)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "pinned deltas ['planes3']" in e.value.details() and "(3 of 4 slots)" in e.value.details()
+        r = await stub.EvictDelta(pb.EvictDeltaRequest(name="planes3"), timeout=T)
+        assert r.state == pb.DELTA_STATE_ABSENT
+        st = await stub.Status(pb.StatusRequest(), timeout=T)
+        assert [x.delta_bytes for x in st.ranks] == [tp_bytes(family, "plain", r) for r in (0, 1)]
+        got = await asyncio.gather(*[generate(stub, x, PROMPTS[x]) for x in ("mixed2", "plain")])
+        assert got == [ref["mixed2"], ref["plain"]]
+        assert m.entries["mixed2"].slots == (1, 2)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await generate(stub, "planes5", "a", n=1)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "has 5 sign planes per matrix" in e.value.details() and "this worker has 4 slots" in e.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await generate(stub, "colemb", "a", n=1)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "model.embed_tokens.weight" in e.value.details() and "scales its columns" in e.value.details()
+        st = await status(stub)
+        assert "planes5" not in st and st["colemb"].state == pb.DELTA_STATE_FAILED
+        assert await generate(stub, "plain", PROMPTS["plain"]) == ref["plain"]
+
+
+async def test_from_the_delta_store_on_one_process_and_on_two_ranks(family):
+    """The same deltas streamed from a real delta store serve the same tokens on one process and on
+    two ranks; on two ranks each rank fetches only its slices (a part both hold, as a row-parallel
+    matrix's U, goes to rank 0 and is handed on), so a cold load moves each byte of the file once."""
     from services.delta_store.config import Config
     from services.delta_store.server import create_server
-    from services.gpu_worker.errors import FailedPrecondition
-    from services.gpu_worker.sources import DeltaStoreSource
 
     base, deltas, dense = family
     cfg = Config(address="127.0.0.1:0", root=deltas)
     cfg.check()
-    server, store = create_server(cfg)
+    server, store = create_server(cfg, metrics=True)
     await server.start()
     address = f"127.0.0.1:{server.port}"
+    names = ("planes3", "rank8", "col", "plain")
+    want = [hf_greedy(dense[m], PROMPTS[m]) for m in names]
+
+    def served() -> float:
+        return store.metrics.registry.get_sample_value("bitdelta_delta_store_served_bytes_total") or 0.0
+
     try:
-        wcfg = WorkerConfig(base=base, delta_store=address, delta_budget=16 << 20, kv_cache=4 << 20)
-        async with running_worker(wcfg) as (_, _, channel):
-            stub = pb_grpc.GpuWorkerServiceStub(channel)
-            got = await asyncio.gather(*[generate(stub, m, PROMPTS[m]) for m in ("planes3", "rank8", "plain")])
-            assert got == [hf_greedy(dense[m], PROMPTS[m]) for m in ("planes3", "rank8", "plain")]
-        fp = read_header(deltas / f"plain{SUFFIX}").meta.base_fingerprint
-        source = DeltaStoreSource(address, tp=TPLayout(ModelArgs.from_hf(read_config(base)), 2, 0))
-        try:
-            for name in ("planes3", "rank8"):
-                with pytest.raises(FailedPrecondition, match="a tensor-parallel worker does not serve yet"):
-                    await source.open(name, fp)
-            info = await source.open("plain", fp)
-            info.handle.cancel()
-        finally:
-            await source.close()
+        for tp in (1, 2):
+            wcfg = WorkerConfig(
+                base=base, delta_store=address, delta_budget=16 << 20, kv_cache=4 << 20, tensor_parallel=tp
+            )
+            async with running_worker(wcfg) as (worker, _, channel):
+                stub = pb_grpc.GpuWorkerServiceStub(channel)
+                if tp == 2:
+                    for m in ("planes3", "rank8", "col"):  # cold, one at a time
+                        before = served()
+                        await stub.LoadDelta(pb.LoadDeltaRequest(name=m), timeout=T)
+                        assert served() - before == sum(t.nbytes for t in read_header(deltas / f"{m}{SUFFIX}").tensors)
+                got = await asyncio.gather(*[generate(stub, m, PROMPTS[m]) for m in names])
+                assert got == want, f"tensor parallel {tp}"
     finally:
         await server.stop(0)
         await store.close()
