@@ -64,7 +64,12 @@ def run_reports(
     p = paths(root)
     variants = variants or list(MEMBERS)
     if skip_build:
-        bad = {k: v for k, v in status(root).items() if v != "ok" and any(x in k for x in ["base", *variants])}
+        from bitdelta.family import SERVING_MODE
+
+        # the serving delta (data/deltas/) only when the modes include it
+        need = ["base"] + [f"finetuned/{v}" for v in variants]
+        need += [f"deltas/{v}." for v in variants] if SERVING_MODE in cfg.modes else []
+        bad = {k: v for k, v in status(root).items() if v != "ok" and any(k.startswith(x) for x in need)}
         if bad:
             raise FileNotFoundError(f"the family is not built ({bad}); run `bitdelta family build`")
     else:
