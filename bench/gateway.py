@@ -136,8 +136,8 @@ async def decode(r: RouterClient, model: str, sampling: Sampling) -> tuple[float
     """(ms per decode step of one stream, its decode tokens: those after the first)."""
     req = rpb.GenerateRequest(model_id=model, prompt=PROMPT, sampling=sampling.to_pb())
     t_first, n = None, 0
-    async for _ in r.generate_request(req):
-        n += 1
+    async for m in r.generate_request(req):
+        n += len(m.tokens)  # a message holds every token the router had ready
         if t_first is None:
             t_first = time.perf_counter()
     return (time.perf_counter() - t_first) * 1e3 / max(1, n - 1), n - 1

@@ -107,7 +107,8 @@ async def run(a: argparse.Namespace) -> dict:
                     direct.append(await ttft_worker(w, m))
 
                 async def send_router(m, rng):
-                    return len([x async for x in router.generate(m, "The quick brown fox", max_new_tokens=a.tokens)])
+                    stream = router.generate(m, "The quick brown fox", max_new_tokens=a.tokens)
+                    return sum([len(x.tokens) async for x in stream])
 
                 async def send_direct(m, rng):
                     req = wpb.GenerateRequest(

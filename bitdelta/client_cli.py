@@ -85,8 +85,8 @@ async def _generate(a: argparse.Namespace) -> None:
                         file=sys.stderr,
                     )
                     print(a.prompt, end="", flush=True)
-                print(m.text, end="", flush=True)
-                last = m
+                print("".join(t.text for t in m.tokens), end="", flush=True)
+                last = m.tokens[-1] if m.tokens else last
             print()
             if last is not None:
                 reason = last.finish_reason

@@ -11,18 +11,20 @@ in one torch-free module, converted to and from protobuf here and nowhere else.
   some strings, a grammar), carried in `Sampling.constraint`; `bitdelta.grammar` compiles it.
 - `FinishReason` and `ArrivalState`: why a generation ended, where its variant was on arrival.
 - `Ttft`: where the time to first token went.
-- `TokenEvent`: one streamed token, as the worker's engine makes it and the router passes it on.
+- `TokenEvent`: one streamed token, as the worker's engine makes it and the router passes it on;
+  `fill_stream_pb` / `events_of_stream_pb`: the tokens of one stream message (all that were ready).
 - `check_model_id`: the one rule for model (variant, delta) names, the store's, router's and
   worker's alike; `MODEL_ID_RULE` says it in words.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -488,18 +490,61 @@ class TokenEvent:
     prompt_logprobs: tuple[Logprobs, ...] = ()  # Sampling.prompt_logprobs, first event: per prompt token
     prefill_batch: int = field(default=0, compare=False)  # sequences in the step that began its prefill (traces)
 
-    def fill_pb(self, msg, arrival_codes: Mapping[ArrivalState, int]):
-        """Write the event into `msg`, a GenerateResponse of the worker's or the router's API (they
-        share these fields; each hop has its own arrival-state enum, given by `arrival_codes`)."""
-        msg.token_id, msg.text, msg.elapsed_ms, msg.index = self.token_id, self.text, self.elapsed_ms, self.index
-        if self.ttft is not None:
-            msg.ttft.CopyFrom(self.ttft.to_pb())
-            msg.arrival_state = arrival_codes[self.arrival or ArrivalState.BASE]
+    def token_pb(self) -> pb.Token:
+        """The token's own fields (`bitdelta.common.v1.Token`); the request's (ttft, arrival, worker,
+        prompt logprobs) travel on the stream message, `fill_stream_pb`."""
+        t = pb.Token(token_id=self.token_id, text=self.text, elapsed_ms=self.elapsed_ms, index=self.index)
         if self.finish_reason is not None:
-            msg.finish_reason = self.finish_reason.to_pb()
+            t.finish_reason = self.finish_reason.to_pb()
         if self.usage is not None:
-            msg.usage.CopyFrom(self.usage.to_pb())
+            t.usage.CopyFrom(self.usage.to_pb())
         if self.logprobs is not None:
-            msg.logprobs.CopyFrom(self.logprobs.to_pb())
-        msg.prompt_logprobs.extend(lp.to_pb() for lp in self.prompt_logprobs)
-        return msg
+            t.logprobs.CopyFrom(self.logprobs.to_pb())
+        return t
+
+    @classmethod
+    def from_token_pb(cls, t: pb.Token) -> TokenEvent:
+        """The token's own fields back (the request's fields are the stream message's)."""
+        return cls(
+            token_id=t.token_id,
+            text=t.text,
+            elapsed_ms=t.elapsed_ms,
+            finish_reason=FinishReason.from_pb(t.finish_reason),
+            usage=Usage.from_pb(t.usage) if t.HasField("usage") else None,
+            logprobs=Logprobs.from_pb(t.logprobs) if t.HasField("logprobs") else None,
+            index=t.index,
+        )
+
+
+def fill_stream_pb(events: Sequence[TokenEvent], msg, arrival_codes: Mapping[ArrivalState, int]):
+    """Write `events`, in order, into `msg`: one GenerateResponse of the worker's or the router's API
+    (they share `tokens` and the request's fields; each hop has its own arrival-state enum, given by
+    `arrival_codes`). Only `events[0]` may carry the request's fields (the stream's first token)."""
+    if not events:
+        raise ValueError("a stream message holds at least one token")
+    first = events[0]
+    if any(ev.ttft is not None or ev.prompt_logprobs or ev.worker for ev in events[1:]):
+        raise ValueError("only the first token of a stream message may carry the request's ttft/worker/echo")
+    msg.tokens.extend(ev.token_pb() for ev in events)
+    if first.ttft is not None:
+        msg.ttft.CopyFrom(first.ttft.to_pb())
+        msg.arrival_state = arrival_codes[first.arrival or ArrivalState.BASE]
+    msg.prompt_logprobs.extend(lp.to_pb() for lp in first.prompt_logprobs)
+    return msg
+
+
+def events_of_stream_pb(msg, arrival_of: Mapping[int, ArrivalState]) -> list[TokenEvent]:
+    """`fill_stream_pb` read back: the message's tokens as events, the request's fields (ttft,
+    arrival, the router's worker, prompt logprobs) on the first."""
+    events = [TokenEvent.from_token_pb(t) for t in msg.tokens]
+    if not events:
+        return events
+    first = msg.HasField("ttft")
+    events[0] = dataclasses.replace(
+        events[0],
+        ttft=Ttft.from_pb(msg.ttft) if first else None,
+        arrival=arrival_of.get(msg.arrival_state, ArrivalState.BASE) if first else None,
+        worker=getattr(msg, "worker", ""),
+        prompt_logprobs=tuple(Logprobs.from_pb(lp) for lp in msg.prompt_logprobs),
+    )
+    return events

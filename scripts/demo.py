@@ -88,10 +88,10 @@ async def one_request(router: RouterClient, model: str, max_new: int) -> dict:
         model, PROMPTS.get(model, PROMPTS[""]), max_new_tokens=max_new, request_id=f"demo-{model or 'base'}"
     ):
         if first is None:
-            first = m
-        text.append(m.text)
-        n += 1
-        last = m
+            first = m  # the first message: worker, arrival state, TTFT
+        text.extend(t.text for t in m.tokens)  # every token the router had ready when it wrote the message
+        n += len(m.tokens)
+        last = m.tokens[-1]
     return {
         "model": model or "base",
         "first": first,

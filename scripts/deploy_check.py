@@ -221,7 +221,8 @@ async def wait_models(r: RouterClient, models: list[str], timeout: float = 120) 
 
 
 async def generate(r: RouterClient, model: str) -> str:
-    return "".join([m.text async for m in r.generate(model, PROMPTS.get(model, PROMPTS[""]), max_new_tokens=MAX_NEW)])
+    stream = r.generate(model, PROMPTS.get(model, PROMPTS[""]), max_new_tokens=MAX_NEW)
+    return "".join([t.text async for m in stream for t in m.tokens])
 
 
 def cli_generate(model: str) -> str:

@@ -16,6 +16,8 @@
 - `receiver`: the one receiver of a delta's pieces (the store's client and the
   worker's loads): places them in a destination's buffers, checks every
   chunk's crc32 and each tensor's sha256 before handing a tensor over.
+- `streams`: `take_ready`, how a server stream puts every token ready when it writes into
+  one message (Generate, on the worker and the router).
 - `wire`: each protocol's constants beyond its protos (the delta store's chunk
   limits, trailer key and shared-memory lease), shared by server and client.
 """

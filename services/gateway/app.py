@@ -188,8 +188,8 @@ class _Generation(Response):
         await self._send_json(send, e.status, e.body())
 
     @staticmethod
-    def _finish(msg: pb.GenerateResponse) -> str:
-        finish = api.FINISH.get(FinishReason.from_pb(msg.finish_reason))
+    def _finish(tok: gen_pb.Token) -> str:
+        finish = api.FINISH.get(FinishReason.from_pb(tok.finish_reason))
         if finish is None:
             raise ApiError(
                 504,
@@ -208,9 +208,10 @@ class _Generation(Response):
             return await self._fail(send, self._error(e))
         r = self.req
         echo = r.prompt if r.echo else ""
+        tokens = [t for m in msgs for t in m.tokens]
         choices, usages = [], []
         for i in range(r.sampling.n):
-            mine = [m for m in msgs if m.index == i]
+            mine = [t for t in tokens if t.index == i]
             try:
                 if not mine:
                     raise ApiError(
@@ -219,8 +220,8 @@ class _Generation(Response):
                 finish = self._finish(mine[-1])
             except ApiError as e:
                 return await self._fail(send, e)
-            lps = api.logprobs(r, [m.logprobs for m in mine if m.HasField("logprobs")], prompt=first.prompt_logprobs)
-            text = echo + "".join(m.text for m in mine)
+            lps = api.logprobs(r, [t.logprobs for t in mine if t.HasField("logprobs")], prompt=first.prompt_logprobs)
+            text = echo + "".join(t.text for t in mine)
             choices.append(dataclasses.replace(api.with_tool_calls(r, text, finish), logprobs=lps))
             usages.append(mine[-1].usage)
         await self._send_json(send, 200, api.response(r, choices, api.total_usage(usages)))
@@ -251,46 +252,54 @@ class _Generation(Response):
             offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp else 0
             for i in range(n):
                 await body(_sse(api.chunk(r, r.prompt, logprobs=lp, index=i)))
-        msg: gen_pb.GenerateResponse | None = first
+        msg: pb.GenerateResponse | None = first
         usages, offsets = [], [offset] * n
         # tools: each choice's text from where a call may begin is held, and sent as tool_calls at its end
         calls = [CallStream(r.tool_format) for _ in range(n)] if r.tools is not None and r.tools.parsed else None
+        # One SSE event per token (the chunks a per-token stream gives), a router message's events in one
+        # write: a message holds every token the router had ready, so a slow client costs fewer writes.
+        events: list[bytes] = []
         try:
-            while msg is not None:
-                i = msg.index
-                lp = api.logprobs(r, [msg.logprobs], offsets[i]) if msg.HasField("logprobs") else None
-                text = msg.text if calls is None else calls[i].add(msg.text)
-                if text or lp is not None:
-                    await body(_sse(api.chunk(r, text, logprobs=lp, index=i)))
-                    offsets[i] += len(msg.text)
-                if msg.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED or msg.HasField("usage"):
-                    finish = self._finish(msg)
-                    if calls is not None:
-                        rest, made, finish = calls[i].finish(finish)
-                        if rest:
-                            await body(_sse(api.chunk(r, rest, index=i)))
-                        if made:
-                            await body(_sse(api.chunk(r, None, tool_calls=made, index=i)))
-                    await body(_sse(api.chunk(r, None if r.kind == "chat" else "", finish, index=i)))
-                    usages.append(msg.usage)
-                    if len(usages) == n:
-                        break
-                msg = await anext(stream, None)
-            else:
-                raise ApiError(
-                    502,
-                    "the router's stream ended without a finish reason",
-                    type="server_error",
-                    code="truncated_stream",
-                )
+            while len(usages) < n:
+                if msg is None:
+                    raise ApiError(
+                        502,
+                        "the router's stream ended without a finish reason",
+                        type="server_error",
+                        code="truncated_stream",
+                    )
+                for tok in msg.tokens:
+                    i = tok.index
+                    lp = api.logprobs(r, [tok.logprobs], offsets[i]) if tok.HasField("logprobs") else None
+                    text = tok.text if calls is None else calls[i].add(tok.text)
+                    if text or lp is not None:
+                        events.append(_sse(api.chunk(r, text, logprobs=lp, index=i)))
+                        offsets[i] += len(tok.text)
+                    if tok.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED or tok.HasField("usage"):
+                        finish = self._finish(tok)
+                        if calls is not None:
+                            rest, made, finish = calls[i].finish(finish)
+                            if rest:
+                                events.append(_sse(api.chunk(r, rest, index=i)))
+                            if made:
+                                events.append(_sse(api.chunk(r, None, tool_calls=made, index=i)))
+                        events.append(_sse(api.chunk(r, None if r.kind == "chat" else "", finish, index=i)))
+                        usages.append(tok.usage)
+                        if len(usages) == n:
+                            break
+                if events:
+                    await body(b"".join(events))
+                    events.clear()
+                if len(usages) < n:
+                    msg = await anext(stream, None)
             if r.include_usage:
                 await body(_sse(api.usage_chunk(r, api.total_usage(usages))))
         except RouterCallError as e:  # after the first token: the status is sent, so the error is an event
             err = self._error(e)
             log.info("%s: stream ended by %d %s", r.id, err.status, err.message[:200])
-            await body(_sse(err.body()))
-        except ApiError as e:
-            await body(_sse(e.body()))
+            await body(b"".join(events) + _sse(err.body()))
+        except ApiError as e:  # the events of the message's tokens before it go first
+            await body(b"".join(events) + _sse(e.body()))
         await body(b"data: [DONE]\n\n")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

@@ -48,6 +48,11 @@ class WorkerConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
     max_running: int = setting(64, "sequences per batch")
     max_batch_tokens: int = setting(2048, "tokens per step (prefill chunks + decodes)")
     max_waiting: int = setting(1024, "queued sequences beyond which Generate is RESOURCE_EXHAUSTED")
+    stream_max_tokens: int = setting(
+        0,
+        "most tokens in one Generate stream message; 0: every token ready when the message is written "
+        "(1: one message per token, the wire's old behaviour, for comparison)",
+    )
     default_max_new_tokens: int = setting(256, "max_new_tokens when a request leaves it 0")
     max_prompt_bytes: int = setting(1 << 20, "longer prompts are INVALID_ARGUMENT before tokenising", parse=parse_bytes)
     max_prompt_tokens: int = setting(0, "longer prompts are INVALID_ARGUMENT; 0: the model's context")
@@ -127,5 +132,5 @@ class WorkerConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
                 f"--tp-timeout-s and --tp-start-timeout-s must be positive, got {self.tp_timeout_s} and "
                 f"{self.tp_start_timeout_s}"
             )
-        if self.max_slots < 0 or self.pin_hottest < 0:
-            raise ConfigError("--max-slots and --pin-hottest must be >= 0")
+        if self.max_slots < 0 or self.pin_hottest < 0 or self.stream_max_tokens < 0:
+            raise ConfigError("--max-slots, --pin-hottest and --stream-max-tokens must be >= 0")

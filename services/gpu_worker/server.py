@@ -27,7 +27,7 @@ from bitdelta.rpc.metrics import WorkerMetrics
 from bitdelta.rpc.security import AuthInterceptor, Role
 from bitdelta.rpc.serve import Server, Service, run_until_signal
 from bitdelta.rpc.serve import create_server as create_rpc_server
-from bitdelta.rpc.wire.gpu_worker import event_to_pb
+from bitdelta.rpc.wire.gpu_worker import events_to_pb
 from services.gpu_worker.errors import STATUS_OF
 from services.gpu_worker.manager import DeltaState, SlotInfo
 from services.gpu_worker.worker import Worker
@@ -72,15 +72,16 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
         req = Request.from_pb(request, None if remaining is None else time.monotonic() + remaining)
         m, model, status, last_ms = self.metrics, request.model_id or "base", "OK", None
         try:
-            async for ev in self.worker.generate(req):
+            async for ready in self.worker.stream(req):  # every token ready when the last write finished
                 if m is not None:
-                    if ev.ttft is not None:
-                        m.ttft.labels(model, ev.arrival.value).observe(ev.ttft.total_ms / 1e3)
-                    elif last_ms is not None:
-                        m.itl.labels(model).observe((ev.elapsed_ms - last_ms) / 1e3)
-                    m.tokens.labels(model).inc()
-                last_ms = ev.elapsed_ms
-                yield event_to_pb(ev)
+                    for ev in ready:
+                        if ev.ttft is not None:
+                            m.ttft.labels(model, ev.arrival.value).observe(ev.ttft.total_ms / 1e3)
+                        elif last_ms is not None:
+                            m.itl.labels(model).observe((ev.elapsed_ms - last_ms) / 1e3)
+                        last_ms = ev.elapsed_ms
+                    m.tokens.labels(model).inc(len(ready))
+                yield events_to_pb(ready)
         except BaseException as e:
             status = (
                 "CANCELLED" if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else status_of(e, STATUS_OF).name

@@ -3,6 +3,7 @@ plain Python methods (the servicer only translates protobuf to these).
 
     worker = Worker(config); await worker.start()
     async for ev in worker.generate(Request(model_id="coder", prompt="def f(")): ...   # TokenEvents
+    async for ready in worker.stream(request): ...   # lists: every TokenEvent ready when asked
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from bitdelta.cache_policy import WeightedLRUPolicy
 from bitdelta.checkpoint import fingerprint, read_config
 from bitdelta.generation import ArrivalState, Request, TokenEvent, check_model_id
 from bitdelta.rpc import telemetry
+from bitdelta.rpc.streams import take_ready
 from kernels.settings import current as kernel_settings
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.constraints import GrammarCompiler
@@ -229,6 +231,16 @@ class Worker:
         return model_id in ("", self.base_name)
 
     async def generate(self, p: Request) -> AsyncIterator[TokenEvent]:
+        """`stream`'s tokens one at a time (in-process callers); leaving the loop cancels the request."""
+        async with contextlib.aclosing(self.stream(p)) as batches:
+            async for ready in batches:
+                for ev in ready:
+                    yield ev
+
+    async def stream(self, p: Request) -> AsyncIterator[list[TokenEvent]]:
+        """The request's tokens as they come: each item every token ready when the consumer asks
+        (one when it keeps up; at most --stream-max-tokens), in order, choices interleaved. The
+        first token (choice 0's, with the TTFT) comes alone, in the first list."""
         t_arrival = time.perf_counter()
         t_arrival_ns = first_ns = time.time_ns()  # traces: the engine's times become spans after the fact
         self._check_serving()
@@ -334,19 +346,28 @@ class Worker:
             seqs[0].forks = seqs[1:]
             self.engine.submit(seqs[0])
             submitted = True
-            open_choices = sp.n
+            open_choices, limit = sp.n, self.config.stream_max_tokens
             while True:
-                ev = await queue.get()
-                if isinstance(ev, BaseException):  # the other choices are cancelled below
-                    raise ev
-                if ev.ttft is not None:
-                    first_ns = _trace_first_token(ev, t_arrival_ns, name, len(ids))
-                if ev.finish_reason is not None:
-                    open_choices -= 1
-                    if ev.index == 0 and ev.usage.completion_tokens:
-                        _trace_decode(ev, t_arrival_ns, first_ns)
+                ready, error = [], None
+                for ev in await take_ready(queue, limit):
+                    if isinstance(ev, BaseException):  # the other choices are cancelled below
+                        error = ev
+                        break
+                    if ev.ttft is not None:
+                        first_ns = _trace_first_token(ev, t_arrival_ns, name, len(ids))
+                    if ev.finish_reason is not None:
+                        open_choices -= 1
+                        if ev.index == 0 and ev.usage.completion_tokens:
+                            _trace_decode(ev, t_arrival_ns, first_ns)
+                    ready.append(ev)
                 finished = open_choices == 0
-                yield ev
+                if ready and ready[0].ttft is not None and len(ready) > 1:
+                    yield ready[:1]  # the first token goes alone, at once: the TTFT is the client's too
+                    ready = ready[1:]
+                if ready:
+                    yield ready
+                if error is not None:
+                    raise error
                 if finished:
                     return
         finally:

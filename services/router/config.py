@@ -44,6 +44,11 @@ class RouterConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
     refresh_s: float = setting(5.0, "seconds between refreshes of the variant list from the delta store")
     call_timeout_s: float = setting(5.0, "deadline of the router's own calls (Status, List), seconds")
     request_timeout_s: float = setting(600.0, "deadline of a Generate whose client set none, seconds")
+    stream_max_tokens: int = setting(
+        0,
+        "most tokens in one Generate stream message; 0: every token ready when the message is written "
+        "(1: one message per token, the wire's old behaviour, for comparison)",
+    )
 
     def check(self) -> None:
         self.check_process()
@@ -56,7 +61,7 @@ class RouterConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
         for name in ("max_in_flight_per_worker", "max_prompt_bytes", "max_new_tokens_limit"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{self.flag_of(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_queue", "max_queue_per_variant"):
+        for name in ("max_queue", "max_queue_per_variant", "stream_max_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{self.flag_of(name)} must be >= 0, got {getattr(self, name)}")
         for name in ("poll_s", "refresh_s", "call_timeout_s", "request_timeout_s"):

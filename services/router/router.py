@@ -1,8 +1,8 @@
 """The router's core: validate, look up, admit, place, stream from a worker, retry once.
 
     router = Router(config, pool, registry)
-    async for ev in router.generate(Request(model_id="coder", prompt="def f(")):
-        ...   # TokenEvent: the worker's, timed from the router; the first says where and how long
+    async for ready in router.generate(Request(model_id="coder", prompt="def f(")):
+        ...   # [TokenEvent]: the worker's, timed from the router; the first says where and how long
 
 Admission. A request runs on a worker with room (`max_in_flight_per_worker`); when every
 candidate is full it waits in a bounded queue (`admission.Admission`: per variant and in total; by the
@@ -14,6 +14,10 @@ concurrent requests share one resident delta and one load. A request that fails 
 retryable status (UNAVAILABLE) before its first token is retried once on another worker; after
 its first token a failure reaches the client (tokens cannot be taken back).
 
+Streaming. The worker's messages are read as they come (`_read_ahead`, a task) into a queue; each
+time the servicer is ready to write, it takes every token the queue holds (`take_ready`): a client
+that keeps up gets one token per message, a slower one fewer, fuller messages, never a later token.
+
 Deadlines and cancellation: the worker call gets the time the client has left; a client that
 goes away cancels the handler, which cancels the worker call, which frees the sequence.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import time
@@ -32,6 +37,7 @@ from bitdelta.generation import ArrivalState, Request, TokenEvent, Ttft
 from bitdelta.rpc import telemetry
 from bitdelta.rpc.errors import RpcError, clip, clip_message
 from bitdelta.rpc.security import Principal
+from bitdelta.rpc.streams import take_ready
 from bitdelta.rpc.wire.gpu_worker import request_to_pb
 from services.router.admission import Admission
 from services.router.config import RouterConfig
@@ -100,8 +106,11 @@ class Router:
                 f"({self.config.max_new_tokens_limit})"
             )
 
-    async def generate(self, p: Request, principal: Principal | None = None) -> AsyncIterator[TokenEvent]:
-        """The worker's events, timed from the router's arrival; the first carries the worker, the
+    async def generate(self, p: Request, principal: Principal | None = None) -> AsyncIterator[list[TokenEvent]]:
+        """The worker's events, timed from their arrival at the router, each item every token ready
+        when the caller asks (the worker's stream is read ahead, so a caller slower than the worker
+        gets several per item; at most --stream-max-tokens); the first token, alone in the first
+        item, carries the worker, the
         arrival state and the whole TTFT (queue_ms and total_ms the router's). `principal`: the
         caller's token (None: auth off), checked before the lookup."""
         t0 = time.monotonic()
@@ -123,25 +132,28 @@ class Router:
                 queue_ms = (time.monotonic() - t0) * 1e3
                 w = self.pool.workers[address]
                 started = False
+                source = w.client.stream(request, timeout_s=max(0.001, deadline - time.monotonic()))
+                relay = _read_ahead(source, t0, self.config.stream_max_tokens)
                 try:
-                    async for ev in w.client.generate(request, timeout_s=max(0.001, deadline - time.monotonic())):
-                        elapsed_ms = (time.monotonic() - t0) * 1e3
-                        if started:
-                            yield dataclasses.replace(ev, elapsed_ms=elapsed_ms)
-                            continue
-                        started = True
-                        if variant.key is not None:
-                            self.pool.note_resident(address, variant.key)
-                            if ev.arrival is not None:  # the worker knows the truth; our view may be stale
-                                arrival = ev.arrival
-                        ttft = ev.ttft or Ttft()
-                        yield dataclasses.replace(
-                            ev,
-                            elapsed_ms=elapsed_ms,
-                            worker=address,
-                            arrival=arrival,
-                            ttft=dataclasses.replace(ttft, queue_ms=queue_ms, total_ms=elapsed_ms),
-                        )
+                    async for ready in relay:
+                        if not started:
+                            started = True
+                            ev = ready[0]
+                            if variant.key is not None:
+                                self.pool.note_resident(address, variant.key)
+                                if ev.arrival is not None:  # the worker knows the truth; our view may be stale
+                                    arrival = ev.arrival
+                            ttft = ev.ttft or Ttft()
+                            ready[0] = dataclasses.replace(
+                                ev,
+                                worker=address,
+                                arrival=arrival,
+                                ttft=dataclasses.replace(ttft, queue_ms=queue_ms, total_ms=ev.elapsed_ms),
+                            )
+                            if len(ready) > 1:  # the first token goes alone, at once (as from the worker)
+                                yield ready[:1]
+                                ready = ready[1:]
+                        yield ready
                     return
                 except RpcError as e:
                     log.info("request for %r on %s: %s", variant.model_id, address, clip_message(str(e)))
@@ -159,7 +171,10 @@ class Router:
                         e.code.name,
                     )
                 finally:
-                    self.pool.release(address, variant.key)
+                    try:
+                        await relay.aclose()  # now, not when collected: it cancels the worker call
+                    finally:
+                        self.pool.release(address, variant.key)
         finally:
             self.in_flight[variant.model_id] -= 1
             if self.in_flight[variant.model_id] <= 0:
@@ -276,3 +291,49 @@ class Router:
                 )
             )
         return out
+
+
+_END = object()  # the worker's stream ended
+
+
+async def _read_ahead(
+    source: AsyncIterator[list[TokenEvent]], t0: float, limit: int
+) -> AsyncIterator[list[TokenEvent]]:
+    """`source`'s events, read by a task as they come (each stamped with its arrival, ms since
+    `t0`), handed on as every event ready when the caller asks (at most `limit`; 0: all). The
+    source's error is raised after the events that came before it; leaving the loop (or being
+    cancelled) cancels the task, which closes `source` (the worker call)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for events in source:
+                ms = (time.monotonic() - t0) * 1e3
+                for ev in events:
+                    queue.put_nowait(dataclasses.replace(ev, elapsed_ms=ms))
+            queue.put_nowait(_END)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            queue.put_nowait(e)
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            ready, end = [], None
+            for item in await take_ready(queue, limit):
+                if isinstance(item, TokenEvent):
+                    ready.append(item)
+                else:
+                    end = item
+                    break
+            if ready:
+                yield ready
+            if end is _END:
+                return
+            if end is not None:
+                raise end
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

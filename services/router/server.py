@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 
-from bitdelta.generation import ArrivalState, Request, TokenEvent
+from bitdelta.generation import ArrivalState, Request, TokenEvent, fill_stream_pb
 from bitdelta.router.v1 import router_pb2 as pb
 from bitdelta.router.v1 import router_pb2_grpc as pb_grpc
 from bitdelta.rpc import telemetry
@@ -41,8 +42,9 @@ ARRIVAL_PB = {
 }
 
 
-def event_to_pb(ev: TokenEvent) -> pb.GenerateResponse:
-    return ev.fill_pb(pb.GenerateResponse(worker=ev.worker), ARRIVAL_PB)
+def events_to_pb(events: Sequence[TokenEvent]) -> pb.GenerateResponse:
+    """One stream message holding `events` (every token ready when it is written)."""
+    return fill_stream_pb(events, pb.GenerateResponse(worker=events[0].worker), ARRIVAL_PB)
 
 
 class RouterServicer(pb_grpc.RouterServiceServicer):
@@ -56,7 +58,8 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         span = telemetry.trace.get_current_span()
         span.set_attribute("model_id", request.model_id)
         try:
-            async for ev in self.router.generate(req, principal=current_principal()):
+            async for ready in self.router.generate(req, principal=current_principal()):
+                ev = ready[0]
                 if ev.ttft is not None:
                     t = ev.ttft
                     span.set_attributes(
@@ -72,16 +75,17 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                     )
                     if m:
                         m.ttft.labels(request.model_id, ev.arrival.value).observe(t.total_ms / 1e3)
-                if ev.usage is not None:
-                    span.set_attributes(
-                        {"prompt_tokens": ev.usage.prompt_tokens, "completion_tokens": ev.usage.completion_tokens}
-                    )
-                if m:
-                    m.tokens.labels(request.model_id).inc()
-                    if last_ms is not None:
+                for ev in ready:
+                    if ev.usage is not None:
+                        span.set_attributes(
+                            {"prompt_tokens": ev.usage.prompt_tokens, "completion_tokens": ev.usage.completion_tokens}
+                        )
+                    if m and last_ms is not None:
                         m.itl.labels(request.model_id).observe((ev.elapsed_ms - last_ms) / 1e3)
-                last_ms = ev.elapsed_ms
-                yield event_to_pb(ev)
+                    last_ms = ev.elapsed_ms
+                if m:
+                    m.tokens.labels(request.model_id).inc(len(ready))
+                yield events_to_pb(ready)
         except BaseException as e:
             status = "CANCELLED" if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else status_of(e).name
             raise

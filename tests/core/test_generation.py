@@ -25,7 +25,7 @@ from bitdelta.generation import (
     check_model_id,
 )
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
-from bitdelta.rpc.wire.gpu_worker import event_of_pb, event_to_pb, request_to_pb
+from bitdelta.rpc.wire.gpu_worker import events_of_pb, events_to_pb, request_to_pb
 
 
 @pytest.mark.parametrize(
@@ -167,10 +167,17 @@ def test_worker_events_round_trip():
     lp = Logprobs(TokenLogprob(9, "llo", -0.5), (TokenLogprob(9, "llo", -0.5), TokenLogprob(3, "x", -1.25)))
     last = TokenEvent(9, "llo", 9.0, finish_reason=FinishReason.EOS, usage=Usage(4, 2), logprobs=lp)
     middle = TokenEvent(7, "", 3.0)
+    wire = lambda evs: events_of_pb(wpb.GenerateResponse.FromString(events_to_pb(evs).SerializeToString()))
     for ev in (first, last, middle, TokenEvent(1, "", 0.5, ttft=Ttft(), arrival=ArrivalState.BASE)):
-        assert event_of_pb(wpb.GenerateResponse.FromString(event_to_pb(ev).SerializeToString())) == ev
-    assert event_to_pb(first).arrival_state == wpb.DELTA_STATE_ABSENT
-    assert event_to_pb(last).finish_reason == gen_pb.FINISH_REASON_EOS
+        assert wire([ev]) == [ev]
+    assert wire([first, middle, last]) == [first, middle, last], "one message holds several tokens, in order"
+    msg = events_to_pb([first, middle, last])
+    assert msg.arrival_state == wpb.DELTA_STATE_ABSENT and len(msg.tokens) == 3
+    assert msg.tokens[2].finish_reason == gen_pb.FINISH_REASON_EOS and not msg.tokens[0].HasField("usage")
+    with pytest.raises(ValueError, match="first token"):  # the request's fields belong to the stream's first token
+        events_to_pb([middle, first])
+    with pytest.raises(ValueError, match="at least one"):
+        events_to_pb([])
 
 
 def test_requests_reach_the_worker_unchanged():

@@ -100,8 +100,9 @@ async def clients(cluster):
 
 
 async def router_text(router: RouterClient, model: str, prompt: str, n: int = N, **kw) -> tuple[str, list]:
-    msgs = [m async for m in router.generate(model, prompt, max_new_tokens=n, **kw)]
-    return "".join(m.text for m in msgs), msgs
+    """The router's text and its tokens (of every message)."""
+    toks = [t async for m in router.generate(model, prompt, max_new_tokens=n, **kw) for t in m.tokens]
+    return "".join(t.text for t in toks), toks
 
 
 def http(gateway, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
@@ -226,7 +227,7 @@ async def test_n_choices_share_one_prefill(clients, cluster):
     for i in range(4):
         s = dataclasses.replace(sp, seed=sp.choice_seed(i))
         req = rpb.GenerateRequest(model_id="v1", prompt=prompt, sampling=s.to_pb())
-        assert "".join([m.text async for m in router.generate_request(req)]) == texts[i], i
+        assert "".join([t.text async for m in router.generate_request(req) for t in m.tokens]) == texts[i], i
     greedy = await client.completions.create(model="v0", prompt=prompt, max_tokens=N, temperature=0, n=3)
     want, _ = await router_text(router, "v0", prompt)
     assert [c.text for c in greedy.choices] == [want] * 3
@@ -416,7 +417,7 @@ async def test_vllm_sampling_fields_reach_the_worker(clients):
             ignore_eos=True,
         )
         req = rpb.GenerateRequest(model_id="v1", prompt="abc xyz", sampling=s.to_pb())
-        want = "".join([m.text async for m in router.generate_request(req)])
+        want = "".join([t.text async for m in router.generate_request(req) for t in m.tokens])
         r = await client.completions.create(
             model="v1", prompt="abc xyz", max_tokens=N, temperature=temperature, seed=seed, extra_body=VLLM_SAMPLING
         )
@@ -440,7 +441,9 @@ async def test_vllm_sampling_fields_reach_the_worker(clients):
         ignore_eos=True,
     )
     req = rpb.GenerateRequest(model_id="v1", prompt=V1_RENDERED, sampling=s.to_pb(), templated=True)
-    assert chat.choices[0].message.content == "".join([m.text async for m in router.generate_request(req)])
+    assert chat.choices[0].message.content == "".join(
+        [t.text async for m in router.generate_request(req) for t in m.tokens]
+    )
 
 
 async def test_stop_token_ids_and_include_stop_str(clients):
@@ -519,7 +522,9 @@ async def test_logprobs_equal_transformers_raw_logits_in_openai_shapes(clients, 
         lp = r.choices[0].logprobs
         s = Sampling(max_new_tokens=N, repetition_penalty=extra.get("repetition_penalty", 1.0))
         req = rpb.GenerateRequest(model_id=base, prompt=prompt, sampling=s.to_pb())
-        out = [m.token_id async for m in router.generate_request(req)]  # the ids (the text may not round-trip)
+        out = [
+            t.token_id async for m in router.generate_request(req) for t in m.tokens
+        ]  # the ids (the text may not round-trip)
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == N
         ref = hf_logprobs(family.base, ids, out)
         for i in range(N):
@@ -549,7 +554,7 @@ async def test_logprobs_equal_transformers_raw_logits_in_openai_shapes(clients, 
     req = rpb.GenerateRequest(
         model_id=base, prompt=BASE_RENDERED, sampling=Sampling(max_new_tokens=N).to_pb(), templated=True
     )
-    ref = hf_logprobs(family.base, rendered, [m.token_id async for m in router.generate_request(req)])
+    ref = hf_logprobs(family.base, rendered, [t.token_id async for m in router.generate_request(req) for t in m.tokens])
     for i, e in enumerate(content):
         want = sorted(ref[i].tolist(), reverse=True)[:2]
         assert [t.logprob for t in e.top_logprobs] == pytest.approx(want, abs=1e-3), i

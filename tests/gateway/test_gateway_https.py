@@ -167,7 +167,7 @@ async def router_ready(address: str, timeout: float = 120, credentials=None) -> 
 async def router_greedy(cluster, model: str, credentials=None) -> str:
     """What the router itself generates for `model` (the reference the gateway must pass through)."""
     async with RouterClient(cluster.r.address, generate_timeout_s=T, credentials=credentials) as r:
-        return "".join([m.text async for m in r.generate(model, PROMPT, max_new_tokens=N)])
+        return "".join([t.text async for m in r.generate(model, PROMPT, max_new_tokens=N) for t in m.tokens])
 
 
 def fails(fn, *args) -> BaseException:

@@ -51,7 +51,7 @@ async def store(family, request, tmp_path_factory):
 
 async def generate(stub, model_id, prompt, n=N):
     req = pb.GenerateRequest(model_id=model_id, prompt=prompt, sampling=gen_pb.SamplingParams(max_new_tokens=n))
-    return [m.token_id async for m in stub.Generate(req, timeout=T)]
+    return [t.token_id async for m in stub.Generate(req, timeout=T) for t in m.tokens]
 
 
 async def test_load_from_the_delta_store_and_generate(store, family):

@@ -63,7 +63,7 @@ async def generate(stub, model_id, prompt, n=4, timeout=T, **sampling) -> list[i
         ),
         timeout=timeout,
     )
-    return [m.token_id async for m in call]
+    return [t.token_id async for m in call for t in m.tokens]
 
 
 async def status(stub) -> pb.StatusResponse:

@@ -98,7 +98,7 @@ async def served(family):
 
 async def generate(stub, model_id: str, prompt: str, n: int = N) -> list[int]:
     req = pb.GenerateRequest(model_id=model_id, prompt=prompt, sampling=gen_pb.SamplingParams(max_new_tokens=n))
-    return [m.token_id async for m in stub.Generate(req, timeout=T)]
+    return [t.token_id async for m in stub.Generate(req, timeout=T) for t in m.tokens]
 
 
 async def logprobs(stub, model_id: str, prompt: str, n: int = N) -> list[list[float]]:

@@ -69,7 +69,7 @@ def test_process_serves_and_stops_on_sigterm(tmp_path):
                     pb.GenerateRequest(prompt="hi", sampling=gen_pb.SamplingParams(max_new_tokens=4)), timeout=30
                 )
             )
-            assert 1 <= len(msgs) <= 4 and msgs[-1].finish_reason != 0
+            assert 1 <= len(msgs) <= 4 and msgs[-1].tokens[-1].finish_reason != 0
             st = stub.Status(pb.StatusRequest(), timeout=10)
             assert st.device == "cpu" and st.base_fingerprint and st.kv_tokens_total > 0
         proc.send_signal(signal.SIGTERM)

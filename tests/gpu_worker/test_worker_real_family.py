@@ -35,7 +35,7 @@ async def test_real_family_matches_references_alone_and_mixed(tmp_path, real_bas
 
         async def gen(m, p):
             req = pb.GenerateRequest(model_id=m, prompt=p, sampling=gen_pb.SamplingParams(max_new_tokens=N))
-            return [x.token_id async for x in stub.Generate(req, timeout=300)]
+            return [t.token_id async for x in stub.Generate(req, timeout=300) for t in x.tokens]
 
         alone = {m: await gen(m, p) for m, p in prompts.items()}
         mixed = await asyncio.gather(*[gen(m, p) for m, p in prompts.items()])

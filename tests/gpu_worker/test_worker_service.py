@@ -57,6 +57,7 @@ async def served(family):
 
 
 async def generate(stub, model_id, prompt, n=N, timeout=T, **sampling) -> tuple[list[int], str, list]:
+    """Token ids, text and the stream's messages (each holds the tokens ready when it was written)."""
     msgs = []
     call = stub.Generate(
         pb.GenerateRequest(
@@ -66,7 +67,8 @@ async def generate(stub, model_id, prompt, n=N, timeout=T, **sampling) -> tuple[
     )
     async for m in call:
         msgs.append(m)
-    return [m.token_id for m in msgs], "".join(m.text for m in msgs), msgs
+    toks = [t for m in msgs for t in m.tokens]
+    return [t.token_id for t in toks], "".join(t.text for t in toks), msgs
 
 
 async def status(stub) -> pb.StatusResponse:
@@ -97,7 +99,7 @@ async def test_base_matches_transformers(served, family, tok):
         assert got == want
         assert len(set(got)) > 3, "the test model should not repeat one token"
         assert text == tok.decode(got, skip_special_tokens=True)
-        last = msgs[-1]
+        last = msgs[-1].tokens[-1]
         assert last.finish_reason in (gen_pb.FINISH_REASON_LENGTH, gen_pb.FINISH_REASON_EOS)
         assert last.usage.prompt_tokens == len(ids) and last.usage.completion_tokens == len(got)
         assert msgs[0].HasField("ttft") and msgs[0].ttft.total_ms > 0 and msgs[0].ttft.prefill_ms > 0
@@ -145,11 +147,11 @@ async def test_sampling_seed_top_p_stop_and_max_tokens(served, tok):
     assert len(stop) == 3 and gtext.find(stop) == 6
     got, text, msgs = await generate(stub, "v1", PROMPTS[1], stop=[stop, "never-produced"])
     assert text == gtext[:6]
-    assert msgs[-1].finish_reason == gen_pb.FINISH_REASON_STOP
+    assert msgs[-1].tokens[-1].finish_reason == gen_pb.FINISH_REASON_STOP
     # max tokens
     got, _, msgs = await generate(stub, "v1", PROMPTS[1], n=5)
-    assert got == greedy[:5] and msgs[-1].finish_reason == gen_pb.FINISH_REASON_LENGTH
-    assert msgs[-1].usage.completion_tokens == 5
+    assert got == greedy[:5] and msgs[-1].tokens[-1].finish_reason == gen_pb.FINISH_REASON_LENGTH
+    assert msgs[-1].tokens[-1].usage.completion_tokens == 5
 
 
 # -- cancellation, deadlines, KV budget ----------------------------------------------------------------
@@ -171,9 +173,9 @@ async def test_cancel_and_deadline_free_the_kv_cache(served):
         timeout=T,
     )
     got = 0
-    async for _ in call:
-        got += 1
-        if got == 2:
+    async for m in call:
+        got += len(m.tokens)
+        if got >= 2:
             st = await status(stub)
             assert st.running == 1 and st.kv_tokens_used > 0
             call.cancel()
@@ -201,7 +203,7 @@ async def test_deadline_ends_a_running_sequence_and_frees_its_kv(tmp_path):
         )
         try:
             async for m in call:
-                got.append(m)
+                got.extend(m.tokens)
             # the engine noticed the deadline first and ended the stream itself
             assert got[-1].finish_reason == gen_pb.FINISH_REASON_CANCELLED
         except grpc.aio.AioRpcError as e:  # or gRPC did
@@ -324,8 +326,8 @@ async def test_evicting_a_delta_in_use_waits_for_its_sequences(served):
     )
     toks = []
     async for m in call:
-        toks.append(m.token_id)
-        if len(toks) == 1:
+        toks.extend(t.token_id for t in m.tokens)
+        if len(toks) == len(m.tokens):  # after the first message
             r = await stub.EvictDelta(pb.EvictDeltaRequest(name="v2"), timeout=T)
             assert r.state == pb.DELTA_STATE_EVICTING
     assert toks == alone  # the running sequence finished on its delta
@@ -437,8 +439,8 @@ async def test_health_reflection_and_drain(family):
         rest = []
         while (m := await call.read()) is not grpc.aio.EOF:
             rest.append(m)
-        assert [first.token_id] + [m.token_id for m in rest] == alone
-        assert rest[-1].finish_reason in (gen_pb.FINISH_REASON_LENGTH, gen_pb.FINISH_REASON_EOS)
+        assert [t.token_id for m in (first, *rest) for t in m.tokens] == alone
+        assert rest[-1].tokens[-1].finish_reason in (gen_pb.FINISH_REASON_LENGTH, gen_pb.FINISH_REASON_EOS)
         watch.cancel()
         await stopper
 

@@ -55,7 +55,7 @@ async def answers(cfg: WorkerConfig, prompts: dict[str, str], n: int = N, check=
 
         async def gen(m: str, p: str) -> list[int]:
             req = pb.GenerateRequest(model_id=m, prompt=p, sampling=gen_pb.SamplingParams(max_new_tokens=n))
-            return [x.token_id async for x in stub.Generate(req, timeout=300)]
+            return [t.token_id async for x in stub.Generate(req, timeout=300) for t in x.tokens]
 
         alone = {m: await gen(m, p) for m, p in prompts.items()}
         mixed = dict(zip(prompts, await asyncio.gather(*[gen(m, p) for m, p in prompts.items()])))
@@ -207,7 +207,7 @@ async def test_kill9_of_rank1_mid_stream_stops_the_worker_and_the_router_uses_an
         w = WorkerClient(tp.address, generate_timeout_s=60)
         router = RouterClient(r.address, generate_timeout_s=60)
         try:
-            want = [m.token_id async for m in router.generate("v0", "Hello", max_new_tokens=N)]
+            want = [t.token_id async for m in router.generate("v0", "Hello", max_new_tokens=N) for t in m.tokens]
             got, t_kill = [], None
             sampling = gen_pb.SamplingParams(max_new_tokens=200, ignore_eos=True)
             req = pb.GenerateRequest(model_id="v1", prompt="abc", sampling=sampling)
@@ -231,7 +231,9 @@ async def test_kill9_of_rank1_mid_stream_stops_the_worker_and_the_router_uses_an
             assert not _alive(rank1) and _ranks_of(tp.popen.pid) == []  # no orphan
             for _ in range(3):  # the router sends new requests to the other worker
                 try:
-                    assert [m.token_id async for m in router.generate("v0", "Hello", max_new_tokens=N)] == want
+                    assert [
+                        t.token_id async for m in router.generate("v0", "Hello", max_new_tokens=N) for t in m.tokens
+                    ] == want
                 except RouterCallError as retry:  # its first request may still find the dead one
                     assert retry.code == grpc.StatusCode.UNAVAILABLE
             c.restart(tp)  # a restart restores service
@@ -281,10 +283,10 @@ async def test_requests_cut_before_their_first_token_by_a_kill9_complete_on_the_
             async def streamed(req: rpb.GenerateRequest, first: asyncio.Event | None = None):
                 got, where = [], ""
                 try:
-                    async for ev in router.generate_request(req):
-                        where = where or ev.worker
-                        got.append(ev.token_id)
-                        if first is not None and len(got) == 3:
+                    async for msg in router.generate_request(req):
+                        where = where or msg.worker
+                        got.extend(t.token_id for t in msg.tokens)
+                        if first is not None and len(got) >= 3:
                             first.set()
                 except RouterCallError as e:
                     return got, where, e

@@ -35,7 +35,7 @@ async def test_mixed_batch_through_triton_kernels(tmp_path):
 
         async def gen(m, p):
             req = pb.GenerateRequest(model_id=m, prompt=p, sampling=gen_pb.SamplingParams(max_new_tokens=N))
-            return [x.token_id async for x in stub.Generate(req, timeout=600)]
+            return [t.token_id async for x in stub.Generate(req, timeout=600) for t in x.tokens]
 
         outs = await asyncio.gather(*[gen(m, p) for m, p in jobs])
     for (m, p), got in zip(jobs, outs):

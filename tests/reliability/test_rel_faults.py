@@ -20,6 +20,7 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient, DeltaStoreError
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
@@ -365,7 +366,8 @@ class GarbageWorker:
                 yield b"\xff\xff\xff\xff\x0f garbage"
             else:
                 for i in range(5):
-                    yield wpb.GenerateResponse(token_id=2**31 - i, text="\x00\ufffd").SerializeToString()
+                    token = gen_pb.Token(token_id=2**31 - i, text="\x00\ufffd")
+                    yield wpb.GenerateResponse(tokens=[token]).SerializeToString()
                 await asyncio.sleep(3600)
 
         ident = dict(request_deserializer=None, response_serializer=None)
@@ -431,8 +433,6 @@ async def test_a_worker_that_answers_garbage(fc, clients, ref):
 
 
 async def _direct(w: WorkerClient, model: str):
-    from bitdelta.common.v1 import generation_pb2 as gen_pb
-
     req = wpb.GenerateRequest(model_id=model, prompt=P, sampling=gen_pb.SamplingParams(max_new_tokens=TOKENS))
     return [m async for m in w.generate(req)]
 

@@ -264,13 +264,14 @@ def test_damaged_delta_never_loads(system, family, expected, original, d, in_hea
                 f"damaged delta accepted (weights intact): {kind} in the {_region(original, where % len(original))}"
             )
             toks = [
-                m.token_id
+                t.token_id
                 for m in stub.Generate(
                     wpb.GenerateRequest(
                         model_id=name, prompt=PROMPTS[0], sampling=gen_pb.SamplingParams(max_new_tokens=TOKENS)
                     ),
                     timeout=T,
                 )
+                for t in m.tokens
             ]
             check_answer(expected, "v0", PROMPTS[0], toks)
             assert kind == "flip" and _region(original, where % len(original)) == "header"

@@ -62,7 +62,9 @@ async def test_soak(system, family, expected):
         loads_before = await loads()
         burst_ref = {}  # alone, before the soak
         for m in models:
-            burst_ref[m] = [x.token_id async for x in r.generate(m, PROMPTS[0], max_new_tokens=BURST_TOKENS)]
+            burst_ref[m] = [
+                t.token_id async for x in r.generate(m, PROMPTS[0], max_new_tokens=BURST_TOKENS) for t in x.tokens
+            ]
 
         async def one(model: str, prompt: str, mode: str, n: int = TOKENS) -> None:
             TALLY.sent += 1
@@ -74,7 +76,11 @@ async def test_soak(system, family, expected):
                     outcome["cancelled"] += 1
                     return
                 timeout = rng.uniform(0.01, 0.3) if mode == "deadline" else None
-                got = [m.token_id async for m in r.generate(model, prompt, max_new_tokens=n, timeout_s=timeout)]
+                got = [
+                    t.token_id
+                    async for m in r.generate(model, prompt, max_new_tokens=n, timeout_s=timeout)
+                    for t in m.tokens
+                ]
                 want = expected[(model, prompt)] if n == TOKENS else burst_ref[model]
                 assert got == want, f"{model!r} {prompt!r} mis-answered"
                 outcome["correct"] += 1

@@ -79,7 +79,12 @@ async def clients(cluster, family):
 
 
 async def run(router: RouterClient, model: str, prompt: str, n: int = N, **kw) -> list[pb.GenerateResponse]:
+    """The stream's messages (each holds every token the router had ready when it wrote it)."""
     return [m async for m in router.generate(model, prompt, max_new_tokens=n, **kw)]
+
+
+def tokens(msgs: list[pb.GenerateResponse]) -> list:
+    return [t for m in msgs for t in m.tokens]
 
 
 async def worker_tokens(w: WorkerClient, model: str, prompt: str, n: int = N) -> list[int]:
@@ -116,13 +121,14 @@ async def test_same_tokens_as_the_worker_alone(clients):
     for model, prompt in PROMPTS.items():
         msgs = await run(router, model, prompt)
         alone = await worker_tokens(workers[0], model, prompt)
-        assert [m.token_id for m in msgs] == alone, model
-        first, last = msgs[0], msgs[-1]
+        assert [t.token_id for t in tokens(msgs)] == alone, model
+        first, last = msgs[0], tokens(msgs)[-1]
         assert first.worker in {w.target for w in workers}
         t = first.ttft
         assert t.total_ms > 0 and t.prefill_ms > 0 and t.queue_ms >= 0 and t.total_ms >= t.prefill_ms
         assert all(not m.worker for m in msgs[1:]) and not any(m.HasField("ttft") for m in msgs[1:])
-        assert last.finish_reason != 0 and last.usage.completion_tokens == len(msgs)
+        assert last.finish_reason != 0 and last.usage.completion_tokens == len(alone)
+        assert not any(t.HasField("usage") for t in tokens(msgs)[:-1])
         assert last.usage.prompt_tokens > 0
 
 
@@ -131,7 +137,7 @@ async def test_concurrent_mixed_variants_match(clients):
     want = {m: await worker_tokens(workers[1], m, p) for m, p in PROMPTS.items()}
     got = await asyncio.gather(*[run(router, m, p) for m, p in PROMPTS.items() for _ in range(3)])
     for (m, _), msgs in zip([(m, p) for m, p in PROMPTS.items() for _ in range(3)], got):
-        assert [x.token_id for x in msgs] == want[m], m
+        assert [x.token_id for x in tokens(msgs)] == want[m], m
 
 
 async def test_list_models_and_workers(clients, family, cluster):
@@ -181,7 +187,7 @@ async def test_bad_requests_get_a_clear_status(clients, model, prompt, kw, code,
         await run(router, model, prompt, **kw)
     assert e.value.code == code and words in e.value.details, e.value.details
     assert len(e.value.details) < 1200  # long values are clipped, not echoed
-    assert len(await run(router, "v0", "still fine", n=2)) >= 1  # the next normal request is served
+    assert len(tokens(await run(router, "v0", "still fine", n=2))) >= 1  # the next normal request is served
 
 
 async def test_wrong_base_delta_is_refused_and_others_keep_serving(clients, family):
@@ -189,7 +195,7 @@ async def test_wrong_base_delta_is_refused_and_others_keep_serving(clients, fami
     with pytest.raises(RouterCallError) as e:
         await run(router, family.other_base, "hi")
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "compress it again" in e.value.details
-    assert len(await run(router, "v2", "hi", n=3)) == 3
+    assert len(tokens(await run(router, "v2", "hi", n=3))) == 3
 
 
 # -- the registry follows the store ----------------------------------------------------------------------
@@ -199,7 +205,7 @@ async def test_put_makes_a_variant_servable_and_delete_stops_it(clients, family)
     router, workers, store = clients
     await store.put("fresh", family.delta_path("v0"))  # v0's delta under a new name
     msgs = await run(router, "fresh", PROMPTS["v0"])
-    assert [m.token_id for m in msgs] == await worker_tokens(workers[0], "v0", PROMPTS["v0"])
+    assert [t.token_id for t in tokens(msgs)] == await worker_tokens(workers[0], "v0", PROMPTS["v0"])
     await store.put("foreign", family.delta_path(family.other_base))
     with pytest.raises(RouterCallError) as e:
         await run(router, "foreign", "hi")
@@ -208,7 +214,7 @@ async def test_put_makes_a_variant_servable_and_delete_stops_it(clients, family)
     await store.delete("fresh")
     e = await wait_for(lambda: refusal(router, "fresh"), what="the deleted variant to stop")
     assert e.code == grpc.StatusCode.NOT_FOUND and "deleted" in e.details
-    assert len(await run(router, "v1", "others keep serving", n=2)) == 2
+    assert len(tokens(await run(router, "v1", "others keep serving", n=2))) == 2
 
 
 # -- coalescing of a cold variant ---------------------------------------------------------------------------
@@ -234,7 +240,7 @@ async def test_fifty_requests_for_a_cold_variant_cause_one_load(clients, cluster
         await wait_for(all_admitted, what="50 requests in flight for v2")
         t = time.monotonic()
         warm = await run(router, "v0", PROMPTS["v0"])  # resident: never held behind the load
-        assert warm[-1].finish_reason != 0 and time.monotonic() - t < 60
+        assert tokens(warm)[-1].finish_reason != 0 and time.monotonic() - t < 60
         assert not any(c.done() for c in cold), "the cold requests cannot finish while the store is stopped"
     finally:
         cluster.st.popen.send_signal(signal.SIGCONT)
@@ -246,7 +252,7 @@ async def test_fifty_requests_for_a_cold_variant_cause_one_load(clients, cluster
     assert len({r[0].worker for r in results}) == 1
     home = next(w for w in workers if w.target == results[0][0].worker)
     want = await worker_tokens(home, "v2", PROMPTS["v2"])
-    assert all([m.token_id for m in r] == want for r in results)
+    assert all([t.token_id for t in tokens(r)] == want for r in results)
     arrivals = sorted(r[0].arrival_state for r in results)
     assert arrivals.count(pb.ARRIVAL_STATE_COLD) == 1 and arrivals.count(pb.ARRIVAL_STATE_LOADING) == 49
 
@@ -354,10 +360,42 @@ async def test_a_client_that_cancels_frees_the_sequence_on_the_worker(clients):
     # polled often: the whole generation takes only ~0.1 s on the tiny model, as long as one 0.1 s poll
     await wait_for(freed, what="the worker to free the cancelled sequence", every_s=0.005)
     freed_s = time.monotonic() - t
-    assert len(full) > 50 and freed_s < full_s, (
+    assert len(tokens(full)) > 50 and freed_s < full_s, (
         f"freed after {freed_s:.3f} s; the whole generation takes {full_s:.3f} s"
     )
-    assert len(await run(router, "v0", "next", n=2)) == 2
+    assert len(tokens(await run(router, "v0", "next", n=2))) == 2
+
+
+async def test_a_slow_client_gets_the_same_tokens_in_fewer_messages(clients, cluster):
+    """The router reads the worker ahead and writes every token it has when the client's window
+    lets it: a client with a small receive window that pauses after each message gets fewer
+    messages than tokens, with the same tokens, text, logprobs and choices as one that keeps up."""
+    from bitdelta.common.v1 import generation_pb2 as gen_pb
+    from bitdelta.router.v1 import router_pb2_grpc as pb_grpc
+
+    router, _, _ = clients
+    sampling = gen_pb.SamplingParams(max_new_tokens=200, ignore_eos=True, n=2, temperature=0.8, seed=5, logprobs=2)
+    # each call its own cache salt: no prefix-cache hit makes one prefill differ from the other in the last bits
+    req = pb.GenerateRequest(model_id="v0", prompt="slow " * 4, sampling=sampling, cache_salt="quick")
+    quick = [m async for m in router.generate_request(req)]
+    req.cache_salt = "slow"
+    small_window = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    async with grpc.aio.insecure_channel(cluster.r.address, options=small_window) as ch:
+        slow = []
+        async for m in pb_grpc.RouterServiceStub(ch).Generate(req, timeout=T):
+            slow.append(m)
+            await asyncio.sleep(0.02)
+
+    def content(msgs):  # everything a token carries but its time
+        return [(t.token_id, t.text, t.index, t.logprobs.SerializeToString(), t.finish_reason) for t in tokens(msgs)]
+
+    assert len(tokens(quick)) == 400 and content(slow) == content(quick)
+    assert len(slow) < 400 / 2, f"{len(slow)} messages for 400 tokens: not batched"
+    for msgs in (quick, slow):
+        assert len(msgs[0].tokens) == 1 and msgs[0].worker and msgs[0].HasField("ttft"), "the first token alone"
+        assert sorted(t.usage.completion_tokens for t in tokens(msgs) if t.finish_reason) == [200, 200]
+    ms = [t.elapsed_ms for t in tokens(slow)]
+    assert ms == sorted(ms), "each token timed at its arrival at the router, in order"
 
 
 # -- the command line ---------------------------------------------------------------------------------------
@@ -369,7 +407,7 @@ async def test_cli_generate_and_models(clients, cluster, family):
     from pathlib import Path
 
     router, _, _ = clients
-    text = "".join(m.text for m in await run(router, "v0", PROMPTS["v0"]))
+    text = "".join(t.text for t in tokens(await run(router, "v0", PROMPTS["v0"])))
     cli = [str(Path(sys.executable).parent / "bitdelta")]  # the installed command
     r = await asyncio.to_thread(
         subprocess.run,
@@ -387,7 +425,7 @@ async def test_cli_generate_and_models(clients, cluster, family):
 
     s = Sampling(max_new_tokens=N, repetition_penalty=1.5, top_k=5, temperature=0.8, seed=3)
     req = rpb.GenerateRequest(model_id="v0", prompt=PROMPTS["v0"], sampling=s.to_pb())
-    want = "".join([m.text async for m in router.generate_request(req)])
+    want = "".join(t.text for t in tokens([m async for m in router.generate_request(req)]))
     flags = ["--repetition-penalty", "1.5", "--top-k", "5", "--temperature", "0.8", "--seed", "3"]
     r = await asyncio.to_thread(
         subprocess.run,
@@ -444,7 +482,7 @@ async def test_cli_store_put_list_rm(clients, cluster, family):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("stored from-cli:") and "put from-cli" in r.stderr  # the progress bar
     msgs = await run(router, "from-cli", PROMPTS["v0"])
-    assert [m.token_id for m in msgs] == await worker_tokens(workers[0], "v0", PROMPTS["v0"])
+    assert [t.token_id for t in tokens(msgs)] == await worker_tokens(workers[0], "v0", PROMPTS["v0"])
     r = await bitdelta("list")
     rows = {line.split()[0]: line for line in r.stdout.splitlines()[1:]}
     assert r.returncode == 0 and "from-cli" in rows and set(family.variants) <= set(rows), r.stdout
@@ -478,5 +516,9 @@ async def test_grpcurl_through_reflection(clients, cluster):
     )
     assert r.returncode == 0, r.stderr
     msgs = [json.loads(m) for m in r.stdout.replace("}\n{", "}\x00{").split("\x00")]
-    want = [m.token_id for m in await run(router, "v0", PROMPTS["v0"])]
-    assert [m.get("token_id", 0) for m in msgs] == want and msgs[0]["worker"] and msgs[0]["ttft"]["total_ms"] > 0
+    want = [t.token_id for t in tokens(await run(router, "v0", PROMPTS["v0"]))]
+    assert (
+        [t.get("token_id", 0) for m in msgs for t in m["tokens"]] == want
+        and msgs[0]["worker"]
+        and msgs[0]["ttft"]["total_ms"] > 0
+    )

@@ -66,7 +66,7 @@ def served(tmp_path_factory):
 async def tokens(router: RouterClient, model: str) -> list[int]:
     sampling = Sampling(max_new_tokens=N, ignore_eos=True).to_pb()  # N tokens whatever EOS comes
     req = pb.GenerateRequest(model_id=model, prompt=PROMPT, sampling=sampling)
-    return [m.token_id async for m in router.generate_request(req)]
+    return [t.token_id async for m in router.generate_request(req) for t in m.tokens]
 
 
 @pytest.mark.parametrize("name", FAMILY_MEMBERS)

@@ -58,7 +58,7 @@ async def test_counters_move_on_every_endpoint(cluster):
             await asyncio.sleep(0.1)
         for v in (fam.variants[0], fam.variants[1], fam.variants[0]):  # one slot: one delta at a time
             msgs = [m async for m in r.generate(v, "The quick brown fox", max_new_tokens=5)]
-            assert msgs[-1].finish_reason != 0
+            assert msgs[-1].tokens[-1].finish_reason != 0
         with pytest.raises(RpcError):
             [m async for m in r.generate("nope", "hi", max_new_tokens=1)]
     async with WorkerClient(cluster.w.address) as w:

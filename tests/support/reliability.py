@@ -88,7 +88,7 @@ async def routed_tokens(r, model: str, prompt: str = PROMPTS[0], n: int = TOKENS
 
     TALLY.sent += 1
     try:
-        return [m.token_id async for m in r.generate(model, prompt, max_new_tokens=n, **kw)]
+        return [t.token_id async for m in r.generate(model, prompt, max_new_tokens=n, **kw) for t in m.tokens]
     except RouterCallError as e:
         TALLY.reject(e.code)
         raise
@@ -199,7 +199,7 @@ def router_tokens(
         req = pb.GenerateRequest(model_id=model, prompt=prompt, sampling=gen_pb.SamplingParams(max_new_tokens=n))
         if count:
             TALLY.sent += 1
-        return [m.token_id for m in stub.Generate(req, timeout=timeout)]
+        return [t.token_id for m in stub.Generate(req, timeout=timeout) for t in m.tokens]
 
 
 def check_answer(expected, model: str, prompt: str, tokens: list[int]) -> None:

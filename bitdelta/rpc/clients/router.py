@@ -2,7 +2,7 @@
 
     async with RouterClient("127.0.0.1:50051") as r:
         async for msg in r.generate("coder", "def fib(n):", max_new_tokens=40):
-            print(msg.text, end="")
+            print("".join(t.text for t in msg.tokens), end="")   # every token the router had ready
         models = await r.list_models()
 
 Failures raise `RouterCallError` (an `RpcError`) with the router's status code.
@@ -47,7 +47,9 @@ class RouterClient(Client):
     def generate_request(
         self, request: pb.GenerateRequest, timeout_s: float | None = None, metadata: Sequence[tuple[str, str]] = ()
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """The router's stream for `request`; leaving the loop early cancels the call downstream."""
+        """The router's stream for `request`: each message holds every token the router had ready when
+        it wrote it (`msg.tokens`; the request's fields on the first); leaving the loop early cancels
+        the call downstream."""
         return self._stream(
             self._stub.Generate,
             request,

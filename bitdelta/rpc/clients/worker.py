@@ -3,7 +3,7 @@
     async with WorkerClient("127.0.0.1:50061") as w:
         async for ev in w.generate(gpu_worker_pb2.GenerateRequest(model_id="coder", prompt="def f("),
                                    timeout_s=30):
-            ...   # bitdelta.generation.TokenEvent
+            ...   # bitdelta.generation.TokenEvent; w.stream(...): one list per message
         st = await w.status()
 
 Every call has a deadline. Failures raise `WorkerCallError` (an `RpcError`) with
@@ -13,6 +13,7 @@ call, so the worker frees the sequence.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -23,7 +24,7 @@ from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
 from bitdelta.rpc.clients.base import Client
 from bitdelta.rpc.errors import RpcError
-from bitdelta.rpc.wire.gpu_worker import event_of_pb
+from bitdelta.rpc.wire.gpu_worker import events_of_pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GpuWorkerService"].full_name
 
@@ -52,24 +53,35 @@ class WorkerClient(Client):
         self._stub = pb_grpc.GpuWorkerServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
-    async def generate(
+    async def stream(
         self, request: pb.GenerateRequest, timeout_s: float | None = None, metadata: Sequence[tuple[str, str]] = ()
-    ) -> AsyncIterator[TokenEvent]:
-        """The worker's stream for `request` as domain events; breaking out of the loop (or being
-        cancelled) cancels the call."""
+    ) -> AsyncIterator[list[TokenEvent]]:
+        """The worker's stream for `request`, one list of domain events per message (every token
+        the worker had ready when it wrote it); breaking out of the loop (or being cancelled)
+        cancels the call."""
         what = f"Generate({request.model_id[:80]!r})"
         stream = self._stream(self._stub.Generate, request, what, timeout_s or self.generate_timeout_s, metadata)
         try:
             async for msg in stream:
-                if msg is None:  # grpc's aio stub yields None for bytes it cannot decode: a broken worker
+                if msg is None or not msg.tokens:  # None: bytes grpc's aio stub cannot decode (a broken worker)
                     raise self.ERROR(
-                        f"{self.SERVICE} {self.target} {what}: sent a message that is not a GenerateResponse",
+                        f"{self.SERVICE} {self.target} {what}: sent a message that is not a GenerateResponse "
+                        "with tokens",
                         grpc.StatusCode.UNAVAILABLE,
                         service=f"{self.SERVICE} {self.target}",
                     )
-                yield event_of_pb(msg)
+                yield events_of_pb(msg)
         finally:
             await stream.aclose()
+
+    async def generate(
+        self, request: pb.GenerateRequest, timeout_s: float | None = None, metadata: Sequence[tuple[str, str]] = ()
+    ) -> AsyncIterator[TokenEvent]:
+        """`stream`'s events one at a time; leaving the loop cancels the call."""
+        async with contextlib.aclosing(self.stream(request, timeout_s, metadata)) as messages:
+            async for events in messages:
+                for ev in events:
+                    yield ev
 
     async def load_delta(self, name: str, pin: bool = False, timeout_s: float | None = None) -> pb.LoadDeltaResponse:
         return await self._unary(

@@ -1,11 +1,13 @@
 """The worker's Generate stream in the generation vocabulary (`bitdelta.generation`): its servicer
-writes `TokenEvent`s with `event_to_pb`, its client reads them back with `event_of_pb`, so the two
+writes each message's `TokenEvent`s with `events_to_pb`, its client reads them back with `events_of_pb`, so the two
 ends share one mapping (the arrival state is the worker's `DeltaState` on this hop).
 """
 
 from __future__ import annotations
 
-from bitdelta.generation import ArrivalState, FinishReason, Logprobs, Request, TokenEvent, Ttft, Usage
+from collections.abc import Sequence
+
+from bitdelta.generation import ArrivalState, Request, TokenEvent, events_of_stream_pb, fill_stream_pb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
 
 ARRIVAL_PB = {
@@ -17,24 +19,13 @@ ARRIVAL_PB = {
 ARRIVAL_OF_PB = {v: k for k, v in ARRIVAL_PB.items()}
 
 
-def event_to_pb(ev: TokenEvent) -> pb.GenerateResponse:
-    return ev.fill_pb(pb.GenerateResponse(), ARRIVAL_PB)
+def events_to_pb(events: Sequence[TokenEvent]) -> pb.GenerateResponse:
+    """One stream message holding `events` (every token ready when it is written)."""
+    return fill_stream_pb(events, pb.GenerateResponse(), ARRIVAL_PB)
 
 
-def event_of_pb(msg: pb.GenerateResponse) -> TokenEvent:
-    first = msg.HasField("ttft")
-    return TokenEvent(
-        token_id=msg.token_id,
-        text=msg.text,
-        elapsed_ms=msg.elapsed_ms,
-        finish_reason=FinishReason.from_pb(msg.finish_reason),
-        usage=Usage.from_pb(msg.usage) if msg.HasField("usage") else None,
-        ttft=Ttft.from_pb(msg.ttft) if first else None,
-        arrival=ARRIVAL_OF_PB.get(msg.arrival_state, ArrivalState.BASE) if first else None,
-        logprobs=Logprobs.from_pb(msg.logprobs) if msg.HasField("logprobs") else None,
-        index=msg.index,
-        prompt_logprobs=tuple(Logprobs.from_pb(lp) for lp in msg.prompt_logprobs),
-    )
+def events_of_pb(msg: pb.GenerateResponse) -> list[TokenEvent]:
+    return events_of_stream_pb(msg, ARRIVAL_OF_PB)
 
 
 def request_to_pb(req: Request) -> pb.GenerateRequest:
