@@ -3,8 +3,9 @@ per second and CPU time per token with many concurrent streams, against the per-
 (`--stream-max-tokens 1` on worker and router) measured in the same run.
 
 Starts a delta store and two worker + router pairs as processes on loopback (the tiny random
-family's base): one pair with one message per token (the baseline), one with every ready token
-in one message (the default). Rounds alternate baseline / batched (`--rounds` each, so the other
+family's base; `--max-running` and the router's in-flight limit set to `--concurrency`, so every
+stream is in the batch): one pair with one message per token (the baseline), one with every
+ready token in one message (the default). Rounds alternate baseline / batched (`--rounds` each, so the other
 load on the machine meets both alike); in each, `--concurrency` closed-loop clients stream
 `--tokens`-token greedy generations through the router for `--seconds`, in two scenarios:
 "fast" clients read as fast as they can; "slow" clients pause `--slow-pause-ms` after each
@@ -14,7 +15,7 @@ the clients received, and the CPU seconds the worker, the router and the client 
 (from /proc), per token.
 
     python bench/stream_batching.py [--concurrency 64] [--tokens 128] [--seconds 8] [--rounds 2] \
-        [--slow-pause-ms 20] [--out bench/results/stream_batching_cpu_<date>.txt]
+        [--slow-pause-ms 100] [--out bench/results/stream_batching_cpu_<date>.txt]
 """
 
 from __future__ import annotations
@@ -87,10 +88,20 @@ async def run(a: argparse.Namespace) -> dict:
             st = c.store(fam.deltas)
             pairs = {}
             for mode, cap in MODES.items():
+                batch = str(a.concurrency)  # every stream in the worker's batch and in flight on the router
                 w = c.worker(
-                    fam.base, st.address, name=f"worker-{mode}", kv_cache="64MiB", extra=("--stream-max-tokens", cap)
+                    fam.base,
+                    st.address,
+                    name=f"worker-{mode}",
+                    kv_cache="256MiB",
+                    extra=("--stream-max-tokens", cap, "--max-running", batch),
                 )
-                r = c.router([w.address], st.address, name=f"router-{mode}", extra=("--stream-max-tokens", cap))
+                r = c.router(
+                    [w.address],
+                    st.address,
+                    name=f"router-{mode}",
+                    extra=("--stream-max-tokens", cap, "--max-in-flight-per-worker", batch, "--max-queue", batch),
+                )
                 pairs[mode] = (w, r)
             c.wait_serving(st, *[p for pair in pairs.values() for p in pair])
             channels = {
@@ -184,7 +195,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--slow-pause-ms", type=float, default=20.0)
+    ap.add_argument("--slow-pause-ms", type=float, default=100.0)
     ap.add_argument("--out", type=Path, help="write the report here (and the numbers as .json beside it)")
     a = ap.parse_args()
     res = asyncio.run(run(a))
