@@ -81,6 +81,7 @@ STEP_BYTES = 64 << 10
 HEARTBEAT_S = 1.0  # rank 0 idle this long sends an empty message (the followers' liveness)
 POLL_S = 0.01  # how often a load polls its followers' acks
 CONFIG_ENV = "BITDELTA_TP_CONFIG"  # a spawned rank's config (pickled WorkerConfig, base64)
+PARENT_ENV = "BITDELTA_TP_PARENT"  # a spawned rank's rank 0 (its pid): it dies with it
 
 
 # -- the collectives -----------------------------------------------------------------------------
@@ -782,10 +783,15 @@ def _wait_for(store, key: str, what: str, procs: list[subprocess.Popen], timeout
         time.sleep(POLL_S * 10)
 
 
-def _die_with_parent() -> None:
-    """In a spawned rank (before exec): SIGKILL when rank 0 exits, so no rank outlives it."""
+def _die_with_parent(parent: int) -> None:
+    """A spawned rank, first thing: SIGKILL when rank 0 (`parent`) exits, so no rank outlives it;
+    and if it has exited already, exit now. Set here, not between fork and exec (`preexec_fn`): that
+    runs Python and gRPC's fork handlers in a child of a process with threads (gRPC's, a store
+    client's), which is not safe."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        raise SystemExit(f"rank 0 (pid {parent}) exited before this rank started")
 
 
 def _spawn(config: WorkerConfig, rv: Rendezvous, dtype: torch.dtype, backend: str | None) -> list[subprocess.Popen]:
@@ -805,7 +811,7 @@ def _spawn(config: WorkerConfig, rv: Rendezvous, dtype: torch.dtype, backend: st
             "MASTER_PORT": str(rv.port),
         }
         cmd = [sys.executable, "-m", "services.gpu_worker.parallel"]
-        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
+        procs.append(subprocess.Popen(cmd, env={**env, PARENT_ENV: str(os.getpid())}))
     return procs
 
 
@@ -897,6 +903,7 @@ def run_follower(config: WorkerConfig, rv: Rendezvous) -> None:
 
 def main() -> None:
     """A rank spawned by rank 0 (`python -m services.gpu_worker.parallel`, config in the environment)."""
+    _die_with_parent(int(os.environ[PARENT_ENV]))
     rv = Rendezvous.from_env()
     config: WorkerConfig = pickle.loads(base64.b64decode(rv.config))
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -383,3 +383,62 @@ async def test_from_the_delta_store_on_one_process_and_on_two_ranks(family):
     finally:
         await server.stop(0)
         await store.close()
+
+
+SPLITS = {
+    # fused qkv_proj / gate_up_proj, one KV head on both ranks: rank 1's slice of a qkv part is its own
+    # query rows + k/v rows rank 0 holds too, which rank 0 hands on (U included)
+    "phi3 fused, 1 kv head": tiny_args(model_type="phi3", n_kv_heads=1, tie_embeddings=False),
+    # 9 heads in 3 GQA groups: 2 + 1 groups, o_proj's input columns 48 + 24
+    "9 heads, 3 kv heads": tiny_args(dim=72, n_heads=9, n_kv_heads=3, head_dim=8, intermediate_size=96),
+}
+
+
+@pytest.mark.parametrize("split", SPLITS)
+async def test_uneven_and_fused_splits_serve_v3_from_the_store_as_one_process(split, tmp_path):
+    """Two ranks on a fused-qkv base with fewer KV heads than ranks and on one whose heads split
+    unevenly: a 3-plane, a low-rank and an auto-α variant from a real delta store give the one-process
+    worker's greedy tokens, alone and mixed with the base, each byte of a cold load served once."""
+    from services.delta_store.config import Config
+    from services.delta_store.server import create_server
+
+    base = make_base(tmp_path / "base", SPLITS[split], 1, std=VARIED_STD)
+    ft = make_finetune(base, tmp_path / "ft", seed=100, scale=FT_SCALE)
+    deltas = tmp_path / "deltas"
+    kinds = {
+        "planes3": PlaneConfig(planes=3),
+        "rank8": PlaneConfig(rank=8),
+        "colauto": PlaneConfig(planes=2, alpha="auto"),
+    }
+    for name, pc in kinds.items():
+        compress(base, ft, deltas / f"{name}{SUFFIX}", variant=name, progress=False, planes=pc)
+    cfg = Config(address="127.0.0.1:0", root=deltas)
+    cfg.check()
+    server, store = create_server(cfg, metrics=True)
+    await server.start()
+    prompts = {"": "Hello world", "planes3": "abc xyz", "rank8": "def f(x):", "colauto": "zzz"}
+    got = {}
+    try:
+        for tp in (1, 2):
+            wcfg = WorkerConfig(
+                base=base,
+                delta_store=f"127.0.0.1:{server.port}",
+                delta_budget=16 << 20,
+                kv_cache=4 << 20,
+                tensor_parallel=tp,
+            )
+            async with running_worker(wcfg) as (_, _, channel):
+                stub = pb_grpc.GpuWorkerServiceStub(channel)
+                for m in kinds:
+                    before = store.metrics.registry.get_sample_value("bitdelta_delta_store_served_bytes_total") or 0.0
+                    await stub.LoadDelta(pb.LoadDeltaRequest(name=m), timeout=T)
+                    after = store.metrics.registry.get_sample_value("bitdelta_delta_store_served_bytes_total")
+                    assert after - before == sum(t.nbytes for t in read_header(deltas / f"{m}{SUFFIX}").tensors)
+                alone = {m: await generate(stub, m, p) for m, p in prompts.items()}
+                mixed = dict(zip(prompts, await asyncio.gather(*[generate(stub, m, p) for m, p in prompts.items()])))
+                got[tp] = (alone, mixed)
+    finally:
+        await server.stop(0)
+        await store.close()
+    assert got[2] == got[1] and got[1][0] == got[1][1]
+    assert len({tuple(v) for v in got[1][0].values()}) == len(prompts), "every variant answers its own tokens"
