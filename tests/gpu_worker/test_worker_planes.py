@@ -106,7 +106,9 @@ async def logprobs(stub, model_id: str, prompt: str, n: int = N) -> list[list[fl
     sp = gen_pb.SamplingParams(max_new_tokens=n, logprobs=5)
     req = pb.GenerateRequest(model_id=model_id, prompt=prompt, sampling=sp)
     return [
-        [m.logprobs.sampled.logprob, *(t.logprob for t in m.logprobs.top)] async for m in stub.Generate(req, timeout=T)
+        [t.logprobs.sampled.logprob, *(x.logprob for x in t.logprobs.top)]
+        async for m in stub.Generate(req, timeout=T)
+        for t in m.tokens
     ]
 
 
