@@ -400,7 +400,8 @@ SPLITS = {
 async def test_uneven_and_fused_splits_serve_v3_from_the_store_as_one_process(split, tmp_path):
     """Two ranks on a fused-qkv base with fewer KV heads than ranks and on one whose heads split
     unevenly: a 3-plane, a low-rank and an auto-α variant from a real delta store give the one-process
-    worker's greedy tokens, alone and mixed with the base, each byte of a cold load served once."""
+    worker's greedy tokens, alone and mixed with the base, and its log-probabilities; each byte of a
+    cold load is served once."""
     from services.delta_store.config import Config
     from services.delta_store.server import create_server
 
@@ -419,7 +420,7 @@ async def test_uneven_and_fused_splits_serve_v3_from_the_store_as_one_process(sp
     server, store = create_server(cfg, metrics=True)
     await server.start()
     prompts = {"": "Hello world", "planes3": "abc xyz", "rank8": "def f(x):", "colauto": "zzz"}
-    got = {}
+    got, lps = {}, {}
     try:
         for tp in (1, 2):
             wcfg = WorkerConfig(
@@ -439,8 +440,11 @@ async def test_uneven_and_fused_splits_serve_v3_from_the_store_as_one_process(sp
                 alone = {m: await generate(stub, m, p) for m, p in prompts.items()}
                 mixed = dict(zip(prompts, await asyncio.gather(*[generate(stub, m, p) for m, p in prompts.items()])))
                 got[tp] = (alone, mixed)
+                lps[tp] = {m: await logprobs(stub, m, p) for m, p in prompts.items()}
     finally:
         await server.stop(0)
         await store.close()
     assert got[2] == got[1] and got[1][0] == got[1][1]
+    for m in prompts:  # greedy tokens can hide a small wrong term: the log-probabilities cannot
+        assert_close(lps[2][m], lps[1][m])
     assert len({tuple(v) for v in got[1][0].values()}) == len(prompts), "every variant answers its own tokens"
