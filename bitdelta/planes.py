@@ -182,11 +182,12 @@ def spend(
     `kind_kl`): first the measured stage, in blocks of one kind's option i ∈ {1, 2} on all its
     layers, the block of most measured KL per byte first (a kind's option 2 once its plane 1 is
     in); each block's weights are taken in order of output gain per byte while they fit, so the
-    first block that does not fit whole is taken in part and ends the stage. So a kind's plane 1 can lose to another kind's plane 2 (the embedding's, say, against
-    q_proj's plane 1), and a budget below plane 1 of every weight leaves out whole kinds, the
-    least KL per byte first, only the last one needed in part. Then the bytes left go to the
-    output-error greedy over the kept weights' next options (a weight left without plane 1 stays
-    out). ValueError when no weight keeps its plane 1."""
+    first block that does not fit whole is taken in part and ends the stage. So a kind's plane 1
+    can lose to another kind's plane 2 (the embedding's, say, against q_proj's plane 1), and a
+    budget below plane 1 of every weight leaves out whole kinds, the least KL per byte first, only
+    the last one needed in part. Then the bytes left go to the output-error greedy over the kept
+    weights' next options (a weight left without plane 1 stays out). ValueError when no weight
+    keeps its plane 1."""
     if budget is None:
         for c in chains.values():
             c.taken = c.options
