@@ -3,6 +3,9 @@ tests/core/test_evaluate.py)."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -131,6 +134,39 @@ def test_reports_end_to_end_on_a_tiny_family(tmp_path):
     mem = (out / "memory.md").read_text()
     assert f"| math | {family.SERVING_MODE} |" in mem and "`bitdelta inspect`" in mem
     assert "Dense tensors of a serving delta" in mem and "CPU precision fp32" in mem
+
+
+def test_skip_build_needs_the_serving_delta_only_for_its_mode_and_the_report_names_a_previous_machine(tmp_path):
+    """--skip-build on a family whose serving delta is not built yet: refused for the serving
+    mode, run for the others; the report says the one it replaces was made on another machine."""
+    from bitdelta import family
+    from bitdelta.checkpoint import fingerprint
+    from bitdelta.family import build as fb
+    from bitdelta.testing.family import make_base, make_finetune
+
+    p = family.paths(tmp_path / "data")
+    make_base(p.base)
+    fb.write_stamp(p, "base", {"test": 1}, {"fingerprint": fingerprint(p.base)})
+    make_finetune(p.base, p.finetuned["coder"], seed=11)
+    rec = {
+        "fingerprint": fingerprint(p.finetuned["coder"]),
+        "corpus": family.VARIANTS["coder"],
+        "seconds": 1.0,
+        "heldout_ppl_before": 300.0,
+        "heldout_ppl_after": 250.0,
+        "config": {"steps": 1, "batch": 1, "seq_len": 8, "lr": 1e-4},
+    }
+    fb.write_stamp(p, "finetuned/coder", {"test": 1}, rec)
+    out = tmp_path / "reports"
+    out.mkdir()
+    (out / "quality.json").write_text(json.dumps({"machine": "elsewhere: bf16", "trained_in": "bf16", "made": "x"}))
+    cfg = q.QualityConfig(eval_windows=2, seq_len=32, humaneval=0, math_problems=0, modes=("row",))
+    with pytest.raises(FileNotFoundError, match="deltas/coder"):
+        reports.run_reports(out, ["coder"], replace(cfg, modes=("row", q.SERVING_MODE)), p.root, skip_build=True)
+    reports.run_reports(out, ["coder"], cfg, p.root, skip_build=True, command="bitdelta quality (test)")
+    md = (out / "quality.md").read_text()
+    assert "| coder | row |" in md
+    assert "**Another machine than the previous report's**: that one was made on elsewhere: bf16" in md
 
 
 def test_quality_report_embeds_the_merging_report(tmp_path):
