@@ -75,6 +75,15 @@ def split_role(suffix: str) -> tuple[str, int] | None:
     return None
 
 
+def alpha_axis(axes: dict[str, list[str]], param: str, role: str) -> str:
+    """The α axis ("row", "matrix", "col") of the plane a tensor of `param` with role `role`
+    ("alpha", "sign3", ...) belongs to, from a header's axes per plane; "row" when it says none."""
+    got = split_role(role)
+    plane = got[1] if got is not None else 0
+    have = axes.get(param, ())
+    return have[plane - 1] if 1 <= plane <= len(have) else "row"
+
+
 def plane_suffix(role: str, plane: int) -> str:
     """("sign", 1) -> ".sign", ("alpha", 2) -> ".alpha2"."""
     return f".{role}" if plane == 1 else f".{role}{plane}"

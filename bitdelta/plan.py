@@ -17,6 +17,14 @@ corrects them:
   vocabulary-parallel embedding and head split by rows, norms and row-parallel
   α's replicated); KV heads are split across GPUs, or replicated when TP
   exceeds the number of KV heads. Per GPU means rank 0's slice, the largest;
+- a delta costs each rank what the worker allocates for it (`RankDelta`): one
+  slot of the rank's stacks per sign plane (signs and a row of α for every
+  projection, its norms and biases; a k-plane delta of format v3 holds k slots,
+  a contiguous run, on every rank), plus what is allocated for that delta alone:
+  its slices of a changed embedding / LM head, of low-rank factors and of
+  column α's. From a mode (`--alpha`, `--embeddings`: one plane) or from a
+  real delta file (`--delta`: its planes, factors and α axes as its header
+  says, each tensor cut by `TPLayout.shard_of`);
 - the KV cache is what limits concurrent sequences: 2 · layers · kv_heads ·
   head_dim · dtype bytes per token;
 - a cold load reads the delta from NVMe at 3–7 GB/s: 8.75 GB takes 1.3–3 s,
@@ -36,7 +44,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bitdelta.arch import ModelArgs
-from bitdelta.shard import TPLayout
+from bitdelta.format import DeltaHeader, alpha_axis, check_arch, read_header
+from bitdelta.shard import EMBED, HEAD, TPLayout
 from bitdelta.units import parse_bytes
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -108,13 +117,40 @@ class Shape:
 
 @dataclass(frozen=True)
 class DeltaBytes:
+    """A delta file's bytes by part (every plane's signs, every plane's α's, dense tensors, low-rank factors)."""
+
     signs: int
     alpha: int
     dense: int
+    lowrank: int = 0
 
     @property
     def total(self) -> int:
-        return self.signs + self.alpha + self.dense
+        return self.signs + self.alpha + self.dense + self.lowrank
+
+    @classmethod
+    def of_file(cls, h: DeltaHeader) -> DeltaBytes:
+        r = h.bytes_by_role()
+        return cls(r["sign"], r["alpha"], r["dense"], r["lowrank"])
+
+
+@dataclass(frozen=True)
+class RankDelta:
+    """What one delta costs one tensor-parallel rank's device, as the worker allocates it: `planes`
+    slots of the rank's stacks (the same run of slots on every rank), each `slot` bytes, and
+    `extra` bytes allocated for this delta alone (its slices of a changed embedding / LM head, of
+    low-rank factors, of column α's).
+
+        total = planes · slot + extra"""
+
+    rank: int
+    planes: int
+    slot: int
+    extra: int
+
+    @property
+    def total(self) -> int:
+        return self.planes * self.slot + self.extra
 
 
 def delta_bytes(
@@ -132,6 +168,63 @@ def delta_bytes(
     small = s.norm_params + s.bias_params  # norms and biases: changed in a full fine-tune, stored whole
     dense = (s.embedding_params * b if embeddings == "dense" else 0) + (small * b if norms_changed else 0)
     return DeltaBytes(signs, a, dense)
+
+
+def slot_bytes(local: Shape, dtype: str = "bf16") -> int:
+    """One slot of a rank's stacks (`local`: the rank's slice of the model, `TPLayout.local_args`):
+    packed signs and an fp32 α per output row of every projection (a per-matrix α too takes its
+    rows), and every norm and bias in the serving dtype."""
+    per_layer = sum(o * math.ceil(i / 8) + o * 4 for o, i in local.projections())
+    return local.layers * per_layer + (local.norm_params + local.bias_params) * DTYPE_BYTES[dtype]
+
+
+def _extra_bytes(local: Shape, role: str, shape: tuple[int, ...], dtype: str) -> int:
+    """Device bytes of one tensor the worker allocates per delta, at the rank's slice's `shape`: a
+    changed embedding / head (dense in the serving dtype; per plane its signs and an fp32 α per
+    vocabulary row) or a low-rank factor (fp16, as stored)."""
+    kind = role.rstrip("0123456789")
+    if kind == "alpha":
+        return local.vocab * 4
+    return math.prod(shape) * {"dense": DTYPE_BYTES[dtype], "sign": 1}.get(kind, 2)
+
+
+def rank_deltas(s: Shape, tp: int, dtype: str = "bf16", embeddings: str = "dense") -> list[RankDelta]:
+    """Each rank's cost of a one-plane delta of a full fine-tune (every parameter changed) in a mode."""
+    out = []
+    for r in range(tp):
+        local = Shape(TPLayout(s.args, tp, r).local_args())
+        tables = 1 if local.tie_embeddings else 2
+        per_table = local.vocab * local.dim * DTYPE_BYTES[dtype] if embeddings == "dense" else None
+        if per_table is None:
+            per_table = local.vocab * math.ceil(local.dim / 8) + local.vocab * 4
+        out.append(RankDelta(r, 1, slot_bytes(local, dtype), tables * per_table))
+    return out
+
+
+def rank_deltas_of_file(h: DeltaHeader, s: Shape, tp: int, dtype: str = "bf16") -> list[RankDelta]:
+    """Each rank's cost of the delta file with header `h`: as many slots as its projections' most
+    sign planes, and its slice (`TPLayout.shard_of`, with each plane's α axis from the header) of
+    every tensor allocated per delta; a group with a plane of column α's holds
+    [planes, its matrices, its input columns on the rank] fp32 of them."""
+    axes = {p: x["axes"] for p, x in h.meta.parts.items()}
+    proj = {f"model.layers.{i}.{m.name}.weight": (i, m.group) for i in range(s.layers) for m in s.args.matrices()}
+    planes = max([t.plane for t in h.tensors if t.param in proj] or [1])
+    col_groups = {proj[p] for p, a in axes.items() if p in proj and "col" in a}
+    out = []
+    for r in range(tp):
+        layout = TPLayout(s.args, tp, r)
+        local = Shape(layout.local_args())
+        extra = 0
+        for t in h.tensors:
+            if t.param in (EMBED, HEAD) or t.part == "lowrank":
+                shape = tuple(t.shape)
+                cut = layout.shard_of(t.param, t.role, shape, alpha_axis(axes, t.param, t.role)).shape(shape)
+                extra += _extra_bytes(local, t.role, cut, dtype)
+        groups = local.args.group_shapes()
+        mats = {g: sum(1 for m in local.args.matrices() if m.group == g) for g in groups}
+        extra += sum(planes * mats[g] * groups[g][1] * 4 for _, g in col_groups)
+        out.append(RankDelta(r, planes, slot_bytes(local, dtype), extra))
+    return out
 
 
 def kv_bytes_per_token(s: Shape, dtype: str = "bf16") -> int:
@@ -176,6 +269,7 @@ class Plan:
     context: int
     base_per_gpu: float
     delta_per_gpu: float
+    delta_per_rank: list[RankDelta]
     kv_per_token_per_gpu: float
     free_for_kv_per_gpu: float
     sequences_per_replica: int
@@ -183,6 +277,7 @@ class Plan:
     brief: dict
     load: dict
     fits: bool
+    delta_from: str = ""  # the delta file planned for ("": the mode's one-plane delta)
 
 
 def make_plan(
@@ -201,23 +296,31 @@ def make_plan(
     pcie_gbps: float = 25.0,
     name: str = "",
     nominal_params: float | None = None,
+    delta_file: DeltaHeader | None = None,
 ) -> Plan:
     """The whole plan. `tp` defaults to `gpus` (one tensor-parallel replica over all GPUs);
-    `reserve_frac` of each GPU is kept for activations, CUDA context and fragmentation."""
+    `reserve_frac` of each GPU is kept for activations, CUDA context and fragmentation.
+    `delta_file`: plan for variants like this delta (its header) instead of the mode's one-plane
+    delta (`alpha`, `embeddings`)."""
     s = Shape.from_hf(cfg)
     tp = tp or gpus
     if gpus % tp:
         raise ValueError(f"--gpus {gpus} is not a multiple of --tp {tp}")
     b = DTYPE_BYTES[dtype]
     base = s.params * b
-    d = delta_bytes(s, dtype, alpha, embeddings)
+    if delta_file is not None:
+        check_arch(delta_file.meta.variant, delta_file.meta.architecture, delta_file.meta.layout, s.args)
+    d = delta_bytes(s, dtype, alpha, embeddings) if delta_file is None else DeltaBytes.of_file(delta_file)
     d_sign = delta_bytes(s, dtype, alpha, "sign")
     kv = kv_bytes_per_token(s, dtype)
     # rank 0's slice of everything (the largest: bitdelta.shard), as the worker holds it; KV heads
     # split across the TP group, replicated when there are fewer heads than GPUs
     local = Shape(TPLayout(s.args, tp, 0).local_args()) if tp > 1 else s
     kv_gpu = kv_bytes_per_token(local, dtype)
-    base_gpu, delta_gpu = local.params * b, delta_bytes(local, dtype, alpha, embeddings).total
+    per_rank = (
+        rank_deltas(s, tp, dtype, embeddings) if delta_file is None else rank_deltas_of_file(delta_file, s, tp, dtype)
+    )
+    base_gpu, delta_gpu = local.params * b, per_rank[0].total
     reserve = gpu_mem * reserve_frac
     free = gpu_mem - reserve - base_gpu - variants * delta_gpu
     seqs = max(0, int(free // (kv_gpu * context))) if free > 0 else 0
@@ -255,6 +358,7 @@ def make_plan(
         context=context,
         base_per_gpu=base_gpu,
         delta_per_gpu=delta_gpu,
+        delta_per_rank=per_rank,
         kv_per_token_per_gpu=kv_gpu,
         free_for_kv_per_gpu=max(0.0, free),
         sequences_per_replica=seqs,
@@ -262,6 +366,7 @@ def make_plan(
         brief=brief,
         load=load,
         fits=free > 0,
+        delta_from=delta_file.meta.variant if delta_file is not None else "",
     )
 
 
@@ -275,13 +380,18 @@ def _secs(t: float) -> str:
 
 
 def render(p: Plan, alpha: str = "row", embeddings: str = "dense", dtype: str = "bf16") -> str:
-    d, ds = p.delta, p.delta_sign_emb
+    d, ds, r0 = p.delta, p.delta_sign_emb, p.delta_per_rank[0]
     n = p.variants
     lines = [
         f"# Capacity plan: {p.config or 'model'}, {n} variants on {p.gpus} × {_gb(p.gpu_mem)} "
         f"(TP {p.tp}, {p.replicas} replica{'s' if p.replicas > 1 else ''})",
         "",
-        f"{p.params:,} parameters, {dtype} weights, α per {alpha}, changed embeddings stored {embeddings}.",
+        f"{p.params:,} parameters, {dtype} weights, "
+        + (
+            f"every variant like the delta file of {p.delta_from!r} ({r0.planes} sign plane(s) per matrix at most)."
+            if p.delta_from
+            else f"α per {alpha}, changed embeddings stored {embeddings}."
+        ),
         "",
         "## The brief's arithmetic (every parameter 1 bit)",
         "",
@@ -299,6 +409,7 @@ def render(p: Plan, alpha: str = "row", embeddings: str = "dense", dtype: str = 
         f"| delta: α | {_gb(d.alpha)} | fp32, one per {'output row' if alpha == 'row' else 'matrix'} |",
         f"| delta: dense | {_gb(d.dense)} | {'embeddings/LM head and ' if embeddings == 'dense' else ''}"
         f"RMSNorm weights, stored whole |",
+        *([f"| delta: low-rank | {_gb(d.lowrank)} | fp16 factors U, V of the residuals |"] if d.lowrank else []),
         f"| **one delta** | **{_gb(d.total)}** | {p.base_bytes / d.total:.1f}× smaller than the base "
         f"(with the embeddings as signs too: {_gb(ds.total)}) |",
         f"| base + {n} deltas | {_gb(p.base_bytes + n * d.total)} | against {n} full copies: {_gb(n * p.base_bytes)} |",
@@ -306,8 +417,14 @@ def render(p: Plan, alpha: str = "row", embeddings: str = "dense", dtype: str = 
         "",
         f"## Per GPU (tensor parallel over {p.tp})",
         "",
-        f"- base shard {_gb(p.base_per_gpu)}; one delta shard {_gb(p.delta_per_gpu)}; "
-        f"{n} delta shards {_gb(n * p.delta_per_gpu)}",
+        f"- base shard {_gb(p.base_per_gpu)}; one delta shard {_gb(p.delta_per_gpu)} "
+        f"({r0.planes} slot{'s' if r0.planes > 1 else ''} of {_gb(r0.slot)} + {_gb(r0.extra)} allocated for it "
+        f"alone); {n} delta shards {_gb(n * p.delta_per_gpu)}",
+        *(
+            [f"- one delta shard per rank: {', '.join(f'{r.rank}: {_gb(r.total)}' for r in p.delta_per_rank)}"]
+            if p.tp > 1
+            else []
+        ),
         f"- reserve for activations, CUDA context, fragmentation: {_gb(p.reserve)} ({p.reserve / p.gpu_mem:.0%})",
         f"- KV cache per token per GPU: {p.kv_per_token_per_gpu / 1e3:.1f} kB",
         f"- left for the KV cache: {_gb(p.free_for_kv_per_gpu)} → "
@@ -343,6 +460,7 @@ def cmd_plan(a: argparse.Namespace) -> None:
         raise CliError(f"cannot read the config {a.config}: {e}") from None
     try:
         gpu_mem = parse_bytes(a.gpu_mem)
+        header = read_header(a.delta) if a.delta else None
         p = make_plan(
             cfg,
             a.variants,
@@ -356,13 +474,16 @@ def cmd_plan(a: argparse.Namespace) -> None:
             a.reserve,
             name=Path(a.config).stem,
             nominal_params=parse_count(a.nominal) if a.nominal else None,
+            delta_file=header,
         )
-    except (KeyError, ValueError) as e:
+    except (KeyError, ValueError, OSError) as e:
         raise CliError(f"plan: {e}") from None
     if a.json:
         out = asdict(p)
         for k in ("delta", "delta_sign_emb"):
             out[k]["total"] = getattr(p, k).total
+        for r, x in zip(out["delta_per_rank"], p.delta_per_rank, strict=True):
+            r["total"] = x.total
         print(json.dumps(out, indent=2))
     else:
         print(render(p, a.alpha, a.embeddings, a.dtype), end="")
@@ -390,6 +511,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     c.add_argument("--alpha", choices=["row", "matrix"], default="row")
     c.add_argument("--embeddings", choices=["dense", "sign"], default="dense")
+    c.add_argument(
+        "--delta",
+        type=Path,
+        help="plan for variants like this delta file (its sign planes, low-rank factors and α axes, "
+        "as each rank allocates them) instead of --alpha/--embeddings' one-plane delta",
+    )
     c.add_argument("--context", type=int, default=4096, help="tokens per sequence for the KV budget")
     c.add_argument("--reserve", type=float, default=0.10, help="fraction of each GPU kept free (activations etc.)")
     c.add_argument(

@@ -35,10 +35,10 @@ from bitdelta.format import (
     V1_LAYOUT,
     DeltaFormatError,
     DeltaMeta,
+    alpha_axis,
     check_base,
     check_structure,
     read_header,
-    split_role,
 )
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient, FetchStream
 from bitdelta.rpc.receiver import Receiver
@@ -82,15 +82,6 @@ def refuse_parts(name: str, meta: DeltaMeta) -> None:
             "worker does not serve: compress it again (bitdelta compress gives them α per token), or evaluate "
             "it offline (bitdelta apply)"
         )
-
-
-def alpha_axis(axes: dict[str, list[str]], param: str, role: str) -> str:
-    """The α axis ("row", "matrix", "col") of the plane a tensor of `param` with role `role`
-    ("alpha", "sign3", ...) belongs to, from a header's axes per plane; "row" when it says none."""
-    got = split_role(role)
-    plane = got[1] if got is not None else 0
-    have = axes.get(param, ())
-    return have[plane - 1] if 1 <= plane <= len(have) else "row"
 
 
 @dataclass

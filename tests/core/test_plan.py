@@ -121,3 +121,133 @@ def test_cli_plan(capsys):
     assert "not 200 ms" in out and "concurrent sequences" in out
     rc = cli.main(["plan", "--config", "/nonexistent.json"])
     assert rc == 1 and "cannot read the config" in capsys.readouterr().err
+
+
+# v3 deltas (bitdelta compress --planes/--rank/--alpha col/--embeddings sign) of one tiny fine-tune
+V3 = {
+    "plain": {},
+    "planes3": {"planes": {"planes": 3}},
+    "rank8": {"planes": {"planes": 2, "rank": 8}},
+    "signemb": {"planes": {"planes": 2, "rank": 8}, "embeddings": "sign"},
+    "col": {"planes": {"planes": 2, "alpha": "col"}},
+    "colauto": {"planes": {"planes": 2, "alpha": "auto"}},  # each plane's axis chosen: row or column
+    "mixed2": {"planes": {"planes": 2, "rank": 8}},  # under a budget (below): some matrices keep 1 plane
+}
+
+
+@pytest.fixture(scope="module", params=[{}, {"n_kv_heads": 1, "tie_embeddings": False}], ids=["tied", "kv1-untied"])
+def v3_deltas(request, tmp_path_factory):
+    from bitdelta.checkpoint import read_config
+    from bitdelta.compress import compress
+    from bitdelta.format import read_header
+    from bitdelta.planes import PlaneConfig
+    from bitdelta.testing.family import FT_SCALE, VARIED_STD, make_base, make_finetune, tiny_args
+
+    root = tmp_path_factory.mktemp("plan_v3")
+    base = make_base(root / "base", tiny_args(**request.param), 1, std=VARIED_STD)
+    ft = make_finetune(base, root / "ft", seed=100, scale=FT_SCALE)
+    out = {}
+    for name, kw in V3.items():
+        if name == "mixed2":  # the plain file and about half of what the second planes cost
+            one = read_header(out["plain"])
+            kw = {"planes": {**kw["planes"], "budget": one.file_size + one.bytes_by_role()["sign"] * 3 // 4}}
+        kw = {**kw, "planes": PlaneConfig(**kw["planes"])} if "planes" in kw else kw
+        out[name] = compress(
+            base, ft, root / "deltas" / f"{name}.bitdelta.safetensors", variant=name, progress=False, **kw
+        )
+    return read_config(base), out
+
+
+def _worker_rank_bytes(path, args, tp: int, rank: int) -> int:
+    """What the tensor-parallel worker's own planning (`ShardedLoad.plan`: each tensor cut by
+    `TPLayout.shard_of`, then `plan_delta` on the rank's layout) reserves for the delta on `rank`."""
+    import asyncio
+
+    import torch
+
+    from bitdelta.format import read_header
+    from bitdelta.shard import TPLayout
+    from services.gpu_worker.parallel import ShardedLoad
+    from services.gpu_worker.slots import SlotLayout
+    from services.gpu_worker.sources import LocalDeltaSource
+
+    name = path.name.split(".")[0]
+    info = asyncio.run(LocalDeltaSource(path.parent).open(name, read_header(path).meta.base_fingerprint))
+    layout = TPLayout(args, tp, rank)
+    return ShardedLoad(layout, SlotLayout(layout.local_args(), torch.float32), None, 1.0).plan(info).total_bytes
+
+
+def _shard_bytes(h, args, tp: int, rank: int) -> int:
+    """The sum of rank `rank`'s slices of every tensor of the file, as `TPLayout.shard_of` cuts them."""
+    import math
+
+    from bitdelta.format import alpha_axis
+    from bitdelta.shard import TPLayout
+
+    layout, axes = TPLayout(args, tp, rank), {p: x["axes"] for p, x in h.meta.parts.items()}
+    n = 0
+    for t in h.tensors:
+        cut = layout.shard_of(t.param, t.role, tuple(t.shape), alpha_axis(axes, t.param, t.role)).shape(tuple(t.shape))
+        n += t.nbytes // math.prod(t.shape) * math.prod(cut)
+    return n
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_plan_per_rank_bytes_of_v3_files_are_the_workers_and_their_slices(v3_deltas, tp):
+    """`bitdelta plan --delta FILE --tensor-parallel N`: each rank's bytes of a real v3 delta are
+    what the worker reserves for it there; a k-plane delta holds k slots on every rank; for a file
+    of row α's the bytes are the sum of the rank's slices of its tensors (`shard_of`) and, in each
+    further plane's slot, the norm and bias rows that slot has but does not use."""
+    from bitdelta.format import read_header
+
+    cfg, files = v3_deltas
+    s = plan.Shape.from_hf(cfg)
+    seen = {}
+    for name, path in files.items():
+        h = read_header(path)
+        ranks = plan.rank_deltas_of_file(h, s, tp, "fp32")
+        assert [r.rank for r in ranks] == list(range(tp))
+        assert [r.total for r in ranks] == [_worker_rank_bytes(path, s.args, tp, r) for r in range(tp)], name
+        planes = {r.planes for r in ranks}
+        assert planes == {max(t.plane for t in h.tensors if ".layers." in t.name)}, name
+        seen[name] = planes.pop()
+        axes = [x["axes"] for x in h.meta.parts.values()]
+        if all(len(a) == seen[name] and "col" not in a for a in axes):  # every matrix: all planes, row α's
+            norms = [t for t in h.tensors if t.param in norm_params(s) or t.param.endswith(".bias")]
+            assert {t.param for t in norms} >= norm_params(s), "every norm changed: a slot's norm rows are the file's"
+            unused = sum(t.nbytes for t in norms)  # each further plane's slot: norm and bias rows left as the base's
+            for r in ranks:
+                assert r.total == _shard_bytes(h, s.args, tp, r.rank) + (r.planes - 1) * unused, (name, r.rank)
+        # the plan itself: rank 0's (the largest) per GPU, every rank's listed
+        p = plan.make_plan(cfg, variants=3, gpu_mem=1e9, gpus=tp, dtype="fp32", delta_file=h)
+        assert p.delta_per_rank == ranks and p.delta_per_gpu == ranks[0].total == max(r.total for r in ranks)
+        assert p.delta.total == h.file_size - h.header_bytes
+    assert seen == {"plain": 1, "planes3": 3, "rank8": 2, "signemb": 2, "col": 2, "colauto": 2, "mixed2": 2}
+    assert {len(x["axes"]) for x in read_header(files["mixed2"]).meta.parts.values()} == {1, 2}
+    one = plan.rank_deltas_of_file(read_header(files["plain"]), s, tp, "fp32")
+    assert one == plan.rank_deltas(s, tp, "fp32")  # a plain file: the mode's one-plane delta
+    three = plan.rank_deltas_of_file(read_header(files["planes3"]), s, tp, "fp32")
+    assert [r.total for r in three] == [3 * r.slot + r.extra for r in three]
+    assert [r.slot for r in three] == [r.slot for r in one] and [r.extra for r in three] == [r.extra for r in one]
+
+
+def norm_params(s: plan.Shape) -> set[str]:
+    """Every RMSNorm weight's name of the model."""
+    return {f"model.layers.{i}.{n}.weight" for i in range(s.layers) for n, _ in s.args.layer_norms()} | {
+        "model.norm.weight"
+    }
+
+
+def test_cli_plan_with_a_v3_delta_file(v3_deltas, tmp_path, capsys):
+    cfg, files = v3_deltas
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    argv = ["plan", "--config", str(tmp_path / "config.json"), "--variants", "2", "--gpu-mem", "1GB", "--gpus", "2"]
+    assert cli.main([*argv, "--dtype", "fp32", "--delta", str(files["planes3"]), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["planes"] for r in out["delta_per_rank"]] == [3, 3] and out["delta_from"] == "planes3"
+    assert out["delta_per_gpu"] == out["delta_per_rank"][0]["total"]
+    assert cli.main([*argv, "--delta", str(files["rank8"])]) == 0
+    text = capsys.readouterr().out
+    assert "2 slots of" in text and "delta: low-rank" in text and "one delta shard per rank: 0:" in text
+    assert cli.main([*argv, "--delta", str(tmp_path / "missing.bitdelta.safetensors")]) == 1
+    assert "plan:" in capsys.readouterr().err
