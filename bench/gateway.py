@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 from bitdelta.generation import Constraint, ConstraintKind, Sampling  # noqa: E402
 from bitdelta.router.v1 import router_pb2 as rpb  # noqa: E402
 from bitdelta.rpc.clients.router import RouterClient  # noqa: E402
+from bitdelta.testing.report import save as save_report  # noqa: E402
 
 PROMPT = "The quick brown fox"
 DECODE_MODES = {  # name -> the Sampling fields of the decode benchmark, greedy throughout
@@ -406,11 +407,7 @@ def main() -> None:
     a = ap.parse_args()
     res = asyncio.run(run(a))
     text = report(res)
-    print(text)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text + "\n")
-        a.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+    save_report(a.out, text, res)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bitdelta.testing.memory import EMPTY_FLAGS, EMPTY_KV, empty_base, vm_rss  # noqa: E402
+from bitdelta.testing.report import save as save_report  # noqa: E402
 
 PROMPT_WORDS = (
     "The history of computing is a story of machines that learned to remember, to count and "
@@ -414,11 +415,7 @@ def main(argv=None) -> int:
     r["bandwidth_samples"] = bw
     r["bandwidth"] = max(bw)
     text = table(r)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps(r, indent=2))
+    save_report(args.out, text, r)
     return 0
 
 

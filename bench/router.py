@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import platform
 import random
@@ -36,6 +35,7 @@ from bitdelta.common.v1 import generation_pb2 as gen_pb  # noqa: E402
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as wpb  # noqa: E402
 from bitdelta.rpc.clients.router import RouterClient  # noqa: E402
 from bitdelta.rpc.clients.worker import WorkerClient  # noqa: E402
+from bitdelta.testing.report import save as save_report  # noqa: E402
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -175,11 +175,7 @@ def main() -> None:
     a = ap.parse_args()
     res = asyncio.run(run(a))
     text = report(res)
-    print(text)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text + "\n")
-        a.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+    save_report(a.out, text, res)
 
 
 if __name__ == "__main__":

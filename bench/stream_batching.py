@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -41,6 +40,7 @@ from bitdelta.common.v1 import generation_pb2 as gen_pb  # noqa: E402
 from bitdelta.router.v1 import router_pb2 as rpb  # noqa: E402
 from bitdelta.router.v1 import router_pb2_grpc as rpb_grpc  # noqa: E402
 from bitdelta.rpc.clients.router import RouterClient  # noqa: E402
+from bitdelta.testing.report import save as save_report  # noqa: E402
 
 CLK = os.sysconf("SC_CLK_TCK")
 MODES = {"per_token": "1", "batched": "0"}  # --stream-max-tokens of worker and router
@@ -201,11 +201,7 @@ def main() -> None:
     res = asyncio.run(run(a))
     res["summary"] = summary(res)
     text = report(res)
-    print(text)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text + "\n")
-        a.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+    save_report(a.out, text, res)
 
 
 if __name__ == "__main__":

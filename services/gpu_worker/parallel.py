@@ -729,6 +729,7 @@ class Rendezvous:
     agent_store: bool = False  # torchrun's agent hosts the TCPStore (rank 0 is a client of it too)
     run: str = "spawned/0"  # keys of one run (torchrun: its run id and restart count)
     config: str = ""  # a spawned rank's config (CONFIG_ENV)
+    parent: int = 0  # a spawned rank's rank 0, its pid (PARENT_ENV): it dies with it; 0 under torchrun
 
     @classmethod
     def from_env(cls) -> Rendezvous | None:
@@ -745,6 +746,7 @@ class Rendezvous:
             env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             env.get("TORCHELASTIC_RUN_ID", "spawned") + "/" + env.get("TORCHELASTIC_RESTART_COUNT", "0"),
             env.get(CONFIG_ENV, ""),
+            int(env.get(PARENT_ENV, "0")),
         )
 
 
@@ -903,8 +905,8 @@ def run_follower(config: WorkerConfig, rv: Rendezvous) -> None:
 
 def main() -> None:
     """A rank spawned by rank 0 (`python -m services.gpu_worker.parallel`, config in the environment)."""
-    _die_with_parent(int(os.environ[PARENT_ENV]))
     rv = Rendezvous.from_env()
+    _die_with_parent(rv.parent)
     config: WorkerConfig = pickle.loads(base64.b64decode(rv.config))
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_follower(config, rv)
