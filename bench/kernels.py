@@ -11,7 +11,9 @@ same shapes), plus the fraction of the memory roofline: bytes the kernel must re
 write ÷ time ÷ the device's bandwidth measured here (CUDA: copy; CPU: read-only sum).
 On CUDA the timer is triton.testing.do_bench (median, L2 flushed between runs); on CPU
 the minimum of several runs (other processes only ever add time). On a shared CPU host
-use --threads 1: with every core busy, multi-threaded timings measure the scheduler.
+use --threads 1: with every core busy, multi-threaded timings measure the scheduler; --cpu-time
+(with --threads 1) times the calling thread's CPU time instead of wall time, which the other jobs'
+time slices do not add to (their contention for memory and caches still does).
 Not a test: it asserts nothing.
 Targets (docs/kernels.md): fused decode ≤ 1.15× base GEMV (limit 1.0625 in bf16),
 fused prefill ≤ 1.10× base GEMM, batched delta ≥ 70% of roofline, CPU delta GEMV
@@ -41,7 +43,10 @@ from kernels.cpu_build import cpu_isa
 
 
 # ---------------------------------------------------------------- timing
-def timer(dev: torch.device, reps: int):
+def timer(dev: torch.device, reps: int, cpu_time: bool = False):
+    """fn -> ms: CUDA's do_bench median; CPU the minimum of `reps` runs, of wall time or (cpu_time)
+    of the calling thread's CPU time, which a shared host's other jobs do not add to (valid with one
+    thread: every kernel then runs on the calling thread)."""
     if dev.type == "cuda":
         import triton.testing
 
@@ -50,13 +55,15 @@ def timer(dev: torch.device, reps: int):
 
         return run
 
+    clock = time.thread_time if cpu_time else time.perf_counter
+
     def run(fn):
         fn()  # warm-up (first call may build/allocate)
         best = float("inf")
         for _ in range(reps):
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, clock() - t0)
         return best * 1e3
 
     return run
@@ -402,17 +409,24 @@ def main(argv=None):
     ap.add_argument("--only-sweep", action="store_true", help="with --cpu-sweep: skip the other sections")
     ap.add_argument("--planes", action="store_true", help="only the sign-plane section (cost per extra plane)")
     ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="CPU: time the calling thread's CPU time, not wall time (a shared host; needs --threads 1)",
+    )
+    ap.add_argument(
         "--dry-run",
         action="store_true",
         help="the GPU sections on CPU with tiny shapes (Triton interpreter): checks bench/gpu.sh end to end",
     )
     args = ap.parse_args(argv)
+    if args.cpu_time and args.threads != 1:
+        ap.error("--cpu-time measures the calling thread only: use it with --threads 1")
     if args.threads:
         torch.set_num_threads(args.threads)
 
     cuda = torch.cuda.is_available() and args.device != "cpu"
     dev = torch.device("cuda" if cuda else "cpu")
-    t = timer(dev, args.reps or (5 if args.quick else 10))
+    t = timer(dev, args.reps or (5 if args.quick else 10), args.cpu_time and not cuda)
     bw = copy_bandwidth(dev, t)
     name = torch.cuda.get_device_name(dev) if cuda else (platform.processor() or platform.machine())
     meta = {
@@ -422,6 +436,7 @@ def main(argv=None):
         "quick": args.quick,
         "bandwidth_GBps": bw / 1e9,
         "threads": torch.get_num_threads(),
+        "clock": "thread CPU time" if args.cpu_time and not cuda else "wall",
     }
     if not cuda:
         meta["cpu_kernels"] = cpu_isa()
@@ -434,7 +449,9 @@ def main(argv=None):
 
     if args.planes:
         dtypes = (
-            (precision_for(dev).dtype,) if cuda else tuple(dict.fromkeys((serving_dtype(dev).dtype, torch.float32)))
+            (precision_for(dev).dtype,)
+            if cuda
+            else tuple(dict.fromkeys((serving_dtype(dev).dtype, torch.bfloat16, torch.float32)))
         )
         print("sign planes at decode (÷ base GEMV; target per extra plane ≤ 1/16 of a bf16 base, 1/32 of fp32):")
         bench_planes(dev, t, dtypes, 4096, rows)
@@ -479,7 +496,7 @@ def main(argv=None):
         print("CPU delta GEMV vs dense fp32 GEMV:")
         bench_cpu_gemv(t, bw, 4096, (1, 4, 16), rows)
         print("CPU sign planes at decode (÷ base GEMV; target per extra plane ≤ 1/16 of a bf16 base, 1/32 of fp32):")
-        bench_planes(dev, t, tuple(dict.fromkeys((dtype, torch.float32))), 4096, rows)
+        bench_planes(dev, t, tuple(dict.fromkeys((dtype, torch.bfloat16, torch.float32))), 4096, rows)
         if args.cpu_sweep:
             print("CPU path sweep (÷ torch base):")
             cpu_sweep(t, rows)

@@ -1,10 +1,10 @@
 """CPU paths for the 1-bit delta kernels (no bit is unpacked per call at decode).
 
 Building blocks from `csrc/bitdelta_cpu.c`:
-- `delta_gemv_cpu`: y += α ⊙ (x · Sᵀ) straight from the packed bits. With
-  AVX-512 each 16 sign bits are one lane mask and x is summed over set bits by
-  one masked add ("mask"); the byte lookup table of the design doc ("lut8")
-  is kept as the portable alternative and for the benchmark.
+- `delta_gemv_cpu`: y += α ⊙ (x · Sᵀ) straight from the packed bits ("mask"): with
+  AVX-512 x is summed over set bits by lookups in x's nibble tables, 16 sign rows
+  per vector (one compare per 8 columns on AVX2); the byte lookup table of the
+  design doc ("lut8") is kept as the portable alternative and for the benchmark.
 - `merge_cpu`: W_base + α·S (or α·S alone) for a block of rows, in fp32/bf16/fp16,
   for the prefill path: merge a row block once, then one BLAS GEMM.
 - `linear_gemv_cpu`: the decode GEMV, y = x·Wᵀ (+ α ⊙ (x·Sᵀ) fused, in one pass

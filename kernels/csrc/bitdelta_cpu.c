@@ -9,7 +9,9 @@
  * 2j: that word IS an AVX-512 lane mask, and no bit is ever unpacked.
  *
  * Σ_k x_k s_k = 2 Σ_{k: bit=1} x_k − Σ_k x_k, so the delta GEMV only sums x
- * over set bits (one masked add per 16 columns) and corrects with Σx once.
+ * over set bits and corrects with Σx once: on AVX-512 by lookups in x's nibble
+ * tables, 16 sign rows per vector (lut_sums); the fused one-pass GEMV by one
+ * masked add per 16 columns; AVX2 by a compare per 8.
  *
  * All matrices are fp32 row-major with a leading-dimension argument unless
  * said otherwise; n_threads is the caller's torch.get_num_threads(). Torch
@@ -64,26 +66,7 @@ static inline uint32_t load_bits16(const uint8_t *row, int64_t j, int64_t n_byte
 /* tot[i] = Σ_{k: bit k of rows[i] set} xm[k] for the ROWS sign rows `rows` (d_in columns). */
 static inline void mask_sums(const float *xm, const uint8_t *const *rows, int64_t d_in, float *tot) {
     const int64_t n_bytes = (d_in + 7) / 8;
-#if defined(__AVX512F__)
-    const int64_t nfull = d_in / 16;   /* whole 16-column blocks */
-    const int rem = (int)(d_in % 16);  /* columns in the last partial block */
-    __m512 acc[ROWS];
-    for (int i = 0; i < ROWS; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < nfull; ++j) {
-        const __m512 xv = _mm512_loadu_ps(xm + 16 * j);
-        for (int i = 0; i < ROWS; ++i)
-            acc[i] = _mm512_mask_add_ps(acc[i], _load_mask16((__mmask16 *)(rows[i] + 2 * j)), acc[i], xv);
-    }
-    if (rem) {
-        const __mmask16 valid = (__mmask16)((1u << rem) - 1u);
-        const __m512 xv = _mm512_maskz_loadu_ps(valid, xm + 16 * nfull);
-        for (int i = 0; i < ROWS; ++i) {
-            const __mmask16 bits = (__mmask16)(load_bits16(rows[i], nfull, n_bytes) & valid);
-            acc[i] = _mm512_mask_add_ps(acc[i], bits, acc[i], xv);
-        }
-    }
-    for (int i = 0; i < ROWS; ++i) tot[i] = _mm512_reduce_add_ps(acc[i]);
-#elif defined(__AVX2__)
+#if defined(__AVX2__)
     /* No mask registers: broadcast the byte, test one bit per lane. */
     const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     __m256 acc[ROWS];
@@ -151,41 +134,12 @@ static inline void mask_sums_bf16(const uint16_t *xb, const uint8_t *const *rows
 #define HAVE_MASK_BF16 1
 #endif
 
-/* mask_sums of two x rows over the same sign rows, each mask register feeding both: per row the
- * same adds in the same order as mask_sums, so a row's sums do not depend on having a partner. */
+/* mask_sums of two x rows over the same sign rows (the AVX2 and scalar builds; AVX-512 takes the
+ * table loop, lut_sums). */
 static inline void mask_sums2(const float *x0, const float *x1, const uint8_t *const *rows, int64_t d_in,
                               float *t0, float *t1) {
-#if defined(__AVX512F__)
-    const int64_t n_bytes = (d_in + 7) / 8;
-    const int64_t nfull = d_in / 16;
-    const int rem = (int)(d_in % 16);
-    __m512 a0[ROWS], a1[ROWS];
-    for (int i = 0; i < ROWS; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < nfull; ++j) {
-        const __m512 v0 = _mm512_loadu_ps(x0 + 16 * j), v1 = _mm512_loadu_ps(x1 + 16 * j);
-        for (int i = 0; i < ROWS; ++i) {
-            const __mmask16 k = _load_mask16((__mmask16 *)(rows[i] + 2 * j));
-            a0[i] = _mm512_mask_add_ps(a0[i], k, a0[i], v0);
-            a1[i] = _mm512_mask_add_ps(a1[i], k, a1[i], v1);
-        }
-    }
-    if (rem) {
-        const __mmask16 valid = (__mmask16)((1u << rem) - 1u);
-        const __m512 v0 = _mm512_maskz_loadu_ps(valid, x0 + 16 * nfull), v1 = _mm512_maskz_loadu_ps(valid, x1 + 16 * nfull);
-        for (int i = 0; i < ROWS; ++i) {
-            const __mmask16 k = (__mmask16)(load_bits16(rows[i], nfull, n_bytes) & valid);
-            a0[i] = _mm512_mask_add_ps(a0[i], k, a0[i], v0);
-            a1[i] = _mm512_mask_add_ps(a1[i], k, a1[i], v1);
-        }
-    }
-    for (int i = 0; i < ROWS; ++i) {
-        t0[i] = _mm512_reduce_add_ps(a0[i]);
-        t1[i] = _mm512_reduce_add_ps(a1[i]);
-    }
-#else
     mask_sums(x0, rows, d_in, t0);
     mask_sums(x1, rows, d_in, t1);
-#endif
 }
 
 #ifdef HAVE_MASK_BF16
@@ -226,6 +180,126 @@ static inline void mask_sums2_bf16(const uint16_t *x0, const uint16_t *x1, const
 }
 #endif
 
+#if defined(__AVX512F__)
+/* Nibble tables of one x vector (the "four Russians" form of Σ_{bit=1} x): for every group g of
+ * 4 columns, T[16·g + n] = Σ_{i < 4, bit i of n set} x[4g + i] in fp32 (added in i order from 0;
+ * columns ≥ d_in count as 0), for g < 2·ceil(d_in/8): one table per nibble of a sign row. */
+#define HAVE_NIBBLE_TABLES 1
+static inline int64_t nibble_table_floats(int64_t d_in) { return 2 * ((d_in + 7) / 8) * 16; }
+
+static void nibble_tables(const float *x, int64_t d_in, float *T) {
+    const __mmask16 bit[4] = {0xAAAA, 0xCCCC, 0xF0F0, 0xFF00}; /* the lanes n with bit i set */
+    const int64_t n_groups = 2 * ((d_in + 7) / 8);
+    for (int64_t g = 0; g < n_groups; ++g) {
+        __m512 t = _mm512_setzero_ps();
+        for (int i = 0; i < 4; ++i)
+            if (4 * g + i < d_in) t = _mm512_mask_add_ps(t, bit[i], t, _mm512_set1_ps(x[4 * g + i]));
+        _mm512_storeu_ps(T + 16 * g, t);
+    }
+}
+
+/* 16 × 16 dwords transposed in place: v[k] lane i = dword k of v[i] before. */
+static inline void transpose16(__m512i *v) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int q = 0; q < 4; ++q) {
+            t[i + q] = _mm512_shuffle_i32x4(v[i + q], v[i + q + 4], 0x88);
+            t[i + q + 4] = _mm512_shuffle_i32x4(v[i + q], v[i + q + 4], 0xdd);
+        }
+    for (int q = 0; q < 8; ++q) {
+        v[q] = _mm512_shuffle_i32x4(t[q], t[q + 8], 0x88);
+        v[q + 8] = _mm512_shuffle_i32x4(t[q], t[q + 8], 0xdd);
+    }
+}
+
+/* tot_x[i] = Σ_{k: bit k of rows[i] set} x_x[k] for LROWS sign rows and NX (1 or 2) x vectors given
+ * by their nibble tables tab[x]. The lanes are the 16 sign rows: per 64 bytes of every row (512
+ * columns) one load each, a 16 × 16 dword transpose, then per dword of the rows (32 columns) 8
+ * lookups: lane i's nibble n indexes table (8k + n) with one VPERMPS (it reads the index's low 4
+ * bits, so a shift by 4n is all the decode), each adding 4 columns' sum where the masked add adds
+ * 16 columns per mask register, whose loads bound that loop (1.5–2.1× its speed on one core of an
+ * Intel Xeon, 4096², docs/kernels.md). Each
+ * lane's adds are the same for NX 1 or 2 and any other rows, in column order into 4 accumulators
+ * (nibble n into n mod 4) summed (0 + 1) + (2 + 3): a row's sums depend on its x and bits only. */
+#define LROWS 16
+#define BLOCK_ROWS LROWS
+#define PREFETCH_BLOCKS 2 /* how far ahead the bits are prefetched (1 and 4 measured no better) */
+/* The lookups of nn nibbles (from nibble 0) of one transposed dword vk, the tables of nibble 0 at
+ * tab[x] + 16·g: constant nn (a whole dword) unrolls into immediate shifts. */
+#define LUT_DWORD(vk, g, nn)                                                                                 \
+    for (int n = 0; n < (nn); ++n) {                                                                       \
+        const __m512i idx_ = n ? _mm512_srli_epi32(vk, 4 * n) : (vk);                                      \
+        for (int x = 0; x < NX; ++x)                                                                       \
+            acc[x][n & 3] =                                                                                \
+                _mm512_add_ps(acc[x][n & 3], _mm512_permutexvar_ps(idx_, _mm512_loadu_ps(tab[x] + 16 * ((g) + n)))); \
+    }
+static inline __attribute__((always_inline)) void lut_sums(const float *const *tab, const int NX,
+                                                          const uint8_t *const *rows, int64_t n_bytes,
+                                                          int64_t ahead, float *const *tot) {
+    __m512 acc[2][4];
+    for (int x = 0; x < NX; ++x)
+        for (int a = 0; a < 4; ++a) acc[x][a] = _mm512_setzero_ps();
+    const int64_t nfull = n_bytes / 64;
+    const int nb = (int)(n_bytes - 64 * nfull); /* bytes of the last, partial chunk */
+    __m512i v[16];
+    for (int64_t c = 0; c < nfull; ++c) {
+        for (int i = 0; i < 16; ++i) {
+            v[i] = _mm512_loadu_si512((const void *)(rows[i] + 64 * c));
+            _mm_prefetch((const char *)(rows[0] + ahead + 64 * (16 * c + i)), _MM_HINT_T0);
+        }
+        transpose16(v);
+        for (int k = 0; k < 16; ++k) LUT_DWORD(v[k], 128 * c + 8 * k, 8)
+    }
+    if (nb) { /* only the rows' own bytes (the last row ends the buffer) */
+        for (int i = 0; i < 16; ++i) {
+            v[i] = _mm512_maskz_loadu_epi8((1ull << nb) - 1, rows[i] + 64 * nfull);
+            _mm_prefetch((const char *)(rows[0] + ahead + 64 * (16 * nfull + i)), _MM_HINT_T0);
+        }
+        transpose16(v);
+        int k = 0;
+        for (; 4 * k + 4 <= nb; ++k) LUT_DWORD(v[k], 128 * nfull + 8 * k, 8)
+        if (4 * k < nb) LUT_DWORD(v[k], 128 * nfull + 8 * k, 2 * (nb - 4 * k)) /* the nibbles inside the row */
+    }
+    for (int x = 0; x < NX; ++x)
+        _mm512_storeu_ps(tot[x], _mm512_add_ps(_mm512_add_ps(acc[x][0], acc[x][1]), _mm512_add_ps(acc[x][2], acc[x][3])));
+}
+#undef LUT_DWORD
+#endif
+
+#ifndef BLOCK_ROWS
+#define BLOCK_ROWS ROWS
+#endif
+
+/* x's rows (or, with column α's, the nq scaled rows xcol) as nibble tables, a malloc'ed
+ * [nq, nibble_table_floats(d_in)] the caller frees; NULL where the build has no AVX-512 (*failed = 0)
+ * or memory ran out (*failed = 1). */
+static float *x_tables(const float *x, int64_t nq, int64_t ldx, int64_t d_in, int *failed) {
+    *failed = 0;
+#ifdef HAVE_NIBBLE_TABLES
+    const int64_t nt = nibble_table_floats(d_in);
+    float *tab = (float *)malloc(sizeof(float) * (size_t)(nq > 0 ? nq * nt : 1));
+    if (!tab) {
+        *failed = 1;
+        return NULL;
+    }
+    for (int64_t q = 0; q < nq; ++q) nibble_tables(x + q * ldx, d_in, tab + q * nt);
+    return tab;
+#else
+    (void)x, (void)nq, (void)ldx, (void)d_in;
+    return NULL;
+#endif
+}
+
 /* The planes of a mixed batch over output rows [r0, r1):
  *   y[m, r] += Σ_p α_v[r] · Σ_k xs[k] · S_v[r, k],  v = slots[m·n_planes + p] ≥ 0 (< 0: no plane),
  * slot v's signs at s + v·stride_sv, its α_v[r] = alpha[v·stride_av + r·alpha_stride]; slots NULL:
@@ -233,11 +307,13 @@ static inline void mask_sums2_bf16(const uint16_t *x0, const uint16_t *x1, const
  * scaled by slot v's column α of r's group g: xcol + ((m·n_planes + p)·n_groups + g)·d_in; xsum
  * holds Σ_k xs[k] in the same order ([M] without column α's). Groups: rows [bounds[g],
  * bounds[g + 1]) (bounds NULL: one group). xb: NULL, or x's rows as bf16 words (x exactly bf16,
- * no column α's; row stride ldx): the bf16 loop. The planes' terms are summed in fp32 and added to
- * y once. Each register block of ROWS rows stays inside one group, and its sign rows stay in
- * cache for all rows m and planes p. */
-static void delta_rows_planes(const float *x, const uint16_t *xb, int64_t ldx, int64_t M, const float *xsum,
-                              const float *xcol, const uint8_t *s, int64_t stride_sv, int64_t lds, int64_t d_in,
+ * no column α's; row stride ldx): the bf16 loop. tab: NULL, or the nibble tables of the rows xs
+ * (x_tables; indexed as xsum): the table loop, blocks of LROWS rows (used where xb is NULL). The
+ * planes' terms are summed in fp32 and added to y once. Each register block of rows stays inside
+ * one group, and its sign rows stay in cache for all rows m and planes p. */
+static void delta_rows_planes(const float *x, const uint16_t *xb, const float *tab, int64_t ldx, int64_t M,
+                              const float *xsum, const float *xcol, const uint8_t *s, int64_t stride_sv,
+                              int64_t lds, int64_t d_in,
                               const float *alpha, int64_t stride_av, int64_t alpha_stride,
                               const int64_t *slots, int64_t n_planes, const int64_t *bounds, int64_t n_groups,
                               const int64_t *mate, float *y, int64_t ldy, int64_t r0, int64_t r1) {
@@ -266,12 +342,27 @@ static void delta_rows_planes(const float *x, const uint16_t *xb, int64_t ldx, i
                 for (int64_t r = c0; r < c1;) {
                     while (bounds && r >= bounds[g + 1]) ++g;
                     const int64_t end = bounds && bounds[g + 1] < c1 ? bounds[g + 1] : c1;
-                    const int nr = (end - r) < ROWS ? (int)(end - r) : ROWS;
-                    const uint8_t *rows[ROWS];
-                    for (int i = 0; i < ROWS; ++i)  /* missing rows alias row r; their sums are dropped */
+                    const int br = tab && !(xb && !xcol) ? BLOCK_ROWS : ROWS; /* rows per register block */
+                    const int nr = (end - r) < br ? (int)(end - r) : br;
+                    const uint8_t *rows[BLOCK_ROWS];
+                    for (int i = 0; i < br; ++i)  /* missing rows alias row r; their sums are dropped */
                         rows[i] = s + v * stride_sv + (r + (i < nr ? i : 0)) * lds;
                     const int64_t q = (m * n_planes + p) * n_groups + g, q2 = (m2 * n_planes + p) * n_groups + g;
-                    float tot[ROWS], tot2[ROWS];
+                    float tot[BLOCK_ROWS], tot2[BLOCK_ROWS];
+#ifdef HAVE_NIBBLE_TABLES
+                    if (br == LROWS) {
+                        const int64_t nt = nibble_table_floats(d_in), i0 = xcol ? q : m, i2 = xcol ? q2 : m2;
+                        const float *tb[2] = {tab + i0 * nt, m2 >= 0 ? tab + i2 * nt : NULL};
+                        float *const to[2] = {tot, tot2};
+                        /* the bits PREFETCH_BLOCKS blocks on are fetched while these are summed: the
+                         * hardware prefetcher does not follow 16 short row runs at a time */
+                        const int64_t ahead = PREFETCH_BLOCKS * LROWS * lds;
+                        if (m2 >= 0)
+                            lut_sums(tb, 2, rows, (d_in + 7) / 8, ahead, to);
+                        else
+                            lut_sums(tb, 1, rows, (d_in + 7) / 8, ahead, to);
+                    } else
+#endif
 #ifdef HAVE_MASK_BF16
                     if (xb && !xcol) {
                         if (m2 >= 0)
@@ -328,11 +419,11 @@ static void find_mates(const int64_t *slots, int64_t M, int64_t n_planes, int64_
 }
 
 /* One plane of variant 0 for every x row: delta_rows_planes without column α's. */
-static void delta_rows_mask(const float *x, const uint16_t *xb, int64_t ldx, int64_t M, const float *xsum,
-                            const uint8_t *s, int64_t lds, int64_t d_in, const float *alpha, int64_t alpha_stride,
-                            float *y, int64_t ldy, int64_t r0, int64_t r1) {
-    delta_rows_planes(x, xb, ldx, M, xsum, NULL, s, 0, lds, d_in, alpha, 0, alpha_stride, NULL, 1, NULL, 1, NULL, y,
-                      ldy, r0, r1);
+static void delta_rows_mask(const float *x, const uint16_t *xb, const float *tab, int64_t ldx, int64_t M,
+                            const float *xsum, const uint8_t *s, int64_t lds, int64_t d_in, const float *alpha,
+                            int64_t alpha_stride, float *y, int64_t ldy, int64_t r0, int64_t r1) {
+    delta_rows_planes(x, xb, tab, ldx, M, xsum, NULL, s, 0, lds, d_in, alpha, 0, alpha_stride, NULL, 1, NULL, 1, NULL,
+                      y, ldy, r0, r1);
 }
 
 /* x's rows as bf16 words (x's values exactly bf16: their upper halves), a malloc'ed [M, ldx] the
@@ -448,8 +539,12 @@ int bd_delta_gemv(const float *x, int64_t M, int64_t ldx,
         free(T);
         return 0;
     }
-    float *xsum = row_sums(x, M, ldx, d_in);
-    if (!xsum) return -1;
+    int failed = 0;
+    float *xsum = row_sums(x, M, ldx, d_in), *tab = xsum ? x_tables(x, M, ldx, d_in, &failed) : NULL;
+    if (!xsum || failed) {
+        free(xsum);
+        return -1;
+    }
 #pragma omp parallel num_threads(n_threads)
     {
 #ifdef _OPENMP
@@ -459,8 +554,9 @@ int bd_delta_gemv(const float *x, int64_t M, int64_t ldx,
 #endif
         int64_t r0, r1;
         split_rows(d_out, t, n, &r0, &r1);
-        delta_rows_mask(x, NULL, ldx, M, xsum, s, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
+        delta_rows_mask(x, NULL, tab, ldx, M, xsum, s, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
     }
+    free(tab);
     free(xsum);
     return 0;
 }
@@ -482,13 +578,15 @@ int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
                      const int64_t *bounds, int64_t n_groups,
                      float *y, int64_t ldy, int x_is_bf16, int n_threads) {
     if (n_threads < 1) n_threads = 1;
-    float *xsum = NULL, *xcol = NULL;
+    float *xsum = NULL, *xcol = NULL, *tab = NULL;
     uint16_t *xb = NULL;
     if (!col_alpha) {
         int failed = 0;
         xsum = row_sums(x, M, ldx, d_in);
         if (xsum && x_is_bf16) xb = bf16_words(x, M, ldx, d_in, &failed);
+        if (xsum && !xb && !failed) tab = x_tables(x, M, ldx, d_in, &failed);
         if (!xsum || failed) {
+            free(xb);
             free(xsum);
             return -1;
         }
@@ -496,7 +594,14 @@ int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
         const int64_t q_n = M * n_planes * n_groups;
         xsum = (float *)malloc(sizeof(float) * (size_t)(q_n > 0 ? q_n : 1));
         xcol = (float *)malloc(sizeof(float) * (size_t)(q_n > 0 ? q_n * d_in : 1));
-        if (!xsum || !xcol) {
+#ifdef HAVE_NIBBLE_TABLES
+        tab = (float *)malloc(sizeof(float) * (size_t)(q_n > 0 ? q_n * nibble_table_floats(d_in) : 1));
+        const int tab_failed = !tab;
+#else
+        const int tab_failed = 0;
+#endif
+        if (!xsum || !xcol || tab_failed) {
+            free(tab);
             free(xsum);
             free(xcol);
             return -1;
@@ -514,11 +619,15 @@ int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
                         t += o[k];
                     }
                     xsum[q] = t;
+#ifdef HAVE_NIBBLE_TABLES
+                    nibble_tables(o, d_in, tab + q * nibble_table_floats(d_in));
+#endif
                 }
             }
     }
     int64_t *mate = (int64_t *)malloc(sizeof(int64_t) * (size_t)(M > 0 ? M : 1));
     if (!mate) {
+        free(tab);
         free(xb);
         free(xcol);
         free(xsum);
@@ -534,10 +643,11 @@ int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
 #endif
         int64_t r0, r1;
         split_rows(d_out, t, n, &r0, &r1);
-        delta_rows_planes(x, xb, ldx, M, xsum, xcol, s, stride_sv, lds, d_in, alpha, stride_av, alpha_stride,
+        delta_rows_planes(x, xb, tab, ldx, M, xsum, xcol, s, stride_sv, lds, d_in, alpha, stride_av, alpha_stride,
                           row_slots, n_planes, col_alpha ? bounds : NULL, col_alpha ? n_groups : 1, mate, y, ldy, r0,
                           r1);
     }
+    free(tab);
     free(mate);
     free(xb);
     free(xcol);
@@ -842,76 +952,6 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
 STREAM_ROW(stream_one_f32, 1)
 STREAM_ROW(stream_two_f32, 2)
 
-#if defined(__AVX512F__)
-/* stream_*_f32 with each x row's delta over the same weight row, in the same pass: sb[b] the sign
- * stack of x row b's slot (NULL: a base row, no delta), ab[b] its α (one per weight row). The delta
- * sum is formed as mask_sums forms it (one chain over the 16-column blocks in column order, the
- * partial block masked) and added as bd_delta_batched adds it, so y equals the two passes' (the
- * GEMV, then the batched delta) bit for bit, at the cost of one pass over W: the masked adds ride
- * in the memory-bound stream's idle cycles instead of a second, compute-bound pass. */
-#define STREAM_ROW_D(NAME, MB)                                                                           \
-    static void NAME(const float *x, int64_t ldx, const float *xsum, const float *w, int64_t ldw,        \
-                     int64_t d_in, const uint8_t *const *sb, const float *const *ab, int64_t lds,        \
-                     float *y, int64_t ldy, int64_t r, int64_t m0) {                                     \
-        const float *wr = w + r * ldw;                                                                   \
-        const uint8_t *sr[MB];                                                                           \
-        __m512 a[MB][4], d[MB];                                                                          \
-        for (int b = 0; b < MB; ++b) {                                                                   \
-            sr[b] = sb[m0 + b] ? sb[m0 + b] + r * lds : NULL;                                            \
-            d[b] = _mm512_setzero_ps();                                                                  \
-            for (int q = 0; q < 4; ++q) a[b][q] = _mm512_setzero_ps();                                   \
-        }                                                                                                \
-        const int64_t n4 = d_in / 64;                                                                    \
-        for (int64_t j = 0; j < n4; ++j)                                                                 \
-            for (int q = 0; q < 4; ++q) {                                                                \
-                const int64_t c = 64 * j + 16 * q;                                                       \
-                const __m512 wv = _mm512_loadu_ps(wr + c);                                               \
-                for (int b = 0; b < MB; ++b) {                                                           \
-                    const __m512 xv = _mm512_loadu_ps(x + (m0 + b) * ldx + c);                           \
-                    a[b][q] = _mm512_fmadd_ps(xv, wv, a[b][q]);                                          \
-                    if (sr[b]) {                                                                         \
-                        uint16_t bits;                                                                   \
-                        memcpy(&bits, sr[b] + c / 8, 2);                                                 \
-                        d[b] = _mm512_mask_add_ps(d[b], (__mmask16)bits, d[b], xv);                      \
-                    }                                                                                    \
-                }                                                                                        \
-            }                                                                                            \
-        int64_t k = 64 * n4;                                                                             \
-        for (; k + 16 <= d_in; k += 16) {                                                                \
-            const __m512 wv = _mm512_loadu_ps(wr + k);                                                   \
-            for (int b = 0; b < MB; ++b) {                                                               \
-                const __m512 xv = _mm512_loadu_ps(x + (m0 + b) * ldx + k);                               \
-                a[b][0] = _mm512_fmadd_ps(xv, wv, a[b][0]);                                              \
-                if (sr[b]) {                                                                             \
-                    uint16_t bits;                                                                       \
-                    memcpy(&bits, sr[b] + k / 8, 2);                                                     \
-                    d[b] = _mm512_mask_add_ps(d[b], (__mmask16)bits, d[b], xv);                          \
-                }                                                                                        \
-            }                                                                                            \
-        }                                                                                                \
-        const int rem = (int)(d_in - k);                                                                 \
-        for (int b = 0; b < MB; ++b) {                                                                   \
-            const float *xm = x + (m0 + b) * ldx;                                                        \
-            float t = _mm512_reduce_add_ps(                                                              \
-                _mm512_add_ps(_mm512_add_ps(a[b][0], a[b][1]), _mm512_add_ps(a[b][2], a[b][3])));        \
-            for (int64_t kk = k; kk < d_in; ++kk) t += xm[kk] * wr[kk]; /* ragged tail */               \
-            if (sr[b]) {                                                                                 \
-                if (rem) {                                                                               \
-                    const __mmask16 valid = (__mmask16)((1u << rem) - 1u);                               \
-                    const __m512 xv = _mm512_maskz_loadu_ps(valid, xm + k);                              \
-                    const __mmask16 bits = (__mmask16)(load_bits16(sr[b], k / 16, (d_in + 7) / 8) & valid); \
-                    d[b] = _mm512_mask_add_ps(d[b], bits, d[b], xv);                                     \
-                }                                                                                        \
-                const float tot = _mm512_reduce_add_ps(d[b]);                                            \
-                t += 0.f + ab[m0 + b][r] * (2.f * tot - xsum[m0 + b]);                                   \
-            }                                                                                            \
-            y[(m0 + b) * ldy + r] = t;                                                                   \
-        }                                                                                                \
-    }
-STREAM_ROW_D(stream_delta_one_f32, 1)
-STREAM_ROW_D(stream_delta_two_f32, 2)
-#define HAVE_STREAM_DELTA 1
-#endif
 #endif
 
 #if defined(__AVX512BF16__)
@@ -1041,10 +1081,21 @@ int bd_linear_gemv(const float *x, int64_t M, int64_t ldx, const void *w, int w_
             return -1;
         }
     }
+    float *tab = NULL; /* the delta's pass without the bf16 loop: x's nibble tables */
+    if (s && !s1 && !xb) {
+        int failed;
+        tab = x_tables(x, M, ldx, d_in, &failed);
+        if (failed) {
+            free(xsum);
+            return -1;
+        }
+    }
 #ifdef HAVE_LINEAR_BLOCKS
     if (w_dtype == BD_W_BF16 && !xb) { /* x's columns per chunk: LANES even, then LANES odd */
         xeo = (float *)malloc(sizeof(float) * (size_t)(M > 0 ? M * ldx : 1));
         if (!xeo) {
+            free(tab);
+            free(xb);
             free(xsum);
             return -1;
         }
@@ -1063,7 +1114,7 @@ int bd_linear_gemv(const float *x, int64_t M, int64_t ldx, const void *w, int w_
     if (n_threads == 1) {
         linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, s1, lds, d_in, alpha, alpha_stride, y, ldy, 0, d_out);
         if (s && !s1)
-            delta_rows_mask(x, xb, ldx, M, xsum, s, lds, d_in, alpha, alpha_stride, y, ldy, 0, d_out);
+            delta_rows_mask(x, xb, tab, ldx, M, xsum, s, lds, d_in, alpha, alpha_stride, y, ldy, 0, d_out);
     } else {
 #pragma omp parallel num_threads(n_threads)
         {
@@ -1076,9 +1127,10 @@ int bd_linear_gemv(const float *x, int64_t M, int64_t ldx, const void *w, int w_
             split_rows(d_out, t, n, &r0, &r1);
             linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, s1, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
             if (s && !s1)
-                delta_rows_mask(x, xb, ldx, M, xsum, s, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
+                delta_rows_mask(x, xb, tab, ldx, M, xsum, s, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
         }
     }
+    free(tab);
     free(xb);
     free(xeo);
     free(xsum);
@@ -1213,40 +1265,6 @@ static inline float round_to(int dtype, float v) {
 static int decode_proj(const bd_decode_layer *L, int g, const float *x, int64_t B, int64_t d_in, int64_t d_out,
                        int dtype, const int64_t *row_slot, int any_delta, float *y, int n_threads) {
     const int64_t lds = (d_in + 7) / 8;
-#ifdef HAVE_STREAM_DELTA
-    if (dtype == BD_W_F32 && any_delta && B <= 8) { /* fp32 with deltas: GEMV and delta in one pass */
-        const uint8_t *sb[8];
-        const float *ab[8];
-        for (int64_t b = 0; b < B; ++b) {
-            sb[b] = row_slot[b] >= 0 ? L->s[g] + row_slot[b] * d_out * lds : NULL;
-            ab[b] = row_slot[b] >= 0 ? L->a[g] + row_slot[b] * d_out : NULL;
-        }
-        float *xsum = row_sums(x, B, d_in, d_in);
-        if (!xsum) return -1;
-        const float *w = (const float *)L->w[g];
-#pragma omp parallel num_threads(n_threads) if (n_threads > 1)
-        {
-#ifdef _OPENMP
-            const int t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-            const int t = 0, n = 1;
-#endif
-            int64_t r0, r1;
-            split_rows(d_out, t, n, &r0, &r1);
-            for (int64_t r = r0; r < r1; r += ROWS_A) { /* the block's rows stay in cache for x's other rows */
-                const int64_t re = (r + ROWS_A) < r1 ? r + ROWS_A : r1;
-                int64_t m = 0;
-                for (; m + 2 <= B; m += 2)
-                    for (int64_t q = r; q < re; ++q)
-                        stream_delta_two_f32(x, d_in, xsum, w, d_in, d_in, sb, ab, lds, y, d_out, q, m);
-                for (; m < B; ++m)
-                    for (int64_t q = r; q < re; ++q)
-                        stream_delta_one_f32(x, d_in, xsum, w, d_in, d_in, sb, ab, lds, y, d_out, q, m);
-            }
-        }
-        free(xsum);
-    } else
-#endif
     if (bd_linear_gemv(x, B, d_in, L->w[g], dtype, d_in, NULL, d_out, d_in, 0, NULL, 0, y, d_out,
                        dtype == BD_W_BF16, 0, n_threads))
         return -1;

@@ -27,7 +27,7 @@ from tests.support.kernel_cases import rel_err
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.cuda  # the CUDA profile runs these with real dots
 SHAPES = [(72, 100), (136, 257)]  # (d_out, d_in): ragged against 8, 16 and the blocks
-SPLITS = {72: (24, 16, 32), 136: (64, 40, 32)}  # q‖k‖v-like groups along d_out
+SPLITS = {72: (24, 16, 32), 136: (64, 40, 32), 37: (12, 9, 16)}  # q‖k‖v-like groups along d_out
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ALPHAS = ["row", "matrix", "col"]
@@ -286,6 +286,42 @@ def test_c_rows_sharing_slots_get_their_own_numbers(isa, x_dtype):
         two = cpu_ops.linear_gemv_cpu(x[:3], w, signs[0], alpha[0], two_pass=True)
         for r in range(3):
             assert torch.equal(cpu_ops.linear_gemv_cpu(x[r : r + 1], w, signs[0], alpha[0], two_pass=True)[0], two[r])
+
+
+@pytest.mark.parametrize("d_in", [1000, 1031])
+@pytest.mark.parametrize("alpha_kind", ALPHAS)
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_c_table_loop_chunk_and_block_edges(isa, alpha_kind, d_in):
+    """AVX-512's table loop reads 16 sign rows × 64 bytes at a time: d_in ≥ 512 so whole chunks run
+    before the tail (1000 columns: 125 bytes = 64 + 15 dwords + 1 byte; 1031: a last byte of 7
+    columns), d_out 37 (two blocks of 16 rows and a partial one; groups that start inside blocks),
+    sign rows padded with set bits past their bytes (never read); against the oracle, and every row
+    the same with one thread or two (the threads split the rows at other block edges)."""
+    with configured(cpu_isa=isa):
+        assert cpu_build.load_cpu_lib() is not None, cpu_build.unavailable_reason
+        x, signs, alpha, cols, splits = make_stack(37, d_in, alpha_kind, torch.float32, M=9, seed=d_in)
+        padded = torch.full((*signs.shape[:2], signs.shape[2] + 5), 255, dtype=torch.uint8)
+        padded[..., : signs.shape[2]] = signs
+        rs = torch.tensor(LAYOUTS["mixed"])
+        y0 = torch.randn(9, 37)
+        threads = torch.get_num_threads()
+        got = {}
+        try:
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                got[n] = bitdelta_delta_batched(
+                    x,
+                    padded[..., : signs.shape[2]],
+                    alpha,
+                    rs,
+                    y0.clone(),
+                    backend="cpu",
+                    **col_args(cols, splits, "cpu"),
+                )
+        finally:
+            torch.set_num_threads(threads)
+        assert rel_err(got[1], oracle(x, signs, alpha, cols, splits, rs, y0)) <= 1e-5
+        assert torch.equal(got[1], got[2])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the grids above compile and run these kernels")
