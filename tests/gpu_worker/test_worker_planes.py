@@ -178,6 +178,17 @@ async def test_each_plane_costs_a_slot_and_the_budget_counts_real_bytes(served, 
     assert mixed.plan.planes == 3
 
 
+async def refused_behind_pinned_planes3_then_evicted(stub) -> None:
+    """With the 3-plane delta pinned in 3 of 4 slots, a 2-plane load is RESOURCE_EXHAUSTED naming it;
+    then the 3-plane delta is evicted as one."""
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.LoadDelta(pb.LoadDeltaRequest(name="mixed2"), timeout=T)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "pinned deltas ['planes3']" in e.value.details() and "(3 of 4 slots)" in e.value.details()
+    r = await stub.EvictDelta(pb.EvictDeltaRequest(name="planes3"), timeout=T)
+    assert r.state == pb.DELTA_STATE_ABSENT
+
+
 async def test_a_multi_slot_delta_is_evicted_pinned_and_refused_as_one(family):
     """Slots bind (4 of them, bytes to spare): the 3-plane delta goes as one victim, frees its three
     slots, and pinned it leaves room for no 2-plane delta; a delta of more planes than the worker
@@ -196,12 +207,7 @@ async def test_a_multi_slot_delta_is_evicted_pinned_and_refused_as_one(family):
         await stub.LoadDelta(pb.LoadDeltaRequest(name="planes3", pin=True), timeout=T)
         st = await status(stub)
         assert st["planes3"].pinned and st["planes3"].slots == 3 and len(st) == 2
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            await stub.LoadDelta(pb.LoadDeltaRequest(name="mixed2"), timeout=T)
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "pinned deltas ['planes3']" in e.value.details() and "(3 of 4 slots)" in e.value.details()
-        r = await stub.EvictDelta(pb.EvictDeltaRequest(name="planes3"), timeout=T)
-        assert r.state == pb.DELTA_STATE_ABSENT
+        await refused_behind_pinned_planes3_then_evicted(stub)
         assert len(m.free_slots) == 4 - sum(len(x.slots) for x in m.entries.values())
         await stub.LoadDelta(pb.LoadDeltaRequest(name="mixed2"), timeout=T)  # room again
         assert (await generate(stub, "mixed2", "a", n=4)) == hf_greedy(family[2]["mixed2"], "a")[:4]
@@ -325,12 +331,7 @@ async def test_a_multi_plane_delta_on_two_ranks_is_evicted_pinned_and_refused_as
         await stub.LoadDelta(pb.LoadDeltaRequest(name="planes3", pin=True), timeout=T)
         assert m.entries["planes3"].slots == (1, 2, 3)
         assert await generate(stub, "planes3", PROMPTS["planes3"]) == ref["planes3"]
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            await stub.LoadDelta(pb.LoadDeltaRequest(name="mixed2"), timeout=T)
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "pinned deltas ['planes3']" in e.value.details() and "(3 of 4 slots)" in e.value.details()
-        r = await stub.EvictDelta(pb.EvictDeltaRequest(name="planes3"), timeout=T)
-        assert r.state == pb.DELTA_STATE_ABSENT
+        await refused_behind_pinned_planes3_then_evicted(stub)
         st = await stub.Status(pb.StatusRequest(), timeout=T)
         assert [x.delta_bytes for x in st.ranks] == [tp_bytes(family, "plain", r) for r in (0, 1)]
         got = await asyncio.gather(*[generate(stub, x, PROMPTS[x]) for x in ("mixed2", "plain")])
