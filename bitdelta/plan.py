@@ -154,20 +154,28 @@ class RankDelta:
 
 
 def delta_bytes(
-    s: Shape, dtype: str = "bf16", alpha: str = "row", embeddings: str = "dense", norms_changed: bool = True
+    s: Shape,
+    dtype: str = "bf16",
+    alpha: str = "row",
+    embeddings: str = "dense",
+    norms_changed: bool = True,
+    planes: int = 1,
+    rank: int = 0,
 ) -> DeltaBytes:
-    """One delta of a full fine-tune (every parameter changed), as `bitdelta compress` writes it.
+    """One delta of a full fine-tune (every parameter changed), as `bitdelta compress` writes it
+    without a budget: `planes` sign planes and a rank-`rank` fp16 residual on every compressed matrix.
 
     Dense parts are stored in the fine-tune's dtype (`dtype`)."""
     b = DTYPE_BYTES[dtype]
     mats = [(o, i) for o, i in s.projections()] * s.layers
     if embeddings == "sign":
         mats += [(s.vocab, s.dim)] * (1 if s.tie_embeddings else 2)
-    signs = sum(o * math.ceil(i / 8) for o, i in mats)
-    a = sum(o if alpha == "row" else 1 for o, _ in mats) * 4
+    signs = planes * sum(o * math.ceil(i / 8) for o, i in mats)
+    a = planes * sum(o if alpha == "row" else 1 for o, _ in mats) * 4
     small = s.norm_params + s.bias_params  # norms and biases: changed in a full fine-tune, stored whole
     dense = (s.embedding_params * b if embeddings == "dense" else 0) + (small * b if norms_changed else 0)
-    return DeltaBytes(signs, a, dense)
+    lowrank = sum(rank * (o + i) * 2 for o, i in mats)
+    return DeltaBytes(signs, a, dense, lowrank)
 
 
 def slot_bytes(local: Shape, dtype: str = "bf16") -> int:
@@ -188,16 +196,28 @@ def _extra_bytes(local: Shape, role: str, shape: tuple[int, ...], dtype: str) ->
     return math.prod(shape) * {"dense": DTYPE_BYTES[dtype], "sign": 1}.get(kind, 2)
 
 
-def rank_deltas(s: Shape, tp: int, dtype: str = "bf16", embeddings: str = "dense") -> list[RankDelta]:
-    """Each rank's cost of a one-plane delta of a full fine-tune (every parameter changed) in a mode."""
+def rank_deltas(
+    s: Shape, tp: int, dtype: str = "bf16", embeddings: str = "dense", planes: int = 1, rank: int = 0
+) -> list[RankDelta]:
+    """Each rank's cost of a delta of a full fine-tune (every parameter changed) in a mode:
+    `planes` sign planes and a rank-`rank` residual on every compressed matrix (`delta_bytes`)."""
+    tables = [EMBED] if s.tie_embeddings else [EMBED, HEAD]
+    lowrank = [(f"model.layers.{i}.{m.name}.weight", m) for i in range(s.layers) for m in s.args.matrices()]
+    if embeddings == "sign":
+        lowrank += [(t, None) for t in tables]
     out = []
     for r in range(tp):
-        local = Shape(TPLayout(s.args, tp, r).local_args())
-        tables = 1 if local.tie_embeddings else 2
-        per_table = local.vocab * local.dim * DTYPE_BYTES[dtype] if embeddings == "dense" else None
-        if per_table is None:
-            per_table = local.vocab * math.ceil(local.dim / 8) + local.vocab * 4
-        out.append(RankDelta(r, 1, slot_bytes(local, dtype), tables * per_table))
+        layout = TPLayout(s.args, tp, r)
+        local = Shape(layout.local_args())
+        if embeddings == "dense":
+            extra = len(tables) * local.vocab * local.dim * DTYPE_BYTES[dtype]
+        else:
+            extra = len(tables) * planes * (local.vocab * math.ceil(local.dim / 8) + local.vocab * 4)
+        for param, m in lowrank if rank else []:
+            d_out, d_in = (s.vocab, s.dim) if m is None else (m.d_out, m.d_in)
+            for role, shape in (("lowrank_u", (d_out, rank)), ("lowrank_v", (rank, d_in))):
+                extra += _extra_bytes(local, role, layout.shard_of(param, role, shape).shape(shape), dtype)
+        out.append(RankDelta(r, planes, slot_bytes(local, dtype), extra))
     return out
 
 
@@ -277,7 +297,8 @@ class Plan:
     brief: dict
     load: dict
     fits: bool
-    delta_from: str = ""  # the delta file planned for ("": the mode's one-plane delta)
+    delta_from: str = ""  # the delta file planned for ("": the mode's delta)
+    rank: int = 0  # the mode's low-rank residual per matrix (0: none; a --delta file's is in `delta`)
 
 
 def make_plan(
@@ -297,28 +318,40 @@ def make_plan(
     name: str = "",
     nominal_params: float | None = None,
     delta_file: DeltaHeader | None = None,
+    planes: int = 1,
+    rank: int = 0,
 ) -> Plan:
     """The whole plan. `tp` defaults to `gpus` (one tensor-parallel replica over all GPUs);
     `reserve_frac` of each GPU is kept for activations, CUDA context and fragmentation.
-    `delta_file`: plan for variants like this delta (its header) instead of the mode's one-plane
-    delta (`alpha`, `embeddings`)."""
+    `delta_file`: plan for variants like this delta (its header) instead of the mode's delta
+    (`alpha`, `embeddings`, and `planes` sign planes and a rank-`rank` residual on every matrix)."""
     s = Shape.from_hf(cfg)
     tp = tp or gpus
     if gpus % tp:
         raise ValueError(f"--gpus {gpus} is not a multiple of --tp {tp}")
+    if planes < 1 or rank < 0:
+        raise ValueError(f"--planes must be at least 1 and --rank at least 0 (got {planes}, {rank})")
+    if delta_file is not None and (planes, rank) != (1, 0):
+        raise ValueError("--planes/--rank describe the mode's delta; a --delta file says its own")
     b = DTYPE_BYTES[dtype]
     base = s.params * b
     if delta_file is not None:
         check_arch(delta_file.meta.variant, delta_file.meta.architecture, delta_file.meta.layout, s.args)
-    d = delta_bytes(s, dtype, alpha, embeddings) if delta_file is None else DeltaBytes.of_file(delta_file)
-    d_sign = delta_bytes(s, dtype, alpha, "sign")
+    d = (
+        delta_bytes(s, dtype, alpha, embeddings, planes=planes, rank=rank)
+        if delta_file is None
+        else DeltaBytes.of_file(delta_file)
+    )
+    d_sign = delta_bytes(s, dtype, alpha, "sign", planes=planes, rank=rank)
     kv = kv_bytes_per_token(s, dtype)
     # rank 0's slice of everything (the largest: bitdelta.shard), as the worker holds it; KV heads
     # split across the TP group, replicated when there are fewer heads than GPUs
     local = Shape(TPLayout(s.args, tp, 0).local_args()) if tp > 1 else s
     kv_gpu = kv_bytes_per_token(local, dtype)
     per_rank = (
-        rank_deltas(s, tp, dtype, embeddings) if delta_file is None else rank_deltas_of_file(delta_file, s, tp, dtype)
+        rank_deltas(s, tp, dtype, embeddings, planes, rank)
+        if delta_file is None
+        else rank_deltas_of_file(delta_file, s, tp, dtype)
     )
     base_gpu, delta_gpu = local.params * b, per_rank[0].total
     reserve = gpu_mem * reserve_frac
@@ -367,6 +400,7 @@ def make_plan(
         load=load,
         fits=free > 0,
         delta_from=delta_file.meta.variant if delta_file is not None else "",
+        rank=rank,
     )
 
 
@@ -390,7 +424,10 @@ def render(p: Plan, alpha: str = "row", embeddings: str = "dense", dtype: str = 
         + (
             f"every variant like the delta file of {p.delta_from!r} ({r0.planes} sign plane(s) per matrix at most)."
             if p.delta_from
-            else f"α per {alpha}, changed embeddings stored {embeddings}."
+            else f"α per {alpha}, changed embeddings stored {embeddings}"
+            + (f", {r0.planes} sign planes per matrix" if r0.planes > 1 else "")
+            + (f", a rank-{p.rank} fp16 residual per matrix" if p.rank else "")
+            + "."
         ),
         "",
         "## The brief's arithmetic (every parameter 1 bit)",
@@ -475,6 +512,8 @@ def cmd_plan(a: argparse.Namespace) -> None:
             name=Path(a.config).stem,
             nominal_params=parse_count(a.nominal) if a.nominal else None,
             delta_file=header,
+            planes=a.planes,
+            rank=a.rank,
         )
     except (KeyError, ValueError, OSError) as e:
         raise CliError(f"plan: {e}") from None
@@ -516,6 +555,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=Path,
         help="plan for variants like this delta file (its sign planes, low-rank factors and α axes, "
         "as each rank allocates them) instead of --alpha/--embeddings' one-plane delta",
+    )
+    c.add_argument(
+        "--planes", type=int, default=1, help="sign planes per matrix of the mode's delta (compress --planes)"
+    )
+    c.add_argument(
+        "--rank", type=int, default=0, help="rank of the fp16 low-rank residual per matrix (compress --rank)"
     )
     c.add_argument("--context", type=int, default=4096, help="tokens per sequence for the KV budget")
     c.add_argument("--reserve", type=float, default=0.10, help="fraction of each GPU kept free (activations etc.)")

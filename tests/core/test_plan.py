@@ -251,3 +251,39 @@ def test_cli_plan_with_a_v3_delta_file(v3_deltas, tmp_path, capsys):
     assert "2 slots of" in text and "delta: low-rank" in text and "one delta shard per rank: 0:" in text
     assert cli.main([*argv, "--delta", str(tmp_path / "missing.bitdelta.safetensors")]) == 1
     assert "plan:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_plan_mode_with_planes_and_rank_is_the_file_compress_writes(v3_deltas, tp):
+    """`bitdelta plan --planes K --rank R` (no file): the bytes and each rank's cost of the delta
+    `compress --planes K --rank R` writes without a budget, dense or sign embeddings."""
+    from bitdelta.format import read_header
+
+    cfg, files = v3_deltas
+    s = plan.Shape.from_hf(cfg)
+    for name, (emb, k, r) in {"planes3": ("dense", 3, 0), "rank8": ("dense", 2, 8), "signemb": ("sign", 2, 8)}.items():
+        h = read_header(files[name])
+        want = plan.DeltaBytes.of_file(h)
+        got = plan.delta_bytes(s, "fp32", "row", emb, planes=k, rank=r)
+        assert got == want, name
+        assert plan.rank_deltas(s, tp, "fp32", emb, planes=k, rank=r) == plan.rank_deltas_of_file(h, s, tp, "fp32")
+        p = plan.make_plan(cfg, variants=3, gpu_mem=1e9, gpus=tp, dtype="fp32", embeddings=emb, planes=k, rank=r)
+        assert p.delta == want and p.delta_per_gpu == plan.rank_deltas_of_file(h, s, tp, "fp32")[0].total
+    with pytest.raises(ValueError, match="--planes"):
+        plan.make_plan(cfg, 1, 1e9, tp, planes=0)
+    with pytest.raises(ValueError, match="a --delta file says its own"):
+        plan.make_plan(cfg, 1, 1e9, tp, delta_file=read_header(files["plain"]), planes=2)
+
+
+def test_cli_plan_mode_with_planes_and_rank(v3_deltas, tmp_path, capsys):
+    cfg, _ = v3_deltas
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    argv = ["plan", "--config", str(tmp_path / "config.json"), "--variants", "2", "--gpu-mem", "1GB", "--gpus", "2"]
+    assert cli.main([*argv, "--planes", "2", "--rank", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["planes"] for r in out["delta_per_rank"]] == [2, 2] and out["delta"]["lowrank"] > 0
+    assert cli.main([*argv, "--planes", "2", "--rank", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "2 sign planes per matrix, a rank-8 fp16 residual per matrix" in text and "delta: low-rank" in text
+    assert cli.main([*argv, "--rank", "-1"]) == 1
+    assert "--rank at least 0" in capsys.readouterr().err
