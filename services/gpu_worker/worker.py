@@ -26,7 +26,7 @@ from bitdelta.cache_policy import WeightedLRUPolicy
 from bitdelta.checkpoint import fingerprint, read_config
 from bitdelta.generation import ArrivalState, Request, TokenEvent, check_model_id
 from bitdelta.rpc import telemetry
-from bitdelta.rpc.streams import take_ready
+from bitdelta.rpc.streams import first_alone, take_ready
 from kernels.settings import current as kernel_settings
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.constraints import GrammarCompiler
@@ -361,11 +361,9 @@ class Worker:
                             _trace_decode(ev, t_arrival_ns, first_ns)
                     ready.append(ev)
                 finished = open_choices == 0
-                if ready and ready[0].ttft is not None and len(ready) > 1:
-                    yield ready[:1]  # the first token goes alone, at once: the TTFT is the client's too
-                    ready = ready[1:]
-                if ready:
-                    yield ready
+                if ready:  # the first token goes alone, at once: the TTFT is the client's too
+                    for message in first_alone(ready, first=ready[0].ttft is not None):
+                        yield message
                 if error is not None:
                     raise error
                 if finished:

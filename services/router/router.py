@@ -37,7 +37,7 @@ from bitdelta.generation import ArrivalState, Request, TokenEvent, Ttft
 from bitdelta.rpc import telemetry
 from bitdelta.rpc.errors import RpcError, clip, clip_message
 from bitdelta.rpc.security import Principal
-from bitdelta.rpc.streams import take_ready
+from bitdelta.rpc.streams import first_alone, take_ready
 from bitdelta.rpc.wire.gpu_worker import request_to_pb
 from services.router.admission import Admission
 from services.router.config import RouterConfig
@@ -136,8 +136,8 @@ class Router:
                 relay = _read_ahead(source, t0, self.config.stream_max_tokens)
                 try:
                     async for ready in relay:
-                        if not started:
-                            started = True
+                        first, started = not started, True
+                        if first:
                             ev = ready[0]
                             if variant.key is not None:
                                 self.pool.note_resident(address, variant.key)
@@ -150,10 +150,8 @@ class Router:
                                 arrival=arrival,
                                 ttft=dataclasses.replace(ttft, queue_ms=queue_ms, total_ms=ev.elapsed_ms),
                             )
-                            if len(ready) > 1:  # the first token goes alone, at once (as from the worker)
-                                yield ready[:1]
-                                ready = ready[1:]
-                        yield ready
+                        for message in first_alone(ready, first):  # the first token alone, as from the worker
+                            yield message
                     return
                 except RpcError as e:
                     log.info("request for %r on %s: %s", variant.model_id, address, clip_message(str(e)))
