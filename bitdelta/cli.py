@@ -24,7 +24,7 @@ class CliError(Exception):
 
 def cmd_compress(a: argparse.Namespace) -> None:
     from bitdelta import distill as d
-    from bitdelta.compress import bf16_bytes, compress
+    from bitdelta.compress import bf16_bytes, check_budget, compress
     from bitdelta.planes import PlaneConfig
     from bitdelta.units import parse_bytes
 
@@ -69,6 +69,10 @@ def cmd_compress(a: argparse.Namespace) -> None:
         heldout = d.token_windows(tokens[cut:], cfg.seq_len, 4, seed=1) if len(tokens) - cut > cfg.seq_len else None
         delta, record = d.distill(a.base, a.finetuned, load_delta(out), tokens[:cut], cfg, heldout)
         d.save(delta, out)
+        try:
+            check_budget(out, budget)
+        except ValueError as e:
+            raise CliError(str(e)) from None
         if heldout is not None:
             print(f"held-out logit MSE: {record['heldout_mse_before']:.4e} -> {record['heldout_mse_after']:.4e}")
     print(f"wrote {out}")

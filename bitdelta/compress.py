@@ -22,6 +22,11 @@ from bitdelta.planes import PlaneConfig, chain, spend
 from kernels.bits import pack_signs, unpack_signs
 
 EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
+# Header bytes a byte budget keeps free for the record scale distillation writes into the file
+# afterwards (`bitdelta.distill`: its settings, final loss and the α's left untrained, ~400 bytes
+# as the escaped JSON string it is stored as), so the distilled file meets the budget too and
+# holds the same planes as the undistilled one (it was 120 bytes over 1/16 before the reserve).
+RECORD_RESERVE = 1024
 
 
 def is_compressed(name: str, args: ModelArgs, embeddings: str) -> bool:
@@ -81,7 +86,8 @@ def compress(
     """Write the BitDelta of `finetuned` against `base` to `out` (atomically).
 
     planes: compression beyond one sign plane per weight (`bitdelta.planes`: residual planes,
-    low-rank, per-column or chosen α, a byte budget for the whole file, its header included;
+    low-rank, per-column or chosen α, a byte budget for the whole file, its header and
+    RECORD_RESERVE bytes for a later distillation record included (`check_budget`);
     `drop`: the budget spent by the measured KL per byte of each kind of weight's plane 1 and
     second option, `planes.spend`, which may leave weights out); its `alpha` replaces `alpha_mode`, and compressed embeddings compete for the budget
     like the projections.
@@ -175,10 +181,21 @@ def compress(
             meta.extra["planes"] = f"planes={planes.planes} rank={planes.rank} budget={planes.budget}"
             meta.extra.update(meta_extra)
         save_delta(out, Delta(meta, compressed, tensors))
-        over = out.stat().st_size - planes.budget if chains and planes.budget is not None else 0
+        over = out.stat().st_size + RECORD_RESERVE - planes.budget if chains and planes.budget is not None else 0
         if over <= 0:
             return out
         header += over
+
+
+def check_budget(path: str | os.PathLike, budget: int | None) -> None:
+    """ValueError when the delta file at `path` is over `budget` bytes (None: no budget): what a
+    record added after compression must not do (RECORD_RESERVE)."""
+    size = Path(path).stat().st_size
+    if budget is not None and size > budget:
+        raise ValueError(
+            f"{path} is {size} bytes, {size - budget} over its budget of {budget}: the records added after "
+            f"compression need more than the {RECORD_RESERVE} bytes the budget keeps for them (RECORD_RESERVE)"
+        )
 
 
 def bf16_bytes(base: str | os.PathLike) -> int:

@@ -47,7 +47,8 @@ ALPHA_CHOICES = (*AXES, "auto")  # "auto": per plane, the axis with the least er
 # 4: the budget pays the file's header too (a 1/16 budget made a file of 1/15.9).
 # 5: a budget below plane 1 of every weight leaves out whole kinds first (`left_out`).
 # 6: `drop` spends the budget by measured KL per byte of each kind's plane 1 and second option.
-ALGORITHM_VERSION = 6
+# 7: the budget keeps compress.RECORD_RESERVE bytes free for the distillation record.
+ALGORITHM_VERSION = 7
 
 
 @dataclass(frozen=True)

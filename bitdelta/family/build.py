@@ -240,7 +240,7 @@ def build_delta(
     is tied to that table, not a BitDeltaLinear), so its α stays mean|Δ|: the file
     holds one α per row for the pair, used alike by the worker's lookup and head and
     by `bitdelta apply`. The record lists the α's left untrained ("alpha_frozen")."""
-    from bitdelta.compress import compress
+    from bitdelta.compress import check_budget, compress
     from bitdelta.family.convert import file_sha256
 
     out = out or p.deltas[variant]
@@ -281,6 +281,7 @@ def build_delta(
         )
         del undistilled
         d.save(delta, out)
+        check_budget(out, None if planes is None else planes.budget)
         tmp.unlink(missing_ok=True)
         result["distill"] = record
     else:

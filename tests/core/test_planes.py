@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import struct
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,32 @@ def test_budget_of_the_whole_file(family, tmp_path):
     assert max(h.bytes_by_plane()) >= 2
     with pytest.raises(ValueError, match="less than the delta's dense tensors"):
         compress(base, v0, tmp_path / "x.st", planes=PlaneConfig(planes=2, budget=10), progress=False)
+
+
+def test_a_distilled_file_keeps_its_budget(family, tmp_path):
+    """The distillation record written after compression fits the budget (RECORD_RESERVE): a
+    budget a few bytes above the file every option makes, distilled, stays within it; a record
+    beyond the reserve is refused by check_budget."""
+    from bitdelta import distill as d
+    from bitdelta.compress import RECORD_RESERVE, check_budget
+
+    base, (v0, _) = family
+    cfg = PlaneConfig(alpha="auto", planes=2)
+    everything = compress(base, v0, tmp_path / "all.st", planes=cfg, progress=False).stat().st_size
+    budget = everything + 16  # every option fits with room for no record
+    out = compress(base, v0, tmp_path / "b.st", planes=replace(cfg, budget=budget), progress=False)
+    assert out.stat().st_size <= budget - RECORD_RESERVE
+    calib = torch.randint(0, 250, (3000,), generator=torch.Generator().manual_seed(5))
+    delta, _ = d.distill(
+        base, v0, load_delta(out), calib, d.DistillConfig(steps=2, lr=1e-4, batch=2, seq_len=16), progress=False
+    )
+    d.save(delta, tmp_path / "d.st")
+    assert (tmp_path / "d.st").stat().st_size <= budget
+    check_budget(tmp_path / "d.st", budget)
+    delta.meta.distilled["note"] = "x" * 4 * RECORD_RESERVE
+    d.save(delta, tmp_path / "big.st")
+    with pytest.raises(ValueError, match="over its budget"):
+        check_budget(tmp_path / "big.st", budget)
 
 
 def _kinds_chains(cfg: PlaneConfig, scale: dict[str, tuple[float, float]]) -> dict:
@@ -341,8 +368,10 @@ def test_cli_compress_with_a_budget(family, tmp_path):
     code, text = run_cli(
         "compress", "--base", str(base), "--finetuned", str(v0), "--out", str(out), "--alpha", "auto",
         "--planes", "3", "--rank", "8", "--rank-step", "4", "--budget", str(plain * 3 // 2), "--calib", str(calib),
+        "--distill", "--steps", "2",
     )  # fmt: skip
     assert code == 0, text
+    assert out.stat().st_size <= plain * 3 // 2  # distilled, its record included
     assert "plane 2" in text and "low-rank" in text
     code, text = run_cli("inspect", str(out), "--json")
     info = json.loads(text[text.index("{") :])
