@@ -11,7 +11,9 @@ low-rank residual adds (x·Vᵀ)·Uᵀ to its rows, all in fp32 before the one r
 batch whose rows all belong to one variant uses the fused `bitdelta_linear` instead
 (its k planes as one view of the stacks when its slots are a contiguous run). Attention runs
 per sequence against its own blocks of the paged KV pool (the decode rows of all
-sequences in one `kernels.paged_decode` call that reads their blocks in place).
+sequences in one `kernels.paged_decode` call that reads their blocks in place). The LM head
+reads the base's head once for the base's rows and once for the rows of every variant whose head
+is the base's plus sign planes (a tied embedding compressed to signs), each adding its own.
 
 No host sync inside a step: every index tensor of a step is built on the host in
 `prepare` (from the scheduler's lists, never from device values) and copied over
@@ -45,7 +47,7 @@ from kernels import (
 from kernels.bits import unpack_signs
 from kernels.cpu_decode import GROUPS, DecodeLayer, DecodeLayers, DecodeShape
 from kernels.cpu_ops import DENSE_GEMV_MAX_M
-from services.gpu_worker.slots import BigTensor, SlotTensors
+from services.gpu_worker.slots import BigTensor, SlotExtras, SlotTensors
 
 
 @dataclass
@@ -193,7 +195,10 @@ class StepMeta:
     extras: dict | None = None  # the slots' extras snapshot this step reads (copy-on-write in slots.py)
     embed_rows: dict | None = None  # slot -> [n] rows of x whose slot has its own embedding
     logit_norm_idx: torch.Tensor | None = None  # [R] final-norm rows of the logit rows (None: single_norm)
-    logit_groups: list | None = None  # [(slot or −1, [r] rows of the logits)]: which head serves which rows
+    logit_groups: list | None = None  # [(slot or −1, [r] rows of the logits)]: the base's head or a dense one
+    # The logit rows of variants whose head is the base's + sign planes (+ U · V): one product with the
+    # base's head for all of them (`_sign_heads`); None: no such row
+    sign_heads: SignHeads | None = None
     # The batched launch's rows when they are not `row_slot`: with variants of k > 1 sign planes each
     # row's slot of every plane ([N, K] int32, −1 where its variant has fewer), and without the
     # rows of variants with column α's (−1), which launch apart (`col_launches`); `plan` is its plan
@@ -203,6 +208,17 @@ class StepMeta:
     col_launches: list[tuple[int, int, torch.Tensor, object]] | None = None
     single_planes: int = 1  # the fused path's variant: its planes, slots single_slot.. (a run)
     lowrank_rows: dict | None = None  # slot -> [n] rows of x (None: every row) whose variant has a low-rank part
+
+
+@dataclass
+class SignHeads:
+    """The logit rows whose variant's head is the base's plus its own sign planes (+ U · V), e.g. a
+    tied embedding compressed to signs: built on the host in `prepare`, read by `_sign_heads`."""
+
+    rows: torch.Tensor | None  # [n] int64 rows of the logits, in order (None: all of them)
+    # per variant: (slot, [n, k] int32 over `rows`: 0..k−1 on its rows, −1 elsewhere, its plan,
+    # [n_s] int64 its positions in `rows` for the low-rank term, or None when it has every row)
+    variants: list[tuple[int, torch.Tensor, object, torch.Tensor | None]]
 
 
 class ModelRunner:
@@ -232,6 +248,12 @@ class ModelRunner:
         if self.device.type != "cuda":
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _plan(self, rows: torch.Tensor, n_slots: int):
+        """The batched delta's plan of host `rows` (kernels.plan_batch) for a device, built here
+        from the host copy so no launch syncs; None on CPU, where the C kernels need none (and a
+        Triton launch there plans from its CPU tensors itself): ~75 µs a plan, per step."""
+        return None if self.device.type == "cpu" else plan_batch(rows, n_slots, device=self.device)
 
     def prepare(self, work: list[SeqWork]) -> StepMeta:
         """Every index a step needs, built on the host from `work` (no device value is read)."""
@@ -305,7 +327,7 @@ class ModelRunner:
                 local = torch.full((len(row_slot), k), -1, dtype=torch.int32)
                 local[mine] = torch.arange(k, dtype=torch.int32)
                 local = local[:, 0].contiguous() if k == 1 else local
-                meta.col_launches.append((s, k, self._dev(local), plan_batch(local, k, device=self.device)))
+                meta.col_launches.append((s, k, self._dev(local), self._plan(local, k)))
             if planes.keys() - colv.keys():  # each row's slot of every plane, from a table slot -> its slots
                 k = max(len(v) for s, v in planes.items() if s not in colv)
                 table = torch.full((self.slots.n_slots + 1, k), -1, dtype=torch.int32)
@@ -315,7 +337,7 @@ class ModelRunner:
                 main = table[main.to(torch.int64) + 1]  # [N, k]
             if colv or planes:
                 meta.row_slots = self._dev(main)
-            meta.plan = plan_batch(main, self.slots.n_slots, device=self.device)
+            meta.plan = self._plan(main, self.slots.n_slots)
         if low:
             meta.lowrank_rows = {
                 s: None if single is not None else self._dev((rs == s).nonzero(as_tuple=True)[0].to(torch.int64))
@@ -329,11 +351,17 @@ class ModelRunner:
                 meta.embed_rows[slot] = self._dev(rows.to(torch.int64))
         if len(set(logit_slots)) > 1:
             meta.logit_norm_idx = self._dev(torch.tensor(logit_slots, dtype=torch.int64) + 1)
-        groups: dict[int, list[int]] = {}
+        groups: dict[int, list[int]] = {}  # the base's head (−1) or a variant's dense one
+        signed: dict[int, list[int]] = {}  # a variant's sign planes on the base's head
         for i, s in enumerate(logit_slots):
-            ex = extras.get(s) if s >= 0 else None
-            groups.setdefault(s if (ex is not None and ex.head is not None) else -1, []).append(i)
+            head = extras[s].head if s >= 0 and s in extras else None
+            if head is not None and head.weight is None:
+                signed.setdefault(s, []).append(i)
+            else:
+                groups.setdefault(-1 if head is None else s, []).append(i)
         meta.logit_groups = [(s, self._dev(torch.tensor(idx, dtype=torch.int64))) for s, idx in groups.items()]
+        if signed:
+            meta.sign_heads = self._sign_head_rows(signed, len(logit_slots), extras)
         if decode_rows:
             width = max(len(t) for t, _ in decode_ctx)
             tables = torch.zeros(len(decode_ctx), width, dtype=torch.int32)
@@ -343,6 +371,21 @@ class ModelRunner:
             meta.decode_tables = self._dev(tables)
             meta.decode_lens = self._dev(torch.tensor([n for _, n in decode_ctx], dtype=torch.int32))
         return meta
+
+    def _sign_head_rows(self, signed: dict[int, list[int]], n_logits: int, extras: dict) -> SignHeads:
+        """`SignHeads` of the logit rows `signed` (slot -> its rows), on the host."""
+        rows = sorted(i for idx in signed.values() for i in idx)
+        at = {r: j for j, r in enumerate(rows)}  # logit row -> its position among `rows`
+        variants = []
+        for s, idx in signed.items():
+            k = extras[s].head.signs.shape[0]
+            local = torch.full((len(rows), k), -1, dtype=torch.int32)
+            mine = torch.tensor([at[i] for i in idx], dtype=torch.int64)
+            local[mine] = torch.arange(k, dtype=torch.int32)
+            low = None if len(idx) == len(rows) else self._dev(mine)
+            variants.append((s, self._dev(local), self._plan(local, k), low))
+        every = len(rows) == n_logits  # then `rows` is 0..n−1
+        return SignHeads(None if every else self._dev(torch.tensor(rows, dtype=torch.int64)), variants)
 
     # -- layers ---------------------------------------------------------------------------------
     def _linear(self, x: torch.Tensor, layer: int, group: str, m: StepMeta) -> torch.Tensor:
@@ -463,31 +506,37 @@ class ModelRunner:
                 acc += ex.u[t].float() @ ex.v.float()
             x[rows] = acc.to(x.dtype)
 
-    def _head(self, h: torch.Tensor, head: BigTensor) -> torch.Tensor:
-        """fp32 logits of rows h through a variant's own head: dense, or the base's + its planes (+ U · V)."""
-        if head.weight is not None:
-            return (h @ head.weight.t()).float()
-        k = head.signs.shape[0]
-        planes = (head.signs[0], head.alpha[0]) if k == 1 else (head.signs, head.alpha)
-        if head.u is None:
-            return bitdelta_linear(h, self.base.head, *planes, backend=self.backend).float()
-        y = self._mm_fp32(h, self.base.head)  # every plane's term and U · V in fp32, no rounding
-        rows = torch.arange(k, dtype=torch.int32).repeat(h.shape[0], 1)  # host: every row adds all k planes
-        bitdelta_delta_batched(h, head.signs, head.alpha, rows, y, backend=self.backend)
-        y += (h.float() @ head.v.float().t()) @ head.u.float().t()
+    def _sign_heads(self, h: torch.Tensor, sh: SignHeads, extras: dict) -> torch.Tensor:
+        """fp32 logits of the rows h [n, dim] of variants whose head is the base's + their sign planes
+        (+ U · V): the base's head read ONCE for all of them (fp32 out), then each variant's planes
+        added to its own rows (one batched launch each; −1 rows untouched) and its U · V, all in fp32
+        (never rounded to the model's dtype). A row's values do not depend on the other variants in
+        the step."""
+        y = self._mm_fp32(h, self.base.head)  # [n, vocab]
+        for s, local, plan, low in sh.variants:
+            head: BigTensor = extras[s].head
+            bitdelta_delta_batched(h, head.signs, head.alpha, local, y, plan=plan, backend=self.backend)
+            if head.u is not None:
+                lowrank_delta(h, head.v, [(0, 0, head.u)], y, low)
         return y
 
     def _logits(self, h: torch.Tensor, m: StepMeta) -> torch.Tensor:
-        """h: [R, dim] (final-normed) -> fp32 logits [R, vocab], each row through its variant's head."""
-        if len(m.logit_groups) == 1 and m.logit_groups[0][0] == -1:
+        """h: [R, dim] (final-normed) -> fp32 logits [R, vocab], each row through its variant's head:
+        the base's, a dense one of its own, or the base's + its sign planes (`_sign_heads`)."""
+        sh = m.sign_heads
+        if sh is None and len(m.logit_groups) == 1 and m.logit_groups[0][0] == -1:
             return dense_linear(h, self.base.head, backend=self.backend).float()
+        if sh is not None and sh.rows is None:  # every row's head is signs on the base's
+            return self._sign_heads(h, sh, m.extras)
         out = torch.empty(h.shape[0], self.base.head.shape[0], dtype=torch.float32, device=h.device)
         for s, rows in m.logit_groups:  # row indices built in prepare()
             hr = h[rows]
             if s < 0:
                 out[rows] = dense_linear(hr, self.base.head, backend=self.backend).float()
-                continue
-            out[rows] = self._head(hr, m.extras[s].head)
+            else:
+                out[rows] = (hr @ m.extras[s].head.weight.t()).float()
+        if sh is not None:
+            out[sh.rows] = self._sign_heads(h[sh.rows], sh, m.extras)
         return out
 
     # -- step -----------------------------------------------------------------------------------
@@ -640,7 +689,7 @@ class ModelRunner:
 
         The fused kernel at each of `warm_sizes(max_rows)` (decode-shaped, one token per
         sequence, up to max_seqs sequences; prefill-shaped beyond), also on the LM head's
-        shape (a variant with its own compressed head); the batched delta as BGMV (few rows
+        shape (a variant's sign planes on the base's head: `_sign_heads`); the batched delta as BGMV (few rows
         per variant) and SGMV (≥ sgmv_min_rows rows of one variant). Slot 0 is read with
         whatever it holds (α = 0 before any load); the KV blocks written are overwritten by
         their next owner before it reads them. Returns the (rows, path) pairs run.
@@ -652,18 +701,14 @@ class ModelRunner:
         bs, nb = self.kv.block_size, self.kv.n_blocks
         done = []
         head, dim = self.base.head, self.base.head.shape[1]
-        head_signs = torch.zeros(head.shape[0], (dim + 7) // 8, dtype=torch.uint8, device=self.device)
-        head_alpha = torch.zeros(head.shape[0], dtype=torch.float32, device=self.device)
+        signs = torch.zeros(1, head.shape[0], (dim + 7) // 8, dtype=torch.uint8, device=self.device)
+        alpha = torch.zeros(1, head.shape[0], dtype=torch.float32, device=self.device)
+        signed = {0: SlotExtras(head=BigTensor(signs=signs, alpha=alpha))}  # a head of one zero plane
         for M in self.warm_sizes(max_rows):
             if M <= max_seqs:  # M decodes of slot 0 in one step, all at position 0 of block 0
                 self.forward([SeqWork([0], 0, 0, [0], True) for _ in range(M)])
-                bitdelta_linear(
-                    torch.zeros(M, dim, dtype=self.dtype, device=self.device),
-                    head,
-                    head_signs,
-                    head_alpha,
-                    backend=self.backend,
-                )
+                h = torch.zeros(M, dim, dtype=self.dtype, device=self.device)
+                self._sign_heads(h, self._sign_head_rows({0: list(range(M))}, M, signed), signed)
                 done.append((M, "fused/decode"))
             elif -(-M // bs) <= nb:  # one prefill chunk of M tokens
                 self.forward([SeqWork([0] * M, 0, 0, list(range(-(-M // bs))), True)])

@@ -118,3 +118,51 @@ def _with_tensor(info, name):
     return dataclasses.replace(
         info, architecture="llama", layout="q,k,v,o,gate,up,down", tensors=[TensorSpec(name, "F32", (32,), 128, "x")]
     )
+
+
+def test_variants_with_sign_heads_share_one_product_with_the_base_head(tmp_path, monkeypatch):
+    """Variants whose tied embedding and LM head are compressed to signs (`--embeddings sign`: two
+    one-plane ones, one with a low-rank residual too): every row equals the dense model's, and a
+    decode step's rows of all of them read the base's head ONCE between them (before: once per
+    variant), each adding its own planes, so each row's logits are the ones it has alone, bit for
+    bit; the base's rows keep their own product."""
+    from bitdelta.compress import apply
+    from bitdelta.planes import PlaneConfig
+    from services.gpu_worker import runner as runner_mod
+
+    base = make_hf_base(tmp_path / "base", "llama-3.2", seed=3)  # tied embeddings
+    kinds = {"v0": {}, "v1": {}, "v2": {"planes": PlaneConfig(rank=8)}}
+    for i, (name, kw) in enumerate(kinds.items()):
+        ft = make_finetune(base, tmp_path / f"ft{i}", seed=10 + i, scale=FT_SCALE)
+        out = tmp_path / "deltas" / f"{name}.bitdelta.safetensors"
+        compress(base, ft, out, variant=name, embeddings="sign", progress=False, **kw)
+    runner, _ = runner_with(base, tmp_path / "deltas", list(kinds))
+    assert all(runner.slots.extras[s].head.signs is not None for s in range(3))  # heads of signs
+    assert runner.slots.extras[2].head.u is not None and runner.slots.extras[2].lowrank  # v2: U · V too
+    refs = {-1: load_model(base)}
+    for s, name in enumerate(kinds):
+        refs[s] = load_model(apply(base, tmp_path / "deltas" / f"{name}.bitdelta.safetensors", tmp_path / name, False))
+    products = []  # the rows of each product with the base's head
+    dense = runner_mod.dense_linear
+    monkeypatch.setattr(
+        runner_mod,
+        "dense_linear",
+        lambda x, w, **kw: (products.append(x.shape[0]) if w is runner.base.head else None) or dense(x, w, **kw),
+    )
+
+    def step(rows: list[tuple[int, int]]) -> torch.Tensor:  # (token, slot) decodes at position 0, a block each
+        products.clear()
+        return runner.forward([SeqWork([t], 0, s, [b], True) for b, (t, s) in enumerate(rows)])
+
+    rows = [(5, 0), (6, -1), (7, 1), (8, 0), (9, 2)]
+    mixed = step(rows)
+    with torch.no_grad():
+        want = torch.stack([refs[s](torch.tensor([[t]]))[0, -1] for t, s in rows])
+    torch.testing.assert_close(mixed, want, rtol=1e-4, atol=1e-4)
+    assert (want[0] - refs[-1](torch.tensor([[5]]))[0, -1]).abs().max() > 1e-2  # the head's planes count
+    # the C layers' part (base, v0, v1) and the layer-by-layer part (v2, low-rank): one product
+    # for the base's row, one for each part's variant rows
+    assert sorted(products) == [1, 1, 3]
+    assert torch.equal(step(rows[2:4]), mixed[2:4]) and products == [2]  # two variants: one product
+    for i, r in enumerate(rows[:4]):  # the decode rows of the C layers: alone as in the batch
+        assert torch.equal(step([r]), mixed[i : i + 1])
