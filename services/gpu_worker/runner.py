@@ -44,7 +44,6 @@ from kernels import (
     paged_decode,
     plan_batch,
 )
-from kernels.bits import unpack_signs
 from kernels.cpu_decode import GROUPS, DecodeLayer, DecodeLayers, DecodeShape
 from kernels.cpu_ops import DENSE_GEMV_MAX_M
 from services.gpu_worker.slots import BigTensor, SlotExtras, SlotTensors
@@ -193,7 +192,7 @@ class StepMeta:
     logit_slots: list[int]  # [R] their slots
     plan: object = None  # kernels.BatchPlan: rows grouped by slot, shared by every layer of the step
     extras: dict | None = None  # the slots' extras snapshot this step reads (copy-on-write in slots.py)
-    embed_rows: dict | None = None  # slot -> [n] rows of x whose slot has its own embedding
+    embed_rows: dict | None = None  # slot -> [n] rows of x whose slot has its own embedding (None: every row)
     logit_norm_idx: torch.Tensor | None = None  # [R] final-norm rows of the logit rows (None: single_norm)
     logit_groups: list | None = None  # [(slot or −1, [r] rows of the logits)]: the base's head or a dense one
     # The logit rows of variants whose head is the base's + sign planes (+ U · V): one product with the
@@ -240,6 +239,9 @@ class ModelRunner:
         self.use_fused = use_fused
         self.backend = backend
         self._c_layers: DecodeLayers | None = None  # built on the first step the C layers serve
+        # byte -> its 8 signs as ±1 (bit j: column j, kernels.bits): a sign row unpacked in one lookup
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+        self._sign_values = (bits * 2 - 1).to(torch.float32).to(self.device)  # [256, 8]
 
     # -- metadata -------------------------------------------------------------------------------
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
@@ -347,8 +349,8 @@ class ModelRunner:
         meta.embed_rows = {}
         for slot, ex in extras.items():
             if ex.embed is not None and slot in slots_set:
-                rows = (rs == slot).nonzero(as_tuple=True)[0]  # host tensor: no sync
-                meta.embed_rows[slot] = self._dev(rows.to(torch.int64))
+                rows = None if single is not None else (rs == slot).nonzero(as_tuple=True)[0]  # host: no sync
+                meta.embed_rows[slot] = None if rows is None else self._dev(rows.to(torch.int64))
         if len(set(logit_slots)) > 1:
             meta.logit_norm_idx = self._dev(torch.tensor(logit_slots, dtype=torch.int64) + 1)
         groups: dict[int, list[int]] = {}  # the base's head (−1) or a variant's dense one
@@ -495,16 +497,18 @@ class ModelRunner:
         into this runner's table): its dense table, or the base's rows + Σ_p α_p ⊙ S_p (+ U · V)."""
         for slot, rows in m.embed_rows.items():  # rows found on the host in prepare()
             ex: BigTensor = m.extras[slot].embed
-            t = tokens[rows]
+            at = slice(None) if rows is None else rows
+            t = tokens[at]
             if ex.weight is not None:
-                x[rows] = ex.weight[t]
+                x[at] = ex.weight[t]
                 continue
-            acc = x[rows].float()
-            for p in range(ex.signs.shape[0]):
-                acc += ex.alpha[p][t][:, None] * unpack_signs(ex.signs[p][t], self.args.dim, torch.float32)
+            acc = x[at].float()
+            for p in range(ex.signs.shape[0]):  # α_p[t] ⊙ S_p[t], S_p's bytes through the ±1 table
+                s = self._sign_values[ex.signs[p][t].long()].view(t.shape[0], -1)[:, : self.args.dim]
+                acc.addcmul_(ex.alpha[p][t][:, None], s)
             if ex.u is not None:
                 acc += ex.u[t].float() @ ex.v.float()
-            x[rows] = acc.to(x.dtype)
+            x[at] = acc.to(x.dtype)
 
     def _sign_heads(self, h: torch.Tensor, sh: SignHeads, extras: dict) -> torch.Tensor:
         """fp32 logits of the rows h [n, dim] of variants whose head is the base's + their sign planes
