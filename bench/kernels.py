@@ -273,6 +273,108 @@ def bench_planes(dev, t, dtypes, d, rows):
             print_row(row)
 
 
+# ---------------------------------------------------------------- C decode layers (a whole step)
+# SmolLM2-135M's layer shapes: dim, heads, KV heads, head dim, intermediate, layers.
+SMOLLM2_135M = {"dim": 576, "n_heads": 9, "n_kv_heads": 3, "head_dim": 64, "intermediate": 1536, "n_layers": 30}
+
+
+def decode_layers_model(dtype: torch.dtype, libs, n_slots: int = 4, ctx: int = 64, block: int = 16, seed: int = 0):
+    """The C decode layers over random SmolLM2-135M-shaped weights and n_slots random one-plane
+    deltas, with a KV pool of 8 sequences of ctx tokens, one DecodeLayers per library of `libs`
+    (None: the process's) -> run(lib index, row_slot [B]) -> the layers' output [B, dim]."""
+    from kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape
+
+    c = SMOLLM2_135M
+    D, H, KV, hd, F = c["dim"], c["n_heads"], c["n_kv_heads"], c["head_dim"], c["intermediate"]
+    dims = ((H + 2 * KV) * hd, D), (D, H * hd), (2 * F, D), (D, F)
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = 8 * (ctx // block)
+    layers = [
+        DecodeLayer(
+            weights=tuple((torch.randn(o, i, generator=g) * 0.02).to(dtype) for o, i in dims),
+            signs=tuple(
+                torch.randint(0, 256, (n_slots, o, packed_cols(i)), generator=g, dtype=torch.uint8) for o, i in dims
+            ),
+            alpha=tuple(torch.rand(n_slots, o, generator=g) * 1e-3 for o, _ in dims),
+            biases=(None,) * 4,
+            norms=(torch.ones(n_slots + 1, D, dtype=dtype), torch.ones(n_slots + 1, D, dtype=dtype)),
+            k=(torch.randn(n_blocks * block, KV, hd, generator=g) * 0.5).to(dtype),
+            v=torch.randn(n_blocks * block, KV, hd, generator=g).to(dtype),
+            window=None,
+        )
+        for _ in range(c["n_layers"])
+    ]
+    shape = DecodeShape(D, H, KV, hd, F, 1e-5)
+    models = [DecodeLayers(layers, shape, dtype, lib=lib) for lib in libs]
+    per_seq = ctx // block
+    tables = torch.arange(n_blocks, dtype=torch.int32).view(8, per_seq)
+    x = torch.randn(8, D, generator=g).to(dtype)
+    cos, sin = torch.ones(8, hd), torch.zeros(8, hd)
+
+    def run(i: int, row_slot: torch.Tensor) -> torch.Tensor:
+        B = row_slot.shape[0]
+        model = models[i]
+        return model.run(
+            x[:B],
+            row_slot,
+            cos[:B],
+            sin[:B],
+            torch.arange(B, dtype=torch.int64) * ctx + ctx - 1,  # each sequence's last position
+            tables[:B],
+            torch.full((B,), ctx, dtype=torch.int32),
+            block,
+        )
+
+    return run
+
+
+def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: int = 2):
+    """A variant's decode step against the base's, the whole step of the C layers
+    (`kernels.cpu_decode`, what the worker runs on CPU) on SmolLM2-135M's shapes with random
+    weights and deltas: one row of the base ÷ one row of a one-plane variant (tokens/s ratio;
+    limit 1/(1 + 1/32) fp32, 1/(1 + 1/16) bf16), and 8 rows over 4 variants ÷ 8 base rows (limit
+    4/(4 + 4/8) fp32, 2/(2 + 4/8) bf16). The four are measured in turns (`t`'s best of N each,
+    repeated `rounds` times), so other jobs' load falls on all of them alike. against: another
+    source of the C library (e.g. `git show main:kernels/csrc/bitdelta_cpu.c`), built with the
+    same flags and measured interleaved with this one in the same process: before ÷ after."""
+    from kernels import cpu_build
+
+    libs = {"this": None}
+    if against is not None:
+        libs["against"] = cpu_build.load_source(against)
+    cases = {
+        "B1 base": torch.tensor([-1]),
+        "B1 variant": torch.tensor([0]),
+        "B8 base": torch.full((8,), -1),
+        "B8 4 variants": torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]),
+    }
+    for dtype in dtypes:
+        run = decode_layers_model(dtype, list(libs.values()))
+        if against is not None:
+            diff = (run(0, cases["B8 4 variants"]).float() - run(1, cases["B8 4 variants"]).float()).abs().max()
+            print(f"  {dtype}: max |this - against| of the layers' output, 8 rows over 4 variants: {diff:.2e}")
+        best = {(lib, c): float("inf") for lib in libs for c in cases}
+        for _ in range(rounds):  # both libraries and all cases in turns
+            for i, lib_name in enumerate(libs):
+                for case, rs in cases.items():
+                    best[lib_name, case] = min(best[lib_name, case], t(lambda i=i, rs=rs: run(i, rs)))
+        es = dtype.itemsize
+        for lib_name in libs:
+            b = {c: best[lib_name, c] for c in cases}
+            row = {
+                "section": "decode layers",
+                "library": lib_name,
+                "dtype": str(dtype).removeprefix("torch."),
+                **{f"{c} ms": v for c, v in b.items()},
+                "variant/base tok/s": b["B1 base"] / b["B1 variant"],
+                "limit": es / (es + 1 / 8),  # bytes per weight: the base's, + 1/8 for a sign
+                "4 variants/base (B8)": b["B8 base"] / b["B8 4 variants"],
+                "limit B8": es / (es + 4 / 8),
+            }
+            rows.append(row)
+            print_row(row)
+
+
 def cpu_sweep(t, rows):
     """Crossovers behind MERGE_MIN_M / UNPACK_MIN_M / FUSED_GEMV_MAX_M (docs/kernels.md)."""
     # bf16 only where bitdelta.precision finds it native: emulated bf16 is ~60x slower, not a path
@@ -409,6 +511,17 @@ def main(argv=None):
     ap.add_argument("--only-sweep", action="store_true", help="with --cpu-sweep: skip the other sections")
     ap.add_argument("--planes", action="store_true", help="only the sign-plane section (cost per extra plane)")
     ap.add_argument(
+        "--decode-layers",
+        action="store_true",
+        help="CPU: only a variant's whole decode step ÷ the base's (the C layers, SmolLM2-135M's shapes)",
+    )
+    ap.add_argument(
+        "--against",
+        type=Path,
+        metavar="SOURCE",
+        help="with --decode-layers: also another source of the C library, interleaved (before ÷ after)",
+    )
+    ap.add_argument(
         "--cpu-time",
         action="store_true",
         help="CPU: time the calling thread's CPU time, not wall time (a shared host; needs --threads 1)",
@@ -447,7 +560,10 @@ def main(argv=None):
     print(f"device: {name}; measured bandwidth {bw / 1e9:.1f} GB/s")
     rows: list[dict] = []
 
-    if args.planes:
+    if args.decode_layers and not cuda:
+        print("C decode layers, SmolLM2-135M shapes (variant ÷ base tokens/s; limits: its bytes):")
+        bench_decode_layers(t, (torch.float32, torch.bfloat16), rows, args.against)
+    elif args.planes:
         dtypes = (
             (precision_for(dev).dtype,)
             if cuda
@@ -510,6 +626,7 @@ def main(argv=None):
             + ("_dry" if args.dry_run else "")
         )
         stem += "_planes" if args.planes else ""
+        stem += "_decode_layers" if args.decode_layers else ""
         stem += f"_t{args.threads}" if args.threads else ""
         (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         (args.out / f"{stem}.md").write_text(markdown(meta, rows))

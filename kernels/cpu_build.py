@@ -295,6 +295,26 @@ def load_variant(isa: str) -> ctypes.CDLL:
     return _open(_library_path(isa))
 
 
+def load_source(source: Path, isa: str = "native") -> ctypes.CDLL:
+    """Build (into a temporary directory, every call) and load the library from another source
+    file of it, e.g. an older version of csrc/bitdelta_cpu.c: a benchmark's before and after in
+    one process (`bench/kernels.py --decode-layers --against`). Raises when it cannot be built."""
+    _check_host(isa)
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    out = Path(tempfile.mkdtemp()) / f"libbitdelta_cpu_{isa}_source.so"
+    proc = subprocess.run(
+        [cc, *CFLAGS, *ISA_MARCH[isa], "-o", str(out), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=COMPILE_TIMEOUT_S,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cc} failed on {source}: {proc.stderr.strip()[-2000:]}")
+    return _open(out)
+
+
 def _open(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     _declare(lib)

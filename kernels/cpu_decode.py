@@ -114,11 +114,16 @@ class DecodeLayers:
     """The C layers over fixed tensors: checked and turned into the C struct array once (the base,
     the slot stacks and the KV pool are allocated once and never move; this keeps them alive)."""
 
-    def __init__(self, layers: list[DecodeLayer], shape: DecodeShape, dtype: torch.dtype):
-        if not DecodeShape.supported(dtype):
+    def __init__(
+        self, layers: list[DecodeLayer], shape: DecodeShape, dtype: torch.dtype, lib: ctypes.CDLL | None = None
+    ):
+        """lib: the C library to call (another build, `cpu_build.load_variant`, for tests and
+        benchmarks that compare builds); None: the process's (`load_cpu_lib`)."""
+        if lib is None and not DecodeShape.supported(dtype):
             raise RuntimeError("the C decode layers need the compiled C library (with SIMD)")
         _check(layers, shape, dtype)
         self.layers, self.shape, self.dtype = layers, shape, dtype
+        self._lib = lib
         self.n_slots = layers[0].signs[0].shape[0] if layers else 0
         self._arr = (_Layer * len(layers))()
         ptr = lambda t: None if t is None else t.data_ptr()
@@ -164,7 +169,7 @@ class DecodeLayers:
         c32, s32 = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
         wr = write_rows.to(torch.int64).contiguous()
         t, n = tables.contiguous(), lens.contiguous()
-        rc = load_cpu_lib().bd_decode_layers(
+        rc = (self._lib or load_cpu_lib()).bd_decode_layers(
             ctypes.addressof(self._arr),
             len(self.layers),
             x32.data_ptr(),

@@ -233,7 +233,7 @@ static inline void transpose16(__m512i *v) {
  * (nibble n into n mod 4) summed (0 + 1) + (2 + 3): a row's sums depend on its x and bits only. */
 #define LROWS 16
 #define BLOCK_ROWS LROWS
-#define PREFETCH_BLOCKS 2 /* how far ahead the bits are prefetched (1 and 4 measured no better) */
+#define PREFETCH_BLOCKS 2 /* how far ahead the bits are prefetched (1, 4, 8 and 16 measured no better) */
 /* The lookups of nn nibbles (from nibble 0) of one transposed dword vk, the tables of nibble 0 at
  * tab[x] + 16·g: constant nn (a whole dword) unrolls into immediate shifts. */
 #define LUT_DWORD(vk, g, nn)                                                                                 \
@@ -245,30 +245,44 @@ static inline void transpose16(__m512i *v) {
     }
 static inline __attribute__((always_inline)) void lut_sums(const float *const *tab, const int NX,
                                                           const uint8_t *const *rows, int64_t n_bytes,
-                                                          int64_t ahead, float *const *tot) {
+                                                          int64_t row_stride, int64_t ahead, float *const *tot) {
     __m512 acc[2][4];
     for (int x = 0; x < NX; ++x)
         for (int a = 0; a < 4; ++a) acc[x][a] = _mm512_setzero_ps();
     const int64_t nfull = n_bytes / 64;
     const int nb = (int)(n_bytes - 64 * nfull); /* bytes of the last, partial chunk */
+    /* rows evenly spaced: lane i's dword k is one gather at byte offset i·row_stride */
+    const __m512i off = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)row_stride));
     __m512i v[16];
     for (int64_t c = 0; c < nfull; ++c) {
-        for (int i = 0; i < 16; ++i) {
-            v[i] = _mm512_loadu_si512((const void *)(rows[i] + 64 * c));
-            _mm_prefetch((const char *)(rows[0] + ahead + 64 * (16 * c + i)), _MM_HINT_T0);
+        for (int i = 0; i < 16; ++i) _mm_prefetch((const char *)(rows[0] + ahead + 64 * (16 * c + i)), _MM_HINT_T0);
+        if (row_stride)
+            for (int k = 0; k < 16; ++k) {
+                const __m512i vk = _mm512_i32gather_epi32(off, (const void *)(rows[0] + 64 * c + 4 * k), 1);
+                LUT_DWORD(vk, 128 * c + 8 * k, 8)
+            }
+        else {
+            for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_si512((const void *)(rows[i] + 64 * c));
+            transpose16(v);
+            for (int k = 0; k < 16; ++k) LUT_DWORD(v[k], 128 * c + 8 * k, 8)
         }
-        transpose16(v);
-        for (int k = 0; k < 16; ++k) LUT_DWORD(v[k], 128 * c + 8 * k, 8)
     }
-    if (nb) { /* only the rows' own bytes (the last row ends the buffer) */
-        for (int i = 0; i < 16; ++i) {
-            v[i] = _mm512_maskz_loadu_epi8((1ull << nb) - 1, rows[i] + 64 * nfull);
+    if (nb) {
+        for (int i = 0; i < 16; ++i)
             _mm_prefetch((const char *)(rows[0] + ahead + 64 * (16 * nfull + i)), _MM_HINT_T0);
+        if (row_stride && nb % 4 == 0) /* whole dwords: no byte beyond a row is read */
+            for (int k = 0; 4 * k < nb; ++k) {
+                const __m512i vk = _mm512_i32gather_epi32(off, (const void *)(rows[0] + 64 * nfull + 4 * k), 1);
+                LUT_DWORD(vk, 128 * nfull + 8 * k, 8)
+            }
+        else { /* only the rows' own bytes (the last row ends the buffer) */
+            for (int i = 0; i < 16; ++i) v[i] = _mm512_maskz_loadu_epi8((1ull << nb) - 1, rows[i] + 64 * nfull);
+            transpose16(v);
+            int k = 0;
+            for (; 4 * k + 4 <= nb; ++k) LUT_DWORD(v[k], 128 * nfull + 8 * k, 8)
+            if (4 * k < nb) LUT_DWORD(v[k], 128 * nfull + 8 * k, 2 * (nb - 4 * k)) /* the nibbles inside the row */
         }
-        transpose16(v);
-        int k = 0;
-        for (; 4 * k + 4 <= nb; ++k) LUT_DWORD(v[k], 128 * nfull + 8 * k, 8)
-        if (4 * k < nb) LUT_DWORD(v[k], 128 * nfull + 8 * k, 2 * (nb - 4 * k)) /* the nibbles inside the row */
     }
     for (int x = 0; x < NX; ++x)
         _mm512_storeu_ps(tot[x], _mm512_add_ps(_mm512_add_ps(acc[x][0], acc[x][1]), _mm512_add_ps(acc[x][2], acc[x][3])));
@@ -357,10 +371,15 @@ static void delta_rows_planes(const float *x, const uint16_t *xb, const float *t
                         /* the bits PREFETCH_BLOCKS blocks on are fetched while these are summed: the
                          * hardware prefetcher does not follow 16 short row runs at a time */
                         const int64_t ahead = PREFETCH_BLOCKS * LROWS * lds;
+                        /* and the α's of those rows: a slow sequential stream (a line per block) that
+                         * the hardware prefetcher does not pick up, ~10 % of the pass waited on it */
+                        _mm_prefetch((const char *)(av + (r + PREFETCH_BLOCKS * LROWS) * alpha_stride), _MM_HINT_T0);
+                        /* a full block's rows are evenly spaced: gathers (int32 offsets) */
+                        const int64_t stride = nr == LROWS && lds <= INT32_MAX / LROWS ? lds : 0;
                         if (m2 >= 0)
-                            lut_sums(tb, 2, rows, (d_in + 7) / 8, ahead, to);
+                            lut_sums(tb, 2, rows, (d_in + 7) / 8, stride, ahead, to);
                         else
-                            lut_sums(tb, 1, rows, (d_in + 7) / 8, ahead, to);
+                            lut_sums(tb, 1, rows, (d_in + 7) / 8, stride, ahead, to);
                     } else
 #endif
 #ifdef HAVE_MASK_BF16
@@ -1053,69 +1072,76 @@ static void linear_rows(const float *x, const float *xeo, const uint16_t *xb, in
 }
 #endif
 
-/* y = x · Wᵀ + α ⊙ (x · Sᵀ), overwriting y (s NULL: y = x · Wᵀ; alpha is then unused).
- *   x: fp32 [M, ldx]; w: [d_out, ldw] in w_dtype (BD_W_F32/BF16/F16);
- *   s, alpha as in bd_delta_gemv; y: fp32 [M, ldy]. x_is_bf16: x's values are exactly bf16 (the
- *   bf16 dot-product path may then read them as bf16). two_pass: W's rows alone first (a pure
- *   stream at bandwidth), then the delta over the same rows from the bits (in cache-sized row
- *   ranges per thread); else both in one pass. Returns 0 or −1 (no memory).
- *   n_threads 1 runs on the calling thread (no OpenMP region: on a busy host a region
- *   waits for every one of its threads to be scheduled). */
-int bd_linear_gemv(const float *x, int64_t M, int64_t ldx, const void *w, int w_dtype, int64_t ldw,
-                   const uint8_t *s, int64_t d_out, int64_t d_in, int64_t lds,
-                   const float *alpha, int64_t alpha_stride, float *y, int64_t ldy, int x_is_bf16, int two_pass,
-                   int n_threads) {
+/* Rows [r0, r1) of y = x · Wᵀ (linear_rows), then their planes (delta_rows_planes, no column α's;
+ * s NULL: none): one thread's share of linear_planes, the planes' pass over the rows this thread's
+ * GEMV wrote. (The two in turns of 32–512 rows measured no faster on one core, and the table loop
+ * spread between the GEMV's weight rows 2× slower: the weights' stream pushed x's tables out of L1.) */
+static void linear_planes_rows(const float *x, const float *xeo, const uint16_t *xb, const float *tab, int64_t ldx,
+                               int64_t M, const float *xsum, const void *w, int w_dtype, int64_t ldw,
+                               const uint8_t *s, int64_t stride_sv, int64_t lds, int64_t d_in, const float *alpha,
+                               int64_t stride_av, int64_t alpha_stride, const int64_t *slots, int64_t n_planes,
+                               const int64_t *mate, float *y, int64_t ldy, int64_t r0, int64_t r1) {
+    linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, NULL, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
+    if (s)
+        delta_rows_planes(x, xb, tab, ldx, M, xsum, NULL, s, stride_sv, lds, d_in, alpha, stride_av, alpha_stride,
+                          slots, n_planes, NULL, 1, mate, y, ldy, r0, r1);
+}
+
+/* y = x · Wᵀ + Σ_p α_v ⊙ (x · S_vᵀ), overwriting y: the base GEMV and then the planes of
+ * delta_rows_planes, in ONE parallel region (each thread its rows; linear_planes_rows), the numbers
+ * of bd_linear_gemv then bd_delta_batched; s NULL: y = x · Wᵀ. slots NULL: one plane,
+ * slot 0, for every row (s, alpha as in bd_delta_gemv); else as bd_delta_batched's row_slots
+ * (strides stride_sv, stride_av). one_pass: instead the masked add rides the GEMV's loop (slots
+ * NULL). n_threads 1 runs on the calling thread (no OpenMP region: on a busy host a region waits
+ * for every one of its threads to be scheduled). Returns 0 or −1 (no memory). */
+static int linear_planes(const float *x, int64_t M, int64_t ldx, const void *w, int w_dtype, int64_t ldw,
+                         const uint8_t *s, int64_t stride_sv, int64_t d_out, int64_t d_in, int64_t lds,
+                         const float *alpha, int64_t stride_av, int64_t alpha_stride, const int64_t *slots,
+                         int64_t n_planes, float *y, int64_t ldy, int x_is_bf16, int one_pass, int n_threads) {
     if (n_threads < 1) n_threads = 1;
-    /* two_pass: the weights' pass alone, then the delta over the same rows from the bits */
-    const uint8_t *s1 = two_pass ? NULL : s;
+    const uint8_t *s1 = one_pass ? s : NULL; /* the one-pass loop's bits */
+    const uint8_t *s2 = one_pass ? NULL : s; /* the planes' pass */
     float *xsum = row_sums(x, M, ldx, d_in);
     if (!xsum) return -1;
-    float *xeo = NULL;
+    float *xeo = NULL, *tab = NULL;
     uint16_t *xb = NULL;
+    int64_t *mate = NULL;
+    int failed = 0;
     /* x's values are bf16: its upper halves, exactly, for the bf16 dense GEMV and the bf16 delta loop */
-    if (x_is_bf16 && ((!s1 && w_dtype == BD_W_BF16) || (s && !s1))) {
-        int failed;
-        xb = bf16_words(x, M, ldx, d_in, &failed);
-        if (failed) {
-            free(xsum);
-            return -1;
-        }
-    }
-    float *tab = NULL; /* the delta's pass without the bf16 loop: x's nibble tables */
-    if (s && !s1 && !xb) {
-        int failed;
-        tab = x_tables(x, M, ldx, d_in, &failed);
-        if (failed) {
-            free(xsum);
-            return -1;
-        }
+    if (x_is_bf16 && ((!s1 && w_dtype == BD_W_BF16) || s2)) xb = bf16_words(x, M, ldx, d_in, &failed);
+    if (s2 && !xb && !failed) tab = x_tables(x, M, ldx, d_in, &failed); /* the planes without the bf16 loop */
+    if (s2 && slots && !failed) {
+        mate = (int64_t *)malloc(sizeof(int64_t) * (size_t)(M > 0 ? M : 1));
+        if (mate)
+            find_mates(slots, M, n_planes, mate);
+        else
+            failed = 1;
     }
 #ifdef HAVE_LINEAR_BLOCKS
-    if (w_dtype == BD_W_BF16 && !xb) { /* x's columns per chunk: LANES even, then LANES odd */
+    if (w_dtype == BD_W_BF16 && !xb && !failed) { /* x's columns per chunk: LANES even, then LANES odd */
         xeo = (float *)malloc(sizeof(float) * (size_t)(M > 0 ? M * ldx : 1));
-        if (!xeo) {
-            free(tab);
-            free(xb);
-            free(xsum);
-            return -1;
-        }
-        const int64_t nchunk = d_in / (2 * LANES);
-        for (int64_t m = 0; m < M; ++m) {
-            const float *xm = x + m * ldx;
-            float *em = xeo + m * ldx;
-            for (int64_t j = 0; j < nchunk; ++j)
-                for (int t = 0; t < LANES; ++t) {
-                    em[2 * LANES * j + t] = xm[2 * LANES * j + 2 * t];
-                    em[2 * LANES * j + LANES + t] = xm[2 * LANES * j + 2 * t + 1];
-                }
-        }
+        if (xeo) {
+            const int64_t nchunk = d_in / (2 * LANES);
+            for (int64_t m = 0; m < M; ++m) {
+                const float *xm = x + m * ldx;
+                float *em = xeo + m * ldx;
+                for (int64_t j = 0; j < nchunk; ++j)
+                    for (int t = 0; t < LANES; ++t) {
+                        em[2 * LANES * j + t] = xm[2 * LANES * j + 2 * t];
+                        em[2 * LANES * j + LANES + t] = xm[2 * LANES * j + 2 * t + 1];
+                    }
+            }
+        } else
+            failed = 1;
     }
 #endif
-    if (n_threads == 1) {
-        linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, s1, lds, d_in, alpha, alpha_stride, y, ldy, 0, d_out);
-        if (s && !s1)
-            delta_rows_mask(x, xb, tab, ldx, M, xsum, s, lds, d_in, alpha, alpha_stride, y, ldy, 0, d_out);
-    } else {
+    if (!failed && n_threads == 1) {
+        if (s1)
+            linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, s1, lds, d_in, alpha, alpha_stride, y, ldy, 0, d_out);
+        else
+            linear_planes_rows(x, xeo, xb, tab, ldx, M, xsum, w, w_dtype, ldw, s2, stride_sv, lds, d_in, alpha,
+                               stride_av, alpha_stride, slots, n_planes, mate, y, ldy, 0, d_out);
+    } else if (!failed) {
 #pragma omp parallel num_threads(n_threads)
         {
 #ifdef _OPENMP
@@ -1125,16 +1151,34 @@ int bd_linear_gemv(const float *x, int64_t M, int64_t ldx, const void *w, int w_
 #endif
             int64_t r0, r1;
             split_rows(d_out, t, n, &r0, &r1);
-            linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, s1, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
-            if (s && !s1)
-                delta_rows_mask(x, xb, tab, ldx, M, xsum, s, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
+            if (s1)
+                linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, s1, lds, d_in, alpha, alpha_stride, y, ldy, r0,
+                            r1);
+            else
+                linear_planes_rows(x, xeo, xb, tab, ldx, M, xsum, w, w_dtype, ldw, s2, stride_sv, lds, d_in, alpha,
+                                   stride_av, alpha_stride, slots, n_planes, mate, y, ldy, r0, r1);
         }
     }
+    free(mate);
     free(tab);
     free(xb);
     free(xeo);
     free(xsum);
-    return 0;
+    return failed ? -1 : 0;
+}
+
+/* y = x · Wᵀ + α ⊙ (x · Sᵀ), overwriting y (s NULL: y = x · Wᵀ; alpha is then unused).
+ *   x: fp32 [M, ldx]; w: [d_out, ldw] in w_dtype (BD_W_F32/BF16/F16);
+ *   s, alpha as in bd_delta_gemv; y: fp32 [M, ldy]. x_is_bf16: x's values are exactly bf16 (the
+ *   bf16 dot-product path may then read them as bf16). two_pass: W's rows alone (a pure stream at
+ *   bandwidth), then the delta over the same rows from the bits (linear_planes_rows); else both in
+ *   one pass. Returns 0 or −1 (no memory). */
+int bd_linear_gemv(const float *x, int64_t M, int64_t ldx, const void *w, int w_dtype, int64_t ldw,
+                   const uint8_t *s, int64_t d_out, int64_t d_in, int64_t lds,
+                   const float *alpha, int64_t alpha_stride, float *y, int64_t ldy, int x_is_bf16, int two_pass,
+                   int n_threads) {
+    return linear_planes(x, M, ldx, w, w_dtype, ldw, s, 0, d_out, d_in, lds, alpha, 0, alpha_stride, NULL, 1, y, ldy,
+                         x_is_bf16, s && !two_pass, n_threads);
 }
 
 /* ---------------------------------------------------------------------- */
@@ -1265,11 +1309,8 @@ static inline float round_to(int dtype, float v) {
 static int decode_proj(const bd_decode_layer *L, int g, const float *x, int64_t B, int64_t d_in, int64_t d_out,
                        int dtype, const int64_t *row_slot, int any_delta, float *y, int n_threads) {
     const int64_t lds = (d_in + 7) / 8;
-    if (bd_linear_gemv(x, B, d_in, L->w[g], dtype, d_in, NULL, d_out, d_in, 0, NULL, 0, y, d_out,
-                       dtype == BD_W_BF16, 0, n_threads))
-        return -1;
-    else if (any_delta && bd_delta_batched(x, B, d_in, L->s[g], d_out * lds, d_out, d_in, lds, L->a[g], d_out, 1,
-                                           row_slot, 1, NULL, 0, 0, NULL, 1, y, d_out, dtype == BD_W_BF16, n_threads))
+    if (linear_planes(x, B, d_in, L->w[g], dtype, d_in, any_delta ? L->s[g] : NULL, d_out * lds, d_out, d_in, lds,
+                      L->a[g], d_out, 1, row_slot, 1, y, d_out, dtype == BD_W_BF16, 0, n_threads))
         return -1;
     for (int64_t b = 0; b < B; ++b) {
         float *yb = y + b * d_out;

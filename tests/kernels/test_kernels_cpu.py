@@ -483,3 +483,104 @@ def test_decode_layers_check_their_tensors():
     with pytest.raises(ValueError, match="x must be"):
         ok.run(torch.randn(1, D).bfloat16(), torch.tensor([-1]), **args)
     assert ok.run(torch.randn(1, D), torch.tensor([-1]), **args).shape == (1, D)
+
+
+def decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs):
+    """One layer of the runner for decode rows, in float64 from the same tensors (fp32 model):
+    norm, each projection x · Wᵀ + α_v ⊙ (x · S_vᵀ) for the row's slot v ≥ 0, rope over q's and k's
+    heads, the new k, v written into copies of the pool, attention over the row's blocks, the
+    residuals, silu · up. -> the layer's output [B, dim]."""
+    H, KV, hd, F, eps = shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.intermediate, shape.norm_eps
+
+    def norm(t, w):
+        return torch.stack([t[b] * torch.rsqrt(t[b].pow(2).mean() + eps) * w[slots[b] + 1] for b in range(len(t))])
+
+    def proj(t, g):
+        out = t @ L.weights[g].double().t()
+        for b, v in enumerate(slots):
+            if v >= 0:
+                s = unpack_signs(L.signs[g][v], t.shape[1], torch.float64)
+                out[b] += L.alpha[g][v].double() * (s @ t[b])
+        return out
+
+    def rope(t):  # t [B, heads, hd]
+        half = hd // 2
+        lo, hi = t[..., :half], t[..., half:]
+        c, s = cos.double()[:, None], sin.double()[:, None]
+        return torch.cat([lo * c[..., :half] - hi * s[..., :half], hi * c[..., half:] + lo * s[..., half:]], -1)
+
+    x = x.double()
+    B = x.shape[0]
+    qkv = proj(norm(x, L.norms[0].double()), 0)
+    q = rope(qkv[:, : H * hd].view(B, H, hd))
+    k_new = rope(qkv[:, H * hd : (H + KV) * hd].view(B, KV, hd))
+    k, v = L.k.double().clone(), L.v.double().clone()
+    k[write_rows], v[write_rows] = k_new, qkv[:, (H + KV) * hd :].view(B, KV, hd)
+    att = torch.zeros(B, H, hd, dtype=torch.float64)
+    for b in range(B):
+        rows = torch.tensor([int(tables[b, t // bs]) * bs + t % bs for t in range(int(lens[b]))])
+        for h in range(H):
+            kv = h // (H // KV)
+            p = torch.softmax(k[rows, kv] @ q[b, h] / hd**0.5, 0)
+            att[b, h] = p @ v[rows, kv]
+    x = x + proj(att.view(B, H * hd), 1)
+    gu = proj(norm(x, L.norms[1].double()), 2)
+    return x + proj(torch.nn.functional.silu(gu[:, :F]) * gu[:, F:], 3)
+
+
+@pytest.mark.parametrize("dims", [(576, 9, 3, 64, 1536), (40, 2, 1, 20, 72)], ids=["smollm2", "ragged"])
+def test_decode_layers_against_the_reference(isa, dims):
+    """The C decode layers (the base GEMV and each row's plane in one parallel region per projection:
+    AVX-512's table loop with its gathered full blocks and transposed partial ones, AVX2's compare
+    loop) against the layer in float64, rows of two variants and the base in one step, fp32; on one
+    thread and two the same numbers, and a row alone the same as in the batch."""
+    from kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape
+
+    D, H, KV, hd, F = dims
+    shape = DecodeShape(D, H, KV, hd, F, 1e-5)
+    g = torch.Generator().manual_seed(D)
+    out_in = (((H + 2 * KV) * hd, D), (D, H * hd), (2 * F, D), (D, F))
+    bs, n_slots, B = 4, 2, 4
+    L = DecodeLayer(
+        weights=tuple(torch.randn(o, i, generator=g) / i**0.5 for o, i in out_in),
+        signs=tuple(
+            torch.randint(0, 256, (n_slots, o, (i + 7) // 8), generator=g, dtype=torch.uint8) for o, i in out_in
+        ),
+        alpha=tuple(torch.rand(n_slots, o, generator=g) * 0.02 / i**0.5 for o, i in out_in),
+        biases=(None,) * 4,
+        norms=(torch.rand(n_slots + 1, D, generator=g) + 0.5, torch.rand(n_slots + 1, D, generator=g) + 0.5),
+        k=torch.randn(8 * bs, KV, hd, generator=g),
+        v=torch.randn(8 * bs, KV, hd, generator=g),
+        window=None,
+    )
+    slots = [0, -1, 1, 0]
+    angle = torch.rand(B, hd // 2, generator=g) * 6.28
+    cos, sin = torch.cat([angle.cos()] * 2, 1), torch.cat([angle.sin()] * 2, 1)
+    tables = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]], dtype=torch.int32)
+    lens = torch.tensor([7, 3, 8, 5], dtype=torch.int32)
+    write_rows = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens.tolist())])
+    x = torch.randn(B, D, generator=g)
+    want = decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs)
+    layers = DecodeLayers([L], shape, torch.float32)
+    threads = torch.get_num_threads()
+    got = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got[n] = layers.run(x, torch.tensor(slots), cos, sin, write_rows, tables, lens, bs)
+    finally:
+        torch.set_num_threads(threads)
+    assert rel_err(got[1], want) <= 1e-5
+    assert torch.equal(got[1], got[2])
+    for b in range(B):
+        one = layers.run(
+            x[b : b + 1],
+            torch.tensor(slots[b : b + 1]),
+            cos[b : b + 1],
+            sin[b : b + 1],
+            write_rows[b : b + 1],
+            tables[b : b + 1],
+            lens[b : b + 1],
+            bs,
+        )
+        assert torch.equal(one[0], got[1][b]), b

@@ -288,13 +288,15 @@ def test_c_rows_sharing_slots_get_their_own_numbers(isa, x_dtype):
             assert torch.equal(cpu_ops.linear_gemv_cpu(x[r : r + 1], w, signs[0], alpha[0], two_pass=True)[0], two[r])
 
 
-@pytest.mark.parametrize("d_in", [1000, 1031])
+@pytest.mark.parametrize("d_in", [576, 1000, 1031])
 @pytest.mark.parametrize("alpha_kind", ALPHAS)
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 def test_c_table_loop_chunk_and_block_edges(isa, alpha_kind, d_in):
-    """AVX-512's table loop reads 16 sign rows × 64 bytes at a time: d_in ≥ 512 so whole chunks run
-    before the tail (1000 columns: 125 bytes = 64 + 15 dwords + 1 byte; 1031: a last byte of 7
-    columns), d_out 37 (two blocks of 16 rows and a partial one; groups that start inside blocks),
+    """AVX-512's table loop reads 16 sign rows × 64 bytes at a time (a full block of evenly spaced
+    rows: one gather per dword of the 16 rows; else loads and a transpose): d_in ≥ 512 so whole
+    chunks run before the tail (576 columns, SmolLM2's width: 72 bytes = 64 + 2 whole dwords, which
+    full blocks gather; 1000: 125 bytes = 64 + 15 dwords + 1 byte, and 1031: a last byte of 7
+    columns, both loaded and transposed), d_out 37 (two blocks of 16 rows and a partial one; groups that start inside blocks),
     sign rows padded with set bits past their bytes (never read); against the oracle, and every row
     the same with one thread or two (the threads split the rows at other block edges)."""
     with configured(cpu_isa=isa):
