@@ -44,6 +44,10 @@ def cmd_compress(a: argparse.Namespace) -> None:
         )
     except ValueError as e:
         raise CliError(str(e)) from None
+    try:
+        cfg = d.DistillConfig(steps=a.steps, lr=a.lr, batch=a.batch, seq_len=a.seq_len, seed=a.seed, loss=a.loss)
+    except ValueError as e:
+        raise CliError(str(e)) from None
     tokens = d.tokenize_files(a.base, a.calib) if a.calib else None
     # Hold out the stream's last tenth to report the logit MSE on unseen text.
     cut = int(len(tokens) * 0.9) if tokens is not None else 0
@@ -65,7 +69,6 @@ def cmd_compress(a: argparse.Namespace) -> None:
             raise CliError("--distill needs calibration text: --calib FILE [FILE ...]")
         from bitdelta.format import load_delta
 
-        cfg = d.DistillConfig(steps=a.steps, lr=a.lr, batch=a.batch, seq_len=a.seq_len, seed=a.seed)
         heldout = d.token_windows(tokens[cut:], cfg.seq_len, 4, seed=1) if len(tokens) - cut > cfg.seq_len else None
         delta, record = d.distill(a.base, a.finetuned, load_delta(out), tokens[:cut], cfg, heldout)
         d.save(delta, out)
@@ -74,7 +77,9 @@ def cmd_compress(a: argparse.Namespace) -> None:
         except ValueError as e:
             raise CliError(str(e)) from None
         if heldout is not None:
-            print(f"held-out logit MSE: {record['heldout_mse_before']:.4e} -> {record['heldout_mse_after']:.4e}")
+            what = {"mse": "logit MSE", "kl": "KL(fine-tune ‖ ·) per token"}[cfg.loss]
+            before, after = record[f"heldout_{cfg.loss}_before"], record[f"heldout_{cfg.loss}_after"]
+            print(f"held-out {what}: {before:.4e} -> {after:.4e}")
     print(f"wrote {out}")
     _print_inspect(out)
 
@@ -228,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--batch", type=int, default=4)
     c.add_argument("--seq-len", type=int, default=128)
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument(
+        "--loss",
+        default="mse",
+        help="the distillation's loss (bitdelta.distill.LOSSES): mse on logits (the paper's) or kl, KL(fine-tune ‖ ·) of the next-token "
+        "distributions (on the hard family member at 1/16, 30 steps: held-out KL 0.025 with kl at --lr 3e-4, "
+        "0.065 with mse at 1e-5)",
+    )
     c.set_defaults(func=cmd_compress)
 
     c = sub.add_parser("apply", help="base + delta -> dense fine-tuned checkpoint")

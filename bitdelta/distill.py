@@ -1,5 +1,9 @@
 """BitDelta scale distillation: train only the α's so the compressed model's
-logits match the fine-tuned model's (MSE on logits, AdamW, cosine schedule).
+logits match the fine-tuned model's (AdamW, cosine schedule after an optional linear warmup).
+
+The loss (`DistillConfig.loss`): "mse", the paper's MSE on logits, or "kl", KL(fine-tune ‖
+compressed) of the next-token distributions per token (`bitdelta.evaluate.kl_per_token`), the
+metric the quality report scores fidelity by.
 
 The paper's code accidentally trains embeddings and norms too; here exactly
 the α's require gradients (every sign plane's, and the low-rank factors of a delta that has
@@ -14,12 +18,14 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 from bitdelta import precision
+from bitdelta.evaluate import kl_per_token
 from bitdelta.format import Delta
 from bitdelta.model import BitDeltaLinear, Llama, attach_delta, load_model
 
@@ -30,8 +36,24 @@ class DistillConfig:
     lr: float = 1e-5  # 1e-4 (the paper's) overshoots on small models: α roughly doubles
     batch: int = 4
     seq_len: int = 128
-    seed: int = 0
-    warmup: int = 0
+    seed: int = 0  # the calibration windows drawn (token_windows)
+    warmup: int = 0  # linear warmup steps before the cosine decay
+    loss: Literal["mse", "kl"] = "mse"  # see the module docstring
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {', '.join(LOSSES)}, not {self.loss!r}")
+
+
+LOSSES = ("mse", "kl")
+
+
+def distill_loss(student: torch.Tensor, teacher: torch.Tensor, loss: str) -> torch.Tensor:
+    """The distillation loss of logits [B, T, V]: mean logit MSE, or mean KL(teacher ‖ student)
+    per token (computed in fp32)."""
+    if loss == "mse":
+        return F.mse_loss(student, teacher)
+    return kl_per_token(teacher.float().log_softmax(-1), student.float().log_softmax(-1)).mean()
 
 
 def token_windows(tokens: torch.Tensor, seq_len: int, n: int, seed: int) -> torch.Tensor:
@@ -54,12 +76,13 @@ def tokenize_files(tokenizer_dir: str | os.PathLike, files: list[str | os.PathLi
 
 
 @torch.no_grad()
-def logit_mse(teacher: Llama, student: Llama, windows: torch.Tensor, batch: int = 4) -> float:
+def heldout_loss(teacher: Llama, student: Llama, windows: torch.Tensor, loss: str, batch: int = 4) -> float:
+    """The distillation loss (`distill_loss`) over windows [n, seq_len], per token (fp32)."""
     total, n = 0.0, 0
     for i in range(0, len(windows), batch):
         x = windows[i : i + batch]
-        total += F.mse_loss(student(x), teacher(x), reduction="sum").item()
-        n += x.numel() * teacher.args.vocab_size
+        total += distill_loss(student(x), teacher(x), loss).item() * x.numel()
+        n += x.numel()
     return total / n
 
 
@@ -80,8 +103,8 @@ def distill(
     """Return a copy of `delta` with distilled α's, and a record of the run.
 
     calibration: 1-D token ids; windows of cfg.seq_len are drawn from it.
-    heldout: optional [n, seq_len] windows on which the logit MSE is reported
-    before and after.
+    heldout: optional [n, seq_len] windows on which the loss is reported before and after
+    ("heldout_<loss>_before", "heldout_<loss>_after").
     """
     prec = precision.cpu_precision()
     if progress:
@@ -105,12 +128,15 @@ def distill(
         "lr": cfg.lr,
         "batch": cfg.batch,
         "seq_len": cfg.seq_len,
+        "seed": cfg.seed,
+        "loss": cfg.loss,
+        "warmup": cfg.warmup,
         "schedule": "cosine",
         "trained": "alpha only" if all(m.u is None for m in layers.values()) else "alpha and low-rank factors",
         "precision": prec.record(),
     }
     if heldout is not None:
-        record["heldout_mse_before"] = logit_mse(teacher, student, heldout)
+        record[f"heldout_{cfg.loss}_before"] = heldout_loss(teacher, student, heldout, cfg.loss)
     bar = tqdm(range(cfg.steps), desc=f"distill {delta.meta.variant}", disable=not progress)
     loss_val = float("nan")
     for step in bar:
@@ -118,16 +144,16 @@ def distill(
         with precision.autocast("cpu"):
             with torch.no_grad():
                 target = teacher(x)
-            loss = F.mse_loss(student(x), target)
+            loss = distill_loss(student(x), target, cfg.loss)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         sched.step()
         loss_val = loss.item()
         bar.set_postfix(loss=f"{loss_val:.3e}")
-    record["final_train_mse"] = loss_val
+    record[f"final_train_{cfg.loss}"] = loss_val
     if heldout is not None:
-        record["heldout_mse_after"] = logit_mse(teacher, student, heldout)
+        record[f"heldout_{cfg.loss}_after"] = heldout_loss(teacher, student, heldout, cfg.loss)
 
     compressed = {k: layers[k].compressed() if k in layers else cw for k, cw in delta.compressed.items()}
     meta = type(delta.meta)(**{**delta.meta.__dict__, "distilled": record})

@@ -124,7 +124,15 @@ def finetune_recipe(p: FamilyPaths, variant: str, cfg: FinetuneConfig) -> dict:
 
 
 def delta_recipe(
-    p: FamilyPaths, variant: str, alpha: str, embeddings: str, distill_steps: int, planes=None, seed: int = 0
+    p: FamilyPaths,
+    variant: str,
+    alpha: str,
+    embeddings: str,
+    distill_steps: int,
+    planes=None,
+    seed: int = 0,
+    loss: str = "mse",
+    lr: float = DISTILL_LR,
 ) -> dict:
     ft = read_stamp(p, f"finetuned/{variant}")["result"]["fingerprint"]
     r = {"version": RECIPE_VERSION, "base": _base_fp(p), "finetuned": ft, "alpha": alpha, "embeddings": embeddings}
@@ -139,12 +147,14 @@ def delta_recipe(
     if distill_steps:
         r["distill"] = {
             "steps": distill_steps,
-            "lr": DISTILL_LR,
+            "lr": lr,
             "batch": DISTILL_BATCH,
             "seq_len": DISTILL_SEQ,
             "calibration": f"{MEMBERS[variant]} train split",
             "seed": seed,
         }
+        if loss != "mse":  # named only when not the first loss, so the MSE deltas' stamps still hold
+            r["distill"]["loss"] = loss
     return r
 
 
@@ -230,10 +240,13 @@ def build_delta(
     force: bool = False,
     planes=None,
     seed: int = 0,
+    loss: str = "mse",
+    lr: float = DISTILL_LR,
 ) -> Path:
     """Compress one fine-tune (and distil its α's when distill_steps > 0). The defaults
     build the serving default into data/deltas/. planes: a `bitdelta.planes.PlaneConfig` beyond
-    one plane (its gains weighed by the train split's inputs); seed: the distillation's.
+    one plane (its gains weighed by the train split's inputs); seed, loss, lr: the distillation's
+    (`bitdelta.distill.DistillConfig`).
 
     Distillation trains the α of every BitDeltaLinear, i.e. of the projections. A
     compressed tied embedding/LM head is materialised once by `attach_delta` (the head
@@ -245,7 +258,7 @@ def build_delta(
 
     out = out or p.deltas[variant]
     name = "deltas/" + out.name
-    recipe = delta_recipe(p, variant, alpha, embeddings, distill_steps, planes, seed)
+    recipe = delta_recipe(p, variant, alpha, embeddings, distill_steps, planes, seed, loss, lr)
     if not force and is_built(p, name, recipe, out, "file"):
         _log(f"{name}: up to date")
         return out
@@ -268,7 +281,9 @@ def build_delta(
             shutil.copyfile(same, tmp)
         else:
             compress(p.base, p.finetuned[variant], tmp, **how)
-        cfg = d.DistillConfig(steps=distill_steps, lr=DISTILL_LR, batch=DISTILL_BATCH, seq_len=DISTILL_SEQ, seed=seed)
+        cfg = d.DistillConfig(
+            steps=distill_steps, lr=lr, batch=DISTILL_BATCH, seq_len=DISTILL_SEQ, seed=seed, loss=loss
+        )
         # No held-out windows here: the quality report measures held-out
         # perplexity and KL of every mode itself (with merged weights).
         # distill() runs in bitdelta.precision's choice for the CPU (bf16 autocast

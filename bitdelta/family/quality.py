@@ -62,6 +62,8 @@ class QualityConfig:
         "row-sign-emb-16-distilled",
         "planes-16-distilled",
         "lowrank-15-distilled",
+        "row-sign-emb-16-distilled-kl",
+        "planes-16-distilled-kl",
     )
     seeds: tuple[int, ...] = (1,)
 
@@ -126,7 +128,7 @@ def mode_path(p: FamilyPaths, variant: str, mode: str, steps: int, seed: int = 0
 
 
 def build_modes(p: FamilyPaths, variant: str, cfg: QualityConfig) -> dict[str, Path]:
-    from bitdelta.family.build import DISTILL_STEPS, build_delta
+    from bitdelta.family.build import DISTILL_LR, DISTILL_STEPS, build_delta
 
     steps = cfg.distill_steps if cfg.distill_steps is not None else DISTILL_STEPS
     out = {}
@@ -147,6 +149,8 @@ def build_modes(p: FamilyPaths, variant: str, cfg: QualityConfig) -> dict[str, P
             out=mode_path(p, variant, mode, steps, seed),
             planes=None if m.plain else m.plane_config(bf16),
             seed=seed,
+            loss=m.loss,
+            lr=DISTILL_LR if m.lr is None else m.lr,
         )
     return out
 
@@ -214,8 +218,11 @@ def evaluate_variant(p: FamilyPaths, variant: str, cfg: QualityConfig, log=print
         s = _record(score(m, wins, cfg.batch, ref)[0])
         s["delta_bytes"] = path.stat().st_size
         if delta.meta.distilled:
+            rec = delta.meta.distilled
             s["distill"] = {
-                k: delta.meta.distilled.get(k) for k in ("steps", "lr", "batch", "seq_len", "final_train_mse")
+                k: rec[k]
+                for k in ("steps", "lr", "batch", "seq_len", "loss", "final_train_mse", "final_train_kl")
+                if k in rec
             }
         for key in ("left_out", "kl_without_plane1", "kl_second_option"):  # what a budget left out, and why
             if key in delta.meta.extra:
@@ -331,6 +338,7 @@ def quality_markdown(
     """The report. previous: the machine and precision of the report this one replaces, when they
     differ from this one's ("" otherwise)."""
     from bitdelta.family.build import DISTILL_LR, DISTILL_STEPS
+    from bitdelta.family.modes import KL_LR
 
     steps = cfg.distill_steps if cfg.distill_steps is not None else DISTILL_STEPS
     lines = [
@@ -356,8 +364,10 @@ def quality_markdown(
         f"Held-out split of each corpus, {cfg.eval_windows} windows × {cfg.seq_len} tokens per variant "
         "(spread evenly over the split). Gain kept = (ppl_base − ppl) / (ppl_base − ppl_ft). "
         "KL = KL(fine-tune ‖ model), nats per token. Distilled modes: "
-        f"{steps} steps of scale distillation (α only, logit MSE, AdamW lr {DISTILL_LR}, cosine, batch 4 × 128 "
-        "tokens of the train split, in the precision the rule picks: bf16 autocast only with native bf16). `row-sign-emb`: per-row α with the tied embedding/LM head "
+        f"{steps} steps of scale distillation (α only, AdamW, cosine, batch 4 × 128 tokens of the train split, "
+        "in the precision the rule picks: bf16 autocast only with native bf16): `-distilled` on logit MSE at lr "
+        f"{DISTILL_LR}, `-distilled-kl` on KL(fine-tune ‖ ·) of the next-token distributions at lr {KL_LR} "
+        "(`bitdelta.distill`). `row-sign-emb`: per-row α with the tied embedding/LM head "
         "compressed to signs too; `row-sign-emb-distilled` distils the projections' α's of it (the tied pair's α "
         "stays mean|Δ|) and is the serving default (data/deltas/). The other modes keep the fine-tuned "
         "embeddings dense.",

@@ -381,6 +381,8 @@ def test_cli_compress_with_a_budget(family, tmp_path):
     assert code == 0 and "OK" in text
     code, text = run_cli("compress", "--base", str(base), "--finetuned", str(v0), "--out", str(out), "--budget", "lots")
     assert code != 0 and "--budget must be" in text
+    code, text = run_cli("compress", "--base", str(base), "--finetuned", str(v0), "--out", str(out), "--loss", "l1")
+    assert code != 0 and "loss must be one of mse, kl" in text
     code, text = run_cli(
         "compress", "--base", str(base), "--finetuned", str(v0), "--out", str(out), "--budget", "1/100"
     )

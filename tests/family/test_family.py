@@ -73,13 +73,20 @@ def test_paths_follow_the_data_dir(monkeypatch, tmp_path):
 
 def test_serving_default_is_one_mode_of_the_report():
     """build() builds MODES[SERVING_MODE] into data/deltas/: per-row α, sign embeddings, distilled."""
-    from bitdelta.family.modes import MODES, Mode
+    from dataclasses import replace
+
+    from bitdelta.family.modes import KL_LR, MODES, Mode
 
     assert (
         MODES[family.SERVING_MODE] == Mode(fb.SERVING_ALPHA, fb.SERVING_EMBEDDINGS, True) == Mode("row", "sign", True)
     )
     assert MODES["row-distilled"] == Mode("row", "dense", True)
     assert MODES[family.SERVING_MODE].plain and not MODES["planes-15"].plain
+    # each distilled sign-embedding mode has a twin distilled on KL at KL_LR
+    for name in ("row-sign-emb-distilled", "planes-16-distilled", "row-sign-emb-16-distilled"):
+        assert MODES[name].loss == "mse" and MODES[name].lr is None
+        assert MODES[name + "-kl"] == replace(MODES[name], loss="kl", lr=KL_LR)
+    assert "row-distilled-kl" not in MODES
 
 
 # --- build stamps (tiny family, no real model) ----------------------------------
@@ -180,6 +187,19 @@ def test_a_distilled_mode_reuses_its_compression_built_undistilled(tmp_path, mon
     for k, cw in d.compressed.items():
         assert all(torch.equal(a.signs, b.signs) for a, b in zip(cw.planes, u.compressed[k].planes)), k
     assert any(not torch.equal(cw.alpha, u.compressed[k].alpha) for k, cw in d.compressed.items())
+    # the KL twin reuses it too; its recipe names the loss and lr (an MSE recipe names no loss, so
+    # the stamps of deltas distilled before the option stay valid)
+    kl = fb.build_delta(
+        p, "coder", distill_steps=2, out=p.modes_dir / "coder.two-kl.st", planes=cfg, loss="kl", lr=1e-4
+    )
+    assert "loss" not in fb.read_stamp(p, "deltas/coder.two-distilled.st")["recipe"]["distill"]
+    assert {k: fb.read_stamp(p, "deltas/coder.two-kl.st")["recipe"]["distill"][k] for k in ("loss", "lr")} == {
+        "loss": "kl",
+        "lr": 1e-4,
+    }
+    k = load_delta(kl)
+    assert k.meta.distilled["loss"] == "kl" and k.meta.distilled["lr"] == 1e-4
+    assert any(not torch.equal(cw.alpha, d.compressed[n].alpha) for n, cw in k.compressed.items())
     with pytest.raises(AssertionError, match="compressed again"):  # another compression is not reused
         fb.build_delta(p, "coder", distill_steps=2, out=p.modes_dir / "coder.three.st", planes=PlaneConfig(planes=3))
 
