@@ -138,7 +138,7 @@ V3 = {
 @pytest.fixture(scope="module", params=[{}, {"n_kv_heads": 1, "tie_embeddings": False}], ids=["tied", "kv1-untied"])
 def v3_deltas(request, tmp_path_factory):
     from bitdelta.checkpoint import read_config
-    from bitdelta.compress import compress
+    from bitdelta.compress import RECORD_RESERVE, compress
     from bitdelta.format import read_header
     from bitdelta.planes import PlaneConfig
     from bitdelta.testing.family import FT_SCALE, VARIED_STD, make_base, make_finetune, tiny_args
@@ -150,7 +150,9 @@ def v3_deltas(request, tmp_path_factory):
     for name, kw in V3.items():
         if name == "mixed2":  # the plain file and about half of what the second planes cost
             one = read_header(out["plain"])
-            kw = {"planes": {**kw["planes"], "budget": one.file_size + one.bytes_by_role()["sign"] * 3 // 4}}
+            # (a budget keeps RECORD_RESERVE of the header free for a distillation record)
+            extra = RECORD_RESERVE + one.bytes_by_role()["sign"] * 3 // 4
+            kw = {"planes": {**kw["planes"], "budget": one.file_size + extra}}
         kw = {**kw, "planes": PlaneConfig(**kw["planes"])} if "planes" in kw else kw
         out[name] = compress(
             base, ft, root / "deltas" / f"{name}.bitdelta.safetensors", variant=name, progress=False, **kw
