@@ -147,21 +147,21 @@ def _check_host(isa: str) -> None:
         raise RuntimeError(f"{ISA_ENV}={isa} needs CPU flags this host lacks: {', '.join(missing)}")
 
 
-def _compile(cc: str, isa: str, lib_path: Path) -> None:
-    """Compile the source for `isa` into `lib_path` through a temporary file and a rename."""
+def _compile(cc: str, isa: str, lib_path: Path, source: Path = SOURCE) -> None:
+    """Compile `source` for `isa` into `lib_path` through a temporary file and a rename."""
     build_dir = lib_path.parent
     build_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=build_dir)
     os.close(fd)
     try:
         proc = subprocess.run(
-            [cc, *CFLAGS, *ISA_MARCH[isa], "-o", tmp, str(SOURCE)],
+            [cc, *CFLAGS, *ISA_MARCH[isa], "-o", tmp, str(source)],
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,
         )
         if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{cc} failed on {source}: {proc.stderr.strip()[-2000:]}")
         os.chmod(tmp, 0o644)  # not mkstemp's 0600: an image's runtime user is not the one that built it
         os.replace(tmp, lib_path)
         log.info("kernels: built %s", lib_path)
@@ -304,14 +304,7 @@ def load_source(source: Path, isa: str = "native") -> ctypes.CDLL:
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
     out = Path(tempfile.mkdtemp()) / f"libbitdelta_cpu_{isa}_source.so"
-    proc = subprocess.run(
-        [cc, *CFLAGS, *ISA_MARCH[isa], "-o", str(out), str(source)],
-        capture_output=True,
-        text=True,
-        timeout=COMPILE_TIMEOUT_S,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"{cc} failed on {source}: {proc.stderr.strip()[-2000:]}")
+    _compile(cc, isa, out, source)
     return _open(out)
 
 
