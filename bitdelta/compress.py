@@ -89,9 +89,11 @@ def compress(
     low-rank, per-column or chosen α, a byte budget for the whole file, its header and
     RECORD_RESERVE bytes for a later distillation record included (`check_budget`);
     `drop`: the budget spent by the measured KL per byte of each kind of weight's plane 1 and
-    second option, `planes.spend`, which may leave weights out); its `alpha` replaces `alpha_mode`, and compressed embeddings compete for the budget
-    like the projections.
-    calibration: 1-D token ids whose inputs weigh each option's gain (`planes.input_power`)."""
+    second option, `planes.spend`, which may leave weights out; `feedback`: the projections'
+    signs by error feedback, `planes.feedback_plane`); its `alpha` replaces `alpha_mode`, and
+    compressed embeddings compete for the budget like the projections.
+    calibration: 1-D token ids whose inputs weigh each option's gain (`planes.input_power`) and,
+    with `feedback`, give the second moments the signs are fitted under (`planes.input_moments`)."""
     base, finetuned, out = Path(base), Path(finetuned), Path(out)
     planes = planes if planes is not None else PlaneConfig(alpha=alpha_mode)
     base_cfg = read_config(base)
@@ -100,13 +102,17 @@ def compress(
     shapes: dict[str, list[int]] = {}
     compressed: dict[str, CompressedWeight] = {}
     chains = {}
-    power = None
+    power = moments = None
     meta_extra: dict[str, str] = {}
+    if planes.feedback and calibration is None:
+        raise ValueError("error-feedback signs (feedback) need calibration tokens for their inputs")
     if calibration is not None and not planes.plain:
         from bitdelta.model import load_model
-        from bitdelta.planes import input_power
+        from bitdelta.planes import input_moments, input_power
 
         power = input_power(load_model(base), calibration)
+        if planes.feedback:
+            moments = input_moments(load_model(base), calibration)
     with CheckpointReader(base) as rb, CheckpointReader(finetuned) as rf:
         names = rf.keys()
         for name in tqdm(names, desc=f"compress {finetuned.name}", unit="tensor", disable=not progress):
@@ -133,9 +139,12 @@ def compress(
                     # a (tied) embedding's error reaches the logits through the head: weighed by its inputs;
                     # its α's scale rows (tokens): one per column gives every token the changed tokens'
                     # scale, which on the hard member made the head's logits noise (ppl 82, the base 56)
+                    # error feedback is for the projections: an embedding is a lookup as well as the
+                    # head, and its rows' errors in the lookup are not weighed by the head's inputs
                     w = None if power is None else power.get("lm_head.weight" if name in EMBEDDINGS else name)
-                    cfg = replace(planes, alpha="row") if name in EMBEDDINGS else planes
-                    chains[name] = chain(d, cfg, w)
+                    h = None if moments is None or name in EMBEDDINGS else moments[name]
+                    cfg = replace(planes, alpha="row", feedback=False) if name in EMBEDDINGS else planes
+                    chains[name] = chain(d, cfg, w, h)
             else:
                 tensors[name] = w_ft.contiguous()
     budget = None

@@ -139,8 +139,11 @@ def delta_recipe(
     if planes is not None and not planes.plain:
         from bitdelta.planes import ALGORITHM_VERSION
 
+        how = asdict(planes)
+        if not how["feedback"]:
+            del how["feedback"]  # named only when on, so the stamps of the deltas before it still hold
         r["planes"] = {
-            **asdict(planes),
+            **how,
             "algorithm": ALGORITHM_VERSION,
             "calibration": f"{MEMBERS[variant]} train split",
         }

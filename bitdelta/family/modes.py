@@ -29,6 +29,7 @@ class Mode:
     drop: bool = False  # the budget spent by measured KL per byte of each kind (PlaneConfig.drop)
     loss: str = "mse"  # the distillation's loss (DistillConfig.loss): "mse" on logits or "kl"
     lr: float | None = None  # the distillation's learning rate (None: the build's DISTILL_LR)
+    feedback: bool = False  # the projections' signs by error feedback (PlaneConfig.feedback)
 
     @property
     def plain(self) -> bool:
@@ -38,7 +39,9 @@ class Mode:
         """The projections' compression (`bitdelta.compress.compress(planes=...)`) for a base of
         `bf16_bytes` bytes in bf16."""
         budget = None if self.budget is None else int(bf16_bytes * self.budget)
-        return PlaneConfig(alpha=self.alpha, planes=self.planes, rank=self.rank, budget=budget, drop=self.drop)
+        return PlaneConfig(
+            alpha=self.alpha, planes=self.planes, rank=self.rank, budget=budget, drop=self.drop, feedback=self.feedback
+        )
 
 
 # SERVING_MODE ("row-sign-emb-distilled") is the serving default (data/deltas/); the others live in
@@ -78,6 +81,14 @@ MODES: dict[str, Mode] = {
         for n in (16, 15, 12)
         for d in ("", "-distilled")
     },
+    # One plane of row α whose projection signs are chosen by error feedback under the calibration
+    # inputs' second moments and whose α's are fitted to the output error (PlaneConfig.feedback):
+    # the same bytes and v2 file as row-sign-emb-16 and row-sign-emb, served by the same kernels
+    **{
+        f"gptq-16{d}": Mode("row", "sign", bool(d), budget=Fraction(1, 16), drop=True, feedback=True)
+        for d in ("", "-distilled")
+    },
+    **{f"row-sign-emb-gptq{d}": Mode("row", "sign", bool(d), feedback=True) for d in ("", "-distilled")},
 }
 # "<mode>-distilled-kl": the distillation trains on KL(fine-tune ‖ ·) of the next-token
 # distributions, the report's fidelity metric, at KL_LR. Measured on the hard member's 1/16 one

@@ -64,6 +64,7 @@ class QualityConfig:
         "lowrank-15-distilled",
         "row-sign-emb-16-distilled-kl",
         "planes-16-distilled-kl",
+        "gptq-16-distilled-kl",
     )
     seeds: tuple[int, ...] = (1,)
 
@@ -369,8 +370,10 @@ def quality_markdown(
         f"{DISTILL_LR}, `-distilled-kl` on KL(fine-tune ‖ ·) of the next-token distributions at lr {KL_LR} "
         "(`bitdelta.distill`). `row-sign-emb`: per-row α with the tied embedding/LM head "
         "compressed to signs too; `row-sign-emb-distilled` distils the projections' α's of it (the tied pair's α "
-        "stays mean|Δ|) and is the serving default (data/deltas/). The other modes keep the fine-tuned "
-        "embeddings dense.",
+        "stays mean|Δ|) and is the serving default (data/deltas/). `gptq`: the same one plane, its projections' "
+        "signs chosen by error feedback under the calibration inputs' second moments and their α's fitted to the "
+        "output error (`bitdelta.planes.feedback_plane`). `matrix` and `row` keep the fine-tuned embeddings "
+        "dense; the others compress them to signs.",
         "",
         "| variant | model | delta MB | held-out ppl | gain kept | KL(ft‖·) |",
         "|---|---|---:|---:|---:|---:|",
