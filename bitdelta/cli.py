@@ -40,7 +40,13 @@ def cmd_compress(a: argparse.Namespace) -> None:
     embeddings_alpha = a.alpha if a.alpha in ("row", "matrix") else "row"
     try:
         planes = PlaneConfig(
-            alpha=a.alpha, planes=a.planes, rank=a.rank, rank_step=a.rank_step, budget=budget, drop=a.drop
+            alpha=a.alpha,
+            planes=a.planes,
+            rank=a.rank,
+            rank_step=a.rank_step,
+            budget=budget,
+            drop=a.drop,
+            feedback=a.feedback,
         )
     except ValueError as e:
         raise CliError(str(e)) from None
@@ -220,6 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
         "must when --budget is below one sign plane per weight",
     )
     c.add_argument(
+        "--feedback",
+        action="store_true",
+        help="choose the projections' signs by error feedback under --calib's input second moments (GPTQ's "
+        "update on the delta) and fit their row α's to the output error: the same bytes and file (with --alpha "
+        "row); on the hard family member the undistilled held-out KL 0.066 -> 0.049",
+    )
+    c.add_argument(
         "--embeddings",
         choices=["dense", "sign"],
         default="dense",
@@ -227,7 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--variant", help="variant name (default: the fine-tune's directory name)")
     c.add_argument("--distill", action="store_true", help="tune the α's on calibration text (scale distillation)")
-    c.add_argument("--calib", nargs="+", type=Path, help="calibration text files for --distill and --budget")
+    c.add_argument(
+        "--calib", nargs="+", type=Path, help="calibration text files for --distill, --budget and --feedback"
+    )
     c.add_argument("--steps", type=int, default=150)
     c.add_argument("--lr", type=float, default=1e-5)
     c.add_argument("--batch", type=int, default=4)

@@ -397,6 +397,18 @@ def test_cli_compress_with_a_budget(family, tmp_path):
         "compress", "--base", str(base), "--finetuned", str(v0), "--out", str(out), "--budget", "1/100"
     )
     assert code != 0 and "less than the delta's dense tensors" in text
+    code, text = run_cli("compress", "--base", str(base), "--finetuned", str(v0), "--out", str(out), "--feedback")
+    assert code != 0 and "need calibration tokens" in text
+    code, text = run_cli(
+        "compress", "--base", str(base), "--finetuned", str(v0), "--out", str(out), "--feedback", "--calib", str(calib)
+    )
+    assert code == 0, text
+    assert read_header(out).metadata["format_version"] == "2"  # one plane of row α: the file the worker serves
+    code, text = run_cli(
+        "compress", "--base", str(base), "--finetuned", str(v0), "--out", str(out), "--feedback", "--alpha", "col",
+        "--calib", str(calib),
+    )  # fmt: skip
+    assert code != 0 and "one α per row" in text
 
 
 def test_compressed_embeddings_keep_row_scales(family, tmp_path):
