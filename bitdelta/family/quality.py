@@ -29,6 +29,7 @@ import os
 import platform
 import time
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -446,6 +447,48 @@ TARGET_GAIN, TARGET_KL = 0.95, 0.02
 # Byte caps the best mode is looked for under, as fractions of the base's bf16 bytes: the issue's
 # 1/16, and 1/15, BitDelta's own size with one plane per weight on this model (modes.MODES).
 CAPS = (16, 15)
+# BitDelta's one plane under the 1/16 budget, distilled the same way as the mode it is set against:
+# what a mode at 1/16 must beat by more than the seed noise ("<ONE_PLANE_16><the mode's suffix>").
+ONE_PLANE_16 = "row-sign-emb-16"
+
+
+def _distill_suffix(mode: str) -> str:
+    m = MODES[mode]
+    return "" if not m.distilled else "-distilled" + ("" if m.loss == "mse" else f"-{m.loss}")
+
+
+def against_one_plane(r: dict) -> list[str]:
+    """Table rows setting each 1/16 mode of one variant's results against BitDelta's one plane at the
+    same bytes and distillation, seed by seed, with the seed noise of either (the largest
+    |KL(seed 0) − KL(seed N)|): it beats it when every seed's margin exceeds that noise."""
+    models = r["models"]
+    seeds = sorted({k.partition("@")[2] for k in models if "@seed" in k})
+    rows = []
+    for k in models:
+        if k not in MODES or MODES[k].budget != Fraction(1, 16):
+            continue
+        one = ONE_PLANE_16 + _distill_suffix(k)
+        if one == k or one not in models:
+            continue
+        tags = [""] + [f"@{s}" for s in seeds if k + f"@{s}" in models and one + f"@{s}" in models]
+        margins = [models[one + t]["kl_from_ft"] - models[k + t]["kl_from_ft"] for t in tags]
+        spreads = [abs(models[x]["kl_from_ft"] - models[x + t]["kl_from_ft"]) for x in (k, one) for t in tags if t]
+        noise = max(spreads) if spreads else None
+        if noise is None:
+            verdict = "one seed: noise not measured"
+        elif min(margins) > noise:
+            verdict = "**beats it by more than the noise**"
+        elif max(margins) < -noise:
+            verdict = "worse by more than the noise"
+        else:
+            verdict = "within the noise"
+        kls = " / ".join(f"{models[k + t]['kl_from_ft']:.4f} vs {models[one + t]['kl_from_ft']:.4f}" for t in tags)
+        rows.append(
+            f"| {r['variant']} | {k} | {one} | {len(tags)} | {kls} | "
+            + " / ".join(f"{x:+.4f}" for x in margins)
+            + f" | {'' if noise is None else f'{noise:.4f}'} | {verdict} |"
+        )
+    return rows
 
 
 KIND_NAMES = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -543,6 +586,20 @@ def beyond_one_plane(results: list[dict]) -> list[str]:
                     + " | ".join(f"{by.get(n, math.nan):.4f}" for n in KIND_NAMES)
                     + " |"
                 )
+    against = [row for r in results for row in against_one_plane(r)]
+    if against:
+        lines += [
+            "",
+            "## Against BitDelta's one plane at equal bytes",
+            "",
+            f"Each mode under the 1/16 budget against `{ONE_PLANE_16}` (one sign(Δ) plane, the weights worth "
+            "least left out the same way) distilled alike, seed by seed: KL(ft ‖ ·) of the two, the margin "
+            "(one plane's KL − the mode's) and the noise, the largest change of either's KL between seeds.",
+            "",
+            "| variant | mode | against | seeds | KL per seed (mode vs one plane) | margin per seed | noise | verdict |",
+            "|---|---|---|---:|---|---|---:|---|",
+            *against,
+        ]
     seeded = [(r, k) for r in results for k in r["models"] if "@seed" in k]
     if seeded:
         lines += [

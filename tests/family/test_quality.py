@@ -217,5 +217,37 @@ def test_beyond_one_plane_sections_and_pareto_plot(tmp_path):
     nan = " | nan" * 6
     assert f"| bard | plane 1 (added when left out) | planes-15-distilled | nan | 0.0126{nan} |" in md
     assert f"| bard | plane 2 (removed) | planes-15-distilled | 0.0500 | 0.0010{nan} |" in md
+    assert "Against BitDelta" not in md  # no 1/16 mode next to its one plane
     png = q.pareto_plot(res, tmp_path / "pareto.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_modes_at_1_16_are_set_against_one_plane_seed_by_seed():
+    """A 1/16 mode against BitDelta's one plane distilled the same way: it beats it only when every
+    seed's margin exceeds the largest seed-to-seed change of either; one seed measures no noise."""
+
+    def m(kl):
+        return {"ppl": 9.0, "kl_from_ft": kl, "delta_bytes": 1_000_000, "gain_kept": 0.99}
+
+    models = {
+        "row-sign-emb-16-distilled-kl": m(0.0247),
+        "row-sign-emb-16-distilled-kl@seed1": m(0.0227),
+        "gptq-16-distilled-kl": m(0.0206),
+        "gptq-16-distilled-kl@seed1": m(0.0180),
+        "planes-16-distilled-kl": m(0.0243),
+        "planes-16-distilled-kl@seed1": m(0.0224),
+        "gptq-16": m(0.0326),  # its one plane (row-sign-emb-16) not measured: no row
+        "planes-16-distilled": m(0.0656),
+        "row-sign-emb-16-distilled": m(0.0648),
+    }
+    rows = q.against_one_plane({"variant": "bard", "models": models})
+    assert len(rows) == 3
+    gptq, planes, mse = (next(r for r in rows if f"| {k} |" in r) for k in (
+        "gptq-16-distilled-kl", "planes-16-distilled-kl", "planes-16-distilled"))  # fmt: skip
+    assert "| 2 | 0.0206 vs 0.0247 / 0.0180 vs 0.0227 | +0.0041 / +0.0047 | 0.0026 |" in gptq
+    assert gptq.endswith("**beats it by more than the noise** |")
+    assert "+0.0004 / +0.0003 | 0.0020 | within the noise |" in planes
+    assert "| row-sign-emb-16-distilled | 1 |" in mse and "-0.0008 |  | one seed: noise not measured |" in mse
+    worse = dict(models, **{"gptq-16-distilled-kl": m(0.0300), "gptq-16-distilled-kl@seed1": m(0.0290)})
+    row = next(r for r in q.against_one_plane({"variant": "bard", "models": worse}) if "| gptq-16-distilled-kl |" in r)
+    assert row.endswith("worse by more than the noise |")
