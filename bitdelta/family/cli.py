@@ -142,7 +142,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--windows", type=int, default=16, help="held-out windows of 128 tokens per variant (default 16)")
     q.add_argument("--math-problems", type=int, default=40, help="held-out math problems for exact match")
     q.add_argument("--humaneval", type=int, default=20, help="HumanEval problems for the coder (0: skip; 164: all)")
-    q.add_argument("--distill-steps", type=int, default=None, help="distillation steps for the distilled modes")
+    q.add_argument(
+        "--distill-steps",
+        type=int,
+        default=None,
+        help="distillation steps for every distilled mode (default: each mode's own: the build's 30, the -kl modes 100)",
+    )
     q.add_argument("--modes", nargs="+", help="only these compression modes (default: all of bitdelta.family.modes)")
     q.add_argument("--skip-build", action="store_true", help="fail instead of building what is missing")
     q.set_defaults(func=cmd_quality)

@@ -54,7 +54,7 @@ class QualityConfig:
     humaneval: int = 20  # first N HumanEval problems (0: skip)
     humaneval_max_new: int = 128
     humaneval_timeout: float = 5.0
-    distill_steps: int | None = None  # None: the build's DISTILL_STEPS
+    distill_steps: int | None = None  # every distilled mode's steps (None: the mode's own, `mode_steps`)
     modes: tuple[str, ...] = tuple(MODES)
     # The run-to-run noise: on the hard members, these distilled modes again with each further
     # distillation seed (reported as "<mode>@seed<N>").
@@ -116,6 +116,16 @@ def humaneval_pass(model: Llama, tok, n: int, max_new: int, timeout: float) -> d
 # --------------------------------------------------------------------------- per variant
 
 
+def mode_steps(mode: str, cfg: QualityConfig) -> int:
+    """A distilled mode's distillation steps: the config's when it sets them, else the mode's own
+    (`Mode.steps`), else the build's DISTILL_STEPS."""
+    from bitdelta.family.build import DISTILL_STEPS
+
+    if cfg.distill_steps is not None:
+        return cfg.distill_steps
+    return MODES[mode].steps or DISTILL_STEPS
+
+
 def mode_path(p: FamilyPaths, variant: str, mode: str, steps: int, seed: int = 0) -> Path:
     """Where a mode's delta lives. The serving default (SERVING_MODE with the build's
     steps) is data/deltas/<variant>…; other step counts and seeds never overwrite it."""
@@ -130,9 +140,8 @@ def mode_path(p: FamilyPaths, variant: str, mode: str, steps: int, seed: int = 0
 
 
 def build_modes(p: FamilyPaths, variant: str, cfg: QualityConfig) -> dict[str, Path]:
-    from bitdelta.family.build import DISTILL_LR, DISTILL_STEPS, build_delta
+    from bitdelta.family.build import DISTILL_LR, build_delta
 
-    steps = cfg.distill_steps if cfg.distill_steps is not None else DISTILL_STEPS
     out = {}
     bf16 = None
     runs = [(mode, 0) for mode in cfg.modes]
@@ -140,6 +149,7 @@ def build_modes(p: FamilyPaths, variant: str, cfg: QualityConfig) -> dict[str, P
         runs += [(mode, seed) for seed in cfg.seeds for mode in cfg.seed_modes if mode in cfg.modes]
     for mode, seed in runs:
         m = MODES[mode]
+        steps = mode_steps(mode, cfg)
         if not m.plain and bf16 is None:
             bf16 = bf16_bytes(p.base)
         out[mode if not seed else f"{mode}@seed{seed}"] = build_delta(
@@ -340,9 +350,11 @@ def quality_markdown(
     """The report. previous: the machine and precision of the report this one replaces, when they
     differ from this one's ("" otherwise)."""
     from bitdelta.family.build import DISTILL_LR, DISTILL_STEPS
-    from bitdelta.family.modes import KL_LR
+    from bitdelta.family.modes import KL_LR, KL_STEPS
 
-    steps = cfg.distill_steps if cfg.distill_steps is not None else DISTILL_STEPS
+    distilled = [k for k in cfg.modes if MODES[k].distilled]
+    mse_steps = sorted({mode_steps(k, cfg) for k in distilled if MODES[k].loss == "mse"} or {DISTILL_STEPS})
+    kl_steps = sorted({mode_steps(k, cfg) for k in distilled if MODES[k].loss == "kl"} or {KL_STEPS})
     lines = [
         "# Quality report: BitDelta on the SmolLM2-135M family",
         "",
@@ -366,9 +378,10 @@ def quality_markdown(
         f"Held-out split of each corpus, {cfg.eval_windows} windows × {cfg.seq_len} tokens per variant "
         "(spread evenly over the split). Gain kept = (ppl_base − ppl) / (ppl_base − ppl_ft). "
         "KL = KL(fine-tune ‖ model), nats per token. Distilled modes: "
-        f"{steps} steps of scale distillation (α only, AdamW, cosine, batch 4 × 128 tokens of the train split, "
+        "scale distillation (α only, AdamW, cosine, batch 4 × 128 tokens of the train split, "
         "in the precision the rule picks: bf16 autocast only with native bf16): `-distilled` on logit MSE at lr "
-        f"{DISTILL_LR}, `-distilled-kl` on KL(fine-tune ‖ ·) of the next-token distributions at lr {KL_LR} "
+        f"{DISTILL_LR} for {'/'.join(map(str, mse_steps))} steps, `-distilled-kl` on KL(fine-tune ‖ ·) of the "
+        f"next-token distributions at lr {KL_LR} for {'/'.join(map(str, kl_steps))} steps "
         "(`bitdelta.distill`). `row-sign-emb`: per-row α with the tied embedding/LM head "
         "compressed to signs too; `row-sign-emb-distilled` distils the projections' α's of it (the tied pair's α "
         "stays mean|Δ|) and is the serving default (data/deltas/). `gptq`: the same one plane, its projections' "

@@ -251,3 +251,21 @@ def test_modes_at_1_16_are_set_against_one_plane_seed_by_seed():
     worse = dict(models, **{"gptq-16-distilled-kl": m(0.0300), "gptq-16-distilled-kl@seed1": m(0.0290)})
     row = next(r for r in q.against_one_plane({"variant": "bard", "models": worse}) if "| gptq-16-distilled-kl |" in r)
     assert row.endswith("worse by more than the noise |")
+
+
+def test_each_distilled_mode_runs_its_own_steps_unless_the_config_sets_them(tmp_path):
+    """The -kl modes distil for KL_STEPS, the MSE ones for the build's DISTILL_STEPS, and
+    QualityConfig.distill_steps (--distill-steps) sets every one's; each step count has its file."""
+    from bitdelta.family.build import DISTILL_STEPS
+    from bitdelta.family.modes import KL_STEPS
+
+    cfg = q.QualityConfig()
+    assert q.mode_steps("gptq-16-distilled-kl", cfg) == KL_STEPS == 100
+    assert q.mode_steps("row-sign-emb-16-distilled", cfg) == DISTILL_STEPS
+    assert q.mode_steps("gptq-16-distilled-kl", q.QualityConfig(distill_steps=7)) == 7
+    from bitdelta.family import paths
+
+    p = paths(tmp_path)
+    kl = q.mode_path(p, "bard", "gptq-16-distilled-kl", KL_STEPS)
+    assert kl.name == "bard.gptq-16-distilled-kl-100.bitdelta.safetensors"
+    assert q.mode_path(p, "bard", "gptq-16-distilled-kl", 30) != kl
