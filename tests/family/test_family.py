@@ -75,17 +75,20 @@ def test_serving_default_is_one_mode_of_the_report():
     """build() builds MODES[SERVING_MODE] into data/deltas/: per-row α, sign embeddings, distilled."""
     from dataclasses import replace
 
-    from bitdelta.family.modes import KL_LR, MODES, Mode
+    from bitdelta.family.modes import KL_LR, KL_STEPS, MODES, Mode
 
     assert (
         MODES[family.SERVING_MODE] == Mode(fb.SERVING_ALPHA, fb.SERVING_EMBEDDINGS, True) == Mode("row", "sign", True)
     )
     assert MODES["row-distilled"] == Mode("row", "dense", True)
     assert MODES[family.SERVING_MODE].plain and not MODES["planes-15"].plain
-    # each distilled sign-embedding mode has a twin distilled on KL at KL_LR
-    for name in ("row-sign-emb-distilled", "planes-16-distilled", "row-sign-emb-16-distilled"):
-        assert MODES[name].loss == "mse" and MODES[name].lr is None
-        assert MODES[name + "-kl"] == replace(MODES[name], loss="kl", lr=KL_LR)
+    # each distilled sign-embedding mode has a twin distilled on KL at KL_LR for KL_STEPS
+    for name in ("row-sign-emb-distilled", "planes-16-distilled", "row-sign-emb-16-distilled", "gptq-16-distilled"):
+        assert MODES[name].loss == "mse" and MODES[name].lr is None and MODES[name].steps is None
+        assert MODES[name + "-kl"] == replace(MODES[name], loss="kl", lr=KL_LR, steps=KL_STEPS)
+    # the error-feedback modes are BitDelta's one plane of row α with other signs
+    assert MODES["gptq-16"] == replace(MODES["row-sign-emb-16"], feedback=True)
+    assert MODES["row-sign-emb-gptq-distilled"] == replace(MODES[family.SERVING_MODE], feedback=True)
     assert "row-distilled-kl" not in MODES
 
 
