@@ -2,8 +2,8 @@
 a tiny random family, deltas made by `bitdelta compress --planes/--rank/--budget`.
 
 Greedy tokens of a multi-plane variant (3 planes, and 2 planes under a budget that leaves some
-matrices at 1) and of low-rank variants equal transformers' on the dense model `bitdelta apply`
-writes, alone and in one batch with a 1-plane variant and the base; what each costs the byte budget
+matrices at 1), of low-rank variants and of a one-plane variant with error-feedback signs (a v2
+file) equal transformers' on the dense model `bitdelta apply` writes, alone and in one batch with a 1-plane variant and the base; what each costs the byte budget
 and the slots (a 1-plane delta: what it cost before); a k-plane delta evicted, pinned and refused as
 one. The same on a tensor-parallel worker of two ranks (gloo, rank 1 a real process): its tokens
 equal one process's, each rank's bytes are its slices', evicting a k-plane delta frees its run on
@@ -46,9 +46,14 @@ VARIANTS = {
     "signemb": {"planes": PlaneConfig(planes=2, rank=8), "embeddings": "sign"},  # the embedding too
     "colauto": {"planes": PlaneConfig(planes=2, alpha="auto")},  # each plane's axis chosen: row or column
     "col": {"planes": PlaneConfig(alpha="col")},  # one plane of column α's everywhere
+    # one plane of row α's whose signs were chosen by error feedback: a v2 file like "plain"
+    "feedback": {
+        "planes": PlaneConfig(feedback=True),
+        "calibration": torch.randint(0, 256, (6000,), generator=torch.Generator().manual_seed(5)),
+    },
 }
 PROMPTS = {"": "Hello world", "plain": "The quick brown fox", "planes3": "abc xyz", "rank8": "def f(x):"}
-PROMPTS |= {"mixed2": "Once upon", "signemb": "1 + 2 =", "colauto": "zzz", "col": "Qwerty"}
+PROMPTS |= {"mixed2": "Once upon", "signemb": "1 + 2 =", "colauto": "zzz", "col": "Qwerty", "feedback": "Hi there"}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +73,7 @@ def family(tmp_path_factory):
     assert read_header(deltas / f"planes3{SUFFIX}").meta.format_version == "3"
     axes = {a for p in read_header(deltas / f"colauto{SUFFIX}").meta.parts.values() for a in p["axes"]}
     assert {"row", "col"} <= axes, "auto chose column α's for some planes and row α's for others"
+    assert read_header(deltas / f"feedback{SUFFIX}").meta.format_version == "2"
     dense = {name: apply(base, deltas / f"{name}{SUFFIX}", root / f"dense-{name}", progress=False) for name in VARIANTS}
     return base, deltas, dense
 
