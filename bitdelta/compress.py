@@ -110,9 +110,11 @@ def compress(
         from bitdelta.model import load_model
         from bitdelta.planes import input_moments, input_power
 
-        power = input_power(load_model(base), calibration)
+        model = load_model(base)  # read once for both; dropped before the tensors are
+        power = input_power(model, calibration)
         if planes.feedback:
-            moments = input_moments(load_model(base), calibration)
+            moments = input_moments(model, calibration)
+        del model
     with CheckpointReader(base) as rb, CheckpointReader(finetuned) as rf:
         names = rf.keys()
         for name in tqdm(names, desc=f"compress {finetuned.name}", unit="tensor", disable=not progress):

@@ -3,9 +3,9 @@ a tiny random family, deltas made by `bitdelta compress --planes/--rank/--budget
 
 Greedy tokens of a multi-plane variant (3 planes, and 2 planes under a budget that leaves some
 matrices at 1), of low-rank variants and of a one-plane variant with error-feedback signs (a v2
-file) equal transformers' on the dense model `bitdelta apply` writes, alone and in one batch with a 1-plane variant and the base; what each costs the byte budget
-and the slots (a 1-plane delta: what it cost before); a k-plane delta evicted, pinned and refused as
-one. The same on a tensor-parallel worker of two ranks (gloo, rank 1 a real process): its tokens
+file) equal transformers' on the dense model `bitdelta apply` writes, alone and in one batch with a
+1-plane variant and the base; what each costs the byte budget and the slots (a 1-plane delta: what
+it cost before); a k-plane delta evicted, pinned and refused as one. The same on a tensor-parallel worker of two ranks (gloo, rank 1 a real process): its tokens
 equal one process's, each rank's bytes are its slices', evicting a k-plane delta frees its run on
 every rank, and what the worker does not serve is refused by name before any byte moves.
 """
