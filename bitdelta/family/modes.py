@@ -105,4 +105,10 @@ MODES.update(
         if m.distilled and m.embeddings == "sign"
     }
 )
+# BitDelta as published (FasterDecoding/BitDelta's bitdelta/train.py): logit MSE, AdamW at lr 1e-4
+# with a cosine schedule, 200 steps of 4 × 128 tokens (weight decay 0 here, the paper's AdamW
+# default 0.01 moves an α by 1e-6 of itself per step; the windows are the member's train split,
+# not C4): "<one plane>-distilled-paper", the baseline a mode beyond one plane must beat.
+PAPER_LR, PAPER_STEPS, PAPER_SUFFIX = 1e-4, 200, "-distilled-paper"
+MODES["row-sign-emb-16" + PAPER_SUFFIX] = replace(MODES["row-sign-emb-16-distilled"], lr=PAPER_LR, steps=PAPER_STEPS)
 SERVING = MODES[SERVING_MODE]

@@ -350,10 +350,13 @@ def quality_markdown(
     """The report. previous: the machine and precision of the report this one replaces, when they
     differ from this one's ("" otherwise)."""
     from bitdelta.family.build import DISTILL_LR, DISTILL_STEPS
-    from bitdelta.family.modes import KL_LR, KL_STEPS
+    from bitdelta.family.modes import KL_LR, KL_STEPS, PAPER_LR, PAPER_SUFFIX
 
     distilled = [k for k in cfg.modes if MODES[k].distilled]
-    mse_steps = sorted({mode_steps(k, cfg) for k in distilled if MODES[k].loss == "mse"} or {DISTILL_STEPS})
+    paper = [k for k in distilled if k.endswith(PAPER_SUFFIX)]
+    mse_steps = sorted(
+        {mode_steps(k, cfg) for k in distilled if MODES[k].loss == "mse" and k not in paper} or {DISTILL_STEPS}
+    )
     kl_steps = sorted({mode_steps(k, cfg) for k in distilled if MODES[k].loss == "kl"} or {KL_STEPS})
     lines = [
         "# Quality report: BitDelta on the SmolLM2-135M family",
@@ -381,8 +384,14 @@ def quality_markdown(
         "scale distillation (α only, AdamW, cosine, batch 4 × 128 tokens of the train split, "
         "in the precision the rule picks: bf16 autocast only with native bf16): `-distilled` on logit MSE at lr "
         f"{DISTILL_LR} for {'/'.join(map(str, mse_steps))} steps, `-distilled-kl` on KL(fine-tune ‖ ·) of the "
-        f"next-token distributions at lr {KL_LR} for {'/'.join(map(str, kl_steps))} steps "
-        "(`bitdelta.distill`). `row-sign-emb`: per-row α with the tied embedding/LM head "
+        f"next-token distributions at lr {KL_LR} for {'/'.join(map(str, kl_steps))} steps"
+        + (
+            f", `{PAPER_SUFFIX}` BitDelta's own recipe (FasterDecoding/BitDelta): logit MSE at lr {PAPER_LR} for "
+            f"{'/'.join(map(str, sorted({mode_steps(k, cfg) for k in paper})))} steps"
+            if paper
+            else ""
+        )
+        + " (`bitdelta.distill`). `row-sign-emb`: per-row α with the tied embedding/LM head "
         "compressed to signs too; `row-sign-emb-distilled` distils the projections' α's of it (the tied pair's α "
         "stays mean|Δ|) and is the serving default (data/deltas/). `gptq`: the same one plane, its projections' "
         "signs chosen by error feedback under the calibration inputs' second moments and their α's fitted to the "
@@ -463,45 +472,59 @@ CAPS = (16, 15)
 # BitDelta's one plane under the 1/16 budget, distilled the same way as the mode it is set against:
 # what a mode at 1/16 must beat by more than the seed noise ("<ONE_PLANE_16><the mode's suffix>").
 ONE_PLANE_16 = "row-sign-emb-16"
+# and the same plane distilled by BitDelta's own recipe (modes.PAPER_SUFFIX): "1-plane distilled BitDelta"
+PAPER_16 = ONE_PLANE_16 + "-distilled-paper"
 
 
 def _distill_suffix(mode: str) -> str:
-    m = MODES[mode]
-    return "" if not m.distilled else "-distilled" + ("" if m.loss == "mse" else f"-{m.loss}")
+    """ "-distilled…" of a distilled mode's name ("-distilled", "-distilled-kl", "-distilled-paper"), else ""."""
+    return mode[mode.index("-distilled") :] if MODES[mode].distilled else ""
 
 
 def against_one_plane(r: dict) -> list[str]:
     """Table rows setting each 1/16 mode of one variant's results against BitDelta's one plane at the
-    same bytes and distillation, seed by seed, with the seed noise of either (the largest
-    |KL(seed 0) − KL(seed N)|): it beats it when every seed's margin exceeds that noise."""
+    same bytes, distilled the same way and distilled by BitDelta's own recipe (PAPER_16), seed by
+    seed, with the seed noise of either (the largest |KL(seed 0) − KL(seed N)|): it beats it when
+    every seed's margin exceeds that noise. An undistilled mode does not depend on the seed: its
+    one KL stands against each of the baseline's seeds."""
     models = r["models"]
     seeds = sorted({k.partition("@")[2] for k in models if "@seed" in k})
     rows = []
     for k in models:
         if k not in MODES or MODES[k].budget != Fraction(1, 16):
             continue
-        one = ONE_PLANE_16 + _distill_suffix(k)
-        if one == k or one not in models:
-            continue
-        tags = [""] + [f"@{s}" for s in seeds if k + f"@{s}" in models and one + f"@{s}" in models]
-        margins = [models[one + t]["kl_from_ft"] - models[k + t]["kl_from_ft"] for t in tags]
-        spreads = [abs(models[x]["kl_from_ft"] - models[x + t]["kl_from_ft"]) for x in (k, one) for t in tags if t]
-        noise = max(spreads) if spreads else None
-        if noise is None:
-            verdict = "one seed: noise not measured"
-        elif min(margins) > noise:
-            verdict = "**beats it by more than the noise**"
-        elif max(margins) < -noise:
-            verdict = "worse by more than the noise"
-        else:
-            verdict = "within the noise"
-        kls = " / ".join(f"{models[k + t]['kl_from_ft']:.4f} vs {models[one + t]['kl_from_ft']:.4f}" for t in tags)
-        rows.append(
-            f"| {r['variant']} | {k} | {one} | {len(tags)} | {kls} | "
-            + " / ".join(f"{x:+.4f}" for x in margins)
-            + f" | {'' if noise is None else f'{noise:.4f}'} | {verdict} |"
-        )
+        for one in dict.fromkeys((ONE_PLANE_16 + _distill_suffix(k), PAPER_16)):
+            if one != k and one in models:
+                rows.append(_against(r["variant"], models, k, one, seeds))
     return rows
+
+
+def _against(variant: str, models: dict, k: str, one: str, seeds: list[str]) -> str:
+    """One row of `against_one_plane`: mode k against the one plane `one`."""
+
+    def at(x: str, t: str) -> float:
+        return models[x + t if MODES[x].distilled else x]["kl_from_ft"]
+
+    tags = [""] + [f"@{s}" for s in seeds if all(x + f"@{s}" in models for x in (k, one) if MODES[x].distilled)]
+    if not (MODES[k].distilled or MODES[one].distilled):
+        tags = [""]
+    margins = [at(one, t) - at(k, t) for t in tags]
+    spreads = [abs(at(x, "") - at(x, t)) for x in (k, one) for t in tags if t]
+    noise = max(spreads) if spreads else None
+    if noise is None:
+        verdict = "one seed: noise not measured"
+    elif min(margins) > noise:
+        verdict = "**beats it by more than the noise**"
+    elif max(margins) < -noise:
+        verdict = "worse by more than the noise"
+    else:
+        verdict = "within the noise"
+    kls = " / ".join(f"{at(k, t):.4f} vs {at(one, t):.4f}" for t in tags)
+    return (
+        f"| {variant} | {k} | {one} | {len(tags)} | {kls} | "
+        + " / ".join(f"{x:+.4f}" for x in margins)
+        + f" | {'' if noise is None else f'{noise:.4f}'} | {verdict} |"
+    )
 
 
 KIND_NAMES = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -606,8 +629,10 @@ def beyond_one_plane(results: list[dict]) -> list[str]:
             "## Against BitDelta's one plane at equal bytes",
             "",
             f"Each mode under the 1/16 budget against `{ONE_PLANE_16}` (one sign(Δ) plane, the weights worth "
-            "least left out the same way) distilled alike, seed by seed: KL(ft ‖ ·) of the two, the margin "
-            "(one plane's KL − the mode's) and the noise, the largest change of either's KL between seeds.",
+            "least left out the same way) distilled alike, and against the same plane distilled by BitDelta's "
+            f"own recipe (`{PAPER_16}`, 1-plane distilled BitDelta), seed by seed: KL(ft ‖ ·) of the two, the "
+            "margin (one plane's KL − the mode's) and the noise, the largest change of either's KL between "
+            "seeds (an undistilled mode has no seed: its one KL stands against each seed of a distilled one).",
             "",
             "| variant | mode | against | seeds | KL per seed (mode vs one plane) | margin per seed | noise | verdict |",
             "|---|---|---|---:|---|---|---:|---|",

@@ -253,6 +253,34 @@ def test_modes_at_1_16_are_set_against_one_plane_seed_by_seed():
     assert row.endswith("worse by more than the noise |")
 
 
+def test_modes_at_1_16_are_also_set_against_bitdelta_s_own_distillation():
+    """Beside the one plane distilled alike, each 1/16 mode meets the one plane distilled by
+    BitDelta's recipe (PAPER_16): seed by seed for a distilled mode, and an undistilled one's single
+    KL against each of its seeds, the noise then that baseline's own spread."""
+    from bitdelta.family.modes import MODES, PAPER_LR, PAPER_STEPS
+
+    def m(kl):
+        return {"ppl": 9.0, "kl_from_ft": kl, "delta_bytes": 1_000_000, "gain_kept": 0.99}
+
+    paper = MODES[q.PAPER_16]
+    assert (paper.loss, paper.lr, paper.steps) == ("mse", PAPER_LR, PAPER_STEPS)
+    assert paper.budget == MODES[q.ONE_PLANE_16].budget and not paper.feedback
+    models = {
+        q.PAPER_16: m(0.0400),
+        q.PAPER_16 + "@seed1": m(0.0380),
+        "gptq-16": m(0.0326),
+        "gptq-16-distilled-kl": m(0.0150),
+        "gptq-16-distilled-kl@seed1": m(0.0370),
+    }
+    rows = q.against_one_plane({"variant": "bard", "models": models})
+    assert len(rows) == 2  # the -kl one plane is not measured; the paper plane is not set against itself
+    undistilled = next(r for r in rows if "| gptq-16 |" in r)
+    assert f"| gptq-16 | {q.PAPER_16} | 2 | 0.0326 vs 0.0400 / 0.0326 vs 0.0380 |" in undistilled
+    assert "+0.0074 / +0.0054 | 0.0020 | **beats it by more than the noise** |" in undistilled
+    kl = next(r for r in rows if "| gptq-16-distilled-kl |" in r)
+    assert "+0.0250 / +0.0010 | 0.0220 | within the noise |" in kl
+
+
 def test_each_distilled_mode_runs_its_own_steps_unless_the_config_sets_them(tmp_path):
     """The -kl modes distil for KL_STEPS, the MSE ones for the build's DISTILL_STEPS, and
     QualityConfig.distill_steps (--distill-steps) sets every one's; each step count has its file."""
