@@ -232,7 +232,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     # w, w_dtype, ldw, s, lds, alpha, alpha_stride, r0, r1, d_in, out, out_dtype, ldo, n_threads
     lib.bd_merge.restype = None
     lib.bd_merge.argtypes = [p, i32, i64, p, i64, p, i64, i64, i64, i64, p, i32, i64, i32]
-    # x, M, ldx, s, stride_sv, d_out, d_in, lds, alpha, stride_av, alpha_stride, row_variant, y, ldy, n_threads
+    # x, M, ldx, s, stride_sv, d_out, d_in, lds, alpha, stride_av, alpha_stride, row_slots, n_planes,
+    # col_alpha, stride_cv, stride_cg, bounds, n_groups, y, ldy, n_threads
     lib.bd_delta_batched.restype = i32
     lib.bd_delta_batched.argtypes = [
         p,

@@ -471,7 +471,6 @@ def bitdelta_delta_batched_cpu(
             G,
             y32.data_ptr(),
             y32.stride(0),
-            int(x.dtype == torch.bfloat16),  # exactly bf16 values: the bf16 delta loop may read them
             torch.get_num_threads(),
         )
         if rc != 0:

@@ -100,40 +100,6 @@ static inline void mask_sums(const float *xm, const uint8_t *const *rows, int64_
 #endif
 }
 
-#if defined(__AVX512BF16__)
-/* mask_sums for an x that is exactly bf16 (xb: its bf16 words): 32 columns per mask register
- * instead of 16, the k-register loads being what bounds the fp32 loop. The x values at unset bits
- * are zeroed (a masked move of 32 bf16 lanes) and VDPBF16PS with ones adds the products,
- * exact, in fp32 pairs (denormals flushed). 2.5× the fp32 loop's speed on one Zen 4 core. */
-static inline void mask_sums_bf16(const uint16_t *xb, const uint8_t *const *rows, int64_t d_in, float *tot) {
-    const int64_t n_bytes = (d_in + 7) / 8;
-    const int64_t nfull = d_in / 32;
-    const int rem = (int)(d_in % 32);
-    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);
-    __m512 acc[ROWS];
-    for (int i = 0; i < ROWS; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < nfull; ++j) {
-        const __m512i xv = _mm512_loadu_si512((const void *)(xb + 32 * j));
-        for (int i = 0; i < ROWS; ++i) {
-            const __m512i on = _mm512_maskz_mov_epi16(_load_mask32((__mmask32 *)(rows[i] + 4 * j)), xv);
-            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)on, ones);
-        }
-    }
-    if (rem) {
-        const __mmask32 valid = (__mmask32)((1u << rem) - 1u);
-        const __m512i xv = _mm512_maskz_loadu_epi16(valid, xb + 32 * nfull);
-        for (int i = 0; i < ROWS; ++i) {
-            const uint32_t bits =
-                load_bits16(rows[i], 2 * nfull, n_bytes) | (load_bits16(rows[i], 2 * nfull + 1, n_bytes) << 16);
-            const __m512i on = _mm512_maskz_mov_epi16((__mmask32)(bits & valid), xv);
-            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)on, ones);
-        }
-    }
-    for (int i = 0; i < ROWS; ++i) tot[i] = _mm512_reduce_add_ps(acc[i]);
-}
-#define HAVE_MASK_BF16 1
-#endif
-
 /* mask_sums of two x rows over the same sign rows (the AVX2 and scalar builds; AVX-512 takes the
  * table loop, lut_sums). */
 static inline void mask_sums2(const float *x0, const float *x1, const uint8_t *const *rows, int64_t d_in,
@@ -141,44 +107,6 @@ static inline void mask_sums2(const float *x0, const float *x1, const uint8_t *c
     mask_sums(x0, rows, d_in, t0);
     mask_sums(x1, rows, d_in, t1);
 }
-
-#ifdef HAVE_MASK_BF16
-/* mask_sums_bf16 of two x rows, each mask register feeding both (same per-row order). */
-static inline void mask_sums2_bf16(const uint16_t *x0, const uint16_t *x1, const uint8_t *const *rows, int64_t d_in,
-                                   float *t0, float *t1) {
-    const int64_t n_bytes = (d_in + 7) / 8;
-    const int64_t nfull = d_in / 32;
-    const int rem = (int)(d_in % 32);
-    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);
-    __m512 a0[ROWS], a1[ROWS];
-    for (int i = 0; i < ROWS; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < nfull; ++j) {
-        const __m512i v0 = _mm512_loadu_si512((const void *)(x0 + 32 * j));
-        const __m512i v1 = _mm512_loadu_si512((const void *)(x1 + 32 * j));
-        for (int i = 0; i < ROWS; ++i) {
-            const __mmask32 k = _load_mask32((__mmask32 *)(rows[i] + 4 * j));
-            a0[i] = _mm512_dpbf16_ps(a0[i], (__m512bh)_mm512_maskz_mov_epi16(k, v0), ones);
-            a1[i] = _mm512_dpbf16_ps(a1[i], (__m512bh)_mm512_maskz_mov_epi16(k, v1), ones);
-        }
-    }
-    if (rem) {
-        const __mmask32 valid = (__mmask32)((1u << rem) - 1u);
-        const __m512i v0 = _mm512_maskz_loadu_epi16(valid, x0 + 32 * nfull);
-        const __m512i v1 = _mm512_maskz_loadu_epi16(valid, x1 + 32 * nfull);
-        for (int i = 0; i < ROWS; ++i) {
-            const uint32_t bits =
-                load_bits16(rows[i], 2 * nfull, n_bytes) | (load_bits16(rows[i], 2 * nfull + 1, n_bytes) << 16);
-            const __mmask32 k = (__mmask32)(bits & valid);
-            a0[i] = _mm512_dpbf16_ps(a0[i], (__m512bh)_mm512_maskz_mov_epi16(k, v0), ones);
-            a1[i] = _mm512_dpbf16_ps(a1[i], (__m512bh)_mm512_maskz_mov_epi16(k, v1), ones);
-        }
-    }
-    for (int i = 0; i < ROWS; ++i) {
-        t0[i] = _mm512_reduce_add_ps(a0[i]);
-        t1[i] = _mm512_reduce_add_ps(a1[i]);
-    }
-}
-#endif
 
 #if defined(__AVX512F__)
 /* Nibble tables of one x vector (the "four Russians" form of Σ_{bit=1} x): for every group g of
@@ -320,12 +248,14 @@ static float *x_tables(const float *x, int64_t nq, int64_t ldx, int64_t d_in, in
  * one plane, slot 0, for every row. xs is x's row m (xcol NULL) or, with column α's, its row
  * scaled by slot v's column α of r's group g: xcol + ((m·n_planes + p)·n_groups + g)·d_in; xsum
  * holds Σ_k xs[k] in the same order ([M] without column α's). Groups: rows [bounds[g],
- * bounds[g + 1]) (bounds NULL: one group). xb: NULL, or x's rows as bf16 words (x exactly bf16,
- * no column α's; row stride ldx): the bf16 loop. tab: NULL, or the nibble tables of the rows xs
- * (x_tables; indexed as xsum): the table loop, blocks of LROWS rows (used where xb is NULL). The
+ * bounds[g + 1]) (bounds NULL: one group). tab: NULL, or the nibble tables of the rows xs
+ * (x_tables; indexed as xsum): the table loop, blocks of LROWS rows (NULL: the masked loop). An x
+ * that is exactly bf16 takes the table loop too: where the build has AVX512-BF16, VDPBF16PS
+ * against ones on the bf16 lanes of set bits (32 columns per mask) ran 2.5× slower than the
+ * tables on one Sapphire Rapids core (4096², 0.55 ms a plane instead of 0.22). The
  * planes' terms are summed in fp32 and added to y once. Each register block of rows stays inside
  * one group, and its sign rows stay in cache for all rows m and planes p. */
-static void delta_rows_planes(const float *x, const uint16_t *xb, const float *tab, int64_t ldx, int64_t M,
+static void delta_rows_planes(const float *x, const float *tab, int64_t ldx, int64_t M,
                               const float *xsum, const float *xcol, const uint8_t *s, int64_t stride_sv,
                               int64_t lds, int64_t d_in,
                               const float *alpha, int64_t stride_av, int64_t alpha_stride,
@@ -356,7 +286,7 @@ static void delta_rows_planes(const float *x, const uint16_t *xb, const float *t
                 for (int64_t r = c0; r < c1;) {
                     while (bounds && r >= bounds[g + 1]) ++g;
                     const int64_t end = bounds && bounds[g + 1] < c1 ? bounds[g + 1] : c1;
-                    const int br = tab && !(xb && !xcol) ? BLOCK_ROWS : ROWS; /* rows per register block */
+                    const int br = tab ? BLOCK_ROWS : ROWS; /* rows per register block */
                     const int nr = (end - r) < br ? (int)(end - r) : br;
                     const uint8_t *rows[BLOCK_ROWS];
                     for (int i = 0; i < br; ++i)  /* missing rows alias row r; their sums are dropped */
@@ -380,14 +310,6 @@ static void delta_rows_planes(const float *x, const uint16_t *xb, const float *t
                             lut_sums(tb, 2, rows, (d_in + 7) / 8, stride, ahead, to);
                         else
                             lut_sums(tb, 1, rows, (d_in + 7) / 8, stride, ahead, to);
-                    } else
-#endif
-#ifdef HAVE_MASK_BF16
-                    if (xb && !xcol) {
-                        if (m2 >= 0)
-                            mask_sums2_bf16(xb + m * ldx, xb + m2 * ldx, rows, d_in, tot, tot2);
-                        else
-                            mask_sums_bf16(xb + m * ldx, rows, d_in, tot);
                     } else
 #endif
                     if (m2 >= 0) {
@@ -438,18 +360,19 @@ static void find_mates(const int64_t *slots, int64_t M, int64_t n_planes, int64_
 }
 
 /* One plane of variant 0 for every x row: delta_rows_planes without column α's. */
-static void delta_rows_mask(const float *x, const uint16_t *xb, const float *tab, int64_t ldx, int64_t M,
+static void delta_rows_mask(const float *x, const float *tab, int64_t ldx, int64_t M,
                             const float *xsum, const uint8_t *s, int64_t lds, int64_t d_in, const float *alpha,
                             int64_t alpha_stride, float *y, int64_t ldy, int64_t r0, int64_t r1) {
-    delta_rows_planes(x, xb, tab, ldx, M, xsum, NULL, s, 0, lds, d_in, alpha, 0, alpha_stride, NULL, 1, NULL, 1, NULL,
+    delta_rows_planes(x, tab, ldx, M, xsum, NULL, s, 0, lds, d_in, alpha, 0, alpha_stride, NULL, 1, NULL, 1, NULL,
                       y, ldy, r0, r1);
 }
 
-/* x's rows as bf16 words (x's values exactly bf16: their upper halves), a malloc'ed [M, ldx] the
- * caller frees; NULL where the build has no AVX512-BF16 (*failed = 0) or memory ran out (*failed = 1). */
+/* x's rows as bf16 words (x's values exactly bf16: their upper halves) for the bf16 dot-product
+ * GEMV (dense_dp_bf16), a malloc'ed [M, ldx] the caller frees; NULL where the build has no
+ * AVX512-BF16 (*failed = 0) or memory ran out (*failed = 1). */
 static uint16_t *bf16_words(const float *x, int64_t M, int64_t ldx, int64_t d_in, int *failed) {
     *failed = 0;
-#ifdef HAVE_MASK_BF16
+#if defined(__AVX512BF16__)
     uint16_t *xb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M > 0 ? M * ldx : 1));
     if (!xb) {
         *failed = 1;
@@ -573,7 +496,7 @@ int bd_delta_gemv(const float *x, int64_t M, int64_t ldx,
 #endif
         int64_t r0, r1;
         split_rows(d_out, t, n, &r0, &r1);
-        delta_rows_mask(x, NULL, tab, ldx, M, xsum, s, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
+        delta_rows_mask(x, tab, ldx, M, xsum, s, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
     }
     free(tab);
     free(xsum);
@@ -586,26 +509,21 @@ int bd_delta_gemv(const float *x, int64_t M, int64_t ldx,
  *   s: uint8 [V, d_out, lds], slot stride stride_sv; alpha: fp32, α_v[r] = alpha[v·stride_av +
  *   r·alpha_stride]; col_alpha: NULL (c = 1) or fp32, c_v[g, k] = col_alpha[v·stride_cv + g·stride_cg
  *   + k], group g(r) the one with bounds[g] ≤ r < bounds[g + 1] (int64 [n_groups + 1], 0 … d_out;
- *   NULL with one group); x, y as in bd_delta_gemv; x_is_bf16: x's values are exactly bf16 (the
- *   bf16 loop may read them as bf16; not with column α's, x ⊙ c is not). Indices are checked by
- *   the caller. Returns 0, or −1 when scratch memory could not be allocated. */
+ *   NULL with one group); x, y as in bd_delta_gemv. Indices are checked by the caller. Returns 0, or −1 when scratch memory could not be allocated. */
 int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
                      const uint8_t *s, int64_t stride_sv, int64_t d_out, int64_t d_in, int64_t lds,
                      const float *alpha, int64_t stride_av, int64_t alpha_stride,
                      const int64_t *row_slots, int64_t n_planes,
                      const float *col_alpha, int64_t stride_cv, int64_t stride_cg,
                      const int64_t *bounds, int64_t n_groups,
-                     float *y, int64_t ldy, int x_is_bf16, int n_threads) {
+                     float *y, int64_t ldy, int n_threads) {
     if (n_threads < 1) n_threads = 1;
     float *xsum = NULL, *xcol = NULL, *tab = NULL;
-    uint16_t *xb = NULL;
     if (!col_alpha) {
         int failed = 0;
         xsum = row_sums(x, M, ldx, d_in);
-        if (xsum && x_is_bf16) xb = bf16_words(x, M, ldx, d_in, &failed);
-        if (xsum && !xb && !failed) tab = x_tables(x, M, ldx, d_in, &failed);
+        if (xsum) tab = x_tables(x, M, ldx, d_in, &failed);
         if (!xsum || failed) {
-            free(xb);
             free(xsum);
             return -1;
         }
@@ -647,7 +565,6 @@ int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
     int64_t *mate = (int64_t *)malloc(sizeof(int64_t) * (size_t)(M > 0 ? M : 1));
     if (!mate) {
         free(tab);
-        free(xb);
         free(xcol);
         free(xsum);
         return -1;
@@ -662,13 +579,12 @@ int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
 #endif
         int64_t r0, r1;
         split_rows(d_out, t, n, &r0, &r1);
-        delta_rows_planes(x, xb, tab, ldx, M, xsum, xcol, s, stride_sv, lds, d_in, alpha, stride_av, alpha_stride,
+        delta_rows_planes(x, tab, ldx, M, xsum, xcol, s, stride_sv, lds, d_in, alpha, stride_av, alpha_stride,
                           row_slots, n_planes, col_alpha ? bounds : NULL, col_alpha ? n_groups : 1, mate, y, ldy, r0,
                           r1);
     }
     free(tab);
     free(mate);
-    free(xb);
     free(xcol);
     free(xsum);
     return 0;
@@ -1083,7 +999,7 @@ static void linear_planes_rows(const float *x, const float *xeo, const uint16_t 
                                const int64_t *mate, float *y, int64_t ldy, int64_t r0, int64_t r1) {
     linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, NULL, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
     if (s)
-        delta_rows_planes(x, xb, tab, ldx, M, xsum, NULL, s, stride_sv, lds, d_in, alpha, stride_av, alpha_stride,
+        delta_rows_planes(x, tab, ldx, M, xsum, NULL, s, stride_sv, lds, d_in, alpha, stride_av, alpha_stride,
                           slots, n_planes, NULL, 1, mate, y, ldy, r0, r1);
 }
 
@@ -1107,9 +1023,9 @@ static int linear_planes(const float *x, int64_t M, int64_t ldx, const void *w, 
     uint16_t *xb = NULL;
     int64_t *mate = NULL;
     int failed = 0;
-    /* x's values are bf16: its upper halves, exactly, for the bf16 dense GEMV and the bf16 delta loop */
-    if (x_is_bf16 && ((!s1 && w_dtype == BD_W_BF16) || s2)) xb = bf16_words(x, M, ldx, d_in, &failed);
-    if (s2 && !xb && !failed) tab = x_tables(x, M, ldx, d_in, &failed); /* the planes without the bf16 loop */
+    /* x's values are bf16: its upper halves, exactly, for the bf16 dense GEMV */
+    if (x_is_bf16 && !s1 && w_dtype == BD_W_BF16) xb = bf16_words(x, M, ldx, d_in, &failed);
+    if (s2 && !failed) tab = x_tables(x, M, ldx, d_in, &failed); /* the planes' table loop */
     if (s2 && slots && !failed) {
         mate = (int64_t *)malloc(sizeof(int64_t) * (size_t)(M > 0 ? M : 1));
         if (mate)

@@ -127,8 +127,8 @@ def test_batched_planes(impl, shape, layout, alpha_kind, dtype):
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("alpha_kind", ALPHAS)
 def test_batched_planes_c_builds(isa, alpha_kind, x_dtype):
-    """The C batched delta's SIMD paths (host build and AVX2 build; an exactly-bf16 x takes the
-    bf16 loop where the build has AVX512-BF16), fp32 y, against the oracle at fp32's tolerance; and
+    """The C batched delta's SIMD paths (host build and AVX2 build; an exactly-bf16 x as an fp32 one),
+    fp32 y, against the oracle at fp32's tolerance; and
     a batch big enough that one slot goes through unpack-then-GEMM while the rest stay in C.
     d_in = 257 and 100: ragged against the loops' 16 and 32 columns."""
     with configured(cpu_isa=isa):
