@@ -38,7 +38,7 @@ from torch import nn
 from bitdelta.compress import bf16_bytes
 from bitdelta.evaluate import exact_match, gain_kept, greedy, score, tokenizer, windows
 from bitdelta.family import HARD, MEMBERS, SERVING_MODE, FamilyPaths, corpora
-from bitdelta.family.modes import MODES
+from bitdelta.family.modes import MODES, PAPER_SUFFIX
 from bitdelta.model import BitDeltaLinear, Llama, attach_delta, load_model
 
 HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert")
@@ -350,7 +350,7 @@ def quality_markdown(
     """The report. previous: the machine and precision of the report this one replaces, when they
     differ from this one's ("" otherwise)."""
     from bitdelta.family.build import DISTILL_LR, DISTILL_STEPS
-    from bitdelta.family.modes import KL_LR, KL_STEPS, PAPER_LR, PAPER_SUFFIX
+    from bitdelta.family.modes import KL_LR, KL_STEPS, PAPER_LR
 
     distilled = [k for k in cfg.modes if MODES[k].distilled]
     paper = [k for k in distilled if k.endswith(PAPER_SUFFIX)]
@@ -473,7 +473,7 @@ CAPS = (16, 15)
 # what a mode at 1/16 must beat by more than the seed noise ("<ONE_PLANE_16><the mode's suffix>").
 ONE_PLANE_16 = "row-sign-emb-16"
 # and the same plane distilled by BitDelta's own recipe (modes.PAPER_SUFFIX): "1-plane distilled BitDelta"
-PAPER_16 = ONE_PLANE_16 + "-distilled-paper"
+PAPER_16 = ONE_PLANE_16 + PAPER_SUFFIX
 
 
 def _distill_suffix(mode: str) -> str:
