@@ -251,8 +251,9 @@ static float *x_tables(const float *x, int64_t nq, int64_t ldx, int64_t d_in, in
  * bounds[g + 1]) (bounds NULL: one group). tab: NULL, or the nibble tables of the rows xs
  * (x_tables; indexed as xsum): the table loop, blocks of LROWS rows (NULL: the masked loop). An x
  * that is exactly bf16 takes the table loop too: where the build has AVX512-BF16, VDPBF16PS
- * against ones on the bf16 lanes of set bits (32 columns per mask) ran 2.5× slower than the
- * tables on one Sapphire Rapids core (4096², 0.55 ms a plane instead of 0.22). The
+ * against ones on the bf16 lanes of set bits (32 columns per mask) ran 2.1× slower than the
+ * tables on one core of a Xeon with AVX512-BF16/AMX (4096², an extra plane 0.40 instead of 0.19 ×
+ * the bf16 base GEMV; docs/kernels.md). The
  * planes' terms are summed in fp32 and added to y once. Each register block of rows stays inside
  * one group, and its sign rows stay in cache for all rows m and planes p. */
 static void delta_rows_planes(const float *x, const float *tab, int64_t ldx, int64_t M,
