@@ -22,6 +22,7 @@ limit" from the transport.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -98,6 +99,28 @@ def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
     if len(text) <= limit:
         return repr(text)
     return f"{text[:limit]!r}… ({len(text)} characters)"
+
+
+# A network address in a message: gRPC's resolver prefixes (ipv4:, dns:///, unix:), an IPv4 or
+# bracketed IPv6 address (a colon inside: "tools[0]" is no address) with or without a port, a URL's host, or a host name with a port of 4 or 5
+# digits (a letter first: "12:30" and a model id like "qwen:7" are left alone).
+_SCHEME = r"(?:(?:ipv4|ipv6|dns|unix|unix-abstract|vsock):(?://[^/\s]*/)?)"
+_ADDRESS = re.compile(
+    rf"{_SCHEME}?(?:\d{{1,3}}(?:\.\d{{1,3}}){{3}}(?::\d{{1,5}})?"
+    rf"|\[[0-9A-Fa-f]*:[0-9A-Fa-f:.%\w]*\](?::\d{{1,5}})?"
+    rf"|(?<=://)[\w.-]+(?::\d{{1,5}})?"
+    rf"|(?<![\w.-])[A-Za-z][\w-]*(?:\.[\w-]+)*:\d{{4,5}}\b)"
+    rf"|{_SCHEME}[^\s:;,)]+"
+)
+REDACTED = "<internal address>"
+
+
+def without_addresses(message: str) -> str:
+    """`message` with every network address replaced by `REDACTED`: what a public service (the
+    router, the gateway) says to its callers. A worker's "delta store 10.0.0.7:50051 Fetch('v0'):
+    UNAVAILABLE: ... ipv4:10.0.0.7:50051: Connection refused" keeps its meaning, not the
+    deployment's layout; the service's log keeps the whole message."""
+    return _ADDRESS.sub(REDACTED, message)
 
 
 def clip_message(message: str) -> str:

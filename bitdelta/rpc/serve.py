@@ -14,7 +14,10 @@ What every service gets:
   `ServiceError` answers with its own code and trailers; `status_table` maps
   only exceptions outside that family), calls in
   flight are counted, and while draining new calls get UNAVAILABLE (except the
-  read-only methods named in `open_while_draining`). A client-streaming method
+  read-only methods named in `open_while_draining`). A `public` server (the
+  router: its callers are outside the deployment) names no network address in
+  a status message (`errors.without_addresses`; the log keeps the whole
+  message). A client-streaming method
   gets a `ClientStream` (`bitdelta.rpc.client_stream`): a refusal reaches the
   client with its real status.
 - Traces (`bitdelta.rpc.telemetry`): one SERVER span per domain call, in the caller's trace
@@ -39,7 +42,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from bitdelta.rpc.client_stream import ClientStream
-from bitdelta.rpc.errors import NO_TABLE, ServiceError, StatusTable, clip_message, metadata_value, status_of
+from bitdelta.rpc.errors import (
+    NO_TABLE,
+    ServiceError,
+    StatusTable,
+    clip_message,
+    metadata_value,
+    status_of,
+    without_addresses,
+)
 from bitdelta.rpc.telemetry import ServerInterceptor as TraceInterceptor
 
 log = logging.getLogger("bitdelta.rpc")
@@ -89,9 +100,11 @@ class Draining(ServiceError):
 
 
 class _ErrorInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, services: Iterable[str], table: StatusTable, calls: _Calls, open_while_draining: set[str]):
+    def __init__(
+        self, services: Iterable[str], table: StatusTable, calls: _Calls, open_while_draining: set[str], public: bool
+    ):
         self.prefixes = tuple(f"/{s}/" for s in services)
-        self.table, self.calls, self.open = table, calls, open_while_draining
+        self.table, self.calls, self.open, self.public = table, calls, open_while_draining, public
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -167,6 +180,9 @@ class _ErrorInterceptor(grpc.aio.ServerInterceptor):
             log.info("%s: %s: %s", method, code.name, clip_message(str(e)))
             message = str(e) or type(e).__name__
         trailers = tuple((k, metadata_value(v)) for k, v in e.trailers.items()) if isinstance(e, ServiceError) else ()
+        if self.public:
+            message = without_addresses(message)
+            trailers = tuple((k, without_addresses(v)) for k, v in trailers)
         await context.abort(code, clip_message(message), trailing_metadata=trailers)
 
 
@@ -244,6 +260,7 @@ def create_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
     health_address: str = "",
+    public: bool = False,
 ) -> Server:
     """A server for `services` bound to `address` (HOST:PORT; port 0 picks a free one), not started.
 
@@ -254,14 +271,15 @@ def create_server(
     probes cannot present a client certificate); `server.health_port` says which port.
     `interceptors` run inside the error interceptor: they refuse a call by raising a
     `ServiceError` (`security.AuthInterceptor`). `status_table`: codes of exceptions outside the
-    `ServiceError` family (the core library's, which knows no gRPC).
+    `ServiceError` family (the core library's, which knows no gRPC). `public`: status messages
+    and trailers name no network address (a service whose callers are outside the deployment).
     """
     calls = _Calls()
     names = [s.name for s in services]
     server = grpc.aio.server(
         interceptors=[
             TraceInterceptor(names),  # traces outside: they see the final status
-            _ErrorInterceptor(names, status_table, calls, set(open_while_draining)),
+            _ErrorInterceptor(names, status_table, calls, set(open_while_draining), public),
             *interceptors,
         ],
         options=[

@@ -41,6 +41,7 @@ from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.generation import Constraint, ConstraintKind, FinishReason, GenerationError
 from bitdelta.router.v1 import router_pb2 as pb
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
+from bitdelta.rpc.errors import without_addresses
 from bitdelta.rpc.metrics import GatewayMetrics
 from services.gateway import protocol as api
 from services.gateway.chat import ChatTemplate, ChatTemplateError
@@ -539,7 +540,8 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
             await state["router"].list_models(timeout_s=min(config.call_timeout_s, 2.0))
         except RouterCallError as e:
             if e.code not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                return JSONResponse({"status": "router unavailable", "detail": e.details or str(e)}, status_code=503)
+                detail = without_addresses(e.details or str(e))
+                return JSONResponse({"status": "router unavailable", "detail": detail}, status_code=503)
             # the router answered (it checks tokens and this probe has none): it is up
         return JSONResponse({"status": "ok"})
 

@@ -29,6 +29,7 @@ from bitdelta.generation import (
     GenerationError,
     Sampling,
 )
+from bitdelta.rpc.errors import without_addresses
 from services.gateway import fields
 from services.gateway.tools import Call, CallStream, ToolError, ToolFormat, Tools, parse_tools
 
@@ -54,7 +55,15 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """The JSON body; the message names no address of the deployment (the router's, say)."""
+        return {
+            "error": {
+                "message": without_addresses(self.message),
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def invalid(param: str | None, message: str, code: str = "invalid_value") -> ApiError:

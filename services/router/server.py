@@ -160,6 +160,7 @@ def create_server(router: Router, address: str, metrics: RouterMetrics | None = 
         credentials=c.server_credentials(),
         interceptors=[AuthInterceptor([SERVICE], c.tokens(), ROLES, default=Role.USER)],
         health_address=c.health_address,
+        public=True,  # its callers are outside the deployment: no worker's or store's address in an error
     )
 
 

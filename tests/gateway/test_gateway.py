@@ -783,8 +783,11 @@ async def test_router_down_is_503(cluster):
                 continue
             assert e.value.status_code == 503, e.value
             assert_error_shape(e.value.response.json(), 503, e.value.status_code)
+            msg = e.value.response.json()["error"]["message"]  # gRPC's "ipv4:127.0.0.1:PORT: Connection refused"
+            assert "127.0.0.1" not in msg and "refused" in msg.lower(), msg
     got, out = await asyncio.to_thread(http, cluster.g_dead, "GET", "/ready")
     assert got == 503 and out["status"] == "router unavailable"
+    assert "127.0.0.1" not in out["detail"], out
     got, out = await asyncio.to_thread(http, cluster.g, "GET", "/ready")
     assert got == 200
 

@@ -17,11 +17,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bitdelta.rpc import client_stream
 from bitdelta.rpc.client_stream import ClientStream, call_with_handshake
 from bitdelta.rpc.config import ConfigError, ServiceConfig, check_address, parse_list, setting
-from bitdelta.rpc.errors import RpcError, ServiceError, clip, status_of
+from bitdelta.rpc.errors import RpcError, ServiceError, clip, status_of, without_addresses
 from bitdelta.rpc.serve import Service, create_server
 from bitdelta.units import parse_bytes
 
 SERVICE = "test.v1.Echo"
+LEAKY = (
+    "delta 'v0' could not be loaded: delta store 10.0.0.7:50051 Fetch('v0'): UNAVAILABLE: failed to connect "
+    "to all addresses; last error: UNKNOWN: ipv4:10.0.0.7:50051: Connection refused (store-0.store.prod.svc:50051, "
+    "dns:///store:50051, [fd00::7]:50051, unix:/run/store.sock, https://s3.internal:8443/deltas)"
+)
 
 
 class Missing(ServiceError):
@@ -41,6 +46,10 @@ def _echo_service(release: asyncio.Event) -> Service:
             raise KeyError("no such key")
         if text == "bug":
             raise ZeroDivisionError("oops")
+        if text == "leaky":  # a downstream failure as the project's clients word it
+            err = RpcError(LEAKY, grpc.StatusCode.UNAVAILABLE)
+            err.trailers = {"bitdelta-where": "worker 10.1.2.3:50061"}
+            raise err
         if text == "odd trailer":  # e.g. a tensor name read from a corrupted header
             err = Missing("bad tensor")
             err.trailers = {"bitdelta-tensor": "layers.0\x00\xdd<\x86" + "y" * 1000}
@@ -115,6 +124,35 @@ async def test_server_skeleton_maps_errors_and_drains():
         release.set()
         assert await call.read() == b"second"  # the call in flight finished within the grace period
         assert await drain is True
+
+
+async def test_a_public_server_names_no_address_in_its_errors():
+    """The router's server is `public`: a downstream message keeps its meaning and its code, not the
+    deployment's addresses (status message and trailers); an internal server passes it whole."""
+    for public in (True, False):
+        server = create_server("127.0.0.1:0", [_echo_service(asyncio.Event())], public=public)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await ch.unary_unary(f"/{SERVICE}/Say")(b"leaky", timeout=10)
+        finally:
+            await server.stop(0)
+        details, trailers = e.value.details(), dict(e.value.trailing_metadata())
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        if not public:
+            assert details == LEAKY and trailers["bitdelta-where"] == "worker 10.1.2.3:50061"
+            continue
+        for address in ("10.0.0.7", "50051", "store-0", "fd00::7", "/run/store.sock", "s3.internal", "10.1.2.3"):
+            assert address not in details and address not in str(trailers), (address, details, trailers)
+        assert details.startswith("delta 'v0' could not be loaded: delta store <internal address> Fetch('v0')")
+        assert "Connection refused" in details and trailers["bitdelta-where"] == "worker <internal address>"
+
+
+def test_without_addresses_leaves_other_text_alone():
+    text = "sampling.max_new_tokens: 300 is more than 256 at 12:30 (rank 1 of 2); model 'qwen:7'; 253 of 256; tools[0] and messages[12]:"
+    assert without_addresses(text) == text
+    assert without_addresses("to localhost:50051 and 127.0.0.1") == "to <internal address> and <internal address>"
 
 
 def test_status_kept_across_hops():

@@ -27,6 +27,10 @@ from bitdelta.rpc.security import bearer_interceptors
 from bitdelta.rpc.telemetry import client_interceptors
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+# gRPC's reconnect backoff grows to 120 s by default: a worker whose store was down for a minute would
+# answer UNAVAILABLE ("Connection refused", the channel's cached error) for up to two minutes after
+# the store came back. Capped, a channel retries a lost peer every few seconds (a cheap TCP connect).
+RECONNECT_BACKOFF_MS = (250, 2000)  # first, most
 
 
 def open_channel(
@@ -41,6 +45,9 @@ def open_channel(
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+        ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
     ]
     interceptors = [*client_interceptors(), *(bearer_interceptors(token) if token else ())]  # trace context first
     if credentials is not None:
@@ -80,9 +87,11 @@ class Client:
         return cls(str(err) + hint, err.code, service=err.service, details=err.details + hint, trailers=err.trailers)
 
     def _hint(self, err: RpcError) -> str:
-        """What a bare "Socket closed" usually means: the callee accepted the connection and closed it
-        during set-up, because the two sides disagree on TLS."""
-        if err.code != grpc.StatusCode.UNAVAILABLE or "Socket closed" not in err.details:
+        """What a connection closed during set-up ("failed to connect ...: Socket closed") usually
+        means: the callee accepted the connection and closed it, because the two sides disagree on
+        TLS. A callee that dies during a call ("Stream removed (Socket closed)") gets no hint."""
+        d = err.details.rstrip()
+        if err.code != grpc.StatusCode.UNAVAILABLE or "failed to connect" not in d or not d.endswith("Socket closed"):
             return ""
         if self.tls:
             return (
