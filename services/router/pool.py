@@ -89,8 +89,8 @@ class WorkerPool:
         for w in self.workers.values():
             await w.client.close()
 
-    async def poll_all(self) -> None:
-        await asyncio.gather(*(self.poll(w.address) for w in self.workers.values()))
+    async def poll_all(self, exclude: tuple[str, ...] | list[str] = ()) -> None:
+        await asyncio.gather(*(self.poll(a) for a in self.workers if a not in exclude))
 
     async def poll(self, address: str) -> bool:
         """Refresh one worker from its Status; returns whether it answered."""

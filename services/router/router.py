@@ -161,6 +161,8 @@ class Router:
                     if not await self.pool.poll(address):  # the worker itself is gone, not just this call
                         self.pool.mark_down(address, f"Generate failed: {e.details[:200]}")
                     if not self.pool.any_up(exclude=tried):
+                        await self.pool.poll_all(exclude=tried)  # the view may be a poll old: ask now
+                    if not self.pool.any_up(exclude=tried):
                         raise WorkerFailed(e) from None
                     log.warning(
                         "request for %r failed on %s before its first token (%s); retrying elsewhere",

@@ -132,6 +132,37 @@ async def test_same_tokens_as_the_worker_alone(clients):
         assert last.usage.prompt_tokens > 0
 
 
+async def test_a_retry_asks_the_other_workers_when_its_view_says_none_is_up(clients, cluster):
+    """The router's view is up to one poll old: a worker a missed poll marked down may be serving.
+    A router in this process (Status polled once, never again) sees a worker that is gone as up and
+    the real one as down; the request fails UNAVAILABLE on the gone one before its first token, and
+    the retry polls the others at once and completes on the real worker, same tokens."""
+    from bitdelta.generation import Request, Sampling
+    from services.router.config import RouterConfig
+    from services.router.server import build_router
+
+    _, workers, _ = clients
+    gone, real = f"127.0.0.1:{free_port()}", cluster.w[0].address  # nothing listens on `gone`
+    config = RouterConfig.from_args(
+        ["--workers", f"{gone},{real}", "--delta-store", cluster.st.address, "--poll-s", "3600"], env={}
+    )
+    router = build_router(config)
+    try:
+        await router.pool.poll_all()
+        g, r = router.pool.workers[gone], router.pool.workers[real]
+        assert not g.reachable and router.pool.is_up(r)
+        g.reachable, g.why_down, g.ready, g.base = True, "", True, r.base  # the stale view: swapped
+        router.pool.mark_down(real, "Status failed: DEADLINE_EXCEEDED (a missed poll)")
+        request = Request(model_id="", prompt="hello there", sampling=Sampling(max_new_tokens=8))
+        got = [ev async for ready in router.generate(request) for ev in ready]
+        assert got[0].worker == real
+        assert [ev.token_id for ev in got] == await worker_tokens(workers[0], "", "hello there", n=8)
+        assert not router.pool.is_up(router.pool.workers[gone]) and router.pool.is_up(router.pool.workers[real])
+    finally:
+        await router.close()
+        await router.registry.store.close()
+
+
 async def test_concurrent_mixed_variants_match(clients):
     router, workers, _ = clients
     want = {m: await worker_tokens(workers[1], m, p) for m, p in PROMPTS.items()}
