@@ -190,7 +190,7 @@ def test_priority_orders_a_busy_worker(family):
                         order.append(tag)
 
             first = asyncio.create_task(gen("first", -5, n=200))  # holds the batch until cancelled
-            while w.engine.running == 0:
+            while not order:  # its first token came (running, it may not have reached the caller yet)
                 await asyncio.sleep(0.001)
             rest = []
             for t, p in [("a", 3), ("b", 0), ("c", 3), ("d", -2)]:  # arrive in this order
