@@ -102,8 +102,9 @@ def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
 
 
 # A network address in a message: gRPC's resolver prefixes (ipv4:, dns:///, unix:), an IPv4 or
-# bracketed IPv6 address (a colon inside: "tools[0]" is no address) with or without a port, a URL's host, or a host name with a port of 4 or 5
-# digits (a letter first: "12:30" and a model id like "qwen:7" are left alone).
+# bracketed IPv6 address (a colon inside: "tools[0]" is no address) with or without a port, a
+# URL's host, or a host name with a port of 4 or 5 digits (a letter first: "12:30" and a model id
+# like "qwen:7" are left alone).
 _SCHEME = r"(?:(?<![\w-])(?:ipv4|ipv6|dns|unix|unix-abstract|vsock):(?://[^/\s]*/)?)"
 _ADDRESS = re.compile(
     rf"{_SCHEME}?(?:\d{{1,3}}(?:\.\d{{1,3}}){{3}}(?::\d{{1,5}})?"

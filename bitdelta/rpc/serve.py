@@ -179,11 +179,11 @@ class _ErrorInterceptor(grpc.aio.ServerInterceptor):
         else:
             log.info("%s: %s: %s", method, code.name, clip_message(str(e)))
             message = str(e) or type(e).__name__
-        trailers = tuple((k, metadata_value(v)) for k, v in e.trailers.items()) if isinstance(e, ServiceError) else ()
-        if self.public:
-            message = without_addresses(message)
-            trailers = tuple((k, without_addresses(v)) for k, v in trailers)
-        await context.abort(code, clip_message(message), trailing_metadata=trailers)
+        public = without_addresses if self.public else str
+        trailers = (
+            tuple((k, metadata_value(public(v))) for k, v in e.trailers.items()) if isinstance(e, ServiceError) else ()
+        )
+        await context.abort(code, clip_message(public(message)), trailing_metadata=trailers)
 
 
 class Server:
