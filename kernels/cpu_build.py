@@ -226,6 +226,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.bd_isa.restype = i32
     lib.bd_isa.argtypes = []
+    # 1 | 0 | -1: the table loop's gathers, its loads and transpose, or the CPU's choice (same sums)
+    lib.bd_set_gather.restype = i32
+    lib.bd_set_gather.argtypes = [i32]
     # x, M, ldx, s, d_out, d_in, lds, alpha, alpha_stride, y, ldy, method, n_threads
     lib.bd_delta_gemv.restype = i32
     lib.bd_delta_gemv.argtypes = [p, i64, i64, p, i64, i64, i64, p, i64, p, i64, i32, i32]

@@ -56,6 +56,29 @@ static inline uint32_t load_bits16(const uint8_t *row, int64_t j, int64_t n_byte
     return lo | (hi << 8);
 }
 
+/* Whether the table loop takes a full block's dwords from gathers (1) or from its 16 rows' loads
+ * and a transpose (0). The two give the same lanes, so the same sums bit for bit; what differs is
+ * speed. VPGATHERDD is fast on Intel cores (an Intel Xeon: 57 weights/ns instead of 49 on
+ * SmolLM2's 576 columns) and slow on AMD's (an AMD EPYC of the Zen 5 generation, one core: the
+ * loads and the transpose 77–85 weights/ns, the gathers 46–50; docs/kernels.md). Set once at load
+ * by the CPU's vendor; AVX-512 builds only (no table loop elsewhere). */
+static int gather_rows = 0;
+
+__attribute__((constructor)) static void choose_gather(void) {
+    __builtin_cpu_init();
+    gather_rows = __builtin_cpu_is("intel");
+}
+
+/* bd_set_gather(1 | 0 | −1): force the gathers, the loads and transpose, or the CPU's choice (tests
+ * and benchmarks run both; not while a call runs); returns the choice now in force. */
+int bd_set_gather(int on) {
+    if (on < 0)
+        choose_gather();
+    else
+        gather_rows = !!on;
+    return gather_rows;
+}
+
 /* Rows per register block: 8 independent accumulator chains cover the 3–4
  * cycle add latency at one masked add per cycle. */
 #define ROWS 8
@@ -305,8 +328,9 @@ static void delta_rows_planes(const float *x, const float *tab, int64_t ldx, int
                         /* and the α's of those rows: a slow sequential stream (a line per block) that
                          * the hardware prefetcher does not pick up, ~10 % of the pass waited on it */
                         _mm_prefetch((const char *)(av + (r + PREFETCH_BLOCKS * LROWS) * alpha_stride), _MM_HINT_T0);
-                        /* a full block's rows are evenly spaced: gathers (int32 offsets) */
-                        const int64_t stride = nr == LROWS && lds <= INT32_MAX / LROWS ? lds : 0;
+                        /* a full block's rows are evenly spaced: gathers (int32 offsets), where the
+                         * CPU's gathers are fast (gather_rows) */
+                        const int64_t stride = gather_rows && nr == LROWS && lds <= INT32_MAX / LROWS ? lds : 0;
                         if (m2 >= 0)
                             lut_sums(tb, 2, rows, (d_in + 7) / 8, stride, ahead, to);
                         else
@@ -1134,61 +1158,116 @@ static inline void load_row(const void *base, int dtype, int64_t off, int64_t n,
     }
 }
 
+/* Keys per chunk of attend: its scores are computed first, then one rescale of the running sums
+ * per chunk, then the values (the online softmax of the whole row, chunk by chunk). In a decode
+ * step a layer's KV is cold (the weights' stream has passed through the caches since the layer last
+ * ran): the key-by-key online softmax this replaced chained every key's rescale and branch to the
+ * next, so its row loads waited on each other; the chunk's independent score loads overlap (one
+ * core of an AMD EPYC, SmolLM2's 9 query and 3 KV heads of 64, caches flushed before each call: 64
+ * tokens 44–63 µs per layer before, 16–20 after; 512 tokens 219–315 before, 92–137 after). */
+#define ATT_CHUNK 64
+
+/* Scratch floats of one attend task: acc [G, D], m [G], l [G], scores [G, ATT_CHUNK], a row [D]. */
+static inline int64_t attend_floats(int64_t G, int64_t D) { return G * D + 2 * G + G * ATT_CHUNK + D; }
+
+/* The G query heads qg [G, D] of sequence b over its keys [lo, n) of KV head g -> o [G, D], the
+ * keys in chunks of ATT_CHUNK: every score of the chunk (each key row read once for all G heads),
+ * each head's chunk maximum, ONE rescale of its running sum and weights where that maximum is a new
+ * one, exp(s − max) per score, then each value row read once, weighted into all G heads. fp32
+ * throughout (keys and values widened from kv_dtype). */
+static void attend(const float *qg, int64_t G, int64_t D, const void *k, const void *v, int kv_dtype,
+                   const int32_t *table, int64_t bs, int64_t KV, int64_t g, int64_t lo, int64_t n, float scale,
+                   float *buf, float *o) {
+    float *acc = buf, *m = acc + G * D, *l = m + G, *sc = l + G, *row = sc + G * ATT_CHUNK;
+    for (int64_t h = 0; h < G; ++h) {
+        m[h] = -INFINITY;
+        l[h] = 0.f;
+    }
+    memset(acc, 0, (size_t)(G * D) * sizeof(float));
+    for (int64_t c0 = lo; c0 < n; c0 += ATT_CHUNK) {
+        const int64_t T = n - c0 < ATT_CHUNK ? n - c0 : ATT_CHUNK;
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t r = (int64_t)table[(c0 + t) / bs] * bs + (c0 + t) % bs;
+            const float *kr = (const float *)k + (r * KV + g) * D;
+            if (kv_dtype != BD_W_F32) {
+                load_row(k, kv_dtype, (r * KV + g) * D, D, row);
+                kr = row;
+            }
+            for (int64_t h = 0; h < G; ++h) sc[h * ATT_CHUNK + t] = dot_f32(qg + h * D, kr, D) * scale;
+        }
+        for (int64_t h = 0; h < G; ++h) {
+            float *sh = sc + h * ATT_CHUNK, mc = m[h];
+            for (int64_t t = 0; t < T; ++t) mc = sh[t] > mc ? sh[t] : mc;
+            if (mc > m[h]) { /* a new maximum: rescale what was summed so far (nothing, the first time) */
+                const float c = expf(m[h] - mc);
+                l[h] *= c;
+                for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= c;
+                m[h] = mc;
+            }
+            float lh = l[h];
+            for (int64_t t = 0; t < T; ++t) {
+                sh[t] = expf(sh[t] - mc);
+                lh += sh[t];
+            }
+            l[h] = lh;
+        }
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t r = (int64_t)table[(c0 + t) / bs] * bs + (c0 + t) % bs;
+            const float *vr = (const float *)v + (r * KV + g) * D;
+            if (kv_dtype != BD_W_F32) {
+                load_row(v, kv_dtype, (r * KV + g) * D, D, row);
+                vr = row;
+            }
+            for (int64_t h = 0; h < G; ++h) {
+                const float p = sc[h * ATT_CHUNK + t];
+                float *a = acc + h * D;
+                for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
+            }
+        }
+    }
+    for (int64_t h = 0; h < G; ++h) {
+        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[h * D + d] = acc[h * D + d] * inv;
+    }
+}
+
 /* out[b, h, :] = Σ_t softmax_t(q[b, h] · k_t · scale) v_t over the keys t the query sees.
  *   q, out: fp32 [B, H, D] contiguous; k, v: [rows, KV, D] contiguous in kv_dtype (BD_W_*), token t
  *   of sequence b at row tables[b * max_blocks + t / bs] * bs + t % bs; lens[b]: its length (the
  *   query is token lens[b] − 1); window > 0: keys t > lens[b] − 1 − window only.
- *   One task per (sequence, KV head): its G = H / KV query heads share each key and value row,
- *   which is read once. Returns 0 or −1 (no memory). */
+ *   One task per (sequence, KV head) (attend): its G = H / KV query heads share each key and value
+ *   row, which is read once. n_threads 1 runs on the calling thread. Returns 0 or −1 (no memory). */
 int bd_paged_decode(const float *q, int64_t B, int64_t H, int64_t KV, int64_t D, const void *k, const void *v,
                     int kv_dtype, const int32_t *tables, int64_t max_blocks, const int32_t *lens, int64_t bs,
                     int64_t window, float scale, float *out, int n_threads) {
     if (n_threads < 1) n_threads = 1;
     const int64_t G = H / KV;
+#define ATTEND_TASK(b, g, buf)                                                                                \
+    do {                                                                                                       \
+        const int64_t n_ = lens[b], lo_ = window > 0 && n_ - window > 0 ? n_ - window : 0;                    \
+        attend(q + ((b) * H + (g) * G) * D, G, D, k, v, kv_dtype, tables + (b) * max_blocks, bs, KV, g, lo_, n_, \
+               scale, buf, out + ((b) * H + (g) * G) * D);                                                     \
+    } while (0)
+    if (n_threads == 1 || B * KV == 1) {
+        float *buf = (float *)malloc((size_t)attend_floats(G, D) * sizeof(float));
+        if (!buf) return -1;
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t g = 0; g < KV; ++g) ATTEND_TASK(b, g, buf);
+        free(buf);
+        return 0;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(n_threads) reduction(| : failed)
     {
-        float *buf = (float *)malloc((size_t)(2 * D + G * (D + 2)) * sizeof(float));
+        float *buf = (float *)malloc((size_t)attend_floats(G, D) * sizeof(float));
         if (!buf) failed = 1;
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t b = 0; b < B; ++b)
-            for (int64_t g = 0; g < KV; ++g) {
-                if (!buf) continue;
-                float *kr = buf, *vr = buf + D, *acc = buf + 2 * D, *m = acc + G * D, *l = m + G;
-                const int64_t n = lens[b], lo = window > 0 && n - window > 0 ? n - window : 0;
-                const float *qg = q + (b * H + g * G) * D;
-                for (int64_t h = 0; h < G; ++h) {
-                    m[h] = -INFINITY;
-                    l[h] = 0.f;
-                }
-                memset(acc, 0, (size_t)(G * D) * sizeof(float));
-                for (int64_t t = lo; t < n; ++t) {
-                    const int64_t row = (int64_t)tables[b * max_blocks + t / bs] * bs + t % bs;
-                    const int64_t off = (row * KV + g) * D;
-                    load_row(k, kv_dtype, off, D, kr);
-                    load_row(v, kv_dtype, off, D, vr);
-                    for (int64_t h = 0; h < G; ++h) {
-                        const float s = dot_f32(qg + h * D, kr, D) * scale;
-                        float *a = acc + h * D;
-                        if (s > m[h]) {  /* a new maximum: rescale what was summed so far */
-                            const float c = expf(m[h] - s);
-                            l[h] *= c;
-                            for (int64_t d = 0; d < D; ++d) a[d] *= c;
-                            m[h] = s;
-                        }
-                        const float p = expf(s - m[h]);
-                        l[h] += p;
-                        for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
-                    }
-                }
-                for (int64_t h = 0; h < G; ++h) {
-                    float *o = out + (b * H + g * G + h) * D;
-                    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-                    for (int64_t d = 0; d < D; ++d) o[d] = acc[h * D + d] * inv;
-                }
-            }
+            for (int64_t g = 0; g < KV; ++g)
+                if (buf) ATTEND_TASK(b, g, buf);
         free(buf);
     }
+#undef ATTEND_TASK
     return failed ? -1 : 0;
 }
 

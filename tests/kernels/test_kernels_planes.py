@@ -298,9 +298,11 @@ def test_c_table_loop_chunk_and_block_edges(isa, alpha_kind, d_in):
     full blocks gather; 1000: 125 bytes = 64 + 15 dwords + 1 byte, and 1031: a last byte of 7
     columns, both loaded and transposed), d_out 37 (two blocks of 16 rows and a partial one; groups that start inside blocks),
     sign rows padded with set bits past their bytes (never read); against the oracle, and every row
-    the same with one thread or two (the threads split the rows at other block edges)."""
+    the same with one thread or two (the threads split the rows at other block edges) and with the
+    full blocks' dwords gathered or loaded and transposed (the CPU picks one: bd_set_gather)."""
     with configured(cpu_isa=isa):
-        assert cpu_build.load_cpu_lib() is not None, cpu_build.unavailable_reason
+        lib = cpu_build.load_cpu_lib()
+        assert lib is not None, cpu_build.unavailable_reason
         x, signs, alpha, cols, splits = make_stack(37, d_in, alpha_kind, torch.float32, M=9, seed=d_in)
         padded = torch.full((*signs.shape[:2], signs.shape[2] + 5), 255, dtype=torch.uint8)
         padded[..., : signs.shape[2]] = signs
@@ -309,21 +311,25 @@ def test_c_table_loop_chunk_and_block_edges(isa, alpha_kind, d_in):
         threads = torch.get_num_threads()
         got = {}
         try:
-            for n in (1, 2):
-                torch.set_num_threads(n)
-                got[n] = bitdelta_delta_batched(
-                    x,
-                    padded[..., : signs.shape[2]],
-                    alpha,
-                    rs,
-                    y0.clone(),
-                    backend="cpu",
-                    **col_args(cols, splits, "cpu"),
-                )
+            for gather in (1, 0):
+                assert lib.bd_set_gather(gather) == gather
+                for n in (1, 2):
+                    torch.set_num_threads(n)
+                    got[gather, n] = bitdelta_delta_batched(
+                        x,
+                        padded[..., : signs.shape[2]],
+                        alpha,
+                        rs,
+                        y0.clone(),
+                        backend="cpu",
+                        **col_args(cols, splits, "cpu"),
+                    )
         finally:
             torch.set_num_threads(threads)
-        assert rel_err(got[1], oracle(x, signs, alpha, cols, splits, rs, y0)) <= 1e-5
-        assert torch.equal(got[1], got[2])
+            lib.bd_set_gather(-1)
+        assert rel_err(got[1, 1], oracle(x, signs, alpha, cols, splits, rs, y0)) <= 1e-5
+        for key, y in got.items():
+            assert torch.equal(y, got[1, 1]), key
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the grids above compile and run these kernels")
