@@ -30,6 +30,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 # gRPC's reconnect backoff grows to 120 s by default: a worker whose store was down for a minute would
 # answer UNAVAILABLE ("Connection refused", the channel's cached error) for up to two minutes after
 # the store came back. Capped, a channel retries a lost peer every few seconds (a cheap TCP connect).
+# Only the delays between attempts: gRPC's `min_reconnect_backoff_ms` is the time ONE attempt may take
+# to connect (20 s by default); set to 250 ms it failed a connect whose handshake was merely slow (a
+# TLS handshake on a busy host, a peer paused for a moment: "timed out before receiving SETTINGS frame").
 RECONNECT_BACKOFF_MS = (250, 2000)  # first, most
 
 
@@ -46,7 +49,6 @@ def open_channel(
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-        ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
         ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
     ]
     interceptors = [*client_interceptors(), *(bearer_interceptors(token) if token else ())]  # trace context first
