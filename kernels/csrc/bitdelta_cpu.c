@@ -876,6 +876,19 @@ LINEAR_BLOCK(dense_two_bf16, ROWS_B, 2, BD_W_BF16, 0)
 LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
 #define HAVE_LINEAR_BLOCKS 1
 
+/* The weight stream's lines STREAM_AHEAD bytes on, requested as each line is read: the hardware
+ * prefetchers alone kept one core's GEMV at ~0.7 of a plain read's bandwidth (a layer's matrices
+ * are short streams, and the prefetchers stop at every 4 KB page). One core of an AMD EPYC (Zen 5),
+ * a bf16 GEMV over matrices from memory: 21–24 GB/s without, 27–31 with (a plain read 31–34); the
+ * C decode layers of a SmolLM2-135M step, the two in turns: 0.81 × the time in bf16, 0.82 × in fp32
+ * (medians; 4 and 16 KB ahead measured no better). Past a matrix's end it fetches a few lines
+ * nobody reads; a prefetch never faults. */
+#define STREAM_AHEAD 8192
+#define STREAM_PREFETCH(p, lines)                                                                        \
+    do {                                                                                                 \
+        for (int l_ = 0; l_ < (lines); ++l_) _mm_prefetch((const char *)(p) + STREAM_AHEAD + 64 * l_, _MM_HINT_T0); \
+    } while (0)
+
 /* fp32 weights, no delta: ONE weight row at a time, so W is read as one linear stream (the
  * blocks above interleave ROWS_A rows' streams and read it at ~0.75 of the memory bandwidth on
  * one core, this at ~0.9), four accumulators over its columns per x row. MB x rows share each
@@ -891,6 +904,7 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
         const int64_t n4 = d_in / (4 * LANES);                                                           \
         for (int64_t j = 0; j < n4; ++j) {                                                               \
             const int64_t c = 4 * LANES * j;                                                             \
+            STREAM_PREFETCH(wr + c, LANES / 4);                                                          \
             for (int q = 0; q < 4; ++q) {                                                                \
                 const vf wv = V_LOAD(wr + c + q * LANES);                                                \
                 for (int b = 0; b < MB; ++b)                                                             \
@@ -899,6 +913,7 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
         }                                                                                                \
         int64_t k = 4 * LANES * n4;                                                                      \
         for (; k + LANES <= d_in; k += LANES) {                                                          \
+            if (k % 16 == 0) STREAM_PREFETCH(wr + k, 1);                                                 \
             const vf wv = V_LOAD(wr + k);                                                                \
             for (int b = 0; b < MB; ++b) a[b][0] = V_FMA(V_LOAD(x + (m0 + b) * ldx + k), wv, a[b][0]);   \
         }                                                                                                \
@@ -928,10 +943,15 @@ static void dense_dp_bf16(const uint16_t *xb, int64_t ldx, const uint16_t *w, in
 #define DP_AT(acc, k) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const void *)(xm + (k))), \
                                              (__m512bh)_mm512_loadu_si512((const void *)(wr + (k))))
     const int64_t n4 = d_in / 128;
-    for (int64_t j = 0; j < n4; ++j)
+    for (int64_t j = 0; j < n4; ++j) {
+        STREAM_PREFETCH(wr + 128 * j, 4);
         for (int q = 0; q < 4; ++q) DP_AT(a[q], 128 * j + 32 * q);
+    }
     int64_t k = 128 * n4;
-    for (; k + 32 <= d_in; k += 32) DP_AT(a[0], k);
+    for (; k + 32 <= d_in; k += 32) {
+        STREAM_PREFETCH(wr + k, 1);
+        DP_AT(a[0], k);
+    }
 #undef DP_AT
     float t = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
     for (; k < d_in; ++k) t += w_at(xm, BD_W_BF16, k) * w_at(wr, BD_W_BF16, k);
