@@ -913,7 +913,7 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
         }                                                                                                \
         int64_t k = 4 * LANES * n4;                                                                      \
         for (; k + LANES <= d_in; k += LANES) {                                                          \
-            if (k % 16 == 0) STREAM_PREFETCH(wr + k, 1);                                                 \
+            if (k % 16 == 0) STREAM_PREFETCH(wr + k, 1); /* each 64-byte line once */                   \
             const vf wv = V_LOAD(wr + k);                                                                \
             for (int b = 0; b < MB; ++b) a[b][0] = V_FMA(V_LOAD(x + (m0 + b) * ldx + k), wv, a[b][0]);   \
         }                                                                                                \
@@ -1267,7 +1267,7 @@ int bd_paged_decode(const float *q, int64_t B, int64_t H, int64_t KV, int64_t D,
         attend(q + ((b) * H + (g) * G) * D, G, D, k, v, kv_dtype, tables + (b) * max_blocks, bs, KV, g, lo_, n_, \
                scale, buf, out + ((b) * H + (g) * G) * D);                                                     \
     } while (0)
-    if (n_threads == 1 || B * KV == 1) {
+    if (n_threads == 1 || B * KV == 1) { /* no OpenMP region: even an if(0) one ran a cold call 2× slower */
         float *buf = (float *)malloc((size_t)attend_floats(G, D) * sizeof(float));
         if (!buf) return -1;
         for (int64_t b = 0; b < B; ++b)
