@@ -17,6 +17,11 @@ the fused one from memory), up to FUSED_GEMV_MAX_M the fused GEMV; larger M merg
 runs one BLAS GEMM, since the merge is one pass over W and the GEMM then does
 base and delta in one product.
 
+With the batch-invariant setting (`kernels.settings`, `batch_invariant`) every row count takes
+the per-row paths (the GEMV with the delta's second pass, the C batched delta, never a BLAS GEMM):
+a row's sums are then formed in one order whatever else its call holds, so its numbers do not
+depend on its batch (docs/kernels.md, "Batch invariance"); they need the compiled library.
+
 Without the compiled library everything falls back to torch (unpack per call;
 correct, 20–60× slower, logged once by `cpu_build`).
 """
@@ -28,6 +33,7 @@ import torch
 from kernels.bits import packed_cols, unpack_signs
 from kernels.cpu_build import cpu_isa, load_cpu_lib
 from kernels.reference import bitdelta_linear_ref
+from kernels.settings import current
 
 # Path thresholds, from `python bench/kernels.py --cpu-sweep --only-sweep --threads 1`
 # at 2048² and 4096² on a 2-core AVX-512 EPYC (table in docs/kernels.md):
@@ -237,8 +243,23 @@ def linear_gemv_cpu(
     return y
 
 
+def row_invariant() -> bool:
+    """Whether the process asks for batch-invariant kernels (`KernelSettings.batch_invariant`): the
+    per-row paths at every row count. Raises if the compiled library, which has them, is missing."""
+    if not current().batch_invariant:
+        return False
+    if load_cpu_lib() is None:
+        raise RuntimeError(
+            "batch-invariant kernels need the compiled CPU library, which did not build or is switched off "
+            "(BITDELTA_CPU_KERNELS=0); see the log of kernels.cpu_build"
+        )
+    return True
+
+
 def dense_path_cpu(M: int, w_dtype: torch.dtype) -> str:
     """Which path `dense_linear_cpu` takes for M rows: the C GEMV ("gemv") or torch's GEMM ("blas")."""
+    if row_invariant():
+        return "gemv"  # whatever the ISA: the portable loop is per row too
     if load_cpu_lib() is None or cpu_isa() == "scalar":
         return "blas"
     return "gemv" if M <= DENSE_GEMV_MAX_M.get(w_dtype, 0) else "blas"
@@ -370,7 +391,7 @@ def delta_rows_cpu(
                 xs = x.float() * col_alpha[g]
                 delta_rows_cpu(xs, signs[r0:r1], a[r0:r1], y32[:, r0:r1], path)
         return y32
-    path = path or ("delta_gemv" if M < UNPACK_MIN_M else "unpack_gemm")
+    path = path or ("delta_gemv" if M < UNPACK_MIN_M or row_invariant() else "unpack_gemm")
     if path == "delta_gemv" or load_cpu_lib() is None:
         return delta_gemv_cpu(x, signs, alpha, y32)
     x32 = x.to(torch.float32)
@@ -432,7 +453,8 @@ def bitdelta_delta_batched_cpu(
     lib = load_cpu_lib()
     y32 = y if y.dtype == torch.float32 and y.stride(1) == 1 else y.to(torch.float32)
     gemv_rs = rs
-    for p in range(P if lib is None or M >= UNPACK_MIN_M else 0):  # fewer rows: all in the C call
+    unpack = lib is None or (M >= UNPACK_MIN_M and not row_invariant())
+    for p in range(P if unpack else 0):  # fewer rows (or batch-invariant): all in the C call
         slots, counts = torch.unique(rs[:, p][rs[:, p] >= 0], return_counts=True)
         for v, c in zip(slots.tolist(), counts.tolist()):
             if lib is not None and c < UNPACK_MIN_M:

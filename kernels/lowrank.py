@@ -9,7 +9,8 @@ GEMM for the group) and every matrix with a rank expands its columns of the shri
 own U into its rows of y: the factors' bytes are exactly the file's, with no zero padding.
 At decode the pair reads r·(d_in + d_out) values per matrix against the base's d_in·d_out: a
 GEMM library at these sizes is what a kernel would be, on CPU and GPU alike (Punica's
-shrink/expand kernels pay off only with many adapters in one batch). The caller runs it once per
+shrink/expand kernels pay off only with many adapters in one batch). With batch-invariant
+kernels (`kernels.settings`) the CPU runs both through the C GEMV instead, one sum order per row. The caller runs it once per
 variant present in the batch.
 """
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from kernels.cpu_ops import linear_gemv_cpu, row_invariant
 
 
 def lowrank_delta(
@@ -45,10 +48,22 @@ def lowrank_delta(
         if u.dim() != 2 or r0 < 0 or r0 + u.shape[0] > d_out or c0 < 0 or c0 + u.shape[1] > R:
             raise ValueError(f"U {tuple(u.shape)} at rows {r0}, ranks {c0} does not fit y's {d_out} rows and v's {R}")
     xs = (x if rows is None else x[rows]).float()
-    t = xs @ v.float().t()  # [n, R]: the shrink, once for the group
+    mm = _row_mm if x.device.type == "cpu" and row_invariant() else _mm
+    t = mm(xs, v)  # [n, R]: the shrink, once for the group
     add = y if rows is None else torch.zeros(xs.shape[0], d_out, dtype=torch.float32, device=y.device)
     for r0, c0, u in us:  # the expand, per matrix
-        add[:, r0 : r0 + u.shape[0]] += t[:, c0 : c0 + u.shape[1]] @ u.float().t()
+        add[:, r0 : r0 + u.shape[0]] += mm(t[:, c0 : c0 + u.shape[1]], u)
     if rows is not None:
         y.index_add_(0, rows, add)
     return y
+
+
+def _mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a [n, k] fp32 · w [m, k]ᵀ -> fp32 [n, m] by the GEMM library."""
+    return a @ w.float().t()
+
+
+def _row_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The same by the C GEMV: each row's sums in one order whatever n is (batch-invariant kernels;
+    a BLAS GEMM picks its blocking, and so its sum order, from the row count)."""
+    return linear_gemv_cpu(a, w.float(), None, None)

@@ -16,6 +16,9 @@ kernel call as `backend=`).
                                                                `python -m kernels.cpu_build --prebuild`)
     configs_file         BITDELTA_KERNEL_CONFIGS=FILE          kernels/configs.json (configs)
     cc                   CC=compiler                           cc, then gcc, then clang
+    batch_invariant      BITDELTA_BATCH_INVARIANT=0|1          0 (1: a row's numbers never depend on its
+                                                               batch: the CPU kernels' per-row paths at every
+                                                               row count; docs/kernels.md, "Batch invariance")
 
 Triton's own `TRITON_INTERPRET` is not a setting: Triton reads it when the kernels are
 defined (`configs.interpreting`).
@@ -44,6 +47,7 @@ ENV = {
     "prebuilt_dir": "BITDELTA_KERNELS_PREBUILT_DIR",
     "configs_file": "BITDELTA_KERNEL_CONFIGS",
     "cc": "CC",
+    "batch_invariant": "BITDELTA_BATCH_INVARIANT",
 }
 
 
@@ -59,6 +63,7 @@ class KernelSettings:
     prebuilt_dir: Path | None = None
     configs_file: Path | None = None
     cc: str | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -81,7 +86,7 @@ class KernelSettings:
             try:
                 if name == "interpret_max_work":
                     values[name] = int(raw)
-                elif name == "cpu_kernels":
+                elif name in ("cpu_kernels", "batch_invariant"):
                     if raw not in ("0", "1"):
                         raise ValueError("use 0 or 1")
                     values[name] = raw == "1"

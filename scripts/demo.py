@@ -149,7 +149,10 @@ async def demo(router_addr: str, worker_addrs: list[str], variants: list[str], m
         for m in models:
             same = [r for r in results if r["model"] == (m or "base")]
             assert len({r["text"] for r in same}) == 1, f"greedy answers for {m or 'base'} differ"
-        print("    (the three greedy answers of each model are identical)\n")
+        print(
+            "    (the three greedy answers of each model are identical: the workers run --batch-invariant, so a "
+            "request's numbers do not depend on what shares its steps)\n"
+        )
 
         cold = variants[-1]
         for addr in worker_addrs:
@@ -312,12 +315,13 @@ async def main() -> None:
                         store,
                         "--delta-budget",
                         a.delta_budget,
+                        "--batch-invariant",  # round 2's three answers per model: bit-identical, whatever batch
                     ],
                 )
             )
         for i, addr in enumerate(workers):
             await wait_serving(addr, procs[1 + i], f"worker {i + 1}")
-            print(f"[demo] worker {i + 1} on {addr} holds base {a.base}")
+            print(f"[demo] worker {i + 1} on {addr} holds base {a.base} (--batch-invariant)")
         procs.append(
             spawn(
                 "router",

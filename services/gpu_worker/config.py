@@ -62,6 +62,12 @@ class WorkerConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
         "auto | triton | cpu | torch: the kernels every layer runs (auto: Triton on CUDA, the C kernels on CPU); "
         "empty: the process's kernel settings (BITDELTA_KERNEL_BACKEND, else auto)",
     )
+    batch_invariant: bool = setting(
+        False,
+        "a request's tokens never depend on what else its steps hold (bit-identical numbers per row, "
+        "as vLLM's VLLM_BATCH_INVARIANT): the CPU kernels' per-row paths at every batch size, slower "
+        "prefill (docs/kernels.md, 'Batch invariance'); CPU only; also BITDELTA_BATCH_INVARIANT=1",
+    )
     allow_slow_kernels: bool = setting(
         False,
         "on CUDA without Triton, serve with the torch reference kernels (~10x slower) instead of refusing to start",

@@ -161,7 +161,8 @@ class Engine:
             if seq.sampler.sampling.prompt_logprobs is not None and not s.output and lo < s.computed + w.n_tokens:
                 first = lo - start  # the new tokens' rows each predict the next prompt token
                 echoed.append((seq, lo, s.computed + w.n_tokens - int(w.samples) - lo))
-            batch.append(SeqWork(toks, start, s.slot, s.blocks, w.samples, first))
+            prefill = s.computed < len(s.prompt)  # prompt tokens, even a chunk of one
+            batch.append(SeqWork(toks, start, s.slot, s.blocks, w.samples, first, prefill))
             self.prefill_tokens += max(0, min(w.n_tokens, len(s.prompt) - s.computed))
         logits = self.runner.forward(batch)  # [R, vocab] fp32, rows of the sampling sequences in order
         seqs = [self._seqs[w.seq.seq_id] for w in work if w.samples]

@@ -56,7 +56,9 @@ class SeqWork:
     tokens: the new token ids; start: position of tokens[0]; slot: delta slot
     (−1 = base); blocks: its KV block table; want_logits: sample after this step; prompt_logits: i,
     also the logits of tokens[i:] (but the sampling row) after the sampling rows: each predicts
-    the next prompt token (echo's prompt logprobs).
+    the next prompt token (echo's prompt logprobs); prefill: the tokens are the prompt's (a
+    batch-invariant runner keeps a one-token chunk of them on the prefill path, where the
+    prompt's other tokens ran, whatever the token budget cut).
     """
 
     tokens: list[int]
@@ -65,6 +67,7 @@ class SeqWork:
     blocks: list[int]
     want_logits: bool
     prompt_logits: int | None = None
+    prefill: bool = False
 
 
 def _one_plane(extras: dict, w: SeqWork) -> bool:
@@ -231,12 +234,18 @@ class ModelRunner:
         kv: KVPool,
         use_fused: bool = True,
         backend: str | None = None,
+        batch_invariant: bool = False,
     ):
-        """backend: the kernels' backend for every call (kernels.backend_for); None: the process's."""
+        """backend: the kernels' backend for every call (kernels.backend_for); None: the process's.
+        batch_invariant: a row's numbers never depend on its step's other rows (CPU kernels only,
+        and the process's kernel settings must say so too: the worker checks both at start): every
+        projection by the per-row C paths, no fused single-variant form, every token's attention by
+        the paged kernel, decode rows through the C layers at any count (docs/kernels.md)."""
         self.base, self.args, self.slots, self.kv = base, args, slots, kv
         self.device = base.embed.device
         self.dtype = base.embed.dtype
-        self.use_fused = use_fused
+        self.batch_invariant = batch_invariant
+        self.use_fused = use_fused and not batch_invariant
         self.backend = backend
         self._c_layers: DecodeLayers | None = None  # built on the first step the C layers serve
         # byte -> its 8 signs as ±1 (bit j: column j, kernels.bits): a sign row unpacked in one lookup
@@ -272,9 +281,10 @@ class ModelRunner:
             row_slot.extend([w.slot] * n)
             ctx = self.kv.rows(w.blocks, 0, w.start + n)  # [L] the whole context incl. the new tokens
             write_rows.append(ctx[w.start :])
-            if n == 1:
-                decode_rows.append(r)
-                decode_ctx.append((w.blocks[: -(-(w.start + 1) // self.kv.block_size)], w.start + 1))
+            if n == 1 or self.batch_invariant:  # batch-invariant: every token as a decode row (its own keys, in place)
+                for j in range(n):
+                    decode_rows.append(r + j)
+                    decode_ctx.append((w.blocks[: -(-(w.start + j + 1) // self.kv.block_size)], w.start + j + 1))
             else:
                 L = w.start + n
                 q_pos, k_pos = torch.arange(w.start, L), torch.arange(L)
@@ -507,7 +517,7 @@ class ModelRunner:
                 s = self._sign_values[ex.signs[p][t].long()].view(t.shape[0], -1)[:, : self.args.dim]
                 acc.addcmul_(ex.alpha[p][t][:, None], s)
             if ex.u is not None:
-                acc += ex.u[t].float() @ ex.v.float()
+                acc += dense_linear(ex.u[t].float(), ex.v.float().t(), out_fp32=True, backend=self.backend)
             x[at] = acc.to(x.dtype)
 
     def _sign_heads(self, h: torch.Tensor, sh: SignHeads, extras: dict) -> torch.Tensor:
@@ -538,7 +548,7 @@ class ModelRunner:
             if s < 0:
                 out[rows] = dense_linear(hr, self.base.head, backend=self.backend).float()
             else:
-                out[rows] = (hr @ m.extras[s].head.weight.t()).float()
+                out[rows] = dense_linear(hr, m.extras[s].head.weight, backend=self.backend).float()
         if sh is not None:
             out[sh.rows] = self._sign_heads(h[sh.rows], sh, m.extras)
         return out
@@ -555,9 +565,15 @@ class ModelRunner:
         so a decode row takes the same path, and gets the same values, whatever else its step holds."""
         extras = self.slots.extras
         dec = [
-            i for i, w in enumerate(work) if len(w.tokens) == 1 and w.prompt_logits is None and _one_plane(extras, w)
+            i
+            for i, w in enumerate(work)
+            if len(w.tokens) == 1
+            and w.prompt_logits is None
+            and _one_plane(extras, w)
+            and not (w.prefill and self.batch_invariant)
         ]
-        if not dec or len(dec) > DENSE_GEMV_MAX_M.get(self.dtype, 0) or not self._c_decode_serves(len(dec)):
+        many = len(dec) > DENSE_GEMV_MAX_M.get(self.dtype, 0) and not self.batch_invariant
+        if not dec or many or not self._c_decode_serves(len(dec)):
             return self._forward_layers(work)
         if len(dec) == len(work):
             return self._forward_c(work)

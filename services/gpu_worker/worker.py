@@ -27,6 +27,7 @@ from bitdelta.checkpoint import fingerprint, read_config
 from bitdelta.generation import ArrivalState, Request, TokenEvent, check_model_id
 from bitdelta.rpc import telemetry
 from bitdelta.rpc.streams import first_alone, take_ready
+from kernels.settings import configure as configure_kernels
 from kernels.settings import current as kernel_settings
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.constraints import GrammarCompiler
@@ -80,6 +81,9 @@ class Worker:
         # --kernel-backend, else the process's kernel settings (BITDELTA_KERNEL_BACKEND), fixed here
         self.kernel_backend = config.kernel_backend or kernel_settings().backend
         log.info("kernels: backend %s", self.kernel_backend)
+        # --batch-invariant, else the process's kernel settings (BITDELTA_BATCH_INVARIANT)
+        self.batch_invariant = config.batch_invariant or kernel_settings().batch_invariant
+        self._kernels_before = None  # the process's kernel settings to restore at close, if start changed them
         cfg = read_config(config.base)
         self.base_name = config.base_name or cfg.get("_name_or_path") or Path(config.base).name
         self.ready = False
@@ -98,6 +102,24 @@ class Worker:
 
             rv = Rendezvous.from_env()
             self.device = rank_device(config, rv.local_rank if rv is not None else 0)
+        if self.batch_invariant:
+            self._check_batch_invariant()
+
+    def _check_batch_invariant(self) -> None:
+        """Refuse what batch-invariant serving cannot give (only the C CPU kernels have per-row paths)."""
+        from kernels.cpu_build import load_cpu_lib
+
+        why = ""
+        if self.device.type != "cpu":
+            why = f"it runs on the CPU kernels only, and this worker's device is {self.device}"
+        elif self.kernel_backend not in ("auto", "cpu"):
+            why = f"it runs on the C CPU kernels, and the kernel backend is {self.kernel_backend!r}"
+        elif self.config.tensor_parallel > 1:
+            why = "tensor-parallel ranks do not have it"
+        elif load_cpu_lib() is None:
+            why = "the C CPU kernels did not build or are switched off (BITDELTA_CPU_KERNELS=0)"
+        if why:
+            raise ValueError(f"--batch-invariant: {why}")
 
     # -- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -106,6 +128,8 @@ class Worker:
         c = self.config
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
+        if self.batch_invariant and not kernel_settings().batch_invariant:  # the kernels read it per call
+            self._kernels_before = configure_kernels(dataclasses.replace(kernel_settings(), batch_invariant=True))
         if self.device.type == "cuda":
             from kernels.dispatch import HAVE_TRITON, TRITON_ERROR
 
@@ -150,7 +174,13 @@ class Worker:
                 raise ValueError(f"--kv-cache {c.kv_cache} bytes holds less than one block of {c.block_size} tokens")
             self.kv = KVPool(self.args, n_blocks, c.block_size, self.dtype, self.device)
             self.runner = ModelRunner(
-                self.base, self.args, self.slots, self.kv, use_fused=c.fused_single_variant, backend=self.kernel_backend
+                self.base,
+                self.args,
+                self.slots,
+                self.kv,
+                use_fused=c.fused_single_variant,
+                backend=self.kernel_backend,
+                batch_invariant=self.batch_invariant,
             )
         # A length-dependent rope (dynamic, LongRoPE) gives a token's K/V that depends on the sequence's
         # length when it was computed (LongRoPE even recomputes them): its blocks are not reusable.
@@ -219,6 +249,9 @@ class Worker:
             await self.source.close()
         if self.grammars is not None:
             self.grammars.close()
+        if self._kernels_before is not None:
+            configure_kernels(self._kernels_before)
+            self._kernels_before = None
 
     def _check_serving(self) -> None:
         if self.draining:

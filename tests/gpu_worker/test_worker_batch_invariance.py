@@ -1,5 +1,7 @@
-"""A request's greedy tokens do not depend on its batch: alone (fused single-variant kernel)
-and in a mixed batch (base GEMM + batched delta) give the same tokens, in fp32 and in bf16; so
+"""A request's greedy tokens do not depend on its batch on this tiny family: alone (fused
+single-variant kernel) and in a mixed batch (base GEMM + batched delta) give the same tokens, in
+fp32 and in bf16 (by default every path keeps the delta; only a near-tie could move, and the
+batch-invariant mode at the end of the file makes the numbers themselves bit-identical); so
 do variants of three sign planes, of a low-rank residual and of column α's (format v3), whose
 terms all land in the fp32 output before the one rounding.
 
@@ -117,3 +119,82 @@ def test_the_check_catches_a_batch_dependent_path(family, monkeypatch):
     monkeypatch.setattr(runner.ModelRunner, "_c_decode_serves", lambda self, rows: False)  # layer by layer
     with pytest.raises(AssertionError):
         _check(*asyncio.run(_run(family, "bfloat16")))
+
+
+# -- batch-invariant mode (--batch-invariant): the numbers themselves, not only the tokens --------
+# The checks above compare greedy tokens, which a near-tie flips only rarely on a tiny model. The
+# mode promises more: a row's every value is the same whatever its step holds. Its logprobs (fp32,
+# from the logits) must then be bit-identical alone and in a crowded batch: more than 8 decode
+# rows (the C layers past their default row count), prompts cut into other prefill chunks by a
+# small token budget, prefix-cache hits that start a prefill mid-prompt, every delta form.
+CROWD = [
+    ("v0", "The quick brown fox jumps over the lazy dog, twice."),
+    ("", "Hello world, hello again, and hello once more"),
+    ("v1", "abc xyz abc xyz abc"),
+    ("v2", "def f(x):\n    return x * x + 1"),
+    ("v0", "Hello world"),
+    ("planes3", "Once upon a time there was a fox"),
+    ("rank8", "The quick brown fox jumps over the lazy dog, twice."),
+    ("colauto", "abc xyz"),
+    ("", "The quick brown fox"),
+    ("v1", "Once upon a time"),
+    ("rank8", "x = [i * i for i in range(10)]"),
+    ("planes3", "abc"),
+]
+
+
+async def _crowd(family, dtype: str, invariant: bool):
+    base, deltas = family
+    cfg = WorkerConfig(
+        base=base,
+        delta_dir=str(deltas),
+        delta_budget=8 << 20,
+        kv_cache=4 << 20,
+        dtype=dtype,
+        device="cpu",  # the mode is the C CPU kernels' (also under `pytest -m cuda` on a GPU machine)
+        max_batch_tokens=40,
+        batch_invariant=invariant,
+    )
+    w = Worker(cfg)
+    await w.start()
+    try:
+
+        async def gen(m, p):
+            evs = [e async for e in w.generate(Request(m, p, Sampling(max_new_tokens=N, logprobs=2)))]
+            return [(e.token_id, e.logprobs.sampled.logprob, tuple(t.logprob for t in e.logprobs.top)) for e in evs]
+
+        alone = [await gen(m, p) for m, p in CROWD]
+        steps = w.engine.steps
+        crowd = await asyncio.gather(*[gen(m, p) for m, p in CROWD])
+        return alone, crowd, w.engine.steps - steps
+    finally:
+        await w.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_mode_gives_every_row_the_same_numbers(family, dtype):
+    from kernels.settings import current
+
+    alone, crowd, steps = asyncio.run(_crowd(family, dtype, invariant=True))
+    assert not current().batch_invariant  # the worker put the process's kernel settings back at close
+    assert steps < len(CROWD) * N  # the sequences really shared steps
+    for job, a, b in zip(CROWD, alone, crowd):
+        assert len(a) == N
+        assert a == b, job  # tokens and fp32 logprobs, bit for bit
+
+
+def test_without_the_mode_the_numbers_do_depend_on_the_batch(family):
+    # the same comparison fails without --batch-invariant (BLAS GEMMs and SDPA chunks pick their
+    # sum order from the batch): the test above can fail
+    alone, crowd, _ = asyncio.run(_crowd(family, "float32", invariant=False))
+    assert any(a != b for a, b in zip(alone, crowd))
+
+
+def test_batch_invariant_mode_is_refused_where_it_cannot_hold(family, monkeypatch):
+    base, deltas = family
+    for changes, why in [
+        ({"kernel_backend": "torch"}, "kernel backend is 'torch'"),
+        ({"device": "meta"}, "CPU kernels only"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            Worker(WorkerConfig(base=base, delta_dir=str(deltas), batch_invariant=True, **changes))

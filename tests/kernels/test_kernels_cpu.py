@@ -584,3 +584,46 @@ def test_decode_layers_against_the_reference(isa, dims):
             bs,
         )
         assert torch.equal(one[0], got[1][b]), b
+
+
+# -- batch invariance (KernelSettings.batch_invariant) ---------------------------------------------
+INV_MS = [1, 2, 7, 9, 24, 33, 40]  # across every default threshold: 8 (GEMV), 24 (fused), 32 (unpack, merge)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_setting_gives_a_row_the_same_bits_at_every_row_count(isa, dtype):
+    from kernels import dense_linear, lowrank_delta
+
+    g = torch.Generator().manual_seed(7)
+    d_out, d_in, r = 200, 136, 6
+    x = torch.randn(max(INV_MS), d_in, generator=g).to(dtype)
+    w = (torch.randn(d_out, d_in, generator=g) * 0.2).to(dtype)
+    signs = torch.stack([pack_signs(torch.randn(d_out, d_in, generator=g)) for _ in range(3)])
+    alpha = torch.rand(3, d_out, generator=g) * 1e-3
+    v, u = torch.randn(r, d_in, generator=g) * 0.1, torch.randn(d_out, r, generator=g) * 0.1
+
+    def ops(m):  # row 0 of each path for m rows; one slot's rows (no unpack then) and three planes
+        x_m = x[:m]
+        slots = torch.zeros(m, dtype=torch.int64)
+        y = dense_linear(x_m, w, out_fp32=True)
+        return [
+            dense_linear(x_m, w)[0],
+            y[0],
+            bitdelta_linear(x_m, w, signs[0], alpha[0])[0],
+            bitdelta_linear(x_m, w, signs, alpha)[0],  # three planes of one variant
+            bitdelta_delta_batched(x_m, signs, alpha, slots, y.clone())[0],
+            lowrank_delta(x_m.float(), v, [(0, 0, u)], y.clone())[0],
+        ]
+
+    with configured(batch_invariant=True, backend="cpu"):
+        first = ops(1)
+        for m in INV_MS[1:]:
+            for i, (a, b) in enumerate(zip(first, ops(m))):
+                assert torch.equal(a, b), (m, i)
+    with configured(backend="cpu"):  # the default picks paths by row count: the check can fail
+        assert not all(torch.equal(a, b) for a, b in zip(ops(1), ops(40)))
+
+
+def test_batch_invariant_setting_needs_the_library(no_cpu_lib):
+    with configured(batch_invariant=True), pytest.raises(RuntimeError, match="compiled CPU library"):
+        cpu_ops.dense_linear_cpu(torch.randn(3, 8), torch.randn(4, 8))
