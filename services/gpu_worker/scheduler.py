@@ -200,10 +200,16 @@ class Scheduler:
         max_running: int,
         max_batch_tokens: int,
         prefix_caching: bool = False,
+        cache_generated: bool = True,
     ):
+        """cache_generated: blocks that hold generated tokens enter the prefix cache too (a later
+        prompt that repeats a conversation reuses them); off, only the prompt's blocks do (a
+        batch-invariant worker: a generated token's K/V comes from the decode path, a prompt
+        token's from the prefill path, and a hit must give the numbers a miss would)."""
         self.allocator, self.block_size = allocator, block_size
         self.max_running, self.max_batch_tokens = max_running, max_batch_tokens
         self.prefix_caching = prefix_caching
+        self.cache_generated = cache_generated
         self.waiting: list[SeqState] = []  # sorted by SeqState.key
         self.running: list[SeqState] = []
         self.preemptions = 0  # sequences preempted so far (Status, metrics)
@@ -283,7 +289,7 @@ class Scheduler:
         s.computed += n_tokens
         if not self.prefix_caching or s.cache_root is None:
             return
-        full = s.computed // self.block_size
+        full = (s.computed if self.cache_generated else min(s.computed, len(s.prompt))) // self.block_size
         if full > s.registered:
             s.hashes = block_hashes(s.cache_root, s.tokens, self.block_size, s.hashes, full)
             for i in range(s.registered, full):

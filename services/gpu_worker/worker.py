@@ -188,7 +188,12 @@ class Worker:
         if c.prefix_caching and not prefix:
             log.info("prefix caching off: the %s rope's keys depend on the sequence's length", self.args.rope.kind)
         self.scheduler = Scheduler(
-            BlockAllocator(n_blocks), c.block_size, c.max_running, c.max_batch_tokens, prefix_caching=prefix
+            BlockAllocator(n_blocks),
+            c.block_size,
+            c.max_running,
+            c.max_batch_tokens,
+            prefix_caching=prefix,
+            cache_generated=not self.batch_invariant,
         )
         self.source = source_of(c, self.tp.model.tp if self.tp is not None else None)
         policy = WeightedLRUPolicy(c.delta_budget, half_life_s=c.rate_half_life_s, pin_top_n=c.pin_hottest)

@@ -198,3 +198,35 @@ def test_batch_invariant_mode_is_refused_where_it_cannot_hold(family, monkeypatc
     ]:
         with pytest.raises(ValueError, match=why):
             Worker(WorkerConfig(base=base, delta_dir=str(deltas), batch_invariant=True, **changes))
+
+
+def test_batch_invariant_mode_a_conversation_that_goes_on_gives_the_numbers_of_a_cold_start(family):
+    # the next turn's prompt repeats the answer: with the mode, blocks of generated tokens (their
+    # K/V from the decode path) are not offered to it from the prefix cache, whose hit would give
+    # other numbers than the cold prefill of the same prompt (fp32: on this tiny model the two paths'
+    # numbers differ in fp32, and happen to agree in bf16)
+    from bitdelta.generation import Constraint, ConstraintKind
+
+    base, deltas = family
+    first = "Once upon a time, in a land"
+    words = Constraint(ConstraintKind.REGEX, "[a-z ]{40}")  # text that tokenizes back to the same ids
+
+    async def turn(answer_first: bool, answer: str = ""):
+        cfg = WorkerConfig(base=base, delta_dir=str(deltas), dtype="float32", device="cpu", batch_invariant=True)
+        w = Worker(cfg)
+        await w.start()
+        try:
+            if answer_first:  # 40 generated tokens: blocks 2 and 3 (of 16 tokens) hold only them
+                s = Sampling(max_new_tokens=40, constraint=words)
+                answer = "".join([e.text async for e in w.generate(Request("v0", first, s))])
+            hits = w.scheduler.prefix_hits
+            s = Sampling(max_new_tokens=N, logprobs=1)
+            evs = [e async for e in w.generate(Request("v0", first + answer, s))]
+            return answer, [(e.token_id, e.logprobs.sampled.logprob) for e in evs], w.scheduler.prefix_hits - hits
+        finally:
+            await w.close()
+
+    answer, warm, hits = asyncio.run(turn(True))
+    assert len(answer) == 40
+    assert hits == 16  # the first prompt's one full block, not the answer's
+    assert asyncio.run(turn(False, answer))[1] == warm
