@@ -48,22 +48,19 @@ def lowrank_delta(
         if u.dim() != 2 or r0 < 0 or r0 + u.shape[0] > d_out or c0 < 0 or c0 + u.shape[1] > R:
             raise ValueError(f"U {tuple(u.shape)} at rows {r0}, ranks {c0} does not fit y's {d_out} rows and v's {R}")
     xs = (x if rows is None else x[rows]).float()
-    mm = _row_mm if x.device.type == "cpu" and row_invariant() else _mm
-    t = mm(xs, v)  # [n, R]: the shrink, once for the group
+    t = factor_mm(xs, v)  # [n, R]: the shrink, once for the group
     add = y if rows is None else torch.zeros(xs.shape[0], d_out, dtype=torch.float32, device=y.device)
     for r0, c0, u in us:  # the expand, per matrix
-        add[:, r0 : r0 + u.shape[0]] += mm(t[:, c0 : c0 + u.shape[1]], u)
+        add[:, r0 : r0 + u.shape[0]] += factor_mm(t[:, c0 : c0 + u.shape[1]], u)
     if rows is not None:
         y.index_add_(0, rows, add)
     return y
 
 
-def _mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """a [n, k] fp32 · w [m, k]ᵀ -> fp32 [n, m] by the GEMM library."""
+def factor_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a [n, k] fp32 · w [m, k]ᵀ -> fp32 [n, m]: the GEMM library's, or on CPU with batch-invariant
+    kernels the C GEMV's, whose per-row sum order does not depend on n (a GEMM picks its blocking,
+    and so its sum order, from the row count)."""
+    if a.device.type == "cpu" and row_invariant():
+        return linear_gemv_cpu(a, w.float(), None, None)
     return a @ w.float().t()
-
-
-def _row_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The same by the C GEMV: each row's sums in one order whatever n is (batch-invariant kernels;
-    a BLAS GEMM picks its blocking, and so its sum order, from the row count)."""
-    return linear_gemv_cpu(a, w.float(), None, None)

@@ -46,6 +46,7 @@ from kernels import (
 )
 from kernels.cpu_decode import GROUPS, DecodeLayer, DecodeLayers, DecodeShape
 from kernels.cpu_ops import DENSE_GEMV_MAX_M
+from kernels.lowrank import factor_mm
 from services.gpu_worker.slots import BigTensor, SlotExtras, SlotTensors
 
 
@@ -517,7 +518,7 @@ class ModelRunner:
                 s = self._sign_values[ex.signs[p][t].long()].view(t.shape[0], -1)[:, : self.args.dim]
                 acc.addcmul_(ex.alpha[p][t][:, None], s)
             if ex.u is not None:
-                acc += dense_linear(ex.u[t].float(), ex.v.float().t(), out_fp32=True, backend=self.backend)
+                acc += factor_mm(ex.u[t].float(), ex.v.t())
             x[at] = acc.to(x.dtype)
 
     def _sign_heads(self, h: torch.Tensor, sh: SignHeads, extras: dict) -> torch.Tensor:

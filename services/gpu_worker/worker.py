@@ -104,6 +104,7 @@ class Worker:
             self.device = rank_device(config, rv.local_rank if rv is not None else 0)
         if self.batch_invariant:
             self._check_batch_invariant()
+            self.kernel_backend = "cpu"  # not auto: with Triton's interpreter on, auto picks it for small calls
 
     def _check_batch_invariant(self) -> None:
         """Refuse what batch-invariant serving cannot give (only the C CPU kernels have per-row paths)."""
