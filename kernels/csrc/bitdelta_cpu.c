@@ -741,6 +741,8 @@ typedef __m512 vf;
 #define V_LOAD(p) _mm512_loadu_ps(p)
 #define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define V_ADD(a, b) _mm512_add_ps(a, b)
+#define V_SET1(f) _mm512_set1_ps(f)
+#define V_STORE(p, v) _mm512_storeu_ps(p, v)
 #define V_SUM(v) _mm512_reduce_add_ps(v)
 #define V_BF16_EVEN(h) _mm512_castsi512_ps(_mm512_slli_epi32(h, 16))
 #define V_BF16_ODD(h) _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32((int)0xffff0000u)))
@@ -756,6 +758,8 @@ typedef __m256 vf;
 #define V_LOAD(p) _mm256_loadu_ps(p)
 #define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define V_ADD(a, b) _mm256_add_ps(a, b)
+#define V_SET1(f) _mm256_set1_ps(f)
+#define V_STORE(p, v) _mm256_storeu_ps(p, v)
 static inline float hsum8(__m256 v) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -1169,13 +1173,155 @@ static inline void load_row(const void *base, int dtype, int64_t off, int64_t n,
         memcpy(out, (const float *)base + off, (size_t)n * sizeof(float));
     } else if (dtype == BD_W_BF16) {
         const uint16_t *p = (const uint16_t *)base + off;
-        for (int64_t i = 0; i < n; ++i) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= n; i += 16) /* bf16 -> fp32: the 16 bits as the upper half */
+            _mm512_storeu_si512((void *)(out + i),
+                                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + i))), 16));
+#elif defined(__AVX2__)
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_si256((__m256i *)(out + i),
+                                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + i))), 16));
+#endif
+        for (; i < n; ++i) {
             uint32_t u = (uint32_t)p[i] << 16;
             memcpy(out + i, &u, 4);
         }
     } else {
         for (int64_t i = 0; i < n; ++i) out[i] = w_at(base, dtype, off + i);
     }
+}
+
+/* s[t] = exp(s[t] − mx) for t < T (every s[t] ≤ mx, the chunk's running maximum): Cephes' expf
+ * (x = n·ln2 + r, |r| ≤ ln2/2, a degree-6 polynomial in r, then 2^n by the exponent bits; within
+ * 2 ulp of expf), L lanes at a time. glibc's expf is a call per score: at 3 query heads per key
+ * it was most of a key's time in attend (57 ns per key and KV head at 512 keys, warm). Below
+ * −87.3 (e^-87.3 ≈ 1e-38, nothing beside the maximum's 1) the result is that bound's. */
+static void exp_shifted(float *s, int64_t T, float mx) {
+    int64_t t = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__)
+#define EXP_V __m512
+#define EXP_I __m512i
+#define E_SET(c) _mm512_set1_ps(c)
+#define E_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define E_FNMA(a, b, c) _mm512_fnmadd_ps(a, b, c)
+#define E_MUL(a, b) _mm512_mul_ps(a, b)
+#define E_ADD(a, b) _mm512_add_ps(a, b)
+#define E_SUB(a, b) _mm512_sub_ps(a, b)
+#define E_MAX(a, b) _mm512_max_ps(a, b)
+#define E_ROUND(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define E_POW2(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
+#define E_LOAD(p) _mm512_loadu_ps(p)
+#define E_STORE(p, v) _mm512_storeu_ps(p, v)
+#define E_LANES 16
+#else
+#define EXP_V __m256
+#define EXP_I __m256i
+#define E_SET(c) _mm256_set1_ps(c)
+#define E_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define E_FNMA(a, b, c) _mm256_fnmadd_ps(a, b, c)
+#define E_MUL(a, b) _mm256_mul_ps(a, b)
+#define E_ADD(a, b) _mm256_add_ps(a, b)
+#define E_SUB(a, b) _mm256_sub_ps(a, b)
+#define E_MAX(a, b) _mm256_max_ps(a, b)
+#define E_ROUND(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define E_POW2(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
+#define E_LOAD(p) _mm256_loadu_ps(p)
+#define E_STORE(p, v) _mm256_storeu_ps(p, v)
+#define E_LANES 8
+#endif
+    const EXP_V m = E_SET(mx), lo = E_SET(-87.3f), log2e = E_SET(1.44269504088896341f);
+    const EXP_V c1 = E_SET(0.693359375f), c2 = E_SET(-2.12194440e-4f);
+    for (; t + E_LANES <= T; t += E_LANES) {
+        const EXP_V x = E_MAX(E_SUB(E_LOAD(s + t), m), lo);
+        const EXP_V n = E_ROUND(E_MUL(x, log2e));
+        const EXP_V r = E_FNMA(n, c2, E_FNMA(n, c1, x)); /* x − n·ln2, ln2 in two parts */
+        EXP_V p = E_SET(1.9875691500e-4f);
+        p = E_FMA(p, r, E_SET(1.3981999507e-3f));
+        p = E_FMA(p, r, E_SET(8.3334519073e-3f));
+        p = E_FMA(p, r, E_SET(4.1665795894e-2f));
+        p = E_FMA(p, r, E_SET(1.6666665459e-1f));
+        p = E_FMA(p, r, E_SET(5.0000001201e-1f));
+        const EXP_V y = E_ADD(E_FMA(E_MUL(p, r), r, r), E_SET(1.f));
+        E_STORE(s + t, E_MUL(y, E_POW2(n)));
+    }
+#undef EXP_V
+#undef EXP_I
+#undef E_SET
+#undef E_FMA
+#undef E_FNMA
+#undef E_MUL
+#undef E_ADD
+#undef E_SUB
+#undef E_MAX
+#undef E_ROUND
+#undef E_POW2
+#undef E_LOAD
+#undef E_STORE
+#undef E_LANES
+#endif
+    for (; t < T; ++t) s[t] = expf(s[t] - mx);
+}
+
+/* max(m, s[0..T)) and Σ s[0..T), L lanes at a time (a serial chain of T compares or adds was a
+ * few cycles per key and head). */
+static inline float max_of(const float *s, int64_t T, float m) {
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    __m512 v = _mm512_set1_ps(m);
+    for (; t + 16 <= T; t += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(s + t));
+    m = _mm512_reduce_max_ps(v);
+#endif
+    for (; t < T; ++t) m = s[t] > m ? s[t] : m;
+    return m;
+}
+
+static inline float sum_of(const float *s, int64_t T) {
+    int64_t t = 0;
+    float r = 0.f;
+#if defined(__AVX512F__)
+    __m512 v = _mm512_setzero_ps();
+    for (; t + 16 <= T; t += 16) v = _mm512_add_ps(v, _mm512_loadu_ps(s + t));
+    r = _mm512_reduce_add_ps(v);
+#elif defined(__AVX2__)
+    __m256 v = _mm256_setzero_ps();
+    for (; t + 8 <= T; t += 8) v = _mm256_add_ps(v, _mm256_loadu_ps(s + t));
+    r = hsum8(v);
+#endif
+    for (; t < T; ++t) r += s[t];
+    return r;
+}
+
+/* a[0..D) += Σ_t p[t] · v_t[0..D), t < T: a's vectors stay in registers over the T rows (one FMA
+ * per L values and row) where D is 4 or 8 vectors, the common head sizes; else a row at a time. The
+ * row-by-row form, a's values loaded and stored for every row, was half of a key's time in attend
+ * (the compiler also left it scalar, a and v possibly overlapping). */
+#if defined(__AVX512F__) || defined(__AVX2__)
+#define ADD_ROWS_NV(NV)                                                                                  \
+    do {                                                                                                 \
+        vf r_[NV];                                                                                       \
+        for (int j = 0; j < NV; ++j) r_[j] = V_LOAD(a + j * LANES);                                      \
+        for (int64_t t = 0; t < T; ++t) {                                                                \
+            const vf pv_ = V_SET1(p[t]);                                                                 \
+            for (int j = 0; j < NV; ++j) r_[j] = V_FMA(pv_, V_LOAD(v[t] + j * LANES), r_[j]);            \
+        }                                                                                                \
+        for (int j = 0; j < NV; ++j) V_STORE(a + j * LANES, r_[j]);                                      \
+    } while (0)
+#endif
+static inline void add_rows(float *a, const float *p, const float *const *v, int64_t T, int64_t D) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+    if (D == 4 * LANES) {
+        ADD_ROWS_NV(4);
+        return;
+    }
+    if (D == 8 * LANES) {
+        ADD_ROWS_NV(8);
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t d = 0; d < D; ++d) a[d] += p[t] * v[t][d];
 }
 
 /* Keys per chunk of attend: its scores are computed first, then one rescale of the running sums
@@ -1196,8 +1342,9 @@ static inline const float *kv_row(const void *pool, int dtype, const int32_t *ta
     return row;
 }
 
-/* Scratch floats of one attend task: acc [G, D], m [G], l [G], scores [G, ATT_CHUNK], a row [D]. */
-static inline int64_t attend_floats(int64_t G, int64_t D) { return G * D + 2 * G + G * ATT_CHUNK + D; }
+/* Scratch floats of one attend task: acc [G, D], m [G], l [G], scores [G, ATT_CHUNK], a chunk's
+ * rows widened to fp32 [ATT_CHUNK, D]. */
+static inline int64_t attend_floats(int64_t G, int64_t D) { return G * D + 2 * G + G * ATT_CHUNK + ATT_CHUNK * D; }
 
 /* The G query heads qg [G, D] of sequence b over its keys [lo, n) of KV head g -> o [G, D], the
  * keys in chunks of ATT_CHUNK: every score of the chunk (each key row read once for all G heads),
@@ -1221,28 +1368,19 @@ static void attend(const float *qg, int64_t G, int64_t D, const void *k, const v
         }
         for (int64_t h = 0; h < G; ++h) {
             float *sh = sc + h * ATT_CHUNK, mc = m[h];
-            for (int64_t t = 0; t < T; ++t) mc = sh[t] > mc ? sh[t] : mc;
+            mc = max_of(sh, T, mc);
             if (mc > m[h]) { /* a new maximum: rescale what was summed so far (nothing, the first time) */
                 const float c = expf(m[h] - mc);
                 l[h] *= c;
                 for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= c;
                 m[h] = mc;
             }
-            float lh = l[h];
-            for (int64_t t = 0; t < T; ++t) {
-                sh[t] = expf(sh[t] - mc);
-                lh += sh[t];
-            }
-            l[h] = lh;
+            exp_shifted(sh, T, mc);
+            l[h] += sum_of(sh, T);
         }
-        for (int64_t t = 0; t < T; ++t) {
-            const float *vr = kv_row(v, kv_dtype, table, bs, KV, g, D, c0 + t, row);
-            for (int64_t h = 0; h < G; ++h) {
-                const float p = sc[h * ATT_CHUNK + t];
-                float *a = acc + h * D;
-                for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
-            }
-        }
+        const float *vr[ATT_CHUNK]; /* the chunk's value rows, each read (and widened) once for all G heads */
+        for (int64_t t = 0; t < T; ++t) vr[t] = kv_row(v, kv_dtype, table, bs, KV, g, D, c0 + t, row + t * D);
+        for (int64_t h = 0; h < G; ++h) add_rows(acc + h * D, sc + h * ATT_CHUNK, vr, T, D);
     }
     for (int64_t h = 0; h < G; ++h) {
         const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;

@@ -67,13 +67,14 @@ GRID = [
     (2, 4, 4, 16, 4, [3, 20], 4),
     (2, 6, 3, 16, 16, [150, 64], None),  # the C kernel's chunks of 64 keys: two and a part; exactly one
     (1, 4, 2, 8, 7, [200], 90),  # a window that starts inside a chunk and a block
+    (2, 8, 2, 128, 16, [70, 3], None),  # D of 8 AVX-512 vectors (16 AVX2 ones: the row-by-row form)
 ]
 
 
 def backends():
     out = ["torch"]
     if DEV.type == "cpu":
-        out.append("cpu")
+        out += ["cpu", "cpu-avx2"]  # the host's C build and the AVX2 one (D of 4 and 8 AVX2 vectors)
     if HAVE_TRITON:
         out.append("triton")
     return out
@@ -90,7 +91,15 @@ def test_paged_decode_reads_only_each_sequences_tokens(backend, B, H, KV, D, bs,
         # the reference reads every padded position: the NaN rows are masked, but NaN · 0 is NaN
         # in SDPA's product, so it gets a pool whose unowned rows are zero
         k, v = k.nan_to_num(), v.nan_to_num()
-    got = paged_decode(q, k, v, tables, lens_t, bs, window, backend=backend)
+    if backend == "cpu-avx2":
+        from kernels import cpu_build
+        from kernels.settings import configured
+
+        with configured(cpu_isa="avx2"):
+            assert cpu_build.load_cpu_lib() is not None, cpu_build.unavailable_reason
+            got = paged_decode(q, k, v, tables, lens_t, bs, window, backend="cpu")
+    else:
+        got = paged_decode(q, k, v, tables, lens_t, bs, window, backend=backend)
     assert got.dtype == dtype and got.shape == (B, H, D)
     assert torch.isfinite(got).all(), "read a row it does not own"
     err = (got.double().cpu() - want).abs().max() / want.abs().max()
