@@ -743,6 +743,13 @@ typedef __m512 vf;
 #define V_ADD(a, b) _mm512_add_ps(a, b)
 #define V_SET1(f) _mm512_set1_ps(f)
 #define V_STORE(p, v) _mm512_storeu_ps(p, v)
+#define V_SUB(a, b) _mm512_sub_ps(a, b)
+#define V_MUL(a, b) _mm512_mul_ps(a, b)
+#define V_MAX(a, b) _mm512_max_ps(a, b)
+#define V_FNMA(a, b, c) _mm512_fnmadd_ps(a, b, c)
+#define V_ROUND(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+/* 2^n for a vector of whole numbers n in [−126, 127]: n + 127 as the exponent bits */
+#define V_POW2(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
 #define V_SUM(v) _mm512_reduce_add_ps(v)
 #define V_BF16_EVEN(h) _mm512_castsi512_ps(_mm512_slli_epi32(h, 16))
 #define V_BF16_ODD(h) _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32((int)0xffff0000u)))
@@ -760,6 +767,12 @@ typedef __m256 vf;
 #define V_ADD(a, b) _mm256_add_ps(a, b)
 #define V_SET1(f) _mm256_set1_ps(f)
 #define V_STORE(p, v) _mm256_storeu_ps(p, v)
+#define V_SUB(a, b) _mm256_sub_ps(a, b)
+#define V_MUL(a, b) _mm256_mul_ps(a, b)
+#define V_MAX(a, b) _mm256_max_ps(a, b)
+#define V_FNMA(a, b, c) _mm256_fnmadd_ps(a, b, c)
+#define V_ROUND(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define V_POW2(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
 static inline float hsum8(__m256 v) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -1200,66 +1213,21 @@ static inline void load_row(const void *base, int dtype, int64_t off, int64_t n,
 static void exp_shifted(float *s, int64_t T, float mx) {
     int64_t t = 0;
 #if defined(__AVX512F__) || defined(__AVX2__)
-#if defined(__AVX512F__)
-#define EXP_V __m512
-#define EXP_I __m512i
-#define E_SET(c) _mm512_set1_ps(c)
-#define E_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define E_FNMA(a, b, c) _mm512_fnmadd_ps(a, b, c)
-#define E_MUL(a, b) _mm512_mul_ps(a, b)
-#define E_ADD(a, b) _mm512_add_ps(a, b)
-#define E_SUB(a, b) _mm512_sub_ps(a, b)
-#define E_MAX(a, b) _mm512_max_ps(a, b)
-#define E_ROUND(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define E_POW2(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
-#define E_LOAD(p) _mm512_loadu_ps(p)
-#define E_STORE(p, v) _mm512_storeu_ps(p, v)
-#define E_LANES 16
-#else
-#define EXP_V __m256
-#define EXP_I __m256i
-#define E_SET(c) _mm256_set1_ps(c)
-#define E_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define E_FNMA(a, b, c) _mm256_fnmadd_ps(a, b, c)
-#define E_MUL(a, b) _mm256_mul_ps(a, b)
-#define E_ADD(a, b) _mm256_add_ps(a, b)
-#define E_SUB(a, b) _mm256_sub_ps(a, b)
-#define E_MAX(a, b) _mm256_max_ps(a, b)
-#define E_ROUND(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define E_POW2(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
-#define E_LOAD(p) _mm256_loadu_ps(p)
-#define E_STORE(p, v) _mm256_storeu_ps(p, v)
-#define E_LANES 8
-#endif
-    const EXP_V m = E_SET(mx), lo = E_SET(-87.3f), log2e = E_SET(1.44269504088896341f);
-    const EXP_V c1 = E_SET(0.693359375f), c2 = E_SET(-2.12194440e-4f);
-    for (; t + E_LANES <= T; t += E_LANES) {
-        const EXP_V x = E_MAX(E_SUB(E_LOAD(s + t), m), lo);
-        const EXP_V n = E_ROUND(E_MUL(x, log2e));
-        const EXP_V r = E_FNMA(n, c2, E_FNMA(n, c1, x)); /* x − n·ln2, ln2 in two parts */
-        EXP_V p = E_SET(1.9875691500e-4f);
-        p = E_FMA(p, r, E_SET(1.3981999507e-3f));
-        p = E_FMA(p, r, E_SET(8.3334519073e-3f));
-        p = E_FMA(p, r, E_SET(4.1665795894e-2f));
-        p = E_FMA(p, r, E_SET(1.6666665459e-1f));
-        p = E_FMA(p, r, E_SET(5.0000001201e-1f));
-        const EXP_V y = E_ADD(E_FMA(E_MUL(p, r), r, r), E_SET(1.f));
-        E_STORE(s + t, E_MUL(y, E_POW2(n)));
+    const vf m = V_SET1(mx), lo = V_SET1(-87.3f), log2e = V_SET1(1.44269504088896341f);
+    const vf c1 = V_SET1(0.693359375f), c2 = V_SET1(-2.12194440e-4f);
+    for (; t + LANES <= T; t += LANES) {
+        const vf x = V_MAX(V_SUB(V_LOAD(s + t), m), lo);
+        const vf n = V_ROUND(V_MUL(x, log2e));
+        const vf r = V_FNMA(n, c2, V_FNMA(n, c1, x)); /* x − n·ln2, ln2 in two parts */
+        vf p = V_SET1(1.9875691500e-4f);
+        p = V_FMA(p, r, V_SET1(1.3981999507e-3f));
+        p = V_FMA(p, r, V_SET1(8.3334519073e-3f));
+        p = V_FMA(p, r, V_SET1(4.1665795894e-2f));
+        p = V_FMA(p, r, V_SET1(1.6666665459e-1f));
+        p = V_FMA(p, r, V_SET1(5.0000001201e-1f));
+        const vf y = V_ADD(V_FMA(V_MUL(p, r), r, r), V_SET1(1.f));
+        V_STORE(s + t, V_MUL(y, V_POW2(n)));
     }
-#undef EXP_V
-#undef EXP_I
-#undef E_SET
-#undef E_FMA
-#undef E_FNMA
-#undef E_MUL
-#undef E_ADD
-#undef E_SUB
-#undef E_MAX
-#undef E_ROUND
-#undef E_POW2
-#undef E_LOAD
-#undef E_STORE
-#undef E_LANES
 #endif
     for (; t < T; ++t) s[t] = expf(s[t] - mx);
 }
@@ -1268,10 +1236,14 @@ static void exp_shifted(float *s, int64_t T, float mx) {
  * few cycles per key and head). */
 static inline float max_of(const float *s, int64_t T, float m) {
     int64_t t = 0;
-#if defined(__AVX512F__)
-    __m512 v = _mm512_set1_ps(m);
-    for (; t + 16 <= T; t += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(s + t));
-    m = _mm512_reduce_max_ps(v);
+#if defined(__AVX512F__) || defined(__AVX2__)
+    if (T >= LANES) {
+        vf v = V_SET1(m);
+        for (; t + LANES <= T; t += LANES) v = V_MAX(v, V_LOAD(s + t));
+        float lanes[LANES];
+        V_STORE(lanes, v);
+        for (int i = 0; i < LANES; ++i) m = lanes[i] > m ? lanes[i] : m;
+    }
 #endif
     for (; t < T; ++t) m = s[t] > m ? s[t] : m;
     return m;
@@ -1280,14 +1252,10 @@ static inline float max_of(const float *s, int64_t T, float m) {
 static inline float sum_of(const float *s, int64_t T) {
     int64_t t = 0;
     float r = 0.f;
-#if defined(__AVX512F__)
-    __m512 v = _mm512_setzero_ps();
-    for (; t + 16 <= T; t += 16) v = _mm512_add_ps(v, _mm512_loadu_ps(s + t));
-    r = _mm512_reduce_add_ps(v);
-#elif defined(__AVX2__)
-    __m256 v = _mm256_setzero_ps();
-    for (; t + 8 <= T; t += 8) v = _mm256_add_ps(v, _mm256_loadu_ps(s + t));
-    r = hsum8(v);
+#if defined(__AVX512F__) || defined(__AVX2__)
+    vf v = V_ZERO();
+    for (; t + LANES <= T; t += LANES) v = V_ADD(v, V_LOAD(s + t));
+    r = V_SUM(v);
 #endif
     for (; t < T; ++t) r += s[t];
     return r;
