@@ -755,6 +755,18 @@ typedef __m512 vf;
 #define V_BF16_ODD(h) _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32((int)0xffff0000u)))
 #define V_LOAD_I(p) _mm512_loadu_si512((const void *)(p))
 #define V_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define V_WIDEN16(p) _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))) /* LANES u16 -> u32 */
+#define V_MIN(a, b) _mm512_min_ps(a, b)
+#define V_DIV(a, b) _mm512_div_ps(a, b)
+/* round to bf16 as f32_to_bf16 does (nearest even; a NaN quiet), the result widened back */
+static inline __m512 v_round_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v), hi = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                       _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    const __m512i qn = _mm512_or_si512(u, _mm512_set1_epi32(0x400000));
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, qn), hi));
+}
+#define V_ROUND_F16(v) _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
 /* the delta of 16 columns whose bits start at byte p: a masked add */
 #define DELTA_PREP()
 #define DELTA_ADD(acc, p, xv) acc = _mm512_mask_add_ps(acc, _load_mask16((__mmask16 *)(p)), acc, xv)
@@ -784,6 +796,18 @@ static inline float hsum8(__m256 v) {
 #define V_BF16_ODD(h) _mm256_castsi256_ps(_mm256_and_si256(h, _mm256_set1_epi32((int)0xffff0000u)))
 #define V_LOAD_I(p) _mm256_loadu_si256((const __m256i *)(p))
 #define V_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))) /* F16C: part of x86-64-v3 */
+#define V_WIDEN16(p) _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define V_MIN(a, b) _mm256_min_ps(a, b)
+#define V_DIV(a, b) _mm256_div_ps(a, b)
+static inline __m256 v_round_bf16(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v), hi = _mm256_set1_epi32((int)0xffff0000u);
+    const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                                       _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+    const __m256i qn = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
+    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    return _mm256_and_ps(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(qn), nan), _mm256_castsi256_ps(hi));
+}
+#define V_ROUND_F16(v) _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
 /* no mask registers: broadcast the byte, test one bit per lane */
 #define DELTA_PREP() const __m256i lane_bit_ = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128)
 #define DELTA_ADD(acc, p, xv)                                                                            \
@@ -1205,29 +1229,40 @@ static inline void load_row(const void *base, int dtype, int64_t off, int64_t n,
     }
 }
 
-/* s[t] = exp(s[t] − mx) for t < T (every s[t] ≤ mx, the chunk's running maximum): Cephes' expf
- * (x = n·ln2 + r, |r| ≤ ln2/2, a degree-6 polynomial in r, then 2^n by the exponent bits; within
- * 2 ulp of expf), L lanes at a time. glibc's expf is a call per score: at 3 query heads per key
- * it was most of a key's time in attend (57 ns per key and KV head at 512 keys, warm). Below
- * −87.3 (e^-87.3 ≈ 1e-38, nothing beside the maximum's 1) the result is that bound's. */
+#if defined(__AVX512F__) || defined(__AVX2__)
+/* exp(x), L lanes, x clamped to [−87.3, 88] (e^-87.3 ≈ 1e-38; e^88 ≈ 1.7e38, 2^n's exponent still
+ * in range): Cephes' expf (x = n·ln2 + r, |r| ≤ ln2/2, a degree-6 polynomial in r, then 2^n by the
+ * exponent bits), within 2 ulp of expf. */
+static inline vf exp_vec(vf x) {
+    x = V_MIN(V_MAX(x, V_SET1(-87.3f)), V_SET1(88.f));
+    const vf n = V_ROUND(V_MUL(x, V_SET1(1.44269504088896341f)));
+    const vf r = V_FNMA(n, V_SET1(-2.12194440e-4f), V_FNMA(n, V_SET1(0.693359375f), x)); /* x − n·ln2, ln2 in two parts */
+    vf p = V_SET1(1.9875691500e-4f);
+    p = V_FMA(p, r, V_SET1(1.3981999507e-3f));
+    p = V_FMA(p, r, V_SET1(8.3334519073e-3f));
+    p = V_FMA(p, r, V_SET1(4.1665795894e-2f));
+    p = V_FMA(p, r, V_SET1(1.6666665459e-1f));
+    p = V_FMA(p, r, V_SET1(5.0000001201e-1f));
+    const vf y = V_ADD(V_FMA(V_MUL(p, r), r, r), V_SET1(1.f));
+    return V_MUL(y, V_POW2(n));
+}
+
+/* v rounded to the dtype and widened back (round_to, L lanes). */
+static inline vf round_vec(int dtype, vf v) {
+    if (dtype == BD_W_BF16) return v_round_bf16(v);
+    if (dtype == BD_W_F16) return V_ROUND_F16(v);
+    return v;
+}
+#endif
+
+/* s[t] = exp(s[t] − mx) for t < T (every s[t] ≤ mx, the chunk's running maximum), exp_vec L lanes at
+ * a time. glibc's expf is a call per score: at 3 query heads per key it was most of a key's time in
+ * attend (57 ns per key and KV head at 512 keys, warm). */
 static void exp_shifted(float *s, int64_t T, float mx) {
     int64_t t = 0;
 #if defined(__AVX512F__) || defined(__AVX2__)
-    const vf m = V_SET1(mx), lo = V_SET1(-87.3f), log2e = V_SET1(1.44269504088896341f);
-    const vf c1 = V_SET1(0.693359375f), c2 = V_SET1(-2.12194440e-4f);
-    for (; t + LANES <= T; t += LANES) {
-        const vf x = V_MAX(V_SUB(V_LOAD(s + t), m), lo);
-        const vf n = V_ROUND(V_MUL(x, log2e));
-        const vf r = V_FNMA(n, c2, V_FNMA(n, c1, x)); /* x − n·ln2, ln2 in two parts */
-        vf p = V_SET1(1.9875691500e-4f);
-        p = V_FMA(p, r, V_SET1(1.3981999507e-3f));
-        p = V_FMA(p, r, V_SET1(8.3334519073e-3f));
-        p = V_FMA(p, r, V_SET1(4.1665795894e-2f));
-        p = V_FMA(p, r, V_SET1(1.6666665459e-1f));
-        p = V_FMA(p, r, V_SET1(5.0000001201e-1f));
-        const vf y = V_ADD(V_FMA(V_MUL(p, r), r, r), V_SET1(1.f));
-        V_STORE(s + t, V_MUL(y, V_POW2(n)));
-    }
+    const vf m = V_SET1(mx);
+    for (; t + LANES <= T; t += LANES) V_STORE(s + t, exp_vec(V_SUB(V_LOAD(s + t), m)));
 #endif
     for (; t < T; ++t) s[t] = expf(s[t] - mx);
 }
@@ -1310,9 +1345,153 @@ static inline const float *kv_row(const void *pool, int dtype, const int32_t *ta
     return row;
 }
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+/* LANES values of a pool row from element offset off, widened to fp32 in registers. */
+static inline vf kv_vec(const void *pool, int dtype, int64_t off) {
+    if (dtype == BD_W_F32) return V_LOAD((const float *)pool + off);
+    if (dtype == BD_W_BF16) return V_BF16_EVEN(V_WIDEN16((const uint16_t *)pool + off));
+    return V_F16((const uint16_t *)pool + off);
+}
+
+/* r lane i = Σ of v[i]'s lanes, for LANES vectors v (a transpose-and-add tree: ~3 ops per vector
+ * instead of a horizontal sum's ~8 each, and no chain between the vectors). */
+static inline vf sum_lanes(const vf *v) {
+#if defined(__AVX512F__)
+    __m512 w[8], u[4];
+    for (int i = 0; i < 8; ++i) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) { /* per 128-bit lane: the lane's sums of vectors 4i … 4i + 3 */
+        const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xee));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xdd));
+#else
+    __m256 w[4], u[2];
+    for (int i = 0; i < 4; ++i)
+        w[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; ++i) {
+        const __m256d a = _mm256_castps_pd(w[2 * i]), b = _mm256_castps_pd(w[2 * i + 1]);
+        u[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+#endif
+}
+
+/* sc[h·ATT_CHUNK + t] = scale · qg[h] · k_{c0 + t} for the chunk's T keys of KV head g and the G
+ * heads (D a multiple of LANES): LANES keys at a time, each key row widened in registers once for all
+ * G heads, its per-head products summed to one vector (part), then the group's LANES vectors of a
+ * head summed across lanes at once (sum_lanes). part: scratch [G, LANES, LANES]. */
+static void chunk_scores(const float *qg, int64_t G, int64_t D, const void *k, int kv_dtype, const int32_t *table,
+                         int64_t bs, int64_t KV, int64_t g, int64_t c0, int64_t T, float scale, float *sc,
+                         float *part) {
+    const int64_t nv = D / LANES;
+    const vf sv = V_SET1(scale);
+    for (int64_t t0 = 0; t0 < T; t0 += LANES) {
+        const int64_t nt = T - t0 < LANES ? T - t0 : LANES;
+        for (int64_t t = 0; t < LANES; ++t) {
+            if (t >= nt) { /* past the chunk's end: zeros, their sums dropped */
+                for (int64_t h = 0; h < G; ++h) V_STORE(part + (h * LANES + t) * LANES, V_ZERO());
+                continue;
+            }
+            const int64_t tok = c0 + t0 + t, off = (((int64_t)table[tok / bs] * bs + tok % bs) * KV + g) * D;
+            for (int64_t h = 0; h < G; ++h) {
+                const float *qh = qg + h * D;
+                vf a = V_MUL(V_LOAD(qh), kv_vec(k, kv_dtype, off));
+                for (int64_t j = 1; j < nv; ++j) a = V_FMA(V_LOAD(qh + j * LANES), kv_vec(k, kv_dtype, off + j * LANES), a);
+                V_STORE(part + (h * LANES + t) * LANES, a);
+            }
+        }
+        for (int64_t h = 0; h < G; ++h) {
+            vf v[LANES];
+            for (int t = 0; t < LANES; ++t) v[t] = V_LOAD(part + (h * LANES + t) * LANES);
+            const vf r = V_MUL(sum_lanes(v), sv);
+            if (nt == LANES)
+                V_STORE(sc + h * ATT_CHUNK + t0, r);
+            else {
+                float lanes[LANES];
+                V_STORE(lanes, r);
+                memcpy(sc + h * ATT_CHUNK + t0, lanes, sizeof(float) * (size_t)nt);
+            }
+        }
+    }
+}
+/* acc[h] += Σ_t p[h·ATT_CHUNK + t] · v_t for GB heads from h = 0, v_t the pool's row at element
+ * offset off[t] (NV vectors): the heads' sums stay in registers over the chunk's T rows, and each row
+ * is widened in registers once for the GB heads. */
+#define CHUNK_VALUES(NV, GB)                                                                             \
+    static void chunk_values_##NV##_##GB(float *acc, const float *p, const void *v, int dtype,          \
+                                         const int64_t *off, int64_t T) {                                \
+        vf r[GB][NV];                                                                                    \
+        for (int h = 0; h < GB; ++h)                                                                     \
+            for (int j = 0; j < NV; ++j) r[h][j] = V_LOAD(acc + (h * NV + j) * LANES);                   \
+        for (int64_t t = 0; t < T; ++t) {                                                                \
+            vf x[NV];                                                                                    \
+            for (int j = 0; j < NV; ++j) x[j] = kv_vec(v, dtype, off[t] + j * LANES);                    \
+            for (int h = 0; h < GB; ++h) {                                                               \
+                const vf pv = V_SET1(p[h * ATT_CHUNK + t]);                                              \
+                for (int j = 0; j < NV; ++j) r[h][j] = V_FMA(pv, x[j], r[h][j]);                         \
+            }                                                                                            \
+        }                                                                                                \
+        for (int h = 0; h < GB; ++h)                                                                     \
+            for (int j = 0; j < NV; ++j) V_STORE(acc + (h * NV + j) * LANES, r[h][j]);                   \
+    }
+CHUNK_VALUES(4, 1)
+CHUNK_VALUES(4, 2)
+CHUNK_VALUES(4, 3)
+CHUNK_VALUES(4, 4)
+CHUNK_VALUES(8, 1)
+CHUNK_VALUES(8, 2)
+#undef CHUNK_VALUES
+
+/* acc [G, D] += the chunk's weighted value rows (chunk_values_*) where D is 4 or 8 vectors (the
+ * common head sizes; 4 or 2 heads at a time); returns 0 where it is not (the caller's row form). */
+static int chunk_values(float *acc, const float *p, int64_t G, int64_t D, const void *v, int dtype,
+                        const int64_t *off, int64_t T) {
+    if (D != 4 * LANES && D != 8 * LANES) return 0;
+    for (int64_t h = 0; h < G;) {
+        const int64_t n = G - h;
+        float *a = acc + h * D;
+        const float *ph = p + h * ATT_CHUNK;
+        if (D == 4 * LANES) {
+            const int gb = n >= 4 ? 4 : (int)n;
+            if (gb == 4) chunk_values_4_4(a, ph, v, dtype, off, T);
+            else if (gb == 3) chunk_values_4_3(a, ph, v, dtype, off, T);
+            else if (gb == 2) chunk_values_4_2(a, ph, v, dtype, off, T);
+            else chunk_values_4_1(a, ph, v, dtype, off, T);
+            h += gb;
+        } else {
+            if (n >= 2) chunk_values_8_2(a, ph, v, dtype, off, T);
+            else chunk_values_8_1(a, ph, v, dtype, off, T);
+            h += n >= 2 ? 2 : 1;
+        }
+    }
+    return 1;
+}
+#endif
+
+/* Prefetch tokens [t0, t1)'s rows of KV head g in a pool: every line of each row (D values). */
+static inline void prefetch_kv(const void *pool, int dtype, const int32_t *table, int64_t bs, int64_t KV, int64_t g,
+                               int64_t D, int64_t t0, int64_t t1) {
+    const int64_t es = dtype == BD_W_F32 ? 4 : 2, bytes = D * es;
+    for (int64_t t = t0; t < t1; ++t) {
+        const char *r = (const char *)pool + (((int64_t)table[t / bs] * bs + t % bs) * KV + g) * bytes;
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(r + b, 0, 3);
+    }
+}
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#define SCORE_LANES LANES
+#else
+#define SCORE_LANES 0
+#endif
+
 /* Scratch floats of one attend task: acc [G, D], m [G], l [G], scores [G, ATT_CHUNK], a chunk's
- * rows widened to fp32 [ATT_CHUNK, D]. */
-static inline int64_t attend_floats(int64_t G, int64_t D) { return G * D + 2 * G + G * ATT_CHUNK + ATT_CHUNK * D; }
+ * rows widened to fp32 [ATT_CHUNK, D], chunk_scores' part [G, LANES, LANES]. */
+static inline int64_t attend_floats(int64_t G, int64_t D) {
+    return G * D + 2 * G + G * ATT_CHUNK + ATT_CHUNK * D + G * SCORE_LANES * SCORE_LANES;
+}
 
 /* The G query heads qg [G, D] of sequence b over its keys [lo, n) of KV head g -> o [G, D], the
  * keys in chunks of ATT_CHUNK: every score of the chunk (each key row read once for all G heads),
@@ -1322,18 +1501,27 @@ static inline int64_t attend_floats(int64_t G, int64_t D) { return G * D + 2 * G
 static void attend(const float *qg, int64_t G, int64_t D, const void *k, const void *v, int kv_dtype,
                    const int32_t *table, int64_t bs, int64_t KV, int64_t g, int64_t lo, int64_t n, float scale,
                    float *buf, float *o) {
-    float *acc = buf, *m = acc + G * D, *l = m + G, *sc = l + G, *row = sc + G * ATT_CHUNK;
+    float *acc = buf, *m = acc + G * D, *l = m + G, *sc = l + G, *row = sc + G * ATT_CHUNK, *part = row + ATT_CHUNK * D;
+    (void)part;
     for (int64_t h = 0; h < G; ++h) {
         m[h] = -INFINITY;
         l[h] = 0.f;
     }
     memset(acc, 0, (size_t)(G * D) * sizeof(float));
+    if (n > lo) prefetch_kv(k, kv_dtype, table, bs, KV, g, D, lo, lo + (n - lo < ATT_CHUNK ? n - lo : ATT_CHUNK));
     for (int64_t c0 = lo; c0 < n; c0 += ATT_CHUNK) {
         const int64_t T = n - c0 < ATT_CHUNK ? n - c0 : ATT_CHUNK;
-        for (int64_t t = 0; t < T; ++t) {
-            const float *kr = kv_row(k, kv_dtype, table, bs, KV, g, D, c0 + t, row);
-            for (int64_t h = 0; h < G; ++h) sc[h * ATT_CHUNK + t] = dot_f32(qg + h * D, kr, D) * scale;
-        }
+        prefetch_kv(v, kv_dtype, table, bs, KV, g, D, c0, c0 + T);
+        if (c0 + T < n) prefetch_kv(k, kv_dtype, table, bs, KV, g, D, c0 + T, c0 + T + (n - c0 - T < ATT_CHUNK ? n - c0 - T : ATT_CHUNK));
+#if SCORE_LANES
+        if (D % LANES == 0)
+            chunk_scores(qg, G, D, k, kv_dtype, table, bs, KV, g, c0, T, scale, sc, part);
+        else
+#endif
+            for (int64_t t = 0; t < T; ++t) {
+                const float *kr = kv_row(k, kv_dtype, table, bs, KV, g, D, c0 + t, row);
+                for (int64_t h = 0; h < G; ++h) sc[h * ATT_CHUNK + t] = dot_f32(qg + h * D, kr, D) * scale;
+            }
         for (int64_t h = 0; h < G; ++h) {
             float *sh = sc + h * ATT_CHUNK, mc = m[h];
             mc = max_of(sh, T, mc);
@@ -1346,6 +1534,11 @@ static void attend(const float *qg, int64_t G, int64_t D, const void *k, const v
             exp_shifted(sh, T, mc);
             l[h] += sum_of(sh, T);
         }
+#if SCORE_LANES
+        int64_t off[ATT_CHUNK]; /* the chunk's value rows */
+        for (int64_t t = 0; t < T; ++t) off[t] = (((int64_t)table[(c0 + t) / bs] * bs + (c0 + t) % bs) * KV + g) * D;
+        if (chunk_values(acc, sc, G, D, v, kv_dtype, off, T)) continue;
+#endif
         const float *vr[ATT_CHUNK]; /* the chunk's value rows, each read (and widened) once for all G heads */
         for (int64_t t = 0; t < T; ++t) vr[t] = kv_row(v, kv_dtype, table, bs, KV, g, D, c0 + t, row + t * D);
         for (int64_t h = 0; h < G; ++h) add_rows(acc + h * D, sc + h * ATT_CHUNK, vr, T, D);
@@ -1445,17 +1638,92 @@ static int decode_proj(const bd_decode_layer *L, int g, const float *x, int64_t 
     return 0;
 }
 
-/* h = round(w · round(x · rsqrt(mean(x²) + eps))), w the row's slot's weights (runner._norm). */
+/* h = round(w · round(x · rsqrt(mean(x²) + eps))), w the row's slot's weights (runner._norm). The
+ * element-wise steps of a layer here and below run L lanes at a time: one by one (round_to and expf
+ * per value) they were ~6 % of a one-row bf16 step and ~12 % of an 8-row one. */
 static void decode_norm(const float *x, const void *w, const int64_t *row_slot, int64_t B, int64_t D, float eps,
                         int dtype, float *h) {
     for (int64_t b = 0; b < B; ++b) {
         const float *xb = x + b * D;
-        float ss = 0.f;
-        for (int64_t k = 0; k < D; ++k) ss += xb[k] * xb[k];
-        const float inv = 1.f / sqrtf(ss / (float)D + eps);
+        float *hb = h + b * D;
         const int64_t off = (row_slot[b] + 1) * D;
-        for (int64_t k = 0; k < D; ++k)
-            h[b * D + k] = round_to(dtype, w_at(w, dtype, off + k) * round_to(dtype, xb[k] * inv));
+        int64_t k = 0;
+        float ss = 0.f;
+#if defined(__AVX512F__) || defined(__AVX2__)
+        vf acc = V_ZERO();
+        for (; k + LANES <= D; k += LANES) acc = V_FMA(V_LOAD(xb + k), V_LOAD(xb + k), acc);
+        ss = V_SUM(acc);
+#endif
+        for (; k < D; ++k) ss += xb[k] * xb[k];
+        const float inv = 1.f / sqrtf(ss / (float)D + eps);
+        k = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+        const vf iv = V_SET1(inv);
+        for (; k + LANES <= D; k += LANES)
+            V_STORE(hb + k, round_vec(dtype, V_MUL(kv_vec(w, dtype, off + k), round_vec(dtype, V_MUL(V_LOAD(xb + k), iv)))));
+#endif
+        for (; k < D; ++k) hb[k] = round_to(dtype, w_at(w, dtype, off + k) * round_to(dtype, xb[k] * inv));
+    }
+}
+
+/* x[i] = round(x[i]) for i < n. */
+static void round_all(float *x, int64_t n, int dtype) {
+    int64_t i = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+    for (; i + LANES <= n; i += LANES) V_STORE(x + i, round_vec(dtype, V_LOAD(x + i)));
+#endif
+    for (; i < n; ++i) x[i] = round_to(dtype, x[i]);
+}
+
+/* x[i] = round(x[i] + o[i]) for i < n (a residual add). */
+static void residual_add(float *x, const float *o, int64_t n, int dtype) {
+    int64_t i = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+    for (; i + LANES <= n; i += LANES) V_STORE(x + i, round_vec(dtype, V_ADD(V_LOAD(x + i), V_LOAD(o + i))));
+#endif
+    for (; i < n; ++i) x[i] = round_to(dtype, x[i] + o[i]);
+}
+
+/* act[b, k] = round(round(silu(g)) · u), g = gu[b, k], u = gu[b, F + k] (runner's MLP). */
+static void silu_mul(const float *gu, int64_t B, int64_t F, int dtype, float *act) {
+    for (int64_t b = 0; b < B; ++b) {
+        const float *gb = gu + b * 2 * F, *ub = gb + F;
+        float *ab = act + b * F;
+        int64_t k = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+        for (; k + LANES <= F; k += LANES) {
+            const vf g = V_LOAD(gb + k);
+            const vf sg = round_vec(dtype, V_DIV(g, V_ADD(V_SET1(1.f), exp_vec(V_MUL(g, V_SET1(-1.f))))));
+            V_STORE(ab + k, round_vec(dtype, V_MUL(sg, V_LOAD(ub + k))));
+        }
+#endif
+        for (; k < F; ++k) ab[k] = round_to(dtype, round_to(dtype, gb[k] / (1.f + expf(-gb[k]))) * ub[k]);
+    }
+}
+
+/* Rope over n heads of hd values at xh (the rotation over the whole head, runner's rope):
+ * lo' = round(round(lo·c) + round(−hi·s)), hi' = round(round(hi·c') + round(lo·s')). */
+static void rope_heads(float *x, int64_t n, int64_t hd, const float *c, const float *sn, int dtype) {
+    const int64_t half = hd / 2;
+    for (int64_t j = 0; j < n; ++j) {
+        float *xh = x + j * hd;
+        int64_t i = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+        for (; i + LANES <= half; i += LANES) {
+            const vf lo = V_LOAD(xh + i), hi = V_LOAD(xh + i + half);
+            const vf nlo = round_vec(dtype, V_ADD(round_vec(dtype, V_MUL(lo, V_LOAD(c + i))),
+                                                  round_vec(dtype, V_MUL(V_MUL(hi, V_SET1(-1.f)), V_LOAD(sn + i)))));
+            const vf nhi = round_vec(dtype, V_ADD(round_vec(dtype, V_MUL(hi, V_LOAD(c + i + half))),
+                                                  round_vec(dtype, V_MUL(lo, V_LOAD(sn + i + half)))));
+            V_STORE(xh + i, nlo);
+            V_STORE(xh + i + half, nhi);
+        }
+#endif
+        for (; i < half; ++i) {
+            const float lo = xh[i], hi = xh[i + half];
+            xh[i] = round_to(dtype, round_to(dtype, lo * c[i]) + round_to(dtype, -hi * sn[i]));
+            xh[i + half] = round_to(dtype, round_to(dtype, hi * c[i + half]) + round_to(dtype, lo * sn[i + half]));
+        }
     }
 }
 
@@ -1467,7 +1735,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
                      int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t F, float eps, int dtype, const float *cos_t,
                      const float *sin_t, const int64_t *write_rows, const int32_t *tables, int64_t max_blocks,
                      const int32_t *lens, int64_t bs, float scale, int n_threads) {
-    const int64_t Q = (H + 2 * KV) * hd, HD = H * hd, half = hd / 2;
+    const int64_t Q = (H + 2 * KV) * hd, HD = H * hd;
     int any_delta = 0;
     for (int64_t b = 0; b < B; ++b) any_delta |= row_slot[b] >= 0;
     const int64_t n = B * (D + Q + 2 * HD + D + 3 * F + D);
@@ -1481,16 +1749,8 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
         decode_norm(x, L->norm[0], row_slot, B, D, eps, dtype, h);
         if ((rc = decode_proj(L, 0, h, B, D, Q, dtype, row_slot, any_delta, qkv, n_threads))) break;
         for (int64_t b = 0; b < B; ++b) { /* rope over q's and k's heads (adjacent in qkv), then k, v into the pool */
-            const float *c = cos_t + b * hd, *sn = sin_t + b * hd;
             float *row = qkv + b * Q;
-            for (int64_t j = 0; j < H + KV; ++j) {
-                float *xh = row + j * hd;
-                for (int64_t i = 0; i < half; ++i) {
-                    const float lo = xh[i], hi = xh[i + half];
-                    xh[i] = round_to(dtype, round_to(dtype, lo * c[i]) + round_to(dtype, -hi * sn[i]));
-                    xh[i + half] = round_to(dtype, round_to(dtype, hi * c[i + half]) + round_to(dtype, lo * sn[i + half]));
-                }
-            }
+            rope_heads(row, H + KV, hd, cos_t + b * hd, sin_t + b * hd, dtype);
             memcpy(q + b * HD, row, sizeof(float) * (size_t)HD);
             const int64_t off = write_rows[b] * KV * hd;
             for (int64_t i = 0; i < KV * hd; ++i) {
@@ -1501,18 +1761,14 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
         if ((rc = bd_paged_decode(q, B, H, KV, hd, L->k, L->v, dtype, tables, max_blocks, lens, bs, L->window, scale,
                                   att, n_threads)))
             break;
-        for (int64_t i = 0; i < B * HD; ++i) att[i] = round_to(dtype, att[i]);
+        round_all(att, B * HD, dtype);
         if ((rc = decode_proj(L, 1, att, B, HD, D, dtype, row_slot, any_delta, o, n_threads))) break;
-        for (int64_t i = 0; i < B * D; ++i) x[i] = round_to(dtype, x[i] + o[i]);
+        residual_add(x, o, B * D, dtype);
         decode_norm(x, L->norm[1], row_slot, B, D, eps, dtype, h);
         if ((rc = decode_proj(L, 2, h, B, D, 2 * F, dtype, row_slot, any_delta, gu, n_threads))) break;
-        for (int64_t b = 0; b < B; ++b)
-            for (int64_t k = 0; k < F; ++k) {
-                const float g = gu[b * 2 * F + k];
-                act[b * F + k] = round_to(dtype, round_to(dtype, g / (1.f + expf(-g))) * gu[b * 2 * F + F + k]);
-            }
+        silu_mul(gu, B, F, dtype, act);
         if ((rc = decode_proj(L, 3, act, B, F, D, dtype, row_slot, any_delta, dn, n_threads))) break;
-        for (int64_t i = 0; i < B * D; ++i) x[i] = round_to(dtype, x[i] + dn[i]);
+        residual_add(x, dn, B * D, dtype);
     }
     free(buf);
     return rc ? -1 : 0;
