@@ -1296,33 +1296,8 @@ static inline float sum_of(const float *s, int64_t T) {
     return r;
 }
 
-/* a[0..D) += Σ_t p[t] · v_t[0..D), t < T: a's vectors stay in registers over the T rows (one FMA
- * per L values and row) where D is 4 or 8 vectors, the common head sizes; else a row at a time. The
- * row-by-row form, a's values loaded and stored for every row, was half of a key's time in attend
- * (the compiler also left it scalar, a and v possibly overlapping). */
-#if defined(__AVX512F__) || defined(__AVX2__)
-#define ADD_ROWS_NV(NV)                                                                                  \
-    do {                                                                                                 \
-        vf r_[NV];                                                                                       \
-        for (int j = 0; j < NV; ++j) r_[j] = V_LOAD(a + j * LANES);                                      \
-        for (int64_t t = 0; t < T; ++t) {                                                                \
-            const vf pv_ = V_SET1(p[t]);                                                                 \
-            for (int j = 0; j < NV; ++j) r_[j] = V_FMA(pv_, V_LOAD(v[t] + j * LANES), r_[j]);            \
-        }                                                                                                \
-        for (int j = 0; j < NV; ++j) V_STORE(a + j * LANES, r_[j]);                                      \
-    } while (0)
-#endif
+/* a[0..D) += Σ_t p[t] · v_t[0..D), t < T, row by row: the head sizes chunk_values does not take. */
 static inline void add_rows(float *a, const float *p, const float *const *v, int64_t T, int64_t D) {
-#if defined(__AVX512F__) || defined(__AVX2__)
-    if (D == 4 * LANES) {
-        ADD_ROWS_NV(4);
-        return;
-    }
-    if (D == 8 * LANES) {
-        ADD_ROWS_NV(8);
-        return;
-    }
-#endif
     for (int64_t t = 0; t < T; ++t)
         for (int64_t d = 0; d < D; ++d) a[d] += p[t] * v[t][d];
 }
