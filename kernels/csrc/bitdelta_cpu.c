@@ -393,7 +393,7 @@ static void delta_rows_mask(const float *x, const float *tab, int64_t ldx, int64
 }
 
 /* x's rows as bf16 words (x's values exactly bf16: their upper halves) for the bf16 dot-product
- * GEMV (dense_dp_bf16), a malloc'ed [M, ldx] the caller frees; NULL where the build has no
+ * GEMV (dense_rows_dp), a malloc'ed [M, ldx] the caller frees; NULL where the build has no
  * AVX512-BF16 (*failed = 0) or memory ran out (*failed = 1). */
 static uint16_t *bf16_words(const float *x, int64_t M, int64_t ldx, int64_t d_in, int *failed) {
     *failed = 0;
@@ -930,75 +930,167 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
         for (int l_ = 0; l_ < (lines); ++l_) _mm_prefetch((const char *)(p) + STREAM_AHEAD + 64 * l_, _MM_HINT_T0); \
     } while (0)
 
-/* fp32 weights, no delta: ONE weight row at a time, so W is read as one linear stream (the
- * blocks above interleave ROWS_A rows' streams and read it at ~0.75 of the memory bandwidth on
- * one core, this at ~0.9), four accumulators over its columns per x row. MB x rows share each
- * weight vector. A row's sum order is the same for every MB, so a decode row's result does not
- * depend on how many rows its step has. */
-#define STREAM_ROW(NAME, MB)                                                                             \
+/* The dense GEMV (no delta) in register blocks of R weight rows × MB x rows: each weight vector
+ * loaded once for MB x rows and each x vector once for R weight rows (a decode step's rows share
+ * W; one weight row per x row at a time left 8 rows compute-bound at ~3× the 1-row time on one core
+ * of an AMD EPYC, Zen 5). Every (weight row, x row) pair sums its products in two accumulators, the
+ * vectors of even and of odd index, added at the end and then the ragged tail: the same order in
+ * every block, so a row's result does not depend on how many rows its step has (--batch-invariant).
+ * The R rows' weights are R linear streams, each prefetched STREAM_AHEAD on. */
+#define DENSE_BLOCK_F32(NAME, R, MB)                                                                     \
     static void NAME(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t d_in, float *y,  \
                      int64_t ldy, int64_t r, int64_t m0) {                                               \
-        const float *wr = w + r * ldw;                                                                   \
-        vf a[MB][4];                                                                                     \
-        for (int b = 0; b < MB; ++b)                                                                     \
-            for (int q = 0; q < 4; ++q) a[b][q] = V_ZERO();                                              \
-        const int64_t n4 = d_in / (4 * LANES);                                                           \
-        for (int64_t j = 0; j < n4; ++j) {                                                               \
-            const int64_t c = 4 * LANES * j;                                                             \
-            STREAM_PREFETCH(wr + c, LANES / 4);                                                          \
-            for (int q = 0; q < 4; ++q) {                                                                \
-                const vf wv = V_LOAD(wr + c + q * LANES);                                                \
-                for (int b = 0; b < MB; ++b)                                                             \
-                    a[b][q] = V_FMA(V_LOAD(x + (m0 + b) * ldx + c + q * LANES), wv, a[b][q]);            \
+        vf a[R][MB][2];                                                                                  \
+        for (int i = 0; i < R; ++i)                                                                      \
+            for (int b = 0; b < MB; ++b) a[i][b][0] = a[i][b][1] = V_ZERO();                             \
+        int64_t k = 0;                                                                                   \
+        for (; k + 2 * LANES <= d_in; k += 2 * LANES) {                                                  \
+            for (int i = 0; i < R; ++i) STREAM_PREFETCH(w + (r + i) * ldw + k, LANES / 8);               \
+            for (int h = 0; h < 2; ++h) {                                                                \
+                vf wv[R];                                                                                \
+                for (int i = 0; i < R; ++i) wv[i] = V_LOAD(w + (r + i) * ldw + k + h * LANES);          \
+                for (int b = 0; b < MB; ++b) {                                                           \
+                    const vf xv = V_LOAD(x + (m0 + b) * ldx + k + h * LANES);                            \
+                    for (int i = 0; i < R; ++i) a[i][b][h] = V_FMA(xv, wv[i], a[i][b][h]);               \
+                }                                                                                        \
             }                                                                                            \
         }                                                                                                \
-        int64_t k = 4 * LANES * n4;                                                                      \
-        for (; k + LANES <= d_in; k += LANES) {                                                          \
-            if (k % 16 == 0) STREAM_PREFETCH(wr + k, 1); /* each 64-byte line once */                   \
-            const vf wv = V_LOAD(wr + k);                                                                \
-            for (int b = 0; b < MB; ++b) a[b][0] = V_FMA(V_LOAD(x + (m0 + b) * ldx + k), wv, a[b][0]);   \
+        if (k + LANES <= d_in) {                                                                         \
+            for (int b = 0; b < MB; ++b) {                                                               \
+                const vf xv = V_LOAD(x + (m0 + b) * ldx + k);                                            \
+                for (int i = 0; i < R; ++i) a[i][b][0] = V_FMA(xv, V_LOAD(w + (r + i) * ldw + k), a[i][b][0]); \
+            }                                                                                            \
+            k += LANES;                                                                                  \
         }                                                                                                \
-        for (int b = 0; b < MB; ++b) {                                                                   \
-            const float *xm = x + (m0 + b) * ldx;                                                        \
-            float t = V_SUM(V_ADD(V_ADD(a[b][0], a[b][1]), V_ADD(a[b][2], a[b][3])));                    \
-            for (int64_t kk = k; kk < d_in; ++kk) t += xm[kk] * wr[kk]; /* ragged tail */               \
-            y[(m0 + b) * ldy + r] = t;                                                                   \
-        }                                                                                                \
+        for (int i = 0; i < R; ++i)                                                                      \
+            for (int b = 0; b < MB; ++b) {                                                               \
+                const float *xm = x + (m0 + b) * ldx, *wr = w + (r + i) * ldw;                           \
+                float t = V_SUM(V_ADD(a[i][b][0], a[i][b][1]));                                          \
+                for (int64_t kk = k; kk < d_in; ++kk) t += xm[kk] * wr[kk]; /* ragged tail */           \
+                y[(m0 + b) * ldy + r + i] = t;                                                           \
+            }                                                                                            \
     }
-STREAM_ROW(stream_one_f32, 1)
-STREAM_ROW(stream_two_f32, 2)
-
+#if defined(__AVX512F__)
+#define DENSE_R 3  /* 3 × 4 pairs × 2 accumulators + 3 weight vectors + an x vector: 28 of 32 registers */
+#define DENSE_MB 4
+DENSE_BLOCK_F32(dense_f32_3x4, 3, 4)
+DENSE_BLOCK_F32(dense_f32_3x2, 3, 2)
+DENSE_BLOCK_F32(dense_f32_3x1, 3, 1)
+DENSE_BLOCK_F32(dense_f32_2x4, 2, 4)
+DENSE_BLOCK_F32(dense_f32_2x2, 2, 2)
+DENSE_BLOCK_F32(dense_f32_2x1, 2, 1)
+DENSE_BLOCK_F32(dense_f32_1x4, 1, 4)
+DENSE_BLOCK_F32(dense_f32_1x2, 1, 2)
+DENSE_BLOCK_F32(dense_f32_1x1, 1, 1)
+typedef void (*dense_f32_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t, int64_t, int64_t);
+static const dense_f32_fn dense_f32_blocks[3][3] = {{dense_f32_1x1, dense_f32_1x2, dense_f32_1x4},
+                                                    {dense_f32_2x1, dense_f32_2x2, dense_f32_2x4},
+                                                    {dense_f32_3x1, dense_f32_3x2, dense_f32_3x4}};
+#else
+#define DENSE_R 2  /* 16 ymm registers: 2 × 2 pairs × 2 accumulators + 2 weight vectors + an x vector */
+#define DENSE_MB 2
+DENSE_BLOCK_F32(dense_f32_2x2, 2, 2)
+DENSE_BLOCK_F32(dense_f32_2x1, 2, 1)
+DENSE_BLOCK_F32(dense_f32_1x2, 1, 2)
+DENSE_BLOCK_F32(dense_f32_1x1, 1, 1)
+typedef void (*dense_f32_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t, int64_t, int64_t);
+static const dense_f32_fn dense_f32_blocks[2][2] = {{dense_f32_1x1, dense_f32_1x2}, {dense_f32_2x1, dense_f32_2x2}};
 #endif
 
+/* Weight rows per block from this many x rows on; fewer take one row at a time (one linear stream:
+ * three rows' streams at once read W at ~0.8× the speed in a one-row decode step). */
+#define DENSE_MIN_M 3
+
+/* mb index of a block of n x rows in the tables (1, 2, 4 -> 0, 1, 2) */
+static inline int mb_index(int64_t n) { return n >= 4 ? 2 : (int)(n - 1); }
+
+/* y[m, r] = x_m · W_r for rows [r0, r1) and every x row, fp32 weights: DENSE_R weight rows at a
+ * time (their weights stay in L1 for all x rows), DENSE_MB x rows, then 2 and 1 for the rest. */
+static void dense_rows_f32(const float *x, int64_t ldx, int64_t M, const float *w, int64_t ldw, int64_t d_in,
+                           float *y, int64_t ldy, int64_t r0, int64_t r1) {
+    const int64_t R = M >= DENSE_MIN_M ? DENSE_R : 1;
+    for (int64_t r = r0; r < r1; r += R) {
+        const int64_t nr = (r1 - r) < R ? r1 - r : R;
+        for (int64_t m = 0; m < M;) {
+            const int64_t nb = M - m >= DENSE_MB ? DENSE_MB : (M - m >= 2 ? 2 : 1);
+            dense_f32_blocks[nr - 1][mb_index(nb)](x, ldx, w, ldw, d_in, y, ldy, r, m);
+            m += nb;
+        }
+    }
+}
+
 #if defined(__AVX512BF16__)
-/* bf16 weights and an x that is exactly bf16 (a bf16 model's activations), no delta: one
- * VDPBF16PS per 32 weights (pairs of exact products summed in fp32; denormals flushed)
- * instead of widening both halves and two FMAs: on one core the widening path was
- * compute-bound at ~0.7x of the bf16 weights' bandwidth. One weight row at a time (one linear
- * stream, as stream_one_f32), four accumulators over its columns. xb: x as bf16, x's layout. */
-static void dense_dp_bf16(const uint16_t *xb, int64_t ldx, const uint16_t *w, int64_t ldw, int64_t d_in,
-                          float *y, int64_t ldy, int64_t r, int64_t m) {
-    const uint16_t *wr = w + r * ldw, *xm = xb + m * ldx;
-    __m512 a[4];
-    for (int q = 0; q < 4; ++q) a[q] = _mm512_setzero_ps();
-#define DP_AT(acc, k) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const void *)(xm + (k))), \
-                                             (__m512bh)_mm512_loadu_si512((const void *)(wr + (k))))
-    const int64_t n4 = d_in / 128;
-    for (int64_t j = 0; j < n4; ++j) {
-        STREAM_PREFETCH(wr + 128 * j, 4);
-        for (int q = 0; q < 4; ++q) DP_AT(a[q], 128 * j + 32 * q);
+/* bf16 weights and an x that is exactly bf16 (a bf16 model's activations), no delta: one VDPBF16PS
+ * per 32 weights (pairs of exact products summed in fp32; denormals flushed) instead of widening
+ * both halves and two FMAs (that path was compute-bound at ~0.7× of the bf16 weights' bandwidth on
+ * one core). Blocks as DENSE_BLOCK_F32, the two accumulators over 32-value chunks of even and odd
+ * index. xb: x as bf16, x's layout. */
+#define DENSE_BLOCK_DP(NAME, R, MB)                                                                      \
+    static void NAME(const uint16_t *xb, int64_t ldx, const uint16_t *w, int64_t ldw, int64_t d_in,     \
+                     float *y, int64_t ldy, int64_t r, int64_t m0) {                                     \
+        __m512 a[R][MB][2];                                                                              \
+        for (int i = 0; i < R; ++i)                                                                      \
+            for (int b = 0; b < MB; ++b) a[i][b][0] = a[i][b][1] = _mm512_setzero_ps();                  \
+        int64_t k = 0;                                                                                   \
+        for (; k + 64 <= d_in; k += 64) {                                                                \
+            for (int i = 0; i < R; ++i) STREAM_PREFETCH(w + (r + i) * ldw + k, 2);                       \
+            for (int h = 0; h < 2; ++h) {                                                                \
+                __m512bh wv[R];                                                                          \
+                for (int i = 0; i < R; ++i) wv[i] = (__m512bh)_mm512_loadu_si512((const void *)(w + (r + i) * ldw + k + 32 * h)); \
+                for (int b = 0; b < MB; ++b) {                                                           \
+                    const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + (m0 + b) * ldx + k + 32 * h)); \
+                    for (int i = 0; i < R; ++i) a[i][b][h] = _mm512_dpbf16_ps(a[i][b][h], xv, wv[i]);    \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+        if (k + 32 <= d_in) {                                                                            \
+            for (int b = 0; b < MB; ++b) {                                                               \
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + (m0 + b) * ldx + k)); \
+                for (int i = 0; i < R; ++i)                                                              \
+                    a[i][b][0] = _mm512_dpbf16_ps(a[i][b][0], xv,                                        \
+                                                  (__m512bh)_mm512_loadu_si512((const void *)(w + (r + i) * ldw + k))); \
+            }                                                                                            \
+            k += 32;                                                                                     \
+        }                                                                                                \
+        for (int i = 0; i < R; ++i)                                                                      \
+            for (int b = 0; b < MB; ++b) {                                                               \
+                const uint16_t *xm = xb + (m0 + b) * ldx, *wr = w + (r + i) * ldw;                       \
+                float t = _mm512_reduce_add_ps(_mm512_add_ps(a[i][b][0], a[i][b][1]));                   \
+                for (int64_t kk = k; kk < d_in; ++kk) t += w_at(xm, BD_W_BF16, kk) * w_at(wr, BD_W_BF16, kk); \
+                y[(m0 + b) * ldy + r + i] = t;                                                           \
+            }                                                                                            \
     }
-    int64_t k = 128 * n4;
-    for (; k + 32 <= d_in; k += 32) {
-        STREAM_PREFETCH(wr + k, 1);
-        DP_AT(a[0], k);
+DENSE_BLOCK_DP(dense_dp_3x4, 3, 4)
+DENSE_BLOCK_DP(dense_dp_3x2, 3, 2)
+DENSE_BLOCK_DP(dense_dp_3x1, 3, 1)
+DENSE_BLOCK_DP(dense_dp_2x4, 2, 4)
+DENSE_BLOCK_DP(dense_dp_2x2, 2, 2)
+DENSE_BLOCK_DP(dense_dp_2x1, 2, 1)
+DENSE_BLOCK_DP(dense_dp_1x4, 1, 4)
+DENSE_BLOCK_DP(dense_dp_1x2, 1, 2)
+DENSE_BLOCK_DP(dense_dp_1x1, 1, 1)
+typedef void (*dense_dp_fn)(const uint16_t *, int64_t, const uint16_t *, int64_t, int64_t, float *, int64_t, int64_t,
+                            int64_t);
+static const dense_dp_fn dense_dp_blocks[3][3] = {{dense_dp_1x1, dense_dp_1x2, dense_dp_1x4},
+                                                  {dense_dp_2x1, dense_dp_2x2, dense_dp_2x4},
+                                                  {dense_dp_3x1, dense_dp_3x2, dense_dp_3x4}};
+
+/* dense_rows_f32 for bf16 weights and x (xb) by dot products. */
+static void dense_rows_dp(const uint16_t *xb, int64_t ldx, int64_t M, const uint16_t *w, int64_t ldw, int64_t d_in,
+                          float *y, int64_t ldy, int64_t r0, int64_t r1) {
+    const int64_t R = M >= DENSE_MIN_M ? 3 : 1;
+    for (int64_t r = r0; r < r1; r += R) {
+        const int64_t nr = (r1 - r) < R ? r1 - r : R;
+        for (int64_t m = 0; m < M;) {
+            const int64_t nb = M - m >= 4 ? 4 : (M - m >= 2 ? 2 : 1);
+            dense_dp_blocks[nr - 1][mb_index(nb)](xb, ldx, w, ldw, d_in, y, ldy, r, m);
+            m += nb;
+        }
     }
-#undef DP_AT
-    float t = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
-    for (; k < d_in; ++k) t += w_at(xm, BD_W_BF16, k) * w_at(wr, BD_W_BF16, k);
-    y[m * ldy + r] = t;
 }
 #define HAVE_DP_BF16 1
+#endif
+
 #endif
 
 #ifdef HAVE_LINEAR_BLOCKS
@@ -1019,25 +1111,13 @@ static void linear_rows(const float *x, const float *xeo, const uint16_t *xb, in
     const block_fn one = s ? one_d[k] : one_b[k], two = s ? two_d[k] : two_b[k];
 #ifdef HAVE_DP_BF16
     if (xb && !s && w_dtype == BD_W_BF16) {
-        for (int64_t r = r0; r < r1; r += ROWS_A) { /* the block's rows stay in cache for x's other rows */
-            const int64_t re = (r + ROWS_A) < r1 ? r + ROWS_A : r1;
-            for (int64_t m = 0; m < M; ++m)
-                for (int64_t q = r; q < re; ++q) dense_dp_bf16(xb, ldx, (const uint16_t *)w, ldw, d_in, y, ldy, q, m);
-        }
+        dense_rows_dp(xb, ldx, M, (const uint16_t *)w, ldw, d_in, y, ldy, r0, r1);
         return;
     }
 #endif
     (void)xb;
     if (!s && w_dtype == BD_W_F32) {
-        const float *wf = (const float *)w;
-        for (int64_t r = r0; r < r1; r += ROWS_A) { /* the block's rows stay in cache for x's other rows */
-            const int64_t re = (r + ROWS_A) < r1 ? r + ROWS_A : r1;
-            int64_t m = 0;
-            for (; m + 2 <= M; m += 2)
-                for (int64_t q = r; q < re; ++q) stream_two_f32(x, ldx, wf, ldw, d_in, y, ldy, q, m);
-            for (; m < M; ++m)
-                for (int64_t q = r; q < re; ++q) stream_one_f32(x, ldx, wf, ldw, d_in, y, ldy, q, m);
-        }
+        dense_rows_f32(x, ldx, M, (const float *)w, ldw, d_in, y, ldy, r0, r1);
         return;
     }
     for (int64_t r = r0; r < r1; r += ROWS_A) {
