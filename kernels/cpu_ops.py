@@ -48,8 +48,18 @@ from kernels.settings import current
 FUSED_GEMV_MAX_M = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 24}
 # The same GEMV without the delta (a base row): torch's M=1 fp32 GEMV read the weights at
 # 16 GB/s and its bf16 GEMV at ~half the fp32 bandwidth, the C GEMV at 21 GB/s (fp32) and at
-# the bf16 weights' bandwidth (one thread, 2-core EPYC, SmolLM2-135M shapes).
-DENSE_GEMV_MAX_M = {torch.float32: 8, torch.bfloat16: 8, torch.float16: 8}
+# the bf16 weights' bandwidth (one thread, 2-core EPYC, SmolLM2-135M shapes). With its register
+# blocks of weight rows × x rows (one core of an AMD EPYC, Zen 5, SmolLM2-135M's shapes, thread
+# time) it takes 0.42–0.74× torch's time at 8–32 rows in fp32 and 0.5–0.7× at 8 rows in bf16
+# (0.94–1.21× at 24); the worker's decode rows go through the C layers up to these counts: 16
+# streams 1.4× (bf16) and 1.8× (fp32) the tokens/s of the C layers stopping at 8, 32 fp32 streams
+# 1.55×, 24 bf16 streams 1.07× (32 bf16 streams 0.97×: past the crossover). Those blocks are the
+# AVX-512 build's (bf16: AVX512-BF16's dot products); other builds stop at 8 (`dense_gemv_max_m`).
+DENSE_GEMV_MAX_M = {torch.float32: 32, torch.bfloat16: 24, torch.float16: 8}
+DENSE_GEMV_MAX_M_OTHER = 8
+# A variant's row by the base GEMV and then its delta from the bits (`gemv_delta`) up to this many
+# rows; beyond, the fused one-pass GEMV or merge-then-GEMM (`linear_path_cpu`).
+GEMV_DELTA_MAX_M = 8
 MERGE_MIN_M = 32
 UNPACK_MIN_M = 32
 # Merge at most this many bytes of weights at a time: big enough that the
@@ -262,7 +272,16 @@ def dense_path_cpu(M: int, w_dtype: torch.dtype) -> str:
         return "gemv"  # whatever the ISA: the portable loop is per row too
     if load_cpu_lib() is None or cpu_isa() == "scalar":
         return "blas"
-    return "gemv" if M <= DENSE_GEMV_MAX_M.get(w_dtype, 0) else "blas"
+    return "gemv" if M <= dense_gemv_max_m(w_dtype) else "blas"
+
+
+def dense_gemv_max_m(w_dtype: torch.dtype) -> int:
+    """The most rows the C GEMV takes for weights of w_dtype in this process's build (beyond: torch's
+    GEMM); the worker's C decode layers take as many decode rows."""
+    isa = cpu_isa()
+    blocked = isa == "avx512bf16" or (isa == "avx512" and w_dtype == torch.float32)
+    n = DENSE_GEMV_MAX_M.get(w_dtype, 0)
+    return n if blocked else min(n, DENSE_GEMV_MAX_M_OTHER)
 
 
 def dense_linear_cpu(x: torch.Tensor, w: torch.Tensor, out_fp32: bool = False) -> torch.Tensor:
@@ -337,7 +356,7 @@ def linear_path_cpu(M: int, w_dtype: torch.dtype) -> str:
     """Which CPU path `bitdelta_linear_cpu` takes for M rows (measured; docs/kernels.md)."""
     if load_cpu_lib() is None:
         return "torch"
-    if dense_path_cpu(M, w_dtype) == "gemv":
+    if row_invariant() or (M <= GEMV_DELTA_MAX_M and dense_path_cpu(M, w_dtype) == "gemv"):
         return "gemv_delta"
     if cpu_isa() in ("avx512", "avx512bf16"):
         return "fused_gemv" if M <= FUSED_GEMV_MAX_M.get(w_dtype, 0) else "merge_gemm"

@@ -45,7 +45,7 @@ from kernels import (
     plan_batch,
 )
 from kernels.cpu_decode import GROUPS, DecodeLayer, DecodeLayers, DecodeShape
-from kernels.cpu_ops import DENSE_GEMV_MAX_M
+from kernels.cpu_ops import dense_gemv_max_m
 from kernels.lowrank import factor_mm
 from services.gpu_worker.slots import BigTensor, SlotExtras, SlotTensors
 
@@ -573,7 +573,7 @@ class ModelRunner:
             and _one_plane(extras, w)
             and not (w.prefill and self.batch_invariant)
         ]
-        many = len(dec) > DENSE_GEMV_MAX_M.get(self.dtype, 0) and not self.batch_invariant
+        many = len(dec) > dense_gemv_max_m(self.dtype) and not self.batch_invariant
         if not dec or many or not self._c_decode_serves(len(dec)):
             return self._forward_layers(work)
         if len(dec) == len(work):

@@ -107,13 +107,15 @@ def test_dense_gemv(M, shape, dtype, isa):
 @pytest.mark.parametrize("delta", [False, True], ids=["base", "delta"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_decode_rows_do_not_depend_on_m(dtype, delta, isa):
-    """A decode row's GEMV result is bit for bit the same alone and among up to 8 rows (every
-    row count the GEMV serves): a request's tokens must not depend on its batch."""
-    x, w, signs, alpha = make(8, 264, 576, dtype=dtype)
+    """A decode row's GEMV result is bit for bit the same alone and among up to DENSE_GEMV_MAX_M rows
+    (every row count the GEMV serves, every register block and the rows left over, 265 output
+    rows: not a whole number of blocks): a request's tokens must not depend on its batch."""
+    n = cpu_ops.dense_gemv_max_m(dtype)
+    x, w, signs, alpha = make(n, 265, 576, dtype=dtype)
     x = x.to(dtype)
     s, a = (signs, alpha) if delta else (None, None)
-    alone = torch.cat([cpu_ops.linear_gemv_cpu(x[i : i + 1], w, s, a, two_pass=delta) for i in range(8)])
-    for M in range(2, 9):
+    alone = torch.cat([cpu_ops.linear_gemv_cpu(x[i : i + 1], w, s, a, two_pass=delta) for i in range(n)])
+    for M in range(2, n + 1):
         assert torch.equal(cpu_ops.linear_gemv_cpu(x[:M], w, s, a, two_pass=delta), alone[:M]), M
 
 
@@ -587,7 +589,7 @@ def test_decode_layers_against_the_reference(isa, dims):
 
 
 # -- batch invariance (KernelSettings.batch_invariant) ---------------------------------------------
-INV_MS = [1, 2, 7, 9, 24, 33, 40]  # across every default threshold: 8 (GEMV), 24 (fused), 32 (unpack, merge)
+INV_MS = [1, 2, 7, 9, 24, 25, 33, 40]  # across every default threshold: 8 (GEMV + delta), 24 (fused, the bf16 GEMV), 32 (the fp32 GEMV, unpack, merge)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
