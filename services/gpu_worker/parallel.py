@@ -466,12 +466,12 @@ class Driver:
         self._beat.start()
 
     # -- the engine's side ------------------------------------------------------------------------
-    def forward(self, work: list[SeqWork]) -> torch.Tensor:
+    def forward(self, work: list[SeqWork], ready: Callable[[], None] | None = None) -> torch.Tensor:
         with self._lock:
             before = Counter(self.comm.counts)
             self._send(StepMessage(self._take(), work))
             try:
-                return self.runner.forward(work)
+                return self.runner.forward(work, ready)
             except Exception as e:
                 raise self._fail(f"a collective of the step failed: {e}") from e
             finally:

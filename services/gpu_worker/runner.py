@@ -27,6 +27,7 @@ scheduler's business, which delta sits in which slot is the manager's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,10 @@ class SeqWork:
     want_logits: bool
     prompt_logits: int | None = None
     prefill: bool = False
+
+
+def _nothing() -> None:
+    pass
 
 
 def _one_plane(extras: dict, w: SeqWork) -> bool:
@@ -556,9 +561,11 @@ class ModelRunner:
 
     # -- step -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, work: list[SeqWork]) -> torch.Tensor:
+    def forward(self, work: list[SeqWork], ready: Callable[[], None] | None = None) -> torch.Tensor:
         """Run one step; returns fp32 logits [R, vocab]: the last row of each sequence with want_logits,
-        in order, then the prompt_logits rows.
+        in order, then the prompt_logits rows. `ready`, if given, is called once, when the step's inputs
+        are built and before its kernels run (the engine hands the previous step's tokens to the
+        streams there: their Python then runs beside the kernels, which hold no GIL).
 
         On CPU the single-token rows of the base and of one-plane variants without a low-rank term
         (up to the decode GEMV's row count) run every layer in one C
@@ -573,13 +580,15 @@ class ModelRunner:
             and _one_plane(extras, w)
             and not (w.prefill and self.batch_invariant)
         ]
+        ready = ready or _nothing
         many = len(dec) > dense_gemv_max_m(self.dtype) and not self.batch_invariant
         if not dec or many or not self._c_decode_serves(len(dec)):
-            return self._forward_layers(work)
+            return self._forward_layers(work, ready)
         if len(dec) == len(work):
-            return self._forward_c(work)
+            return self._forward_c(work, ready)
         rest = [i for i in range(len(work)) if i not in set(dec)]
-        a, b = self._forward_c([work[i] for i in dec]), self._forward_layers([work[i] for i in rest])
+        a = self._forward_c([work[i] for i in dec], ready)
+        b = self._forward_layers([work[i] for i in rest], _nothing)
         # sampling rows in work order (from either part), then the rest's prompt_logits rows
         where, n_a, n_b = [], 0, 0
         part = dict.fromkeys(dec, 0) | dict.fromkeys(rest, 1)
@@ -605,13 +614,15 @@ class ModelRunner:
             return False
         return all(backend_for(self.device, rows * o * i, self.backend) == "cpu" for o, i in shapes.values())
 
-    def _forward_c(self, work: list[SeqWork]) -> torch.Tensor:
+    def _forward_c(self, work: list[SeqWork], ready: Callable[[], None]) -> torch.Tensor:
         """`forward` for single-token rows only, every layer in the C call."""
         m = self.prepare(work)
         if self._c_layers is None:
             self._c_layers = self._build_c_layers()
+        x = self._embed(m)
+        ready()
         x = self._c_layers.run(
-            self._embed(m),
+            x,
             m.row_slot,
             m.cos[:, 0],
             m.sin[:, 0],
@@ -640,12 +651,13 @@ class ModelRunner:
         shape = DecodeShape(a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.intermediate_size, a.norm_eps)
         return DecodeLayers(layers, shape, self.dtype)
 
-    def _forward_layers(self, work: list[SeqWork]) -> torch.Tensor:
+    def _forward_layers(self, work: list[SeqWork], ready: Callable[[], None]) -> torch.Tensor:
         """`forward` layer by layer, op by op."""
         m = self.prepare(work)
         a = self.args
         hd, H, KV = a.head_dim, a.n_heads, a.n_kv_heads
         x = self._embed(m)
+        ready()
         N = x.shape[0]
         for i in range(a.n_layers):
             norms = self.slots.norms[i]
