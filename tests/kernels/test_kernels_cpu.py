@@ -589,7 +589,8 @@ def test_decode_layers_against_the_reference(isa, dims):
 
 
 # -- batch invariance (KernelSettings.batch_invariant) ---------------------------------------------
-INV_MS = [1, 2, 7, 9, 24, 25, 33, 40]  # across every default threshold: 8 (GEMV + delta), 24 (fused, the bf16 GEMV), 32 (the fp32 GEMV, unpack, merge)
+# across every default threshold: 8 (GEMV + delta), 24 (fused, the bf16 GEMV), 32 (the fp32 GEMV, unpack, merge)
+INV_MS = [1, 2, 7, 9, 24, 25, 33, 40]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
