@@ -1004,20 +1004,23 @@ static const dense_f32_fn dense_f32_blocks[2][2] = {{dense_f32_1x1, dense_f32_1x
 /* mb index of a block of n x rows in the tables (1, 2, 4 -> 0, 1, 2) */
 static inline int mb_index(int64_t n) { return n >= 4 ? 2 : (int)(n - 1); }
 
-/* y[m, r] = x_m · W_r for rows [r0, r1) and every x row, fp32 weights: DENSE_R weight rows at a
- * time (their weights stay in L1 for all x rows), DENSE_MB x rows, then 2 and 1 for the rest. */
-static void dense_rows_f32(const float *x, int64_t ldx, int64_t M, const float *w, int64_t ldw, int64_t d_in,
-                           float *y, int64_t ldy, int64_t r0, int64_t r1) {
-    const int64_t R = M >= DENSE_MIN_M ? DENSE_R : 1;
-    for (int64_t r = r0; r < r1; r += R) {
-        const int64_t nr = (r1 - r) < R ? r1 - r : R;
-        for (int64_t m = 0; m < M;) {
-            const int64_t nb = M - m >= DENSE_MB ? DENSE_MB : (M - m >= 2 ? 2 : 1);
-            dense_f32_blocks[nr - 1][mb_index(nb)](x, ldx, w, ldw, d_in, y, ldy, r, m);
-            m += nb;
-        }
+/* y[m, r] = x_m · W_r for rows [r0, r1) and every x row by a table of blocks [R - 1][mb_index(MB)]:
+ * DENSE_R weight rows at a time (their weights stay in L1 for all x rows; one below DENSE_MIN_M x
+ * rows), DENSE_MB x rows, then 2 and 1 for the rest. */
+#define DENSE_ROWS(NAME, XT, WT, BLOCKS)                                                                 \
+    static void NAME(const XT *x, int64_t ldx, int64_t M, const WT *w, int64_t ldw, int64_t d_in, float *y, \
+                     int64_t ldy, int64_t r0, int64_t r1) {                                              \
+        const int64_t R = M >= DENSE_MIN_M ? DENSE_R : 1;                                                \
+        for (int64_t r = r0; r < r1; r += R) {                                                           \
+            const int64_t nr = (r1 - r) < R ? r1 - r : R;                                                \
+            for (int64_t m = 0; m < M;) {                                                                \
+                const int64_t nb = M - m >= DENSE_MB ? DENSE_MB : (M - m >= 2 ? 2 : 1);                  \
+                BLOCKS[nr - 1][mb_index(nb)](x, ldx, w, ldw, d_in, y, ldy, r, m);                        \
+                m += nb;                                                                                 \
+            }                                                                                            \
+        }                                                                                                \
     }
-}
+DENSE_ROWS(dense_rows_f32, float, float, dense_f32_blocks)
 
 #if defined(__AVX512BF16__)
 /* bf16 weights and an x that is exactly bf16 (a bf16 model's activations), no delta: one VDPBF16PS
@@ -1075,19 +1078,7 @@ static const dense_dp_fn dense_dp_blocks[3][3] = {{dense_dp_1x1, dense_dp_1x2, d
                                                   {dense_dp_2x1, dense_dp_2x2, dense_dp_2x4},
                                                   {dense_dp_3x1, dense_dp_3x2, dense_dp_3x4}};
 
-/* dense_rows_f32 for bf16 weights and x (xb) by dot products. */
-static void dense_rows_dp(const uint16_t *xb, int64_t ldx, int64_t M, const uint16_t *w, int64_t ldw, int64_t d_in,
-                          float *y, int64_t ldy, int64_t r0, int64_t r1) {
-    const int64_t R = M >= DENSE_MIN_M ? 3 : 1;
-    for (int64_t r = r0; r < r1; r += R) {
-        const int64_t nr = (r1 - r) < R ? r1 - r : R;
-        for (int64_t m = 0; m < M;) {
-            const int64_t nb = M - m >= 4 ? 4 : (M - m >= 2 ? 2 : 1);
-            dense_dp_blocks[nr - 1][mb_index(nb)](xb, ldx, w, ldw, d_in, y, ldy, r, m);
-            m += nb;
-        }
-    }
-}
+DENSE_ROWS(dense_rows_dp, uint16_t, uint16_t, dense_dp_blocks) /* bf16 weights and x (as bf16 words) */
 #define HAVE_DP_BF16 1
 #endif
 
@@ -1285,28 +1276,25 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
     return r;
 }
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+/* LANES values of an fp32, bf16 or fp16 array from element offset off, widened to fp32 in registers. */
+static inline vf widen_vec(const void *base, int dtype, int64_t off) {
+    if (dtype == BD_W_F32) return V_LOAD((const float *)base + off);
+    if (dtype == BD_W_BF16) return V_BF16_EVEN(V_WIDEN16((const uint16_t *)base + off)); /* the 16 bits as the upper half */
+    return V_F16((const uint16_t *)base + off);
+}
+#endif
+
 static inline void load_row(const void *base, int dtype, int64_t off, int64_t n, float *out) {
     if (dtype == BD_W_F32) {
         memcpy(out, (const float *)base + off, (size_t)n * sizeof(float));
-    } else if (dtype == BD_W_BF16) {
-        const uint16_t *p = (const uint16_t *)base + off;
-        int64_t i = 0;
-#if defined(__AVX512F__)
-        for (; i + 16 <= n; i += 16) /* bf16 -> fp32: the 16 bits as the upper half */
-            _mm512_storeu_si512((void *)(out + i),
-                                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + i))), 16));
-#elif defined(__AVX2__)
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_si256((__m256i *)(out + i),
-                                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + i))), 16));
-#endif
-        for (; i < n; ++i) {
-            uint32_t u = (uint32_t)p[i] << 16;
-            memcpy(out + i, &u, 4);
-        }
-    } else {
-        for (int64_t i = 0; i < n; ++i) out[i] = w_at(base, dtype, off + i);
+        return;
     }
+    int64_t i = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+    for (; i + LANES <= n; i += LANES) V_STORE(out + i, widen_vec(base, dtype, off + i));
+#endif
+    for (; i < n; ++i) out[i] = w_at(base, dtype, off + i);
 }
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -1391,23 +1379,21 @@ static inline void add_rows(float *a, const float *p, const float *const *v, int
  * tokens 44–63 µs per layer before, 16–20 after; 512 tokens 219–315 before, 92–137 after). */
 #define ATT_CHUNK 64
 
+/* The element offset of token t's row of KV head g in a pool [rows, KV, D] (block table `table`). */
+static inline int64_t kv_off(const int32_t *table, int64_t bs, int64_t KV, int64_t g, int64_t D, int64_t t) {
+    return (((int64_t)table[t / bs] * bs + t % bs) * KV + g) * D;
+}
+
 /* Token t's row of KV head g in a pool (k or v) as fp32: in place, or widened into `row`. */
 static inline const float *kv_row(const void *pool, int dtype, const int32_t *table, int64_t bs, int64_t KV,
                                   int64_t g, int64_t D, int64_t t, float *row) {
-    const int64_t off = (((int64_t)table[t / bs] * bs + t % bs) * KV + g) * D;
+    const int64_t off = kv_off(table, bs, KV, g, D, t);
     if (dtype == BD_W_F32) return (const float *)pool + off;
     load_row(pool, dtype, off, D, row);
     return row;
 }
 
 #if defined(__AVX512F__) || defined(__AVX2__)
-/* LANES values of a pool row from element offset off, widened to fp32 in registers. */
-static inline vf kv_vec(const void *pool, int dtype, int64_t off) {
-    if (dtype == BD_W_F32) return V_LOAD((const float *)pool + off);
-    if (dtype == BD_W_BF16) return V_BF16_EVEN(V_WIDEN16((const uint16_t *)pool + off));
-    return V_F16((const uint16_t *)pool + off);
-}
-
 /* r lane i = Σ of v[i]'s lanes, for LANES vectors v (a transpose-and-add tree: ~3 ops per vector
  * instead of a horizontal sum's ~8 each, and no chain between the vectors). */
 static inline vf sum_lanes(const vf *v) {
@@ -1434,13 +1420,13 @@ static inline vf sum_lanes(const vf *v) {
 #endif
 }
 
-/* sc[h·ATT_CHUNK + t] = scale · qg[h] · k_{c0 + t} for the chunk's T keys of KV head g and the G
- * heads (D a multiple of LANES): LANES keys at a time, each key row widened in registers once for all
- * G heads, its per-head products summed to one vector (part), then the group's LANES vectors of a
- * head summed across lanes at once (sum_lanes). part: scratch [G, LANES, LANES]. */
-static void chunk_scores(const float *qg, int64_t G, int64_t D, const void *k, int kv_dtype, const int32_t *table,
-                         int64_t bs, int64_t KV, int64_t g, int64_t c0, int64_t T, float scale, float *sc,
-                         float *part) {
+/* sc[h·ATT_CHUNK + t] = scale · qg[h] · k_t for the chunk's T keys, key t's row at element offset
+ * off[t] of the pool k, and the G heads (D a multiple of LANES): LANES keys at a time, each key row
+ * widened in registers once for all G heads, its per-head products summed to one vector (part), then
+ * the group's LANES vectors of a head summed across lanes at once (sum_lanes). part: scratch
+ * [G, LANES, LANES]. */
+static void chunk_scores(const float *qg, int64_t G, int64_t D, const void *k, int kv_dtype, const int64_t *off,
+                         int64_t T, float scale, float *sc, float *part) {
     const int64_t nv = D / LANES;
     const vf sv = V_SET1(scale);
     for (int64_t t0 = 0; t0 < T; t0 += LANES) {
@@ -1450,11 +1436,11 @@ static void chunk_scores(const float *qg, int64_t G, int64_t D, const void *k, i
                 for (int64_t h = 0; h < G; ++h) V_STORE(part + (h * LANES + t) * LANES, V_ZERO());
                 continue;
             }
-            const int64_t tok = c0 + t0 + t, off = (((int64_t)table[tok / bs] * bs + tok % bs) * KV + g) * D;
+            const int64_t o = off[t0 + t];
             for (int64_t h = 0; h < G; ++h) {
                 const float *qh = qg + h * D;
-                vf a = V_MUL(V_LOAD(qh), kv_vec(k, kv_dtype, off));
-                for (int64_t j = 1; j < nv; ++j) a = V_FMA(V_LOAD(qh + j * LANES), kv_vec(k, kv_dtype, off + j * LANES), a);
+                vf a = V_MUL(V_LOAD(qh), widen_vec(k, kv_dtype, o));
+                for (int64_t j = 1; j < nv; ++j) a = V_FMA(V_LOAD(qh + j * LANES), widen_vec(k, kv_dtype, o + j * LANES), a);
                 V_STORE(part + (h * LANES + t) * LANES, a);
             }
         }
@@ -1483,7 +1469,7 @@ static void chunk_scores(const float *qg, int64_t G, int64_t D, const void *k, i
             for (int j = 0; j < NV; ++j) r[h][j] = V_LOAD(acc + (h * NV + j) * LANES);                   \
         for (int64_t t = 0; t < T; ++t) {                                                                \
             vf x[NV];                                                                                    \
-            for (int j = 0; j < NV; ++j) x[j] = kv_vec(v, dtype, off[t] + j * LANES);                    \
+            for (int j = 0; j < NV; ++j) x[j] = widen_vec(v, dtype, off[t] + j * LANES);                    \
             for (int h = 0; h < GB; ++h) {                                                               \
                 const vf pv = V_SET1(p[h * ATT_CHUNK + t]);                                              \
                 for (int j = 0; j < NV; ++j) r[h][j] = V_FMA(pv, x[j], r[h][j]);                         \
@@ -1529,10 +1515,10 @@ static int chunk_values(float *acc, const float *p, int64_t G, int64_t D, const 
 /* Prefetch tokens [t0, t1)'s rows of KV head g in a pool: every line of each row (D values). */
 static inline void prefetch_kv(const void *pool, int dtype, const int32_t *table, int64_t bs, int64_t KV, int64_t g,
                                int64_t D, int64_t t0, int64_t t1) {
-    const int64_t es = dtype == BD_W_F32 ? 4 : 2, bytes = D * es;
+    const int64_t es = dtype == BD_W_F32 ? 4 : 2;
     for (int64_t t = t0; t < t1; ++t) {
-        const char *r = (const char *)pool + (((int64_t)table[t / bs] * bs + t % bs) * KV + g) * bytes;
-        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(r + b, 0, 3);
+        const char *r = (const char *)pool + kv_off(table, bs, KV, g, D, t) * es;
+        for (int64_t b = 0; b < D * es; b += 64) __builtin_prefetch(r + b, 0, 3);
     }
 }
 
@@ -1558,19 +1544,22 @@ static void attend(const float *qg, int64_t G, int64_t D, const void *k, const v
                    float *buf, float *o) {
     float *acc = buf, *m = acc + G * D, *l = m + G, *sc = l + G, *row = sc + G * ATT_CHUNK, *part = row + ATT_CHUNK * D;
     (void)part;
+#define CHUNK_END(c) ((c) + ATT_CHUNK < n ? (c) + ATT_CHUNK : n)
     for (int64_t h = 0; h < G; ++h) {
         m[h] = -INFINITY;
         l[h] = 0.f;
     }
     memset(acc, 0, (size_t)(G * D) * sizeof(float));
-    if (n > lo) prefetch_kv(k, kv_dtype, table, bs, KV, g, D, lo, lo + (n - lo < ATT_CHUNK ? n - lo : ATT_CHUNK));
+    prefetch_kv(k, kv_dtype, table, bs, KV, g, D, lo, CHUNK_END(lo));
     for (int64_t c0 = lo; c0 < n; c0 += ATT_CHUNK) {
-        const int64_t T = n - c0 < ATT_CHUNK ? n - c0 : ATT_CHUNK;
+        const int64_t T = CHUNK_END(c0) - c0;
         prefetch_kv(v, kv_dtype, table, bs, KV, g, D, c0, c0 + T);
-        if (c0 + T < n) prefetch_kv(k, kv_dtype, table, bs, KV, g, D, c0 + T, c0 + T + (n - c0 - T < ATT_CHUNK ? n - c0 - T : ATT_CHUNK));
+        prefetch_kv(k, kv_dtype, table, bs, KV, g, D, c0 + T, CHUNK_END(c0 + T));
 #if SCORE_LANES
+        int64_t off[ATT_CHUNK]; /* the chunk's key and value rows (the two pools share one layout) */
+        for (int64_t t = 0; t < T; ++t) off[t] = kv_off(table, bs, KV, g, D, c0 + t);
         if (D % LANES == 0)
-            chunk_scores(qg, G, D, k, kv_dtype, table, bs, KV, g, c0, T, scale, sc, part);
+            chunk_scores(qg, G, D, k, kv_dtype, off, T, scale, sc, part);
         else
 #endif
             for (int64_t t = 0; t < T; ++t) {
@@ -1590,8 +1579,6 @@ static void attend(const float *qg, int64_t G, int64_t D, const void *k, const v
             l[h] += sum_of(sh, T);
         }
 #if SCORE_LANES
-        int64_t off[ATT_CHUNK]; /* the chunk's value rows */
-        for (int64_t t = 0; t < T; ++t) off[t] = (((int64_t)table[(c0 + t) / bs] * bs + (c0 + t) % bs) * KV + g) * D;
         if (chunk_values(acc, sc, G, D, v, kv_dtype, off, T)) continue;
 #endif
         const float *vr[ATT_CHUNK]; /* the chunk's value rows, each read (and widened) once for all G heads */
@@ -1602,6 +1589,7 @@ static void attend(const float *qg, int64_t G, int64_t D, const void *k, const v
         const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
         for (int64_t d = 0; d < D; ++d) o[h * D + d] = acc[h * D + d] * inv;
     }
+#undef CHUNK_END
 }
 
 /* out[b, h, :] = Σ_t softmax_t(q[b, h] · k_t · scale) v_t over the keys t the query sees.
@@ -1715,7 +1703,7 @@ static void decode_norm(const float *x, const void *w, const int64_t *row_slot, 
 #if defined(__AVX512F__) || defined(__AVX2__)
         const vf iv = V_SET1(inv);
         for (; k + LANES <= D; k += LANES)
-            V_STORE(hb + k, round_vec(dtype, V_MUL(kv_vec(w, dtype, off + k), round_vec(dtype, V_MUL(V_LOAD(xb + k), iv)))));
+            V_STORE(hb + k, round_vec(dtype, V_MUL(widen_vec(w, dtype, off + k), round_vec(dtype, V_MUL(V_LOAD(xb + k), iv)))));
 #endif
         for (; k < D; ++k) hb[k] = round_to(dtype, w_at(w, dtype, off + k) * round_to(dtype, xb[k] * inv));
     }
