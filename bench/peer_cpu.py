@@ -200,33 +200,34 @@ def wait_serving(w: WorkerProc, timeout: float = 300) -> None:
             time.sleep(0.3)
 
 
-def generate_times(stub, model_id: str, prompt: str, n: int) -> list[float]:
-    """Arrival times (perf_counter) of each message of one greedy stream of exactly n tokens."""
+def generate_times(stub, model_id: str, prompt: str, n: int) -> list[tuple[float, int]]:
+    """(arrival time (perf_counter), tokens in it) of each message of one greedy stream of exactly
+    n tokens: a message carries every token ready when the previous write finished."""
     from bitdelta.common.v1 import generation_pb2 as gen_pb
     from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
 
     sp = gen_pb.SamplingParams(max_new_tokens=n, ignore_eos=True)
     times = []
-    for _ in stub.Generate(pb.GenerateRequest(model_id=model_id, prompt=prompt, sampling=sp), timeout=600):
-        times.append(time.perf_counter())
+    for msg in stub.Generate(pb.GenerateRequest(model_id=model_id, prompt=prompt, sampling=sp), timeout=600):
+        times.append((time.perf_counter(), len(msg.tokens)))
     return times
 
 
 def decode_rate(stub, model_id: str, prompt: str, n: int) -> float:
-    """Tokens/s of one greedy stream after its first token."""
+    """Tokens/s of one greedy stream after its first message."""
     t = generate_times(stub, model_id, prompt, n)
-    return (len(t) - 1) / (t[-1] - t[0])
+    return sum(k for _, k in t[1:]) / (t[-1][0] - t[0][0])
 
 
 def multi_rate(stub, models: list[str], prompt: str, n: int) -> float:
-    """Tokens/s of the decode phase (after every stream's first token) of concurrent streams."""
+    """Tokens/s of the decode phase (after every stream's first message) of concurrent streams."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(len(models)) as ex:
         rs = list(ex.map(lambda m: generate_times(stub, m, prompt, n), models))
-    t0 = max(r[0] for r in rs)
-    t1 = max(r[-1] for r in rs)
-    toks = sum(sum(1 for t in r if t > t0) for r in rs)
+    t0 = max(r[0][0] for r in rs)
+    t1 = max(r[-1][0] for r in rs)
+    toks = sum(sum(k for t, k in r if t > t0) for r in rs)
     return toks / (t1 - t0)
 
 
@@ -245,7 +246,7 @@ def prefill_s(stub, prompt: str, reps: int) -> float:
     for _ in range(reps):
         t = time.perf_counter()
         times = generate_times(stub, "", prompt, 1)
-        best = min(best, times[0] - t)
+        best = min(best, times[0][0] - t)
     return best
 
 
