@@ -110,29 +110,53 @@ def _check(layers: list[DecodeLayer], shape: DecodeShape, dtype: torch.dtype) ->
             raise ValueError(f"layer {i}: the KV pool must be contiguous")
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 class DecodeLayers:
     """The C layers over fixed tensors: checked and turned into the C struct array once (the base,
     the slot stacks and the KV pool are allocated once and never move; this keeps them alive)."""
 
     def __init__(
-        self, layers: list[DecodeLayer], shape: DecodeShape, dtype: torch.dtype, lib: ctypes.CDLL | None = None
+        self,
+        layers: list[DecodeLayer],
+        shape: DecodeShape,
+        dtype: torch.dtype,
+        lib: ctypes.CDLL | None = None,
+        *,
+        final_norm: torch.Tensor | None = None,
+        head: torch.Tensor | None = None,
     ):
         """lib: the C library to call (another build, `cpu_build.load_variant`, for tests and
-        benchmarks that compare builds); None: the process's (`load_cpu_lib`)."""
+        benchmarks that compare builds); None: the process's (`load_cpu_lib`). final_norm: the
+        final norm's stack [n_slots + 1, dim] (`run` then returns the normed output, as the runner's
+        _final); head: the base's LM head [vocab, dim] (then `run(logits=True)` returns logits)."""
         if lib is None and not DecodeShape.supported(dtype):
             raise RuntimeError("the C decode layers need the compiled C library (with SIMD)")
         _check(layers, shape, dtype)
         self.layers, self.shape, self.dtype = layers, shape, dtype
         self._lib = lib
         self.n_slots = layers[0].signs[0].shape[0] if layers else 0
+        for name, t, rows in (("final_norm", final_norm, self.n_slots + 1), ("head", head, None)):
+            if t is not None and (
+                t.dtype != dtype
+                or t.dim() != 2
+                or t.shape[1] != shape.dim
+                or (rows is not None and t.shape[0] != rows)
+                or not t.is_contiguous()
+            ):
+                raise ValueError(f"{name} must be {dtype} [{rows or 'vocab'}, {shape.dim}], contiguous")
+        if head is not None and final_norm is None:
+            raise ValueError("a head needs the final norm before it")
+        self.final_norm, self.head = final_norm, head
         self._arr = (_Layer * len(layers))()
-        ptr = lambda t: None if t is None else t.data_ptr()
         for c, L in zip(self._arr, layers):
-            c.w[:] = [ptr(t) for t in L.weights]
-            c.s[:] = [ptr(t) for t in L.signs]
-            c.a[:] = [ptr(t) for t in L.alpha]
-            c.bias[:] = [ptr(t) for t in L.biases]
-            c.norm[:] = [ptr(t) for t in L.norms]
+            c.w[:] = [_ptr(t) for t in L.weights]
+            c.s[:] = [_ptr(t) for t in L.signs]
+            c.a[:] = [_ptr(t) for t in L.alpha]
+            c.bias[:] = [_ptr(t) for t in L.biases]
+            c.norm[:] = [_ptr(t) for t in L.norms]
             c.k, c.v, c.window = L.k.data_ptr(), L.v.data_ptr(), L.window or 0
 
     def run(
@@ -145,8 +169,11 @@ class DecodeLayers:
         tables: torch.Tensor,
         lens: torch.Tensor,
         block_size: int,
+        logits: bool = False,
     ) -> torch.Tensor:
-        """Every layer for B decode rows -> the last layer's output [B, dim] in the model's dtype.
+        """Every layer for B decode rows -> the last layer's output [B, dim] in the model's dtype,
+        normed by each row's final norm if the layers have one; with `logits` (the layers have a
+        head) fp32 [B, vocab] = round(h · headᵀ) instead, as `dense_linear(h, head).float()`.
 
         x: [B, dim] the embedded tokens; row_slot: [B] slot per row (−1: the base; row slot + 1 of
         the norm and bias stacks); cos, sin: [B, head_dim]; write_rows: [B] the pool rows the new k,
@@ -154,6 +181,8 @@ class DecodeLayers:
         counts the new token). Pool rows and tables are the caller's (the runner builds them from
         the scheduler's block tables); they must lie inside the pool.
         """
+        if logits and self.head is None:
+            raise ValueError("logits need the layers' head")
         sh, B = self.shape, x.shape[0]
         hd = sh.head_dim
         if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != sh.dim:
@@ -163,12 +192,14 @@ class DecodeLayers:
         if tables.dtype != torch.int32 or lens.dtype != torch.int32 or tables.shape[0] != B or lens.shape != (B,):
             raise ValueError(f"tables must be int32 [{B}, max_blocks] and lens int32 [{B}]")
         rs = row_slot.to(torch.int64).contiguous()
-        if B and (int(rs.min()) < -1 or int(rs.max()) >= self.n_slots):
+        lo, hi = torch.aminmax(rs) if B else (0, 0)
+        if int(lo) < -1 or int(hi) >= self.n_slots:
             raise ValueError(f"row_slot values must lie in [-1, {self.n_slots - 1}]")
         x32 = x.to(torch.float32, copy=True).contiguous()  # dtype values in fp32; overwritten in place
         c32, s32 = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
         wr = write_rows.to(torch.int64).contiguous()
         t, n = tables.contiguous(), lens.contiguous()
+        out = torch.empty(B, self.head.shape[0], dtype=torch.float32) if logits else None
         rc = (self._lib or load_cpu_lib()).bd_decode_layers(
             ctypes.addressof(self._arr),
             len(self.layers),
@@ -190,11 +221,15 @@ class DecodeLayers:
             n.data_ptr(),
             block_size,
             1.0 / math.sqrt(hd),  # as kernels.paged_decode
+            _ptr(self.final_norm),
+            _ptr(self.head if logits else None),
+            0 if out is None else out.shape[1],
+            _ptr(out),
             torch.get_num_threads(),
         )
         if rc != 0:
             raise MemoryError("bd_decode_layers could not allocate its scratch")
-        return x32.to(self.dtype)
+        return x32.to(self.dtype) if out is None else out
 
 
 __all__ = ["DecodeLayer", "DecodeLayers", "DecodeShape", "GROUPS"]

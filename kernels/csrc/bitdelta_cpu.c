@@ -1773,11 +1773,17 @@ static void rope_heads(float *x, int64_t n, int64_t hd, const float *c, const fl
 /* x: fp32 [B, dim] holding dtype values (the embedded tokens), overwritten with the last layer's
  * output. row_slot: int64 [B] (−1: the base); cos, sin: fp32 [B, hd] (the rotation over the whole
  * head); write_rows: int64 [B] the pool rows of the new tokens' k, v; tables, lens, bs: as
- * bd_paged_decode. dims: dim, n_heads, n_kv_heads, head_dim, intermediate. Returns 0 or −1. */
+ * bd_paged_decode. dims: dim, n_heads, n_kv_heads, head_dim, intermediate. final_norm: NULL, or
+ * the final norm's stack [n_slots + 1, dim] in the dtype: x is then the normed output (the
+ * runner's _final), and with head ([vocab, dim] in the dtype, the base's LM head) logits: fp32
+ * [B, vocab] = round(h · headᵀ) (dense_linear_cpu's GEMV, rounded to the dtype), x left normed.
+ * After the layers' ~200 MB of weights every cache is cold, and the ~10 small torch ops of the
+ * norm and the head's call cost ~0.3 ms of a ~10 ms bf16 SmolLM2-135M step there. Returns 0 or −1. */
 int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, int64_t B, const int64_t *row_slot,
                      int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t F, float eps, int dtype, const float *cos_t,
                      const float *sin_t, const int64_t *write_rows, const int32_t *tables, int64_t max_blocks,
-                     const int32_t *lens, int64_t bs, float scale, int n_threads) {
+                     const int32_t *lens, int64_t bs, float scale, const void *final_norm, const void *head,
+                     int64_t vocab, float *logits, int n_threads) {
     const int64_t Q = (H + 2 * KV) * hd, HD = H * hd;
     int any_delta = 0;
     for (int64_t b = 0; b < B; ++b) any_delta |= row_slot[b] >= 0;
@@ -1812,6 +1818,13 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
         silu_mul(gu, B, F, dtype, act);
         if ((rc = decode_proj(L, 3, act, B, F, D, dtype, row_slot, any_delta, dn, n_threads))) break;
         residual_add(x, dn, B * D, dtype);
+    }
+    if (!rc && final_norm) {
+        decode_norm(x, final_norm, row_slot, B, D, eps, dtype, h);
+        memcpy(x, h, sizeof(float) * (size_t)(B * D));
+        if (head && !(rc = linear_planes(h, B, D, head, dtype, D, NULL, 0, vocab, D, 0, NULL, 0, 0, NULL, 1, logits,
+                                         vocab, dtype == BD_W_BF16, 0, n_threads)))
+            round_all(logits, B * vocab, dtype);
     }
     free(buf);
     return rc ? -1 : 0;

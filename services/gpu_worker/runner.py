@@ -27,6 +27,7 @@ scheduler's business, which delta sits in which slot is the manager's.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -285,8 +286,8 @@ class ModelRunner:
             positions.extend(range(w.start, w.start + n))
             seq_lens.extend([w.start + n] * n)  # the sequence's length at this step (dynamic rope, LongRoPE)
             row_slot.extend([w.slot] * n)
-            ctx = self.kv.rows(w.blocks, 0, w.start + n)  # [L] the whole context incl. the new tokens
-            write_rows.append(ctx[w.start :])
+            bs = self.kv.block_size  # the new tokens' pool rows, on the host (a decode row needs no more)
+            write_rows.extend(w.blocks[p // bs] * bs + p % bs for p in range(w.start, w.start + n))
             if n == 1 or self.batch_invariant:  # batch-invariant: every token as a decode row (its own keys, in place)
                 for j in range(n):
                     decode_rows.append(r + j)
@@ -295,6 +296,7 @@ class ModelRunner:
                 L = w.start + n
                 q_pos, k_pos = torch.arange(w.start, L), torch.arange(L)
                 masks = {win: self._dev(attention_mask(q_pos, k_pos, win)) for win in windows}  # [n, L] each
+                ctx = self.kv.rows(w.blocks, 0, L)  # [L] the whole context incl. the new tokens
                 prefills.append((r, n, self._dev(ctx), masks))
             if w.want_logits:
                 logit_rows.append(r + n - 1)
@@ -327,7 +329,7 @@ class ModelRunner:
             any_delta=any(s >= 0 for s in slots_set),
             single_slot=single if fused else None,
             single_planes=len(planes.get(single, (single,))) if fused else 1,
-            write_rows=self._dev(torch.cat(write_rows)),
+            write_rows=self._dev(torch.tensor(write_rows, dtype=torch.int64)),
             decode_rows=None,
             decode_tables=None,
             decode_lens=None,
@@ -381,10 +383,8 @@ class ModelRunner:
         if signed:
             meta.sign_heads = self._sign_head_rows(signed, len(logit_slots), extras)
         if decode_rows:
-            width = max(len(t) for t, _ in decode_ctx)
-            tables = torch.zeros(len(decode_ctx), width, dtype=torch.int32)
-            for b, (t, _) in enumerate(decode_ctx):
-                tables[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            width = max(len(t) for t, _ in decode_ctx)  # padded with block 0, never read
+            tables = torch.tensor([t + [0] * (width - len(t)) for t, _ in decode_ctx], dtype=torch.int32)
             meta.decode_rows = self._dev(torch.tensor(decode_rows, dtype=torch.int64))
             meta.decode_tables = self._dev(tables)
             meta.decode_lens = self._dev(torch.tensor([n for _, n in decode_ctx], dtype=torch.int32))
@@ -600,19 +600,28 @@ class ModelRunner:
         return torch.cat([a, b])[torch.tensor(where, dtype=torch.int64, device=a.device)]
 
     def _c_decode_serves(self, rows: int) -> bool:
-        """Whether the C layers run this step's decode rows: the CPU kernels serve here (as every
-        projection of `rows` rows would choose them), the layer is one the C code has (full-head rope,
-        no q/k norms; a runner that changes a layer, as tensor parallelism's, keeps its own) and the
-        library is built with SIMD for this dtype."""
+        """Whether the C layers run this step's decode rows: the layer is one they have
+        (`_c_group_shapes`) and the CPU kernels serve here, as every projection of `rows` rows would
+        choose them."""
+        shapes = self._c_group_shapes
+        return shapes is not None and all(
+            backend_for(self.device, rows * o * i, self.backend) == "cpu" for o, i in shapes.values()
+        )
+
+    @functools.cached_property
+    def _c_group_shapes(self) -> dict[str, tuple[int, int]] | None:
+        """The projection groups' shapes where the C layers can run this runner's layer (on CPU, a
+        full-head rope, no q/k norms, the four groups; a runner that changes a layer, as tensor
+        parallelism's, keeps its own; the library built with SIMD for this dtype), else None."""
         a = self.args
         if self.device.type != "cpu" or a.family.qk_norm or a.rope.dim != a.head_dim:
-            return False
-        if any(getattr(type(self), f) is not getattr(ModelRunner, f) for f in ("_linear", "_norm", "_attention")):
-            return False
+            return None
+        if any(
+            getattr(type(self), f) is not getattr(ModelRunner, f) for f in ("_linear", "_norm", "_attention", "_logits")
+        ):
+            return None
         shapes = a.group_shapes()
-        if set(shapes) != set(GROUPS) or not DecodeShape.supported(self.dtype):
-            return False
-        return all(backend_for(self.device, rows * o * i, self.backend) == "cpu" for o, i in shapes.values())
+        return shapes if set(shapes) == set(GROUPS) and DecodeShape.supported(self.dtype) else None
 
     def _forward_c(self, work: list[SeqWork], ready: Callable[[], None]) -> torch.Tensor:
         """`forward` for single-token rows only, every layer in the C call."""
@@ -621,7 +630,16 @@ class ModelRunner:
             self._c_layers = self._build_c_layers()
         x = self._embed(m)
         ready()
-        x = self._c_layers.run(
+        every = len(m.logit_slots) == len(work)  # every row samples: its logits row is its own
+        # the base's head for every row: the C call ends with it (the layers, the final norm, the
+        # head in one call); else it ends with the final norm and _logits takes the rows' heads
+        fused = (
+            every
+            and m.sign_heads is None
+            and [s for s, _ in m.logit_groups] == [-1]
+            and self._c_layers.head is not None
+        )
+        out = self._c_layers.run(
             x,
             m.row_slot,
             m.cos[:, 0],
@@ -630,8 +648,13 @@ class ModelRunner:
             m.decode_tables,
             m.decode_lens,
             self.kv.block_size,
+            logits=fused,
         )
-        return self._final(x, m)
+        if fused:
+            return out
+        if not m.logit_slots:
+            return torch.empty(0, self.args.vocab_size, dtype=torch.float32, device=out.device)
+        return self._logits(out if every else out[m.logit_rows], m)
 
     def _build_c_layers(self) -> DecodeLayers:
         a, sl = self.args, self.slots
@@ -649,7 +672,13 @@ class ModelRunner:
             for i in range(a.n_layers)
         ]
         shape = DecodeShape(a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.intermediate_size, a.norm_eps)
-        return DecodeLayers(layers, shape, self.dtype)
+        head = self.base.head
+        # the head in the C call where the C GEMV is the one dense_linear takes for its rows
+        work = head.numel()  # a 1-row head: more rows choose the same or "cpu"
+        fits = (
+            head.dtype == self.dtype and head.is_contiguous() and backend_for(self.device, work, self.backend) == "cpu"
+        )
+        return DecodeLayers(layers, shape, self.dtype, final_norm=sl.final_norm, head=head if fits else None)
 
     def _forward_layers(self, work: list[SeqWork], ready: Callable[[], None]) -> torch.Tensor:
         """`forward` layer by layer, op by op."""

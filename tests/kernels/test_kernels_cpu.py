@@ -485,6 +485,16 @@ def test_decode_layers_check_their_tensors():
     with pytest.raises(ValueError, match="x must be"):
         ok.run(torch.randn(1, D).bfloat16(), torch.tensor([-1]), **args)
     assert ok.run(torch.randn(1, D), torch.tensor([-1]), **args).shape == (1, D)
+    with pytest.raises(ValueError, match="logits need"):
+        ok.run(torch.randn(1, D), torch.tensor([-1]), **args, logits=True)
+    with pytest.raises(ValueError, match="final_norm must be"):
+        DecodeLayers([layer()], shape, torch.float32, final_norm=torch.ones(S + 2, D))
+    with pytest.raises(ValueError, match="head must be"):
+        DecodeLayers([layer()], shape, torch.float32, final_norm=torch.ones(S + 1, D), head=torch.randn(50, D + 1))
+    with pytest.raises(ValueError, match="needs the final norm"):
+        DecodeLayers([layer()], shape, torch.float32, head=torch.randn(50, D))
+    full = DecodeLayers([layer()], shape, torch.float32, final_norm=torch.ones(S + 1, D), head=torch.randn(50, D))
+    assert full.run(torch.randn(1, D), torch.tensor([-1]), **args, logits=True).shape == (1, 50)
 
 
 def decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs):
@@ -586,6 +596,55 @@ def test_decode_layers_against_the_reference(isa, dims):
             bs,
         )
         assert torch.equal(one[0], got[1][b]), b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_layers_end_with_the_final_norm_and_the_head(isa, dtype):
+    """With the final norm, the C call returns the last layer's output normed by each row's slot's
+    weights as the runner's _norm does (w · round(rms_norm(x))); with the head too, the logits of
+    exactly `dense_linear_cpu(h, head).float()` (the GEMV the runner's _logits reaches on CPU,
+    rounded to the dtype) from that same h."""
+    from kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape
+
+    D, H, KV, hd, Fi, V, bs, n_slots = 64, 4, 2, 16, 96, 300, 4, 2
+    shape = DecodeShape(D, H, KV, hd, Fi, 1e-5)
+    g = torch.Generator().manual_seed(11)
+    out_in = (((H + 2 * KV) * hd, D), (D, H * hd), (2 * Fi, D), (D, Fi))
+    L = DecodeLayer(
+        weights=tuple((torch.randn(o, i, generator=g) / i**0.5).to(dtype) for o, i in out_in),
+        signs=tuple(
+            torch.randint(0, 256, (n_slots, o, (i + 7) // 8), generator=g, dtype=torch.uint8) for o, i in out_in
+        ),
+        alpha=tuple(torch.rand(n_slots, o, generator=g) * 0.02 / i**0.5 for o, i in out_in),
+        biases=(None,) * 4,
+        norms=tuple((torch.rand(n_slots + 1, D, generator=g) + 0.5).to(dtype) for _ in range(2)),
+        k=torch.randn(4 * bs, KV, hd, generator=g).to(dtype),
+        v=torch.randn(4 * bs, KV, hd, generator=g).to(dtype),
+        window=None,
+    )
+    final = (torch.rand(n_slots + 1, D, generator=g) + 0.5).to(dtype)
+    head = (torch.randn(V, D, generator=g) / D**0.5).to(dtype)
+    slots = torch.tensor([1, -1, 0])
+    angle = torch.rand(3, hd // 2, generator=g) * 6.28
+    cos, sin = torch.cat([angle.cos()] * 2, 1), torch.cat([angle.sin()] * 2, 1)
+    tables = torch.tensor([[0], [1], [2]], dtype=torch.int32)
+    lens = torch.tensor([3, 1, 4], dtype=torch.int32)
+    write_rows = torch.tensor([2, 4, 11])
+    x = torch.randn(3, D, generator=g).to(dtype)
+
+    def run(layers, **kw):
+        k, v = L.k.clone(), L.v.clone()  # each call writes its new keys into the pool: the same ones
+        out = layers.run(x, slots, cos, sin, write_rows, tables, lens, bs, **kw)
+        L.k.copy_(k), L.v.copy_(v)
+        return out
+
+    plain = run(DecodeLayers([L], shape, dtype))
+    full = DecodeLayers([L], shape, dtype, final_norm=final, head=head)
+    h = run(full)
+    want = final[slots + 1] * torch.nn.functional.rms_norm(plain.float(), (D,), eps=1e-5).to(dtype)
+    assert h.dtype == dtype and rel_err(h.float(), want.float()) <= (1e-6 if dtype == torch.float32 else 1e-2)
+    logits = run(full, logits=True)
+    assert logits.dtype == torch.float32 and torch.equal(logits, cpu_ops.dense_linear_cpu(h, head).float())
 
 
 # -- batch invariance (KernelSettings.batch_invariant) ---------------------------------------------
