@@ -22,6 +22,25 @@ def vm_rss(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
+def huge_page_bytes(pid: int) -> int:
+    """Bytes of process `pid`'s anonymous memory on transparent huge pages (AnonHugePages)."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def thp_mode() -> str:
+    """The kernel's transparent huge page mode: "always", "madvise" or "never" (also where the
+    kernel has none)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "never"
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else "never"
+
+
 def empty_base(base: Path, out: Path) -> Path:
     """A checkpoint with `base`'s tokenizer, vocabulary and config but one layer of width 8 (random
     weights: only its memory is of use), for measuring the runtime's fixed cost."""

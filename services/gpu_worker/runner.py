@@ -28,6 +28,7 @@ scheduler's business, which delta sits in which slot is the manager's.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -84,6 +85,31 @@ def _one_plane(extras: dict, w: SeqWork) -> bool:
     return ex is None or (len(ex.slots) <= 1 and not ex.lowrank and not ex.cols)
 
 
+class HostArena:
+    """Host tensors carved one after another from a few large buffers, so that a model's small
+    matrices lie on 2 MB pages too: torch's allocator puts a buffer of 2 MB or more on transparent
+    huge pages (the worker's process sets THP_MEM_ALLOC_ENABLE, services/gpu_worker/__main__.py),
+    and a bf16 SmolLM2-135M has most of its matrices below that. A buffer's untouched rest is never
+    resident; its last partly used 2 MB page is (≤ 2 MB a buffer)."""
+
+    CHUNK = 256 << 20  # bytes per buffer; a larger tensor gets one of its own
+    ALIGN = 64  # each tensor starts on a cache line
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+        self._used = 0
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape) * dtype.itemsize
+        if n > self.CHUNK:
+            return torch.empty(shape, dtype=dtype)
+        if self._buf is None or self._used + n > self.CHUNK:
+            self._buf, self._used = torch.empty(self.CHUNK, dtype=torch.uint8), 0
+        out = self._buf[self._used : self._used + n].view(dtype).view(shape)
+        self._used = -(-(self._used + n) // self.ALIGN) * self.ALIGN
+        return out
+
+
 @dataclass
 class BaseWeights:
     """The base, resident once. The matrices of a projection group are concatenated along d_out
@@ -108,10 +134,12 @@ class BaseWeights:
         args = ModelArgs.from_hf(read_config(ckpt))
         take = part or (lambda r, name: r.get(name))
         read: set[str] = set()
+        arena = HostArena() if device.type == "cpu" else None
 
         def tensor(r: CheckpointReader, names: list[str]) -> torch.Tensor:
             parts = [take(r, n) for n in names]  # views of the mapping (or a slice's read)
-            out = torch.empty((sum(t.shape[0] for t in parts), *parts[0].shape[1:]), dtype=dtype, device=device)
+            shape = (sum(t.shape[0] for t in parts), *parts[0].shape[1:])
+            out = arena.empty(shape, dtype) if arena else torch.empty(shape, dtype=dtype, device=device)
             row = 0
             for t in parts:
                 out[row : row + t.shape[0]].copy_(t)
