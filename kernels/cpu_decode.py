@@ -170,10 +170,14 @@ class DecodeLayers:
         lens: torch.Tensor,
         block_size: int,
         logits: bool = False,
+        head_plane: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Every layer for B decode rows -> the last layer's output [B, dim] in the model's dtype,
         normed by each row's final norm if the layers have one; with `logits` (the layers have a
-        head) fp32 [B, vocab] = round(h · headᵀ) instead, as `dense_linear(h, head).float()`.
+        head) fp32 [B, vocab] = round(h · headᵀ) instead, as `dense_linear(h, head).float()`; with
+        `head_plane` too, (signs uint8 [vocab, ceil(dim/8)], α fp32 [vocab] or [1]): one sign plane
+        of the head for every row, fp32 h · headᵀ + α ⊙ (h · Sᵀ), not rounded, as the runner's
+        `_sign_heads` (`dense_linear(h, head, out_fp32=True)`, then `bitdelta_delta_batched`).
 
         x: [B, dim] the embedded tokens; row_slot: [B] slot per row (−1: the base; row slot + 1 of
         the norm and bias stacks); cos, sin: [B, head_dim]; write_rows: [B] the pool rows the new k,
@@ -183,6 +187,14 @@ class DecodeLayers:
         """
         if logits and self.head is None:
             raise ValueError("logits need the layers' head")
+        signs, alpha = head_plane if head_plane is not None else (None, None)
+        if signs is not None:
+            V, D = self.head.shape if logits else (0, 0)
+            if not logits or signs.dtype != torch.uint8 or tuple(signs.shape) != (V, (D + 7) // 8):
+                raise ValueError("a head plane needs logits and signs uint8 [vocab, ceil(dim/8)]")
+            if alpha.dtype != torch.float32 or alpha.dim() != 1 or alpha.shape[0] not in (1, V):
+                raise ValueError("a head plane's α must be fp32 [vocab] or [1]")
+            signs, alpha = signs.contiguous(), alpha.contiguous()
         sh, B = self.shape, x.shape[0]
         hd = sh.head_dim
         if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != sh.dim:
@@ -224,6 +236,9 @@ class DecodeLayers:
             _ptr(self.final_norm),
             _ptr(self.head if logits else None),
             0 if out is None else out.shape[1],
+            _ptr(signs),
+            _ptr(alpha),
+            0 if alpha is None or alpha.shape[0] == 1 else 1,
             _ptr(out),
             torch.get_num_threads(),
         )

@@ -1777,13 +1777,18 @@ static void rope_heads(float *x, int64_t n, int64_t hd, const float *c, const fl
  * the final norm's stack [n_slots + 1, dim] in the dtype: x is then the normed output (the
  * runner's _final), and with head ([vocab, dim] in the dtype, the base's LM head) logits: fp32
  * [B, vocab] = round(h · headᵀ) (dense_linear_cpu's GEMV, rounded to the dtype), x left normed.
+ * head_signs: NULL, or one sign plane [vocab, ceil(dim/8)] of the head for every row with its α's
+ * (head_alpha[r · head_alpha_stride]): logits = h · headᵀ + α ⊙ (h · Sᵀ) in fp32, not rounded (the
+ * runner's _sign_heads, a variant whose tied embedding is compressed to signs: the GEMV and then
+ * bd_delta_batched's plane, bit for bit).
  * After the layers' ~200 MB of weights every cache is cold, and the ~10 small torch ops of the
  * norm and the head's call cost ~0.3 ms of a ~10 ms bf16 SmolLM2-135M step there. Returns 0 or −1. */
 int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, int64_t B, const int64_t *row_slot,
                      int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t F, float eps, int dtype, const float *cos_t,
                      const float *sin_t, const int64_t *write_rows, const int32_t *tables, int64_t max_blocks,
                      const int32_t *lens, int64_t bs, float scale, const void *final_norm, const void *head,
-                     int64_t vocab, float *logits, int n_threads) {
+                     int64_t vocab, const uint8_t *head_signs, const float *head_alpha, int64_t head_alpha_stride,
+                     float *logits, int n_threads) {
     const int64_t Q = (H + 2 * KV) * hd, HD = H * hd;
     int any_delta = 0;
     for (int64_t b = 0; b < B; ++b) any_delta |= row_slot[b] >= 0;
@@ -1822,8 +1827,9 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
     if (!rc && final_norm) {
         decode_norm(x, final_norm, row_slot, B, D, eps, dtype, h);
         memcpy(x, h, sizeof(float) * (size_t)(B * D));
-        if (head && !(rc = linear_planes(h, B, D, head, dtype, D, NULL, 0, vocab, D, 0, NULL, 0, 0, NULL, 1, logits,
-                                         vocab, dtype == BD_W_BF16, 0, n_threads)))
+        if (head && !(rc = linear_planes(h, B, D, head, dtype, D, head_signs, 0, vocab, D, (D + 7) / 8, head_alpha, 0,
+                                         head_alpha_stride, NULL, 1, logits, vocab, dtype == BD_W_BF16, 0, n_threads)) &&
+            !head_signs)
             round_all(logits, B * vocab, dtype);
     }
     free(buf);

@@ -659,13 +659,14 @@ class ModelRunner:
         x = self._embed(m)
         ready()
         every = len(m.logit_slots) == len(work)  # every row samples: its logits row is its own
-        # the base's head for every row: the C call ends with it (the layers, the final norm, the
+        # every row's head the base's, or the base's + one sign plane of one variant (its tied
+        # embedding compressed to signs): the C call ends with it (the layers, the final norm, the
         # head in one call); else it ends with the final norm and _logits takes the rows' heads
+        plane = self._one_head_plane(m) if every else None
         fused = (
             every
-            and m.sign_heads is None
-            and [s for s, _ in m.logit_groups] == [-1]
             and self._c_layers.head is not None
+            and ((m.sign_heads is None and [s for s, _ in m.logit_groups] == [-1]) or plane is not None)
         )
         out = self._c_layers.run(
             x,
@@ -677,12 +678,25 @@ class ModelRunner:
             m.decode_lens,
             self.kv.block_size,
             logits=fused,
+            head_plane=plane if fused else None,
         )
         if fused:
             return out
         if not m.logit_slots:
             return torch.empty(0, self.args.vocab_size, dtype=torch.float32, device=out.device)
         return self._logits(out if every else out[m.logit_rows], m)
+
+    @staticmethod
+    def _one_head_plane(m: StepMeta) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(signs [vocab, bytes], α [vocab]) where every logit row of the step is one variant's
+        whose head is the base's + one sign plane and nothing else (no U · V), else None."""
+        sh = m.sign_heads
+        if sh is None or sh.rows is not None or len(sh.variants) != 1 or m.logit_groups:
+            return None
+        head: BigTensor = m.extras[sh.variants[0][0]].head
+        if head.u is not None or head.signs.shape[0] != 1:
+            return None
+        return head.signs[0], head.alpha[0]
 
     def _build_c_layers(self) -> DecodeLayers:
         a, sl = self.args, self.slots

@@ -603,7 +603,7 @@ def test_decode_layers_end_with_the_final_norm_and_the_head(isa, dtype):
     """With the final norm, the C call returns the last layer's output normed by each row's slot's
     weights as the runner's _norm does (w · round(rms_norm(x))); with the head too, the logits of
     exactly `dense_linear_cpu(h, head).float()` (the GEMV the runner's _logits reaches on CPU,
-    rounded to the dtype) from that same h."""
+    rounded to the dtype) from that same h; with a head plane, exactly the runner's _sign_heads."""
     from kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape
 
     D, H, KV, hd, Fi, V, bs, n_slots = 64, 4, 2, 16, 96, 300, 4, 2
@@ -645,6 +645,17 @@ def test_decode_layers_end_with_the_final_norm_and_the_head(isa, dtype):
     assert h.dtype == dtype and rel_err(h.float(), want.float()) <= (1e-6 if dtype == torch.float32 else 1e-2)
     logits = run(full, logits=True)
     assert logits.dtype == torch.float32 and torch.equal(logits, cpu_ops.dense_linear_cpu(h, head).float())
+    # a variant's head = the base's + one sign plane (its tied embedding compressed to signs): fp32,
+    # not rounded, the runner's _sign_heads bit for bit (the GEMV, then the batched delta's plane)
+    signs = torch.randint(0, 256, (V, (D + 7) // 8), generator=g, dtype=torch.uint8)
+    for alpha in (torch.rand(V, generator=g) * 1e-2, torch.tensor([3e-3])):
+        got = run(full, logits=True, head_plane=(signs, alpha))
+        want = cpu_ops.dense_linear_cpu(h, head, out_fp32=True)
+        cpu_ops.bitdelta_delta_batched_cpu(h, signs[None], alpha[None], torch.zeros(3, dtype=torch.int64), want)
+        assert torch.equal(got, want)
+        assert (got - logits).abs().max() > 0  # the plane moved them
+    with pytest.raises(ValueError, match="head plane needs"):
+        run(full, head_plane=(signs, alpha))
 
 
 # -- batch invariance (KernelSettings.batch_invariant) ---------------------------------------------
