@@ -189,7 +189,7 @@ class DecodeLayers:
             raise ValueError("logits need the layers' head")
         signs, alpha = head_plane if head_plane is not None else (None, None)
         if signs is not None:
-            V, D = self.head.shape if logits else (0, 0)
+            V, D = self.head.shape if logits else (-1, -1)  # without logits, refused below
             if not logits or signs.dtype != torch.uint8 or tuple(signs.shape) != (V, (D + 7) // 8):
                 raise ValueError("a head plane needs logits and signs uint8 [vocab, ceil(dim/8)]")
             if alpha.dtype != torch.float32 or alpha.dim() != 1 or alpha.shape[0] not in (1, V):

@@ -78,6 +78,11 @@ def _nothing() -> None:
     pass
 
 
+def _base_head_only(m: StepMeta) -> bool:
+    """Every logit row of the step reads the base's head alone."""
+    return m.sign_heads is None and len(m.logit_groups) == 1 and m.logit_groups[0][0] == -1
+
+
 def _one_plane(extras: dict, w: SeqWork) -> bool:
     """Whether `w`'s rows need one sign plane of row α's per projection at most (the base, or a
     variant of one plane without column α's or a low-rank term): what the C decode layers add."""
@@ -202,11 +207,11 @@ class KVPool:
         self.k[:, b : b + rows] = self.k[:, a : a + rows]
         self.v[:, b : b + rows] = self.v[:, a : a + rows]
 
-    def rows(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
-        """Pool rows of positions [start, end) of a sequence with block table `blocks` (CPU int64)."""
-        pos = torch.arange(start, end)
-        table = torch.tensor(blocks, dtype=torch.int64)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+    def rows(self, blocks: list[int], start: int, end: int) -> list[int]:
+        """Pool rows of positions [start, end) of a sequence with block table `blocks`, on the host
+        (a decode row's one row costs no tensor op)."""
+        bs = self.block_size
+        return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
 
 
 @dataclass
@@ -314,8 +319,7 @@ class ModelRunner:
             positions.extend(range(w.start, w.start + n))
             seq_lens.extend([w.start + n] * n)  # the sequence's length at this step (dynamic rope, LongRoPE)
             row_slot.extend([w.slot] * n)
-            bs = self.kv.block_size  # the new tokens' pool rows, on the host (a decode row needs no more)
-            write_rows.extend(w.blocks[p // bs] * bs + p % bs for p in range(w.start, w.start + n))
+            write_rows.extend(self.kv.rows(w.blocks, w.start, w.start + n))
             if n == 1 or self.batch_invariant:  # batch-invariant: every token as a decode row (its own keys, in place)
                 for j in range(n):
                     decode_rows.append(r + j)
@@ -324,7 +328,7 @@ class ModelRunner:
                 L = w.start + n
                 q_pos, k_pos = torch.arange(w.start, L), torch.arange(L)
                 masks = {win: self._dev(attention_mask(q_pos, k_pos, win)) for win in windows}  # [n, L] each
-                ctx = self.kv.rows(w.blocks, 0, L)  # [L] the whole context incl. the new tokens
+                ctx = torch.tensor(self.kv.rows(w.blocks, 0, L))  # [L] the whole context incl. the new tokens
                 prefills.append((r, n, self._dev(ctx), masks))
             if w.want_logits:
                 logit_rows.append(r + n - 1)
@@ -572,7 +576,7 @@ class ModelRunner:
         """h: [R, dim] (final-normed) -> fp32 logits [R, vocab], each row through its variant's head:
         the base's, a dense one of its own, or the base's + its sign planes (`_sign_heads`)."""
         sh = m.sign_heads
-        if sh is None and len(m.logit_groups) == 1 and m.logit_groups[0][0] == -1:
+        if _base_head_only(m):
             return dense_linear(h, self.base.head, backend=self.backend).float()
         if sh is not None and sh.rows is None:  # every row's head is signs on the base's
             return self._sign_heads(h, sh, m.extras)
@@ -663,11 +667,7 @@ class ModelRunner:
         # embedding compressed to signs): the C call ends with it (the layers, the final norm, the
         # head in one call); else it ends with the final norm and _logits takes the rows' heads
         plane = self._one_head_plane(m) if every else None
-        fused = (
-            every
-            and self._c_layers.head is not None
-            and ((m.sign_heads is None and [s for s, _ in m.logit_groups] == [-1]) or plane is not None)
-        )
+        fused = every and self._c_layers.head is not None and (_base_head_only(m) or plane is not None)
         out = self._c_layers.run(
             x,
             m.row_slot,

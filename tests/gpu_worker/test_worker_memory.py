@@ -1,8 +1,8 @@
 """An idle worker holds no more than its account (issue #23, services/gpu_worker/memory.py): the
 base's weights + the KV pool + the slots' α/norm rows + the runtime's fixed cost, that cost measured
 in the same test as the idle RSS of the same worker process serving a model of the same tokenizer
-with one layer of width 8; the weights on 2 MB pages (`memory.use_huge_pages`) where the kernel
-has them. Real processes, the real SmolLM2-135M base, fp32 and bf16."""
+with one layer of width 8; the weights on 2 MB pages (`services/gpu_worker/__main__.py`) where the
+kernel has them. Real processes, the real SmolLM2-135M base, fp32 and bf16."""
 
 from __future__ import annotations
 
