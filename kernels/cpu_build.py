@@ -53,14 +53,12 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch  # noqa: F401  # loads libgomp.so.1 first so the library shares torch's OpenMP runtime
-
 from kernels.settings import ENV, KernelSettings, current
 
 log = logging.getLogger("kernels")
 
 SOURCE = Path(__file__).with_name("csrc") / "bitdelta_cpu.c"
-CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+CFLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-std=c11"]
 COMPILE_TIMEOUT_S = 120
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512bf16"}

@@ -14,19 +14,18 @@
  * masked add per 16 columns; AVX2 by a compare per 8.
  *
  * All matrices are fp32 row-major with a leading-dimension argument unless
- * said otherwise; n_threads is the caller's torch.get_num_threads(). Torch
- * loads libgomp.so.1 first, so this library shares torch's OpenMP runtime.
+ * said otherwise; n_threads is the caller's torch.get_num_threads(), the
+ * calling thread and n_threads − 1 helpers of the library's own pool (pool_run).
  */
+#define _GNU_SOURCE /* pthreads under -std=c11 */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
-#endif
-#ifdef _OPENMP
-#include <omp.h>
 #endif
 
 #define BD_ISA_SCALAR 0
@@ -71,6 +70,153 @@ __attribute__((constructor)) static void choose_gather(void) {
 
 /* bd_set_gather(1 | 0 | −1): force the gathers, the loads and transpose, or the CPU's choice (tests
  * and benchmarks run both; not while a call runs); returns the choice now in force. */
+/* ---------------------------------------------------------------------- */
+/* the step's thread pool: helpers that join a task if they are awake     */
+/* ---------------------------------------------------------------------- */
+/* OpenMP's regions end in a barrier that waits for EVERY thread of the team, and libgomp parks a
+ * waiting thread on a futex almost at once (a ~1000-iteration spin) whenever the process has more
+ * libgomp threads than cores, which a worker always has: each Python thread that ran a parallel
+ * torch op (the loop, loaders, the engine) keeps a pool of its own. A decode step runs ~150
+ * regions, and on 2 cores its 2 threads then spent ~25 % of the step asleep waiting for each
+ * other: a fp32 SmolLM2-135M step took 21 ms on 2 threads against 15 ms on one (docs/kernels.md,
+ * "The library's threads").
+ * So the step's regions run here instead. A task is a function that every participant calls and
+ * that takes its work from counters in its context (pool_jobs), so it needs no particular thread:
+ * the caller always runs it, a helper joins only while the task is open, and the caller waits only
+ * for helpers that joined, never for one that is asleep or descheduled. Helpers spin ~0.2 ms
+ * after a task (a step's regions are microseconds apart), then sleep on a condition variable.
+ * One caller at a time: a second concurrent caller runs its task alone. */
+typedef void (*pool_fn)(void *ctx);
+#define POOL_MAX 255
+#define POOL_OPEN (1ull << 16)            /* state: joined helpers in bits 0-15, open bit 16, */
+#define POOL_EPOCH (1ull << 17)           /* and the task's number from bit 17 */
+static struct {
+    pthread_mutex_t mu;                   /* the sleepers' lock, and the helpers' start */
+    pthread_cond_t cv;
+    pthread_mutex_t caller;               /* one task at a time */
+    int n_helpers, sleepers;
+    int want;                             /* helpers with index < want may join the open task */
+    uint64_t state;                       /* epoch | open | joined (atomic) */
+    int finished;                         /* helpers done with the current task (atomic) */
+    pool_fn fn;
+    void *ctx;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, 0, 0, NULL, NULL};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void *pool_helper(void *arg) {
+    const int index = (int)(intptr_t)arg;
+    uint64_t seen = __atomic_load_n(&pool.state, __ATOMIC_ACQUIRE) & ~(POOL_EPOCH - 1);
+    for (;;) {
+        uint64_t s = __atomic_load_n(&pool.state, __ATOMIC_ACQUIRE);
+        for (int spin = 0; (s & ~(POOL_EPOCH - 1)) == seen; s = __atomic_load_n(&pool.state, __ATOMIC_ACQUIRE)) {
+            if (++spin < 4096) { /* ~0.2 ms of pauses */
+                cpu_relax();
+                continue;
+            }
+            pthread_mutex_lock(&pool.mu);
+            __atomic_add_fetch(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
+            while (((s = __atomic_load_n(&pool.state, __ATOMIC_SEQ_CST)) & ~(POOL_EPOCH - 1)) == seen)
+                pthread_cond_wait(&pool.cv, &pool.mu);
+            __atomic_sub_fetch(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
+            pthread_mutex_unlock(&pool.mu);
+            break;
+        }
+        seen = s & ~(POOL_EPOCH - 1);
+        /* join while this task is open: one CAS on the whole state, so a join never counts
+         * towards another task */
+        while ((s & POOL_OPEN) && (s & ~(POOL_EPOCH - 1)) == seen &&
+               index < __atomic_load_n(&pool.want, __ATOMIC_RELAXED)) {
+            if (__atomic_compare_exchange_n(&pool.state, &s, s + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+                pool.fn(pool.ctx);
+                __atomic_add_fetch(&pool.finished, 1, __ATOMIC_RELEASE);
+                break;
+            }
+        }
+    }
+    return NULL;
+}
+
+static void pool_after_fork(void) { /* the child has no helpers: start afresh */
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.cv, NULL);
+    pthread_mutex_init(&pool.caller, NULL);
+    pool.n_helpers = pool.sleepers = 0;
+}
+
+/* fn(ctx) on the calling thread and on up to n_threads − 1 helpers (started on first use); returns
+ * when fn has returned everywhere it was called. */
+static void pool_run(pool_fn fn, void *ctx, int n_threads) {
+    if (n_threads > POOL_MAX + 1) n_threads = POOL_MAX + 1;
+    if (n_threads <= 1 || pthread_mutex_trylock(&pool.caller) != 0) {
+        fn(ctx);
+        return;
+    }
+    static int at_fork = 0;
+    if (!at_fork) at_fork = pthread_atfork(NULL, NULL, pool_after_fork) == 0;
+    while (pool.n_helpers < n_threads - 1) { /* helpers are never stopped: a worker keeps its count */
+        pthread_t th;
+        pthread_attr_t at;
+        pthread_attr_init(&at);
+        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+        const int rc = pthread_create(&th, &at, pool_helper, (void *)(intptr_t)pool.n_helpers);
+        pthread_attr_destroy(&at);
+        if (rc != 0) break; /* fewer helpers: the task still runs */
+        ++pool.n_helpers;
+    }
+    pool.fn = fn;
+    pool.ctx = ctx;
+    __atomic_store_n(&pool.want, n_threads - 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.finished, 0, __ATOMIC_RELAXED);
+    const uint64_t epoch = (__atomic_load_n(&pool.state, __ATOMIC_RELAXED) & ~(POOL_EPOCH - 1)) + POOL_EPOCH;
+    __atomic_store_n(&pool.state, epoch | POOL_OPEN, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&pool.sleepers, __ATOMIC_SEQ_CST) > 0) {
+        pthread_mutex_lock(&pool.mu);
+        pthread_cond_broadcast(&pool.cv);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    fn(ctx);
+    const uint64_t s = __atomic_fetch_and(&pool.state, ~POOL_OPEN, __ATOMIC_ACQ_REL); /* close it */
+    const int joined = (int)(s & (POOL_OPEN - 1));
+    while (__atomic_load_n(&pool.finished, __ATOMIC_ACQUIRE) < joined) cpu_relax();
+    pthread_mutex_unlock(&pool.caller);
+}
+
+/* A task's work: n jobs taken one at a time by whoever calls pool_job. */
+typedef struct {
+    int64_t next, n;
+} pool_jobs;
+static inline int64_t pool_job(pool_jobs *j) {
+    const int64_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+    return i < j->n ? i : -1;
+}
+
+/* fn(ctx, r0, r1) over rows [0, n) in chunks of `chunk` rows, on the pool: for the kernels whose rows
+ * are independent (a row's numbers never depend on the chunk it falls in). */
+enum { POOL_ROWS = 64 }; /* rows per job: 4 of the planes' 16-row blocks, 8 of the GEMV's 8-row ones */
+typedef void (*rows_fn)(void *ctx, int64_t r0, int64_t r1);
+typedef struct {
+    rows_fn fn;
+    void *ctx;
+    int64_t n, chunk;
+    pool_jobs jobs;
+} rows_task;
+
+static void rows_run(void *c) {
+    rows_task *T = (rows_task *)c;
+    for (int64_t j; (j = pool_job(&T->jobs)) >= 0;)
+        T->fn(T->ctx, j * T->chunk, (j + 1) * T->chunk < T->n ? (j + 1) * T->chunk : T->n);
+}
+
+static void pool_rows(rows_fn fn, void *ctx, int64_t n, int64_t chunk, int n_threads) {
+    rows_task T = {fn, ctx, n, chunk, {0, (n + chunk - 1) / chunk}};
+    pool_run(rows_run, &T, n_threads);
+}
+
 int bd_set_gather(int on) {
     if (on < 0)
         choose_gather();
@@ -469,11 +615,22 @@ static float *row_sums(const float *x, int64_t M, int64_t ldx, int64_t d_in) {
     return xsum;
 }
 
-static void split_rows(int64_t d_out, int t, int n, int64_t *r0, int64_t *r1) {
-    const int64_t blocks = (d_out + ROWS - 1) / ROWS;
-    const int64_t b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
-    *r0 = b0 * ROWS;
-    *r1 = b1 * ROWS < d_out ? b1 * ROWS : d_out;
+/* bd_delta_gemv's rows [r0, r1): by the byte tables (lut8) or the nibble tables / masks. */
+typedef struct {
+    const float *x, *lut8, *xsum, *tab;
+    const uint8_t *s;
+    const float *alpha;
+    float *y;
+    int64_t M, ldx, d_in, lds, alpha_stride, ldy;
+} delta_gemv_args;
+
+static void delta_gemv_rows(void *ctx, int64_t r0, int64_t r1) {
+    const delta_gemv_args *A = (const delta_gemv_args *)ctx;
+    if (A->lut8)
+        delta_rows_lut8(A->lut8, A->M, A->s, A->lds, A->d_in, A->alpha, A->alpha_stride, A->y, A->ldy, r0, r1);
+    else
+        delta_rows_mask(A->x, A->tab, A->ldx, A->M, A->xsum, A->s, A->lds, A->d_in, A->alpha, A->alpha_stride, A->y,
+                        A->ldy, r0, r1);
 }
 
 /* y[m, r] += α_r · Σ_k x[m, k] · s[r, k]
@@ -486,23 +643,14 @@ int bd_delta_gemv(const float *x, int64_t M, int64_t ldx,
                   const uint8_t *s, int64_t d_out, int64_t d_in, int64_t lds,
                   const float *alpha, int64_t alpha_stride,
                   float *y, int64_t ldy, int method, int n_threads) {
-    if (n_threads < 1) n_threads = 1;
+    delta_gemv_args A = {x, NULL, NULL, NULL, s, alpha, y, M, ldx, d_in, lds, alpha_stride, ldy};
     if (method == 1) {
         const int64_t n_bytes = (d_in + 7) / 8;
         float *T = (float *)malloc(sizeof(float) * (size_t)(M * n_bytes * 256));
         if (!T) return -1;
         for (int64_t m = 0; m < M; ++m) build_lut8(x + m * ldx, d_in, T + m * n_bytes * 256);
-#pragma omp parallel num_threads(n_threads)
-        {
-#ifdef _OPENMP
-            const int t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-            const int t = 0, n = 1;
-#endif
-            int64_t r0, r1;
-            split_rows(d_out, t, n, &r0, &r1);
-            delta_rows_lut8(T, M, s, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
-        }
+        A.lut8 = T;
+        pool_rows(delta_gemv_rows, &A, d_out, POOL_ROWS, n_threads);
         free(T);
         return 0;
     }
@@ -512,23 +660,32 @@ int bd_delta_gemv(const float *x, int64_t M, int64_t ldx,
         free(xsum);
         return -1;
     }
-#pragma omp parallel num_threads(n_threads)
-    {
-#ifdef _OPENMP
-        const int t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-        const int t = 0, n = 1;
-#endif
-        int64_t r0, r1;
-        split_rows(d_out, t, n, &r0, &r1);
-        delta_rows_mask(x, tab, ldx, M, xsum, s, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
-    }
+    A.xsum = xsum;
+    A.tab = tab;
+    pool_rows(delta_gemv_rows, &A, d_out, POOL_ROWS, n_threads);
     free(tab);
     free(xsum);
     return 0;
 }
 
-/* A mixed batch's planes in one parallel region ("mask" method):
+/* bd_delta_batched's rows [r0, r1) (delta_rows_planes). */
+typedef struct {
+    const float *x, *tab, *xsum, *xcol;
+    const uint8_t *s;
+    const float *alpha;
+    const int64_t *slots, *bounds, *mate;
+    float *y;
+    int64_t ldx, M, stride_sv, lds, d_in, stride_av, alpha_stride, n_planes, n_groups, ldy;
+} batched_args;
+
+static void batched_rows(void *ctx, int64_t r0, int64_t r1) {
+    const batched_args *A = (const batched_args *)ctx;
+    delta_rows_planes(A->x, A->tab, A->ldx, A->M, A->xsum, A->xcol, A->s, A->stride_sv, A->lds, A->d_in, A->alpha,
+                      A->stride_av, A->alpha_stride, A->slots, A->n_planes, A->bounds, A->n_groups, A->mate, A->y,
+                      A->ldy, r0, r1);
+}
+
+/* A mixed batch's planes in one pool task ("mask" method):
  *   y[m, r] += Σ_p α_v[r] · Σ_k x[m, k] · c_v[g(r), k] · S_v[r, k],  v = row_slots[m·n_planes + p]
  * over the p with v ≥ 0 (int64; < 0: nothing), the planes' terms summed in fp32, then added to y.
  *   s: uint8 [V, d_out, lds], slot stride stride_sv; alpha: fp32, α_v[r] = alpha[v·stride_av +
@@ -595,19 +752,9 @@ int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
         return -1;
     }
     find_mates(row_slots, M, n_planes, mate);
-#pragma omp parallel num_threads(n_threads)
-    {
-#ifdef _OPENMP
-        const int t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-        const int t = 0, n = 1;
-#endif
-        int64_t r0, r1;
-        split_rows(d_out, t, n, &r0, &r1);
-        delta_rows_planes(x, tab, ldx, M, xsum, xcol, s, stride_sv, lds, d_in, alpha, stride_av, alpha_stride,
-                          row_slots, n_planes, col_alpha ? bounds : NULL, col_alpha ? n_groups : 1, mate, y, ldy, r0,
-                          r1);
-    }
+    batched_args A = {x, tab, xsum, xcol, s, alpha, row_slots, col_alpha ? bounds : NULL, mate, y, ldx, M, stride_sv,
+                      lds, d_in, stride_av, alpha_stride, n_planes, col_alpha ? n_groups : 1, ldy};
+    pool_rows(batched_rows, &A, d_out, POOL_ROWS, n_threads);
     free(tab);
     free(mate);
     free(xcol);
@@ -704,18 +851,31 @@ static void merge_row(const void *w, int w_dtype, int64_t w_off, const uint8_t *
     }
 }
 
+/* bd_merge's rows r0 + [i0, i1). */
+typedef struct {
+    const void *w;
+    const uint8_t *s;
+    const float *alpha;
+    void *out;
+    int w_dtype, out_dtype;
+    int64_t ldw, lds, alpha_stride, r0, d_in, ldo;
+} merge_args;
+
+static void merge_rows(void *ctx, int64_t i0, int64_t i1) {
+    const merge_args *A = (const merge_args *)ctx;
+    for (int64_t r = A->r0 + i0; r < A->r0 + i1; ++r)
+        merge_row(A->w, A->w_dtype, r * A->ldw, A->s + r * A->lds, A->alpha ? A->alpha[r * A->alpha_stride] : 1.f,
+                  A->d_in, A->out, A->out_dtype, (r - A->r0) * A->ldo);
+}
+
 /*   w: [d_out, ldw] in w_dtype (ignored for BD_W_NONE); s: uint8 [d_out, lds];
  *   alpha as in bd_delta_gemv (NULL: α = 1, i.e. plain ±1 unpack);
  *   out: [r1 − r0, ldo] in out_dtype (BD_W_F32/BF16/F16), rounded to nearest even. */
 void bd_merge(const void *w, int w_dtype, int64_t ldw, const uint8_t *s, int64_t lds,
               const float *alpha, int64_t alpha_stride, int64_t r0, int64_t r1, int64_t d_in,
               void *out, int out_dtype, int64_t ldo, int n_threads) {
-    if (n_threads < 1) n_threads = 1;
-#pragma omp parallel for schedule(static) num_threads(n_threads)
-    for (int64_t r = r0; r < r1; ++r) {
-        const float a = alpha ? alpha[r * alpha_stride] : 1.f;
-        merge_row(w, w_dtype, r * ldw, s + r * lds, a, d_in, out, out_dtype, (r - r0) * ldo);
-    }
+    merge_args A = {w, s, alpha, out, w_dtype, out_dtype, ldw, lds, alpha_stride, r0, d_in, ldo};
+    pool_rows(merge_rows, &A, r1 - r0, 16, n_threads);
 }
 
 /* ---------------------------------------------------------------------- */
@@ -1160,13 +1320,59 @@ static void linear_planes_rows(const float *x, const float *xeo, const uint16_t 
                           slots, n_planes, NULL, 1, mate, y, ldy, r0, r1);
 }
 
+/* linear_planes over many threads (pool_run): the rows in chunks of POOL_ROWS, each chunk's GEMV
+ * (one-pass: with its bits) and its planes two jobs, which participants take from two counters: the
+ * first to arrive GEMV jobs first, the next plane jobs first, and so on, each then the other kind, so
+ * while one core streams W another sums the bits, which are compute, not bytes. The planes' sums go
+ * to part [M, d_out]; whoever finishes a chunk's second job adds them to y, the same y += sum as
+ * linear_planes_rows, so every row's numbers are those of one thread's pass. */
+typedef struct {
+    const float *x, *xeo, *tab, *xsum, *alpha;
+    const uint16_t *xb;
+    const void *w;
+    const uint8_t *s1, *s2;
+    const int64_t *slots, *mate;
+    int64_t ldx, M, ldw, stride_sv, lds, d_in, stride_av, alpha_stride, n_planes, ldy, d_out;
+    int w_dtype;
+    float *y, *part;
+    int *done; /* jobs finished per chunk (0, 1, 2) */
+    int arrived;
+    pool_jobs jobs[2]; /* GEMV, planes */
+} share_task;
+
+static void share_run(void *ctx) {
+    share_task *T = (share_task *)ctx;
+    const int first = __atomic_fetch_add(&T->arrived, 1, __ATOMIC_RELAXED) % 2;
+    for (int turn = 0; turn < 2; ++turn) {
+        const int kind = (first + turn) % 2; /* 0: GEMV, 1: planes */
+        for (int64_t j; (j = pool_job(&T->jobs[kind])) >= 0;) {
+            const int64_t r0 = j * POOL_ROWS, r1 = r0 + POOL_ROWS < T->d_out ? r0 + POOL_ROWS : T->d_out;
+            if (kind == 0)
+                linear_rows(T->x, T->xeo, T->xb, T->ldx, T->M, T->xsum, T->w, T->w_dtype, T->ldw, T->s1, T->lds,
+                            T->d_in, T->alpha, T->alpha_stride, T->y, T->ldy, r0, r1);
+            else
+                delta_rows_planes(T->x, T->tab, T->ldx, T->M, T->xsum, NULL, T->s2, T->stride_sv, T->lds, T->d_in,
+                                  T->alpha, T->stride_av, T->alpha_stride, T->slots, T->n_planes, NULL, 1, T->mate,
+                                  T->part, T->d_out, r0, r1);
+            /* the chunk's second job adds the sums (acq_rel: the first job's writes are seen); rows
+             * without a plane are left alone, as delta_rows_planes leaves them */
+            if (T->s2 && __atomic_fetch_add(&T->done[j], 1, __ATOMIC_ACQ_REL) == 1)
+                for (int64_t m = 0; m < T->M; ++m) {
+                    int any = !T->slots;
+                    for (int64_t p = 0; p < T->n_planes && !any; ++p) any = T->slots[m * T->n_planes + p] >= 0;
+                    if (any)
+                        for (int64_t r = r0; r < r1; ++r) T->y[m * T->ldy + r] += T->part[m * T->d_out + r];
+                }
+        }
+    }
+}
+
 /* y = x · Wᵀ + Σ_p α_v ⊙ (x · S_vᵀ), overwriting y: the base GEMV and then the planes of
- * delta_rows_planes, in ONE parallel region (each thread its rows; linear_planes_rows), the numbers
- * of bd_linear_gemv then bd_delta_batched; s NULL: y = x · Wᵀ. slots NULL: one plane,
+ * delta_rows_planes in ONE call (linear_planes_rows on one thread, share_run's task on more), the
+ * numbers of bd_linear_gemv then bd_delta_batched; s NULL: y = x · Wᵀ. slots NULL: one plane,
  * slot 0, for every row (s, alpha as in bd_delta_gemv); else as bd_delta_batched's row_slots
  * (strides stride_sv, stride_av). one_pass: instead the masked add rides the GEMV's loop (slots
- * NULL). n_threads 1 runs on the calling thread (no OpenMP region: on a busy host a region waits
- * for every one of its threads to be scheduled). Returns 0 or −1 (no memory). */
+ * NULL). Returns 0 or −1 (no memory). */
 static int linear_planes(const float *x, int64_t M, int64_t ldx, const void *w, int w_dtype, int64_t ldw,
                          const uint8_t *s, int64_t stride_sv, int64_t d_out, int64_t d_in, int64_t lds,
                          const float *alpha, int64_t stride_av, int64_t alpha_stride, const int64_t *slots,
@@ -1215,22 +1421,18 @@ static int linear_planes(const float *x, int64_t M, int64_t ldx, const void *w, 
             linear_planes_rows(x, xeo, xb, tab, ldx, M, xsum, w, w_dtype, ldw, s2, stride_sv, lds, d_in, alpha,
                                stride_av, alpha_stride, slots, n_planes, mate, y, ldy, 0, d_out);
     } else if (!failed) {
-#pragma omp parallel num_threads(n_threads)
-        {
-#ifdef _OPENMP
-            const int t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-            const int t = 0, n = 1;
-#endif
-            int64_t r0, r1;
-            split_rows(d_out, t, n, &r0, &r1);
-            if (s1)
-                linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, s1, lds, d_in, alpha, alpha_stride, y, ldy, r0,
-                            r1);
-            else
-                linear_planes_rows(x, xeo, xb, tab, ldx, M, xsum, w, w_dtype, ldw, s2, stride_sv, lds, d_in, alpha,
-                                   stride_av, alpha_stride, slots, n_planes, mate, y, ldy, r0, r1);
+        const int64_t n_jobs = (d_out + POOL_ROWS - 1) / POOL_ROWS;
+        share_task T = {x, xeo, tab, xsum, alpha, xb, w, s1, s2, slots, mate, ldx, M, ldw, stride_sv, lds, d_in,
+                        stride_av, alpha_stride, n_planes, ldy, d_out, w_dtype, y, NULL, NULL, 0,
+                        {{0, n_jobs}, {0, s2 ? n_jobs : 0}}};
+        if (s2) {
+            T.part = (float *)calloc((size_t)(M > 0 ? M * d_out : 1), sizeof(float));
+            T.done = (int *)calloc((size_t)(n_jobs > 0 ? n_jobs : 1), sizeof(int));
+            failed = !T.part || !T.done;
         }
+        if (!failed) pool_run(share_run, &T, n_threads);
+        free(T.done);
+        free(T.part);
     }
     free(mate);
     free(tab);
@@ -1592,6 +1794,34 @@ static void attend(const float *qg, int64_t G, int64_t D, const void *k, const v
 #undef CHUNK_END
 }
 
+/* bd_paged_decode's (row, KV head) pairs as pool jobs, each participant with its own scratch. */
+typedef struct {
+    const float *q;
+    const void *k, *v;
+    const int32_t *tables, *lens;
+    float *out;
+    int64_t B, H, KV, D, G, max_blocks, bs, window;
+    float scale;
+    int kv_dtype, failed;
+    pool_jobs jobs;
+} attend_task;
+
+static void attend_run(void *ctx) {
+    attend_task *T = (attend_task *)ctx;
+    float *buf = (float *)malloc((size_t)attend_floats(T->G, T->D) * sizeof(float));
+    if (!buf) {
+        __atomic_store_n(&T->failed, 1, __ATOMIC_RELAXED);
+        return; /* the others take its jobs; the call still fails */
+    }
+    for (int64_t j; (j = pool_job(&T->jobs)) >= 0;) {
+        const int64_t b = j / T->KV, g = j % T->KV, n = T->lens[b];
+        const int64_t lo = T->window > 0 && n - T->window > 0 ? n - T->window : 0;
+        attend(T->q + (b * T->H + g * T->G) * T->D, T->G, T->D, T->k, T->v, T->kv_dtype, T->tables + b * T->max_blocks,
+               T->bs, T->KV, g, lo, n, T->scale, buf, T->out + (b * T->H + g * T->G) * T->D);
+    }
+    free(buf);
+}
+
 /* out[b, h, :] = Σ_t softmax_t(q[b, h] · k_t · scale) v_t over the keys t the query sees.
  *   q, out: fp32 [B, H, D] contiguous; k, v: [rows, KV, D] contiguous in kv_dtype (BD_W_*), token t
  *   of sequence b at row tables[b * max_blocks + t / bs] * bs + t % bs; lens[b]: its length (the
@@ -1603,33 +1833,10 @@ int bd_paged_decode(const float *q, int64_t B, int64_t H, int64_t KV, int64_t D,
                     int64_t window, float scale, float *out, int n_threads) {
     if (n_threads < 1) n_threads = 1;
     const int64_t G = H / KV;
-#define ATTEND_TASK(b, g, buf)                                                                                \
-    do {                                                                                                       \
-        const int64_t n_ = lens[b], lo_ = window > 0 && n_ - window > 0 ? n_ - window : 0;                    \
-        attend(q + ((b) * H + (g) * G) * D, G, D, k, v, kv_dtype, tables + (b) * max_blocks, bs, KV, g, lo_, n_, \
-               scale, buf, out + ((b) * H + (g) * G) * D);                                                     \
-    } while (0)
-    if (n_threads == 1 || B * KV == 1) { /* no OpenMP region: even an if(0) one ran a cold call 2× slower */
-        float *buf = (float *)malloc((size_t)attend_floats(G, D) * sizeof(float));
-        if (!buf) return -1;
-        for (int64_t b = 0; b < B; ++b)
-            for (int64_t g = 0; g < KV; ++g) ATTEND_TASK(b, g, buf);
-        free(buf);
-        return 0;
-    }
-    int failed = 0;
-#pragma omp parallel num_threads(n_threads) reduction(| : failed)
-    {
-        float *buf = (float *)malloc((size_t)attend_floats(G, D) * sizeof(float));
-        if (!buf) failed = 1;
-#pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int64_t b = 0; b < B; ++b)
-            for (int64_t g = 0; g < KV; ++g)
-                if (buf) ATTEND_TASK(b, g, buf);
-        free(buf);
-    }
-#undef ATTEND_TASK
-    return failed ? -1 : 0;
+    attend_task T = {q, k, v, tables, lens, out, B, H, KV, D, G, max_blocks, bs, window, scale, kv_dtype, 0,
+                     {0, B * KV}};
+    pool_run(attend_run, &T, B * KV == 1 ? 1 : n_threads);
+    return T.failed ? -1 : 0;
 }
 
 /* ---------------------------------------------------------------------- */
