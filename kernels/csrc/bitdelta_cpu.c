@@ -81,7 +81,7 @@ __attribute__((constructor)) static void choose_gather(void) {
  * other: a fp32 SmolLM2-135M step took 21 ms on 2 threads against 15 ms on one (docs/kernels.md,
  * "The library's threads").
  * So the step's regions run here instead. A task is a function that every participant calls and
- * that takes its work from counters in its context (pool_jobs), so it needs no particular thread:
+ * that takes its work from counters in its context (pool_claim), so it needs no particular thread:
  * the caller always runs it, a helper joins only while the task is open, and the caller waits only
  * for helpers that joined, never for one that is asleep or descheduled. Helpers spin ~0.2 ms
  * after a task (a step's regions are microseconds apart), then sleep on a condition variable.
@@ -186,17 +186,28 @@ static void pool_run(pool_fn fn, void *ctx, int n_threads) {
     pthread_mutex_unlock(&pool.caller);
 }
 
-/* A task's work: n jobs taken one at a time by whoever calls pool_job. */
+/* A task's work: n jobs, claimed in runs by whoever calls pool_claim. A run is 1/parts of the jobs
+ * left (parts = 2 × the threads; at least one job), so each participant reads long contiguous
+ * stretches of a matrix (a stream's prefetch ramps up once a run, not once a job: jobs of 64 rows
+ * one at a time made a bf16 step no faster on 2 threads than on one) and the last runs are short,
+ * so everyone finishes together. Returns the run's first job (and its length in *count), or −1. */
 typedef struct {
-    int64_t next, n;
+    int64_t next, n, parts;
 } pool_jobs;
-static inline int64_t pool_job(pool_jobs *j) {
-    const int64_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-    return i < j->n ? i : -1;
+static inline int64_t pool_claim(pool_jobs *j, int64_t *count) {
+    int64_t cur = __atomic_load_n(&j->next, __ATOMIC_RELAXED);
+    for (;;) {
+        const int64_t left = j->n - cur, k = left / j->parts > 1 ? left / j->parts : 1;
+        if (left <= 0) return -1;
+        if (__atomic_compare_exchange_n(&j->next, &cur, cur + k, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            *count = k;
+            return cur;
+        }
+    }
 }
 
-/* fn(ctx, r0, r1) over rows [0, n) in chunks of `chunk` rows, on the pool: for the kernels whose rows
- * are independent (a row's numbers never depend on the chunk it falls in). */
+/* fn(ctx, r0, r1) over rows [0, n) in runs of `chunk`-row jobs, on the pool: for the kernels whose
+ * rows are independent (a row's numbers never depend on the run it falls in). */
 enum { POOL_ROWS = 64 }; /* rows per job: 4 of the planes' 16-row blocks, 8 of the GEMV's 8-row ones */
 typedef void (*rows_fn)(void *ctx, int64_t r0, int64_t r1);
 typedef struct {
@@ -208,12 +219,12 @@ typedef struct {
 
 static void rows_run(void *c) {
     rows_task *T = (rows_task *)c;
-    for (int64_t j; (j = pool_job(&T->jobs)) >= 0;)
-        T->fn(T->ctx, j * T->chunk, (j + 1) * T->chunk < T->n ? (j + 1) * T->chunk : T->n);
+    for (int64_t j, k; (j = pool_claim(&T->jobs, &k)) >= 0;)
+        T->fn(T->ctx, j * T->chunk, (j + k) * T->chunk < T->n ? (j + k) * T->chunk : T->n);
 }
 
 static void pool_rows(rows_fn fn, void *ctx, int64_t n, int64_t chunk, int n_threads) {
-    rows_task T = {fn, ctx, n, chunk, {0, (n + chunk - 1) / chunk}};
+    rows_task T = {fn, ctx, n, chunk, {0, (n + chunk - 1) / chunk, 2 * (int64_t)(n_threads > 1 ? n_threads : 1)}};
     pool_run(rows_run, &T, n_threads);
 }
 
@@ -1345,8 +1356,8 @@ static void share_run(void *ctx) {
     const int first = __atomic_fetch_add(&T->arrived, 1, __ATOMIC_RELAXED) % 2;
     for (int turn = 0; turn < 2; ++turn) {
         const int kind = (first + turn) % 2; /* 0: GEMV, 1: planes */
-        for (int64_t j; (j = pool_job(&T->jobs[kind])) >= 0;) {
-            const int64_t r0 = j * POOL_ROWS, r1 = r0 + POOL_ROWS < T->d_out ? r0 + POOL_ROWS : T->d_out;
+        for (int64_t j, k; (j = pool_claim(&T->jobs[kind], &k)) >= 0;) {
+            const int64_t r0 = j * POOL_ROWS, r1 = (j + k) * POOL_ROWS < T->d_out ? (j + k) * POOL_ROWS : T->d_out;
             if (kind == 0)
                 linear_rows(T->x, T->xeo, T->xb, T->ldx, T->M, T->xsum, T->w, T->w_dtype, T->ldw, T->s1, T->lds,
                             T->d_in, T->alpha, T->alpha_stride, T->y, T->ldy, r0, r1);
@@ -1354,15 +1365,18 @@ static void share_run(void *ctx) {
                 delta_rows_planes(T->x, T->tab, T->ldx, T->M, T->xsum, NULL, T->s2, T->stride_sv, T->lds, T->d_in,
                                   T->alpha, T->stride_av, T->alpha_stride, T->slots, T->n_planes, NULL, 1, T->mate,
                                   T->part, T->d_out, r0, r1);
-            /* the chunk's second job adds the sums (acq_rel: the first job's writes are seen); rows
+            /* a chunk's second job adds its sums (acq_rel: the first job's writes are seen); rows
              * without a plane are left alone, as delta_rows_planes leaves them */
-            if (T->s2 && __atomic_fetch_add(&T->done[j], 1, __ATOMIC_ACQ_REL) == 1)
+            for (int64_t c = j; T->s2 && c < j + k; ++c) {
+                if (__atomic_fetch_add(&T->done[c], 1, __ATOMIC_ACQ_REL) != 1) continue;
+                const int64_t c0 = c * POOL_ROWS, c1 = c0 + POOL_ROWS < T->d_out ? c0 + POOL_ROWS : T->d_out;
                 for (int64_t m = 0; m < T->M; ++m) {
                     int any = !T->slots;
                     for (int64_t p = 0; p < T->n_planes && !any; ++p) any = T->slots[m * T->n_planes + p] >= 0;
                     if (any)
-                        for (int64_t r = r0; r < r1; ++r) T->y[m * T->ldy + r] += T->part[m * T->d_out + r];
+                        for (int64_t r = c0; r < c1; ++r) T->y[m * T->ldy + r] += T->part[m * T->d_out + r];
                 }
+            }
         }
     }
 }
@@ -1424,7 +1438,7 @@ static int linear_planes(const float *x, int64_t M, int64_t ldx, const void *w, 
         const int64_t n_jobs = (d_out + POOL_ROWS - 1) / POOL_ROWS;
         share_task T = {x, xeo, tab, xsum, alpha, xb, w, s1, s2, slots, mate, ldx, M, ldw, stride_sv, lds, d_in,
                         stride_av, alpha_stride, n_planes, ldy, d_out, w_dtype, y, NULL, NULL, 0,
-                        {{0, n_jobs}, {0, s2 ? n_jobs : 0}}};
+                        {{0, n_jobs, 2 * (int64_t)n_threads}, {0, s2 ? n_jobs : 0, 2 * (int64_t)n_threads}}};
         if (s2) {
             T.part = (float *)calloc((size_t)(M > 0 ? M * d_out : 1), sizeof(float));
             T.done = (int *)calloc((size_t)(n_jobs > 0 ? n_jobs : 1), sizeof(int));
@@ -1813,12 +1827,14 @@ static void attend_run(void *ctx) {
         __atomic_store_n(&T->failed, 1, __ATOMIC_RELAXED);
         return; /* the others take its jobs; the call still fails */
     }
-    for (int64_t j; (j = pool_job(&T->jobs)) >= 0;) {
-        const int64_t b = j / T->KV, g = j % T->KV, n = T->lens[b];
-        const int64_t lo = T->window > 0 && n - T->window > 0 ? n - T->window : 0;
-        attend(T->q + (b * T->H + g * T->G) * T->D, T->G, T->D, T->k, T->v, T->kv_dtype, T->tables + b * T->max_blocks,
-               T->bs, T->KV, g, lo, n, T->scale, buf, T->out + (b * T->H + g * T->G) * T->D);
-    }
+    for (int64_t j0, k; (j0 = pool_claim(&T->jobs, &k)) >= 0;)
+        for (int64_t j = j0; j < j0 + k; ++j) {
+            const int64_t b = j / T->KV, g = j % T->KV, n = T->lens[b];
+            const int64_t lo = T->window > 0 && n - T->window > 0 ? n - T->window : 0;
+            attend(T->q + (b * T->H + g * T->G) * T->D, T->G, T->D, T->k, T->v, T->kv_dtype,
+                   T->tables + b * T->max_blocks, T->bs, T->KV, g, lo, n, T->scale, buf,
+                   T->out + (b * T->H + g * T->G) * T->D);
+        }
     free(buf);
 }
 
@@ -1834,7 +1850,7 @@ int bd_paged_decode(const float *q, int64_t B, int64_t H, int64_t KV, int64_t D,
     if (n_threads < 1) n_threads = 1;
     const int64_t G = H / KV;
     attend_task T = {q, k, v, tables, lens, out, B, H, KV, D, G, max_blocks, bs, window, scale, kv_dtype, 0,
-                     {0, B * KV}};
+                     {0, B * KV, 2 * (int64_t)(n_threads > 1 ? n_threads : 1)}};
     pool_run(attend_run, &T, B * KV == 1 ? 1 : n_threads);
     return T.failed ? -1 : 0;
 }
