@@ -68,8 +68,6 @@ __attribute__((constructor)) static void choose_gather(void) {
     gather_rows = __builtin_cpu_is("intel");
 }
 
-/* bd_set_gather(1 | 0 | −1): force the gathers, the loads and transpose, or the CPU's choice (tests
- * and benchmarks run both; not while a call runs); returns the choice now in force. */
 /* ---------------------------------------------------------------------- */
 /* the step's thread pool: helpers that join a task if they are awake     */
 /* ---------------------------------------------------------------------- */
@@ -83,7 +81,7 @@ __attribute__((constructor)) static void choose_gather(void) {
  * So the step's regions run here instead. A task is a function that every participant calls and
  * that takes its work from counters in its context (pool_claim), so it needs no particular thread:
  * the caller always runs it, a helper joins only while the task is open, and the caller waits only
- * for helpers that joined, never for one that is asleep or descheduled. Helpers spin ~0.2 ms
+ * for helpers that joined, never for one that is asleep or descheduled. Helpers spin ~0.1 ms
  * after a task (a step's regions are microseconds apart), then sleep on a condition variable.
  * One caller at a time: a second concurrent caller runs its task alone. */
 typedef void (*pool_fn)(void *ctx);
@@ -114,7 +112,7 @@ static void *pool_helper(void *arg) {
     for (;;) {
         uint64_t s = __atomic_load_n(&pool.state, __ATOMIC_ACQUIRE);
         for (int spin = 0; (s & ~(POOL_EPOCH - 1)) == seen; s = __atomic_load_n(&pool.state, __ATOMIC_ACQUIRE)) {
-            if (++spin < 4096) { /* ~0.2 ms of pauses */
+            if (++spin < 4096) { /* ~0.1 ms of pauses */
                 cpu_relax();
                 continue;
             }
@@ -228,6 +226,8 @@ static void pool_rows(rows_fn fn, void *ctx, int64_t n, int64_t chunk, int n_thr
     pool_run(rows_run, &T, n_threads);
 }
 
+/* bd_set_gather(1 | 0 | −1): force the gathers, the loads and transpose, or the CPU's choice (tests
+ * and benchmarks run both; not while a call runs); returns the choice now in force. */
 int bd_set_gather(int on) {
     if (on < 0)
         choose_gather();
