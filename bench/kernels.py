@@ -507,7 +507,7 @@ def main(argv=None):
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     ap.add_argument("--cpu-sweep", action="store_true", help="also sweep the CPU paths over M (slow)")
     ap.add_argument("--reps", type=int, default=None, help="CPU repetitions per timing")
-    ap.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads on CPU (default: torch's)")
+    ap.add_argument("--threads", type=int, default=None, help="torch's threads on CPU, and the C library's (default: torch's)")
     ap.add_argument("--only-sweep", action="store_true", help="with --cpu-sweep: skip the other sections")
     ap.add_argument("--planes", action="store_true", help="only the sign-plane section (cost per extra plane)")
     ap.add_argument(
@@ -554,8 +554,8 @@ def main(argv=None):
     if not cuda:
         meta["cpu_kernels"] = cpu_isa()
         meta["cpu_precision"] = cpu_precision().describe()
-        # a shared host: with every core busy, each OpenMP region waits for a descheduled
-        # thread and multi-threaded timings mostly measure the scheduler (try --threads 1)
+        # a shared host: with every core busy, a task's helpers are descheduled and multi-threaded
+        # timings mostly measure the scheduler (try --threads 1)
         meta["load_average_1min"] = os.getloadavg()[0]
     print(f"device: {name}; measured bandwidth {bw / 1e9:.1f} GB/s")
     rows: list[dict] = []
