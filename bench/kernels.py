@@ -507,7 +507,9 @@ def main(argv=None):
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     ap.add_argument("--cpu-sweep", action="store_true", help="also sweep the CPU paths over M (slow)")
     ap.add_argument("--reps", type=int, default=None, help="CPU repetitions per timing")
-    ap.add_argument("--threads", type=int, default=None, help="torch's threads on CPU, and the C library's (default: torch's)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="CPU threads, torch's and the C library's (default: torch's)"
+    )
     ap.add_argument("--only-sweep", action="store_true", help="with --cpu-sweep: skip the other sections")
     ap.add_argument("--planes", action="store_true", help="only the sign-plane section (cost per extra plane)")
     ap.add_argument(
