@@ -1,22 +1,27 @@
 """The worker against llama.cpp on the same model and CPU, one run: issue #23's table as ratios.
 
     bash bench/peer_env.sh                 # once: llama-cpp-python built from source + GGUF files
-    python bench/peer_cpu.py [--threads 1] [--out bench/results/peer_cpu_<date>.txt]
+    python bench/peer_cpu.py [--threads 1] [--rounds 3] [--out bench/results/peer_cpu_<date>.txt]
 
 Both peers run as processes with the same thread count: the worker (`python -m
 services.gpu_worker`, over gRPC on loopback, the real SmolLM2-135M in data/base and the real
 family deltas) and llama.cpp (llama-cpp-python in build/peer-venv, the benchmark's own
 environment, never the worker's; f32 and bf16 GGUF converted from the same checkpoint).
 
+The whole measure runs --rounds times (a worker per dtype, then llama.cpp, then the next round),
+every ratio is taken within one round, and the table gives each cell's median over the rounds
+with the ratios' range across them: this host's read bandwidth moved between 37 and 74 GB/s within
+minutes, so a single round's ratio of two peers measured a minute apart is partly the host's.
+
 Rows (decode: tokens/s of one greedy stream after its first token, the best of --reps runs, the
 base's, the variant's and the 8-stream runs taken in turns so that their ratios compare like
-moments; limits: the bytes a decode step must read ÷ the memory read bandwidth measured in this
-run, in this process, as
+moments; limits: the bytes a decode step must read ÷ the memory read bandwidth measured in the
+same round, in this process, as
 the best of several sums over a 512 MiB tensor with the same threads, on 2 MB pages as the
-worker's weights are (a read on 4 KB pages measured ~10 % slower here), sampled at the start and
-after each peer, the best sample counting: on a shared machine one sample can fall in a busy
-moment and make the limit look easy; llama.cpp: the better of its weights mmap'ed, its default,
-and loaded into its own memory, `use_mmap=False`, per measure; its idle RSS the default's):
+worker's weights are (a read on 4 KB pages measured ~10 % slower here), sampled at the round's
+start and after each peer, the best sample counting: on a shared machine one sample can fall in a
+busy moment and make the limit look easy; llama.cpp: the better of its weights mmap'ed, its
+default, and loaded into its own memory, `use_mmap=False`, per measure; its idle RSS the default's):
 - single-stream decode fp32 and bf16: worker ÷ llama.cpp (target ≥ 1.0) and ÷ the limit
   (target ≥ 0.85);
 - a variant's single stream ÷ the base's (target ≥ 0.95; its limit W ÷ (W + delta bytes));
@@ -30,7 +35,7 @@ and loaded into its own memory, `use_mmap=False`, per measure; its idle RSS the 
   (bitdelta.testing.memory.empty_base), per dtype.
 
 On a shared machine every number moves with the other work on it: run it on an idle one, and
-compare only ratios of one run.
+compare only ratios of one round.
 """
 
 from __future__ import annotations
@@ -321,48 +326,98 @@ def bench_peer(args, gguf: dict[str, Path], env: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def round_values(r: dict, rnd: dict) -> dict[str, float]:
+    """One round's numbers and ratios, its limits from its own best bandwidth sample."""
+    w32, w16, p32, p16 = rnd["worker"]["float32"], rnd["worker"]["bfloat16"], rnd["peer"]["f32"], rnd["peer"]["bf16"]
+    lim32, lim16 = rnd["bandwidth"] / r["weights_fp32"], rnd["bandwidth"] / r["weights_bf16"]
+    var_lim = r["weights_fp32"] / (r["weights_fp32"] + r["delta_bytes"])
+    mix_lim = 4 / (4 + 4 / 8)
+    a32, a16 = (sum(r["account"][d].values()) for d in ("float32", "bfloat16"))
+    return {
+        "w32": w32["decode_tok_s"],
+        "p32": p32["decode_tok_s"],
+        "lim32": lim32,
+        "w32/p32": w32["decode_tok_s"] / p32["decode_tok_s"],
+        "w32/lim": w32["decode_tok_s"] / lim32,
+        "w16": w16["decode_tok_s"],
+        "p16": p16["decode_tok_s"],
+        "lim16": lim16,
+        "w16/p16": w16["decode_tok_s"] / p16["decode_tok_s"],
+        "w16/lim": w16["decode_tok_s"] / lim16,
+        "var": w32["variant_tok_s"] / w32["decode_tok_s"],
+        "var_lim": var_lim,
+        "var/lim": w32["variant_tok_s"] / w32["decode_tok_s"] / var_lim,
+        "wpre32": w32["prefill_s"],
+        "wpre16": w16["prefill_s"],
+        "ppre32": p32["prefill_s"],
+        "ppre16": p16["prefill_s"],
+        "pre32": p32["prefill_s"] / w32["prefill_s"],
+        "pre16": p16["prefill_s"] / w16["prefill_s"],
+        "mix": w32["mixed8_tok_s"] / w32["base8_tok_s"],
+        "mix_lim": mix_lim,
+        "mix/lim": w32["mixed8_tok_s"] / w32["base8_tok_s"] / mix_lim,
+        "base8": w32["base8_tok_s"],
+        "mixed8": w32["mixed8_tok_s"],
+        "rss32": w32["rss_idle"],
+        "prss32": p32["rss_idle"],
+        "acc32": a32,
+        "rss32/p": w32["rss_idle"] / p32["rss_idle"],
+        "rss32/acc": w32["rss_idle"] / a32,
+        "rss16": w16["rss_idle"],
+        "prss16": p16["rss_idle"],
+        "acc16": a16,
+        "rss16/p": w16["rss_idle"] / p16["rss_idle"],
+        "rss16/acc": w16["rss_idle"] / a16,
+        "rss_var": w32["rss_after_variants"],
+    }
+
+
 def table(r: dict) -> str:
-    w32, w16, p32, p16 = r["worker"]["float32"], r["worker"]["bfloat16"], r["peer"]["f32"], r["peer"]["bf16"]
-    bw = r["bandwidth"]
-    lim32, lim16 = bw / r["weights_fp32"], bw / r["weights_bf16"]
-    D = r["delta_bytes"]
-    var_lim = r["weights_fp32"] / (r["weights_fp32"] + D)
-    V = 4
-    mix_lim = 4 / (4 + V / 8)
+    """Issue #23's table: each cell the median over the rounds, each ratio's range across them too."""
+    import statistics
+
+    per = [round_values(r, rnd) for rnd in r["rounds"]]
+    med = {k: statistics.median(v[k] for v in per) for k in per[0]}
+
+    def ratio(k: str, f: str = ".2f") -> str:
+        lo, hi = min(v[k] for v in per), max(v[k] for v in per)
+        return f"{med[k]:{f}}" if len(per) == 1 else f"{med[k]:{f}} ({lo:{f}}–{hi:{f}})"
+
     gb = lambda b: f"{b / 1e9:.2f} GB"
-    a32, a16 = r["account"]["float32"], r["account"]["bfloat16"]
-    acc32, acc16 = (sum(a.values()) for a in (a32, a16))
     rows = [
         "| | worker | llama.cpp | limit | worker ÷ llama.cpp | worker ÷ limit | target |",
         "|---|---|---|---|---|---|---|",
-        f"| single-stream decode, fp32 | {w32['decode_tok_s']:.1f} tok/s | {p32['decode_tok_s']:.1f} tok/s | "
-        f"{lim32:.1f} tok/s | {w32['decode_tok_s'] / p32['decode_tok_s']:.2f} | {w32['decode_tok_s'] / lim32:.2f} | "
-        "≥ 1.0 and ≥ 0.85 |",
-        f"| single-stream decode, bf16 | {w16['decode_tok_s']:.1f} tok/s | {p16['decode_tok_s']:.1f} tok/s | "
-        f"{lim16:.1f} tok/s | {w16['decode_tok_s'] / p16['decode_tok_s']:.2f} | {w16['decode_tok_s'] / lim16:.2f} | "
-        "≥ 1.0 and ≥ 0.85 |",
-        f"| same, a variant (fp32) ÷ base | {w32['variant_tok_s'] / w32['decode_tok_s']:.2f} | – | {var_lim:.2f} | – | "
-        f"{w32['variant_tok_s'] / w32['decode_tok_s'] / var_lim:.2f} | ≥ 0.95 × base |",
-        f"| prefill of {p32['prefill_tokens']} tokens, fp32 / bf16 | {w32['prefill_s']:.2f} s / {w16['prefill_s']:.2f} s"
-        f" | {p32['prefill_s']:.2f} s / {p16['prefill_s']:.2f} s | – | "
-        f"{p32['prefill_s'] / w32['prefill_s']:.2f} / {p16['prefill_s'] / w16['prefill_s']:.2f} (speed) | – | – |",
-        f"| 8 streams over 4 variants ÷ 8 on the base (fp32) | {w32['mixed8_tok_s'] / w32['base8_tok_s']:.2f} | – | "
-        f"{mix_lim:.2f} | – | {w32['mixed8_tok_s'] / w32['base8_tok_s'] / mix_lim:.2f} | ≥ 0.9 |",
-        f"| resident memory, base only, idle, fp32 | {gb(w32['rss_idle'])} | {gb(p32['rss_idle'])} | "
-        f"{gb(acc32)} (weights + KV + slot rows + fixed) | {w32['rss_idle'] / p32['rss_idle']:.2f} | "
-        f"{w32['rss_idle'] / acc32:.3f} | ≤ 1 |",
-        f"| same, bf16 | {gb(w16['rss_idle'])} | {gb(p16['rss_idle'])} | {gb(acc16)} | "
-        f"{w16['rss_idle'] / p16['rss_idle']:.2f} | {w16['rss_idle'] / acc16:.3f} | ≤ 1 |",
+        f"| single-stream decode, fp32 | {med['w32']:.1f} tok/s | {med['p32']:.1f} tok/s | {med['lim32']:.1f} tok/s | "
+        f"{ratio('w32/p32')} | {ratio('w32/lim')} | ≥ 1.0 and ≥ 0.85 |",
+        f"| single-stream decode, bf16 | {med['w16']:.1f} tok/s | {med['p16']:.1f} tok/s | {med['lim16']:.1f} tok/s | "
+        f"{ratio('w16/p16')} | {ratio('w16/lim')} | ≥ 1.0 and ≥ 0.85 |",
+        f"| same, a variant (fp32) ÷ base | {ratio('var')} | – | {med['var_lim']:.2f} | – | {ratio('var/lim')} | "
+        "≥ 0.95 × base |",
+        f"| prefill of {r['rounds'][0]['peer']['f32']['prefill_tokens']} tokens, fp32 / bf16 | "
+        f"{med['wpre32']:.2f} s / {med['wpre16']:.2f} s | {med['ppre32']:.2f} s / {med['ppre16']:.2f} s | – | "
+        f"{ratio('pre32')} / {ratio('pre16')} (speed) | – | – |",
+        f"| 8 streams over 4 variants ÷ 8 on the base (fp32) | {ratio('mix')} | – | {med['mix_lim']:.2f} | – | "
+        f"{ratio('mix/lim')} | ≥ 0.9 |",
+        f"| resident memory, base only, idle, fp32 | {gb(med['rss32'])} | {gb(med['prss32'])} | "
+        f"{gb(med['acc32'])} (weights + KV + slot rows + fixed) | {ratio('rss32/p')} | {ratio('rss32/acc', '.3f')} | ≤ 1 |",
+        f"| same, bf16 | {gb(med['rss16'])} | {gb(med['prss16'])} | {gb(med['acc16'])} | {ratio('rss16/p')} | "
+        f"{ratio('rss16/acc', '.3f')} | ≤ 1 |",
     ]
-    samples = ", ".join(f"{b / 1e9:.1f}" for b in r["bandwidth_samples"])
+    a32, a16 = r["account"]["float32"], r["account"]["bfloat16"]
+    samples = "; ".join(
+        f"round {i + 1}: {rnd['bandwidth'] / 1e9:.1f} of "
+        + ", ".join(f"{b / 1e9:.1f}" for b in rnd["bandwidth_samples"])
+        for i, rnd in enumerate(r["rounds"])
+    )
     notes = (
-        f"\nmemory read bandwidth {bw / 1e9:.1f} GB/s, the best of {samples} ({r['threads']} thread(s)); weights fp32 {gb(r['weights_fp32'])}, "
-        f"bf16 {gb(r['weights_bf16'])}; delta {D / 1e6:.1f} MB; KV pool {r['kv_bytes'] / 1e6:.0f} MB; "
-        f"slot α/norm rows of the default 1 GiB budget {a32['slot_rows'] / 1e6:.0f} MB (fp32); runtime fixed cost "
-        f"{gb(a32['fixed'])} / {gb(a16['fixed'])} (python, torch, gRPC, kernels, tokenizer: the idle RSS of the worker "
-        f"serving a one-layer model of width 8 with the same tokenizer); 8 streams fp32: base {w32['base8_tok_s']:.1f} tok/s, "
-        f"4 variants {w32['mixed8_tok_s']:.1f} tok/s; worker RSS after serving 4 variants "
-        f"{gb(w32['rss_after_variants'])}\n"
+        f"\n{len(per)} round(s), each a worker's fp32 and bf16 and llama.cpp's measures in turn, its limits from its own "
+        f"best read bandwidth (GB/s, {r['threads']} thread(s): {samples}); a cell is the median over the rounds, "
+        f"a ratio's range across them in brackets. Weights fp32 {gb(r['weights_fp32'])}, bf16 {gb(r['weights_bf16'])}; "
+        f"delta {r['delta_bytes'] / 1e6:.1f} MB; KV pool {r['kv_bytes'] / 1e6:.0f} MB; slot α/norm rows of the default "
+        f"1 GiB budget {a32['slot_rows'] / 1e6:.0f} MB (fp32); runtime fixed cost {gb(a32['fixed'])} / {gb(a16['fixed'])} "
+        "(python, torch, gRPC, kernels, tokenizer: the idle RSS of the worker serving a one-layer model of width 8 with "
+        f"the same tokenizer); 8 streams fp32: base {med['base8']:.1f} tok/s, 4 variants {med['mixed8']:.1f} tok/s; "
+        f"worker RSS after serving 4 variants {gb(med['rss_var'])}\n"
     )
     return "\n".join(rows) + notes
 
@@ -376,6 +431,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-repeat", type=int, default=18, help="the prefill prompt's sentence, this many times")
     ap.add_argument("--reps", type=int, default=5, help="best of this many runs per number (in turns)")
+    ap.add_argument("--rounds", type=int, default=3, help="the whole measure this many times; the table's medians")
     ap.add_argument("--kv-cache", default="64MiB")
     ap.add_argument("--variants-bf16", action="store_true", help="the variant rows in bf16 too")
     ap.add_argument("--out", type=Path, help="also write the table (and the raw numbers as .json) here")
@@ -394,7 +450,7 @@ def main(argv=None) -> int:
     n = str(args.threads)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": n, "BITDELTA_CPU_PRECISION": "auto"}
     r: dict = {"threads": args.threads, "kv_bytes": parse_bytes(args.kv_cache)}
-    bw = [read_bandwidth(args.threads)]  # sampled again after each peer: the best is the limit
+    bw = [read_bandwidth(args.threads)]  # sampled again after each peer: a round's best is its limit
     log(f"bandwidth {bw[-1] / 1e9:.1f} GB/s")
     real = real_deltas_of(args.base)
     with tempfile.TemporaryDirectory(prefix="peer-cpu-") as tmp:
@@ -410,18 +466,20 @@ def main(argv=None) -> int:
             acc = with_fixed(account(args.base, dt, r["kv_bytes"]), rss, account(empty, dt, EMPTY_KV, max_slots=1))
             r["account"][dtype] = dataclasses.asdict(acc)
         r["weights_fp32"], r["weights_bf16"] = r["account"]["float32"]["weights"], r["account"]["bfloat16"]["weights"]
-        r["worker"] = {}
-        for dtype in ("float32", "bfloat16"):
-            log(f"worker {dtype} ...")
-            r["worker"][dtype] = bench_worker(args, args.base, deltas, names, dtype, logdir, env)
-            log(json.dumps(r["worker"][dtype]))
-            bw.append(read_bandwidth(args.threads))
-        log("llama.cpp ...")
-        r["peer"] = bench_peer(args, gguf, env)
-        log(json.dumps(r["peer"]))
-        bw.append(read_bandwidth(args.threads))
-    r["bandwidth_samples"] = bw
-    r["bandwidth"] = max(bw)
+        r["rounds"] = []
+        for i in range(args.rounds):  # every ratio is taken within a round: a minute, not the whole run
+            rnd: dict = {"worker": {}, "bandwidth_samples": bw if i == 0 else [read_bandwidth(args.threads)]}
+            for dtype in ("float32", "bfloat16"):
+                log(f"round {i + 1}/{args.rounds}: worker {dtype} ...")
+                rnd["worker"][dtype] = bench_worker(args, args.base, deltas, names, dtype, logdir, env)
+                log(json.dumps(rnd["worker"][dtype]))
+                rnd["bandwidth_samples"].append(read_bandwidth(args.threads))
+            log(f"round {i + 1}/{args.rounds}: llama.cpp ...")
+            rnd["peer"] = bench_peer(args, gguf, env)
+            log(json.dumps(rnd["peer"]))
+            rnd["bandwidth_samples"].append(read_bandwidth(args.threads))
+            rnd["bandwidth"] = max(rnd["bandwidth_samples"])
+            r["rounds"].append(rnd)
     text = table(r)
     save_report(args.out, text, r)
     return 0
