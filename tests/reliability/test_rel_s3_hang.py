@@ -34,7 +34,7 @@ from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
 from services.delta_store.backends import SUFFIX
 from tests.support.reliability import NEVER, PROMPTS, TALLY, T, routed_tokens, serving, start_system, wait_for
-from tests.support.swift import Swift, _run, free_port
+from tests.support.swift import Swift, _run, start_swift
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 P = PROMPTS[0]
@@ -79,15 +79,11 @@ class PrivateSwift:
 def private_swift(tmp_path_factory):
     _run(["install"])
     d = tmp_path_factory.mktemp("swift-hang")
-    ports = {
-        k: str(free_port())
-        for k in ("SWIFT_PROXY_PORT", "SWIFT_OBJECT_PORT", "SWIFT_CONTAINER_PORT", "SWIFT_ACCOUNT_PORT")
-    }
-    _run(["start", str(d)], env=ports, timeout=180)
+    sw = start_swift(d)
     try:
         pids = [int(f.read_text()) for f in sorted((d / "run").glob("*.pid"))]
         assert len(pids) == 4, pids
-        yield PrivateSwift(Swift(endpoint=f"http://127.0.0.1:{ports['SWIFT_PROXY_PORT']}"), d, pids)
+        yield PrivateSwift(sw, d, pids)
     finally:
         # never leave it stopped: SIGCONT first, whatever happened (a stopped process would also
         # hold up scripts/swift.sh stop until its SIGKILL)

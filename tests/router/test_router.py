@@ -343,32 +343,39 @@ async def test_full_queues_and_deadlines(clients, cluster):
                 seen_running |= st.running + st1.running > 0
                 await asyncio.sleep(0.005)
 
-        expired, finished = None, []
+        expired, finished, early = None, [], []
         for _ in range(6):
             t = time.monotonic()
             await run(router, "", prompt, n=116)
             deadline = 0.4 * (time.monotonic() - t)
+            seen_running = False
             watcher = asyncio.create_task(watch())
             t = time.monotonic()
             try:
                 await run(router, "", prompt, n=116, timeout_s=deadline)
             except RouterCallError as e:
-                expired = e
-                break
+                assert e.code == grpc.StatusCode.DEADLINE_EXCEEDED, e
+                if seen_running:  # it expired on a worker, which must free it (below)
+                    expired = e
+                    break
+                # on a loaded machine the routing alone can outlast a deadline this short: that
+                # call never reached a worker, so it shows nothing about freeing; measure again
+                early.append(f"{deadline:.3f} s")
+                continue
             finally:
                 watcher.cancel()
             took = time.monotonic() - t
             assert took <= deadline + 0.02, f"a call finished after {took:.3f} s, past its {deadline:.3f} s deadline"
             finished.append(f"{took:.3f} s within {deadline:.3f} s")
-        assert expired is not None, f"no deadline expired in six tries: {finished}"
-        assert expired.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert expired is not None, (
+            f"no deadline expired on a worker in six tries: finished {finished}, expired before a worker {early}"
+        )
 
     async def freed():
         sts = [await w.status() for w in workers]
         return all(s.running == 0 and s.waiting == 0 and s.kv_tokens_used == 0 for s in sts)
 
     await wait_for(freed, what="the worker to free the expired sequence")
-    assert seen_running, "the request reached a worker before its deadline"
 
 
 async def test_a_client_that_cancels_frees_the_sequence_on_the_worker(clients):

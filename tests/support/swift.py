@@ -9,6 +9,7 @@ FAIL with the reason; they never skip.
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -56,8 +57,6 @@ def free_port() -> int:
 
 
 def _run(args: list[str], env: dict | None = None, timeout: float = 600) -> None:
-    import os
-
     r = subprocess.run(
         ["bash", str(SCRIPT), *args], env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout
     )
@@ -69,17 +68,36 @@ def _run(args: list[str], env: dict | None = None, timeout: float = 600) -> None
         )
 
 
+def free_ports() -> dict[str, str]:
+    """scripts/swift.sh's four port variables, each a free loopback port."""
+    return {
+        k: str(free_port())
+        for k in ("SWIFT_PROXY_PORT", "SWIFT_OBJECT_PORT", "SWIFT_CONTAINER_PORT", "SWIFT_ACCOUNT_PORT")
+    }
+
+
+def start_swift(d: Path) -> Swift:
+    """A Swift in `d` on free loopback ports (scripts/swift.sh start). A port found free here can
+    be taken by another process before Swift binds it, and then Swift never answers: one more try
+    on fresh ports (a full CI run once failed so at start-up, and passed on its own)."""
+    ports = free_ports()
+    first = subprocess.run(
+        ["bash", str(SCRIPT), "start", str(d)], env={**os.environ, **ports}, capture_output=True, timeout=180
+    )
+    if first.returncode != 0:
+        _run(["stop", str(d)], timeout=60)
+        ports = free_ports()
+        _run(["start", str(d)], env=ports, timeout=180)  # a second failure fails the test, with its reason
+    return Swift(endpoint=f"http://127.0.0.1:{ports['SWIFT_PROXY_PORT']}")
+
+
 @pytest.fixture(scope="session")
 def swift(tmp_path_factory) -> Swift:
     _run(["install"])
     d = tmp_path_factory.mktemp("swift")
-    ports = {
-        k: str(free_port())
-        for k in ("SWIFT_PROXY_PORT", "SWIFT_OBJECT_PORT", "SWIFT_CONTAINER_PORT", "SWIFT_ACCOUNT_PORT")
-    }
-    _run(["start", str(d)], env=ports, timeout=180)
+    sw = start_swift(d)
     try:
-        yield Swift(endpoint=f"http://127.0.0.1:{ports['SWIFT_PROXY_PORT']}")
+        yield sw
     finally:
         _run(["stop", str(d)], timeout=60)
         shutil.rmtree(d, ignore_errors=True)
