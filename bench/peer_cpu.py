@@ -327,49 +327,28 @@ def bench_peer(args, gguf: dict[str, Path], env: dict) -> dict:
 
 
 def round_values(r: dict, rnd: dict) -> dict[str, float]:
-    """One round's numbers and ratios, its limits from its own best bandwidth sample."""
-    w32, w16, p32, p16 = rnd["worker"]["float32"], rnd["worker"]["bfloat16"], rnd["peer"]["f32"], rnd["peer"]["bf16"]
-    lim32, lim16 = rnd["bandwidth"] / r["weights_fp32"], rnd["bandwidth"] / r["weights_bf16"]
-    var_lim = r["weights_fp32"] / (r["weights_fp32"] + r["delta_bytes"])
-    mix_lim = 4 / (4 + 4 / 8)
-    a32, a16 = (sum(r["account"][d].values()) for d in ("float32", "bfloat16"))
-    return {
-        "w32": w32["decode_tok_s"],
-        "p32": p32["decode_tok_s"],
-        "lim32": lim32,
-        "w32/p32": w32["decode_tok_s"] / p32["decode_tok_s"],
-        "w32/lim": w32["decode_tok_s"] / lim32,
-        "w16": w16["decode_tok_s"],
-        "p16": p16["decode_tok_s"],
-        "lim16": lim16,
-        "w16/p16": w16["decode_tok_s"] / p16["decode_tok_s"],
-        "w16/lim": w16["decode_tok_s"] / lim16,
-        "var": w32["variant_tok_s"] / w32["decode_tok_s"],
-        "var_lim": var_lim,
-        "var/lim": w32["variant_tok_s"] / w32["decode_tok_s"] / var_lim,
-        "wpre32": w32["prefill_s"],
-        "wpre16": w16["prefill_s"],
-        "ppre32": p32["prefill_s"],
-        "ppre16": p16["prefill_s"],
-        "pre32": p32["prefill_s"] / w32["prefill_s"],
-        "pre16": p16["prefill_s"] / w16["prefill_s"],
-        "mix": w32["mixed8_tok_s"] / w32["base8_tok_s"],
-        "mix_lim": mix_lim,
-        "mix/lim": w32["mixed8_tok_s"] / w32["base8_tok_s"] / mix_lim,
-        "base8": w32["base8_tok_s"],
-        "mixed8": w32["mixed8_tok_s"],
-        "rss32": w32["rss_idle"],
-        "prss32": p32["rss_idle"],
-        "acc32": a32,
-        "rss32/p": w32["rss_idle"] / p32["rss_idle"],
-        "rss32/acc": w32["rss_idle"] / a32,
-        "rss16": w16["rss_idle"],
-        "prss16": p16["rss_idle"],
-        "acc16": a16,
-        "rss16/p": w16["rss_idle"] / p16["rss_idle"],
-        "rss16/acc": w16["rss_idle"] / a16,
-        "rss_var": w32["rss_after_variants"],
-    }
+    """One round's numbers and ratios, its limits from its own best bandwidth sample. Keys per
+    precision b (32, 16): w/p (worker, llama.cpp tok/s), lim, wpre/ppre (prefill s), pre (speed
+    ratio), rss/prss (idle RSS), acc (the worker's account)."""
+    v: dict[str, float] = {}
+    for b, dtype, peer in ((32, "float32", "f32"), (16, "bfloat16", "bf16")):
+        w, p = rnd["worker"][dtype], rnd["peer"][peer]
+        lim = rnd["bandwidth"] / r["weights_fp32" if b == 32 else "weights_bf16"]
+        acc = sum(r["account"][dtype].values())
+        v |= {f"w{b}": w["decode_tok_s"], f"p{b}": p["decode_tok_s"], f"lim{b}": lim}
+        v |= {f"w{b}/p{b}": w["decode_tok_s"] / p["decode_tok_s"], f"w{b}/lim": w["decode_tok_s"] / lim}
+        v |= {f"wpre{b}": w["prefill_s"], f"ppre{b}": p["prefill_s"], f"pre{b}": p["prefill_s"] / w["prefill_s"]}
+        v |= {f"rss{b}": w["rss_idle"], f"prss{b}": p["rss_idle"], f"acc{b}": acc}
+        v |= {f"rss{b}/p": w["rss_idle"] / p["rss_idle"], f"rss{b}/acc": w["rss_idle"] / acc}
+    w32 = rnd["worker"]["float32"]
+    v["var"], v["var_lim"] = (
+        w32["variant_tok_s"] / w32["decode_tok_s"],
+        r["weights_fp32"] / (r["weights_fp32"] + r["delta_bytes"]),
+    )
+    v["mix"], v["mix_lim"] = w32["mixed8_tok_s"] / w32["base8_tok_s"], 4 / (4 + 4 / 8)  # V = 4 variants
+    v["var/lim"], v["mix/lim"] = v["var"] / v["var_lim"], v["mix"] / v["mix_lim"]
+    v["base8"], v["mixed8"], v["rss_var"] = w32["base8_tok_s"], w32["mixed8_tok_s"], w32["rss_after_variants"]
+    return v
 
 
 def table(r: dict) -> str:
