@@ -192,6 +192,9 @@ static void pool_run(pool_fn fn, void *ctx, int n_threads) {
 typedef struct {
     int64_t next, n, parts;
 } pool_jobs;
+static inline pool_jobs pool_jobs_of(int64_t n, int n_threads) {
+    return (pool_jobs){0, n, 2 * (int64_t)(n_threads > 1 ? n_threads : 1)};
+}
 static inline int64_t pool_claim(pool_jobs *j, int64_t *count) {
     int64_t cur = __atomic_load_n(&j->next, __ATOMIC_RELAXED);
     for (;;) {
@@ -222,7 +225,7 @@ static void rows_run(void *c) {
 }
 
 static void pool_rows(rows_fn fn, void *ctx, int64_t n, int64_t chunk, int n_threads) {
-    rows_task T = {fn, ctx, n, chunk, {0, (n + chunk - 1) / chunk, 2 * (int64_t)(n_threads > 1 ? n_threads : 1)}};
+    rows_task T = {fn, ctx, n, chunk, pool_jobs_of((n + chunk - 1) / chunk, n_threads)};
     pool_run(rows_run, &T, n_threads);
 }
 
@@ -710,7 +713,6 @@ int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
                      const float *col_alpha, int64_t stride_cv, int64_t stride_cg,
                      const int64_t *bounds, int64_t n_groups,
                      float *y, int64_t ldy, int n_threads) {
-    if (n_threads < 1) n_threads = 1;
     float *xsum = NULL, *xcol = NULL, *tab = NULL;
     if (!col_alpha) {
         int failed = 0;
@@ -1391,7 +1393,6 @@ static int linear_planes(const float *x, int64_t M, int64_t ldx, const void *w, 
                          const uint8_t *s, int64_t stride_sv, int64_t d_out, int64_t d_in, int64_t lds,
                          const float *alpha, int64_t stride_av, int64_t alpha_stride, const int64_t *slots,
                          int64_t n_planes, float *y, int64_t ldy, int x_is_bf16, int one_pass, int n_threads) {
-    if (n_threads < 1) n_threads = 1;
     const uint8_t *s1 = one_pass ? s : NULL; /* the one-pass loop's bits */
     const uint8_t *s2 = one_pass ? NULL : s; /* the planes' pass */
     float *xsum = row_sums(x, M, ldx, d_in);
@@ -1428,7 +1429,7 @@ static int linear_planes(const float *x, int64_t M, int64_t ldx, const void *w, 
             failed = 1;
     }
 #endif
-    if (!failed && n_threads == 1) {
+    if (!failed && n_threads <= 1) {
         if (s1)
             linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, s1, lds, d_in, alpha, alpha_stride, y, ldy, 0, d_out);
         else
@@ -1438,7 +1439,7 @@ static int linear_planes(const float *x, int64_t M, int64_t ldx, const void *w, 
         const int64_t n_jobs = (d_out + POOL_ROWS - 1) / POOL_ROWS;
         share_task T = {x, xeo, tab, xsum, alpha, xb, w, s1, s2, slots, mate, ldx, M, ldw, stride_sv, lds, d_in,
                         stride_av, alpha_stride, n_planes, ldy, d_out, w_dtype, y, NULL, NULL, 0,
-                        {{0, n_jobs, 2 * (int64_t)n_threads}, {0, s2 ? n_jobs : 0, 2 * (int64_t)n_threads}}};
+                        {pool_jobs_of(n_jobs, n_threads), pool_jobs_of(s2 ? n_jobs : 0, n_threads)}};
         if (s2) {
             T.part = (float *)calloc((size_t)(M > 0 ? M * d_out : 1), sizeof(float));
             T.done = (int *)calloc((size_t)(n_jobs > 0 ? n_jobs : 1), sizeof(int));
@@ -1847,10 +1848,9 @@ static void attend_run(void *ctx) {
 int bd_paged_decode(const float *q, int64_t B, int64_t H, int64_t KV, int64_t D, const void *k, const void *v,
                     int kv_dtype, const int32_t *tables, int64_t max_blocks, const int32_t *lens, int64_t bs,
                     int64_t window, float scale, float *out, int n_threads) {
-    if (n_threads < 1) n_threads = 1;
     const int64_t G = H / KV;
     attend_task T = {q, k, v, tables, lens, out, B, H, KV, D, G, max_blocks, bs, window, scale, kv_dtype, 0,
-                     {0, B * KV, 2 * (int64_t)(n_threads > 1 ? n_threads : 1)}};
+                     pool_jobs_of(B * KV, n_threads)};
     pool_run(attend_run, &T, B * KV == 1 ? 1 : n_threads);
     return T.failed ? -1 : 0;
 }
