@@ -481,9 +481,12 @@ async def test_health_is_not_serving_during_drain_and_the_router_routes_around(f
     async with WorkerClient(victim.address, generate_timeout_s=T) as w:
         from bitdelta.common.v1 import generation_pb2 as gen_pb
 
-        long = [asyncio.create_task(_drain_collect(w, gen_pb)) for _ in range(6)]
-        # every stream admitted before the drain begins (one that arrives after it is rightly refused)
-        await wait_for(lambda: _admitted(w, len(long)), what="the streams admitted on the victim")
+        started = [asyncio.Event() for _ in range(6)]
+        long = [asyncio.create_task(_drain_collect(w, gen_pb, e)) for e in started]
+        # every stream admitted (its first token out) before the drain begins: one that arrives after
+        # it is rightly refused
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=60)
+        assert not all(t.done() for t in long), "the streams ended before the drain: it would test nothing"
         victim.popen.send_signal(signal.SIGTERM)
         TALLY.fault("SIGTERM (drain) of a worker")
         async with grpc.aio.insecure_channel(victim.address) as ch:
@@ -501,18 +504,20 @@ async def test_health_is_not_serving_during_drain_and_the_router_routes_around(f
         await wait_for(routed_around, timeout=15, interval=0.05, what="the router to see the worker drain")
         await checked(r, ref, "v1")  # served by the other worker
         done = await asyncio.gather(*long, return_exceptions=True)
-        assert all(isinstance(x, list) and x for x in done), done  # running streams finished in the grace
+        # running streams finished, every token of them, in the grace
+        assert all(isinstance(x, list) and len(x) == 230 for x in done), done
     fc.restart(victim)
     fc.wait_serving(victim)
     await wait_for(lambda: all_up(r), what="the drained worker back")
     TALLY.recovered("drained worker restarted")
 
 
-async def _admitted(w: WorkerClient, n: int) -> bool:
-    st = await w.status()
-    return st.running > 0 and st.running + st.waiting >= n
-
-
-async def _drain_collect(w: WorkerClient, gen_pb) -> list[int]:
-    req = wpb.GenerateRequest(model_id="", prompt="drain " * 4, sampling=gen_pb.SamplingParams(max_new_tokens=230))
-    return [m.token_id async for m in w.generate(req)]
+async def _drain_collect(w: WorkerClient, gen_pb, started: asyncio.Event) -> list[int]:
+    # ignore_eos: a stream that ends early would not be running when the drain begins
+    sp = gen_pb.SamplingParams(max_new_tokens=230, ignore_eos=True)
+    req = wpb.GenerateRequest(model_id="", prompt="drain " * 4, sampling=sp)
+    out = []
+    async for m in w.generate(req):
+        out.append(m.token_id)
+        started.set()
+    return out
