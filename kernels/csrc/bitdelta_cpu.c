@@ -333,6 +333,32 @@ static inline void transpose16(__m512i *v) {
     }
 }
 
+/* Dwords k < ceil(nb/4) of 16 rows' nb ≤ 16 bytes at `at` (row i's at rows[i] + at), transposed like
+ * transpose16: v[k] lane i = dword k of row i; bytes beyond nb read as 0. One masked 16-byte load a
+ * row (only the rows' own bytes: the last row ends the buffer), 12 inserts and an in-lane 4 × 4
+ * transpose, where the 64-byte form loads 16 vectors and runs 64 shuffles for a row's last few
+ * bytes (SmolLM2's 576 columns end in 8: ~30 % of the table loop's time on those rows, on an AMD
+ * EPYC of the Zen 5 generation; docs/kernels.md). Register i of the four holds the 128-bit rows
+ * i, 4 + i, 8 + i, 12 + i, so the transpose inside each 128-bit lane leaves the rows in order. */
+static inline void transpose16_tail(const uint8_t *const *rows, int64_t at, int nb, __m512i *v) {
+    const __mmask16 m = (__mmask16)((1u << nb) - 1);
+    __m512i r[4];
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm512_castsi128_si512(_mm_maskz_loadu_epi8(m, rows[i] + at));
+        for (int l = 1; l < 4; ++l) {
+            const __m128i q = _mm_maskz_loadu_epi8(m, rows[4 * l + i] + at);
+            r[i] = l == 1 ? _mm512_inserti32x4(r[i], q, 1) : l == 2 ? _mm512_inserti32x4(r[i], q, 2)
+                                                                  : _mm512_inserti32x4(r[i], q, 3);
+        }
+    }
+    const __m512i t0 = _mm512_unpacklo_epi32(r[0], r[1]), t1 = _mm512_unpackhi_epi32(r[0], r[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(r[2], r[3]), t3 = _mm512_unpackhi_epi32(r[2], r[3]);
+    v[0] = _mm512_unpacklo_epi64(t0, t2);
+    v[1] = _mm512_unpackhi_epi64(t0, t2);
+    v[2] = _mm512_unpacklo_epi64(t1, t3);
+    v[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
 /* tot_x[i] = Σ_{k: bit k of rows[i] set} x_x[k] for LROWS sign rows and NX (1 or 2) x vectors given
  * by their nibble tables tab[x]. The lanes are the 16 sign rows: per 64 bytes of every row (512
  * columns) one load each, a 16 × 16 dword transpose, then per dword of the rows (32 columns) 8
@@ -388,8 +414,15 @@ static inline __attribute__((always_inline)) void lut_sums(const float *const *t
                 LUT_DWORD(vk, 128 * nfull + 8 * k, 8)
             }
         else { /* only the rows' own bytes (the last row ends the buffer) */
-            for (int i = 0; i < 16; ++i) v[i] = _mm512_maskz_loadu_epi8((1ull << nb) - 1, rows[i] + 64 * nfull);
-            transpose16(v);
+            if (nb <= 32) /* 16 bytes at a time: each a quarter of the shuffles of transpose16 */
+                for (int b0 = 0; b0 < nb; b0 += 16) {
+                    const int n = nb - b0 < 16 ? nb - b0 : 16;
+                    transpose16_tail(rows, 64 * nfull + b0, n, v + b0 / 4);
+                }
+            else {
+                for (int i = 0; i < 16; ++i) v[i] = _mm512_maskz_loadu_epi8((1ull << nb) - 1, rows[i] + 64 * nfull);
+                transpose16(v);
+            }
             int k = 0;
             for (; 4 * k + 4 <= nb; ++k) LUT_DWORD(v[k], 128 * nfull + 8 * k, 8)
             if (4 * k < nb) LUT_DWORD(v[k], 128 * nfull + 8 * k, 2 * (nb - 4 * k)) /* the nibbles inside the row */

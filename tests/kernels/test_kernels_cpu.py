@@ -71,6 +71,21 @@ def test_delta_gemv(M, shape, per_row, method, isa):
     assert rel_err(y - y0, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("M", [1, 2])
+def test_delta_gemv_every_tail_of_a_row(M):
+    # The table loop (AVX-512) transposes a row's last 1–63 bytes past its 64-byte chunks in three
+    # ways (a 16-byte form twice up to 32 bytes, the 64-byte form beyond): every length, with ragged
+    # bits, garbage past each row, a last block of fewer than 16 rows, and the last row ending its buffer
+    for nb in range(64):
+        d_out, d_in = 40, 512 + 8 * nb - (nb % 3)
+        x, w, signs, alpha = make(M, d_out, d_in, per_row=True)
+        ref = bitdelta_linear_ref(x, torch.zeros_like(w), signs, alpha)
+        for s in (signs, padded_rows(signs)):
+            y = torch.zeros(M, d_out)
+            cpu_ops.delta_gemv_cpu(x, s, alpha, y)
+            assert rel_err(y, ref) <= 1e-5, (nb, d_in)
+
+
 @pytest.mark.parametrize("path", ["gemv_delta", "fused_gemv", "blas_delta", "merge_gemm", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(72, 100), (264, 257), (33, 17)], ids=lambda s: f"{s[0]}x{s[1]}")

@@ -288,15 +288,16 @@ def test_c_rows_sharing_slots_get_their_own_numbers(isa, x_dtype):
             assert torch.equal(cpu_ops.linear_gemv_cpu(x[r : r + 1], w, signs[0], alpha[0], two_pass=True)[0], two[r])
 
 
-@pytest.mark.parametrize("d_in", [576, 1000, 1031])
+@pytest.mark.parametrize("d_in", [576, 760, 1000, 1031])
 @pytest.mark.parametrize("alpha_kind", ALPHAS)
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 def test_c_table_loop_chunk_and_block_edges(isa, alpha_kind, d_in):
     """AVX-512's table loop reads 16 sign rows × 64 bytes at a time (a full block of evenly spaced
     rows: one gather per dword of the 16 rows; else loads and a transpose): d_in ≥ 512 so whole
     chunks run before the tail (576 columns, SmolLM2's width: 72 bytes = 64 + 2 whole dwords, which
-    full blocks gather; 1000: 125 bytes = 64 + 15 dwords + 1 byte, and 1031: a last byte of 7
-    columns, both loaded and transposed), d_out 37 (two blocks of 16 rows and a partial one; groups that start inside blocks),
+    full blocks gather, and the rest load 16 bytes a row and transpose in 128-bit lanes; 760: 95
+    bytes = 64 + 16 + 15, that form twice, the second ending inside a dword; 1000: 125 bytes = 64 +
+    15 dwords + 1 byte in the 64-byte form, and 1031: 129 bytes = 2 · 64 + a last byte of 7 columns), d_out 37 (two blocks of 16 rows and a partial one; groups that start inside blocks),
     sign rows padded with set bits past their bytes (never read); against the oracle, and every row
     the same with one thread or two (the threads split the rows at other block edges) and with the
     full blocks' dwords gathered or loaded and transposed (the CPU picks one: bd_set_gather)."""
