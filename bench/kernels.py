@@ -209,6 +209,20 @@ def bench_cpu_gemv(t, bw, d, Ms, rows):
         print_row(row)
 
 
+def bench_cpu_gemm(t, rows):
+    """The prefill paths' fp32 GEMM (`cpu_ops.mm_nt`: oneDNN where torch has it) against torch's own
+    (MKL's), at SmolLM2-135M's and a 7B model's prefill shapes: GFLOPS and the time ratio."""
+    for M, K, N in [(559, 576, 1536), (559, 1536, 576), (512, 4096, 4096)]:
+        x, w = torch.randn(M, K), torch.randn(N, K)
+        t_torch = t(lambda: x @ w.t())
+        t_mm = t(lambda: cpu_ops.mm_nt(x, w))
+        flop = 2 * M * K * N
+        row = {"section": "cpu fp32 gemm", "M": M, "K": K, "N": N, "torch_GFLOPS": flop / t_torch / 1e6}
+        row |= {"mm_nt_GFLOPS": flop / t_mm / 1e6, "mm_nt/torch time": t_mm / t_torch}
+        rows.append(row)
+        print_row(row)
+
+
 def bench_planes(dev, t, dtypes, d, rows):
     """Each sign plane beyond the first at decode, as the worker runs it: the base GEMV once for
     the batch (`dense_linear`, fp32 out), then ONE batched-delta launch over every row's planes
@@ -512,6 +526,7 @@ def main(argv=None):
     )
     ap.add_argument("--only-sweep", action="store_true", help="with --cpu-sweep: skip the other sections")
     ap.add_argument("--planes", action="store_true", help="only the sign-plane section (cost per extra plane)")
+    ap.add_argument("--gemm", action="store_true", help="CPU: only the prefill paths' fp32 GEMM against torch's")
     ap.add_argument(
         "--decode-layers",
         action="store_true",
@@ -601,6 +616,9 @@ def main(argv=None):
         bench_planes(dev, t, (dtype,), 4096, rows)
     elif args.only_sweep:
         cpu_sweep(t, rows)
+    elif args.gemm and not cuda:
+        print("CPU fp32 GEMM of the prefill paths (mm_nt: oneDNN) ÷ torch's (MKL):")
+        bench_cpu_gemm(t, rows)
     else:
         dtype = serving_dtype(dev).dtype  # the worker's CPU dtype (bitdelta.precision: bf16 where native)
         dec_d = (4096,) if args.quick else (4096, 8192)
@@ -615,6 +633,8 @@ def main(argv=None):
         bench_cpu_gemv(t, bw, 4096, (1, 4, 16), rows)
         print("CPU sign planes at decode (÷ base GEMV; target per extra plane ≤ 1/16 of a bf16 base, 1/32 of fp32):")
         bench_planes(dev, t, tuple(dict.fromkeys((dtype, torch.bfloat16, torch.float32))), 4096, rows)
+        print("CPU fp32 GEMM of the prefill paths (mm_nt: oneDNN) ÷ torch's (MKL):")
+        bench_cpu_gemm(t, rows)
         if args.cpu_sweep:
             print("CPU path sweep (÷ torch base):")
             cpu_sweep(t, rows)
@@ -628,6 +648,7 @@ def main(argv=None):
             + ("_dry" if args.dry_run else "")
         )
         stem += "_planes" if args.planes else ""
+        stem += "_gemm" if args.gemm else ""
         stem += "_decode_layers" if args.decode_layers else ""
         stem += f"_t{args.threads}" if args.threads else ""
         (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -292,8 +292,39 @@ def dense_linear_cpu(x: torch.Tensor, w: torch.Tensor, out_fp32: bool = False) -
         y = linear_gemv_cpu(x, w, None, None)
         return y if out_fp32 else y.to(x.dtype)
     if out_fp32:
-        return x.float() @ w.float().t() if w.dtype != torch.float32 else x.float() @ w.t()
+        return mm_nt(x.float(), w.float())
+    return mm_nt(x, w)
+
+
+def mm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x · wᵀ for CPU matrices x [M, K] and w [N, K] (a GEMM of the prefill paths). fp32 by
+    fp32 runs oneDNN's matmul where this torch has it: torch's own fp32 GEMM is MKL's, which takes
+    its AVX-512 code on Intel CPUs only (one core of an AMD EPYC of the Zen 5 generation, 559 × 576
+    by 576 × 1536: MKL 100–117 GFLOPS, an AVX2 rate, oneDNN 200–260; docs/kernels.md, "fp32
+    GEMMs"). Other dtypes, and products autograd tracks, are torch's (its bf16 GEMM is oneDNN's
+    already)."""
+    tracked = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+    if x.dtype == torch.float32 and w.dtype == torch.float32 and x.shape[0] and not tracked and _onednn_f32():
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.contiguous(), None, "none", [], "")
     return x @ w.t()
+
+
+_ONEDNN_F32: bool | None = None  # torch's oneDNN linear op runs here (decided once, by a check)
+
+
+def _onednn_f32() -> bool:
+    """Whether torch's oneDNN linear op (`torch.ops.mkldnn._linear_pointwise`, what torch.compile's
+    CPU code calls) exists and gives x · wᵀ here: checked once on a small product against torch's."""
+    global _ONEDNN_F32
+    if _ONEDNN_F32 is None:
+        try:
+            g = torch.Generator().manual_seed(0)
+            x, w = torch.randn(3, 40, generator=g), torch.randn(24, 40, generator=g)
+            y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+            _ONEDNN_F32 = bool(torch.backends.mkldnn.is_available()) and torch.allclose(y, x @ w.t(), atol=1e-5)
+        except (AttributeError, RuntimeError, NotImplementedError):
+            _ONEDNN_F32 = False
+    return _ONEDNN_F32
 
 
 def _compute_dtype(x: torch.Tensor, w_base: torch.Tensor) -> torch.dtype:
@@ -324,12 +355,12 @@ def linear_merge_gemm_cpu(
     rows = _block_rows(d_in, d_out, torch.finfo(ct).bits // 8)
     buf = torch.empty(rows, d_in, dtype=ct)
     if rows >= d_out:
-        return (xc @ merge_cpu(w_base, signs, alpha, d_in, out=buf).t()).to(x.dtype)
+        return mm_nt(xc, merge_cpu(w_base, signs, alpha, d_in, out=buf)).to(x.dtype)
     y = torch.empty(M, d_out, dtype=ct)
     for r0 in range(0, d_out, rows):
         r1 = min(d_out, r0 + rows)
         blk = merge_cpu(w_base, signs, alpha, d_in, r0, r1, out=buf[: r1 - r0])
-        y[:, r0:r1] = xc @ blk.t()
+        y[:, r0:r1] = mm_nt(xc, blk)
     return y.to(x.dtype)
 
 
@@ -338,7 +369,7 @@ def linear_blas_delta_cpu(
 ) -> torch.Tensor:
     """Base GEMM by BLAS in the weights' dtype, then the delta GEMV from the bits -> [M, d_out] in x.dtype."""
     ct = _compute_dtype(x, w_base)
-    y = torch.mm(x.to(ct), w_base.t() if w_base.dtype == ct else w_base.t().to(ct)).to(torch.float32)
+    y = mm_nt(x.to(ct), w_base.to(ct)).to(torch.float32)
     delta_gemv_cpu(x, signs, alpha, y)
     return y.to(x.dtype)
 
@@ -419,7 +450,7 @@ def delta_rows_cpu(
     for r0 in range(0, d_out, rows):
         r1 = min(d_out, r0 + rows)
         blk = merge_cpu(None, signs, alpha, d_in, r0, r1, out=buf[: r1 - r0])  # α·S rows
-        y32[:, r0:r1] += x32 @ blk.t()
+        y32[:, r0:r1] += mm_nt(x32, blk)
     return y32
 
 

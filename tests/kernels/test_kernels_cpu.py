@@ -715,3 +715,23 @@ def test_batch_invariant_setting_gives_a_row_the_same_bits_at_every_row_count(is
 def test_batch_invariant_setting_needs_the_library(no_cpu_lib):
     with configured(batch_invariant=True), pytest.raises(RuntimeError, match="compiled CPU library"):
         cpu_ops.dense_linear_cpu(torch.randn(3, 8), torch.randn(4, 8))
+
+
+def test_mm_nt_takes_onednn_for_fp32_and_matches_torch():
+    # the prefill paths' GEMM: fp32 through oneDNN (2x torch's MKL on AMD CPUs: bench/kernels.py
+    # --gemm), the same product as torch's to fp32 rounding, any layout of x and w
+    if torch.backends.mkldnn.is_available():
+        assert cpu_ops._onednn_f32(), "torch has oneDNN, but the fp32 GEMM would not use it"
+    g = torch.Generator().manual_seed(7)
+    for M, K, N in [(1, 5, 3), (37, 100, 72), (300, 257, 129)]:
+        x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+        for xv, wv in [(x, w), (x.t().contiguous().t(), w.t().contiguous().t()), (padded_rows(x), padded_rows(w))]:
+            ref = (xv.double() @ wv.double().t()).float()
+            assert rel_err(cpu_ops.mm_nt(xv, wv), ref) <= 1e-6
+    w = torch.randn(9, 16, generator=g)
+    assert cpu_ops.mm_nt(torch.randn(0, 16), w).shape == (0, 9)
+    xb, wb = torch.randn(5, 16, generator=g).bfloat16(), w.bfloat16()
+    assert torch.equal(cpu_ops.mm_nt(xb, wb), xb @ wb.t())  # other dtypes: torch's own product
+    xg = torch.randn(5, 16, generator=g, requires_grad=True)
+    cpu_ops.mm_nt(xg, w).sum().backward()  # a product autograd tracks stays torch's
+    assert torch.allclose(xg.grad, w.sum(0).expand(5, 16))
