@@ -348,6 +348,14 @@ def round_values(r: dict, rnd: dict) -> dict[str, float]:
     v["mix"], v["mix_lim"] = w32["mixed8_tok_s"] / w32["base8_tok_s"], 4 / (4 + 4 / 8)  # V = 4 variants
     v["var/lim"], v["mix/lim"] = v["var"] / v["var_lim"], v["mix"] / v["mix_lim"]
     v["base8"], v["mixed8"], v["rss_var"] = w32["base8_tok_s"], w32["mixed8_tok_s"], w32["rss_after_variants"]
+    w16 = rnd["worker"]["bfloat16"]
+    if "variant_tok_s" in w16:  # --variants-bf16: the same rows in bf16, against bf16's limits
+        v["var16"], v["var16_lim"] = (
+            w16["variant_tok_s"] / w16["decode_tok_s"],
+            r["weights_bf16"] / (r["weights_bf16"] + r["delta_bytes"]),
+        )
+        v["mix16"], v["mix16_lim"] = w16["mixed8_tok_s"] / w16["base8_tok_s"], 2 / (2 + 4 / 8)
+        v["var16/lim"], v["mix16/lim"] = v["var16"] / v["var16_lim"], v["mix16"] / v["mix16_lim"]
     return v
 
 
@@ -377,6 +385,15 @@ def table(r: dict) -> str:
         f"{ratio('pre32')} / {ratio('pre16')} (speed) | – | – |",
         f"| 8 streams over 4 variants ÷ 8 on the base (fp32) | {ratio('mix')} | – | {med['mix_lim']:.2f} | – | "
         f"{ratio('mix/lim')} | ≥ 0.9 |",
+    ]
+    if "var16" in med:
+        rows += [
+            f"| same, a variant (bf16) ÷ base | {ratio('var16')} | – | {med['var16_lim']:.2f} | – | "
+            f"{ratio('var16/lim')} | ≥ 0.95 × base |",
+            f"| 8 streams over 4 variants ÷ 8 on the base (bf16) | {ratio('mix16')} | – | {med['mix16_lim']:.2f} | – | "
+            f"{ratio('mix16/lim')} | ≥ 0.9 |",
+        ]
+    rows += [
         f"| resident memory, base only, idle, fp32 | {gb(med['rss32'])} | {gb(med['prss32'])} | "
         f"{gb(med['acc32'])} (weights + KV + slot rows + fixed) | {ratio('rss32/p')} | {ratio('rss32/acc', '.3f')} | ≤ 1 |",
         f"| same, bf16 | {gb(med['rss16'])} | {gb(med['prss16'])} | {gb(med['acc16'])} | {ratio('rss16/p')} | "
