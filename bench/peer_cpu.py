@@ -329,33 +329,28 @@ def bench_peer(args, gguf: dict[str, Path], env: dict) -> dict:
 def round_values(r: dict, rnd: dict) -> dict[str, float]:
     """One round's numbers and ratios, its limits from its own best bandwidth sample. Keys per
     precision b (32, 16): w/p (worker, llama.cpp tok/s), lim, wpre/ppre (prefill s), pre (speed
-    ratio), rss/prss (idle RSS), acc (the worker's account)."""
+    ratio), rss/prss (idle RSS), acc (the worker's account); the variant rows var and mix (fp32:
+    no suffix, bf16: "16", measured with --variants-bf16), their limits var_lim and mix_lim (the
+    weights' bytes ÷ those bytes plus the deltas'), and their ratios to those limits."""
     v: dict[str, float] = {}
-    for b, dtype, peer in ((32, "float32", "f32"), (16, "bfloat16", "bf16")):
+    for b, dtype, peer, es in ((32, "float32", "f32", 4), (16, "bfloat16", "bf16", 2)):
         w, p = rnd["worker"][dtype], rnd["peer"][peer]
-        lim = rnd["bandwidth"] / r["weights_fp32" if b == 32 else "weights_bf16"]
+        weights = r["weights_fp32" if b == 32 else "weights_bf16"]
+        lim = rnd["bandwidth"] / weights
         acc = sum(r["account"][dtype].values())
         v |= {f"w{b}": w["decode_tok_s"], f"p{b}": p["decode_tok_s"], f"lim{b}": lim}
         v |= {f"w{b}/p{b}": w["decode_tok_s"] / p["decode_tok_s"], f"w{b}/lim": w["decode_tok_s"] / lim}
         v |= {f"wpre{b}": w["prefill_s"], f"ppre{b}": p["prefill_s"], f"pre{b}": p["prefill_s"] / w["prefill_s"]}
         v |= {f"rss{b}": w["rss_idle"], f"prss{b}": p["rss_idle"], f"acc{b}": acc}
         v |= {f"rss{b}/p": w["rss_idle"] / p["rss_idle"], f"rss{b}/acc": w["rss_idle"] / acc}
+        if "variant_tok_s" in w:  # fp32 always, bf16 with --variants-bf16
+            sfx = "" if b == 32 else str(b)
+            var, mix = w["variant_tok_s"] / w["decode_tok_s"], w["mixed8_tok_s"] / w["base8_tok_s"]
+            var_lim, mix_lim = weights / (weights + r["delta_bytes"]), es / (es + 4 / 8)  # V = 4 variants
+            v |= {f"var{sfx}": var, f"var{sfx}_lim": var_lim, f"var{sfx}/lim": var / var_lim}
+            v |= {f"mix{sfx}": mix, f"mix{sfx}_lim": mix_lim, f"mix{sfx}/lim": mix / mix_lim}
     w32 = rnd["worker"]["float32"]
-    v["var"], v["var_lim"] = (
-        w32["variant_tok_s"] / w32["decode_tok_s"],
-        r["weights_fp32"] / (r["weights_fp32"] + r["delta_bytes"]),
-    )
-    v["mix"], v["mix_lim"] = w32["mixed8_tok_s"] / w32["base8_tok_s"], 4 / (4 + 4 / 8)  # V = 4 variants
-    v["var/lim"], v["mix/lim"] = v["var"] / v["var_lim"], v["mix"] / v["mix_lim"]
     v["base8"], v["mixed8"], v["rss_var"] = w32["base8_tok_s"], w32["mixed8_tok_s"], w32["rss_after_variants"]
-    w16 = rnd["worker"]["bfloat16"]
-    if "variant_tok_s" in w16:  # --variants-bf16: the same rows in bf16, against bf16's limits
-        v["var16"], v["var16_lim"] = (
-            w16["variant_tok_s"] / w16["decode_tok_s"],
-            r["weights_bf16"] / (r["weights_bf16"] + r["delta_bytes"]),
-        )
-        v["mix16"], v["mix16_lim"] = w16["mixed8_tok_s"] / w16["base8_tok_s"], 2 / (2 + 4 / 8)
-        v["var16/lim"], v["mix16/lim"] = v["var16"] / v["var16_lim"], v["mix16"] / v["mix16_lim"]
     return v
 
 

@@ -342,15 +342,13 @@ static inline void transpose16(__m512i *v) {
  * i, 4 + i, 8 + i, 12 + i, so the transpose inside each 128-bit lane leaves the rows in order. */
 static inline void transpose16_tail(const uint8_t *const *rows, int64_t at, int nb, __m512i *v) {
     const __mmask16 m = (__mmask16)((1u << nb) - 1);
+#define ROW16(j) _mm_maskz_loadu_epi8(m, rows[j] + at)
     __m512i r[4];
-    for (int i = 0; i < 4; ++i) {
-        r[i] = _mm512_castsi128_si512(_mm_maskz_loadu_epi8(m, rows[i] + at));
-        for (int l = 1; l < 4; ++l) {
-            const __m128i q = _mm_maskz_loadu_epi8(m, rows[4 * l + i] + at);
-            r[i] = l == 1 ? _mm512_inserti32x4(r[i], q, 1) : l == 2 ? _mm512_inserti32x4(r[i], q, 2)
-                                                                  : _mm512_inserti32x4(r[i], q, 3);
-        }
-    }
+    for (int i = 0; i < 4; ++i)
+        r[i] = _mm512_inserti32x4(
+            _mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(ROW16(i)), ROW16(4 + i), 1), ROW16(8 + i), 2),
+            ROW16(12 + i), 3);
+#undef ROW16
     const __m512i t0 = _mm512_unpacklo_epi32(r[0], r[1]), t1 = _mm512_unpackhi_epi32(r[0], r[1]);
     const __m512i t2 = _mm512_unpacklo_epi32(r[2], r[3]), t3 = _mm512_unpackhi_epi32(r[2], r[3]);
     v[0] = _mm512_unpacklo_epi64(t0, t2);

@@ -81,10 +81,9 @@ def start_swift(d: Path) -> Swift:
     be taken by another process before Swift binds it, and then Swift never answers: one more try
     on fresh ports (a full CI run once failed so at start-up, and passed on its own)."""
     ports = free_ports()
-    first = subprocess.run(
-        ["bash", str(SCRIPT), "start", str(d)], env={**os.environ, **ports}, capture_output=True, timeout=180
-    )
-    if first.returncode != 0:
+    try:
+        _run(["start", str(d)], env=ports, timeout=180)
+    except pytest.fail.Exception:
         _run(["stop", str(d)], timeout=60)
         ports = free_ports()
         _run(["start", str(d)], env=ports, timeout=180)  # a second failure fails the test, with its reason
