@@ -30,6 +30,8 @@ import time
 import grpc
 import pytest
 
+from bitdelta.generation import Sampling
+from bitdelta.router.v1 import router_pb2 as pb
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
 from tests.support.reliability import PROMPTS, TALLY, TOKENS, T, vm_rss_kib, wait_for
@@ -38,7 +40,15 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 SOAK_S = float(os.environ.get("BITDELTA_SOAK_S", "60"))
 CLIENTS = 6
 BURST = 100  # requests for one variant at once: > in-flight (8 per worker) + per-variant queue (12) of the router
-BURST_TOKENS = 64
+# Each burst request holds its slot for this many steps (EOS ignored): the 100 calls reach the router
+# one by one, and short requests could finish as fast as the rest arrive on a loaded machine (a CI run
+# saw a burst of 64-token requests with no refusal at all), so the queue would never be full.
+BURST_TOKENS = 192  # + the prompt fits the tiny model's 256 positions
+
+
+def _request(model: str, prompt: str, n: int) -> pb.GenerateRequest:
+    sampling = Sampling(max_new_tokens=n, ignore_eos=n == BURST_TOKENS)
+    return pb.GenerateRequest(model_id=model, prompt=prompt, sampling=sampling.to_pb())
 
 
 async def test_soak(system, family, expected):
@@ -63,14 +73,15 @@ async def test_soak(system, family, expected):
         burst_ref = {}  # alone, before the soak
         for m in models:
             burst_ref[m] = [
-                t.token_id async for x in r.generate(m, PROMPTS[0], max_new_tokens=BURST_TOKENS) for t in x.tokens
+                t.token_id async for x in r.generate_request(_request(m, PROMPTS[0], BURST_TOKENS)) for t in x.tokens
             ]
+            assert len(burst_ref[m]) == BURST_TOKENS
 
         async def one(model: str, prompt: str, mode: str, n: int = TOKENS) -> None:
             TALLY.sent += 1
             try:
                 if mode == "cancel":  # leave after the first token: the call is cancelled downstream
-                    stream = r.generate(model, prompt, max_new_tokens=n)
+                    stream = r.generate_request(_request(model, prompt, n))
                     await anext(stream)
                     await stream.aclose()
                     outcome["cancelled"] += 1
@@ -78,7 +89,7 @@ async def test_soak(system, family, expected):
                 timeout = rng.uniform(0.01, 0.3) if mode == "deadline" else None
                 got = [
                     t.token_id
-                    async for m in r.generate(model, prompt, max_new_tokens=n, timeout_s=timeout)
+                    async for m in r.generate_request(_request(model, prompt, n), timeout_s=timeout)
                     for t in m.tokens
                 ]
                 want = expected[(model, prompt)] if n == TOKENS else burst_ref[model]
