@@ -198,7 +198,9 @@ ENV_READERS = {
     ("bitdelta/testing/cluster.py", "__init__"): "the environment it hands the server processes it starts",
     ("services/gpu_worker/parallel.py", "from_env"): "torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*, once",
     ("services/gpu_worker/parallel.py", "_spawn"): "the environment it hands the tensor-parallel ranks it starts",
-    ("services/gpu_worker/__main__.py", "<module>"): "torch's THP_MEM_ALLOC_ENABLE, defaulted before the first tensor",
+    ("services/gpu_worker/__main__.py", "<module>"): (
+        "torch's THP_MEM_ALLOC_ENABLE and oneDNN's cache bounds, defaulted before the first tensor"
+    ),
 }
 
 

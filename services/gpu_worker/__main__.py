@@ -13,6 +13,14 @@ import os
 # once, at the process's first tensor, so it is set before any import that makes one; set it to 0
 # to keep 4 KB pages.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+# oneDNN, which runs torch's bf16 GEMMs and the CPU prefill paths' fp32 ones (kernels/cpu_ops.mm_nt),
+# compiles a kernel for every GEMM shape it meets (a new row count is a new shape) and keeps it in
+# two caches, oneDNN's and ideep's, 1024 entries each by default at ~0.5 MB an entry: a process
+# meeting 1600 shapes grew by 1.2 GB, and a worker's RSS kept growing for minutes under a mixed load.
+# 32 entries each hold every weight shape of a few recent row counts and bound the growth to ~40-50
+# MB (docs/worker.md, "Memory"); a miss compiles again, 0.3-1.3 ms. Read at the first oneDNN GEMM.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "32")
+os.environ.setdefault("LRU_CACHE_CAPACITY", "32")
 
 import asyncio
 import logging

@@ -6,6 +6,9 @@ kernel has them. Real processes, the real SmolLM2-135M base, fp32 and bf16."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -43,3 +46,42 @@ def test_idle_resident_memory_is_within_the_account(real_base, tmp_path, dtype):
     )
     if thp_mode() != "never":  # the kernel lends 2 MB pages to madvised memory: the weights are on them
         assert huge >= 0.5 * acc.weights, f"{huge / 1e6:.0f} MB on huge pages, weights {acc.weights / 1e6:.0f} MB"
+
+
+_GEMMS = """
+import runpy
+runpy.run_module("services.gpu_worker.__main__", run_name="not_main")  # the worker's start-up settings
+import torch
+from kernels.cpu_ops import mm_nt
+
+def rss():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) << 10
+
+torch.set_num_threads(1)
+w32 = torch.randn(172, 64)
+w16 = w32.bfloat16()
+mm_nt(torch.randn(1, 64), w32), torch.randn(1, 64).bfloat16() @ w16.t()
+before = rss()
+for m in range(2, 402):  # a new row count each time, as prompts of many lengths give
+    mm_nt(torch.randn(m, 64), w32)
+    torch.randn(m, 64).bfloat16() @ w16.t()
+print(rss() - before)
+"""
+
+
+def test_onednn_kernel_caches_are_bounded_in_the_worker_process():
+    # oneDNN compiles a kernel per GEMM shape and caches it (~0.5 MB each); the worker's start-up
+    # bounds its two caches to 32 entries each (services/gpu_worker/__main__.py). 800 shapes:
+    # measured ~40 MB with the bound (~48 MB after 3200), ~490 MB with torch's defaults of 1024,
+    # which the environment may still choose.
+    def growth(**env: str) -> int:
+        e = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+        out = subprocess.run(
+            [sys.executable, "-c", _GEMMS], env={**e, **env}, capture_output=True, text=True, check=True
+        )
+        return int(out.stdout.split()[-1])
+
+    bounded = growth()
+    assert bounded < 100e6, f"the worker's oneDNN caches grew {bounded / 1e6:.0f} MB over 800 GEMM shapes"
+    defaults = growth(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024", LRU_CACHE_CAPACITY="1024")
+    assert defaults > 200e6, f"with torch's default bounds the caches grew only {defaults / 1e6:.0f} MB"
