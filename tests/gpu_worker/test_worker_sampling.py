@@ -1,8 +1,8 @@
 """vLLM's sampling fields in the worker, each against an independent reference on the dense model
 (transformers' LlamaForCausalLM on the base and on a variant's dense checkpoint W_base + α·S):
 greedy with a repetition penalty, a logit bias and min_tokens equals transformers' generate with
-the same processors; presence and frequency penalties equal a torch reference loop of the rule;
-top_k, top_p and min_p cut the distribution as transformers' warpers do. Every rule is per row: a
+the same processors; presence and frequency penalties equal a torch reference loop of the rule
+(top_k, top_p and min_p against transformers' warpers: test_worker_units.py). Every rule is per row: a
 batch mixing all of them gives each request the tokens it gets alone, seeded or greedy."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch
 from bitdelta.generation import FinishReason, Request, Sampling
 from bitdelta.testing.family import make_test_family
 from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.sampling import Sampler
 from tests.support.worker import running_worker
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.usefixtures("cpu_kernels")]
@@ -112,34 +111,6 @@ async def test_greedy_with_presence_and_frequency_penalties_equals_a_torch_refer
     got, _, _ = await run(worker, model, s)
     plain, _, _ = await run(worker, model, Sampling(max_new_tokens=N))
     assert got == want and got != plain
-
-
-@pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (0, 0.6, 0.0), (0, 1.0, 0.2), (8, 0.9, 0.05)])
-def test_top_k_top_p_min_p_cut_like_transformers_warpers(top_k, top_p, min_p):
-    from transformers.generation.logits_process import (
-        MinPLogitsWarper,
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
-
-    logits = torch.randn(300, generator=torch.Generator().manual_seed(top_k + int(100 * top_p)))
-    s = Sampler(Sampling(temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p, seed=1))
-    ours = s.distribution(s.process(logits))
-    hf = logits[None].clone()
-    ids = torch.zeros(1, 1, dtype=torch.long)
-    for w in (
-        TemperatureLogitsWarper(0.7),
-        TopKLogitsWarper(top_k) if top_k else None,
-        TopPLogitsWarper(top_p) if top_p < 1 else None,
-        MinPLogitsWarper(min_p) if min_p else None,
-    ):
-        if w is not None:
-            hf = w(ids, hf)
-    want = torch.softmax(hf[0], -1)
-    assert torch.equal(ours > 0, want > 0), "the same tokens are kept"
-    assert torch.allclose(ours, want, atol=1e-6)
-    assert 0 < int((ours > 0).sum()) < 300
 
 
 async def test_stop_token_ids_ignore_eos_and_include_stop_str(worker, tok):

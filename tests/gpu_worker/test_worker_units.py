@@ -107,6 +107,37 @@ def test_sampler_seed_and_top_p():
     assert set(draws(11, top_p=0.5)) <= set(order[:k].tolist())
 
 
+@pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (0, 0.6, 0.0), (0, 1.0, 0.2), (8, 0.9, 0.05)])
+def test_top_k_top_p_min_p_cut_like_transformers_warpers(top_k, top_p, min_p):
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(top_k + int(100 * top_p)))
+    from bitdelta.generation import Sampling
+    from services.gpu_worker.sampling import Sampler
+
+    s = Sampler(Sampling(temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p, seed=1))
+    ours = s.distribution(s.process(logits))
+    hf = logits[None].clone()
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    for w in (
+        TemperatureLogitsWarper(0.7),
+        TopKLogitsWarper(top_k) if top_k else None,
+        TopPLogitsWarper(top_p) if top_p < 1 else None,
+        MinPLogitsWarper(min_p) if min_p else None,
+    ):
+        if w is not None:
+            hf = w(ids, hf)
+    want = torch.softmax(hf[0], -1)
+    assert torch.equal(ours > 0, want > 0), "the same tokens are kept"
+    assert torch.allclose(ours, want, atol=1e-6)
+    assert 0 < int((ours > 0).sum()) < 300
+
+
 def test_plan_delta_rejects_what_does_not_fit_this_base():
     from bitdelta.format import DeltaFormatError
     from bitdelta.testing.family import tiny_args
