@@ -249,6 +249,12 @@ class Server:
         await self.grpc.wait_for_termination()
 
 
+# gRPC sets SO_REUSEPORT on Linux by default: a second server on a port already served binds too
+# and the kernel splits the connections between the two (a worker started on the router's port would
+# answer half its calls with UNIMPLEMENTED). Off: the second server cannot listen and says so.
+_EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
+
+
 def create_server(
     address: str,
     services: Sequence[Service],
@@ -285,6 +291,7 @@ def create_server(
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            *_EXCLUSIVE_PORT,
         ],
     )
     for s in services:
@@ -300,7 +307,7 @@ def create_server(
         raise OSError(f"cannot listen on {address}")
     out = Server(server, port, names, hs, calls, serving_at_start=serving)
     if health_address:
-        out.health_only = grpc.aio.server()
+        out.health_only = grpc.aio.server(options=_EXCLUSIVE_PORT)
         health_pb2_grpc.add_HealthServicer_to_server(hs, out.health_only)  # the same statuses, nothing else
         try:
             out.health_port = out.health_only.add_insecure_port(health_address)

@@ -44,10 +44,19 @@ def tls_flags(certs: Path, name: str, client_auth: bool = True) -> tuple[str, ..
     return out if client_auth else (*out, "--no-tls-client-auth")
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and never returned before in this process: the processes of a
+    cluster bind theirs only once started, so two calls must not name the same just-closed port."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @dataclass

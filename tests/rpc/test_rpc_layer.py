@@ -126,6 +126,19 @@ async def test_server_skeleton_maps_errors_and_drains():
         assert await drain is True
 
 
+async def test_a_second_server_cannot_take_a_served_port():
+    # gRPC's default SO_REUSEPORT would let it bind and take half the connections
+    first = create_server("127.0.0.1:0", [_echo_service(asyncio.Event())])
+    await first.start()
+    try:
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{first.port}"):
+            create_server(f"127.0.0.1:{first.port}", [_echo_service(asyncio.Event())])
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{first.port}"):
+            create_server("127.0.0.1:0", [_echo_service(asyncio.Event())], health_address=f"127.0.0.1:{first.port}")
+    finally:
+        await first.stop(None)
+
+
 async def test_a_public_server_names_no_address_in_its_errors():
     """The router's server is `public`: a downstream message keeps its meaning and its code, not the
     deployment's addresses (status message and trailers); an internal server passes it whole."""
