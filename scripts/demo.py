@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ from bitdelta.common.v1 import generation_pb2 as gen_pb  # noqa: E402
 from bitdelta.router.v1 import router_pb2 as pb  # noqa: E402
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient  # noqa: E402
 from bitdelta.rpc.clients.worker import WorkerClient  # noqa: E402
+from bitdelta.testing.cluster import free_port  # noqa: E402
 
 PROMPTS = {
     "": "The capital of France is",
@@ -54,12 +54,6 @@ ARRIVAL = {
     pb.ARRIVAL_STATE_LOADING: "loading",
     pb.ARRIVAL_STATE_COLD: "cold",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def wait_serving(addr: str, proc: subprocess.Popen, what: str, timeout: float = 300.0) -> None:

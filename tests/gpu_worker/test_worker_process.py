@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,14 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
 from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
+from bitdelta.testing.cluster import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_process_serves_and_stops_on_sigterm(tmp_path):

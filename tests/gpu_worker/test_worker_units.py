@@ -116,10 +116,10 @@ def test_top_k_top_p_min_p_cut_like_transformers_warpers(top_k, top_p, min_p):
         TopPLogitsWarper,
     )
 
-    logits = torch.randn(300, generator=torch.Generator().manual_seed(top_k + int(100 * top_p)))
     from bitdelta.generation import Sampling
     from services.gpu_worker.sampling import Sampler
 
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(top_k + int(100 * top_p)))
     s = Sampler(Sampling(temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p, seed=1))
     ours = s.distribution(s.process(logits))
     hf = logits[None].clone()

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from bitdelta.testing.cluster import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "swift.sh"
 
@@ -48,12 +50,6 @@ class Swift:
         name = f"t-{uuid.uuid4().hex[:20]}"
         self.client().create_bucket(Bucket=name)
         return name
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(args: list[str], env: dict | None = None, timeout: float = 600) -> None:
