@@ -72,7 +72,7 @@ else
     step worker 170 "$PY" bench/worker.py --preset gpu7b --new-tokens 32 --prompt-len 256 --reps 2 \
         --decode-batches 1,8,64 --kv-cache 1073741824 --out "$out/worker.json"
     step kernels 100 "$PY" bench/kernels.py --out "$out"
-    step tune 40 "$PY" -m kernels.tune --out "$out/tuned_configs.json"
+    step tune 40 "$PY" -m bitdelta_kernels.tune --out "$out/tuned_configs.json"
 fi
 # the worker step runs the tensor-parallel size 1 path (one process, one GPU); TP >= 2 (one rank per
 # GPU over NCCL, docs/tensor-parallel.md) needs a machine with several GPUs: its numbers wait for one

@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bitdelta.precision import cpu_precision, precision_for, serving_dtype
-from kernels import MergedWeightCache, cpu_ops, plan_batch
-from kernels.bits import pack_signs, packed_cols, unpack_signs
-from kernels.cpu_build import cpu_isa
+from bitdelta_kernels import MergedWeightCache, cpu_ops, plan_batch
+from bitdelta_kernels.bits import pack_signs, packed_cols, unpack_signs
+from bitdelta_kernels.cpu_build import cpu_isa
 
 
 # ---------------------------------------------------------------- timing
@@ -104,8 +104,8 @@ def linear_bytes(M, d_out, d_in, es, with_delta=True):
 def impls(dev: torch.device):
     """The fused kernel, the batched delta, and the two alternatives a user would try."""
     if dev.type == "cuda":
-        from kernels.dispatch import bitdelta_delta_batched
-        from kernels.triton_linear import bitdelta_linear_triton as fused
+        from bitdelta_kernels.dispatch import bitdelta_delta_batched
+        from bitdelta_kernels.triton_linear import bitdelta_linear_triton as fused
     else:
         fused = cpu_ops.bitdelta_linear_cpu
         bitdelta_delta_batched = None
@@ -232,7 +232,7 @@ def bench_planes(dev, t, dtypes, d, rows):
     the delta rows k planes). Target: a plane costs at most its bytes: 1/16 of a bf16 base GEMV,
     1/32 of an fp32 one (its bits are 1/16 and 1/32 of W's bytes). Also a rank-64 low-rank residual
     per delta row (`lowrank_delta`, once per variant as the worker runs it) and the fused call with a plane stack."""
-    from kernels import bitdelta_delta_batched, bitdelta_linear, dense_linear, lowrank_delta
+    from bitdelta_kernels import bitdelta_delta_batched, bitdelta_linear, dense_linear, lowrank_delta
 
     g = torch.Generator().manual_seed(0)
     P = 3
@@ -296,7 +296,7 @@ def decode_layers_model(dtype: torch.dtype, libs, n_slots: int = 4, ctx: int = 6
     """The C decode layers over random SmolLM2-135M-shaped weights and n_slots random one-plane
     deltas, with a KV pool of 8 sequences of ctx tokens, one DecodeLayers per library of `libs`
     (None: the process's) -> run(lib index, row_slot [B]) -> the layers' output [B, dim]."""
-    from kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape
+    from bitdelta_kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape
 
     c = SMOLLM2_135M
     D, H, KV, hd, F = c["dim"], c["n_heads"], c["n_kv_heads"], c["head_dim"], c["intermediate"]
@@ -344,14 +344,14 @@ def decode_layers_model(dtype: torch.dtype, libs, n_slots: int = 4, ctx: int = 6
 
 def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: int = 2):
     """A variant's decode step against the base's, the whole step of the C layers
-    (`kernels.cpu_decode`, what the worker runs on CPU) on SmolLM2-135M's shapes with random
+    (`bitdelta_kernels.cpu_decode`, what the worker runs on CPU) on SmolLM2-135M's shapes with random
     weights and deltas: one row of the base ÷ one row of a one-plane variant (tokens/s ratio;
     limit 1/(1 + 1/32) fp32, 1/(1 + 1/16) bf16), and 8 rows over 4 variants ÷ 8 base rows (limit
     4/(4 + 4/8) fp32, 2/(2 + 4/8) bf16). The four are measured in turns (`t`'s best of N each,
     repeated `rounds` times), so other jobs' load falls on all of them alike. against: another
-    source of the C library (e.g. `git show main:kernels/csrc/bitdelta_cpu.c`), built with the
+    source of the C library (e.g. `git show main:bitdelta_kernels/csrc/bitdelta_cpu.c`), built with the
     same flags and measured interleaved with this one in the same process: before ÷ after."""
-    from kernels import cpu_build
+    from bitdelta_kernels import cpu_build
 
     libs = {"this": None}
     if against is not None:
@@ -426,8 +426,8 @@ DRY_SHAPES = [("dry.a", 264, 257), ("dry.b", 136, 520)]
 def gpu_sections(dev, t, bw, dtype, dry, rows):
     """Fused decode / mid / prefill ÷ the base GEMM (cuBLAS), and the batched delta at V variants
     with BGMV and SGMV each forced, on the real shard shapes (tiny ones in a dry run)."""
-    from kernels.dispatch import bitdelta_delta_batched
-    from kernels.triton_linear import bitdelta_linear_triton, launch_blocks
+    from bitdelta_kernels.dispatch import bitdelta_delta_batched
+    from bitdelta_kernels.triton_linear import bitdelta_linear_triton, launch_blocks
 
     es = torch.finfo(dtype).bits // 8
     shapes = DRY_SHAPES if dry else LLAMA_SHAPES["7b"] + LLAMA_SHAPES["70b-tp8"]

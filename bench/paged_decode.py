@@ -1,5 +1,5 @@
 """Decode attention over the paged KV pool: the kernel that reads each sequence's blocks in place
-(`kernels.paged_attention.paged_decode`: C on CPU, Triton on CUDA) ÷ the gather it replaces (every
+(`bitdelta_kernels.paged_attention.paged_decode`: C on CPU, Triton on CUDA) ÷ the gather it replaces (every
 context copied into a padded tensor, then SDPA: `paged_decode_ref`), measured in one run, per
 layer call and for a whole decode step of the worker's runner.
 
@@ -48,7 +48,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    import kernels.paged_attention as pa
+    import bitdelta_kernels.paged_attention as pa
     from bitdelta.testing.family import make_base, tiny_args
     from services.gpu_worker.runner import BaseWeights, KVPool, ModelRunner, SeqWork
     from services.gpu_worker.slots import SlotLayout, SlotTensors

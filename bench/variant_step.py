@@ -49,7 +49,7 @@ async def measure(args) -> dict[str, list[float]]:
     import torch
 
     from bitdelta.generation import Request, Sampling
-    from kernels import cpu_decode
+    from bitdelta_kernels import cpu_decode
     from services.gpu_worker.config import WorkerConfig
     from services.gpu_worker.runner import ModelRunner
     from services.gpu_worker.worker import Worker

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from pagecache import evict  # noqa: E402  (bench/pagecache.py)
 
 from bitdelta.format import load_delta, read_header, write_delta  # noqa: E402
-from kernels import backend_for  # noqa: E402
+from bitdelta_kernels import backend_for  # noqa: E402
 from services.gpu_worker.runner import KVPool  # noqa: E402
 
 PRESETS = {

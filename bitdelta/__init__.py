@@ -2,7 +2,7 @@
 
 Modules: `format` (delta file v1), `model` (compact Llama), `checkpoint` (Hugging Face layout I/O and base fingerprint),
 `compress` (signs, scales, apply), `distill` (scale distillation), `cli`.
-The sign packing is `kernels.bits` (the kernels are the layer below the core).
+The sign packing is `bitdelta_kernels.bits` (the kernels are the layer below the core).
 Generated protobuf modules live in `bitdelta.<service>.v1` (see protos_build).
 """
 

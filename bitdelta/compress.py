@@ -19,7 +19,7 @@ from bitdelta.arch import ModelArgs
 from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config, save_checkpoint
 from bitdelta.format import CompressedWeight, Delta, DeltaMeta, SignPlane, check_arch, load_delta, save_delta
 from bitdelta.planes import PlaneConfig, chain, spend
-from kernels.bits import pack_signs, unpack_signs
+from bitdelta_kernels.bits import pack_signs, unpack_signs
 
 EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
 # Header bytes a byte budget keeps free for the record scale distillation writes into the file

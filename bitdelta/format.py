@@ -1,7 +1,7 @@
 """The BitDelta delta file, format v2 and v3 (spec: docs/delta-format.md; v1 files are read too).
 
 One safetensors file per variant. For each compressed weight P [d_out, d_in]:
-`P.sign` uint8 [d_out, ceil(d_in/8)] (bit convention in `kernels.bits`) and
+`P.sign` uint8 [d_out, ceil(d_in/8)] (bit convention in `bitdelta_kernels.bits`) and
 `P.alpha` float32 [d_out] or [1]. Parameters stored whole: `P.dense`. The
 header's `__metadata__` carries the format version, variant, base model and
 base fingerprint, the base's architecture and parameter layout (v2), α mode, distillation record, tool version, the original
@@ -570,7 +570,7 @@ class CompressedWeight:
 
     def dense(self) -> torch.Tensor:
         """The delta as fp32 [d_out, d_in]."""
-        from kernels.bits import unpack_signs
+        from bitdelta_kernels.bits import unpack_signs
 
         d = torch.zeros(self.shape, dtype=torch.float32)
         for p in self.planes:

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from bitdelta.arch import ModelArgs
-from kernels import bitdelta_delta_batched, bitdelta_linear
-from kernels.bits import unpack_signs
+from bitdelta_kernels import bitdelta_delta_batched, bitdelta_linear
+from bitdelta_kernels.bits import unpack_signs
 
 
 class RMSNorm(nn.Module):

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bitdelta.format import AXES, CompressedWeight, SignPlane
-from kernels.bits import pack_signs, unpack_signs
+from bitdelta_kernels.bits import pack_signs, unpack_signs
 
 ALPHA_CHOICES = (*AXES, "auto")  # "auto": per plane, the axis with the least error
 # Bump when what `chain`/`spend` choose changes, so the family's stamped deltas are rebuilt.

@@ -1,6 +1,6 @@
 """Test-wide set-up.
 
-Triton's interpreter must be switched on before `kernels` is imported, so the
+Triton's interpreter must be switched on before `bitdelta_kernels` is imported, so the
 same public kernel functions run their Triton code on CPU tensors in CI. On a
 machine with CUDA the real compiler is used.
 """
@@ -43,7 +43,7 @@ def cpu_kernels():
     """The worker's production kernels for this machine, for a whole module: the compiled C
     kernels on CPU (the Triton interpreter costs seconds per token at model sizes;
     test_worker_triton covers it), Triton on CUDA (the worker's tensors are on the GPU there)."""
-    from kernels.settings import configured
+    from bitdelta_kernels.settings import configured
 
     with configured(backend="auto" if torch.cuda.is_available() else "cpu"):
         yield

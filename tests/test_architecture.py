@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import gc
+import importlib.metadata
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -70,7 +72,7 @@ def test_rpc_layer_imports_no_service_and_no_torch():
         f"{f.relative_to(ROOT)} imports {m}"
         for f in (ROOT / "bitdelta" / "rpc").rglob("*.py")
         for m in imports_of(f)
-        if m.split(".")[0] in ("services", "torch", "kernels")
+        if m.split(".")[0] in ("services", "torch", "bitdelta_kernels")
     ]
     assert not bad, "\n".join(bad)
 
@@ -91,7 +93,7 @@ def test_importing_the_router_loads_no_torch_and_no_other_service():
     code = (
         "import sys, services.router.server, services.router.__main__, bitdelta.rpc.clients.worker, "
         "bitdelta.rpc.clients.delta_store, bitdelta.rpc.config; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'kernels') "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'bitdelta_kernels') "
         "or m.startswith(('services.gpu_worker', 'services.delta_store'))))"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -100,11 +102,35 @@ def test_importing_the_router_loads_no_torch_and_no_other_service():
 
 
 def test_kernels_import_nothing_of_the_core_or_the_services():
-    """The arrows point one way: `bitdelta` imports `kernels` (the model's fused linear, the bit
-    convention in `kernels.bits`), so no module of `kernels` may import `bitdelta` (or a service)."""
-    assert ("bitdelta/model.py", "kernels") in package_imports("bitdelta")  # the direction kept
-    bad = [f"{f} imports {m}" for f, m in package_imports("kernels") if m.split(".")[0] in ("bitdelta", "services")]
+    """The arrows point one way: `bitdelta` imports `bitdelta_kernels` (the model's fused linear, the
+    bit convention in `bitdelta_kernels.bits`), so no module of `bitdelta_kernels` may import `bitdelta`
+    (or a service)."""
+    assert ("bitdelta/model.py", "bitdelta_kernels") in package_imports("bitdelta")  # the direction kept
+    bad = [
+        f"{f} imports {m}"
+        for f, m in package_imports("bitdelta_kernels")
+        if m.split(".")[0] in ("bitdelta", "services")
+    ]
     assert not bad, "\n".join(bad)
+
+
+def test_no_other_installed_distribution_provides_a_top_level_package_of_the_project():
+    """A top-level package whose name another installed distribution also uses shadows it, or is
+    shadowed, by sys.path's order. Transformers 5.25 brought Hugging Face's `kernels` distribution,
+    whose top-level `kernels` hid this project's kernel package when it was named so ("cannot import
+    name 'bitdelta_delta_batched' from 'kernels'"); it is `bitdelta_kernels` since. (`tests` is the
+    suite's, kept apart by tests/__init__.py.)"""
+    ours = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()} - {"tests"}
+    assert {"bitdelta", "bitdelta_kernels", "services"} <= ours
+    clash = {
+        name: sorted(set(dists) - {"bitdelta-serve"})
+        for name, dists in importlib.metadata.packages_distributions().items()
+        if name in ours and set(dists) - {"bitdelta-serve"}
+    }
+    assert not clash, f"installed distributions that also provide the project's top-level packages: {clash}"
+    for name in ours:  # and each resolves to this checkout, whatever else is installed
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and Path(spec.origin).resolve().parent == ROOT / name, (name, spec)
 
 
 # The one exception: `bitdelta.LLM`, the offline API on the worker's engine, imported on first use
@@ -127,9 +153,9 @@ def test_the_core_imports_no_service():
 def test_import_rules_see_imports_inside_functions(tmp_path):
     f = tmp_path / "m.py"
     f.write_text(
-        "def g():\n    from bitdelta import model\n    import importlib\n    importlib.import_module('kernels.bits')\n"
+        "def g():\n    from bitdelta import model\n    import importlib\n    importlib.import_module('bitdelta_kernels.bits')\n"
     )
-    assert imports_of(f) == {"bitdelta", "importlib", "kernels.bits"}
+    assert imports_of(f) == {"bitdelta", "importlib", "bitdelta_kernels.bits"}
 
 
 def tracked_py_files() -> list[Path]:
@@ -163,7 +189,7 @@ def test_the_code_holds_no_test_only_helper_module():
     only tests import belongs in tests/support/)."""
     bad = [
         str(f.relative_to(ROOT))
-        for package in ("bitdelta", "kernels", "services")
+        for package in ("bitdelta", "bitdelta_kernels", "services")
         for f in sorted((ROOT / package).rglob("*.py"))
         if (f.stem.startswith("test_") or f.stem in TEST_HELPER_NAMES or f.parent.name in TEST_HELPER_NAMES)
         and f.parent != ROOT / "bitdelta" / "testing"
@@ -189,8 +215,8 @@ ENV_READERS = {
     ("bitdelta/rpc/telemetry.py", "endpoint_from"): "OpenTelemetry's standard OTEL_* variables, at start-up",
     ("bitdelta/rpc/telemetry.py", "setup"): "OpenTelemetry's standard OTEL_* variables, at start-up",
     ("bitdelta/precision.py", "choice_from_env"): "BITDELTA_CPU_PRECISION, the --cpu-precision alias, read once",
-    ("kernels/settings.py", "from_env"): "the kernel settings' aliases, read once per process",
-    ("kernels/configs.py", "interpreting"): "Triton's own TRITON_INTERPRET, read once",
+    ("bitdelta_kernels/settings.py", "from_env"): "the kernel settings' aliases, read once per process",
+    ("bitdelta_kernels/configs.py", "interpreting"): "Triton's own TRITON_INTERPRET, read once",
     ("bitdelta/client_cli.py", "<module>"): "the client commands' defaults (BITDELTA_ROUTER, BITDELTA_STORE)",
     ("bitdelta/client_cli.py", "_client"): "the client commands' TLS and token (BITDELTA_TLS_*, BITDELTA_TOKEN)",
     ("bitdelta/family/cli.py", "register"): "--threads' alias BITDELTA_THREADS",
@@ -228,11 +254,11 @@ def env_reads(path: Path) -> set[str]:
 
 def test_the_environment_is_read_only_at_the_edges():
     """Configuration flows from the typed configs; variables are their aliases, read where a process
-    starts or a command parses its flags, never inside a kernel or a request (kernels.settings,
+    starts or a command parses its flags, never inside a kernel or a request (bitdelta_kernels.settings,
     bitdelta.precision)."""
     bad = [
         f"{rel}: {where} reads the environment"
-        for pkg in ("bitdelta", "kernels", "services")
+        for pkg in ("bitdelta", "bitdelta_kernels", "services")
         for f in sorted((ROOT / pkg).rglob("*.py"))
         if not f.name.endswith(("_pb2.py", "_pb2_grpc.py"))
         for rel in [str(f.relative_to(ROOT))]

@@ -1,7 +1,7 @@
 # The worker on CPU (development, small models): the CPU-only torch wheel. Its C kernels
-# (kernels/csrc) are compiled in the build stage, which has gcc, for fixed targets: AVX-512
+# (bitdelta_kernels/csrc) are compiled in the build stage, which has gcc, for fixed targets: AVX-512
 # (-march=x86-64-v4), AVX2 (-march=x86-64-v3) and portable (x86-64), by
-# `python -m kernels.cpu_build --prebuild` into /opt/bitdelta-kernels. The runtime stage has no
+# `python -m bitdelta_kernels.cpu_build --prebuild` into /opt/bitdelta-kernels. The runtime stage has no
 # compiler: BITDELTA_KERNELS_PREBUILT_DIR points there, and the worker loads the best of them the
 # CPU it runs on has the flags for (/proc/cpuinfo); it logs which at its first kernel call.
 #   docker build -f deploy/docker/gpu_worker-cpu.Dockerfile -t bitdelta/worker:cpu .
@@ -23,13 +23,13 @@ RUN /opt/venv/bin/pip install -q "numpy>=1.26" "safetensors>=0.6" "tokenizers>=0
 WORKDIR /app
 COPY protos protos
 COPY bitdelta bitdelta
-COPY kernels kernels
+COPY bitdelta_kernels bitdelta_kernels
 COPY services/__init__.py services/__init__.py
 COPY services/gpu_worker services/gpu_worker
 COPY deploy/docker/healthcheck.py healthcheck.py
 RUN /opt/protoc/bin/python -m bitdelta.protos_build --force && rm -r protos bitdelta/.protos-stamp
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/* \
- && /opt/venv/bin/python -m kernels.cpu_build --prebuild /opt/bitdelta-kernels --isa avx512bf16 --isa avx512 --isa avx2 --isa scalar
+ && /opt/venv/bin/python -m bitdelta_kernels.cpu_build --prebuild /opt/bitdelta-kernels --isa avx512bf16 --isa avx512 --isa avx2 --isa scalar
 
 FROM ${BASE_IMAGE}
 ENV PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH PORT=50061 BITDELTA_KERNEL_BACKEND=cpu \

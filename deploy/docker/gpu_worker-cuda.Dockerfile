@@ -11,7 +11,7 @@ COPY deploy/docker/requirements-rpc.txt /tmp/requirements-rpc.txt
 RUN pip install -r /tmp/requirements-rpc.txt "numpy>=1.26" "safetensors>=0.6" "tokenizers>=0.21" "tqdm>=4.66" "llguidance==1.9.1"
 COPY protos protos
 COPY bitdelta bitdelta
-COPY kernels kernels
+COPY bitdelta_kernels bitdelta_kernels
 COPY services/__init__.py services/__init__.py
 COPY services/gpu_worker services/gpu_worker
 COPY deploy/docker/healthcheck.py healthcheck.py

@@ -13,7 +13,7 @@ import os
 # once, at the process's first tensor, so it is set before any import that makes one; set it to 0
 # to keep 4 KB pages.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-# oneDNN, which runs torch's bf16 GEMMs and the CPU prefill paths' fp32 ones (kernels/cpu_ops.mm_nt),
+# oneDNN, which runs torch's bf16 GEMMs and the CPU prefill paths' fp32 ones (bitdelta_kernels/cpu_ops.mm_nt),
 # compiles a kernel for every GEMM shape it meets (a new row count is a new shape) and keeps it in
 # two caches, oneDNN's and ideep's, 1024 entries each by default at ~0.5 MB an entry: a process
 # meeting 1600 shapes grew by 1.2 GB, and a worker's RSS kept growing for minutes under a mixed load.

@@ -15,7 +15,7 @@ from typing import ClassVar
 from bitdelta.rpc.config import ConfigError, ProcessSettings, ServiceConfig, check_address, setting
 from bitdelta.rpc.security import AuthSettings, TlsSettings
 from bitdelta.units import parse_bytes
-from kernels.settings import BACKENDS
+from bitdelta_kernels.settings import BACKENDS
 
 ENV_PREFIX = "BITDELTA_WORKER_"
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from bitdelta.format import DTYPES, LOWRANK_ROLES, DeltaFormatError, check_arch, split_role
-from kernels.bits import packed_cols
+from bitdelta_kernels.bits import packed_cols
 from services.gpu_worker.slots import (
     EMBED,
     HEAD,

@@ -27,7 +27,7 @@ import torch
 from bitdelta.checkpoint import CheckpointReader, read_config
 from bitdelta.model import ModelArgs
 from bitdelta.shard import HEAD
-from kernels.bits import packed_cols
+from bitdelta_kernels.bits import packed_cols
 from services.gpu_worker.runner import KVPool
 from services.gpu_worker.slots import SlotLayout
 

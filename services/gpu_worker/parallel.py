@@ -865,7 +865,7 @@ def start_driver(
 def run_follower(config: WorkerConfig, rv: Rendezvous) -> None:
     """Rank r > 0, until rank 0 says stop (exit 0) or a collective fails (exit 1)."""
     from bitdelta.precision import serving_dtype
-    from kernels.settings import current as kernel_settings
+    from bitdelta_kernels.settings import current as kernel_settings
 
     rank, size = rv.rank, rv.size
     device = rank_device(config, rv.local_rank)

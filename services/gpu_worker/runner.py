@@ -11,7 +11,7 @@ low-rank residual adds (x·Vᵀ)·Uᵀ to its rows, all in fp32 before the one r
 batch whose rows all belong to one variant uses the fused `bitdelta_linear` instead
 (its k planes as one view of the stacks when its slots are a contiguous run). Attention runs
 per sequence against its own blocks of the paged KV pool (the decode rows of all
-sequences in one `kernels.paged_decode` call that reads their blocks in place). The LM head
+sequences in one `bitdelta_kernels.paged_decode` call that reads their blocks in place). The LM head
 reads the base's head once for the base's rows and once for the rows of every variant whose head
 is the base's plus sign planes (a tied embedding compressed to signs), each adding its own.
 
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from bitdelta.checkpoint import CheckpointReader, read_config
 from bitdelta.model import ModelArgs, apply_rope, attention_mask, rope_tables
 from bitdelta.shard import EMBED, HEAD
-from kernels import (
+from bitdelta_kernels import (
     backend_for,
     bitdelta_delta_batched,
     bitdelta_linear,
@@ -47,9 +47,9 @@ from kernels import (
     paged_decode,
     plan_batch,
 )
-from kernels.cpu_decode import GROUPS, DecodeLayer, DecodeLayers, DecodeShape
-from kernels.cpu_ops import dense_gemv_max_m
-from kernels.lowrank import factor_mm
+from bitdelta_kernels.cpu_decode import GROUPS, DecodeLayer, DecodeLayers, DecodeShape
+from bitdelta_kernels.cpu_ops import dense_gemv_max_m
+from bitdelta_kernels.lowrank import factor_mm
 from services.gpu_worker.slots import BigTensor, SlotExtras, SlotTensors
 
 
@@ -276,7 +276,7 @@ class ModelRunner:
         backend: str | None = None,
         batch_invariant: bool = False,
     ):
-        """backend: the kernels' backend for every call (kernels.backend_for); None: the process's.
+        """backend: the kernels' backend for every call (bitdelta_kernels.backend_for); None: the process's.
         batch_invariant: a row's numbers never depend on its step's other rows (CPU kernels only,
         and the process's kernel settings must say so too: the worker checks both at start): every
         projection by the per-row C paths, no fused single-variant form, every token's attention by
@@ -288,7 +288,7 @@ class ModelRunner:
         self.use_fused = use_fused and not batch_invariant
         self.backend = backend
         self._c_layers: DecodeLayers | None = None  # built on the first step the C layers serve
-        # byte -> its 8 signs as ±1 (bit j: column j, kernels.bits): a sign row unpacked in one lookup
+        # byte -> its 8 signs as ±1 (bit j: column j, bitdelta_kernels.bits): a sign row unpacked in one lookup
         bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
         self._sign_values = (bits * 2 - 1).to(torch.float32).to(self.device)  # [256, 8]
 
@@ -301,7 +301,7 @@ class ModelRunner:
         return t.pin_memory().to(self.device, non_blocking=True)
 
     def _plan(self, rows: torch.Tensor, n_slots: int):
-        """The batched delta's plan of host `rows` (kernels.plan_batch) for a device, built here
+        """The batched delta's plan of host `rows` (bitdelta_kernels.plan_batch) for a device, built here
         from the host copy so no launch syncs; None on CPU, where the C kernels need none (and a
         Triton launch there plans from its CPU tensors itself): ~75 µs a plan, per step."""
         return None if self.device.type == "cpu" else plan_batch(rows, n_slots, device=self.device)
@@ -601,7 +601,7 @@ class ModelRunner:
 
         On CPU the single-token rows of the base and of one-plane variants without a low-rank term
         (up to the decode GEMV's row count) run every layer in one C
-        call (`kernels.cpu_decode`), the rest layer by layer: the two parts are separate sequences,
+        call (`bitdelta_kernels.cpu_decode`), the rest layer by layer: the two parts are separate sequences,
         so a decode row takes the same path, and gets the same values, whatever else its step holds."""
         extras = self.slots.extras
         dec = [
@@ -775,7 +775,7 @@ class ModelRunner:
         two row counts with the same key share a binary; the smallest of each key is returned.
         """
         try:
-            from kernels.triton_linear import launch_blocks
+            from bitdelta_kernels.triton_linear import launch_blocks
         except ImportError:  # no Triton: nothing compiles
             return [1]
         shapes = [tuple(w.shape) for w in self.base.layers[0].values()] + [tuple(self.base.head.shape)]

@@ -41,7 +41,7 @@ import torch
 
 from bitdelta.arch import ModelArgs
 from bitdelta.format import LOWRANK_ROLES, split_role
-from kernels.bits import packed_cols
+from bitdelta_kernels.bits import packed_cols
 
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"

@@ -27,8 +27,8 @@ from bitdelta.checkpoint import fingerprint, read_config
 from bitdelta.generation import ArrivalState, Request, TokenEvent, check_model_id
 from bitdelta.rpc import telemetry
 from bitdelta.rpc.streams import first_alone, take_ready
-from kernels.settings import configure as configure_kernels
-from kernels.settings import current as kernel_settings
+from bitdelta_kernels.settings import configure as configure_kernels
+from bitdelta_kernels.settings import current as kernel_settings
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.constraints import GrammarCompiler
 from services.gpu_worker.engine import Engine, Sequence
@@ -108,7 +108,7 @@ class Worker:
 
     def _check_batch_invariant(self) -> None:
         """Refuse what batch-invariant serving cannot give (only the C CPU kernels have per-row paths)."""
-        from kernels.cpu_build import load_cpu_lib
+        from bitdelta_kernels.cpu_build import load_cpu_lib
 
         why = ""
         if self.device.type != "cpu":
@@ -132,7 +132,7 @@ class Worker:
         if self.batch_invariant and not kernel_settings().batch_invariant:  # the kernels read it per call
             self._kernels_before = configure_kernels(dataclasses.replace(kernel_settings(), batch_invariant=True))
         if self.device.type == "cuda":
-            from kernels.dispatch import HAVE_TRITON, TRITON_ERROR
+            from bitdelta_kernels.dispatch import HAVE_TRITON, TRITON_ERROR
 
             if not HAVE_TRITON and not c.allow_slow_kernels:
                 # the fallback materialises an fp32 ±1 matrix per call: ~10x slower, and silent

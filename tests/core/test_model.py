@@ -8,7 +8,7 @@ import torch
 
 from bitdelta.model import BitDeltaLinear, load_model
 from bitdelta.testing.family import make_base, tiny_args
-from kernels.bits import pack_signs
+from bitdelta_kernels.bits import pack_signs
 
 
 @pytest.mark.parametrize("tied", [True, False])

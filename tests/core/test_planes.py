@@ -34,7 +34,7 @@ from bitdelta.planes import (
     kind_kl,
     spend,
 )
-from kernels.bits import unpack_signs
+from bitdelta_kernels.bits import unpack_signs
 from tests.support.cli import run_cli
 
 

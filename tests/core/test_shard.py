@@ -12,7 +12,7 @@ import torch
 from bitdelta.arch import ModelArgs
 from bitdelta.shard import EMBED, ShardError, Split, TensorShard, TPLayout
 from bitdelta.testing.family import tiny_args
-from kernels.bits import pack_signs, unpack_signs
+from bitdelta_kernels.bits import pack_signs, unpack_signs
 
 LAYOUTS = {
     "gqa 4/2 heads": tiny_args(),

@@ -91,7 +91,7 @@ def _check(alone, mixed, on_base, steps):
 @pytest.mark.parametrize("c_layers", [True, False], ids=["c_layers", "layer_by_layer"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tokens_do_not_depend_on_the_batch(family, dtype, c_layers, monkeypatch):
-    # on CPU the decode rows run every layer in one C call (kernels.cpu_decode); the runner's
+    # on CPU the decode rows run every layer in one C call (bitdelta_kernels.cpu_decode); the runner's
     # layer-by-layer path (GPUs, big batches) must be batch-invariant too
     from services.gpu_worker import runner
 
@@ -102,7 +102,7 @@ def test_tokens_do_not_depend_on_the_batch(family, dtype, c_layers, monkeypatch)
 
 def test_tokens_do_not_depend_on_the_batch_triton_bf16(family):
     # the Triton kernels' bf16 math (in the interpreter on CPU: bf16 operands dotted in fp32)
-    from kernels.settings import configured
+    from bitdelta_kernels.settings import configured
 
     with configured(backend="triton"):
         _check(*asyncio.run(_run(family, "bfloat16")))
@@ -174,8 +174,8 @@ async def _crowd(family, dtype: str, invariant: bool):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_batch_invariant_mode_gives_every_row_the_same_numbers(family, dtype, monkeypatch):
-    from kernels import cpu_ops
-    from kernels.settings import current
+    from bitdelta_kernels import cpu_ops
+    from bitdelta_kernels.settings import current
 
     for t in (torch.float32, torch.bfloat16):  # 12 decode rows: past the C layers' default count
         monkeypatch.setitem(cpu_ops.DENSE_GEMV_MAX_M, t, 4)

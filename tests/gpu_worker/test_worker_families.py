@@ -83,7 +83,7 @@ def test_a_mixed_step_equals_each_variant_alone(tmp_path, name):
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
     # the variants differ from the base and from each other: the slots really served them
     assert (want[0] - refs[-1](torch.tensor([seqs[0]]))[0, -1]).abs().max() > 1e-2
-    # then one step of decodes only: on CPU every layer of it in the C call (kernels.cpu_decode)
+    # then one step of decodes only: on CPU every layer of it in the C call (bitdelta_kernels.cpu_decode)
     # where the family's layer is one it has (no q/k norms, rope over the whole head)
     assert runner._c_decode_serves(4) == (name not in ("qwen3", "phi3-longrope"))
     nxt = [5, 6, 7, 8]

@@ -52,7 +52,7 @@ _GEMMS = """
 import runpy
 runpy.run_module("services.gpu_worker.__main__", run_name="not_main")  # the worker's start-up settings
 import torch
-from kernels.cpu_ops import mm_nt
+from bitdelta_kernels.cpu_ops import mm_nt
 
 def rss():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) << 10

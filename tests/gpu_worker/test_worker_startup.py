@@ -21,7 +21,7 @@ def _runner(base, slots=1):
 
 
 def test_warm_sizes_cover_every_compiled_variant(tmp_path):
-    from kernels.triton_linear import launch_blocks
+    from bitdelta_kernels.triton_linear import launch_blocks
 
     runner, _ = _runner(make_base(tmp_path / "b", tiny_args(), seed=5, std=VARIED_STD))
     sizes = runner.warm_sizes(300)
@@ -60,13 +60,13 @@ def test_warmup_runs_every_path_and_leaves_no_trace(tmp_path):
 def test_no_silent_slow_kernels_on_cuda(tmp_path, monkeypatch):
     import asyncio
 
-    import kernels.dispatch
+    import bitdelta_kernels.dispatch
     from services.gpu_worker.config import WorkerConfig
     from services.gpu_worker.worker import Worker
 
     base = make_base(tmp_path / "b", tiny_args(), seed=5, std=VARIED_STD)
-    monkeypatch.setattr(kernels.dispatch, "HAVE_TRITON", False)
-    monkeypatch.setattr(kernels.dispatch, "TRITON_ERROR", "ImportError: no triton")
+    monkeypatch.setattr(bitdelta_kernels.dispatch, "HAVE_TRITON", False)
+    monkeypatch.setattr(bitdelta_kernels.dispatch, "TRITON_ERROR", "ImportError: no triton")
     w = Worker(WorkerConfig(base=base, device="cuda", dtype="bfloat16"))
     with pytest.raises(RuntimeError, match="--allow-slow-kernels"):
         asyncio.run(w.start())

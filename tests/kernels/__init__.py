@@ -1,1 +1,1 @@
-"""The kernels (kernels/): Triton and C paths against the reference, numerics, launch configurations."""
+"""The kernels (bitdelta_kernels/): Triton and C paths against the reference, numerics, launch configurations."""

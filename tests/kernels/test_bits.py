@@ -1,4 +1,4 @@
-"""The sign bit convention (kernels/bits.py): packing matches numpy's little-endian packbits, sign(0) = +1,
+"""The sign bit convention (bitdelta_kernels/bits.py): packing matches numpy's little-endian packbits, sign(0) = +1,
 and a wrong row width is refused."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.bits import pack_signs, unpack_signs
+from bitdelta_kernels.bits import pack_signs, unpack_signs
 
 
 @pytest.mark.parametrize("d_in", [8, 13, 64, 257])

@@ -11,8 +11,8 @@ import threading
 import pytest
 import torch
 
-from kernels import bitdelta_delta_batched, cpu_build, cpu_ops
-from kernels.settings import configured
+from bitdelta_kernels import bitdelta_delta_batched, cpu_build, cpu_ops
+from bitdelta_kernels.settings import configured
 from tests.support.kernel_cases import make_linear
 
 # 1000 rows are 16 jobs of 64 (POOL_ROWS), the last one short: every participant gets some

@@ -1,6 +1,6 @@
 """Launch configurations: every shipped one fits its GPU, and tiles fill the GPU at every batch size.
 
-No GPU needed: the resource model (kernels/configs.py) is arithmetic on the block sizes,
+No GPU needed: the resource model (bitdelta_kernels/configs.py) is arithmetic on the block sizes,
 and the tile/split choice is arithmetic on the shapes and the SM count.
 """
 
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from kernels import configs as kc
+from bitdelta_kernels import configs as kc
 
 GPUS = kc.device_names() + ["default"]
 SMS = {"H100": 132, "H200": 132, "A100": 108, "default": 46}
@@ -79,7 +79,7 @@ def test_override_wins_and_bucket_order():
 
 @pytest.mark.parametrize("gpu", ["H100", "H200"])
 def test_the_search_space_fits(gpu):
-    # python -m kernels.tune tunes the GPU's serving dtype (bf16) and skips what does not fit; all of these do
+    # python -m bitdelta_kernels.tune tunes the GPU's serving dtype (bf16) and skips what does not fit; all of these do
     cfg = kc.device_config(gpu)
     base = {
         "linear_decode": kc.linear_bucket(cfg, 1),
@@ -99,7 +99,7 @@ def test_the_search_space_fits(gpu):
 
 @pytest.mark.parametrize("gpu", ["H100", "H200", "A100"])
 def test_tune_candidates_start_from_the_shipped_blocks_and_fit(gpu):
-    from kernels import tune
+    from bitdelta_kernels import tune
 
     cfg = kc.device_config(gpu)
     for bucket in ("linear_decode", "linear_mid", "linear_prefill", "sgmv", "bgmv"):

@@ -17,10 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import bitdelta_delta_batched, plan_batch
-from kernels.bits import unpack_signs
-from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
-from kernels.triton_linear import bitdelta_linear_triton
+from bitdelta_kernels import bitdelta_delta_batched, plan_batch
+from bitdelta_kernels.bits import unpack_signs
+from bitdelta_kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
+from bitdelta_kernels.triton_linear import bitdelta_linear_triton
 from tests.support.kernel_cases import delta_fidelity, delta_term, make_realistic
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -110,7 +110,7 @@ def test_cuda_profile_really_runs_on_the_gpu():
     # bench/gpu.sh sets BITDELTA_REQUIRE_CUDA=1: the profile must not pass by running on CPU
     import os
 
-    from kernels import backend_for
+    from bitdelta_kernels import backend_for
 
     if os.environ.get("BITDELTA_REQUIRE_CUDA") == "1":
         assert torch.cuda.is_available() and DEV.type == "cuda"

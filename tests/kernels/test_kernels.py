@@ -1,6 +1,6 @@
 """Triton kernels against the torch reference (interpreter on CPU, compiled on CUDA).
 
-conftest.py sets TRITON_INTERPRET=1 before `kernels` is imported when there is
+conftest.py sets TRITON_INTERPRET=1 before `bitdelta_kernels` is imported when there is
 no GPU. Inputs live inside NaN-filled buffers with padded rows, so an unmasked
 read past a row or tile turns the result into NaN, and an unmasked write shows
 up in the padding. Shapes are ragged (not multiples of 8, 16 or the blocks).
@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import bitdelta_delta_batched, bitdelta_linear, plan_batch
-from kernels.bits import pack_signs
-from kernels.dispatch import backend_for
-from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
-from kernels.triton_linear import bitdelta_linear_triton
+from bitdelta_kernels import bitdelta_delta_batched, bitdelta_linear, plan_batch
+from bitdelta_kernels.bits import pack_signs
+from bitdelta_kernels.dispatch import backend_for
+from bitdelta_kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
+from bitdelta_kernels.triton_linear import bitdelta_linear_triton
 from tests.support.kernel_cases import make_linear, rel_err
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -202,7 +202,7 @@ def test_public_batched_default_plan():
 
 
 def test_backend_override():
-    from kernels.settings import KernelSettings, configured
+    from bitdelta_kernels.settings import KernelSettings, configured
 
     with configured(backend="torch"):
         assert backend_for(DEV, 1) == "torch"

@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from kernels import MergedWeightCache, bitdelta_delta_batched, bitdelta_linear, cpu_build, cpu_ops
-from kernels.bits import pack_signs, unpack_signs
-from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
-from kernels.settings import KernelSettings, configured
+from bitdelta_kernels import MergedWeightCache, bitdelta_delta_batched, bitdelta_linear, cpu_build, cpu_ops
+from bitdelta_kernels.bits import pack_signs, unpack_signs
+from bitdelta_kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
+from bitdelta_kernels.settings import KernelSettings, configured
 from tests.support.kernel_cases import make_linear as make
 from tests.support.kernel_cases import rel_err
 
@@ -279,8 +279,8 @@ def test_shape_guards_protect_the_c_code():
 
 def test_big_calls_leave_the_interpreter():
     # under TRITON_INTERPRET a real-model-sized call must not crawl through the interpreter
-    from kernels.dispatch import backend_for
-    from kernels.settings import current
+    from bitdelta_kernels.dispatch import backend_for
+    from bitdelta_kernels.settings import current
 
     assert backend_for(torch.device("cpu"), current().interpret_max_work + 1) == "cpu"
 
@@ -306,7 +306,7 @@ def test_torch_fallback_without_compiler(no_cpu_lib):
 
 def test_disabled_build_logs_once(caplog):
     assert not KernelSettings.from_env({"BITDELTA_CPU_KERNELS": "0"}).cpu_kernels
-    with configured(cpu_kernels=False), caplog.at_level(logging.WARNING, logger="kernels"):
+    with configured(cpu_kernels=False), caplog.at_level(logging.WARNING, logger="bitdelta_kernels"):
         assert cpu_build.load_cpu_lib() is None
         assert cpu_build.load_cpu_lib() is None
     msgs = [r.getMessage() for r in caplog.records if "pure-torch" in r.getMessage()]
@@ -338,7 +338,7 @@ def prebuilt(tmp_path_factory):
     """Every fixed target built ahead of time through the entry point an image's build stage runs."""
     out = tmp_path_factory.mktemp("prebuilt")
     args = ["--prebuild", str(out), *(a for isa in cpu_build.PREBUILT_ISAS for a in ("--isa", isa))]
-    proc = subprocess.run([sys.executable, "-m", "kernels.cpu_build", *args], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "bitdelta_kernels.cpu_build", *args], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert sorted(proc.stdout.split()) == sorted(str(p) for p in out.iterdir()) and len(proc.stdout.split()) == len(
         cpu_build.PREBUILT_ISAS
@@ -438,7 +438,7 @@ def test_bf16_merge_path_keeps_real_sized_deltas():
     """bf16 weights and activations on the merge-then-GEMM path: W + α·S is never rounded to bf16
     (α ~1e-4..1e-3 is below bf16's spacing at |W| ~ 0.1), so the bf16 output is the exact fp32
     result rounded once, as on the other paths. Rounding W_eff first changed about 1 output in 3."""
-    from kernels.cpu_ops import linear_merge_gemm_cpu
+    from bitdelta_kernels.cpu_ops import linear_merge_gemm_cpu
 
     g = torch.Generator().manual_seed(3)
     d_out, d_in, M = 256, 512, 40
@@ -459,7 +459,7 @@ def test_decode_layers_check_their_tensors():
     """The C decode layers index their tensors unchecked: wrong shapes, dtypes and slot indices are
     refused before the call (their results are tested against the model in
     tests/gpu_worker/test_worker_families.py)."""
-    from kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape
+    from bitdelta_kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape
 
     D, H, KV, hd, F, S = 32, 2, 1, 16, 48, 1
     shape = DecodeShape(D, H, KV, hd, F, 1e-5)
@@ -561,7 +561,7 @@ def test_decode_layers_against_the_reference(isa, dims):
     AVX-512's table loop with its gathered full blocks and transposed partial ones, AVX2's compare
     loop) against the layer in float64, rows of two variants and the base in one step, fp32; on one
     thread and two the same numbers, and a row alone the same as in the batch."""
-    from kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape
+    from bitdelta_kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape
 
     D, H, KV, hd, F = dims
     shape = DecodeShape(D, H, KV, hd, F, 1e-5)
@@ -619,7 +619,7 @@ def test_decode_layers_end_with_the_final_norm_and_the_head(isa, dtype):
     weights as the runner's _norm does (w · round(rms_norm(x))); with the head too, the logits of
     exactly `dense_linear_cpu(h, head).float()` (the GEMV the runner's _logits reaches on CPU,
     rounded to the dtype) from that same h; with a head plane, exactly the runner's _sign_heads."""
-    from kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape
+    from bitdelta_kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape
 
     D, H, KV, hd, Fi, V, bs, n_slots = 64, 4, 2, 16, 96, 300, 4, 2
     shape = DecodeShape(D, H, KV, hd, Fi, 1e-5)
@@ -680,7 +680,7 @@ INV_MS = [1, 2, 7, 9, 24, 25, 33, 40]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batch_invariant_setting_gives_a_row_the_same_bits_at_every_row_count(isa, dtype):
-    from kernels import dense_linear, lowrank_delta
+    from bitdelta_kernels import dense_linear, lowrank_delta
 
     g = torch.Generator().manual_seed(7)
     d_out, d_in, r = 200, 136, 6

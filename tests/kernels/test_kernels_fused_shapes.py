@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ops
-from kernels.bits import pack_signs
-from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
+from bitdelta_kernels import cpu_ops
+from bitdelta_kernels.bits import pack_signs
+from bitdelta_kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
 from tests.support.kernel_cases import rel_err
 
 D, KV, FFN = 40, 8, 52  # hidden, kv width, intermediate: ragged against 8, 16 and the blocks
@@ -35,7 +35,7 @@ def fused_case(name: str, M: int, V: int = 1, seed: int = 0):
 @pytest.mark.parametrize("name", FUSED)
 @pytest.mark.parametrize("M", [1, 5])
 def test_triton_fused_linear_on_fused_shapes(name, M):
-    from kernels.triton_linear import bitdelta_linear_triton
+    from bitdelta_kernels.triton_linear import bitdelta_linear_triton
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     x, w, signs, alpha = fused_case(name, M)
@@ -47,7 +47,7 @@ def test_triton_fused_linear_on_fused_shapes(name, M):
 @pytest.mark.parametrize("name", FUSED)
 @pytest.mark.parametrize("kind,M", [("bgmv", 4), ("sgmv", 16)])
 def test_triton_batched_delta_on_fused_shapes(name, kind, M):
-    from kernels import bitdelta_delta_batched, plan_batch
+    from bitdelta_kernels import bitdelta_delta_batched, plan_batch
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     x, _, signs, alpha = fused_case(name, M, V=2)

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import bitdelta_delta_batched, bitdelta_linear, cpu_build, plan_batch
-from kernels.bits import pack_signs, unpack_signs
-from kernels.reference import bitdelta_linear_ref
-from kernels.settings import configured
+from bitdelta_kernels import bitdelta_delta_batched, bitdelta_linear, cpu_build, plan_batch
+from bitdelta_kernels.bits import pack_signs, unpack_signs
+from bitdelta_kernels.reference import bitdelta_linear_ref
+from bitdelta_kernels.settings import configured
 from tests.kernels.test_kernels import nan_buffer, padding_untouched
 from tests.support.kernel_cases import rel_err
 
@@ -178,7 +178,7 @@ def test_fused_linear_planes(impl, k, alpha_kind, dtype):
 def test_fused_linear_planes_paths(impl, monkeypatch):
     """The fused path's other shapes: split-K in Triton; on CPU the decode GEMV (M = 1) and W_eff
     merged in 16-row blocks that cross the column groups' bounds (M = 40)."""
-    from kernels import cpu_ops
+    from bitdelta_kernels import cpu_ops
 
     monkeypatch.setattr(cpu_ops, "MERGE_BLOCK_BYTES", 16 * 100 * 4)
     for M, cfg in ((1, {"SPLIT_K": 3, "BLOCK_K": 32}), (40, None)):
@@ -191,9 +191,9 @@ def test_fused_linear_planes_paths(impl, monkeypatch):
             w = torch.randn(72, d_in) * 0.1
             want = oracle(x, signs, alpha, cols, splits, torch.arange(3).expand(M, 3), x.double() @ w.double().t())
             if impl == "triton":
-                from kernels.dispatch import _bounds_on
-                from kernels.reference import col_bounds
-                from kernels.triton_linear import bitdelta_linear_triton
+                from bitdelta_kernels.dispatch import _bounds_on
+                from bitdelta_kernels.reference import col_bounds
+                from bitdelta_kernels.triton_linear import bitdelta_linear_triton
 
                 b = None if cols is None else _bounds_on(col_bounds(splits, 72), DEV)
                 c = None if cols is None else cols[:3].to(DEV)
@@ -281,7 +281,7 @@ def test_c_rows_sharing_slots_get_their_own_numbers(isa, x_dtype):
             )
             assert torch.equal(alone[0], batch[r]), r
         w = (torch.randn(136, 257) * 0.1).to(x_dtype)
-        from kernels import cpu_ops
+        from bitdelta_kernels import cpu_ops
 
         two = cpu_ops.linear_gemv_cpu(x[:3], w, signs[0], alpha[0], two_pass=True)
         for r in range(3):
@@ -358,9 +358,9 @@ def compile_for_hopper(planes: int, col: bool) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.triton_bgmv import _bitdelta_bgmv_kernel
-    from kernels.triton_linear import _bitdelta_linear_kernel
-    from kernels.triton_sgmv import _bitdelta_sgmv_kernel
+    from bitdelta_kernels.triton_bgmv import _bitdelta_bgmv_kernel
+    from bitdelta_kernels.triton_linear import _bitdelta_linear_kernel
+    from bitdelta_kernels.triton_sgmv import _bitdelta_sgmv_kernel
 
     shared = dict(PLANES=planes, HAS_COL=col, GROUPS=3 if col else 1)
     dots = dict(DOT_FP32=False, PRECISION="ieee", COL_PRECISION="tf32x3")

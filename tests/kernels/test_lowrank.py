@@ -1,11 +1,11 @@
-"""One variant's low-rank residual over a projection group (kernels.lowrank) against a float64 oracle."""
+"""One variant's low-rank residual over a projection group (bitdelta_kernels.lowrank) against a float64 oracle."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import lowrank_delta
+from bitdelta_kernels import lowrank_delta
 from tests.support.kernel_cases import rel_err
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")

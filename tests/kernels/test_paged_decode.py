@@ -1,4 +1,4 @@
-"""Paged decode attention (kernels.paged_attention) on a grid of shapes: the Triton kernel (the
+"""Paged decode attention (bitdelta_kernels.paged_attention) on a grid of shapes: the Triton kernel (the
 interpreter on CPU, compiled on CUDA), the C kernel (CPU) and the torch reference against a
 float64 loop over each sequence's own tokens. The pool's rows that no sequence owns are NaN, so a
 read outside a sequence's blocks or past its length turns its output into NaN; block tables are
@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from kernels.dispatch import HAVE_TRITON
-from kernels.paged_attention import paged_decode, paged_decode_ref
+from bitdelta_kernels.dispatch import HAVE_TRITON
+from bitdelta_kernels.paged_attention import paged_decode, paged_decode_ref
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.cuda
@@ -92,8 +92,8 @@ def test_paged_decode_reads_only_each_sequences_tokens(backend, B, H, KV, D, bs,
         # in SDPA's product, so it gets a pool whose unowned rows are zero
         k, v = k.nan_to_num(), v.nan_to_num()
     if backend == "cpu-avx2":
-        from kernels import cpu_build
-        from kernels.settings import configured
+        from bitdelta_kernels import cpu_build
+        from bitdelta_kernels.settings import configured
 
         with configured(cpu_isa="avx2"):
             assert cpu_build.load_cpu_lib() is not None, cpu_build.unavailable_reason

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.bits import pack_signs
+from bitdelta_kernels.bits import pack_signs
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -55,7 +55,7 @@ def make_realistic(M, d_out, d_in, dtype, regime, per_row=True, seed=0, cancel=T
 
 def delta_term(x, signs, alpha, d_in) -> torch.Tensor:
     """α ⊙ (x · Sᵀ) in fp64 from the (already rounded) inputs: [M, d_out]."""
-    from kernels.bits import unpack_signs
+    from bitdelta_kernels.bits import unpack_signs
 
     return (x.double() @ unpack_signs(signs, d_in, torch.float64).t()) * alpha.double()
 

@@ -86,7 +86,7 @@ def paged_decode_triton(
     window: int | None,
     scale: float,
 ) -> torch.Tensor:
-    """Launch one program per (sequence, KV head); shapes are checked by the caller (kernels.paged_attention).
+    """Launch one program per (sequence, KV head); shapes are checked by the caller (bitdelta_kernels.paged_attention).
 
     q: [B, H, D]; k, v: [rows, KV, D] (unit stride in D); tables: int32 [B, max_blocks]; lens: int32 [B]
     -> [B, H, D] in q's dtype.

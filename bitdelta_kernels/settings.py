@@ -13,8 +13,8 @@ kernel call as `backend=`).
     cpu_isa              BITDELTA_CPU_ISA=native|avx512bf16|avx512|avx2|scalar   native (cpu_build)
     build_dir            BITDELTA_KERNELS_BUILD_DIR=DIR        the checkout's build/, else ~/.cache
     prebuilt_dir         BITDELTA_KERNELS_PREBUILT_DIR=DIR     none (libraries built ahead of time by
-                                                               `python -m kernels.cpu_build --prebuild`)
-    configs_file         BITDELTA_KERNEL_CONFIGS=FILE          kernels/configs.json (configs)
+                                                               `python -m bitdelta_kernels.cpu_build --prebuild`)
+    configs_file         BITDELTA_KERNEL_CONFIGS=FILE          bitdelta_kernels/configs.json (configs)
     cc                   CC=compiler                           cc, then gcc, then clang
     batch_invariant      BITDELTA_BATCH_INVARIANT=0|1          0 (1: a row's numbers never depend on its
                                                                batch: the CPU kernels' per-row paths at every

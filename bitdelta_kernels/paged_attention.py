@@ -8,7 +8,7 @@ tables[b, t // block_size] * block_size + t % block_size; H a multiple of KV (GQ
 sliding window (the query sees keys t > lens[b] − 1 − window). The softmax accumulates in fp32;
 out is [B, H, D] in q's dtype.
 
-Backends (`kernels.backend_for`): Triton on CUDA (`triton_paged_decode.py`, also the interpreter),
+Backends (`bitdelta_kernels.backend_for`): Triton on CUDA (`triton_paged_decode.py`, also the interpreter),
 the C kernel on CPU (`csrc/bitdelta_cpu.c: bd_paged_decode`), both one pass over each sequence's
 keys and values with an online softmax; `paged_decode_ref` is the torch reference (and the fallback
 without either): it gathers every sequence's context into a padded tensor, which is what the
@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import HAVE_TRITON, backend_for
+from bitdelta_kernels.dispatch import HAVE_TRITON, backend_for
 
 _KV_DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the C library's BD_W_*
 
@@ -89,7 +89,7 @@ def paged_decode(
     work = int(q.shape[0]) * int(q.shape[1]) * int(q.shape[2]) * max(1, int(tables.shape[1])) * block_size
     path = backend_for(q.device, work, backend)
     if path == "triton" and HAVE_TRITON:
-        from kernels.triton_paged_decode import paged_decode_triton
+        from bitdelta_kernels.triton_paged_decode import paged_decode_triton
 
         return paged_decode_triton(q.contiguous(), k, v, tables, lens, block_size, window, scale)
     if path == "cpu" and q.device.type == "cpu" and k.dtype in _KV_DTYPE_CODE and k.is_contiguous():
@@ -100,7 +100,7 @@ def paged_decode(
 
 
 def _paged_decode_cpu(q, k, v, tables, lens, block_size, window, scale) -> torch.Tensor | None:
-    from kernels.cpu_build import load_cpu_lib
+    from bitdelta_kernels.cpu_build import load_cpu_lib
 
     lib = load_cpu_lib()
     if lib is None:

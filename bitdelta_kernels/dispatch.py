@@ -7,7 +7,7 @@ Backend choice (`backend_for`):
   interpreter costs ~1 ms per program × K-step, so a real model layer would take
   seconds. Bigger calls take the CPU path.
 - other CPU tensors: the C CPU path (`cpu_ops`), torch if it cannot be built.
-`backend=` on a call, else the process's `kernels.settings` (`BITDELTA_KERNEL_BACKEND`),
+`backend=` on a call, else the process's `bitdelta_kernels.settings` (`BITDELTA_KERNEL_BACKEND`),
 forces triton|cpu|torch (the worker's --kernel-backend, benchmarks, debugging).
 """
 
@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_ops
-from kernels.bits import packed_cols
-from kernels.configs import config_for, fit, interpreting, smem_limit
-from kernels.plan import BatchPlan, plan_batch
-from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref, col_bounds
-from kernels.settings import BACKENDS, current
+from bitdelta_kernels import cpu_ops
+from bitdelta_kernels.bits import packed_cols
+from bitdelta_kernels.configs import config_for, fit, interpreting, smem_limit
+from bitdelta_kernels.plan import BatchPlan, plan_batch
+from bitdelta_kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref, col_bounds
+from bitdelta_kernels.settings import BACKENDS, current
 
 try:
-    from kernels.triton_bgmv import bgmv_launch
-    from kernels.triton_linear import bitdelta_linear_triton, uses_fp32_dot
-    from kernels.triton_sgmv import sgmv_launch
+    from bitdelta_kernels.triton_bgmv import bgmv_launch
+    from bitdelta_kernels.triton_linear import bitdelta_linear_triton, uses_fp32_dot
+    from bitdelta_kernels.triton_sgmv import sgmv_launch
 
     HAVE_TRITON = True
     TRITON_ERROR = ""
@@ -63,7 +63,7 @@ def bitdelta_linear(
     """y = x · W_baseᵀ + Σ_p α_p ⊙ ((x ⊙ c_p) · S_pᵀ), never forming W_base + α·S in memory on GPU.
 
     x: [..., d_in] fp16/bf16/fp32; w_base: [d_out, d_in]; signs: uint8 [d_out, ceil(d_in/8)]
-    (kernels.bits convention) with alpha [d_out] (per row) or [1] (per matrix), or the K planes of
+    (bitdelta_kernels.bits convention) with alpha [d_out] (per row) or [1] (per matrix), or the K planes of
     one variant, signs [K, d_out, ceil(d_in/8)] with alpha [K, d_out] or [K, 1] (the sum of the
     planes' terms, in fp32) -> y: [..., d_out] in x.dtype.
     col_alpha (per-column α): None (c = 1), else [G, d_in] ([K, G, d_in] with K planes): ΔW_p[o, c]
@@ -204,7 +204,7 @@ def bitdelta_delta_batched(
     has c = 1 on its rows, one with per-column α has α = 1 on its rows; with col_alpha every
     slot's term is scaled by its c. The base GEMM (y = x · W_baseᵀ) runs once for the whole
     batch outside. On GPU, rows are segmented by slot set (SGMV) when some set has several rows,
-    else one row per program (BGMV); `plan` (kernels.plan_batch) lets all layers of a step share
+    else one row per program (BGMV); `plan` (bitdelta_kernels.plan_batch) lets all layers of a step share
     that grouping. `backend`: see `backend_for`.
     """
     if x.dim() != 2 or y.dim() != 2 or signs_stack.dim() != 3:

@@ -1,6 +1,6 @@
 """Autotune the launch configurations over the small search space recorded in configs.json.
 
-    python -m kernels.tune --out tuned.json [--shapes 7b] [--dtype bfloat16]
+    python -m bitdelta_kernels.tune --out tuned.json [--shapes 7b] [--dtype bfloat16]
     BITDELTA_KERNEL_CONFIGS=tuned.json python -m services.gpu_worker ...
 
 For each bucket (`linear_decode`, `linear_mid`, `linear_prefill`, `sgmv`, `bgmv`) every candidate
@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from kernels import configs as kc
+from bitdelta_kernels import configs as kc
 
 # a representative M per linear bucket (configs.json: ≤ 16, ≤ 128, more)
 BUCKET_M = {"linear_decode": 4, "linear_mid": 48, "linear_prefill": 1024}
@@ -45,9 +45,9 @@ def candidates(cfg: dict, key: str, es: int, smem: int) -> list[dict]:
 def main(argv=None) -> None:
     import triton.testing
 
-    from kernels.dispatch import bitdelta_delta_batched
-    from kernels.plan import plan_batch
-    from kernels.triton_linear import bitdelta_linear_triton
+    from bitdelta_kernels.dispatch import bitdelta_delta_batched
+    from bitdelta_kernels.plan import plan_batch
+    from bitdelta_kernels.triton_linear import bitdelta_linear_triton
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)

@@ -16,7 +16,7 @@ Writes go to a temporary file that is then renamed, so concurrent first builds
 (pytest workers, server processes) are safe.
 
 An image without a compiler ships libraries built ahead of time for fixed targets:
-`python -m kernels.cpu_build --prebuild DIR --isa avx512bf16 --isa avx512 --isa avx2 --isa scalar`
+`python -m bitdelta_kernels.cpu_build --prebuild DIR --isa avx512bf16 --isa avx512 --isa avx2 --isa scalar`
 writes one per ISA into DIR, named by a hash of the source and flags only (a
 fixed target does not depend on the build host's CPU). With the setting
 `prebuilt_dir` pointing there, the process loads the best of them the CPU can run
@@ -27,7 +27,7 @@ loaded, and with none that fits, the build below runs as without the setting.
 If no compiler is found or the build fails, `load_cpu_lib()` returns None and
 logs ONE warning; callers then use the pure-torch path.
 
-Settings (`kernels.settings`, with their environment aliases):
+Settings (`bitdelta_kernels.settings`, with their environment aliases):
     cpu_kernels=False   BITDELTA_CPU_KERNELS=0          never build/load (force the torch path)
     cpu_isa             BITDELTA_CPU_ISA=native|avx512bf16|avx512|avx2|scalar   which SIMD path to build (default
                                     native: whatever the host has; the others must run here)
@@ -35,7 +35,7 @@ Settings (`kernels.settings`, with their environment aliases):
     prebuilt_dir        BITDELTA_KERNELS_PREBUILT_DIR=DIR  libraries built by --prebuild, loaded first
     cc                  CC=...                          the C compiler (default: cc, then gcc)
 The process's library is the one for the current settings: new CPU settings
-(`kernels.settings.configure`) load theirs on next use.
+(`bitdelta_kernels.settings.configure`) load theirs on next use.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from kernels.settings import ENV, KernelSettings, current
+from bitdelta_kernels.settings import ENV, KernelSettings, current
 
-log = logging.getLogger("kernels")
+log = logging.getLogger("bitdelta_kernels")
 
 SOURCE = Path(__file__).with_name("csrc") / "bitdelta_cpu.c"
 CFLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-std=c11"]
@@ -348,7 +348,7 @@ def cpu_isa() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kernels.cpu_build",
+        prog="python -m bitdelta_kernels.cpu_build",
         description="Build the C CPU kernels ahead of time for fixed targets (for an image without a compiler).",
     )
     parser.add_argument("--prebuild", type=Path, required=True, metavar="DIR", help="directory to write into")

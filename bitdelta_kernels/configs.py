@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.settings import current
+from bitdelta_kernels.settings import current
 
 CONFIG_FILE = Path(__file__).with_name("configs.json")
 # Registers a thread may use before the compiler spills (sm_80/sm_90), and per SM.
@@ -38,7 +38,7 @@ REG_OVERHEAD = 40
 @functools.cache
 def interpreting() -> bool:
     """True when Triton runs kernels on CPU tensors: Triton's own TRITON_INTERPRET=1, which it
-    reads when the kernels are defined (so it is set before `kernels` is imported), read once."""
+    reads when the kernels are defined (so it is set before `bitdelta_kernels` is imported), read once."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 

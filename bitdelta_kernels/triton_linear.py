@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.bits import packed_cols
-from kernels.configs import config_for, fit, interpreting, linear_blocks, num_sms, smem_limit
+from bitdelta_kernels.bits import packed_cols
+from bitdelta_kernels.configs import config_for, fit, interpreting, linear_blocks, num_sms, smem_limit
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

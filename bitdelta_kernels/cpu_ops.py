@@ -17,7 +17,7 @@ the fused one from memory), up to FUSED_GEMV_MAX_M the fused GEMV; larger M merg
 runs one BLAS GEMM, since the merge is one pass over W and the GEMM then does
 base and delta in one product.
 
-With the batch-invariant setting (`kernels.settings`, `batch_invariant`) every row count takes
+With the batch-invariant setting (`bitdelta_kernels.settings`, `batch_invariant`) every row count takes
 the per-row paths (the GEMV with the delta's second pass, the C batched delta, never a BLAS GEMM):
 a row's sums are then formed in one order whatever else its call holds, so its numbers do not
 depend on its batch (docs/kernels.md, "Batch invariance"); they need the compiled library.
@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.bits import packed_cols, unpack_signs
-from kernels.cpu_build import cpu_isa, load_cpu_lib
-from kernels.reference import bitdelta_linear_ref
-from kernels.settings import current
+from bitdelta_kernels.bits import packed_cols, unpack_signs
+from bitdelta_kernels.cpu_build import cpu_isa, load_cpu_lib
+from bitdelta_kernels.reference import bitdelta_linear_ref
+from bitdelta_kernels.settings import current
 
 # Path thresholds, from `python bench/kernels.py --cpu-sweep --only-sweep --threads 1`
 # at 2048² and 4096² on a 2-core AVX-512 EPYC (table in docs/kernels.md):
@@ -261,7 +261,7 @@ def row_invariant() -> bool:
     if load_cpu_lib() is None:
         raise RuntimeError(
             "batch-invariant kernels need the compiled CPU library, which did not build or is switched off "
-            "(BITDELTA_CPU_KERNELS=0); see the log of kernels.cpu_build"
+            "(BITDELTA_CPU_KERNELS=0); see the log of bitdelta_kernels.cpu_build"
         )
     return True
 

@@ -1,9 +1,9 @@
-/* CPU kernels for 1-bit deltas, loaded with ctypes by kernels/cpu_build.py.
+/* CPU kernels for 1-bit deltas, loaded with ctypes by bitdelta_kernels/cpu_build.py.
  *
  * Plain C (no torch headers) so that it compiles in about a second and does
  * not depend on the torch ABI; -march=native picks the SIMD path of the host.
  *
- * Bit convention (kernels/bits.py): column k of a row is bit (k mod 8) of
+ * Bit convention (bitdelta_kernels/bits.py): column k of a row is bit (k mod 8) of
  * byte k/8, LSB first; bit 1 = +1, bit 0 = -1. So 16 consecutive columns
  * starting at a multiple of 16 are exactly the little-endian uint16 at byte
  * 2j: that word IS an AVX-512 lane mask, and no bit is ever unpacked.

@@ -16,16 +16,16 @@
 Triton on CUDA (and in the interpreter under TRITON_INTERPRET=1), compiled C on
 CPU, torch references as oracle and fallback. See docs/kernels.md.
 
-The sign packing every layer reads is `kernels.bits`. This package imports nothing else
+The sign packing every layer reads is `bitdelta_kernels.bits`. This package imports nothing else
 of the project: the core (`bitdelta`) imports it, never the reverse.
 """
 
-from kernels.dispatch import backend_for, bitdelta_delta_batched, bitdelta_linear, dense_linear
-from kernels.lowrank import lowrank_delta
-from kernels.merged_cache import MergedWeightCache
-from kernels.paged_attention import paged_decode, paged_decode_ref
-from kernels.plan import BatchPlan, plan_batch
-from kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
+from bitdelta_kernels.dispatch import backend_for, bitdelta_delta_batched, bitdelta_linear, dense_linear
+from bitdelta_kernels.lowrank import lowrank_delta
+from bitdelta_kernels.merged_cache import MergedWeightCache
+from bitdelta_kernels.paged_attention import paged_decode, paged_decode_ref
+from bitdelta_kernels.plan import BatchPlan, plan_batch
+from bitdelta_kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
 
 __all__ = [
     "bitdelta_linear",

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_build import cpu_isa, load_cpu_lib
+from bitdelta_kernels.cpu_build import cpu_isa, load_cpu_lib
 
 _DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the C library's BD_W_*
 GROUPS = ("qkv", "o", "gate_up", "down")  # the projection groups of a layer, in the C struct's order
@@ -181,7 +181,7 @@ class DecodeLayers:
 
         x: [B, dim] the embedded tokens; row_slot: [B] slot per row (−1: the base; row slot + 1 of
         the norm and bias stacks); cos, sin: [B, head_dim]; write_rows: [B] the pool rows the new k,
-        v go to; tables: int32 [B, max_blocks], lens: int32 [B] as `kernels.paged_decode` (lens
+        v go to; tables: int32 [B, max_blocks], lens: int32 [B] as `bitdelta_kernels.paged_decode` (lens
         counts the new token). Pool rows and tables are the caller's (the runner builds them from
         the scheduler's block tables); they must lie inside the pool.
         """
@@ -232,7 +232,7 @@ class DecodeLayers:
             t.shape[1],
             n.data_ptr(),
             block_size,
-            1.0 / math.sqrt(hd),  # as kernels.paged_decode
+            1.0 / math.sqrt(hd),  # as bitdelta_kernels.paged_decode
             _ptr(self.final_norm),
             _ptr(self.head if logits else None),
             0 if out is None else out.shape[1],

@@ -17,8 +17,8 @@ from collections.abc import Hashable
 
 import torch
 
-from kernels import cpu_ops
-from kernels.bits import unpack_signs
+from bitdelta_kernels import cpu_ops
+from bitdelta_kernels.bits import unpack_signs
 
 
 def merge_weights(w_base: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_linear import col_precision, uses_fp32_dot
+from bitdelta_kernels.triton_linear import col_precision, uses_fp32_dot
 
 
 # The kernel's arguments stay in their groups (pointers, sizes, strides, meta): fmt: skip.
@@ -146,7 +146,7 @@ def sgmv_launch(
     col_alpha: torch.Tensor | None = None,
     bounds: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch over precomputed tiles (see kernels.plan.plan_batch); shapes are checked by the caller.
+    """Launch over precomputed tiles (see bitdelta_kernels.plan.plan_batch); shapes are checked by the caller.
 
     x: [M, d_in]; signs_stack: uint8 [V, d_out, ceil(d_in/8)]; alpha_stack: fp32 [V, d_out] or [V, 1];
     y: [M, d_out]; row_idx: int32 [rows]; tile_start / tile_end: int32 [T]; tile_slots: int32 [T, P];

@@ -10,7 +10,7 @@ own U into its rows of y: the factors' bytes are exactly the file's, with no zer
 At decode the pair reads r·(d_in + d_out) values per matrix against the base's d_in·d_out: a
 GEMM library at these sizes is what a kernel would be, on CPU and GPU alike (Punica's
 shrink/expand kernels pay off only with many adapters in one batch). With batch-invariant
-kernels (`kernels.settings`) the CPU runs both through the C GEMV instead, one sum order per
+kernels (`bitdelta_kernels.settings`) the CPU runs both through the C GEMV instead, one sum order per
 row (`factor_mm`). The caller runs it once per variant present in the batch.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.cpu_ops import linear_gemv_cpu, row_invariant
+from bitdelta_kernels.cpu_ops import linear_gemv_cpu, row_invariant
 
 
 def lowrank_delta(

@@ -1,6 +1,6 @@
 """Torch references for the 1-bit delta kernels: the test oracle and the fallback.
 
-Same signatures as the public functions in `kernels/__init__.py`; shapes are checked there.
+Same signatures as the public functions in `bitdelta_kernels/__init__.py`; shapes are checked there.
 A plane's term is α ⊙ ((x ⊙ c_g) · Sᵀ) on the rows of each column group g (`col_bounds`):
 per-row α (α [d_out]), per-matrix α (α [1]), per-column α (c_g [d_in]) or a product of them.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.bits import unpack_signs
+from bitdelta_kernels.bits import unpack_signs
 
 
 def col_bounds(col_splits: tuple[int, ...] | None, d_out: int) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.configs import config_for
+from bitdelta_kernels.configs import config_for
 
 
 @dataclass(frozen=True)
