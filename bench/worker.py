@@ -6,7 +6,8 @@
     python bench/worker.py --base DIR --deltas DIR   # a real family (e.g. bitdelta.family.paths())
 
 1. decode: tokens/s of a batch of 8 sequences of 8 different variants ÷ the same batch on the base
-   (target ≥ 0.85 on GPU); and with V ∈ --variants distinct variants ÷ the memory limit 2/(2 + V/8)
+   (target ≥ 0.85 on GPU); and with V ∈ --variants distinct variants ÷ the memory limit b/(b + V/8),
+   b the weights' bytes per parameter (2 in bf16, 4 in fp32)
    (target ≥ 0.9);
 2. prefill: TTFT without queueing (the worker is idle) of a resident variant ÷ the base (target ≤ 1.10);
 3. cold load: LoadDelta time ÷ (delta bytes ÷ disk bandwidth measured in this run, both with the
@@ -286,9 +287,9 @@ async def bench(args) -> dict:
         f"{BATCH} variants {res['decode_variants_tok_s']:.0f} tok/s"
     )
 
-    # 1b. decode with V distinct variants against the memory limit: the base reads 2 B/param
-    # (bf16), each distinct variant adds 1/8 B/param, so the best a step can do is 2/(2 + V/8)
-    # of base-only speed (target ≥ 0.9 of that at V = 1, 4, 8)
+    # 1b. decode with V distinct variants against the memory limit: the base reads b B/param
+    # (2 in bf16, 4 in fp32), each distinct variant adds 1/8 B/param, so the best a step can do is
+    # b/(b + V/8) of base-only speed (target ≥ 0.9 of that at V = 1, 4, 8)
     es = torch.tensor([], dtype=worker.dtype).element_size()
     res["decode_vs_limit"] = {}
     for V in args.variants:
@@ -301,7 +302,7 @@ async def bench(args) -> dict:
             rv.append(await decode_rate(worker, models, "Once upon a time", args.new_tokens))
         ratio = statistics.median(rv) / statistics.median(rb)
         limit = es / (es + V / 8)
-        res["decode_vs_limit"][V] = {"ratio": ratio, "limit": limit, "fraction_of_limit": ratio / limit}
+        res["decode_vs_limit"][V] = {"ratio": ratio, "limit": limit, "fraction_of_limit": ratio / limit, "bytes": es}
         log(
             f"decode batch {BATCH} over {V} variants: {ratio:.3f} of base-only; limit {limit:.3f}; "
             f"{ratio / limit:.2f} of the limit"
@@ -414,7 +415,7 @@ def main(argv=None) -> None:
     for V, r in res.get("decode_vs_limit", {}).items():
         print(
             f"{'decode V=' + str(V):<18}{r['fraction_of_limit']:>8.3f}   {'>= 0.9':<13} "
-            f"{r['ratio']:.3f} of base-only; memory limit 2/(2+V/8) = {r['limit']:.3f}"
+            f"{r['ratio']:.3f} of base-only; memory limit {r['bytes']}/({r['bytes']}+V/8) = {r['limit']:.3f}"
         )
     for B, r in res.get("decode_vs_hbm", {}).items():
         print(

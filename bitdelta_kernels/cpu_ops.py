@@ -2,8 +2,8 @@
 
 Building blocks from `csrc/bitdelta_cpu.c`:
 - `delta_gemv_cpu`: y += α ⊙ (x · Sᵀ) straight from the packed bits ("mask"): with
-  AVX-512 x is summed over set bits by lookups in x's nibble tables, 16 sign rows
-  per vector (one compare per 8 columns on AVX2); the byte lookup table of the
+  AVX-512 x is summed over set bits by lookups in x's tables of 4 columns, 16 sign
+  rows per vector (AVX2: tables of 2 columns, 8 rows per vector); the byte lookup table of the
   design doc ("lut8") is kept as the portable alternative and for the benchmark.
 - `merge_cpu`: W_base + α·S (or α·S alone) for a block of rows, in fp32/bf16/fp16,
   for the prefill path: merge a row block once, then one BLAS GEMM.

@@ -9,9 +9,9 @@
  * 2j: that word IS an AVX-512 lane mask, and no bit is ever unpacked.
  *
  * Σ_k x_k s_k = 2 Σ_{k: bit=1} x_k − Σ_k x_k, so the delta GEMV only sums x
- * over set bits and corrects with Σx once: on AVX-512 by lookups in x's nibble
- * tables, 16 sign rows per vector (lut_sums); the fused one-pass GEMV by one
- * masked add per 16 columns; AVX2 by a compare per 8.
+ * over set bits and corrects with Σx once: by lookups in x's tables, on AVX-512
+ * of 4 columns, 16 sign rows per vector, on AVX2 of 2 columns, 8 rows per vector
+ * (lut_sums); the fused one-pass GEMV by one masked add per 16 columns.
  *
  * All matrices are fp32 row-major with a leading-dimension argument unless
  * said otherwise; n_threads is the caller's torch.get_num_threads(), the
@@ -60,7 +60,7 @@ static inline uint32_t load_bits16(const uint8_t *row, int64_t j, int64_t n_byte
  * speed. VPGATHERDD is fast on Intel cores (an Intel Xeon: 57 weights/ns instead of 49 on
  * SmolLM2's 576 columns) and slow on AMD's (an AMD EPYC of the Zen 5 generation, one core: the
  * loads and the transpose 77–85 weights/ns, the gathers 46–50; docs/kernels.md). Set once at load
- * by the CPU's vendor; AVX-512 builds only (no table loop elsewhere). */
+ * by the CPU's vendor; AVX-512 builds only (the AVX2 loop loads and transposes). */
 static int gather_rows = 0;
 
 __attribute__((constructor)) static void choose_gather(void) {
@@ -246,45 +246,18 @@ int bd_set_gather(int on) {
 /* ---------------------------------------------------------------------- */
 /* delta GEMV, "mask" method: y[m, r] += α_r · Σ_k x[m, k] · s[r, k]       */
 /* ---------------------------------------------------------------------- */
-/* tot[i] = Σ_{k: bit k of rows[i] set} xm[k] for the ROWS sign rows `rows` (d_in columns). */
+/* tot[i] = Σ_{k: bit k of rows[i] set} xm[k] for the ROWS sign rows `rows` (d_in columns): the
+ * scalar build's loop (AVX-512 and AVX2 take the table loop, lut_sums). */
 static inline void mask_sums(const float *xm, const uint8_t *const *rows, int64_t d_in, float *tot) {
-    const int64_t n_bytes = (d_in + 7) / 8;
-#if defined(__AVX2__)
-    /* No mask registers: broadcast the byte, test one bit per lane. */
-    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    __m256 acc[ROWS];
-    for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_setzero_ps();
-    const int64_t nfull8 = d_in / 8;
-    for (int64_t j = 0; j < nfull8; ++j) {
-        const __m256 xv = _mm256_loadu_ps(xm + 8 * j);
-        for (int i = 0; i < ROWS; ++i) {
-            const __m256i b = _mm256_set1_epi32(rows[i][j]);
-            const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(b, lane_bit), lane_bit);
-            acc[i] = _mm256_add_ps(acc[i], _mm256_and_ps(_mm256_castsi256_ps(on), xv));
-        }
-    }
-    for (int i = 0; i < ROWS; ++i) {
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        tot[i] = _mm_cvtss_f32(h);
-        for (int64_t k = nfull8 * 8; k < d_in; ++k)
-            if ((rows[i][k >> 3] >> (k & 7)) & 1) tot[i] += xm[k];
-    }
-    (void)n_bytes;
-#else
     for (int i = 0; i < ROWS; ++i) {
         float t = 0.f;
         for (int64_t k = 0; k < d_in; ++k)
             if ((rows[i][k >> 3] >> (k & 7)) & 1) t += xm[k];
         tot[i] = t;
     }
-    (void)n_bytes;
-#endif
 }
 
-/* mask_sums of two x rows over the same sign rows (the AVX2 and scalar builds; AVX-512 takes the
- * table loop, lut_sums). */
+/* mask_sums of two x rows over the same sign rows. */
 static inline void mask_sums2(const float *x0, const float *x1, const uint8_t *const *rows, int64_t d_in,
                               float *t0, float *t1) {
     mask_sums(x0, rows, d_in, t0);
@@ -295,10 +268,10 @@ static inline void mask_sums2(const float *x0, const float *x1, const uint8_t *c
 /* Nibble tables of one x vector (the "four Russians" form of Σ_{bit=1} x): for every group g of
  * 4 columns, T[16·g + n] = Σ_{i < 4, bit i of n set} x[4g + i] in fp32 (added in i order from 0;
  * columns ≥ d_in count as 0), for g < 2·ceil(d_in/8): one table per nibble of a sign row. */
-#define HAVE_NIBBLE_TABLES 1
-static inline int64_t nibble_table_floats(int64_t d_in) { return 2 * ((d_in + 7) / 8) * 16; }
+#define HAVE_X_TABLES 1
+static inline int64_t x_table_floats(int64_t d_in) { return 2 * ((d_in + 7) / 8) * 16; }
 
-static void nibble_tables(const float *x, int64_t d_in, float *T) {
+static void x_row_tables(const float *x, int64_t d_in, float *T) {
     const __mmask16 bit[4] = {0xAAAA, 0xCCCC, 0xF0F0, 0xFF00}; /* the lanes n with bit i set */
     const int64_t n_groups = 2 * ((d_in + 7) / 8);
     for (int64_t g = 0; g < n_groups; ++g) {
@@ -430,25 +403,126 @@ static inline __attribute__((always_inline)) void lut_sums(const float *const *t
         _mm512_storeu_ps(tot[x], _mm512_add_ps(_mm512_add_ps(acc[x][0], acc[x][1]), _mm512_add_ps(acc[x][2], acc[x][3])));
 }
 #undef LUT_DWORD
+
+#elif defined(__AVX2__)
+/* The AVX2 table loop: 8 sign rows to a vector, x's tables of 2 columns each (4 entries, held
+ * twice: one in each 128-bit half, where VPERMILPS looks up lane i's 2 bits, reading an index's low
+ * 2 bits only, so a shift is all the decode). For dword d of a sign row (32 columns) and j < 16,
+ * T[128·d + 8·j + 4·h + e] = Σ_{i: bit i of e set} x[32d + 2j + i] over the group's columns (< d_in;
+ * added in i order from 0), h = 0, 1. Where the compare-and-mask loop took 5 operations per 8
+ * lanes of one column, this takes 3 (shift, lookup, add) per 8 lanes of 2 columns. On an AMD EPYC
+ * of the Zen 3 generation the in-lane VPERMILPS ran 1.1–1.3× as fast as 3-column tables looked up
+ * by the lane-crossing VPERMPS (a third fewer lookups; docs/kernels.md). */
+#define HAVE_X_TABLES 1
+#define PAIRS 16 /* tables per dword */
+static inline int64_t x_table_floats(int64_t d_in) { return 8 * PAIRS * (((d_in + 7) / 8 + 3) / 4); }
+
+static void x_row_tables(const float *x, int64_t d_in, float *T) {
+    const int64_t n_groups = PAIRS * (((d_in + 7) / 8 + 3) / 4);
+    for (int64_t g = 0; g < n_groups; ++g) {
+        const float x0 = 2 * g < d_in ? x[2 * g] : 0.f, x1 = 2 * g + 1 < d_in ? x[2 * g + 1] : 0.f;
+        const float t[4] = {0.f, x0, x1, x0 + x1};
+        memcpy(T + 8 * g, t, sizeof(t));
+        memcpy(T + 8 * g + 4, t, sizeof(t));
+    }
+}
+
+/* 8 × 8 dwords transposed in place: v[k] lane i = dword k of v[i] before. */
+static inline void transpose8(__m256i *v) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 4) {
+        t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+        t[i + 2] = _mm256_unpacklo_epi32(v[i + 2], v[i + 3]);
+        t[i + 3] = _mm256_unpackhi_epi32(v[i + 2], v[i + 3]);
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);     /* dwords 0 | 4 of rows i … i + 3 */
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]); /* 1 | 5 */
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]); /* 2 | 6 */
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]); /* 3 | 7 */
+    }
+    for (int k = 0; k < 4; ++k) {
+        v[k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x20);
+        v[k + 4] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x31);
+    }
+}
+
+/* Dword d of the 8 rows, bytes beyond n_bytes as 0 (scalar loads: a row's own bytes only). */
+static inline __m256i row_dwords(const uint8_t *const *rows, int64_t d, int64_t n_bytes) {
+    const int64_t nb = n_bytes - 4 * d < 4 ? n_bytes - 4 * d : 4;
+    uint32_t w[8];
+    for (int i = 0; i < 8; ++i) {
+        w[i] = 0;
+        memcpy(&w[i], rows[i] + 4 * d, (size_t)nb);
+    }
+    return _mm256_loadu_si256((const __m256i *)w);
+}
+
+/* tot_x[i] = Σ_{k: bit k of rows[i] set} x_x[k] for LROWS sign rows and NX (1 or 2) x vectors given
+ * by their tables tab[x]: per 32 bytes of the 8 rows one load each and an 8 × 8 dword transpose,
+ * then per dword 16 lookups into 4 accumulators (group j into j mod 4) summed (0 + 1) + (2 + 3),
+ * in column order: a row's sums depend on its x and bits only. row_stride is the AVX-512 loop's
+ * (gathers; unused here). */
+#define LROWS 8
+#define BLOCK_ROWS LROWS
+#define PREFETCH_BLOCKS 2
+#define LUT_DWORD(vk, d)                                                                                        \
+    for (int j = 0; j < PAIRS; ++j) {                                                                         \
+        const __m256i idx_ = j ? _mm256_srli_epi32(vk, 2 * j) : (vk);                                         \
+        for (int x = 0; x < NX; ++x)                                                                          \
+            acc[x][j & 3] = _mm256_add_ps(                                                                    \
+                acc[x][j & 3], _mm256_permutevar_ps(_mm256_loadu_ps(tab[x] + 8 * (PAIRS * (d) + j)), idx_));  \
+    }
+static inline __attribute__((always_inline)) void lut_sums(const float *const *tab, const int NX,
+                                                          const uint8_t *const *rows, int64_t n_bytes,
+                                                          int64_t row_stride, int64_t ahead, float *const *tot) {
+    (void)row_stride;
+    __m256 acc[2][4];
+    for (int x = 0; x < NX; ++x)
+        for (int a = 0; a < 4; ++a) acc[x][a] = _mm256_setzero_ps();
+    const int64_t n_dwords = (n_bytes + 3) / 4, nfull = n_bytes / 32;
+    __m256i v[8];
+    /* the transposed dwords wait in memory, one loaded per lookup run: AVX2's 16 registers hold the
+     * accumulators and a run, not the 8 of them too (spilled, 0.6× the speed on an AMD EPYC of the
+     * Zen 3 generation) */
+    __attribute__((aligned(32))) uint32_t dw[8][8];
+    for (int64_t c = 0; c < nfull; ++c) {
+        /* the block PREFETCH_BLOCKS on, 4 lines a chunk: its 8 rows' bytes over this block's chunks */
+        for (int i = 0; i < 4; ++i) _mm_prefetch((const char *)(rows[0] + ahead + 64 * (4 * c + i)), _MM_HINT_T0);
+        for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_si256((const __m256i *)(rows[i] + 32 * c));
+        transpose8(v);
+        for (int k = 0; k < 8; ++k) _mm256_store_si256((__m256i *)dw[k], v[k]);
+        for (int k = 0; k < 8; ++k) {
+            const __m256i vk = _mm256_load_si256((const __m256i *)dw[k]);
+            LUT_DWORD(vk, 8 * c + k)
+        }
+    }
+    for (int64_t d = 8 * nfull; d < n_dwords; ++d) {
+        const __m256i vk = row_dwords(rows, d, n_bytes);
+        LUT_DWORD(vk, d)
+    }
+    for (int x = 0; x < NX; ++x)
+        _mm256_storeu_ps(tot[x], _mm256_add_ps(_mm256_add_ps(acc[x][0], acc[x][1]), _mm256_add_ps(acc[x][2], acc[x][3])));
+}
+#undef LUT_DWORD
 #endif
 
 #ifndef BLOCK_ROWS
 #define BLOCK_ROWS ROWS
 #endif
 
-/* x's rows (or, with column α's, the nq scaled rows xcol) as nibble tables, a malloc'ed
- * [nq, nibble_table_floats(d_in)] the caller frees; NULL where the build has no AVX-512 (*failed = 0)
+/* x's rows (or, with column α's, the nq scaled rows xcol) as the table loop's tables, a malloc'ed
+ * [nq, x_table_floats(d_in)] the caller frees; NULL where the build has no table loop (scalar: *failed = 0)
  * or memory ran out (*failed = 1). */
 static float *x_tables(const float *x, int64_t nq, int64_t ldx, int64_t d_in, int *failed) {
     *failed = 0;
-#ifdef HAVE_NIBBLE_TABLES
-    const int64_t nt = nibble_table_floats(d_in);
+#ifdef HAVE_X_TABLES
+    const int64_t nt = x_table_floats(d_in);
     float *tab = (float *)malloc(sizeof(float) * (size_t)(nq > 0 ? nq * nt : 1));
     if (!tab) {
         *failed = 1;
         return NULL;
     }
-    for (int64_t q = 0; q < nq; ++q) nibble_tables(x + q * ldx, d_in, tab + q * nt);
+    for (int64_t q = 0; q < nq; ++q) x_row_tables(x + q * ldx, d_in, tab + q * nt);
     return tab;
 #else
     (void)x, (void)nq, (void)ldx, (void)d_in;
@@ -508,9 +582,9 @@ static void delta_rows_planes(const float *x, const float *tab, int64_t ldx, int
                         rows[i] = s + v * stride_sv + (r + (i < nr ? i : 0)) * lds;
                     const int64_t q = (m * n_planes + p) * n_groups + g, q2 = (m2 * n_planes + p) * n_groups + g;
                     float tot[BLOCK_ROWS], tot2[BLOCK_ROWS];
-#ifdef HAVE_NIBBLE_TABLES
+#ifdef HAVE_X_TABLES
                     if (br == LROWS) {
-                        const int64_t nt = nibble_table_floats(d_in), i0 = xcol ? q : m, i2 = xcol ? q2 : m2;
+                        const int64_t nt = x_table_floats(d_in), i0 = xcol ? q : m, i2 = xcol ? q2 : m2;
                         const float *tb[2] = {tab + i0 * nt, m2 >= 0 ? tab + i2 * nt : NULL};
                         float *const to[2] = {tot, tot2};
                         /* the bits PREFETCH_BLOCKS blocks on are fetched while these are summed: the
@@ -757,8 +831,8 @@ int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
         const int64_t q_n = M * n_planes * n_groups;
         xsum = (float *)malloc(sizeof(float) * (size_t)(q_n > 0 ? q_n : 1));
         xcol = (float *)malloc(sizeof(float) * (size_t)(q_n > 0 ? q_n * d_in : 1));
-#ifdef HAVE_NIBBLE_TABLES
-        tab = (float *)malloc(sizeof(float) * (size_t)(q_n > 0 ? q_n * nibble_table_floats(d_in) : 1));
+#ifdef HAVE_X_TABLES
+        tab = (float *)malloc(sizeof(float) * (size_t)(q_n > 0 ? q_n * x_table_floats(d_in) : 1));
         const int tab_failed = !tab;
 #else
         const int tab_failed = 0;
@@ -782,8 +856,8 @@ int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
                         t += o[k];
                     }
                     xsum[q] = t;
-#ifdef HAVE_NIBBLE_TABLES
-                    nibble_tables(o, d_in, tab + q * nibble_table_floats(d_in));
+#ifdef HAVE_X_TABLES
+                    x_row_tables(o, d_in, tab + q * x_table_floats(d_in));
 #endif
                 }
             }
