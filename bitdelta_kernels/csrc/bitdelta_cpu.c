@@ -411,8 +411,8 @@ static inline __attribute__((always_inline)) void lut_sums(const float *const *t
  * T[128·d + 8·j + 4·h + e] = Σ_{i: bit i of e set} x[32d + 2j + i] over the group's columns (< d_in;
  * added in i order from 0), h = 0, 1. Where the compare-and-mask loop took 5 operations per 8
  * lanes of one column, this takes 3 (shift, lookup, add) per 8 lanes of 2 columns. On an AMD EPYC
- * of the Zen 3 generation the in-lane VPERMILPS ran 1.1–1.3× as fast as 3-column tables looked up
- * by the lane-crossing VPERMPS (a third fewer lookups; docs/kernels.md). */
+ * of the Zen 3 generation the in-lane VPERMILPS ran 1.1–1.65× as fast as 3-column tables looked up
+ * by the lane-crossing VPERMPS, though those take a third fewer lookups (docs/kernels.md). */
 #define HAVE_X_TABLES 1
 #define PAIRS 16 /* tables per dword */
 static inline int64_t x_table_floats(int64_t d_in) { return 8 * PAIRS * (((d_in + 7) / 8 + 3) / 4); }
