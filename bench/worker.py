@@ -290,7 +290,7 @@ async def bench(args) -> dict:
     # 1b. decode with V distinct variants against the memory limit: the base reads b B/param
     # (2 in bf16, 4 in fp32), each distinct variant adds 1/8 B/param, so the best a step can do is
     # b/(b + V/8) of base-only speed (target ≥ 0.9 of that at V = 1, 4, 8)
-    es = torch.tensor([], dtype=worker.dtype).element_size()
+    es = res["weight_bytes_per_param"] = torch.tensor([], dtype=worker.dtype).element_size()
     res["decode_vs_limit"] = {}
     for V in args.variants:
         if V > n_res:
@@ -302,7 +302,7 @@ async def bench(args) -> dict:
             rv.append(await decode_rate(worker, models, "Once upon a time", args.new_tokens))
         ratio = statistics.median(rv) / statistics.median(rb)
         limit = es / (es + V / 8)
-        res["decode_vs_limit"][V] = {"ratio": ratio, "limit": limit, "fraction_of_limit": ratio / limit, "bytes": es}
+        res["decode_vs_limit"][V] = {"ratio": ratio, "limit": limit, "fraction_of_limit": ratio / limit}
         log(
             f"decode batch {BATCH} over {V} variants: {ratio:.3f} of base-only; limit {limit:.3f}; "
             f"{ratio / limit:.2f} of the limit"
@@ -412,10 +412,11 @@ def main(argv=None) -> None:
         f"{'memory_ratio':<18}{res['memory_ratio']:>8.3f}   {targets['memory_ratio']:<13} "
         f"{res['peak_bytes'] / 1e6:.1f} MB with {res['resident']} deltas (KV pool {res['kv_pool_bytes'] / 1e6:.0f} MB apart)"
     )
+    b = res.get("weight_bytes_per_param")
     for V, r in res.get("decode_vs_limit", {}).items():
         print(
             f"{'decode V=' + str(V):<18}{r['fraction_of_limit']:>8.3f}   {'>= 0.9':<13} "
-            f"{r['ratio']:.3f} of base-only; memory limit {r['bytes']}/({r['bytes']}+V/8) = {r['limit']:.3f}"
+            f"{r['ratio']:.3f} of base-only; memory limit {b}/({b}+V/8) = {r['limit']:.3f}"
         )
     for B, r in res.get("decode_vs_hbm", {}).items():
         print(

@@ -418,7 +418,7 @@ static inline __attribute__((always_inline)) void lut_sums(const float *const *t
 static inline int64_t x_table_floats(int64_t d_in) { return 8 * PAIRS * (((d_in + 7) / 8 + 3) / 4); }
 
 static void x_row_tables(const float *x, int64_t d_in, float *T) {
-    const int64_t n_groups = PAIRS * (((d_in + 7) / 8 + 3) / 4);
+    const int64_t n_groups = x_table_floats(d_in) / 8;
     for (int64_t g = 0; g < n_groups; ++g) {
         const float x0 = 2 * g < d_in ? x[2 * g] : 0.f, x1 = 2 * g + 1 < d_in ? x[2 * g + 1] : 0.f;
         const float t[4] = {0.f, x0, x1, x0 + x1};
