@@ -6,6 +6,7 @@ where the tests import the code (tests/support/ is the tests' own)."""
 from __future__ import annotations
 
 import ast
+import functools
 import gc
 import importlib.metadata
 import importlib.util
@@ -17,16 +18,21 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVICES = sorted(p.name for p in (ROOT / "services").iterdir() if (p / "__init__.py").is_file())
 
 
+@functools.cache
 def parse(path: Path) -> ast.Module:
-    """`ast.parse` with the garbage collector held off: CPython 3.11's AST constructor fails with
-    "SystemError: AST constructor recursion depth mismatch" when a finalizer that runs Python code
-    (an asyncio task's 'exception was never retrieved' log, left by an earlier test) runs inside it."""
-    gc.collect()
+    """`ast.parse` once per file and session, with the garbage collector held off: CPython 3.11's
+    AST constructor fails with "SystemError: AST constructor recursion depth mismatch" when a
+    finalizer that runs Python code (an asyncio task's 'exception was never retrieved' log, left by
+    an earlier test) runs inside it, and only a collection runs such finalizers there. (A
+    `gc.collect()` before each parse, a collection of the whole session's heap per file, made the
+    file's rules take 250 s of a 32-minute suite.)"""
+    enabled = gc.isenabled()
     gc.disable()
     try:
         return ast.parse(path.read_text())
     finally:
-        gc.enable()
+        if enabled:
+            gc.enable()
 
 
 def imports_of(path: Path) -> set[str]:
