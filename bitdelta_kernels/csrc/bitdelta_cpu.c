@@ -1208,13 +1208,25 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
         for (int l_ = 0; l_ < (lines); ++l_) _mm_prefetch((const char *)(p) + STREAM_AHEAD + 64 * l_, _MM_HINT_T0); \
     } while (0)
 
+/* Whether a block of R weight rows × MB x rows prefetches its fp32 stream. The AVX2 build's
+ * one-row block does not: on a Zen 3 core (the one AVX2-only CPU measured) the hardware
+ * prefetchers keep its light loop at a plain read's speed (a 512 MiB matrix 17.6–19 GB/s, a sum
+ * 18.4), and the prefetches cost ~12 % (SmolLM2-135M's matrices 15.1–15.8 GB/s without, 13.3–14.0
+ * with; the C decode layers' one-row step 0.84–0.89× the time without). Its bf16 block and the
+ * larger blocks, with more work per byte, gain from them; so does Zen 5's one-row block (above). */
+#if defined(__AVX512F__)
+#define F32_PREFETCH(R, MB) 1
+#else
+#define F32_PREFETCH(R, MB) ((R) * (MB) > 1)
+#endif
+
 /* The dense GEMV (no delta) in register blocks of R weight rows × MB x rows: each weight vector
  * loaded once for MB x rows and each x vector once for R weight rows (a decode step's rows share
  * W; one weight row per x row at a time left 8 rows compute-bound at ~3× the 1-row time on one core
  * of an AMD EPYC, Zen 5). Every (weight row, x row) pair sums its products in two accumulators, the
  * vectors of even and of odd index, added at the end and then the ragged tail: the same order in
  * every block, so a row's result does not depend on how many rows its step has (--batch-invariant).
- * The R rows' weights are R linear streams, each prefetched STREAM_AHEAD on. */
+ * The R rows' weights are R linear streams, each prefetched STREAM_AHEAD on (F32_PREFETCH). */
 #define DENSE_BLOCK_F32(NAME, R, MB)                                                                     \
     static void NAME(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t d_in, float *y,  \
                      int64_t ldy, int64_t r, int64_t m0) {                                               \
@@ -1223,7 +1235,8 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
             for (int b = 0; b < MB; ++b) a[i][b][0] = a[i][b][1] = V_ZERO();                             \
         int64_t k = 0;                                                                                   \
         for (; k + 2 * LANES <= d_in; k += 2 * LANES) {                                                  \
-            for (int i = 0; i < R; ++i) STREAM_PREFETCH(w + (r + i) * ldw + k, LANES / 8);               \
+            if (F32_PREFETCH(R, MB))                                                                     \
+                for (int i = 0; i < R; ++i) STREAM_PREFETCH(w + (r + i) * ldw + k, LANES / 8);           \
             for (int h = 0; h < 2; ++h) {                                                                \
                 vf wv[R];                                                                                \
                 for (int i = 0; i < R; ++i) wv[i] = V_LOAD(w + (r + i) * ldw + k + h * LANES);          \
