@@ -1220,6 +1220,22 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
 #define F32_PREFETCH(R, MB) ((R) * (MB) > 1)
 #endif
 
+/* The dense blocks' accumulators: two per (weight row, x row) pair, the vectors of even and of odd
+ * index; stored as their sum and then the ragged tail from k on (xs: the x rows the tail reads,
+ * each of ldx floats; w of dtype WD), y[m0 + b, r + i]. */
+#define PAIR_ACC_INIT(R, MB)                                                                             \
+    vf a[R][MB][2];                                                                                      \
+    for (int i = 0; i < R; ++i)                                                                          \
+        for (int b = 0; b < MB; ++b) a[i][b][0] = a[i][b][1] = V_ZERO()
+#define PAIR_ACC_STORE(R, MB, xs, w, WD)                                                                 \
+    for (int i = 0; i < R; ++i)                                                                          \
+        for (int b = 0; b < MB; ++b) {                                                                   \
+            const float *xm_ = (xs) + (m0 + b) * ldx;                                                    \
+            float t = V_SUM(V_ADD(a[i][b][0], a[i][b][1]));                                              \
+            for (int64_t kk = k; kk < d_in; ++kk) t += xm_[kk] * w_at(w, WD, (r + i) * ldw + kk); /* tail */ \
+            y[(m0 + b) * ldy + r + i] = t;                                                               \
+        }
+
 /* The dense GEMV (no delta) in register blocks of R weight rows × MB x rows: each weight vector
  * loaded once for MB x rows and each x vector once for R weight rows (a decode step's rows share
  * W; one weight row per x row at a time left 8 rows compute-bound at ~3× the 1-row time on one core
@@ -1230,9 +1246,7 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
 #define DENSE_BLOCK_F32(NAME, R, MB)                                                                     \
     static void NAME(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t d_in, float *y,  \
                      int64_t ldy, int64_t r, int64_t m0) {                                               \
-        vf a[R][MB][2];                                                                                  \
-        for (int i = 0; i < R; ++i)                                                                      \
-            for (int b = 0; b < MB; ++b) a[i][b][0] = a[i][b][1] = V_ZERO();                             \
+        PAIR_ACC_INIT(R, MB);                                                                            \
         int64_t k = 0;                                                                                   \
         for (; k + 2 * LANES <= d_in; k += 2 * LANES) {                                                  \
             if (F32_PREFETCH(R, MB))                                                                     \
@@ -1253,13 +1267,7 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
             }                                                                                            \
             k += LANES;                                                                                  \
         }                                                                                                \
-        for (int i = 0; i < R; ++i)                                                                      \
-            for (int b = 0; b < MB; ++b) {                                                               \
-                const float *xm = x + (m0 + b) * ldx, *wr = w + (r + i) * ldw;                           \
-                float t = V_SUM(V_ADD(a[i][b][0], a[i][b][1]));                                          \
-                for (int64_t kk = k; kk < d_in; ++kk) t += xm[kk] * wr[kk]; /* ragged tail */           \
-                y[(m0 + b) * ldy + r + i] = t;                                                           \
-            }                                                                                            \
+        PAIR_ACC_STORE(R, MB, x, w, BD_W_F32);                                                           \
     }
 #if defined(__AVX512F__)
 #define DENSE_R 3  /* 3 × 4 pairs × 2 accumulators + 3 weight vectors + an x vector: 28 of 32 registers */
@@ -1324,9 +1332,7 @@ DENSE_ROWS(dense_rows_f32, float, float, dense_f32_blocks)
 #define DENSE_BLOCK_BF16(NAME, R, MB)                                                                    \
     static void NAME(const float *xeo, int64_t ldx, const uint16_t *w, int64_t ldw, int64_t d_in, float *y, \
                      int64_t ldy, int64_t r, int64_t m0) {                                               \
-        vf a[R][MB][2];                                                                                  \
-        for (int i = 0; i < R; ++i)                                                                      \
-            for (int b = 0; b < MB; ++b) a[i][b][0] = a[i][b][1] = V_ZERO();                             \
+        PAIR_ACC_INIT(R, MB);                                                                            \
         int64_t k = 0;                                                                                   \
         for (; k + 2 * LANES <= d_in; k += 2 * LANES) {                                                  \
             if (k % 32 == 0) /* a new 64-byte line */                                                    \
@@ -1346,14 +1352,7 @@ DENSE_ROWS(dense_rows_f32, float, float, dense_f32_blocks)
                 }                                                                                        \
             }                                                                                            \
         }                                                                                                \
-        for (int i = 0; i < R; ++i)                                                                      \
-            for (int b = 0; b < MB; ++b) {                                                               \
-                const float *xm = xeo + (m0 + b) * ldx;                                                  \
-                const uint16_t *wr = w + (r + i) * ldw;                                                  \
-                float t = V_SUM(V_ADD(a[i][b][0], a[i][b][1]));                                          \
-                for (int64_t kk = k; kk < d_in; ++kk) t += xm[kk] * w_at(wr, BD_W_BF16, kk); /* tail */  \
-                y[(m0 + b) * ldy + r + i] = t;                                                           \
-            }                                                                                            \
+        PAIR_ACC_STORE(R, MB, xeo, w, BD_W_BF16);                                                        \
     }
 DENSE_BLOCK_BF16(dense_bf16_2x2, 2, 2)
 DENSE_BLOCK_BF16(dense_bf16_2x1, 2, 1)
