@@ -1208,16 +1208,16 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
         for (int l_ = 0; l_ < (lines); ++l_) _mm_prefetch((const char *)(p) + STREAM_AHEAD + 64 * l_, _MM_HINT_T0); \
     } while (0)
 
-/* Whether a block of R weight rows × MB x rows prefetches its fp32 stream. The AVX2 build's
+/* Whether a block of R weight rows × MB x rows of dtype WD prefetches its stream. The AVX2 build's
  * one-row block does not: on a Zen 3 core (the one AVX2-only CPU measured) the hardware
  * prefetchers keep its light loop at a plain read's speed (a 512 MiB matrix 17.6–19 GB/s, a sum
  * 18.4), and the prefetches cost ~12 % (SmolLM2-135M's matrices 15.1–15.8 GB/s without, 13.3–14.0
  * with; the C decode layers' one-row step 0.84–0.89× the time without). Its bf16 block and the
  * larger blocks, with more work per byte, gain from them; so does Zen 5's one-row block (above). */
 #if defined(__AVX512F__)
-#define F32_PREFETCH(R, MB) 1
+#define BLOCK_PREFETCH(WD, R, MB) 1
 #else
-#define F32_PREFETCH(R, MB) ((R) * (MB) > 1)
+#define BLOCK_PREFETCH(WD, R, MB) ((WD) != BD_W_F32 || (R) * (MB) > 1)
 #endif
 
 /* The dense blocks' accumulators: two per (weight row, x row) pair, the vectors of even and of odd
@@ -1242,45 +1242,53 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
  * of an AMD EPYC, Zen 5). Every (weight row, x row) pair sums its products in two accumulators, the
  * vectors of even and of odd index, added at the end and then the ragged tail: the same order in
  * every block, so a row's result does not depend on how many rows its step has (--batch-invariant).
- * The R rows' weights are R linear streams, each prefetched STREAM_AHEAD on (F32_PREFETCH). */
-#define DENSE_BLOCK_F32(NAME, R, MB)                                                                     \
-    static void NAME(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t d_in, float *y,  \
+ * The R rows' weights are R linear streams, each prefetched STREAM_AHEAD on (BLOCK_PREFETCH). */
+#define DENSE_BLOCK(NAME, R, MB, WT, WD)                                                                 \
+    static void NAME(const float *x, int64_t ldx, const WT *w, int64_t ldw, int64_t d_in, float *y,     \
                      int64_t ldy, int64_t r, int64_t m0) {                                               \
         PAIR_ACC_INIT(R, MB);                                                                            \
         int64_t k = 0;                                                                                   \
         for (; k + 2 * LANES <= d_in; k += 2 * LANES) {                                                  \
-            if (F32_PREFETCH(R, MB))                                                                     \
-                for (int i = 0; i < R; ++i) STREAM_PREFETCH(w + (r + i) * ldw + k, LANES / 8);           \
+            if (BLOCK_PREFETCH(WD, R, MB) && (k * (int64_t)sizeof(WT)) % 64 == 0) /* a new line */     \
+                for (int i = 0; i < R; ++i)                                                              \
+                    STREAM_PREFETCH(w + (r + i) * ldw + k, (2 * LANES * (int)sizeof(WT) + 63) / 64);     \
             for (int h = 0; h < 2; ++h) {                                                                \
                 vf wv[R];                                                                                \
-                for (int i = 0; i < R; ++i) wv[i] = V_LOAD(w + (r + i) * ldw + k + h * LANES);          \
+                for (int i = 0; i < R; ++i) {                                                            \
+                    const WT *wr = w + (r + i) * ldw + k;                                                \
+                    if (WD == BD_W_F32)                                                                  \
+                        wv[i] = V_LOAD((const float *)wr + h * LANES);                                   \
+                    else /* bf16: one load of 2·LANES values, the even then the odd columns */          \
+                        wv[i] = h == 0 ? V_BF16_EVEN(V_LOAD_I(wr)) : V_BF16_ODD(V_LOAD_I(wr));           \
+                }                                                                                        \
                 for (int b = 0; b < MB; ++b) {                                                           \
                     const vf xv = V_LOAD(x + (m0 + b) * ldx + k + h * LANES);                            \
                     for (int i = 0; i < R; ++i) a[i][b][h] = V_FMA(xv, wv[i], a[i][b][h]);               \
                 }                                                                                        \
             }                                                                                            \
         }                                                                                                \
-        if (k + LANES <= d_in) {                                                                         \
+        if (WD == BD_W_F32 && k + LANES <= d_in) {                                                       \
             for (int b = 0; b < MB; ++b) {                                                               \
                 const vf xv = V_LOAD(x + (m0 + b) * ldx + k);                                            \
-                for (int i = 0; i < R; ++i) a[i][b][0] = V_FMA(xv, V_LOAD(w + (r + i) * ldw + k), a[i][b][0]); \
+                for (int i = 0; i < R; ++i)                                                              \
+                    a[i][b][0] = V_FMA(xv, V_LOAD((const float *)(w + (r + i) * ldw + k)), a[i][b][0]);  \
             }                                                                                            \
             k += LANES;                                                                                  \
         }                                                                                                \
-        PAIR_ACC_STORE(R, MB, x, w, BD_W_F32);                                                           \
+        PAIR_ACC_STORE(R, MB, x, w, WD);                                                                 \
     }
 #if defined(__AVX512F__)
 #define DENSE_R 3  /* 3 × 4 pairs × 2 accumulators + 3 weight vectors + an x vector: 28 of 32 registers */
 #define DENSE_MB 4
-DENSE_BLOCK_F32(dense_f32_3x4, 3, 4)
-DENSE_BLOCK_F32(dense_f32_3x2, 3, 2)
-DENSE_BLOCK_F32(dense_f32_3x1, 3, 1)
-DENSE_BLOCK_F32(dense_f32_2x4, 2, 4)
-DENSE_BLOCK_F32(dense_f32_2x2, 2, 2)
-DENSE_BLOCK_F32(dense_f32_2x1, 2, 1)
-DENSE_BLOCK_F32(dense_f32_1x4, 1, 4)
-DENSE_BLOCK_F32(dense_f32_1x2, 1, 2)
-DENSE_BLOCK_F32(dense_f32_1x1, 1, 1)
+DENSE_BLOCK(dense_f32_3x4, 3, 4, float, BD_W_F32)
+DENSE_BLOCK(dense_f32_3x2, 3, 2, float, BD_W_F32)
+DENSE_BLOCK(dense_f32_3x1, 3, 1, float, BD_W_F32)
+DENSE_BLOCK(dense_f32_2x4, 2, 4, float, BD_W_F32)
+DENSE_BLOCK(dense_f32_2x2, 2, 2, float, BD_W_F32)
+DENSE_BLOCK(dense_f32_2x1, 2, 1, float, BD_W_F32)
+DENSE_BLOCK(dense_f32_1x4, 1, 4, float, BD_W_F32)
+DENSE_BLOCK(dense_f32_1x2, 1, 2, float, BD_W_F32)
+DENSE_BLOCK(dense_f32_1x1, 1, 1, float, BD_W_F32)
 typedef void (*dense_f32_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t, int64_t, int64_t);
 static const dense_f32_fn dense_f32_blocks[3][3] = {{dense_f32_1x1, dense_f32_1x2, dense_f32_1x4},
                                                     {dense_f32_2x1, dense_f32_2x2, dense_f32_2x4},
@@ -1288,10 +1296,10 @@ static const dense_f32_fn dense_f32_blocks[3][3] = {{dense_f32_1x1, dense_f32_1x
 #else
 #define DENSE_R 2  /* 16 ymm registers: 2 × 2 pairs × 2 accumulators + 2 weight vectors + an x vector */
 #define DENSE_MB 2
-DENSE_BLOCK_F32(dense_f32_2x2, 2, 2)
-DENSE_BLOCK_F32(dense_f32_2x1, 2, 1)
-DENSE_BLOCK_F32(dense_f32_1x2, 1, 2)
-DENSE_BLOCK_F32(dense_f32_1x1, 1, 1)
+DENSE_BLOCK(dense_f32_2x2, 2, 2, float, BD_W_F32)
+DENSE_BLOCK(dense_f32_2x1, 2, 1, float, BD_W_F32)
+DENSE_BLOCK(dense_f32_1x2, 1, 2, float, BD_W_F32)
+DENSE_BLOCK(dense_f32_1x1, 1, 1, float, BD_W_F32)
 typedef void (*dense_f32_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t, int64_t, int64_t);
 static const dense_f32_fn dense_f32_blocks[2][2] = {{dense_f32_1x1, dense_f32_1x2}, {dense_f32_2x1, dense_f32_2x2}};
 #endif
@@ -1322,42 +1330,16 @@ static inline int mb_index(int64_t n) { return n >= 4 ? 2 : (int)(n - 1); }
 DENSE_ROWS(dense_rows_f32, float, float, dense_f32_blocks)
 
 #if !defined(__AVX512F__)
-/* AVX2: bf16 weights widened in registers, no delta, in the blocks of DENSE_BLOCK_F32 (one weight
- * row, one linear stream, below DENSE_MIN_M x rows; each line requested STREAM_AHEAD on) over
- * chunks of 16 bf16 values: `<< 16` the even columns, `& 0xffff0000` the odd, against xeo (per
- * chunk 8 even then 8 odd x values; its ragged tail is x's own); two accumulators per pair, the
- * even and the odd columns, the same order for every block. LINEAR_BLOCK's four rows at a time
- * read a SmolLM2-135M's bf16 matrices at 9.1 GB/s on one Zen 3 core, this at 13.5 (a plain read
- * 17.7; medians of 12, the two in turns). The AVX-512 build keeps LINEAR_BLOCK (not measured). */
-#define DENSE_BLOCK_BF16(NAME, R, MB)                                                                    \
-    static void NAME(const float *xeo, int64_t ldx, const uint16_t *w, int64_t ldw, int64_t d_in, float *y, \
-                     int64_t ldy, int64_t r, int64_t m0) {                                               \
-        PAIR_ACC_INIT(R, MB);                                                                            \
-        int64_t k = 0;                                                                                   \
-        for (; k + 2 * LANES <= d_in; k += 2 * LANES) {                                                  \
-            if (k % 32 == 0) /* a new 64-byte line */                                                    \
-                for (int i = 0; i < R; ++i) STREAM_PREFETCH(w + (r + i) * ldw + k, 1);                   \
-            vf we[R], wo[R];                                                                             \
-            for (int i = 0; i < R; ++i) {                                                                \
-                const __m256i h = V_LOAD_I(w + (r + i) * ldw + k);                                       \
-                we[i] = V_BF16_EVEN(h);                                                                  \
-                wo[i] = V_BF16_ODD(h);                                                                   \
-            }                                                                                            \
-            for (int b = 0; b < MB; ++b) {                                                               \
-                const float *xm = xeo + (m0 + b) * ldx + k;                                              \
-                const vf xe = V_LOAD(xm), xo = V_LOAD(xm + LANES);                                       \
-                for (int i = 0; i < R; ++i) {                                                            \
-                    a[i][b][0] = V_FMA(xe, we[i], a[i][b][0]);                                           \
-                    a[i][b][1] = V_FMA(xo, wo[i], a[i][b][1]);                                           \
-                }                                                                                        \
-            }                                                                                            \
-        }                                                                                                \
-        PAIR_ACC_STORE(R, MB, xeo, w, BD_W_BF16);                                                        \
-    }
-DENSE_BLOCK_BF16(dense_bf16_2x2, 2, 2)
-DENSE_BLOCK_BF16(dense_bf16_2x1, 2, 1)
-DENSE_BLOCK_BF16(dense_bf16_1x2, 1, 2)
-DENSE_BLOCK_BF16(dense_bf16_1x1, 1, 1)
+/* AVX2: bf16 weights widened in registers (`<< 16` the even columns, `& 0xffff0000` the odd,
+ * against xeo: per chunk 8 even then 8 odd x values, its ragged tail x's own) in the same blocks
+ * as fp32: one weight row, one linear stream, below DENSE_MIN_M x rows, each line prefetched.
+ * LINEAR_BLOCK's four rows at a time read a SmolLM2-135M's bf16 matrices at 9.1 GB/s on one Zen 3
+ * core, these at 13.5 (a plain read 17.7; medians of 12, the two in turns). The AVX-512 build
+ * keeps LINEAR_BLOCK (not measured). */
+DENSE_BLOCK(dense_bf16_2x2, 2, 2, uint16_t, BD_W_BF16)
+DENSE_BLOCK(dense_bf16_2x1, 2, 1, uint16_t, BD_W_BF16)
+DENSE_BLOCK(dense_bf16_1x2, 1, 2, uint16_t, BD_W_BF16)
+DENSE_BLOCK(dense_bf16_1x1, 1, 1, uint16_t, BD_W_BF16)
 typedef void (*dense_bf16_fn)(const float *, int64_t, const uint16_t *, int64_t, int64_t, float *, int64_t, int64_t,
                               int64_t);
 static const dense_bf16_fn dense_bf16_blocks[2][2] = {{dense_bf16_1x1, dense_bf16_1x2},
@@ -1370,7 +1352,7 @@ DENSE_ROWS(dense_rows_bf16, float, uint16_t, dense_bf16_blocks) /* bf16 weights,
 /* bf16 weights and an x that is exactly bf16 (a bf16 model's activations), no delta: one VDPBF16PS
  * per 32 weights (pairs of exact products summed in fp32; denormals flushed) instead of widening
  * both halves and two FMAs (that path was compute-bound at ~0.7× of the bf16 weights' bandwidth on
- * one core). Blocks as DENSE_BLOCK_F32, the two accumulators over 32-value chunks of even and odd
+ * one core). Blocks as DENSE_BLOCK, the two accumulators over 32-value chunks of even and odd
  * index. xb: x as bf16, x's layout. */
 #define DENSE_BLOCK_DP(NAME, R, MB)                                                                      \
     static void NAME(const uint16_t *xb, int64_t ldx, const uint16_t *w, int64_t ldw, int64_t d_in,     \
