@@ -32,6 +32,7 @@ import torch
 
 from bitdelta_kernels.bits import packed_cols, unpack_signs
 from bitdelta_kernels.cpu_build import cpu_isa, load_cpu_lib
+from bitdelta_kernels.cpu_features import native_bf16
 from bitdelta_kernels.reference import bitdelta_linear_ref
 from bitdelta_kernels.settings import current
 
@@ -301,12 +302,31 @@ def mm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     fp32 runs oneDNN's matmul where this torch has it: torch's own fp32 GEMM is MKL's, which takes
     its AVX-512 code on Intel CPUs only (one core of an AMD EPYC of the Zen 5 generation, 559 × 576
     by 576 × 1536: MKL 100–117 GFLOPS, an AVX2 rate, oneDNN 200–260; docs/kernels.md, "fp32
-    GEMMs"). Other dtypes, and products autograd tracks, are torch's (its bf16 GEMM is oneDNN's
-    already)."""
+    GEMMs"). bf16 by bf16 is torch's (oneDNN's) GEMM where the CPU has native bf16, else widened
+    to fp32 (`_mm_nt_widened`). Other dtypes, and products autograd tracks, are torch's."""
     tracked = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
     if x.dtype == torch.float32 and w.dtype == torch.float32 and x.shape[0] and not tracked and _onednn_f32():
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.contiguous(), None, "none", [], "")
+    if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and not tracked and not native_bf16()[0]:
+        return _mm_nt_widened(x, w)
     return x @ w.t()
+
+
+def _mm_nt_widened(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x · wᵀ for bf16 x and w on a CPU without native bf16: x and blocks of w's rows widened to
+    fp32 (exactly), multiplied by the fp32 GEMM, each product rounded once to bf16, which is what
+    torch's bf16 GEMM computes (fp32 accumulation) up to summation order, at the fp32 GEMM's speed
+    (one core of an AMD EPYC of the Zen 3 generation, 559 × 576 by 576 × 1536: 20 ms, against 131 ms
+    in torch's emulated bf16). The blocks bound the widened copy (MERGE_BLOCK_BYTES)."""
+    xf, d_out = x.float(), w.shape[0]
+    rows = _block_rows(w.shape[1], d_out, 4)
+    if rows >= d_out:
+        return mm_nt(xf, w.float()).to(torch.bfloat16)
+    y = torch.empty(x.shape[0], d_out, dtype=torch.bfloat16)
+    for r0 in range(0, d_out, rows):
+        r1 = min(d_out, r0 + rows)
+        y[:, r0:r1] = mm_nt(xf, w[r0:r1].float())
+    return y
 
 
 _ONEDNN_F32: bool | None = None  # torch's oneDNN linear op runs here (decided once, by a check)

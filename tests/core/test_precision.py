@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bitdelta import precision
+from bitdelta_kernels import cpu_features
 
 
 @pytest.fixture
@@ -25,12 +26,12 @@ def cpu_flags(choose, monkeypatch):
     choose("auto")
 
     def set_flags(flags, capability="AVX512"):
-        monkeypatch.setattr(precision, "_read_cpu_flags", lambda: None if flags is None else set(flags))
-        monkeypatch.setattr(precision, "_torch_capability", lambda: capability)
-        precision.native_bf16.cache_clear()
+        monkeypatch.setattr(cpu_features, "cpu_flags", lambda: None if flags is None else set(flags))
+        monkeypatch.setattr(cpu_features, "torch_capability", lambda: capability)
+        cpu_features.native_bf16.cache_clear()
 
     yield set_flags
-    precision.native_bf16.cache_clear()
+    cpu_features.native_bf16.cache_clear()
 
 
 def test_auto_uses_bf16_only_with_native_bf16(cpu_flags):

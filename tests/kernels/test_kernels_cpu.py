@@ -730,8 +730,29 @@ def test_mm_nt_takes_onednn_for_fp32_and_matches_torch():
             assert rel_err(cpu_ops.mm_nt(xv, wv), ref) <= 1e-6
     w = torch.randn(9, 16, generator=g)
     assert cpu_ops.mm_nt(torch.randn(0, 16), w).shape == (0, 9)
-    xb, wb = torch.randn(5, 16, generator=g).bfloat16(), w.bfloat16()
-    assert torch.equal(cpu_ops.mm_nt(xb, wb), xb @ wb.t())  # other dtypes: torch's own product
+    xh, wh = torch.randn(5, 16, generator=g).half(), w.half()
+    assert torch.equal(cpu_ops.mm_nt(xh, wh), xh @ wh.t())  # other dtypes: torch's own product
     xg = torch.randn(5, 16, generator=g, requires_grad=True)
     cpu_ops.mm_nt(xg, w).sum().backward()  # a product autograd tracks stays torch's
     assert torch.allclose(xg.grad, w.sum(0).expand(5, 16))
+
+
+@pytest.mark.parametrize("N", [72, 3000])  # one block; blocks of w's rows (MERGE_BLOCK_BYTES made small)
+def test_mm_nt_widens_bf16_without_native_bf16(N, monkeypatch):
+    # torch's bf16 GEMM is emulated on a CPU without bf16 (~6x slower than fp32 on an AVX2 EPYC):
+    # there mm_nt multiplies the exactly widened operands in fp32 and rounds each product once,
+    # torch's own bf16 math up to summation order; with native bf16 it is torch's product
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(37, 300, generator=g).bfloat16(), torch.randn(N, 300, generator=g).bfloat16()
+    monkeypatch.setattr(cpu_ops, "MERGE_BLOCK_BYTES", 300 * 4 * 512)
+    exact = x.double() @ w.double().t()
+    widened, calls = cpu_ops._mm_nt_widened, []
+    monkeypatch.setattr(cpu_ops, "_mm_nt_widened", lambda *a: calls.append(1) or widened(*a))
+    monkeypatch.setattr(cpu_ops, "native_bf16", lambda: (False, "test"))
+    y = cpu_ops.mm_nt(x, w)
+    assert calls and y.dtype == torch.bfloat16 and y.shape == (37, N)
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-3)
+    assert ((y.double() - exact).abs() <= ulp).all()  # within one rounding of the exact product
+    monkeypatch.setattr(cpu_ops, "native_bf16", lambda: (True, "test"))
+    calls.clear()
+    assert torch.equal(cpu_ops.mm_nt(x, w), x @ w.t()) and not calls
