@@ -293,7 +293,7 @@ def dense_linear_cpu(x: torch.Tensor, w: torch.Tensor, out_fp32: bool = False) -
         y = linear_gemv_cpu(x, w, None, None)
         return y if out_fp32 else y.to(x.dtype)
     if out_fp32:
-        return mm_nt(x.float(), w.float())
+        return mm_nt_fp32(x, w)
     return mm_nt(x, w)
 
 
@@ -303,26 +303,28 @@ def mm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     its AVX-512 code on Intel CPUs only (one core of an AMD EPYC of the Zen 5 generation, 559 × 576
     by 576 × 1536: MKL 100–117 GFLOPS, an AVX2 rate, oneDNN 200–260; docs/kernels.md, "fp32
     GEMMs"). bf16 by bf16 is torch's (oneDNN's) GEMM where the CPU has native bf16, else widened
-    to fp32 (`_mm_nt_widened`). Other dtypes, and products autograd tracks, are torch's."""
+    to fp32 (`mm_nt_fp32`, then rounded once to bf16). Other dtypes, and products autograd tracks, are torch's."""
     tracked = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
     if x.dtype == torch.float32 and w.dtype == torch.float32 and x.shape[0] and not tracked and _onednn_f32():
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.contiguous(), None, "none", [], "")
     if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and not tracked and not native_bf16()[0]:
-        return _mm_nt_widened(x, w)
+        return mm_nt_fp32(x, w).to(torch.bfloat16)
     return x @ w.t()
 
 
-def _mm_nt_widened(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x · wᵀ for bf16 x and w on a CPU without native bf16: x and blocks of w's rows widened to
-    fp32 (exactly), multiplied by the fp32 GEMM, each product rounded once to bf16, which is what
-    torch's bf16 GEMM computes (fp32 accumulation) up to summation order, at the fp32 GEMM's speed
-    (one core of an AMD EPYC of the Zen 3 generation, 559 × 576 by 576 × 1536: 20 ms, against 131 ms
-    in torch's emulated bf16). The blocks bound the widened copy (MERGE_BLOCK_BYTES)."""
+def mm_nt_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x · wᵀ in fp32 (fp32 accumulation and output) for CPU matrices of any float dtype: x widened
+    once, w in blocks of its rows (MERGE_BLOCK_BYTES), so a bf16 or fp16 weight (an LM head of
+    128K × 4096: 2 GB in fp32) never has a whole fp32 copy, each block through `mm_nt`'s fp32 GEMM.
+    Where torch emulates bf16 this is also the fast bf16 product: one core of an AMD EPYC of the Zen
+    3 generation, 559 × 576 by 576 × 1536, 20 ms against 131 in torch's bf16 GEMM."""
     xf, d_out = x.float(), w.shape[0]
+    if w.dtype == torch.float32:
+        return mm_nt(xf, w)
     rows = _block_rows(w.shape[1], d_out, 4)
     if rows >= d_out:
-        return mm_nt(xf, w.float()).to(torch.bfloat16)
-    y = torch.empty(x.shape[0], d_out, dtype=torch.bfloat16)
+        return mm_nt(xf, w.float())
+    y = torch.empty(x.shape[0], d_out, dtype=torch.float32)
     for r0 in range(0, d_out, rows):
         r1 = min(d_out, r0 + rows)
         y[:, r0:r1] = mm_nt(xf, w[r0:r1].float())
@@ -348,9 +350,11 @@ def _onednn_f32() -> bool:
 
 
 def _compute_dtype(x: torch.Tensor, w_base: torch.Tensor) -> torch.dtype:
-    """The GEMM dtype on CPU: the weights' when x matches them and BLAS is fast in it
-    (fp32; bf16 has hardware dot products on AVX-512-BF16/AMX), else fp32."""
-    if x.dtype == w_base.dtype and w_base.dtype in (torch.float32, torch.bfloat16):
+    """The GEMM dtype on CPU: the weights' when x matches them and BLAS is fast in it (fp32; bf16
+    where the CPU has native bf16, `native_bf16`), else fp32."""
+    if x.dtype == w_base.dtype and (
+        w_base.dtype == torch.float32 or (w_base.dtype == torch.bfloat16 and native_bf16()[0])
+    ):
         return w_base.dtype
     return torch.float32
 
@@ -389,7 +393,7 @@ def linear_blas_delta_cpu(
 ) -> torch.Tensor:
     """Base GEMM by BLAS in the weights' dtype, then the delta GEMV from the bits -> [M, d_out] in x.dtype."""
     ct = _compute_dtype(x, w_base)
-    y = mm_nt(x.to(ct), w_base.to(ct)).to(torch.float32)
+    y = mm_nt_fp32(x, w_base) if ct == torch.float32 else mm_nt(x, w_base).float()
     delta_gemv_cpu(x, signs, alpha, y)
     return y.to(x.dtype)
 

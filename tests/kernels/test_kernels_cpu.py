@@ -746,8 +746,8 @@ def test_mm_nt_widens_bf16_without_native_bf16(N, monkeypatch):
     x, w = torch.randn(37, 300, generator=g).bfloat16(), torch.randn(N, 300, generator=g).bfloat16()
     monkeypatch.setattr(cpu_ops, "MERGE_BLOCK_BYTES", 300 * 4 * 512)
     exact = x.double() @ w.double().t()
-    widened, calls = cpu_ops._mm_nt_widened, []
-    monkeypatch.setattr(cpu_ops, "_mm_nt_widened", lambda *a: calls.append(1) or widened(*a))
+    widened, calls = cpu_ops.mm_nt_fp32, []
+    monkeypatch.setattr(cpu_ops, "mm_nt_fp32", lambda *a: calls.append(1) or widened(*a))
     monkeypatch.setattr(cpu_ops, "native_bf16", lambda: (False, "test"))
     y = cpu_ops.mm_nt(x, w)
     assert calls and y.dtype == torch.bfloat16 and y.shape == (37, N)
@@ -756,3 +756,22 @@ def test_mm_nt_widens_bf16_without_native_bf16(N, monkeypatch):
     monkeypatch.setattr(cpu_ops, "native_bf16", lambda: (True, "test"))
     calls.clear()
     assert torch.equal(cpu_ops.mm_nt(x, w), x @ w.t()) and not calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_mm_nt_fp32_widens_the_weight_by_blocks(dtype, monkeypatch):
+    # fp32 products of any weight dtype (the sign heads' logits, dense_linear's out_fp32, the base
+    # GEMM of blas_delta without native bf16) never widen a whole half-precision weight at once
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(20, 96, generator=g).to(dtype), torch.randn(1000, 96, generator=g).to(dtype)
+    monkeypatch.setattr(cpu_ops, "MERGE_BLOCK_BYTES", 96 * 4 * 128)  # blocks of 128 rows
+    widened = []
+    real_float = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda t: widened.append(t.shape[0]) or real_float(t))
+    y = cpu_ops.mm_nt_fp32(x, w)
+    monkeypatch.undo()
+    assert y.dtype == torch.float32 and y.shape == (20, 1000)
+    assert rel_err(y, (x.double() @ w.double().t()).float()) <= 1e-6
+    assert max(widened) <= (128 if dtype != torch.float32 else 20)  # x once, w by at most 128 rows
+    y_out = cpu_ops.dense_linear_cpu(x, w, out_fp32=True)  # its large-M path
+    assert y_out.dtype == torch.float32 and rel_err(y_out, y) <= 1e-6
