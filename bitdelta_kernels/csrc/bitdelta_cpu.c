@@ -1294,22 +1294,28 @@ static const dense_f32_fn dense_f32_blocks[3][3] = {{dense_f32_1x1, dense_f32_1x
                                                     {dense_f32_2x1, dense_f32_2x2, dense_f32_2x4},
                                                     {dense_f32_3x1, dense_f32_3x2, dense_f32_3x4}};
 #else
-#define DENSE_R 2  /* 16 ymm registers: 2 × 2 pairs × 2 accumulators + 2 weight vectors + an x vector */
-#define DENSE_MB 2
+/* 16 ymm registers: 2 × 3 pairs × 2 accumulators + 2 weight vectors + an x vector. 2 × 2 blocks
+ * took 1.1–1.3× the time at 6–8 x rows on a Zen 3 core (SmolLM2's head: each weight row pair read
+ * by 4 blocks while 8 x rows and the stream's look-ahead filled L1; docs/kernels.md). */
+#define DENSE_R 2
+#define DENSE_MB 3
+DENSE_BLOCK(dense_f32_2x3, 2, 3, float, BD_W_F32)
 DENSE_BLOCK(dense_f32_2x2, 2, 2, float, BD_W_F32)
 DENSE_BLOCK(dense_f32_2x1, 2, 1, float, BD_W_F32)
+DENSE_BLOCK(dense_f32_1x3, 1, 3, float, BD_W_F32)
 DENSE_BLOCK(dense_f32_1x2, 1, 2, float, BD_W_F32)
 DENSE_BLOCK(dense_f32_1x1, 1, 1, float, BD_W_F32)
 typedef void (*dense_f32_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t, int64_t, int64_t);
-static const dense_f32_fn dense_f32_blocks[2][2] = {{dense_f32_1x1, dense_f32_1x2}, {dense_f32_2x1, dense_f32_2x2}};
+static const dense_f32_fn dense_f32_blocks[2][3] = {{dense_f32_1x1, dense_f32_1x2, dense_f32_1x3},
+                                                    {dense_f32_2x1, dense_f32_2x2, dense_f32_2x3}};
 #endif
 
 /* Weight rows per block from this many x rows on; fewer take one row at a time (one linear stream:
  * three rows' streams at once read W at ~0.8× the speed in a one-row decode step). */
 #define DENSE_MIN_M 3
 
-/* mb index of a block of n x rows in the tables (1, 2, 4 -> 0, 1, 2) */
-static inline int mb_index(int64_t n) { return n >= 4 ? 2 : (int)(n - 1); }
+/* mb index of a block of n x rows in the tables (1, 2, DENSE_MB (4 or 3) -> 0, 1, 2) */
+static inline int mb_index(int64_t n) { return n >= 3 ? 2 : (int)(n - 1); }
 
 /* y[m, r] = x_m · W_r for rows [r0, r1) and every x row by a table of blocks [R - 1][mb_index(MB)]:
  * DENSE_R weight rows at a time (their weights stay in L1 for all x rows; one below DENSE_MIN_M x
@@ -1336,14 +1342,16 @@ DENSE_ROWS(dense_rows_f32, float, float, dense_f32_blocks)
  * LINEAR_BLOCK's four rows at a time read a SmolLM2-135M's bf16 matrices at 9.1 GB/s on one Zen 3
  * core, these at 13.5 (a plain read 17.7; medians of 12, the two in turns). The AVX-512 build
  * keeps LINEAR_BLOCK (not measured). */
+DENSE_BLOCK(dense_bf16_2x3, 2, 3, uint16_t, BD_W_BF16)
 DENSE_BLOCK(dense_bf16_2x2, 2, 2, uint16_t, BD_W_BF16)
 DENSE_BLOCK(dense_bf16_2x1, 2, 1, uint16_t, BD_W_BF16)
+DENSE_BLOCK(dense_bf16_1x3, 1, 3, uint16_t, BD_W_BF16)
 DENSE_BLOCK(dense_bf16_1x2, 1, 2, uint16_t, BD_W_BF16)
 DENSE_BLOCK(dense_bf16_1x1, 1, 1, uint16_t, BD_W_BF16)
 typedef void (*dense_bf16_fn)(const float *, int64_t, const uint16_t *, int64_t, int64_t, float *, int64_t, int64_t,
                               int64_t);
-static const dense_bf16_fn dense_bf16_blocks[2][2] = {{dense_bf16_1x1, dense_bf16_1x2},
-                                                      {dense_bf16_2x1, dense_bf16_2x2}};
+static const dense_bf16_fn dense_bf16_blocks[2][3] = {{dense_bf16_1x1, dense_bf16_1x2, dense_bf16_1x3},
+                                                      {dense_bf16_2x1, dense_bf16_2x2, dense_bf16_2x3}};
 DENSE_ROWS(dense_rows_bf16, float, uint16_t, dense_bf16_blocks) /* bf16 weights, x as xeo */
 #define HAVE_DENSE_BF16 1
 #endif
