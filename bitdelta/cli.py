@@ -11,15 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from bitdelta.units import human_bytes
-
-
-class CliError(Exception):
-    """A user-facing failure: printed without a traceback, exit code 1 (or `code`)."""
-
-    def __init__(self, message: str, code: int = 1):
-        super().__init__(message)
-        self.code = code
+from bitdelta import inspect_report
+from bitdelta.cli_error import CliError
 
 
 def cmd_compress(a: argparse.Namespace) -> None:
@@ -87,7 +80,7 @@ def cmd_compress(a: argparse.Namespace) -> None:
             before, after = record[f"heldout_{cfg.loss}_before"], record[f"heldout_{cfg.loss}_after"]
             print(f"held-out {what}: {before:.4e} -> {after:.4e}")
     print(f"wrote {out}")
-    _print_inspect(out)
+    print(inspect_report.text(out), end="")
 
 
 def cmd_apply(a: argparse.Namespace) -> None:
@@ -96,73 +89,12 @@ def cmd_apply(a: argparse.Namespace) -> None:
     print(f"wrote {apply(a.base, a.delta, a.out)}")
 
 
-def _print_inspect(path: Path, as_json: bool = False) -> None:
-    from bitdelta.format import read_header
-
-    h = read_header(path)
-    meta = h.meta
-    roles = h.bytes_by_role()
-    params = sum(d_out * d_in for d_out, d_in in meta.shapes.values())
-    bf16_equiv = params * 2 + roles["dense"]
-    info = {
-        "file": str(path),
-        "variant": meta.variant,
-        "base_model": meta.base_model,
-        "base_fingerprint": meta.base_fingerprint,
-        "format_version": h.metadata["format_version"],
-        "architecture": meta.architecture or "llama/mistral (format v1)",
-        "layout": meta.layout,
-        "alpha_mode": meta.alpha_mode,
-        "distilled": meta.distilled,
-        "tool_version": meta.tool_version,
-        "compressed_weights": len(meta.shapes),
-        "compressed_params": params,
-        "dense_tensors": sum(t.role == "dense" for t in h.tensors),
-        "dense_biases": sum(t.role == "dense" and t.param.endswith(".bias") for t in h.tensors),
-        "bytes": {
-            "signs": roles["sign"],
-            "alpha": roles["alpha"],
-            "lowrank": roles["lowrank"],
-            "dense": roles["dense"],
-            "header": h.header_bytes,
-            "total": h.file_size,
-        },
-        "bytes_by_plane": h.bytes_by_plane(),
-        "weights_by_plane": {i: sum(len(meta.axes(p)) >= i for p in meta.shapes) for i in h.bytes_by_plane()},
-        "rank_total": sum(meta.rank(p) for p in meta.shapes),
-        "ratio_vs_bf16": round(bf16_equiv / h.file_size, 2) if h.file_size else None,
-        "ratio_compressed_part": round(params * 2 / max(1, roles["sign"] + roles["alpha"] + roles["lowrank"]), 2),
-    }
-    if as_json:
-        print(json.dumps(info, indent=2))
-        return
-    print(f"{path}: BitDelta v{info['format_version']} variant {meta.variant!r} of base {meta.base_model!r}")
-    print(f"  base fingerprint  {meta.base_fingerprint}")
-    print(f"  architecture      {info['architecture']}, layout {meta.layout}")
-    print(f"  alpha mode        {meta.alpha_mode}; distilled: {json.dumps(meta.distilled) if meta.distilled else 'no'}")
-    print(f"  compressed        {len(meta.shapes)} weights, {params:,} params")
-    print(f"  signs             {human_bytes(roles['sign'])}")
-    print(f"  alpha             {human_bytes(roles['alpha'])}")
-    if len(info["bytes_by_plane"]) > 1 or roles["lowrank"]:
-        for plane, n in info["bytes_by_plane"].items():
-            print(
-                f"    plane {plane}         {human_bytes(n)} (signs + alpha) in {info['weights_by_plane'][plane]} weights"
-            )
-        print(f"  low-rank          {human_bytes(roles['lowrank'])} (rank {info['rank_total']} over all weights)")
-    print(
-        f"  dense             {human_bytes(roles['dense'])} in {info['dense_tensors']} tensors "
-        f"({info['dense_biases']} of them biases)"
-    )
-    print(f"  file              {human_bytes(h.file_size)}")
-    print(
-        f"  ratio             {info['ratio_vs_bf16']}x smaller than the same parameters in bf16 "
-        f"({info['ratio_compressed_part']}x on the compressed weights alone)"
-    )
-
-
 def cmd_inspect(a: argparse.Namespace) -> None:
     for f in a.files:
-        _print_inspect(Path(f), as_json=a.json)
+        if a.json:
+            print(json.dumps(inspect_report.info(Path(f)), indent=2))
+        else:
+            print(inspect_report.text(Path(f)), end="")
 
 
 def cmd_verify(a: argparse.Namespace) -> None:

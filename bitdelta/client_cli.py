@@ -22,6 +22,8 @@ import asyncio
 import os
 import sys
 
+from bitdelta.cli_error import CliError
+
 DEFAULT_ROUTER = os.environ.get("BITDELTA_ROUTER", "127.0.0.1:50051")
 DEFAULT_STORE = os.environ.get("BITDELTA_STORE", "127.0.0.1:50052")
 
@@ -46,7 +48,6 @@ def _router(a: argparse.Namespace):
 
 
 def _fail(e) -> None:
-    from bitdelta.cli import CliError
 
     raise CliError(f"{e.code.name}: {e.details}") from None
 
@@ -170,8 +171,6 @@ async def _put(st, a: argparse.Namespace) -> None:
 
     path = Path(a.file)
     if not path.is_file():
-        from bitdelta.cli import CliError
-
         raise CliError(f"{path}: no such file")
     name = a.name or path.name.removesuffix(".safetensors").removesuffix(".bitdelta")  # torch-free: no bitdelta.format
     with tqdm(total=path.stat().st_size, desc=f"put {name}", unit="B", unit_scale=True, file=sys.stderr) as bar:

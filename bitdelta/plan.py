@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bitdelta.arch import ModelArgs
+from bitdelta.cli_error import CliError
 from bitdelta.format import DeltaHeader, alpha_axis, check_arch, read_header
 from bitdelta.shard import EMBED, HEAD, TPLayout
 from bitdelta.units import parse_bytes
@@ -489,7 +490,6 @@ def render(p: Plan, alpha: str = "row", embeddings: str = "dense", dtype: str = 
 
 
 def cmd_plan(a: argparse.Namespace) -> None:
-    from bitdelta.cli import CliError
 
     try:
         cfg = json.loads(Path(a.config).read_text())

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import threading
 import urllib.parse
 import urllib.request
@@ -297,9 +296,3 @@ def register(sub) -> None:
     c.add_argument("--address", default="127.0.0.1:4317")
     c.add_argument("--out", type=Path, required=True)
     c.set_defaults(func=cmd_collect)
-
-
-if __name__ == "__main__":
-    from bitdelta.cli import main
-
-    sys.exit(main(["traces", *sys.argv[1:]]))

@@ -156,6 +156,51 @@ def test_the_core_imports_no_service():
     assert r.returncode == 0 and r.stdout.strip() == "False", (r.stdout, r.stderr)
 
 
+def module_edges(path: Path, modules: set[str]) -> set[str]:
+    """The project modules `path` imports (at the top or inside a function): `from a.b import c`
+    names a.b.c where that is a module, else a.b (its package's __init__)."""
+    out = set()
+    for node in ast.walk(parse(path)):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            subs = {f"{node.module}.{a.name}" for a in node.names} & modules
+            out |= subs or ({node.module} & modules)
+    return out
+
+
+def test_no_import_cycle_in_the_code():
+    """The code's modules import one another in one direction: no module reaches itself through
+    its imports, lazy ones inside functions included (a cycle is usually a function-local import
+    hiding it: the subcommand modules once took `CliError` from the CLI that registers them)."""
+    files = {
+        ".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): f
+        for pkg in ("bitdelta", "bitdelta_kernels", "services")
+        for f in sorted((ROOT / pkg).rglob("*.py"))
+        if not f.name.endswith(("_pb2.py", "_pb2_grpc.py"))
+    }
+    graph = {m: module_edges(f, set(files)) - {m} for m, f in files.items()}  # less a `__main__` block's own import
+    for f, m in CORE_TO_SERVICE:  # the core's one lazy arrow to a service (above)
+        graph[".".join(Path(f).with_suffix("").parts).removesuffix(".__init__")].discard(m)
+    assert graph["bitdelta.cli"] >= {"bitdelta.cli_error", "bitdelta.inspect_report"}  # the graph sees the arrows
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append(" -> ".join([*path[path.index(n) :], n]))
+            elif n not in state:
+                visit(n, [*path, n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "\n".join(cycles)
+
+
 def test_import_rules_see_imports_inside_functions(tmp_path):
     f = tmp_path / "m.py"
     f.write_text(

@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+from bitdelta.cli_error import CliError
+
 
 def _positive_int(text: str) -> int:
     n = int(text)
@@ -18,7 +20,6 @@ def _positive_int(text: str) -> int:
 def cmd_build(a: argparse.Namespace) -> None:
     from dataclasses import replace
 
-    from bitdelta.cli import CliError
     from bitdelta.family.build import build
     from bitdelta.family.finetune import FinetuneConfig
 
@@ -32,7 +33,6 @@ def cmd_build(a: argparse.Namespace) -> None:
 
 
 def _check_variants(variants):
-    from bitdelta.cli import CliError
     from bitdelta.family import MEMBERS
 
     bad = sorted(set(variants or ()) - set(MEMBERS))
@@ -41,7 +41,6 @@ def _check_variants(variants):
 
 
 def cmd_status(a: argparse.Namespace) -> None:
-    from bitdelta.cli import CliError
     from bitdelta.family.build import status
 
     st = status(a.data)
@@ -77,7 +76,6 @@ def cmd_paths(a: argparse.Namespace) -> None:
 
 
 def cmd_quality(a: argparse.Namespace) -> None:
-    from bitdelta.cli import CliError
     from bitdelta.family.modes import MODES
     from bitdelta.family.quality import QualityConfig
     from bitdelta.reports import run_reports

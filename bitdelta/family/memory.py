@@ -7,12 +7,10 @@ dtype, although data/base stores fp32 (the dequantised GGUF, bit-exact).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import math
 import time
-from pathlib import Path
 
+from bitdelta import inspect_report
 from bitdelta.family import SERVING_MODE, FamilyPaths
 
 FLEET_SIZES = (1, 4, 14, 100)
@@ -60,15 +58,6 @@ def delta_rows(p: FamilyPaths, variants: list[str]) -> list[dict]:
                 }
             )
     return rows
-
-
-def inspect_text(path: Path) -> str:
-    from bitdelta.cli import _print_inspect
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        _print_inspect(path)
-    return buf.getvalue()
 
 
 def memory_markdown(p: FamilyPaths, variants: list[str], command: str) -> str:
@@ -150,5 +139,5 @@ def memory_markdown(p: FamilyPaths, variants: list[str], command: str) -> str:
         "",
     ]
     for r in rows:
-        lines += ["```", inspect_text(r["path"]).rstrip().replace(str(p.root), "$BITDELTA_DATA"), "```", ""]
+        lines += ["```", inspect_report.text(r["path"]).rstrip().replace(str(p.root), "$BITDELTA_DATA"), "```", ""]
     return "\n".join(lines)

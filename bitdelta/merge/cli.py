@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bitdelta.cli import CliError
+from bitdelta.cli_error import CliError
 from bitdelta.units import parse_bytes
 
 

@@ -23,7 +23,7 @@ from bitdelta.rpc.security import AuthInterceptor, Role
 from bitdelta.rpc.serve import Server, Service, run_until_signal
 from bitdelta.rpc.serve import create_server as create_rpc_server
 from bitdelta.rpc.wire.delta_store import MAX_MESSAGE_BYTES, SHARED_LEASE_S
-from services.delta_store.backends import Backend, make_backend
+from services.delta_store.backends import Backend
 from services.delta_store.cache import HostCache
 from services.delta_store.config import Config
 from services.delta_store.errors import BackendUnavailable, InvalidUpload
@@ -124,6 +124,24 @@ class DeltaStoreServicer(pb_grpc.DeltaStoreServiceServicer):
     async def Delete(self, request, context):
         await self.store.delete(request.name)
         return pb.DeleteResponse()
+
+
+def make_backend(config: Config) -> Backend:
+    """The backend that `config` selects (each imported only when chosen: the S3 client's modules
+    load only for S3)."""
+    if config.backend == "local":
+        from services.delta_store.backends.local import LocalBackend
+
+        return LocalBackend(config.root)
+    from services.delta_store.backends.s3 import S3Backend
+
+    return S3Backend(
+        bucket=config.s3_bucket,
+        prefix=config.s3_prefix,
+        endpoint=config.s3_endpoint,
+        region=config.s3_region,
+        timeout_s=config.backend_timeout_s,
+    )
 
 
 def create_server(

@@ -122,20 +122,3 @@ class Backend(ABC):
         async with await self.open(name) as r:
             n = await r.readinto(offset, memoryview(buf))
         return bytes(buf[:n])
-
-
-def make_backend(config) -> Backend:
-    """The backend that `config` (a services.delta_store.config.Config) selects."""
-    if config.backend == "local":
-        from services.delta_store.backends.local import LocalBackend
-
-        return LocalBackend(config.root)
-    from services.delta_store.backends.s3 import S3Backend
-
-    return S3Backend(
-        bucket=config.s3_bucket,
-        prefix=config.s3_prefix,
-        endpoint=config.s3_endpoint,
-        region=config.s3_region,
-        timeout_s=config.backend_timeout_s,
-    )
