@@ -79,6 +79,16 @@ class DecodeShape:
         return dtype in _DTYPE_CODE and load_cpu_lib() is not None and cpu_isa() != "scalar"
 
 
+@dataclass(frozen=True)
+class HeadPlanes:
+    """Sign planes on the base's LM head for a step's logits (variants whose tied embedding is
+    compressed to signs): plane v is (signs uint8 [vocab, ceil(dim/8)], α fp32 [vocab] or [1]);
+    row_head: int64 [B], the plane of each row, −1 for the base's head alone."""
+
+    planes: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    row_head: torch.Tensor
+
+
 def _check(layers: list[DecodeLayer], shape: DecodeShape, dtype: torch.dtype) -> None:
     """Everything the C code indexes without checking (it would read out of bounds otherwise)."""
     D, H, KV, hd, F = shape.dim, shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.intermediate
@@ -112,6 +122,22 @@ def _check(layers: list[DecodeLayer], shape: DecodeShape, dtype: torch.dtype) ->
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+@dataclass
+class _HeadArgs:
+    """`bd_decode_layers`' head-plane arguments, holding the tensors and arrays they point into."""
+
+    planes: tuple | list = ()
+    rows: torch.Tensor | None = None
+    signs: ctypes.Array | None = None
+    alpha: ctypes.Array | None = None
+    strides: ctypes.Array | None = None
+
+    @property
+    def args(self) -> tuple:
+        """n_heads, head_signs, head_alpha, head_alpha_stride, head_of_row."""
+        return (len(self.planes), self.signs, self.alpha, self.strides, _ptr(self.rows))
 
 
 class DecodeLayers:
@@ -159,6 +185,30 @@ class DecodeLayers:
             c.norm[:] = [_ptr(t) for t in L.norms]
             c.k, c.v, c.window = L.k.data_ptr(), L.v.data_ptr(), L.window or 0
 
+    def _head_args(self, hp: HeadPlanes | None, logits: bool, B: int) -> _HeadArgs:
+        """`hp` checked (the C code reads its planes and rows unchecked) as the C call's arguments."""
+        if hp is None:
+            return _HeadArgs()
+        if not logits:
+            raise ValueError("head planes need logits")
+        V, D = self.head.shape
+        for signs, alpha in hp.planes:
+            if signs.dtype != torch.uint8 or tuple(signs.shape) != (V, (D + 7) // 8):
+                raise ValueError("a head plane's signs must be uint8 [vocab, ceil(dim/8)]")
+            if alpha.dtype != torch.float32 or alpha.dim() != 1 or alpha.shape[0] not in (1, V):
+                raise ValueError("a head plane's α must be fp32 [vocab] or [1]")
+        rows = hp.row_head.to(torch.int64).contiguous()
+        if tuple(rows.shape) != (B,) or (B and not -1 <= int(rows.min()) <= int(rows.max()) < len(hp.planes)):
+            raise ValueError(f"row_head must be [{B}] plane indices in [-1, {len(hp.planes) - 1}]")
+        planes = [(s.contiguous(), a.contiguous()) for s, a in hp.planes]
+        return _HeadArgs(
+            planes,
+            rows,
+            (ctypes.c_void_p * len(planes))(*[s.data_ptr() for s, _ in planes]),
+            (ctypes.c_void_p * len(planes))(*[a.data_ptr() for _, a in planes]),
+            (ctypes.c_int64 * len(planes))(*[int(a.shape[0] != 1) for _, a in planes]),
+        )
+
     def run(
         self,
         x: torch.Tensor,
@@ -170,14 +220,14 @@ class DecodeLayers:
         lens: torch.Tensor,
         block_size: int,
         logits: bool = False,
-        head_plane: tuple[torch.Tensor, torch.Tensor] | None = None,
+        head_planes: HeadPlanes | None = None,
     ) -> torch.Tensor:
         """Every layer for B decode rows -> the last layer's output [B, dim] in the model's dtype,
         normed by each row's final norm if the layers have one; with `logits` (the layers have a
         head) fp32 [B, vocab] = round(h · headᵀ) instead, as `dense_linear(h, head).float()`; with
-        `head_plane` too, (signs uint8 [vocab, ceil(dim/8)], α fp32 [vocab] or [1]): one sign plane
-        of the head for every row, fp32 h · headᵀ + α ⊙ (h · Sᵀ), not rounded, as the runner's
-        `_sign_heads` (`dense_linear(h, head, out_fp32=True)`, then `bitdelta_delta_batched`).
+        `head_planes` too, a row of plane v gets fp32 h · headᵀ + α_v ⊙ (h · S_vᵀ), not rounded, as
+        the runner's `_sign_heads` (`dense_linear(h, head, out_fp32=True)`, then
+        `bitdelta_delta_batched`), and a row of −1 round(h · headᵀ) as before.
 
         x: [B, dim] the embedded tokens; row_slot: [B] slot per row (−1: the base; row slot + 1 of
         the norm and bias stacks); cos, sin: [B, head_dim]; write_rows: [B] the pool rows the new k,
@@ -187,15 +237,8 @@ class DecodeLayers:
         """
         if logits and self.head is None:
             raise ValueError("logits need the layers' head")
-        signs, alpha = head_plane if head_plane is not None else (None, None)
-        if signs is not None:
-            V, D = self.head.shape if logits else (-1, -1)  # without logits, refused below
-            if not logits or signs.dtype != torch.uint8 or tuple(signs.shape) != (V, (D + 7) // 8):
-                raise ValueError("a head plane needs logits and signs uint8 [vocab, ceil(dim/8)]")
-            if alpha.dtype != torch.float32 or alpha.dim() != 1 or alpha.shape[0] not in (1, V):
-                raise ValueError("a head plane's α must be fp32 [vocab] or [1]")
-            signs, alpha = signs.contiguous(), alpha.contiguous()
         sh, B = self.shape, x.shape[0]
+        heads = self._head_args(head_planes, logits, B)
         hd = sh.head_dim
         if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != sh.dim:
             raise ValueError(f"x must be {self.dtype} [B, {sh.dim}]")
@@ -236,9 +279,7 @@ class DecodeLayers:
             _ptr(self.final_norm),
             _ptr(self.head if logits else None),
             0 if out is None else out.shape[1],
-            _ptr(signs),
-            _ptr(alpha),
-            0 if alpha is None or alpha.shape[0] == 1 else 1,
+            *heads.args,
             _ptr(out),
             torch.get_num_threads(),
         )
@@ -247,4 +288,4 @@ class DecodeLayers:
         return x32.to(self.dtype) if out is None else out
 
 
-__all__ = ["DecodeLayer", "DecodeLayers", "DecodeShape", "GROUPS"]
+__all__ = ["DecodeLayer", "DecodeLayers", "DecodeShape", "GROUPS", "HeadPlanes"]

@@ -2161,6 +2161,36 @@ static void rope_heads(float *x, int64_t n, int64_t hd, const float *c, const fl
     }
 }
 
+/* bd_decode_layers' logits from the normed h [B, D] (see there). Returns 0 or −1 (no memory). */
+static int decode_head(const float *h, int64_t B, int64_t D, const void *head, int dtype, int64_t vocab,
+                       int64_t n_heads, const uint8_t *const *head_signs, const float *const *head_alpha,
+                       const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads) {
+    const int64_t lds = (D + 7) / 8;
+    int every = n_heads == 1; /* every row takes plane 0 */
+    for (int64_t b = 0; b < B && every; ++b) every = head_of_row[b] == 0;
+    if (every)
+        return linear_planes(h, B, D, head, dtype, D, head_signs[0], 0, vocab, D, lds, head_alpha[0], 0,
+                             head_alpha_stride[0], NULL, 1, logits, vocab, dtype == BD_W_BF16, 0, n_threads);
+    if (linear_planes(h, B, D, head, dtype, D, NULL, 0, vocab, D, lds, NULL, 0, 0, NULL, 1, logits, vocab,
+                      dtype == BD_W_BF16, 0, n_threads))
+        return -1;
+    for (int64_t b = 0; b < B; ++b)
+        if (!n_heads || head_of_row[b] < 0) round_all(logits + b * vocab, vocab, dtype);
+    if (!n_heads) return 0;
+    int64_t *slots = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B > 0 ? B : 1));
+    if (!slots) return -1;
+    int rc = 0;
+    for (int64_t v = 0; v < n_heads && !rc; ++v) {
+        int any = 0;
+        for (int64_t b = 0; b < B; ++b) any |= (slots[b] = head_of_row[b] == v ? 0 : -1) == 0;
+        if (any)
+            rc = bd_delta_batched(h, B, D, head_signs[v], 0, vocab, D, lds, head_alpha[v], 0, head_alpha_stride[v],
+                                  slots, 1, NULL, 0, 0, NULL, 1, logits, vocab, n_threads);
+    }
+    free(slots);
+    return rc;
+}
+
 /* x: fp32 [B, dim] holding dtype values (the embedded tokens), overwritten with the last layer's
  * output. row_slot: int64 [B] (−1: the base); cos, sin: fp32 [B, hd] (the rotation over the whole
  * head); write_rows: int64 [B] the pool rows of the new tokens' k, v; tables, lens, bs: as
@@ -2168,18 +2198,21 @@ static void rope_heads(float *x, int64_t n, int64_t hd, const float *c, const fl
  * the final norm's stack [n_slots + 1, dim] in the dtype: x is then the normed output (the
  * runner's _final), and with head ([vocab, dim] in the dtype, the base's LM head) logits: fp32
  * [B, vocab] = round(h · headᵀ) (dense_linear_cpu's GEMV, rounded to the dtype), x left normed.
- * head_signs: NULL, or one sign plane [vocab, ceil(dim/8)] of the head for every row with its α's
- * (head_alpha[r · head_alpha_stride]): logits = h · headᵀ + α ⊙ (h · Sᵀ) in fp32, not rounded (the
- * runner's _sign_heads, a variant whose tied embedding is compressed to signs: the GEMV and then
- * bd_delta_batched's plane, bit for bit).
+ * n_heads sign planes of the head (variants whose tied embedding is compressed to signs), plane v
+ * head_signs[v] [vocab, ceil(dim/8)] with its α's head_alpha[v][r · head_alpha_stride[v]], and
+ * head_of_row: int64 [B], the plane of each row (−1: the base's head alone; NULL with no plane):
+ * a row of plane v gets h · headᵀ + α_v ⊙ (h · S_vᵀ) in fp32, not rounded (the runner's
+ * _sign_heads: the GEMV and then bd_delta_batched's plane, bit for bit), a row of −1 round(h · headᵀ).
+ * One plane for every row takes linear_planes' one task (on many threads, one core's GEMV beside
+ * another's planes); a mix, the GEMV for every row and then each plane over its rows.
  * After the layers' ~200 MB of weights every cache is cold, and the ~10 small torch ops of the
  * norm and the head's call cost ~0.3 ms of a ~10 ms bf16 SmolLM2-135M step there. Returns 0 or −1. */
 int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, int64_t B, const int64_t *row_slot,
                      int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t F, float eps, int dtype, const float *cos_t,
                      const float *sin_t, const int64_t *write_rows, const int32_t *tables, int64_t max_blocks,
                      const int32_t *lens, int64_t bs, float scale, const void *final_norm, const void *head,
-                     int64_t vocab, const uint8_t *head_signs, const float *head_alpha, int64_t head_alpha_stride,
-                     float *logits, int n_threads) {
+                     int64_t vocab, int64_t n_heads, const uint8_t *const *head_signs, const float *const *head_alpha,
+                     const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads) {
     const int64_t Q = (H + 2 * KV) * hd, HD = H * hd;
     int any_delta = 0;
     for (int64_t b = 0; b < B; ++b) any_delta |= row_slot[b] >= 0;
@@ -2218,10 +2251,8 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
     if (!rc && final_norm) {
         decode_norm(x, final_norm, row_slot, B, D, eps, dtype, h);
         memcpy(x, h, sizeof(float) * (size_t)(B * D));
-        if (head && !(rc = linear_planes(h, B, D, head, dtype, D, head_signs, 0, vocab, D, (D + 7) / 8, head_alpha, 0,
-                                         head_alpha_stride, NULL, 1, logits, vocab, dtype == BD_W_BF16, 0, n_threads)) &&
-            !head_signs)
-            round_all(logits, B * vocab, dtype);
+        if (head) rc = decode_head(h, B, D, head, dtype, vocab, n_heads, head_signs, head_alpha, head_alpha_stride,
+                                   head_of_row, logits, n_threads);
     }
     free(buf);
     return rc ? -1 : 0;

@@ -47,7 +47,7 @@ from bitdelta_kernels import (
     paged_decode,
     plan_batch,
 )
-from bitdelta_kernels.cpu_decode import GROUPS, DecodeLayer, DecodeLayers, DecodeShape
+from bitdelta_kernels.cpu_decode import GROUPS, DecodeLayer, DecodeLayers, DecodeShape, HeadPlanes
 from bitdelta_kernels.cpu_ops import dense_gemv_max_m
 from bitdelta_kernels.lowrank import factor_mm
 from services.gpu_worker.slots import BigTensor, SlotExtras, SlotTensors
@@ -663,11 +663,11 @@ class ModelRunner:
         x = self._embed(m)
         ready()
         every = len(m.logit_slots) == len(work)  # every row samples: its logits row is its own
-        # every row's head the base's, or the base's + one sign plane of one variant (its tied
-        # embedding compressed to signs): the C call ends with it (the layers, the final norm, the
-        # head in one call); else it ends with the final norm and _logits takes the rows' heads
-        plane = self._one_head_plane(m) if every else None
-        fused = every and self._c_layers.head is not None and (_base_head_only(m) or plane is not None)
+        # each row's head the base's, or the base's + one sign plane of its variant (a tied
+        # embedding compressed to signs): the C call ends with them (the layers, the final norm, the
+        # heads in one call); else it ends with the final norm and _logits takes the rows' heads
+        planes = self._head_planes(m, len(work)) if every else None
+        fused = every and self._c_layers.head is not None and (_base_head_only(m) or planes is not None)
         out = self._c_layers.run(
             x,
             m.row_slot,
@@ -678,7 +678,7 @@ class ModelRunner:
             m.decode_lens,
             self.kv.block_size,
             logits=fused,
-            head_plane=plane if fused else None,
+            head_planes=planes if fused else None,
         )
         if fused:
             return out
@@ -687,16 +687,21 @@ class ModelRunner:
         return self._logits(out if every else out[m.logit_rows], m)
 
     @staticmethod
-    def _one_head_plane(m: StepMeta) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(signs [vocab, bytes], α [vocab]) where every logit row of the step is one variant's
-        whose head is the base's + one sign plane and nothing else (no U · V), else None."""
+    def _head_planes(m: StepMeta, n_rows: int) -> HeadPlanes | None:
+        """The step's sign planes on the base's head and each logit row's (−1: the base's head
+        alone), where some row's head is the base's + one sign plane and nothing else (no U · V)
+        and every other row's is the base's; else None (no plane, or a dense head of its own)."""
         sh = m.sign_heads
-        if sh is None or sh.rows is not None or len(sh.variants) != 1 or m.logit_groups:
+        if sh is None or any(s >= 0 for s, _ in m.logit_groups):
             return None
-        head: BigTensor = m.extras[sh.variants[0][0]].head
-        if head.u is not None or head.signs.shape[0] != 1:
+        heads: list[BigTensor] = [m.extras[s].head for s, *_ in sh.variants]
+        if any(h.u is not None or h.signs.shape[0] != 1 for h in heads):
             return None
-        return head.signs[0], head.alpha[0]
+        row_head = torch.full((n_rows,), -1, dtype=torch.int64)
+        for v, (_, local, _, _) in enumerate(sh.variants):
+            mine = (local[:, 0] >= 0).nonzero(as_tuple=True)[0].cpu()  # positions among sh.rows
+            row_head[mine if sh.rows is None else sh.rows.cpu()[mine]] = v
+        return HeadPlanes(tuple((h.signs[0], h.alpha[0]) for h in heads), row_head)
 
     def _build_c_layers(self) -> DecodeLayers:
         a, sl = self.args, self.slots

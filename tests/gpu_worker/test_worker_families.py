@@ -16,6 +16,7 @@ from bitdelta.format import ArchMismatchError, DeltaFormatError, load_delta
 from bitdelta.model import attach_delta, load_model
 from bitdelta.rpc.receiver import Receiver
 from bitdelta.testing.family import make_finetune
+from bitdelta_kernels.cpu_decode import DecodeLayers
 from services.gpu_worker.loader import SlotWriter, plan_delta
 from services.gpu_worker.runner import BaseWeights, KVPool, ModelRunner, SeqWork
 from services.gpu_worker.slots import SlotLayout, SlotTensors
@@ -125,7 +126,8 @@ def test_variants_with_sign_heads_share_one_product_with_the_base_head(tmp_path,
     one-plane ones, one with a low-rank residual too): every row equals the dense model's, and a
     decode step's rows of all of them read the base's head ONCE between them (before: once per
     variant), each adding its own planes, so each row's logits are the ones it has alone, bit for
-    bit; the base's rows keep their own product."""
+    bit. The C decode layers' rows (the base's and the one-plane variants') end their call with
+    the heads: one GEMV for all of them, then each variant's plane over its rows."""
     from bitdelta.compress import apply
     from bitdelta.planes import PlaneConfig
     from services.gpu_worker import runner as runner_mod
@@ -142,16 +144,24 @@ def test_variants_with_sign_heads_share_one_product_with_the_base_head(tmp_path,
     refs = {-1: load_model(base)}
     for s, name in enumerate(kinds):
         refs[s] = load_model(apply(base, tmp_path / "deltas" / f"{name}.bitdelta.safetensors", tmp_path / name, False))
-    products = []  # the rows of each product with the base's head
+    products = []  # the rows of each product with the base's head outside the C call
     dense = runner_mod.dense_linear
     monkeypatch.setattr(
         runner_mod,
         "dense_linear",
         lambda x, w, **kw: (products.append(x.shape[0]) if w is runner.base.head else None) or dense(x, w, **kw),
     )
+    c_heads = []  # each C call's rows' head planes (−1: the base's head alone; None: no plane)
+    c_run = DecodeLayers.run
+
+    def run(self, *a, head_planes=None, **kw):
+        c_heads.append(None if head_planes is None else head_planes.row_head.tolist())
+        return c_run(self, *a, head_planes=head_planes, **kw)
+
+    monkeypatch.setattr(DecodeLayers, "run", run)
 
     def step(rows: list[tuple[int, int]]) -> torch.Tensor:  # (token, slot) decodes at position 0, a block each
-        products.clear()
+        products.clear(), c_heads.clear()
         return runner.forward([SeqWork([t], 0, s, [b], True) for b, (t, s) in enumerate(rows)])
 
     rows = [(5, 0), (6, -1), (7, 1), (8, 0), (9, 2)]
@@ -160,9 +170,9 @@ def test_variants_with_sign_heads_share_one_product_with_the_base_head(tmp_path,
         want = torch.stack([refs[s](torch.tensor([[t]]))[0, -1] for t, s in rows])
     torch.testing.assert_close(mixed, want, rtol=1e-4, atol=1e-4)
     assert (want[0] - refs[-1](torch.tensor([[5]]))[0, -1]).abs().max() > 1e-2  # the head's planes count
-    # the C layers' part (base, v0, v1) and the layer-by-layer part (v2, low-rank): one product
-    # for the base's row, one for each part's variant rows
-    assert sorted(products) == [1, 1, 3]
-    assert torch.equal(step(rows[2:4]), mixed[2:4]) and products == [2]  # two variants: one product
+    # the C layers' part (base, v0, v1: its call ends with their heads, v0's plane and v1's) and
+    # the layer-by-layer part (v2, low-rank: one product with the base's head)
+    assert c_heads == [[0, -1, 1, 0]] and products == [1]
+    assert torch.equal(step(rows[2:4]), mixed[2:4]) and c_heads == [[0, 1]] and products == []
     for i, r in enumerate(rows[:4]):  # the decode rows of the C layers: alone as in the batch
         assert torch.equal(step([r]), mixed[i : i + 1])

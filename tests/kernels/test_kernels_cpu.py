@@ -618,8 +618,8 @@ def test_decode_layers_end_with_the_final_norm_and_the_head(isa, dtype):
     """With the final norm, the C call returns the last layer's output normed by each row's slot's
     weights as the runner's _norm does (w · round(rms_norm(x))); with the head too, the logits of
     exactly `dense_linear_cpu(h, head).float()` (the GEMV the runner's _logits reaches on CPU,
-    rounded to the dtype) from that same h; with a head plane, exactly the runner's _sign_heads."""
-    from bitdelta_kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape
+    rounded to the dtype) from that same h; with head planes, each row exactly the runner's _logits."""
+    from bitdelta_kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape, HeadPlanes
 
     D, H, KV, hd, Fi, V, bs, n_slots = 64, 4, 2, 16, 96, 300, 4, 2
     shape = DecodeShape(D, H, KV, hd, Fi, 1e-5)
@@ -662,15 +662,32 @@ def test_decode_layers_end_with_the_final_norm_and_the_head(isa, dtype):
     assert logits.dtype == torch.float32 and torch.equal(logits, cpu_ops.dense_linear_cpu(h, head).float())
     # a variant's head = the base's + one sign plane (its tied embedding compressed to signs): fp32,
     # not rounded, the runner's _sign_heads bit for bit (the GEMV, then the batched delta's plane)
-    signs = torch.randint(0, 256, (V, (D + 7) // 8), generator=g, dtype=torch.uint8)
-    for alpha in (torch.rand(V, generator=g) * 1e-2, torch.tensor([3e-3])):
-        got = run(full, logits=True, head_plane=(signs, alpha))
-        want = cpu_ops.dense_linear_cpu(h, head, out_fp32=True)
-        cpu_ops.bitdelta_delta_batched_cpu(h, signs[None], alpha[None], torch.zeros(3, dtype=torch.int64), want)
-        assert torch.equal(got, want)
-        assert (got - logits).abs().max() > 0  # the plane moved them
-    with pytest.raises(ValueError, match="head plane needs"):
-        run(full, head_plane=(signs, alpha))
+    planes = [
+        (torch.randint(0, 256, (V, (D + 7) // 8), generator=g, dtype=torch.uint8), alpha)
+        for alpha in (torch.rand(V, generator=g) * 1e-2, torch.tensor([3e-3]))
+    ]
+    # one plane for every row (one task: the GEMV beside the planes), and mixes of two planes and
+    # the base's head alone: each row as _logits makes it, whatever the other rows take
+    for n, rows in ((1, [0, 0, 0]), (2, [1, 1, 1]), (2, [0, -1, 1]), (2, [-1, 1, -1]), (1, [-1, -1, -1])):
+        got = run(full, logits=True, head_planes=HeadPlanes(tuple(planes[2 - n :]), torch.tensor(rows)))
+        for r, p in enumerate(rows):
+            if p < 0:
+                assert torch.equal(got[r], logits[r])
+                continue
+            signs, alpha = planes[2 - n + p]
+            want = cpu_ops.dense_linear_cpu(h[r : r + 1], head, out_fp32=True)
+            cpu_ops.bitdelta_delta_batched_cpu(
+                h[r : r + 1], signs[None], alpha[None], torch.zeros(1, dtype=torch.int64), want
+            )
+            assert torch.equal(got[r], want[0])
+            assert (got[r] - logits[r]).abs().max() > 0  # the plane moved them
+    signs, alpha = planes[0]
+    with pytest.raises(ValueError, match="head planes need logits"):
+        run(full, head_planes=HeadPlanes(((signs, alpha),), torch.zeros(3, dtype=torch.int64)))
+    with pytest.raises(ValueError, match="row_head must be"):
+        run(full, logits=True, head_planes=HeadPlanes(((signs, alpha),), torch.tensor([0, 1, -1])))
+    with pytest.raises(ValueError, match="signs must be uint8"):
+        run(full, logits=True, head_planes=HeadPlanes(((signs[:, :-1], alpha),), torch.zeros(3, dtype=torch.int64)))
 
 
 # -- batch invariance (KernelSettings.batch_invariant) ---------------------------------------------
