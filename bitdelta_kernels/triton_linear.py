@@ -133,14 +133,7 @@ def _bitdelta_linear_kernel(
     if HAS_COL:
         acc = acc_w
         one32 = (0x3F800000 >> tl.arange(0, 8)).to(tl.int32)  # fp32 1.0 >> j
-        n_first = pid_n * BLOCK_N
-        n_last = tl.minimum(n_first + BLOCK_N, N) - 1
-        g_first = 0
-        g_last = 0
-        for j in tl.static_range(1, GROUPS):
-            bnd = tl.load(bounds_ptr + j)
-            g_first += (n_first >= bnd).to(tl.int32)
-            g_last += (n_last >= bnd).to(tl.int32)
+        g_first, g_last = tile_col_groups(bounds_ptr, pid_n * BLOCK_N, N, BLOCK_N, GROUPS)
         for p in tl.static_range(PLANES):
             alpha = tl.load(alpha_ptr + p * stride_ap + offs_n * stride_an, mask=n_mask, other=0.0)
             for g in range(g_first, g_last + 1):
@@ -237,6 +230,20 @@ def col_precision(device: torch.device) -> str:
     """The fp32 dot of x ⊙ c (column α's): tf32x3 (three TF32 products, about fp32's accuracy) on a
     GPU, "ieee" in the interpreter."""
     return "tf32x3" if device.type == "cuda" else "ieee"
+
+
+@triton.jit
+def tile_col_groups(bounds_ptr, n_first, N, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    """(g_first, g_last): the column-α groups that the outputs [n_first, min(n_first + BLOCK_N, N))
+    of a tile touch, group g on [bounds[g], bounds[g + 1]) (bounds: int32 [GROUPS + 1])."""
+    n_last = tl.minimum(n_first + BLOCK_N, N) - 1
+    g_first = 0
+    g_last = 0
+    for j in tl.static_range(1, GROUPS):
+        b = tl.load(bounds_ptr + j)
+        g_first += (n_first >= b).to(tl.int32)
+        g_last += (n_last >= b).to(tl.int32)
+    return g_first, g_last
 
 
 def launch_blocks(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, config: dict | None = None) -> dict:

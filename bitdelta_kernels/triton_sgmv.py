@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitdelta_kernels.triton_linear import col_precision, uses_fp32_dot
+from bitdelta_kernels.triton_linear import col_precision, tile_col_groups, uses_fp32_dot
 
 
 # The kernel's arguments stay in their groups (pointers, sizes, strides, meta): fmt: skip.
@@ -64,14 +64,7 @@ def _bitdelta_sgmv_kernel(
             s_base = s_ptr + v * stride_sv
             alpha = tl.load(alpha_ptr + v * stride_av + offs_n * stride_an, mask=n_mask, other=0.0)
             if HAS_COL:
-                n_first = pid_n * BLOCK_N
-                n_last = tl.minimum(n_first + BLOCK_N, N) - 1
-                g_first = 0
-                g_last = 0
-                for j in tl.static_range(1, GROUPS):
-                    b = tl.load(bounds_ptr + j)
-                    g_first += (n_first >= b).to(tl.int32)
-                    g_last += (n_last >= b).to(tl.int32)
+                g_first, g_last = tile_col_groups(bounds_ptr, pid_n * BLOCK_N, N, BLOCK_N, GROUPS)
                 for g in range(g_first, g_last + 1):
                     in_g = n_mask & (offs_n >= tl.load(bounds_ptr + g)) & (offs_n < tl.load(bounds_ptr + g + 1))
                     c_row = col_ptr + v * stride_cv + g * stride_cg
