@@ -666,7 +666,7 @@ class ModelRunner:
         # each row's head the base's, or the base's + one sign plane of its variant (a tied
         # embedding compressed to signs): the C call ends with them (the layers, the final norm, the
         # heads in one call); else it ends with the final norm and _logits takes the rows' heads
-        planes = self._head_planes(m, len(work)) if every else None
+        planes = self._head_planes(m) if every else None
         fused = every and self._c_layers.head is not None and (_base_head_only(m) or planes is not None)
         out = self._c_layers.run(
             x,
@@ -687,7 +687,7 @@ class ModelRunner:
         return self._logits(out if every else out[m.logit_rows], m)
 
     @staticmethod
-    def _head_planes(m: StepMeta, n_rows: int) -> HeadPlanes | None:
+    def _head_planes(m: StepMeta) -> HeadPlanes | None:
         """The step's sign planes on the base's head and each logit row's (−1: the base's head
         alone), where some row's head is the base's + one sign plane and nothing else (no U · V)
         and every other row's is the base's; else None (no plane, or a dense head of its own)."""
@@ -697,10 +697,8 @@ class ModelRunner:
         heads: list[BigTensor] = [m.extras[s].head for s, *_ in sh.variants]
         if any(h.u is not None or h.signs.shape[0] != 1 for h in heads):
             return None
-        row_head = torch.full((n_rows,), -1, dtype=torch.int64)
-        for v, (_, local, _, _) in enumerate(sh.variants):
-            mine = (local[:, 0] >= 0).nonzero(as_tuple=True)[0].cpu()  # positions among sh.rows
-            row_head[mine if sh.rows is None else sh.rows.cpu()[mine]] = v
+        plane_of = {s: v for v, (s, *_) in enumerate(sh.variants)}  # a slot's rows all take its head
+        row_head = torch.tensor([plane_of.get(s, -1) for s in m.logit_slots], dtype=torch.int64)
         return HeadPlanes(tuple((h.signs[0], h.alpha[0]) for h in heads), row_head)
 
     def _build_c_layers(self) -> DecodeLayers:
