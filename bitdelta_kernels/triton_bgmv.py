@@ -9,6 +9,35 @@ import triton.language as tl
 from bitdelta_kernels.triton_linear import tile_col_groups
 
 
+@triton.jit
+def _signed_row_sum(
+    x_row, stride_xk, c_row, s_rows, offs_n, stride_sn, keep_n, K,
+    HAS_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """fp32 [BLOCK_N]: Σ_k x[k] · c[k] · S[n, k] for the sign rows `s_rows + offs_n · stride_sn`
+    (rows outside keep_n give 0; c = 1 without HAS_C), summed as ±x in fp32 on CUDA cores (no dot
+    for one row). Each K-step loads the bytes once as [BLOCK_N, BLOCK_K/8] and x in the same
+    [bytes, 8] shape, so no reshape is needed."""
+    BYTES: tl.constexpr = BLOCK_K // 8
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for step in range(0, tl.cdiv(K, BLOCK_K)):
+        offs_g = step * BYTES + tl.arange(0, BYTES)  # byte index within the row
+        offs_k = offs_g[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BYTES, 8] column index
+        x = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0.0).to(tl.float32)
+        if HAS_C:
+            x = x * tl.load(c_row + offs_k, mask=offs_k < K, other=0.0)
+        # bytes past the row end (K not a multiple of 8·BYTES) read as 0; x there is 0
+        byte = tl.load(
+            s_rows + offs_n[:, None] * stride_sn + offs_g[None, :],
+            mask=keep_n[:, None] & (offs_g[None, :] * 8 < K),
+            other=0,
+        )  # [BN, BYTES]
+        bit = (byte.to(tl.int32)[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1  # [BN, BYTES, 8]
+        contrib = tl.where(bit != 0, x[None, :, :], -x[None, :, :])
+        acc += tl.sum(tl.sum(contrib, axis=2), axis=1)
+    return acc
+
+
 # The kernel's arguments stay in their groups (pointers, sizes, strides, meta): fmt: skip.
 @triton.jit
 def _bitdelta_bgmv_kernel(
@@ -29,18 +58,14 @@ def _bitdelta_bgmv_kernel(
     x: [M, K]; s: uint8 [V, N, ceil(K/8)]; α: fp32 [V, N] (stride_an 0: one per matrix);
     slots: int32 [M, PLANES]; y: [M, N], updated in place. HAS_COL: column α's c: fp32
     [V, GROUPS, K], group g on outputs [bounds[g], bounds[g+1]) (int32 [GROUPS + 1]); without, c = 1.
-    Program (r, pid_n) handles row r and BLOCK_N outputs. Each sign byte is loaded once per
-    plane: the K-step is viewed as [BLOCK_K/8 bytes, 8 bits] and x is loaded in the same
-    [bytes, 8] shape, so no reshape is needed; the sum runs on CUDA cores (no dot for one row).
-    With column α's the tile's groups are visited in turn (a tile crosses a group boundary
-    rarely), x scaled by the group's c in fp32.
+    Program (r, pid_n) handles row r and BLOCK_N outputs; each sign byte is read once per plane
+    (`_signed_row_sum`; no dot for one row). With column α's the tile's groups are visited in turn
+    (a tile crosses a group boundary rarely), x scaled by the group's c in fp32.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = offs_n < N
-    offs_b = tl.arange(0, 8)
-    BYTES: tl.constexpr = BLOCK_K // 8
     x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     any_slot = tl.load(slots_ptr + pid_m * stride_rm) >= 0
@@ -56,37 +81,14 @@ def _bitdelta_bgmv_kernel(
                 for g in range(g_first, g_last + 1):
                     in_g = n_in & (offs_n >= tl.load(bounds_ptr + g)) & (offs_n < tl.load(bounds_ptr + g + 1))
                     c_row = col_ptr + v * stride_cv + g * stride_cg
-                    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                    for step in range(0, tl.cdiv(K, BLOCK_K)):
-                        offs_g = step * BYTES + tl.arange(0, BYTES)  # byte index within the row
-                        offs_k = offs_g[:, None] * 8 + offs_b[None, :]  # [BYTES, 8] column index
-                        k_in = offs_k < K
-                        x = tl.load(x_row + offs_k * stride_xk, mask=k_in, other=0.0).to(tl.float32)
-                        x = x * tl.load(c_row + offs_k, mask=k_in, other=0.0)
-                        byte = tl.load(
-                            s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
-                            mask=in_g[:, None] & (offs_g[None, :] * 8 < K),
-                            other=0,
-                        )  # [BN, BYTES]
-                        bit = (byte.to(tl.int32)[:, :, None] >> offs_b[None, None, :]) & 1  # [BN, BYTES, 8]
-                        contrib = tl.where(bit != 0, x[None, :, :], -x[None, :, :])
-                        acc += tl.sum(tl.sum(contrib, axis=2), axis=1)
+                    acc = _signed_row_sum(
+                        x_row, stride_xk, c_row, s_base, offs_n, stride_sn, in_g, K, True, BLOCK_N, BLOCK_K
+                    )
                     total += tl.where(in_g, acc * alpha, 0.0)
             else:
-                acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                for step in range(0, tl.cdiv(K, BLOCK_K)):
-                    offs_g = step * BYTES + tl.arange(0, BYTES)  # byte index within the row
-                    offs_k = offs_g[:, None] * 8 + offs_b[None, :]  # [BYTES, 8] column index
-                    x = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0.0).to(tl.float32)
-                    # bytes past the row end (K not a multiple of 8·BYTES) read as 0; x there is 0
-                    byte = tl.load(
-                        s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
-                        mask=n_in[:, None] & (offs_g[None, :] * 8 < K),
-                        other=0,
-                    )  # [BN, BYTES]
-                    bit = (byte.to(tl.int32)[:, :, None] >> offs_b[None, None, :]) & 1  # [BN, BYTES, 8]
-                    contrib = tl.where(bit != 0, x[None, :, :], -x[None, :, :])
-                    acc += tl.sum(tl.sum(contrib, axis=2), axis=1)
+                acc = _signed_row_sum(
+                    x_row, stride_xk, x_row, s_base, offs_n, stride_sn, n_in, K, False, BLOCK_N, BLOCK_K
+                )
                 total += acc * alpha
 
     n_mask = n_in & any_slot  # a row without a slot: no load, no store

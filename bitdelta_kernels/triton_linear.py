@@ -26,6 +26,7 @@ def _bitdelta_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
     PLANES: tl.constexpr, HAS_COL: tl.constexpr, GROUPS: tl.constexpr, COL_PRECISION: tl.constexpr,
+    ONE: tl.constexpr,
 ):  # fmt: skip
     """y[m, n] = Σ_k x[m, k] · W[n, k]  +  α_n · Σ_k x[m, k] · S[n, k],
     S[n, k] = +1 if bit (k mod 8) of s[n, k // 8] else −1.
@@ -41,12 +42,9 @@ def _bitdelta_linear_kernel(
     so one dot of x with B (exact in fp16/bf16/fp32) and a row sum of x give it, and
     the result equals the mixed-variant path (base GEMM + batched delta) whatever the batch.
 
-    Bits: each K-step loads the sign bytes of the tile ONCE as [BLOCK_N, BLOCK_K/8]
-    (not one byte per column) and expands them in registers for all BLOCK_M rows:
-    `(byte & 2^j) · (one >> j)` is the bit pattern of B ∈ {0, 1.0} in the dot's dtype
-    (the bit pattern of 1.0 has ≥ 7 trailing zeros), two integer ops per weight and a
-    free bitcast; [BLOCK_N, BLOCK_K/8, 8] reshapes to [BLOCK_N, BLOCK_K] (bit j of byte b
-    is column 8b + j). With SPLIT_K > 1, y is an fp32 buffer the slices atomically add into.
+    Bits: each K-step expands the tile's sign bits once for all BLOCK_M rows into the bit
+    patterns of B ∈ {0, 1.0} in the dot's dtype (ONE: 1.0's pattern), see `sign_bits`.
+    With SPLIT_K > 1, y is an fp32 buffer the slices atomically add into.
 
     Planes: s holds PLANES sign planes (plane stride stride_sp, α's stride_ap) of one variant,
     y += Σ_p α_p ⊙ (x · S_pᵀ). Plane 0 rides on W's pass as above; each further plane is a pass
@@ -68,18 +66,10 @@ def _bitdelta_linear_kernel(
     pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
     pid_n = (pid % num_pid_in_group) // group_size_m
 
-    BYTES: tl.constexpr = BLOCK_K // 8
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    bitval = 1 << tl.arange(0, 8)  # [8] int32: the mask of bit j
-    if DOT_FP32:
-        one = (0x3F800000 >> tl.arange(0, 8)).to(tl.int32)  # fp32 1.0 >> j
-    elif x_ptr.dtype.element_ty == tl.bfloat16:
-        one = (0x3F80 >> tl.arange(0, 8)).to(tl.int32)  # bf16 1.0 >> j
-    else:
-        one = (0x3C00 >> tl.arange(0, 8)).to(tl.int32)  # fp16 1.0 >> j
 
     k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     k_first = pid_k * k_steps * BLOCK_K
@@ -91,7 +81,6 @@ def _bitdelta_linear_kernel(
         k0 = k_first + step * BLOCK_K  # a multiple of 8: the tile starts on a byte
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        offs_g = k0 // 8 + tl.arange(0, BYTES)  # the tile's byte columns
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
             mask=m_mask[:, None] & k_mask[None, :],
@@ -108,14 +97,7 @@ def _bitdelta_linear_kernel(
             else:
                 acc_w += tl.dot(x, tl.trans(w))
         else:
-            # bits past K (last byte of a ragged row) may be 1; x is 0 there
-            byte = tl.load(
-                s_ptr + offs_n[:, None] * stride_sn + offs_g[None, :],
-                mask=n_mask[:, None] & (offs_g[None, :] * 8 < K),
-                other=0,
-            ).to(tl.int32)  # [BN, BYTES]
-            pat = (byte[:, :, None] & bitval[None, None, :]) * one[None, None, :]  # [BN, BYTES, 8]
-            pat = tl.reshape(pat, (BLOCK_N, BLOCK_K))
+            pat = sign_bits(s_ptr, offs_n, stride_sn, n_mask, k0, K, ONE, BLOCK_N, BLOCK_K)
             if DOT_FP32:
                 # fp32 inputs (TF32 if torch allows it), and bf16 in the interpreter, whose bf16
                 # dot is wrong: bf16 values and 0/1 are exact in fp32, so this is the GPU's math
@@ -132,7 +114,6 @@ def _bitdelta_linear_kernel(
 
     if HAS_COL:
         acc = acc_w
-        one32 = (0x3F800000 >> tl.arange(0, 8)).to(tl.int32)  # fp32 1.0 >> j
         g_first, g_last = tile_col_groups(bounds_ptr, pid_n * BLOCK_N, N, BLOCK_N, GROUPS)
         for p in tl.static_range(PLANES):
             alpha = tl.load(alpha_ptr + p * stride_ap + offs_n * stride_an, mask=n_mask, other=0.0)
@@ -145,21 +126,15 @@ def _bitdelta_linear_kernel(
                     k0 = k_first + step * BLOCK_K
                     offs_k = k0 + tl.arange(0, BLOCK_K)
                     k_mask = offs_k < K
-                    offs_g = k0 // 8 + tl.arange(0, BYTES)
                     x = tl.load(
                         x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                         mask=m_mask[:, None] & k_mask[None, :],
                         other=0.0,
                     ).to(tl.float32)
                     xc = x * tl.load(c_row + offs_k, mask=k_mask, other=0.0)[None, :]
-                    byte = tl.load(
-                        s_ptr + p * stride_sp + offs_n[:, None] * stride_sn + offs_g[None, :],
-                        mask=in_g[:, None] & (offs_g[None, :] * 8 < K),
-                        other=0,
-                    ).to(tl.int32)
-                    pat = tl.reshape(
-                        (byte[:, :, None] & bitval[None, None, :]) * one32[None, None, :], (BLOCK_N, BLOCK_K)
-                    )
+                    pat = sign_bits(
+                        s_ptr + p * stride_sp, offs_n, stride_sn, in_g, k0, K, 0x3F800000, BLOCK_N, BLOCK_K
+                    )  # fp32 1.0: x ⊙ c dots in fp32
                     acc_c += tl.dot(xc, tl.trans(pat.to(tl.float32, bitcast=True)), input_precision=COL_PRECISION)
                     xsum_c += tl.sum(xc, axis=1)
                 acc += tl.where(in_g[None, :], (2.0 * acc_c - xsum_c[:, None]) * alpha[None, :], 0.0)
@@ -173,18 +148,12 @@ def _bitdelta_linear_kernel(
                 k0 = k_first + step * BLOCK_K
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 k_mask = offs_k < K
-                offs_g = k0 // 8 + tl.arange(0, BYTES)
                 x = tl.load(
                     x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=m_mask[:, None] & k_mask[None, :],
                     other=0.0,
                 )
-                byte = tl.load(
-                    s_ptr + p * stride_sp + offs_n[:, None] * stride_sn + offs_g[None, :],
-                    mask=n_mask[:, None] & (offs_g[None, :] * 8 < K),
-                    other=0,
-                ).to(tl.int32)
-                pat = tl.reshape((byte[:, :, None] & bitval[None, None, :]) * one[None, None, :], (BLOCK_N, BLOCK_K))
+                pat = sign_bits(s_ptr + p * stride_sp, offs_n, stride_sn, n_mask, k0, K, ONE, BLOCK_N, BLOCK_K)
                 if DOT_FP32:
                     acc_b += tl.dot(
                         x.to(tl.float32), tl.trans(pat.to(tl.float32, bitcast=True)), input_precision=PRECISION
@@ -230,6 +199,42 @@ def col_precision(device: torch.device) -> str:
     """The fp32 dot of x ⊙ c (column α's): tf32x3 (three TF32 products, about fp32's accuracy) on a
     GPU, "ieee" in the interpreter."""
     return "tf32x3" if device.type == "cuda" else "ieee"
+
+
+def one_bits(dtype: torch.dtype) -> int:
+    """The bit pattern of 1.0 in a dot's operand dtype (fp32, bf16 or fp16): `sign_bits`' ONE."""
+    return {torch.float32: 0x3F800000, torch.bfloat16: 0x3F80, torch.float16: 0x3C00}[dtype]
+
+
+def dot_one(dtype: torch.dtype) -> int:
+    """ONE for the dot of x in `dtype` with the sign tile: fp32's where the dot runs in fp32."""
+    return one_bits(torch.float32 if uses_fp32_dot(dtype) else dtype)
+
+
+@triton.jit
+def sign_bits(
+    s_rows, offs_n, stride_sn, keep_n, k0, K, ONE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """int32 [BLOCK_N, BLOCK_K]: ONE where bit k0 + i of sign row n is set, else 0, for the rows
+    `s_rows + offs_n · stride_sn` (rows outside keep_n read 0) and columns i (k0 a multiple of 8;
+    bit k is bit k mod 8 of byte k // 8). ONE is 1.0's bit pattern in the dot's dtype, so a bitcast
+    gives B ∈ {0, 1.0}. Bits past K may read 1; x is 0 there.
+
+    The tile's bytes load once as [BLOCK_N, BLOCK_K/8] and expand in registers: `(byte & 2^j) ·
+    (ONE >> j)` is ONE or 0 (1.0's pattern has ≥ 7 trailing zeros), two integer ops per weight,
+    then [BLOCK_N, BLOCK_K/8, 8] reshapes to [BLOCK_N, BLOCK_K] (bit j of byte b is column 8b + j).
+    A byte loaded per column instead (index k // 8, shift k mod 8: no reshape) measured 1.2-2.3x
+    slower on an H200 in every kernel (docs/kernels.md, "On the GPU").
+    """
+    offs_g = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    byte = tl.load(
+        s_rows + offs_n[:, None] * stride_sn + offs_g[None, :],
+        mask=keep_n[:, None] & (offs_g[None, :] * 8 < K),
+        other=0,
+    ).to(tl.int32)  # [BN, BK/8]
+    j = tl.arange(0, 8)
+    shifted_one = tl.full((8,), ONE, tl.int32) >> j
+    return tl.reshape((byte[:, :, None] & (1 << j)[None, None, :]) * shifted_one[None, None, :], (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
@@ -331,6 +336,7 @@ def bitdelta_linear_triton(
         HAS_COL=has_col,
         GROUPS=col_alpha.shape[1] if has_col else 1,
         COL_PRECISION=col_precision(x.device),
+        ONE=dot_one(x.dtype),
         num_warps=blocks["num_warps"],
         num_stages=blocks["num_stages"],
     )

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitdelta_kernels.triton_linear import col_precision, tile_col_groups, uses_fp32_dot
+from bitdelta_kernels.triton_linear import col_precision, dot_one, sign_bits, tile_col_groups, uses_fp32_dot
 
 
 # The kernel's arguments stay in their groups (pointers, sizes, strides, meta): fmt: skip.
@@ -22,7 +22,7 @@ def _bitdelta_sgmv_kernel(
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, PLANES: tl.constexpr, HAS_COL: tl.constexpr,
-    GROUPS: tl.constexpr, COL_PRECISION: tl.constexpr,
+    GROUPS: tl.constexpr, COL_PRECISION: tl.constexpr, ONE: tl.constexpr,
 ):  # fmt: skip
     """y[r, n] += Σ_p α_v[n] · Σ_k x[r, k] · c_v[g(n), k] · S_v[n, k],  v = tile_slots[t, p] ≥ 0,
     for the rows r of one tile, all of one slot set; the planes' terms summed in fp32, then added.
@@ -36,8 +36,8 @@ def _bitdelta_sgmv_kernel(
     dotted in fp32 (COL_PRECISION: tf32x3 on a GPU, ~fp32 exact); without, c = 1.
     Numerics: with S = 2B − 1 (B ∈ {0, 1}, exact in fp16/bf16/fp32), x · S = 2 · x · B − Σx:
     one dot in x's dtype with fp32 accumulation plus a row sum, scaled by α in fp32.
-    Bits: each K-step loads the tile's sign bytes once as [BLOCK_N, BLOCK_K/8] and expands
-    them in registers ONCE for all rows of the tile (see triton_linear for the bit trick).
+    Bits: each K-step expands the tile's sign bits ONCE for all rows of the tile
+    (triton_linear.sign_bits; ONE: 1.0's bit pattern in the dot's dtype).
     """
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -49,14 +49,6 @@ def _bitdelta_sgmv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
 
-    BYTES: tl.constexpr = BLOCK_K // 8
-    bitval = 1 << tl.arange(0, 8)  # [8] int32: the mask of bit j
-    if DOT_FP32 or HAS_COL:
-        one = (0x3F800000 >> tl.arange(0, 8)).to(tl.int32)  # fp32 1.0 >> j
-    elif x_ptr.dtype.element_ty == tl.bfloat16:
-        one = (0x3F80 >> tl.arange(0, 8)).to(tl.int32)  # bf16 1.0 >> j
-    else:
-        one = (0x3C00 >> tl.arange(0, 8)).to(tl.int32)  # fp16 1.0 >> j
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for p in tl.static_range(PLANES):
         v = tl.load(tile_slots_ptr + pid_t * stride_tp + p).to(tl.int64)  # int64 before it multiplies a stride
@@ -73,20 +65,15 @@ def _bitdelta_sgmv_kernel(
                     for step in range(0, tl.cdiv(K, BLOCK_K)):
                         offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
                         k_mask = offs_k < K
-                        offs_g = step * BYTES + tl.arange(0, BYTES)
                         x = tl.load(
                             x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                             mask=m_mask[:, None] & k_mask[None, :],
                             other=0.0,
                         ).to(tl.float32)
                         xc = x * tl.load(c_row + offs_k, mask=k_mask, other=0.0)[None, :]
-                        byte = tl.load(
-                            s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
-                            mask=in_g[:, None] & (offs_g[None, :] * 8 < K),
-                            other=0,
-                        ).to(tl.int32)  # [BN, BYTES]
-                        pat = (byte[:, :, None] & bitval[None, None, :]) * one[None, None, :]
-                        pat = tl.reshape(pat, (BLOCK_N, BLOCK_K))
+                        pat = sign_bits(
+                            s_base, offs_n, stride_sn, in_g, step * BLOCK_K, K, 0x3F800000, BLOCK_N, BLOCK_K
+                        )  # fp32 1.0: x ⊙ c dots in fp32
                         acc += tl.dot(xc, tl.trans(pat.to(tl.float32, bitcast=True)), input_precision=COL_PRECISION)
                         xsum += tl.sum(xc, axis=1)
                     total += tl.where(in_g[None, :], (2.0 * acc - xsum[:, None]) * alpha[None, :], 0.0)
@@ -97,20 +84,12 @@ def _bitdelta_sgmv_kernel(
                 for step in range(0, tl.cdiv(K, BLOCK_K)):
                     offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
                     k_mask = offs_k < K
-                    offs_g = step * BYTES + tl.arange(0, BYTES)  # the tile's byte columns
                     x = tl.load(
                         x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                         mask=m_mask[:, None] & k_mask[None, :],
                         other=0.0,
                     )  # [BM, BK]
-                    # bits past K (last byte of a ragged row) may be 1; x is 0 there
-                    byte = tl.load(
-                        s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
-                        mask=n_mask[:, None] & (offs_g[None, :] * 8 < K),
-                        other=0,
-                    ).to(tl.int32)  # [BN, BYTES]
-                    pat = (byte[:, :, None] & bitval[None, None, :]) * one[None, None, :]  # B's bit patterns
-                    pat = tl.reshape(pat, (BLOCK_N, BLOCK_K))
+                    pat = sign_bits(s_base, offs_n, stride_sn, n_mask, step * BLOCK_K, K, ONE, BLOCK_N, BLOCK_K)
                     if DOT_FP32:
                         xf = x.to(tl.float32)
                         acc += tl.dot(xf, tl.trans(pat.to(tl.float32, bitcast=True)), input_precision=PRECISION)
@@ -189,6 +168,7 @@ def sgmv_launch(
         HAS_COL=has_col,
         GROUPS=col_alpha.shape[1] if has_col else 1,
         COL_PRECISION=col_precision(x.device),
+        ONE=dot_one(x.dtype),
         num_warps=blocks["num_warps"],
         num_stages=blocks["num_stages"],
     )

@@ -366,7 +366,7 @@ def compile_for_hopper(planes: int, col: bool) -> None:
     from bitdelta_kernels.triton_sgmv import _bitdelta_sgmv_kernel
 
     shared = dict(PLANES=planes, HAS_COL=col, GROUPS=3 if col else 1)
-    dots = dict(DOT_FP32=False, PRECISION="ieee", COL_PRECISION="tf32x3")
+    dots = dict(DOT_FP32=False, PRECISION="ieee", COL_PRECISION="tf32x3", ONE=0x3F80)  # bf16 1.0
     cases = [
         (_bitdelta_bgmv_kernel, dict(BLOCK_N=16, BLOCK_K=512, **shared)),
         (_bitdelta_sgmv_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, **dots, **shared)),
