@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# One GPU session in one command (< 8 minutes on an H200), from the repository root, with the
-# machine's own python3 (no .venv there; it must not install anything):
+# One GPU session in one command (< 9 minutes on an H200: the steps' limits add up to 510 s), from
+# the repository root, with the machine's own python3 (no .venv there; it must not install anything):
 #
-#   bash bench/gpu.sh            # CUDA test profile, tuning sweep, kernel and worker benchmarks
-#   bash bench/gpu.sh --dry-run  # the same steps on CPU with tiny shapes (Triton interpreter)
+#   bash bench/gpu.sh              # worker benchmark, CUDA test profile, kernel benchmark, tuning sweep
+#   bash bench/gpu.sh --tune-first # the sweep first, then every step on its table (BITDELTA_KERNEL_CONFIGS)
+#   bash bench/gpu.sh --dry-run    # the same steps on CPU with tiny shapes (Triton interpreter)
+#
+# Python packages the GPU image may lack travel as wheels (the device tool's notes): grpcio,
+# grpcio-health-checking, grpcio-reflection and protobuf at the pins of pyproject.toml, the
+# generated protobuf modules, opentelemetry-api/-sdk/-semantic-conventions, llguidance, pytest-asyncio.
 #
 # Everything lands in bench/results/<date>-<gpu>/ (logs included), each step under its own
 # time limit so one overrun still leaves the others' results. Exit status: 0 if every step
@@ -11,8 +16,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1  # a step stopped at its limit still leaves its log
 DRY=0
+TUNE_FIRST=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
+[ "${1:-}" = "--tune-first" ] && TUNE_FIRST=1
 
 if [ $DRY = 1 ]; then
     export TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -64,15 +72,24 @@ if [ $DRY = 1 ]; then
     step worker 600 "$PY" bench/worker.py --preset tiny --new-tokens 4 --prompt-len 32 --reps 1 \
         --variants 1,4 --decode-batches 1,8 --kv-cache 8388608 --out "$out/worker.json"
 else
-    # most important first; Triton compiles (~1-2 s per binary) dominate the first two steps
-    export BITDELTA_REQUIRE_CUDA=1  # the profile fails if it is not really on the GPU
-    step tests 180 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/kernels/test_kernel_numerics.py \
-        tests/gpu_worker/test_worker_batch_invariance.py tests/kernels/test_kernels.py
+    if [ $TUNE_FIRST = 1 ]; then  # the launch configurations this GPU measures best, for every step below
+        step tune 130 "$PY" -m bitdelta_kernels.tune --out "$out/tuned_configs.json"
+        [ -s "$out/tuned_configs.json" ] && export BITDELTA_KERNEL_CONFIGS="$(realpath "$out/tuned_configs.json")"
+        echo "[gpu] kernel configs: ${BITDELTA_KERNEL_CONFIGS:-bitdelta_kernels/configs.json}"
+    fi
+    # most important first; Triton compiles (~1-2 s per binary) dominate the first two steps.
     # decode at batch 1, 8, 64 as a fraction of the HBM limit: where the per-step overhead stands
-    step worker 170 "$PY" bench/worker.py --preset gpu7b --new-tokens 32 --prompt-len 256 --reps 2 \
+    # (building the random 7B-shaped family on the host takes about a minute of it)
+    step worker 150 "$PY" bench/worker.py --preset gpu7b --new-tokens 32 --prompt-len 256 --reps 2 \
         --decode-batches 1,8,64 --kv-cache 1073741824 --out "$out/worker.json"
-    step kernels 100 "$PY" bench/kernels.py --out "$out"
-    step tune 40 "$PY" -m bitdelta_kernels.tune --out "$out/tuned_configs.json"
+    export BITDELTA_REQUIRE_CUDA=1  # the profile fails if it is not really on the GPU
+    # the tests' Triton compiles spread over the host's cores where pytest-xdist is installed
+    par=()
+    "$PY" -c 'import xdist' 2>/dev/null && par=(-n 8)
+    step tests 150 "$PY" -m pytest -q -m cuda -p no:cacheprovider -p no:benchmark "${par[@]}" tests/kernels/test_kernel_numerics.py \
+        tests/gpu_worker/test_worker_batch_invariance.py tests/kernels/test_kernels.py
+    step kernels 80 "$PY" bench/kernels.py --out "$out"
+    [ $TUNE_FIRST = 1 ] || step tune 130 "$PY" -m bitdelta_kernels.tune --out "$out/tuned_configs.json"
 fi
 # the worker step runs the tensor-parallel size 1 path (one process, one GPU); TP >= 2 (one rank per
 # GPU over NCCL, docs/tensor-parallel.md) needs a machine with several GPUs: its numbers wait for one

@@ -2,8 +2,9 @@
 
     python bench/kernels.py [--quick] [--out bench/results] [--device cpu|cuda] [--cpu-sweep] [--dry-run]
 
-On CUDA (without --quick): the fused kernel at M = 1…2048 and the batched delta at V = 1, 4, 8, 16
-(BGMV and SGMV each) on Llama-2-7B and Llama-2-70B/8 shard shapes, in bf16. --dry-run runs those
+On CUDA (without --quick): the cost per extra sign plane at decode (8192², first), the fused kernel at
+M = 1…2048 and the batched delta at V = 1, 4, 8, 16 (BGMV and SGMV each) on Llama-2-7B and
+Llama-2-70B/8 shard shapes, in bf16. --dry-run runs those
 sections on CPU in the Triton interpreter with tiny shapes (bench/gpu.sh --dry-run).
 
 Every number is a ratio measured in this one run (time ÷ time of the baseline on the
@@ -597,7 +598,10 @@ def main(argv=None):
         import triton
 
         meta["triton"] = triton.__version__
-        gpu_sections(dev, t, bw, precision_for(dev).dtype, False, rows)  # bf16 on CUDA (bitdelta.precision)
+        dtype = precision_for(dev).dtype  # bf16 on CUDA (bitdelta.precision)
+        print("sign planes at decode (÷ base GEMV; target per extra plane ≤ 1/16 of a bf16 base):")
+        bench_planes(dev, t, (dtype,), 8192, rows)  # 128 MB of weights: far past the L2, as a real layer
+        gpu_sections(dev, t, bw, dtype, False, rows)
     elif cuda:
         import triton
 

@@ -311,8 +311,13 @@ async def bench(args) -> dict:
     # 1c. decode on the base at batch B as a fraction of the memory limit: a step reads the base's
     # weights once (and each sequence's KV), so B tokens take at least bytes ÷ the device's read
     # bandwidth (measured here); what is left is per-step overhead (where it stands on a GPU)
+    peak_before_probe = 0
     if args.decode_batches:
+        if device == "cuda":  # the probe's 4 GiB tensor is not the worker's: keep it out of the peak below
+            peak_before_probe = torch.cuda.max_memory_allocated()
         bw_dev = read_bandwidth(worker.device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         res["read_bandwidth_bytes_per_s"] = bw_dev
         res["decode_vs_hbm"] = {}
         ctx = len(worker.tokenizer.encode("Once upon a time").ids) + args.new_tokens // 2  # mean context
@@ -332,7 +337,7 @@ async def bench(args) -> dict:
     kv_bytes = worker.kv.k.numel() * worker.kv.k.element_size() * 2
     want = worker.base.nbytes + n_res * size
     if device == "cuda":
-        peak = torch.cuda.max_memory_allocated() - kv_bytes
+        peak = max(peak_before_probe, torch.cuda.max_memory_allocated()) - kv_bytes
     else:
         extras = {
             id(t): t.numel() * t.element_size()

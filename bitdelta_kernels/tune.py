@@ -42,12 +42,43 @@ def candidates(cfg: dict, key: str, es: int, smem: int) -> list[dict]:
     return out
 
 
-def main(argv=None) -> None:
+def time_candidate(cfg: dict, bucket: str, b: dict, shapes, dtype, dev, g) -> float:
+    """ms of one candidate's blocks summed over the layer shapes (triton.testing.do_bench medians)."""
     import triton.testing
 
     from bitdelta_kernels.dispatch import bitdelta_delta_batched
     from bitdelta_kernels.plan import plan_batch
     from bitdelta_kernels.triton_linear import bitdelta_linear_triton
+
+    total = 0.0
+    for N, K in shapes:
+        M = BUCKET_M.get(bucket, 16)
+        x = torch.randn(M, K, generator=g).to(dtype).to(dev)
+        s = torch.randint(
+            0,
+            256,
+            (8 if not bucket.startswith("linear") else 1, N, (K + 7) // 8),
+            generator=g,
+            dtype=torch.uint8,
+        ).to(dev)
+        a = torch.rand(s.shape[0], N, generator=g).to(dev) * 1e-3
+        if bucket.startswith("linear"):
+            w = torch.randn(N, K, generator=g).to(dtype).to(dev)
+            over = {k: v for k, v in b.items() if k != "SPLIT_K"}
+            fn = lambda: bitdelta_linear_triton(x, w, s[0], a[0], config=over)
+        else:
+            rv = (torch.arange(M) % (2 if bucket == "sgmv" else 8)).to(dev)
+            plan = plan_batch(rv, 8, dev, sgmv_min_rows=1 if bucket == "sgmv" else 10**9, block_m=b.get("BLOCK_M"))
+            y = torch.zeros(M, N, device=dev, dtype=torch.float32)
+            cfg[bucket] = b  # the dispatcher reads this (cached) entry: time these blocks
+            fn = lambda: bitdelta_delta_batched(x, s, a, rv, y, plan=plan)
+        # 100 ms of warm-up: the candidate's compile leaves the GPU idle for a second and its clocks
+        # low; with 10 ms the first candidates of a bucket read up to 2x slow (H200, 2026-12-04)
+        total += triton.testing.do_bench(fn, warmup=100, rep=40, return_mode="median")
+    return total
+
+
+def main(argv=None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -68,33 +99,15 @@ def main(argv=None) -> None:
     for bucket in ("linear_decode", "linear_mid", "linear_prefill", "sgmv", "bgmv"):
         timed = []
         for b in candidates(cfg, bucket, es, smem):
-            total = 0.0
-            for N, K in SHAPES[args.shapes]:
-                M = BUCKET_M.get(bucket, 16)
-                x = torch.randn(M, K, generator=g).to(dtype).to(dev)
-                s = torch.randint(
-                    0,
-                    256,
-                    (8 if not bucket.startswith("linear") else 1, N, (K + 7) // 8),
-                    generator=g,
-                    dtype=torch.uint8,
-                ).to(dev)
-                a = torch.rand(s.shape[0], N, generator=g).to(dev) * 1e-3
-                if bucket.startswith("linear"):
-                    w = torch.randn(N, K, generator=g).to(dtype).to(dev)
-                    over = {k: v for k, v in b.items() if k != "SPLIT_K"}
-                    fn = lambda: bitdelta_linear_triton(x, w, s[0], a[0], config=over)
-                else:
-                    rv = (torch.arange(M) % (2 if bucket == "sgmv" else 8)).to(dev)
-                    plan = plan_batch(
-                        rv, 8, dev, sgmv_min_rows=1 if bucket == "sgmv" else 10**9, block_m=b.get("BLOCK_M")
-                    )
-                    y = torch.zeros(M, N, device=dev, dtype=torch.float32)
-                    cfg[bucket] = b  # the dispatcher reads this (cached) entry: time these blocks
-                    fn = lambda: bitdelta_delta_batched(x, s, a, rv, y, plan=plan)
-                total += triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+            try:
+                total = time_candidate(cfg, bucket, b, SHAPES[args.shapes], dtype, dev, g)
+            except Exception as e:  # a candidate this GPU cannot run (e.g. out of resources) is skipped
+                print(f"{bucket}: failed {b}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
             timed.append((total, b))
             print(f"{bucket}: {total:.4f} ms  {b}", flush=True)
+        if not timed:
+            raise SystemExit(f"{bucket}: no candidate ran")
         best = min(timed, key=lambda tb: tb[0])[1]
         report[bucket] = best
         if bucket.startswith("linear"):

@@ -200,7 +200,10 @@ def test_without_the_mode_the_numbers_do_depend_on_the_batch(family):
 def test_batch_invariant_mode_is_refused_where_it_cannot_hold(family, monkeypatch):
     base, deltas = family
     for changes, why in [
-        ({"kernel_backend": "torch"}, "kernel backend is 'torch'"),
+        (
+            {"kernel_backend": "torch", "device": "cpu"},
+            "kernel backend is 'torch'",
+        ),  # CPU: else the device is refused first
         ({"device": "meta"}, "CPU kernels only"),
     ]:
         with pytest.raises(ValueError, match=why):
