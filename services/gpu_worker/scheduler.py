@@ -143,7 +143,7 @@ def block_hashes(root: bytes, tokens: list[int], block_size: int, have: list[byt
     return out
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: `in` / `remove` over the running list compare identities
 class SeqState:
     """A sequence as the scheduler sees it."""
 
