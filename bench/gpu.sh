@@ -6,9 +6,8 @@
 #   bash bench/gpu.sh --tune-first # the sweep first, then every step on its table (BITDELTA_KERNEL_CONFIGS)
 #   bash bench/gpu.sh --dry-run    # the same steps on CPU with tiny shapes (Triton interpreter)
 #
-# Python packages the GPU image may lack travel as wheels (the device tool's notes): grpcio,
-# grpcio-health-checking, grpcio-reflection and protobuf at the pins of pyproject.toml, the
-# generated protobuf modules, opentelemetry-api/-sdk/-semantic-conventions, llguidance, pytest-asyncio.
+# A GPU image with torch and triton but not the project's other packages, and no registry: make
+# their wheels here with bench/gpu_wheels.sh, which says how to install them there.
 #
 # Everything lands in bench/results/<date>-<gpu>/ (logs included), each step under its own
 # time limit so one overrun still leaves the others' results. Exit status: 0 if every step
