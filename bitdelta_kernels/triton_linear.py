@@ -201,14 +201,13 @@ def col_precision(device: torch.device) -> str:
     return "tf32x3" if device.type == "cuda" else "ieee"
 
 
-def one_bits(dtype: torch.dtype) -> int:
-    """The bit pattern of 1.0 in a dot's operand dtype (fp32, bf16 or fp16): `sign_bits`' ONE."""
-    return {torch.float32: 0x3F800000, torch.bfloat16: 0x3F80, torch.float16: 0x3C00}[dtype]
+_ONE_BITS = {torch.float32: 0x3F800000, torch.bfloat16: 0x3F80, torch.float16: 0x3C00}  # 1.0's bit pattern
 
 
 def dot_one(dtype: torch.dtype) -> int:
-    """ONE for the dot of x in `dtype` with the sign tile: fp32's where the dot runs in fp32."""
-    return one_bits(torch.float32 if uses_fp32_dot(dtype) else dtype)
+    """`sign_bits`' ONE for the dot of x in `dtype` with the sign tile: 1.0's bit pattern in the
+    dot's operand dtype (fp32's where the dot runs in fp32)."""
+    return _ONE_BITS[torch.float32 if uses_fp32_dot(dtype) else dtype]
 
 
 @triton.jit

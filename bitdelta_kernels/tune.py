@@ -79,7 +79,6 @@ def time_candidate(cfg: dict, bucket: str, b: dict, shapes, dtype, dev, g) -> fl
 
 
 def main(argv=None) -> None:
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="7b", choices=sorted(SHAPES))
