@@ -3,7 +3,8 @@
     python bench/kernels.py [--quick] [--out bench/results] [--device cpu|cuda] [--cpu-sweep] [--dry-run]
 
 On CUDA (without --quick): the cost per extra sign plane at decode (8192², first), the fused kernel at
-M = 1…2048 and the batched delta at V = 1, 4, 8, 16 (BGMV and SGMV each) on Llama-2-7B and
+M = 1…2048 (from M = 32 also the signs unpacked to ±1 and multiplied by cuBLAS, the path
+`bitdelta_linear` takes from the device's `unpack_min_rows` on) and the batched delta at V = 1, 4, 8, 16 (BGMV and SGMV each) on Llama-2-7B and
 Llama-2-70B/8 shard shapes, in bf16. --dry-run runs those
 sections on CPU in the Triton interpreter with tiny shapes (bench/gpu.sh --dry-run).
 
@@ -427,7 +428,8 @@ DRY_SHAPES = [("dry.a", 264, 257), ("dry.b", 136, 520)]
 def gpu_sections(dev, t, bw, dtype, dry, rows):
     """Fused decode / mid / prefill ÷ the base GEMM (cuBLAS), and the batched delta at V variants
     with BGMV and SGMV each forced, on the real shard shapes (tiny ones in a dry run)."""
-    from bitdelta_kernels.dispatch import bitdelta_delta_batched
+    from bitdelta_kernels.configs import config_for
+    from bitdelta_kernels.dispatch import _linear_unpacked, bitdelta_delta_batched
     from bitdelta_kernels.triton_linear import bitdelta_linear_triton, launch_blocks
 
     es = torch.finfo(dtype).bits // 8
@@ -451,6 +453,10 @@ def gpu_sections(dev, t, bw, dtype, dry, rows):
                 "base_roofline": linear_bytes(M, N, K, es, False) / (t_base * 1e-3) / bw,
                 "blocks": f"{b['BLOCK_M']}x{b['BLOCK_N']}x{b['BLOCK_K']}/s{b['SPLIT_K']}/st{b['num_stages']}",
             }
+            if M >= 32:  # the signs unpacked to ±1 and two cuBLAS GEMMs: the worker's path from unpack_min_rows on
+                planes, alphas = s[None], a.float().reshape(1, -1)
+                row["unpacked/base"] = t(lambda: _linear_unpacked(x, w, planes, alphas)) / t_base
+                row["path"] = "unpacked" if M >= config_for(dev)["unpack_min_rows"] else "fused"
             rows.append(row)
             print_row(row)
             del x, w, s, a
@@ -484,6 +490,26 @@ def gpu_sections(dev, t, bw, dtype, dry, rows):
                 }
                 rows.append(row)
                 print_row(row)
+        del x, w, signs, alpha
+    chunk = config_for(dev)["unpack_min_rows"] if dry else 512
+    print(
+        f"mixed prefill: a {chunk}-row chunk of one variant beside 16 decode rows of 8 (÷ the base GEMM of all rows):"
+    )
+    for name, N, K in shapes if dry else [LLAMA_SHAPES["7b"][0], LLAMA_SHAPES["7b"][2]]:
+        M = chunk + 16
+        x = torch.randn(M, K, generator=g).to(dtype).to(dev)
+        w = (torch.randn(N, K, generator=g) * 0.02).to(dtype).to(dev)
+        signs = torch.randint(0, 256, (9, N, packed_cols(K)), generator=g, dtype=torch.uint8).to(dev)
+        alpha = (torch.rand(9, N, generator=g) * 1e-3).to(dev)
+        rv = torch.cat([torch.zeros(chunk, dtype=torch.int64), 1 + torch.arange(16) % 8]).to(dev)
+        y = torch.empty(M, N, dtype=torch.float32, device=dev)
+        t_base = t(lambda: x @ w.t())
+        row = {"section": "mixed prefill", "shape": name, "M": M, "base_ms": t_base}
+        for label, unpack in (("kernels", False), ("unpacked", True)):
+            plan = plan_batch(rv, 9, dev, unpack=unpack)
+            row[f"{label} delta/base"] = t(lambda: bitdelta_delta_batched(x, signs, alpha, rv, y, plan=plan)) / t_base
+        rows.append(row)
+        print_row(row)
         del x, w, signs, alpha
 
 

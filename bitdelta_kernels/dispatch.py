@@ -82,7 +82,9 @@ def bitdelta_linear(
     backend = backend_for(x.device, x2.shape[0] * d_out * d_in * planes.shape[0], backend)
     if backend == "triton":
         xw = x2 if x2.dtype == w_base.dtype else x2.to(w_base.dtype)
-        if plain:
+        if cols is None and x2.shape[0] >= config_for(x.device)["unpack_min_rows"]:  # prefill-sized
+            y = _linear_unpacked(xw, w_base, planes, alphas)
+        elif plain:
             y = bitdelta_linear_triton(xw, w_base, signs.contiguous(), alpha.reshape(-1))
         else:
             dev_bounds = None if cols is None else _bounds_on(bounds, x.device)
@@ -161,10 +163,13 @@ def dense_linear(
     """
     if x.device.type == "cpu" and backend_for(x.device, 0, backend) == "cpu":
         return cpu_ops.dense_linear_cpu(x, w, out_fp32)
-    if not out_fp32:
-        return x @ w.t()
+    return _mm_f32(x, w) if out_fp32 else x @ w.t()
+
+
+def _mm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x · wᵀ accumulated and returned in fp32 (torch's GEMM; cuBLAS reads bf16/fp16 as they are)."""
     global _MM_OUT_DTYPE
-    if x.device.type == "cuda" and _MM_OUT_DTYPE is not False:
+    if x.device.type == "cuda" and x.dtype != torch.float32 and _MM_OUT_DTYPE is not False:
         try:  # cuBLAS: bf16 inputs, fp32 output (torch >= 2.8)
             y = torch.mm(x, w.t(), out_dtype=torch.float32)
             _MM_OUT_DTYPE = True
@@ -175,6 +180,57 @@ def dense_linear(
 
 
 _MM_OUT_DTYPE: bool | None = None  # torch.mm(..., out_dtype=) works here (CUDA, torch ≥ 2.8)
+
+# The most bytes of unpacked signs `_add_unpacked` holds at once (rows of S per GEMM).
+UNPACK_BLOCK_BYTES = 64 << 20
+
+
+def _add_unpacked(x: torch.Tensor, signs: torch.Tensor, alpha: torch.Tensor, acc: torch.Tensor) -> None:
+    """acc += α ⊙ (x · Sᵀ) in fp32 for one plane (signs uint8 [d_out, bytes], α [d_out] or [1]; acc fp32
+    [M, d_out]): S unpacked to ±1 in x's dtype (`triton_unpack`) ≤ UNPACK_BLOCK_BYTES of rows at a time,
+    each block's product by cuBLAS with fp32 output. Prefill-sized M: the GEMMs run at the tensor
+    cores' rate, where the fused kernel and SGMV expand the bits in every tile's inner loop (at M ≥ 512
+    the fused kernel took 4.9–8.5× the base's GEMM on an H200, bench/results/2026-12-04-NVIDIA-H200;
+    SGMV's tiles of block_m rows each expand the whole matrix's bits, 32 times for 512 rows)."""
+    from bitdelta_kernels.triton_unpack import unpack_signs_triton
+
+    d_out, d_in = signs.shape[0], x.shape[1]
+    block = max(1, UNPACK_BLOCK_BYTES // max(1, d_in * x.element_size()))
+    buf = torch.empty(min(block, d_out), d_in, dtype=x.dtype, device=x.device)
+    for r0 in range(0, d_out, block):
+        r1 = min(d_out, r0 + block)
+        s = unpack_signs_triton(signs[r0:r1], d_in, x.dtype, out=buf[: r1 - r0])
+        acc[:, r0:r1] += _mm_f32(x, s) * (alpha if alpha.numel() == 1 else alpha[r0:r1])
+
+
+def _linear_unpacked(x: torch.Tensor, w_base: torch.Tensor, planes: torch.Tensor, alphas: torch.Tensor) -> torch.Tensor:
+    """y = x · W_baseᵀ + Σ_p α_p ⊙ (x · S_pᵀ), `bitdelta_linear` from unpack_min_rows rows on (a
+    prefill): the base's GEMM with fp32 output, each plane's term added in fp32 (`_add_unpacked`),
+    rounded once to x's dtype, as the fused kernel does. x: [M, d_in] in w_base's dtype; planes: uint8
+    [K, d_out, bytes]; alphas: fp32 [K, d_out] or [K, 1]."""
+    y = _mm_f32(x, w_base)
+    for p in range(planes.shape[0]):
+        _add_unpacked(x, planes[p], alphas[p], y)
+    return y.to(x.dtype)
+
+
+def _delta_unpacked(
+    x: torch.Tensor,
+    signs_stack: torch.Tensor,
+    alpha_stack: torch.Tensor,
+    slots: tuple[int, ...],
+    rows: torch.Tensor,
+    y: torch.Tensor,
+) -> None:
+    """y[rows] += Σ_p α_v ⊙ (x[rows] · S_vᵀ), v = slots[p] ≥ 0: a plan's unpacked slot set (a prefill
+    chunk's rows in a mixed batch), the planes' terms summed in fp32 (`_add_unpacked`) and added to y
+    once, as SGMV does."""
+    xr = x[rows]
+    acc = torch.zeros(xr.shape[0], signs_stack.shape[1], dtype=torch.float32, device=x.device)
+    for v in slots:
+        if v >= 0:
+            _add_unpacked(xr, signs_stack[v], alpha_stack[v], acc)
+    y[rows] = (y[rows].float() + acc).to(y.dtype)
 
 
 def bitdelta_delta_batched(
@@ -204,8 +260,9 @@ def bitdelta_delta_batched(
     has c = 1 on its rows, one with per-column α has α = 1 on its rows; with col_alpha every
     slot's term is scaled by its c. The base GEMM (y = x · W_baseᵀ) runs once for the whole
     batch outside. On GPU, rows are segmented by slot set (SGMV) when some set has several rows,
-    else one row per program (BGMV); `plan` (bitdelta_kernels.plan_batch) lets all layers of a step share
-    that grouping. `backend`: see `backend_for`.
+    else one row per program (BGMV), and a set of ≥ unpack_min_rows rows (a prefill chunk's) takes its
+    planes unpacked to ±1 and cuBLAS GEMMs; `plan` (bitdelta_kernels.plan_batch) lets all layers of a
+    step share that grouping. `backend`: see `backend_for`.
     """
     if x.dim() != 2 or y.dim() != 2 or signs_stack.dim() != 3:
         raise ValueError("x [M, d_in], signs_stack [V, d_out, bytes] and y [M, d_out] expected")
@@ -224,9 +281,13 @@ def bitdelta_delta_batched(
         return bitdelta_delta_batched_ref(x, signs_stack, alpha_stack.expand(V, d_out), row_slots, y, cols, col_splits)
     cfg = config_for(x.device)
     if plan is None:
-        plan = plan_batch(row_slots, V, x.device)
+        plan = plan_batch(row_slots, V, x.device, unpack=cols is None)
     elif plan.m != M or plan.planes != P:
         raise ValueError(f"plan was built for {plan.m} rows of {plan.planes} slots, batch has {M} of {P}")
+    if plan.unpacked and cols is not None:
+        raise ValueError("column α's need a plan without unpacked slot sets (plan_batch(..., unpack=False))")
+    for slots, rows in plan.unpacked:
+        _delta_unpacked(x, signs_stack, alpha_stack, slots, rows, y)
     if plan.kind == "none":
         return y
     s = signs_stack if signs_stack.stride(2) == 1 else signs_stack.contiguous()

@@ -8,6 +8,7 @@ asynchronously from pinned memory; from a device `row_slots` it costs one sync.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,10 @@ class BatchPlan:
     row_slots); row_idx: int32 [rows with a slot], sorted by slot set; tile_start / tile_end:
     int32 [T], tile_slots: int32 [T, P], each tile ≤ block_m rows of one slot set (sgmv).
     max_rows: most rows of one slot set; slot_sets: the distinct slot tuples of those rows.
+    unpacked: the slot sets of ≥ unpack_min_rows rows (a prefill chunk's), each with its rows
+    (int64 on the device), which the launch serves apart with the signs unpacked and cuBLAS GEMMs;
+    every other field then covers the other rows only (theirs are −1 in row_slots, absent from
+    the tiles), and kind is 'none' when there are none.
     """
 
     kind: str
@@ -36,6 +41,7 @@ class BatchPlan:
     tile_start: torch.Tensor | None = None
     tile_end: torch.Tensor | None = None
     tile_slots: torch.Tensor | None = None
+    unpacked: tuple[tuple[tuple[int, ...], torch.Tensor], ...] = ()
 
     @property
     def planes(self) -> int:
@@ -56,6 +62,7 @@ def plan_batch(
     device: torch.device | None = None,
     sgmv_min_rows: int | None = None,
     block_m: int | None = None,
+    unpack: bool = True,
 ) -> BatchPlan:
     """Group the rows of a batch by their whole slot tuple.
 
@@ -65,7 +72,10 @@ def plan_batch(
     the stack). sgmv_min_rows and block_m default to the device's entry in configs.json.
     SGMV is chosen when some slot set has ≥ sgmv_min_rows rows (prefill-sized groups:
     one tensor-core dot per tile reads each plane once per tile instead of once per row);
-    otherwise BGMV (decode: each row reads its planes' bits once anyway).
+    otherwise BGMV (decode: each row reads its planes' bits once anyway). With `unpack`, a slot set
+    of ≥ the entry's unpack_min_rows rows goes to `unpacked` instead (SGMV's tiles of block_m rows
+    would each expand the whole matrix's bits); without (column α's: that path has none) every row
+    stays with the kernels.
     """
     if row_slots.dim() not in (1, 2):
         raise ValueError(f"row_slots must be [M] or [M, P], got {tuple(row_slots.shape)}")
@@ -84,6 +94,13 @@ def plan_batch(
     if not bool(active.any()):
         return BatchPlan("none", m, device, rs_dev, 0, ())
     sets, key, counts = torch.unique(rs[active], dim=0, return_inverse=True, return_counts=True)
+    if unpack and int(counts.max()) >= cfg["unpack_min_rows"]:
+        rows = active.nonzero(as_tuple=True)[0]
+        big = (counts >= cfg["unpack_min_rows"]).nonzero(as_tuple=True)[0].tolist()
+        unpacked = tuple((tuple(sets[i].tolist()), _to(rows[key == i], device)) for i in big)
+        rs = rs.clone()
+        rs[rows[torch.isin(key, torch.tensor(big))]] = -1  # the kernels' rows: the others
+        return dataclasses.replace(plan_batch(rs, n_slots, device, sgmv_min_rows, block_m, False), unpacked=unpacked)
     slot_sets = tuple(tuple(s) for s in sets.tolist())
     max_rows = int(counts.max())
     if max_rows < sgmv_min_rows:

@@ -47,6 +47,7 @@ from bitdelta_kernels import (
     paged_decode,
     plan_batch,
 )
+from bitdelta_kernels.configs import config_for
 from bitdelta_kernels.cpu_decode import GROUPS, DecodeLayer, DecodeLayers, DecodeShape, HeadPlanes
 from bitdelta_kernels.cpu_ops import dense_gemv_max_m
 from bitdelta_kernels.lowrank import factor_mm
@@ -300,11 +301,12 @@ class ModelRunner:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def _plan(self, rows: torch.Tensor, n_slots: int):
+    def _plan(self, rows: torch.Tensor, n_slots: int, unpack: bool = True):
         """The batched delta's plan of host `rows` (bitdelta_kernels.plan_batch) for a device, built here
         from the host copy so no launch syncs; None on CPU, where the C kernels need none (and a
-        Triton launch there plans from its CPU tensors itself): ~75 µs a plan, per step."""
-        return None if self.device.type == "cpu" else plan_batch(rows, n_slots, device=self.device)
+        Triton launch there plans from its CPU tensors itself): ~75 µs a plan, per step. `unpack`:
+        a prefill chunk's slot set may take the unpacked GEMMs (not for column α's)."""
+        return None if self.device.type == "cpu" else plan_batch(rows, n_slots, device=self.device, unpack=unpack)
 
     def prepare(self, work: list[SeqWork]) -> StepMeta:
         """Every index a step needs, built on the host from `work` (no device value is read)."""
@@ -379,7 +381,7 @@ class ModelRunner:
                 local = torch.full((len(row_slot), k), -1, dtype=torch.int32)
                 local[mine] = torch.arange(k, dtype=torch.int32)
                 local = local[:, 0].contiguous() if k == 1 else local
-                meta.col_launches.append((s, k, self._dev(local), self._plan(local, k)))
+                meta.col_launches.append((s, k, self._dev(local), self._plan(local, k, unpack=False)))
             if planes.keys() - colv.keys():  # each row's slot of every plane, from a table slot -> its slots
                 k = max(len(v) for s, v in planes.items() if s not in colv)
                 table = torch.full((self.slots.n_slots + 1, k), -1, dtype=torch.int32)
@@ -775,15 +777,20 @@ class ModelRunner:
 
         Triton compiles one binary per constexpr set (blocks, SPLIT_K: chosen from M, N, K by
         `launch_blocks`) and per specialisation of integer arguments (M == 1, M % 16 == 0), so
-        two row counts with the same key share a binary; the smallest of each key is returned.
+        two row counts with the same key share a binary; from the device's `unpack_min_rows` on,
+        the unpacked path's kernel instead (one key). The smallest of each key is returned.
         """
         try:
             from bitdelta_kernels.triton_linear import launch_blocks
         except ImportError:  # no Triton: nothing compiles
             return [1]
+        unpack_from = config_for(self.device)["unpack_min_rows"]
         shapes = [tuple(w.shape) for w in self.base.layers[0].values()] + [tuple(self.base.head.shape)]
         seen: dict[tuple, int] = {}
         for M in range(1, max_rows + 1):
+            if M >= unpack_from:
+                seen.setdefault(("unpacked",), M)
+                continue
             key = (M == 1, M % 16 == 0) + tuple(
                 tuple(sorted(launch_blocks(M, n, k, self.dtype, self.device).items())) for n, k in shapes
             )
@@ -794,8 +801,9 @@ class ModelRunner:
     def warmup(self, max_rows: int, max_seqs: int) -> list[tuple[int, str]]:
         """Launch every kernel binary a request can need once, so no request pays a JIT compile.
 
-        The fused kernel at each of `warm_sizes(max_rows)` (decode-shaped, one token per
-        sequence, up to max_seqs sequences; prefill-shaped beyond), also on the LM head's
+        The fused kernel (from `unpack_min_rows` on the unpacked path) at each of
+        `warm_sizes(max_rows)` (decode-shaped, one token per sequence, up to max_seqs sequences;
+        prefill-shaped beyond), also on the LM head's
         shape (a variant's sign planes on the base's head: `_sign_heads`); the batched delta as BGMV (few rows
         per variant) and SGMV (≥ sgmv_min_rows rows of one variant). Slot 0 is read with
         whatever it holds (α = 0 before any load); the KV blocks written are overwritten by
@@ -811,15 +819,17 @@ class ModelRunner:
         signs = torch.zeros(1, head.shape[0], (dim + 7) // 8, dtype=torch.uint8, device=self.device)
         alpha = torch.zeros(1, head.shape[0], dtype=torch.float32, device=self.device)
         signed = {0: SlotExtras(head=BigTensor(signs=signs, alpha=alpha))}  # a head of one zero plane
+        unpack_from = config_for(self.device)["unpack_min_rows"]
         for M in self.warm_sizes(max_rows):
+            path = "unpacked" if M >= unpack_from else "fused"
             if M <= max_seqs:  # M decodes of slot 0 in one step, all at position 0 of block 0
                 self.forward([SeqWork([0], 0, 0, [0], True) for _ in range(M)])
                 h = torch.zeros(M, dim, dtype=self.dtype, device=self.device)
                 self._sign_heads(h, self._sign_head_rows({0: list(range(M))}, M, signed), signed)
-                done.append((M, "fused/decode"))
+                done.append((M, path + "/decode"))
             elif -(-M // bs) <= nb:  # one prefill chunk of M tokens
                 self.forward([SeqWork([0] * M, 0, 0, list(range(-(-M // bs))), True)])
-                done.append((M, "fused/prefill"))
+                done.append((M, path + "/prefill"))
         for rows, path in ((2, "bgmv"), (8, "sgmv")):  # mixed: half the rows base, half slot 0
             if rows <= max_seqs:
                 self.forward([SeqWork([0], 0, -1 if r % 2 else 0, [0], True) for r in range(rows)])

@@ -21,13 +21,19 @@ def _runner(base, slots=1):
 
 
 def test_warm_sizes_cover_every_compiled_variant(tmp_path):
+    from bitdelta_kernels.configs import config_for
     from bitdelta_kernels.triton_linear import launch_blocks
 
     runner, _ = _runner(make_base(tmp_path / "b", tiny_args(), seed=5, std=VARIED_STD))
     sizes = runner.warm_sizes(300)
     shapes = [tuple(w.shape) for w in runner.base.layers[0].values()] + [tuple(runner.base.head.shape)]
 
+    unpack_from = config_for(DEV)["unpack_min_rows"]
+    assert unpack_from <= 300  # the unpacked path's kernel is among the binaries below
+
     def key(M):
+        if M >= unpack_from:  # the fused kernel is not launched: the unpack kernel, one binary
+            return ("unpacked",)
         return (M == 1, M % 16 == 0) + tuple(
             tuple(sorted(launch_blocks(M, n, k, torch.float32, DEV).items())) for n, k in shapes
         )
@@ -35,7 +41,7 @@ def test_warm_sizes_cover_every_compiled_variant(tmp_path):
     keys = {key(M) for M in sizes}
     assert len(keys) == len(sizes)  # one row count per binary
     assert all(key(M) in keys for M in range(1, 301))  # and every row count's binary is among them
-    assert {1, 2, 16} <= set(sizes)
+    assert {1, 2, 16, unpack_from} <= set(sizes)
 
 
 def test_warmup_runs_every_path_and_leaves_no_trace(tmp_path):
@@ -46,7 +52,7 @@ def test_warmup_runs_every_path_and_leaves_no_trace(tmp_path):
     alpha0 = [t.clone() for d in slots.alpha for t in d.values()]
     done = runner.warmup(max_rows=200, max_seqs=16)
     paths = {p for _, p in done}
-    assert {"fused/decode", "fused/prefill", "mixed/bgmv", "mixed/sgmv"} <= paths
+    assert {"fused/decode", "fused/prefill", "unpacked/prefill", "mixed/bgmv", "mixed/sgmv"} <= paths
     assert (1, "fused/decode") in done
     assert all(torch.equal(a, t) for a, t in zip(alpha0, [t for d in slots.alpha for t in d.values()]))
     # the KV blocks warm-up wrote into are overwritten before anyone reads them

@@ -352,11 +352,13 @@ def test_kernels_compile_for_hopper(planes, col):
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["_bitdelta_bgmv_kernel", "_bitdelta_sgmv_kernel", "_bitdelta_linear_kernel"]
+    names = ["_bitdelta_bgmv_kernel", "_bitdelta_sgmv_kernel", "_bitdelta_linear_kernel", "_unpack_signs_kernel"]
+    assert proc.stdout.split() == names
 
 
 def compile_for_hopper(planes: int, col: bool) -> None:
-    """Compile the three delta kernels for sm_90 (no GPU needed); prints each one's name."""
+    """Compile the three delta kernels and the sign unpack (the GPU's prefill path) for sm_90 (no GPU
+    needed); prints each one's name."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -364,6 +366,7 @@ def compile_for_hopper(planes: int, col: bool) -> None:
     from bitdelta_kernels.triton_bgmv import _bitdelta_bgmv_kernel
     from bitdelta_kernels.triton_linear import _bitdelta_linear_kernel
     from bitdelta_kernels.triton_sgmv import _bitdelta_sgmv_kernel
+    from bitdelta_kernels.triton_unpack import _unpack_signs_kernel
 
     shared = dict(PLANES=planes, HAS_COL=col, GROUPS=3 if col else 1)
     dots = dict(DOT_FP32=False, PRECISION="ieee", COL_PRECISION="tf32x3", ONE=0x3F80)  # bf16 1.0
@@ -371,8 +374,16 @@ def compile_for_hopper(planes: int, col: bool) -> None:
         (_bitdelta_bgmv_kernel, dict(BLOCK_N=16, BLOCK_K=512, **shared)),
         (_bitdelta_sgmv_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, **dots, **shared)),
         (_bitdelta_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SPLIT_K=1, **dots, **shared)),
+        (_unpack_signs_kernel, dict(BLOCK_R=16, BLOCK_B=64)),
     ]
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*u8", "y_ptr": "*fp32", "col_ptr": "*fp32"}
+    pointers = {
+        "x_ptr": "*bf16",
+        "w_ptr": "*bf16",
+        "s_ptr": "*u8",
+        "y_ptr": "*fp32",
+        "col_ptr": "*fp32",
+        "out_ptr": "*bf16",
+    }
     for fn, consts in cases:
         sig = {}
         for name in fn.arg_names:
