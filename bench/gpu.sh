@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One GPU session in one command (< 9 minutes on an H200: the steps' limits add up to 510 s), from
-# the repository root, with the machine's own python3 (no .venv there; it must not install anything):
+# One GPU session in one command (< 8 minutes on an H200: the steps' limits add up to 430 s, 560 s with
+# --tune-first), from the repository root, with the machine's own python3 (no .venv there; it must not
+# install anything):
 #
-#   bash bench/gpu.sh              # worker benchmark, CUDA test profile, kernel benchmark, tuning sweep
-#   bash bench/gpu.sh --tune-first # the sweep first, then every step on its table (BITDELTA_KERNEL_CONFIGS)
+#   bash bench/gpu.sh              # worker benchmark (eager, then CUDA graphs), CUDA test profile, kernels
+#   bash bench/gpu.sh --tune-first # the launch-configuration sweep first, then every step on its table
 #   bash bench/gpu.sh --dry-run    # the same steps on CPU with tiny shapes (Triton interpreter)
 #
 # A GPU image with torch and triton but not the project's other packages, and no registry: make
@@ -69,7 +70,7 @@ if [ $DRY = 1 ]; then
         tests/gpu_worker/test_worker_batch_invariance.py
     step kernels 600 "$PY" bench/kernels.py --dry-run --reps 1 --out "$out"
     step worker 600 "$PY" bench/worker.py --preset tiny --new-tokens 4 --prompt-len 32 --reps 1 \
-        --variants 1,4 --decode-batches 1,8 --kv-cache 8388608 --out "$out/worker.json"
+        --variants 1,4 --decode-batches 1,8 --kv-cache 8388608 --cuda-graphs --out "$out/worker.json"
 else
     if [ $TUNE_FIRST = 1 ]; then  # the launch configurations this GPU measures best, for every step below
         step tune 130 "$PY" -m bitdelta_kernels.tune --out "$out/tuned_configs.json"
@@ -79,16 +80,18 @@ else
     # most important first; Triton compiles (~1-2 s per binary) dominate the first two steps.
     # decode at batch 1, 8, 64 as a fraction of the HBM limit: where the per-step overhead stands
     # (building the random 7B-shaped family on the host takes about a minute of it)
-    step worker 150 "$PY" bench/worker.py --preset gpu7b --new-tokens 32 --prompt-len 256 --reps 2 \
-        --decode-batches 1,8,64 --kv-cache 1073741824 --out "$out/worker.json"
+    # then the same decode measures with each step's layers replayed as a CUDA graph (--cuda-graphs)
+    step worker 200 "$PY" bench/worker.py --preset gpu7b --new-tokens 32 --prompt-len 256 --reps 2 \
+        --decode-batches 1,8,64 --kv-cache 1073741824 --cuda-graphs --out "$out/worker.json"
     export BITDELTA_REQUIRE_CUDA=1  # the profile fails if it is not really on the GPU
     # the tests' Triton compiles spread over the host's cores where pytest-xdist is installed
     par=()
     "$PY" -c 'import xdist' 2>/dev/null && par=(-n 8)
     step tests 150 "$PY" -m pytest -q -m cuda -p no:cacheprovider -p no:benchmark "${par[@]}" tests/kernels/test_kernel_numerics.py \
-        tests/gpu_worker/test_worker_batch_invariance.py tests/kernels/test_kernels.py
+        tests/gpu_worker/test_worker_batch_invariance.py tests/kernels/test_kernels.py tests/kernels/test_unpack.py \
+        tests/gpu_worker/test_worker_graphs.py
     step kernels 80 "$PY" bench/kernels.py --out "$out"
-    [ $TUNE_FIRST = 1 ] || step tune 130 "$PY" -m bitdelta_kernels.tune --out "$out/tuned_configs.json"
+    # the launch-configuration sweep only with --tune-first (two H200 sweeps kept the shipped table)
 fi
 # the worker step runs the tensor-parallel size 1 path (one process, one GPU); TP >= 2 (one rank per
 # GPU over NCCL, docs/tensor-parallel.md) needs a machine with several GPUs: its numbers wait for one

@@ -333,6 +333,41 @@ async def bench(args) -> dict:
             res["decode_vs_hbm"][B] = {"tok_s": rate, "limit_tok_s": limit, "fraction": rate / limit}
             log(f"decode batch {B} (base): {rate:.0f} tok/s; memory limit {limit:.0f} tok/s; {rate / limit:.2f} of it")
 
+    # 1d. (--cuda-graphs) the decode measures of 1b and 1c again with each decode step's layers
+    # replayed as a CUDA graph (services/gpu_worker/graphs.py), against the eager numbers above
+    if args.cuda_graphs:
+        from services.gpu_worker.graphs import DecodeGraphs
+
+        worker.runner.graphs = graphs = DecodeGraphs(worker.runner, worker.scheduler.max_running)
+        if graphs.capture:  # as the worker's start-up does: no measure below pays a capture
+            graphs.warm()
+        g = res["graphs"] = {"decode_vs_hbm": {}, "decode_vs_limit": {}}
+        for B in args.decode_batches if "decode_vs_hbm" in res else ():
+            if B in res["decode_vs_hbm"]:
+                rate = statistics.median(
+                    [await decode_rate(worker, [""] * B, "Once upon a time", args.new_tokens) for _ in range(args.reps)]
+                )
+                eager = res["decode_vs_hbm"][B]
+                g["decode_vs_hbm"][B] = {
+                    "tok_s": rate,
+                    "fraction": rate / eager["limit_tok_s"],
+                    "vs_eager": rate / eager["tok_s"],
+                }
+                log(
+                    f"graphs: decode batch {B} (base): {rate:.0f} tok/s; {rate / eager['limit_tok_s']:.2f} of the limit"
+                )
+        for V, eager in res["decode_vs_limit"].items():
+            models = [names[i % V] for i in range(BATCH)]
+            rb = [
+                await decode_rate(worker, [""] * BATCH, "Once upon a time", args.new_tokens) for _ in range(args.reps)
+            ]
+            rv = [await decode_rate(worker, models, "Once upon a time", args.new_tokens) for _ in range(args.reps)]
+            ratio = statistics.median(rv) / statistics.median(rb)
+            g["decode_vs_limit"][V] = {"ratio": ratio, "fraction_of_limit": ratio / eager["limit"]}
+            log(f"graphs: decode batch {BATCH} over {V} variants: {ratio / eager['limit']:.2f} of the limit")
+        g["replays"], g["shapes"] = graphs.replays, len(graphs.shapes)  # 0: no step was served (CPU: the C layers)
+        worker.runner.graphs = None
+
     # 4. memory with n_res resident (after a mixed batch ran)
     kv_bytes = worker.kv.k.numel() * worker.kv.k.element_size() * 2
     want = worker.base.nbytes + n_res * size
@@ -386,6 +421,11 @@ def main(argv=None) -> None:
         default=[1, 4, 8],
         help="distinct variants in a decode batch for the limit comparison (comma-separated)",
     )
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="also the decode measures with each step's layers replayed as a CUDA graph (the worker's --cuda-graphs)",
+    )
     args = p.parse_args(argv)
     if bool(args.base) != bool(args.deltas):
         p.error("--base and --deltas go together")
@@ -428,6 +468,18 @@ def main(argv=None) -> None:
             f"{'decode B=' + str(B):<18}{r['fraction']:>8.3f}   {'of the limit':<13} "
             f"{r['tok_s']:.0f} tok/s; weights + KV ÷ {res['read_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s "
             f"read bandwidth = {r['limit_tok_s']:.0f} tok/s"
+        )
+    for B, r in res.get("graphs", {}).get("decode_vs_hbm", {}).items():
+        print(
+            f"{'graphs B=' + str(B):<18}{r['fraction']:>8.3f}   {'of the limit':<13} {r['tok_s']:.0f} tok/s, {r['vs_eager']:.2f} x eager"
+        )
+    for V, r in res.get("graphs", {}).get("decode_vs_limit", {}).items():
+        print(
+            f"{'graphs V=' + str(V):<18}{r['fraction_of_limit']:>8.3f}   {'>= 0.9':<13} {r['ratio']:.3f} of base-only"
+        )
+    if "graphs" in res:
+        print(
+            f"{'':<18}{'':>8}   {'':<13} CUDA graphs: {res['graphs']['replays']} steps replayed over {res['graphs']['shapes']} shapes"
         )
     if "rss_growth_bytes" in res:
         print(

@@ -68,6 +68,12 @@ class WorkerConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
         "as vLLM's VLLM_BATCH_INVARIANT): the CPU kernels' per-row paths at every batch size, slower "
         "prefill (docs/kernels.md, 'Batch invariance'); CPU only; also BITDELTA_BATCH_INVARIANT=1",
     )
+    cuda_graphs: bool = setting(
+        False,
+        "CUDA only: replay each decode step's layers as a CUDA graph per batch bucket (1, 2, 4 ... "
+        "max_running), captured on first use, instead of launching every op from Python "
+        "(docs/worker.md, 'CUDA graphs'); not with --tensor-parallel",
+    )
     allow_slow_kernels: bool = setting(
         False,
         "on CUDA without Triton, serve with the torch reference kernels (~10x slower) instead of refusing to start",

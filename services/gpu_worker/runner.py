@@ -31,6 +31,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -250,6 +251,9 @@ class StepMeta:
     # s..s+k of the stacks, −1 elsewhere, its plan): one launch each, with their col_alpha
     col_launches: list[tuple[int, int, torch.Tensor, object]] | None = None
     single_planes: int = 1  # the fused path's variant: its planes, slots single_slot.. (a run)
+    # Each row's slots on the host ([N] int32, or [N, K] with k > 1 planes) where every delta of the step
+    # is sign planes of row α's (no column α's, no low-rank term): what `graphs.DecodeGraphs` plans from
+    host_slots: torch.Tensor | None = None
     lowrank_rows: dict | None = None  # slot -> [n] rows of x (None: every row) whose variant has a low-rank part
 
 
@@ -262,6 +266,14 @@ class SignHeads:
     # per variant: (slot, [n, k] int32 over `rows`: 0..k−1 on its rows, −1 elsewhere, its plan,
     # [n_s] int64 its positions in `rows` for the low-rank term, or None when it has every row)
     variants: list[tuple[int, torch.Tensor, object, torch.Tensor | None]]
+
+
+class StepGraphs(Protocol):
+    """What runs some steps' layers in place of `ModelRunner._layers` (`graphs.DecodeGraphs`)."""
+
+    def serves(self, m: StepMeta) -> bool: ...
+
+    def run(self, x: torch.Tensor, m: StepMeta) -> torch.Tensor: ...
 
 
 class ModelRunner:
@@ -289,6 +301,8 @@ class ModelRunner:
         self.use_fused = use_fused and not batch_invariant
         self.backend = backend
         self._c_layers: DecodeLayers | None = None  # built on the first step the C layers serve
+        # CUDA graphs of decode steps' layers (`graphs.DecodeGraphs`, the worker's --cuda-graphs); None: eager
+        self.graphs: StepGraphs | None = None
         # byte -> its 8 signs as ±1 (bit j: column j, bitdelta_kernels.bits): a sign row unpacked in one lookup
         bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
         self._sign_values = (bits * 2 - 1).to(torch.float32).to(self.device)  # [256, 8]
@@ -382,16 +396,13 @@ class ModelRunner:
                 local[mine] = torch.arange(k, dtype=torch.int32)
                 local = local[:, 0].contiguous() if k == 1 else local
                 meta.col_launches.append((s, k, self._dev(local), self._plan(local, k, unpack=False)))
-            if planes.keys() - colv.keys():  # each row's slot of every plane, from a table slot -> its slots
-                k = max(len(v) for s, v in planes.items() if s not in colv)
-                table = torch.full((self.slots.n_slots + 1, k), -1, dtype=torch.int32)
-                table[1:, 0] = torch.arange(self.slots.n_slots, dtype=torch.int32)
-                for s, ids in planes.items():
-                    table[s + 1, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-                main = table[main.to(torch.int64) + 1]  # [N, k]
+            if planes.keys() - colv.keys():
+                main = self._plane_rows(main, {s: v for s, v in planes.items() if s not in colv})
             if colv or planes:
                 meta.row_slots = self._dev(main)
             meta.plan = self._plan(main, self.slots.n_slots)
+        if not colv and not low:  # sign planes of row α's only: a graphed decode's plan comes from these
+            meta.host_slots = self._plane_rows(rs, planes) if planes else rs
         if low:
             meta.lowrank_rows = {
                 s: None if single is not None else self._dev((rs == s).nonzero(as_tuple=True)[0].to(torch.int64))
@@ -423,6 +434,17 @@ class ModelRunner:
             meta.decode_tables = self._dev(tables)
             meta.decode_lens = self._dev(torch.tensor([n for _, n in decode_ctx], dtype=torch.int32))
         return meta
+
+    def _plane_rows(self, rows: torch.Tensor, planes: dict[int, tuple[int, ...]]) -> torch.Tensor:
+        """Host row slots [N] -> [N, k]: each row's slot of every plane (−1 where its variant has fewer),
+        from a table slot -> its slots (`planes`: the variants of k > 1 planes; any other slot is its
+        own one plane)."""
+        k = max(len(v) for v in planes.values())
+        table = torch.full((self.slots.n_slots + 1, k), -1, dtype=torch.int32)
+        table[1:, 0] = torch.arange(self.slots.n_slots, dtype=torch.int32)
+        for s, ids in planes.items():
+            table[s + 1, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        return table[rows.to(torch.int64) + 1]
 
     def _sign_head_rows(self, signed: dict[int, list[int]], n_logits: int, extras: dict) -> SignHeads:
         """`SignHeads` of the logit rows `signed` (slot -> its rows), on the host."""
@@ -642,17 +664,19 @@ class ModelRunner:
             backend_for(self.device, rows * o * i, self.backend) == "cpu" for o, i in shapes.values()
         )
 
+    def own_layers(self) -> bool:
+        """Whether this runner's layer ops are ModelRunner's own (a tensor-parallel runner replaces
+        them with its collectives): what the C decode layers and the CUDA graphs stand in for."""
+        ops = ("_linear", "_norm", "_attention", "_logits", "_layers")
+        return all(getattr(type(self), f) is getattr(ModelRunner, f) for f in ops)
+
     @functools.cached_property
     def _c_group_shapes(self) -> dict[str, tuple[int, int]] | None:
         """The projection groups' shapes where the C layers can run this runner's layer (on CPU, a
         full-head rope, no q/k norms, the four groups; a runner that changes a layer, as tensor
         parallelism's, keeps its own; the library built with SIMD for this dtype), else None."""
         a = self.args
-        if self.device.type != "cpu" or a.family.qk_norm or a.rope.dim != a.head_dim:
-            return None
-        if any(
-            getattr(type(self), f) is not getattr(ModelRunner, f) for f in ("_linear", "_norm", "_attention", "_logits")
-        ):
+        if self.device.type != "cpu" or a.family.qk_norm or a.rope.dim != a.head_dim or not self.own_layers():
             return None
         shapes = a.group_shapes()
         return shapes if set(shapes) == set(GROUPS) and DecodeShape.supported(self.dtype) else None
@@ -728,12 +752,19 @@ class ModelRunner:
         return DecodeLayers(layers, shape, self.dtype, final_norm=sl.final_norm, head=head if fits else None)
 
     def _forward_layers(self, work: list[SeqWork], ready: Callable[[], None]) -> torch.Tensor:
-        """`forward` layer by layer, op by op."""
+        """`forward` layer by layer, op by op (a decode step's layers one graph's replay where `graphs`
+        serves it)."""
         m = self.prepare(work)
-        a = self.args
-        hd, H, KV = a.head_dim, a.n_heads, a.n_kv_heads
         x = self._embed(m)
         ready()
+        graphed = self.graphs is not None and self.graphs.serves(m)
+        x = self.graphs.run(x, m) if graphed else self._layers(x, m)
+        return self._final(x, m)
+
+    def _layers(self, x: torch.Tensor, m: StepMeta) -> torch.Tensor:
+        """Every layer over the embedded rows x [N, dim] -> the last layer's output [N, dim]."""
+        a = self.args
+        hd, H, KV = a.head_dim, a.n_heads, a.n_kv_heads
         N = x.shape[0]
         for i in range(a.n_layers):
             norms = self.slots.norms[i]
@@ -753,7 +784,7 @@ class ModelRunner:
             gu = self._linear(h, i, "gate_up", m)
             f = a.intermediate_size
             x = x + self._linear(F.silu(gu[:, :f]) * gu[:, f:], i, "down", m)
-        return self._final(x, m)
+        return x
 
     def _final(self, x: torch.Tensor, m: StepMeta) -> torch.Tensor:
         """The last layer's output [N, dim] -> fp32 logits of the step's logit rows (final norm, head)."""

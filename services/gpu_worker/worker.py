@@ -105,6 +105,9 @@ class Worker:
         if self.batch_invariant:
             self._check_batch_invariant()
             self.kernel_backend = "cpu"  # not auto: with Triton's interpreter on, auto picks it for small calls
+        if config.cuda_graphs and (self.device.type != "cuda" or config.tensor_parallel > 1):
+            where = "tensor-parallel ranks" if config.tensor_parallel > 1 else f"device {self.device}"
+            raise ValueError(f"--cuda-graphs: CUDA graphs need one CUDA device's own runner, not {where}")
 
     def _check_batch_invariant(self) -> None:
         """Refuse what batch-invariant serving cannot give (only the C CPU kernels have per-row paths)."""
@@ -219,6 +222,13 @@ class Worker:
             tw = time.perf_counter()
             ran = await asyncio.to_thread(self.runner.warmup, c.max_batch_tokens, c.max_running)
             log.info("kernels warmed up: %d step shapes in %.1f s", len(ran), time.perf_counter() - tw)
+            if c.cuda_graphs:  # decode steps' layers as CUDA graphs (graphs.py): every bucket's now
+                from services.gpu_worker.graphs import DecodeGraphs
+
+                tw = time.perf_counter()
+                self.runner.graphs = DecodeGraphs(self.runner, c.max_running)
+                shapes = await asyncio.to_thread(self.runner.graphs.warm)
+                log.info("CUDA graphs captured: %d decode shapes in %.1f s", len(shapes), time.perf_counter() - tw)
         self.engine = Engine(self.runner, self.scheduler, loop, self.manager.release)
         self.engine.start()
         self.ready = True
