@@ -17,11 +17,10 @@ from tests.support.worker import offline_generate, running_worker
 N = 4  # the interpreter costs ~1 s per layer call: a few tokens are enough
 
 
-@pytest.mark.asyncio
-async def test_mixed_batch_through_triton_kernels(tmp_path):
-    # Force the Triton kernels (the interpreter on CPU: conftest sets TRITON_INTERPRET=1).
-    fam = make_test_family(tmp_path, n_variants=2)
-    cfg = WorkerConfig(
+def triton_config(fam) -> WorkerConfig:
+    """A worker of `fam` forced onto the Triton kernels (the interpreter on CPU: conftest sets
+    TRITON_INTERPRET=1)."""
+    return WorkerConfig(
         base=fam.base,
         delta_dir=str(fam.deltas),
         delta_budget=4 << 20,
@@ -29,6 +28,12 @@ async def test_mixed_batch_through_triton_kernels(tmp_path):
         dtype="float32",
         kernel_backend="triton",
     )
+
+
+@pytest.mark.asyncio
+async def test_mixed_batch_through_triton_kernels(tmp_path):
+    fam = make_test_family(tmp_path, n_variants=2)
+    cfg = triton_config(fam)
     jobs = [("", "Hello"), ("v0", "abc"), ("v1", "xyz")]
     async with running_worker(cfg) as (_, _, channel):
         stub = pb_grpc.GpuWorkerServiceStub(channel)
@@ -57,14 +62,7 @@ async def test_a_prefill_chunk_beside_other_rows_takes_the_unpacked_gemms(tmp_pa
     unpacked = dispatch._delta_unpacked
     monkeypatch.setattr(dispatch, "_delta_unpacked", lambda *a: calls.append(a[3]) or unpacked(*a))
     fam = make_test_family(tmp_path, n_variants=2)
-    cfg = WorkerConfig(
-        base=fam.base,
-        delta_dir=str(fam.deltas),
-        delta_budget=4 << 20,
-        kv_cache=4 << 20,
-        dtype="float32",
-        kernel_backend="triton",
-    )
+    cfg = triton_config(fam)
     long = "The quick brown fox jumps over the lazy dog; " * (
         config_for(torch.device("cpu"))["unpack_min_rows"] // 40 + 1
     )
