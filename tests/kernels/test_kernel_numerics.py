@@ -19,6 +19,7 @@ import torch
 
 from bitdelta_kernels import bitdelta_delta_batched, plan_batch
 from bitdelta_kernels.bits import unpack_signs
+from bitdelta_kernels.dispatch import _linear_unpacked
 from bitdelta_kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
 from bitdelta_kernels.triton_linear import bitdelta_linear_triton
 from tests.support.kernel_cases import delta_fidelity, delta_term, make_realistic
@@ -51,11 +52,15 @@ def test_the_measure_fails_a_kernel_that_merges_in_bf16():
 @pytest.mark.parametrize("regime", ["smollm2", "small_w"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("M", [1, 17])
-@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("impl", ["triton", "unpacked", "reference"])
 def test_fused_linear_keeps_a_realistic_delta(impl, M, dtype, regime):
+    """The fused kernel, and the unpacked GEMMs that prefill-sized calls take instead."""
     x, w, signs, alpha = make_realistic(M, *SHAPE, dtype, regime, seed=M)
     if impl == "triton":
         y = bitdelta_linear_triton(x.to(DEV), w.to(DEV), signs.to(DEV), alpha.to(DEV)).cpu()
+    elif impl == "unpacked":
+        planes, alphas = signs[None].to(DEV), alpha.float().reshape(1, -1).to(DEV)
+        y = _linear_unpacked(x.to(DEV), w.to(DEV), planes, alphas).cpu()
     else:
         y = bitdelta_linear_ref(x, w, signs, alpha)
     base = x.double() @ w.double().t()
