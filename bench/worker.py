@@ -18,6 +18,8 @@
    RSS growth since before the worker started, for reference.
 5. (--decode-batches 1,8,64) base-only decode tok/s at each batch size as a fraction of the memory
    limit: B × read bandwidth (measured in this run) ÷ (weight bytes + the batch's KV bytes).
+6. (--cuda-graphs, last) 1's limit ratios and 5 again with each decode step's layers replayed as a
+   CUDA graph (the worker's --cuda-graphs); a capture that fails is reported, not raised.
 
 The worker runs in-process through `Worker.generate` / `load_delta` (the same code the gRPC
 servicer calls), so the ratios measure the engine, not the transport.
@@ -171,6 +173,37 @@ def read_bandwidth(device: torch.device, reps: int = 5) -> float:
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def graph_measures(worker, res: dict, names: list[str], args) -> dict:
+    """(--cuda-graphs) the decode measures of 1b and 1c again with each decode step's layers replayed
+    as a CUDA graph (services/gpu_worker/graphs.py), against the eager numbers in `res`."""
+    from services.gpu_worker.graphs import DecodeGraphs
+
+    worker.runner.graphs = graphs = DecodeGraphs(worker.runner, worker.scheduler.max_running)
+    if graphs.capture:  # as the worker's start-up does: no measure below pays a capture
+        graphs.warm()
+    g = {"decode_vs_hbm": {}, "decode_vs_limit": {}}
+    for B, eager in res.get("decode_vs_hbm", {}).items():
+        rate = statistics.median(
+            [await decode_rate(worker, [""] * B, "Once upon a time", args.new_tokens) for _ in range(args.reps)]
+        )
+        g["decode_vs_hbm"][B] = {
+            "tok_s": rate,
+            "fraction": rate / eager["limit_tok_s"],
+            "vs_eager": rate / eager["tok_s"],
+        }
+        log(f"graphs: decode batch {B} (base): {rate:.0f} tok/s; {rate / eager['limit_tok_s']:.2f} of the limit")
+    for V, eager in res.get("decode_vs_limit", {}).items():
+        models = [names[i % V] for i in range(BATCH)]
+        rb = [await decode_rate(worker, [""] * BATCH, "Once upon a time", args.new_tokens) for _ in range(args.reps)]
+        rv = [await decode_rate(worker, models, "Once upon a time", args.new_tokens) for _ in range(args.reps)]
+        ratio = statistics.median(rv) / statistics.median(rb)
+        g["decode_vs_limit"][V] = {"ratio": ratio, "fraction_of_limit": ratio / eager["limit"]}
+        log(f"graphs: decode batch {BATCH} over {V} variants: {ratio / eager['limit']:.2f} of the limit")
+    g["replays"], g["shapes"] = graphs.replays, len(graphs.shapes)  # 0: no step was served (CPU: the C layers)
+    worker.runner.graphs = None
+    return g
 
 
 async def bench(args) -> dict:
@@ -333,41 +366,6 @@ async def bench(args) -> dict:
             res["decode_vs_hbm"][B] = {"tok_s": rate, "limit_tok_s": limit, "fraction": rate / limit}
             log(f"decode batch {B} (base): {rate:.0f} tok/s; memory limit {limit:.0f} tok/s; {rate / limit:.2f} of it")
 
-    # 1d. (--cuda-graphs) the decode measures of 1b and 1c again with each decode step's layers
-    # replayed as a CUDA graph (services/gpu_worker/graphs.py), against the eager numbers above
-    if args.cuda_graphs:
-        from services.gpu_worker.graphs import DecodeGraphs
-
-        worker.runner.graphs = graphs = DecodeGraphs(worker.runner, worker.scheduler.max_running)
-        if graphs.capture:  # as the worker's start-up does: no measure below pays a capture
-            graphs.warm()
-        g = res["graphs"] = {"decode_vs_hbm": {}, "decode_vs_limit": {}}
-        for B in args.decode_batches if "decode_vs_hbm" in res else ():
-            if B in res["decode_vs_hbm"]:
-                rate = statistics.median(
-                    [await decode_rate(worker, [""] * B, "Once upon a time", args.new_tokens) for _ in range(args.reps)]
-                )
-                eager = res["decode_vs_hbm"][B]
-                g["decode_vs_hbm"][B] = {
-                    "tok_s": rate,
-                    "fraction": rate / eager["limit_tok_s"],
-                    "vs_eager": rate / eager["tok_s"],
-                }
-                log(
-                    f"graphs: decode batch {B} (base): {rate:.0f} tok/s; {rate / eager['limit_tok_s']:.2f} of the limit"
-                )
-        for V, eager in res["decode_vs_limit"].items():
-            models = [names[i % V] for i in range(BATCH)]
-            rb = [
-                await decode_rate(worker, [""] * BATCH, "Once upon a time", args.new_tokens) for _ in range(args.reps)
-            ]
-            rv = [await decode_rate(worker, models, "Once upon a time", args.new_tokens) for _ in range(args.reps)]
-            ratio = statistics.median(rv) / statistics.median(rb)
-            g["decode_vs_limit"][V] = {"ratio": ratio, "fraction_of_limit": ratio / eager["limit"]}
-            log(f"graphs: decode batch {BATCH} over {V} variants: {ratio / eager['limit']:.2f} of the limit")
-        g["replays"], g["shapes"] = graphs.replays, len(graphs.shapes)  # 0: no step was served (CPU: the C layers)
-        worker.runner.graphs = None
-
     # 4. memory with n_res resident (after a mixed batch ran)
     kv_bytes = worker.kv.k.numel() * worker.kv.k.element_size() * 2
     want = worker.base.nbytes + n_res * size
@@ -390,6 +388,14 @@ async def bench(args) -> dict:
         kv_pool_bytes=kv_bytes,
         memory_ratio=peak / want,
     )
+    # 1d. last: a capture that fails on this GPU leaves every number above, and says why
+    if args.cuda_graphs:
+        try:
+            res["graphs"] = await graph_measures(worker, res, names, args)
+        except Exception as e:  # reported in the results, not raised
+            worker.runner.graphs = None
+            res["graphs"] = {"error": f"{type(e).__name__}: {e}"}
+            log(f"graphs: failed: {res['graphs']['error']}")
     await worker.close()
     if tmp is not None:
         tmp.cleanup()
@@ -469,6 +475,8 @@ def main(argv=None) -> None:
             f"{r['tok_s']:.0f} tok/s; weights + KV ÷ {res['read_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s "
             f"read bandwidth = {r['limit_tok_s']:.0f} tok/s"
         )
+    if "error" in res.get("graphs", {}):
+        print(f"{'graphs':<18}{'failed':>8}   {res['graphs']['error']}")
     for B, r in res.get("graphs", {}).get("decode_vs_hbm", {}).items():
         print(
             f"{'graphs B=' + str(B):<18}{r['fraction']:>8.3f}   {'of the limit':<13} {r['tok_s']:.0f} tok/s, {r['vs_eager']:.2f} x eager"
@@ -477,7 +485,7 @@ def main(argv=None) -> None:
         print(
             f"{'graphs V=' + str(V):<18}{r['fraction_of_limit']:>8.3f}   {'>= 0.9':<13} {r['ratio']:.3f} of base-only"
         )
-    if "graphs" in res:
+    if "replays" in res.get("graphs", {}):
         print(
             f"{'':<18}{'':>8}   {'':<13} CUDA graphs: {res['graphs']['replays']} steps replayed over {res['graphs']['shapes']} shapes"
         )
