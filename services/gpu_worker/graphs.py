@@ -62,16 +62,19 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.shapes: dict[tuple[int, int, str], _Shape] = {}
         self.replays = 0  # steps served
+        # block-table width of every shape: the longest sequence's blocks (the model's context, or the pool)
+        self.width = min(runner.kv.n_blocks, -(-runner.args.max_seq_len // runner.kv.block_size))
 
     def serves(self, m: StepMeta) -> bool:
         """Whether the step `m` (prepared by the runner) runs here: one-token decodes only, sign planes
-        of row α's only, at most the largest bucket's rows."""
+        of row α's only, at most the largest bucket's rows, no block table past the model's context."""
         n = m.tokens.shape[0]
         return (
             0 < n <= self.buckets[-1]
             and not m.prefills
             and m.decode_rows is not None
             and m.decode_rows.shape[0] == n
+            and m.decode_tables.shape[1] <= self.width
             and m.host_slots is not None
         )
 
@@ -96,7 +99,7 @@ class DecodeGraphs:
 
     def _new(self, key: tuple[int, int, str], x: torch.Tensor, m: StepMeta, block_m: int) -> _Shape:
         B, P, kind = key
-        dev, r = x.device, self.runner
+        dev = x.device
 
         def empty(like: torch.Tensor) -> torch.Tensor:  # B rows of `like`'s
             return torch.zeros(B, *like.shape[1:], dtype=like.dtype, device=dev)
@@ -122,7 +125,7 @@ class DecodeGraphs:
             single_slot=None,
             write_rows=empty(m.write_rows),
             decode_rows=torch.arange(B, device=dev),
-            decode_tables=torch.zeros(B, r.kv.n_blocks, dtype=torch.int32, device=dev),
+            decode_tables=torch.zeros(B, self.width, dtype=torch.int32, device=dev),
             decode_lens=empty(m.decode_lens),
             prefills=[],
             logit_rows=torch.arange(B, device=dev),

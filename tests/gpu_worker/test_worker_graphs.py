@@ -88,6 +88,10 @@ async def test_graphed_decode_steps_equal_the_plain_steps(tmp_path):
         # prefill rows, or a variant with a low-rank term or column α's, keep the plain path
         r.graphs = graphs
         r.forward([SeqWork(prompts[0] + [7, 9], 0, s0, [0], True)])
+        width, graphs.width = graphs.width, 0  # a block table past the shapes' width (the model's context)
+        assert not graphs.serves(r.prepare([step[0]]))
+        graphs.width = width
+        assert width == min(r.kv.n_blocks, -(-r.args.max_seq_len // r.kv.block_size))
         ex = r.slots.extras[s0]
         r.slots.extras = {**r.slots.extras, s0: dataclasses.replace(ex, cols={(0, "qkv"): torch.ones(1)})}
         assert not graphs.serves(r.prepare([step[0]]))
