@@ -90,9 +90,8 @@ def plan_batch(
     if rs.numel() and (int(rs.max()) >= n_slots or int(rs.min()) < -1):
         raise ValueError(f"row_slots values must lie in [-1, {n_slots - 1}]")
     active = (rs >= 0).any(dim=1)
-    rs_dev = _to(rs.to(torch.int32), device)
     if not bool(active.any()):
-        return BatchPlan("none", m, device, rs_dev, 0, ())
+        return BatchPlan("none", m, device, _to(rs.to(torch.int32), device), 0, ())
     sets, key, counts = torch.unique(rs[active], dim=0, return_inverse=True, return_counts=True)
     if unpack and int(counts.max()) >= cfg["unpack_min_rows"]:
         rows = active.nonzero(as_tuple=True)[0]
@@ -101,6 +100,7 @@ def plan_batch(
         rs = rs.clone()
         rs[rows[torch.isin(key, torch.tensor(big))]] = -1  # the kernels' rows: the others
         return dataclasses.replace(plan_batch(rs, n_slots, device, sgmv_min_rows, block_m, False), unpacked=unpacked)
+    rs_dev = _to(rs.to(torch.int32), device)  # after the branch above, which copies its own rows
     slot_sets = tuple(tuple(s) for s in sets.tolist())
     max_rows = int(counts.max())
     if max_rows < sgmv_min_rows:

@@ -71,8 +71,8 @@ class WorkerConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
     cuda_graphs: bool = setting(
         False,
         "CUDA only: replay each decode step's layers as a CUDA graph per batch bucket (1, 2, 4 ... "
-        "max_running), captured on first use, instead of launching every op from Python "
-        "(docs/worker.md, 'CUDA graphs'); not with --tensor-parallel",
+        "max_running), captured at start-up (a shape of more sign planes per row: on first use), instead "
+        "of launching every op from Python (docs/worker.md, 'CUDA graphs'); not with --tensor-parallel",
     )
     allow_slow_kernels: bool = setting(
         False,

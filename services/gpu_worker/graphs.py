@@ -16,7 +16,8 @@ BGMV's or SGMV's index tensors copied into the shape's fixed buffers (SGMV's til
 empty ones, which add nothing). Every fused single-variant step takes the batched kernels here,
 as a mixed step does: the numbers of a mixed step, not of the fused kernel.
 
-A shape is captured the first time a step needs it, after its buffers hold that step's inputs: the
+The worker captures every bucket's one-plane shapes at start-up (`warm`, while no KV block is in
+use); any other shape the first time a step needs it, after its buffers hold that step's inputs: the
 two warm-up runs before the capture write the step's own K and V rows, so no live KV block is
 touched by anything but its own values. Without `capture` (CPU, tests) the same buffers and plans
 run eagerly, which is what the CPU tests check against the plain step.
