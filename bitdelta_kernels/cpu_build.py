@@ -227,14 +227,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     # 1 | 0 | -1: the table loop's gathers, its loads and transpose, or the CPU's choice (same sums)
     lib.bd_set_gather.restype = i32
     lib.bd_set_gather.argtypes = [i32]
-    # x, M, ldx, s, d_out, d_in, lds, alpha, alpha_stride, y, ldy, method, n_threads
+    # x, M, ldx, s, d_out, d_in, lds, alpha, alpha_stride, y, ldy, method, x_is_bf16, n_threads
     lib.bd_delta_gemv.restype = i32
-    lib.bd_delta_gemv.argtypes = [p, i64, i64, p, i64, i64, i64, p, i64, p, i64, i32, i32]
+    lib.bd_delta_gemv.argtypes = [p, i64, i64, p, i64, i64, i64, p, i64, p, i64, i32, i32, i32]
     # w, w_dtype, ldw, s, lds, alpha, alpha_stride, r0, r1, d_in, out, out_dtype, ldo, n_threads
     lib.bd_merge.restype = None
     lib.bd_merge.argtypes = [p, i32, i64, p, i64, p, i64, i64, i64, i64, p, i32, i64, i32]
     # x, M, ldx, s, stride_sv, d_out, d_in, lds, alpha, stride_av, alpha_stride, row_slots, n_planes,
-    # col_alpha, stride_cv, stride_cg, bounds, n_groups, y, ldy, n_threads
+    # col_alpha, stride_cv, stride_cg, bounds, n_groups, y, ldy, x_is_bf16, n_threads
     lib.bd_delta_batched.restype = i32
     lib.bd_delta_batched.argtypes = [
         p,
@@ -257,6 +257,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         i64,
         p,
         i64,
+        i32,
         i32,
     ]
     # x, M, ldx, w, w_dtype, ldw, s, d_out, d_in, lds, alpha, alpha_stride, y, ldy, x_is_bf16, two_pass, n_threads

@@ -127,6 +127,7 @@ def delta_gemv_cpu(
         y.data_ptr(),
         y.stride(0),
         METHODS[method],
+        int(x.dtype == torch.bfloat16),  # exactly bf16 values: the table loop may take bf16 tables
         torch.get_num_threads(),
     )
     if rc != 0:
@@ -567,6 +568,7 @@ def bitdelta_delta_batched_cpu(
             G,
             y32.data_ptr(),
             y32.stride(0),
+            int(x.dtype == torch.bfloat16),  # exactly bf16 values: the table loop may take bf16 tables
             torch.get_num_threads(),
         )
         if rc != 0:

@@ -271,16 +271,47 @@ static inline void mask_sums2(const float *x0, const float *x1, const uint8_t *c
 #define HAVE_X_TABLES 1
 static inline int64_t x_table_floats(int64_t d_in) { return 2 * ((d_in + 7) / 8) * 16; }
 
-static void x_row_tables(const float *x, int64_t d_in, float *T) {
+/* Group g's table: lane n = Σ_{i < 4, bit i of n set} x[4g + i], columns ≥ d_in as 0. */
+static inline __m512 group_table(const float *x, int64_t d_in, int64_t g) {
     const __mmask16 bit[4] = {0xAAAA, 0xCCCC, 0xF0F0, 0xFF00}; /* the lanes n with bit i set */
-    const int64_t n_groups = 2 * ((d_in + 7) / 8);
-    for (int64_t g = 0; g < n_groups; ++g) {
-        __m512 t = _mm512_setzero_ps();
-        for (int i = 0; i < 4; ++i)
-            if (4 * g + i < d_in) t = _mm512_mask_add_ps(t, bit[i], t, _mm512_set1_ps(x[4 * g + i]));
-        _mm512_storeu_ps(T + 16 * g, t);
-    }
+    __m512 t = _mm512_setzero_ps();
+    for (int i = 0; i < 4; ++i)
+        if (4 * g + i < d_in) t = _mm512_mask_add_ps(t, bit[i], t, _mm512_set1_ps(x[4 * g + i]));
+    return t;
 }
+
+static void x_row_tables(const float *x, int64_t d_in, float *T) {
+    const int64_t n_groups = 2 * ((d_in + 7) / 8);
+    for (int64_t g = 0; g < n_groups; ++g) _mm512_storeu_ps(T + 16 * g, group_table(x, d_in, g));
+}
+
+#if defined(__AVX512BF16__)
+/* bf16 tables, for an x that is exactly bf16 (a bf16 model's activations), in the AVX512-BF16 build:
+ * the same entries rounded to bf16 (RNE), two nibble positions to a 32-word register. For dword k of
+ * a sign row (32 columns) and n < 4, register 4k + n holds group 8k + n's 16 entries in its words
+ * 0–15 and group 8k + n + 4's in 16–31 (groups past the row: 0). One VPERMW then looks up both
+ * nibbles n and n + 4 of 16 rows (the word halves of a dword) and one VDPBF16PS against ones adds
+ * the pair into the row's fp32 lane: per 8 nibble lookups 4 shifts, 4 VPTERNLOGD (the word
+ * indices), 4 lookups and 4 dot products, against 7 shifts, 8 lookups and 8 adds in fp32. On one
+ * core of an AMD EPYC of the Zen 4 generation the loop alone summed 1.44–1.52× the weights/ns
+ * (512–4096 columns, docs/kernels.md). The price is one bf16 rounding of each entry (a sum of ≤ 4
+ * of x's values, relative error ≤ 2⁻⁸, the same order as x's own rounding to bf16); the sums stay
+ * fp32. Every path that sums a bf16 row's planes takes these tables (x_is_bf16), so a row's numbers
+ * do not depend on its path. */
+#define HAVE_BF16_TABLES 1
+static inline int64_t x_table_floats_bf16(int64_t d_in) { return 64 * ((d_in + 31) / 32); }
+
+static void x_row_tables_bf16(const float *x, int64_t d_in, float *T) {
+    uint16_t *w = (uint16_t *)T;
+    for (int64_t k = 0; k < (d_in + 31) / 32; ++k)
+        for (int n = 0; n < 4; ++n) {
+            const __m512bh t = _mm512_cvtne2ps_pbh(group_table(x, d_in, 8 * k + n + 4), group_table(x, d_in, 8 * k + n));
+            _mm512_storeu_si512((void *)(w + 32 * (4 * k + n)), (__m512i)t);
+        }
+}
+#else
+#define HAVE_BF16_TABLES 0
+#endif
 
 /* 16 × 16 dwords transposed in place: v[k] lane i = dword k of v[i] before. */
 static inline void transpose16(__m512i *v) {
@@ -344,16 +375,48 @@ static inline void transpose16_tail(const uint8_t *const *rows, int64_t at, int 
 #define PREFETCH_BLOCKS 2 /* how far ahead the bits are prefetched (1, 4, 8 and 16 measured no better) */
 /* The lookups of nn nibbles (from nibble 0) of one transposed dword vk, the tables of nibble 0 at
  * tab[x] + 16·g: constant nn (a whole dword) unrolls into immediate shifts. */
-#define LUT_DWORD(vk, g, nn)                                                                                 \
+#define LUT_NIBBLES(vk, g, nn)                                                                               \
     for (int n = 0; n < (nn); ++n) {                                                                       \
         const __m512i idx_ = n ? _mm512_srli_epi32(vk, 4 * n) : (vk);                                      \
         for (int x = 0; x < NX; ++x)                                                                       \
             acc[x][n & 3] =                                                                                \
                 _mm512_add_ps(acc[x][n & 3], _mm512_permutexvar_ps(idx_, _mm512_loadu_ps(tab[x] + 16 * ((g) + n)))); \
     }
-static inline __attribute__((always_inline)) void lut_sums(const float *const *tab, const int NX,
+#if HAVE_BF16_TABLES
+/* The same from bf16 tables (x_row_tables_bf16): nibbles n and n + 4 at once, the register of
+ * nibble 0 at tab[x] + 8·g floats; word indices (nibble n of the low word, 16 + nibble n + 4 of the
+ * high one) from one shift and one VPTERNLOGD ((idx & nib16) | upper16). Nibbles past nn are 0
+ * bits, whose entries are 0. */
+#define LUT_PAIRS(vk, g, nn)                                                                                 \
+    for (int n = 0; n < ((nn) < 4 ? (nn) : 4); ++n) {                                                      \
+        const __m512i idx_ = _mm512_ternarylogic_epi32(n ? _mm512_srli_epi16(vk, 4 * n) : (vk), nib16, upper16, 0xEA); \
+        for (int x = 0; x < NX; ++x)                                                                       \
+            acc[x][n] = _mm512_dpbf16_ps(                                                                  \
+                acc[x][n], (__m512bh)_mm512_permutexvar_epi16(idx_, _mm512_loadu_si512((const void *)(tab[x] + 8 * (g) + 16 * n))), \
+                ones);                                                                                     \
+    }
+#define LUT_DWORD(vk, g, nn)                                                                                 \
+    {                                                                                                      \
+        if (BF) {                                                                                          \
+            LUT_PAIRS(vk, g, nn)                                                                           \
+        } else {                                                                                           \
+            LUT_NIBBLES(vk, g, nn)                                                                         \
+        }                                                                                                  \
+    }
+#else
+#define LUT_DWORD(vk, g, nn) LUT_NIBBLES(vk, g, nn)
+#endif
+/* BF: tab[x] are bf16 tables (x_row_tables_bf16), else fp32 ones; both sum each lane in column
+ * order into 4 accumulators. */
+static inline __attribute__((always_inline)) void lut_sums(const float *const *tab, const int NX, const int BF,
                                                           const uint8_t *const *rows, int64_t n_bytes,
                                                           int64_t row_stride, int64_t ahead, float *const *tot) {
+#if HAVE_BF16_TABLES
+    const __m512i nib16 = _mm512_set1_epi32(0x000F000F), upper16 = _mm512_set1_epi32(0x00100000);
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80); /* bf16 1.0 */
+#else
+    (void)BF;
+#endif
     __m512 acc[2][4];
     for (int x = 0; x < NX; ++x)
         for (int a = 0; a < 4; ++a) acc[x][a] = _mm512_setzero_ps();
@@ -403,6 +466,8 @@ static inline __attribute__((always_inline)) void lut_sums(const float *const *t
         _mm512_storeu_ps(tot[x], _mm512_add_ps(_mm512_add_ps(acc[x][0], acc[x][1]), _mm512_add_ps(acc[x][2], acc[x][3])));
 }
 #undef LUT_DWORD
+#undef LUT_NIBBLES
+#undef LUT_PAIRS
 
 #elif defined(__AVX2__)
 /* The AVX2 table loop: 8 sign rows to a vector, x's tables of 2 columns each (4 entries, held
@@ -472,9 +537,10 @@ static inline __m256i row_dwords(const uint8_t *const *rows, int64_t d, int64_t 
             acc[x][j & 3] = _mm256_add_ps(                                                                    \
                 acc[x][j & 3], _mm256_permutevar_ps(_mm256_loadu_ps(tab[x] + 8 * (PAIRS * (d) + j)), idx_));  \
     }
-static inline __attribute__((always_inline)) void lut_sums(const float *const *tab, const int NX,
+static inline __attribute__((always_inline)) void lut_sums(const float *const *tab, const int NX, const int BF,
                                                           const uint8_t *const *rows, int64_t n_bytes,
                                                           int64_t row_stride, int64_t ahead, float *const *tot) {
+    (void)BF; /* no bf16 tables in this build */
     (void)row_stride;
     __m256 acc[2][4];
     for (int x = 0; x < NX; ++x)
@@ -509,23 +575,49 @@ static inline __attribute__((always_inline)) void lut_sums(const float *const *t
 #ifndef BLOCK_ROWS
 #define BLOCK_ROWS ROWS
 #endif
+#ifndef HAVE_BF16_TABLES
+#define HAVE_BF16_TABLES 0
+#endif
+
+#ifdef HAVE_X_TABLES
+/* Floats of one x row's tables: bf16 tables (x_row_tables_bf16) where bf16, else fp32 ones. */
+static inline int64_t table_floats(int64_t d_in, int bf16) {
+#if HAVE_BF16_TABLES
+    if (bf16) return x_table_floats_bf16(d_in);
+#endif
+    (void)bf16;
+    return x_table_floats(d_in);
+}
+#endif
+
+/* Whether the table loop takes bf16 tables for an x whose values are (x_is_bf16) exactly bf16:
+ * in the AVX512-BF16 build. */
+static inline int tables_bf16(int x_is_bf16) { return x_is_bf16 && HAVE_BF16_TABLES; }
 
 /* x's rows (or, with column α's, the nq scaled rows xcol) as the table loop's tables, a malloc'ed
- * [nq, x_table_floats(d_in)] the caller frees; NULL where the build has no table loop (scalar: *failed = 0)
- * or memory ran out (*failed = 1). */
-static float *x_tables(const float *x, int64_t nq, int64_t ldx, int64_t d_in, int *failed) {
+ * [nq, table_floats(d_in, bf16)] the caller frees (bf16: tables_bf16's choice); NULL where the
+ * build has no table loop (scalar: *failed = 0) or memory ran out (*failed = 1). */
+static float *x_tables(const float *x, int64_t nq, int64_t ldx, int64_t d_in, int bf16, int *failed) {
     *failed = 0;
 #ifdef HAVE_X_TABLES
-    const int64_t nt = x_table_floats(d_in);
+    const int64_t nt = table_floats(d_in, bf16);
     float *tab = (float *)malloc(sizeof(float) * (size_t)(nq > 0 ? nq * nt : 1));
     if (!tab) {
         *failed = 1;
         return NULL;
     }
-    for (int64_t q = 0; q < nq; ++q) x_row_tables(x + q * ldx, d_in, tab + q * nt);
+    for (int64_t q = 0; q < nq; ++q) {
+#if HAVE_BF16_TABLES
+        if (bf16) {
+            x_row_tables_bf16(x + q * ldx, d_in, tab + q * nt);
+            continue;
+        }
+#endif
+        x_row_tables(x + q * ldx, d_in, tab + q * nt);
+    }
     return tab;
 #else
-    (void)x, (void)nq, (void)ldx, (void)d_in;
+    (void)x, (void)nq, (void)ldx, (void)d_in, (void)bf16;
     return NULL;
 #endif
 }
@@ -537,14 +629,15 @@ static float *x_tables(const float *x, int64_t nq, int64_t ldx, int64_t d_in, in
  * scaled by slot v's column α of r's group g: xcol + ((m·n_planes + p)·n_groups + g)·d_in; xsum
  * holds Σ_k xs[k] in the same order ([M] without column α's). Groups: rows [bounds[g],
  * bounds[g + 1]) (bounds NULL: one group). tab: NULL, or the nibble tables of the rows xs
- * (x_tables; indexed as xsum): the table loop, blocks of LROWS rows (NULL: the masked loop). An x
+ * (x_tables; indexed as xsum; tab_bf16: bf16 ones): the table loop, blocks of LROWS rows (NULL: the
+ * masked loop). An x
  * that is exactly bf16 takes the table loop too: where the build has AVX512-BF16, VDPBF16PS
  * against ones on the bf16 lanes of set bits (32 columns per mask) ran 2.1× slower than the
  * tables on one core of a Xeon with AVX512-BF16/AMX (4096², an extra plane 0.40 instead of 0.19 ×
  * the bf16 base GEMV; docs/kernels.md). The
  * planes' terms are summed in fp32 and added to y once. Each register block of rows stays inside
  * one group, and its sign rows stay in cache for all rows m and planes p. */
-static void delta_rows_planes(const float *x, const float *tab, int64_t ldx, int64_t M,
+static void delta_rows_planes(const float *x, const float *tab, int tab_bf16, int64_t ldx, int64_t M,
                               const float *xsum, const float *xcol, const uint8_t *s, int64_t stride_sv,
                               int64_t lds, int64_t d_in,
                               const float *alpha, int64_t stride_av, int64_t alpha_stride,
@@ -555,6 +648,7 @@ static void delta_rows_planes(const float *x, const float *tab, int64_t ldx, int
      * bits came from memory); the chunk's rows of one x row sum their planes in `sum`. Two x rows
      * with the same slots (mate) share every mask register load, the loop's bound. */
     enum { CHUNK = 128 };
+    (void)tab_bf16; /* the scalar build has no tables */
     for (int64_t c0 = r0; c0 < r1; c0 += CHUNK) {
         const int64_t c1 = (c0 + CHUNK) < r1 ? c0 + CHUNK : r1;
         for (int64_t m = 0; m < M; ++m) {
@@ -584,7 +678,7 @@ static void delta_rows_planes(const float *x, const float *tab, int64_t ldx, int
                     float tot[BLOCK_ROWS], tot2[BLOCK_ROWS];
 #ifdef HAVE_X_TABLES
                     if (br == LROWS) {
-                        const int64_t nt = x_table_floats(d_in), i0 = xcol ? q : m, i2 = xcol ? q2 : m2;
+                        const int64_t nt = table_floats(d_in, tab_bf16), i0 = xcol ? q : m, i2 = xcol ? q2 : m2;
                         const float *tb[2] = {tab + i0 * nt, m2 >= 0 ? tab + i2 * nt : NULL};
                         float *const to[2] = {tot, tot2};
                         /* the bits PREFETCH_BLOCKS blocks on are fetched while these are summed: the
@@ -596,10 +690,19 @@ static void delta_rows_planes(const float *x, const float *tab, int64_t ldx, int
                         /* a full block's rows are evenly spaced: gathers (int32 offsets), where the
                          * CPU's gathers are fast (gather_rows) */
                         const int64_t stride = gather_rows && nr == LROWS && lds <= INT32_MAX / LROWS ? lds : 0;
+                        const int64_t nb = (d_in + 7) / 8;
+#if HAVE_BF16_TABLES
+                        if (tab_bf16) {
+                            if (m2 >= 0)
+                                lut_sums(tb, 2, 1, rows, nb, stride, ahead, to);
+                            else
+                                lut_sums(tb, 1, 1, rows, nb, stride, ahead, to);
+                        } else
+#endif
                         if (m2 >= 0)
-                            lut_sums(tb, 2, rows, (d_in + 7) / 8, stride, ahead, to);
+                            lut_sums(tb, 2, 0, rows, nb, stride, ahead, to);
                         else
-                            lut_sums(tb, 1, rows, (d_in + 7) / 8, stride, ahead, to);
+                            lut_sums(tb, 1, 0, rows, nb, stride, ahead, to);
                     } else
 #endif
                     if (m2 >= 0) {
@@ -650,10 +753,10 @@ static void find_mates(const int64_t *slots, int64_t M, int64_t n_planes, int64_
 }
 
 /* One plane of variant 0 for every x row: delta_rows_planes without column α's. */
-static void delta_rows_mask(const float *x, const float *tab, int64_t ldx, int64_t M,
+static void delta_rows_mask(const float *x, const float *tab, int tab_bf16, int64_t ldx, int64_t M,
                             const float *xsum, const uint8_t *s, int64_t lds, int64_t d_in, const float *alpha,
                             int64_t alpha_stride, float *y, int64_t ldy, int64_t r0, int64_t r1) {
-    delta_rows_planes(x, tab, ldx, M, xsum, NULL, s, 0, lds, d_in, alpha, 0, alpha_stride, NULL, 1, NULL, 1, NULL,
+    delta_rows_planes(x, tab, tab_bf16, ldx, M, xsum, NULL, s, 0, lds, d_in, alpha, 0, alpha_stride, NULL, 1, NULL, 1, NULL,
                       y, ldy, r0, r1);
 }
 
@@ -741,6 +844,7 @@ typedef struct {
     const float *alpha;
     float *y;
     int64_t M, ldx, d_in, lds, alpha_stride, ldy;
+    int tab_bf16;
 } delta_gemv_args;
 
 static void delta_gemv_rows(void *ctx, int64_t r0, int64_t r1) {
@@ -748,7 +852,7 @@ static void delta_gemv_rows(void *ctx, int64_t r0, int64_t r1) {
     if (A->lut8)
         delta_rows_lut8(A->lut8, A->M, A->s, A->lds, A->d_in, A->alpha, A->alpha_stride, A->y, A->ldy, r0, r1);
     else
-        delta_rows_mask(A->x, A->tab, A->ldx, A->M, A->xsum, A->s, A->lds, A->d_in, A->alpha, A->alpha_stride, A->y,
+        delta_rows_mask(A->x, A->tab, A->tab_bf16, A->ldx, A->M, A->xsum, A->s, A->lds, A->d_in, A->alpha, A->alpha_stride, A->y,
                         A->ldy, r0, r1);
 }
 
@@ -756,13 +860,15 @@ static void delta_gemv_rows(void *ctx, int64_t r0, int64_t r1) {
  *   x: fp32 [M, ldx≥d_in]; s: uint8 [d_out, lds≥ceil(d_in/8)];
  *   alpha: fp32, α_r = alpha[r·alpha_stride] (stride 0: one α per matrix);
  *   y: fp32 [M, ldy≥d_out], accumulated in place.
- *   method: 0 = mask (SIMD masked adds), 1 = lut8 (byte lookup table).
+ *   method: 0 = mask (the table loop; scalar: a test per bit), 1 = lut8 (byte lookup table).
+ *   x_is_bf16: x's values are exactly bf16 (the table loop may then take bf16 tables, tables_bf16).
  * Returns 0, or −1 when scratch memory could not be allocated. */
 int bd_delta_gemv(const float *x, int64_t M, int64_t ldx,
                   const uint8_t *s, int64_t d_out, int64_t d_in, int64_t lds,
                   const float *alpha, int64_t alpha_stride,
-                  float *y, int64_t ldy, int method, int n_threads) {
-    delta_gemv_args A = {x, NULL, NULL, NULL, s, alpha, y, M, ldx, d_in, lds, alpha_stride, ldy};
+                  float *y, int64_t ldy, int method, int x_is_bf16, int n_threads) {
+    const int bf16 = tables_bf16(x_is_bf16);
+    delta_gemv_args A = {x, NULL, NULL, NULL, s, alpha, y, M, ldx, d_in, lds, alpha_stride, ldy, bf16};
     if (method == 1) {
         const int64_t n_bytes = (d_in + 7) / 8;
         float *T = (float *)malloc(sizeof(float) * (size_t)(M * n_bytes * 256));
@@ -774,7 +880,7 @@ int bd_delta_gemv(const float *x, int64_t M, int64_t ldx,
         return 0;
     }
     int failed = 0;
-    float *xsum = row_sums(x, M, ldx, d_in), *tab = xsum ? x_tables(x, M, ldx, d_in, &failed) : NULL;
+    float *xsum = row_sums(x, M, ldx, d_in), *tab = xsum ? x_tables(x, M, ldx, d_in, bf16, &failed) : NULL;
     if (!xsum || failed) {
         free(xsum);
         return -1;
@@ -795,11 +901,12 @@ typedef struct {
     const int64_t *slots, *bounds, *mate;
     float *y;
     int64_t ldx, M, stride_sv, lds, d_in, stride_av, alpha_stride, n_planes, n_groups, ldy;
+    int tab_bf16;
 } batched_args;
 
 static void batched_rows(void *ctx, int64_t r0, int64_t r1) {
     const batched_args *A = (const batched_args *)ctx;
-    delta_rows_planes(A->x, A->tab, A->ldx, A->M, A->xsum, A->xcol, A->s, A->stride_sv, A->lds, A->d_in, A->alpha,
+    delta_rows_planes(A->x, A->tab, A->tab_bf16, A->ldx, A->M, A->xsum, A->xcol, A->s, A->stride_sv, A->lds, A->d_in, A->alpha,
                       A->stride_av, A->alpha_stride, A->slots, A->n_planes, A->bounds, A->n_groups, A->mate, A->y,
                       A->ldy, r0, r1);
 }
@@ -810,19 +917,22 @@ static void batched_rows(void *ctx, int64_t r0, int64_t r1) {
  *   s: uint8 [V, d_out, lds], slot stride stride_sv; alpha: fp32, α_v[r] = alpha[v·stride_av +
  *   r·alpha_stride]; col_alpha: NULL (c = 1) or fp32, c_v[g, k] = col_alpha[v·stride_cv + g·stride_cg
  *   + k], group g(r) the one with bounds[g] ≤ r < bounds[g + 1] (int64 [n_groups + 1], 0 … d_out;
- *   NULL with one group); x, y as in bd_delta_gemv. Indices are checked by the caller. Returns 0, or −1 when scratch memory could not be allocated. */
+ *   NULL with one group); x, y, x_is_bf16 as in bd_delta_gemv (without column α's: the scaled rows
+ *   take fp32 tables). Indices are checked by the caller. Returns 0, or −1 when scratch memory could
+ *   not be allocated. */
 int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
                      const uint8_t *s, int64_t stride_sv, int64_t d_out, int64_t d_in, int64_t lds,
                      const float *alpha, int64_t stride_av, int64_t alpha_stride,
                      const int64_t *row_slots, int64_t n_planes,
                      const float *col_alpha, int64_t stride_cv, int64_t stride_cg,
                      const int64_t *bounds, int64_t n_groups,
-                     float *y, int64_t ldy, int n_threads) {
+                     float *y, int64_t ldy, int x_is_bf16, int n_threads) {
     float *xsum = NULL, *xcol = NULL, *tab = NULL;
+    const int bf16 = !col_alpha && tables_bf16(x_is_bf16);
     if (!col_alpha) {
         int failed = 0;
         xsum = row_sums(x, M, ldx, d_in);
-        if (xsum) tab = x_tables(x, M, ldx, d_in, &failed);
+        if (xsum) tab = x_tables(x, M, ldx, d_in, bf16, &failed);
         if (!xsum || failed) {
             free(xsum);
             return -1;
@@ -871,7 +981,7 @@ int bd_delta_batched(const float *x, int64_t M, int64_t ldx,
     }
     find_mates(row_slots, M, n_planes, mate);
     batched_args A = {x, tab, xsum, xcol, s, alpha, row_slots, col_alpha ? bounds : NULL, mate, y, ldx, M, stride_sv,
-                      lds, d_in, stride_av, alpha_stride, n_planes, col_alpha ? n_groups : 1, ldy};
+                      lds, d_in, stride_av, alpha_stride, n_planes, col_alpha ? n_groups : 1, ldy, bf16};
     pool_rows(batched_rows, &A, d_out, POOL_ROWS, n_threads);
     free(tab);
     free(mate);
@@ -1489,14 +1599,15 @@ static void linear_rows(const float *x, const float *xeo, const uint16_t *xb, in
  * s NULL: none): one thread's share of linear_planes, the planes' pass over the rows this thread's
  * GEMV wrote. (The two in turns of 32–512 rows measured no faster on one core, and the table loop
  * spread between the GEMV's weight rows 2× slower: the weights' stream pushed x's tables out of L1.) */
-static void linear_planes_rows(const float *x, const float *xeo, const uint16_t *xb, const float *tab, int64_t ldx,
+static void linear_planes_rows(const float *x, const float *xeo, const uint16_t *xb, const float *tab, int tab_bf16,
+                               int64_t ldx,
                                int64_t M, const float *xsum, const void *w, int w_dtype, int64_t ldw,
                                const uint8_t *s, int64_t stride_sv, int64_t lds, int64_t d_in, const float *alpha,
                                int64_t stride_av, int64_t alpha_stride, const int64_t *slots, int64_t n_planes,
                                const int64_t *mate, float *y, int64_t ldy, int64_t r0, int64_t r1) {
     linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, NULL, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
     if (s)
-        delta_rows_planes(x, tab, ldx, M, xsum, NULL, s, stride_sv, lds, d_in, alpha, stride_av, alpha_stride,
+        delta_rows_planes(x, tab, tab_bf16, ldx, M, xsum, NULL, s, stride_sv, lds, d_in, alpha, stride_av, alpha_stride,
                           slots, n_planes, NULL, 1, mate, y, ldy, r0, r1);
 }
 
@@ -1513,7 +1624,7 @@ typedef struct {
     const uint8_t *s1, *s2;
     const int64_t *slots, *mate;
     int64_t ldx, M, ldw, stride_sv, lds, d_in, stride_av, alpha_stride, n_planes, ldy, d_out;
-    int w_dtype;
+    int w_dtype, tab_bf16;
     float *y, *part;
     int *done; /* jobs finished per chunk (0, 1, 2) */
     int arrived;
@@ -1531,7 +1642,7 @@ static void share_run(void *ctx) {
                 linear_rows(T->x, T->xeo, T->xb, T->ldx, T->M, T->xsum, T->w, T->w_dtype, T->ldw, T->s1, T->lds,
                             T->d_in, T->alpha, T->alpha_stride, T->y, T->ldy, r0, r1);
             else
-                delta_rows_planes(T->x, T->tab, T->ldx, T->M, T->xsum, NULL, T->s2, T->stride_sv, T->lds, T->d_in,
+                delta_rows_planes(T->x, T->tab, T->tab_bf16, T->ldx, T->M, T->xsum, NULL, T->s2, T->stride_sv, T->lds, T->d_in,
                                   T->alpha, T->stride_av, T->alpha_stride, T->slots, T->n_planes, NULL, 1, T->mate,
                                   T->part, T->d_out, r0, r1);
             /* a chunk's second job adds its sums (acq_rel: the first job's writes are seen); rows
@@ -1570,7 +1681,8 @@ static int linear_planes(const float *x, int64_t M, int64_t ldx, const void *w, 
     int failed = 0;
     /* x's values are bf16: its upper halves, exactly, for the bf16 dense GEMV */
     if (x_is_bf16 && !s1 && w_dtype == BD_W_BF16) xb = bf16_words(x, M, ldx, d_in, &failed);
-    if (s2 && !failed) tab = x_tables(x, M, ldx, d_in, &failed); /* the planes' table loop */
+    const int bf16 = tables_bf16(x_is_bf16);
+    if (s2 && !failed) tab = x_tables(x, M, ldx, d_in, bf16, &failed); /* the planes' table loop */
     if (s2 && slots && !failed) {
         mate = (int64_t *)malloc(sizeof(int64_t) * (size_t)(M > 0 ? M : 1));
         if (mate)
@@ -1601,12 +1713,12 @@ static int linear_planes(const float *x, int64_t M, int64_t ldx, const void *w, 
         if (s1)
             linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, s1, lds, d_in, alpha, alpha_stride, y, ldy, 0, d_out);
         else
-            linear_planes_rows(x, xeo, xb, tab, ldx, M, xsum, w, w_dtype, ldw, s2, stride_sv, lds, d_in, alpha,
+            linear_planes_rows(x, xeo, xb, tab, bf16, ldx, M, xsum, w, w_dtype, ldw, s2, stride_sv, lds, d_in, alpha,
                                stride_av, alpha_stride, slots, n_planes, mate, y, ldy, 0, d_out);
     } else if (!failed) {
         const int64_t n_jobs = (d_out + POOL_ROWS - 1) / POOL_ROWS;
         share_task T = {x, xeo, tab, xsum, alpha, xb, w, s1, s2, slots, mate, ldx, M, ldw, stride_sv, lds, d_in,
-                        stride_av, alpha_stride, n_planes, ldy, d_out, w_dtype, y, NULL, NULL, 0,
+                        stride_av, alpha_stride, n_planes, ldy, d_out, w_dtype, bf16, y, NULL, NULL, 0,
                         {pool_jobs_of(n_jobs, n_threads), pool_jobs_of(s2 ? n_jobs : 0, n_threads)}};
         if (s2) {
             T.part = (float *)calloc((size_t)(M > 0 ? M * d_out : 1), sizeof(float));
@@ -2185,7 +2297,7 @@ static int decode_head(const float *h, int64_t B, int64_t D, const void *head, i
         for (int64_t b = 0; b < B; ++b) any |= (slots[b] = head_of_row[b] == v ? 0 : -1) == 0;
         if (any)
             rc = bd_delta_batched(h, B, D, head_signs[v], 0, vocab, D, lds, head_alpha[v], 0, head_alpha_stride[v],
-                                  slots, 1, NULL, 0, 0, NULL, 1, logits, vocab, n_threads);
+                                  slots, 1, NULL, 0, 0, NULL, 1, logits, vocab, dtype == BD_W_BF16, n_threads);
     }
     free(slots);
     return rc;

@@ -14,7 +14,7 @@ from bitdelta_kernels.bits import pack_signs, unpack_signs
 from bitdelta_kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
 from bitdelta_kernels.settings import KernelSettings, configured
 from tests.support.kernel_cases import make_linear as make
-from tests.support.kernel_cases import rel_err
+from tests.support.kernel_cases import bf16_table_bound, rel_err
 
 SHAPES = [(72, 100), (264, 257), (33, 17), (5, 8), (16, 1)]  # (d_out, d_in), ragged against 8 and 16
 MS = [1, 2, 5, 16, 64]
@@ -84,6 +84,35 @@ def test_delta_gemv_every_tail_of_a_row(M):
             y = torch.zeros(M, d_out)
             cpu_ops.delta_gemv_cpu(x, s, alpha, y)
             assert rel_err(y, ref) <= 1e-5, (nb, d_in)
+
+
+@pytest.mark.parametrize("M", [1, 3])
+def test_bf16_rows_sum_their_planes_alike_on_every_path(M, isa):
+    """An x of exactly bf16 values (a bf16 model's activations): where the build has AVX512-BF16 the
+    table loop sums its planes from bf16 tables, within their bound of the float64 oracle
+    (bf16_table_bound; every tail of a row, the loop's ragged ends) and not the fp32 tables' sums;
+    elsewhere from the fp32 tables, x's fp32 copy's sums bit for bit. Either way a row's delta is the
+    same bits through the decode GEMV's two passes, the delta GEMV and the batched delta: a row's
+    numbers do not depend on the path that serves it."""
+    bf16_tables = cpu_build.cpu_isa() == "avx512bf16"
+    for nb in (0, 1, 3, 8, 9, 33, 63):
+        d_out, d_in = 40, 512 + 8 * nb - (nb % 3)
+        x, w, signs, alpha = make(M, d_out, d_in, dtype=torch.bfloat16, per_row=nb % 2 == 0, seed=nb)
+        ref = bitdelta_linear_ref(x.double(), torch.zeros_like(w), signs, alpha)
+        base = cpu_ops.linear_gemv_cpu(x, w, None, None)
+        two_pass = cpu_ops.linear_gemv_cpu(x, w, signs, alpha, two_pass=True)
+        gemv = cpu_ops.delta_gemv_cpu(x, signs, alpha, base.clone())
+        slots = torch.zeros(M, dtype=torch.int64)
+        batched = cpu_ops.bitdelta_delta_batched_cpu(x, signs[None], alpha.reshape(1, -1), slots, base.clone())
+        assert torch.equal(two_pass, gemv) and torch.equal(gemv, batched), nb
+        alone = cpu_ops.delta_gemv_cpu(x, signs, alpha, torch.zeros(M, d_out))
+        fp32_tables = cpu_ops.delta_gemv_cpu(x.float(), signs, alpha, torch.zeros(M, d_out))
+        if not bf16_tables:
+            assert torch.equal(alone, fp32_tables), nb
+            continue
+        bound = bf16_table_bound(x, alpha.abs().expand(M, d_out)) + 1e-6 * ref.abs().max()
+        assert ((alone.double() - ref).abs() <= bound).all(), nb
+        assert not torch.equal(alone, fp32_tables), nb
 
 
 @pytest.mark.parametrize("path", ["gemv_delta", "fused_gemv", "blas_delta", "merge_gemm", "torch"])

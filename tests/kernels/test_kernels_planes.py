@@ -22,7 +22,7 @@ from bitdelta_kernels.bits import pack_signs, unpack_signs
 from bitdelta_kernels.reference import bitdelta_linear_ref
 from bitdelta_kernels.settings import configured
 from tests.kernels.test_kernels import nan_buffer, padding_untouched
-from tests.support.kernel_cases import rel_err
+from tests.support.kernel_cases import bf16_table_bound, rel_err
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.cuda  # the CUDA profile runs these with real dots
@@ -127,18 +127,28 @@ def test_batched_planes(impl, shape, layout, alpha_kind, dtype):
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("alpha_kind", ALPHAS)
 def test_batched_planes_c_builds(isa, alpha_kind, x_dtype):
-    """The C batched delta's SIMD paths (host build and AVX2 build; an exactly-bf16 x as an fp32 one),
-    fp32 y, against the oracle at fp32's tolerance; and
+    """The C batched delta's SIMD paths (host build and AVX2 build), fp32 y, against the oracle at
+    fp32's tolerance; an exactly-bf16 x too, except where the AVX512-BF16 build sums its planes from
+    bf16 tables (without column α's): there within those tables' bound (bf16_table_bound); and
     a batch big enough that one slot goes through unpack-then-GEMM while the rest stay in C.
     d_in = 257 and 100: ragged against the loops' 16 and 32 columns."""
     with configured(cpu_isa=isa):
         assert cpu_build.load_cpu_lib() is not None, cpu_build.unavailable_reason
+        bf16_tables = x_dtype == torch.bfloat16 and alpha_kind != "col" and cpu_build.cpu_isa() == "avx512bf16"
         for M, (d_out, d_in) in ((9, SHAPES[1]), (40, SHAPES[1]), (9, SHAPES[0])):
             x, signs, alpha, cols, splits = make_stack(d_out, d_in, alpha_kind, x_dtype, M=M, seed=M)
             rs = torch.tensor(LAYOUTS["mixed"] * 5)[:M]
             y0 = torch.randn(M, d_out)
             y = bitdelta_delta_batched(x, signs, alpha, rs, y0.clone(), backend="cpu", **col_args(cols, splits, "cpu"))
-            assert rel_err(y, oracle(x, signs, alpha, cols, splits, rs, y0)) <= 1e-5
+            want = oracle(x, signs, alpha, cols, splits, rs, y0)
+            if not bf16_tables:
+                assert rel_err(y, want) <= 1e-5
+                continue
+            a = alpha.abs().expand(V, d_out)
+            alpha_abs = torch.stack([sum((a[s] for s in r if s >= 0), torch.zeros(d_out)) for r in rs.tolist()])
+            err = (y.double() - want).abs()
+            assert (err <= bf16_table_bound(x, alpha_abs) + 1e-5 * want.abs().max()).all()
+            assert rel_err(y, want) > 1e-6  # the bf16 tables were taken: not the fp32 tables' sums
 
 
 @pytest.mark.parametrize("impl", ["bgmv", "sgmv", "cpu", "torch"])

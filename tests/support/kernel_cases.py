@@ -71,3 +71,14 @@ def delta_fidelity(y: torch.Tensor, y_without: torch.Tensor, delta: torch.Tensor
     e = y.double() - y_without.double()
     d = delta.double()
     return float((e * d).sum() / (d * d).sum()), float((e - d).norm() / d.norm())
+
+
+BF16_UNIT = 2.0**-8  # bf16's unit roundoff: 8 significant bits
+
+
+def bf16_table_bound(x: torch.Tensor, alpha_abs: torch.Tensor) -> torch.Tensor:
+    """How far the C table loop's bf16 tables (the AVX512-BF16 build, an x of exactly bf16 values)
+    may move a delta term: each table entry, a sum of ≤ 4 of x's values, is rounded once to bf16,
+    |error| ≤ u·|entry| ≤ u·Σ|x| over its columns, so α·(2·Σ_set x − Σ x) moves by at most
+    2·u·|α|·‖x‖₁ per plane. alpha_abs [M, d_out]: Σ |α| over each row's planes -> [M, d_out] fp64."""
+    return 2 * BF16_UNIT * alpha_abs.double() * x.double().abs().sum(1, keepdim=True)
