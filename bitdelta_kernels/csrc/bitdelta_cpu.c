@@ -63,9 +63,34 @@ static inline uint32_t load_bits16(const uint8_t *row, int64_t j, int64_t n_byte
  * by the CPU's vendor; AVX-512 builds only (the AVX2 loop loads and transposes). */
 static int gather_rows = 0;
 
-__attribute__((constructor)) static void choose_gather(void) {
+/* Whether the AVX-512 build's one-weight-row GEMV blocks (R = 1: one or two x rows, a single
+ * stream's decode) request their weight stream's lines ahead (STREAM_PREFETCH). They gain on a Zen 5
+ * core (below) and lose on a Zen 4 one, where the hardware prefetchers alone keep that light loop
+ * near a plain read: one core of a 2-core AMD EPYC of the Zen 4 generation, SmolLM2-135M's 30
+ * layers and head back to back, one row, best of 7 (2026-12-04): fp32 25.4–30.2 GB/s without, 20.1–20.9
+ * with, bf16 22.1–24.7 against 19.5–22.8 (a sum over as many bytes 29–32.6; docs/kernels.md). Set
+ * once at load: off on AMD's family 19h (in an AVX-512 build, Zen 4; Zen 3 has no AVX-512); the
+ * numbers are the same either way (bd_set_stream_prefetch forces it, for tests and benchmarks).
+ * AVX-512 builds only. */
+static int one_row_prefetch = 1;
+
+static int cpu_gathers_fast(void) {
     __builtin_cpu_init();
-    gather_rows = __builtin_cpu_is("intel");
+    return __builtin_cpu_is("intel");
+}
+
+static int cpu_one_row_prefetch(void) {
+#if defined(__AVX512F__)
+    __builtin_cpu_init();
+    return !(__builtin_cpu_is("amd") && __builtin_cpu_is("amdfam19h"));
+#else
+    return 1; /* unused: the AVX2 build's blocks choose at compile time (BLOCK_PREFETCH) */
+#endif
+}
+
+__attribute__((constructor)) static void choose_by_cpu(void) {
+    gather_rows = cpu_gathers_fast();
+    one_row_prefetch = cpu_one_row_prefetch();
 }
 
 /* ---------------------------------------------------------------------- */
@@ -231,11 +256,15 @@ static void pool_rows(rows_fn fn, void *ctx, int64_t n, int64_t chunk, int n_thr
 
 /* bd_set_gather(1 | 0 | −1): force the gathers, the loads and transpose, or the CPU's choice (tests
  * and benchmarks run both; not while a call runs); returns the choice now in force. */
+/* Force the one-row blocks' stream prefetch on (1) or off (0), or back to the CPU's choice (−1);
+ * returns the setting now. */
+int bd_set_stream_prefetch(int on) {
+    one_row_prefetch = on < 0 ? cpu_one_row_prefetch() : !!on;
+    return one_row_prefetch;
+}
+
 int bd_set_gather(int on) {
-    if (on < 0)
-        choose_gather();
-    else
-        gather_rows = !!on;
+    gather_rows = on < 0 ? cpu_gathers_fast() : !!on;
     return gather_rows;
 }
 
@@ -1318,14 +1347,16 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
         for (int l_ = 0; l_ < (lines); ++l_) _mm_prefetch((const char *)(p) + STREAM_AHEAD + 64 * l_, _MM_HINT_T0); \
     } while (0)
 
-/* Whether a block of R weight rows × MB x rows of dtype WD prefetches its stream. The AVX2 build's
+/* Whether a block of R weight rows × MB x rows of dtype WD prefetches its stream. In the AVX-512
+ * build every block does, except the one-weight-row blocks (R = 1: fewer than 3 x rows, a single
+ * stream's decode) on a CPU where one_row_prefetch is off. The AVX2 build's
  * one-row block does not: on a Zen 3 core (the one AVX2-only CPU measured) the hardware
  * prefetchers keep its light loop at a plain read's speed (a 512 MiB matrix 17.6–19 GB/s, a sum
  * 18.4), and the prefetches cost ~12 % (SmolLM2-135M's matrices 15.1–15.8 GB/s without, 13.3–14.0
  * with; the C decode layers' one-row step 0.84–0.89× the time without). Its bf16 block and the
  * larger blocks, with more work per byte, gain from them; so does Zen 5's one-row block (above). */
 #if defined(__AVX512F__)
-#define BLOCK_PREFETCH(WD, R, MB) 1
+#define BLOCK_PREFETCH(WD, R, MB) ((R) > 1 || one_row_prefetch)
 #else
 #define BLOCK_PREFETCH(WD, R, MB) ((WD) != BD_W_F32 || (R) * (MB) > 1)
 #endif
@@ -1480,7 +1511,8 @@ DENSE_ROWS(dense_rows_bf16, float, uint16_t, dense_bf16_blocks) /* bf16 weights,
             for (int b = 0; b < MB; ++b) a[i][b][0] = a[i][b][1] = _mm512_setzero_ps();                  \
         int64_t k = 0;                                                                                   \
         for (; k + 64 <= d_in; k += 64) {                                                                \
-            for (int i = 0; i < R; ++i) STREAM_PREFETCH(w + (r + i) * ldw + k, 2);                       \
+            if (BLOCK_PREFETCH(BD_W_BF16, R, MB))                                                        \
+                for (int i = 0; i < R; ++i) STREAM_PREFETCH(w + (r + i) * ldw + k, 2);                   \
             for (int h = 0; h < 2; ++h) {                                                                \
                 __m512bh wv[R];                                                                          \
                 for (int i = 0; i < R; ++i) wv[i] = (__m512bh)_mm512_loadu_si512((const void *)(w + (r + i) * ldw + k + 32 * h)); \

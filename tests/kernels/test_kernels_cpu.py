@@ -148,6 +148,36 @@ def test_dense_gemv(M, shape, dtype, isa):
         assert rel_err(yb.double(), xb.double() @ w.double().t()) <= 1e-5
 
 
+def _amd_family_19h() -> bool:
+    """An AMD CPU of family 19h (Zen 3 and Zen 4), from /proc/cpuinfo."""
+    info = open("/proc/cpuinfo").read()
+    return "AuthenticAMD" in info and "\ncpu family\t: 25\n" in info
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_stream_prefetch_is_the_cpus_choice_and_changes_no_number(dtype, isa):
+    """The AVX-512 build's one-weight-row GEMV blocks (one or two x rows) prefetch their weight
+    stream except on AMD's family 19h (Zen 4: the hardware prefetchers alone read faster there):
+    the default is the CPU's, and on or off every output is the same bits (one and two x rows, x in
+    fp32 and exactly bf16: the bf16 dot-product path; a delta's two passes too)."""
+    lib = cpu_build.load_cpu_lib()
+    want = 0 if cpu_build.cpu_isa() in ("avx512", "avx512bf16") and _amd_family_19h() else 1
+    assert lib.bd_set_stream_prefetch(-1) == want
+    x, w, signs, alpha = make(2, 265, 576, dtype=dtype)
+    got = {}
+    try:
+        for on in (1, 0):
+            assert lib.bd_set_stream_prefetch(on) == on
+            got[on] = [
+                cpu_ops.linear_gemv_cpu(xm, w, s, a, two_pass=True)
+                for xm in (x[:1], x, x.to(dtype))
+                for s, a in ((None, None), (signs, alpha))
+            ]
+    finally:
+        lib.bd_set_stream_prefetch(-1)
+    assert all(torch.equal(a, b) for a, b in zip(got[1], got[0]))
+
+
 @pytest.mark.parametrize("delta", [False, True], ids=["base", "delta"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_decode_rows_do_not_depend_on_m(dtype, delta, isa):
