@@ -178,14 +178,16 @@ def test_one_row_stream_prefetch_is_the_cpus_choice_and_changes_no_number(dtype,
     assert all(torch.equal(a, b) for a, b in zip(got[1], got[0]))
 
 
+@pytest.mark.parametrize("d_in", [576, 1031])
 @pytest.mark.parametrize("delta", [False, True], ids=["base", "delta"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_decode_rows_do_not_depend_on_m(dtype, delta, isa):
+def test_decode_rows_do_not_depend_on_m(dtype, delta, d_in, isa):
     """A decode row's GEMV result is bit for bit the same alone and among up to DENSE_GEMV_MAX_M rows
     (every row count the GEMV serves, every register block and the rows left over, 265 output
-    rows: not a whole number of blocks): a request's tokens must not depend on its batch."""
+    rows: not a whole number of blocks; one row alone goes 16 weight rows at a time, their sums
+    reduced together; 1031 columns end in a ragged tail): a request's tokens must not depend on its batch."""
     n = cpu_ops.dense_gemv_max_m(dtype)
-    x, w, signs, alpha = make(n, 265, 576, dtype=dtype)
+    x, w, signs, alpha = make(n, 265, d_in, dtype=dtype)
     x = x.to(dtype)
     s, a = (signs, alpha) if delta else (None, None)
     alone = torch.cat([cpu_ops.linear_gemv_cpu(x[i : i + 1], w, s, a, two_pass=delta) for i in range(n)])
