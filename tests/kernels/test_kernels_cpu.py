@@ -13,8 +13,8 @@ from bitdelta_kernels import MergedWeightCache, bitdelta_delta_batched, bitdelta
 from bitdelta_kernels.bits import pack_signs, unpack_signs
 from bitdelta_kernels.reference import bitdelta_delta_batched_ref, bitdelta_linear_ref
 from bitdelta_kernels.settings import KernelSettings, configured
-from tests.support.kernel_cases import make_linear as make
 from tests.support.kernel_cases import bf16_table_bound, rel_err
+from tests.support.kernel_cases import make_linear as make
 
 SHAPES = [(72, 100), (264, 257), (33, 17), (5, 8), (16, 1)]  # (d_out, d_in), ragged against 8 and 16
 MS = [1, 2, 5, 16, 64]
