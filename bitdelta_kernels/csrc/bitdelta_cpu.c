@@ -256,16 +256,16 @@ static void pool_rows(rows_fn fn, void *ctx, int64_t n, int64_t chunk, int n_thr
 
 /* bd_set_gather(1 | 0 | −1): force the gathers, the loads and transpose, or the CPU's choice (tests
  * and benchmarks run both; not while a call runs); returns the choice now in force. */
+int bd_set_gather(int on) {
+    gather_rows = on < 0 ? cpu_gathers_fast() : !!on;
+    return gather_rows;
+}
+
 /* Force the one-row blocks' stream prefetch on (1) or off (0), or back to the CPU's choice (−1);
  * returns the setting now. */
 int bd_set_stream_prefetch(int on) {
     one_row_prefetch = on < 0 ? cpu_one_row_prefetch() : !!on;
     return one_row_prefetch;
-}
-
-int bd_set_gather(int on) {
-    gather_rows = on < 0 ? cpu_gathers_fast() : !!on;
-    return gather_rows;
 }
 
 /* Rows per register block: 8 independent accumulator chains cover the 3–4
