@@ -386,6 +386,7 @@ class ModelRunner:
             logit_slots=logit_slots,
             extras=extras,
         )
+        plan_rows = None  # the batched delta's host row slots (planned last: a graphed step plans its own)
         if meta.any_delta and meta.single_slot is None:  # every plan from host copies: no device sync
             main = rs.clone()
             meta.col_launches = []
@@ -400,9 +401,9 @@ class ModelRunner:
                 main = self._plane_rows(main, {s: v for s, v in planes.items() if s not in colv})
             if colv or planes:
                 meta.row_slots = self._dev(main)
-            meta.plan = self._plan(main, self.slots.n_slots)
+            plan_rows = main
         if not colv and not low:  # sign planes of row α's only: a graphed decode's plan comes from these
-            meta.host_slots = self._plane_rows(rs, planes) if planes else rs
+            meta.host_slots = plan_rows if plan_rows is not None else self._plane_rows(rs, planes) if planes else rs
         if low:
             meta.lowrank_rows = {
                 s: None if single is not None else self._dev((rs == s).nonzero(as_tuple=True)[0].to(torch.int64))
@@ -433,6 +434,8 @@ class ModelRunner:
             meta.decode_rows = self._dev(torch.tensor(decode_rows, dtype=torch.int64))
             meta.decode_tables = self._dev(tables)
             meta.decode_lens = self._dev(torch.tensor([n for _, n in decode_ctx], dtype=torch.int32))
+        if plan_rows is not None and not (self.graphs is not None and self.graphs.serves(meta)):
+            meta.plan = self._plan(plan_rows, self.slots.n_slots)  # graphs.run plans its padded rows instead
         return meta
 
     def _plane_rows(self, rows: torch.Tensor, planes: dict[int, tuple[int, ...]]) -> torch.Tensor:
