@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from bitdelta.checkpoint import CheckpointReader, read_config
-from bitdelta.model import ModelArgs, apply_rope, attention_mask, rope_tables
+from bitdelta.model import ModelArgs, RopeCache, apply_rope, attention_mask
 from bitdelta.shard import EMBED, HEAD
 from bitdelta_kernels import (
     backend_for,
@@ -300,6 +300,7 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         self.use_fused = use_fused and not batch_invariant
         self.backend = backend
+        self.rope = RopeCache(args, self.dtype, self.device)
         self._c_layers: DecodeLayers | None = None  # built on the first step the C layers serve
         # CUDA graphs of decode steps' layers (`graphs.DecodeGraphs`, the worker's --cuda-graphs); None: eager
         self.graphs: StepGraphs | None = None
@@ -358,7 +359,7 @@ class ModelRunner:
         slots_set = set(row_slot)
         single = next(iter(slots_set)) if len(slots_set) == 1 else None
         pos_t = self._dev(torch.tensor(positions, dtype=torch.int64))
-        cos, sin = rope_tables(self.args, pos_t, self.dtype, seq_lens)
+        cos, sin = self.rope.tables(pos_t, max(positions, default=0) + 1, seq_lens)
         rs = torch.tensor(row_slot, dtype=torch.int32)
         extras = self.slots.extras  # one snapshot for the whole step
         planes = {s: extras[s].slots for s in slots_set if s in extras and extras[s].slots}  # k > 1 planes

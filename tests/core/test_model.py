@@ -41,3 +41,28 @@ def test_bitdelta_linear_equals_merged_dense():
     x = torch.randn(3, 5, 27, generator=g)
     dense = w + alpha[:, None] * torch.where(delta >= 0, 1.0, -1.0)
     torch.testing.assert_close(lin(x), x @ dense.t(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("member", ["llama-3.1", "llama-linear", "llama-yarn", "qwen2.5", "phi3-mini", "llama-dynamic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_cache_rows_are_the_tables_of_each_position(member, dtype):
+    """RopeCache's gathered rows equal rope_tables' for the same positions, bit for bit, before
+    and after its tables grow; a length-dependent kind (dynamic) is computed per step."""
+    from bitdelta.arch import ModelArgs
+    from bitdelta.model import RopeCache, rope_tables
+    from tests.support.archs import hf_config
+
+    args = ModelArgs.from_hf(hf_config(member).to_dict())
+    cache = RopeCache(args, dtype, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    for top in (7, RopeCache.MIN + 5, 5000):  # the second and third grow the tables
+        pos = torch.cat([torch.randint(0, top, (12,), generator=g), torch.tensor([top - 1])])
+        lens = [int(p) + 1 for p in pos]
+        got = cache.tables(pos, top, lens)
+        want = rope_tables(args, pos, dtype, lens)
+        for a, b in zip(got, want):
+            assert a.dtype == dtype and torch.equal(a, b)
+        if args.rope.length_dependent:
+            assert cache._cos is None
+        else:
+            assert cache._cos.shape[0] >= top
