@@ -221,13 +221,17 @@ class DecodeLayers:
         block_size: int,
         logits: bool = False,
         head_planes: HeadPlanes | None = None,
+        fuse: bool = False,
     ) -> torch.Tensor:
         """Every layer for B decode rows -> the last layer's output [B, dim] in the model's dtype,
         normed by each row's final norm if the layers have one; with `logits` (the layers have a
         head) fp32 [B, vocab] = round(h · headᵀ) instead, as `dense_linear(h, head).float()`; with
         `head_planes` too, a row of plane v gets fp32 h · headᵀ + α_v ⊙ (h · S_vᵀ), not rounded, as
         the runner's `_sign_heads` (`dense_linear(h, head, out_fp32=True)`, then
-        `bitdelta_delta_batched`), and a row of −1 round(h · headᵀ) as before.
+        `bitdelta_delta_batched`), and a row of −1 round(h · headᵀ) as before. `fuse`: a step of one
+        row of a variant in bf16 sums each plane in its weights' pass where the library has
+        AVX512-BF16 (other sums than the table loop's, so not that row's numbers in a mixed step:
+        the default mode's single-variant form, never the batch-invariant one's); else ignored.
 
         x: [B, dim] the embedded tokens; row_slot: [B] slot per row (−1: the base; row slot + 1 of
         the norm and bias stacks); cos, sin: [B, head_dim]; write_rows: [B] the pool rows the new k,
@@ -282,6 +286,7 @@ class DecodeLayers:
             *heads.args,
             _ptr(out),
             torch.get_num_threads(),
+            int(fuse),
         )
         if rc != 0:
             raise MemoryError("bd_decode_layers could not allocate its scratch")

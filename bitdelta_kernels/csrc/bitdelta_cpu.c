@@ -1556,6 +1556,53 @@ static const dense_dp_fn dense_dp_blocks[3][3] = {{dense_dp_1x1, dense_dp_1x2, d
 
 DENSE_ROWS(dense_rows_dp, uint16_t, uint16_t, dense_dp_blocks) /* bf16 weights and x (as bf16 words) */
 #define HAVE_DP_BF16 1
+
+/* y[r] = x · W_r + α_r · (x · S_r) for one x row that is exactly bf16, rows [r0, r1), in ONE pass:
+ * per 32 columns one VDPBF16PS against the weights and one against the signs as bf16 ±1 (a blend by
+ * the 32 bits loaded as a mask), both sums fp32 (products exact), α_r applied per lane before the
+ * one horizontal add. One row at a time, one linear stream of W (prefetched STREAM_AHEAD on: without
+ * it this loop, unlike the dense one, fell behind on Zen 4) beside the bits' (1/16 of its bytes): a
+ * one-row variant reads its bytes once instead of the table loop's second pass. A bf16 SmolLM2-135M
+ * variant's decode step in the worker, one Zen 4 core: 0.88–0.91 × the base's against 0.84–0.86 for
+ * the two passes (the bytes' limit 0.95; 2026-12-04, in turns). Its sums are not the table loop's, so
+ * only a single-variant step of one row takes it (bd_decode_layers' `fuse`, never batch-invariant). */
+static void delta_rows_dp(const uint16_t *xb, const uint16_t *w, int64_t ldw, const uint8_t *s, int64_t lds,
+                          int64_t d_in, const float *alpha, int64_t alpha_stride, float *y, int64_t r0, int64_t r1) {
+    const __m512i pos = _mm512_set1_epi16(0x3F80), neg = _mm512_set1_epi16((short)0xBF80); /* bf16 ±1 */
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint16_t *wr = w + r * ldw;
+        const uint8_t *sr = s + r * lds;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, d0 = a0, d1 = a0;
+        int64_t k = 0;
+        for (; k + 64 <= d_in; k += 64) {
+            STREAM_PREFETCH(wr + k, 2);
+            const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(xb + k));
+            const __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(xb + k + 32));
+            uint32_t m0, m1;
+            memcpy(&m0, sr + k / 8, 4);
+            memcpy(&m1, sr + k / 8 + 4, 4);
+            a0 = _mm512_dpbf16_ps(a0, x0, (__m512bh)_mm512_loadu_si512((const void *)(wr + k)));
+            a1 = _mm512_dpbf16_ps(a1, x1, (__m512bh)_mm512_loadu_si512((const void *)(wr + k + 32)));
+            d0 = _mm512_dpbf16_ps(d0, x0, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos));
+            d1 = _mm512_dpbf16_ps(d1, x1, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m1, neg, pos));
+        }
+        if (k + 32 <= d_in) {
+            const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(xb + k));
+            uint32_t m0;
+            memcpy(&m0, sr + k / 8, 4);
+            a0 = _mm512_dpbf16_ps(a0, x0, (__m512bh)_mm512_loadu_si512((const void *)(wr + k)));
+            d0 = _mm512_dpbf16_ps(d0, x0, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos));
+            k += 32;
+        }
+        const float al = alpha[r * alpha_stride];
+        float t = _mm512_reduce_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(al), _mm512_add_ps(d0, d1), _mm512_add_ps(a0, a1)));
+        for (; k < d_in; ++k) {
+            const float xv = w_at(xb, BD_W_BF16, k);
+            t += xv * w_at(wr, BD_W_BF16, k) + al * ((sr[k >> 3] >> (k & 7)) & 1 ? xv : -xv);
+        }
+        y[r] = t;
+    }
+}
 #endif
 
 #endif
@@ -1579,6 +1626,10 @@ static void linear_rows(const float *x, const float *xeo, const uint16_t *xb, in
 #ifdef HAVE_DP_BF16
     if (xb && !s && w_dtype == BD_W_BF16) {
         dense_rows_dp(xb, ldx, M, (const uint16_t *)w, ldw, d_in, y, ldy, r0, r1);
+        return;
+    }
+    if (xb && s && w_dtype == BD_W_BF16 && M == 1) {
+        delta_rows_dp(xb, (const uint16_t *)w, ldw, s, lds, d_in, alpha, alpha_stride, y, r0, r1);
         return;
     }
 #endif
@@ -1699,6 +1750,12 @@ static void share_run(void *ctx) {
  * slot 0, for every row (s, alpha as in bd_delta_gemv); else as bd_delta_batched's row_slots
  * (strides stride_sv, stride_av). one_pass: instead the masked add rides the GEMV's loop (slots
  * NULL). Returns 0 or −1 (no memory). */
+#ifdef HAVE_DP_BF16
+#define HAVE_DP_ONE_PASS 1 /* a one-row bf16 one-pass GEMV takes delta_rows_dp */
+#else
+#define HAVE_DP_ONE_PASS 0
+#endif
+
 static int linear_planes(const float *x, int64_t M, int64_t ldx, const void *w, int w_dtype, int64_t ldw,
                          const uint8_t *s, int64_t stride_sv, int64_t d_out, int64_t d_in, int64_t lds,
                          const float *alpha, int64_t stride_av, int64_t alpha_stride, const int64_t *slots,
@@ -1712,7 +1769,8 @@ static int linear_planes(const float *x, int64_t M, int64_t ldx, const void *w, 
     int64_t *mate = NULL;
     int failed = 0;
     /* x's values are bf16: its upper halves, exactly, for the bf16 dense GEMV */
-    if (x_is_bf16 && !s1 && w_dtype == BD_W_BF16) xb = bf16_words(x, M, ldx, d_in, &failed);
+    if (x_is_bf16 && (!s1 || (M == 1 && HAVE_DP_ONE_PASS)) && w_dtype == BD_W_BF16)
+        xb = bf16_words(x, M, ldx, d_in, &failed);
     const int bf16 = tables_bf16(x_is_bf16);
     if (s2 && !failed) tab = x_tables(x, M, ldx, d_in, bf16, &failed); /* the planes' table loop */
     if (s2 && slots && !failed) {
@@ -2197,12 +2255,19 @@ static inline float round_to(int dtype, float v) {
     return v;
 }
 
-/* y = round(x · Wᵀ [+ α_v ⊙ (x · S_vᵀ) for row slot v ≥ 0]) [+ bias row], as runner._linear. */
+/* y = round(x · Wᵀ [+ α_v ⊙ (x · S_vᵀ) for row slot v ≥ 0]) [+ bias row], as runner._linear.
+ * fuse: one bf16 row of a variant in one pass over the weights and its bits (delta_rows_dp, where
+ * the build has it; bd_decode_layers). */
 static int decode_proj(const bd_decode_layer *L, int g, const float *x, int64_t B, int64_t d_in, int64_t d_out,
-                       int dtype, const int64_t *row_slot, int any_delta, float *y, int n_threads) {
+                       int dtype, const int64_t *row_slot, int any_delta, int fuse, float *y, int n_threads) {
     const int64_t lds = (d_in + 7) / 8;
-    if (linear_planes(x, B, d_in, L->w[g], dtype, d_in, any_delta ? L->s[g] : NULL, d_out * lds, d_out, d_in, lds,
-                      L->a[g], d_out, 1, row_slot, 1, y, d_out, dtype == BD_W_BF16, 0, n_threads))
+    if (fuse && HAVE_DP_ONE_PASS && dtype == BD_W_BF16 && B == 1 && row_slot[0] >= 0) {
+        const int64_t v = row_slot[0];
+        if (linear_planes(x, 1, d_in, L->w[g], dtype, d_in, L->s[g] + v * d_out * lds, 0, d_out, d_in, lds,
+                          L->a[g] + v * d_out, 0, 1, NULL, 1, y, d_out, 1, 1, n_threads))
+            return -1;
+    } else if (linear_planes(x, B, d_in, L->w[g], dtype, d_in, any_delta ? L->s[g] : NULL, d_out * lds, d_out, d_in,
+                             lds, L->a[g], d_out, 1, row_slot, 1, y, d_out, dtype == BD_W_BF16, 0, n_threads))
         return -1;
     for (int64_t b = 0; b < B; ++b) {
         float *yb = y + b * d_out;
@@ -2349,6 +2414,10 @@ static int decode_head(const float *h, int64_t B, int64_t D, const void *head, i
  * _sign_heads: the GEMV and then bd_delta_batched's plane, bit for bit), a row of −1 round(h · headᵀ).
  * One plane for every row takes linear_planes' one task (on many threads, one core's GEMV beside
  * another's planes); a mix, the GEMV for every row and then each plane over its rows.
+ * fuse: a step of ONE row of a variant (row_slot[0] ≥ 0) in bf16 sums each projection's plane in the
+ * weights' pass (delta_rows_dp) where the build has AVX512-BF16, not by the table loop: other sums,
+ * so its numbers are not the same row's in a mixed step (the caller's choice: never in the
+ * batch-invariant mode); anything else ignores it.
  * After the layers' ~200 MB of weights every cache is cold, and the ~10 small torch ops of the
  * norm and the head's call cost ~0.3 ms of a ~10 ms bf16 SmolLM2-135M step there. Returns 0 or −1. */
 int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, int64_t B, const int64_t *row_slot,
@@ -2356,7 +2425,8 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
                      const float *sin_t, const int64_t *write_rows, const int32_t *tables, int64_t max_blocks,
                      const int32_t *lens, int64_t bs, float scale, const void *final_norm, const void *head,
                      int64_t vocab, int64_t n_heads, const uint8_t *const *head_signs, const float *const *head_alpha,
-                     const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads) {
+                     const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads,
+                     int fuse) {
     const int64_t Q = (H + 2 * KV) * hd, HD = H * hd;
     int any_delta = 0;
     for (int64_t b = 0; b < B; ++b) any_delta |= row_slot[b] >= 0;
@@ -2369,7 +2439,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
     for (int64_t l = 0; l < n_layers && !rc; ++l) {
         const bd_decode_layer *L = layers + l;
         decode_norm(x, L->norm[0], row_slot, B, D, eps, dtype, h);
-        if ((rc = decode_proj(L, 0, h, B, D, Q, dtype, row_slot, any_delta, qkv, n_threads))) break;
+        if ((rc = decode_proj(L, 0, h, B, D, Q, dtype, row_slot, any_delta, fuse, qkv, n_threads))) break;
         for (int64_t b = 0; b < B; ++b) { /* rope over q's and k's heads (adjacent in qkv), then k, v into the pool */
             float *row = qkv + b * Q;
             rope_heads(row, H + KV, hd, cos_t + b * hd, sin_t + b * hd, dtype);
@@ -2384,12 +2454,12 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
                                   att, n_threads)))
             break;
         round_all(att, B * HD, dtype);
-        if ((rc = decode_proj(L, 1, att, B, HD, D, dtype, row_slot, any_delta, o, n_threads))) break;
+        if ((rc = decode_proj(L, 1, att, B, HD, D, dtype, row_slot, any_delta, fuse, o, n_threads))) break;
         residual_add(x, o, B * D, dtype);
         decode_norm(x, L->norm[1], row_slot, B, D, eps, dtype, h);
-        if ((rc = decode_proj(L, 2, h, B, D, 2 * F, dtype, row_slot, any_delta, gu, n_threads))) break;
+        if ((rc = decode_proj(L, 2, h, B, D, 2 * F, dtype, row_slot, any_delta, fuse, gu, n_threads))) break;
         silu_mul(gu, B, F, dtype, act);
-        if ((rc = decode_proj(L, 3, act, B, F, D, dtype, row_slot, any_delta, dn, n_threads))) break;
+        if ((rc = decode_proj(L, 3, act, B, F, D, dtype, row_slot, any_delta, fuse, dn, n_threads))) break;
         residual_add(x, dn, B * D, dtype);
     }
     if (!rc && final_norm) {

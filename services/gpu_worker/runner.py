@@ -709,6 +709,7 @@ class ModelRunner:
             self.kv.block_size,
             logits=fused,
             head_planes=planes if fused else None,
+            fuse=m.single_slot is not None,  # the single-variant form (never batch-invariant: use_fused)
         )
         if fused:
             return out

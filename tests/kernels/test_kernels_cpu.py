@@ -115,6 +115,23 @@ def test_bf16_rows_sum_their_planes_alike_on_every_path(M, isa):
         assert not torch.equal(alone, fp32_tables), nb
 
 
+def test_one_bf16_row_in_one_pass_sums_weights_and_signs_in_fp32(isa):
+    """The one-pass GEMV of one exactly-bf16 row over bf16 weights (`delta_rows_dp` where the build
+    has AVX512-BF16, the masked loop elsewhere): x · Wᵀ + α ⊙ (x · Sᵀ) within fp32 summation's error
+    of the float64 oracle at every kind of row end (whole 64- and 32-column chunks, a scalar tail),
+    row strides wider than the rows, α per row and per matrix; and not the two passes' bf16 tables."""
+    for d_in in (31, 32, 33, 64, 95, 576, 600, 1031):
+        x, w, signs, alpha = make(1, 40, d_in, dtype=torch.bfloat16, per_row=d_in % 2 == 0, seed=d_in)
+        s = unpack_signs(signs, d_in, torch.float64)
+        a = alpha.double().expand(40)
+        ref = x.double() @ w.double().t() + a * (x.double() @ s.t())
+        y = cpu_ops.linear_gemv_cpu(x, padded_rows(w), padded_rows(signs), alpha)
+        scale = x.double().abs() @ w.double().abs().t() + a * x.double().abs().sum()
+        assert y.dtype == torch.float32 and ((y.double() - ref).abs() <= 2**-22 * d_in * scale).all(), d_in
+        if cpu_build.cpu_isa() == "avx512bf16" and d_in >= 576:  # bf16 tables: a coarser sum
+            assert not torch.equal(y, cpu_ops.linear_gemv_cpu(x, w, signs, alpha, two_pass=True)), d_in
+
+
 @pytest.mark.parametrize("path", ["gemv_delta", "fused_gemv", "blas_delta", "merge_gemm", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(72, 100), (264, 257), (33, 17)], ids=lambda s: f"{s[0]}x{s[1]}")
@@ -672,6 +689,47 @@ def test_decode_layers_against_the_reference(isa, dims):
             bs,
         )
         assert torch.equal(one[0], got[1][b]), b
+
+
+def test_decode_layers_fuse_one_bf16_variant_row(isa):
+    """`fuse`: a step of one bf16 row of a variant sums each plane in its weights' pass where the
+    library has AVX512-BF16 (other sums than the table loop's, close to them), and changes nothing
+    for a row of the base, a step of two rows, or a build without it."""
+    from bitdelta_kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape
+
+    D, H, KV, hd, F = 576, 9, 3, 64, 1536
+    g = torch.Generator().manual_seed(7)
+    out_in = (((H + 2 * KV) * hd, D), (D, H * hd), (2 * F, D), (D, F))
+    bs, n_slots = 4, 2
+    bf = torch.bfloat16
+    L = DecodeLayer(
+        weights=tuple((torch.randn(o, i, generator=g) / i**0.5).to(bf) for o, i in out_in),
+        signs=tuple(
+            torch.randint(0, 256, (n_slots, o, (i + 7) // 8), generator=g, dtype=torch.uint8) for o, i in out_in
+        ),
+        alpha=tuple(torch.rand(n_slots, o, generator=g) * 0.02 / i**0.5 for o, i in out_in),
+        biases=(None,) * 4,
+        norms=tuple((torch.rand(n_slots + 1, D, generator=g) + 0.5).to(bf) for _ in range(2)),
+        k=torch.randn(8 * bs, KV, hd, generator=g).to(bf),
+        v=torch.randn(8 * bs, KV, hd, generator=g).to(bf),
+        window=None,
+    )
+    layers = DecodeLayers([L], DecodeShape(D, H, KV, hd, F, 1e-5), bf)
+    x = torch.randn(2, D, generator=g).to(bf)
+    angle = torch.rand(2, hd // 2, generator=g) * 6.28
+    cos, sin = torch.cat([angle.cos()] * 2, 1), torch.cat([angle.sin()] * 2, 1)
+    tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([6, 3], dtype=torch.int32)
+    write_rows = torch.tensor([5, 10])
+
+    def run(rows: list[int], slots: list[int], fuse: bool) -> torch.Tensor:
+        r = torch.tensor(rows)
+        return layers.run(x[r], torch.tensor(slots), cos[r], sin[r], write_rows[r], tables[r], lens[r], bs, fuse=fuse)
+
+    fused, two = run([0], [1], True), run([0], [1], False)
+    assert rel_err(fused, two) <= 2e-2
+    assert torch.equal(fused, two) == (cpu_build.cpu_isa() != "avx512bf16")
+    assert torch.equal(run([0], [-1], True), run([0], [-1], False))
+    assert torch.equal(run([0, 1], [1, 1], True), run([0, 1], [1, 1], False))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
