@@ -691,29 +691,37 @@ def test_decode_layers_against_the_reference(isa, dims):
         assert torch.equal(one[0], got[1][b]), b
 
 
+def random_layer(out_in, D, KV, hd, n_slots, dtype, kv_rows, g):
+    """A `DecodeLayer` of random weights in `dtype` (groups' [d_out, d_in] `out_in`), n_slots
+    random one-plane deltas, norms per slot and a KV pool of kv_rows rows."""
+    from bitdelta_kernels.cpu_decode import DecodeLayer
+
+    return DecodeLayer(
+        weights=tuple((torch.randn(o, i, generator=g) / i**0.5).to(dtype) for o, i in out_in),
+        signs=tuple(
+            torch.randint(0, 256, (n_slots, o, (i + 7) // 8), generator=g, dtype=torch.uint8) for o, i in out_in
+        ),
+        alpha=tuple(torch.rand(n_slots, o, generator=g) * 0.02 / i**0.5 for o, i in out_in),
+        biases=(None,) * 4,
+        norms=tuple((torch.rand(n_slots + 1, D, generator=g) + 0.5).to(dtype) for _ in range(2)),
+        k=torch.randn(kv_rows, KV, hd, generator=g).to(dtype),
+        v=torch.randn(kv_rows, KV, hd, generator=g).to(dtype),
+        window=None,
+    )
+
+
 def test_decode_layers_fuse_one_bf16_variant_row(isa):
     """`fuse`: a step of one bf16 row of a variant sums each plane in its weights' pass where the
     library has AVX512-BF16 (other sums than the table loop's, close to them), and changes nothing
     for a row of the base, a step of two rows, or a build without it."""
-    from bitdelta_kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape
+    from bitdelta_kernels.cpu_decode import DecodeLayers, DecodeShape
 
     D, H, KV, hd, F = 576, 9, 3, 64, 1536
     g = torch.Generator().manual_seed(7)
     out_in = (((H + 2 * KV) * hd, D), (D, H * hd), (2 * F, D), (D, F))
     bs, n_slots = 4, 2
     bf = torch.bfloat16
-    L = DecodeLayer(
-        weights=tuple((torch.randn(o, i, generator=g) / i**0.5).to(bf) for o, i in out_in),
-        signs=tuple(
-            torch.randint(0, 256, (n_slots, o, (i + 7) // 8), generator=g, dtype=torch.uint8) for o, i in out_in
-        ),
-        alpha=tuple(torch.rand(n_slots, o, generator=g) * 0.02 / i**0.5 for o, i in out_in),
-        biases=(None,) * 4,
-        norms=tuple((torch.rand(n_slots + 1, D, generator=g) + 0.5).to(bf) for _ in range(2)),
-        k=torch.randn(8 * bs, KV, hd, generator=g).to(bf),
-        v=torch.randn(8 * bs, KV, hd, generator=g).to(bf),
-        window=None,
-    )
+    L = random_layer(out_in, D, KV, hd, n_slots, bf, 8 * bs, g)
     layers = DecodeLayers([L], DecodeShape(D, H, KV, hd, F, 1e-5), bf)
     x = torch.randn(2, D, generator=g).to(bf)
     angle = torch.rand(2, hd // 2, generator=g) * 6.28
@@ -738,24 +746,13 @@ def test_decode_layers_end_with_the_final_norm_and_the_head(isa, dtype):
     weights as the runner's _norm does (w · round(rms_norm(x))); with the head too, the logits of
     exactly `dense_linear_cpu(h, head).float()` (the GEMV the runner's _logits reaches on CPU,
     rounded to the dtype) from that same h; with head planes, each row exactly the runner's _logits."""
-    from bitdelta_kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape, HeadPlanes
+    from bitdelta_kernels.cpu_decode import DecodeLayers, DecodeShape, HeadPlanes
 
     D, H, KV, hd, Fi, V, bs, n_slots = 64, 4, 2, 16, 96, 300, 4, 2
     shape = DecodeShape(D, H, KV, hd, Fi, 1e-5)
     g = torch.Generator().manual_seed(11)
     out_in = (((H + 2 * KV) * hd, D), (D, H * hd), (2 * Fi, D), (D, Fi))
-    L = DecodeLayer(
-        weights=tuple((torch.randn(o, i, generator=g) / i**0.5).to(dtype) for o, i in out_in),
-        signs=tuple(
-            torch.randint(0, 256, (n_slots, o, (i + 7) // 8), generator=g, dtype=torch.uint8) for o, i in out_in
-        ),
-        alpha=tuple(torch.rand(n_slots, o, generator=g) * 0.02 / i**0.5 for o, i in out_in),
-        biases=(None,) * 4,
-        norms=tuple((torch.rand(n_slots + 1, D, generator=g) + 0.5).to(dtype) for _ in range(2)),
-        k=torch.randn(4 * bs, KV, hd, generator=g).to(dtype),
-        v=torch.randn(4 * bs, KV, hd, generator=g).to(dtype),
-        window=None,
-    )
+    L = random_layer(out_in, D, KV, hd, n_slots, dtype, 4 * bs, g)
     final = (torch.rand(n_slots + 1, D, generator=g) + 0.5).to(dtype)
     head = (torch.randn(V, D, generator=g) / D**0.5).to(dtype)
     slots = torch.tensor([1, -1, 0])
