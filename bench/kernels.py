@@ -291,14 +291,24 @@ def bench_planes(dev, t, dtypes, d, rows):
 
 # ---------------------------------------------------------------- C decode layers (a whole step)
 # SmolLM2-135M's layer shapes: dim, heads, KV heads, head dim, intermediate, layers.
-SMOLLM2_135M = {"dim": 576, "n_heads": 9, "n_kv_heads": 3, "head_dim": 64, "intermediate": 1536, "n_layers": 30}
+SMOLLM2_135M = {
+    "dim": 576,
+    "n_heads": 9,
+    "n_kv_heads": 3,
+    "head_dim": 64,
+    "intermediate": 1536,
+    "n_layers": 30,
+    "vocab": 49152,
+}
 
 
 def decode_layers_model(dtype: torch.dtype, libs, n_slots: int = 4, ctx: int = 64, block: int = 16, seed: int = 0):
     """The C decode layers over random SmolLM2-135M-shaped weights and n_slots random one-plane
-    deltas, with a KV pool of 8 sequences of ctx tokens, one DecodeLayers per library of `libs`
-    (None: the process's) -> run(lib index, row_slot [B]) -> the layers' output [B, dim]."""
-    from bitdelta_kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape
+    deltas, with a KV pool of 8 sequences of ctx tokens, the final norm and the tied head, each
+    variant's head the base's + one sign plane of its own (as the family's variants, whose embedding
+    is compressed to signs), one DecodeLayers per library of `libs` (None: the process's) ->
+    run(lib index, row_slot [B], fuse) -> the logits [B, vocab], as the worker's step."""
+    from bitdelta_kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape, HeadPlanes
 
     c = SMOLLM2_135M
     D, H, KV, hd, F = c["dim"], c["n_heads"], c["n_kv_heads"], c["head_dim"], c["intermediate"]
@@ -321,13 +331,22 @@ def decode_layers_model(dtype: torch.dtype, libs, n_slots: int = 4, ctx: int = 6
         for _ in range(c["n_layers"])
     ]
     shape = DecodeShape(D, H, KV, hd, F, 1e-5)
-    models = [DecodeLayers(layers, shape, dtype, lib=lib) for lib in libs]
+    head = (torch.randn(c["vocab"], D, generator=g) * 0.02).to(dtype)
+    head_planes = tuple(
+        (
+            torch.randint(0, 256, (c["vocab"], packed_cols(D)), generator=g, dtype=torch.uint8),
+            torch.rand(c["vocab"]) * 1e-3,
+        )
+        for _ in range(n_slots)
+    )
+    final_norm = torch.ones(n_slots + 1, D, dtype=dtype)
+    models = [DecodeLayers(layers, shape, dtype, lib=lib, final_norm=final_norm, head=head) for lib in libs]
     per_seq = ctx // block
     tables = torch.arange(n_blocks, dtype=torch.int32).view(8, per_seq)
     x = torch.randn(8, D, generator=g).to(dtype)
     cos, sin = torch.ones(8, hd), torch.zeros(8, hd)
 
-    def run(i: int, row_slot: torch.Tensor) -> torch.Tensor:
+    def run(i: int, row_slot: torch.Tensor, fuse: bool = False, row_planes: torch.Tensor | None = None) -> torch.Tensor:
         B = row_slot.shape[0]
         model = models[i]
         return model.run(
@@ -339,6 +358,10 @@ def decode_layers_model(dtype: torch.dtype, libs, n_slots: int = 4, ctx: int = 6
             tables[:B],
             torch.full((B,), ctx, dtype=torch.int32),
             block,
+            logits=True,
+            head_planes=HeadPlanes(head_planes, row_slot.to(torch.int64)) if bool((row_slot >= 0).any()) else None,
+            fuse=fuse,
+            row_planes=row_planes,
         )
 
     return run
@@ -348,7 +371,10 @@ def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: in
     """A variant's decode step against the base's, the whole step of the C layers
     (`bitdelta_kernels.cpu_decode`, what the worker runs on CPU) on SmolLM2-135M's shapes with random
     weights and deltas: one row of the base ÷ one row of a one-plane variant (tokens/s ratio;
-    limit 1/(1 + 1/32) fp32, 1/(1 + 1/16) bf16), and 8 rows over 4 variants ÷ 8 base rows (limit
+    limit 1/(1 + 1/32) fp32, 1/(1 + 1/16) bf16), the same with the layers' `fuse` (the worker's
+    single-variant form: one pass over the weights and the bits where the build has it), the cost
+    of each plane past the first of a 3-plane variant's row ÷ the base's step (`row_planes`; limit
+    1/32 fp32, 1/16 bf16), and 8 rows over 4 variants ÷ 8 base rows (limit
     4/(4 + 4/8) fp32, 2/(2 + 4/8) bf16). The four are measured in turns (`t`'s best of N each,
     repeated `rounds` times), so other jobs' load falls on all of them alike. against: another
     source of the C library (e.g. `git show main:bitdelta_kernels/csrc/bitdelta_cpu.c`), built with the
@@ -358,22 +384,27 @@ def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: in
     libs = {"this": None}
     if against is not None:
         libs["against"] = cpu_build.load_source(against)
-    cases = {
-        "B1 base": torch.tensor([-1]),
-        "B1 variant": torch.tensor([0]),
-        "B8 base": torch.full((8,), -1),
-        "B8 4 variants": torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]),
+    cases = {  # name: (row slots, fuse, row planes)
+        "B1 base": (torch.tensor([-1]), False, None),
+        "B1 variant": (torch.tensor([0]), False, None),
+        "B1 variant fused": (torch.tensor([0]), True, None),
+        "B1 3-plane variant": (torch.tensor([0]), True, torch.tensor([[0, 1, 2]])),
+        "B8 base": (torch.full((8,), -1), False, None),
+        "B8 4 variants": (torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]), False, None),
     }
     for dtype in dtypes:
         run = decode_layers_model(dtype, list(libs.values()))
         if against is not None:
-            diff = (run(0, cases["B8 4 variants"]).float() - run(1, cases["B8 4 variants"]).float()).abs().max()
-            print(f"  {dtype}: max |this - against| of the layers' output, 8 rows over 4 variants: {diff:.2e}")
+            mixed = cases["B8 4 variants"][0]
+            diff = (run(0, mixed).float() - run(1, mixed).float()).abs().max()
+            print(f"  {dtype}: max |this - against| of the logits, 8 rows over 4 variants: {diff:.2e}")
         best = {(lib, c): float("inf") for lib in libs for c in cases}
         for _ in range(rounds):  # both libraries and all cases in turns
             for i, lib_name in enumerate(libs):
-                for case, rs in cases.items():
-                    best[lib_name, case] = min(best[lib_name, case], t(lambda i=i, rs=rs: run(i, rs)))
+                for case, (rs, fuse, rp) in cases.items():
+                    best[lib_name, case] = min(
+                        best[lib_name, case], t(lambda i=i, rs=rs, f=fuse, rp=rp: run(i, rs, f, rp))
+                    )
         es = dtype.itemsize
         for lib_name in libs:
             b = {c: best[lib_name, c] for c in cases}
@@ -383,6 +414,10 @@ def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: in
                 "dtype": str(dtype).removeprefix("torch."),
                 **{f"{c} ms": v for c, v in b.items()},
                 "variant/base tok/s": b["B1 base"] / b["B1 variant"],
+                "fused variant/base tok/s": b["B1 base"] / b["B1 variant fused"],
+                # each plane past the first, of the whole step's (limit: its bytes, 1/32 fp32, 1/16 bf16)
+                "extra plane/base": (b["B1 3-plane variant"] - b["B1 variant"]) / 2 / b["B1 base"],
+                "plane limit": 1 / 8 / es,
                 "limit": es / (es + 1 / 8),  # bytes per weight: the base's, + 1/8 for a sign
                 "4 variants/base (B8)": b["B8 base"] / b["B8 4 variants"],
                 "limit B8": es / (es + 4 / 8),

@@ -11,8 +11,9 @@ not depend on the other rows of the step (the GEMVs' per-row sums are the same f
 count), so a request's tokens do not depend on its batch.
 
 What it serves (`DecodeShape.supported`): the runner's layer with a full-head rotation and no
-q/k norms, weights in fp32, bf16 or fp16, one sign plane per slot; anything else takes the
-runner's layer-by-layer path.
+q/k norms, weights in fp32, bf16 or fp16, a variant's delta as sign planes of row α's (one plane
+per slot, a variant of k planes on k slots: `run`'s row_planes); anything else (column α's, a
+low-rank term) takes the runner's layer-by-layer path.
 """
 
 from __future__ import annotations
@@ -222,6 +223,7 @@ class DecodeLayers:
         logits: bool = False,
         head_planes: HeadPlanes | None = None,
         fuse: bool = False,
+        row_planes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Every layer for B decode rows -> the last layer's output [B, dim] in the model's dtype,
         normed by each row's final norm if the layers have one; with `logits` (the layers have a
@@ -229,12 +231,15 @@ class DecodeLayers:
         `head_planes` too, a row of plane v gets fp32 h · headᵀ + α_v ⊙ (h · S_vᵀ), not rounded, as
         the runner's `_sign_heads` (`dense_linear(h, head, out_fp32=True)`, then
         `bitdelta_delta_batched`), and a row of −1 round(h · headᵀ) as before. `fuse`: a step of one
-        row of a variant in bf16 sums each plane in its weights' pass where the library has
-        AVX512-BF16 (other sums than the table loop's, so not that row's numbers in a mixed step:
-        the default mode's single-variant form, never the batch-invariant one's); else ignored.
+        row of a one-plane variant sums each projection's plane, and its head's, in the weights' pass where
+        the library has such a loop (bf16: AVX512-BF16; fp32: AVX-512): other sums than the table
+        loop's, so not that row's numbers in a mixed step (the default mode's single-variant form,
+        never the batch-invariant one's); else ignored.
 
         x: [B, dim] the embedded tokens; row_slot: [B] slot per row (−1: the base; row slot + 1 of
-        the norm and bias stacks); cos, sin: [B, head_dim]; write_rows: [B] the pool rows the new k,
+        the norm and bias stacks; the row's one sign plane); row_planes: [B, k] each row's sign-plane
+        slots instead (variants of up to k planes, −1 past a variant's own; a base row's all −1),
+        their terms summed as `bitdelta_delta_batched` sums a row's planes; cos, sin: [B, head_dim]; write_rows: [B] the pool rows the new k,
         v go to; tables: int32 [B, max_blocks], lens: int32 [B] as `bitdelta_kernels.paged_decode` (lens
         counts the new token). Pool rows and tables are the caller's (the runner builds them from
         the scheduler's block tables); they must lie inside the pool.
@@ -254,6 +259,14 @@ class DecodeLayers:
         lo, hi = torch.aminmax(rs) if B else (0, 0)
         if int(lo) < -1 or int(hi) >= self.n_slots:
             raise ValueError(f"row_slot values must lie in [-1, {self.n_slots - 1}]")
+        rp = None if row_planes is None else row_planes.to(torch.int64).contiguous()
+        if rp is not None:
+            if rp.dim() != 2 or rp.shape[0] != B or rp.shape[1] < 1:
+                raise ValueError(f"row_planes must be [{B}, k]")
+            if rp.numel() and (int(rp.min()) < -1 or int(rp.max()) >= self.n_slots):
+                raise ValueError(f"row_planes values must lie in [-1, {self.n_slots - 1}]")
+            if bool(((rp >= 0).any(1) & (rs < 0)).any()):
+                raise ValueError("a base row (row_slot −1) has no sign planes")
         x32 = x.to(torch.float32, copy=True).contiguous()  # dtype values in fp32; overwritten in place
         c32, s32 = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
         wr = write_rows.to(torch.int64).contiguous()
@@ -265,6 +278,8 @@ class DecodeLayers:
             x32.data_ptr(),
             B,
             rs.data_ptr(),
+            _ptr(rp),
+            0 if rp is None else rp.shape[1],
             sh.dim,
             sh.n_heads,
             sh.n_kv_heads,

@@ -1605,6 +1605,53 @@ static void delta_rows_dp(const uint16_t *xb, const uint16_t *w, int64_t ldw, co
 }
 #endif
 
+#if defined(__AVX512F__)
+/* y[r] = x · W_r + α_r · (2 · Σ_{S_r = +} x − Σ x) for one fp32 x row, rows [r0, r1), in ONE pass:
+ * per 16 columns one FMA against the weights and one add of x masked by its 16 bits, so a one-row
+ * variant's bits ride its weights' stream (1/32 of its bytes) instead of the table loop's second
+ * pass. One row at a time, one linear stream of W, left to the hardware prefetchers: on a Zen 4
+ * core the software prefetch of delta_rows_dp cost this lighter loop 1–3 % (SmolLM2-135M's C decode
+ * step with its head, one row, 100 in turns, four runs). The variant's step ÷ the base's there: ~1 %
+ * above the two passes', within that host's spread (an fp32 step is ~18 ms of weights; the table
+ * loop's compute ~0.5 ms of it). xsum: Σ x (row_sums). */
+static void delta_rows_f32(const float *x, float xsum, const float *w, int64_t ldw, const uint8_t *s, int64_t lds,
+                           int64_t d_in, const float *alpha, int64_t alpha_stride, float *y, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+        const float *wr = w + r * ldw;
+        const uint8_t *sr = s + r * lds;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, d0 = a0, d1 = a0;
+        int64_t k = 0;
+        for (; k + 32 <= d_in; k += 32) {
+            const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+            uint32_t m;
+            memcpy(&m, sr + k / 8, 4);
+            a0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(wr + k), a0);
+            a1 = _mm512_fmadd_ps(x1, _mm512_loadu_ps(wr + k + 16), a1);
+            d0 = _mm512_mask_add_ps(d0, (__mmask16)m, d0, x0);
+            d1 = _mm512_mask_add_ps(d1, (__mmask16)(m >> 16), d1, x1);
+        }
+        if (k + 16 <= d_in) {
+            const __m512 x0 = _mm512_loadu_ps(x + k);
+            uint16_t m0;
+            memcpy(&m0, sr + k / 8, 2);
+            a0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(wr + k), a0);
+            d0 = _mm512_mask_add_ps(d0, (__mmask16)m0, d0, x0);
+            k += 16;
+        }
+        const float al = alpha[r * alpha_stride];
+        float t = _mm512_reduce_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(2.f * al), _mm512_add_ps(d0, d1), _mm512_add_ps(a0, a1)));
+        for (; k < d_in; ++k) /* ragged tail */
+            t += x[k] * wr[k] + ((sr[k >> 3] >> (k & 7)) & 1 ? 2.f * al * x[k] : 0.f);
+        y[r] = t - al * xsum;
+    }
+}
+#define HAVE_F32_ONE_PASS 1
+#endif
+
+#endif
+
+#ifndef HAVE_F32_ONE_PASS
+#define HAVE_F32_ONE_PASS 0
 #endif
 
 #ifdef HAVE_LINEAR_BLOCKS
@@ -1630,6 +1677,12 @@ static void linear_rows(const float *x, const float *xeo, const uint16_t *xb, in
     }
     if (xb && s && w_dtype == BD_W_BF16 && M == 1) {
         delta_rows_dp(xb, (const uint16_t *)w, ldw, s, lds, d_in, alpha, alpha_stride, y, r0, r1);
+        return;
+    }
+#endif
+#if HAVE_F32_ONE_PASS
+    if (s && w_dtype == BD_W_F32 && M == 1) {
+        delta_rows_f32(x, xsum[0], (const float *)w, ldw, s, lds, d_in, alpha, alpha_stride, y, r0, r1);
         return;
     }
 #endif
@@ -2255,19 +2308,30 @@ static inline float round_to(int dtype, float v) {
     return v;
 }
 
-/* y = round(x · Wᵀ [+ α_v ⊙ (x · S_vᵀ) for row slot v ≥ 0]) [+ bias row], as runner._linear.
- * fuse: one bf16 row of a variant in one pass over the weights and its bits (delta_rows_dp, where
- * the build has it; bd_decode_layers). */
+/* Whether this build sums one row's plane in its weights' pass for weights of dtype: bf16 where it
+ * has AVX512-BF16 (delta_rows_dp), fp32 where it has AVX-512 (delta_rows_f32). */
+static inline int has_one_pass(int dtype) {
+    return dtype == BD_W_BF16 ? HAVE_DP_ONE_PASS : dtype == BD_W_F32 && HAVE_F32_ONE_PASS;
+}
+
+/* y = round(x · Wᵀ [+ Σ_p α_v ⊙ (x · S_vᵀ) over the row's plane slots v ≥ 0]) [+ bias row], as
+ * runner._linear: a row's planes are row_planes[b, 0..n_planes) where n_planes > 1, else its row
+ * slot. fuse: one row of a one-plane variant in one pass over the weights and its bits, where the
+ * build has such a loop for the dtype (has_one_pass; bd_decode_layers). */
 static int decode_proj(const bd_decode_layer *L, int g, const float *x, int64_t B, int64_t d_in, int64_t d_out,
-                       int dtype, const int64_t *row_slot, int any_delta, int fuse, float *y, int n_threads) {
+                       int dtype, const int64_t *row_slot, const int64_t *row_planes, int64_t n_planes, int any_delta,
+                       int fuse, float *y, int n_threads) {
     const int64_t lds = (d_in + 7) / 8;
-    if (fuse && HAVE_DP_ONE_PASS && dtype == BD_W_BF16 && B == 1 && row_slot[0] >= 0) {
+    const int64_t *slots = n_planes > 1 ? row_planes : row_slot;
+    if (n_planes > 1) fuse = 0;
+    else n_planes = 1;
+    if (fuse && B == 1 && row_slot[0] >= 0 && has_one_pass(dtype)) {
         const int64_t v = row_slot[0];
         if (linear_planes(x, 1, d_in, L->w[g], dtype, d_in, L->s[g] + v * d_out * lds, 0, d_out, d_in, lds,
-                          L->a[g] + v * d_out, 0, 1, NULL, 1, y, d_out, 1, 1, n_threads))
+                          L->a[g] + v * d_out, 0, 1, NULL, 1, y, d_out, dtype == BD_W_BF16, 1, n_threads))
             return -1;
     } else if (linear_planes(x, B, d_in, L->w[g], dtype, d_in, any_delta ? L->s[g] : NULL, d_out * lds, d_out, d_in,
-                             lds, L->a[g], d_out, 1, row_slot, 1, y, d_out, dtype == BD_W_BF16, 0, n_threads))
+                             lds, L->a[g], d_out, 1, slots, n_planes, y, d_out, dtype == BD_W_BF16, 0, n_threads))
         return -1;
     for (int64_t b = 0; b < B; ++b) {
         float *yb = y + b * d_out;
@@ -2373,13 +2437,15 @@ static void rope_heads(float *x, int64_t n, int64_t hd, const float *c, const fl
 /* bd_decode_layers' logits from the normed h [B, D] (see there). Returns 0 or −1 (no memory). */
 static int decode_head(const float *h, int64_t B, int64_t D, const void *head, int dtype, int64_t vocab,
                        int64_t n_heads, const uint8_t *const *head_signs, const float *const *head_alpha,
-                       const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads) {
+                       const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads,
+                       int fuse) {
     const int64_t lds = (D + 7) / 8;
     int every = n_heads == 1; /* every row takes plane 0 */
     for (int64_t b = 0; b < B && every; ++b) every = head_of_row[b] == 0;
-    if (every)
+    if (every) /* fuse: one row's plane in the head's own pass (as decode_proj) */
         return linear_planes(h, B, D, head, dtype, D, head_signs[0], 0, vocab, D, lds, head_alpha[0], 0,
-                             head_alpha_stride[0], NULL, 1, logits, vocab, dtype == BD_W_BF16, 0, n_threads);
+                             head_alpha_stride[0], NULL, 1, logits, vocab, dtype == BD_W_BF16,
+                             fuse && B == 1 && has_one_pass(dtype), n_threads);
     if (linear_planes(h, B, D, head, dtype, D, NULL, 0, vocab, D, lds, NULL, 0, 0, NULL, 1, logits, vocab,
                       dtype == BD_W_BF16, 0, n_threads))
         return -1;
@@ -2401,7 +2467,9 @@ static int decode_head(const float *h, int64_t B, int64_t D, const void *head, i
 }
 
 /* x: fp32 [B, dim] holding dtype values (the embedded tokens), overwritten with the last layer's
- * output. row_slot: int64 [B] (−1: the base); cos, sin: fp32 [B, hd] (the rotation over the whole
+ * output. row_slot: int64 [B] (−1: the base; the row's norms and biases, and its one sign plane);
+ * n_planes > 1: row_planes int64 [B, n_planes], each row's sign-plane slots (a variant of k planes,
+ * −1 past its k) instead of row_slot's one (NULL with n_planes ≤ 1); cos, sin: fp32 [B, hd] (the rotation over the whole
  * head); write_rows: int64 [B] the pool rows of the new tokens' k, v; tables, lens, bs: as
  * bd_paged_decode. dims: dim, n_heads, n_kv_heads, head_dim, intermediate. final_norm: NULL, or
  * the final norm's stack [n_slots + 1, dim] in the dtype: x is then the normed output (the
@@ -2414,14 +2482,15 @@ static int decode_head(const float *h, int64_t B, int64_t D, const void *head, i
  * _sign_heads: the GEMV and then bd_delta_batched's plane, bit for bit), a row of −1 round(h · headᵀ).
  * One plane for every row takes linear_planes' one task (on many threads, one core's GEMV beside
  * another's planes); a mix, the GEMV for every row and then each plane over its rows.
- * fuse: a step of ONE row of a variant (row_slot[0] ≥ 0) in bf16 sums each projection's plane in the
- * weights' pass (delta_rows_dp) where the build has AVX512-BF16, not by the table loop: other sums,
- * so its numbers are not the same row's in a mixed step (the caller's choice: never in the
+ * fuse: a step of ONE row of a one-plane variant (row_slot[0] ≥ 0) sums each projection's plane, and the head's
+ * when its row takes one, in the weights' pass where the build has such a loop (has_one_pass: bf16
+ * with AVX512-BF16, delta_rows_dp; fp32 with AVX-512, delta_rows_f32), not by the table loop: other
+ * sums, so its numbers are not the same row's in a mixed step (the caller's choice: never in the
  * batch-invariant mode); anything else ignores it.
  * After the layers' ~200 MB of weights every cache is cold, and the ~10 small torch ops of the
  * norm and the head's call cost ~0.3 ms of a ~10 ms bf16 SmolLM2-135M step there. Returns 0 or −1. */
 int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, int64_t B, const int64_t *row_slot,
-                     int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t F, float eps, int dtype, const float *cos_t,
+                     const int64_t *row_planes, int64_t n_planes, int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t F, float eps, int dtype, const float *cos_t,
                      const float *sin_t, const int64_t *write_rows, const int32_t *tables, int64_t max_blocks,
                      const int32_t *lens, int64_t bs, float scale, const void *final_norm, const void *head,
                      int64_t vocab, int64_t n_heads, const uint8_t *const *head_signs, const float *const *head_alpha,
@@ -2439,7 +2508,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
     for (int64_t l = 0; l < n_layers && !rc; ++l) {
         const bd_decode_layer *L = layers + l;
         decode_norm(x, L->norm[0], row_slot, B, D, eps, dtype, h);
-        if ((rc = decode_proj(L, 0, h, B, D, Q, dtype, row_slot, any_delta, fuse, qkv, n_threads))) break;
+        if ((rc = decode_proj(L, 0, h, B, D, Q, dtype, row_slot, row_planes, n_planes, any_delta, fuse, qkv, n_threads))) break;
         for (int64_t b = 0; b < B; ++b) { /* rope over q's and k's heads (adjacent in qkv), then k, v into the pool */
             float *row = qkv + b * Q;
             rope_heads(row, H + KV, hd, cos_t + b * hd, sin_t + b * hd, dtype);
@@ -2454,19 +2523,19 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
                                   att, n_threads)))
             break;
         round_all(att, B * HD, dtype);
-        if ((rc = decode_proj(L, 1, att, B, HD, D, dtype, row_slot, any_delta, fuse, o, n_threads))) break;
+        if ((rc = decode_proj(L, 1, att, B, HD, D, dtype, row_slot, row_planes, n_planes, any_delta, fuse, o, n_threads))) break;
         residual_add(x, o, B * D, dtype);
         decode_norm(x, L->norm[1], row_slot, B, D, eps, dtype, h);
-        if ((rc = decode_proj(L, 2, h, B, D, 2 * F, dtype, row_slot, any_delta, fuse, gu, n_threads))) break;
+        if ((rc = decode_proj(L, 2, h, B, D, 2 * F, dtype, row_slot, row_planes, n_planes, any_delta, fuse, gu, n_threads))) break;
         silu_mul(gu, B, F, dtype, act);
-        if ((rc = decode_proj(L, 3, act, B, F, D, dtype, row_slot, any_delta, fuse, dn, n_threads))) break;
+        if ((rc = decode_proj(L, 3, act, B, F, D, dtype, row_slot, row_planes, n_planes, any_delta, fuse, dn, n_threads))) break;
         residual_add(x, dn, B * D, dtype);
     }
     if (!rc && final_norm) {
         decode_norm(x, final_norm, row_slot, B, D, eps, dtype, h);
         memcpy(x, h, sizeof(float) * (size_t)(B * D));
         if (head) rc = decode_head(h, B, D, head, dtype, vocab, n_heads, head_signs, head_alpha, head_alpha_stride,
-                                   head_of_row, logits, n_threads);
+                                   head_of_row, logits, n_threads, fuse);
     }
     free(buf);
     return rc ? -1 : 0;

@@ -85,11 +85,11 @@ def _base_head_only(m: StepMeta) -> bool:
     return m.sign_heads is None and len(m.logit_groups) == 1 and m.logit_groups[0][0] == -1
 
 
-def _one_plane(extras: dict, w: SeqWork) -> bool:
-    """Whether `w`'s rows need one sign plane of row α's per projection at most (the base, or a
-    variant of one plane without column α's or a low-rank term): what the C decode layers add."""
+def _sign_planes_only(extras: dict, w: SeqWork) -> bool:
+    """Whether `w`'s rows need at most sign planes of row α's per projection (the base, or a variant
+    of k ≥ 1 planes without column α's or a low-rank term): what the C decode layers add."""
     ex = extras.get(w.slot) if w.slot >= 0 else None
-    return ex is None or (len(ex.slots) <= 1 and not ex.lowrank and not ex.cols)
+    return ex is None or (not ex.lowrank and not ex.cols)
 
 
 class HostArena:
@@ -627,8 +627,8 @@ class ModelRunner:
         are built and before its kernels run (the engine hands the previous step's tokens to the
         streams there: their Python then runs beside the kernels, which hold no GIL).
 
-        On CPU the single-token rows of the base and of one-plane variants without a low-rank term
-        (up to the decode GEMV's row count) run every layer in one C
+        On CPU the single-token rows of the base and of variants of sign planes only (no column α's,
+        no low-rank term; up to the decode GEMV's row count) run every layer in one C
         call (`bitdelta_kernels.cpu_decode`), the rest layer by layer: the two parts are separate sequences,
         so a decode row takes the same path, and gets the same values, whatever else its step holds."""
         extras = self.slots.extras
@@ -637,7 +637,7 @@ class ModelRunner:
             for i, w in enumerate(work)
             if len(w.tokens) == 1
             and w.prompt_logits is None
-            and _one_plane(extras, w)
+            and _sign_planes_only(extras, w)
             and not (w.prefill and self.batch_invariant)
         ]
         ready = ready or _nothing
@@ -710,6 +710,7 @@ class ModelRunner:
             logits=fused,
             head_planes=planes if fused else None,
             fuse=m.single_slot is not None,  # the single-variant form (never batch-invariant: use_fused)
+            row_planes=m.host_slots if m.host_slots.dim() == 2 else None,  # variants of k > 1 planes
         )
         if fused:
             return out

@@ -16,6 +16,7 @@ from bitdelta.format import ArchMismatchError, DeltaFormatError, load_delta
 from bitdelta.model import attach_delta, load_model
 from bitdelta.rpc.receiver import Receiver
 from bitdelta.testing.family import make_finetune
+from bitdelta_kernels import cpu_build
 from bitdelta_kernels.cpu_decode import DecodeLayers
 from services.gpu_worker.loader import SlotWriter, plan_delta
 from services.gpu_worker.runner import BaseWeights, KVPool, ModelRunner, SeqWork
@@ -126,8 +127,9 @@ def test_variants_with_sign_heads_share_one_product_with_the_base_head(tmp_path,
     one-plane ones, one with a low-rank residual too): every row equals the dense model's, and a
     decode step's rows of all of them read the base's head ONCE between them (before: once per
     variant), each adding its own planes, so each row's logits are the ones it has alone, bit for
-    bit. The C decode layers' rows (the base's and the one-plane variants') end their call with
-    the heads: one GEMV for all of them, then each variant's plane over its rows."""
+    bit (without the single-variant form's one-pass sums, which a lone variant row takes where the
+    build has them). The C decode layers' rows (the base's and the one-plane variants') end their
+    call with the heads: one GEMV for all of them, then each variant's plane over its rows."""
     from bitdelta.compress import apply
     from bitdelta.planes import PlaneConfig
     from services.gpu_worker import runner as runner_mod
@@ -174,5 +176,10 @@ def test_variants_with_sign_heads_share_one_product_with_the_base_head(tmp_path,
     # the layer-by-layer part (v2, low-rank: one product with the base's head)
     assert c_heads == [[0, -1, 1, 0]] and products == [1]
     assert torch.equal(step(rows[2:4]), mixed[2:4]) and c_heads == [[0, 1]] and products == []
-    for i, r in enumerate(rows[:4]):  # the decode rows of the C layers: alone as in the batch
+    for i, r in enumerate(rows[:4]):  # the decode rows of the C layers: alone as in the batch, ...
+        alone = step([r])
+        torch.testing.assert_close(alone, mixed[i : i + 1], rtol=1e-5, atol=1e-5)
+        runner.use_fused = False  # ... bit for bit but for a lone variant row's one-pass sums (fuse)
         assert torch.equal(step([r]), mixed[i : i + 1])
+        runner.use_fused = True
+        assert torch.equal(alone, mixed[i : i + 1]) == (r[1] < 0 or cpu_build.cpu_isa() not in ("avx512", "avx512bf16"))

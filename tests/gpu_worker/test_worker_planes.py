@@ -128,11 +128,26 @@ async def status(stub) -> dict[str, pb.DeltaSlot]:
     return {s.name: s for s in (await stub.Status(pb.StatusRequest(), timeout=T)).slots}
 
 
-async def test_multi_plane_and_low_rank_variants_equal_transformers_alone_and_mixed(served, family):
+async def test_multi_plane_and_low_rank_variants_equal_transformers_alone_and_mixed(served, family, monkeypatch):
+    from bitdelta_kernels.cpu_decode import DecodeLayers
+
     base, _, dense = family
     worker, stub = served
+    c_planes = []  # on CPU: the planes per row of each C decode call (sign planes of row α's decode there)
+    c_run = DecodeLayers.run
+
+    def run(self, *a, row_planes=None, **kw):
+        c_planes.append(1 if row_planes is None else row_planes.shape[1])
+        return c_run(self, *a, row_planes=row_planes, **kw)
+
+    monkeypatch.setattr(DecodeLayers, "run", run)
     want = {m: hf_greedy(base if m == "" else dense[m], p) for m, p in PROMPTS.items()}
-    alone = {m: await generate(stub, m, p) for m, p in PROMPTS.items()}
+    alone = {}
+    for m, p in PROMPTS.items():
+        c_planes.clear()
+        alone[m] = await generate(stub, m, p)
+        if worker.runner.device.type == "cpu" and m in ("planes3", "mixed2", "plain"):
+            assert c_planes and set(c_planes) == {{"planes3": 3, "mixed2": 2}.get(m, 1)}, m
     assert alone == want
     assert len({tuple(v) for v in want.values()}) == len(want), "every variant answers its own tokens"
     steps = worker.engine.steps

@@ -115,20 +115,22 @@ def test_bf16_rows_sum_their_planes_alike_on_every_path(M, isa):
         assert not torch.equal(alone, fp32_tables), nb
 
 
-def test_one_bf16_row_in_one_pass_sums_weights_and_signs_in_fp32(isa):
-    """The one-pass GEMV of one exactly-bf16 row over bf16 weights (`delta_rows_dp` where the build
-    has AVX512-BF16, the masked loop elsewhere): x · Wᵀ + α ⊙ (x · Sᵀ) within fp32 summation's error
-    of the float64 oracle at every kind of row end (whole 64- and 32-column chunks, a scalar tail),
-    row strides wider than the rows, α per row and per matrix; and not the two passes' bf16 tables."""
-    for d_in in (31, 32, 33, 64, 95, 576, 600, 1031):
-        x, w, signs, alpha = make(1, 40, d_in, dtype=torch.bfloat16, per_row=d_in % 2 == 0, seed=d_in)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_in_one_pass_sums_weights_and_signs_in_fp32(isa, dtype):
+    """The one-pass GEMV of one row (bf16: exactly-bf16 x over bf16 weights, `delta_rows_dp` where the
+    build has AVX512-BF16; fp32: `delta_rows_f32` where it has AVX-512; the masked block loop
+    elsewhere): x · Wᵀ + α ⊙ (x · Sᵀ) within fp32 summation's error of the float64 oracle at every
+    kind of row end (whole 64-, 32- and 16-column chunks, a scalar tail), row strides wider than the
+    rows, α per row and per matrix; and not the two passes' sums."""
+    for d_in in (15, 16, 31, 32, 33, 48, 64, 95, 576, 600, 1031):
+        x, w, signs, alpha = make(1, 40, d_in, dtype=dtype, per_row=d_in % 2 == 0, seed=d_in)
         s = unpack_signs(signs, d_in, torch.float64)
         a = alpha.double().expand(40)
         ref = x.double() @ w.double().t() + a * (x.double() @ s.t())
         y = cpu_ops.linear_gemv_cpu(x, padded_rows(w), padded_rows(signs), alpha)
         scale = x.double().abs() @ w.double().abs().t() + a * x.double().abs().sum()
         assert y.dtype == torch.float32 and ((y.double() - ref).abs() <= 2**-22 * d_in * scale).all(), d_in
-        if cpu_build.cpu_isa() == "avx512bf16" and d_in >= 576:  # bf16 tables: a coarser sum
+        if one_pass_build(dtype) and d_in >= 576:  # other sums than the table loop's
             assert not torch.equal(y, cpu_ops.linear_gemv_cpu(x, w, signs, alpha, two_pass=True)), d_in
 
 
@@ -590,20 +592,21 @@ def test_decode_layers_check_their_tensors():
     assert full.run(torch.randn(1, D), torch.tensor([-1]), **args, logits=True).shape == (1, 50)
 
 
-def decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs):
+def decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs, planes=None):
     """One layer of the runner for decode rows, in float64 from the same tensors (fp32 model):
-    norm, each projection x · Wᵀ + α_v ⊙ (x · S_vᵀ) for the row's slot v ≥ 0, rope over q's and k's
-    heads, the new k, v written into copies of the pool, attention over the row's blocks, the
-    residuals, silu · up. -> the layer's output [B, dim]."""
+    norm, each projection x · Wᵀ + Σ_v α_v ⊙ (x · S_vᵀ) over the row's plane slots v ≥ 0 (planes[b],
+    default its slot), rope over q's and k's heads, the new k, v written into copies of the pool,
+    attention over the row's blocks, the residuals, silu · up. -> the layer's output [B, dim]."""
     H, KV, hd, F, eps = shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.intermediate, shape.norm_eps
+    planes = [[v] for v in slots] if planes is None else planes
 
     def norm(t, w):
         return torch.stack([t[b] * torch.rsqrt(t[b].pow(2).mean() + eps) * w[slots[b] + 1] for b in range(len(t))])
 
     def proj(t, g):
         out = t @ L.weights[g].double().t()
-        for b, v in enumerate(slots):
-            if v >= 0:
+        for b, row in enumerate(planes):
+            for v in (v for v in row if v >= 0):
                 s = unpack_signs(L.signs[g][v], t.shape[1], torch.float64)
                 out[b] += L.alpha[g][v].double() * (s @ t[b])
         return out
@@ -691,6 +694,57 @@ def test_decode_layers_against_the_reference(isa, dims):
         assert torch.equal(one[0], got[1][b]), b
 
 
+def test_decode_layers_sum_each_rows_planes(isa):
+    """`row_planes`: a variant of k sign planes on k slots (its norms at its first), beside a
+    one-plane variant and the base in one step: each row's projections add every plane of its own,
+    as the layer in float64 does; on one thread and two the same numbers; a row alone the same as in
+    the batch, and a one-row step of the two-plane variant the same with `fuse` (one pass is for one
+    plane); bad plane rows refused."""
+    from bitdelta_kernels.cpu_decode import DecodeLayers, DecodeShape
+
+    D, H, KV, hd, F = 576, 9, 3, 64, 1536
+    shape = DecodeShape(D, H, KV, hd, F, 1e-5)
+    g = torch.Generator().manual_seed(3)
+    out_in = (((H + 2 * KV) * hd, D), (D, H * hd), (2 * F, D), (D, F))
+    bs, B = 4, 4
+    L = random_layer(out_in, D, KV, hd, 3, torch.float32, 8 * bs, g)
+    slots, planes = [0, -1, 2, 0], [[0, 1], [-1, -1], [2, -1], [0, 1]]  # slots 0, 1: one variant's planes
+    angle = torch.rand(B, hd // 2, generator=g) * 6.28
+    cos, sin = torch.cat([angle.cos()] * 2, 1), torch.cat([angle.sin()] * 2, 1)
+    tables = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]], dtype=torch.int32)
+    lens = torch.tensor([7, 3, 8, 5], dtype=torch.int32)
+    write_rows = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens.tolist())])
+    x = torch.randn(B, D, generator=g)
+    want = decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs, planes)
+    one_plane = decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs)
+    layers = DecodeLayers([L], shape, torch.float32)
+
+    def run(rows, **kw):
+        r = torch.tensor(rows)
+        return layers.run(
+            x[r], torch.tensor(slots)[r], cos[r], sin[r], write_rows[r], tables[r], lens[r], bs,
+            row_planes=torch.tensor(planes)[r], **kw,
+        )  # fmt: skip
+
+    threads = torch.get_num_threads()
+    got = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got[n] = run(range(B))
+    finally:
+        torch.set_num_threads(threads)
+    assert rel_err(got[1], want) <= 1e-5 and rel_err(one_plane, want) > 1e-3  # the second plane counts
+    assert torch.equal(got[1], got[2])
+    for b in range(B):
+        assert torch.equal(run([b])[0], got[1][b]), b
+    assert torch.equal(run([0], fuse=True)[0], got[1][0])
+    args = (x[:1], torch.tensor([-1]), cos[:1], sin[:1], write_rows[:1], tables[:1], lens[:1], bs)
+    for bad, match in (([[3, -1]], "row_planes values"), ([[0]] * 2, "row_planes must be"), ([[0, 1]], "base row")):
+        with pytest.raises(ValueError, match=match):
+            layers.run(*args, row_planes=torch.tensor(bad))
+
+
 def random_layer(out_in, D, KV, hd, n_slots, dtype, kv_rows, g):
     """A `DecodeLayer` of random weights in `dtype` (groups' [d_out, d_in] `out_in`), n_slots
     random one-plane deltas, norms per slot and a KV pool of kv_rows rows."""
@@ -710,34 +764,63 @@ def random_layer(out_in, D, KV, hd, n_slots, dtype, kv_rows, g):
     )
 
 
-def test_decode_layers_fuse_one_bf16_variant_row(isa):
-    """`fuse`: a step of one bf16 row of a variant sums each plane in its weights' pass where the
-    library has AVX512-BF16 (other sums than the table loop's, close to them), and changes nothing
-    for a row of the base, a step of two rows, or a build without it."""
-    from bitdelta_kernels.cpu_decode import DecodeLayers, DecodeShape
+def one_pass_build(dtype: torch.dtype) -> bool:
+    """Whether the loaded build sums one row's plane in its weights' pass for this dtype."""
+    return cpu_build.cpu_isa() in (("avx512bf16",) if dtype == torch.bfloat16 else ("avx512", "avx512bf16"))
 
-    D, H, KV, hd, F = 576, 9, 3, 64, 1536
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_layers_fuse_one_variant_row(isa, dtype):
+    """`fuse`: a step of one row of a variant sums each projection's plane, and its head's, in the
+    weights' pass where the library has such a loop (bf16: AVX512-BF16; fp32: AVX-512): other sums
+    than the table loop's, close to them; and changes nothing for a row of the base, a step of two
+    rows, or a build without it."""
+    from bitdelta_kernels.cpu_decode import DecodeLayers, DecodeShape, HeadPlanes
+
+    D, H, KV, hd, F, V = 576, 9, 3, 64, 1536, 1000
     g = torch.Generator().manual_seed(7)
     out_in = (((H + 2 * KV) * hd, D), (D, H * hd), (2 * F, D), (D, F))
     bs, n_slots = 4, 2
-    bf = torch.bfloat16
-    L = random_layer(out_in, D, KV, hd, n_slots, bf, 8 * bs, g)
-    layers = DecodeLayers([L], DecodeShape(D, H, KV, hd, F, 1e-5), bf)
-    x = torch.randn(2, D, generator=g).to(bf)
+    L = random_layer(out_in, D, KV, hd, n_slots, dtype, 8 * bs, g)
+    final = (torch.rand(n_slots + 1, D, generator=g) + 0.5).to(dtype)
+    head = (torch.randn(V, D, generator=g) / D**0.5).to(dtype)
+    plane = (
+        torch.randint(0, 256, (V, (D + 7) // 8), generator=g, dtype=torch.uint8),
+        torch.rand(V, generator=g) * 1e-2,
+    )
+    layers = DecodeLayers([L], DecodeShape(D, H, KV, hd, F, 1e-5), dtype, final_norm=final, head=head)
+    x = torch.randn(2, D, generator=g).to(dtype)
     angle = torch.rand(2, hd // 2, generator=g) * 6.28
     cos, sin = torch.cat([angle.cos()] * 2, 1), torch.cat([angle.sin()] * 2, 1)
     tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([6, 3], dtype=torch.int32)
     write_rows = torch.tensor([5, 10])
 
-    def run(rows: list[int], slots: list[int], fuse: bool) -> torch.Tensor:
-        r = torch.tensor(rows)
-        return layers.run(x[r], torch.tensor(slots), cos[r], sin[r], write_rows[r], tables[r], lens[r], bs, fuse=fuse)
+    def run(rows: list[int], slots: list[int], fuse: bool, model=layers, heads=None) -> torch.Tensor:
+        """Each row's logits; its head the base's + the plane where its slot is a variant's (heads)."""
+        r, s = torch.tensor(rows), torch.tensor(slots)
+        heads = (s >= 0).to(torch.int64) - 1 if heads is None else torch.tensor(heads)
+        planes = HeadPlanes((plane,), heads)
+        return model.run(
+            x[r], s, cos[r], sin[r], write_rows[r], tables[r], lens[r], bs, logits=True, head_planes=planes, fuse=fuse
+        )
 
+    one_pass = one_pass_build(dtype)
     fused, two = run([0], [1], True), run([0], [1], False)
-    assert rel_err(fused, two) <= 2e-2
-    assert torch.equal(fused, two) == (cpu_build.cpu_isa() != "avx512bf16")
+    assert rel_err(fused, two) <= (1e-5 if dtype == torch.float32 else 2e-2)
+    assert torch.equal(fused, two) != one_pass
     assert torch.equal(run([0], [-1], True), run([0], [-1], False))
     assert torch.equal(run([0, 1], [1, 1], True), run([0, 1], [1, 1], False))
+    # the head's plane alone (no layer: x is the final norm's input): within fp32 summation's error
+    # of the float64 oracle either way, and the one pass's own sums where the build has it
+    head_only = DecodeLayers([], DecodeShape(D, H, KV, hd, F, 1e-5), dtype, final_norm=final[:1], head=head)
+    h = (final[0] * torch.nn.functional.rms_norm(x[:1].float(), (D,), eps=1e-5).to(dtype)).double()
+    s = unpack_signs(plane[0], D, torch.float64)
+    ref = h @ head.double().t() + plane[1].double() * (h @ s.t())
+    scale = h.abs() @ head.double().abs().t() + plane[1].double() * h.abs().sum()
+    fused, two = run([0], [-1], True, head_only, [0]), run([0], [-1], False, head_only, [0])
+    for y in (fused, two):
+        assert ((y.double() - ref).abs() <= 2**-22 * D * scale).all()
+    assert torch.equal(fused, two) != one_pass
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
