@@ -636,6 +636,17 @@ def decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs,
     return x + proj(torch.nn.functional.silu(gu[:, :F]) * gu[:, F:], 3)
 
 
+def four_decode_rows(D, hd, bs, g):
+    """A step of 4 fp32 decode rows of 7, 3, 8 and 5 tokens, two blocks of bs rows each: their rope
+    rotations (cos, sin [4, hd]), block tables, lengths, the pool rows of their new k, v, and x [4, D]."""
+    angle = torch.rand(4, hd // 2, generator=g) * 6.28
+    cos, sin = torch.cat([angle.cos()] * 2, 1), torch.cat([angle.sin()] * 2, 1)
+    tables = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]], dtype=torch.int32)
+    lens = torch.tensor([7, 3, 8, 5], dtype=torch.int32)
+    write_rows = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens.tolist())])
+    return cos, sin, tables, lens, write_rows, torch.randn(4, D, generator=g)
+
+
 @pytest.mark.parametrize("dims", [(576, 9, 3, 64, 1536), (40, 2, 1, 20, 72)], ids=["smollm2", "ragged"])
 def test_decode_layers_against_the_reference(isa, dims):
     """The C decode layers (the base GEMV and each row's plane in one parallel region per projection:
@@ -662,12 +673,7 @@ def test_decode_layers_against_the_reference(isa, dims):
         window=None,
     )
     slots = [0, -1, 1, 0]
-    angle = torch.rand(B, hd // 2, generator=g) * 6.28
-    cos, sin = torch.cat([angle.cos()] * 2, 1), torch.cat([angle.sin()] * 2, 1)
-    tables = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]], dtype=torch.int32)
-    lens = torch.tensor([7, 3, 8, 5], dtype=torch.int32)
-    write_rows = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens.tolist())])
-    x = torch.randn(B, D, generator=g)
+    cos, sin, tables, lens, write_rows, x = four_decode_rows(D, hd, bs, g)
     want = decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs)
     layers = DecodeLayers([L], shape, torch.float32)
     threads = torch.get_num_threads()
@@ -709,12 +715,7 @@ def test_decode_layers_sum_each_rows_planes(isa):
     bs, B = 4, 4
     L = random_layer(out_in, D, KV, hd, 3, torch.float32, 8 * bs, g)
     slots, planes = [0, -1, 2, 0], [[0, 1], [-1, -1], [2, -1], [0, 1]]  # slots 0, 1: one variant's planes
-    angle = torch.rand(B, hd // 2, generator=g) * 6.28
-    cos, sin = torch.cat([angle.cos()] * 2, 1), torch.cat([angle.sin()] * 2, 1)
-    tables = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]], dtype=torch.int32)
-    lens = torch.tensor([7, 3, 8, 5], dtype=torch.int32)
-    write_rows = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens.tolist())])
-    x = torch.randn(B, D, generator=g)
+    cos, sin, tables, lens, write_rows, x = four_decode_rows(D, hd, bs, g)
     want = decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs, planes)
     one_plane = decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs)
     layers = DecodeLayers([L], shape, torch.float32)
