@@ -1650,8 +1650,14 @@ static void delta_rows_f32(const float *x, float xsum, const float *w, int64_t l
 
 #endif
 
+/* Which one-row one-pass loops this build has (has_one_pass) */
+#ifdef HAVE_DP_BF16
+#define HAVE_DP_ONE_PASS 1 /* bf16: delta_rows_dp */
+#else
+#define HAVE_DP_ONE_PASS 0
+#endif
 #ifndef HAVE_F32_ONE_PASS
-#define HAVE_F32_ONE_PASS 0
+#define HAVE_F32_ONE_PASS 0 /* fp32: delta_rows_f32 */
 #endif
 
 #ifdef HAVE_LINEAR_BLOCKS
@@ -1803,12 +1809,6 @@ static void share_run(void *ctx) {
  * slot 0, for every row (s, alpha as in bd_delta_gemv); else as bd_delta_batched's row_slots
  * (strides stride_sv, stride_av). one_pass: instead the masked add rides the GEMV's loop (slots
  * NULL). Returns 0 or −1 (no memory). */
-#ifdef HAVE_DP_BF16
-#define HAVE_DP_ONE_PASS 1 /* a one-row bf16 one-pass GEMV takes delta_rows_dp */
-#else
-#define HAVE_DP_ONE_PASS 0
-#endif
-
 static int linear_planes(const float *x, int64_t M, int64_t ldx, const void *w, int w_dtype, int64_t ldw,
                          const uint8_t *s, int64_t stride_sv, int64_t d_out, int64_t d_in, int64_t lds,
                          const float *alpha, int64_t stride_av, int64_t alpha_stride, const int64_t *slots,
@@ -2315,17 +2315,14 @@ static inline int has_one_pass(int dtype) {
 }
 
 /* y = round(x · Wᵀ [+ Σ_p α_v ⊙ (x · S_vᵀ) over the row's plane slots v ≥ 0]) [+ bias row], as
- * runner._linear: a row's planes are row_planes[b, 0..n_planes) where n_planes > 1, else its row
- * slot. fuse: one row of a one-plane variant in one pass over the weights and its bits, where the
- * build has such a loop for the dtype (has_one_pass; bd_decode_layers). */
+ * runner._linear: slots [B, n_planes] each row's plane slots (row_slot itself for one plane).
+ * one_pass: the step's one row, of a one-plane variant, in one pass over the weights and its bits
+ * (bd_decode_layers decides it once). */
 static int decode_proj(const bd_decode_layer *L, int g, const float *x, int64_t B, int64_t d_in, int64_t d_out,
-                       int dtype, const int64_t *row_slot, const int64_t *row_planes, int64_t n_planes, int any_delta,
-                       int fuse, float *y, int n_threads) {
+                       int dtype, const int64_t *row_slot, const int64_t *slots, int64_t n_planes, int any_delta,
+                       int one_pass, float *y, int n_threads) {
     const int64_t lds = (d_in + 7) / 8;
-    const int64_t *slots = n_planes > 1 ? row_planes : row_slot;
-    if (n_planes > 1) fuse = 0;
-    else n_planes = 1;
-    if (fuse && B == 1 && row_slot[0] >= 0 && has_one_pass(dtype)) {
+    if (one_pass) {
         const int64_t v = row_slot[0];
         if (linear_planes(x, 1, d_in, L->w[g], dtype, d_in, L->s[g] + v * d_out * lds, 0, d_out, d_in, lds,
                           L->a[g] + v * d_out, 0, 1, NULL, 1, y, d_out, dtype == BD_W_BF16, 1, n_threads))
@@ -2438,14 +2435,13 @@ static void rope_heads(float *x, int64_t n, int64_t hd, const float *c, const fl
 static int decode_head(const float *h, int64_t B, int64_t D, const void *head, int dtype, int64_t vocab,
                        int64_t n_heads, const uint8_t *const *head_signs, const float *const *head_alpha,
                        const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads,
-                       int fuse) {
+                       int one_pass) {
     const int64_t lds = (D + 7) / 8;
     int every = n_heads == 1; /* every row takes plane 0 */
     for (int64_t b = 0; b < B && every; ++b) every = head_of_row[b] == 0;
-    if (every) /* fuse: one row's plane in the head's own pass (as decode_proj) */
+    if (every) /* one_pass: the one row's plane in the head's own pass (as decode_proj) */
         return linear_planes(h, B, D, head, dtype, D, head_signs[0], 0, vocab, D, lds, head_alpha[0], 0,
-                             head_alpha_stride[0], NULL, 1, logits, vocab, dtype == BD_W_BF16,
-                             fuse && B == 1 && has_one_pass(dtype), n_threads);
+                             head_alpha_stride[0], NULL, 1, logits, vocab, dtype == BD_W_BF16, one_pass, n_threads);
     if (linear_planes(h, B, D, head, dtype, D, NULL, 0, vocab, D, lds, NULL, 0, 0, NULL, 1, logits, vocab,
                       dtype == BD_W_BF16, 0, n_threads))
         return -1;
@@ -2499,6 +2495,10 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
     const int64_t Q = (H + 2 * KV) * hd, HD = H * hd;
     int any_delta = 0;
     for (int64_t b = 0; b < B; ++b) any_delta |= row_slot[b] >= 0;
+    const int64_t *slots = n_planes > 1 ? row_planes : row_slot; /* each row's plane slots */
+    const int64_t P = n_planes > 1 ? n_planes : 1;
+    const int one_row = fuse && B == 1 && has_one_pass(dtype); /* the head's plane in one pass */
+    const int one_pass = one_row && row_slot[0] >= 0 && P == 1; /* and the projections' */
     const int64_t n = B * (D + Q + 2 * HD + D + 3 * F + D);
     float *buf = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
     if (!buf) return -1;
@@ -2508,7 +2508,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
     for (int64_t l = 0; l < n_layers && !rc; ++l) {
         const bd_decode_layer *L = layers + l;
         decode_norm(x, L->norm[0], row_slot, B, D, eps, dtype, h);
-        if ((rc = decode_proj(L, 0, h, B, D, Q, dtype, row_slot, row_planes, n_planes, any_delta, fuse, qkv, n_threads))) break;
+        if ((rc = decode_proj(L, 0, h, B, D, Q, dtype, row_slot, slots, P, any_delta, one_pass, qkv, n_threads))) break;
         for (int64_t b = 0; b < B; ++b) { /* rope over q's and k's heads (adjacent in qkv), then k, v into the pool */
             float *row = qkv + b * Q;
             rope_heads(row, H + KV, hd, cos_t + b * hd, sin_t + b * hd, dtype);
@@ -2523,19 +2523,19 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
                                   att, n_threads)))
             break;
         round_all(att, B * HD, dtype);
-        if ((rc = decode_proj(L, 1, att, B, HD, D, dtype, row_slot, row_planes, n_planes, any_delta, fuse, o, n_threads))) break;
+        if ((rc = decode_proj(L, 1, att, B, HD, D, dtype, row_slot, slots, P, any_delta, one_pass, o, n_threads))) break;
         residual_add(x, o, B * D, dtype);
         decode_norm(x, L->norm[1], row_slot, B, D, eps, dtype, h);
-        if ((rc = decode_proj(L, 2, h, B, D, 2 * F, dtype, row_slot, row_planes, n_planes, any_delta, fuse, gu, n_threads))) break;
+        if ((rc = decode_proj(L, 2, h, B, D, 2 * F, dtype, row_slot, slots, P, any_delta, one_pass, gu, n_threads))) break;
         silu_mul(gu, B, F, dtype, act);
-        if ((rc = decode_proj(L, 3, act, B, F, D, dtype, row_slot, row_planes, n_planes, any_delta, fuse, dn, n_threads))) break;
+        if ((rc = decode_proj(L, 3, act, B, F, D, dtype, row_slot, slots, P, any_delta, one_pass, dn, n_threads))) break;
         residual_add(x, dn, B * D, dtype);
     }
     if (!rc && final_norm) {
         decode_norm(x, final_norm, row_slot, B, D, eps, dtype, h);
         memcpy(x, h, sizeof(float) * (size_t)(B * D));
         if (head) rc = decode_head(h, B, D, head, dtype, vocab, n_heads, head_signs, head_alpha, head_alpha_stride,
-                                   head_of_row, logits, n_threads, fuse);
+                                   head_of_row, logits, n_threads, one_row);
     }
     free(buf);
     return rc ? -1 : 0;
