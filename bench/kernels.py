@@ -374,7 +374,7 @@ def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: in
     limit 1/(1 + 1/32) fp32, 1/(1 + 1/16) bf16), the same with the layers' `fuse` (the worker's
     single-variant form: one pass over the weights and the bits where the build has it), the cost
     of each plane past the first of a 3-plane variant's row ÷ the base's step (`row_planes`; limit
-    1/32 fp32, 1/16 bf16), and 8 rows over 4 variants ÷ 8 base rows (limit
+    1/32 fp32, 1/16 bf16) by the table loop and `fuse`d, and 8 rows over 4 variants ÷ 8 base rows (limit
     4/(4 + 4/8) fp32, 2/(2 + 4/8) bf16). The four are measured in turns (`t`'s best of N each,
     repeated `rounds` times), so other jobs' load falls on all of them alike. against: another
     source of the C library (e.g. `git show main:bitdelta_kernels/csrc/bitdelta_cpu.c`), built with the
@@ -388,7 +388,8 @@ def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: in
         "B1 base": (torch.tensor([-1]), False, None),
         "B1 variant": (torch.tensor([0]), False, None),
         "B1 variant fused": (torch.tensor([0]), True, None),
-        "B1 3-plane variant": (torch.tensor([0]), True, torch.tensor([[0, 1, 2]])),
+        "B1 3-plane variant": (torch.tensor([0]), False, torch.tensor([[0, 1, 2]])),
+        "B1 3-plane variant fused": (torch.tensor([0]), True, torch.tensor([[0, 1, 2]])),
         "B8 base": (torch.full((8,), -1), False, None),
         "B8 4 variants": (torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]), False, None),
     }
@@ -417,6 +418,7 @@ def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: in
                 "fused variant/base tok/s": b["B1 base"] / b["B1 variant fused"],
                 # each plane past the first, of the whole step's (limit: its bytes, 1/32 fp32, 1/16 bf16)
                 "extra plane/base": (b["B1 3-plane variant"] - b["B1 variant"]) / 2 / b["B1 base"],
+                "extra plane fused/base": (b["B1 3-plane variant fused"] - b["B1 variant fused"]) / 2 / b["B1 base"],
                 "plane limit": 1 / 8 / es,
                 "limit": es / (es + 1 / 8),  # bytes per weight: the base's, + 1/8 for a sign
                 "4 variants/base (B8)": b["B8 base"] / b["B8 4 variants"],

@@ -231,10 +231,10 @@ class DecodeLayers:
         `head_planes` too, a row of plane v gets fp32 h · headᵀ + α_v ⊙ (h · S_vᵀ), not rounded, as
         the runner's `_sign_heads` (`dense_linear(h, head, out_fp32=True)`, then
         `bitdelta_delta_batched`), and a row of −1 round(h · headᵀ) as before. `fuse`: a step of one
-        row of a one-plane variant sums each projection's plane, and its head's, in the weights' pass where
-        the library has such a loop (bf16: AVX512-BF16; fp32: AVX-512): other sums than the table
-        loop's, so not that row's numbers in a mixed step (the default mode's single-variant form,
-        never the batch-invariant one's); else ignored.
+        row of a variant of up to 4 planes sums each projection's planes, and its head's plane, in the
+        weights' pass where the library has such a loop (bf16: AVX512-BF16; fp32: AVX-512): other sums
+        than the table loop's, so not that row's numbers in a mixed step (the default mode's
+        single-variant form, never the batch-invariant one's); else ignored.
 
         x: [B, dim] the embedded tokens; row_slot: [B] slot per row (−1: the base; row slot + 1 of
         the norm and bias stacks; the row's one sign plane); row_planes: [B, k] each row's sign-plane

@@ -1135,6 +1135,17 @@ void bd_merge(const void *w, int w_dtype, int64_t ldw, const uint8_t *s, int64_t
     pool_rows(merge_rows, &A, r1 - r0, 16, n_threads);
 }
 
+/* The sign planes a GEMV's own pass sums (linear_rows): plane p's bits s[p] [d_out, lds] and its
+ * α's a[p] (row r's at a[p][r · alpha_stride]). The blocks of LINEAR_BLOCK take one plane; the
+ * one-row one-pass loops (delta_rows_dp, delta_rows_f32) up to ONE_PASS_PLANES, one accumulator
+ * pair each (2 + 2·4 of AVX-512's 32 registers). */
+#define ONE_PASS_PLANES 4
+typedef struct {
+    const uint8_t *s[ONE_PASS_PLANES];
+    const float *a[ONE_PASS_PLANES];
+    int n;
+} pass_planes;
+
 /* ---------------------------------------------------------------------- */
 /* fused linear GEMV: y[m, r] = Σ_k x[m,k]·w[r,k] + α_r · Σ_k x[m,k]·s[r,k] */
 /* One pass over W and the bits: a FMA for the base and a masked add for    */
@@ -1557,92 +1568,150 @@ static const dense_dp_fn dense_dp_blocks[3][3] = {{dense_dp_1x1, dense_dp_1x2, d
 DENSE_ROWS(dense_rows_dp, uint16_t, uint16_t, dense_dp_blocks) /* bf16 weights and x (as bf16 words) */
 #define HAVE_DP_BF16 1
 
-/* y[r] = x · W_r + α_r · (x · S_r) for one x row that is exactly bf16, rows [r0, r1), in ONE pass:
- * per 32 columns one VDPBF16PS against the weights and one against the signs as bf16 ±1 (a blend by
- * the 32 bits loaded as a mask), both sums fp32 (products exact), α_r applied per lane before the
- * one horizontal add. One row at a time, one linear stream of W (prefetched STREAM_AHEAD on: without
- * it this loop, unlike the dense one, fell behind on Zen 4) beside the bits' (1/16 of its bytes): a
- * one-row variant reads its bytes once instead of the table loop's second pass. A bf16 SmolLM2-135M
- * variant's decode step in the worker, one Zen 4 core: 0.88–0.91 × the base's against 0.84–0.86 for
- * the two passes (the bytes' limit 0.95; 2026-12-04, in turns). Its sums are not the table loop's, so
- * only a single-variant step of one row takes it (bd_decode_layers' `fuse`, never batch-invariant). */
-static void delta_rows_dp(const uint16_t *xb, const uint16_t *w, int64_t ldw, const uint8_t *s, int64_t lds,
-                          int64_t d_in, const float *alpha, int64_t alpha_stride, float *y, int64_t r0, int64_t r1) {
+/* y[r] = x · W_r + Σ_p α_p,r · (x · S_p,r) for one x row that is exactly bf16, rows [r0, r1), in ONE
+ * pass: per 32 columns one VDPBF16PS against the weights and one per plane against its signs as bf16
+ * ±1 (a blend by the plane's 32 bits loaded as a mask), all sums fp32 (products exact), each α
+ * applied per lane before the row's one horizontal add. One row at a time, one linear stream of W
+ * (prefetched STREAM_AHEAD on: without it this loop, unlike the dense one, fell behind on Zen 4)
+ * beside the planes' bits (1/16 of its bytes each): a one-row variant reads its bytes once instead
+ * of the table loop's second pass. A bf16 SmolLM2-135M variant's decode step in the worker, one Zen
+ * 4 core: 0.88–0.91 × the base's against 0.84–0.86 for the two passes (the bytes' limit 0.95;
+ * 2026-12-04, in turns). Its sums are not the table loop's, so only a single-variant step of one row
+ * takes it (bd_decode_layers' `fuse`, never batch-invariant). NP: P's planes, a literal (dp_rows). */
+static inline __attribute__((always_inline)) void dp_rows_np(const uint16_t *xb, const uint16_t *w, int64_t ldw,
+                                                             const pass_planes *P, int64_t lds, int64_t d_in,
+                                                             int64_t alpha_stride, float *y, int64_t r0, int64_t r1,
+                                                             const int NP) {
     const __m512i pos = _mm512_set1_epi16(0x3F80), neg = _mm512_set1_epi16((short)0xBF80); /* bf16 ±1 */
     for (int64_t r = r0; r < r1; ++r) {
         const uint16_t *wr = w + r * ldw;
-        const uint8_t *sr = s + r * lds;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, d0 = a0, d1 = a0;
+        const uint8_t *sr[ONE_PASS_PLANES];
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, d0[ONE_PASS_PLANES], d1[ONE_PASS_PLANES];
+        for (int p = 0; p < NP; ++p) {
+            sr[p] = P->s[p] + r * lds;
+            d0[p] = d1[p] = a0;
+        }
         int64_t k = 0;
         for (; k + 64 <= d_in; k += 64) {
             STREAM_PREFETCH(wr + k, 2);
             const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(xb + k));
             const __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(xb + k + 32));
-            uint32_t m0, m1;
-            memcpy(&m0, sr + k / 8, 4);
-            memcpy(&m1, sr + k / 8 + 4, 4);
             a0 = _mm512_dpbf16_ps(a0, x0, (__m512bh)_mm512_loadu_si512((const void *)(wr + k)));
             a1 = _mm512_dpbf16_ps(a1, x1, (__m512bh)_mm512_loadu_si512((const void *)(wr + k + 32)));
-            d0 = _mm512_dpbf16_ps(d0, x0, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos));
-            d1 = _mm512_dpbf16_ps(d1, x1, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m1, neg, pos));
+            for (int p = 0; p < NP; ++p) {
+                uint32_t m0, m1;
+                memcpy(&m0, sr[p] + k / 8, 4);
+                memcpy(&m1, sr[p] + k / 8 + 4, 4);
+                d0[p] = _mm512_dpbf16_ps(d0[p], x0, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos));
+                d1[p] = _mm512_dpbf16_ps(d1[p], x1, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m1, neg, pos));
+            }
         }
         if (k + 32 <= d_in) {
             const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(xb + k));
-            uint32_t m0;
-            memcpy(&m0, sr + k / 8, 4);
             a0 = _mm512_dpbf16_ps(a0, x0, (__m512bh)_mm512_loadu_si512((const void *)(wr + k)));
-            d0 = _mm512_dpbf16_ps(d0, x0, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos));
+            for (int p = 0; p < NP; ++p) {
+                uint32_t m0;
+                memcpy(&m0, sr[p] + k / 8, 4);
+                d0[p] = _mm512_dpbf16_ps(d0[p], x0, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos));
+            }
             k += 32;
         }
-        const float al = alpha[r * alpha_stride];
-        float t = _mm512_reduce_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(al), _mm512_add_ps(d0, d1), _mm512_add_ps(a0, a1)));
+        float al[ONE_PASS_PLANES];
+        __m512 acc = _mm512_add_ps(a0, a1);
+        for (int p = 0; p < NP; ++p) {
+            al[p] = P->a[p][r * alpha_stride];
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(al[p]), _mm512_add_ps(d0[p], d1[p]), acc);
+        }
+        float t = _mm512_reduce_add_ps(acc);
         for (; k < d_in; ++k) {
             const float xv = w_at(xb, BD_W_BF16, k);
-            t += xv * w_at(wr, BD_W_BF16, k) + al * ((sr[k >> 3] >> (k & 7)) & 1 ? xv : -xv);
+            float dt = 0.f;
+            for (int p = 0; p < NP; ++p) dt += al[p] * ((sr[p][k >> 3] >> (k & 7)) & 1 ? xv : -xv);
+            t += xv * w_at(wr, BD_W_BF16, k) + dt;
         }
         y[r] = t;
+    }
+}
+
+static void delta_rows_dp(const uint16_t *xb, const uint16_t *w, int64_t ldw, const pass_planes *P, int64_t lds,
+                          int64_t d_in, int64_t alpha_stride, float *y, int64_t r0, int64_t r1) {
+    switch (P->n) { /* one loop per plane count: its accumulators in registers */
+    case 1: dp_rows_np(xb, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, 1); break;
+    case 2: dp_rows_np(xb, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, 2); break;
+    case 3: dp_rows_np(xb, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, 3); break;
+    default: dp_rows_np(xb, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, ONE_PASS_PLANES); break; /* n = 4 */
     }
 }
 #endif
 
 #if defined(__AVX512F__)
-/* y[r] = x · W_r + α_r · (2 · Σ_{S_r = +} x − Σ x) for one fp32 x row, rows [r0, r1), in ONE pass:
- * per 16 columns one FMA against the weights and one add of x masked by its 16 bits, so a one-row
- * variant's bits ride its weights' stream (1/32 of its bytes) instead of the table loop's second
- * pass. One row at a time, one linear stream of W, left to the hardware prefetchers: on a Zen 4
- * core the software prefetch of delta_rows_dp cost this lighter loop 1–3 % (SmolLM2-135M's C decode
- * step with its head, one row, 100 in turns, four runs). The variant's step ÷ the base's there: ~1 %
- * above the two passes', within that host's spread (an fp32 step is ~18 ms of weights; the table
- * loop's compute ~0.5 ms of it). xsum: Σ x (row_sums). */
-static void delta_rows_f32(const float *x, float xsum, const float *w, int64_t ldw, const uint8_t *s, int64_t lds,
-                           int64_t d_in, const float *alpha, int64_t alpha_stride, float *y, int64_t r0, int64_t r1) {
+/* y[r] = x · W_r + Σ_p α_p,r · (2 · Σ_{S_p,r = +} x − Σ x) for one fp32 x row, rows [r0, r1), in ONE
+ * pass: per 16 columns one FMA against the weights and, per plane, one add of x masked by its 16
+ * bits, so a one-row variant's planes ride its weights' stream (1/32 of its bytes each) instead of
+ * the table loop's second pass. One row at a time, one linear stream of W, left to the hardware
+ * prefetchers: on a Zen 4 core the software prefetch of delta_rows_dp cost this lighter loop 1–3 %
+ * (SmolLM2-135M's C decode step with its head, one row, 100 in turns, four runs). The variant's
+ * step ÷ the base's there: ~1 % above the two passes', within that host's spread (an fp32 step is
+ * ~18 ms of weights; the table loop's compute ~0.5 ms of it). xsum: Σ x (row_sums). NP: P's planes,
+ * a literal (delta_rows_f32). */
+static inline __attribute__((always_inline)) void f32_rows_np(const float *x, float xsum, const float *w,
+                                                              int64_t ldw, const pass_planes *P, int64_t lds,
+                                                              int64_t d_in, int64_t alpha_stride, float *y,
+                                                              int64_t r0, int64_t r1, const int NP) {
     for (int64_t r = r0; r < r1; ++r) {
         const float *wr = w + r * ldw;
-        const uint8_t *sr = s + r * lds;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, d0 = a0, d1 = a0;
+        const uint8_t *sr[ONE_PASS_PLANES];
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, d0[ONE_PASS_PLANES], d1[ONE_PASS_PLANES];
+        for (int p = 0; p < NP; ++p) {
+            sr[p] = P->s[p] + r * lds;
+            d0[p] = d1[p] = a0;
+        }
         int64_t k = 0;
         for (; k + 32 <= d_in; k += 32) {
             const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
-            uint32_t m;
-            memcpy(&m, sr + k / 8, 4);
             a0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(wr + k), a0);
             a1 = _mm512_fmadd_ps(x1, _mm512_loadu_ps(wr + k + 16), a1);
-            d0 = _mm512_mask_add_ps(d0, (__mmask16)m, d0, x0);
-            d1 = _mm512_mask_add_ps(d1, (__mmask16)(m >> 16), d1, x1);
+            for (int p = 0; p < NP; ++p) {
+                uint32_t m;
+                memcpy(&m, sr[p] + k / 8, 4);
+                d0[p] = _mm512_mask_add_ps(d0[p], (__mmask16)m, d0[p], x0);
+                d1[p] = _mm512_mask_add_ps(d1[p], (__mmask16)(m >> 16), d1[p], x1);
+            }
         }
         if (k + 16 <= d_in) {
             const __m512 x0 = _mm512_loadu_ps(x + k);
-            uint16_t m0;
-            memcpy(&m0, sr + k / 8, 2);
             a0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(wr + k), a0);
-            d0 = _mm512_mask_add_ps(d0, (__mmask16)m0, d0, x0);
+            for (int p = 0; p < NP; ++p) {
+                uint16_t m0;
+                memcpy(&m0, sr[p] + k / 8, 2);
+                d0[p] = _mm512_mask_add_ps(d0[p], (__mmask16)m0, d0[p], x0);
+            }
             k += 16;
         }
-        const float al = alpha[r * alpha_stride];
-        float t = _mm512_reduce_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(2.f * al), _mm512_add_ps(d0, d1), _mm512_add_ps(a0, a1)));
-        for (; k < d_in; ++k) /* ragged tail */
-            t += x[k] * wr[k] + ((sr[k >> 3] >> (k & 7)) & 1 ? 2.f * al * x[k] : 0.f);
-        y[r] = t - al * xsum;
+        float al[ONE_PASS_PLANES], asum = 0.f;
+        __m512 acc = _mm512_add_ps(a0, a1);
+        for (int p = 0; p < NP; ++p) {
+            al[p] = P->a[p][r * alpha_stride];
+            asum += al[p];
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(2.f * al[p]), _mm512_add_ps(d0[p], d1[p]), acc);
+        }
+        float t = _mm512_reduce_add_ps(acc);
+        for (; k < d_in; ++k) { /* ragged tail */
+            float dt = 0.f;
+            for (int p = 0; p < NP; ++p) dt += (sr[p][k >> 3] >> (k & 7)) & 1 ? 2.f * al[p] * x[k] : 0.f;
+            t += x[k] * wr[k] + dt;
+        }
+        y[r] = t - asum * xsum;
+    }
+}
+
+static void delta_rows_f32(const float *x, float xsum, const float *w, int64_t ldw, const pass_planes *P,
+                           int64_t lds, int64_t d_in, int64_t alpha_stride, float *y, int64_t r0, int64_t r1) {
+    switch (P->n) { /* one loop per plane count: its accumulators in registers */
+    case 1: f32_rows_np(x, xsum, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, 1); break;
+    case 2: f32_rows_np(x, xsum, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, 2); break;
+    case 3: f32_rows_np(x, xsum, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, 3); break;
+    default: f32_rows_np(x, xsum, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, ONE_PASS_PLANES); break; /* n = 4 */
     }
 }
 #define HAVE_F32_ONE_PASS 1
@@ -1666,10 +1735,12 @@ typedef void (*block_fn)(const float *, const float *, int64_t, const float *, c
                          int64_t);
 
 static void linear_rows(const float *x, const float *xeo, const uint16_t *xb, int64_t ldx, int64_t M, const float *xsum, const void *w, int w_dtype,
-                        int64_t ldw, const uint8_t *s, int64_t lds, int64_t d_in, const float *alpha,
+                        int64_t ldw, const pass_planes *P, int64_t lds, int64_t d_in,
                         int64_t alpha_stride, float *y, int64_t ldy, int64_t r0, int64_t r1) {
     /* ROWS_A rows × 1 x-row: enough chains to keep loads in flight for one row of x;
      * ROWS_B rows × MB_B x-rows: each W vector feeds MB_B FMAs when M ≥ MB_B. */
+    const uint8_t *s = P ? P->s[0] : NULL; /* the blocks' one plane */
+    const float *alpha = P ? P->a[0] : NULL;
     const int k = w_dtype == BD_W_F32 ? 0 : (w_dtype == BD_W_BF16 ? 1 : 2);
     const block_fn one_d[3] = {delta_one_f32, delta_one_bf16, delta_one_f16};
     const block_fn two_d[3] = {delta_two_f32, delta_two_bf16, delta_two_f16};
@@ -1682,13 +1753,13 @@ static void linear_rows(const float *x, const float *xeo, const uint16_t *xb, in
         return;
     }
     if (xb && s && w_dtype == BD_W_BF16 && M == 1) {
-        delta_rows_dp(xb, (const uint16_t *)w, ldw, s, lds, d_in, alpha, alpha_stride, y, r0, r1);
+        delta_rows_dp(xb, (const uint16_t *)w, ldw, P, lds, d_in, alpha_stride, y, r0, r1);
         return;
     }
 #endif
 #if HAVE_F32_ONE_PASS
     if (s && w_dtype == BD_W_F32 && M == 1) {
-        delta_rows_f32(x, xsum[0], (const float *)w, ldw, s, lds, d_in, alpha, alpha_stride, y, r0, r1);
+        delta_rows_f32(x, xsum[0], (const float *)w, ldw, P, lds, d_in, alpha_stride, y, r0, r1);
         return;
     }
 #endif
@@ -1719,9 +1790,11 @@ static void linear_rows(const float *x, const float *xeo, const uint16_t *xb, in
 }
 #else
 static void linear_rows(const float *x, const float *xeo, const uint16_t *xb, int64_t ldx, int64_t M, const float *xsum, const void *w, int w_dtype,
-                        int64_t ldw, const uint8_t *s, int64_t lds, int64_t d_in, const float *alpha,
+                        int64_t ldw, const pass_planes *P, int64_t lds, int64_t d_in,
                         int64_t alpha_stride, float *y, int64_t ldy, int64_t r0, int64_t r1) {
-    /* Portable path (the Python side prefers BLAS + delta GEMV without AVX2). */
+    /* Portable path (the Python side prefers BLAS + delta GEMV without AVX2); one plane. */
+    const uint8_t *s = P ? P->s[0] : NULL;
+    const float *alpha = P ? P->a[0] : NULL;
     (void)xeo;
     (void)xb;
     for (int64_t r = r0; r < r1; ++r)
@@ -1747,7 +1820,7 @@ static void linear_planes_rows(const float *x, const float *xeo, const uint16_t 
                                const uint8_t *s, int64_t stride_sv, int64_t lds, int64_t d_in, const float *alpha,
                                int64_t stride_av, int64_t alpha_stride, const int64_t *slots, int64_t n_planes,
                                const int64_t *mate, float *y, int64_t ldy, int64_t r0, int64_t r1) {
-    linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, NULL, lds, d_in, alpha, alpha_stride, y, ldy, r0, r1);
+    linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, NULL, lds, d_in, alpha_stride, y, ldy, r0, r1);
     if (s)
         delta_rows_planes(x, tab, tab_bf16, ldx, M, xsum, NULL, s, stride_sv, lds, d_in, alpha, stride_av, alpha_stride,
                           slots, n_planes, NULL, 1, mate, y, ldy, r0, r1);
@@ -1763,7 +1836,8 @@ typedef struct {
     const float *x, *xeo, *tab, *xsum, *alpha;
     const uint16_t *xb;
     const void *w;
-    const uint8_t *s1, *s2;
+    const pass_planes *p1; /* the one-pass loop's planes */
+    const uint8_t *s2;
     const int64_t *slots, *mate;
     int64_t ldx, M, ldw, stride_sv, lds, d_in, stride_av, alpha_stride, n_planes, ldy, d_out;
     int w_dtype, tab_bf16;
@@ -1781,8 +1855,8 @@ static void share_run(void *ctx) {
         for (int64_t j, k; (j = pool_claim(&T->jobs[kind], &k)) >= 0;) {
             const int64_t r0 = j * POOL_ROWS, r1 = (j + k) * POOL_ROWS < T->d_out ? (j + k) * POOL_ROWS : T->d_out;
             if (kind == 0)
-                linear_rows(T->x, T->xeo, T->xb, T->ldx, T->M, T->xsum, T->w, T->w_dtype, T->ldw, T->s1, T->lds,
-                            T->d_in, T->alpha, T->alpha_stride, T->y, T->ldy, r0, r1);
+                linear_rows(T->x, T->xeo, T->xb, T->ldx, T->M, T->xsum, T->w, T->w_dtype, T->ldw, T->p1, T->lds,
+                            T->d_in, T->alpha_stride, T->y, T->ldy, r0, r1);
             else
                 delta_rows_planes(T->x, T->tab, T->tab_bf16, T->ldx, T->M, T->xsum, NULL, T->s2, T->stride_sv, T->lds, T->d_in,
                                   T->alpha, T->stride_av, T->alpha_stride, T->slots, T->n_planes, NULL, 1, T->mate,
@@ -1807,13 +1881,25 @@ static void share_run(void *ctx) {
  * delta_rows_planes in ONE call (linear_planes_rows on one thread, share_run's task on more), the
  * numbers of bd_linear_gemv then bd_delta_batched; s NULL: y = x · Wᵀ. slots NULL: one plane,
  * slot 0, for every row (s, alpha as in bd_delta_gemv); else as bd_delta_batched's row_slots
- * (strides stride_sv, stride_av). one_pass: instead the masked add rides the GEMV's loop (slots
- * NULL). Returns 0 or −1 (no memory). */
+ * (strides stride_sv, stride_av). one_pass: instead the planes ride the GEMV's loop: slots NULL,
+ * or M = 1 and 1..ONE_PASS_PLANES plane slots ≥ 0 in slots[0, n_planes) (where the build has a
+ * one-row loop for w_dtype, has_one_pass; else one plane). Returns 0 or −1 (no memory). */
 static int linear_planes(const float *x, int64_t M, int64_t ldx, const void *w, int w_dtype, int64_t ldw,
                          const uint8_t *s, int64_t stride_sv, int64_t d_out, int64_t d_in, int64_t lds,
                          const float *alpha, int64_t stride_av, int64_t alpha_stride, const int64_t *slots,
                          int64_t n_planes, float *y, int64_t ldy, int x_is_bf16, int one_pass, int n_threads) {
-    const uint8_t *s1 = one_pass ? s : NULL; /* the one-pass loop's bits */
+    pass_planes planes = {{NULL}, {NULL}, 0}; /* the one-pass loop's */
+    for (int64_t p = 0, v; one_pass && p < (slots ? n_planes : 1); ++p)
+        if ((v = slots ? slots[p] : 0) >= 0) {
+            if (planes.n == ONE_PASS_PLANES) { /* more than the loop sums: the planes' pass */
+                one_pass = 0;
+                break;
+            }
+            planes.s[planes.n] = s + v * stride_sv;
+            planes.a[planes.n++] = alpha + v * stride_av;
+        }
+    if (!planes.n) one_pass = 0;
+    const pass_planes *p1 = one_pass ? &planes : NULL;
     const uint8_t *s2 = one_pass ? NULL : s; /* the planes' pass */
     float *xsum = row_sums(x, M, ldx, d_in);
     if (!xsum) return -1;
@@ -1822,7 +1908,7 @@ static int linear_planes(const float *x, int64_t M, int64_t ldx, const void *w, 
     int64_t *mate = NULL;
     int failed = 0;
     /* x's values are bf16: its upper halves, exactly, for the bf16 dense GEMV */
-    if (x_is_bf16 && (!s1 || (M == 1 && HAVE_DP_ONE_PASS)) && w_dtype == BD_W_BF16)
+    if (x_is_bf16 && (!p1 || (M == 1 && HAVE_DP_ONE_PASS)) && w_dtype == BD_W_BF16)
         xb = bf16_words(x, M, ldx, d_in, &failed);
     const int bf16 = tables_bf16(x_is_bf16);
     if (s2 && !failed) tab = x_tables(x, M, ldx, d_in, bf16, &failed); /* the planes' table loop */
@@ -1853,14 +1939,14 @@ static int linear_planes(const float *x, int64_t M, int64_t ldx, const void *w, 
     }
 #endif
     if (!failed && n_threads <= 1) {
-        if (s1)
-            linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, s1, lds, d_in, alpha, alpha_stride, y, ldy, 0, d_out);
+        if (p1)
+            linear_rows(x, xeo, xb, ldx, M, xsum, w, w_dtype, ldw, p1, lds, d_in, alpha_stride, y, ldy, 0, d_out);
         else
             linear_planes_rows(x, xeo, xb, tab, bf16, ldx, M, xsum, w, w_dtype, ldw, s2, stride_sv, lds, d_in, alpha,
                                stride_av, alpha_stride, slots, n_planes, mate, y, ldy, 0, d_out);
     } else if (!failed) {
         const int64_t n_jobs = (d_out + POOL_ROWS - 1) / POOL_ROWS;
-        share_task T = {x, xeo, tab, xsum, alpha, xb, w, s1, s2, slots, mate, ldx, M, ldw, stride_sv, lds, d_in,
+        share_task T = {x, xeo, tab, xsum, alpha, xb, w, p1, s2, slots, mate, ldx, M, ldw, stride_sv, lds, d_in,
                         stride_av, alpha_stride, n_planes, ldy, d_out, w_dtype, bf16, y, NULL, NULL, 0,
                         {pool_jobs_of(n_jobs, n_threads), pool_jobs_of(s2 ? n_jobs : 0, n_threads)}};
         if (s2) {
@@ -2316,19 +2402,14 @@ static inline int has_one_pass(int dtype) {
 
 /* y = round(x · Wᵀ [+ Σ_p α_v ⊙ (x · S_vᵀ) over the row's plane slots v ≥ 0]) [+ bias row], as
  * runner._linear: slots [B, n_planes] each row's plane slots (row_slot itself for one plane).
- * one_pass: the step's one row, of a one-plane variant, in one pass over the weights and its bits
- * (bd_decode_layers decides it once). */
+ * one_pass: the step's one row, of a variant of 1..ONE_PASS_PLANES planes, in one pass over the
+ * weights and its planes' bits (bd_decode_layers decides it once). */
 static int decode_proj(const bd_decode_layer *L, int g, const float *x, int64_t B, int64_t d_in, int64_t d_out,
                        int dtype, const int64_t *row_slot, const int64_t *slots, int64_t n_planes, int any_delta,
                        int one_pass, float *y, int n_threads) {
     const int64_t lds = (d_in + 7) / 8;
-    if (one_pass) {
-        const int64_t v = row_slot[0];
-        if (linear_planes(x, 1, d_in, L->w[g], dtype, d_in, L->s[g] + v * d_out * lds, 0, d_out, d_in, lds,
-                          L->a[g] + v * d_out, 0, 1, NULL, 1, y, d_out, dtype == BD_W_BF16, 1, n_threads))
-            return -1;
-    } else if (linear_planes(x, B, d_in, L->w[g], dtype, d_in, any_delta ? L->s[g] : NULL, d_out * lds, d_out, d_in,
-                             lds, L->a[g], d_out, 1, slots, n_planes, y, d_out, dtype == BD_W_BF16, 0, n_threads))
+    if (linear_planes(x, B, d_in, L->w[g], dtype, d_in, any_delta ? L->s[g] : NULL, d_out * lds, d_out, d_in, lds,
+                      L->a[g], d_out, 1, slots, n_planes, y, d_out, dtype == BD_W_BF16, one_pass, n_threads))
         return -1;
     for (int64_t b = 0; b < B; ++b) {
         float *yb = y + b * d_out;
@@ -2478,11 +2559,11 @@ static int decode_head(const float *h, int64_t B, int64_t D, const void *head, i
  * _sign_heads: the GEMV and then bd_delta_batched's plane, bit for bit), a row of −1 round(h · headᵀ).
  * One plane for every row takes linear_planes' one task (on many threads, one core's GEMV beside
  * another's planes); a mix, the GEMV for every row and then each plane over its rows.
- * fuse: a step of ONE row of a one-plane variant (row_slot[0] ≥ 0) sums each projection's plane, and the head's
- * when its row takes one, in the weights' pass where the build has such a loop (has_one_pass: bf16
- * with AVX512-BF16, delta_rows_dp; fp32 with AVX-512, delta_rows_f32), not by the table loop: other
- * sums, so its numbers are not the same row's in a mixed step (the caller's choice: never in the
- * batch-invariant mode); anything else ignores it.
+ * fuse: a step of ONE row of a variant (row_slot[0] ≥ 0) of up to ONE_PASS_PLANES planes sums each
+ * projection's planes, and the head's plane when its row takes one, in the weights' pass where the
+ * build has such a loop (has_one_pass: bf16 with AVX512-BF16, delta_rows_dp; fp32 with AVX-512,
+ * delta_rows_f32), not by the table loop: other sums, so its numbers are not the same row's in a
+ * mixed step (the caller's choice: never in the batch-invariant mode); anything else ignores it.
  * After the layers' ~200 MB of weights every cache is cold, and the ~10 small torch ops of the
  * norm and the head's call cost ~0.3 ms of a ~10 ms bf16 SmolLM2-135M step there. Returns 0 or −1. */
 int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, int64_t B, const int64_t *row_slot,
@@ -2498,7 +2579,9 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
     const int64_t *slots = n_planes > 1 ? row_planes : row_slot; /* each row's plane slots */
     const int64_t P = n_planes > 1 ? n_planes : 1;
     const int one_row = fuse && B == 1 && has_one_pass(dtype); /* the head's plane in one pass */
-    const int one_pass = one_row && row_slot[0] >= 0 && P == 1; /* and the projections' */
+    int64_t row_k = 0; /* the one row's planes */
+    for (int64_t p = 0; B == 1 && p < P; ++p) row_k += slots[p] >= 0;
+    const int one_pass = one_row && row_slot[0] >= 0 && row_k <= ONE_PASS_PLANES; /* and the projections' */
     const int64_t n = B * (D + Q + 2 * HD + D + 3 * F + D);
     float *buf = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
     if (!buf) return -1;

@@ -133,12 +133,12 @@ async def test_multi_plane_and_low_rank_variants_equal_transformers_alone_and_mi
 
     base, _, dense = family
     worker, stub = served
-    c_planes = []  # on CPU: the planes per row of each C decode call (sign planes of row α's decode there)
+    c_planes = []  # on CPU: (planes per row, fuse) of each C decode call (sign planes of row α's decode there)
     c_run = DecodeLayers.run
 
-    def run(self, *a, row_planes=None, **kw):
-        c_planes.append(1 if row_planes is None else row_planes.shape[1])
-        return c_run(self, *a, row_planes=row_planes, **kw)
+    def run(self, *a, row_planes=None, fuse=False, **kw):
+        c_planes.append((1 if row_planes is None else row_planes.shape[1], fuse))
+        return c_run(self, *a, row_planes=row_planes, fuse=fuse, **kw)
 
     monkeypatch.setattr(DecodeLayers, "run", run)
     want = {m: hf_greedy(base if m == "" else dense[m], p) for m, p in PROMPTS.items()}
@@ -147,7 +147,8 @@ async def test_multi_plane_and_low_rank_variants_equal_transformers_alone_and_mi
         c_planes.clear()
         alone[m] = await generate(stub, m, p)
         if worker.runner.device.type == "cpu" and m in ("planes3", "mixed2", "plain"):
-            assert c_planes and set(c_planes) == {{"planes3": 3, "mixed2": 2}.get(m, 1)}, m
+            # alone: the single-variant form, every plane in the weights' pass where the build has it
+            assert c_planes and set(c_planes) == {({"planes3": 3, "mixed2": 2}.get(m, 1), True)}, m
     assert alone == want
     assert len({tuple(v) for v in want.values()}) == len(want), "every variant answers its own tokens"
     steps = worker.engine.steps

@@ -704,8 +704,8 @@ def test_decode_layers_sum_each_rows_planes(isa):
     """`row_planes`: a variant of k sign planes on k slots (its norms at its first), beside a
     one-plane variant and the base in one step: each row's projections add every plane of its own,
     as the layer in float64 does; on one thread and two the same numbers; a row alone the same as in
-    the batch, and a one-row step of the two-plane variant the same with `fuse` (one pass is for one
-    plane); bad plane rows refused."""
+    the batch (the one-pass `fuse` form: test_decode_layers_fuse_a_row_of_k_planes); bad plane rows
+    refused."""
     from bitdelta_kernels.cpu_decode import DecodeLayers, DecodeShape
 
     D, H, KV, hd, F = 576, 9, 3, 64, 1536
@@ -739,16 +739,54 @@ def test_decode_layers_sum_each_rows_planes(isa):
     assert torch.equal(got[1], got[2])
     for b in range(B):
         assert torch.equal(run([b])[0], got[1][b]), b
-    assert torch.equal(run([0], fuse=True)[0], got[1][0])
     args = (x[:1], torch.tensor([-1]), cos[:1], sin[:1], write_rows[:1], tables[:1], lens[:1], bs)
     for bad, match in (([[3, -1]], "row_planes values"), ([[0]] * 2, "row_planes must be"), ([[0, 1]], "base row")):
         with pytest.raises(ValueError, match=match):
             layers.run(*args, row_planes=torch.tensor(bad))
 
 
-def random_layer(out_in, D, KV, hd, n_slots, dtype, kv_rows, g):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_layers_fuse_a_row_of_k_planes(isa, dtype):
+    """`fuse` with `row_planes`: a step of one row of a variant of k = 1..4 sign planes sums them all
+    in the weights' pass where the library has that loop (bf16: AVX512-BF16; fp32: AVX-512): close
+    to the table loop's sums (fp32: to the layer in float64) and other bits; every plane counts; a
+    row of 5 planes takes the table loop (the same bits as without `fuse`)."""
+    from bitdelta_kernels.cpu_decode import DecodeLayers, DecodeShape
+
+    D, H, KV, hd, F = 576, 9, 3, 64, 1536
+    g = torch.Generator().manual_seed(11)
+    out_in = (((H + 2 * KV) * hd, D), (D, H * hd), (2 * F, D), (D, F))
+    bs = 4
+    L = random_layer(out_in, D, KV, hd, 5, dtype, 8 * bs, g, alpha_scale=0.2)
+    shape = DecodeShape(D, H, KV, hd, F, 1e-5)
+    layers = DecodeLayers([L], shape, dtype)
+    cos, sin, tables, lens, write_rows, x = four_decode_rows(D, hd, bs, g)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    one_pass = one_pass_build(dtype)
+
+    def run(k: int, fuse: bool) -> torch.Tensor:
+        return layers.run(
+            x[:1].to(dtype), torch.tensor([0]), cos[:1], sin[:1], write_rows[:1], tables[:1], lens[:1], bs,
+            fuse=fuse, row_planes=torch.tensor([list(range(k))]),
+        )  # fmt: skip
+
+    fewer = None
+    for k in range(1, 6):
+        fused, two = run(k, True), run(k, False)
+        assert rel_err(fused, two) <= tol, k
+        assert torch.equal(fused, two) == (not one_pass or k > 4), k
+        if dtype == torch.float32:
+            want = decode_layer_ref(x[:1], L, [0], shape, cos, sin, write_rows, tables, lens, bs, [list(range(k))])
+            assert rel_err(fused, want) <= 1e-5, k
+        if fewer is not None:
+            assert rel_err(fused, fewer) > 0.05, k  # plane k counts
+        fewer = fused
+
+
+def random_layer(out_in, D, KV, hd, n_slots, dtype, kv_rows, g, alpha_scale=0.02):
     """A `DecodeLayer` of random weights in `dtype` (groups' [d_out, d_in] `out_in`), n_slots
-    random one-plane deltas, norms per slot and a KV pool of kv_rows rows."""
+    random one-plane deltas (α up to alpha_scale / √d_in), norms per slot and a KV pool of kv_rows
+    rows."""
     from bitdelta_kernels.cpu_decode import DecodeLayer
 
     return DecodeLayer(
@@ -756,7 +794,7 @@ def random_layer(out_in, D, KV, hd, n_slots, dtype, kv_rows, g):
         signs=tuple(
             torch.randint(0, 256, (n_slots, o, (i + 7) // 8), generator=g, dtype=torch.uint8) for o, i in out_in
         ),
-        alpha=tuple(torch.rand(n_slots, o, generator=g) * 0.02 / i**0.5 for o, i in out_in),
+        alpha=tuple(torch.rand(n_slots, o, generator=g) * alpha_scale / i**0.5 for o, i in out_in),
         biases=(None,) * 4,
         norms=tuple((torch.rand(n_slots + 1, D, generator=g) + 0.5).to(dtype) for _ in range(2)),
         k=torch.randn(kv_rows, KV, hd, generator=g).to(dtype),
