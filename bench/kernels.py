@@ -307,7 +307,8 @@ def decode_layers_model(dtype: torch.dtype, libs, n_slots: int = 4, ctx: int = 6
     deltas, with a KV pool of 8 sequences of ctx tokens, the final norm and the tied head, each
     variant's head the base's + one sign plane of its own (as the family's variants, whose embedding
     is compressed to signs), one DecodeLayers per library of `libs` (None: the process's) ->
-    run(lib index, row_slot [B], fuse) -> the logits [B, vocab], as the worker's step."""
+    run(lib index, row_slot [B], fuse) -> the logits [B, vocab], as the worker's step; and each
+    library's DecodeLayers."""
     from bitdelta_kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape, HeadPlanes
 
     c = SMOLLM2_135M
@@ -364,7 +365,7 @@ def decode_layers_model(dtype: torch.dtype, libs, n_slots: int = 4, ctx: int = 6
             row_planes=row_planes,
         )
 
-    return run
+    return run, models
 
 
 def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: int = 2):
@@ -394,7 +395,7 @@ def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: in
         "B8 4 variants": (torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]), False, None),
     }
     for dtype in dtypes:
-        run = decode_layers_model(dtype, list(libs.values()))
+        run, models = decode_layers_model(dtype, list(libs.values()))
         if against is not None:
             mixed = cases["B8 4 variants"][0]
             diff = (run(0, mixed).float() - run(1, mixed).float()).abs().max()
@@ -407,8 +408,10 @@ def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: in
                         best[lib_name, case], t(lambda i=i, rs=rs, f=fuse, rp=rp: run(i, rs, f, rp))
                     )
         es = dtype.itemsize
-        for lib_name in libs:
+        for model, lib_name in zip(models, libs):
             b = {c: best[lib_name, c] for c in cases}
+            # fused: a 3-plane row in one pass where the library sums 3 planes there (else the table loop)
+            fused_planes = model.one_pass_planes() >= 3
             row = {
                 "section": "decode layers",
                 "library": lib_name,
@@ -418,7 +421,9 @@ def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: in
                 "fused variant/base tok/s": b["B1 base"] / b["B1 variant fused"],
                 # each plane past the first, of the whole step's (limit: its bytes, 1/32 fp32, 1/16 bf16)
                 "extra plane/base": (b["B1 3-plane variant"] - b["B1 variant"]) / 2 / b["B1 base"],
-                "extra plane fused/base": (b["B1 3-plane variant fused"] - b["B1 variant fused"]) / 2 / b["B1 base"],
+                "extra plane fused/base": (b["B1 3-plane variant fused"] - b["B1 variant fused"]) / 2 / b["B1 base"]
+                if fused_planes
+                else "table loop",
                 "plane limit": 1 / 8 / es,
                 "limit": es / (es + 1 / 8),  # bytes per weight: the base's, + 1/8 for a sign
                 "4 variants/base (B8)": b["B8 base"] / b["B8 4 variants"],

@@ -186,6 +186,11 @@ class DecodeLayers:
             c.norm[:] = [_ptr(t) for t in L.norms]
             c.k, c.v, c.window = L.k.data_ptr(), L.v.data_ptr(), L.window or 0
 
+    def one_pass_planes(self) -> int:
+        """Up to how many sign planes of one row `run(fuse=True)` sums in the weights' own pass for
+        these layers' dtype on this library (0: none; more planes take the table loop)."""
+        return (self._lib or load_cpu_lib()).bd_one_pass_planes(_DTYPE_CODE[self.dtype])
+
     def _head_args(self, hp: HeadPlanes | None, logits: bool, B: int) -> _HeadArgs:
         """`hp` checked (the C code reads its planes and rows unchecked) as the C call's arguments."""
         if hp is None:
@@ -231,10 +236,11 @@ class DecodeLayers:
         `head_planes` too, a row of plane v gets fp32 h · headᵀ + α_v ⊙ (h · S_vᵀ), not rounded, as
         the runner's `_sign_heads` (`dense_linear(h, head, out_fp32=True)`, then
         `bitdelta_delta_batched`), and a row of −1 round(h · headᵀ) as before. `fuse`: a step of one
-        row of a variant of up to 4 planes sums each projection's planes, and its head's plane, in the
-        weights' pass where the library has such a loop (bf16: AVX512-BF16; fp32: AVX-512): other sums
-        than the table loop's, so not that row's numbers in a mixed step (the default mode's
-        single-variant form, never the batch-invariant one's); else ignored.
+        row of a variant of up to `one_pass_planes()` planes sums each projection's planes, and its
+        head's plane, in the weights' pass where the library has such a loop (fp32: AVX-512, 4
+        planes; bf16: AVX512-BF16, 1): other sums than the table loop's, so not that row's numbers in
+        a mixed step (the default mode's single-variant form, never the batch-invariant one's); else
+        ignored.
 
         x: [B, dim] the embedded tokens; row_slot: [B] slot per row (−1: the base; row slot + 1 of
         the norm and bias stacks; the row's one sign plane); row_planes: [B, k] each row's sign-plane

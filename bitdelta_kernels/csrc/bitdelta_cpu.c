@@ -1462,35 +1462,52 @@ static const dense_f32_fn dense_f32_blocks[2][3] = {{dense_f32_1x1, dense_f32_1x
                                                     {dense_f32_2x1, dense_f32_2x2, dense_f32_2x3}};
 #endif
 
-/* Weight rows per block from this many x rows on; fewer take one row at a time (one linear stream:
- * three rows' streams at once read W at ~0.8× the speed in a one-row decode step). */
-#define DENSE_MIN_M 3
+/* DENSE_R weight rows per block from this many x rows on (MIN_M of DENSE_ROWS); fewer take one row
+ * at a time, one linear stream, in blocks of at most DENSE_MB_ONE x rows. In the AVX-512 build from 5
+ * x rows on in fp32 and 6 in bf16 (the VDPBF16PS loop: half the instructions per weight): on one
+ * core of a 2-core AMD EPYC of the Zen 4 generation, a base step of SmolLM2-135M's C decode layers
+ * with its head (`bench/kernels.py`' model, 9 in turns, medians; 2026-12-05) took at 3 / 4 / 5 / 6
+ * rows 45 / 45 / 47 / 49 ms in fp32 and 26 / 30 / 29 / 29 in bf16 with three weight rows' streams
+ * from 3 rows on, against 32 / 33 / 53 / 70 and 14 / 19 / 21 / 30 with one (below 5 rows in fp32
+ * the three streams read W at ~15 GB/s: the loop is neither at the core's FMA rate nor at a plain
+ * read's; with more rows three streams win, each weight vector feeding more FMAs), and one weight
+ * row's blocks of 4 x rows took 38 ms (fp32) and 25 (bf16) at 4 rows against 33 and 19 in two
+ * blocks of 2. The AVX2 build keeps 3 and DENSE_MB (measured on a Zen 3 core; the note there). */
+#if defined(__AVX512F__)
+#define DENSE_MIN_M_F32 5
+#define DENSE_MIN_M_DP 6
+#define DENSE_MB_ONE 2
+#else
+#define DENSE_MIN_M_F32 3
+#define DENSE_MB_ONE DENSE_MB
+#endif
 
 /* mb index of a block of n x rows in the tables (1, 2, DENSE_MB (4 or 3) -> 0, 1, 2) */
 static inline int mb_index(int64_t n) { return n >= 3 ? 2 : (int)(n - 1); }
 
 /* y[m, r] = x_m · W_r for rows [r0, r1) and every x row by a table of blocks [R - 1][mb_index(MB)]:
- * DENSE_R weight rows at a time (their weights stay in L1 for all x rows; one below DENSE_MIN_M x
- * rows), DENSE_MB x rows, then 2 and 1 for the rest. */
-#define DENSE_ROWS(NAME, XT, WT, BLOCKS)                                                                 \
+ * DENSE_R weight rows at a time (their weights stay in L1 for all x rows) in blocks of DENSE_MB x
+ * rows; below MIN_M x rows one weight row at a time in blocks of DENSE_MB_ONE; then 2 and 1 for the
+ * rest. Every block sums a (weight row, x row) pair in the same order: the blocks change no bit. */
+#define DENSE_ROWS(NAME, XT, WT, BLOCKS, MIN_M)                                                          \
     static void NAME(const XT *x, int64_t ldx, int64_t M, const WT *w, int64_t ldw, int64_t d_in, float *y, \
                      int64_t ldy, int64_t r0, int64_t r1) {                                              \
-        const int64_t R = M >= DENSE_MIN_M ? DENSE_R : 1;                                                \
+        const int64_t R = M >= (MIN_M) ? DENSE_R : 1, MB = R > 1 ? DENSE_MB : DENSE_MB_ONE;             \
         for (int64_t r = r0; r < r1; r += R) {                                                           \
             const int64_t nr = (r1 - r) < R ? r1 - r : R;                                                \
             for (int64_t m = 0; m < M;) {                                                                \
-                const int64_t nb = M - m >= DENSE_MB ? DENSE_MB : (M - m >= 2 ? 2 : 1);                  \
+                const int64_t nb = M - m >= MB ? MB : (M - m >= 2 ? 2 : 1);                              \
                 BLOCKS[nr - 1][mb_index(nb)](x, ldx, w, ldw, d_in, y, ldy, r, m);                        \
                 m += nb;                                                                                 \
             }                                                                                            \
         }                                                                                                \
     }
-DENSE_ROWS(dense_rows_f32, float, float, dense_f32_blocks)
+DENSE_ROWS(dense_rows_f32, float, float, dense_f32_blocks, DENSE_MIN_M_F32)
 
 #if !defined(__AVX512F__)
 /* AVX2: bf16 weights widened in registers (`<< 16` the even columns, `& 0xffff0000` the odd,
  * against xeo: per chunk 8 even then 8 odd x values, its ragged tail x's own) in the same blocks
- * as fp32: one weight row, one linear stream, below DENSE_MIN_M x rows, each line prefetched.
+ * as fp32: one weight row, one linear stream, below DENSE_MIN_M_F32 x rows, each line prefetched.
  * LINEAR_BLOCK's four rows at a time read a SmolLM2-135M's bf16 matrices at 9.1 GB/s on one Zen 3
  * core, these at 13.5 (a plain read 17.7; medians of 12, the two in turns). The AVX-512 build
  * keeps LINEAR_BLOCK (not measured). */
@@ -1504,7 +1521,7 @@ typedef void (*dense_bf16_fn)(const float *, int64_t, const uint16_t *, int64_t,
                               int64_t);
 static const dense_bf16_fn dense_bf16_blocks[2][3] = {{dense_bf16_1x1, dense_bf16_1x2, dense_bf16_1x3},
                                                       {dense_bf16_2x1, dense_bf16_2x2, dense_bf16_2x3}};
-DENSE_ROWS(dense_rows_bf16, float, uint16_t, dense_bf16_blocks) /* bf16 weights, x as xeo */
+DENSE_ROWS(dense_rows_bf16, float, uint16_t, dense_bf16_blocks, DENSE_MIN_M_F32) /* bf16 weights, x as xeo */
 #define HAVE_DENSE_BF16 1
 #endif
 
@@ -1565,7 +1582,7 @@ static const dense_dp_fn dense_dp_blocks[3][3] = {{dense_dp_1x1, dense_dp_1x2, d
                                                   {dense_dp_2x1, dense_dp_2x2, dense_dp_2x4},
                                                   {dense_dp_3x1, dense_dp_3x2, dense_dp_3x4}};
 
-DENSE_ROWS(dense_rows_dp, uint16_t, uint16_t, dense_dp_blocks) /* bf16 weights and x (as bf16 words) */
+DENSE_ROWS(dense_rows_dp, uint16_t, uint16_t, dense_dp_blocks, DENSE_MIN_M_DP) /* bf16 weights and x (as bf16 words) */
 #define HAVE_DP_BF16 1
 
 /* y[r] = x · W_r + Σ_p α_p,r · (x · S_p,r) for one x row that is exactly bf16, rows [r0, r1), in ONE
@@ -1719,7 +1736,7 @@ static void delta_rows_f32(const float *x, float xsum, const float *w, int64_t l
 
 #endif
 
-/* Which one-row one-pass loops this build has (has_one_pass) */
+/* Which one-row one-pass loops this build has (one_pass_planes) */
 #ifdef HAVE_DP_BF16
 #define HAVE_DP_ONE_PASS 1 /* bf16: delta_rows_dp */
 #else
@@ -1883,7 +1900,7 @@ static void share_run(void *ctx) {
  * slot 0, for every row (s, alpha as in bd_delta_gemv); else as bd_delta_batched's row_slots
  * (strides stride_sv, stride_av). one_pass: instead the planes ride the GEMV's loop: slots NULL,
  * or M = 1 and 1..ONE_PASS_PLANES plane slots ≥ 0 in slots[0, n_planes) (where the build has a
- * one-row loop for w_dtype, has_one_pass; else one plane). Returns 0 or −1 (no memory). */
+ * one-row loop for w_dtype, one_pass_planes; else one plane). Returns 0 or −1 (no memory). */
 static int linear_planes(const float *x, int64_t M, int64_t ldx, const void *w, int w_dtype, int64_t ldw,
                          const uint8_t *s, int64_t stride_sv, int64_t d_out, int64_t d_in, int64_t lds,
                          const float *alpha, int64_t stride_av, int64_t alpha_stride, const int64_t *slots,
@@ -2394,11 +2411,22 @@ static inline float round_to(int dtype, float v) {
     return v;
 }
 
-/* Whether this build sums one row's plane in its weights' pass for weights of dtype: bf16 where it
- * has AVX512-BF16 (delta_rows_dp), fp32 where it has AVX-512 (delta_rows_f32). */
-static inline int has_one_pass(int dtype) {
-    return dtype == BD_W_BF16 ? HAVE_DP_ONE_PASS : dtype == BD_W_F32 && HAVE_F32_ONE_PASS;
+/* Up to how many planes of one row this build sums in its weights' pass for weights of dtype (0:
+ * none): fp32 where it has AVX-512 (delta_rows_f32), ONE_PASS_PLANES; bf16 where it has AVX512-BF16
+ * (delta_rows_dp), ONE_PASS_PLANES_BF16 = 1. delta_rows_dp sums k planes too (a 3-plane row's extra
+ * planes 0.05–0.07 of the step against the table loop's 0.15), but its bf16 outputs round the other
+ * way at a tie of one unit in the last place more often than fp32's: the default mode's check that a
+ * request's greedy tokens are the same alone and in a mixed step
+ * (tests/gpu_worker/test_worker_batch_invariance.py) moved a 3-plane variant's 8th token at such a
+ * tie, and a planted bug that drops the delta in bf16 is caught by that check only as such ties. */
+#define ONE_PASS_PLANES_BF16 1
+static inline int one_pass_planes(int dtype) {
+    return dtype == BD_W_BF16 ? (HAVE_DP_ONE_PASS ? ONE_PASS_PLANES_BF16 : 0)
+                              : (dtype == BD_W_F32 && HAVE_F32_ONE_PASS ? ONE_PASS_PLANES : 0);
 }
+
+/* The planes bd_decode_layers' `fuse` sums in the weights' pass for a row of dtype (0: none). */
+int bd_one_pass_planes(int dtype) { return one_pass_planes(dtype); }
 
 /* y = round(x · Wᵀ [+ Σ_p α_v ⊙ (x · S_vᵀ) over the row's plane slots v ≥ 0]) [+ bias row], as
  * runner._linear: slots [B, n_planes] each row's plane slots (row_slot itself for one plane).
@@ -2559,11 +2587,11 @@ static int decode_head(const float *h, int64_t B, int64_t D, const void *head, i
  * _sign_heads: the GEMV and then bd_delta_batched's plane, bit for bit), a row of −1 round(h · headᵀ).
  * One plane for every row takes linear_planes' one task (on many threads, one core's GEMV beside
  * another's planes); a mix, the GEMV for every row and then each plane over its rows.
- * fuse: a step of ONE row of a variant (row_slot[0] ≥ 0) of up to ONE_PASS_PLANES planes sums each
- * projection's planes, and the head's plane when its row takes one, in the weights' pass where the
- * build has such a loop (has_one_pass: bf16 with AVX512-BF16, delta_rows_dp; fp32 with AVX-512,
- * delta_rows_f32), not by the table loop: other sums, so its numbers are not the same row's in a
- * mixed step (the caller's choice: never in the batch-invariant mode); anything else ignores it.
+ * fuse: a step of ONE row of a variant (row_slot[0] ≥ 0) of up to one_pass_planes(dtype) planes (fp32
+ * with AVX-512: 4, delta_rows_f32; bf16 with AVX512-BF16: 1, delta_rows_dp) sums each projection's
+ * planes, and the head's plane when its row takes one, in the weights' pass, not by the table loop:
+ * other sums, so its numbers are not the same row's in a mixed step (the caller's choice: never in
+ * the batch-invariant mode); anything else ignores it.
  * After the layers' ~200 MB of weights every cache is cold, and the ~10 small torch ops of the
  * norm and the head's call cost ~0.3 ms of a ~10 ms bf16 SmolLM2-135M step there. Returns 0 or −1. */
 int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, int64_t B, const int64_t *row_slot,
@@ -2578,10 +2606,10 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
     for (int64_t b = 0; b < B; ++b) any_delta |= row_slot[b] >= 0;
     const int64_t *slots = n_planes > 1 ? row_planes : row_slot; /* each row's plane slots */
     const int64_t P = n_planes > 1 ? n_planes : 1;
-    const int one_row = fuse && B == 1 && has_one_pass(dtype); /* the head's plane in one pass */
+    const int one_row = fuse && B == 1 && one_pass_planes(dtype) > 0; /* the head's plane in one pass */
     int64_t row_k = 0; /* the one row's planes */
     for (int64_t p = 0; B == 1 && p < P; ++p) row_k += slots[p] >= 0;
-    const int one_pass = one_row && row_slot[0] >= 0 && row_k <= ONE_PASS_PLANES; /* and the projections' */
+    const int one_pass = one_row && row_slot[0] >= 0 && row_k <= one_pass_planes(dtype); /* and the projections' */
     const int64_t n = B * (D + Q + 2 * HD + D + 3 * F + D);
     float *buf = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
     if (!buf) return -1;

@@ -747,10 +747,11 @@ def test_decode_layers_sum_each_rows_planes(isa):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_layers_fuse_a_row_of_k_planes(isa, dtype):
-    """`fuse` with `row_planes`: a step of one row of a variant of k = 1..4 sign planes sums them all
-    in the weights' pass where the library has that loop (bf16: AVX512-BF16; fp32: AVX-512): close
-    to the table loop's sums (fp32: to the layer in float64) and other bits; every plane counts; a
-    row of 5 planes takes the table loop (the same bits as without `fuse`)."""
+    """`fuse` with `row_planes`: a step of one row of a variant of k = 1..4 sign planes (bf16: one)
+    sums them all in the weights' pass where the library has that loop (fp32: AVX-512; bf16:
+    AVX512-BF16): close to the table loop's sums (fp32: to the layer in float64) and other bits;
+    every plane counts; a row of more planes takes the table loop (the same bits as without
+    `fuse`)."""
     from bitdelta_kernels.cpu_decode import DecodeLayers, DecodeShape
 
     D, H, KV, hd, F = 576, 9, 3, 64, 1536
@@ -763,6 +764,8 @@ def test_decode_layers_fuse_a_row_of_k_planes(isa, dtype):
     cos, sin, tables, lens, write_rows, x = four_decode_rows(D, hd, bs, g)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     one_pass = one_pass_build(dtype)
+    most = 4 if dtype == torch.float32 else 1  # the planes a one-row pass sums (one_pass_planes)
+    assert layers.one_pass_planes() == (most if one_pass else 0)
 
     def run(k: int, fuse: bool) -> torch.Tensor:
         return layers.run(
@@ -774,7 +777,7 @@ def test_decode_layers_fuse_a_row_of_k_planes(isa, dtype):
     for k in range(1, 6):
         fused, two = run(k, True), run(k, False)
         assert rel_err(fused, two) <= tol, k
-        assert torch.equal(fused, two) == (not one_pass or k > 4), k
+        assert torch.equal(fused, two) == (not one_pass or k > most), k
         if dtype == torch.float32:
             want = decode_layer_ref(x[:1], L, [0], shape, cos, sin, write_rows, tables, lens, bs, [list(range(k))])
             assert rel_err(fused, want) <= 1e-5, k
