@@ -245,9 +245,9 @@ class DecodeLayers:
         x: [B, dim] the embedded tokens; row_slot: [B] slot per row (−1: the base; row slot + 1 of
         the norm and bias stacks; the row's one sign plane); row_planes: [B, k] each row's sign-plane
         slots instead (variants of up to k planes, −1 past a variant's own; a base row's all −1),
-        their terms summed as `bitdelta_delta_batched` sums a row's planes; cos, sin: [B, head_dim]; write_rows: [B] the pool rows the new k,
-        v go to; tables: int32 [B, max_blocks], lens: int32 [B] as `bitdelta_kernels.paged_decode` (lens
-        counts the new token). Pool rows and tables are the caller's (the runner builds them from
+        their terms summed as `bitdelta_delta_batched` sums a row's planes; cos, sin: [B, head_dim];
+        write_rows: [B] the pool rows the new k, v go to; tables: int32 [B, max_blocks], lens: int32
+        [B] as `bitdelta_kernels.paged_decode` (lens counts the new token). Pool rows and tables are the caller's (the runner builds them from
         the scheduler's block tables); they must lie inside the pool.
         """
         if logits and self.head is None:

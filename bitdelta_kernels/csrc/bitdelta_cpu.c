@@ -1136,9 +1136,9 @@ void bd_merge(const void *w, int w_dtype, int64_t ldw, const uint8_t *s, int64_t
 }
 
 /* The sign planes a GEMV's own pass sums (linear_rows): plane p's bits s[p] [d_out, lds] and its
- * α's a[p] (row r's at a[p][r · alpha_stride]). The blocks of LINEAR_BLOCK take one plane; the
- * one-row one-pass loops (delta_rows_dp, delta_rows_f32) up to ONE_PASS_PLANES, one accumulator
- * pair each (2 + 2·4 of AVX-512's 32 registers). */
+ * α's a[p] (row r's at a[p][r · alpha_stride]). The blocks of LINEAR_BLOCK and the bf16 one-row
+ * loop (delta_rows_dp) take one plane; the fp32 one-row loop (delta_rows_f32) up to
+ * ONE_PASS_PLANES, one accumulator pair each (2 + 2·4 of AVX-512's 32 registers); one_pass_planes. */
 #define ONE_PASS_PLANES 4
 typedef struct {
     const uint8_t *s[ONE_PASS_PLANES];
@@ -1585,78 +1585,51 @@ static const dense_dp_fn dense_dp_blocks[3][3] = {{dense_dp_1x1, dense_dp_1x2, d
 DENSE_ROWS(dense_rows_dp, uint16_t, uint16_t, dense_dp_blocks, DENSE_MIN_M_DP) /* bf16 weights and x (as bf16 words) */
 #define HAVE_DP_BF16 1
 
-/* y[r] = x · W_r + Σ_p α_p,r · (x · S_p,r) for one x row that is exactly bf16, rows [r0, r1), in ONE
- * pass: per 32 columns one VDPBF16PS against the weights and one per plane against its signs as bf16
- * ±1 (a blend by the plane's 32 bits loaded as a mask), all sums fp32 (products exact), each α
- * applied per lane before the row's one horizontal add. One row at a time, one linear stream of W
- * (prefetched STREAM_AHEAD on: without it this loop, unlike the dense one, fell behind on Zen 4)
- * beside the planes' bits (1/16 of its bytes each): a one-row variant reads its bytes once instead
- * of the table loop's second pass. A bf16 SmolLM2-135M variant's decode step in the worker, one Zen
- * 4 core: 0.88–0.91 × the base's against 0.84–0.86 for the two passes (the bytes' limit 0.95;
- * 2026-12-04, in turns). Its sums are not the table loop's, so only a single-variant step of one row
- * takes it (bd_decode_layers' `fuse`, never batch-invariant). NP: P's planes, a literal (dp_rows). */
-static inline __attribute__((always_inline)) void dp_rows_np(const uint16_t *xb, const uint16_t *w, int64_t ldw,
-                                                             const pass_planes *P, int64_t lds, int64_t d_in,
-                                                             int64_t alpha_stride, float *y, int64_t r0, int64_t r1,
-                                                             const int NP) {
+/* y[r] = x · W_r + α_r · (x · S_r) for one x row that is exactly bf16, rows [r0, r1), in ONE pass:
+ * per 32 columns one VDPBF16PS against the weights and one against the signs as bf16 ±1 (a blend by
+ * the 32 bits loaded as a mask), both sums fp32 (products exact), α_r applied per lane before the
+ * one horizontal add. One row at a time, one linear stream of W (prefetched STREAM_AHEAD on: without
+ * it this loop, unlike the dense one, fell behind on Zen 4) beside the bits' (1/16 of its bytes): a
+ * one-row variant reads its bytes once instead of the table loop's second pass. A bf16 SmolLM2-135M
+ * variant's decode step in the worker, one Zen 4 core: 0.88–0.91 × the base's against 0.84–0.86 for
+ * the two passes (the bytes' limit 0.95; 2026-12-04, in turns). Its sums are not the table loop's, so
+ * only a single-variant step of one row takes it (bd_decode_layers' `fuse`, never batch-invariant).
+ * P: its one plane (one_pass_planes: why not k). */
+static void delta_rows_dp(const uint16_t *xb, const uint16_t *w, int64_t ldw, const pass_planes *P, int64_t lds,
+                          int64_t d_in, int64_t alpha_stride, float *y, int64_t r0, int64_t r1) {
     const __m512i pos = _mm512_set1_epi16(0x3F80), neg = _mm512_set1_epi16((short)0xBF80); /* bf16 ±1 */
     for (int64_t r = r0; r < r1; ++r) {
         const uint16_t *wr = w + r * ldw;
-        const uint8_t *sr[ONE_PASS_PLANES];
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, d0[ONE_PASS_PLANES], d1[ONE_PASS_PLANES];
-        for (int p = 0; p < NP; ++p) {
-            sr[p] = P->s[p] + r * lds;
-            d0[p] = d1[p] = a0;
-        }
+        const uint8_t *sr = P->s[0] + r * lds;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, d0 = a0, d1 = a0;
         int64_t k = 0;
         for (; k + 64 <= d_in; k += 64) {
             STREAM_PREFETCH(wr + k, 2);
             const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(xb + k));
             const __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(xb + k + 32));
+            uint32_t m0, m1;
+            memcpy(&m0, sr + k / 8, 4);
+            memcpy(&m1, sr + k / 8 + 4, 4);
             a0 = _mm512_dpbf16_ps(a0, x0, (__m512bh)_mm512_loadu_si512((const void *)(wr + k)));
             a1 = _mm512_dpbf16_ps(a1, x1, (__m512bh)_mm512_loadu_si512((const void *)(wr + k + 32)));
-            for (int p = 0; p < NP; ++p) {
-                uint32_t m0, m1;
-                memcpy(&m0, sr[p] + k / 8, 4);
-                memcpy(&m1, sr[p] + k / 8 + 4, 4);
-                d0[p] = _mm512_dpbf16_ps(d0[p], x0, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos));
-                d1[p] = _mm512_dpbf16_ps(d1[p], x1, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m1, neg, pos));
-            }
+            d0 = _mm512_dpbf16_ps(d0, x0, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos));
+            d1 = _mm512_dpbf16_ps(d1, x1, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m1, neg, pos));
         }
         if (k + 32 <= d_in) {
             const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(xb + k));
+            uint32_t m0;
+            memcpy(&m0, sr + k / 8, 4);
             a0 = _mm512_dpbf16_ps(a0, x0, (__m512bh)_mm512_loadu_si512((const void *)(wr + k)));
-            for (int p = 0; p < NP; ++p) {
-                uint32_t m0;
-                memcpy(&m0, sr[p] + k / 8, 4);
-                d0[p] = _mm512_dpbf16_ps(d0[p], x0, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos));
-            }
+            d0 = _mm512_dpbf16_ps(d0, x0, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos));
             k += 32;
         }
-        float al[ONE_PASS_PLANES];
-        __m512 acc = _mm512_add_ps(a0, a1);
-        for (int p = 0; p < NP; ++p) {
-            al[p] = P->a[p][r * alpha_stride];
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(al[p]), _mm512_add_ps(d0[p], d1[p]), acc);
-        }
-        float t = _mm512_reduce_add_ps(acc);
+        const float al = P->a[0][r * alpha_stride];
+        float t = _mm512_reduce_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(al), _mm512_add_ps(d0, d1), _mm512_add_ps(a0, a1)));
         for (; k < d_in; ++k) {
             const float xv = w_at(xb, BD_W_BF16, k);
-            float dt = 0.f;
-            for (int p = 0; p < NP; ++p) dt += al[p] * ((sr[p][k >> 3] >> (k & 7)) & 1 ? xv : -xv);
-            t += xv * w_at(wr, BD_W_BF16, k) + dt;
+            t += xv * w_at(wr, BD_W_BF16, k) + al * ((sr[k >> 3] >> (k & 7)) & 1 ? xv : -xv);
         }
         y[r] = t;
-    }
-}
-
-static void delta_rows_dp(const uint16_t *xb, const uint16_t *w, int64_t ldw, const pass_planes *P, int64_t lds,
-                          int64_t d_in, int64_t alpha_stride, float *y, int64_t r0, int64_t r1) {
-    switch (P->n) { /* one loop per plane count: its accumulators in registers */
-    case 1: dp_rows_np(xb, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, 1); break;
-    case 2: dp_rows_np(xb, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, 2); break;
-    case 3: dp_rows_np(xb, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, 3); break;
-    default: dp_rows_np(xb, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, ONE_PASS_PLANES); break; /* n = 4 */
     }
 }
 #endif
@@ -1745,6 +1718,18 @@ static void delta_rows_f32(const float *x, float xsum, const float *w, int64_t l
 #ifndef HAVE_F32_ONE_PASS
 #define HAVE_F32_ONE_PASS 0 /* fp32: delta_rows_f32 */
 #endif
+
+/* Up to how many planes of one row this build sums in its weights' pass for weights of dtype (0:
+ * none): fp32 where it has AVX-512 (delta_rows_f32), ONE_PASS_PLANES; bf16 where it has AVX512-BF16
+ * (delta_rows_dp), one. A k-plane bf16 loop was tried (a 3-plane row's extra planes 0.05–0.07 of the
+ * step against the table loop's 0.15), but its bf16 outputs round the other way at a tie of one unit
+ * in the last place more often than fp32's: the default mode's check that a request's greedy tokens
+ * are the same alone and in a mixed step (tests/gpu_worker/test_worker_batch_invariance.py) moved a
+ * 3-plane variant's 8th token at such a tie, and a planted bug that drops the delta in bf16 is caught
+ * by that check only as such ties. */
+static inline int one_pass_planes(int dtype) {
+    return dtype == BD_W_BF16 ? HAVE_DP_ONE_PASS : (dtype == BD_W_F32 && HAVE_F32_ONE_PASS ? ONE_PASS_PLANES : 0);
+}
 
 #ifdef HAVE_LINEAR_BLOCKS
 typedef void (*block_fn)(const float *, const float *, int64_t, const float *, const void *, int64_t,
@@ -1898,17 +1883,19 @@ static void share_run(void *ctx) {
  * delta_rows_planes in ONE call (linear_planes_rows on one thread, share_run's task on more), the
  * numbers of bd_linear_gemv then bd_delta_batched; s NULL: y = x · Wᵀ. slots NULL: one plane,
  * slot 0, for every row (s, alpha as in bd_delta_gemv); else as bd_delta_batched's row_slots
- * (strides stride_sv, stride_av). one_pass: instead the planes ride the GEMV's loop: slots NULL,
- * or M = 1 and 1..ONE_PASS_PLANES plane slots ≥ 0 in slots[0, n_planes) (where the build has a
- * one-row loop for w_dtype, one_pass_planes; else one plane). Returns 0 or −1 (no memory). */
+ * (strides stride_sv, stride_av). one_pass: instead the planes ride the GEMV's loop: one plane
+ * (slots NULL, or one slot ≥ 0 in slots[0, n_planes) with M = 1), or with M = 1 as many as the
+ * build's one-row loop for w_dtype sums (one_pass_planes); more take the planes' pass. Returns 0 or
+ * −1 (no memory). */
 static int linear_planes(const float *x, int64_t M, int64_t ldx, const void *w, int w_dtype, int64_t ldw,
                          const uint8_t *s, int64_t stride_sv, int64_t d_out, int64_t d_in, int64_t lds,
                          const float *alpha, int64_t stride_av, int64_t alpha_stride, const int64_t *slots,
                          int64_t n_planes, float *y, int64_t ldy, int x_is_bf16, int one_pass, int n_threads) {
     pass_planes planes = {{NULL}, {NULL}, 0}; /* the one-pass loop's */
+    const int most = M == 1 && one_pass_planes(w_dtype) > 1 ? one_pass_planes(w_dtype) : 1;
     for (int64_t p = 0, v; one_pass && p < (slots ? n_planes : 1); ++p)
         if ((v = slots ? slots[p] : 0) >= 0) {
-            if (planes.n == ONE_PASS_PLANES) { /* more than the loop sums: the planes' pass */
+            if (planes.n == most) { /* more than the loop sums: the planes' pass */
                 one_pass = 0;
                 break;
             }
@@ -2411,27 +2398,13 @@ static inline float round_to(int dtype, float v) {
     return v;
 }
 
-/* Up to how many planes of one row this build sums in its weights' pass for weights of dtype (0:
- * none): fp32 where it has AVX-512 (delta_rows_f32), ONE_PASS_PLANES; bf16 where it has AVX512-BF16
- * (delta_rows_dp), ONE_PASS_PLANES_BF16 = 1. delta_rows_dp sums k planes too (a 3-plane row's extra
- * planes 0.05–0.07 of the step against the table loop's 0.15), but its bf16 outputs round the other
- * way at a tie of one unit in the last place more often than fp32's: the default mode's check that a
- * request's greedy tokens are the same alone and in a mixed step
- * (tests/gpu_worker/test_worker_batch_invariance.py) moved a 3-plane variant's 8th token at such a
- * tie, and a planted bug that drops the delta in bf16 is caught by that check only as such ties. */
-#define ONE_PASS_PLANES_BF16 1
-static inline int one_pass_planes(int dtype) {
-    return dtype == BD_W_BF16 ? (HAVE_DP_ONE_PASS ? ONE_PASS_PLANES_BF16 : 0)
-                              : (dtype == BD_W_F32 && HAVE_F32_ONE_PASS ? ONE_PASS_PLANES : 0);
-}
-
 /* The planes bd_decode_layers' `fuse` sums in the weights' pass for a row of dtype (0: none). */
 int bd_one_pass_planes(int dtype) { return one_pass_planes(dtype); }
 
 /* y = round(x · Wᵀ [+ Σ_p α_v ⊙ (x · S_vᵀ) over the row's plane slots v ≥ 0]) [+ bias row], as
  * runner._linear: slots [B, n_planes] each row's plane slots (row_slot itself for one plane).
- * one_pass: the step's one row, of a variant of 1..ONE_PASS_PLANES planes, in one pass over the
- * weights and its planes' bits (bd_decode_layers decides it once). */
+ * one_pass: the step's one row, of a variant, in one pass over the weights and its planes' bits
+ * where the build's loop sums that many (linear_planes). */
 static int decode_proj(const bd_decode_layer *L, int g, const float *x, int64_t B, int64_t d_in, int64_t d_out,
                        int dtype, const int64_t *row_slot, const int64_t *slots, int64_t n_planes, int any_delta,
                        int one_pass, float *y, int n_threads) {
@@ -2607,9 +2580,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
     const int64_t *slots = n_planes > 1 ? row_planes : row_slot; /* each row's plane slots */
     const int64_t P = n_planes > 1 ? n_planes : 1;
     const int one_row = fuse && B == 1 && one_pass_planes(dtype) > 0; /* the head's plane in one pass */
-    int64_t row_k = 0; /* the one row's planes */
-    for (int64_t p = 0; B == 1 && p < P; ++p) row_k += slots[p] >= 0;
-    const int one_pass = one_row && row_slot[0] >= 0 && row_k <= one_pass_planes(dtype); /* and the projections' */
+    const int one_pass = one_row && row_slot[0] >= 0; /* and the projections' (linear_planes: up to its loop's planes) */
     const int64_t n = B * (D + Q + 2 * HD + D + 3 * F + D);
     float *buf = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
     if (!buf) return -1;
