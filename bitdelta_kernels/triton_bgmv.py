@@ -10,32 +10,58 @@ from bitdelta_kernels.triton_linear import tile_col_groups
 
 
 @triton.jit
+def _eight_columns(x, ROWS: tl.constexpr):
+    """The 8 columns of x [ROWS, 8], each [ROWS]: column j = 4a + 2b + c of [ROWS, 2, 2, 2] split
+    on c, then b, then a (split's halves lie in one thread: register moves, no shared memory)."""
+    even, odd = tl.split(tl.reshape(x, (ROWS, 4, 2)))  # j = 0, 2, 4, 6 | 1, 3, 5, 7
+    c04, c26 = tl.split(tl.reshape(even, (ROWS, 2, 2)))
+    c15, c37 = tl.split(tl.reshape(odd, (ROWS, 2, 2)))
+    c0, c4 = tl.split(c04)
+    c2, c6 = tl.split(c26)
+    c1, c5 = tl.split(c15)
+    c3, c7 = tl.split(c37)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
 def _signed_row_sum(
     x_row, stride_xk, c_row, s_rows, offs_n, stride_sn, keep_n, K,
     HAS_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """fp32 [BLOCK_N]: Σ_k x[k] · c[k] · S[n, k] for the sign rows `s_rows + offs_n · stride_sn`
-    (rows outside keep_n give 0; c = 1 without HAS_C), summed as ±x in fp32 on CUDA cores (no dot
-    for one row). Each K-step loads the bytes once as [BLOCK_N, BLOCK_K/8] and x in the same
-    [bytes, 8] shape, so no reshape is needed."""
+    (c = 1 without HAS_C; a row outside keep_n reads its bytes as 0, its sum is meaningless and the
+    caller drops it), as 2 · Σ_{S = +1} x − Σ x in fp32 on CUDA cores (no dot for one row), the
+    form of the dot kernels (`triton_linear`).
+
+    Each K-step loads the tile's bytes once as [BLOCK_N, BLOCK_K/8] and x once as [BLOCK_K/8, 8]
+    (16 contiguous bytes a thread), splits x's 8 columns apart in registers (`_eight_columns`) and
+    visits bit j of every byte against column j: 2-D tiles, no [BN, BK/8, 8] one. x lands in a
+    [BLOCK_N, BLOCK_K/8] accumulator where the bit is set (a bit test and a predicated add per sign
+    weight), reduced across the threads once after the loop. Compiled for sm_90 with the H200's
+    blocks the loop is ~4 thread-instructions per sign weight (`bench/kernels_sass.py`) against ~16
+    when every step expanded a [BN, BK/8, 8] tile and reduced it across the threads (shuffles and
+    adds: the H200's ~1.2 T sign weights/s of 2026-12-04, docs/kernels.md).
+    """
     BYTES: tl.constexpr = BLOCK_K // 8
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BYTES), dtype=tl.float32)  # Σ x where S = +1
+    xsum = tl.zeros((BYTES,), dtype=tl.float32)  # Σ x, per byte column
     for step in range(0, tl.cdiv(K, BLOCK_K)):
         offs_g = step * BYTES + tl.arange(0, BYTES)  # byte index within the row
-        offs_k = offs_g[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BYTES, 8] column index
-        x = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0.0).to(tl.float32)
-        if HAS_C:
-            x = x * tl.load(c_row + offs_k, mask=offs_k < K, other=0.0)
         # bytes past the row end (K not a multiple of 8·BYTES) read as 0; x there is 0
         byte = tl.load(
             s_rows + offs_n[:, None] * stride_sn + offs_g[None, :],
             mask=keep_n[:, None] & (offs_g[None, :] * 8 < K),
             other=0,
-        )  # [BN, BYTES]
-        bit = (byte.to(tl.int32)[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1  # [BN, BYTES, 8]
-        contrib = tl.where(bit != 0, x[None, :, :], -x[None, :, :])
-        acc += tl.sum(tl.sum(contrib, axis=2), axis=1)
-    return acc
+        ).to(tl.int32)  # [BN, BYTES]
+        offs_k = offs_g[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BYTES, 8]: bit j of byte b is column 8b + j
+        x = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0.0).to(tl.float32)
+        if HAS_C:
+            x = x * tl.load(c_row + offs_k, mask=offs_k < K, other=0.0)
+        xsum += tl.sum(x, axis=1)
+        cols = _eight_columns(x, BYTES)
+        for j in tl.static_range(8):
+            acc = tl.where((byte & (1 << j)) != 0, acc + cols[j][None, :], acc)
+    return 2.0 * tl.sum(acc, axis=1) - tl.sum(xsum, axis=0)
 
 
 # The kernel's arguments stay in their groups (pointers, sizes, strides, meta): fmt: skip.

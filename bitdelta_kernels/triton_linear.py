@@ -75,7 +75,7 @@ def _bitdelta_linear_kernel(
     k_first = pid_k * k_steps * BLOCK_K
     acc_w = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # x · Wᵀ
     acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # x · Bᵀ
-    xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)  # Σ_k x
+    xacc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)  # Σ_k x, reduced across threads after the loop
     # range over a step count, not range(0, K, BLOCK_K): the latter breaks triton 3.6's interpreter with numpy ≥ 2.4
     for step in range(0, k_steps):
         k0 = k_first + step * BLOCK_K  # a multiple of 8: the tile starts on a byte
@@ -105,13 +105,13 @@ def _bitdelta_linear_kernel(
                 xf = x.to(tl.float32)
                 acc_w += tl.dot(xf, tl.trans(w.to(tl.float32)), input_precision=PRECISION)
                 acc_b += tl.dot(xf, tl.trans(b), input_precision=PRECISION)
-                xsum += tl.sum(xf, axis=1)
+                xacc += xf
             else:
-                b = pat.to(tl.int16).to(x.dtype, bitcast=True)
                 acc_w += tl.dot(x, tl.trans(w))
-                acc_b += tl.dot(x, tl.trans(b))
-                xsum += tl.sum(x.to(tl.float32), axis=1)
+                acc_b += tl.dot(x, tl.trans(pat.to(tl.int16).to(x.dtype, bitcast=True)))
+                xacc += x.to(tl.float32)
 
+    xsum = tl.sum(xacc, axis=1)
     if HAS_COL:
         acc = acc_w
         g_first, g_last = tile_col_groups(bounds_ptr, pid_n * BLOCK_N, N, BLOCK_N, GROUPS)
@@ -121,7 +121,7 @@ def _bitdelta_linear_kernel(
                 in_g = n_mask & (offs_n >= tl.load(bounds_ptr + g)) & (offs_n < tl.load(bounds_ptr + g + 1))
                 c_row = col_ptr + p * stride_cp + g * stride_cg
                 acc_c = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (x ⊙ c) · Bᵀ
-                xsum_c = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                xacc_c = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)  # Σ_k x ⊙ c
                 for step in range(0, k_steps):
                     k0 = k_first + step * BLOCK_K
                     offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -136,7 +136,8 @@ def _bitdelta_linear_kernel(
                         s_ptr + p * stride_sp, offs_n, stride_sn, in_g, k0, K, 0x3F800000, BLOCK_N, BLOCK_K
                     )  # fp32 1.0: x ⊙ c dots in fp32
                     acc_c += tl.dot(xc, tl.trans(pat.to(tl.float32, bitcast=True)), input_precision=COL_PRECISION)
-                    xsum_c += tl.sum(xc, axis=1)
+                    xacc_c += xc
+                xsum_c = tl.sum(xacc_c, axis=1)
                 acc += tl.where(in_g[None, :], (2.0 * acc_c - xsum_c[:, None]) * alpha[None, :], 0.0)
     else:
         # padded rows have α = 0 and padded columns x = 0: neither adds anything

@@ -61,7 +61,7 @@ def _bitdelta_sgmv_kernel(
                     in_g = n_mask & (offs_n >= tl.load(bounds_ptr + g)) & (offs_n < tl.load(bounds_ptr + g + 1))
                     c_row = col_ptr + v * stride_cv + g * stride_cg
                     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (x ⊙ c) · Bᵀ
-                    xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)  # Σ_k x ⊙ c
+                    xacc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)  # Σ_k x ⊙ c, reduced after the loop
                     for step in range(0, tl.cdiv(K, BLOCK_K)):
                         offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
                         k_mask = offs_k < K
@@ -75,11 +75,12 @@ def _bitdelta_sgmv_kernel(
                             s_base, offs_n, stride_sn, in_g, step * BLOCK_K, K, 0x3F800000, BLOCK_N, BLOCK_K
                         )  # fp32 1.0: x ⊙ c dots in fp32
                         acc += tl.dot(xc, tl.trans(pat.to(tl.float32, bitcast=True)), input_precision=COL_PRECISION)
-                        xsum += tl.sum(xc, axis=1)
+                        xacc += xc
+                    xsum = tl.sum(xacc, axis=1)
                     total += tl.where(in_g[None, :], (2.0 * acc - xsum[:, None]) * alpha[None, :], 0.0)
             else:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # x · Bᵀ
-                xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)  # Σ_k x
+                xacc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)  # Σ_k x, reduced after the loop
                 # range over a step count, not range(0, K, BLOCK_K): the latter breaks triton 3.6's interpreter with numpy ≥ 2.4
                 for step in range(0, tl.cdiv(K, BLOCK_K)):
                     offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -93,10 +94,11 @@ def _bitdelta_sgmv_kernel(
                     if DOT_FP32:
                         xf = x.to(tl.float32)
                         acc += tl.dot(xf, tl.trans(pat.to(tl.float32, bitcast=True)), input_precision=PRECISION)
-                        xsum += tl.sum(xf, axis=1)
+                        xacc += xf
                     else:
                         acc += tl.dot(x, tl.trans(pat.to(tl.int16).to(x.dtype, bitcast=True)))
-                        xsum += tl.sum(x.to(tl.float32), axis=1)
+                        xacc += x.to(tl.float32)
+                xsum = tl.sum(xacc, axis=1)
                 total += (2.0 * acc - xsum[:, None]) * alpha[None, :]
 
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn

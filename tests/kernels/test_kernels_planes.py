@@ -406,3 +406,32 @@ def compile_for_hopper(planes: int, col: bool) -> None:
         src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
         assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
         print(fn.__name__)
+
+
+def test_bgmv_loop_stays_light_as_compiled_for_hopper(tmp_path):
+    """`bench/kernels_sass.py` compiles the delta kernels for sm_90 with the H200's blocks (no GPU
+    needed) and counts their K loops. BGMV's loop must not reduce across threads (shuffles) at every
+    step and must stay near 4 thread-instructions per sign weight: the reduced [BN, BK/8, 8] tile
+    it replaced took ~16 (its loop 233 shuffles), the bound of the H200's measured BGMV. In a
+    process of its own, as test_kernels_compile_for_hopper."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "sass.md"
+    cmd = [sys.executable, "bench/kernels_sass.py", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {}
+    for line in out.read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 9 and cells[0] and cells[2].isdigit():
+            rows[cells[0]] = cells
+    assert set(rows) == {"bgmv", "sgmv 16 rows", "linear M ≤ 16", "linear M ≤ 128", "linear larger M"}
+    bgmv = rows["bgmv"]
+    shuffles = int(bgmv[7].split(",")[0])
+    assert float(bgmv[3]) <= 6.0 and shuffles <= 2, bgmv
+    for name, cells in rows.items():  # every loop found, and the counts are per weight
+        assert int(cells[2]) > 50 and 0 < float(cells[3]) < 100, (name, cells)
