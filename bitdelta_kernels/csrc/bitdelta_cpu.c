@@ -2106,8 +2106,13 @@ static inline void add_rows(float *a, const float *p, const float *const *v, int
  * ran): the key-by-key online softmax this replaced chained every key's rescale and branch to the
  * next, so its row loads waited on each other; the chunk's independent score loads overlap (one
  * core of an AMD EPYC, SmolLM2's 9 query and 3 KV heads of 64, caches flushed before each call: 64
- * tokens 44–63 µs per layer before, 16–20 after; 512 tokens 219–315 before, 92–137 after). */
-#define ATT_CHUNK 64
+ * tokens 44–63 µs per layer before, 16–20 after; 512 tokens 219–315 before, 92–137 after). The
+ * next chunk's rows are prefetched into L2 (prefetch_kv), its keys as a chunk starts and its values
+ * before this chunk's values are summed: 16 keys a chunk keep each burst of prefetches small. A
+ * 4096-token context cold from memory (one Zen 4 core, 30 layers, SmolLM2's heads, fp32) read its
+ * K/V at 11.6 GB/s in chunks of 64, 13.1–13.3 of 32 and 14.8 of 16 (a sum 16–17); bf16, bound by
+ * its compute, and the warm attention were the same or faster (2026-12-05, docs/kernels.md). */
+#define ATT_CHUNK 16
 
 /* The element offset of token t's row of KV head g in a pool [rows, KV, D] (block table `table`). */
 static inline int64_t kv_off(const int32_t *table, int64_t bs, int64_t KV, int64_t g, int64_t D, int64_t t) {
@@ -2150,11 +2155,32 @@ static inline vf sum_lanes(const vf *v) {
 #endif
 }
 
+/* part[(h·LANES + t)·LANES ...] = the G heads' products with key row t (at element offset o of the
+ * pool k, NV vectors), summed to one vector per head: the row loaded (and widened) into registers
+ * once for all G heads. */
+#define KEY_PARTS(NV)                                                                                    \
+    static void key_parts_##NV(const float *qg, int64_t G, const void *k, int kv_dtype, int64_t o, float *part, \
+                               int64_t t) {                                                              \
+        vf kx[NV];                                                                                       \
+        for (int j = 0; j < NV; ++j) kx[j] = widen_vec(k, kv_dtype, o + j * LANES);                      \
+        for (int64_t h = 0; h < G; ++h) {                                                                \
+            const float *qh = qg + h * NV * LANES;                                                       \
+            vf a = V_MUL(V_LOAD(qh), kx[0]);                                                             \
+            for (int j = 1; j < NV; ++j) a = V_FMA(V_LOAD(qh + j * LANES), kx[j], a);                    \
+            V_STORE(part + (h * LANES + t) * LANES, a);                                                  \
+        }                                                                                                \
+    }
+KEY_PARTS(4)
+KEY_PARTS(8)
+#undef KEY_PARTS
+
 /* sc[h·ATT_CHUNK + t] = scale · qg[h] · k_t for the chunk's T keys, key t's row at element offset
  * off[t] of the pool k, and the G heads (D a multiple of LANES): LANES keys at a time, each key row
- * widened in registers once for all G heads, its per-head products summed to one vector (part), then
- * the group's LANES vectors of a head summed across lanes at once (sum_lanes). part: scratch
- * [G, LANES, LANES]. */
+ * widened in registers once for all G heads (key_parts_* where D is 4 or 8 vectors; the row form
+ * widened it once per head: on one Zen 4 core a warm 4096-token attention took 1.14 × the time in
+ * fp32 and 1.22 × in bf16), its
+ * per-head products summed to one vector (part), then the group's LANES vectors of a head summed
+ * across lanes at once (sum_lanes). part: scratch [G, LANES, LANES]. */
 static void chunk_scores(const float *qg, int64_t G, int64_t D, const void *k, int kv_dtype, const int64_t *off,
                          int64_t T, float scale, float *sc, float *part) {
     const int64_t nv = D / LANES;
@@ -2167,12 +2193,17 @@ static void chunk_scores(const float *qg, int64_t G, int64_t D, const void *k, i
                 continue;
             }
             const int64_t o = off[t0 + t];
-            for (int64_t h = 0; h < G; ++h) {
-                const float *qh = qg + h * D;
-                vf a = V_MUL(V_LOAD(qh), widen_vec(k, kv_dtype, o));
-                for (int64_t j = 1; j < nv; ++j) a = V_FMA(V_LOAD(qh + j * LANES), widen_vec(k, kv_dtype, o + j * LANES), a);
-                V_STORE(part + (h * LANES + t) * LANES, a);
-            }
+            if (nv == 4)
+                key_parts_4(qg, G, k, kv_dtype, o, part, t);
+            else if (nv == 8)
+                key_parts_8(qg, G, k, kv_dtype, o, part, t);
+            else
+                for (int64_t h = 0; h < G; ++h) {
+                    const float *qh = qg + h * D;
+                    vf a = V_MUL(V_LOAD(qh), widen_vec(k, kv_dtype, o));
+                    for (int64_t j = 1; j < nv; ++j) a = V_FMA(V_LOAD(qh + j * LANES), widen_vec(k, kv_dtype, o + j * LANES), a);
+                    V_STORE(part + (h * LANES + t) * LANES, a);
+                }
         }
         for (int64_t h = 0; h < G; ++h) {
             vf v[LANES];
@@ -2242,13 +2273,19 @@ static int chunk_values(float *acc, const float *p, int64_t G, int64_t D, const 
 }
 #endif
 
-/* Prefetch tokens [t0, t1)'s rows of KV head g in a pool: every line of each row (D values). */
+/* Prefetch tokens [t0, t1)'s rows of KV head g in a pool into L2: every line of each row (D values).
+ * attend asks for the next chunk's rows (ATT_CHUNK). Into L1 (prefetcht0), in chunks of 64 keys, the
+ * prefetches gained nothing over none at all at a 4096-token context cold from memory; into L2 that
+ * attention ran 1.5–1.6 × as fast in fp32 and 2.4–2.6 × in bf16 (one core of a 2-core AMD EPYC,
+ * Zen 4; SmolLM2-135M's 9 query and 3 KV heads of 64, 30 layers' pools of scattered blocks,
+ * 2026-12-05; docs/kernels.md), the K/V read at 8–9 GB/s instead of 3–5 (a sum over as many bytes:
+ * 14–17). */
 static inline void prefetch_kv(const void *pool, int dtype, const int32_t *table, int64_t bs, int64_t KV, int64_t g,
                                int64_t D, int64_t t0, int64_t t1) {
     const int64_t es = dtype == BD_W_F32 ? 4 : 2;
     for (int64_t t = t0; t < t1; ++t) {
         const char *r = (const char *)pool + kv_off(table, bs, KV, g, D, t) * es;
-        for (int64_t b = 0; b < D * es; b += 64) __builtin_prefetch(r + b, 0, 3);
+        for (int64_t b = 0; b < D * es; b += 64) __builtin_prefetch(r + b, 0, 2);
     }
 }
 
@@ -2281,10 +2318,10 @@ static void attend(const float *qg, int64_t G, int64_t D, const void *k, const v
     }
     memset(acc, 0, (size_t)(G * D) * sizeof(float));
     prefetch_kv(k, kv_dtype, table, bs, KV, g, D, lo, CHUNK_END(lo));
+    prefetch_kv(v, kv_dtype, table, bs, KV, g, D, lo, CHUNK_END(lo));
     for (int64_t c0 = lo; c0 < n; c0 += ATT_CHUNK) {
         const int64_t T = CHUNK_END(c0) - c0;
-        prefetch_kv(v, kv_dtype, table, bs, KV, g, D, c0, c0 + T);
-        prefetch_kv(k, kv_dtype, table, bs, KV, g, D, c0 + T, CHUNK_END(c0 + T));
+        prefetch_kv(k, kv_dtype, table, bs, KV, g, D, c0 + T, CHUNK_END(c0 + T)); /* the next chunk's keys */
 #if SCORE_LANES
         int64_t off[ATT_CHUNK]; /* the chunk's key and value rows (the two pools share one layout) */
         for (int64_t t = 0; t < T; ++t) off[t] = kv_off(table, bs, KV, g, D, c0 + t);
@@ -2308,6 +2345,7 @@ static void attend(const float *qg, int64_t G, int64_t D, const void *k, const v
             exp_shifted(sh, T, mc);
             l[h] += sum_of(sh, T);
         }
+        prefetch_kv(v, kv_dtype, table, bs, KV, g, D, c0 + T, CHUNK_END(c0 + T)); /* and values */
 #if SCORE_LANES
         if (chunk_values(acc, sc, G, D, v, kv_dtype, off, T)) continue;
 #endif
