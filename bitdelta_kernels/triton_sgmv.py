@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitdelta_kernels.triton_linear import col_precision, dot_one, sign_bits, tile_col_groups, uses_fp32_dot
+from bitdelta_kernels.triton_linear import col_precision, dot_one, sign_dot, tile_col_groups, uses_fp32_dot
 
 
 # The kernel's arguments stay in their groups (pointers, sizes, strides, meta): fmt: skip.
@@ -37,7 +37,7 @@ def _bitdelta_sgmv_kernel(
     Numerics: with S = 2B − 1 (B ∈ {0, 1}, exact in fp16/bf16/fp32), x · S = 2 · x · B − Σx:
     one dot in x's dtype with fp32 accumulation plus a row sum, scaled by α in fp32.
     Bits: each K-step expands the tile's sign bits ONCE for all rows of the tile
-    (triton_linear.sign_bits; ONE: 1.0's bit pattern in the dot's dtype).
+    (triton_linear.sign_dot; ONE: 1.0's bit pattern in the dot's dtype).
     """
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -71,10 +71,23 @@ def _bitdelta_sgmv_kernel(
                             other=0.0,
                         ).to(tl.float32)
                         xc = x * tl.load(c_row + offs_k, mask=k_mask, other=0.0)[None, :]
-                        pat = sign_bits(
-                            s_base, offs_n, stride_sn, in_g, step * BLOCK_K, K, 0x3F800000, BLOCK_N, BLOCK_K
-                        )  # fp32 1.0: x ⊙ c dots in fp32
-                        acc += tl.dot(xc, tl.trans(pat.to(tl.float32, bitcast=True)), input_precision=COL_PRECISION)
+                        # fp32 1.0: x ⊙ c dots in fp32
+                        acc = sign_dot(
+                            acc,
+                            xc,
+                            s_base,
+                            offs_n,
+                            stride_sn,
+                            in_g,
+                            step * BLOCK_K,
+                            K,
+                            0x3F800000,
+                            True,
+                            COL_PRECISION,
+                            BLOCK_M,
+                            BLOCK_N,
+                            BLOCK_K,
+                        )
                         xacc += xc
                     xsum = tl.sum(xacc, axis=1)
                     total += tl.where(in_g[None, :], (2.0 * acc - xsum[:, None]) * alpha[None, :], 0.0)
@@ -90,14 +103,23 @@ def _bitdelta_sgmv_kernel(
                         mask=m_mask[:, None] & k_mask[None, :],
                         other=0.0,
                     )  # [BM, BK]
-                    pat = sign_bits(s_base, offs_n, stride_sn, n_mask, step * BLOCK_K, K, ONE, BLOCK_N, BLOCK_K)
-                    if DOT_FP32:
-                        xf = x.to(tl.float32)
-                        acc += tl.dot(xf, tl.trans(pat.to(tl.float32, bitcast=True)), input_precision=PRECISION)
-                        xacc += xf
-                    else:
-                        acc += tl.dot(x, tl.trans(pat.to(tl.int16).to(x.dtype, bitcast=True)))
-                        xacc += x.to(tl.float32)
+                    acc = sign_dot(
+                        acc,
+                        x,
+                        s_base,
+                        offs_n,
+                        stride_sn,
+                        n_mask,
+                        step * BLOCK_K,
+                        K,
+                        ONE,
+                        DOT_FP32,
+                        PRECISION,
+                        BLOCK_M,
+                        BLOCK_N,
+                        BLOCK_K,
+                    )
+                    xacc += x.to(tl.float32)
                 xsum = tl.sum(xacc, axis=1)
                 total += (2.0 * acc - xsum[:, None]) * alpha[None, :]
 

@@ -408,11 +408,13 @@ def compile_for_hopper(planes: int, col: bool) -> None:
         print(fn.__name__)
 
 
-def test_bgmv_loop_stays_light_as_compiled_for_hopper(tmp_path):
+def test_delta_loops_stay_light_as_compiled_for_hopper(tmp_path):
     """`bench/kernels_sass.py` compiles the delta kernels for sm_90 with the H200's blocks (no GPU
     needed) and counts their K loops. BGMV's loop must not reduce across threads (shuffles) at every
     step and must stay near 4 thread-instructions per sign weight: the reduced [BN, BK/8, 8] tile
-    it replaced took ~16 (its loop 233 shuffles), the bound of the H200's measured BGMV. In a
+    it replaced took ~16 (its loop 233 shuffles), the bound of the H200's measured BGMV. SGMV and the
+    fused linear at decode must take their bits without the reshape through shared memory
+    (`sign_dot`: ~20 and ~50 shared-memory operations a step, against 114 and 135 with it). In a
     process of its own, as test_kernels_compile_for_hopper."""
     import os
     import subprocess
@@ -433,5 +435,8 @@ def test_bgmv_loop_stays_light_as_compiled_for_hopper(tmp_path):
     bgmv = rows["bgmv"]
     shuffles = int(bgmv[7].split(",")[0])
     assert float(bgmv[3]) <= 6.0 and shuffles <= 2, bgmv
+    for name, most in (("sgmv 16 rows", 60), ("linear M ≤ 16", 90)):
+        shared = int(rows[name][7].split(",")[1])
+        assert shared <= most and float(rows[name][3]) <= 8.0, rows[name]
     for name, cells in rows.items():  # every loop found, and the counts are per weight
         assert int(cells[2]) > 50 and 0 < float(cells[3]) < 100, (name, cells)
