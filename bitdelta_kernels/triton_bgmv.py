@@ -6,21 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitdelta_kernels.triton_linear import tile_col_groups
-
-
-@triton.jit
-def _eight_columns(x, ROWS: tl.constexpr):
-    """The 8 columns of x [ROWS, 8], each [ROWS]: column j = 4a + 2b + c of [ROWS, 2, 2, 2] split
-    on c, then b, then a (split's halves lie in one thread: register moves, no shared memory)."""
-    even, odd = tl.split(tl.reshape(x, (ROWS, 4, 2)))  # j = 0, 2, 4, 6 | 1, 3, 5, 7
-    c04, c26 = tl.split(tl.reshape(even, (ROWS, 2, 2)))
-    c15, c37 = tl.split(tl.reshape(odd, (ROWS, 2, 2)))
-    c0, c4 = tl.split(c04)
-    c2, c6 = tl.split(c26)
-    c1, c5 = tl.split(c15)
-    c3, c7 = tl.split(c37)
-    return c0, c1, c2, c3, c4, c5, c6, c7
+from bitdelta_kernels.triton_linear import eight_columns, tile_col_groups
 
 
 @triton.jit
@@ -34,7 +20,7 @@ def _signed_row_sum(
     form of the dot kernels (`triton_linear`).
 
     Each K-step loads the tile's bytes once as [BLOCK_N, BLOCK_K/8] and x once as [BLOCK_K/8, 8]
-    (16 contiguous bytes a thread), splits x's 8 columns apart in registers (`_eight_columns`) and
+    (16 contiguous bytes a thread), splits x's 8 columns apart in registers (`eight_columns`) and
     visits bit j of every byte against column j: 2-D tiles, no [BN, BK/8, 8] one. x lands in a
     [BLOCK_N, BLOCK_K/8] accumulator where the bit is set (a bit test and a predicated add per sign
     weight), reduced across the threads once after the loop. Compiled for sm_90 with the H200's
@@ -58,9 +44,9 @@ def _signed_row_sum(
         if HAS_C:
             x = x * tl.load(c_row + offs_k, mask=offs_k < K, other=0.0)
         xsum += tl.sum(x, axis=1)
-        cols = _eight_columns(x, BYTES)
+        cols = eight_columns(tl.reshape(x, (1, BYTES, 8)), 1, BYTES)  # each [1, BYTES]
         for j in tl.static_range(8):
-            acc = tl.where((byte & (1 << j)) != 0, acc + cols[j][None, :], acc)
+            acc = tl.where((byte & (1 << j)) != 0, acc + cols[j], acc)
     return 2.0 * tl.sum(acc, axis=1) - tl.sum(xsum, axis=0)
 
 

@@ -129,23 +129,10 @@ def _bitdelta_linear_kernel(
                         other=0.0,
                     ).to(tl.float32)
                     xc = x * tl.load(c_row + offs_k, mask=k_mask, other=0.0)[None, :]
-                    # fp32 1.0: x ⊙ c dots in fp32
-                    acc_c = sign_dot(
-                        acc_c,
-                        xc,
-                        s_ptr + p * stride_sp,
-                        offs_n,
-                        stride_sn,
-                        in_g,
-                        k0,
-                        K,
-                        0x3F800000,
-                        True,
-                        COL_PRECISION,
-                        BLOCK_M,
-                        BLOCK_N,
-                        BLOCK_K,
-                    )
+                    acc_c = sign_dot(  # fp32 1.0: x ⊙ c dots in fp32
+                        acc_c, xc, s_ptr + p * stride_sp, offs_n, stride_sn, in_g, k0, K,
+                        0x3F800000, True, COL_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                    )  # fmt: skip
                     xacc_c += xc
                 xsum_c = tl.sum(xacc_c, axis=1)
                 acc += tl.where(in_g[None, :], (2.0 * acc_c - xsum_c[:, None]) * alpha[None, :], 0.0)
@@ -165,21 +152,9 @@ def _bitdelta_linear_kernel(
                     other=0.0,
                 )
                 acc_b = sign_dot(
-                    acc_b,
-                    x,
-                    s_ptr + p * stride_sp,
-                    offs_n,
-                    stride_sn,
-                    n_mask,
-                    k0,
-                    K,
-                    ONE,
-                    DOT_FP32,
-                    PRECISION,
-                    BLOCK_M,
-                    BLOCK_N,
-                    BLOCK_K,
-                )
+                    acc_b, x, s_ptr + p * stride_sp, offs_n, stride_sn, n_mask, k0, K,
+                    ONE, DOT_FP32, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                )  # fmt: skip
             alpha = tl.load(alpha_ptr + p * stride_ap + offs_n * stride_an, mask=n_mask, other=0.0)
             acc += alpha[None, :] * (2.0 * acc_b - xsum[:, None])  # Σx of this K slice: the pass above's
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn

@@ -71,23 +71,10 @@ def _bitdelta_sgmv_kernel(
                             other=0.0,
                         ).to(tl.float32)
                         xc = x * tl.load(c_row + offs_k, mask=k_mask, other=0.0)[None, :]
-                        # fp32 1.0: x ⊙ c dots in fp32
-                        acc = sign_dot(
-                            acc,
-                            xc,
-                            s_base,
-                            offs_n,
-                            stride_sn,
-                            in_g,
-                            step * BLOCK_K,
-                            K,
-                            0x3F800000,
-                            True,
-                            COL_PRECISION,
-                            BLOCK_M,
-                            BLOCK_N,
-                            BLOCK_K,
-                        )
+                        acc = sign_dot(  # fp32 1.0: x ⊙ c dots in fp32
+                            acc, xc, s_base, offs_n, stride_sn, in_g, step * BLOCK_K, K,
+                            0x3F800000, True, COL_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                        )  # fmt: skip
                         xacc += xc
                     xsum = tl.sum(xacc, axis=1)
                     total += tl.where(in_g[None, :], (2.0 * acc - xsum[:, None]) * alpha[None, :], 0.0)
@@ -104,21 +91,9 @@ def _bitdelta_sgmv_kernel(
                         other=0.0,
                     )  # [BM, BK]
                     acc = sign_dot(
-                        acc,
-                        x,
-                        s_base,
-                        offs_n,
-                        stride_sn,
-                        n_mask,
-                        step * BLOCK_K,
-                        K,
-                        ONE,
-                        DOT_FP32,
-                        PRECISION,
-                        BLOCK_M,
-                        BLOCK_N,
-                        BLOCK_K,
-                    )
+                        acc, x, s_base, offs_n, stride_sn, n_mask, step * BLOCK_K, K,
+                        ONE, DOT_FP32, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                    )  # fmt: skip
                     xacc += x.to(tl.float32)
                 xsum = tl.sum(xacc, axis=1)
                 total += (2.0 * acc - xsum[:, None]) * alpha[None, :]
