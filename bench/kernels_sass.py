@@ -164,6 +164,7 @@ def main(argv=None) -> int:
         " | shuffle, shared, global, mma per step | spills (kernel) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    print("\n".join(lines), flush=True)
     for name, fn, consts, blocks, weights in cases(cfg, args.dtype):
         warps, stages = blocks["num_warps"], blocks["num_stages"]
         loop, whole = main_loop(compile_sass(fn, consts, pointers, args.arch, warps, stages))
@@ -179,11 +180,9 @@ def main(argv=None) -> int:
             f" | {issue / rate:.2f} | {cls['shuffle']}, {cls['shared']}, {cls['global']}, {cls['mma']}"
             f" | {sum(whole[o] for o in CLASSES['spill'])} |"
         )
-        print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
+        print(lines[-1], flush=True)  # a row as its kernel compiles
     if args.out:
-        args.out.write_text(text)
+        args.out.write_text("\n".join(lines) + "\n")
     return 0
 
 

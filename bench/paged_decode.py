@@ -76,7 +76,7 @@ def cold_read(
     against a sum over as many bytes."""
     import random
 
-    from bitdelta_kernels.paged_attention import _KV_DTYPE_CODE
+    from bitdelta_kernels.paged_attention import _paged_decode_cpu
 
     g = torch.Generator().manual_seed(0)
     nb = -(-ctx // bs)
@@ -88,16 +88,11 @@ def cold_read(
     tables = torch.randperm(2 * nb, generator=g)[:nb].to(torch.int32).view(1, nb)
     lens = torch.tensor([ctx], dtype=torch.int32)
     q = torch.randn(1, H, D, generator=g)
-    out = torch.empty(1, H, D)
     flat = torch.randn(layers * 2 * ctx * KV * D * dtype.itemsize // 4, generator=g)  # as many bytes, fp32
 
     def step(lib) -> None:
         for k, v in pools:
-            args = (q.data_ptr(), 1, H, KV, D, k.data_ptr(), v.data_ptr(), _KV_DTYPE_CODE[dtype], tables.data_ptr())
-            rc = lib.bd_paged_decode(
-                *args, nb, lens.data_ptr(), bs, 0, D**-0.5, out.data_ptr(), torch.get_num_threads()
-            )
-            assert rc == 0
+            _paged_decode_cpu(q, k, v, tables, lens, bs, None, D**-0.5, lib=lib)
 
     runs = {name: (lambda lib=lib: step(lib)) for name, lib in libs.items()} | {"sum": lambda: flat.sum()}
     times: dict[str, list[float]] = {name: [] for name in runs}

@@ -99,10 +99,12 @@ def paged_decode(
     return paged_decode_ref(q, k, v, tables, lens, block_size, window)
 
 
-def _paged_decode_cpu(q, k, v, tables, lens, block_size, window, scale) -> torch.Tensor | None:
+def _paged_decode_cpu(q, k, v, tables, lens, block_size, window, scale, lib=None) -> torch.Tensor | None:
+    """bd_paged_decode of `lib` (None: the process's library; a benchmark passes another build);
+    None where there is no library."""
     from bitdelta_kernels.cpu_build import load_cpu_lib
 
-    lib = load_cpu_lib()
+    lib = lib or load_cpu_lib()
     if lib is None:
         return None
     B, H, D = q.shape

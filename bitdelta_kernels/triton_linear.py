@@ -246,6 +246,17 @@ def eight_columns(x, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _pattern_dot(acc, x, pat, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + x · Bᵀ, B given by its values' bit patterns `pat` (integers): fp32 dots (DOT_FP32,
+    PRECISION) or dots in x's 16-bit dtype."""
+    if DOT_FP32:
+        acc += tl.dot(x.to(tl.float32), tl.trans(pat.to(tl.float32, bitcast=True)), input_precision=PRECISION)
+    else:
+        acc += tl.dot(x, tl.trans(pat.to(tl.int16).to(x.dtype, bitcast=True)))
+    return acc
+
+
+@triton.jit
 def sign_dot(
     acc, x, s_rows, offs_n, stride_sn, keep_n, k0, K,
     ONE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
@@ -274,22 +285,17 @@ def sign_dot(
             other=0,
         )  # [BN, BK/8]
         if DOT_FP32:
-            xs = eight_columns(tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_K // 8, 8)), BLOCK_M, BLOCK_K // 8)
+            xd = x.to(tl.float32)
             bits = byte.to(tl.int32)
-            for j in tl.static_range(8):
-                b = ((bits & (1 << j)) * (ONE >> j)).to(tl.float32, bitcast=True)
-                acc += tl.dot(xs[j], tl.trans(b), input_precision=PRECISION)
         else:
-            xs = eight_columns(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 8)), BLOCK_M, BLOCK_K // 8)
-            bits = byte.to(tl.int16)
-            for j in tl.static_range(8):
-                acc += tl.dot(xs[j], tl.trans(((bits & (1 << j)) * (ONE >> j)).to(x.dtype, bitcast=True)))
+            xd = x
+            bits = byte.to(tl.int16)  # the 16-bit patterns in 16-bit integers
+        xs = eight_columns(tl.reshape(xd, (BLOCK_M, BLOCK_K // 8, 8)), BLOCK_M, BLOCK_K // 8)
+        for j in tl.static_range(8):
+            acc = _pattern_dot(acc, xs[j], (bits & (1 << j)) * (ONE >> j), DOT_FP32, PRECISION)
     else:
         pat = sign_bits(s_rows, offs_n, stride_sn, keep_n, k0, K, ONE, BLOCK_N, BLOCK_K)
-        if DOT_FP32:
-            acc += tl.dot(x.to(tl.float32), tl.trans(pat.to(tl.float32, bitcast=True)), input_precision=PRECISION)
-        else:
-            acc += tl.dot(x, tl.trans(pat.to(tl.int16).to(x.dtype, bitcast=True)))
+        acc = _pattern_dot(acc, x, pat, DOT_FP32, PRECISION)
     return acc
 
 

@@ -2155,32 +2155,31 @@ static inline vf sum_lanes(const vf *v) {
 #endif
 }
 
+/* Key rows chunk_scores holds in registers: heads of up to KEY_VECS · LANES values (512 in the
+ * AVX-512 build, 256 in AVX2's); larger ones take attend's row form. */
+#define KEY_VECS 32
+
 /* part[(h·LANES + t)·LANES ...] = the G heads' products with key row t (at element offset o of the
- * pool k, NV vectors), summed to one vector per head: the row loaded (and widened) into registers
- * once for all G heads. */
-#define KEY_PARTS(NV)                                                                                    \
-    static void key_parts_##NV(const float *qg, int64_t G, const void *k, int kv_dtype, int64_t o, float *part, \
-                               int64_t t) {                                                              \
-        vf kx[NV];                                                                                       \
-        for (int j = 0; j < NV; ++j) kx[j] = widen_vec(k, kv_dtype, o + j * LANES);                      \
-        for (int64_t h = 0; h < G; ++h) {                                                                \
-            const float *qh = qg + h * NV * LANES;                                                       \
-            vf a = V_MUL(V_LOAD(qh), kx[0]);                                                             \
-            for (int j = 1; j < NV; ++j) a = V_FMA(V_LOAD(qh + j * LANES), kx[j], a);                    \
-            V_STORE(part + (h * LANES + t) * LANES, a);                                                  \
-        }                                                                                                \
+ * pool k, nv vectors), summed to one vector per head: the row loaded (and widened) into registers
+ * once for all G heads. chunk_scores calls it with a literal nv for the common head sizes. */
+static inline __attribute__((always_inline)) void key_parts(const float *qg, int64_t G, int64_t nv, const void *k,
+                                                            int kv_dtype, int64_t o, float *part, int64_t t) {
+    vf kx[KEY_VECS];
+    for (int64_t j = 0; j < nv; ++j) kx[j] = widen_vec(k, kv_dtype, o + j * LANES);
+    for (int64_t h = 0; h < G; ++h) {
+        const float *qh = qg + h * nv * LANES;
+        vf a = V_MUL(V_LOAD(qh), kx[0]);
+        for (int64_t j = 1; j < nv; ++j) a = V_FMA(V_LOAD(qh + j * LANES), kx[j], a);
+        V_STORE(part + (h * LANES + t) * LANES, a);
     }
-KEY_PARTS(4)
-KEY_PARTS(8)
-#undef KEY_PARTS
+}
 
 /* sc[h·ATT_CHUNK + t] = scale · qg[h] · k_t for the chunk's T keys, key t's row at element offset
- * off[t] of the pool k, and the G heads (D a multiple of LANES): LANES keys at a time, each key row
- * widened in registers once for all G heads (key_parts_* where D is 4 or 8 vectors; the row form
- * widened it once per head: on one Zen 4 core a warm 4096-token attention took 1.14 × the time in
- * fp32 and 1.22 × in bf16), its
- * per-head products summed to one vector (part), then the group's LANES vectors of a head summed
- * across lanes at once (sum_lanes). part: scratch [G, LANES, LANES]. */
+ * off[t] of the pool k, and the G heads (D a multiple of LANES, at most KEY_VECS vectors): LANES keys
+ * at a time, each key row widened in registers once for all G heads (key_parts; widened once per
+ * head instead, a warm 4096-token attention took 1.14 × the time in fp32 and 1.22 × in bf16 on one
+ * Zen 4 core), its per-head products summed to one vector (part), then the group's LANES vectors
+ * of a head summed across lanes at once (sum_lanes). part: scratch [G, LANES, LANES]. */
 static void chunk_scores(const float *qg, int64_t G, int64_t D, const void *k, int kv_dtype, const int64_t *off,
                          int64_t T, float scale, float *sc, float *part) {
     const int64_t nv = D / LANES;
@@ -2194,16 +2193,11 @@ static void chunk_scores(const float *qg, int64_t G, int64_t D, const void *k, i
             }
             const int64_t o = off[t0 + t];
             if (nv == 4)
-                key_parts_4(qg, G, k, kv_dtype, o, part, t);
+                key_parts(qg, G, 4, k, kv_dtype, o, part, t); /* the literal keeps the row in registers */
             else if (nv == 8)
-                key_parts_8(qg, G, k, kv_dtype, o, part, t);
+                key_parts(qg, G, 8, k, kv_dtype, o, part, t);
             else
-                for (int64_t h = 0; h < G; ++h) {
-                    const float *qh = qg + h * D;
-                    vf a = V_MUL(V_LOAD(qh), widen_vec(k, kv_dtype, o));
-                    for (int64_t j = 1; j < nv; ++j) a = V_FMA(V_LOAD(qh + j * LANES), widen_vec(k, kv_dtype, o + j * LANES), a);
-                    V_STORE(part + (h * LANES + t) * LANES, a);
-                }
+                key_parts(qg, G, nv, k, kv_dtype, o, part, t);
         }
         for (int64_t h = 0; h < G; ++h) {
             vf v[LANES];
@@ -2325,7 +2319,7 @@ static void attend(const float *qg, int64_t G, int64_t D, const void *k, const v
 #if SCORE_LANES
         int64_t off[ATT_CHUNK]; /* the chunk's key and value rows (the two pools share one layout) */
         for (int64_t t = 0; t < T; ++t) off[t] = kv_off(table, bs, KV, g, D, c0 + t);
-        if (D % LANES == 0)
+        if (D % LANES == 0 && D / LANES <= KEY_VECS)
             chunk_scores(qg, G, D, k, kv_dtype, off, T, scale, sc, part);
         else
 #endif
