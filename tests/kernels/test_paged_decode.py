@@ -65,9 +65,9 @@ GRID = [
     (4, 6, 2, 24, 5, [11, 1, 30, 10], None),  # block size and head dim not powers of two
     (2, 4, 1, 32, 8, [37, 9], 12),  # a sliding window starting inside a block
     (2, 4, 4, 16, 4, [3, 20], 4),
-    (2, 6, 3, 16, 16, [150, 64], None),  # the C kernel's chunks of 64 keys: two and a part; exactly one
+    (2, 6, 3, 16, 16, [150, 64], None),  # the C kernel's chunks of 16 keys: nine and a part; exactly four
     (1, 4, 2, 8, 7, [200], 90),  # a window that starts inside a chunk and a block
-    (2, 8, 2, 128, 16, [70, 3], None),  # D of 8 AVX-512 vectors (16 AVX2 ones: the row-by-row form)
+    (2, 8, 2, 128, 16, [70, 3], None),  # D of 8 AVX-512 vectors (16 AVX2 ones: key_parts_any)
 ]
 
 
