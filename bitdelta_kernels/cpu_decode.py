@@ -238,7 +238,7 @@ class DecodeLayers:
         `bitdelta_delta_batched`), and a row of −1 round(h · headᵀ) as before. `fuse`: a step of one
         row of a variant of up to `one_pass_planes()` planes sums each projection's planes, and its
         head's plane, in the weights' pass where the library has such a loop (fp32: AVX-512, 4
-        planes; bf16: AVX512-BF16, 1): other sums than the table loop's, so not that row's numbers in
+        planes; bf16: AVX512-BF16, 4): other sums than the table loop's, so not that row's numbers in
         a mixed step (the default mode's single-variant form, never the batch-invariant one's); else
         ignored.
 

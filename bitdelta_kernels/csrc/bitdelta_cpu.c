@@ -1136,9 +1136,9 @@ void bd_merge(const void *w, int w_dtype, int64_t ldw, const uint8_t *s, int64_t
 }
 
 /* The sign planes a GEMV's own pass sums (linear_rows): plane p's bits s[p] [d_out, lds] and its
- * α's a[p] (row r's at a[p][r · alpha_stride]). The blocks of LINEAR_BLOCK and the bf16 one-row
- * loop (delta_rows_dp) take one plane; the fp32 one-row loop (delta_rows_f32) up to
- * ONE_PASS_PLANES, one accumulator pair each (2 + 2·4 of AVX-512's 32 registers); one_pass_planes. */
+ * α's a[p] (row r's at a[p][r · alpha_stride]). The blocks of LINEAR_BLOCK take one plane; the
+ * one-row loops (delta_rows_f32, delta_rows_dp) up to ONE_PASS_PLANES, one accumulator pair each
+ * (2 + 2·4 of AVX-512's 32 registers); one_pass_planes. */
 #define ONE_PASS_PLANES 4
 typedef struct {
     const uint8_t *s[ONE_PASS_PLANES];
@@ -1585,51 +1585,79 @@ static const dense_dp_fn dense_dp_blocks[3][3] = {{dense_dp_1x1, dense_dp_1x2, d
 DENSE_ROWS(dense_rows_dp, uint16_t, uint16_t, dense_dp_blocks, DENSE_MIN_M_DP) /* bf16 weights and x (as bf16 words) */
 #define HAVE_DP_BF16 1
 
-/* y[r] = x · W_r + α_r · (x · S_r) for one x row that is exactly bf16, rows [r0, r1), in ONE pass:
- * per 32 columns one VDPBF16PS against the weights and one against the signs as bf16 ±1 (a blend by
- * the 32 bits loaded as a mask), both sums fp32 (products exact), α_r applied per lane before the
- * one horizontal add. One row at a time, one linear stream of W (prefetched STREAM_AHEAD on: without
+/* y[r] = x · W_r + Σ_p α_p,r · (x · S_p,r) for one x row that is exactly bf16, rows [r0, r1), in ONE
+ * pass: per 32 columns one VDPBF16PS against the weights and, per plane, one against its signs as
+ * bf16 ±1 (a blend by the 32 bits loaded as a mask), all sums fp32 (products exact), each α applied
+ * per lane before the one horizontal add. One row at a time, one linear stream of W (prefetched STREAM_AHEAD on: without
  * it this loop, unlike the dense one, fell behind on Zen 4) beside the bits' (1/16 of its bytes): a
  * one-row variant reads its bytes once instead of the table loop's second pass. A bf16 SmolLM2-135M
  * variant's decode step in the worker, one Zen 4 core: 0.88–0.91 × the base's against 0.84–0.86 for
  * the two passes (the bytes' limit 0.95; 2026-12-04, in turns). Its sums are not the table loop's, so
  * only a single-variant step of one row takes it (bd_decode_layers' `fuse`, never batch-invariant).
- * P: its one plane (one_pass_planes: why not k). */
-static void delta_rows_dp(const uint16_t *xb, const uint16_t *w, int64_t ldw, const pass_planes *P, int64_t lds,
-                          int64_t d_in, int64_t alpha_stride, float *y, int64_t r0, int64_t r1) {
+ * A 3-plane row's planes past the first cost ~0.04 of the base's step each here (bytes 1/16),
+ * against ~0.15 by the table loop (docs/kernels.md). NP: P's planes, a literal (delta_rows_dp). */
+static inline __attribute__((always_inline)) void dp_rows_np(const uint16_t *xb, const uint16_t *w, int64_t ldw,
+                                                             const pass_planes *P, int64_t lds, int64_t d_in,
+                                                             int64_t alpha_stride, float *y, int64_t r0, int64_t r1,
+                                                             const int NP) {
     const __m512i pos = _mm512_set1_epi16(0x3F80), neg = _mm512_set1_epi16((short)0xBF80); /* bf16 ±1 */
     for (int64_t r = r0; r < r1; ++r) {
         const uint16_t *wr = w + r * ldw;
-        const uint8_t *sr = P->s[0] + r * lds;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, d0 = a0, d1 = a0;
+        const uint8_t *sr[ONE_PASS_PLANES];
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, d0[ONE_PASS_PLANES], d1[ONE_PASS_PLANES];
+        for (int p = 0; p < NP; ++p) {
+            sr[p] = P->s[p] + r * lds;
+            d0[p] = d1[p] = a0;
+        }
         int64_t k = 0;
         for (; k + 64 <= d_in; k += 64) {
             STREAM_PREFETCH(wr + k, 2);
             const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(xb + k));
             const __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(xb + k + 32));
-            uint32_t m0, m1;
-            memcpy(&m0, sr + k / 8, 4);
-            memcpy(&m1, sr + k / 8 + 4, 4);
             a0 = _mm512_dpbf16_ps(a0, x0, (__m512bh)_mm512_loadu_si512((const void *)(wr + k)));
             a1 = _mm512_dpbf16_ps(a1, x1, (__m512bh)_mm512_loadu_si512((const void *)(wr + k + 32)));
-            d0 = _mm512_dpbf16_ps(d0, x0, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos));
-            d1 = _mm512_dpbf16_ps(d1, x1, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m1, neg, pos));
+            for (int p = 0; p < NP; ++p) {
+                uint32_t m0, m1;
+                memcpy(&m0, sr[p] + k / 8, 4);
+                memcpy(&m1, sr[p] + k / 8 + 4, 4);
+                d0[p] = _mm512_dpbf16_ps(d0[p], x0, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos));
+                d1[p] = _mm512_dpbf16_ps(d1[p], x1, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m1, neg, pos));
+            }
         }
         if (k + 32 <= d_in) {
             const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(xb + k));
-            uint32_t m0;
-            memcpy(&m0, sr + k / 8, 4);
             a0 = _mm512_dpbf16_ps(a0, x0, (__m512bh)_mm512_loadu_si512((const void *)(wr + k)));
-            d0 = _mm512_dpbf16_ps(d0, x0, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos));
+            for (int p = 0; p < NP; ++p) {
+                uint32_t m0;
+                memcpy(&m0, sr[p] + k / 8, 4);
+                d0[p] = _mm512_dpbf16_ps(d0[p], x0, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos));
+            }
             k += 32;
         }
-        const float al = P->a[0][r * alpha_stride];
-        float t = _mm512_reduce_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(al), _mm512_add_ps(d0, d1), _mm512_add_ps(a0, a1)));
-        for (; k < d_in; ++k) {
+        float al[ONE_PASS_PLANES];
+        __m512 acc = _mm512_add_ps(a0, a1);
+        for (int p = 0; p < NP; ++p) {
+            al[p] = P->a[p][r * alpha_stride];
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(al[p]), _mm512_add_ps(d0[p], d1[p]), acc);
+        }
+        float t = _mm512_reduce_add_ps(acc);
+        for (; k < d_in; ++k) { /* ragged tail */
             const float xv = w_at(xb, BD_W_BF16, k);
-            t += xv * w_at(wr, BD_W_BF16, k) + al * ((sr[k >> 3] >> (k & 7)) & 1 ? xv : -xv);
+            float dt = 0.f;
+            for (int p = 0; p < NP; ++p) dt += al[p] * ((sr[p][k >> 3] >> (k & 7)) & 1 ? xv : -xv);
+            t += xv * w_at(wr, BD_W_BF16, k) + dt;
         }
         y[r] = t;
+    }
+}
+
+static void delta_rows_dp(const uint16_t *xb, const uint16_t *w, int64_t ldw, const pass_planes *P, int64_t lds,
+                          int64_t d_in, int64_t alpha_stride, float *y, int64_t r0, int64_t r1) {
+    switch (P->n) { /* one loop per plane count: its accumulators in registers */
+    case 1: dp_rows_np(xb, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, 1); break;
+    case 2: dp_rows_np(xb, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, 2); break;
+    case 3: dp_rows_np(xb, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, 3); break;
+    default: dp_rows_np(xb, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, ONE_PASS_PLANES); break; /* n = 4 */
     }
 }
 #endif
@@ -1711,7 +1739,7 @@ static void delta_rows_f32(const float *x, float xsum, const float *w, int64_t l
 
 /* Which one-row one-pass loops this build has (one_pass_planes) */
 #ifdef HAVE_DP_BF16
-#define HAVE_DP_ONE_PASS 1 /* bf16: delta_rows_dp */
+#define HAVE_DP_ONE_PASS ONE_PASS_PLANES /* bf16: delta_rows_dp */
 #else
 #define HAVE_DP_ONE_PASS 0
 #endif
@@ -1720,13 +1748,11 @@ static void delta_rows_f32(const float *x, float xsum, const float *w, int64_t l
 #endif
 
 /* Up to how many planes of one row this build sums in its weights' pass for weights of dtype (0:
- * none): fp32 where it has AVX-512 (delta_rows_f32), ONE_PASS_PLANES; bf16 where it has AVX512-BF16
- * (delta_rows_dp), one. A k-plane bf16 loop was tried (a 3-plane row's extra planes 0.05–0.07 of the
- * step against the table loop's 0.15), but its bf16 outputs round the other way at a tie of one unit
- * in the last place more often than fp32's: the default mode's check that a request's greedy tokens
- * are the same alone and in a mixed step (tests/gpu_worker/test_worker_batch_invariance.py) moved a
- * 3-plane variant's 8th token at such a tie, and a planted bug that drops the delta in bf16 is caught
- * by that check only as such ties. */
+ * none): ONE_PASS_PLANES for fp32 where it has AVX-512 (delta_rows_f32) and for bf16 where it has
+ * AVX512-BF16 (delta_rows_dp). Their sums are more exact than the bf16 tables', so such a row's bf16
+ * logits can differ from the same row's in a mixed step by a unit in the last place, and greedy
+ * tokens at such a near-tie can swap (tests/gpu_worker/test_worker_batch_invariance.py checks
+ * that the logprobs stay within that unit). */
 static inline int one_pass_planes(int dtype) {
     return dtype == BD_W_BF16 ? HAVE_DP_ONE_PASS : (dtype == BD_W_F32 && HAVE_F32_ONE_PASS ? ONE_PASS_PLANES : 0);
 }
@@ -2600,7 +2626,7 @@ static int decode_head(const float *h, int64_t B, int64_t D, const void *head, i
  * One plane for every row takes linear_planes' one task (on many threads, one core's GEMV beside
  * another's planes); a mix, the GEMV for every row and then each plane over its rows.
  * fuse: a step of ONE row of a variant (row_slot[0] ≥ 0) of up to one_pass_planes(dtype) planes (fp32
- * with AVX-512: 4, delta_rows_f32; bf16 with AVX512-BF16: 1, delta_rows_dp) sums each projection's
+ * with AVX-512: 4, delta_rows_f32; bf16 with AVX512-BF16: 4, delta_rows_dp) sums each projection's
  * planes, and the head's plane when its row takes one, in the weights' pass, not by the table loop:
  * other sums, so its numbers are not the same row's in a mixed step (the caller's choice: never in
  * the batch-invariant mode); anything else ignores it.

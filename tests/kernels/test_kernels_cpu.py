@@ -747,9 +747,9 @@ def test_decode_layers_sum_each_rows_planes(isa):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_layers_fuse_a_row_of_k_planes(isa, dtype):
-    """`fuse` with `row_planes`: a step of one row of a variant of k = 1..4 sign planes (bf16: one)
-    sums them all in the weights' pass where the library has that loop (fp32: AVX-512; bf16:
-    AVX512-BF16): close to the table loop's sums (fp32: to the layer in float64) and other bits;
+    """`fuse` with `row_planes`: a step of one row of a variant of k = 1..4 sign planes sums them
+    all in the weights' pass where the library has that loop (fp32: AVX-512; bf16: AVX512-BF16):
+    close to the table loop's sums (fp32: to the layer in float64) and other bits;
     every plane counts; a row of more planes takes the table loop (the same bits as without
     `fuse`)."""
     from bitdelta_kernels.cpu_decode import DecodeLayers, DecodeShape
@@ -764,7 +764,7 @@ def test_decode_layers_fuse_a_row_of_k_planes(isa, dtype):
     cos, sin, tables, lens, write_rows, x = four_decode_rows(D, hd, bs, g)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     one_pass = one_pass_build(dtype)
-    most = 4 if dtype == torch.float32 else 1  # the planes a one-row pass sums (one_pass_planes)
+    most = 4  # the planes a one-row pass sums (one_pass_planes)
     assert layers.one_pass_planes() == (most if one_pass else 0)
 
     def run(k: int, fuse: bool) -> torch.Tensor:
