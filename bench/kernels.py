@@ -375,8 +375,9 @@ def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: in
     limit 1/(1 + 1/32) fp32, 1/(1 + 1/16) bf16), the same with the layers' `fuse` (the worker's
     single-variant form: one pass over the weights and the bits where the build has it), the cost
     of each plane past the first of a 3-plane variant's row ÷ the base's step (`row_planes`; limit
-    1/32 fp32, 1/16 bf16) by the table loop and `fuse`d, and 8 rows over 4 variants ÷ 8 base rows (limit
-    4/(4 + 4/8) fp32, 2/(2 + 4/8) bf16). The four are measured in turns (`t`'s best of N each,
+    1/32 fp32, 1/16 bf16) by the table loop and `fuse`d, steps of 2 and 4 rows of one variant ÷ as
+    many base rows, by the table loop and `fuse`d (limit as one row's), and 8 rows over 4 variants
+    ÷ 8 base rows (limit 4/(4 + 4/8) fp32, 2/(2 + 4/8) bf16). All are measured in turns (`t`'s best of N each,
     repeated `rounds` times), so other jobs' load falls on all of them alike. against: another
     source of the C library (e.g. `git show main:bitdelta_kernels/csrc/bitdelta_cpu.c`), built with the
     same flags and measured interleaved with this one in the same process: before ÷ after."""
@@ -391,6 +392,12 @@ def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: in
         "B1 variant fused": (torch.tensor([0]), True, None),
         "B1 3-plane variant": (torch.tensor([0]), False, torch.tensor([[0, 1, 2]])),
         "B1 3-plane variant fused": (torch.tensor([0]), True, torch.tensor([[0, 1, 2]])),
+        "B2 base": (torch.full((2,), -1), False, None),
+        "B2 variant": (torch.zeros(2, dtype=torch.int64), False, None),
+        "B2 variant fused": (torch.zeros(2, dtype=torch.int64), True, None),
+        "B4 base": (torch.full((4,), -1), False, None),
+        "B4 variant": (torch.zeros(4, dtype=torch.int64), False, None),
+        "B4 variant fused": (torch.zeros(4, dtype=torch.int64), True, None),
         "B8 base": (torch.full((8,), -1), False, None),
         "B8 4 variants": (torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]), False, None),
     }
@@ -426,6 +433,12 @@ def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: in
                 else "table loop",
                 "plane limit": 1 / 8 / es,
                 "limit": es / (es + 1 / 8),  # bytes per weight: the base's, + 1/8 for a sign
+                # a step of 2 or 4 rows of one variant (the table loop; fused: one pass where the build has it)
+                **{
+                    f"B{n} variant{f}/base tok/s": b[f"B{n} base"] / b[f"B{n} variant{f}"]
+                    for n in (2, 4)
+                    for f in ("", " fused")
+                },
                 "4 variants/base (B8)": b["B8 base"] / b["B8 4 variants"],
                 "limit B8": es / (es + 4 / 8),
             }

@@ -230,9 +230,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     # 1 | 0 | -1: the AVX-512 one-weight-row GEMV blocks' stream prefetch on, off, or the CPU's choice (same sums)
     lib.bd_set_stream_prefetch.restype = i32
     lib.bd_set_stream_prefetch.argtypes = [i32]
-    # dtype (BD_W_*) -> the planes of one row the decode layers' `fuse` sums in the weights' pass
+    # dtype (BD_W_*), rows -> the planes of one variant the decode layers' `fuse` sums in the weights' pass
     lib.bd_one_pass_planes.restype = i32
-    lib.bd_one_pass_planes.argtypes = [i32]
+    lib.bd_one_pass_planes.argtypes = [i32, i64]
     # x, M, ldx, s, d_out, d_in, lds, alpha, alpha_stride, y, ldy, method, x_is_bf16, n_threads
     lib.bd_delta_gemv.restype = i32
     lib.bd_delta_gemv.argtypes = [p, i64, i64, p, i64, i64, i64, p, i64, p, i64, i32, i32, i32]

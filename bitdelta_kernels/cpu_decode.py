@@ -186,10 +186,11 @@ class DecodeLayers:
             c.norm[:] = [_ptr(t) for t in L.norms]
             c.k, c.v, c.window = L.k.data_ptr(), L.v.data_ptr(), L.window or 0
 
-    def one_pass_planes(self) -> int:
-        """Up to how many sign planes of one row `run(fuse=True)` sums in the weights' own pass for
-        these layers' dtype on this library (0: none; more planes take the table loop)."""
-        return (self._lib or load_cpu_lib()).bd_one_pass_planes(_DTYPE_CODE[self.dtype])
+    def one_pass_planes(self, rows: int = 1) -> int:
+        """Up to how many sign planes of one variant `run(fuse=True)` sums in the weights' own pass
+        for a step of `rows` rows of these layers' dtype on this library (0: none; more planes or
+        rows take the table loop)."""
+        return (self._lib or load_cpu_lib()).bd_one_pass_planes(_DTYPE_CODE[self.dtype], rows)
 
     def _head_args(self, hp: HeadPlanes | None, logits: bool, B: int) -> _HeadArgs:
         """`hp` checked (the C code reads its planes and rows unchecked) as the C call's arguments."""
@@ -235,12 +236,12 @@ class DecodeLayers:
         head) fp32 [B, vocab] = round(h · headᵀ) instead, as `dense_linear(h, head).float()`; with
         `head_planes` too, a row of plane v gets fp32 h · headᵀ + α_v ⊙ (h · S_vᵀ), not rounded, as
         the runner's `_sign_heads` (`dense_linear(h, head, out_fp32=True)`, then
-        `bitdelta_delta_batched`), and a row of −1 round(h · headᵀ) as before. `fuse`: a step of one
-        row of a variant of up to `one_pass_planes()` planes sums each projection's planes, and its
-        head's plane, in the weights' pass where the library has such a loop (fp32: AVX-512, 4
-        planes; bf16: AVX512-BF16, 4): other sums than the table loop's, so not that row's numbers in
-        a mixed step (the default mode's single-variant form, never the batch-invariant one's); else
-        ignored.
+        `bitdelta_delta_batched`), and a row of −1 round(h · headᵀ) as before. `fuse`: a step of B
+        rows of one variant (the same slots in every row) of up to `one_pass_planes(B)` planes (4,
+        3, 2, 1 for 1-4 rows) sums each projection's planes, and its head's plane, in the weights'
+        pass where the library has such a loop (fp32: AVX-512; bf16: AVX512-BF16): other sums than
+        the table loop's, so not a row's numbers in a mixed step, though the same as the row's alone
+        (the default mode's single-variant form, never the batch-invariant one's); else ignored.
 
         x: [B, dim] the embedded tokens; row_slot: [B] slot per row (−1: the base; row slot + 1 of
         the norm and bias stacks; the row's one sign plane); row_planes: [B, k] each row's sign-plane

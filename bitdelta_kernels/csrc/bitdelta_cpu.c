@@ -1137,9 +1137,30 @@ void bd_merge(const void *w, int w_dtype, int64_t ldw, const uint8_t *s, int64_t
 
 /* The sign planes a GEMV's own pass sums (linear_rows): plane p's bits s[p] [d_out, lds] and its
  * α's a[p] (row r's at a[p][r · alpha_stride]). The blocks of LINEAR_BLOCK take one plane; the
- * one-row loops (delta_rows_f32, delta_rows_dp) up to ONE_PASS_PLANES, one accumulator pair each
- * (2 + 2·4 of AVX-512's 32 registers); one_pass_planes. */
+ * one-pass loops (delta_rows_f32, delta_rows_dp) up to ONE_PASS_PLANES for up to ONE_PASS_ROWS x
+ * rows (one_pass_most), one accumulator pair per plane and x row; one_pass_planes. */
 #define ONE_PASS_PLANES 4
+#define ONE_PASS_ROWS 4
+/* The planes the one-pass loops sum for M ≤ ONE_PASS_ROWS x rows (0: more rows): 4, 3, 2, 1, so
+ * that the 2·M·(planes + 1) accumulators, the bf16 loop's 2·planes sign vectors and a few more
+ * stay in AVX-512's 32 registers. */
+static inline int one_pass_most(int64_t M) { return M < 1 || M > ONE_PASS_ROWS ? 0 : (int)(5 - M); }
+/* FN(NX, NP) with literals, one loop per pair (its accumulators in registers), for M x rows of n
+ * planes, n ≤ one_pass_most(M): the callers choose n so (linear_planes); anything else aborts. */
+#define ONE_PASS_SWITCH(M, n, FN)                                                                        \
+    switch ((M) * 8 + (n)) {                                                                             \
+    case 9: FN(1, 1); break;                                                                             \
+    case 10: FN(1, 2); break;                                                                            \
+    case 11: FN(1, 3); break;                                                                            \
+    case 12: FN(1, 4); break;                                                                            \
+    case 17: FN(2, 1); break;                                                                            \
+    case 18: FN(2, 2); break;                                                                            \
+    case 19: FN(2, 3); break;                                                                            \
+    case 25: FN(3, 1); break;                                                                            \
+    case 26: FN(3, 2); break;                                                                            \
+    case 33: FN(4, 1); break;                                                                            \
+    default: abort();                                                                                    \
+    }
 typedef struct {
     const uint8_t *s[ONE_PASS_PLANES];
     const float *a[ONE_PASS_PLANES];
@@ -1585,161 +1606,185 @@ static const dense_dp_fn dense_dp_blocks[3][3] = {{dense_dp_1x1, dense_dp_1x2, d
 DENSE_ROWS(dense_rows_dp, uint16_t, uint16_t, dense_dp_blocks, DENSE_MIN_M_DP) /* bf16 weights and x (as bf16 words) */
 #define HAVE_DP_BF16 1
 
-/* y[r] = x · W_r + Σ_p α_p,r · (x · S_p,r) for one x row that is exactly bf16, rows [r0, r1), in ONE
- * pass: per 32 columns one VDPBF16PS against the weights and, per plane, one against its signs as
- * bf16 ±1 (a blend by the 32 bits loaded as a mask), all sums fp32 (products exact), each α applied
- * per lane before the one horizontal add. One row at a time, one linear stream of W (prefetched STREAM_AHEAD on: without
- * it this loop, unlike the dense one, fell behind on Zen 4) beside the bits' (1/16 of its bytes): a
- * one-row variant reads its bytes once instead of the table loop's second pass. A bf16 SmolLM2-135M
- * variant's decode step in the worker, one Zen 4 core: 0.88–0.91 × the base's against 0.84–0.86 for
- * the two passes (the bytes' limit 0.95; 2026-12-04, in turns). Its sums are not the table loop's, so
- * only a single-variant step of one row takes it (bd_decode_layers' `fuse`, never batch-invariant).
- * A 3-plane row's planes past the first cost ~0.04 of the base's step each here (bytes 1/16),
- * against ~0.15 by the table loop (docs/kernels.md). NP: P's planes, a literal (delta_rows_dp). */
-static inline __attribute__((always_inline)) void dp_rows_np(const uint16_t *xb, const uint16_t *w, int64_t ldw,
-                                                             const pass_planes *P, int64_t lds, int64_t d_in,
-                                                             int64_t alpha_stride, float *y, int64_t r0, int64_t r1,
-                                                             const int NP) {
+/* y[b, r] = x_b · W_r + Σ_p α_p,r · (x_b · S_p,r) for NX x rows (of one variant) that are exactly
+ * bf16, rows [r0, r1), in ONE pass: per 32 columns one VDPBF16PS per x row against the weights
+ * and, per plane, one against its signs as bf16 ±1 (a blend by the 32 bits loaded as a mask, once
+ * for all x rows), all sums fp32 (products exact), each α applied per lane before the one
+ * horizontal add. One weight row at a time, one linear stream of W (prefetched STREAM_AHEAD on:
+ * without it this loop, unlike the dense one, fell behind on Zen 4) beside the bits' (1/16 of its
+ * bytes): a variant's rows read its bytes once instead of the table loop's second pass. A bf16
+ * SmolLM2-135M variant's one-row decode step in the worker, one Zen 4 core: 0.88–0.91 × the base's
+ * against 0.84–0.86 for the two passes (the bytes' limit 0.95; 2026-12-04, in turns). Its sums are
+ * not the table loop's, so only a single-variant step takes it (bd_decode_layers' `fuse`, never
+ * batch-invariant); an x row's sums take the same steps whatever NX. A 3-plane row's planes past
+ * the first cost ~0.04 of the base's step each here (bytes 1/16), against ~0.15 by the table loop
+ * (docs/kernels.md). NX, NP: x rows and P's planes, literals (delta_rows_dp). */
+static inline __attribute__((always_inline)) void dp_rows_np(const uint16_t *xb, int64_t ldx, const uint16_t *w,
+                                                             int64_t ldw, const pass_planes *P, int64_t lds,
+                                                             int64_t d_in, int64_t alpha_stride, float *y, int64_t ldy,
+                                                             int64_t r0, int64_t r1, const int NX, const int NP) {
     const __m512i pos = _mm512_set1_epi16(0x3F80), neg = _mm512_set1_epi16((short)0xBF80); /* bf16 ±1 */
     for (int64_t r = r0; r < r1; ++r) {
         const uint16_t *wr = w + r * ldw;
         const uint8_t *sr[ONE_PASS_PLANES];
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, d0[ONE_PASS_PLANES], d1[ONE_PASS_PLANES];
-        for (int p = 0; p < NP; ++p) {
-            sr[p] = P->s[p] + r * lds;
-            d0[p] = d1[p] = a0;
+        __m512 a0[ONE_PASS_ROWS], a1[ONE_PASS_ROWS], d0[ONE_PASS_PLANES][ONE_PASS_ROWS], d1[ONE_PASS_PLANES][ONE_PASS_ROWS];
+        for (int b = 0; b < NX; ++b) {
+            a0[b] = a1[b] = _mm512_setzero_ps();
+            for (int p = 0; p < NP; ++p) d0[p][b] = d1[p][b] = a0[b];
         }
+        for (int p = 0; p < NP; ++p) sr[p] = P->s[p] + r * lds;
         int64_t k = 0;
         for (; k + 64 <= d_in; k += 64) {
             STREAM_PREFETCH(wr + k, 2);
-            const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(xb + k));
-            const __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(xb + k + 32));
-            a0 = _mm512_dpbf16_ps(a0, x0, (__m512bh)_mm512_loadu_si512((const void *)(wr + k)));
-            a1 = _mm512_dpbf16_ps(a1, x1, (__m512bh)_mm512_loadu_si512((const void *)(wr + k + 32)));
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(wr + k));
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(wr + k + 32));
+            __m512bh s0[ONE_PASS_PLANES], s1[ONE_PASS_PLANES]; /* each plane's 64 signs as bf16 ±1 */
             for (int p = 0; p < NP; ++p) {
                 uint32_t m0, m1;
                 memcpy(&m0, sr[p] + k / 8, 4);
                 memcpy(&m1, sr[p] + k / 8 + 4, 4);
-                d0[p] = _mm512_dpbf16_ps(d0[p], x0, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos));
-                d1[p] = _mm512_dpbf16_ps(d1[p], x1, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m1, neg, pos));
+                s0[p] = (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos);
+                s1[p] = (__m512bh)_mm512_mask_blend_epi16((__mmask32)m1, neg, pos);
+            }
+            for (int b = 0; b < NX; ++b) {
+                const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(xb + b * ldx + k));
+                const __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(xb + b * ldx + k + 32));
+                a0[b] = _mm512_dpbf16_ps(a0[b], x0, w0);
+                a1[b] = _mm512_dpbf16_ps(a1[b], x1, w1);
+                for (int p = 0; p < NP; ++p) {
+                    d0[p][b] = _mm512_dpbf16_ps(d0[p][b], x0, s0[p]);
+                    d1[p][b] = _mm512_dpbf16_ps(d1[p][b], x1, s1[p]);
+                }
             }
         }
-        if (k + 32 <= d_in) {
-            const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(xb + k));
-            a0 = _mm512_dpbf16_ps(a0, x0, (__m512bh)_mm512_loadu_si512((const void *)(wr + k)));
+        const int half = k + 32 <= d_in;
+        if (half) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(wr + k));
             for (int p = 0; p < NP; ++p) {
                 uint32_t m0;
                 memcpy(&m0, sr[p] + k / 8, 4);
-                d0[p] = _mm512_dpbf16_ps(d0[p], x0, (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos));
+                const __m512bh s0 = (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos);
+                for (int b = 0; b < NX; ++b)
+                    d0[p][b] = _mm512_dpbf16_ps(d0[p][b], (__m512bh)_mm512_loadu_si512((const void *)(xb + b * ldx + k)), s0);
             }
-            k += 32;
+            for (int b = 0; b < NX; ++b)
+                a0[b] = _mm512_dpbf16_ps(a0[b], (__m512bh)_mm512_loadu_si512((const void *)(xb + b * ldx + k)), w0);
         }
         float al[ONE_PASS_PLANES];
-        __m512 acc = _mm512_add_ps(a0, a1);
-        for (int p = 0; p < NP; ++p) {
-            al[p] = P->a[p][r * alpha_stride];
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(al[p]), _mm512_add_ps(d0[p], d1[p]), acc);
+        for (int p = 0; p < NP; ++p) al[p] = P->a[p][r * alpha_stride];
+        for (int b = 0; b < NX; ++b) {
+            const uint16_t *xm = xb + b * ldx;
+            __m512 acc = _mm512_add_ps(a0[b], a1[b]);
+            for (int p = 0; p < NP; ++p)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(al[p]), _mm512_add_ps(d0[p][b], d1[p][b]), acc);
+            float t = _mm512_reduce_add_ps(acc);
+            for (int64_t kk = k + 32 * half; kk < d_in; ++kk) { /* ragged tail */
+                const float xv = w_at(xm, BD_W_BF16, kk);
+                float dt = 0.f;
+                for (int p = 0; p < NP; ++p) dt += al[p] * ((sr[p][kk >> 3] >> (kk & 7)) & 1 ? xv : -xv);
+                t += xv * w_at(wr, BD_W_BF16, kk) + dt;
+            }
+            y[b * ldy + r] = t;
         }
-        float t = _mm512_reduce_add_ps(acc);
-        for (; k < d_in; ++k) { /* ragged tail */
-            const float xv = w_at(xb, BD_W_BF16, k);
-            float dt = 0.f;
-            for (int p = 0; p < NP; ++p) dt += al[p] * ((sr[p][k >> 3] >> (k & 7)) & 1 ? xv : -xv);
-            t += xv * w_at(wr, BD_W_BF16, k) + dt;
-        }
-        y[r] = t;
     }
 }
 
-static void delta_rows_dp(const uint16_t *xb, const uint16_t *w, int64_t ldw, const pass_planes *P, int64_t lds,
-                          int64_t d_in, int64_t alpha_stride, float *y, int64_t r0, int64_t r1) {
-    switch (P->n) { /* one loop per plane count: its accumulators in registers */
-    case 1: dp_rows_np(xb, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, 1); break;
-    case 2: dp_rows_np(xb, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, 2); break;
-    case 3: dp_rows_np(xb, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, 3); break;
-    default: dp_rows_np(xb, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, ONE_PASS_PLANES); break; /* n = 4 */
-    }
+static void delta_rows_dp(const uint16_t *xb, int64_t ldx, int64_t M, const uint16_t *w, int64_t ldw,
+                          const pass_planes *P, int64_t lds, int64_t d_in, int64_t alpha_stride, float *y, int64_t ldy,
+                          int64_t r0, int64_t r1) {
+#define DP_ROWS(NX, NP) dp_rows_np(xb, ldx, w, ldw, P, lds, d_in, alpha_stride, y, ldy, r0, r1, NX, NP)
+    ONE_PASS_SWITCH(M, P->n, DP_ROWS);
+#undef DP_ROWS
 }
 #endif
 
 #if defined(__AVX512F__)
-/* y[r] = x · W_r + Σ_p α_p,r · (2 · Σ_{S_p,r = +} x − Σ x) for one fp32 x row, rows [r0, r1), in ONE
- * pass: per 16 columns one FMA against the weights and, per plane, one add of x masked by its 16
- * bits, so a one-row variant's planes ride its weights' stream (1/32 of its bytes each) instead of
- * the table loop's second pass. One row at a time, one linear stream of W, left to the hardware
+/* y[b, r] = x_b · W_r + Σ_p α_p,r · (2 · Σ_{S_p,r = +} x_b − Σ x_b) for NX fp32 x rows (of one
+ * variant), rows [r0, r1), in ONE pass: per 16 columns one FMA per x row against the weights and,
+ * per plane and x row, one add of x masked by its 16 bits (loaded once for all x rows), so a
+ * variant's planes ride its weights' stream (1/32 of its bytes each) instead of the table loop's
+ * second pass. One weight row at a time, one linear stream of W, left to the hardware
  * prefetchers: on a Zen 4 core the software prefetch of delta_rows_dp cost this lighter loop 1–3 %
  * (SmolLM2-135M's C decode step with its head, one row, 100 in turns, four runs). The variant's
  * step ÷ the base's there: ~1 % above the two passes', within that host's spread (an fp32 step is
- * ~18 ms of weights; the table loop's compute ~0.5 ms of it). xsum: Σ x (row_sums). NP: P's planes,
- * a literal (delta_rows_f32). */
-static inline __attribute__((always_inline)) void f32_rows_np(const float *x, float xsum, const float *w,
-                                                              int64_t ldw, const pass_planes *P, int64_t lds,
-                                                              int64_t d_in, int64_t alpha_stride, float *y,
-                                                              int64_t r0, int64_t r1, const int NP) {
+ * ~18 ms of weights; the table loop's compute ~0.5 ms of it). xsum: Σ x_b (row_sums). An x row's
+ * sums take the same steps whatever NX. NX, NP: x rows and P's planes, literals (delta_rows_f32). */
+static inline __attribute__((always_inline)) void f32_rows_np(const float *x, int64_t ldx, const float *xsum,
+                                                              const float *w, int64_t ldw, const pass_planes *P,
+                                                              int64_t lds, int64_t d_in, int64_t alpha_stride, float *y,
+                                                              int64_t ldy, int64_t r0, int64_t r1, const int NX,
+                                                              const int NP) {
     for (int64_t r = r0; r < r1; ++r) {
         const float *wr = w + r * ldw;
         const uint8_t *sr[ONE_PASS_PLANES];
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, d0[ONE_PASS_PLANES], d1[ONE_PASS_PLANES];
-        for (int p = 0; p < NP; ++p) {
-            sr[p] = P->s[p] + r * lds;
-            d0[p] = d1[p] = a0;
+        __m512 a0[ONE_PASS_ROWS], a1[ONE_PASS_ROWS], d0[ONE_PASS_PLANES][ONE_PASS_ROWS], d1[ONE_PASS_PLANES][ONE_PASS_ROWS];
+        for (int b = 0; b < NX; ++b) {
+            a0[b] = a1[b] = _mm512_setzero_ps();
+            for (int p = 0; p < NP; ++p) d0[p][b] = d1[p][b] = a0[b];
         }
+        for (int p = 0; p < NP; ++p) sr[p] = P->s[p] + r * lds;
         int64_t k = 0;
         for (; k + 32 <= d_in; k += 32) {
-            const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
-            a0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(wr + k), a0);
-            a1 = _mm512_fmadd_ps(x1, _mm512_loadu_ps(wr + k + 16), a1);
-            for (int p = 0; p < NP; ++p) {
-                uint32_t m;
-                memcpy(&m, sr[p] + k / 8, 4);
-                d0[p] = _mm512_mask_add_ps(d0[p], (__mmask16)m, d0[p], x0);
-                d1[p] = _mm512_mask_add_ps(d1[p], (__mmask16)(m >> 16), d1[p], x1);
+            const __m512 w0 = _mm512_loadu_ps(wr + k), w1 = _mm512_loadu_ps(wr + k + 16);
+            uint32_t m[ONE_PASS_PLANES];
+            for (int p = 0; p < NP; ++p) memcpy(&m[p], sr[p] + k / 8, 4);
+            for (int b = 0; b < NX; ++b) {
+                const __m512 x0 = _mm512_loadu_ps(x + b * ldx + k), x1 = _mm512_loadu_ps(x + b * ldx + k + 16);
+                a0[b] = _mm512_fmadd_ps(x0, w0, a0[b]);
+                a1[b] = _mm512_fmadd_ps(x1, w1, a1[b]);
+                for (int p = 0; p < NP; ++p) {
+                    d0[p][b] = _mm512_mask_add_ps(d0[p][b], (__mmask16)m[p], d0[p][b], x0);
+                    d1[p][b] = _mm512_mask_add_ps(d1[p][b], (__mmask16)(m[p] >> 16), d1[p][b], x1);
+                }
             }
         }
-        if (k + 16 <= d_in) {
-            const __m512 x0 = _mm512_loadu_ps(x + k);
-            a0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(wr + k), a0);
-            for (int p = 0; p < NP; ++p) {
-                uint16_t m0;
-                memcpy(&m0, sr[p] + k / 8, 2);
-                d0[p] = _mm512_mask_add_ps(d0[p], (__mmask16)m0, d0[p], x0);
+        const int half = k + 16 <= d_in;
+        if (half) {
+            const __m512 w0 = _mm512_loadu_ps(wr + k);
+            uint16_t m0[ONE_PASS_PLANES];
+            for (int p = 0; p < NP; ++p) memcpy(&m0[p], sr[p] + k / 8, 2);
+            for (int b = 0; b < NX; ++b) {
+                const __m512 x0 = _mm512_loadu_ps(x + b * ldx + k);
+                a0[b] = _mm512_fmadd_ps(x0, w0, a0[b]);
+                for (int p = 0; p < NP; ++p) d0[p][b] = _mm512_mask_add_ps(d0[p][b], (__mmask16)m0[p], d0[p][b], x0);
             }
-            k += 16;
         }
         float al[ONE_PASS_PLANES], asum = 0.f;
-        __m512 acc = _mm512_add_ps(a0, a1);
         for (int p = 0; p < NP; ++p) {
             al[p] = P->a[p][r * alpha_stride];
             asum += al[p];
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(2.f * al[p]), _mm512_add_ps(d0[p], d1[p]), acc);
         }
-        float t = _mm512_reduce_add_ps(acc);
-        for (; k < d_in; ++k) { /* ragged tail */
-            float dt = 0.f;
-            for (int p = 0; p < NP; ++p) dt += (sr[p][k >> 3] >> (k & 7)) & 1 ? 2.f * al[p] * x[k] : 0.f;
-            t += x[k] * wr[k] + dt;
+        for (int b = 0; b < NX; ++b) {
+            const float *xm = x + b * ldx;
+            __m512 acc = _mm512_add_ps(a0[b], a1[b]);
+            for (int p = 0; p < NP; ++p)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(2.f * al[p]), _mm512_add_ps(d0[p][b], d1[p][b]), acc);
+            float t = _mm512_reduce_add_ps(acc);
+            for (int64_t kk = k + 16 * half; kk < d_in; ++kk) { /* ragged tail */
+                float dt = 0.f;
+                for (int p = 0; p < NP; ++p) dt += (sr[p][kk >> 3] >> (kk & 7)) & 1 ? 2.f * al[p] * xm[kk] : 0.f;
+                t += xm[kk] * wr[kk] + dt;
+            }
+            y[b * ldy + r] = t - asum * xsum[b];
         }
-        y[r] = t - asum * xsum;
     }
 }
 
-static void delta_rows_f32(const float *x, float xsum, const float *w, int64_t ldw, const pass_planes *P,
-                           int64_t lds, int64_t d_in, int64_t alpha_stride, float *y, int64_t r0, int64_t r1) {
-    switch (P->n) { /* one loop per plane count: its accumulators in registers */
-    case 1: f32_rows_np(x, xsum, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, 1); break;
-    case 2: f32_rows_np(x, xsum, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, 2); break;
-    case 3: f32_rows_np(x, xsum, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, 3); break;
-    default: f32_rows_np(x, xsum, w, ldw, P, lds, d_in, alpha_stride, y, r0, r1, ONE_PASS_PLANES); break; /* n = 4 */
-    }
+static void delta_rows_f32(const float *x, int64_t ldx, int64_t M, const float *xsum, const float *w, int64_t ldw,
+                           const pass_planes *P, int64_t lds, int64_t d_in, int64_t alpha_stride, float *y,
+                           int64_t ldy, int64_t r0, int64_t r1) {
+#define F32_ROWS(NX, NP) f32_rows_np(x, ldx, xsum, w, ldw, P, lds, d_in, alpha_stride, y, ldy, r0, r1, NX, NP)
+    ONE_PASS_SWITCH(M, P->n, F32_ROWS);
+#undef F32_ROWS
 }
 #define HAVE_F32_ONE_PASS 1
 #endif
 
 #endif
 
-/* Which one-row one-pass loops this build has (one_pass_planes) */
+/* Which one-pass loops this build has (one_pass_planes) */
 #ifdef HAVE_DP_BF16
-#define HAVE_DP_ONE_PASS ONE_PASS_PLANES /* bf16: delta_rows_dp */
+#define HAVE_DP_ONE_PASS 1 /* bf16: delta_rows_dp */
 #else
 #define HAVE_DP_ONE_PASS 0
 #endif
@@ -1747,14 +1792,16 @@ static void delta_rows_f32(const float *x, float xsum, const float *w, int64_t l
 #define HAVE_F32_ONE_PASS 0 /* fp32: delta_rows_f32 */
 #endif
 
-/* Up to how many planes of one row this build sums in its weights' pass for weights of dtype (0:
- * none): ONE_PASS_PLANES for fp32 where it has AVX-512 (delta_rows_f32) and for bf16 where it has
- * AVX512-BF16 (delta_rows_dp). Their sums are more exact than the bf16 tables', so such a row's bf16
- * logits can differ from the same row's in a mixed step by a unit in the last place, and greedy
- * tokens at such a near-tie can swap (tests/gpu_worker/test_worker_batch_invariance.py checks
- * that the logprobs stay within that unit). */
-static inline int one_pass_planes(int dtype) {
-    return dtype == BD_W_BF16 ? HAVE_DP_ONE_PASS : (dtype == BD_W_F32 && HAVE_F32_ONE_PASS ? ONE_PASS_PLANES : 0);
+/* Up to how many planes of one variant M x rows of weights of dtype sum in the weights' pass in
+ * this build (0: none): one_pass_most(M) for fp32 where it has AVX-512 (delta_rows_f32) and for bf16
+ * where it has AVX512-BF16 (delta_rows_dp). Their sums are more exact than the bf16 tables', so such
+ * a row's bf16 logits can differ from the same row's in a mixed step by a unit in the last place,
+ * and greedy tokens at such a near-tie can swap (tests/gpu_worker/test_worker_batch_invariance.py
+ * checks that the logprobs stay within that unit). A row's numbers are the same whatever M: each x
+ * row's sums take the same steps in every loop. */
+static inline int one_pass_planes(int dtype, int64_t M) {
+    const int has = dtype == BD_W_BF16 ? HAVE_DP_ONE_PASS : dtype == BD_W_F32 && HAVE_F32_ONE_PASS;
+    return has ? one_pass_most(M) : 0;
 }
 
 #ifdef HAVE_LINEAR_BLOCKS
@@ -1780,14 +1827,14 @@ static void linear_rows(const float *x, const float *xeo, const uint16_t *xb, in
         dense_rows_dp(xb, ldx, M, (const uint16_t *)w, ldw, d_in, y, ldy, r0, r1);
         return;
     }
-    if (xb && s && w_dtype == BD_W_BF16 && M == 1) {
-        delta_rows_dp(xb, (const uint16_t *)w, ldw, P, lds, d_in, alpha_stride, y, r0, r1);
+    if (xb && s && w_dtype == BD_W_BF16 && P->n <= one_pass_most(M)) {
+        delta_rows_dp(xb, ldx, M, (const uint16_t *)w, ldw, P, lds, d_in, alpha_stride, y, ldy, r0, r1);
         return;
     }
 #endif
 #if HAVE_F32_ONE_PASS
-    if (s && w_dtype == BD_W_F32 && M == 1) {
-        delta_rows_f32(x, xsum[0], (const float *)w, ldw, P, lds, d_in, alpha_stride, y, r0, r1);
+    if (s && w_dtype == BD_W_F32 && P->n <= one_pass_most(M)) {
+        delta_rows_f32(x, ldx, M, xsum, (const float *)w, ldw, P, lds, d_in, alpha_stride, y, ldy, r0, r1);
         return;
     }
 #endif
@@ -1918,7 +1965,7 @@ static int linear_planes(const float *x, int64_t M, int64_t ldx, const void *w, 
                          const float *alpha, int64_t stride_av, int64_t alpha_stride, const int64_t *slots,
                          int64_t n_planes, float *y, int64_t ldy, int x_is_bf16, int one_pass, int n_threads) {
     pass_planes planes = {{NULL}, {NULL}, 0}; /* the one-pass loop's */
-    const int most = M == 1 && one_pass_planes(w_dtype) > 1 ? one_pass_planes(w_dtype) : 1;
+    const int most = one_pass_planes(w_dtype, M) > 1 ? one_pass_planes(w_dtype, M) : 1; /* else the blocks' one */
     for (int64_t p = 0, v; one_pass && p < (slots ? n_planes : 1); ++p)
         if ((v = slots ? slots[p] : 0) >= 0) {
             if (planes.n == most) { /* more than the loop sums: the planes' pass */
@@ -1938,7 +1985,7 @@ static int linear_planes(const float *x, int64_t M, int64_t ldx, const void *w, 
     int64_t *mate = NULL;
     int failed = 0;
     /* x's values are bf16: its upper halves, exactly, for the bf16 dense GEMV */
-    if (x_is_bf16 && (!p1 || (M == 1 && HAVE_DP_ONE_PASS)) && w_dtype == BD_W_BF16)
+    if (x_is_bf16 && (!p1 || one_pass_planes(BD_W_BF16, M) > 0) && w_dtype == BD_W_BF16)
         xb = bf16_words(x, M, ldx, d_in, &failed);
     const int bf16 = tables_bf16(x_is_bf16);
     if (s2 && !failed) tab = x_tables(x, M, ldx, d_in, bf16, &failed); /* the planes' table loop */
@@ -2464,7 +2511,7 @@ static inline float round_to(int dtype, float v) {
 }
 
 /* The planes bd_decode_layers' `fuse` sums in the weights' pass for a row of dtype (0: none). */
-int bd_one_pass_planes(int dtype) { return one_pass_planes(dtype); }
+int bd_one_pass_planes(int dtype, int64_t rows) { return one_pass_planes(dtype, rows); }
 
 /* y = round(x · Wᵀ [+ Σ_p α_v ⊙ (x · S_vᵀ) over the row's plane slots v ≥ 0]) [+ bias row], as
  * runner._linear: slots [B, n_planes] each row's plane slots (row_slot itself for one plane).
@@ -2625,11 +2672,12 @@ static int decode_head(const float *h, int64_t B, int64_t D, const void *head, i
  * _sign_heads: the GEMV and then bd_delta_batched's plane, bit for bit), a row of −1 round(h · headᵀ).
  * One plane for every row takes linear_planes' one task (on many threads, one core's GEMV beside
  * another's planes); a mix, the GEMV for every row and then each plane over its rows.
- * fuse: a step of ONE row of a variant (row_slot[0] ≥ 0) of up to one_pass_planes(dtype) planes (fp32
- * with AVX-512: 4, delta_rows_f32; bf16 with AVX512-BF16: 4, delta_rows_dp) sums each projection's
- * planes, and the head's plane when its row takes one, in the weights' pass, not by the table loop:
- * other sums, so its numbers are not the same row's in a mixed step (the caller's choice: never in
- * the batch-invariant mode); anything else ignores it.
+ * fuse: a step of B ≤ ONE_PASS_ROWS rows of one variant (row_slot ≥ 0 and plane slots the same in
+ * every row) of up to one_pass_planes(dtype, B) planes (4, 3, 2, 1 for 1–4 rows; fp32 with AVX-512,
+ * delta_rows_f32; bf16 with AVX512-BF16, delta_rows_dp) sums each projection's planes, and the
+ * head's plane when its rows take one, in the weights' pass, not by the table loop: other sums, so
+ * its numbers are not the same row's in a mixed step (the caller's choice: never in the
+ * batch-invariant mode), though they are that row's alone; anything else ignores it.
  * After the layers' ~200 MB of weights every cache is cold, and the ~10 small torch ops of the
  * norm and the head's call cost ~0.3 ms of a ~10 ms bf16 SmolLM2-135M step there. Returns 0 or −1. */
 int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, int64_t B, const int64_t *row_slot,
@@ -2644,8 +2692,14 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
     for (int64_t b = 0; b < B; ++b) any_delta |= row_slot[b] >= 0;
     const int64_t *slots = n_planes > 1 ? row_planes : row_slot; /* each row's plane slots */
     const int64_t P = n_planes > 1 ? n_planes : 1;
-    const int one_row = fuse && B == 1 && one_pass_planes(dtype) > 0; /* the head's plane in one pass */
-    const int one_pass = one_row && row_slot[0] >= 0; /* and the projections' (linear_planes: up to its loop's planes) */
+    /* fuse: rows of one variant (the same slots in every row), as many as the one-pass loops take */
+    int one_var = fuse && one_pass_planes(dtype, B) > 0;
+    for (int64_t b = 1; b < B && one_var; ++b) {
+        one_var = row_slot[b] == row_slot[0];
+        for (int64_t p = 0; p < P && one_var; ++p) one_var = slots[b * P + p] == slots[p];
+    }
+    /* the head's plane in one pass, and the projections' (linear_planes: up to its loops' planes) */
+    const int one_pass = one_var && row_slot[0] >= 0;
     const int64_t n = B * (D + Q + 2 * HD + D + 3 * F + D);
     float *buf = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
     if (!buf) return -1;
@@ -2682,7 +2736,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
         decode_norm(x, final_norm, row_slot, B, D, eps, dtype, h);
         memcpy(x, h, sizeof(float) * (size_t)(B * D));
         if (head) rc = decode_head(h, B, D, head, dtype, vocab, n_heads, head_signs, head_alpha, head_alpha_stride,
-                                   head_of_row, logits, n_threads, one_row);
+                                   head_of_row, logits, n_threads, one_var);
     }
     free(buf);
     return rc ? -1 : 0;

@@ -786,6 +786,64 @@ def test_decode_layers_fuse_a_row_of_k_planes(isa, dtype):
         fewer = fused
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dims", [(576, 9, 3, 64, 1536), (40, 2, 1, 20, 72)], ids=["smollm2", "ragged"])
+def test_decode_layers_fuse_rows_of_one_variant(isa, dtype, dims):
+    """`fuse` over a step of 2-4 rows of one variant of k planes (up to `one_pass_planes(B)`: 4, 3,
+    2, 1 for 1-4 rows): every row gets the numbers it gets alone, fused (each x row's sums take the
+    same steps whatever the step's rows), close to the table loop's and (fp32) to the layer in
+    float64, the last plane counting; more planes than the rows' loop sums, or rows of two
+    variants, take the table loop (`fuse` ignored: its bits exactly)."""
+    from bitdelta_kernels.cpu_decode import DecodeLayers, DecodeShape
+
+    D, H, KV, hd, F = dims
+    g = torch.Generator().manual_seed(D + 7)
+    out_in = (((H + 2 * KV) * hd, D), (D, H * hd), (2 * F, D), (D, F))
+    bs = 4
+    L = random_layer(out_in, D, KV, hd, 5, dtype, 8 * bs, g, alpha_scale=0.2)
+    shape = DecodeShape(D, H, KV, hd, F, 1e-5)
+    layers = DecodeLayers([L], shape, dtype)
+    cos, sin, tables, lens, write_rows, x = four_decode_rows(D, hd, bs, g)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    one_pass = one_pass_build(dtype)
+    assert [layers.one_pass_planes(B) for B in range(1, 6)] == ([4, 3, 2, 1, 0] if one_pass else [0] * 5)
+
+    def run(rows, k: int, fuse: bool, slot: int = 0) -> torch.Tensor:
+        r = torch.tensor(rows)
+        planes = [[slot + p for p in range(k)] for _ in rows]
+        return layers.run(
+            x[r].to(dtype), torch.tensor([p[0] for p in planes]), cos[r], sin[r], write_rows[r], tables[r], lens[r],
+            bs, fuse=fuse, row_planes=torch.tensor(planes),
+        )  # fmt: skip
+
+    for B in (2, 3, 4):
+        rows = list(range(B))
+        fewer = None
+        for k in range(1, 5 - B + 2):  # up to one plane past what B rows sum in one pass
+            fused, two = run(rows, k, True), run(rows, k, False)
+            in_pass = one_pass and k <= 5 - B
+            assert torch.equal(fused, two) == (not in_pass), (B, k)
+            assert rel_err(fused, two) <= tol, (B, k)
+            if in_pass:
+                for b in rows:
+                    assert torch.equal(fused[b], run([b], k, True)[0]), (B, k, b)
+            if dtype == torch.float32:
+                plane_rows = [list(range(k))] * B
+                r = slice(0, B)
+                want = decode_layer_ref(
+                    x[r], L, [0] * B, shape, cos[r], sin[r], write_rows[r], tables[r], lens[r], bs, plane_rows
+                )
+                assert rel_err(fused, want) <= 1e-5, (B, k)
+            if fewer is not None:
+                assert rel_err(fused, fewer) > 0.05, (B, k)  # plane k counts
+            fewer = fused
+    # rows of two variants: the table loop whatever fuse says
+    r = torch.arange(2)
+    mixed = dict(row_planes=torch.tensor([[0, 1], [2, 3]]))
+    args = (x[r].to(dtype), torch.tensor([0, 2]), cos[r], sin[r], write_rows[r], tables[r], lens[r], bs)
+    assert torch.equal(layers.run(*args, fuse=True, **mixed), layers.run(*args, fuse=False, **mixed))
+
+
 def random_layer(out_in, D, KV, hd, n_slots, dtype, kv_rows, g, alpha_scale=0.02):
     """A `DecodeLayer` of random weights in `dtype` (groups' [d_out, d_in] `out_in`), n_slots
     random one-plane deltas (α up to alpha_scale / √d_in), norms per slot and a KV pool of kv_rows
@@ -815,8 +873,9 @@ def one_pass_build(dtype: torch.dtype) -> bool:
 def test_decode_layers_fuse_one_variant_row(isa, dtype):
     """`fuse`: a step of one row of a variant sums each projection's plane, and its head's, in the
     weights' pass where the library has such a loop (bf16: AVX512-BF16; fp32: AVX-512): other sums
-    than the table loop's, close to them; and changes nothing for a row of the base, a step of two
-    rows, or a build without it."""
+    than the table loop's, close to them; the same numbers for that row in a step of two rows of
+    the variant (test_decode_layers_fuse_rows_of_one_variant); and changes nothing for a row of the
+    base, a step of two variants' rows, or a build without it."""
     from bitdelta_kernels.cpu_decode import DecodeLayers, DecodeShape, HeadPlanes
 
     D, H, KV, hd, F, V = 576, 9, 3, 64, 1536, 1000
@@ -851,7 +910,8 @@ def test_decode_layers_fuse_one_variant_row(isa, dtype):
     assert rel_err(fused, two) <= (1e-5 if dtype == torch.float32 else 2e-2)
     assert torch.equal(fused, two) != one_pass
     assert torch.equal(run([0], [-1], True), run([0], [-1], False))
-    assert torch.equal(run([0, 1], [1, 1], True), run([0, 1], [1, 1], False))
+    assert torch.equal(run([0, 1], [1, 1], True)[0], fused[0])
+    assert torch.equal(run([0, 1], [0, 1], True), run([0, 1], [0, 1], False))
     # the head's plane alone (no layer: x is the final norm's input): within fp32 summation's error
     # of the float64 oracle either way, and the one pass's own sums where the build has it
     head_only = DecodeLayers([], DecodeShape(D, H, KV, hd, F, 1e-5), dtype, final_norm=final[:1], head=head)
