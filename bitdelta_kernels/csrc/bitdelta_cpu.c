@@ -2510,7 +2510,8 @@ static inline float round_to(int dtype, float v) {
     return v;
 }
 
-/* The planes bd_decode_layers' `fuse` sums in the weights' pass for a row of dtype (0: none). */
+/* The planes of one variant bd_decode_layers' `fuse` sums in the weights' pass for a step of `rows`
+ * rows of dtype (0: none). */
 int bd_one_pass_planes(int dtype, int64_t rows) { return one_pass_planes(dtype, rows); }
 
 /* y = round(x · Wᵀ [+ Σ_p α_v ⊙ (x · S_vᵀ) over the row's plane slots v ≥ 0]) [+ bias row], as
