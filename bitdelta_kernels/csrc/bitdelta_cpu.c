@@ -1161,6 +1161,18 @@ static inline int one_pass_most(int64_t M) { return M < 1 || M > ONE_PASS_ROWS ?
     case 33: FN(4, 1); break;                                                                            \
     default: abort();                                                                                    \
     }
+/* The one-pass loops' state for weight row r: each x row's accumulator pair (a0, a1: the
+ * weights' sums), each plane's and x row's (d0, d1: the signs'), and each plane's bits at row r
+ * (sr), for NX x rows and NP planes of P. */
+#define ONE_PASS_ACC_INIT(NX, NP)                                                                        \
+    const uint8_t *sr[ONE_PASS_PLANES];                                                                  \
+    __m512 a0[ONE_PASS_ROWS], a1[ONE_PASS_ROWS], d0[ONE_PASS_PLANES][ONE_PASS_ROWS],                     \
+        d1[ONE_PASS_PLANES][ONE_PASS_ROWS];                                                              \
+    for (int b = 0; b < (NX); ++b) {                                                                     \
+        a0[b] = a1[b] = _mm512_setzero_ps();                                                             \
+        for (int p = 0; p < (NP); ++p) d0[p][b] = d1[p][b] = a0[b];                                      \
+    }                                                                                                    \
+    for (int p = 0; p < (NP); ++p) sr[p] = P->s[p] + r * lds
 typedef struct {
     const uint8_t *s[ONE_PASS_PLANES];
     const float *a[ONE_PASS_PLANES];
@@ -1626,13 +1638,7 @@ static inline __attribute__((always_inline)) void dp_rows_np(const uint16_t *xb,
     const __m512i pos = _mm512_set1_epi16(0x3F80), neg = _mm512_set1_epi16((short)0xBF80); /* bf16 ±1 */
     for (int64_t r = r0; r < r1; ++r) {
         const uint16_t *wr = w + r * ldw;
-        const uint8_t *sr[ONE_PASS_PLANES];
-        __m512 a0[ONE_PASS_ROWS], a1[ONE_PASS_ROWS], d0[ONE_PASS_PLANES][ONE_PASS_ROWS], d1[ONE_PASS_PLANES][ONE_PASS_ROWS];
-        for (int b = 0; b < NX; ++b) {
-            a0[b] = a1[b] = _mm512_setzero_ps();
-            for (int p = 0; p < NP; ++p) d0[p][b] = d1[p][b] = a0[b];
-        }
-        for (int p = 0; p < NP; ++p) sr[p] = P->s[p] + r * lds;
+        ONE_PASS_ACC_INIT(NX, NP);
         int64_t k = 0;
         for (; k + 64 <= d_in; k += 64) {
             STREAM_PREFETCH(wr + k, 2);
@@ -1658,17 +1664,19 @@ static inline __attribute__((always_inline)) void dp_rows_np(const uint16_t *xb,
             }
         }
         const int half = k + 32 <= d_in;
-        if (half) {
+        if (half) { /* 32 columns more: the first halves' accumulators */
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(wr + k));
+            __m512bh s0[ONE_PASS_PLANES];
             for (int p = 0; p < NP; ++p) {
                 uint32_t m0;
                 memcpy(&m0, sr[p] + k / 8, 4);
-                const __m512bh s0 = (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos);
-                for (int b = 0; b < NX; ++b)
-                    d0[p][b] = _mm512_dpbf16_ps(d0[p][b], (__m512bh)_mm512_loadu_si512((const void *)(xb + b * ldx + k)), s0);
+                s0[p] = (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos);
             }
-            for (int b = 0; b < NX; ++b)
-                a0[b] = _mm512_dpbf16_ps(a0[b], (__m512bh)_mm512_loadu_si512((const void *)(xb + b * ldx + k)), w0);
+            for (int b = 0; b < NX; ++b) {
+                const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(xb + b * ldx + k));
+                a0[b] = _mm512_dpbf16_ps(a0[b], x0, w0);
+                for (int p = 0; p < NP; ++p) d0[p][b] = _mm512_dpbf16_ps(d0[p][b], x0, s0[p]);
+            }
         }
         float al[ONE_PASS_PLANES];
         for (int p = 0; p < NP; ++p) al[p] = P->a[p][r * alpha_stride];
@@ -1716,13 +1724,7 @@ static inline __attribute__((always_inline)) void f32_rows_np(const float *x, in
                                                               const int NP) {
     for (int64_t r = r0; r < r1; ++r) {
         const float *wr = w + r * ldw;
-        const uint8_t *sr[ONE_PASS_PLANES];
-        __m512 a0[ONE_PASS_ROWS], a1[ONE_PASS_ROWS], d0[ONE_PASS_PLANES][ONE_PASS_ROWS], d1[ONE_PASS_PLANES][ONE_PASS_ROWS];
-        for (int b = 0; b < NX; ++b) {
-            a0[b] = a1[b] = _mm512_setzero_ps();
-            for (int p = 0; p < NP; ++p) d0[p][b] = d1[p][b] = a0[b];
-        }
-        for (int p = 0; p < NP; ++p) sr[p] = P->s[p] + r * lds;
+        ONE_PASS_ACC_INIT(NX, NP);
         int64_t k = 0;
         for (; k + 32 <= d_in; k += 32) {
             const __m512 w0 = _mm512_loadu_ps(wr + k), w1 = _mm512_loadu_ps(wr + k + 16);
