@@ -13,9 +13,9 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 if [ "${BITDELTA_FULL:-0}" = 1 ]; then
     .venv/bin/bitdelta family build
-    # the modes of the committed reports/quality.md: without --modes every mode of
+    # the modes of the committed reports/quality.md and the serving default: without --modes every mode of
     # bitdelta.family.modes (~40 per member, the -kl ones 100 distillation steps) takes many hours
-    .venv/bin/bitdelta quality --modes matrix matrix-distilled row row-distilled row-sign-emb row-sign-emb-distilled
+    .venv/bin/bitdelta quality --modes matrix matrix-distilled row row-distilled row-sign-emb row-sign-emb-distilled row-sign-emb-gptq
 else
     .venv/bin/bitdelta family build --quick
     echo "[demo] the full family and its reports: BITDELTA_FULL=1 bash scripts/demo.sh"

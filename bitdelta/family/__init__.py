@@ -20,9 +20,10 @@ the repository root):
     data/base/                         the converted base (HF layout, fp32 safetensors, tokenizer)
     data/finetuned/<variant>/          full fine-tunes (HF layout)
     data/deltas/<variant>.bitdelta.safetensors    serving default (SERVING_MODE): per-row α, the tied
-                                       embedding/LM head as signs too, distilled projection α's
+                                       embedding/LM head as signs too, the projections' signs by
+                                       error feedback
     data/deltas-modes/<variant>.<mode>.bitdelta.safetensors   the other modes (quality report),
-                                       e.g. row-distilled (the same with the embeddings stored dense)
+                                       e.g. row-sign-emb-distilled (BitDelta's signs, α's distilled)
     data/corpora/<variant>.{train,heldout}.txt   the text of each split
     data/stamps/*.json                 what was built from what (a build step is skipped when its stamp matches)
 
@@ -52,12 +53,15 @@ HARD: dict[str, str] = {"bard": "shakespeare"}
 HARD_LR, HARD_STEPS = 3e-4, 4  # the gentle members: 1e-4, 64 steps
 MEMBERS: dict[str, str] = {**VARIANTS, **HARD}  # every member, in the reports' order
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# The mode (bitdelta.family.quality.MODES) of data/deltas/, which the delta store serves and
-# the GPU worker loads: per-row α, the tied embedding/LM head compressed to signs + α as well
-# (1/16 of the base's bf16 bytes, no dense per-variant head), scale-distilled. Distillation
-# trains the projections' α's only: the tied pair is materialised once by `attach_delta`, so
-# its α stays mean|Δ| (one α per row, used by both the lookup and the head).
-SERVING_MODE = "row-sign-emb-distilled"
+# The mode (bitdelta.family.modes.MODES) of data/deltas/, which the delta store serves and the
+# GPU worker loads: BitDelta's one plane of per-row α, the tied embedding/LM head compressed to
+# signs + α as well (1/15 of the base's bf16 bytes, no dense per-variant head), the projections'
+# signs chosen by error feedback under their inputs' second moments (the member's train split) and
+# their α's fitted to the output error (`bitdelta.planes.feedback_plane`): the same bytes, file and
+# kernels as BitDelta's signs, undistilled. On the quick family it keeps each member's held-out
+# KL(fine-tune ‖ ·) 11–58 × below BitDelta's signs with α's distilled on logit MSE (the previous
+# default, "row-sign-emb-distilled"; reports/quick-family), on the hard member 0.0261 against 0.0608.
+SERVING_MODE = "row-sign-emb-gptq"
 
 
 def data_dir() -> Path:
@@ -81,9 +85,9 @@ class FamilyPaths:
     modes_dir: Path = Path()
 
     def delta_mode(self, variant: str, mode: str) -> Path:
-        """The delta of a mode (bitdelta.family.quality.MODES): the serving default
-        (SERVING_MODE, "row-sign-emb-distilled") is data/deltas/<variant>…, every other
-        mode ("matrix", "row-distilled", "row-sign-emb", …) is in data/deltas-modes/."""
+        """The delta of a mode (bitdelta.family.modes.MODES): the serving default
+        (SERVING_MODE, "row-sign-emb-gptq") is data/deltas/<variant>…, every other
+        mode ("matrix", "row-sign-emb-distilled", "row-sign-emb", …) is in data/deltas-modes/."""
         if mode == SERVING_MODE:
             return self.deltas[variant]
         return self.modes_dir / f"{variant}.{mode}.bitdelta.safetensors"

@@ -21,22 +21,21 @@ from pathlib import Path
 
 import torch
 
-from bitdelta.family import HARD, HARD_LR, HARD_STEPS, MEMBERS, VARIANTS, FamilyPaths, corpora, paths
+from bitdelta.family import HARD, HARD_LR, HARD_STEPS, MEMBERS, SERVING_MODE, VARIANTS, FamilyPaths, corpora, paths
 from bitdelta.family.finetune import FinetuneConfig
 
 RECIPE_VERSION = 1
-# The serving default's compression (data/deltas/, mode SERVING_MODE =
-# "row-sign-emb-distilled" in bitdelta.family.modes.MODES): per-row α, the
-# tied embedding/LM head as signs + α too, distilled.
-SERVING_ALPHA, SERVING_EMBEDDINGS = "row", "sign"
-# Scale distillation for the serving default (and the report's distilled
-# modes). lr 1e-5: the paper's 1e-4 overshoots on this model (REFERENCES.md).
+# The serving default (data/deltas/) is the mode SERVING_MODE of bitdelta.family.modes.MODES,
+# built by `build_mode` as every mode is.
+# Scale distillation of the distilled modes (the quality report's; the serving default was one
+# until 2026-12-05). lr 1e-5: the paper's 1e-4 overshoots on this model (REFERENCES.md).
 DISTILL_STEPS, DISTILL_LR, DISTILL_BATCH, DISTILL_SEQ = 30, 1e-5, 4, 128
 # `bitdelta family build --quick`, the first command's family (scripts/demo.sh): the same
-# four variants and kind of serving delta from a shorter fine-tune and distillation, so a
-# first run on 2 cores without bf16 (fp32: ~5–12 s per fine-tuning step) fits in 30
-# minutes. The full recipe above is what the quality report describes; a full artifact
-# already in the data directory satisfies --quick, and a full build replaces quick ones.
+# four variants and kind of serving delta from a shorter fine-tune (and, were the serving mode
+# distilled, a shorter distillation), so a first run on 2 cores without bf16 (fp32: ~5–12 s per
+# fine-tuning step) fits in 30 minutes. The full recipe above is what the quality report
+# describes; a full artifact already in the data directory satisfies --quick, and a full build
+# replaces quick ones.
 QUICK_STEPS, QUICK_DISTILL_STEPS = 24, 10
 
 
@@ -236,8 +235,8 @@ def built_undistilled(p: FamilyPaths, recipe: dict) -> Path | None:
 def build_delta(
     p: FamilyPaths,
     variant: str,
-    alpha: str = SERVING_ALPHA,
-    embeddings: str = SERVING_EMBEDDINGS,
+    alpha: str = "row",
+    embeddings: str = "sign",
     distill_steps: int = DISTILL_STEPS,
     out: Path | None = None,
     force: bool = False,
@@ -246,9 +245,11 @@ def build_delta(
     loss: str = "mse",
     lr: float = DISTILL_LR,
 ) -> Path:
-    """Compress one fine-tune (and distil its α's when distill_steps > 0). The defaults
-    build the serving default into data/deltas/. planes: a `bitdelta.planes.PlaneConfig` beyond
-    one plane (its gains weighed by the train split's inputs); seed, loss, lr: the distillation's
+    """Compress one fine-tune (and distil its α's when distill_steps > 0) into `out` (default
+    data/deltas/<variant>…, the serving default's place: `build_mode` builds a mode by name). The
+    defaults are BitDelta's one plane of row α with sign embeddings, distilled. planes: a
+    `bitdelta.planes.PlaneConfig` beyond that one plane or with error-feedback signs (its gains
+    and signs weighed by the train split's inputs); seed, loss, lr: the distillation's
     (`bitdelta.distill.DistillConfig`).
 
     Distillation trains the α of every BitDeltaLinear, i.e. of the projections. A
@@ -310,6 +311,38 @@ def build_delta(
     return out
 
 
+def build_mode(
+    p: FamilyPaths,
+    variant: str,
+    mode: str = SERVING_MODE,
+    steps: int | None = None,
+    seed: int = 0,
+    out: Path | None = None,
+    force: bool = False,
+) -> Path:
+    """The delta of `variant` in `mode` (bitdelta.family.modes.MODES; default the serving one)
+    into `out` (default `p.delta_mode`: data/deltas/ for the serving mode). steps: a distilled
+    mode's distillation steps (None: the mode's own, else DISTILL_STEPS); seed: its seed."""
+    from bitdelta.compress import bf16_bytes
+    from bitdelta.family.modes import MODES
+
+    m = MODES[mode]
+    steps = steps or m.steps or DISTILL_STEPS
+    return build_delta(
+        p,
+        variant,
+        alpha=m.alpha if m.plain else "row",  # beyond one plane: the embeddings' α; the planes choose theirs
+        embeddings=m.embeddings,
+        distill_steps=steps if m.distilled else 0,
+        out=out or p.delta_mode(variant, mode),
+        force=force,
+        planes=None if m.plain else m.plane_config(bf16_bytes(p.base)),
+        seed=seed,
+        loss=m.loss,
+        lr=DISTILL_LR if m.lr is None else m.lr,
+    )
+
+
 def set_threads(n: int | None) -> None:
     """Cap torch's CPU threads at `n` (None: torch's choice); the CLI's --threads, alias
     BITDELTA_THREADS. On a machine shared with other torch jobs, 1 thread avoids OpenMP
@@ -367,7 +400,6 @@ def build(
     write_corpus_texts(p)
     from bitdelta.family.modes import SERVING
 
-    alpha, emb, distilled = SERVING.alpha, SERVING.embeddings, SERVING.distilled
     ft_cfg = replace(cfg, steps=QUICK_STEPS) if quick else cfg
     spent: list[float] = []  # seconds of each variant that was (re)built, for the estimate
     for i, v in enumerate(variants):
@@ -377,10 +409,11 @@ def build(
         tv = time.time()
         build_finetune(p, v, member_config(v, ft_cfg), force, also_accept=(member_config(v, cfg),) if quick else ())
         if deltas:  # the serving default only; the report builds the other modes into data/deltas-modes/
-            steps = DISTILL_STEPS
-            if quick and finetuned_steps(p, v) != cfg.steps:
-                steps = QUICK_DISTILL_STEPS  # a quick fine-tune gets the quick distillation
-            build_delta(p, v, alpha=alpha, embeddings=emb, distill_steps=steps if distilled else 0, force=force)
+            quick_ft = quick and finetuned_steps(p, v) != cfg.steps
+            # a quick fine-tune gets the quick distillation, when the serving mode is distilled
+            build_mode(
+                p, v, SERVING_MODE, steps=QUICK_DISTILL_STEPS if quick_ft and SERVING.distilled else None, force=force
+            )
         if time.time() - tv > 60:  # built, not just verified
             spent.append(time.time() - tv)
     _log(f"family ready in {p.root} ({time.time() - t:.0f} s)")

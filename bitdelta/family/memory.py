@@ -14,7 +14,7 @@ from bitdelta import inspect_report
 from bitdelta.family import SERVING_MODE, FamilyPaths
 
 FLEET_SIZES = (1, 4, 14, 100)
-# The serving default's twin with the fine-tuned embedding table stored dense (for comparison).
+# One plane of per-row α with the fine-tuned embedding table stored dense (for comparison).
 DENSE_EMB_MODE = "row-distilled"
 
 
@@ -78,10 +78,10 @@ def memory_markdown(p: FamilyPaths, variants: list[str], command: str) -> str:
         "## One delta per variant",
         "",
         f"`{SERVING_MODE}` is the serving default (data/deltas/): per-row α, the tied embedding/LM head "
-        "compressed to signs + α like the projections, projection α's distilled; only the RMSNorm weights are "
-        f"stored dense. `{DENSE_EMB_MODE}` is the same with the changed embedding table stored dense, in the "
-        "fine-tune's fp32 (data/deltas-modes/). Target: about 1/16 of the base's bf16 bytes (1 bit against 16 "
-        "per weight), 16×.",
+        "compressed to signs + α like the projections (whose signs are chosen by error feedback: the same "
+        f"bytes); only the RMSNorm weights are stored dense. `{DENSE_EMB_MODE}` is one plane of per-row α "
+        "with the changed embedding table stored dense, in the fine-tune's fp32 (data/deltas-modes/). Target: "
+        "about 1/16 of the base's bf16 bytes (1 bit against 16 per weight), 16×.",
         "",
         "| variant | mode | signs MB | α MB | dense MB | file MB | base bf16 ÷ delta |",
         "|---|---|---:|---:|---:|---:|---:|",
@@ -125,11 +125,12 @@ def memory_markdown(p: FamilyPaths, variants: list[str], command: str) -> str:
         t = [r["total"] for r in rows if r["mode"] == mode]
         return sum(t) / len(t) if t else float("nan")
 
+    def fleet(d: float, n: int) -> str:
+        return _mb(base_bf16 + n * d) if d == d else "– (not built)"  # NaN: no delta of that mode
+
     d_serving, d_dense = mean_total(SERVING_MODE), mean_total(DENSE_EMB_MODE)
     for n in FLEET_SIZES:
-        lines.append(
-            f"| {n} | {_mb(n * base_bf16)} | {_mb(base_bf16 + n * d_serving)} | {_mb(base_bf16 + n * d_dense)} |"
-        )
+        lines.append(f"| {n} | {_mb(n * base_bf16)} | {fleet(d_serving, n)} | {fleet(d_dense, n)} |")
     lines += [
         "",
         "(mean delta size over the variants; 100 is extrapolated.) For the 70B arithmetic and GPU "

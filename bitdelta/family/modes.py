@@ -45,7 +45,7 @@ class Mode:
         )
 
 
-# SERVING_MODE ("row-sign-emb-distilled") is the serving default (data/deltas/); the others live in
+# SERVING_MODE ("row-sign-emb-gptq") is the serving default (data/deltas/); the others live in
 # data/deltas-modes/. In the distilled sign-embedding modes only the projections' α's (and
 # factors) are trained: the tied embedding/LM head keeps mean|Δ| (see build.build_delta).
 #

@@ -6,7 +6,8 @@ calibration):
 - perplexity of the base, the full fine-tune, and BitDelta in each mode
   (α per matrix / per row, with and without scale distillation, and per-row α
   with the tied embedding/LM head compressed to signs too, with and without
-  distillation: the distilled one is the serving default);
+  distillation; the same plane with error-feedback signs, the serving default; and the modes
+  beyond one plane, `bitdelta.family.modes`);
 - gain kept = (ppl_base − ppl_mode) / (ppl_base − ppl_ft): 1.0 keeps all of
   the fine-tuning gain, 0.0 none of it;
 - KL(ft ‖ mode) of next-token distributions, in nats per token: fidelity to
@@ -140,29 +141,16 @@ def mode_path(p: FamilyPaths, variant: str, mode: str, steps: int, seed: int = 0
 
 
 def build_modes(p: FamilyPaths, variant: str, cfg: QualityConfig) -> dict[str, Path]:
-    from bitdelta.family.build import DISTILL_LR, build_delta
+    from bitdelta.family.build import build_mode
 
-    out = {}
-    bf16 = None
     runs = [(mode, 0) for mode in cfg.modes]
     if variant in HARD:
         runs += [(mode, seed) for seed in cfg.seeds for mode in cfg.seed_modes if mode in cfg.modes]
+    out = {}
     for mode, seed in runs:
-        m = MODES[mode]
         steps = mode_steps(mode, cfg)
-        if not m.plain and bf16 is None:
-            bf16 = bf16_bytes(p.base)
-        out[mode if not seed else f"{mode}@seed{seed}"] = build_delta(
-            p,
-            variant,
-            alpha=m.alpha if m.plain else "row",  # beyond one plane: the embeddings' α; the planes choose theirs
-            embeddings=m.embeddings,
-            distill_steps=steps if m.distilled else 0,
-            out=mode_path(p, variant, mode, steps, seed),
-            planes=None if m.plain else m.plane_config(bf16),
-            seed=seed,
-            loss=m.loss,
-            lr=DISTILL_LR if m.lr is None else m.lr,
+        out[mode if not seed else f"{mode}@seed{seed}"] = build_mode(
+            p, variant, mode, steps=steps, seed=seed, out=mode_path(p, variant, mode, steps, seed)
         )
     return out
 
@@ -336,7 +324,7 @@ def built_precisions(p: FamilyPaths, variants: list[str]) -> str:
         rec = (read_stamp(p, f"finetuned/{v}") or {}).get("result", {})
         ft.add(rec.get("precision", {}).get("precision", "unrecorded"))
         drec = (read_stamp(p, "deltas/" + p.deltas[v].name) or {}).get("result", {}).get("distill", {})
-        dist.add(drec.get("precision", {}).get("precision", "unrecorded"))
+        dist.add(drec.get("precision", {}).get("precision", "unrecorded") if drec else "none (undistilled)")
     return f"fine-tuning {'/'.join(sorted(ft))}, serving deltas' distillation {'/'.join(sorted(dist))}"
 
 
@@ -393,10 +381,10 @@ def quality_markdown(
         )
         + " (`bitdelta.distill`). `row-sign-emb`: per-row α with the tied embedding/LM head "
         "compressed to signs too; `row-sign-emb-distilled` distils the projections' α's of it (the tied pair's α "
-        "stays mean|Δ|) and is the serving default (data/deltas/). `gptq`: the same one plane, its projections' "
+        "stays mean|Δ|): BitDelta's one plane. `gptq`: the same one plane, its projections' "
         "signs chosen by error feedback under the calibration inputs' second moments and their α's fitted to the "
         "output error (`bitdelta.planes.feedback_plane`). `matrix` and `row` keep the fine-tuned embeddings "
-        "dense; the others compress them to signs.",
+        f"dense; the others compress them to signs. The serving default (data/deltas/) is `{SERVING_MODE}`.",
         "",
         "| variant | model | delta MB | held-out ppl | gain kept | KL(ft‖·) |",
         "|---|---|---:|---:|---:|---:|",
@@ -472,6 +460,9 @@ CAPS = (16, 15)
 # BitDelta's one plane under the 1/16 budget, distilled the same way as the mode it is set against:
 # what a mode at 1/16 must beat by more than the seed noise ("<ONE_PLANE_16><the mode's suffix>").
 ONE_PLANE_16 = "row-sign-emb-16"
+# BitDelta's one plane at its own size (every weight, 1/15), distilled: the previous serving
+# default, the point the Pareto plot and the cap table mark
+ONE_PLANE = "row-sign-emb-distilled"
 # and the same plane distilled by BitDelta's own recipe (modes.PAPER_SUFFIX): "1-plane distilled BitDelta"
 PAPER_16 = ONE_PLANE_16 + PAPER_SUFFIX
 
@@ -568,7 +559,7 @@ def beyond_one_plane(results: list[dict]) -> list[str]:
         "Best = least KL(ft ‖ ·) among the modes whose file fits the cap.",
         "",
         "| variant | cap | best mode | delta MB | gain kept | KL(ft‖·) | verdict | weights left out | "
-        "1-plane BitDelta (serving default) |",
+        f"1-plane BitDelta ({ONE_PLANE}) |",
         "|---|---:|---|---:|---:|---:|---|---|---|",
     ]
     for r, n in ((r, n) for r in results for n in CAPS):
@@ -576,7 +567,7 @@ def beyond_one_plane(results: list[dict]) -> list[str]:
             continue
         cap = r["bf16_bytes"] / n
         fits = {k: v for k, v in r["models"].items() if k in MODES and v.get("delta_bytes", math.inf) <= cap}
-        sv = r["models"].get(SERVING_MODE)
+        sv = r["models"].get(ONE_PLANE)
         plain = (
             f"{100 * sv['gain_kept']:.1f} %, KL {sv['kl_from_ft']:.4f} at {sv['delta_bytes'] / 1e6:.1f} MB"
             if sv
@@ -665,7 +656,8 @@ def beyond_one_plane(results: list[dict]) -> list[str]:
 def pareto_plot(results: list[dict], out: Path) -> Path:
     """Gain kept (top row) and KL(ft ‖ ·) (bottom row) against delta bytes as a fraction of the
     base's bf16 bytes, one column per variant: every mode a point (blue: beyond one plane), the
-    Pareto front a line, BitDelta's one plane (the serving default) a red star, 1/16 and 1/15 dashed."""
+    Pareto front a line, BitDelta's one plane (ONE_PLANE) a red star, the serving default (when
+    another mode) a green diamond, 1/16 and 1/15 dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -690,12 +682,16 @@ def pareto_plot(results: list[dict], out: Path) -> Path:
                 if not front or better(y, front[-1][1]) == y and y != front[-1][1]:
                     front.append((x, y))
             ax.plot([x for x, _ in front], [y for _, y in front], color="tab:blue", linewidth=1, label="Pareto front")
-            sv = r["models"].get(SERVING_MODE)
-            if sv:
-                ax.scatter(
-                    sv["delta_bytes"] / r["bf16_bytes"], scale * sv[key], marker="*", s=160, color="tab:red",
-                    label="BitDelta, 1 plane", zorder=3,
-                )  # fmt: skip
+            marks = [(ONE_PLANE, "*", 160, "tab:red", "BitDelta, 1 plane")]
+            if SERVING_MODE != ONE_PLANE:
+                marks.append((SERVING_MODE, "D", 60, "tab:green", "serving default"))
+            for name, marker, size, color, label in marks:
+                if name in r["models"]:
+                    sv = r["models"][name]
+                    ax.scatter(
+                        sv["delta_bytes"] / r["bf16_bytes"], scale * sv[key], marker=marker, s=size, color=color,
+                        label=label, zorder=3,
+                    )  # fmt: skip
             ax.axvline(1 / 16, color="black", linestyle="--", linewidth=1, label="1/16 of bf16")
             ax.axvline(1 / 15, color="gray", linestyle="--", linewidth=1, label="1/15 of bf16")
             if key == "gain_kept":

@@ -56,8 +56,9 @@ def test_report_table_and_plot(tmp_path):
     assert "| math | base |" in md and "1/40" in md
     assert "coder: best matrix, 95.0 % kept, meets the target" in md
     assert "math: best matrix, 75.0 % kept, **misses the target**" in md
-    # The serving default is the 6th mode: 3.0 + 6 × 0.05 = 3.3 -> 70 %.
-    assert "serving default row-sign-emb-distilled (120.0 MB) keeps 70.0 % (**misses the target**)" in md
+    # The serving default is mode i + 1 of MODES: 3.0 + (i + 1) × 0.05 -> (4 - that) / (4 - 3).
+    kept = 1 - 0.05 * (list(q.MODES).index(q.SERVING_MODE) + 1)
+    assert f"serving default {q.SERVING_MODE} (120.0 MB) keeps {100 * kept:.1f} % (**misses the target**)" in md
     assert "previous report" not in md
     md = q.quality_markdown(res, q.QualityConfig(), "bitdelta quality", {}, previous="vm: AMD EPYC (bf16)")
     assert "**Another machine than the previous report's**: that one was made on vm: AMD EPYC (bf16)." in md
@@ -90,7 +91,7 @@ def test_reports_end_to_end_on_a_tiny_family(tmp_path):
             "config": {"steps": 1, "batch": 1, "seq_len": 8, "lr": 1e-4},
         }
         fb.write_stamp(p, f"finetuned/{v}", {"test": 1}, rec)
-        fb.build_delta(p, v, distill_steps=1)
+        fb.build_mode(p, v)  # the serving default, as `bitdelta family build` makes it
     cfg = q.QualityConfig(
         eval_windows=2,
         seq_len=32,
@@ -99,7 +100,7 @@ def test_reports_end_to_end_on_a_tiny_family(tmp_path):
         humaneval=1,
         humaneval_max_new=4,
         distill_steps=1,
-        modes=("row", "row-distilled", "row-sign-emb", "row-sign-emb-distilled"),
+        modes=("row", "row-distilled", "row-sign-emb", "row-sign-emb-distilled", family.SERVING_MODE),
     )
     out = tmp_path / "reports"
     res = reports.run_reports(
@@ -113,6 +114,7 @@ def test_reports_end_to_end_on_a_tiny_family(tmp_path):
         "row-distilled",
         "row-sign-emb",
         "row-sign-emb-distilled",
+        family.SERVING_MODE,
     }
     # Distilled with the report's step count (1, not the build's): never the serving file itself.
     assert math_res["models"]["row-sign-emb-distilled"]["distill"]["steps"] == 1
@@ -129,7 +131,7 @@ def test_reports_end_to_end_on_a_tiny_family(tmp_path):
     # the family was trained in, from the build records (these fake fine-tunes recorded none)
     made = next(line for line in md.splitlines() if line.startswith("Made "))
     assert "CPU precision fp32 (forced by BITDELTA_CPU_PRECISION=fp32" in made
-    assert "Family trained in: fine-tuning unrecorded, serving deltas' distillation fp32" in made
+    assert "Family trained in: fine-tuning unrecorded, serving deltas' distillation none (undistilled)" in made
     assert (out / "gain_kept.png").stat().st_size > 1000
     mem = (out / "memory.md").read_text()
     assert f"| math | {family.SERVING_MODE} |" in mem and "`bitdelta inspect`" in mem
@@ -199,7 +201,7 @@ def test_beyond_one_plane_sections_and_pareto_plot(tmp_path):
     models = {
         "finetuned": {"ppl": 8.0, "kl_from_ft": 0.0, "gain_kept": 1.0},
         "base": {"ppl": 10.0, "kl_from_ft": 0.5, "gain_kept": 0.0},
-        q.SERVING_MODE: m(8.2, 0.05, 1_060_000),  # 1/15.1 of bf16: fits 1/15, not 1/16
+        q.ONE_PLANE: m(8.2, 0.05, 1_060_000),  # 1/15.1 of bf16: fits 1/15, not 1/16
         "planes-15-distilled": {
             **m(8.05, 0.01, 1_065_000),
             "kl_without_plane1": {"model.layers.*.self_attn.q_proj.weight": 0.0126},
