@@ -190,6 +190,8 @@ def compress(
         )
         if not planes.plain:
             meta.extra["planes"] = f"planes={planes.planes} rank={planes.rank} budget={planes.budget}"
+            if planes.feedback:
+                meta.extra["signs"] = "feedback"  # named only when on: sign(Δ) files are as they were
             meta.extra.update(meta_extra)
         save_delta(out, Delta(meta, compressed, tensors))
         over = out.stat().st_size + RECORD_RESERVE - planes.budget if chains and planes.budget is not None else 0

@@ -29,6 +29,8 @@ def info(path: Path) -> dict:
         "layout": meta.layout,
         "alpha_mode": meta.alpha_mode,
         "distilled": meta.distilled,
+        # how the signs were chosen where the header says (files before 2026-12-05 never do)
+        "signs_by": "error feedback" if meta.extra.get("signs") == "feedback" else None,
         "tool_version": meta.tool_version,
         "compressed_weights": len(meta.shapes),
         "compressed_params": params,
@@ -60,7 +62,7 @@ def text(path: Path) -> str:
         f"  architecture      {i['architecture']}, layout {i['layout']}",
         f"  alpha mode        {i['alpha_mode']}; distilled: {json.dumps(i['distilled']) if i['distilled'] else 'no'}",
         f"  compressed        {i['compressed_weights']} weights, {i['compressed_params']:,} params",
-        f"  signs             {human_bytes(b['signs'])}",
+        f"  signs             {human_bytes(b['signs'])}" + (f", chosen by {i['signs_by']}" if i["signs_by"] else ""),
         f"  alpha             {human_bytes(b['alpha'])}",
     ]
     if len(i["bytes_by_plane"]) > 1 or b["lowrank"]:

@@ -57,8 +57,9 @@ ALPHA_CHOICES = (*AXES, "auto")  # "auto": per plane, the axis with the least er
 # 5: a budget below plane 1 of every weight leaves out whole kinds first (`left_out`).
 # 6: `drop` spends the budget by measured KL per byte of each kind's plane 1 and second option.
 # 7: the budget keeps compress.RECORD_RESERVE bytes free for the distillation record.
+# 8: the header names error-feedback signs (`signs`: "feedback"); the same tensors.
 # (`feedback` changed nothing without it: its stamps name it only when on, build.delta_recipe.)
-ALGORITHM_VERSION = 7
+ALGORITHM_VERSION = 8
 
 
 @dataclass(frozen=True)

@@ -477,6 +477,11 @@ def test_feedback_compresses_to_the_same_kind_of_file_with_less_output_error(fam
     assert verify(out).metadata["format_version"] == "2"
     fb = load_delta(out)
     assert set(fb.compressed) == set(plain.compressed)
+    # the header says how the signs were chosen, and `bitdelta inspect` shows it
+    from bitdelta.inspect_report import text
+
+    assert fb.meta.extra["signs"] == "feedback" and "signs" not in plain.meta.extra
+    assert ", chosen by error feedback" in text(out) and "chosen by" not in text(tmp_path / "p.st")
     h = input_moments(load_model(base), calib)
     # a random tiny model's inputs are nearly uncorrelated: ~10 % lower
     assert _error(base, v0, fb, h) < 0.95 * _error(base, v0, plain, h)
