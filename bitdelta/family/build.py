@@ -376,9 +376,10 @@ def build(
     threads: int | None = None,
 ) -> FamilyPaths:
     """The whole family; what is built and verified is skipped. quick: the first run's
-    smaller recipe (QUICK_STEPS fine-tuning, QUICK_DISTILL_STEPS distillation) for what is
-    not built yet; full artifacts already built are kept. The hard members (HARD) are full-build
-    only: --quick leaves them out and refuses them by name. threads: `set_threads`."""
+    smaller recipe (QUICK_STEPS fine-tuning; QUICK_DISTILL_STEPS distillation where the serving
+    mode distils) for what is not built yet; full artifacts already built are kept. The hard
+    members (HARD) are full-build only: --quick leaves them out and refuses them by name.
+    threads: `set_threads`."""
     from dataclasses import replace
 
     from bitdelta import precision

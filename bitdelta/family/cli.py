@@ -117,7 +117,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument(
         "--quick",
         action="store_true",
-        help="the first run's smaller family (fewer fine-tuning and distillation steps; what is already "
+        help="the first run's smaller family (fewer fine-tuning steps; what is already "
         "built with the full recipe is kept); without it, the full family that reports/ describe",
     )
     c.add_argument("--force", action="store_true", help="rebuild even what is up to date")
