@@ -160,9 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--feedback",
         action="store_true",
-        help="choose the projections' signs by error feedback under --calib's input second moments (GPTQ's "
-        "update on the delta) and fit their row α's to the output error: the same bytes and file (with --alpha "
-        "row); at 1/16 on the hard family member the undistilled held-out KL 0.0677 -> 0.0326",
+        help="choose the signs by error feedback under --calib's input second moments (GPTQ's update on the "
+        "delta; a compressed tied embedding/LM head's under its head's inputs and its own rows) and fit the row "
+        "α's to the output error: the same bytes and file (with --alpha row); at 1/16 on the hard family member "
+        "the undistilled held-out KL 0.0677 -> 0.0326 (the projections' alone)",
     )
     c.add_argument(
         "--embeddings",

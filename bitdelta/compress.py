@@ -18,7 +18,7 @@ from tqdm import tqdm
 from bitdelta.arch import ModelArgs
 from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config, save_checkpoint
 from bitdelta.format import CompressedWeight, Delta, DeltaMeta, SignPlane, check_arch, load_delta, save_delta
-from bitdelta.planes import PlaneConfig, chain, spend
+from bitdelta.planes import PlaneConfig, chain, embedding_moments, spend
 from bitdelta_kernels.bits import pack_signs, unpack_signs
 
 EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
@@ -115,12 +115,13 @@ def compress(
         if planes.feedback:
             moments = input_moments(model, calibration)
         del model
+    tied = bool(base_cfg.get("tie_word_embeddings"))
     with CheckpointReader(base) as rb, CheckpointReader(finetuned) as rf:
         names = rf.keys()
         for name in tqdm(names, desc=f"compress {finetuned.name}", unit="tensor", disable=not progress):
             w_ft = rf.get(name)
             if name not in rb:
-                if name == "lm_head.weight" and base_cfg.get("tie_word_embeddings"):
+                if name == "lm_head.weight" and tied:
                     w_base = rb.get("model.embed_tokens.weight")
                 else:
                     raise ValueError(f"{finetuned} has tensor {name!r}, which the base lacks")
@@ -140,12 +141,15 @@ def compress(
                 else:
                     # a (tied) embedding's error reaches the logits through the head: weighed by its inputs;
                     # its α's scale rows (tokens): one per column gives every token the changed tokens'
-                    # scale, which on the hard member made the head's logits noise (ppl 82, the base 56)
-                    # error feedback is for the projections: an embedding is a lookup as well as the
-                    # head, and its rows' errors in the lookup are not weighed by the head's inputs
+                    # scale, which on the hard member made the head's logits noise (ppl 82, the base 56).
+                    # Error feedback weighs a head's error by its inputs and a tied table's by those
+                    # and by the lookup's own row error (embedding_moments)
                     w = None if power is None else power.get("lm_head.weight" if name in EMBEDDINGS else name)
-                    h = None if moments is None or name in EMBEDDINGS else moments[name]
-                    cfg = replace(planes, alpha="row", feedback=False) if name in EMBEDDINGS else planes
+                    if name in EMBEDDINGS:
+                        h = None if moments is None else embedding_moments(name, moments["lm_head.weight"], tied)
+                        cfg = replace(planes, alpha="row", feedback=h is not None)
+                    else:
+                        h, cfg = None if moments is None else moments[name], planes
                     chains[name] = chain(d, cfg, w, h)
             else:
                 tensors[name] = w_ft.contiguous()

@@ -35,7 +35,9 @@ spread over the later columns through H⁻¹ (GPTQ's update, Frantar et al. 2022
 delta's one bit), and the row α's are refitted to the output error, alternately
 (`feedback_plane`). The file, its bytes and the kernels that serve it are the same; at 1/16 the
 undistilled held-out KL on the hard member goes from 0.0677 to 0.0326, on the other four members
-4–12× lower (reports/hard-member, gentle-1-16, math-1-16).
+4–12× lower (reports/hard-member, gentle-1-16, math-1-16). A compressed LM head's signs are chosen
+so too, under its inputs; a tied embedding/LM head's under those and its own rows' error as a
+lookup (`embedding_moments`).
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ ALPHA_CHOICES = (*AXES, "auto")  # "auto": per plane, the axis with the least er
 # 6: `drop` spends the budget by measured KL per byte of each kind's plane 1 and second option.
 # 7: the budget keeps compress.RECORD_RESERVE bytes free for the distillation record.
 # 8: the header names error-feedback signs (`signs`: "feedback"); the same tensors.
+# 9: with `feedback`, the embedding/LM head's signs too (`embedding_moments`).
 # (`feedback` changed nothing without it: its stamps name it only when on, build.delta_recipe.)
-ALGORITHM_VERSION = 8
+ALGORITHM_VERSION = 9
 
 
 @dataclass(frozen=True)
@@ -77,9 +80,10 @@ class PlaneConfig:
     # (`kind_kl`, `spend`): a kind's plane 1 against another's plane 2, and weights left out (they
     # stay the base's) when that is worth least, as it must be when plane 1 of every weight does not fit.
     drop: bool = False
-    # The projections' signs chosen column by column with error feedback under the calibration
-    # inputs' second moments, and their row α's fitted to the output error (`feedback_plane`),
-    # instead of sign(Δ) and mean|Δ|: the same bytes and file, served by the same kernels.
+    # The signs chosen column by column with error feedback under the calibration inputs' second
+    # moments (the embeddings': `embedding_moments`), and the row α's fitted to the output error
+    # (`feedback_plane`), instead of sign(Δ) and mean|Δ|: the same bytes and file, served by the
+    # same kernels.
     feedback: bool = False
 
     def __post_init__(self):
@@ -374,6 +378,26 @@ def input_power(base, tokens: torch.Tensor, windows: int = 8, seq_len: int = 128
 
 # Error feedback needs h of full rank on the widest input (down_proj's 1536 here): 4096 tokens.
 MOMENT_WINDOWS = 32
+# The share of a tied embedding/LM head's h that is the head's (`embedding_moments`). Measured at
+# 1/15 (every weight one plane, the projections' signs by error feedback), held-out KL(ft ‖ ·), the
+# pair's signs sign(Δ) / by error feedback under the head's inputs alone / half and half: the hard
+# member 0.0264 / 0.0191 / 0.0189, math (quick family) 0.0010 / 0.0008 / 0.0008.
+TIED_HEAD_SHARE = 0.5
+
+
+def embedding_moments(name: str, head: torch.Tensor, tied: bool) -> torch.Tensor | None:
+    """h for the error-feedback signs of an embedding or LM head (name: its parameter), `head` the
+    LM head's input moments (E[x xᵀ] of the final hidden states): an untied head's are its own; a
+    tied table is a lookup too, whose error in a row is that row's own (h = I), so its h is
+    TIED_HEAD_SHARE of the head's and the rest the identity, each at mean diagonal 1; an untied
+    table is a lookup only: None (sign(Δ) and mean|Δ|)."""
+    if name == "lm_head.weight" and not tied:
+        return head
+    if not tied:
+        return None
+    h = head.double() / head.diagonal().double().mean().clamp_min(1e-30)
+    eye = torch.eye(h.shape[0], dtype=h.dtype)
+    return (TIED_HEAD_SHARE * h + (1 - TIED_HEAD_SHARE) * eye).float()
 
 
 def input_moments(

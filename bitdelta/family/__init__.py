@@ -20,8 +20,8 @@ the repository root):
     data/base/                         the converted base (HF layout, fp32 safetensors, tokenizer)
     data/finetuned/<variant>/          full fine-tunes (HF layout)
     data/deltas/<variant>.bitdelta.safetensors    serving default (SERVING_MODE): per-row α, the tied
-                                       embedding/LM head as signs too, the projections' signs by
-                                       error feedback
+                                       embedding/LM head as signs too, every sign by error
+                                       feedback
     data/deltas-modes/<variant>.<mode>.bitdelta.safetensors   the other modes (quality report),
                                        e.g. row-sign-emb-distilled (BitDelta's signs, α's distilled)
     data/corpora/<variant>.{train,heldout}.txt   the text of each split
@@ -55,12 +55,14 @@ MEMBERS: dict[str, str] = {**VARIANTS, **HARD}  # every member, in the reports' 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The mode (bitdelta.family.modes.MODES) of data/deltas/, which the delta store serves and the
 # GPU worker loads: BitDelta's one plane of per-row α, the tied embedding/LM head compressed to
-# signs + α as well (1/15 of the base's bf16 bytes, no dense per-variant head), the projections'
-# signs chosen by error feedback under their inputs' second moments (the member's train split) and
-# their α's fitted to the output error (`bitdelta.planes.feedback_plane`): the same bytes, file and
+# signs + α as well (1/15 of the base's bf16 bytes, no dense per-variant head), every sign chosen by
+# error feedback under the inputs' second moments (the member's train split; the tied pair's half
+# the head's and half its own rows', `bitdelta.planes.embedding_moments`) and the α's fitted to the
+# output error (`bitdelta.planes.feedback_plane`): the same bytes, file and
 # kernels as BitDelta's signs, undistilled. On the quick family it keeps each member's held-out
-# KL(fine-tune ‖ ·) 11–58 × below BitDelta's signs with α's distilled on logit MSE (the previous
-# default, "row-sign-emb-distilled"; reports/quick-family), on the hard member 0.0261 against 0.0608.
+# KL(fine-tune ‖ ·) 14–72 × below BitDelta's signs with α's distilled on logit MSE (the previous
+# default, "row-sign-emb-distilled"; reports/quick-family), on the hard member 0.0189 against 0.0617
+# (reports/hard-member-serving).
 SERVING_MODE = "row-sign-emb-gptq"
 
 

@@ -78,7 +78,7 @@ def memory_markdown(p: FamilyPaths, variants: list[str], command: str) -> str:
         "## One delta per variant",
         "",
         f"`{SERVING_MODE}` is the serving default (data/deltas/): per-row α, the tied embedding/LM head "
-        "compressed to signs + α like the projections (whose signs are chosen by error feedback: the same "
+        "compressed to signs + α like the projections (every sign chosen by error feedback: the same "
         f"bytes); only the RMSNorm weights are stored dense. `{DENSE_EMB_MODE}` is one plane of per-row α "
         "with the changed embedding table stored dense, in the fine-tune's fp32 (data/deltas-modes/). Target: "
         "about 1/16 of the base's bf16 bytes (1 bit against 16 per weight), 16×.",

@@ -29,7 +29,7 @@ class Mode:
     drop: bool = False  # the budget spent by measured KL per byte of each kind (PlaneConfig.drop)
     loss: str = "mse"  # the distillation's loss (DistillConfig.loss): "mse" on logits or "kl"
     lr: float | None = None  # the distillation's learning rate (None: the build's DISTILL_LR)
-    feedback: bool = False  # the projections' signs by error feedback (PlaneConfig.feedback)
+    feedback: bool = False  # the signs by error feedback (PlaneConfig.feedback)
     steps: int | None = None  # the distillation's steps (None: the build's DISTILL_STEPS)
 
     @property

@@ -381,9 +381,9 @@ def quality_markdown(
         )
         + " (`bitdelta.distill`). `row-sign-emb`: per-row α with the tied embedding/LM head "
         "compressed to signs too; `row-sign-emb-distilled` distils the projections' α's of it (the tied pair's α "
-        "stays mean|Δ|): BitDelta's one plane. `gptq`: the same one plane, its projections' "
+        "stays mean|Δ|): BitDelta's one plane. `gptq`: the same one plane, its "
         "signs chosen by error feedback under the calibration inputs' second moments and their α's fitted to the "
-        "output error (`bitdelta.planes.feedback_plane`). `matrix` and `row` keep the fine-tuned embeddings "
+        "output error (`bitdelta.planes.feedback_plane`; the tied embedding/LM head's since 2026-12-05). `matrix` and `row` keep the fine-tuned embeddings "
         f"dense; the others compress them to signs. The serving default (data/deltas/) is `{SERVING_MODE}`.",
         "",
         "| variant | model | delta MB | held-out ppl | gain kept | KL(ft‖·) |",

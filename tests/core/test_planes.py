@@ -465,6 +465,22 @@ def test_feedback_plane_lowers_the_output_error_on_unseen_inputs_too():
     assert (fb.signs != plain.signs).any()  # it did choose other signs
 
 
+def test_embedding_moments_weigh_a_head_by_its_inputs_and_a_tied_table_by_both_its_roles():
+    """An untied head: its inputs' moments; an untied table (a lookup): none, so sign(Δ); a tied
+    pair: TIED_HEAD_SHARE of the head's moments and the rest the lookup's identity, each at mean
+    diagonal 1."""
+    from bitdelta.planes import TIED_HEAD_SHARE, embedding_moments
+
+    x = torch.randn(500, 6, generator=torch.Generator().manual_seed(0)) * torch.arange(1.0, 7.0)
+    head = x.T @ x / len(x)
+    assert embedding_moments("lm_head.weight", head, tied=False) is head
+    assert embedding_moments("model.embed_tokens.weight", head, tied=False) is None
+    h = embedding_moments("model.embed_tokens.weight", head, tied=True)
+    want = TIED_HEAD_SHARE * head / head.diagonal().mean() + (1 - TIED_HEAD_SHARE) * torch.eye(6)
+    torch.testing.assert_close(h, want)
+    assert h.diagonal().mean().item() == pytest.approx(1.0)
+
+
 def test_feedback_compresses_to_the_same_kind_of_file_with_less_output_error(family, tmp_path):
     """PlaneConfig(feedback=True): every projection still one row-α plane (a v2 file the worker
     serves as today, apply equal to the kernel path), the sum of the projections' output errors on
