@@ -51,7 +51,9 @@ def cached_real_artifact(name: str, key: dict, build) -> Path:
 
 def short_real_finetunes(real_base: Path, corpora_of: dict[str, str], cfg, delta: bool) -> Path:
     """Cached short real fine-tunes of the base, one per variant -> corpus in `corpora_of` (and
-    their serving-style deltas when `delta`): the entry's directory, holding finetuned/<variant>/
+    their deltas when `delta`: one plane of sign(Δ) with the embeddings as signs too, the serving
+    deltas' format and bytes without their error-feedback signs, which would cost the suite ~1 min a
+    variant): the entry's directory, holding finetuned/<variant>/
     and deltas/<variant>.bitdelta.safetensors (all deltas in one directory, as a worker reads them)."""
     from dataclasses import asdict
 
