@@ -89,11 +89,12 @@ def compress(
     low-rank, per-column or chosen α, a byte budget for the whole file, its header and
     RECORD_RESERVE bytes for a later distillation record included (`check_budget`);
     `drop`: the budget spent by the measured KL per byte of each kind of weight's plane 1 and
-    second option, `planes.spend`, which may leave weights out; `feedback`: the projections'
-    signs by error feedback, `planes.feedback_plane`); its `alpha` replaces `alpha_mode`, and
+    second option, `planes.spend`, which may leave weights out; `feedback`: the signs by error
+    feedback, `planes.feedback_plane`, the embeddings' under `planes.embedding_moments`); its `alpha` replaces `alpha_mode`, and
     compressed embeddings compete for the budget like the projections.
     calibration: 1-D token ids whose inputs weigh each option's gain (`planes.input_power`) and,
-    with `feedback`, give the second moments the signs are fitted under (`planes.input_moments`)."""
+    with `feedback`, give the second moments the signs are fitted under (`planes.input_moments`,
+    whose diagonal then weighs the gains)."""
     base, finetuned, out = Path(base), Path(finetuned), Path(out)
     planes = planes if planes is not None else PlaneConfig(alpha=alpha_mode)
     base_cfg = read_config(base)
@@ -110,10 +111,12 @@ def compress(
         from bitdelta.model import load_model
         from bitdelta.planes import input_moments, input_power
 
-        model = load_model(base)  # read once for both; dropped before the tensors are
-        power = input_power(model, calibration)
-        if planes.feedback:
+        model = load_model(base)  # dropped before the tensors are read
+        if planes.feedback:  # one calibration pass: E[x²] is the second moments' diagonal
             moments = input_moments(model, calibration)
+            power = {k: m.diagonal() for k, m in moments.items()}
+        else:
+            power = input_power(model, calibration)
         del model
     tied = bool(base_cfg.get("tie_word_embeddings"))
     with CheckpointReader(base) as rb, CheckpointReader(finetuned) as rf:

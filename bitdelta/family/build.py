@@ -311,6 +311,13 @@ def build_delta(
     return out
 
 
+def mode_distill_steps(mode: str) -> int:
+    """A distilled mode's own distillation steps (`Mode.steps`), else DISTILL_STEPS."""
+    from bitdelta.family.modes import MODES
+
+    return MODES[mode].steps or DISTILL_STEPS
+
+
 def build_mode(
     p: FamilyPaths,
     variant: str,
@@ -322,12 +329,12 @@ def build_mode(
 ) -> Path:
     """The delta of `variant` in `mode` (bitdelta.family.modes.MODES; default the serving one)
     into `out` (default `p.delta_mode`: data/deltas/ for the serving mode). steps: a distilled
-    mode's distillation steps (None: the mode's own, else DISTILL_STEPS); seed: its seed."""
+    mode's distillation steps (None: `mode_distill_steps`); seed: its seed."""
     from bitdelta.compress import bf16_bytes
     from bitdelta.family.modes import MODES
 
     m = MODES[mode]
-    steps = steps or m.steps or DISTILL_STEPS
+    steps = steps or mode_distill_steps(mode)
     return build_delta(
         p,
         variant,

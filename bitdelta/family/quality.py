@@ -120,11 +120,9 @@ def humaneval_pass(model: Llama, tok, n: int, max_new: int, timeout: float) -> d
 def mode_steps(mode: str, cfg: QualityConfig) -> int:
     """A distilled mode's distillation steps: the config's when it sets them, else the mode's own
     (`Mode.steps`), else the build's DISTILL_STEPS."""
-    from bitdelta.family.build import DISTILL_STEPS
+    from bitdelta.family.build import mode_distill_steps
 
-    if cfg.distill_steps is not None:
-        return cfg.distill_steps
-    return MODES[mode].steps or DISTILL_STEPS
+    return cfg.distill_steps if cfg.distill_steps is not None else mode_distill_steps(mode)
 
 
 def mode_path(p: FamilyPaths, variant: str, mode: str, steps: int, seed: int = 0) -> Path:
