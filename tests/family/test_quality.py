@@ -54,8 +54,14 @@ def test_report_table_and_plot(tmp_path):
     # row-distilled is the 4th mode: ppl 3.0 + 4 × 0.05 = 3.2 -> (4 - 3.2) / (4 - 3) = 80 %.
     assert "| coder | row-distilled | 120.0 | 3.200 | 80.0 % | 0.0400 |" in md
     assert "| math | base |" in md and "1/40" in md
-    assert "coder: best matrix, 95.0 % kept, meets the target" in md
-    assert "math: best matrix, 75.0 % kept, **misses the target**" in md
+    assert "coder: best matrix, 95.0 % kept at KL 0.0100, meets the target" in md
+    assert "math: best matrix, 75.0 % kept at KL 0.0100, **misses the target**" in md
+    # best is the least KL, not the most gain: a mode past the fine-tune's perplexity is further from it
+    over = res[0]["models"]["row"]
+    over.update(ppl=2.87, gain_kept=q.gain_kept(4.0, 3.0, 2.87), kl_from_ft=0.06)  # 113 % of the gain
+    md = q.quality_markdown(res, q.QualityConfig(), "bitdelta quality", {})
+    assert "coder: best matrix, 95.0 % kept at KL 0.0100" in md and "best row," not in md
+    assert q.plot(res, tmp_path / "over.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The serving default is mode i + 1 of MODES: 3.0 + (i + 1) × 0.05 -> (4 - that) / (4 - 3).
     kept = 1 - 0.05 * (list(q.MODES).index(q.SERVING_MODE) + 1)
     assert f"serving default {q.SERVING_MODE} (120.0 MB) keeps {100 * kept:.1f} % (**misses the target**)" in md
@@ -220,6 +226,12 @@ def test_beyond_one_plane_sections_and_pareto_plot(tmp_path):
     assert f"| bard | plane 1 (added when left out) | planes-15-distilled | nan | 0.0126{nan} |" in md
     assert f"| bard | plane 2 (removed) | planes-15-distilled | 0.0500 | 0.0010{nan} |" in md
     assert "Against BitDelta" not in md  # no 1/16 mode next to its one plane
+    # a one-plane mode measures plane 1 only: its empty second option makes no row of nan
+    one = dict(
+        res[0], models={**models, "planes-15-distilled": {**models["planes-15-distilled"], "kl_second_option": {}}}
+    )
+    md1 = "\n".join(q.beyond_one_plane([one]))
+    assert "| bard | plane 1 (added when left out) |" in md1 and "(removed)" not in md1
     png = q.pareto_plot(res, tmp_path / "pareto.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
