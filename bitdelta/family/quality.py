@@ -62,6 +62,7 @@ class QualityConfig:
     seed_modes: tuple[str, ...] = (
         "row-sign-emb-distilled",
         "row-sign-emb-16-distilled",
+        "row-sign-emb-16-distilled-paper",
         "planes-16-distilled",
         "lowrank-15-distilled",
         "row-sign-emb-16-distilled-kl",
