@@ -130,7 +130,8 @@ healthy() {
     # Create a bucket and write + read an object through the S3 API (signature
     # v2, stdlib only): that goes through proxy, tempauth and all three
     # storage servers. (tempauth's Swift tokens need memcached; S3 does not.)
-    /usr/bin/python3 - "$PROXY_PORT" <<'PY' >/dev/null 2>&1
+    # The probe's error goes to $1 (start prints the last one if it times out).
+    /usr/bin/python3 - "$PROXY_PORT" <<'PY' >/dev/null 2>"$1"
 import base64, hmac, http.client, sys
 from email.utils import formatdate
 
@@ -163,7 +164,7 @@ start() {
         echo $! >"$d/run/$s.pid"
     done
     local deadline=$((SECONDS + ${SWIFT_START_TIMEOUT:-60}))
-    until healthy; do
+    until healthy "$d/run/probe.err"; do
         for s in "${SERVERS[@]}"; do
             if ! kill -0 "$(cat "$d/run/$s.pid")" 2>/dev/null; then
                 tail -n 20 "$d/log/$s.log" >&2
@@ -173,6 +174,8 @@ start() {
         done
         if [ $SECONDS -ge $deadline ]; then
             tail -n 20 "$d"/log/*.log >&2
+            echo "[swift] the last health probe (S3 PUT bucket, PUT and GET an object on port $PROXY_PORT) said:" >&2
+            tail -n 5 "$d/run/probe.err" >&2
             stop "$d"
             die "Swift did not become healthy within ${SWIFT_START_TIMEOUT:-60}s"
         fi
