@@ -1140,10 +1140,15 @@ void bd_merge(const void *w, int w_dtype, int64_t ldw, const uint8_t *s, int64_t
  * one-pass loops (delta_rows_f32, delta_rows_dp) up to ONE_PASS_PLANES for up to ONE_PASS_ROWS x
  * rows (one_pass_most), one accumulator pair per plane and x row; one_pass_planes. */
 #define ONE_PASS_PLANES 4
-#define ONE_PASS_ROWS 4
-/* The planes the one-pass loops sum for M ≤ ONE_PASS_ROWS x rows (0: more rows): 4, 3, 2, 1, so
- * that the 2·M·(planes + 1) accumulators, the bf16 loop's 2·planes sign vectors and a few more
- * stay in AVX-512's 32 registers. */
+#define ONE_PASS_ROWS 2
+/* The planes the one-pass loops sum for M ≤ ONE_PASS_ROWS x rows (0: more rows): 4, 3, so that the
+ * 2·M·(planes + 1) accumulators, the bf16 loop's 2·planes sign vectors and a few more stay in
+ * AVX-512's 32 registers. From 3 rows on the dense blocks of three weight rows (DENSE_MIN_M_F32)
+ * with the table loop's planes beat these one-weight-row loops: one core of a 2-core AMD EPYC of the
+ * Zen 4 generation, a one-plane variant's step of SmolLM2-135M's C decode layers (`bench/kernels.py`'
+ * model, in turns, medians; 2026-12-05) took at 2 / 3 / 4 rows 25.2 / 35.0 / 40.6 ms in one pass
+ * against 25.2 / 26.9 / 30.9 in two in fp32, and 15.8 / 16.6 / 19.5 against 17.2 / 15.5 / 17.4 in
+ * bf16 (up to 4 rows took one pass before those blocks' streams went to L2, ROWS_PREFETCH). */
 static inline int one_pass_most(int64_t M) { return M < 1 || M > ONE_PASS_ROWS ? 0 : (int)(5 - M); }
 /* FN(NX, NP) with literals, one loop per pair (its accumulators in registers), for M x rows of n
  * planes, n ≤ one_pass_most(M): the callers choose n so (linear_planes); anything else aborts. */
@@ -1156,9 +1161,6 @@ static inline int one_pass_most(int64_t M) { return M < 1 || M > ONE_PASS_ROWS ?
     case 17: FN(2, 1); break;                                                                            \
     case 18: FN(2, 2); break;                                                                            \
     case 19: FN(2, 3); break;                                                                            \
-    case 25: FN(3, 1); break;                                                                            \
-    case 26: FN(3, 2); break;                                                                            \
-    case 33: FN(4, 1); break;                                                                            \
     default: abort();                                                                                    \
     }
 /* The one-pass loops' state for weight row r: each x row's accumulator pair (a0, a1: the
@@ -1391,6 +1393,31 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
         for (int l_ = 0; l_ < (lines); ++l_) _mm_prefetch((const char *)(p) + STREAM_AHEAD + 64 * l_, _MM_HINT_T0); \
     } while (0)
 
+/* The AVX-512 build's blocks of R > 1 weight rows request their R streams' lines into L2 (T1), 16 KB
+ * on: into L1 (T0) 8 KB on, three streams' 24 KB of lines ahead filled most of a 32 KB L1 that the
+ * block's weight rows and x rows live in. One core of a 2-core AMD EPYC of the Zen 4 generation,
+ * SmolLM2-135M's 30 layers and head back to back in fp32 (2026-12-05, in turns, medians): at 8 x
+ * rows 51 ms with T0 against 37–39 with T1 (8–64 KB on; T1 4 KB on 51, T2 as T1, NTA as T0), at 6
+ * rows 46 against 29; and three weight rows' blocks from 3 x rows on (DENSE_MIN_M_F32, below)
+ * 19 ms at 3 rows against 25 for one-row blocks. The one-row blocks keep STREAM_PREFETCH (or none:
+ * one_row_prefetch); the AVX2 build keeps T0 (measured on a Zen 3 core with it). */
+#define ROWS_AHEAD 16384
+#define ROWS_PREFETCH(p, lines)                                                                          \
+    do {                                                                                                 \
+        for (int l_ = 0; l_ < (lines); ++l_) _mm_prefetch((const char *)(p) + ROWS_AHEAD + 64 * l_, _MM_HINT_T1); \
+    } while (0)
+#if defined(__AVX512F__)
+#define BLOCK_STREAM_PREFETCH(R, p, lines)                                                               \
+    do {                                                                                                 \
+        if ((R) > 1)                                                                                     \
+            ROWS_PREFETCH(p, lines);                                                                     \
+        else                                                                                             \
+            STREAM_PREFETCH(p, lines);                                                                   \
+    } while (0)
+#else
+#define BLOCK_STREAM_PREFETCH(R, p, lines) STREAM_PREFETCH(p, lines)
+#endif
+
 /* Whether a block of R weight rows × MB x rows of dtype WD prefetches its stream. In the AVX-512
  * build every block does, except the one-weight-row blocks (R = 1: fewer than 3 x rows, a single
  * stream's decode) on a CPU where one_row_prefetch is off. The AVX2 build's
@@ -1436,7 +1463,7 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
         for (; k + 2 * LANES <= d_in; k += 2 * LANES) {                                                  \
             if (BLOCK_PREFETCH(WD, R, MB) && (k * (int64_t)sizeof(WT)) % 64 == 0) /* a new line */     \
                 for (int i = 0; i < R; ++i)                                                              \
-                    STREAM_PREFETCH(w + (r + i) * ldw + k, (2 * LANES * (int)sizeof(WT) + 63) / 64);     \
+                    BLOCK_STREAM_PREFETCH(R, w + (r + i) * ldw + k, (2 * LANES * (int)sizeof(WT) + 63) / 64); \
             for (int h = 0; h < 2; ++h) {                                                                \
                 vf wv[R];                                                                                \
                 for (int i = 0; i < R; ++i) {                                                            \
@@ -1496,19 +1523,19 @@ static const dense_f32_fn dense_f32_blocks[2][3] = {{dense_f32_1x1, dense_f32_1x
 #endif
 
 /* DENSE_R weight rows per block from this many x rows on (MIN_M of DENSE_ROWS); fewer take one row
- * at a time, one linear stream, in blocks of at most DENSE_MB_ONE x rows. In the AVX-512 build from 5
- * x rows on in fp32 and 6 in bf16 (the VDPBF16PS loop: half the instructions per weight): on one
- * core of a 2-core AMD EPYC of the Zen 4 generation, a base step of SmolLM2-135M's C decode layers
- * with its head (`bench/kernels.py`' model, 9 in turns, medians; 2026-12-05) took at 3 / 4 / 5 / 6
- * rows 45 / 45 / 47 / 49 ms in fp32 and 26 / 30 / 29 / 29 in bf16 with three weight rows' streams
- * from 3 rows on, against 32 / 33 / 53 / 70 and 14 / 19 / 21 / 30 with one (below 5 rows in fp32
- * the three streams read W at ~15 GB/s: the loop is neither at the core's FMA rate nor at a plain
- * read's; with more rows three streams win, each weight vector feeding more FMAs), and one weight
- * row's blocks of 4 x rows took 38 ms (fp32) and 25 (bf16) at 4 rows against 33 and 19 in two
- * blocks of 2. The AVX2 build keeps 3 and DENSE_MB (measured on a Zen 3 core; the note there). */
+ * at a time, one linear stream, in blocks of at most DENSE_MB_ONE x rows. In the AVX-512 build from 3
+ * x rows on, fp32 and bf16 (VDPBF16PS) alike: on one core of a 2-core AMD EPYC of the Zen 4
+ * generation, SmolLM2-135M's 30 layers and head back to back (GEMVs from Python, in turns, medians;
+ * 2026-12-05) took at 2 / 3 / 4 / 5 / 8 x rows 18.0 / 18.7 / 20.0 / 24.7 / 37.4 ms in fp32 and
+ * 10.2 / 9.2 / 10.6 / 11.7 / 17.2 in bf16 with three weight rows' blocks from 3 rows on, against
+ * one-row blocks' 18.0 / 24.8 / 30.3 at 2–4 rows (bf16 9.8 / 11.5 / 18.5), and three rows' blocks at
+ * 2 rows 22.1 (bf16 12.0); one x row takes 16.3 (bf16 9.2). Before their streams went to L2
+ * (ROWS_PREFETCH) the three rows' blocks read W at ~15 GB/s below 5 rows and the thresholds were 5
+ * (fp32) and 6 (bf16). The AVX2 build keeps 3 and DENSE_MB (measured on a Zen 3 core; the note
+ * there). */
 #if defined(__AVX512F__)
-#define DENSE_MIN_M_F32 5
-#define DENSE_MIN_M_DP 6
+#define DENSE_MIN_M_F32 3
+#define DENSE_MIN_M_DP 3
 #define DENSE_MB_ONE 2
 #else
 #define DENSE_MIN_M_F32 3
@@ -1573,7 +1600,7 @@ DENSE_ROWS(dense_rows_bf16, float, uint16_t, dense_bf16_blocks, DENSE_MIN_M_F32)
         int64_t k = 0;                                                                                   \
         for (; k + 64 <= d_in; k += 64) {                                                                \
             if (BLOCK_PREFETCH(BD_W_BF16, R, MB))                                                        \
-                for (int i = 0; i < R; ++i) STREAM_PREFETCH(w + (r + i) * ldw + k, 2);                   \
+                for (int i = 0; i < R; ++i) BLOCK_STREAM_PREFETCH(R, w + (r + i) * ldw + k, 2);          \
             for (int h = 0; h < 2; ++h) {                                                                \
                 __m512bh wv[R];                                                                          \
                 for (int i = 0; i < R; ++i) wv[i] = (__m512bh)_mm512_loadu_si512((const void *)(w + (r + i) * ldw + k + 32 * h)); \
@@ -2676,7 +2703,7 @@ static int decode_head(const float *h, int64_t B, int64_t D, const void *head, i
  * One plane for every row takes linear_planes' one task (on many threads, one core's GEMV beside
  * another's planes); a mix, the GEMV for every row and then each plane over its rows.
  * fuse: a step of B ≤ ONE_PASS_ROWS rows of one variant (row_slot ≥ 0 and plane slots the same in
- * every row) of up to one_pass_planes(dtype, B) planes (4, 3, 2, 1 for 1–4 rows; fp32 with AVX-512,
+ * every row) of up to one_pass_planes(dtype, B) planes (4, 3 for 1–2 rows; fp32 with AVX-512,
  * delta_rows_f32; bf16 with AVX512-BF16, delta_rows_dp) sums each projection's planes, and the
  * head's plane when its rows take one, in the weights' pass, not by the table loop: other sums, so
  * its numbers are not the same row's in a mixed step (the caller's choice: never in the
