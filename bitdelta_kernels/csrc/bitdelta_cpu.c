@@ -1388,10 +1388,12 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
  * (medians; 4 and 16 KB ahead measured no better). Past a matrix's end it fetches a few lines
  * nobody reads; a prefetch never faults. */
 #define STREAM_AHEAD 8192
-#define STREAM_PREFETCH(p, lines)                                                                        \
+/* `lines` cache lines from `ahead` bytes past p, into the cache level `hint` names. */
+#define PREFETCH_LINES(p, ahead, lines, hint)                                                            \
     do {                                                                                                 \
-        for (int l_ = 0; l_ < (lines); ++l_) _mm_prefetch((const char *)(p) + STREAM_AHEAD + 64 * l_, _MM_HINT_T0); \
+        for (int l_ = 0; l_ < (lines); ++l_) _mm_prefetch((const char *)(p) + (ahead) + 64 * l_, hint);  \
     } while (0)
+#define STREAM_PREFETCH(p, lines) PREFETCH_LINES(p, STREAM_AHEAD, lines, _MM_HINT_T0)
 
 /* The AVX-512 build's blocks of R > 1 weight rows request their R streams' lines into L2 (T1), 16 KB
  * on: into L1 (T0) 8 KB on, three streams' 24 KB of lines ahead filled most of a 32 KB L1 that the
@@ -1402,10 +1404,7 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
  * 19 ms at 3 rows against 25 for one-row blocks. The one-row blocks keep STREAM_PREFETCH (or none:
  * one_row_prefetch); the AVX2 build keeps T0 (measured on a Zen 3 core with it). */
 #define ROWS_AHEAD 16384
-#define ROWS_PREFETCH(p, lines)                                                                          \
-    do {                                                                                                 \
-        for (int l_ = 0; l_ < (lines); ++l_) _mm_prefetch((const char *)(p) + ROWS_AHEAD + 64 * l_, _MM_HINT_T1); \
-    } while (0)
+#define ROWS_PREFETCH(p, lines) PREFETCH_LINES(p, ROWS_AHEAD, lines, _MM_HINT_T1)
 #if defined(__AVX512F__)
 #define BLOCK_STREAM_PREFETCH(R, p, lines)                                                               \
     do {                                                                                                 \
