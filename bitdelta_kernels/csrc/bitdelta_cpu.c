@@ -1148,10 +1148,16 @@ void bd_merge(const void *w, int w_dtype, int64_t ldw, const uint8_t *s, int64_t
  * Zen 4 generation, a one-plane variant's step of SmolLM2-135M's C decode layers (`bench/kernels.py`'
  * model, in turns, medians; 2026-12-05) took at 2 / 3 / 4 rows 25.2 / 35.0 / 40.6 ms in one pass
  * against 25.2 / 26.9 / 30.9 in two in fp32, and 15.8 / 16.6 / 19.5 against 17.2 / 15.5 / 17.4 in
- * bf16 (up to 4 rows took one pass before those blocks' streams went to L2, ROWS_PREFETCH). */
-static inline int one_pass_most(int64_t M) { return M < 1 || M > ONE_PASS_ROWS ? 0 : (int)(5 - M); }
+ * bf16 (up to 4 rows took one pass before those blocks' streams went to L2, ROWS_PREFETCH). bf16
+ * takes one pass for one row only (ONE_PASS_ROWS_BF16): at 2 rows its one pass took 15.3–16.6 ms
+ * against 13.1–14.7 in two (the same bench, four runs of 15–25 reps in turns, 2026-12-05). */
+#define ONE_PASS_ROWS_BF16 1
+static inline int one_pass_most(int dtype, int64_t M) {
+    const int64_t rows = dtype == BD_W_BF16 ? ONE_PASS_ROWS_BF16 : ONE_PASS_ROWS;
+    return M < 1 || M > rows ? 0 : (int)(5 - M);
+}
 /* FN(NX, NP) with literals, one loop per pair (its accumulators in registers), for M x rows of n
- * planes, n ≤ one_pass_most(M): the callers choose n so (linear_planes); anything else aborts. */
+ * planes, n ≤ one_pass_most(dtype, M): the callers choose n so (linear_planes); anything else aborts. */
 #define ONE_PASS_SWITCH(M, n, FN)                                                                        \
     switch ((M) * 8 + (n)) {                                                                             \
     case 9: FN(1, 1); break;                                                                             \
@@ -1431,6 +1437,10 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
 #define BLOCK_PREFETCH(WD, R, MB) ((WD) != BD_W_F32 || (R) * (MB) > 1)
 #endif
 
+/* v stays in a register from here: the compiler may no longer fold the load that made it into the
+ * instructions using it (an empty asm that takes and returns v; no code). */
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
+
 /* The dense blocks' accumulators: two per (weight row, x row) pair, the vectors of even and of odd
  * index; stored as their sum and then the ragged tail from k on (xs: the x rows the tail reads,
  * each of ldx floats; w of dtype WD), y[m0 + b, r + i]. */
@@ -1453,7 +1463,12 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
  * of an AMD EPYC, Zen 5). Every (weight row, x row) pair sums its products in two accumulators, the
  * vectors of even and of odd index, added at the end and then the ragged tail: the same order in
  * every block, so a row's result does not depend on how many rows its step has (--batch-invariant).
- * The R rows' weights are R linear streams, each prefetched STREAM_AHEAD on (BLOCK_PREFETCH). */
+ * The R rows' weights are R linear streams, each prefetched STREAM_AHEAD on (BLOCK_PREFETCH).
+ * Blocks of R > 1 weight rows hold each weight and x vector in a register (IN_REGISTER) for all
+ * its FMAs: left to itself GCC folds the loads into the FMAs (one load per FMA, the weights' or
+ * x's), and a 3 × 4 block then issued 30 loads to 24 FMAs, the loads its bound. One core of a
+ * 2-core AMD EPYC of the Zen 4 generation, fp32, 8 x rows: 20.5 FLOP per cycle with the folded
+ * loads, 29.2 without (of 32), the block on weights in L1. */
 #define DENSE_BLOCK(NAME, R, MB, WT, WD)                                                                 \
     static void NAME(const float *x, int64_t ldx, const WT *w, int64_t ldw, int64_t d_in, float *y,     \
                      int64_t ldy, int64_t r, int64_t m0) {                                               \
@@ -1471,9 +1486,11 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
                         wv[i] = V_LOAD((const float *)wr + h * LANES);                                   \
                     else /* bf16: one load of 2·LANES values, the even then the odd columns */          \
                         wv[i] = h == 0 ? V_BF16_EVEN(V_LOAD_I(wr)) : V_BF16_ODD(V_LOAD_I(wr));           \
+                    if (R > 1) IN_REGISTER(wv[i]);                                                       \
                 }                                                                                        \
                 for (int b = 0; b < MB; ++b) {                                                           \
-                    const vf xv = V_LOAD(x + (m0 + b) * ldx + k + h * LANES);                            \
+                    vf xv = V_LOAD(x + (m0 + b) * ldx + k + h * LANES);                                  \
+                    if (R > 1) IN_REGISTER(xv);                                                          \
                     for (int i = 0; i < R; ++i) a[i][b][h] = V_FMA(xv, wv[i], a[i][b][h]);               \
                 }                                                                                        \
             }                                                                                            \
@@ -1492,18 +1509,21 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
 #define DENSE_R 3  /* 3 × 4 pairs × 2 accumulators + 3 weight vectors + an x vector: 28 of 32 registers */
 #define DENSE_MB 4
 DENSE_BLOCK(dense_f32_3x4, 3, 4, float, BD_W_F32)
+DENSE_BLOCK(dense_f32_3x3, 3, 3, float, BD_W_F32)
 DENSE_BLOCK(dense_f32_3x2, 3, 2, float, BD_W_F32)
 DENSE_BLOCK(dense_f32_3x1, 3, 1, float, BD_W_F32)
 DENSE_BLOCK(dense_f32_2x4, 2, 4, float, BD_W_F32)
+DENSE_BLOCK(dense_f32_2x3, 2, 3, float, BD_W_F32)
 DENSE_BLOCK(dense_f32_2x2, 2, 2, float, BD_W_F32)
 DENSE_BLOCK(dense_f32_2x1, 2, 1, float, BD_W_F32)
 DENSE_BLOCK(dense_f32_1x4, 1, 4, float, BD_W_F32)
+DENSE_BLOCK(dense_f32_1x3, 1, 3, float, BD_W_F32)
 DENSE_BLOCK(dense_f32_1x2, 1, 2, float, BD_W_F32)
 DENSE_BLOCK(dense_f32_1x1, 1, 1, float, BD_W_F32)
 typedef void (*dense_f32_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t, int64_t, int64_t);
-static const dense_f32_fn dense_f32_blocks[3][3] = {{dense_f32_1x1, dense_f32_1x2, dense_f32_1x4},
-                                                    {dense_f32_2x1, dense_f32_2x2, dense_f32_2x4},
-                                                    {dense_f32_3x1, dense_f32_3x2, dense_f32_3x4}};
+static const dense_f32_fn dense_f32_blocks[3][4] = {{dense_f32_1x1, dense_f32_1x2, dense_f32_1x3, dense_f32_1x4},
+                                                    {dense_f32_2x1, dense_f32_2x2, dense_f32_2x3, dense_f32_2x4},
+                                                    {dense_f32_3x1, dense_f32_3x2, dense_f32_3x3, dense_f32_3x4}};
 #else
 /* 16 ymm registers: 2 × 3 pairs × 2 accumulators + 2 weight vectors + an x vector. 2 × 2 blocks
  * took 1.1–1.3× the time at 6–8 x rows on a Zen 3 core (SmolLM2's head: each weight row pair read
@@ -1541,13 +1561,14 @@ static const dense_f32_fn dense_f32_blocks[2][3] = {{dense_f32_1x1, dense_f32_1x
 #define DENSE_MB_ONE DENSE_MB
 #endif
 
-/* mb index of a block of n x rows in the tables (1, 2, DENSE_MB (4 or 3) -> 0, 1, 2) */
-static inline int mb_index(int64_t n) { return n >= 3 ? 2 : (int)(n - 1); }
-
-/* y[m, r] = x_m · W_r for rows [r0, r1) and every x row by a table of blocks [R - 1][mb_index(MB)]:
+/* y[m, r] = x_m · W_r for rows [r0, r1) and every x row by a table of blocks [R - 1][MB - 1]:
  * DENSE_R weight rows at a time (their weights stay in L1 for all x rows) in blocks of DENSE_MB x
- * rows; below MIN_M x rows one weight row at a time in blocks of DENSE_MB_ONE; then 2 and 1 for the
- * rest. Every block sums a (weight row, x row) pair in the same order: the blocks change no bit. */
+ * rows, the rest in one block, except that DENSE_MB + 1 rows left take two (3 + 2, not 4 + 1: a
+ * block of one x row reads its weights for one FMA each); below MIN_M x rows one weight row at a
+ * time in blocks of DENSE_MB_ONE. One core of a 2-core AMD EPYC of the Zen 4 generation, fp32,
+ * SmolLM2-shaped weights in L2: 3 x rows in one 3 × 3 block 87 GFLOP/s against 69 as 2 + 1, 5 rows
+ * as 3 + 2 86 against 77 as 4 + 1 (2026-12-05). Every block sums a (weight row, x row) pair in the
+ * same order: the blocks change no bit. */
 #define DENSE_ROWS(NAME, XT, WT, BLOCKS, MIN_M)                                                          \
     static void NAME(const XT *x, int64_t ldx, int64_t M, const WT *w, int64_t ldw, int64_t d_in, float *y, \
                      int64_t ldy, int64_t r0, int64_t r1) {                                              \
@@ -1555,8 +1576,8 @@ static inline int mb_index(int64_t n) { return n >= 3 ? 2 : (int)(n - 1); }
         for (int64_t r = r0; r < r1; r += R) {                                                           \
             const int64_t nr = (r1 - r) < R ? r1 - r : R;                                                \
             for (int64_t m = 0; m < M;) {                                                                \
-                const int64_t nb = M - m >= MB ? MB : (M - m >= 2 ? 2 : 1);                              \
-                BLOCKS[nr - 1][mb_index(nb)](x, ldx, w, ldw, d_in, y, ldy, r, m);                        \
+                const int64_t left = M - m, nb = left == MB + 1 && MB > 2 ? MB - 1 : (left < MB ? left : MB); \
+                BLOCKS[nr - 1][nb - 1](x, ldx, w, ldw, d_in, y, ldy, r, m);                              \
                 m += nb;                                                                                 \
             }                                                                                            \
         }                                                                                                \
@@ -1627,19 +1648,22 @@ DENSE_ROWS(dense_rows_bf16, float, uint16_t, dense_bf16_blocks, DENSE_MIN_M_F32)
             }                                                                                            \
     }
 DENSE_BLOCK_DP(dense_dp_3x4, 3, 4)
+DENSE_BLOCK_DP(dense_dp_3x3, 3, 3)
 DENSE_BLOCK_DP(dense_dp_3x2, 3, 2)
 DENSE_BLOCK_DP(dense_dp_3x1, 3, 1)
 DENSE_BLOCK_DP(dense_dp_2x4, 2, 4)
+DENSE_BLOCK_DP(dense_dp_2x3, 2, 3)
 DENSE_BLOCK_DP(dense_dp_2x2, 2, 2)
 DENSE_BLOCK_DP(dense_dp_2x1, 2, 1)
 DENSE_BLOCK_DP(dense_dp_1x4, 1, 4)
+DENSE_BLOCK_DP(dense_dp_1x3, 1, 3)
 DENSE_BLOCK_DP(dense_dp_1x2, 1, 2)
 DENSE_BLOCK_DP(dense_dp_1x1, 1, 1)
 typedef void (*dense_dp_fn)(const uint16_t *, int64_t, const uint16_t *, int64_t, int64_t, float *, int64_t, int64_t,
                             int64_t);
-static const dense_dp_fn dense_dp_blocks[3][3] = {{dense_dp_1x1, dense_dp_1x2, dense_dp_1x4},
-                                                  {dense_dp_2x1, dense_dp_2x2, dense_dp_2x4},
-                                                  {dense_dp_3x1, dense_dp_3x2, dense_dp_3x4}};
+static const dense_dp_fn dense_dp_blocks[3][4] = {{dense_dp_1x1, dense_dp_1x2, dense_dp_1x3, dense_dp_1x4},
+                                                  {dense_dp_2x1, dense_dp_2x2, dense_dp_2x3, dense_dp_2x4},
+                                                  {dense_dp_3x1, dense_dp_3x2, dense_dp_3x3, dense_dp_3x4}};
 
 DENSE_ROWS(dense_rows_dp, uint16_t, uint16_t, dense_dp_blocks, DENSE_MIN_M_DP) /* bf16 weights and x (as bf16 words) */
 #define HAVE_DP_BF16 1
@@ -1821,7 +1845,7 @@ static void delta_rows_f32(const float *x, int64_t ldx, int64_t M, const float *
 #endif
 
 /* Up to how many planes of one variant M x rows of weights of dtype sum in the weights' pass in
- * this build (0: none): one_pass_most(M) for fp32 where it has AVX-512 (delta_rows_f32) and for bf16
+ * this build (0: none): one_pass_most(dtype, M) for fp32 where it has AVX-512 (delta_rows_f32) and for bf16
  * where it has AVX512-BF16 (delta_rows_dp). Their sums are more exact than the bf16 tables', so such
  * a row's bf16 logits can differ from the same row's in a mixed step by a unit in the last place,
  * and greedy tokens at such a near-tie can swap (tests/gpu_worker/test_worker_batch_invariance.py
@@ -1829,7 +1853,7 @@ static void delta_rows_f32(const float *x, int64_t ldx, int64_t M, const float *
  * row's sums take the same steps in every loop. */
 static inline int one_pass_planes(int dtype, int64_t M) {
     const int has = dtype == BD_W_BF16 ? HAVE_DP_ONE_PASS : dtype == BD_W_F32 && HAVE_F32_ONE_PASS;
-    return has ? one_pass_most(M) : 0;
+    return has ? one_pass_most(dtype, M) : 0;
 }
 
 #ifdef HAVE_LINEAR_BLOCKS
@@ -1855,13 +1879,13 @@ static void linear_rows(const float *x, const float *xeo, const uint16_t *xb, in
         dense_rows_dp(xb, ldx, M, (const uint16_t *)w, ldw, d_in, y, ldy, r0, r1);
         return;
     }
-    if (xb && s && w_dtype == BD_W_BF16 && P->n <= one_pass_most(M)) {
+    if (xb && s && w_dtype == BD_W_BF16 && P->n <= one_pass_most(BD_W_BF16, M)) {
         delta_rows_dp(xb, ldx, M, (const uint16_t *)w, ldw, P, lds, d_in, alpha_stride, y, ldy, r0, r1);
         return;
     }
 #endif
 #if HAVE_F32_ONE_PASS
-    if (s && w_dtype == BD_W_F32 && P->n <= one_pass_most(M)) {
+    if (s && w_dtype == BD_W_F32 && P->n <= one_pass_most(BD_W_F32, M)) {
         delta_rows_f32(x, ldx, M, xsum, (const float *)w, ldw, P, lds, d_in, alpha_stride, y, ldy, r0, r1);
         return;
     }
@@ -2703,7 +2727,7 @@ static int decode_head(const float *h, int64_t B, int64_t D, const void *head, i
  * another's planes); a mix, the GEMV for every row and then each plane over its rows.
  * fuse: a step of B ≤ ONE_PASS_ROWS rows of one variant (row_slot ≥ 0 and plane slots the same in
  * every row) of up to one_pass_planes(dtype, B) planes (4, 3 for 1–2 rows; fp32 with AVX-512,
- * delta_rows_f32; bf16 with AVX512-BF16, delta_rows_dp) sums each projection's planes, and the
+ * delta_rows_f32; bf16 with AVX512-BF16, delta_rows_dp, one row only) sums each projection's planes, and the
  * head's plane when its rows take one, in the weights' pass, not by the table loop: other sums, so
  * its numbers are not the same row's in a mixed step (the caller's choice: never in the
  * batch-invariant mode), though they are that row's alone; anything else ignores it.
