@@ -58,7 +58,7 @@ FUSED_GEMV_MAX_M = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 24}
 # AVX-512 build's (bf16: AVX512-BF16's dot products); other builds stop at 8 (`dense_gemv_max_m`).
 # On a Zen 4 core the crossover lies further out (`python bench/cpu_paths.py`, one thread,
 # 2026-12-05): fp32 1.53 / 1.23 / 1.15 / 1.04 / 0.99× at 16 / 24 / 32 / 40 / 48 streams, bf16
-# 1.61 / 1.33 / 1.12 / 1.01× at 16 / 24 / 32 / 40; one table serves both, so these stay Zen 5's.
+# 1.64 / 1.36 / 1.16 / 1.07× at 16 / 24 / 32 / 40; one table serves both, so these stay Zen 5's.
 DENSE_GEMV_MAX_M = {torch.float32: 32, torch.bfloat16: 24, torch.float16: 8}
 DENSE_GEMV_MAX_M_OTHER = 8
 # A variant's row by the base GEMV and then its delta from the bits (`gemv_delta`) up to this many

@@ -1464,12 +1464,12 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
  * vectors of even and of odd index, added at the end and then the ragged tail: the same order in
  * every block, so a row's result does not depend on how many rows its step has (--batch-invariant).
  * The R rows' weights are R linear streams, each prefetched STREAM_AHEAD on (BLOCK_PREFETCH).
- * Blocks of R > 1 weight rows hold each weight and x vector in a register (IN_REGISTER) for all
- * its FMAs: left to itself GCC folds the loads into the FMAs (one load per FMA, the weights' or
- * x's), and a 3 × 4 block then issued 30 loads to 24 FMAs, the loads its bound. One core of a
- * 2-core AMD EPYC of the Zen 4 generation, fp32, 8 x rows: 20.5 FLOP per cycle with the folded
- * loads, 29.2 without (of 32), the block on weights in L1. */
-#define DENSE_BLOCK(NAME, R, MB, WT, WD)                                                                 \
+ * KEEP: each weight and x vector stays in a register (IN_REGISTER) for all its FMAs; else GCC folds
+ * the loads into the FMAs (one load per FMA, the weights' or x's): a 3 × 4 block then issues 30
+ * loads to 24 FMAs, the loads its bound. One core of a 2-core AMD EPYC of the Zen 4 generation,
+ * fp32, 8 x rows, the block on weights in L1: 20.5 FLOP per cycle folded, 29.2 kept (of 32). Which
+ * blocks keep: DENSE_ROWS. */
+#define DENSE_BLOCK(NAME, R, MB, WT, WD, KEEP)                                                           \
     static void NAME(const float *x, int64_t ldx, const WT *w, int64_t ldw, int64_t d_in, float *y,     \
                      int64_t ldy, int64_t r, int64_t m0) {                                               \
         PAIR_ACC_INIT(R, MB);                                                                            \
@@ -1486,11 +1486,11 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
                         wv[i] = V_LOAD((const float *)wr + h * LANES);                                   \
                     else /* bf16: one load of 2·LANES values, the even then the odd columns */          \
                         wv[i] = h == 0 ? V_BF16_EVEN(V_LOAD_I(wr)) : V_BF16_ODD(V_LOAD_I(wr));           \
-                    if (R > 1) IN_REGISTER(wv[i]);                                                       \
+                    if (KEEP) IN_REGISTER(wv[i]);                                                        \
                 }                                                                                        \
                 for (int b = 0; b < MB; ++b) {                                                           \
                     vf xv = V_LOAD(x + (m0 + b) * ldx + k + h * LANES);                                  \
-                    if (R > 1) IN_REGISTER(xv);                                                          \
+                    if (KEEP) IN_REGISTER(xv);                                                           \
                     for (int i = 0; i < R; ++i) a[i][b][h] = V_FMA(xv, wv[i], a[i][b][h]);               \
                 }                                                                                        \
             }                                                                                            \
@@ -1505,40 +1505,45 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
         }                                                                                                \
         PAIR_ACC_STORE(R, MB, x, w, WD);                                                                 \
     }
+/* a block of R > 1 weight rows twice: its vectors kept in registers, and NAME_fold with the loads
+ * folded (DENSE_ROWS says which runs when) */
+#define DENSE_BLOCK_PAIR(NAME, R, MB, WT, WD) DENSE_BLOCK(NAME, R, MB, WT, WD, 1) DENSE_BLOCK(NAME##_fold, R, MB, WT, WD, 0)
 #if defined(__AVX512F__)
 #define DENSE_R 3  /* 3 × 4 pairs × 2 accumulators + 3 weight vectors + an x vector: 28 of 32 registers */
 #define DENSE_MB 4
-DENSE_BLOCK(dense_f32_3x4, 3, 4, float, BD_W_F32)
-DENSE_BLOCK(dense_f32_3x3, 3, 3, float, BD_W_F32)
-DENSE_BLOCK(dense_f32_3x2, 3, 2, float, BD_W_F32)
-DENSE_BLOCK(dense_f32_3x1, 3, 1, float, BD_W_F32)
-DENSE_BLOCK(dense_f32_2x4, 2, 4, float, BD_W_F32)
-DENSE_BLOCK(dense_f32_2x3, 2, 3, float, BD_W_F32)
-DENSE_BLOCK(dense_f32_2x2, 2, 2, float, BD_W_F32)
-DENSE_BLOCK(dense_f32_2x1, 2, 1, float, BD_W_F32)
-DENSE_BLOCK(dense_f32_1x4, 1, 4, float, BD_W_F32)
-DENSE_BLOCK(dense_f32_1x3, 1, 3, float, BD_W_F32)
-DENSE_BLOCK(dense_f32_1x2, 1, 2, float, BD_W_F32)
-DENSE_BLOCK(dense_f32_1x1, 1, 1, float, BD_W_F32)
+DENSE_BLOCK_PAIR(dense_f32_3x4, 3, 4, float, BD_W_F32)
+DENSE_BLOCK_PAIR(dense_f32_3x2, 3, 2, float, BD_W_F32)
+DENSE_BLOCK_PAIR(dense_f32_3x1, 3, 1, float, BD_W_F32)
+DENSE_BLOCK_PAIR(dense_f32_2x4, 2, 4, float, BD_W_F32)
+DENSE_BLOCK_PAIR(dense_f32_2x2, 2, 2, float, BD_W_F32)
+DENSE_BLOCK_PAIR(dense_f32_2x1, 2, 1, float, BD_W_F32)
+DENSE_BLOCK(dense_f32_1x4, 1, 4, float, BD_W_F32, 0)
+DENSE_BLOCK(dense_f32_1x2, 1, 2, float, BD_W_F32, 0)
+DENSE_BLOCK(dense_f32_1x1, 1, 1, float, BD_W_F32, 0)
 typedef void (*dense_f32_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t, int64_t, int64_t);
-static const dense_f32_fn dense_f32_blocks[3][4] = {{dense_f32_1x1, dense_f32_1x2, dense_f32_1x3, dense_f32_1x4},
-                                                    {dense_f32_2x1, dense_f32_2x2, dense_f32_2x3, dense_f32_2x4},
-                                                    {dense_f32_3x1, dense_f32_3x2, dense_f32_3x3, dense_f32_3x4}};
+static const dense_f32_fn dense_f32_blocks[3][3] = {{dense_f32_1x1, dense_f32_1x2, dense_f32_1x4},
+                                                    {dense_f32_2x1, dense_f32_2x2, dense_f32_2x4},
+                                                    {dense_f32_3x1, dense_f32_3x2, dense_f32_3x4}};
+static const dense_f32_fn dense_f32_blocks_fold[3][3] = {{dense_f32_1x1, dense_f32_1x2, dense_f32_1x4},
+                                                         {dense_f32_2x1_fold, dense_f32_2x2_fold, dense_f32_2x4_fold},
+                                                         {dense_f32_3x1_fold, dense_f32_3x2_fold, dense_f32_3x4_fold}};
 #else
 /* 16 ymm registers: 2 × 3 pairs × 2 accumulators + 2 weight vectors + an x vector. 2 × 2 blocks
  * took 1.1–1.3× the time at 6–8 x rows on a Zen 3 core (SmolLM2's head: each weight row pair read
  * by 4 blocks while 8 x rows and the stream's look-ahead filled L1; docs/kernels.md). */
 #define DENSE_R 2
 #define DENSE_MB 3
-DENSE_BLOCK(dense_f32_2x3, 2, 3, float, BD_W_F32)
-DENSE_BLOCK(dense_f32_2x2, 2, 2, float, BD_W_F32)
-DENSE_BLOCK(dense_f32_2x1, 2, 1, float, BD_W_F32)
-DENSE_BLOCK(dense_f32_1x3, 1, 3, float, BD_W_F32)
-DENSE_BLOCK(dense_f32_1x2, 1, 2, float, BD_W_F32)
-DENSE_BLOCK(dense_f32_1x1, 1, 1, float, BD_W_F32)
+DENSE_BLOCK_PAIR(dense_f32_2x3, 2, 3, float, BD_W_F32)
+DENSE_BLOCK_PAIR(dense_f32_2x2, 2, 2, float, BD_W_F32)
+DENSE_BLOCK_PAIR(dense_f32_2x1, 2, 1, float, BD_W_F32)
+DENSE_BLOCK(dense_f32_1x3, 1, 3, float, BD_W_F32, 0)
+DENSE_BLOCK(dense_f32_1x2, 1, 2, float, BD_W_F32, 0)
+DENSE_BLOCK(dense_f32_1x1, 1, 1, float, BD_W_F32, 0)
 typedef void (*dense_f32_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t, int64_t, int64_t);
 static const dense_f32_fn dense_f32_blocks[2][3] = {{dense_f32_1x1, dense_f32_1x2, dense_f32_1x3},
                                                     {dense_f32_2x1, dense_f32_2x2, dense_f32_2x3}};
+static const dense_f32_fn dense_f32_blocks_fold[2][3] = {{dense_f32_1x1, dense_f32_1x2, dense_f32_1x3},
+                                                         {dense_f32_2x1_fold, dense_f32_2x2_fold, dense_f32_2x3_fold}};
 #endif
 
 /* DENSE_R weight rows per block from this many x rows on (MIN_M of DENSE_ROWS); fewer take one row
@@ -1561,28 +1566,34 @@ static const dense_f32_fn dense_f32_blocks[2][3] = {{dense_f32_1x1, dense_f32_1x
 #define DENSE_MB_ONE DENSE_MB
 #endif
 
-/* y[m, r] = x_m · W_r for rows [r0, r1) and every x row by a table of blocks [R - 1][MB - 1]:
+/* mb index of a block of n x rows in the tables (1, 2, DENSE_MB (4 or 3) -> 0, 1, 2) */
+static inline int mb_index(int64_t n) { return n >= 3 ? 2 : (int)(n - 1); }
+
+/* y[m, r] = x_m · W_r for rows [r0, r1) and every x row by a table of blocks [R - 1][mb_index(MB)]:
  * DENSE_R weight rows at a time (their weights stay in L1 for all x rows) in blocks of DENSE_MB x
- * rows, the rest in one block, except that DENSE_MB + 1 rows left take two (3 + 2, not 4 + 1: a
- * block of one x row reads its weights for one FMA each); below MIN_M x rows one weight row at a
- * time in blocks of DENSE_MB_ONE. One core of a 2-core AMD EPYC of the Zen 4 generation, fp32,
- * SmolLM2-shaped weights in L2: 3 x rows in one 3 × 3 block 87 GFLOP/s against 69 as 2 + 1, 5 rows
- * as 3 + 2 86 against 77 as 4 + 1 (2026-12-05). Every block sums a (weight row, x row) pair in the
- * same order: the blocks change no bit. */
-#define DENSE_ROWS(NAME, XT, WT, BLOCKS, MIN_M)                                                          \
+ * rows; below MIN_M x rows one weight row at a time in blocks of DENSE_MB_ONE; then 2 and 1 for the
+ * rest. Up to DENSE_MB x rows (one block reads the weights from memory and nothing reuses them)
+ * take the FOLD table, more the KEPT one (DENSE_BLOCK's KEEP). One core of a 2-core AMD EPYC of the
+ * Zen 4 generation, SmolLM2-135M's 30 layers and head in fp32 (GEMVs called from Python, in turns,
+ * medians, 2026-12-05): kept vectors at 5 / 6 / 7 / 8 x rows 24.1 / 26.7 / 29.9 / 34.3 ms against
+ * 26.3 / 30.2 / 34.7 / 39.9 folded, but at 4 rows (one block) 26.4–27.5 against 22.4–22.8. A 3 × 3 block for 3 rows (one pass instead of 2 + 1) ran faster on weights in L2 but 1.3–1.4×
+ * slower from memory, where the first pass streams the weights (fp32 and bf16, one core of a 2-core
+ * AMD EPYC of the Zen 4 generation, 2026-12-05; not kept). Every block sums a (weight row, x row)
+ * pair in the same order: the blocks change no bit. */
+#define DENSE_ROWS(NAME, XT, WT, KEPT, FOLD, MIN_M)                                                      \
     static void NAME(const XT *x, int64_t ldx, int64_t M, const WT *w, int64_t ldw, int64_t d_in, float *y, \
                      int64_t ldy, int64_t r0, int64_t r1) {                                              \
         const int64_t R = M >= (MIN_M) ? DENSE_R : 1, MB = R > 1 ? DENSE_MB : DENSE_MB_ONE;             \
         for (int64_t r = r0; r < r1; r += R) {                                                           \
             const int64_t nr = (r1 - r) < R ? r1 - r : R;                                                \
             for (int64_t m = 0; m < M;) {                                                                \
-                const int64_t left = M - m, nb = left == MB + 1 && MB > 2 ? MB - 1 : (left < MB ? left : MB); \
-                BLOCKS[nr - 1][nb - 1](x, ldx, w, ldw, d_in, y, ldy, r, m);                              \
+                const int64_t nb = M - m >= MB ? MB : (M - m >= 2 ? 2 : 1);                              \
+                (M <= DENSE_MB ? FOLD : KEPT)[nr - 1][mb_index(nb)](x, ldx, w, ldw, d_in, y, ldy, r, m); \
                 m += nb;                                                                                 \
             }                                                                                            \
         }                                                                                                \
     }
-DENSE_ROWS(dense_rows_f32, float, float, dense_f32_blocks, DENSE_MIN_M_F32)
+DENSE_ROWS(dense_rows_f32, float, float, dense_f32_blocks, dense_f32_blocks_fold, DENSE_MIN_M_F32)
 
 #if !defined(__AVX512F__)
 /* AVX2: bf16 weights widened in registers (`<< 16` the even columns, `& 0xffff0000` the odd,
@@ -1591,17 +1602,19 @@ DENSE_ROWS(dense_rows_f32, float, float, dense_f32_blocks, DENSE_MIN_M_F32)
  * LINEAR_BLOCK's four rows at a time read a SmolLM2-135M's bf16 matrices at 9.1 GB/s on one Zen 3
  * core, these at 13.5 (a plain read 17.7; medians of 12, the two in turns). The AVX-512 build
  * keeps LINEAR_BLOCK (not measured). */
-DENSE_BLOCK(dense_bf16_2x3, 2, 3, uint16_t, BD_W_BF16)
-DENSE_BLOCK(dense_bf16_2x2, 2, 2, uint16_t, BD_W_BF16)
-DENSE_BLOCK(dense_bf16_2x1, 2, 1, uint16_t, BD_W_BF16)
-DENSE_BLOCK(dense_bf16_1x3, 1, 3, uint16_t, BD_W_BF16)
-DENSE_BLOCK(dense_bf16_1x2, 1, 2, uint16_t, BD_W_BF16)
-DENSE_BLOCK(dense_bf16_1x1, 1, 1, uint16_t, BD_W_BF16)
+DENSE_BLOCK_PAIR(dense_bf16_2x3, 2, 3, uint16_t, BD_W_BF16)
+DENSE_BLOCK_PAIR(dense_bf16_2x2, 2, 2, uint16_t, BD_W_BF16)
+DENSE_BLOCK_PAIR(dense_bf16_2x1, 2, 1, uint16_t, BD_W_BF16)
+DENSE_BLOCK(dense_bf16_1x3, 1, 3, uint16_t, BD_W_BF16, 0)
+DENSE_BLOCK(dense_bf16_1x2, 1, 2, uint16_t, BD_W_BF16, 0)
+DENSE_BLOCK(dense_bf16_1x1, 1, 1, uint16_t, BD_W_BF16, 0)
 typedef void (*dense_bf16_fn)(const float *, int64_t, const uint16_t *, int64_t, int64_t, float *, int64_t, int64_t,
                               int64_t);
 static const dense_bf16_fn dense_bf16_blocks[2][3] = {{dense_bf16_1x1, dense_bf16_1x2, dense_bf16_1x3},
                                                       {dense_bf16_2x1, dense_bf16_2x2, dense_bf16_2x3}};
-DENSE_ROWS(dense_rows_bf16, float, uint16_t, dense_bf16_blocks, DENSE_MIN_M_F32) /* bf16 weights, x as xeo */
+static const dense_bf16_fn dense_bf16_blocks_fold[2][3] = {{dense_bf16_1x1, dense_bf16_1x2, dense_bf16_1x3},
+                                                           {dense_bf16_2x1_fold, dense_bf16_2x2_fold, dense_bf16_2x3_fold}};
+DENSE_ROWS(dense_rows_bf16, float, uint16_t, dense_bf16_blocks, dense_bf16_blocks_fold, DENSE_MIN_M_F32) /* bf16 weights, x as xeo */
 #define HAVE_DENSE_BF16 1
 #endif
 
@@ -1610,7 +1623,9 @@ DENSE_ROWS(dense_rows_bf16, float, uint16_t, dense_bf16_blocks, DENSE_MIN_M_F32)
  * per 32 weights (pairs of exact products summed in fp32; denormals flushed) instead of widening
  * both halves and two FMAs (that path was compute-bound at ~0.7× of the bf16 weights' bandwidth on
  * one core). Blocks as DENSE_BLOCK, the two accumulators over 32-value chunks of even and odd
- * index. xb: x as bf16, x's layout. */
+ * index, blocks of R > 1 weight rows with their vectors kept (IN_REGISTER) at any row count: on the
+ * Zen 4 core of DENSE_ROWS' note, SmolLM2-135M's GEMVs at 3 / 4 / 6 / 8 x rows 9.2 / 10.4 / 13.3 / 16.7
+ * ms against 10.3 / 10.4 / 14.4 / 17.0 as GCC compiled them. xb: x as bf16, x's layout. */
 #define DENSE_BLOCK_DP(NAME, R, MB)                                                                      \
     static void NAME(const uint16_t *xb, int64_t ldx, const uint16_t *w, int64_t ldw, int64_t d_in,     \
                      float *y, int64_t ldy, int64_t r, int64_t m0) {                                     \
@@ -1623,9 +1638,13 @@ DENSE_ROWS(dense_rows_bf16, float, uint16_t, dense_bf16_blocks, DENSE_MIN_M_F32)
                 for (int i = 0; i < R; ++i) BLOCK_STREAM_PREFETCH(R, w + (r + i) * ldw + k, 2);          \
             for (int h = 0; h < 2; ++h) {                                                                \
                 __m512bh wv[R];                                                                          \
-                for (int i = 0; i < R; ++i) wv[i] = (__m512bh)_mm512_loadu_si512((const void *)(w + (r + i) * ldw + k + 32 * h)); \
+                for (int i = 0; i < R; ++i) {                                                            \
+                    wv[i] = (__m512bh)_mm512_loadu_si512((const void *)(w + (r + i) * ldw + k + 32 * h)); \
+                    if (R > 1) IN_REGISTER(wv[i]);                                                       \
+                }                                                                                        \
                 for (int b = 0; b < MB; ++b) {                                                           \
-                    const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + (m0 + b) * ldx + k + 32 * h)); \
+                    __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + (m0 + b) * ldx + k + 32 * h)); \
+                    if (R > 1) IN_REGISTER(xv);                                                          \
                     for (int i = 0; i < R; ++i) a[i][b][h] = _mm512_dpbf16_ps(a[i][b][h], xv, wv[i]);    \
                 }                                                                                        \
             }                                                                                            \
@@ -1648,24 +1667,21 @@ DENSE_ROWS(dense_rows_bf16, float, uint16_t, dense_bf16_blocks, DENSE_MIN_M_F32)
             }                                                                                            \
     }
 DENSE_BLOCK_DP(dense_dp_3x4, 3, 4)
-DENSE_BLOCK_DP(dense_dp_3x3, 3, 3)
 DENSE_BLOCK_DP(dense_dp_3x2, 3, 2)
 DENSE_BLOCK_DP(dense_dp_3x1, 3, 1)
 DENSE_BLOCK_DP(dense_dp_2x4, 2, 4)
-DENSE_BLOCK_DP(dense_dp_2x3, 2, 3)
 DENSE_BLOCK_DP(dense_dp_2x2, 2, 2)
 DENSE_BLOCK_DP(dense_dp_2x1, 2, 1)
 DENSE_BLOCK_DP(dense_dp_1x4, 1, 4)
-DENSE_BLOCK_DP(dense_dp_1x3, 1, 3)
 DENSE_BLOCK_DP(dense_dp_1x2, 1, 2)
 DENSE_BLOCK_DP(dense_dp_1x1, 1, 1)
 typedef void (*dense_dp_fn)(const uint16_t *, int64_t, const uint16_t *, int64_t, int64_t, float *, int64_t, int64_t,
                             int64_t);
-static const dense_dp_fn dense_dp_blocks[3][4] = {{dense_dp_1x1, dense_dp_1x2, dense_dp_1x3, dense_dp_1x4},
-                                                  {dense_dp_2x1, dense_dp_2x2, dense_dp_2x3, dense_dp_2x4},
-                                                  {dense_dp_3x1, dense_dp_3x2, dense_dp_3x3, dense_dp_3x4}};
+static const dense_dp_fn dense_dp_blocks[3][3] = {{dense_dp_1x1, dense_dp_1x2, dense_dp_1x4},
+                                                  {dense_dp_2x1, dense_dp_2x2, dense_dp_2x4},
+                                                  {dense_dp_3x1, dense_dp_3x2, dense_dp_3x4}};
 
-DENSE_ROWS(dense_rows_dp, uint16_t, uint16_t, dense_dp_blocks, DENSE_MIN_M_DP) /* bf16 weights and x (as bf16 words) */
+DENSE_ROWS(dense_rows_dp, uint16_t, uint16_t, dense_dp_blocks, dense_dp_blocks, DENSE_MIN_M_DP) /* bf16 weights and x (as bf16 words) */
 #define HAVE_DP_BF16 1
 
 /* y[b, r] = x_b · W_r + Σ_p α_p,r · (x_b · S_p,r) for NX x rows (of one variant) that are exactly
