@@ -1576,10 +1576,10 @@ static inline int mb_index(int64_t n) { return n >= 3 ? 2 : (int)(n - 1); }
  * take the FOLD table, more the KEPT one (DENSE_BLOCK's KEEP). One core of a 2-core AMD EPYC of the
  * Zen 4 generation, SmolLM2-135M's 30 layers and head in fp32 (GEMVs called from Python, in turns,
  * medians, 2026-12-05): kept vectors at 5 / 6 / 7 / 8 x rows 24.1 / 26.7 / 29.9 / 34.3 ms against
- * 26.3 / 30.2 / 34.7 / 39.9 folded, but at 4 rows (one block) 26.4–27.5 against 22.4–22.8. A 3 × 3 block for 3 rows (one pass instead of 2 + 1) ran faster on weights in L2 but 1.3–1.4×
- * slower from memory, where the first pass streams the weights (fp32 and bf16, one core of a 2-core
- * AMD EPYC of the Zen 4 generation, 2026-12-05; not kept). Every block sums a (weight row, x row)
- * pair in the same order: the blocks change no bit. */
+ * 26.3 / 30.2 / 34.7 / 39.9 folded, but at 4 rows (one block) 26.4–27.5 against 22.4–22.8 (why:
+ * not found). A 3 × 3 block for 3 rows (one pass instead of 2 + 1) ran faster on weights in L2 but
+ * 1.3–1.4× slower from memory, fp32 and bf16 (not kept). Every block sums a (weight row, x row) pair
+ * in the same order: the blocks change no bit. */
 #define DENSE_ROWS(NAME, XT, WT, KEPT, FOLD, MIN_M)                                                      \
     static void NAME(const XT *x, int64_t ldx, int64_t M, const WT *w, int64_t ldw, int64_t d_in, float *y, \
                      int64_t ldy, int64_t r0, int64_t r1) {                                              \
