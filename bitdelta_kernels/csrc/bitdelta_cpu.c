@@ -1572,12 +1572,12 @@ static inline int mb_index(int64_t n) { return n >= 3 ? 2 : (int)(n - 1); }
 /* y[m, r] = x_m · W_r for rows [r0, r1) and every x row by a table of blocks [R - 1][mb_index(MB)]:
  * DENSE_R weight rows at a time (their weights stay in L1 for all x rows) in blocks of DENSE_MB x
  * rows; below MIN_M x rows one weight row at a time in blocks of DENSE_MB_ONE; then 2 and 1 for the
- * rest. Up to DENSE_MB x rows (one block reads the weights from memory and nothing reuses them)
- * take the FOLD table, more the KEPT one (DENSE_BLOCK's KEEP). One core of a 2-core AMD EPYC of the
- * Zen 4 generation, SmolLM2-135M's 30 layers and head in fp32 (GEMVs called from Python, in turns,
- * medians, 2026-12-05): kept vectors at 5 / 6 / 7 / 8 x rows 24.1 / 26.7 / 29.9 / 34.3 ms against
- * 26.3 / 30.2 / 34.7 / 39.9 folded, but at 4 rows (one block) 26.4–27.5 against 22.4–22.8 (why:
- * not found). A 3 × 3 block for 3 rows (one pass instead of 2 + 1) ran faster on weights in L2 but
+ * rest. DENSE_MB x rows, one block that reads the weights from memory with no later block reusing
+ * them from L1, take the FOLD table; any other count the KEPT one (DENSE_BLOCK's KEEP). One core of a
+ * 2-core AMD EPYC of the Zen 4 generation, SmolLM2-135M's 30 layers and head in fp32 (GEMVs called
+ * from Python, in turns, medians, 2026-12-05): kept vectors at 3 / 5 / 6 / 7 / 8 x rows 20.0 / 24.1
+ * / 26.7 / 29.9 / 34.3 ms against 20.3–20.7 / 26.3 / 30.2 / 34.7 / 39.9 folded, but at 4 rows 26.4–
+ * 27.5 against 22.4–22.8 (why: not found). A 3 × 3 block for 3 rows (one pass instead of 2 + 1) ran faster on weights in L2 but
  * 1.3–1.4× slower from memory, fp32 and bf16 (not kept). Every block sums a (weight row, x row) pair
  * in the same order: the blocks change no bit. */
 #define DENSE_ROWS(NAME, XT, WT, KEPT, FOLD, MIN_M)                                                      \
@@ -1588,7 +1588,7 @@ static inline int mb_index(int64_t n) { return n >= 3 ? 2 : (int)(n - 1); }
             const int64_t nr = (r1 - r) < R ? r1 - r : R;                                                \
             for (int64_t m = 0; m < M;) {                                                                \
                 const int64_t nb = M - m >= MB ? MB : (M - m >= 2 ? 2 : 1);                              \
-                (M <= DENSE_MB ? FOLD : KEPT)[nr - 1][mb_index(nb)](x, ldx, w, ldw, d_in, y, ldy, r, m); \
+                (M == DENSE_MB ? FOLD : KEPT)[nr - 1][mb_index(nb)](x, ldx, w, ldw, d_in, y, ldy, r, m); \
                 m += nb;                                                                                 \
             }                                                                                            \
         }                                                                                                \
