@@ -45,17 +45,15 @@ async def measure(args) -> list[tuple[int, list[float], list[float]]]:
     )  # fmt: skip
     await worker.start()
     default_rows = cpu_ops.DENSE_GEMV_MAX_M[dtype]
-    c_rows = args.c_rows or default_rows
     rows = []
     try:
         await decode_rate(worker, [""], PROMPT, 4)  # warm: the C library, the first step's buffers
         for s in args.streams:
             c, t = [], []
             for _ in range(args.reps):  # in turns
-                for cap, out in ((c_rows, c), (TORCH_FROM, t)):
+                for cap, out in ((args.c_rows, c), (TORCH_FROM, t)):
                     cpu_ops.DENSE_GEMV_MAX_M[dtype] = cap
                     out.append(await decode_rate(worker, [""] * s, PROMPT, args.new_tokens))
-                cpu_ops.DENSE_GEMV_MAX_M[dtype] = default_rows
             rows.append((s, c, t))
             print(f"{s} streams: C layers {max(c):.1f}, torch path {max(t):.1f} tok/s", file=sys.stderr, flush=True)
     finally:
@@ -75,11 +73,11 @@ def main(argv=None) -> None:
     p.add_argument("--c-rows", type=int, help="the C layers up to this many rows (default: DENSE_GEMV_MAX_M's)")
     p.add_argument("--out", type=Path, help="also write the table here")
     args = p.parse_args(argv)
+    args.c_rows = args.c_rows or cpu_ops.DENSE_GEMV_MAX_M[getattr(torch, args.dtype)]
     rows = asyncio.run(measure(args))
-    c_rows = args.c_rows or cpu_ops.DENSE_GEMV_MAX_M[getattr(torch, args.dtype)]
     lines = [
         f"base-only decode, {args.dtype}, {args.threads} thread(s), greedy streams of {args.new_tokens} tokens, "
-        f"best of {args.reps} in turns; C layers up to {c_rows} rows, torch path from {TORCH_FROM + 1}",
+        f"best of {args.reps} in turns; C layers up to {args.c_rows} rows, torch path from {TORCH_FROM + 1}",
         "| streams | C layers, tok/s | torch path, tok/s | C ÷ torch |",
         "|---|---|---|---|",
     ]

@@ -1505,46 +1505,36 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
         }                                                                                                \
         PAIR_ACC_STORE(R, MB, x, w, WD);                                                                 \
     }
-/* a block of R > 1 weight rows twice: its vectors kept in registers, and NAME_fold with the loads
- * folded (DENSE_ROWS says which runs when) */
+/* A block of R > 1 weight rows twice: its vectors kept in registers, and NAME_fold with the loads
+ * folded. DENSE_BLOCKS(P, WT, WD) stamps out a build's blocks P_RxMB (pairs where R > 1), and
+ * DENSE_TABLE(P, S) is a table of them [R - 1][mb_index(MB)], S the suffix of its R > 1 blocks
+ * (empty: kept; _fold): a DENSE_ROWS table is {DENSE_TABLE(P, ), DENSE_TABLE(P, _fold)}. */
 #define DENSE_BLOCK_PAIR(NAME, R, MB, WT, WD) DENSE_BLOCK(NAME, R, MB, WT, WD, 1) DENSE_BLOCK(NAME##_fold, R, MB, WT, WD, 0)
 #if defined(__AVX512F__)
 #define DENSE_R 3  /* 3 × 4 pairs × 2 accumulators + 3 weight vectors + an x vector: 28 of 32 registers */
 #define DENSE_MB 4
-DENSE_BLOCK_PAIR(dense_f32_3x4, 3, 4, float, BD_W_F32)
-DENSE_BLOCK_PAIR(dense_f32_3x2, 3, 2, float, BD_W_F32)
-DENSE_BLOCK_PAIR(dense_f32_3x1, 3, 1, float, BD_W_F32)
-DENSE_BLOCK_PAIR(dense_f32_2x4, 2, 4, float, BD_W_F32)
-DENSE_BLOCK_PAIR(dense_f32_2x2, 2, 2, float, BD_W_F32)
-DENSE_BLOCK_PAIR(dense_f32_2x1, 2, 1, float, BD_W_F32)
-DENSE_BLOCK(dense_f32_1x4, 1, 4, float, BD_W_F32, 0)
-DENSE_BLOCK(dense_f32_1x2, 1, 2, float, BD_W_F32, 0)
-DENSE_BLOCK(dense_f32_1x1, 1, 1, float, BD_W_F32, 0)
-typedef void (*dense_f32_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t, int64_t, int64_t);
-static const dense_f32_fn dense_f32_blocks[3][3] = {{dense_f32_1x1, dense_f32_1x2, dense_f32_1x4},
-                                                    {dense_f32_2x1, dense_f32_2x2, dense_f32_2x4},
-                                                    {dense_f32_3x1, dense_f32_3x2, dense_f32_3x4}};
-static const dense_f32_fn dense_f32_blocks_fold[3][3] = {{dense_f32_1x1, dense_f32_1x2, dense_f32_1x4},
-                                                         {dense_f32_2x1_fold, dense_f32_2x2_fold, dense_f32_2x4_fold},
-                                                         {dense_f32_3x1_fold, dense_f32_3x2_fold, dense_f32_3x4_fold}};
+#define DENSE_BLOCKS(P, WT, WD)                                                                          \
+    DENSE_BLOCK_PAIR(P##_3x4, 3, 4, WT, WD) DENSE_BLOCK_PAIR(P##_3x2, 3, 2, WT, WD)                      \
+    DENSE_BLOCK_PAIR(P##_3x1, 3, 1, WT, WD) DENSE_BLOCK_PAIR(P##_2x4, 2, 4, WT, WD)                      \
+    DENSE_BLOCK_PAIR(P##_2x2, 2, 2, WT, WD) DENSE_BLOCK_PAIR(P##_2x1, 2, 1, WT, WD)                      \
+    DENSE_BLOCK(P##_1x4, 1, 4, WT, WD, 0) DENSE_BLOCK(P##_1x2, 1, 2, WT, WD, 0) DENSE_BLOCK(P##_1x1, 1, 1, WT, WD, 0)
+#define DENSE_TABLE(P, S)                                                                                \
+    {{P##_1x1, P##_1x2, P##_1x4}, {P##_2x1##S, P##_2x2##S, P##_2x4##S}, {P##_3x1##S, P##_3x2##S, P##_3x4##S}}
 #else
 /* 16 ymm registers: 2 × 3 pairs × 2 accumulators + 2 weight vectors + an x vector. 2 × 2 blocks
  * took 1.1–1.3× the time at 6–8 x rows on a Zen 3 core (SmolLM2's head: each weight row pair read
  * by 4 blocks while 8 x rows and the stream's look-ahead filled L1; docs/kernels.md). */
 #define DENSE_R 2
 #define DENSE_MB 3
-DENSE_BLOCK_PAIR(dense_f32_2x3, 2, 3, float, BD_W_F32)
-DENSE_BLOCK_PAIR(dense_f32_2x2, 2, 2, float, BD_W_F32)
-DENSE_BLOCK_PAIR(dense_f32_2x1, 2, 1, float, BD_W_F32)
-DENSE_BLOCK(dense_f32_1x3, 1, 3, float, BD_W_F32, 0)
-DENSE_BLOCK(dense_f32_1x2, 1, 2, float, BD_W_F32, 0)
-DENSE_BLOCK(dense_f32_1x1, 1, 1, float, BD_W_F32, 0)
-typedef void (*dense_f32_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t, int64_t, int64_t);
-static const dense_f32_fn dense_f32_blocks[2][3] = {{dense_f32_1x1, dense_f32_1x2, dense_f32_1x3},
-                                                    {dense_f32_2x1, dense_f32_2x2, dense_f32_2x3}};
-static const dense_f32_fn dense_f32_blocks_fold[2][3] = {{dense_f32_1x1, dense_f32_1x2, dense_f32_1x3},
-                                                         {dense_f32_2x1_fold, dense_f32_2x2_fold, dense_f32_2x3_fold}};
+#define DENSE_BLOCKS(P, WT, WD)                                                                          \
+    DENSE_BLOCK_PAIR(P##_2x3, 2, 3, WT, WD) DENSE_BLOCK_PAIR(P##_2x2, 2, 2, WT, WD)                      \
+    DENSE_BLOCK_PAIR(P##_2x1, 2, 1, WT, WD) DENSE_BLOCK(P##_1x3, 1, 3, WT, WD, 0)                        \
+    DENSE_BLOCK(P##_1x2, 1, 2, WT, WD, 0) DENSE_BLOCK(P##_1x1, 1, 1, WT, WD, 0)
+#define DENSE_TABLE(P, S) {{P##_1x1, P##_1x2, P##_1x3}, {P##_2x1##S, P##_2x2##S, P##_2x3##S}}
 #endif
+DENSE_BLOCKS(dense_f32, float, BD_W_F32)
+typedef void (*dense_f32_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t, int64_t, int64_t);
+static const dense_f32_fn dense_f32_blocks[2][DENSE_R][3] = {DENSE_TABLE(dense_f32, ), DENSE_TABLE(dense_f32, _fold)};
 
 /* DENSE_R weight rows per block from this many x rows on (MIN_M of DENSE_ROWS); fewer take one row
  * at a time, one linear stream, in blocks of at most DENSE_MB_ONE x rows. In the AVX-512 build from 3
@@ -1569,31 +1559,32 @@ static const dense_f32_fn dense_f32_blocks_fold[2][3] = {{dense_f32_1x1, dense_f
 /* mb index of a block of n x rows in the tables (1, 2, DENSE_MB (4 or 3) -> 0, 1, 2) */
 static inline int mb_index(int64_t n) { return n >= 3 ? 2 : (int)(n - 1); }
 
-/* y[m, r] = x_m · W_r for rows [r0, r1) and every x row by a table of blocks [R - 1][mb_index(MB)]:
+/* y[m, r] = x_m · W_r for rows [r0, r1) and every x row by a table of blocks [K][R - 1][mb_index(MB)]:
  * DENSE_R weight rows at a time (their weights stay in L1 for all x rows) in blocks of DENSE_MB x
  * rows; below MIN_M x rows one weight row at a time in blocks of DENSE_MB_ONE; then 2 and 1 for the
- * rest. DENSE_MB x rows, one block that reads the weights from memory with no later block reusing
- * them from L1, take the FOLD table; any other count the KEPT one (DENSE_BLOCK's KEEP). One core of a
- * 2-core AMD EPYC of the Zen 4 generation, SmolLM2-135M's 30 layers and head in fp32 (GEMVs called
- * from Python, in turns, medians, 2026-12-05): kept vectors at 3 / 5 / 6 / 7 / 8 x rows 20.0 / 24.1
- * / 26.7 / 29.9 / 34.3 ms against 20.3–20.7 / 26.3 / 30.2 / 34.7 / 39.9 folded, but at 4 rows 26.4–
- * 27.5 against 22.4–22.8 (why: not found). A 3 × 3 block for 3 rows (one pass instead of 2 + 1) ran faster on weights in L2 but
- * 1.3–1.4× slower from memory, fp32 and bf16 (not kept). Every block sums a (weight row, x row) pair
- * in the same order: the blocks change no bit. */
-#define DENSE_ROWS(NAME, XT, WT, KEPT, FOLD, MIN_M)                                                      \
+ * rest. K = 1 (the folded blocks, DENSE_BLOCK's KEEP) for DENSE_MB x rows, one block that reads the
+ * weights from memory with no later block reusing them from L1; K = 0 (kept) for any other count.
+ * One core of a 2-core AMD EPYC of the Zen 4 generation, SmolLM2-135M's 30 layers and head in fp32
+ * (GEMVs called from Python, in turns, medians, 2026-12-05): kept vectors at 3 / 5 / 6 / 7 / 8 x rows
+ * 20.0 / 24.1 / 26.7 / 29.9 / 34.3 ms against 20.3–20.7 / 26.3 / 30.2 / 34.7 / 39.9 folded, but at 4
+ * rows 26.4–27.5 against 22.4–22.8 (why: not found). A 3 × 3 block for 3 rows (one pass instead of
+ * 2 + 1) ran faster on weights in L2 but 1.3–1.4× slower from memory, fp32 and bf16 (not kept). Every
+ * block sums a (weight row, x row) pair in the same order: the blocks change no bit. */
+#define DENSE_ROWS(NAME, XT, WT, BLOCKS, MIN_M)                                                          \
     static void NAME(const XT *x, int64_t ldx, int64_t M, const WT *w, int64_t ldw, int64_t d_in, float *y, \
                      int64_t ldy, int64_t r0, int64_t r1) {                                              \
         const int64_t R = M >= (MIN_M) ? DENSE_R : 1, MB = R > 1 ? DENSE_MB : DENSE_MB_ONE;             \
+        __typeof__(&BLOCKS[0][0]) blocks = BLOCKS[M == DENSE_MB];                                        \
         for (int64_t r = r0; r < r1; r += R) {                                                           \
             const int64_t nr = (r1 - r) < R ? r1 - r : R;                                                \
             for (int64_t m = 0; m < M;) {                                                                \
                 const int64_t nb = M - m >= MB ? MB : (M - m >= 2 ? 2 : 1);                              \
-                (M == DENSE_MB ? FOLD : KEPT)[nr - 1][mb_index(nb)](x, ldx, w, ldw, d_in, y, ldy, r, m); \
+                blocks[nr - 1][mb_index(nb)](x, ldx, w, ldw, d_in, y, ldy, r, m);                        \
                 m += nb;                                                                                 \
             }                                                                                            \
         }                                                                                                \
     }
-DENSE_ROWS(dense_rows_f32, float, float, dense_f32_blocks, dense_f32_blocks_fold, DENSE_MIN_M_F32)
+DENSE_ROWS(dense_rows_f32, float, float, dense_f32_blocks, DENSE_MIN_M_F32)
 
 #if !defined(__AVX512F__)
 /* AVX2: bf16 weights widened in registers (`<< 16` the even columns, `& 0xffff0000` the odd,
@@ -1602,19 +1593,11 @@ DENSE_ROWS(dense_rows_f32, float, float, dense_f32_blocks, dense_f32_blocks_fold
  * LINEAR_BLOCK's four rows at a time read a SmolLM2-135M's bf16 matrices at 9.1 GB/s on one Zen 3
  * core, these at 13.5 (a plain read 17.7; medians of 12, the two in turns). The AVX-512 build
  * keeps LINEAR_BLOCK (not measured). */
-DENSE_BLOCK_PAIR(dense_bf16_2x3, 2, 3, uint16_t, BD_W_BF16)
-DENSE_BLOCK_PAIR(dense_bf16_2x2, 2, 2, uint16_t, BD_W_BF16)
-DENSE_BLOCK_PAIR(dense_bf16_2x1, 2, 1, uint16_t, BD_W_BF16)
-DENSE_BLOCK(dense_bf16_1x3, 1, 3, uint16_t, BD_W_BF16, 0)
-DENSE_BLOCK(dense_bf16_1x2, 1, 2, uint16_t, BD_W_BF16, 0)
-DENSE_BLOCK(dense_bf16_1x1, 1, 1, uint16_t, BD_W_BF16, 0)
+DENSE_BLOCKS(dense_bf16, uint16_t, BD_W_BF16)
 typedef void (*dense_bf16_fn)(const float *, int64_t, const uint16_t *, int64_t, int64_t, float *, int64_t, int64_t,
                               int64_t);
-static const dense_bf16_fn dense_bf16_blocks[2][3] = {{dense_bf16_1x1, dense_bf16_1x2, dense_bf16_1x3},
-                                                      {dense_bf16_2x1, dense_bf16_2x2, dense_bf16_2x3}};
-static const dense_bf16_fn dense_bf16_blocks_fold[2][3] = {{dense_bf16_1x1, dense_bf16_1x2, dense_bf16_1x3},
-                                                           {dense_bf16_2x1_fold, dense_bf16_2x2_fold, dense_bf16_2x3_fold}};
-DENSE_ROWS(dense_rows_bf16, float, uint16_t, dense_bf16_blocks, dense_bf16_blocks_fold, DENSE_MIN_M_F32) /* bf16 weights, x as xeo */
+static const dense_bf16_fn dense_bf16_blocks[2][DENSE_R][3] = {DENSE_TABLE(dense_bf16, ), DENSE_TABLE(dense_bf16, _fold)};
+DENSE_ROWS(dense_rows_bf16, float, uint16_t, dense_bf16_blocks, DENSE_MIN_M_F32) /* bf16 weights, x as xeo */
 #define HAVE_DENSE_BF16 1
 #endif
 
@@ -1677,11 +1660,10 @@ DENSE_BLOCK_DP(dense_dp_1x2, 1, 2)
 DENSE_BLOCK_DP(dense_dp_1x1, 1, 1)
 typedef void (*dense_dp_fn)(const uint16_t *, int64_t, const uint16_t *, int64_t, int64_t, float *, int64_t, int64_t,
                             int64_t);
-static const dense_dp_fn dense_dp_blocks[3][3] = {{dense_dp_1x1, dense_dp_1x2, dense_dp_1x4},
-                                                  {dense_dp_2x1, dense_dp_2x2, dense_dp_2x4},
-                                                  {dense_dp_3x1, dense_dp_3x2, dense_dp_3x4}};
+/* kept at every row count: both halves the same table */
+static const dense_dp_fn dense_dp_blocks[2][3][3] = {DENSE_TABLE(dense_dp, ), DENSE_TABLE(dense_dp, )};
 
-DENSE_ROWS(dense_rows_dp, uint16_t, uint16_t, dense_dp_blocks, dense_dp_blocks, DENSE_MIN_M_DP) /* bf16 weights and x (as bf16 words) */
+DENSE_ROWS(dense_rows_dp, uint16_t, uint16_t, dense_dp_blocks, DENSE_MIN_M_DP) /* bf16 weights and x (as bf16 words) */
 #define HAVE_DP_BF16 1
 
 /* y[b, r] = x_b · W_r + Σ_p α_p,r · (x_b · S_p,r) for NX x rows (of one variant) that are exactly
