@@ -125,6 +125,19 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as a contiguous `dtype` tensor: itself when it is one (no torch op)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
+def _slots32(t: torch.Tensor) -> torch.Tensor:
+    """Slot indices as the C call reads them (int32; their range is checked there): a wider
+    tensor's values first shown to fit, so that no value wraps into a valid slot."""
+    if t.dtype != torch.int32 and t.numel() and not -(2**31) <= int(t.min()) <= int(t.max()) < 2**31:
+        raise ValueError("slot indices must fit int32")
+    return _as(t, torch.int32)
+
+
 @dataclass
 class _HeadArgs:
     """`bd_decode_layers`' head-plane arguments, holding the tensors and arrays they point into."""
@@ -204,8 +217,8 @@ class DecodeLayers:
                 raise ValueError("a head plane's signs must be uint8 [vocab, ceil(dim/8)]")
             if alpha.dtype != torch.float32 or alpha.dim() != 1 or alpha.shape[0] not in (1, V):
                 raise ValueError("a head plane's α must be fp32 [vocab] or [1]")
-        rows = hp.row_head.to(torch.int64).contiguous()
-        if tuple(rows.shape) != (B,) or (B and not -1 <= int(rows.min()) <= int(rows.max()) < len(hp.planes)):
+        rows = _as(hp.row_head, torch.int64)
+        if tuple(rows.shape) != (B,):  # its values' range: checked in C
             raise ValueError(f"row_head must be [{B}] plane indices in [-1, {len(hp.planes) - 1}]")
         planes = [(s.contiguous(), a.contiguous()) for s, a in hp.planes]
         return _HeadArgs(
@@ -262,26 +275,19 @@ class DecodeLayers:
             raise ValueError(f"cos, sin must be [{B}, {hd}]; row_slot and write_rows [{B}]")
         if tables.dtype != torch.int32 or lens.dtype != torch.int32 or tables.shape[0] != B or lens.shape != (B,):
             raise ValueError(f"tables must be int32 [{B}, max_blocks] and lens int32 [{B}]")
-        rs = row_slot.to(torch.int64).contiguous()
-        lo, hi = torch.aminmax(rs) if B else (0, 0)
-        if int(lo) < -1 or int(hi) >= self.n_slots:
-            raise ValueError(f"row_slot values must lie in [-1, {self.n_slots - 1}]")
-        rp = None if row_planes is None else row_planes.to(torch.int64).contiguous()
-        if rp is not None:
-            if rp.dim() != 2 or rp.shape[0] != B or rp.shape[1] < 1:
-                raise ValueError(f"row_planes must be [{B}, k]")
-            if rp.numel() and (int(rp.min()) < -1 or int(rp.max()) >= self.n_slots):
-                raise ValueError(f"row_planes values must lie in [-1, {self.n_slots - 1}]")
-            if bool(((rp >= 0).any(1) & (rs < 0)).any()):
-                raise ValueError("a base row (row_slot −1) has no sign planes")
-        x32 = x.to(torch.float32, copy=True).contiguous()  # dtype values in fp32; overwritten in place
-        c32, s32 = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
-        wr = write_rows.to(torch.int64).contiguous()
-        t, n = tables.contiguous(), lens.contiguous()
+        # each op only where its tensor is not already what the C code reads: after the layers' stream
+        # every cache is cold and a torch op costs ~40 µs (the slots' range is checked in C)
+        rs, rp = _slots32(row_slot), None if row_planes is None else _slots32(row_planes)
+        if rp is not None and (rp.dim() != 2 or rp.shape[0] != B or rp.shape[1] < 1):
+            raise ValueError(f"row_planes must be [{B}, k]")
+        x32 = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # overwritten in place
+        c32, s32, wr = _as(cos, torch.float32), _as(sin, torch.float32), _as(write_rows, torch.int64)
+        t, n = _as(tables, torch.int32), _as(lens, torch.int32)
         out = torch.empty(B, self.head.shape[0], dtype=torch.float32) if logits else None
         rc = (self._lib or load_cpu_lib()).bd_decode_layers(
             ctypes.addressof(self._arr),
             len(self.layers),
+            self.n_slots,
             x32.data_ptr(),
             B,
             rs.data_ptr(),
@@ -310,6 +316,13 @@ class DecodeLayers:
             torch.get_num_threads(),
             int(fuse),
         )
+        if rc == -2:
+            raise ValueError(
+                f"row_slot and row_planes values must lie in [-1, {self.n_slots - 1}], and a base row (row_slot −1)"
+                " has no sign planes"
+            )
+        if rc == -3:
+            raise ValueError(f"row_head must be [{B}] plane indices in [-1, {len(heads.planes) - 1}]")
         if rc != 0:
             raise MemoryError("bd_decode_layers could not allocate its scratch")
         return x32.to(self.dtype) if out is None else out

@@ -2708,8 +2708,8 @@ static int decode_head(const float *h, int64_t B, int64_t D, const void *head, i
 }
 
 /* x: fp32 [B, dim] holding dtype values (the embedded tokens), overwritten with the last layer's
- * output. row_slot: int64 [B] (−1: the base; the row's norms and biases, and its one sign plane);
- * n_planes > 1: row_planes int64 [B, n_planes], each row's sign-plane slots (a variant of k planes,
+ * output. row_slot: int32 [B] (−1: the base; the row's norms and biases, and its one sign plane);
+ * n_planes > 1: row_planes int32 [B, n_planes], each row's sign-plane slots (a variant of k planes,
  * −1 past its k) instead of row_slot's one (NULL with n_planes ≤ 1); cos, sin: fp32 [B, hd] (the rotation over the whole
  * head); write_rows: int64 [B] the pool rows of the new tokens' k, v; tables, lens, bs: as
  * bd_paged_decode. dims: dim, n_heads, n_kv_heads, head_dim, intermediate. final_norm: NULL, or
@@ -2730,19 +2730,40 @@ static int decode_head(const float *h, int64_t B, int64_t D, const void *head, i
  * its numbers are not the same row's in a mixed step (the caller's choice: never in the
  * batch-invariant mode), though they are that row's alone; anything else ignores it.
  * After the layers' ~200 MB of weights every cache is cold, and the ~10 small torch ops of the
- * norm and the head's call cost ~0.3 ms of a ~10 ms bf16 SmolLM2-135M step there. Returns 0 or −1. */
-int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, int64_t B, const int64_t *row_slot,
-                     const int64_t *row_planes, int64_t n_planes, int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t F, float eps, int dtype, const float *cos_t,
+ * norm and the head's call cost ~0.3 ms of a ~10 ms bf16 SmolLM2-135M step there. n_slots: the slot
+ * stacks' slots; every row's slot and plane slots are checked against it here, not by torch ops
+ * before the call (cold, like the rest of the step's Python: ~40 µs each). Returns 0, −1 (no
+ * memory), −2 (a slot outside [−1, n_slots), or a base row with a plane) or −3 (a head_of_row
+ * outside [−1, n_heads)). */
+int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_slots, float *x, int64_t B,
+                     const int32_t *row_slot32, const int32_t *row_planes32, int64_t n_planes, int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t F, float eps, int dtype, const float *cos_t,
                      const float *sin_t, const int64_t *write_rows, const int32_t *tables, int64_t max_blocks,
                      const int32_t *lens, int64_t bs, float scale, const void *final_norm, const void *head,
                      int64_t vocab, int64_t n_heads, const uint8_t *const *head_signs, const float *const *head_alpha,
                      const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads,
                      int fuse) {
     const int64_t Q = (H + 2 * KV) * hd, HD = H * hd;
-    int any_delta = 0;
-    for (int64_t b = 0; b < B; ++b) any_delta |= row_slot[b] >= 0;
-    const int64_t *slots = n_planes > 1 ? row_planes : row_slot; /* each row's plane slots */
     const int64_t P = n_planes > 1 ? n_planes : 1;
+    /* the rows' slots as the kernels index them (int64), checked; the runner's are int32 */
+    int64_t *row_slot = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B * (1 + P) + 1));
+    if (!row_slot) return -1;
+    int64_t *row_planes = row_slot + B;
+    int any_delta = 0, bad = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        row_slot[b] = row_slot32[b];
+        bad |= row_slot[b] < -1 || row_slot[b] >= n_slots;
+        for (int64_t p = 0; n_planes > 1 && p < P; ++p) {
+            const int64_t v = row_planes[b * P + p] = row_planes32[b * P + p];
+            bad |= v < -1 || v >= n_slots || (v >= 0 && row_slot[b] < 0);
+        }
+        if (head_of_row && (head_of_row[b] < -1 || head_of_row[b] >= n_heads)) bad |= 2;
+        any_delta |= row_slot[b] >= 0;
+    }
+    if (bad) {
+        free(row_slot);
+        return bad & 1 ? -2 : -3;
+    }
+    const int64_t *slots = n_planes > 1 ? row_planes : row_slot; /* each row's plane slots */
     /* fuse: rows of one variant (the same slots in every row), as many as the one-pass loops take */
     int one_var = fuse && one_pass_planes(dtype, B) > 0;
     for (int64_t b = 1; b < B && one_var; ++b) {
@@ -2753,7 +2774,10 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
     const int one_pass = one_var && row_slot[0] >= 0;
     const int64_t n = B * (D + Q + 2 * HD + D + 3 * F + D);
     float *buf = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
-    if (!buf) return -1;
+    if (!buf) {
+        free(row_slot);
+        return -1;
+    }
     float *h = buf, *qkv = h + B * D, *q = qkv + B * Q, *att = q + B * HD, *o = att + B * HD, *gu = o + B * D,
           *act = gu + B * 2 * F, *dn = act + B * F;
     int rc = 0;
@@ -2790,5 +2814,6 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, float *x, 
                                    head_of_row, logits, n_threads, one_var);
     }
     free(buf);
+    free(row_slot);
     return rc ? -1 : 0;
 }

@@ -582,8 +582,12 @@ def test_decode_layers_check_their_tensors():
         lens=torch.ones(1, dtype=torch.int32),
         block_size=16,
     )
-    with pytest.raises(ValueError, match="row_slot values"):
-        ok.run(torch.randn(1, D), torch.tensor([S]), **args)
+    # the slots' range is checked in the C call, before it reads anything
+    for rs, rp in (([S], None), ([-2], None), ([0], [[0, S]]), ([-1], [[0, -1]]), ([2**32], None)):
+        with pytest.raises(ValueError, match="row_slot and row_planes values|fit int32"):
+            ok.run(torch.randn(1, D), torch.tensor(rs), **args, row_planes=None if rp is None else torch.tensor(rp))
+    with pytest.raises(ValueError, match="row_planes must be"):
+        ok.run(torch.randn(1, D), torch.tensor([0]), **args, row_planes=torch.tensor([0, -1]))
     with pytest.raises(ValueError, match="x must be"):
         ok.run(torch.randn(1, D).bfloat16(), torch.tensor([-1]), **args)
     assert ok.run(torch.randn(1, D), torch.tensor([-1]), **args).shape == (1, D)
