@@ -74,11 +74,20 @@ class RopeCache:
         host's copy: no device read)."""
         if self.args.rope.length_dependent:
             return rope_tables(self.args, positions, self.dtype, seq_lens)
+        cos, sin = self.cached(upto)
+        return cos[positions], sin[positions]
+
+    def cached(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached tables [n, rotary dims], n ≥ upto, whose row p is position p's (what `tables`
+        gathers from; the C decode layers read the rows in place); not for length-dependent rope."""
+        if self.args.rope.length_dependent:
+            raise ValueError("length-dependent rope has no position tables")
         if self._cos is None or self._cos.shape[0] < upto:
             n = max(self.MIN, 1 << max(upto - 1, 1).bit_length())
             every = torch.arange(n, dtype=torch.int64, device=self.device)
-            self._cos, self._sin = rope_tables(self.args, every, self.dtype)
-        return self._cos[positions], self._sin[positions]
+            cos, sin = rope_tables(self.args, every, self.dtype)
+            self._cos, self._sin = cos.contiguous(), sin.contiguous()
+        return self._cos, self._sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

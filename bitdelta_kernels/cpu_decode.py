@@ -14,12 +14,19 @@ What it serves (`DecodeShape.supported`): the runner's layer with a full-head ro
 q/k norms, weights in fp32, bf16 or fp16, a variant's delta as sign planes of row α's (one plane
 per slot, a variant of k planes on k slots: `run`'s row_planes); anything else (column α's, a
 low-rank term) takes the runner's layer-by-layer path.
+
+The call also makes the step's inputs from host integers (`run` given token ids): each row's
+embedding (the base's, or a variant's dense table or sign planes on the base's: `EmbedPlanes`) and
+its rotation read in place from the rope tables at its position. After the layers' stream every
+cache is cold, and each torch op the runner made before the call cost ~10–150 µs: ~0.3 ms of a
+~9.5 ms one-row bf16 SmolLM2-135M step went to building tensors the call then only read.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -87,7 +94,18 @@ class HeadPlanes:
     row_head: int64 [B], the plane of each row, −1 for the base's head alone."""
 
     planes: tuple[tuple[torch.Tensor, torch.Tensor], ...]
-    row_head: torch.Tensor
+    row_head: torch.Tensor | Sequence[int]
+
+
+@dataclass(frozen=True)
+class EmbedPlanes:
+    """Variants' own embeddings for a step whose rows the layers embed (`run` given token ids):
+    variant v's is a dense table (dtype [vocab, dim]) or the base's rows + its k sign planes
+    (signs uint8 [k, vocab, ceil(dim/8)], α fp32 [k, vocab]), `tables[v]` = the table or the
+    (signs, α) pair; row_embed: the variant of each row, −1 for the base's embedding alone."""
+
+    tables: tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], ...]
+    row_embed: torch.Tensor | Sequence[int]
 
 
 def _check(layers: list[DecodeLayer], shape: DecodeShape, dtype: torch.dtype) -> None:
@@ -130,12 +148,32 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
-def _slots32(t: torch.Tensor) -> torch.Tensor:
+def _ints(v: torch.Tensor | Sequence[int], dtype: torch.dtype) -> torch.Tensor | ctypes.Array:
+    """Integers as the C call reads them: a tensor as a contiguous `dtype` one (`_as`), host ints
+    as a ctypes array of that width (no torch op: the runner's step passes lists)."""
+    if isinstance(v, torch.Tensor):
+        return _as(v, dtype)
+    return ((ctypes.c_int32 if dtype == torch.int32 else ctypes.c_int64) * len(v))(*v)
+
+
+def _n(v: torch.Tensor | ctypes.Array) -> int:
+    return v.numel() if isinstance(v, torch.Tensor) else len(v)
+
+
+def _addr(v: torch.Tensor | ctypes.Array | None) -> int | ctypes.Array | None:
+    return v.data_ptr() if isinstance(v, torch.Tensor) else v
+
+
+def _slots32(t: torch.Tensor | Sequence[int]) -> torch.Tensor | ctypes.Array:
     """Slot indices as the C call reads them (int32; their range is checked there): a wider
-    tensor's values first shown to fit, so that no value wraps into a valid slot."""
-    if t.dtype != torch.int32 and t.numel() and not -(2**31) <= int(t.min()) <= int(t.max()) < 2**31:
+    tensor's values, or host ints, first shown to fit, so that no value wraps into a valid slot."""
+    if isinstance(t, torch.Tensor):
+        lo, hi = (int(t.min()), int(t.max())) if t.dtype != torch.int32 and t.numel() else (0, 0)
+    else:
+        lo, hi = (min(t), max(t)) if len(t) else (0, 0)
+    if not -(2**31) <= lo <= hi < 2**31:
         raise ValueError("slot indices must fit int32")
-    return _as(t, torch.int32)
+    return _ints(t, torch.int32)
 
 
 @dataclass
@@ -143,7 +181,7 @@ class _HeadArgs:
     """`bd_decode_layers`' head-plane arguments, holding the tensors and arrays they point into."""
 
     planes: tuple | list = ()
-    rows: torch.Tensor | None = None
+    rows: torch.Tensor | ctypes.Array | None = None
     signs: ctypes.Array | None = None
     alpha: ctypes.Array | None = None
     strides: ctypes.Array | None = None
@@ -151,7 +189,25 @@ class _HeadArgs:
     @property
     def args(self) -> tuple:
         """n_heads, head_signs, head_alpha, head_alpha_stride, head_of_row."""
-        return (len(self.planes), self.signs, self.alpha, self.strides, _ptr(self.rows))
+        return (len(self.planes), self.signs, self.alpha, self.strides, _addr(self.rows))
+
+
+@dataclass
+class _EmbedArgs:
+    """`bd_decode_layers`' embedding arguments, holding the tensors and arrays they point into."""
+
+    tensors: tuple = ()
+    rows: torch.Tensor | ctypes.Array | None = None
+    weights: ctypes.Array | None = None
+    signs: ctypes.Array | None = None
+    alpha: ctypes.Array | None = None
+    planes: ctypes.Array | None = None
+
+    @property
+    def args(self) -> tuple:
+        """n_embeds, embed_weight, embed_signs, embed_alpha, embed_planes, embed_of_row."""
+        n = 0 if self.weights is None else len(self.weights)
+        return (n, self.weights, self.signs, self.alpha, self.planes, _addr(self.rows))
 
 
 class DecodeLayers:
@@ -167,18 +223,24 @@ class DecodeLayers:
         *,
         final_norm: torch.Tensor | None = None,
         head: torch.Tensor | None = None,
+        embed: torch.Tensor | None = None,
     ):
         """lib: the C library to call (another build, `cpu_build.load_variant`, for tests and
         benchmarks that compare builds); None: the process's (`load_cpu_lib`). final_norm: the
         final norm's stack [n_slots + 1, dim] (`run` then returns the normed output, as the runner's
-        _final); head: the base's LM head [vocab, dim] (then `run(logits=True)` returns logits)."""
+        _final); head: the base's LM head [vocab, dim] (then `run(logits=True)` returns logits);
+        embed: the base's embedding [vocab, dim] (then `run` takes token ids)."""
         if lib is None and not DecodeShape.supported(dtype):
             raise RuntimeError("the C decode layers need the compiled C library (with SIMD)")
         _check(layers, shape, dtype)
         self.layers, self.shape, self.dtype = layers, shape, dtype
         self._lib = lib
         self.n_slots = layers[0].signs[0].shape[0] if layers else 0
-        for name, t, rows in (("final_norm", final_norm, self.n_slots + 1), ("head", head, None)):
+        for name, t, rows in (
+            ("final_norm", final_norm, self.n_slots + 1),
+            ("head", head, None),
+            ("embed", embed, None),
+        ):
             if t is not None and (
                 t.dtype != dtype
                 or t.dim() != 2
@@ -189,7 +251,7 @@ class DecodeLayers:
                 raise ValueError(f"{name} must be {dtype} [{rows or 'vocab'}, {shape.dim}], contiguous")
         if head is not None and final_norm is None:
             raise ValueError("a head needs the final norm before it")
-        self.final_norm, self.head = final_norm, head
+        self.final_norm, self.head, self.embed = final_norm, head, embed
         self._arr = (_Layer * len(layers))()
         for c, L in zip(self._arr, layers):
             c.w[:] = [_ptr(t) for t in L.weights]
@@ -217,8 +279,8 @@ class DecodeLayers:
                 raise ValueError("a head plane's signs must be uint8 [vocab, ceil(dim/8)]")
             if alpha.dtype != torch.float32 or alpha.dim() != 1 or alpha.shape[0] not in (1, V):
                 raise ValueError("a head plane's α must be fp32 [vocab] or [1]")
-        rows = _as(hp.row_head, torch.int64)
-        if tuple(rows.shape) != (B,):  # its values' range: checked in C
+        rows = _ints(hp.row_head, torch.int64)
+        if _n(rows) != B:  # its values' range: checked in C
             raise ValueError(f"row_head must be [{B}] plane indices in [-1, {len(hp.planes) - 1}]")
         planes = [(s.contiguous(), a.contiguous()) for s, a in hp.planes]
         return _HeadArgs(
@@ -229,20 +291,64 @@ class DecodeLayers:
             (ctypes.c_int64 * len(planes))(*[int(a.shape[0] != 1) for _, a in planes]),
         )
 
+    def _embed_args(self, ep: EmbedPlanes | None, B: int) -> _EmbedArgs:
+        """`ep` checked (the C code reads its tables and rows unchecked, but for the rows' range) as
+        the C call's arguments."""
+        if ep is None:
+            return _EmbedArgs()
+        if self.embed is None:
+            raise ValueError("variants' embeddings need the layers' embedding")
+        V, D = self.embed.shape
+        weights, signs, alpha, planes = [], [], [], []
+        for t in ep.tables:
+            if isinstance(t, torch.Tensor):
+                if t.dtype != self.dtype or tuple(t.shape) != (V, D) or not t.is_contiguous():
+                    raise ValueError(f"a variant's dense embedding must be {self.dtype} [{V}, {D}], contiguous")
+                weights.append(t)
+                signs.append(None)
+                alpha.append(None)
+                planes.append(0)
+                continue
+            s, a = t
+            k = s.shape[0] if s.dim() == 3 else -1
+            if s.dtype != torch.uint8 or tuple(s.shape[1:]) != (V, (D + 7) // 8) or not s.is_contiguous():
+                raise ValueError("a variant's embedding planes must be uint8 [k, vocab, ceil(dim/8)], contiguous")
+            if a.dtype != torch.float32 or tuple(a.shape) != (k, V) or not a.is_contiguous():
+                raise ValueError("a variant's embedding α must be fp32 [k, vocab], contiguous")
+            weights.append(None)
+            signs.append(s)
+            alpha.append(a)
+            planes.append(k)
+        rows = _ints(ep.row_embed, torch.int64)
+        if _n(rows) != B:  # its values' range: checked in C
+            raise ValueError(f"row_embed must be [{B}] variant indices in [-1, {len(ep.tables) - 1}]")
+        n = len(ep.tables)
+        return _EmbedArgs(
+            (weights, signs, alpha),
+            rows,
+            (ctypes.c_void_p * n)(*[_ptr(t) for t in weights]),
+            (ctypes.c_void_p * n)(*[_ptr(t) for t in signs]),
+            (ctypes.c_void_p * n)(*[_ptr(t) for t in alpha]),
+            (ctypes.c_int64 * n)(*planes),
+        )
+
     def run(
         self,
-        x: torch.Tensor,
-        row_slot: torch.Tensor,
+        x: torch.Tensor | Sequence[int],
+        row_slot: torch.Tensor | Sequence[int],
         cos: torch.Tensor,
         sin: torch.Tensor,
-        write_rows: torch.Tensor,
-        tables: torch.Tensor,
-        lens: torch.Tensor,
+        write_rows: torch.Tensor | Sequence[int],
+        tables: torch.Tensor | Sequence[Sequence[int]],
+        lens: torch.Tensor | Sequence[int],
         block_size: int,
         logits: bool = False,
         head_planes: HeadPlanes | None = None,
         fuse: bool = False,
         row_planes: torch.Tensor | None = None,
+        *,
+        rope_rows: torch.Tensor | Sequence[int] | None = None,
+        embeds: EmbedPlanes | None = None,
     ) -> torch.Tensor:
         """Every layer for B decode rows -> the last layer's output [B, dim] in the model's dtype,
         normed by each row's final norm if the layers have one; with `logits` (the layers have a
@@ -256,42 +362,78 @@ class DecodeLayers:
         the table loop's, so not a row's numbers in a mixed step, though the same as the row's alone
         (the default mode's single-variant form, never the batch-invariant one's); else ignored.
 
-        x: [B, dim] the embedded tokens; row_slot: [B] slot per row (−1: the base; row slot + 1 of
-        the norm and bias stacks; the row's one sign plane); row_planes: [B, k] each row's sign-plane
-        slots instead (variants of up to k planes, −1 past a variant's own; a base row's all −1),
-        their terms summed as `bitdelta_delta_batched` sums a row's planes; cos, sin: [B, head_dim];
-        write_rows: [B] the pool rows the new k, v go to; tables: int32 [B, max_blocks], lens: int32
-        [B] as `bitdelta_kernels.paged_decode` (lens counts the new token). Pool rows and tables are the caller's (the runner builds them from
-        the scheduler's block tables); they must lie inside the pool.
+        x: [B, dim] the embedded tokens (the model's dtype), or the rows' token ids, which the
+        layers embed (they need their `embed`): the base's rows, and each variant's own of `embeds`
+        (its dense table, or the base's rows + its sign planes, as the runner's
+        `_variant_embeddings`); row_slot: [B] slot per row (−1: the base; row slot + 1 of the norm
+        and bias stacks; the row's one sign plane); row_planes: [B, k] each row's sign-plane slots
+        instead (variants of up to k planes, −1 past a variant's own; a base row's all −1), their
+        terms summed as `bitdelta_delta_batched` sums a row's planes; cos, sin: [B, head_dim] (fp32, or
+        a model dtype, read as they are), or
+        with `rope_rows` ([B]) tables [n, head_dim] whose row rope_rows[b] is row b's (the runner's
+        cached tables and the rows' positions); write_rows: [B] the pool rows the new k, v go to;
+        tables: [B, max_blocks] (or each row's block list), lens: [B] as
+        `bitdelta_kernels.paged_decode` (lens counts the new token). Pool rows and tables are the
+        caller's (the runner builds them from the scheduler's block tables); they must lie inside
+        the pool. Every index argument is a tensor or host ints (the runner's step passes host ints:
+        after the layers' stream every cache is cold, and each torch op before the call costs
+        ~10–150 µs).
         """
         if logits and self.head is None:
             raise ValueError("logits need the layers' head")
-        sh, B = self.shape, x.shape[0]
-        heads = self._head_args(head_planes, logits, B)
-        hd = sh.head_dim
-        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != sh.dim:
-            raise ValueError(f"x must be {self.dtype} [B, {sh.dim}]")
-        if cos.shape != (B, hd) or sin.shape != (B, hd) or row_slot.shape != (B,) or write_rows.shape != (B,):
-            raise ValueError(f"cos, sin must be [{B}, {hd}]; row_slot and write_rows [{B}]")
-        if tables.dtype != torch.int32 or lens.dtype != torch.int32 or tables.shape[0] != B or lens.shape != (B,):
-            raise ValueError(f"tables must be int32 [{B}, max_blocks] and lens int32 [{B}]")
-        # each op only where its tensor is not already what the C code reads: after the layers' stream
-        # every cache is cold and a torch op costs ~40 µs (the slots' range is checked in C)
-        rs, rp = _slots32(row_slot), None if row_planes is None else _slots32(row_planes)
+        sh, hd = self.shape, self.shape.head_dim
+        tokens = None if isinstance(x, torch.Tensor) and x.is_floating_point() else _ints(x, torch.int64)
+        B = _n(tokens) if tokens is not None else x.shape[0]
+        if tokens is None and (x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != sh.dim):
+            raise ValueError(f"x must be {self.dtype} [B, {sh.dim}], or token ids")
+        if tokens is not None and self.embed is None:
+            raise ValueError("token ids need the layers' embedding")
+        heads, embs = self._head_args(head_planes, logits, B), self._embed_args(embeds, B)
+        if embeds is not None and tokens is None:
+            raise ValueError("variants' embeddings need token ids")
+        n_rope = B
+        if rope_rows is not None:
+            rope_rows, n_rope = _ints(rope_rows, torch.int64), cos.shape[0]
+        if (
+            cos.dtype not in _DTYPE_CODE
+            or sin.dtype != cos.dtype
+            or cos.shape != (n_rope, hd)
+            or sin.shape != cos.shape
+            or not (cos.is_contiguous() and sin.is_contiguous())
+        ):
+            raise ValueError(f"cos, sin must be float [{n_rope}, {hd}] of one dtype, contiguous")
+        rs, wr = _slots32(row_slot), _ints(write_rows, torch.int64)
+        if rope_rows is None:
+            rope_rows = (ctypes.c_int64 * B)(*range(B))
+        if not isinstance(tables, torch.Tensor):
+            width = max(map(len, tables), default=0)  # padded with block 0, never read
+            tables = (ctypes.c_int32 * (B * width))(*[i for r in tables for i in (*r, *(0,) * (width - len(r)))])
+            max_blocks = width
+        elif tables.dtype != torch.int32 or tables.dim() != 2 or tables.shape[0] != B:
+            raise ValueError(f"tables must be int32 [{B}, max_blocks]")
+        else:
+            tables, max_blocks = _as(tables, torch.int32), tables.shape[1]
+        n = _ints(lens, torch.int32)
+        if _n(rs) != B or _n(wr) != B or _n(n) != B or _n(rope_rows) != B or _n(tables) != B * max_blocks:
+            raise ValueError(f"row_slot, write_rows, lens and rope_rows must be [{B}], tables [{B}, max_blocks]")
+        rp = None if row_planes is None else _slots32(row_planes)
         if rp is not None and (rp.dim() != 2 or rp.shape[0] != B or rp.shape[1] < 1):
             raise ValueError(f"row_planes must be [{B}, k]")
-        x32 = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # overwritten in place
-        c32, s32, wr = _as(cos, torch.float32), _as(sin, torch.float32), _as(write_rows, torch.int64)
-        t, n = _as(tables, torch.int32), _as(lens, torch.int32)
         out = torch.empty(B, self.head.shape[0], dtype=torch.float32) if logits else None
+        h = None if logits else torch.empty(B, sh.dim, dtype=torch.float32)
         rc = (self._lib or load_cpu_lib()).bd_decode_layers(
             ctypes.addressof(self._arr),
             len(self.layers),
             self.n_slots,
-            x32.data_ptr(),
+            None if tokens is not None else _as(x, self.dtype).data_ptr(),
+            _addr(tokens),
+            _ptr(self.embed),
+            0 if self.embed is None else self.embed.shape[0],
+            *embs.args,
+            _ptr(h),
             B,
-            rs.data_ptr(),
-            _ptr(rp),
+            _addr(rs),
+            _addr(rp),
             0 if rp is None else rp.shape[1],
             sh.dim,
             sh.n_heads,
@@ -300,12 +442,15 @@ class DecodeLayers:
             sh.intermediate,
             sh.norm_eps,
             _DTYPE_CODE[self.dtype],
-            c32.data_ptr(),
-            s32.data_ptr(),
-            wr.data_ptr(),
-            t.data_ptr(),
-            t.shape[1],
-            n.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            _DTYPE_CODE[cos.dtype],
+            _addr(rope_rows),
+            n_rope,
+            _addr(wr),
+            _addr(tables),
+            max_blocks,
+            _addr(n),
             block_size,
             1.0 / math.sqrt(hd),  # as bitdelta_kernels.paged_decode
             _ptr(self.final_norm),
@@ -323,9 +468,14 @@ class DecodeLayers:
             )
         if rc == -3:
             raise ValueError(f"row_head must be [{B}] plane indices in [-1, {len(heads.planes) - 1}]")
+        if rc == -4:
+            raise ValueError(
+                "token ids must lie in the embedding, row_embed values in [-1, "
+                f"{len(embeds.tables) - 1 if embeds else -1}] and rope_rows in [0, {n_rope - 1}]"
+            )
         if rc != 0:
             raise MemoryError("bd_decode_layers could not allocate its scratch")
-        return x32.to(self.dtype) if out is None else out
+        return h.to(self.dtype) if out is None else out
 
 
-__all__ = ["DecodeLayer", "DecodeLayers", "DecodeShape", "GROUPS", "HeadPlanes"]
+__all__ = ["DecodeLayer", "DecodeLayers", "DecodeShape", "EmbedPlanes", "GROUPS", "HeadPlanes"]

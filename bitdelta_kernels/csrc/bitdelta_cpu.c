@@ -2707,15 +2707,48 @@ static int decode_head(const float *h, int64_t B, int64_t D, const void *head, i
     return rc;
 }
 
-/* x: fp32 [B, dim] holding dtype values (the embedded tokens), overwritten with the last layer's
+/* x [B, D] fp32 = the rows' input: x_in's (dtype values), or each row's token's embedding: the
+ * base's row (`embed`, dtype [vocab, D]), or where embed_of_row[b] = v ≥ 0 variant v's own, its
+ * dense table embed_weight[v] (dtype) or, NULL, the base's row + Σ_p α_p[t] ⊙ S_p[t] over its
+ * embed_planes[v] sign planes (embed_signs[v] uint8 [k, vocab, ceil(D/8)], embed_alpha[v] fp32
+ * [k, vocab]) summed in fp32 plane by plane and rounded once to the dtype: the runner's
+ * _variant_embeddings, bit for bit (each term ±α exactly). */
+static void decode_embed(const void *x_in, const int64_t *tokens, const void *embed, int64_t n_vocab, int64_t D,
+                         int dtype, const void *const *embed_weight, const uint8_t *const *embed_signs,
+                         const float *const *embed_alpha, const int64_t *embed_planes, const int64_t *embed_of_row,
+                         int64_t B, float *x) {
+    const int64_t lds = (D + 7) / 8;
+    for (int64_t b = 0; b < B; ++b) {
+        float *xb = x + b * D;
+        if (x_in) {
+            load_row(x_in, dtype, b * D, D, xb);
+            continue;
+        }
+        const int64_t t = tokens[b], v = embed_of_row ? embed_of_row[b] : -1;
+        load_row(v >= 0 && embed_weight[v] ? embed_weight[v] : embed, dtype, t * D, D, xb);
+        if (v < 0 || embed_weight[v]) continue;
+        for (int64_t p = 0; p < embed_planes[v]; ++p) { /* plane p: signs [p, t, :], α [p, t] */
+            const uint8_t *bits = embed_signs[v] + (p * n_vocab + t) * lds;
+            const float a = embed_alpha[v][p * n_vocab + t];
+            for (int64_t j = 0; j < D; ++j) xb[j] += (bits[j >> 3] >> (j & 7)) & 1 ? a : -a;
+        }
+        for (int64_t j = 0; j < D; ++j) xb[j] = round_to(dtype, xb[j]);
+    }
+}
+
+/* Every layer for B single-token rows. Their input: x_in, [B, dim] dtype values, or (NULL) each
+ * row's token's embedding (decode_embed: tokens int64 [B] < n_vocab; embed the base's table; n_embeds
+ * variants' own, embed_of_row int64 [B] or NULL). x_out: NULL, or fp32 [B, dim] the last layer's
  * output. row_slot: int32 [B] (−1: the base; the row's norms and biases, and its one sign plane);
  * n_planes > 1: row_planes int32 [B, n_planes], each row's sign-plane slots (a variant of k planes,
- * −1 past its k) instead of row_slot's one (NULL with n_planes ≤ 1); cos, sin: fp32 [B, hd] (the rotation over the whole
- * head); write_rows: int64 [B] the pool rows of the new tokens' k, v; tables, lens, bs: as
+ * −1 past its k) instead of row_slot's one (NULL with n_planes ≤ 1); rope_cos, rope_sin: tables
+ * [n_rope, hd] in rope_dtype (BD_W_*; the rotation over the whole head), row rope_rows[b] (int64) for row b (the
+ * runner's cached tables and the rows' positions, or a step's own tables and 0..B−1);
+ * write_rows: int64 [B] the pool rows of the new tokens' k, v; tables, lens, bs: as
  * bd_paged_decode. dims: dim, n_heads, n_kv_heads, head_dim, intermediate. final_norm: NULL, or
- * the final norm's stack [n_slots + 1, dim] in the dtype: x is then the normed output (the
+ * the final norm's stack [n_slots + 1, dim] in the dtype: x_out is then the normed output (the
  * runner's _final), and with head ([vocab, dim] in the dtype, the base's LM head) logits: fp32
- * [B, vocab] = round(h · headᵀ) (dense_linear_cpu's GEMV, rounded to the dtype), x left normed.
+ * [B, vocab] = round(h · headᵀ) (dense_linear_cpu's GEMV, rounded to the dtype).
  * n_heads sign planes of the head (variants whose tied embedding is compressed to signs), plane v
  * head_signs[v] [vocab, ceil(dim/8)] with its α's head_alpha[v][r · head_alpha_stride[v]], and
  * head_of_row: int64 [B], the plane of each row (−1: the base's head alone; NULL with no plane):
@@ -2730,14 +2763,21 @@ static int decode_head(const float *h, int64_t B, int64_t D, const void *head, i
  * its numbers are not the same row's in a mixed step (the caller's choice: never in the
  * batch-invariant mode), though they are that row's alone; anything else ignores it.
  * After the layers' ~200 MB of weights every cache is cold, and the ~10 small torch ops of the
- * norm and the head's call cost ~0.3 ms of a ~10 ms bf16 SmolLM2-135M step there. n_slots: the slot
- * stacks' slots; every row's slot and plane slots are checked against it here, not by torch ops
- * before the call (cold, like the rest of the step's Python: ~40 µs each). Returns 0, −1 (no
- * memory), −2 (a slot outside [−1, n_slots), or a base row with a plane) or −3 (a head_of_row
- * outside [−1, n_heads)). */
-int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_slots, float *x, int64_t B,
-                     const int32_t *row_slot32, const int32_t *row_planes32, int64_t n_planes, int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t F, float eps, int dtype, const float *cos_t,
-                     const float *sin_t, const int64_t *write_rows, const int32_t *tables, int64_t max_blocks,
+ * norm and the head's call cost ~0.3 ms of a ~10 ms bf16 SmolLM2-135M step there; so do the
+ * step's inputs (the embedding, the rope rows, the slots' checks: each torch op before the call
+ * ~10–150 µs), so the call takes host integers and does them. n_slots: the slot stacks' slots.
+ * Returns 0, −1 (no memory), −2 (a slot outside [−1, n_slots), or a base row with a plane), −3 (a
+ * head_of_row outside [−1, n_heads)) or −4 (a token outside [0, n_vocab), an embed_of_row outside
+ * [−1, n_embeds) or a rope row outside [0, n_rope)), before anything is read or written. */
+int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_slots, const void *x_in,
+                     const int64_t *tokens, const void *embed, int64_t n_vocab, int64_t n_embeds,
+                     const void *const *embed_weight, const uint8_t *const *embed_signs,
+                     const float *const *embed_alpha, const int64_t *embed_planes, const int64_t *embed_of_row,
+                     float *x_out, int64_t B, const int32_t *row_slot32, const int32_t *row_planes32, int64_t n_planes,
+                     int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t F, float eps, int dtype,
+                     const void *rope_cos, const void *rope_sin, int rope_dtype, const int64_t *rope_rows,
+                     int64_t n_rope,
+                     const int64_t *write_rows, const int32_t *tables, int64_t max_blocks,
                      const int32_t *lens, int64_t bs, float scale, const void *final_norm, const void *head,
                      int64_t vocab, int64_t n_heads, const uint8_t *const *head_signs, const float *const *head_alpha,
                      const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads,
@@ -2757,11 +2797,15 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
             bad |= v < -1 || v >= n_slots || (v >= 0 && row_slot[b] < 0);
         }
         if (head_of_row && (head_of_row[b] < -1 || head_of_row[b] >= n_heads)) bad |= 2;
+        if (rope_rows[b] < 0 || rope_rows[b] >= n_rope ||
+            (!x_in && (tokens[b] < 0 || tokens[b] >= n_vocab ||
+                       (embed_of_row && (embed_of_row[b] < -1 || embed_of_row[b] >= n_embeds)))))
+            bad |= 4;
         any_delta |= row_slot[b] >= 0;
     }
     if (bad) {
         free(row_slot);
-        return bad & 1 ? -2 : -3;
+        return bad & 1 ? -2 : bad & 2 ? -3 : -4;
     }
     const int64_t *slots = n_planes > 1 ? row_planes : row_slot; /* each row's plane slots */
     /* fuse: rows of one variant (the same slots in every row), as many as the one-pass loops take */
@@ -2772,14 +2816,16 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
     }
     /* the head's plane in one pass, and the projections' (linear_planes: up to its loops' planes) */
     const int one_pass = one_var && row_slot[0] >= 0;
-    const int64_t n = B * (D + Q + 2 * HD + D + 3 * F + D);
+    const int64_t n = B * (D + D + Q + 2 * HD + D + 3 * F + D) + 2 * hd;
     float *buf = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
     if (!buf) {
         free(row_slot);
         return -1;
     }
-    float *h = buf, *qkv = h + B * D, *q = qkv + B * Q, *att = q + B * HD, *o = att + B * HD, *gu = o + B * D,
+    float *x = buf, *cs = x + B * D, *sn = cs + hd, *h = sn + hd, *qkv = h + B * D, *q = qkv + B * Q, *att = q + B * HD, *o = att + B * HD, *gu = o + B * D,
           *act = gu + B * 2 * F, *dn = act + B * F;
+    decode_embed(x_in, tokens, embed, n_vocab, D, dtype, embed_weight, embed_signs, embed_alpha, embed_planes,
+                 embed_of_row, B, x);
     int rc = 0;
     for (int64_t l = 0; l < n_layers && !rc; ++l) {
         const bd_decode_layer *L = layers + l;
@@ -2787,7 +2833,9 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
         if ((rc = decode_proj(L, 0, h, B, D, Q, dtype, row_slot, slots, P, any_delta, one_pass, qkv, n_threads))) break;
         for (int64_t b = 0; b < B; ++b) { /* rope over q's and k's heads (adjacent in qkv), then k, v into the pool */
             float *row = qkv + b * Q;
-            rope_heads(row, H + KV, hd, cos_t + b * hd, sin_t + b * hd, dtype);
+            load_row(rope_cos, rope_dtype, rope_rows[b] * hd, hd, cs);
+            load_row(rope_sin, rope_dtype, rope_rows[b] * hd, hd, sn);
+            rope_heads(row, H + KV, hd, cs, sn, dtype);
             memcpy(q + b * HD, row, sizeof(float) * (size_t)HD);
             const int64_t off = write_rows[b] * KV * hd;
             for (int64_t i = 0; i < KV * hd; ++i) {
@@ -2813,6 +2861,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
         if (head) rc = decode_head(h, B, D, head, dtype, vocab, n_heads, head_signs, head_alpha, head_alpha_stride,
                                    head_of_row, logits, n_threads, one_var);
     }
+    if (!rc && x_out) memcpy(x_out, x, sizeof(float) * (size_t)(B * D));
     free(buf);
     free(row_slot);
     return rc ? -1 : 0;

@@ -49,7 +49,7 @@ from bitdelta_kernels import (
     plan_batch,
 )
 from bitdelta_kernels.configs import config_for
-from bitdelta_kernels.cpu_decode import GROUPS, DecodeLayer, DecodeLayers, DecodeShape, HeadPlanes
+from bitdelta_kernels.cpu_decode import GROUPS, DecodeLayer, DecodeLayers, DecodeShape, EmbedPlanes, HeadPlanes
 from bitdelta_kernels.cpu_ops import dense_gemv_max_m
 from bitdelta_kernels.lowrank import factor_mm
 from services.gpu_worker.slots import BigTensor, SlotExtras, SlotTensors
@@ -90,6 +90,45 @@ def _sign_planes_only(extras: dict, w: SeqWork) -> bool:
     of k ≥ 1 planes without column α's or a low-rank term): what the C decode layers add."""
     ex = extras.get(w.slot) if w.slot >= 0 else None
     return ex is None or (not ex.lowrank and not ex.cols)
+
+
+def _c_heads(slots: list[int], extras: dict) -> tuple[bool, HeadPlanes | None]:
+    """Whether the C decode layers make the heads of rows of `slots` (in order), and their sign
+    planes on the base's head: (True, None) where every row's head is the base's, (True, planes)
+    where some are the base's + one sign plane and nothing else (no U · V; each row's plane, −1
+    for the base's head alone), (False, None) where a head is dense, low-rank or of more planes."""
+    plane_of: dict[int, int] = {}
+    planes = []
+    for s in dict.fromkeys(slots):
+        head: BigTensor | None = extras[s].head if s >= 0 and s in extras else None
+        if head is None:
+            continue
+        if head.weight is not None or head.u is not None or head.signs.shape[0] != 1:
+            return False, None
+        plane_of[s] = len(planes)
+        planes.append((head.signs[0], head.alpha[0]))
+    if not planes:
+        return True, None
+    return True, HeadPlanes(tuple(planes), [plane_of.get(s, -1) for s in slots])
+
+
+def _c_embeds(slots: list[int], extras: dict) -> tuple[bool, EmbedPlanes | None]:
+    """Whether the C decode layers make the embeddings of rows of `slots`, and the variants' own:
+    (True, None) where every row's is the base's, (True, planes) where some variant's is a dense
+    table or the base's + sign planes (no U · V), (False, None) otherwise."""
+    index: dict[int, int] = {}
+    tables = []
+    for s in dict.fromkeys(slots):
+        ex: BigTensor | None = extras[s].embed if s >= 0 and s in extras else None
+        if ex is None:
+            continue
+        if ex.u is not None:
+            return False, None
+        index[s] = len(tables)
+        tables.append(ex.weight if ex.weight is not None else (ex.signs, ex.alpha))
+    if not tables:
+        return True, None
+    return True, EmbedPlanes(tuple(tables), [index.get(s, -1) for s in slots])
 
 
 class HostArena:
@@ -686,19 +725,52 @@ class ModelRunner:
         return shapes if set(shapes) == set(GROUPS) and DecodeShape.supported(self.dtype) else None
 
     def _forward_c(self, work: list[SeqWork], ready: Callable[[], None]) -> torch.Tensor:
-        """`forward` for single-token rows only, every layer in the C call."""
-        m = self.prepare(work)
+        """`forward` for single-token rows only, every layer in the C call. Where every row samples
+        and the C call makes each row's embedding and head (the base's, a variant's sign planes on
+        the base's, or a dense embedding), the step hands it host integers: no StepMeta and no
+        torch op before the call (after the layers' stream every cache is cold, and each op cost
+        ~10–150 µs: ~0.4 ms of a one-row bf16 SmolLM2-135M step of ~9.5 ms); else prepare()'s
+        tensors, the embedding made here and, for heads the call cannot take, _logits after it."""
         if self._c_layers is None:
             self._c_layers = self._build_c_layers()
+        c, extras, bs = self._c_layers, self.slots.extras, self.kv.block_size
+        slots = [w.slot for w in work]
+        heads_ok, heads = _c_heads(slots, extras)
+        embeds_ok, embeds = _c_embeds(slots, extras)
+        if heads_ok and embeds_ok and c.head is not None and c.embed is not None and all(w.want_logits for w in work):
+            pos = [w.start for w in work]
+            if self.args.rope.length_dependent:  # a step's own tables, row b row b's
+                cos, sin = self.rope.tables(torch.tensor(pos), max(pos) + 1, [p + 1 for p in pos])
+                cos, sin, rope_rows = cos.contiguous(), sin.contiguous(), None
+            else:
+                (cos, sin), rope_rows = self.rope.cached(max(pos) + 1), pos
+            planes = {s: extras[s].slots for s in set(slots) if s in extras and extras[s].slots}  # k > 1
+            ready()
+            return c.run(
+                [w.tokens[0] for w in work],
+                slots,
+                cos,
+                sin,
+                [self.kv.rows(w.blocks, w.start, w.start + 1)[0] for w in work],
+                [w.blocks[: -(-(w.start + 1) // bs)] for w in work],
+                [w.start + 1 for w in work],
+                bs,
+                logits=True,
+                head_planes=heads,
+                fuse=self.use_fused and len(set(slots)) == 1 and slots[0] >= 0,  # never batch-invariant
+                row_planes=self._plane_rows(torch.tensor(slots, dtype=torch.int32), planes) if planes else None,
+                rope_rows=rope_rows,
+                embeds=embeds,
+            )
+        m = self.prepare(work)
         x = self._embed(m)
         ready()
         every = len(m.logit_slots) == len(work)  # every row samples: its logits row is its own
         # each row's head the base's, or the base's + one sign plane of its variant (a tied
         # embedding compressed to signs): the C call ends with them (the layers, the final norm, the
         # heads in one call); else it ends with the final norm and _logits takes the rows' heads
-        planes = self._head_planes(m) if every else None
-        fused = every and self._c_layers.head is not None and (_base_head_only(m) or planes is not None)
-        out = self._c_layers.run(
+        fused = every and heads_ok and c.head is not None
+        out = c.run(
             x,
             m.row_slot,
             m.cos[:, 0],
@@ -706,9 +778,9 @@ class ModelRunner:
             m.write_rows,
             m.decode_tables,
             m.decode_lens,
-            self.kv.block_size,
+            bs,
             logits=fused,
-            head_planes=planes if fused else None,
+            head_planes=heads if fused else None,
             fuse=m.single_slot is not None,  # the single-variant form (never batch-invariant: use_fused)
             row_planes=m.host_slots if m.host_slots.dim() == 2 else None,  # variants of k > 1 planes
         )
@@ -717,21 +789,6 @@ class ModelRunner:
         if not m.logit_slots:
             return torch.empty(0, self.args.vocab_size, dtype=torch.float32, device=out.device)
         return self._logits(out if every else out[m.logit_rows], m)
-
-    @staticmethod
-    def _head_planes(m: StepMeta) -> HeadPlanes | None:
-        """The step's sign planes on the base's head and each logit row's (−1: the base's head
-        alone), where some row's head is the base's + one sign plane and nothing else (no U · V)
-        and every other row's is the base's; else None (no plane, or a dense head of its own)."""
-        sh = m.sign_heads
-        if sh is None or any(s >= 0 for s, _ in m.logit_groups):
-            return None
-        heads: list[BigTensor] = [m.extras[s].head for s, *_ in sh.variants]
-        if any(h.u is not None or h.signs.shape[0] != 1 for h in heads):
-            return None
-        plane_of = {s: v for v, (s, *_) in enumerate(sh.variants)}  # a slot's rows all take its head
-        row_head = torch.tensor([plane_of.get(s, -1) for s in m.logit_slots], dtype=torch.int64)
-        return HeadPlanes(tuple((h.signs[0], h.alpha[0]) for h in heads), row_head)
 
     def _build_c_layers(self) -> DecodeLayers:
         a, sl = self.args, self.slots
@@ -755,7 +812,11 @@ class ModelRunner:
         fits = (
             head.dtype == self.dtype and head.is_contiguous() and backend_for(self.device, work, self.backend) == "cpu"
         )
-        return DecodeLayers(layers, shape, self.dtype, final_norm=sl.final_norm, head=head if fits else None)
+        embed = self.base.embed  # the rows' embedding in the C call (run given token ids)
+        embed = embed if embed.dtype == self.dtype and embed.is_contiguous() else None
+        return DecodeLayers(
+            layers, shape, self.dtype, final_norm=sl.final_norm, head=head if fits else None, embed=embed
+        )
 
     def _forward_layers(self, work: list[SeqWork], ready: Callable[[], None]) -> torch.Tensor:
         """`forward` layer by layer, op by op (a decode step's layers one graph's replay where `graphs`

@@ -157,7 +157,7 @@ def test_variants_with_sign_heads_share_one_product_with_the_base_head(tmp_path,
     c_run = DecodeLayers.run
 
     def run(self, *a, head_planes=None, **kw):
-        c_heads.append(None if head_planes is None else head_planes.row_head.tolist())
+        c_heads.append(None if head_planes is None else [int(v) for v in head_planes.row_head])
         return c_run(self, *a, head_planes=head_planes, **kw)
 
     monkeypatch.setattr(DecodeLayers, "run", run)

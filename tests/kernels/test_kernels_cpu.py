@@ -965,6 +965,91 @@ def test_decode_layers_end_with_the_final_norm_and_the_head(isa, dtype):
         run(full, logits=True, head_planes=HeadPlanes(((signs[:, :-1], alpha),), torch.zeros(3, dtype=torch.int64)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_layers_embed_token_ids_and_read_rope_rows(isa, dtype):
+    """Given token ids, the C call embeds the rows itself: the base's rows, a variant's dense table,
+    or the base's rows + its sign planes (fp32 sums rounded once, the runner's _variant_embeddings);
+    and with rope_rows it reads each row's rotation from tables in place. The logits equal those of
+    the same step given the embedded rows and each row's rotation, and host ints (a list of ragged
+    block lists among them) give what tensors give."""
+    from bitdelta_kernels.cpu_decode import DecodeLayers, DecodeShape, EmbedPlanes
+
+    D, H, KV, hd, Fi, V, bs, n_slots = 40, 2, 1, 20, 72, 50, 4, 2
+    shape = DecodeShape(D, H, KV, hd, Fi, 1e-5)
+    g = torch.Generator().manual_seed(12)
+    out_in = (((H + 2 * KV) * hd, D), (D, H * hd), (2 * Fi, D), (D, Fi))
+    L = random_layer(out_in, D, KV, hd, n_slots, dtype, 4 * bs, g)
+    final = (torch.rand(n_slots + 1, D, generator=g) + 0.5).to(dtype)
+    head = (torch.randn(V, D, generator=g) / D**0.5).to(dtype)
+    embed = torch.randn(V, D, generator=g).to(dtype)
+    dense = torch.randn(V, D, generator=g).to(dtype)
+    signs = torch.randint(0, 256, (2, V, (D + 7) // 8), generator=g, dtype=torch.uint8)
+    alpha = torch.rand(2, V, generator=g) * 0.1
+    layers = DecodeLayers([L], shape, dtype, final_norm=final, head=head, embed=embed)
+    tokens, row_embed, slots = [7, 3, 49], [1, -1, 0], [1, -1, 0]
+    # the reference rows: the base's, + each plane's ±α in fp32 (then rounded), the dense table's
+    bits = (signs[..., torch.arange(D) // 8] >> (torch.arange(D) % 8)) & 1  # [2, V, D]
+    x = embed[tokens].clone()
+    acc = embed[tokens[0]].float()
+    for p in range(2):
+        acc = acc + alpha[p, tokens[0]] * (bits[p, tokens[0]].float() * 2 - 1)
+    x[0], x[2] = acc.to(dtype), dense[tokens[2]]
+    angle = torch.rand(12, hd // 2, generator=g) * 6.28
+    cos, sin = torch.cat([angle.cos()] * 2, 1).to(dtype), torch.cat([angle.sin()] * 2, 1).to(dtype)
+    pos = [2, 0, 11]
+    blocks, lens, write_rows = [[0], [1], [2, 3, 0]], [3, 1, 12], [2, 4, 3]
+    tables = torch.tensor([[0, 0, 0], [1, 0, 0], [2, 3, 0]], dtype=torch.int32)
+
+    def run(*args, **kw):
+        k, v = L.k.clone(), L.v.clone()  # each call writes its new keys into the pool: the same ones
+        out = layers.run(*args, **kw)
+        L.k.copy_(k), L.v.copy_(v)
+        return out
+
+    want = run(
+        x,
+        torch.tensor(slots),
+        cos[pos],
+        sin[pos],
+        torch.tensor(write_rows),
+        tables,
+        torch.tensor(lens),
+        bs,
+        logits=True,
+    )
+    ep = EmbedPlanes((dense, (signs, alpha)), row_embed)
+    got = run(tokens, slots, cos, sin, write_rows, blocks, lens, bs, logits=True, rope_rows=pos, embeds=ep)
+    assert torch.equal(got, want)
+    tensors = run(
+        torch.tensor(tokens),
+        torch.tensor(slots),
+        cos,
+        sin,
+        torch.tensor(write_rows),
+        tables,
+        torch.tensor(lens),
+        bs,
+        logits=True,
+        rope_rows=torch.tensor(pos),
+        embeds=EmbedPlanes(ep.tables, torch.tensor(row_embed)),
+    )
+    assert torch.equal(tensors, want)
+    base = run(tokens, [-1] * 3, cos, sin, write_rows, blocks, lens, bs, logits=True, rope_rows=pos)
+    assert not torch.equal(base, want)  # the variants' rows moved
+    for bad in (
+        dict(x=[7, 3, V]),
+        dict(rope_rows=[2, 0, 12]),
+        dict(embeds=EmbedPlanes(ep.tables, [2, -1, 0])),
+    ):
+        kw = dict(x=tokens, rope_rows=pos, embeds=ep) | bad
+        with pytest.raises(ValueError, match="token ids must lie"):
+            run(kw.pop("x"), slots, cos, sin, write_rows, blocks, lens, bs, logits=True, **kw)
+    with pytest.raises(ValueError, match="need token ids"):
+        run(x, slots, cos[pos], sin[pos], write_rows, blocks, lens, bs, logits=True, embeds=ep)
+    with pytest.raises(ValueError, match="token ids need"):
+        DecodeLayers([L], shape, dtype).run(tokens, slots, cos, sin, write_rows, blocks, lens, bs, rope_rows=pos)
+
+
 # -- batch invariance (KernelSettings.batch_invariant) ---------------------------------------------
 # across every default threshold: 8 (GEMV + delta), 24 (fused, the bf16 GEMV), 32 (the fp32 GEMV, unpack, merge)
 INV_MS = [1, 2, 7, 9, 24, 25, 33, 40]
