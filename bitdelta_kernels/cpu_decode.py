@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -332,7 +332,11 @@ class DecodeLayers:
             (ctypes.c_int64 * n)(*planes),
         )
 
-    def run(
+    def run(self, *args, **kwargs) -> torch.Tensor:
+        """Every layer for B decode rows: `bind`'s call, made now."""
+        return self.bind(*args, **kwargs)()
+
+    def bind(
         self,
         x: torch.Tensor | Sequence[int],
         row_slot: torch.Tensor | Sequence[int],
@@ -349,8 +353,9 @@ class DecodeLayers:
         *,
         rope_rows: torch.Tensor | Sequence[int] | None = None,
         embeds: EmbedPlanes | None = None,
-    ) -> torch.Tensor:
-        """Every layer for B decode rows -> the last layer's output [B, dim] in the model's dtype,
+    ) -> Callable[[], torch.Tensor]:
+        """The C call for B decode rows, its inputs checked and converted: calling it runs every
+        layer (the GIL released) -> the last layer's output [B, dim] in the model's dtype,
         normed by each row's final norm if the layers have one; with `logits` (the layers have a
         head) fp32 [B, vocab] = round(h · headᵀ) instead, as `dense_linear(h, head).float()`; with
         `head_planes` too, a row of plane v gets fp32 h · headᵀ + α_v ⊙ (h · S_vᵀ), not rounded, as
@@ -377,7 +382,9 @@ class DecodeLayers:
         caller's (the runner builds them from the scheduler's block tables); they must lie inside
         the pool. Every index argument is a tensor or host ints (the runner's step passes host ints:
         after the layers' stream every cache is cold, and each torch op before the call costs
-        ~10–150 µs).
+        ~10–150 µs). The runner binds the call, hands the last step's tokens to the event loop's
+        thread, and then calls it: a torch op between the two (most release the GIL) let that
+        thread take the GIL for its whole turn, ~0.2 ms of a one-row step, before the call.
         """
         if logits and self.head is None:
             raise ValueError("logits need the layers' head")
@@ -421,7 +428,7 @@ class DecodeLayers:
             raise ValueError(f"row_planes must be [{B}, k]")
         out = torch.empty(B, self.head.shape[0], dtype=torch.float32) if logits else None
         h = None if logits else torch.empty(B, sh.dim, dtype=torch.float32)
-        rc = (self._lib or load_cpu_lib()).bd_decode_layers(
+        args = (
             ctypes.addressof(self._arr),
             len(self.layers),
             self.n_slots,
@@ -461,21 +468,48 @@ class DecodeLayers:
             torch.get_num_threads(),
             int(fuse),
         )
+        return _Bound(
+            (self._lib or load_cpu_lib()).bd_decode_layers,
+            args,
+            (tokens, rs, wr, rope_rows, tables, n, rp, heads, embs, x),
+            self.dtype,
+            h,
+            out,
+            (self.n_slots, B, len(heads.planes), len(embeds.tables) if embeds else 0, n_rope),
+        )
+
+
+@dataclass
+class _Bound:
+    """A bound `bd_decode_layers` call (`DecodeLayers.bind`): its arguments, what they point into,
+    its outputs, and what each error code of it means."""
+
+    f: Callable
+    args: tuple
+    keep: tuple
+    dtype: torch.dtype
+    h: torch.Tensor | None  # the last layer's output (no logits)
+    out: torch.Tensor | None  # the logits
+    sizes: tuple[int, int, int, int, int]  # n_slots, B, head planes, variants' embeddings, rope rows
+
+    def __call__(self) -> torch.Tensor:
+        rc = self.f(*self.args)
+        n_slots, B, n_heads, n_embeds, n_rope = self.sizes
         if rc == -2:
             raise ValueError(
-                f"row_slot and row_planes values must lie in [-1, {self.n_slots - 1}], and a base row (row_slot −1)"
+                f"row_slot and row_planes values must lie in [-1, {n_slots - 1}], and a base row (row_slot −1)"
                 " has no sign planes"
             )
         if rc == -3:
-            raise ValueError(f"row_head must be [{B}] plane indices in [-1, {len(heads.planes) - 1}]")
+            raise ValueError(f"row_head must be [{B}] plane indices in [-1, {n_heads - 1}]")
         if rc == -4:
             raise ValueError(
-                "token ids must lie in the embedding, row_embed values in [-1, "
-                f"{len(embeds.tables) - 1 if embeds else -1}] and rope_rows in [0, {n_rope - 1}]"
+                f"token ids must lie in the embedding, row_embed values in [-1, {n_embeds - 1}] and rope_rows in"
+                f" [0, {n_rope - 1}]"
             )
         if rc != 0:
             raise MemoryError("bd_decode_layers could not allocate its scratch")
-        return h.to(self.dtype) if out is None else out
+        return self.h.to(self.dtype) if self.out is None else self.out
 
 
 __all__ = ["DecodeLayer", "DecodeLayers", "DecodeShape", "EmbedPlanes", "GROUPS", "HeadPlanes"]

@@ -730,7 +730,8 @@ class ModelRunner:
         the base's, or a dense embedding), the step hands it host integers: no StepMeta and no
         torch op before the call (after the layers' stream every cache is cold, and each op cost
         ~10–150 µs: ~0.4 ms of a one-row bf16 SmolLM2-135M step of ~9.5 ms); else prepare()'s
-        tensors, the embedding made here and, for heads the call cannot take, _logits after it."""
+        tensors, the embedding made here and, for heads the call cannot take, _logits after it.
+        `ready` runs between binding the call and making it (`DecodeLayers.bind`)."""
         if self._c_layers is None:
             self._c_layers = self._build_c_layers()
         c, extras, bs = self._c_layers, self.slots.extras, self.kv.block_size
@@ -745,8 +746,7 @@ class ModelRunner:
             else:
                 (cos, sin), rope_rows = self.rope.cached(max(pos) + 1), pos
             planes = {s: extras[s].slots for s in set(slots) if s in extras and extras[s].slots}  # k > 1
-            ready()
-            return c.run(
+            call = c.bind(
                 [w.tokens[0] for w in work],
                 slots,
                 cos,
@@ -762,15 +762,16 @@ class ModelRunner:
                 rope_rows=rope_rows,
                 embeds=embeds,
             )
+            ready()  # no torch op between these two: most release the GIL to the loop's thread
+            return call()
         m = self.prepare(work)
         x = self._embed(m)
-        ready()
         every = len(m.logit_slots) == len(work)  # every row samples: its logits row is its own
         # each row's head the base's, or the base's + one sign plane of its variant (a tied
         # embedding compressed to signs): the C call ends with them (the layers, the final norm, the
         # heads in one call); else it ends with the final norm and _logits takes the rows' heads
         fused = every and heads_ok and c.head is not None
-        out = c.run(
+        call = c.bind(
             x,
             m.row_slot,
             m.cos[:, 0],
@@ -784,6 +785,8 @@ class ModelRunner:
             fuse=m.single_slot is not None,  # the single-variant form (never batch-invariant: use_fused)
             row_planes=m.host_slots if m.host_slots.dim() == 2 else None,  # variants of k > 1 planes
         )
+        ready()
+        out = call()
         if fused:
             return out
         if not m.logit_slots:

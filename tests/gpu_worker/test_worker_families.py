@@ -154,13 +154,13 @@ def test_variants_with_sign_heads_share_one_product_with_the_base_head(tmp_path,
         lambda x, w, **kw: (products.append(x.shape[0]) if w is runner.base.head else None) or dense(x, w, **kw),
     )
     c_heads = []  # each C call's rows' head planes (−1: the base's head alone; None: no plane)
-    c_run = DecodeLayers.run
+    c_run = DecodeLayers.bind
 
     def run(self, *a, head_planes=None, **kw):
         c_heads.append(None if head_planes is None else [int(v) for v in head_planes.row_head])
         return c_run(self, *a, head_planes=head_planes, **kw)
 
-    monkeypatch.setattr(DecodeLayers, "run", run)
+    monkeypatch.setattr(DecodeLayers, "bind", run)  # the runner binds each call
 
     def step(rows: list[tuple[int, int]]) -> torch.Tensor:  # (token, slot) decodes at position 0, a block each
         products.clear(), c_heads.clear()

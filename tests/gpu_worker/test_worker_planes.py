@@ -134,13 +134,13 @@ async def test_multi_plane_and_low_rank_variants_equal_transformers_alone_and_mi
     base, _, dense = family
     worker, stub = served
     c_planes = []  # on CPU: (planes per row, fuse) of each C decode call (sign planes of row α's decode there)
-    c_run = DecodeLayers.run
+    c_run = DecodeLayers.bind
 
     def run(self, *a, row_planes=None, fuse=False, **kw):
         c_planes.append((1 if row_planes is None else row_planes.shape[1], fuse))
         return c_run(self, *a, row_planes=row_planes, fuse=fuse, **kw)
 
-    monkeypatch.setattr(DecodeLayers, "run", run)
+    monkeypatch.setattr(DecodeLayers, "bind", run)  # the runner binds each call
     want = {m: hf_greedy(base if m == "" else dense[m], p) for m, p in PROMPTS.items()}
     alone = {}
     for m, p in PROMPTS.items():
