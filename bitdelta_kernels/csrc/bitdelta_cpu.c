@@ -855,12 +855,28 @@ static void delta_rows_lut8(const float *T, int64_t M, const uint8_t *s, int64_t
 /* Row range of thread t out of n, in multiples of ROWS. */
 /* Σ_k x[m, k] for every row m (the masked kernels add α·(2·Σ_{bit=1} x − Σ x)).
  * Returns a malloc'ed fp32 [max(M, 1)] the caller frees, or NULL when out of memory. */
+/* Each x row's sum (the planes' 2 · Σ_{s=1} x − Σ x), in vector lanes and then the ragged tail: a
+ * serial fp32 sum took ~1.7 µs for 1536 columns before the planes could start (~0.1 ms of a one-row
+ * variant step). The same order for every row count and every caller. */
 static float *row_sums(const float *x, int64_t M, int64_t ldx, int64_t d_in) {
     float *xsum = (float *)malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
     if (!xsum) return NULL;
     for (int64_t m = 0; m < M; ++m) {
+        const float *xm = x + m * ldx;
         float t = 0.f;
-        for (int64_t k = 0; k < d_in; ++k) t += x[m * ldx + k];
+        int64_t k = 0;
+#if defined(__AVX512F__)
+        __m512 a = _mm512_setzero_ps();
+        for (; k + 16 <= d_in; k += 16) a = _mm512_add_ps(a, _mm512_loadu_ps(xm + k));
+        t = _mm512_reduce_add_ps(a);
+#elif defined(__AVX2__)
+        __m256 a = _mm256_setzero_ps();
+        for (; k + 8 <= d_in; k += 8) a = _mm256_add_ps(a, _mm256_loadu_ps(xm + k));
+        float l[8];
+        _mm256_storeu_ps(l, a);
+        t = ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
+#endif
+        for (; k < d_in; ++k) t += xm[k];
         xsum[m] = t;
     }
     return xsum;
