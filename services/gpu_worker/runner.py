@@ -92,43 +92,33 @@ def _sign_planes_only(extras: dict, w: SeqWork) -> bool:
     return ex is None or (not ex.lowrank and not ex.cols)
 
 
-def _c_heads(slots: list[int], extras: dict) -> tuple[bool, HeadPlanes | None]:
-    """Whether the C decode layers make the heads of rows of `slots` (in order), and their sign
-    planes on the base's head: (True, None) where every row's head is the base's, (True, planes)
-    where some are the base's + one sign plane and nothing else (no U · V; each row's plane, −1
-    for the base's head alone), (False, None) where a head is dense, low-rank or of more planes."""
-    plane_of: dict[int, int] = {}
-    planes = []
+def _c_parts(slots: list[int], extras: dict) -> tuple[tuple[bool, HeadPlanes | None], tuple[bool, EmbedPlanes | None]]:
+    """Whether the C decode layers make the heads and the embeddings of rows of `slots` (in order),
+    and the variants' parts they add, each as (True, None) where every row's is the base's, (True,
+    parts) where some variant's is the C call's to make, (False, None) where one is not: heads of
+    the base's + one sign plane and nothing else (no U · V; `HeadPlanes`, each row's plane, −1 for
+    the base's head alone), not dense, low-rank or of more planes; embeddings of a dense table or
+    the base's + sign planes (`EmbedPlanes`), not low-rank."""
+    head_of: dict[int, int] = {}
+    embed_of: dict[int, int] = {}
+    heads, embeds = [], []
+    heads_ok = embeds_ok = True
     for s in dict.fromkeys(slots):
-        head: BigTensor | None = extras[s].head if s >= 0 and s in extras else None
-        if head is None:
-            continue
-        if head.weight is not None or head.u is not None or head.signs.shape[0] != 1:
-            return False, None
-        plane_of[s] = len(planes)
-        planes.append((head.signs[0], head.alpha[0]))
-    if not planes:
-        return True, None
-    return True, HeadPlanes(tuple(planes), [plane_of.get(s, -1) for s in slots])
-
-
-def _c_embeds(slots: list[int], extras: dict) -> tuple[bool, EmbedPlanes | None]:
-    """Whether the C decode layers make the embeddings of rows of `slots`, and the variants' own:
-    (True, None) where every row's is the base's, (True, planes) where some variant's is a dense
-    table or the base's + sign planes (no U · V), (False, None) otherwise."""
-    index: dict[int, int] = {}
-    tables = []
-    for s in dict.fromkeys(slots):
-        ex: BigTensor | None = extras[s].embed if s >= 0 and s in extras else None
-        if ex is None:
-            continue
-        if ex.u is not None:
-            return False, None
-        index[s] = len(tables)
-        tables.append(ex.weight if ex.weight is not None else (ex.signs, ex.alpha))
-    if not tables:
-        return True, None
-    return True, EmbedPlanes(tuple(tables), [index.get(s, -1) for s in slots])
+        ex: SlotExtras | None = extras.get(s) if s >= 0 else None
+        h, e = (None, None) if ex is None else (ex.head, ex.embed)
+        if h is not None and (h.weight is not None or h.u is not None or h.signs.shape[0] != 1):
+            heads_ok = False
+        elif h is not None:
+            head_of[s] = len(heads)
+            heads.append((h.signs[0], h.alpha[0]))
+        if e is not None and e.u is not None:
+            embeds_ok = False
+        elif e is not None:
+            embed_of[s] = len(embeds)
+            embeds.append(e.weight if e.weight is not None else (e.signs, e.alpha))
+    hp = HeadPlanes(tuple(heads), [head_of.get(s, -1) for s in slots]) if heads_ok and heads else None
+    ep = EmbedPlanes(tuple(embeds), [embed_of.get(s, -1) for s in slots]) if embeds_ok and embeds else None
+    return (heads_ok, hp), (embeds_ok, ep)
 
 
 class HostArena:
@@ -736,8 +726,7 @@ class ModelRunner:
             self._c_layers = self._build_c_layers()
         c, extras, bs = self._c_layers, self.slots.extras, self.kv.block_size
         slots = [w.slot for w in work]
-        heads_ok, heads = _c_heads(slots, extras)
-        embeds_ok, embeds = _c_embeds(slots, extras)
+        (heads_ok, heads), (embeds_ok, embeds) = _c_parts(slots, extras)
         if heads_ok and embeds_ok and c.head is not None and c.embed is not None and all(w.want_logits for w in work):
             pos = [w.start for w in work]
             if self.args.rope.length_dependent:  # a step's own tables, row b row b's

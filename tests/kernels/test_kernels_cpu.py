@@ -899,21 +899,29 @@ def test_decode_layers_fuse_one_variant_row(isa, dtype):
     assert torch.equal(fused, two) != one_pass
 
 
+def one_layer_model(D, H, KV, hd, Fi, V, bs, n_slots, dtype, seed):
+    """A random one-layer model for the C decode layers: its shape, the layer (a pool of 4 · bs
+    rows), the final norm's stack, a head [V, D], and the generator to draw more from."""
+    from bitdelta_kernels.cpu_decode import DecodeShape
+
+    g = torch.Generator().manual_seed(seed)
+    out_in = (((H + 2 * KV) * hd, D), (D, H * hd), (2 * Fi, D), (D, Fi))
+    L = random_layer(out_in, D, KV, hd, n_slots, dtype, 4 * bs, g)
+    final = (torch.rand(n_slots + 1, D, generator=g) + 0.5).to(dtype)
+    head = (torch.randn(V, D, generator=g) / D**0.5).to(dtype)
+    return DecodeShape(D, H, KV, hd, Fi, 1e-5), L, final, head, g
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_layers_end_with_the_final_norm_and_the_head(isa, dtype):
     """With the final norm, the C call returns the last layer's output normed by each row's slot's
     weights as the runner's _norm does (w · round(rms_norm(x))); with the head too, the logits of
     exactly `dense_linear_cpu(h, head).float()` (the GEMV the runner's _logits reaches on CPU,
     rounded to the dtype) from that same h; with head planes, each row exactly the runner's _logits."""
-    from bitdelta_kernels.cpu_decode import DecodeLayers, DecodeShape, HeadPlanes
+    from bitdelta_kernels.cpu_decode import DecodeLayers, HeadPlanes
 
     D, H, KV, hd, Fi, V, bs, n_slots = 64, 4, 2, 16, 96, 300, 4, 2
-    shape = DecodeShape(D, H, KV, hd, Fi, 1e-5)
-    g = torch.Generator().manual_seed(11)
-    out_in = (((H + 2 * KV) * hd, D), (D, H * hd), (2 * Fi, D), (D, Fi))
-    L = random_layer(out_in, D, KV, hd, n_slots, dtype, 4 * bs, g)
-    final = (torch.rand(n_slots + 1, D, generator=g) + 0.5).to(dtype)
-    head = (torch.randn(V, D, generator=g) / D**0.5).to(dtype)
+    shape, L, final, head, g = one_layer_model(D, H, KV, hd, Fi, V, bs, n_slots, dtype, seed=11)
     slots = torch.tensor([1, -1, 0])
     angle = torch.rand(3, hd // 2, generator=g) * 6.28
     cos, sin = torch.cat([angle.cos()] * 2, 1), torch.cat([angle.sin()] * 2, 1)
@@ -972,15 +980,10 @@ def test_decode_layers_embed_token_ids_and_read_rope_rows(isa, dtype):
     and with rope_rows it reads each row's rotation from tables in place. The logits equal those of
     the same step given the embedded rows and each row's rotation, and host ints (a list of ragged
     block lists among them) give what tensors give."""
-    from bitdelta_kernels.cpu_decode import DecodeLayers, DecodeShape, EmbedPlanes
+    from bitdelta_kernels.cpu_decode import DecodeLayers, EmbedPlanes
 
     D, H, KV, hd, Fi, V, bs, n_slots = 40, 2, 1, 20, 72, 50, 4, 2
-    shape = DecodeShape(D, H, KV, hd, Fi, 1e-5)
-    g = torch.Generator().manual_seed(12)
-    out_in = (((H + 2 * KV) * hd, D), (D, H * hd), (2 * Fi, D), (D, Fi))
-    L = random_layer(out_in, D, KV, hd, n_slots, dtype, 4 * bs, g)
-    final = (torch.rand(n_slots + 1, D, generator=g) + 0.5).to(dtype)
-    head = (torch.randn(V, D, generator=g) / D**0.5).to(dtype)
+    shape, L, final, head, g = one_layer_model(D, H, KV, hd, Fi, V, bs, n_slots, dtype, seed=12)
     embed = torch.randn(V, D, generator=g).to(dtype)
     dense = torch.randn(V, D, generator=g).to(dtype)
     signs = torch.randint(0, 256, (2, V, (D + 7) // 8), generator=g, dtype=torch.uint8)
