@@ -373,10 +373,10 @@ class DecodeLayers:
         `_variant_embeddings`); row_slot: [B] slot per row (−1: the base; row slot + 1 of the norm
         and bias stacks; the row's one sign plane); row_planes: [B, k] each row's sign-plane slots
         instead (variants of up to k planes, −1 past a variant's own; a base row's all −1), their
-        terms summed as `bitdelta_delta_batched` sums a row's planes; cos, sin: [B, head_dim] (fp32, or
-        a model dtype, read as they are), or
-        with `rope_rows` ([B]) tables [n, head_dim] whose row rope_rows[b] is row b's (the runner's
-        cached tables and the rows' positions); write_rows: [B] the pool rows the new k, v go to;
+        terms summed as `bitdelta_delta_batched` sums a row's planes; cos, sin: [B, head_dim] (fp32
+        or a model dtype, read as they are), or with `rope_rows` ([B]) tables [n, head_dim] whose row
+        rope_rows[b] is row b's (the runner's cached tables and the rows' positions); write_rows: [B]
+        the pool rows the new k, v go to;
         tables: [B, max_blocks] (or each row's block list), lens: [B] as
         `bitdelta_kernels.paged_decode` (lens counts the new token). Pool rows and tables are the
         caller's (the runner builds them from the scheduler's block tables); they must lie inside
@@ -393,6 +393,7 @@ class DecodeLayers:
         B = _n(tokens) if tokens is not None else x.shape[0]
         if tokens is None and (x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != sh.dim):
             raise ValueError(f"x must be {self.dtype} [B, {sh.dim}], or token ids")
+        x = None if tokens is not None else _as(x, self.dtype)  # held by the bound call (below)
         if tokens is not None and self.embed is None:
             raise ValueError("token ids need the layers' embedding")
         heads, embs = self._head_args(head_planes, logits, B), self._embed_args(embeds, B)
@@ -432,7 +433,7 @@ class DecodeLayers:
             ctypes.addressof(self._arr),
             len(self.layers),
             self.n_slots,
-            None if tokens is not None else _as(x, self.dtype).data_ptr(),
+            _ptr(x),
             _addr(tokens),
             _ptr(self.embed),
             0 if self.embed is None else self.embed.shape[0],
@@ -471,7 +472,7 @@ class DecodeLayers:
         return _Bound(
             (self._lib or load_cpu_lib()).bd_decode_layers,
             args,
-            (tokens, rs, wr, rope_rows, tables, n, rp, heads, embs, x),
+            (x, tokens, rs, wr, cos, sin, rope_rows, tables, n, rp, heads, embs),
             self.dtype,
             h,
             out,

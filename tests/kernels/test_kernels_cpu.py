@@ -1037,6 +1037,9 @@ def test_decode_layers_embed_token_ids_and_read_rope_rows(isa, dtype):
         embeds=EmbedPlanes(ep.tables, torch.tensor(row_embed)),
     )
     assert torch.equal(tensors, want)
+    strided = torch.empty(D, 3, dtype=dtype).t()  # x not contiguous: a copy the bound call holds
+    strided.copy_(x)
+    assert torch.equal(run(strided, slots, cos[pos], sin[pos], write_rows, blocks, lens, bs, logits=True), want)
     base = run(tokens, [-1] * 3, cos, sin, write_rows, blocks, lens, bs, logits=True, rope_rows=pos)
     assert not torch.equal(base, want)  # the variants' rows moved
     for bad in (
