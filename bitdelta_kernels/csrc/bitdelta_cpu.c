@@ -853,11 +853,10 @@ static void delta_rows_lut8(const float *T, int64_t M, const uint8_t *s, int64_t
 }
 
 /* Row range of thread t out of n, in multiples of ROWS. */
-/* Σ_k x[m, k] for every row m (the masked kernels add α·(2·Σ_{bit=1} x − Σ x)).
+/* Σ_k x[m, k] for every row m (the masked kernels add α·(2·Σ_{bit=1} x − Σ x)), in vector lanes
+ * and then the ragged tail: a serial fp32 sum took ~1.7 µs for 1536 columns before the planes could
+ * start (~0.1 ms of a one-row variant step). The same order for every row count and every caller.
  * Returns a malloc'ed fp32 [max(M, 1)] the caller frees, or NULL when out of memory. */
-/* Each x row's sum (the planes' 2 · Σ_{s=1} x − Σ x), in vector lanes and then the ragged tail: a
- * serial fp32 sum took ~1.7 µs for 1536 columns before the planes could start (~0.1 ms of a one-row
- * variant step). The same order for every row count and every caller. */
 static float *row_sums(const float *x, int64_t M, int64_t ldx, int64_t d_in) {
     float *xsum = (float *)malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
     if (!xsum) return NULL;
@@ -2834,16 +2833,20 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
     }
     /* the head's plane in one pass, and the projections' (linear_planes: up to its loops' planes) */
     const int one_pass = one_var && row_slot[0] >= 0;
-    const int64_t n = B * (D + D + Q + 2 * HD + D + 3 * F + D) + 2 * hd;
+    const int64_t n = B * (D + 2 * hd + D + Q + 2 * HD + D + 3 * F + D);
     float *buf = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
     if (!buf) {
         free(row_slot);
         return -1;
     }
-    float *x = buf, *cs = x + B * D, *sn = cs + hd, *h = sn + hd, *qkv = h + B * D, *q = qkv + B * Q, *att = q + B * HD, *o = att + B * HD, *gu = o + B * D,
+    float *x = buf, *cs = x + B * D, *sn = cs + B * hd, *h = sn + B * hd, *qkv = h + B * D, *q = qkv + B * Q, *att = q + B * HD, *o = att + B * HD, *gu = o + B * D,
           *act = gu + B * 2 * F, *dn = act + B * F;
     decode_embed(x_in, tokens, embed, n_vocab, D, dtype, embed_weight, embed_signs, embed_alpha, embed_planes,
                  embed_of_row, B, x);
+    for (int64_t b = 0; b < B; ++b) { /* each row's rotation, the same in every layer */
+        load_row(rope_cos, rope_dtype, rope_rows[b] * hd, hd, cs + b * hd);
+        load_row(rope_sin, rope_dtype, rope_rows[b] * hd, hd, sn + b * hd);
+    }
     int rc = 0;
     for (int64_t l = 0; l < n_layers && !rc; ++l) {
         const bd_decode_layer *L = layers + l;
@@ -2851,9 +2854,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
         if ((rc = decode_proj(L, 0, h, B, D, Q, dtype, row_slot, slots, P, any_delta, one_pass, qkv, n_threads))) break;
         for (int64_t b = 0; b < B; ++b) { /* rope over q's and k's heads (adjacent in qkv), then k, v into the pool */
             float *row = qkv + b * Q;
-            load_row(rope_cos, rope_dtype, rope_rows[b] * hd, hd, cs);
-            load_row(rope_sin, rope_dtype, rope_rows[b] * hd, hd, sn);
-            rope_heads(row, H + KV, hd, cs, sn, dtype);
+            rope_heads(row, H + KV, hd, cs + b * hd, sn + b * hd, dtype);
             memcpy(q + b * HD, row, sizeof(float) * (size_t)HD);
             const int64_t off = write_rows[b] * KV * hd;
             for (int64_t i = 0; i < KV * hd; ++i) {

@@ -92,6 +92,11 @@ def _sign_planes_only(extras: dict, w: SeqWork) -> bool:
     return ex is None or (not ex.lowrank and not ex.cols)
 
 
+def _multi_plane(extras: dict, slots: set[int]) -> dict[int, tuple[int, ...]]:
+    """The variants among `slots` of k > 1 sign planes -> their planes' slots (`_plane_rows`)."""
+    return {s: extras[s].slots for s in slots if s in extras and extras[s].slots}
+
+
 def _c_parts(slots: list[int], extras: dict) -> tuple[tuple[bool, HeadPlanes | None], tuple[bool, EmbedPlanes | None]]:
     """Whether the C decode layers make the heads and the embeddings of rows of `slots` (in order),
     and the variants' parts they add, each as (True, None) where every row's is the base's, (True,
@@ -238,6 +243,10 @@ class KVPool:
         self.k[:, b : b + rows] = self.k[:, a : a + rows]
         self.v[:, b : b + rows] = self.v[:, a : a + rows]
 
+    def table(self, blocks: list[int], length: int) -> list[int]:
+        """The blocks of a sequence's table (`blocks`) that its first `length` tokens use."""
+        return blocks[: -(-length // self.block_size)]
+
     def rows(self, blocks: list[int], start: int, end: int) -> list[int]:
         """Pool rows of positions [start, end) of a sequence with block table `blocks`, on the host
         (a decode row's one row costs no tensor op)."""
@@ -369,7 +378,7 @@ class ModelRunner:
             if n == 1 or self.batch_invariant:  # batch-invariant: every token as a decode row (its own keys, in place)
                 for j in range(n):
                     decode_rows.append(r + j)
-                    decode_ctx.append((w.blocks[: -(-(w.start + j + 1) // self.kv.block_size)], w.start + j + 1))
+                    decode_ctx.append((self.kv.table(w.blocks, w.start + j + 1), w.start + j + 1))
             else:
                 L = w.start + n
                 q_pos, k_pos = torch.arange(w.start, L), torch.arange(L)
@@ -391,7 +400,7 @@ class ModelRunner:
         cos, sin = self.rope.tables(pos_t, max(positions, default=0) + 1, seq_lens)
         rs = torch.tensor(row_slot, dtype=torch.int32)
         extras = self.slots.extras  # one snapshot for the whole step
-        planes = {s: extras[s].slots for s in slots_set if s in extras and extras[s].slots}  # k > 1 planes
+        planes = _multi_plane(extras, slots_set)
         low = {s for s in slots_set if s in extras and extras[s].lowrank}
         colv = {s: len(extras[s].slots) or 1 for s in slots_set if s in extras and extras[s].cols}
         fused = single is not None and single >= 0 and self.use_fused  # a delta's slots are a run (SlotWriter)
@@ -734,14 +743,14 @@ class ModelRunner:
                 cos, sin, rope_rows = cos.contiguous(), sin.contiguous(), None
             else:
                 (cos, sin), rope_rows = self.rope.cached(max(pos) + 1), pos
-            planes = {s: extras[s].slots for s in set(slots) if s in extras and extras[s].slots}  # k > 1
+            planes = _multi_plane(extras, set(slots))
             call = c.bind(
                 [w.tokens[0] for w in work],
                 slots,
                 cos,
                 sin,
                 [self.kv.rows(w.blocks, w.start, w.start + 1)[0] for w in work],
-                [w.blocks[: -(-(w.start + 1) // bs)] for w in work],
+                [self.kv.table(w.blocks, w.start + 1) for w in work],
                 [w.start + 1 for w in work],
                 bs,
                 logits=True,
