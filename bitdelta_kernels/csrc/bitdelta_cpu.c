@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -2884,4 +2885,88 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
     free(buf);
     free(row_slot);
     return rc ? -1 : 0;
+}
+
+/* The first index of a row's maximum, a NaN above everything (the first NaN), as numpy's argmax:
+ * the greedy pick of a row of logits. */
+static int64_t argmax_row(const float *v, int64_t n) {
+    float m = -INFINITY;
+    int nan = 0;
+    for (int64_t i = 0; i < n; ++i) { /* two passes: this one vectorizes (no early exit) */
+        m = v[i] > m ? v[i] : m;
+        nan |= v[i] != v[i];
+    }
+    for (int64_t i = 0; i < n; ++i)
+        if (nan ? v[i] != v[i] : v[i] == m) return i;
+    return 0;
+}
+
+static double monotonic_s(void) { /* the clock of Python's time.monotonic() on Linux */
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Up to `steps` greedy decode steps of the same B rows in one call: bd_decode_layers' step with
+ * token ids and its head (logits), then each row's argmax (argmax_row) is its token of this step
+ * (out_tokens[b · steps + s]) and its input of the next, at the next position: the rotation's row
+ * rope_rows[b] + s, the pool row of that position in the row's block list (tables), lens + s. A step
+ * after the first starts only while *stop is 0 (the caller sets it when a request or a cancel
+ * arrives) and the clock (CLOCK_MONOTONIC, seconds) is before `deadline` (≤ 0: none). Every
+ * position must have its rope row and its block: else −5 before anything runs. Returns the steps
+ * run (≥ 1), or bd_decode_layers' error code; the logits are the last step's. tokens, rope_rows,
+ * write_rows and lens are read, never written. */
+int64_t bd_decode_steps(const bd_decode_layer *layers, int64_t n_layers, int64_t n_slots, const int64_t *tokens,
+                        const void *embed, int64_t n_vocab, int64_t n_embeds, const void *const *embed_weight,
+                        const uint8_t *const *embed_signs, const float *const *embed_alpha,
+                        const int64_t *embed_planes, const int64_t *embed_of_row, int64_t B, const int32_t *row_slot32,
+                        const int32_t *row_planes32, int64_t n_planes, int64_t D, int64_t H, int64_t KV, int64_t hd,
+                        int64_t F, float eps, int dtype, const void *rope_cos, const void *rope_sin, int rope_dtype,
+                        const int64_t *rope_rows, int64_t n_rope, const int64_t *write_rows, const int32_t *tables,
+                        int64_t max_blocks, const int32_t *lens, int64_t bs, float scale, const void *final_norm,
+                        const void *head, int64_t vocab, int64_t n_heads, const uint8_t *const *head_signs,
+                        const float *const *head_alpha, const int64_t *head_alpha_stride, const int64_t *head_of_row,
+                        float *logits, int n_threads, int fuse, int64_t steps, const volatile int32_t *stop,
+                        double deadline, int64_t *out_tokens) {
+    if (steps < 1 || !tokens || !head || !logits || bs < 1) return -5;
+    for (int64_t b = 0; b < B; ++b) /* every position of the burst has its rotation and its block */
+        if (lens[b] < 1 || rope_rows[b] < 0 || rope_rows[b] + steps > n_rope || (lens[b] - 1 + steps - 1) / bs >= max_blocks)
+            return -5;
+    int64_t *tok = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * B + 1));
+    int32_t *len = (int32_t *)malloc(sizeof(int32_t) * (size_t)(B + 1));
+    if (!tok || !len) {
+        free(tok);
+        free(len);
+        return -1;
+    }
+    int64_t *rope = tok + B, *wr = rope + B;
+    memcpy(tok, tokens, sizeof(int64_t) * (size_t)B);
+    memcpy(rope, rope_rows, sizeof(int64_t) * (size_t)B);
+    memcpy(wr, write_rows, sizeof(int64_t) * (size_t)B);
+    memcpy(len, lens, sizeof(int32_t) * (size_t)B);
+    int64_t s = 0;
+    for (; s < steps; ++s) {
+        if (s > 0 && ((stop && *stop) || (deadline > 0 && monotonic_s() >= deadline))) break;
+        const int rc = bd_decode_layers(layers, n_layers, n_slots, NULL, tok, embed, n_vocab, n_embeds, embed_weight,
+                                        embed_signs, embed_alpha, embed_planes, embed_of_row, NULL, B, row_slot32,
+                                        row_planes32, n_planes, D, H, KV, hd, F, eps, dtype, rope_cos, rope_sin,
+                                        rope_dtype, rope, n_rope, wr, tables, max_blocks, len, bs, scale, final_norm,
+                                        head, vocab, n_heads, head_signs, head_alpha, head_alpha_stride, head_of_row,
+                                        logits, n_threads, fuse);
+        if (rc) {
+            free(tok);
+            free(len);
+            return rc;
+        }
+        for (int64_t b = 0; b < B; ++b) {
+            tok[b] = out_tokens[b * steps + s] = argmax_row(logits + b * vocab, vocab);
+            const int64_t pos = len[b]; /* the next token's position */
+            rope[b] += 1;
+            len[b] += 1;
+            wr[b] = (int64_t)tables[b * max_blocks + pos / bs] * bs + pos % bs;
+        }
+    }
+    free(tok);
+    free(len);
+    return s;
 }

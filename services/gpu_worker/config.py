@@ -57,6 +57,13 @@ class WorkerConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
     max_prompt_bytes: int = setting(1 << 20, "longer prompts are INVALID_ARGUMENT before tokenising", parse=parse_bytes)
     max_prompt_tokens: int = setting(0, "longer prompts are INVALID_ARGUMENT; 0: the model's context")
     fused_single_variant: bool = setting(True, "a batch of one variant uses the fused kernel")
+    decode_burst_ms: float = setting(
+        50.0,
+        "CPU: a batch of decodes of plain greedy sequences (no logprobs), with nobody waiting, runs as many "
+        "steps as fit in this many ms (by the last step's time) in one C call, each token fed back in C: "
+        "streams get tokens a burst at a time, and a request or a cancel that arrives ends a burst after its "
+        "current step (docs/worker.md, 'Decode bursts'); 0: one step a call",
+    )
     kernel_backend: str = setting(
         "",
         "auto | triton | cpu | torch: the kernels every layer runs (auto: Triton on CUDA, the C kernels on CPU); "
@@ -144,5 +151,7 @@ class WorkerConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
                 f"--tp-timeout-s and --tp-start-timeout-s must be positive, got {self.tp_timeout_s} and "
                 f"{self.tp_start_timeout_s}"
             )
+        if not (0 <= self.decode_burst_ms <= 10_000):
+            raise ConfigError(f"--decode-burst-ms must be in [0, 10000], got {self.decode_burst_ms}")
         if self.max_slots < 0 or self.pin_hottest < 0 or self.stream_max_tokens < 0:
             raise ConfigError("--max-slots, --pin-hottest and --stream-max-tokens must be >= 0")

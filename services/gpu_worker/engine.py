@@ -11,6 +11,15 @@ overlaps the kernels instead of contending with the engine for the GIL.
 Cancellation and deadlines are checked before every step: a cancelled or
 expired sequence leaves the batch at the next step and its KV blocks are
 freed at once.
+
+Bursts: a batch of decodes of plain greedy sequences (no logprobs) with
+nobody waiting runs several steps in one call where the runner can
+(`ModelRunner.decode_steps`: on CPU, each row's argmax fed back in C), as
+many as fit in `burst_s` by the last step's time: the ~0.4 ms of Python
+between two steps is paid once per burst. A request or a cancel that arrives
+ends the burst after its current step (`Interrupt`); the earliest deadline
+ends it too. The tokens are those of single steps; streams get them a burst
+at a time.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bitdelta.generation import ArrivalState, FinishReason, Logprobs, TokenEvent, TokenLogprob, Ttft, Usage
+from bitdelta_kernels.cpu_decode import Interrupt
 from services.gpu_worker.runner import ModelRunner, SeqWork
 from services.gpu_worker.sampling import Sampler, TextStream
 from services.gpu_worker.scheduler import Scheduler, SeqState
@@ -34,6 +44,8 @@ log = logging.getLogger("gpu_worker.engine")
 
 # How long an idle engine sleeps before re-checking deadlines.
 IDLE_POLL_S = 0.05
+# The most steps one burst runs.
+MAX_BURST = 64
 
 
 @dataclass
@@ -60,8 +72,18 @@ class Sequence:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, loop, release: Callable[[str], None]):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        loop,
+        release: Callable[[str], None],
+        burst_s: float = 0.0,
+    ):
         self.runner, self.scheduler, self.loop = runner, scheduler, loop
+        self.burst_s = burst_s  # a burst's length in steps of the last step's time (0: one step a call)
+        self._step_s = math.inf  # the last step's time (a burst's: per step)
+        self.interrupt = Interrupt()  # set when a request or a cancel arrives: a burst ends
         self._release = release  # manager.release, called on the loop
         self._inbox: deque[Sequence] = deque()
         self._cancels: deque[int] = deque()
@@ -70,6 +92,7 @@ class Engine:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.steps = 0  # steps run so far: the tests check that sequences share steps
+        self.bursts = 0  # calls that ran more than one step
         self.prefill_tokens = 0  # prompt tokens put through the model (n choices share one prefill)
 
     # -- from the loop (thread-safe) -----------------------------------------------------------------
@@ -79,16 +102,19 @@ class Engine:
     def submit(self, seq: Sequence) -> None:
         with self._cv:
             self._inbox.append(seq)
+            self.interrupt.set()
             self._cv.notify()
 
     def cancel(self, seq_id: int) -> None:
         with self._cv:
             self._cancels.append(seq_id)
+            self.interrupt.set()
             self._cv.notify()
 
     def stop(self) -> None:
         with self._cv:
             self._stop = True
+            self.interrupt.set()
             self._cv.notify()
         self._thread.join(timeout=30)
 
@@ -144,7 +170,9 @@ class Engine:
             try:
                 work = self.scheduler.schedule()
                 if work:
-                    self._step(work, posts, ready)
+                    n = self._burst_len(work)
+                    if n <= 1 or not self._burst(work, n, posts, ready):
+                        self._step(work, posts, ready)
                 elif self.scheduler.has_work():
                     ready()
                     with self._cv:  # waiting for KV space that only a cancel/deadline can free
@@ -183,6 +211,7 @@ class Engine:
             batch.append(SeqWork(toks, start, s.slot, s.blocks, w.samples, first, prefill))
             self.prefill_tokens += max(0, min(w.n_tokens, len(s.prompt) - s.computed))
         logits = self.runner.forward(batch, ready)  # [R, vocab] fp32, rows of the sampling sequences in order
+        self._step_s = time.perf_counter() - t0
         seqs = [self._seqs[w.seq.seq_id] for w in work if w.samples]
         if echoed:
             self._prompt_logprobs(logits[len(seqs) :], echoed)
@@ -224,6 +253,57 @@ class Engine:
             except Exception as e:  # e.g. detokenising: end this sequence, not the batch
                 log.exception("sequence %d: emitting token %d failed", sid, tok)
                 self._drop(sid, posts, None, error=e)
+
+    def _burst_len(self, work) -> int:
+        """Steps the next call may run: as many as fit in `burst_s` by the last step's time, for a
+        batch of decodes of plain greedy sequences that want no logprobs, with nobody waiting, and
+        free KV blocks for each one's burst (taken here); else 1."""
+        n = min(MAX_BURST, int(self.burst_s / self._step_s)) if self._step_s > 0 else MAX_BURST
+        if n <= 1:
+            return 1
+        self.interrupt.clear()  # before the inboxes are read: an arrival after this sets it again
+        if self._inbox or self._cancels or self.scheduler.waiting:
+            return 1
+        for w in work:
+            s, seq = w.seq, self._seqs[w.seq.seq_id]
+            sp = seq.sampler
+            if w.n_tokens != 1 or not w.samples or not s.output or seq.forks:
+                return 1
+            if not sp.plain or sp.sampling.logprobs is not None:
+                return 1
+            n = min(n, s.max_new - len(s.output))
+        if n <= 1 or not all(self.scheduler.reserve(w.seq, w.seq.computed + n) for w in work):
+            return 1
+        return n
+
+    def _burst(self, work, n: int, posts, ready: Callable[[], None]) -> bool:
+        """Up to n decode steps of `work` in one call (`ModelRunner.decode_steps`), each token
+        emitted as `_step` emits it; False where the runner does not take the batch so (nothing
+        ran)."""
+        t0 = time.perf_counter()
+        batch = [SeqWork(w.seq.tokens[w.seq.computed :], w.seq.computed, w.seq.slot, w.seq.blocks, True) for w in work]
+        deadline = min((d for w in work if (d := self._seqs[w.seq.seq_id].deadline) is not None), default=None)
+        toks = self.runner.decode_steps(batch, n, self.interrupt, deadline, ready)
+        if toks is None:
+            return False
+        t1 = time.perf_counter()
+        done = len(toks[0])
+        self._step_s = (t1 - t0) / done
+        self.steps += done
+        self.bursts += done > 1
+        seqs = [self._seqs[w.seq.seq_id] for w in work]
+        for i in range(done):
+            for seq, row in zip(seqs, toks):
+                sid = seq.state.seq_id
+                if sid not in self._seqs:  # it ended earlier in the burst: the rest of its row is dropped
+                    continue
+                self.scheduler.advance(seq.state, 1)
+                try:
+                    self._emit_token(seq, row[i], t1, posts)
+                except Exception as e:  # e.g. detokenising: end this sequence, not the batch
+                    log.exception("sequence %d: emitting token %d failed", sid, row[i])
+                    self._drop(sid, posts, None, error=e)
+        return True
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         """Start choice `child` on `parent`'s cached prompt (scheduler.fork), copying the prompt's

@@ -436,8 +436,8 @@ class _KV:
 
 
 class Driver:
-    """Rank 0's stand-in for the ModelRunner (what the engine calls: forward, args, device, kv,
-    warmup) and the manager's link to the other ranks (load, free). Thread-safe: the engine thread,
+    """Rank 0's stand-in for the ModelRunner (what the engine calls: forward, decode_steps, args,
+    device, kv, warmup) and the manager's link to the other ranks (load, free). Thread-safe: the engine thread,
     the event loop and the heartbeat share the process group under one lock."""
 
     def __init__(
@@ -476,6 +476,10 @@ class Driver:
                 raise self._fail(f"a collective of the step failed: {e}") from e
             finally:
                 self.last_step = self.comm.counts - before
+
+    def decode_steps(self, work: list[SeqWork], steps: int, *args) -> None:
+        """No bursts across ranks: every step is a message to them (the engine takes single steps)."""
+        return None
 
     def warmup(self, max_rows: int, max_seqs: int) -> list[tuple[int, str]]:
         with self._lock:

@@ -49,7 +49,15 @@ from bitdelta_kernels import (
     plan_batch,
 )
 from bitdelta_kernels.configs import config_for
-from bitdelta_kernels.cpu_decode import GROUPS, DecodeLayer, DecodeLayers, DecodeShape, EmbedPlanes, HeadPlanes
+from bitdelta_kernels.cpu_decode import (
+    GROUPS,
+    DecodeLayer,
+    DecodeLayers,
+    DecodeShape,
+    EmbedPlanes,
+    HeadPlanes,
+    Interrupt,
+)
 from bitdelta_kernels.cpu_ops import dense_gemv_max_m
 from bitdelta_kernels.lowrank import factor_mm
 from services.gpu_worker.slots import BigTensor, SlotExtras, SlotTensors
@@ -669,18 +677,9 @@ class ModelRunner:
         no low-rank term; up to the decode GEMV's row count) run every layer in one C
         call (`bitdelta_kernels.cpu_decode`), the rest layer by layer: the two parts are separate sequences,
         so a decode row takes the same path, and gets the same values, whatever else its step holds."""
-        extras = self.slots.extras
-        dec = [
-            i
-            for i, w in enumerate(work)
-            if len(w.tokens) == 1
-            and w.prompt_logits is None
-            and _sign_planes_only(extras, w)
-            and not (w.prefill and self.batch_invariant)
-        ]
+        dec = [i for i, w in enumerate(work) if self._c_row(w)]
         ready = ready or _nothing
-        many = len(dec) > dense_gemv_max_m(self.dtype) and not self.batch_invariant
-        if not dec or many or not self._c_decode_serves(len(dec)):
+        if not self._c_serves(len(dec)):
             return self._forward_layers(work, ready)
         if len(dec) == len(work):
             return self._forward_c(work, ready)
@@ -696,6 +695,91 @@ class ModelRunner:
                 n_a, n_b = n_a + (part[i] == 0), n_b + (part[i] == 1)
         where.extend(range(a.shape[0] + n_b, a.shape[0] + b.shape[0]))
         return torch.cat([a, b])[torch.tensor(where, dtype=torch.int64, device=a.device)]
+
+    def _c_row(self, w: SeqWork) -> bool:
+        """Whether `w` is a row the C layers take: one token, no prompt logits, the base or a variant
+        of sign planes only (a batch-invariant runner keeps a prefill's last token where the rest
+        of its prompt ran)."""
+        return (
+            len(w.tokens) == 1
+            and w.prompt_logits is None
+            and _sign_planes_only(self.slots.extras, w)
+            and not (w.prefill and self.batch_invariant)
+        )
+
+    def _c_serves(self, rows: int) -> bool:
+        """Whether a step's `rows` C rows run in the C call: some, up to the decode GEMV's row count
+        (any count where batch-invariant), and the C layers serve here."""
+        many = rows > dense_gemv_max_m(self.dtype) and not self.batch_invariant
+        return rows > 0 and not many and self._c_decode_serves(rows)
+
+    @torch.inference_mode()
+    def decode_steps(
+        self,
+        work: list[SeqWork],
+        steps: int,
+        interrupt: Interrupt | None = None,
+        deadline: float | None = None,
+        ready: Callable[[], None] | None = None,
+    ) -> list[list[int]] | None:
+        """Up to `steps` greedy decode steps of `work`'s rows in one C call
+        (`DecodeLayers.bind_steps`: each row's argmax its next token, fed back in C) -> each row's
+        tokens, one per step run; None where the C call does not take this step in host integers
+        (the engine runs single steps then). Each row's blocks must hold its burst's positions. The
+        tokens are those of as many `forward` calls with each step's argmax; `interrupt` and
+        `deadline` (time.monotonic()) end the burst after a step; `ready` as `forward`'s."""
+        if not all(self._c_row(w) and w.want_logits for w in work) or not self._c_serves(len(work)):
+            return None
+        if self._c_layers is None:
+            self._c_layers = self._build_c_layers()
+        host = self._host_step(work, steps)
+        if host is None:
+            return None
+        tokens, row_slot, cos, sin, write_rows, tables, lens, kw = host
+        rope_rows = kw.pop("rope_rows")
+        call = self._c_layers.bind_steps(
+            tokens, row_slot, cos, sin, rope_rows, write_rows, tables, lens, self.kv.block_size, steps,
+            interrupt, deadline, **kw,
+        )  # fmt: skip
+        (ready or _nothing)()
+        return call()
+
+    def _host_step(self, work: list[SeqWork], steps: int = 1) -> tuple | None:
+        """The C call's arguments for single-token rows given as host integers, for `steps`
+        positions a row from its own (the block lists and rope rows cover them): (tokens, row
+        slots, cos, sin, write rows, block lists, lens, bind's keywords); None where the call cannot
+        make every row's embedding and head (or a row does not sample, or a burst has
+        length-dependent rope)."""
+        c, extras = self._c_layers, self.slots.extras
+        slots = [w.slot for w in work]
+        (heads_ok, heads), (embeds_ok, embeds) = _c_parts(slots, extras)
+        if not (heads_ok and embeds_ok and c.head is not None and c.embed is not None):
+            return None
+        if not all(w.want_logits for w in work) or (steps > 1 and self.args.rope.length_dependent):
+            return None
+        pos = [w.start for w in work]
+        if self.args.rope.length_dependent:  # a step's own tables, row b row b's
+            cos, sin = self.rope.tables(torch.tensor(pos), max(pos) + 1, [p + 1 for p in pos])
+            cos, sin, rope_rows = cos.contiguous(), sin.contiguous(), None
+        else:
+            (cos, sin), rope_rows = self.rope.cached(max(pos) + steps), pos
+        planes = _multi_plane(extras, set(slots))
+        return (
+            [w.tokens[0] for w in work],
+            slots,
+            cos,
+            sin,
+            [self.kv.rows(w.blocks, w.start, w.start + 1)[0] for w in work],
+            [self.kv.table(w.blocks, w.start + steps) for w in work],
+            [w.start + 1 for w in work],
+            {
+                "head_planes": heads,
+                "fuse": self.use_fused and len(set(slots)) == 1 and slots[0] >= 0,  # never batch-invariant
+                "row_planes": self._plane_rows(torch.tensor(slots, dtype=torch.int32), planes) if planes else None,
+                "rope_rows": rope_rows,
+                "embeds": embeds,
+            },
+        )
 
     def _c_decode_serves(self, rows: int) -> bool:
         """Whether the C layers run this step's decode rows: the layer is one they have
@@ -734,34 +818,13 @@ class ModelRunner:
         if self._c_layers is None:
             self._c_layers = self._build_c_layers()
         c, extras, bs = self._c_layers, self.slots.extras, self.kv.block_size
-        slots = [w.slot for w in work]
-        (heads_ok, heads), (embeds_ok, embeds) = _c_parts(slots, extras)
-        if heads_ok and embeds_ok and c.head is not None and c.embed is not None and all(w.want_logits for w in work):
-            pos = [w.start for w in work]
-            if self.args.rope.length_dependent:  # a step's own tables, row b row b's
-                cos, sin = self.rope.tables(torch.tensor(pos), max(pos) + 1, [p + 1 for p in pos])
-                cos, sin, rope_rows = cos.contiguous(), sin.contiguous(), None
-            else:
-                (cos, sin), rope_rows = self.rope.cached(max(pos) + 1), pos
-            planes = _multi_plane(extras, set(slots))
-            call = c.bind(
-                [w.tokens[0] for w in work],
-                slots,
-                cos,
-                sin,
-                [self.kv.rows(w.blocks, w.start, w.start + 1)[0] for w in work],
-                [self.kv.table(w.blocks, w.start + 1) for w in work],
-                [w.start + 1 for w in work],
-                bs,
-                logits=True,
-                head_planes=heads,
-                fuse=self.use_fused and len(set(slots)) == 1 and slots[0] >= 0,  # never batch-invariant
-                row_planes=self._plane_rows(torch.tensor(slots, dtype=torch.int32), planes) if planes else None,
-                rope_rows=rope_rows,
-                embeds=embeds,
-            )
+        host = self._host_step(work)
+        if host is not None:
+            *args, kw = host
+            call = c.bind(*args, bs, logits=True, **kw)
             ready()  # no torch op between these two: most release the GIL to the loop's thread
             return call()
+        (heads_ok, heads), _ = _c_parts([w.slot for w in work], extras)
         m = self.prepare(work)
         x = self._embed(m)
         every = len(m.logit_slots) == len(work)  # every row samples: its logits row is its own

@@ -326,6 +326,16 @@ class Scheduler:
             s.blocks += self.allocator.allocate(need)
         return True
 
+    def reserve(self, s: SeqState, n_tokens: int) -> bool:
+        """Blocks for `s`'s first `n_tokens` tokens from the free ones, preempting nobody (a burst of
+        decode steps takes its positions' blocks before it runs); False where too few are free."""
+        need = self.blocks_for(n_tokens) - len(s.blocks)
+        if need > self.allocator.n_free:
+            return False
+        if need > 0:
+            s.blocks += self.allocator.allocate(need)
+        return True
+
     def schedule(self) -> list[Scheduled]:
         budget = self.max_batch_tokens
         out: dict[int, Scheduled] = {}  # seq_id -> its part of this step, in scheduling order

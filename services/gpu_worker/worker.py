@@ -229,7 +229,7 @@ class Worker:
                 self.runner.graphs = DecodeGraphs(self.runner, c.max_running)
                 shapes = await asyncio.to_thread(self.runner.graphs.warm)
                 log.info("CUDA graphs captured: %d decode shapes in %.1f s", len(shapes), time.perf_counter() - tw)
-        self.engine = Engine(self.runner, self.scheduler, loop, self.manager.release)
+        self.engine = Engine(self.runner, self.scheduler, loop, self.manager.release, c.decode_burst_ms / 1e3)
         self.engine.start()
         self.ready = True
         log.info(

@@ -424,9 +424,11 @@ async def test_health_reflection_and_drain(family):
         # drain: health goes NOT_SERVING and is still answered (a probe sees NOT_SERVING, not "failed to
         # connect"), new requests are refused, a running stream finishes within the grace period. Each
         # step of the stream takes 20 ms more from here, so that it is still running while the checks
-        # below ask (this model's steps take well under a millisecond: its 30 tokens could end first)
+        # below ask (this model's steps take well under a millisecond: its 30 tokens could end first),
+        # one step a call (no decode bursts, whose steps run in one call)
         forward = worker.runner.forward
         worker.runner.forward = lambda *a, **kw: time.sleep(0.02) or forward(*a, **kw)
+        worker.runner.decode_steps = lambda *a, **kw: None
         call = stub.Generate(
             pb.GenerateRequest(prompt=PROMPTS[0], sampling=gen_pb.SamplingParams(max_new_tokens=30)), timeout=T
         )

@@ -1056,6 +1056,74 @@ def test_decode_layers_embed_token_ids_and_read_rope_rows(isa, dtype):
         DecodeLayers([L], shape, dtype).run(tokens, slots, cos, sin, write_rows, blocks, lens, bs, rope_rows=pos)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_steps_are_single_steps_fed_their_argmax(isa, dtype):
+    """A burst (`bind_steps`) gives each row the tokens of as many single steps, each fed the last
+    step's argmax (numpy's) at the next position, writes the same keys and values, and ends with
+    the last step's logits; a base row, a row of two sign planes on the embedding and a row of a
+    dense embedding at once, block lists crossing a block. A set interrupt or a past deadline stops
+    it after one step; positions past the rope rows or the block lists are refused before any
+    step."""
+    import time
+
+    import numpy as np
+
+    from bitdelta_kernels.cpu_decode import DecodeLayers, EmbedPlanes, Interrupt
+
+    D, H, KV, hd, Fi, V, bs, n_slots = 40, 2, 1, 20, 72, 50, 8, 2
+    shape, L, final, head, g = one_layer_model(D, H, KV, hd, Fi, V, bs, n_slots, dtype, seed=13)
+    embed = torch.randn(V, D, generator=g).to(dtype)
+    dense = torch.randn(V, D, generator=g).to(dtype)
+    signs = torch.randint(0, 256, (2, V, (D + 7) // 8), generator=g, dtype=torch.uint8)
+    alpha = torch.rand(2, V, generator=g) * 0.1
+    layers = DecodeLayers([L], shape, dtype, final_norm=final, head=head, embed=embed)
+    angle = torch.rand(16, hd // 2, generator=g) * 6.28
+    cos, sin = torch.cat([angle.cos()] * 2, 1).to(dtype), torch.cat([angle.sin()] * 2, 1).to(dtype)
+    ep = EmbedPlanes((dense, (signs, alpha)), [1, -1, 0])
+    tokens, slots, pos, blocks, steps = [7, 3, 49], [1, -1, 0], [1, 6, 3], [[0], [1, 2], [3]], 4
+    lens = [p + 1 for p in pos]
+    pool = L.k.clone(), L.v.clone()
+
+    def rows(p):
+        return [b[q // bs] * bs + q % bs for b, q in zip(blocks, p)]
+
+    want, t, p, logits = [], list(tokens), list(pos), None
+    for _ in range(steps):  # single steps, each fed the last one's argmax
+        logits = layers.run(t, slots, cos, sin, rows(p), blocks, [q + 1 for q in p], bs, logits=True,
+                            rope_rows=p, embeds=ep)  # fmt: skip
+        t = np.argmax(logits.numpy(), -1).tolist()
+        want.append(t)
+        p = [q + 1 for q in p]
+    want = [list(r) for r in zip(*want)]  # per row
+    after = L.k.clone(), L.v.clone()
+
+    def burst(n, **kw):
+        L.k.copy_(pool[0]), L.v.copy_(pool[1])
+        call = layers.bind_steps(tokens, slots, cos, sin, pos, rows(pos), blocks, lens, bs, n, embeds=ep, **kw)
+        return call(), call
+
+    got, call = burst(steps)
+    assert got == want and len(set(map(tuple, want))) > 1  # the rows differ: each fed its own
+    assert torch.equal(L.k, after[0]) and torch.equal(L.v, after[1])
+    assert torch.equal(call.call.out, logits)
+    assert burst(2)[0] == [r[:2] for r in want]
+    stop = Interrupt()
+    stop.set()
+    assert burst(steps, interrupt=stop)[0] == [r[:1] for r in want]
+    stop.clear()
+    assert burst(steps, interrupt=stop)[0] == want
+    assert burst(steps, deadline=time.monotonic() - 1)[0] == [r[:1] for r in want]
+    assert burst(steps, deadline=time.monotonic() + 60)[0] == want
+    with pytest.raises(ValueError, match="a rope row and a block"):
+        layers.bind_steps(  # row 1's positions 6..8 and 8 rope rows
+            tokens, slots, cos[:8], sin[:8], pos, rows(pos), blocks, lens, bs, 3, embeds=ep
+        )()
+    with pytest.raises(ValueError, match="a rope row and a block"):
+        burst(6)  # row 2's position 8 has no block
+    with pytest.raises(ValueError, match="steps must be"):
+        burst(0)
+
+
 # -- batch invariance (KernelSettings.batch_invariant) ---------------------------------------------
 # across every default threshold: 8 (GEMV + delta), 24 (fused, the bf16 GEMV), 32 (the fp32 GEMV, unpack, merge)
 INV_MS = [1, 2, 7, 9, 24, 25, 33, 40]

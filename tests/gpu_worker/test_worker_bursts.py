@@ -1,0 +1,134 @@
+"""Decode bursts (`--decode-burst-ms`): a batch of plain greedy decodes runs several steps in one C
+call, each row's argmax fed back in C. Through a real worker on CPU: the tokens, texts and finish
+reasons are those of single steps (base and variant rows, EOS, stop strings, max_new_tokens), a
+batch that needs the Python sampler (seeded sampling, logprobs) takes single steps, and a request
+or a cancel that arrives ends a burst (`Interrupt`)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from bitdelta.generation import Request, Sampling
+from bitdelta.testing.family import make_test_family
+from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.worker import Worker
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
+JOBS = [("", "The quick brown fox"), ("v0", "Hello world, again"), ("v1", "abc xyz 123"), ("v0", "def f(x):")]
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    return make_test_family(tmp_path_factory.mktemp("bursts"), n_variants=2, merged=False)
+
+
+async def _run(family, burst_ms: float, samplings: list[Sampling]):
+    """Every job of JOBS with its sampling at once -> ([(token ids, text, finish reason)], engine)."""
+    cfg = WorkerConfig(base=family.base, delta_dir=str(family.deltas), kv_cache=4 << 20, decode_burst_ms=burst_ms)
+    w = Worker(cfg)
+    await w.start()
+    try:
+
+        async def gen(m, p, sp):
+            events = [e async for e in w.generate(Request(m, p, sp))]
+            return [e.token_id for e in events], "".join(e.text for e in events), events[-1].finish_reason
+
+        out = await asyncio.wait_for(asyncio.gather(*[gen(m, p, sp) for (m, p), sp in zip(JOBS, samplings)]), 300)
+        return out, w.engine
+    finally:
+        await w.close()
+
+
+def test_bursts_give_the_tokens_of_single_steps(family):
+    samplings = [
+        Sampling(max_new_tokens=40, ignore_eos=True),
+        Sampling(max_new_tokens=37),  # may end at EOS
+        Sampling(max_new_tokens=40),
+        Sampling(max_new_tokens=5, ignore_eos=True),
+    ]
+    free, _ = asyncio.run(_run(family, 0, samplings))
+    text = free[2][1]
+    samplings[2] = Sampling(max_new_tokens=40, stop=(text[len(text) // 2 : len(text) // 2 + 2],))  # ends mid-way
+    single, e1 = asyncio.run(_run(family, 0, samplings))
+    burst, e2 = asyncio.run(_run(family, 1000, samplings))
+    assert e1.bursts == 0 and e2.bursts > 0, "bursts ran only where asked"
+    assert burst == single
+    assert [len(t) for t, _, _ in single][0::3] == [40, 5]
+    assert single[2][2].name == "STOP" and len(single[2][0]) < len(free[2][0])
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        Sampling(max_new_tokens=12, ignore_eos=True, logprobs=2),
+        Sampling(max_new_tokens=12, ignore_eos=True, temperature=0.8, seed=3),
+        Sampling(max_new_tokens=12, ignore_eos=True, repetition_penalty=1.3),
+    ],
+    ids=["logprobs", "seeded", "penalty"],
+)
+def test_sequences_that_need_the_sampler_take_single_steps(family, sampling):
+    single, _ = asyncio.run(_run(family, 0, [sampling] * 4))
+    burst, engine = asyncio.run(_run(family, 1000, [sampling] * 4))
+    assert engine.bursts == 0 and burst == single
+
+
+def test_a_request_or_a_cancel_ends_a_burst_after_its_step(family):
+    """The engine's burst calls are held at a gate (before the C call) while a request arrives, and
+    later while the stream is cancelled: each such burst then runs one step."""
+
+    async def run():
+        cfg = WorkerConfig(base=family.base, delta_dir=str(family.deltas), kv_cache=4 << 20, decode_burst_ms=5000)
+        w = Worker(cfg)
+        await w.start()
+        eng, real = w.engine, w.runner.decode_steps
+        gates = {1: threading.Event(), 3: threading.Event()}  # the calls held: the first, the third
+        calls: list[tuple[int, int]] = []  # (steps asked, steps run)
+
+        def gated(work, steps, interrupt, deadline, ready):
+            n = len(calls) + 1
+            if n in gates:
+                ready()  # the last step's tokens go to the streams (the engine's hand-over) first
+                assert gates[n].wait(30)
+            out = real(work, steps, interrupt, deadline, ready)
+            calls.append((steps, 0 if out is None else len(out[0])))  # None: not a batch it takes
+            return out
+
+        w.runner.decode_steps = gated
+        try:
+            long = w.generate(Request("", "Hello", Sampling(max_new_tokens=240, ignore_eos=True)))
+            await long.__anext__()  # prefilled: the engine is now held in its first burst
+            short = asyncio.create_task(
+                _collect(w.generate(Request("", "abc", Sampling(max_new_tokens=4, ignore_eos=True))))
+            )
+            while eng.waiting == 0:
+                await asyncio.sleep(0.001)
+            assert eng.interrupt.is_set()
+            gates[1].set()
+            assert len(await asyncio.wait_for(short, 60)) == 4
+            assert calls[0][0] > 1 and calls[0][1] == 1, "the arrival ended the first burst after one step"
+            while len(calls) < 2:  # the second burst ran (nothing arrived: it was not cut short)
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.05)  # the third is held now
+            await long.aclose()  # the client goes: a cancel
+            gates[3].set()
+            for _ in range(500):
+                if eng.running == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert eng.running == 0 and w.status().kv_tokens_used == 0
+            assert calls[2][0] > 1 and calls[2][1] == 1, "the cancel ended the third burst after one step"
+            assert eng.steps < 200, "the long stream ended at its cancel"
+        finally:
+            for g in gates.values():
+                g.set()
+            await w.close()
+
+    asyncio.run(run())
+
+
+async def _collect(events):
+    return [e async for e in events]
