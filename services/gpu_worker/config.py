@@ -58,7 +58,7 @@ class WorkerConfig(ServiceConfig, ProcessSettings, TlsSettings, AuthSettings):
     max_prompt_tokens: int = setting(0, "longer prompts are INVALID_ARGUMENT; 0: the model's context")
     fused_single_variant: bool = setting(True, "a batch of one variant uses the fused kernel")
     decode_burst_ms: float = setting(
-        50.0,
+        100.0,
         "CPU: a batch of decodes of plain greedy sequences (no logprobs), with nobody waiting, runs as many "
         "steps as fit in this many ms (by the last step's time) in one C call, each token fed back in C: "
         "streams get tokens a burst at a time, and a request or a cancel that arrives ends a burst after its "
