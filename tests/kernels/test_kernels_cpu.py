@@ -973,6 +973,22 @@ def test_decode_layers_end_with_the_final_norm_and_the_head(isa, dtype):
         run(full, logits=True, head_planes=HeadPlanes(((signs[:, :-1], alpha),), torch.zeros(3, dtype=torch.int64)))
 
 
+def token_model(dtype, bs, seed):
+    """A one-layer model (dim 40, head_dim 20, vocab 50; blocks of bs) that embeds token ids: its
+    DecodeLayers with the final norm, head and embedding, the layer, the shape, the embedding, a
+    variant's dense table, another's two sign planes on the embedding (signs, α) and the generator."""
+    from bitdelta_kernels.cpu_decode import DecodeLayers
+
+    D, V = 40, 50
+    shape, L, final, head, g = one_layer_model(D, 2, 1, 20, 72, V, bs, 2, dtype, seed=seed)
+    embed = torch.randn(V, D, generator=g).to(dtype)
+    dense = torch.randn(V, D, generator=g).to(dtype)
+    signs = torch.randint(0, 256, (2, V, (D + 7) // 8), generator=g, dtype=torch.uint8)
+    alpha = torch.rand(2, V, generator=g) * 0.1
+    layers = DecodeLayers([L], shape, dtype, final_norm=final, head=head, embed=embed)
+    return layers, L, shape, embed, dense, signs, alpha, g
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_layers_embed_token_ids_and_read_rope_rows(isa, dtype):
     """Given token ids, the C call embeds the rows itself: the base's rows, a variant's dense table,
@@ -982,13 +998,8 @@ def test_decode_layers_embed_token_ids_and_read_rope_rows(isa, dtype):
     block lists among them) give what tensors give."""
     from bitdelta_kernels.cpu_decode import DecodeLayers, EmbedPlanes
 
-    D, H, KV, hd, Fi, V, bs, n_slots = 40, 2, 1, 20, 72, 50, 4, 2
-    shape, L, final, head, g = one_layer_model(D, H, KV, hd, Fi, V, bs, n_slots, dtype, seed=12)
-    embed = torch.randn(V, D, generator=g).to(dtype)
-    dense = torch.randn(V, D, generator=g).to(dtype)
-    signs = torch.randint(0, 256, (2, V, (D + 7) // 8), generator=g, dtype=torch.uint8)
-    alpha = torch.rand(2, V, generator=g) * 0.1
-    layers = DecodeLayers([L], shape, dtype, final_norm=final, head=head, embed=embed)
+    D, hd, V, bs = 40, 20, 50, 4
+    layers, L, shape, embed, dense, signs, alpha, g = token_model(dtype, bs, seed=12)
     tokens, row_embed, slots = [7, 3, 49], [1, -1, 0], [1, -1, 0]
     # the reference rows: the base's, + each plane's ±α in fp32 (then rounded), the dense table's
     bits = (signs[..., torch.arange(D) // 8] >> (torch.arange(D) % 8)) & 1  # [2, V, D]
@@ -1068,15 +1079,10 @@ def test_decode_steps_are_single_steps_fed_their_argmax(isa, dtype):
 
     import numpy as np
 
-    from bitdelta_kernels.cpu_decode import DecodeLayers, EmbedPlanes, Interrupt
+    from bitdelta_kernels.cpu_decode import EmbedPlanes, Interrupt
 
-    D, H, KV, hd, Fi, V, bs, n_slots = 40, 2, 1, 20, 72, 50, 8, 2
-    shape, L, final, head, g = one_layer_model(D, H, KV, hd, Fi, V, bs, n_slots, dtype, seed=13)
-    embed = torch.randn(V, D, generator=g).to(dtype)
-    dense = torch.randn(V, D, generator=g).to(dtype)
-    signs = torch.randint(0, 256, (2, V, (D + 7) // 8), generator=g, dtype=torch.uint8)
-    alpha = torch.rand(2, V, generator=g) * 0.1
-    layers = DecodeLayers([L], shape, dtype, final_norm=final, head=head, embed=embed)
+    hd, bs = 20, 8
+    layers, L, _, _, dense, signs, alpha, g = token_model(dtype, bs, seed=13)
     angle = torch.rand(16, hd // 2, generator=g) * 6.28
     cos, sin = torch.cat([angle.cos()] * 2, 1).to(dtype), torch.cat([angle.sin()] * 2, 1).to(dtype)
     ep = EmbedPlanes((dense, (signs, alpha)), [1, -1, 0])
