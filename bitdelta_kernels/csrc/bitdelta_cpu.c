@@ -2888,17 +2888,58 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
 }
 
 /* The first index of a row's maximum, a NaN above everything (the first NaN), as numpy's argmax:
- * the greedy pick of a row of logits. */
+ * the greedy pick of a row of logits. Two passes (the maximum and whether a NaN is there, then the
+ * first index equal to it), in vector lanes: scalar, the first pass's loop-carried max took ~50 µs
+ * of a 49152-word row (~0.6 % of a one-row bf16 SmolLM2-135M step). */
 static int64_t argmax_row(const float *v, int64_t n) {
     float m = -INFINITY;
     int nan = 0;
-    for (int64_t i = 0; i < n; ++i) { /* two passes: this one vectorizes (no early exit) */
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    __mmask16 un = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(v + i);
+        un |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, x);
+    }
+    float lanes[16];
+    _mm512_storeu_ps(lanes, mx);
+    for (int k = 0; k < 16; ++k) m = lanes[k] > m ? lanes[k] : m;
+    nan = un != 0;
+#elif defined(__AVX2__)
+    __m256 mx = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(v + i);
+        un = _mm256_or_ps(un, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+        mx = _mm256_max_ps(mx, x);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mx);
+    for (int k = 0; k < 8; ++k) m = lanes[k] > m ? lanes[k] : m;
+    nan = _mm256_movemask_ps(un) != 0;
+#endif
+    for (; i < n; ++i) {
         m = v[i] > m ? v[i] : m;
         nan |= v[i] != v[i];
     }
-    for (int64_t i = 0; i < n; ++i)
+    i = 0;
+#if defined(__AVX512F__)
+    const __m512 mv = _mm512_set1_ps(m);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(v + i);
+        const __mmask16 hit = nan ? _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(x, mv, _CMP_EQ_OQ);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+#endif
+    for (; i < n; ++i)
         if (nan ? v[i] != v[i] : v[i] == m) return i;
     return 0;
+}
+
+/* out[r] = argmax_row of row r of x [rows, n] (tests hold it against numpy's). */
+void bd_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row(x + r * n, n);
 }
 
 static double monotonic_s(void) { /* the clock of Python's time.monotonic() on Linux */

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import subprocess
 import sys
@@ -971,6 +972,28 @@ def test_decode_layers_end_with_the_final_norm_and_the_head(isa, dtype):
         run(full, logits=True, head_planes=HeadPlanes(((signs, alpha),), torch.tensor([0, 1, -1])))
     with pytest.raises(ValueError, match="signs must be uint8"):
         run(full, logits=True, head_planes=HeadPlanes(((signs[:, :-1], alpha),), torch.zeros(3, dtype=torch.int64)))
+
+
+def test_argmax_rows_is_numpys(isa):
+    """The bursts' greedy pick (bd_argmax_rows): numpy's argmax, the first of equal maxima (−0 and +0
+    equal), the first NaN above all, at every length around the vector widths."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    lib = cpu_build.load_cpu_lib()
+    for n in (1, 7, 8, 15, 16, 17, 31, 33, 100, 49152):
+        rows = torch.randn(8, n, generator=g)
+        j = torch.randint(0, n, (8,), generator=g)
+        rows[1, j[1]] = rows[1].max() + 1  # one maximum anywhere
+        rows[2, :] = rows[2, 0]  # all equal: the first
+        rows[3, j[3]], rows[3, (j[3] + n // 2) % n] = float("nan"), float("nan")  # the first NaN
+        rows[4, :] = float("-inf")
+        rows[5, :] = -1.0
+        rows[5, j[5]], rows[5, (j[5] + 1) % n] = -0.0, 0.0  # ±0 equal: the first of them
+        rows[6, j[6]], rows[6, n - 1] = float("inf"), float("inf")
+        out = (ctypes.c_int64 * 8)()
+        lib.bd_argmax_rows(rows.data_ptr(), 8, n, out)
+        assert list(out) == np.argmax(rows.numpy(), -1).tolist(), n
 
 
 def token_model(dtype, bs, seed):
