@@ -81,7 +81,9 @@ class Engine:
         burst_s: float = 0.0,
     ):
         self.runner, self.scheduler, self.loop = runner, scheduler, loop
-        self.burst_s = burst_s  # a burst's length in steps of the last step's time (0: one step a call)
+        # a burst's length in steps of the last step's time (0: one step a call; a runner without
+        # bursts takes no KV blocks ahead for them)
+        self.burst_s = burst_s if runner.bursts else 0.0
         self._step_s = math.inf  # the last step's time (a burst's: per step)
         self.interrupt = Interrupt()  # set when a request or a cancel arrives: a burst ends
         self._release = release  # manager.release, called on the loop

@@ -477,6 +477,8 @@ class Driver:
             finally:
                 self.last_step = self.comm.counts - before
 
+    bursts = False  # ModelRunner.bursts
+
     def decode_steps(self, work: list[SeqWork], steps: int, *args) -> None:
         """No bursts across ranks: every step is a message to them (the engine takes single steps)."""
         return None

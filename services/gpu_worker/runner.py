@@ -713,6 +713,12 @@ class ModelRunner:
         many = rows > dense_gemv_max_m(self.dtype) and not self.batch_invariant
         return rows > 0 and not many and self._c_decode_serves(rows)
 
+    @property
+    def bursts(self) -> bool:
+        """Whether `decode_steps` can run a batch here at all (the C layers serve this runner's layer
+        on CPU); a batch it cannot make in host integers still gets None."""
+        return self._c_group_shapes is not None
+
     @torch.inference_mode()
     def decode_steps(
         self,
