@@ -274,9 +274,7 @@ class Engine:
             if not sp.plain or sp.sampling.logprobs is not None:
                 return 1
             n = min(n, s.max_new - len(s.output))
-        if n <= 1 or not all(self.scheduler.reserve(w.seq, w.seq.computed + n) for w in work):
-            return 1
-        return n
+        return n if n > 1 and self.scheduler.reserve([w.seq for w in work], n) else 1
 
     def _burst(self, work, n: int, posts, ready: Callable[[], None]) -> bool:
         """Up to n decode steps of `work` in one call (`ModelRunner.decode_steps`), each token

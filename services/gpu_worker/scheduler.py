@@ -326,14 +326,16 @@ class Scheduler:
             s.blocks += self.allocator.allocate(need)
         return True
 
-    def reserve(self, s: SeqState, n_tokens: int) -> bool:
-        """Blocks for `s`'s first `n_tokens` tokens from the free ones, preempting nobody (a burst of
-        decode steps takes its positions' blocks before it runs); False where too few are free."""
-        need = self.blocks_for(n_tokens) - len(s.blocks)
-        if need > self.allocator.n_free:
+    def reserve(self, seqs: list[SeqState], ahead: int) -> bool:
+        """Blocks for `ahead` more tokens of each of `seqs` from the free ones, all or none, preempting
+        nobody (a burst of decode steps takes its positions' blocks before it runs); False where too
+        few are free."""
+        needs = [max(0, self.blocks_for(s.computed + ahead) - len(s.blocks)) for s in seqs]
+        if sum(needs) > self.allocator.n_free:
             return False
-        if need > 0:
-            s.blocks += self.allocator.allocate(need)
+        for s, need in zip(seqs, needs):
+            if need:
+                s.blocks += self.allocator.allocate(need)
         return True
 
     def schedule(self) -> list[Scheduled]:

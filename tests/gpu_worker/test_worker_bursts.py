@@ -14,6 +14,7 @@ import pytest
 from bitdelta.generation import Request, Sampling
 from bitdelta.testing.family import make_test_family
 from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.scheduler import BlockAllocator, Scheduler, SeqState
 from services.gpu_worker.worker import Worker
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
@@ -41,6 +42,21 @@ async def _run(family, burst_ms: float, samplings: list[Sampling]):
         return out, w.engine
     finally:
         await w.close()
+
+
+def test_a_burst_takes_blocks_for_every_sequence_or_none():
+    sched = Scheduler(BlockAllocator(5), block_size=4, max_running=8, max_batch_tokens=64)
+    a, b = SeqState(1, [1] * 3, max_new=20, slot=-1), SeqState(2, [2] * 4, max_new=20, slot=-1)
+    sched.add(a)
+    sched.add(b)
+    for w in sched.schedule():  # the prompts: a block each
+        sched.advance(w.seq, w.n_tokens)
+    assert (len(a.blocks), len(b.blocks), sched.allocator.n_free) == (1, 1, 3)
+    assert sched.reserve([a, b], 4)  # positions 3..6 and 4..7: a second block each
+    assert (len(a.blocks), len(b.blocks), sched.allocator.n_free) == (2, 2, 1)
+    assert not sched.reserve([a, b], 8)  # a third block each: one is free, so neither takes it
+    assert (len(a.blocks), len(b.blocks), sched.allocator.n_free) == (2, 2, 1)
+    assert sched.reserve([a], 8) and (len(a.blocks), sched.allocator.n_free) == (3, 0)
 
 
 def test_bursts_give_the_tokens_of_single_steps(family):
