@@ -892,7 +892,10 @@ async def test_a_client_that_disconnects_mid_stream_frees_the_sequence(clients, 
     _, router, worker = clients
     base = "v0"  # a variant: ListModels lists it (with in_flight) even while its only worker is frozen
     host, port = cluster.g.address.rsplit(":", 1)
-    body = json.dumps({"model": base, "prompt": "x", "max_tokens": 240, "temperature": 0, "stream": True}).encode()
+    # sampled: a step at a time (greedy decode bursts could end the generation before the SIGSTOP)
+    body = json.dumps(
+        {"model": base, "prompt": "x", "max_tokens": 240, "temperature": 0.7, "seed": 1, "stream": True}
+    ).encode()
     sock = socket.create_connection((host, int(port)), timeout=T)
     frozen = False
     try:

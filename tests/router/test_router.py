@@ -331,6 +331,8 @@ async def test_full_queues_and_deadlines(clients, cluster):
     # tiny model's whole generation takes well under 0.1 s here, so a fixed fraction of one
     # measurement can turn out longer than the next run: each try measures the work again, and a
     # call that did not expire must have finished inside its deadline (anything else is a bug).
+    # Seeded sampling, not plain greedy: a step at a time (greedy decode bursts ran the whole
+    # generation in a few ms, which the routing alone outlasted)
     async with RouterClient(cluster.r.address) as router:
         prompt = "a long prompt " * 10  # 140 tokens: 116 more fill the context
         seen_running = False
@@ -346,13 +348,13 @@ async def test_full_queues_and_deadlines(clients, cluster):
         expired, finished, early = None, [], []
         for _ in range(6):
             t = time.monotonic()
-            await run(router, "", prompt, n=116)
+            await run(router, "", prompt, n=116, temperature=0.7, seed=1)
             deadline = 0.4 * (time.monotonic() - t)
             seen_running = False
             watcher = asyncio.create_task(watch())
             t = time.monotonic()
             try:
-                await run(router, "", prompt, n=116, timeout_s=deadline)
+                await run(router, "", prompt, n=116, temperature=0.7, seed=1, timeout_s=deadline)
             except RouterCallError as e:
                 assert e.code == grpc.StatusCode.DEADLINE_EXCEEDED, e
                 if seen_running:  # it expired on a worker, which must free it (below)
@@ -381,10 +383,11 @@ async def test_full_queues_and_deadlines(clients, cluster):
 async def test_a_client_that_cancels_frees_the_sequence_on_the_worker(clients):
     router, workers, _ = clients
     prompt = "cancel me " * 5
+    sampled = {"temperature": 0.7, "seed": 1}  # a step at a time (greedy decode bursts end it in a few ms)
     t = time.monotonic()
-    full = await run(router, "v0", prompt, n=200)
+    full = await run(router, "v0", prompt, n=200, **sampled)
     full_s = time.monotonic() - t  # what the whole generation takes here
-    stream = router.generate("v0", prompt, max_new_tokens=200)
+    stream = router.generate("v0", prompt, max_new_tokens=200, **sampled)
     t = time.monotonic()
     first = await anext(stream)
     worker = next(w for w in workers if w.target == first.worker)
