@@ -291,7 +291,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         *(p, i64, i64, p, p, i64, i64, p, p, p, p, p),
         *(i64, p, p, i64, i64, i64, i64, i64, i64, f32, i32, p, p, i32, p, i64),
         *(p, p, i64, p, i64, f32, p, p, i64, i64, p, p, p, p, p, i32, i32),
-        *(i64, p, ctypes.c_double, p),
+        *(i64, p, ctypes.c_double, p, p),
     ]
 
 

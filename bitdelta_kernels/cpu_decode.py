@@ -520,7 +520,7 @@ class DecodeLayers:
         interrupt: Interrupt | None = None,
         deadline: float | None = None,
         **kwargs,
-    ) -> Callable[[], list[list[int]]]:
+    ) -> Callable[[], Burst]:
         """Up to `steps` greedy decode steps of B rows in one call (`bd_decode_steps`): `bind`'s
         first step given token ids (its other arguments as there: `head_planes`, `fuse`,
         `row_planes`, `embeds`), each row's argmax of its logits (the first maximum, a NaN above
@@ -528,8 +528,8 @@ class DecodeLayers:
         row of that position in its block list (`tables` must hold the blocks of every position of
         the burst, the cos/sin tables a row for each), lens + 1. A step after the first starts
         only while `interrupt` is not set and `time.monotonic()` is before `deadline`. Calling it
-        -> each row's tokens, one per step run (≥ 1), the same tokens as as many single steps
-        with the argmax of each step's logits."""
+        -> a `Burst`: each row's tokens, one per step run (≥ 1), the same tokens as as many single
+        steps with the argmax of each step's logits, and when each step's were picked."""
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
         if not isinstance(tables, torch.Tensor) and any(
@@ -540,7 +540,7 @@ class DecodeLayers:
             tokens, row_slot, cos, sin, write_rows, tables, lens, block_size, logits=True, rope_rows=rope_rows, **kwargs
         )
         B = first.sizes[1]
-        out = (ctypes.c_int64 * (B * steps))()
+        out, times = (ctypes.c_int64 * (B * steps))(), (ctypes.c_double * steps)()
         # bd_decode_steps takes bd_decode_layers' arguments without x (index 3: token ids here) and
         # x_out (13: logits here), then the burst's own
         a = first.args
@@ -554,12 +554,12 @@ class DecodeLayers:
             None if interrupt is None else interrupt.address,
             deadline or 0.0,
             out,
+            times,
         )
         lib = self._lib or load_cpu_lib()
         keep = (*first.keep, interrupt)
-        return _BoundSteps(
-            _Bound(lib.bd_decode_steps, args, keep, first.dtype, first.h, first.out, first.sizes), out, steps
-        )
+        call = _Bound(lib.bd_decode_steps, args, keep, first.dtype, first.h, first.out, first.sizes)
+        return _BoundSteps(call, out, times, steps)
 
 
 _BURST_ROOM = (
@@ -606,19 +606,29 @@ class _Bound:
             raise MemoryError("bd_decode_layers could not allocate its scratch")
 
 
+@dataclass(frozen=True)
+class Burst:
+    """What a burst of decode steps made: tokens[b] row b's, one per step run; times[s] when step s's
+    tokens were picked (`time.perf_counter()`'s clock: CLOCK_MONOTONIC)."""
+
+    tokens: list[list[int]]
+    times: list[float]
+
+
 @dataclass
 class _BoundSteps:
     """A bound `bd_decode_steps` call (`DecodeLayers.bind_steps`)."""
 
     call: _Bound
     tokens: ctypes.Array
+    times: ctypes.Array
     steps: int
 
-    def __call__(self) -> list[list[int]]:
+    def __call__(self) -> Burst:
         n = self.call.f(*self.call.args)
         self.call.check(n)
         t, k = self.tokens, self.steps
-        return [t[b * k : b * k + n] for b in range(self.call.sizes[1])]
+        return Burst([t[b * k : b * k + n] for b in range(self.call.sizes[1])], self.times[:n])
 
 
-__all__ = ["DecodeLayer", "DecodeLayers", "DecodeShape", "EmbedPlanes", "GROUPS", "HeadPlanes", "Interrupt"]
+__all__ = ["Burst", "DecodeLayer", "DecodeLayers", "DecodeShape", "EmbedPlanes", "GROUPS", "HeadPlanes", "Interrupt"]

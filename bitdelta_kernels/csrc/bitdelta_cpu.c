@@ -2955,8 +2955,9 @@ static double monotonic_s(void) { /* the clock of Python's time.monotonic() on L
  * after the first starts only while *stop is 0 (the caller sets it when a request or a cancel
  * arrives) and the clock (CLOCK_MONOTONIC, seconds) is before `deadline` (≤ 0: none). Every
  * position must have its rope row and its block: else −5 before anything runs. Returns the steps
- * run (≥ 1), or bd_decode_layers' error code; the logits are the last step's. tokens, rope_rows,
- * write_rows and lens are read, never written. */
+ * run (≥ 1), or bd_decode_layers' error code; the logits are the last step's; step_s[s] (if not
+ * NULL) the clock when step s's tokens were picked. tokens, rope_rows, write_rows and lens are read,
+ * never written. */
 int64_t bd_decode_steps(const bd_decode_layer *layers, int64_t n_layers, int64_t n_slots, const int64_t *tokens,
                         const void *embed, int64_t n_vocab, int64_t n_embeds, const void *const *embed_weight,
                         const uint8_t *const *embed_signs, const float *const *embed_alpha,
@@ -2968,7 +2969,7 @@ int64_t bd_decode_steps(const bd_decode_layer *layers, int64_t n_layers, int64_t
                         const void *head, int64_t vocab, int64_t n_heads, const uint8_t *const *head_signs,
                         const float *const *head_alpha, const int64_t *head_alpha_stride, const int64_t *head_of_row,
                         float *logits, int n_threads, int fuse, int64_t steps, const volatile int32_t *stop,
-                        double deadline, int64_t *out_tokens) {
+                        double deadline, int64_t *out_tokens, double *step_s) {
     if (steps < 1 || !tokens || !head || !logits || bs < 1) return -5;
     for (int64_t b = 0; b < B; ++b) /* every position of the burst has its rotation and its block */
         if (lens[b] < 1 || rope_rows[b] < 0 || rope_rows[b] + steps > n_rope || (lens[b] - 1 + steps - 1) / bs >= max_blocks)
@@ -3006,6 +3007,7 @@ int64_t bd_decode_steps(const bd_decode_layer *layers, int64_t n_layers, int64_t
             len[b] += 1;
             wr[b] = (int64_t)tables[b * max_blocks + pos / bs] * bs + pos % bs;
         }
+        if (step_s) step_s[s] = monotonic_s();
     }
     free(tok);
     free(len);

@@ -283,23 +283,22 @@ class Engine:
         t0 = time.perf_counter()
         batch = [SeqWork(w.seq.tokens[w.seq.computed :], w.seq.computed, w.seq.slot, w.seq.blocks, True) for w in work]
         deadline = min((d for w in work if (d := self._seqs[w.seq.seq_id].deadline) is not None), default=None)
-        toks = self.runner.decode_steps(batch, n, self.interrupt, deadline, ready)
-        if toks is None:
+        burst = self.runner.decode_steps(batch, n, self.interrupt, deadline, ready)
+        if burst is None:
             return False
-        t1 = time.perf_counter()
-        done = len(toks[0])
-        self._step_s = (t1 - t0) / done
+        done = len(burst.times)
+        self._step_s = (time.perf_counter() - t0) / done
         self.steps += done
         self.bursts += done > 1
         seqs = [self._seqs[w.seq.seq_id] for w in work]
-        for i in range(done):
-            for seq, row in zip(seqs, toks):
+        for i, t in enumerate(burst.times):  # each token with the time its step picked it
+            for seq, row in zip(seqs, burst.tokens):
                 sid = seq.state.seq_id
                 if sid not in self._seqs:  # it ended earlier in the burst: the rest of its row is dropped
                     continue
                 self.scheduler.advance(seq.state, 1)
                 try:
-                    self._emit_token(seq, row[i], t1, posts)
+                    self._emit_token(seq, row[i], t, posts)
                 except Exception as e:  # e.g. detokenising: end this sequence, not the batch
                     log.exception("sequence %d: emitting token %d failed", sid, row[i])
                     self._drop(sid, posts, None, error=e)

@@ -51,6 +51,7 @@ from bitdelta_kernels import (
 from bitdelta_kernels.configs import config_for
 from bitdelta_kernels.cpu_decode import (
     GROUPS,
+    Burst,
     DecodeLayer,
     DecodeLayers,
     DecodeShape,
@@ -727,10 +728,10 @@ class ModelRunner:
         interrupt: Interrupt | None = None,
         deadline: float | None = None,
         ready: Callable[[], None] | None = None,
-    ) -> list[list[int]] | None:
+    ) -> Burst | None:
         """Up to `steps` greedy decode steps of `work`'s rows in one C call
         (`DecodeLayers.bind_steps`: each row's argmax its next token, fed back in C) -> each row's
-        tokens, one per step run; None where the C call does not take this step in host integers
+        tokens, one per step run, and when each step's were picked; None where the C call does not take this step in host integers
         (the engine runs single steps then). Each row's blocks must hold its burst's positions. The
         tokens are those of as many `forward` calls with each step's argmax; `interrupt` and
         `deadline` (time.monotonic()) end the burst after a step; `ready` as `forward`'s."""

@@ -27,8 +27,9 @@ def family(tmp_path_factory):
     return make_test_family(tmp_path_factory.mktemp("bursts"), n_variants=2, merged=False)
 
 
-async def _run(family, burst_ms: float, samplings: list[Sampling]):
-    """Every job of JOBS with its sampling at once -> ([(token ids, text, finish reason)], engine)."""
+async def _run(family, burst_ms: float, samplings: list[Sampling], times: list | None = None):
+    """Every job of JOBS with its sampling at once -> ([(token ids, text, finish reason)], engine);
+    each job's tokens' elapsed_ms appended to `times`."""
     cfg = WorkerConfig(base=family.base, delta_dir=str(family.deltas), kv_cache=4 << 20, decode_burst_ms=burst_ms)
     w = Worker(cfg)
     await w.start()
@@ -36,6 +37,8 @@ async def _run(family, burst_ms: float, samplings: list[Sampling]):
 
         async def gen(m, p, sp):
             events = [e async for e in w.generate(Request(m, p, sp))]
+            if times is not None:
+                times.append([e.elapsed_ms for e in events])
             return [e.token_id for e in events], "".join(e.text for e in events), events[-1].finish_reason
 
         out = await asyncio.wait_for(asyncio.gather(*[gen(m, p, sp) for (m, p), sp in zip(JOBS, samplings)]), 300)
@@ -70,9 +73,12 @@ def test_bursts_give_the_tokens_of_single_steps(family):
     text = free[2][1]
     samplings[2] = Sampling(max_new_tokens=40, stop=(text[len(text) // 2 : len(text) // 2 + 2],))  # ends mid-way
     single, e1 = asyncio.run(_run(family, 0, samplings))
-    burst, e2 = asyncio.run(_run(family, 1000, samplings))
+    times: list[list[float]] = []
+    burst, e2 = asyncio.run(_run(family, 1000, samplings, times))
     assert e1.bursts == 0 and e2.bursts > 0, "bursts ran only where asked"
     assert burst == single
+    for ms in times:  # each token stamped when its step picked it, not when the burst ended
+        assert all(a < b for a, b in zip(ms, ms[1:]))
     assert [len(t) for t, _, _ in single][0::3] == [40, 5]
     assert single[2][2].name == "STOP" and len(single[2][0]) < len(free[2][0])
 
@@ -110,7 +116,7 @@ def test_a_request_or_a_cancel_ends_a_burst_after_its_step(family):
                 ready()  # the last step's tokens go to the streams (the engine's hand-over) first
                 assert gates[n].wait(30)
             out = real(work, steps, interrupt, deadline, ready)
-            calls.append((steps, 0 if out is None else len(out[0])))  # None: not a batch it takes
+            calls.append((steps, 0 if out is None else len(out.times)))  # None: not a batch it takes
             return out
 
         w.runner.decode_steps = gated

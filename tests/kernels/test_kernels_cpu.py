@@ -1129,7 +1129,10 @@ def test_decode_steps_are_single_steps_fed_their_argmax(isa, dtype):
     def burst(n, **kw):
         L.k.copy_(pool[0]), L.v.copy_(pool[1])
         call = layers.bind_steps(tokens, slots, cos, sin, pos, rows(pos), blocks, lens, bs, n, embeds=ep, **kw)
-        return call(), call
+        t0 = time.perf_counter()
+        out = call()
+        assert len(out.times) == len(out.tokens[0]) and t0 <= out.times[0] <= out.times[-1] <= time.perf_counter()
+        return out.tokens, call
 
     got, call = burst(steps)
     assert got == want and len(set(map(tuple, want))) > 1  # the rows differ: each fed its own
