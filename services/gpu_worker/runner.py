@@ -135,6 +135,31 @@ def _c_parts(slots: list[int], extras: dict) -> tuple[tuple[bool, HeadPlanes | N
     return (heads_ok, hp), (embeds_ok, ep)
 
 
+@dataclass
+class _HostStep:
+    """A step of single-token rows as the C call takes it in host integers (`DecodeLayers.bind`'s
+    arguments): each row's token, slot, pool row, block list (its positions' blocks) and length,
+    the rope tables and each row's row of them (None: a length-dependent rope's own tables, row b
+    row b's), and its head planes, single-variant form, planes and embeddings."""
+
+    tokens: list[int]
+    row_slot: list[int]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    write_rows: list[int]
+    tables: list[list[int]]
+    lens: list[int]
+    rope_rows: list[int] | None
+    head_planes: HeadPlanes | None
+    fuse: bool
+    row_planes: torch.Tensor | None
+    embeds: EmbedPlanes | None
+
+    def rows(self) -> tuple:
+        """bind's positional arguments up to the block size."""
+        return self.tokens, self.row_slot, self.cos, self.sin, self.write_rows, self.tables, self.lens
+
+
 class HostArena:
     """Host tensors carved one after another from a few large buffers, so that a model's small
     matrices lie on 2 MB pages too: torch's allocator puts a buffer of 2 MB or more on transparent
@@ -730,39 +755,44 @@ class ModelRunner:
         ready: Callable[[], None] | None = None,
     ) -> Burst | None:
         """Up to `steps` greedy decode steps of `work`'s rows in one C call
-        (`DecodeLayers.bind_steps`: each row's argmax its next token, fed back in C) -> each row's
-        tokens, one per step run, and when each step's were picked; None where the C call does not take this step in host integers
-        (the engine runs single steps then). Each row's blocks must hold its burst's positions. The
-        tokens are those of as many `forward` calls with each step's argmax; `interrupt` and
-        `deadline` (time.monotonic()) end the burst after a step; `ready` as `forward`'s."""
+        (`DecodeLayers.bind_steps`: each row's argmax its next token, fed back in C) -> a `Burst`
+        (each row's tokens, one per step run, and when each step's were picked); None where the C
+        call does not take this step in host integers (the engine runs single steps then). Each
+        row's blocks must hold its burst's positions. The tokens are those of as many `forward`
+        calls with each step's argmax; `interrupt` and `deadline` (time.monotonic()) end the burst
+        after a step; `ready` as `forward`'s."""
         if not all(self._c_row(w) and w.want_logits for w in work) or not self._c_serves(len(work)):
             return None
         if self._c_layers is None:
             self._c_layers = self._build_c_layers()
-        host = self._host_step(work, steps)
-        if host is None:
+        h = self._host_step(work, steps)
+        if h is None or h.rope_rows is None:
             return None
-        tokens, row_slot, cos, sin, write_rows, tables, lens, kw = host
-        rope_rows = kw.pop("rope_rows")
         call = self._c_layers.bind_steps(
-            tokens, row_slot, cos, sin, rope_rows, write_rows, tables, lens, self.kv.block_size, steps,
-            interrupt, deadline, **kw,
-        )  # fmt: skip
+            *h.rows(),
+            self.kv.block_size,
+            steps,
+            rope_rows=h.rope_rows,
+            interrupt=interrupt,
+            deadline=deadline,
+            head_planes=h.head_planes,
+            fuse=h.fuse,
+            row_planes=h.row_planes,
+            embeds=h.embeds,
+        )
         (ready or _nothing)()
         return call()
 
-    def _host_step(self, work: list[SeqWork], steps: int = 1) -> tuple | None:
+    def _host_step(self, work: list[SeqWork], steps: int = 1) -> _HostStep | None:
         """The C call's arguments for single-token rows given as host integers, for `steps`
-        positions a row from its own (the block lists and rope rows cover them): (tokens, row
-        slots, cos, sin, write rows, block lists, lens, bind's keywords); None where the call cannot
-        make every row's embedding and head (or a row does not sample, or a burst has
-        length-dependent rope)."""
+        positions a row from its own (the block lists and rope rows cover them); None where the
+        call cannot make every row's embedding and head (or a row does not sample)."""
         c, extras = self._c_layers, self.slots.extras
         slots = [w.slot for w in work]
         (heads_ok, heads), (embeds_ok, embeds) = _c_parts(slots, extras)
         if not (heads_ok and embeds_ok and c.head is not None and c.embed is not None):
             return None
-        if not all(w.want_logits for w in work) or (steps > 1 and self.args.rope.length_dependent):
+        if not all(w.want_logits for w in work):
             return None
         pos = [w.start for w in work]
         if self.args.rope.length_dependent:  # a step's own tables, row b row b's
@@ -771,21 +801,19 @@ class ModelRunner:
         else:
             (cos, sin), rope_rows = self.rope.cached(max(pos) + steps), pos
         planes = _multi_plane(extras, set(slots))
-        return (
-            [w.tokens[0] for w in work],
-            slots,
-            cos,
-            sin,
-            [self.kv.rows(w.blocks, w.start, w.start + 1)[0] for w in work],
-            [self.kv.table(w.blocks, w.start + steps) for w in work],
-            [w.start + 1 for w in work],
-            {
-                "head_planes": heads,
-                "fuse": self.use_fused and len(set(slots)) == 1 and slots[0] >= 0,  # never batch-invariant
-                "row_planes": self._plane_rows(torch.tensor(slots, dtype=torch.int32), planes) if planes else None,
-                "rope_rows": rope_rows,
-                "embeds": embeds,
-            },
+        return _HostStep(
+            tokens=[w.tokens[0] for w in work],
+            row_slot=slots,
+            cos=cos,
+            sin=sin,
+            write_rows=[self.kv.rows(w.blocks, w.start, w.start + 1)[0] for w in work],
+            tables=[self.kv.table(w.blocks, w.start + steps) for w in work],
+            lens=[w.start + 1 for w in work],
+            rope_rows=rope_rows,
+            head_planes=heads,
+            fuse=self.use_fused and len(set(slots)) == 1 and slots[0] >= 0,  # never batch-invariant
+            row_planes=self._plane_rows(torch.tensor(slots, dtype=torch.int32), planes) if planes else None,
+            embeds=embeds,
         )
 
     def _c_decode_serves(self, rows: int) -> bool:
@@ -825,10 +853,18 @@ class ModelRunner:
         if self._c_layers is None:
             self._c_layers = self._build_c_layers()
         c, extras, bs = self._c_layers, self.slots.extras, self.kv.block_size
-        host = self._host_step(work)
-        if host is not None:
-            *args, kw = host
-            call = c.bind(*args, bs, logits=True, **kw)
+        h = self._host_step(work)
+        if h is not None:
+            call = c.bind(
+                *h.rows(),
+                bs,
+                logits=True,
+                rope_rows=h.rope_rows,
+                head_planes=h.head_planes,
+                fuse=h.fuse,
+                row_planes=h.row_planes,
+                embeds=h.embeds,
+            )
             ready()  # no torch op between these two: most release the GIL to the loop's thread
             return call()
         (heads_ok, heads), _ = _c_parts([w.slot for w in work], extras)

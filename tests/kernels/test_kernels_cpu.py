@@ -1128,7 +1128,9 @@ def test_decode_steps_are_single_steps_fed_their_argmax(isa, dtype):
 
     def burst(n, **kw):
         L.k.copy_(pool[0]), L.v.copy_(pool[1])
-        call = layers.bind_steps(tokens, slots, cos, sin, pos, rows(pos), blocks, lens, bs, n, embeds=ep, **kw)
+        call = layers.bind_steps(
+            tokens, slots, cos, sin, rows(pos), blocks, lens, bs, n, rope_rows=pos, embeds=ep, **kw
+        )
         t0 = time.perf_counter()
         out = call()
         assert len(out.times) == len(out.tokens[0]) and t0 <= out.times[0] <= out.times[-1] <= time.perf_counter()
@@ -1148,7 +1150,7 @@ def test_decode_steps_are_single_steps_fed_their_argmax(isa, dtype):
     assert burst(steps, deadline=time.monotonic() + 60)[0] == want
     with pytest.raises(ValueError, match="a rope row and a block"):
         layers.bind_steps(  # row 1's positions 6..8 and 8 rope rows
-            tokens, slots, cos[:8], sin[:8], pos, rows(pos), blocks, lens, bs, 3, embeds=ep
+            tokens, slots, cos[:8], sin[:8], rows(pos), blocks, lens, bs, 3, rope_rows=pos, embeds=ep
         )()
     with pytest.raises(ValueError, match="a rope row and a block"):
         burst(6)  # row 2's position 8 has no block
