@@ -287,12 +287,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.bd_argmax_rows.restype = None
     lib.bd_argmax_rows.argtypes = [p, i64, i64, p]
     lib.bd_decode_steps.restype = i64
-    lib.bd_decode_steps.argtypes = [  # bd_decode_layers' without x and x_out, then the burst's own
-        *(p, i64, i64, p, p, i64, i64, p, p, p, p, p),
-        *(i64, p, p, i64, i64, i64, i64, i64, i64, f32, i32, p, p, i32, p, i64),
-        *(p, p, i64, p, i64, f32, p, p, i64, i64, p, p, p, p, p, i32, i32),
-        *(i64, p, ctypes.c_double, p, p),
-    ]
+    # bd_decode_layers' arguments, then the burst's own (steps, stop flag, deadline, tokens, times)
+    lib.bd_decode_steps.argtypes = [*lib.bd_decode_layers.argtypes, i64, p, ctypes.c_double, p, p]
 
 
 def _library_path(isa: str) -> Path:

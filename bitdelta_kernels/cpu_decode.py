@@ -542,21 +542,8 @@ class DecodeLayers:
         )
         B = first.sizes[1]
         out, times = (ctypes.c_int64 * (B * steps))(), (ctypes.c_double * steps)()
-        # bd_decode_steps takes bd_decode_layers' arguments without x (index 3: token ids here) and
-        # x_out (13: logits here), then the burst's own
-        a = first.args
-        if a[3] is not None or a[13] is not None:
-            raise AssertionError("bind's argument layout changed: bd_decode_steps' slices are stale")
-        args = (
-            *a[:3],
-            *a[4:13],
-            *a[14:],
-            steps,
-            None if interrupt is None else interrupt.address,
-            deadline or 0.0,
-            out,
-            times,
-        )
+        stop = None if interrupt is None else interrupt.address
+        args = (*first.args, steps, stop, deadline or 0.0, out, times)  # bd_decode_layers', then the burst's
         lib = self._lib or load_cpu_lib()
         keep = (*first.keep, interrupt)
         call = _Bound(lib.bd_decode_steps, args, keep, first.dtype, first.h, first.out, first.sizes)

@@ -2957,31 +2957,31 @@ static double monotonic_s(void) { /* the clock of Python's time.monotonic() on L
  * position must have its rope row and its block: else −5 before anything runs. Returns the steps
  * run (≥ 1), or bd_decode_layers' error code; the logits are the last step's; step_s[s] (if not
  * NULL) the clock when step s's tokens were picked. tokens, rope_rows, write_rows and lens are read,
- * never written. */
-int64_t bd_decode_steps(const bd_decode_layer *layers, int64_t n_layers, int64_t n_slots, const int64_t *tokens,
-                        const void *embed, int64_t n_vocab, int64_t n_embeds, const void *const *embed_weight,
-                        const uint8_t *const *embed_signs, const float *const *embed_alpha,
-                        const int64_t *embed_planes, const int64_t *embed_of_row, int64_t B, const int32_t *row_slot32,
-                        const int32_t *row_planes32, int64_t n_planes, int64_t D, int64_t H, int64_t KV, int64_t hd,
-                        int64_t F, float eps, int dtype, const void *rope_cos, const void *rope_sin, int rope_dtype,
-                        const int64_t *rope_rows, int64_t n_rope, const int64_t *write_rows, const int32_t *tables,
-                        int64_t max_blocks, const int32_t *lens, int64_t bs, float scale, const void *final_norm,
-                        const void *head, int64_t vocab, int64_t n_heads, const uint8_t *const *head_signs,
+ * never written. The arguments are bd_decode_layers' (x_in NULL: token ids; x_out ignored), then the
+ * burst's own. */
+int64_t bd_decode_steps(const bd_decode_layer *layers, int64_t n_layers, int64_t n_slots, const void *x_in,
+                        const int64_t *tokens, const void *embed, int64_t n_vocab, int64_t n_embeds,
+                        const void *const *embed_weight, const uint8_t *const *embed_signs,
+                        const float *const *embed_alpha, const int64_t *embed_planes, const int64_t *embed_of_row,
+                        float *x_out, int64_t B, const int32_t *row_slot32, const int32_t *row_planes32,
+                        int64_t n_planes, int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t F, float eps, int dtype,
+                        const void *rope_cos, const void *rope_sin, int rope_dtype, const int64_t *rope_rows,
+                        int64_t n_rope, const int64_t *write_rows, const int32_t *tables, int64_t max_blocks,
+                        const int32_t *lens, int64_t bs, float scale, const void *final_norm, const void *head,
+                        int64_t vocab, int64_t n_heads, const uint8_t *const *head_signs,
                         const float *const *head_alpha, const int64_t *head_alpha_stride, const int64_t *head_of_row,
                         float *logits, int n_threads, int fuse, int64_t steps, const volatile int32_t *stop,
                         double deadline, int64_t *out_tokens, double *step_s) {
-    if (steps < 1 || !tokens || !head || !logits || bs < 1) return -5;
+    (void)x_out;
+    if (steps < 1 || x_in || !tokens || !head || !logits || bs < 1) return -5;
     for (int64_t b = 0; b < B; ++b) /* every position of the burst has its rotation and its block */
         if (lens[b] < 1 || rope_rows[b] < 0 || rope_rows[b] + steps > n_rope || (lens[b] - 1 + steps - 1) / bs >= max_blocks)
             return -5;
-    int64_t *tok = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * B + 1));
-    int32_t *len = (int32_t *)malloc(sizeof(int32_t) * (size_t)(B + 1));
-    if (!tok || !len) {
-        free(tok);
-        free(len);
-        return -1;
-    }
+    /* the rows' tokens, rope rows and pool rows, then their lengths: the call's own copies */
+    int64_t *tok = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * B) + sizeof(int32_t) * (size_t)(B + 1));
+    if (!tok) return -1;
     int64_t *rope = tok + B, *wr = rope + B;
+    int32_t *len = (int32_t *)(wr + B);
     memcpy(tok, tokens, sizeof(int64_t) * (size_t)B);
     memcpy(rope, rope_rows, sizeof(int64_t) * (size_t)B);
     memcpy(wr, write_rows, sizeof(int64_t) * (size_t)B);
@@ -2997,7 +2997,6 @@ int64_t bd_decode_steps(const bd_decode_layer *layers, int64_t n_layers, int64_t
                                         logits, n_threads, fuse);
         if (rc) {
             free(tok);
-            free(len);
             return rc;
         }
         for (int64_t b = 0; b < B; ++b) {
@@ -3010,6 +3009,5 @@ int64_t bd_decode_steps(const bd_decode_layer *layers, int64_t n_layers, int64_t
         if (step_s) step_s[s] = monotonic_s();
     }
     free(tok);
-    free(len);
     return s;
 }

@@ -260,7 +260,7 @@ class Engine:
         """Steps the next call may run: as many as fit in `burst_s` by the last step's time, for a
         batch of decodes of plain greedy sequences that want no logprobs, with nobody waiting, and
         free KV blocks for each one's burst (taken here); else 1."""
-        n = min(MAX_BURST, int(self.burst_s / self._step_s)) if self._step_s > 0 else MAX_BURST
+        n = min(MAX_BURST, int(self.burst_s / self._step_s))
         if n <= 1:
             return 1
         self.interrupt.clear()  # before the inboxes are read: an arrival after this sets it again

@@ -761,7 +761,7 @@ class ModelRunner:
         row's blocks must hold its burst's positions. The tokens are those of as many `forward`
         calls with each step's argmax; `interrupt` and `deadline` (time.monotonic()) end the burst
         after a step; `ready` as `forward`'s."""
-        if not all(self._c_row(w) and w.want_logits for w in work) or not self._c_serves(len(work)):
+        if not all(self._c_row(w) for w in work) or not self._c_serves(len(work)):
             return None
         if self._c_layers is None:
             self._c_layers = self._build_c_layers()
