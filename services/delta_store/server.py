@@ -86,6 +86,10 @@ class DeltaStoreServicer(pb_grpc.DeltaStoreServiceServicer):
                 verified=stream.verified,
             )
             async for c in stream:
+                # counted before the yield: a receiver that has its last chunk may end the call (a
+                # shared-memory lease does), cancelling this generator at the yield
+                if self.metrics is not None:
+                    self.metrics.bytes_served.inc(c.nbytes)
                 yield pb.FetchResponse(
                     chunk=pb.Chunk(
                         tensor_index=c.tensor_index,
@@ -96,8 +100,6 @@ class DeltaStoreServicer(pb_grpc.DeltaStoreServiceServicer):
                         **({} if c.file_offset is None else {"file_offset": c.file_offset}),
                     )
                 )
-                if self.metrics is not None:
-                    self.metrics.bytes_served.inc(c.nbytes)
             if stream.shared_path:
                 # The lease: the receiver copies out of the file after the last descriptor and ends the
                 # call when done (this task is cancelled then); until then the entry counts as read.
