@@ -1303,6 +1303,20 @@ static inline __m256 v_round_bf16(__m256 v) {
     } while (0)
 #endif
 
+/* A loop over a block's registers, unrolled whole: a loop that is not (GCC leaves one with a loop
+ * inside, e.g. a ragged tail's) keeps the block's accumulators in memory, stored after the main loop
+ * and loaded back (and zeroed there before it). */
+#define UNROLLED _Pragma("GCC unroll 16")
+/* float sums[R][MB]: each (weight row, x row) pair's two accumulators a[i][b][0..1] added and summed
+ * across lanes (ADD, SUM), in registers; the ragged tails come after (one loop of those in the
+ * same loop nest kept a 3 × 4 bf16 block's 24 accumulators in memory: 48 stores and 24 loads a
+ * call, against its 216 dot products at 576 columns: SmolLM2-135M's matrices, 8 x rows, in L2, one
+ * core of a 2-core AMD EPYC of the Zen 4 generation, 1.2 × the time; docs/kernels.md). */
+#define PAIR_SUMS(R, MB, SUM, ADD)                                                                       \
+    float sums[R][MB];                                                                                   \
+    UNROLLED for (int i = 0; i < R; ++i)                                                                 \
+        UNROLLED for (int b = 0; b < MB; ++b) sums[i][b] = SUM(ADD(a[i][b][0], a[i][b][1]))
+
 /* R weight rows × MB rows of x per register block (R·MB base accumulators, and as many for
  * the delta when D = 1). R, MB, D and the weight dtype must be literal constants so that the
  * accumulator arrays live in registers (as runtime-sized arrays GCC kept them on the stack:
@@ -1314,8 +1328,8 @@ static inline __m256 v_round_bf16(__m256 v) {
         const int64_t nchunk = d_in / (2 * LANES);                                                       \
         DELTA_PREP();                                                                                    \
         vf base[MB][R], dlt[MB][R];                                                                      \
-        for (int b = 0; b < MB; ++b)                                                                     \
-            for (int i = 0; i < R; ++i) base[b][i] = dlt[b][i] = V_ZERO();                               \
+        UNROLLED for (int b = 0; b < MB; ++b)                                                            \
+            UNROLLED for (int i = 0; i < R; ++i) base[b][i] = dlt[b][i] = V_ZERO();                      \
         const float *wf[R];                                                                              \
         const uint16_t *wh[R];                                                                           \
         const uint8_t *sr[R];                                                                            \
@@ -1358,10 +1372,16 @@ static inline __m256 v_round_bf16(__m256 v) {
                     }                                                                                    \
             }                                                                                            \
         }                                                                                                \
+        float bts[MB][R], dts[MB][R]; /* in registers, before the tails (PAIR_SUMS) */                  \
+        UNROLLED for (int b = 0; b < MB; ++b)                                                            \
+            UNROLLED for (int i = 0; i < R; ++i) {                                                       \
+                bts[b][i] = V_SUM(base[b][i]);                                                           \
+                dts[b][i] = D ? V_SUM(dlt[b][i]) : 0.f;                                                  \
+            }                                                                                            \
         for (int b = 0; b < MB; ++b) {                                                                   \
             const float *xm = x + (m0 + b) * ldx;                                                        \
             for (int i = 0; i < nr; ++i) {                                                               \
-                float bt = V_SUM(base[b][i]), dt = D ? V_SUM(dlt[b][i]) : 0.f;                           \
+                float bt = bts[b][i], dt = dts[b][i];                                                    \
                 for (int64_t k = 2 * LANES * nchunk; k < d_in; ++k) { /* ragged tail */                  \
                     bt += xm[k] * w_at(w, WD, (r + i) * ldw + k);                                        \
                     if (D && ((s[(r + i) * lds + (k >> 3)] >> (k & 7)) & 1)) dt += xm[k];                \
@@ -1424,19 +1444,27 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
  * rows 51 ms with T0 against 37–39 with T1 (8–64 KB on; T1 4 KB on 51, T2 as T1, NTA as T0), at 6
  * rows 46 against 29; and three weight rows' blocks from 3 x rows on (DENSE_MIN_M_F32, below)
  * 19 ms at 3 rows against 25 for one-row blocks. The one-row blocks keep STREAM_PREFETCH (or none:
- * one_row_prefetch); the AVX2 build keeps T0 (measured on a Zen 3 core with it). */
+ * one_row_prefetch); the AVX2 build keeps T0 (measured on a Zen 3 core with it). The bf16 dot-product
+ * blocks (DENSE_BLOCK_DP) request theirs 8 KB on (ROWS_AHEAD_DP). Once the blocks' sums stayed in
+ * registers (PAIR_SUMS), the C decode layers' bf16 step (`bench/kernels.py --decode-layers`, two
+ * runs of 25 reps in turns, 2026-12-06) took at 4 x rows 10.3–10.7 ms with 8 KB against 11.5–12.5
+ * with 16 KB (11.1–12.7 before PAIR_SUMS), at 8 rows 15.8–16.1 against 14.8–15.0 (18.3–18.6
+ * before); fp32's blocks, the other way, 19.3–19.8 with 16 KB against 21.8–22.6 with 8 KB at 4
+ * rows and 30.1–30.4 against 31.8–32.2 at 8: each dtype keeps what its 4 rows ran best with. */
 #define ROWS_AHEAD 16384
-#define ROWS_PREFETCH(p, lines) PREFETCH_LINES(p, ROWS_AHEAD, lines, _MM_HINT_T1)
+#define ROWS_AHEAD_DP 8192
+#define ROWS_PREFETCH(p, ahead, lines) PREFETCH_LINES(p, ahead, lines, _MM_HINT_T1)
 #if defined(__AVX512F__)
-#define BLOCK_STREAM_PREFETCH(R, p, lines)                                                               \
+/* R > 1 rows' blocks ROWS_PREFETCH `ahead` bytes on, one row's STREAM_PREFETCH */
+#define BLOCK_STREAM_PREFETCH(R, ahead, p, lines)                                                        \
     do {                                                                                                 \
         if ((R) > 1)                                                                                     \
-            ROWS_PREFETCH(p, lines);                                                                     \
+            ROWS_PREFETCH(p, ahead, lines);                                                              \
         else                                                                                             \
             STREAM_PREFETCH(p, lines);                                                                   \
     } while (0)
 #else
-#define BLOCK_STREAM_PREFETCH(R, p, lines) STREAM_PREFETCH(p, lines)
+#define BLOCK_STREAM_PREFETCH(R, ahead, p, lines) STREAM_PREFETCH(p, lines)
 #endif
 
 /* Whether a block of R weight rows × MB x rows of dtype WD prefetches its stream. In the AVX-512
@@ -1462,13 +1490,14 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
  * each of ldx floats; w of dtype WD), y[m0 + b, r + i]. */
 #define PAIR_ACC_INIT(R, MB)                                                                             \
     vf a[R][MB][2];                                                                                      \
-    for (int i = 0; i < R; ++i)                                                                          \
-        for (int b = 0; b < MB; ++b) a[i][b][0] = a[i][b][1] = V_ZERO()
+    UNROLLED for (int i = 0; i < R; ++i)                                                                 \
+        UNROLLED for (int b = 0; b < MB; ++b) a[i][b][0] = a[i][b][1] = V_ZERO()
 #define PAIR_ACC_STORE(R, MB, xs, w, WD)                                                                 \
+    PAIR_SUMS(R, MB, V_SUM, V_ADD);                                                                      \
     for (int i = 0; i < R; ++i)                                                                          \
         for (int b = 0; b < MB; ++b) {                                                                   \
             const float *xm_ = (xs) + (m0 + b) * ldx;                                                    \
-            float t = V_SUM(V_ADD(a[i][b][0], a[i][b][1]));                                              \
+            float t = sums[i][b];                                                                        \
             for (int64_t kk = k; kk < d_in; ++kk) t += xm_[kk] * w_at(w, WD, (r + i) * ldw + kk); /* tail */ \
             y[(m0 + b) * ldy + r + i] = t;                                                               \
         }
@@ -1493,7 +1522,7 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
         for (; k + 2 * LANES <= d_in; k += 2 * LANES) {                                                  \
             if (BLOCK_PREFETCH(WD, R, MB) && (k * (int64_t)sizeof(WT)) % 64 == 0) /* a new line */     \
                 for (int i = 0; i < R; ++i)                                                              \
-                    BLOCK_STREAM_PREFETCH(R, w + (r + i) * ldw + k, (2 * LANES * (int)sizeof(WT) + 63) / 64); \
+                    BLOCK_STREAM_PREFETCH(R, ROWS_AHEAD, w + (r + i) * ldw + k, (2 * LANES * (int)sizeof(WT) + 63) / 64); \
             for (int h = 0; h < 2; ++h) {                                                                \
                 vf wv[R];                                                                                \
                 for (int i = 0; i < R; ++i) {                                                            \
@@ -1512,9 +1541,9 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
             }                                                                                            \
         }                                                                                                \
         if (WD == BD_W_F32 && k + LANES <= d_in) {                                                       \
-            for (int b = 0; b < MB; ++b) {                                                               \
+            UNROLLED for (int b = 0; b < MB; ++b) {                                                      \
                 const vf xv = V_LOAD(x + (m0 + b) * ldx + k);                                            \
-                for (int i = 0; i < R; ++i)                                                              \
+                UNROLLED for (int i = 0; i < R; ++i)                                                     \
                     a[i][b][0] = V_FMA(xv, V_LOAD((const float *)(w + (r + i) * ldw + k)), a[i][b][0]);  \
             }                                                                                            \
             k += LANES;                                                                                  \
@@ -1629,12 +1658,13 @@ DENSE_ROWS(dense_rows_bf16, float, uint16_t, dense_bf16_blocks, DENSE_MIN_M_F32)
     static void NAME(const uint16_t *xb, int64_t ldx, const uint16_t *w, int64_t ldw, int64_t d_in,     \
                      float *y, int64_t ldy, int64_t r, int64_t m0) {                                     \
         __m512 a[R][MB][2];                                                                              \
-        for (int i = 0; i < R; ++i)                                                                      \
-            for (int b = 0; b < MB; ++b) a[i][b][0] = a[i][b][1] = _mm512_setzero_ps();                  \
+        UNROLLED for (int i = 0; i < R; ++i)                                                             \
+            UNROLLED for (int b = 0; b < MB; ++b) a[i][b][0] = a[i][b][1] = _mm512_setzero_ps();         \
         int64_t k = 0;                                                                                   \
         for (; k + 64 <= d_in; k += 64) {                                                                \
             if (BLOCK_PREFETCH(BD_W_BF16, R, MB))                                                        \
-                for (int i = 0; i < R; ++i) BLOCK_STREAM_PREFETCH(R, w + (r + i) * ldw + k, 2);          \
+                for (int i = 0; i < R; ++i)                                                              \
+                    BLOCK_STREAM_PREFETCH(R, ROWS_AHEAD_DP, w + (r + i) * ldw + k, 2);                   \
             for (int h = 0; h < 2; ++h) {                                                                \
                 __m512bh wv[R];                                                                          \
                 for (int i = 0; i < R; ++i) {                                                            \
@@ -1649,18 +1679,19 @@ DENSE_ROWS(dense_rows_bf16, float, uint16_t, dense_bf16_blocks, DENSE_MIN_M_F32)
             }                                                                                            \
         }                                                                                                \
         if (k + 32 <= d_in) {                                                                            \
-            for (int b = 0; b < MB; ++b) {                                                               \
+            UNROLLED for (int b = 0; b < MB; ++b) {                                                      \
                 const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + (m0 + b) * ldx + k)); \
-                for (int i = 0; i < R; ++i)                                                              \
+                UNROLLED for (int i = 0; i < R; ++i)                                                     \
                     a[i][b][0] = _mm512_dpbf16_ps(a[i][b][0], xv,                                        \
                                                   (__m512bh)_mm512_loadu_si512((const void *)(w + (r + i) * ldw + k))); \
             }                                                                                            \
             k += 32;                                                                                     \
         }                                                                                                \
+        PAIR_SUMS(R, MB, _mm512_reduce_add_ps, _mm512_add_ps);                                           \
         for (int i = 0; i < R; ++i)                                                                      \
             for (int b = 0; b < MB; ++b) {                                                               \
                 const uint16_t *xm = xb + (m0 + b) * ldx, *wr = w + (r + i) * ldw;                       \
-                float t = _mm512_reduce_add_ps(_mm512_add_ps(a[i][b][0], a[i][b][1]));                   \
+                float t = sums[i][b];                                                                    \
                 for (int64_t kk = k; kk < d_in; ++kk) t += w_at(xm, BD_W_BF16, kk) * w_at(wr, BD_W_BF16, kk); \
                 y[(m0 + b) * ldy + r + i] = t;                                                           \
             }                                                                                            \
@@ -1744,12 +1775,16 @@ static inline __attribute__((always_inline)) void dp_rows_np(const uint16_t *xb,
         }
         float al[ONE_PASS_PLANES];
         for (int p = 0; p < NP; ++p) al[p] = P->a[p][r * alpha_stride];
+        float sums[ONE_PASS_ROWS]; /* in registers, before the tails (PAIR_SUMS) */
+        UNROLLED for (int b = 0; b < NX; ++b) {
+            __m512 acc = _mm512_add_ps(a0[b], a1[b]);
+            UNROLLED for (int p = 0; p < NP; ++p)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(al[p]), _mm512_add_ps(d0[p][b], d1[p][b]), acc);
+            sums[b] = _mm512_reduce_add_ps(acc);
+        }
         for (int b = 0; b < NX; ++b) {
             const uint16_t *xm = xb + b * ldx;
-            __m512 acc = _mm512_add_ps(a0[b], a1[b]);
-            for (int p = 0; p < NP; ++p)
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(al[p]), _mm512_add_ps(d0[p][b], d1[p][b]), acc);
-            float t = _mm512_reduce_add_ps(acc);
+            float t = sums[b];
             for (int64_t kk = k + 32 * half; kk < d_in; ++kk) { /* ragged tail */
                 const float xv = w_at(xm, BD_W_BF16, kk);
                 float dt = 0.f;
@@ -1820,12 +1855,16 @@ static inline __attribute__((always_inline)) void f32_rows_np(const float *x, in
             al[p] = P->a[p][r * alpha_stride];
             asum += al[p];
         }
+        float sums[ONE_PASS_ROWS]; /* in registers, before the tails (PAIR_SUMS) */
+        UNROLLED for (int b = 0; b < NX; ++b) {
+            __m512 acc = _mm512_add_ps(a0[b], a1[b]);
+            UNROLLED for (int p = 0; p < NP; ++p)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(2.f * al[p]), _mm512_add_ps(d0[p][b], d1[p][b]), acc);
+            sums[b] = _mm512_reduce_add_ps(acc);
+        }
         for (int b = 0; b < NX; ++b) {
             const float *xm = x + b * ldx;
-            __m512 acc = _mm512_add_ps(a0[b], a1[b]);
-            for (int p = 0; p < NP; ++p)
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(2.f * al[p]), _mm512_add_ps(d0[p][b], d1[p][b]), acc);
-            float t = _mm512_reduce_add_ps(acc);
+            float t = sums[b];
             for (int64_t kk = k + 16 * half; kk < d_in; ++kk) { /* ragged tail */
                 float dt = 0.f;
                 for (int p = 0; p < NP; ++p) dt += (sr[p][kk >> 3] >> (kk & 7)) & 1 ? 2.f * al[p] * xm[kk] : 0.f;
