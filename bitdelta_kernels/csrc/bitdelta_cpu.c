@@ -1307,15 +1307,63 @@ static inline __m256 v_round_bf16(__m256 v) {
  * inside, e.g. a ragged tail's) keeps the block's accumulators in memory, stored after the main loop
  * and loaded back (and zeroed there before it). */
 #define UNROLLED _Pragma("GCC unroll 16")
+#if defined(__AVX512F__)
+/* out[j] = _mm512_reduce_add_ps(v[j]) for n ≤ 16 vectors, the same adds in the same order (GCC's:
+ * lanes j + j+8, then j + j+4, then j + j+2, then 0 + 1), as one tree across the vectors: at each
+ * level two vectors' halves are shuffled side by side and added at once, ~3 operations a vector
+ * where one reduction takes ~9 (n padded with zeros to the levels' pairs). Result lane 4g + q of
+ * the last level holds vector 4q + g's sum. */
+static inline __attribute__((always_inline)) void lane_sums(const __m512 *v, const int n, float *out) {
+    const __m512 z = _mm512_setzero_ps();
+    __m512 s1[8], s2[4], s3[2];
+    const int n1 = (n + 1) / 2, n2 = (n1 + 1) / 2, n3 = (n2 + 1) / 2;
+    UNROLLED for (int i = 0; i < n1; ++i) { /* [a.lo256 | b.lo256] + [a.hi256 | b.hi256] */
+        const __m512 a = v[2 * i], b = 2 * i + 1 < n ? v[2 * i + 1] : z;
+        s1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    }
+    UNROLLED for (int i = 0; i < n2; ++i) { /* each 256-bit half's 128-bit halves */
+        const __m512 a = s1[2 * i], b = 2 * i + 1 < n1 ? s1[2 * i + 1] : z;
+        s2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+    }
+    UNROLLED for (int i = 0; i < n3; ++i) { /* in each 128-bit lane, lanes 0, 1 + lanes 2, 3 */
+        const __m512 a = s2[2 * i], b = 2 * i + 1 < n2 ? s2[2 * i + 1] : z;
+        s3[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+    }
+    const __m512 a = s3[0], b = n3 > 1 ? s3[1] : z; /* lane 0 + lane 1 */
+    float t[16];
+    _mm512_storeu_ps(t, _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD)));
+    UNROLLED for (int j = 0; j < n; ++j) out[j] = t[4 * (j % 4) + j / 4];
+}
+/* Blocks of this many pairs or more take lane_sums (fewer: the padding costs more than it saves).
+ * A C harness over 576-column bf16 matrices in L2, one core of a 2-core AMD EPYC of the Zen 4
+ * generation (2026-12-06, two runs): 4 / 5 / 6 / 7 / 8 x rows 0.91–0.94 / 0.95–0.97 / 0.97 / 0.98 /
+ * 0.93–0.96 × the time of one reduction a pair, 3 rows (blocks of 6 and 3 pairs) 1.01–1.03 ×, 2 rows
+ * 1.02–1.04 ×. */
+#define LANE_SUMS_MIN 8
+#endif
 /* float sums[R][MB]: each (weight row, x row) pair's two accumulators a[i][b][0..1] added and summed
- * across lanes (ADD, SUM), in registers; the ragged tails come after (one loop of those in the
- * same loop nest kept a 3 × 4 bf16 block's 24 accumulators in memory: 48 stores and 24 loads a
- * call, against its 216 dot products at 576 columns: SmolLM2-135M's matrices, 8 x rows, in L2, one
- * core of a 2-core AMD EPYC of the Zen 4 generation, 1.2 × the time; docs/kernels.md). */
-#define PAIR_SUMS(R, MB, SUM, ADD)                                                                       \
+ * across lanes (V_ADD, V_SUM; lane_sums for blocks of LANE_SUMS_MIN pairs or more: the same bits),
+ * in registers; the ragged tails come after (one loop of those in the same loop nest kept a 3 × 4
+ * bf16 block's 24 accumulators in memory: 48 stores and 24 loads a call, against its 216 dot
+ * products at 576 columns: SmolLM2-135M's matrices, 8 x rows, in L2, one core of a 2-core AMD EPYC
+ * of the Zen 4 generation, 1.2 × the time; docs/kernels.md). */
+#if defined(__AVX512F__)
+#define PAIR_SUMS(R, MB)                                                                                 \
+    float sums[R][MB];                                                                                   \
+    if ((R) * (MB) >= LANE_SUMS_MIN) {                                                                   \
+        __m512 pv_[(R) * (MB)];                                                                          \
+        UNROLLED for (int i = 0; i < R; ++i)                                                             \
+            UNROLLED for (int b = 0; b < MB; ++b) pv_[i * (MB) + b] = V_ADD(a[i][b][0], a[i][b][1]);     \
+        lane_sums(pv_, (R) * (MB), &sums[0][0]);                                                         \
+    } else                                                                                               \
+        UNROLLED for (int i = 0; i < R; ++i)                                                             \
+            UNROLLED for (int b = 0; b < MB; ++b) sums[i][b] = V_SUM(V_ADD(a[i][b][0], a[i][b][1]))
+#else
+#define PAIR_SUMS(R, MB)                                                                                 \
     float sums[R][MB];                                                                                   \
     UNROLLED for (int i = 0; i < R; ++i)                                                                 \
-        UNROLLED for (int b = 0; b < MB; ++b) sums[i][b] = SUM(ADD(a[i][b][0], a[i][b][1]))
+        UNROLLED for (int b = 0; b < MB; ++b) sums[i][b] = V_SUM(V_ADD(a[i][b][0], a[i][b][1]))
+#endif
 
 /* R weight rows × MB rows of x per register block (R·MB base accumulators, and as many for
  * the delta when D = 1). R, MB, D and the weight dtype must be literal constants so that the
@@ -1493,7 +1541,7 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
     UNROLLED for (int i = 0; i < R; ++i)                                                                 \
         UNROLLED for (int b = 0; b < MB; ++b) a[i][b][0] = a[i][b][1] = V_ZERO()
 #define PAIR_ACC_STORE(R, MB, xs, w, WD)                                                                 \
-    PAIR_SUMS(R, MB, V_SUM, V_ADD);                                                                      \
+    PAIR_SUMS(R, MB);                                                                                    \
     for (int i = 0; i < R; ++i)                                                                          \
         for (int b = 0; b < MB; ++b) {                                                                   \
             const float *xm_ = (xs) + (m0 + b) * ldx;                                                    \
@@ -1687,7 +1735,7 @@ DENSE_ROWS(dense_rows_bf16, float, uint16_t, dense_bf16_blocks, DENSE_MIN_M_F32)
             }                                                                                            \
             k += 32;                                                                                     \
         }                                                                                                \
-        PAIR_SUMS(R, MB, _mm512_reduce_add_ps, _mm512_add_ps);                                           \
+        PAIR_SUMS(R, MB); /* V_SUM: _mm512_reduce_add_ps here */                                         \
         for (int i = 0; i < R; ++i)                                                                      \
             for (int b = 0; b < MB; ++b) {                                                               \
                 const uint16_t *xm = xb + (m0 + b) * ldx, *wr = w + (r + i) * ldw;                       \
