@@ -183,19 +183,22 @@ def test_priority_orders_a_busy_worker(family):
         order = []
         try:
 
-            async def gen(tag, prio, n=4):
-                sp = Sampling(max_new_tokens=n, ignore_eos=True)
+            async def gen(tag, prio, n=4, **sampling):
+                sp = Sampling(max_new_tokens=n, ignore_eos=True, **sampling)
                 async for e in w.generate(Request("", "Hello", sp, priority=prio)):
                     if e.ttft is not None:
                         order.append(tag)
 
-            first = asyncio.create_task(gen("first", -5, n=200))  # holds the batch until cancelled
+            # holds the batch until cancelled: seeded, so it takes a step at a time (a greedy one's
+            # decode bursts could end its 200 tokens before the others queued: a CI run, 2026-12-06)
+            first = asyncio.create_task(gen("first", -5, n=200, temperature=0.8, seed=1))
             while not order:  # its first token came (running, it may not have reached the caller yet)
                 await asyncio.sleep(0.001)
             rest = []
             for t, p in [("a", 3), ("b", 0), ("c", 3), ("d", -2)]:  # arrive in this order
                 rest.append(asyncio.create_task(gen(t, p)))
                 while w.engine.waiting < len(rest):
+                    assert not first.done(), "the first sequence ended before the others queued"
                     await asyncio.sleep(0.001)
             assert not first.done()
             first.cancel()

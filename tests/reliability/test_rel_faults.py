@@ -513,8 +513,9 @@ async def test_health_is_not_serving_during_drain_and_the_router_routes_around(f
 
 
 async def _drain_collect(w: WorkerClient, gen_pb, started: asyncio.Event) -> list[int]:
-    # ignore_eos: a stream that ends early would not be running when the drain begins
-    sp = gen_pb.SamplingParams(max_new_tokens=230, ignore_eos=True)
+    # ignore_eos: a stream that ends early would not be running when the drain begins; seeded, so the
+    # streams take a step at a time (greedy decode bursts end 230 tokens in a few bursts)
+    sp = gen_pb.SamplingParams(max_new_tokens=230, ignore_eos=True, temperature=0.8, seed=3)
     req = wpb.GenerateRequest(model_id="", prompt="drain " * 4, sampling=sp)
     out = []
     async for m in w.generate(req):
