@@ -742,8 +742,9 @@ class ModelRunner:
     @property
     def bursts(self) -> bool:
         """Whether `decode_steps` can run a batch here at all (the C layers serve this runner's layer
-        on CPU); a batch it cannot make in host integers still gets None."""
-        return self._c_group_shapes is not None
+        on CPU, and the rope's tables do not depend on the length: a burst's positions are rows of
+        one table); a batch it cannot make in host integers still gets None."""
+        return self._c_group_shapes is not None and not self.args.rope.length_dependent
 
     @torch.inference_mode()
     def decode_steps(
@@ -761,12 +762,12 @@ class ModelRunner:
         row's blocks must hold its burst's positions. The tokens are those of as many `forward`
         calls with each step's argmax; `interrupt` and `deadline` (time.monotonic()) end the burst
         after a step; `ready` as `forward`'s."""
-        if not all(self._c_row(w) for w in work) or not self._c_serves(len(work)):
+        if not (self.bursts and all(self._c_row(w) for w in work) and self._c_serves(len(work))):
             return None
         if self._c_layers is None:
             self._c_layers = self._build_c_layers()
         h = self._host_step(work, steps)
-        if h is None or h.rope_rows is None:
+        if h is None:
             return None
         call = self._c_layers.bind_steps(
             *h.rows(),
