@@ -1493,14 +1493,20 @@ LINEAR_BLOCK(dense_two_f16, ROWS_B, 2, BD_W_F16, 0)
  * rows 46 against 29; and three weight rows' blocks from 3 x rows on (DENSE_MIN_M_F32, below)
  * 19 ms at 3 rows against 25 for one-row blocks. The one-row blocks keep STREAM_PREFETCH (or none:
  * one_row_prefetch); the AVX2 build keeps T0 (measured on a Zen 3 core with it). The bf16 dot-product
- * blocks (DENSE_BLOCK_DP) request theirs 8 KB on (ROWS_AHEAD_DP). Once the blocks' sums stayed in
- * registers (PAIR_SUMS), the C decode layers' bf16 step (`bench/kernels.py --decode-layers`, two
- * runs of 25 reps in turns, 2026-12-06) took at 4 x rows 10.3–10.7 ms with 8 KB against 11.5–12.5
- * with 16 KB (11.1–12.7 before PAIR_SUMS), at 8 rows 15.8–16.1 against 14.8–15.0 (18.3–18.6
- * before); fp32's blocks, the other way, 19.3–19.8 with 16 KB against 21.8–22.6 with 8 KB at 4
- * rows and 30.1–30.4 against 31.8–32.2 at 8: each dtype keeps what its 4 rows ran best with. */
+ * blocks (DENSE_BLOCK_DP) request theirs 16 KB on (ROWS_AHEAD_DP), except at exactly 4 x rows, 8 KB
+ * on (ROWS_AHEAD_DP_FOUR, the blocks of DENSE_ROWS' table half for DENSE_MB rows). Once the blocks'
+ * sums stayed in registers (PAIR_SUMS), the C decode layers' bf16 step (`bench/kernels.py
+ * --decode-layers`, two runs of 25 reps in turns, 2026-12-06) took at 4 x rows 10.3–10.7 ms with
+ * 8 KB against 11.5–12.5 with 16 KB (11.1–12.7 before PAIR_SUMS), at 8 rows 15.8–16.1 against
+ * 14.8–15.0 (18.3–18.6 before); three more runs of the base's steps at 3–8 rows in turns the same
+ * day: 16 KB faster at 3, 5, 6, 7 and 8 rows (by 2–7 %), slower at 4 (by 4–22 %). Only the first
+ * block over a weight row requesting its lines (the second block of 8 rows reads them from L1) ran
+ * 6–10 % slower at 6 and 8 rows. fp32's blocks, the other way, ran faster with 16 KB than with 8 at
+ * 4 rows too: 19.3–19.8 against 21.8–22.6 ms, and 30.1–30.4 against 31.8–32.2 at 8; 32 KB read
+ * 2–3 % faster at 3–8 rows in two runs and 6 % slower at 4 rows in a third: not kept. */
 #define ROWS_AHEAD 16384
-#define ROWS_AHEAD_DP 8192
+#define ROWS_AHEAD_DP 16384
+#define ROWS_AHEAD_DP_FOUR 8192
 #define ROWS_PREFETCH(p, ahead, lines) PREFETCH_LINES(p, ahead, lines, _MM_HINT_T1)
 #if defined(__AVX512F__)
 /* R > 1 rows' blocks ROWS_PREFETCH `ahead` bytes on, one row's STREAM_PREFETCH */
@@ -1702,7 +1708,7 @@ DENSE_ROWS(dense_rows_bf16, float, uint16_t, dense_bf16_blocks, DENSE_MIN_M_F32)
  * index, blocks of R > 1 weight rows with their vectors kept (IN_REGISTER) at any row count: on the
  * Zen 4 core of DENSE_ROWS' note, SmolLM2-135M's GEMVs at 3 / 4 / 6 / 8 x rows 9.2 / 10.4 / 13.3 / 16.7
  * ms against 10.3 / 10.4 / 14.4 / 17.0 as GCC compiled them. xb: x as bf16, x's layout. */
-#define DENSE_BLOCK_DP(NAME, R, MB)                                                                      \
+#define DENSE_BLOCK_DP(NAME, R, MB, AHEAD)                                                               \
     static void NAME(const uint16_t *xb, int64_t ldx, const uint16_t *w, int64_t ldw, int64_t d_in,     \
                      float *y, int64_t ldy, int64_t r, int64_t m0) {                                     \
         __m512 a[R][MB][2];                                                                              \
@@ -1712,7 +1718,7 @@ DENSE_ROWS(dense_rows_bf16, float, uint16_t, dense_bf16_blocks, DENSE_MIN_M_F32)
         for (; k + 64 <= d_in; k += 64) {                                                                \
             if (BLOCK_PREFETCH(BD_W_BF16, R, MB))                                                        \
                 for (int i = 0; i < R; ++i)                                                              \
-                    BLOCK_STREAM_PREFETCH(R, ROWS_AHEAD_DP, w + (r + i) * ldw + k, 2);                   \
+                    BLOCK_STREAM_PREFETCH(R, AHEAD, w + (r + i) * ldw + k, 2);                           \
             for (int h = 0; h < 2; ++h) {                                                                \
                 __m512bh wv[R];                                                                          \
                 for (int i = 0; i < R; ++i) {                                                            \
@@ -1744,19 +1750,23 @@ DENSE_ROWS(dense_rows_bf16, float, uint16_t, dense_bf16_blocks, DENSE_MIN_M_F32)
                 y[(m0 + b) * ldy + r + i] = t;                                                           \
             }                                                                                            \
     }
-DENSE_BLOCK_DP(dense_dp_3x4, 3, 4)
-DENSE_BLOCK_DP(dense_dp_3x2, 3, 2)
-DENSE_BLOCK_DP(dense_dp_3x1, 3, 1)
-DENSE_BLOCK_DP(dense_dp_2x4, 2, 4)
-DENSE_BLOCK_DP(dense_dp_2x2, 2, 2)
-DENSE_BLOCK_DP(dense_dp_2x1, 2, 1)
-DENSE_BLOCK_DP(dense_dp_1x4, 1, 4)
-DENSE_BLOCK_DP(dense_dp_1x2, 1, 2)
-DENSE_BLOCK_DP(dense_dp_1x1, 1, 1)
+/* R > 1 rows' blocks twice: NAME with their streams ROWS_AHEAD_DP on, NAME_four (the table half of
+ * DENSE_MB = 4 x rows) ROWS_AHEAD_DP_FOUR on */
+#define DENSE_BLOCK_DP_PAIR(NAME, R, MB)                                                                 \
+    DENSE_BLOCK_DP(NAME, R, MB, ROWS_AHEAD_DP) DENSE_BLOCK_DP(NAME##_four, R, MB, ROWS_AHEAD_DP_FOUR)
+DENSE_BLOCK_DP_PAIR(dense_dp_3x4, 3, 4)
+DENSE_BLOCK_DP_PAIR(dense_dp_3x2, 3, 2)
+DENSE_BLOCK_DP_PAIR(dense_dp_3x1, 3, 1)
+DENSE_BLOCK_DP_PAIR(dense_dp_2x4, 2, 4)
+DENSE_BLOCK_DP_PAIR(dense_dp_2x2, 2, 2)
+DENSE_BLOCK_DP_PAIR(dense_dp_2x1, 2, 1)
+DENSE_BLOCK_DP(dense_dp_1x4, 1, 4, ROWS_AHEAD_DP)
+DENSE_BLOCK_DP(dense_dp_1x2, 1, 2, ROWS_AHEAD_DP)
+DENSE_BLOCK_DP(dense_dp_1x1, 1, 1, ROWS_AHEAD_DP)
 typedef void (*dense_dp_fn)(const uint16_t *, int64_t, const uint16_t *, int64_t, int64_t, float *, int64_t, int64_t,
                             int64_t);
-/* kept at every row count: both halves the same table */
-static const dense_dp_fn dense_dp_blocks[2][3][3] = {DENSE_TABLE(dense_dp, ), DENSE_TABLE(dense_dp, )};
+/* kept at every row count; 4 x rows' half requests its streams nearer (ROWS_AHEAD_DP_FOUR) */
+static const dense_dp_fn dense_dp_blocks[2][3][3] = {DENSE_TABLE(dense_dp, ), DENSE_TABLE(dense_dp, _four)};
 
 DENSE_ROWS(dense_rows_dp, uint16_t, uint16_t, dense_dp_blocks, DENSE_MIN_M_DP) /* bf16 weights and x (as bf16 words) */
 #define HAVE_DP_BF16 1
