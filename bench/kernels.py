@@ -396,7 +396,8 @@ def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: in
     many base rows, by the table loop and `fuse`d (limit as one row's), and 8 rows over 4 variants
     ÷ 8 base rows (limit 4/(4 + 4/8) fp32, 2/(2 + 4/8) bf16). All are measured in turns (`t`'s best of N each,
     repeated `rounds` times), so other jobs' load falls on all of them alike. against: another
-    source of the C library (e.g. `git show main:bitdelta_kernels/csrc/bitdelta_cpu.c`), built with the
+    source of the C library (another csrc/bitdelta_cpu.c with its parts beside it, e.g. from
+    `git archive main bitdelta_kernels/csrc | tar -x -C DIR`), built with the
     same flags and measured interleaved with this one in the same process: before ÷ after."""
     from bitdelta_kernels import cpu_build
 

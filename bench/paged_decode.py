@@ -51,7 +51,11 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="torch (and the C kernel's) threads; 0: torch's default")
     p.add_argument("--cold-context", type=int, nargs="*", default=[1024, 4096], help="tokens of the long-context read")
-    p.add_argument("--against", type=Path, help="another csrc/bitdelta_cpu.c: its long-context read, in turns")
+    p.add_argument(
+        "--against",
+        type=Path,
+        help="another csrc/bitdelta_cpu.c (its parts beside it): its long-context read, in turns",
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,4 +1,4 @@
-"""Build (once) and load the C CPU kernels in `csrc/bitdelta_cpu.c`.
+"""Build (once) and load the C CPU kernels in `csrc/` (`bitdelta_cpu.c` and the parts it includes).
 
 Why a plain C library through ctypes rather than a torch C++ extension: it
 compiles in about a second (torch/extension.h alone costs ~40 s per build),
@@ -57,7 +57,16 @@ from bitdelta_kernels.settings import ENV, KernelSettings, current
 
 log = logging.getLogger("bitdelta_kernels")
 
-SOURCE = Path(__file__).with_name("csrc") / "bitdelta_cpu.c"
+SOURCE = Path(__file__).with_name("csrc") / "bitdelta_cpu.c"  # includes the other parts of csrc/
+
+
+def _source_text() -> str:
+    """The library's whole source: SOURCE and the parts beside it that it includes (csrc/*.h), in
+    name order, for the build's cache key."""
+    parts = [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]
+    return "\0".join(f"{p.name}\0{p.read_text()}" for p in parts)
+
+
 CFLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-std=c11"]
 COMPILE_TIMEOUT_S = 120
 
@@ -145,8 +154,10 @@ def _check_host(isa: str) -> None:
         raise RuntimeError(f"{ISA_ENV}={isa} needs CPU flags this host lacks: {', '.join(missing)}")
 
 
-def _compile(cc: str, isa: str, lib_path: Path, source: Path = SOURCE) -> None:
-    """Compile `source` for `isa` into `lib_path` through a temporary file and a rename."""
+def _compile(cc: str, isa: str, lib_path: Path, source: Path | None = None) -> None:
+    """Compile `source` (SOURCE: this checkout's) for `isa` into `lib_path` through a temporary
+    file and a rename."""
+    source = source or SOURCE
     build_dir = lib_path.parent
     build_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=build_dir)
@@ -176,7 +187,7 @@ def _build(cc: str, build_dir: Path, isa: str = "native") -> Path:
     flags = [*CFLAGS, *ISA_MARCH[isa]]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_fingerprint()]).encode()
+        "\0".join([_source_text(), " ".join(flags), version, _cpu_fingerprint()]).encode()
     ).hexdigest()[:16]
     lib_path = build_dir / f"libbitdelta_cpu_{isa}_{key}.so"
     if not lib_path.exists():
@@ -186,7 +197,7 @@ def _build(cc: str, build_dir: Path, isa: str = "native") -> Path:
 
 def _prebuilt_path(prebuilt_dir: Path, isa: str) -> Path:
     """Where `--prebuild` puts (and the loader looks for) `isa`'s library of the current source."""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join([*CFLAGS, *ISA_MARCH[isa]])]).encode())
+    key = hashlib.sha256("\0".join([_source_text(), " ".join([*CFLAGS, *ISA_MARCH[isa]])]).encode())
     return prebuilt_dir / f"libbitdelta_cpu_{isa}_{key.hexdigest()[:16]}.so"
 
 
@@ -315,8 +326,10 @@ def load_variant(isa: str) -> ctypes.CDLL:
 
 def load_source(source: Path, isa: str = "native") -> ctypes.CDLL:
     """Build (into a temporary directory, every call) and load the library from another source
-    file of it, e.g. an older version of csrc/bitdelta_cpu.c: a benchmark's before and after in
-    one process (`bench/kernels.py --decode-layers --against`). Raises when it cannot be built."""
+    of it: its bitdelta_cpu.c, whose parts (csrc/*.h) it includes from its own directory, e.g. an
+    older version's csrc/ (`git archive REV bitdelta_kernels/csrc | tar -x -C DIR`): a benchmark's
+    before and after in one process (`bench/kernels.py --decode-layers --against`). Raises when it
+    cannot be built."""
     _check_host(isa)
     cc = _compiler()
     if cc is None:

@@ -1,5 +1,5 @@
 """Every layer of a step's single-token decode rows in ONE C call (`bd_decode_layers` in
-csrc/bitdelta_cpu.c), on CPU.
+csrc/decode.h), on CPU.
 
 A decode step of a small model is short (SmolLM2-135M: ~15 ms of weights to read in fp32) and
 the runner's layer-by-layer path spends ~40 % more on top in ~40 small torch ops and four kernel

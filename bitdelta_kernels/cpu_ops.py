@@ -1,6 +1,6 @@
 """CPU paths for the 1-bit delta kernels (no bit is unpacked per call at decode).
 
-Building blocks from `csrc/bitdelta_cpu.c`:
+Building blocks from the C library (`csrc/bitdelta_cpu.c` and its parts):
 - `delta_gemv_cpu`: y += α ⊙ (x · Sᵀ) straight from the packed bits ("mask"): with
   AVX-512 x is summed over set bits by lookups in x's tables of 4 columns, 16 sign
   rows per vector (AVX2: tables of 2 columns, 8 rows per vector); the byte lookup table of the

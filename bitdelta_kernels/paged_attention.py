@@ -9,7 +9,7 @@ sliding window (the query sees keys t > lens[b] − 1 − window). The softmax a
 out is [B, H, D] in q's dtype.
 
 Backends (`bitdelta_kernels.backend_for`): Triton on CUDA (`triton_paged_decode.py`, also the interpreter),
-the C kernel on CPU (`csrc/bitdelta_cpu.c: bd_paged_decode`), both one pass over each sequence's
+the C kernel on CPU (`csrc/attention.h: bd_paged_decode`), both one pass over each sequence's
 keys and values with an online softmax; `paged_decode_ref` is the torch reference (and the fallback
 without either): it gathers every sequence's context into a padded tensor, which is what the
 kernels avoid.

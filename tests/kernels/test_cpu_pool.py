@@ -1,4 +1,4 @@
-"""The C library's thread pool (pool_run in csrc/bitdelta_cpu.c): any thread count gives every row the
+"""The C library's thread pool (pool_run in csrc/pool.h): any thread count gives every row the
 numbers of one thread, concurrent callers and a forked child get theirs, and a call never waits for a
 helper that is not there. Real threads and a real fork; nothing is mocked."""
 

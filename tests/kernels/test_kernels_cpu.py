@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import shutil
 import subprocess
 import sys
 
@@ -1260,3 +1261,23 @@ def test_mm_nt_fp32_widens_the_weight_by_blocks(dtype, monkeypatch):
     assert max(widened) <= (128 if dtype != torch.float32 else 20)  # x once, w by at most 128 rows
     y_out = cpu_ops.dense_linear_cpu(x, w, out_fp32=True)  # its large-M path
     assert y_out.dtype == torch.float32 and rel_err(y_out, y) <= 1e-6
+
+
+def test_the_build_key_covers_every_part_of_the_source(tmp_path, monkeypatch):
+    """The library is bitdelta_cpu.c and the parts it includes (csrc/*.h): a change to any part is
+    a new build (key), and another source tree builds from its own parts (load_source)."""
+    src = tmp_path / "csrc"
+    shutil.copytree(cpu_build.SOURCE.parent, src)
+    monkeypatch.setattr(cpu_build, "SOURCE", src / "bitdelta_cpu.c")
+    parts = sorted(src.glob("*.h"))
+    assert {p.name for p in parts} >= {"pool.h", "planes.h", "linear.h", "decode.h"}
+    before = cpu_build._prebuilt_path(tmp_path, "scalar")
+    assert cpu_build._prebuilt_path(tmp_path, "scalar") == before
+    with open(parts[-1], "a") as f:
+        f.write("/* a change in the last part */\n")
+    assert cpu_build._prebuilt_path(tmp_path, "scalar") != before
+    # a part the copy's own bitdelta_cpu.c includes, not this checkout's: its bd_isa answers 42
+    (src / "pool.h").write_text((src / "pool.h").read_text() + "int bd_isa_of_the_copy(void) { return 42; }\n")
+    lib = cpu_build.load_source(src / "bitdelta_cpu.c", isa="scalar")
+    lib.bd_isa_of_the_copy.restype = ctypes.c_int
+    assert lib.bd_isa_of_the_copy() == 42 and lib.bd_isa() == 0

@@ -1,0 +1,467 @@
+/* Part of the CPU kernels' library: the decode layers (every layer of a step in one call) and the greedy pick. Included by
+ * bitdelta_cpu.c, in order, after the parts before it (one translation unit, so that the compiler
+ * inlines across them); not compiled alone. */
+
+/* ---------------------------------------------------------------------- */
+/* decode layers: every layer of a step's B single-token rows in one call */
+/* ---------------------------------------------------------------------- */
+/* The runner's layer (services/gpu_worker/runner.py) for decode rows, op for op and with its
+ * roundings: each op's result is rounded to the model's dtype where torch's op would round it
+ * (norm, projection, rope, attention, residual, silu and its product), the GEMVs and the
+ * attention are the functions above (bd_linear_gemv, bd_delta_batched, bd_paged_decode), so a row
+ * gets the same values in any batch. What it saves is the ~40 small torch ops and their dispatch
+ * per layer, ~40 % of a step at SmolLM2-135M's size. */
+typedef struct {
+    const void *w[4];      /* qkv, o, gate_up, down: [d_out, d_in] in the dtype, rows contiguous */
+    const uint8_t *s[4];   /* the slots' sign stacks [n_slots, d_out, ceil(d_in/8)], contiguous */
+    const float *a[4];     /* their α stacks, fp32 [n_slots, d_out] */
+    const void *bias[4];   /* [n_slots + 1, d_out] in the dtype (row 0: the base), or NULL */
+    const void *norm[2];   /* input and post-attention RMSNorm weights, [n_slots + 1, dim] */
+    void *k, *v;           /* this layer's KV pool [rows, KV, hd] in the dtype */
+    int64_t window;        /* sliding window; 0: full attention */
+} bd_decode_layer;
+
+static inline float round_to(int dtype, float v) {
+    if (dtype == BD_W_BF16) {
+        const uint32_t u = (uint32_t)f32_to_bf16(v) << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    if (dtype == BD_W_F16) return (float)(_Float16)v;
+    return v;
+}
+
+/* The planes of one variant bd_decode_layers' `fuse` sums in the weights' pass for a step of `rows`
+ * rows of dtype (0: none). */
+int bd_one_pass_planes(int dtype, int64_t rows) { return one_pass_planes(dtype, rows); }
+
+/* y = round(x · Wᵀ [+ Σ_p α_v ⊙ (x · S_vᵀ) over the row's plane slots v ≥ 0]) [+ bias row], as
+ * runner._linear: slots [B, n_planes] each row's plane slots (row_slot itself for one plane).
+ * one_pass: the step's one row, of a variant, in one pass over the weights and its planes' bits
+ * where the build's loop sums that many (linear_planes). */
+static int decode_proj(const bd_decode_layer *L, int g, const float *x, int64_t B, int64_t d_in, int64_t d_out,
+                       int dtype, const int64_t *row_slot, const int64_t *slots, int64_t n_planes, int any_delta,
+                       int one_pass, float *y, int n_threads) {
+    const int64_t lds = (d_in + 7) / 8;
+    if (linear_planes(x, B, d_in, L->w[g], dtype, d_in, any_delta ? L->s[g] : NULL, d_out * lds, d_out, d_in, lds,
+                      L->a[g], d_out, 1, slots, n_planes, y, d_out, dtype == BD_W_BF16, one_pass, n_threads))
+        return -1;
+    for (int64_t b = 0; b < B; ++b) {
+        float *yb = y + b * d_out;
+        if (L->bias[g]) {
+            const int64_t off = (row_slot[b] + 1) * d_out;
+            for (int64_t r = 0; r < d_out; ++r)
+                yb[r] = round_to(dtype, round_to(dtype, yb[r]) + w_at(L->bias[g], dtype, off + r));
+        } else
+            for (int64_t r = 0; r < d_out; ++r) yb[r] = round_to(dtype, yb[r]);
+    }
+    return 0;
+}
+
+/* h = round(w · round(x · rsqrt(mean(x²) + eps))), w the row's slot's weights (runner._norm). The
+ * element-wise steps of a layer here and below run L lanes at a time: one by one (round_to and expf
+ * per value) they were ~6 % of a one-row bf16 step and ~12 % of an 8-row one. */
+static void decode_norm(const float *x, const void *w, const int64_t *row_slot, int64_t B, int64_t D, float eps,
+                        int dtype, float *h) {
+    for (int64_t b = 0; b < B; ++b) {
+        const float *xb = x + b * D;
+        float *hb = h + b * D;
+        const int64_t off = (row_slot[b] + 1) * D;
+        int64_t k = 0;
+        float ss = 0.f;
+#if defined(__AVX512F__) || defined(__AVX2__)
+        vf acc = V_ZERO();
+        for (; k + LANES <= D; k += LANES) acc = V_FMA(V_LOAD(xb + k), V_LOAD(xb + k), acc);
+        ss = V_SUM(acc);
+#endif
+        for (; k < D; ++k) ss += xb[k] * xb[k];
+        const float inv = 1.f / sqrtf(ss / (float)D + eps);
+        k = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+        const vf iv = V_SET1(inv);
+        for (; k + LANES <= D; k += LANES)
+            V_STORE(hb + k, round_vec(dtype, V_MUL(widen_vec(w, dtype, off + k), round_vec(dtype, V_MUL(V_LOAD(xb + k), iv)))));
+#endif
+        for (; k < D; ++k) hb[k] = round_to(dtype, w_at(w, dtype, off + k) * round_to(dtype, xb[k] * inv));
+    }
+}
+
+/* x[i] = round(x[i]) for i < n. */
+static void round_all(float *x, int64_t n, int dtype) {
+    int64_t i = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+    for (; i + LANES <= n; i += LANES) V_STORE(x + i, round_vec(dtype, V_LOAD(x + i)));
+#endif
+    for (; i < n; ++i) x[i] = round_to(dtype, x[i]);
+}
+
+/* x[i] = round(x[i] + o[i]) for i < n (a residual add). */
+static void residual_add(float *x, const float *o, int64_t n, int dtype) {
+    int64_t i = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+    for (; i + LANES <= n; i += LANES) V_STORE(x + i, round_vec(dtype, V_ADD(V_LOAD(x + i), V_LOAD(o + i))));
+#endif
+    for (; i < n; ++i) x[i] = round_to(dtype, x[i] + o[i]);
+}
+
+/* act[b, k] = round(round(silu(g)) · u), g = gu[b, k], u = gu[b, F + k] (runner's MLP). */
+static void silu_mul(const float *gu, int64_t B, int64_t F, int dtype, float *act) {
+    for (int64_t b = 0; b < B; ++b) {
+        const float *gb = gu + b * 2 * F, *ub = gb + F;
+        float *ab = act + b * F;
+        int64_t k = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+        for (; k + LANES <= F; k += LANES) {
+            const vf g = V_LOAD(gb + k);
+            const vf sg = round_vec(dtype, V_DIV(g, V_ADD(V_SET1(1.f), exp_vec(V_MUL(g, V_SET1(-1.f))))));
+            V_STORE(ab + k, round_vec(dtype, V_MUL(sg, V_LOAD(ub + k))));
+        }
+#endif
+        for (; k < F; ++k) ab[k] = round_to(dtype, round_to(dtype, gb[k] / (1.f + expf(-gb[k]))) * ub[k]);
+    }
+}
+
+/* Rope over n heads of hd values at xh (the rotation over the whole head, runner's rope):
+ * lo' = round(round(lo·c) + round(−hi·s)), hi' = round(round(hi·c') + round(lo·s')). */
+static void rope_heads(float *x, int64_t n, int64_t hd, const float *c, const float *sn, int dtype) {
+    const int64_t half = hd / 2;
+    for (int64_t j = 0; j < n; ++j) {
+        float *xh = x + j * hd;
+        int64_t i = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+        for (; i + LANES <= half; i += LANES) {
+            const vf lo = V_LOAD(xh + i), hi = V_LOAD(xh + i + half);
+            const vf nlo = round_vec(dtype, V_ADD(round_vec(dtype, V_MUL(lo, V_LOAD(c + i))),
+                                                  round_vec(dtype, V_MUL(V_MUL(hi, V_SET1(-1.f)), V_LOAD(sn + i)))));
+            const vf nhi = round_vec(dtype, V_ADD(round_vec(dtype, V_MUL(hi, V_LOAD(c + i + half))),
+                                                  round_vec(dtype, V_MUL(lo, V_LOAD(sn + i + half)))));
+            V_STORE(xh + i, nlo);
+            V_STORE(xh + i + half, nhi);
+        }
+#endif
+        for (; i < half; ++i) {
+            const float lo = xh[i], hi = xh[i + half];
+            xh[i] = round_to(dtype, round_to(dtype, lo * c[i]) + round_to(dtype, -hi * sn[i]));
+            xh[i + half] = round_to(dtype, round_to(dtype, hi * c[i + half]) + round_to(dtype, lo * sn[i + half]));
+        }
+    }
+}
+
+/* bd_decode_layers' logits from the normed h [B, D] (see there). Returns 0 or −1 (no memory). */
+static int decode_head(const float *h, int64_t B, int64_t D, const void *head, int dtype, int64_t vocab,
+                       int64_t n_heads, const uint8_t *const *head_signs, const float *const *head_alpha,
+                       const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads,
+                       int one_pass) {
+    const int64_t lds = (D + 7) / 8;
+    int every = n_heads == 1; /* every row takes plane 0 */
+    for (int64_t b = 0; b < B && every; ++b) every = head_of_row[b] == 0;
+    if (every) /* one_pass: the one row's plane in the head's own pass (as decode_proj) */
+        return linear_planes(h, B, D, head, dtype, D, head_signs[0], 0, vocab, D, lds, head_alpha[0], 0,
+                             head_alpha_stride[0], NULL, 1, logits, vocab, dtype == BD_W_BF16, one_pass, n_threads);
+    if (linear_planes(h, B, D, head, dtype, D, NULL, 0, vocab, D, lds, NULL, 0, 0, NULL, 1, logits, vocab,
+                      dtype == BD_W_BF16, 0, n_threads))
+        return -1;
+    for (int64_t b = 0; b < B; ++b)
+        if (!n_heads || head_of_row[b] < 0) round_all(logits + b * vocab, vocab, dtype);
+    if (!n_heads) return 0;
+    int64_t *slots = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B > 0 ? B : 1));
+    if (!slots) return -1;
+    int rc = 0;
+    for (int64_t v = 0; v < n_heads && !rc; ++v) {
+        int any = 0;
+        for (int64_t b = 0; b < B; ++b) any |= (slots[b] = head_of_row[b] == v ? 0 : -1) == 0;
+        if (any)
+            rc = bd_delta_batched(h, B, D, head_signs[v], 0, vocab, D, lds, head_alpha[v], 0, head_alpha_stride[v],
+                                  slots, 1, NULL, 0, 0, NULL, 1, logits, vocab, dtype == BD_W_BF16, n_threads);
+    }
+    free(slots);
+    return rc;
+}
+
+/* x [B, D] fp32 = the rows' input: x_in's (dtype values), or each row's token's embedding: the
+ * base's row (`embed`, dtype [vocab, D]), or where embed_of_row[b] = v ≥ 0 variant v's own, its
+ * dense table embed_weight[v] (dtype) or, NULL, the base's row + Σ_p α_p[t] ⊙ S_p[t] over its
+ * embed_planes[v] sign planes (embed_signs[v] uint8 [k, vocab, ceil(D/8)], embed_alpha[v] fp32
+ * [k, vocab]) summed in fp32 plane by plane and rounded once to the dtype: the runner's
+ * _variant_embeddings, bit for bit (each term ±α exactly). */
+static void decode_embed(const void *x_in, const int64_t *tokens, const void *embed, int64_t n_vocab, int64_t D,
+                         int dtype, const void *const *embed_weight, const uint8_t *const *embed_signs,
+                         const float *const *embed_alpha, const int64_t *embed_planes, const int64_t *embed_of_row,
+                         int64_t B, float *x) {
+    const int64_t lds = (D + 7) / 8;
+    for (int64_t b = 0; b < B; ++b) {
+        float *xb = x + b * D;
+        if (x_in) {
+            load_row(x_in, dtype, b * D, D, xb);
+            continue;
+        }
+        const int64_t t = tokens[b], v = embed_of_row ? embed_of_row[b] : -1;
+        load_row(v >= 0 && embed_weight[v] ? embed_weight[v] : embed, dtype, t * D, D, xb);
+        if (v < 0 || embed_weight[v]) continue;
+        for (int64_t p = 0; p < embed_planes[v]; ++p) { /* plane p: signs [p, t, :], α [p, t] */
+            const uint8_t *bits = embed_signs[v] + (p * n_vocab + t) * lds;
+            const float a = embed_alpha[v][p * n_vocab + t];
+            for (int64_t j = 0; j < D; ++j) xb[j] += (bits[j >> 3] >> (j & 7)) & 1 ? a : -a;
+        }
+        for (int64_t j = 0; j < D; ++j) xb[j] = round_to(dtype, xb[j]);
+    }
+}
+
+/* Every layer for B single-token rows. Their input: x_in, [B, dim] dtype values, or (NULL) each
+ * row's token's embedding (decode_embed: tokens int64 [B] < n_vocab; embed the base's table; n_embeds
+ * variants' own, embed_of_row int64 [B] or NULL). x_out: NULL, or fp32 [B, dim] the last layer's
+ * output. row_slot: int32 [B] (−1: the base; the row's norms and biases, and its one sign plane);
+ * n_planes > 1: row_planes int32 [B, n_planes], each row's sign-plane slots (a variant of k planes,
+ * −1 past its k) instead of row_slot's one (NULL with n_planes ≤ 1); rope_cos, rope_sin: tables
+ * [n_rope, hd] in rope_dtype (BD_W_*; the rotation over the whole head), row rope_rows[b] (int64) for row b (the
+ * runner's cached tables and the rows' positions, or a step's own tables and 0..B−1);
+ * write_rows: int64 [B] the pool rows of the new tokens' k, v; tables, lens, bs: as
+ * bd_paged_decode. dims: dim, n_heads, n_kv_heads, head_dim, intermediate. final_norm: NULL, or
+ * the final norm's stack [n_slots + 1, dim] in the dtype: x_out is then the normed output (the
+ * runner's _final), and with head ([vocab, dim] in the dtype, the base's LM head) logits: fp32
+ * [B, vocab] = round(h · headᵀ) (dense_linear_cpu's GEMV, rounded to the dtype).
+ * n_heads sign planes of the head (variants whose tied embedding is compressed to signs), plane v
+ * head_signs[v] [vocab, ceil(dim/8)] with its α's head_alpha[v][r · head_alpha_stride[v]], and
+ * head_of_row: int64 [B], the plane of each row (−1: the base's head alone; NULL with no plane):
+ * a row of plane v gets h · headᵀ + α_v ⊙ (h · S_vᵀ) in fp32, not rounded (the runner's
+ * _sign_heads: the GEMV and then bd_delta_batched's plane, bit for bit), a row of −1 round(h · headᵀ).
+ * One plane for every row takes linear_planes' one task (on many threads, one core's GEMV beside
+ * another's planes); a mix, the GEMV for every row and then each plane over its rows.
+ * fuse: a step of B ≤ ONE_PASS_ROWS rows of one variant (row_slot ≥ 0 and plane slots the same in
+ * every row) of up to one_pass_planes(dtype, B) planes (4, 3 for 1–2 rows; fp32 with AVX-512,
+ * delta_rows_f32; bf16 with AVX512-BF16, delta_rows_dp, one row only) sums each projection's planes, and the
+ * head's plane when its rows take one, in the weights' pass, not by the table loop: other sums, so
+ * its numbers are not the same row's in a mixed step (the caller's choice: never in the
+ * batch-invariant mode), though they are that row's alone; anything else ignores it.
+ * After the layers' ~200 MB of weights every cache is cold, and the ~10 small torch ops of the
+ * norm and the head's call cost ~0.3 ms of a ~10 ms bf16 SmolLM2-135M step there; so do the
+ * step's inputs (the embedding, the rope rows, the slots' checks: each torch op before the call
+ * ~10–150 µs), so the call takes host integers and does them. n_slots: the slot stacks' slots.
+ * Returns 0, −1 (no memory), −2 (a slot outside [−1, n_slots), or a base row with a plane), −3 (a
+ * head_of_row outside [−1, n_heads)) or −4 (a token outside [0, n_vocab), an embed_of_row outside
+ * [−1, n_embeds) or a rope row outside [0, n_rope)), before anything is read or written. */
+int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_slots, const void *x_in,
+                     const int64_t *tokens, const void *embed, int64_t n_vocab, int64_t n_embeds,
+                     const void *const *embed_weight, const uint8_t *const *embed_signs,
+                     const float *const *embed_alpha, const int64_t *embed_planes, const int64_t *embed_of_row,
+                     float *x_out, int64_t B, const int32_t *row_slot32, const int32_t *row_planes32, int64_t n_planes,
+                     int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t F, float eps, int dtype,
+                     const void *rope_cos, const void *rope_sin, int rope_dtype, const int64_t *rope_rows,
+                     int64_t n_rope,
+                     const int64_t *write_rows, const int32_t *tables, int64_t max_blocks,
+                     const int32_t *lens, int64_t bs, float scale, const void *final_norm, const void *head,
+                     int64_t vocab, int64_t n_heads, const uint8_t *const *head_signs, const float *const *head_alpha,
+                     const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads,
+                     int fuse) {
+    const int64_t Q = (H + 2 * KV) * hd, HD = H * hd;
+    const int64_t P = n_planes > 1 ? n_planes : 1;
+    /* the rows' slots as the kernels index them (int64), checked; the runner's are int32 */
+    int64_t *row_slot = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B * (1 + P) + 1));
+    if (!row_slot) return -1;
+    int64_t *row_planes = row_slot + B;
+    int any_delta = 0, bad = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        row_slot[b] = row_slot32[b];
+        bad |= row_slot[b] < -1 || row_slot[b] >= n_slots;
+        for (int64_t p = 0; n_planes > 1 && p < P; ++p) {
+            const int64_t v = row_planes[b * P + p] = row_planes32[b * P + p];
+            bad |= v < -1 || v >= n_slots || (v >= 0 && row_slot[b] < 0);
+        }
+        if (head_of_row && (head_of_row[b] < -1 || head_of_row[b] >= n_heads)) bad |= 2;
+        if (rope_rows[b] < 0 || rope_rows[b] >= n_rope ||
+            (!x_in && (tokens[b] < 0 || tokens[b] >= n_vocab ||
+                       (embed_of_row && (embed_of_row[b] < -1 || embed_of_row[b] >= n_embeds)))))
+            bad |= 4;
+        any_delta |= row_slot[b] >= 0;
+    }
+    if (bad) {
+        free(row_slot);
+        return bad & 1 ? -2 : bad & 2 ? -3 : -4;
+    }
+    const int64_t *slots = n_planes > 1 ? row_planes : row_slot; /* each row's plane slots */
+    /* fuse: rows of one variant (the same slots in every row), as many as the one-pass loops take */
+    int one_var = fuse && one_pass_planes(dtype, B) > 0;
+    for (int64_t b = 1; b < B && one_var; ++b) {
+        one_var = row_slot[b] == row_slot[0];
+        for (int64_t p = 0; p < P && one_var; ++p) one_var = slots[b * P + p] == slots[p];
+    }
+    /* the head's plane in one pass, and the projections' (linear_planes: up to its loops' planes) */
+    const int one_pass = one_var && row_slot[0] >= 0;
+    const int64_t n = B * (D + 2 * hd + D + Q + 2 * HD + D + 3 * F + D);
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    if (!buf) {
+        free(row_slot);
+        return -1;
+    }
+    float *x = buf, *cs = x + B * D, *sn = cs + B * hd, *h = sn + B * hd, *qkv = h + B * D, *q = qkv + B * Q, *att = q + B * HD, *o = att + B * HD, *gu = o + B * D,
+          *act = gu + B * 2 * F, *dn = act + B * F;
+    decode_embed(x_in, tokens, embed, n_vocab, D, dtype, embed_weight, embed_signs, embed_alpha, embed_planes,
+                 embed_of_row, B, x);
+    for (int64_t b = 0; b < B; ++b) { /* each row's rotation, the same in every layer */
+        load_row(rope_cos, rope_dtype, rope_rows[b] * hd, hd, cs + b * hd);
+        load_row(rope_sin, rope_dtype, rope_rows[b] * hd, hd, sn + b * hd);
+    }
+    int rc = 0;
+    for (int64_t l = 0; l < n_layers && !rc; ++l) {
+        const bd_decode_layer *L = layers + l;
+        decode_norm(x, L->norm[0], row_slot, B, D, eps, dtype, h);
+        if ((rc = decode_proj(L, 0, h, B, D, Q, dtype, row_slot, slots, P, any_delta, one_pass, qkv, n_threads))) break;
+        for (int64_t b = 0; b < B; ++b) { /* rope over q's and k's heads (adjacent in qkv), then k, v into the pool */
+            float *row = qkv + b * Q;
+            rope_heads(row, H + KV, hd, cs + b * hd, sn + b * hd, dtype);
+            memcpy(q + b * HD, row, sizeof(float) * (size_t)HD);
+            const int64_t off = write_rows[b] * KV * hd;
+            for (int64_t i = 0; i < KV * hd; ++i) {
+                store_out(L->k, dtype, off + i, row[HD + i]);
+                store_out(L->v, dtype, off + i, row[HD + KV * hd + i]);
+            }
+        }
+        if ((rc = bd_paged_decode(q, B, H, KV, hd, L->k, L->v, dtype, tables, max_blocks, lens, bs, L->window, scale,
+                                  att, n_threads)))
+            break;
+        round_all(att, B * HD, dtype);
+        if ((rc = decode_proj(L, 1, att, B, HD, D, dtype, row_slot, slots, P, any_delta, one_pass, o, n_threads))) break;
+        residual_add(x, o, B * D, dtype);
+        decode_norm(x, L->norm[1], row_slot, B, D, eps, dtype, h);
+        if ((rc = decode_proj(L, 2, h, B, D, 2 * F, dtype, row_slot, slots, P, any_delta, one_pass, gu, n_threads))) break;
+        silu_mul(gu, B, F, dtype, act);
+        if ((rc = decode_proj(L, 3, act, B, F, D, dtype, row_slot, slots, P, any_delta, one_pass, dn, n_threads))) break;
+        residual_add(x, dn, B * D, dtype);
+    }
+    if (!rc && final_norm) {
+        decode_norm(x, final_norm, row_slot, B, D, eps, dtype, h);
+        memcpy(x, h, sizeof(float) * (size_t)(B * D));
+        if (head) rc = decode_head(h, B, D, head, dtype, vocab, n_heads, head_signs, head_alpha, head_alpha_stride,
+                                   head_of_row, logits, n_threads, one_var);
+    }
+    if (!rc && x_out) memcpy(x_out, x, sizeof(float) * (size_t)(B * D));
+    free(buf);
+    free(row_slot);
+    return rc ? -1 : 0;
+}
+
+/* The first index of a row's maximum, a NaN above everything (the first NaN), as numpy's argmax:
+ * the greedy pick of a row of logits. Two passes (the maximum and whether a NaN is there, then the
+ * first index equal to it), in vector lanes: scalar, the first pass's loop-carried max took ~50 µs
+ * of a 49152-word row (~0.6 % of a one-row bf16 SmolLM2-135M step). */
+static int64_t argmax_row(const float *v, int64_t n) {
+    float m = -INFINITY;
+    int nan = 0;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    __mmask16 un = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(v + i);
+        un |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, x);
+    }
+    float lanes[16];
+    _mm512_storeu_ps(lanes, mx);
+    for (int k = 0; k < 16; ++k) m = lanes[k] > m ? lanes[k] : m;
+    nan = un != 0;
+#elif defined(__AVX2__)
+    __m256 mx = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(v + i);
+        un = _mm256_or_ps(un, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+        mx = _mm256_max_ps(mx, x);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mx);
+    for (int k = 0; k < 8; ++k) m = lanes[k] > m ? lanes[k] : m;
+    nan = _mm256_movemask_ps(un) != 0;
+#endif
+    for (; i < n; ++i) {
+        m = v[i] > m ? v[i] : m;
+        nan |= v[i] != v[i];
+    }
+    i = 0;
+#if defined(__AVX512F__)
+    const __m512 mv = _mm512_set1_ps(m);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(v + i);
+        const __mmask16 hit = nan ? _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(x, mv, _CMP_EQ_OQ);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+#endif
+    for (; i < n; ++i)
+        if (nan ? v[i] != v[i] : v[i] == m) return i;
+    return 0;
+}
+
+/* out[r] = argmax_row of row r of x [rows, n] (tests hold it against numpy's). */
+void bd_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row(x + r * n, n);
+}
+
+static double monotonic_s(void) { /* the clock of Python's time.monotonic() on Linux */
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Up to `steps` greedy decode steps of the same B rows in one call: bd_decode_layers' step with
+ * token ids and its head (logits), then each row's argmax (argmax_row) is its token of this step
+ * (out_tokens[b · steps + s]) and its input of the next, at the next position: the rotation's row
+ * rope_rows[b] + s, the pool row of that position in the row's block list (tables), lens + s. A step
+ * after the first starts only while *stop is 0 (the caller sets it when a request or a cancel
+ * arrives) and the clock (CLOCK_MONOTONIC, seconds) is before `deadline` (≤ 0: none). Every
+ * position must have its rope row and its block: else −5 before anything runs. Returns the steps
+ * run (≥ 1), or bd_decode_layers' error code; the logits are the last step's; step_s[s] (if not
+ * NULL) the clock when step s's tokens were picked. tokens, rope_rows, write_rows and lens are read,
+ * never written. The arguments are bd_decode_layers' (x_in NULL: token ids; x_out ignored), then the
+ * burst's own. */
+int64_t bd_decode_steps(const bd_decode_layer *layers, int64_t n_layers, int64_t n_slots, const void *x_in,
+                        const int64_t *tokens, const void *embed, int64_t n_vocab, int64_t n_embeds,
+                        const void *const *embed_weight, const uint8_t *const *embed_signs,
+                        const float *const *embed_alpha, const int64_t *embed_planes, const int64_t *embed_of_row,
+                        float *x_out, int64_t B, const int32_t *row_slot32, const int32_t *row_planes32,
+                        int64_t n_planes, int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t F, float eps, int dtype,
+                        const void *rope_cos, const void *rope_sin, int rope_dtype, const int64_t *rope_rows,
+                        int64_t n_rope, const int64_t *write_rows, const int32_t *tables, int64_t max_blocks,
+                        const int32_t *lens, int64_t bs, float scale, const void *final_norm, const void *head,
+                        int64_t vocab, int64_t n_heads, const uint8_t *const *head_signs,
+                        const float *const *head_alpha, const int64_t *head_alpha_stride, const int64_t *head_of_row,
+                        float *logits, int n_threads, int fuse, int64_t steps, const volatile int32_t *stop,
+                        double deadline, int64_t *out_tokens, double *step_s) {
+    (void)x_out;
+    if (steps < 1 || x_in || !tokens || !head || !logits || bs < 1) return -5;
+    for (int64_t b = 0; b < B; ++b) /* every position of the burst has its rotation and its block */
+        if (lens[b] < 1 || rope_rows[b] < 0 || rope_rows[b] + steps > n_rope || (lens[b] - 1 + steps - 1) / bs >= max_blocks)
+            return -5;
+    /* the rows' tokens, rope rows and pool rows, then their lengths: the call's own copies */
+    int64_t *tok = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * B) + sizeof(int32_t) * (size_t)(B + 1));
+    if (!tok) return -1;
+    int64_t *rope = tok + B, *wr = rope + B;
+    int32_t *len = (int32_t *)(wr + B);
+    memcpy(tok, tokens, sizeof(int64_t) * (size_t)B);
+    memcpy(rope, rope_rows, sizeof(int64_t) * (size_t)B);
+    memcpy(wr, write_rows, sizeof(int64_t) * (size_t)B);
+    memcpy(len, lens, sizeof(int32_t) * (size_t)B);
+    int64_t s = 0;
+    for (; s < steps; ++s) {
+        if (s > 0 && ((stop && *stop) || (deadline > 0 && monotonic_s() >= deadline))) break;
+        const int rc = bd_decode_layers(layers, n_layers, n_slots, NULL, tok, embed, n_vocab, n_embeds, embed_weight,
+                                        embed_signs, embed_alpha, embed_planes, embed_of_row, NULL, B, row_slot32,
+                                        row_planes32, n_planes, D, H, KV, hd, F, eps, dtype, rope_cos, rope_sin,
+                                        rope_dtype, rope, n_rope, wr, tables, max_blocks, len, bs, scale, final_norm,
+                                        head, vocab, n_heads, head_signs, head_alpha, head_alpha_stride, head_of_row,
+                                        logits, n_threads, fuse);
+        if (rc) {
+            free(tok);
+            return rc;
+        }
+        for (int64_t b = 0; b < B; ++b) {
+            tok[b] = out_tokens[b * steps + s] = argmax_row(logits + b * vocab, vocab);
+            const int64_t pos = len[b]; /* the next token's position */
+            rope[b] += 1;
+            len[b] += 1;
+            wr[b] = (int64_t)tables[b * max_blocks + pos / bs] * bs + pos % bs;
+        }
+        if (step_s) step_s[s] = monotonic_s();
+    }
+    free(tok);
+    return s;
+}
