@@ -392,7 +392,7 @@ def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: in
     limit 1/(1 + 1/32) fp32, 1/(1 + 1/16) bf16), the same with the layers' `fuse` (the worker's
     single-variant form: one pass over the weights and the bits where the build has it), the cost
     of each plane past the first of a 3-plane variant's row ÷ the base's step (`row_planes`; limit
-    1/32 fp32, 1/16 bf16) by the table loop and `fuse`d, steps of 2 and 4 rows of one variant ÷ as
+    1/32 fp32, 1/16 bf16) by the table loop and `fuse`d, steps of 2, 3 and 4 rows of one variant ÷ as
     many base rows, by the table loop and `fuse`d (limit as one row's), and 8 rows over 4 variants
     ÷ 8 base rows (limit 4/(4 + 4/8) fp32, 2/(2 + 4/8) bf16). All are measured in turns (`t`'s best of N each,
     repeated `rounds` times), so other jobs' load falls on all of them alike. against: another
@@ -413,6 +413,9 @@ def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: in
         "B2 base": (torch.full((2,), -1), False, None),
         "B2 variant": (torch.zeros(2, dtype=torch.int64), False, None),
         "B2 variant fused": (torch.zeros(2, dtype=torch.int64), True, None),
+        "B3 base": (torch.full((3,), -1), False, None),
+        "B3 variant": (torch.zeros(3, dtype=torch.int64), False, None),
+        "B3 variant fused": (torch.zeros(3, dtype=torch.int64), True, None),
         "B4 base": (torch.full((4,), -1), False, None),
         "B4 variant": (torch.zeros(4, dtype=torch.int64), False, None),
         "B4 variant fused": (torch.zeros(4, dtype=torch.int64), True, None),
@@ -454,7 +457,7 @@ def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: in
                 # a step of 2 or 4 rows of one variant (the table loop; fused: one pass where the build has it)
                 **{
                     f"B{n} variant{f}/base tok/s": b[f"B{n} base"] / b[f"B{n} variant{f}"]
-                    for n in (2, 4)
+                    for n in (2, 3, 4)
                     for f in ("", " fused")
                 },
                 "4 variants/base (B8)": b["B8 base"] / b["B8 4 variants"],

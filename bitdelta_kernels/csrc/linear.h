@@ -15,11 +15,21 @@
  * Zen 4 generation, a one-plane variant's step of SmolLM2-135M's C decode layers (`bench/kernels.py`'
  * model, in turns, medians; 2026-12-05) took at 2 / 3 / 4 rows 25.2 / 35.0 / 40.6 ms in one pass
  * against 25.2 / 26.9 / 30.9 in two in fp32, and 15.8 / 16.6 / 19.5 against 17.2 / 15.5 / 17.4 in
- * bf16 (up to 4 rows took one pass before those blocks' streams went to L2, ROWS_PREFETCH). bf16
- * takes one pass for one row only (ONE_PASS_ROWS_BF16): at 2 rows its one pass took 15.3–16.6 ms
- * against 13.1–14.7 in two (the same bench, four runs of 15–25 reps in turns, 2026-12-05). */
+ * bf16 (up to 4 rows took one pass before those blocks' streams went to L2, ROWS_PREFETCH). bf16's
+ * one-weight-row loop takes one row only (ONE_PASS_ROWS_BF16): at 2 rows it took 15.3–16.6 ms
+ * against 13.1–14.7 in two passes (the same bench, four runs of 15–25 reps in turns, 2026-12-05). */
 #define ONE_PASS_ROWS_BF16 1
+/* ... and, since, 2 or 3 (DP_PASS_ROWS) x rows of one plane in blocks of DP_PASS_R weight rows, each
+ * x vector shared by both (dp_rows_block): the C decode layers' bf16 step of a one-plane variant
+ * (`bench/kernels.py --decode-layers`, in turns with the table loop's library, 2026-12-06) took at
+ * 3 rows 12.2 / 12.5 ms against 13.6 / 14.4, at 2 rows 12.7–13.5 against 12.4–14.5 (faster in two
+ * runs of four, slower in two; bench/results/kernels_cpu_2026-12-06_epyc-zen4-decode-layers-dp-blocks.txt).
+ * A first form at 4 rows ran no faster than the table loop (15.9 ms both): two planes' worth of
+ * dot products per weight vector for each of 4 x rows, the step's bound at that row count. */
+#define DP_PASS_R 2
+#define DP_PASS_ROWS 3
 static inline int one_pass_most(int dtype, int64_t M) {
+    if (dtype == BD_W_BF16 && M > ONE_PASS_ROWS_BF16 && M <= DP_PASS_ROWS) return 1;
     const int64_t rows = dtype == BD_W_BF16 ? ONE_PASS_ROWS_BF16 : ONE_PASS_ROWS;
     return M < 1 || M > rows ? 0 : (int)(5 - M);
 }
@@ -634,61 +644,104 @@ DENSE_ROWS(dense_rows_dp, uint16_t, uint16_t, dense_dp_blocks, DENSE_MIN_M_DP) /
  * not the table loop's, so only a single-variant step takes it (bd_decode_layers' `fuse`, never
  * batch-invariant); an x row's sums take the same steps whatever NX. A 3-plane row's planes past
  * the first cost ~0.04 of the base's step each here (bytes 1/16), against ~0.15 by the table loop
- * (docs/kernels.md). NX, NP: x rows and P's planes, literals (delta_rows_dp). */
-static inline __attribute__((always_inline)) void dp_rows_np(const uint16_t *xb, int64_t ldx, const uint16_t *w,
-                                                             int64_t ldw, const pass_planes *P, int64_t lds,
-                                                             int64_t d_in, int64_t alpha_stride, float *y, int64_t ldy,
-                                                             int64_t r0, int64_t r1, const int NX, const int NP) {
+ * (docs/kernels.md). Two or three x rows (one plane) take blocks of DP_PASS_R weight rows (their
+ * streams requested into L2 as the dense blocks' are, a half of 64 columns at a time), which share
+ * each x vector between the weight rows: every (weight row, x row) pair still takes the very adds
+ * of the one-row loop, so a row's sums are the same in a step of 1, 2 or 3 rows. NX, NP, R: x rows,
+ * P's planes and weight rows, literals (delta_rows_dp). */
+static inline __attribute__((always_inline)) void dp_rows_block(const uint16_t *xb, int64_t ldx, const uint16_t *w,
+                                                                int64_t ldw, const pass_planes *P, int64_t lds,
+                                                                int64_t d_in, int64_t alpha_stride, float *y,
+                                                                int64_t ldy, int64_t r, const int NX, const int NP,
+                                                                const int R) {
     const __m512i pos = _mm512_set1_epi16(0x3F80), neg = _mm512_set1_epi16((short)0xBF80); /* bf16 ±1 */
-    for (int64_t r = r0; r < r1; ++r) {
-        const uint16_t *wr = w + r * ldw;
-        ONE_PASS_ACC_INIT(NX, NP);
-        int64_t k = 0;
-        for (; k + 64 <= d_in; k += 64) {
-            STREAM_PREFETCH(wr + k, 2);
-            const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(wr + k));
-            const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(wr + k + 32));
+    const uint16_t *wr[DP_PASS_R];
+    const uint8_t *sr[ONE_PASS_PLANES][DP_PASS_R];
+    __m512 a0[DP_PASS_R][DP_PASS_ROWS], a1[DP_PASS_R][DP_PASS_ROWS];
+    __m512 d0[ONE_PASS_PLANES][DP_PASS_R][DP_PASS_ROWS], d1[ONE_PASS_PLANES][DP_PASS_R][DP_PASS_ROWS];
+    UNROLLED for (int i = 0; i < R; ++i) {
+        wr[i] = w + (r + i) * ldw;
+        UNROLLED for (int p = 0; p < NP; ++p) sr[p][i] = P->s[p] + (r + i) * lds;
+        UNROLLED for (int b = 0; b < NX; ++b) {
+            a0[i][b] = a1[i][b] = _mm512_setzero_ps();
+            UNROLLED for (int p = 0; p < NP; ++p) d0[p][i][b] = d1[p][i][b] = a0[i][b];
+        }
+    }
+    int64_t k = 0;
+    for (; k + 64 <= d_in; k += 64) {
+        if (R == 1) { /* both halves' weights and signs, then each x row's four products */
+            STREAM_PREFETCH(wr[0] + k, 2);
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(wr[0] + k));
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(wr[0] + k + 32));
             __m512bh s0[ONE_PASS_PLANES], s1[ONE_PASS_PLANES]; /* each plane's 64 signs as bf16 ±1 */
             for (int p = 0; p < NP; ++p) {
                 uint32_t m0, m1;
-                memcpy(&m0, sr[p] + k / 8, 4);
-                memcpy(&m1, sr[p] + k / 8 + 4, 4);
+                memcpy(&m0, sr[p][0] + k / 8, 4);
+                memcpy(&m1, sr[p][0] + k / 8 + 4, 4);
                 s0[p] = (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos);
                 s1[p] = (__m512bh)_mm512_mask_blend_epi16((__mmask32)m1, neg, pos);
             }
             for (int b = 0; b < NX; ++b) {
                 const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(xb + b * ldx + k));
                 const __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(xb + b * ldx + k + 32));
-                a0[b] = _mm512_dpbf16_ps(a0[b], x0, w0);
-                a1[b] = _mm512_dpbf16_ps(a1[b], x1, w1);
+                a0[0][b] = _mm512_dpbf16_ps(a0[0][b], x0, w0);
+                a1[0][b] = _mm512_dpbf16_ps(a1[0][b], x1, w1);
                 for (int p = 0; p < NP; ++p) {
-                    d0[p][b] = _mm512_dpbf16_ps(d0[p][b], x0, s0[p]);
-                    d1[p][b] = _mm512_dpbf16_ps(d1[p][b], x1, s1[p]);
+                    d0[p][0][b] = _mm512_dpbf16_ps(d0[p][0][b], x0, s0[p]);
+                    d1[p][0][b] = _mm512_dpbf16_ps(d1[p][0][b], x1, s1[p]);
+                }
+            }
+        } else { /* a half (32 columns) at a time: R rows' weights and signs, then every x row's */
+            for (int i = 0; i < R; ++i) BLOCK_STREAM_PREFETCH(R, ROWS_AHEAD_DP, wr[i] + k, 2);
+            UNROLLED for (int h = 0; h < 2; ++h) {
+                __m512bh wv[DP_PASS_R], sv[ONE_PASS_PLANES][DP_PASS_R];
+                UNROLLED for (int i = 0; i < R; ++i) {
+                    wv[i] = (__m512bh)_mm512_loadu_si512((const void *)(wr[i] + k + 32 * h));
+                    UNROLLED for (int p = 0; p < NP; ++p) {
+                        uint32_t m;
+                        memcpy(&m, sr[p][i] + k / 8 + 4 * h, 4);
+                        sv[p][i] = (__m512bh)_mm512_mask_blend_epi16((__mmask32)m, neg, pos);
+                    }
+                }
+                UNROLLED for (int b = 0; b < NX; ++b) {
+                    const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + b * ldx + k + 32 * h));
+                    UNROLLED for (int i = 0; i < R; ++i) {
+                        if (h) {
+                            a1[i][b] = _mm512_dpbf16_ps(a1[i][b], xv, wv[i]);
+                            UNROLLED for (int p = 0; p < NP; ++p) d1[p][i][b] = _mm512_dpbf16_ps(d1[p][i][b], xv, sv[p][i]);
+                        } else {
+                            a0[i][b] = _mm512_dpbf16_ps(a0[i][b], xv, wv[i]);
+                            UNROLLED for (int p = 0; p < NP; ++p) d0[p][i][b] = _mm512_dpbf16_ps(d0[p][i][b], xv, sv[p][i]);
+                        }
+                    }
                 }
             }
         }
-        const int half = k + 32 <= d_in;
-        if (half) { /* 32 columns more: the first halves' accumulators */
-            const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(wr + k));
+    }
+    const int half = k + 32 <= d_in;
+    if (half) /* 32 columns more: the first halves' accumulators */
+        UNROLLED for (int i = 0; i < R; ++i) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(wr[i] + k));
             __m512bh s0[ONE_PASS_PLANES];
             for (int p = 0; p < NP; ++p) {
                 uint32_t m0;
-                memcpy(&m0, sr[p] + k / 8, 4);
+                memcpy(&m0, sr[p][i] + k / 8, 4);
                 s0[p] = (__m512bh)_mm512_mask_blend_epi16((__mmask32)m0, neg, pos);
             }
             for (int b = 0; b < NX; ++b) {
                 const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(xb + b * ldx + k));
-                a0[b] = _mm512_dpbf16_ps(a0[b], x0, w0);
-                for (int p = 0; p < NP; ++p) d0[p][b] = _mm512_dpbf16_ps(d0[p][b], x0, s0[p]);
+                a0[i][b] = _mm512_dpbf16_ps(a0[i][b], x0, w0);
+                for (int p = 0; p < NP; ++p) d0[p][i][b] = _mm512_dpbf16_ps(d0[p][i][b], x0, s0[p]);
             }
         }
+    UNROLLED for (int i = 0; i < R; ++i) {
         float al[ONE_PASS_PLANES];
-        for (int p = 0; p < NP; ++p) al[p] = P->a[p][r * alpha_stride];
-        float sums[ONE_PASS_ROWS]; /* in registers, before the tails (PAIR_SUMS) */
+        for (int p = 0; p < NP; ++p) al[p] = P->a[p][(r + i) * alpha_stride];
+        float sums[DP_PASS_ROWS]; /* in registers, before the tails (PAIR_SUMS) */
         UNROLLED for (int b = 0; b < NX; ++b) {
-            __m512 acc = _mm512_add_ps(a0[b], a1[b]);
+            __m512 acc = _mm512_add_ps(a0[i][b], a1[i][b]);
             UNROLLED for (int p = 0; p < NP; ++p)
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(al[p]), _mm512_add_ps(d0[p][b], d1[p][b]), acc);
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(al[p]), _mm512_add_ps(d0[p][i][b], d1[p][i][b]), acc);
             sums[b] = _mm512_reduce_add_ps(acc);
         }
         for (int b = 0; b < NX; ++b) {
@@ -697,19 +750,37 @@ static inline __attribute__((always_inline)) void dp_rows_np(const uint16_t *xb,
             for (int64_t kk = k + 32 * half; kk < d_in; ++kk) { /* ragged tail */
                 const float xv = w_at(xm, BD_W_BF16, kk);
                 float dt = 0.f;
-                for (int p = 0; p < NP; ++p) dt += al[p] * ((sr[p][kk >> 3] >> (kk & 7)) & 1 ? xv : -xv);
-                t += xv * w_at(wr, BD_W_BF16, kk) + dt;
+                for (int p = 0; p < NP; ++p) dt += al[p] * ((sr[p][i][kk >> 3] >> (kk & 7)) & 1 ? xv : -xv);
+                t += xv * w_at(wr[i], BD_W_BF16, kk) + dt;
             }
-            y[b * ldy + r] = t;
+            y[b * ldy + r + i] = t;
         }
     }
 }
 
+/* Rows [r0, r1) of dp_rows_block: R at a time, the last few one at a time (a row's sums the same). */
+static inline __attribute__((always_inline)) void dp_rows_np(const uint16_t *xb, int64_t ldx, const uint16_t *w,
+                                                             int64_t ldw, const pass_planes *P, int64_t lds,
+                                                             int64_t d_in, int64_t alpha_stride, float *y, int64_t ldy,
+                                                             int64_t r0, int64_t r1, const int NX, const int NP,
+                                                             const int R) {
+    int64_t r = r0;
+    for (; r + R <= r1; r += R) dp_rows_block(xb, ldx, w, ldw, P, lds, d_in, alpha_stride, y, ldy, r, NX, NP, R);
+    for (; r < r1; ++r) dp_rows_block(xb, ldx, w, ldw, P, lds, d_in, alpha_stride, y, ldy, r, NX, NP, 1);
+}
 static void delta_rows_dp(const uint16_t *xb, int64_t ldx, int64_t M, const uint16_t *w, int64_t ldw,
                           const pass_planes *P, int64_t lds, int64_t d_in, int64_t alpha_stride, float *y, int64_t ldy,
                           int64_t r0, int64_t r1) {
-#define DP_ROWS(NX, NP) dp_rows_np(xb, ldx, w, ldw, P, lds, d_in, alpha_stride, y, ldy, r0, r1, NX, NP)
-    ONE_PASS_SWITCH(M, P->n, DP_ROWS);
+#define DP_ROWS(NX, NP, R) dp_rows_np(xb, ldx, w, ldw, P, lds, d_in, alpha_stride, y, ldy, r0, r1, NX, NP, R)
+    switch (M * 8 + P->n) { /* n ≤ one_pass_most(BD_W_BF16, M): the callers choose n so */
+    case 9: DP_ROWS(1, 1, 1); break;
+    case 10: DP_ROWS(1, 2, 1); break;
+    case 11: DP_ROWS(1, 3, 1); break;
+    case 12: DP_ROWS(1, 4, 1); break;
+    case 17: DP_ROWS(2, 1, DP_PASS_R); break;
+    case 25: DP_ROWS(3, 1, DP_PASS_R); break;
+    default: abort();
+    }
 #undef DP_ROWS
 }
 #endif
