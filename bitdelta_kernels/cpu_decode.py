@@ -387,8 +387,8 @@ class DecodeLayers:
         `head_planes` too, a row of plane v gets fp32 h · headᵀ + α_v ⊙ (h · S_vᵀ), not rounded, as
         the runner's `_sign_heads` (`dense_linear(h, head, out_fp32=True)`, then
         `bitdelta_delta_batched`), and a row of −1 round(h · headᵀ) as before. `fuse`: a step of B
-        rows of one variant (the same slots in every row) of up to `one_pass_planes(B)` planes (4
-        and 3 for 1 and 2 rows; bf16 4 for one row, 1 for 2 and 3) sums each projection's planes, and its head's plane, in the weights'
+        rows of one variant (the same slots in every row) of up to `one_pass_planes(B)` planes (4,
+        3 and 1 for 1, 2 and 3 rows; bf16 4 for one row, 1 for 2 and 3) sums each projection's planes, and its head's plane, in the weights'
         pass where the library has such a loop (fp32: AVX-512; bf16: AVX512-BF16): other sums than
         the table loop's, so not a row's numbers in a mixed step, though the same as the row's alone
         (the default mode's single-variant form, never the batch-invariant one's); else ignored.

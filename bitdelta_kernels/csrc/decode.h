@@ -229,8 +229,8 @@ static void decode_embed(const void *x_in, const int64_t *tokens, const void *em
  * One plane for every row takes linear_planes' one task (on many threads, one core's GEMV beside
  * another's planes); a mix, the GEMV for every row and then each plane over its rows.
  * fuse: a step of B rows of one variant (row_slot ≥ 0 and plane slots the same in
- * every row) of up to one_pass_planes(dtype, B) planes (fp32 with AVX-512, delta_rows_f32: 4, 3 for
- * 1–2 rows; bf16 with AVX512-BF16, delta_rows_dp: 4 for one row, 1 for 2–3) sums each projection's planes, and the
+ * every row) of up to one_pass_planes(dtype, B) planes (fp32 with AVX-512, delta_rows_f32: 4, 3, 1 for
+ * 1–3 rows; bf16 with AVX512-BF16, delta_rows_dp: 4 for one row, 1 for 2–3) sums each projection's planes, and the
  * head's plane when its rows take one, in the weights' pass, not by the table loop: other sums, so
  * its numbers are not the same row's in a mixed step (the caller's choice: never in the
  * batch-invariant mode), though they are that row's alone; anything else ignores it.

@@ -5,7 +5,8 @@
 /* The sign planes a GEMV's own pass sums (linear_rows): plane p's bits s[p] [d_out, lds] and its
  * α's a[p] (row r's at a[p][r · alpha_stride]). The blocks of LINEAR_BLOCK take one plane; the
  * one-pass loops (delta_rows_f32, delta_rows_dp) up to ONE_PASS_PLANES for up to ONE_PASS_ROWS x
- * rows (one_pass_most), one accumulator pair per plane and x row; one_pass_planes. */
+ * rows, one plane for up to 3 rows (one_pass_most), one accumulator pair per plane, weight row and x
+ * row; one_pass_planes. */
 #define ONE_PASS_PLANES 4
 #define ONE_PASS_ROWS 2
 /* The planes the one-pass loops sum for M ≤ ONE_PASS_ROWS x rows (0: more rows): 4, 3, so that the
@@ -28,36 +29,17 @@
  * dot products per weight vector for each of 4 x rows, the step's bound at that row count. */
 #define DP_PASS_R 2
 #define DP_PASS_ROWS 3
+/* fp32's one pass likewise takes 3 x rows of one plane in blocks of F32_PASS_R weight rows
+ * (f32_rows_block; its one-weight-row loop 1–2 rows): that one-weight-row loop's 35.0 ms at 3 rows
+ * above is what the blocks beat the table loop by sharing each x vector between two weight rows. */
+#define F32_PASS_R 2
+#define F32_PASS_ROWS 3
 static inline int one_pass_most(int dtype, int64_t M) {
     if (dtype == BD_W_BF16 && M > ONE_PASS_ROWS_BF16 && M <= DP_PASS_ROWS) return 1;
+    if (dtype == BD_W_F32 && M > ONE_PASS_ROWS && M <= F32_PASS_ROWS) return 1;
     const int64_t rows = dtype == BD_W_BF16 ? ONE_PASS_ROWS_BF16 : ONE_PASS_ROWS;
     return M < 1 || M > rows ? 0 : (int)(5 - M);
 }
-/* FN(NX, NP) with literals, one loop per pair (its accumulators in registers), for M x rows of n
- * planes, n ≤ one_pass_most(dtype, M): the callers choose n so (linear_planes); anything else aborts. */
-#define ONE_PASS_SWITCH(M, n, FN)                                                                        \
-    switch ((M) * 8 + (n)) {                                                                             \
-    case 9: FN(1, 1); break;                                                                             \
-    case 10: FN(1, 2); break;                                                                            \
-    case 11: FN(1, 3); break;                                                                            \
-    case 12: FN(1, 4); break;                                                                            \
-    case 17: FN(2, 1); break;                                                                            \
-    case 18: FN(2, 2); break;                                                                            \
-    case 19: FN(2, 3); break;                                                                            \
-    default: abort();                                                                                    \
-    }
-/* The one-pass loops' state for weight row r: each x row's accumulator pair (a0, a1: the
- * weights' sums), each plane's and x row's (d0, d1: the signs'), and each plane's bits at row r
- * (sr), for NX x rows and NP planes of P. */
-#define ONE_PASS_ACC_INIT(NX, NP)                                                                        \
-    const uint8_t *sr[ONE_PASS_PLANES];                                                                  \
-    __m512 a0[ONE_PASS_ROWS], a1[ONE_PASS_ROWS], d0[ONE_PASS_PLANES][ONE_PASS_ROWS],                     \
-        d1[ONE_PASS_PLANES][ONE_PASS_ROWS];                                                              \
-    for (int b = 0; b < (NX); ++b) {                                                                     \
-        a0[b] = a1[b] = _mm512_setzero_ps();                                                             \
-        for (int p = 0; p < (NP); ++p) d0[p][b] = d1[p][b] = a0[b];                                      \
-    }                                                                                                    \
-    for (int p = 0; p < (NP); ++p) sr[p] = P->s[p] + r * lds
 typedef struct {
     const uint8_t *s[ONE_PASS_PLANES];
     const float *a[ONE_PASS_PLANES];
@@ -794,52 +776,93 @@ static void delta_rows_dp(const uint16_t *xb, int64_t ldx, int64_t M, const uint
  * prefetchers: on a Zen 4 core the software prefetch of delta_rows_dp cost this lighter loop 1–3 %
  * (SmolLM2-135M's C decode step with its head, one row, 100 in turns, four runs). The variant's
  * step ÷ the base's there: ~1 % above the two passes', within that host's spread (an fp32 step is
- * ~18 ms of weights; the table loop's compute ~0.5 ms of it). xsum: Σ x_b (row_sums). An x row's
- * sums take the same steps whatever NX. NX, NP: x rows and P's planes, literals (delta_rows_f32). */
-static inline __attribute__((always_inline)) void f32_rows_np(const float *x, int64_t ldx, const float *xsum,
-                                                              const float *w, int64_t ldw, const pass_planes *P,
-                                                              int64_t lds, int64_t d_in, int64_t alpha_stride, float *y,
-                                                              int64_t ldy, int64_t r0, int64_t r1, const int NX,
-                                                              const int NP) {
-    for (int64_t r = r0; r < r1; ++r) {
-        const float *wr = w + r * ldw;
-        ONE_PASS_ACC_INIT(NX, NP);
-        int64_t k = 0;
-        for (; k + 32 <= d_in; k += 32) {
-            const __m512 w0 = _mm512_loadu_ps(wr + k), w1 = _mm512_loadu_ps(wr + k + 16);
+ * ~18 ms of weights; the table loop's compute ~0.5 ms of it). Three x rows (one plane) take blocks
+ * of F32_PASS_R weight rows (their streams requested into L2 as the dense blocks' are, a half of 32
+ * columns at a time) sharing each x vector: the C decode layers' fp32 step of a one-plane variant's 3
+ * rows (`bench/kernels.py --decode-layers`, in turns, 2026-12-06) 23.0 / 24.2 ms against 25.5 / 27.6 by
+ * the table loop (bench/results/kernels_cpu_2026-12-06_epyc-zen4-decode-layers-f32-blocks.txt). Every (weight row, x row) pair takes the
+ * one-row loop's very adds, so a row's sums are the same in a step of 1, 2 or 3 rows. xsum: Σ x_b
+ * (row_sums). NX, NP, R: x rows, P's planes and weight rows, literals (delta_rows_f32). */
+static inline __attribute__((always_inline)) void f32_rows_block(const float *x, int64_t ldx, const float *xsum,
+                                                                 const float *w, int64_t ldw, const pass_planes *P,
+                                                                 int64_t lds, int64_t d_in, int64_t alpha_stride,
+                                                                 float *y, int64_t ldy, int64_t r, const int NX,
+                                                                 const int NP, const int R) {
+    const float *wr[F32_PASS_R];
+    const uint8_t *sr[ONE_PASS_PLANES][F32_PASS_R];
+    __m512 a0[F32_PASS_R][F32_PASS_ROWS], a1[F32_PASS_R][F32_PASS_ROWS];
+    __m512 d0[ONE_PASS_PLANES][F32_PASS_R][F32_PASS_ROWS], d1[ONE_PASS_PLANES][F32_PASS_R][F32_PASS_ROWS];
+    UNROLLED for (int i = 0; i < R; ++i) {
+        wr[i] = w + (r + i) * ldw;
+        UNROLLED for (int p = 0; p < NP; ++p) sr[p][i] = P->s[p] + (r + i) * lds;
+        UNROLLED for (int b = 0; b < NX; ++b) {
+            a0[i][b] = a1[i][b] = _mm512_setzero_ps();
+            UNROLLED for (int p = 0; p < NP; ++p) d0[p][i][b] = d1[p][i][b] = a0[i][b];
+        }
+    }
+    int64_t k = 0;
+    for (; k + 32 <= d_in; k += 32) {
+        if (R == 1) { /* both halves' weights, then each x row's */
+            const __m512 w0 = _mm512_loadu_ps(wr[0] + k), w1 = _mm512_loadu_ps(wr[0] + k + 16);
             uint32_t m[ONE_PASS_PLANES];
-            for (int p = 0; p < NP; ++p) memcpy(&m[p], sr[p] + k / 8, 4);
+            for (int p = 0; p < NP; ++p) memcpy(&m[p], sr[p][0] + k / 8, 4);
             for (int b = 0; b < NX; ++b) {
                 const __m512 x0 = _mm512_loadu_ps(x + b * ldx + k), x1 = _mm512_loadu_ps(x + b * ldx + k + 16);
-                a0[b] = _mm512_fmadd_ps(x0, w0, a0[b]);
-                a1[b] = _mm512_fmadd_ps(x1, w1, a1[b]);
+                a0[0][b] = _mm512_fmadd_ps(x0, w0, a0[0][b]);
+                a1[0][b] = _mm512_fmadd_ps(x1, w1, a1[0][b]);
                 for (int p = 0; p < NP; ++p) {
-                    d0[p][b] = _mm512_mask_add_ps(d0[p][b], (__mmask16)m[p], d0[p][b], x0);
-                    d1[p][b] = _mm512_mask_add_ps(d1[p][b], (__mmask16)(m[p] >> 16), d1[p][b], x1);
+                    d0[p][0][b] = _mm512_mask_add_ps(d0[p][0][b], (__mmask16)m[p], d0[p][0][b], x0);
+                    d1[p][0][b] = _mm512_mask_add_ps(d1[p][0][b], (__mmask16)(m[p] >> 16), d1[p][0][b], x1);
+                }
+            }
+        } else { /* a half (16 columns) at a time: R rows' weights, then every x row's */
+            for (int i = 0; i < R; ++i) BLOCK_STREAM_PREFETCH(R, ROWS_AHEAD, wr[i] + k, 2);
+            uint32_t m[ONE_PASS_PLANES][F32_PASS_R];
+            UNROLLED for (int i = 0; i < R; ++i)
+                UNROLLED for (int p = 0; p < NP; ++p) memcpy(&m[p][i], sr[p][i] + k / 8, 4);
+            UNROLLED for (int h = 0; h < 2; ++h) {
+                __m512 wv[F32_PASS_R];
+                UNROLLED for (int i = 0; i < R; ++i) wv[i] = _mm512_loadu_ps(wr[i] + k + 16 * h);
+                UNROLLED for (int b = 0; b < NX; ++b) {
+                    const __m512 xv = _mm512_loadu_ps(x + b * ldx + k + 16 * h);
+                    UNROLLED for (int i = 0; i < R; ++i) {
+                        if (h) {
+                            a1[i][b] = _mm512_fmadd_ps(xv, wv[i], a1[i][b]);
+                            UNROLLED for (int p = 0; p < NP; ++p)
+                                d1[p][i][b] = _mm512_mask_add_ps(d1[p][i][b], (__mmask16)(m[p][i] >> 16), d1[p][i][b], xv);
+                        } else {
+                            a0[i][b] = _mm512_fmadd_ps(xv, wv[i], a0[i][b]);
+                            UNROLLED for (int p = 0; p < NP; ++p)
+                                d0[p][i][b] = _mm512_mask_add_ps(d0[p][i][b], (__mmask16)m[p][i], d0[p][i][b], xv);
+                        }
+                    }
                 }
             }
         }
-        const int half = k + 16 <= d_in;
-        if (half) {
-            const __m512 w0 = _mm512_loadu_ps(wr + k);
+    }
+    const int half = k + 16 <= d_in;
+    if (half)
+        UNROLLED for (int i = 0; i < R; ++i) {
+            const __m512 w0 = _mm512_loadu_ps(wr[i] + k);
             uint16_t m0[ONE_PASS_PLANES];
-            for (int p = 0; p < NP; ++p) memcpy(&m0[p], sr[p] + k / 8, 2);
+            for (int p = 0; p < NP; ++p) memcpy(&m0[p], sr[p][i] + k / 8, 2);
             for (int b = 0; b < NX; ++b) {
                 const __m512 x0 = _mm512_loadu_ps(x + b * ldx + k);
-                a0[b] = _mm512_fmadd_ps(x0, w0, a0[b]);
-                for (int p = 0; p < NP; ++p) d0[p][b] = _mm512_mask_add_ps(d0[p][b], (__mmask16)m0[p], d0[p][b], x0);
+                a0[i][b] = _mm512_fmadd_ps(x0, w0, a0[i][b]);
+                for (int p = 0; p < NP; ++p) d0[p][i][b] = _mm512_mask_add_ps(d0[p][i][b], (__mmask16)m0[p], d0[p][i][b], x0);
             }
         }
+    UNROLLED for (int i = 0; i < R; ++i) {
         float al[ONE_PASS_PLANES], asum = 0.f;
         for (int p = 0; p < NP; ++p) {
-            al[p] = P->a[p][r * alpha_stride];
+            al[p] = P->a[p][(r + i) * alpha_stride];
             asum += al[p];
         }
-        float sums[ONE_PASS_ROWS]; /* in registers, before the tails (PAIR_SUMS) */
+        float sums[F32_PASS_ROWS]; /* in registers, before the tails (PAIR_SUMS) */
         UNROLLED for (int b = 0; b < NX; ++b) {
-            __m512 acc = _mm512_add_ps(a0[b], a1[b]);
+            __m512 acc = _mm512_add_ps(a0[i][b], a1[i][b]);
             UNROLLED for (int p = 0; p < NP; ++p)
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(2.f * al[p]), _mm512_add_ps(d0[p][b], d1[p][b]), acc);
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(2.f * al[p]), _mm512_add_ps(d0[p][i][b], d1[p][i][b]), acc);
             sums[b] = _mm512_reduce_add_ps(acc);
         }
         for (int b = 0; b < NX; ++b) {
@@ -847,19 +870,39 @@ static inline __attribute__((always_inline)) void f32_rows_np(const float *x, in
             float t = sums[b];
             for (int64_t kk = k + 16 * half; kk < d_in; ++kk) { /* ragged tail */
                 float dt = 0.f;
-                for (int p = 0; p < NP; ++p) dt += (sr[p][kk >> 3] >> (kk & 7)) & 1 ? 2.f * al[p] * xm[kk] : 0.f;
-                t += xm[kk] * wr[kk] + dt;
+                for (int p = 0; p < NP; ++p) dt += (sr[p][i][kk >> 3] >> (kk & 7)) & 1 ? 2.f * al[p] * xm[kk] : 0.f;
+                t += xm[kk] * wr[i][kk] + dt;
             }
-            y[b * ldy + r] = t - asum * xsum[b];
+            y[b * ldy + r + i] = t - asum * xsum[b];
         }
     }
 }
 
+/* Rows [r0, r1) of f32_rows_block: R at a time, the last few one at a time (a row's sums the same). */
+static inline __attribute__((always_inline)) void f32_rows_np(const float *x, int64_t ldx, const float *xsum,
+                                                              const float *w, int64_t ldw, const pass_planes *P,
+                                                              int64_t lds, int64_t d_in, int64_t alpha_stride, float *y,
+                                                              int64_t ldy, int64_t r0, int64_t r1, const int NX,
+                                                              const int NP, const int R) {
+    int64_t r = r0;
+    for (; r + R <= r1; r += R) f32_rows_block(x, ldx, xsum, w, ldw, P, lds, d_in, alpha_stride, y, ldy, r, NX, NP, R);
+    for (; r < r1; ++r) f32_rows_block(x, ldx, xsum, w, ldw, P, lds, d_in, alpha_stride, y, ldy, r, NX, NP, 1);
+}
 static void delta_rows_f32(const float *x, int64_t ldx, int64_t M, const float *xsum, const float *w, int64_t ldw,
                            const pass_planes *P, int64_t lds, int64_t d_in, int64_t alpha_stride, float *y,
                            int64_t ldy, int64_t r0, int64_t r1) {
-#define F32_ROWS(NX, NP) f32_rows_np(x, ldx, xsum, w, ldw, P, lds, d_in, alpha_stride, y, ldy, r0, r1, NX, NP)
-    ONE_PASS_SWITCH(M, P->n, F32_ROWS);
+#define F32_ROWS(NX, NP, R) f32_rows_np(x, ldx, xsum, w, ldw, P, lds, d_in, alpha_stride, y, ldy, r0, r1, NX, NP, R)
+    switch (M * 8 + P->n) { /* n ≤ one_pass_most(BD_W_F32, M): the callers choose n so */
+    case 9: F32_ROWS(1, 1, 1); break;
+    case 10: F32_ROWS(1, 2, 1); break;
+    case 11: F32_ROWS(1, 3, 1); break;
+    case 12: F32_ROWS(1, 4, 1); break;
+    case 17: F32_ROWS(2, 1, 1); break;
+    case 18: F32_ROWS(2, 2, 1); break;
+    case 19: F32_ROWS(2, 3, 1); break;
+    case 25: F32_ROWS(3, 1, F32_PASS_R); break;
+    default: abort();
+    }
 #undef F32_ROWS
 }
 #define HAVE_F32_ONE_PASS 1
