@@ -763,11 +763,11 @@ def test_decode_layers_sum_each_rows_planes(isa):
     "dims", [(576, 9, 3, 64, 1536), (40, 2, 1, 20, 72), (41, 3, 1, 20, 73)], ids=["smollm2", "ragged", "odd-rows"]
 )
 def test_decode_layers_fuse_rows_of_one_variant(isa, dtype, dims):
-    """`fuse` with `row_planes` over a step of 1-2 rows of one variant of k sign planes sums them all
+    """`fuse` with `row_planes` over a step of 1-3 rows of one variant of k sign planes sums them all
     in the weights' pass where the library has that loop (fp32: AVX-512; bf16: AVX512-BF16), up to
-    `one_pass_planes(B)` (4, 3 and 1 for 1, 2 and 3 rows; bf16 4 for one row, 1 for 2 and 3; 3 rows (bf16:
-    2 and 3) in blocks of two weight rows; more rows take the table loop): other bits than the table loop's, close to them
-    and (fp32) to the layer in float64; every plane counts; every row gets the numbers it gets
+    `one_pass_planes(B)` (4, 3 and 1 for 1, 2 and 3 rows; bf16 4 for one row, 1 for 2 and 3; 3 rows,
+    bf16's 2 and 3, in blocks of two weight rows; more rows take the table loop): other bits than the
+    table loop's, close to them and (fp32) to the layer in float64; every plane counts; every row gets the numbers it gets
     alone, fused (each x row's sums take the same steps whatever the step's rows). More planes than
     the rows' loop sums, or rows of two variants, take the table loop (`fuse` ignored: its bits)."""
     from bitdelta_kernels.cpu_decode import DecodeLayers, DecodeShape
