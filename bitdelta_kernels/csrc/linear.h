@@ -20,20 +20,37 @@
  * one-weight-row loop takes one row only (ONE_PASS_ROWS_BF16): at 2 rows it took 15.3–16.6 ms
  * against 13.1–14.7 in two passes (the same bench, four runs of 15–25 reps in turns, 2026-12-05). */
 #define ONE_PASS_ROWS_BF16 1
-/* ... and, since, 2 or 3 (DP_PASS_ROWS) x rows of one plane in blocks of DP_PASS_R weight rows, each
+/* ... and, since, 2 or 3 (DP_PASS_ROWS) x rows of one plane in blocks of ONE_PASS_R weight rows, each
  * x vector shared by both (dp_rows_block): the C decode layers' bf16 step of a one-plane variant
  * (`bench/kernels.py --decode-layers`, in turns with the table loop's library, 2026-12-06) took at
  * 3 rows 12.2 / 12.5 ms against 13.6 / 14.4, at 2 rows 12.7–13.5 against 12.4–14.5 (faster in two
  * runs of four, slower in two; bench/results/kernels_cpu_2026-12-06_epyc-zen4-decode-layers-dp-blocks.txt).
  * A first form at 4 rows ran no faster than the table loop (15.9 ms both): two planes' worth of
  * dot products per weight vector for each of 4 x rows, the step's bound at that row count. */
-#define DP_PASS_R 2
 #define DP_PASS_ROWS 3
-/* fp32's one pass likewise takes 3 x rows of one plane in blocks of F32_PASS_R weight rows
+/* fp32's one pass likewise takes 3 x rows of one plane in blocks of ONE_PASS_R weight rows
  * (f32_rows_block; its one-weight-row loop 1–2 rows): that one-weight-row loop's 35.0 ms at 3 rows
  * above is what the blocks beat the table loop by sharing each x vector between two weight rows. */
-#define F32_PASS_R 2
 #define F32_PASS_ROWS 3
+/* weight rows per block of the one-pass loops (dp_rows_block, f32_rows_block), and x rows at most */
+#define ONE_PASS_R 2
+#define ONE_PASS_BLOCK_ROWS 3
+/* A one-pass block's state for weight rows [r, r + R) of W (element type WT): the rows (wr), each
+ * plane's bits at them (sr), and per weight row and x row the weights' accumulator pair (a0, a1)
+ * and each plane's (d0, d1), zeroed. */
+#define ONE_PASS_BLOCK_INIT(WT, NX, NP, R)                                                               \
+    const WT *wr[ONE_PASS_R];                                                                            \
+    const uint8_t *sr[ONE_PASS_PLANES][ONE_PASS_R];                                                      \
+    __m512 a0[ONE_PASS_R][ONE_PASS_BLOCK_ROWS], a1[ONE_PASS_R][ONE_PASS_BLOCK_ROWS];                     \
+    __m512 d0[ONE_PASS_PLANES][ONE_PASS_R][ONE_PASS_BLOCK_ROWS], d1[ONE_PASS_PLANES][ONE_PASS_R][ONE_PASS_BLOCK_ROWS]; \
+    UNROLLED for (int i = 0; i < (R); ++i) {                                                             \
+        wr[i] = w + (r + i) * ldw;                                                                       \
+        UNROLLED for (int p = 0; p < (NP); ++p) sr[p][i] = P->s[p] + (r + i) * lds;                      \
+        UNROLLED for (int b = 0; b < (NX); ++b) {                                                        \
+            a0[i][b] = a1[i][b] = _mm512_setzero_ps();                                                   \
+            UNROLLED for (int p = 0; p < (NP); ++p) d0[p][i][b] = d1[p][i][b] = a0[i][b];                \
+        }                                                                                                \
+    }
 static inline int one_pass_most(int dtype, int64_t M) {
     if (dtype == BD_W_BF16 && M > ONE_PASS_ROWS_BF16 && M <= DP_PASS_ROWS) return 1;
     if (dtype == BD_W_F32 && M > ONE_PASS_ROWS && M <= F32_PASS_ROWS) return 1;
@@ -626,7 +643,7 @@ DENSE_ROWS(dense_rows_dp, uint16_t, uint16_t, dense_dp_blocks, DENSE_MIN_M_DP) /
  * not the table loop's, so only a single-variant step takes it (bd_decode_layers' `fuse`, never
  * batch-invariant); an x row's sums take the same steps whatever NX. A 3-plane row's planes past
  * the first cost ~0.04 of the base's step each here (bytes 1/16), against ~0.15 by the table loop
- * (docs/kernels.md). Two or three x rows (one plane) take blocks of DP_PASS_R weight rows (their
+ * (docs/kernels.md). Two or three x rows (one plane) take blocks of ONE_PASS_R weight rows (their
  * streams requested into L2 as the dense blocks' are, a half of 64 columns at a time), which share
  * each x vector between the weight rows: every (weight row, x row) pair still takes the very adds
  * of the one-row loop, so a row's sums are the same in a step of 1, 2 or 3 rows. NX, NP, R: x rows,
@@ -637,18 +654,7 @@ static inline __attribute__((always_inline)) void dp_rows_block(const uint16_t *
                                                                 int64_t ldy, int64_t r, const int NX, const int NP,
                                                                 const int R) {
     const __m512i pos = _mm512_set1_epi16(0x3F80), neg = _mm512_set1_epi16((short)0xBF80); /* bf16 ±1 */
-    const uint16_t *wr[DP_PASS_R];
-    const uint8_t *sr[ONE_PASS_PLANES][DP_PASS_R];
-    __m512 a0[DP_PASS_R][DP_PASS_ROWS], a1[DP_PASS_R][DP_PASS_ROWS];
-    __m512 d0[ONE_PASS_PLANES][DP_PASS_R][DP_PASS_ROWS], d1[ONE_PASS_PLANES][DP_PASS_R][DP_PASS_ROWS];
-    UNROLLED for (int i = 0; i < R; ++i) {
-        wr[i] = w + (r + i) * ldw;
-        UNROLLED for (int p = 0; p < NP; ++p) sr[p][i] = P->s[p] + (r + i) * lds;
-        UNROLLED for (int b = 0; b < NX; ++b) {
-            a0[i][b] = a1[i][b] = _mm512_setzero_ps();
-            UNROLLED for (int p = 0; p < NP; ++p) d0[p][i][b] = d1[p][i][b] = a0[i][b];
-        }
-    }
+    ONE_PASS_BLOCK_INIT(uint16_t, NX, NP, R);
     int64_t k = 0;
     for (; k + 64 <= d_in; k += 64) {
         if (R == 1) { /* both halves' weights and signs, then each x row's four products */
@@ -676,7 +682,7 @@ static inline __attribute__((always_inline)) void dp_rows_block(const uint16_t *
         } else { /* a half (32 columns) at a time: R rows' weights and signs, then every x row's */
             for (int i = 0; i < R; ++i) BLOCK_STREAM_PREFETCH(R, ROWS_AHEAD_DP, wr[i] + k, 2);
             UNROLLED for (int h = 0; h < 2; ++h) {
-                __m512bh wv[DP_PASS_R], sv[ONE_PASS_PLANES][DP_PASS_R];
+                __m512bh wv[ONE_PASS_R], sv[ONE_PASS_PLANES][ONE_PASS_R];
                 UNROLLED for (int i = 0; i < R; ++i) {
                     wv[i] = (__m512bh)_mm512_loadu_si512((const void *)(wr[i] + k + 32 * h));
                     UNROLLED for (int p = 0; p < NP; ++p) {
@@ -719,7 +725,7 @@ static inline __attribute__((always_inline)) void dp_rows_block(const uint16_t *
     UNROLLED for (int i = 0; i < R; ++i) {
         float al[ONE_PASS_PLANES];
         for (int p = 0; p < NP; ++p) al[p] = P->a[p][(r + i) * alpha_stride];
-        float sums[DP_PASS_ROWS]; /* in registers, before the tails (PAIR_SUMS) */
+        float sums[ONE_PASS_BLOCK_ROWS]; /* in registers, before the tails (PAIR_SUMS) */
         UNROLLED for (int b = 0; b < NX; ++b) {
             __m512 acc = _mm512_add_ps(a0[i][b], a1[i][b]);
             UNROLLED for (int p = 0; p < NP; ++p)
@@ -759,8 +765,8 @@ static void delta_rows_dp(const uint16_t *xb, int64_t ldx, int64_t M, const uint
     case 10: DP_ROWS(1, 2, 1); break;
     case 11: DP_ROWS(1, 3, 1); break;
     case 12: DP_ROWS(1, 4, 1); break;
-    case 17: DP_ROWS(2, 1, DP_PASS_R); break;
-    case 25: DP_ROWS(3, 1, DP_PASS_R); break;
+    case 17: DP_ROWS(2, 1, ONE_PASS_R); break;
+    case 25: DP_ROWS(3, 1, ONE_PASS_R); break;
     default: abort();
     }
 #undef DP_ROWS
@@ -777,7 +783,7 @@ static void delta_rows_dp(const uint16_t *xb, int64_t ldx, int64_t M, const uint
  * (SmolLM2-135M's C decode step with its head, one row, 100 in turns, four runs). The variant's
  * step ÷ the base's there: ~1 % above the two passes', within that host's spread (an fp32 step is
  * ~18 ms of weights; the table loop's compute ~0.5 ms of it). Three x rows (one plane) take blocks
- * of F32_PASS_R weight rows (their streams requested into L2 as the dense blocks' are, a half of 32
+ * of ONE_PASS_R weight rows (their streams requested into L2 as the dense blocks' are, a half of 32
  * columns at a time) sharing each x vector: the C decode layers' fp32 step of a one-plane variant's 3
  * rows (`bench/kernels.py --decode-layers`, in turns, 2026-12-06) 23.0 / 24.2 ms against 25.5 / 27.6 by
  * the table loop (bench/results/kernels_cpu_2026-12-06_epyc-zen4-decode-layers-f32-blocks.txt). Every (weight row, x row) pair takes the
@@ -788,18 +794,7 @@ static inline __attribute__((always_inline)) void f32_rows_block(const float *x,
                                                                  int64_t lds, int64_t d_in, int64_t alpha_stride,
                                                                  float *y, int64_t ldy, int64_t r, const int NX,
                                                                  const int NP, const int R) {
-    const float *wr[F32_PASS_R];
-    const uint8_t *sr[ONE_PASS_PLANES][F32_PASS_R];
-    __m512 a0[F32_PASS_R][F32_PASS_ROWS], a1[F32_PASS_R][F32_PASS_ROWS];
-    __m512 d0[ONE_PASS_PLANES][F32_PASS_R][F32_PASS_ROWS], d1[ONE_PASS_PLANES][F32_PASS_R][F32_PASS_ROWS];
-    UNROLLED for (int i = 0; i < R; ++i) {
-        wr[i] = w + (r + i) * ldw;
-        UNROLLED for (int p = 0; p < NP; ++p) sr[p][i] = P->s[p] + (r + i) * lds;
-        UNROLLED for (int b = 0; b < NX; ++b) {
-            a0[i][b] = a1[i][b] = _mm512_setzero_ps();
-            UNROLLED for (int p = 0; p < NP; ++p) d0[p][i][b] = d1[p][i][b] = a0[i][b];
-        }
-    }
+    ONE_PASS_BLOCK_INIT(float, NX, NP, R);
     int64_t k = 0;
     for (; k + 32 <= d_in; k += 32) {
         if (R == 1) { /* both halves' weights, then each x row's */
@@ -817,11 +812,11 @@ static inline __attribute__((always_inline)) void f32_rows_block(const float *x,
             }
         } else { /* a half (16 columns) at a time: R rows' weights, then every x row's */
             for (int i = 0; i < R; ++i) BLOCK_STREAM_PREFETCH(R, ROWS_AHEAD, wr[i] + k, 2);
-            uint32_t m[ONE_PASS_PLANES][F32_PASS_R];
+            uint32_t m[ONE_PASS_PLANES][ONE_PASS_R];
             UNROLLED for (int i = 0; i < R; ++i)
                 UNROLLED for (int p = 0; p < NP; ++p) memcpy(&m[p][i], sr[p][i] + k / 8, 4);
             UNROLLED for (int h = 0; h < 2; ++h) {
-                __m512 wv[F32_PASS_R];
+                __m512 wv[ONE_PASS_R];
                 UNROLLED for (int i = 0; i < R; ++i) wv[i] = _mm512_loadu_ps(wr[i] + k + 16 * h);
                 UNROLLED for (int b = 0; b < NX; ++b) {
                     const __m512 xv = _mm512_loadu_ps(x + b * ldx + k + 16 * h);
@@ -858,7 +853,7 @@ static inline __attribute__((always_inline)) void f32_rows_block(const float *x,
             al[p] = P->a[p][(r + i) * alpha_stride];
             asum += al[p];
         }
-        float sums[F32_PASS_ROWS]; /* in registers, before the tails (PAIR_SUMS) */
+        float sums[ONE_PASS_BLOCK_ROWS]; /* in registers, before the tails (PAIR_SUMS) */
         UNROLLED for (int b = 0; b < NX; ++b) {
             __m512 acc = _mm512_add_ps(a0[i][b], a1[i][b]);
             UNROLLED for (int p = 0; p < NP; ++p)
@@ -900,7 +895,7 @@ static void delta_rows_f32(const float *x, int64_t ldx, int64_t M, const float *
     case 17: F32_ROWS(2, 1, 1); break;
     case 18: F32_ROWS(2, 2, 1); break;
     case 19: F32_ROWS(2, 3, 1); break;
-    case 25: F32_ROWS(3, 1, F32_PASS_R); break;
+    case 25: F32_ROWS(3, 1, ONE_PASS_R); break;
     default: abort();
     }
 #undef F32_ROWS
