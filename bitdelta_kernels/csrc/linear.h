@@ -20,19 +20,16 @@
  * one-weight-row loop takes one row only (ONE_PASS_ROWS_BF16): at 2 rows it took 15.3–16.6 ms
  * against 13.1–14.7 in two passes (the same bench, four runs of 15–25 reps in turns, 2026-12-05). */
 #define ONE_PASS_ROWS_BF16 1
-/* ... and, since, 2 or 3 (DP_PASS_ROWS) x rows of one plane in blocks of ONE_PASS_R weight rows, each
- * x vector shared by both (dp_rows_block): the C decode layers' bf16 step of a one-plane variant
- * (`bench/kernels.py --decode-layers`, in turns with the table loop's library, 2026-12-06) took at
- * 3 rows 12.2 / 12.5 ms against 13.6 / 14.4, at 2 rows 12.7–13.5 against 12.4–14.5 (faster in two
- * runs of four, slower in two; bench/results/kernels_cpu_2026-12-06_epyc-zen4-decode-layers-dp-blocks.txt).
- * A first form at 4 rows ran no faster than the table loop (15.9 ms both): two planes' worth of
- * dot products per weight vector for each of 4 x rows, the step's bound at that row count. */
-#define DP_PASS_ROWS 3
-/* fp32's one pass likewise takes 3 x rows of one plane in blocks of ONE_PASS_R weight rows
- * (f32_rows_block; its one-weight-row loop 1–2 rows): that one-weight-row loop's 35.0 ms at 3 rows
- * above is what the blocks beat the table loop by sharing each x vector between two weight rows. */
-#define F32_PASS_ROWS 3
-/* weight rows per block of the one-pass loops (dp_rows_block, f32_rows_block), and x rows at most */
+/* Past those, up to ONE_PASS_BLOCK_ROWS x rows of one plane take one pass in blocks of ONE_PASS_R
+ * weight rows that share each x vector (dp_rows_block, f32_rows_block). bf16 from 2 rows: the C
+ * decode layers' bf16 step of a one-plane variant (`bench/kernels.py --decode-layers`, in turns with
+ * the table loop's library, 2026-12-06) took at 3 rows 12.2 / 12.5 ms against 13.6 / 14.4, at 2 rows
+ * 12.7–13.5 against 12.4–14.5 (faster in two runs of four, slower in two;
+ * bench/results/kernels_cpu_2026-12-06_epyc-zen4-decode-layers-dp-blocks.txt). A first form at 4
+ * rows ran no faster than the table loop (15.9 ms both): two planes' worth of dot products per
+ * weight vector for each of 4 x rows, the step's bound at that row count. fp32 at 3 rows, where the
+ * one-weight-row loop's 35.0 ms above lost to the table loop: 23.0 / 24.2 ms against 25.5 / 27.6
+ * (bench/results/kernels_cpu_2026-12-06_epyc-zen4-decode-layers-f32-blocks.txt). */
 #define ONE_PASS_R 2
 #define ONE_PASS_BLOCK_ROWS 3
 /* A one-pass block's state for weight rows [r, r + R) of W (element type WT): the rows (wr), each
@@ -52,10 +49,9 @@
         }                                                                                                \
     }
 static inline int one_pass_most(int dtype, int64_t M) {
-    if (dtype == BD_W_BF16 && M > ONE_PASS_ROWS_BF16 && M <= DP_PASS_ROWS) return 1;
-    if (dtype == BD_W_F32 && M > ONE_PASS_ROWS && M <= F32_PASS_ROWS) return 1;
-    const int64_t rows = dtype == BD_W_BF16 ? ONE_PASS_ROWS_BF16 : ONE_PASS_ROWS;
-    return M < 1 || M > rows ? 0 : (int)(5 - M);
+    const int64_t rows = dtype == BD_W_BF16 ? ONE_PASS_ROWS_BF16 : ONE_PASS_ROWS; /* one weight row at a time */
+    if (M >= 1 && M <= rows) return (int)(5 - M);
+    return M > rows && M <= ONE_PASS_BLOCK_ROWS ? 1 : 0; /* the blocks: one plane */
 }
 typedef struct {
     const uint8_t *s[ONE_PASS_PLANES];
@@ -784,11 +780,9 @@ static void delta_rows_dp(const uint16_t *xb, int64_t ldx, int64_t M, const uint
  * step ÷ the base's there: ~1 % above the two passes', within that host's spread (an fp32 step is
  * ~18 ms of weights; the table loop's compute ~0.5 ms of it). Three x rows (one plane) take blocks
  * of ONE_PASS_R weight rows (their streams requested into L2 as the dense blocks' are, a half of 32
- * columns at a time) sharing each x vector: the C decode layers' fp32 step of a one-plane variant's 3
- * rows (`bench/kernels.py --decode-layers`, in turns, 2026-12-06) 23.0 / 24.2 ms against 25.5 / 27.6 by
- * the table loop (bench/results/kernels_cpu_2026-12-06_epyc-zen4-decode-layers-f32-blocks.txt). Every (weight row, x row) pair takes the
- * one-row loop's very adds, so a row's sums are the same in a step of 1, 2 or 3 rows. xsum: Σ x_b
- * (row_sums). NX, NP, R: x rows, P's planes and weight rows, literals (delta_rows_f32). */
+ * columns at a time) sharing each x vector (measured at one_pass_most). Every (weight row, x row)
+ * pair takes the one-row loop's very adds, so a row's sums are the same in a step of 1, 2 or 3 rows.
+ * xsum: Σ x_b (row_sums). NX, NP, R: x rows, P's planes and weight rows, literals (delta_rows_f32). */
 static inline __attribute__((always_inline)) void f32_rows_block(const float *x, int64_t ldx, const float *xsum,
                                                                  const float *w, int64_t ldw, const pass_planes *P,
                                                                  int64_t lds, int64_t d_in, int64_t alpha_stride,
