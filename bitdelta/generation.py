@@ -341,11 +341,18 @@ class Request:
     templated: bool = False  # a rendered chat template: the tokenizer adds no special tokens (BOS) of its own
     priority: int = 0  # lower first, FIFO within a value (vLLM's); orders admission and preemption
     cache_salt: str = ""  # vLLM's: only requests with the same salt share prefix-cached KV blocks
+    # the prompt as token ids instead of text (prompt then ""): used as they are, no special tokens added
+    prompt_token_ids: tuple[int, ...] = ()
 
     def validate(self) -> Request:
-        """self, or GenerationError naming the field (the prompt's limits are each service's)."""
+        """self, or GenerationError naming the field (the prompt's limits are each service's; the
+        ids' range is the worker's, which knows the vocabulary)."""
         if self.model_id:
             check_model_id(self.model_id)
+        if self.prompt and self.prompt_token_ids:
+            raise GenerationError("prompt_token_ids", "the prompt as text or as token ids, not both")
+        if self.prompt_token_ids and self.templated:
+            raise GenerationError("prompt_token_ids", "token ids are not a rendered chat template (templated)")
         if len(self.request_id) > MAX_REQUEST_ID_CHARS:
             raise GenerationError("request_id", f"{len(self.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
         if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
@@ -365,6 +372,7 @@ class Request:
             m.templated,
             m.priority,
             m.cache_salt,
+            tuple(m.prompt_token_ids),
         )
 
 

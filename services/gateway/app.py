@@ -107,12 +107,67 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-class _Generation(Response):
-    """Runs one generation against the router and answers it (JSON or server-sent events), cancelling
-    the router call when the client disconnects (module docstring)."""
+class _Merged:
+    """A batched request's streams as one: every prompt's messages as they arrive (its first already
+    read), each token's choice index moved to its prompt's range (prompt k's choice i is k·n + i). One
+    reader task a stream, in the caller's task group; a stream's error is raised by `next` once the
+    messages before it are read."""
 
-    def __init__(self, router: RouterClient, req: api.Request, metadata: tuple[tuple[str, str], ...], timeout_s: float):
-        self.router, self.req, self.metadata, self.timeout_s = router, req, metadata, timeout_s
+    def __init__(self, firsts: list[pb.GenerateResponse], streams: list, n: int, tg: anyio.abc.TaskGroup):
+        self.ready: list[pb.GenerateResponse] = [self._moved(k, m, n) for k, m in enumerate(firsts)]
+        self.ready.reverse()  # popped from the end: prompt 0's first message first
+        self.send, self.receive = anyio.create_memory_object_stream(float("inf"))
+        self.open = len(streams)
+        for k, stream in enumerate(streams):
+            tg.start_soon(self._read, k, stream, n)
+
+    @staticmethod
+    def _moved(k: int, msg: pb.GenerateResponse, n: int) -> pb.GenerateResponse:
+        for t in msg.tokens:
+            t.index += k * n
+        return msg
+
+    async def _read(self, k: int, stream, n: int) -> None:
+        try:
+            async for msg in stream:
+                self.send.send_nowait(self._moved(k, msg, n))
+        except RouterCallError as e:
+            self.send.send_nowait(e)
+        self.send.send_nowait(None)  # this stream's end
+
+    def close(self) -> None:
+        self.send.close()
+        self.receive.close()
+
+    async def next(self) -> pb.GenerateResponse | None:
+        """The next message of any prompt, or None once every stream has ended."""
+        if self.ready:
+            return self.ready.pop()
+        while self.open:
+            item = await self.receive.receive()
+            if item is None:
+                self.open -= 1
+            elif isinstance(item, RouterCallError):
+                raise item
+            else:
+                return item
+        return None
+
+
+class _Generation(Response):
+    """Runs one request's generations against the router (one per prompt, at once) and answers them
+    (JSON or server-sent events), cancelling the router calls when the client disconnects (module
+    docstring). `echoes`: each prompt's text before its choices' (completions' echo), else None."""
+
+    def __init__(
+        self,
+        router: RouterClient,
+        req: api.Request,
+        metadata: tuple[tuple[str, str], ...],
+        timeout_s: float,
+        echoes: list[str] | None = None,
+    ):
+        self.router, self.req, self.metadata, self.timeout_s, self.echoes = router, req, metadata, timeout_s, echoes
         self.prompt_param = "prompt" if req.kind == "completion" else "messages"
         self.background = None
 
@@ -152,37 +207,66 @@ class _Generation(Response):
         )
         await send({"type": "http.response.body", "body": data})
 
-    async def _respond(self, send: Send) -> None:
+    def _request(self, k: int, prompt: api.Prompt) -> pb.GenerateRequest:
         r = self.req
-        request = pb.GenerateRequest(
+        return pb.GenerateRequest(
             model_id=r.model,
-            prompt=r.prompt,
+            prompt=prompt.text,
+            prompt_token_ids=prompt.token_ids,
             sampling=r.sampling.to_pb(),
-            request_id=r.id,
+            request_id=r.id if len(r.prompts) == 1 else f"{r.id}-{k}",  # vLLM's ids of a batch's prompts
             templated=r.kind == "chat",
             priority=r.priority,
             cache_salt=r.cache_salt,
         )
-        stream = self.router.generate_request(request, timeout_s=self.timeout_s, metadata=self.metadata)
+
+    async def _respond(self, send: Send) -> None:
+        r = self.req
+        streams = [
+            self.router.generate_request(self._request(k, p), timeout_s=self.timeout_s, metadata=self.metadata)
+            for k, p in enumerate(r.prompts)
+        ]
+        firsts: list[pb.GenerateResponse | BaseException | None] = [None] * len(streams)
+
+        async def first(k: int) -> None:
+            try:
+                firsts[k] = await anext(streams[k])
+            except (RouterCallError, StopAsyncIteration) as e:
+                firsts[k] = e
+
         try:
-            try:  # nothing is sent before the first token: errors up to there get their own HTTP status
-                first = await stream.__anext__()
-            except RouterCallError as e:
-                return await self._fail(send, self._error(e))
-            except StopAsyncIteration:
-                return await self._fail(
-                    send,
-                    ApiError(
-                        502, "the router ended the stream without a token", type="server_error", code="empty_stream"
-                    ),
-                )
-            if r.stream:
-                await self._stream(send, first, stream)
-            else:
-                await self._whole(send, first, stream)
+            async with anyio.create_task_group() as tg:
+                # every prompt's first message before anything is sent: errors up to there get their own status
+                for k in range(len(streams)):
+                    tg.start_soon(first, k)
+            for got in firsts:
+                if isinstance(got, RouterCallError):
+                    return await self._fail(send, self._error(got))
+                if not isinstance(got, pb.GenerateResponse):
+                    return await self._fail(
+                        send,
+                        ApiError(
+                            502, "the router ended the stream without a token", type="server_error", code="empty_stream"
+                        ),
+                    )
+            merged: _Merged | None = None
+            try:
+                async with anyio.create_task_group() as tg:
+                    merged = _Merged(firsts, streams, r.sampling.n, tg)
+                    try:
+                        if r.stream:
+                            await self._stream(send, firsts, merged)
+                        else:
+                            await self._whole(send, firsts, merged)
+                    finally:
+                        tg.cancel_scope.cancel()  # the readers of streams that a failure left unread
+            finally:
+                if merged is not None:
+                    merged.close()  # once every reader has stopped
         finally:
             with anyio.CancelScope(shield=True):
-                await stream.aclose()  # cancels the router call if it is still running
+                for stream in streams:
+                    await stream.aclose()  # cancels the router call if it is still running
 
     async def _fail(self, send: Send, e: ApiError) -> None:
         log.info("%s: %d %s", self.req.id, e.status, e.message[:200])
@@ -200,18 +284,17 @@ class _Generation(Response):
             )
         return finish
 
-    async def _whole(self, send: Send, first: pb.GenerateResponse, stream) -> None:
-        msgs = [first]
+    async def _whole(self, send: Send, firsts: list[pb.GenerateResponse], merged: _Merged) -> None:
+        tokens = []
         try:
-            async for msg in stream:
-                msgs.append(msg)
+            while (msg := await merged.next()) is not None:
+                tokens.extend(msg.tokens)
         except RouterCallError as e:
             return await self._fail(send, self._error(e))
         r = self.req
-        echo = r.prompt if r.echo else ""
-        tokens = [t for m in msgs for t in m.tokens]
-        choices, usages = [], []
-        for i in range(r.sampling.n):
+        n = r.sampling.n
+        choices, usages = [], {}
+        for i in range(n * len(r.prompts)):
             mine = [t for t in tokens if t.index == i]
             try:
                 if not mine:
@@ -221,13 +304,16 @@ class _Generation(Response):
                 finish = self._finish(mine[-1])
             except ApiError as e:
                 return await self._fail(send, e)
-            lps = api.logprobs(r, [t.logprobs for t in mine if t.HasField("logprobs")], prompt=first.prompt_logprobs)
-            text = echo + "".join(t.text for t in mine)
+            k = i // n
+            lps = api.logprobs(
+                r, [t.logprobs for t in mine if t.HasField("logprobs")], prompt=firsts[k].prompt_logprobs
+            )
+            text = (self.echoes[k] if self.echoes else "") + "".join(t.text for t in mine)
             choices.append(dataclasses.replace(api.with_tool_calls(r, text, finish), logprobs=lps))
-            usages.append(mine[-1].usage)
-        await self._send_json(send, 200, api.response(r, choices, api.total_usage(usages)))
+            usages[i] = mine[-1].usage
+        await self._send_json(send, 200, api.response(r, choices, api.total_usage(usages, n)))
 
-    async def _stream(self, send: Send, first: pb.GenerateResponse, stream) -> None:
+    async def _stream(self, send: Send, firsts: list[pb.GenerateResponse], merged: _Merged) -> None:
         r = self.req
         await send(
             {
@@ -244,24 +330,27 @@ class _Generation(Response):
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
         n = r.sampling.n
+        total = n * len(r.prompts)
         if r.kind == "chat":  # OpenAI's first chat chunk of each choice: the role
-            for i in range(n):
+            for i in range(total):
                 await body(_sse(api.chunk(r, "", first=True, index=i)))
-        offset = 0
-        if r.echo:  # each choice starts with the prompt (and its tokens' logprobs)
-            lp = api.logprobs(r, [], prompt=first.prompt_logprobs)
-            offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp else 0
-            for i in range(n):
-                await body(_sse(api.chunk(r, r.prompt, logprobs=lp, index=i)))
-        msg: pb.GenerateResponse | None = first
-        usages, offsets = [], [offset] * n
+        offsets = [0] * total
+        if self.echoes:  # each choice starts with its prompt (and its tokens' logprobs)
+            for k, echo in enumerate(self.echoes):
+                lp = api.logprobs(r, [], prompt=firsts[k].prompt_logprobs)
+                offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp else 0
+                for i in range(k * n, (k + 1) * n):
+                    offsets[i] = offset
+                    await body(_sse(api.chunk(r, echo, logprobs=lp, index=i)))
+        usages: dict[int, gen_pb.Usage] = {}
         # tools: each choice's text from where a call may begin is held, and sent as tool_calls at its end
-        calls = [CallStream(r.tool_format) for _ in range(n)] if r.tools is not None and r.tools.parsed else None
+        calls = [CallStream(r.tool_format) for _ in range(total)] if r.tools is not None and r.tools.parsed else None
         # One SSE event per token (the chunks a per-token stream gives), a router message's events in one
         # write: a message holds every token the router had ready, so a slow client costs fewer writes.
         events: list[bytes] = []
         try:
-            while len(usages) < n:
+            while len(usages) < total:
+                msg = await merged.next()
                 if msg is None:
                     raise ApiError(
                         502,
@@ -285,16 +374,14 @@ class _Generation(Response):
                             if made:
                                 events.append(_sse(api.chunk(r, None, tool_calls=made, index=i)))
                         events.append(_sse(api.chunk(r, None if r.kind == "chat" else "", finish, index=i)))
-                        usages.append(tok.usage)
-                        if len(usages) == n:
+                        usages[i] = tok.usage
+                        if len(usages) == total:
                             break
                 if events:
                     await body(b"".join(events))
                     events.clear()
-                if len(usages) < n:
-                    msg = await anext(stream, None)
             if r.include_usage:
-                await body(_sse(api.usage_chunk(r, api.total_usage(usages))))
+                await body(_sse(api.usage_chunk(r, api.total_usage(usages, n))))
         except RouterCallError as e:  # after the first token: the status is sent, so the error is an event
             err = self._error(e)
             log.info("%s: stream ended by %d %s", r.id, err.status, err.message[:200])
@@ -449,11 +536,32 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
             except GenerationError as e:
                 raise api.constraint_error(req, e) from None
 
+    tokens = Tokens(config.tokenizer) if config.tokenizer is not None else None
+
+    def echoes(req: api.Request) -> list[str] | None:
+        """Each prompt's text for `echo` (token ids decoded with the gateway's tokenizer), else None."""
+        if not req.echo:
+            return None
+        if tokens is None and any(p.token_ids for p in req.prompts):
+            raise api.invalid(
+                "echo",
+                "echo with a token-id prompt: start the gateway with --tokenizer (the base's directory) "
+                "to write the prompt's text",
+                code="tokenizer_missing",
+            )
+        vocab = tokens.tokenizer.get_vocab_size(with_added_tokens=True) if tokens is not None else 0
+        out = []
+        for k, p in enumerate(req.prompts):
+            if p.token_ids and max(p.token_ids) >= vocab:
+                raise api.invalid("prompt", f"prompt[{k}]: {max(p.token_ids)} is not a token of this model")
+            out.append(tokens.detokenize(list(p.token_ids))["prompt"] if p.token_ids else p.text)
+        return out
+
     async def completions(request: HttpRequest) -> Response:
         req = api.parse_completion(await read_json(request), config.completion_default_max_tokens)
         request.state.model = req.model  # the metrics' label (_Measured)
         await check_constraint(req)
-        return _Generation(state["router"], req, metadata(request), config.request_timeout_s)
+        return _Generation(state["router"], req, metadata(request), config.request_timeout_s, echoes(req))
 
     async def chat_completions(request: HttpRequest) -> Response:
         req = api.parse_chat(await read_json(request))
@@ -461,7 +569,8 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
         template = templates.for_model(req.model)
         tools = req.tools
         try:
-            req.prompt = template.render(req.messages, tools=[t.to_template() for t in tools.tools] if tools else None)
+            text = template.render(req.messages, tools=[t.to_template() for t in tools.tools] if tools else None)
+            req.prompts = (api.Prompt(text=text),)
         except ChatTemplateError as e:
             raise api.invalid("messages", str(e), code="chat_template_error") from None
         if tools is not None:
@@ -477,8 +586,6 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
                 req.constraint_param = "tool_choice"
         await check_constraint(req)
         return _Generation(state["router"], req, metadata(request), config.request_timeout_s)
-
-    tokens = Tokens(config.tokenizer) if config.tokenizer is not None else None
 
     async def known_model(request: HttpRequest, body: Any) -> str:
         """The body's model, which the router must list (404 otherwise)."""

@@ -36,13 +36,20 @@ class Field:
         return self.completion if kind == "completion" else self.chat
 
 
+MAX_PROMPTS = 64  # prompts in one completions request (each its own generation; the body's size bounds them too)
 LATER = "not yet served"
 GUIDED = "the output constrained by its grammar (docs/structured-output.md); one constraint per request"
 RAW = "from the model's raw logits (before penalties, bias, masks, temperature: vLLM's raw_logprobs)"
 FIELDS: tuple[Field, ...] = (
     # -- OpenAI's --------------------------------------------------------------------------------------
     Field("model", HON, HON, "OpenAI", "the base or a variant (`/v1/models`)"),
-    Field("prompt", HON, None, "OpenAI", "one string (token ids: refused)"),
+    Field(
+        "prompt",
+        HON,
+        None,
+        "OpenAI",
+        f"a string, token ids, or a list of up to {MAX_PROMPTS} of either (choice k·n + i: prompt k's i-th)",
+    ),
     Field("messages", None, HON, "OpenAI", "text content (a string or text parts), rendered with the chat template"),
     Field("max_tokens", HON, HON, "OpenAI", "beyond the context the prompt leaves: 400 naming both"),
     Field("max_completion_tokens", None, HON, "OpenAI", "as max_tokens"),

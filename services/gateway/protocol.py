@@ -105,7 +105,7 @@ def error_of_rpc(code: grpc.StatusCode, details: str, prompt_param: str = "promp
     if status == 400:
         m = _PARAM_RE.match(details)
         if m:
-            param = prompt_param if m.group(1) == "prompt" else param_of(m.group(1))
+            param = prompt_param if m.group(1) in ("prompt", "prompt_token_ids") else param_of(m.group(1))
     elif status == 404:
         param = "model"
     return ApiError(status, details or code.name, type=type_, param=param, code=code_name)
@@ -114,13 +114,23 @@ def error_of_rpc(code: grpc.StatusCode, details: str, prompt_param: str = "promp
 # -- requests ----------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: its text, or token ids used as they are (vLLM's token prompts; `text` then "")."""
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+
+
 @dataclass
 class Request:
     """One generation asked for in OpenAI's terms, ready for the router."""
 
     kind: str  # "completion" or "chat"
     model: str
-    prompt: str = ""  # completions: the prompt; chat: filled in by the app after rendering
+    # completions: 1 to MAX_PROMPTS (fields), each its own generation of n choices (prompt k's choice i is choice
+    # k·n + i, as in vLLM); chat: the rendered template, filled in by the app
+    prompts: tuple[Prompt, ...] = ()
     messages: list[dict[str, Any]] = field(default_factory=list)
     sampling: Sampling = field(default_factory=Sampling)  # max_new_tokens 0: the router's default
     stream: bool = False
@@ -263,13 +273,40 @@ def _boolean(body: dict, name: str) -> bool:
     return v
 
 
+def _are_ids(v: Any) -> bool:
+    """A list of token ids: integers in uint32's range (the worker checks them against its vocabulary)."""
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in v)
+
+
 def _token_ids(body: dict, name: str) -> tuple[int, ...]:
     v = body.get(name)
     if v is None:
         return ()
-    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
+    if not _are_ids(v):
         raise invalid(name, f"{name} must be a list of token ids (integers >= 0)")
     return tuple(v)
+
+
+def _prompts(v: Any) -> tuple[Prompt, ...]:
+    """OpenAI's `prompt`: a string, token ids, or a list of up to MAX_PROMPTS (fields) of either (none empty)."""
+    what = f"a non-empty string, a non-empty list of token ids (integers >= 0), or a list of up to {fields.MAX_PROMPTS} of either"
+    if isinstance(v, str) and v:
+        return (Prompt(text=v),)
+    if not isinstance(v, list) or not v:
+        raise invalid("prompt", f"prompt must be {what}")
+    if _are_ids(v):
+        return (Prompt(token_ids=tuple(v)),)
+    if len(v) > fields.MAX_PROMPTS:
+        raise invalid("prompt", f"prompt: {len(v)} prompts; at most {fields.MAX_PROMPTS} in one request")
+    out = []
+    for k, p in enumerate(v):
+        if isinstance(p, str) and p:
+            out.append(Prompt(text=p))
+        elif p and _are_ids(p):
+            out.append(Prompt(token_ids=tuple(p)))
+        else:
+            raise invalid("prompt", f"prompt[{k}] must be a non-empty string or a non-empty list of token ids")
+    return tuple(out)
 
 
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
@@ -429,16 +466,7 @@ def parse_completion(body: Any, default_max_tokens: int) -> Request:
     n = _integer(body, "logprobs", 0, MAX_LOGPROBS)  # an int: the alternatives (0: the sampled token's alone)
     r.echo = _boolean(body, "echo")
     r.sampling = dataclasses.replace(r.sampling, logprobs=n, prompt_logprobs=n if r.echo else None)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        raise invalid("prompt", f"one prompt per request: got a list of {len(prompt)}")
-    if isinstance(prompt, list):
-        raise invalid("prompt", "prompt must be a string (token ids are not accepted)")
-    if not isinstance(prompt, str) or not prompt:
-        raise invalid("prompt", "prompt must be a non-empty string")
-    r.prompt = prompt
+    r.prompts = _prompts(body.get("prompt"))
     mt = _integer(body, "max_tokens", 1, 1 << 31)
     return _with_max_tokens(r, default_max_tokens if mt is None else mt)
 
@@ -522,9 +550,13 @@ def parse_chat(body: Any) -> Request:
 # -- responses ---------------------------------------------------------------------------------------------
 
 
-def total_usage(us: list[gen_pb.Usage]) -> gen_pb.Usage:
-    """The request's usage from its choices' (one prompt, every choice's tokens)."""
-    return gen_pb.Usage(prompt_tokens=us[0].prompt_tokens, completion_tokens=sum(u.completion_tokens for u in us))
+def total_usage(us: dict[int, gen_pb.Usage], n: int) -> gen_pb.Usage:
+    """The request's usage from its choices' (by choice index, n a prompt): each prompt's tokens once,
+    every choice's tokens."""
+    return gen_pb.Usage(
+        prompt_tokens=sum(u.prompt_tokens for i, u in us.items() if i % n == 0),
+        completion_tokens=sum(u.completion_tokens for u in us.values()),
+    )
 
 
 def usage(u: gen_pb.Usage) -> dict:

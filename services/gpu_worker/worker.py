@@ -286,6 +286,29 @@ class Worker:
                 for ev in ready:
                     yield ev
 
+    async def _prompt_ids(self, p: Request) -> list[int]:
+        """The prompt's tokens: its token ids as they are (each checked against the vocabulary), or its
+        text tokenized."""
+        if p.prompt_token_ids:
+            vocab = self.args.vocab_size
+            bad = next((t for t in p.prompt_token_ids if t >= vocab), None)
+            if bad is not None:
+                raise InvalidArgument(f"prompt_token_ids: {bad} is not a token of this model (0 to {vocab - 1})")
+            return list(p.prompt_token_ids)
+        limit = self.config.max_prompt_bytes
+        if len(p.prompt) > limit or len(p.prompt.encode()) > limit:  # characters <= bytes: cheap test first
+            raise InvalidArgument(
+                f"the prompt has {len(p.prompt.encode())} bytes; this worker accepts at most "
+                f"{limit} (--max-prompt-bytes)"
+            )
+        # Off the loop, through encode_batch, which releases the GIL (encode holds it throughout);
+        # `.ids` builds the Python list, so that happens on the thread too.
+        # A rendered chat template wrote its own BOS: the tokenizer must not add a second one.
+        specials = not p.templated
+        return await asyncio.to_thread(
+            lambda: self.tokenizer.encode_batch([p.prompt], add_special_tokens=specials)[0].ids
+        )
+
     async def stream(self, p: Request) -> AsyncIterator[list[TokenEvent]]:
         """The request's tokens as they come: each item every token ready when the consumer asks
         (one when it keeps up; at most --stream-max-tokens), in order, choices interleaved. The
@@ -297,19 +320,7 @@ class Worker:
         p.sampling.check_vocab(self.args.vocab_size)
         name = None if self.is_base(p.model_id) else p.model_id
         sp = p.sampling
-        limit = self.config.max_prompt_bytes
-        if len(p.prompt) > limit or len(p.prompt.encode()) > limit:  # characters <= bytes: cheap test first
-            raise InvalidArgument(
-                f"the prompt has {len(p.prompt.encode())} bytes; this worker accepts at most "
-                f"{limit} (--max-prompt-bytes)"
-            )
-        # Off the loop, through encode_batch, which releases the GIL (encode holds it throughout);
-        # `.ids` builds the Python list, so that happens on the thread too.
-        # A rendered chat template wrote its own BOS: the tokenizer must not add a second one.
-        specials = not p.templated
-        ids = await asyncio.to_thread(
-            lambda: self.tokenizer.encode_batch([p.prompt], add_special_tokens=specials)[0].ids
-        )
+        ids = await self._prompt_ids(p)
         if not ids:
             if self.args.bos_token_id is None:
                 raise InvalidArgument("the prompt is empty and the model has no BOS token to start from")

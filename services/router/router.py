@@ -94,11 +94,16 @@ class Router:
     # -- Generate ------------------------------------------------------------------------------------
     def validate(self, p: Request) -> None:
         p.validate()
-        if not p.prompt:
+        if not p.prompt and not p.prompt_token_ids:
             raise InvalidArgument("prompt: must not be empty")
-        n = len(p.prompt.encode("utf-8", "surrogatepass"))
         limit = self.config.max_prompt_bytes
-        if n > limit:
+        if p.prompt_token_ids:  # as on the wire: up to 4 bytes an id
+            if 4 * len(p.prompt_token_ids) > limit:
+                raise InvalidArgument(
+                    f"prompt_token_ids: {len(p.prompt_token_ids)} ids (4 bytes each) is more than this router "
+                    f"accepts ({limit} bytes)"
+                )
+        elif (n := len(p.prompt.encode("utf-8", "surrogatepass"))) > limit:
             raise InvalidArgument(f"prompt: {n} bytes is more than this router accepts ({limit})")
         if p.sampling.max_new_tokens > self.config.max_new_tokens_limit:
             raise InvalidArgument(

@@ -370,7 +370,14 @@ async def test_chat_template_loading(tmp_path):
         ("/v1/chat/completions", {"model": "v0", "messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
         ("/v1/chat/completions", {"model": "v0", "messages": CHAT, "logprobs": 2}, 400, "logprobs", "true or false"),
         ("/v1/completions", {"model": "v0", "prompt": ""}, 400, "prompt", "prompt"),
-        ("/v1/completions", {"model": "v0", "prompt": [1, 2, 3]}, 400, "prompt", "token ids"),
+        ("/v1/completions", {"model": "v0", "prompt": [1, -2, 3]}, 400, "prompt", "token ids"),
+        ("/v1/completions", {"model": "v0", "prompt": [[1], ""]}, 400, "prompt", "prompt[1]"),
+        ("/v1/completions", {"model": "v0", "prompt": [[]]}, 400, "prompt", "prompt[0]"),
+        ("/v1/completions", {"model": "v0", "prompt": [[[1]]]}, 400, "prompt", "prompt[0]"),
+        ("/v1/completions", {"model": "v0", "prompt": [True]}, 400, "prompt", "prompt[0]"),
+        ("/v1/completions", {"model": "v0", "prompt": ["hi"] * 65}, 400, "prompt", "at most 64"),
+        ("/v1/completions", {"model": "v0", "prompt": [10**6]}, 400, "prompt", "not a token of this model"),
+        ("/v1/completions", {"model": "v0", "prompt": ["hi", [10**6]]}, 400, "prompt", "not a token of this model"),
         ("/v1/completions", {"model": "v0", "prompt": "x" * 5000}, 400, "prompt", "bytes"),  # the router's limit
         ("/v1/completions", {"prompt": "hi"}, 400, "model", "model"),
         ("/v1/completions", {"model": "../etc/passwd", "prompt": "hi"}, 400, "model", "model_id"),
@@ -624,6 +631,72 @@ async def test_echo_returns_the_prompt_and_its_logprobs_from_transformers_raw_lo
         t for ch in chunks[1:] if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.token_logprobs
     ]
     assert toks == pytest.approx(lp.token_logprobs[P:], abs=1e-5)
+
+
+async def test_token_id_prompts_and_batched_prompts_answer_as_single_requests(clients, cluster, family):
+    """`prompt` as token ids (vLLM's token prompts: used as they are) answers as the same prompt as
+    text; a list of prompts (text and ids mixed) answers as one request each, prompt k's choice i at
+    index k·n + i (vLLM's order), whole and streamed, the usage summed; and the shape
+    lm-evaluation-harness's local-completions sends for log-likelihoods (a batch of token-id prompts,
+    echo, logprobs 1, max_tokens 1) gives each prompt's own tokens and log-probabilities."""
+    from tokenizers import Tokenizer
+
+    client, _, _ = clients
+    tok = Tokenizer.from_file(str(family.base / "tokenizer.json"))
+    texts = ["The quick brown fox", "abc xyz", "Hello world"]
+    ids = [tok.encode(t).ids for t in texts]
+    kw = dict(model="v1", max_tokens=N, temperature=0.8, seed=4, n=2)
+    singles = [await client.completions.create(prompt=t, **kw) for t in texts]
+    by_ids = await client.completions.create(prompt=ids[0], **kw)
+    assert [c.text for c in by_ids.choices] == [c.text for c in singles[0].choices]
+    assert by_ids.usage.prompt_tokens == len(ids[0]) == singles[0].usage.prompt_tokens
+
+    batch = [texts[0], ids[1], texts[2]]  # text and ids mixed
+    r = await client.completions.create(prompt=batch, **kw)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [c.text for s in singles for c in s.choices]
+    assert r.usage.prompt_tokens == sum(len(i) for i in ids) and r.usage.completion_tokens == 6 * N
+
+    stream = await client.completions.create(prompt=batch, stream=True, stream_options={"include_usage": True}, **kw)
+    parts, finishes, usage = [""] * 6, {}, None
+    async for ch in stream:
+        usage = ch.usage or usage
+        for c in ch.choices:
+            parts[c.index] += c.text
+            if c.finish_reason is not None:
+                assert c.index not in finishes, "one finish per choice"
+                finishes[c.index] = c.finish_reason
+    assert parts == [c.text for c in r.choices] and sorted(finishes) == list(range(6))
+    assert (usage.prompt_tokens, usage.completion_tokens) == (r.usage.prompt_tokens, r.usage.completion_tokens)
+
+    # lm-evaluation-harness's log-likelihood request, against the text prompts' echo one at a time
+    ll = await client.completions.create(model="v0", prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    assert [c.index for c in ll.choices] == [0, 1, 2]
+    for k, c in enumerate(ll.choices):
+        one = await client.completions.create(
+            model="v0", prompt=texts[k], max_tokens=1, temperature=0, logprobs=1, echo=True
+        )
+        assert c.text == one.choices[0].text and c.text.startswith(texts[k])
+        lp, want = c.logprobs, one.choices[0].logprobs
+        assert len(lp.tokens) == len(ids[k]) + 1 and lp.tokens == want.tokens
+        assert lp.token_logprobs[0] is None and lp.token_logprobs[1:] == pytest.approx(
+            want.token_logprobs[1:], abs=1e-5
+        )
+
+    # echo writes a token-id prompt's text: a gateway without a tokenizer cannot
+    got, err = await asyncio.to_thread(
+        http,
+        cluster.g_plain,
+        "POST",
+        "/v1/completions",
+        json.dumps({"model": "v0", "prompt": ids[0], "echo": True, "max_tokens": 1}).encode(),
+    )
+    assert_error_shape(err, 400, got, "echo", "--tokenizer")
+    plain = await oai(cluster.g_plain).completions.create(model="v0", prompt=ids, max_tokens=N, temperature=0)
+    assert [c.text for c in plain.choices] == [
+        (await client.completions.create(model="v0", prompt=t, max_tokens=N, temperature=0)).choices[0].text
+        for t in texts
+    ]
 
 
 async def test_the_gateways_own_metrics_bound_the_model_label(clients, cluster):
@@ -884,17 +957,18 @@ async def test_authorization_is_forwarded_to_the_router(cluster, tmp_path):
 # -- disconnects -------------------------------------------------------------------------------------------
 
 
-async def test_a_client_that_disconnects_mid_stream_frees_the_sequence(clients, cluster):
+@pytest.mark.parametrize("prompt", ["x", ["x", [100, 101, 102]]], ids=["one", "batched"])
+async def test_a_client_that_disconnects_mid_stream_frees_the_sequence(clients, cluster, prompt):
     """Read the first streamed token, freeze the worker (SIGSTOP: the generation cannot finish on its
     own), hang up. The router must drop the request (its in_flight goes to 0 while the worker is still
     frozen: only a cancellation from the gateway can do that); once the worker runs again it frees the
-    sequence (Status: running == 0, kv_tokens_used == 0)."""
+    sequence (Status: running == 0, kv_tokens_used == 0). Batched: every prompt's call is dropped."""
     _, router, worker = clients
     base = "v0"  # a variant: ListModels lists it (with in_flight) even while its only worker is frozen
     host, port = cluster.g.address.rsplit(":", 1)
     # sampled: a step at a time (greedy decode bursts could end the generation before the SIGSTOP)
     body = json.dumps(
-        {"model": base, "prompt": "x", "max_tokens": 240, "temperature": 0.7, "seed": 1, "stream": True}
+        {"model": base, "prompt": prompt, "max_tokens": 200, "temperature": 0.7, "seed": 1, "stream": True}
     ).encode()
     sock = socket.create_connection((host, int(port)), timeout=T)
     frozen = False
@@ -917,7 +991,7 @@ async def test_a_client_that_disconnects_mid_stream_frees_the_sequence(clients, 
             pass
         assert b"[DONE]" not in got, "the generation finished before the worker was frozen: make it longer"
         models = {m.model_id: m for m in await router.list_models()}
-        assert models[base].in_flight == 1
+        assert models[base].in_flight == (1 if isinstance(prompt, str) else len(prompt))
     finally:
         sock.close()
     try:
@@ -936,6 +1010,7 @@ async def test_a_client_that_disconnects_mid_stream_frees_the_sequence(clients, 
         assert time.monotonic() < deadline, f"the worker kept the sequence: {st}"
         await asyncio.sleep(0.05)
     assert "client disconnected" in cluster.g.log_text()
+    assert "Traceback" not in cluster.g.log_text(), "a cancelled generation must end without an error"
     deadline = time.monotonic() + 30
     while not all(w.up for w in await router.list_workers()):  # it may have been marked down while frozen
         assert time.monotonic() < deadline, "the router never saw the worker up again"

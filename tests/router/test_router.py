@@ -221,6 +221,40 @@ async def test_bad_requests_get_a_clear_status(clients, model, prompt, kw, code,
     assert len(tokens(await run(router, "v0", "still fine", n=2))) >= 1  # the next normal request is served
 
 
+async def test_token_id_prompts_are_run_as_they_are(clients, family):
+    """prompt_token_ids: the router passes them on and the worker runs them as they are (no special
+    tokens added), so the text's own ids give its tokens, through the router and at a worker; ids past
+    the vocabulary, text and ids at once, ids on a chat template's turn and more ids than the router's
+    byte limit are INVALID_ARGUMENT naming prompt_token_ids."""
+    from tokenizers import Tokenizer
+
+    from bitdelta.common.v1 import generation_pb2 as gen_pb
+
+    router, workers, _ = clients
+    ids = Tokenizer.from_file(str(family.base / "tokenizer.json")).encode(PROMPTS["v0"]).ids
+    want = await worker_tokens(workers[0], "v0", PROMPTS["v0"])
+    sp = gen_pb.SamplingParams(max_new_tokens=N)
+    got = [
+        t.token_id
+        async for m in router.generate_request(pb.GenerateRequest(model_id="v0", prompt_token_ids=ids, sampling=sp))
+        for t in m.tokens
+    ]
+    assert got == want
+    wreq = wpb.GenerateRequest(model_id="v0", prompt_token_ids=ids, sampling=sp)
+    assert [m.token_id async for m in workers[0].generate(wreq)] == want
+    for bad, words in (
+        (dict(prompt_token_ids=[10**6]), "not a token of this model"),
+        (dict(prompt="hi", prompt_token_ids=ids), "not both"),
+        (dict(prompt_token_ids=ids, templated=True), "chat template"),
+        (dict(prompt_token_ids=[1] * 1025), "4 bytes each"),  # the router's --max-prompt-bytes 4096
+    ):
+        with pytest.raises(RouterCallError) as e:
+            [m async for m in router.generate_request(pb.GenerateRequest(model_id="v0", sampling=sp, **bad))]
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT, e.value.details
+        assert e.value.details.startswith("prompt_token_ids:") and words in e.value.details, e.value.details
+    assert len(tokens(await run(router, "v0", "still fine", n=2))) >= 1
+
+
 async def test_wrong_base_delta_is_refused_and_others_keep_serving(clients, family):
     router, _, _ = clients
     with pytest.raises(RouterCallError) as e:

@@ -38,4 +38,5 @@ def request_to_pb(req: Request) -> pb.GenerateRequest:
         templated=req.templated,
         priority=req.priority,
         cache_salt=req.cache_salt,
+        prompt_token_ids=req.prompt_token_ids,
     )
