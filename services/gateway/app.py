@@ -569,7 +569,13 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
         template = templates.for_model(req.model)
         tools = req.tools
         try:
-            text = template.render(req.messages, tools=[t.to_template() for t in tools.tools] if tools else None)
+            text = template.render(
+                req.messages,
+                add_generation_prompt=req.add_generation_prompt,
+                tools=[t.to_template() for t in tools.tools] if tools else None,
+                continue_final_message=req.continue_final_message,
+                template_kwargs=req.template_kwargs,
+            )
             req.prompts = (api.Prompt(text=text),)
         except ChatTemplateError as e:
             raise api.invalid("messages", str(e), code="chat_template_error") from None
@@ -611,9 +617,15 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
         body = await read_json(request)
         model = await known_model(request, body)
         if "messages" in body:
-            r = api.parse_chat({"model": model, "messages": body["messages"]})
+            how = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+            r = api.parse_chat({"model": model, "messages": body["messages"], **{k: body[k] for k in how if k in body}})
             try:
-                text = templates.for_model(model).render(r.messages)
+                text = templates.for_model(model).render(
+                    r.messages,
+                    add_generation_prompt=r.add_generation_prompt,
+                    continue_final_message=r.continue_final_message,
+                    template_kwargs=r.template_kwargs,
+                )
             except ChatTemplateError as e:
                 raise api.invalid("messages", str(e), code="chat_template_error") from None
             return JSONResponse(tokens.tokenize(text, add_special_tokens=False))  # the template wrote its own

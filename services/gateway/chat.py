@@ -14,6 +14,8 @@ environment with `trim_blocks` and `lstrip_blocks`, the `raise_exception(msg)` a
 from __future__ import annotations
 
 import json
+import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -25,6 +27,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+MAX_TEMPLATE_KWARGS = 32  # vLLM's chat_template_kwargs in one request
 JINJA_NAME = "chat_template.jinja"  # where transformers >= 4.43 saves the template
 CONFIG_NAME = "tokenizer_config.json"  # where older ones (and the Hub's SmolLM2-Instruct) keep it
 
@@ -64,6 +67,22 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """vLLM's chat_template_kwargs (e.g. Qwen3's enable_thinking): an object of at most
+    MAX_TEMPLATE_KWARGS variables for the template, none of the names the renderer sets itself
+    (messages, tools, the flags, the special tokens, the helpers). Raises ChatTemplateError."""
+    if not isinstance(kwargs, dict):
+        raise ChatTemplateError("chat_template_kwargs must be an object of template variables")
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise ChatTemplateError(f"chat_template_kwargs: {len(kwargs)} variables; at most {MAX_TEMPLATE_KWARGS}")
+    reserved = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"}
+    reserved |= set(SPECIAL_TOKEN_KEYS) | set(_environment().globals)
+    for name in kwargs:
+        if not name.isidentifier() or name in reserved:
+            raise ChatTemplateError(f"chat_template_kwargs: {name[:40]!r} is not a variable a request may set")
+    return dict(kwargs)
 
 
 def _token_text(v: Any) -> str | None:
@@ -139,13 +158,31 @@ class ChatTemplate:
         return cached
 
     def render(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text for `messages` (OpenAI's role/content dicts, with assistant tool_calls and
-        tool results), ending with the assistant's turn; `tools` as transformers passes them (OpenAI's
-        function definitions; None: no tools)."""
+        tool results), ending with the assistant's turn (`add_generation_prompt`); `tools` as
+        transformers passes them (OpenAI's function definitions; None: no tools).
+        `continue_final_message`: instead the text ends inside the last message, right after its
+        content, for the model to go on with it (transformers' way: the content is rendered with a
+        marker after it and the text cut there; a template that does not write the content as it
+        is refuses). `template_kwargs`: further template variables (`check_template_kwargs`)."""
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError("continue_final_message needs add_generation_prompt: false")
+        marker = f"BITDELTA_CONTINUE_{uuid.uuid4().hex} "  # its space shows whether the template trims
+        if continue_final_message:
+            last = messages[-1]
+            if not isinstance(last.get("content"), str) or not last["content"]:
+                raise ChatTemplateError("continue_final_message: the final message has no text to continue")
+            messages = [*messages[:-1], {**last, "content": last["content"] + marker}]
         try:
-            return self._compiled().render(
+            text = self._compiled().render(
+                **dict(template_kwargs or {}),
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
@@ -158,3 +195,11 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise ChatTemplateError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
+        if not continue_final_message:
+            return text
+        at = text.rfind(marker.strip())
+        if at < 0 or messages[-1]["content"][: -len(marker)].strip() not in text:
+            raise ChatTemplateError(
+                "continue_final_message: the chat template does not write the final message's text as it is"
+            )
+        return text[:at] if text.startswith(marker, at) else text[:at].rstrip()

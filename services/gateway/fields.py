@@ -143,10 +143,24 @@ FIELDS: tuple[Field, ...] = (
     Field("spaces_between_special_tokens", REF, REF, "vLLM", "not served", off=(True,)),
     Field("truncate_prompt_tokens", REF, REF, "vLLM", "a prompt too long is 400, never cut"),
     Field("add_special_tokens", REF, REF, "vLLM", "the server decides (chat: the template's own)"),
-    Field("add_generation_prompt", None, REF, "vLLM", "always on", off=(True,)),
-    Field("continue_final_message", None, REF, "vLLM", "not served", off=(False,)),
+    Field(
+        "add_generation_prompt", None, HON, "vLLM", "default true: the template's assistant header after the messages"
+    ),
+    Field(
+        "continue_final_message",
+        None,
+        HON,
+        "vLLM",
+        "the prompt ends inside the last message, after its text (needs add_generation_prompt false)",
+    ),
     Field("chat_template", None, REF, "vLLM", "the gateway's templates only (`--chat-template`)"),
-    Field("chat_template_kwargs", None, REF, "vLLM", "not served"),
+    Field(
+        "chat_template_kwargs",
+        None,
+        HON,
+        "vLLM",
+        "variables for the chat template (e.g. Qwen3's enable_thinking); not its own names",
+    ),
     Field("documents", None, REF, "vLLM", "not served"),
     Field("mm_processor_kwargs", None, REF, "vLLM", "text only"),
     Field("guided_json", HON, HON, "vLLM", "a JSON schema (an object or its JSON text): " + GUIDED),

@@ -31,6 +31,7 @@ from bitdelta.generation import (
 )
 from bitdelta.rpc.errors import without_addresses
 from services.gateway import fields
+from services.gateway.chat import ChatTemplateError, check_template_kwargs
 from services.gateway.tools import Call, CallStream, ToolError, ToolFormat, Tools, parse_tools
 
 MAX_STOP = 4  # OpenAI's limit on `stop` strings
@@ -140,6 +141,10 @@ class Request:
     constraint_param: str | None = None  # the field sampling.constraint came from (errors name it)
     cache_salt: str = ""  # vLLM's: only requests with the same salt share prefix-cached KV blocks
     tools: Tools | None = None  # chat: the tools, tool_choice and parallel_tool_calls
+    # chat, vLLM's: how the template renders the messages (chat.ChatTemplate.render)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
     tool_format: ToolFormat = ToolFormat.HERMES  # how the model's chat template writes a call (the app sets it)
     id: str = ""
     created: int = 0
@@ -264,10 +269,10 @@ def _common(body: Any, kind: str) -> Request:
     )
 
 
-def _boolean(body: dict, name: str) -> bool:
+def _boolean(body: dict, name: str, default: bool = False) -> bool:
     v = body.get(name)
     if v is None:
-        return False
+        return default
     if not isinstance(v, bool):
         raise invalid(name, f"{name} must be true or false")
     return v
@@ -542,6 +547,17 @@ def parse_chat(body: Any) -> Request:
             msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     r.messages = out
+    r.add_generation_prompt = _boolean(body, "add_generation_prompt", default=True)
+    r.continue_final_message = _boolean(body, "continue_final_message")
+    if r.continue_final_message and r.add_generation_prompt:
+        raise invalid(
+            "continue_final_message", "continue_final_message needs add_generation_prompt: false (vLLM's rule)"
+        )
+    if body.get("chat_template_kwargs") is not None:
+        try:
+            r.template_kwargs = check_template_kwargs(body["chat_template_kwargs"])
+        except ChatTemplateError as e:
+            raise invalid("chat_template_kwargs", str(e)) from None
     mt = _integer(body, "max_completion_tokens", 1, 1 << 31)
     mt = _integer(body, "max_tokens", 1, 1 << 31) if mt is None else mt
     return _with_max_tokens(r, mt or 0)

@@ -269,6 +269,45 @@ async def test_chat_renders_the_template_and_equals_the_router(clients, model, r
     assert not any(c.choices[0].finish_reason for c in chunks[:-1])
 
 
+async def test_chat_render_fields_of_vllm(clients, cluster):
+    """vLLM's chat request fields reach the template: add_generation_prompt false ends the prompt after
+    the messages, continue_final_message ends it inside the last one (the model goes on with it), each
+    the router's text for the prompt rendered by hand; /tokenize renders the same; chat_template_kwargs
+    reaches the template (this one reads none: the same answer) unless it names the renderer's own
+    variables; the two flags together are 400."""
+    client, router, _ = clients
+    kw = dict(model="v0", max_tokens=N, temperature=0)
+    no_header = BASE_RENDERED.removesuffix(f"{BOS}assistant: ")
+    want, _ = await router_text(router, "v0", no_header)
+    r = await client.chat.completions.create(messages=CHAT, extra_body={"add_generation_prompt": False}, **kw)
+    assert r.choices[0].message.content == want
+    turns = [*CHAT, {"role": "assistant", "content": "Hello, I am"}]
+    rendered = f"{no_header}{BOS}assistant: Hello, I am"  # the template's "\n" after the content is cut
+    want, msgs = await router_text(router, "v0", rendered)
+    body = {"add_generation_prompt": False, "continue_final_message": True}
+    r = await client.chat.completions.create(messages=turns, extra_body=body, **kw)
+    assert r.choices[0].message.content == want and r.usage.prompt_tokens == msgs[-1].usage.prompt_tokens
+    got, tok = await asyncio.to_thread(
+        http, cluster.g, "POST", "/tokenize", json.dumps({"model": "v0", "messages": turns, **body}).encode()
+    )
+    assert got == 200 and tok["count"] == r.usage.prompt_tokens
+    plain = await client.chat.completions.create(messages=CHAT, **kw)
+    same = await client.chat.completions.create(messages=CHAT, extra_body={"chat_template_kwargs": {"x": 1}}, **kw)
+    assert same.choices[0].message.content == plain.choices[0].message.content
+    for extra, param, words in (
+        ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt: false"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "'messages'"),
+        ({"chat_template_kwargs": {"bos_token": "x"}}, "chat_template_kwargs", "'bos_token'"),
+        ({"chat_template_kwargs": {"raise_exception": 1}}, "chat_template_kwargs", "raise_exception"),
+        ({"chat_template_kwargs": [1]}, "chat_template_kwargs", "object"),
+        ({"chat_template_kwargs": {f"v{i}": i for i in range(33)}}, "chat_template_kwargs", "at most 32"),
+        ({"add_generation_prompt": "no"}, "add_generation_prompt", "true or false"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(messages=CHAT, extra_body=extra, **kw)
+        assert_error_shape(e.value.response.json(), 400, e.value.status_code, param, words)
+
+
 async def test_chat_template_errors(clients, cluster):
     client, _, _ = clients
     with pytest.raises(openai.BadRequestError) as e:
@@ -298,7 +337,30 @@ async def test_the_real_base_keeps_its_chat_template_and_renders_like_transforme
         [*CHAT, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}],
     ):
         assert t.render(msgs) == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        assert t.render(msgs, add_generation_prompt=False) == tok.apply_chat_template(msgs, tokenize=False)
     assert "<|im_start|>assistant\n" in t.render(CHAT)
+    # vLLM's continue_final_message and chat_template_kwargs, as transformers renders them; a template
+    # that trims the content and one that reads a request's variable (Qwen3's enable_thinking)
+    reads = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+        "<think></think>{% endif %}{% endif %}"
+    )
+    for source in (t.source, reads):
+        mine = ChatTemplate(source, "test", t.specials)
+        tok.chat_template = source
+        for last in ("The answer is", "The answer is  ", "  spaced  out "):
+            msgs = [*CHAT, {"role": "assistant", "content": last}]
+            want = tok.apply_chat_template(msgs, tokenize=False, continue_final_message=True)
+            assert mine.render(msgs, add_generation_prompt=False, continue_final_message=True) == want, (source, last)
+        for kw in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+            want = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True, **kw)
+            assert mine.render(CHAT, template_kwargs=kw) == want, kw
+    assert "<think></think>" in ChatTemplate(reads, "test", {}).render(CHAT, template_kwargs={"enable_thinking": False})
+    with pytest.raises(ChatTemplateError, match="as it is"):  # a template that drops the content
+        ChatTemplate("{% for m in messages %}{{ m['role'] }}{% endfor %}", "t", {}).render(
+            CHAT, add_generation_prompt=False, continue_final_message=True
+        )
 
 
 async def test_chat_template_loading(tmp_path):
