@@ -178,7 +178,13 @@ FIELDS: tuple[Field, ...] = (
     Field("guided_whitespace_pattern", REF, REF, "vLLM", "JSON's layout is fixed (docs/structured-output.md)"),
     Field("structural_tag", None, REF, "vLLM", "not served: the tools' grammar is built from `tools`"),
     Field("logits_processors", REF, REF, "vLLM", "no code from requests"),
-    Field("return_tokens_as_token_ids", REF, REF, "vLLM", "not served", off=(False,)),
+    Field(
+        "return_tokens_as_token_ids",
+        HON,
+        HON,
+        "vLLM",
+        'logprobs name each token "token_id:N" (text_offset still counts the text)',
+    ),
     Field(
         "priority",
         HON,

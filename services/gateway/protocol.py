@@ -142,6 +142,7 @@ class Request:
     cache_salt: str = ""  # vLLM's: only requests with the same salt share prefix-cached KV blocks
     tools: Tools | None = None  # chat: the tools, tool_choice and parallel_tool_calls
     # chat, vLLM's: how the template renders the messages (chat.ChatTemplate.render)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -259,6 +260,7 @@ def _common(body: Any, kind: str) -> Request:
         kind=kind,
         model=model,
         sampling=sampling,
+        tokens_as_ids=_boolean(body, "return_tokens_as_token_ids"),
         constraint_param=constraint_param,
         stream=stream,
         include_usage=include_usage,
@@ -595,17 +597,21 @@ def logprobs(r: Request, lps: list[gen_pb.Logprobs], offset: int = 0, prompt=())
     with bytes."""
     if r.sampling.logprobs is None:
         return None
+
+    def name(t: gen_pb.TokenLogprob) -> str:  # vLLM's return_tokens_as_token_ids: "token_id:N"
+        return f"token_id:{t.token_id}" if r.tokens_as_ids else t.token
+
     if r.kind == "completion":
         lps = [*prompt, *lps]
         offsets = []
         for lp in lps:
             offsets.append(offset)
-            offset += len(lp.sampled.token)
+            offset += len(lp.sampled.token)  # characters of the text, whatever the tokens are called
         out = {
-            "tokens": [lp.sampled.token for lp in lps],
+            "tokens": [name(lp.sampled) for lp in lps],
             "token_logprobs": [lp.sampled.logprob for lp in lps],
             "top_logprobs": [
-                {**{t.token: t.logprob for t in lp.top}, lp.sampled.token: lp.sampled.logprob} for lp in lps
+                {**{name(t): t.logprob for t in lp.top}, name(lp.sampled): lp.sampled.logprob} for lp in lps
             ],
             "text_offset": offsets,
         }
@@ -614,7 +620,8 @@ def logprobs(r: Request, lps: list[gen_pb.Logprobs], offset: int = 0, prompt=())
         return out
 
     def entry(t: gen_pb.TokenLogprob) -> dict:
-        return {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8", "surrogatepass"))}
+        token = name(t)
+        return {"token": token, "logprob": t.logprob, "bytes": list(token.encode("utf-8", "surrogatepass"))}
 
     return {
         "content": [{**entry(lp.sampled), "top_logprobs": [entry(t) for t in lp.top]} for lp in lps],

@@ -761,6 +761,40 @@ async def test_token_id_prompts_and_batched_prompts_answer_as_single_requests(cl
     ]
 
 
+async def test_tokens_as_token_ids_name_the_routers_tokens(clients, family):
+    """vLLM's return_tokens_as_token_ids: the same logprobs with each token (sampled, alternatives,
+    echo's prompt tokens) named "token_id:N" by the id the router streamed; chat's bytes are those of
+    that name."""
+    from tokenizers import Tokenizer
+
+    client, router, _ = clients
+    prompt = "The quick brown fox"
+    _, toks = await router_text(router, "v0", prompt)
+    kw = dict(model="v0", prompt=prompt, max_tokens=N, temperature=0, logprobs=2)
+    plain = (await client.completions.create(**kw)).choices[0].logprobs
+    named = await client.completions.create(echo=True, extra_body={"return_tokens_as_token_ids": True}, **kw)
+    lp = named.choices[0].logprobs
+    ids = Tokenizer.from_file(str(family.base / "tokenizer.json")).encode(prompt).ids
+    assert lp.tokens == [f"token_id:{i}" for i in [*ids, *(t.token_id for t in toks)]]
+    P = len(ids)
+    assert lp.token_logprobs[P:] == pytest.approx(plain.token_logprobs, abs=1e-5)
+    for top, name in zip(lp.top_logprobs[P:], lp.tokens[P:]):
+        assert name in top and len(top) >= 2 and all(k.startswith("token_id:") for k in top)
+    assert named.choices[0].text.startswith(prompt)
+    chat = await client.chat.completions.create(
+        model="v0",
+        messages=CHAT,
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    for c in chat.choices[0].logprobs.content:
+        assert c.token.startswith("token_id:") and c.bytes == list(c.token.encode())
+        assert all(t.token.startswith("token_id:") for t in c.top_logprobs)
+
+
 async def test_the_gateways_own_metrics_bound_the_model_label(clients, cluster):
     """/metrics counts requests by route, model and status; a made-up model id is "other", so
     unknown ids cannot grow the series."""
