@@ -176,6 +176,9 @@ class Sampling:
     n: int = 1  # choices, forked after one shared prefill; choice i of a seeded request: choice_seed(i)
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs and this many alternatives (echo)
     constraint: Constraint | None = None  # the output must satisfy it (masks per step); None: free text
+    # the prompt's last k tokens only (vLLM's left truncation); -1: as many as the context leaves for
+    # max_new_tokens; None: the whole prompt
+    truncate_prompt_tokens: int | None = None
 
     @property
     def plain(self) -> bool:
@@ -244,6 +247,11 @@ class Sampling:
             )
         if not 1 <= self.n <= MAX_N:
             raise GenerationError("sampling.n", f"{self.n} must be between 1 and {MAX_N}")
+        t = self.truncate_prompt_tokens
+        if t is not None and not (t == -1 or 1 <= t < 2**31):
+            raise GenerationError(
+                "sampling.truncate_prompt_tokens", f"{t} must be >= 1, or -1 (as many as the context leaves)"
+            )
         if self.constraint is not None:
             self.constraint.validate()
             # the grammar says where the output may end: EOS is allowed exactly there
@@ -297,6 +305,7 @@ class Sampling:
             n=0 if self.n == 1 else self.n,
             prompt_logprobs=self.prompt_logprobs,
             constraint=None if self.constraint is None else self.constraint.to_pb(),
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
     @classmethod
@@ -322,6 +331,7 @@ class Sampling:
             n=m.n or 1,
             prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
             constraint=Constraint.from_pb(m.constraint),
+            truncate_prompt_tokens=m.truncate_prompt_tokens if m.HasField("truncate_prompt_tokens") else None,
         )
 
 

@@ -141,7 +141,13 @@ FIELDS: tuple[Field, ...] = (
     Field("bad_words", REF, REF, "vLLM", "not served", off=([],)),
     Field("skip_special_tokens", REF, REF, "vLLM", "special tokens are always skipped", off=(True,)),
     Field("spaces_between_special_tokens", REF, REF, "vLLM", "not served", off=(True,)),
-    Field("truncate_prompt_tokens", REF, REF, "vLLM", "a prompt too long is 400, never cut"),
+    Field(
+        "truncate_prompt_tokens",
+        HON,
+        HON,
+        "vLLM",
+        "the prompt's last k tokens; -1: as many as the context leaves for max_tokens (unset: too long is 400)",
+    ),
     Field("add_special_tokens", REF, REF, "vLLM", "the server decides (chat: the template's own)"),
     Field(
         "add_generation_prompt", None, HON, "vLLM", "default true: the template's assistant header after the messages"

@@ -254,6 +254,7 @@ def _common(body: Any, kind: str) -> Request:
         stop=stops,
         seed=seed,
         n=_integer(body, "n", 1, MAX_N) or 1,
+        truncate_prompt_tokens=_truncation(body),
         **_vllm_sampling(body),
     )
     return Request(
@@ -269,6 +270,14 @@ def _common(body: Any, kind: str) -> Request:
         id=("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex,
         created=int(time.time()),
     )
+
+
+def _truncation(body: dict) -> int | None:
+    """vLLM's truncate_prompt_tokens: k >= 1 (the prompt's last k tokens) or -1 (as many as fit)."""
+    t = _integer(body, "truncate_prompt_tokens", -1, 2**31 - 1)
+    if t == 0:
+        raise invalid("truncate_prompt_tokens", "truncate_prompt_tokens must be >= 1, or -1 (as many as fit)")
+    return t
 
 
 def _boolean(body: dict, name: str, default: bool = False) -> bool:
@@ -472,6 +481,10 @@ def parse_completion(body: Any, default_max_tokens: int) -> Request:
     r = _common(body, "completion")
     n = _integer(body, "logprobs", 0, MAX_LOGPROBS)  # an int: the alternatives (0: the sampled token's alone)
     r.echo = _boolean(body, "echo")
+    if r.echo and r.sampling.truncate_prompt_tokens is not None:
+        raise invalid(
+            "echo", "echo with truncate_prompt_tokens is not served (the prompt echoed would not be the one run)"
+        )
     r.sampling = dataclasses.replace(r.sampling, logprobs=n, prompt_logprobs=n if r.echo else None)
     r.prompts = _prompts(body.get("prompt"))
     mt = _integer(body, "max_tokens", 1, 1 << 31)

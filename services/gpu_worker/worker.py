@@ -321,6 +321,11 @@ class Worker:
         name = None if self.is_base(p.model_id) else p.model_id
         sp = p.sampling
         ids = await self._prompt_ids(p)
+        if sp.truncate_prompt_tokens is not None:  # the caller's own left truncation (vLLM's)
+            keep = sp.truncate_prompt_tokens
+            if keep == -1:  # as many as the context leaves for max_new_tokens
+                keep = max(1, self.args.max_seq_len - max(1, sp.max_new_tokens))
+            ids = ids[-keep:]
         if not ids:
             if self.args.bos_token_id is None:
                 raise InvalidArgument("the prompt is empty and the model has no BOS token to start from")

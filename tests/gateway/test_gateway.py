@@ -761,6 +761,39 @@ async def test_token_id_prompts_and_batched_prompts_answer_as_single_requests(cl
     ]
 
 
+async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(clients, cluster, family):
+    """vLLM's truncate_prompt_tokens: a prompt longer than the context (400 without it) runs as its
+    last k tokens, the answer of those tokens given as the prompt; -1 keeps as many as the context
+    leaves for max_tokens; chat truncates the rendered prompt; 0, -2 and echo with it are 400."""
+    from tokenizers import Tokenizer
+
+    client, _, _ = clients
+    long = "The quick brown fox jumps over the lazy dog. " * 8  # more tokens than the 256 of the context
+    ids = Tokenizer.from_file(str(family.base / "tokenizer.json")).encode(long).ids
+    assert len(ids) > 256
+    kw = dict(model="v1", max_tokens=N, temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        await client.completions.create(prompt=long, **kw)
+    cut = await client.completions.create(prompt=long, extra_body={"truncate_prompt_tokens": 50}, **kw)
+    want = await client.completions.create(prompt=ids[-50:], **kw)
+    assert cut.choices[0].text == want.choices[0].text and cut.usage.prompt_tokens == 50
+    fit = await client.completions.create(prompt=long, extra_body={"truncate_prompt_tokens": -1}, **kw)
+    assert fit.usage.prompt_tokens == 256 - N and fit.usage.completion_tokens == N
+    chat = await client.chat.completions.create(
+        messages=[{"role": "user", "content": long}], extra_body={"truncate_prompt_tokens": 40}, **kw
+    )
+    assert chat.usage.prompt_tokens == 40
+    for extra, param in (
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 5, "echo": True}, "echo"),
+    ):
+        got, err = await asyncio.to_thread(
+            http, cluster.g, "POST", "/v1/completions", json.dumps({"prompt": "hi", **kw, **extra}).encode()
+        )
+        assert_error_shape(err, 400, got, param)
+
+
 async def test_tokens_as_token_ids_name_the_routers_tokens(clients, family):
     """vLLM's return_tokens_as_token_ids: the same logprobs with each token (sampled, alternatives,
     echo's prompt tokens) named "token_id:N" by the id the router streamed; chat's bytes are those of
