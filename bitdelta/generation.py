@@ -68,6 +68,7 @@ MIN_TEMPERATURE = 1e-3  # below this logits / temperature overflows fp32; 0 mean
 MAX_TEMPERATURE = 100.0
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # stop strings are searched on the engine thread every token
 MAX_STOP_TOKEN_IDS = 64
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # allowed_token_ids (vLLM sets none): the largest vocabularies (Gemma 3: 262k)
 MAX_REPETITION_PENALTY = 100.0
 MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
@@ -179,6 +180,7 @@ class Sampling:
     # the prompt's last k tokens only (vLLM's left truncation); -1: as many as the context leaves for
     # max_new_tokens; None: the whole prompt
     truncate_prompt_tokens: int | None = None
+    allowed_token_ids: tuple[int, ...] = ()  # only these may be picked (vLLM's); empty: any
 
     @property
     def plain(self) -> bool:
@@ -189,6 +191,7 @@ class Sampling:
             and not self.frequency_penalty
             and not self.logit_bias
             and not self.min_tokens
+            and not self.allowed_token_ids
             and self.constraint is None
         )
 
@@ -232,6 +235,8 @@ class Sampling:
                 raise GenerationError(
                     "sampling.logit_bias", f"token {tok}: {bias!r} must be between -{MAX_BIAS:g} and {MAX_BIAS:g}"
                 )
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS or any(t < 0 for t in self.allowed_token_ids):
+            raise GenerationError("sampling.allowed_token_ids", f"at most {MAX_ALLOWED_TOKEN_IDS} token ids >= 0")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in self.stop_token_ids):
             raise GenerationError("sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids >= 0")
         if self.min_tokens < 0 or (self.max_new_tokens and self.min_tokens > self.max_new_tokens):
@@ -255,7 +260,7 @@ class Sampling:
         if self.constraint is not None:
             self.constraint.validate()
             # the grammar says where the output may end: EOS is allowed exactly there
-            for name in ("min_tokens", "ignore_eos"):
+            for name in ("min_tokens", "ignore_eos", "allowed_token_ids"):
                 if getattr(self, name):
                     raise GenerationError(
                         f"sampling.{name}",
@@ -272,7 +277,11 @@ class Sampling:
 
     def check_vocab(self, vocab_size: int) -> Sampling:
         """self, or GenerationError for a token id the model does not have."""
-        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+        for name, ids in (
+            ("logit_bias", [t for t, _ in self.logit_bias]),
+            ("stop_token_ids", self.stop_token_ids),
+            ("allowed_token_ids", self.allowed_token_ids),
+        ):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise GenerationError(
@@ -306,6 +315,7 @@ class Sampling:
             prompt_logprobs=self.prompt_logprobs,
             constraint=None if self.constraint is None else self.constraint.to_pb(),
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            allowed_token_ids=list(self.allowed_token_ids),
         )
 
     @classmethod
@@ -332,6 +342,7 @@ class Sampling:
             prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
             constraint=Constraint.from_pb(m.constraint),
             truncate_prompt_tokens=m.truncate_prompt_tokens if m.HasField("truncate_prompt_tokens") else None,
+            allowed_token_ids=tuple(m.allowed_token_ids),
         )
 
 

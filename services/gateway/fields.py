@@ -137,7 +137,7 @@ FIELDS: tuple[Field, ...] = (
     Field("prompt_logprobs", REF, REF, "vLLM", LATER),
     Field("use_beam_search", REF, REF, "vLLM", "beam search: not served", off=(False,)),
     Field("length_penalty", REF, REF, "vLLM", "beam search: not served", off=(1, 1.0)),
-    Field("allowed_token_ids", REF, REF, "vLLM", "not served"),
+    Field("allowed_token_ids", HON, HON, "vLLM", "only these tokens may be picked (not with a constraint)"),
     Field("bad_words", REF, REF, "vLLM", "not served", off=([],)),
     Field("skip_special_tokens", REF, REF, "vLLM", "special tokens are always skipped", off=(True,)),
     Field("spaces_between_special_tokens", REF, REF, "vLLM", "not served", off=(True,)),

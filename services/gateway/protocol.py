@@ -303,6 +303,14 @@ def _token_ids(body: dict, name: str) -> tuple[int, ...]:
     return tuple(v)
 
 
+def _allowed(body: dict) -> tuple[int, ...]:
+    """vLLM's allowed_token_ids: a non-empty list (empty would allow nothing)."""
+    ids = _token_ids(body, "allowed_token_ids")
+    if body.get("allowed_token_ids") is not None and not ids:
+        raise invalid("allowed_token_ids", "allowed_token_ids must name at least one token")
+    return ids
+
+
 def _prompts(v: Any) -> tuple[Prompt, ...]:
     """OpenAI's `prompt`: a string, token ids, or a list of up to MAX_PROMPTS (fields) of either (none empty)."""
     what = f"a non-empty string, a non-empty list of token ids (integers >= 0), or a list of up to {fields.MAX_PROMPTS} of either"
@@ -351,6 +359,7 @@ def _vllm_sampling(body: dict) -> dict:
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         "logit_bias": _logit_bias(body),
         "stop_token_ids": _token_ids(body, "stop_token_ids"),
+        "allowed_token_ids": _allowed(body),
         "min_tokens": _integer(body, "min_tokens", 0, 1 << 31) or 0,
         "ignore_eos": _boolean(body, "ignore_eos"),
         "include_stop_str_in_output": _boolean(body, "include_stop_str_in_output"),

@@ -5,6 +5,7 @@
 
       l = logits                                   # fp32 [vocab], the model's raw row
       l[bias_ids] += bias
+      l[not allowed_token_ids] = -inf              # when the request names allowed tokens
       l[eos_ids + stop_token_ids] = -inf           # while the output is shorter than min_tokens
       l[seen] = where(l[seen] > 0, l / rep, l * rep)   # seen: prompt and output tokens
       l -= frequency * count + presence * (count > 0)  # count: each token in the output
@@ -67,6 +68,7 @@ class Sampler:
         self.bias_ids = torch.tensor([t for t, _ in sp.logit_bias], dtype=torch.int64)
         self.bias = torch.tensor([b for _, b in sp.logit_bias], dtype=torch.float32)
         self.banned = torch.tensor(sorted(set(eos_ids) | set(sp.stop_token_ids)), dtype=torch.int64)
+        self.allowed = torch.tensor(sorted(set(sp.allowed_token_ids)), dtype=torch.int64)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: fp32 [vocab] on the CPU -> the row after the bias, min_tokens and penalties
@@ -75,6 +77,10 @@ class Sampler:
         out = logits.float().clone()
         if len(self.bias_ids):
             out[self.bias_ids] += self.bias
+        if len(self.allowed):
+            keep = out[self.allowed]
+            out.fill_(-math.inf)
+            out[self.allowed] = keep
         if self.n_out < sp.min_tokens and len(self.banned):
             out[self.banned] = -math.inf
         if self.seen is not None:

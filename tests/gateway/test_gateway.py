@@ -794,6 +794,32 @@ async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(clients, clu
         assert_error_shape(err, 400, got, param)
 
 
+async def test_allowed_token_ids_bound_the_picks(clients, cluster):
+    """vLLM's allowed_token_ids: every token picked is one of them (read back as ids with
+    return_tokens_as_token_ids); empty, past the vocabulary, or with a constraint: 400."""
+    client, _, _ = clients
+    allowed = [66, 101, 115, 116]
+    r = await client.completions.create(
+        model="v1",
+        prompt="abc xyz",
+        max_tokens=N,
+        temperature=1.0,
+        seed=9,
+        logprobs=0,
+        extra_body={"allowed_token_ids": allowed, "return_tokens_as_token_ids": True},
+    )
+    picked = [int(t.removeprefix("token_id:")) for t in r.choices[0].logprobs.tokens]
+    assert len(picked) == N and set(picked) <= set(allowed) and len(set(picked)) > 1
+    for extra, param in (
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [66], "response_format": {"type": "json_object"}}, "allowed_token_ids"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model="v0", messages=CHAT, max_tokens=2, extra_body=extra)
+        assert_error_shape(e.value.response.json(), 400, e.value.status_code, param)
+
+
 async def test_tokens_as_token_ids_name_the_routers_tokens(clients, family):
     """vLLM's return_tokens_as_token_ids: the same logprobs with each token (sampled, alternatives,
     echo's prompt tokens) named "token_id:N" by the id the router streamed; chat's bytes are those of

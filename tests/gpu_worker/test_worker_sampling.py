@@ -84,6 +84,34 @@ async def test_greedy_with_repetition_penalty_bias_and_min_tokens_equals_transfo
         assert last.finish_reason is FinishReason.EOS and len(got) >= 6
 
 
+@pytest.mark.parametrize("model", ["", "v0"])
+async def test_allowed_token_ids_equal_transformers_with_every_other_token_suppressed(worker, dense, tok, model):
+    """vLLM's allowed_token_ids: greedy picks only among them, as transformers' generate does with
+    every other token suppressed (SuppressTokensLogitsProcessor); a seeded draw stays inside them."""
+    ids = tok.encode(PROMPT).ids
+    plain, _, _ = await run(worker, model, Sampling(max_new_tokens=N))
+    allowed = sorted({*plain[1::2], 66, 101, 115, EOS})  # some of its own picks, some others
+    got, _, _ = await run(worker, model, Sampling(max_new_tokens=N, allowed_token_ids=tuple(allowed)))
+    vocab = dense[model].config.vocab_size
+    with torch.no_grad():
+        out = dense[model].generate(
+            torch.tensor([ids]),
+            max_new_tokens=N,
+            do_sample=False,
+            suppress_tokens=[t for t in range(vocab) if t not in allowed],
+            eos_token_id=EOS,
+            pad_token_id=EOS,
+        )
+    want = out[0, len(ids) :].tolist()
+    if want[-1] == EOS:
+        want = want[: want.index(EOS) + 1]
+    assert got == want and got != plain and set(got) <= set(allowed)
+    drawn, _, _ = await run(
+        worker, model, Sampling(max_new_tokens=N, temperature=1.0, seed=2, allowed_token_ids=(66, 101, 115))
+    )
+    assert set(drawn) <= {66, 101, 115} and len(set(drawn)) > 1
+
+
 def reference_penalised_greedy(model, ids: list[int], n: int, presence: float, frequency: float) -> list[int]:
     """The OpenAI rule by hand, on transformers' logits: l -= frequency * count + presence * (count > 0)."""
     out: list[int] = []
@@ -140,7 +168,7 @@ async def test_stop_token_ids_ignore_eos_and_include_stop_str(worker, tok):
 
 
 async def test_every_rule_is_per_row_in_a_mixed_batch(worker):
-    """Seven requests, two models, every rule: alone, then all at once in shared steps: each gets the
+    """Eight requests, two models, every rule: alone, then all at once in shared steps: each gets the
     same tokens (seeded draws included: each row has its own generator)."""
     jobs = [
         ("v0", Sampling(max_new_tokens=N)),
@@ -150,6 +178,7 @@ async def test_every_rule_is_per_row_in_a_mixed_batch(worker):
         ("v0", Sampling(max_new_tokens=N, temperature=1.2, top_p=0.8, repetition_penalty=1.2, seed=4)),
         ("", Sampling(max_new_tokens=N, logit_bias=((65, 3.0),), min_tokens=4)),
         ("v0", Sampling(max_new_tokens=N, temperature=0.7, seed=3)),
+        ("", Sampling(max_new_tokens=N, temperature=0.8, seed=5, allowed_token_ids=(66, 101, 115, 116))),
     ]
     alone = [(await run(worker, m, s))[0] for m, s in jobs]
     steps = worker.engine.steps
@@ -165,6 +194,7 @@ async def test_token_ids_beyond_the_vocabulary_are_invalid_argument(worker):
     for s, field in (
         (Sampling(logit_bias=((10**6, 1.0),)), "sampling.logit_bias"),
         (Sampling(stop_token_ids=(10**6,)), "sampling.stop_token_ids"),
+        (Sampling(allowed_token_ids=(65, 10**6)), "sampling.allowed_token_ids"),
     ):
         with pytest.raises(GenerationError) as e:
             await run(worker, "", s)
