@@ -181,6 +181,7 @@ class Sampling:
     # max_new_tokens; None: the whole prompt
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: tuple[int, ...] = ()  # only these may be picked (vLLM's); empty: any
+    skip_special_tokens: bool = True  # False: special tokens' text stays in the output (vLLM's)
 
     @property
     def plain(self) -> bool:
@@ -316,6 +317,7 @@ class Sampling:
             constraint=None if self.constraint is None else self.constraint.to_pb(),
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             allowed_token_ids=list(self.allowed_token_ids),
+            skip_special_tokens=None if self.skip_special_tokens else False,
         )
 
     @classmethod
@@ -343,6 +345,7 @@ class Sampling:
             constraint=Constraint.from_pb(m.constraint),
             truncate_prompt_tokens=m.truncate_prompt_tokens if m.HasField("truncate_prompt_tokens") else None,
             allowed_token_ids=tuple(m.allowed_token_ids),
+            skip_special_tokens=m.skip_special_tokens if m.HasField("skip_special_tokens") else True,
         )
 
 

@@ -139,7 +139,13 @@ FIELDS: tuple[Field, ...] = (
     Field("length_penalty", REF, REF, "vLLM", "beam search: not served", off=(1, 1.0)),
     Field("allowed_token_ids", HON, HON, "vLLM", "only these tokens may be picked (not with a constraint)"),
     Field("bad_words", REF, REF, "vLLM", "not served", off=([],)),
-    Field("skip_special_tokens", REF, REF, "vLLM", "special tokens are always skipped", off=(True,)),
+    Field(
+        "skip_special_tokens",
+        HON,
+        HON,
+        "vLLM",
+        "false: special tokens' text stays in the output (EOS's only with include_stop_str_in_output)",
+    ),
     Field("spaces_between_special_tokens", REF, REF, "vLLM", "not served", off=(True,)),
     Field(
         "truncate_prompt_tokens",

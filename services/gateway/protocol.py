@@ -360,6 +360,7 @@ def _vllm_sampling(body: dict) -> dict:
         "logit_bias": _logit_bias(body),
         "stop_token_ids": _token_ids(body, "stop_token_ids"),
         "allowed_token_ids": _allowed(body),
+        "skip_special_tokens": _boolean(body, "skip_special_tokens", default=True),
         "min_tokens": _integer(body, "min_tokens", 0, 1 << 31) or 0,
         "ignore_eos": _boolean(body, "ignore_eos"),
         "include_stop_str_in_output": _boolean(body, "include_stop_str_in_output"),

@@ -352,15 +352,16 @@ class Engine:
         s.output.append(tok)
         may_stop = len(s.output) >= sp.min_tokens  # as vLLM: the min_tokens-th token may end it
         finish = None
-        if tok in sp.stop_token_ids and may_stop:  # its text only with include_stop_str_in_output
+        eos = tok in seq.eos_ids and not sp.ignore_eos
+        if (tok in sp.stop_token_ids or eos) and may_stop:  # its text only with include_stop_str_in_output
             text = seq.text.add(tok)[0] if sp.include_stop_str_in_output else ""
             text += seq.text.flush()
-            finish = FinishReason.STOP
+            finish = FinishReason.STOP if tok in sp.stop_token_ids else FinishReason.EOS
         else:
             text, stopped = seq.text.add(tok, may_stop)
             if stopped:
                 finish = FinishReason.STOP
-            elif tok in seq.eos_ids and not sp.ignore_eos:
+            elif eos:
                 finish = FinishReason.EOS
             elif len(s.output) >= s.max_new:
                 finish = FinishReason.LENGTH

@@ -154,9 +154,12 @@ class Sampler:
 class TextStream:
     """Token ids in, text pieces out (see module docstring)."""
 
-    def __init__(self, tokenizer, prompt: list[int], stop: list[str], include_stop: bool = False):
+    def __init__(
+        self, tokenizer, prompt: list[int], stop: list[str], include_stop: bool = False, skip_special: bool = True
+    ):
         self.tok = tokenizer
         self.include_stop = include_stop
+        self.skip_special = skip_special  # Sampling.skip_special_tokens
         self.ids = list(prompt)
         self.prefix_offset = max(len(prompt) - 5, 0)
         self.read_offset = len(prompt)
@@ -165,7 +168,7 @@ class TextStream:
         self.sent = 0  # characters of `text` already returned
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+        return self.tok.decode(ids, skip_special_tokens=self.skip_special)
 
     def add(self, token: int, may_stop: bool = True) -> tuple[str, bool]:
         """Append one token. Returns (text to send now, whether a stop string was produced).

@@ -396,7 +396,9 @@ class Worker:
                             self.eos_ids,
                             None if grammar is None else grammar.start(),
                         ),
-                        text=TextStream(self.tokenizer, ids, list(sp.stop), sp.include_stop_str_in_output),
+                        text=TextStream(
+                            self.tokenizer, ids, list(sp.stop), sp.include_stop_str_in_output, sp.skip_special_tokens
+                        ),
                         eos_ids=self.eos_ids,
                         emit=queue.put_nowait,
                         delta_name=name,

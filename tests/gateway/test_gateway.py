@@ -820,6 +820,14 @@ async def test_allowed_token_ids_bound_the_picks(clients, cluster):
         assert_error_shape(e.value.response.json(), 400, e.value.status_code, param)
 
 
+async def test_skip_special_tokens_reaches_the_worker(clients):
+    client, _, _ = clients
+    kw = dict(model="v0", prompt="hi", max_tokens=2, temperature=0, logit_bias={"257": 100})
+    assert (await client.completions.create(**kw)).choices[0].text == ""
+    kept = await client.completions.create(extra_body={"skip_special_tokens": False}, **kw)
+    assert kept.choices[0].text == "<|im_start|>" * 2
+
+
 async def test_tokens_as_token_ids_name_the_routers_tokens(clients, family):
     """vLLM's return_tokens_as_token_ids: the same logprobs with each token (sampled, alternatives,
     echo's prompt tokens) named "token_id:N" by the id the router streamed; chat's bytes are those of

@@ -8,6 +8,7 @@ batch mixing all of them gives each request the tokens it gets alone, seeded or 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import pytest_asyncio
@@ -165,6 +166,21 @@ async def test_stop_token_ids_ignore_eos_and_include_stop_str(worker, tok):
     assert (await run(worker, "v0", eos_first))[0] == [EOS]
     ignored, _, last = await run(worker, "v0", Sampling(max_new_tokens=6, logit_bias=((EOS, 100.0),), ignore_eos=True))
     assert ignored == [EOS] * 6 and last.finish_reason is FinishReason.LENGTH
+
+
+async def test_skip_special_tokens_false_keeps_their_text(worker):
+    """vLLM's skip_special_tokens: false keeps a special token's text in the output; EOS still ends
+    it, its own text only with include_stop_str_in_output (as a stop token's)."""
+    im_start = Sampling(max_new_tokens=3, logit_bias=((257, 100.0),))  # <|im_start|>, a special token
+    ids, text, _ = await run(worker, "", im_start)
+    assert ids == [257] * 3 and text == ""
+    _, text, _ = await run(worker, "", dataclasses.replace(im_start, skip_special_tokens=False))
+    assert text == "<|im_start|>" * 3
+    eos = Sampling(max_new_tokens=3, logit_bias=((EOS, 100.0),), skip_special_tokens=False)
+    ids, text, last = await run(worker, "", eos)
+    assert ids == [EOS] and text == "" and last.finish_reason is FinishReason.EOS
+    _, text, last = await run(worker, "", dataclasses.replace(eos, include_stop_str_in_output=True))
+    assert text == "<|endoftext|>" and last.finish_reason is FinishReason.EOS
 
 
 async def test_every_rule_is_per_row_in_a_mixed_batch(worker):
