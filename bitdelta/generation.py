@@ -69,6 +69,7 @@ MAX_TEMPERATURE = 100.0
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # stop strings are searched on the engine thread every token
 MAX_STOP_TOKEN_IDS = 64
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # allowed_token_ids (vLLM sets none): the largest vocabularies (Gemma 3: 262k)
+MAX_BAD_WORDS = 64
 MAX_REPETITION_PENALTY = 100.0
 MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
@@ -182,6 +183,7 @@ class Sampling:
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: tuple[int, ...] = ()  # only these may be picked (vLLM's); empty: any
     skip_special_tokens: bool = True  # False: special tokens' text stays in the output (vLLM's)
+    bad_words: tuple[str, ...] = ()  # the output never completes one of these (vLLM's; the worker tokenizes them)
 
     @property
     def plain(self) -> bool:
@@ -193,6 +195,7 @@ class Sampling:
             and not self.logit_bias
             and not self.min_tokens
             and not self.allowed_token_ids
+            and not self.bad_words
             and self.constraint is None
         )
 
@@ -236,6 +239,10 @@ class Sampling:
                 raise GenerationError(
                     "sampling.logit_bias", f"token {tok}: {bias!r} must be between -{MAX_BIAS:g} and {MAX_BIAS:g}"
                 )
+        if len(self.bad_words) > MAX_BAD_WORDS or any(not w or len(w) > MAX_STOP_CHARS for w in self.bad_words):
+            raise GenerationError(
+                "sampling.bad_words", f"at most {MAX_BAD_WORDS} words of 1 to {MAX_STOP_CHARS} characters"
+            )
         if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS or any(t < 0 for t in self.allowed_token_ids):
             raise GenerationError("sampling.allowed_token_ids", f"at most {MAX_ALLOWED_TOKEN_IDS} token ids >= 0")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in self.stop_token_ids):
@@ -261,7 +268,7 @@ class Sampling:
         if self.constraint is not None:
             self.constraint.validate()
             # the grammar says where the output may end: EOS is allowed exactly there
-            for name in ("min_tokens", "ignore_eos", "allowed_token_ids"):
+            for name in ("min_tokens", "ignore_eos", "allowed_token_ids", "bad_words"):
                 if getattr(self, name):
                     raise GenerationError(
                         f"sampling.{name}",
@@ -318,6 +325,7 @@ class Sampling:
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             allowed_token_ids=list(self.allowed_token_ids),
             skip_special_tokens=None if self.skip_special_tokens else False,
+            bad_words=list(self.bad_words),
         )
 
     @classmethod
@@ -346,6 +354,7 @@ class Sampling:
             truncate_prompt_tokens=m.truncate_prompt_tokens if m.HasField("truncate_prompt_tokens") else None,
             allowed_token_ids=tuple(m.allowed_token_ids),
             skip_special_tokens=m.skip_special_tokens if m.HasField("skip_special_tokens") else True,
+            bad_words=tuple(m.bad_words),
         )
 
 

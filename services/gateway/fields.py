@@ -138,7 +138,13 @@ FIELDS: tuple[Field, ...] = (
     Field("use_beam_search", REF, REF, "vLLM", "beam search: not served", off=(False,)),
     Field("length_penalty", REF, REF, "vLLM", "beam search: not served", off=(1, 1.0)),
     Field("allowed_token_ids", HON, HON, "vLLM", "only these tokens may be picked (not with a constraint)"),
-    Field("bad_words", REF, REF, "vLLM", "not served", off=([],)),
+    Field(
+        "bad_words",
+        HON,
+        HON,
+        "vLLM",
+        "the token completing one is masked once the output ends with the rest (not with a constraint)",
+    ),
     Field(
         "skip_special_tokens",
         HON,

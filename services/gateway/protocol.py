@@ -303,6 +303,15 @@ def _token_ids(body: dict, name: str) -> tuple[int, ...]:
     return tuple(v)
 
 
+def _bad_words(body: dict) -> tuple[str, ...]:
+    v = body.get("bad_words")
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(w, str) and w.strip() for w in v):
+        raise invalid("bad_words", "bad_words must be a list of words (non-blank strings)")
+    return tuple(v)
+
+
 def _allowed(body: dict) -> tuple[int, ...]:
     """vLLM's allowed_token_ids: a non-empty list (empty would allow nothing)."""
     ids = _token_ids(body, "allowed_token_ids")
@@ -361,6 +370,7 @@ def _vllm_sampling(body: dict) -> dict:
         "stop_token_ids": _token_ids(body, "stop_token_ids"),
         "allowed_token_ids": _allowed(body),
         "skip_special_tokens": _boolean(body, "skip_special_tokens", default=True),
+        "bad_words": _bad_words(body),
         "min_tokens": _integer(body, "min_tokens", 0, 1 << 31) or 0,
         "ignore_eos": _boolean(body, "ignore_eos"),
         "include_stop_str_in_output": _boolean(body, "include_stop_str_in_output"),

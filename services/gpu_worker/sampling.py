@@ -6,6 +6,7 @@
       l = logits                                   # fp32 [vocab], the model's raw row
       l[bias_ids] += bias
       l[not allowed_token_ids] = -inf              # when the request names allowed tokens
+      l[last token of a bad word] = -inf           # when the output ends with the word's other tokens
       l[eos_ids + stop_token_ids] = -inf           # while the output is shorter than min_tokens
       l[seen] = where(l[seen] > 0, l / rep, l * rep)   # seen: prompt and output tokens
       l -= frequency * count + presence * (count > 0)  # count: each token in the output
@@ -47,6 +48,7 @@ class Sampler:
         vocab_size: int = 0,
         eos_ids=frozenset(),
         grammar: GrammarState | None = None,
+        bad_words: tuple[tuple[int, ...], ...] = (),
     ):
         self.sampling = sp = sampling
         self.grammar = grammar  # Sampling.constraint compiled (constraints.py): masks each row, advances each pick
@@ -69,6 +71,9 @@ class Sampler:
         self.bias = torch.tensor([b for _, b in sp.logit_bias], dtype=torch.float32)
         self.banned = torch.tensor(sorted(set(eos_ids) | set(sp.stop_token_ids)), dtype=torch.int64)
         self.allowed = torch.tensor(sorted(set(sp.allowed_token_ids)), dtype=torch.int64)
+        # Sampling.bad_words as token ids (`bad_word_ids`), those the model can produce
+        self.bad_words = tuple(w for w in bad_words if not vocab_size or max(w) < vocab_size)
+        self.out: list[int] = []  # the output so far, for the bad words' prefixes
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: fp32 [vocab] on the CPU -> the row after the bias, min_tokens and penalties
@@ -81,6 +86,10 @@ class Sampler:
             keep = out[self.allowed]
             out.fill_(-math.inf)
             out[self.allowed] = keep
+        for word in self.bad_words:  # vLLM's: the output's own tokens (not the prompt's) end with the rest
+            k = len(word) - 1
+            if k == 0 or (len(self.out) >= k and tuple(self.out[-k:]) == word[:-1]):
+                out[word[-1]] = -math.inf
         if self.n_out < sp.min_tokens and len(self.banned):
             out[self.banned] = -math.inf
         if self.seen is not None:
@@ -130,6 +139,8 @@ class Sampler:
     def note(self, tok: int) -> None:
         """`tok` joined the output (the plain path's pick too)."""
         self.n_out += 1
+        if self.bad_words:
+            self.out.append(tok)
         if self.grammar is not None:
             self.grammar.accept(tok)
         if self.seen is not None:
@@ -149,6 +160,20 @@ class Sampler:
             f"top_p={self.top_p!r}); use temperature 0 (greedy) or a finite temperature "
             "of at least 1e-3, and top_p in (0, 1]"
         )
+
+
+def bad_word_ids(tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """Sampling.bad_words as token sequences, as vLLM reads them: each word as the tokenizer writes it
+    (leading spaces dropped, no special tokens), and again after a space where that makes another
+    first token of the same length (a word mid-text)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False).ids)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False).ids)
+        out += [
+            w for w in (alone, spaced if spaced and len(spaced) == len(alone) and spaced[0] != alone[0] else ()) if w
+        ]
+    return tuple(out)
 
 
 class TextStream:

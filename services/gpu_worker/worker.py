@@ -35,7 +35,7 @@ from services.gpu_worker.engine import Engine, Sequence
 from services.gpu_worker.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.gpu_worker.manager import DeltaManager, DeltaState, SlotInfo
 from services.gpu_worker.runner import BaseWeights, KVPool, ModelRunner
-from services.gpu_worker.sampling import Sampler, TextStream
+from services.gpu_worker.sampling import Sampler, TextStream, bad_word_ids
 from services.gpu_worker.scheduler import BlockAllocator, Scheduler, SeqState, cache_root
 from services.gpu_worker.slots import SlotLayout, SlotTensors
 from services.gpu_worker.sources import source_of
@@ -361,6 +361,7 @@ class Worker:
             raise ResourceExhausted(f"{self.engine.waiting} requests are already waiting on this worker; retry later")
         # compiled on the compiler's threads (cached); a constraint that does not compile: INVALID_ARGUMENT
         grammar = None if sp.constraint is None else await self.grammars.compile(sp.constraint)
+        bad = await asyncio.to_thread(bad_word_ids, self.tokenizer, sp.bad_words) if sp.bad_words else ()
         queue: asyncio.Queue = asyncio.Queue()
         held, submitted, finished = 0, False, False  # held: slot references (one per choice)
         try:
@@ -395,6 +396,7 @@ class Worker:
                             self.args.vocab_size,
                             self.eos_ids,
                             None if grammar is None else grammar.start(),
+                            bad,
                         ),
                         text=TextStream(
                             self.tokenizer, ids, list(sp.stop), sp.include_stop_str_in_output, sp.skip_special_tokens

@@ -820,6 +820,18 @@ async def test_allowed_token_ids_bound_the_picks(clients, cluster):
         assert_error_shape(e.value.response.json(), 400, e.value.status_code, param)
 
 
+async def test_bad_words_reach_the_worker(clients):
+    client, _, _ = clients
+    kw = dict(model="v0", prompt="The quick brown fox", max_tokens=N, temperature=0)
+    plain = (await client.completions.create(**kw)).choices[0].text
+    word = next(ch for ch in plain if ch.strip())
+    banned = (await client.completions.create(extra_body={"bad_words": [word]}, **kw)).choices[0].text
+    assert word in plain and word not in banned
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(extra_body={"bad_words": [" "]}, **kw)
+    assert_error_shape(e.value.response.json(), 400, e.value.status_code, "bad_words")
+
+
 async def test_skip_special_tokens_reaches_the_worker(clients):
     client, _, _ = clients
     kw = dict(model="v0", prompt="hi", max_tokens=2, temperature=0, logit_bias={"257": 100})

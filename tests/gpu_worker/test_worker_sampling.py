@@ -168,6 +168,37 @@ async def test_stop_token_ids_ignore_eos_and_include_stop_str(worker, tok):
     assert ignored == [EOS] * 6 and last.finish_reason is FinishReason.LENGTH
 
 
+@pytest.mark.parametrize("model", ["", "v0"])
+async def test_bad_words_equal_transformers_no_bad_words(worker, dense, tok, model):
+    """vLLM's bad_words: a one-token word is never picked, a two-token word's second token is masked
+    after its first; greedy equals transformers' generate with the same words' ids
+    (NoBadWordsLogitsProcessor). A bias towards eight letters makes the random model write words."""
+    ids = tok.encode(PROMPT).ids
+    letters = {tok.encode(c, add_special_tokens=False).ids[0]: c for c in "abcdefgh"}
+    bias = tuple(sorted((t, 8.0) for t in letters))
+    plain, _, _ = await run(worker, model, Sampling(max_new_tokens=N, logit_bias=bias))
+    one = next(t for t in plain[1:] if t in letters)
+    without_one, _, _ = await run(worker, model, Sampling(max_new_tokens=N, logit_bias=bias, bad_words=(letters[one],)))
+    two = next((a, b) for a, b in zip(without_one[1:], without_one[2:]) if a in letters and b in letters)
+    words = (letters[one], letters[two[0]] + letters[two[1]])
+    got, text, _ = await run(worker, model, Sampling(max_new_tokens=N, logit_bias=bias, bad_words=words))
+    with torch.no_grad():
+        out = dense[model].generate(
+            torch.tensor([ids]),
+            max_new_tokens=N,
+            do_sample=False,
+            sequence_bias={(t,): b for t, b in bias},
+            bad_words_ids=[[one], list(two)],
+            eos_token_id=EOS,
+            pad_token_id=EOS,
+        )
+    want = out[0, len(ids) :].tolist()
+    if want[-1] == EOS:
+        want = want[: want.index(EOS) + 1]
+    assert got == want and got not in (plain, without_one)
+    assert one not in got and words[1] not in text
+
+
 async def test_skip_special_tokens_false_keeps_their_text(worker):
     """vLLM's skip_special_tokens: false keeps a special token's text in the output; EOS still ends
     it, its own text only with include_stop_str_in_output (as a stop token's)."""
@@ -184,7 +215,7 @@ async def test_skip_special_tokens_false_keeps_their_text(worker):
 
 
 async def test_every_rule_is_per_row_in_a_mixed_batch(worker):
-    """Eight requests, two models, every rule: alone, then all at once in shared steps: each gets the
+    """Nine requests, two models, every rule: alone, then all at once in shared steps: each gets the
     same tokens (seeded draws included: each row has its own generator)."""
     jobs = [
         ("v0", Sampling(max_new_tokens=N)),
@@ -195,6 +226,7 @@ async def test_every_rule_is_per_row_in_a_mixed_batch(worker):
         ("", Sampling(max_new_tokens=N, logit_bias=((65, 3.0),), min_tokens=4)),
         ("v0", Sampling(max_new_tokens=N, temperature=0.7, seed=3)),
         ("", Sampling(max_new_tokens=N, temperature=0.8, seed=5, allowed_token_ids=(66, 101, 115, 116))),
+        ("v0", Sampling(max_new_tokens=N, bad_words=("e", "th"))),
     ]
     alone = [(await run(worker, m, s))[0] for m, s in jobs]
     steps = worker.engine.steps
