@@ -51,6 +51,13 @@ class SamplingError(WorkerError):
     code = grpc.StatusCode.INTERNAL
 
 
+class NoTokenLeft(SamplingError):
+    """The request's own masks (allowed_token_ids, bad_words, min_tokens) rule out every token at a
+    step: the request's fault, so INVALID_ARGUMENT, never a token picked from -inf logits."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
 class DeltaLoadError(WorkerError):
     """A delta could not be made resident; `cause` is the original error (its type picks the code)."""
 

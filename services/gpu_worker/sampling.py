@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from bitdelta.generation import Sampling
-from services.gpu_worker.errors import SamplingError
+from services.gpu_worker.errors import NoTokenLeft, SamplingError
 
 if TYPE_CHECKING:
     from services.gpu_worker.constraints import GrammarState
@@ -100,6 +100,11 @@ class Sampler:
             out -= sp.frequency_penalty * self.counts + sp.presence_penalty * (self.counts > 0).float()
         if self.grammar is not None:
             self.grammar.mask(out)
+        if (len(self.allowed) or self.bad_words) and not bool(torch.isfinite(out).any()):
+            raise NoTokenLeft(
+                f"sampling.allowed_token_ids: with bad_words and min_tokens it leaves no token to pick at "
+                f"output token {self.n_out + 1}"
+            )
         return out
 
     def distribution(self, row: torch.Tensor) -> torch.Tensor:

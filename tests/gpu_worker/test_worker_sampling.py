@@ -199,6 +199,20 @@ async def test_bad_words_equal_transformers_no_bad_words(worker, dense, tok, mod
     assert one not in got and words[1] not in text
 
 
+async def test_masks_that_leave_no_token_are_invalid_argument(worker, tok):
+    """allowed_token_ids that bad_words or min_tokens rule out entirely end the request with
+    INVALID_ARGUMENT naming the field, never a pick among -inf logits; the next request is served."""
+    from services.gpu_worker.errors import NoTokenLeft
+
+    for s in (
+        Sampling(max_new_tokens=4, allowed_token_ids=tuple(tok.encode("e").ids), bad_words=("e",)),
+        Sampling(max_new_tokens=4, allowed_token_ids=(EOS,), min_tokens=2),
+    ):
+        with pytest.raises(NoTokenLeft, match="sampling.allowed_token_ids: .* no token to pick at output token 1"):
+            await run(worker, "", s)
+    assert len((await run(worker, "", Sampling(max_new_tokens=4)))[0]) == 4
+
+
 async def test_skip_special_tokens_false_keeps_their_text(worker):
     """vLLM's skip_special_tokens: false keeps a special token's text in the output; EOS still ends
     it, its own text only with include_stop_str_in_output (as a stop token's)."""
