@@ -228,27 +228,28 @@ class _Generation(Response):
         ]
         firsts: list[pb.GenerateResponse | BaseException | None] = [None] * len(streams)
 
-        async def first(k: int) -> None:
+        async def first(k: int, tg: anyio.abc.TaskGroup) -> None:
             try:
                 firsts[k] = await anext(streams[k])
             except (RouterCallError, StopAsyncIteration) as e:
                 firsts[k] = e
+                tg.cancel_scope.cancel()  # one refusal answers the request: the other prompts stop
 
         try:
             async with anyio.create_task_group() as tg:
                 # every prompt's first message before anything is sent: errors up to there get their own status
                 for k in range(len(streams)):
-                    tg.start_soon(first, k)
-            for got in firsts:
-                if isinstance(got, RouterCallError):
-                    return await self._fail(send, self._error(got))
-                if not isinstance(got, pb.GenerateResponse):
-                    return await self._fail(
-                        send,
-                        ApiError(
-                            502, "the router ended the stream without a token", type="server_error", code="empty_stream"
-                        ),
-                    )
+                    tg.start_soon(first, k, tg)
+            refused = next((got for got in firsts if isinstance(got, RouterCallError)), None)
+            if refused is not None:
+                return await self._fail(send, self._error(refused))
+            if not all(isinstance(got, pb.GenerateResponse) for got in firsts):
+                return await self._fail(
+                    send,
+                    ApiError(
+                        502, "the router ended the stream without a token", type="server_error", code="empty_stream"
+                    ),
+                )
             merged: _Merged | None = None
             try:
                 async with anyio.create_task_group() as tg:
@@ -293,9 +294,12 @@ class _Generation(Response):
             return await self._fail(send, self._error(e))
         r = self.req
         n = r.sampling.n
+        by_choice: dict[int, list[gen_pb.Token]] = {}
+        for t in tokens:
+            by_choice.setdefault(t.index, []).append(t)
         choices, usages = [], {}
         for i in range(n * len(r.prompts)):
-            mine = [t for t in tokens if t.index == i]
+            mine = by_choice.get(i, [])
             try:
                 if not mine:
                     raise ApiError(
