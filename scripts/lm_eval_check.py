@@ -6,7 +6,8 @@ Starts the delta store, a worker, the router and the gateway (with --tokenizer) 
 real family (data/base, data/deltas: `bitdelta family build`), then drives `local-completions`
 exactly as `lm_eval --model local-completions --model_args base_url=...,tokenized_requests=True`
 does: batches of token-id prompts, `echo` with `logprobs: 1` for log-likelihoods, `generate_until`
-with stop strings. The base's log-likelihoods are checked against transformers on the same
+with stop strings; then its command line, `lm_eval --model local-completions`, on a local
+multiple-choice task made of the same pairs. The base's log-likelihoods are checked against transformers on the same
 checkpoint: with an fp32 worker they must agree to 1e-3 (and on which continuations are greedy);
 the default worker (bf16 on a CPU with AVX512-BF16) is reported beside them. Exit status 1 on a
 mismatch.
@@ -15,6 +16,8 @@ mismatch.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import urllib.request
@@ -52,6 +55,46 @@ def reference(base: Path) -> list[tuple[float, bool]]:
     return out
 
 
+TASK = """task: bitdelta_check
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def cli(address: str, models: list[str], tmp: Path) -> dict[str, str]:
+    """The README's command line, `lm_eval --model local-completions`, on a local multiple-choice task
+    built from PAIRS (offline: a JSON file): each model's result table."""
+    data = tmp / "check.jsonl"
+    questions = {}
+    for ctx, cont in PAIRS:
+        questions.setdefault(ctx, []).append(cont)
+    with data.open("w") as f:
+        for ctx, conts in questions.items():
+            f.write(json.dumps({"question": ctx, "choices": conts + [" table"], "answer": 0}) + "\n")
+    (tmp / "tasks").mkdir(exist_ok=True)
+    (tmp / "tasks" / "check.yaml").write_text(TASK.format(data=data))
+    out = {}
+    for model in models:
+        args = f"model={model},base_url=http://{address}/v1/completions,tokenizer={ROOT / 'data/base'}"
+        cmd = [str(Path(sys.executable).parent / "lm_eval"), "--model", "local-completions", "--model_args", args]
+        cmd += ["--tasks", "bitdelta_check", "--include_path", str(tmp / "tasks")]
+        env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        if r.returncode != 0:
+            raise RuntimeError(f"lm_eval for {model} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+        out[model] = "\n".join(line for line in r.stdout.splitlines() if line.startswith("|"))
+    return out
+
+
 def run(dtype: str | None, variant: str) -> dict:
     """lm_eval's log-likelihoods and generations for the base and `variant` from a worker of `dtype`."""
     from lm_eval.api.instance import Instance
@@ -85,6 +128,7 @@ def run(dtype: str | None, variant: str) -> dict:
                 ]
             )
             out["base" if model == base else model] = {"loglikelihood": ll, "generate_until": gen}
+        out["cli"] = cli(gw.address, [base, variant], Path(tmp))
         return out
 
 
@@ -102,6 +146,8 @@ def main() -> int:
     worst = max(abs(a[0] - r[0]) for r, a in zip(ref, auto["base"]["loglikelihood"]))
     print(f"default worker (auto dtype) against transformers fp32: largest difference {worst:.4f} nats")
     for name, res in (("fp32", fp32), ("default", auto)):
+        for model, table in res.pop("cli").items():
+            print(f"{name} worker, lm_eval --model local-completions --model_args model={model},...:\n{table}")
         for model, r in res.items():
             print(f"{name:7s} {model:5s} generate_until: {r['generate_until']}")
             print(f"{name:7s} {model:5s} loglikelihood: {[(round(v, 4), g) for v, g in r['loglikelihood']]}")
