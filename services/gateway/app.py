@@ -108,17 +108,19 @@ def _sse(obj: Any) -> bytes:
 
 
 class _Merged:
-    """A batched request's streams as one: every prompt's messages as they arrive (its first already
-    read), each token's choice index moved to its prompt's range (prompt k's choice i is k·n + i). One
-    reader task a stream, in the caller's task group; a stream's error is raised by `next` once the
-    messages before it are read."""
+    """A request's streams as one: every prompt's messages as they arrive (its first already read),
+    each token's choice index moved to its prompt's range (prompt k's choice i is k·n + i). A batch
+    has one reader task a stream, in the caller's task group; one prompt's stream is read directly
+    (no task, no channel on the way). A stream's error is raised by `next` once the messages before
+    it are read."""
 
     def __init__(self, firsts: list[pb.GenerateResponse], streams: list, n: int, tg: anyio.abc.TaskGroup):
         self.ready: list[pb.GenerateResponse] = [self._moved(k, m, n) for k, m in enumerate(firsts)]
         self.ready.reverse()  # popped from the end: prompt 0's first message first
         self.send, self.receive = anyio.create_memory_object_stream(float("inf"))
+        self.only = streams[0] if len(streams) == 1 else None
         self.open = len(streams)
-        for k, stream in enumerate(streams):
+        for k, stream in enumerate(streams if self.only is None else ()):
             tg.start_soon(self._read, k, stream, n)
 
     @staticmethod
@@ -143,6 +145,8 @@ class _Merged:
         """The next message of any prompt, or None once every stream has ended."""
         if self.ready:
             return self.ready.pop()
+        if self.only is not None:
+            return await anext(self.only, None)
         while self.open:
             item = await self.receive.receive()
             if item is None:

@@ -69,6 +69,13 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+# the variables the renderer sets itself (and the environment's helpers): a request may not set them
+_RENDERER_NAMES = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", *SPECIAL_TOKEN_KEYS}
+    | set(_environment().globals)
+)
+
+
 def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
     """vLLM's chat_template_kwargs (e.g. Qwen3's enable_thinking): an object of at most
     MAX_TEMPLATE_KWARGS variables for the template, none of the names the renderer sets itself
@@ -77,10 +84,8 @@ def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
         raise ChatTemplateError("chat_template_kwargs must be an object of template variables")
     if len(kwargs) > MAX_TEMPLATE_KWARGS:
         raise ChatTemplateError(f"chat_template_kwargs: {len(kwargs)} variables; at most {MAX_TEMPLATE_KWARGS}")
-    reserved = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"}
-    reserved |= set(SPECIAL_TOKEN_KEYS) | set(_environment().globals)
     for name in kwargs:
-        if not name.isidentifier() or name in reserved:
+        if not name.isidentifier() or name in _RENDERER_NAMES:
             raise ChatTemplateError(f"chat_template_kwargs: {name[:40]!r} is not a variable a request may set")
     return dict(kwargs)
 
@@ -174,8 +179,8 @@ class ChatTemplate:
         is refuses). `template_kwargs`: further template variables (`check_template_kwargs`)."""
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError("continue_final_message needs add_generation_prompt: false")
-        marker = f"BITDELTA_CONTINUE_{uuid.uuid4().hex} "  # its space shows whether the template trims
         if continue_final_message:
+            marker = f"BITDELTA_CONTINUE_{uuid.uuid4().hex} "  # its space shows whether the template trims
             last = messages[-1]
             if not isinstance(last.get("content"), str) or not last["content"]:
                 raise ChatTemplateError("continue_final_message: the final message has no text to continue")

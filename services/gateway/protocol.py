@@ -140,9 +140,9 @@ class Request:
     priority: int = 0  # vLLM's: lower first, FIFO within one value
     constraint_param: str | None = None  # the field sampling.constraint came from (errors name it)
     cache_salt: str = ""  # vLLM's: only requests with the same salt share prefix-cached KV blocks
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
     tools: Tools | None = None  # chat: the tools, tool_choice and parallel_tool_calls
     # chat, vLLM's: how the template renders the messages (chat.ChatTemplate.render)
-    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -254,7 +254,7 @@ def _common(body: Any, kind: str) -> Request:
         stop=stops,
         seed=seed,
         n=_integer(body, "n", 1, MAX_N) or 1,
-        truncate_prompt_tokens=_truncation(body),
+        truncate_prompt_tokens=_integer(body, "truncate_prompt_tokens", -1, 2**31 - 1),  # 0: Sampling.validate
         **_vllm_sampling(body),
     )
     return Request(
@@ -270,14 +270,6 @@ def _common(body: Any, kind: str) -> Request:
         id=("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex,
         created=int(time.time()),
     )
-
-
-def _truncation(body: dict) -> int | None:
-    """vLLM's truncate_prompt_tokens: k >= 1 (the prompt's last k tokens) or -1 (as many as fit)."""
-    t = _integer(body, "truncate_prompt_tokens", -1, 2**31 - 1)
-    if t == 0:
-        raise invalid("truncate_prompt_tokens", "truncate_prompt_tokens must be >= 1, or -1 (as many as fit)")
-    return t
 
 
 def _boolean(body: dict, name: str, default: bool = False) -> bool:
