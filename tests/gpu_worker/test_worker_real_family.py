@@ -92,3 +92,62 @@ async def test_real_tokenizer_constrained_json_validates(real_base, real_deltas)
         assert finish is FinishReason.EOS, text
         jsonschema.validate(json.loads(text), schema)
     assert any("Ann" in text for text, _ in outs), outs  # the model's own words, within the grammar
+
+
+TEXTS = [
+    "The capital of France is Paris, a city on the Seine.",
+    "def add(a, b):\n    return a + b",
+    "In the beginning God created the heaven and the earth.",
+]
+
+
+def _hf_prompt_logprobs(ckpt, ids: list[tuple[int, ...]], dtype) -> list[torch.Tensor]:
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(str(ckpt), dtype=dtype).eval()
+    out = []
+    with torch.no_grad():
+        for s in ids:
+            lp = hf(torch.tensor([s])).logits[0, :-1].float().log_softmax(-1)
+            out.append(lp.gather(1, torch.tensor(s[1:])[:, None])[:, 0])
+    return out
+
+
+async def test_bf16_worker_is_as_close_to_fp32_as_transformers_bf16(tmp_path, real_base, real_deltas):
+    """bf16 costs precision, but no more than bf16 itself does: the worker's bf16 prompt log-probs
+    (the base and a variant, in one batch) are no further from fp32 transformers than transformers'
+    own bf16 forward of the same checkpoint is. A delta term or a sum kept in bf16 instead of fp32
+    (see kernels/) would fail it. The worker's fp32 equals transformers' fp32."""
+    from tokenizers import Tokenizer
+
+    from bitdelta.compress import apply
+    from bitdelta.generation import Request, Sampling
+    from services.gpu_worker.worker import Worker
+
+    v = sorted(real_deltas)[0]
+    tok = Tokenizer.from_file(str(real_base / "tokenizer.json"))
+    ids = [tuple(tok.encode(t).ids) for t in TEXTS]
+    dense = apply(real_base, real_deltas[v], tmp_path / v, progress=False)
+    models = {"": real_base, v: dense}
+
+    async def prompt_logprobs(w, m, s):
+        r = Request(m, "", Sampling(max_new_tokens=1, prompt_logprobs=0), prompt_token_ids=s)
+        async for ev in w.generate(r):
+            return torch.tensor([lp.sampled.logprob for lp in ev.prompt_logprobs])[-(len(s) - 1) :]
+
+    worker = {}
+    for dtype in ("float32", "bfloat16"):
+        w = Worker(WorkerConfig(base=real_base, delta_dir=str(real_deltas[v].parent), dtype=dtype, kv_cache=32 << 20))
+        await w.start()
+        try:
+            worker[dtype] = torch.cat(await asyncio.gather(*(prompt_logprobs(w, m, s) for m in models for s in ids)))
+        finally:
+            await w.close()
+    ref = torch.cat([x for ck in models.values() for x in _hf_prompt_logprobs(ck, ids, torch.float32)])
+    hf16 = torch.cat([x for ck in models.values() for x in _hf_prompt_logprobs(ck, ids, torch.bfloat16)])
+    assert torch.allclose(worker["float32"], ref, atol=2e-3)
+    ours, theirs = (worker["bfloat16"] - ref).abs(), (hf16 - ref).abs()
+    assert theirs.mean() > 1e-3  # bf16 did round: the comparison means something
+    # 0.83x here; noise of 1 % of |y| added to each bf16 linear's output (~2.5 of its bf16 steps) gives 1.13x
+    assert ours.mean() <= 1.1 * theirs.mean(), (ours.mean(), theirs.mean())
+    assert ours.max() <= 1.5 * theirs.max(), (ours.max(), theirs.max())
