@@ -176,7 +176,7 @@ class Sampling:
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) is returned too
     logprobs: int | None = None  # the sampled token's logprob and this many alternatives (raw logits)
     n: int = 1  # choices, forked after one shared prefill; choice i of a seeded request: choice_seed(i)
-    prompt_logprobs: int | None = None  # the prompt tokens' logprobs and this many alternatives (echo)
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs, ranks and this many alternatives
     constraint: Constraint | None = None  # the output must satisfy it (masks per step); None: free text
     # the prompt's last k tokens only (vLLM's left truncation); -1: as many as the context leaves for
     # max_new_tokens; None: the whole prompt
@@ -504,13 +504,14 @@ class Logprobs:
 
     sampled: TokenLogprob
     top: tuple[TokenLogprob, ...] = ()
+    rank: int = 0  # a prompt token's rank in the vocabulary (1: most likely, ties against it); 0: none
 
     def to_pb(self) -> pb.Logprobs:
-        return pb.Logprobs(sampled=self.sampled.to_pb(), top=[t.to_pb() for t in self.top])
+        return pb.Logprobs(sampled=self.sampled.to_pb(), top=[t.to_pb() for t in self.top], rank=self.rank)
 
     @classmethod
     def from_pb(cls, m: pb.Logprobs) -> Logprobs:
-        return cls(TokenLogprob.from_pb(m.sampled), tuple(TokenLogprob.from_pb(t) for t in m.top))
+        return cls(TokenLogprob.from_pb(m.sampled), tuple(TokenLogprob.from_pb(t) for t in m.top), m.rank)
 
 
 @dataclass(frozen=True)

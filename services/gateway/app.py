@@ -302,6 +302,7 @@ class _Generation(Response):
         for t in tokens:
             by_choice.setdefault(t.index, []).append(t)
         choices, usages = [], {}
+        prompt_lps = [api.prompt_logprobs(r, first.prompt_logprobs) for first in firsts]
         for i in range(n * len(r.prompts)):
             mine = by_choice.get(i, [])
             try:
@@ -317,7 +318,9 @@ class _Generation(Response):
                 r, [t.logprobs for t in mine if t.HasField("logprobs")], prompt=firsts[k].prompt_logprobs
             )
             text = (self.echoes[k] if self.echoes else "") + "".join(t.text for t in mine)
-            choices.append(dataclasses.replace(api.with_tool_calls(r, text, finish), logprobs=lps))
+            choices.append(
+                dataclasses.replace(api.with_tool_calls(r, text, finish), logprobs=lps, prompt_logprobs=prompt_lps[k])
+            )
             usages[i] = mine[-1].usage
         await self._send_json(send, 200, api.response(r, choices, api.total_usage(usages, n)))
 

@@ -134,7 +134,15 @@ FIELDS: tuple[Field, ...] = (
     Field("min_tokens", HON, HON, "vLLM", "no EOS, stop token or stop string before this many tokens"),
     Field("ignore_eos", HON, HON, "vLLM", "EOS does not end the answer"),
     Field("include_stop_str_in_output", HON, HON, "vLLM", "the stop string (or stop token's text) is returned too"),
-    Field("prompt_logprobs", REF, REF, "vLLM", LATER),
+    Field(
+        "prompt_logprobs",
+        HON,
+        HON,
+        "vLLM",
+        "0–20: each prompt token's logprob and rank, and this many alternatives, from the raw logits, in the"
+        " whole answer (completions: each choice of the prompt; chat: the response); with stream: 400 (vLLM"
+        " returns none there)",
+    ),
     Field("use_beam_search", REF, REF, "vLLM", "beam search: not served", off=(False,)),
     Field("length_penalty", REF, REF, "vLLM", "beam search: not served", off=(1, 1.0)),
     Field("allowed_token_ids", HON, HON, "vLLM", "only these tokens may be picked (not with a constraint)"),

@@ -137,6 +137,7 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False  # completions: the prompt before each choice's text (and its logprobs)
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs, ranks, this many alternatives
     priority: int = 0  # vLLM's: lower first, FIFO within one value
     constraint_param: str | None = None  # the field sampling.constraint came from (errors name it)
     cache_salt: str = ""  # vLLM's: only requests with the same salt share prefix-cached KV blocks
@@ -246,6 +247,9 @@ def _common(body: Any, kind: str) -> Request:
         )
     if include_usage and not stream:
         raise invalid("stream_options", "stream_options is only allowed with stream: true")
+    prompt_logprobs = _integer(body, "prompt_logprobs", 0, MAX_LOGPROBS)
+    if prompt_logprobs is not None and stream:
+        raise invalid("prompt_logprobs", "prompt_logprobs are not returned in a stream (as vLLM): use stream: false")
     constraint, constraint_param = parse_constraint(body)
     sampling = Sampling(
         constraint=constraint,
@@ -255,6 +259,7 @@ def _common(body: Any, kind: str) -> Request:
         seed=seed,
         n=_integer(body, "n", 1, MAX_N) or 1,
         truncate_prompt_tokens=_integer(body, "truncate_prompt_tokens", -1, 2**31 - 1),  # 0: Sampling.validate
+        prompt_logprobs=prompt_logprobs,
         **_vllm_sampling(body),
     )
     return Request(
@@ -262,6 +267,7 @@ def _common(body: Any, kind: str) -> Request:
         model=model,
         sampling=sampling,
         tokens_as_ids=_boolean(body, "return_tokens_as_token_ids"),
+        prompt_logprobs=prompt_logprobs,
         constraint_param=constraint_param,
         stream=stream,
         include_usage=include_usage,
@@ -497,7 +503,9 @@ def parse_completion(body: Any, default_max_tokens: int) -> Request:
         raise invalid(
             "echo", "echo with truncate_prompt_tokens is not served (the prompt echoed would not be the one run)"
         )
-    r.sampling = dataclasses.replace(r.sampling, logprobs=n, prompt_logprobs=n if r.echo else None)
+    # echo's logprobs come from the prompt's too: the worker sends the larger count of alternatives
+    asked = [k for k in (r.prompt_logprobs, n if r.echo else None) if k is not None]
+    r.sampling = dataclasses.replace(r.sampling, logprobs=n, prompt_logprobs=max(asked) if asked else None)
     r.prompts = _prompts(body.get("prompt"))
     mt = _integer(body, "max_tokens", 1, 1 << 31)
     return _with_max_tokens(r, default_max_tokens if mt is None else mt)
@@ -632,11 +640,12 @@ def logprobs(r: Request, lps: list[gen_pb.Logprobs], offset: int = 0, prompt=())
         for lp in lps:
             offsets.append(offset)
             offset += len(lp.sampled.token)  # characters of the text, whatever the tokens are called
+        k = r.sampling.logprobs  # the prompt's may carry more alternatives (prompt_logprobs)
         out = {
             "tokens": [name(lp.sampled) for lp in lps],
             "token_logprobs": [lp.sampled.logprob for lp in lps],
             "top_logprobs": [
-                {**{name(t): t.logprob for t in lp.top}, name(lp.sampled): lp.sampled.logprob} for lp in lps
+                {**{name(t): t.logprob for t in lp.top[:k]}, name(lp.sampled): lp.sampled.logprob} for lp in lps
             ],
             "text_offset": offsets,
         }
@@ -654,12 +663,33 @@ def logprobs(r: Request, lps: list[gen_pb.Logprobs], offset: int = 0, prompt=())
     }
 
 
+def prompt_logprobs(r: Request, prompt: list[gen_pb.Logprobs]) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs` of one prompt; None when the request asked for none. Per prompt token:
+    null for the first (nothing precedes it), then {token id: {logprob, rank, decoded_token}} with the
+    prompt's token first and the `r.prompt_logprobs` most likely after it (ranks 1 up); -inf written
+    as -9999.0, as vLLM's clamp does (JSON has no infinity)."""
+    if r.prompt_logprobs is None:
+        return None
+
+    def entry(t: gen_pb.TokenLogprob, rank: int) -> dict:
+        return {"logprob": max(t.logprob, -9999.0), "rank": rank, "decoded_token": t.token}
+
+    out: list[dict | None] = [None]
+    for lp in prompt[1:]:
+        d = {str(lp.sampled.token_id): entry(lp.sampled, lp.rank)}
+        for i, t in enumerate(lp.top[: r.prompt_logprobs]):
+            d.setdefault(str(t.token_id), entry(t, i + 1))
+        out.append(d)
+    return out
+
+
 @dataclass(frozen=True)
 class Choice:
     text: str | None
     finish: str
     logprobs: dict | None = None
     tool_calls: tuple[Call, ...] = ()
+    prompt_logprobs: list[dict | None] | None = None  # its prompt's (vLLM's prompt_logprobs)
 
 
 def with_tool_calls(r: Request, text: str, finish: str) -> Choice:
@@ -675,9 +705,16 @@ def with_tool_calls(r: Request, text: str, finish: str) -> Choice:
 
 def response(r: Request, choices: list[Choice], u: gen_pb.Usage) -> dict:
     """The whole (non-streamed) answer: `choices` by index."""
+    asked = r.prompt_logprobs is not None  # vLLM's key, only when asked for
     if r.kind == "completion":
         out = [
-            {"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish}
+            {
+                "index": i,
+                "text": c.text,
+                "logprobs": c.logprobs,
+                "finish_reason": c.finish,
+                **({"prompt_logprobs": c.prompt_logprobs} if asked else {}),
+            }
             for i, c in enumerate(choices)
         ]
         return {**_envelope(r, "text_completion"), "choices": out, "usage": usage(u)}
@@ -687,7 +724,9 @@ def response(r: Request, choices: list[Choice], u: gen_pb.Usage) -> dict:
         if c.tool_calls:
             message["tool_calls"] = [t.to_openai() for t in c.tool_calls]
         out.append({"index": i, "message": message, "logprobs": c.logprobs, "finish_reason": c.finish})
-    return {**_envelope(r, "chat.completion"), "choices": out, "usage": usage(u)}
+    # chat has one prompt: its prompt_logprobs are the response's (vLLM's place for them)
+    top = {"prompt_logprobs": choices[0].prompt_logprobs} if asked else {}
+    return {**_envelope(r, "chat.completion"), "choices": out, "usage": usage(u), **top}
 
 
 def chunk(

@@ -340,11 +340,14 @@ class Engine:
             r += n
             if not n:
                 continue
-            chosen = rows.gather(1, want[:, None])[:, 0].tolist()
+            got = rows.gather(1, want[:, None])
+            rank = (rows >= got).sum(1).tolist()  # as vLLM's: every token at least as likely, itself included
+            chosen = got[:, 0].tolist()
             k = seq.sampler.sampling.prompt_logprobs
             top_v, top_i = (t.tolist() for t in rows.topk(k, -1)) if k else ([[]] * n, [[]] * n)
             for j in range(n):
-                seq.prompt_lps.append(_logprobs(seq, s.prompt[pos + 1 + j], (chosen[j], list(zip(top_i[j], top_v[j])))))
+                raw = (chosen[j], list(zip(top_i[j], top_v[j])))
+                seq.prompt_lps.append(_logprobs(seq, s.prompt[pos + 1 + j], raw, rank[j]))
 
     def _emit_token(self, seq: Sequence, tok: int, now: float, posts, raw: tuple | None = None) -> None:
         s = seq.state
@@ -447,11 +450,11 @@ def _echo(seq: Sequence) -> tuple[Logprobs, ...]:
     return (first, *seq.prompt_lps)
 
 
-def _logprobs(seq: Sequence, tok: int, raw: tuple) -> Logprobs:
+def _logprobs(seq: Sequence, tok: int, raw: tuple, rank: int = 0) -> Logprobs:
     """The event's Logprobs: each token decoded alone (special tokens as their text)."""
     text = lambda t: seq.text.tok.decode([t], skip_special_tokens=False)
     chosen, top = raw
-    return Logprobs(TokenLogprob(tok, text(tok), chosen), tuple(TokenLogprob(t, text(t), v) for t, v in top))
+    return Logprobs(TokenLogprob(tok, text(tok), chosen), tuple(TokenLogprob(t, text(t), v) for t, v in top), rank)
 
 
 def _deliver(posts) -> None:

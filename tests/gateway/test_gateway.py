@@ -695,6 +695,97 @@ async def test_echo_returns_the_prompt_and_its_logprobs_from_transformers_raw_lo
     assert toks == pytest.approx(lp.token_logprobs[P:], abs=1e-5)
 
 
+async def test_prompt_logprobs_are_vllms_with_transformers_values_and_ranks(clients, family):
+    """vLLM's `prompt_logprobs`: per prompt token (null for the first) {id: {logprob, rank,
+    decoded_token}}, the prompt's token first with its rank in the vocabulary, then the k most likely
+    (ranks 1..k), each transformers' log softmax of the raw logits; on every choice of each prompt of
+    a completions batch, on the chat response itself; echo's own alternatives stay `logprobs` many;
+    a variant's are its own; with stream, or out of range, 400 naming the field."""
+    import openai
+    from tokenizers import Tokenizer
+
+    client, router, _ = clients
+    base = (await router.list_models())[0].model_id
+    tok = Tokenizer.from_file(str(family.base / "tokenizer.json"))
+    texts = ["The quick brown fox", "abc xyz"]
+    ids = [tok.encode(t).ids for t in texts]
+    K = 3
+    r = await client.completions.create(
+        model=base, prompt=[texts[0], ids[1]], max_tokens=2, temperature=0, n=2, extra_body={"prompt_logprobs": K}
+    )
+    assert len(r.choices) == 4 and r.choices[0].logprobs is None
+    for k, p in enumerate(ids):
+        plps = [r.choices[2 * k + i].model_extra["prompt_logprobs"] for i in range(2)]
+        assert plps[0] == plps[1], "every choice of a prompt carries its prompt's"
+        plp = plps[0]
+        assert len(plp) == len(p) and plp[0] is None
+        ref = hf_logprobs(family.base, p[:1], p[1:])  # [P - 1, vocab]
+        for j in range(1, len(p)):
+            got, want = plp[j], ref[j - 1]
+            own = got[str(p[j])]
+            v = float(want[p[j]])
+            assert abs(own["logprob"] - v) < 1e-3, (k, j)
+            # ties within the two paths' rounding may fall either way
+            assert int((want > v + 1e-4).sum()) + 1 <= own["rank"] <= int((want >= v - 1e-4).sum()), (k, j)
+            assert own["decoded_token"] == tok.decode([p[j]], skip_special_tokens=False)
+            top_v, top_i = want.topk(K)
+            alts = [(int(t), e) for t, e in got.items() if e["rank"] <= K and (int(t) != p[j] or own["rank"] <= K)]
+            assert sorted(e["rank"] for _, e in alts) == list(range(1, K + 1)), (k, j, got)
+            assert [e["logprob"] for _, e in sorted(alts, key=lambda a: a[1]["rank"])] == pytest.approx(
+                top_v.tolist(), abs=1e-3
+            )
+            assert len(got) == K + (own["rank"] > K)
+            assert list(got)[0] == str(p[j]), "the prompt's token first"
+
+    # echo with logprobs 1 and prompt_logprobs 3: echo keeps its 1 alternative (+ the token itself)
+    e = await client.completions.create(
+        model=base,
+        prompt=texts[0],
+        max_tokens=2,
+        temperature=0,
+        echo=True,
+        logprobs=1,
+        extra_body={"prompt_logprobs": K},
+    )
+    lp = e.choices[0].logprobs
+    assert lp.top_logprobs[0] is None and all(1 <= len(d) <= 2 for d in lp.top_logprobs[1:])
+    plp = e.choices[0].model_extra["prompt_logprobs"]
+    assert [lp.token_logprobs[j] for j in range(1, len(ids[0]))] == pytest.approx(
+        [plp[j][str(ids[0][j])]["logprob"] for j in range(1, len(ids[0]))], abs=1e-6
+    )
+
+    v = await client.completions.create(
+        model="v1", prompt=texts[0], max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 0}
+    )
+    vp = v.choices[0].model_extra["prompt_logprobs"]
+    assert all(len(d) == 1 for d in vp[1:])
+    base_p = r.choices[0].model_extra["prompt_logprobs"]
+    assert any(
+        abs(vp[j][str(ids[0][j])]["logprob"] - base_p[j][str(ids[0][j])]["logprob"]) > 1e-3
+        for j in range(1, len(ids[0]))
+    )
+
+    c = await client.chat.completions.create(
+        model=base, messages=CHAT, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 1}
+    )
+    rendered = tok.encode(BASE_RENDERED, add_special_tokens=False).ids
+    cp = c.model_extra["prompt_logprobs"]
+    assert len(cp) == len(rendered) == c.usage.prompt_tokens and cp[0] is None
+    assert all(str(t) in d for t, d in zip(rendered[1:], cp[1:]))
+    plain = await client.chat.completions.create(model=base, messages=CHAT, max_tokens=2, temperature=0)
+    assert "prompt_logprobs" not in (plain.model_extra or {})
+
+    for bad, extra in (
+        ({"stream": True}, {"prompt_logprobs": 0}),
+        ({}, {"prompt_logprobs": 21}),
+        ({}, {"prompt_logprobs": -1}),
+        ({}, {"prompt_logprobs": "2"}),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.completions.create(model=base, prompt="x", max_tokens=1, extra_body=extra, **bad)
+        assert err.value.body["param"] == "prompt_logprobs", (bad, extra)
+
+
 async def test_token_id_prompts_and_batched_prompts_answer_as_single_requests(clients, cluster, family):
     """`prompt` as token ids (vLLM's token prompts: used as they are) answers as the same prompt as
     text; a list of prompts (text and ids mixed) answers as one request each, prompt k's choice i at
