@@ -371,7 +371,9 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)
     request_id: str = ""  # the caller's id, echoed in traces and logs
     deadline: float | None = None  # time.monotonic() by which it must end; None: the server's timeout
-    templated: bool = False  # a rendered chat template: the tokenizer adds no special tokens (BOS) of its own
+    # the tokenizer adds no special tokens (BOS) of its own: a rendered chat template, which writes the
+    # ones it wants, or a prompt sent with vLLM's add_special_tokens: false
+    templated: bool = False
     priority: int = 0  # lower first, FIFO within a value (vLLM's); orders admission and preemption
     cache_salt: str = ""  # vLLM's: only requests with the same salt share prefix-cached KV blocks
     # the prompt as token ids instead of text (prompt then ""): used as they are, no special tokens added

@@ -219,7 +219,7 @@ class _Generation(Response):
             prompt_token_ids=prompt.token_ids,
             sampling=r.sampling.to_pb(),
             request_id=r.id if len(r.prompts) == 1 else f"{r.id}-{k}",  # vLLM's ids of a batch's prompts
-            templated=r.kind == "chat",
+            templated=not (r.add_special_tokens or prompt.token_ids),  # ids: used as they are
             priority=r.priority,
             cache_salt=r.cache_salt,
         )
@@ -628,7 +628,7 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
         body = await read_json(request)
         model = await known_model(request, body)
         if "messages" in body:
-            how = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+            how = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "add_special_tokens")
             r = api.parse_chat({"model": model, "messages": body["messages"], **{k: body[k] for k in how if k in body}})
             try:
                 text = templates.for_model(model).render(
@@ -639,7 +639,7 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
                 )
             except ChatTemplateError as e:
                 raise api.invalid("messages", str(e), code="chat_template_error") from None
-            return JSONResponse(tokens.tokenize(text, add_special_tokens=False))  # the template wrote its own
+            return JSONResponse(tokens.tokenize(text, add_special_tokens=r.add_special_tokens))
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise api.invalid("prompt", "prompt must be a string (or send messages)")

@@ -168,7 +168,14 @@ FIELDS: tuple[Field, ...] = (
         "vLLM",
         "the prompt's last k tokens; -1: as many as the context leaves for max_tokens (unset: too long is 400)",
     ),
-    Field("add_special_tokens", REF, REF, "vLLM", "the server decides (chat: the template's own)"),
+    Field(
+        "add_special_tokens",
+        HON,
+        HON,
+        "vLLM",
+        "the tokenizer's special tokens (BOS) added to a text prompt; default true (completions), false (chat:"
+        " the template writes its own); token-id prompts are used as they are",
+    ),
     Field(
         "add_generation_prompt", None, HON, "vLLM", "default true: the template's assistant header after the messages"
     ),

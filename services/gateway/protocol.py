@@ -138,6 +138,8 @@ class Request:
     include_usage: bool = False
     echo: bool = False  # completions: the prompt before each choice's text (and its logprobs)
     prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs, ranks, this many alternatives
+    # vLLM's: the tokenizer adds its special tokens (BOS) to a text prompt; chat's template writes its own
+    add_special_tokens: bool = True
     priority: int = 0  # vLLM's: lower first, FIFO within one value
     constraint_param: str | None = None  # the field sampling.constraint came from (errors name it)
     cache_salt: str = ""  # vLLM's: only requests with the same salt share prefix-cached KV blocks
@@ -267,6 +269,7 @@ def _common(body: Any, kind: str) -> Request:
         model=model,
         sampling=sampling,
         tokens_as_ids=_boolean(body, "return_tokens_as_token_ids"),
+        add_special_tokens=_boolean(body, "add_special_tokens", default=kind == "completion"),
         prompt_logprobs=prompt_logprobs,
         constraint_param=constraint_param,
         stream=stream,

@@ -428,21 +428,12 @@ async def test_max_new_tokens_beyond_the_context_or_the_kv_cache_is_invalid_argu
 async def test_a_templated_prompt_gets_no_second_bos(family, tmp_path):
     """A tokenizer that adds BOS itself (as Llama's do): a rendered chat template that wrote BOS
     (`templated`) is tokenised without another one; a plain prompt gets the tokenizer's."""
-    import json
-
     from bitdelta.generation import Request, Sampling
+    from tests.support.family import add_bos_to_tokenizer
 
     base = tmp_path / "base"
     shutil.copytree(family.base, base)
-    spec = json.loads((base / "tokenizer.json").read_text())
-    bos = "<|endoftext|>"
-    spec["post_processor"] = {
-        "type": "TemplateProcessing",
-        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-        "special_tokens": {bos: {"id": bos, "ids": [256], "tokens": [bos]}},
-    }
-    (base / "tokenizer.json").write_text(json.dumps(spec))
+    bos = add_bos_to_tokenizer(base)
     async with running_worker(WorkerConfig(base=str(base), kv_cache=4 << 20)) as (worker, _, _):
 
         async def prompt_tokens(prompt: str, templated: bool) -> int:
