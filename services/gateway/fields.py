@@ -160,7 +160,13 @@ FIELDS: tuple[Field, ...] = (
         "vLLM",
         "false: special tokens' text stays in the output (EOS's only with include_stop_str_in_output)",
     ),
-    Field("spaces_between_special_tokens", REF, REF, "vLLM", "not served", off=(True,)),
+    Field(
+        "spaces_between_special_tokens",
+        IGN,
+        IGN,
+        "vLLM",
+        "only vLLM's slow tokenizers read it; a tokenizer.json (the only kind served) decodes alike either way",
+    ),
     Field(
         "truncate_prompt_tokens",
         HON,

@@ -1047,6 +1047,7 @@ async def test_harmless_fields_are_ignored_and_off_values_pass(clients):
         "suffix": None,  # null: as if absent
         "best_of": 1,
         "response_format": {"type": "text"},
+        "spaces_between_special_tokens": False,  # a tokenizer.json decodes alike either way
     }
     r = await client.completions.create(
         model="v0", prompt="The quick brown fox", max_tokens=N, temperature=0, extra_body=extra
