@@ -184,6 +184,7 @@ class Sampling:
     allowed_token_ids: tuple[int, ...] = ()  # only these may be picked (vLLM's); empty: any
     skip_special_tokens: bool = True  # False: special tokens' text stays in the output (vLLM's)
     bad_words: tuple[str, ...] = ()  # the output never completes one of these (vLLM's; the worker tokenizes them)
+    return_prompt_token_ids: bool = False  # the first event carries the prompt's ids as run (vLLM's return_token_ids)
 
     @property
     def plain(self) -> bool:
@@ -326,6 +327,7 @@ class Sampling:
             allowed_token_ids=list(self.allowed_token_ids),
             skip_special_tokens=None if self.skip_special_tokens else False,
             bad_words=list(self.bad_words),
+            return_prompt_token_ids=self.return_prompt_token_ids,
         )
 
     @classmethod
@@ -355,6 +357,7 @@ class Sampling:
             allowed_token_ids=tuple(m.allowed_token_ids),
             skip_special_tokens=m.skip_special_tokens if m.HasField("skip_special_tokens") else True,
             bad_words=tuple(m.bad_words),
+            return_prompt_token_ids=m.return_prompt_token_ids,
         )
 
 
@@ -532,6 +535,7 @@ class TokenEvent:
     logprobs: Logprobs | None = None  # with Sampling.logprobs
     index: int = 0  # the choice (Sampling.n > 1); each choice's last event has its own finish and usage
     prompt_logprobs: tuple[Logprobs, ...] = ()  # Sampling.prompt_logprobs, first event: per prompt token
+    prompt_token_ids: tuple[int, ...] = ()  # Sampling.return_prompt_token_ids, first event: the prompt as run
     prefill_batch: int = field(default=0, compare=False)  # sequences in the step that began its prefill (traces)
 
     def token_pb(self) -> pb.Token:
@@ -567,19 +571,20 @@ def fill_stream_pb(events: Sequence[TokenEvent], msg, arrival_codes: Mapping[Arr
     if not events:
         raise ValueError("a stream message holds at least one token")
     first = events[0]
-    if any(ev.ttft is not None or ev.prompt_logprobs or ev.worker for ev in events[1:]):
+    if any(ev.ttft is not None or ev.prompt_logprobs or ev.prompt_token_ids or ev.worker for ev in events[1:]):
         raise ValueError("only the first token of a stream message may carry the request's ttft/worker/echo")
     msg.tokens.extend(ev.token_pb() for ev in events)
     if first.ttft is not None:
         msg.ttft.CopyFrom(first.ttft.to_pb())
         msg.arrival_state = arrival_codes[first.arrival or ArrivalState.BASE]
     msg.prompt_logprobs.extend(lp.to_pb() for lp in first.prompt_logprobs)
+    msg.prompt_token_ids.extend(first.prompt_token_ids)
     return msg
 
 
 def events_of_stream_pb(msg, arrival_of: Mapping[int, ArrivalState]) -> list[TokenEvent]:
     """`fill_stream_pb` read back: the message's tokens as events, the request's fields (ttft,
-    arrival, the router's worker, prompt logprobs) on the first."""
+    arrival, the router's worker, prompt logprobs and ids) on the first."""
     events = [TokenEvent.from_token_pb(t) for t in msg.tokens]
     if not events:
         return events
@@ -590,5 +595,6 @@ def events_of_stream_pb(msg, arrival_of: Mapping[int, ArrivalState]) -> list[Tok
         arrival=arrival_of.get(msg.arrival_state, ArrivalState.BASE) if first else None,
         worker=getattr(msg, "worker", ""),
         prompt_logprobs=tuple(Logprobs.from_pb(lp) for lp in msg.prompt_logprobs),
+        prompt_token_ids=tuple(msg.prompt_token_ids),
     )
     return events

@@ -319,7 +319,13 @@ class _Generation(Response):
             )
             text = (self.echoes[k] if self.echoes else "") + "".join(t.text for t in mine)
             choices.append(
-                dataclasses.replace(api.with_tool_calls(r, text, finish), logprobs=lps, prompt_logprobs=prompt_lps[k])
+                dataclasses.replace(
+                    api.with_tool_calls(r, text, finish),
+                    logprobs=lps,
+                    prompt_logprobs=prompt_lps[k],
+                    token_ids=[t.token_id for t in mine],
+                    prompt_token_ids=list(firsts[k].prompt_token_ids),
+                )
             )
             usages[i] = mine[-1].usage
         await self._send_json(send, 200, api.response(r, choices, api.total_usage(usages, n)))
@@ -342,9 +348,16 @@ class _Generation(Response):
 
         n = r.sampling.n
         total = n * len(r.prompts)
+        # return_token_ids: the prompt's ids on the stream's first chunk (chat) or each choice's (completions)
+        prompt_ids: list[tuple[int, ...] | None] = [
+            tuple(firsts[i // n].prompt_token_ids) if r.return_token_ids else None for i in range(total)
+        ]
         if r.kind == "chat":  # OpenAI's first chat chunk of each choice: the role
             for i in range(total):
-                await body(_sse(api.chunk(r, "", first=True, index=i)))
+                await body(
+                    _sse(api.chunk(r, "", first=True, index=i, prompt_token_ids=prompt_ids[0] if i == 0 else None))
+                )
+            prompt_ids = [None] * total
         offsets = [0] * total
         if self.echoes:  # each choice starts with its prompt (and its tokens' logprobs)
             for k, echo in enumerate(self.echoes):
@@ -352,7 +365,8 @@ class _Generation(Response):
                 offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp else 0
                 for i in range(k * n, (k + 1) * n):
                     offsets[i] = offset
-                    await body(_sse(api.chunk(r, echo, logprobs=lp, index=i)))
+                    await body(_sse(api.chunk(r, echo, logprobs=lp, index=i, prompt_token_ids=prompt_ids[i])))
+                    prompt_ids[i] = None
         usages: dict[int, gen_pb.Usage] = {}
         # tools: each choice's text from where a call may begin is held, and sent as tool_calls at its end
         calls = [CallStream(r.tool_format) for _ in range(total)] if r.tools is not None and r.tools.parsed else None
@@ -373,9 +387,13 @@ class _Generation(Response):
                     i = tok.index
                     lp = api.logprobs(r, [tok.logprobs], offsets[i]) if tok.HasField("logprobs") else None
                     text = tok.text if calls is None else calls[i].add(tok.text)
-                    if text or lp is not None:
-                        events.append(_sse(api.chunk(r, text, logprobs=lp, index=i)))
+                    if text or lp is not None or r.return_token_ids:  # every token's id has its chunk
+                        piece = api.chunk(
+                            r, text, logprobs=lp, index=i, token_ids=(tok.token_id,), prompt_token_ids=prompt_ids[i]
+                        )
+                        events.append(_sse(piece))
                         offsets[i] += len(tok.text)
+                        prompt_ids[i] = None
                     if tok.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED or tok.HasField("usage"):
                         finish = self._finish(tok)
                         if calls is not None:

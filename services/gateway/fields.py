@@ -161,6 +161,14 @@ FIELDS: tuple[Field, ...] = (
         "false: special tokens' text stays in the output (EOS's only with include_stop_str_in_output)",
     ),
     Field(
+        "return_token_ids",
+        HON,
+        HON,
+        "vLLM",
+        "`token_ids` of each choice, and `prompt_token_ids` as the worker ran it (completions: each choice;"
+        " chat: the response); streamed, each chunk its tokens' and the first the prompt's",
+    ),
+    Field(
         "spaces_between_special_tokens",
         IGN,
         IGN,

@@ -140,6 +140,7 @@ class Request:
     prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs, ranks, this many alternatives
     # vLLM's: the tokenizer adds its special tokens (BOS) to a text prompt; chat's template writes its own
     add_special_tokens: bool = True
+    return_token_ids: bool = False  # vLLM's: the prompt's token ids and each choice's, beside the text
     priority: int = 0  # vLLM's: lower first, FIFO within one value
     constraint_param: str | None = None  # the field sampling.constraint came from (errors name it)
     cache_salt: str = ""  # vLLM's: only requests with the same salt share prefix-cached KV blocks
@@ -253,6 +254,7 @@ def _common(body: Any, kind: str) -> Request:
     if prompt_logprobs is not None and stream:
         raise invalid("prompt_logprobs", "prompt_logprobs are not returned in a stream (as vLLM): use stream: false")
     constraint, constraint_param = parse_constraint(body)
+    return_ids = _boolean(body, "return_token_ids")
     sampling = Sampling(
         constraint=constraint,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -262,6 +264,7 @@ def _common(body: Any, kind: str) -> Request:
         n=_integer(body, "n", 1, MAX_N) or 1,
         truncate_prompt_tokens=_integer(body, "truncate_prompt_tokens", -1, 2**31 - 1),  # 0: Sampling.validate
         prompt_logprobs=prompt_logprobs,
+        return_prompt_token_ids=return_ids,
         **_vllm_sampling(body),
     )
     return Request(
@@ -270,6 +273,7 @@ def _common(body: Any, kind: str) -> Request:
         sampling=sampling,
         tokens_as_ids=_boolean(body, "return_tokens_as_token_ids"),
         add_special_tokens=_boolean(body, "add_special_tokens", default=kind == "completion"),
+        return_token_ids=return_ids,
         prompt_logprobs=prompt_logprobs,
         constraint_param=constraint_param,
         stream=stream,
@@ -693,6 +697,8 @@ class Choice:
     logprobs: dict | None = None
     tool_calls: tuple[Call, ...] = ()
     prompt_logprobs: list[dict | None] | None = None  # its prompt's (vLLM's prompt_logprobs)
+    token_ids: list[int] = field(default_factory=list)  # its tokens (vLLM's return_token_ids)
+    prompt_token_ids: list[int] = field(default_factory=list)  # its prompt's, as run (return_token_ids)
 
 
 def with_tool_calls(r: Request, text: str, finish: str) -> Choice:
@@ -708,7 +714,16 @@ def with_tool_calls(r: Request, text: str, finish: str) -> Choice:
 
 def response(r: Request, choices: list[Choice], u: gen_pb.Usage) -> dict:
     """The whole (non-streamed) answer: `choices` by index."""
-    asked = r.prompt_logprobs is not None  # vLLM's key, only when asked for
+
+    # vLLM's keys, only when asked for: completions' on each choice, chat's prompt ones on the response
+    # (one prompt)
+    def prompt_extras(c: Choice) -> dict:
+        return {
+            **({"prompt_logprobs": c.prompt_logprobs} if r.prompt_logprobs is not None else {}),
+            **({"prompt_token_ids": c.prompt_token_ids} if r.return_token_ids else {}),
+        }
+
+    ids = (lambda c: {"token_ids": c.token_ids}) if r.return_token_ids else (lambda c: {})
     if r.kind == "completion":
         out = [
             {
@@ -716,7 +731,8 @@ def response(r: Request, choices: list[Choice], u: gen_pb.Usage) -> dict:
                 "text": c.text,
                 "logprobs": c.logprobs,
                 "finish_reason": c.finish,
-                **({"prompt_logprobs": c.prompt_logprobs} if asked else {}),
+                **prompt_extras(c),
+                **ids(c),
             }
             for i, c in enumerate(choices)
         ]
@@ -726,10 +742,8 @@ def response(r: Request, choices: list[Choice], u: gen_pb.Usage) -> dict:
         message = {"role": "assistant", "content": c.text}
         if c.tool_calls:
             message["tool_calls"] = [t.to_openai() for t in c.tool_calls]
-        out.append({"index": i, "message": message, "logprobs": c.logprobs, "finish_reason": c.finish})
-    # chat has one prompt: its prompt_logprobs are the response's (vLLM's place for them)
-    top = {"prompt_logprobs": choices[0].prompt_logprobs} if asked else {}
-    return {**_envelope(r, "chat.completion"), "choices": out, "usage": usage(u), **top}
+        out.append({"index": i, "message": message, "logprobs": c.logprobs, "finish_reason": c.finish, **ids(c)})
+    return {**_envelope(r, "chat.completion"), "choices": out, "usage": usage(u), **prompt_extras(choices[0])}
 
 
 def chunk(
@@ -741,11 +755,23 @@ def chunk(
     logprobs: dict | None = None,
     index: int = 0,
     tool_calls: tuple[Call, ...] = (),
+    token_ids: tuple[int, ...] = (),
+    prompt_token_ids: tuple[int, ...] | None = None,
 ) -> dict:
     """One streamed piece of choice `index`: `text` added (chat: a delta, with the role on the
-    first), or the finish."""
+    first), or the finish. With return_token_ids, the piece's `token_ids`, and the prompt's ids where
+    given (completions: each choice's first chunk; chat: the stream's first, on the chunk itself)."""
+    prompt_ids = {} if prompt_token_ids is None else {"prompt_token_ids": list(prompt_token_ids)}
+    ids = {"token_ids": list(token_ids)} if r.return_token_ids else {}
     if r.kind == "completion":
-        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        choice = {
+            "index": index,
+            "text": text or "",
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            **prompt_ids,
+            **ids,
+        }
         out = {**_envelope(r, "text_completion"), "choices": [choice]}
     else:
         delta: dict[str, Any] = {}
@@ -755,8 +781,8 @@ def chunk(
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = [t.to_openai(j) for j, t in enumerate(tool_calls)]
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        out = {**_envelope(r, "chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **ids}
+        out = {**_envelope(r, "chat.completion.chunk"), "choices": [choice], **prompt_ids}
     if r.include_usage:
         out["usage"] = None
     return out

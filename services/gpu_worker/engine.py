@@ -391,6 +391,7 @@ class Engine:
             logprobs=None if raw is None else _logprobs(seq, tok, raw),
             index=seq.index,
             prompt_logprobs=_echo(seq) if ttft is not None else (),
+            prompt_token_ids=tuple(s.prompt) if ttft is not None and sp.return_prompt_token_ids else (),
         )
         posts.append((seq.emit, ev))
         if finish is not None:

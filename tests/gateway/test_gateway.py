@@ -786,6 +786,59 @@ async def test_prompt_logprobs_are_vllms_with_transformers_values_and_ranks(clie
         assert err.value.body["param"] == "prompt_logprobs", (bad, extra)
 
 
+async def test_return_token_ids_gives_the_prompt_and_choice_ids_as_run(clients, cluster, family):
+    """vLLM's return_token_ids: each choice's token ids (every token it generated, the ones of the
+    router's stream) and the prompt's as the worker ran it (BOS, truncation: completions on each
+    choice, chat on the response), whole and streamed (each chunk its tokens', the first of each
+    choice, or of a chat stream, the prompt's)."""
+    from tokenizers import Tokenizer
+
+    client, router, _ = clients
+    tok = Tokenizer.from_file(str(family.base / "tokenizer.json"))
+    texts = ["The quick brown fox", "abc xyz"]
+    ids = [tok.encode(t).ids for t in texts]
+    kw = dict(model="v1", max_tokens=N, temperature=0.8, seed=3, n=2, extra_body={"return_token_ids": True})
+    r = await client.completions.create(prompt=[texts[0], ids[1]], **kw)
+    for i, c in enumerate(r.choices):
+        extra = c.model_extra
+        assert extra["prompt_token_ids"] == ids[i // 2]
+        assert tok.decode(extra["token_ids"]) == c.text and 1 <= len(extra["token_ids"]) <= N
+    assert r.usage.completion_tokens == sum(len(c.model_extra["token_ids"]) for c in r.choices)
+    _, want = await router_text(router, "v1", texts[0], temperature=0.8, seed=3)
+    assert r.choices[0].model_extra["token_ids"] == [t.token_id for t in want]
+
+    stream = await client.completions.create(prompt=[texts[0], ids[1]], stream=True, **kw)
+    got: dict[int, list[int]] = {}
+    prompts: dict[int, list] = {}
+    async for ch in stream:
+        for c in ch.choices:
+            got.setdefault(c.index, []).extend(c.model_extra["token_ids"])
+            if "prompt_token_ids" in c.model_extra:
+                prompts.setdefault(c.index, []).append(c.model_extra["prompt_token_ids"])
+    assert got == {i: c.model_extra["token_ids"] for i, c in enumerate(r.choices)}
+    assert prompts == {i: [ids[i // 2]] for i in range(4)}, "once per choice, on its first chunk"
+
+    cut = await client.completions.create(
+        model="v0", prompt=texts[0], max_tokens=2, extra_body={"return_token_ids": True, "truncate_prompt_tokens": 3}
+    )
+    assert cut.choices[0].model_extra["prompt_token_ids"] == ids[0][-3:]
+    plain = await client.completions.create(model="v0", prompt=texts[0], max_tokens=2)
+    assert "token_ids" not in plain.choices[0].model_extra
+
+    ckw = dict(model="v1", messages=CHAT, max_tokens=N, temperature=0, extra_body={"return_token_ids": True})
+    c = await client.chat.completions.create(**ckw)
+    _, rendered = await asyncio.to_thread(
+        http, cluster.g, "POST", "/tokenize", json.dumps({"model": "v1", "messages": CHAT}).encode()
+    )
+    assert c.model_extra["prompt_token_ids"] == rendered["tokens"]
+    assert tok.decode(c.choices[0].model_extra["token_ids"]) == c.choices[0].message.content
+    chunks = [x async for x in await client.chat.completions.create(stream=True, **ckw)]
+    assert chunks[0].model_extra["prompt_token_ids"] == rendered["tokens"]
+    assert all("prompt_token_ids" not in x.model_extra for x in chunks[1:])
+    streamed = [t for x in chunks for ch in x.choices for t in ch.model_extra["token_ids"]]
+    assert streamed == c.choices[0].model_extra["token_ids"]
+
+
 async def test_token_id_prompts_and_batched_prompts_answer_as_single_requests(clients, cluster, family):
     """`prompt` as token ids (vLLM's token prompts: used as they are) answers as the same prompt as
     text; a list of prompts (text and ids mixed) answers as one request each, prompt k's choice i at
