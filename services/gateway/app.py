@@ -161,7 +161,8 @@ class _Merged:
 class _Generation(Response):
     """Runs one request's generations against the router (one per prompt, at once) and answers them
     (JSON or server-sent events), cancelling the router calls when the client disconnects (module
-    docstring). `echoes`: each prompt's text before its choices' (completions' echo), else None."""
+    docstring). `echoes`: each prompt's text before its choices' (completions' echo; chat's: the last
+    message's content), else None."""
 
     def __init__(
         self,
@@ -361,7 +362,7 @@ class _Generation(Response):
         offsets = [0] * total
         if self.echoes:  # each choice starts with its prompt (and its tokens' logprobs)
             for k, echo in enumerate(self.echoes):
-                lp = api.logprobs(r, [], prompt=firsts[k].prompt_logprobs)
+                lp = api.logprobs(r, [], prompt=firsts[k].prompt_logprobs) if r.kind == "completion" else None
                 offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp else 0
                 for i in range(k * n, (k + 1) * n):
                     offsets[i] = offset
@@ -620,7 +621,10 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
                 req.sampling = dataclasses.replace(req.sampling, constraint=c)
                 req.constraint_param = "tool_choice"
         await check_constraint(req)
-        return _Generation(state["router"], req, metadata(request), config.request_timeout_s)
+        echo = req.chat_echo()
+        return _Generation(
+            state["router"], req, metadata(request), config.request_timeout_s, None if echo is None else [echo]
+        )
 
     async def known_model(request: HttpRequest, body: Any) -> str:
         """The body's model, which the router must list (404 otherwise)."""

@@ -37,7 +37,6 @@ class Field:
 
 
 MAX_PROMPTS = 64  # prompts in one completions request (each its own generation; the body's size bounds them too)
-LATER = "not yet served"
 GUIDED = "the output constrained by its grammar (docs/structured-output.md); one constraint per request"
 RAW = "from the model's raw logits (before penalties, bias, masks, temperature: vLLM's raw_logprobs)"
 FIELDS: tuple[Field, ...] = (
@@ -71,11 +70,11 @@ FIELDS: tuple[Field, ...] = (
     Field(
         "echo",
         HON,
-        REF,
+        HON,
         "OpenAI / vLLM (chat)",
         "completions: the prompt before the text; with logprobs, its tokens' first (the first one's null)."
-        f" Chat: {LATER}",
-        off=(False,),
+        " Chat (vLLM's): the last message's content before the answer when it has the answer's role"
+        " (assistant after a generation prompt, else the last message's); not with tools",
     ),
     Field("best_of", REF, None, "OpenAI", "best_of > 1: not served", off=(1,)),
     Field("suffix", REF, None, "OpenAI", "insertion: not served", off=("",)),

@@ -136,7 +136,9 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)  # max_new_tokens 0: the router's default
     stream: bool = False
     include_usage: bool = False
-    echo: bool = False  # completions: the prompt before each choice's text (and its logprobs)
+    # completions: the prompt before each choice's text (and its logprobs); chat (vLLM's): the last
+    # message's content before each choice's, when that message has the answer's role
+    echo: bool = False
     prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs, ranks, this many alternatives
     # vLLM's: the tokenizer adds its special tokens (BOS) to a text prompt; chat's template writes its own
     add_special_tokens: bool = True
@@ -153,6 +155,17 @@ class Request:
     tool_format: ToolFormat = ToolFormat.HERMES  # how the model's chat template writes a call (the app sets it)
     id: str = ""
     created: int = 0
+
+    @property
+    def role(self) -> str:
+        """Chat: the answer's role, as vLLM's: the assistant's after a generation prompt, else the last
+        message's (the prompt continues it)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1]["role"]
+
+    def chat_echo(self) -> str | None:
+        """Chat's echo: the last message's content, when it has the answer's role; else None."""
+        last = self.messages[-1]
+        return last["content"] if self.echo and last["role"] == self.role and last["content"] else None
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float, low_open: bool = False) -> float:
@@ -559,6 +572,9 @@ def parse_chat(body: Any) -> Request:
         raise invalid(e.param, str(e)) from None
     if r.tools is not None and r.tools.parsed and r.sampling.logprobs is not None:
         raise invalid("logprobs", "logprobs with tools is not served (tool calls are parsed from the whole text)")
+    r.echo = _boolean(body, "echo")
+    if r.echo and r.tools is not None and r.tools.parsed:
+        raise invalid("echo", "echo with tools is not served (tool calls are parsed from the answer's text)")
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise invalid("messages", "messages must be a non-empty list of {role, content} objects")
@@ -739,7 +755,7 @@ def response(r: Request, choices: list[Choice], u: gen_pb.Usage) -> dict:
         return {**_envelope(r, "text_completion"), "choices": out, "usage": usage(u)}
     out = []
     for i, c in enumerate(choices):
-        message = {"role": "assistant", "content": c.text}
+        message = {"role": r.role, "content": c.text}
         if c.tool_calls:
             message["tool_calls"] = [t.to_openai() for t in c.tool_calls]
         out.append({"index": i, "message": message, "logprobs": c.logprobs, "finish_reason": c.finish, **ids(c)})
@@ -776,7 +792,7 @@ def chunk(
     else:
         delta: dict[str, Any] = {}
         if first:
-            delta["role"] = "assistant"
+            delta["role"] = r.role
         if text is not None:
             delta["content"] = text
         if tool_calls:

@@ -269,6 +269,37 @@ async def test_chat_renders_the_template_and_equals_the_router(clients, model, r
     assert not any(c.choices[0].finish_reason for c in chunks[:-1])
 
 
+async def test_chat_echo_and_role_are_vllms(clients):
+    """vLLM's chat echo: the last message's content comes before the answer when that message has the
+    answer's role (assistant after a generation prompt, else the last message's own: the prompt
+    continues it), whole and streamed (a chunk of its own after the role's); otherwise nothing is
+    added. Not with tools (their calls are parsed from the answer's text)."""
+    client, router, _ = clients
+    no_header = BASE_RENDERED.removesuffix(f"{BOS}assistant: ")
+    turns = [*CHAT, {"role": "assistant", "content": "Hello, I am"}]
+    kw = dict(model="v0", max_tokens=N, temperature=0)
+    cont = {"add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    want, _ = await router_text(router, "v0", f"{no_header}{BOS}assistant: Hello, I am")
+    r = await client.chat.completions.create(messages=turns, extra_body=cont, **kw)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == "Hello, I am" + want
+    chunks = [x async for x in await client.chat.completions.create(messages=turns, extra_body=cont, stream=True, **kw)]
+    deltas = [x.choices[0].delta for x in chunks if x.choices]
+    assert deltas[0].role == "assistant" and deltas[1].content == "Hello, I am"
+    assert "".join(d.content or "" for d in deltas) == r.choices[0].message.content
+
+    user_last = {"add_generation_prompt": False, "echo": True}
+    want, _ = await router_text(router, "v0", no_header)
+    u = await client.chat.completions.create(messages=CHAT, extra_body=user_last, **kw)
+    assert u.choices[0].message.role == "user" and u.choices[0].message.content == "Hi there" + want
+    plain = await client.chat.completions.create(messages=CHAT, **kw)
+    echoed = await client.chat.completions.create(messages=CHAT, extra_body={"echo": True}, **kw)
+    assert echoed.choices[0].message.content == plain.choices[0].message.content, "the roles differ: no echo"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(messages=CHAT, tools=tools, extra_body={"echo": True}, **kw)
+    assert err.value.body["param"] == "echo"
+
+
 async def test_chat_render_fields_of_vllm(clients, cluster):
     """vLLM's chat request fields reach the template: add_generation_prompt false ends the prompt after
     the messages, continue_final_message ends it inside the last one (the model goes on with it), each
