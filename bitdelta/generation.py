@@ -536,6 +536,7 @@ class TokenEvent:
     index: int = 0  # the choice (Sampling.n > 1); each choice's last event has its own finish and usage
     prompt_logprobs: tuple[Logprobs, ...] = ()  # Sampling.prompt_logprobs, first event: per prompt token
     prompt_token_ids: tuple[int, ...] = ()  # Sampling.return_prompt_token_ids, first event: the prompt as run
+    stop_reason: str | int | None = None  # with FinishReason.STOP: the stop string, or the stop token's id
     prefill_batch: int = field(default=0, compare=False)  # sequences in the step that began its prefill (traces)
 
     def token_pb(self) -> pb.Token:
@@ -548,6 +549,10 @@ class TokenEvent:
             t.usage.CopyFrom(self.usage.to_pb())
         if self.logprobs is not None:
             t.logprobs.CopyFrom(self.logprobs.to_pb())
+        if isinstance(self.stop_reason, str):
+            t.stop_string = self.stop_reason
+        elif self.stop_reason is not None:
+            t.stop_token_id = self.stop_reason
         return t
 
     @classmethod
@@ -561,7 +566,14 @@ class TokenEvent:
             usage=Usage.from_pb(t.usage) if t.HasField("usage") else None,
             logprobs=Logprobs.from_pb(t.logprobs) if t.HasField("logprobs") else None,
             index=t.index,
+            stop_reason=stop_reason_of(t),
         )
+
+
+def stop_reason_of(t: pb.Token) -> str | int | None:
+    """A Token message's stop reason: its stop string, its stop token's id, or None."""
+    which = t.WhichOneof("stop_reason")
+    return None if which is None else getattr(t, which)
 
 
 def fill_stream_pb(events: Sequence[TokenEvent], msg, arrival_codes: Mapping[ArrivalState, int]):

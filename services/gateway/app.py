@@ -38,7 +38,7 @@ from starlette.types import Receive, Scope, Send
 
 from bitdelta import grammar
 from bitdelta.common.v1 import generation_pb2 as gen_pb
-from bitdelta.generation import Constraint, ConstraintKind, FinishReason, GenerationError
+from bitdelta.generation import Constraint, ConstraintKind, FinishReason, GenerationError, stop_reason_of
 from bitdelta.router.v1 import router_pb2 as pb
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.errors import without_addresses
@@ -326,6 +326,7 @@ class _Generation(Response):
                     prompt_logprobs=prompt_lps[k],
                     token_ids=[t.token_id for t in mine],
                     prompt_token_ids=list(firsts[k].prompt_token_ids),
+                    stop_reason=stop_reason_of(mine[-1]),
                 )
             )
             usages[i] = mine[-1].usage
@@ -403,7 +404,10 @@ class _Generation(Response):
                                 events.append(_sse(api.chunk(r, rest, index=i)))
                             if made:
                                 events.append(_sse(api.chunk(r, None, tool_calls=made, index=i)))
-                        events.append(_sse(api.chunk(r, None if r.kind == "chat" else "", finish, index=i)))
+                        end = api.chunk(
+                            r, None if r.kind == "chat" else "", finish, index=i, stop_reason=stop_reason_of(tok)
+                        )
+                        events.append(_sse(end))
                         usages[i] = tok.usage
                         if len(usages) == total:
                             break

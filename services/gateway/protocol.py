@@ -714,6 +714,7 @@ class Choice:
     tool_calls: tuple[Call, ...] = ()
     prompt_logprobs: list[dict | None] | None = None  # its prompt's (vLLM's prompt_logprobs)
     token_ids: list[int] = field(default_factory=list)  # its tokens (vLLM's return_token_ids)
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token that ended it
     prompt_token_ids: list[int] = field(default_factory=list)  # its prompt's, as run (return_token_ids)
 
 
@@ -747,6 +748,7 @@ def response(r: Request, choices: list[Choice], u: gen_pb.Usage) -> dict:
                 "text": c.text,
                 "logprobs": c.logprobs,
                 "finish_reason": c.finish,
+                "stop_reason": c.stop_reason,
                 **prompt_extras(c),
                 **ids(c),
             }
@@ -758,7 +760,16 @@ def response(r: Request, choices: list[Choice], u: gen_pb.Usage) -> dict:
         message = {"role": r.role, "content": c.text}
         if c.tool_calls:
             message["tool_calls"] = [t.to_openai() for t in c.tool_calls]
-        out.append({"index": i, "message": message, "logprobs": c.logprobs, "finish_reason": c.finish, **ids(c)})
+        out.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": c.logprobs,
+                "finish_reason": c.finish,
+                "stop_reason": c.stop_reason,
+                **ids(c),
+            }
+        )
     return {**_envelope(r, "chat.completion"), "choices": out, "usage": usage(u), **prompt_extras(choices[0])}
 
 
@@ -773,6 +784,7 @@ def chunk(
     tool_calls: tuple[Call, ...] = (),
     token_ids: tuple[int, ...] = (),
     prompt_token_ids: tuple[int, ...] | None = None,
+    stop_reason: str | int | None = None,
 ) -> dict:
     """One streamed piece of choice `index`: `text` added (chat: a delta, with the role on the
     first), or the finish. With return_token_ids, the piece's `token_ids`, and the prompt's ids where
@@ -785,6 +797,7 @@ def chunk(
             "text": text or "",
             "logprobs": logprobs,
             "finish_reason": finish,
+            "stop_reason": stop_reason,
             **prompt_ids,
             **ids,
         }
@@ -797,7 +810,14 @@ def chunk(
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = [t.to_openai(j) for j, t in enumerate(tool_calls)]
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **ids}
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "stop_reason": stop_reason,
+            **ids,
+        }
         out = {**_envelope(r, "chat.completion.chunk"), "choices": [choice], **prompt_ids}
     if r.include_usage:
         out["usage"] = None

@@ -355,14 +355,16 @@ class Engine:
         s.output.append(tok)
         may_stop = len(s.output) >= sp.min_tokens  # as vLLM: the min_tokens-th token may end it
         finish = None
+        stop_reason: str | int | None = None  # vLLM's: the stop token or string that ended it
         eos = tok in seq.eos_ids and not sp.ignore_eos
         if (tok in sp.stop_token_ids or eos) and may_stop:  # its text only with include_stop_str_in_output
             text = seq.text.add(tok)[0] if sp.include_stop_str_in_output else ""
             text += seq.text.flush()
             finish = FinishReason.STOP if tok in sp.stop_token_ids else FinishReason.EOS
+            stop_reason = tok if finish is FinishReason.STOP else None
         else:
-            text, stopped = seq.text.add(tok, may_stop)
-            if stopped:
+            text, stop_reason = seq.text.add(tok, may_stop)
+            if stop_reason is not None:
                 finish = FinishReason.STOP
             elif eos:
                 finish = FinishReason.EOS
@@ -385,6 +387,7 @@ class Engine:
             (now - seq.t_arrival) * 1e3,
             finish_reason=finish,
             usage=Usage(len(s.prompt), len(s.output)) if finish is not None else None,
+            stop_reason=stop_reason,
             ttft=ttft,
             arrival=seq.arrival if ttft is not None else None,
             prefill_batch=seq.prefill_batch if ttft is not None else 0,

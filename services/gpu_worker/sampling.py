@@ -200,8 +200,8 @@ class TextStream:
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip_special)
 
-    def add(self, token: int, may_stop: bool = True) -> tuple[str, bool]:
-        """Append one token. Returns (text to send now, whether a stop string was produced).
+    def add(self, token: int, may_stop: bool = True) -> tuple[str, str | None]:
+        """Append one token. Returns (text to send now, the stop string it produced or None).
         `may_stop` False (the output is shorter than min_tokens): stop strings are not looked for."""
         self.ids.append(token)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
@@ -211,18 +211,18 @@ class TextStream:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return self._release(may_stop)
 
-    def _release(self, may_stop: bool) -> tuple[str, bool]:
+    def _release(self, may_stop: bool) -> tuple[str, str | None]:
         if not self.stop or not may_stop:
             out, self.sent = self.text[self.sent :], len(self.text)
-            return out, False
-        hit, end = -1, -1
+            return out, None
+        hit, found = -1, ""
         for s in self.stop:
             i = self.text.find(s, self.sent)
             if i >= 0 and (hit < 0 or i < hit):
-                hit, end = i, i + len(s)
+                hit, found = i, s
         if hit >= 0:
-            out, self.sent = self.text[self.sent : end if self.include_stop else hit], len(self.text)
-            return out, True
+            out, self.sent = self.text[self.sent : hit + len(found) if self.include_stop else hit], len(self.text)
+            return out, found
         pending = self.text[self.sent :]
         hold = 0
         for k in range(min(max(map(len, self.stop)) - 1, len(pending)), 0, -1):
@@ -231,7 +231,7 @@ class TextStream:
                 break
         end = len(self.text) - hold
         out, self.sent = self.text[self.sent : end], end
-        return out, False
+        return out, None
 
     def flush(self) -> str:
         """At the end (no stop string can follow): whatever was held back, incomplete characters included."""

@@ -547,25 +547,33 @@ async def test_vllm_sampling_fields_reach_the_worker(clients):
 
 
 async def test_stop_token_ids_and_include_stop_str(clients):
+    """Stop strings and stop tokens end the answer (the string's text only when asked), and vLLM's
+    stop_reason names what ended it: the string, the token's id, or null (length), whole and on a
+    stream's finish chunk, completions and chat."""
     client, router, _ = clients
     full = await client.completions.create(model="v0", prompt="The quick brown fox", max_tokens=N, temperature=0)
     text = full.choices[0].text
+    assert full.choices[0].finish_reason == "length" and full.choices[0].model_extra["stop_reason"] is None
     stop = text[4:6]
+    kw = dict(model="v0", prompt="The quick brown fox", max_tokens=N, temperature=0)
     r = await client.completions.create(
-        model="v0",
-        prompt="The quick brown fox",
-        max_tokens=N,
-        temperature=0,
-        stop=stop,
-        extra_body={"include_stop_str_in_output": True},
+        stop=["never-there", stop], extra_body={"include_stop_str_in_output": True}, **kw
     )
     assert r.choices[0].text == text[: text.index(stop) + 2] and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == stop
     # the family's byte tokenizer: an ASCII character's token id is its byte
     ch = next(c for c in text[1:] if c.isascii())
-    r = await client.completions.create(
-        model="v0", prompt="The quick brown fox", max_tokens=N, temperature=0, extra_body={"stop_token_ids": [ord(ch)]}
-    )
+    r = await client.completions.create(extra_body={"stop_token_ids": [ord(ch)]}, **kw)
     assert r.choices[0].text == text[: text.index(ch)] and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == ord(ch)
+    chunks = [x async for x in await client.completions.create(stop=stop, stream=True, **kw)]
+    ends = [(c.finish_reason, c.model_extra["stop_reason"]) for x in chunks for c in x.choices]
+    assert ends[-1] == ("stop", stop) and all(e == (None, None) for e in ends[:-1])
+    c = await client.chat.completions.create(model="v0", messages=CHAT, max_tokens=N, temperature=0)
+    said = c.choices[0].message.content
+    cut = next(x for x in said[1:] if x.isascii() and x.isprintable())
+    s = await client.chat.completions.create(model="v0", messages=CHAT, max_tokens=N, temperature=0, stop=cut)
+    assert s.choices[0].message.content == said[: said.index(cut)] and s.choices[0].model_extra["stop_reason"] == cut
 
 
 @pytest.mark.parametrize(

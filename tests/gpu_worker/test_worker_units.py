@@ -58,7 +58,8 @@ class ByteTok:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-def stream_all(text_bytes: bytes, stop: list[str]):
+def stream_all(text_bytes: bytes, stop: list[str]) -> tuple[str, str | None]:
+    """The text a stream sends, and the stop string that ended it (None: it ran to the end)."""
     from services.gpu_worker.sampling import TextStream
 
     ts = TextStream(ByteTok(), [], stop)
@@ -66,25 +67,27 @@ def stream_all(text_bytes: bytes, stop: list[str]):
     for b in text_bytes:
         out, stopped = ts.add(b)
         pieces.append(out)
-        if stopped:
-            return "".join(pieces), True
-    return "".join(pieces) + ts.flush(), False
+        if stopped is not None:
+            return "".join(pieces), stopped
+    return "".join(pieces) + ts.flush(), None
 
 
 def test_text_stream_multibyte_and_stop_strings():
     s = "héllo wörld €uro END tail"
-    assert stream_all(s.encode(), []) == (s, False)
-    assert stream_all(s.encode(), ["END"]) == ("héllo wörld €uro ", True)
-    assert stream_all(s.encode(), ["€u"]) == ("héllo wörld ", True)
-    assert stream_all(s.encode(), ["ENX"]) == (s, False)  # a held-back prefix is released at the end
+    assert stream_all(s.encode(), []) == (s, None)
+    assert stream_all(s.encode(), ["END"]) == ("héllo wörld €uro ", "END")
+    assert stream_all(s.encode(), ["€u"]) == ("héllo wörld ", "€u")
+    # two strings completed by the same token: the one that starts first stopped it
+    assert stream_all(s.encode(), ["ND", "END"]) == ("héllo wörld €uro ", "END")
+    assert stream_all(s.encode(), ["ENX"]) == (s, None)  # a held-back prefix is released at the end
     # nothing that could start a stop string leaves early
     from services.gpu_worker.sampling import TextStream
 
     ts = TextStream(ByteTok(), [], ["abc"])
-    assert ts.add(ord("x")) == ("x", False)
-    assert ts.add(ord("a")) == ("", False)
-    assert ts.add(ord("b")) == ("", False)
-    assert ts.add(ord("d")) == ("abd", False)
+    assert ts.add(ord("x")) == ("x", None)
+    assert ts.add(ord("a")) == ("", None)
+    assert ts.add(ord("b")) == ("", None)
+    assert ts.add(ord("d")) == ("abd", None)
 
 
 def test_sampler_seed_and_top_p():
