@@ -83,6 +83,17 @@ def cmd_compress(a: argparse.Namespace) -> None:
     print(inspect_report.text(out), end="")
 
 
+def cmd_import_lora(a: argparse.Namespace) -> None:
+    from bitdelta.lora_import import import_lora
+
+    try:
+        out = import_lora(a.base, a.adapter, a.out, variant=a.variant)
+    except (ValueError, FileNotFoundError) as e:
+        raise CliError(str(e)) from None
+    print(f"wrote {out}")
+    print(inspect_report.text(out), end="")
+
+
 def cmd_apply(a: argparse.Namespace) -> None:
     from bitdelta.compress import apply
 
@@ -189,6 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
         "0.065 with mse at 1e-5)",
     )
     c.set_defaults(func=cmd_compress)
+
+    c = sub.add_parser(
+        "import-lora", help="PEFT LoRA adapter -> delta file served exactly (its factors, fp16, no sign plane)"
+    )
+    c.add_argument("--base", required=True, type=Path, help="the base checkpoint the adapter was trained on")
+    c.add_argument("--adapter", required=True, type=Path, help="PEFT adapter directory (adapter_config.json, ...)")
+    c.add_argument("--out", required=True, type=Path, help="delta file to write (.bitdelta.safetensors)")
+    c.add_argument("--variant", help="variant name (default: the adapter's directory name)")
+    c.set_defaults(func=cmd_import_lora)
 
     c = sub.add_parser("apply", help="base + delta -> dense fine-tuned checkpoint")
     c.add_argument("--base", required=True, type=Path)

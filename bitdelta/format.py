@@ -15,6 +15,9 @@ every compressed weight, each plane's α axis ("row", "matrix" or "col") and the
 
     ΔW ≈ Σ_i α_i ⊙ S_i + U · V
 
+A weight may have no sign plane when it has a rank: an imported LoRA adapter's modules
+(`bitdelta.lora_import`), whose update is U · V exactly.
+
 This module parses the header itself (8-byte little-endian length, JSON,
 data) instead of trusting a library, so that truncated, malformed and
 tampered files give errors that name the bad part, and so the delta store can
@@ -416,8 +419,11 @@ def check_structure(header: DeltaHeader) -> None:
             axes, rank = meta.axes(param), meta.rank(param)
         except (KeyError, TypeError, ValueError):
             raise DeltaFormatError(f"tensor {param}: malformed 'parts' entry", tensor=param) from None
-        if not axes or any(a not in AXES for a in axes) or rank < 0:
-            raise DeltaFormatError(f"tensor {param}: planes {axes} / rank {rank} are not valid", tensor=param)
+        if (not axes and rank <= 0) or any(a not in AXES for a in axes) or rank < 0:
+            raise DeltaFormatError(
+                f"tensor {param}: planes {axes} / rank {rank} are not valid (a weight needs a sign plane or a rank)",
+                tensor=param,
+            )
         for i, axis in enumerate(axes, start=1):
             names = (param + plane_suffix("sign", i), param + plane_suffix("alpha", i))
             sign, alpha = by_name.get(names[0]), by_name.get(names[1])
@@ -538,7 +544,8 @@ class SignPlane:
 @dataclass
 class CompressedWeight:
     """One compressed weight's delta: Σ_i α_i ⊙ S_i over its sign planes, + U · V when it has a
-    low-rank residual (u fp16 [d_out, r], v fp16 [r, d_in]). Plain BitDelta: one plane."""
+    low-rank residual (u fp16 [d_out, r], v fp16 [r, d_in]). Plain BitDelta: one plane; an imported
+    LoRA module: none, U · V only."""
 
     planes: list[SignPlane]
     shape: tuple[int, int]

@@ -475,7 +475,7 @@ def attach_delta(model: Llama, delta, trainable_alpha: bool = False) -> Llama:
     BitDeltaLinear and replace changed dense parameters (norms, biases, embeddings).
     A delta made for another architecture or layout is refused (format.ArchMismatchError).
     Returns the model."""
-    from bitdelta.format import check_arch
+    from bitdelta.format import SignPlane, check_arch
 
     check_arch(delta.meta.variant, delta.meta.architecture, delta.meta.layout, model.args)
     modules = dict(model.named_modules())
@@ -493,10 +493,15 @@ def attach_delta(model: Llama, delta, trainable_alpha: bool = False) -> Llama:
         if tuple(base.weight.shape) != tuple(cw.shape):
             raise ValueError(f"{param}: delta shape {cw.shape} != model shape {tuple(base.weight.shape)}")
         dev = base.weight.device
-        more = [type(p)(p.signs.to(dev), p.alpha.to(dev), p.axis) for p in cw.planes[1:]]
+        # a low-rank-only weight (an imported LoRA module): one plane of α = 0 stands in, adding nothing
+        planes = cw.planes or [
+            SignPlane(torch.zeros(cw.shape[0], (cw.shape[1] + 7) // 8, dtype=torch.uint8), torch.zeros(1), "matrix")
+        ]
+        more = [type(p)(p.signs.to(dev), p.alpha.to(dev), p.axis) for p in planes[1:]]
         u, v = (None, None) if cw.u is None else (cw.u.to(dev), cw.v.to(dev))
+        first = planes[0]
         new = BitDeltaLinear(
-            base.weight, cw.signs.to(dev), cw.alpha.to(dev), base.bias, axis=cw.planes[0].axis, more=more, u=u, v=v
+            base.weight, first.signs.to(dev), first.alpha.to(dev), base.bias, axis=first.axis, more=more, u=u, v=v
         )
         for t in new.trainable():
             t.requires_grad_(trainable_alpha)

@@ -223,13 +223,15 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
         signs = sorted(pl for r, pl, _ in got if r == "sign")
         alphas = sorted(pl for r, pl, _ in got if r == "alpha")
         k = len(signs)
-        if not k or signs != alphas or signs != list(range(1, k + 1)):
+        low = {r: t for r, _, t in got if r in LOWRANK_ROLES}
+        # no plane: a projection's low-rank part alone (an imported LoRA module); its rows keep α = 0
+        if (not k and not (low and param in layout.proj)) or signs != alphas or signs != list(range(1, k + 1)):
             raise DeltaFormatError(
                 f"delta {info.name!r}: {param} has sign planes {signs} and α's {alphas}, but needs both .sign "
-                "and .alpha of every plane (format v3: .signN and .alphaN for N = 2 up to its number of planes)",
+                "and .alpha of every plane (format v3: .signN and .alphaN for N = 2 up to its number of planes; "
+                "none only for a projection with a low-rank part)",
                 tensor=param,
             )
-        low = {r: t for r, _, t in got if r in LOWRANK_ROLES}
         if low and (len(low) != 2 or low["lowrank_u"].shape[1] != low["lowrank_v"].shape[0]):
             raise DeltaFormatError(
                 f"delta {info.name!r}: {param} needs both .lowrank_u [d_out, r] and .lowrank_v [r, d_in] of one rank r",

@@ -356,10 +356,14 @@ def test_v3_files_that_lie_about_their_parts_fail(family, tmp_path):
     def as_v2(md):
         md["format_version"] = "2"
 
+    def no_plane(md):  # no plane is only for a weight with a rank (an imported LoRA module)
+        md["parts"] = json.dumps({**parts, name: {"axes": [], "rank": 0}})
+
     for edit, match in (
         (one_plane, "not a part the metadata gives"),
         (col_alpha, "expected float32"),
         (as_v2, "must end in"),
+        (no_plane, "needs a sign plane or a rank"),
     ):
         bad = tmp_path / f"{edit.__name__}.st"
         bad.write_bytes(out.read_bytes())

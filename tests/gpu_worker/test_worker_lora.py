@@ -1,0 +1,199 @@
+"""PEFT LoRA adapters served as they are (`bitdelta import-lora`): a tiny random family, adapters
+written in PEFT's layout, imported to delta files whose modules are the factors alone (no sign
+plane), and a real worker on a loopback port.
+
+The imported file's update is the adapter's, scale · B · A, up to one fp16 rounding of the factors;
+greedy tokens of two LoRA variants (one with a per-module rank and alpha) equal transformers' on
+the dense model `bitdelta apply` writes, alone and in one batch with a BitDelta variant and the
+base; what the importer cannot represent is refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+import pytest_asyncio
+import torch
+
+from bitdelta.common.v1 import generation_pb2 as gen_pb
+from bitdelta.compress import apply, compress
+from bitdelta.format import load_delta, read_header, verify
+from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
+from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
+from bitdelta.lora_import import import_lora
+from bitdelta.merge.adapter import LoraAdapter, LoraModule, load_adapter, save_adapter
+from bitdelta.testing.family import FT_SCALE, VARIED_STD, make_base, make_finetune, tiny_args
+from services.gpu_worker.config import WorkerConfig
+from tests.support.worker import running_worker
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
+N = 16
+EOS = 256
+T = 60
+SUFFIX = ".bitdelta.safetensors"
+PROMPTS = {"": "Hello world", "bitdelta": "The quick brown fox", "lora_qv": "abc xyz", "lora_all": "def f(x):"}
+
+
+def random_adapter(base, modules: dict[str, int], seed: int, std: float = 0.25) -> LoraAdapter:
+    """Random factors for `modules` (name -> rank) of the base, scale lora_alpha / r with alpha 16."""
+    from bitdelta.checkpoint import CheckpointReader
+
+    g = torch.Generator().manual_seed(seed)
+    mods = {}
+    with CheckpointReader(base) as rb:
+        for name, r in modules.items():
+            d_out, d_in = rb.shape(name + ".weight")
+            a = torch.randn(r, d_in, generator=g) * std
+            b = torch.randn(d_out, r, generator=g) * std
+            mods[name] = LoraModule(a.to(torch.bfloat16), b.to(torch.bfloat16), 16 / r)
+    return LoraAdapter(mods)
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_family")
+    args = tiny_args()
+    base = make_base(root / "base", args, 1, std=VARIED_STD)
+    deltas = root / "deltas"
+    ft = make_finetune(base, root / "ft", seed=100, scale=FT_SCALE)
+    compress(base, ft, deltas / f"bitdelta{SUFFIX}", variant="bitdelta", progress=False)
+    layers = range(args.n_layers)
+    qv = {f"model.layers.{i}.self_attn.{p}": 4 for i in layers for p in ("q_proj", "v_proj")}
+    every = {f"model.layers.{i}.{m}": 8 for i in layers for m in ("self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")}
+    every["model.layers.0.mlp.down_proj"] = 2  # a rank_pattern entry
+    adapters = {}
+    for name, mods, seed in (("lora_qv", qv, 1), ("lora_all", every, 2)):
+        adapters[name] = save_adapter(random_adapter(base, mods, seed), root / "adapters" / name)
+        import_lora(base, adapters[name], deltas / f"{name}{SUFFIX}")
+    dense = {
+        name: apply(base, deltas / f"{name}{SUFFIX}", root / f"dense-{name}", progress=False)
+        for name in PROMPTS
+        if name
+    }
+    return base, deltas, adapters, dense
+
+
+def hf_greedy(ckpt, prompt: str) -> list[int]:
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    ids = list(prompt.encode())
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=N, do_sample=False, eos_token_id=EOS, pad_token_id=EOS)
+    return out[0, len(ids) :].tolist()
+
+
+def test_the_file_is_the_adapters_update_in_fp16_with_no_sign_plane(family):
+    base, deltas, adapters, _ = family
+    for name in ("lora_qv", "lora_all"):
+        header = verify(deltas / f"{name}{SUFFIX}")
+        meta = header.meta
+        assert meta.format_version == "3" and meta.variant == name and meta.extra["source"] == "lora"
+        assert all(p["axes"] == [] for p in meta.parts.values())
+        bytes_ = header.bytes_by_role()
+        assert bytes_["sign"] == bytes_["alpha"] == bytes_["dense"] == 0
+        lora = load_adapter(adapters[name])
+        assert bytes_["lowrank"] == sum(m.A.numel() + m.B.numel() for m in lora.modules.values()) * 2
+        delta = load_delta(deltas / f"{name}{SUFFIX}")
+        assert set(delta.compressed) == {m + ".weight" for m in lora.modules}
+        for module, m in lora.modules.items():
+            cw = delta.compressed[module + ".weight"]
+            assert cw.rank == m.rank
+            want = m.delta()
+            # one fp16 rounding of each factor: relative error ~2^-11 per product term
+            assert torch.allclose(cw.dense(), want, rtol=0, atol=2e-3 * want.abs().max().item()), module
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(family):
+    base, deltas, _, _ = family
+    cfg = WorkerConfig(base=base, delta_dir=str(deltas), delta_budget=16 << 20, kv_cache=4 << 20)
+    async with running_worker(cfg) as (worker, _, channel):
+        yield worker, pb_grpc.GpuWorkerServiceStub(channel)
+
+
+async def generate(stub, model_id: str, prompt: str) -> list[int]:
+    req = pb.GenerateRequest(model_id=model_id, prompt=prompt, sampling=gen_pb.SamplingParams(max_new_tokens=N))
+    return [t.token_id async for m in stub.Generate(req, timeout=T) for t in m.tokens]
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_lora_variants_equal_transformers_alone_and_mixed_with_bitdelta(served, family):
+    base, _, _, dense = family
+    _, stub = served
+    want = {m: hf_greedy(base if m == "" else dense[m], p) for m, p in PROMPTS.items()}
+    assert len({tuple(v) for v in want.values()}) == len(want), "every variant answers its own tokens"
+    alone = {m: await generate(stub, m, p) for m, p in PROMPTS.items()}
+    assert alone == want
+    together = await asyncio.gather(*[generate(stub, m, p) for m, p in PROMPTS.items()])
+    assert dict(zip(PROMPTS, together)) == want
+    same = await asyncio.gather(*[generate(stub, m, PROMPTS["lora_all"]) for m in PROMPTS])
+    assert same == [hf_greedy(base if m == "" else dense[m], PROMPTS["lora_all"]) for m in PROMPTS]
+    slots = {s.name: s for s in (await stub.Status(pb.StatusRequest(), timeout=T)).slots}
+    assert {"lora_qv", "lora_all", "bitdelta"} <= set(slots)
+
+
+def test_what_cannot_be_served_as_it_is_is_refused_by_name(family, tmp_path):
+    base, _, adapters, _ = family
+    src = adapters["lora_qv"]
+    mods = load_adapter(src).modules
+
+    def write(name: str, modules: dict, config: dict | None = None):
+        d = save_adapter(LoraAdapter(modules), tmp_path / name)
+        if config:
+            cfg = json.loads((d / "adapter_config.json").read_text())
+            (d / "adapter_config.json").write_text(json.dumps({**cfg, **config}))
+        return d
+
+    q = "model.layers.0.self_attn.q_proj"
+    cases = [
+        (write("unknown", {"model.layers.9.self_attn.q_proj": mods[q]}), "model.layers.9.self_attn.q_proj"),
+        (write("shape", {"model.layers.0.mlp.down_proj": mods[q]}), "model.layers.0.mlp.down_proj"),
+        (write("huge", {q: LoraModule(mods[q].A * 1e5, mods[q].B * 1e5, mods[q].scale)}), "float16"),
+        (write("dora", {q: mods[q]}, {"use_dora": True}), "DoRA"),
+    ]
+    for adapter, words in cases:
+        with pytest.raises(ValueError, match=words.replace(".", r"\.")):
+            import_lora(base, adapter, tmp_path / f"{adapter.name}{SUFFIX}")
+        assert not (tmp_path / f"{adapter.name}{SUFFIX}").exists()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bitdelta.cli",
+            "import-lora",
+            "--base",
+            str(base),
+            "--adapter",
+            str(cases[0][0]),
+            "--out",
+            str(tmp_path / "cli.bitdelta.safetensors"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode != 0 and "model.layers.9.self_attn.q_proj" in out.stderr and "Traceback" not in out.stderr
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bitdelta.cli",
+            "import-lora",
+            "--base",
+            str(base),
+            "--adapter",
+            str(src),
+            "--out",
+            str(tmp_path / "ok.bitdelta.safetensors"),
+            "--variant",
+            "mine",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert read_header(tmp_path / "ok.bitdelta.safetensors").meta.variant == "mine"
