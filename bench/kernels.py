@@ -306,14 +306,36 @@ SMOLLM2_135M = {
 }
 
 
+LORA_RANK = 16  # the low-rank case of bench_decode_layers: a common LoRA rank, on every projection
+
+
+def lowrank_bytes_per_weight() -> float:
+    """Bytes of rank-LORA_RANK fp16 factors (U and V of every matrix) per weight of SmolLM2-135M's
+    projections: r · (d_in + d_out) · 2 over d_in · d_out, summed over the matrices."""
+    c = SMOLLM2_135M
+    D, H, KV, hd, F = c["dim"], c["n_heads"], c["n_kv_heads"], c["head_dim"], c["intermediate"]
+    shapes = [(H * hd, D), (KV * hd, D), (KV * hd, D), (D, H * hd), (F, D), (F, D), (D, F)]
+    return sum(LORA_RANK * (o + i) * 2 for o, i in shapes) / sum(o * i for o, i in shapes)
+
+
 def decode_layers_model(dtype: torch.dtype, libs, n_slots: int = 4, ctx: int = 64, block: int = 16, seed: int = 0):
     """The C decode layers over random SmolLM2-135M-shaped weights and n_slots random one-plane
     deltas, with a KV pool of 8 sequences of ctx tokens, the final norm and the tied head, each
     variant's head the base's + one sign plane of its own (as the family's variants, whose embedding
     is compressed to signs), one DecodeLayers per library of `libs` (None: the process's) ->
-    run(lib index, row_slot [B], fuse) -> the logits [B, vocab], as the worker's step; and each
-    library's DecodeLayers."""
-    from bitdelta_kernels.cpu_decode import DecodeLayer, DecodeLayers, DecodeShape, HeadPlanes
+    run(lib index, row_slot [B], fuse, row_planes, lowrank) -> the logits [B, vocab], as the worker's
+    step (lowrank: slot 0 also has a rank-LORA_RANK residual on every projection, as an imported
+    LoRA adapter's or a low-rank mode's, in the layers' `LowRankTable`); and each library's
+    DecodeLayers."""
+    from bitdelta_kernels.cpu_decode import (
+        GROUPS,
+        DecodeLayer,
+        DecodeLayers,
+        DecodeShape,
+        HeadPlanes,
+        LowRankTable,
+        shape_of_groups,
+    )
 
     c = SMOLLM2_135M
     D, H, KV, hd, F = c["dim"], c["n_heads"], c["n_kv_heads"], c["head_dim"], c["intermediate"]
@@ -364,7 +386,28 @@ def decode_layers_model(dtype: torch.dtype, libs, n_slots: int = 4, ctx: int = 6
     x = torch.randn(8, D, generator=g).to(dtype)
     cos, sin = torch.ones(8, hd), torch.zeros(8, hd)
 
-    def run(i: int, row_slot: torch.Tensor, fuse: bool = False, row_planes: torch.Tensor | None = None) -> torch.Tensor:
+    terms = {}  # slot 0's rank-LORA_RANK factors of every matrix of every group (q, k, v; gate, up: theirs)
+    mats = {"qkv": (H * hd, KV * hd, KV * hd), "o": (D,), "gate_up": (F, F), "down": (D,)}
+    for layer in range(c["n_layers"]):
+        for group in GROUPS:
+            d_in = shape_of_groups(shape)[group][1]
+            rows = mats[group]
+            v = (torch.randn(LORA_RANK * len(rows), d_in, generator=g) * 0.01).half()
+            starts = [sum(rows[:j]) for j in range(len(rows))]
+            us = [
+                (r0, j * LORA_RANK, (torch.randn(LORA_RANK, n, generator=g) * 0.01).half().t())
+                for j, (r0, n) in enumerate(zip(starts, rows))
+            ]
+            terms[(0, layer, group)] = (v, us)
+    lowrank_table = LowRankTable(terms, n_slots, c["n_layers"], shape)
+
+    def run(
+        i: int,
+        row_slot: torch.Tensor,
+        fuse: bool = False,
+        row_planes: torch.Tensor | None = None,
+        lowrank: bool = False,
+    ) -> torch.Tensor:
         B = row_slot.shape[0]
         model = models[i]
         return model.run(
@@ -380,6 +423,7 @@ def decode_layers_model(dtype: torch.dtype, libs, n_slots: int = 4, ctx: int = 6
             head_planes=HeadPlanes(head_planes, row_slot.to(torch.int64)) if bool((row_slot >= 0).any()) else None,
             fuse=fuse,
             row_planes=row_planes,
+            lowrank=lowrank_table if lowrank else None,
         )
 
     return run, models
@@ -404,10 +448,11 @@ def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: in
     libs = {"this": None}
     if against is not None:
         libs["against"] = cpu_build.load_source(against)
-    cases = {  # name: (row slots, fuse, row planes)
+    cases = {  # name: (row slots, fuse, row planes[, low-rank])
         "B1 base": (torch.tensor([-1]), False, None),
         "B1 variant": (torch.tensor([0]), False, None),
         "B1 variant fused": (torch.tensor([0]), True, None),
+        "B1 variant + rank 16 fused": (torch.tensor([0]), True, None, True),
         "B1 3-plane variant": (torch.tensor([0]), False, torch.tensor([[0, 1, 2]])),
         "B1 3-plane variant fused": (torch.tensor([0]), True, torch.tensor([[0, 1, 2]])),
         "B2 base": (torch.full((2,), -1), False, None),
@@ -431,9 +476,9 @@ def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: in
         best = {(lib, c): float("inf") for lib in libs for c in cases}
         for _ in range(rounds):  # both libraries and all cases in turns
             for i, lib_name in enumerate(libs):
-                for case, (rs, fuse, rp) in cases.items():
+                for case, (rs, fuse, rp, *low) in cases.items():
                     best[lib_name, case] = min(
-                        best[lib_name, case], t(lambda i=i, rs=rs, f=fuse, rp=rp: run(i, rs, f, rp))
+                        best[lib_name, case], t(lambda i=i, rs=rs, f=fuse, rp=rp, lr=bool(low): run(i, rs, f, rp, lr))
                     )
         es = dtype.itemsize
         for model, lib_name in zip(models, libs):
@@ -447,6 +492,9 @@ def bench_decode_layers(t, dtypes, rows, against: Path | None = None, rounds: in
                 **{f"{c} ms": v for c, v in b.items()},
                 "variant/base tok/s": b["B1 base"] / b["B1 variant"],
                 "fused variant/base tok/s": b["B1 base"] / b["B1 variant fused"],
+                # a plane and rank-16 factors on every projection (its limit: the bytes of both)
+                "fused variant + rank 16/base tok/s": b["B1 base"] / b["B1 variant + rank 16 fused"],
+                "limit + rank 16": es / (es + 1 / 8 + lowrank_bytes_per_weight()),
                 # each plane past the first, of the whole step's (limit: its bytes, 1/32 fp32, 1/16 bf16)
                 "extra plane/base": (b["B1 3-plane variant"] - b["B1 variant"]) / 2 / b["B1 base"],
                 "extra plane fused/base": (b["B1 3-plane variant fused"] - b["B1 variant fused"]) / 2 / b["B1 base"]

@@ -287,13 +287,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     # embed_alpha[], embed_planes[], embed_of_row, x_out, B, row_slot (int32), row_planes (int32),
     # n_planes, dim, H, KV, hd, F, eps, dtype, rope_cos, rope_sin, rope_dtype, rope_rows, n_rope, write_rows,
     # tables, max_blocks, lens, bs, scale, final_norm, head, vocab, n_heads, head_signs[],
-    # head_alpha[], head_alpha_stride[], head_of_row, logits, n_threads, fuse
+    # head_alpha[], head_alpha_stride[], head_of_row, logits, n_threads, fuse, lowrank[]
     f32 = ctypes.c_float
     lib.bd_decode_layers.restype = i32
     lib.bd_decode_layers.argtypes = [
         *(p, i64, i64, p, p, p, i64, i64, p, p, p, p, p, p),
         *(i64, p, p, i64, i64, i64, i64, i64, i64, f32, i32, p, p, i32, p, i64),
-        *(p, p, i64, p, i64, f32, p, p, i64, i64, p, p, p, p, p, i32, i32),
+        *(p, p, i64, p, i64, f32, p, p, i64, i64, p, p, p, p, p, i32, i32, p),
     ]
     lib.bd_argmax_rows.restype = None
     lib.bd_argmax_rows.argtypes = [p, i64, i64, p]

@@ -12,8 +12,10 @@ count), so a request's tokens do not depend on its batch.
 
 What it serves (`DecodeShape.supported`): the runner's layer with a full-head rotation and no
 q/k norms, weights in fp32, bf16 or fp16, a variant's delta as sign planes of row α's (one plane
-per slot, a variant of k planes on k slots: `run`'s row_planes); anything else (column α's, a
-low-rank term) takes the runner's layer-by-layer path.
+per slot, a variant of k planes on k slots: `run`'s row_planes) and a low-rank residual U · V per
+projection group (`LowRankTable`: a format v3 delta's, or an imported LoRA adapter's, added in fp32
+before the projection's one rounding, as `bitdelta_kernels.lowrank`); column α's take the runner's
+layer-by-layer path.
 
 The call also makes the step's inputs from host integers (`run` given token ids): each row's
 embedding (the base's, or a variant's dense table or sign planes on the base's: `EmbedPlanes`) and
@@ -90,6 +92,73 @@ class DecodeShape:
         """Whether the C library can run the layers here: built with SIMD (the scalar build's GEMV
         is far slower than BLAS) and a dtype it rounds to."""
         return dtype in _DTYPE_CODE and load_cpu_lib() is not None and cpu_isa() != "scalar"
+
+
+class _LowRank(ctypes.Structure):
+    """The C library's bd_lowrank."""
+
+    _fields_ = [
+        ("v", ctypes.c_void_p),
+        ("R", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("r0", ctypes.c_void_p),
+        ("rows", ctypes.c_void_p),
+        ("c0", ctypes.c_void_p),
+        ("rank", ctypes.c_void_p),
+        ("u", ctypes.c_void_p),
+    ]
+
+
+class LowRankTable:
+    """The slots' low-rank residuals as the C call reads them: for slot s, layer l and group g (GROUPS
+    order), y += U_m · (V · x)[c0_m : c0_m + r_m] into the group's rows r0_m.. of each matrix m, V fp16
+    [R, d_in] contiguous and U_m fp16 [d_out_m, r_m] the transposed view of a contiguous Uᵀ
+    (services/gpu_worker/slots.py `LowRank`). Built once per set of resident deltas (it holds their
+    tensors), checked against the layers' shapes."""
+
+    def __init__(self, terms: dict, n_slots: int, n_layers: int, shape: DecodeShape):
+        """terms: (slot, layer, group name) -> (v, [(r0, c0, U), ...])."""
+        dims = shape_of_groups(shape)
+        self._ptrs = (ctypes.c_void_p * (n_slots * n_layers * len(GROUPS)))()
+        self._keep: list = []
+        for (s, layer, group), (v, us) in terms.items():
+            d_out, d_in = dims[group]
+            if not (0 <= s < n_slots and 0 <= layer < n_layers):
+                raise ValueError(
+                    f"low-rank term of slot {s}, layer {layer}: outside {n_slots} slots, {n_layers} layers"
+                )
+            if v.dtype != torch.float16 or v.dim() != 2 or v.shape[1] != d_in or not v.is_contiguous():
+                raise ValueError(f"{group}'s V must be float16 [R, {d_in}], contiguous, is {v.dtype} {list(v.shape)}")
+            for r0, c0, u in us:
+                if u.dtype != torch.float16 or u.dim() != 2 or not u.t().is_contiguous():
+                    raise ValueError(f"{group}'s U must be float16 [rows, rank], a contiguous Uᵀ's view")
+                if r0 < 0 or r0 + u.shape[0] > d_out or c0 < 0 or c0 + u.shape[1] > v.shape[0]:
+                    raise ValueError(f"{group}'s U {list(u.shape)} at rows {r0}, ranks {c0} does not fit")
+            r0s = torch.tensor([r0 for r0, _, _ in us], dtype=torch.int64)
+            c0s = torch.tensor([c0 for _, c0, _ in us], dtype=torch.int64)
+            rows = torch.tensor([u.shape[0] for _, _, u in us], dtype=torch.int64)
+            ranks = torch.tensor([u.shape[1] for _, _, u in us], dtype=torch.int64)
+            u_ptrs = (ctypes.c_void_p * len(us))(*[u.data_ptr() for _, _, u in us])
+            c = _LowRank(v.data_ptr(), v.shape[0], len(us), r0s.data_ptr(), rows.data_ptr(), c0s.data_ptr(),
+                         ranks.data_ptr(), ctypes.addressof(u_ptrs))  # fmt: skip
+            self._keep += [v, us, r0s, c0s, rows, ranks, u_ptrs, c]
+            self._ptrs[(s * n_layers + layer) * len(GROUPS) + GROUPS.index(group)] = ctypes.addressof(c)
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self._ptrs)
+
+
+def shape_of_groups(shape: DecodeShape) -> dict[str, tuple[int, int]]:
+    """Each projection group's (d_out, d_in) in the C layers."""
+    q = (shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim
+    hd = shape.n_heads * shape.head_dim
+    return {
+        "qkv": (q, shape.dim),
+        "o": (shape.dim, hd),
+        "gate_up": (2 * shape.intermediate, shape.dim),
+        "down": (shape.dim, shape.intermediate),
+    }
 
 
 class Interrupt:
@@ -379,6 +448,7 @@ class DecodeLayers:
         *,
         rope_rows: torch.Tensor | Sequence[int] | None = None,
         embeds: EmbedPlanes | None = None,
+        lowrank: LowRankTable | None = None,
     ) -> Callable[[], torch.Tensor]:
         """The C call for B decode rows, its inputs checked and converted: calling it runs every
         layer (the GIL released) -> the last layer's output [B, dim] in the model's dtype,
@@ -406,7 +476,8 @@ class DecodeLayers:
         tables: [B, max_blocks] (or each row's block list), lens: [B] as
         `bitdelta_kernels.paged_decode` (lens counts the new token). Pool rows and tables are the
         caller's (the runner builds them from the scheduler's block tables); they must lie inside
-        the pool. Every index argument is a tensor or host ints (the runner's step passes host ints:
+        the pool. lowrank: the slots' low-rank residuals (`LowRankTable`), each row's slot's added to
+        its projections. Every index argument is a tensor or host ints (the runner's step passes host ints:
         after the layers' stream every cache is cold, and each torch op before the call costs
         ~10–150 µs). The runner binds the call, hands the last step's tokens to the event loop's
         thread, and then calls it: a torch op between the two (most release the GIL) let that
@@ -494,11 +565,12 @@ class DecodeLayers:
             _ptr(out),
             torch.get_num_threads(),
             int(fuse),
+            None if lowrank is None else lowrank.address,
         )
         return _Bound(
             (self._lib or load_cpu_lib()).bd_decode_layers,
             args,
-            (x, tokens, rs, wr, cos, sin, rope_rows, tables, n, rp, heads, embs),
+            (x, tokens, rs, wr, cos, sin, rope_rows, tables, n, rp, heads, embs, lowrank),
             self.dtype,
             h,
             out,

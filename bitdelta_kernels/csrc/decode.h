@@ -21,6 +21,35 @@ typedef struct {
     int64_t window;        /* sliding window; 0: full attention */
 } bd_decode_layer;
 
+/* One slot's low-rank residual of one projection group (services/gpu_worker/slots.py LowRank):
+ * y += U_m · (V · x)[c0_m, c0_m + rank_m) into the group's rows [r0_m, r0_m + rows_m) for each of its
+ * n matrices with a rank; V the matrices' V's stacked, R = Σ rank_m. Factors in fp16, as stored. */
+typedef struct {
+    const void *v;           /* fp16 [R, d_in] */
+    int64_t R, n;
+    const int64_t *r0, *rows, *c0, *rank; /* [n] each */
+    const void *const *u;    /* [n]: fp16 Uᵀ [rank_m, rows_m] */
+} bd_lowrank;
+
+/* e[r] = Σ_{j<k} t[j] · U[r, j] for r < rows, from Uᵀ (fp16 [k, rows]): k AXPYs over the rows, LANES
+ * rows a vector (no horizontal sums; each e[r] summed over j in order, fused multiply-adds). */
+static void lowrank_expand(const float *t, int64_t k, const void *ut, int64_t rows, float *e) {
+    int64_t r = 0;
+#ifdef LANES
+    const uint16_t *u16 = (const uint16_t *)ut;
+    for (; r + LANES <= rows; r += LANES) {
+        vf acc = V_ZERO();
+        for (int64_t j = 0; j < k; ++j) acc = V_FMA(V_SET1(t[j]), V_F16(u16 + j * rows + r), acc);
+        V_STORE(e + r, acc);
+    }
+#endif
+    for (; r < rows; ++r) {
+        float acc = 0.f;
+        for (int64_t j = 0; j < k; ++j) acc = fmaf(t[j], w_at(ut, BD_W_F16, j * rows + r), acc);
+        e[r] = acc;
+    }
+}
+
 static inline float round_to(int dtype, float v) {
     if (dtype == BD_W_BF16) {
         const uint32_t u = (uint32_t)f32_to_bf16(v) << 16;
@@ -36,17 +65,46 @@ static inline float round_to(int dtype, float v) {
  * rows of dtype (0: none). */
 int bd_one_pass_planes(int dtype, int64_t rows) { return one_pass_planes(dtype, rows); }
 
-/* y = round(x · Wᵀ [+ Σ_p α_v ⊙ (x · S_vᵀ) over the row's plane slots v ≥ 0]) [+ bias row], as
- * runner._linear: slots [B, n_planes] each row's plane slots (row_slot itself for one plane).
- * one_pass: the step's one row, of a variant, in one pass over the weights and its planes' bits
- * where the build's loop sums that many (linear_planes). */
+/* y_b += the low-rank residual `lr` of x_b (fp32 sums, before y's rounding), as
+ * bitdelta_kernels.lowrank: t = V · x_b (the shrink, the GEMV of fp16 weights), then each matrix's U
+ * over its part of t (the expand, lowrank_expand), one row at a time, so a row's sums do not depend
+ * on the step's other rows. tmp: R + max rows_m floats. Returns 0 or −1 (no memory). */
+static int add_lowrank(const bd_lowrank *lr, const float *xb, int64_t d_in, float *yb, float *tmp) {
+    float *t = tmp, *e = tmp + lr->R;
+    if (linear_planes(xb, 1, d_in, lr->v, BD_W_F16, d_in, NULL, 0, lr->R, d_in, 0, NULL, 0, 0, NULL, 1, t, lr->R, 0, 0,
+                      1))
+        return -1;
+    for (int64_t m = 0; m < lr->n; ++m) {
+        const int64_t rows = lr->rows[m];
+        lowrank_expand(t + lr->c0[m], lr->rank[m], lr->u[m], rows, e);
+        float *dst = yb + lr->r0[m];
+        for (int64_t r = 0; r < rows; ++r) dst[r] += e[r];
+    }
+    return 0;
+}
+
+/* y = round(x · Wᵀ [+ Σ_p α_v ⊙ (x · S_vᵀ) over the row's plane slots v ≥ 0] [+ U · (V · x) of the
+ * row's slot's low-rank residual]) [+ bias row], as runner._linear: slots [B, n_planes] each row's
+ * plane slots (row_slot itself for one plane); low[s] slot s's low-rank residual of this group, or
+ * NULL (low NULL: none). one_pass: the step's one row, of a variant, in one pass over the weights
+ * and its planes' bits where the build's loop sums that many (linear_planes). */
 static int decode_proj(const bd_decode_layer *L, int g, const float *x, int64_t B, int64_t d_in, int64_t d_out,
                        int dtype, const int64_t *row_slot, const int64_t *slots, int64_t n_planes, int any_delta,
-                       int one_pass, float *y, int n_threads) {
+                       int one_pass, const bd_lowrank *const *low, int64_t low_stride, float *y, int n_threads) {
     const int64_t lds = (d_in + 7) / 8;
     if (linear_planes(x, B, d_in, L->w[g], dtype, d_in, any_delta ? L->s[g] : NULL, d_out * lds, d_out, d_in, lds,
                       L->a[g], d_out, 1, slots, n_planes, y, d_out, dtype == BD_W_BF16, one_pass, n_threads))
         return -1;
+    for (int64_t b = 0; b < B && low; ++b) {
+        const bd_lowrank *lr = row_slot[b] >= 0 ? low[row_slot[b] * low_stride] : NULL;
+        if (!lr || !lr->R) continue;
+        int64_t most = 0;
+        for (int64_t m = 0; m < lr->n; ++m) most = lr->rows[m] > most ? lr->rows[m] : most;
+        float *tmp = (float *)malloc(sizeof(float) * (size_t)(lr->R + most));
+        const int rc = !tmp || add_lowrank(lr, x + b * d_in, d_in, y + b * d_out, tmp);
+        free(tmp);
+        if (rc) return -1;
+    }
     for (int64_t b = 0; b < B; ++b) {
         float *yb = y + b * d_out;
         if (L->bias[g]) {
@@ -253,7 +311,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
                      const int32_t *lens, int64_t bs, float scale, const void *final_norm, const void *head,
                      int64_t vocab, int64_t n_heads, const uint8_t *const *head_signs, const float *const *head_alpha,
                      const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads,
-                     int fuse) {
+                     int fuse, const bd_lowrank *const *lowrank) {
     const int64_t Q = (H + 2 * KV) * hd, HD = H * hd;
     const int64_t P = n_planes > 1 ? n_planes : 1;
     /* the rows' slots as the kernels index them (int64), checked; the runner's are int32 */
@@ -303,10 +361,12 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
         load_row(rope_sin, rope_dtype, rope_rows[b] * hd, hd, sn + b * hd);
     }
     int rc = 0;
+    /* group g of layer l: slot s's low-rank residual at lowrank[(s · n_layers + l) · 4 + g] */
+#define LOW(g) (lowrank ? lowrank + l * 4 + (g) : NULL), n_layers * 4
     for (int64_t l = 0; l < n_layers && !rc; ++l) {
         const bd_decode_layer *L = layers + l;
         decode_norm(x, L->norm[0], row_slot, B, D, eps, dtype, h);
-        if ((rc = decode_proj(L, 0, h, B, D, Q, dtype, row_slot, slots, P, any_delta, one_pass, qkv, n_threads))) break;
+        if ((rc = decode_proj(L, 0, h, B, D, Q, dtype, row_slot, slots, P, any_delta, one_pass, LOW(0), qkv, n_threads))) break;
         for (int64_t b = 0; b < B; ++b) { /* rope over q's and k's heads (adjacent in qkv), then k, v into the pool */
             float *row = qkv + b * Q;
             rope_heads(row, H + KV, hd, cs + b * hd, sn + b * hd, dtype);
@@ -321,14 +381,15 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
                                   att, n_threads)))
             break;
         round_all(att, B * HD, dtype);
-        if ((rc = decode_proj(L, 1, att, B, HD, D, dtype, row_slot, slots, P, any_delta, one_pass, o, n_threads))) break;
+        if ((rc = decode_proj(L, 1, att, B, HD, D, dtype, row_slot, slots, P, any_delta, one_pass, LOW(1), o, n_threads))) break;
         residual_add(x, o, B * D, dtype);
         decode_norm(x, L->norm[1], row_slot, B, D, eps, dtype, h);
-        if ((rc = decode_proj(L, 2, h, B, D, 2 * F, dtype, row_slot, slots, P, any_delta, one_pass, gu, n_threads))) break;
+        if ((rc = decode_proj(L, 2, h, B, D, 2 * F, dtype, row_slot, slots, P, any_delta, one_pass, LOW(2), gu, n_threads))) break;
         silu_mul(gu, B, F, dtype, act);
-        if ((rc = decode_proj(L, 3, act, B, F, D, dtype, row_slot, slots, P, any_delta, one_pass, dn, n_threads))) break;
+        if ((rc = decode_proj(L, 3, act, B, F, D, dtype, row_slot, slots, P, any_delta, one_pass, LOW(3), dn, n_threads))) break;
         residual_add(x, dn, B * D, dtype);
     }
+#undef LOW
     if (!rc && final_norm) {
         decode_norm(x, final_norm, row_slot, B, D, eps, dtype, h);
         memcpy(x, h, sizeof(float) * (size_t)(B * D));
@@ -424,7 +485,8 @@ int64_t bd_decode_steps(const bd_decode_layer *layers, int64_t n_layers, int64_t
                         const int32_t *lens, int64_t bs, float scale, const void *final_norm, const void *head,
                         int64_t vocab, int64_t n_heads, const uint8_t *const *head_signs,
                         const float *const *head_alpha, const int64_t *head_alpha_stride, const int64_t *head_of_row,
-                        float *logits, int n_threads, int fuse, int64_t steps, const volatile int32_t *stop,
+                        float *logits, int n_threads, int fuse, const bd_lowrank *const *lowrank, int64_t steps,
+                        const volatile int32_t *stop,
                         double deadline, int64_t *out_tokens, double *step_s) {
     (void)x_out;
     if (steps < 1 || x_in || !tokens || !head || !logits || bs < 1) return -5;
@@ -448,7 +510,7 @@ int64_t bd_decode_steps(const bd_decode_layer *layers, int64_t n_layers, int64_t
                                         row_planes32, n_planes, D, H, KV, hd, F, eps, dtype, rope_cos, rope_sin,
                                         rope_dtype, rope, n_rope, wr, tables, max_blocks, len, bs, scale, final_norm,
                                         head, vocab, n_heads, head_signs, head_alpha, head_alpha_stride, head_of_row,
-                                        logits, n_threads, fuse);
+                                        logits, n_threads, fuse, lowrank);
         if (rc) {
             free(tok);
             return rc;

@@ -68,7 +68,8 @@ class DecodeGraphs:
 
     def serves(self, m: StepMeta) -> bool:
         """Whether the step `m` (prepared by the runner) runs here: one-token decodes only, sign planes
-        of row α's only, at most the largest bucket's rows, no block table past the model's context."""
+        of row α's only (no low-rank term), at most the largest bucket's rows, no block table past the
+        model's context."""
         n = m.tokens.shape[0]
         return (
             0 < n <= self.buckets[-1]
@@ -77,6 +78,7 @@ class DecodeGraphs:
             and m.decode_rows.shape[0] == n
             and m.decode_tables.shape[1] <= self.width
             and m.host_slots is not None
+            and m.lowrank_rows is None
         )
 
     def run(self, x: torch.Tensor, m: StepMeta) -> torch.Tensor:

@@ -345,8 +345,8 @@ class SlotWriter:
             d_in = layout.group_shape[group][1]
             v = torch.empty(sum(r for _, _, r in mats), d_in, dtype=torch.float16, device=dev)
             us, c0 = [], 0
-            for r0, d_out, r in mats:
-                us.append((r0, c0, torch.empty(d_out, r, dtype=torch.float16, device=dev)))
+            for r0, d_out, r in mats:  # U held as Uᵀ [r, d_out] (its rows the expand's AXPYs; a view as U)
+                us.append((r0, c0, torch.empty(r, d_out, dtype=torch.float16, device=dev).t()))
                 c0 += r
             low[(layer, group)] = LowRank(v, us)
 

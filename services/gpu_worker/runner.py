@@ -58,6 +58,7 @@ from bitdelta_kernels.cpu_decode import (
     EmbedPlanes,
     HeadPlanes,
     Interrupt,
+    LowRankTable,
 )
 from bitdelta_kernels.cpu_ops import dense_gemv_max_m
 from bitdelta_kernels.lowrank import factor_mm
@@ -94,11 +95,11 @@ def _base_head_only(m: StepMeta) -> bool:
     return m.sign_heads is None and len(m.logit_groups) == 1 and m.logit_groups[0][0] == -1
 
 
-def _sign_planes_only(extras: dict, w: SeqWork) -> bool:
-    """Whether `w`'s rows need at most sign planes of row α's per projection (the base, or a variant
-    of k ≥ 1 planes without column α's or a low-rank term): what the C decode layers add."""
+def _c_adds_delta(extras: dict, w: SeqWork) -> bool:
+    """Whether the C decode layers add `w`'s rows' delta: the base, or a variant of k ≥ 1 sign planes
+    of row α's, with or without a low-rank term (`LowRankTable`), not one with column α's."""
     ex = extras.get(w.slot) if w.slot >= 0 else None
-    return ex is None or (not ex.lowrank and not ex.cols)
+    return ex is None or not ex.cols
 
 
 def _multi_plane(extras: dict, slots: set[int]) -> dict[int, tuple[int, ...]]:
@@ -323,8 +324,8 @@ class StepMeta:
     # s..s+k of the stacks, −1 elsewhere, its plan): one launch each, with their col_alpha
     col_launches: list[tuple[int, int, torch.Tensor, object]] | None = None
     single_planes: int = 1  # the fused path's variant: its planes, slots single_slot.. (a run)
-    # Each row's slots on the host ([N] int32, or [N, K] with k > 1 planes) where every delta of the step
-    # is sign planes of row α's (no column α's, no low-rank term): what `graphs.DecodeGraphs` plans from
+    # Each row's slots on the host ([N] int32, or [N, K] with k > 1 planes) where no delta of the step
+    # has column α's: what the C decode layers and `graphs.DecodeGraphs` (no low-rank term) take
     host_slots: torch.Tensor | None = None
     lowrank_rows: dict | None = None  # slot -> [n] rows of x (None: every row) whose variant has a low-rank part
 
@@ -374,6 +375,7 @@ class ModelRunner:
         self.backend = backend
         self.rope = RopeCache(args, self.dtype, self.device)
         self._c_layers: DecodeLayers | None = None  # built on the first step the C layers serve
+        self._c_lowrank_of: tuple[dict | None, LowRankTable | None] = (None, None)  # (extras, its table)
         # CUDA graphs of decode steps' layers (`graphs.DecodeGraphs`, the worker's --cuda-graphs); None: eager
         self.graphs: StepGraphs | None = None
         # byte -> its 8 signs as ±1 (bit j: column j, bitdelta_kernels.bits): a sign row unpacked in one lookup
@@ -475,7 +477,7 @@ class ModelRunner:
             if colv or planes:
                 meta.row_slots = self._dev(main)
             plan_rows = main
-        if not colv and not low:  # sign planes of row α's only: a graphed decode's plan comes from these
+        if not colv:  # sign planes of row α's (and low-rank terms): the C layers' and a graphed decode's rows
             meta.host_slots = plan_rows if plan_rows is not None else self._plane_rows(rs, planes) if planes else rs
         if low:
             meta.lowrank_rows = {
@@ -729,7 +731,7 @@ class ModelRunner:
         return (
             len(w.tokens) == 1
             and w.prompt_logits is None
-            and _sign_planes_only(self.slots.extras, w)
+            and _c_adds_delta(self.slots.extras, w)
             and not (w.prefill and self.batch_invariant)
         )
 
@@ -780,6 +782,7 @@ class ModelRunner:
             fuse=h.fuse,
             row_planes=h.row_planes,
             embeds=h.embeds,
+            lowrank=self._c_lowrank(self.slots.extras),
         )
         (ready or _nothing)()
         return call()
@@ -865,6 +868,7 @@ class ModelRunner:
                 fuse=h.fuse,
                 row_planes=h.row_planes,
                 embeds=h.embeds,
+                lowrank=self._c_lowrank(extras),
             )
             ready()  # no torch op between these two: most release the GIL to the loop's thread
             return call()
@@ -889,6 +893,7 @@ class ModelRunner:
             head_planes=heads if fused else None,
             fuse=m.single_slot is not None,  # the single-variant form (never batch-invariant: use_fused)
             row_planes=m.host_slots if m.host_slots.dim() == 2 else None,  # variants of k > 1 planes
+            lowrank=self._c_lowrank(extras),
         )
         ready()
         out = call()
@@ -897,6 +902,17 @@ class ModelRunner:
         if not m.logit_slots:
             return torch.empty(0, self.args.vocab_size, dtype=torch.float32, device=out.device)
         return self._logits(out if every else out[m.logit_rows], m)
+
+    def _c_lowrank(self, extras: dict) -> LowRankTable | None:
+        """The low-rank residuals of the resident deltas in `extras` as the C layers read them (None:
+        none), made once per set of resident deltas (the manager replaces `slots.extras` on every
+        load and eviction, never changes it in place)."""
+        if self._c_lowrank_of[0] is not extras:
+            terms = {(s, layer, g): (lr.v, lr.u) for s, ex in extras.items() for (layer, g), lr in ex.lowrank.items()}
+            c = self._c_layers
+            table = LowRankTable(terms, c.n_slots, len(c.layers), c.shape) if terms else None
+            self._c_lowrank_of = (extras, table)
+        return self._c_lowrank_of[1]
 
     def _build_c_layers(self) -> DecodeLayers:
         a, sl = self.args, self.slots

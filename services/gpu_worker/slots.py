@@ -145,7 +145,8 @@ class LowRank:
     """The low-rank residual of one projection group of one delta: y += (x · vᵀ) · Uᵀ, with v fp16
     [R, d_in] every matrix's V of the group stacked (R = the sum of their ranks) and, per matrix
     with a rank, (r0, c0, U fp16 [d_out_m, r_m]): its rows r0.. of the group's output, its rows c0..
-    of v. Bytes: exactly the file's factors."""
+    of v; U is the transposed view of a contiguous Uᵀ [r_m, d_out_m] (the C decode layers' expand
+    runs over its rows). Bytes: exactly the file's factors."""
 
     v: torch.Tensor
     u: list[tuple[int, int, torch.Tensor]]

@@ -605,11 +605,12 @@ def test_decode_layers_check_their_tensors():
     assert full.run(torch.randn(1, D), torch.tensor([-1]), **args, logits=True).shape == (1, 50)
 
 
-def decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs, planes=None):
+def decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs, planes=None, lowrank=None):
     """One layer of the runner for decode rows, in float64 from the same tensors (fp32 model):
     norm, each projection x · Wᵀ + Σ_v α_v ⊙ (x · S_vᵀ) over the row's plane slots v ≥ 0 (planes[b],
-    default its slot), rope over q's and k's heads, the new k, v written into copies of the pool,
-    attention over the row's blocks, the residuals, silu · up. -> the layer's output [B, dim]."""
+    default its slot) + the row's slot's low-rank terms (lowrank: (slot, group index) -> (v, [(r0, c0,
+    U)])), rope over q's and k's heads, the new k, v written into copies of the pool, attention over
+    the row's blocks, the residuals, silu · up. -> the layer's output [B, dim]."""
     H, KV, hd, F, eps = shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.intermediate, shape.norm_eps
     planes = [[v] for v in slots] if planes is None else planes
 
@@ -622,6 +623,11 @@ def decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs,
             for v in (v for v in row if v >= 0):
                 s = unpack_signs(L.signs[g][v], t.shape[1], torch.float64)
                 out[b] += L.alpha[g][v].double() * (s @ t[b])
+            term = (lowrank or {}).get((slots[b], g))
+            if term is not None:
+                shrunk = term[0].double() @ t[b]
+                for r0, c0, u in term[1]:
+                    out[b, r0 : r0 + u.shape[0]] += u.double() @ shrunk[c0 : c0 + u.shape[1]]
         return out
 
     def rope(t):  # t [B, heads, hd]
@@ -756,6 +762,76 @@ def test_decode_layers_sum_each_rows_planes(isa):
     for bad, match in (([[3, -1]], "row_planes values"), ([[0]] * 2, "row_planes must be"), ([[0, 1]], "base row")):
         with pytest.raises(ValueError, match=match):
             layers.run(*args, row_planes=torch.tensor(bad))
+
+
+@pytest.mark.parametrize("dims", [(576, 9, 3, 64, 1536), (40, 2, 1, 20, 72)], ids=["smollm2", "ragged"])
+def test_decode_layers_add_each_rows_low_rank_terms(isa, dims):
+    """`lowrank` (`LowRankTable`): each row's slot's U · (V · x) per projection group (matrices of
+    their own ranks at their own rows, the shrink once per group; fp16 factors, U a transposed
+    contiguous Uᵀ as the worker's slots hold it), beside its sign plane, and none for the base or a
+    slot without one, as the layer in float64 does; one thread and two the same numbers; a row
+    alone the same as in the batch; factors that do not fit refused by name."""
+    from bitdelta_kernels.cpu_decode import DecodeLayers, DecodeShape, LowRankTable
+
+    D, H, KV, hd, F = dims
+    shape = DecodeShape(D, H, KV, hd, F, 1e-5)
+    g = torch.Generator().manual_seed(11)
+    out_in = (((H + 2 * KV) * hd, D), (D, H * hd), (2 * F, D), (D, F))
+    bs, B = 4, 4
+    L = random_layer(out_in, D, KV, hd, 3, torch.float32, 8 * bs, g)
+
+    def factors(gi, mats):  # mats: (r0, rows, rank) -> (v [R, d_in], [(r0, c0, U view)])
+        d_in = out_in[gi][1]
+        v = (torch.randn(sum(r for *_, r in mats), d_in, generator=g) * 0.3 / d_in**0.5).half()
+        us, c0 = [], 0
+        for r0, rows, r in mats:
+            us.append((r0, c0, (torch.randn(r, rows, generator=g) * 0.3).half().t()))
+            c0 += r
+        return v, us
+
+    q, kv_rows = H * hd, KV * hd
+    terms = {  # slot 0: q and v of qkv (ranks 4 and 17), down; slot 2: gate_up's up only (rank 8)
+        (0, 0): factors(0, [(0, q, 4), (q + kv_rows, kv_rows, 17)]),
+        (0, 3): factors(3, [(0, D, 16)]),
+        (2, 2): factors(2, [(F, F, 8)]),
+    }
+    slots = [0, -1, 2, 1]  # slot 1: a plane and no low-rank term
+    cos, sin, tables, lens, write_rows, x = four_decode_rows(D, hd, bs, g)
+    want = decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs, lowrank=terms)
+    without = decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs)
+    layers = DecodeLayers([L], shape, torch.float32)
+    groups = ("qkv", "o", "gate_up", "down")
+    table = LowRankTable({(s, 0, groups[gi]): t for (s, gi), t in terms.items()}, 3, 1, shape)
+
+    def run(rows):
+        r = torch.tensor(rows)
+        return layers.run(
+            x[r], torch.tensor(slots)[r], cos[r], sin[r], write_rows[r], tables[r], lens[r], bs, lowrank=table
+        )
+
+    threads = torch.get_num_threads()
+    got = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got[n] = run(range(B))
+    finally:
+        torch.set_num_threads(threads)
+    assert rel_err(got[1], want) <= 1e-5
+    assert rel_err(without[[0, 2]], want[[0, 2]]) > 1e-3, "the low-rank terms count"
+    assert torch.equal(without[[1, 3]], want[[1, 3]])
+    assert torch.equal(got[1], got[2])
+    for b in range(B):
+        assert torch.equal(run([b])[0], got[1][b]), b
+    v, us = terms[(0, 3)]
+    for bad, match in (
+        ({(0, 0, "down"): (v.float(), us)}, "V must be float16"),
+        ({(0, 0, "down"): (v, [(1, 0, us[0][2])])}, "does not fit"),
+        ({(0, 0, "down"): (v, [(0, 0, us[0][2].contiguous())])}, "contiguous"),
+        ({(3, 0, "down"): (v, us)}, "outside 3 slots"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            LowRankTable(bad, 3, 1, shape)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
