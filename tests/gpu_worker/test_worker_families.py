@@ -128,8 +128,9 @@ def test_variants_with_sign_heads_share_one_product_with_the_base_head(tmp_path,
     decode step's rows of all of them read the base's head ONCE between them (before: once per
     variant), each adding its own planes, so each row's logits are the ones it has alone, bit for
     bit (without the single-variant form's one-pass sums, which a lone variant row takes where the
-    build has them). The C decode layers' rows (the base's and the one-plane variants') end their
-    call with the heads: one GEMV for all of them, then each variant's plane over its rows."""
+    build has them). The C decode layers take every row (the low-rank variant's projections too);
+    a step without the low-rank head ends its call with the heads: one GEMV for all of them, then
+    each variant's plane over its rows."""
     from bitdelta.compress import apply
     from bitdelta.planes import PlaneConfig
     from services.gpu_worker import runner as runner_mod
@@ -172,9 +173,10 @@ def test_variants_with_sign_heads_share_one_product_with_the_base_head(tmp_path,
         want = torch.stack([refs[s](torch.tensor([[t]]))[0, -1] for t, s in rows])
     torch.testing.assert_close(mixed, want, rtol=1e-4, atol=1e-4)
     assert (want[0] - refs[-1](torch.tensor([[5]]))[0, -1]).abs().max() > 1e-2  # the head's planes count
-    # the C layers' part (base, v0, v1: its call ends with their heads, v0's plane and v1's) and
-    # the layer-by-layer part (v2, low-rank: one product with the base's head)
-    assert c_heads == [[0, -1, 1, 0]] and products == [1]
+    # every row in the C layers (v2's low-rank projections too); v2's head has a U · V the call does
+    # not take, so it ends with the final norm and _logits takes the heads: one product with the
+    # base's head for the base's, v0's and v1's rows (each adding its plane), one for v2's
+    assert c_heads == [None] and sorted(products) == [1, 4], (c_heads, products)
     assert torch.equal(step(rows[2:4]), mixed[2:4]) and c_heads == [[0, 1]] and products == []
     for i, r in enumerate(rows[:4]):  # the decode rows of the C layers: alone as in the batch, ...
         alone = step([r])
