@@ -350,16 +350,14 @@ class _Generation(Response):
 
         n = r.sampling.n
         total = n * len(r.prompts)
-        # return_token_ids: the prompt's ids on the stream's first chunk (chat) or each choice's (completions)
-        prompt_ids: list[tuple[int, ...] | None] = [
-            tuple(firsts[i // n].prompt_token_ids) if r.return_token_ids else None for i in range(total)
-        ]
+        # return_token_ids: the prompt's ids once, on the stream's first chunk (chat, a response's field)
+        # or on each choice's first (completions): popped by whichever chunk comes first
+        prompt_ids: dict[int, tuple[int, ...]] = {}
+        if r.return_token_ids:
+            prompt_ids = {i: tuple(firsts[i // n].prompt_token_ids) for i in range(1 if r.kind == "chat" else total)}
         if r.kind == "chat":  # OpenAI's first chat chunk of each choice: the role
             for i in range(total):
-                await body(
-                    _sse(api.chunk(r, "", first=True, index=i, prompt_token_ids=prompt_ids[0] if i == 0 else None))
-                )
-            prompt_ids = [None] * total
+                await body(_sse(api.chunk(r, "", first=True, index=i, prompt_token_ids=prompt_ids.pop(i, None))))
         offsets = [0] * total
         if self.echoes:  # each choice starts with its prompt (and its tokens' logprobs)
             for k, echo in enumerate(self.echoes):
@@ -367,8 +365,7 @@ class _Generation(Response):
                 offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp else 0
                 for i in range(k * n, (k + 1) * n):
                     offsets[i] = offset
-                    await body(_sse(api.chunk(r, echo, logprobs=lp, index=i, prompt_token_ids=prompt_ids[i])))
-                    prompt_ids[i] = None
+                    await body(_sse(api.chunk(r, echo, logprobs=lp, index=i, prompt_token_ids=prompt_ids.pop(i, None))))
         usages: dict[int, gen_pb.Usage] = {}
         # tools: each choice's text from where a call may begin is held, and sent as tool_calls at its end
         calls = [CallStream(r.tool_format) for _ in range(total)] if r.tools is not None and r.tools.parsed else None
@@ -390,12 +387,12 @@ class _Generation(Response):
                     lp = api.logprobs(r, [tok.logprobs], offsets[i]) if tok.HasField("logprobs") else None
                     text = tok.text if calls is None else calls[i].add(tok.text)
                     if text or lp is not None or r.return_token_ids:  # every token's id has its chunk
+                        ids = prompt_ids.pop(i, None)
                         piece = api.chunk(
-                            r, text, logprobs=lp, index=i, token_ids=(tok.token_id,), prompt_token_ids=prompt_ids[i]
+                            r, text, logprobs=lp, index=i, token_ids=(tok.token_id,), prompt_token_ids=ids
                         )
                         events.append(_sse(piece))
                         offsets[i] += len(tok.text)
-                        prompt_ids[i] = None
                     if tok.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED or tok.HasField("usage"):
                         finish = self._finish(tok)
                         if calls is not None:

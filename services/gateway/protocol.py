@@ -732,15 +732,17 @@ def with_tool_calls(r: Request, text: str, finish: str) -> Choice:
 def response(r: Request, choices: list[Choice], u: gen_pb.Usage) -> dict:
     """The whole (non-streamed) answer: `choices` by index."""
 
-    # vLLM's keys, only when asked for: completions' on each choice, chat's prompt ones on the response
-    # (one prompt)
+    # vLLM's keys: stop_reason always; the others only when asked for, the prompt's on each choice of
+    # completions and on the response itself for chat (one prompt)
     def prompt_extras(c: Choice) -> dict:
         return {
             **({"prompt_logprobs": c.prompt_logprobs} if r.prompt_logprobs is not None else {}),
             **({"prompt_token_ids": c.prompt_token_ids} if r.return_token_ids else {}),
         }
 
-    ids = (lambda c: {"token_ids": c.token_ids}) if r.return_token_ids else (lambda c: {})
+    def own_extras(c: Choice) -> dict:
+        return {"stop_reason": c.stop_reason, **({"token_ids": c.token_ids} if r.return_token_ids else {})}
+
     if r.kind == "completion":
         out = [
             {
@@ -748,9 +750,8 @@ def response(r: Request, choices: list[Choice], u: gen_pb.Usage) -> dict:
                 "text": c.text,
                 "logprobs": c.logprobs,
                 "finish_reason": c.finish,
-                "stop_reason": c.stop_reason,
+                **own_extras(c),
                 **prompt_extras(c),
-                **ids(c),
             }
             for i, c in enumerate(choices)
         ]
@@ -766,8 +767,7 @@ def response(r: Request, choices: list[Choice], u: gen_pb.Usage) -> dict:
                 "message": message,
                 "logprobs": c.logprobs,
                 "finish_reason": c.finish,
-                "stop_reason": c.stop_reason,
-                **ids(c),
+                **own_extras(c),
             }
         )
     return {**_envelope(r, "chat.completion"), "choices": out, "usage": usage(u), **prompt_extras(choices[0])}
