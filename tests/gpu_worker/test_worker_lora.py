@@ -214,3 +214,18 @@ def test_what_cannot_be_served_as_it_is_is_refused_by_name(family, tmp_path):
     )
     assert ok.returncode == 0, ok.stderr
     assert read_header(tmp_path / "ok.bitdelta.safetensors").meta.variant == "mine"
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_two_ranks_serve_lora_variants_as_one_process_does(served, family):
+    """Tensor parallelism (2 ranks, gloo): the LoRA variants' factors are sharded like any low-rank
+    residual (docs/tensor-parallel.md), and every variant's greedy tokens are the one-process
+    worker's (transformers' on the merged model), alone and in one batch."""
+    base, deltas, _, dense = family
+    cfg = WorkerConfig(base=base, delta_dir=str(deltas), delta_budget=16 << 20, kv_cache=4 << 20, tensor_parallel=2)
+    want = {m: hf_greedy(base if m == "" else dense[m], p) for m, p in PROMPTS.items()}
+    async with running_worker(cfg) as (_, _, channel):
+        stub = pb_grpc.GpuWorkerServiceStub(channel)
+        assert {m: await generate(stub, m, p) for m, p in PROMPTS.items()} == want
+        together = await asyncio.gather(*[generate(stub, m, p) for m, p in PROMPTS.items()])
+        assert dict(zip(PROMPTS, together)) == want
