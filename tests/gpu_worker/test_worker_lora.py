@@ -5,7 +5,8 @@ plane), and a real worker on a loopback port.
 The imported file's update is the adapter's, scale · B · A, up to one fp16 rounding of the factors;
 greedy tokens of two LoRA variants (one with a per-module rank and alpha) equal transformers' on
 the dense model `bitdelta apply` writes, alone and in one batch with a BitDelta variant and the
-base; what the importer cannot represent is refused by name."""
+base, on one process and on two tensor-parallel ranks; what the importer cannot represent is
+refused by name."""
 
 from __future__ import annotations
 
