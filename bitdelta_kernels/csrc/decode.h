@@ -270,8 +270,8 @@ static void decode_embed(const void *x_in, const int64_t *tokens, const void *em
  * row's token's embedding (decode_embed: tokens int64 [B] < n_vocab; embed the base's table; n_embeds
  * variants' own, embed_of_row int64 [B] or NULL). x_out: NULL, or fp32 [B, dim] the last layer's
  * output. row_slot: int32 [B] (−1: the base; the row's norms and biases, and its one sign plane);
- * n_planes > 1: row_planes int32 [B, n_planes], each row's sign-plane slots (a variant of k planes,
- * −1 past its k) instead of row_slot's one (NULL with n_planes ≤ 1); rope_cos, rope_sin: tables
+ * row_planes: NULL, or int32 [B, n_planes ≥ 1], each row's sign-plane slots (a variant of k planes,
+ * −1 past its k; all −1 for a variant without one) instead of row_slot's one; rope_cos, rope_sin: tables
  * [n_rope, hd] in rope_dtype (BD_W_*; the rotation over the whole head), row rope_rows[b] (int64) for row b (the
  * runner's cached tables and the rows' positions, or a step's own tables and 0..B−1);
  * write_rows: int64 [B] the pool rows of the new tokens' k, v; tables, lens, bs: as
@@ -292,6 +292,9 @@ static void decode_embed(const void *x_in, const int64_t *tokens, const void *em
  * head's plane when its rows take one, in the weights' pass, not by the table loop: other sums, so
  * its numbers are not the same row's in a mixed step (the caller's choice: never in the
  * batch-invariant mode), though they are that row's alone; anything else ignores it.
+ * lowrank: NULL, or [n_slots · n_layers · 4] (slot s, layer l, group g at (s · n_layers + l) · 4 + g,
+ * GROUPS' order) each slot's low-rank residual of each projection group (bd_lowrank) or NULL: a
+ * row's slot's, added to the projection before its rounding (decode_proj).
  * After the layers' ~200 MB of weights every cache is cold, and the ~10 small torch ops of the
  * norm and the head's call cost ~0.3 ms of a ~10 ms bf16 SmolLM2-135M step there; so do the
  * step's inputs (the embedding, the rope rows, the slots' checks: each torch op before the call
@@ -313,7 +316,9 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
                      const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads,
                      int fuse, const bd_lowrank *const *lowrank) {
     const int64_t Q = (H + 2 * KV) * hd, HD = H * hd;
-    const int64_t P = n_planes > 1 ? n_planes : 1;
+    /* row_planes: each row's plane slots ([B, n_planes], −1 past its variant's, all −1 for a variant
+     * without a sign plane); NULL: each row's one plane is its slot's */
+    const int64_t P = row_planes32 && n_planes > 0 ? n_planes : 1;
     /* the rows' slots as the kernels index them (int64), checked; the runner's are int32 */
     int64_t *row_slot = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B * (1 + P) + 1));
     if (!row_slot) return -1;
@@ -322,22 +327,23 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
     for (int64_t b = 0; b < B; ++b) {
         row_slot[b] = row_slot32[b];
         bad |= row_slot[b] < -1 || row_slot[b] >= n_slots;
-        for (int64_t p = 0; n_planes > 1 && p < P; ++p) {
+        for (int64_t p = 0; row_planes32 && p < P; ++p) {
             const int64_t v = row_planes[b * P + p] = row_planes32[b * P + p];
             bad |= v < -1 || v >= n_slots || (v >= 0 && row_slot[b] < 0);
+            any_delta |= v >= 0;
         }
         if (head_of_row && (head_of_row[b] < -1 || head_of_row[b] >= n_heads)) bad |= 2;
         if (rope_rows[b] < 0 || rope_rows[b] >= n_rope ||
             (!x_in && (tokens[b] < 0 || tokens[b] >= n_vocab ||
                        (embed_of_row && (embed_of_row[b] < -1 || embed_of_row[b] >= n_embeds)))))
             bad |= 4;
-        any_delta |= row_slot[b] >= 0;
+        if (!row_planes32) any_delta |= row_slot[b] >= 0; /* any sign plane in the step */
     }
     if (bad) {
         free(row_slot);
         return bad & 1 ? -2 : bad & 2 ? -3 : -4;
     }
-    const int64_t *slots = n_planes > 1 ? row_planes : row_slot; /* each row's plane slots */
+    const int64_t *slots = row_planes32 ? row_planes : row_slot; /* each row's plane slots */
     /* fuse: rows of one variant (the same slots in every row), as many as the one-pass loops take */
     int one_var = fuse && one_pass_planes(dtype, B) > 0;
     for (int64_t b = 1; b < B && one_var; ++b) {

@@ -114,6 +114,7 @@ class DeltaPlan:
     extra_bytes: int  # embedding / head tensors and low-rank factors, outside the stacks
     whole: bool = False  # tensor parallelism: tensors arrive whole, the rank keeps its slice (parallel.ShardWriter)
     planes: int = 1  # sign planes of its matrices at most: the slots it holds (plane p of every matrix in the p-th)
+    sign_planes: int = 1  # the same, 0 where no matrix has one (an imported LoRA: its one slot holds no plane)
 
     @property
     def total_bytes(self) -> int:
@@ -218,7 +219,7 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
             out.append(Placement(t, kind, big=param, plane=plane))
         else:
             raise _bad(info.name, t, "names a parameter this base does not have (or the worker cannot place)")
-    planes = 1
+    planes = 0
     for param, got in parts.items():
         signs = sorted(pl for r, pl, _ in got if r == "sign")
         alphas = sorted(pl for r, pl, _ in got if r == "alpha")
@@ -244,7 +245,7 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
             raise DeltaFormatError(f"delta {info.name!r}: {param} is both dense and compressed", tensor=param)
     for _, group in col_groups:  # each such group's col_alpha: [planes, matrices of the group, d_in] fp32
         extra += planes * len(layout.group_rows[group]) * layout.group_shape[group][1] * 4
-    return DeltaPlan(info.name, out, layout.slot_bytes, extra, planes=planes)
+    return DeltaPlan(info.name, out, layout.slot_bytes, extra, planes=max(planes, 1), sign_planes=planes)
 
 
 @dataclass
@@ -290,6 +291,7 @@ class SlotWriter:
             embed=bigs.get(EMBED),
             head=bigs.get(HEAD) or (bigs.get(EMBED) if slots.layout.args.tie_embeddings else None),
             slots=self.ids if len(self.ids) > 1 else (),
+            sign_planes=plan.sign_planes,
             lowrank=low,
             cols=cols,
         )

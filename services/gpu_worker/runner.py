@@ -103,8 +103,9 @@ def _c_adds_delta(extras: dict, w: SeqWork) -> bool:
 
 
 def _multi_plane(extras: dict, slots: set[int]) -> dict[int, tuple[int, ...]]:
-    """The variants among `slots` of k > 1 sign planes -> their planes' slots (`_plane_rows`)."""
-    return {s: extras[s].slots for s in slots if s in extras and extras[s].slots}
+    """The variants among `slots` of k ≠ 1 sign planes -> their planes' slots (`_plane_rows`): k > 1,
+    or none (an imported LoRA's factors alone: its rows take no plane)."""
+    return {s: extras[s].slots for s in slots if s in extras and (extras[s].slots or not extras[s].sign_planes)}
 
 
 def _c_parts(slots: list[int], extras: dict) -> tuple[tuple[bool, HeadPlanes | None], tuple[bool, EmbedPlanes | None]]:
@@ -515,12 +516,13 @@ class ModelRunner:
 
     def _plane_rows(self, rows: torch.Tensor, planes: dict[int, tuple[int, ...]]) -> torch.Tensor:
         """Host row slots [N] -> [N, k]: each row's slot of every plane (−1 where its variant has fewer),
-        from a table slot -> its slots (`planes`: the variants of k > 1 planes; any other slot is its
-        own one plane)."""
-        k = max(len(v) for v in planes.values())
+        from a table slot -> its slots (`planes`: the variants of k ≠ 1 planes, `_multi_plane`; any
+        other slot is its own one plane)."""
+        k = max(1, max(len(v) for v in planes.values()))
         table = torch.full((self.slots.n_slots + 1, k), -1, dtype=torch.int32)
         table[1:, 0] = torch.arange(self.slots.n_slots, dtype=torch.int32)
         for s, ids in planes.items():
+            table[s + 1] = -1
             table[s + 1, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
         return table[rows.to(torch.int64) + 1]
 
@@ -564,6 +566,10 @@ class ModelRunner:
                 if c is None
                 else {"col_alpha": c[0] if k == 1 else c, "col_splits": self.slots.layout.group_rows[group]}
             )
+            if not k:  # no sign plane (an imported LoRA): the base's product, its factors below
+                y = dense_linear(x, w, backend=self.backend)
+                self._add_lowrank(x, y, layer, group, m)
+                return y
             planes = (signs[s], alpha[s]) if k == 1 else (signs[s : s + k], alpha[s : s + k])
             y = bitdelta_linear(x, w, *planes, **cols, backend=self.backend)
             self._add_lowrank(x, y, layer, group, m)

@@ -160,11 +160,14 @@ class LowRank:
 class SlotExtras:
     """A delta's tensors outside its slot of the stacks. `head` None: the base's head serves.
     `slots`: every slot it holds, plane 1's first (the delta's own), when it has more than one sign
-    plane; empty: its own only. `lowrank[(layer, group)]`: its low-rank residuals (absent: none)."""
+    plane; empty: its own only. `sign_planes` 0: its slot holds no sign plane (an imported LoRA's
+    factors alone), so its rows take none. `lowrank[(layer, group)]`: its low-rank residuals
+    (absent: none)."""
 
     embed: BigTensor | None = None
     head: BigTensor | None = None
     slots: tuple[int, ...] = ()
+    sign_planes: int = 1
     lowrank: dict[tuple[int, str], LowRank] = field(default_factory=dict)
     # (layer, group) -> fp32 [k, G, d_in]: the column α's of each of its k planes for each of the
     # group's G matrices (1 where a matrix's plane scales rows; its α rows in the slot are then 1):
@@ -182,7 +185,14 @@ class SlotExtras:
     @property
     def empty(self) -> bool:
         """Nothing the runner reads beyond the delta's own slot (a plain one-plane delta)."""
-        return self.embed is None and self.head is None and len(self.slots) <= 1 and not self.lowrank and not self.cols
+        return (
+            self.embed is None
+            and self.head is None
+            and len(self.slots) <= 1
+            and self.sign_planes == 1
+            and not self.lowrank
+            and not self.cols
+        )
 
 
 @dataclass

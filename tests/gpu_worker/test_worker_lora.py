@@ -125,27 +125,29 @@ async def generate(stub, model_id: str, prompt: str) -> list[int]:
 @pytest.mark.asyncio(loop_scope="module")
 async def test_lora_variants_equal_transformers_alone_and_mixed_with_bitdelta(served, family, monkeypatch):
     """On CPU a LoRA variant's decode rows take the C decode layers (its factors in their
-    `LowRankTable`), not the layer-by-layer path."""
+    `LowRankTable`), not the layer-by-layer path, and no sign plane (their plane slots all −1)."""
     from bitdelta_kernels.cpu_decode import DecodeLayers
 
     base, _, _, dense = family
     worker, stub = served
-    tables = []  # each C call's low-rank table (None: no resident delta has one)
+    tables, planes = [], []  # each C call's low-rank table (None: none resident) and rows' plane slots
     c_bind = DecodeLayers.bind
 
-    def bind(self, *a, lowrank=None, **kw):
+    def bind(self, *a, lowrank=None, row_planes=None, **kw):
         tables.append(lowrank)
-        return c_bind(self, *a, lowrank=lowrank, **kw)
+        planes.append(None if row_planes is None else torch.as_tensor(row_planes).tolist())
+        return c_bind(self, *a, lowrank=lowrank, row_planes=row_planes, **kw)
 
     monkeypatch.setattr(DecodeLayers, "bind", bind)  # the runner binds each call (bind_steps through it)
     want = {m: hf_greedy(base if m == "" else dense[m], p) for m, p in PROMPTS.items()}
     assert len({tuple(v) for v in want.values()}) == len(want), "every variant answers its own tokens"
     alone = {}
     for m, p in PROMPTS.items():
-        tables.clear()
+        tables.clear(), planes.clear()
         alone[m] = await generate(stub, m, p)
         if worker.runner.device.type == "cpu" and m.startswith("lora"):
             assert tables and all(t is not None for t in tables), m
+            assert planes and all(rows == [[-1]] for rows in planes), (m, planes)
     assert alone == want
     together = await asyncio.gather(*[generate(stub, m, p) for m, p in PROMPTS.items()])
     assert dict(zip(PROMPTS, together)) == want

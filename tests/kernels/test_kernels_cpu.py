@@ -770,7 +770,8 @@ def test_decode_layers_add_each_rows_low_rank_terms(isa, dims):
     their own ranks at their own rows, the shrink once per group; fp16 factors, U a transposed
     contiguous Uᵀ as the worker's slots hold it), beside its sign plane, and none for the base or a
     slot without one, as the layer in float64 does; one thread and two the same numbers; a row
-    alone the same as in the batch; factors that do not fit refused by name."""
+    alone the same as in the batch; a variant without a sign plane (plane slots all −1: an imported
+    LoRA) its factors only, in a batch and fused alone; factors that do not fit refused by name."""
     from bitdelta_kernels.cpu_decode import DecodeLayers, DecodeShape, LowRankTable
 
     D, H, KV, hd, F = dims
@@ -823,6 +824,18 @@ def test_decode_layers_add_each_rows_low_rank_terms(isa, dims):
     assert torch.equal(got[1], got[2])
     for b in range(B):
         assert torch.equal(run([b])[0], got[1][b]), b
+    # a variant without a sign plane (an imported LoRA): its row's plane slots all −1, factors only
+    no_plane = [[0], [-1], [-1], [1]]
+    want = decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs, no_plane, terms)
+    got = layers.run(
+        x, torch.tensor(slots), cos, sin, write_rows, tables, lens, bs, row_planes=torch.tensor(no_plane), lowrank=table
+    )
+    assert rel_err(got, want) <= 1e-5
+    one = layers.run(
+        x[2:3], torch.tensor([2]), cos[2:3], sin[2:3], write_rows[2:3], tables[2:3], lens[2:3], bs,
+        fuse=True, row_planes=torch.tensor([[-1]]), lowrank=table,
+    )  # fmt: skip
+    assert rel_err(one, want[2:3]) <= 1e-5
     v, us = terms[(0, 3)]
     for bad, match in (
         ({(0, 0, "down"): (v.float(), us)}, "V must be float16"),
