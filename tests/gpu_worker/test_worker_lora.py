@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 
 import pytest
 import pytest_asyncio
@@ -28,12 +26,13 @@ from bitdelta.lora_import import import_lora
 from bitdelta.merge.adapter import LoraAdapter, LoraModule, load_adapter, save_adapter
 from bitdelta.testing.family import FT_SCALE, VARIED_STD, make_base, make_finetune, tiny_args
 from services.gpu_worker.config import WorkerConfig
+from tests.support import archs
+from tests.support.cli import run_cli
 from tests.support.worker import running_worker
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 N = 16
-EOS = 256
 T = 60
 SUFFIX = ".bitdelta.safetensors"
 PROMPTS = {"": "Hello world", "bitdelta": "The quick brown fox", "lora_qv": "abc xyz", "lora_all": "def f(x):"}
@@ -79,13 +78,8 @@ def family(tmp_path_factory):
 
 
 def hf_greedy(ckpt, prompt: str) -> list[int]:
-    from transformers import LlamaForCausalLM
-
-    hf = LlamaForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
-    ids = list(prompt.encode())
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=N, do_sample=False, eos_token_id=EOS, pad_token_id=EOS)
-    return out[0, len(ids) :].tolist()
+    """transformers' greedy tokens of a dense checkpoint (the reference), the prompt's bytes its ids."""
+    return archs.hf_greedy(ckpt, list(prompt.encode()), N)
 
 
 def test_the_file_is_the_adapters_update_in_fp16_with_no_sign_plane(family):
@@ -180,42 +174,15 @@ def test_what_cannot_be_served_as_it_is_is_refused_by_name(family, tmp_path):
         with pytest.raises(ValueError, match=words.replace(".", r"\.")):
             import_lora(base, adapter, tmp_path / f"{adapter.name}{SUFFIX}")
         assert not (tmp_path / f"{adapter.name}{SUFFIX}").exists()
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bitdelta.cli",
-            "import-lora",
-            "--base",
-            str(base),
-            "--adapter",
-            str(cases[0][0]),
-            "--out",
-            str(tmp_path / "cli.bitdelta.safetensors"),
-        ],
-        capture_output=True,
-        text=True,
+    code, text = run_cli(
+        "import-lora", "--base", str(base), "--adapter", str(cases[0][0]), "--out", str(tmp_path / "cli.st")
     )
-    assert out.returncode != 0 and "model.layers.9.self_attn.q_proj" in out.stderr and "Traceback" not in out.stderr
-    ok = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bitdelta.cli",
-            "import-lora",
-            "--base",
-            str(base),
-            "--adapter",
-            str(src),
-            "--out",
-            str(tmp_path / "ok.bitdelta.safetensors"),
-            "--variant",
-            "mine",
-        ],
-        capture_output=True,
-        text=True,
+    assert code != 0 and "model.layers.9.self_attn.q_proj" in text and "Traceback" not in text
+    ok = tmp_path / "ok.bitdelta.safetensors"
+    code, text = run_cli(
+        "import-lora", "--base", str(base), "--adapter", str(src), "--out", str(ok), "--variant", "mine"
     )
-    assert ok.returncode == 0, ok.stderr
+    assert code == 0, text
     assert read_header(tmp_path / "ok.bitdelta.safetensors").meta.variant == "mine"
 
 

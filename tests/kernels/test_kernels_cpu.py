@@ -655,6 +655,19 @@ def decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs,
     return x + proj(torch.nn.functional.silu(gu[:, :F]) * gu[:, F:], 3)
 
 
+def on_one_and_two_threads(fn) -> dict:
+    """{1: fn() on one thread, 2: fn() on two}; the process's thread count restored after."""
+    threads = torch.get_num_threads()
+    got = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got[n] = fn()
+    finally:
+        torch.set_num_threads(threads)
+    return got
+
+
 def four_decode_rows(D, hd, bs, g):
     """A step of 4 fp32 decode rows of 7, 3, 8 and 5 tokens, two blocks of bs rows each: their rope
     rotations (cos, sin [4, hd]), block tables, lengths, the pool rows of their new k, v, and x [4, D]."""
@@ -695,14 +708,7 @@ def test_decode_layers_against_the_reference(isa, dims):
     cos, sin, tables, lens, write_rows, x = four_decode_rows(D, hd, bs, g)
     want = decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs)
     layers = DecodeLayers([L], shape, torch.float32)
-    threads = torch.get_num_threads()
-    got = {}
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            got[n] = layers.run(x, torch.tensor(slots), cos, sin, write_rows, tables, lens, bs)
-    finally:
-        torch.set_num_threads(threads)
+    got = on_one_and_two_threads(lambda: layers.run(x, torch.tensor(slots), cos, sin, write_rows, tables, lens, bs))
     assert rel_err(got[1], want) <= 1e-5
     assert torch.equal(got[1], got[2])
     for b in range(B):
@@ -746,14 +752,7 @@ def test_decode_layers_sum_each_rows_planes(isa):
             row_planes=torch.tensor(planes)[r], **kw,
         )  # fmt: skip
 
-    threads = torch.get_num_threads()
-    got = {}
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            got[n] = run(range(B))
-    finally:
-        torch.set_num_threads(threads)
+    got = on_one_and_two_threads(lambda: run(range(B)))
     assert rel_err(got[1], want) <= 1e-5 and rel_err(one_plane, want) > 1e-3  # the second plane counts
     assert torch.equal(got[1], got[2])
     for b in range(B):
@@ -810,14 +809,7 @@ def test_decode_layers_add_each_rows_low_rank_terms(isa, dims):
             x[r], torch.tensor(slots)[r], cos[r], sin[r], write_rows[r], tables[r], lens[r], bs, lowrank=table
         )
 
-    threads = torch.get_num_threads()
-    got = {}
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            got[n] = run(range(B))
-    finally:
-        torch.set_num_threads(threads)
+    got = on_one_and_two_threads(lambda: run(range(B)))
     assert rel_err(got[1], want) <= 1e-5
     assert rel_err(without[[0, 2]], want[[0, 2]]) > 1e-3, "the low-rank terms count"
     assert torch.equal(without[[1, 3]], want[[1, 3]])
