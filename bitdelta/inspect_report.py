@@ -31,6 +31,8 @@ def info(path: Path) -> dict:
         "distilled": meta.distilled,
         # how the signs were chosen where the header says (files before 2026-12-05 never do)
         "signs_by": "error feedback" if meta.extra.get("signs") == "feedback" else None,
+        # an imported LoRA adapter's factors, served as they are (`bitdelta import-lora`)
+        "lora_rank": int(meta.extra["lora_rank"]) if meta.extra.get("source") == "lora" else None,
         "tool_version": meta.tool_version,
         "compressed_weights": len(meta.shapes),
         "compressed_params": params,
@@ -61,7 +63,8 @@ def text(path: Path) -> str:
         f"  base fingerprint  {i['base_fingerprint']}",
         f"  architecture      {i['architecture']}, layout {i['layout']}",
         f"  alpha mode        {i['alpha_mode']}; distilled: {json.dumps(i['distilled']) if i['distilled'] else 'no'}",
-        f"  compressed        {i['compressed_weights']} weights, {i['compressed_params']:,} params",
+        f"  compressed        {i['compressed_weights']} weights, {i['compressed_params']:,} params"
+        + (f" (a LoRA adapter of rank {i['lora_rank']}, its factors as they are)" if i["lora_rank"] else ""),
         f"  signs             {human_bytes(b['signs'])}" + (f", chosen by {i['signs_by']}" if i["signs_by"] else ""),
         f"  alpha             {human_bytes(b['alpha'])}",
     ]

@@ -183,6 +183,7 @@ def test_what_cannot_be_served_as_it_is_is_refused_by_name(family, tmp_path):
         "import-lora", "--base", str(base), "--adapter", str(src), "--out", str(ok), "--variant", "mine"
     )
     assert code == 0, text
+    assert "a LoRA adapter of rank 4, its factors as they are" in text  # what inspect says of it
     assert read_header(tmp_path / "ok.bitdelta.safetensors").meta.variant == "mine"
 
 
