@@ -30,6 +30,7 @@ from bitdelta.checkpoint import atomic_dir
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+LEGACY_WEIGHTS_FILE = "adapter_model.bin"  # older PEFT's torch.save file, read without unpickling code
 PREFIX = "base_model.model."
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])(?:\.(?P<name>[^.]+))?\.weight$")
 
@@ -172,16 +173,39 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
+def _weights(file: Path):
+    """(name, () -> tensor) of an adapter's weights file: safetensors, or older PEFT's torch.save
+    file, loaded with weights_only (tensors and plain containers: no code from the file runs)."""
+    if file.suffix == ".safetensors":
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                yield key, lambda key=key: f.get_tensor(key)
+        return
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle's or torch's: the file is not a plain state dict
+        raise ValueError(f"{file}: not a state dict of tensors ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise ValueError(f"{file}: not a state dict of tensors")
+    for key, t in state.items():
+        yield key, lambda t=t: t
+
+
 def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapter:
-    """Read a PEFT LoRA adapter directory (no PEFT import).
+    """Read a PEFT LoRA adapter directory (no PEFT import): adapter_model.safetensors, or older
+    PEFT's adapter_model.bin (torch.load with weights_only: no code from the file runs).
 
     Raises ValueError for what this reader cannot represent faithfully: DoRA,
     trained biases, modules_to_save, embedding LoRA, fan_in_fan_out layers.
     """
     path = Path(path)
     cfg_file, weights = path / CONFIG_FILE, path / WEIGHTS_FILE
+    if not weights.is_file() and (path / LEGACY_WEIGHTS_FILE).is_file():
+        weights = path / LEGACY_WEIGHTS_FILE
     if not cfg_file.is_file() or not weights.is_file():
-        raise FileNotFoundError(f"{path} is not a LoRA adapter directory: need {CONFIG_FILE} and {WEIGHTS_FILE}")
+        raise FileNotFoundError(
+            f"{path} is not a LoRA adapter directory: need {CONFIG_FILE} and {WEIGHTS_FILE} (or {LEGACY_WEIGHTS_FILE})"
+        )
     cfg = json.loads(cfg_file.read_text())
     if cfg.get("peft_type", "LORA").upper() != "LORA":
         raise ValueError(f"{path}: peft_type {cfg.get('peft_type')!r} is not LORA")
@@ -195,15 +219,14 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
     rslora = bool(cfg.get("use_rslora", False))
 
     factors: dict[str, dict[str, torch.Tensor]] = {}
-    with safe_open(str(weights), framework="pt") as f:
-        for key in f.keys():
-            m = _KEY.match(key)
-            if m is None:
-                raise ValueError(
-                    f"{path}: tensor {key!r} is not a lora_A/lora_B weight "
-                    "(biases, embeddings and DoRA vectors are not supported)"
-                )
-            factors.setdefault(m["module"], {})[m["which"]] = f.get_tensor(key)
+    for key, get in _weights(weights):
+        m = _KEY.match(key)
+        if m is None:
+            raise ValueError(
+                f"{path}: tensor {key!r} is not a lora_A/lora_B weight "
+                "(biases, embeddings and DoRA vectors are not supported)"
+            )
+        factors.setdefault(m["module"], {})[m["which"]] = get()
     modules = {}
     for module, ab in sorted(factors.items()):
         if set(ab) != {"A", "B"}:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 
 import pytest
 import pytest_asyncio
@@ -185,6 +186,38 @@ def test_what_cannot_be_served_as_it_is_is_refused_by_name(family, tmp_path):
     assert code == 0, text
     assert "a LoRA adapter of rank 4, its factors as they are" in text  # what inspect says of it
     assert read_header(tmp_path / "ok.bitdelta.safetensors").meta.variant == "mine"
+
+
+class _Runs:
+    """An object whose unpickling would run code (it would create `marker`)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_older_peft_bin_adapters_import_alike_and_run_no_code(family, tmp_path):
+    """Older PEFT's adapter_model.bin (torch.save) imports to the same factors as the safetensors
+    file; a .bin that is not a plain state dict is refused, and nothing in it runs (weights_only)."""
+    from safetensors.torch import load_file
+
+    base, _, adapters, _ = family
+    legacy = tmp_path / "legacy"
+    shutil.copytree(adapters["lora_qv"], legacy)
+    weights = legacy / "adapter_model.safetensors"
+    torch.save(load_file(weights), legacy / "adapter_model.bin")
+    weights.unlink()
+    a = load_delta(import_lora(base, adapters["lora_qv"], tmp_path / f"a{SUFFIX}", variant="x"))
+    b = load_delta(import_lora(base, legacy, tmp_path / f"b{SUFFIX}", variant="x"))
+    assert a.compressed.keys() == b.compressed.keys()
+    assert all(torch.equal(a.compressed[k].dense(), b.compressed[k].dense()) for k in a.compressed)
+    marker = tmp_path / "ran"
+    torch.save({"x": _Runs(marker)}, legacy / "adapter_model.bin")
+    with pytest.raises(ValueError, match="not a state dict of tensors"):
+        import_lora(base, legacy, tmp_path / f"c{SUFFIX}")
+    assert not marker.exists()
 
 
 @pytest.mark.asyncio(loop_scope="module")
