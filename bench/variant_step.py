@@ -5,8 +5,10 @@ thread's CPU time (time.thread_time around the runner's parts, which run on that
 
     python bench/variant_step.py [--dtype float32] [--reps 7] [--tokens 16]
 
-Rows: one stream of the base, one of a variant (`--variant`), 8 streams of the base, 8 over 4
-variants; columns: ms per decode step of the engine thread (`engine`), the C decode layers, the
+Rows: one stream of the base, one of a variant (`--variant`), with `--lora R` one of a LoRA
+adapter of rank R on every projection (random factors, seeded, imported by `bitdelta import-lora`;
+its row ends with its bytes' limit: the base's weights ÷ those + the factors), 8 streams of the
+base, 8 over 4 variants; columns: ms per decode step of the engine thread (`engine`), the C decode layers, the
 LM head (`_logits`: the base's head and each variant's sign planes on it), `prepare` (the step's
 index tensors), the embedding, the rest (sampling, scheduling, Python glue: engine minus the
 parts, so it can come out below 0 when each part's best rep is another); and the tokens/s ratio
@@ -19,8 +21,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,7 +60,9 @@ async def measure(args) -> dict[str, list[float]]:
 
     torch.set_num_threads(args.threads)
     acc: dict[str, float] = collections.defaultdict(float)
-    timed(cpu_decode.DecodeLayers, "run", "layers", acc)
+    # every C call the runner binds, then makes: a step's, and a burst's of greedy steps
+    timed(cpu_decode._Bound, "__call__", "layers", acc)
+    timed(cpu_decode._BoundSteps, "__call__", "layers", acc)
     timed(ModelRunner, "_logits", "head", acc)
     timed(ModelRunner, "prepare", "prepare", acc)
     timed(ModelRunner, "_embed", "embed", acc)
@@ -78,10 +84,14 @@ async def measure(args) -> dict[str, list[float]]:
                 pass
 
         names = sorted(p.name.split(".")[0] for p in args.deltas.glob("*.bitdelta.safetensors"))
-        four = [args.variant] + [n for n in names if n != args.variant][:3]
+        four = [args.variant] + [n for n in names if n != args.variant and n != LORA][:3]
         for m in ["", *four]:  # loaded, and every lazy set-up done
             await one(m, 3)
-        runs = {"base": [""], args.variant: [args.variant], "8 base": [""] * 8, "8 over 4 variants": four * 2}
+        runs = {"base": [""], args.variant: [args.variant]}
+        if args.lora:
+            await one(LORA, 3)
+            runs[LORA] = [LORA]
+        runs |= {"8 base": [""] * 8, "8 over 4 variants": four * 2}
         res: dict[str, dict[str, list[float]]] = {k: collections.defaultdict(list) for k in runs}
         for _ in range(args.reps):
             for k, models in runs.items():
@@ -98,6 +108,50 @@ async def measure(args) -> dict[str, list[float]]:
         await w.close()
 
 
+LORA = "lora"  # the --lora variant's name
+
+
+def with_lora(args, work: Path) -> Path:
+    """A delta directory of `args.deltas`' files (links) and a LoRA adapter of rank `args.lora` on
+    every projection of the base, random (seeded) factors of PEFT's usual init scale, imported."""
+    import torch
+
+    from bitdelta.arch import ModelArgs
+    from bitdelta.checkpoint import CheckpointReader, read_config
+    from bitdelta.lora_import import import_lora
+    from bitdelta.merge.adapter import LoraAdapter, LoraModule, save_adapter
+
+    out = work / "deltas"
+    out.mkdir()
+    for f in args.deltas.glob("*.bitdelta.safetensors"):
+        (out / f.name).symlink_to(f.resolve())
+    a = ModelArgs.from_hf(read_config(args.base))
+    g = torch.Generator().manual_seed(0)
+    mods = {}
+    with CheckpointReader(args.base) as rb:
+        for name in a.compressed_names():
+            d_out, d_in = rb.shape(name)
+            A = torch.randn(args.lora, d_in, generator=g) / d_in**0.5
+            B = torch.randn(d_out, args.lora, generator=g) * 0.01
+            mods[name.removesuffix(".weight")] = LoraModule(A.bfloat16(), B.bfloat16(), 2.0)
+    adapter = save_adapter(LoraAdapter(mods), work / "adapter")
+    import_lora(args.base, adapter, out / f"{LORA}.bitdelta.safetensors", variant=LORA)
+    return out
+
+
+def lora_limit(args) -> float:
+    """The LoRA row's tokens/s limit ÷ the base's: the base's bytes of a decode step (every weight
+    but the embedding's lookup, in the dtype) ÷ those + the factors' (fp16)."""
+    from bitdelta.checkpoint import CheckpointReader
+    from bitdelta.format import read_header
+
+    es = 4 if args.dtype == "float32" else 2
+    with CheckpointReader(args.base) as rb:
+        n = sum(math.prod(rb.shape(k)) for k in rb.keys())
+    factors = read_header(args.deltas / f"{LORA}.bitdelta.safetensors").bytes_by_role()["lowrank"]
+    return n * es / (n * es + factors)
+
+
 def table(res: dict, args) -> str:
     lines = [
         f"ms of the engine thread's CPU time per decode step, {args.dtype}, best of {args.reps} reps of "
@@ -108,7 +162,10 @@ def table(res: dict, args) -> str:
     for k, r in res.items():
         v = [min(r[p]) for p in PARTS]
         ref = base.setdefault(k.startswith("8"), v[0])
-        lines.append(f"{k:20s}" + "".join(f"{x:9.2f}" for x in v) + f"{v[0] - sum(v[1:]):9.2f}  {ref / v[0]:.3f}")
+        limit = f" (limit {lora_limit(args):.3f})" if k == LORA else ""
+        lines.append(
+            f"{k:20s}" + "".join(f"{x:9.2f}" for x in v) + f"{v[0] - sum(v[1:]):9.2f}  {ref / v[0]:.3f}{limit}"
+        )
     return "\n".join(lines)
 
 
@@ -121,9 +178,13 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--lora", type=int, default=0, metavar="R", help="also a rank-R LoRA adapter's row")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    print(table(asyncio.run(measure(args)), args))
+    with tempfile.TemporaryDirectory() as work:
+        if args.lora:
+            args.deltas = with_lora(args, Path(work))
+        print(table(asyncio.run(measure(args)), args))
     return 0
 
 
