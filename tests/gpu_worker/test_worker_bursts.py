@@ -27,8 +27,8 @@ def family(tmp_path_factory):
     return make_test_family(tmp_path_factory.mktemp("bursts"), n_variants=2, merged=False)
 
 
-async def _run(family, burst_ms: float, samplings: list[Sampling], times: list | None = None):
-    """Every job of JOBS with its sampling at once -> ([(token ids, text, finish reason)], engine);
+async def _run(family, burst_ms: float, samplings: list[Sampling], times: list | None = None, jobs=JOBS):
+    """Every job of `jobs` with its sampling at once -> ([(token ids, text, finish reason)], engine);
     each job's tokens' elapsed_ms appended to `times`."""
     cfg = WorkerConfig(base=family.base, delta_dir=str(family.deltas), kv_cache=4 << 20, decode_burst_ms=burst_ms)
     w = Worker(cfg)
@@ -41,7 +41,7 @@ async def _run(family, burst_ms: float, samplings: list[Sampling], times: list |
                 times.append([e.elapsed_ms for e in events])
             return [e.token_id for e in events], "".join(e.text for e in events), events[-1].finish_reason
 
-        out = await asyncio.wait_for(asyncio.gather(*[gen(m, p, sp) for (m, p), sp in zip(JOBS, samplings)]), 300)
+        out = await asyncio.wait_for(asyncio.gather(*[gen(m, p, sp) for (m, p), sp in zip(jobs, samplings)]), 300)
         return out, w.engine
     finally:
         await w.close()
@@ -75,7 +75,13 @@ def test_bursts_give_the_tokens_of_single_steps(family):
     single, e1 = asyncio.run(_run(family, 0, samplings))
     times: list[list[float]] = []
     burst, e2 = asyncio.run(_run(family, 1000, samplings, times))
-    assert e1.bursts == 0 and e2.bursts > 0, "bursts ran only where asked"
+    # the family's variants change their (tied) embedding densely, a head the C call does not take:
+    # a batch with one of them takes single steps, so how many bursts the mixed run makes depends on
+    # when its jobs end (the base's alone, at the end, burst); the base's jobs alone always do
+    base_only = [("", p) for _, p in JOBS]
+    alone, e3 = asyncio.run(_run(family, 1000, samplings, jobs=base_only))
+    assert e1.bursts == 0 and e3.bursts > 0, "bursts ran only where asked"
+    assert alone == asyncio.run(_run(family, 0, samplings, jobs=base_only))[0]
     assert burst == single
     for ms in times:  # each token stamped when its step picked it, not when the burst ended
         assert all(a < b for a, b in zip(ms, ms[1:]))
