@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compress)
 
     c = sub.add_parser(
-        "import-lora", help="PEFT LoRA adapter -> delta file served exactly (its factors, fp16, no sign plane)"
+        "import-lora",
+        help="PEFT LoRA adapter -> delta file served exactly (factors in fp16; saved modules, biases dense)",
     )
     c.add_argument("--base", required=True, type=Path, help="the base checkpoint the adapter was trained on")
     c.add_argument("--adapter", required=True, type=Path, help="PEFT adapter directory (adapter_config.json, ...)")

@@ -8,9 +8,19 @@ the worker adds (x · Vᵀ) · Uᵀ to its module's output in fp32, as it does f
 in the same mixed batches as BitDelta variants. Nothing is compressed: the file is the adapter's
 own size (fp16), and the variant is the adapter up to that one rounding.
 
+What else an adapter carries becomes the file's dense parts, each the parameter's value as PEFT
+serves it (`PeftModel.from_pretrained` on the base), in the base's dtype: `modules_to_save` (a
+trained LM head, embedding or norm, saved whole), trained biases (`bias="all"`/`"lora_only"`, and
+`lora_bias`'s scale · b added to the module's bias), embedding LoRA (the embedding plus
+(scale · B A)ᵀ) and LoRA on the LM head (its weight plus scale · B A). On a base whose LM head is
+its embedding PEFT keeps one parameter for both and wraps each module on its own: an embedding
+changed by modules_to_save or embedding LoRA leaves the head as it was (unless
+`ensure_weight_tying`, which saves both), so the file then holds the head too.
+
 What `bitdelta.merge.adapter.load_adapter` cannot represent faithfully is refused there (DoRA,
-trained biases, modules_to_save, embedding LoRA, fan_in_fan_out); a module this base does not have,
-a shape that does not fit, or factors beyond fp16's range are refused here.
+fan_in_fan_out, QA-LoRA, KaSA, aLoRA, trainable tokens, ...); a module or parameter this base does
+not have, a shape that does not fit (a resized vocabulary), a projection saved whole, a bias the
+base lacks, or factors beyond fp16's range are refused here.
 """
 
 from __future__ import annotations
@@ -23,7 +33,8 @@ import torch
 from bitdelta.arch import ModelArgs
 from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config
 from bitdelta.format import CompressedWeight, Delta, DeltaMeta, save_delta
-from bitdelta.merge.adapter import load_adapter
+from bitdelta.merge.adapter import LoraAdapter, load_adapter
+from bitdelta.shard import EMBED, HEAD
 
 FP16_MAX = torch.finfo(torch.float16).max
 
@@ -33,17 +44,17 @@ def import_lora(
 ) -> Path:
     """Write the delta file of the PEFT adapter directory `adapter` for `base` to `out` (atomically)."""
     base, adapter, out = Path(base), Path(adapter), Path(out)
-    lora = load_adapter(adapter, name=variant)
+    lora = load_adapter(adapter, name=variant, full=True)
     cfg = read_config(base)
     args = ModelArgs.from_hf(cfg)
     projections = set(args.compressed_names())
     compressed: dict[str, CompressedWeight] = {}
     with CheckpointReader(base) as rb:
+        dense = _dense_parts(lora, rb, args.tie_embeddings, projections, f"{adapter}", f"{base}")
         for module, m in lora.modules.items():
             param = module + ".weight"
             if param not in projections:
-                what = "is not a parameter of this base" if param not in rb else "is not a projection the worker serves"
-                raise ValueError(f"{adapter}: the adapter changes {module}, which {what} ({base})")
+                continue  # a dense part (_dense_parts)
             if tuple(rb.shape(param)) != m.shape:
                 raise ValueError(f"{adapter}: {module} is {list(m.shape)} in the adapter, {rb.shape(param)} in {base}")
             u, v = m.B.float() * m.scale, m.A.float()
@@ -61,5 +72,68 @@ def import_lora(
         layout=args.layout,
         extra={"source": "lora", "lora_rank": str(lora.rank)},
     )
-    save_delta(out, Delta(meta, compressed, {}))
+    save_delta(out, Delta(meta, compressed, dense))
     return out
+
+
+def _dense_parts(
+    lora: LoraAdapter, rb: CheckpointReader, tied: bool, projections: set[str], adapter: str, base: str
+) -> dict[str, torch.Tensor]:
+    """The parameters other than the projections' weights that the adapter changes, each its value
+    as PEFT serves it, in the base's dtype; those equal to the base's are left out."""
+
+    def base_value(param: str) -> torch.Tensor:  # a tied head is the embedding
+        if param in rb:
+            return rb.get(param)
+        if param == HEAD and tied:
+            return rb.get(EMBED)
+        raise ValueError(f"{adapter}: the adapter changes {param}, which is not a parameter of this base ({base})")
+
+    # whole tensors: a wrapped module's own parameter (`.base_layer.`: what PEFT loads into the
+    # base's parameter, which a tied head shares) or a replacement (modules_to_save's copy, a bias)
+    own, whole = {}, {}
+    for path, t in lora.params.items():
+        (own if ".base_layer." in path else whole)[path.replace(".base_layer.", ".")] = t
+    if tied and EMBED in own and HEAD in own and not torch.equal(own[EMBED], own[HEAD]):
+        raise ValueError(f"{adapter}: the embedding and the LM head are one parameter of this base, saved unequal")
+    if tied and (shared := own.get(EMBED, own.get(HEAD))) is not None:
+        own[EMBED] = own[HEAD] = shared
+    added: dict[str, list[torch.Tensor]] = {}  # param -> LoRA updates on top of its value
+    for module, m in lora.modules.items():
+        if module + ".weight" not in projections:
+            added.setdefault(module + ".weight", []).append(m.delta())
+        if m.bias is not None:
+            added.setdefault(module + ".bias", []).append(m.bias.float() * m.scale)
+    for module, m in lora.embeddings.items():
+        added.setdefault(module + ".weight", []).append(m.delta().T)
+    for param in (*own, *whole, *added):
+        if param in projections:
+            raise ValueError(f"{adapter}: {param} is saved whole; this system serves a projection's LoRA factors only")
+        if param in whole and param in added:
+            raise ValueError(f"{adapter}: {param} is both saved whole and given LoRA factors")
+    touched = {*own, *whole, *added}
+    if tied and touched & {EMBED, HEAD}:
+        touched |= {EMBED, HEAD}
+
+    def value(param: str) -> torch.Tensor:
+        ref = base_value(param)
+        v, updates = whole.get(param, own.get(param, ref)), added.get(param, [])
+        if wrong := next((t.shape for t in (v, *updates) if t.shape != ref.shape), None):
+            resized = " (a resized vocabulary)" if param in (EMBED, HEAD) else ""
+            raise ValueError(
+                f"{adapter}: {param} is {list(wrong)} in the adapter, {list(ref.shape)} in {base}{resized}"
+            )
+        return (v.float() + sum(updates)).to(ref.dtype)
+
+    values = {p: value(p) for p in sorted(touched)}
+    if tied and EMBED in values:
+        # the worker's head is the delta's lm_head, else its embedding: the head is stored where
+        # it differs from the variant's embedding
+        embed, head = values.pop(EMBED), values.pop(HEAD)
+        out = {} if torch.equal(embed, rb.get(EMBED)) else {EMBED: embed}
+        return {**out, **({} if torch.equal(head, embed) else {HEAD: head}), **_changed(values, base_value)}
+    return _changed(values, base_value)
+
+
+def _changed(values: dict[str, torch.Tensor], base_value) -> dict[str, torch.Tensor]:
+    return {p: v.contiguous() for p, v in values.items() if not torch.equal(v, base_value(p))}

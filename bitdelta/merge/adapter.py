@@ -33,6 +33,24 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 LEGACY_WEIGHTS_FILE = "adapter_model.bin"  # older PEFT's torch.save file, read without unpickling code
 PREFIX = "base_model.model."
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])(?:\.(?P<name>[^.]+))?\.weight$")
+# what a full read (load_adapter(full=True)) also takes: embedding LoRA's factors (no `.weight`),
+# lora_bias's bias of B, and any other tensor, a whole parameter under its PEFT module path
+_EMBED_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_embedding_(?P<which>[AB])(?:\.(?P<name>[^.]+))?$")
+_BIAS_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_B(?:\.(?P<name>[^.]+))?\.bias$")
+# LoraConfig fields whose adapters are not a plain B·A on each module (truthy: refused)
+_REFUSED = {
+    "use_dora": "DoRA adapters are not supported (their magnitude vector is not a plain BA)",
+    "fan_in_fan_out": "fan_in_fan_out (GPT-2 Conv1D) adapters are not supported",
+    "use_qalora": "QA-LoRA adapters (A over pooled input groups) are not supported",
+    "kasa_config": "KaSA adapters (a learned diagonal between A and B, and a truncated base) are not supported",
+    "alora_invocation_tokens": "activated LoRA (aLoRA: the adapter acts only after its invocation tokens) is not supported",
+    "monteclora_config": "MonteCLoRA adapters (sampled factors) are not supported",
+    "use_bdlora": "block-diagonal LoRA (BD-LoRA) adapters are not supported",
+    "layer_replication": "layer_replication (a stack of layers other than the base's) is not supported",
+    "target_parameters": "LoRA on bare parameters (target_parameters, e.g. MoE experts) is not supported",
+    "trainable_token_indices": "trainable_token_indices (PEFT's trainable tokens) is not supported",
+    "arrow_config": "Arrow routing over adapters is not supported",
+}
 
 
 @dataclass
@@ -42,6 +60,7 @@ class LoraModule:
     A: torch.Tensor  # [r, d_in]
     B: torch.Tensor  # [d_out, r]
     scale: float
+    bias: torch.Tensor | None = None  # lora_bias: B's own bias [d_out]; the module's bias gains scale · bias
 
     def __post_init__(self):
         if self.A.dim() != 2 or self.B.dim() != 2 or self.A.shape[0] != self.B.shape[1]:
@@ -80,6 +99,12 @@ class LoraAdapter:
     modules: dict[str, LoraModule]  # "model.layers.0.self_attn.q_proj" -> factors
     name: str = ""
     config: dict = field(default_factory=dict)
+    # what only a full read takes (load_adapter(full=True)): embedding LoRA ("model.embed_tokens" ->
+    # A [r, vocab], B [dim, r]: the embedding gains (scale · B A)ᵀ), and whole tensors by their PEFT
+    # path ("lm_head.weight" a modules_to_save copy, "model.embed_tokens.base_layer.weight" the
+    # wrapped module's own parameter, "...q_proj.base_layer.bias" a trained bias)
+    embeddings: dict[str, LoraModule] = field(default_factory=dict)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -98,6 +123,8 @@ class LoraAdapter:
         return {k: m.delta() for k, m in self.modules.items()}
 
     def to(self, dtype: torch.dtype) -> LoraAdapter:
+        if self.embeddings or self.params or any(m.bias is not None for m in self.modules.values()):
+            raise ValueError("only an adapter of factors alone converts (merging's adapters)")
         mods = {k: LoraModule(m.A.to(dtype), m.B.to(dtype), m.scale) for k, m in self.modules.items()}
         return LoraAdapter(mods, self.name, dict(self.config))
 
@@ -191,12 +218,14 @@ def _weights(file: Path):
         yield key, lambda t=t: t
 
 
-def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapter:
+def load_adapter(path: str | os.PathLike, name: str | None = None, full: bool = False) -> LoraAdapter:
     """Read a PEFT LoRA adapter directory (no PEFT import): adapter_model.safetensors, or older
     PEFT's adapter_model.bin (torch.load with weights_only: no code from the file runs).
 
-    Raises ValueError for what this reader cannot represent faithfully: DoRA,
-    trained biases, modules_to_save, embedding LoRA, fan_in_fan_out layers.
+    Raises ValueError for what is not a plain B·A per module (DoRA, fan_in_fan_out, QA-LoRA, KaSA,
+    aLoRA, MonteCLoRA, BD-LoRA, layer replication, target_parameters, trainable tokens, Arrow).
+    Without `full` (merging, which works on factors only) also for trained biases, modules_to_save
+    and embedding LoRA; with it those come in the adapter's `embeddings`, `params` and modules' `bias`.
     """
     path = Path(path)
     cfg_file, weights = path / CONFIG_FILE, path / WEIGHTS_FILE
@@ -209,37 +238,50 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
     cfg = json.loads(cfg_file.read_text())
     if cfg.get("peft_type", "LORA").upper() != "LORA":
         raise ValueError(f"{path}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    if cfg.get("use_dora"):
-        raise ValueError(f"{path}: DoRA adapters are not supported (their magnitude vector is not a plain BA)")
-    if cfg.get("fan_in_fan_out"):
-        raise ValueError(f"{path}: fan_in_fan_out (GPT-2 Conv1D) adapters are not supported")
-    if cfg.get("modules_to_save"):
+    for key, why in _REFUSED.items():
+        if cfg.get(key):
+            raise ValueError(f"{path}: {why} ({key} is set)")
+    if cfg.get("modules_to_save") and not full:
         raise ValueError(f"{path}: modules_to_save {cfg['modules_to_save']} (whole trained modules) are not supported")
     r_default, alpha_default = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
     rslora = bool(cfg.get("use_rslora", False))
 
     factors: dict[str, dict[str, torch.Tensor]] = {}
+    embedding: dict[str, dict[str, torch.Tensor]] = {}
+    biases: dict[str, torch.Tensor] = {}
+    params: dict[str, torch.Tensor] = {}
     for key, get in _weights(weights):
-        m = _KEY.match(key)
-        if m is None:
+        if m := _KEY.match(key):
+            factors.setdefault(m["module"], {})[m["which"]] = get()
+        elif full and (m := _EMBED_KEY.match(key)):
+            embedding.setdefault(m["module"], {})[m["which"]] = get()
+        elif full and (m := _BIAS_KEY.match(key)):
+            biases[m["module"]] = get()
+        elif full and key.startswith(PREFIX) and "lora_" not in key:
+            params[key[len(PREFIX) :]] = get()
+        else:
             raise ValueError(
                 f"{path}: tensor {key!r} is not a lora_A/lora_B weight "
                 "(biases, embeddings and DoRA vectors are not supported)"
             )
-        factors.setdefault(m["module"], {})[m["which"]] = get()
-    modules = {}
-    for module, ab in sorted(factors.items()):
+
+    def module_of(module: str, ab: dict[str, torch.Tensor], prefix: str, bias: torch.Tensor | None) -> LoraModule:
         if set(ab) != {"A", "B"}:
-            raise ValueError(f"{path}: module {module} has lora_{''.join(ab)} only")
+            raise ValueError(f"{path}: module {module} has {prefix}{''.join(ab)} only")
         r = ab["A"].shape[0]
         declared = int(_pattern_value(cfg.get("rank_pattern"), module, r_default))
         if declared != r:
             raise ValueError(f"{path}: {module} has rank {r} but the config says {declared}")
         alpha = float(_pattern_value(cfg.get("alpha_pattern"), module, alpha_default))
-        modules[module] = LoraModule(ab["A"], ab["B"], _scale(alpha, r, rslora))
-    if not modules:
+        return LoraModule(ab["A"], ab["B"], _scale(alpha, r, rslora), bias)
+
+    if unpaired := sorted(set(biases) - set(factors)):
+        raise ValueError(f"{path}: lora_B biases of {unpaired}, which have no lora_A/lora_B weights")
+    modules = {k: module_of(k, ab, "lora_", biases.get(k)) for k, ab in sorted(factors.items())}
+    embeddings = {k: module_of(k, ab, "lora_embedding_", None) for k, ab in sorted(embedding.items())}
+    if not modules and not embeddings and not params:
         raise ValueError(f"{path}: no LoRA weights")
-    return LoraAdapter(modules, name or path.name, cfg)
+    return LoraAdapter(modules, name or path.name, cfg, embeddings, params)
 
 
 def save_adapter(

@@ -1,0 +1,219 @@
+"""What real PEFT adapters carry besides LoRA factors, served as PEFT serves it: adapters made and
+saved by PEFT itself (`get_peft_model`, `save_pretrained`) on tiny transformers bases, imported by
+`bitdelta import-lora`, served by a real worker on a loopback port; the reference is PEFT's own
+model (`PeftModel.from_pretrained` on the base, unmerged).
+
+Covered: `modules_to_save` (the LM head, the embedding, norms), embedding LoRA, LoRA on a tied
+LM head, `ensure_weight_tying`, trained biases (`bias="all"`, `"lora_only"`) and `lora_bias`, on a
+base with a tied embedding (Llama 3.2) and one with q/k/v biases (Qwen2.5). Each variant's logits
+through `bitdelta apply`'s dense model equal PEFT's, and the worker's greedy tokens equal PEFT's,
+each variant alone and all in one batch with the base. The factors are made fp16-exact (and every
+scale a power of two), so the file's one fp16 rounding changes nothing and the comparison is tight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+
+import pytest
+import pytest_asyncio
+import torch
+
+from bitdelta.common.v1 import generation_pb2 as gen_pb
+from bitdelta.compress import apply
+from bitdelta.format import read_header
+from bitdelta.gpu_worker.v1 import gpu_worker_pb2 as pb
+from bitdelta.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
+from bitdelta.lora_import import import_lora
+from bitdelta.shard import EMBED, HEAD
+from services.gpu_worker.config import WorkerConfig
+from tests.support.archs import EOS, hf_model, make_hf_base
+from tests.support.worker import running_worker
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
+N = 12
+T = 60
+SUFFIX = ".bitdelta.safetensors"
+PROMPT = "The adapter says"
+BASES = ("llama-3.2", "qwen2.5")
+
+
+def each_layer(*params: str) -> set[str]:
+    """`params` of both layers of the tiny bases."""
+    return {f"model.layers.{i}.{p}" for i in range(2) for p in params}
+
+
+# name -> (base, LoraConfig's arguments beyond r = 4 and lora_alpha = 8, what the file must hold densely)
+ADAPTERS = {
+    "embed_lora": ("llama-3.2", dict(target_modules=["q_proj", "v_proj", "embed_tokens"]), {EMBED, HEAD}),
+    "norms_saved": (
+        "llama-3.2",
+        dict(target_modules=["k_proj"], modules_to_save=["model.norm", "post_attention_layernorm"]),
+        {"model.norm.weight", *each_layer("post_attention_layernorm.weight")},
+    ),
+    "head_saved": ("llama-3.2", dict(target_modules=["gate_proj"], modules_to_save=["lm_head"]), {HEAD}),
+    "head_lora": ("llama-3.2", dict(target_modules=["o_proj", "lm_head"]), {HEAD}),
+    "embed_saved": ("llama-3.2", dict(target_modules=["up_proj"], modules_to_save=["embed_tokens"]), {EMBED, HEAD}),
+    "tied_saved": (
+        "llama-3.2",
+        dict(target_modules=["q_proj"], modules_to_save=["embed_tokens"], ensure_weight_tying=True),
+        {EMBED},
+    ),
+    "bias_all": (
+        "qwen2.5",
+        dict(target_modules=["q_proj", "gate_proj"], bias="all"),
+        each_layer("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    ),
+    "bias_lora_only": (
+        "qwen2.5",
+        dict(target_modules=["k_proj", "down_proj"], bias="lora_only"),
+        each_layer("self_attn.k_proj.bias"),  # down_proj has none
+    ),
+    "lora_bias": (
+        "qwen2.5",
+        dict(target_modules=["q_proj", "v_proj"], lora_bias=True),
+        each_layer("self_attn.q_proj.bias", "self_attn.v_proj.bias"),
+    ),
+}
+
+
+def make_adapter(base, out, seed: int, **config):
+    """A PEFT adapter of random trained weights: LoRA factors, saved modules and biases perturbed,
+    every factor exactly an fp16 value."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's notes on tied layers and gradient checkpointing
+        model = get_peft_model(hf_model(base), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **config))
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    p.add_(0.2 * torch.randn(p.shape, generator=g))
+                    if "lora_" in name:
+                        p.copy_(p.half().float())
+        model.save_pretrained(out)
+    return out
+
+
+def peft_model(base, adapter):
+    from peft import PeftModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return PeftModel.from_pretrained(hf_model(base), adapter).eval()
+
+
+def greedy(model, prompt: str) -> list[int]:
+    ids = torch.tensor([list(prompt.encode())])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, max_new_tokens=N, do_sample=False, pad_token_id=EOS + 1)
+    return out[0, ids.shape[1] :].tolist()
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    root = tmp_path_factory.mktemp("peft_family")
+    bases = {name: make_hf_base(root / name, name, seed=5) for name in BASES}
+    adapters = {}
+    for i, (name, (arch, config, _)) in enumerate(ADAPTERS.items()):
+        adapters[name] = make_adapter(bases[arch], root / "adapters" / name, 20 + i, **config)
+        import_lora(bases[arch], adapters[name], root / arch / "deltas" / f"{name}{SUFFIX}")
+    return root, bases, adapters
+
+
+def test_the_file_holds_what_peft_changes_and_its_model_is_peft_s(family):
+    root, bases, adapters = family
+    ids = torch.tensor([list(PROMPT.encode())])
+    for name, (arch, _, dense) in ADAPTERS.items():
+        file = root / arch / "deltas" / f"{name}{SUFFIX}"
+        names = {t.name.removesuffix(".dense") for t in read_header(file).tensors if t.name.endswith(".dense")}
+        assert names == dense, (name, names)
+        with torch.no_grad():
+            want = peft_model(bases[arch], adapters[name])(ids).logits
+            got = hf_model(apply(bases[arch], file, root / "dense" / name, progress=False))(ids).logits
+            plain = hf_model(bases[arch])(ids).logits
+        assert (want - plain).abs().max() > 0.1, f"{name} changes the model"
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(family):
+    root, _, _ = family
+    stubs = {}
+    async with running_worker(
+        WorkerConfig(base=root / BASES[0], delta_dir=str(root / BASES[0] / "deltas"), kv_cache=4 << 20)
+    ) as (_, _, a):
+        async with running_worker(
+            WorkerConfig(base=root / BASES[1], delta_dir=str(root / BASES[1] / "deltas"), kv_cache=4 << 20)
+        ) as (_, _, b):
+            stubs = {BASES[0]: pb_grpc.GpuWorkerServiceStub(a), BASES[1]: pb_grpc.GpuWorkerServiceStub(b)}
+            yield stubs
+
+
+async def generate(stub, model_id: str, prompt: str) -> list[int]:
+    req = pb.GenerateRequest(model_id=model_id, prompt=prompt, sampling=gen_pb.SamplingParams(max_new_tokens=N))
+    return [t.token_id async for m in stub.Generate(req, timeout=T) for t in m.tokens]
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("arch", BASES)
+async def test_the_worker_serves_peft_s_tokens_alone_and_in_one_batch(served, family, arch):
+    _, bases, adapters = family
+    names = [n for n, (a, _, _) in ADAPTERS.items() if a == arch]
+    want = {n: greedy(peft_model(bases[arch], adapters[n]), PROMPT) for n in names}
+    want[""] = greedy(hf_model(bases[arch]), PROMPT)
+    assert len({tuple(v) for v in want.values()}) == len(want), "every variant answers its own tokens"
+    stub = served[arch]
+    assert {n: await generate(stub, n, PROMPT) for n in want} == want
+    together = await asyncio.gather(*[generate(stub, n, PROMPT) for n in want])
+    assert dict(zip(want, together)) == want
+
+
+def test_what_the_base_cannot_carry_is_refused_by_name_and_merging_reads_factors_only(family, tmp_path):
+    from bitdelta.merge.adapter import load_adapter
+
+    _, bases, adapters = family
+    llama = bases["llama-3.2"]
+
+    def resized(base, out):  # the base with 8 more tokens, as a fine-tune adding special tokens makes it
+        model = hf_model(base)
+        model.resize_token_embeddings(model.config.vocab_size + 8)
+        model.save_pretrained(out)
+        return out
+
+    cases = [
+        (
+            make_adapter(llama, tmp_path / "a", 1, target_modules=["q_proj"], lora_bias=True),
+            "q_proj.bias, which is not",
+        ),
+        (make_adapter(llama, tmp_path / "b", 2, target_modules=["k_proj"], modules_to_save=["q_proj"]), "saved whole"),
+        (
+            make_adapter(
+                resized(llama, tmp_path / "big"),
+                tmp_path / "c",
+                3,
+                target_modules=["q_proj"],
+                modules_to_save=["embed_tokens"],
+            ),
+            "a resized vocabulary",
+        ),
+        (
+            make_adapter(llama, tmp_path / "d", 4, target_modules=["q_proj"], trainable_token_indices=[1, 2]),
+            "trainable_token_indices",
+        ),
+    ]
+    for adapter, words in cases:
+        out = tmp_path / f"{adapter.name}{SUFFIX}"
+        with pytest.raises(ValueError, match=words):
+            import_lora(llama, adapter, out)
+        assert not out.exists()
+    # merging (bitdelta merge) works on factors: what is not a factor is refused there
+    with pytest.raises(ValueError, match="modules_to_save"):
+        load_adapter(adapters["head_saved"])
+    for name in ("embed_lora", "bias_all", "lora_bias"):
+        with pytest.raises(ValueError, match="is not a lora_A/lora_B weight"):
+            load_adapter(adapters[name])
