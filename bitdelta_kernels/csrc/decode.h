@@ -95,13 +95,20 @@ static int decode_proj(const bd_decode_layer *L, int g, const float *x, int64_t 
     if (linear_planes(x, B, d_in, L->w[g], dtype, d_in, any_delta ? L->s[g] : NULL, d_out * lds, d_out, d_in, lds,
                       L->a[g], d_out, 1, slots, n_planes, y, d_out, dtype == BD_W_BF16, one_pass, n_threads))
         return -1;
-    for (int64_t b = 0; b < B && low; ++b) {
-        const bd_lowrank *lr = row_slot[b] >= 0 ? low[row_slot[b] * low_stride] : NULL;
-        if (!lr || !lr->R) continue;
-        int64_t most = 0;
-        for (int64_t m = 0; m < lr->n; ++m) most = lr->rows[m] > most ? lr->rows[m] : most;
-        float *tmp = (float *)malloc(sizeof(float) * (size_t)(lr->R + most));
-        const int rc = !tmp || add_lowrank(lr, x + b * d_in, d_in, y + b * d_out, tmp);
+    if (low) { /* one scratch for every row's terms: the most any of them needs */
+        int64_t need = 0;
+        for (int64_t b = 0; b < B; ++b) {
+            const bd_lowrank *lr = row_slot[b] >= 0 ? low[row_slot[b] * low_stride] : NULL;
+            for (int64_t m = 0; lr && lr->R && m < lr->n; ++m)
+                need = lr->R + lr->rows[m] > need ? lr->R + lr->rows[m] : need;
+        }
+        float *tmp = need ? (float *)malloc(sizeof(float) * (size_t)need) : NULL;
+        if (need && !tmp) return -1;
+        int rc = 0;
+        for (int64_t b = 0; b < B && need && !rc; ++b) {
+            const bd_lowrank *lr = row_slot[b] >= 0 ? low[row_slot[b] * low_stride] : NULL;
+            if (lr && lr->R) rc = add_lowrank(lr, x + b * d_in, d_in, y + b * d_out, tmp);
+        }
         free(tmp);
         if (rc) return -1;
     }
