@@ -236,14 +236,19 @@ def load_adapter(path: str | os.PathLike, name: str | None = None, full: bool = 
             f"{path} is not a LoRA adapter directory: need {CONFIG_FILE} and {WEIGHTS_FILE} (or {LEGACY_WEIGHTS_FILE})"
         )
     cfg = json.loads(cfg_file.read_text())
-    if cfg.get("peft_type", "LORA").upper() != "LORA":
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: {CONFIG_FILE} is not a JSON object")
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
         raise ValueError(f"{path}: peft_type {cfg.get('peft_type')!r} is not LORA")
     for key, why in _REFUSED.items():
         if cfg.get(key):
             raise ValueError(f"{path}: {why} ({key} is set)")
     if cfg.get("modules_to_save") and not full:
         raise ValueError(f"{path}: modules_to_save {cfg['modules_to_save']} (whole trained modules) are not supported")
-    r_default, alpha_default = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+    try:
+        r_default, alpha_default = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{path}: {CONFIG_FILE} needs an integer r (and a number lora_alpha)") from None
     rslora = bool(cfg.get("use_rslora", False))
 
     factors: dict[str, dict[str, torch.Tensor]] = {}

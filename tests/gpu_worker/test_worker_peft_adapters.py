@@ -14,6 +14,7 @@ scale a power of two), so the file's one fp16 rounding changes nothing and the c
 from __future__ import annotations
 
 import asyncio
+import json
 import warnings
 
 import pytest
@@ -206,6 +207,10 @@ def test_what_the_base_cannot_carry_is_refused_by_name_and_merging_reads_factors
             "trainable_token_indices",
         ),
     ]
+    no_r = make_adapter(llama, tmp_path / "e", 5, target_modules=["q_proj"])
+    config = json.loads((no_r / "adapter_config.json").read_text())
+    (no_r / "adapter_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "r"}))
+    cases.append((no_r, "needs an integer r"))
     for adapter, words in cases:
         out = tmp_path / f"{adapter.name}{SUFFIX}"
         with pytest.raises(ValueError, match=words):
