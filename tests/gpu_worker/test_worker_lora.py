@@ -233,3 +233,42 @@ async def test_two_ranks_serve_lora_variants_as_one_process_does(served, family)
         assert {m: await generate(stub, m, p) for m, p in PROMPTS.items()} == want
         together = await asyncio.gather(*[generate(stub, m, p) for m, p in PROMPTS.items()])
         assert dict(zip(PROMPTS, together)) == want
+
+
+@pytest.mark.asyncio
+async def test_the_triton_kernels_serve_lora_variants_beside_bitdelta(family, monkeypatch):
+    """The GPU path (Triton's kernels, in the interpreter on CPU): a LoRA variant's rows take no
+    sign plane in the batched kernels (their plane slots −1) and add their factors; the same
+    tokens as transformers on the merged models, all four in one batch."""
+    from bitdelta_kernels import dispatch
+
+    base, deltas, _, dense = family
+    launches = {"sgmv": 0, "bgmv": 0}
+    for name in launches:
+        real = getattr(dispatch, f"{name}_launch")
+
+        def counted(*a, real=real, name=name, **kw):
+            launches[name] += 1
+            return real(*a, **kw)
+
+        monkeypatch.setattr(dispatch, f"{name}_launch", counted)
+    cfg = WorkerConfig(
+        base=base,
+        delta_dir=str(deltas),
+        delta_budget=16 << 20,
+        kv_cache=4 << 20,
+        dtype="float32",
+        kernel_backend="triton",
+    )
+    n = 4  # the interpreter costs ~1 s per layer call
+    async with running_worker(cfg) as (_, _, channel):
+        stub = pb_grpc.GpuWorkerServiceStub(channel)
+
+        async def gen(m: str, p: str) -> list[int]:
+            req = pb.GenerateRequest(model_id=m, prompt=p, sampling=gen_pb.SamplingParams(max_new_tokens=n))
+            return [t.token_id async for x in stub.Generate(req, timeout=600) for t in x.tokens]
+
+        got = await asyncio.gather(*[gen(m, p) for m, p in PROMPTS.items()])
+    want = [hf_greedy(base if m == "" else dense[m], p)[:n] for m, p in PROMPTS.items()]
+    assert got == want
+    assert launches["sgmv"] and launches["bgmv"], launches  # prefill and decode took the kernels
