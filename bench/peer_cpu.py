@@ -28,6 +28,11 @@ default, and loaded into its own memory, `use_mmap=False`, per measure; its idle
 - prefill of ~560 prompt tokens (time to the first token), fp32 and bf16;
 - 8 streams over 4 variants ÷ 8 streams on the base, fp32, against the limit 4/(4 + V/8)
   (target ≥ 0.9 × it);
+- with `--lora R`, a LoRA adapter of rank R on every projection (random, seeded:
+  `bitdelta.testing.family.make_lora`), each peer's single stream with it ÷ its own base's, fp32
+  and bf16, against the limit W ÷ (W + the factors' fp16 bytes); the worker serves the adapter as
+  `bitdelta import-lora` writes it, llama.cpp as its own converter (convert_lora_to_gguf.py, f16
+  factors, the same bytes) writes it, applied at run time (`lora_path`), neither merged;
 - idle resident memory of each process (VmRSS) against the worker's account
   (services/gpu_worker/memory.py): weights + KV pool + the slots' α/norm rows (resident from
   start; the signs only as slots fill) + the runtime's fixed cost, measured in the same run as
@@ -102,6 +107,21 @@ for dtype, path in cfg["gguf"].items():
             res["decode_tok_s"] = max(res["decode_tok_s"], (len(times) - 1) / (times[-1] - times[0]))
         del llm
     out[dtype] = res
+for dtype, path in cfg["gguf"].items() if cfg.get("lora") else ():
+    # the same decode with the adapter applied at run time (its default mmap), after every idle RSS
+    res = out[dtype]
+    res["lora_tok_s"] = 0.0
+    llm = llama_cpp.Llama(model_path=path, lora_path=cfg["lora"], n_ctx=2048, n_batch=1024,
+                          n_threads=cfg["threads"], n_threads_batch=cfg["threads"], verbose=False)
+    for _ in range(cfg["reps"]):
+        llm.reset()
+        times = []
+        for tok in llm.generate(llm.tokenize(cfg["short"].encode(), add_bos=True), top_k=1, temp=0.0):
+            times.append(time.perf_counter())
+            if len(times) >= cfg["new_tokens"]:
+                break
+        res["lora_tok_s"] = max(res["lora_tok_s"], (len(times) - 1) / (times[-1] - times[0]))
+    del llm
 print(json.dumps(out))
 """
 
@@ -154,6 +174,40 @@ def make_deltas(src: dict[str, Path], out: Path, n: int) -> list[str]:
         write_delta(out / f"copy{i}.bitdelta.safetensors", tensors, meta)
         names.append(meta.variant)
     return names
+
+
+LORA = "lora"  # the --lora variant's name
+
+
+def with_lora(args, work: Path, deltas: Path, env: dict) -> int:
+    """The --lora adapter (`make_lora`) imported into `deltas` for the worker and converted to GGUF
+    (f16) for llama.cpp (args.lora_gguf) by the converter of the source it was built from, run as
+    bench/peer_env.sh runs convert_hf_to_gguf.py; returns the factors' bytes (the file's low-rank part)."""
+    from bitdelta.format import read_header
+    from bitdelta.lora_import import import_lora
+    from bitdelta.testing.family import make_lora
+
+    adapter = make_lora(args.base, work / "adapter", args.lora)
+    out = import_lora(args.base, adapter, deltas / f"{LORA}.bitdelta.safetensors", variant=LORA)
+    src = next((ROOT / "build" / "peer-src").glob("llama_cpp_python-*/vendor/llama.cpp"))
+    args.lora_gguf = work / "lora-f16.gguf"
+    subprocess.run(
+        [
+            sys.executable,
+            str(src / "convert_lora_to_gguf.py"),
+            "--base",
+            str(args.base),
+            "--outtype",
+            "f16",
+            "--outfile",
+            str(args.lora_gguf),
+            str(adapter),
+        ],
+        env={**env, "PYTHONPATH": f"{src / 'gguf-py'}:{ROOT / 'build' / 'peer-tools'}"},
+        check=True,
+        capture_output=True,
+    )
+    return read_header(out).bytes_by_role()["lowrank"]
 
 
 @dataclass
@@ -289,6 +343,9 @@ def bench_worker(args, base, deltas, names, dtype, logdir, env) -> dict:
             generate_times(stub, "", DECODE_PROMPT, 4)  # first request: lazy set-up out of the numbers
             n_new = args.new_tokens
             runs = {"decode_tok_s": lambda: decode_rate(stub, "", DECODE_PROMPT, n_new)}
+            if args.lora:
+                generate_times(stub, LORA, DECODE_PROMPT, 2)  # load it
+                runs["lora_tok_s"] = lambda: decode_rate(stub, LORA, DECODE_PROMPT, n_new)
             if dtype == "float32" or args.variants_bf16:
                 for n in names:  # load them
                     generate_times(stub, n, DECODE_PROMPT, 2)
@@ -317,6 +374,7 @@ def bench_peer(args, gguf: dict[str, Path], env: dict) -> dict:
         "new_tokens": args.new_tokens,
         "long": PROMPT_WORDS * args.prompt_repeat,
         "short": DECODE_PROMPT,
+        "lora": str(args.lora_gguf) if args.lora else None,
     }
     out = subprocess.run(
         [str(args.peer_python), "-c", PEER_SCRIPT, json.dumps(cfg)], env=env, capture_output=True, text=True
@@ -349,6 +407,15 @@ def round_values(r: dict, rnd: dict) -> dict[str, float]:
             var_lim, mix_lim = weights / (weights + r["delta_bytes"]), es / (es + 4 / 8)  # V = 4 variants
             v |= {f"var{sfx}": var, f"var{sfx}_lim": var_lim, f"var{sfx}/lim": var / var_lim}
             v |= {f"mix{sfx}": mix, f"mix{sfx}_lim": mix_lim, f"mix{sfx}/lim": mix / mix_lim}
+        if "lora_tok_s" in w:  # --lora: each peer's LoRA stream ÷ its own base's
+            lora, plora = w["lora_tok_s"] / w["decode_tok_s"], p["lora_tok_s"] / p["decode_tok_s"]
+            lora_lim = weights / (weights + r["lora_bytes"])
+            v |= {f"lora{b}": lora, f"plora{b}": plora, f"lora{b}_lim": lora_lim, f"lora{b}/lim": lora / lora_lim}
+            v |= {
+                f"wl{b}": w["lora_tok_s"],
+                f"pl{b}": p["lora_tok_s"],
+                f"wl{b}/pl{b}": w["lora_tok_s"] / p["lora_tok_s"],
+            }
     w32 = rnd["worker"]["float32"]
     v["base8"], v["mixed8"], v["rss_var"] = w32["base8_tok_s"], w32["mixed8_tok_s"], w32["rss_after_variants"]
     return v
@@ -388,6 +455,13 @@ def table(r: dict) -> str:
             f"| 8 streams over 4 variants ÷ 8 on the base (bf16) | {ratio('mix16')} | – | {med['mix16_lim']:.2f} | – | "
             f"{ratio('mix16/lim')} | ≥ 0.9 |",
         ]
+    for b, name in ((32, "fp32"), (16, "bf16")):
+        if f"lora{b}" in med:
+            rows.append(
+                f"| a rank-{r['lora_rank']} LoRA adapter ({name}) ÷ base | {ratio(f'lora{b}')} "
+                f"({med[f'wl{b}']:.1f} tok/s) | {ratio(f'plora{b}')} ({med[f'pl{b}']:.1f} tok/s) | "
+                f"{med[f'lora{b}_lim']:.3f} | {ratio(f'wl{b}/pl{b}')} | {ratio(f'lora{b}/lim')} | – |"
+            )
     rows += [
         f"| resident memory, base only, idle, fp32 | {gb(med['rss32'])} | {gb(med['prss32'])} | "
         f"{gb(med['acc32'])} (weights + KV + slot rows + fixed) | {ratio('rss32/p')} | {ratio('rss32/acc', '.3f')} | ≤ 1 |",
@@ -425,6 +499,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="the whole measure this many times; the table's medians")
     ap.add_argument("--kv-cache", default="64MiB")
     ap.add_argument("--variants-bf16", action="store_true", help="the variant rows in bf16 too")
+    ap.add_argument(
+        "--lora", type=int, default=0, metavar="R", help="also a rank-R LoRA adapter's rows (both peers, fp32 and bf16)"
+    )
     ap.add_argument("--out", type=Path, help="also write the table (and the raw numbers as .json) here")
     args = ap.parse_args(argv)
     import torch
@@ -448,6 +525,8 @@ def main(argv=None) -> int:
         deltas = Path(tmp) / "deltas"
         names = make_deltas(real, deltas, 4)
         r["delta_bytes"] = next(deltas.iterdir()).stat().st_size
+        if args.lora:
+            r["lora_rank"], r["lora_bytes"] = args.lora, with_lora(args, Path(tmp), deltas, env)
         logdir = Path(tmp)
         empty = empty_base(args.base, Path(tmp) / "empty")
         r["account"] = {}

@@ -113,28 +113,15 @@ LORA = "lora"  # the --lora variant's name
 
 def with_lora(args, work: Path) -> Path:
     """A delta directory of `args.deltas`' files (links) and a LoRA adapter of rank `args.lora` on
-    every projection of the base, random (seeded) factors of PEFT's usual init scale, imported."""
-    import torch
-
-    from bitdelta.arch import ModelArgs
-    from bitdelta.checkpoint import CheckpointReader, read_config
+    every projection of the base (`bitdelta.testing.family.make_lora`), imported."""
     from bitdelta.lora_import import import_lora
-    from bitdelta.merge.adapter import LoraAdapter, LoraModule, save_adapter
+    from bitdelta.testing.family import make_lora
 
     out = work / "deltas"
     out.mkdir()
     for f in args.deltas.glob("*.bitdelta.safetensors"):
         (out / f.name).symlink_to(f.resolve())
-    a = ModelArgs.from_hf(read_config(args.base))
-    g = torch.Generator().manual_seed(0)
-    mods = {}
-    with CheckpointReader(args.base) as rb:
-        for name in a.compressed_names():
-            d_out, d_in = rb.shape(name)
-            A = torch.randn(args.lora, d_in, generator=g) / d_in**0.5
-            B = torch.randn(d_out, args.lora, generator=g) * 0.01
-            mods[name.removesuffix(".weight")] = LoraModule(A.bfloat16(), B.bfloat16(), 2.0)
-    adapter = save_adapter(LoraAdapter(mods), work / "adapter")
+    adapter = make_lora(args.base, work / "adapter", args.lora)
     import_lora(args.base, adapter, out / f"{LORA}.bitdelta.safetensors", variant=LORA)
     return out
 

@@ -108,6 +108,26 @@ def make_finetune(base: Path, out: Path, seed: int, scale: float = 0.004, touch_
     return out
 
 
+def make_lora(base: Path, out: Path, rank: int, seed: int = 0) -> Path:
+    """A PEFT LoRA adapter directory of rank `rank` on every projection of `base`: random (seeded)
+    bf16 factors of PEFT's usual init scale (A ~ 1/√d_in, B small), scale 2 (lora_alpha = 2r).
+    The benches' LoRA variant (bench/variant_step.py, bench/peer_cpu.py)."""
+    from bitdelta.arch import ModelArgs
+    from bitdelta.checkpoint import CheckpointReader, read_config
+    from bitdelta.merge.adapter import LoraAdapter, LoraModule, save_adapter
+
+    args = ModelArgs.from_hf(read_config(base))
+    g = torch.Generator().manual_seed(seed)
+    mods = {}
+    with CheckpointReader(base) as rb:
+        for name in args.compressed_names():
+            d_out, d_in = rb.shape(name)
+            a = torch.randn(rank, d_in, generator=g) / d_in**0.5
+            b = torch.randn(d_out, rank, generator=g) * 0.01
+            mods[name.removesuffix(".weight")] = LoraModule(a.bfloat16(), b.bfloat16(), 2.0)
+    return save_adapter(LoraAdapter(mods), out, base_model=str(base))
+
+
 @dataclass
 class WorkerFamily:
     base: Path
