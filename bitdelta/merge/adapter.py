@@ -274,10 +274,13 @@ def load_adapter(path: str | os.PathLike, name: str | None = None, full: bool = 
         if set(ab) != {"A", "B"}:
             raise ValueError(f"{path}: module {module} has {prefix}{''.join(ab)} only")
         r = ab["A"].shape[0]
-        declared = int(_pattern_value(cfg.get("rank_pattern"), module, r_default))
+        try:
+            declared = int(_pattern_value(cfg.get("rank_pattern"), module, r_default))
+            alpha = float(_pattern_value(cfg.get("alpha_pattern"), module, alpha_default))
+        except (AttributeError, TypeError, ValueError, re.error):
+            raise ValueError(f"{path}: rank_pattern / alpha_pattern are not maps of module -> number") from None
         if declared != r:
             raise ValueError(f"{path}: {module} has rank {r} but the config says {declared}")
-        alpha = float(_pattern_value(cfg.get("alpha_pattern"), module, alpha_default))
         return LoraModule(ab["A"], ab["B"], _scale(alpha, r, rslora), bias)
 
     if unpaired := sorted(set(biases) - set(factors)):
