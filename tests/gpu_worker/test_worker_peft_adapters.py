@@ -3,9 +3,10 @@ saved by PEFT itself (`get_peft_model`, `save_pretrained`) on tiny transformers 
 `bitdelta import-lora`, served by a real worker on a loopback port; the reference is PEFT's own
 model (`PeftModel.from_pretrained` on the base, unmerged).
 
-Covered: `modules_to_save` (the LM head, the embedding, norms), embedding LoRA, LoRA on a tied
-LM head, `ensure_weight_tying`, trained biases (`bias="all"`, `"lora_only"`) and `lora_bias`, on a
-base with a tied embedding (Llama 3.2) and one with q/k/v biases (Qwen2.5). Each variant's logits
+Covered: `modules_to_save` (the LM head, the embedding, norms, Qwen3's q/k norms), embedding LoRA,
+LoRA on a tied LM head, `ensure_weight_tying`, trained biases (`bias="all"`, `"lora_only"`) and
+`lora_bias`, Phi-3's fused projections, on bases with a tied embedding (Llama 3.2), q/k/v biases
+(Qwen2.5), fused matrices (Phi-3) and q/k norms (Qwen3). Each variant's logits
 through `bitdelta apply`'s dense model equal PEFT's, and the worker's greedy tokens equal PEFT's,
 each variant alone and all in one batch with the base. The factors are made fp16-exact (and every
 scale a power of two), so the file's one fp16 rounding changes nothing and the comparison is tight.
@@ -14,6 +15,7 @@ scale a power of two), so the file's one fp16 rounding changes nothing and the c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import warnings
 
@@ -38,7 +40,7 @@ N = 12
 T = 60
 SUFFIX = ".bitdelta.safetensors"
 PROMPT = "The adapter says"
-BASES = ("llama-3.2", "qwen2.5")
+BASES = ("llama-3.2", "qwen2.5", "phi3-mini", "qwen3")
 
 
 def each_layer(*params: str) -> set[str]:
@@ -76,6 +78,12 @@ ADAPTERS = {
         "qwen2.5",
         dict(target_modules=["q_proj", "v_proj"], lora_bias=True),
         each_layer("self_attn.q_proj.bias", "self_attn.v_proj.bias"),
+    ),
+    "fused": ("phi3-mini", dict(target_modules=["qkv_proj", "gate_up_proj"]), set()),  # Phi-3's fused matrices
+    "qk_norms_saved": (
+        "qwen3",
+        dict(target_modules=["o_proj"], modules_to_save=["q_norm", "k_norm"]),
+        each_layer("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
     ),
 }
 
@@ -143,16 +151,15 @@ def test_the_file_holds_what_peft_changes_and_its_model_is_peft_s(family):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(family):
+    """A worker per base, serving its adapters' files."""
     root, _, _ = family
-    stubs = {}
-    async with running_worker(
-        WorkerConfig(base=root / BASES[0], delta_dir=str(root / BASES[0] / "deltas"), kv_cache=4 << 20)
-    ) as (_, _, a):
-        async with running_worker(
-            WorkerConfig(base=root / BASES[1], delta_dir=str(root / BASES[1] / "deltas"), kv_cache=4 << 20)
-        ) as (_, _, b):
-            stubs = {BASES[0]: pb_grpc.GpuWorkerServiceStub(a), BASES[1]: pb_grpc.GpuWorkerServiceStub(b)}
-            yield stubs
+    async with contextlib.AsyncExitStack() as stack:
+        stubs = {}
+        for arch in BASES:
+            cfg = WorkerConfig(base=root / arch, delta_dir=str(root / arch / "deltas"), kv_cache=4 << 20)
+            _, _, channel = await stack.enter_async_context(running_worker(cfg))
+            stubs[arch] = pb_grpc.GpuWorkerServiceStub(channel)
+        yield stubs
 
 
 async def generate(stub, model_id: str, prompt: str) -> list[int]:
