@@ -116,10 +116,10 @@ def peft_model(base, adapter):
         return PeftModel.from_pretrained(hf_model(base), adapter).eval()
 
 
-def greedy(model, prompt: str) -> list[int]:
+def greedy(model, prompt: str, n: int = N) -> list[int]:
     ids = torch.tensor([list(prompt.encode())])
     with torch.no_grad():
-        out = model.generate(input_ids=ids, max_new_tokens=N, do_sample=False, pad_token_id=EOS + 1)
+        out = model.generate(input_ids=ids, max_new_tokens=n, do_sample=False, pad_token_id=EOS + 1)
     return out[0, ids.shape[1] :].tolist()
 
 
