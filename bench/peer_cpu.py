@@ -83,12 +83,26 @@ def rss():
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
+def load(path, **kw):
+    return llama_cpp.Llama(model_path=path, n_ctx=2048, n_batch=1024, n_threads=cfg["threads"],
+                           n_threads_batch=cfg["threads"], verbose=False, **kw)
+def decode_tok_s(llm):
+    # tokens/s of one greedy stream after its first token, the best of the reps
+    best = 0.0
+    for _ in range(cfg["reps"]):
+        llm.reset()
+        times = []
+        for tok in llm.generate(llm.tokenize(cfg["short"].encode(), add_bos=True), top_k=1, temp=0.0):
+            times.append(time.perf_counter())
+            if len(times) >= cfg["new_tokens"]:
+                break
+        best = max(best, (len(times) - 1) / (times[-1] - times[0]))
+    return best
 out = {}
 for dtype, path in cfg["gguf"].items():
     res = {"prefill_s": 1e9, "decode_tok_s": 0.0}
     for mmap in (True, False):  # its default, then the weights in its own memory: the better counts
-        llm = llama_cpp.Llama(model_path=path, n_ctx=2048, n_batch=1024, n_threads=cfg["threads"],
-                              n_threads_batch=cfg["threads"], use_mmap=mmap, verbose=False)
+        llm = load(path, use_mmap=mmap)
         time.sleep(0.5)
         if mmap:
             res["rss_idle"] = rss()
@@ -97,30 +111,13 @@ for dtype, path in cfg["gguf"].items():
             llm.reset()
             t = time.perf_counter(); llm.eval(toks); res["prefill_s"] = min(res["prefill_s"], time.perf_counter() - t)
         res["prefill_tokens"] = len(toks)
-        for _ in range(cfg["reps"]):
-            llm.reset()
-            times = []
-            for i, tok in enumerate(llm.generate(llm.tokenize(cfg["short"].encode(), add_bos=True), top_k=1, temp=0.0)):
-                times.append(time.perf_counter())
-                if len(times) >= cfg["new_tokens"]:
-                    break
-            res["decode_tok_s"] = max(res["decode_tok_s"], (len(times) - 1) / (times[-1] - times[0]))
+        res["decode_tok_s"] = max(res["decode_tok_s"], decode_tok_s(llm))
         del llm
     out[dtype] = res
 for dtype, path in cfg["gguf"].items() if cfg.get("lora") else ():
     # the same decode with the adapter applied at run time (its default mmap), after every idle RSS
-    res = out[dtype]
-    res["lora_tok_s"] = 0.0
-    llm = llama_cpp.Llama(model_path=path, lora_path=cfg["lora"], n_ctx=2048, n_batch=1024,
-                          n_threads=cfg["threads"], n_threads_batch=cfg["threads"], verbose=False)
-    for _ in range(cfg["reps"]):
-        llm.reset()
-        times = []
-        for tok in llm.generate(llm.tokenize(cfg["short"].encode(), add_bos=True), top_k=1, temp=0.0):
-            times.append(time.perf_counter())
-            if len(times) >= cfg["new_tokens"]:
-                break
-        res["lora_tok_s"] = max(res["lora_tok_s"], (len(times) - 1) / (times[-1] - times[0]))
+    llm = load(path, lora_path=cfg["lora"])
+    out[dtype]["lora_tok_s"] = decode_tok_s(llm)
     del llm
 print(json.dumps(out))
 """

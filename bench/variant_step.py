@@ -127,8 +127,8 @@ def with_lora(args, work: Path) -> Path:
 
 
 def lora_limit(args) -> float:
-    """The LoRA row's tokens/s limit ÷ the base's: the base's bytes of a decode step (every weight
-    but the embedding's lookup, in the dtype) ÷ those + the factors' (fp16)."""
+    """The LoRA row's tokens/s limit ÷ the base's: the base's bytes of a decode step (every tensor
+    of the checkpoint once, in the dtype: a tied embedding is read as the head) ÷ those + the factors' (fp16)."""
     from bitdelta.checkpoint import CheckpointReader
     from bitdelta.format import read_header
 

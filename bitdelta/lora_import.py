@@ -115,7 +115,8 @@ def _dense_parts(
     if tied and touched & {EMBED, HEAD}:
         touched |= {EMBED, HEAD}
 
-    def value(param: str) -> torch.Tensor:
+    def value(param: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the parameter's value as PEFT serves it, the base's)"""
         ref = base_value(param)
         v, updates = whole.get(param, own.get(param, ref)), added.get(param, [])
         if wrong := next((t.shape for t in (v, *updates) if t.shape != ref.shape), None):
@@ -123,17 +124,11 @@ def _dense_parts(
             raise ValueError(
                 f"{adapter}: {param} is {list(wrong)} in the adapter, {list(ref.shape)} in {base}{resized}"
             )
-        return (v.float() + sum(updates)).to(ref.dtype)
+        return (v.float() + sum(updates)).to(ref.dtype), ref
 
     values = {p: value(p) for p in sorted(touched)}
     if tied and EMBED in values:
         # the worker's head is the delta's lm_head, else its embedding: the head is stored where
-        # it differs from the variant's embedding
-        embed, head = values.pop(EMBED), values.pop(HEAD)
-        out = {} if torch.equal(embed, rb.get(EMBED)) else {EMBED: embed}
-        return {**out, **({} if torch.equal(head, embed) else {HEAD: head}), **_changed(values, base_value)}
-    return _changed(values, base_value)
-
-
-def _changed(values: dict[str, torch.Tensor], base_value) -> dict[str, torch.Tensor]:
-    return {p: v.contiguous() for p, v in values.items() if not torch.equal(v, base_value(p))}
+        # it differs from the variant's embedding, not from the base's
+        values[HEAD] = (values[HEAD][0], values[EMBED][0])
+    return {p: v.contiguous() for p, (v, ref) in values.items() if not torch.equal(v, ref)}
