@@ -185,6 +185,9 @@ class Sampling:
     skip_special_tokens: bool = True  # False: special tokens' text stays in the output (vLLM's)
     bad_words: tuple[str, ...] = ()  # the output never completes one of these (vLLM's; the worker tokenizes them)
     return_prompt_token_ids: bool = False  # the first event carries the prompt's ids as run (vLLM's return_token_ids)
+    # max_new_tokens 0: at most this many, cut to the context the prompt leaves (the model's generation
+    # config's, passed on by the gateway); 0: the server's default
+    default_max_new_tokens: int = 0
 
     @property
     def plain(self) -> bool:
@@ -209,10 +212,11 @@ class Sampling:
             )
         if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise GenerationError("sampling.top_p", f"{self.top_p!r} must be in (0, 1] (1: no truncation)")
-        if self.max_new_tokens < 0:
-            raise GenerationError(
-                "sampling.max_new_tokens", f"{self.max_new_tokens} must be >= 0 (0: the server's default)"
-            )
+        for name in ("max_new_tokens", "default_max_new_tokens"):
+            if not 0 <= getattr(self, name) < 2**32:
+                raise GenerationError(
+                    f"sampling.{name}", f"{getattr(self, name)} must be >= 0 (0: the server's default)"
+                )
         if len(self.stop) > MAX_STOP_STRINGS:
             raise GenerationError("sampling.stop", f"{len(self.stop)} strings; at most {MAX_STOP_STRINGS}")
         for s in self.stop:
@@ -328,6 +332,7 @@ class Sampling:
             skip_special_tokens=None if self.skip_special_tokens else False,
             bad_words=list(self.bad_words),
             return_prompt_token_ids=self.return_prompt_token_ids,
+            default_max_new_tokens=self.default_max_new_tokens,
         )
 
     @classmethod
@@ -358,6 +363,7 @@ class Sampling:
             skip_special_tokens=m.skip_special_tokens if m.HasField("skip_special_tokens") else True,
             bad_words=tuple(m.bad_words),
             return_prompt_token_ids=m.return_prompt_token_ids,
+            default_max_new_tokens=m.default_max_new_tokens,
         )
 
 

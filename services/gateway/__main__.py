@@ -1,4 +1,5 @@
 """`python -m services.gateway --address HOST:PORT --router HOST:PORT [--chat-template DIR|FILE]
+[--generation-config auto|vllm|DIR|FILE]
 [--https-cert PEM --https-key PEM [--https-client-ca PEM]]`"""
 
 import logging
@@ -10,6 +11,7 @@ import uvicorn
 from services.gateway.app import Templates, create_app
 from services.gateway.chat import ChatTemplateError
 from services.gateway.config import GatewayConfig
+from services.gateway.generation_config import GenerationConfigError, GenerationConfigs
 
 
 def main(argv=None) -> None:
@@ -19,6 +21,11 @@ def main(argv=None) -> None:
         templates = Templates.from_config(config)
     except ChatTemplateError as e:
         print(f"gateway: bad configuration: --chat-template: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:
+        generation = GenerationConfigs.from_config(config)
+    except GenerationConfigError as e:
+        print(f"gateway: bad configuration: --generation-config: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     host, port = config.host_port
     if config.https_on:  # the files were loaded once by config.check_https: a bad one has exited 2 already
@@ -37,7 +44,7 @@ def main(argv=None) -> None:
     # a graceful stop exits 0, like the other services.
     signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run(
-        create_app(config, templates),
+        create_app(config, templates, generation),
         host=host,
         port=port,
         log_level=config.log_level.lower(),

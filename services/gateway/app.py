@@ -46,6 +46,7 @@ from bitdelta.rpc.metrics import GatewayMetrics
 from services.gateway import protocol as api
 from services.gateway.chat import ChatTemplate, ChatTemplateError
 from services.gateway.config import GatewayConfig
+from services.gateway.generation_config import GenerationConfigs
 from services.gateway.protocol import ApiError
 from services.gateway.tools import CallStream, ToolFormat
 
@@ -470,8 +471,12 @@ class _Measured:
                 m.errors.labels(route, label).inc()
 
 
-def create_app(config: GatewayConfig, templates: Templates | None = None) -> Starlette:
+def create_app(
+    config: GatewayConfig, templates: Templates | None = None, generation: GenerationConfigs | None = None
+) -> Starlette:
+    """`generation`: the models' sampling defaults (none: neutral ones)."""
     templates = templates or Templates()
+    generation = generation or GenerationConfigs()
     state: dict[str, RouterClient] = {}
     metrics, known = GatewayMetrics(), set()  # known: models the router listed or served
 
@@ -488,6 +493,15 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
             config.router,
             templates.base.origin if templates.base else "none (chat answers 400)",
         )
+        for model, d in (("the base", generation.base), *generation.variants.items()):
+            if d.changed():  # vLLM warns the same way: a client that sets none of them gets these
+                log.warning(
+                    "sampling defaults of %s from its generation config (%s): %s; --generation-config vllm "
+                    "for neutral ones",
+                    model if model == "the base" else repr(model),
+                    generation.origin if model == "the base" else "--variant-generation-configs",
+                    d.changed(),
+                )
         try:
             yield
         finally:
@@ -589,13 +603,13 @@ def create_app(config: GatewayConfig, templates: Templates | None = None) -> Sta
         return out
 
     async def completions(request: HttpRequest) -> Response:
-        req = api.parse_completion(await read_json(request), config.completion_default_max_tokens)
+        req = api.parse_completion(await read_json(request), config.completion_default_max_tokens, generation.for_model)
         request.state.model = req.model  # the metrics' label (_Measured)
         await check_constraint(req)
         return _Generation(state["router"], req, metadata(request), config.request_timeout_s, echoes(req))
 
     async def chat_completions(request: HttpRequest) -> Response:
-        req = api.parse_chat(await read_json(request))
+        req = api.parse_chat(await read_json(request), generation.for_model)
         request.state.model = req.model
         template = templates.for_model(req.model)
         tools = req.tools

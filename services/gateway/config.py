@@ -21,7 +21,7 @@ from bitdelta.rpc.security import TlsSettings
 from bitdelta.units import parse_bytes
 
 
-def check_variant_templates(values: tuple[str, ...]) -> None:
+def check_variant_files(values: tuple[str, ...]) -> None:
     for v in values:
         name, sep, path = v.partition("=")
         if not sep or not name or not path:
@@ -53,12 +53,25 @@ class GatewayConfig(ServiceConfig, TlsSettings):
         (),
         "VARIANT=FILE|DIR,... : variants with a template of their own (the others use --chat-template)",
         parse=parse_list,
-        check=check_variant_templates,
+        check=check_variant_files,
     )
     tokenizer: Path | None = setting(
         None,
         "the base's directory (tokenizer.json; config.json for max_model_len), for /tokenize and "
         "/detokenize; without it they answer 400",
+    )
+    generation_config: str = setting(
+        "auto",
+        "sampling defaults of requests that leave them unset (temperature, top_p, top_k, min_p, "
+        "repetition_penalty; chat's max_tokens from max_new_tokens), as vLLM's --generation-config: "
+        "`auto`, the base's generation_config.json (in --tokenizer's directory, else --chat-template's) "
+        "when it has one; `vllm`, none (neutral values); or a generation_config.json or its directory",
+    )
+    variant_generation_configs: tuple[str, ...] = setting(
+        (),
+        "VARIANT=FILE|DIR,... : variants with a generation config of their own (the others use the base's)",
+        parse=parse_list,
+        check=check_variant_files,
     )
     owned_by: str = setting("bitdelta", "the `owned_by` of every model in /v1/models")
     request_timeout_s: float = setting(600.0, "deadline of one generation at the router, seconds (beyond: 504)")
@@ -176,9 +189,15 @@ class GatewayConfig(ServiceConfig, TlsSettings):
         return host.strip("[]"), int(port)
 
     def variant_templates(self) -> dict[str, Path]:
-        return {
-            name: Path(path).expanduser() for name, _, path in (v.partition("=") for v in self.variant_chat_templates)
-        }
+        return _variant_paths(self.variant_chat_templates)
+
+    def variant_generation_config_paths(self) -> dict[str, Path]:
+        return _variant_paths(self.variant_generation_configs)
+
+
+def _variant_paths(values: tuple[str, ...]) -> dict[str, Path]:
+    """VARIANT=PATH,... -> {variant: path}."""
+    return {name: Path(path).expanduser() for name, _, path in (v.partition("=") for v in values)}
 
 
 def _reason(e: Exception) -> str:

@@ -38,6 +38,7 @@ class Field:
 
 MAX_PROMPTS = 64  # prompts in one completions request (each its own generation; the body's size bounds them too)
 GUIDED = "the output constrained by its grammar (docs/structured-output.md); one constraint per request"
+GEN = "unset: the model's generation config's (`--generation-config`)"  # docs/gateway.md, "Sampling defaults"
 RAW = "from the model's raw logits (before penalties, bias, masks, temperature: vLLM's raw_logprobs)"
 FIELDS: tuple[Field, ...] = (
     # -- OpenAI's --------------------------------------------------------------------------------------
@@ -50,10 +51,16 @@ FIELDS: tuple[Field, ...] = (
         f"a string, token ids, or a list of up to {MAX_PROMPTS} of either (choice k·n + i: prompt k's i-th)",
     ),
     Field("messages", None, HON, "OpenAI", "text content (a string or text parts), rendered with the chat template"),
-    Field("max_tokens", HON, HON, "OpenAI", "beyond the context the prompt leaves: 400 naming both"),
+    Field(
+        "max_tokens",
+        HON,
+        HON,
+        "OpenAI",
+        "beyond the context the prompt leaves: 400 naming both; chat's " + GEN + ", cut to the context",
+    ),
     Field("max_completion_tokens", None, HON, "OpenAI", "as max_tokens"),
-    Field("temperature", HON, HON, "OpenAI", "0–2; 0 is greedy"),
-    Field("top_p", HON, HON, "OpenAI", "(0, 1]"),
+    Field("temperature", HON, HON, "OpenAI", "0–2; 0 is greedy; " + GEN),
+    Field("top_p", HON, HON, "OpenAI", "(0, 1]; " + GEN),
     Field("stop", HON, HON, "OpenAI", "a string or up to 4 (not returned)"),
     Field("seed", HON, HON, "OpenAI", "same seed, same text, whatever else is batched"),
     Field("stream", HON, HON, "OpenAI", "server-sent events"),
@@ -120,14 +127,14 @@ FIELDS: tuple[Field, ...] = (
     Field("store", IGN, IGN, "OpenAI", "nothing is stored"),
     Field("service_tier", IGN, IGN, "OpenAI", "one tier"),
     # -- vLLM's extra fields ---------------------------------------------------------------------------
-    Field("top_k", HON, HON, "vLLM", "the k most likely tokens; -1 or 0: all"),
-    Field("min_p", HON, HON, "vLLM", "tokens at least min_p × as likely as the most likely; 0: all"),
+    Field("top_k", HON, HON, "vLLM", "the k most likely tokens; -1 or 0: all; " + GEN),
+    Field("min_p", HON, HON, "vLLM", "tokens at least min_p × as likely as the most likely; 0: all; " + GEN),
     Field(
         "repetition_penalty",
         HON,
         HON,
         "vLLM",
-        "prompt and output tokens: logit / p if positive, else × p (transformers' rule)",
+        "prompt and output tokens: logit / p if positive, else × p (transformers' rule); " + GEN,
     ),
     Field("stop_token_ids", HON, HON, "vLLM", "end on these tokens (finish_reason stop; their text not returned)"),
     Field("min_tokens", HON, HON, "vLLM", "no EOS, stop token or stop string before this many tokens"),

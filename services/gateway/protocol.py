@@ -13,6 +13,7 @@ import math
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,7 +228,7 @@ def _salt(body: dict) -> str:
     return v
 
 
-def _common(body: Any, kind: str) -> Request:
+def _common(body: Any, kind: str, defaults: Callable[[str], SamplingDefaults]) -> Request:
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object", code="invalid_json")
     model = body.get("model")
@@ -270,8 +271,7 @@ def _common(body: Any, kind: str) -> Request:
     return_ids = _boolean(body, "return_token_ids")
     sampling = Sampling(
         constraint=constraint,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        **_defaulted(body, defaults(model)),
         stop=stops,
         seed=seed,
         n=_integer(body, "n", 1, MAX_N) or 1,
@@ -375,13 +375,63 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
-def _vllm_sampling(body: dict) -> dict:
-    """The sampling fields beyond OpenAI's temperature/top_p/stop/seed (vLLM's names and meanings)."""
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves one of these fields unset (absent or null) gets: a model's
+    generation config, as vLLM's server takes it (`--generation-config auto`); NEUTRAL, OpenAI's and
+    vLLM's own values, where the config sets none."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no limit
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 0  # chat's max_tokens, cut to the context the prompt leaves; 0: the worker's default
+
+    def changed(self) -> dict[str, float]:
+        """The fields that differ from NEUTRAL's (the gateway logs them at start, as vLLM warns)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v != getattr(NEUTRAL, k)}
+
+
+NEUTRAL = SamplingDefaults()
+# generation_config.json's keys vLLM's server takes as defaults (get_diff_sampling_param); any other
+# key (do_sample, max_length, the token ids) changes no request
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+def neutral(model: str) -> SamplingDefaults:
+    """Every model's defaults when the gateway has no generation config."""
+    return NEUTRAL
+
+
+def sampling_defaults(config: Any) -> SamplingDefaults:
+    """A generation_config.json's object -> its defaults: each of GENERATION_CONFIG_KEYS it sets (not
+    null) under the rule a request's field of that name follows; ApiError naming the first one out
+    of it (the caller names the file)."""
+    if not isinstance(config, dict):
+        raise invalid(None, "a generation config must be a JSON object")
+    body = {k: config[k] for k in GENERATION_CONFIG_KEYS if config.get(k) is not None}
+    return SamplingDefaults(
+        **_defaulted(body, NEUTRAL), max_new_tokens=_integer(body, "max_new_tokens", 1, 2**31 - 1) or 0
+    )
+
+
+def _defaulted(body: dict, d: SamplingDefaults) -> dict:
+    """The sampling fields a model's generation config may set: the body's, else d's."""
     top_k = _integer(body, "top_k", -1, 1 << 30)
     return {
-        "top_k": 0 if top_k in (None, -1) else top_k,  # vLLM's -1 (and 0): no limit
-        "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
-        "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.0, 100.0, low_open=True),
+        "temperature": _number(body, "temperature", d.temperature, 0.0, 2.0),
+        "top_p": _number(body, "top_p", d.top_p, 0.0, 1.0, low_open=True),
+        "top_k": d.top_k if top_k is None else max(top_k, 0),  # vLLM's -1 (and 0): no limit
+        "min_p": _number(body, "min_p", d.min_p, 0.0, 1.0),
+        "repetition_penalty": _number(body, "repetition_penalty", d.repetition_penalty, 0.0, 100.0, low_open=True),
+    }
+
+
+def _vllm_sampling(body: dict) -> dict:
+    """The sampling fields beyond OpenAI's temperature/top_p/stop/seed and those a generation config
+    may default (vLLM's names and meanings)."""
+    return {
         "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         "logit_bias": _logit_bias(body),
@@ -515,8 +565,12 @@ def constraint_error(r: Request, e: GenerationError) -> ApiError:
     return invalid(r.constraint_param, f"{r.constraint_param}: {message}", code="invalid_constraint")
 
 
-def parse_completion(body: Any, default_max_tokens: int) -> Request:
-    r = _common(body, "completion")
+def parse_completion(
+    body: Any, default_max_tokens: int, defaults: Callable[[str], SamplingDefaults] = neutral
+) -> Request:
+    """`defaults(model)`: the sampling defaults of the body's model (its generation config's); an
+    unset max_tokens is `default_max_tokens` (OpenAI's 16), as in vLLM, whatever the model's config says."""
+    r = _common(body, "completion", defaults)
     n = _integer(body, "logprobs", 0, MAX_LOGPROBS)  # an int: the alternatives (0: the sampled token's alone)
     r.echo = _boolean(body, "echo")
     if r.echo and r.sampling.truncate_prompt_tokens is not None:
@@ -559,8 +613,10 @@ def _tool_calls(where: str, calls: Any) -> list[dict]:
     return out
 
 
-def parse_chat(body: Any) -> Request:
-    r = _common(body, "chat")
+def parse_chat(body: Any, defaults: Callable[[str], SamplingDefaults] = neutral) -> Request:
+    """`defaults(model)`: the sampling defaults of the body's model (its generation config's, with
+    its max_new_tokens for an unset max_tokens)."""
+    r = _common(body, "chat", defaults)
     top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
     if _boolean(body, "logprobs"):
         r.sampling = dataclasses.replace(r.sampling, logprobs=top or 0)
@@ -618,6 +674,8 @@ def parse_chat(body: Any) -> Request:
             raise invalid("chat_template_kwargs", str(e)) from None
     mt = _integer(body, "max_completion_tokens", 1, 1 << 31)
     mt = _integer(body, "max_tokens", 1, 1 << 31) if mt is None else mt
+    if mt is None:  # the model's default, cut to the context the prompt leaves (vLLM's get_max_tokens)
+        r.sampling = dataclasses.replace(r.sampling, default_max_new_tokens=defaults(r.model).max_new_tokens)
     return _with_max_tokens(r, mt or 0)
 
 

@@ -343,7 +343,7 @@ class Worker:
                 f"sampling.max_new_tokens: {sp.max_new_tokens} is more than the context leaves after the "
                 f"prompt's {len(ids)} tokens ({room} of {self.args.max_seq_len})"
             )
-        max_new = min(sp.max_new_tokens or self.config.default_max_new_tokens, room)
+        max_new = min(sp.max_new_tokens or sp.default_max_new_tokens or self.config.default_max_new_tokens, room)
         if sp.n > self.scheduler.max_running:
             raise InvalidArgument(
                 f"sampling.n: {sp.n} choices; this worker runs at most {self.scheduler.max_running} sequences"
