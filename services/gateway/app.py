@@ -541,7 +541,7 @@ def create_app(
             models = await state["router"].list_models(metadata=metadata(request))  # lists what the token may use
         except RouterCallError as e:
             raise api.error_of_rpc(e.code, e.details or str(e)) from None
-        listed = api.model_list(models, config.owned_by)
+        listed = api.model_list(models, config.owned_by, max_model_len)
         known.update(m["id"] for m in listed["data"])
         return JSONResponse(listed)
 
@@ -552,7 +552,7 @@ def create_app(
             models = await state["router"].list_models(metadata=metadata(request))
         except RouterCallError as e:
             raise api.error_of_rpc(e.code, e.details or str(e)) from None
-        for m in api.model_list(models, config.owned_by)["data"]:
+        for m in api.model_list(models, config.owned_by, max_model_len)["data"]:
             if m["id"] == name:
                 return JSONResponse(m)
         raise ApiError(
@@ -582,6 +582,7 @@ def create_app(
                 raise api.constraint_error(req, e) from None
 
     tokens = Tokens(config.tokenizer) if config.tokenizer is not None else None
+    max_model_len = tokens.max_model_len if tokens is not None else None  # the model cards' (vLLM's)
 
     def echoes(req: api.Request) -> list[str] | None:
         """Each prompt's text for `echo` (token ids decoded with the gateway's tokenizer), else None."""
@@ -650,7 +651,9 @@ def create_app(
             raise api.invalid("model", "model must be a non-empty string: the variant's id from /v1/models")
         request.state.model = model
         try:
-            listed = api.model_list(await state["router"].list_models(metadata=metadata(request)), config.owned_by)
+            listed = api.model_list(
+                await state["router"].list_models(metadata=metadata(request)), config.owned_by, max_model_len
+            )
         except RouterCallError as e:
             raise api.error_of_rpc(e.code, e.details or str(e)) from None
         if model not in {m["id"] for m in listed["data"]}:

@@ -888,9 +888,10 @@ def usage_chunk(r: Request, u: gen_pb.Usage) -> dict:
     return {**_envelope(r, obj), "choices": [], "usage": usage(u)}
 
 
-def model_list(models, owned_by: str) -> dict:
+def model_list(models, owned_by: str, max_model_len: int | None = None) -> dict:
     """/v1/models from the router's ListModels (base first). Unservable variants are omitted (a request
-    for one gets 400 with the reason)."""
+    for one gets 400 with the reason). `max_model_len` (vLLM's card field: the context every model of
+    the family shares), where the gateway knows the base's config (--tokenizer)."""
     base = next((m.model_id for m in models if m.is_base), None)
     data = []
     for m in models:
@@ -906,5 +907,7 @@ def model_list(models, owned_by: str) -> dict:
             "base_model": m.base_model,  # the base this variant's delta was built for (the base: itself)
             "delta_bytes": m.delta_bytes,  # the size of its 1-bit delta; 0 for the base
         }
+        if max_model_len is not None:
+            entry["max_model_len"] = max_model_len
         data.append(entry)
     return {"object": "list", "data": data}

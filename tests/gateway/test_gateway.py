@@ -1074,7 +1074,7 @@ async def test_the_gateways_own_metrics_bound_the_model_label(clients, cluster):
     assert 'bitdelta_gateway_request_seconds_count{model="v0",route="/v1/completions"}' in text
 
 
-async def test_a_models_card_names_its_base_and_size(clients, family):
+async def test_a_models_card_names_its_base_and_size(clients, cluster, family):
     client, router, _ = clients
     listed = {m.model_id: m for m in await router.list_models()}
     card = await client.models.retrieve("v0")
@@ -1082,6 +1082,14 @@ async def test_a_models_card_names_its_base_and_size(clients, family):
     assert card.parent == base.model_id and card.base_model == listed["v0"].base_model
     assert card.delta_bytes == listed["v0"].delta_bytes > 0
     assert (await client.models.retrieve(base.model_id)).delta_bytes == 0
+    # vLLM's max_model_len: the base's context (its config.json, through --tokenizer), the worker's own
+    config = json.loads((family.base / "config.json").read_text())
+    assert card.max_model_len == config["max_position_embeddings"] == 256
+    plain = oai(cluster.g_plain)  # no --tokenizer: the gateway does not know it, and says nothing
+    try:
+        assert getattr(await plain.models.retrieve("v0"), "max_model_len", None) is None
+    finally:
+        await plain.close()
 
 
 async def test_tokenize_and_detokenize_in_vllms_shapes(clients, cluster, family):
