@@ -344,6 +344,10 @@ class Worker:
                 f"prompt's {len(ids)} tokens ({room} of {self.args.max_seq_len})"
             )
         max_new = min(sp.max_new_tokens or sp.default_max_new_tokens or self.config.default_max_new_tokens, room)
+        if not sp.max_new_tokens:  # a default, not an ask: also cut to what the KV pool can ever hold for it
+            s = self.scheduler
+            held = (s.allocator.n_blocks - (sp.n - 1) * s.fork_copies(len(ids))) * s.block_size - len(ids)
+            max_new = min(max_new, max(held, 1))  # < 1: the prompt alone is too large, refused below
         if sp.n > self.scheduler.max_running:
             raise InvalidArgument(
                 f"sampling.n: {sp.n} choices; this worker runs at most {self.scheduler.max_running} sequences"

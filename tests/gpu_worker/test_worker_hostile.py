@@ -406,8 +406,8 @@ async def test_long_and_odd_names_are_invalid_argument_with_a_short_echo(family)
 async def test_max_new_tokens_beyond_the_context_or_the_kv_cache_is_invalid_argument(family):
     """Asked for explicitly, more tokens than the context leaves is refused naming both numbers (never
     cut short to end with `length`); a request larger than the whole KV cache can never run, so it is
-    INVALID_ARGUMENT (a client retries RESOURCE_EXHAUSTED)."""
-    from bitdelta.generation import Request, Sampling
+    INVALID_ARGUMENT (a client retries RESOURCE_EXHAUSTED). A default is cut to both instead."""
+    from bitdelta.generation import FinishReason, Request, Sampling
 
     kv = 64 * 2 * 2 * 2 * 16 * 4  # the tiny family's bytes per token (fp32 K and V) times 64 tokens
     async with running_worker(config(family, kv_cache=kv, block_size=16)) as (worker, _, ch):
@@ -423,6 +423,13 @@ async def test_max_new_tokens_beyond_the_context_or_the_kv_cache_is_invalid_argu
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "whole KV cache" in e.value.details()
         # one that fits serves
         assert [ev async for ev in worker.generate(Request("", "abc", Sampling(max_new_tokens=40)))]
+        # a default (the caller's, or the worker's own 256) is not an ask: cut to what the pool holds
+        held = worker.scheduler.capacity_tokens() - 3
+        for s in (Sampling(default_max_new_tokens=10_000, ignore_eos=True), Sampling(ignore_eos=True)):
+            last = [ev async for ev in worker.generate(Request("", "abc", s))][-1]
+            assert last.finish_reason is FinishReason.LENGTH and last.usage.completion_tokens == held
+        last = [ev async for ev in worker.generate(Request("", "abc", Sampling(default_max_new_tokens=5)))][-1]
+        assert last.usage.completion_tokens <= 5
 
 
 async def test_a_templated_prompt_gets_no_second_bos(family, tmp_path):
