@@ -32,6 +32,22 @@ SIDE_FILES = (
 )
 
 
+def eos_token_ids(ckpt: str | os.PathLike) -> frozenset[int]:
+    """The tokens a checkpoint's generations end on: its config's `eos_token_id` and its generation
+    config's (each an id or a list of them), where transformers' generate stops."""
+    out: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = Path(ckpt) / name
+        if not path.is_file():
+            continue
+        e = json.loads(path.read_text()).get("eos_token_id")
+        ids = e if isinstance(e, list) else [] if e is None else [e]
+        if any(type(t) is not int or t < 0 for t in ids):
+            raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, not {e!r}")
+        out.update(ids)
+    return frozenset(out)
+
+
 def read_config(ckpt: str | os.PathLike) -> dict:
     path = Path(ckpt) / "config.json"
     if not path.is_file():
@@ -166,8 +182,10 @@ def save_checkpoint(
     out: str | os.PathLike,
     config: dict,
     side_files_from: str | os.PathLike | None = None,
+    generation_config: dict | None = None,
 ) -> Path:
-    """Write a one-file HF checkpoint atomically (see `atomic_dir`)."""
+    """Write a one-file HF checkpoint atomically (see `atomic_dir`); `generation_config`: written as
+    its generation_config.json instead of the side files' one."""
     with atomic_dir(out) as tmp:
         if side_files_from is not None:
             for name in SIDE_FILES:
@@ -175,6 +193,8 @@ def save_checkpoint(
                 if src.is_file():
                     shutil.copy2(src, tmp / name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if generation_config is not None:
+            (tmp / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
         save_file(
             {k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"}
         )

@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from bitdelta.arch import ModelArgs
-from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config, save_checkpoint
+from bitdelta.checkpoint import CheckpointReader, eos_token_ids, fingerprint, read_config, save_checkpoint
 from bitdelta.format import CompressedWeight, Delta, DeltaMeta, SignPlane, check_arch, load_delta, save_delta
 from bitdelta.planes import PlaneConfig, chain, embedding_moments, spend
 from bitdelta_kernels.bits import pack_signs, unpack_signs
@@ -52,6 +52,17 @@ def same_model(base_cfg: dict, ft_cfg: dict, finetuned: Path, base: Path) -> Mod
             + ", ".join(f"{k} ({getattr(ft, k)} != {getattr(args, k)})" for k in differ)
         )
     return args
+
+
+def own_eos(base: Path, finetuned: Path, vocab_size: int) -> tuple[int, ...]:
+    """The fine-tune's end-of-sequence tokens where they are not the base's (a chat fine-tune of a
+    pretrained base often ends its turns on another token), else (): what the delta records."""
+    ft, theirs = eos_token_ids(finetuned), eos_token_ids(base)
+    if not ft or ft == theirs:
+        return ()
+    if max(ft) >= vocab_size:
+        raise ValueError(f"{finetuned}: eos_token_id {max(ft)} is not below the vocabulary size {vocab_size}")
+    return tuple(sorted(ft))
 
 
 def compress_weight(delta: torch.Tensor, alpha_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +110,7 @@ def compress(
     planes = planes if planes is not None else PlaneConfig(alpha=alpha_mode)
     base_cfg = read_config(base)
     args = same_model(base_cfg, read_config(finetuned), finetuned, base)
+    eos = own_eos(base, finetuned, args.vocab_size)
     tensors: dict[str, torch.Tensor] = {}
     shapes: dict[str, list[int]] = {}
     compressed: dict[str, CompressedWeight] = {}
@@ -194,6 +206,7 @@ def compress(
             architecture=args.model_type,
             layout=args.layout,
             extra={"embeddings": embeddings},
+            eos_token_ids=eos,
         )
         if not planes.plain:
             meta.extra["planes"] = f"planes={planes.planes} rank={planes.rank} budget={planes.budget}"
@@ -247,7 +260,13 @@ def apply(
                 state[name] = reconstruct(name, rb.get("model.embed_tokens.weight"), delta)
     if "lm_head.weight" in state and cfg.get("tie_word_embeddings"):
         cfg = {**cfg, "tie_word_embeddings": False}
-    return save_checkpoint(state, out, cfg, side_files_from=base)
+    generation = None
+    if delta.meta.eos_token_ids:  # the fine-tune's own: its generations end there, as in the worker
+        ids = list(delta.meta.eos_token_ids)
+        cfg = {**cfg, "eos_token_id": ids[0] if len(ids) == 1 else ids}
+        gen = base / "generation_config.json"
+        generation = {**(json.loads(gen.read_text()) if gen.is_file() else {}), "eos_token_id": cfg["eos_token_id"]}
+    return save_checkpoint(state, out, cfg, side_files_from=base, generation_config=generation)
 
 
 def reconstruct(name: str, w_base: torch.Tensor, delta) -> torch.Tensor:

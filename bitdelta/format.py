@@ -162,6 +162,10 @@ class DeltaMeta:
     # v3: compressed param -> {"axes": [α axis of each plane], "rank": r} for every compressed
     # weight; empty: one plane of alpha_mode's axis each, no low-rank (v1/v2)
     parts: dict[str, dict] = field(default_factory=dict)
+    # the fine-tune's end-of-sequence tokens (its config's and generation config's eos_token_id),
+    # recorded where they are not the base's: its answers end there, as they would served alone;
+    # empty: the base's
+    eos_token_ids: tuple[int, ...] = ()
 
     @property
     def format_version(self) -> str:
@@ -194,6 +198,8 @@ class DeltaMeta:
         }
         if self.parts:
             out["parts"] = json.dumps(self.parts, sort_keys=True)
+        if self.eos_token_ids:
+            out["eos_token_ids"] = json.dumps(list(self.eos_token_ids))
         out.update(self.extra)
         return out
 
@@ -213,6 +219,7 @@ class DeltaMeta:
             "tool_version",
             "sha256",
             "parts",
+            "eos_token_ids",
         }
         v2 = md.get("format_version") != "1"
         try:
@@ -228,9 +235,20 @@ class DeltaMeta:
                 tool_version=md.get("tool_version", ""),
                 extra={k: v for k, v in md.items() if k not in known},
                 parts=json.loads(md["parts"]) if md.get("format_version") == PARTS_VERSION else {},
+                eos_token_ids=_token_ids(md.get("eos_token_ids")),
             )
         except (KeyError, json.JSONDecodeError) as e:
             raise DeltaFormatError(f"metadata is incomplete or malformed: {e}") from None
+
+
+def _token_ids(text: str | None) -> tuple[int, ...]:
+    """`eos_token_ids`' JSON list of token ids (absent: none); DeltaFormatError for anything else."""
+    if text is None:
+        return ()
+    ids = json.loads(text)
+    if not isinstance(ids, list) or not ids or any(type(t) is not int or t < 0 for t in ids):
+        raise DeltaFormatError(f"eos_token_ids must be a non-empty JSON list of token ids >= 0, not {text[:80]!r}")
+    return tuple(ids)
 
 
 @dataclass

@@ -34,6 +34,7 @@ def info(path: Path) -> dict:
         # an imported LoRA adapter's factors, served as they are (`bitdelta import-lora`)
         "lora_rank": int(meta.extra["lora_rank"]) if meta.extra.get("source") == "lora" else None,
         "tool_version": meta.tool_version,
+        "eos_token_ids": list(meta.eos_token_ids),  # the fine-tune's own; empty: the base's
         "compressed_weights": len(meta.shapes),
         "compressed_params": params,
         "dense_tensors": sum(t.role == "dense" for t in h.tensors),
@@ -63,6 +64,8 @@ def text(path: Path) -> str:
         f"  base fingerprint  {i['base_fingerprint']}",
         f"  architecture      {i['architecture']}, layout {i['layout']}",
         f"  alpha mode        {i['alpha_mode']}; distilled: {json.dumps(i['distilled']) if i['distilled'] else 'no'}",
+        "  ends on           "
+        + (f"tokens {i['eos_token_ids']} (the fine-tune's own)" if i["eos_token_ids"] else "the base's EOS tokens"),
         f"  compressed        {i['compressed_weights']} weights, {i['compressed_params']:,} params"
         + (f" (a LoRA adapter of rank {i['lora_rank']}, its factors as they are)" if i["lora_rank"] else ""),
         f"  signs             {human_bytes(b['signs'])}" + (f", chosen by {i['signs_by']}" if i["signs_by"] else ""),

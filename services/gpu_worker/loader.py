@@ -140,6 +140,11 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
     (ArchMismatchError when the delta was made for another architecture or layout)."""
     a = layout.args
     check_arch(info.name, info.architecture, info.layout, a)
+    if info.eos_token_ids and max(info.eos_token_ids) >= a.vocab_size:
+        raise DeltaFormatError(
+            f"delta {info.name!r}: its eos_token_ids hold {max(info.eos_token_ids)}, not below the base's "
+            f"vocabulary size {a.vocab_size}"
+        )
     out: list[Placement] = []
     parts: dict[str, list[tuple[str, int, TensorSpec]]] = {}  # compressed param -> (role, plane, tensor)
     extra = 0

@@ -103,6 +103,7 @@ class DeltaInfo:
     # whole tensors for the rank to cut (parallel.ShardedLoad).
     sliced: bool = False
     version: str = ""  # the store's version of the stored bytes (DeltaInfo.version): a replaced delta's changes
+    eos_token_ids: tuple[int, ...] = ()  # the fine-tune's own end-of-sequence tokens (DeltaMeta); (): the base's
     # Tensor parallelism from the store, each byte fetched once: tensors whose slice's bytes from an
     # offset on another rank fetches and hands to this one (name -> (that rank, offset); offset 0:
     # the store announces the slice, sends no bytes; else it sends the bytes before the offset, a
@@ -165,7 +166,15 @@ class LocalDeltaSource:
         specs = [TensorSpec(t.name, t.dtype, t.shape, t.nbytes, header.sha256[t.name], t.start) for t in header.tensors]
         meta = header.meta
         axes = {p: meta.axes(p) for p in meta.parts}
-        return DeltaInfo(name, specs, handle=path, architecture=meta.architecture, layout=meta.layout, axes=axes)
+        return DeltaInfo(
+            name,
+            specs,
+            handle=path,
+            architecture=meta.architecture,
+            layout=meta.layout,
+            axes=axes,
+            eos_token_ids=meta.eos_token_ids,
+        )
 
     async def stream(self, info: DeltaInfo, receiver: Receiver) -> None:
         await asyncio.to_thread(self._read, Path(info.handle), info, receiver)
@@ -286,6 +295,7 @@ class DeltaStoreSource:
             handed_from=handed_from,
             hands_to=hands_to,
             axes={p: meta.axes(p) for p in meta.parts},
+            eos_token_ids=meta.eos_token_ids,
         )
 
     async def _shard(self, name: str):

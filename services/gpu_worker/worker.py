@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -23,7 +22,7 @@ import torch
 from opentelemetry import trace
 
 from bitdelta.cache_policy import WeightedLRUPolicy
-from bitdelta.checkpoint import fingerprint, read_config
+from bitdelta.checkpoint import eos_token_ids, fingerprint, read_config
 from bitdelta.generation import ArrivalState, Request, TokenEvent, check_model_id
 from bitdelta.rpc import telemetry
 from bitdelta.rpc.streams import first_alone, take_ready
@@ -216,7 +215,7 @@ class Worker:
         from tokenizers import Tokenizer
 
         self.tokenizer = Tokenizer.from_file(str(Path(c.base) / "tokenizer.json"))
-        self.eos_ids = frozenset(_eos_ids(c.base, self.args.eos_token_id))
+        self.eos_ids = eos_token_ids(c.base)
         self.grammars = GrammarCompiler(Path(c.base) / "tokenizer.json", self.args.vocab_size, self.eos_ids)
         if self.device.type == "cuda":  # compile every kernel binary now: TTFT never pays a JIT
             tw = time.perf_counter()
@@ -385,6 +384,8 @@ class Worker:
                     await self.manager.acquire(name)
                     held += 1
             weights = self.base_fingerprint if name is None else f"{self.base_fingerprint}/{entry.content}"
+            # a fine-tune that ends on its own tokens (its delta's) ends there, as it would served alone
+            eos_ids = frozenset(entry.eos_token_ids) if name is not None and entry.eos_token_ids else self.eos_ids
             root = cache_root(weights, p.cache_salt)
             seqs = []
             for i, st in enumerate(states):
@@ -398,14 +399,14 @@ class Worker:
                             choice,
                             ids,
                             self.args.vocab_size,
-                            self.eos_ids,
+                            eos_ids,
                             None if grammar is None else grammar.start(),
                             bad,
                         ),
                         text=TextStream(
                             self.tokenizer, ids, list(sp.stop), sp.include_stop_str_in_output, sp.skip_special_tokens
                         ),
-                        eos_ids=self.eos_ids,
+                        eos_ids=eos_ids,
                         emit=queue.put_nowait,
                         delta_name=name,
                         arrival=arrival,
@@ -555,12 +556,3 @@ def _trace_decode(ev: TokenEvent, t0_ns: int, first_ns: int) -> None:
     n = ev.usage.completion_tokens
     span.set_attributes({"completion_tokens": n, "finish_reason": ev.finish_reason.value})
     telemetry.record_span("worker.decode", first_ns, t0_ns + int(ev.elapsed_ms * 1e6), {"completion_tokens": n})
-
-
-def _eos_ids(base: Path, eos: int | None) -> set[int]:
-    out = {eos} if eos is not None else set()
-    gen = Path(base) / "generation_config.json"
-    if gen.is_file():
-        e = json.loads(gen.read_text()).get("eos_token_id")
-        out |= set(e) if isinstance(e, list) else ({e} if e is not None else set())
-    return out

@@ -91,3 +91,39 @@ def test_written_files_are_shareable(family, tmp_path):
     assert out.stat().st_mode & 0o044 == 0o044, oct(out.stat().st_mode)  # group/other may read
     ck = apply(base, out, tmp_path / "ck", progress=False)
     assert ck.stat().st_mode & 0o055 == 0o055, oct(ck.stat().st_mode)
+
+
+def _set_eos(ckpt, config_eos, generation_eos=None) -> None:
+    import json
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "eos_token_id": config_eos}))
+    if generation_eos is not None:
+        (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+
+
+def test_a_fine_tunes_own_eos_is_recorded_and_applied(family, tmp_path):
+    """A chat fine-tune of a pretrained base often ends its turns on another token: its config's and
+    generation config's eos_token_id ride in the delta where they are not the base's, and `apply`
+    writes them into the dense checkpoint (transformers' generate then stops there too)."""
+    import json
+    import shutil
+
+    base, (v0, _) = family
+    same = compress(base, v0, tmp_path / "same.safetensors", progress=False)
+    assert load_delta(same).meta.eos_token_ids == ()  # the base's own: nothing recorded
+    assert "eos_token_ids" not in read_header(same).metadata
+    ft = tmp_path / "ft"
+    shutil.copytree(v0, ft)
+    _set_eos(ft, 258, [258, 257])
+    out = compress(base, ft, tmp_path / "own.safetensors", progress=False)
+    assert load_delta(out).meta.eos_token_ids == (257, 258)
+    applied = apply(base, out, tmp_path / "applied", progress=False)
+    assert json.loads((applied / "config.json").read_text())["eos_token_id"] == [257, 258]
+    assert json.loads((applied / "generation_config.json").read_text())["eos_token_id"] == [257, 258]
+    _set_eos(ft, tiny_args().vocab_size)  # a token the model does not have
+    with pytest.raises(ValueError, match="not below the vocabulary size"):
+        compress(base, ft, tmp_path / "bad.safetensors", progress=False)
+    _set_eos(ft, "x")
+    with pytest.raises(ValueError, match="eos_token_id must be a token id"):
+        compress(base, ft, tmp_path / "bad.safetensors", progress=False)

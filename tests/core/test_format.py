@@ -62,3 +62,14 @@ def test_wrong_base_is_refused(family, delta_file, tmp_path):
     assert code != 0 and "fingerprint" in out
     code, out = run_cli("apply", "--base", str(other_base), "--delta", str(delta_file), "--out", str(tmp_path / "o2"))
     assert code != 0 and "built for base" in out
+
+
+@pytest.mark.parametrize("bad", ["[]", "[-1]", "[1.5]", '"x"', "[true]", "7"])
+def test_malformed_eos_token_ids_are_refused(bad):
+    from bitdelta.format import DeltaMeta
+
+    meta = DeltaMeta("v", "b", "f", "row", "llama", "q,k,v,o,gate,up,down", eos_token_ids=(3, 9))
+    strings = meta.to_strings()
+    assert DeltaMeta.from_strings(strings).eos_token_ids == (3, 9)
+    with pytest.raises(DeltaFormatError, match="eos_token_ids"):
+        DeltaMeta.from_strings({**strings, "eos_token_ids": bad})
