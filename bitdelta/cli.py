@@ -17,7 +17,8 @@ from bitdelta.cli_error import CliError
 
 def cmd_compress(a: argparse.Namespace) -> None:
     from bitdelta import distill as d
-    from bitdelta.compress import bf16_bytes, check_budget, compress
+    from bitdelta.compress import bf16_bytes, check_budget, compress, serving_notes
+    from bitdelta.format import read_header
     from bitdelta.planes import PlaneConfig
     from bitdelta.units import parse_bytes
 
@@ -81,6 +82,8 @@ def cmd_compress(a: argparse.Namespace) -> None:
             print(f"held-out {what}: {before:.4e} -> {after:.4e}")
     print(f"wrote {out}")
     print(inspect_report.text(out), end="")
+    for note in serving_notes(Path(a.base), Path(a.finetuned), read_header(out).meta.variant):
+        print(f"note: {note}")
 
 
 def cmd_import_lora(a: argparse.Namespace) -> None:

@@ -73,6 +73,9 @@ MAX_BAD_WORDS = 64
 MAX_REPETITION_PENALTY = 100.0
 MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+# the keys of a model's generation_config.json that vLLM's server takes as request defaults
+# (get_diff_sampling_param; the gateway's --generation-config): the rest change no request
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 MAX_BIAS, MAX_LOGIT_BIAS = 100.0, 1024  # OpenAI's range of a bias; how many tokens one request may bias
 MAX_N = 16  # choices of one request (each a running sequence after the shared prefill)
 

@@ -21,6 +21,7 @@ import grpc
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.generation import (
+    GENERATION_CONFIG_KEYS,
     MAX_CACHE_SALT_CHARS,
     MAX_LOGPROBS,
     MAX_N,
@@ -394,9 +395,6 @@ class SamplingDefaults:
 
 
 NEUTRAL = SamplingDefaults()
-# generation_config.json's keys vLLM's server takes as defaults (get_diff_sampling_param); any other
-# key (do_sample, max_length, the token ids) changes no request
-GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
 
 def neutral(model: str) -> SamplingDefaults:

@@ -127,3 +127,49 @@ def test_a_fine_tunes_own_eos_is_recorded_and_applied(family, tmp_path):
     _set_eos(ft, "x")
     with pytest.raises(ValueError, match="eos_token_id must be a token id"):
         compress(base, ft, tmp_path / "bad.safetensors", progress=False)
+
+
+def test_a_fine_tune_that_tokenizes_otherwise_is_refused(family, tmp_path):
+    """Every variant is served with the base's tokenizer: a fine-tune whose tokenizer.json reads or
+    writes text otherwise (here a special token renamed) is refused, naming the token; the same
+    tokenizer written out anew (other formatting, a truncation setting) is not."""
+    import json
+    import shutil
+
+    base, (v0, _) = family
+    ft = tmp_path / "ft"
+    shutil.copytree(v0, ft)
+    tok = json.loads((base / "tokenizer.json").read_text())
+    (ft / "tokenizer.json").write_text(json.dumps({**tok, "truncation": {"max_length": 64}}, indent=4))
+    compress(base, ft, tmp_path / "ok.safetensors", progress=False)
+    renamed = [{**t, "content": "<|reserved|>"} if t["id"] == 257 else t for t in tok["added_tokens"]]
+    (ft / "tokenizer.json").write_text(json.dumps({**tok, "added_tokens": renamed}))
+    with pytest.raises(ValueError, match=r"token 257 is '<\|reserved\|>' there, '<\|im_start\|>' in the base"):
+        compress(base, ft, tmp_path / "bad.safetensors", progress=False)
+    assert not (tmp_path / "bad.safetensors").exists()
+
+
+def test_compress_says_what_serving_the_fine_tune_as_it_is_asks_of_the_gateway(family, tmp_path):
+    """Its own chat template and sampling defaults are the gateway's per-variant flags: the CLI names
+    them where the fine-tune's files differ from the base's, and says nothing where they do not."""
+    import json
+    import shutil
+
+    from bitdelta.compress import serving_notes
+    from tests.support.cli import run_cli
+
+    base, (v0, _) = family
+    assert serving_notes(base, v0, "v0") == []
+    ft = tmp_path / "ft"
+    shutil.copytree(v0, ft)
+    (ft / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (ft / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "eos_token_id": 256}))
+    code, out = run_cli(
+        "compress", "--base", str(base), "--finetuned", str(ft), "--out", str(tmp_path / "d.safetensors")
+    )
+    assert code == 0, out
+    assert (
+        f"note: its chat template is not the base's: serve its chats with the gateway's --variant-chat-templates ft={ft}"
+        in out
+    )
+    assert f"--variant-generation-configs ft={ft}" in out and "{'temperature': 0.3}" in out
