@@ -48,6 +48,41 @@ def eos_token_ids(ckpt: str | os.PathLike) -> frozenset[int]:
     return frozenset(out)
 
 
+# tokenizer.json's parts that decide how text becomes tokens and back (not truncation or padding)
+TOKENIZER_PARTS = ("model", "added_tokens", "normalizer", "pre_tokenizer", "post_processor", "decoder")
+
+
+def same_tokenizer(base: Path, finetuned: Path) -> None:
+    """ValueError naming the first part where a fine-tune's (or an adapter's) tokenizer.json reads or
+    writes text differently from the base's: every variant is served with the base's tokenizer (the
+    gateway's and the worker's), so such a fine-tune would be fed other tokens than it learned (e.g. a
+    chat fine-tune that renamed reserved tokens to its own special tokens). Without both files: no check."""
+    fb, ff = base / "tokenizer.json", finetuned / "tokenizer.json"
+    if not (fb.is_file() and ff.is_file()) or fb.read_bytes() == ff.read_bytes():
+        return
+    tb, tf = json.loads(fb.read_text()), json.loads(ff.read_text())
+
+    def part(t: dict, key: str):  # keys a newer tokenizers writes with their default value
+        v = t.get(key)
+        return {k: x for k, x in v.items() if x not in (None, False)} if isinstance(v, dict) else v
+
+    for key in TOKENIZER_PARTS:
+        if part(tb, key) == part(tf, key):
+            continue
+        detail = ""
+        if key == "added_tokens":
+            theirs = {t["id"]: t for t in tb.get(key) or []}
+            for t in tf.get(key) or []:
+                if theirs.get(t["id"]) != t:
+                    was = theirs.get(t["id"], {}).get("content")
+                    detail = f" (token {t['id']} is {t['content']!r} there, {was!r} in the base)"
+                    break
+        raise ValueError(
+            f"{finetuned}'s tokenizer.json differs from the base's in {key!r}{detail}: every variant is "
+            "served with the base's tokenizer, so this fine-tune would read other tokens than it learned"
+        )
+
+
 def read_config(ckpt: str | os.PathLike) -> dict:
     path = Path(ckpt) / "config.json"
     if not path.is_file():

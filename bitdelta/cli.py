@@ -87,6 +87,8 @@ def cmd_compress(a: argparse.Namespace) -> None:
 
 
 def cmd_import_lora(a: argparse.Namespace) -> None:
+    from bitdelta.compress import serving_notes
+    from bitdelta.format import read_header
     from bitdelta.lora_import import import_lora
 
     try:
@@ -95,6 +97,8 @@ def cmd_import_lora(a: argparse.Namespace) -> None:
         raise CliError(str(e)) from None
     print(f"wrote {out}")
     print(inspect_report.text(out), end="")
+    for note in serving_notes(Path(a.base), Path(a.adapter), read_header(out).meta.variant):
+        print(f"note: {note}")
 
 
 def cmd_apply(a: argparse.Namespace) -> None:

@@ -16,7 +16,14 @@ import torch
 from tqdm import tqdm
 
 from bitdelta.arch import ModelArgs
-from bitdelta.checkpoint import CheckpointReader, eos_token_ids, fingerprint, read_config, save_checkpoint
+from bitdelta.checkpoint import (
+    CheckpointReader,
+    eos_token_ids,
+    fingerprint,
+    read_config,
+    same_tokenizer,
+    save_checkpoint,
+)
 from bitdelta.format import CompressedWeight, Delta, DeltaMeta, SignPlane, check_arch, load_delta, save_delta
 from bitdelta.generation import GENERATION_CONFIG_KEYS
 from bitdelta.planes import PlaneConfig, chain, embedding_moments, spend
@@ -55,41 +62,6 @@ def same_model(base_cfg: dict, ft_cfg: dict, finetuned: Path, base: Path) -> Mod
     return args
 
 
-# tokenizer.json's parts that decide how text becomes tokens and back (not truncation or padding)
-TOKENIZER_PARTS = ("model", "added_tokens", "normalizer", "pre_tokenizer", "post_processor", "decoder")
-
-
-def same_tokenizer(base: Path, finetuned: Path) -> None:
-    """ValueError naming the first part where the fine-tune's tokenizer.json reads or writes text
-    differently from the base's: every variant is served with the base's tokenizer (the gateway's and
-    the worker's), so such a fine-tune would be fed other tokens than it learned (e.g. a chat
-    fine-tune that renamed reserved tokens to its own special tokens). Without both files: no check."""
-    fb, ff = base / "tokenizer.json", finetuned / "tokenizer.json"
-    if not (fb.is_file() and ff.is_file()) or fb.read_bytes() == ff.read_bytes():
-        return
-    tb, tf = json.loads(fb.read_text()), json.loads(ff.read_text())
-
-    def part(t: dict, key: str):  # keys a newer tokenizers writes with their default value
-        v = t.get(key)
-        return {k: x for k, x in v.items() if x not in (None, False)} if isinstance(v, dict) else v
-
-    for key in TOKENIZER_PARTS:
-        if part(tb, key) == part(tf, key):
-            continue
-        detail = ""
-        if key == "added_tokens":
-            theirs = {t["id"]: t for t in tb.get(key) or []}
-            for t in tf.get(key) or []:
-                if theirs.get(t["id"]) != t:
-                    was = theirs.get(t["id"], {}).get("content")
-                    detail = f" (token {t['id']} is {t['content']!r} there, {was!r} in the base)"
-                    break
-        raise ValueError(
-            f"{finetuned}'s tokenizer.json differs from the base's in {key!r}{detail}: every variant is "
-            "served with the base's tokenizer, so this fine-tune would read other tokens than it learned"
-        )
-
-
 def serving_notes(base: Path, finetuned: Path, variant: str) -> list[str]:
     """What serving the fine-tune as it is served alone asks of the gateway: its own chat template
     (--variant-chat-templates) and sampling defaults (--variant-generation-configs), where its
@@ -101,10 +73,10 @@ def serving_notes(base: Path, finetuned: Path, variant: str) -> list[str]:
         cfg = d / "tokenizer_config.json"
         return json.loads(cfg.read_text()).get("chat_template") if cfg.is_file() else None
 
-    def sampling(d: Path) -> dict:
+    def sampling(d: Path) -> dict | None:  # None: no generation config (an adapter's, usually)
         g = d / "generation_config.json"
-        cfg = json.loads(g.read_text()) if g.is_file() else {}
-        return {k: cfg[k] for k in GENERATION_CONFIG_KEYS if cfg.get(k) is not None}
+        cfg = json.loads(g.read_text()) if g.is_file() else None
+        return None if cfg is None else {k: cfg[k] for k in GENERATION_CONFIG_KEYS if cfg.get(k) is not None}
 
     notes = []
     if template(finetuned) is not None and template(finetuned) != template(base):
@@ -112,7 +84,7 @@ def serving_notes(base: Path, finetuned: Path, variant: str) -> list[str]:
             f"its chat template is not the base's: serve its chats with the gateway's "
             f"--variant-chat-templates {variant}={finetuned}"
         )
-    if sampling(finetuned) != sampling(base):
+    if sampling(finetuned) is not None and sampling(finetuned) != (sampling(base) or {}):
         notes.append(
             f"its generation config sets other sampling defaults ({sampling(finetuned)}): give the gateway "
             f"--variant-generation-configs {variant}={finetuned}"

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from bitdelta.arch import ModelArgs
-from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config
+from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config, same_tokenizer
 from bitdelta.format import CompressedWeight, Delta, DeltaMeta, save_delta
 from bitdelta.merge.adapter import LoraAdapter, load_adapter
 from bitdelta.shard import EMBED, HEAD
@@ -45,6 +45,7 @@ def import_lora(
     """Write the delta file of the PEFT adapter directory `adapter` for `base` to `out` (atomically)."""
     base, adapter, out = Path(base), Path(adapter), Path(out)
     lora = load_adapter(adapter, name=variant, full=True)
+    same_tokenizer(base, adapter)  # an adapter that ships a tokenizer of its own is served with the base's
     cfg = read_config(base)
     args = ModelArgs.from_hf(cfg)
     projections = set(args.compressed_names())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 
 import pytest
@@ -165,14 +166,19 @@ def test_what_cannot_be_served_as_it_is_is_refused_by_name(family, tmp_path):
         return d
 
     q = "model.layers.0.self_attn.q_proj"
+    retokenized = write("tokenizer", {q: mods[q]})  # ships a tokenizer that renamed a special token
+    tok = json.loads((base / "tokenizer.json").read_text())
+    renamed = [{**t, "content": "<|mine|>"} if t["id"] == 258 else t for t in tok["added_tokens"]]
+    (retokenized / "tokenizer.json").write_text(json.dumps({**tok, "added_tokens": renamed}))
     cases = [
         (write("unknown", {"model.layers.9.self_attn.q_proj": mods[q]}), "model.layers.9.self_attn.q_proj"),
         (write("shape", {"model.layers.0.mlp.down_proj": mods[q]}), "model.layers.0.mlp.down_proj"),
         (write("huge", {q: LoraModule(mods[q].A * 1e5, mods[q].B * 1e5, mods[q].scale)}), "float16"),
         (write("dora", {q: mods[q]}, {"use_dora": True}), "DoRA"),
+        (retokenized, "token 258 is '<|mine|>' there"),
     ]
     for adapter, words in cases:
-        with pytest.raises(ValueError, match=words.replace(".", r"\.")):
+        with pytest.raises(ValueError, match=re.escape(words)):
             import_lora(base, adapter, tmp_path / f"{adapter.name}{SUFFIX}")
         assert not (tmp_path / f"{adapter.name}{SUFFIX}").exists()
     code, text = run_cli(
