@@ -48,39 +48,60 @@ def eos_token_ids(ckpt: str | os.PathLike) -> frozenset[int]:
     return frozenset(out)
 
 
-# tokenizer.json's parts that decide how text becomes tokens and back (not truncation or padding)
-TOKENIZER_PARTS = ("model", "added_tokens", "normalizer", "pre_tokenizer", "post_processor", "decoder")
+# text whose tokens and text back a fine-tune's tokenizer must give as the base's does (with every
+# added token's own text appended): words, digits, whitespace runs, code, accents, CJK, emoji
+PROBE = (
+    "Hello, world! The quick brown fox jumps over 13 lazy dogs.\n\n  def f(x):\n\treturn x**2  # ok\n"
+    'naïve café, Straße; 東京は晴れ。🙂👍 <b>tags</b> {"json": [1, 2.5, null]}  trailing   '
+)
 
 
 def same_tokenizer(base: Path, finetuned: Path) -> None:
-    """ValueError naming the first part where a fine-tune's (or an adapter's) tokenizer.json reads or
-    writes text differently from the base's: every variant is served with the base's tokenizer (the
-    gateway's and the worker's), so such a fine-tune would be fed other tokens than it learned (e.g. a
-    chat fine-tune that renamed reserved tokens to its own special tokens). Without both files: no check."""
+    """ValueError naming the first difference where a fine-tune's (or an adapter's) tokenizer.json
+    reads or writes text otherwise than the base's: every variant is served with the base's
+    tokenizer (the gateway's and the worker's), so such a fine-tune would be fed other tokens than
+    it learned (e.g. a chat fine-tune that renamed reserved tokens to its own special tokens).
+    Compared by what they do, not how the file is written (another tokenizers version writes the
+    same tokenizer otherwise): the vocabulary with its added tokens (text and whether special),
+    then the tokens of PROBE and every added token's text, with and without the special tokens the
+    tokenizer adds, and the text back. Without both files: no check."""
+    from tokenizers import Tokenizer
+
     fb, ff = base / "tokenizer.json", finetuned / "tokenizer.json"
     if not (fb.is_file() and ff.is_file()) or fb.read_bytes() == ff.read_bytes():
         return
-    tb, tf = json.loads(fb.read_text()), json.loads(ff.read_text())
+    tb = Tokenizer.from_file(str(fb))
+    try:
+        tf = Tokenizer.from_file(str(ff))
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
+        raise ValueError(f"{ff} is not a tokenizer the `tokenizers` library reads ({e})") from None
 
-    def part(t: dict, key: str):  # keys a newer tokenizers writes with their default value
-        v = t.get(key)
-        return {k: x for k, x in v.items() if x not in (None, False)} if isinstance(v, dict) else v
-
-    for key in TOKENIZER_PARTS:
-        if part(tb, key) == part(tf, key):
-            continue
-        detail = ""
-        if key == "added_tokens":
-            theirs = {t["id"]: t for t in tb.get(key) or []}
-            for t in tf.get(key) or []:
-                if theirs.get(t["id"]) != t:
-                    was = theirs.get(t["id"], {}).get("content")
-                    detail = f" (token {t['id']} is {t['content']!r} there, {was!r} in the base)"
-                    break
+    def refuse(what: str):
         raise ValueError(
-            f"{finetuned}'s tokenizer.json differs from the base's in {key!r}{detail}: every variant is "
+            f"{ff} reads or writes text otherwise than the base's tokenizer ({what}): every variant is "
             "served with the base's tokenizer, so this fine-tune would read other tokens than it learned"
         )
+
+    for t in (tb, tf):  # how a caller cuts or pads its batches is not how the model reads text
+        t.no_truncation()
+        t.no_padding()
+    vb, vf = tb.get_vocab(with_added_tokens=True), tf.get_vocab(with_added_tokens=True)
+    if vb != vf:
+        ib, i_f = {i: t for t, i in vb.items()}, {i: t for t, i in vf.items()}
+        k = min(i for i in ib.keys() | i_f.keys() if ib.get(i) != i_f.get(i))
+        refuse(f"token {k} is {i_f.get(k)!r} there, {ib.get(k)!r} in the base")
+    ab, af = tb.get_added_tokens_decoder(), tf.get_added_tokens_decoder()
+    for k in sorted(ab.keys() | af.keys()):
+        if (k in ab) != (k in af) or ab[k].special != af[k].special:
+            refuse(f"token {k} is special in {'the base' if k in ab and ab[k].special else 'the fine-tune'} only")
+    text = PROBE + "".join(t.content for t in ab.values())
+    for special in (True, False):
+        ids = tb.encode(text, add_special_tokens=special).ids
+        if ids != tf.encode(text, add_special_tokens=special).ids:
+            refuse(f"a text becomes other tokens{' with its special tokens added' if special else ''}")
+        for skip in (True, False):
+            if tb.decode(ids, skip_special_tokens=skip) != tf.decode(ids, skip_special_tokens=skip):
+                refuse("tokens become other text")
 
 
 def read_config(ckpt: str | os.PathLike) -> dict:

@@ -79,14 +79,16 @@ def serving_notes(base: Path, finetuned: Path, variant: str) -> list[str]:
         return None if cfg is None else {k: cfg[k] for k in GENERATION_CONFIG_KEYS if cfg.get(k) is not None}
 
     notes = []
-    if template(finetuned) is not None and template(finetuned) != template(base):
+    own = template(finetuned)
+    if own is not None and own != template(base):
         notes.append(
             f"its chat template is not the base's: serve its chats with the gateway's "
             f"--variant-chat-templates {variant}={finetuned}"
         )
-    if sampling(finetuned) is not None and sampling(finetuned) != (sampling(base) or {}):
+    own = sampling(finetuned)
+    if own is not None and own != (sampling(base) or {}):
         notes.append(
-            f"its generation config sets other sampling defaults ({sampling(finetuned)}): give the gateway "
+            f"its generation config sets other sampling defaults ({own}): give the gateway "
             f"--variant-generation-configs {variant}={finetuned}"
         )
     return notes

@@ -129,6 +129,9 @@ def test_a_fine_tunes_own_eos_is_recorded_and_applied(family, tmp_path):
         compress(base, ft, tmp_path / "bad.safetensors", progress=False)
 
 
+TRUNCATION = {"direction": "Right", "max_length": 64, "strategy": "LongestFirst", "stride": 0}
+
+
 def test_a_fine_tune_that_tokenizes_otherwise_is_refused(family, tmp_path):
     """Every variant is served with the base's tokenizer: a fine-tune whose tokenizer.json reads or
     writes text otherwise (here a special token renamed) is refused, naming the token; the same
@@ -140,13 +143,20 @@ def test_a_fine_tune_that_tokenizes_otherwise_is_refused(family, tmp_path):
     ft = tmp_path / "ft"
     shutil.copytree(v0, ft)
     tok = json.loads((base / "tokenizer.json").read_text())
-    (ft / "tokenizer.json").write_text(json.dumps({**tok, "truncation": {"max_length": 64}}, indent=4))
+    (ft / "tokenizer.json").write_text(json.dumps({**tok, "truncation": TRUNCATION}, indent=4))
     compress(base, ft, tmp_path / "ok.safetensors", progress=False)
     renamed = [{**t, "content": "<|reserved|>"} if t["id"] == 257 else t for t in tok["added_tokens"]]
     (ft / "tokenizer.json").write_text(json.dumps({**tok, "added_tokens": renamed}))
     with pytest.raises(ValueError, match=r"token 257 is '<\|reserved\|>' there, '<\|im_start\|>' in the base"):
         compress(base, ft, tmp_path / "bad.safetensors", progress=False)
     assert not (tmp_path / "bad.safetensors").exists()
+    # the same vocabulary, but its text read otherwise: a lowercasing normalizer
+    (ft / "tokenizer.json").write_text(json.dumps({**tok, "normalizer": {"type": "Lowercase"}}))
+    with pytest.raises(ValueError, match="a text becomes other tokens"):
+        compress(base, ft, tmp_path / "bad.safetensors", progress=False)
+    (ft / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not a tokenizer the `tokenizers` library reads"):
+        compress(base, ft, tmp_path / "bad.safetensors", progress=False)
 
 
 def test_compress_says_what_serving_the_fine_tune_as_it_is_asks_of_the_gateway(family, tmp_path):
