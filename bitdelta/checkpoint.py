@@ -239,9 +239,11 @@ def save_checkpoint(
     config: dict,
     side_files_from: str | os.PathLike | None = None,
     generation_config: dict | None = None,
+    files: dict[str, str] | None = None,
 ) -> Path:
     """Write a one-file HF checkpoint atomically (see `atomic_dir`); `generation_config`: written as
-    its generation_config.json instead of the side files' one."""
+    its generation_config.json instead of the side files' one; `files`: name -> text, written over
+    the side files (e.g. a chat_template.jinja of its own)."""
     with atomic_dir(out) as tmp:
         if side_files_from is not None:
             for name in SIDE_FILES:
@@ -251,6 +253,8 @@ def save_checkpoint(
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if generation_config is not None:
             (tmp / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
         save_file(
             {k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"}
         )

@@ -17,8 +17,7 @@ from bitdelta.cli_error import CliError
 
 def cmd_compress(a: argparse.Namespace) -> None:
     from bitdelta import distill as d
-    from bitdelta.compress import bf16_bytes, check_budget, compress, serving_notes
-    from bitdelta.format import read_header
+    from bitdelta.compress import bf16_bytes, check_budget, compress
     from bitdelta.planes import PlaneConfig
     from bitdelta.units import parse_bytes
 
@@ -82,13 +81,9 @@ def cmd_compress(a: argparse.Namespace) -> None:
             print(f"held-out {what}: {before:.4e} -> {after:.4e}")
     print(f"wrote {out}")
     print(inspect_report.text(out), end="")
-    for note in serving_notes(Path(a.base), Path(a.finetuned), read_header(out).meta.variant):
-        print(f"note: {note}")
 
 
 def cmd_import_lora(a: argparse.Namespace) -> None:
-    from bitdelta.compress import serving_notes
-    from bitdelta.format import read_header
     from bitdelta.lora_import import import_lora
 
     try:
@@ -97,8 +92,6 @@ def cmd_import_lora(a: argparse.Namespace) -> None:
         raise CliError(str(e)) from None
     print(f"wrote {out}")
     print(inspect_report.text(out), end="")
-    for note in serving_notes(Path(a.base), Path(a.adapter), read_header(out).meta.variant):
-        print(f"note: {note}")
 
 
 def cmd_apply(a: argparse.Namespace) -> None:

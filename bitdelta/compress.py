@@ -25,7 +25,7 @@ from bitdelta.checkpoint import (
     save_checkpoint,
 )
 from bitdelta.format import CompressedWeight, Delta, DeltaMeta, SignPlane, check_arch, load_delta, save_delta
-from bitdelta.generation import GENERATION_CONFIG_KEYS
+from bitdelta.model_files import JINJA_NAME, own_serving
 from bitdelta.planes import PlaneConfig, chain, embedding_moments, spend
 from bitdelta_kernels.bits import pack_signs, unpack_signs
 
@@ -60,38 +60,6 @@ def same_model(base_cfg: dict, ft_cfg: dict, finetuned: Path, base: Path) -> Mod
             + ", ".join(f"{k} ({getattr(ft, k)} != {getattr(args, k)})" for k in differ)
         )
     return args
-
-
-def serving_notes(base: Path, finetuned: Path, variant: str) -> list[str]:
-    """What serving the fine-tune as it is served alone asks of the gateway: its own chat template
-    (--variant-chat-templates) and sampling defaults (--variant-generation-configs), where its
-    files differ from the base's."""
-
-    def template(d: Path) -> object:
-        if (d / "chat_template.jinja").is_file():
-            return (d / "chat_template.jinja").read_text()
-        cfg = d / "tokenizer_config.json"
-        return json.loads(cfg.read_text()).get("chat_template") if cfg.is_file() else None
-
-    def sampling(d: Path) -> dict | None:  # None: no generation config (an adapter's, usually)
-        g = d / "generation_config.json"
-        cfg = json.loads(g.read_text()) if g.is_file() else None
-        return None if cfg is None else {k: cfg[k] for k in GENERATION_CONFIG_KEYS if cfg.get(k) is not None}
-
-    notes = []
-    own = template(finetuned)
-    if own is not None and own != template(base):
-        notes.append(
-            f"its chat template is not the base's: serve its chats with the gateway's "
-            f"--variant-chat-templates {variant}={finetuned}"
-        )
-    own = sampling(finetuned)
-    if own is not None and own != (sampling(base) or {}):
-        notes.append(
-            f"its generation config sets other sampling defaults ({own}): give the gateway "
-            f"--variant-generation-configs {variant}={finetuned}"
-        )
-    return notes
 
 
 def own_eos(base: Path, finetuned: Path, vocab_size: int) -> tuple[int, ...]:
@@ -152,6 +120,7 @@ def compress(
     args = same_model(base_cfg, read_config(finetuned), finetuned, base)
     same_tokenizer(base, finetuned)
     eos = own_eos(base, finetuned, args.vocab_size)
+    template, sampling = own_serving(base, finetuned)
     tensors: dict[str, torch.Tensor] = {}
     shapes: dict[str, list[int]] = {}
     compressed: dict[str, CompressedWeight] = {}
@@ -248,6 +217,8 @@ def compress(
             layout=args.layout,
             extra={"embeddings": embeddings},
             eos_token_ids=eos,
+            chat_template=template,
+            sampling_defaults=sampling,
         )
         if not planes.plain:
             meta.extra["planes"] = f"planes={planes.planes} rank={planes.rank} budget={planes.budget}"
@@ -301,13 +272,17 @@ def apply(
                 state[name] = reconstruct(name, rb.get("model.embed_tokens.weight"), delta)
     if "lm_head.weight" in state and cfg.get("tie_word_embeddings"):
         cfg = {**cfg, "tie_word_embeddings": False}
+    # the fine-tune's own EOS, sampling defaults and chat template, as the worker and the gateway serve it
+    meta, gen = delta.meta, base / "generation_config.json"
     generation = None
-    if delta.meta.eos_token_ids:  # the fine-tune's own: its generations end there, as in the worker
-        ids = list(delta.meta.eos_token_ids)
+    if meta.eos_token_ids or meta.sampling_defaults:
+        generation = {**(json.loads(gen.read_text()) if gen.is_file() else {}), **meta.sampling_defaults}
+    if meta.eos_token_ids:
+        ids = list(meta.eos_token_ids)
         cfg = {**cfg, "eos_token_id": ids[0] if len(ids) == 1 else ids}
-        gen = base / "generation_config.json"
-        generation = {**(json.loads(gen.read_text()) if gen.is_file() else {}), "eos_token_id": cfg["eos_token_id"]}
-    return save_checkpoint(state, out, cfg, side_files_from=base, generation_config=generation)
+        generation["eos_token_id"] = cfg["eos_token_id"]
+    files = {JINJA_NAME: meta.chat_template.source} if meta.chat_template is not None else {}
+    return save_checkpoint(state, out, cfg, side_files_from=base, generation_config=generation, files=files)
 
 
 def reconstruct(name: str, w_base: torch.Tensor, delta) -> torch.Tensor:

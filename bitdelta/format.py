@@ -37,6 +37,9 @@ from typing import BinaryIO
 
 import torch
 
+from bitdelta.generation import GENERATION_CONFIG_KEYS, GenerationError, SamplingDefaults
+from bitdelta.model_files import ModelFileError, TemplateSource
+
 FORMAT_NAME = "bitdelta"
 FORMAT_VERSION = "2"  # what a delta of one plane per matrix (row or matrix α, no low-rank) is written as
 PARTS_VERSION = "3"  # what a delta with further planes, column α's or low-rank factors is written as
@@ -166,6 +169,11 @@ class DeltaMeta:
     # recorded where they are not the base's: its answers end there, as they would served alone;
     # empty: the base's
     eos_token_ids: tuple[int, ...] = ()
+    # the fine-tune's own chat template (with its special tokens' text) and sampling defaults (its
+    # generation config's GENERATION_CONFIG_KEYS), where they are not the base's: the gateway serves
+    # the variant with them (docs/gateway.md); None / empty: the base's
+    chat_template: TemplateSource | None = None
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
     @property
     def format_version(self) -> str:
@@ -200,6 +208,10 @@ class DeltaMeta:
             out["parts"] = json.dumps(self.parts, sort_keys=True)
         if self.eos_token_ids:
             out["eos_token_ids"] = json.dumps(list(self.eos_token_ids))
+        if self.chat_template is not None:
+            out["chat_template"] = self.chat_template.to_json()
+        if self.sampling_defaults:
+            out["sampling_defaults"] = json.dumps(self.sampling_defaults, sort_keys=True)
         out.update(self.extra)
         return out
 
@@ -220,6 +232,8 @@ class DeltaMeta:
             "sha256",
             "parts",
             "eos_token_ids",
+            "chat_template",
+            "sampling_defaults",
         }
         v2 = md.get("format_version") != "1"
         try:
@@ -236,9 +250,34 @@ class DeltaMeta:
                 extra={k: v for k, v in md.items() if k not in known},
                 parts=json.loads(md["parts"]) if md.get("format_version") == PARTS_VERSION else {},
                 eos_token_ids=_token_ids(md.get("eos_token_ids")),
+                chat_template=_template(md.get("chat_template")),
+                sampling_defaults=_sampling(md.get("sampling_defaults")),
             )
         except (KeyError, json.JSONDecodeError) as e:
             raise DeltaFormatError(f"metadata is incomplete or malformed: {e}") from None
+
+
+def _template(text: str | None) -> TemplateSource | None:
+    if text is None:
+        return None
+    try:
+        return TemplateSource.from_json(text, "the delta's metadata")
+    except ModelFileError as e:
+        raise DeltaFormatError(str(e)) from None
+
+
+def _sampling(text: str | None) -> dict[str, float]:
+    """`sampling_defaults`' JSON object of GENERATION_CONFIG_KEYS, each under its rule (absent: none)."""
+    if text is None:
+        return {}
+    d = json.loads(text)
+    if not isinstance(d, dict) or not d or set(d) - set(GENERATION_CONFIG_KEYS):
+        raise DeltaFormatError(f"sampling_defaults must be a JSON object of {', '.join(GENERATION_CONFIG_KEYS)}")
+    try:
+        SamplingDefaults.from_config(d)
+    except GenerationError as e:
+        raise DeltaFormatError(f"sampling_defaults: {e}") from None
+    return d
 
 
 def _token_ids(text: str | None) -> tuple[int, ...]:

@@ -49,6 +49,54 @@ class GenerationError(ServiceError, ValueError):
         self.field = field
 
 
+def check_defaultable(name: str, v: object) -> float | int:
+    """`v` as the value of DEFAULTABLE field `name`, or GenerationError naming it."""
+    kind, lo, hi, low_open = DEFAULTABLE[name]
+    if kind is int:
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise GenerationError(name, f"must be an integer between {lo} and {hi}, got {str(v)[:40]}")
+        return v
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or not math.isfinite(v)
+        or not (lo < v <= hi if low_open else lo <= v <= hi)
+    ):
+        what = f"greater than {lo:g} and at most {hi:g}" if low_open else f"between {lo:g} and {hi:g}"
+        raise GenerationError(name, f"must be a number {what}, got {str(v)[:40]}")
+    return float(v)
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves one of these fields unset (absent or null) gets: a model's
+    generation config, as vLLM's server takes it (`--generation-config auto`); the neutral values
+    (OpenAI's and vLLM's own) where the config sets none."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no limit
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 0  # chat's max_tokens, cut to the context the prompt leaves; 0: the worker's default
+
+    @classmethod
+    def from_config(cls, config: object) -> SamplingDefaults:
+        """A generation config's object -> its defaults: each DEFAULTABLE key it sets (not null)
+        under its rule; GenerationError naming the first one out of it."""
+        if not isinstance(config, dict):
+            raise GenerationError("generation config", "must be a JSON object")
+        out = {k: check_defaultable(k, config[k]) for k in GENERATION_CONFIG_KEYS if config.get(k) is not None}
+        if "top_k" in out:
+            out["top_k"] = max(out["top_k"], 0)
+        return cls(**out)
+
+    def changed(self) -> dict[str, float]:
+        """The fields that differ from the neutral values (the gateway logs them at start, as vLLM warns)."""
+        neutral = SamplingDefaults()
+        return {k: v for k, v in dataclasses.asdict(self).items() if v != getattr(neutral, k)}
+
+
 def is_model_id(name: object) -> bool:
     """Whether `name` is a model name: no path separator, parent directory, hidden file or control
     character can pass, so the store may use it as a file or object name."""
@@ -73,9 +121,18 @@ MAX_BAD_WORDS = 64
 MAX_REPETITION_PENALTY = 100.0
 MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
-# the keys of a model's generation_config.json that vLLM's server takes as request defaults
-# (get_diff_sampling_param; the gateway's --generation-config): the rest change no request
-GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+# The keys of a model's generation_config.json that vLLM's server takes as request defaults
+# (get_diff_sampling_param; the gateway's --generation-config), each under the rule of the OpenAI
+# request field of its name: (type, low, high, low end open); the other keys change no request.
+DEFAULTABLE: dict[str, tuple[type, float, float, bool]] = {
+    "temperature": (float, 0.0, 2.0, False),
+    "top_p": (float, 0.0, 1.0, True),
+    "top_k": (int, -1, 1 << 30, False),  # -1 (vLLM's) and 0: no limit
+    "min_p": (float, 0.0, 1.0, False),
+    "repetition_penalty": (float, 0.0, 100.0, True),
+    "max_new_tokens": (int, 1, 2**31 - 1, False),  # chat's max_tokens
+}
+GENERATION_CONFIG_KEYS = tuple(DEFAULTABLE)
 MAX_BIAS, MAX_LOGIT_BIAS = 100.0, 1024  # OpenAI's range of a bias; how many tokens one request may bias
 MAX_N = 16  # choices of one request (each a running sequence after the shared prefill)
 

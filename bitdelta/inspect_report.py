@@ -35,6 +35,8 @@ def info(path: Path) -> dict:
         "lora_rank": int(meta.extra["lora_rank"]) if meta.extra.get("source") == "lora" else None,
         "tool_version": meta.tool_version,
         "eos_token_ids": list(meta.eos_token_ids),  # the fine-tune's own; empty: the base's
+        "chat_template_chars": len(meta.chat_template.source) if meta.chat_template else 0,  # 0: the base's
+        "sampling_defaults": meta.sampling_defaults,  # the fine-tune's own; empty: the base's
         "compressed_weights": len(meta.shapes),
         "compressed_params": params,
         "dense_tensors": sum(t.role == "dense" for t in h.tensors),
@@ -66,6 +68,10 @@ def text(path: Path) -> str:
         f"  alpha mode        {i['alpha_mode']}; distilled: {json.dumps(i['distilled']) if i['distilled'] else 'no'}",
         "  ends on           "
         + (f"tokens {i['eos_token_ids']} (the fine-tune's own)" if i["eos_token_ids"] else "the base's EOS tokens"),
+        "  chat template     "
+        + (f"its own ({i['chat_template_chars']} characters)" if i["chat_template_chars"] else "the base's"),
+        "  sampling defaults "
+        + (f"its own: {json.dumps(i['sampling_defaults'])}" if i["sampling_defaults"] else "the base's"),
         f"  compressed        {i['compressed_weights']} weights, {i['compressed_params']:,} params"
         + (f" (a LoRA adapter of rank {i['lora_rank']}, its factors as they are)" if i["lora_rank"] else ""),
         f"  signs             {human_bytes(b['signs'])}" + (f", chosen by {i['signs_by']}" if i["signs_by"] else ""),

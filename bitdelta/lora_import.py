@@ -34,6 +34,7 @@ from bitdelta.arch import ModelArgs
 from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config, same_tokenizer
 from bitdelta.format import CompressedWeight, Delta, DeltaMeta, save_delta
 from bitdelta.merge.adapter import LoraAdapter, load_adapter
+from bitdelta.model_files import own_serving
 from bitdelta.shard import EMBED, HEAD
 
 FP16_MAX = torch.finfo(torch.float16).max
@@ -46,6 +47,7 @@ def import_lora(
     base, adapter, out = Path(base), Path(adapter), Path(out)
     lora = load_adapter(adapter, name=variant, full=True)
     same_tokenizer(base, adapter)  # an adapter that ships a tokenizer of its own is served with the base's
+    template, sampling = own_serving(base, adapter)  # ... and its own chat template, by the gateway
     cfg = read_config(base)
     args = ModelArgs.from_hf(cfg)
     projections = set(args.compressed_names())
@@ -72,6 +74,8 @@ def import_lora(
         architecture=args.model_type,
         layout=args.layout,
         extra={"source": "lora", "lora_rank": str(lora.rank)},
+        chat_template=template,
+        sampling_defaults=sampling,
     )
     save_delta(out, Delta(meta, compressed, dense))
     return out

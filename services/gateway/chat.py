@@ -26,10 +26,16 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+from bitdelta.model_files import (
+    CONFIG_NAME,
+    JINJA_NAME,
+    SPECIAL_TOKEN_KEYS,
+    ModelFileError,
+    TemplateSource,
+    read_chat_template,
+)
+
 MAX_TEMPLATE_KWARGS = 32  # vLLM's chat_template_kwargs in one request
-JINJA_NAME = "chat_template.jinja"  # where transformers >= 4.43 saves the template
-CONFIG_NAME = "tokenizer_config.json"  # where older ones (and the Hub's SmolLM2-Instruct) keep it
 
 
 class ChatTemplateError(ValueError):
@@ -90,36 +96,6 @@ def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
     return dict(kwargs)
 
 
-def _token_text(v: Any) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
-    if isinstance(v, str):
-        return v
-    if isinstance(v, dict) and isinstance(v.get("content"), str):
-        return v["content"]
-    return None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ChatTemplateError(f"cannot read {path}: {e}") from None
-    if not isinstance(d, dict):
-        raise ChatTemplateError(f"{path} is not a JSON object")
-    return d
-
-
-def _template_of_config(config: dict, path: Path) -> str | None:
-    t = config.get("chat_template")
-    if t is None or isinstance(t, str):
-        return t
-    if isinstance(t, list):  # named templates: [{"name": "default", "template": "..."}, ...]
-        named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
-        if isinstance(named.get("default"), str):
-            return named["default"]
-    raise ChatTemplateError(f"{path}: chat_template is neither a string nor a list with a 'default' template")
-
-
 @dataclass(frozen=True)
 class ChatTemplate:
     source: str  # the template text
@@ -129,27 +105,24 @@ class ChatTemplate:
     @classmethod
     def load(cls, path: Path) -> ChatTemplate:
         """From a tokenizer directory, a tokenizer_config.json (or any JSON with `chat_template`) or a
-        template file. Raises ChatTemplateError naming the path when there is none or it does not compile."""
-        path = Path(path)
-        if path.is_dir():
-            config_path, jinja_path = path / CONFIG_NAME, path / JINJA_NAME
-        elif path.suffix == ".json":
-            config_path, jinja_path = path, path.parent / JINJA_NAME
-        elif path.is_file():
-            config_path, jinja_path = path.parent / CONFIG_NAME, path
-        else:
-            raise ChatTemplateError(f"{path} does not exist")
-        config = _read_json(config_path) if config_path.is_file() else {}
-        source, origin = _template_of_config(config, config_path), str(config_path)
-        if jinja_path.is_file():  # as in transformers: chat_template.jinja overrides the config's
-            source, origin = jinja_path.read_text(encoding="utf-8"), str(jinja_path)
-        if not source:
+        template file (`bitdelta.model_files.read_chat_template`). Raises ChatTemplateError naming the
+        path when there is none or it does not compile."""
+        try:
+            found = read_chat_template(Path(path))
+        except (ModelFileError, FileNotFoundError) as e:
+            raise ChatTemplateError(str(e)) from None
+        if found is None:
             raise ChatTemplateError(
                 f"{path} has no chat template (looked for {JINJA_NAME} and the chat_template of {CONFIG_NAME})"
             )
-        specials = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
-        out = cls(source, origin, specials)
-        out._compiled()  # fail at start-up, not on the first request
+        return cls.of(found)
+
+    @classmethod
+    def of(cls, t: TemplateSource) -> ChatTemplate:
+        """A template's text with its special tokens (a file's, or a delta's own); ChatTemplateError
+        where it does not compile."""
+        out = cls(t.source, t.origin, dict(t.specials))
+        out._compiled()  # fail where it is loaded, not on the first request
         return out
 
     def _compiled(self) -> jinja2.Template:

@@ -12,14 +12,14 @@ vLLM's neutral values).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bitdelta.generation import SamplingDefaults
+from bitdelta.model_files import GENERATION_NAME as FILE
+from bitdelta.model_files import ModelFileError, read_sampling
 from services.gateway.config import GatewayConfig
-from services.gateway.protocol import NEUTRAL, ApiError, SamplingDefaults, sampling_defaults
-
-FILE = "generation_config.json"
+from services.gateway.protocol import NEUTRAL
 
 
 class GenerationConfigError(ValueError):
@@ -27,18 +27,15 @@ class GenerationConfigError(ValueError):
 
 
 def load(path: Path) -> SamplingDefaults:
-    """The defaults of a generation_config.json, or of the one in directory `path`."""
-    f = Path(path) / FILE if Path(path).is_dir() else Path(path)
+    """The defaults of a generation_config.json, or of the one in directory `path` (which must have one)."""
+    path = Path(path)
     try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise GenerationConfigError(f"{f}: cannot be read ({e.strerror or e})") from None
-    except ValueError as e:
-        raise GenerationConfigError(f"{f}: not JSON ({e})") from None
-    try:
-        return sampling_defaults(data)
-    except ApiError as e:
-        raise GenerationConfigError(f"{f}: {e.message}") from None
+        found = read_sampling(path)
+    except ModelFileError as e:
+        raise GenerationConfigError(str(e)) from None
+    if found is None:
+        raise GenerationConfigError(f"cannot read {path / FILE}: there is no such file")
+    return SamplingDefaults.from_config(found)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import grpc
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.generation import (
-    GENERATION_CONFIG_KEYS,
+    DEFAULTABLE,
     MAX_CACHE_SALT_CHARS,
     MAX_LOGPROBS,
     MAX_N,
@@ -30,6 +30,7 @@ from bitdelta.generation import (
     FinishReason,
     GenerationError,
     Sampling,
+    SamplingDefaults,
 )
 from bitdelta.rpc.errors import without_addresses
 from services.gateway import fields
@@ -376,24 +377,6 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
-@dataclass(frozen=True)
-class SamplingDefaults:
-    """What a request that leaves one of these fields unset (absent or null) gets: a model's
-    generation config, as vLLM's server takes it (`--generation-config auto`); NEUTRAL, OpenAI's and
-    vLLM's own values, where the config sets none."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no limit
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    max_new_tokens: int = 0  # chat's max_tokens, cut to the context the prompt leaves; 0: the worker's default
-
-    def changed(self) -> dict[str, float]:
-        """The fields that differ from NEUTRAL's (the gateway logs them at start, as vLLM warns)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v != getattr(NEUTRAL, k)}
-
-
 NEUTRAL = SamplingDefaults()
 
 
@@ -402,28 +385,16 @@ def neutral(model: str) -> SamplingDefaults:
     return NEUTRAL
 
 
-def sampling_defaults(config: Any) -> SamplingDefaults:
-    """A generation_config.json's object -> its defaults: each of GENERATION_CONFIG_KEYS it sets (not
-    null) under the rule a request's field of that name follows; ApiError naming the first one out
-    of it (the caller names the file)."""
-    if not isinstance(config, dict):
-        raise invalid(None, "a generation config must be a JSON object")
-    body = {k: config[k] for k in GENERATION_CONFIG_KEYS if config.get(k) is not None}
-    return SamplingDefaults(
-        **_defaulted(body, NEUTRAL), max_new_tokens=_integer(body, "max_new_tokens", 1, 2**31 - 1) or 0
-    )
-
-
 def _defaulted(body: dict, d: SamplingDefaults) -> dict:
-    """The sampling fields a model's generation config may set: the body's, else d's."""
-    top_k = _integer(body, "top_k", -1, 1 << 30)
-    return {
-        "temperature": _number(body, "temperature", d.temperature, 0.0, 2.0),
-        "top_p": _number(body, "top_p", d.top_p, 0.0, 1.0, low_open=True),
-        "top_k": d.top_k if top_k is None else max(top_k, 0),  # vLLM's -1 (and 0): no limit
-        "min_p": _number(body, "min_p", d.min_p, 0.0, 1.0),
-        "repetition_penalty": _number(body, "repetition_penalty", d.repetition_penalty, 0.0, 100.0, low_open=True),
-    }
+    """The sampling fields a model's generation config may set (DEFAULTABLE, their rules): the
+    body's, else d's."""
+    out = {}
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        _, lo, hi, low_open = DEFAULTABLE[name]
+        out[name] = _number(body, name, getattr(d, name), lo, hi, low_open)
+    top_k = _integer(body, "top_k", *DEFAULTABLE["top_k"][1:3])
+    out["top_k"] = d.top_k if top_k is None else max(top_k, 0)  # vLLM's -1 (and 0): no limit
+    return out
 
 
 def _vllm_sampling(body: dict) -> dict:

@@ -159,27 +159,36 @@ def test_a_fine_tune_that_tokenizes_otherwise_is_refused(family, tmp_path):
         compress(base, ft, tmp_path / "bad.safetensors", progress=False)
 
 
-def test_compress_says_what_serving_the_fine_tune_as_it_is_asks_of_the_gateway(family, tmp_path):
-    """Its own chat template and sampling defaults are the gateway's per-variant flags: the CLI names
-    them where the fine-tune's files differ from the base's, and says nothing where they do not."""
+def test_a_fine_tunes_own_chat_template_and_sampling_defaults_ride_in_its_delta(family, tmp_path):
+    """Where the fine-tune's chat template (with its special tokens) or generation config's sampling
+    defaults are not the base's, the delta records them (the gateway serves the variant with them),
+    inspect names them, and apply writes them into the dense checkpoint; the base's are not recorded."""
     import json
     import shutil
 
-    from bitdelta.compress import serving_notes
+    from bitdelta.model_files import read_chat_template, read_sampling
     from tests.support.cli import run_cli
 
     base, (v0, _) = family
-    assert serving_notes(base, v0, "v0") == []
+    meta = load_delta(compress(base, v0, tmp_path / "same.safetensors", progress=False)).meta
+    assert meta.chat_template is None and meta.sampling_defaults == {}
     ft = tmp_path / "ft"
     shutil.copytree(v0, ft)
-    (ft / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    (ft / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "eos_token_id": 256}))
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    (ft / "chat_template.jinja").write_text(template)
+    (ft / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (ft / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_k": 5, "do_sample": True}))
     code, out = run_cli(
         "compress", "--base", str(base), "--finetuned", str(ft), "--out", str(tmp_path / "d.safetensors")
     )
     assert code == 0, out
-    assert (
-        f"note: its chat template is not the base's: serve its chats with the gateway's --variant-chat-templates ft={ft}"
-        in out
-    )
-    assert f"--variant-generation-configs ft={ft}" in out and "{'temperature': 0.3}" in out
+    assert f"its own ({len(template)} characters)" in out and 'its own: {"temperature": 0.3, "top_k": 5}' in out
+    meta = load_delta(tmp_path / "d.safetensors").meta
+    assert meta.chat_template.source == template and meta.chat_template.specials == {"eos_token": "<|im_end|>"}
+    assert meta.sampling_defaults == {"temperature": 0.3, "top_k": 5}
+    dense = apply(base, tmp_path / "d.safetensors", tmp_path / "applied", progress=False)
+    assert read_chat_template(dense).source == template
+    assert read_sampling(dense) == {"temperature": 0.3, "top_k": 5}
+    (ft / "generation_config.json").write_text(json.dumps({"top_p": 2}))  # out of its rule
+    with pytest.raises(ValueError, match="top_p: must be a number greater than 0 and at most 1"):
+        compress(base, ft, tmp_path / "bad.safetensors", progress=False)

@@ -17,7 +17,7 @@ import openai
 import pytest
 import pytest_asyncio
 
-from bitdelta.generation import Sampling
+from bitdelta.generation import GENERATION_CONFIG_KEYS, Sampling, SamplingDefaults
 from bitdelta.router.v1 import router_pb2 as rpb
 from bitdelta.rpc.clients.router import RouterClient
 from bitdelta.testing.cluster import Cluster, free_port
@@ -71,10 +71,10 @@ def test_the_defaults_are_the_fields_transformers_reports_set(tmp_path, config):
     d = write(tmp_path / "m", config)
     got = load(d)
     diff = GenerationConfig.from_pretrained(d).to_diff_dict()
-    want = {k: diff[k] for k in api.GENERATION_CONFIG_KEYS if diff.get(k) is not None}
+    want = {k: diff[k] for k in GENERATION_CONFIG_KEYS if diff.get(k) is not None}
     if want.get("top_k") == -1:
         want["top_k"] = 0
-    for k in api.GENERATION_CONFIG_KEYS:
+    for k in GENERATION_CONFIG_KEYS:
         assert getattr(got, k) == want.get(k, getattr(api.NEUTRAL, k)), k
     assert load(d / "generation_config.json") == got  # the file itself, or its directory
     assert set(got.changed()) == {k for k in want if want[k] != getattr(api.NEUTRAL, k)}
@@ -83,13 +83,13 @@ def test_the_defaults_are_the_fields_transformers_reports_set(tmp_path, config):
 @pytest.mark.parametrize(
     "content, words",
     [
-        ({"temperature": 3.0}, "temperature must be a number between 0 and 2, got 3.0"),
-        ({"top_p": 0}, "top_p must be a number greater than 0 and at most 1"),
-        ({"repetition_penalty": "high"}, "repetition_penalty must be a number"),
-        ({"top_k": 2.5}, "top_k must be an integer"),
-        ({"max_new_tokens": 0}, "max_new_tokens must be an integer between 1"),
-        ([1, 2], "a generation config must be a JSON object"),
-        ("{temperature: 0.7", "not JSON"),
+        ({"temperature": 3.0}, "temperature: must be a number between 0 and 2, got 3.0"),
+        ({"top_p": 0}, "top_p: must be a number greater than 0 and at most 1"),
+        ({"repetition_penalty": "high"}, "repetition_penalty: must be a number"),
+        ({"top_k": 2.5}, "top_k: must be an integer"),
+        ({"max_new_tokens": 0}, "max_new_tokens: must be an integer between 1"),
+        ([1, 2], "is not a JSON object"),
+        ("{temperature: 0.7", "cannot read"),
     ],
 )
 def test_a_bad_generation_config_is_refused_naming_the_file_and_field(tmp_path, content, words):
@@ -103,9 +103,9 @@ def test_the_gateway_exits_2_on_a_bad_or_missing_generation_config(tmp_path):
     """At start, before it serves a request: the flag, the file and what is wrong with it."""
     bad = write(tmp_path / "bad", {"temperature": -1})
     for flags, words in (
-        (["--generation-config", str(bad)], ["--generation-config", str(bad), "temperature must be"]),
-        (["--generation-config", str(tmp_path / "none")], ["cannot be read"]),
-        (["--variant-generation-configs", f"v1={bad}"], [str(bad), "temperature must be"]),
+        (["--generation-config", str(bad)], ["--generation-config", str(bad), "temperature: must be"]),
+        (["--generation-config", str(tmp_path / "none")], ["cannot read"]),
+        (["--variant-generation-configs", f"v1={bad}"], [str(bad), "temperature: must be"]),
         (["--variant-generation-configs", "v1"], ["VARIANT=FILE|DIR"]),
     ):
         p = subprocess.run(
@@ -121,7 +121,7 @@ def test_the_gateway_exits_2_on_a_bad_or_missing_generation_config(tmp_path):
 
 def test_a_request_field_wins_over_the_models_default():
     """Unset and null take the default; a value the request sets, even the neutral one, is kept."""
-    d = api.sampling_defaults(QWEN_LIKE)
+    d = SamplingDefaults.from_config(QWEN_LIKE)
     body = {"model": "m", "prompt": "x"}
     s = api.parse_completion(body, 16, lambda _: d).sampling
     assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty) == (0.7, 0.8, 20, 1.05)
@@ -129,7 +129,7 @@ def test_a_request_field_wins_over_the_models_default():
     assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty) == (0.7, 1.0, 0, 1.05)
     assert s.max_new_tokens == 16 and s.default_max_new_tokens == 0  # completions: OpenAI's 16, as vLLM
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    v = api.sampling_defaults(VARIANT)
+    v = SamplingDefaults.from_config(VARIANT)
     assert api.parse_chat(chat, lambda _: v).sampling.default_max_new_tokens == 100_000
     assert api.parse_chat({**chat, "max_tokens": 7}, lambda _: v).sampling.max_new_tokens == 7
 

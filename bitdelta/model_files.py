@@ -1,0 +1,151 @@
+"""What a model's side files say about serving it, read without torch: its chat template (with the
+special tokens' text the template may use) and the sampling defaults of its generation config.
+The gateway reads them for the base (its flags); `compress` and `import-lora` read a fine-tune's and
+record them in its delta where they are not the base's (`DeltaMeta.chat_template`,
+`DeltaMeta.sampling_defaults`), so the variant is served with its own wherever its delta goes.
+
+    t = read_chat_template(Path("data/base"))     # TemplateSource | None
+    d = read_sampling(Path("data/base"))          # {"temperature": 0.7, ...} | None (no generation config)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bitdelta.generation import GENERATION_CONFIG_KEYS, SamplingDefaults
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+JINJA_NAME = "chat_template.jinja"  # where transformers >= 4.43 saves the template
+CONFIG_NAME = "tokenizer_config.json"  # where older ones (and the Hub's SmolLM2-Instruct) keep it
+GENERATION_NAME = "generation_config.json"
+MAX_TEMPLATE_CHARS = 256 << 10  # a template a delta may carry (the largest on the Hub are ~30 KB)
+
+
+class ModelFileError(ValueError):
+    """A side file that cannot be read or says something malformed (names the file)."""
+
+
+@dataclass(frozen=True)
+class TemplateSource:
+    """A chat template's text, where it came from, and the special tokens' text it may use."""
+
+    source: str
+    origin: str = ""
+    specials: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token, ... -> text
+
+    def to_json(self) -> str:
+        """The form a delta's metadata keeps (its origin is the fine-tune's path: not kept)."""
+        return json.dumps({"source": self.source, "specials": self.specials}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, origin: str) -> TemplateSource:
+        """ModelFileError unless `text` is what `to_json` writes, the source at most MAX_TEMPLATE_CHARS."""
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise ModelFileError(f"{origin}: the chat template is not JSON ({e})") from None
+        if (
+            not isinstance(d, dict)
+            or set(d) != {"source", "specials"}
+            or not isinstance(d["source"], str)
+            or not 0 < len(d["source"]) <= MAX_TEMPLATE_CHARS
+            or not isinstance(d["specials"], dict)
+            or any(k not in SPECIAL_TOKEN_KEYS or not isinstance(v, str) for k, v in d["specials"].items())
+        ):
+            raise ModelFileError(
+                f"{origin}: the chat template must be {{source: 1 to {MAX_TEMPLATE_CHARS} characters, "
+                f"specials: {{{', '.join(SPECIAL_TOKEN_KEYS)} -> text}}}}"
+            )
+        return cls(d["source"], origin, d["specials"])
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelFileError(f"cannot read {path}: {e}") from None
+    if not isinstance(d, dict):
+        raise ModelFileError(f"{path} is not a JSON object")
+    return d
+
+
+def _token_text(v: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict) and isinstance(v.get("content"), str):
+        return v["content"]
+    return None
+
+
+def _template_of_config(config: dict, path: Path) -> str | None:
+    t = config.get("chat_template")
+    if t is None or isinstance(t, str):
+        return t
+    if isinstance(t, list):  # named templates: [{"name": "default", "template": "..."}, ...]
+        named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+    raise ModelFileError(f"{path}: chat_template is neither a string nor a list with a 'default' template")
+
+
+def read_chat_template(path: Path) -> TemplateSource | None:
+    """The chat template of a tokenizer directory, a tokenizer_config.json (or any JSON with
+    `chat_template`) or a template file, as transformers finds it (chat_template.jinja overrides the
+    config's), with the config's special tokens; None where there is none. ModelFileError naming
+    the file for one that cannot be read; FileNotFoundError for a path that is not there."""
+    path = Path(path)
+    if path.is_dir():
+        config_path, jinja_path = path / CONFIG_NAME, path / JINJA_NAME
+    elif path.suffix == ".json":
+        config_path, jinja_path = path, path.parent / JINJA_NAME
+    elif path.is_file():
+        config_path, jinja_path = path.parent / CONFIG_NAME, path
+    else:
+        raise FileNotFoundError(f"{path} does not exist")
+    config = _read_json(config_path) if config_path.is_file() else {}
+    source, origin = _template_of_config(config, config_path), str(config_path)
+    if jinja_path.is_file():
+        source, origin = jinja_path.read_text(encoding="utf-8"), str(jinja_path)
+    if not source:
+        return None
+    return TemplateSource(source, origin, {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k)))})
+
+
+def read_sampling(path: Path) -> dict | None:
+    """The keys of a generation_config.json (or of the one in directory `path`) that vLLM's server
+    takes as sampling defaults, each where it is set (not null); None where there is no such file.
+    ModelFileError naming the file for one that cannot be read or sets a value out of its rule."""
+    f = Path(path) / GENERATION_NAME if Path(path).is_dir() else Path(path)
+    if Path(path).is_dir() and not f.is_file():
+        return None
+    config = _read_json(f)
+    out = {k: config[k] for k in GENERATION_CONFIG_KEYS if config.get(k) is not None}
+    try:
+        SamplingDefaults.from_config(out)
+    except ValueError as e:
+        raise ModelFileError(f"{f}: {e}") from None
+    return out
+
+
+def own_serving(base: Path, finetuned: Path) -> tuple[TemplateSource | None, dict[str, float]]:
+    """The fine-tune's (or adapter's) chat template and sampling defaults where they are not the
+    base's, else None / {}: what its delta records, so that the gateway serves the variant with them
+    wherever the delta goes. A generation config that sets none of the base's sampling defaults
+    records their neutral values (served alone, it would get those); one file neither has: none.
+    ModelFileError (a ValueError) naming a file that cannot be read."""
+    t, tb = read_chat_template(finetuned), read_chat_template(base)
+    s, sb = read_sampling(finetuned), read_sampling(base) or {}
+    template = t if t is not None and (tb is None or (t.source, t.specials) != (tb.source, tb.specials)) else None
+    if template is not None and len(template.source) > MAX_TEMPLATE_CHARS:
+        raise ModelFileError(
+            f"{t.origin}: the chat template has {len(t.source)} characters; at most {MAX_TEMPLATE_CHARS}"
+        )
+    if s is None or s == sb:
+        return template, {}
+    neutral = dataclasses.asdict(SamplingDefaults())
+    return template, {**{k: neutral[k] for k in sb if k not in s and k != "max_new_tokens"}, **s}
