@@ -91,6 +91,15 @@ class SamplingDefaults:
             out["top_k"] = max(out["top_k"], 0)
         return cls(**out)
 
+    def to_pb(self) -> pb.SamplingDefaults:
+        return pb.SamplingDefaults(**dataclasses.asdict(self))
+
+    @classmethod
+    def from_pb(cls, m: pb.SamplingDefaults) -> SamplingDefaults:
+        """The message's values, under their rules (GenerationError naming a field out of one)."""
+        d = {f.name: getattr(m, f.name) for f in dataclasses.fields(cls)}
+        return cls.from_config({k: v for k, v in d.items() if not (k == "max_new_tokens" and v == 0)})
+
     def changed(self) -> dict[str, float]:
         """The fields that differ from the neutral values (the gateway logs them at start, as vLLM warns)."""
         neutral = SamplingDefaults()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bitdelta.common.v1 import generation_pb2 as pb
 from bitdelta.generation import GENERATION_CONFIG_KEYS, SamplingDefaults
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -36,6 +37,14 @@ class TemplateSource:
     source: str
     origin: str = ""
     specials: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token, ... -> text
+
+    def to_pb(self) -> pb.ChatTemplate:
+        return pb.ChatTemplate(source=self.source, specials=self.specials)
+
+    @classmethod
+    def from_pb(cls, m: pb.ChatTemplate, origin: str) -> TemplateSource:
+        """The message's template under the rules of `from_json` (ModelFileError naming `origin`)."""
+        return cls.from_json(json.dumps({"source": m.source, "specials": dict(m.specials)}), origin)
 
     def to_json(self) -> str:
         """The form a delta's metadata keeps (its origin is the fine-tune's path: not kept)."""

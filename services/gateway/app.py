@@ -44,6 +44,7 @@ from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.errors import without_addresses
 from bitdelta.rpc.metrics import GatewayMetrics
 from services.gateway import protocol as api
+from services.gateway.catalog import Catalog, Own
 from services.gateway.chat import ChatTemplate, ChatTemplateError
 from services.gateway.config import GatewayConfig
 from services.gateway.generation_config import GenerationConfigs
@@ -66,8 +67,9 @@ class Templates:
         base = ChatTemplate.load(config.chat_template) if config.chat_template is not None else None
         return cls(base, {name: ChatTemplate.load(p) for name, p in config.variant_templates().items()})
 
-    def for_model(self, model: str) -> ChatTemplate:
-        t = self.variants.get(model, self.base)
+    def for_model(self, model: str, own: ChatTemplate | None = None) -> ChatTemplate:
+        """The flags' template of `model`, else its own (its delta's), else the base's."""
+        t = self.variants.get(model) or own or self.base
         if t is None:
             raise ApiError(
                 400,
@@ -477,6 +479,7 @@ def create_app(
     """`generation`: the models' sampling defaults (none: neutral ones)."""
     templates = templates or Templates()
     generation = generation or GenerationConfigs()
+    catalog = Catalog(lambda md: state["router"].list_models(metadata=md), ttl_s=config.model_refresh_s)
     state: dict[str, RouterClient] = {}
     metrics, known = GatewayMetrics(), set()  # known: models the router listed or served
 
@@ -541,6 +544,7 @@ def create_app(
             models = await state["router"].list_models(metadata=metadata(request))  # lists what the token may use
         except RouterCallError as e:
             raise api.error_of_rpc(e.code, e.details or str(e)) from None
+        catalog.update(models)
         listed = api.model_list(models, config.owned_by, max_model_len)
         known.update(m["id"] for m in listed["data"])
         return JSONResponse(listed)
@@ -603,16 +607,32 @@ def create_app(
             out.append(tokens.detokenize(list(p.token_ids))["prompt"] if p.token_ids else p.text)
         return out
 
+    async def own_of(request: HttpRequest, body: Any) -> Own:
+        """The body's model's own chat template and sampling defaults (its delta's, the router lists)."""
+        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(model, str) or not model:
+            return Own()  # the parser answers 400
+        own = await catalog.own(model, metadata(request))
+        if own.error:
+            raise ApiError(500, own.error, type="server_error", code="model_files_error")
+        return own
+
     async def completions(request: HttpRequest) -> Response:
-        req = api.parse_completion(await read_json(request), config.completion_default_max_tokens, generation.for_model)
+        body = await read_json(request)
+        own = await own_of(request, body)
+        req = api.parse_completion(
+            body, config.completion_default_max_tokens, lambda m: generation.for_model(m, own.defaults)
+        )
         request.state.model = req.model  # the metrics' label (_Measured)
         await check_constraint(req)
         return _Generation(state["router"], req, metadata(request), config.request_timeout_s, echoes(req))
 
     async def chat_completions(request: HttpRequest) -> Response:
-        req = api.parse_chat(await read_json(request), generation.for_model)
+        body = await read_json(request)
+        own = await own_of(request, body)
+        req = api.parse_chat(body, lambda m: generation.for_model(m, own.defaults))
         request.state.model = req.model
-        template = templates.for_model(req.model)
+        template = templates.for_model(req.model, own.template)
         tools = req.tools
         try:
             text = template.render(
@@ -671,7 +691,7 @@ def create_app(
             how = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "add_special_tokens")
             r = api.parse_chat({"model": model, "messages": body["messages"], **{k: body[k] for k in how if k in body}})
             try:
-                text = templates.for_model(model).render(
+                text = templates.for_model(model, (await own_of(request, body)).template).render(
                     r.messages,
                     add_generation_prompt=r.add_generation_prompt,
                     continue_final_message=r.continue_final_message,

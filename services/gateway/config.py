@@ -51,7 +51,8 @@ class GatewayConfig(ServiceConfig, TlsSettings):
     )
     variant_chat_templates: tuple[str, ...] = setting(
         (),
-        "VARIANT=FILE|DIR,... : variants with a template of their own (the others use --chat-template)",
+        "VARIANT=FILE|DIR,... : these variants' templates, over their deltas' own (the others: their delta's, "
+        "else --chat-template)",
         parse=parse_list,
         check=check_variant_files,
     )
@@ -69,9 +70,15 @@ class GatewayConfig(ServiceConfig, TlsSettings):
     )
     variant_generation_configs: tuple[str, ...] = setting(
         (),
-        "VARIANT=FILE|DIR,... : variants with a generation config of their own (the others use the base's)",
+        "VARIANT=FILE|DIR,... : these variants' generation configs, over their deltas' own (the others: their "
+        "delta's, else the base's)",
         parse=parse_list,
         check=check_variant_files,
+    )
+    model_refresh_s: float = setting(
+        5.0,
+        "how long a variant's own chat template and sampling defaults (its delta's, from the router's "
+        "ListModels) are kept before the gateway asks again",
     )
     owned_by: str = setting("bitdelta", "the `owned_by` of every model in /v1/models")
     request_timeout_s: float = setting(600.0, "deadline of one generation at the router, seconds (beyond: 504)")
@@ -119,7 +126,7 @@ class GatewayConfig(ServiceConfig, TlsSettings):
         if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
             raise ConfigError(f"{self.flag_of('tokenizer')} {self.tokenizer}: no tokenizer.json in it")
         self.check_https()
-        for name in ("request_timeout_s", "call_timeout_s"):
+        for name in ("request_timeout_s", "call_timeout_s", "model_refresh_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{self.flag_of(name)} must be > 0, got {getattr(self, name)}")
         for name in ("completion_default_max_tokens", "max_body_bytes"):

@@ -46,8 +46,11 @@ class GenerationConfigs:
     variants: dict[str, SamplingDefaults] = field(default_factory=dict)
     origin: str = "none (neutral sampling defaults)"
 
-    def for_model(self, model: str) -> SamplingDefaults:
-        return self.variants.get(model, self.base)
+    def for_model(self, model: str, own: SamplingDefaults | None = None) -> SamplingDefaults:
+        """The flags' defaults of `model`, else its own (its delta's), else the base's."""
+        if model in self.variants:
+            return self.variants[model]
+        return own if own is not None else self.base
 
     @classmethod
     def from_config(cls, config: GatewayConfig) -> GenerationConfigs:

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import time
 from dataclasses import dataclass
 
+from bitdelta.generation import SamplingDefaults
+from bitdelta.model_files import TemplateSource
 from bitdelta.rpc.clients.delta_store import DeltaStoreClient
 from bitdelta.rpc.errors import RpcError, clip
 from services.router.errors import FailedPrecondition, NotFound, Unavailable
@@ -37,6 +40,20 @@ class Variant:
     base_fingerprint: str
     delta_bytes: int = 0
     is_base: bool = False
+    # its fine-tune's own chat template and sampling defaults, from its delta (None: the base's)
+    chat_template: TemplateSource | None = None
+    sampling: SamplingDefaults | None = None
+    malformed: str = ""  # why its delta's own chat template or sampling defaults cannot be read
+
+    @classmethod
+    def of_delta(cls, d) -> Variant:
+        """A delta as the store lists it (its DeltaInfo, with the header's metadata the store checked)."""
+        md = d.metadata
+        template = TemplateSource.from_json(md["chat_template"], d.name) if "chat_template" in md else None
+        sampling = (
+            SamplingDefaults.from_config(json.loads(md["sampling_defaults"])) if "sampling_defaults" in md else None
+        )
+        return cls(d.name, d.base_model, d.base_fingerprint, d.size_bytes, chat_template=template, sampling=sampling)
 
     @property
     def key(self) -> str | None:
@@ -45,6 +62,8 @@ class Variant:
 
     def mismatch(self, base: BaseInfo) -> str:
         """Why this variant cannot run on `base` ("" when it can)."""
+        if self.malformed:
+            return self.malformed
         if self.is_base or self.base_fingerprint == base.fingerprint:
             return ""
         return (
@@ -95,7 +114,14 @@ class Registry:
                 )
             self.last_error = str(e)
             return False
-        fresh = {d.name: Variant(d.name, d.base_model, d.base_fingerprint, d.size_bytes) for d in deltas}
+        fresh = {}
+        for d in deltas:
+            try:
+                fresh[d.name] = Variant.of_delta(d)
+            except ValueError as e:  # the store checks the metadata it lists: a store of another version
+                why = f"variant {d.name!r}: its delta's own chat template or sampling defaults are malformed ({e})"
+                log.warning("%s", why)
+                fresh[d.name] = Variant(d.name, d.base_model, d.base_fingerprint, d.size_bytes, malformed=why)
         for gone in self.variants.keys() - fresh.keys():
             log.info("variant %r was deleted from the delta store", gone)
             self.deleted[gone] = None
