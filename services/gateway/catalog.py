@@ -11,6 +11,7 @@ that fails keeps what was known. What the gateway's own flags say for a variant 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -49,17 +50,22 @@ class Catalog:
         self.list_models, self.ttl_s, self.clock = list_models, ttl_s, clock
         self.models: dict[str, Own] = {}
         self.fetched = self.tried = -float("inf")
+        self._lock = asyncio.Lock()
         self._compiled: dict[tuple[str, tuple], ChatTemplate | str] = {}  # (source, specials) -> template or error
 
-    async def own(self, model: str, metadata: Metadata = ()) -> Own:
+    def _due(self, model: str) -> bool:
         now = self.clock()
-        stale = now - self.fetched > self.ttl_s
-        if stale or (model not in self.models and now - self.tried > MIN_REFRESH_S):
-            self.tried = now
-            try:
-                self.update(await self.list_models(metadata))
-            except RouterCallError:
-                pass  # keep what is known; the generation's own call reports the router's state
+        return now - self.fetched > self.ttl_s or (model not in self.models and now - self.tried > MIN_REFRESH_S)
+
+    async def own(self, model: str, metadata: Metadata = ()) -> Own:
+        if self._due(model):
+            async with self._lock:  # one listing at a time: requests arriving meanwhile take its result
+                if self._due(model):
+                    self.tried = self.clock()
+                    try:
+                        self.update(await self.list_models(metadata))
+                    except RouterCallError:
+                        pass  # keep what is known; the generation's own call reports the router's state
         return self.models.get(model, NONE)
 
     def update(self, models: list[pb.ModelInfo]) -> None:

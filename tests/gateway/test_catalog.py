@@ -67,3 +67,20 @@ async def test_a_template_that_does_not_compile_is_that_variants_error():
     bad = await c.own("bad")
     assert bad.template is None and "bad" in bad.error
     assert (await c.own("good")).template.render([]) == "ok"
+
+
+async def test_requests_arriving_together_share_one_listing():
+    import asyncio
+
+    listing = Listing([info("a", "x")])
+    slow = asyncio.Event()
+
+    async def wait_then_list(metadata):
+        await slow.wait()
+        return await listing(metadata)
+
+    c = Catalog(wait_then_list, ttl_s=10.0)
+    waiting = [asyncio.ensure_future(c.own("a")) for _ in range(8)]
+    await asyncio.sleep(0.01)
+    slow.set()
+    assert all(o.template.render([]) == "x" for o in await asyncio.gather(*waiting)) and listing.calls == 1
