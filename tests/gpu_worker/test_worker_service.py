@@ -319,9 +319,10 @@ async def test_more_variants_at_once_than_the_budget_holds_all_complete(family):
 
 async def test_evicting_a_delta_in_use_waits_for_its_sequences(served):
     _, stub, _ = served
-    alone = (await generate(stub, "v2", PROMPTS[2], n=40))[0]
+    # long enough that the eviction arrives while it runs, on a machine busy with other tests too
+    alone = (await generate(stub, "v2", PROMPTS[2], n=160))[0]
     call = stub.Generate(
-        pb.GenerateRequest(model_id="v2", prompt=PROMPTS[2], sampling=gen_pb.SamplingParams(max_new_tokens=40)),
+        pb.GenerateRequest(model_id="v2", prompt=PROMPTS[2], sampling=gen_pb.SamplingParams(max_new_tokens=160)),
         timeout=T,
     )
     toks = []
