@@ -49,13 +49,8 @@ class GenerationError(ServiceError, ValueError):
         self.field = field
 
 
-def check_defaultable(name: str, v: object) -> float | int:
-    """`v` as the value of DEFAULTABLE field `name`, or GenerationError naming it."""
-    kind, lo, hi, low_open = DEFAULTABLE[name]
-    if kind is int:
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-            raise GenerationError(name, f"must be an integer between {lo} and {hi}, got {str(v)[:40]}")
-        return v
+def check_number(name: str, v: object, lo: float, hi: float, low_open: bool = False) -> float:
+    """`v` as a JSON number in [lo, hi] ((lo, hi] with low_open), or GenerationError naming `name`."""
     if (
         isinstance(v, bool)
         or not isinstance(v, (int, float))
@@ -65,6 +60,19 @@ def check_defaultable(name: str, v: object) -> float | int:
         what = f"greater than {lo:g} and at most {hi:g}" if low_open else f"between {lo:g} and {hi:g}"
         raise GenerationError(name, f"must be a number {what}, got {str(v)[:40]}")
     return float(v)
+
+
+def check_integer(name: str, v: object, lo: int, hi: int) -> int:
+    """`v` as a JSON integer in [lo, hi], or GenerationError naming `name`."""
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise GenerationError(name, f"must be an integer between {lo} and {hi}, got {str(v)[:40]}")
+    return v
+
+
+def check_defaultable(name: str, v: object) -> float | int:
+    """`v` as the value of DEFAULTABLE field `name`, or GenerationError naming it."""
+    kind, lo, hi, low_open = DEFAULTABLE[name]
+    return check_integer(name, v, int(lo), int(hi)) if kind is int else check_number(name, v, lo, hi, low_open)
 
 
 @dataclass(frozen=True)

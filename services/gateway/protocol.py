@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 import time
 import uuid
@@ -31,6 +30,8 @@ from bitdelta.generation import (
     GenerationError,
     Sampling,
     SamplingDefaults,
+    check_integer,
+    check_number,
 )
 from bitdelta.rpc.errors import without_addresses
 from services.gateway import fields
@@ -171,19 +172,17 @@ class Request:
         return last["content"] if self.echo and last["role"] == self.role and last["content"] else None
 
 
+def _checked(name: str, check: Callable[[], Any]) -> Any:
+    """check()'s value, or 400 naming the field ("temperature must be ...")."""
+    try:
+        return check()
+    except GenerationError as e:
+        raise invalid(name, str(e).replace(f"{name}: ", f"{name} ", 1)) from None
+
+
 def _number(body: dict, name: str, default: float, lo: float, hi: float, low_open: bool = False) -> float:
     v = body.get(name)
-    if v is None:
-        return default
-    if (
-        isinstance(v, bool)
-        or not isinstance(v, (int, float))
-        or not math.isfinite(v)
-        or not (lo < v <= hi if low_open else lo <= v <= hi)
-    ):
-        what = f"greater than {lo:g} and at most {hi:g}" if low_open else f"between {lo:g} and {hi:g}"
-        raise invalid(name, f"{name} must be a number {what}, got {str(v)[:40]}")
-    return float(v)
+    return default if v is None else _checked(name, lambda: check_number(name, v, lo, hi, low_open))
 
 
 def _is_off(value: Any, off: tuple) -> bool:
@@ -212,11 +211,7 @@ def check_fields(body: dict, kind: str) -> None:
 
 def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
     v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise invalid(name, f"{name} must be an integer between {lo} and {hi}, got {str(v)[:40]}")
-    return v
+    return None if v is None else _checked(name, lambda: check_integer(name, v, lo, hi))
 
 
 def _salt(body: dict) -> str:

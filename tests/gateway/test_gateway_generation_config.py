@@ -17,12 +17,12 @@ import openai
 import pytest
 import pytest_asyncio
 
-from bitdelta.generation import GENERATION_CONFIG_KEYS, Sampling, SamplingDefaults
-from bitdelta.router.v1 import router_pb2 as rpb
+from bitdelta.generation import GENERATION_CONFIG_KEYS, SamplingDefaults
 from bitdelta.rpc.clients.router import RouterClient
 from bitdelta.testing.cluster import Cluster, free_port
 from services.gateway import protocol as api
 from services.gateway.generation_config import GenerationConfigError, load
+from tests.support.gateway import oai, routers_text
 
 aio = pytest.mark.asyncio(loop_scope="module")
 
@@ -169,19 +169,11 @@ def cluster(family, tmp_path_factory):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def clients(cluster):
-    def oai(g):
-        return openai.AsyncOpenAI(base_url=f"http://{g.address}/v1", api_key="k", max_retries=0, timeout=T)
-
     router = RouterClient(cluster.r.address, generate_timeout_s=T)
     auto, neutral = oai(cluster.g), oai(cluster.g_neutral)
     yield auto, neutral, router
     for c in (auto, neutral, router):
         await c.close()
-
-
-async def routers(router: RouterClient, model: str, prompt: str, **sampling) -> str:
-    req = rpb.GenerateRequest(model_id=model, prompt=prompt, sampling=Sampling(**sampling).to_pb())
-    return "".join([t.text async for m in router.generate_request(req) for t in m.tokens])
 
 
 QWEN = {k: QWEN_LIKE[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty")}
@@ -193,15 +185,15 @@ async def test_unset_fields_get_the_bases_generation_config(clients, which):
     auto, neutral, router = clients
     model = (await router.list_models())[0].model_id if which == "base" else which
     prompt = "abc xyz"
-    want = await routers(router, model, prompt, max_new_tokens=N, seed=3, **QWEN)
+    want = await routers_text(router, model, prompt, max_new_tokens=N, seed=3, **QWEN)
     got = await auto.completions.create(model=model, prompt=prompt, max_tokens=N, seed=3)
     assert got.choices[0].text == want
     plain = await neutral.completions.create(model=model, prompt=prompt, max_tokens=N, seed=3)
-    assert plain.choices[0].text == await routers(router, model, prompt, max_new_tokens=N, seed=3, temperature=1.0)
+    assert plain.choices[0].text == await routers_text(router, model, prompt, max_new_tokens=N, seed=3, temperature=1.0)
     assert plain.choices[0].text != want
     # the request's own temperature wins; the fields it leaves unset still come from the file
     greedy = await auto.completions.create(model=model, prompt=prompt, max_tokens=N, temperature=0)
-    assert greedy.choices[0].text == await routers(
+    assert greedy.choices[0].text == await routers_text(
         router, model, prompt, max_new_tokens=N, **{**QWEN, "temperature": 0.0}
     )
 
@@ -211,9 +203,11 @@ async def test_a_variant_gets_its_own_generation_config(clients):
     auto, _, router = clients
     prompt = "hello there"
     got = await auto.completions.create(model="v1", prompt=prompt, max_tokens=N, seed=5)
-    want = await routers(router, "v1", prompt, max_new_tokens=N, temperature=0.0, repetition_penalty=1.3, min_p=0.05)
+    want = await routers_text(
+        router, "v1", prompt, max_new_tokens=N, temperature=0.0, repetition_penalty=1.3, min_p=0.05
+    )
     assert got.choices[0].text == want
-    assert want != await routers(router, "v1", prompt, max_new_tokens=N, temperature=0.0)  # the penalty shows
+    assert want != await routers_text(router, "v1", prompt, max_new_tokens=N, temperature=0.0)  # the penalty shows
 
 
 @aio

@@ -14,17 +14,15 @@ import json
 import shutil
 import time
 
-import openai
 import pytest
 import pytest_asyncio
 
 from bitdelta.compress import compress
-from bitdelta.generation import Sampling
-from bitdelta.router.v1 import router_pb2 as rpb
 from bitdelta.rpc.clients.router import RouterClient
 from bitdelta.testing.cluster import Cluster
 from bitdelta.testing.family import make_finetune
 from tests.support.cli import run_cli
+from tests.support.gateway import oai, routers_text
 
 aio = pytest.mark.asyncio(loop_scope="module")
 
@@ -73,9 +71,6 @@ def cluster(family, tmp_path_factory):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def clients(cluster):
-    def oai(g):
-        return openai.AsyncOpenAI(base_url=f"http://{g.address}/v1", api_key="k", max_retries=0, timeout=T)
-
     router = RouterClient(cluster.r.address, generate_timeout_s=T)
     own, flag = oai(cluster.g), oai(cluster.g_flag)
     yield own, flag, router
@@ -83,28 +78,26 @@ async def clients(cluster):
         await c.close()
 
 
-async def routers(router: RouterClient, model: str, prompt: str, **sampling) -> str:
-    req = rpb.GenerateRequest(model_id=model, prompt=prompt, sampling=Sampling(**sampling).to_pb(), templated=True)
-    return "".join([t.text async for m in router.generate_request(req) for t in m.tokens])
-
-
 @aio
 async def test_a_variant_is_served_with_its_own_template_and_sampling_defaults(clients):
     own, _, router = clients
     r = await own.chat.completions.create(model="chatty", messages=MESSAGES, seed=1)
     # OWN_TEMPLATE by hand, with the fine-tune's eos_token; its greedy, penalised, 7-token defaults
-    want = await routers(
+    want = await routers_text(
         router,
         "chatty",
         "<user>Hi there<|im_end|><assistant>",
         temperature=0.0,
         repetition_penalty=1.3,
         max_new_tokens=7,
+        templated=True,
     )
     assert r.choices[0].message.content == want and r.usage.completion_tokens <= 7
     # a variant without its own: the base's template and neutral defaults
     r = await own.chat.completions.create(model="v0", messages=MESSAGES, max_tokens=6, temperature=0)
-    assert r.choices[0].message.content == await routers(router, "v0", "user: Hi there\nassistant: ", max_new_tokens=6)
+    assert r.choices[0].message.content == await routers_text(
+        router, "v0", "user: Hi there\nassistant: ", max_new_tokens=6, templated=True
+    )
     # what the router lists for the gateway: chatty's own, v0 none
     listed = {m.model_id: m for m in await router.list_models()}
     assert listed["chatty"].chat_template.source == OWN_TEMPLATE
@@ -116,7 +109,9 @@ async def test_a_variant_is_served_with_its_own_template_and_sampling_defaults(c
 async def test_the_gateways_flag_overrides_the_deltas_template(clients):
     _, flag, router = clients
     r = await flag.chat.completions.create(model="chatty", messages=MESSAGES)
-    want = await routers(router, "chatty", "HI THERE :: ", temperature=0.0, repetition_penalty=1.3, max_new_tokens=7)
+    want = await routers_text(
+        router, "chatty", "HI THERE :: ", temperature=0.0, repetition_penalty=1.3, max_new_tokens=7, templated=True
+    )
     assert r.choices[0].message.content == want  # the flag's template, the delta's sampling defaults
 
 
@@ -137,7 +132,9 @@ async def test_a_delta_put_again_is_served_with_its_new_template(cluster, client
         assert code == 0, text
         code, text = run_cli("store", "put", str(out), "--name", "reput", "--overwrite", "--store", cluster.st.address)
         assert code == 0, text
-        want = await routers(router, "reput", prompt, temperature=0.0, repetition_penalty=1.3, max_new_tokens=7)
+        want = await routers_text(
+            router, "reput", prompt, temperature=0.0, repetition_penalty=1.3, max_new_tokens=7, templated=True
+        )
         deadline = time.monotonic() + 30
         while True:  # the router's list (0.5 s) and the gateway's catalog (0.5 s) catch up
             r = await own.chat.completions.create(model="reput", messages=MESSAGES)
