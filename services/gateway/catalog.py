@@ -1,9 +1,10 @@
 """Each variant's own chat template and sampling defaults, as the router lists them (its delta
 records its fine-tune's where they are not the base's: `bitdelta.model_files`), kept for `ttl_s`
-seconds. A model the catalog has not seen refreshes the list at once, at most once per
-`MIN_REFRESH_S` (so that requests for unknown names cannot turn into a ListModels each); a listing
-that fails keeps what was known. What the gateway's own flags say for a variant comes first
-(`Templates`, `GenerationConfigs`); the base's flags serve a variant without its own.
+seconds. A model the catalog has not seen refreshes the list at once; either refresh happens at
+most once per `MIN_REFRESH_S` (so that requests for unknown names, or a router that is down, cannot
+turn into a ListModels each); requests that arrive while a listing is under way take its result;
+a listing that fails keeps what was known. What the gateway's own flags say for a variant comes
+first (`Templates`, `GenerationConfigs`); the base's flags serve a variant without its own.
 
     catalog = Catalog(lambda md: router.list_models(metadata=md), ttl_s=5.0)
     own = await catalog.own("writer", metadata)      # Own(template, defaults), either None: the base's
@@ -54,11 +55,13 @@ class Catalog:
         self._compiled: dict[tuple[str, tuple], ChatTemplate | str] = {}  # (source, specials) -> template or error
 
     def _due(self, model: str) -> bool:
+        """Stale, or a name not seen; either at most once per MIN_REFRESH_S (a router that is down
+        is asked once a second, not by every request)."""
         now = self.clock()
-        return now - self.fetched > self.ttl_s or (model not in self.models and now - self.tried > MIN_REFRESH_S)
+        return (now - self.fetched > self.ttl_s or model not in self.models) and now - self.tried > MIN_REFRESH_S
 
     async def own(self, model: str, metadata: Metadata = ()) -> Own:
-        if self._due(model):
+        if self._due(model) or self._lock.locked():
             async with self._lock:  # one listing at a time: requests arriving meanwhile take its result
                 if self._due(model):
                     self.tried = self.clock()

@@ -60,6 +60,13 @@ async def test_kept_for_the_ttl_refreshed_after_and_unknown_names_rate_limited()
     listing.fail = True
     now[0] += 10.1
     assert (await c.own("a")).template.render([]) == "new </s>"  # the router is down: what was known
+    calls = listing.calls
+    for _ in range(5):  # ... asked once a second, not by every request
+        await c.own("a")
+    assert listing.calls == calls
+    now[0] += MIN_REFRESH_S + 0.1
+    await c.own("a")
+    assert listing.calls == calls + 1
 
 
 async def test_a_template_that_does_not_compile_is_that_variants_error():
