@@ -16,16 +16,9 @@ import torch
 from tqdm import tqdm
 
 from bitdelta.arch import ModelArgs
-from bitdelta.checkpoint import (
-    CheckpointReader,
-    eos_token_ids,
-    fingerprint,
-    read_config,
-    same_tokenizer,
-    save_checkpoint,
-)
+from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config, save_checkpoint
 from bitdelta.format import CompressedWeight, Delta, DeltaMeta, SignPlane, check_arch, load_delta, save_delta
-from bitdelta.model_files import JINJA_NAME, own_serving
+from bitdelta.model_files import JINJA_NAME, own_eos, own_serving, same_tokenizer
 from bitdelta.planes import PlaneConfig, chain, embedding_moments, spend
 from bitdelta_kernels.bits import pack_signs, unpack_signs
 
@@ -60,17 +53,6 @@ def same_model(base_cfg: dict, ft_cfg: dict, finetuned: Path, base: Path) -> Mod
             + ", ".join(f"{k} ({getattr(ft, k)} != {getattr(args, k)})" for k in differ)
         )
     return args
-
-
-def own_eos(base: Path, finetuned: Path, vocab_size: int) -> tuple[int, ...]:
-    """The fine-tune's end-of-sequence tokens where they are not the base's (a chat fine-tune of a
-    pretrained base often ends its turns on another token), else (): what the delta records."""
-    ft, theirs = eos_token_ids(finetuned), eos_token_ids(base)
-    if not ft or ft == theirs:
-        return ()
-    if max(ft) >= vocab_size:
-        raise ValueError(f"{finetuned}: eos_token_id {max(ft)} is not below the vocabulary size {vocab_size}")
-    return tuple(sorted(ft))
 
 
 def compress_weight(delta: torch.Tensor, alpha_mode: str) -> tuple[torch.Tensor, torch.Tensor]:

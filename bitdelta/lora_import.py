@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 
 from bitdelta.arch import ModelArgs
-from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config, same_tokenizer
+from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config
 from bitdelta.format import CompressedWeight, Delta, DeltaMeta, save_delta
 from bitdelta.merge.adapter import LoraAdapter, load_adapter
-from bitdelta.model_files import own_serving
+from bitdelta.model_files import own_serving, same_tokenizer
 from bitdelta.shard import EMBED, HEAD
 
 FP16_MAX = torch.finfo(torch.float16).max

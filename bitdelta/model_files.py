@@ -1,8 +1,10 @@
 """What a model's side files say about serving it, read without torch: its chat template (with the
-special tokens' text the template may use) and the sampling defaults of its generation config.
-The gateway reads them for the base (its flags); `compress` and `import-lora` read a fine-tune's and
-record them in its delta where they are not the base's (`DeltaMeta.chat_template`,
-`DeltaMeta.sampling_defaults`), so the variant is served with its own wherever its delta goes.
+special tokens' text the template may use), the sampling defaults of its generation config, the
+tokens its generations end on, and its tokenizer. The gateway reads the base's (its flags) and the
+worker its EOS; `compress` and `import-lora` check a fine-tune's tokenizer against the base's and
+record its own template, defaults and EOS in its delta where they are not the base's
+(`DeltaMeta.chat_template`, `.sampling_defaults`, `.eos_token_ids`), so the variant is served with
+its own wherever its delta goes.
 
     t = read_chat_template(Path("data/base"))     # TemplateSource | None
     d = read_sampling(Path("data/base"))          # {"temperature": 0.7, ...} | None (no generation config)
@@ -158,3 +160,86 @@ def own_serving(base: Path, finetuned: Path) -> tuple[TemplateSource | None, dic
         return template, {}
     neutral = dataclasses.asdict(SamplingDefaults())
     return template, {**{k: neutral[k] for k in sb if k not in s and k != "max_new_tokens"}, **s}
+
+
+def eos_token_ids(ckpt: Path) -> frozenset[int]:
+    """The tokens a checkpoint's generations end on: its config's `eos_token_id` and its generation
+    config's (each an id or a list of them), where transformers' generate stops."""
+    out: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = Path(ckpt) / name
+        if not path.is_file():
+            continue
+        e = json.loads(path.read_text()).get("eos_token_id")
+        ids = e if isinstance(e, list) else [] if e is None else [e]
+        if any(type(t) is not int or t < 0 for t in ids):
+            raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, not {e!r}")
+        out.update(ids)
+    return frozenset(out)
+
+
+# text whose tokens and text back a fine-tune's tokenizer must give as the base's does (with every
+# added token's own text appended): words, digits, whitespace runs, code, accents, CJK, emoji
+PROBE = (
+    "Hello, world! The quick brown fox jumps over 13 lazy dogs.\n\n  def f(x):\n\treturn x**2  # ok\n"
+    'naïve café, Straße; 東京は晴れ。🙂👍 <b>tags</b> {"json": [1, 2.5, null]}  trailing   '
+)
+
+
+def same_tokenizer(base: Path, finetuned: Path) -> None:
+    """ValueError naming the first difference where a fine-tune's (or an adapter's) tokenizer.json
+    reads or writes text otherwise than the base's: every variant is served with the base's
+    tokenizer (the gateway's and the worker's), so such a fine-tune would be fed other tokens than
+    it learned (e.g. a chat fine-tune that renamed reserved tokens to its own special tokens).
+    Compared by what they do, not how the file is written (another tokenizers version writes the
+    same tokenizer otherwise): the vocabulary with its added tokens (text and whether special),
+    then the tokens of PROBE and every added token's text, with and without the special tokens the
+    tokenizer adds, and the text back. Without both files: no check."""
+    from tokenizers import Tokenizer
+
+    fb, ff = base / "tokenizer.json", finetuned / "tokenizer.json"
+    if not (fb.is_file() and ff.is_file()) or fb.read_bytes() == ff.read_bytes():
+        return
+    tb = Tokenizer.from_file(str(fb))
+    try:
+        tf = Tokenizer.from_file(str(ff))
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
+        raise ValueError(f"{ff} is not a tokenizer the `tokenizers` library reads ({e})") from None
+
+    def refuse(what: str):
+        raise ValueError(
+            f"{ff} reads or writes text otherwise than the base's tokenizer ({what}): every variant is "
+            "served with the base's tokenizer, so this fine-tune would read other tokens than it learned"
+        )
+
+    for t in (tb, tf):  # how a caller cuts or pads its batches is not how the model reads text
+        t.no_truncation()
+        t.no_padding()
+    vb, vf = tb.get_vocab(with_added_tokens=True), tf.get_vocab(with_added_tokens=True)
+    if vb != vf:
+        ib, i_f = {i: t for t, i in vb.items()}, {i: t for t, i in vf.items()}
+        k = min(i for i in ib.keys() | i_f.keys() if ib.get(i) != i_f.get(i))
+        refuse(f"token {k} is {i_f.get(k)!r} there, {ib.get(k)!r} in the base")
+    ab, af = tb.get_added_tokens_decoder(), tf.get_added_tokens_decoder()
+    for k in sorted(ab.keys() | af.keys()):
+        if (k in ab) != (k in af) or ab[k].special != af[k].special:
+            refuse(f"token {k} is special in {'the base' if k in ab and ab[k].special else 'the fine-tune'} only")
+    text = PROBE + "".join(t.content for t in ab.values())
+    for special in (True, False):
+        ids = tb.encode(text, add_special_tokens=special).ids
+        if ids != tf.encode(text, add_special_tokens=special).ids:
+            refuse(f"a text becomes other tokens{' with its special tokens added' if special else ''}")
+        for skip in (True, False):
+            if tb.decode(ids, skip_special_tokens=skip) != tf.decode(ids, skip_special_tokens=skip):
+                refuse("tokens become other text")
+
+
+def own_eos(base: Path, finetuned: Path, vocab_size: int) -> tuple[int, ...]:
+    """The fine-tune's end-of-sequence tokens where they are not the base's (a chat fine-tune of a
+    pretrained base often ends its turns on another token), else (): what the delta records."""
+    ft, theirs = eos_token_ids(finetuned), eos_token_ids(base)
+    if not ft or ft == theirs:
+        return ()
+    if max(ft) >= vocab_size:
+        raise ValueError(f"{finetuned}: eos_token_id {max(ft)} is not below the vocabulary size {vocab_size}")
+    return tuple(sorted(ft))

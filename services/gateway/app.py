@@ -38,7 +38,14 @@ from starlette.types import Receive, Scope, Send
 
 from bitdelta import grammar
 from bitdelta.common.v1 import generation_pb2 as gen_pb
-from bitdelta.generation import Constraint, ConstraintKind, FinishReason, GenerationError, stop_reason_of
+from bitdelta.generation import (
+    Constraint,
+    ConstraintKind,
+    FinishReason,
+    GenerationError,
+    SamplingDefaults,
+    stop_reason_of,
+)
 from bitdelta.router.v1 import router_pb2 as pb
 from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.errors import without_addresses
@@ -607,30 +614,29 @@ def create_app(
             out.append(tokens.detokenize(list(p.token_ids))["prompt"] if p.token_ids else p.text)
         return out
 
-    async def own_of(request: HttpRequest, body: Any) -> Own:
-        """The body's model's own chat template and sampling defaults (its delta's, the router lists)."""
+    async def own_of(request: HttpRequest, body: Any) -> tuple[Own, SamplingDefaults]:
+        """The body's model's own chat template and sampling defaults (its delta's, the router lists),
+        and the sampling defaults its requests get (the flags', else its own, else the base's)."""
         model = body.get("model") if isinstance(body, dict) else None
         if not isinstance(model, str) or not model:
-            return Own()  # the parser answers 400
+            return Own(), generation.base  # the parser answers 400
         own = await catalog.own(model, metadata(request))
         if own.error:
             raise ApiError(500, own.error, type="server_error", code="model_files_error")
-        return own
+        return own, generation.for_model(model, own.defaults)
 
     async def completions(request: HttpRequest) -> Response:
         body = await read_json(request)
-        own = await own_of(request, body)
-        req = api.parse_completion(
-            body, config.completion_default_max_tokens, lambda m: generation.for_model(m, own.defaults)
-        )
+        _, defaults = await own_of(request, body)
+        req = api.parse_completion(body, config.completion_default_max_tokens, defaults)
         request.state.model = req.model  # the metrics' label (_Measured)
         await check_constraint(req)
         return _Generation(state["router"], req, metadata(request), config.request_timeout_s, echoes(req))
 
     async def chat_completions(request: HttpRequest) -> Response:
         body = await read_json(request)
-        own = await own_of(request, body)
-        req = api.parse_chat(body, lambda m: generation.for_model(m, own.defaults))
+        own, defaults = await own_of(request, body)
+        req = api.parse_chat(body, defaults)
         request.state.model = req.model
         template = templates.for_model(req.model, own.template)
         tools = req.tools
@@ -671,11 +677,11 @@ def create_app(
             raise api.invalid("model", "model must be a non-empty string: the variant's id from /v1/models")
         request.state.model = model
         try:
-            listed = api.model_list(
-                await state["router"].list_models(metadata=metadata(request)), config.owned_by, max_model_len
-            )
+            models = await state["router"].list_models(metadata=metadata(request))
         except RouterCallError as e:
             raise api.error_of_rpc(e.code, e.details or str(e)) from None
+        catalog.update(models)  # what own_of reads next: no second listing
+        listed = api.model_list(models, config.owned_by, max_model_len)
         if model not in {m["id"] for m in listed["data"]}:
             raise ApiError(404, f"model {model!r} does not exist", param="model", code="model_not_found")
         if tokens is None:
@@ -691,7 +697,7 @@ def create_app(
             how = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "add_special_tokens")
             r = api.parse_chat({"model": model, "messages": body["messages"], **{k: body[k] for k in how if k in body}})
             try:
-                text = templates.for_model(model, (await own_of(request, body)).template).render(
+                text = templates.for_model(model, (await own_of(request, body))[0].template).render(
                     r.messages,
                     add_generation_prompt=r.add_generation_prompt,
                     continue_final_message=r.continue_final_message,

@@ -31,7 +31,7 @@ Metadata = Sequence[tuple[str, str]]
 @dataclass(frozen=True)
 class Own:
     """A variant's own chat template and sampling defaults (None: the base's); `error`: why its own
-    template cannot serve (it does not compile), answered for its chat requests."""
+    cannot serve (a template that does not compile), answered for its requests (500)."""
 
     template: ChatTemplate | None = None
     defaults: SamplingDefaults | None = None

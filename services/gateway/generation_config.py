@@ -7,7 +7,7 @@ and served by vLLM on its own it would get its own). `--generation-config vllm`:
 vLLM's neutral values).
 
     configs = GenerationConfigs.from_config(config)      # GenerationConfigError: the process exits 2
-    api.parse_chat(body, configs.for_model)
+    api.parse_chat(body, configs.for_model(model))
 """
 
 from __future__ import annotations

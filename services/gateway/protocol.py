@@ -225,7 +225,7 @@ def _salt(body: dict) -> str:
     return v
 
 
-def _common(body: Any, kind: str, defaults: Callable[[str], SamplingDefaults]) -> Request:
+def _common(body: Any, kind: str, defaults: SamplingDefaults) -> Request:
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object", code="invalid_json")
     model = body.get("model")
@@ -268,7 +268,7 @@ def _common(body: Any, kind: str, defaults: Callable[[str], SamplingDefaults]) -
     return_ids = _boolean(body, "return_token_ids")
     sampling = Sampling(
         constraint=constraint,
-        **_defaulted(body, defaults(model)),
+        **_defaulted(body, defaults),
         stop=stops,
         seed=seed,
         n=_integer(body, "n", 1, MAX_N) or 1,
@@ -372,12 +372,7 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
-NEUTRAL = SamplingDefaults()
-
-
-def neutral(model: str) -> SamplingDefaults:
-    """Every model's defaults when the gateway has no generation config."""
-    return NEUTRAL
+NEUTRAL = SamplingDefaults()  # every model's defaults when the gateway has no generation config
 
 
 def _defaulted(body: dict, d: SamplingDefaults) -> dict:
@@ -529,11 +524,9 @@ def constraint_error(r: Request, e: GenerationError) -> ApiError:
     return invalid(r.constraint_param, f"{r.constraint_param}: {message}", code="invalid_constraint")
 
 
-def parse_completion(
-    body: Any, default_max_tokens: int, defaults: Callable[[str], SamplingDefaults] = neutral
-) -> Request:
-    """`defaults(model)`: the sampling defaults of the body's model (its generation config's); an
-    unset max_tokens is `default_max_tokens` (OpenAI's 16), as in vLLM, whatever the model's config says."""
+def parse_completion(body: Any, default_max_tokens: int, defaults: SamplingDefaults = NEUTRAL) -> Request:
+    """`defaults`: the sampling defaults of the body's model (its generation config's); an unset
+    max_tokens is `default_max_tokens` (OpenAI's 16), as in vLLM, whatever the model's config says."""
     r = _common(body, "completion", defaults)
     n = _integer(body, "logprobs", 0, MAX_LOGPROBS)  # an int: the alternatives (0: the sampled token's alone)
     r.echo = _boolean(body, "echo")
@@ -577,9 +570,9 @@ def _tool_calls(where: str, calls: Any) -> list[dict]:
     return out
 
 
-def parse_chat(body: Any, defaults: Callable[[str], SamplingDefaults] = neutral) -> Request:
-    """`defaults(model)`: the sampling defaults of the body's model (its generation config's, with
-    its max_new_tokens for an unset max_tokens)."""
+def parse_chat(body: Any, defaults: SamplingDefaults = NEUTRAL) -> Request:
+    """`defaults`: the sampling defaults of the body's model (its generation config's, with its
+    max_new_tokens for an unset max_tokens)."""
     r = _common(body, "chat", defaults)
     top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
     if _boolean(body, "logprobs"):
@@ -639,7 +632,7 @@ def parse_chat(body: Any, defaults: Callable[[str], SamplingDefaults] = neutral)
     mt = _integer(body, "max_completion_tokens", 1, 1 << 31)
     mt = _integer(body, "max_tokens", 1, 1 << 31) if mt is None else mt
     if mt is None:  # the model's default, cut to the context the prompt leaves (vLLM's get_max_tokens)
-        r.sampling = dataclasses.replace(r.sampling, default_max_new_tokens=defaults(r.model).max_new_tokens)
+        r.sampling = dataclasses.replace(r.sampling, default_max_new_tokens=defaults.max_new_tokens)
     return _with_max_tokens(r, mt or 0)
 
 

@@ -79,7 +79,7 @@ class DeltaEntry:
     error: str = ""
     transport: str = ""  # how the resident bytes arrived: file | stream | shared-memory
     content: str = ""  # the resident bytes' identity (DeltaInfo.content_id): keys its prefix-cached KV
-    eos_token_ids: tuple[int, ...] = ()  # the resident delta's own end-of-sequence tokens; (): the base's
+    eos_ids: frozenset[int] = frozenset()  # the resident delta's own end-of-sequence tokens; empty: the base's
     task: asyncio.Task | None = None  # the load
     done: asyncio.Future | None = None  # the load's outcome for its waiters (None, or the error)
     aborted: bool = False  # evicted while loading: its slot returns once the load's reads have stopped
@@ -324,7 +324,7 @@ class DeltaManager:
                 self.slots.extras = {**self.slots.extras, e.slot: extras}  # copy-on-write for the engine
             e.state = DeltaState.RESIDENT
             e.error, e.transport, e.content = "", info.transport, info.content_id
-            e.eos_token_ids = info.eos_token_ids
+            e.eos_ids = frozenset(info.eos_token_ids)
             _settle(e.done, None)
             log.info(
                 "delta %s resident in slot %s (%d bytes, %.1f ms, %s)",

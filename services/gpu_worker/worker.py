@@ -22,8 +22,9 @@ import torch
 from opentelemetry import trace
 
 from bitdelta.cache_policy import WeightedLRUPolicy
-from bitdelta.checkpoint import eos_token_ids, fingerprint, read_config
+from bitdelta.checkpoint import fingerprint, read_config
 from bitdelta.generation import ArrivalState, Request, TokenEvent, check_model_id
+from bitdelta.model_files import eos_token_ids
 from bitdelta.rpc import telemetry
 from bitdelta.rpc.streams import first_alone, take_ready
 from bitdelta_kernels.settings import configure as configure_kernels
@@ -385,7 +386,7 @@ class Worker:
                     held += 1
             weights = self.base_fingerprint if name is None else f"{self.base_fingerprint}/{entry.content}"
             # a fine-tune that ends on its own tokens (its delta's) ends there, as it would served alone
-            eos_ids = frozenset(entry.eos_token_ids) if name is not None and entry.eos_token_ids else self.eos_ids
+            eos_ids = entry.eos_ids if name is not None and entry.eos_ids else self.eos_ids
             root = cache_root(weights, p.cache_salt)
             seqs = []
             for i, st in enumerate(states):

@@ -123,15 +123,15 @@ def test_a_request_field_wins_over_the_models_default():
     """Unset and null take the default; a value the request sets, even the neutral one, is kept."""
     d = SamplingDefaults.from_config(QWEN_LIKE)
     body = {"model": "m", "prompt": "x"}
-    s = api.parse_completion(body, 16, lambda _: d).sampling
+    s = api.parse_completion(body, 16, d).sampling
     assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty) == (0.7, 0.8, 20, 1.05)
-    s = api.parse_completion({**body, "temperature": None, "top_k": -1, "top_p": 1.0}, 16, lambda _: d).sampling
+    s = api.parse_completion({**body, "temperature": None, "top_k": -1, "top_p": 1.0}, 16, d).sampling
     assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty) == (0.7, 1.0, 0, 1.05)
     assert s.max_new_tokens == 16 and s.default_max_new_tokens == 0  # completions: OpenAI's 16, as vLLM
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     v = SamplingDefaults.from_config(VARIANT)
-    assert api.parse_chat(chat, lambda _: v).sampling.default_max_new_tokens == 100_000
-    assert api.parse_chat({**chat, "max_tokens": 7}, lambda _: v).sampling.max_new_tokens == 7
+    assert api.parse_chat(chat, v).sampling.default_max_new_tokens == 100_000
+    assert api.parse_chat({**chat, "max_tokens": 7}, v).sampling.max_new_tokens == 7
 
 
 @pytest.fixture(scope="module")
