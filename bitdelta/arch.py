@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text")
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
@@ -45,6 +45,12 @@ class Family:
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k (self_attn.q_norm / k_norm, [head_dim])
     partial_rotary: bool  # the family honours partial_rotary_factor (rope on the first dims only)
     fields: frozenset[str]  # the family-specific config fields it reads
+    # Gemma: every RMSNorm scales by (1 + w) in fp32 and rounds once; the embeddings are scaled by
+    # √hidden_size (rounded to the model's dtype); the MLP's gate is hidden_activation (GELU, tanh form)
+    gemma: bool = False
+    # Gemma 2/3: the attention's and the MLP's outputs are normed before the residual add, and the
+    # MLP's input by its own norm (post_attention_layernorm, pre_/post_feedforward_layernorm)
+    sandwich: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -65,7 +71,49 @@ FAMILIES: dict[str, Family] = {
         frozenset({"attention_bias", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}),
     ),
     "phi3": Family("phi3", True, False, True, frozenset({"sliding_window", "original_max_position_embeddings"})),
+    "gemma": Family("gemma", False, False, False, frozenset({"attention_bias", "hidden_activation"}), gemma=True),
+    "gemma2": Family(
+        "gemma2",
+        False,
+        False,
+        False,
+        frozenset(
+            {
+                "attention_bias",
+                "hidden_activation",
+                "query_pre_attn_scalar",
+                "sliding_window",
+                "layer_types",
+                "attn_logit_softcapping",
+                "final_logit_softcapping",
+            }
+        ),
+        gemma=True,
+        sandwich=True,
+    ),
+    "gemma3_text": Family(
+        "gemma3_text",
+        False,
+        True,
+        False,
+        frozenset(
+            {
+                "attention_bias",
+                "hidden_activation",
+                "query_pre_attn_scalar",
+                "sliding_window",
+                "sliding_window_pattern",
+                "layer_types",
+                "final_logit_softcapping",
+                "rope_local_base_freq",
+            }
+        ),
+        gemma=True,
+        sandwich=True,
+    ),
 }
+# The MLP gate activations (config name -> the runner's name); Gemma's is GELU in its tanh form.
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 # Fields every family reads.
 COMMON_FIELDS = frozenset(
@@ -117,6 +165,7 @@ IGNORED_FIELDS = frozenset(
         "return_dict",
         "tokenizer_class",
         "is_llama_config",  # a serving framework's marker in SmolLM configs
+        "cache_implementation",  # Gemma 2/3's "hybrid": how transformers allocates its cache
     }
 )
 ROPE_FIELDS: dict[str, frozenset[str]] = {
@@ -299,6 +348,11 @@ class ModelArgs:
     o_bias: bool = False  # o_proj has a bias (Llama/Qwen3 attention_bias)
     mlp_bias: bool = False  # gate, up, down have biases (Llama mlp_bias)
     windows: tuple[int | None, ...] = ()  # per layer: sliding-window size, None = full attention; (): all full
+    act: str = "silu"  # the MLP's gate activation: "silu" or "gelu_tanh" (ACTIVATIONS)
+    query_scalar: float = 0.0  # attention scores scale by query_scalar ** -0.5 (0: head_dim; Gemma 2/3)
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap · tanh(scores / cap) before the softmax
+    logit_softcap: float | None = None  # Gemma 2/3: logits -> cap · tanh(logits / cap)
+    local_rope: Rope | None = None  # Gemma 3: the sliding-window layers' own rope (None: `rope` everywhere)
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -311,6 +365,10 @@ class ModelArgs:
             self.rope = dataclasses.replace(self.rope, dim=self.head_dim)
         if self.windows and len(self.windows) != self.n_layers:
             raise ValueError(f"windows has {len(self.windows)} entries for {self.n_layers} layers")
+        if self.local_rope is not None and self.local_rope.dim == 0:
+            self.local_rope = dataclasses.replace(self.local_rope, dim=self.head_dim)
+        if self.act not in ACTIVATIONS.values():
+            raise ValueError(f"act {self.act!r} is not one of {sorted(ACTIVATIONS.values())}")
 
     @property
     def family(self) -> Family:
@@ -318,6 +376,34 @@ class ModelArgs:
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
+
+    def local(self, layer: int) -> bool:
+        """The layer takes `local_rope` (Gemma 3's sliding-window layers)."""
+        return self.local_rope is not None and self.window(layer) is not None
+
+    @property
+    def attn_scale(self) -> float:
+        """What q · k is multiplied by before the softmax."""
+        return (self.query_scalar or self.head_dim) ** -0.5
+
+    @property
+    def embed_scale(self) -> float | None:
+        """What the embeddings are multiplied by (in the model's dtype), or None."""
+        return self.dim**0.5 if self.family.gemma else None
+
+    @property
+    def llama_shaped(self) -> bool:
+        """A Llama-shaped layer (what the CPU decode layers implement): SiLU, x·w norms, no q/k norm,
+        full-head rope of one kind, the default attention scale, no soft-capping."""
+        return (
+            not (self.family.gemma or self.family.sandwich or self.family.qk_norm)
+            and self.act == "silu"
+            and self.rope.dim == self.head_dim
+            and self.local_rope is None
+            and self.query_scalar in (0.0, self.head_dim)
+            and self.attn_softcap is None
+            and self.logit_softcap is None
+        )
 
     # -- layout ---------------------------------------------------------------------------------
     def matrices(self) -> tuple[Matrix, ...]:
@@ -347,6 +433,8 @@ class ModelArgs:
     def layer_norms(self) -> tuple[tuple[str, int], ...]:
         """(module path inside a layer, size) of each RMSNorm of a layer."""
         out = [("input_layernorm", self.dim), ("post_attention_layernorm", self.dim)]
+        if self.family.sandwich:
+            out += [("pre_feedforward_layernorm", self.dim), ("post_feedforward_layernorm", self.dim)]
         if self.family.qk_norm:
             out += [("self_attn.q_norm", self.head_dim), ("self_attn.k_norm", self.head_dim)]
         return tuple(out)
@@ -391,6 +479,8 @@ class ModelArgs:
     def to_hf(self) -> dict:
         """A config dict transformers reads as this model (for writing test checkpoints)."""
         names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}
+        if self.model_type not in names:  # Gemma's tests are built by transformers' own config classes
+            raise NotImplementedError(f"to_hf writes {', '.join(names)} configs, not {self.model_type}")
         out = {
             "architectures": [f"{names[self.model_type]}ForCausalLM"],
             "model_type": self.model_type,
@@ -454,7 +544,7 @@ def _unsupported_type(model_type) -> str:
     ):
         hint = " (mixture-of-experts models are not supported)"
     elif isinstance(model_type, str) and model_type.startswith(("gemma", "llava", "idefics", "qwen2_vl", "mllama")):
-        hint = " (soft-capped and multimodal models are not supported)"
+        hint = " (multimodal models are not supported; a Gemma 3 text model is model_type 'gemma3_text')"
     return f"model_type {model_type!r} is not supported{hint}; this build serves {', '.join(SUPPORTED)}"
 
 
@@ -482,14 +572,17 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
             f"this build does not implement (e.g. quantization, mixture-of-experts, soft-capping); "
             f"a {model_type} config may set {', '.join(sorted(COMMON_FIELDS | fam.fields))}"
         )
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModel(f"hidden_act {act!r} is not supported (only 'silu')")
+    act = _activation(cfg, fam)
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     n_layers = cfg["num_hidden_layers"]
     max_pos = cfg.get("max_position_embeddings", 2048)
-    rope = _rope_from_hf(cfg, fam, head_dim, max_pos)
+    local_rope = None
+    if model_type == "gemma3_text":
+        rope, local_rope = _layer_type_ropes(cfg, fam, head_dim, max_pos)
+    else:
+        rope = _rope_from_hf(cfg, fam, head_dim, max_pos)
+    caps = {k: _positive(cfg, k) for k in ("attn_logit_softcapping", "final_logit_softcapping")}
     attn_bias = bool(cfg.get("attention_bias", False))
     eos = cfg.get("eos_token_id")
     return cls(
@@ -511,7 +604,48 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         o_bias=attn_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         windows=_windows(cfg, model_type, n_layers),
+        act=act,
+        query_scalar=_positive(cfg, "query_pre_attn_scalar") or 0.0,
+        attn_softcap=caps["attn_logit_softcapping"],
+        logit_softcap=caps["final_logit_softcapping"],
+        local_rope=local_rope,
     )
+
+
+def _positive(cfg: dict, key: str) -> float | None:
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+        raise UnsupportedModel(f"config field {key!r} must be a positive number or null, got {value!r}")
+    return float(value)
+
+
+def _activation(cfg: dict, fam: Family) -> str:
+    """The MLP's gate activation as transformers' model of the family reads it: `hidden_act`, or for
+    Gemma `hidden_activation` (Gemma 2/3 read only it; a Gemma checkpoint that names both kinds
+    differently is refused, as is Gemma's old exact-'gelu' spelling without `hidden_activation`,
+    which transformers and vLLM run differently)."""
+    act, named = cfg.get("hidden_act"), cfg.get("hidden_activation")
+    field_name = "hidden_activation" if named is not None else "hidden_act"
+    if fam.gemma:
+        if named is None and fam.sandwich:
+            named = "gelu_pytorch_tanh"  # Gemma 2/3's default
+        if named is None:
+            named = act or "gelu_pytorch_tanh"
+            if named == "gelu":
+                raise UnsupportedModel(
+                    "hidden_act 'gelu' without hidden_activation: transformers runs exact GELU, vLLM and "
+                    "Gemma's own code its tanh form; set hidden_activation"
+                )
+        elif act is not None and act != named:
+            raise UnsupportedModel(f"hidden_act {act!r} and hidden_activation {named!r} disagree")
+        act = named
+    elif act is None:
+        act = "silu"
+    if act not in ACTIVATIONS:
+        raise UnsupportedModel(f"{field_name} {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[act]
 
 
 def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int | None, ...]:
@@ -535,11 +669,44 @@ def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int | None, ...
         if window is None:
             return ()
         out = (int(window),) * n_layers
+    elif model_type in ("gemma2", "gemma3_text"):
+        types = cfg.get("layer_types")
+        if types is None:  # transformers' default pattern: every n-th layer (from 1) sees everything
+            every = 2 if model_type == "gemma2" else int(cfg.get("sliding_window_pattern") or 6)
+            types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
+        if len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
+            raise UnsupportedModel(
+                f"layer_types {types!r}: expected {n_layers} of 'full_attention'/'sliding_attention'"
+            )
+        if window is None and "sliding_attention" in types:
+            raise UnsupportedModel("layer_types has sliding_attention layers but sliding_window is not set")
+        out = tuple(int(window) if t == "sliding_attention" else None for t in types)
     else:
         return ()
     if any(w is not None and w < 1 for w in out):
         raise UnsupportedModel(f"sliding_window {window!r} must be a positive number of tokens")
     return out if any(w is not None for w in out) else ()
+
+
+def _layer_type_ropes(cfg: dict, fam: Family, head_dim: int, max_pos: int) -> tuple[Rope, Rope]:
+    """Gemma 3's two ropes, (full-attention layers', sliding-window layers'), from either spelling:
+    `rope_parameters` keyed by layer type (current transformers), or `rope_theta` + `rope_scaling`
+    for the full layers and `rope_local_base_freq` for the sliding ones (default rope)."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+        extra = sorted(set(params) - {"full_attention", "sliding_attention"})
+        if extra or _is_set(cfg.get("rope_scaling")):
+            raise UnsupportedModel(
+                f"rope_parameters {params}: expected only full_attention and sliding_attention entries"
+                + (" (and no rope_scaling beside them)" if not extra else "")
+            )
+        full = {"rope_theta": cfg.get("rope_theta", 1_000_000.0), **(params.get("full_attention") or {})}
+        local = {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0), **(params.get("sliding_attention") or {})}
+    else:
+        full = {**(params or {}), **(cfg.get("rope_scaling") or {})}
+        full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+        local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
+    return _rope_of(full, cfg, fam, head_dim, max_pos), _rope_of(local, cfg, fam, head_dim, max_pos)
 
 
 def _rope_from_hf(cfg: dict, fam: Family, head_dim: int, max_pos: int) -> Rope:
@@ -552,7 +719,15 @@ def _rope_from_hf(cfg: dict, fam: Family, head_dim: int, max_pos: int) -> Rope:
     params = dict(cfg.get("rope_parameters") or {})
     params.update(cfg.get("rope_scaling") or {})
     if any(isinstance(v, dict) for v in params.values()):
-        raise UnsupportedModel(f"rope_parameters {params}: per-layer-type rope parameters are not supported")
+        raise UnsupportedModel(
+            f"rope_parameters {params}: per-layer-type rope parameters are not used by {fam.model_type} models"
+        )
+    return _rope_of(params, cfg, fam, head_dim, max_pos)
+
+
+def _rope_of(params: dict, cfg: dict, fam: Family, head_dim: int, max_pos: int) -> Rope:
+    """One rope from its parameters (rope_type, rope_theta, its kind's fields)."""
+    params = dict(params)
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if fam.model_type == "phi3" and kind in ("su", "yarn"):

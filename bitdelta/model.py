@@ -9,11 +9,12 @@ Face parameter names, so HF checkpoints and delta files map onto it without a re
       model.layers[i].mlp.{gate,up}_proj | gate_up_proj
       model.layers[i].mlp.down_proj
       model.layers[i].{input,post_attention}_layernorm
+      model.layers[i].{pre,post}_feedforward_layernorm      (Gemma 2/3's sandwich norms)
       model.norm
       lm_head                       (tied to embed_tokens when the config says so)
 
-The switches (fused projections, biases, q/k norms, rope variant, sliding window) come
-from `ModelArgs` (bitdelta.arch), the one description of a family. A variant is the base
+The switches (fused projections, biases, q/k norms, rope variant, sliding window, Gemma's
+norms, embedding scale, activation, attention scale and soft-caps) come from `ModelArgs` (bitdelta.arch), the one description of a family. A variant is the base
 model with its projections swapped for `BitDeltaLinear` (packed signs and α as buffers,
 the base weight and bias shared) and its changed dense parameters (norms, biases,
 embeddings) replaced: `attach_delta`.
@@ -33,16 +34,57 @@ from bitdelta_kernels.bits import unpack_signs
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """Llama's: normalise in fp32, round, scale by w in the input dtype. Gemma's (`offset`): scale by
+    (1 + w) in fp32, then round once (its weights start at 0)."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and scale in the input dtype, as HF Llama does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap · tanh(x / cap) (Gemma 2's attention scores and Gemma 2/3's logits); x itself for None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def gate_act(args: ModelArgs, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's gate activation of the family."""
+    return F.gelu(x, approximate="tanh") if args.act == "gelu_tanh" else F.silu(x)
+
+
+def embed_scaled(args: ModelArgs, x: torch.Tensor) -> torch.Tensor:
+    """Gemma's embeddings × √dim, the factor rounded to x's dtype first as transformers does."""
+    scale = args.embed_scale
+    return x if scale is None else x * torch.tensor(scale, dtype=x.dtype)
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, args: ModelArgs
+) -> torch.Tensor:
+    """Attention of q [.., H, Tq, hd] over k, v [.., KV, Tk, hd] with a bool mask [Tq, Tk] (None:
+    causal), at the family's scale; soft-capped scores (Gemma 2) are computed here (SDPA has no cap),
+    their softmax in fp32."""
+    gqa = q.shape[-3] != k.shape[-3]
+    if args.attn_softcap is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=args.attn_scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=args.attn_scale)
+    if gqa:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    scores = softcap((q @ k.transpose(-1, -2)) * args.attn_scale, args.attn_softcap)
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 def rope_tables(
@@ -140,8 +182,8 @@ class Attention(nn.Module):
             self.v_proj = nn.Linear(d, kv, bias=args.qkv_bias)
         self.o_proj = nn.Linear(q, d, bias=args.o_bias)
         if args.family.qk_norm:
-            self.q_norm = RMSNorm(hd, args.norm_eps)
-            self.k_norm = RMSNorm(hd, args.norm_eps)
+            self.q_norm = RMSNorm(hd, args.norm_eps, args.family.gemma)
+            self.k_norm = RMSNorm(hd, args.norm_eps, args.family.gemma)
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -160,23 +202,18 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        gqa = a.n_heads != a.n_kv_heads
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(pos, k, v)
-            mask = attention_mask(pos, torch.arange(k.shape[2], device=x.device), self.window)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        elif self.window is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            out = attend(q, k, v, attention_mask(pos, torch.arange(k.shape[2], device=x.device), self.window), a)
         else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attention_mask(pos, pos, self.window), enable_gqa=gqa
-            )
+            out = attend(q, k, v, None if self.window is None else attention_mask(pos, pos, self.window), a)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim))
 
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
+        self.args = args
         self.fused = args.family.fused
         d, f = args.dim, args.intermediate_size
         if self.fused:
@@ -191,18 +228,23 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(gate_act(self.args, gate) * up)
 
 
 class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
+        self.sandwich = args.family.sandwich
         self.self_attn = Attention(args, layer)
         self.mlp = MLP(args)
-        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        for name, size in args.layer_norms():
+            if "." not in name:  # the q/k norms live in self_attn
+                setattr(self, name, RMSNorm(size, args.norm_eps, args.family.gemma))
 
     def forward(self, x, cos, sin, pos):
+        if self.sandwich:  # Gemma 2/3
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, pos))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -212,7 +254,7 @@ class Body(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.family.gemma)
 
 
 class Llama(nn.Module):
@@ -243,13 +285,15 @@ class Llama(nn.Module):
         """
         B, T = input_ids.shape
         positions = pos if pos is not None else torch.arange(T, device=input_ids.device)
-        x = self.model.embed_tokens(input_ids)
+        a = self.args
+        x = embed_scaled(a, self.model.embed_tokens(input_ids))
         # the sequence is max(pos) + 1 long at this step (dynamic/LongRoPE read it; one host read)
-        seq_len = (int(positions[-1]) + 1) if self.args.rope.length_dependent else 0
-        cos, sin = rope_tables(self.args, positions, x.dtype, [seq_len] * T if seq_len else None)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, positions)
-        return self.lm_head(self.model.norm(x)).float()
+        seq_len = (int(positions[-1]) + 1) if a.rope.length_dependent else 0
+        cos, sin = rope_tables(a, positions, x.dtype, [seq_len] * T if seq_len else None)
+        local = None if a.local_rope is None else a.local_rope.tables(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, *(local if a.local(i) else (cos, sin)), positions)
+        return softcap(self.lm_head(self.model.norm(x)).float(), a.logit_softcap)
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
@@ -528,8 +572,8 @@ def init_random(args: ModelArgs, seed: int = 0, std: float = 0.02) -> Llama:
     g = torch.Generator().manual_seed(seed)
     model = Llama(args)
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):  # RMSNorm weights (layers, q/k, final) near 1
-            p.data = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+        if name.endswith("norm.weight"):  # RMSNorm weights (layers, q/k, final) near 1 (Gemma's: 1 + w near 1)
+            p.data = (0.0 if args.family.gemma else 1.0) + 0.1 * torch.randn(p.shape, generator=g)
         else:
             p.data = torch.randn(p.shape, generator=g) * std
     if args.tie_embeddings:

@@ -86,11 +86,45 @@ def hf_config(name: str):
                 "long_factor": [1.0 + 0.7 * i for i in range(n)],
             },
         )
+    if name == "gemma":  # (1 + w) norms, √dim embeddings, tanh GELU, tied head
+        return tf.GemmaConfig(**COMMON, head_dim=8, hidden_act="gelu_pytorch_tanh")
+    if name == "gemma2":  # sandwich norms, soft-capped scores and logits, every other layer windowed
+        return tf.Gemma2Config(
+            **COMMON,
+            head_dim=16,
+            query_pre_attn_scalar=12,
+            sliding_window=8,
+            attn_logit_softcapping=4.0,
+            final_logit_softcapping=3.0,
+        )
+    if name == "gemma3":  # + q/k norms, a rope per layer type (linear on the full layer)
+        return tf.Gemma3TextConfig(
+            **COMMON,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        )
     raise KeyError(name)
 
 
 # The members the issue names, one per family feature; and the extra rope variants.
-FAMILY_MEMBERS = ("llama-3.1", "llama-3.2", "qwen2.5", "qwen3", "mistral", "phi3-mini", "phi3-longrope")
+FAMILY_MEMBERS = (
+    "llama-3.1",
+    "llama-3.2",
+    "qwen2.5",
+    "qwen3",
+    "mistral",
+    "phi3-mini",
+    "phi3-longrope",
+    "gemma",
+    "gemma2",
+    "gemma3",
+)
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa")
 
 
