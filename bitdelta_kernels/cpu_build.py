@@ -282,7 +282,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.bd_linear_gemv.argtypes = [p, i64, i64, p, i32, i64, p, i64, i64, i64, p, i64, p, i64, i32, i32, i32]
     # q, B, H, KV, D, k, v, kv_dtype, tables, max_blocks, lens, bs, window, scale, out, n_threads
     lib.bd_paged_decode.restype = i32
-    lib.bd_paged_decode.argtypes = [p, i64, i64, i64, i64, p, p, i32, p, i64, p, i64, i64, ctypes.c_float, p, i32]
+    f32 = ctypes.c_float
+    lib.bd_paged_decode.argtypes = [p, i64, i64, i64, i64, p, p, i32, p, i64, p, i64, i64, f32, f32, p, i32]
     # layers, n_layers, n_slots, x_in, tokens, embed, n_vocab, n_embeds, embed_weight[], embed_signs[],
     # embed_alpha[], embed_planes[], embed_of_row, x_out, B, row_slot (int32), row_planes (int32),
     # n_planes, dim, H, KV, hd, F, eps, dtype, rope_cos, rope_sin, rope_dtype, rope_rows, n_rope, write_rows,

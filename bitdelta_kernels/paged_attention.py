@@ -1,12 +1,13 @@
 """Decode attention over a paged KV pool, reading each sequence's blocks in place.
 
-    paged_decode(q, k, v, tables, lens, block_size, window=None, *, backend=None) -> out
+    paged_decode(q, k, v, tables, lens, block_size, window=None, *, scale=None, softcap=None, backend=None) -> out
 
 q: [B, H, D], one query token per sequence (the last of its `lens[b]` tokens, whose K/V is already
 in the pool); k, v: one layer of the pool, [rows, KV, D], token t of sequence b at row
 tables[b, t // block_size] * block_size + t % block_size; H a multiple of KV (GQA); window: a
-sliding window (the query sees keys t > lens[b] − 1 − window). The softmax accumulates in fp32;
-out is [B, H, D] in q's dtype.
+sliding window (the query sees keys t > lens[b] − 1 − window); scale: what q · k is multiplied by
+(default 1/√D); softcap: scores become softcap · tanh(score / softcap) before the softmax (Gemma 2).
+The softmax accumulates in fp32; out is [B, H, D] in q's dtype.
 
 Backends (`bitdelta_kernels.backend_for`): Triton on CUDA (`triton_paged_decode.py`, also the interpreter),
 the C kernel on CPU (`csrc/attention.h: bd_paged_decode`), both one pass over each sequence's
@@ -35,8 +36,10 @@ def paged_decode_ref(
     lens: torch.Tensor,
     block_size: int,
     window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """The reference: gather each context (padded to the longest), then one masked SDPA in fp32."""
+    """The reference: gather each context (padded to the longest), then one masked attention in fp32."""
     B, H, D = q.shape
     if B == 0:
         return torch.empty_like(q)
@@ -51,10 +54,17 @@ def paged_decode_ref(
         ok &= pos[None, :] > n[:, None] - 1 - window
     kd = k[rows].float().transpose(1, 2)  # [B, KV, Lmax, D]
     vd = v[rows].float().transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        q.float()[:, :, None, :], kd, vd, attn_mask=ok[:, None, None, :], enable_gqa=H != k.shape[1]
-    )
-    return out[:, :, 0, :].to(q.dtype)
+    scale = D**-0.5 if scale is None else scale
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            q.float()[:, :, None, :], kd, vd, attn_mask=ok[:, None, None, :], enable_gqa=H != k.shape[1], scale=scale
+        )
+        return out[:, :, 0, :].to(q.dtype)
+    G = H // k.shape[1]
+    kd, vd = kd.repeat_interleave(G, dim=1), vd.repeat_interleave(G, dim=1)  # [B, H, Lmax, D]
+    s = torch.einsum("bhd,bhld->bhl", q.float(), kd) * scale
+    s = (torch.tanh(s / softcap) * softcap).masked_fill(~ok[:, None, :], float("-inf"))
+    return torch.einsum("bhl,bhld->bhd", torch.softmax(s, dim=-1), vd).to(q.dtype)
 
 
 def _check(q, k, v, tables, lens, block_size) -> None:
@@ -80,26 +90,32 @@ def paged_decode(
     block_size: int,
     window: int | None = None,
     *,
+    scale: float | None = None,
+    softcap: float | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """See the module docstring. `lens` must not exceed the tables' blocks (the kernels do not check
     on the device; the runner builds both from the scheduler's block tables)."""
     _check(q, k, v, tables, lens, block_size)
-    scale = 1.0 / math.sqrt(q.shape[2])
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap}")
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     work = int(q.shape[0]) * int(q.shape[1]) * int(q.shape[2]) * max(1, int(tables.shape[1])) * block_size
     path = backend_for(q.device, work, backend)
     if path == "triton" and HAVE_TRITON:
         from bitdelta_kernels.triton_paged_decode import paged_decode_triton
 
-        return paged_decode_triton(q.contiguous(), k, v, tables, lens, block_size, window, scale)
+        return paged_decode_triton(q.contiguous(), k, v, tables, lens, block_size, window, scale, softcap)
     if path == "cpu" and q.device.type == "cpu" and k.dtype in _KV_DTYPE_CODE and k.is_contiguous():
-        out = _paged_decode_cpu(q, k, v, tables, lens, block_size, window, scale)
+        out = _paged_decode_cpu(q, k, v, tables, lens, block_size, window, scale, softcap=softcap)
         if out is not None:
             return out
-    return paged_decode_ref(q, k, v, tables, lens, block_size, window)
+    return paged_decode_ref(q, k, v, tables, lens, block_size, window, scale, softcap)
 
 
-def _paged_decode_cpu(q, k, v, tables, lens, block_size, window, scale, lib=None) -> torch.Tensor | None:
+def _paged_decode_cpu(
+    q, k, v, tables, lens, block_size, window, scale, lib=None, softcap: float | None = None
+) -> torch.Tensor | None:
     """bd_paged_decode of `lib` (None: the process's library; a benchmark passes another build);
     None where there is no library."""
     from bitdelta_kernels.cpu_build import load_cpu_lib
@@ -126,6 +142,7 @@ def _paged_decode_cpu(q, k, v, tables, lens, block_size, window, scale, lib=None
         block_size,
         window or 0,
         scale,
+        softcap or 0.0,
         out.data_ptr(),
         torch.get_num_threads(),
     )

@@ -19,13 +19,15 @@ def _paged_decode_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr,
     # sizes
-    G, D, block_size, window, scale,
+    G, D, block_size, window, scale, softcap,
     # strides
     stride_qb, stride_qh, stride_kr, stride_kh, stride_tb, stride_ob, stride_oh,
     # meta
     BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """out[b, h] = Σ_j softmax_j(q[b, h] · k_j · scale) v_j over the keys j the query sees.
+    """out[b, h] = Σ_j softmax_j(cap(q[b, h] · k_j · scale)) v_j over the keys j the query sees; cap: the
+    identity, or softcap · tanh(s / softcap) with HAS_SOFTCAP (Gemma 2).
 
     q, out: [B, H, D]; k, v: [rows, KV, D], token t of sequence b at row table[b, t // bs] * bs + t % bs;
     lens[b]: its length (the query is token lens[b] − 1); window > 0: keys t > lens[b] − 1 − window only.
@@ -61,6 +63,8 @@ def _paged_decode_kernel(
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)  # [T, D]
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, T]
+        if HAS_SOFTCAP:  # tanh(x) = 1 − 2 / (e^{2x} + 1), exact at both ends in fp32
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
         scores = tl.where(t_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         corr = tl.exp(m - m_new)
@@ -85,6 +89,7 @@ def paged_decode_triton(
     block_size: int,
     window: int | None,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Launch one program per (sequence, KV head); shapes are checked by the caller (bitdelta_kernels.paged_attention).
 
@@ -109,6 +114,7 @@ def paged_decode_triton(
         block_size,
         window or 0,
         scale,
+        softcap or 1.0,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -120,5 +126,6 @@ def paged_decode_triton(
         BLOCK_T=triton.next_power_of_2(block_size),
         BLOCK_D=triton.next_power_of_2(D),
         HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=softcap is not None,
     )
     return out

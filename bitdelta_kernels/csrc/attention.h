@@ -324,10 +324,11 @@ static inline int64_t attend_floats(int64_t G, int64_t D) {
  * keys in chunks of ATT_CHUNK: every score of the chunk (each key row read once for all G heads),
  * each head's chunk maximum, ONE rescale of its running sum and weights where that maximum is a new
  * one, exp(s − max) per score, then each value row read once, weighted into all G heads. fp32
- * throughout (keys and values widened from kv_dtype). */
+ * throughout (keys and values widened from kv_dtype). softcap > 0: each score s becomes
+ * softcap · tanh(s / softcap) before the softmax (Gemma 2). */
 static void attend(const float *qg, int64_t G, int64_t D, const void *k, const void *v, int kv_dtype,
                    const int32_t *table, int64_t bs, int64_t KV, int64_t g, int64_t lo, int64_t n, float scale,
-                   float *buf, float *o) {
+                   float softcap, float *buf, float *o) {
     float *acc = buf, *m = acc + G * D, *l = m + G, *sc = l + G, *row = sc + G * ATT_CHUNK, *part = row + ATT_CHUNK * D;
     (void)part;
 #define CHUNK_END(c) ((c) + ATT_CHUNK < n ? (c) + ATT_CHUNK : n)
@@ -352,6 +353,9 @@ static void attend(const float *qg, int64_t G, int64_t D, const void *k, const v
                 const float *kr = kv_row(k, kv_dtype, table, bs, KV, g, D, c0 + t, row);
                 for (int64_t h = 0; h < G; ++h) sc[h * ATT_CHUNK + t] = dot_f32(qg + h * D, kr, D) * scale;
             }
+        if (softcap > 0.f)
+            for (int64_t h = 0; h < G; ++h)
+                for (int64_t t = 0; t < T; ++t) sc[h * ATT_CHUNK + t] = softcap * tanhf(sc[h * ATT_CHUNK + t] / softcap);
         for (int64_t h = 0; h < G; ++h) {
             float *sh = sc + h * ATT_CHUNK, mc = m[h];
             mc = max_of(sh, T, mc);
@@ -386,7 +390,7 @@ typedef struct {
     const int32_t *tables, *lens;
     float *out;
     int64_t B, H, KV, D, G, max_blocks, bs, window;
-    float scale;
+    float scale, softcap;
     int kv_dtype, failed;
     pool_jobs jobs;
 } attend_task;
@@ -403,13 +407,14 @@ static void attend_run(void *ctx) {
             const int64_t b = j / T->KV, g = j % T->KV, n = T->lens[b];
             const int64_t lo = T->window > 0 && n - T->window > 0 ? n - T->window : 0;
             attend(T->q + (b * T->H + g * T->G) * T->D, T->G, T->D, T->k, T->v, T->kv_dtype,
-                   T->tables + b * T->max_blocks, T->bs, T->KV, g, lo, n, T->scale, buf,
+                   T->tables + b * T->max_blocks, T->bs, T->KV, g, lo, n, T->scale, T->softcap, buf,
                    T->out + (b * T->H + g * T->G) * T->D);
         }
     free(buf);
 }
 
-/* out[b, h, :] = Σ_t softmax_t(q[b, h] · k_t · scale) v_t over the keys t the query sees.
+/* out[b, h, :] = Σ_t softmax_t(cap(q[b, h] · k_t · scale)) v_t over the keys t the query sees (cap: the
+ *   identity, or softcap · tanh(s / softcap) where softcap > 0).
  *   q, out: fp32 [B, H, D] contiguous; k, v: [rows, KV, D] contiguous in kv_dtype (BD_W_*), token t
  *   of sequence b at row tables[b * max_blocks + t / bs] * bs + t % bs; lens[b]: its length (the
  *   query is token lens[b] − 1); window > 0: keys t > lens[b] − 1 − window only.
@@ -417,9 +422,9 @@ static void attend_run(void *ctx) {
  *   row, which is read once. n_threads 1 runs on the calling thread. Returns 0 or −1 (no memory). */
 int bd_paged_decode(const float *q, int64_t B, int64_t H, int64_t KV, int64_t D, const void *k, const void *v,
                     int kv_dtype, const int32_t *tables, int64_t max_blocks, const int32_t *lens, int64_t bs,
-                    int64_t window, float scale, float *out, int n_threads) {
+                    int64_t window, float scale, float softcap, float *out, int n_threads) {
     const int64_t G = H / KV;
-    attend_task T = {q, k, v, tables, lens, out, B, H, KV, D, G, max_blocks, bs, window, scale, kv_dtype, 0,
+    attend_task T = {q, k, v, tables, lens, out, B, H, KV, D, G, max_blocks, bs, window, scale, softcap, kv_dtype, 0,
                      pool_jobs_of(B * KV, n_threads)};
     pool_run(attend_run, &T, B * KV == 1 ? 1 : n_threads);
     return T.failed ? -1 : 0;

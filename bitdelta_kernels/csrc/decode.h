@@ -391,7 +391,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
             }
         }
         if ((rc = bd_paged_decode(q, B, H, KV, hd, L->k, L->v, dtype, tables, max_blocks, lens, bs, L->window, scale,
-                                  att, n_threads)))
+                                  0.f, att, n_threads)))
             break;
         round_all(att, B * HD, dtype);
         if ((rc = decode_proj(L, 1, att, B, HD, D, dtype, row_slot, slots, P, any_delta, one_pass, LOW(1), o, n_threads))) break;

@@ -42,8 +42,9 @@ def case(B, H, KV, D, bs, lens, dtype, seed=0):
     return (q.to(dtype), k.to(dtype), v.to(dtype), tables, lens_t)
 
 
-def naive(q, k, v, tables, lens, bs, window):
+def naive(q, k, v, tables, lens, bs, window, scale=None, softcap=None):
     B, H, D = q.shape
+    scale = 1 / math.sqrt(D) if scale is None else scale
     G = H // k.shape[1]
     out = torch.zeros(B, H, D, dtype=torch.float64)
     for b in range(B):
@@ -53,7 +54,8 @@ def naive(q, k, v, tables, lens, bs, window):
         for h in range(H):
             kk = k[rows, h // G].double()
             vv = v[rows, h // G].double()
-            p = torch.softmax(kk @ q[b, h].double() / math.sqrt(D), 0)
+            s = kk @ q[b, h].double() * scale
+            p = torch.softmax(s if softcap is None else torch.tanh(s / softcap) * softcap, 0)
             out[b, h] = p @ vv
     return out
 
@@ -104,6 +106,36 @@ def test_paged_decode_reads_only_each_sequences_tokens(backend, B, H, KV, D, bs,
     assert torch.isfinite(got).all(), "read a row it does not own"
     err = (got.double().cpu() - want).abs().max() / want.abs().max()
     assert err < TOL[dtype], float(err)
+
+
+@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("B,H,KV,D,bs,lens,window", [GRID[1], GRID[3], GRID[5]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_scale_and_soft_capped_scores(backend, B, H, KV, D, bs, lens, window, dtype):
+    """Gemma's attention: another scale than 1/√D (query_pre_attn_scalar) and Gemma 2's scores capped
+    by cap · tanh(s / cap), a cap small enough to change every softmax."""
+    q, k, v, tables, lens_t = case(B, H, KV, D, bs, lens, dtype, seed=3)
+    scale, cap = 0.37, 1.5
+    want = naive(q.float(), k.float(), v.float(), tables, lens_t, bs, window, scale, cap)
+    assert (want - naive(q.float(), k.float(), v.float(), tables, lens_t, bs, window, scale)).abs().max() > 0.05
+    q, k, v, tables, lens_t = (t.to(DEV) for t in (q, k, v, tables, lens_t))
+    if backend == "torch":
+        k, v = k.nan_to_num(), v.nan_to_num()
+    kw = dict(scale=scale, softcap=cap)
+    if backend == "cpu-avx2":
+        from bitdelta_kernels import cpu_build
+        from bitdelta_kernels.settings import configured
+
+        with configured(cpu_isa="avx2"):
+            assert cpu_build.load_cpu_lib() is not None, cpu_build.unavailable_reason
+            got = paged_decode(q, k, v, tables, lens_t, bs, window, backend="cpu", **kw)
+    else:
+        got = paged_decode(q, k, v, tables, lens_t, bs, window, backend=backend, **kw)
+    assert torch.isfinite(got).all(), "read a row it does not own"
+    err = (got.double().cpu() - want).abs().max() / want.abs().max()
+    assert err < TOL[dtype], float(err)
+    with pytest.raises(ValueError, match="softcap"):
+        paged_decode(q, k, v, tables, lens_t, bs, window, softcap=0.0)
 
 
 def test_the_reference_and_the_dispatch_agree_on_an_empty_batch():
