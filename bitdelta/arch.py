@@ -382,9 +382,10 @@ class ModelArgs:
         return self.local_rope is not None and self.window(layer) is not None
 
     @property
-    def attn_scale(self) -> float:
-        """What q · k is multiplied by before the softmax."""
-        return (self.query_scalar or self.head_dim) ** -0.5
+    def attn_scale(self) -> float | None:
+        """What q · k is multiplied by before the softmax where it is not SDPA's 1/√head_dim (Gemma's
+        query_pre_attn_scalar ** -0.5), else None."""
+        return None if self.query_scalar in (0.0, self.head_dim) else self.query_scalar**-0.5
 
     @property
     def embed_scale(self) -> float | None:
@@ -400,7 +401,7 @@ class ModelArgs:
             and self.act == "silu"
             and self.rope.dim == self.head_dim
             and self.local_rope is None
-            and self.query_scalar in (0.0, self.head_dim)
+            and self.attn_scale is None
             and self.attn_softcap is None
             and self.logit_softcap is None
         )

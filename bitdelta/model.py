@@ -80,7 +80,8 @@ def attend(
     if gqa:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-    scores = softcap((q @ k.transpose(-1, -2)) * args.attn_scale, args.attn_softcap)
+    scale = args.head_dim**-0.5 if args.attn_scale is None else args.attn_scale
+    scores = softcap((q @ k.transpose(-1, -2)) * scale, args.attn_softcap)
     if mask is None:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))

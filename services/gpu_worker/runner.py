@@ -27,6 +27,7 @@ scheduler's business, which delta sits in which slot is the manager's.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -37,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from bitdelta.checkpoint import CheckpointReader, read_config
-from bitdelta.model import ModelArgs, RopeCache, apply_rope, attention_mask
+from bitdelta.model import ModelArgs, RopeCache, apply_rope, attend, attention_mask, embed_scaled, gate_act, softcap
 from bitdelta.shard import EMBED, HEAD
 from bitdelta_kernels import (
     backend_for,
@@ -329,6 +330,9 @@ class StepMeta:
     # has column α's: what the C decode layers and `graphs.DecodeGraphs` (no low-rank term) take
     host_slots: torch.Tensor | None = None
     lowrank_rows: dict | None = None  # slot -> [n] rows of x (None: every row) whose variant has a low-rank part
+    # Gemma 3's sliding-window layers' own rope (ModelArgs.local_rope): cos, sin as above; None: one rope
+    local_cos: torch.Tensor | None = None
+    local_sin: torch.Tensor | None = None
 
 
 @dataclass
@@ -375,6 +379,8 @@ class ModelRunner:
         self.use_fused = use_fused and not batch_invariant
         self.backend = backend
         self.rope = RopeCache(args, self.dtype, self.device)
+        local = None if args.local_rope is None else dataclasses.replace(args, rope=args.local_rope)
+        self.local_rope = None if local is None else RopeCache(local, self.dtype, self.device)
         self._c_layers: DecodeLayers | None = None  # built on the first step the C layers serve
         self._c_lowrank_of: tuple[dict | None, LowRankTable | None] = (None, None)  # (extras, its table)
         # CUDA graphs of decode steps' layers (`graphs.DecodeGraphs`, the worker's --cuda-graphs); None: eager
@@ -462,6 +468,9 @@ class ModelRunner:
             logit_slots=logit_slots,
             extras=extras,
         )
+        if self.local_rope is not None:
+            lc, ls = self.local_rope.tables(pos_t, max(positions, default=0) + 1, seq_lens)
+            meta.local_cos, meta.local_sin = lc[:, None, :], ls[:, None, :]
         plan_rows = None  # the batched delta's host row slots (planned last: a graphed step plans its own)
         if meta.any_delta and meta.single_slot is None:  # every plan from host copies: no device sync
             main = rs.clone()
@@ -615,11 +624,14 @@ class ModelRunner:
 
     def _norm(self, x: torch.Tensor, weights: torch.Tensor, m: StepMeta, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim with a per-row weight. x: [N, size] or [N, heads, size] (Qwen3's
-        per-head q/k norms); weights: [n_slots + 1, size] (row 0 = base)."""
+        per-head q/k norms); weights: [n_slots + 1, size] (row 0 = base). Gemma's scales by (1 + w)
+        in fp32 and rounds once (bitdelta.model.RMSNorm)."""
         xf = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)  # one op for x·rsqrt(mean(x²) + eps)
         w = weights[m.single_norm] if m.norm_idx is None else weights[m.norm_idx]
         if x.dim() == 3 and w.dim() == 2:
             w = w[:, None, :]
+        if self.args.family.gemma:
+            return (xf * (1.0 + w.float())).to(x.dtype)
         return w * xf.to(x.dtype)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, m: StepMeta) -> torch.Tensor:
@@ -629,18 +641,26 @@ class ModelRunner:
         kc, vc = self.kv.k[layer], self.kv.v[layer]  # [rows, KV, hd]
         kc[m.write_rows] = k
         vc[m.write_rows] = v
-        gqa = self.args.n_heads != self.args.n_kv_heads
+        a = self.args
         out = torch.empty_like(q)
         if m.decode_rows is not None:  # each sequence's blocks read in place, fp32 softmax
             out[m.decode_rows] = paged_decode(
-                q[m.decode_rows], kc, vc, m.decode_tables, m.decode_lens, self.kv.block_size, win, backend=self.backend
+                q[m.decode_rows],
+                kc,
+                vc,
+                m.decode_tables,
+                m.decode_lens,
+                self.kv.block_size,
+                win,
+                scale=a.attn_scale,
+                softcap=a.attn_softcap,
+                backend=self.backend,
             )
         for r0, n, ctx, mask in m.prefills:
             qs = q[r0 : r0 + n].transpose(0, 1)[None]  # [1, H, n, hd]
             ks = kc[ctx].transpose(0, 1)[None]  # [1, KV, L, hd]
             vs = vc[ctx].transpose(0, 1)[None]
-            os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[win], enable_gqa=gqa)
-            out[r0 : r0 + n] = os_[0].transpose(0, 1)
+            out[r0 : r0 + n] = attend(qs, ks, vs, mask[win], a)[0].transpose(0, 1)
         return out
 
     def _embed(self, m: StepMeta) -> torch.Tensor:
@@ -847,7 +867,7 @@ class ModelRunner:
         full-head rope, no q/k norms, the four groups; a runner that changes a layer, as tensor
         parallelism's, keeps its own; the library built with SIMD for this dtype), else None."""
         a = self.args
-        if self.device.type != "cpu" or a.family.qk_norm or a.rope.dim != a.head_dim or not self.own_layers():
+        if self.device.type != "cpu" or not a.llama_shaped or not self.own_layers():
             return None
         shapes = a.group_shapes()
         return shapes if set(shapes) == set(GROUPS) and DecodeShape.supported(self.dtype) else None
@@ -952,7 +972,7 @@ class ModelRunner:
         """`forward` layer by layer, op by op (a decode step's layers one graph's replay where `graphs`
         serves it)."""
         m = self.prepare(work)
-        x = self._embed(m)
+        x = embed_scaled(self.args, self._embed(m))
         ready()
         graphed = self.graphs is not None and self.graphs.serves(m)
         x = self.graphs.run(x, m) if graphed else self._layers(x, m)
@@ -965,22 +985,30 @@ class ModelRunner:
         N = x.shape[0]
         for i in range(a.n_layers):
             norms = self.slots.norms[i]
+            cos, sin = (m.local_cos, m.local_sin) if a.local(i) else (m.cos, m.sin)
             h = self._norm(x, norms["input_layernorm"], m, a.norm_eps)
             qkv = self._linear(h, i, "qkv", m)
             v = qkv[:, (H + KV) * hd :].view(N, KV, hd)
             if a.family.qk_norm:
                 q = self._norm(qkv[:, : H * hd].view(N, H, hd), norms["self_attn.q_norm"], m, a.norm_eps)
                 k = self._norm(qkv[:, H * hd : (H + KV) * hd].view(N, KV, hd), norms["self_attn.k_norm"], m, a.norm_eps)
-                q, k = apply_rope(q, m.cos, m.sin), apply_rope(k, m.cos, m.sin)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             else:  # q ‖ k are adjacent in qkv: one rotation for both heads' sets (half the small ops)
-                qk = apply_rope(qkv[:, : (H + KV) * hd].view(N, H + KV, hd), m.cos, m.sin)
+                qk = apply_rope(qkv[:, : (H + KV) * hd].view(N, H + KV, hd), cos, sin)
                 q, k = qk[:, :H], qk[:, H:]
-            att = self._attention(q, k, v, i, m)
-            x = x + self._linear(att.reshape(N, H * hd), i, "o", m)
-            h = self._norm(x, norms["post_attention_layernorm"], m, a.norm_eps)
+            att = self._linear(self._attention(q, k, v, i, m).reshape(N, H * hd), i, "o", m)
+            if a.family.sandwich:  # Gemma 2/3: the attention's output normed, the MLP's input by its own
+                x = x + self._norm(att, norms["post_attention_layernorm"], m, a.norm_eps)
+                h = self._norm(x, norms["pre_feedforward_layernorm"], m, a.norm_eps)
+            else:
+                x = x + att
+                h = self._norm(x, norms["post_attention_layernorm"], m, a.norm_eps)
             gu = self._linear(h, i, "gate_up", m)
             f = a.intermediate_size
-            x = x + self._linear(F.silu(gu[:, :f]) * gu[:, f:], i, "down", m)
+            down = self._linear(gate_act(a, gu[:, :f]) * gu[:, f:], i, "down", m)
+            if a.family.sandwich:
+                down = self._norm(down, norms["post_feedforward_layernorm"], m, a.norm_eps)
+            x = x + down
         return x
 
     def _final(self, x: torch.Tensor, m: StepMeta) -> torch.Tensor:
@@ -997,7 +1025,7 @@ class ModelRunner:
             }
         )
         h = self._norm(xl, self.slots.final_norm, sub, a.norm_eps)
-        return self._logits(h, m)
+        return softcap(self._logits(h, m), a.logit_softcap)
 
     # -- start-up -------------------------------------------------------------------------------
     def warm_sizes(self, max_rows: int) -> list[int]:

@@ -133,7 +133,7 @@ def test_gemma_configs_as_transformers_reads_them(bases):
     assert args.windows == (8, None) and args.local(0) and not args.local(1)
     assert (args.rope.kind, args.rope.theta, args.rope.factor) == ("linear", 1e6, 2.0)
     assert (args.local_rope.kind, args.local_rope.theta) == ("default", 1e4)
-    assert args.attn_scale == 24**-0.5 and args.act == "gelu_tanh" and args.embed_scale == 32**0.5
+    assert args.attn_scale == 24**-0.5 and ModelArgs.from_hf(read_config(bases['gemma'])).attn_scale is None and args.act == "gelu_tanh" and args.embed_scale == 32**0.5
     old = {k: v for k, v in g3.items() if k not in ("rope_parameters", "layer_types")}
     old |= {"rope_theta": 1e6, "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_local_base_freq": 1e4}
     old |= {"sliding_window_pattern": 2}  # the old spelling of layer_types: every 2nd layer is full
