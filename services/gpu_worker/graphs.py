@@ -121,6 +121,8 @@ class DecodeGraphs:
             tokens=torch.zeros(B, dtype=torch.int64, device=dev),  # the embedding is done before
             cos=empty(m.cos),
             sin=empty(m.sin),
+            local_cos=None if m.local_cos is None else empty(m.local_cos),
+            local_sin=None if m.local_sin is None else empty(m.local_sin),
             row_slot=slots[:, 0],
             norm_idx=torch.zeros(B, dtype=torch.int64, device=dev),
             single_norm=0,
@@ -155,6 +157,9 @@ class DecodeGraphs:
         put(st.x, x)
         put(sm.cos, m.cos)
         put(sm.sin, m.sin)
+        if m.local_cos is not None:  # Gemma 3's sliding layers' rope
+            put(sm.local_cos, m.local_cos)
+            put(sm.local_sin, m.local_sin)
         put(sm.write_rows, m.write_rows)
         put(sm.decode_tables, m.decode_tables)
         put(sm.decode_lens, m.decode_lens)

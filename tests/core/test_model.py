@@ -43,7 +43,9 @@ def test_bitdelta_linear_equals_merged_dense():
     torch.testing.assert_close(lin(x), x @ dense.t(), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("member", ["llama-3.1", "llama-linear", "llama-yarn", "qwen2.5", "phi3-mini", "llama-dynamic"])
+@pytest.mark.parametrize(
+    "member", ["llama-3.1", "llama-linear", "llama-yarn", "qwen2.5", "phi3-mini", "llama-dynamic", "gemma3"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_cache_rows_are_the_tables_of_each_position(member, dtype):
     """RopeCache's gathered rows equal rope_tables' for the same positions, bit for bit, before

@@ -107,3 +107,44 @@ def test_cuda_graphs_need_one_cuda_device(tmp_path):
         ValueError, match="--cuda-graphs: CUDA graphs need one CUDA device's own runner, not device cpu"
     ):
         Worker(WorkerConfig(base=fam.base, delta_dir=str(fam.deltas), device="cpu", cuda_graphs=True))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("member", ["gemma2", "gemma3"])
+async def test_graphed_gemma_decode_steps_equal_the_plain_steps(tmp_path, member):
+    """Gemma's decode steps through the graphs' fixed buffers: Gemma 3's sliding layers read their own
+    rope rows, Gemma 2's soft-capped attention runs in the paged kernel."""
+    from bitdelta.compress import compress
+    from bitdelta.testing.family import make_finetune
+    from tests.support.archs import make_hf_base
+
+    base = make_hf_base(tmp_path / "base", member, seed=2)
+    ft = make_finetune(base, tmp_path / "ft", seed=9, scale=0.02)
+    compress(base, ft, tmp_path / "deltas" / "v0.bitdelta.safetensors", variant="v0", progress=False)
+    cfg = WorkerConfig(
+        base=base,
+        delta_dir=str(tmp_path / "deltas"),
+        device=DEV.type,
+        dtype="float32",
+        kernel_backend="triton",
+        delta_budget=4 << 20,
+        kv_cache=4 << 20,
+    )
+    worker = Worker(cfg)
+    await worker.start()
+    try:
+        await worker.load_delta("v0")
+        r, s0 = worker.runner, worker.manager.entries["v0"].slot
+        graphs = DecodeGraphs(r, max_rows=4)
+        g = torch.Generator().manual_seed(1)
+        slots = [s0, -1, s0]
+        prompts = [torch.randint(0, 256, (12 + i,), generator=g).tolist() for i in range(3)]  # past the window of 8
+        r.forward([SeqWork(p, 0, s, [i, 8 + i], True) for i, (p, s) in enumerate(zip(prompts, slots))])
+        step = [SeqWork([7 + i], len(p), s, [i, 8 + i], True) for i, (p, s) in enumerate(zip(prompts, slots))]
+        if member == "gemma3":
+            assert r.prepare(step).local_cos is not None
+        same_step(r, graphs, step)
+        same_step(r, graphs, step[1:])
+    finally:
+        worker.runner.graphs = None
+        await worker.close()

@@ -120,6 +120,25 @@ async def test_a_corrupt_delta_is_data_loss_and_the_ranks_keep_serving(family):
     await answers(config(family.base, family.deltas, 2), {"": "abc"}, check=check)
 
 
+@pytest.mark.parametrize("member", ["gemma2", "gemma3"])
+async def test_gemma_on_two_ranks_equals_one_process(tmp_path, member):
+    """Gemma's layer on two ranks (sandwich norms, per-head q/k norms and the sliding layers' own rope
+    on each rank's heads, soft-capped scores and logits, √dim embeddings): the same greedy tokens as
+    one process, each variant alone and all in one batch."""
+    from bitdelta.compress import compress
+    from bitdelta.testing.family import make_finetune
+    from tests.support.archs import make_hf_base
+
+    base = make_hf_base(tmp_path / "base", member, seed=4)
+    for i in range(2):
+        ft = make_finetune(base, tmp_path / f"ft{i}", seed=20 + i, scale=0.02)
+        compress(base, ft, tmp_path / "deltas" / f"v{i}.bitdelta.safetensors", variant=f"v{i}", progress=False)
+    prompts = {"": "Hello world, hello", "v0": "abc xyz abc", "v1": "The quick brown fox"}  # past the windows of 8
+    one = await answers(config(base, tmp_path / "deltas", 1), prompts)
+    assert len({tuple(t) for t in one[0].values()}) == 3  # the variants really differ
+    assert await answers(config(base, tmp_path / "deltas", 2), prompts) == one
+
+
 async def test_real_family_on_two_ranks_equals_one_process(real_base, real_deltas):
     # SmolLM2-135M: 9 query heads in 3 GQA groups -> 2 + 1 groups; 30 layers
     prompts = {"": "The capital of France is", **{v: "def fibonacci(n):" for v in sorted(real_deltas)}}
