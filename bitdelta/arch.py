@@ -86,6 +86,7 @@ FAMILIES: dict[str, Family] = {
                 "layer_types",
                 "attn_logit_softcapping",
                 "final_logit_softcapping",
+                "sliding_window_size",  # early Gemma 2 configs: sliding_window's twin
             }
         ),
         gemma=True,
@@ -595,7 +596,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         intermediate_size=cfg["intermediate_size"],
         norm_eps=cfg.get("rms_norm_eps", 1e-5 if model_type == "phi3" else 1e-6),
         max_seq_len=max_pos,
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", fam.gemma)),  # transformers' default per family
         head_dim=head_dim,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
@@ -679,6 +680,9 @@ def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int | None, ...
             raise UnsupportedModel(
                 f"layer_types {types!r}: expected {n_layers} of 'full_attention'/'sliding_attention'"
             )
+        twin = cfg.get("sliding_window_size")
+        if twin is not None and twin != window:
+            raise UnsupportedModel(f"sliding_window_size {twin!r} and sliding_window {window!r} disagree")
         if window is None and "sliding_attention" in types:
             raise UnsupportedModel("layer_types has sliding_attention layers but sliding_window is not set")
         out = tuple(int(window) if t == "sliding_attention" else None for t in types)
