@@ -393,20 +393,6 @@ class ModelArgs:
         """What the embeddings are multiplied by (in the model's dtype), or None."""
         return self.dim**0.5 if self.family.gemma else None
 
-    @property
-    def llama_shaped(self) -> bool:
-        """A Llama-shaped layer (what the CPU decode layers implement): SiLU, x·w norms, no q/k norm,
-        full-head rope of one kind, the default attention scale, no soft-capping."""
-        return (
-            not (self.family.gemma or self.family.sandwich or self.family.qk_norm)
-            and self.act == "silu"
-            and self.rope.dim == self.head_dim
-            and self.local_rope is None
-            and self.attn_scale is None
-            and self.attn_softcap is None
-            and self.logit_softcap is None
-        )
-
     # -- layout ---------------------------------------------------------------------------------
     def matrices(self) -> tuple[Matrix, ...]:
         """The compressed matrices of one layer, in the checkpoint's own layout, grouped in GROUP_ORDER."""

@@ -294,7 +294,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.bd_decode_layers.argtypes = [
         *(p, i64, i64, p, p, p, i64, i64, p, p, p, p, p, p),
         *(i64, p, p, i64, i64, i64, i64, i64, i64, f32, i32, p, p, i32, p, i64),
-        *(p, p, i64, p, i64, f32, p, p, i64, i64, p, p, p, p, p, i32, i32, p),
+        *(p, p, i64, p, i64, f32, p, p, i64, i64, p, p, p, p, p, i32, i32, p, p),
     ]
     lib.bd_argmax_rows.restype = None
     lib.bd_argmax_rows.argtypes = [p, i64, i64, p]

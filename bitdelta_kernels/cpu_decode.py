@@ -52,10 +52,25 @@ class _Layer(ctypes.Structure):
         ("s", ctypes.c_void_p * 4),
         ("a", ctypes.c_void_p * 4),
         ("bias", ctypes.c_void_p * 4),
-        ("norm", ctypes.c_void_p * 2),
+        ("norm", ctypes.c_void_p * 4),
         ("k", ctypes.c_void_p),
         ("v", ctypes.c_void_p),
         ("window", ctypes.c_int64),
+        ("qk_norm", ctypes.c_void_p * 2),
+        ("local", ctypes.c_int64),
+    ]
+
+
+class _Opts(ctypes.Structure):
+    """The C library's bd_decode_opts."""
+
+    _fields_ = [
+        ("gemma", ctypes.c_int32),
+        ("gelu", ctypes.c_int32),
+        ("embed_scale", ctypes.c_float),
+        ("attn_softcap", ctypes.c_float),
+        ("local_cos", ctypes.c_void_p),
+        ("local_sin", ctypes.c_void_p),
     ]
 
 
@@ -64,16 +79,35 @@ class DecodeLayer:
     """One layer's tensors, each group's in GROUPS order: weights [d_out, d_in] (contiguous), the
     slots' sign stacks uint8 [n_slots, d_out, ceil(d_in/8)] and α stacks fp32 [n_slots, d_out],
     bias stacks [n_slots + 1, d_out] or None; the input and post-attention norm stacks
-    [n_slots + 1, dim]; this layer's KV pool k, v [rows, KV, hd]; its window (None: full)."""
+    [n_slots + 1, dim], then for Gemma 2/3's sandwich the pre- and post-feedforward ones; this
+    layer's KV pool k, v [rows, KV, hd]; its window (None: full); the per-head q and k norm stacks
+    [n_slots + 1, head_dim] (Qwen3, Gemma 3) or None; `local`: the rotation of the call's local
+    tables (Gemma 3's sliding layers, `DecodeOptions`)."""
 
     weights: tuple[torch.Tensor, ...]
     signs: tuple[torch.Tensor, ...]
     alpha: tuple[torch.Tensor, ...]
     biases: tuple[torch.Tensor | None, ...]
-    norms: tuple[torch.Tensor, torch.Tensor]
+    norms: tuple[torch.Tensor, ...]
     k: torch.Tensor
     v: torch.Tensor
     window: int | None
+    qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None
+    local: bool = False
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """What a family changes in the layer (the defaults: Llama's): `gemma`, Gemma's RMSNorm (× (1 + w)
+    in fp32, one rounding) and token ids' embeddings × round(embed_scale); `gelu`, the MLP's gate
+    in GELU's tanh form; `attn_scale`, the scores' scale (None: 1/√head_dim); `attn_softcap`, Gemma 2's
+    cap of the scores."""
+
+    gemma: bool = False
+    gelu: bool = False
+    embed_scale: float = 0.0
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
 
 
 @dataclass(frozen=True)
@@ -225,9 +259,14 @@ def _check(layers: list[DecodeLayer], shape: DecodeShape, dtype: torch.dtype) ->
             )
             if not ok:
                 raise ValueError(f"layer {i}, group {g}: tensors do not fit a [{d_out}, {d_in}] {dtype} projection")
+        if len(L.norms) not in (2, 4):
+            raise ValueError(f"layer {i}: 2 norm stacks, or 4 with the sandwich's")
         for t in L.norms:
             if t.dtype != dtype or t.dim() != 2 or t.shape[1] != D or not t.is_contiguous():
                 raise ValueError(f"layer {i}: norm stacks must be {dtype} [n_slots + 1, {D}], contiguous")
+        for t in L.qk_norms or ():
+            if t.dtype != dtype or tuple(t.shape) != (L.norms[0].shape[0], hd) or not t.is_contiguous():
+                raise ValueError(f"layer {i}: q/k norm stacks must be {dtype} [n_slots + 1, {hd}], contiguous")
         if L.k.dtype != dtype or L.k.shape != L.v.shape or tuple(L.k.shape[1:]) != (KV, hd):
             raise ValueError(f"layer {i}: the KV pool must be {dtype} [rows, {KV}, {hd}]")
         if not (L.k.is_contiguous() and L.v.is_contiguous()):
@@ -319,12 +358,14 @@ class DecodeLayers:
         final_norm: torch.Tensor | None = None,
         head: torch.Tensor | None = None,
         embed: torch.Tensor | None = None,
+        options: DecodeOptions = DecodeOptions(),
     ):
         """lib: the C library to call (another build, `cpu_build.load_variant`, for tests and
         benchmarks that compare builds); None: the process's (`load_cpu_lib`). final_norm: the
         final norm's stack [n_slots + 1, dim] (`run` then returns the normed output, as the runner's
         _final); head: the base's LM head [vocab, dim] (then `run(logits=True)` returns logits);
-        embed: the base's embedding [vocab, dim] (then `run` takes token ids)."""
+        embed: the base's embedding [vocab, dim] (then `run` takes token ids); options: what the family
+        changes in the layer (default: Llama's)."""
         if lib is None and not DecodeShape.supported(dtype):
             raise RuntimeError("the C decode layers need the compiled C library (with SIMD)")
         _check(layers, shape, dtype)
@@ -346,15 +387,18 @@ class DecodeLayers:
                 raise ValueError(f"{name} must be {dtype} [{rows or 'vocab'}, {shape.dim}], contiguous")
         if head is not None and final_norm is None:
             raise ValueError("a head needs the final norm before it")
-        self.final_norm, self.head, self.embed = final_norm, head, embed
+        self.final_norm, self.head, self.embed, self.options = final_norm, head, embed, options
+        self.any_local = any(L.local for L in layers)
         self._arr = (_Layer * len(layers))()
         for c, L in zip(self._arr, layers):
             c.w[:] = [_ptr(t) for t in L.weights]
             c.s[:] = [_ptr(t) for t in L.signs]
             c.a[:] = [_ptr(t) for t in L.alpha]
             c.bias[:] = [_ptr(t) for t in L.biases]
-            c.norm[:] = [_ptr(t) for t in L.norms]
+            c.norm[:] = [_ptr(t) for t in L.norms] + [None] * (4 - len(L.norms))
             c.k, c.v, c.window = L.k.data_ptr(), L.v.data_ptr(), L.window or 0
+            c.qk_norm[:] = [_ptr(t) for t in L.qk_norms] if L.qk_norms else [None, None]
+            c.local = int(L.local)
 
     def one_pass_planes(self, rows: int = 1) -> int:
         """Up to how many sign planes of one variant `run(fuse=True)` sums in the weights' own pass
@@ -449,6 +493,7 @@ class DecodeLayers:
         rope_rows: torch.Tensor | Sequence[int] | None = None,
         embeds: EmbedPlanes | None = None,
         lowrank: LowRankTable | None = None,
+        local: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Callable[[], torch.Tensor]:
         """The C call for B decode rows, its inputs checked and converted: calling it runs every
         layer (the GIL released) -> the last layer's output [B, dim] in the model's dtype,
@@ -477,7 +522,8 @@ class DecodeLayers:
         `bitdelta_kernels.paged_decode` (lens counts the new token). Pool rows and tables are the
         caller's (the runner builds them from the scheduler's block tables); they must lie inside
         the pool. lowrank: the slots' low-rank residuals (`LowRankTable`), each row's slot's added to
-        its projections. Every index argument is a tensor or host ints (the runner's step passes host ints:
+        its projections. local: the local layers' cos, sin (as cos and sin: the same rows and dtype),
+        needed where a layer is `local`. Every index argument is a tensor or host ints (the runner's step passes host ints:
         after the layers' stream every cache is cold, and each torch op before the call costs
         ~10–150 µs). The runner binds the call, hands the last step's tokens to the event loop's
         thread, and then calls it: a torch op between the two (most release the GIL) let that
@@ -507,6 +553,18 @@ class DecodeLayers:
             or not (cos.is_contiguous() and sin.is_contiguous())
         ):
             raise ValueError(f"cos, sin must be float [{n_rope}, {hd}] of one dtype, contiguous")
+        if self.any_local and (
+            local is None or any(t.dtype != cos.dtype or t.shape != cos.shape or not t.is_contiguous() for t in local)
+        ):
+            raise ValueError(f"local layers need local cos, sin tables like cos: {cos.dtype} [{n_rope}, {hd}]")
+        op = self.options
+        opts = _Opts(
+            int(op.gemma),
+            int(op.gelu),
+            op.embed_scale,
+            op.attn_softcap or 0.0,
+            *((local[0].data_ptr(), local[1].data_ptr()) if self.any_local else (None, None)),
+        )
         rs, wr = _slots32(row_slot), _ints(write_rows, torch.int64)
         if rope_rows is None:
             rope_rows = (ctypes.c_int64 * B)(*range(B))
@@ -557,7 +615,7 @@ class DecodeLayers:
             max_blocks,
             _addr(n),
             block_size,
-            1.0 / math.sqrt(hd),  # as bitdelta_kernels.paged_decode
+            1.0 / math.sqrt(hd) if op.attn_scale is None else op.attn_scale,  # as bitdelta_kernels.paged_decode
             _ptr(self.final_norm),
             _ptr(self.head if logits else None),
             0 if out is None else out.shape[1],
@@ -566,11 +624,12 @@ class DecodeLayers:
             torch.get_num_threads(),
             int(fuse),
             None if lowrank is None else lowrank.address,
+            ctypes.addressof(opts),
         )
         return _Bound(
             (self._lib or load_cpu_lib()).bd_decode_layers,
             args,
-            (x, tokens, rs, wr, cos, sin, rope_rows, tables, n, rp, heads, embs, lowrank),
+            (x, tokens, rs, wr, cos, sin, rope_rows, tables, n, rp, heads, embs, lowrank, opts, local),
             self.dtype,
             h,
             out,
@@ -691,4 +750,14 @@ class _BoundSteps:
         return Burst([t[b * k : b * k + n] for b in range(self.call.sizes[1])], self.times[:n])
 
 
-__all__ = ["Burst", "DecodeLayer", "DecodeLayers", "DecodeShape", "EmbedPlanes", "GROUPS", "HeadPlanes", "Interrupt"]
+__all__ = [
+    "Burst",
+    "DecodeLayer",
+    "DecodeLayers",
+    "DecodeOptions",
+    "DecodeShape",
+    "EmbedPlanes",
+    "GROUPS",
+    "HeadPlanes",
+    "Interrupt",
+]

@@ -16,10 +16,25 @@ typedef struct {
     const uint8_t *s[4];   /* the slots' sign stacks [n_slots, d_out, ceil(d_in/8)], contiguous */
     const float *a[4];     /* their α stacks, fp32 [n_slots, d_out] */
     const void *bias[4];   /* [n_slots + 1, d_out] in the dtype (row 0: the base), or NULL */
-    const void *norm[2];   /* input and post-attention RMSNorm weights, [n_slots + 1, dim] */
+    /* input and post-attention RMSNorm weights [n_slots + 1, dim]; then Gemma 2/3's pre- and
+     * post-feedforward ones, or NULL (a sandwich layer: the attention's and the MLP's outputs normed
+     * by norm[1] and norm[3] before their residual adds, the MLP's input by norm[2]) */
+    const void *norm[4];
     void *k, *v;           /* this layer's KV pool [rows, KV, hd] in the dtype */
     int64_t window;        /* sliding window; 0: full attention */
+    const void *qk_norm[2]; /* Qwen3's and Gemma 3's per-head RMSNorms of q and k [n_slots + 1, hd], or NULL */
+    int64_t local;         /* 1: the rotation of bd_decode_opts' local tables (Gemma 3's sliding layers) */
 } bd_decode_layer;
+
+/* What a family changes in the layer (NULL: Llama's). */
+typedef struct {
+    int32_t gemma;         /* Gemma's RMSNorm: round(x · rsqrt(mean(x²) + eps) · (1 + w)), in fp32, and the
+                            * embeddings of token ids × round(embed_scale) */
+    int32_t gelu;          /* the MLP's gate: GELU's tanh form (else SiLU) */
+    float embed_scale;
+    float attn_softcap;    /* > 0: each score capped (bd_paged_decode's softcap) */
+    const void *local_cos, *local_sin; /* the local layers' tables: rope_dtype, rows as rope_rows' */
+} bd_decode_opts;
 
 /* One slot's low-rank residual of one projection group (services/gpu_worker/slots.py LowRank):
  * y += U_m · (V · x)[c0_m, c0_m + rank_m) into the group's rows [r0_m, r0_m + rows_m) for each of its
@@ -124,32 +139,41 @@ static int decode_proj(const bd_decode_layer *L, int g, const float *x, int64_t 
     return 0;
 }
 
-/* h = round(w · round(x · rsqrt(mean(x²) + eps))), w the row's slot's weights (runner._norm). The
+/* hb = round(w · round(xb · rsqrt(mean(xb²) + eps))) over D values, w the weights at element `off`
+ * of `w` (runner._norm); gemma: round(xb · rsqrt(…) · (1 + w)) in fp32 instead. hb may be xb. The
  * element-wise steps of a layer here and below run L lanes at a time: one by one (round_to and expf
  * per value) they were ~6 % of a one-row bf16 step and ~12 % of an 8-row one. */
-static void decode_norm(const float *x, const void *w, const int64_t *row_slot, int64_t B, int64_t D, float eps,
-                        int dtype, float *h) {
-    for (int64_t b = 0; b < B; ++b) {
-        const float *xb = x + b * D;
-        float *hb = h + b * D;
-        const int64_t off = (row_slot[b] + 1) * D;
-        int64_t k = 0;
-        float ss = 0.f;
+static void norm_row(const float *xb, const void *w, int64_t off, int64_t D, float eps, int dtype, int gemma,
+                     float *hb) {
+    int64_t k = 0;
+    float ss = 0.f;
 #if defined(__AVX512F__) || defined(__AVX2__)
-        vf acc = V_ZERO();
-        for (; k + LANES <= D; k += LANES) acc = V_FMA(V_LOAD(xb + k), V_LOAD(xb + k), acc);
-        ss = V_SUM(acc);
+    vf acc = V_ZERO();
+    for (; k + LANES <= D; k += LANES) acc = V_FMA(V_LOAD(xb + k), V_LOAD(xb + k), acc);
+    ss = V_SUM(acc);
 #endif
-        for (; k < D; ++k) ss += xb[k] * xb[k];
-        const float inv = 1.f / sqrtf(ss / (float)D + eps);
-        k = 0;
+    for (; k < D; ++k) ss += xb[k] * xb[k];
+    const float inv = 1.f / sqrtf(ss / (float)D + eps);
+    k = 0;
 #if defined(__AVX512F__) || defined(__AVX2__)
-        const vf iv = V_SET1(inv);
+    const vf iv = V_SET1(inv), one = V_SET1(1.f);
+    if (gemma)
+        for (; k + LANES <= D; k += LANES)
+            V_STORE(hb + k, round_vec(dtype, V_MUL(V_MUL(V_LOAD(xb + k), iv), V_ADD(one, widen_vec(w, dtype, off + k)))));
+    else
         for (; k + LANES <= D; k += LANES)
             V_STORE(hb + k, round_vec(dtype, V_MUL(widen_vec(w, dtype, off + k), round_vec(dtype, V_MUL(V_LOAD(xb + k), iv)))));
 #endif
+    if (gemma)
+        for (; k < D; ++k) hb[k] = round_to(dtype, xb[k] * inv * (1.f + w_at(w, dtype, off + k)));
+    else
         for (; k < D; ++k) hb[k] = round_to(dtype, w_at(w, dtype, off + k) * round_to(dtype, xb[k] * inv));
-    }
+}
+
+/* norm_row of each of B rows of D, with its slot's weights (row_slot[b] + 1 of the stack). */
+static void decode_norm(const float *x, const void *w, const int64_t *row_slot, int64_t B, int64_t D, float eps,
+                        int dtype, int gemma, float *h) {
+    for (int64_t b = 0; b < B; ++b) norm_row(x + b * D, w, (row_slot[b] + 1) * D, D, eps, dtype, gemma, h + b * D);
 }
 
 /* x[i] = round(x[i]) for i < n. */
@@ -184,6 +208,31 @@ static void silu_mul(const float *gu, int64_t B, int64_t F, int dtype, float *ac
         }
 #endif
         for (; k < F; ++k) ab[k] = round_to(dtype, round_to(dtype, gb[k] / (1.f + expf(-gb[k]))) * ub[k]);
+    }
+}
+
+/* act[b, k] = round(round(gelu_tanh(g)) · u) (runner's MLP with Gemma's gate, torch's formula:
+ * 0.5 · g · (1 + tanh(√(2/π) · (g + 0.044715 · g³))), tanh(y) = 1 − 2 / (e^{2y} + 1) in the lanes). */
+static void gelu_mul(const float *gu, int64_t B, int64_t F, int dtype, float *act) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
+    for (int64_t b = 0; b < B; ++b) {
+        const float *gb = gu + b * 2 * F, *ub = gb + F;
+        float *ab = act + b * F;
+        int64_t k = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+        const vf one = V_SET1(1.f), two = V_SET1(2.f), half = V_SET1(0.5f);
+        for (; k + LANES <= F; k += LANES) {
+            const vf g = V_LOAD(gb + k);
+            const vf y = V_MUL(V_SET1(beta), V_ADD(g, V_MUL(V_SET1(kappa), V_MUL(g, V_MUL(g, g)))));
+            const vf th = V_SUB(one, V_DIV(two, V_ADD(exp_vec(V_MUL(two, y)), one)));
+            const vf ge = round_vec(dtype, V_MUL(V_MUL(half, g), V_ADD(one, th)));
+            V_STORE(ab + k, round_vec(dtype, V_MUL(ge, V_LOAD(ub + k))));
+        }
+#endif
+        for (; k < F; ++k) {
+            const float g = gb[k], y = beta * (g + kappa * g * g * g);
+            ab[k] = round_to(dtype, round_to(dtype, 0.5f * g * (1.f + tanhf(y))) * ub[k]);
+        }
     }
 }
 
@@ -302,6 +351,9 @@ static void decode_embed(const void *x_in, const int64_t *tokens, const void *em
  * lowrank: NULL, or [n_slots · n_layers · 4] (slot s, layer l, group g at (s · n_layers + l) · 4 + g,
  * GROUPS' order) each slot's low-rank residual of each projection group (bd_lowrank) or NULL: a
  * row's slot's, added to the projection before its rounding (decode_proj).
+ * opts: NULL (Llama's layer), or what the family changes (bd_decode_opts): Gemma's norms and
+ * embedding scale (token ids only: an x_in is already scaled), GELU's tanh form, capped scores, the
+ * local layers' rotation; and per layer (bd_decode_layer) the sandwich norms and the q/k norms.
  * After the layers' ~200 MB of weights every cache is cold, and the ~10 small torch ops of the
  * norm and the head's call cost ~0.3 ms of a ~10 ms bf16 SmolLM2-135M step there; so do the
  * step's inputs (the embedding, the rope rows, the slots' checks: each torch op before the call
@@ -321,8 +373,11 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
                      const int32_t *lens, int64_t bs, float scale, const void *final_norm, const void *head,
                      int64_t vocab, int64_t n_heads, const uint8_t *const *head_signs, const float *const *head_alpha,
                      const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads,
-                     int fuse, const bd_lowrank *const *lowrank) {
+                     int fuse, const bd_lowrank *const *lowrank, const bd_decode_opts *opts) {
     const int64_t Q = (H + 2 * KV) * hd, HD = H * hd;
+    const bd_decode_opts llama = {0, 0, 0.f, 0.f, NULL, NULL};
+    const bd_decode_opts *o_ = opts ? opts : &llama;
+    const int gemma = o_->gemma;
     /* row_planes: each row's plane slots ([B, n_planes], −1 past its variant's, all −1 for a variant
      * without a sign plane); NULL: each row's one plane is its slot's */
     const int64_t P = row_planes32 && n_planes > 0 ? n_planes : 1;
@@ -340,7 +395,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
             any_delta |= v >= 0;
         }
         if (head_of_row && (head_of_row[b] < -1 || head_of_row[b] >= n_heads)) bad |= 2;
-        if (rope_rows[b] < 0 || rope_rows[b] >= n_rope ||
+        if (rope_rows[b] < 0 || rope_rows[b] >= n_rope || (o_->local_cos && !o_->local_sin) ||
             (!x_in && (tokens[b] < 0 || tokens[b] >= n_vocab ||
                        (embed_of_row && (embed_of_row[b] < -1 || embed_of_row[b] >= n_embeds)))))
             bad |= 4;
@@ -359,30 +414,43 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
     }
     /* the head's plane in one pass, and the projections' (linear_planes: up to its loops' planes) */
     const int one_pass = one_var && row_slot[0] >= 0;
-    const int64_t n = B * (D + 2 * hd + D + Q + 2 * HD + D + 3 * F + D);
+    const int64_t n = B * (D + 4 * hd + D + Q + 2 * HD + D + 3 * F + D);
     float *buf = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
     if (!buf) {
         free(row_slot);
         return -1;
     }
-    float *x = buf, *cs = x + B * D, *sn = cs + B * hd, *h = sn + B * hd, *qkv = h + B * D, *q = qkv + B * Q, *att = q + B * HD, *o = att + B * HD, *gu = o + B * D,
-          *act = gu + B * 2 * F, *dn = act + B * F;
+    float *x = buf, *cs = x + B * D, *sn = cs + B * hd, *lcs = sn + B * hd, *lsn = lcs + B * hd, *h = lsn + B * hd,
+          *qkv = h + B * D, *q = qkv + B * Q, *att = q + B * HD, *o = att + B * HD, *gu = o + B * D, *act = gu + B * 2 * F,
+          *dn = act + B * F;
     decode_embed(x_in, tokens, embed, n_vocab, D, dtype, embed_weight, embed_signs, embed_alpha, embed_planes,
                  embed_of_row, B, x);
-    for (int64_t b = 0; b < B; ++b) { /* each row's rotation, the same in every layer */
+    if (!x_in && gemma) { /* Gemma: × √dim rounded to the dtype, then the product rounded (runner's embed_scaled) */
+        const float sc = round_to(dtype, o_->embed_scale);
+        for (int64_t i = 0; i < B * D; ++i) x[i] = round_to(dtype, x[i] * sc);
+    }
+    for (int64_t b = 0; b < B; ++b) { /* each row's rotations, the same in every layer */
         load_row(rope_cos, rope_dtype, rope_rows[b] * hd, hd, cs + b * hd);
         load_row(rope_sin, rope_dtype, rope_rows[b] * hd, hd, sn + b * hd);
+        if (o_->local_cos) {
+            load_row(o_->local_cos, rope_dtype, rope_rows[b] * hd, hd, lcs + b * hd);
+            load_row(o_->local_sin, rope_dtype, rope_rows[b] * hd, hd, lsn + b * hd);
+        }
     }
     int rc = 0;
     /* group g of layer l: slot s's low-rank residual at lowrank[(s · n_layers + l) · 4 + g] */
 #define LOW(g) (lowrank ? lowrank + l * 4 + (g) : NULL), n_layers * 4
     for (int64_t l = 0; l < n_layers && !rc; ++l) {
         const bd_decode_layer *L = layers + l;
-        decode_norm(x, L->norm[0], row_slot, B, D, eps, dtype, h);
+        const int local = L->local && o_->local_cos;
+        decode_norm(x, L->norm[0], row_slot, B, D, eps, dtype, gemma, h);
         if ((rc = decode_proj(L, 0, h, B, D, Q, dtype, row_slot, slots, P, any_delta, one_pass, LOW(0), qkv, n_threads))) break;
-        for (int64_t b = 0; b < B; ++b) { /* rope over q's and k's heads (adjacent in qkv), then k, v into the pool */
+        for (int64_t b = 0; b < B; ++b) { /* q/k norms, rope over q's and k's heads (adjacent in qkv), then k, v into the pool */
             float *row = qkv + b * Q;
-            rope_heads(row, H + KV, hd, cs + b * hd, sn + b * hd, dtype);
+            if (L->qk_norm[0])
+                for (int64_t j = 0; j < H + KV; ++j)
+                    norm_row(row + j * hd, L->qk_norm[j >= H], (row_slot[b] + 1) * hd, hd, eps, dtype, gemma, row + j * hd);
+            rope_heads(row, H + KV, hd, (local ? lcs : cs) + b * hd, (local ? lsn : sn) + b * hd, dtype);
             memcpy(q + b * HD, row, sizeof(float) * (size_t)HD);
             const int64_t off = write_rows[b] * KV * hd;
             for (int64_t i = 0; i < KV * hd; ++i) {
@@ -391,20 +459,33 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
             }
         }
         if ((rc = bd_paged_decode(q, B, H, KV, hd, L->k, L->v, dtype, tables, max_blocks, lens, bs, L->window, scale,
-                                  0.f, att, n_threads)))
+                                  o_->attn_softcap, att, n_threads)))
             break;
         round_all(att, B * HD, dtype);
         if ((rc = decode_proj(L, 1, att, B, HD, D, dtype, row_slot, slots, P, any_delta, one_pass, LOW(1), o, n_threads))) break;
-        residual_add(x, o, B * D, dtype);
-        decode_norm(x, L->norm[1], row_slot, B, D, eps, dtype, h);
+        if (L->norm[2]) { /* Gemma 2/3's sandwich: the attention's output normed, the MLP's input by its own */
+            decode_norm(o, L->norm[1], row_slot, B, D, eps, dtype, gemma, h);
+            residual_add(x, h, B * D, dtype);
+            decode_norm(x, L->norm[2], row_slot, B, D, eps, dtype, gemma, h);
+        } else {
+            residual_add(x, o, B * D, dtype);
+            decode_norm(x, L->norm[1], row_slot, B, D, eps, dtype, gemma, h);
+        }
         if ((rc = decode_proj(L, 2, h, B, D, 2 * F, dtype, row_slot, slots, P, any_delta, one_pass, LOW(2), gu, n_threads))) break;
-        silu_mul(gu, B, F, dtype, act);
+        if (o_->gelu)
+            gelu_mul(gu, B, F, dtype, act);
+        else
+            silu_mul(gu, B, F, dtype, act);
         if ((rc = decode_proj(L, 3, act, B, F, D, dtype, row_slot, slots, P, any_delta, one_pass, LOW(3), dn, n_threads))) break;
-        residual_add(x, dn, B * D, dtype);
+        if (L->norm[3]) { /* the MLP's output normed before its residual add */
+            decode_norm(dn, L->norm[3], row_slot, B, D, eps, dtype, gemma, h);
+            residual_add(x, h, B * D, dtype);
+        } else
+            residual_add(x, dn, B * D, dtype);
     }
 #undef LOW
     if (!rc && final_norm) {
-        decode_norm(x, final_norm, row_slot, B, D, eps, dtype, h);
+        decode_norm(x, final_norm, row_slot, B, D, eps, dtype, gemma, h);
         memcpy(x, h, sizeof(float) * (size_t)(B * D));
         if (head) rc = decode_head(h, B, D, head, dtype, vocab, n_heads, head_signs, head_alpha, head_alpha_stride,
                                    head_of_row, logits, n_threads, one_var);
@@ -498,7 +579,8 @@ int64_t bd_decode_steps(const bd_decode_layer *layers, int64_t n_layers, int64_t
                         const int32_t *lens, int64_t bs, float scale, const void *final_norm, const void *head,
                         int64_t vocab, int64_t n_heads, const uint8_t *const *head_signs,
                         const float *const *head_alpha, const int64_t *head_alpha_stride, const int64_t *head_of_row,
-                        float *logits, int n_threads, int fuse, const bd_lowrank *const *lowrank, int64_t steps,
+                        float *logits, int n_threads, int fuse, const bd_lowrank *const *lowrank,
+                        const bd_decode_opts *opts, int64_t steps,
                         const volatile int32_t *stop,
                         double deadline, int64_t *out_tokens, double *step_s) {
     (void)x_out;
@@ -523,7 +605,7 @@ int64_t bd_decode_steps(const bd_decode_layer *layers, int64_t n_layers, int64_t
                                         row_planes32, n_planes, D, H, KV, hd, F, eps, dtype, rope_cos, rope_sin,
                                         rope_dtype, rope, n_rope, wr, tables, max_blocks, len, bs, scale, final_norm,
                                         head, vocab, n_heads, head_signs, head_alpha, head_alpha_stride, head_of_row,
-                                        logits, n_threads, fuse, lowrank);
+                                        logits, n_threads, fuse, lowrank, opts);
         if (rc) {
             free(tok);
             return rc;

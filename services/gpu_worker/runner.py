@@ -55,6 +55,7 @@ from bitdelta_kernels.cpu_decode import (
     Burst,
     DecodeLayer,
     DecodeLayers,
+    DecodeOptions,
     DecodeShape,
     EmbedPlanes,
     HeadPlanes,
@@ -157,6 +158,7 @@ class _HostStep:
     fuse: bool
     row_planes: torch.Tensor | None
     embeds: EmbedPlanes | None
+    local: tuple[torch.Tensor, torch.Tensor] | None = None  # Gemma 3's sliding layers' tables, rows as cos'
 
     def rows(self) -> tuple:
         """bind's positional arguments up to the block size."""
@@ -809,6 +811,7 @@ class ModelRunner:
             row_planes=h.row_planes,
             embeds=h.embeds,
             lowrank=self._c_lowrank(self.slots.extras),
+            local=h.local,
         )
         (ready or _nothing)()
         return call()
@@ -825,11 +828,19 @@ class ModelRunner:
         if not all(w.want_logits for w in work):
             return None
         pos = [w.start for w in work]
+        local = None
         if self.args.rope.length_dependent:  # a step's own tables, row b row b's
             cos, sin = self.rope.tables(torch.tensor(pos), max(pos) + 1, [p + 1 for p in pos])
             cos, sin, rope_rows = cos.contiguous(), sin.contiguous(), None
+            if self.local_rope is not None:
+                lc, ls = self.local_rope.tables(torch.tensor(pos), max(pos) + 1, [p + 1 for p in pos])
+                local = (lc.contiguous(), ls.contiguous())
         else:
             (cos, sin), rope_rows = self.rope.cached(max(pos) + steps), pos
+            if self.local_rope is not None:  # both tables cover the rows; the call wants them the same size
+                lc, ls = self.local_rope.cached(max(pos) + steps)
+                n = min(cos.shape[0], lc.shape[0])
+                cos, sin, local = cos[:n], sin[:n], (lc[:n], ls[:n])
         planes = _multi_plane(extras, set(slots))
         return _HostStep(
             tokens=[w.tokens[0] for w in work],
@@ -844,6 +855,7 @@ class ModelRunner:
             fuse=self.use_fused and len(set(slots)) == 1 and slots[0] >= 0,  # never batch-invariant
             row_planes=self._plane_rows(torch.tensor(slots, dtype=torch.int32), planes) if planes else None,
             embeds=embeds,
+            local=local,
         )
 
     def _c_decode_serves(self, rows: int) -> bool:
@@ -863,11 +875,14 @@ class ModelRunner:
 
     @functools.cached_property
     def _c_group_shapes(self) -> dict[str, tuple[int, int]] | None:
-        """The projection groups' shapes where the C layers can run this runner's layer (on CPU, a
-        full-head rope, no q/k norms, the four groups; a runner that changes a layer, as tensor
-        parallelism's, keeps its own; the library built with SIMD for this dtype), else None."""
+        """The projection groups' shapes where the C layers can run this runner's layer (on CPU, rope
+        over the whole head, the four groups; a runner that changes a layer, as tensor parallelism's,
+        keeps its own; the library built with SIMD for this dtype), else None."""
         a = self.args
-        if self.device.type != "cpu" or not a.llama_shaped or not self.own_layers():
+        ropes = [a.rope] + ([a.local_rope] if a.local_rope is not None else [])
+        if self.device.type != "cpu" or any(r.dim != a.head_dim for r in ropes) or not self.own_layers():
+            return None
+        if a.local_rope is not None and a.local_rope.length_dependent:
             return None
         shapes = a.group_shapes()
         return shapes if set(shapes) == set(GROUPS) and DecodeShape.supported(self.dtype) else None
@@ -895,12 +910,13 @@ class ModelRunner:
                 row_planes=h.row_planes,
                 embeds=h.embeds,
                 lowrank=self._c_lowrank(extras),
+                local=h.local,
             )
             ready()  # no torch op between these two: most release the GIL to the loop's thread
-            return call()
+            return softcap(call(), self.args.logit_softcap)
         (heads_ok, heads), _ = _c_parts([w.slot for w in work], extras)
         m = self.prepare(work)
-        x = self._embed(m)
+        x = embed_scaled(self.args, self._embed(m))
         every = len(m.logit_slots) == len(work)  # every row samples: its logits row is its own
         # each row's head the base's, or the base's + one sign plane of its variant (a tied
         # embedding compressed to signs): the C call ends with them (the layers, the final norm, the
@@ -920,14 +936,15 @@ class ModelRunner:
             fuse=m.single_slot is not None,  # the single-variant form (never batch-invariant: use_fused)
             row_planes=m.host_slots if m.host_slots.dim() == 2 else None,  # variants of k > 1 planes
             lowrank=self._c_lowrank(extras),
+            local=None if m.local_cos is None else (m.local_cos[:, 0], m.local_sin[:, 0]),
         )
         ready()
         out = call()
         if fused:
-            return out
+            return softcap(out, self.args.logit_softcap)
         if not m.logit_slots:
             return torch.empty(0, self.args.vocab_size, dtype=torch.float32, device=out.device)
-        return self._logits(out if every else out[m.logit_rows], m)
+        return softcap(self._logits(out if every else out[m.logit_rows], m), self.args.logit_softcap)
 
     def _c_lowrank(self, extras: dict) -> LowRankTable | None:
         """The low-rank residuals of the resident deltas in `extras` as the C layers read them (None:
@@ -948,10 +965,14 @@ class ModelRunner:
                 signs=tuple(sl.signs[i][g] for g in GROUPS),
                 alpha=tuple(sl.alpha[i][g] for g in GROUPS),
                 biases=tuple(sl.biases[i].get(g) for g in GROUPS),
-                norms=(sl.norms[i]["input_layernorm"], sl.norms[i]["post_attention_layernorm"]),
+                norms=tuple(sl.norms[i][n] for n, _ in a.layer_norms() if "." not in n),  # not self_attn's q/k
                 k=self.kv.k[i],
                 v=self.kv.v[i],
                 window=a.window(i),
+                qk_norms=(sl.norms[i]["self_attn.q_norm"], sl.norms[i]["self_attn.k_norm"])
+                if a.family.qk_norm
+                else None,
+                local=a.local(i),
             )
             for i in range(a.n_layers)
         ]
@@ -964,8 +985,21 @@ class ModelRunner:
         )
         embed = self.base.embed  # the rows' embedding in the C call (run given token ids)
         embed = embed if embed.dtype == self.dtype and embed.is_contiguous() else None
+        options = DecodeOptions(
+            gemma=a.family.gemma,
+            gelu=a.act == "gelu_tanh",
+            embed_scale=a.embed_scale or 0.0,
+            attn_scale=a.attn_scale,
+            attn_softcap=a.attn_softcap,
+        )
         return DecodeLayers(
-            layers, shape, self.dtype, final_norm=sl.final_norm, head=head if fits else None, embed=embed
+            layers,
+            shape,
+            self.dtype,
+            final_norm=sl.final_norm,
+            head=head if fits else None,
+            embed=embed,
+            options=options,
         )
 
     def _forward_layers(self, work: list[SeqWork], ready: Callable[[], None]) -> torch.Tensor:

@@ -605,17 +605,27 @@ def test_decode_layers_check_their_tensors():
     assert full.run(torch.randn(1, D), torch.tensor([-1]), **args, logits=True).shape == (1, 50)
 
 
-def decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs, planes=None, lowrank=None):
+def decode_layer_ref(
+    x, L, slots, shape, cos, sin, write_rows, tables, lens, bs, planes=None, lowrank=None, opts=None, local=None
+):
     """One layer of the runner for decode rows, in float64 from the same tensors (fp32 model):
     norm, each projection x · Wᵀ + Σ_v α_v ⊙ (x · S_vᵀ) over the row's plane slots v ≥ 0 (planes[b],
     default its slot) + the row's slot's low-rank terms (lowrank: (slot, group index) -> (v, [(r0, c0,
     U)])), rope over q's and k's heads, the new k, v written into copies of the pool, attention over
-    the row's blocks, the residuals, silu · up. -> the layer's output [B, dim]."""
+    the row's blocks, the residuals, silu · up. -> the layer's output [B, dim]. What a family
+    changes: opts (`DecodeOptions`: Gemma's (1 + w) norms, GELU's tanh form, the scores' scale and
+    cap), L's q/k norms and sandwich norms, and with L.local the rotation `local` (cos, sin)."""
     H, KV, hd, F, eps = shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.intermediate, shape.norm_eps
     planes = [[v] for v in slots] if planes is None else planes
+    gemma = opts is not None and opts.gemma
+    if L.local:
+        cos, sin = local
 
-    def norm(t, w):
-        return torch.stack([t[b] * torch.rsqrt(t[b].pow(2).mean() + eps) * w[slots[b] + 1] for b in range(len(t))])
+    def norm(t, w):  # t [B, ..., n]: every row of the last dim with its slot's weights
+        w = w.double() + (1.0 if gemma else 0.0)
+        return torch.stack(
+            [t[b] * torch.rsqrt(t[b].pow(2).mean(-1, keepdim=True) + eps) * w[slots[b] + 1] for b in range(len(t))]
+        )
 
     def proj(t, g):
         out = t @ L.weights[g].double().t()
@@ -638,9 +648,13 @@ def decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs,
 
     x = x.double()
     B = x.shape[0]
-    qkv = proj(norm(x, L.norms[0].double()), 0)
-    q = rope(qkv[:, : H * hd].view(B, H, hd))
-    k_new = rope(qkv[:, H * hd : (H + KV) * hd].view(B, KV, hd))
+    qkv = proj(norm(x, L.norms[0]), 0)
+    q, k_new = qkv[:, : H * hd].view(B, H, hd), qkv[:, H * hd : (H + KV) * hd].view(B, KV, hd)
+    if L.qk_norms is not None:
+        q, k_new = norm(q, L.qk_norms[0]), norm(k_new, L.qk_norms[1])
+    q, k_new = rope(q), rope(k_new)
+    scale = hd**-0.5 if opts is None or opts.attn_scale is None else opts.attn_scale
+    cap = None if opts is None else opts.attn_softcap
     k, v = L.k.double().clone(), L.v.double().clone()
     k[write_rows], v[write_rows] = k_new, qkv[:, (H + KV) * hd :].view(B, KV, hd)
     att = torch.zeros(B, H, hd, dtype=torch.float64)
@@ -648,11 +662,17 @@ def decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs,
         rows = torch.tensor([int(tables[b, t // bs]) * bs + t % bs for t in range(int(lens[b]))])
         for h in range(H):
             kv = h // (H // KV)
-            p = torch.softmax(k[rows, kv] @ q[b, h] / hd**0.5, 0)
+            s = k[rows, kv] @ q[b, h] * scale
+            p = torch.softmax(s if cap is None else torch.tanh(s / cap) * cap, 0)
             att[b, h] = p @ v[rows, kv]
-    x = x + proj(att.view(B, H * hd), 1)
-    gu = proj(norm(x, L.norms[1].double()), 2)
-    return x + proj(torch.nn.functional.silu(gu[:, :F]) * gu[:, F:], 3)
+    o = proj(att.view(B, H * hd), 1)
+    sandwich = len(L.norms) == 4
+    x = x + (norm(o, L.norms[1]) if sandwich else o)
+    gu = proj(norm(x, L.norms[2 if sandwich else 1]), 2)
+    gelu = opts is not None and opts.gelu
+    act = torch.nn.functional.gelu(gu[:, :F], approximate="tanh") if gelu else torch.nn.functional.silu(gu[:, :F])
+    down = proj(act * gu[:, F:], 3)
+    return x + (norm(down, L.norms[3]) if sandwich else down)
 
 
 def on_one_and_two_threads(fn) -> dict:
@@ -723,6 +743,64 @@ def test_decode_layers_against_the_reference(isa, dims):
             bs,
         )
         assert torch.equal(one[0], got[1][b]), b
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "qwen3"])
+def test_decode_layers_of_other_families_against_the_reference(isa, kind):
+    """What Gemma and Qwen3 change in the C decode layers, against the layer in float64: Gemma's
+    (1 + w) norms in fp32, the sandwich norms, GELU's tanh form, the scores' own scale; Gemma 2's
+    capped scores; Gemma 3's and Qwen3's per-head q/k norms and Gemma 3's local rotation; rows of
+    two variants and the base in one step, fp32; a row alone the same as in the batch."""
+    import dataclasses
+
+    from bitdelta_kernels.cpu_decode import DecodeLayers, DecodeOptions, DecodeShape
+
+    D, H, KV, hd, F = 96, 4, 2, 32, 160
+    shape = DecodeShape(D, H, KV, hd, F, 1e-6)
+    g = torch.Generator().manual_seed(7)
+    out_in = (((H + 2 * KV) * hd, D), (D, H * hd), (2 * F, D), (D, F))
+    bs, B, n_slots = 4, 4, 2
+    L = random_layer(out_in, D, KV, hd, n_slots, torch.float32, 8 * bs, g)
+    gemma = kind.startswith("gemma")
+
+    def norms(n, size):
+        return tuple(torch.randn(n_slots + 1, size, generator=g) * 0.3 + (0.0 if gemma else 1.0) for _ in range(n))
+
+    L = dataclasses.replace(
+        L,
+        norms=norms(4 if gemma else 2, D),
+        qk_norms=norms(2, hd) if kind != "gemma2" else None,
+        local=kind == "gemma3",
+    )
+    opts = DecodeOptions(
+        gemma=gemma,
+        gelu=gemma,
+        embed_scale=D**0.5 if gemma else 0.0,
+        attn_scale=0.11 if gemma else None,
+        attn_softcap=1.5 if kind == "gemma2" else None,
+    )
+    slots = [0, -1, 1, 0]
+    cos, sin, tables, lens, write_rows, x = four_decode_rows(D, hd, bs, g)
+    angle = torch.rand(4, hd // 2, generator=g) * 6.28
+    local = (torch.cat([angle.cos()] * 2, 1), torch.cat([angle.sin()] * 2, 1))
+    want = decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs, opts=opts, local=local)
+    plain = decode_layer_ref(x, dataclasses.replace(L, norms=L.norms[:2], qk_norms=None, local=False), slots, shape,
+                             cos, sin, write_rows, tables, lens, bs)  # fmt: skip
+    assert rel_err(plain, want) > 1e-2  # what the family changes changes the numbers
+    layers = DecodeLayers([L], shape, torch.float32, options=opts)
+    loc = local if L.local else None
+    got = layers.run(x, torch.tensor(slots), cos, sin, write_rows, tables, lens, bs, local=loc)
+    assert rel_err(got, want) <= 1e-5
+    for b in range(B):
+        r = slice(b, b + 1)
+        one = layers.run(
+            x[r], torch.tensor(slots[r]), cos[r], sin[r], write_rows[r], tables[r], lens[r], bs,
+            local=None if loc is None else (loc[0][r], loc[1][r]),
+        )  # fmt: skip
+        assert torch.equal(one[0], got[b]), b
+    if L.local:
+        with pytest.raises(ValueError, match="local layers need"):
+            layers.run(x, torch.tensor(slots), cos, sin, write_rows, tables, lens, bs)
 
 
 def test_decode_layers_sum_each_rows_planes(isa):
