@@ -160,3 +160,33 @@ def test_a_request_or_a_cancel_ends_a_burst_after_its_step(family):
 
 async def _collect(events):
     return [e async for e in events]
+
+
+@pytest.mark.parametrize("member", ["gemma2", "gemma3"])
+def test_gemma_bursts_give_the_tokens_of_torchs_layers(tmp_path, member):
+    """Gemma's decode rows in the C layers, in bursts (Gemma 3's sliding layers reading their own
+    rope rows of the cached tables), give the tokens of the layer-by-layer torch path (backend
+    "torch": no C call), fp32, past the windows of 8."""
+    from tests.support.archs import make_hf_base
+
+    base = make_hf_base(tmp_path / "base", member, seed=6)
+    (tmp_path / "deltas").mkdir()
+    jobs = [("", "The quick brown fox"), ("", "Hello world, again and again"), ("", "abc")]
+    samplings = [Sampling(max_new_tokens=24, ignore_eos=True)] * 3
+
+    async def run(**kw):
+        cfg = WorkerConfig(base=base, delta_dir=str(tmp_path / "deltas"), kv_cache=4 << 20, dtype="float32", **kw)
+        w = Worker(cfg)
+        await w.start()
+        try:
+            outs = await asyncio.gather(
+                *[_collect(w.generate(Request(m, p, sp))) for (m, p), sp in zip(jobs, samplings)]
+            )
+            return [[e.token_id for e in out] for out in outs], w.engine.bursts
+        finally:
+            await w.close()
+
+    torch_steps, _ = asyncio.run(run(kernel_backend="torch"))
+    burst, n = asyncio.run(run(decode_burst_ms=1000))
+    assert n > 0 and burst == torch_steps
+    assert all(len(t) == 24 for t in burst) and len({tuple(t) for t in burst}) == 3
