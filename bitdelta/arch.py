@@ -113,6 +113,81 @@ FAMILIES: dict[str, Family] = {
         sandwich=True,
     ),
 }
+# What transformers' config class of each family sets where a config.json leaves a field out (the
+# fields this build reads): a partial config means what it means to transformers (e.g. Gemma 3's
+# text_config inside a multimodal config, which lists only what differs). Rope defaults are
+# `_rope_from_hf`'s and `_layer_type_ropes`'; head_dim, where absent here, is hidden_size / heads.
+_LLAMA_LIKE = dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, rms_norm_eps=1e-6)
+_QWEN = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=22016,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    use_sliding_window=False,
+    max_window_layers=28,
+)
+_GEMMA_2_3 = dict(
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    hidden_activation="gelu_pytorch_tanh",
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+)
+FAMILY_DEFAULTS: dict[str, dict] = {
+    "llama": {**_LLAMA_LIKE, "intermediate_size": 11008, "max_position_embeddings": 2048, "hidden_act": "silu"},
+    "mistral": {
+        **_LLAMA_LIKE,
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "hidden_act": "silu",
+        "sliding_window": 4096,
+    },
+    "qwen2": {**_QWEN, "hidden_act": "silu"},
+    "qwen3": {**_QWEN, "hidden_act": "silu", "head_dim": 128},
+    "phi3": dict(
+        vocab_size=32064,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        max_position_embeddings=4096,
+        original_max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+    ),
+    "gemma": dict(
+        vocab_size=256000,
+        hidden_size=3072,
+        intermediate_size=24576,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=256,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        hidden_act="gelu_pytorch_tanh",
+    ),
+    "gemma2": {
+        **_GEMMA_2_3,
+        "vocab_size": 256000,
+        "max_position_embeddings": 8192,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    },
+    "gemma3_text": {**_GEMMA_2_3, "vocab_size": 262208, "max_position_embeddings": 131072},
+}
 # The MLP gate activations (config name -> the runner's name); Gemma's is GELU in its tanh form.
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -545,6 +620,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
     if model_type not in FAMILIES:
         raise UnsupportedModel(_unsupported_type(model_type))
     fam = FAMILIES[model_type]
+    cfg = {**FAMILY_DEFAULTS[model_type], **cfg}  # what transformers reads where the file says nothing
     for key in ("text_config", "vision_config", "audio_config"):
         if _is_set(cfg.get(key)):
             raise UnsupportedModel(f"config field {key!r}: multimodal models are not supported")
@@ -580,9 +656,9 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         n_heads=heads,
         n_kv_heads=cfg.get("num_key_value_heads") or heads,
         intermediate_size=cfg["intermediate_size"],
-        norm_eps=cfg.get("rms_norm_eps", 1e-5 if model_type == "phi3" else 1e-6),
+        norm_eps=cfg["rms_norm_eps"],
         max_seq_len=max_pos,
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", fam.gemma)),  # transformers' default per family
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         head_dim=head_dim,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,

@@ -125,6 +125,36 @@ def test_fields_that_would_change_the_model_are_refused(bases):
         ModelArgs.from_hf({**llama, "vision_config": {"hidden_size": 8}})
 
 
+@pytest.mark.parametrize(
+    "model_type, config_class",
+    [
+        ("llama", "LlamaConfig"),
+        ("mistral", "MistralConfig"),
+        ("qwen2", "Qwen2Config"),
+        ("qwen3", "Qwen3Config"),
+        ("phi3", "Phi3Config"),
+        ("gemma", "GemmaConfig"),
+        ("gemma2", "Gemma2Config"),
+        ("gemma3_text", "Gemma3TextConfig"),
+    ],
+)
+def test_a_field_left_out_means_what_it_means_to_transformers(model_type, config_class):
+    """A config of nothing but its model_type reads as transformers' config class of the family reads
+    it (every default the forward depends on: Mistral's window of 4096, Qwen3's head_dim of 128,
+    Gemma 2's soft-caps, ...), and the defaults are those of the class."""
+    import dataclasses
+
+    import transformers as tf
+
+    from bitdelta.arch import FAMILY_DEFAULTS
+
+    full = getattr(tf, config_class)().to_dict()
+    assert {k: full.get(k) for k in FAMILY_DEFAULTS[model_type]} == FAMILY_DEFAULTS[model_type]
+    bare, theirs = ModelArgs.from_hf({"model_type": model_type}), ModelArgs.from_hf(full)
+    no_ids = dict(bos_token_id=None, eos_token_id=None)  # token ids: the tokenizer's business
+    assert dataclasses.replace(bare, **no_ids) == dataclasses.replace(theirs, **no_ids)
+
+
 def test_gemma_configs_as_transformers_reads_them(bases):
     """Gemma 3's two rope spellings give one description; what Gemma's code would run otherwise is
     refused by name."""
