@@ -188,6 +188,22 @@ FAMILY_DEFAULTS: dict[str, dict] = {
     },
     "gemma3_text": {**_GEMMA_2_3, "vocab_size": 262208, "max_position_embeddings": 131072},
 }
+# Multimodal wrappers whose text model this build serves alone (model_type -> the text model's, and
+# its causal LM's class): prompts are text, the vision tower's weights are never read
+# (`text_model_config`; bitdelta.checkpoint reads the text model's tensors under its causal LM's names).
+TEXT_MODELS = {"gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
+# A wrapper's own fields beside its text model's (its vision tower's, the image tokens'): not read.
+WRAPPER_FIELDS = frozenset(
+    {
+        "text_config",
+        "vision_config",
+        "boi_token_index",
+        "eoi_token_index",
+        "image_token_index",
+        "mm_tokens_per_image",
+        "tie_word_embeddings",
+    }
+)
 # The MLP gate activations (config name -> the runner's name); Gemma's is GELU in its tanh form.
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -606,8 +622,8 @@ def _unsupported_type(model_type) -> str:
         "moe" in model_type or model_type in ("mixtral", "dbrx", "deepseek_v2", "deepseek_v3")
     ):
         hint = " (mixture-of-experts models are not supported)"
-    elif isinstance(model_type, str) and model_type.startswith(("gemma", "llava", "idefics", "qwen2_vl", "mllama")):
-        hint = " (multimodal models are not supported; a Gemma 3 text model is model_type 'gemma3_text')"
+    elif isinstance(model_type, str) and model_type.startswith(("llava", "idefics", "qwen2_vl", "mllama", "paligemma")):
+        hint = " (multimodal models are not supported, but for Gemma 3's text model)"
     return f"model_type {model_type!r} is not supported{hint}; this build serves {', '.join(SUPPORTED)}"
 
 
@@ -615,7 +631,46 @@ def _is_set(value) -> bool:
     return value is not None and value is not False and value != {} and value != []
 
 
+def text_model_config(cfg: dict) -> dict:
+    """The config of the model this build serves from `cfg`: cfg itself, or for a multimodal wrapper
+    (TEXT_MODELS: Gemma 3's Gemma3ForConditionalGeneration) its text model's, as that text model's
+    causal LM reads it: the text_config, with the wrapper's token ids and tie_word_embeddings where
+    the text_config has none. A wrapper field this build does not know is refused by name."""
+    model_type = cfg.get("model_type")
+    if model_type not in TEXT_MODELS:
+        return cfg
+    text_type, causal_lm = TEXT_MODELS[model_type]
+    unknown = sorted(
+        k
+        for k in cfg
+        if k not in WRAPPER_FIELDS | IGNORED_FIELDS | {"model_type"}
+        and not k.startswith("_")
+        and not k.endswith("_token_id")
+        and _is_set(cfg[k])
+    )
+    if unknown:
+        raise UnsupportedModel(
+            f"{model_type} config field(s) {', '.join(repr(k) for k in unknown)} are not read by this build, "
+            f"which serves its text model alone"
+        )
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise UnsupportedModel(f"a {model_type} config serves its text model: it needs a text_config")
+    if text.get("model_type", text_type) != text_type:
+        raise UnsupportedModel(f"a {model_type} config's text_config must be a {text_type} config")
+    out = {**text, "model_type": text_type, "architectures": [causal_lm]}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
+        if key in cfg and cfg[key] is not None:
+            if key in text and text[key] is not None and text[key] != cfg[key]:
+                raise UnsupportedModel(
+                    f"{key} is {cfg[key]!r} in the {model_type} config, {text[key]!r} in its text_config"
+                )
+            out[key] = cfg[key]
+    return out
+
+
 def _from_hf(cls, cfg: dict) -> ModelArgs:
+    cfg = text_model_config(cfg)
     model_type = cfg.get("model_type", "llama")
     if model_type not in FAMILIES:
         raise UnsupportedModel(_unsupported_type(model_type))
@@ -874,4 +929,15 @@ def _yarn_attention_factor(factor: float, params: dict) -> float:
     return mscale(factor)
 
 
-__all__ = ["ModelArgs", "Rope", "Family", "Matrix", "FAMILIES", "SUPPORTED", "UnsupportedModel", "GROUP_ORDER"]
+__all__ = [
+    "ModelArgs",
+    "Rope",
+    "Family",
+    "text_model_config",
+    "TEXT_MODELS",
+    "Matrix",
+    "FAMILIES",
+    "SUPPORTED",
+    "UnsupportedModel",
+    "GROUP_ORDER",
+]

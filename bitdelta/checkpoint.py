@@ -53,19 +53,51 @@ def weight_files(ckpt: str | os.PathLike) -> list[Path]:
     return files
 
 
+# Where a multimodal wrapper's checkpoint (bitdelta.arch.TEXT_MODELS) keeps its text model: the
+# stored prefixes of the text model's causal-LM names (transformers' own saving and the published
+# checkpoints use the first; checkpoints saved by transformers 4.5x the second), and its towers'
+# prefixes, which are not read.
+TEXT_MODEL_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+TOWER_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def causal_lm_name(stored: str) -> str | None:
+    """A wrapper's stored tensor name under its text model's causal-LM name; None for a tower's."""
+    if stored.startswith(TOWER_PREFIXES):
+        return None
+    for prefix, causal in TEXT_MODEL_PREFIXES:
+        if stored.startswith(prefix):
+            return causal + stored[len(prefix) :]
+    return stored
+
+
 class CheckpointReader:
     """Random access to a checkpoint's tensors without loading them all.
 
     >>> with CheckpointReader(dir) as r: w = r.get("model.norm.weight")
+
+    A multimodal wrapper's checkpoint (Gemma 3's Gemma3ForConditionalGeneration, config.json's
+    model_type in bitdelta.arch.TEXT_MODELS) reads as its text model's causal LM: its tensors under
+    that model's names (`TEXT_MODEL_PREFIXES`), the vision tower's and projector's left out.
     """
 
     def __init__(self, ckpt: str | os.PathLike):
+        from bitdelta.arch import TEXT_MODELS
+
         self.path = Path(ckpt)
+        cfg = self.path / "config.json"
+        wrapper = cfg.is_file() and json.loads(cfg.read_text()).get("model_type") in TEXT_MODELS
         self._handles = [safe_open(str(f), framework="pt") for f in weight_files(ckpt)]
-        self._where = {}
+        self._where: dict[str, tuple[object, str]] = {}  # name -> (file handle, the name stored there)
         for h in self._handles:
             for k in h.keys():
-                self._where[k] = h
+                name = causal_lm_name(k) if wrapper else k
+                if name is not None:
+                    self._where[name] = (h, k)
 
     def keys(self) -> list[str]:
         return sorted(self._where)
@@ -75,21 +107,24 @@ class CheckpointReader:
 
     def get(self, name: str) -> torch.Tensor:
         try:
-            return self._where[name].get_tensor(name)
+            h, stored = self._where[name]
         except KeyError:
             raise KeyError(f"{self.path}: no tensor {name!r}") from None
+        return h.get_tensor(stored)
 
     __getitem__ = get
 
     def shape(self, name: str) -> list[int]:
-        return list(self._where[name].get_slice(name).get_shape())
+        h, stored = self._where[name]
+        return list(h.get_slice(stored).get_shape())
 
     def get_part(self, name: str, rows: tuple[tuple[int, int], ...] | None = None, cols: tuple[int, int] | None = None):
         """Rows (runs of the first dim, concatenated) and columns of one tensor, reading only those
         bytes from the file (a tensor-parallel rank's slice of a base: bitdelta.shard)."""
         if name not in self._where:
             raise KeyError(f"{self.path}: no tensor {name!r}")
-        sl = self._where[name].get_slice(name)
+        h, stored = self._where[name]
+        sl = h.get_slice(stored)
         c = slice(*cols) if cols is not None else slice(None)
         if rows is None:
             return sl[:, c] if cols is not None else sl[:]

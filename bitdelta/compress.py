@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bitdelta.arch import ModelArgs
+from bitdelta.arch import ModelArgs, text_model_config
 from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config, save_checkpoint
 from bitdelta.format import CompressedWeight, Delta, DeltaMeta, SignPlane, check_arch, load_delta, save_delta
 from bitdelta.model_files import JINJA_NAME, own_eos, own_serving, same_tokenizer
@@ -241,7 +241,7 @@ def apply(
     """Write the dense checkpoint W_base + α ⊙ S (and the dense replacements) to `out`."""
     base = Path(base)
     delta = load_delta(delta_path, base_fingerprint=fingerprint(base))
-    cfg = read_config(base)
+    cfg = text_model_config(read_config(base))  # a multimodal wrapper's text model: what was compressed
     check_arch(delta.meta.variant, delta.meta.architecture, delta.meta.layout, ModelArgs.from_hf(cfg))
     state = {}
     with CheckpointReader(base) as rb:

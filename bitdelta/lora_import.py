@@ -25,13 +25,14 @@ base lacks, or factors beyond fp16's range are refused here.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import torch
 
-from bitdelta.arch import ModelArgs
-from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config
+from bitdelta.arch import TEXT_MODELS, ModelArgs
+from bitdelta.checkpoint import CheckpointReader, causal_lm_name, fingerprint, read_config
 from bitdelta.format import CompressedWeight, Delta, DeltaMeta, save_delta
 from bitdelta.merge.adapter import LoraAdapter, load_adapter
 from bitdelta.model_files import own_serving, same_tokenizer
@@ -50,6 +51,8 @@ def import_lora(
     template, sampling = own_serving(base, adapter)  # ... and its own chat template, by the gateway
     cfg = read_config(base)
     args = ModelArgs.from_hf(cfg)
+    if cfg.get("model_type") in TEXT_MODELS:  # a multimodal wrapper's adapter: its text model's part
+        lora = _text_model_part(lora)
     projections = set(args.compressed_names())
     compressed: dict[str, CompressedWeight] = {}
     with CheckpointReader(base) as rb:
@@ -79,6 +82,19 @@ def import_lora(
     )
     save_delta(out, Delta(meta, compressed, dense))
     return out
+
+
+def _text_model_part(lora: LoraAdapter) -> LoraAdapter:
+    """A multimodal wrapper's adapter (Gemma 3's) as its text model's: its modules and tensors under the
+    text model's causal-LM names (bitdelta.checkpoint.causal_lm_name); the vision tower's and the
+    projector's left out, as a text prompt never reaches them."""
+
+    def text(d: dict) -> dict:
+        return {n: v for k, v in d.items() if (n := causal_lm_name(k)) is not None}
+
+    return dataclasses.replace(
+        lora, modules=text(lora.modules), embeddings=text(lora.embeddings), params=text(lora.params)
+    )
 
 
 def _dense_parts(

@@ -6,6 +6,7 @@ config field that changes the forward pass is honoured or refused by name."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 
@@ -118,7 +119,7 @@ def test_fields_that_would_change_the_model_are_refused(bases):
     for why, change in cases.items():
         with pytest.raises(UnsupportedModel, match=why.replace("(", r"\(")):
             ModelArgs.from_hf({**copy.deepcopy(llama), **change})
-    for model_type, what in (("mixtral", "mixture-of-experts"), ("gemma3", "gemma3_text"), ("llava", "multimodal")):
+    for model_type, what in (("mixtral", "mixture-of-experts"), ("paligemma", "multimodal"), ("llava", "multimodal")):
         with pytest.raises(UnsupportedModel, match=f"{model_type}.*{what}.*llama, mistral, qwen2, qwen3, phi3"):
             ModelArgs.from_hf({**llama, "model_type": model_type})
     with pytest.raises(UnsupportedModel, match="multimodal"):
@@ -195,6 +196,19 @@ def test_gemma_configs_as_transformers_reads_them(bases):
     for why, (cfg, change) in cases.items():
         with pytest.raises(UnsupportedModel, match=why):
             ModelArgs.from_hf({**copy.deepcopy(cfg), **change})
+    # Gemma 3 as its multimodal checkpoints ship: its text model, as Gemma3ForCausalLM reads it
+    mm = read_config(bases["gemma3-mm"])
+    assert mm["model_type"] == "gemma3" and mm["vision_config"]
+    assert ModelArgs.from_hf(mm) == dataclasses.replace(args, bos_token_id=mm.get("bos_token_id", args.bos_token_id))
+    wrapper_cases = {
+        "'audio_config'": {"audio_config": {"hidden_size": 8}},
+        "needs a text_config": {"text_config": None},
+        "must be a gemma3_text config": {"text_config": {**mm["text_config"], "model_type": "llama"}},
+        "tie_word_embeddings is False in the gemma3 config, True in its text_config": {"tie_word_embeddings": False},
+    }
+    for why, change in wrapper_cases.items():
+        with pytest.raises(UnsupportedModel, match=why):
+            ModelArgs.from_hf({**copy.deepcopy(mm), **change})
 
 
 def test_sliding_window_only_where_transformers_applies_it(bases):

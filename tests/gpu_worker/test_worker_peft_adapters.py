@@ -40,7 +40,7 @@ N = 12
 T = 60
 SUFFIX = ".bitdelta.safetensors"
 PROMPT = "The adapter says"
-BASES = ("llama-3.2", "qwen2.5", "phi3-mini", "qwen3")
+BASES = ("llama-3.2", "qwen2.5", "phi3-mini", "qwen3", "gemma3-mm")
 
 
 def each_layer(*params: str) -> set[str]:
@@ -80,6 +80,13 @@ ADAPTERS = {
         each_layer("self_attn.q_proj.bias", "self_attn.v_proj.bias"),
     ),
     "fused": ("phi3-mini", dict(target_modules=["qkv_proj", "gate_up_proj"]), set()),  # Phi-3's fused matrices
+    # Gemma 3 as it ships (Gemma3ForConditionalGeneration): q_proj matches the vision tower's too, which
+    # a text prompt never reaches; the text model's q/k norms saved
+    "gemma3_mm": (
+        "gemma3-mm",
+        dict(target_modules=["q_proj", "down_proj"], modules_to_save=["q_norm"]),
+        each_layer("self_attn.q_norm.weight"),
+    ),
     "qk_norms_saved": (
         "qwen3",
         dict(target_modules=["o_proj"], modules_to_save=["q_norm", "k_norm"]),

@@ -109,6 +109,10 @@ def hf_config(name: str):
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
             },
         )
+    if name == "gemma3-mm":  # Gemma 3 as its multimodal checkpoints ship (Gemma3ForConditionalGeneration)
+        text = hf_config("gemma3").to_dict()
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+        return tf.Gemma3Config(text_config=text, vision_config={**vision, "patch_size": 14}, mm_tokens_per_image=1)
     raise KeyError(name)
 
 
@@ -124,6 +128,7 @@ FAMILY_MEMBERS = (
     "gemma",
     "gemma2",
     "gemma3",
+    "gemma3-mm",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa")
 
