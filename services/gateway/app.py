@@ -647,6 +647,7 @@ def create_app(
                 tools=[t.to_template() for t in tools.tools] if tools else None,
                 continue_final_message=req.continue_final_message,
                 template_kwargs=req.template_kwargs,
+                content_format=config.chat_template_content_format,
             )
             req.prompts = (api.Prompt(text=text),)
         except ChatTemplateError as e:
@@ -702,6 +703,7 @@ def create_app(
                     add_generation_prompt=r.add_generation_prompt,
                     continue_final_message=r.continue_final_message,
                     template_kwargs=r.template_kwargs,
+                    content_format=config.chat_template_content_format,
                 )
             except ChatTemplateError as e:
                 raise api.invalid("messages", str(e), code="chat_template_error") from None

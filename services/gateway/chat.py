@@ -9,6 +9,12 @@ environment with `trim_blocks` and `lstrip_blocks`, the `raise_exception(msg)` a
 `{% generation %}` tag (rendered as its body), and the tokenizer's special tokens
 (`bos_token`, `eos_token`, ...) as variables. A template that calls `raise_exception`
 (e.g. "roles must alternate") gives `ChatTemplateError`, which the gateway answers with 400.
+
+A message's content reaches the template as vLLM hands it over (`--chat-template-content-format`):
+"string", its text parts joined by newlines; or "openai", a list of {type: text, text} parts (a
+string as one part) for templates that loop over a message's content (Gemma 3's, Llama 3.2
+Vision's). "auto" (`ChatTemplate.content_format`) finds such a loop in the template's syntax tree,
+as vLLM's detection does. A tool message's parts are joined in either.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from bitdelta.model_files import (
 )
 
 MAX_TEMPLATE_KWARGS = 32  # vLLM's chat_template_kwargs in one request
+CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's --chat-template-content-format
 
 
 class ChatTemplateError(ValueError):
@@ -96,6 +103,71 @@ def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
     return dict(kwargs)
 
 
+def _reads(node: nodes.Node, names: set[str], key: str | None = None) -> bool:
+    """Whether `node` reads one of `names` (with `key`: its item or attribute `key`), through filters,
+    tests and slices (`messages[1:]`, `message['content'] | list`)."""
+    while isinstance(node, (nodes.Filter, nodes.Test)) or (
+        isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)
+    ):
+        node = node.node
+        if node is None:
+            return False
+    if key is None:
+        return isinstance(node, nodes.Name) and node.ctx == "load" and node.name in names
+    if isinstance(node, nodes.Getitem):
+        keyed = isinstance(node.arg, nodes.Const) and node.arg.value == key
+    elif isinstance(node, nodes.Getattr):
+        keyed = node.attr == key
+    else:
+        return False
+    return keyed and _reads(node.node, names)
+
+
+def _loop_targets(tree: nodes.Template, names: set[str], key: str | None = None) -> set[str]:
+    """The names `{% for x in ... %}` binds over one of `names` (or their item `key`)."""
+    return {
+        f.target.name
+        for f in tree.find_all(nodes.For)
+        if isinstance(f.target, nodes.Name) and _reads(f.iter, names, key)
+    }
+
+
+def detect_content_format(source: str) -> str:
+    """ "openai" where the template loops over a message's content (`{% for part in message['content'] %}`,
+    a message being the loop variable over `messages` or over a variable assigned from it), else
+    "string": vLLM's rule for --chat-template-content-format auto."""
+    try:
+        tree = _environment().parse(source)
+    except jinja2.TemplateError:
+        return "string"
+    lists, todo = {"messages"}, ["messages"]
+    while todo:  # every variable assigned from messages, or from one of those (`loop_messages = messages[1:]`)
+        name = todo.pop()
+        for a in tree.find_all(nodes.Assign):
+            if isinstance(a.target, nodes.Name) and a.target.name not in lists and _reads(a.node, {name}):
+                lists.add(a.target.name)
+                todo.append(a.target.name)
+    messages = _loop_targets(tree, lists)
+    return "openai" if messages and _loop_targets(tree, messages, "content") else "string"
+
+
+def _texts(content: Any) -> list[str] | None:
+    """A message's content as its text parts (None for null)."""
+    if content is None:
+        return None
+    return [content] if isinstance(content, str) else [p["text"] for p in content]
+
+
+def _shaped(message: dict[str, Any], fmt: str) -> dict[str, Any]:
+    """The message with its content as the template gets it in format `fmt` (see the module docstring)."""
+    texts = _texts(message.get("content"))
+    if fmt == "openai" and message.get("role") != "tool":
+        content: Any = [{"type": "text", "text": t} for t in texts or ()]
+    else:
+        content = "\n".join(texts or ())
+    return {**message, "content": content}
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     source: str  # the template text
@@ -125,6 +197,15 @@ class ChatTemplate:
         out._compiled()  # fail where it is loaded, not on the first request
         return out
 
+    @property
+    def content_format(self) -> str:
+        """How this template takes a message's content: "openai" or "string" (`detect_content_format`)."""
+        fmt = self.__dict__.get("_format")
+        if fmt is None:
+            fmt = detect_content_format(self.source)
+            object.__setattr__(self, "_format", fmt)
+        return fmt
+
     def _compiled(self) -> jinja2.Template:
         cached = self.__dict__.get("_template")
         if cached is None:
@@ -142,6 +223,7 @@ class ChatTemplate:
         tools: list[dict] | None = None,
         continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
+        content_format: str = "auto",
     ) -> str:
         """The prompt text for `messages` (OpenAI's role/content dicts, with assistant tool_calls and
         tool results), ending with the assistant's turn (`add_generation_prompt`); `tools` as
@@ -149,15 +231,26 @@ class ChatTemplate:
         `continue_final_message`: instead the text ends inside the last message, right after its
         content, for the model to go on with it (transformers' way: the content is rendered with a
         marker after it and the text cut there; a template that does not write the content as it
-        is refuses). `template_kwargs`: further template variables (`check_template_kwargs`)."""
+        is refuses). `template_kwargs`: further template variables (`check_template_kwargs`).
+        A message's content: a string, a list of {type: text, text} parts or None, handed over in
+        `content_format` (CONTENT_FORMATS; "auto": `self.content_format`)."""
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError("continue_final_message needs add_generation_prompt: false")
+        fmt = self.content_format if content_format == "auto" else content_format
+        if fmt not in CONTENT_FORMATS[1:]:
+            raise ValueError(f"content_format must be one of {', '.join(CONTENT_FORMATS)}, got {content_format!r}")
+        messages = [_shaped(m, fmt) for m in messages]
         if continue_final_message:
             marker = f"BITDELTA_CONTINUE_{uuid.uuid4().hex} "  # its space shows whether the template trims
-            last = messages[-1]
-            if not isinstance(last.get("content"), str) or not last["content"]:
+            last, final = messages[-1], "\n".join(_texts(messages[-1].get("content")) or ())
+            if not final:
                 raise ChatTemplateError("continue_final_message: the final message has no text to continue")
-            messages = [*messages[:-1], {**last, "content": last["content"] + marker}]
+            if isinstance(last["content"], str):
+                content: Any = last["content"] + marker
+            else:  # the marker after the last part's text (transformers looks for the last part's)
+                content = [*last["content"][:-1], {**last["content"][-1], "text": last["content"][-1]["text"] + marker}]
+            messages = [*messages[:-1], {**last, "content": content}]
+            final = _texts(last["content"])[-1]
         try:
             text = self._compiled().render(
                 **dict(template_kwargs or {}),
@@ -176,7 +269,7 @@ class ChatTemplate:
         if not continue_final_message:
             return text
         at = text.rfind(marker.strip())
-        if at < 0 or messages[-1]["content"][: -len(marker)].strip() not in text:
+        if at < 0 or final.strip() not in text:
             raise ChatTemplateError(
                 "continue_final_message: the chat template does not write the final message's text as it is"
             )

@@ -19,6 +19,7 @@ from bitdelta.rpc.config import (
 )
 from bitdelta.rpc.security import TlsSettings
 from bitdelta.units import parse_bytes
+from services.gateway.chat import CONTENT_FORMATS
 
 
 def check_variant_files(values: tuple[str, ...]) -> None:
@@ -26,6 +27,11 @@ def check_variant_files(values: tuple[str, ...]) -> None:
         name, sep, path = v.partition("=")
         if not sep or not name or not path:
             raise ValueError(f"{v!r} must be VARIANT=FILE|DIR")
+
+
+def _check_content_format(value: str) -> None:
+    if value not in CONTENT_FORMATS:
+        raise ValueError(f"must be one of {', '.join(CONTENT_FORMATS)}")
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,13 @@ class GatewayConfig(ServiceConfig, TlsSettings):
         "else --chat-template)",
         parse=parse_list,
         check=check_variant_files,
+    )
+    chat_template_content_format: str = setting(
+        "auto",
+        "how a message's content reaches the chat template, as vLLM's flag: `string` (text parts joined by "
+        "newlines), `openai` (a list of {type: text, text} parts), or `auto` (openai where the template loops "
+        "over a message's content)",
+        check=_check_content_format,
     )
     tokenizer: Path | None = setting(
         None,

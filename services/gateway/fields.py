@@ -50,7 +50,14 @@ FIELDS: tuple[Field, ...] = (
         "OpenAI",
         f"a string, token ids, or a list of up to {MAX_PROMPTS} of either (choice k·n + i: prompt k's i-th)",
     ),
-    Field("messages", None, HON, "OpenAI", "text content (a string or text parts), rendered with the chat template"),
+    Field(
+        "messages",
+        None,
+        HON,
+        "OpenAI",
+        "text content (a string or text parts; an image part: 400), rendered with the chat template; parts "
+        "reach it as vLLM hands them over (`--chat-template-content-format`)",
+    ),
     Field(
         "max_tokens",
         HON,

@@ -167,9 +167,11 @@ class Request:
         return "assistant" if self.add_generation_prompt else self.messages[-1]["role"]
 
     def chat_echo(self) -> str | None:
-        """Chat's echo: the last message's content, when it has the answer's role; else None."""
-        last = self.messages[-1]
-        return last["content"] if self.echo and last["role"] == self.role and last["content"] else None
+        """Chat's echo: the last message's content (its text parts joined by newlines, as vLLM's), when it
+        has the answer's role; else None."""
+        last, content = self.messages[-1], self.messages[-1]["content"]
+        text = "\n".join(p["text"] for p in content) if isinstance(content, list) else content
+        return text if self.echo and last["role"] == self.role and text else None
 
 
 def _checked(name: str, check: Callable[[], Any]) -> Any:
@@ -597,15 +599,15 @@ def parse_chat(body: Any, defaults: SamplingDefaults = NEUTRAL) -> Request:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
             raise invalid("messages", f"{where} must be an object with a string role")
         content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
+        if isinstance(content, list):  # content parts: text only, handed to the template as vLLM does (chat.py)
             if not all(
                 isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
             ):
                 raise invalid("messages", f"{where}.content: only text parts are supported")
-            content = "".join(p["text"] for p in content)
-        if content is not None and not isinstance(content, str):
+            content = [{"type": "text", "text": p["text"]} for p in content]
+        elif content is not None and not isinstance(content, str):
             raise invalid("messages", f"{where}.content must be a string, a list of text parts or null")
-        msg = {"role": m["role"], "content": content or ""}
+        msg = {"role": m["role"], "content": content}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
         if m.get("tool_calls") is not None:

@@ -269,6 +269,18 @@ async def test_chat_renders_the_template_and_equals_the_router(clients, model, r
     assert not any(c.choices[0].finish_reason for c in chunks[:-1])
 
 
+async def test_text_parts_reach_the_template_as_vllms(clients):
+    """A message of several text parts: the base's template takes a message's content as a string
+    (no loop over it: --chat-template-content-format auto finds "string"), so its parts reach it
+    joined by newlines, as vLLM joins them."""
+    client, router, _ = clients
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    want, _ = await router_text(router, "v0", f"{BOS}system: Be brief.\n{BOS}user: Hi\nthere\n{BOS}assistant: ")
+    msgs = [CHAT[0], {"role": "user", "content": parts}]
+    r = await client.chat.completions.create(model="v0", messages=msgs, max_tokens=N, temperature=0)
+    assert r.choices[0].message.content == want
+
+
 async def test_chat_echo_and_role_are_vllms(clients):
     """vLLM's chat echo: the last message's content comes before the answer when that message has the
     answer's role (assistant after a generation prompt, else the last message's own: the prompt
