@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite")
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
@@ -112,6 +112,24 @@ FAMILIES: dict[str, Family] = {
         gemma=True,
         sandwich=True,
     ),
+    # Granite: Llama's layer with four scalars (embedding_multiplier, residual_multiplier,
+    # attention_multiplier as the scores' scale, logits_scaling)
+    "granite": Family(
+        "granite",
+        False,
+        False,
+        False,
+        frozenset(
+            {
+                "attention_bias",
+                "mlp_bias",
+                "embedding_multiplier",
+                "residual_multiplier",
+                "attention_multiplier",
+                "logits_scaling",
+            }
+        ),
+    ),
 }
 # What transformers' config class of each family sets where a config.json leaves a field out (the
 # fields this build reads): a partial config means what it means to transformers (e.g. Gemma 3's
@@ -187,6 +205,16 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "final_logit_softcapping": 30.0,
     },
     "gemma3_text": {**_GEMMA_2_3, "vocab_size": 262208, "max_position_embeddings": 131072},
+    "granite": {
+        **_LLAMA_LIKE,
+        "intermediate_size": 11008,
+        "max_position_embeddings": 2048,
+        "hidden_act": "silu",
+        "embedding_multiplier": 1.0,
+        "residual_multiplier": 1.0,
+        "attention_multiplier": 1.0,
+        "logits_scaling": 1.0,
+    },
 }
 # Multimodal wrappers whose text model this build serves alone (model_type -> the text model's, and
 # its causal LM's class): prompts are text, the vision tower's weights are never read
@@ -441,10 +469,15 @@ class ModelArgs:
     mlp_bias: bool = False  # gate, up, down have biases (Llama mlp_bias)
     windows: tuple[int | None, ...] = ()  # per layer: sliding-window size, None = full attention; (): all full
     act: str = "silu"  # the MLP's gate activation: "silu" or "gelu_tanh" (ACTIVATIONS)
-    query_scalar: float = 0.0  # attention scores scale by query_scalar ** -0.5 (0: head_dim; Gemma 2/3)
+    # the scores' scale where it is not 1/√head_dim (Gemma 2/3's query_pre_attn_scalar ** -0.5, Granite's
+    # attention_multiplier), else None (SDPA's own)
+    attn_scale: float | None = None
     attn_softcap: float | None = None  # Gemma 2: scores -> cap · tanh(scores / cap) before the softmax
     logit_softcap: float | None = None  # Gemma 2/3: logits -> cap · tanh(logits / cap)
     local_rope: Rope | None = None  # Gemma 3: the sliding-window layers' own rope (None: `rope` everywhere)
+    embed_multiplier: float = 1.0  # Granite: the embeddings × this (a Python float: one rounding)
+    residual_multiplier: float = 1.0  # Granite: each sublayer's output × this before its residual add
+    logits_scaling: float = 1.0  # Granite: the logits ÷ this
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -472,12 +505,6 @@ class ModelArgs:
     def local(self, layer: int) -> bool:
         """The layer takes `local_rope` (Gemma 3's sliding-window layers)."""
         return self.local_rope is not None and self.window(layer) is not None
-
-    @property
-    def attn_scale(self) -> float | None:
-        """What q · k is multiplied by before the softmax where it is not SDPA's 1/√head_dim (Gemma's
-        query_pre_attn_scalar ** -0.5), else None."""
-        return None if self.query_scalar in (0.0, self.head_dim) else self.query_scalar**-0.5
 
     @property
     def embed_scale(self) -> float | None:
@@ -702,6 +729,10 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
     else:
         rope = _rope_from_hf(cfg, fam, head_dim, max_pos)
     caps = {k: _positive(cfg, k) for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+    scalar = _positive(cfg, "query_pre_attn_scalar")
+    attn_scale = None if scalar in (None, head_dim) else scalar**-0.5
+    if model_type == "granite":
+        attn_scale = _positive(cfg, "attention_multiplier")
     attn_bias = bool(cfg.get("attention_bias", False))
     eos = cfg.get("eos_token_id")
     return cls(
@@ -724,7 +755,10 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         windows=_windows(cfg, model_type, n_layers),
         act=act,
-        query_scalar=_positive(cfg, "query_pre_attn_scalar") or 0.0,
+        attn_scale=attn_scale,
+        embed_multiplier=_positive(cfg, "embedding_multiplier") or 1.0,
+        residual_multiplier=_positive(cfg, "residual_multiplier") or 1.0,
+        logits_scaling=_positive(cfg, "logits_scaling") or 1.0,
         attn_softcap=caps["attn_logit_softcapping"],
         logit_softcap=caps["final_logit_softcapping"],
         local_rope=local_rope,

@@ -61,9 +61,24 @@ def gate_act(args: ModelArgs, x: torch.Tensor) -> torch.Tensor:
 
 
 def embed_scaled(args: ModelArgs, x: torch.Tensor) -> torch.Tensor:
-    """Gemma's embeddings × √dim, the factor rounded to x's dtype first as transformers does."""
+    """Gemma's embeddings × √dim, the factor rounded to x's dtype first as transformers does; Granite's
+    × embedding_multiplier (a Python float)."""
     scale = args.embed_scale
-    return x if scale is None else x * torch.tensor(scale, dtype=x.dtype)
+    if scale is not None:
+        x = x * torch.tensor(scale, dtype=x.dtype)
+    return x if args.embed_multiplier == 1.0 else x * args.embed_multiplier
+
+
+def residual(args: ModelArgs, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """x + h, Granite's h × residual_multiplier first."""
+    return x + (h if args.residual_multiplier == 1.0 else h * args.residual_multiplier)
+
+
+def final_logits(args: ModelArgs, logits: torch.Tensor) -> torch.Tensor:
+    """fp32 logits as the family ends: Granite's ÷ logits_scaling, Gemma 2's soft-cap."""
+    if args.logits_scaling != 1.0:
+        logits = logits / args.logits_scaling
+    return softcap(logits, args.logit_softcap)
 
 
 def attend(
@@ -243,11 +258,12 @@ class Block(nn.Module):
                 setattr(self, name, RMSNorm(size, args.norm_eps, args.family.gemma))
 
     def forward(self, x, cos, sin, pos):
+        a = self.self_attn.args
         if self.sandwich:  # Gemma 2/3
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, pos))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = residual(a, x, self.self_attn(self.input_layernorm(x), cos, sin, pos))
+        return residual(a, x, self.mlp(self.post_attention_layernorm(x)))
 
 
 class Body(nn.Module):
@@ -294,7 +310,7 @@ class Llama(nn.Module):
         local = None if a.local_rope is None else a.local_rope.tables(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, *(local if a.local(i) else (cos, sin)), positions)
-        return softcap(self.lm_head(self.model.norm(x)).float(), a.logit_softcap)
+        return final_logits(a, self.lm_head(self.model.norm(x)).float())
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:

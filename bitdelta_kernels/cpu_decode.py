@@ -71,6 +71,8 @@ class _Opts(ctypes.Structure):
         ("attn_softcap", ctypes.c_float),
         ("local_cos", ctypes.c_void_p),
         ("local_sin", ctypes.c_void_p),
+        ("embed_multiplier", ctypes.c_float),
+        ("residual_multiplier", ctypes.c_float),
     ]
 
 
@@ -101,13 +103,16 @@ class DecodeOptions:
     """What a family changes in the layer (the defaults: Llama's): `gemma`, Gemma's RMSNorm (× (1 + w)
     in fp32, one rounding) and token ids' embeddings × round(embed_scale); `gelu`, the MLP's gate
     in GELU's tanh form; `attn_scale`, the scores' scale (None: 1/√head_dim); `attn_softcap`, Gemma 2's
-    cap of the scores."""
+    cap of the scores; Granite's `embed_multiplier` (token ids' embeddings × it, one rounding) and
+    `residual_multiplier` (each sublayer's output × it, rounded, before its residual add)."""
 
     gemma: bool = False
     gelu: bool = False
     embed_scale: float = 0.0
     attn_scale: float | None = None
     attn_softcap: float | None = None
+    embed_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -564,6 +569,8 @@ class DecodeLayers:
             op.embed_scale,
             op.attn_softcap or 0.0,
             *((local[0].data_ptr(), local[1].data_ptr()) if self.any_local else (None, None)),
+            op.embed_multiplier,
+            op.residual_multiplier,
         )
         rs, wr = _slots32(row_slot), _ints(write_rows, torch.int64)
         if rope_rows is None:

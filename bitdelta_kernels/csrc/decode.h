@@ -34,6 +34,8 @@ typedef struct {
     float embed_scale;
     float attn_softcap;    /* > 0: each score capped (bd_paged_decode's softcap) */
     const void *local_cos, *local_sin; /* the local layers' tables: rope_dtype, rows as rope_rows' */
+    float embed_multiplier;    /* Granite: token ids' embeddings × this, one rounding (0: 1) */
+    float residual_multiplier; /* Granite: each sublayer's output × this, rounded, before its add (0: 1) */
 } bd_decode_opts;
 
 /* One slot's low-rank residual of one projection group (services/gpu_worker/slots.py LowRank):
@@ -185,9 +187,13 @@ static void round_all(float *x, int64_t n, int dtype) {
     for (; i < n; ++i) x[i] = round_to(dtype, x[i]);
 }
 
-/* x[i] = round(x[i] + o[i]) for i < n (a residual add). */
-static void residual_add(float *x, const float *o, int64_t n, int dtype) {
+/* x[i] = round(x[i] + o[i]) for i < n (a residual add); m ≠ 1: round(x[i] + round(o[i] · m)) (Granite's). */
+static void residual_add(float *x, const float *o, int64_t n, int dtype, float m) {
     int64_t i = 0;
+    if (m != 1.f) {
+        for (; i < n; ++i) x[i] = round_to(dtype, x[i] + round_to(dtype, o[i] * m));
+        return;
+    }
 #if defined(__AVX512F__) || defined(__AVX2__)
     for (; i + LANES <= n; i += LANES) V_STORE(x + i, round_vec(dtype, V_ADD(V_LOAD(x + i), V_LOAD(o + i))));
 #endif
@@ -375,9 +381,10 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
                      const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads,
                      int fuse, const bd_lowrank *const *lowrank, const bd_decode_opts *opts) {
     const int64_t Q = (H + 2 * KV) * hd, HD = H * hd;
-    const bd_decode_opts llama = {0, 0, 0.f, 0.f, NULL, NULL};
+    const bd_decode_opts llama = {0, 0, 0.f, 0.f, NULL, NULL, 0.f, 0.f};
     const bd_decode_opts *o_ = opts ? opts : &llama;
     const int gemma = o_->gemma;
+    const float rm = o_->residual_multiplier > 0.f ? o_->residual_multiplier : 1.f;
     /* row_planes: each row's plane slots ([B, n_planes], −1 past its variant's, all −1 for a variant
      * without a sign plane); NULL: each row's one plane is its slot's */
     const int64_t P = row_planes32 && n_planes > 0 ? n_planes : 1;
@@ -429,6 +436,8 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
         const float sc = round_to(dtype, o_->embed_scale);
         for (int64_t i = 0; i < B * D; ++i) x[i] = round_to(dtype, x[i] * sc);
     }
+    if (!x_in && o_->embed_multiplier > 0.f && o_->embed_multiplier != 1.f) /* Granite: × m, rounded once */
+        for (int64_t i = 0; i < B * D; ++i) x[i] = round_to(dtype, x[i] * o_->embed_multiplier);
     for (int64_t b = 0; b < B; ++b) { /* each row's rotations, the same in every layer */
         load_row(rope_cos, rope_dtype, rope_rows[b] * hd, hd, cs + b * hd);
         load_row(rope_sin, rope_dtype, rope_rows[b] * hd, hd, sn + b * hd);
@@ -465,10 +474,10 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
         if ((rc = decode_proj(L, 1, att, B, HD, D, dtype, row_slot, slots, P, any_delta, one_pass, LOW(1), o, n_threads))) break;
         if (L->norm[2]) { /* Gemma 2/3's sandwich: the attention's output normed, the MLP's input by its own */
             decode_norm(o, L->norm[1], row_slot, B, D, eps, dtype, gemma, h);
-            residual_add(x, h, B * D, dtype);
+            residual_add(x, h, B * D, dtype, rm);
             decode_norm(x, L->norm[2], row_slot, B, D, eps, dtype, gemma, h);
         } else {
-            residual_add(x, o, B * D, dtype);
+            residual_add(x, o, B * D, dtype, rm);
             decode_norm(x, L->norm[1], row_slot, B, D, eps, dtype, gemma, h);
         }
         if ((rc = decode_proj(L, 2, h, B, D, 2 * F, dtype, row_slot, slots, P, any_delta, one_pass, LOW(2), gu, n_threads))) break;
@@ -479,9 +488,9 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
         if ((rc = decode_proj(L, 3, act, B, F, D, dtype, row_slot, slots, P, any_delta, one_pass, LOW(3), dn, n_threads))) break;
         if (L->norm[3]) { /* the MLP's output normed before its residual add */
             decode_norm(dn, L->norm[3], row_slot, B, D, eps, dtype, gemma, h);
-            residual_add(x, h, B * D, dtype);
+            residual_add(x, h, B * D, dtype, rm);
         } else
-            residual_add(x, dn, B * D, dtype);
+            residual_add(x, dn, B * D, dtype, rm);
     }
 #undef LOW
     if (!rc && final_norm) {

@@ -38,7 +38,17 @@ import torch
 import torch.nn.functional as F
 
 from bitdelta.checkpoint import CheckpointReader, read_config
-from bitdelta.model import ModelArgs, RopeCache, apply_rope, attend, attention_mask, embed_scaled, gate_act, softcap
+from bitdelta.model import (
+    ModelArgs,
+    RopeCache,
+    apply_rope,
+    attend,
+    attention_mask,
+    embed_scaled,
+    final_logits,
+    gate_act,
+    residual,
+)
 from bitdelta.shard import EMBED, HEAD
 from bitdelta_kernels import (
     backend_for,
@@ -913,7 +923,7 @@ class ModelRunner:
                 local=h.local,
             )
             ready()  # no torch op between these two: most release the GIL to the loop's thread
-            return softcap(call(), self.args.logit_softcap)
+            return final_logits(self.args, call())
         (heads_ok, heads), _ = _c_parts([w.slot for w in work], extras)
         m = self.prepare(work)
         x = embed_scaled(self.args, self._embed(m))
@@ -941,10 +951,10 @@ class ModelRunner:
         ready()
         out = call()
         if fused:
-            return softcap(out, self.args.logit_softcap)
+            return final_logits(self.args, out)
         if not m.logit_slots:
             return torch.empty(0, self.args.vocab_size, dtype=torch.float32, device=out.device)
-        return softcap(self._logits(out if every else out[m.logit_rows], m), self.args.logit_softcap)
+        return final_logits(self.args, self._logits(out if every else out[m.logit_rows], m))
 
     def _c_lowrank(self, extras: dict) -> LowRankTable | None:
         """The low-rank residuals of the resident deltas in `extras` as the C layers read them (None:
@@ -991,6 +1001,8 @@ class ModelRunner:
             embed_scale=a.embed_scale or 0.0,
             attn_scale=a.attn_scale,
             attn_softcap=a.attn_softcap,
+            embed_multiplier=a.embed_multiplier,
+            residual_multiplier=a.residual_multiplier,
         )
         return DecodeLayers(
             layers,
@@ -1035,14 +1047,14 @@ class ModelRunner:
                 x = x + self._norm(att, norms["post_attention_layernorm"], m, a.norm_eps)
                 h = self._norm(x, norms["pre_feedforward_layernorm"], m, a.norm_eps)
             else:
-                x = x + att
+                x = residual(a, x, att)
                 h = self._norm(x, norms["post_attention_layernorm"], m, a.norm_eps)
             gu = self._linear(h, i, "gate_up", m)
             f = a.intermediate_size
             down = self._linear(gate_act(a, gu[:, :f]) * gu[:, f:], i, "down", m)
             if a.family.sandwich:
                 down = self._norm(down, norms["post_feedforward_layernorm"], m, a.norm_eps)
-            x = x + down
+            x = residual(a, x, down)
         return x
 
     def _final(self, x: torch.Tensor, m: StepMeta) -> torch.Tensor:
@@ -1059,7 +1071,7 @@ class ModelRunner:
             }
         )
         h = self._norm(xl, self.slots.final_norm, sub, a.norm_eps)
-        return softcap(self._logits(h, m), a.logit_softcap)
+        return final_logits(a, self._logits(h, m))
 
     # -- start-up -------------------------------------------------------------------------------
     def warm_sizes(self, max_rows: int) -> list[int]:

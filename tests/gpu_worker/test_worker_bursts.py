@@ -162,11 +162,11 @@ async def _collect(events):
     return [e async for e in events]
 
 
-@pytest.mark.parametrize("member", ["gemma2", "gemma3"])
-def test_gemma_bursts_give_the_tokens_of_torchs_layers(tmp_path, member):
-    """Gemma's decode rows in the C layers, in bursts (Gemma 3's sliding layers reading their own
-    rope rows of the cached tables), give the tokens of the layer-by-layer torch path (backend
-    "torch": no C call), fp32, past the windows of 8."""
+@pytest.mark.parametrize("member", ["gemma2", "gemma3", "granite"])
+def test_other_families_bursts_give_the_tokens_of_torchs_layers(tmp_path, member):
+    """Gemma's and Granite's decode rows in the C layers, in bursts (Gemma 3's sliding layers reading
+    their own rope rows of the cached tables; the embeddings of token ids scaled in C), give the tokens
+    of the layer-by-layer torch path (backend "torch": no C call), fp32, past the windows of 8."""
     from tests.support.archs import make_hf_base
 
     base = make_hf_base(tmp_path / "base", member, seed=6)

@@ -667,12 +667,13 @@ def decode_layer_ref(
             att[b, h] = p @ v[rows, kv]
     o = proj(att.view(B, H * hd), 1)
     sandwich = len(L.norms) == 4
-    x = x + (norm(o, L.norms[1]) if sandwich else o)
+    rm = 1.0 if opts is None else opts.residual_multiplier
+    x = x + rm * (norm(o, L.norms[1]) if sandwich else o)
     gu = proj(norm(x, L.norms[2 if sandwich else 1]), 2)
     gelu = opts is not None and opts.gelu
     act = torch.nn.functional.gelu(gu[:, :F], approximate="tanh") if gelu else torch.nn.functional.silu(gu[:, :F])
     down = proj(act * gu[:, F:], 3)
-    return x + (norm(down, L.norms[3]) if sandwich else down)
+    return x + rm * (norm(down, L.norms[3]) if sandwich else down)
 
 
 def on_one_and_two_threads(fn) -> dict:
@@ -745,11 +746,12 @@ def test_decode_layers_against_the_reference(isa, dims):
         assert torch.equal(one[0], got[1][b]), b
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "qwen3"])
+@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "qwen3", "granite"])
 def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     """What Gemma and Qwen3 change in the C decode layers, against the layer in float64: Gemma's
     (1 + w) norms in fp32, the sandwich norms, GELU's tanh form, the scores' own scale; Gemma 2's
-    capped scores; Gemma 3's and Qwen3's per-head q/k norms and Gemma 3's local rotation; rows of
+    capped scores; Gemma 3's and Qwen3's per-head q/k norms and Gemma 3's local rotation; Granite's
+    residual multiplier and scale; rows of
     two variants and the base in one step, fp32; a row alone the same as in the batch."""
     import dataclasses
 
@@ -769,15 +771,16 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     L = dataclasses.replace(
         L,
         norms=norms(4 if gemma else 2, D),
-        qk_norms=norms(2, hd) if kind != "gemma2" else None,
+        qk_norms=norms(2, hd) if kind in ("gemma3", "qwen3") else None,
         local=kind == "gemma3",
     )
     opts = DecodeOptions(
         gemma=gemma,
         gelu=gemma,
         embed_scale=D**0.5 if gemma else 0.0,
-        attn_scale=0.11 if gemma else None,
+        attn_scale=0.11 if gemma or kind == "granite" else None,
         attn_softcap=1.5 if kind == "gemma2" else None,
+        residual_multiplier=0.4 if kind == "granite" else 1.0,
     )
     slots = [0, -1, 1, 0]
     cos, sin, tables, lens, write_rows, x = four_decode_rows(D, hd, bs, g)

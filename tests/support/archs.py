@@ -109,6 +109,10 @@ def hf_config(name: str):
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
             },
         )
+    if name == "granite":  # Llama's layer with its four scalars, none of them 1
+        return tf.GraniteConfig(
+            **COMMON, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0
+        )
     if name == "gemma3-mm":  # Gemma 3 as its multimodal checkpoints ship (Gemma3ForConditionalGeneration)
         text = hf_config("gemma3").to_dict()
         vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28)
@@ -129,6 +133,7 @@ FAMILY_MEMBERS = (
     "gemma2",
     "gemma3",
     "gemma3-mm",
+    "granite",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa")
 
