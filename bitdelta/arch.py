@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite", "olmo2")
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
@@ -51,6 +51,10 @@ class Family:
     # Gemma 2/3: the attention's and the MLP's outputs are normed before the residual add, and the
     # MLP's input by its own norm (post_attention_layernorm, pre_/post_feedforward_layernorm)
     sandwich: bool = False
+    # OLMo 2: only the outputs are normed (post_attention_layernorm, post_feedforward_layernorm; no
+    # input norm), every norm rounds once (w · x in fp32, as Gemma's), and the q and k norms span the
+    # whole projection (every head together) instead of one head
+    post_norm: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -130,6 +134,7 @@ FAMILIES: dict[str, Family] = {
             }
         ),
     ),
+    "olmo2": Family("olmo2", False, True, False, frozenset({"attention_bias"}), post_norm=True),
 }
 # What transformers' config class of each family sets where a config.json leaves a field out (the
 # fields this build reads): a partial config means what it means to transformers (e.g. Gemma 3's
@@ -205,6 +210,14 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "final_logit_softcapping": 30.0,
     },
     "gemma3_text": {**_GEMMA_2_3, "vocab_size": 262208, "max_position_embeddings": 131072},
+    "olmo2": {
+        **_LLAMA_LIKE,
+        "vocab_size": 50304,
+        "intermediate_size": 11008,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+    },
     "granite": {
         **_LLAMA_LIKE,
         "intermediate_size": 11008,
@@ -538,6 +551,10 @@ class ModelArgs:
 
     def layer_norms(self) -> tuple[tuple[str, int], ...]:
         """(module path inside a layer, size) of each RMSNorm of a layer."""
+        if self.family.post_norm:  # OLMo 2: no input norm; q and k normed whole
+            out = [("post_attention_layernorm", self.dim), ("post_feedforward_layernorm", self.dim)]
+            hd = self.head_dim
+            return (*out, ("self_attn.q_norm", self.n_heads * hd), ("self_attn.k_norm", self.n_kv_heads * hd))
         out = [("input_layernorm", self.dim), ("post_attention_layernorm", self.dim)]
         if self.family.sandwich:
             out += [("pre_feedforward_layernorm", self.dim), ("post_feedforward_layernorm", self.dim)]

@@ -35,18 +35,26 @@ from bitdelta_kernels.bits import unpack_signs
 
 class RMSNorm(nn.Module):
     """Llama's: normalise in fp32, round, scale by w in the input dtype. Gemma's (`offset`): scale by
-    (1 + w) in fp32, then round once (its weights start at 0)."""
+    (1 + w) in fp32, then round once (its weights start at 0). OLMo 2's (`once`): scale by w in fp32,
+    then round once."""
 
-    def __init__(self, dim: int, eps: float, offset: bool = False):
+    def __init__(self, dim: int, eps: float, offset: bool = False, once: bool = False):
         super().__init__()
-        self.eps, self.offset = eps, offset
+        self.eps, self.offset, self.once = eps, offset, once
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+
+    @classmethod
+    def of(cls, args: ModelArgs, dim: int) -> RMSNorm:
+        """The family's norm of `dim` values."""
+        return cls(dim, args.norm_eps, args.family.gemma, args.family.post_norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        if self.once:
+            return (self.weight.float() * xf).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 
@@ -198,8 +206,9 @@ class Attention(nn.Module):
             self.v_proj = nn.Linear(d, kv, bias=args.qkv_bias)
         self.o_proj = nn.Linear(q, d, bias=args.o_bias)
         if args.family.qk_norm:
-            self.q_norm = RMSNorm(hd, args.norm_eps, args.family.gemma)
-            self.k_norm = RMSNorm(hd, args.norm_eps, args.family.gemma)
+            sizes = dict(args.layer_norms())
+            self.q_norm = RMSNorm.of(args, sizes["self_attn.q_norm"])
+            self.k_norm = RMSNorm.of(args, sizes["self_attn.k_norm"])
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -211,9 +220,11 @@ class Attention(nn.Module):
             q, k, v = self.qkv_proj(x).split([a.n_heads * a.head_dim, kv, kv], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if a.family.post_norm:  # OLMo 2: q and k normed whole, before the heads are split
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(B, T, a.n_heads, a.head_dim)
         k = k.reshape(B, T, a.n_kv_heads, a.head_dim)
-        if a.family.qk_norm:
+        if a.family.qk_norm and not a.family.post_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
@@ -255,10 +266,13 @@ class Block(nn.Module):
         self.mlp = MLP(args)
         for name, size in args.layer_norms():
             if "." not in name:  # the q/k norms live in self_attn
-                setattr(self, name, RMSNorm(size, args.norm_eps, args.family.gemma))
+                setattr(self, name, RMSNorm.of(args, size))
 
     def forward(self, x, cos, sin, pos):
         a = self.self_attn.args
+        if a.family.post_norm:  # OLMo 2
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, pos))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
         if self.sandwich:  # Gemma 2/3
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, pos))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -271,7 +285,7 @@ class Body(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps, args.family.gemma)
+        self.norm = RMSNorm.of(args, args.dim)
 
 
 class Llama(nn.Module):

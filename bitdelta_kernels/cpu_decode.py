@@ -73,6 +73,8 @@ class _Opts(ctypes.Structure):
         ("local_sin", ctypes.c_void_p),
         ("embed_multiplier", ctypes.c_float),
         ("residual_multiplier", ctypes.c_float),
+        ("norm_once", ctypes.c_int32),
+        ("qk_full", ctypes.c_int32),
     ]
 
 
@@ -81,16 +83,17 @@ class DecodeLayer:
     """One layer's tensors, each group's in GROUPS order: weights [d_out, d_in] (contiguous), the
     slots' sign stacks uint8 [n_slots, d_out, ceil(d_in/8)] and α stacks fp32 [n_slots, d_out],
     bias stacks [n_slots + 1, d_out] or None; the input and post-attention norm stacks
-    [n_slots + 1, dim], then for Gemma 2/3's sandwich the pre- and post-feedforward ones; this
-    layer's KV pool k, v [rows, KV, hd]; its window (None: full); the per-head q and k norm stacks
-    [n_slots + 1, head_dim] (Qwen3, Gemma 3) or None; `local`: the rotation of the call's local
-    tables (Gemma 3's sliding layers, `DecodeOptions`)."""
+    [n_slots + 1, dim], then for Gemma 2/3's sandwich the pre- and post-feedforward ones (an input
+    norm of None and a post-feedforward one: OLMo 2's post-norms); this layer's KV pool k, v [rows,
+    KV, hd]; its window (None: full); the q and k norm stacks [n_slots + 1, head_dim] (Qwen3, Gemma
+    3; with `DecodeOptions.qk_full` [n_slots + 1, heads · head_dim], OLMo 2) or None; `local`: the
+    rotation of the call's local tables (Gemma 3's sliding layers, `DecodeOptions`)."""
 
     weights: tuple[torch.Tensor, ...]
     signs: tuple[torch.Tensor, ...]
     alpha: tuple[torch.Tensor, ...]
     biases: tuple[torch.Tensor | None, ...]
-    norms: tuple[torch.Tensor, ...]
+    norms: tuple[torch.Tensor | None, ...]
     k: torch.Tensor
     v: torch.Tensor
     window: int | None
@@ -104,7 +107,9 @@ class DecodeOptions:
     in fp32, one rounding) and token ids' embeddings × round(embed_scale); `gelu`, the MLP's gate
     in GELU's tanh form; `attn_scale`, the scores' scale (None: 1/√head_dim); `attn_softcap`, Gemma 2's
     cap of the scores; Granite's `embed_multiplier` (token ids' embeddings × it, one rounding) and
-    `residual_multiplier` (each sublayer's output × it, rounded, before its residual add)."""
+    `residual_multiplier` (each sublayer's output × it, rounded, before its residual add); OLMo 2's
+    `norm_once` (RMSNorm × w in fp32, one rounding) and `qk_full` (the q and k norms over the whole
+    projection)."""
 
     gemma: bool = False
     gelu: bool = False
@@ -113,6 +118,8 @@ class DecodeOptions:
     attn_softcap: float | None = None
     embed_multiplier: float = 1.0
     residual_multiplier: float = 1.0
+    norm_once: bool = False
+    qk_full: bool = False
 
 
 @dataclass(frozen=True)
@@ -242,7 +249,7 @@ class EmbedPlanes:
     row_embed: torch.Tensor | Sequence[int]
 
 
-def _check(layers: list[DecodeLayer], shape: DecodeShape, dtype: torch.dtype) -> None:
+def _check(layers: list[DecodeLayer], shape: DecodeShape, dtype: torch.dtype, options: DecodeOptions) -> None:
     """Everything the C code indexes without checking (it would read out of bounds otherwise)."""
     D, H, KV, hd, F = shape.dim, shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.intermediate
     want = {"qkv": ((H + 2 * KV) * hd, D), "o": (D, H * hd), "gate_up": (2 * F, D), "down": (D, F)}
@@ -264,14 +271,18 @@ def _check(layers: list[DecodeLayer], shape: DecodeShape, dtype: torch.dtype) ->
             )
             if not ok:
                 raise ValueError(f"layer {i}, group {g}: tensors do not fit a [{d_out}, {d_in}] {dtype} projection")
-        if len(L.norms) not in (2, 4):
-            raise ValueError(f"layer {i}: 2 norm stacks, or 4 with the sandwich's")
+        if len(L.norms) not in (2, 4) or L.norms[1] is None or (L.norms[0] is None and len(L.norms) == 2):
+            raise ValueError(
+                f"layer {i}: 2 norm stacks, or 4 with the sandwich's or the post-norms' (None where absent)"
+            )
+        rows = L.norms[1].shape[0]
         for t in L.norms:
-            if t.dtype != dtype or t.dim() != 2 or t.shape[1] != D or not t.is_contiguous():
+            if t is not None and (t.dtype != dtype or t.dim() != 2 or t.shape[1] != D or not t.is_contiguous()):
                 raise ValueError(f"layer {i}: norm stacks must be {dtype} [n_slots + 1, {D}], contiguous")
-        for t in L.qk_norms or ():
-            if t.dtype != dtype or tuple(t.shape) != (L.norms[0].shape[0], hd) or not t.is_contiguous():
-                raise ValueError(f"layer {i}: q/k norm stacks must be {dtype} [n_slots + 1, {hd}], contiguous")
+        for t, width in zip(L.qk_norms or (), (H, KV)):
+            size = width * hd if options.qk_full else hd
+            if t.dtype != dtype or tuple(t.shape) != (rows, size) or not t.is_contiguous():
+                raise ValueError(f"layer {i}: q/k norm stacks must be {dtype} [n_slots + 1, {size}], contiguous")
         if L.k.dtype != dtype or L.k.shape != L.v.shape or tuple(L.k.shape[1:]) != (KV, hd):
             raise ValueError(f"layer {i}: the KV pool must be {dtype} [rows, {KV}, {hd}]")
         if not (L.k.is_contiguous() and L.v.is_contiguous()):
@@ -373,7 +384,7 @@ class DecodeLayers:
         changes in the layer (default: Llama's)."""
         if lib is None and not DecodeShape.supported(dtype):
             raise RuntimeError("the C decode layers need the compiled C library (with SIMD)")
-        _check(layers, shape, dtype)
+        _check(layers, shape, dtype, options)
         self.layers, self.shape, self.dtype = layers, shape, dtype
         self._lib = lib
         self.n_slots = layers[0].signs[0].shape[0] if layers else 0
@@ -571,6 +582,8 @@ class DecodeLayers:
             *((local[0].data_ptr(), local[1].data_ptr()) if self.any_local else (None, None)),
             op.embed_multiplier,
             op.residual_multiplier,
+            int(op.norm_once),
+            int(op.qk_full),
         )
         rs, wr = _slots32(row_slot), _ints(write_rows, torch.int64)
         if rope_rows is None:

@@ -36,7 +36,12 @@ typedef struct {
     const void *local_cos, *local_sin; /* the local layers' tables: rope_dtype, rows as rope_rows' */
     float embed_multiplier;    /* Granite: token ids' embeddings × this, one rounding (0: 1) */
     float residual_multiplier; /* Granite: each sublayer's output × this, rounded, before its add (0: 1) */
+    int32_t norm_once;     /* OLMo 2's RMSNorm: round(x · rsqrt(mean(x²) + eps) · w), in fp32 */
+    int32_t qk_full;       /* OLMo 2: the q and k norms span the whole projection, not one head */
 } bd_decode_opts;
+
+/* How a norm rounds (norm_row): Llama's, Gemma's (1 + w, once) or OLMo 2's (w, once). */
+enum { NORM_LLAMA = 0, NORM_GEMMA = 1, NORM_ONCE = 2 };
 
 /* One slot's low-rank residual of one projection group (services/gpu_worker/slots.py LowRank):
  * y += U_m · (V · x)[c0_m, c0_m + rank_m) into the group's rows [r0_m, r0_m + rows_m) for each of its
@@ -142,10 +147,11 @@ static int decode_proj(const bd_decode_layer *L, int g, const float *x, int64_t 
 }
 
 /* hb = round(w · round(xb · rsqrt(mean(xb²) + eps))) over D values, w the weights at element `off`
- * of `w` (runner._norm); gemma: round(xb · rsqrt(…) · (1 + w)) in fp32 instead. hb may be xb. The
+ * of `w` (runner._norm); style NORM_GEMMA: round(xb · rsqrt(…) · (1 + w)) in fp32 instead, NORM_ONCE:
+ * round(xb · rsqrt(…) · w) in fp32. hb may be xb. The
  * element-wise steps of a layer here and below run L lanes at a time: one by one (round_to and expf
  * per value) they were ~6 % of a one-row bf16 step and ~12 % of an 8-row one. */
-static void norm_row(const float *xb, const void *w, int64_t off, int64_t D, float eps, int dtype, int gemma,
+static void norm_row(const float *xb, const void *w, int64_t off, int64_t D, float eps, int dtype, int style,
                      float *hb) {
     int64_t k = 0;
     float ss = 0.f;
@@ -159,23 +165,28 @@ static void norm_row(const float *xb, const void *w, int64_t off, int64_t D, flo
     k = 0;
 #if defined(__AVX512F__) || defined(__AVX2__)
     const vf iv = V_SET1(inv), one = V_SET1(1.f);
-    if (gemma)
+    if (style == NORM_GEMMA)
         for (; k + LANES <= D; k += LANES)
             V_STORE(hb + k, round_vec(dtype, V_MUL(V_MUL(V_LOAD(xb + k), iv), V_ADD(one, widen_vec(w, dtype, off + k)))));
+    else if (style == NORM_ONCE)
+        for (; k + LANES <= D; k += LANES)
+            V_STORE(hb + k, round_vec(dtype, V_MUL(widen_vec(w, dtype, off + k), V_MUL(V_LOAD(xb + k), iv))));
     else
         for (; k + LANES <= D; k += LANES)
             V_STORE(hb + k, round_vec(dtype, V_MUL(widen_vec(w, dtype, off + k), round_vec(dtype, V_MUL(V_LOAD(xb + k), iv)))));
 #endif
-    if (gemma)
+    if (style == NORM_GEMMA)
         for (; k < D; ++k) hb[k] = round_to(dtype, xb[k] * inv * (1.f + w_at(w, dtype, off + k)));
+    else if (style == NORM_ONCE)
+        for (; k < D; ++k) hb[k] = round_to(dtype, w_at(w, dtype, off + k) * (xb[k] * inv));
     else
         for (; k < D; ++k) hb[k] = round_to(dtype, w_at(w, dtype, off + k) * round_to(dtype, xb[k] * inv));
 }
 
 /* norm_row of each of B rows of D, with its slot's weights (row_slot[b] + 1 of the stack). */
 static void decode_norm(const float *x, const void *w, const int64_t *row_slot, int64_t B, int64_t D, float eps,
-                        int dtype, int gemma, float *h) {
-    for (int64_t b = 0; b < B; ++b) norm_row(x + b * D, w, (row_slot[b] + 1) * D, D, eps, dtype, gemma, h + b * D);
+                        int dtype, int style, float *h) {
+    for (int64_t b = 0; b < B; ++b) norm_row(x + b * D, w, (row_slot[b] + 1) * D, D, eps, dtype, style, h + b * D);
 }
 
 /* x[i] = round(x[i]) for i < n. */
@@ -381,9 +392,9 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
                      const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads,
                      int fuse, const bd_lowrank *const *lowrank, const bd_decode_opts *opts) {
     const int64_t Q = (H + 2 * KV) * hd, HD = H * hd;
-    const bd_decode_opts llama = {0, 0, 0.f, 0.f, NULL, NULL, 0.f, 0.f};
+    const bd_decode_opts llama = {0, 0, 0.f, 0.f, NULL, NULL, 0.f, 0.f, 0, 0};
     const bd_decode_opts *o_ = opts ? opts : &llama;
-    const int gemma = o_->gemma;
+    const int gemma = o_->gemma, style = gemma ? NORM_GEMMA : o_->norm_once ? NORM_ONCE : NORM_LLAMA;
     const float rm = o_->residual_multiplier > 0.f ? o_->residual_multiplier : 1.f;
     /* row_planes: each row's plane slots ([B, n_planes], −1 past its variant's, all −1 for a variant
      * without a sign plane); NULL: each row's one plane is its slot's */
@@ -452,13 +463,19 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
     for (int64_t l = 0; l < n_layers && !rc; ++l) {
         const bd_decode_layer *L = layers + l;
         const int local = L->local && o_->local_cos;
-        decode_norm(x, L->norm[0], row_slot, B, D, eps, dtype, gemma, h);
+        if (L->norm[0])
+            decode_norm(x, L->norm[0], row_slot, B, D, eps, dtype, style, h);
+        else /* OLMo 2: no input norm */
+            memcpy(h, x, sizeof(float) * (size_t)(B * D));
         if ((rc = decode_proj(L, 0, h, B, D, Q, dtype, row_slot, slots, P, any_delta, one_pass, LOW(0), qkv, n_threads))) break;
         for (int64_t b = 0; b < B; ++b) { /* q/k norms, rope over q's and k's heads (adjacent in qkv), then k, v into the pool */
             float *row = qkv + b * Q;
-            if (L->qk_norm[0])
+            if (L->qk_norm[0] && o_->qk_full) { /* OLMo 2: q's and k's every head in one norm each */
+                norm_row(row, L->qk_norm[0], (row_slot[b] + 1) * HD, HD, eps, dtype, style, row);
+                norm_row(row + HD, L->qk_norm[1], (row_slot[b] + 1) * KV * hd, KV * hd, eps, dtype, style, row + HD);
+            } else if (L->qk_norm[0])
                 for (int64_t j = 0; j < H + KV; ++j)
-                    norm_row(row + j * hd, L->qk_norm[j >= H], (row_slot[b] + 1) * hd, hd, eps, dtype, gemma, row + j * hd);
+                    norm_row(row + j * hd, L->qk_norm[j >= H], (row_slot[b] + 1) * hd, hd, eps, dtype, style, row + j * hd);
             rope_heads(row, H + KV, hd, (local ? lcs : cs) + b * hd, (local ? lsn : sn) + b * hd, dtype);
             memcpy(q + b * HD, row, sizeof(float) * (size_t)HD);
             const int64_t off = write_rows[b] * KV * hd;
@@ -472,13 +489,17 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
             break;
         round_all(att, B * HD, dtype);
         if ((rc = decode_proj(L, 1, att, B, HD, D, dtype, row_slot, slots, P, any_delta, one_pass, LOW(1), o, n_threads))) break;
-        if (L->norm[2]) { /* Gemma 2/3's sandwich: the attention's output normed, the MLP's input by its own */
-            decode_norm(o, L->norm[1], row_slot, B, D, eps, dtype, gemma, h);
+        if (L->norm[2] || !L->norm[0]) { /* Gemma 2/3's sandwich, OLMo 2's post-norms: the attention's output
+                                            * normed; the MLP's input by its own norm (Gemma), or not (OLMo 2) */
+            decode_norm(o, L->norm[1], row_slot, B, D, eps, dtype, style, h);
             residual_add(x, h, B * D, dtype, rm);
-            decode_norm(x, L->norm[2], row_slot, B, D, eps, dtype, gemma, h);
+            if (L->norm[2])
+                decode_norm(x, L->norm[2], row_slot, B, D, eps, dtype, style, h);
+            else
+                memcpy(h, x, sizeof(float) * (size_t)(B * D));
         } else {
             residual_add(x, o, B * D, dtype, rm);
-            decode_norm(x, L->norm[1], row_slot, B, D, eps, dtype, gemma, h);
+            decode_norm(x, L->norm[1], row_slot, B, D, eps, dtype, style, h);
         }
         if ((rc = decode_proj(L, 2, h, B, D, 2 * F, dtype, row_slot, slots, P, any_delta, one_pass, LOW(2), gu, n_threads))) break;
         if (o_->gelu)
@@ -487,14 +508,14 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
             silu_mul(gu, B, F, dtype, act);
         if ((rc = decode_proj(L, 3, act, B, F, D, dtype, row_slot, slots, P, any_delta, one_pass, LOW(3), dn, n_threads))) break;
         if (L->norm[3]) { /* the MLP's output normed before its residual add */
-            decode_norm(dn, L->norm[3], row_slot, B, D, eps, dtype, gemma, h);
+            decode_norm(dn, L->norm[3], row_slot, B, D, eps, dtype, style, h);
             residual_add(x, h, B * D, dtype, rm);
         } else
             residual_add(x, dn, B * D, dtype, rm);
     }
 #undef LOW
     if (!rc && final_norm) {
-        decode_norm(x, final_norm, row_slot, B, D, eps, dtype, gemma, h);
+        decode_norm(x, final_norm, row_slot, B, D, eps, dtype, style, h);
         memcpy(x, h, sizeof(float) * (size_t)(B * D));
         if (head) rc = decode_head(h, B, D, head, dtype, vocab, n_heads, head_signs, head_alpha, head_alpha_stride,
                                    head_of_row, logits, n_threads, one_var);

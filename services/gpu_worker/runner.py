@@ -366,6 +366,10 @@ class StepGraphs(Protocol):
     def run(self, x: torch.Tensor, m: StepMeta) -> torch.Tensor: ...
 
 
+# A layer's norms in the C layers' order (DecodeLayer.norms): a family has some of them
+SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
 class ModelRunner:
     """Holds the base weights, the slot stacks and the KV pool; runs steps."""
 
@@ -644,6 +648,8 @@ class ModelRunner:
             w = w[:, None, :]
         if self.args.family.gemma:
             return (xf * (1.0 + w.float())).to(x.dtype)
+        if self.args.family.post_norm:  # OLMo 2's: w · x in fp32, one rounding
+            return (w.float() * xf).to(x.dtype)
         return w * xf.to(x.dtype)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, m: StepMeta) -> torch.Tensor:
@@ -975,7 +981,7 @@ class ModelRunner:
                 signs=tuple(sl.signs[i][g] for g in GROUPS),
                 alpha=tuple(sl.alpha[i][g] for g in GROUPS),
                 biases=tuple(sl.biases[i].get(g) for g in GROUPS),
-                norms=tuple(sl.norms[i][n] for n, _ in a.layer_norms() if "." not in n),  # not self_attn's q/k
+                norms=tuple(sl.norms[i].get(n) for n in SANDWICH),  # None where the family has no such norm
                 k=self.kv.k[i],
                 v=self.kv.v[i],
                 window=a.window(i),
@@ -1003,6 +1009,8 @@ class ModelRunner:
             attn_softcap=a.attn_softcap,
             embed_multiplier=a.embed_multiplier,
             residual_multiplier=a.residual_multiplier,
+            norm_once=a.family.post_norm,
+            qk_full=a.family.post_norm,
         )
         return DecodeLayers(
             layers,
@@ -1032,10 +1040,14 @@ class ModelRunner:
         for i in range(a.n_layers):
             norms = self.slots.norms[i]
             cos, sin = (m.local_cos, m.local_sin) if a.local(i) else (m.cos, m.sin)
-            h = self._norm(x, norms["input_layernorm"], m, a.norm_eps)
+            h = x if a.family.post_norm else self._norm(x, norms["input_layernorm"], m, a.norm_eps)
             qkv = self._linear(h, i, "qkv", m)
             v = qkv[:, (H + KV) * hd :].view(N, KV, hd)
-            if a.family.qk_norm:
+            if a.family.post_norm:  # OLMo 2: q and k normed whole, then split into heads
+                q = self._norm(qkv[:, : H * hd], norms["self_attn.q_norm"], m, a.norm_eps).view(N, H, hd)
+                k = self._norm(qkv[:, H * hd : (H + KV) * hd], norms["self_attn.k_norm"], m, a.norm_eps).view(N, KV, hd)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            elif a.family.qk_norm:
                 q = self._norm(qkv[:, : H * hd].view(N, H, hd), norms["self_attn.q_norm"], m, a.norm_eps)
                 k = self._norm(qkv[:, H * hd : (H + KV) * hd].view(N, KV, hd), norms["self_attn.k_norm"], m, a.norm_eps)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -1043,7 +1055,10 @@ class ModelRunner:
                 qk = apply_rope(qkv[:, : (H + KV) * hd].view(N, H + KV, hd), cos, sin)
                 q, k = qk[:, :H], qk[:, H:]
             att = self._linear(self._attention(q, k, v, i, m).reshape(N, H * hd), i, "o", m)
-            if a.family.sandwich:  # Gemma 2/3: the attention's output normed, the MLP's input by its own
+            if a.family.post_norm:  # OLMo 2: the attention's output normed, the MLP's input not
+                x = x + self._norm(att, norms["post_attention_layernorm"], m, a.norm_eps)
+                h = x
+            elif a.family.sandwich:  # Gemma 2/3: the attention's output normed, the MLP's input by its own
                 x = x + self._norm(att, norms["post_attention_layernorm"], m, a.norm_eps)
                 h = self._norm(x, norms["pre_feedforward_layernorm"], m, a.norm_eps)
             else:
@@ -1052,7 +1067,7 @@ class ModelRunner:
             gu = self._linear(h, i, "gate_up", m)
             f = a.intermediate_size
             down = self._linear(gate_act(a, gu[:, :f]) * gu[:, f:], i, "down", m)
-            if a.family.sandwich:
+            if a.family.sandwich or a.family.post_norm:
                 down = self._norm(down, norms["post_feedforward_layernorm"], m, a.norm_eps)
             x = residual(a, x, down)
         return x

@@ -138,6 +138,7 @@ def test_fields_that_would_change_the_model_are_refused(bases):
         ("gemma2", "Gemma2Config"),
         ("gemma3_text", "Gemma3TextConfig"),
         ("granite", "GraniteConfig"),
+        ("olmo2", "Olmo2Config"),
     ],
 )
 def test_a_field_left_out_means_what_it_means_to_transformers(model_type, config_class):

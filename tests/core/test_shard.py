@@ -214,6 +214,10 @@ def test_impossible_splits_are_refused_with_the_reason():
         TPLayout(tiny_args(n_heads=6, n_kv_heads=3), 4, 0)
     with pytest.raises(ShardError, match="whole sign byte"):
         TPLayout(tiny_args(dim=36, n_heads=9, n_kv_heads=9, head_dim=4), 2, 0)
+    olmo2 = tiny_args(model_type="olmo2")  # its q and k norms are over every head at once
+    assert TPLayout(olmo2, 1, 0).size == 1
+    with pytest.raises(ShardError, match="olmo2's q and k norms span every head"):
+        TPLayout(olmo2, 2, 0)
 
 
 def delta_tensors(a: ModelArgs):

@@ -162,7 +162,7 @@ async def _collect(events):
     return [e async for e in events]
 
 
-@pytest.mark.parametrize("member", ["gemma2", "gemma3", "granite"])
+@pytest.mark.parametrize("member", ["gemma2", "gemma3", "granite", "olmo2"])
 def test_other_families_bursts_give_the_tokens_of_torchs_layers(tmp_path, member):
     """Gemma's and Granite's decode rows in the C layers, in bursts (Gemma 3's sliding layers reading
     their own rope rows of the cached tables; the embeddings of token ids scaled in C), give the tokens

@@ -648,9 +648,13 @@ def decode_layer_ref(
 
     x = x.double()
     B = x.shape[0]
-    qkv = proj(norm(x, L.norms[0]), 0)
-    q, k_new = qkv[:, : H * hd].view(B, H, hd), qkv[:, H * hd : (H + KV) * hd].view(B, KV, hd)
-    if L.qk_norms is not None:
+    post = L.norms[0] is None  # OLMo 2: no input norm, the outputs normed
+    qkv = proj(x if post else norm(x, L.norms[0]), 0)
+    q, k_new = qkv[:, : H * hd], qkv[:, H * hd : (H + KV) * hd]
+    if L.qk_norms is not None and opts is not None and opts.qk_full:  # q and k normed whole
+        q, k_new = norm(q, L.qk_norms[0]), norm(k_new, L.qk_norms[1])
+    q, k_new = q.reshape(B, H, hd), k_new.reshape(B, KV, hd)
+    if L.qk_norms is not None and not (opts is not None and opts.qk_full):
         q, k_new = norm(q, L.qk_norms[0]), norm(k_new, L.qk_norms[1])
     q, k_new = rope(q), rope(k_new)
     scale = hd**-0.5 if opts is None or opts.attn_scale is None else opts.attn_scale
@@ -666,14 +670,14 @@ def decode_layer_ref(
             p = torch.softmax(s if cap is None else torch.tanh(s / cap) * cap, 0)
             att[b, h] = p @ v[rows, kv]
     o = proj(att.view(B, H * hd), 1)
-    sandwich = len(L.norms) == 4
+    sandwich = len(L.norms) == 4 and L.norms[2] is not None
     rm = 1.0 if opts is None else opts.residual_multiplier
-    x = x + rm * (norm(o, L.norms[1]) if sandwich else o)
-    gu = proj(norm(x, L.norms[2 if sandwich else 1]), 2)
+    x = x + rm * (norm(o, L.norms[1]) if sandwich or post else o)
+    gu = proj(x if post else norm(x, L.norms[2 if sandwich else 1]), 2)
     gelu = opts is not None and opts.gelu
     act = torch.nn.functional.gelu(gu[:, :F], approximate="tanh") if gelu else torch.nn.functional.silu(gu[:, :F])
     down = proj(act * gu[:, F:], 3)
-    return x + rm * (norm(down, L.norms[3]) if sandwich else down)
+    return x + rm * (norm(down, L.norms[3]) if sandwich or post else down)
 
 
 def on_one_and_two_threads(fn) -> dict:
@@ -746,12 +750,12 @@ def test_decode_layers_against_the_reference(isa, dims):
         assert torch.equal(one[0], got[1][b]), b
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "qwen3", "granite"])
+@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "qwen3", "granite", "olmo2"])
 def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     """What Gemma and Qwen3 change in the C decode layers, against the layer in float64: Gemma's
     (1 + w) norms in fp32, the sandwich norms, GELU's tanh form, the scores' own scale; Gemma 2's
     capped scores; Gemma 3's and Qwen3's per-head q/k norms and Gemma 3's local rotation; Granite's
-    residual multiplier and scale; rows of
+    residual multiplier and scale; OLMo 2's post-norms and whole-projection q/k norms; rows of
     two variants and the base in one step, fp32; a row alone the same as in the batch."""
     import dataclasses
 
@@ -768,12 +772,16 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     def norms(n, size):
         return tuple(torch.randn(n_slots + 1, size, generator=g) * 0.3 + (0.0 if gemma else 1.0) for _ in range(n))
 
-    L = dataclasses.replace(
-        L,
-        norms=norms(4 if gemma else 2, D),
-        qk_norms=norms(2, hd) if kind in ("gemma3", "qwen3") else None,
-        local=kind == "gemma3",
-    )
+    if kind == "olmo2":
+        post, ff = norms(2, D)
+        L = dataclasses.replace(L, norms=(None, post, None, ff), qk_norms=(norms(1, H * hd)[0], norms(1, KV * hd)[0]))
+    else:
+        L = dataclasses.replace(
+            L,
+            norms=norms(4 if gemma else 2, D),
+            qk_norms=norms(2, hd) if kind in ("gemma3", "qwen3") else None,
+            local=kind == "gemma3",
+        )
     opts = DecodeOptions(
         gemma=gemma,
         gelu=gemma,
@@ -781,13 +789,16 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
         attn_scale=0.11 if gemma or kind == "granite" else None,
         attn_softcap=1.5 if kind == "gemma2" else None,
         residual_multiplier=0.4 if kind == "granite" else 1.0,
+        norm_once=kind == "olmo2",
+        qk_full=kind == "olmo2",
     )
     slots = [0, -1, 1, 0]
     cos, sin, tables, lens, write_rows, x = four_decode_rows(D, hd, bs, g)
     angle = torch.rand(4, hd // 2, generator=g) * 6.28
     local = (torch.cat([angle.cos()] * 2, 1), torch.cat([angle.sin()] * 2, 1))
     want = decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs, opts=opts, local=local)
-    plain = decode_layer_ref(x, dataclasses.replace(L, norms=L.norms[:2], qk_norms=None, local=False), slots, shape,
+    first = L.norms[:2] if L.norms[0] is not None else (L.norms[1], L.norms[1])
+    plain = decode_layer_ref(x, dataclasses.replace(L, norms=first, qk_norms=None, local=False), slots, shape,
                              cos, sin, write_rows, tables, lens, bs)  # fmt: skip
     assert rel_err(plain, want) > 1e-2  # what the family changes changes the numbers
     layers = DecodeLayers([L], shape, torch.float32, options=opts)

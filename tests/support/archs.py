@@ -113,6 +113,8 @@ def hf_config(name: str):
         return tf.GraniteConfig(
             **COMMON, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0
         )
+    if name == "olmo2":  # norms after the sublayers only, q and k normed whole
+        return tf.Olmo2Config(**COMMON)
     if name == "gemma3-mm":  # Gemma 3 as its multimodal checkpoints ship (Gemma3ForConditionalGeneration)
         text = hf_config("gemma3").to_dict()
         vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28)
@@ -134,6 +136,7 @@ FAMILY_MEMBERS = (
     "gemma3",
     "gemma3-mm",
     "granite",
+    "olmo2",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa")
 
