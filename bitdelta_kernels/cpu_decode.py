@@ -75,6 +75,7 @@ class _Opts(ctypes.Structure):
         ("residual_multiplier", ctypes.c_float),
         ("norm_once", ctypes.c_int32),
         ("qk_full", ctypes.c_int32),
+        ("rotary", ctypes.c_int64),
     ]
 
 
@@ -109,7 +110,8 @@ class DecodeOptions:
     cap of the scores; Granite's `embed_multiplier` (token ids' embeddings × it, one rounding) and
     `residual_multiplier` (each sublayer's output × it, rounded, before its residual add); OLMo 2's
     `norm_once` (RMSNorm × w in fp32, one rounding) and `qk_full` (the q and k norms over the whole
-    projection)."""
+    projection); `rotary`, the rotated dims of a head and the rope tables' width (0: head_dim; Phi's
+    partial_rotary_factor: the rest of each head passes as it is)."""
 
     gemma: bool = False
     gelu: bool = False
@@ -120,6 +122,7 @@ class DecodeOptions:
     residual_multiplier: float = 1.0
     norm_once: bool = False
     qk_full: bool = False
+    rotary: int = 0
 
 
 @dataclass(frozen=True)
@@ -385,6 +388,8 @@ class DecodeLayers:
         if lib is None and not DecodeShape.supported(dtype):
             raise RuntimeError("the C decode layers need the compiled C library (with SIMD)")
         _check(layers, shape, dtype, options)
+        if not (0 <= options.rotary <= shape.head_dim and options.rotary % 2 == 0):
+            raise ValueError(f"rotary must be an even number of dims up to {shape.head_dim} (0: all)")
         self.layers, self.shape, self.dtype = layers, shape, dtype
         self._lib = lib
         self.n_slots = layers[0].signs[0].shape[0] if layers else 0
@@ -558,17 +563,17 @@ class DecodeLayers:
         heads, embs = self._head_args(head_planes, logits, B), self._embed_args(embeds, B)
         if embeds is not None and tokens is None:
             raise ValueError("variants' embeddings need token ids")
-        n_rope = B
+        n_rope, rot = B, self.options.rotary or hd
         if rope_rows is not None:
             rope_rows, n_rope = _ints(rope_rows, torch.int64), cos.shape[0]
         if (
             cos.dtype not in _DTYPE_CODE
             or sin.dtype != cos.dtype
-            or cos.shape != (n_rope, hd)
+            or cos.shape != (n_rope, rot)
             or sin.shape != cos.shape
             or not (cos.is_contiguous() and sin.is_contiguous())
         ):
-            raise ValueError(f"cos, sin must be float [{n_rope}, {hd}] of one dtype, contiguous")
+            raise ValueError(f"cos, sin must be float [{n_rope}, {rot}] of one dtype, contiguous")
         if self.any_local and (
             local is None or any(t.dtype != cos.dtype or t.shape != cos.shape or not t.is_contiguous() for t in local)
         ):
@@ -584,6 +589,7 @@ class DecodeLayers:
             op.residual_multiplier,
             int(op.norm_once),
             int(op.qk_full),
+            op.rotary,
         )
         rs, wr = _slots32(row_slot), _ints(write_rows, torch.int64)
         if rope_rows is None:

@@ -38,6 +38,7 @@ typedef struct {
     float residual_multiplier; /* Granite: each sublayer's output × this, rounded, before its add (0: 1) */
     int32_t norm_once;     /* OLMo 2's RMSNorm: round(x · rsqrt(mean(x²) + eps) · w), in fp32 */
     int32_t qk_full;       /* OLMo 2: the q and k norms span the whole projection, not one head */
+    int64_t rotary;        /* the rotated dims of a head, the tables' width (0: head_dim; Phi's partial_rotary_factor) */
 } bd_decode_opts;
 
 /* How a norm rounds (norm_row): Llama's, Gemma's (1 + w, once) or OLMo 2's (w, once). */
@@ -253,10 +254,11 @@ static void gelu_mul(const float *gu, int64_t B, int64_t F, int dtype, float *ac
     }
 }
 
-/* Rope over n heads of hd values at xh (the rotation over the whole head, runner's rope):
+/* Rope over n heads of hd values at xh, the rotation over each head's first r dims (r = hd but for a
+ * partial_rotary_factor; the rest pass as they are; runner's rope):
  * lo' = round(round(lo·c) + round(−hi·s)), hi' = round(round(hi·c') + round(lo·s')). */
-static void rope_heads(float *x, int64_t n, int64_t hd, const float *c, const float *sn, int dtype) {
-    const int64_t half = hd / 2;
+static void rope_heads(float *x, int64_t n, int64_t hd, int64_t r, const float *c, const float *sn, int dtype) {
+    const int64_t half = r / 2;
     for (int64_t j = 0; j < n; ++j) {
         float *xh = x + j * hd;
         int64_t i = 0;
@@ -392,10 +394,11 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
                      const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads,
                      int fuse, const bd_lowrank *const *lowrank, const bd_decode_opts *opts) {
     const int64_t Q = (H + 2 * KV) * hd, HD = H * hd;
-    const bd_decode_opts llama = {0, 0, 0.f, 0.f, NULL, NULL, 0.f, 0.f, 0, 0};
+    const bd_decode_opts llama = {0, 0, 0.f, 0.f, NULL, NULL, 0.f, 0.f, 0, 0, 0};
     const bd_decode_opts *o_ = opts ? opts : &llama;
     const int gemma = o_->gemma, style = gemma ? NORM_GEMMA : o_->norm_once ? NORM_ONCE : NORM_LLAMA;
     const float rm = o_->residual_multiplier > 0.f ? o_->residual_multiplier : 1.f;
+    const int64_t rot = o_->rotary > 0 && o_->rotary <= hd ? o_->rotary : hd;
     /* row_planes: each row's plane slots ([B, n_planes], −1 past its variant's, all −1 for a variant
      * without a sign plane); NULL: each row's one plane is its slot's */
     const int64_t P = row_planes32 && n_planes > 0 ? n_planes : 1;
@@ -450,11 +453,11 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
     if (!x_in && o_->embed_multiplier > 0.f && o_->embed_multiplier != 1.f) /* Granite: × m, rounded once */
         for (int64_t i = 0; i < B * D; ++i) x[i] = round_to(dtype, x[i] * o_->embed_multiplier);
     for (int64_t b = 0; b < B; ++b) { /* each row's rotations, the same in every layer */
-        load_row(rope_cos, rope_dtype, rope_rows[b] * hd, hd, cs + b * hd);
-        load_row(rope_sin, rope_dtype, rope_rows[b] * hd, hd, sn + b * hd);
+        load_row(rope_cos, rope_dtype, rope_rows[b] * rot, rot, cs + b * hd);
+        load_row(rope_sin, rope_dtype, rope_rows[b] * rot, rot, sn + b * hd);
         if (o_->local_cos) {
-            load_row(o_->local_cos, rope_dtype, rope_rows[b] * hd, hd, lcs + b * hd);
-            load_row(o_->local_sin, rope_dtype, rope_rows[b] * hd, hd, lsn + b * hd);
+            load_row(o_->local_cos, rope_dtype, rope_rows[b] * rot, rot, lcs + b * hd);
+            load_row(o_->local_sin, rope_dtype, rope_rows[b] * rot, rot, lsn + b * hd);
         }
     }
     int rc = 0;
@@ -476,7 +479,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
             } else if (L->qk_norm[0])
                 for (int64_t j = 0; j < H + KV; ++j)
                     norm_row(row + j * hd, L->qk_norm[j >= H], (row_slot[b] + 1) * hd, hd, eps, dtype, style, row + j * hd);
-            rope_heads(row, H + KV, hd, (local ? lcs : cs) + b * hd, (local ? lsn : sn) + b * hd, dtype);
+            rope_heads(row, H + KV, hd, rot, (local ? lcs : cs) + b * hd, (local ? lsn : sn) + b * hd, dtype);
             memcpy(q + b * HD, row, sizeof(float) * (size_t)HD);
             const int64_t off = write_rows[b] * KV * hd;
             for (int64_t i = 0; i < KV * hd; ++i) {

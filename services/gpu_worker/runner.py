@@ -896,7 +896,7 @@ class ModelRunner:
         keeps its own; the library built with SIMD for this dtype), else None."""
         a = self.args
         ropes = [a.rope] + ([a.local_rope] if a.local_rope is not None else [])
-        if self.device.type != "cpu" or any(r.dim != a.head_dim for r in ropes) or not self.own_layers():
+        if self.device.type != "cpu" or any(r.dim != a.rope.dim for r in ropes) or not self.own_layers():
             return None
         if a.local_rope is not None and a.local_rope.length_dependent:
             return None
@@ -1011,6 +1011,7 @@ class ModelRunner:
             residual_multiplier=a.residual_multiplier,
             norm_once=a.family.post_norm,
             qk_full=a.family.post_norm,
+            rotary=a.rope.dim,
         )
         return DecodeLayers(
             layers,

@@ -640,11 +640,12 @@ def decode_layer_ref(
                     out[b, r0 : r0 + u.shape[0]] += u.double() @ shrunk[c0 : c0 + u.shape[1]]
         return out
 
-    def rope(t):  # t [B, heads, hd]
-        half = hd // 2
-        lo, hi = t[..., :half], t[..., half:]
+    def rope(t):  # t [B, heads, hd]: the first r dims rotate (cos, sin [B, r]), the rest pass
+        r = cos.shape[-1]
+        half = r // 2
+        lo, hi, rest = t[..., :half], t[..., half:r], t[..., r:]
         c, s = cos.double()[:, None], sin.double()[:, None]
-        return torch.cat([lo * c[..., :half] - hi * s[..., :half], hi * c[..., half:] + lo * s[..., half:]], -1)
+        return torch.cat([lo * c[..., :half] - hi * s[..., :half], hi * c[..., half:] + lo * s[..., half:], rest], -1)
 
     x = x.double()
     B = x.shape[0]
@@ -750,12 +751,13 @@ def test_decode_layers_against_the_reference(isa, dims):
         assert torch.equal(one[0], got[1][b]), b
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "qwen3", "granite", "olmo2"])
+@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "qwen3", "granite", "olmo2", "partial"])
 def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     """What Gemma and Qwen3 change in the C decode layers, against the layer in float64: Gemma's
     (1 + w) norms in fp32, the sandwich norms, GELU's tanh form, the scores' own scale; Gemma 2's
     capped scores; Gemma 3's and Qwen3's per-head q/k norms and Gemma 3's local rotation; Granite's
-    residual multiplier and scale; OLMo 2's post-norms and whole-projection q/k norms; rows of
+    residual multiplier and scale; OLMo 2's post-norms and whole-projection q/k norms; Phi's partial
+    rotary factor (a quarter of each head rotates); rows of
     two variants and the base in one step, fp32; a row alone the same as in the batch."""
     import dataclasses
 
@@ -791,15 +793,20 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
         residual_multiplier=0.4 if kind == "granite" else 1.0,
         norm_once=kind == "olmo2",
         qk_full=kind == "olmo2",
+        rotary=hd // 4 if kind == "partial" else 0,
     )
     slots = [0, -1, 1, 0]
     cos, sin, tables, lens, write_rows, x = four_decode_rows(D, hd, bs, g)
+    full = (cos, sin)  # the whole head's rotation, for the plain layer
+    if opts.rotary:  # tables of the rotated dims only
+        angle = torch.rand(4, opts.rotary // 2, generator=g) * 6.28
+        cos, sin = torch.cat([angle.cos()] * 2, 1), torch.cat([angle.sin()] * 2, 1)
     angle = torch.rand(4, hd // 2, generator=g) * 6.28
     local = (torch.cat([angle.cos()] * 2, 1), torch.cat([angle.sin()] * 2, 1))
     want = decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs, opts=opts, local=local)
     first = L.norms[:2] if L.norms[0] is not None else (L.norms[1], L.norms[1])
     plain = decode_layer_ref(x, dataclasses.replace(L, norms=first, qk_norms=None, local=False), slots, shape,
-                             cos, sin, write_rows, tables, lens, bs)  # fmt: skip
+                             *full, write_rows, tables, lens, bs)  # fmt: skip
     assert rel_err(plain, want) > 1e-2  # what the family changes changes the numbers
     layers = DecodeLayers([L], shape, torch.float32, options=opts)
     loc = local if L.local else None
