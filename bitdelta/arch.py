@@ -732,7 +732,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
     if unknown:
         raise UnsupportedModel(
             f"{model_type} config field(s) {', '.join(repr(k) for k in unknown)} would change the model in a way "
-            f"this build does not implement (e.g. quantization, mixture-of-experts, soft-capping); "
+            f"this build does not implement (e.g. quantization, mixture-of-experts); "
             f"a {model_type} config may set {', '.join(sorted(COMMON_FIELDS | fam.fields))}"
         )
     act = _activation(cfg, fam)

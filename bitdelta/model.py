@@ -5,18 +5,20 @@ Face parameter names, so HF checkpoints and delta files map onto it without a re
       model.embed_tokens            [vocab, dim]
       model.layers[i].self_attn.{q,k,v}_proj | qkv_proj   (split or fused, as the family stores them)
       model.layers[i].self_attn.o_proj
-      model.layers[i].self_attn.{q,k}_norm                 (Qwen3: per-head RMSNorm of q and k)
+      model.layers[i].self_attn.{q,k}_norm                 (Qwen3, Gemma 3: per head; OLMo 2: whole)
       model.layers[i].mlp.{gate,up}_proj | gate_up_proj
       model.layers[i].mlp.down_proj
       model.layers[i].{input,post_attention}_layernorm
-      model.layers[i].{pre,post}_feedforward_layernorm      (Gemma 2/3's sandwich norms)
+      model.layers[i].{pre,post}_feedforward_layernorm      (Gemma 2/3's sandwich norms; OLMo 2: post_*
+                                                            only, no input_layernorm)
       model.norm
       lm_head                       (tied to embed_tokens when the config says so)
 
 The switches (fused projections, biases, q/k norms, rope variant, sliding window, Gemma's
-norms, embedding scale, activation, attention scale and soft-caps) come from `ModelArgs` (bitdelta.arch), the one description of a family. A variant is the base
-model with its projections swapped for `BitDeltaLinear` (packed signs and α as buffers,
-the base weight and bias shared) and its changed dense parameters (norms, biases,
+norms, embedding scale, activation, attention scale and soft-caps, Granite's multipliers, OLMo 2's
+post-norms) come from `ModelArgs` (bitdelta.arch), the one description of a family. A variant
+is the base model with its projections swapped for `BitDeltaLinear` (packed signs and α as
+buffers, the base weight and bias shared) and its changed dense parameters (norms, biases,
 embeddings) replaced: `attach_delta`.
 """
 

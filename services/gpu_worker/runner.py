@@ -641,7 +641,7 @@ class ModelRunner:
     def _norm(self, x: torch.Tensor, weights: torch.Tensor, m: StepMeta, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim with a per-row weight. x: [N, size] or [N, heads, size] (Qwen3's
         per-head q/k norms); weights: [n_slots + 1, size] (row 0 = base). Gemma's scales by (1 + w)
-        in fp32 and rounds once (bitdelta.model.RMSNorm)."""
+        in fp32 and rounds once, OLMo 2's by w (bitdelta.model.RMSNorm)."""
         xf = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)  # one op for x·rsqrt(mean(x²) + eps)
         w = weights[m.single_norm] if m.norm_idx is None else weights[m.norm_idx]
         if x.dim() == 3 and w.dim() == 2:
@@ -891,9 +891,9 @@ class ModelRunner:
 
     @functools.cached_property
     def _c_group_shapes(self) -> dict[str, tuple[int, int]] | None:
-        """The projection groups' shapes where the C layers can run this runner's layer (on CPU, rope
-        over the whole head, the four groups; a runner that changes a layer, as tensor parallelism's,
-        keeps its own; the library built with SIMD for this dtype), else None."""
+        """The projection groups' shapes where the C layers can run this runner's layer (on CPU, the four
+        groups, one rotary width for every layer's rope; a runner that changes a layer, as tensor
+        parallelism's, keeps its own; the library built with SIMD for this dtype), else None."""
         a = self.args
         ropes = [a.rope] + ([a.local_rope] if a.local_rope is not None else [])
         if self.device.type != "cpu" or any(r.dim != a.rope.dim for r in ropes) or not self.own_layers():
