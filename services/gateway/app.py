@@ -51,6 +51,7 @@ from bitdelta.rpc.clients.router import RouterCallError, RouterClient
 from bitdelta.rpc.errors import without_addresses
 from bitdelta.rpc.metrics import GatewayMetrics
 from services.gateway import protocol as api
+from services.gateway import responses as rsp
 from services.gateway.catalog import Catalog, Own
 from services.gateway.chat import ChatTemplate, ChatTemplateError
 from services.gateway.config import GatewayConfig
@@ -181,9 +182,13 @@ class _Generation(Response):
         metadata: tuple[tuple[str, str], ...],
         timeout_s: float,
         echoes: list[str] | None = None,
+        responses: rsp.ResponsesInfo | None = None,
     ):
+        """responses: a /v1/responses request's (its chat request's answer goes out as a response
+        object or its events)."""
         self.router, self.req, self.metadata, self.timeout_s, self.echoes = router, req, metadata, timeout_s, echoes
-        self.prompt_param = "prompt" if req.kind == "completion" else "messages"
+        self.responses = responses
+        self.prompt_param = "prompt" if req.kind == "completion" else "input" if responses else "messages"
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -340,9 +345,54 @@ class _Generation(Response):
                 )
             )
             usages[i] = mine[-1].usage
+        if self.responses is not None:  # one choice (to_chat sends no n)
+            c = choices[0]
+            return await self._send_json(send, 200, rsp.whole(self.responses, r, c.text, c.finish, usages[0]))
         await self._send_json(send, 200, api.response(r, choices, api.total_usage(usages, n)))
 
+    async def _stream_responses(self, send: Send, merged: _Merged) -> None:
+        """A /v1/responses stream: its typed events (responses.Events), one write per router message."""
+        ev = rsp.Events(self.responses, self.req)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    *((k.encode(), v.encode()) for k, v in SSE_HEADERS.items()),
+                ],
+            }
+        )
+        out = [ev.start()]
+        try:
+            ended = False
+            while not ended:
+                msg = await merged.next()
+                if msg is None:
+                    raise ApiError(
+                        502,
+                        "the router's stream ended without a finish reason",
+                        type="server_error",
+                        code="truncated_stream",
+                    )
+                for tok in msg.tokens:
+                    if tok.text:
+                        out.append(ev.delta(tok.text))
+                    if tok.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED or tok.HasField("usage"):
+                        out.append(ev.end(self._finish(tok), tok.usage))
+                        ended = True
+                        break
+                await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                out.clear()
+        except RouterCallError as e:  # after the status went out: an error event ends the stream
+            out.append(ev.error(self._error(e)))
+        except ApiError as e:
+            out.append(ev.error(e))
+        await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
+
     async def _stream(self, send: Send, firsts: list[pb.GenerateResponse], merged: _Merged) -> None:
+        if self.responses is not None:
+            return await self._stream_responses(send, merged)
         r = self.req
         await send(
             {
@@ -437,6 +487,7 @@ ROUTES = (
     "/v1/models",
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/responses",
     "/health",
     "/ready",
     "/metrics",
@@ -636,7 +687,27 @@ def create_app(
     async def chat_completions(request: HttpRequest) -> Response:
         body = await read_json(request)
         own, defaults = await own_of(request, body)
-        req = api.parse_chat(body, defaults)
+        return await chat_generation(request, api.parse_chat(body, defaults), own)
+
+    async def responses(request: HttpRequest) -> Response:
+        body = await read_json(request)
+        chat, info = rsp.to_chat(body)
+        own, defaults = await own_of(request, body)
+        try:
+            req = api.parse_chat(chat, defaults)
+        except ApiError as e:
+            raise rsp.renamed(e) from None
+        req.id = info.id
+        try:
+            return await chat_generation(request, req, own, info)
+        except ApiError as e:
+            raise rsp.renamed(e) from None
+
+    async def chat_generation(
+        request: HttpRequest, req: api.Request, own: Own, responses: rsp.ResponsesInfo | None = None
+    ) -> Response:
+        """A parsed chat request rendered with its model's template (and its tools' grammar), checked,
+        and run: its answer as chat's, or as a response object (`responses`)."""
         request.state.model = req.model
         template = templates.for_model(req.model, own.template)
         tools = req.tools
@@ -666,7 +737,12 @@ def create_app(
         await check_constraint(req)
         echo = req.chat_echo()
         return _Generation(
-            state["router"], req, metadata(request), config.request_timeout_s, None if echo is None else [echo]
+            state["router"],
+            req,
+            metadata(request),
+            config.request_timeout_s,
+            None if echo is None else [echo],
+            responses=responses,
         )
 
     async def known_model(request: HttpRequest, body: Any) -> str:
@@ -766,6 +842,7 @@ def create_app(
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),

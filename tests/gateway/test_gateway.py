@@ -281,6 +281,65 @@ async def test_text_parts_reach_the_template_as_vllms(clients):
     assert r.choices[0].message.content == want
 
 
+async def test_responses_run_as_the_chat_they_mean(clients):
+    """/v1/responses through the openai SDK: `instructions` a system message first, `input` the user's
+    (a string, or messages of text parts with a developer's message as the system's), max_output_tokens
+    the chat's max_tokens: the router's text for the prompt the base's template renders, as a
+    response object (incomplete at max_output_tokens) and as its stream of typed events."""
+    client, router, _ = clients
+    want, toks = await router_text(router, "v0", BASE_RENDERED)
+    kw = dict(model="v0", max_output_tokens=N, temperature=0)
+    r = await client.responses.create(instructions="Be brief.", input="Hi there", **kw)
+    assert r.id.startswith("resp_") and r.object == "response" and r.output_text == want
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (toks[-1].usage.prompt_tokens, N)
+    assert r.output[0].role == "assistant" and r.store is False and r.max_output_tokens == N
+    parts = [{"type": "input_text", "text": "Hi"}, {"type": "input_text", "text": "there"}]
+    msgs = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": parts}]
+    joined, _ = await router_text(router, "v0", f"{BOS}system: Be brief.\n{BOS}user: Hi\nthere\n{BOS}assistant: ")
+    assert (await client.responses.create(input=msgs, **kw)).output_text == joined
+    events = [
+        e async for e in await client.responses.create(instructions="Be brief.", input="Hi there", stream=True, **kw)
+    ]
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
+    assert events[-1].response.output_text == want and events[-1].response.usage.output_tokens == N
+
+
+async def test_responses_refuse_what_they_do_not_serve(clients):
+    """A field that needs a stored response, a tool or a non-text item is 400 naming it; a chat
+    parser's error names the Responses field (max_output_tokens, not max_tokens)."""
+    client, _, _ = clients
+    kw = dict(model="v0", input="Hi", max_output_tokens=N)
+    for extra, param, words in (
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", "/v1/chat/completions"),
+        ({"background": True}, "background", "background"),
+        ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input", "messages only"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "text parts"),
+        ({"text": {"format": {"type": "xml"}}}, "text", "json_schema"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 3}}}, "text.format.schema", "JSON object"),
+        ({"frobnicate": 1}, "frobnicate", "not supported"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:  # sent as they are (extra_body)
+            await client.responses.create(**{k: v for k, v in kw.items() if k not in extra}, extra_body=extra)
+        assert_error_shape(e.value.response.json(), 400, e.value.status_code, param, words)
+
+
 async def test_chat_echo_and_role_are_vllms(clients):
     """vLLM's chat echo: the last message's content comes before the answer when that message has the
     answer's role (assistant after a generation prompt, else the last message's own: the prompt
