@@ -118,6 +118,26 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+async def _start_events(send: Send) -> None:
+    """A 200 whose body is server-sent events."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"),
+                *((k.encode(), v.encode()) for k, v in SSE_HEADERS.items()),
+            ],
+        }
+    )
+
+
+def _truncated() -> ApiError:
+    return ApiError(
+        502, "the router's stream ended without a finish reason", type="server_error", code="truncated_stream"
+    )
+
+
 class _Merged:
     """A request's streams as one: every prompt's messages as they arrive (its first already read),
     each token's choice index moved to its prompt's range (prompt k's choice i is k·n + i). A batch
@@ -353,28 +373,14 @@ class _Generation(Response):
     async def _stream_responses(self, send: Send, merged: _Merged) -> None:
         """A /v1/responses stream: its typed events (responses.Events), one write per router message."""
         ev = rsp.Events(self.responses, self.req)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"text/event-stream; charset=utf-8"),
-                    *((k.encode(), v.encode()) for k, v in SSE_HEADERS.items()),
-                ],
-            }
-        )
+        await _start_events(send)
         out = [ev.start()]
         try:
             ended = False
             while not ended:
                 msg = await merged.next()
                 if msg is None:
-                    raise ApiError(
-                        502,
-                        "the router's stream ended without a finish reason",
-                        type="server_error",
-                        code="truncated_stream",
-                    )
+                    raise _truncated()
                 for tok in msg.tokens:
                     if tok.text:
                         out.append(ev.delta(tok.text))
@@ -394,16 +400,7 @@ class _Generation(Response):
         if self.responses is not None:
             return await self._stream_responses(send, merged)
         r = self.req
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"text/event-stream; charset=utf-8"),
-                    *((k.encode(), v.encode()) for k, v in SSE_HEADERS.items()),
-                ],
-            }
-        )
+        await _start_events(send)
 
         async def body(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
@@ -436,12 +433,7 @@ class _Generation(Response):
             while len(usages) < total:
                 msg = await merged.next()
                 if msg is None:
-                    raise ApiError(
-                        502,
-                        "the router's stream ended without a finish reason",
-                        type="server_error",
-                        code="truncated_stream",
-                    )
+                    raise _truncated()
                 for tok in msg.tokens:
                     i = tok.index
                     lp = api.logprobs(r, [tok.logprobs], offsets[i]) if tok.HasField("logprobs") else None

@@ -191,6 +191,7 @@ def to_chat(body: Any) -> tuple[dict, ResponsesInfo]:
 
 def renamed(e: ApiError) -> ApiError:
     """A chat parser's error in the Responses API's words (max_tokens -> max_output_tokens, ...)."""
+
     def words(text: str) -> str:  # the longer chat names first (RENAMED's order)
         for chat_name, name in RENAMED.items():
             text = text.replace(chat_name, name)
