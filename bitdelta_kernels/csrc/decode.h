@@ -406,7 +406,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
     int64_t *row_slot = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B * (1 + P) + 1));
     if (!row_slot) return -1;
     int64_t *row_planes = row_slot + B;
-    int any_delta = 0, bad = 0;
+    int any_delta = 0, bad = (o_->local_cos != NULL) != (o_->local_sin != NULL) ? 4 : 0; /* both local tables or none */
     for (int64_t b = 0; b < B; ++b) {
         row_slot[b] = row_slot32[b];
         bad |= row_slot[b] < -1 || row_slot[b] >= n_slots;
@@ -416,7 +416,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
             any_delta |= v >= 0;
         }
         if (head_of_row && (head_of_row[b] < -1 || head_of_row[b] >= n_heads)) bad |= 2;
-        if (rope_rows[b] < 0 || rope_rows[b] >= n_rope || (o_->local_cos && !o_->local_sin) ||
+        if (rope_rows[b] < 0 || rope_rows[b] >= n_rope ||
             (!x_in && (tokens[b] < 0 || tokens[b] >= n_vocab ||
                        (embed_of_row && (embed_of_row[b] < -1 || embed_of_row[b] >= n_embeds)))))
             bad |= 4;

@@ -39,10 +39,12 @@ RENAMED = {
 # Fields passed to the chat request as they are: OpenAI's sampling ones and vLLM's extras
 PASSED = ("model", "temperature", "top_p", "stream", "top_k", "min_p", "repetition_penalty", "seed", "priority")
 PASSED += ("cache_salt", "stop", "chat_template_kwargs")
-# Fields that do not change the answer here: echoed where the response object has them, else unused
-IGNORED = ("user", "safety_identifier", "prompt_cache_key", "service_tier", "parallel_tool_calls")
-IGNORED += ("store", "stream_options", "max_tool_calls", "include", "truncation", "tool_choice", "tools")
-IGNORED += ("instructions", "input", "max_output_tokens", "text", "metadata", "reasoning", "top_logprobs")
+READ = ("instructions", "input", "max_output_tokens", "text", "metadata", "user")  # to_chat's own
+# Fields served only "off" (_check_off): no tools, no truncation, no reasoning options, ...
+OFF = ("background", "tools", "tool_choice", "truncation", "reasoning", "top_logprobs", "include")
+# Fields that do not change the answer here
+IGNORED = ("safety_identifier", "prompt_cache_key", "service_tier", "parallel_tool_calls", "store")
+IGNORED += ("stream_options", "max_tool_calls")
 # Fields refused whatever their value (but null), with why
 REFUSED = {
     "previous_response_id": "this server keeps no responses (send the whole conversation as input)",
@@ -80,7 +82,7 @@ def _check_off(body: dict) -> None:
     if body.get("truncation") not in (None, "disabled"):
         raise invalid("truncation", "truncation must be 'disabled': a prompt past the context is refused, not cut")
     reasoning = body.get("reasoning")
-    if reasoning not in (None, {}) and not (isinstance(reasoning, dict) and all(v is None for v in reasoning.values())):
+    if reasoning is not None and not (isinstance(reasoning, dict) and all(v is None for v in reasoning.values())):
         raise invalid("reasoning", "reasoning options are not served (the model's template decides)")
     if body.get("top_logprobs") not in (None, 0):
         raise invalid("top_logprobs", f"top_logprobs (0 to {MAX_LOGPROBS}) is not served by /v1/responses")
@@ -162,7 +164,7 @@ def to_chat(body: Any) -> tuple[dict, ResponsesInfo]:
     the field for what is not served."""
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object", code="invalid_json")
-    unknown = next((k for k in body if k not in PASSED + IGNORED and k not in REFUSED and k != "background"), None)
+    unknown = next((k for k in body if k not in (*PASSED, *READ, *OFF, *IGNORED, *REFUSED)), None)
     if unknown is not None:
         shown = str(unknown)[:64]
         raise invalid(
