@@ -28,7 +28,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite", "olmo2")
+SUPPORTED = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "granite",
+    "olmo2",
+    "mixtral",
+    "qwen3_moe",
+)
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
@@ -55,7 +68,15 @@ class Family:
     # input norm), every norm rounds once (w · x in fp32, as Gemma's), and the q and k norms span the
     # whole projection (every head together) instead of one head
     post_norm: bool = False
+    # Mixture of experts (Mixtral, Qwen3-MoE): the module path of each layer's sparse block in place of
+    # a dense MLP ("block_sparse_moe", "mlp"); its router is `<moe>.gate`, expert e's projections
+    # `<moe>.experts.<e>.<gate, up, down names>`
+    moe: str | None = None
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
+
+# The mixture-of-experts fields both MoE families read (either spelling of the expert count)
+_MOE_FIELDS = frozenset({"num_local_experts", "num_experts", "num_experts_per_tok"})
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", False, False, False, frozenset({"attention_bias", "mlp_bias"})),
@@ -135,6 +156,38 @@ FAMILIES: dict[str, Family] = {
         ),
     ),
     "olmo2": Family("olmo2", False, True, False, frozenset({"attention_bias"}), post_norm=True),
+    # Mixtral: Mistral's attention, a sparse block of SiLU-gated experts w1 (gate), w3 (up), w2 (down);
+    # the top-k routing weights always renormalised
+    "mixtral": Family(
+        "mixtral",
+        False,
+        False,
+        False,
+        _MOE_FIELDS | {"sliding_window"},
+        moe="block_sparse_moe",
+        expert_names=("w1", "w3", "w2"),
+    ),
+    # Qwen3-MoE: Qwen3's attention (per-head q/k norms), experts of moe_intermediate_size, the top-k
+    # weights renormalised where norm_topk_prob says so. Every layer sparse: decoder_sparse_step 1 and
+    # no mlp_only_layers (max_window_layers is not read by transformers' Qwen3-MoE)
+    "qwen3_moe": Family(
+        "qwen3_moe",
+        False,
+        True,
+        False,
+        _MOE_FIELDS
+        | {
+            "attention_bias",
+            "use_sliding_window",
+            "sliding_window",
+            "max_window_layers",
+            "moe_intermediate_size",
+            "norm_topk_prob",
+            "decoder_sparse_step",
+            "mlp_only_layers",
+        },
+        moe="mlp",
+    ),
 }
 # What transformers' config class of each family sets where a config.json leaves a field out (the
 # fields this build reads): a partial config means what it means to transformers (e.g. Gemma 3's
@@ -228,7 +281,30 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "attention_multiplier": 1.0,
         "logits_scaling": 1.0,
     },
+    "mixtral": {
+        **_LLAMA_LIKE,
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "num_experts_per_tok": 2,
+    },
+    "qwen3_moe": {
+        **{k: v for k, v in _QWEN.items() if k != "max_window_layers"},
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 4,
+        "hidden_act": "silu",
+        "moe_intermediate_size": 768,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+    },
 }
+# The rope's θ where a config names none, where transformers' class of the family has its own
+DEFAULT_THETA = {"mixtral": 1e6}
 # Multimodal wrappers whose text model this build serves alone (model_type -> the text model's, and
 # its causal LM's class): prompts are text, the vision tower's weights are never read
 # (`text_model_config`; bitdelta.checkpoint reads the text model's tensors under its causal LM's names).
@@ -299,6 +375,11 @@ IGNORED_FIELDS = frozenset(
         "tokenizer_class",
         "is_llama_config",  # a serving framework's marker in SmolLM configs
         "cache_implementation",  # Gemma 2/3's "hybrid": how transformers allocates its cache
+        # mixture-of-experts training knobs: the auxiliary loss, the router's logits as an output, the
+        # router's input noise (applied in training only)
+        "router_aux_loss_coef",
+        "output_router_logits",
+        "router_jitter_noise",
     }
 )
 ROPE_FIELDS: dict[str, frozenset[str]] = {
@@ -491,6 +572,12 @@ class ModelArgs:
     embed_multiplier: float = 1.0  # Granite: the embeddings × this (a Python float: one rounding)
     residual_multiplier: float = 1.0  # Granite: each sublayer's output × this before its residual add
     logits_scaling: float = 1.0  # Granite: the logits ÷ this
+    # Mixture of experts (Family.moe): every layer's MLP is n_experts experts of intermediate_size,
+    # each token's output the sum of its experts_per_token highest-scoring experts' (softmax of the
+    # router's logits in fp32, renormalised over the chosen ones where norm_topk)
+    n_experts: int = 0
+    experts_per_token: int = 0
+    norm_topk: bool = True
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -507,6 +594,10 @@ class ModelArgs:
             self.local_rope = dataclasses.replace(self.local_rope, dim=self.head_dim)
         if self.act not in ACTIVATIONS.values():
             raise ValueError(f"act {self.act!r} is not one of {sorted(ACTIVATIONS.values())}")
+        if (self.family.moe is not None) != (self.n_experts > 0) or not 0 <= self.experts_per_token <= self.n_experts:
+            raise ValueError(
+                f"{self.model_type}: {self.n_experts} experts, {self.experts_per_token} per token do not fit the family"
+            )
 
     @property
     def family(self) -> Family:
@@ -542,12 +633,27 @@ class ModelArgs:
                 Matrix("mlp.gate_proj", "gate_up", f, d, self.mlp_bias),
                 Matrix("mlp.up_proj", "gate_up", f, d, self.mlp_bias),
             ]
-        return (
-            *attn,
-            Matrix("self_attn.o_proj", "o", d, q, self.o_bias),
-            *mlp,
-            Matrix("mlp.down_proj", "down", d, f, self.mlp_bias),
-        )
+        o = Matrix("self_attn.o_proj", "o", d, q, self.o_bias)
+        if self.family.moe is not None:
+            return (*attn, o, *self.expert_matrices())
+        return (*attn, o, *mlp, Matrix("mlp.down_proj", "down", d, f, self.mlp_bias))
+
+    def expert_matrices(self) -> tuple[Matrix, ...]:
+        """A sparse layer's router (group "router": [n_experts, dim]) and each expert e's gate and up
+        (group "gate_up.e") and down (group "down.e") projections; () for a dense family."""
+        moe = self.family.moe
+        if moe is None:
+            return ()
+        d, f = self.dim, self.intermediate_size
+        gate, up, down = self.family.expert_names
+        out = [Matrix(f"{moe}.gate", "router", self.n_experts, d, False)]
+        for e in range(self.n_experts):
+            out += [
+                Matrix(f"{moe}.experts.{e}.{gate}", f"gate_up.{e}", f, d, False),
+                Matrix(f"{moe}.experts.{e}.{up}", f"gate_up.{e}", f, d, False),
+                Matrix(f"{moe}.experts.{e}.{down}", f"down.{e}", d, f, False),
+            ]
+        return tuple(out)
 
     def layer_norms(self) -> tuple[tuple[str, int], ...]:
         """(module path inside a layer, size) of each RMSNorm of a layer."""
@@ -579,7 +685,10 @@ class ModelArgs:
         """A short canonical description of the parameter layout a delta must match, e.g.
         `q,k,v,o,gate,up,down;bias=q,k,v` or `qkv,o,gate_up,down` or `...;qk_norm`."""
         mats = self.matrices()
-        text = ",".join(m.short for m in mats)
+        text = ",".join(m.short for m in mats if not m.group.startswith(("router", "gate_up.", "down.")))
+        if self.family.moe is not None:  # e.g. q,k,v,o,router,experts=8x(w1,w3,w2)
+            names = ",".join(self.family.expert_names).replace("_proj", "")
+            text += f",router,experts={self.n_experts}x({names})"
         biased = [m.short for m in mats if m.bias]
         if biased:
             text += ";bias=" + ",".join(biased)
@@ -662,10 +771,8 @@ def _rope_to_hf(rope: Rope, head_dim: int) -> dict:
 
 def _unsupported_type(model_type) -> str:
     hint = ""
-    if isinstance(model_type, str) and (
-        "moe" in model_type or model_type in ("mixtral", "dbrx", "deepseek_v2", "deepseek_v3")
-    ):
-        hint = " (mixture-of-experts models are not supported)"
+    if isinstance(model_type, str) and ("moe" in model_type or model_type in ("dbrx", "deepseek_v2", "deepseek_v3")):
+        hint = " (of the mixture-of-experts families, this build serves mixtral and qwen3_moe)"
     elif isinstance(model_type, str) and model_type.startswith(("llava", "idefics", "qwen2_vl", "mllama", "paligemma")):
         hint = " (multimodal models are not supported, but for Gemma 3's text model)"
     return f"model_type {model_type!r} is not supported{hint}; this build serves {', '.join(SUPPORTED)}"
@@ -752,13 +859,14 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         attn_scale = _positive(cfg, "attention_multiplier")
     attn_bias = bool(cfg.get("attention_bias", False))
     eos = cfg.get("eos_token_id")
+    n_experts, per_token, ffn = _experts(cfg, fam)
     return cls(
         vocab_size=cfg["vocab_size"],
         dim=cfg["hidden_size"],
         n_layers=n_layers,
         n_heads=heads,
         n_kv_heads=cfg.get("num_key_value_heads") or heads,
-        intermediate_size=cfg["intermediate_size"],
+        intermediate_size=ffn,
         norm_eps=cfg["rms_norm_eps"],
         max_seq_len=max_pos,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -779,7 +887,36 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         attn_softcap=caps["attn_logit_softcapping"],
         logit_softcap=caps["final_logit_softcapping"],
         local_rope=local_rope,
+        n_experts=n_experts,
+        experts_per_token=per_token,
+        norm_topk=fam.model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
     )
+
+
+_DEFAULT_EXPERTS = {"mixtral": 8, "qwen3_moe": 128}
+
+
+def _experts(cfg: dict, fam: Family) -> tuple[int, int, int]:
+    """(experts, experts per token, the MLP's or each expert's intermediate size) as transformers'
+    model of the family reads them; a sparse family whose layers are not all sparse is refused."""
+    if fam.moe is None:
+        return 0, 0, cfg["intermediate_size"]
+    counts = {cfg[k] for k in ("num_local_experts", "num_experts") if cfg.get(k) is not None}
+    counts = counts or {_DEFAULT_EXPERTS[fam.model_type]}  # transformers' default (either spelling)
+    if len(counts) != 1:
+        raise UnsupportedModel(f"num_local_experts and num_experts disagree: {sorted(counts)}")
+    (n,) = counts
+    k = cfg.get("num_experts_per_tok")
+    for key, value in (("num_local_experts", n), ("num_experts_per_tok", k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UnsupportedModel(f"config field {key!r} must be a positive integer, got {value!r}")
+    if k > n:
+        raise UnsupportedModel(f"num_experts_per_tok {k} is more than the {n} experts")
+    if cfg.get("decoder_sparse_step", 1) != 1 or _is_set(cfg.get("mlp_only_layers")):
+        raise UnsupportedModel(
+            "decoder_sparse_step / mlp_only_layers: layers with a dense MLP among sparse ones are not supported"
+        )
+    return n, k, cfg["moe_intermediate_size"] if fam.model_type == "qwen3_moe" else cfg["intermediate_size"]
 
 
 def _positive(cfg: dict, key: str) -> float | None:
@@ -835,7 +972,11 @@ def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int | None, ...
                 f"layer_types {types!r}: expected {n_layers} of 'full_attention'/'sliding_attention'"
             )
         out = tuple(int(window) if t == "sliding_attention" else None for t in types)
-    elif model_type in ("mistral", "phi3"):
+    elif model_type == "qwen3_moe":  # every layer, when use_sliding_window is on
+        if not cfg.get("use_sliding_window", False) or window is None:
+            return ()
+        out = (int(window),) * n_layers
+    elif model_type in ("mistral", "phi3", "mixtral"):
         if window is None:
             return ()
         out = (int(window),) * n_layers
@@ -909,7 +1050,7 @@ def _rope_of(params: dict, cfg: dict, fam: Family, head_dim: int, max_pos: int) 
         raise UnsupportedModel(
             f"rope type {kind!r} (rope_parameters.rope_type) is not supported; supported: {', '.join(ROPE_KINDS)}"
         )
-    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", DEFAULT_THETA.get(fam.model_type, 10000.0))))
     partial = params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if partial is None:
         partial = 1.0

@@ -260,12 +260,62 @@ class MLP(nn.Module):
         return self.down_proj(gate_act(self.args, gate) * up)
 
 
+class Expert(nn.Module):
+    """One expert of a sparse layer: a gated MLP under its family's names (Mixtral's w1, w3, w2)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.names = args.family.expert_names
+        d, f = args.dim, args.intermediate_size
+        for name, shape in zip(self.names, ((d, f), (d, f), (f, d))):
+            setattr(self, name, nn.Linear(*shape, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (getattr(self, n) for n in self.names)
+        return down(gate_act(self.args, gate(x)) * up(x))
+
+
+def route(args: ModelArgs, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, n_experts] -> (fp32 weights, experts) [N, experts_per_token] of each token:
+    the softmax in fp32, its top k, renormalised over them where the family does."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, args.experts_per_token, dim=-1)
+    if args.norm_topk:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if args.model_type == "qwen3_moe":  # transformers' Qwen3-MoE rounds them to the model's dtype
+        weights = weights.to(logits.dtype)
+    return weights, experts
+
+
+class SparseMoE(nn.Module):
+    """A sparse layer (Mixtral's block_sparse_moe, Qwen3-MoE's mlp): `gate` routes each token to its
+    top experts, whose outputs are summed weighted by `route`'s weights."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(args) for _ in range(args.n_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, experts = route(self.args, self.gate(flat))
+        out = torch.zeros_like(flat)
+        for e in experts.unique().tolist():
+            rows, k = (experts == e).nonzero(as_tuple=True)
+            y = self.experts[e](flat[rows]) * weights[rows, k, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out.view_as(x)
+
+
 class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.sandwich = args.family.sandwich
         self.self_attn = Attention(args, layer)
-        self.mlp = MLP(args)
+        self.ffn = args.family.moe or "mlp"  # the MLP's (or sparse block's) module name
+        setattr(self, self.ffn, SparseMoE(args) if args.family.moe else MLP(args))
         for name, size in args.layer_norms():
             if "." not in name:  # the q/k norms live in self_attn
                 setattr(self, name, RMSNorm.of(args, size))
@@ -279,7 +329,7 @@ class Block(nn.Module):
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, pos))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = residual(a, x, self.self_attn(self.input_layernorm(x), cos, sin, pos))
-        return residual(a, x, self.mlp(self.post_attention_layernorm(x)))
+        return residual(a, x, getattr(self, self.ffn)(self.post_attention_layernorm(x)))
 
 
 class Body(nn.Module):

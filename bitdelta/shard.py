@@ -48,6 +48,12 @@ COLUMN_GROUPS = ("qkv", "gate_up")
 ROW_GROUPS = ("o", "down")
 
 
+def group_kind(group: str) -> str:
+    """A projection group's kind: an expert's groups ("gate_up.3", "down.3") split like the dense MLP's
+    (COLUMN_GROUPS, ROW_GROUPS); "router" (a sparse layer's, [n_experts, dim]) is whole on every rank."""
+    return group.split(".", 1)[0]
+
+
 class Split(enum.Enum):
     """How one tensor is divided among the ranks."""
 
@@ -209,7 +215,7 @@ class TPLayout:
             q0, q1 = self.heads()
             k0, k1 = self.kv_heads()
             return ((q0 * hd, q1 * hd), (q + k0 * hd, q + k1 * hd), (q + kv + k0 * hd, q + kv + k1 * hd))
-        if group == "gate_up":
+        if group_kind(group) == "gate_up":
             f = a.intermediate_size
             f0, f1 = self.ffn()
             return ((f0, f1), (f + f0, f + f1))
@@ -220,7 +226,7 @@ class TPLayout:
         if group == "o":
             q0, q1 = self.heads()
             return q0 * self.args.head_dim, q1 * self.args.head_dim
-        if group == "down":
+        if group_kind(group) == "down":
             return self.ffn()
         raise ValueError(f"{group} is not a row-parallel group")
 
@@ -261,8 +267,10 @@ class TPLayout:
         if module not in mats:
             return TensorShard(Split.REPLICATED)  # a norm (q/k norms included)
         group, r0, d_out = mats[module]
+        if group == "router":  # every rank routes every token: the router's tensors whole on each
+            return TensorShard(Split.REPLICATED)
         is_bias = param.endswith(".bias")
-        if group in ROW_GROUPS:
+        if group_kind(group) in ROW_GROUPS:
             c0, c1 = self.group_cols(group)
             if col_alpha:  # [d_in]: this rank's input columns
                 return TensorShard(Split.ROW, rows=((c0, c1),))
@@ -319,9 +327,11 @@ class TPLayout:
     def group_shard(self, group: str) -> TensorShard:
         """Rank's part of a projection group's concatenated base weight [d_out_g, d_in_g] (and of
         its bias [d_out_g] when column-parallel)."""
-        if group in ROW_GROUPS:
+        if group == "router":
+            return TensorShard(Split.REPLICATED)
+        if group_kind(group) in ROW_GROUPS:
             return TensorShard(Split.ROW, cols=self.group_cols(group))
         return TensorShard(Split.COLUMN, rows=self.group_rows(group))
 
 
-__all__ = ["TPLayout", "TensorShard", "Split", "ShardError", "COLUMN_GROUPS", "ROW_GROUPS"]
+__all__ = ["TPLayout", "TensorShard", "Split", "ShardError", "COLUMN_GROUPS", "ROW_GROUPS", "group_kind"]

@@ -364,7 +364,8 @@ def _compute_dtype(x: torch.Tensor, w_base: torch.Tensor) -> torch.dtype:
 
 
 def _block_rows(d_in: int, d_out: int, itemsize: int) -> int:
-    return max(16, min(d_out, MERGE_BLOCK_BYTES // (itemsize * d_in)))
+    """Rows of W_eff merged at a time: a block of MERGE_BLOCK_BYTES, at least 16 rows, at most d_out."""
+    return min(d_out, max(16, MERGE_BLOCK_BYTES // (itemsize * d_in)))
 
 
 def linear_merge_gemm_cpu(

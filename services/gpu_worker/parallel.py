@@ -65,7 +65,7 @@ from bitdelta.format import DTYPES
 from bitdelta.rpc import telemetry
 from bitdelta.rpc.checksums import crc32
 from bitdelta.rpc.receiver import Receiver
-from bitdelta.shard import ROW_GROUPS, TPLayout
+from bitdelta.shard import ROW_GROUPS, TPLayout, group_kind
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.errors import DeltaLoadError, Unavailable, WorkerError
 from services.gpu_worker.loader import DeltaPlan, Kind, SlotWriter, plan_delta
@@ -149,16 +149,26 @@ class ShardedRunner(ModelRunner):
         self.comm, self.tp = comm, tp
 
     def _linear(self, x: torch.Tensor, layer: int, group: str, m: StepMeta) -> torch.Tensor:
-        if group not in ROW_GROUPS:
+        if group_kind(group) not in ROW_GROUPS:
             return super()._linear(x, layer, group, m)
         # row-parallel: this rank's input columns give a partial sum of x·Wᵀ + α ⊙ (x·Sᵀ) (the delta
-        # term of every row's variant included); ONE all-reduce sums them, then the bias, once
+        # term of every row's variant included); ONE all-reduce sums them, then the bias, once. An
+        # expert's down ("down.e") stays partial: `_sparse` sums the experts' first, then all-reduces
         y = self._linear_nobias(x, layer, group, m)
-        self.comm.all_reduce(y)
+        if group_kind(group) == group:  # o, down (not an expert's)
+            self.comm.all_reduce(y)
         bias = self.slots.biases[layer].get(group)
         if bias is None:
             return y
         return y + (bias[m.single_norm] if m.norm_idx is None else bias[m.norm_idx])
+
+    def _sparse(self, h: torch.Tensor, layer: int, m: StepMeta) -> torch.Tensor:
+        """A sparse layer on this rank's columns of every expert: each rank routes every row the same
+        way (the router and h are whole on each), sums its partial experts' outputs, then ONE
+        all-reduce for the layer."""
+        out = super()._sparse(h, layer, m)
+        self.comm.all_reduce(out)
+        return out
 
     def _embed(self, m: StepMeta) -> torch.Tensor:
         """Vocabulary-parallel lookup: this rank's rows (a variant's own table sharded the same way),

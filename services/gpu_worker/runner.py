@@ -48,6 +48,7 @@ from bitdelta.model import (
     final_logits,
     gate_act,
     residual,
+    route,
 )
 from bitdelta.shard import EMBED, HEAD
 from bitdelta_kernels import (
@@ -345,6 +346,7 @@ class StepMeta:
     # Gemma 3's sliding-window layers' own rope (ModelArgs.local_rope): cos, sin as above; None: one rope
     local_cos: torch.Tensor | None = None
     local_sin: torch.Tensor | None = None
+    host_rows: torch.Tensor | None = None  # [N] int32 row_slot on the host (a sparse layer's experts' rows)
 
 
 @dataclass
@@ -459,22 +461,13 @@ class ModelRunner:
         cos, sin = self.rope.tables(pos_t, max(positions, default=0) + 1, seq_lens)
         rs = torch.tensor(row_slot, dtype=torch.int32)
         extras = self.slots.extras  # one snapshot for the whole step
-        planes = _multi_plane(extras, slots_set)
-        low = {s for s in slots_set if s in extras and extras[s].lowrank}
-        colv = {s: len(extras[s].slots) or 1 for s in slots_set if s in extras and extras[s].cols}
-        fused = single is not None and single >= 0 and self.use_fused  # a delta's slots are a run (SlotWriter)
-        if fused and single in low and self.dtype != torch.float32:
-            fused = False  # the fused kernel rounds; a low-rank term goes in before the one rounding
+        deltas, plan_rows = self._row_deltas(rs, extras)
         meta = StepMeta(
             tokens=self._dev(torch.tensor(tokens, dtype=torch.int64)),
             cos=cos[:, None, :],
             sin=sin[:, None, :],
-            row_slot=self._dev(rs),
             norm_idx=None if single is not None else self._dev(rs.to(torch.int64) + 1),
             single_norm=(single + 1) if single is not None else 0,
-            any_delta=any(s >= 0 for s in slots_set),
-            single_slot=single if fused else None,
-            single_planes=len(planes.get(single, (single,))) if fused else 1,
             write_rows=self._dev(torch.tensor(write_rows, dtype=torch.int64)),
             decode_rows=None,
             decode_tables=None,
@@ -483,33 +476,12 @@ class ModelRunner:
             logit_rows=self._dev(torch.tensor(logit_rows, dtype=torch.int64)),
             logit_slots=logit_slots,
             extras=extras,
+            host_rows=rs,
+            **deltas,
         )
         if self.local_rope is not None:
             lc, ls = self.local_rope.tables(pos_t, max(positions, default=0) + 1, seq_lens)
             meta.local_cos, meta.local_sin = lc[:, None, :], ls[:, None, :]
-        plan_rows = None  # the batched delta's host row slots (planned last: a graphed step plans its own)
-        if meta.any_delta and meta.single_slot is None:  # every plan from host copies: no device sync
-            main = rs.clone()
-            meta.col_launches = []
-            for s, k in colv.items():  # a launch of its own over the view s..s+k, with its col_alpha
-                mine = rs == s
-                main[mine] = -1
-                local = torch.full((len(row_slot), k), -1, dtype=torch.int32)
-                local[mine] = torch.arange(k, dtype=torch.int32)
-                local = local[:, 0].contiguous() if k == 1 else local
-                meta.col_launches.append((s, k, self._dev(local), self._plan(local, k, unpack=False)))
-            if planes.keys() - colv.keys():
-                main = self._plane_rows(main, {s: v for s, v in planes.items() if s not in colv})
-            if colv or planes:
-                meta.row_slots = self._dev(main)
-            plan_rows = main
-        if not colv:  # sign planes of row α's (and low-rank terms): the C layers' and a graphed decode's rows
-            meta.host_slots = plan_rows if plan_rows is not None else self._plane_rows(rs, planes) if planes else rs
-        if low:
-            meta.lowrank_rows = {
-                s: None if single is not None else self._dev((rs == s).nonzero(as_tuple=True)[0].to(torch.int64))
-                for s in low
-            }
         # rows whose slot brings its own embedding (dense or signs): found here, not by a device nonzero()
         meta.embed_rows = {}
         for slot, ex in extras.items():
@@ -538,6 +510,57 @@ class ModelRunner:
         if plan_rows is not None and not (self.graphs is not None and self.graphs.serves(meta)):
             meta.plan = self._plan(plan_rows, self.slots.n_slots)  # graphs.run plans its padded rows instead
         return meta
+
+    def _row_deltas(self, rs: torch.Tensor, extras: dict) -> tuple[dict, torch.Tensor | None]:
+        """How the projections add the deltas of rows whose host slots are `rs` ([N] int32, −1 = the
+        base), as StepMeta's fields (row_slot, any_delta, single_slot, single_planes, row_slots,
+        col_launches, host_slots, lowrank_rows), and the batched launch's host rows to plan (None:
+        no batched launch). `extras`: the step's snapshot of the slots' extras."""
+        slots_set = set(rs.tolist())
+        single = next(iter(slots_set)) if len(slots_set) == 1 else None
+        planes = _multi_plane(extras, slots_set)
+        low = {s for s in slots_set if s in extras and extras[s].lowrank}
+        colv = {s: len(extras[s].slots) or 1 for s in slots_set if s in extras and extras[s].cols}
+        fused = single is not None and single >= 0 and self.use_fused  # a delta's slots are a run (SlotWriter)
+        if fused and single in low and self.dtype != torch.float32:
+            fused = False  # the fused kernel rounds; a low-rank term goes in before the one rounding
+        out: dict = {
+            "row_slot": self._dev(rs),
+            "any_delta": any(s >= 0 for s in slots_set),
+            "single_slot": single if fused else None,
+            "single_planes": len(planes.get(single, (single,))) if fused else 1,
+        }
+        plan_rows = None  # the batched delta's host row slots (planned last: a graphed step plans its own)
+        if out["any_delta"] and not fused:  # every plan from host copies: no device sync
+            main = rs.clone()
+            out["col_launches"] = []
+            for s, k in colv.items():  # a launch of its own over the view s..s+k, with its col_alpha
+                mine = rs == s
+                main[mine] = -1
+                local = torch.full((len(rs), k), -1, dtype=torch.int32)
+                local[mine] = torch.arange(k, dtype=torch.int32)
+                local = local[:, 0].contiguous() if k == 1 else local
+                out["col_launches"].append((s, k, self._dev(local), self._plan(local, k, unpack=False)))
+            if planes.keys() - colv.keys():
+                main = self._plane_rows(main, {s: v for s, v in planes.items() if s not in colv})
+            if colv or planes:
+                out["row_slots"] = self._dev(main)
+            plan_rows = main
+        if not colv:  # sign planes of row α's (and low-rank terms): the C layers' and a graphed decode's rows
+            out["host_slots"] = plan_rows if plan_rows is not None else self._plane_rows(rs, planes) if planes else rs
+        if low:
+            out["lowrank_rows"] = {
+                s: None if single is not None else self._dev((rs == s).nonzero(as_tuple=True)[0].to(torch.int64))
+                for s in low
+            }
+        return out, plan_rows
+
+    def _rows_meta(self, m: StepMeta, rows: torch.Tensor) -> StepMeta:
+        """`m` for the projections of its host `rows` alone ([n] int64: a sparse layer's expert's
+        tokens): their slots' delta fields, planned."""
+        deltas, plan_rows = self._row_deltas(m.host_rows[rows], m.extras)
+        plan = None if plan_rows is None else self._plan(plan_rows, self.slots.n_slots)
+        return dataclasses.replace(m, **deltas, plan=plan)
 
     def _plane_rows(self, rows: torch.Tensor, planes: dict[int, tuple[int, ...]]) -> torch.Tensor:
         """Host row slots [N] -> [N, k]: each row's slot of every plane (−1 where its variant has fewer),
@@ -1065,13 +1088,32 @@ class ModelRunner:
             else:
                 x = residual(a, x, att)
                 h = self._norm(x, norms["post_attention_layernorm"], m, a.norm_eps)
-            gu = self._linear(h, i, "gate_up", m)
-            f = a.intermediate_size
-            down = self._linear(gate_act(a, gu[:, :f]) * gu[:, f:], i, "down", m)
+            down = self._sparse(h, i, m) if a.family.moe else self._mlp(h, i, "", m)
             if a.family.sandwich or a.family.post_norm:
                 down = self._norm(down, norms["post_feedforward_layernorm"], m, a.norm_eps)
             x = residual(a, x, down)
         return x
+
+    def _mlp(self, h: torch.Tensor, layer: int, expert: str, m: StepMeta) -> torch.Tensor:
+        """The gated MLP of groups gate_up, down (an expert's: `expert` = ".e") over rows h [n, dim]."""
+        gu = self._linear(h, layer, f"gate_up{expert}", m)
+        f = self.args.intermediate_size
+        return self._linear(gate_act(self.args, gu[:, :f]) * gu[:, f:], layer, f"down{expert}", m)
+
+    def _sparse(self, h: torch.Tensor, layer: int, m: StepMeta) -> torch.Tensor:
+        """A sparse layer over h [N, dim]: each row's router logits (its variant's router), its
+        experts and weights (`model.route`), then each chosen expert over its rows, ascending, each
+        row's outputs summed weighted, as transformers sums them. Which rows an expert takes is read
+        on the host (one sync per layer): the projections' delta launches are planned per expert."""
+        weights, experts = route(self.args, self._linear(h, layer, "router", m))
+        host = experts.cpu()
+        out = torch.zeros_like(h)
+        for e in host.unique().tolist():
+            rows, k = (host == e).nonzero(as_tuple=True)
+            at = self._dev(rows)
+            y = self._mlp(h[at], layer, f".{e}", self._rows_meta(m, rows))
+            out.index_add_(0, at, (y * weights[at, self._dev(k), None]).to(out.dtype))
+        return out
 
     def _final(self, x: torch.Tensor, m: StepMeta) -> torch.Tensor:
         """The last layer's output [N, dim] -> fp32 logits of the step's logit rows (final norm, head)."""

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from opentelemetry import trace
 
+from bitdelta.arch import ModelArgs
 from bitdelta.cache_policy import WeightedLRUPolicy
 from bitdelta.checkpoint import fingerprint, read_config
 from bitdelta.generation import ArrivalState, Request, TokenEvent, check_model_id
@@ -105,6 +106,10 @@ class Worker:
         if self.batch_invariant:
             self._check_batch_invariant()
             self.kernel_backend = "cpu"  # not auto: with Triton's interpreter on, auto picks it for small calls
+        if config.cuda_graphs and ModelArgs.from_hf(cfg).family.moe is not None:
+            raise ValueError(
+                "--cuda-graphs: a mixture-of-experts layer routes its rows on the host, which a graph cannot"
+            )
         if config.cuda_graphs and (self.device.type != "cuda" or config.tensor_parallel > 1):
             where = "tensor-parallel ranks" if config.tensor_parallel > 1 else f"device {self.device}"
             raise ValueError(f"--cuda-graphs: CUDA graphs need one CUDA device's own runner, not {where}")

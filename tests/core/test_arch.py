@@ -119,7 +119,7 @@ def test_fields_that_would_change_the_model_are_refused(bases):
     for why, change in cases.items():
         with pytest.raises(UnsupportedModel, match=why.replace("(", r"\(")):
             ModelArgs.from_hf({**copy.deepcopy(llama), **change})
-    for model_type, what in (("mixtral", "mixture-of-experts"), ("paligemma", "multimodal"), ("llava", "multimodal")):
+    for model_type, what in (("qwen2_moe", "mixture-of-experts"), ("paligemma", "multimodal"), ("llava", "multimodal")):
         with pytest.raises(UnsupportedModel, match=f"{model_type}.*{what}.*llama, mistral, qwen2, qwen3, phi3"):
             ModelArgs.from_hf({**llama, "model_type": model_type})
     with pytest.raises(UnsupportedModel, match="multimodal"):
@@ -139,6 +139,8 @@ def test_fields_that_would_change_the_model_are_refused(bases):
         ("gemma3_text", "Gemma3TextConfig"),
         ("granite", "GraniteConfig"),
         ("olmo2", "Olmo2Config"),
+        ("mixtral", "MixtralConfig"),
+        ("qwen3_moe", "Qwen3MoeConfig"),
     ],
 )
 def test_a_field_left_out_means_what_it_means_to_transformers(model_type, config_class):
@@ -156,6 +158,35 @@ def test_a_field_left_out_means_what_it_means_to_transformers(model_type, config
     bare, theirs = ModelArgs.from_hf({"model_type": model_type}), ModelArgs.from_hf(full)
     no_ids = dict(bos_token_id=None, eos_token_id=None)  # token ids: the tokenizer's business
     assert dataclasses.replace(bare, **no_ids) == dataclasses.replace(theirs, **no_ids)
+
+
+def test_mixture_of_experts_configs_as_transformers_reads_them(bases):
+    """Both spellings of the expert count; the expert's intermediate size of each family; what
+    would make some layers dense, or route otherwise, refused by name; published sizes counted."""
+    mixtral, qwen = read_config(bases["mixtral"]), read_config(bases["qwen3-moe"])
+    m, q = ModelArgs.from_hf(mixtral), ModelArgs.from_hf(qwen)
+    assert (m.n_experts, m.experts_per_token, m.intermediate_size, m.norm_topk, m.windows) == (4, 2, 48, True, (8, 8))
+    assert (q.n_experts, q.experts_per_token, q.intermediate_size, q.norm_topk, q.windows) == (4, 2, 24, False, ())
+    assert m.layout == "q,k,v,o,router,experts=4x(w1,w3,w2)"
+    assert q.layout == "q,k,v,o,router,experts=4x(gate,up,down);qk_norm"
+    groups = m.group_shapes()
+    assert groups["router"] == (4, 32) and groups["gate_up.3"] == (96, 32) and groups["down.0"] == (32, 48)
+    spelled = {k: v for k, v in qwen.items() if k != "num_local_experts"} | {"num_experts": 4}
+    assert ModelArgs.from_hf(spelled) == q
+    cases = {
+        "disagree": {"num_experts": 8},
+        "dense MLP among sparse": {"mlp_only_layers": [1]},
+        "dense MLP among sparse ones": {"decoder_sparse_step": 2},
+        "more than the 4 experts": {"num_experts_per_tok": 5},
+        "positive integer": {"num_experts_per_tok": 0},
+    }
+    for why, change in cases.items():
+        with pytest.raises(UnsupportedModel, match=why):
+            ModelArgs.from_hf({**qwen, **change})
+    on = ModelArgs.from_hf({**qwen, "use_sliding_window": True, "sliding_window": 8})
+    assert on.windows == (8, 8)  # transformers' Qwen3-MoE windows every layer
+    # the class's defaults are Mixtral-8x7B's shapes (the published configs: test_plans_of_published_configs)
+    assert ModelArgs.from_hf({"model_type": "mixtral"}).param_count() == 46_702_792_704
 
 
 def test_gemma_configs_as_transformers_reads_them(bases):
@@ -315,6 +346,8 @@ def test_plans_of_published_configs():
         "qwen2.5-72b": 72.71e9,
         "gemma-2-9b": 9.24e9,
         "gemma-3-1b": 1.00e9,
+        "mixtral-8x7b": 46.70e9,
+        "qwen3-30b-a3b": 30.53e9,
     }
     for name, n in counts.items():
         gpus = 1 if name == "gemma-3-1b" else 8  # its 4 query heads do not split 8 ways

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bitdelta.arch import ModelArgs
-from bitdelta.shard import EMBED, ShardError, Split, TensorShard, TPLayout
+from bitdelta.shard import EMBED, ShardError, Split, TensorShard, TPLayout, group_kind
 from bitdelta.testing.family import tiny_args
 from bitdelta_kernels.bits import pack_signs, unpack_signs
 
@@ -21,6 +21,8 @@ LAYOUTS = {
     "phi3 fused": tiny_args(model_type="phi3", n_kv_heads=4, tie_embeddings=False),
     "phi3 fused, 1 kv head": tiny_args(model_type="phi3", n_kv_heads=1, tie_embeddings=False),
     "qwen2 biases": tiny_args(model_type="qwen2", qkv_bias=True),
+    "mixtral 4 experts": tiny_args(model_type="mixtral", n_experts=4, experts_per_token=2, intermediate_size=48),
+    "qwen3-moe 1 kv head": tiny_args(model_type="qwen3_moe", n_kv_heads=1, n_experts=3, experts_per_token=2),
 }
 
 
@@ -78,7 +80,10 @@ def test_projection_shards_reproduce_the_unsharded_delta_linear(name):
                     assert ws.split == ss.split
                     wl, sl, alp = ws.take(w), ss.take(signs), al.take(alpha)
                     assert sl.shape == ss.shape(tuple(signs.shape))
-                    if m.group in ("o", "down"):  # row-parallel: input columns, α replicated
+                    if m.group == "router":  # every rank routes every token: whole on each
+                        assert ws.split is ss.split is al.split is Split.REPLICATED
+                        parts.append(delta_linear(x, wl, sl, alp, m.d_in))
+                    elif group_kind(m.group) in ("o", "down"):  # row-parallel: input columns, α replicated
                         assert ws.split is Split.ROW and al.split is Split.REPLICATED
                         c0, c1 = ws.cols
                         assert c0 % 8 == 0 and sl.shape[1] == (c1 - c0 + 7) // 8
@@ -86,7 +91,9 @@ def test_projection_shards_reproduce_the_unsharded_delta_linear(name):
                     else:  # column-parallel: output rows of W, signs and α alike
                         assert ws.split is Split.COLUMN and ss.rows == ws.rows
                         parts.append(delta_linear(x, wl, sl, alp, m.d_in))
-                if m.group in ("o", "down"):
+                if m.group == "router":
+                    assert all(torch.equal(p, full) for p in parts)
+                elif group_kind(m.group) in ("o", "down"):
                     torch.testing.assert_close(sum(parts), full)  # the one all-reduce
                 else:
                     # every rank's rows, in group order: the q, k, v (gate, up) of each rank
@@ -141,7 +148,7 @@ def test_format_v3_parts_shard_so_the_ranks_reproduce_the_unsharded_delta(name):
                     planes.append((ss.take(sg), t.shard_of(param, f"alpha{suffix}", tuple(al.shape), ax).take(al), ax))
                 ul = t.shard_of(param, "lowrank_u", tuple(u.shape)).take(u)
                 vl = t.shard_of(param, "lowrank_v", tuple(v.shape)).take(v)
-                if m.group in ("o", "down"):
+                if group_kind(m.group) in ("o", "down"):
                     c0, c1 = ws.cols
                     assert ul.shape == u.shape and vl.shape == (r, c1 - c0) and planes[2][1].shape == (c1 - c0,)
                     parts.append(v3_linear(x[:, c0:c1], ws.take(w), planes, ul, vl, c1 - c0))
@@ -150,7 +157,9 @@ def test_format_v3_parts_shard_so_the_ranks_reproduce_the_unsharded_delta(name):
                         vl.shape == v.shape and planes[2][1].shape == (m.d_in,) and ul.shape[0] == ws.shape(w.shape)[0]
                     )
                     parts.append(v3_linear(x, ws.take(w), planes, ul, vl, m.d_in))
-            if m.group in ("o", "down"):
+            if m.group == "router":  # whole on every rank, every part of it
+                assert all(torch.equal(p, full) for p in parts)
+            elif group_kind(m.group) in ("o", "down"):
                 torch.testing.assert_close(sum(parts), full)
             else:
                 rows = [t.shard_of(param, "weight", tuple(w.shape)).rows for t in ranks]

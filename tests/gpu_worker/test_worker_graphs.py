@@ -107,6 +107,11 @@ def test_cuda_graphs_need_one_cuda_device(tmp_path):
         ValueError, match="--cuda-graphs: CUDA graphs need one CUDA device's own runner, not device cpu"
     ):
         Worker(WorkerConfig(base=fam.base, delta_dir=str(fam.deltas), device="cpu", cuda_graphs=True))
+    from tests.support.archs import make_hf_base
+
+    moe = make_hf_base(tmp_path / "mixtral", "mixtral")  # routes on the host: refused on any device
+    with pytest.raises(ValueError, match="--cuda-graphs: a mixture-of-experts layer routes its rows on the host"):
+        Worker(WorkerConfig(base=str(moe), delta_dir=str(fam.deltas), device="cpu", cuda_graphs=True))
 
 
 @pytest.mark.asyncio

@@ -115,6 +115,12 @@ def hf_config(name: str):
         )
     if name == "olmo2":  # norms after the sublayers only, q and k normed whole
         return tf.Olmo2Config(**COMMON)
+    if name == "mixtral":  # a sparse layer of 4 experts, 2 per token (renormalised), windows of 8
+        return tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=8)
+    if name == "qwen3-moe":  # Qwen3's attention, 4 experts of 24, 2 per token, not renormalised
+        return tf.Qwen3MoeConfig(
+            **COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=False
+        )
     if name == "gemma3-mm":  # Gemma 3 as its multimodal checkpoints ship (Gemma3ForConditionalGeneration)
         text = hf_config("gemma3").to_dict()
         vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28)
@@ -137,6 +143,8 @@ FAMILY_MEMBERS = (
     "gemma3-mm",
     "granite",
     "olmo2",
+    "mixtral",
+    "qwen3-moe",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa")
 
