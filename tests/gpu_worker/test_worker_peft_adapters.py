@@ -6,7 +6,7 @@ model (`PeftModel.from_pretrained` on the base, unmerged).
 Covered: `modules_to_save` (the LM head, the embedding, norms, Qwen3's q/k norms), embedding LoRA,
 LoRA on a tied LM head, `ensure_weight_tying`, trained biases (`bias="all"`, `"lora_only"`) and
 `lora_bias`, Phi-3's fused projections, on bases with a tied embedding (Llama 3.2), q/k/v biases
-(Qwen2.5), fused matrices (Phi-3) and q/k norms (Qwen3). Each variant's logits
+(Qwen2.5), fused matrices (Phi-3), q/k norms (Qwen3) and sparse layers (Mixtral: LoRA on attention). Each variant's logits
 through `bitdelta apply`'s dense model equal PEFT's, and the worker's greedy tokens equal PEFT's,
 each variant alone and all in one batch with the base. The factors are made fp16-exact (and every
 scale a power of two), so the file's one fp16 rounding changes nothing and the comparison is tight.
@@ -40,7 +40,7 @@ N = 12
 T = 60
 SUFFIX = ".bitdelta.safetensors"
 PROMPT = "The adapter says"
-BASES = ("llama-3.2", "qwen2.5", "phi3-mini", "qwen3", "gemma3-mm")
+BASES = ("llama-3.2", "qwen2.5", "phi3-mini", "qwen3", "gemma3-mm", "mixtral")
 
 
 def each_layer(*params: str) -> set[str]:
@@ -87,6 +87,8 @@ ADAPTERS = {
         dict(target_modules=["q_proj", "down_proj"], modules_to_save=["q_norm"]),
         each_layer("self_attn.q_norm.weight"),
     ),
+    # a mixture of experts: LoRA on its attention (PEFT's LoRA of experts, target_parameters, is refused)
+    "moe_attention": ("mixtral", dict(target_modules=["q_proj", "o_proj"]), set()),
     "qk_norms_saved": (
         "qwen3",
         dict(target_modules=["o_proj"], modules_to_save=["q_norm", "k_norm"]),
@@ -225,10 +227,12 @@ def test_what_the_base_cannot_carry_is_refused_by_name_and_merging_reads_factors
     config = json.loads((no_r / "adapter_config.json").read_text())
     (no_r / "adapter_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "r"}))
     cases.append((no_r, "needs an integer r"))
+    experts = make_adapter(bases["mixtral"], tmp_path / "f", 6, target_parameters=["experts.gate_up_proj"])
+    cases.append((experts, "LoRA on bare parameters .target_parameters, e.g. MoE experts. is not supported"))
     for adapter, words in cases:
         out = tmp_path / f"{adapter.name}{SUFFIX}"
         with pytest.raises(ValueError, match=words):
-            import_lora(llama, adapter, out)
+            import_lora(bases["mixtral"] if adapter is experts else llama, adapter, out)
         assert not out.exists()
     # merging (bitdelta merge) works on factors: what is not a factor is refused there
     with pytest.raises(ValueError, match="modules_to_save"):
