@@ -557,7 +557,10 @@ class ModelRunner:
 
     def _rows_meta(self, m: StepMeta, rows: torch.Tensor) -> StepMeta:
         """`m` for the projections of its host `rows` alone ([n] int64: a sparse layer's expert's
-        tokens): their slots' delta fields, planned."""
+        tokens): their slots' delta fields, planned. Rows of one variant (or the base) alone read no
+        per-row index: `m` itself serves them."""
+        if m.single_slot is not None or not m.any_delta:
+            return m
         deltas, plan_rows = self._row_deltas(m.host_rows[rows], m.extras)
         plan = None if plan_rows is None else self._plan(plan_rows, self.slots.n_slots)
         return dataclasses.replace(m, **deltas, plan=plan)
