@@ -18,7 +18,7 @@ from tqdm import tqdm
 from bitdelta.arch import ModelArgs, text_model_config
 from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config, save_checkpoint
 from bitdelta.format import CompressedWeight, Delta, DeltaMeta, SignPlane, check_arch, load_delta, save_delta
-from bitdelta.model_files import JINJA_NAME, own_eos, own_serving, same_tokenizer
+from bitdelta.model_files import JINJA_NAME, own_eos, own_serving, own_tokenizer
 from bitdelta.planes import PlaneConfig, chain, embedding_moments, spend
 from bitdelta_kernels.bits import pack_signs, unpack_signs
 
@@ -100,7 +100,7 @@ def compress(
     planes = planes if planes is not None else PlaneConfig(alpha=alpha_mode)
     base_cfg = read_config(base)
     args = same_model(base_cfg, read_config(finetuned), finetuned, base)
-    same_tokenizer(base, finetuned)
+    tokenizer = own_tokenizer(base, finetuned, args.vocab_size)  # served with its own where it differs
     eos = own_eos(base, finetuned, args.vocab_size)
     template, sampling = own_serving(base, finetuned)
     tensors: dict[str, torch.Tensor] = {}
@@ -207,7 +207,7 @@ def compress(
             if planes.feedback:
                 meta.extra["signs"] = "feedback"  # named only when on: sign(Δ) files are as they were
             meta.extra.update(meta_extra)
-        save_delta(out, Delta(meta, compressed, tensors))
+        save_delta(out, Delta(meta, compressed, tensors, {} if tokenizer is None else {"tokenizer.json": tokenizer}))
         over = out.stat().st_size + RECORD_RESERVE - planes.budget if chains and planes.budget is not None else 0
         if over <= 0:
             return out
@@ -264,6 +264,8 @@ def apply(
         cfg = {**cfg, "eos_token_id": ids[0] if len(ids) == 1 else ids}
         generation["eos_token_id"] = cfg["eos_token_id"]
     files = {JINJA_NAME: meta.chat_template.source} if meta.chat_template is not None else {}
+    if "tokenizer.json" in delta.files:  # the fine-tune's own tokenizer, as the worker serves it
+        files["tokenizer.json"] = delta.files["tokenizer.json"].decode("utf-8")
     return save_checkpoint(state, out, cfg, side_files_from=base, generation_config=generation, files=files)
 
 

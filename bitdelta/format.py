@@ -65,12 +65,15 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 AXES = ("row", "matrix", "col")  # what one α of a sign plane scales: an output row, the matrix, an input column
 LOWRANK_ROLES = ("lowrank_u", "lowrank_v")
+# A fine-tune's own file carried in its delta as a tensor of its bytes (uint8 [n], name
+# "<file>.file"): the files a delta may carry
+FILES = ("tokenizer.json",)
 
 
 def split_role(suffix: str) -> tuple[str, int] | None:
     """A tensor name's suffix -> (role, plane): "sign" -> ("sign", 1), "alpha3" -> ("alpha", 3),
-    "dense" / "lowrank_u" / "lowrank_v" -> (that, 0); None for anything else."""
-    if suffix in ("dense", *LOWRANK_ROLES):
+    "dense" / "lowrank_u" / "lowrank_v" / "file" -> (that, 0); None for anything else."""
+    if suffix in ("dense", "file", *LOWRANK_ROLES):
         return suffix, 0
     for role in ("sign", "alpha"):
         if suffix == role:
@@ -133,7 +136,7 @@ class TensorEntry:
 
     @property
     def part(self) -> str:
-        """What `inspect` adds the tensor's bytes to: "sign", "alpha" (every plane), "lowrank" or "dense"."""
+        """What `inspect` adds the tensor's bytes to: "sign", "alpha" (every plane), "lowrank", "dense" or "file"."""
         role, _ = split_role(self.role)
         return "lowrank" if role in LOWRANK_ROLES else role
 
@@ -174,6 +177,10 @@ class DeltaMeta:
     # the variant with them (docs/gateway.md); None / empty: the base's
     chat_template: TemplateSource | None = None
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    # the sha256 of the fine-tune's own tokenizer.json, carried as the tensor "tokenizer.json.file",
+    # where it reads or writes text otherwise than the base's: the worker serves the variant with it;
+    # "": the base's tokenizer
+    tokenizer_sha256: str = ""
 
     @property
     def format_version(self) -> str:
@@ -212,6 +219,8 @@ class DeltaMeta:
             out["chat_template"] = self.chat_template.to_json()
         if self.sampling_defaults:
             out["sampling_defaults"] = json.dumps(self.sampling_defaults, sort_keys=True)
+        if self.tokenizer_sha256:
+            out["tokenizer_sha256"] = self.tokenizer_sha256
         out.update(self.extra)
         return out
 
@@ -234,6 +243,7 @@ class DeltaMeta:
             "eos_token_ids",
             "chat_template",
             "sampling_defaults",
+            "tokenizer_sha256",
         }
         v2 = md.get("format_version") != "1"
         try:
@@ -252,6 +262,7 @@ class DeltaMeta:
                 eos_token_ids=_token_ids(md.get("eos_token_ids")),
                 chat_template=_template(md.get("chat_template")),
                 sampling_defaults=_sampling(md.get("sampling_defaults")),
+                tokenizer_sha256=md.get("tokenizer_sha256", ""),
             )
         except (KeyError, json.JSONDecodeError) as e:
             raise DeltaFormatError(f"metadata is incomplete or malformed: {e}") from None
@@ -308,8 +319,8 @@ class DeltaHeader:
         return self.tensors[-1].end if self.tensors else self.header_bytes
 
     def bytes_by_role(self) -> dict[str, int]:
-        """Bytes of every plane's signs, every plane's α's, low-rank factors and dense tensors."""
-        out = {"sign": 0, "alpha": 0, "lowrank": 0, "dense": 0}
+        """Bytes of every plane's signs, every plane's α's, low-rank factors, dense tensors and files."""
+        out = {"sign": 0, "alpha": 0, "lowrank": 0, "dense": 0, "file": 0}
         for t in self.tensors:
             out[t.part] += t.nbytes
         return out
@@ -366,7 +377,7 @@ def parse_header(prefix: bytes, file_size: int | None = None) -> DeltaHeader:
             md.get("format_version") != PARTS_VERSION and (parsed[1] > 1 or parsed[0] in LOWRANK_ROLES)
         ):
             raise DeltaFormatError(
-                f"tensor {name}: name must end in .sign, .alpha or .dense"
+                f"tensor {name}: name must end in .sign, .alpha, .dense or .file"
                 + (
                     " (v3: also .signN, .alphaN, .lowrank_u, .lowrank_v)"
                     if md.get("format_version") == PARTS_VERSION
@@ -502,8 +513,22 @@ def check_structure(header: DeltaHeader) -> None:
                 if t is None or t.dtype != "F16" or t.shape != want:
                     raise DeltaFormatError(f"tensor {param}.{role}: expected float16 {list(want)}", tensor=param)
                 expected.add(t.name)
+    files = {t.param: t for t in header.tensors if t.part == "file"}
+    for name, t in files.items():
+        if name not in FILES or t.dtype != "U8" or len(t.shape) != 1:
+            raise DeltaFormatError(
+                f"tensor {t.name}: a delta carries {', '.join(FILES)} as uint8 [n] only", tensor=t.name
+            )
+    tok = files.get("tokenizer.json")
+    if (tok is not None and header.sha256[tok.name] != meta.tokenizer_sha256) or (
+        tok is None and meta.tokenizer_sha256
+    ):
+        raise DeltaFormatError(
+            "metadata 'tokenizer_sha256' must be the sha256 of the tensor tokenizer.json.file, and both or neither there",
+            tensor="tokenizer.json.file",
+        )
     for t in header.tensors:
-        if t.part != "dense" and t.name not in expected:
+        if t.part not in ("dense", "file") and t.name not in expected:
             why = "no shape recorded for" if t.param not in meta.shapes else "not a part the metadata gives"
             raise DeltaFormatError(f"tensor {t.name}: {why} {t.param}", tensor=t.name)
 
@@ -665,10 +690,11 @@ class Delta:
     meta: DeltaMeta
     compressed: dict[str, CompressedWeight]
     dense: dict[str, torch.Tensor]
+    files: dict[str, bytes] = field(default_factory=dict)  # the fine-tune's own files (FILES) it carries
 
     @property
     def nbytes(self) -> int:
-        c = sum(w.nbytes for w in self.compressed.values())
+        c = sum(w.nbytes for w in self.compressed.values()) + sum(len(b) for b in self.files.values())
         return c + sum(t.numel() * t.element_size() for t in self.dense.values())
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -678,6 +704,10 @@ class Delta:
             out.update(cw.tensors(name))
         for name, t in self.dense.items():
             out[name + ".dense"] = t
+        for name, data in self.files.items():
+            out[name + ".file"] = (
+                torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+            )
         return out
 
     def with_parts(self) -> DeltaMeta:
@@ -690,8 +720,13 @@ class Delta:
 
 
 def save_delta(path: str | os.PathLike, delta: Delta) -> DeltaHeader:
-    """Write an in-memory delta to a file (atomically): v2, or v3 when some weight is not plain."""
-    return write_delta(path, delta.tensors(), delta.with_parts())
+    """Write an in-memory delta to a file (atomically): v2, or v3 when some weight is not plain; the
+    metadata names the sha256 of the tokenizer it carries, if one."""
+    from dataclasses import replace
+
+    tok = delta.files.get("tokenizer.json")
+    meta = replace(delta.with_parts(), tokenizer_sha256=hashlib.sha256(tok).hexdigest() if tok is not None else "")
+    return write_delta(path, delta.tensors(), meta)
 
 
 def delta_from_tensors(meta: DeltaMeta, tensors: dict[str, torch.Tensor]) -> Delta:
@@ -703,10 +738,13 @@ def delta_from_tensors(meta: DeltaMeta, tensors: dict[str, torch.Tensor]) -> Del
         ]
         u, v = (tensors[f"{param}.lowrank_u"], tensors[f"{param}.lowrank_v"]) if meta.rank(param) else (None, None)
         compressed[param] = CompressedWeight(planes, tuple(shape), u, v)
+    files = {}
     for name, t in tensors.items():
         if name.endswith(".dense"):
             dense[name[: -len(".dense")]] = t
-    return Delta(meta, compressed, dense)
+        elif name.endswith(".file"):
+            files[name[: -len(".file")]] = t.numpy().tobytes()
+    return Delta(meta, compressed, dense, files)
 
 
 def load_delta(path: str | os.PathLike, base_fingerprint: str | None = None, verify_hashes: bool = True) -> Delta:

@@ -37,6 +37,7 @@ def info(path: Path) -> dict:
         "eos_token_ids": list(meta.eos_token_ids),  # the fine-tune's own; empty: the base's
         "chat_template_chars": len(meta.chat_template.source) if meta.chat_template else 0,  # 0: the base's
         "sampling_defaults": meta.sampling_defaults,  # the fine-tune's own; empty: the base's
+        "tokenizer_sha256": meta.tokenizer_sha256,  # the fine-tune's own tokenizer.json's; "": the base's
         "compressed_weights": len(meta.shapes),
         "compressed_params": params,
         "dense_tensors": sum(t.role == "dense" for t in h.tensors),
@@ -46,6 +47,7 @@ def info(path: Path) -> dict:
             "alpha": roles["alpha"],
             "lowrank": roles["lowrank"],
             "dense": roles["dense"],
+            "files": roles["file"],
             "header": h.header_bytes,
             "total": h.file_size,
         },
@@ -72,6 +74,12 @@ def text(path: Path) -> str:
         + (f"its own ({i['chat_template_chars']} characters)" if i["chat_template_chars"] else "the base's"),
         "  sampling defaults "
         + (f"its own: {json.dumps(i['sampling_defaults'])}" if i["sampling_defaults"] else "the base's"),
+        "  tokenizer         "
+        + (
+            f"its own (tokenizer.json, {human_bytes(b['files'])}, sha256 {i['tokenizer_sha256'][:16]}…)"
+            if i["tokenizer_sha256"]
+            else "the base's"
+        ),
         f"  compressed        {i['compressed_weights']} weights, {i['compressed_params']:,} params"
         + (f" (a LoRA adapter of rank {i['lora_rank']}, its factors as they are)" if i["lora_rank"] else ""),
         f"  signs             {human_bytes(b['signs'])}" + (f", chosen by {i['signs_by']}" if i["signs_by"] else ""),

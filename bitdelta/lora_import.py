@@ -35,7 +35,7 @@ from bitdelta.arch import TEXT_MODELS, ModelArgs
 from bitdelta.checkpoint import CheckpointReader, causal_lm_name, fingerprint, read_config
 from bitdelta.format import CompressedWeight, Delta, DeltaMeta, save_delta
 from bitdelta.merge.adapter import LoraAdapter, load_adapter
-from bitdelta.model_files import own_serving, same_tokenizer
+from bitdelta.model_files import own_serving, own_tokenizer
 from bitdelta.shard import EMBED, HEAD
 
 FP16_MAX = torch.finfo(torch.float16).max
@@ -47,10 +47,10 @@ def import_lora(
     """Write the delta file of the PEFT adapter directory `adapter` for `base` to `out` (atomically)."""
     base, adapter, out = Path(base), Path(adapter), Path(out)
     lora = load_adapter(adapter, name=variant, full=True)
-    same_tokenizer(base, adapter)  # an adapter that ships a tokenizer of its own is served with the base's
-    template, sampling = own_serving(base, adapter)  # ... and its own chat template, by the gateway
+    template, sampling = own_serving(base, adapter)  # its own chat template, by the gateway
     cfg = read_config(base)
     args = ModelArgs.from_hf(cfg)
+    tokenizer = own_tokenizer(base, adapter, args.vocab_size)  # ... and its own tokenizer, by the worker
     if cfg.get("model_type") in TEXT_MODELS:  # a multimodal wrapper's adapter: its text model's part
         lora = _text_model_part(lora)
     projections = set(args.compressed_names())
@@ -80,7 +80,7 @@ def import_lora(
         chat_template=template,
         sampling_defaults=sampling,
     )
-    save_delta(out, Delta(meta, compressed, dense))
+    save_delta(out, Delta(meta, compressed, dense, {} if tokenizer is None else {"tokenizer.json": tokenizer}))
     return out
 
 

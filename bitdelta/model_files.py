@@ -186,32 +186,39 @@ PROBE = (
 )
 
 
-def same_tokenizer(base: Path, finetuned: Path) -> None:
-    """ValueError naming the first difference where a fine-tune's (or an adapter's) tokenizer.json
-    reads or writes text otherwise than the base's: every variant is served with the base's
-    tokenizer (the gateway's and the worker's), so such a fine-tune would be fed other tokens than
-    it learned (e.g. a chat fine-tune that renamed reserved tokens to its own special tokens).
-    Compared by what they do, not how the file is written (another tokenizers version writes the
-    same tokenizer otherwise): the vocabulary with its added tokens (text and whether special),
-    then the tokens of PROBE and every added token's text, with and without the special tokens the
-    tokenizer adds, and the text back. Without both files: no check."""
+def own_tokenizer(base: Path, finetuned: Path, vocab_size: int) -> bytes | None:
+    """The fine-tune's (or an adapter's) tokenizer.json where it reads or writes text otherwise than
+    the base's (e.g. a chat fine-tune that renamed reserved tokens to its own special tokens, or a
+    distilled model trained with another tokenizer of the same vocabulary size), else None: what its
+    delta carries, so the worker serves the variant with it. Compared by what they do, not how the
+    file is written (another tokenizers version writes the same tokenizer otherwise): the vocabulary
+    with its added tokens (text and whether special), then the tokens of PROBE and every added
+    token's text, with and without the special tokens the tokenizer adds, and the text back. Without
+    both files: None. ValueError for a file the `tokenizers` library cannot read, and for one with a
+    token the model has no row for (a resized vocabulary: not served)."""
     from tokenizers import Tokenizer
 
     fb, ff = base / "tokenizer.json", finetuned / "tokenizer.json"
     if not (fb.is_file() and ff.is_file()) or fb.read_bytes() == ff.read_bytes():
-        return
+        return None
     tb = Tokenizer.from_file(str(fb))
     try:
         tf = Tokenizer.from_file(str(ff))
     except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
         raise ValueError(f"{ff} is not a tokenizer the `tokenizers` library reads ({e})") from None
-
-    def refuse(what: str):
+    if _tokenizer_difference(tb, tf) is None:
+        return None
+    top = max(tf.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= vocab_size:
         raise ValueError(
-            f"{ff} reads or writes text otherwise than the base's tokenizer ({what}): every variant is "
-            "served with the base's tokenizer, so this fine-tune would read other tokens than it learned"
+            f"{ff} has token {top}, but the model's vocabulary has {vocab_size} rows: a fine-tune that resized "
+            "the vocabulary (added tokens beyond the base's embedding rows) is not served"
         )
+    return ff.read_bytes()
 
+
+def _tokenizer_difference(tb, tf) -> str | None:
+    """The first way tokenizer `tf` reads or writes text otherwise than `tb`, or None."""
     for t in (tb, tf):  # how a caller cuts or pads its batches is not how the model reads text
         t.no_truncation()
         t.no_padding()
@@ -219,19 +226,20 @@ def same_tokenizer(base: Path, finetuned: Path) -> None:
     if vb != vf:
         ib, i_f = {i: t for t, i in vb.items()}, {i: t for t, i in vf.items()}
         k = min(i for i in ib.keys() | i_f.keys() if ib.get(i) != i_f.get(i))
-        refuse(f"token {k} is {i_f.get(k)!r} there, {ib.get(k)!r} in the base")
+        return f"token {k} is {i_f.get(k)!r} there, {ib.get(k)!r} in the base"
     ab, af = tb.get_added_tokens_decoder(), tf.get_added_tokens_decoder()
     for k in sorted(ab.keys() | af.keys()):
         if (k in ab) != (k in af) or ab[k].special != af[k].special:
-            refuse(f"token {k} is special in {'the base' if k in ab and ab[k].special else 'the fine-tune'} only")
+            return f"token {k} is special in {'the base' if k in ab and ab[k].special else 'the fine-tune'} only"
     text = PROBE + "".join(t.content for t in ab.values())
     for special in (True, False):
         ids = tb.encode(text, add_special_tokens=special).ids
         if ids != tf.encode(text, add_special_tokens=special).ids:
-            refuse(f"a text becomes other tokens{' with its special tokens added' if special else ''}")
+            return f"a text becomes other tokens{' with its special tokens added' if special else ''}"
         for skip in (True, False):
             if tb.decode(ids, skip_special_tokens=skip) != tf.decode(ids, skip_special_tokens=skip):
-                refuse("tokens become other text")
+                return "tokens become other text"
+    return None
 
 
 def own_eos(base: Path, finetuned: Path, vocab_size: int) -> tuple[int, ...]:

@@ -105,6 +105,7 @@ class StoredDelta:
             "alpha": pb.TENSOR_ROLE_ALPHA,
             "dense": pb.TENSOR_ROLE_DENSE,
             "lowrank": pb.TENSOR_ROLE_LOWRANK,
+            "file": pb.TENSOR_ROLE_FILE,
         }
         return [
             pb.TensorInfo(

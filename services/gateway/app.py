@@ -638,10 +638,17 @@ def create_app(
     tokens = Tokens(config.tokenizer) if config.tokenizer is not None else None
     max_model_len = tokens.max_model_len if tokens is not None else None  # the model cards' (vLLM's)
 
-    def echoes(req: api.Request) -> list[str] | None:
+    def echoes(req: api.Request, own: Own) -> list[str] | None:
         """Each prompt's text for `echo` (token ids decoded with the gateway's tokenizer), else None."""
         if not req.echo:
             return None
+        if own.own_tokenizer and any(p.token_ids for p in req.prompts):
+            raise api.invalid(
+                "echo",
+                f"echo with a token-id prompt: model {req.model!r} reads text with its own tokenizer (its "
+                "fine-tune's), which only the workers hold; send the prompt as text",
+                code="tokenizer_not_served",
+            )
         if tokens is None and any(p.token_ids for p in req.prompts):
             raise api.invalid(
                 "echo",
@@ -670,11 +677,11 @@ def create_app(
 
     async def completions(request: HttpRequest) -> Response:
         body = await read_json(request)
-        _, defaults = await own_of(request, body)
+        own, defaults = await own_of(request, body)
         req = api.parse_completion(body, config.completion_default_max_tokens, defaults)
         request.state.model = req.model  # the metrics' label (_Measured)
         await check_constraint(req)
-        return _Generation(state["router"], req, metadata(request), config.request_timeout_s, echoes(req))
+        return _Generation(state["router"], req, metadata(request), config.request_timeout_s, echoes(req, own))
 
     async def chat_completions(request: HttpRequest) -> Response:
         body = await read_json(request)
@@ -756,6 +763,13 @@ def create_app(
         if tokens is None:
             raise ApiError(
                 400, "start the gateway with --tokenizer (the base's directory) to tokenize", code="tokenizer_missing"
+            )
+        if any(m.model_id == model and m.tokenizer_sha256 for m in models):
+            raise api.invalid(
+                "model",
+                f"model {model!r} reads text with its own tokenizer (its fine-tune's, carried in its delta), which "
+                "only the workers hold: the gateway tokenizes with the base's only",
+                code="tokenizer_not_served",
             )
         return model
 

@@ -36,6 +36,7 @@ class Own:
     template: ChatTemplate | None = None
     defaults: SamplingDefaults | None = None
     error: str = ""
+    own_tokenizer: bool = False  # its fine-tune's own tokenizer reads its text (on the workers), not the base's
 
 
 NONE = Own()
@@ -95,4 +96,4 @@ class Catalog:
                 template, error = (compiled, "") if isinstance(compiled, ChatTemplate) else (None, compiled)
         except (GenerationError, ModelFileError) as e:
             error = f"variant {m.model_id!r}: its own chat template or sampling defaults are malformed ({e})"
-        return Own(template, defaults, error)
+        return Own(template, defaults, error, own_tokenizer=bool(m.tokenizer_sha256))

@@ -20,12 +20,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import hashlib
 import itertools
 from dataclasses import dataclass
 
 import torch
 
-from bitdelta.format import DTYPES, LOWRANK_ROLES, DeltaFormatError, check_arch, split_role
+from bitdelta.format import DTYPES, FILES, LOWRANK_ROLES, DeltaFormatError, check_arch, split_role
 from bitdelta_kernels.bits import packed_cols
 from services.gpu_worker.slots import (
     EMBED,
@@ -58,6 +59,7 @@ class Kind(enum.Enum):
     BIG_ALPHA = "big_alpha"  # ... that plane's α
     BIG_U = "big_u"  # ... its low-rank U
     BIG_V = "big_v"  # ... and V
+    FILE = "file"  # a file of the fine-tune (its tokenizer.json): host bytes, read by the worker, not the runner
 
     @property
     def big_field(self) -> str | None:
@@ -199,6 +201,10 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
             if role != "dense" or t.shape != (n.size,) or t.dtype not in FLOAT_DTYPES:
                 raise _bad(info.name, t, f"must be a dense float [{n.size}] norm weight")
             out.append(Placement(t, Kind.NORM, norm=n))
+        elif role == "file":
+            if param not in FILES or t.dtype != "U8" or len(t.shape) != 1:
+                raise _bad(info.name, t, f"is not a file a delta carries ({', '.join(FILES)}: uint8 [n])")
+            out.append(Placement(t, Kind.FILE))  # host memory, outside the device budget
         elif param in (EMBED, HEAD):
             big_roles.setdefault(param, set()).add(role)
             if role == "dense":
@@ -301,7 +307,12 @@ class SlotWriter:
             cols=cols,
         )
         self.targets: list[_Target] = []
+        self.files: dict[str, torch.Tensor] = {}  # the fine-tune's files it carries: host bytes
         for p in plan.placements:
+            if p.kind is Kind.FILE:
+                d = self.files[p.spec.param] = torch.empty(p.spec.nbytes, dtype=torch.uint8)
+                self.targets.append(_Target(d, d, staged=False))
+                continue
             d = p.kind.destination(p, slots, self.ids, bigs, low, cols)
             direct = (
                 not self.cuda
@@ -388,6 +399,33 @@ class SlotWriter:
         if self.cuda and self.stream is not None:
             await asyncio.to_thread(self.stream.synchronize)
         return self.extras
+
+    def tokenizer(self) -> VariantTokenizer | None:
+        """The fine-tune's own tokenizer when the delta carries one, else None; after the receiver
+        finished. DeltaFormatError for a file `tokenizers` cannot read."""
+        data = self.files.get("tokenizer.json")
+        if data is None:
+            return None
+        from tokenizers import Tokenizer
+
+        raw = data.numpy().tobytes()
+        try:
+            tok = Tokenizer.from_str(raw.decode("utf-8"))
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
+            raise DeltaFormatError(
+                f"delta {self.plan.name!r}: its tokenizer.json is not a tokenizer ({e})", tensor="tokenizer.json.file"
+            ) from None
+        return VariantTokenizer(tok, hashlib.sha256(raw).hexdigest(), raw)
+
+
+@dataclass(frozen=True)
+class VariantTokenizer:
+    """A variant's own tokenizer (its delta's tokenizer.json): what reads its prompts and writes its
+    text on the worker, and what its grammars compile for."""
+
+    tokenizer: object  # tokenizers.Tokenizer
+    sha256: str  # of `json`
+    json: bytes
 
 
 def _on_stream(stream):

@@ -46,7 +46,7 @@ from bitdelta.cache_policy import WeightedLRUPolicy
 from bitdelta.rpc import telemetry
 from bitdelta.rpc.receiver import Receiver
 from services.gpu_worker.errors import Aborted, DeltaLoadError, NotFound, ResourceExhausted
-from services.gpu_worker.loader import SlotWriter, plan_delta
+from services.gpu_worker.loader import SlotWriter, VariantTokenizer, plan_delta
 from services.gpu_worker.slots import SlotLayout, SlotTensors
 from services.gpu_worker.sources import DeltaSource
 
@@ -80,6 +80,7 @@ class DeltaEntry:
     transport: str = ""  # how the resident bytes arrived: file | stream | shared-memory
     content: str = ""  # the resident bytes' identity (DeltaInfo.content_id): keys its prefix-cached KV
     eos_ids: frozenset[int] = frozenset()  # the resident delta's own end-of-sequence tokens; empty: the base's
+    tokenizer: VariantTokenizer | None = None  # the resident delta's own tokenizer (its fine-tune's); None: the base's
     task: asyncio.Task | None = None  # the load
     done: asyncio.Future | None = None  # the load's outcome for its waiters (None, or the error)
     aborted: bool = False  # evicted while loading: its slot returns once the load's reads have stopped
@@ -316,6 +317,7 @@ class DeltaManager:
                 await asyncio.shield(streaming)
                 await receiver.finish()
                 extras = await writer.finish()
+                tokenizer = await asyncio.to_thread(writer.tokenizer)
             if peer is not None:
                 await asyncio.shield(peer)  # resident only once every rank holds its slice
             if e.aborted:  # evicted at the last moment (a source swallowed the cancellation)
@@ -325,6 +327,7 @@ class DeltaManager:
             e.state = DeltaState.RESIDENT
             e.error, e.transport, e.content = "", info.transport, info.content_id
             e.eos_ids = frozenset(info.eos_token_ids)
+            e.tokenizer = tokenizer
             _settle(e.done, None)
             log.info(
                 "delta %s resident in slot %s (%d bytes, %.1f ms, %s)",

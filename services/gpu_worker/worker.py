@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.constraints import GrammarCompiler
 from services.gpu_worker.engine import Engine, Sequence
 from services.gpu_worker.errors import InvalidArgument, ResourceExhausted, Unavailable
-from services.gpu_worker.manager import DeltaManager, DeltaState, SlotInfo
+from services.gpu_worker.manager import DeltaEntry, DeltaManager, DeltaState, SlotInfo
 from services.gpu_worker.runner import BaseWeights, KVPool, ModelRunner
 from services.gpu_worker.sampling import Sampler, TextStream, bad_word_ids
 from services.gpu_worker.scheduler import BlockAllocator, Scheduler, SeqState, cache_root
@@ -95,6 +96,9 @@ class Worker:
         self.engine: Engine | None = None
         self.source = None
         self.grammars: GrammarCompiler | None = None
+        # variants' own tokenizers: a grammar compiler each (tokenizer sha256, EOS ids), their files here
+        self._variant_grammars: dict[tuple[str, tuple[int, ...]], GrammarCompiler] = {}
+        self._own_dir: tempfile.TemporaryDirectory | None = None
         self.tp = None  # parallel.Driver with --tensor-parallel N > 1
         self.fatal = ""  # why the worker stopped serving for good (a tensor-parallel rank failed)
         self.on_fatal = self.begin_drain  # serve(): stop the process (SIGTERM to itself)
@@ -270,6 +274,10 @@ class Worker:
             await self.source.close()
         if self.grammars is not None:
             self.grammars.close()
+        for g in self._variant_grammars.values():
+            g.close()
+        if self._own_dir is not None:
+            self._own_dir.cleanup()
         if self._kernels_before is not None:
             configure_kernels(self._kernels_before)
             self._kernels_before = None
@@ -291,9 +299,9 @@ class Worker:
                 for ev in ready:
                     yield ev
 
-    async def _prompt_ids(self, p: Request) -> list[int]:
+    async def _prompt_ids(self, p: Request, tokenizer) -> list[int]:
         """The prompt's tokens: its token ids as they are (each checked against the vocabulary), or its
-        text tokenized."""
+        text tokenized by `tokenizer` (the base's, or the variant's own)."""
         if p.prompt_token_ids:
             vocab = self.args.vocab_size
             bad = next((t for t in p.prompt_token_ids if t >= vocab), None)
@@ -310,14 +318,32 @@ class Worker:
         # `.ids` builds the Python list, so that happens on the thread too.
         # A rendered chat template wrote its own BOS: the tokenizer must not add a second one.
         specials = not p.templated
-        return await asyncio.to_thread(
-            lambda: self.tokenizer.encode_batch([p.prompt], add_special_tokens=specials)[0].ids
-        )
+        return await asyncio.to_thread(lambda: tokenizer.encode_batch([p.prompt], add_special_tokens=specials)[0].ids)
+
+    def _grammars_of(self, entry: DeltaEntry | None) -> GrammarCompiler:
+        """The grammar compiler of a request's tokenizer: the base's, or one per variant tokenizer
+        (its tokenizer.json written once under the worker's own directory, as llguidance reads it)."""
+        own = entry.tokenizer if entry is not None else None
+        if own is None:
+            return self.grammars
+        eos = entry.eos_ids or self.eos_ids
+        key = (own.sha256, tuple(sorted(eos)))
+        if key not in self._variant_grammars:
+            if self._own_dir is None:
+                self._own_dir = tempfile.TemporaryDirectory(prefix="bitdelta-tokenizers-")
+            path = Path(self._own_dir.name) / f"{own.sha256}.json"
+            if not path.exists():
+                path.write_bytes(own.json)
+            self._variant_grammars[key] = GrammarCompiler(path, self.args.vocab_size, eos)
+        return self._variant_grammars[key]
 
     async def stream(self, p: Request) -> AsyncIterator[list[TokenEvent]]:
         """The request's tokens as they come: each item every token ready when the consumer asks
         (one when it keeps up; at most --stream-max-tokens), in order, choices interleaved. The
-        first token (choice 0's, with the TTFT) comes alone, in the first list."""
+        first token (choice 0's, with the TTFT) comes alone, in the first list.
+
+        A variant's request holds its delta first (loading it if need be): its fine-tune's own
+        tokenizer, when the delta carries one, reads the prompt and writes the text."""
         t_arrival = time.perf_counter()
         t_arrival_ns = first_ns = time.time_ns()  # traces: the engine's times become spans after the fact
         self._check_serving()
@@ -325,56 +351,17 @@ class Worker:
         p.sampling.check_vocab(self.args.vocab_size)
         name = None if self.is_base(p.model_id) else p.model_id
         sp = p.sampling
-        ids = await self._prompt_ids(p)
-        if sp.truncate_prompt_tokens is not None:  # the caller's own left truncation (vLLM's)
-            keep = sp.truncate_prompt_tokens
-            if keep == -1:  # as many as the context leaves for max_new_tokens
-                keep = max(1, self.args.max_seq_len - max(1, sp.max_new_tokens))
-            ids = ids[-keep:]
-        if not ids:
-            if self.args.bos_token_id is None:
-                raise InvalidArgument("the prompt is empty and the model has no BOS token to start from")
-            ids = [self.args.bos_token_id]
-        if self.config.max_prompt_tokens and len(ids) > self.config.max_prompt_tokens:
-            raise InvalidArgument(
-                f"the prompt has {len(ids)} tokens; this worker accepts at most "
-                f"{self.config.max_prompt_tokens} (--max-prompt-tokens)"
-            )
-        room = self.args.max_seq_len - len(ids)
-        if room <= 0:
-            raise InvalidArgument(f"the prompt has {len(ids)} tokens; the model's context is {self.args.max_seq_len}")
-        if sp.max_new_tokens > room:  # asked for explicitly: refused, never silently cut short
-            raise InvalidArgument(
-                f"sampling.max_new_tokens: {sp.max_new_tokens} is more than the context leaves after the "
-                f"prompt's {len(ids)} tokens ({room} of {self.args.max_seq_len})"
-            )
-        max_new = min(sp.max_new_tokens or sp.default_max_new_tokens or self.config.default_max_new_tokens, room)
-        if not sp.max_new_tokens:  # a default, not an ask: also cut to what the KV pool can ever hold for it
-            s = self.scheduler
-            held = (s.allocator.n_blocks - (sp.n - 1) * s.fork_copies(len(ids))) * s.block_size - len(ids)
-            max_new = min(max_new, max(held, 1))  # < 1: the prompt alone is too large, refused below
         if sp.n > self.scheduler.max_running:
             raise InvalidArgument(
                 f"sampling.n: {sp.n} choices; this worker runs at most {self.scheduler.max_running} sequences"
             )
-        states = [SeqState(next(self._ids), ids, max_new, -1, priority=p.priority) for _ in range(sp.n)]
-        states[0].forks = sp.n - 1
-        if self.scheduler.blocks_needed(states[0]) > self.scheduler.allocator.n_blocks:
-            # no amount of waiting makes it fit: INVALID_ARGUMENT, not RESOURCE_EXHAUSTED (retried forever)
-            raise InvalidArgument(
-                f"sampling.max_new_tokens: the prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) "
-                f"x {sp.n} choices is more than this worker's whole KV cache "
-                f"({self.scheduler.capacity_tokens()} tokens); shorten them"
-            )
         if self.engine.waiting >= self.config.max_waiting:
             raise ResourceExhausted(f"{self.engine.waiting} requests are already waiting on this worker; retry later")
-        # compiled on the compiler's threads (cached); a constraint that does not compile: INVALID_ARGUMENT
-        grammar = None if sp.constraint is None else await self.grammars.compile(sp.constraint)
-        bad = await asyncio.to_thread(bad_word_ids, self.tokenizer, sp.bad_words) if sp.bad_words else ()
         queue: asyncio.Queue = asyncio.Queue()
         held, submitted, finished = 0, False, False  # held: slot references (one per choice)
+        states: list[SeqState] = []
         try:
-            slot, load_ms, arrival = -1, 0.0, ArrivalState.BASE
+            slot, load_ms, arrival, entry = -1, 0.0, ArrivalState.BASE, None
             if name is not None:
                 arrival = {DeltaState.RESIDENT: ArrivalState.RESIDENT, DeltaState.LOADING: ArrivalState.LOADING}.get(
                     self.manager.state_of(name), ArrivalState.COLD
@@ -386,9 +373,54 @@ class Worker:
                     entry = self.manager.entries[name]  # resident and held: its bytes are these
                     span.set_attribute("delta.bytes", entry.bytes)
                 load_ms = (time.perf_counter() - t) * 1e3
-                while held < sp.n:  # resident now: every choice holds the slot until it leaves
-                    await self.manager.acquire(name)
-                    held += 1
+            tokenizer = (
+                entry.tokenizer.tokenizer if entry is not None and entry.tokenizer is not None else self.tokenizer
+            )
+            ids = await self._prompt_ids(p, tokenizer)
+            if sp.truncate_prompt_tokens is not None:  # the caller's own left truncation (vLLM's)
+                keep = sp.truncate_prompt_tokens
+                if keep == -1:  # as many as the context leaves for max_new_tokens
+                    keep = max(1, self.args.max_seq_len - max(1, sp.max_new_tokens))
+                ids = ids[-keep:]
+            if not ids:
+                if self.args.bos_token_id is None:
+                    raise InvalidArgument("the prompt is empty and the model has no BOS token to start from")
+                ids = [self.args.bos_token_id]
+            if self.config.max_prompt_tokens and len(ids) > self.config.max_prompt_tokens:
+                raise InvalidArgument(
+                    f"the prompt has {len(ids)} tokens; this worker accepts at most "
+                    f"{self.config.max_prompt_tokens} (--max-prompt-tokens)"
+                )
+            room = self.args.max_seq_len - len(ids)
+            if room <= 0:
+                raise InvalidArgument(
+                    f"the prompt has {len(ids)} tokens; the model's context is {self.args.max_seq_len}"
+                )
+            if sp.max_new_tokens > room:  # asked for explicitly: refused, never silently cut short
+                raise InvalidArgument(
+                    f"sampling.max_new_tokens: {sp.max_new_tokens} is more than the context leaves after the "
+                    f"prompt's {len(ids)} tokens ({room} of {self.args.max_seq_len})"
+                )
+            max_new = min(sp.max_new_tokens or sp.default_max_new_tokens or self.config.default_max_new_tokens, room)
+            if not sp.max_new_tokens:  # a default, not an ask: also cut to what the KV pool can ever hold for it
+                s = self.scheduler
+                held_blocks = (s.allocator.n_blocks - (sp.n - 1) * s.fork_copies(len(ids))) * s.block_size - len(ids)
+                max_new = min(max_new, max(held_blocks, 1))  # < 1: the prompt alone is too large, refused below
+            states = [SeqState(next(self._ids), ids, max_new, -1, priority=p.priority) for _ in range(sp.n)]
+            states[0].forks = sp.n - 1
+            if self.scheduler.blocks_needed(states[0]) > self.scheduler.allocator.n_blocks:
+                # no amount of waiting makes it fit: INVALID_ARGUMENT, not RESOURCE_EXHAUSTED (retried forever)
+                raise InvalidArgument(
+                    f"sampling.max_new_tokens: the prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) "
+                    f"x {sp.n} choices is more than this worker's whole KV cache "
+                    f"({self.scheduler.capacity_tokens()} tokens); shorten them"
+                )
+            # compiled on the compiler's threads (cached); a constraint that does not compile: INVALID_ARGUMENT
+            grammar = None if sp.constraint is None else await self._grammars_of(entry).compile(sp.constraint)
+            bad = await asyncio.to_thread(bad_word_ids, tokenizer, sp.bad_words) if sp.bad_words else ()
+            while name is not None and held < sp.n:  # resident now: every choice holds the slot until it leaves
+                await self.manager.acquire(name)
+                held += 1
             weights = self.base_fingerprint if name is None else f"{self.base_fingerprint}/{entry.content}"
             # a fine-tune that ends on its own tokens (its delta's) ends there, as it would served alone
             eos_ids = entry.eos_ids if name is not None and entry.eos_ids else self.eos_ids
@@ -410,7 +442,7 @@ class Worker:
                             bad,
                         ),
                         text=TextStream(
-                            self.tokenizer, ids, list(sp.stop), sp.include_stop_str_in_output, sp.skip_special_tokens
+                            tokenizer, ids, list(sp.stop), sp.include_stop_str_in_output, sp.skip_special_tokens
                         ),
                         eos_ids=eos_ids,
                         emit=queue.put_nowait,

@@ -44,6 +44,7 @@ class Variant:
     chat_template: TemplateSource | None = None
     sampling: SamplingDefaults | None = None
     malformed: str = ""  # why its delta's own chat template or sampling defaults cannot be read
+    tokenizer_sha256: str = ""  # its fine-tune's own tokenizer's, which the workers serve it with; "": the base's
 
     @classmethod
     def of_delta(cls, d) -> Variant:
@@ -53,7 +54,15 @@ class Variant:
         sampling = (
             SamplingDefaults.from_config(json.loads(md["sampling_defaults"])) if "sampling_defaults" in md else None
         )
-        return cls(d.name, d.base_model, d.base_fingerprint, d.size_bytes, chat_template=template, sampling=sampling)
+        return cls(
+            d.name,
+            d.base_model,
+            d.base_fingerprint,
+            d.size_bytes,
+            chat_template=template,
+            sampling=sampling,
+            tokenizer_sha256=md.get("tokenizer_sha256", ""),
+        )
 
     @property
     def key(self) -> str | None:

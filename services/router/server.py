@@ -110,6 +110,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                     is_base=e.variant.is_base,
                     chat_template=e.variant.chat_template.to_pb() if e.variant.chat_template else None,
                     sampling_defaults=e.variant.sampling.to_pb() if e.variant.sampling else None,
+                    tokenizer_sha256=e.variant.tokenizer_sha256,
                 )
                 for e in await self.router.models()
                 if who is None or who.may_use(e.variant.model_id, e.variant.is_base)

@@ -29,6 +29,7 @@ from bitdelta.rpc.clients.router import RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
 from bitdelta.testing.cluster import Cluster, free_port
 from services.gateway.chat import ChatTemplate, ChatTemplateError
+from tests.support.gateway import http
 from tests.support.metrics import sample
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -103,24 +104,6 @@ async def router_text(router: RouterClient, model: str, prompt: str, n: int = N,
     """The router's text and its tokens (of every message)."""
     toks = [t async for m in router.generate(model, prompt, max_new_tokens=n, **kw) for t in m.tokens]
     return "".join(t.text for t in toks), toks
-
-
-def http(gateway, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
-    """(status, parsed JSON or text) of one raw HTTP request."""
-    import http.client
-
-    host, port = gateway.address.rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=T)
-    try:
-        conn.request(method, path, body=body, headers={"content-type": "application/json", **(headers or {})})
-        r = conn.getresponse()
-        data = r.read().decode()
-    finally:
-        conn.close()
-    try:
-        return r.status, json.loads(data)
-    except ValueError:
-        return r.status, data
 
 
 def assert_error_shape(body, status: int, got_status: int, param=None, words: str = ""):

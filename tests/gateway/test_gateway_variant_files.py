@@ -2,7 +2,9 @@
 records them where they are not the base's) through the store and the router to the gateway, which
 serves the variant with them and no flag of its own: a chat to it is rendered with its template and
 sampled with its defaults, a variant without its own gets the base's, the gateway's flags override
-them, and a delta put again with another template is served with the new one. Store, worker,
+them, and a delta put again with another template is served with the new one. A fine-tune with its
+own tokenizer is served with it (by the workers), and the gateway, which holds the base's only,
+refuses to tokenize for it. Store, worker,
 router and gateways run as processes; the reference is the router's Generate on the prompt rendered
 by hand with the same sampling set explicitly.
 """
@@ -20,9 +22,10 @@ import pytest_asyncio
 from bitdelta.compress import compress
 from bitdelta.rpc.clients.router import RouterClient
 from bitdelta.testing.cluster import Cluster
-from bitdelta.testing.family import make_finetune
+from bitdelta.testing.family import SPECIALS, make_finetune
+from tests.gpu_worker.test_worker_variant_tokenizers import OWN, write_own_tokenizer
 from tests.support.cli import run_cli
-from tests.support.gateway import oai, routers_text
+from tests.support.gateway import http, oai, routers_text
 
 aio = pytest.mark.asyncio(loop_scope="module")
 
@@ -49,6 +52,9 @@ def cluster(family, tmp_path_factory):
     ft = make_finetune(family.base, work / "chatty-ft", seed=21)
     own_files(ft, OWN_TEMPLATE)
     compress(family.base, ft, root / "chatty.bitdelta.safetensors", variant="chatty", progress=False)
+    lexicon = make_finetune(family.base, work / "lexicon-ft", seed=22)
+    write_own_tokenizer(lexicon, [*SPECIALS[:-1], OWN])
+    compress(family.base, lexicon, root / "lexicon.bitdelta.safetensors", variant="lexicon", progress=False)
     tok = work / "tokenizer"
     tok.mkdir()
     (tok / "tokenizer_config.json").write_text(json.dumps({"chat_template": BASE_TEMPLATE}))
@@ -60,6 +66,9 @@ def cluster(family, tmp_path_factory):
         c.r = c.router([c.w.address], c.st.address, extra=("--refresh-s", "0.5"))
         c.wait_serving(c.st, c.w, c.r)
         c.g = c.gateway(c.r.address, chat_template=tok, extra=("--model-refresh-s", "0.5"))
+        c.g_tok = c.gateway(  # with the base's tokenizer: /tokenize
+            c.r.address, name="gateway-tok", chat_template=tok, extra=("--tokenizer", str(family.base))
+        )
         c.g_flag = c.gateway(
             c.r.address,
             name="gateway-flag",
@@ -145,3 +154,42 @@ async def test_a_delta_put_again_is_served_with_its_new_template(cluster, client
 
     await put_and_see(OWN_TEMPLATE, "<user>Hi there<|im_end|><assistant>")
     await put_and_see(NEW_TEMPLATE, "[Hi there]=> ")
+
+
+@aio
+async def test_a_variant_with_its_own_tokenizer_is_read_with_it_and_the_gateway_will_not_tokenize_for_it(
+    cluster, clients
+):
+    from tokenizers import Tokenizer
+
+    own, _, router = clients
+    messages = [{"role": "user", "content": f"Hi {OWN}"}]
+    prompt = f"user: Hi {OWN}\nassistant: "  # BASE_TEMPLATE by hand
+    mine = Tokenizer.from_file(str(cluster.work / "lexicon-ft" / "tokenizer.json")).encode(prompt).ids
+    theirs = Tokenizer.from_file(str(cluster.base / "tokenizer.json")).encode(prompt).ids
+    assert len(mine) == len(theirs) - len(OWN) + 1  # <think> is one token to it
+    r = await own.chat.completions.create(model="lexicon", messages=messages, max_tokens=6, temperature=0)
+    assert r.usage.prompt_tokens == len(mine)
+    assert r.choices[0].message.content == await routers_text(
+        router, "lexicon", prompt, max_new_tokens=6, templated=True
+    )
+    r = await own.chat.completions.create(model="v0", messages=messages, max_tokens=6, temperature=0)
+    assert r.usage.prompt_tokens == len(theirs)
+    listed = {m.model_id: m for m in await router.list_models()}
+    assert len(listed["lexicon"].tokenizer_sha256) == 64 and listed["v0"].tokenizer_sha256 == ""
+    ok = await asyncio.to_thread(
+        http,
+        cluster.g_tok,
+        "POST",
+        "/tokenize",
+        json.dumps({"model": "v0", "prompt": prompt, "add_special_tokens": False}).encode(),
+    )
+    assert ok[0] == 200 and ok[1]["tokens"] == theirs
+    for path, body in (
+        ("/tokenize", {"model": "lexicon", "prompt": prompt}),
+        ("/detokenize", {"model": "lexicon", "tokens": [1, 2]}),
+        ("/v1/completions", {"model": "lexicon", "prompt": [72, 105], "echo": True, "max_tokens": 2}),
+    ):
+        status, answer = await asyncio.to_thread(http, cluster.g_tok, "POST", path, json.dumps(body).encode())
+        assert status == 400 and "its own tokenizer" in answer["error"]["message"], (path, answer)
+        assert answer["error"]["code"] == "tokenizer_not_served"

@@ -170,12 +170,15 @@ def test_what_cannot_be_served_as_it_is_is_refused_by_name(family, tmp_path):
     tok = json.loads((base / "tokenizer.json").read_text())
     renamed = [{**t, "content": "<|mine|>"} if t["id"] == 258 else t for t in tok["added_tokens"]]
     (retokenized / "tokenizer.json").write_text(json.dumps({**tok, "added_tokens": renamed}))
+    resized = write("resized", {q: mods[q]})  # ... and one with a token the model has no row for
+    grown = {**tok["added_tokens"][-1], "id": 259, "content": "<|more|>"}
+    (resized / "tokenizer.json").write_text(json.dumps({**tok, "added_tokens": [*tok["added_tokens"], grown]}))
     cases = [
         (write("unknown", {"model.layers.9.self_attn.q_proj": mods[q]}), "model.layers.9.self_attn.q_proj"),
         (write("shape", {"model.layers.0.mlp.down_proj": mods[q]}), "model.layers.0.mlp.down_proj"),
         (write("huge", {q: LoraModule(mods[q].A * 1e5, mods[q].B * 1e5, mods[q].scale)}), "float16"),
         (write("dora", {q: mods[q]}, {"use_dora": True}), "DoRA"),
-        (retokenized, "token 258 is '<|mine|>' there"),
+        (resized, "has token 259, but the model's vocabulary has 259 rows"),
     ]
     for adapter, words in cases:
         with pytest.raises(ValueError, match=re.escape(words)):
@@ -192,6 +195,10 @@ def test_what_cannot_be_served_as_it_is_is_refused_by_name(family, tmp_path):
     assert code == 0, text
     assert "a LoRA adapter of rank 4, its factors as they are" in text  # what inspect says of it
     assert read_header(tmp_path / "ok.bitdelta.safetensors").meta.variant == "mine"
+    # an adapter with a tokenizer of its own (same vocabulary size) brings it, served with it (the
+    # worker's tests of variant tokenizers)
+    own = import_lora(base, retokenized, tmp_path / f"own{SUFFIX}")
+    assert read_header(own).meta.tokenizer_sha256 and not read_header(ok).meta.tokenizer_sha256
 
 
 class _Runs:
