@@ -529,6 +529,10 @@ class ModelRunner:
             "any_delta": any(s >= 0 for s in slots_set),
             "single_slot": single if fused else None,
             "single_planes": len(planes.get(single, (single,))) if fused else 1,
+            "row_slots": None,
+            "col_launches": None,
+            "host_slots": None,
+            "lowrank_rows": None,
         }
         plan_rows = None  # the batched delta's host row slots (planned last: a graphed step plans its own)
         if out["any_delta"] and not fused:  # every plan from host copies: no device sync

@@ -37,15 +37,28 @@ def build(root, name: str, n_variants: int = 2):
 
 
 def runner_with(base, deltas, names):
+    runner, layout, _ = runner_and_slots(base, deltas, names)
+    return runner, layout
+
+
+def runner_and_slots(base, deltas, names):
+    """A CPU runner with the deltas `names` loaded as the worker loads them (a delta of k sign planes
+    into a run of k slots); returns (runner, layout, name -> its first slot)."""
     w, args = BaseWeights.load(base, torch.float32, torch.device("cpu"))
     layout = SlotLayout(args, torch.float32)
-    slots = SlotTensors.allocate(layout, len(names), torch.device("cpu"), w.norms, w.final_norm, w.biases)
     source = LocalDeltaSource(deltas)
-    extras = {}
-    for slot, name in enumerate(names):
-        info = asyncio.run(source.open(name, load_delta(deltas / f"{name}.bitdelta.safetensors").meta.base_fingerprint))
-        plan = plan_delta(layout, info)
-        writer = SlotWriter(plan, slots, (slot,))
+    infos, plans = {}, {}
+    for name in names:
+        infos[name] = asyncio.run(
+            source.open(name, load_delta(deltas / f"{name}.bitdelta.safetensors").meta.base_fingerprint)
+        )
+        plans[name] = plan_delta(layout, infos[name])
+    n_slots = sum(p.planes for p in plans.values())
+    slots = SlotTensors.allocate(layout, n_slots, torch.device("cpu"), w.norms, w.final_norm, w.biases)
+    extras, first, at = {}, {}, 0
+    for name in names:
+        info, plan = infos[name], plans[name]
+        writer = SlotWriter(plan, slots, tuple(range(at, at + plan.planes)))
 
         async def go(info=info, plan=plan, writer=writer):
             receiver = Receiver(plan.name, plan.tensors, writer)
@@ -55,9 +68,12 @@ def runner_with(base, deltas, names):
 
         ex = asyncio.run(go())
         if not ex.empty:
-            extras[slot] = ex
+            extras[at] = ex
+        first[name] = at
+        at += plan.planes
     slots.extras = extras
-    return ModelRunner(w, args, slots, KVPool(args, 32, 8, torch.float32, torch.device("cpu"))), layout
+    runner = ModelRunner(w, args, slots, KVPool(args, 32, 8, torch.float32, torch.device("cpu")))
+    return runner, layout, first
 
 
 @pytest.mark.parametrize("name", FAMILY_MEMBERS)
@@ -185,3 +201,41 @@ def test_variants_with_sign_heads_share_one_product_with_the_base_head(tmp_path,
         assert torch.equal(step([r]), mixed[i : i + 1])
         runner.use_fused = True
         assert torch.equal(alone, mixed[i : i + 1]) == (r[1] < 0 or cpu_build.cpu_isa() not in ("avx512", "avx512bf16"))
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3-moe"])
+def test_a_sparse_layer_gives_each_expert_its_rows_variants_parts(tmp_path, name):
+    """A mixed step over variants of every kind of part (two sign planes with a low-rank residual,
+    column α's, one plain plane) and the base: each expert runs over the rows that chose it, with
+    those rows' variants' parts only (an expert's rows may hold none of a variant's), so every row
+    equals its variant's model alone."""
+    from bitdelta.planes import PlaneConfig
+
+    base = make_hf_base(tmp_path / "base", name, seed=3)
+    modes = {"v0": None, "v1": PlaneConfig(planes=2, rank=8), "v2": PlaneConfig(alpha="col")}
+    for i, (v, planes) in enumerate(modes.items()):
+        ft = make_finetune(base, tmp_path / f"ft{i}", seed=10 + i, scale=FT_SCALE)
+        compress(base, ft, tmp_path / "deltas" / f"{v}.bitdelta.safetensors", variant=v, progress=False, planes=planes)
+    runner, _, first = runner_and_slots(base, tmp_path / "deltas", list(modes))
+    refs = {-1: load_model(base)}
+    for v in modes:
+        refs[v] = attach_delta(load_model(base), load_delta(tmp_path / "deltas" / f"{v}.bitdelta.safetensors"))
+    assert len(runner.slots.extras[first["v1"]].slots) == 2  # v1's two sign planes: a run of two slots
+    g = torch.Generator().manual_seed(1)
+    order = ["v1", -1, "v2", "v0", "v1"]
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (11, 7, 13, 5, 9)]
+    work, b = [], 0
+    for v, q in zip(order, seqs):
+        n_blocks = -(-len(q) // 8)
+        work.append(SeqWork(q, 0, -1 if v == -1 else first[v], list(range(b, b + n_blocks)), True))
+        b += n_blocks
+    logits = runner.forward(work)
+    with torch.no_grad():
+        want = torch.stack([refs[v](torch.tensor([q]))[0, -1] for v, q in zip(order, seqs)])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    # then one decode row each: an expert's few rows often leave a variant out
+    nxt = [3, 1, 4, 1, 5]
+    logits = runner.forward([SeqWork([t], len(q), w.slot, w.blocks, True) for t, q, w in zip(nxt, seqs, work)])
+    with torch.no_grad():
+        want = torch.stack([refs[v](torch.tensor([q + [t]]))[0, -1] for v, q, t in zip(order, seqs, nxt)])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
