@@ -39,20 +39,27 @@ def is_compressed(name: str, args: ModelArgs, embeddings: str) -> bool:
     return name in args.compressed_names()
 
 
-def same_model(base_cfg: dict, ft_cfg: dict, finetuned: Path, base: Path) -> ModelArgs:
-    """The base's description; the fine-tune's config must describe the same forward pass."""
+def same_model(base_cfg: dict, ft_cfg: dict, finetuned: Path, base: Path) -> tuple[ModelArgs, int]:
+    """The base's description and the fine-tune's vocabulary size; the fine-tune's config must
+    describe the same forward pass, but for a vocabulary that grew (tokens added: its embedding and
+    LM head resized)."""
     args, ft = ModelArgs.from_hf(base_cfg), ModelArgs.from_hf(ft_cfg)
+    if ft.vocab_size < args.vocab_size:
+        raise ValueError(
+            f"{finetuned} has a vocabulary of {ft.vocab_size} rows, fewer than the base's {args.vocab_size}: "
+            "a vocabulary cut short is not served (one that grew is)"
+        )
     differ = [
         k
         for k in args.__dataclass_fields__
-        if k not in ("bos_token_id", "eos_token_id", "max_seq_len") and getattr(args, k) != getattr(ft, k)
+        if k not in ("bos_token_id", "eos_token_id", "max_seq_len", "vocab_size") and getattr(args, k) != getattr(ft, k)
     ]
     if differ:
         raise ValueError(
             f"{finetuned} is not a fine-tune of {base}: its config differs in "
             + ", ".join(f"{k} ({getattr(ft, k)} != {getattr(args, k)})" for k in differ)
         )
-    return args
+    return args, ft.vocab_size
 
 
 def compress_weight(delta: torch.Tensor, alpha_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,9 +106,18 @@ def compress(
     base, finetuned, out = Path(base), Path(finetuned), Path(out)
     planes = planes if planes is not None else PlaneConfig(alpha=alpha_mode)
     base_cfg = read_config(base)
-    args = same_model(base_cfg, read_config(finetuned), finetuned, base)
-    tokenizer = own_tokenizer(base, finetuned, args.vocab_size)  # served with its own where it differs
-    eos = own_eos(base, finetuned, args.vocab_size)
+    args, vocab = same_model(base_cfg, read_config(finetuned), finetuned, base)
+    tokenizer = own_tokenizer(base, finetuned, vocab)  # served with its own where it differs
+    if vocab > args.vocab_size and (tokenizer is None or embeddings != "dense"):
+        raise ValueError(
+            f"{finetuned}'s vocabulary grew from {args.vocab_size} to {vocab} rows: it is served with its own "
+            + (
+                "tokenizer.json, which it needs to ship"
+                if tokenizer is None
+                else "embedding rows, stored dense (not --embeddings sign)"
+            )
+        )
+    eos = own_eos(base, finetuned, vocab)
     template, sampling = own_serving(base, finetuned)
     tensors: dict[str, torch.Tensor] = {}
     shapes: dict[str, list[int]] = {}
@@ -134,8 +150,12 @@ def compress(
                     raise ValueError(f"{finetuned} has tensor {name!r}, which the base lacks")
             else:
                 w_base = rb.get(name)
-            if w_base.shape != w_ft.shape:
+            grown = name in EMBEDDINGS and vocab > args.vocab_size
+            if w_base.shape != w_ft.shape and not (grown and w_ft.shape == (vocab, *w_base.shape[1:])):
                 raise ValueError(f"{name}: fine-tune shape {tuple(w_ft.shape)} != base {tuple(w_base.shape)}")
+            if grown:  # its rows stored whole: the added tokens' rows have no base to be a delta of
+                tensors[name] = w_ft.contiguous()
+                continue
             if torch.equal(w_base, w_ft):
                 continue  # unchanged: not stored
             if is_compressed(name, args, embeddings):
@@ -201,6 +221,7 @@ def compress(
             eos_token_ids=eos,
             chat_template=template,
             sampling_defaults=sampling,
+            vocab_size=vocab if vocab > args.vocab_size else 0,
         )
         if not planes.plain:
             meta.extra["planes"] = f"planes={planes.planes} rank={planes.rank} budget={planes.budget}"
@@ -254,6 +275,8 @@ def apply(
                 state[name] = reconstruct(name, rb.get("model.embed_tokens.weight"), delta)
     if "lm_head.weight" in state and cfg.get("tie_word_embeddings"):
         cfg = {**cfg, "tie_word_embeddings": False}
+    if delta.meta.vocab_size:  # tokens added: the resized embedding (and head) are the delta's, whole
+        cfg = {**cfg, "vocab_size": delta.meta.vocab_size}
     # the fine-tune's own EOS, sampling defaults and chat template, as the worker and the gateway serve it
     meta, gen = delta.meta, base / "generation_config.json"
     generation = None

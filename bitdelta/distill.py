@@ -157,7 +157,7 @@ def distill(
 
     compressed = {k: layers[k].compressed() if k in layers else cw for k, cw in delta.compressed.items()}
     meta = type(delta.meta)(**{**delta.meta.__dict__, "distilled": record})
-    return Delta(meta, compressed, delta.dense), record
+    return Delta(meta, compressed, delta.dense, delta.files), record
 
 
 def save(delta: Delta, out: str | os.PathLike) -> Path:

@@ -181,6 +181,9 @@ class DeltaMeta:
     # where it reads or writes text otherwise than the base's: the worker serves the variant with it;
     # "": the base's tokenizer
     tokenizer_sha256: str = ""
+    # the fine-tune's vocabulary where it grew past the base's (tokens added, the embedding and LM
+    # head resized: stored dense with its rows, its own tokenizer carried); 0: the base's
+    vocab_size: int = 0
 
     @property
     def format_version(self) -> str:
@@ -221,6 +224,8 @@ class DeltaMeta:
             out["sampling_defaults"] = json.dumps(self.sampling_defaults, sort_keys=True)
         if self.tokenizer_sha256:
             out["tokenizer_sha256"] = self.tokenizer_sha256
+        if self.vocab_size:
+            out["vocab_size"] = str(self.vocab_size)
         out.update(self.extra)
         return out
 
@@ -244,6 +249,7 @@ class DeltaMeta:
             "chat_template",
             "sampling_defaults",
             "tokenizer_sha256",
+            "vocab_size",
         }
         v2 = md.get("format_version") != "1"
         try:
@@ -263,8 +269,9 @@ class DeltaMeta:
                 chat_template=_template(md.get("chat_template")),
                 sampling_defaults=_sampling(md.get("sampling_defaults")),
                 tokenizer_sha256=md.get("tokenizer_sha256", ""),
+                vocab_size=int(md.get("vocab_size", "0")),
             )
-        except (KeyError, json.JSONDecodeError) as e:
+        except (KeyError, ValueError) as e:
             raise DeltaFormatError(f"metadata is incomplete or malformed: {e}") from None
 
 
@@ -527,6 +534,13 @@ def check_structure(header: DeltaHeader) -> None:
             "metadata 'tokenizer_sha256' must be the sha256 of the tensor tokenizer.json.file, and both or neither there",
             tensor="tokenizer.json.file",
         )
+    if meta.vocab_size:  # a resized vocabulary: read with its own tokenizer, its embedding rows stored whole
+        embed = by_name.get("model.embed_tokens.weight.dense")
+        if meta.vocab_size < 1 or tok is None or embed is None or embed.shape[0] != meta.vocab_size:
+            raise DeltaFormatError(
+                f"metadata 'vocab_size' {meta.vocab_size}: a resized vocabulary needs the fine-tune's tokenizer.json "
+                "and its whole embedding of that many rows (model.embed_tokens.weight.dense)"
+            )
     for t in header.tensors:
         if t.part not in ("dense", "file") and t.name not in expected:
             why = "no shape recorded for" if t.param not in meta.shapes else "not a part the metadata gives"
@@ -725,6 +739,10 @@ def save_delta(path: str | os.PathLike, delta: Delta) -> DeltaHeader:
     from dataclasses import replace
 
     tok = delta.files.get("tokenizer.json")
+    if delta.meta.vocab_size and tok is None:
+        raise ValueError(
+            f"delta {delta.meta.variant!r}: a grown vocabulary is written with the tokenizer that names it"
+        )
     meta = replace(delta.with_parts(), tokenizer_sha256=hashlib.sha256(tok).hexdigest() if tok is not None else "")
     return write_delta(path, delta.tensors(), meta)
 

@@ -38,6 +38,7 @@ def info(path: Path) -> dict:
         "chat_template_chars": len(meta.chat_template.source) if meta.chat_template else 0,  # 0: the base's
         "sampling_defaults": meta.sampling_defaults,  # the fine-tune's own; empty: the base's
         "tokenizer_sha256": meta.tokenizer_sha256,  # the fine-tune's own tokenizer.json's; "": the base's
+        "vocab_size": meta.vocab_size,  # a grown vocabulary (tokens added); 0: the base's
         "compressed_weights": len(meta.shapes),
         "compressed_params": params,
         "dense_tensors": sum(t.role == "dense" for t in h.tensors),
@@ -79,7 +80,8 @@ def text(path: Path) -> str:
             f"its own (tokenizer.json, {human_bytes(b['files'])}, sha256 {i['tokenizer_sha256'][:16]}…)"
             if i["tokenizer_sha256"]
             else "the base's"
-        ),
+        )
+        + (f"; its vocabulary grown to {i['vocab_size']} tokens" if i["vocab_size"] else ""),
         f"  compressed        {i['compressed_weights']} weights, {i['compressed_params']:,} params"
         + (f" (a LoRA adapter of rank {i['lora_rank']}, its factors as they are)" if i["lora_rank"] else ""),
         f"  signs             {human_bytes(b['signs'])}" + (f", chosen by {i['signs_by']}" if i["signs_by"] else ""),

@@ -24,6 +24,7 @@ embeddings) replaced: `attach_delta`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -639,7 +640,8 @@ def attach_delta(model: Llama, delta, trainable_alpha: bool = False) -> Llama:
         if name not in params:
             raise ValueError(f"delta has a dense tensor for {name}, which this model does not have")
         p = params[name]
-        if p.shape != t.shape:
+        grown = delta.meta.vocab_size and name in ("model.embed_tokens.weight", "lm_head.weight")
+        if p.shape != t.shape and not (grown and t.shape == (delta.meta.vocab_size, *p.shape[1:])):
             raise ValueError(f"{name}: delta shape {tuple(t.shape)} != model shape {tuple(p.shape)}")
         parent_name, _, child = name.rpartition(".")
         owner = model.get_submodule(parent_name)
@@ -647,6 +649,9 @@ def attach_delta(model: Llama, delta, trainable_alpha: bool = False) -> Llama:
     head_changed = "lm_head.weight" in delta.dense or "lm_head.weight" in delta.compressed
     if model.args.tie_embeddings and not head_changed:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if delta.meta.vocab_size:  # tokens added: the model reads and writes the grown vocabulary
+        model.args = dataclasses.replace(model.args, vocab_size=delta.meta.vocab_size)
+        model.model.embed_tokens.num_embeddings = model.lm_head.out_features = delta.meta.vocab_size
     return model
 
 

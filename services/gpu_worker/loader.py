@@ -117,6 +117,7 @@ class DeltaPlan:
     whole: bool = False  # tensor parallelism: tensors arrive whole, the rank keeps its slice (parallel.ShardWriter)
     planes: int = 1  # sign planes of its matrices at most: the slots it holds (plane p of every matrix in the p-th)
     sign_planes: int = 1  # the same, 0 where no matrix has one (an imported LoRA: its one slot holds no plane)
+    vocab_size: int = 0  # its vocabulary where it grew past the base's (its dense embedding's rows); 0: the base's
 
     @property
     def total_bytes(self) -> int:
@@ -142,10 +143,13 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
     (ArchMismatchError when the delta was made for another architecture or layout)."""
     a = layout.args
     check_arch(info.name, info.architecture, info.layout, a)
-    if info.eos_token_ids and max(info.eos_token_ids) >= a.vocab_size:
+    vocab = info.vocab_size or a.vocab_size  # a resized vocabulary: its embedding / head rows
+    if info.vocab_size and info.vocab_size < a.vocab_size:
+        raise DeltaFormatError(f"delta {info.name!r}: a vocabulary of {info.vocab_size}, less than the base's")
+    if info.eos_token_ids and max(info.eos_token_ids) >= vocab:
         raise DeltaFormatError(
-            f"delta {info.name!r}: its eos_token_ids hold {max(info.eos_token_ids)}, not below the base's "
-            f"vocabulary size {a.vocab_size}"
+            f"delta {info.name!r}: its eos_token_ids hold {max(info.eos_token_ids)}, not below its "
+            f"vocabulary size {vocab}"
         )
     out: list[Placement] = []
     parts: dict[str, list[tuple[str, int, TensorSpec]]] = {}  # compressed param -> (role, plane, tensor)
@@ -208,9 +212,11 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
         elif param in (EMBED, HEAD):
             big_roles.setdefault(param, set()).add(role)
             if role == "dense":
-                if t.shape != layout.embed_shape or t.dtype not in FLOAT_DTYPES:
-                    raise _bad(info.name, t, f"must be a dense float {list(layout.embed_shape)}")
+                if t.shape != (vocab, a.dim) or t.dtype not in FLOAT_DTYPES:
+                    raise _bad(info.name, t, f"must be a dense float {[vocab, a.dim]}")
                 kind = Kind.BIG_DENSE
+            elif info.vocab_size:
+                raise _bad(info.name, t, "is compressed, but a resized vocabulary's embedding and head are dense")
             elif role == "sign":
                 if t.dtype != "U8" or t.shape != (a.vocab_size, packed_cols(a.dim)):
                     raise _bad(info.name, t, f"must be uint8 [{a.vocab_size}, {packed_cols(a.dim)}]")
@@ -226,7 +232,7 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
                 kind = Kind.BIG_U if u else Kind.BIG_V
             else:
                 raise _bad(info.name, t, "is not a part of an embedding or head the worker knows")
-            extra += layout.extra_bytes(param, t.role, t.shape)
+            extra += layout.extra_bytes(param, t.role, t.shape, vocab)
             out.append(Placement(t, kind, big=param, plane=plane))
         else:
             raise _bad(info.name, t, "names a parameter this base does not have (or the worker cannot place)")
@@ -256,7 +262,17 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
             raise DeltaFormatError(f"delta {info.name!r}: {param} is both dense and compressed", tensor=param)
     for _, group in col_groups:  # each such group's col_alpha: [planes, matrices of the group, d_in] fp32
         extra += planes * len(layout.group_rows[group]) * layout.group_shape[group][1] * 4
-    return DeltaPlan(info.name, out, layout.slot_bytes, extra, planes=max(planes, 1), sign_planes=planes)
+    if info.vocab_size and EMBED not in big_roles:
+        raise DeltaFormatError(f"delta {info.name!r}: a resized vocabulary without its embedding", tensor=EMBED)
+    return DeltaPlan(
+        info.name,
+        out,
+        layout.slot_bytes,
+        extra,
+        planes=max(planes, 1),
+        sign_planes=planes,
+        vocab_size=info.vocab_size,
+    )
 
 
 @dataclass
@@ -305,6 +321,7 @@ class SlotWriter:
             sign_planes=plan.sign_planes,
             lowrank=low,
             cols=cols,
+            vocab_size=plan.vocab_size,
         )
         self.targets: list[_Target] = []
         self.files: dict[str, torch.Tensor] = {}  # the fine-tune's files it carries: host bytes
@@ -345,7 +362,7 @@ class SlotWriter:
             r = p.spec.shape[1 if p.kind is Kind.BIG_U else 0] if p.kind in (Kind.BIG_U, Kind.BIG_V) else 0
             # the layout's vocabulary rows (a tensor-parallel rank's), not the announced tensor's
             shape, dtype = {
-                Kind.BIG_DENSE: ((a.vocab_size, a.dim), layout.dtype),
+                Kind.BIG_DENSE: ((plan.vocab_size or a.vocab_size, a.dim), layout.dtype),
                 Kind.BIG_SIGN: ((k, a.vocab_size, packed_cols(a.dim)), torch.uint8),
                 Kind.BIG_ALPHA: ((k, a.vocab_size), torch.float32),
                 Kind.BIG_U: ((a.vocab_size, r), torch.float16),  # low-rank factors: fp16, as stored

@@ -81,6 +81,7 @@ class DeltaEntry:
     content: str = ""  # the resident bytes' identity (DeltaInfo.content_id): keys its prefix-cached KV
     eos_ids: frozenset[int] = frozenset()  # the resident delta's own end-of-sequence tokens; empty: the base's
     tokenizer: VariantTokenizer | None = None  # the resident delta's own tokenizer (its fine-tune's); None: the base's
+    vocab_size: int = 0  # the resident delta's grown vocabulary (tokens added); 0: the base's
     task: asyncio.Task | None = None  # the load
     done: asyncio.Future | None = None  # the load's outcome for its waiters (None, or the error)
     aborted: bool = False  # evicted while loading: its slot returns once the load's reads have stopped
@@ -328,6 +329,7 @@ class DeltaManager:
             e.error, e.transport, e.content = "", info.transport, info.content_id
             e.eos_ids = frozenset(info.eos_token_ids)
             e.tokenizer = tokenizer
+            e.vocab_size = info.vocab_size
             _settle(e.done, None)
             log.info(
                 "delta %s resident in slot %s (%d bytes, %.1f ms, %s)",

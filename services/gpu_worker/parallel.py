@@ -61,7 +61,7 @@ from opentelemetry import trace
 
 from bitdelta.arch import ModelArgs
 from bitdelta.checkpoint import CheckpointReader, fingerprint, read_config
-from bitdelta.format import DTYPES
+from bitdelta.format import DTYPES, ArchMismatchError
 from bitdelta.rpc import telemetry
 from bitdelta.rpc.checksums import crc32
 from bitdelta.rpc.receiver import Receiver
@@ -258,7 +258,13 @@ class ShardedLoad:
     def plan(self, info: DeltaInfo) -> DeltaPlan:
         """plan_delta against this rank's layout (the slices' shapes), placements keeping the
         announced tensors (the receiver's): the slices themselves when the source sent only those
-        (`DeltaInfo.sliced`: the store's sharded Fetch), else whole tensors to cut here."""
+        (`DeltaInfo.sliced`: the store's sharded Fetch), else whole tensors to cut here. A resized
+        vocabulary is refused: its added rows have no rank in the base's vocabulary split."""
+        if info.vocab_size:
+            raise ArchMismatchError(
+                f"delta {info.name!r} grew the vocabulary to {info.vocab_size} tokens, which tensor-parallel "
+                "ranks do not serve (their vocabulary split is the base's); serve it on one device"
+            )
         if info.sliced:
             plan = plan_delta(self.layout, info)
             index = {t.name: i for i, t in enumerate(plan.tensors)}

@@ -110,9 +110,10 @@ def _base_head_only(m: StepMeta) -> bool:
 
 def _c_adds_delta(extras: dict, w: SeqWork) -> bool:
     """Whether the C decode layers add `w`'s rows' delta: the base, or a variant of k ≥ 1 sign planes
-    of row α's, with or without a low-rank term (`LowRankTable`), not one with column α's."""
+    of row α's, with or without a low-rank term (`LowRankTable`), not one with column α's or a grown
+    vocabulary."""
     ex = extras.get(w.slot) if w.slot >= 0 else None
-    return ex is None or not ex.cols
+    return ex is None or not (ex.cols or ex.vocab_size)
 
 
 def _multi_plane(extras: dict, slots: set[int]) -> dict[int, tuple[int, ...]]:
@@ -347,6 +348,10 @@ class StepMeta:
     local_cos: torch.Tensor | None = None
     local_sin: torch.Tensor | None = None
     host_rows: torch.Tensor | None = None  # [N] int32 row_slot on the host (a sparse layer's experts' rows)
+    # a variant's grown vocabulary in the step: tokens past the base's (its rows' embeddings are its
+    # own table's), and the logits' columns (the widest logit row's vocabulary; −inf past a row's own)
+    grown_tokens: bool = False
+    vocab: int = 0
 
 
 @dataclass
@@ -477,6 +482,8 @@ class ModelRunner:
             logit_slots=logit_slots,
             extras=extras,
             host_rows=rs,
+            grown_tokens=max(tokens, default=0) >= self.args.vocab_size,
+            vocab=max((self._vocab_of(s, extras) for s in logit_slots), default=self.args.vocab_size),
             **deltas,
         )
         if self.local_rope is not None:
@@ -711,8 +718,15 @@ class ModelRunner:
             out[r0 : r0 + n] = attend(qs, ks, vs, mask[win], a)[0].transpose(0, 1)
         return out
 
+    def _vocab_of(self, slot: int, extras: dict) -> int:
+        """The vocabulary of a row of `slot`: its variant's grown one, else the base's."""
+        ex = extras.get(slot) if slot >= 0 else None
+        return (ex.vocab_size if ex is not None else 0) or self.args.vocab_size
+
     def _embed(self, m: StepMeta) -> torch.Tensor:
-        x = self.base.embed[m.tokens]  # [N, dim]
+        # a grown vocabulary's tokens past the base's: any base row, replaced by their variant's own
+        tokens = m.tokens.clamp(max=self.args.vocab_size - 1) if m.grown_tokens else m.tokens
+        x = self.base.embed[tokens]  # [N, dim]
         self._variant_embeddings(x, m, m.tokens)
         return x
 
@@ -756,15 +770,15 @@ class ModelRunner:
             return dense_linear(h, self.base.head, backend=self.backend).float()
         if sh is not None and sh.rows is None:  # every row's head is signs on the base's
             return self._sign_heads(h, sh, m.extras)
-        out = torch.empty(h.shape[0], self.base.head.shape[0], dtype=torch.float32, device=h.device)
+        width = max(m.vocab, self.base.head.shape[0])  # a grown vocabulary's rows: −inf past each row's own
+        fill = torch.empty if width == self.base.head.shape[0] else functools.partial(torch.full, fill_value=-math.inf)
+        out = fill((h.shape[0], width), dtype=torch.float32, device=h.device)
         for s, rows in m.logit_groups:  # row indices built in prepare()
             hr = h[rows]
-            if s < 0:
-                out[rows] = dense_linear(hr, self.base.head, backend=self.backend).float()
-            else:
-                out[rows] = dense_linear(hr, m.extras[s].head.weight, backend=self.backend).float()
+            head = self.base.head if s < 0 else m.extras[s].head.weight
+            out[rows, : head.shape[0]] = dense_linear(hr, head, backend=self.backend).float()
         if sh is not None:
-            out[sh.rows] = self._sign_heads(h[sh.rows], sh, m.extras)
+            out[sh.rows, : self.base.head.shape[0]] = self._sign_heads(h[sh.rows], sh, m.extras)
         return out
 
     # -- step -----------------------------------------------------------------------------------
@@ -796,6 +810,8 @@ class ModelRunner:
                 where.append(n_a if part[i] == 0 else a.shape[0] + n_b)
                 n_a, n_b = n_a + (part[i] == 0), n_b + (part[i] == 1)
         where.extend(range(a.shape[0] + n_b, a.shape[0] + b.shape[0]))
+        if a.shape[1] < b.shape[1]:  # the layers' part holds a grown vocabulary's rows: the C part's padded
+            a = F.pad(a, (0, b.shape[1] - a.shape[1]), value=-math.inf)
         return torch.cat([a, b])[torch.tensor(where, dtype=torch.int64, device=a.device)]
 
     def _c_row(self, w: SeqWork) -> bool:

@@ -51,6 +51,7 @@ class Sampler:
         bad_words: tuple[tuple[int, ...], ...] = (),
     ):
         self.sampling = sp = sampling
+        self.vocab = vocab_size  # its model's vocabulary: the row's columns it reads (0: all of them)
         self.grammar = grammar  # Sampling.constraint compiled (constraints.py): masks each row, advances each pick
         self.temperature = float(sp.temperature)
         self.top_p = float(sp.top_p)
@@ -79,7 +80,8 @@ class Sampler:
         """logits: fp32 [vocab] on the CPU -> the row after the bias, min_tokens and penalties
         (vLLM's and transformers' order: processors before penalties)."""
         sp = self.sampling
-        out = logits.float().clone()
+        # a step's rows are as wide as its widest vocabulary (a variant's grown one): this one's columns
+        out = (logits[: self.vocab] if self.vocab else logits).float().clone()
         if len(self.bias_ids):
             out[self.bias_ids] += self.bias
         if len(self.allowed):

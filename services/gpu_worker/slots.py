@@ -110,12 +110,13 @@ class SlotLayout:
         n += sum(p.size for p in self.norms.values()) * self.dtype.itemsize
         return n + sum(p.r1 - p.r0 for p in self.bias.values()) * self.dtype.itemsize
 
-    def extra_bytes(self, param: str, role: str, shape: tuple[int, ...]) -> int:
+    def extra_bytes(self, param: str, role: str, shape: tuple[int, ...], vocab: int = 0) -> int:
         """Device bytes one tensor of a delta takes in its slot's extras: a big (embedding/head)
-        tensor's, or a low-rank factor's (fp16, as stored). role: the tensor's ("sign2", "lowrank_u", ...)."""
+        tensor's, or a low-rank factor's (fp16, as stored). role: the tensor's ("sign2", "lowrank_u", ...);
+        vocab: a resized vocabulary's rows (0: the base's)."""
         role = split_role(role)[0]
         if role == "dense":
-            return self.args.vocab_size * self.args.dim * self.dtype.itemsize
+            return (vocab or self.args.vocab_size) * self.args.dim * self.dtype.itemsize
         if role in LOWRANK_ROLES:
             return shape[0] * shape[1] * 2
         if role == "sign":
@@ -173,6 +174,7 @@ class SlotExtras:
     # group's G matrices (1 where a matrix's plane scales rows; its α rows in the slot are then 1):
     # the kernels' col_alpha, for the groups where some matrix has a plane of column α's
     cols: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    vocab_size: int = 0  # its vocabulary where it grew past the base's (its dense embedding's rows); 0: the base's
 
     @property
     def nbytes(self) -> int:

@@ -104,6 +104,7 @@ class DeltaInfo:
     sliced: bool = False
     version: str = ""  # the store's version of the stored bytes (DeltaInfo.version): a replaced delta's changes
     eos_token_ids: tuple[int, ...] = ()  # the fine-tune's own end-of-sequence tokens (DeltaMeta); (): the base's
+    vocab_size: int = 0  # the fine-tune's vocabulary where it grew past the base's (DeltaMeta); 0: the base's
     # Tensor parallelism from the store, each byte fetched once: tensors whose slice's bytes from an
     # offset on another rank fetches and hands to this one (name -> (that rank, offset); offset 0:
     # the store announces the slice, sends no bytes; else it sends the bytes before the offset, a
@@ -174,6 +175,7 @@ class LocalDeltaSource:
             layout=meta.layout,
             axes=axes,
             eos_token_ids=meta.eos_token_ids,
+            vocab_size=meta.vocab_size,
         )
 
     async def stream(self, info: DeltaInfo, receiver: Receiver) -> None:
@@ -296,6 +298,7 @@ class DeltaStoreSource:
             hands_to=hands_to,
             axes={p: meta.axes(p) for p in meta.parts},
             eos_token_ids=meta.eos_token_ids,
+            vocab_size=meta.vocab_size,
         )
 
     async def _shard(self, name: str):

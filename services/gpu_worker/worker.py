@@ -96,8 +96,8 @@ class Worker:
         self.engine: Engine | None = None
         self.source = None
         self.grammars: GrammarCompiler | None = None
-        # variants' own tokenizers: a grammar compiler each (tokenizer sha256, EOS ids), their files here
-        self._variant_grammars: dict[tuple[str, tuple[int, ...]], GrammarCompiler] = {}
+        # variants' own tokenizers: a grammar compiler each (tokenizer sha256, EOS ids, vocabulary), their files here
+        self._variant_grammars: dict[tuple[str, tuple[int, ...], int], GrammarCompiler] = {}
         self._own_dir: tempfile.TemporaryDirectory | None = None
         self.tp = None  # parallel.Driver with --tensor-parallel N > 1
         self.fatal = ""  # why the worker stopped serving for good (a tensor-parallel rank failed)
@@ -299,11 +299,10 @@ class Worker:
                 for ev in ready:
                     yield ev
 
-    async def _prompt_ids(self, p: Request, tokenizer) -> list[int]:
-        """The prompt's tokens: its token ids as they are (each checked against the vocabulary), or its
-        text tokenized by `tokenizer` (the base's, or the variant's own)."""
+    async def _prompt_ids(self, p: Request, tokenizer, vocab: int) -> list[int]:
+        """The prompt's tokens: its token ids as they are (each checked against the vocabulary `vocab`),
+        or its text tokenized by `tokenizer` (the base's, or the variant's own)."""
         if p.prompt_token_ids:
-            vocab = self.args.vocab_size
             bad = next((t for t in p.prompt_token_ids if t >= vocab), None)
             if bad is not None:
                 raise InvalidArgument(f"prompt_token_ids: {bad} is not a token of this model (0 to {vocab - 1})")
@@ -327,14 +326,15 @@ class Worker:
         if own is None:
             return self.grammars
         eos = entry.eos_ids or self.eos_ids
-        key = (own.sha256, tuple(sorted(eos)))
+        vocab = entry.vocab_size or self.args.vocab_size
+        key = (own.sha256, tuple(sorted(eos)), vocab)
         if key not in self._variant_grammars:
             if self._own_dir is None:
                 self._own_dir = tempfile.TemporaryDirectory(prefix="bitdelta-tokenizers-")
             path = Path(self._own_dir.name) / f"{own.sha256}.json"
             if not path.exists():
                 path.write_bytes(own.json)
-            self._variant_grammars[key] = GrammarCompiler(path, self.args.vocab_size, eos)
+            self._variant_grammars[key] = GrammarCompiler(path, vocab, eos)
         return self._variant_grammars[key]
 
     async def stream(self, p: Request) -> AsyncIterator[list[TokenEvent]]:
@@ -348,7 +348,6 @@ class Worker:
         t_arrival_ns = first_ns = time.time_ns()  # traces: the engine's times become spans after the fact
         self._check_serving()
         p.validate()
-        p.sampling.check_vocab(self.args.vocab_size)
         name = None if self.is_base(p.model_id) else p.model_id
         sp = p.sampling
         if sp.n > self.scheduler.max_running:
@@ -376,7 +375,9 @@ class Worker:
             tokenizer = (
                 entry.tokenizer.tokenizer if entry is not None and entry.tokenizer is not None else self.tokenizer
             )
-            ids = await self._prompt_ids(p, tokenizer)
+            vocab = (entry.vocab_size if entry is not None else 0) or self.args.vocab_size  # a grown one: the variant's
+            p.sampling.check_vocab(vocab)
+            ids = await self._prompt_ids(p, tokenizer, vocab)
             if sp.truncate_prompt_tokens is not None:  # the caller's own left truncation (vLLM's)
                 keep = sp.truncate_prompt_tokens
                 if keep == -1:  # as many as the context leaves for max_new_tokens
@@ -436,7 +437,7 @@ class Worker:
                         sampler=Sampler(
                             choice,
                             ids,
-                            self.args.vocab_size,
+                            vocab,
                             eos_ids,
                             None if grammar is None else grammar.start(),
                             bad,

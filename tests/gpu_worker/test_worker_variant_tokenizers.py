@@ -2,9 +2,12 @@
 Llama 3 rename reserved tokens; a model distilled with another tokenizer of the same vocabulary size)
 is served with its own tokenizer: `compress` carries the fine-tune's tokenizer.json in the delta, the
 worker tokenizes the variant's prompts and writes its text with it and compiles its grammars for it;
-the base and other variants keep the base's, in the same batches. The reference is transformers'
-greedy on `bitdelta apply`'s dense model, fed the fine-tune's tokenizer's ids. A fine-tune with a
-token its model has no row for (a resized vocabulary) is refused by name.
+the base and other variants keep the base's, in the same batches. A fine-tune that added tokens
+(its embedding and LM head resized, as a ChatML fine-tune of Mistral does) is served with its grown
+vocabulary: its rows' embeddings and logits are its own tables' (the step's logits as wide as its
+widest row, −inf past a row's own vocabulary). The reference is transformers' greedy on `bitdelta
+apply`'s dense model, fed the fine-tune's tokenizer's ids. A tokenizer with a token its model has no
+row for is refused by name.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -58,7 +62,30 @@ def family(tmp_path_factory):
     compress(base, own, deltas / f"own{SUFFIX}", variant="own", progress=False)
     plain = make_finetune(base, root / "plain", seed=12, scale=0.02)
     compress(base, plain, deltas / f"plain{SUFFIX}", variant="plain", progress=False)
+    grown = make_grown(make_finetune(base, root / "grown", seed=13, scale=0.02))
+    compress(base, grown, deltas / f"grown{SUFFIX}", variant="grown", progress=False)
     return root, base, deltas
+
+
+ADDED = ["<tool>", "</tool>"]  # the grown fine-tune's tokens 259, 260
+
+
+def make_grown(ft: Path) -> Path:
+    """`ft` with two tokens added, as a fine-tune adding special tokens makes it: its embedding and LM
+    head resized (the new rows trained: random here), its tokenizer with them."""
+    from tokenizers import Tokenizer
+
+    model = hf_model(ft)
+    model.resize_token_embeddings(VOCAB + len(ADDED))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for w in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+            w[VOCAB:] = 0.2 * torch.randn(len(ADDED), w.shape[1], generator=g)
+    model.save_pretrained(ft)
+    tok = Tokenizer.from_file(str(ft / "tokenizer.json"))
+    tok.add_special_tokens(ADDED)
+    tok.save(str(ft / "tokenizer.json"))
+    return ft
 
 
 def ids_of(ckpt: Path, text: str) -> list[int]:
@@ -168,3 +195,97 @@ async def test_the_worker_reads_and_writes_each_variant_with_its_own_tokenizer(f
         assert len(worker._variant_grammars) == 1
         ids, text, _ = await generate(stub, "plain", PROMPT, constraint=regex)
         assert len(text) == 4 and len(worker._variant_grammars) == 1  # the base's compiler
+
+
+@pytest.mark.asyncio
+async def test_a_grown_vocabulary_is_served_with_its_own_rows_beside_the_base_s(family, tmp_path):
+    root, base, deltas = family
+    file = deltas / f"grown{SUFFIX}"
+    meta = read_header(file).meta
+    assert meta.vocab_size == VOCAB + 2 and meta.tokenizer_sha256
+    assert f"its vocabulary grown to {VOCAB + 2} tokens" in inspect_text(file)
+    dense = apply(base, file, tmp_path / "grown", progress=False)
+    assert json.loads((dense / "config.json").read_text())["vocab_size"] == VOCAB + 2
+    prompt = f"Call {ADDED[0]}x{ADDED[1]} now"
+    ids = ids_of(dense, prompt)
+    assert VOCAB in ids and VOCAB + 1 in ids  # the added tokens, read with its tokenizer
+    want = {"grown": hf_greedy(dense, ids), "": hf_greedy(base, ids_of(base, prompt))}
+    plain = apply(base, deltas / f"plain{SUFFIX}", tmp_path / "plain", progress=False)
+    want["plain"] = hf_greedy(plain, ids_of(base, prompt))
+    cfg = WorkerConfig(base=base, delta_dir=str(deltas), kv_cache=4 << 20)
+    async with running_worker(cfg) as (worker, _, channel):
+        stub = pb_grpc.GpuWorkerServiceStub(channel)
+        alone = {m: (await generate(stub, m, prompt))[0] for m in want}
+        together = await asyncio.gather(*[generate(stub, m, prompt) for m in want])
+        assert alone == want and dict(zip(want, (t[0] for t in together))) == want
+        # its added tokens are its to pick (a bias on one), and to write with its tokenizer
+        ids, text, _ = await generate(stub, "grown", prompt, logit_bias={VOCAB + 1: 100.0}, skip_special_tokens=False)
+        assert ids == [VOCAB + 1] * N and text == ADDED[1] * N
+        for model in ("", "plain"):  # the base's vocabulary has no such token
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await generate(stub, model, prompt, logit_bias={VOCAB + 1: 1.0})
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and str(VOCAB + 1) in e.value.details()
+    # the step's logits: the grown row as wide as its vocabulary, the base's −inf past its own
+    from services.gpu_worker.runner import SeqWork
+
+    runner = worker.runner
+    slot = worker.manager.entries["grown"].slot if "grown" in worker.manager.entries else None
+    assert slot is not None
+    logits = runner.forward([SeqWork(ids, 0, slot, [0, 1, 2, 3], True), SeqWork(ids[:3], 0, -1, [4], True)])
+    with torch.no_grad():
+        ref = hf_model(dense)(torch.tensor([ids])).logits[0, -1]
+    assert logits.shape == (2, VOCAB + 2)
+    torch.testing.assert_close(logits[0], ref, rtol=1e-4, atol=1e-4)
+    assert torch.isinf(logits[1, VOCAB:]).all() and torch.isfinite(logits[1, :VOCAB]).all()
+
+
+def test_a_grown_vocabulary_is_refused_where_it_cannot_be_served(family, tmp_path):
+    """On tensor-parallel ranks (their vocabulary split is the base's), compressed to signs, and
+    without the tokenizer that names its tokens."""
+    import asyncio as aio
+
+    from bitdelta.arch import ModelArgs
+    from bitdelta.checkpoint import read_config
+    from bitdelta.format import ArchMismatchError
+    from bitdelta.shard import TPLayout
+    from services.gpu_worker.parallel import ShardedLoad
+    from services.gpu_worker.slots import SlotLayout
+    from services.gpu_worker.sources import LocalDeltaSource
+
+    root, base, deltas = family
+    args = ModelArgs.from_hf(read_config(base))
+    info = aio.run(LocalDeltaSource(deltas).open("grown", read_header(deltas / f"grown{SUFFIX}").meta.base_fingerprint))
+    tp = TPLayout(args, 2, 0)
+    with pytest.raises(ArchMismatchError, match="grew the vocabulary to 261 tokens, which tensor-parallel ranks"):
+        ShardedLoad(tp, SlotLayout(tp.local_args(), torch.float32), None, 1.0).plan(info)
+    with pytest.raises(ValueError, match="stored dense .not --embeddings sign."):
+        compress(base, root / "grown", tmp_path / f"x{SUFFIX}", embeddings="sign", progress=False)
+    (tmp_path / "grown").mkdir()
+    for f in (root / "grown").iterdir():
+        if f.name != "tokenizer.json":
+            (tmp_path / "grown" / f.name).write_bytes(f.read_bytes())
+    write_byte_tokenizer(tmp_path / "grown")  # the base's tokenizer: no names for the added rows
+    with pytest.raises(ValueError, match="tokenizer.json, which it needs to ship"):
+        compress(base, tmp_path / "grown", tmp_path / f"y{SUFFIX}", progress=False)
+
+
+def test_scale_distillation_keeps_what_the_delta_carries(family, tmp_path):
+    """`compress --distill` rewrites the delta with tuned α's: the tokenizer and the grown vocabulary
+    stay (a rewrite without the tokenizer that names a grown vocabulary is refused)."""
+    from tests.support.cli import run_cli
+
+    root, base, _ = family
+    calib = tmp_path / "calib.txt"
+    calib.write_text(f"Call {ADDED[0]}x{ADDED[1]} now, and some text to tune on. " * 20)
+    out = tmp_path / f"g{SUFFIX}"
+    args = ["--base", str(base), "--finetuned", str(root / "grown"), "--out", str(out), "--distill"]
+    code, text = run_cli("compress", *args, "--calib", str(calib), "--steps", "3", "--seq-len", "32", "--batch", "2")
+    assert code == 0, text
+    meta = verify(out).meta
+    assert meta.distilled and meta.vocab_size == VOCAB + 2
+    assert load_delta(out).files["tokenizer.json"] == (root / "grown" / "tokenizer.json").read_bytes()
+    d = load_delta(out)
+    with pytest.raises(ValueError, match="a grown vocabulary is written with the tokenizer that names it"):
+        from bitdelta.format import save_delta
+
+        save_delta(tmp_path / f"bad{SUFFIX}", replace(d, files={}))
