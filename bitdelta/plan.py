@@ -227,6 +227,11 @@ def rank_deltas_of_file(h: DeltaHeader, s: Shape, tp: int, dtype: str = "bf16") 
     sign planes, and its slice (`TPLayout.shard_of`, with each plane's α axis from the header) of
     every tensor allocated per delta; a group with a plane of column α's holds
     [planes, its matrices, its input columns on the rank] fp32 of them."""
+    if h.meta.vocab_size and tp > 1:
+        raise ValueError(
+            f"delta {h.meta.variant!r} grew the vocabulary to {h.meta.vocab_size} tokens, which tensor-parallel "
+            "ranks do not serve (their vocabulary split is the base's): plan it on one GPU (--tp 1)"
+        )
     axes = {p: x["axes"] for p, x in h.meta.parts.items()}
     proj = {f"model.layers.{i}.{m.name}.weight": (i, m.group) for i in range(s.layers) for m in s.args.matrices()}
     planes = max([t.plane for t in h.tensors if t.param in proj] or [1])

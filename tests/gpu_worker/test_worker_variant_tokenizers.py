@@ -258,6 +258,13 @@ def test_a_grown_vocabulary_is_refused_where_it_cannot_be_served(family, tmp_pat
     tp = TPLayout(args, 2, 0)
     with pytest.raises(ArchMismatchError, match="grew the vocabulary to 261 tokens, which tensor-parallel ranks"):
         ShardedLoad(tp, SlotLayout(tp.local_args(), torch.float32), None, 1.0).plan(info)
+    from bitdelta import plan
+
+    header = read_header(deltas / f"grown{SUFFIX}")
+    with pytest.raises(ValueError, match="plan it on one GPU"):  # the planner says what the worker does
+        plan.make_plan(read_config(base), variants=1, gpu_mem=80e9, gpus=2, delta_file=header)
+    one = plan.make_plan(read_config(base), variants=1, gpu_mem=80e9, gpus=1, delta_file=header)
+    assert one.params > 0
     with pytest.raises(ValueError, match="stored dense .not --embeddings sign."):
         compress(base, root / "grown", tmp_path / f"x{SUFFIX}", embeddings="sign", progress=False)
     (tmp_path / "grown").mkdir()
