@@ -367,12 +367,17 @@ class _Generation(Response):
             usages[i] = mine[-1].usage
         if self.responses is not None:  # one choice (to_chat sends no n)
             c = choices[0]
-            return await self._send_json(send, 200, rsp.whole(self.responses, r, c.text, c.finish, usages[0]))
+            return await self._send_json(
+                send, 200, rsp.whole(self.responses, r, c.text, c.finish, usages[0], c.tool_calls)
+            )
         await self._send_json(send, 200, api.response(r, choices, api.total_usage(usages, n)))
 
     async def _stream_responses(self, send: Send, merged: _Merged) -> None:
         """A /v1/responses stream: its typed events (responses.Events), one write per router message."""
-        ev = rsp.Events(self.responses, self.req)
+        r = self.req
+        ev = rsp.Events(self.responses, r)
+        # tools: the text from where a call may begin is held, and sent as function_call items at the end
+        calls = CallStream(r.tool_format) if r.tools is not None and r.tools.parsed else None
         await _start_events(send)
         out = [ev.start()]
         try:
@@ -382,10 +387,16 @@ class _Generation(Response):
                 if msg is None:
                     raise _truncated()
                 for tok in msg.tokens:
-                    if tok.text:
-                        out.append(ev.delta(tok.text))
+                    text = tok.text if calls is None else calls.add(tok.text)
+                    if text:
+                        out.append(ev.delta(text))
                     if tok.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED or tok.HasField("usage"):
-                        out.append(ev.end(self._finish(tok), tok.usage))
+                        finish, made = self._finish(tok), ()
+                        if calls is not None:
+                            rest, made, finish = calls.finish(finish)
+                            if rest:
+                                out.append(ev.delta(rest))
+                        out.append(ev.end(finish, tok.usage, made))
                         ended = True
                         break
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})

@@ -1,16 +1,19 @@
-"""OpenAI's Responses API (`POST /v1/responses`), stateless and text-only, as vLLM serves it without
-its response store: a request becomes the chat request it means (`to_chat`: `instructions` a system
-message first, `input` the messages, `max_output_tokens`, `text.format` as response_format), runs
-as one, and is answered as a `response` object, or as its stream of typed events
-(response.created, ..., response.output_text.delta, ..., response.completed).
+"""OpenAI's Responses API (`POST /v1/responses`), stateless, text and function tools, as vLLM serves
+it without its response store: a request becomes the chat request it means (`to_chat`:
+`instructions` a system message first, `input` the messages, its function_call items an assistant
+turn's tool_calls and its function_call_output items tool turns, `tools` (function tools) and
+`tool_choice` chat's, `max_output_tokens`, `text.format` as response_format), runs as one, and is
+answered as a `response` object (an assistant message and/or function_call items), or as its
+stream of typed events (response.created, ..., response.output_text.delta, ...,
+response.function_call_arguments.delta, ..., response.completed).
 
     chat_body, info = to_chat(body)          # 400 (ApiError) naming the Responses field
-    whole(info, r, text, finish, usage)      # the response object
+    whole(info, r, text, finish, usage, calls)   # the response object
     Events(info, r)                          # the stream's events, numbered
 
-Nothing is stored: `store` is answered false, and what needs a stored response or a tool the model
-calls (`previous_response_id`, `conversation`, `background`, `tools`) is refused by name, as is any
-field this module does not know.
+Nothing is stored: `store` is answered false, and what needs a stored response or a tool this
+server does not run (`previous_response_id`, `conversation`, `background`, hosted tools such as
+web_search) is refused by name, as is any field this module does not know.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 from bitdelta.common.v1 import generation_pb2 as gen_pb
 from bitdelta.generation import MAX_LOGPROBS
 from services.gateway.protocol import ApiError, Request, invalid
+from services.gateway.tools import Call
 
 # The roles of input messages (a developer message is the system's, as OpenAI treats it)
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -33,18 +37,18 @@ MAX_METADATA = 16  # OpenAI's limit: keys of at most 64 characters, values of at
 RENAMED = {
     "max_tokens": "max_output_tokens",
     "messages": "input",
+    "function.name": "name",
     "response_format.json_schema": "text.format",
     "response_format": "text.format",
 }
 # Fields passed to the chat request as they are: OpenAI's sampling ones and vLLM's extras
 PASSED = ("model", "temperature", "top_p", "stream", "top_k", "min_p", "repetition_penalty", "seed", "priority")
-PASSED += ("cache_salt", "stop", "chat_template_kwargs")
-READ = ("instructions", "input", "max_output_tokens", "text", "metadata", "user")  # to_chat's own
-# Fields served only "off" (_check_off): no tools, no truncation, no reasoning options, ...
-OFF = ("background", "tools", "tool_choice", "truncation", "reasoning", "top_logprobs", "include")
+PASSED += ("cache_salt", "stop", "chat_template_kwargs", "parallel_tool_calls")
+READ = ("instructions", "input", "max_output_tokens", "text", "metadata", "user", "tools", "tool_choice")
+# Fields served only "off" (_check_off): no truncation, no reasoning options, ...
+OFF = ("background", "truncation", "reasoning", "top_logprobs", "include")
 # Fields that do not change the answer here
-IGNORED = ("safety_identifier", "prompt_cache_key", "service_tier", "parallel_tool_calls", "store")
-IGNORED += ("stream_options", "max_tool_calls")
+IGNORED = ("safety_identifier", "prompt_cache_key", "service_tier", "store", "stream_options", "max_tool_calls")
 # Fields refused whatever their value (but null), with why
 REFUSED = {
     "previous_response_id": "this server keeps no responses (send the whole conversation as input)",
@@ -64,6 +68,9 @@ class ResponsesInfo:
     text_format: dict
     metadata: dict[str, str] = field(default_factory=dict)
     user: str | None = None
+    tools: list = field(default_factory=list)  # as the request gave them (function tools)
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
 
 
 def _check_off(body: dict) -> None:
@@ -73,12 +80,6 @@ def _check_off(body: dict) -> None:
             raise invalid(name, f"{name} is not supported by this server: {why}", code="unsupported_parameter")
     if body.get("background"):
         raise invalid("background", "background is not supported: responses are answered while the request waits")
-    if body.get("tools"):
-        raise invalid(
-            "tools", "tools are not served by /v1/responses; use /v1/chat/completions", "unsupported_parameter"
-        )
-    if body.get("tool_choice") not in (None, "auto", "none"):
-        raise invalid("tool_choice", "tool_choice needs tools, which /v1/responses does not serve")
     if body.get("truncation") not in (None, "disabled"):
         raise invalid("truncation", "truncation must be 'disabled': a prompt past the context is refused, not cut")
     reasoning = body.get("reasoning")
@@ -90,6 +91,19 @@ def _check_off(body: dict) -> None:
         raise invalid("include", "include: no extra output items are served")
 
 
+def _string(item: dict, key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise invalid("input", f"{where}.{key} must be a non-empty string")
+    return value
+
+
+def _call_item(item: dict, where: str) -> dict:
+    """A function_call input item (a call the model made) as a chat tool call."""
+    name, call_id, arguments = (_string(item, k, where) for k in ("name", "call_id", "arguments"))
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 def _messages(body: dict) -> list[dict]:
     inp = body.get("input")
     if isinstance(inp, str):
@@ -98,9 +112,26 @@ def _messages(body: dict) -> list[dict]:
         out = []
         for i, item in enumerate(inp):
             where = f"input[{i}]"
-            if not isinstance(item, dict) or item.get("type", "message") != "message":
-                kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-                raise invalid("input", f"{where}: items of type {str(kind)[:40]!r} are not served (messages only)")
+            kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+            if kind == "function_call":  # the calls of one turn: one assistant message's tool_calls
+                last = out[-1] if out else None
+                if last is not None and last["role"] == "assistant" and "tool_call_id" not in last:
+                    last.setdefault("tool_calls", []).append(_call_item(item, where))
+                else:
+                    out.append({"role": "assistant", "content": None, "tool_calls": [_call_item(item, where)]})
+                continue
+            if kind == "function_call_output":  # a call's result: a tool turn
+                output = item.get("output")
+                if not isinstance(output, str):
+                    raise invalid("input", f"{where}.output must be a string (the call's result)")
+                out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": output})
+                continue
+            if kind != "message":
+                raise invalid(
+                    "input",
+                    f"{where}: items of type {str(kind)[:40]!r} are not served (messages, function_call and "
+                    "function_call_output)",
+                )
             role = ROLES.get(item.get("role"))
             if role is None:
                 raise invalid("input", f"{where}.role must be one of {', '.join(ROLES)}")
@@ -144,6 +175,39 @@ def _format(body: dict) -> tuple[dict, dict | None]:
     raise invalid("text", "text.format must be {type: text}, {type: json_object} or {type: json_schema, name, schema}")
 
 
+def _tools(body: dict) -> tuple[list, Any]:
+    """The chat request's tools and tool_choice from the Responses API's (function tools, flat:
+    {type: function, name, description, parameters, strict}); hosted tools are refused by name."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None:
+        tools = []
+    if not isinstance(tools, list):
+        raise invalid("tools", "tools must be a list of function tools")
+    chat = []
+    for i, t in enumerate(tools):
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind != "function":
+            raise invalid(
+                "tools",
+                f"tools[{i}]: tools of type {str(kind)[:40]!r} are not served (function tools only: this server "
+                "runs no hosted tool)",
+                "unsupported_parameter",
+            )
+        unknown = sorted(set(t) - {"type", "name", "description", "parameters", "strict"})
+        if unknown:
+            raise invalid("tools", f"tools[{i}]: {unknown[0][:40]!r} is not a field of a function tool")
+        chat.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or set(choice) != {"type", "name"}:
+            raise invalid(
+                "tool_choice",
+                "tool_choice must be auto, none, required or {type: function, name}",
+                "unsupported_parameter",
+            )
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    return chat, choice
+
+
 def _metadata(body: dict) -> dict[str, str]:
     md = body.get("metadata")
     if md is None:
@@ -178,6 +242,11 @@ def to_chat(body: Any) -> tuple[dict, ResponsesInfo]:
     echoed, response_format = _format(body)
     if response_format is not None:
         chat["response_format"] = response_format
+    tools, choice = _tools(body)
+    if tools:
+        chat["tools"] = tools
+    if choice is not None:
+        chat["tool_choice"] = choice  # chat's parser checks it (a choice without tools, a name it lacks)
     user = body.get("user")
     info = ResponsesInfo(
         id="resp_" + uuid.uuid4().hex,
@@ -187,6 +256,9 @@ def to_chat(body: Any) -> tuple[dict, ResponsesInfo]:
         text_format=echoed,
         metadata=_metadata(body),
         user=user if isinstance(user, str) else None,
+        tools=list(body.get("tools") or []),
+        tool_choice=body.get("tool_choice") if body.get("tool_choice") is not None else "auto",
+        parallel_tool_calls=body.get("parallel_tool_calls") is not False,
     )
     return chat, info
 
@@ -219,6 +291,13 @@ def _message(item_id: str, text: str | None, status: str) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
+def _function_call(c: Call, arguments: str | None = None, status: str = "completed") -> dict:
+    """A call the model made as the Responses API's output item (its call_id: the chat call's id)."""
+    args = c.arguments if arguments is None else arguments
+    item = "fc_" + c.id.removeprefix("call_")
+    return {"type": "function_call", "id": item, "call_id": c.id, "name": c.name, "arguments": args, "status": status}
+
+
 def response(
     info: ResponsesInfo,
     r: Request,
@@ -244,14 +323,14 @@ def response(
         "max_output_tokens": info.max_output_tokens,
         "model": r.model,
         "output": output,
-        "parallel_tool_calls": True,
+        "parallel_tool_calls": info.parallel_tool_calls,
         "previous_response_id": None,
         "reasoning": None,
         "store": False,
         "temperature": s.temperature,
         "text": {"format": info.text_format},
-        "tool_choice": "auto",
-        "tools": [],
+        "tool_choice": info.tool_choice,
+        "tools": info.tools,
         "top_p": s.top_p,
         "truncation": "disabled",
         "usage": _usage(usage),
@@ -260,21 +339,28 @@ def response(
     }
 
 
-def whole(info: ResponsesInfo, r: Request, text: str, finish: str, usage: gen_pb.Usage) -> dict:
-    """The whole answer: one assistant message of one output_text part."""
+def whole(
+    info: ResponsesInfo, r: Request, text: str | None, finish: str, usage: gen_pb.Usage, calls: tuple[Call, ...] = ()
+) -> dict:
+    """The whole answer: an assistant message of one output_text part (unless the model only called
+    tools), then a function_call item per call."""
     status = "incomplete" if finish == "length" else "completed"
-    return response(info, r, status, [_message("msg_" + uuid.uuid4().hex, text, status)], finish, usage)
+    output = [] if text is None and calls else [_message("msg_" + uuid.uuid4().hex, text or "", status)]
+    output += [_function_call(c) for c in calls]
+    return response(info, r, status, output, finish, usage)
 
 
 class Events:
-    """The stream's events in order, each with its sequence_number: `start()` (created, in_progress,
-    the message and its text part added), `delta(text)` per piece, `end(finish, usage)` (the text
-    done, the part and the message done, then completed or incomplete), or `error(e)`."""
+    """The stream's events in order, each with its sequence_number: `start()` (created, in_progress),
+    `delta(text)` per piece (the message and its text part added before the first), `end(finish,
+    usage, calls)` (the text, the part and the message done, then each function_call item added,
+    its arguments, done, then completed or incomplete), or `error(e)`."""
 
     def __init__(self, info: ResponsesInfo, r: Request):
         self.info, self.r, self.n = info, r, 0
         self.item = "msg_" + uuid.uuid4().hex
         self.text: list[str] = []
+        self.started = False  # the message item is out (its first text came)
 
     def _event(self, kind: str, **fields) -> bytes:
         obj = {"type": kind, "sequence_number": self.n, **fields}
@@ -283,11 +369,18 @@ class Events:
         return f"event: {kind}\ndata: {data}\n\n".encode()
 
     def start(self) -> bytes:
-        at = {"output_index": 0, "item_id": self.item, "content_index": 0}
         return b"".join(
             (
                 self._event("response.created", response=response(self.info, self.r, "in_progress", [])),
                 self._event("response.in_progress", response=response(self.info, self.r, "in_progress", [])),
+            )
+        )
+
+    def _message_start(self) -> bytes:
+        self.started = True
+        at = {"output_index": 0, "item_id": self.item, "content_index": 0}
+        return b"".join(
+            (
                 self._event(
                     "response.output_item.added", output_index=0, item=_message(self.item, None, "in_progress")
                 ),
@@ -300,25 +393,47 @@ class Events:
         )
 
     def delta(self, text: str) -> bytes:
+        head = b"" if self.started else self._message_start()
         self.text.append(text)
-        return self._event(
+        return head + self._event(
             "response.output_text.delta", output_index=0, item_id=self.item, content_index=0, delta=text, logprobs=[]
         )
 
-    def end(self, finish: str, usage: gen_pb.Usage) -> bytes:
+    def end(self, finish: str, usage: gen_pb.Usage, calls: tuple[Call, ...] = ()) -> bytes:
         text = "".join(self.text)
         status = "incomplete" if finish == "length" else "completed"
-        at = {"output_index": 0, "item_id": self.item, "content_index": 0}
-        message = _message(self.item, text, status)
-        done = response(self.info, self.r, status, [message], finish, usage)
-        return b"".join(
-            (
+        out, output = [], []
+        if self.started or not calls:  # an answer of calls alone has no message
+            if not self.started:
+                out.append(self._message_start())
+            at = {"output_index": 0, "item_id": self.item, "content_index": 0}
+            message = _message(self.item, text, status)
+            output.append(message)
+            out += [
                 self._event("response.output_text.done", **at, text=text, logprobs=[]),
                 self._event("response.content_part.done", **at, part=message["content"][0]),
                 self._event("response.output_item.done", output_index=0, item=message),
-                self._event("response.completed" if status == "completed" else "response.incomplete", response=done),
-            )
-        )
+            ]
+        for c in calls:  # each call whole: its arguments in one delta
+            k, item = len(output), _function_call(c)
+            out += [
+                self._event("response.output_item.added", output_index=k, item=_function_call(c, "", "in_progress")),
+                self._event(
+                    "response.function_call_arguments.delta", output_index=k, item_id=item["id"], delta=c.arguments
+                ),
+                self._event(
+                    "response.function_call_arguments.done",
+                    output_index=k,
+                    item_id=item["id"],
+                    name=c.name,
+                    arguments=c.arguments,
+                ),
+                self._event("response.output_item.done", output_index=k, item=item),
+            ]
+            output.append(item)
+        done = response(self.info, self.r, status, output, finish, usage)
+        out.append(self._event("response.completed" if status == "completed" else "response.incomplete", response=done))
+        return b"".join(out)
 
     def error(self, e: ApiError) -> bytes:
         return self._event("error", code=e.code, message=e.body()["error"]["message"], param=e.param)

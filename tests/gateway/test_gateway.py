@@ -303,16 +303,20 @@ async def test_responses_run_as_the_chat_they_mean(clients):
 
 
 async def test_responses_refuse_what_they_do_not_serve(clients):
-    """A field that needs a stored response, a tool or a non-text item is 400 naming it; a chat
-    parser's error names the Responses field (max_output_tokens, not max_tokens)."""
+    """A field that needs a stored response, a hosted tool or a non-text item is 400 naming it; a
+    chat parser's error names the Responses field (max_output_tokens, not max_tokens)."""
     client, _, _ = clients
     kw = dict(model="v0", input="Hi", max_output_tokens=N)
     for extra, param, words in (
         ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
-        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", "/v1/chat/completions"),
+        ({"tools": [{"type": "web_search"}]}, "tools", "function tools only"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {}, "x": 1}]}, "tools", "not a field"),
+        ({"tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice", "tool_choice must be"),
+        ({"tools": [{"type": "function", "name": "f b"}]}, "tools", "tools[0].name must be"),
         ({"background": True}, "background", "background"),
         ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input", "messages only"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input", "function_call_output"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input", "arguments"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "text parts"),
         ({"text": {"format": {"type": "xml"}}}, "text", "json_schema"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 3}}}, "text.format.schema", "JSON object"),

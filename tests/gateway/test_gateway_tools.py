@@ -360,3 +360,156 @@ async def test_malformed_tools_are_400_naming_the_field(client, kw, param, words
         await client.chat.completions.create(model="v0", **{"messages": ASK, "max_tokens": 8, **kw})
     body = e.value.body
     assert body["param"] == param and words in body["message"], body
+
+
+# The Responses API's function tools: flat ({type, name, description, parameters}), the calls output
+# items of their own, a conversation's calls and results input items of their own
+FLAT = [{"type": "function", **t["function"]} for t in TOOLS]
+HISTORY_ITEMS = [
+    {"role": "user", "content": "Weather in Lima?"},
+    {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Lima", "days": 2}'},
+    {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 24 C"},
+    {"role": "user", "content": "And 1 + 2?"},
+]
+
+
+async def respond(client, model: str, stream: bool, **kw):
+    """(text, [(name, arguments, call_id)], status) of a /v1/responses answer, whole or from its
+    streamed events (each call from its output_item.done, checked against its arguments' events)."""
+    model = client.base if model == "base" else model
+    if not stream:
+        r = await client.responses.create(model=model, **kw)
+        calls = [(o.name, o.arguments, o.call_id) for o in r.output if o.type == "function_call"]
+        return r.output_text or None, calls, r.status
+    text, calls, args, status = "", [], {}, None
+    kinds = []
+    async for e in await client.responses.create(model=model, stream=True, **kw):
+        kinds.append(e.type)
+        if e.type == "response.output_text.delta":
+            text += e.delta
+        elif e.type == "response.function_call_arguments.delta":
+            args[e.item_id] = args.get(e.item_id, "") + e.delta
+        elif e.type == "response.function_call_arguments.done":
+            assert args[e.item_id] == e.arguments
+        elif e.type == "response.output_item.done" and e.item.type == "function_call":
+            assert args[e.item.id] == e.item.arguments
+            calls.append((e.item.name, e.item.arguments, e.item.call_id))
+        elif e.type in ("response.completed", "response.incomplete"):
+            status = e.response.status
+            assert [(o.name, o.arguments, o.call_id) for o in e.response.output if o.type == "function_call"] == calls
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    return text or None, calls, status
+
+
+async def test_responses_serve_function_tools_as_chat_does(client):
+    """required and a named function through /v1/responses (flat tools, {type: function, name}):
+    function_call items whose arguments validate, whole and streamed; greedy, each the same call the
+    chat API makes for the same request."""
+    for model in ("v0", "v1"):
+        for choice, chat_choice in (
+            ("required", "required"),
+            ({"type": "function", "name": "add"}, {"type": "function", "function": {"name": "add"}}),
+        ):
+            kw = {"tools": FLAT, "tool_choice": choice, "max_output_tokens": MAX, "temperature": 0.0}
+            whole, streamed = await asyncio.gather(
+                respond(client, model, False, input=ASK, parallel_tool_calls=False, **kw),
+                respond(client, model, True, input=ASK, parallel_tool_calls=False, **kw),
+            )
+            _, want, _ = await chat(
+                client,
+                model,
+                False,
+                messages=ASK,
+                tools=TOOLS,
+                tool_choice=chat_choice,
+                max_tokens=MAX,
+                temperature=0.0,
+                parallel_tool_calls=False,
+            )
+            for text, calls, status in (whole, streamed):
+                assert status == "completed" and text is None and len(calls) == 1, (model, choice, text, calls)
+                assert calls[0][:2] == want[0] and calls[0][2].startswith("call_")
+                assert_valid_call(*calls[0][:2], names=("add",) if isinstance(choice, dict) else ("get_weather", "add"))
+
+
+async def test_responses_give_content_then_a_call_as_two_items():
+    """What the model wrote before its call is a message item, the call a function_call item of its
+    own: whole, and streamed (the text's events, then the call's, then completed), numbered."""
+    from bitdelta.common.v1 import generation_pb2 as gen_pb
+    from services.gateway import responses as rsp
+    from services.gateway.protocol import parse_chat
+    from services.gateway.tools import Call
+
+    body, info = rsp.to_chat({"model": "v0", "input": ASK, "tools": FLAT})
+    r = parse_chat(body)
+    call = Call("call_7", "get_weather", '{"city": "Lima", "days": 2}')
+    usage = gen_pb.Usage(prompt_tokens=5, completion_tokens=9)
+    out = rsp.whole(info, r, "Let me check. ", "tool_calls", usage, (call,))
+    assert [o["type"] for o in out["output"]] == ["message", "function_call"] and out["status"] == "completed"
+    assert out["output"][0]["content"][0]["text"] == "Let me check. "
+    assert {k: out["output"][1][k] for k in ("call_id", "name", "arguments")} == {
+        "call_id": "call_7",
+        "name": "get_weather",
+        "arguments": call.arguments,
+    }
+    assert out["tools"] == FLAT and rsp.whole(info, r, None, "tool_calls", usage, (call,))["output"][0]["type"] == (
+        "function_call"
+    )
+    ev = rsp.Events(info, r)
+    raw = ev.start() + ev.delta("Let me check. ") + ev.end("tool_calls", usage, (call,))
+    events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[8]["output_index"] == 1 and events[9]["delta"] == call.arguments
+    assert events[-1]["response"]["output"][1]["call_id"] == "call_7"
+    only = rsp.Events(info, r)  # calls alone: no message item
+    raw = only.start() + only.end("tool_calls", usage, (call,))
+    kinds = [json.loads(line[6:])["type"] for line in raw.decode().splitlines() if line.startswith("data: ")]
+    assert "response.content_part.added" not in kinds and kinds[2] == "response.output_item.added"
+
+
+async def test_a_conversation_s_calls_and_results_are_input_items(client, cluster):
+    """function_call and function_call_output input items become the assistant turn's tool_calls and
+    the tool turn chat sends: the same greedy answer as chat's on HISTORY, for both templates."""
+    for model in ("v0", "v1"):
+        _, calls, _ = await respond(
+            client,
+            model,
+            False,
+            input=HISTORY_ITEMS,
+            tools=FLAT,
+            tool_choice="required",
+            max_output_tokens=MAX,
+            temperature=0.0,
+            parallel_tool_calls=False,
+        )
+        _, want, _ = await chat(
+            client,
+            model,
+            False,
+            messages=HISTORY,
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=MAX,
+            temperature=0.0,
+            parallel_tool_calls=False,
+        )
+        assert [c[:2] for c in calls] == want and want
+    # no tools now: text, the same as chat's for the same conversation
+    text, calls, _ = await respond(client, "v0", False, input=HISTORY_ITEMS, max_output_tokens=8, temperature=0.0)
+    want, _, _ = await chat(client, "v0", False, messages=HISTORY, max_tokens=8, temperature=0.0)
+    assert (text, calls) == (want, [])
