@@ -525,8 +525,9 @@ class Matrix:
     """One compressed matrix of a layer as the checkpoint stores it.
 
     name: module path inside the layer ("self_attn.qkv_proj"); group: the worker's projection
-    group it belongs to ("qkv", "o", "gate_up", "down": projections that read the same input);
-    bias: the base has a bias vector for it."""
+    group it belongs to ("qkv", "o", "gate_up", "down": projections that read the same input; a
+    sparse layer's "router" and each expert e's "gate_up.e", "down.e"); bias: the base has a bias
+    vector for it."""
 
     name: str
     group: str
@@ -617,7 +618,8 @@ class ModelArgs:
 
     # -- layout ---------------------------------------------------------------------------------
     def matrices(self) -> tuple[Matrix, ...]:
-        """The compressed matrices of one layer, in the checkpoint's own layout, grouped in GROUP_ORDER."""
+        """The compressed matrices of one layer, in the checkpoint's own layout, grouped in GROUP_ORDER
+        (a sparse layer's router and experts in place of gate_up and down: `expert_matrices`)."""
         d, f, hd = self.dim, self.intermediate_size, self.head_dim
         q, kv = self.n_heads * hd, self.n_kv_heads * hd
         if self.family.fused:
