@@ -132,10 +132,11 @@ def test_a_fine_tunes_own_eos_is_recorded_and_applied(family, tmp_path):
 TRUNCATION = {"direction": "Right", "max_length": 64, "strategy": "LongestFirst", "stride": 0}
 
 
-def test_a_fine_tune_that_tokenizes_otherwise_is_refused(family, tmp_path):
-    """Every variant is served with the base's tokenizer: a fine-tune whose tokenizer.json reads or
-    writes text otherwise (here a special token renamed) is refused, naming the token; the same
-    tokenizer written out anew (other formatting, a truncation setting) is not."""
+def test_a_fine_tune_that_tokenizes_otherwise_carries_its_tokenizer(family, tmp_path):
+    """A fine-tune whose tokenizer.json reads or writes text otherwise (a special token renamed, a
+    normalizer) has it carried in its delta (the worker serves the variant with it); the same
+    tokenizer written out anew (other formatting, a truncation setting) is not carried; a file the
+    `tokenizers` library cannot read is refused."""
     import json
     import shutil
 
@@ -144,19 +145,16 @@ def test_a_fine_tune_that_tokenizes_otherwise_is_refused(family, tmp_path):
     shutil.copytree(v0, ft)
     tok = json.loads((base / "tokenizer.json").read_text())
     (ft / "tokenizer.json").write_text(json.dumps({**tok, "truncation": TRUNCATION}, indent=4))
-    compress(base, ft, tmp_path / "ok.safetensors", progress=False)
+    assert load_delta(compress(base, ft, tmp_path / "ok.safetensors", progress=False)).files == {}
     renamed = [{**t, "content": "<|reserved|>"} if t["id"] == 257 else t for t in tok["added_tokens"]]
-    (ft / "tokenizer.json").write_text(json.dumps({**tok, "added_tokens": renamed}))
-    with pytest.raises(ValueError, match=r"token 257 is '<\|reserved\|>' there, '<\|im_start\|>' in the base"):
-        compress(base, ft, tmp_path / "bad.safetensors", progress=False)
-    assert not (tmp_path / "bad.safetensors").exists()
-    # the same vocabulary, but its text read otherwise: a lowercasing normalizer
-    (ft / "tokenizer.json").write_text(json.dumps({**tok, "normalizer": {"type": "Lowercase"}}))
-    with pytest.raises(ValueError, match="a text becomes other tokens"):
-        compress(base, ft, tmp_path / "bad.safetensors", progress=False)
+    for other in ({**tok, "added_tokens": renamed}, {**tok, "normalizer": {"type": "Lowercase"}}):
+        (ft / "tokenizer.json").write_text(json.dumps(other))
+        d = load_delta(compress(base, ft, tmp_path / "own.safetensors", progress=False))
+        assert d.files == {"tokenizer.json": (ft / "tokenizer.json").read_bytes()} and d.meta.tokenizer_sha256
     (ft / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match="is not a tokenizer the `tokenizers` library reads"):
         compress(base, ft, tmp_path / "bad.safetensors", progress=False)
+    assert not (tmp_path / "bad.safetensors").exists()
 
 
 def test_a_fine_tunes_own_chat_template_and_sampling_defaults_ride_in_its_delta(family, tmp_path):
