@@ -8,6 +8,8 @@ Face parameter names, so HF checkpoints and delta files map onto it without a re
       model.layers[i].self_attn.{q,k}_norm                 (Qwen3, Gemma 3: per head; OLMo 2: whole)
       model.layers[i].mlp.{gate,up}_proj | gate_up_proj
       model.layers[i].mlp.down_proj
+      model.layers[i].{block_sparse_moe | mlp}.gate                 (a mixture of experts: the router,
+      model.layers[i].{block_sparse_moe | mlp}.experts[e].{w1,w3,w2 | gate_proj,up_proj,down_proj}   each expert)
       model.layers[i].{input,post_attention}_layernorm
       model.layers[i].{pre,post}_feedforward_layernorm      (Gemma 2/3's sandwich norms; OLMo 2: post_*
                                                             only, no input_layernorm)
@@ -16,10 +18,10 @@ Face parameter names, so HF checkpoints and delta files map onto it without a re
 
 The switches (fused projections, biases, q/k norms, rope variant, sliding window, Gemma's
 norms, embedding scale, activation, attention scale and soft-caps, Granite's multipliers, OLMo 2's
-post-norms) come from `ModelArgs` (bitdelta.arch), the one description of a family. A variant
+post-norms, a sparse layer's experts and routing) come from `ModelArgs` (bitdelta.arch), the one description of a family. A variant
 is the base model with its projections swapped for `BitDeltaLinear` (packed signs and α as
 buffers, the base weight and bias shared) and its changed dense parameters (norms, biases,
-embeddings) replaced: `attach_delta`.
+embeddings) replaced: `attach_delta` (a grown vocabulary's embedding and head too, with their rows).
 """
 
 from __future__ import annotations
@@ -278,8 +280,9 @@ class Expert(nn.Module):
 
 
 def route(args: ModelArgs, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [N, n_experts] -> (fp32 weights, experts) [N, experts_per_token] of each token:
-    the softmax in fp32, its top k, renormalised over them where the family does."""
+    """Router logits [N, n_experts] -> (weights, experts) [N, experts_per_token] of each token: the
+    softmax in fp32, its top k, renormalised over them where the family does; the weights fp32, or
+    rounded to the logits' dtype for Qwen3-MoE (as transformers does)."""
     probs = torch.softmax(logits.float(), dim=-1)
     weights, experts = torch.topk(probs, args.experts_per_token, dim=-1)
     if args.norm_topk:
