@@ -41,6 +41,7 @@ SUPPORTED = (
     "olmo2",
     "mixtral",
     "qwen3_moe",
+    "olmoe",
 )
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -68,11 +69,14 @@ class Family:
     # input norm), every norm rounds once (w · x in fp32, as Gemma's), and the q and k norms span the
     # whole projection (every head together) instead of one head
     post_norm: bool = False
+    # OLMo 2, OLMoE: the q and k norms span the whole projection (every head together), not one head
+    qk_whole: bool = False
     # Mixture of experts (Mixtral, Qwen3-MoE): the module path of each layer's sparse block in place of
     # a dense MLP ("block_sparse_moe", "mlp"); its router is `<moe>.gate`, expert e's projections
     # `<moe>.experts.<e>.<gate, up, down names>`
     moe: str | None = None
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    moe_round: bool = False  # the top-k routing weights rounded to the model's dtype (Qwen3-MoE's, OLMoE's)
 
 
 # The mixture-of-experts fields both MoE families read (either spelling of the expert count)
@@ -155,7 +159,7 @@ FAMILIES: dict[str, Family] = {
             }
         ),
     ),
-    "olmo2": Family("olmo2", False, True, False, frozenset({"attention_bias"}), post_norm=True),
+    "olmo2": Family("olmo2", False, True, False, frozenset({"attention_bias"}), post_norm=True, qk_whole=True),
     # Mixtral: Mistral's attention, a sparse block of SiLU-gated experts w1 (gate), w3 (up), w2 (down);
     # the top-k routing weights always renormalised
     "mixtral": Family(
@@ -187,6 +191,19 @@ FAMILIES: dict[str, Family] = {
             "mlp_only_layers",
         },
         moe="mlp",
+        moe_round=True,
+    ),
+    # OLMoE (AI2): Llama's pre-norm layer, q and k normed over their whole projections, 64 experts, 8 per
+    # token, not renormalised by default (clip_qkv is not implemented: refused when set)
+    "olmoe": Family(
+        "olmoe",
+        False,
+        True,
+        False,
+        _MOE_FIELDS | {"attention_bias", "norm_topk_prob"},
+        qk_whole=True,
+        moe="mlp",
+        moe_round=True,
     ),
 }
 # What transformers' config class of each family sets where a config.json leaves a field out (the
@@ -301,6 +318,19 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "num_experts_per_tok": 8,
         "norm_topk_prob": False,
         "decoder_sparse_step": 1,
+    },
+    "olmoe": {
+        **_LLAMA_LIKE,
+        "vocab_size": 50304,
+        "hidden_size": 2048,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
     },
 }
 # The rope's θ where a config names none, where transformers' class of the family has its own
@@ -659,15 +689,17 @@ class ModelArgs:
 
     def layer_norms(self) -> tuple[tuple[str, int], ...]:
         """(module path inside a layer, size) of each RMSNorm of a layer."""
-        if self.family.post_norm:  # OLMo 2: no input norm; q and k normed whole
+        if self.family.post_norm:  # OLMo 2: no input norm
             out = [("post_attention_layernorm", self.dim), ("post_feedforward_layernorm", self.dim)]
-            hd = self.head_dim
-            return (*out, ("self_attn.q_norm", self.n_heads * hd), ("self_attn.k_norm", self.n_kv_heads * hd))
-        out = [("input_layernorm", self.dim), ("post_attention_layernorm", self.dim)]
+        else:
+            out = [("input_layernorm", self.dim), ("post_attention_layernorm", self.dim)]
         if self.family.sandwich:
             out += [("pre_feedforward_layernorm", self.dim), ("post_feedforward_layernorm", self.dim)]
-        if self.family.qk_norm:
-            out += [("self_attn.q_norm", self.head_dim), ("self_attn.k_norm", self.head_dim)]
+        hd = self.head_dim
+        if self.family.qk_whole:  # OLMo 2, OLMoE: q and k normed whole
+            out += [("self_attn.q_norm", self.n_heads * hd), ("self_attn.k_norm", self.n_kv_heads * hd)]
+        elif self.family.qk_norm:
+            out += [("self_attn.q_norm", hd), ("self_attn.k_norm", hd)]
         return tuple(out)
 
     def group_shapes(self) -> dict[str, tuple[int, int]]:
@@ -774,7 +806,7 @@ def _rope_to_hf(rope: Rope, head_dim: int) -> dict:
 def _unsupported_type(model_type) -> str:
     hint = ""
     if isinstance(model_type, str) and ("moe" in model_type or model_type in ("dbrx", "deepseek_v2", "deepseek_v3")):
-        hint = " (of the mixture-of-experts families, this build serves mixtral and qwen3_moe)"
+        hint = " (of the mixture-of-experts families, this build serves mixtral, qwen3_moe and olmoe)"
     elif isinstance(model_type, str) and model_type.startswith(("llava", "idefics", "qwen2_vl", "mllama", "paligemma")):
         hint = " (multimodal models are not supported, but for Gemma 3's text model)"
     return f"model_type {model_type!r} is not supported{hint}; this build serves {', '.join(SUPPORTED)}"
@@ -895,7 +927,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
     )
 
 
-_DEFAULT_EXPERTS = {"mixtral": 8, "qwen3_moe": 128}
+_DEFAULT_EXPERTS = {"mixtral": 8, "qwen3_moe": 128, "olmoe": 64}
 
 
 def _experts(cfg: dict, fam: Family) -> tuple[int, int, int]:

@@ -225,11 +225,11 @@ class Attention(nn.Module):
             q, k, v = self.qkv_proj(x).split([a.n_heads * a.head_dim, kv, kv], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if a.family.post_norm:  # OLMo 2: q and k normed whole, before the heads are split
+        if a.family.qk_whole:  # OLMo 2, OLMoE: q and k normed whole, before the heads are split
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(B, T, a.n_heads, a.head_dim)
         k = k.reshape(B, T, a.n_kv_heads, a.head_dim)
-        if a.family.qk_norm and not a.family.post_norm:
+        if a.family.qk_norm and not a.family.qk_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
@@ -282,12 +282,12 @@ class Expert(nn.Module):
 def route(args: ModelArgs, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [N, n_experts] -> (weights, experts) [N, experts_per_token] of each token: the
     softmax in fp32, its top k, renormalised over them where the family does; the weights fp32, or
-    rounded to the logits' dtype for Qwen3-MoE (as transformers does)."""
+    rounded to the logits' dtype for Qwen3-MoE and OLMoE (as transformers does)."""
     probs = torch.softmax(logits.float(), dim=-1)
     weights, experts = torch.topk(probs, args.experts_per_token, dim=-1)
     if args.norm_topk:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    if args.model_type == "qwen3_moe":  # transformers' Qwen3-MoE rounds them to the model's dtype
+    if args.family.moe_round:  # transformers' Qwen3-MoE and OLMoE round them to the model's dtype
         weights = weights.to(logits.dtype)
     return weights, experts
 

@@ -130,7 +130,7 @@ class TPLayout:
         if n < 1 or not 0 <= self.rank < n:
             raise ShardError(f"rank {self.rank} of {n}: the tensor-parallel size must be ≥ 1 and 0 ≤ rank < size")
         kv, group = a.n_kv_heads, a.n_heads // a.n_kv_heads
-        if n > 1 and a.family.post_norm:
+        if n > 1 and a.family.qk_whole:
             raise ShardError(
                 f"{a.model_type}'s q and k norms span every head: a rank would need the others' heads "
                 f"(tensor parallelism serves the other families)"

@@ -1056,7 +1056,7 @@ class ModelRunner:
             embed_multiplier=a.embed_multiplier,
             residual_multiplier=a.residual_multiplier,
             norm_once=a.family.post_norm,
-            qk_full=a.family.post_norm,
+            qk_full=a.family.qk_whole,
             rotary=a.rope.dim,
         )
         return DecodeLayers(
@@ -1090,7 +1090,7 @@ class ModelRunner:
             h = x if a.family.post_norm else self._norm(x, norms["input_layernorm"], m, a.norm_eps)
             qkv = self._linear(h, i, "qkv", m)
             v = qkv[:, (H + KV) * hd :].view(N, KV, hd)
-            if a.family.post_norm:  # OLMo 2: q and k normed whole, then split into heads
+            if a.family.qk_whole:  # OLMo 2, OLMoE: q and k normed whole, then split into heads
                 q = self._norm(qkv[:, : H * hd], norms["self_attn.q_norm"], m, a.norm_eps).view(N, H, hd)
                 k = self._norm(qkv[:, H * hd : (H + KV) * hd], norms["self_attn.k_norm"], m, a.norm_eps).view(N, KV, hd)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -141,6 +141,7 @@ def test_fields_that_would_change_the_model_are_refused(bases):
         ("olmo2", "Olmo2Config"),
         ("mixtral", "MixtralConfig"),
         ("qwen3_moe", "Qwen3MoeConfig"),
+        ("olmoe", "OlmoeConfig"),
     ],
 )
 def test_a_field_left_out_means_what_it_means_to_transformers(model_type, config_class):

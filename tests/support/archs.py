@@ -121,6 +121,8 @@ def hf_config(name: str):
         return tf.Qwen3MoeConfig(
             **COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=False
         )
+    if name == "olmoe":  # OLMo's whole-projection q/k norms before the heads, 4 experts, 2 per token
+        return tf.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2)
     if name == "gemma3-mm":  # Gemma 3 as its multimodal checkpoints ship (Gemma3ForConditionalGeneration)
         text = hf_config("gemma3").to_dict()
         vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28)
@@ -145,6 +147,7 @@ FAMILY_MEMBERS = (
     "olmo2",
     "mixtral",
     "qwen3-moe",
+    "olmoe",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa")
 
