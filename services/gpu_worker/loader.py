@@ -148,8 +148,8 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
         raise DeltaFormatError(f"delta {info.name!r}: a vocabulary of {info.vocab_size}, less than the base's")
     if info.eos_token_ids and max(info.eos_token_ids) >= vocab:
         raise DeltaFormatError(
-            f"delta {info.name!r}: its eos_token_ids hold {max(info.eos_token_ids)}, not below its "
-            f"vocabulary size {vocab}"
+            f"delta {info.name!r}: its eos_token_ids hold {max(info.eos_token_ids)}, not below "
+            f"{'its own' if info.vocab_size else 'the base' + chr(39) + 's'} vocabulary size {vocab}"
         )
     out: list[Placement] = []
     parts: dict[str, list[tuple[str, int, TensorSpec]]] = {}  # compressed param -> (role, plane, tensor)
