@@ -71,7 +71,7 @@ class Family:
     post_norm: bool = False
     # OLMo 2, OLMoE: the q and k norms span the whole projection (every head together), not one head
     qk_whole: bool = False
-    # Mixture of experts (Mixtral, Qwen3-MoE): the module path of each layer's sparse block in place of
+    # Mixture of experts (Mixtral, Qwen3-MoE, OLMoE): the module path of each layer's sparse block in place of
     # a dense MLP ("block_sparse_moe", "mlp"); its router is `<moe>.gate`, expert e's projections
     # `<moe>.experts.<e>.<gate, up, down names>`
     moe: str | None = None
@@ -79,7 +79,7 @@ class Family:
     moe_round: bool = False  # the top-k routing weights rounded to the model's dtype (Qwen3-MoE's, OLMoE's)
 
 
-# The mixture-of-experts fields both MoE families read (either spelling of the expert count)
+# The mixture-of-experts fields every MoE family reads (either spelling of the expert count)
 _MOE_FIELDS = frozenset({"num_local_experts", "num_experts", "num_experts_per_tok"})
 
 FAMILIES: dict[str, Family] = {

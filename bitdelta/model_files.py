@@ -195,7 +195,7 @@ def own_tokenizer(base: Path, finetuned: Path, vocab_size: int) -> bytes | None:
     with its added tokens (text and whether special), then the tokens of PROBE and every added
     token's text, with and without the special tokens the tokenizer adds, and the text back. Without
     both files: None. ValueError for a file the `tokenizers` library cannot read, and for one with a
-    token the model has no row for (a resized vocabulary: not served)."""
+    token the fine-tune's model (of `vocab_size` rows, a grown vocabulary's own) has no row for."""
     from tokenizers import Tokenizer
 
     fb, ff = base / "tokenizer.json", finetuned / "tokenizer.json"
@@ -211,8 +211,8 @@ def own_tokenizer(base: Path, finetuned: Path, vocab_size: int) -> bytes | None:
     top = max(tf.get_vocab(with_added_tokens=True).values(), default=-1)
     if top >= vocab_size:
         raise ValueError(
-            f"{ff} has token {top}, but the model's vocabulary has {vocab_size} rows: a fine-tune that resized "
-            "the vocabulary (added tokens beyond the base's embedding rows) is not served"
+            f"{ff} has token {top}, but the model's vocabulary has {vocab_size} rows: a token without an "
+            "embedding row (a fine-tune that adds tokens resizes its embedding and LM head with them)"
         )
     return ff.read_bytes()
 

@@ -132,6 +132,16 @@ async def _start_events(send: Send) -> None:
     )
 
 
+def tokenizer_not_served(model: str, param: str) -> ApiError:
+    """400 for what needs a variant's own tokenizer here (its delta's, which only the workers hold)."""
+    return api.invalid(
+        param,
+        f"model {model!r} reads text with its own tokenizer (its fine-tune's, carried in its delta), which only "
+        "the workers hold: the gateway tokenizes and writes token ids with the base's only",
+        code="tokenizer_not_served",
+    )
+
+
 def _truncated() -> ApiError:
     return ApiError(
         502, "the router's stream ended without a finish reason", type="server_error", code="truncated_stream"
@@ -654,12 +664,7 @@ def create_app(
         if not req.echo:
             return None
         if own.own_tokenizer and any(p.token_ids for p in req.prompts):
-            raise api.invalid(
-                "echo",
-                f"echo with a token-id prompt: model {req.model!r} reads text with its own tokenizer (its "
-                "fine-tune's), which only the workers hold; send the prompt as text",
-                code="tokenizer_not_served",
-            )
+            raise tokenizer_not_served(req.model, "echo")
         if tokens is None and any(p.token_ids for p in req.prompts):
             raise api.invalid(
                 "echo",
@@ -775,13 +780,8 @@ def create_app(
             raise ApiError(
                 400, "start the gateway with --tokenizer (the base's directory) to tokenize", code="tokenizer_missing"
             )
-        if any(m.model_id == model and m.tokenizer_sha256 for m in models):
-            raise api.invalid(
-                "model",
-                f"model {model!r} reads text with its own tokenizer (its fine-tune's, carried in its delta), which "
-                "only the workers hold: the gateway tokenizes with the base's only",
-                code="tokenizer_not_served",
-            )
+        if catalog.models.get(model, Own()).own_tokenizer:
+            raise tokenizer_not_served(model, "model")
         return model
 
     async def tokenize(request: HttpRequest) -> Response:

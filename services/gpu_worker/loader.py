@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import hashlib
 import itertools
 from dataclasses import dataclass
 
@@ -149,7 +148,8 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
     if info.eos_token_ids and max(info.eos_token_ids) >= vocab:
         raise DeltaFormatError(
             f"delta {info.name!r}: its eos_token_ids hold {max(info.eos_token_ids)}, not below "
-            f"{'its own' if info.vocab_size else 'the base' + chr(39) + 's'} vocabulary size {vocab}"
+            + ("its own" if info.vocab_size else "the base's")
+            + f" vocabulary size {vocab}"
         )
     out: list[Placement] = []
     parts: dict[str, list[tuple[str, int, TensorSpec]]] = {}  # compressed param -> (role, plane, tensor)
@@ -425,6 +425,8 @@ class SlotWriter:
             return None
         from tokenizers import Tokenizer
 
+        # its sha256 is the one the source announced, which the receiver checked the bytes against
+        spec = next(p.spec for p in self.plan.placements if p.kind is Kind.FILE and p.spec.param == "tokenizer.json")
         raw = data.numpy().tobytes()
         try:
             tok = Tokenizer.from_str(raw.decode("utf-8"))
@@ -432,7 +434,7 @@ class SlotWriter:
             raise DeltaFormatError(
                 f"delta {self.plan.name!r}: its tokenizer.json is not a tokenizer ({e})", tensor="tokenizer.json.file"
             ) from None
-        return VariantTokenizer(tok, hashlib.sha256(raw).hexdigest(), raw)
+        return VariantTokenizer(tok, spec.sha256, raw)
 
 
 @dataclass(frozen=True)

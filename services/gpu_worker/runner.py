@@ -1111,17 +1111,18 @@ class ModelRunner:
             else:
                 x = residual(a, x, att)
                 h = self._norm(x, norms["post_attention_layernorm"], m, a.norm_eps)
-            down = self._sparse(h, i, m) if a.family.moe else self._mlp(h, i, "", m)
+            down = self._sparse(h, i, m) if a.family.moe else self._mlp(h, i, m)
             if a.family.sandwich or a.family.post_norm:
                 down = self._norm(down, norms["post_feedforward_layernorm"], m, a.norm_eps)
             x = residual(a, x, down)
         return x
 
-    def _mlp(self, h: torch.Tensor, layer: int, expert: str, m: StepMeta) -> torch.Tensor:
-        """The gated MLP of groups gate_up, down (an expert's: `expert` = ".e") over rows h [n, dim]."""
-        gu = self._linear(h, layer, f"gate_up{expert}", m)
+    def _mlp(self, h: torch.Tensor, layer: int, m: StepMeta, expert: int | None = None) -> torch.Tensor:
+        """The gated MLP of groups gate_up, down (expert e's: gate_up.e, down.e) over rows h [n, dim]."""
+        of = "" if expert is None else f".{expert}"
+        gu = self._linear(h, layer, f"gate_up{of}", m)
         f = self.args.intermediate_size
-        return self._linear(gate_act(self.args, gu[:, :f]) * gu[:, f:], layer, f"down{expert}", m)
+        return self._linear(gate_act(self.args, gu[:, :f]) * gu[:, f:], layer, f"down{of}", m)
 
     def _sparse(self, h: torch.Tensor, layer: int, m: StepMeta) -> torch.Tensor:
         """A sparse layer over h [N, dim]: each row's router logits (its variant's router), its
@@ -1134,7 +1135,7 @@ class ModelRunner:
         for e in host.unique().tolist():
             rows, k = (host == e).nonzero(as_tuple=True)
             at = self._dev(rows)
-            y = self._mlp(h[at], layer, f".{e}", self._rows_meta(m, rows))
+            y = self._mlp(h[at], layer, self._rows_meta(m, rows), e)
             out.index_add_(0, at, (y * weights[at, self._dev(k), None]).to(out.dtype))
         return out
 
