@@ -9,9 +9,10 @@
  * 2j: that word IS an AVX-512 lane mask, and no bit is ever unpacked.
  *
  * Σ_k x_k s_k = 2 Σ_{k: bit=1} x_k − Σ_k x_k, so the delta GEMV only sums x
- * over set bits and corrects with Σx once: by lookups in x's tables, on AVX-512
- * of 4 columns, 16 sign rows per vector, on AVX2 of 2 columns, 8 rows per vector
- * (lut_sums); the fused one-pass GEMV by one masked add per 16 columns.
+ * over set bits and corrects with Σx once: by lookups in x's tables of 4 columns,
+ * on AVX-512 in fp32 (or bf16), 16 sign rows per vector, on AVX2 in int16 (VPSHUFB),
+ * 16 rows by 2 bytes per vector (lut_sums); the fused one-pass GEMV by one masked add
+ * per 16 columns.
  *
  * All matrices are fp32 row-major with a leading-dimension argument unless
  * said otherwise; n_threads is the caller's torch.get_num_threads(), the

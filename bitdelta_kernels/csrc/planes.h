@@ -233,106 +233,244 @@ static inline __attribute__((always_inline)) void lut_sums(const float *const *t
 #undef LUT_PAIRS
 
 #elif defined(__AVX2__)
-/* The AVX2 table loop: 8 sign rows to a vector, x's tables of 2 columns each (4 entries, held
- * twice: one in each 128-bit half, where VPERMILPS looks up lane i's 2 bits, reading an index's low
- * 2 bits only, so a shift is all the decode). For dword d of a sign row (32 columns) and j < 16,
- * T[128·d + 8·j + 4·h + e] = Σ_{i: bit i of e set} x[32d + 2j + i] over the group's columns (< d_in;
- * added in i order from 0), h = 0, 1. Where the compare-and-mask loop took 5 operations per 8
- * lanes of one column, this takes 3 (shift, lookup, add) per 8 lanes of 2 columns. On an AMD EPYC
- * of the Zen 3 generation the in-lane VPERMILPS ran 1.1–1.65× as fast as 3-column tables looked up
- * by the lane-crossing VPERMPS, though those take a third fewer lookups (docs/kernels.md). */
+/* The AVX2 table loop: x's nibble tables in 24-bit integers, looked up by VPSHUFB, 16 sign rows by
+ * 2 bytes to a register. AVX2 has no lookup of 16 floats (VPERMPS takes 8 entries, the in-lane
+ * VPERMILPS 4: the fp32 tables this replaced held 2 columns and summed 16 weights a lookup, about one
+ * a cycle on a Zen 3 core), but VPSHUFB looks up 32 bytes at once, each 128-bit half in a 16-byte
+ * table of its own: one lookup of a byte of 4 columns' entry for 32 (row, byte) lanes.
+ *
+ * x's chunk c of 256 columns (32 bytes of a sign row) has one scale, s_c = max|T| / (2²³ − 1) over
+ * its 64 nibble tables (T[n] = Σ_{i < 4, bit i of n} x[4g + i] in fp32, added in i order from 0, as
+ * the AVX-512 tables), and each entry is q = round(T / s_c), stored as three byte tables (its bytes
+ * 0 and 1, unsigned, and 2, signed). A chunk's 16 pairs j take bytes j and h + j of 16 rows (h = 16,
+ * or half a shorter last chunk rounded up), one byte per lane: 16 rows' 32 bytes are loaded and
+ * transposed 16 × 16 inside each 128-bit half (byte b of row i to byte i of register b). Per pair:
+ * the low and the high nibbles' indices (shared by the block's x rows), and per x row and byte k of
+ * the entries two lookups (the low nibble's, the high nibble's), interleaved and summed by VPMADDUBSW
+ * against ones into int16 accumulators (bytes 0 and 1: ≤ 510 a pair, byte 2: −256…254): exact
+ * integers over a chunk's ≤ 16 pairs, then bytes 0 + 256 · bytes 1 (VPMADDWD) + 65536 · bytes 2
+ * converted and multiplied by s_c into fp32, a row's two byte halves added at the end.
+ *
+ * The entries' rounding: |error| ≤ s_c / 2 per lookup, 2 lookups per byte, so a row's sum over set
+ * bits moves by at most Σ_c bytes_c · s_c ≤ 2⁻¹⁸ · Σ_c max_c |x| (max_c: the chunk's largest 4-column
+ * sum of |x|), about where the fp32 tables' own rounding lies (each entry and each add to 2⁻²⁴ of
+ * its size): the C decode layers' logits of 8 rows over 4 variants differ from the fp32 tables' by
+ * ≤ 7.4·10⁻⁷ (bench/kernels.py --decode-layers --against). Every path of this build that sums planes
+ * takes these tables (the decode layers, the layer-by-layer path, the delta GEMV, the batched
+ * delta; the AVX2 build has no one-pass plane loop at decode), and a chunk's scale is its x row's,
+ * so a row's sums depend only on its x and its bits. A non-finite x makes its chunks' scale NaN,
+ * so its sums are NaN, as the fp32 tables' were. Two bytes (int16 entries, steps of 2⁻¹⁵ of the
+ * chunk's largest) ran ~5 % faster in that bench but moved a test family's logits (deltas as large
+ * as the weights) by up to 2.6·10⁻⁴: not kept. Measured in docs/kernels.md, "A plane's pass". */
 #define HAVE_X_TABLES 1
-#define PAIRS 16 /* tables per dword */
-static inline int64_t x_table_floats(int64_t d_in) { return 8 * PAIRS * (((d_in + 7) / 8 + 3) / 4); }
+#define Q24_CHUNK 32                 /* bytes of a sign row per chunk (256 columns) */
+#define Q24_MAX 8388607.f /* 2^23 − 1: the entries' largest magnitude */
+#define Q24_CHUNK_BYTES (16 * 6 * 32) /* a chunk's tables: 16 pairs × 6 tables × 32 bytes */
+static inline int64_t q24_chunks(int64_t n_bytes) { return (n_bytes + Q24_CHUNK - 1) / Q24_CHUNK; }
+/* floats of one x row's tables: its chunks' tables, then their scales (one float each) */
+static inline int64_t x_table_floats(int64_t d_in) {
+    const int64_t nc = q24_chunks((d_in + 7) / 8);
+    return nc * (Q24_CHUNK_BYTES / 4) + nc;
+}
+/* pairs in chunk c of a row of n_bytes (h above): bytes j and h + j of the chunk, j < h */
+static inline int q24_pairs(int64_t n_bytes, int64_t c) {
+    const int64_t nb = n_bytes - Q24_CHUNK * c;
+    return nb >= Q24_CHUNK ? Q24_CHUNK / 2 : (int)((nb + 1) / 2);
+}
 
+/* Group g's 16 entries (T[n] = Σ_{i < 4, bit i of n} x[4g + i], added in i order from 0; columns
+ * ≥ d_in as 0) as two vectors: entries 0–7 (bits 0–2) and 8–15 (the same plus x[4g + 3]). */
+static inline void q24_group(const float *x, int64_t d_in, int64_t g, __m256 *e0, __m256 *e1) {
+    float v[4];
+    for (int i = 0; i < 4; ++i) v[i] = 4 * g + i < d_in ? x[4 * g + i] : 0.f;
+    const __m256 b0 = _mm256_castsi256_ps(_mm256_setr_epi32(0, -1, 0, -1, 0, -1, 0, -1));
+    const __m256 b1 = _mm256_castsi256_ps(_mm256_setr_epi32(0, 0, -1, -1, 0, 0, -1, -1));
+    const __m256 b2 = _mm256_castsi256_ps(_mm256_setr_epi32(0, 0, 0, 0, -1, -1, -1, -1));
+    __m256 t = _mm256_and_ps(b0, _mm256_set1_ps(v[0]));
+    t = _mm256_add_ps(t, _mm256_and_ps(b1, _mm256_set1_ps(v[1]))); /* + 0 where the bit is clear: the same value */
+    t = _mm256_add_ps(t, _mm256_and_ps(b2, _mm256_set1_ps(v[2])));
+    *e0 = t;
+    *e1 = _mm256_add_ps(t, _mm256_set1_ps(v[3]));
+}
+
+/* x's tables: chunk c's pair j at bytes (c·16 + j)·192: the low nibble's bytes 0, 1 and 2 of its
+ * entries, then the high nibble's, 32 bytes each [byte j's 16 entries | byte h + j's] (absent
+ * bytes: 0); after the chunks, the scales. */
 static void x_row_tables(const float *x, int64_t d_in, float *T) {
-    const int64_t n_groups = x_table_floats(d_in) / 8;
-    for (int64_t g = 0; g < n_groups; ++g) {
-        const float x0 = 2 * g < d_in ? x[2 * g] : 0.f, x1 = 2 * g + 1 < d_in ? x[2 * g + 1] : 0.f;
-        const float t[4] = {0.f, x0, x1, x0 + x1};
-        memcpy(T + 8 * g, t, sizeof(t));
-        memcpy(T + 8 * g + 4, t, sizeof(t));
+    const int64_t n_bytes = (d_in + 7) / 8, nc = q24_chunks(n_bytes);
+    uint8_t *tb = (uint8_t *)T;
+    float *scale = T + nc * (Q24_CHUNK_BYTES / 4);
+    memset(tb, 0, (size_t)(nc * Q24_CHUNK_BYTES));
+    /* 4 int32 entries in each 128-bit half -> their bytes 0, then 1, then 2 (a dword each) */
+    const __m256i split = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, -1, -1, -1, -1, 0, 4, 8, 12, 1, 5,
+                                           9, 13, 2, 6, 10, 14, -1, -1, -1, -1);
+    const __m256i gather = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256 ent[4 * Q24_CHUNK]; /* a chunk's 64 groups' entries, two vectors each */
+    for (int64_t c = 0; c < nc; ++c) {
+        const int64_t nb = n_bytes - Q24_CHUNK * c < Q24_CHUNK ? n_bytes - Q24_CHUNK * c : Q24_CHUNK;
+        const int64_t g0 = 2 * Q24_CHUNK * c;
+        __m256 mx8 = _mm256_setzero_ps(), nan8 = mx8; /* the largest |entry| per lane; NaN lanes */
+        for (int64_t g = 0; g < 2 * nb; ++g) {
+            q24_group(x, d_in, g0 + g, &ent[2 * g], &ent[2 * g + 1]);
+            for (int e = 0; e < 2; ++e) {
+                const __m256 v = ent[2 * g + e];
+                mx8 = _mm256_max_ps(mx8, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v));
+                nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            }
+        }
+        float l[8], mx = 0.f;
+        _mm256_storeu_ps(l, mx8);
+        for (int i = 0; i < 8; ++i) mx = l[i] > mx ? l[i] : mx;
+        const int finite = !_mm256_movemask_ps(nan8) && mx <= 3.4e38f;
+        scale[c] = finite ? mx / Q24_MAX : NAN;
+        const __m256 inv = _mm256_set1_ps(finite && mx > 0.f ? Q24_MAX / mx : 0.f);
+        const __m256i lim = _mm256_set1_epi32((int)Q24_MAX), nlim = _mm256_set1_epi32(-(int)Q24_MAX);
+        const int h = q24_pairs(n_bytes, c);
+        for (int64_t b = 0; b < nb; ++b) {
+            const int j = (int)(b < h ? b : b - h), half = b < h ? 0 : 1;
+            for (int nib = 0; nib < 2; ++nib) {
+                const __m256 *e = ent + 2 * (2 * b + nib);
+                __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(e[0], inv)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(e[1], inv));
+                q0 = _mm256_max_epi32(_mm256_min_epi32(q0, lim), nlim);
+                q1 = _mm256_max_epi32(_mm256_min_epi32(q1, lim), nlim);
+                /* per 128-bit half: byte 0 of its 4 entries, byte 1, byte 2; then the halves' dwords side by side */
+                const __m256i b0 = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(q0, split), gather);
+                const __m256i b1 = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(q1, split), gather);
+                const __m256i lo = _mm256_unpacklo_epi64(b0, b1), hi = _mm256_unpackhi_epi64(b0, b1);
+                uint8_t *o = tb + (c * 16 + j) * 192 + nib * 96 + 16 * half;
+                _mm_storeu_si128((__m128i *)o, _mm256_castsi256_si128(lo));              /* bytes 0 of entries 0–15 */
+                _mm_storeu_si128((__m128i *)(o + 32), _mm256_castsi256_si128(hi));       /* bytes 1 */
+                _mm_storeu_si128((__m128i *)(o + 64), _mm256_extracti128_si256(lo, 1)); /* bytes 2 (signed) */
+            }
+        }
     }
 }
 
-/* 8 × 8 dwords transposed in place: v[k] lane i = dword k of v[i] before. */
-static inline void transpose8(__m256i *v) {
-    __m256i t[8], u[8];
-    for (int i = 0; i < 8; i += 4) {
-        t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
-        t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
-        t[i + 2] = _mm256_unpacklo_epi32(v[i + 2], v[i + 3]);
-        t[i + 3] = _mm256_unpackhi_epi32(v[i + 2], v[i + 3]);
-        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);     /* dwords 0 | 4 of rows i … i + 3 */
-        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]); /* 1 | 5 */
-        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]); /* 2 | 6 */
-        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]); /* 3 | 7 */
+/* 16 × 16 bytes transposed inside each 128-bit half: byte i of register b = byte b of register i before. */
+static inline void transpose16_bytes(__m256i *v) {
+    __m256i t[16], u[16];
+    for (int i = 0; i < 8; ++i) { /* t[i] word k: rows 2i, 2i + 1, byte k; t[8 + i]: byte 8 + k */
+        t[i] = _mm256_unpacklo_epi8(v[2 * i], v[2 * i + 1]);
+        t[8 + i] = _mm256_unpackhi_epi8(v[2 * i], v[2 * i + 1]);
     }
-    for (int k = 0; k < 4; ++k) {
-        v[k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x20);
-        v[k + 4] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x31);
+    for (int h = 0; h < 2; ++h) /* u[8h + i] dword k: rows 4i … 4i + 3, byte 8h + k; u[8h + 4 + i]: 8h + 4 + k */
+        for (int i = 0; i < 4; ++i) {
+            u[8 * h + i] = _mm256_unpacklo_epi16(t[8 * h + 2 * i], t[8 * h + 2 * i + 1]);
+            u[8 * h + 4 + i] = _mm256_unpackhi_epi16(t[8 * h + 2 * i], t[8 * h + 2 * i + 1]);
+        }
+    for (int q = 0; q < 4; ++q) /* t[4q + i] qword k: rows 8i … 8i + 7, byte 4q + k; t[4q + 2 + i]: 4q + 2 + k */
+        for (int i = 0; i < 2; ++i) {
+            t[4 * q + i] = _mm256_unpacklo_epi32(u[4 * q + 2 * i], u[4 * q + 2 * i + 1]);
+            t[4 * q + 2 + i] = _mm256_unpackhi_epi32(u[4 * q + 2 * i], u[4 * q + 2 * i + 1]);
+        }
+    for (int q = 0; q < 8; ++q) { /* byte 2q and 2q + 1 of the 16 rows */
+        v[2 * q] = _mm256_unpacklo_epi64(t[2 * q], t[2 * q + 1]);
+        v[2 * q + 1] = _mm256_unpackhi_epi64(t[2 * q], t[2 * q + 1]);
     }
 }
 
-/* Dword d of the 8 rows, bytes beyond n_bytes as 0 (scalar loads: a row's own bytes only). */
-static inline __m256i row_dwords(const uint8_t *const *rows, int64_t d, int64_t n_bytes) {
-    const int64_t nb = n_bytes - 4 * d < 4 ? n_bytes - 4 * d : 4;
-    uint32_t w[8];
-    for (int i = 0; i < 8; ++i) {
-        w[i] = 0;
-        memcpy(&w[i], rows[i] + 4 * d, (size_t)nb);
+/* Chunk c's bytes of 16 rows, row i in v[i]: bytes j < h in the low half, h + j in the high half
+ * (zeros past the row), reading only the rows' own bytes: a full chunk one load a row; a shorter last
+ * one 16 bytes ending at the row's end (and, past 16 bytes, 16 from the chunk's start) placed by
+ * two VPSHUFBs; rows shorter than 16 bytes byte by byte. */
+static inline void q24_load_chunk(const uint8_t *const *rows, int64_t n_bytes, int64_t c, __m256i *v) {
+    const int64_t b0 = Q24_CHUNK * c, nb = n_bytes - b0 < Q24_CHUNK ? n_bytes - b0 : Q24_CHUNK;
+    if (nb == Q24_CHUNK) {
+        for (int i = 0; i < 16; ++i) v[i] = _mm256_loadu_si256((const __m256i *)(rows[i] + b0));
+        return;
     }
-    return _mm256_loadu_si256((const __m256i *)w);
+    const int h = (int)(nb + 1) / 2;
+    if (n_bytes < 16) {
+        for (int i = 0; i < 16; ++i) {
+            uint8_t buf[32] = {0};
+            memcpy(buf, rows[i] + b0, (size_t)h);
+            memcpy(buf + 16, rows[i] + b0 + h, (size_t)(nb - h));
+            v[i] = _mm256_loadu_si256((const __m256i *)buf);
+        }
+        return;
+    }
+    uint8_t cl[16], ch[16]; /* positions in the loads: the low half's from the chunk's start past 16 bytes */
+    for (int j = 0; j < 16; ++j) {
+        cl[j] = j < h ? (uint8_t)((nb > 16 ? 0 : 16 - nb) + j) : 0x80;
+        ch[j] = j < nb - h ? (uint8_t)(16 - nb + h + j) : 0x80;
+    }
+    const __m128i ctl = _mm_loadu_si128((const __m128i *)cl), cth = _mm_loadu_si128((const __m128i *)ch);
+    for (int i = 0; i < 16; ++i) {
+        const __m128i e = _mm_loadu_si128((const __m128i *)(rows[i] + n_bytes - 16));
+        const __m128i f = nb > 16 ? _mm_loadu_si128((const __m128i *)(rows[i] + b0)) : e;
+        v[i] = _mm256_set_m128i(_mm_shuffle_epi8(e, cth), _mm_shuffle_epi8(f, ctl));
+    }
 }
 
-/* tot_x[i] = Σ_{k: bit k of rows[i] set} x_x[k] for LROWS sign rows and NX (1 or 2) x vectors given
- * by their tables tab[x]: per 32 bytes of the 8 rows one load each and an 8 × 8 dword transpose,
- * then per dword 16 lookups into 4 accumulators (group j into j mod 4) summed (0 + 1) + (2 + 3),
- * in column order: a row's sums depend on its x and bits only. row_stride is the AVX-512 loop's
- * (gathers; unused here). */
-#define LROWS 8
+/* tot_x[i] = Σ_{k: bit k of rows[i] set} x_x[k] for LROWS sign rows and NX (1 or 2) x rows given
+ * by their tables tab[x] (x_row_tables): per chunk the 16 rows' bytes loaded, transposed and split
+ * into nibbles once, then each x row's lookups in turn (one x row's accumulators, indices and
+ * lookups fill AVX2's 16 registers). The same steps for a row whatever NX and the other rows.
+ * row_stride is the AVX-512 loop's (gathers; unused here). */
+#define LROWS 16
 #define BLOCK_ROWS LROWS
 #define PREFETCH_BLOCKS 2
-#define LUT_DWORD(vk, d)                                                                                        \
-    for (int j = 0; j < PAIRS; ++j) {                                                                         \
-        const __m256i idx_ = j ? _mm256_srli_epi32(vk, 2 * j) : (vk);                                         \
-        for (int x = 0; x < NX; ++x)                                                                          \
-            acc[x][j & 3] = _mm256_add_ps(                                                                    \
-                acc[x][j & 3], _mm256_permutevar_ps(_mm256_loadu_ps(tab[x] + 8 * (PAIRS * (d) + j)), idx_));  \
-    }
 static inline __attribute__((always_inline)) void lut_sums(const float *const *tab, const int NX, const int BF,
                                                           const uint8_t *const *rows, int64_t n_bytes,
                                                           int64_t row_stride, int64_t ahead, float *const *tot) {
     (void)BF; /* no bf16 tables in this build */
     (void)row_stride;
+    const __m256i nib = _mm256_set1_epi8(0x0F), ones8 = _mm256_set1_epi8(1), lo_hi = _mm256_set1_epi32(0x01000001);
+    const int64_t nc = q24_chunks(n_bytes);
+    /* the block's bits over its chunks: LROWS · n_bytes bytes from rows[0] (a block's rows are
+     * evenly spaced), its lines spread over the chunks */
+    const int64_t lines = (LROWS * n_bytes + 63) / 64, per_chunk = (lines + nc - 1) / nc;
     __m256 acc[2][4];
     for (int x = 0; x < NX; ++x)
         for (int a = 0; a < 4; ++a) acc[x][a] = _mm256_setzero_ps();
-    const int64_t n_dwords = (n_bytes + 3) / 4, nfull = n_bytes / 32;
-    __m256i v[8];
-    /* the transposed dwords wait in memory, one loaded per lookup run: AVX2's 16 registers hold the
-     * accumulators and a run, not the 8 of them too (spilled, 0.6× the speed on an AMD EPYC of the
-     * Zen 3 generation) */
-    __attribute__((aligned(32))) uint32_t dw[8][8];
-    for (int64_t c = 0; c < nfull; ++c) {
-        /* the block PREFETCH_BLOCKS on, 4 lines a chunk: its 8 rows' bytes over this block's chunks */
-        for (int i = 0; i < 4; ++i) _mm_prefetch((const char *)(rows[0] + ahead + 64 * (4 * c + i)), _MM_HINT_T0);
-        for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_si256((const __m256i *)(rows[i] + 32 * c));
-        transpose8(v);
-        for (int k = 0; k < 8; ++k) _mm256_store_si256((__m256i *)dw[k], v[k]);
-        for (int k = 0; k < 8; ++k) {
-            const __m256i vk = _mm256_load_si256((const __m256i *)dw[k]);
-            LUT_DWORD(vk, 8 * c + k)
+    __m256i v[16], hix[16]; /* the chunk's transposed bytes (then their low nibbles), their high nibbles */
+    for (int64_t c = 0; c < nc; ++c) {
+        for (int64_t l = c * per_chunk; l < (c + 1) * per_chunk && l < lines; ++l)
+            _mm_prefetch((const char *)(rows[0] + ahead + 64 * l), _MM_HINT_T0);
+        q24_load_chunk(rows, n_bytes, c, v);
+        transpose16_bytes(v);
+        const int np = q24_pairs(n_bytes, c);
+        for (int j = 0; j < np; ++j) { /* each pair's low and high nibbles, for every x row */
+            hix[j] = _mm256_and_si256(_mm256_srli_epi16(v[j], 4), nib);
+            v[j] = _mm256_and_si256(v[j], nib);
+        }
+        for (int x = 0; x < NX; ++x) {
+            const uint8_t *t = (const uint8_t *)tab[x] + c * Q24_CHUNK_BYTES;
+            __m256i a0[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, a1[2] = {a0[0], a0[0]}, a2[2] = {a0[0], a0[0]};
+            for (int j = 0; j < np; ++j, t += 192) {
+#define Q24_BYTE(k, acc, u, sgn)                                                                                        \
+    {                                                                                                                   \
+        const __m256i l_ = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(t + 32 * (k))), v[j]);               \
+        const __m256i h_ = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(t + 96 + 32 * (k))), hix[j]);        \
+        acc[0] = _mm256_add_epi16(acc[0], sgn ? _mm256_maddubs_epi16(ones8, _mm256_unpacklo_epi8(l_, h_))              \
+                                              : _mm256_maddubs_epi16(_mm256_unpacklo_epi8(l_, h_), ones8));             \
+        acc[1] = _mm256_add_epi16(acc[1], sgn ? _mm256_maddubs_epi16(ones8, _mm256_unpackhi_epi8(l_, h_))              \
+                                              : _mm256_maddubs_epi16(_mm256_unpackhi_epi8(l_, h_), ones8));             \
+    }
+                Q24_BYTE(0, a0, 0, 0)
+                Q24_BYTE(1, a1, 0, 0)
+                Q24_BYTE(2, a2, 0, 1)
+#undef Q24_BYTE
+            }
+            /* rows 0–3, 4–7 (a·[0]) and 8–11, 12–15 (a·[1]) of each byte half: bytes 0 + 256 · bytes 1
+             * (VPMADDWD) + 65536 · bytes 2 (the high words of an unpack with zero) */
+            const __m256 s = _mm256_set1_ps(tab[x][nc * (Q24_CHUNK_BYTES / 4) + c]);
+            const __m256i z = _mm256_setzero_si256();
+#define Q24_ADD(a, f, e)                                                                                               \
+    acc[x][a] = _mm256_fmadd_ps(                                                                                        \
+        _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(f(a0[e], a1[e]), lo_hi), f(z, a2[e]))), s, acc[x][a])
+            Q24_ADD(0, _mm256_unpacklo_epi16, 0);
+            Q24_ADD(1, _mm256_unpackhi_epi16, 0);
+            Q24_ADD(2, _mm256_unpacklo_epi16, 1);
+            Q24_ADD(3, _mm256_unpackhi_epi16, 1);
+#undef Q24_ADD
         }
     }
-    for (int64_t d = 8 * nfull; d < n_dwords; ++d) {
-        const __m256i vk = row_dwords(rows, d, n_bytes);
-        LUT_DWORD(vk, d)
-    }
-    for (int x = 0; x < NX; ++x)
-        _mm256_storeu_ps(tot[x], _mm256_add_ps(_mm256_add_ps(acc[x][0], acc[x][1]), _mm256_add_ps(acc[x][2], acc[x][3])));
+    for (int x = 0; x < NX; ++x) /* the two byte halves of each row */
+        for (int a = 0; a < 4; ++a)
+            _mm_storeu_ps(tot[x] + 4 * a,
+                          _mm_add_ps(_mm256_castps256_ps128(acc[x][a]), _mm256_extractf128_ps(acc[x][a], 1)));
 }
-#undef LUT_DWORD
 #endif
 
 #ifndef BLOCK_ROWS

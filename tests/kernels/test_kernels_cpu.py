@@ -74,10 +74,13 @@ def test_delta_gemv(M, shape, per_row, method, isa):
 
 
 @pytest.mark.parametrize("M", [1, 2])
-def test_delta_gemv_every_tail_of_a_row(M):
-    # The table loop (AVX-512) transposes a row's last 1–63 bytes past its 64-byte chunks in three
-    # ways (a 16-byte form twice up to 32 bytes, the 64-byte form beyond): every length, with ragged
-    # bits, garbage past each row, a last block of fewer than 16 rows, and the last row ending its buffer
+def test_delta_gemv_every_tail_of_a_row(M, isa):
+    # The table loop reads a row's last bytes past its whole chunks in several ways: AVX-512 (64-byte
+    # chunks) a 16-byte form twice up to 32 bytes, the 64-byte form beyond; AVX2 (32-byte chunks)
+    # the last ≤ 31 bytes split into two halves, from a 16-byte load ending at the row's end and,
+    # past 16 bytes, one from their start (rows of < 16 bytes byte by byte: test_delta_gemv). Every
+    # length, with ragged bits, garbage past each row, a last block of fewer than 16 rows, and the
+    # last row ending its buffer
     for nb in range(64):
         d_out, d_in = 40, 512 + 8 * nb - (nb % 3)
         x, w, signs, alpha = make(M, d_out, d_in, per_row=True)
@@ -88,12 +91,26 @@ def test_delta_gemv_every_tail_of_a_row(M):
             assert rel_err(y, ref) <= 1e-5, (nb, d_in)
 
 
+def test_delta_sums_of_a_non_finite_x_are_not_finite(isa):
+    """A NaN or an infinity in x makes every delta term of its row NaN or infinite on every table
+    loop (the AVX2 build's 24-bit tables: that chunk's scale is NaN), never a finite wrong number;
+    the other rows keep their sums."""
+    x, w, signs, alpha = make(3, 40, 576, per_row=True)
+    ref = bitdelta_linear_ref(x, torch.zeros_like(w), signs, alpha)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        xb = x.clone()
+        xb[1, 300] = bad
+        y = cpu_ops.delta_gemv_cpu(xb, signs, alpha, torch.zeros(3, 40))
+        assert not torch.isfinite(y[1]).any(), bad
+        assert rel_err(y[[0, 2]], ref[[0, 2]]) <= 1e-5, bad
+
+
 @pytest.mark.parametrize("M", [1, 3])
 def test_bf16_rows_sum_their_planes_alike_on_every_path(M, isa):
     """An x of exactly bf16 values (a bf16 model's activations): where the build has AVX512-BF16 the
     table loop sums its planes from bf16 tables, within their bound of the float64 oracle
     (bf16_table_bound; every tail of a row, the loop's ragged ends) and not the fp32 tables' sums;
-    elsewhere from the fp32 tables, x's fp32 copy's sums bit for bit. Either way a row's delta is the
+    elsewhere from the fp32 tables (the AVX2 build: 24-bit ones), x's fp32 copy's sums bit for bit. Either way a row's delta is the
     same bits through the decode GEMV's two passes, the delta GEMV and the batched delta: a row's
     numbers do not depend on the path that serves it."""
     bf16_tables = cpu_build.cpu_isa() == "avx512bf16"

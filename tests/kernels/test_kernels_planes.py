@@ -308,9 +308,10 @@ def test_c_table_loop_chunk_and_block_edges(isa, alpha_kind, d_in):
     full blocks gather, and the rest load 16 bytes a row and transpose in 128-bit lanes; 760: 95
     bytes = 64 + 16 + 15, that form twice, the second ending inside a dword; 1000: 125 bytes = 64 +
     15 dwords + 1 byte in the 64-byte form, and 1031: 129 bytes = 2 · 64 + a last byte of 7 columns), d_out 37 (two blocks of 16 rows and a partial one; groups that start inside blocks).
-    AVX2's reads 8 rows × 32 bytes, transposed, then the tail a dword at a time (576: 2 chunks + 2
-    dwords; 760: 2 + 7 dwords + 3 bytes; 1000: 3 + 7 dwords + 1 byte; 1031: 4 chunks + 1 byte; d_out
-    37: four blocks of 8 rows and a partial one). Both:
+    AVX2's reads 16 rows × 32 bytes, transposed in bytes, then the last ≤ 31 bytes in two halves
+    (576: 2 chunks + 8 bytes, 4 in each half; 760: 2 + 31 bytes, 16 and 15, the low half loaded from
+    the tail's start; 1000: 3 + 29, 15 and 14; 1031: 4 chunks + 1 byte, the high half empty; d_out
+    37: two blocks of 16 rows and a partial one). Both:
     sign rows padded with set bits past their bytes (never read); against the oracle, and every row
     the same with one thread or two (the threads split the rows at other block edges) and with the
     full blocks' dwords gathered or loaded and transposed (the CPU picks one: bd_set_gather)."""
