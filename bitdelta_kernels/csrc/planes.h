@@ -265,7 +265,8 @@ static inline __attribute__((always_inline)) void lut_sums(const float *const *t
 #define HAVE_X_TABLES 1
 #define Q24_CHUNK 32                 /* bytes of a sign row per chunk (256 columns) */
 #define Q24_MAX 8388607.f /* 2^23 − 1: the entries' largest magnitude */
-#define Q24_CHUNK_BYTES (16 * 6 * 32) /* a chunk's tables: 16 pairs × 6 tables × 32 bytes */
+#define Q24_PAIR_BYTES (6 * 32)         /* a pair's tables: 2 nibbles × 3 bytes × 32 */
+#define Q24_CHUNK_BYTES (16 * Q24_PAIR_BYTES) /* a chunk's: 16 pairs */
 static inline int64_t q24_chunks(int64_t n_bytes) { return (n_bytes + Q24_CHUNK - 1) / Q24_CHUNK; }
 /* floats of one x row's tables: its chunks' tables, then their scales (one float each) */
 static inline int64_t x_table_floats(int64_t d_in) {
@@ -337,7 +338,7 @@ static void x_row_tables(const float *x, int64_t d_in, float *T) {
                 const __m256i b0 = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(q0, split), gather);
                 const __m256i b1 = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(q1, split), gather);
                 const __m256i lo = _mm256_unpacklo_epi64(b0, b1), hi = _mm256_unpackhi_epi64(b0, b1);
-                uint8_t *o = tb + (c * 16 + j) * 192 + nib * 96 + 16 * half;
+                uint8_t *o = tb + (c * 16 + j) * Q24_PAIR_BYTES + nib * (Q24_PAIR_BYTES / 2) + 16 * half;
                 _mm_storeu_si128((__m128i *)o, _mm256_castsi256_si128(lo));              /* bytes 0 of entries 0–15 */
                 _mm_storeu_si128((__m128i *)(o + 32), _mm256_castsi256_si128(hi));       /* bytes 1 */
                 _mm_storeu_si128((__m128i *)(o + 64), _mm256_extracti128_si256(lo, 1)); /* bytes 2 (signed) */
@@ -437,19 +438,19 @@ static inline __attribute__((always_inline)) void lut_sums(const float *const *t
         for (int x = 0; x < NX; ++x) {
             const uint8_t *t = (const uint8_t *)tab[x] + c * Q24_CHUNK_BYTES;
             __m256i a0[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, a1[2] = {a0[0], a0[0]}, a2[2] = {a0[0], a0[0]};
-            for (int j = 0; j < np; ++j, t += 192) {
-#define Q24_BYTE(k, acc, u, sgn)                                                                                        \
+            for (int j = 0; j < np; ++j, t += Q24_PAIR_BYTES) {
+#define Q24_BYTE(k, acc, sgn)                                                                                        \
     {                                                                                                                   \
         const __m256i l_ = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(t + 32 * (k))), v[j]);               \
-        const __m256i h_ = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(t + 96 + 32 * (k))), hix[j]);        \
+        const __m256i h_ = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(t + Q24_PAIR_BYTES / 2 + 32 * (k))), hix[j]);        \
         acc[0] = _mm256_add_epi16(acc[0], sgn ? _mm256_maddubs_epi16(ones8, _mm256_unpacklo_epi8(l_, h_))              \
                                               : _mm256_maddubs_epi16(_mm256_unpacklo_epi8(l_, h_), ones8));             \
         acc[1] = _mm256_add_epi16(acc[1], sgn ? _mm256_maddubs_epi16(ones8, _mm256_unpackhi_epi8(l_, h_))              \
                                               : _mm256_maddubs_epi16(_mm256_unpackhi_epi8(l_, h_), ones8));             \
     }
-                Q24_BYTE(0, a0, 0, 0)
-                Q24_BYTE(1, a1, 0, 0)
-                Q24_BYTE(2, a2, 0, 1)
+                Q24_BYTE(0, a0, 0)
+                Q24_BYTE(1, a1, 0)
+                Q24_BYTE(2, a2, 1)
 #undef Q24_BYTE
             }
             /* rows 0–3, 4–7 (a·[0]) and 8–11, 12–15 (a·[1]) of each byte half: bytes 0 + 256 · bytes 1
