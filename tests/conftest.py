@@ -27,7 +27,18 @@ if not torch.cuda.is_available():
 os.environ.setdefault("BITDELTA_CPU_PRECISION", "fp32")
 
 # after the variables above: what it imports may read them
+from bitdelta.testing.cluster import exited_processes
 from bitdelta.testing.real import cached_real_artifact, real_deltas_of, short_real_finetunes
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test's report names the services of its clusters that had died by then, with the
+    end of their logs: a test that fails on a refused connection then says why."""
+    report = (yield).get_result()
+    if report.failed:
+        for i, text in enumerate(exited_processes()):
+            report.sections.append((f"cluster process no longer running ({i + 1})", text))
 
 
 def pytest_configure(config):

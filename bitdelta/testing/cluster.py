@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def tls_flags(certs: Path, name: str, client_auth: bool = True) -> tuple[str, ..
 
 
 _HANDED_OUT: set[int] = set()
+_RUNNING: weakref.WeakSet[Cluster] = weakref.WeakSet()  # the clusters not yet stopped (for failure reports)
 
 
 def free_port() -> int:
@@ -105,6 +107,7 @@ class Cluster:
             **(env or {}),
         }
         self.procs: list[Proc] = []
+        _RUNNING.add(self)
 
     def __enter__(self) -> Cluster:
         return self
@@ -242,5 +245,21 @@ class Cluster:
                     time.sleep(0.2)
 
     def stop_all(self) -> None:
+        _RUNNING.discard(self)
         for p in reversed(self.procs):
             p.stop()
+
+
+def exited_processes(tail_chars: int = 3000) -> list[str]:
+    """Each process of a cluster still in use that is no longer running: its name, exit status and
+    the end of its log. A failing test's report shows them (tests/conftest.py), so a service that
+    died under a test names itself, where the test alone sees only a refused connection."""
+    out = []
+    for c in list(_RUNNING):
+        for p in c.procs:
+            if not p.alive():
+                out.append(
+                    f"{p.name} (python -m {p.argv[2]} at {p.address}) exited with {p.popen.returncode}; "
+                    f"the end of its log {p.log}:\n{p.log_text()[-tail_chars:]}"
+                )
+    return out
