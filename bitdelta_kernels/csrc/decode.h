@@ -287,11 +287,12 @@ static int decode_head(const float *h, int64_t B, int64_t D, const void *head, i
                        const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads,
                        int one_pass) {
     const int64_t lds = (D + 7) / 8;
-    int every = n_heads == 1; /* every row takes plane 0 */
-    for (int64_t b = 0; b < B && every; ++b) every = head_of_row[b] == 0;
+    const int64_t v0 = B > 0 && n_heads > 0 ? head_of_row[0] : -1;
+    int every = v0 >= 0; /* every row takes head plane v0 (of however many the step has) */
+    for (int64_t b = 1; b < B && every; ++b) every = head_of_row[b] == v0;
     if (every) /* one_pass: the one row's plane in the head's own pass (as decode_proj) */
-        return linear_planes(h, B, D, head, dtype, D, head_signs[0], 0, vocab, D, lds, head_alpha[0], 0,
-                             head_alpha_stride[0], NULL, 1, logits, vocab, dtype == BD_W_BF16, one_pass, n_threads);
+        return linear_planes(h, B, D, head, dtype, D, head_signs[v0], 0, vocab, D, lds, head_alpha[v0], 0,
+                             head_alpha_stride[v0], NULL, 1, logits, vocab, dtype == BD_W_BF16, one_pass, n_threads);
     if (linear_planes(h, B, D, head, dtype, D, NULL, 0, vocab, D, lds, NULL, 0, 0, NULL, 1, logits, vocab,
                       dtype == BD_W_BF16, 0, n_threads))
         return -1;
@@ -359,8 +360,9 @@ static void decode_embed(const void *x_in, const int64_t *tokens, const void *em
  * head_of_row: int64 [B], the plane of each row (−1: the base's head alone; NULL with no plane):
  * a row of plane v gets h · headᵀ + α_v ⊙ (h · S_vᵀ) in fp32, not rounded (the runner's
  * _sign_heads: the GEMV and then bd_delta_batched's plane, bit for bit), a row of −1 round(h · headᵀ).
- * One plane for every row takes linear_planes' one task (on many threads, one core's GEMV beside
- * another's planes); a mix, the GEMV for every row and then each plane over its rows.
+ * Every row on the same plane v (whatever n_heads) takes linear_planes' one task (on many threads,
+ * one core's GEMV beside another's planes); a mix, the GEMV for every row and then each plane over
+ * its rows.
  * fuse: a step of B rows of one variant (row_slot ≥ 0 and plane slots the same in
  * every row) of up to one_pass_planes(dtype, B) planes (fp32 with AVX-512, delta_rows_f32: 4, 3, 1 for
  * 1–3 rows; bf16 with AVX512-BF16, delta_rows_dp: 4 for one row, 1 for 2–3) sums each projection's planes, and the

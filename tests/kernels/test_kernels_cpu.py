@@ -1049,7 +1049,8 @@ def test_decode_layers_fuse_one_variant_row(isa, dtype):
     weights' pass where the library has such a loop (bf16: AVX512-BF16; fp32: AVX-512): other sums
     than the table loop's, close to them; the same numbers for that row in a step of two rows of
     the variant where two rows take one pass (fp32; test_decode_layers_fuse_rows_of_one_variant), the
-    table loop's where they do not (bf16); and changes nothing for a row of the
+    table loop's where they do not (bf16); the same for a row on one of several head planes given;
+    and changes nothing for a row of the
     base, a step of two variants' rows, or a build without it."""
     from bitdelta_kernels.cpu_decode import DecodeLayers, DecodeShape, HeadPlanes
 
@@ -1071,11 +1072,15 @@ def test_decode_layers_fuse_one_variant_row(isa, dtype):
     tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([6, 3], dtype=torch.int32)
     write_rows = torch.tensor([5, 10])
 
-    def run(rows: list[int], slots: list[int], fuse: bool, model=layers, heads=None) -> torch.Tensor:
+    other = (torch.randint(0, 256, plane[0].shape, generator=g, dtype=torch.uint8), plane[1].flip(0))
+
+    def run(
+        rows: list[int], slots: list[int], fuse: bool, model=layers, heads=None, head_planes=(plane,)
+    ) -> torch.Tensor:
         """Each row's logits; its head the base's + the plane where its slot is a variant's (heads)."""
         r, s = torch.tensor(rows), torch.tensor(slots)
         heads = (s >= 0).to(torch.int64) - 1 if heads is None else torch.tensor(heads)
-        planes = HeadPlanes((plane,), heads)
+        planes = HeadPlanes(head_planes, heads)
         return model.run(
             x[r], s, cos[r], sin[r], write_rows[r], tables[r], lens[r], bs, logits=True, head_planes=planes, fuse=fuse
         )
@@ -1088,6 +1093,9 @@ def test_decode_layers_fuse_one_variant_row(isa, dtype):
     # two rows of the variant: that row's fused numbers where two rows take one pass (fp32), else the table loop's
     assert torch.equal(run([0, 1], [1, 1], True)[0], fused[0] if layers.one_pass_planes(2) else two[0])
     assert torch.equal(run([0, 1], [0, 1], True), run([0, 1], [0, 1], False))
+    # a step's rows all on one head plane of several given: that plane's numbers, fused or not
+    for f, want in ((True, fused), (False, two)):
+        assert torch.equal(run([0], [1], f, heads=[1], head_planes=(other, plane)), want)
     # the head's plane alone (no layer: x is the final norm's input): within fp32 summation's error
     # of the float64 oracle either way, and the one pass's own sums where the build has it
     head_only = DecodeLayers([], DecodeShape(D, H, KV, hd, F, 1e-5), dtype, final_norm=final[:1], head=head)
