@@ -212,11 +212,12 @@ class Server:
     def draining(self) -> bool:
         return self._calls.draining
 
-    async def start(self) -> None:
+    async def start(self, serving: bool | None = None) -> None:
+        """Listen; health `serving` (None: the server's `serving` of `create_server`)."""
         await self.grpc.start()
         if self.health_only is not None:
             await self.health_only.start()
-        await self.set_serving(self._serving_at_start)
+        await self.set_serving(self._serving_at_start if serving is None else serving)
 
     async def set_serving(self, serving: bool) -> None:
         status = SERVING if serving and not self._calls.draining else NOT_SERVING
@@ -324,12 +325,13 @@ async def run_until_signal(
     on_drain: Callable[[], None] | None = None,
     on_stop: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """The process lifecycle: start, run `startup` (then SERVING), serve until SIGTERM/SIGINT, then
-    `on_drain()`, drain (`Server.drain`), `on_stop()`.
+    """The process lifecycle: start, run `startup` (health NOT_SERVING until it has finished, then
+    SERVING), serve until SIGTERM/SIGINT, then `on_drain()`, drain (`Server.drain`), `on_stop()`.
 
-    A `startup` that fails stops the server and raises SystemExit(1) (the error is logged).
+    A `startup` that fails stops the server and raises SystemExit(1) (the error is logged): it never
+    said SERVING, so whoever waits for it sees the process exit instead.
     """
-    await server.start()
+    await server.start(serving=False if startup is not None else None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

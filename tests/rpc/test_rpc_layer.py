@@ -5,6 +5,8 @@ port serves a small generic service defined here."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +20,7 @@ from bitdelta.rpc import client_stream
 from bitdelta.rpc.client_stream import ClientStream, call_with_handshake
 from bitdelta.rpc.config import ConfigError, ServiceConfig, check_address, parse_list, setting
 from bitdelta.rpc.errors import RpcError, ServiceError, clip, status_of, without_addresses
-from bitdelta.rpc.serve import Service, create_server
+from bitdelta.rpc.serve import Service, create_server, run_until_signal
 from bitdelta.units import parse_bytes
 
 SERVICE = "test.v1.Echo"
@@ -124,6 +126,47 @@ async def test_server_skeleton_maps_errors_and_drains():
         release.set()
         assert await call.read() == b"second"  # the call in flight finished within the grace period
         assert await drain is True
+
+
+async def _health(port: int) -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return (await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)).status
+
+
+async def test_a_process_is_serving_only_once_its_startup_has_finished():
+    """run_until_signal: NOT_SERVING while `startup` runs (a server made with serving=True too, as
+    the delta store's), SERVING after it; a startup that fails never said SERVING and exits 1."""
+    ready = asyncio.Event()
+
+    async def startup():
+        await ready.wait()
+
+    server = create_server("127.0.0.1:0", [_echo_service(asyncio.Event())])
+    life = asyncio.create_task(run_until_signal(server, 1.0, startup=startup()))
+    try:
+        for _ in range(20):
+            await asyncio.sleep(0.05)
+            assert await _health(server.port) == health_pb2.HealthCheckResponse.NOT_SERVING
+        ready.set()
+        deadline = time.monotonic() + 10
+        while await _health(server.port) != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)  # run_until_signal's own handler: drain and return
+        await asyncio.wait_for(life, 30)
+
+    server = create_server("127.0.0.1:0", [_echo_service(asyncio.Event())])
+    seen = []
+
+    async def failing():
+        await asyncio.sleep(0.2)
+        seen.append(await _health(server.port))  # while it runs
+        raise RuntimeError("the backend refused")
+
+    with pytest.raises(SystemExit) as e:  # awaited here: a SystemExit leaves a task through the loop
+        await run_until_signal(server, 1.0, startup=failing())
+    assert e.value.code == 1 and seen == [health_pb2.HealthCheckResponse.NOT_SERVING]
 
 
 async def test_a_second_server_cannot_take_a_served_port():
