@@ -5,8 +5,7 @@ port serves a small generic service defined here."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,9 +151,11 @@ async def test_a_process_is_serving_only_once_its_startup_has_finished():
         while await _health(server.port) != health_pb2.HealthCheckResponse.SERVING:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
-    finally:
-        os.kill(os.getpid(), signal.SIGTERM)  # run_until_signal's own handler: drain and return
-        await asyncio.wait_for(life, 30)
+    finally:  # no signal to this process: its handlers may not be installed yet if this failed early
+        life.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await life
+        await server.stop(0)
 
     server = create_server("127.0.0.1:0", [_echo_service(asyncio.Event())])
     seen = []
