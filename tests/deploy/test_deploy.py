@@ -126,6 +126,8 @@ def test_k8s_containers_use_real_flags_grpc_probes_and_limits(tmp_path):
                 ports = {p["name"]: p["containerPort"] for p in c["ports"]}
                 port = ports.get("health", ports["grpc"])  # mTLS on: the plain-text --health-address port
                 assert c["readinessProbe"]["grpc"]["port"] == port and c["livenessProbe"]["grpc"]["port"] == port
+                if module != "services.router":  # NOT_SERVING while loading the base / listing the backend
+                    assert c["startupProbe"]["grpc"]["port"] == port, c["name"]
             if module == "services.gpu_worker":
                 assert res["limits"]["nvidia.com/gpu"] == "1"
     assert seen == {"services.router", "services.delta_store", "services.gpu_worker", "services.gateway"}
