@@ -599,6 +599,12 @@ async def test_health_reflection_and_sigterm_drain(tmp_path):
         assert port, "the server did not start"
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             health = health_pb2_grpc.HealthStub(ch)
+            # NOT_SERVING while its start-up lists the backend (run_until_signal), then SERVING
+            watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
+            seen = [(await watch.read()).status]
+            while seen[-1] != health_pb2.HealthCheckResponse.SERVING:
+                seen.append((await watch.read()).status)
+            assert set(seen[:-1]) <= {health_pb2.HealthCheckResponse.NOT_SERVING}, seen
             for service in ("", "bitdelta.delta_store.v1.DeltaStoreService"):
                 r = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
                 assert r.status == health_pb2.HealthCheckResponse.SERVING
@@ -609,8 +615,6 @@ async def test_health_reflection_and_sigterm_drain(tmp_path):
                 names = {s.name for s in r.list_services_response.service}
             assert "bitdelta.delta_store.v1.DeltaStoreService" in names and "grpc.health.v1.Health" in names
 
-            watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
-            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
             fetch = pb_grpc.DeltaStoreServiceStub(ch).Fetch(pb.FetchRequest(name="big", chunk_bytes=65536), timeout=30)
             first = await fetch.read()
             assert first.info.name == "big"
