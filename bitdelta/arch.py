@@ -41,6 +41,7 @@ SUPPORTED = (
     "olmo2",
     "mixtral",
     "qwen3_moe",
+    "qwen2_moe",
     "olmoe",
 )
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -71,12 +72,15 @@ class Family:
     post_norm: bool = False
     # OLMo 2, OLMoE: the q and k norms span the whole projection (every head together), not one head
     qk_whole: bool = False
-    # Mixture of experts (Mixtral, Qwen3-MoE, OLMoE): the module path of each layer's sparse block in place of
+    # Mixture of experts (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE): the module path of each layer's sparse block in place of
     # a dense MLP ("block_sparse_moe", "mlp"); its router is `<moe>.gate`, expert e's projections
     # `<moe>.experts.<e>.<gate, up, down names>`
     moe: str | None = None
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     moe_round: bool = False  # the top-k routing weights rounded to the model's dtype (Qwen3-MoE's, OLMoE's)
+    # Qwen2-MoE: beside the routed experts, every token goes through `<moe>.shared_expert` (a gated MLP of
+    # shared_expert_intermediate_size) scaled by sigmoid(`<moe>.shared_expert_gate` · x), a [1, dim] matrix
+    shared_expert: bool = False
 
 
 # The mixture-of-experts fields every MoE family reads (either spelling of the expert count)
@@ -192,6 +196,31 @@ FAMILIES: dict[str, Family] = {
         },
         moe="mlp",
         moe_round=True,
+    ),
+    # Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention (q, k, v biases where qkv_bias), experts
+    # of moe_intermediate_size and a shared expert, the top-k weights renormalised where norm_topk_prob
+    # and always rounded to the model's dtype. Every layer sparse, as in Qwen3-MoE
+    "qwen2_moe": Family(
+        "qwen2_moe",
+        False,
+        False,
+        False,
+        _MOE_FIELDS
+        | {
+            "qkv_bias",
+            "use_sliding_window",
+            "sliding_window",
+            "max_window_layers",
+            "layer_types",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "norm_topk_prob",
+            "decoder_sparse_step",
+            "mlp_only_layers",
+        },
+        moe="mlp",
+        moe_round=True,
+        shared_expert=True,
     ),
     # OLMoE (AI2): Llama's pre-norm layer, q and k normed over their whole projections, 64 experts, 8 per
     # token, not renormalised by default (clip_qkv is not implemented: refused when set)
@@ -318,6 +347,21 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "num_experts_per_tok": 8,
         "norm_topk_prob": False,
         "decoder_sparse_step": 1,
+    },
+    "qwen2_moe": {
+        **_QWEN,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "hidden_act": "silu",
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "qkv_bias": True,
     },
     "olmoe": {
         **_LLAMA_LIKE,
@@ -571,6 +615,9 @@ class Matrix:
 
 
 GROUP_ORDER = ("qkv", "o", "gate_up", "down")
+# A sparse layer's groups whose rows every token needs whole on every tensor-parallel rank: the router
+# [n_experts, dim] and a shared expert's gate [1, dim] (an expert's "gate_up.e"/"down.e" split as the MLP's)
+SPARSE_GROUPS = ("router", "shared_gate")
 
 
 @dataclass
@@ -609,6 +656,7 @@ class ModelArgs:
     n_experts: int = 0
     experts_per_token: int = 0
     norm_topk: bool = True
+    shared_intermediate_size: int = 0  # Qwen2-MoE: the shared expert's (Family.shared_expert); 0: none
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -628,6 +676,10 @@ class ModelArgs:
         if (self.family.moe is not None) != (self.n_experts > 0) or not 0 <= self.experts_per_token <= self.n_experts:
             raise ValueError(
                 f"{self.model_type}: {self.n_experts} experts, {self.experts_per_token} per token do not fit the family"
+            )
+        if self.family.shared_expert != (self.shared_intermediate_size > 0):
+            raise ValueError(
+                f"{self.model_type}: a shared expert of {self.shared_intermediate_size} columns does not fit the family"
             )
 
     @property
@@ -672,7 +724,9 @@ class ModelArgs:
 
     def expert_matrices(self) -> tuple[Matrix, ...]:
         """A sparse layer's router (group "router": [n_experts, dim]) and each expert e's gate and up
-        (group "gate_up.e") and down (group "down.e") projections; () for a dense family."""
+        (group "gate_up.e") and down (group "down.e") projections; then a shared expert's (Qwen2-MoE:
+        groups "gate_up.shared", "down.shared") and its gate (group "shared_gate": [1, dim]); () for a
+        dense family."""
         moe = self.family.moe
         if moe is None:
             return ()
@@ -684,6 +738,14 @@ class ModelArgs:
                 Matrix(f"{moe}.experts.{e}.{gate}", f"gate_up.{e}", f, d, False),
                 Matrix(f"{moe}.experts.{e}.{up}", f"gate_up.{e}", f, d, False),
                 Matrix(f"{moe}.experts.{e}.{down}", f"down.{e}", d, f, False),
+            ]
+        if self.family.shared_expert:
+            fs = self.shared_intermediate_size
+            out += [
+                Matrix(f"{moe}.shared_expert.{gate}", "gate_up.shared", fs, d, False),
+                Matrix(f"{moe}.shared_expert.{up}", "gate_up.shared", fs, d, False),
+                Matrix(f"{moe}.shared_expert.{down}", "down.shared", d, fs, False),
+                Matrix(f"{moe}.shared_expert_gate", "shared_gate", 1, d, False),
             ]
         return tuple(out)
 
@@ -719,10 +781,14 @@ class ModelArgs:
         """A short canonical description of the parameter layout a delta must match, e.g.
         `q,k,v,o,gate,up,down;bias=q,k,v` or `qkv,o,gate_up,down` or `...;qk_norm`."""
         mats = self.matrices()
-        text = ",".join(m.short for m in mats if not m.group.startswith(("router", "gate_up.", "down.")))
+        text = ",".join(m.short for m in mats if m.group not in SPARSE_GROUPS and "." not in m.group)
         if self.family.moe is not None:  # e.g. q,k,v,o,router,experts=8x(w1,w3,w2)
             names = ",".join(self.family.expert_names).replace("_proj", "")
             text += f",router,experts={self.n_experts}x({names})"
+            if (
+                self.family.shared_expert
+            ):  # Qwen2-MoE: q,k,v,o,router,experts=60x(gate,up,down),shared_expert=(...)+gate
+                text += f",shared_expert=({names})+gate"
         biased = [m.short for m in mats if m.bias]
         if biased:
             text += ";bias=" + ",".join(biased)
@@ -806,7 +872,7 @@ def _rope_to_hf(rope: Rope, head_dim: int) -> dict:
 def _unsupported_type(model_type) -> str:
     hint = ""
     if isinstance(model_type, str) and ("moe" in model_type or model_type in ("dbrx", "deepseek_v2", "deepseek_v3")):
-        hint = " (of the mixture-of-experts families, this build serves mixtral, qwen3_moe and olmoe)"
+        hint = " (of the mixture-of-experts families, this build serves mixtral, qwen3_moe, qwen2_moe and olmoe)"
     elif isinstance(model_type, str) and model_type.startswith(("llava", "idefics", "qwen2_vl", "mllama", "paligemma")):
         hint = " (multimodal models are not supported, but for Gemma 3's text model)"
     return f"model_type {model_type!r} is not supported{hint}; this build serves {', '.join(SUPPORTED)}"
@@ -893,7 +959,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         attn_scale = _positive(cfg, "attention_multiplier")
     attn_bias = bool(cfg.get("attention_bias", False))
     eos = cfg.get("eos_token_id")
-    n_experts, per_token, ffn = _experts(cfg, fam)
+    n_experts, per_token, ffn, shared = _experts(cfg, fam)
     return cls(
         vocab_size=cfg["vocab_size"],
         dim=cfg["hidden_size"],
@@ -909,7 +975,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         model_type=model_type,
         rope=rope,
-        qkv_bias=model_type == "qwen2" or attn_bias,
+        qkv_bias=model_type == "qwen2" or attn_bias or (model_type == "qwen2_moe" and bool(cfg["qkv_bias"])),
         o_bias=attn_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         windows=_windows(cfg, model_type, n_layers),
@@ -924,17 +990,19 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         n_experts=n_experts,
         experts_per_token=per_token,
         norm_topk=fam.model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+        shared_intermediate_size=shared,
     )
 
 
-_DEFAULT_EXPERTS = {"mixtral": 8, "qwen3_moe": 128, "olmoe": 64}
+_DEFAULT_EXPERTS = {"mixtral": 8, "qwen3_moe": 128, "qwen2_moe": 60, "olmoe": 64}
 
 
-def _experts(cfg: dict, fam: Family) -> tuple[int, int, int]:
-    """(experts, experts per token, the MLP's or each expert's intermediate size) as transformers'
-    model of the family reads them; a sparse family whose layers are not all sparse is refused."""
+def _experts(cfg: dict, fam: Family) -> tuple[int, int, int, int]:
+    """(experts, experts per token, the MLP's or each expert's intermediate size, the shared expert's
+    or 0) as transformers' model of the family reads them; a sparse family whose layers are not all
+    sparse is refused."""
     if fam.moe is None:
-        return 0, 0, cfg["intermediate_size"]
+        return 0, 0, cfg["intermediate_size"], 0
     counts = {cfg[k] for k in ("num_local_experts", "num_experts") if cfg.get(k) is not None}
     counts = counts or {_DEFAULT_EXPERTS[fam.model_type]}  # transformers' default (either spelling)
     if len(counts) != 1:
@@ -950,7 +1018,15 @@ def _experts(cfg: dict, fam: Family) -> tuple[int, int, int]:
         raise UnsupportedModel(
             "decoder_sparse_step / mlp_only_layers: layers with a dense MLP among sparse ones are not supported"
         )
-    return n, k, cfg["moe_intermediate_size"] if fam.model_type == "qwen3_moe" else cfg["intermediate_size"]
+    shared = 0
+    if fam.shared_expert:
+        shared = cfg["shared_expert_intermediate_size"]
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 1:
+            raise UnsupportedModel(
+                f"config field 'shared_expert_intermediate_size' must be a positive integer, got {shared!r}"
+            )
+    own = fam.model_type in ("qwen3_moe", "qwen2_moe")  # experts of their own size (the dense MLP's unused)
+    return n, k, cfg["moe_intermediate_size"] if own else cfg["intermediate_size"], shared
 
 
 def _positive(cfg: dict, key: str) -> float | None:
@@ -1005,6 +1081,25 @@ def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int | None, ...
             raise UnsupportedModel(
                 f"layer_types {types!r}: expected {n_layers} of 'full_attention'/'sliding_attention'"
             )
+        out = tuple(int(window) if t == "sliding_attention" else None for t in types)
+    elif model_type == "qwen2_moe":
+        # transformers' Qwen2-MoE: no window unless use_sliding_window (its sliding_window is then 0);
+        # without layer_types, the even layers (0, 2, ...) below max_window_layers slide
+        types = cfg.get("layer_types")
+        if not cfg.get("use_sliding_window", False):
+            if types is not None and "sliding_attention" in types:
+                raise UnsupportedModel("layer_types has sliding_attention layers but use_sliding_window is off")
+            return ()
+        window = cfg.get("sliding_window", 4096)  # the class's default, kept only when use_sliding_window
+        if types is None:
+            first = cfg.get("max_window_layers", 28)
+            types = ["sliding_attention" if i % 2 == 0 and i < first else "full_attention" for i in range(n_layers)]
+        if len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
+            raise UnsupportedModel(
+                f"layer_types {types!r}: expected {n_layers} of 'full_attention'/'sliding_attention'"
+            )
+        if window is None and "sliding_attention" in types:
+            raise UnsupportedModel("layer_types has sliding_attention layers but sliding_window is not set")
         out = tuple(int(window) if t == "sliding_attention" else None for t in types)
     elif model_type == "qwen3_moe":  # every layer, when use_sliding_window is on
         if not cfg.get("use_sliding_window", False) or window is None:

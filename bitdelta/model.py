@@ -294,13 +294,17 @@ def route(args: ModelArgs, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 class SparseMoE(nn.Module):
     """A sparse layer (Mixtral's block_sparse_moe, Qwen3-MoE's mlp): `gate` routes each token to its
-    top experts, whose outputs are summed weighted by `route`'s weights."""
+    top experts, whose outputs are summed weighted by `route`'s weights. Qwen2-MoE adds
+    `shared_expert`, which every token takes, scaled by sigmoid(`shared_expert_gate` · x)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
         self.experts = nn.ModuleList(Expert(args) for _ in range(args.n_experts))
+        if args.family.shared_expert:
+            self.shared_expert = Expert(dataclasses.replace(args, intermediate_size=args.shared_intermediate_size))
+            self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -310,6 +314,8 @@ class SparseMoE(nn.Module):
             rows, k = (experts == e).nonzero(as_tuple=True)
             y = self.experts[e](flat[rows]) * weights[rows, k, None]
             out.index_add_(0, rows, y.to(out.dtype))
+        if self.args.family.shared_expert:  # as transformers: sigmoid(gate) · shared, added to the experts' sum
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view_as(x)
 
 

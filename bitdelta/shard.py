@@ -39,7 +39,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
-from bitdelta.arch import ModelArgs
+from bitdelta.arch import SPARSE_GROUPS, ModelArgs
 from bitdelta.rpc.wire.delta_store import slice_runs
 
 EMBED = "model.embed_tokens.weight"
@@ -49,8 +49,10 @@ ROW_GROUPS = ("o", "down")
 
 
 def group_kind(group: str) -> str:
-    """A projection group's kind: an expert's groups ("gate_up.3", "down.3") split like the dense MLP's
-    (COLUMN_GROUPS, ROW_GROUPS); "router" (a sparse layer's, [n_experts, dim]) is whole on every rank."""
+    """A projection group's kind: an expert's groups ("gate_up.3", "down.3"; the shared expert's
+    "gate_up.shared", "down.shared") split like the dense MLP's (COLUMN_GROUPS, ROW_GROUPS); a sparse
+    layer's SPARSE_GROUPS (the router [n_experts, dim], the shared expert's gate [1, dim]) are whole
+    on every rank."""
     return group.split(".", 1)[0]
 
 
@@ -145,6 +147,10 @@ class TPLayout:
                 raise ShardError(f"{n} ranks: each of the {a.n_heads} query heads would be split; at most {a.n_heads}")
         if n > -(-a.intermediate_size // 8):
             raise ShardError(f"{n} ranks: the MLP's {a.intermediate_size} columns give fewer 8-column blocks")
+        if a.shared_intermediate_size and n > -(-a.shared_intermediate_size // 8):
+            raise ShardError(
+                f"{n} ranks: the shared expert's {a.shared_intermediate_size} columns give fewer 8-column blocks"
+            )
         if n > a.vocab_size:
             raise ShardError(f"{n} ranks for a vocabulary of {a.vocab_size}")
         for r in range(n):
@@ -178,11 +184,17 @@ class TPLayout:
         group = a.n_heads // a.n_kv_heads
         return q0 // group, -(-q1 // group)
 
-    def ffn(self, rank: int | None = None) -> tuple[int, int]:
-        """Intermediate columns [f0, f1) of a rank (8-column blocks, the last one cut at the size)."""
-        f = self.args.intermediate_size
+    def ffn(self, rank: int | None = None, size: int | None = None) -> tuple[int, int]:
+        """Intermediate columns [f0, f1) of a rank (8-column blocks, the last one cut at the size) of
+        an MLP of `size` columns (default: intermediate_size, the MLP's or each expert's)."""
+        f = self.args.intermediate_size if size is None else size
         b0, b1 = _balanced(-(-f // 8), self.size, self.rank if rank is None else rank)
         return 8 * b0, min(8 * b1, f)
+
+    def _group_ffn(self, group: str) -> tuple[int, int, int]:
+        """(columns of the MLP a gate_up/down group belongs to, this rank's [f0, f1) of them)."""
+        f = self.args.shared_intermediate_size if group.endswith(".shared") else self.args.intermediate_size
+        return (f, *self.ffn(size=f))
 
     def vocab(self, rank: int | None = None) -> tuple[int, int]:
         """Vocabulary rows [v0, v1) of a rank."""
@@ -201,9 +213,16 @@ class TPLayout:
         q0, q1 = self.heads()
         k0, k1 = self.kv_heads()
         f0, f1 = self.ffn()
+        s0, s1 = self.ffn(size=a.shared_intermediate_size)
         v0, v1 = self.vocab()
         return dataclasses.replace(
-            a, n_heads=q1 - q0, n_kv_heads=k1 - k0, intermediate_size=f1 - f0, vocab_size=v1 - v0, head_dim=a.head_dim
+            a,
+            n_heads=q1 - q0,
+            n_kv_heads=k1 - k0,
+            intermediate_size=f1 - f0,
+            shared_intermediate_size=s1 - s0,
+            vocab_size=v1 - v0,
+            head_dim=a.head_dim,
         )
 
     # -- per group / tensor ------------------------------------------------------------------------
@@ -216,8 +235,7 @@ class TPLayout:
             k0, k1 = self.kv_heads()
             return ((q0 * hd, q1 * hd), (q + k0 * hd, q + k1 * hd), (q + kv + k0 * hd, q + kv + k1 * hd))
         if group_kind(group) == "gate_up":
-            f = a.intermediate_size
-            f0, f1 = self.ffn()
+            f, f0, f1 = self._group_ffn(group)
             return ((f0, f1), (f + f0, f + f1))
         raise ValueError(f"{group} is not a column-parallel group")
 
@@ -227,7 +245,7 @@ class TPLayout:
             q0, q1 = self.heads()
             return q0 * self.args.head_dim, q1 * self.args.head_dim
         if group_kind(group) == "down":
-            return self.ffn()
+            return self._group_ffn(group)[1:]
         raise ValueError(f"{group} is not a row-parallel group")
 
     def _matrices(self) -> dict[str, tuple[str, int, int]]:
@@ -267,7 +285,7 @@ class TPLayout:
         if module not in mats:
             return TensorShard(Split.REPLICATED)  # a norm (q/k norms included)
         group, r0, d_out = mats[module]
-        if group == "router":  # every rank routes every token: the router's tensors whole on each
+        if group in SPARSE_GROUPS:  # every rank routes every token: the router's tensors whole on each
             return TensorShard(Split.REPLICATED)
         is_bias = param.endswith(".bias")
         if group_kind(group) in ROW_GROUPS:
@@ -327,7 +345,7 @@ class TPLayout:
     def group_shard(self, group: str) -> TensorShard:
         """Rank's part of a projection group's concatenated base weight [d_out_g, d_in_g] (and of
         its bias [d_out_g] when column-parallel)."""
-        if group == "router":
+        if group in SPARSE_GROUPS:
             return TensorShard(Split.REPLICATED)
         if group_kind(group) in ROW_GROUPS:
             return TensorShard(Split.ROW, cols=self.group_cols(group))

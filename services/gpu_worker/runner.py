@@ -1117,18 +1117,21 @@ class ModelRunner:
             x = residual(a, x, down)
         return x
 
-    def _mlp(self, h: torch.Tensor, layer: int, m: StepMeta, expert: int | None = None) -> torch.Tensor:
-        """The gated MLP of groups gate_up, down (expert e's: gate_up.e, down.e) over rows h [n, dim]."""
+    def _mlp(self, h: torch.Tensor, layer: int, m: StepMeta, expert: int | str | None = None) -> torch.Tensor:
+        """The gated MLP of groups gate_up, down (expert e's: gate_up.e, down.e; the shared expert's:
+        gate_up.shared, down.shared) over rows h [n, dim]."""
         of = "" if expert is None else f".{expert}"
         gu = self._linear(h, layer, f"gate_up{of}", m)
-        f = self.args.intermediate_size
+        f = gu.shape[1] // 2  # gate ‖ up
         return self._linear(gate_act(self.args, gu[:, :f]) * gu[:, f:], layer, f"down{of}", m)
 
     def _sparse(self, h: torch.Tensor, layer: int, m: StepMeta) -> torch.Tensor:
         """A sparse layer over h [N, dim]: each row's router logits (its variant's router), its
         experts and weights (`model.route`), then each chosen expert over its rows, ascending, each
-        row's outputs summed weighted, as transformers sums them. Which rows an expert takes is read
-        on the host (one sync per layer): the projections' delta launches are planned per expert."""
+        row's outputs summed weighted, as transformers sums them; plus, where the family has one
+        (Qwen2-MoE), the shared expert over every row scaled by sigmoid(its gate). Which rows an
+        expert takes is read on the host (one sync per layer): the projections' delta launches are
+        planned per expert."""
         weights, experts = route(self.args, self._linear(h, layer, "router", m))
         host = experts.cpu()
         out = torch.zeros_like(h)
@@ -1137,6 +1140,8 @@ class ModelRunner:
             at = self._dev(rows)
             y = self._mlp(h[at], layer, self._rows_meta(m, rows), e)
             out.index_add_(0, at, (y * weights[at, self._dev(k), None]).to(out.dtype))
+        if self.args.family.shared_expert:
+            out = out + torch.sigmoid(self._linear(h, layer, "shared_gate", m)) * self._mlp(h, layer, m, "shared")
         return out
 
     def _final(self, x: torch.Tensor, m: StepMeta) -> torch.Tensor:

@@ -119,7 +119,11 @@ def test_fields_that_would_change_the_model_are_refused(bases):
     for why, change in cases.items():
         with pytest.raises(UnsupportedModel, match=why.replace("(", r"\(")):
             ModelArgs.from_hf({**copy.deepcopy(llama), **change})
-    for model_type, what in (("qwen2_moe", "mixture-of-experts"), ("paligemma", "multimodal"), ("llava", "multimodal")):
+    for model_type, what in (
+        ("deepseek_v2", "mixture-of-experts"),
+        ("paligemma", "multimodal"),
+        ("llava", "multimodal"),
+    ):
         with pytest.raises(UnsupportedModel, match=f"{model_type}.*{what}.*llama, mistral, qwen2, qwen3, phi3"):
             ModelArgs.from_hf({**llama, "model_type": model_type})
     with pytest.raises(UnsupportedModel, match="multimodal"):
@@ -141,6 +145,7 @@ def test_fields_that_would_change_the_model_are_refused(bases):
         ("olmo2", "Olmo2Config"),
         ("mixtral", "MixtralConfig"),
         ("qwen3_moe", "Qwen3MoeConfig"),
+        ("qwen2_moe", "Qwen2MoeConfig"),
         ("olmoe", "OlmoeConfig"),
     ],
 )
@@ -188,6 +193,34 @@ def test_mixture_of_experts_configs_as_transformers_reads_them(bases):
     assert on.windows == (8, 8)  # transformers' Qwen3-MoE windows every layer
     # the class's defaults are Mixtral-8x7B's shapes (the published configs: test_plans_of_published_configs)
     assert ModelArgs.from_hf({"model_type": "mixtral"}).param_count() == 46_702_792_704
+
+
+def test_qwen2_moe_configs_as_transformers_reads_them(bases):
+    """Qwen2-MoE's shared expert and its gate are compressed matrices of their own groups; qkv_bias
+    and the sliding windows read as transformers' Qwen2-MoE reads them; a shared expert of no
+    columns is refused."""
+    cfg = read_config(bases["qwen2-moe"])
+    a = ModelArgs.from_hf(cfg)
+    assert (a.n_experts, a.experts_per_token, a.intermediate_size, a.shared_intermediate_size) == (4, 2, 24, 40)
+    assert (a.norm_topk, a.qkv_bias, a.o_bias, a.windows) == (False, True, False, ())
+    assert a.layout == "q,k,v,o,router,experts=4x(gate,up,down),shared_expert=(gate,up,down)+gate;bias=q,k,v"
+    groups = a.group_shapes()
+    assert groups["gate_up.shared"] == (80, 32) and groups["down.shared"] == (32, 40)
+    assert groups["shared_gate"] == (1, 32) and groups["gate_up.3"] == (48, 32)
+    assert "model.layers.1.mlp.shared_expert_gate.weight" in a.compressed_names()
+    assert not ModelArgs.from_hf({**cfg, "qkv_bias": False}).qkv_bias
+    # transformers' rule without layer_types: the even layers below max_window_layers slide
+    on = {**cfg, "use_sliding_window": True, "sliding_window": 8, "layer_types": None, "num_hidden_layers": 4}
+    assert ModelArgs.from_hf({**on, "max_window_layers": 3}).windows == (8, None, 8, None)
+    assert ModelArgs.from_hf({**on, "max_window_layers": 1}).windows == (8, None, None, None)
+    assert ModelArgs.from_hf({k: v for k, v in on.items() if k != "sliding_window"}).windows[0] == 4096
+    for why, change in {
+        "shared_expert_intermediate_size": {"shared_expert_intermediate_size": 0},
+        "use_sliding_window is off": {"layer_types": ["sliding_attention", "full_attention"]},
+        "dense MLP among sparse": {"mlp_only_layers": [0]},
+    }.items():
+        with pytest.raises(UnsupportedModel, match=why):
+            ModelArgs.from_hf({**cfg, **change})
 
 
 def test_gemma_configs_as_transformers_reads_them(bases):
@@ -349,6 +382,7 @@ def test_plans_of_published_configs():
         "gemma-3-1b": 1.00e9,
         "mixtral-8x7b": 46.70e9,
         "qwen3-30b-a3b": 30.53e9,
+        "qwen1.5-moe-a2.7b": 14.32e9,  # "14.3B" on its card: 14,315,784,192 with the shared experts
     }
     for name, n in counts.items():
         gpus = 1 if name == "gemma-3-1b" else 8  # its 4 query heads do not split 8 ways

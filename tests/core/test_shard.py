@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from bitdelta.arch import ModelArgs
+from bitdelta.arch import SPARSE_GROUPS, ModelArgs
 from bitdelta.shard import EMBED, ShardError, Split, TensorShard, TPLayout, group_kind
 from bitdelta.testing.family import tiny_args
 from bitdelta_kernels.bits import pack_signs, unpack_signs
@@ -23,6 +23,9 @@ LAYOUTS = {
     "qwen2 biases": tiny_args(model_type="qwen2", qkv_bias=True),
     "mixtral 4 experts": tiny_args(model_type="mixtral", n_experts=4, experts_per_token=2, intermediate_size=48),
     "qwen3-moe 1 kv head": tiny_args(model_type="qwen3_moe", n_kv_heads=1, n_experts=3, experts_per_token=2),
+    "qwen2-moe shared expert": tiny_args(
+        model_type="qwen2_moe", qkv_bias=True, n_experts=3, experts_per_token=2, shared_intermediate_size=40
+    ),
 }
 
 
@@ -80,7 +83,7 @@ def test_projection_shards_reproduce_the_unsharded_delta_linear(name):
                     assert ws.split == ss.split
                     wl, sl, alp = ws.take(w), ss.take(signs), al.take(alpha)
                     assert sl.shape == ss.shape(tuple(signs.shape))
-                    if m.group == "router":  # every rank routes every token: whole on each
+                    if m.group in SPARSE_GROUPS:  # every rank routes every token: whole on each
                         assert ws.split is ss.split is al.split is Split.REPLICATED
                         parts.append(delta_linear(x, wl, sl, alp, m.d_in))
                     elif group_kind(m.group) in ("o", "down"):  # row-parallel: input columns, α replicated
@@ -91,7 +94,7 @@ def test_projection_shards_reproduce_the_unsharded_delta_linear(name):
                     else:  # column-parallel: output rows of W, signs and α alike
                         assert ws.split is Split.COLUMN and ss.rows == ws.rows
                         parts.append(delta_linear(x, wl, sl, alp, m.d_in))
-                if m.group == "router":
+                if m.group in SPARSE_GROUPS:
                     assert all(torch.equal(p, full) for p in parts)
                 elif group_kind(m.group) in ("o", "down"):
                     torch.testing.assert_close(sum(parts), full)  # the one all-reduce
@@ -157,7 +160,7 @@ def test_format_v3_parts_shard_so_the_ranks_reproduce_the_unsharded_delta(name):
                         vl.shape == v.shape and planes[2][1].shape == (m.d_in,) and ul.shape[0] == ws.shape(w.shape)[0]
                     )
                     parts.append(v3_linear(x, ws.take(w), planes, ul, vl, m.d_in))
-            if m.group == "router":  # whole on every rank, every part of it
+            if m.group in SPARSE_GROUPS:  # whole on every rank, every part of it
                 assert all(torch.equal(p, full) for p in parts)
             elif group_kind(m.group) in ("o", "down"):
                 torch.testing.assert_close(sum(parts), full)

@@ -40,7 +40,7 @@ N = 12
 T = 60
 SUFFIX = ".bitdelta.safetensors"
 PROMPT = "The adapter says"
-BASES = ("llama-3.2", "qwen2.5", "phi3-mini", "qwen3", "gemma3-mm", "mixtral")
+BASES = ("llama-3.2", "qwen2.5", "phi3-mini", "qwen3", "gemma3-mm", "mixtral", "qwen2-moe")
 
 
 def each_layer(*params: str) -> set[str]:
@@ -89,6 +89,13 @@ ADAPTERS = {
     ),
     # a mixture of experts: LoRA on its attention (PEFT's LoRA of experts, target_parameters, is refused)
     "moe_attention": ("mixtral", dict(target_modules=["q_proj", "o_proj"]), set()),
+    # Qwen2-MoE's shared expert and its gate are plain linear modules: LoRA on them (the routed experts'
+    # fused tensors are not modules, so gate_proj/up_proj/down_proj match the shared expert's alone)
+    "moe_shared_expert": (
+        "qwen2-moe",
+        dict(target_modules=["v_proj", "gate_proj", "up_proj", "down_proj", "shared_expert_gate"]),
+        set(),
+    ),
     "qk_norms_saved": (
         "qwen3",
         dict(target_modules=["o_proj"], modules_to_save=["q_norm", "k_norm"]),

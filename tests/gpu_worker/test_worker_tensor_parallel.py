@@ -120,12 +120,12 @@ async def test_a_corrupt_delta_is_data_loss_and_the_ranks_keep_serving(family):
     await answers(config(family.base, family.deltas, 2), {"": "abc"}, check=check)
 
 
-@pytest.mark.parametrize("member", ["gemma2", "gemma3", "mixtral", "qwen3-moe"])
+@pytest.mark.parametrize("member", ["gemma2", "gemma3", "mixtral", "qwen3-moe", "qwen2-moe"])
 async def test_family_layers_on_two_ranks_equal_one_process(tmp_path, member):
     """Gemma's layer on two ranks (sandwich norms, per-head q/k norms and the sliding layers' own rope
     on each rank's heads, soft-capped scores and logits, √dim embeddings) and the sparse layers of
-    Mixtral and Qwen3-MoE (the router whole on each rank, each expert's columns split, one all-reduce
-    per layer): the same greedy tokens as one process, each variant alone and all in one batch."""
+    Mixtral, Qwen3-MoE and Qwen2-MoE (the router and the shared expert's gate whole on each rank,
+    each expert's columns and the shared expert's split, one all-reduce per layer): the same greedy tokens as one process, each variant alone and all in one batch."""
     from bitdelta.compress import compress
     from bitdelta.testing.family import make_finetune
     from tests.support.archs import make_hf_base

@@ -121,6 +121,15 @@ def hf_config(name: str):
         return tf.Qwen3MoeConfig(
             **COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=False
         )
+    if name == "qwen2-moe":  # q/k/v biases, 4 experts of 24, 2 per token, a shared expert of 40 and its gate
+        return tf.Qwen2MoeConfig(
+            **COMMON,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            norm_topk_prob=False,
+        )
     if name == "olmoe":  # OLMo's whole-projection q/k norms before the heads, 4 experts, 2 per token
         return tf.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2)
     if name == "gemma3-mm":  # Gemma 3 as its multimodal checkpoints ship (Gemma3ForConditionalGeneration)
@@ -147,6 +156,7 @@ FAMILY_MEMBERS = (
     "olmo2",
     "mixtral",
     "qwen3-moe",
+    "qwen2-moe",
     "olmoe",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa")
