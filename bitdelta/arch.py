@@ -31,6 +31,7 @@ import torch
 SUPPORTED = (
     "llama",
     "mistral",
+    "ministral3",
     "qwen2",
     "qwen3",
     "phi3",
@@ -89,6 +90,10 @@ _MOE_FIELDS = frozenset({"num_local_experts", "num_experts", "num_experts_per_to
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", False, False, False, frozenset({"attention_bias", "mlp_bias"})),
     "mistral": Family("mistral", False, False, False, frozenset({"sliding_window"})),
+    # Ministral 3: Mistral's layer, a yarn rope by default, and Llama 4's attention temperature: q × (1 + β ·
+    # log(1 + ⌊position / original_max_position_embeddings⌋)) after the rope (rope_parameters'
+    # llama_4_scaling_beta β; 1 below the original context)
+    "ministral3": Family("ministral3", False, False, False, frozenset({"sliding_window"})),
     "qwen2": Family(
         "qwen2",
         False,
@@ -275,6 +280,32 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "hidden_act": "silu",
         "sliding_window": 4096,
     },
+    "ministral3": {
+        "vocab_size": 131072,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 34,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "type": "yarn",
+            "rope_theta": 1000000.0,
+            "factor": 16.0,
+            "original_max_position_embeddings": 16384,
+            "max_position_embeddings": 262144,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale_all_dim": 1.0,
+            "mscale": 1.0,
+            "llama_4_scaling_beta": 0.1,
+            "rope_type": "yarn",
+        },
+    },
     "qwen2": {**_QWEN, "hidden_act": "silu"},
     "qwen3": {**_QWEN, "hidden_act": "silu", "head_dim": 128},
     "phi3": dict(
@@ -379,22 +410,42 @@ FAMILY_DEFAULTS: dict[str, dict] = {
 }
 # The rope's θ where a config names none, where transformers' class of the family has its own
 DEFAULT_THETA = {"mixtral": 1e6}
-# Multimodal wrappers whose text model this build serves alone (model_type -> the text model's, and
-# its causal LM's class): prompts are text, the vision tower's weights are never read
-# (`text_model_config`; bitdelta.checkpoint reads the text model's tensors under its causal LM's names).
-TEXT_MODELS = {"gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
-# A wrapper's own fields beside its text model's (its vision tower's, the image tokens'): not read.
-WRAPPER_FIELDS = frozenset(
-    {
-        "text_config",
-        "vision_config",
-        "boi_token_index",
-        "eoi_token_index",
-        "image_token_index",
-        "mm_tokens_per_image",
-        "tie_word_embeddings",
-    }
-)
+# Multimodal wrappers whose text model this build serves alone (model_type -> each text model it may
+# wrap, the first its default, and that text model's causal LM class): prompts are text, the vision
+# tower's weights are never read (`text_model_config`; bitdelta.checkpoint reads the text model's
+# tensors under its causal LM's names). Gemma 3's Gemma3ForConditionalGeneration; Mistral 3's
+# Mistral3ForConditionalGeneration (Mistral Small 3.1/3.2 wrap a Mistral, the Ministral 3 a Ministral 3).
+TEXT_MODELS: dict[str, dict[str, str]] = {
+    "gemma3": {"gemma3_text": "Gemma3ForCausalLM"},
+    "mistral3": {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM"},
+}
+# A wrapper's own fields beside its text model's (its vision tower's, the image tokens', the
+# projector's): not read.
+WRAPPER_FIELDS: dict[str, frozenset[str]] = {
+    "gemma3": frozenset(
+        {
+            "text_config",
+            "vision_config",
+            "boi_token_index",
+            "eoi_token_index",
+            "image_token_index",
+            "mm_tokens_per_image",
+            "tie_word_embeddings",
+        }
+    ),
+    "mistral3": frozenset(
+        {
+            "text_config",
+            "vision_config",
+            "image_token_index",
+            "multimodal_projector_bias",
+            "projector_hidden_act",
+            "spatial_merge_size",
+            "vision_feature_layer",
+            "tie_word_embeddings",
+        }
+    ),
+}
 # The MLP gate activations (config name -> the runner's name); Gemma's is GELU in its tanh form.
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -657,6 +708,10 @@ class ModelArgs:
     experts_per_token: int = 0
     norm_topk: bool = True
     shared_intermediate_size: int = 0  # Qwen2-MoE: the shared expert's (Family.shared_expert); 0: none
+    # Ministral 3's attention temperature (Llama 4's): q × round(1 + β · log(1 + ⌊pos / original⌋)) after the
+    # rope, β = temperature_beta, original = temperature_original (β 0: none)
+    temperature_beta: float = 0.0
+    temperature_original: int = 0
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -688,6 +743,14 @@ class ModelArgs:
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
+
+    def q_temperature(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """fp32 [T] of the factor each position's q takes (`temperature_beta`), or None where the model
+        has none. 1 exactly below `temperature_original`."""
+        if not self.temperature_beta:
+            return None
+        steps = torch.floor(positions.to(torch.float32) / self.temperature_original)
+        return 1 + self.temperature_beta * torch.log(1 + steps)
 
     def local(self, layer: int) -> bool:
         """The layer takes `local_rope` (Gemma 3's sliding-window layers)."""
@@ -874,7 +937,7 @@ def _unsupported_type(model_type) -> str:
     if isinstance(model_type, str) and ("moe" in model_type or model_type in ("dbrx", "deepseek_v2", "deepseek_v3")):
         hint = " (of the mixture-of-experts families, this build serves mixtral, qwen3_moe, qwen2_moe and olmoe)"
     elif isinstance(model_type, str) and model_type.startswith(("llava", "idefics", "qwen2_vl", "mllama", "paligemma")):
-        hint = " (multimodal models are not supported, but for Gemma 3's text model)"
+        hint = " (multimodal models are not supported, but for the text models of Gemma 3 and Mistral 3)"
     return f"model_type {model_type!r} is not supported{hint}; this build serves {', '.join(SUPPORTED)}"
 
 
@@ -884,17 +947,18 @@ def _is_set(value) -> bool:
 
 def text_model_config(cfg: dict) -> dict:
     """The config of the model this build serves from `cfg`: cfg itself, or for a multimodal wrapper
-    (TEXT_MODELS: Gemma 3's Gemma3ForConditionalGeneration) its text model's, as that text model's
-    causal LM reads it: the text_config, with the wrapper's token ids and tie_word_embeddings where
-    the text_config has none. A wrapper field this build does not know is refused by name."""
+    (TEXT_MODELS: Gemma 3's Gemma3ForConditionalGeneration, Mistral 3's Mistral3ForConditionalGeneration)
+    its text model's, as that text model's causal LM reads it: the text_config, with the wrapper's token
+    ids and tie_word_embeddings where the text_config has none. A wrapper field this build does not
+    know is refused by name."""
     model_type = cfg.get("model_type")
     if model_type not in TEXT_MODELS:
         return cfg
-    text_type, causal_lm = TEXT_MODELS[model_type]
+    texts = TEXT_MODELS[model_type]
     unknown = sorted(
         k
         for k in cfg
-        if k not in WRAPPER_FIELDS | IGNORED_FIELDS | {"model_type"}
+        if k not in WRAPPER_FIELDS[model_type] | IGNORED_FIELDS | {"model_type"}
         and not k.startswith("_")
         and not k.endswith("_token_id")
         and _is_set(cfg[k])
@@ -907,9 +971,12 @@ def text_model_config(cfg: dict) -> dict:
     text = cfg.get("text_config")
     if not isinstance(text, dict):
         raise UnsupportedModel(f"a {model_type} config serves its text model: it needs a text_config")
-    if text.get("model_type", text_type) != text_type:
-        raise UnsupportedModel(f"a {model_type} config's text_config must be a {text_type} config")
-    out = {**text, "model_type": text_type, "architectures": [causal_lm]}
+    text_type = text.get("model_type", next(iter(texts)))
+    if text_type not in texts:
+        raise UnsupportedModel(
+            f"a {model_type} config's text_config must be a {' or '.join(texts)} config, not {text_type!r}"
+        )
+    out = {**text, "model_type": text_type, "architectures": [texts[text_type]]}
     for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
         if key in cfg and cfg[key] is not None:
             if key in text and text[key] is not None and text[key] != cfg[key]:
@@ -948,6 +1015,9 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
     n_layers = cfg["num_hidden_layers"]
     max_pos = cfg.get("max_position_embeddings", 2048)
     local_rope = None
+    temperature = (0.0, 0)
+    if model_type == "ministral3":
+        cfg, temperature = _temperature(cfg)
     if model_type == "gemma3_text":
         rope, local_rope = _layer_type_ropes(cfg, fam, head_dim, max_pos)
     else:
@@ -991,7 +1061,28 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         experts_per_token=per_token,
         norm_topk=fam.model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
         shared_intermediate_size=shared,
+        temperature_beta=temperature[0],
+        temperature_original=temperature[1],
     )
+
+
+def _temperature(cfg: dict) -> tuple[dict, tuple[float, int]]:
+    """Ministral 3's rope_parameters without the attention temperature's fields (and their own
+    max_position_embeddings, which transformers' rope does not read), and (β, original context)."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if _is_set(cfg.get("rope_scaling")):
+        raise UnsupportedModel("ministral3 reads rope_parameters, not rope_scaling")
+    beta = params.pop("llama_4_scaling_beta", None)
+    params.pop("max_position_embeddings", None)
+    original = params.get("original_max_position_embeddings")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta):
+        raise UnsupportedModel(f"ministral3 needs a number rope_parameters.llama_4_scaling_beta, got {beta!r}")
+    if beta and (isinstance(original, bool) or not isinstance(original, int) or original < 1):
+        raise UnsupportedModel(
+            "ministral3's attention temperature needs a positive integer rope_parameters."
+            f"original_max_position_embeddings, got {original!r}"
+        )
+    return {**cfg, "rope_parameters": params}, (float(beta), int(original or 0))
 
 
 _DEFAULT_EXPERTS = {"mixtral": 8, "qwen3_moe": 128, "qwen2_moe": 60, "olmoe": 64}
@@ -1105,7 +1196,7 @@ def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int | None, ...
         if not cfg.get("use_sliding_window", False) or window is None:
             return ()
         out = (int(window),) * n_layers
-    elif model_type in ("mistral", "phi3", "mixtral"):
+    elif model_type in ("mistral", "ministral3", "phi3", "mixtral"):
         if window is None:
             return ()
         out = (int(window),) * n_layers

@@ -234,6 +234,9 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        temperature = a.q_temperature(pos)  # Ministral 3: q × its position's factor, in q's dtype
+        if temperature is not None:
+            q = q * temperature.to(q.dtype)[:, None]
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(pos, k, v)
             out = attend(q, k, v, attention_mask(pos, torch.arange(k.shape[2], device=x.device), self.window), a)

@@ -69,7 +69,7 @@ class DecodeGraphs:
     def serves(self, m: StepMeta) -> bool:
         """Whether the step `m` (prepared by the runner) runs here: one-token decodes only, sign planes
         of row α's only (no low-rank term), at most the largest bucket's rows, no block table past the
-        model's context."""
+        model's context, no attention temperature (Ministral 3 past its original context)."""
         n = m.tokens.shape[0]
         return (
             0 < n <= self.buckets[-1]
@@ -79,6 +79,7 @@ class DecodeGraphs:
             and m.decode_tables.shape[1] <= self.width
             and m.host_slots is not None
             and m.lowrank_rows is None
+            and m.q_temperature is None
         )
 
     def run(self, x: torch.Tensor, m: StepMeta) -> torch.Tensor:

@@ -347,6 +347,9 @@ class StepMeta:
     # Gemma 3's sliding-window layers' own rope (ModelArgs.local_rope): cos, sin as above; None: one rope
     local_cos: torch.Tensor | None = None
     local_sin: torch.Tensor | None = None
+    # Ministral 3's attention temperature: [N, 1, 1] each row's q factor in the dtype, or None where
+    # every row's is 1 (every position below the original context: ModelArgs.q_temperature)
+    q_temperature: torch.Tensor | None = None
     host_rows: torch.Tensor | None = None  # [N] int32 row_slot on the host (a sparse layer's experts' rows)
     # a variant's grown vocabulary in the step: tokens past the base's (its rows' embeddings are its
     # own table's), and the logits' columns (the widest logit row's vocabulary; −inf past a row's own)
@@ -489,6 +492,9 @@ class ModelRunner:
         if self.local_rope is not None:
             lc, ls = self.local_rope.tables(pos_t, max(positions, default=0) + 1, seq_lens)
             meta.local_cos, meta.local_sin = lc[:, None, :], ls[:, None, :]
+        if not self._below_temperature(max(positions, default=0) + 1):
+            temperature = self.args.q_temperature(torch.tensor(positions, dtype=torch.int64))
+            meta.q_temperature = self._dev(temperature.to(self.dtype)[:, None, None])
         # rows whose slot brings its own embedding (dense or signs): found here, not by a device nonzero()
         meta.embed_rows = {}
         for slot, ex in extras.items():
@@ -814,16 +820,23 @@ class ModelRunner:
             a = F.pad(a, (0, b.shape[1] - a.shape[1]), value=-math.inf)
         return torch.cat([a, b])[torch.tensor(where, dtype=torch.int64, device=a.device)]
 
-    def _c_row(self, w: SeqWork) -> bool:
-        """Whether `w` is a row the C layers take: one token, no prompt logits, the base or a variant
-        of sign planes only (a batch-invariant runner keeps a prefill's last token where the rest
-        of its prompt ran)."""
+    def _c_row(self, w: SeqWork, steps: int = 1) -> bool:
+        """Whether `w` is a row the C layers take (for `steps` positions from its own): one token, no
+        prompt logits, the base or a variant of sign planes only (a batch-invariant runner keeps a
+        prefill's last token where the rest of its prompt ran), no attention temperature."""
         return (
             len(w.tokens) == 1
             and w.prompt_logits is None
             and _c_adds_delta(self.slots.extras, w)
             and not (w.prefill and self.batch_invariant)
+            and self._below_temperature(w.start + steps)
         )
+
+    def _below_temperature(self, length: int) -> bool:
+        """Whether positions below `length` take no attention temperature (ModelArgs.q_temperature: 1
+        below its original context; the C layers and the graphs run none)."""
+        a = self.args
+        return not a.temperature_beta or length <= a.temperature_original
 
     def _c_serves(self, rows: int) -> bool:
         """Whether a step's `rows` C rows run in the C call: some, up to the decode GEMV's row count
@@ -854,7 +867,7 @@ class ModelRunner:
         row's blocks must hold its burst's positions. The tokens are those of as many `forward`
         calls with each step's argmax; `interrupt` and `deadline` (time.monotonic()) end the burst
         after a step; `ready` as `forward`'s."""
-        if not (self.bursts and all(self._c_row(w) for w in work) and self._c_serves(len(work))):
+        if not (self.bursts and all(self._c_row(w, steps) for w in work) and self._c_serves(len(work))):
             return None
         if self._c_layers is None:
             self._c_layers = self._build_c_layers()
@@ -1101,6 +1114,8 @@ class ModelRunner:
             else:  # q ‖ k are adjacent in qkv: one rotation for both heads' sets (half the small ops)
                 qk = apply_rope(qkv[:, : (H + KV) * hd].view(N, H + KV, hd), cos, sin)
                 q, k = qk[:, :H], qk[:, H:]
+            if m.q_temperature is not None:  # Ministral 3 past its original context
+                q = q * m.q_temperature
             att = self._linear(self._attention(q, k, v, i, m).reshape(N, H * hd), i, "o", m)
             if a.family.post_norm:  # OLMo 2: the attention's output normed, the MLP's input not
                 x = x + self._norm(att, norms["post_attention_layernorm"], m, a.norm_eps)

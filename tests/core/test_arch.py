@@ -124,7 +124,9 @@ def test_fields_that_would_change_the_model_are_refused(bases):
         ("paligemma", "multimodal"),
         ("llava", "multimodal"),
     ):
-        with pytest.raises(UnsupportedModel, match=f"{model_type}.*{what}.*llama, mistral, qwen2, qwen3, phi3"):
+        with pytest.raises(
+            UnsupportedModel, match=f"{model_type}.*{what}.*llama, mistral, ministral3, qwen2, qwen3, phi3"
+        ):
             ModelArgs.from_hf({**llama, "model_type": model_type})
     with pytest.raises(UnsupportedModel, match="multimodal"):
         ModelArgs.from_hf({**llama, "vision_config": {"hidden_size": 8}})
@@ -135,6 +137,7 @@ def test_fields_that_would_change_the_model_are_refused(bases):
     [
         ("llama", "LlamaConfig"),
         ("mistral", "MistralConfig"),
+        ("ministral3", "Ministral3Config"),
         ("qwen2", "Qwen2Config"),
         ("qwen3", "Qwen3Config"),
         ("phi3", "Phi3Config"),
@@ -221,6 +224,51 @@ def test_qwen2_moe_configs_as_transformers_reads_them(bases):
     }.items():
         with pytest.raises(UnsupportedModel, match=why):
             ModelArgs.from_hf({**cfg, **change})
+
+
+def test_mistral3_configs_as_transformers_reads_them(bases, tmp_path):
+    """Mistral 3's wrapper (Mistral3ForConditionalGeneration) reads as its text model, a Ministral 3
+    or a Mistral (Mistral Small 3.x); Ministral 3's attention temperature is 1 below its original
+    context and changes the logits past it; what the wrapper or the temperature cannot be is refused."""
+    import math
+
+    import transformers as tf
+
+    from bitdelta.model import load_model
+
+    cfg = read_config(bases["ministral3-mm"])
+    a = ModelArgs.from_hf(cfg)
+    assert (a.model_type, a.rope.kind, a.rope.factor, a.rope.original_max) == ("ministral3", "yarn", 4.0, ORIGINAL)
+    assert (a.temperature_beta, a.temperature_original, a.tie_embeddings, a.windows) == (0.1, ORIGINAL, False, ())
+    got = a.q_temperature(torch.tensor([0, ORIGINAL - 1, ORIGINAL, 2 * ORIGINAL - 1, 2 * ORIGINAL]))
+    want = torch.tensor([1, 1, 1 + 0.1 * math.log(2), 1 + 0.1 * math.log(2), 1 + 0.1 * math.log(3)])
+    torch.testing.assert_close(got, want)
+    assert ModelArgs.from_hf(cfg["text_config"]) == a  # the text model alone (Ministral3ForCausalLM) is the same
+    # the temperature matters past the original context: without it the logits there differ
+    ids = torch.randint(0, VOCAB, (1, LONG), generator=torch.Generator().manual_seed(3))
+    model = load_model(bases["ministral3-mm"])
+    with torch.no_grad():
+        want = model(ids)
+        for layer in model.model.layers:
+            layer.self_attn.args = dataclasses.replace(a, temperature_beta=0.0)
+        plain = model(ids)
+    assert torch.equal(plain[:, :ORIGINAL], want[:, :ORIGINAL])
+    assert (plain[:, ORIGINAL:] - want[:, ORIGINAL:]).abs().max() > 1e-3
+    # Mistral Small 3.x: the wrapper around a Mistral reads as that Mistral
+    mistral = read_config(bases["mistral"])
+    small = tf.Mistral3Config(text_config=mistral, tie_word_embeddings=False).to_dict()
+    assert ModelArgs.from_hf(small) == ModelArgs.from_hf(mistral)
+    for why, change in {
+        "must be a mistral or ministral3 config, not 'llama'": {"text_config": {**mistral, "model_type": "llama"}},
+        "'spatial_merge_sizes'": {"spatial_merge_sizes": 2},
+        "tie_word_embeddings is True": {"tie_word_embeddings": True},
+    }.items():
+        with pytest.raises(UnsupportedModel, match=why):
+            ModelArgs.from_hf({**small, **change})
+    text = cfg["text_config"]
+    rope = {k: v for k, v in text["rope_parameters"].items() if k != "llama_4_scaling_beta"}
+    with pytest.raises(UnsupportedModel, match="llama_4_scaling_beta"):
+        ModelArgs.from_hf({**text, "rope_parameters": rope})
 
 
 def test_gemma_configs_as_transformers_reads_them(bases):

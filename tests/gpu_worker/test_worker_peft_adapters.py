@@ -40,7 +40,7 @@ N = 12
 T = 60
 SUFFIX = ".bitdelta.safetensors"
 PROMPT = "The adapter says"
-BASES = ("llama-3.2", "qwen2.5", "phi3-mini", "qwen3", "gemma3-mm", "mixtral", "qwen2-moe")
+BASES = ("llama-3.2", "qwen2.5", "phi3-mini", "qwen3", "gemma3-mm", "mixtral", "qwen2-moe", "ministral3-mm")
 
 
 def each_layer(*params: str) -> set[str]:
@@ -87,6 +87,8 @@ ADAPTERS = {
         dict(target_modules=["q_proj", "down_proj"], modules_to_save=["q_norm"]),
         each_layer("self_attn.q_norm.weight"),
     ),
+    # Ministral 3 as it ships (Mistral3ForConditionalGeneration): q_proj matches the Pixtral tower's too
+    "mistral3_mm": ("ministral3-mm", dict(target_modules=["q_proj", "v_proj", "up_proj"]), set()),
     # a mixture of experts: LoRA on its attention (PEFT's LoRA of experts, target_parameters, is refused)
     "moe_attention": ("mixtral", dict(target_modules=["q_proj", "o_proj"]), set()),
     # Qwen2-MoE's shared expert and its gate are plain linear modules: LoRA on them (the routed experts'

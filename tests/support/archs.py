@@ -132,11 +132,41 @@ def hf_config(name: str):
         )
     if name == "olmoe":  # OLMo's whole-projection q/k norms before the heads, 4 experts, 2 per token
         return tf.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2)
+    if name == "ministral3":  # yarn from an original context of 16, Llama 4's attention temperature past it
+        return tf.Ministral3Config(**COMMON, head_dim=8, rope_parameters=MINISTRAL3_ROPE)
+    if name == "ministral3-mm":  # Ministral 3 as it ships (Mistral3ForConditionalGeneration, a Pixtral tower)
+        text = {**hf_config("ministral3").to_dict(), "tie_word_embeddings": False}
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8)
+        return tf.Mistral3Config(
+            text_config=text, vision_config={**vision, "image_size": 28, "patch_size": 14}, tie_word_embeddings=False
+        )
     if name == "gemma3-mm":  # Gemma 3 as its multimodal checkpoints ship (Gemma3ForConditionalGeneration)
         text = hf_config("gemma3").to_dict()
         vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28)
         return tf.Gemma3Config(text_config=text, vision_config={**vision, "patch_size": 14}, mm_tokens_per_image=1)
     raise KeyError(name)
+
+
+MINISTRAL3_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 1_000_000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": ORIGINAL,
+    "max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "llama_4_scaling_beta": 0.1,
+}
+
+
+def causal_lm_class(config):
+    """transformers' auto class that builds a config's model with its LM head (Mistral 3's wrapper is
+    an image-text-to-text model only)."""
+    import transformers as tf
+
+    return tf.AutoModelForImageTextToText if config.model_type == "mistral3" else tf.AutoModelForCausalLM
 
 
 # The members the issue names, one per family feature; and the extra rope variants.
@@ -152,6 +182,7 @@ FAMILY_MEMBERS = (
     "gemma2",
     "gemma3",
     "gemma3-mm",
+    "ministral3-mm",
     "granite",
     "olmo2",
     "mixtral",
@@ -165,10 +196,9 @@ ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qw
 def make_hf_base(out: Path, name: str, seed: int = 0, std: float = 0.2) -> Path:
     """A random base of family member `name`, saved by transformers (safetensors) with a byte
     tokenizer. std 0.2 makes greedy outputs vary from token to token (see gpu_worker.testing)."""
-    from transformers import AutoModelForCausalLM
-
+    config = hf_config(name)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(name), dtype=torch.float32).eval()
+    model = causal_lm_class(config).from_config(config, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -181,9 +211,9 @@ def make_hf_base(out: Path, name: str, seed: int = 0, std: float = 0.2) -> Path:
 
 def hf_model(ckpt: Path):
     """transformers' own model of a checkpoint (fp32, eval), fresh: its dynamic rope keeps state."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    return causal_lm_class(AutoConfig.from_pretrained(ckpt)).from_pretrained(ckpt, dtype=torch.float32).eval()
 
 
 def hf_greedy(ckpt: Path, prompt: list[int], n: int, stop_at_eos: bool = True) -> list[int]:
