@@ -40,6 +40,7 @@ SUPPORTED = (
     "gemma3_text",
     "granite",
     "olmo2",
+    "smollm3",
     "mixtral",
     "qwen3_moe",
     "qwen2_moe",
@@ -169,6 +170,26 @@ FAMILIES: dict[str, Family] = {
         ),
     ),
     "olmo2": Family("olmo2", False, True, False, frozenset({"attention_bias"}), post_norm=True, qk_whole=True),
+    # SmolLM3 (Hugging Face): Llama's layer without the rope on the layers no_rope_layers marks 0 (every
+    # no_rope_layer_interval-th by default: NoPE), sliding windows where use_sliding_window (on the NoPE
+    # layers by default)
+    "smollm3": Family(
+        "smollm3",
+        False,
+        False,
+        False,
+        frozenset(
+            {
+                "attention_bias",
+                "mlp_bias",
+                "use_sliding_window",
+                "sliding_window",
+                "no_rope_layers",
+                "no_rope_layer_interval",
+                "layer_types",
+            }
+        ),
+    ),
     # Mixtral: Mistral's attention, a sparse block of SiLU-gated experts w1 (gate), w3 (up), w2 (down);
     # the top-k routing weights always renormalised
     "mixtral": Family(
@@ -348,6 +369,20 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "rms_norm_eps": 1e-5,
         "hidden_act": "silu",
     },
+    "smollm3": {
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "no_rope_layer_interval": 4,
+    },
     "granite": {
         **_LLAMA_LIKE,
         "intermediate_size": 11008,
@@ -409,7 +444,7 @@ FAMILY_DEFAULTS: dict[str, dict] = {
     },
 }
 # The rope's θ where a config names none, where transformers' class of the family has its own
-DEFAULT_THETA = {"mixtral": 1e6}
+DEFAULT_THETA = {"mixtral": 1e6, "smollm3": 2e6}
 # Multimodal wrappers whose text model this build serves alone (model_type -> each text model it may
 # wrap, the first its default, and that text model's causal LM class): prompts are text, the vision
 # tower's weights are never read (`text_model_config`; bitdelta.checkpoint reads the text model's
@@ -712,6 +747,7 @@ class ModelArgs:
     # rope, β = temperature_beta, original = temperature_original (β 0: none)
     temperature_beta: float = 0.0
     temperature_original: int = 0
+    nope: tuple[bool, ...] = ()  # per layer: True where it takes no rope (SmolLM3's NoPE layers); (): rope everywhere
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -724,6 +760,8 @@ class ModelArgs:
             self.rope = dataclasses.replace(self.rope, dim=self.head_dim)
         if self.windows and len(self.windows) != self.n_layers:
             raise ValueError(f"windows has {len(self.windows)} entries for {self.n_layers} layers")
+        if self.nope and len(self.nope) != self.n_layers:
+            raise ValueError(f"nope has {len(self.nope)} entries for {self.n_layers} layers")
         if self.local_rope is not None and self.local_rope.dim == 0:
             self.local_rope = dataclasses.replace(self.local_rope, dim=self.head_dim)
         if self.act not in ACTIVATIONS.values():
@@ -751,6 +789,10 @@ class ModelArgs:
             return None
         steps = torch.floor(positions.to(torch.float32) / self.temperature_original)
         return 1 + self.temperature_beta * torch.log(1 + steps)
+
+    def rotates(self, layer: int) -> bool:
+        """The layer's q and k take the rope (all but SmolLM3's NoPE layers)."""
+        return not (self.nope and self.nope[layer])
 
     def local(self, layer: int) -> bool:
         """The layer takes `local_rope` (Gemma 3's sliding-window layers)."""
@@ -1063,7 +1105,24 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         shared_intermediate_size=shared,
         temperature_beta=temperature[0],
         temperature_original=temperature[1],
+        nope=_nope_layers(cfg, n_layers) if model_type == "smollm3" else (),
     )
+
+
+def _nope_layers(cfg: dict, n_layers: int) -> tuple[bool, ...]:
+    """SmolLM3's layers without the rope, as transformers reads them: no_rope_layers (per layer, 1 =
+    the rope, 0 = none), or by default every no_rope_layer_interval-th layer; () where every layer
+    has it."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        every = cfg["no_rope_layer_interval"]
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise UnsupportedModel(f"no_rope_layer_interval must be a positive integer, got {every!r}")
+        flags = [int((i + 1) % every != 0) for i in range(n_layers)]
+    if not isinstance(flags, list) or len(flags) != n_layers or any(f not in (0, 1) or f is True for f in flags):
+        raise UnsupportedModel(f"no_rope_layers {flags!r}: expected {n_layers} entries of 0 (no rope) or 1 (rope)")
+    out = tuple(f == 0 for f in flags)
+    return out if any(out) else ()
 
 
 def _temperature(cfg: dict) -> tuple[dict, tuple[float, int]]:
@@ -1200,6 +1259,18 @@ def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int | None, ...
         if window is None:
             return ()
         out = (int(window),) * n_layers
+    elif model_type == "smollm3":  # windows only where use_sliding_window; by default on the NoPE layers
+        if not cfg.get("use_sliding_window", False) or window is None:
+            return ()
+        types = cfg.get("layer_types")
+        if types is None:
+            nope = _nope_layers(cfg, n_layers) or (False,) * n_layers
+            types = ["sliding_attention" if n else "full_attention" for n in nope]
+        if len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
+            raise UnsupportedModel(
+                f"layer_types {types!r}: expected {n_layers} of 'full_attention'/'sliding_attention'"
+            )
+        out = tuple(int(window) if t == "sliding_attention" else None for t in types)
     elif model_type in ("gemma2", "gemma3_text"):
         types = cfg.get("layer_types")
         if types is None:  # transformers' default pattern: every n-th layer (from 1) sees everything

@@ -199,7 +199,7 @@ class KVCache(nn.Module):
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
-        self.args = args
+        self.args, self.layer = args, layer
         self.window = args.window(layer)
         hd, d = args.head_dim, args.dim
         q, kv = args.n_heads * hd, args.n_kv_heads * hd
@@ -233,7 +233,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if a.rotates(self.layer):  # SmolLM3's NoPE layers take none
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         temperature = a.q_temperature(pos)  # Ministral 3: q × its position's factor, in q's dtype
         if temperature is not None:
             q = q * temperature.to(q.dtype)[:, None]

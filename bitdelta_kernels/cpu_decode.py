@@ -58,6 +58,7 @@ class _Layer(ctypes.Structure):
         ("window", ctypes.c_int64),
         ("qk_norm", ctypes.c_void_p * 2),
         ("local", ctypes.c_int64),
+        ("nope", ctypes.c_int64),
     ]
 
 
@@ -88,7 +89,8 @@ class DecodeLayer:
     norm of None and a post-feedforward one: OLMo 2's post-norms); this layer's KV pool k, v [rows,
     KV, hd]; its window (None: full); the q and k norm stacks [n_slots + 1, head_dim] (Qwen3, Gemma
     3; with `DecodeOptions.qk_full` [n_slots + 1, heads · head_dim], OLMo 2) or None; `local`: the
-    rotation of the call's local tables (Gemma 3's sliding layers, `DecodeOptions`)."""
+    rotation of the call's local tables (Gemma 3's sliding layers, `DecodeOptions`); `nope`: no
+    rotation at all (SmolLM3's NoPE layers)."""
 
     weights: tuple[torch.Tensor, ...]
     signs: tuple[torch.Tensor, ...]
@@ -100,6 +102,7 @@ class DecodeLayer:
     window: int | None
     qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None
     local: bool = False
+    nope: bool = False
 
 
 @dataclass(frozen=True)
@@ -420,6 +423,7 @@ class DecodeLayers:
             c.k, c.v, c.window = L.k.data_ptr(), L.v.data_ptr(), L.window or 0
             c.qk_norm[:] = [_ptr(t) for t in L.qk_norms] if L.qk_norms else [None, None]
             c.local = int(L.local)
+            c.nope = int(L.nope)
 
     def one_pass_planes(self, rows: int = 1) -> int:
         """Up to how many sign planes of one variant `run(fuse=True)` sums in the weights' own pass

@@ -24,6 +24,7 @@ typedef struct {
     int64_t window;        /* sliding window; 0: full attention */
     const void *qk_norm[2]; /* Qwen3's and Gemma 3's per-head RMSNorms of q and k [n_slots + 1, hd], or NULL */
     int64_t local;         /* 1: the rotation of bd_decode_opts' local tables (Gemma 3's sliding layers) */
+    int64_t nope;          /* 1: no rotation at all (SmolLM3's NoPE layers) */
 } bd_decode_layer;
 
 /* What a family changes in the layer (NULL: Llama's). */
@@ -481,7 +482,8 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
             } else if (L->qk_norm[0])
                 for (int64_t j = 0; j < H + KV; ++j)
                     norm_row(row + j * hd, L->qk_norm[j >= H], (row_slot[b] + 1) * hd, hd, eps, dtype, style, row + j * hd);
-            rope_heads(row, H + KV, hd, rot, (local ? lcs : cs) + b * hd, (local ? lsn : sn) + b * hd, dtype);
+            if (!L->nope)
+                rope_heads(row, H + KV, hd, rot, (local ? lcs : cs) + b * hd, (local ? lsn : sn) + b * hd, dtype);
             memcpy(q + b * HD, row, sizeof(float) * (size_t)HD);
             const int64_t off = write_rows[b] * KV * hd;
             for (int64_t i = 0; i < KV * hd; ++i) {

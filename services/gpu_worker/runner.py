@@ -1048,6 +1048,7 @@ class ModelRunner:
                 if a.family.qk_norm
                 else None,
                 local=a.local(i),
+                nope=not a.rotates(i),
             )
             for i in range(a.n_layers)
         ]
@@ -1111,6 +1112,8 @@ class ModelRunner:
                 q = self._norm(qkv[:, : H * hd].view(N, H, hd), norms["self_attn.q_norm"], m, a.norm_eps)
                 k = self._norm(qkv[:, H * hd : (H + KV) * hd].view(N, KV, hd), norms["self_attn.k_norm"], m, a.norm_eps)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            elif not a.rotates(i):  # SmolLM3's NoPE layers: q and k as projected
+                q, k = qkv[:, : H * hd].view(N, H, hd), qkv[:, H * hd : (H + KV) * hd].view(N, KV, hd)
             else:  # q ‖ k are adjacent in qkv: one rotation for both heads' sets (half the small ops)
                 qk = apply_rope(qkv[:, : (H + KV) * hd].view(N, H + KV, hd), cos, sin)
                 q, k = qk[:, :H], qk[:, H:]

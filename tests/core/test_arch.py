@@ -146,6 +146,7 @@ def test_fields_that_would_change_the_model_are_refused(bases):
         ("gemma3_text", "Gemma3TextConfig"),
         ("granite", "GraniteConfig"),
         ("olmo2", "Olmo2Config"),
+        ("smollm3", "SmolLM3Config"),
         ("mixtral", "MixtralConfig"),
         ("qwen3_moe", "Qwen3MoeConfig"),
         ("qwen2_moe", "Qwen2MoeConfig"),
@@ -269,6 +270,32 @@ def test_mistral3_configs_as_transformers_reads_them(bases, tmp_path):
     rope = {k: v for k, v in text["rope_parameters"].items() if k != "llama_4_scaling_beta"}
     with pytest.raises(UnsupportedModel, match="llama_4_scaling_beta"):
         ModelArgs.from_hf({**text, "rope_parameters": rope})
+
+
+def test_smollm3_configs_as_transformers_reads_them(bases):
+    """SmolLM3's NoPE layers (no_rope_layers, or every no_rope_layer_interval-th) and its windows
+    (where use_sliding_window: on the NoPE layers unless layer_types says otherwise); the NoPE layer
+    really takes no rope (with one the logits differ); malformed lists refused."""
+    cfg = read_config(bases["smollm3"])
+    a = ModelArgs.from_hf(cfg)
+    assert (a.nope, a.windows, a.rope.theta) == ((False, True), (None, 8), 2e6)
+    assert a.rotates(0) and not a.rotates(1)
+    bare = {k: v for k, v in cfg.items() if k not in ("no_rope_layers", "layer_types")} | {"num_hidden_layers": 8}
+    assert ModelArgs.from_hf(bare).nope == (False, True) * 4
+    assert ModelArgs.from_hf({**bare, "no_rope_layer_interval": 4}).nope == (False, False, False, True) * 2
+    assert ModelArgs.from_hf({**bare, "no_rope_layer_interval": 4}).windows == (None, None, None, 8) * 2
+    assert ModelArgs.from_hf({**cfg, "no_rope_layers": [1, 1]}).nope == ()
+    assert ModelArgs.from_hf({**cfg, "use_sliding_window": False}).windows == ()
+    ids = torch.randint(0, VOCAB, (1, LONG), generator=torch.Generator().manual_seed(4))
+    model = load_model(bases["smollm3"])
+    with torch.no_grad():
+        want = model(ids)
+        for layer in model.model.layers:
+            layer.self_attn.args = dataclasses.replace(a, nope=())
+        assert (model(ids) - want).abs().max() > 1e-3
+    for bad in ([1], [1, 2], "1,0"):
+        with pytest.raises(UnsupportedModel, match="no_rope_layers"):
+            ModelArgs.from_hf({**cfg, "no_rope_layers": bad})
 
 
 def test_gemma_configs_as_transformers_reads_them(bases):

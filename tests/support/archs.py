@@ -113,6 +113,8 @@ def hf_config(name: str):
         return tf.GraniteConfig(
             **COMMON, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0
         )
+    if name == "smollm3":  # the second layer without the rope (NoPE) and sliding over 8 tokens, the first full
+        return tf.SmolLM3Config(**COMMON, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8)
     if name == "olmo2":  # norms after the sublayers only, q and k normed whole
         return tf.Olmo2Config(**COMMON)
     if name == "mixtral":  # a sparse layer of 4 experts, 2 per token (renormalised), windows of 8
@@ -185,6 +187,7 @@ FAMILY_MEMBERS = (
     "ministral3-mm",
     "granite",
     "olmo2",
+    "smollm3",
     "mixtral",
     "qwen3-moe",
     "qwen2-moe",
