@@ -40,6 +40,7 @@ SUPPORTED = (
     "gemma3_text",
     "granite",
     "olmo2",
+    "olmo3",
     "smollm3",
     "mixtral",
     "qwen3_moe",
@@ -170,6 +171,18 @@ FAMILIES: dict[str, Family] = {
         ),
     ),
     "olmo2": Family("olmo2", False, True, False, frozenset({"attention_bias"}), post_norm=True, qk_whole=True),
+    # OLMo 3 (AI2): OLMo 2's layer, sliding windows on the layers layer_types names (default: three of every
+    # four), and a rope per layer type as Gemma 3 (rope_parameters keyed by it; the old spelling's
+    # rope_scaling is the full layers')
+    "olmo3": Family(
+        "olmo3",
+        False,
+        True,
+        False,
+        frozenset({"attention_bias", "sliding_window", "layer_types"}),
+        post_norm=True,
+        qk_whole=True,
+    ),
     # SmolLM3 (Hugging Face): Llama's layer without the rope on the layers no_rope_layers marks 0 (every
     # no_rope_layer_interval-th by default: NoPE), sliding windows where use_sliding_window (on the NoPE
     # layers by default)
@@ -369,6 +382,15 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "rms_norm_eps": 1e-5,
         "hidden_act": "silu",
     },
+    "olmo3": {
+        **_LLAMA_LIKE,
+        "vocab_size": 50304,
+        "intermediate_size": 11008,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "sliding_window": 4096,
+    },
     "smollm3": {
         "vocab_size": 128256,
         "hidden_size": 2048,
@@ -444,7 +466,13 @@ FAMILY_DEFAULTS: dict[str, dict] = {
     },
 }
 # The rope's θ where a config names none, where transformers' class of the family has its own
-DEFAULT_THETA = {"mixtral": 1e6, "smollm3": 2e6}
+DEFAULT_THETA = {"mixtral": 1e6, "smollm3": 2e6, "gemma3_text": 1e6, "olmo3": 5e5}
+# Families with a rope per layer type (ModelArgs.local_rope, `_layer_type_ropes`): where the old spelling
+# gives the sliding layers' θ (field, default); None: the full layers' θ
+LAYER_TYPE_ROPES: dict[str, tuple[str, float] | None] = {
+    "gemma3_text": ("rope_local_base_freq", 10_000.0),
+    "olmo3": None,
+}
 # Multimodal wrappers whose text model this build serves alone (model_type -> each text model it may
 # wrap, the first its default, and that text model's causal LM class): prompts are text, the vision
 # tower's weights are never read (`text_model_config`; bitdelta.checkpoint reads the text model's
@@ -1060,7 +1088,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
     temperature = (0.0, 0)
     if model_type == "ministral3":
         cfg, temperature = _temperature(cfg)
-    if model_type == "gemma3_text":
+    if model_type in LAYER_TYPE_ROPES:
         rope, local_rope = _layer_type_ropes(cfg, fam, head_dim, max_pos)
     else:
         rope = _rope_from_hf(cfg, fam, head_dim, max_pos)
@@ -1271,10 +1299,10 @@ def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int | None, ...
                 f"layer_types {types!r}: expected {n_layers} of 'full_attention'/'sliding_attention'"
             )
         out = tuple(int(window) if t == "sliding_attention" else None for t in types)
-    elif model_type in ("gemma2", "gemma3_text"):
+    elif model_type in ("gemma2", "gemma3_text", "olmo3"):
         types = cfg.get("layer_types")
         if types is None:  # transformers' default pattern: every n-th layer (from 1) sees everything
-            every = 2 if model_type == "gemma2" else int(cfg.get("sliding_window_pattern") or 6)
+            every = {"gemma2": 2, "olmo3": 4}.get(model_type) or int(cfg.get("sliding_window_pattern") or 6)
             types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
         if len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
             raise UnsupportedModel(
@@ -1294,9 +1322,13 @@ def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int | None, ...
 
 
 def _layer_type_ropes(cfg: dict, fam: Family, head_dim: int, max_pos: int) -> tuple[Rope, Rope]:
-    """Gemma 3's two ropes, (full-attention layers', sliding-window layers'), from either spelling:
-    `rope_parameters` keyed by layer type (current transformers), or `rope_theta` + `rope_scaling`
-    for the full layers and `rope_local_base_freq` for the sliding ones (default rope)."""
+    """The two ropes of Gemma 3 and OLMo 3, (full-attention layers', sliding-window layers'), from either
+    spelling: `rope_parameters` keyed by layer type (current transformers), or `rope_theta` +
+    `rope_scaling` for the full layers and for the sliding ones a default rope of Gemma 3's
+    `rope_local_base_freq` or OLMo 3's `rope_theta` (LAYER_TYPE_ROPES)."""
+    theta = cfg.get("rope_theta", DEFAULT_THETA[fam.model_type])
+    local_field = LAYER_TYPE_ROPES[fam.model_type]
+    local_theta = theta if local_field is None else cfg.get(local_field[0], local_field[1])
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
         extra = sorted(set(params) - {"full_attention", "sliding_attention"})
@@ -1305,12 +1337,12 @@ def _layer_type_ropes(cfg: dict, fam: Family, head_dim: int, max_pos: int) -> tu
                 f"rope_parameters {params}: expected only full_attention and sliding_attention entries"
                 + (" (and no rope_scaling beside them)" if not extra else "")
             )
-        full = {"rope_theta": cfg.get("rope_theta", 1_000_000.0), **(params.get("full_attention") or {})}
-        local = {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0), **(params.get("sliding_attention") or {})}
+        full = {"rope_theta": theta, **(params.get("full_attention") or {})}
+        local = {"rope_theta": local_theta, **(params.get("sliding_attention") or {})}
     else:
         full = {**(params or {}), **(cfg.get("rope_scaling") or {})}
-        full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
-        local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
+        full.setdefault("rope_theta", theta)
+        local = {"rope_type": "default", "rope_theta": local_theta}
     return _rope_of(full, cfg, fam, head_dim, max_pos), _rope_of(local, cfg, fam, head_dim, max_pos)
 
 

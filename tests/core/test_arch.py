@@ -17,6 +17,7 @@ from bitdelta.arch import ModelArgs, UnsupportedModel
 from bitdelta.checkpoint import read_config
 from bitdelta.model import load_model
 from tests.support.archs import (
+    COMMON,
     FAMILY_MEMBERS,
     LONG,
     ORIGINAL,
@@ -146,6 +147,7 @@ def test_fields_that_would_change_the_model_are_refused(bases):
         ("gemma3_text", "Gemma3TextConfig"),
         ("granite", "GraniteConfig"),
         ("olmo2", "Olmo2Config"),
+        ("olmo3", "Olmo3Config"),
         ("smollm3", "SmolLM3Config"),
         ("mixtral", "MixtralConfig"),
         ("qwen3_moe", "Qwen3MoeConfig"),
@@ -296,6 +298,34 @@ def test_smollm3_configs_as_transformers_reads_them(bases):
     for bad in ([1], [1, 2], "1,0"):
         with pytest.raises(UnsupportedModel, match="no_rope_layers"):
             ModelArgs.from_hf({**cfg, "no_rope_layers": bad})
+
+
+def test_olmo3_configs_as_transformers_reads_them(bases):
+    """OLMo 3's two ropes from either spelling (the old one's rope_scaling is the full layers', its
+    rope_theta both), its default windows (three of every four layers), and transformers' θ."""
+    import transformers as tf
+
+    cfg = read_config(bases["olmo3"])
+    a = ModelArgs.from_hf(cfg)
+    assert a.windows == (8, None) and a.local(0) and not a.local(1)
+    assert (a.rope.kind, a.rope.theta, a.rope.factor, a.local_rope.kind, a.local_rope.theta) == (
+        "yarn",
+        5e5,
+        4.0,
+        "default",
+        1e4,
+    )
+    old = {k: v for k, v in cfg.items() if k != "rope_parameters"}
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL}
+    spelled = ModelArgs.from_hf({**old, "rope_theta": 5e5, "rope_scaling": yarn})
+    assert spelled.rope == a.rope and spelled.local_rope == dataclasses.replace(a.local_rope, theta=5e5)
+    theirs = tf.Olmo3Config(
+        **COMMON, sliding_window=8, layer_types=cfg["layer_types"], rope_theta=5e5, rope_scaling=yarn
+    )
+    assert ModelArgs.from_hf(theirs.to_dict()) == spelled  # transformers' reading of the old spelling
+    bare = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "layer_types")} | {"num_hidden_layers": 8}
+    b = ModelArgs.from_hf(bare)
+    assert b.windows == (8, 8, 8, None) * 2 and b.rope.theta == b.local_rope.theta == 5e5
 
 
 def test_gemma_configs_as_transformers_reads_them(bases):

@@ -113,6 +113,21 @@ def hf_config(name: str):
         return tf.GraniteConfig(
             **COMMON, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0
         )
+    if name == "olmo3":  # OLMo 2's layer, a window of 8 on the first layer, yarn on the full one's rope only
+        return tf.Olmo3Config(
+            **COMMON,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": ORIGINAL,
+                    "rope_theta": 500_000.0,
+                },
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        )
     if name == "smollm3":  # the second layer without the rope (NoPE) and sliding over 8 tokens, the first full
         return tf.SmolLM3Config(**COMMON, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8)
     if name == "olmo2":  # norms after the sublayers only, q and k normed whole
@@ -187,6 +202,7 @@ FAMILY_MEMBERS = (
     "ministral3-mm",
     "granite",
     "olmo2",
+    "olmo3",
     "smollm3",
     "mixtral",
     "qwen3-moe",
