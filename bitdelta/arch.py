@@ -39,6 +39,8 @@ SUPPORTED = (
     "gemma2",
     "gemma3_text",
     "granite",
+    "glm",
+    "glm4",
     "olmo2",
     "olmo3",
     "smollm3",
@@ -84,6 +86,14 @@ class Family:
     # Qwen2-MoE: beside the routed experts, every token goes through `<moe>.shared_expert` (a gated MLP of
     # shared_expert_intermediate_size) scaled by sigmoid(`<moe>.shared_expert_gate` · x), a [1, dim] matrix
     shared_expert: bool = False
+    fused_mlp: bool = False  # GLM: mlp.gate_up_proj fused (gate ‖ up) while q, k, v stay apart
+    o_bias: bool = True  # attention_bias gives o_proj a bias too (GLM's: q, k, v only)
+    # a sandwich layer's norms (Family.sandwich): of the attention's output, of the MLP's input, of the MLP's output
+    sandwich_names: tuple[str, str, str] = (
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    )
 
 
 # The mixture-of-experts fields every MoE family reads (either spelling of the expert count)
@@ -171,6 +181,30 @@ FAMILIES: dict[str, Family] = {
         ),
     ),
     "olmo2": Family("olmo2", False, True, False, frozenset({"attention_bias"}), post_norm=True, qk_whole=True),
+    # GLM (GLM-4-9B-chat-hf): Llama's layer with the MLP's gate and up fused, q/k/v biases (attention_bias),
+    # and the rope over the first half of each head (partial_rotary_factor 0.5 by default), its pairs
+    # interleaved (dims 2i, 2i+1) as GPT-J's, not split in halves
+    "glm": Family(
+        "glm",
+        False,
+        False,
+        True,
+        frozenset({"attention_bias"}),
+        fused_mlp=True,
+        o_bias=False,
+    ),
+    # GLM-4 (GLM-4-0414, GLM-Z1): GLM's layer with a sandwich of norms as Gemma 2's, under its own names
+    "glm4": Family(
+        "glm4",
+        False,
+        False,
+        True,
+        frozenset({"attention_bias"}),
+        sandwich=True,
+        fused_mlp=True,
+        o_bias=False,
+        sandwich_names=("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
+    ),
     # OLMo 3 (AI2): OLMo 2's layer, sliding windows on the layers layer_types names (default: three of every
     # four), and a rope per layer type as Gemma 3 (rope_parameters keyed by it; the old spelling's
     # rope_scaling is the full layers')
@@ -304,6 +338,20 @@ _GEMMA_2_3 = dict(
     query_pre_attn_scalar=256,
     sliding_window=4096,
 )
+_GLM = dict(
+    vocab_size=151552,
+    hidden_size=4096,
+    intermediate_size=13696,
+    num_hidden_layers=40,
+    num_attention_heads=32,
+    num_key_value_heads=2,
+    head_dim=128,
+    hidden_act="silu",
+    max_position_embeddings=131072,
+    rms_norm_eps=1.5625e-07,
+    tie_word_embeddings=False,
+    attention_bias=True,
+)
 FAMILY_DEFAULTS: dict[str, dict] = {
     "llama": {**_LLAMA_LIKE, "intermediate_size": 11008, "max_position_embeddings": 2048, "hidden_act": "silu"},
     "mistral": {
@@ -382,6 +430,8 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "rms_norm_eps": 1e-5,
         "hidden_act": "silu",
     },
+    "glm": _GLM,
+    "glm4": _GLM,
     "olmo3": {
         **_LLAMA_LIKE,
         "vocab_size": 50304,
@@ -467,6 +517,8 @@ FAMILY_DEFAULTS: dict[str, dict] = {
 }
 # The rope's θ where a config names none, where transformers' class of the family has its own
 DEFAULT_THETA = {"mixtral": 1e6, "smollm3": 2e6, "gemma3_text": 1e6, "olmo3": 5e5}
+# The partial_rotary_factor where a config names none, where transformers' class of the family has its own
+DEFAULT_PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5}
 # Families with a rope per layer type (ModelArgs.local_rope, `_layer_type_ropes`): where the old spelling
 # gives the sliding layers' θ (field, default); None: the full layers' θ
 LAYER_TYPE_ROPES: dict[str, tuple[str, float] | None] = {
@@ -614,6 +666,7 @@ class Rope:
     attention_factor: float = 1.0
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    interleaved: bool = False  # GLM: the rotated pairs are dims (2i, 2i + 1), not (i, i + dim/2)
 
     @property
     def length_dependent(self) -> bool:
@@ -839,13 +892,15 @@ class ModelArgs:
         q, kv = self.n_heads * hd, self.n_kv_heads * hd
         if self.family.fused:
             attn = [Matrix("self_attn.qkv_proj", "qkv", q + 2 * kv, d, self.qkv_bias)]
-            mlp = [Matrix("mlp.gate_up_proj", "gate_up", 2 * f, d, self.mlp_bias)]
         else:
             attn = [
                 Matrix("self_attn.q_proj", "qkv", q, d, self.qkv_bias),
                 Matrix("self_attn.k_proj", "qkv", kv, d, self.qkv_bias),
                 Matrix("self_attn.v_proj", "qkv", kv, d, self.qkv_bias),
             ]
+        if self.family.fused or self.family.fused_mlp:
+            mlp = [Matrix("mlp.gate_up_proj", "gate_up", 2 * f, d, self.mlp_bias)]
+        else:
             mlp = [
                 Matrix("mlp.gate_proj", "gate_up", f, d, self.mlp_bias),
                 Matrix("mlp.up_proj", "gate_up", f, d, self.mlp_bias),
@@ -888,14 +943,23 @@ class ModelArgs:
             out = [("post_attention_layernorm", self.dim), ("post_feedforward_layernorm", self.dim)]
         else:
             out = [("input_layernorm", self.dim), ("post_attention_layernorm", self.dim)]
-        if self.family.sandwich:
-            out += [("pre_feedforward_layernorm", self.dim), ("post_feedforward_layernorm", self.dim)]
+        if self.family.sandwich:  # the attention's output, the MLP's input and output (Gemma 2/3, GLM-4)
+            out = [("input_layernorm", self.dim)] + [(n, self.dim) for n in self.family.sandwich_names]
         hd = self.head_dim
         if self.family.qk_whole:  # OLMo 2, OLMoE: q and k normed whole
             out += [("self_attn.q_norm", self.n_heads * hd), ("self_attn.k_norm", self.n_kv_heads * hd)]
         elif self.family.qk_norm:
             out += [("self_attn.q_norm", hd), ("self_attn.k_norm", hd)]
         return tuple(out)
+
+    def norm_roles(self) -> tuple[str | None, str | None, str | None, str | None]:
+        """A layer's norms by role, None where the family has none: of the attention's input, of its
+        output (a sandwich's, or OLMo's post-norm), of the MLP's input, of the MLP's output."""
+        if self.family.post_norm:
+            return (None, "post_attention_layernorm", None, "post_feedforward_layernorm")
+        if self.family.sandwich:
+            return ("input_layernorm", *self.family.sandwich_names)
+        return ("input_layernorm", None, "post_attention_layernorm", None)
 
     def group_shapes(self) -> dict[str, tuple[int, int]]:
         """Worker projection group -> (d_out of its matrices together, d_in)."""
@@ -1116,7 +1180,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         model_type=model_type,
         rope=rope,
         qkv_bias=model_type == "qwen2" or attn_bias or (model_type == "qwen2_moe" and bool(cfg["qkv_bias"])),
-        o_bias=attn_bias,
+        o_bias=attn_bias and fam.o_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         windows=_windows(cfg, model_type, n_layers),
         act=act,
@@ -1374,9 +1438,10 @@ def _rope_of(params: dict, cfg: dict, fam: Family, head_dim: int, max_pos: int) 
             f"rope type {kind!r} (rope_parameters.rope_type) is not supported; supported: {', '.join(ROPE_KINDS)}"
         )
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", DEFAULT_THETA.get(fam.model_type, 10000.0))))
-    partial = params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    default_partial = DEFAULT_PARTIAL_ROTARY.get(fam.model_type, 1.0)
+    partial = params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", default_partial))
     if partial is None:
-        partial = 1.0
+        partial = default_partial
     if partial != 1.0 and not fam.partial_rotary:
         raise UnsupportedModel(f"partial_rotary_factor {partial} is not used by {fam.model_type} models")
     dim = int(head_dim * partial)
@@ -1390,7 +1455,7 @@ def _rope_of(params: dict, cfg: dict, fam: Family, head_dim: int, max_pos: int) 
             f"rope_parameters field(s) {', '.join(extra)} are not used by rope type {kind!r} "
             f"(it reads {', '.join(sorted(ROPE_FIELDS[kind])) or 'only rope_theta'})"
         )
-    kw: dict = {"kind": kind, "theta": theta, "dim": dim}
+    kw: dict = {"kind": kind, "theta": theta, "dim": dim, "interleaved": fam.model_type in ("glm", "glm4")}
     if kind in ("llama3", "yarn", "longrope"):
         if "original_max_position_embeddings" in cfg:  # transformers lets the top-level value win
             orig = cfg["original_max_position_embeddings"]

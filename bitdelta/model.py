@@ -161,13 +161,18 @@ class RopeCache:
         return self._cos, self._sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """x: [..., hd]; cos/sin broadcast to [..., r] with r ≤ hd: the first r dims rotate (Phi-3's
-    partial rotary factor), the rest pass through."""
+    partial rotary factor), the rest pass through. The pairs rotated are dims (i, i + r/2), or with
+    `interleaved` (GLM's, GPT-J's) dims (2i, 2i + 1), each by cos/sin[i] (the tables' first half)."""
     r = cos.shape[-1]
     if r < x.shape[-1]:
-        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+        return torch.cat([apply_rope(x[..., :r], cos, sin, interleaved), x[..., r:]], dim=-1)
     half = r // 2
+    if interleaved:  # as transformers' GLM: cos, sin of pair i on both its dims, (x0, x1) -> (−x1, x0)
+        cos, sin = cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1)
+        rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+        return x * cos + rotated * sin
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
@@ -203,7 +208,7 @@ class Attention(nn.Module):
         self.window = args.window(layer)
         hd, d = args.head_dim, args.dim
         q, kv = args.n_heads * hd, args.n_kv_heads * hd
-        if args.family.fused:
+        if args.family.fused:  # Phi-3 (GLM fuses only the MLP's)
             self.qkv_proj = nn.Linear(d, q + 2 * kv, bias=args.qkv_bias)
         else:
             self.q_proj = nn.Linear(d, q, bias=args.qkv_bias)
@@ -234,7 +239,7 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
         if a.rotates(self.layer):  # SmolLM3's NoPE layers take none
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope(q, cos, sin, a.rope.interleaved), apply_rope(k, cos, sin, a.rope.interleaved)
         temperature = a.q_temperature(pos)  # Ministral 3: q × its position's factor, in q's dtype
         if temperature is not None:
             q = q * temperature.to(q.dtype)[:, None]
@@ -250,7 +255,7 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.fused = args.family.fused
+        self.fused = args.family.fused or args.family.fused_mlp
         d, f = args.dim, args.intermediate_size
         if self.fused:
             self.gate_up_proj = nn.Linear(d, 2 * f, bias=args.mlp_bias)
@@ -339,9 +344,10 @@ class Block(nn.Module):
         if a.family.post_norm:  # OLMo 2
             x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, pos))
             return x + self.post_feedforward_layernorm(self.mlp(x))
-        if self.sandwich:  # Gemma 2/3
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, pos))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        if self.sandwich:  # Gemma 2/3, GLM-4: the attention's output, the MLP's input and output normed
+            attn_out, mlp_in, mlp_out = (getattr(self, n) for n in a.family.sandwich_names)
+            x = x + attn_out(self.self_attn(self.input_layernorm(x), cos, sin, pos))
+            return x + mlp_out(self.mlp(mlp_in(x)))
         x = residual(a, x, self.self_attn(self.input_layernorm(x), cos, sin, pos))
         return residual(a, x, getattr(self, self.ffn)(self.post_attention_layernorm(x)))
 

@@ -77,6 +77,7 @@ class _Opts(ctypes.Structure):
         ("norm_once", ctypes.c_int32),
         ("qk_full", ctypes.c_int32),
         ("rotary", ctypes.c_int64),
+        ("interleaved", ctypes.c_int32),
     ]
 
 
@@ -114,7 +115,8 @@ class DecodeOptions:
     `residual_multiplier` (each sublayer's output × it, rounded, before its residual add); OLMo 2's
     `norm_once` (RMSNorm × w in fp32, one rounding) and `qk_full` (the q and k norms over the whole
     projection); `rotary`, the rotated dims of a head and the rope tables' width (0: head_dim; Phi's
-    partial_rotary_factor: the rest of each head passes as it is)."""
+    partial_rotary_factor: the rest of each head passes as it is); `interleaved`, GLM's rope over dims
+    (2i, 2i + 1) instead of (i, i + rotary/2)."""
 
     gemma: bool = False
     gelu: bool = False
@@ -126,6 +128,7 @@ class DecodeOptions:
     norm_once: bool = False
     qk_full: bool = False
     rotary: int = 0
+    interleaved: bool = False
 
 
 @dataclass(frozen=True)
@@ -594,6 +597,7 @@ class DecodeLayers:
             int(op.norm_once),
             int(op.qk_full),
             op.rotary,
+            int(op.interleaved),
         )
         rs, wr = _slots32(row_slot), _ints(write_rows, torch.int64)
         if rope_rows is None:

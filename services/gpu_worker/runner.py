@@ -377,7 +377,14 @@ class StepGraphs(Protocol):
 
 
 # A layer's norms in the C layers' order (DecodeLayer.norms): a family has some of them
-SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+def c_norm_names(args: ModelArgs) -> tuple[str | None, ...]:
+    """A layer's norms in the C layer's order (`DecodeLayer.norms`): the input's; the post-attention
+    one (a Llama layer's MLP input, a sandwich's or OLMo's attention output); a sandwich's MLP input;
+    the MLP's output. None where the family has none."""
+    inp, attn_out, mlp_in, mlp_out = args.norm_roles()
+    return (inp, attn_out, mlp_in, mlp_out) if attn_out is not None else (inp, mlp_in, None, None)
 
 
 class ModelRunner:
@@ -1040,7 +1047,7 @@ class ModelRunner:
                 signs=tuple(sl.signs[i][g] for g in GROUPS),
                 alpha=tuple(sl.alpha[i][g] for g in GROUPS),
                 biases=tuple(sl.biases[i].get(g) for g in GROUPS),
-                norms=tuple(sl.norms[i].get(n) for n in SANDWICH),  # None where the family has no such norm
+                norms=tuple(None if n is None else sl.norms[i][n] for n in c_norm_names(a)),
                 k=self.kv.k[i],
                 v=self.kv.v[i],
                 window=a.window(i),
@@ -1072,6 +1079,7 @@ class ModelRunner:
             norm_once=a.family.post_norm,
             qk_full=a.family.qk_whole,
             rotary=a.rope.dim,
+            interleaved=a.rope.interleaved,
         )
         return DecodeLayers(
             layers,
@@ -1098,40 +1106,39 @@ class ModelRunner:
         a = self.args
         hd, H, KV = a.head_dim, a.n_heads, a.n_kv_heads
         N = x.shape[0]
+        inp, attn_out, mlp_in, mlp_out = a.norm_roles()
+        il = a.rope.interleaved  # GLM's pairs
         for i in range(a.n_layers):
             norms = self.slots.norms[i]
             cos, sin = (m.local_cos, m.local_sin) if a.local(i) else (m.cos, m.sin)
-            h = x if a.family.post_norm else self._norm(x, norms["input_layernorm"], m, a.norm_eps)
+            h = x if inp is None else self._norm(x, norms[inp], m, a.norm_eps)  # OLMo 2/3: no input norm
             qkv = self._linear(h, i, "qkv", m)
             v = qkv[:, (H + KV) * hd :].view(N, KV, hd)
             if a.family.qk_whole:  # OLMo 2, OLMoE: q and k normed whole, then split into heads
                 q = self._norm(qkv[:, : H * hd], norms["self_attn.q_norm"], m, a.norm_eps).view(N, H, hd)
                 k = self._norm(qkv[:, H * hd : (H + KV) * hd], norms["self_attn.k_norm"], m, a.norm_eps).view(N, KV, hd)
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                q, k = apply_rope(q, cos, sin, il), apply_rope(k, cos, sin, il)
             elif a.family.qk_norm:
                 q = self._norm(qkv[:, : H * hd].view(N, H, hd), norms["self_attn.q_norm"], m, a.norm_eps)
                 k = self._norm(qkv[:, H * hd : (H + KV) * hd].view(N, KV, hd), norms["self_attn.k_norm"], m, a.norm_eps)
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                q, k = apply_rope(q, cos, sin, il), apply_rope(k, cos, sin, il)
             elif not a.rotates(i):  # SmolLM3's NoPE layers: q and k as projected
                 q, k = qkv[:, : H * hd].view(N, H, hd), qkv[:, H * hd : (H + KV) * hd].view(N, KV, hd)
             else:  # q ‖ k are adjacent in qkv: one rotation for both heads' sets (half the small ops)
-                qk = apply_rope(qkv[:, : (H + KV) * hd].view(N, H + KV, hd), cos, sin)
+                qk = apply_rope(qkv[:, : (H + KV) * hd].view(N, H + KV, hd), cos, sin, il)
                 q, k = qk[:, :H], qk[:, H:]
             if m.q_temperature is not None:  # Ministral 3 past its original context
                 q = q * m.q_temperature
             att = self._linear(self._attention(q, k, v, i, m).reshape(N, H * hd), i, "o", m)
-            if a.family.post_norm:  # OLMo 2: the attention's output normed, the MLP's input not
-                x = x + self._norm(att, norms["post_attention_layernorm"], m, a.norm_eps)
-                h = x
-            elif a.family.sandwich:  # Gemma 2/3: the attention's output normed, the MLP's input by its own
-                x = x + self._norm(att, norms["post_attention_layernorm"], m, a.norm_eps)
-                h = self._norm(x, norms["pre_feedforward_layernorm"], m, a.norm_eps)
+            if attn_out is not None:  # Gemma 2/3, GLM-4, OLMo 2/3: the attention's output normed, then the
+                x = x + self._norm(att, norms[attn_out], m, a.norm_eps)  # MLP's input by its own norm or not
+                h = x if mlp_in is None else self._norm(x, norms[mlp_in], m, a.norm_eps)
             else:
                 x = residual(a, x, att)
-                h = self._norm(x, norms["post_attention_layernorm"], m, a.norm_eps)
+                h = self._norm(x, norms[mlp_in], m, a.norm_eps)
             down = self._sparse(h, i, m) if a.family.moe else self._mlp(h, i, m)
-            if a.family.sandwich or a.family.post_norm:
-                down = self._norm(down, norms["post_feedforward_layernorm"], m, a.norm_eps)
+            if mlp_out is not None:
+                down = self._norm(down, norms[mlp_out], m, a.norm_eps)
             x = residual(a, x, down)
         return x
 

@@ -146,6 +146,8 @@ def test_fields_that_would_change_the_model_are_refused(bases):
         ("gemma2", "Gemma2Config"),
         ("gemma3_text", "Gemma3TextConfig"),
         ("granite", "GraniteConfig"),
+        ("glm", "GlmConfig"),
+        ("glm4", "Glm4Config"),
         ("olmo2", "Olmo2Config"),
         ("olmo3", "Olmo3Config"),
         ("smollm3", "SmolLM3Config"),
@@ -326,6 +328,29 @@ def test_olmo3_configs_as_transformers_reads_them(bases):
     bare = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "layer_types")} | {"num_hidden_layers": 8}
     b = ModelArgs.from_hf(bare)
     assert b.windows == (8, 8, 8, None) * 2 and b.rope.theta == b.local_rope.theta == 5e5
+
+
+def test_glm_configs_as_transformers_reads_them(bases):
+    """GLM: the MLP's gate and up fused, q/k/v biases without o's, half of each head rotated by an
+    interleaved rope (which the logits depend on); GLM-4: the same under a sandwich of its own norms."""
+    glm, glm4 = ModelArgs.from_hf(read_config(bases["glm"])), ModelArgs.from_hf(read_config(bases["glm4"]))
+    for a in (glm, glm4):
+        assert a.layout == "q,k,v,o,gate_up,down;bias=q,k,v" and (a.qkv_bias, a.o_bias) == (True, False)
+        assert (a.rope.dim, a.rope.interleaved, a.head_dim) == (8, True, 16)
+    assert glm.norm_roles() == ("input_layernorm", None, "post_attention_layernorm", None)
+    assert glm4.norm_roles() == (
+        "input_layernorm",
+        "post_self_attn_layernorm",
+        "post_attention_layernorm",
+        "post_mlp_layernorm",
+    )
+    ids = torch.randint(0, VOCAB, (1, LONG), generator=torch.Generator().manual_seed(5))
+    model = load_model(bases["glm4"])
+    with torch.no_grad():
+        want = model(ids)
+        for layer in model.model.layers:
+            layer.self_attn.args = dataclasses.replace(glm4, rope=dataclasses.replace(glm4.rope, interleaved=False))
+        assert (model(ids) - want).abs().max() > 1e-3
 
 
 def test_gemma_configs_as_transformers_reads_them(bases):

@@ -120,7 +120,7 @@ async def test_a_corrupt_delta_is_data_loss_and_the_ranks_keep_serving(family):
     await answers(config(family.base, family.deltas, 2), {"": "abc"}, check=check)
 
 
-@pytest.mark.parametrize("member", ["gemma2", "gemma3", "mixtral", "qwen3-moe", "qwen2-moe", "ministral3-mm"])
+@pytest.mark.parametrize("member", ["gemma2", "gemma3", "mixtral", "qwen3-moe", "qwen2-moe", "ministral3-mm", "glm4"])
 async def test_family_layers_on_two_ranks_equal_one_process(tmp_path, member):
     """Gemma's layer on two ranks (sandwich norms, per-head q/k norms and the sliding layers' own rope
     on each rank's heads, soft-capped scores and logits, √dim embeddings) and the sparse layers of

@@ -113,6 +113,10 @@ def hf_config(name: str):
         return tf.GraniteConfig(
             **COMMON, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0
         )
+    if name == "glm":  # the MLP's gate and up fused, q/k/v biases, an interleaved rope over half of each head
+        return tf.GlmConfig(**COMMON, head_dim=16)
+    if name == "glm4":  # GLM's layer in a sandwich of norms under GLM-4's names
+        return tf.Glm4Config(**COMMON, head_dim=16)
     if name == "olmo3":  # OLMo 2's layer, a window of 8 on the first layer, yarn on the full one's rope only
         return tf.Olmo3Config(
             **COMMON,
@@ -186,7 +190,8 @@ def causal_lm_class(config):
     return tf.AutoModelForImageTextToText if config.model_type == "mistral3" else tf.AutoModelForCausalLM
 
 
-# The members the issue names, one per family feature; and the extra rope variants.
+# The members the issue names, one per family feature (each added one last: a test seeds its bases by
+# their place here); and the extra rope variants.
 FAMILY_MEMBERS = (
     "llama-3.1",
     "llama-3.2",
@@ -199,15 +204,17 @@ FAMILY_MEMBERS = (
     "gemma2",
     "gemma3",
     "gemma3-mm",
-    "ministral3-mm",
     "granite",
     "olmo2",
-    "olmo3",
-    "smollm3",
     "mixtral",
     "qwen3-moe",
-    "qwen2-moe",
     "olmoe",
+    "qwen2-moe",
+    "ministral3-mm",
+    "smollm3",
+    "olmo3",
+    "glm",
+    "glm4",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa")
 
