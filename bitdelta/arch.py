@@ -39,6 +39,7 @@ SUPPORTED = (
     "gemma2",
     "gemma3_text",
     "granite",
+    "seed_oss",
     "glm",
     "glm4",
     "olmo2",
@@ -181,6 +182,10 @@ FAMILIES: dict[str, Family] = {
         ),
     ),
     "olmo2": Family("olmo2", False, True, False, frozenset({"attention_bias"}), post_norm=True, qk_whole=True),
+    # Seed-OSS (ByteDance): Llama's layer, q/k/v biases by attention_bias and o's by attention_out_bias
+    "seed_oss": Family(
+        "seed_oss", False, False, False, frozenset({"attention_bias", "attention_out_bias", "mlp_bias"}), o_bias=False
+    ),
     # GLM (GLM-4-9B-chat-hf): Llama's layer with the MLP's gate and up fused, q/k/v biases (attention_bias),
     # and the rope over the first half of each head (partial_rotary_factor 0.5 by default), its pairs
     # interleaved (dims 2i, 2i+1) as GPT-J's, not split in halves
@@ -430,6 +435,22 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "rms_norm_eps": 1e-5,
         "hidden_act": "silu",
     },
+    "seed_oss": dict(
+        vocab_size=155136,
+        hidden_size=4096,
+        intermediate_size=27648,
+        num_hidden_layers=64,
+        num_attention_heads=80,
+        num_key_value_heads=8,
+        head_dim=128,
+        hidden_act="silu",
+        max_position_embeddings=524288,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        attention_out_bias=False,
+        mlp_bias=False,
+    ),
     "glm": _GLM,
     "glm4": _GLM,
     "olmo3": {
@@ -620,6 +641,7 @@ IGNORED_FIELDS = frozenset(
         "router_aux_loss_coef",
         "output_router_logits",
         "router_jitter_noise",
+        "residual_dropout",  # Seed-OSS's, in training only
     }
 )
 ROPE_FIELDS: dict[str, frozenset[str]] = {
@@ -1180,7 +1202,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         model_type=model_type,
         rope=rope,
         qkv_bias=model_type == "qwen2" or attn_bias or (model_type == "qwen2_moe" and bool(cfg["qkv_bias"])),
-        o_bias=attn_bias and fam.o_bias,
+        o_bias=(attn_bias and fam.o_bias) or bool(cfg.get("attention_out_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         windows=_windows(cfg, model_type, n_layers),
         act=act,

@@ -146,6 +146,7 @@ def test_fields_that_would_change_the_model_are_refused(bases):
         ("gemma2", "Gemma2Config"),
         ("gemma3_text", "Gemma3TextConfig"),
         ("granite", "GraniteConfig"),
+        ("seed_oss", "SeedOssConfig"),
         ("glm", "GlmConfig"),
         ("glm4", "Glm4Config"),
         ("olmo2", "Olmo2Config"),
@@ -331,8 +332,11 @@ def test_olmo3_configs_as_transformers_reads_them(bases):
 
 
 def test_glm_configs_as_transformers_reads_them(bases):
-    """GLM: the MLP's gate and up fused, q/k/v biases without o's, half of each head rotated by an
+    """Seed-OSS's o_proj bias by attention_out_bias. GLM: the MLP's gate and up fused, q/k/v biases without o's, half of each head rotated by an
     interleaved rope (which the logits depend on); GLM-4: the same under a sandwich of its own norms."""
+    seed = ModelArgs.from_hf(read_config(bases["seed-oss"]))  # Seed-OSS: o's bias by its own switch
+    assert seed.layout == "q,k,v,o,gate,up,down;bias=q,k,v,o,gate,up,down"
+    assert not ModelArgs.from_hf({**read_config(bases["seed-oss"]), "attention_out_bias": False}).o_bias
     glm, glm4 = ModelArgs.from_hf(read_config(bases["glm"])), ModelArgs.from_hf(read_config(bases["glm4"]))
     for a in (glm, glm4):
         assert a.layout == "q,k,v,o,gate_up,down;bias=q,k,v" and (a.qkv_bias, a.o_bias) == (True, False)

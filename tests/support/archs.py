@@ -113,6 +113,8 @@ def hf_config(name: str):
         return tf.GraniteConfig(
             **COMMON, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0
         )
+    if name == "seed-oss":  # q/k/v biases, o's by its own switch, an MLP with biases
+        return tf.SeedOssConfig(**COMMON, head_dim=16, attention_out_bias=True, mlp_bias=True)
     if name == "glm":  # the MLP's gate and up fused, q/k/v biases, an interleaved rope over half of each head
         return tf.GlmConfig(**COMMON, head_dim=16)
     if name == "glm4":  # GLM's layer in a sandwich of norms under GLM-4's names
@@ -215,6 +217,7 @@ FAMILY_MEMBERS = (
     "olmo3",
     "glm",
     "glm4",
+    "seed-oss",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa")
 
