@@ -88,6 +88,7 @@ class Family:
     # shared_expert_intermediate_size) scaled by sigmoid(`<moe>.shared_expert_gate` · x), a [1, dim] matrix
     shared_expert: bool = False
     fused_mlp: bool = False  # GLM: mlp.gate_up_proj fused (gate ‖ up) while q, k, v stay apart
+    interleaved_rope: bool = False  # GLM: the rope's pairs are dims (2i, 2i + 1) (Rope.interleaved)
     o_bias: bool = True  # attention_bias gives o_proj a bias too (GLM's: q, k, v only)
     # a sandwich layer's norms (Family.sandwich): of the attention's output, of the MLP's input, of the MLP's output
     sandwich_names: tuple[str, str, str] = (
@@ -197,6 +198,7 @@ FAMILIES: dict[str, Family] = {
         frozenset({"attention_bias"}),
         fused_mlp=True,
         o_bias=False,
+        interleaved_rope=True,
     ),
     # GLM-4 (GLM-4-0414, GLM-Z1): GLM's layer with a sandwich of norms as Gemma 2's, under its own names
     "glm4": Family(
@@ -208,6 +210,7 @@ FAMILIES: dict[str, Family] = {
         sandwich=True,
         fused_mlp=True,
         o_bias=False,
+        interleaved_rope=True,
         sandwich_names=("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
     ),
     # OLMo 3 (AI2): OLMo 2's layer, sliding windows on the layers layer_types names (default: three of every
@@ -1477,7 +1480,7 @@ def _rope_of(params: dict, cfg: dict, fam: Family, head_dim: int, max_pos: int) 
             f"rope_parameters field(s) {', '.join(extra)} are not used by rope type {kind!r} "
             f"(it reads {', '.join(sorted(ROPE_FIELDS[kind])) or 'only rope_theta'})"
         )
-    kw: dict = {"kind": kind, "theta": theta, "dim": dim, "interleaved": fam.model_type in ("glm", "glm4")}
+    kw: dict = {"kind": kind, "theta": theta, "dim": dim, "interleaved": fam.interleaved_rope}
     if kind in ("llama3", "yarn", "longrope"):
         if "original_max_position_embeddings" in cfg:  # transformers lets the top-level value win
             orig = cfg["original_max_position_embeddings"]
