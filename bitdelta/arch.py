@@ -39,6 +39,7 @@ SUPPORTED = (
     "gemma2",
     "gemma3_text",
     "granite",
+    "ernie4_5",
     "seed_oss",
     "glm",
     "glm4",
@@ -89,6 +90,7 @@ class Family:
     shared_expert: bool = False
     fused_mlp: bool = False  # GLM: mlp.gate_up_proj fused (gate ‖ up) while q, k, v stay apart
     interleaved_rope: bool = False  # GLM: the rope's pairs are dims (2i, 2i + 1) (Rope.interleaved)
+    fp32_rope: bool = False  # ERNIE 4.5: the rotation in fp32, rounded once (Rope.fp32)
     o_bias: bool = True  # attention_bias gives o_proj a bias too (GLM's: q, k, v only)
     # a sandwich layer's norms (Family.sandwich): of the attention's output, of the MLP's input, of the MLP's output
     sandwich_names: tuple[str, str, str] = (
@@ -183,6 +185,9 @@ FAMILIES: dict[str, Family] = {
         ),
     ),
     "olmo2": Family("olmo2", False, True, False, frozenset({"attention_bias"}), post_norm=True, qk_whole=True),
+    # ERNIE 4.5 (Baidu, the dense ones): Llama's layer, every projection biased where use_bias, an interleaved
+    # rope computed in fp32 and rounded once
+    "ernie4_5": Family("ernie4_5", False, False, False, frozenset({"use_bias"}), interleaved_rope=True, fp32_rope=True),
     # Seed-OSS (ByteDance): Llama's layer, q/k/v biases by attention_bias and o's by attention_out_bias
     "seed_oss": Family(
         "seed_oss", False, False, False, frozenset({"attention_bias", "attention_out_bias", "mlp_bias"}), o_bias=False
@@ -438,6 +443,20 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "rms_norm_eps": 1e-5,
         "hidden_act": "silu",
     },
+    "ernie4_5": dict(
+        vocab_size=103424,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=18,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=128,
+        hidden_act="silu",
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        use_bias=False,
+    ),
     "seed_oss": dict(
         vocab_size=155136,
         hidden_size=4096,
@@ -540,7 +559,7 @@ FAMILY_DEFAULTS: dict[str, dict] = {
     },
 }
 # The rope's θ where a config names none, where transformers' class of the family has its own
-DEFAULT_THETA = {"mixtral": 1e6, "smollm3": 2e6, "gemma3_text": 1e6, "olmo3": 5e5}
+DEFAULT_THETA = {"mixtral": 1e6, "smollm3": 2e6, "gemma3_text": 1e6, "olmo3": 5e5, "ernie4_5": 5e5}
 # The partial_rotary_factor where a config names none, where transformers' class of the family has its own
 DEFAULT_PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5}
 # Families with a rope per layer type (ModelArgs.local_rope, `_layer_type_ropes`): where the old spelling
@@ -692,6 +711,11 @@ class Rope:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     interleaved: bool = False  # GLM: the rotated pairs are dims (2i, 2i + 1), not (i, i + dim/2)
+    fp32: bool = False  # ERNIE 4.5: the rotation in fp32 from fp32 tables, rounded once (`table_dtype`)
+
+    def table_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the cos/sin tables of a model of `dtype` (its own, or fp32 for `fp32`)."""
+        return torch.float32 if self.fp32 else dtype
 
     @property
     def length_dependent(self) -> bool:
@@ -1186,7 +1210,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
     attn_scale = None if scalar in (None, head_dim) else scalar**-0.5
     if model_type == "granite":
         attn_scale = _positive(cfg, "attention_multiplier")
-    attn_bias = bool(cfg.get("attention_bias", False))
+    attn_bias = bool(cfg.get("attention_bias", False)) or bool(cfg.get("use_bias", False))  # ERNIE's: every one
     eos = cfg.get("eos_token_id")
     n_experts, per_token, ffn, shared = _experts(cfg, fam)
     return cls(
@@ -1206,7 +1230,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         rope=rope,
         qkv_bias=model_type == "qwen2" or attn_bias or (model_type == "qwen2_moe" and bool(cfg["qkv_bias"])),
         o_bias=(attn_bias and fam.o_bias) or bool(cfg.get("attention_out_bias", False)),
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)) or bool(cfg.get("use_bias", False)),
         windows=_windows(cfg, model_type, n_layers),
         act=act,
         attn_scale=attn_scale,
@@ -1480,7 +1504,7 @@ def _rope_of(params: dict, cfg: dict, fam: Family, head_dim: int, max_pos: int) 
             f"rope_parameters field(s) {', '.join(extra)} are not used by rope type {kind!r} "
             f"(it reads {', '.join(sorted(ROPE_FIELDS[kind])) or 'only rope_theta'})"
         )
-    kw: dict = {"kind": kind, "theta": theta, "dim": dim, "interleaved": fam.interleaved_rope}
+    kw: dict = {"kind": kind, "theta": theta, "dim": dim, "interleaved": fam.interleaved_rope, "fp32": fam.fp32_rope}
     if kind in ("llama3", "yarn", "longrope"):
         if "original_max_position_embeddings" in cfg:  # transformers lets the top-level value win
             orig = cfg["original_max_position_embeddings"]

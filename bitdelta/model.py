@@ -121,7 +121,7 @@ def rope_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: [T, rotary dims] for integer positions [T] (HF layout: halves concatenated).
     `seq_lens`: see `Rope.tables` (dynamic and LongRoPE depend on the sequence's length)."""
-    return args.rope.tables(positions, dtype, seq_lens)
+    return args.rope.tables(positions, args.rope.table_dtype(dtype), seq_lens)
 
 
 class RopeCache:
@@ -175,6 +175,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
         return x * cos + rotated * sin
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def rotate(rope, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` as the model's rope does it: pairs interleaved or not, in x's dtype or (ERNIE 4.5's
+    `Rope.fp32`) in fp32 from fp32 tables, rounded once."""
+    if rope.fp32:
+        return apply_rope(x.float(), cos, sin, rope.interleaved).to(x.dtype)
+    return apply_rope(x, cos, sin, rope.interleaved)
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -239,7 +247,7 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
         if a.rotates(self.layer):  # SmolLM3's NoPE layers take none
-            q, k = apply_rope(q, cos, sin, a.rope.interleaved), apply_rope(k, cos, sin, a.rope.interleaved)
+            q, k = rotate(a.rope, q, cos, sin), rotate(a.rope, k, cos, sin)
         temperature = a.q_temperature(pos)  # Ministral 3: q × its position's factor, in q's dtype
         if temperature is not None:
             q = q * temperature.to(q.dtype)[:, None]

@@ -78,6 +78,7 @@ class _Opts(ctypes.Structure):
         ("qk_full", ctypes.c_int32),
         ("rotary", ctypes.c_int64),
         ("interleaved", ctypes.c_int32),
+        ("rope_fp32", ctypes.c_int32),
     ]
 
 
@@ -116,7 +117,8 @@ class DecodeOptions:
     `norm_once` (RMSNorm × w in fp32, one rounding) and `qk_full` (the q and k norms over the whole
     projection); `rotary`, the rotated dims of a head and the rope tables' width (0: head_dim; Phi's
     partial_rotary_factor: the rest of each head passes as it is); `interleaved`, GLM's rope over dims
-    (2i, 2i + 1) instead of (i, i + rotary/2)."""
+    (2i, 2i + 1) instead of (i, i + rotary/2); `rope_fp32`, ERNIE 4.5's rotation in fp32 (from fp32
+    tables), rounded once."""
 
     gemma: bool = False
     gelu: bool = False
@@ -129,6 +131,7 @@ class DecodeOptions:
     qk_full: bool = False
     rotary: int = 0
     interleaved: bool = False
+    rope_fp32: bool = False
 
 
 @dataclass(frozen=True)
@@ -414,6 +417,8 @@ class DecodeLayers:
                 raise ValueError(f"{name} must be {dtype} [{rows or 'vocab'}, {shape.dim}], contiguous")
         if head is not None and final_norm is None:
             raise ValueError("a head needs the final norm before it")
+        if options.rope_fp32 and not options.interleaved:
+            raise ValueError("rope_fp32 is the interleaved rotation's (ERNIE 4.5's) only")
         self.final_norm, self.head, self.embed, self.options = final_norm, head, embed, options
         self.any_local = any(L.local for L in layers)
         self._arr = (_Layer * len(layers))()
@@ -598,6 +603,7 @@ class DecodeLayers:
             int(op.qk_full),
             op.rotary,
             int(op.interleaved),
+            int(op.rope_fp32),
         )
         rs, wr = _slots32(row_slot), _ints(write_rows, torch.int64)
         if rope_rows is None:

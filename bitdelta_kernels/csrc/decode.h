@@ -41,6 +41,7 @@ typedef struct {
     int32_t qk_full;       /* OLMo 2: the q and k norms span the whole projection, not one head */
     int64_t rotary;        /* the rotated dims of a head, the tables' width (0: head_dim; Phi's partial_rotary_factor) */
     int32_t interleaved;   /* GLM: the rotated pairs are dims (2i, 2i + 1), not (i, i + rotary/2) */
+    int32_t rope_fp32;     /* ERNIE 4.5: the rotation's products and sums in fp32, rounded once */
 } bd_decode_opts;
 
 /* How a norm rounds (norm_row): Llama's, Gemma's (1 + w, once) or OLMo 2's (w, once). */
@@ -260,15 +261,16 @@ static void gelu_mul(const float *gu, int64_t B, int64_t F, int dtype, float *ac
  * partial_rotary_factor; the rest pass as they are; runner's rope):
  * lo' = round(round(lo·c) + round(−hi·s)), hi' = round(round(hi·c') + round(lo·s')). */
 static void rope_heads(float *x, int64_t n, int64_t hd, int64_t r, const float *c, const float *sn, int dtype,
-                       int interleaved) {
+                       int interleaved, int fp32) {
     const int64_t half = r / 2;
     if (interleaved) { /* GLM's pairs (2i, 2i + 1), each by the tables' c[i], s[i] (their first half) */
+        const int step = fp32 ? BD_W_F32 : dtype; /* ERNIE 4.5: every step in fp32, one rounding at the end */
         for (int64_t j = 0; j < n; ++j) {
             float *xh = x + j * hd;
             for (int64_t i = 0; i < half; ++i) {
                 const float e = xh[2 * i], o = xh[2 * i + 1];
-                xh[2 * i] = round_to(dtype, round_to(dtype, e * c[i]) + round_to(dtype, -o * sn[i]));
-                xh[2 * i + 1] = round_to(dtype, round_to(dtype, o * c[i]) + round_to(dtype, e * sn[i]));
+                xh[2 * i] = round_to(dtype, round_to(step, round_to(step, e * c[i]) + round_to(step, -o * sn[i])));
+                xh[2 * i + 1] = round_to(dtype, round_to(step, round_to(step, o * c[i]) + round_to(step, e * sn[i])));
             }
         }
         return;
@@ -410,7 +412,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
                      const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads,
                      int fuse, const bd_lowrank *const *lowrank, const bd_decode_opts *opts) {
     const int64_t Q = (H + 2 * KV) * hd, HD = H * hd;
-    const bd_decode_opts llama = {0, 0, 0.f, 0.f, NULL, NULL, 0.f, 0.f, 0, 0, 0, 0};
+    const bd_decode_opts llama = {0, 0, 0.f, 0.f, NULL, NULL, 0.f, 0.f, 0, 0, 0, 0, 0};
     const bd_decode_opts *o_ = opts ? opts : &llama;
     const int gemma = o_->gemma, style = gemma ? NORM_GEMMA : o_->norm_once ? NORM_ONCE : NORM_LLAMA;
     const float rm = o_->residual_multiplier > 0.f ? o_->residual_multiplier : 1.f;
@@ -497,7 +499,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
                     norm_row(row + j * hd, L->qk_norm[j >= H], (row_slot[b] + 1) * hd, hd, eps, dtype, style, row + j * hd);
             if (!L->nope)
                 rope_heads(row, H + KV, hd, rot, (local ? lcs : cs) + b * hd, (local ? lsn : sn) + b * hd, dtype,
-                           o_->interleaved);
+                           o_->interleaved, o_->rope_fp32);
             memcpy(q + b * HD, row, sizeof(float) * (size_t)HD);
             const int64_t off = write_rows[b] * KV * hd;
             for (int64_t i = 0; i < KV * hd; ++i) {

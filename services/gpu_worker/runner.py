@@ -41,13 +41,13 @@ from bitdelta.checkpoint import CheckpointReader, read_config
 from bitdelta.model import (
     ModelArgs,
     RopeCache,
-    apply_rope,
     attend,
     attention_mask,
     embed_scaled,
     final_logits,
     gate_act,
     residual,
+    rotate,
     route,
 )
 from bitdelta.shard import EMBED, HEAD
@@ -1080,6 +1080,7 @@ class ModelRunner:
             qk_full=a.family.qk_whole,
             rotary=a.rope.dim,
             interleaved=a.rope.interleaved,
+            rope_fp32=a.rope.fp32,
         )
         return DecodeLayers(
             layers,
@@ -1107,25 +1108,25 @@ class ModelRunner:
         hd, H, KV = a.head_dim, a.n_heads, a.n_kv_heads
         N = x.shape[0]
         inp, attn_out, mlp_in, mlp_out = a.norm_roles()
-        il = a.rope.interleaved  # GLM's pairs
         for i in range(a.n_layers):
             norms = self.slots.norms[i]
             cos, sin = (m.local_cos, m.local_sin) if a.local(i) else (m.cos, m.sin)
+            rope = a.local_rope if a.local(i) else a.rope  # GLM's interleaved pairs, ERNIE's fp32 rotation
             h = x if inp is None else self._norm(x, norms[inp], m, a.norm_eps)  # OLMo 2/3: no input norm
             qkv = self._linear(h, i, "qkv", m)
             v = qkv[:, (H + KV) * hd :].view(N, KV, hd)
             if a.family.qk_whole:  # OLMo 2, OLMoE: q and k normed whole, then split into heads
                 q = self._norm(qkv[:, : H * hd], norms["self_attn.q_norm"], m, a.norm_eps).view(N, H, hd)
                 k = self._norm(qkv[:, H * hd : (H + KV) * hd], norms["self_attn.k_norm"], m, a.norm_eps).view(N, KV, hd)
-                q, k = apply_rope(q, cos, sin, il), apply_rope(k, cos, sin, il)
+                q, k = rotate(rope, q, cos, sin), rotate(rope, k, cos, sin)
             elif a.family.qk_norm:
                 q = self._norm(qkv[:, : H * hd].view(N, H, hd), norms["self_attn.q_norm"], m, a.norm_eps)
                 k = self._norm(qkv[:, H * hd : (H + KV) * hd].view(N, KV, hd), norms["self_attn.k_norm"], m, a.norm_eps)
-                q, k = apply_rope(q, cos, sin, il), apply_rope(k, cos, sin, il)
+                q, k = rotate(rope, q, cos, sin), rotate(rope, k, cos, sin)
             elif not a.rotates(i):  # SmolLM3's NoPE layers: q and k as projected
                 q, k = qkv[:, : H * hd].view(N, H, hd), qkv[:, H * hd : (H + KV) * hd].view(N, KV, hd)
             else:  # q ‖ k are adjacent in qkv: one rotation for both heads' sets (half the small ops)
-                qk = apply_rope(qkv[:, : (H + KV) * hd].view(N, H + KV, hd), cos, sin, il)
+                qk = rotate(rope, qkv[:, : (H + KV) * hd].view(N, H + KV, hd), cos, sin)
                 q, k = qk[:, :H], qk[:, H:]
             if m.q_temperature is not None:  # Ministral 3 past its original context
                 q = q * m.q_temperature

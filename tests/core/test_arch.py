@@ -147,6 +147,7 @@ def test_fields_that_would_change_the_model_are_refused(bases):
         ("gemma3_text", "Gemma3TextConfig"),
         ("granite", "GraniteConfig"),
         ("seed_oss", "SeedOssConfig"),
+        ("ernie4_5", "Ernie4_5Config"),
         ("glm", "GlmConfig"),
         ("glm4", "Glm4Config"),
         ("olmo2", "Olmo2Config"),
@@ -355,6 +356,30 @@ def test_glm_configs_as_transformers_reads_them(bases):
         for layer in model.model.layers:
             layer.self_attn.args = dataclasses.replace(glm4, rope=dataclasses.replace(glm4.rope, interleaved=False))
         assert (model(ids) - want).abs().max() > 1e-3
+
+
+def test_ernie_rope_as_transformers_computes_it(bases):
+    """ERNIE 4.5: every projection biased (use_bias), and its interleaved rotation in fp32 from fp32
+    tables, rounded once: a bf16 q equals transformers' own rotation bit for bit (a rotation rounded at
+    each step, as GLM's, does not)."""
+    from transformers.models.ernie4_5.modeling_ernie4_5 import Ernie4_5RotaryEmbedding, apply_rotary_pos_emb
+
+    from bitdelta.model import rope_tables, rotate
+
+    cfg = read_config(bases["ernie4.5"])
+    a = ModelArgs.from_hf(cfg)
+    assert a.layout == "q,k,v,o,gate,up,down;bias=q,k,v,o,gate,up,down" and a.tie_embeddings
+    assert (a.rope.interleaved, a.rope.fp32, a.rope.table_dtype(torch.bfloat16)) == (True, True, torch.float32)
+    g = torch.Generator().manual_seed(6)
+    q = (torch.randn(1, 4, LONG, 16, generator=g) * 3).bfloat16()
+    pos = torch.arange(LONG)
+    cos, sin = Ernie4_5RotaryEmbedding(hf_model(bases["ernie4.5"]).config)(q, pos[None])
+    want, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    ours_cos, ours_sin = rope_tables(a, pos, torch.bfloat16)
+    assert torch.equal(rotate(a.rope, q, ours_cos, ours_sin), want)
+    rounded = dataclasses.replace(a.rope, fp32=False)
+    stepwise = rotate(rounded, q, ours_cos.bfloat16(), ours_sin.bfloat16())
+    assert not torch.equal(stepwise, want)
 
 
 def test_gemma_configs_as_transformers_reads_them(bases):

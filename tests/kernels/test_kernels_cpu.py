@@ -660,8 +660,11 @@ def decode_layer_ref(
     def rope(t):  # t [B, heads, hd]: the first r dims rotate (cos, sin [B, r]), the rest pass
         r = cos.shape[-1]
         half = r // 2
-        lo, hi, rest = t[..., :half], t[..., half:r], t[..., r:]
         c, s = cos.double()[:, None], sin.double()[:, None]
+        if opts is not None and opts.interleaved:  # GLM: pairs (2i, 2i + 1) by c[i], s[i]
+            e, o, c, s = t[..., 0:r:2], t[..., 1:r:2], c[..., :half], s[..., :half]
+            return torch.cat([torch.stack([e * c - o * s, o * c + e * s], -1).flatten(-2), t[..., r:]], -1)
+        lo, hi, rest = t[..., :half], t[..., half:r], t[..., r:]
         return torch.cat([lo * c[..., :half] - hi * s[..., :half], hi * c[..., half:] + lo * s[..., half:], rest], -1)
 
     x = x.double()
@@ -674,7 +677,8 @@ def decode_layer_ref(
     q, k_new = q.reshape(B, H, hd), k_new.reshape(B, KV, hd)
     if L.qk_norms is not None and not (opts is not None and opts.qk_full):
         q, k_new = norm(q, L.qk_norms[0]), norm(k_new, L.qk_norms[1])
-    q, k_new = rope(q), rope(k_new)
+    if not L.nope:  # SmolLM3's NoPE layers: no rotation
+        q, k_new = rope(q), rope(k_new)
     scale = hd**-0.5 if opts is None or opts.attn_scale is None else opts.attn_scale
     cap = None if opts is None else opts.attn_softcap
     k, v = L.k.double().clone(), L.v.double().clone()
@@ -768,13 +772,14 @@ def test_decode_layers_against_the_reference(isa, dims):
         assert torch.equal(one[0], got[1][b]), b
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "qwen3", "granite", "olmo2", "partial"])
+@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "qwen3", "granite", "olmo2", "partial", "glm", "nope"])
 def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     """What Gemma and Qwen3 change in the C decode layers, against the layer in float64: Gemma's
     (1 + w) norms in fp32, the sandwich norms, GELU's tanh form, the scores' own scale; Gemma 2's
     capped scores; Gemma 3's and Qwen3's per-head q/k norms and Gemma 3's local rotation; Granite's
     residual multiplier and scale; OLMo 2's post-norms and whole-projection q/k norms; Phi's partial
-    rotary factor (a quarter of each head rotates); rows of
+    rotary factor (a quarter of each head rotates); GLM's interleaved pairs over half of each head;
+    SmolLM3's layer without a rotation (NoPE); rows of
     two variants and the base in one step, fp32; a row alone the same as in the batch."""
     import dataclasses
 
@@ -800,6 +805,7 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
             norms=norms(4 if gemma else 2, D),
             qk_norms=norms(2, hd) if kind in ("gemma3", "qwen3") else None,
             local=kind == "gemma3",
+            nope=kind == "nope",
         )
     opts = DecodeOptions(
         gemma=gemma,
@@ -810,7 +816,8 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
         residual_multiplier=0.4 if kind == "granite" else 1.0,
         norm_once=kind == "olmo2",
         qk_full=kind == "olmo2",
-        rotary=hd // 4 if kind == "partial" else 0,
+        rotary=hd // 4 if kind == "partial" else hd // 2 if kind == "glm" else 0,
+        interleaved=kind == "glm",
     )
     slots = [0, -1, 1, 0]
     cos, sin, tables, lens, write_rows, x = four_decode_rows(D, hd, bs, g)
@@ -822,7 +829,7 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     local = (torch.cat([angle.cos()] * 2, 1), torch.cat([angle.sin()] * 2, 1))
     want = decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs, opts=opts, local=local)
     first = L.norms[:2] if L.norms[0] is not None else (L.norms[1], L.norms[1])
-    plain = decode_layer_ref(x, dataclasses.replace(L, norms=first, qk_norms=None, local=False), slots, shape,
+    plain = decode_layer_ref(x, dataclasses.replace(L, norms=first, qk_norms=None, local=False, nope=False), slots, shape,
                              *full, write_rows, tables, lens, bs)  # fmt: skip
     assert rel_err(plain, want) > 1e-2  # what the family changes changes the numbers
     layers = DecodeLayers([L], shape, torch.float32, options=opts)

@@ -113,6 +113,8 @@ def hf_config(name: str):
         return tf.GraniteConfig(
             **COMMON, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0
         )
+    if name == "ernie4.5":  # every projection biased, an interleaved rope in fp32 (one rounding), tied head
+        return tf.Ernie4_5Config(**COMMON, head_dim=16, use_bias=True, tie_word_embeddings=True)
     if name == "seed-oss":  # q/k/v biases, o's by its own switch, an MLP with biases
         return tf.SeedOssConfig(**COMMON, head_dim=16, attention_out_bias=True, mlp_bias=True)
     if name == "glm":  # the MLP's gate and up fused, q/k/v biases, an interleaved rope over half of each head
@@ -218,6 +220,7 @@ FAMILY_MEMBERS = (
     "glm",
     "glm4",
     "seed-oss",
+    "ernie4.5",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa")
 
