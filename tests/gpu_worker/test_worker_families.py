@@ -239,3 +239,43 @@ def test_a_sparse_layer_gives_each_expert_its_rows_variants_parts(tmp_path, name
     with torch.no_grad():
         want = torch.stack([refs[v](torch.tensor([q + [t]]))[0, -1] for v, q, t in zip(order, seqs, nxt)])
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_c_layers_rotate_as_the_layers_do(tmp_path, monkeypatch):
+    """bf16, where roundings show: the C decode layers' step equals the layer-by-layer step bit for bit
+    on ERNIE 4.5 (its interleaved rope rotated in fp32 and rounded once, `rope_fp32`) and on GLM-4
+    (interleaved, rounded at each step); the C layers rotating ERNIE's pairs step by step do not."""
+    from services.gpu_worker import runner as R
+    from services.gpu_worker.config import WorkerConfig
+    from services.gpu_worker.worker import Worker
+
+    async def steps(name: str, stepwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        base = make_hf_base(tmp_path / name, name, seed=3)
+        (tmp_path / "none").mkdir(exist_ok=True)
+        cfg = WorkerConfig(
+            base=base, delta_dir=str(tmp_path / "none"), dtype="bfloat16", device="cpu", kv_cache=8 << 20
+        )
+        worker = Worker(cfg)
+        await worker.start()
+        try:
+            r = worker.runner
+            prompt, blocks = list(range(40, 40 + LONG - 8)), list(range(8))
+            r.forward([SeqWork(prompt, 0, -1, blocks, True)])
+            step = [SeqWork([77], len(prompt), -1, blocks, True)]
+            r.__dict__["_c_group_shapes"] = None  # the layer-by-layer path
+            layers = r.forward(step)
+            r.__dict__.pop("_c_group_shapes")
+            if stepwise:
+                options = R.DecodeOptions
+                monkeypatch.setattr(R, "DecodeOptions", lambda **kw: options(**{**kw, "rope_fp32": False}))
+            r._c_layers = None
+            assert r._c_decode_serves(1)
+            return r.forward(step), layers
+        finally:
+            await worker.close()
+
+    for name in ("ernie4.5", "glm4"):
+        c, layers = asyncio.run(steps(name, stepwise=False))
+        assert torch.equal(c, layers), name
+    c, layers = asyncio.run(steps("ernie4.5", stepwise=True))
+    assert not torch.equal(c, layers)
