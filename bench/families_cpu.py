@@ -63,22 +63,9 @@ MEMBERS = {
             rope_theta=1000000.0,
         ),
     ),
-    "ernie4.5-0.3b": (  # GLM's interleaved rope pairs, rotated in fp32 and rounded once
-        "Ernie4_5Config",
-        dict(
-            vocab_size=103424,
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_hidden_layers=18,
-            num_attention_heads=16,
-            num_key_value_heads=2,
-            head_dim=128,
-            max_position_embeddings=131072,
-            tie_word_embeddings=True,
-            rope_theta=500000.0,
-            use_bias=False,
-        ),
-    ),
+    # GLM's interleaved rope pairs, rotated in fp32 and rounded once; transformers' class defaults are
+    # ERNIE-4.5-0.3B's published config.json
+    "ernie4.5-0.3b": ("Ernie4_5Config", {}),
 }
 
 
