@@ -987,13 +987,9 @@ class ModelArgs:
         return tuple(out)
 
     def layer_norms(self) -> tuple[tuple[str, int], ...]:
-        """(module path inside a layer, size) of each RMSNorm of a layer."""
-        if self.family.post_norm:  # OLMo 2: no input norm
-            out = [("post_attention_layernorm", self.dim), ("post_feedforward_layernorm", self.dim)]
-        else:
-            out = [("input_layernorm", self.dim), ("post_attention_layernorm", self.dim)]
-        if self.family.sandwich:  # the attention's output, the MLP's input and output (Gemma 2/3, GLM-4)
-            out = [("input_layernorm", self.dim)] + [(n, self.dim) for n in self.family.sandwich_names]
+        """(module path inside a layer, size) of each RMSNorm of a layer: its `norm_roles`, then the
+        q and k norms."""
+        out = [(n, self.dim) for n in self.norm_roles() if n is not None]
         hd = self.head_dim
         if self.family.qk_whole:  # OLMo 2, OLMoE: q and k normed whole
             out += [("self_attn.q_norm", self.n_heads * hd), ("self_attn.k_norm", self.n_kv_heads * hd)]

@@ -339,7 +339,6 @@ class SparseMoE(nn.Module):
 class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
-        self.sandwich = args.family.sandwich
         self.self_attn = Attention(args, layer)
         self.ffn = args.family.moe or "mlp"  # the MLP's (or sparse block's) module name
         setattr(self, self.ffn, SparseMoE(args) if args.family.moe else MLP(args))
@@ -349,15 +348,16 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, pos):
         a = self.self_attn.args
-        if a.family.post_norm:  # OLMo 2
-            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, pos))
-            return x + self.post_feedforward_layernorm(self.mlp(x))
-        if self.sandwich:  # Gemma 2/3, GLM-4: the attention's output, the MLP's input and output normed
-            attn_out, mlp_in, mlp_out = (getattr(self, n) for n in a.family.sandwich_names)
-            x = x + attn_out(self.self_attn(self.input_layernorm(x), cos, sin, pos))
-            return x + mlp_out(self.mlp(mlp_in(x)))
-        x = residual(a, x, self.self_attn(self.input_layernorm(x), cos, sin, pos))
-        return residual(a, x, getattr(self, self.ffn)(self.post_attention_layernorm(x)))
+        inp, attn_out, mlp_in, mlp_out = (None if n is None else getattr(self, n) for n in a.norm_roles())
+        att = self.self_attn(x if inp is None else inp(x), cos, sin, pos)  # OLMo 2/3: no input norm
+        ffn = getattr(self, self.ffn)
+        if attn_out is None:  # Llama's layer
+            x = residual(a, x, att)
+            return residual(a, x, ffn(mlp_in(x)))
+        # Gemma 2/3, GLM-4 (a sandwich), OLMo 2/3 (outputs only): the sublayers' outputs normed
+        x = x + attn_out(att)
+        y = ffn(x if mlp_in is None else mlp_in(x))
+        return x + (y if mlp_out is None else mlp_out(y))
 
 
 class Body(nn.Module):
