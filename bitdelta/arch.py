@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +51,8 @@ SUPPORTED = (
     "qwen3_moe",
     "qwen2_moe",
     "olmoe",
+    "cohere",
+    "cohere2",
 )
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -90,7 +93,13 @@ class Family:
     shared_expert: bool = False
     fused_mlp: bool = False  # GLM: mlp.gate_up_proj fused (gate ‖ up) while q, k, v stay apart
     interleaved_rope: bool = False  # GLM: the rope's pairs are dims (2i, 2i + 1) (Rope.interleaved)
-    fp32_rope: bool = False  # ERNIE 4.5: the rotation in fp32, rounded once (Rope.fp32)
+    fp32_rope: bool = False  # ERNIE 4.5, Cohere: the rotation in fp32, rounded once (Rope.fp32)
+    fp32_rope_tables: bool = False  # ERNIE 4.5: its cos/sin tables kept in fp32 (Cohere's: the model's dtype)
+    # Cohere: LayerNorm in place of RMSNorm (the mean subtracted, no bias), w · x in fp32 and one rounding
+    layer_norm: bool = False
+    # Cohere: a parallel block, the attention and the MLP both read the one input norm's output and both
+    # are added to the residual (x + attention + MLP, added in that order)
+    parallel: bool = False
     o_bias: bool = True  # attention_bias gives o_proj a bias too (GLM's: q, k, v only)
     # a sandwich layer's norms (Family.sandwich): of the attention's output, of the MLP's input, of the MLP's output
     sandwich_names: tuple[str, str, str] = (
@@ -187,7 +196,16 @@ FAMILIES: dict[str, Family] = {
     "olmo2": Family("olmo2", False, True, False, frozenset({"attention_bias"}), post_norm=True, qk_whole=True),
     # ERNIE 4.5 (Baidu, the dense ones): Llama's layer, every projection biased where use_bias, an interleaved
     # rope computed in fp32 and rounded once
-    "ernie4_5": Family("ernie4_5", False, False, False, frozenset({"use_bias"}), interleaved_rope=True, fp32_rope=True),
+    "ernie4_5": Family(
+        "ernie4_5",
+        False,
+        False,
+        False,
+        frozenset({"use_bias"}),
+        interleaved_rope=True,
+        fp32_rope=True,
+        fp32_rope_tables=True,
+    ),
     # Seed-OSS (ByteDance): Llama's layer, q/k/v biases by attention_bias and o's by attention_out_bias
     "seed_oss": Family(
         "seed_oss", False, False, False, frozenset({"attention_bias", "attention_out_bias", "mlp_bias"}), o_bias=False
@@ -320,6 +338,64 @@ FAMILIES: dict[str, Family] = {
         moe="mlp",
         moe_round=True,
     ),
+    # Cohere (Command R, Aya 23, Aya Expanse): a parallel block under one LayerNorm, an interleaved rope rotated
+    # in fp32 from tables in the model's dtype, the logits × logit_scale, a tied head by default (use_qk_norm's
+    # per-head LayerNorms, Command R+'s, are refused)
+    "cohere": Family(
+        "cohere",
+        False,
+        False,
+        False,
+        frozenset({"attention_bias", "layer_norm_eps", "logit_scale", "use_qk_norm"}),
+        interleaved_rope=True,
+        fp32_rope=True,
+        layer_norm=True,
+        parallel=True,
+    ),
+    # Cohere 2 (Command R7B, Command A, Aya Vision's text): Cohere's layer, sliding windows on three layers
+    # of four, the rope on those only (the full layers take none: NoPE), head_dim = hidden_size / heads
+    "cohere2": Family(
+        "cohere2",
+        False,
+        False,
+        False,
+        frozenset(
+            {
+                "attention_bias",
+                "layer_norm_eps",
+                "logit_scale",
+                "sliding_window",
+                "sliding_window_pattern",
+                "layer_types",
+            }
+        ),
+        interleaved_rope=True,
+        fp32_rope=True,
+        layer_norm=True,
+        parallel=True,
+    ),
+}
+# Fields of a family's original release that transformers does not read, each accepted only where its
+# value is what transformers' model does anyway (field -> (does the value agree, what transformers does)):
+# Command R7B's and Command A's config.json carry their training code's switches.
+AGREEING_FIELDS: dict[str, dict[str, tuple[Callable[[object, dict], bool], str]]] = {
+    "cohere2": {
+        "order_of_interleaved_layers": (lambda v, c: v == "local_attn_first", "'local_attn_first'"),
+        "position_embedding_type": (lambda v, c: v == "rope_gptj", "'rope_gptj' (the interleaved rope)"),
+        "rotary_pct": (lambda v, c: v == 1.0, "1.0 (every dim of a head rotates)"),
+        "use_gated_activation": (lambda v, c: v is True, "true (the gated MLP)"),
+        "use_parallel_block": (lambda v, c: v is True, "true (the parallel block)"),
+        "use_qk_norm": (lambda v, c: v is False, "false (no q/k norms)"),
+        "use_embedding_sharing": (
+            lambda v, c: v == c.get("tie_word_embeddings", True),
+            "tie_word_embeddings' value",
+        ),
+        "use_parallel_embedding": (lambda v, c: isinstance(v, bool), "true or false (a tensor-parallel split)"),
+        "layer_switch": (
+            lambda v, c: v == c.get("sliding_window_pattern", 4),
+            "sliding_window_pattern's value (the period of the sliding and full layers)",
+        ),
+    }
 }
 # What transformers' config class of each family sets where a config.json leaves a field out (the
 # fields this build reads): a partial config means what it means to transformers (e.g. Gemma 3's
@@ -557,9 +633,37 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "num_experts_per_tok": 8,
         "norm_topk_prob": False,
     },
+    "cohere": {
+        "vocab_size": 256000,
+        "hidden_size": 8192,
+        "intermediate_size": 22528,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 64,
+        "hidden_act": "silu",
+        "max_position_embeddings": 8192,
+        "layer_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "logit_scale": 0.0625,
+        "attention_bias": False,
+        "use_qk_norm": False,
+    },
+    "cohere2": {
+        "vocab_size": 256000,
+        "hidden_size": 8192,
+        "intermediate_size": 22528,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 64,
+        "hidden_act": "silu",
+        "max_position_embeddings": 8192,
+        "layer_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "logit_scale": 0.0625,
+        "attention_bias": False,
+        "sliding_window": 4096,
+    },
 }
 # The rope's θ where a config names none, where transformers' class of the family has its own
-DEFAULT_THETA = {"mixtral": 1e6, "smollm3": 2e6, "gemma3_text": 1e6, "olmo3": 5e5, "ernie4_5": 5e5}
+DEFAULT_THETA = {"mixtral": 1e6, "smollm3": 2e6, "gemma3_text": 1e6, "olmo3": 5e5, "ernie4_5": 5e5, "cohere": 5e5}
 # The partial_rotary_factor where a config names none, where transformers' class of the family has its own
 DEFAULT_PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5}
 # Families with a rope per layer type (ModelArgs.local_rope, `_layer_type_ropes`): where the old spelling
@@ -664,6 +768,7 @@ IGNORED_FIELDS = frozenset(
         "output_router_logits",
         "router_jitter_noise",
         "residual_dropout",  # Seed-OSS's, in training only
+        "model_max_length",  # a tokenizer's limit some Cohere configs carry (max_position_embeddings is the model's)
     }
 )
 ROPE_FIELDS: dict[str, frozenset[str]] = {
@@ -711,11 +816,12 @@ class Rope:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     interleaved: bool = False  # GLM: the rotated pairs are dims (2i, 2i + 1), not (i, i + dim/2)
-    fp32: bool = False  # ERNIE 4.5: the rotation in fp32 from fp32 tables, rounded once (`table_dtype`)
+    fp32: bool = False  # ERNIE 4.5, Cohere: the rotation in fp32, rounded once
+    fp32_tables: bool = False  # ERNIE 4.5: its cos/sin tables in fp32 (`table_dtype`; Cohere's: the model's)
 
     def table_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype of the cos/sin tables of a model of `dtype` (its own, or fp32 for `fp32`)."""
-        return torch.float32 if self.fp32 else dtype
+        """The dtype of the cos/sin tables of a model of `dtype` (its own, or fp32 for `fp32_tables`)."""
+        return torch.float32 if self.fp32_tables else dtype
 
     @property
     def length_dependent(self) -> bool:
@@ -866,6 +972,7 @@ class ModelArgs:
     embed_multiplier: float = 1.0  # Granite: the embeddings × this (a Python float: one rounding)
     residual_multiplier: float = 1.0  # Granite: each sublayer's output × this before its residual add
     logits_scaling: float = 1.0  # Granite: the logits ÷ this
+    logit_scale: float = 1.0  # Cohere: the logits × this
     # Mixture of experts (Family.moe): every layer's MLP is n_experts experts of intermediate_size,
     # each token's output the sum of its experts_per_token highest-scoring experts' (softmax of the
     # router's logits in fp32, renormalised over the chosen ones where norm_topk)
@@ -1002,6 +1109,8 @@ class ModelArgs:
         output (a sandwich's, or OLMo's post-norm), of the MLP's input, of the MLP's output."""
         if self.family.post_norm:
             return (None, "post_attention_layernorm", None, "post_feedforward_layernorm")
+        if self.family.parallel:  # Cohere: the MLP reads the input norm's output too
+            return ("input_layernorm", None, None, None)
         if self.family.sandwich:
             return ("input_layernorm", *self.family.sandwich_names)
         return ("input_layernorm", None, "post_attention_layernorm", None)
@@ -1176,7 +1285,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
     for key in ("text_config", "vision_config", "audio_config"):
         if _is_set(cfg.get(key)):
             raise UnsupportedModel(f"config field {key!r}: multimodal models are not supported")
-    known = COMMON_FIELDS | IGNORED_FIELDS | fam.fields
+    known = COMMON_FIELDS | IGNORED_FIELDS | fam.fields | set(AGREEING_FIELDS.get(model_type, {}))
     # "_"-prefixed keys are bookkeeping (_name_or_path, _attn_implementation_autoset, comments)
     # and token ids (unk_token_id, sep_token_id, ...) are the tokenizer's business
     unknown = sorted(
@@ -1188,9 +1297,22 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
             f"this build does not implement (e.g. quantization, mixture-of-experts); "
             f"a {model_type} config may set {', '.join(sorted(COMMON_FIELDS | fam.fields))}"
         )
+    for key, (agrees, means) in AGREEING_FIELDS.get(model_type, {}).items():
+        if key in cfg and cfg[key] is not None and not agrees(cfg[key], cfg):
+            raise UnsupportedModel(
+                f"{model_type} config field {key!r} is {cfg[key]!r}: transformers' {model_type} model does not read "
+                f"it and runs as {key} = {means} would"
+            )
+    if model_type == "cohere" and cfg.get("use_qk_norm"):
+        raise UnsupportedModel("use_qk_norm (Command R+'s per-head LayerNorms of q and k) is not supported")
     act = _activation(cfg, fam)
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    if model_type == "cohere2" and head_dim != cfg["hidden_size"] // heads:  # transformers sets it so
+        raise UnsupportedModel(
+            f"head_dim {head_dim}: transformers' cohere2 model uses hidden_size / num_attention_heads "
+            f"= {cfg['hidden_size'] // heads} whatever the config says"
+        )
     n_layers = cfg["num_hidden_layers"]
     max_pos = cfg.get("max_position_embeddings", 2048)
     local_rope = None
@@ -1216,7 +1338,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         n_heads=heads,
         n_kv_heads=cfg.get("num_key_value_heads") or heads,
         intermediate_size=ffn,
-        norm_eps=cfg["rms_norm_eps"],
+        norm_eps=cfg["layer_norm_eps"] if fam.layer_norm else cfg["rms_norm_eps"],
         max_seq_len=max_pos,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         head_dim=head_dim,
@@ -1233,6 +1355,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         embed_multiplier=_positive(cfg, "embedding_multiplier") or 1.0,
         residual_multiplier=_positive(cfg, "residual_multiplier") or 1.0,
         logits_scaling=_positive(cfg, "logits_scaling") or 1.0,
+        logit_scale=_logit_scale(cfg) if fam.layer_norm else 1.0,
         attn_softcap=caps["attn_logit_softcapping"],
         logit_softcap=caps["final_logit_softcapping"],
         local_rope=local_rope,
@@ -1242,8 +1365,38 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         shared_intermediate_size=shared,
         temperature_beta=temperature[0],
         temperature_original=temperature[1],
-        nope=_nope_layers(cfg, n_layers) if model_type == "smollm3" else (),
+        nope=_nope_layers(cfg, n_layers) if model_type == "smollm3" else _full_layers(cfg, model_type, n_layers),
     )
+
+
+def _logit_scale(cfg: dict) -> float:
+    """Cohere's logit_scale: a positive number (transformers multiplies the logits by it, null included)."""
+    value = _positive(cfg, "logit_scale")
+    if value is None:
+        raise UnsupportedModel("config field 'logit_scale' must be a positive number, got null")
+    return value
+
+
+def _full_layers(cfg: dict, model_type: str, n_layers: int) -> tuple[bool, ...]:
+    """Cohere 2's layers without the rope: its full-attention ones (`_cohere2_types`); () for others."""
+    if model_type != "cohere2":
+        return ()
+    out = tuple(t == "full_attention" for t in _cohere2_types(cfg, n_layers))
+    return out if any(out) else ()
+
+
+def _cohere2_types(cfg: dict, n_layers: int) -> list[str]:
+    """Cohere 2's layer types as transformers reads them: layer_types, or every sliding_window_pattern-th
+    layer (from 1; 4 by default) full and the others sliding."""
+    types = cfg.get("layer_types")
+    if types is None:
+        every = cfg.get("sliding_window_pattern", 4)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise UnsupportedModel(f"sliding_window_pattern must be a positive integer, got {every!r}")
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise UnsupportedModel(f"layer_types {types!r}: expected {n_layers} of 'full_attention'/'sliding_attention'")
+    return types
 
 
 def _nope_layers(cfg: dict, n_layers: int) -> tuple[bool, ...]:
@@ -1408,6 +1561,11 @@ def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int | None, ...
                 f"layer_types {types!r}: expected {n_layers} of 'full_attention'/'sliding_attention'"
             )
         out = tuple(int(window) if t == "sliding_attention" else None for t in types)
+    elif model_type == "cohere2":  # the sliding layers (the ones with the rope) see sliding_window tokens
+        types = _cohere2_types(cfg, n_layers)
+        if window is None and "sliding_attention" in types:
+            raise UnsupportedModel("layer_types has sliding_attention layers but sliding_window is not set")
+        out = tuple(int(window) if t == "sliding_attention" else None for t in types)
     elif model_type in ("gemma2", "gemma3_text", "olmo3"):
         types = cfg.get("layer_types")
         if types is None:  # transformers' default pattern: every n-th layer (from 1) sees everything
@@ -1500,7 +1658,14 @@ def _rope_of(params: dict, cfg: dict, fam: Family, head_dim: int, max_pos: int) 
             f"rope_parameters field(s) {', '.join(extra)} are not used by rope type {kind!r} "
             f"(it reads {', '.join(sorted(ROPE_FIELDS[kind])) or 'only rope_theta'})"
         )
-    kw: dict = {"kind": kind, "theta": theta, "dim": dim, "interleaved": fam.interleaved_rope, "fp32": fam.fp32_rope}
+    kw: dict = {
+        "kind": kind,
+        "theta": theta,
+        "dim": dim,
+        "interleaved": fam.interleaved_rope,
+        "fp32": fam.fp32_rope,
+        "fp32_tables": fam.fp32_rope_tables,
+    }
     if kind in ("llama3", "yarn", "longrope"):
         if "original_max_position_embeddings" in cfg:  # transformers lets the top-level value win
             orig = cfg["original_max_position_embeddings"]

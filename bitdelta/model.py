@@ -41,20 +41,24 @@ from bitdelta_kernels.bits import unpack_signs
 class RMSNorm(nn.Module):
     """Llama's: normalise in fp32, round, scale by w in the input dtype. Gemma's (`offset`): scale by
     (1 + w) in fp32, then round once (its weights start at 0). OLMo 2's (`once`): scale by w in fp32,
-    then round once."""
+    then round once. Cohere's LayerNorm (`centered`, always `once`): the mean subtracted first, its
+    variance about the mean, no bias."""
 
-    def __init__(self, dim: int, eps: float, offset: bool = False, once: bool = False):
+    def __init__(self, dim: int, eps: float, offset: bool = False, once: bool = False, centered: bool = False):
         super().__init__()
-        self.eps, self.offset, self.once = eps, offset, once
+        self.eps, self.offset, self.once, self.centered = eps, offset, once or centered, centered
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     @classmethod
     def of(cls, args: ModelArgs, dim: int) -> RMSNorm:
         """The family's norm of `dim` values."""
-        return cls(dim, args.norm_eps, args.family.gemma, args.family.post_norm)
+        fam = args.family
+        return cls(dim, args.norm_eps, fam.gemma, fam.post_norm, fam.layer_norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
+        if self.centered:
+            xf = xf - xf.mean(-1, keepdim=True)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
@@ -88,9 +92,11 @@ def residual(args: ModelArgs, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 
 
 def final_logits(args: ModelArgs, logits: torch.Tensor) -> torch.Tensor:
-    """fp32 logits as the family ends: Granite's ÷ logits_scaling, Gemma 2's soft-cap."""
+    """fp32 logits as the family ends: Granite's ÷ logits_scaling, Cohere's × logit_scale, Gemma 2's soft-cap."""
     if args.logits_scaling != 1.0:
         logits = logits / args.logits_scaling
+    if args.logit_scale != 1.0:
+        logits = logits * args.logit_scale
     return softcap(logits, args.logit_softcap)
 
 
@@ -178,8 +184,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 def rotate(rope, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`apply_rope` as the model's rope does it: pairs interleaved or not, in x's dtype or (ERNIE 4.5's
-    `Rope.fp32`) in fp32 from fp32 tables, rounded once."""
+    """`apply_rope` as the model's rope does it: pairs interleaved or not, in x's dtype or (ERNIE 4.5's and
+    Cohere's `Rope.fp32`) in fp32, rounded once (from tables of `Rope.table_dtype`)."""
     if rope.fp32:
         return apply_rope(x.float(), cos, sin, rope.interleaved).to(x.dtype)
     return apply_rope(x, cos, sin, rope.interleaved)
@@ -349,8 +355,11 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, pos):
         a = self.self_attn.args
         inp, attn_out, mlp_in, mlp_out = (None if n is None else getattr(self, n) for n in a.norm_roles())
-        att = self.self_attn(x if inp is None else inp(x), cos, sin, pos)  # OLMo 2/3: no input norm
+        h = x if inp is None else inp(x)  # OLMo 2/3: no input norm
+        att = self.self_attn(h, cos, sin, pos)
         ffn = getattr(self, self.ffn)
+        if a.family.parallel:  # Cohere: the MLP reads the attention's input; x + attention + MLP
+            return x + att + ffn(h)
         if attn_out is None:  # Llama's layer
             x = residual(a, x, att)
             return residual(a, x, ffn(mlp_in(x)))

@@ -79,6 +79,8 @@ class _Opts(ctypes.Structure):
         ("rotary", ctypes.c_int64),
         ("interleaved", ctypes.c_int32),
         ("rope_fp32", ctypes.c_int32),
+        ("layer_norm", ctypes.c_int32),
+        ("parallel", ctypes.c_int32),
     ]
 
 
@@ -117,8 +119,10 @@ class DecodeOptions:
     `norm_once` (RMSNorm × w in fp32, one rounding) and `qk_full` (the q and k norms over the whole
     projection); `rotary`, the rotated dims of a head and the rope tables' width (0: head_dim; Phi's
     partial_rotary_factor: the rest of each head passes as it is); `interleaved`, GLM's rope over dims
-    (2i, 2i + 1) instead of (i, i + rotary/2); `rope_fp32`, ERNIE 4.5's rotation in fp32 (from fp32
-    tables), rounded once."""
+    (2i, 2i + 1) instead of (i, i + rotary/2); `rope_fp32`, ERNIE 4.5's and Cohere's rotation in fp32
+    (from the tables as given), rounded once; `layer_norm`, Cohere's LayerNorm in place of every RMSNorm (the
+    mean subtracted, × w in fp32, one rounding, no bias); `parallel`, Cohere's parallel block (the MLP reads
+    the input norm's output: x + attention + MLP; the layers' norms are the input one alone)."""
 
     gemma: bool = False
     gelu: bool = False
@@ -132,6 +136,8 @@ class DecodeOptions:
     rotary: int = 0
     interleaved: bool = False
     rope_fp32: bool = False
+    layer_norm: bool = False
+    parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -283,11 +289,14 @@ def _check(layers: list[DecodeLayer], shape: DecodeShape, dtype: torch.dtype, op
             )
             if not ok:
                 raise ValueError(f"layer {i}, group {g}: tensors do not fit a [{d_out}, {d_in}] {dtype} projection")
-        if len(L.norms) not in (2, 4) or L.norms[1] is None or (L.norms[0] is None and len(L.norms) == 2):
+        if options.parallel:
+            if len(L.norms) not in (2, 4) or L.norms[0] is None or any(n is not None for n in L.norms[1:]):
+                raise ValueError(f"layer {i}: a parallel block's layer has its input norm alone")
+        elif len(L.norms) not in (2, 4) or L.norms[1] is None or (L.norms[0] is None and len(L.norms) == 2):
             raise ValueError(
                 f"layer {i}: 2 norm stacks, or 4 with the sandwich's or the post-norms' (None where absent)"
             )
-        rows = L.norms[1].shape[0]
+        rows = L.norms[0 if options.parallel else 1].shape[0]
         for t in L.norms:
             if t is not None and (t.dtype != dtype or t.dim() != 2 or t.shape[1] != D or not t.is_contiguous()):
                 raise ValueError(f"layer {i}: norm stacks must be {dtype} [n_slots + 1, {D}], contiguous")
@@ -418,7 +427,7 @@ class DecodeLayers:
         if head is not None and final_norm is None:
             raise ValueError("a head needs the final norm before it")
         if options.rope_fp32 and not options.interleaved:
-            raise ValueError("rope_fp32 is the interleaved rotation's (ERNIE 4.5's) only")
+            raise ValueError("rope_fp32 is the interleaved rotation's (ERNIE 4.5's, Cohere's) only")
         self.final_norm, self.head, self.embed, self.options = final_norm, head, embed, options
         self.any_local = any(L.local for L in layers)
         self._arr = (_Layer * len(layers))()
@@ -604,6 +613,8 @@ class DecodeLayers:
             op.rotary,
             int(op.interleaved),
             int(op.rope_fp32),
+            int(op.layer_norm),
+            int(op.parallel),
         )
         rs, wr = _slots32(row_slot), _ints(write_rows, torch.int64)
         if rope_rows is None:

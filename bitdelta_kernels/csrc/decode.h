@@ -41,11 +41,14 @@ typedef struct {
     int32_t qk_full;       /* OLMo 2: the q and k norms span the whole projection, not one head */
     int64_t rotary;        /* the rotated dims of a head, the tables' width (0: head_dim; Phi's partial_rotary_factor) */
     int32_t interleaved;   /* GLM: the rotated pairs are dims (2i, 2i + 1), not (i, i + rotary/2) */
-    int32_t rope_fp32;     /* ERNIE 4.5: the rotation's products and sums in fp32, rounded once */
+    int32_t rope_fp32;     /* ERNIE 4.5, Cohere: the rotation's products and sums in fp32, rounded once */
+    int32_t layer_norm;    /* Cohere's LayerNorm: round(w · (x − mean) · rsqrt(var + eps)), in fp32, no bias */
+    int32_t parallel;      /* Cohere: the MLP reads the input norm's output too; x + attention + MLP */
 } bd_decode_opts;
 
-/* How a norm rounds (norm_row): Llama's, Gemma's (1 + w, once) or OLMo 2's (w, once). */
-enum { NORM_LLAMA = 0, NORM_GEMMA = 1, NORM_ONCE = 2 };
+/* How a norm rounds (norm_row): Llama's, Gemma's (1 + w, once), OLMo 2's (w, once) or Cohere's
+ * LayerNorm (the mean subtracted, then as OLMo 2's). */
+enum { NORM_LLAMA = 0, NORM_GEMMA = 1, NORM_ONCE = 2, NORM_LAYER = 3 };
 
 /* One slot's low-rank residual of one projection group (services/gpu_worker/slots.py LowRank):
  * y += U_m · (V · x)[c0_m, c0_m + rank_m) into the group's rows [r0_m, r0_m + rows_m) for each of its
@@ -159,6 +162,15 @@ static void norm_row(const float *xb, const void *w, int64_t off, int64_t D, flo
                      float *hb) {
     int64_t k = 0;
     float ss = 0.f;
+    if (style == NORM_LAYER) { /* Cohere's LayerNorm: (x − mean) · rsqrt(mean((x − mean)²) + eps), × w in fp32 */
+        float mean = 0.f;
+        for (k = 0; k < D; ++k) mean += xb[k];
+        mean /= (float)D;
+        for (k = 0; k < D; ++k) ss += (xb[k] - mean) * (xb[k] - mean);
+        const float inv = 1.f / sqrtf(ss / (float)D + eps);
+        for (k = 0; k < D; ++k) hb[k] = round_to(dtype, w_at(w, dtype, off + k) * ((xb[k] - mean) * inv));
+        return;
+    }
 #if defined(__AVX512F__) || defined(__AVX2__)
     vf acc = V_ZERO();
     for (; k + LANES <= D; k += LANES) acc = V_FMA(V_LOAD(xb + k), V_LOAD(xb + k), acc);
@@ -412,9 +424,10 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
                      const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads,
                      int fuse, const bd_lowrank *const *lowrank, const bd_decode_opts *opts) {
     const int64_t Q = (H + 2 * KV) * hd, HD = H * hd;
-    const bd_decode_opts llama = {0, 0, 0.f, 0.f, NULL, NULL, 0.f, 0.f, 0, 0, 0, 0, 0};
+    const bd_decode_opts llama = {0, 0, 0.f, 0.f, NULL, NULL, 0.f, 0.f, 0, 0, 0, 0, 0, 0, 0};
     const bd_decode_opts *o_ = opts ? opts : &llama;
-    const int gemma = o_->gemma, style = gemma ? NORM_GEMMA : o_->norm_once ? NORM_ONCE : NORM_LLAMA;
+    const int gemma = o_->gemma,
+              style = gemma ? NORM_GEMMA : o_->layer_norm ? NORM_LAYER : o_->norm_once ? NORM_ONCE : NORM_LLAMA;
     const float rm = o_->residual_multiplier > 0.f ? o_->residual_multiplier : 1.f;
     const int64_t rot = o_->rotary > 0 && o_->rotary <= hd ? o_->rotary : hd;
     /* row_planes: each row's plane slots ([B, n_planes], −1 past its variant's, all −1 for a variant
@@ -512,7 +525,9 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
             break;
         round_all(att, B * HD, dtype);
         if ((rc = decode_proj(L, 1, att, B, HD, D, dtype, row_slot, slots, P, any_delta, one_pass, LOW(1), o, n_threads))) break;
-        if (L->norm[2] || !L->norm[0]) { /* Gemma 2/3's sandwich, OLMo 2's post-norms: the attention's output
+        if (o_->parallel) /* Cohere: h still holds the input norm's output, the MLP's input */
+            residual_add(x, o, B * D, dtype, rm);
+        else if (L->norm[2] || !L->norm[0]) { /* Gemma 2/3's sandwich, OLMo 2's post-norms: the attention's output
                                             * normed; the MLP's input by its own norm (Gemma), or not (OLMo 2) */
             decode_norm(o, L->norm[1], row_slot, B, D, eps, dtype, style, h);
             residual_add(x, h, B * D, dtype, rm);

@@ -691,14 +691,18 @@ class ModelRunner:
     def _norm(self, x: torch.Tensor, weights: torch.Tensor, m: StepMeta, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim with a per-row weight. x: [N, size] or [N, heads, size] (Qwen3's
         per-head q/k norms); weights: [n_slots + 1, size] (row 0 = base). Gemma's scales by (1 + w)
-        in fp32 and rounds once, OLMo 2's by w (bitdelta.model.RMSNorm)."""
-        xf = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)  # one op for x·rsqrt(mean(x²) + eps)
+        in fp32 and rounds once, OLMo 2's by w, Cohere's LayerNorm subtracts the mean first and scales
+        by w as OLMo 2's (bitdelta.model.RMSNorm)."""
+        xf = x.float()
+        if self.args.family.layer_norm:
+            xf = xf - xf.mean(-1, keepdim=True)
+        xf = F.rms_norm(xf, (x.shape[-1],), eps=eps)  # one op for x·rsqrt(mean(x²) + eps)
         w = weights[m.single_norm] if m.norm_idx is None else weights[m.norm_idx]
         if x.dim() == 3 and w.dim() == 2:
             w = w[:, None, :]
         if self.args.family.gemma:
             return (xf * (1.0 + w.float())).to(x.dtype)
-        if self.args.family.post_norm:  # OLMo 2's: w · x in fp32, one rounding
+        if self.args.family.post_norm or self.args.family.layer_norm:  # OLMo 2's, Cohere's: w · x in fp32, one rounding
             return (w.float() * xf).to(x.dtype)
         return w * xf.to(x.dtype)
 
@@ -1081,6 +1085,8 @@ class ModelRunner:
             rotary=a.rope.dim,
             interleaved=a.rope.interleaved,
             rope_fp32=a.rope.fp32,
+            layer_norm=a.family.layer_norm,
+            parallel=a.family.parallel,
         )
         return DecodeLayers(
             layers,
@@ -1131,7 +1137,9 @@ class ModelRunner:
             if m.q_temperature is not None:  # Ministral 3 past its original context
                 q = q * m.q_temperature
             att = self._linear(self._attention(q, k, v, i, m).reshape(N, H * hd), i, "o", m)
-            if attn_out is not None:  # Gemma 2/3, GLM-4, OLMo 2/3: the attention's output normed, then the
+            if a.family.parallel:  # Cohere: the MLP reads the attention's input; x + attention + MLP
+                x = x + att
+            elif attn_out is not None:  # Gemma 2/3, GLM-4, OLMo 2/3: the attention's output normed, then the
                 x = x + self._norm(att, norms[attn_out], m, a.norm_eps)  # MLP's input by its own norm or not
                 h = x if mlp_in is None else self._norm(x, norms[mlp_in], m, a.norm_eps)
             else:

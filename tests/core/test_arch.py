@@ -157,6 +157,8 @@ def test_fields_that_would_change_the_model_are_refused(bases):
         ("qwen3_moe", "Qwen3MoeConfig"),
         ("qwen2_moe", "Qwen2MoeConfig"),
         ("olmoe", "OlmoeConfig"),
+        ("cohere", "CohereConfig"),
+        ("cohere2", "Cohere2Config"),
     ],
 )
 def test_a_field_left_out_means_what_it_means_to_transformers(model_type, config_class):
@@ -380,6 +382,76 @@ def test_ernie_rope_as_transformers_computes_it(bases):
     rounded = dataclasses.replace(a.rope, fp32=False)
     stepwise = rotate(rounded, q, ours_cos.bfloat16(), ours_sin.bfloat16())
     assert not torch.equal(stepwise, want)
+
+
+def test_cohere_configs_as_transformers_reads_them(bases):
+    """Cohere: LayerNorm (no bias) and a parallel block, one norm a layer; logit_scale; a bf16 q rotated
+    as transformers rotates it, bit for bit (fp32 products from tables in bf16: fp32 tables, as ERNIE's,
+    differ). Cohere 2: the sliding layers take the rope, the full ones none, by layer_types or every
+    sliding_window_pattern-th layer; the switches Command R7B's and Command A's config.json carry,
+    accepted where they say what transformers does and refused by name where not; Command R+'s
+    use_qk_norm, a head_dim transformers would overwrite and a null logit_scale refused."""
+    import transformers as tf
+    from transformers.models.cohere.modeling_cohere import CohereRotaryEmbedding, apply_rotary_pos_emb
+
+    from bitdelta.model import rope_tables, rotate
+
+    a = ModelArgs.from_hf(read_config(bases["cohere"]))
+    assert (a.layout, a.logit_scale, a.tie_embeddings) == ("q,k,v,o,gate,up,down;bias=q,k,v,o", 0.25, True)
+    assert a.norm_roles() == ("input_layernorm", None, None, None) and a.layer_norms() == (("input_layernorm", 32),)
+    assert (a.rope.interleaved, a.rope.fp32, a.rope.table_dtype(torch.bfloat16)) == (True, True, torch.bfloat16)
+    q = (torch.randn(1, 4, LONG, 8, generator=torch.Generator().manual_seed(6)) * 3).bfloat16()
+    pos = torch.arange(LONG)
+    cos, sin = CohereRotaryEmbedding(hf_model(bases["cohere"]).config)(q, pos[None])
+    want, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    ours_cos, ours_sin = rope_tables(a, pos, torch.bfloat16)
+    assert torch.equal(rotate(a.rope, q, ours_cos, ours_sin), want)
+    fp32_tables = dataclasses.replace(a.rope, fp32_tables=True)
+    assert not torch.equal(rotate(a.rope, q, *fp32_tables.tables(pos, torch.float32)), want)
+    for bad, match in ((True, "use_qk_norm"),):
+        with pytest.raises(UnsupportedModel, match=match):
+            ModelArgs.from_hf({**read_config(bases["cohere"]), "use_qk_norm": bad})
+    with pytest.raises(UnsupportedModel, match="logit_scale"):
+        ModelArgs.from_hf({**read_config(bases["cohere"]), "logit_scale": None})
+
+    cfg = read_config(bases["cohere2"])
+    two = ModelArgs.from_hf(cfg)
+    assert (two.nope, two.windows, two.logit_scale, two.rope.theta) == ((False, True), (8, None), 0.5, 10000.0)
+    shipped = {  # Command R7B's and Command A's own switches, as their config.json has them
+        "order_of_interleaved_layers": "local_attn_first",
+        "position_embedding_type": "rope_gptj",
+        "rotary_pct": 1.0,
+        "use_gated_activation": True,
+        "use_parallel_block": True,
+        "use_qk_norm": False,
+        "use_embedding_sharing": True,
+        "use_parallel_embedding": True,
+        "layer_switch": 4,
+        "cache_implementation": "hybrid",
+    }
+    assert ModelArgs.from_hf({**cfg, **shipped}) == two
+    for key, bad in (
+        ("order_of_interleaved_layers", "global_attn_first"),
+        ("position_embedding_type", "rope"),
+        ("rotary_pct", 0.5),
+        ("use_gated_activation", False),
+        ("use_parallel_block", False),
+        ("use_qk_norm", True),
+        ("use_embedding_sharing", False),
+        ("layer_switch", 2),
+    ):
+        with pytest.raises(UnsupportedModel, match=key):
+            ModelArgs.from_hf({**cfg, **shipped, key: bad})
+    bare = {k: v for k, v in cfg.items() if k != "layer_types"} | {"num_hidden_layers": 8}
+    for every in (4, 2):
+        types = tf.Cohere2Config(**bare, sliding_window_pattern=every).layer_types
+        b = ModelArgs.from_hf({**bare, "sliding_window_pattern": every})
+        assert b.nope == tuple(t == "full_attention" for t in types) and any(b.nope)
+        assert b.windows == tuple(None if t == "full_attention" else 8 for t in types)
+    with pytest.raises(UnsupportedModel, match="head_dim"):
+        ModelArgs.from_hf({**cfg, "head_dim": 16})
+    with pytest.raises(UnsupportedModel, match="layer_types"):
+        ModelArgs.from_hf({**cfg, "layer_types": ["sliding_attention"]})
 
 
 def test_gemma_configs_as_transformers_reads_them(bases):

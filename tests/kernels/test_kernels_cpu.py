@@ -631,15 +631,18 @@ def decode_layer_ref(
     U)])), rope over q's and k's heads, the new k, v written into copies of the pool, attention over
     the row's blocks, the residuals, silu · up. -> the layer's output [B, dim]. What a family
     changes: opts (`DecodeOptions`: Gemma's (1 + w) norms, GELU's tanh form, the scores' scale and
-    cap), L's q/k norms and sandwich norms, and with L.local the rotation `local` (cos, sin)."""
+    cap, Cohere's LayerNorm and parallel block), L's q/k norms and sandwich norms, and with L.local the
+    rotation `local` (cos, sin)."""
     H, KV, hd, F, eps = shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.intermediate, shape.norm_eps
     planes = [[v] for v in slots] if planes is None else planes
     gemma = opts is not None and opts.gemma
+    centered = opts is not None and opts.layer_norm  # Cohere's LayerNorm: the mean subtracted first
     if L.local:
         cos, sin = local
 
     def norm(t, w):  # t [B, ..., n]: every row of the last dim with its slot's weights
         w = w.double() + (1.0 if gemma else 0.0)
+        t = t - t.mean(-1, keepdim=True) if centered else t
         return torch.stack(
             [t[b] * torch.rsqrt(t[b].pow(2).mean(-1, keepdim=True) + eps) * w[slots[b] + 1] for b in range(len(t))]
         )
@@ -670,7 +673,8 @@ def decode_layer_ref(
     x = x.double()
     B = x.shape[0]
     post = L.norms[0] is None  # OLMo 2: no input norm, the outputs normed
-    qkv = proj(x if post else norm(x, L.norms[0]), 0)
+    x_in = x if post else norm(x, L.norms[0])
+    qkv = proj(x_in, 0)
     q, k_new = qkv[:, : H * hd], qkv[:, H * hd : (H + KV) * hd]
     if L.qk_norms is not None and opts is not None and opts.qk_full:  # q and k normed whole
         q, k_new = norm(q, L.qk_norms[0]), norm(k_new, L.qk_norms[1])
@@ -695,7 +699,9 @@ def decode_layer_ref(
     sandwich = len(L.norms) == 4 and L.norms[2] is not None
     rm = 1.0 if opts is None else opts.residual_multiplier
     x = x + rm * (norm(o, L.norms[1]) if sandwich or post else o)
-    gu = proj(x if post else norm(x, L.norms[2 if sandwich else 1]), 2)
+    if opts is None or not opts.parallel:
+        x_in = x if post else norm(x, L.norms[2 if sandwich else 1])
+    gu = proj(x_in, 2)  # Cohere's parallel block: from the attention's input norm
     gelu = opts is not None and opts.gelu
     act = torch.nn.functional.gelu(gu[:, :F], approximate="tanh") if gelu else torch.nn.functional.silu(gu[:, :F])
     down = proj(act * gu[:, F:], 3)
@@ -772,14 +778,15 @@ def test_decode_layers_against_the_reference(isa, dims):
         assert torch.equal(one[0], got[1][b]), b
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "qwen3", "granite", "olmo2", "partial", "glm", "nope"])
+@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "qwen3", "granite", "olmo2", "partial", "glm", "nope", "cohere"])
 def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     """What Gemma and Qwen3 change in the C decode layers, against the layer in float64: Gemma's
     (1 + w) norms in fp32, the sandwich norms, GELU's tanh form, the scores' own scale; Gemma 2's
     capped scores; Gemma 3's and Qwen3's per-head q/k norms and Gemma 3's local rotation; Granite's
     residual multiplier and scale; OLMo 2's post-norms and whole-projection q/k norms; Phi's partial
     rotary factor (a quarter of each head rotates); GLM's interleaved pairs over half of each head;
-    SmolLM3's layer without a rotation (NoPE); rows of
+    SmolLM3's layer without a rotation (NoPE); Cohere's LayerNorm and parallel block (the MLP from the
+    input norm, one norm a layer) with interleaved pairs over the whole head; rows of
     two variants and the base in one step, fp32; a row alone the same as in the batch."""
     import dataclasses
 
@@ -799,6 +806,8 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     if kind == "olmo2":
         post, ff = norms(2, D)
         L = dataclasses.replace(L, norms=(None, post, None, ff), qk_norms=(norms(1, H * hd)[0], norms(1, KV * hd)[0]))
+    elif kind == "cohere":
+        L = dataclasses.replace(L, norms=(norms(1, D)[0], None))
     else:
         L = dataclasses.replace(
             L,
@@ -817,7 +826,10 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
         norm_once=kind == "olmo2",
         qk_full=kind == "olmo2",
         rotary=hd // 4 if kind == "partial" else hd // 2 if kind == "glm" else 0,
-        interleaved=kind == "glm",
+        interleaved=kind in ("glm", "cohere"),
+        rope_fp32=kind == "cohere",
+        layer_norm=kind == "cohere",
+        parallel=kind == "cohere",
     )
     slots = [0, -1, 1, 0]
     cos, sin, tables, lens, write_rows, x = four_decode_rows(D, hd, bs, g)
@@ -828,7 +840,7 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     angle = torch.rand(4, hd // 2, generator=g) * 6.28
     local = (torch.cat([angle.cos()] * 2, 1), torch.cat([angle.sin()] * 2, 1))
     want = decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs, opts=opts, local=local)
-    first = L.norms[:2] if L.norms[0] is not None else (L.norms[1], L.norms[1])
+    first = L.norms[:2] if None not in L.norms[:2] else (L.norms[0] if kind == "cohere" else L.norms[1],) * 2
     plain = decode_layer_ref(x, dataclasses.replace(L, norms=first, qk_norms=None, local=False, nope=False), slots, shape,
                              *full, write_rows, tables, lens, bs)  # fmt: skip
     assert rel_err(plain, want) > 1e-2  # what the family changes changes the numbers

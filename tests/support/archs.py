@@ -159,6 +159,14 @@ def hf_config(name: str):
         return tf.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2)
     if name == "ministral3":  # yarn from an original context of 16, Llama 4's attention temperature past it
         return tf.Ministral3Config(**COMMON, head_dim=8, rope_parameters=MINISTRAL3_ROPE)
+    if name == "cohere":  # a parallel block under one LayerNorm, every projection of attention biased, an
+        # interleaved rope in fp32 from tables in the model's dtype, the logits × logit_scale, a tied head
+        return tf.CohereConfig(**COMMON, attention_bias=True, logit_scale=0.25)
+    if name == "cohere2":  # Cohere's layer, the first layer sliding over 8 tokens with the rope, the second full
+        # without it (NoPE)
+        return tf.Cohere2Config(
+            **COMMON, sliding_window=8, layer_types=["sliding_attention", "full_attention"], logit_scale=0.5
+        )
     if name == "ministral3-mm":  # Ministral 3 as it ships (Mistral3ForConditionalGeneration, a Pixtral tower)
         text = {**hf_config("ministral3").to_dict(), "tie_word_embeddings": False}
         vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8)
@@ -221,6 +229,8 @@ FAMILY_MEMBERS = (
     "glm4",
     "seed-oss",
     "ernie4.5",
+    "cohere",
+    "cohere2",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa")
 
