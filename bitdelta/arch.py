@@ -53,6 +53,7 @@ SUPPORTED = (
     "olmoe",
     "cohere",
     "cohere2",
+    "exaone4",
 )
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -76,10 +77,11 @@ class Family:
     # Gemma 2/3: the attention's and the MLP's outputs are normed before the residual add, and the
     # MLP's input by its own norm (post_attention_layernorm, pre_/post_feedforward_layernorm)
     sandwich: bool = False
-    # OLMo 2: only the outputs are normed (post_attention_layernorm, post_feedforward_layernorm; no
-    # input norm), every norm rounds once (w · x in fp32, as Gemma's), and the q and k norms span the
-    # whole projection (every head together) instead of one head
+    # OLMo 2/3, EXAONE 4: only the outputs are normed (post_attention_layernorm, post_feedforward_layernorm;
+    # no input norm)
     post_norm: bool = False
+    # OLMo 2/3: every RMSNorm rounds once (w · x in fp32, as Gemma's), not after normalising (Llama's)
+    norm_once: bool = False
     # OLMo 2, OLMoE: the q and k norms span the whole projection (every head together), not one head
     qk_whole: bool = False
     # Mixture of experts (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE): the module path of each layer's sparse block in place of
@@ -193,7 +195,9 @@ FAMILIES: dict[str, Family] = {
             }
         ),
     ),
-    "olmo2": Family("olmo2", False, True, False, frozenset({"attention_bias"}), post_norm=True, qk_whole=True),
+    "olmo2": Family(
+        "olmo2", False, True, False, frozenset({"attention_bias"}), post_norm=True, norm_once=True, qk_whole=True
+    ),
     # ERNIE 4.5 (Baidu, the dense ones): Llama's layer, every projection biased where use_bias, an interleaved
     # rope computed in fp32 and rounded once
     "ernie4_5": Family(
@@ -246,6 +250,7 @@ FAMILIES: dict[str, Family] = {
         False,
         frozenset({"attention_bias", "sliding_window", "layer_types"}),
         post_norm=True,
+        norm_once=True,
         qk_whole=True,
     ),
     # SmolLM3 (Hugging Face): Llama's layer without the rope on the layers no_rope_layers marks 0 (every
@@ -337,6 +342,16 @@ FAMILIES: dict[str, Family] = {
         qk_whole=True,
         moe="mlp",
         moe_round=True,
+    ),
+    # EXAONE 4 (LG AI Research): OLMo 2's post-norms (rounded as Llama's), Qwen3's per-head q/k norms, sliding
+    # windows on three layers of four where sliding_window is set, the full layers then without the rope (NoPE)
+    "exaone4": Family(
+        "exaone4",
+        False,
+        True,
+        False,
+        frozenset({"sliding_window", "sliding_window_pattern", "layer_types"}),
+        post_norm=True,
     ),
     # Cohere (Command R, Aya 23, Aya Expanse): a parallel block under one LayerNorm, an interleaved rope rotated
     # in fp32 from tables in the model's dtype, the logits × logit_scale, a tied head by default (use_qk_norm's
@@ -632,6 +647,20 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "hidden_act": "silu",
         "num_experts_per_tok": 8,
         "norm_topk_prob": False,
+    },
+    "exaone4": {
+        "vocab_size": 102400,
+        "hidden_size": 4096,
+        "intermediate_size": 16384,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 4,
     },
     "cohere": {
         "vocab_size": 256000,
@@ -1378,21 +1407,26 @@ def _logit_scale(cfg: dict) -> float:
 
 
 def _full_layers(cfg: dict, model_type: str, n_layers: int) -> tuple[bool, ...]:
-    """Cohere 2's layers without the rope: its full-attention ones (`_cohere2_types`); () for others."""
-    if model_type != "cohere2":
+    """The layers without the rope of Cohere 2 and EXAONE 4 (with a sliding_window: its hybrid layout): their
+    full-attention ones (`_hybrid_types`); () for others."""
+    if model_type not in ("cohere2", "exaone4") or (model_type == "exaone4" and cfg.get("sliding_window") is None):
         return ()
-    out = tuple(t == "full_attention" for t in _cohere2_types(cfg, n_layers))
+    out = tuple(t == "full_attention" for t in _hybrid_types(cfg, n_layers))
     return out if any(out) else ()
 
 
-def _cohere2_types(cfg: dict, n_layers: int) -> list[str]:
-    """Cohere 2's layer types as transformers reads them: layer_types, or every sliding_window_pattern-th
-    layer (from 1; 4 by default) full and the others sliding."""
+def _hybrid_types(cfg: dict, n_layers: int) -> list[str]:
+    """Cohere 2's and EXAONE 4's layer types as transformers reads them: layer_types, or every
+    sliding_window_pattern-th layer (from 1; 4 by default) full and the others sliding (EXAONE 4 needs
+    layer_types where its pattern is a string such as "LLLG" or it has no window: transformers' class
+    computes the default from an integer pattern only)."""
     types = cfg.get("layer_types")
     if types is None:
         every = cfg.get("sliding_window_pattern", 4)
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise UnsupportedModel(f"sliding_window_pattern must be a positive integer, got {every!r}")
+            raise UnsupportedModel(
+                f"sliding_window_pattern must be a positive integer without layer_types, got {every!r}"
+            )
         types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
     if not isinstance(types, list) or len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
         raise UnsupportedModel(f"layer_types {types!r}: expected {n_layers} of 'full_attention'/'sliding_attention'")
@@ -1561,8 +1595,16 @@ def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int | None, ...
                 f"layer_types {types!r}: expected {n_layers} of 'full_attention'/'sliding_attention'"
             )
         out = tuple(int(window) if t == "sliding_attention" else None for t in types)
-    elif model_type == "cohere2":  # the sliding layers (the ones with the rope) see sliding_window tokens
-        types = _cohere2_types(cfg, n_layers)
+    elif model_type in ("cohere2", "exaone4"):  # the sliding layers (the ones with the rope) see sliding_window
+        if model_type == "exaone4" and window is None:  # EXAONE 4 without a window: every layer full, with the rope
+            if cfg.get("layer_types") is None:
+                raise UnsupportedModel(
+                    "an exaone4 config with a null sliding_window needs layer_types (transformers' class cannot "
+                    "make them from sliding_window_pattern then)"
+                )
+            _hybrid_types(cfg, n_layers)  # checked, though every layer sees everything
+            return ()
+        types = _hybrid_types(cfg, n_layers)
         if window is None and "sliding_attention" in types:
             raise UnsupportedModel("layer_types has sliding_attention layers but sliding_window is not set")
         out = tuple(int(window) if t == "sliding_attention" else None for t in types)

@@ -53,7 +53,7 @@ class RMSNorm(nn.Module):
     def of(cls, args: ModelArgs, dim: int) -> RMSNorm:
         """The family's norm of `dim` values."""
         fam = args.family
-        return cls(dim, args.norm_eps, fam.gemma, fam.post_norm, fam.layer_norm)
+        return cls(dim, args.norm_eps, fam.gemma, fam.norm_once, fam.layer_norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()

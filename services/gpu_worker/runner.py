@@ -702,7 +702,7 @@ class ModelRunner:
             w = w[:, None, :]
         if self.args.family.gemma:
             return (xf * (1.0 + w.float())).to(x.dtype)
-        if self.args.family.post_norm or self.args.family.layer_norm:  # OLMo 2's, Cohere's: w · x in fp32, one rounding
+        if self.args.family.norm_once or self.args.family.layer_norm:  # OLMo 2's, Cohere's: w · x in fp32, one rounding
             return (w.float() * xf).to(x.dtype)
         return w * xf.to(x.dtype)
 
@@ -1080,7 +1080,7 @@ class ModelRunner:
             attn_softcap=a.attn_softcap,
             embed_multiplier=a.embed_multiplier,
             residual_multiplier=a.residual_multiplier,
-            norm_once=a.family.post_norm,
+            norm_once=a.family.norm_once,
             qk_full=a.family.qk_whole,
             rotary=a.rope.dim,
             interleaved=a.rope.interleaved,
@@ -1124,12 +1124,14 @@ class ModelRunner:
             if a.family.qk_whole:  # OLMo 2, OLMoE: q and k normed whole, then split into heads
                 q = self._norm(qkv[:, : H * hd], norms["self_attn.q_norm"], m, a.norm_eps).view(N, H, hd)
                 k = self._norm(qkv[:, H * hd : (H + KV) * hd], norms["self_attn.k_norm"], m, a.norm_eps).view(N, KV, hd)
-                q, k = rotate(rope, q, cos, sin), rotate(rope, k, cos, sin)
+                if a.rotates(i):
+                    q, k = rotate(rope, q, cos, sin), rotate(rope, k, cos, sin)
             elif a.family.qk_norm:
                 q = self._norm(qkv[:, : H * hd].view(N, H, hd), norms["self_attn.q_norm"], m, a.norm_eps)
                 k = self._norm(qkv[:, H * hd : (H + KV) * hd].view(N, KV, hd), norms["self_attn.k_norm"], m, a.norm_eps)
-                q, k = rotate(rope, q, cos, sin), rotate(rope, k, cos, sin)
-            elif not a.rotates(i):  # SmolLM3's NoPE layers: q and k as projected
+                if a.rotates(i):  # EXAONE 4's full layers: NoPE
+                    q, k = rotate(rope, q, cos, sin), rotate(rope, k, cos, sin)
+            elif not a.rotates(i):  # SmolLM3's and Cohere 2's NoPE layers: q and k as projected
                 q, k = qkv[:, : H * hd].view(N, H, hd), qkv[:, H * hd : (H + KV) * hd].view(N, KV, hd)
             else:  # q ‖ k are adjacent in qkv: one rotation for both heads' sets (half the small ops)
                 qk = rotate(rope, qkv[:, : (H + KV) * hd].view(N, H + KV, hd), cos, sin)

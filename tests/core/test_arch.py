@@ -159,6 +159,7 @@ def test_fields_that_would_change_the_model_are_refused(bases):
         ("olmoe", "OlmoeConfig"),
         ("cohere", "CohereConfig"),
         ("cohere2", "Cohere2Config"),
+        ("exaone4", "Exaone4Config"),
     ],
 )
 def test_a_field_left_out_means_what_it_means_to_transformers(model_type, config_class):
@@ -452,6 +453,36 @@ def test_cohere_configs_as_transformers_reads_them(bases):
         ModelArgs.from_hf({**cfg, "head_dim": 16})
     with pytest.raises(UnsupportedModel, match="layer_types"):
         ModelArgs.from_hf({**cfg, "layer_types": ["sliding_attention"]})
+
+
+def test_exaone4_configs_as_transformers_reads_them(bases):
+    """EXAONE 4: post-norms rounded as Llama's (not OLMo 2's once), per-head q/k norms; with a window,
+    the sliding layers (layer_types, or all but every sliding_window_pattern-th) take the rope and the
+    full ones none; with a null window every layer is full and takes the rope (it then needs
+    layer_types, as transformers' class does); a string pattern without layer_types refused."""
+    import transformers as tf
+
+    cfg = read_config(bases["exaone4"])
+    a = ModelArgs.from_hf(cfg)
+    assert (a.nope, a.windows, a.norm_roles()) == (
+        (False, True),
+        (8, None),
+        (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+    )
+    assert a.family.qk_norm and not a.family.qk_whole and not a.family.norm_once
+    assert dict(a.layer_norms())["self_attn.q_norm"] == 16
+    bare = {k: v for k, v in cfg.items() if k != "layer_types"} | {"num_hidden_layers": 8, "sliding_window_pattern": 4}
+    types = tf.Exaone4Config(**bare).layer_types
+    b = ModelArgs.from_hf(bare)
+    assert b.nope == tuple(t == "full_attention" for t in types) and b.nope == (False, False, False, True) * 2
+    assert b.windows == tuple(None if n else 8 for n in b.nope)
+    every_full = ModelArgs.from_hf({**cfg, "sliding_window": None})
+    assert (every_full.nope, every_full.windows) == ((), ())
+    with pytest.raises(UnsupportedModel, match="needs layer_types"):
+        ModelArgs.from_hf({**bare, "sliding_window": None})
+    with pytest.raises(UnsupportedModel, match="sliding_window_pattern"):
+        ModelArgs.from_hf({**bare, "sliding_window_pattern": "LLLG"})
+    assert ModelArgs.from_hf({**cfg, "sliding_window_pattern": "LLLG"}) == a  # layer_types decide
 
 
 def test_gemma_configs_as_transformers_reads_them(bases):

@@ -167,6 +167,9 @@ def hf_config(name: str):
         return tf.Cohere2Config(
             **COMMON, sliding_window=8, layer_types=["sliding_attention", "full_attention"], logit_scale=0.5
         )
+    if name == "exaone4":  # OLMo 2's post-norms rounded as Llama's, per-head q/k norms, the first layer sliding
+        # over 8 tokens with the rope, the second full without it (NoPE)
+        return tf.Exaone4Config(**COMMON, head_dim=16, sliding_window=8, sliding_window_pattern=2)
     if name == "ministral3-mm":  # Ministral 3 as it ships (Mistral3ForConditionalGeneration, a Pixtral tower)
         text = {**hf_config("ministral3").to_dict(), "tie_word_embeddings": False}
         vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8)
@@ -231,6 +234,7 @@ FAMILY_MEMBERS = (
     "ernie4.5",
     "cohere",
     "cohere2",
+    "exaone4",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa")
 
