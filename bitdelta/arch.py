@@ -32,6 +32,7 @@ import torch
 SUPPORTED = (
     "llama",
     "mistral",
+    "ministral",
     "ministral3",
     "qwen2",
     "qwen3",
@@ -54,6 +55,7 @@ SUPPORTED = (
     "cohere",
     "cohere2",
     "exaone4",
+    "internlm3",
 )
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -117,6 +119,12 @@ _MOE_FIELDS = frozenset({"num_local_experts", "num_experts", "num_experts_per_to
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", False, False, False, frozenset({"attention_bias", "mlp_bias"})),
     "mistral": Family("mistral", False, False, False, frozenset({"sliding_window"})),
+    # Ministral (Ministral-8B-2410): Mistral's layer, sliding windows on the layers layer_types names (default:
+    # every layer where sliding_window is set)
+    "ministral": Family("ministral", False, False, False, frozenset({"sliding_window", "layer_types"})),
+    # InternLM3 (Shanghai AI Lab): Llama's layer (transformers runs it as LlamaForCausalLM), its config's
+    # qkv_bias and bias the spellings of attention_bias and mlp_bias
+    "internlm3": Family("internlm3", False, False, False, frozenset({"attention_bias", "mlp_bias"})),
     # Ministral 3: Mistral's layer, a yarn rope by default, and Llama 4's attention temperature: q × (1 + β ·
     # log(1 + ⌊position / original_max_position_embeddings⌋)) after the rope (rope_parameters'
     # llama_4_scaling_beta β; 1 below the original context)
@@ -390,6 +398,8 @@ FAMILIES: dict[str, Family] = {
         parallel=True,
     ),
 }
+# Other spellings of a family's fields (transformers' attribute_map: alias -> the field it sets)
+ALIASES: dict[str, dict[str, str]] = {"internlm3": {"qkv_bias": "attention_bias", "bias": "mlp_bias"}}
 # Fields of a family's original release that transformers does not read, each accepted only where its
 # value is what transformers' model does anyway (field -> (does the value agree, what transformers does)):
 # Command R7B's and Command A's config.json carry their training code's switches.
@@ -465,6 +475,29 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "max_position_embeddings": 131072,
         "hidden_act": "silu",
         "sliding_window": 4096,
+    },
+    "ministral": {
+        **_LLAMA_LIKE,
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "hidden_act": "silu",
+        "sliding_window": 4096,
+    },
+    "internlm3": {
+        "vocab_size": 128512,
+        "hidden_size": 4096,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
     },
     "ministral3": {
         "vocab_size": 131072,
@@ -1310,6 +1343,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
     if model_type not in FAMILIES:
         raise UnsupportedModel(_unsupported_type(model_type))
     fam = FAMILIES[model_type]
+    cfg = _aliased(cfg, ALIASES.get(model_type, {}))
     cfg = {**FAMILY_DEFAULTS[model_type], **cfg}  # what transformers reads where the file says nothing
     for key in ("text_config", "vision_config", "audio_config"):
         if _is_set(cfg.get(key)):
@@ -1331,6 +1365,11 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
             raise UnsupportedModel(
                 f"{model_type} config field {key!r} is {cfg[key]!r}: transformers' {model_type} model does not read "
                 f"it and runs as {key} = {means} would"
+            )
+    if model_type == "internlm3":
+        if bool(cfg["attention_bias"]) != bool(cfg["mlp_bias"]):
+            raise UnsupportedModel(
+                "internlm3 with qkv_bias (attention_bias) different from bias (mlp_bias): transformers refuses it"
             )
     if model_type == "cohere" and cfg.get("use_qk_norm"):
         raise UnsupportedModel("use_qk_norm (Command R+'s per-head LayerNorms of q and k) is not supported")
@@ -1396,6 +1435,19 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         temperature_original=temperature[1],
         nope=_nope_layers(cfg, n_layers) if model_type == "smollm3" else _full_layers(cfg, model_type, n_layers),
     )
+
+
+def _aliased(cfg: dict, aliases: dict[str, str]) -> dict:
+    """cfg with each alias (a transformers attribute_map spelling) read as its field; the two spellings
+    set to different values refused, since which one transformers keeps depends on their order."""
+    out = dict(cfg)
+    for alias, name in aliases.items():
+        if alias in out:
+            value = out.pop(alias)
+            if name in cfg and cfg[name] != value:
+                raise UnsupportedModel(f"config fields {alias!r} ({value!r}) and {name!r} ({cfg[name]!r}) disagree")
+            out[name] = value
+    return out
 
 
 def _logit_scale(cfg: dict) -> float:
@@ -1579,6 +1631,21 @@ def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int | None, ...
         if not cfg.get("use_sliding_window", False) or window is None:
             return ()
         out = (int(window),) * n_layers
+    elif model_type == "ministral":  # the layers layer_types names, by default all where there is a window
+        types = cfg.get("layer_types")
+        if types is None:
+            return () if window is None else (int(window),) * n_layers
+        if (
+            not isinstance(types, list)
+            or len(types) != n_layers
+            or set(types) - {"sliding_attention", "full_attention"}
+        ):
+            raise UnsupportedModel(
+                f"layer_types {types!r}: expected {n_layers} of 'full_attention'/'sliding_attention'"
+            )
+        if window is None and "sliding_attention" in types:
+            raise UnsupportedModel("layer_types has sliding_attention layers but sliding_window is not set")
+        out = tuple(int(window) if t == "sliding_attention" else None for t in types)
     elif model_type in ("mistral", "ministral3", "phi3", "mixtral"):
         if window is None:
             return ()

@@ -160,6 +160,8 @@ def test_fields_that_would_change_the_model_are_refused(bases):
         ("cohere", "CohereConfig"),
         ("cohere2", "Cohere2Config"),
         ("exaone4", "Exaone4Config"),
+        ("ministral", "MinistralConfig"),
+        ("internlm3", "InternLM3Config"),
     ],
 )
 def test_a_field_left_out_means_what_it_means_to_transformers(model_type, config_class):
@@ -483,6 +485,44 @@ def test_exaone4_configs_as_transformers_reads_them(bases):
     with pytest.raises(UnsupportedModel, match="sliding_window_pattern"):
         ModelArgs.from_hf({**bare, "sliding_window_pattern": "LLLG"})
     assert ModelArgs.from_hf({**cfg, "sliding_window_pattern": "LLLG"}) == a  # layer_types decide
+
+
+def test_internlm3_and_ministral_configs_as_transformers_reads_them(bases):
+    """InternLM3's config.json spells the biases qkv_bias and bias (transformers' attribute_map): read as
+    attention_bias and mlp_bias, both spellings disagreeing refused, and the two biases apart refused as
+    transformers refuses them. Ministral's windows on the layers layer_types names, by default every layer
+    where sliding_window is set."""
+    import transformers as tf
+
+    cfg = read_config(bases["internlm3"])
+    a = ModelArgs.from_hf(cfg)
+    assert a.layout == "q,k,v,o,gate,up,down;bias=q,k,v,o,gate,up,down"
+    shipped = {k: v for k, v in cfg.items() if k not in ("attention_bias", "mlp_bias")} | {
+        "qkv_bias": True,
+        "bias": True,
+    }
+    assert ModelArgs.from_hf(shipped) == a
+    assert ModelArgs.from_hf({**shipped, "qkv_bias": False, "bias": False}).layout == "q,k,v,o,gate,up,down"
+    with pytest.raises(UnsupportedModel, match="'qkv_bias'.*'attention_bias'.*disagree"):
+        ModelArgs.from_hf({**shipped, "attention_bias": False})
+    from huggingface_hub.errors import StrictDataclassClassValidationError
+
+    with pytest.raises(StrictDataclassClassValidationError, match="qkv_bias"):  # transformers refuses it too
+        tf.InternLM3Config(**{**COMMON, "qkv_bias": True, "bias": False})
+    with pytest.raises(UnsupportedModel, match="qkv_bias"):
+        ModelArgs.from_hf({**shipped, "bias": False})
+
+    cfg = read_config(bases["ministral"])
+    assert ModelArgs.from_hf(cfg).windows == (None, 8)
+    bare = {k: v for k, v in cfg.items() if k != "layer_types"}
+    assert (
+        ModelArgs.from_hf(bare).windows
+        == (8, 8)
+        == tuple(8 if t == "sliding_attention" else None for t in tf.MinistralConfig(**bare).layer_types)
+    )
+    assert ModelArgs.from_hf({**bare, "sliding_window": None}).windows == ()
+    with pytest.raises(UnsupportedModel, match="layer_types"):
+        ModelArgs.from_hf({**cfg, "layer_types": ["sliding_attention"]})
 
 
 def test_gemma_configs_as_transformers_reads_them(bases):

@@ -170,6 +170,12 @@ def hf_config(name: str):
     if name == "exaone4":  # OLMo 2's post-norms rounded as Llama's, per-head q/k norms, the first layer sliding
         # over 8 tokens with the rope, the second full without it (NoPE)
         return tf.Exaone4Config(**COMMON, head_dim=16, sliding_window=8, sliding_window_pattern=2)
+    if name == "ministral":  # Mistral's layer with a window of 8 on the layers layer_types names (the second)
+        return tf.MinistralConfig(
+            **COMMON, head_dim=8, sliding_window=8, layer_types=["full_attention", "sliding_attention"]
+        )
+    if name == "internlm3":  # Llama's layer, every projection biased (its qkv_bias and bias spellings)
+        return tf.InternLM3Config(**COMMON, head_dim=16, qkv_bias=True, bias=True)
     if name == "ministral3-mm":  # Ministral 3 as it ships (Mistral3ForConditionalGeneration, a Pixtral tower)
         text = {**hf_config("ministral3").to_dict(), "tie_word_embeddings": False}
         vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8)
@@ -235,6 +241,8 @@ FAMILY_MEMBERS = (
     "cohere",
     "cohere2",
     "exaone4",
+    "ministral",
+    "internlm3",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa")
 
