@@ -56,6 +56,7 @@ SUPPORTED = (
     "cohere2",
     "exaone4",
     "internlm3",
+    "stablelm",
 )
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -102,8 +103,10 @@ class Family:
     # Cohere: LayerNorm in place of RMSNorm (the mean subtracted, no bias), w · x in fp32 and one rounding
     layer_norm: bool = False
     # Cohere: a parallel block, the attention and the MLP both read the one input norm's output and both
-    # are added to the residual (x + attention + MLP, added in that order)
+    # are added to the residual (x + attention + MLP, added in that order); StableLM's where
+    # use_parallel_residual (ModelArgs.parallel)
     parallel: bool = False
+    norm_bias: bool = False  # StableLM: every LayerNorm has a bias (`<norm>.bias`, added before the rounding)
     o_bias: bool = True  # attention_bias gives o_proj a bias too (GLM's: q, k, v only)
     # a sandwich layer's norms (Family.sandwich): of the attention's output, of the MLP's input, of the MLP's output
     sandwich_names: tuple[str, str, str] = (
@@ -351,6 +354,19 @@ FAMILIES: dict[str, Family] = {
         moe="mlp",
         moe_round=True,
     ),
+    # StableLM (Stability AI: StableLM 2 1.6B, StableLM-3B-4E1T, their Zephyrs): Llama's layer under LayerNorms with
+    # biases, q/k/v biases where use_qkv_bias, the rope over the first partial_rotary_factor of each head
+    # (0.25 by default), a parallel block where use_parallel_residual (qk_layernorm, StableLM 2 12B's per-head
+    # LayerNorms, refused)
+    "stablelm": Family(
+        "stablelm",
+        False,
+        False,
+        True,
+        frozenset({"layer_norm_eps", "use_qkv_bias", "use_parallel_residual", "qk_layernorm"}),
+        layer_norm=True,
+        norm_bias=True,
+    ),
     # EXAONE 4 (LG AI Research): OLMo 2's post-norms (rounded as Llama's), Qwen3's per-head q/k norms, sliding
     # windows on three layers of four where sliding_window is set, the full layers then without the rope (NoPE)
     "exaone4": Family(
@@ -404,6 +420,12 @@ ALIASES: dict[str, dict[str, str]] = {"internlm3": {"qkv_bias": "attention_bias"
 # value is what transformers' model does anyway (field -> (does the value agree, what transformers does)):
 # Command R7B's and Command A's config.json carry their training code's switches.
 AGREEING_FIELDS: dict[str, dict[str, tuple[Callable[[object, dict], bool], str]]] = {
+    # StableLM 2's own code read these: transformers' StableLM biases every LayerNorm whatever use_norm_bias
+    # says (the checkpoints store the biases: a missing one is refused at load) and scales no frequency
+    "stablelm": {
+        "use_norm_bias": (lambda v, c: isinstance(v, bool), "true or false (every norm has its bias)"),
+        "rotary_scaling_factor": (lambda v, c: v == 1.0, "1.0 (no scaling)"),
+    },
     "cohere2": {
         "order_of_interleaved_layers": (lambda v, c: v == "local_attn_first", "'local_attn_first'"),
         "position_embedding_type": (lambda v, c: v == "rope_gptj", "'rope_gptj' (the interleaved rope)"),
@@ -420,7 +442,7 @@ AGREEING_FIELDS: dict[str, dict[str, tuple[Callable[[object, dict], bool], str]]
             lambda v, c: v == c.get("sliding_window_pattern", 4),
             "sliding_window_pattern's value (the period of the sliding and full layers)",
         ),
-    }
+    },
 }
 # What transformers' config class of each family sets where a config.json leaves a field out (the
 # fields this build reads): a partial config means what it means to transformers (e.g. Gemma 3's
@@ -681,6 +703,21 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "num_experts_per_tok": 8,
         "norm_topk_prob": False,
     },
+    "stablelm": {
+        "vocab_size": 50304,
+        "hidden_size": 2560,
+        "intermediate_size": 6912,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "layer_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "use_qkv_bias": False,
+        "use_parallel_residual": False,
+        "qk_layernorm": False,
+    },
     "exaone4": {
         "vocab_size": 102400,
         "hidden_size": 4096,
@@ -727,7 +764,7 @@ FAMILY_DEFAULTS: dict[str, dict] = {
 # The rope's θ where a config names none, where transformers' class of the family has its own
 DEFAULT_THETA = {"mixtral": 1e6, "smollm3": 2e6, "gemma3_text": 1e6, "olmo3": 5e5, "ernie4_5": 5e5, "cohere": 5e5}
 # The partial_rotary_factor where a config names none, where transformers' class of the family has its own
-DEFAULT_PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5}
+DEFAULT_PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5, "stablelm": 0.25}
 # Families with a rope per layer type (ModelArgs.local_rope, `_layer_type_ropes`): where the old spelling
 # gives the sliding layers' θ (field, default); None: the full layers' θ
 LAYER_TYPE_ROPES: dict[str, tuple[str, float] | None] = {
@@ -830,6 +867,7 @@ IGNORED_FIELDS = frozenset(
         "output_router_logits",
         "router_jitter_noise",
         "residual_dropout",  # Seed-OSS's, in training only
+        "hidden_dropout",  # StableLM's, in training only
         "model_max_length",  # a tokenizer's limit some Cohere configs carry (max_position_embeddings is the model's)
     }
 )
@@ -1047,6 +1085,8 @@ class ModelArgs:
     temperature_beta: float = 0.0
     temperature_original: int = 0
     nope: tuple[bool, ...] = ()  # per layer: True where it takes no rope (SmolLM3's NoPE layers); (): rope everywhere
+    # a parallel block (Family.parallel: Cohere's always, StableLM's where use_parallel_residual)
+    parallel: bool = False
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -1069,6 +1109,8 @@ class ModelArgs:
             raise ValueError(
                 f"{self.model_type}: {self.n_experts} experts, {self.experts_per_token} per token do not fit the family"
             )
+        if self.family.parallel:
+            self.parallel = True
         if self.family.shared_expert != (self.shared_intermediate_size > 0):
             raise ValueError(
                 f"{self.model_type}: a shared expert of {self.shared_intermediate_size} columns does not fit the family"
@@ -1155,6 +1197,15 @@ class ModelArgs:
             ]
         return tuple(out)
 
+    def norm_params(self) -> tuple[tuple[str, str, int], ...]:
+        """(key, parameter path inside a layer, size) of each norm parameter of a layer: each norm's weight
+        (keyed by the norm's module path, `layer_norms`), then, for a family whose norms have biases
+        (StableLM), each one's bias (keyed `<norm>.bias`)."""
+        out = [(n, f"{n}.weight", size) for n, size in self.layer_norms()]
+        if self.family.norm_bias:
+            out += [(f"{n}.bias", f"{n}.bias", size) for n, size in self.layer_norms()]
+        return tuple(out)
+
     def layer_norms(self) -> tuple[tuple[str, int], ...]:
         """(module path inside a layer, size) of each RMSNorm of a layer: its `norm_roles`, then the
         q and k norms."""
@@ -1171,7 +1222,7 @@ class ModelArgs:
         output (a sandwich's, or OLMo's post-norm), of the MLP's input, of the MLP's output."""
         if self.family.post_norm:
             return (None, "post_attention_layernorm", None, "post_feedforward_layernorm")
-        if self.family.parallel:  # Cohere: the MLP reads the input norm's output too
+        if self.parallel:  # Cohere, StableLM's parallel residual: the MLP reads the input norm's output too
             return ("input_layernorm", None, None, None)
         if self.family.sandwich:
             return ("input_layernorm", *self.family.sandwich_names)
@@ -1211,9 +1262,9 @@ class ModelArgs:
 
     def param_count(self) -> int:
         per_layer = sum(m.d_out * m.d_in + (m.d_out if m.bias else 0) for m in self.matrices())
-        per_layer += sum(n for _, n in self.layer_norms())
+        per_layer += sum(n for _, _, n in self.norm_params())
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        return self.n_layers * per_layer + emb + self.dim
+        return self.n_layers * per_layer + emb + self.dim * (2 if self.family.norm_bias else 1)
 
     # -- configs --------------------------------------------------------------------------------
     @classmethod
@@ -1371,6 +1422,8 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
             raise UnsupportedModel(
                 "internlm3 with qkv_bias (attention_bias) different from bias (mlp_bias): transformers refuses it"
             )
+    if model_type == "stablelm" and cfg.get("qk_layernorm"):
+        raise UnsupportedModel("qk_layernorm (StableLM 2 12B's per-head LayerNorms of q and k) is not supported")
     if model_type == "cohere" and cfg.get("use_qk_norm"):
         raise UnsupportedModel("use_qk_norm (Command R+'s per-head LayerNorms of q and k) is not supported")
     act = _activation(cfg, fam)
@@ -1414,7 +1467,10 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         model_type=model_type,
         rope=rope,
-        qkv_bias=model_type == "qwen2" or attn_bias or (model_type == "qwen2_moe" and bool(cfg["qkv_bias"])),
+        qkv_bias=model_type == "qwen2"
+        or attn_bias
+        or (model_type == "qwen2_moe" and bool(cfg["qkv_bias"]))
+        or bool(cfg.get("use_qkv_bias", False)),
         o_bias=(attn_bias and fam.o_bias) or bool(cfg.get("attention_out_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)) or bool(cfg.get("use_bias", False)),
         windows=_windows(cfg, model_type, n_layers),
@@ -1423,7 +1479,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         embed_multiplier=_positive(cfg, "embedding_multiplier") or 1.0,
         residual_multiplier=_positive(cfg, "residual_multiplier") or 1.0,
         logits_scaling=_positive(cfg, "logits_scaling") or 1.0,
-        logit_scale=_logit_scale(cfg) if fam.layer_norm else 1.0,
+        logit_scale=_logit_scale(cfg) if "logit_scale" in fam.fields else 1.0,
         attn_softcap=caps["attn_logit_softcapping"],
         logit_softcap=caps["final_logit_softcapping"],
         local_rope=local_rope,
@@ -1434,6 +1490,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         temperature_beta=temperature[0],
         temperature_original=temperature[1],
         nope=_nope_layers(cfg, n_layers) if model_type == "smollm3" else _full_layers(cfg, model_type, n_layers),
+        parallel=fam.parallel or bool(cfg.get("use_parallel_residual", False)),
     )
 
 

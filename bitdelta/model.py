@@ -41,19 +41,22 @@ from bitdelta_kernels.bits import unpack_signs
 class RMSNorm(nn.Module):
     """Llama's: normalise in fp32, round, scale by w in the input dtype. Gemma's (`offset`): scale by
     (1 + w) in fp32, then round once (its weights start at 0). OLMo 2's (`once`): scale by w in fp32,
-    then round once. Cohere's LayerNorm (`centered`, always `once`): the mean subtracted first, its
-    variance about the mean, no bias."""
+    then round once. Cohere's and StableLM's LayerNorm (`centered`, always `once`): the mean subtracted
+    first, its variance about the mean; StableLM's with a `bias` added before the rounding."""
 
-    def __init__(self, dim: int, eps: float, offset: bool = False, once: bool = False, centered: bool = False):
+    def __init__(
+        self, dim: int, eps: float, offset: bool = False, once: bool = False, centered: bool = False, bias: bool = False
+    ):
         super().__init__()
         self.eps, self.offset, self.once, self.centered = eps, offset, once or centered, centered
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     @classmethod
     def of(cls, args: ModelArgs, dim: int) -> RMSNorm:
         """The family's norm of `dim` values."""
         fam = args.family
-        return cls(dim, args.norm_eps, fam.gemma, fam.norm_once, fam.layer_norm)
+        return cls(dim, args.norm_eps, fam.gemma, fam.norm_once, fam.layer_norm, fam.norm_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -63,7 +66,8 @@ class RMSNorm(nn.Module):
         if self.offset:
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
         if self.once:
-            return (self.weight.float() * xf).to(x.dtype)
+            y = self.weight.float() * xf
+            return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 
@@ -358,7 +362,7 @@ class Block(nn.Module):
         h = x if inp is None else inp(x)  # OLMo 2/3: no input norm
         att = self.self_attn(h, cos, sin, pos)
         ffn = getattr(self, self.ffn)
-        if a.family.parallel:  # Cohere: the MLP reads the attention's input; x + attention + MLP
+        if a.parallel:  # Cohere, StableLM's parallel residual: the MLP reads the attention's input; x + attention + MLP
             return x + att + ffn(h)
         if attn_out is None:  # Llama's layer
             x = residual(a, x, att)

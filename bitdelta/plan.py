@@ -104,8 +104,9 @@ class Shape:
 
     @property
     def norm_params(self) -> int:
-        """Every RMSNorm weight (the layers' own, Qwen3's q/k norms, the final norm)."""
-        return self.layers * sum(n for _, n in self.args.layer_norms()) + self.dim
+        """Every norm parameter (the layers' own, Qwen3's q/k norms, the final norm; StableLM's biases too)."""
+        final = self.dim * (2 if self.args.family.norm_bias else 1)
+        return self.layers * sum(n for _, _, n in self.args.norm_params()) + final
 
     @property
     def bias_params(self) -> int:

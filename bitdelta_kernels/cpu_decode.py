@@ -59,6 +59,7 @@ class _Layer(ctypes.Structure):
         ("qk_norm", ctypes.c_void_p * 2),
         ("local", ctypes.c_int64),
         ("nope", ctypes.c_int64),
+        ("norm_bias", ctypes.c_void_p * 4),
     ]
 
 
@@ -81,6 +82,7 @@ class _Opts(ctypes.Structure):
         ("rope_fp32", ctypes.c_int32),
         ("layer_norm", ctypes.c_int32),
         ("parallel", ctypes.c_int32),
+        ("final_norm_bias", ctypes.c_void_p),
     ]
 
 
@@ -94,7 +96,8 @@ class DecodeLayer:
     KV, hd]; its window (None: full); the q and k norm stacks [n_slots + 1, head_dim] (Qwen3, Gemma
     3; with `DecodeOptions.qk_full` [n_slots + 1, heads · head_dim], OLMo 2) or None; `local`: the
     rotation of the call's local tables (Gemma 3's sliding layers, `DecodeOptions`); `nope`: no
-    rotation at all (SmolLM3's NoPE layers)."""
+    rotation at all (SmolLM3's NoPE layers); `norm_biases`: StableLM's LayerNorm biases beside `norms`, each
+    [n_slots + 1, dim] or None (with `DecodeOptions.layer_norm` only; (): none)."""
 
     weights: tuple[torch.Tensor, ...]
     signs: tuple[torch.Tensor, ...]
@@ -107,6 +110,7 @@ class DecodeLayer:
     qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None
     local: bool = False
     nope: bool = False
+    norm_biases: tuple[torch.Tensor | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -300,6 +304,13 @@ def _check(layers: list[DecodeLayer], shape: DecodeShape, dtype: torch.dtype, op
         for t in L.norms:
             if t is not None and (t.dtype != dtype or t.dim() != 2 or t.shape[1] != D or not t.is_contiguous()):
                 raise ValueError(f"layer {i}: norm stacks must be {dtype} [n_slots + 1, {D}], contiguous")
+        if any(b is not None for b in L.norm_biases) and not options.layer_norm:
+            raise ValueError(f"layer {i}: norm biases are a LayerNorm's (DecodeOptions.layer_norm)")
+        for n, b in zip(L.norms, L.norm_biases):
+            if b is not None and (n is None or b.dtype != dtype or b.shape != n.shape or not b.is_contiguous()):
+                raise ValueError(f"layer {i}: a norm bias stack must be its norm's shape and dtype, contiguous")
+        if len(L.norm_biases) > len(L.norms):
+            raise ValueError(f"layer {i}: more norm biases than norms")
         for t, width in zip(L.qk_norms or (), (H, KV)):
             size = width * hd if options.qk_full else hd
             if t.dtype != dtype or tuple(t.shape) != (rows, size) or not t.is_contiguous():
@@ -396,13 +407,14 @@ class DecodeLayers:
         head: torch.Tensor | None = None,
         embed: torch.Tensor | None = None,
         options: DecodeOptions = DecodeOptions(),
+        final_norm_bias: torch.Tensor | None = None,
     ):
         """lib: the C library to call (another build, `cpu_build.load_variant`, for tests and
         benchmarks that compare builds); None: the process's (`load_cpu_lib`). final_norm: the
         final norm's stack [n_slots + 1, dim] (`run` then returns the normed output, as the runner's
         _final); head: the base's LM head [vocab, dim] (then `run(logits=True)` returns logits);
         embed: the base's embedding [vocab, dim] (then `run` takes token ids); options: what the family
-        changes in the layer (default: Llama's)."""
+        changes in the layer (default: Llama's); final_norm_bias: StableLM's, beside final_norm."""
         if lib is None and not DecodeShape.supported(dtype):
             raise RuntimeError("the C decode layers need the compiled C library (with SIMD)")
         _check(layers, shape, dtype, options)
@@ -413,6 +425,7 @@ class DecodeLayers:
         self.n_slots = layers[0].signs[0].shape[0] if layers else 0
         for name, t, rows in (
             ("final_norm", final_norm, self.n_slots + 1),
+            ("final_norm_bias", final_norm_bias, self.n_slots + 1),
             ("head", head, None),
             ("embed", embed, None),
         ):
@@ -426,9 +439,12 @@ class DecodeLayers:
                 raise ValueError(f"{name} must be {dtype} [{rows or 'vocab'}, {shape.dim}], contiguous")
         if head is not None and final_norm is None:
             raise ValueError("a head needs the final norm before it")
+        if final_norm_bias is not None and (final_norm is None or not options.layer_norm):
+            raise ValueError("a final norm bias needs the final norm, a LayerNorm (DecodeOptions.layer_norm)")
         if options.rope_fp32 and not options.interleaved:
             raise ValueError("rope_fp32 is the interleaved rotation's (ERNIE 4.5's, Cohere's) only")
         self.final_norm, self.head, self.embed, self.options = final_norm, head, embed, options
+        self.final_norm_bias = final_norm_bias
         self.any_local = any(L.local for L in layers)
         self._arr = (_Layer * len(layers))()
         for c, L in zip(self._arr, layers):
@@ -441,6 +457,7 @@ class DecodeLayers:
             c.qk_norm[:] = [_ptr(t) for t in L.qk_norms] if L.qk_norms else [None, None]
             c.local = int(L.local)
             c.nope = int(L.nope)
+            c.norm_bias[:] = [_ptr(t) for t in L.norm_biases] + [None] * (4 - len(L.norm_biases))
 
     def one_pass_planes(self, rows: int = 1) -> int:
         """Up to how many sign planes of one variant `run(fuse=True)` sums in the weights' own pass
@@ -615,6 +632,7 @@ class DecodeLayers:
             int(op.rope_fp32),
             int(op.layer_norm),
             int(op.parallel),
+            _ptr(self.final_norm_bias),
         )
         rs, wr = _slots32(row_slot), _ints(write_rows, torch.int64)
         if rope_rows is None:

@@ -25,6 +25,7 @@ typedef struct {
     const void *qk_norm[2]; /* Qwen3's and Gemma 3's per-head RMSNorms of q and k [n_slots + 1, hd], or NULL */
     int64_t local;         /* 1: the rotation of bd_decode_opts' local tables (Gemma 3's sliding layers) */
     int64_t nope;          /* 1: no rotation at all (SmolLM3's NoPE layers) */
+    const void *norm_bias[4]; /* StableLM's LayerNorm biases beside norm[i] [n_slots + 1, dim], or NULL */
 } bd_decode_layer;
 
 /* What a family changes in the layer (NULL: Llama's). */
@@ -44,6 +45,7 @@ typedef struct {
     int32_t rope_fp32;     /* ERNIE 4.5, Cohere: the rotation's products and sums in fp32, rounded once */
     int32_t layer_norm;    /* Cohere's LayerNorm: round(w · (x − mean) · rsqrt(var + eps)), in fp32, no bias */
     int32_t parallel;      /* Cohere: the MLP reads the input norm's output too; x + attention + MLP */
+    const void *final_norm_bias; /* StableLM: the final LayerNorm's bias [n_slots + 1, dim], or NULL */
 } bd_decode_opts;
 
 /* How a norm rounds (norm_row): Llama's, Gemma's (1 + w, once), OLMo 2's (w, once) or Cohere's
@@ -158,17 +160,21 @@ static int decode_proj(const bd_decode_layer *L, int g, const float *x, int64_t 
  * round(xb · rsqrt(…) · w) in fp32. hb may be xb. The
  * element-wise steps of a layer here and below run L lanes at a time: one by one (round_to and expf
  * per value) they were ~6 % of a one-row bf16 step and ~12 % of an 8-row one. */
-static void norm_row(const float *xb, const void *w, int64_t off, int64_t D, float eps, int dtype, int style,
-                     float *hb) {
+static void norm_row(const float *xb, const void *w, const void *bias, int64_t off, int64_t D, float eps, int dtype,
+                     int style, float *hb) {
     int64_t k = 0;
     float ss = 0.f;
-    if (style == NORM_LAYER) { /* Cohere's LayerNorm: (x − mean) · rsqrt(mean((x − mean)²) + eps), × w in fp32 */
+    if (style == NORM_LAYER) { /* Cohere's LayerNorm: (x − mean) · rsqrt(mean((x − mean)²) + eps), × w in fp32
+                                * (+ StableLM's bias at the same offset), one rounding */
         float mean = 0.f;
         for (k = 0; k < D; ++k) mean += xb[k];
         mean /= (float)D;
         for (k = 0; k < D; ++k) ss += (xb[k] - mean) * (xb[k] - mean);
         const float inv = 1.f / sqrtf(ss / (float)D + eps);
-        for (k = 0; k < D; ++k) hb[k] = round_to(dtype, w_at(w, dtype, off + k) * ((xb[k] - mean) * inv));
+        for (k = 0; k < D; ++k) {
+            const float y = w_at(w, dtype, off + k) * ((xb[k] - mean) * inv);
+            hb[k] = round_to(dtype, bias ? y + w_at(bias, dtype, off + k) : y);
+        }
         return;
     }
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -200,9 +206,10 @@ static void norm_row(const float *xb, const void *w, int64_t off, int64_t D, flo
 }
 
 /* norm_row of each of B rows of D, with its slot's weights (row_slot[b] + 1 of the stack). */
-static void decode_norm(const float *x, const void *w, const int64_t *row_slot, int64_t B, int64_t D, float eps,
-                        int dtype, int style, float *h) {
-    for (int64_t b = 0; b < B; ++b) norm_row(x + b * D, w, (row_slot[b] + 1) * D, D, eps, dtype, style, h + b * D);
+static void decode_norm(const float *x, const void *w, const void *bias, const int64_t *row_slot, int64_t B, int64_t D,
+                        float eps, int dtype, int style, float *h) {
+    for (int64_t b = 0; b < B; ++b)
+        norm_row(x + b * D, w, bias, (row_slot[b] + 1) * D, D, eps, dtype, style, h + b * D);
 }
 
 /* x[i] = round(x[i]) for i < n. */
@@ -424,7 +431,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
                      const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads,
                      int fuse, const bd_lowrank *const *lowrank, const bd_decode_opts *opts) {
     const int64_t Q = (H + 2 * KV) * hd, HD = H * hd;
-    const bd_decode_opts llama = {0, 0, 0.f, 0.f, NULL, NULL, 0.f, 0.f, 0, 0, 0, 0, 0, 0, 0};
+    const bd_decode_opts llama = {0, 0, 0.f, 0.f, NULL, NULL, 0.f, 0.f, 0, 0, 0, 0, 0, 0, 0, NULL};
     const bd_decode_opts *o_ = opts ? opts : &llama;
     const int gemma = o_->gemma,
               style = gemma ? NORM_GEMMA : o_->layer_norm ? NORM_LAYER : o_->norm_once ? NORM_ONCE : NORM_LLAMA;
@@ -498,18 +505,18 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
         const bd_decode_layer *L = layers + l;
         const int local = L->local && o_->local_cos;
         if (L->norm[0])
-            decode_norm(x, L->norm[0], row_slot, B, D, eps, dtype, style, h);
+            decode_norm(x, L->norm[0], L->norm_bias[0], row_slot, B, D, eps, dtype, style, h);
         else /* OLMo 2: no input norm */
             memcpy(h, x, sizeof(float) * (size_t)(B * D));
         if ((rc = decode_proj(L, 0, h, B, D, Q, dtype, row_slot, slots, P, any_delta, one_pass, LOW(0), qkv, n_threads))) break;
         for (int64_t b = 0; b < B; ++b) { /* q/k norms, rope over q's and k's heads (adjacent in qkv), then k, v into the pool */
             float *row = qkv + b * Q;
             if (L->qk_norm[0] && o_->qk_full) { /* OLMo 2: q's and k's every head in one norm each */
-                norm_row(row, L->qk_norm[0], (row_slot[b] + 1) * HD, HD, eps, dtype, style, row);
-                norm_row(row + HD, L->qk_norm[1], (row_slot[b] + 1) * KV * hd, KV * hd, eps, dtype, style, row + HD);
+                norm_row(row, L->qk_norm[0], NULL, (row_slot[b] + 1) * HD, HD, eps, dtype, style, row);
+                norm_row(row + HD, L->qk_norm[1], NULL, (row_slot[b] + 1) * KV * hd, KV * hd, eps, dtype, style, row + HD);
             } else if (L->qk_norm[0])
                 for (int64_t j = 0; j < H + KV; ++j)
-                    norm_row(row + j * hd, L->qk_norm[j >= H], (row_slot[b] + 1) * hd, hd, eps, dtype, style, row + j * hd);
+                    norm_row(row + j * hd, L->qk_norm[j >= H], NULL, (row_slot[b] + 1) * hd, hd, eps, dtype, style, row + j * hd);
             if (!L->nope)
                 rope_heads(row, H + KV, hd, rot, (local ? lcs : cs) + b * hd, (local ? lsn : sn) + b * hd, dtype,
                            o_->interleaved, o_->rope_fp32);
@@ -529,15 +536,15 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
             residual_add(x, o, B * D, dtype, rm);
         else if (L->norm[2] || !L->norm[0]) { /* Gemma 2/3's sandwich, OLMo 2's post-norms: the attention's output
                                             * normed; the MLP's input by its own norm (Gemma), or not (OLMo 2) */
-            decode_norm(o, L->norm[1], row_slot, B, D, eps, dtype, style, h);
+            decode_norm(o, L->norm[1], L->norm_bias[1], row_slot, B, D, eps, dtype, style, h);
             residual_add(x, h, B * D, dtype, rm);
             if (L->norm[2])
-                decode_norm(x, L->norm[2], row_slot, B, D, eps, dtype, style, h);
+                decode_norm(x, L->norm[2], L->norm_bias[2], row_slot, B, D, eps, dtype, style, h);
             else
                 memcpy(h, x, sizeof(float) * (size_t)(B * D));
         } else {
             residual_add(x, o, B * D, dtype, rm);
-            decode_norm(x, L->norm[1], row_slot, B, D, eps, dtype, style, h);
+            decode_norm(x, L->norm[1], L->norm_bias[1], row_slot, B, D, eps, dtype, style, h);
         }
         if ((rc = decode_proj(L, 2, h, B, D, 2 * F, dtype, row_slot, slots, P, any_delta, one_pass, LOW(2), gu, n_threads))) break;
         if (o_->gelu)
@@ -546,14 +553,14 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
             silu_mul(gu, B, F, dtype, act);
         if ((rc = decode_proj(L, 3, act, B, F, D, dtype, row_slot, slots, P, any_delta, one_pass, LOW(3), dn, n_threads))) break;
         if (L->norm[3]) { /* the MLP's output normed before its residual add */
-            decode_norm(dn, L->norm[3], row_slot, B, D, eps, dtype, style, h);
+            decode_norm(dn, L->norm[3], L->norm_bias[3], row_slot, B, D, eps, dtype, style, h);
             residual_add(x, h, B * D, dtype, rm);
         } else
             residual_add(x, dn, B * D, dtype, rm);
     }
 #undef LOW
     if (!rc && final_norm) {
-        decode_norm(x, final_norm, row_slot, B, D, eps, dtype, style, h);
+        decode_norm(x, final_norm, o_->final_norm_bias, row_slot, B, D, eps, dtype, style, h);
         memcpy(x, h, sizeof(float) * (size_t)(B * D));
         if (head) rc = decode_head(h, B, D, head, dtype, vocab, n_heads, head_signs, head_alpha, head_alpha_stride,
                                    head_of_row, logits, n_threads, one_var);

@@ -232,7 +232,9 @@ def build_rank(
     local = tp.local_args()
     layout = SlotLayout(local, dtype)
     n_slots = c.max_slots or c.delta_budget // SlotLayout(largest, dtype).slot_bytes
-    slots = SlotTensors.allocate(layout, n_slots, device, base.norms, base.final_norm, base.biases)
+    slots = SlotTensors.allocate(
+        layout, n_slots, device, base.norms, base.final_norm, base.biases, base.final_norm_bias
+    )
     n_blocks = c.kv_cache // KVPool.bytes_per_token(largest, dtype) // c.block_size
     if n_blocks < 1:
         raise ValueError(f"--kv-cache {c.kv_cache} bytes holds less than one block of {c.block_size} tokens")

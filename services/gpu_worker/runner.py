@@ -75,7 +75,7 @@ from bitdelta_kernels.cpu_decode import (
 )
 from bitdelta_kernels.cpu_ops import dense_gemv_max_m
 from bitdelta_kernels.lowrank import factor_mm
-from services.gpu_worker.slots import BigTensor, SlotExtras, SlotTensors
+from services.gpu_worker.slots import FINAL_NORM, FINAL_NORM_BIAS, BigTensor, SlotExtras, SlotTensors
 
 
 @dataclass
@@ -209,10 +209,11 @@ class BaseWeights:
 
     embed: torch.Tensor  # [vocab, dim]
     layers: list[dict[str, torch.Tensor]]  # group -> [d_out_g, d_in_g]
-    norms: list[dict[str, torch.Tensor]]  # norm name (ModelArgs.layer_norms) -> [size]
+    norms: list[dict[str, torch.Tensor]]  # norm parameter key (ModelArgs.norm_params) -> [size]
     biases: list[dict[str, torch.Tensor]]  # group -> [d_out_g], for groups with biases
     final_norm: torch.Tensor  # [dim]
     head: torch.Tensor  # [vocab, dim]; the embedding itself when tied
+    final_norm_bias: torch.Tensor | None = None  # [dim], StableLM's (Family.norm_bias)
 
     @classmethod
     def load(cls, ckpt, dtype: torch.dtype, device: torch.device, part=None) -> tuple[BaseWeights, ModelArgs]:
@@ -249,10 +250,11 @@ class BaseWeights:
                 biases.append(
                     {g: tensor(r, [f"{n}.bias" for n in ns]) for g, ns in groups.items() if f"{ns[0]}.bias" in r}
                 )
-                norms.append({n: tensor(r, [f"model.layers.{i}.{n}.weight"]) for n, _ in args.layer_norms()})
+                norms.append({key: tensor(r, [f"model.layers.{i}.{p}"]) for key, p, _ in args.norm_params()})
             embed = tensor(r, [EMBED])
             head = embed if args.tie_embeddings else tensor(r, [HEAD])
-            final = tensor(r, ["model.norm.weight"])
+            final = tensor(r, [FINAL_NORM])
+            final_bias = tensor(r, [FINAL_NORM_BIAS]) if args.family.norm_bias else None
             unexpected = [
                 k
                 for k in r.keys()
@@ -260,11 +262,13 @@ class BaseWeights:
             ]
         if unexpected:
             raise ValueError(f"{ckpt}: checkpoint does not match the config: unexpected {sorted(unexpected)[:5]}")
-        return cls(embed, layers, norms, biases, final, head), args
+        return cls(embed, layers, norms, biases, final, head, final_bias), args
 
     @property
     def nbytes(self) -> int:
         ts = [self.embed, self.final_norm] + [t for d in self.layers + self.norms + self.biases for t in d.values()]
+        if self.final_norm_bias is not None:
+            ts.append(self.final_norm_bias)
         if self.head is not self.embed:
             ts.append(self.head)
         return sum(t.numel() * t.element_size() for t in ts)
@@ -688,11 +692,14 @@ class ModelRunner:
         """x · wᵀ with fp32 accumulation AND fp32 output. x: [N, d_in]; w: [d_out, d_in] -> fp32 [N, d_out]."""
         return dense_linear(x, w, out_fp32=True, backend=self.backend)
 
-    def _norm(self, x: torch.Tensor, weights: torch.Tensor, m: StepMeta, eps: float) -> torch.Tensor:
+    def _norm(
+        self, x: torch.Tensor, weights: torch.Tensor, m: StepMeta, eps: float, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """RMSNorm over the last dim with a per-row weight. x: [N, size] or [N, heads, size] (Qwen3's
         per-head q/k norms); weights: [n_slots + 1, size] (row 0 = base). Gemma's scales by (1 + w)
         in fp32 and rounds once, OLMo 2's by w, Cohere's LayerNorm subtracts the mean first and scales
-        by w as OLMo 2's (bitdelta.model.RMSNorm)."""
+        by w as OLMo 2's, StableLM's adds its per-row `bias` [n_slots + 1, size] before the rounding
+        (bitdelta.model.RMSNorm)."""
         xf = x.float()
         if self.args.family.layer_norm:
             xf = xf - xf.mean(-1, keepdim=True)
@@ -703,7 +710,10 @@ class ModelRunner:
         if self.args.family.gemma:
             return (xf * (1.0 + w.float())).to(x.dtype)
         if self.args.family.norm_once or self.args.family.layer_norm:  # OLMo 2's, Cohere's: w · x in fp32, one rounding
-            return (w.float() * xf).to(x.dtype)
+            y = w.float() * xf
+            if bias is not None:
+                y = y + (bias[m.single_norm] if m.norm_idx is None else bias[m.norm_idx]).float()
+            return y.to(x.dtype)
         return w * xf.to(x.dtype)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, m: StepMeta) -> torch.Tensor:
@@ -1052,6 +1062,7 @@ class ModelRunner:
                 alpha=tuple(sl.alpha[i][g] for g in GROUPS),
                 biases=tuple(sl.biases[i].get(g) for g in GROUPS),
                 norms=tuple(None if n is None else sl.norms[i][n] for n in c_norm_names(a)),
+                norm_biases=tuple(None if n is None else sl.norms[i].get(f"{n}.bias") for n in c_norm_names(a)),
                 k=self.kv.k[i],
                 v=self.kv.v[i],
                 window=a.window(i),
@@ -1086,13 +1097,14 @@ class ModelRunner:
             interleaved=a.rope.interleaved,
             rope_fp32=a.rope.fp32,
             layer_norm=a.family.layer_norm,
-            parallel=a.family.parallel,
+            parallel=a.parallel,
         )
         return DecodeLayers(
             layers,
             shape,
             self.dtype,
             final_norm=sl.final_norm,
+            final_norm_bias=sl.final_norm_bias,
             head=head if fits else None,
             embed=embed,
             options=options,
@@ -1116,19 +1128,23 @@ class ModelRunner:
         inp, attn_out, mlp_in, mlp_out = a.norm_roles()
         for i in range(a.n_layers):
             norms = self.slots.norms[i]
+
+            def norm(t: torch.Tensor, name: str, norms=norms) -> torch.Tensor:  # the layer's norm (StableLM's biased)
+                return self._norm(t, norms[name], m, a.norm_eps, norms.get(f"{name}.bias"))
+
             cos, sin = (m.local_cos, m.local_sin) if a.local(i) else (m.cos, m.sin)
             rope = a.local_rope if a.local(i) else a.rope  # GLM's interleaved pairs, ERNIE's fp32 rotation
-            h = x if inp is None else self._norm(x, norms[inp], m, a.norm_eps)  # OLMo 2/3: no input norm
+            h = x if inp is None else norm(x, inp)  # OLMo 2/3: no input norm
             qkv = self._linear(h, i, "qkv", m)
             v = qkv[:, (H + KV) * hd :].view(N, KV, hd)
             if a.family.qk_whole:  # OLMo 2, OLMoE: q and k normed whole, then split into heads
-                q = self._norm(qkv[:, : H * hd], norms["self_attn.q_norm"], m, a.norm_eps).view(N, H, hd)
-                k = self._norm(qkv[:, H * hd : (H + KV) * hd], norms["self_attn.k_norm"], m, a.norm_eps).view(N, KV, hd)
+                q = norm(qkv[:, : H * hd], "self_attn.q_norm").view(N, H, hd)
+                k = norm(qkv[:, H * hd : (H + KV) * hd], "self_attn.k_norm").view(N, KV, hd)
                 if a.rotates(i):
                     q, k = rotate(rope, q, cos, sin), rotate(rope, k, cos, sin)
             elif a.family.qk_norm:
-                q = self._norm(qkv[:, : H * hd].view(N, H, hd), norms["self_attn.q_norm"], m, a.norm_eps)
-                k = self._norm(qkv[:, H * hd : (H + KV) * hd].view(N, KV, hd), norms["self_attn.k_norm"], m, a.norm_eps)
+                q = norm(qkv[:, : H * hd].view(N, H, hd), "self_attn.q_norm")
+                k = norm(qkv[:, H * hd : (H + KV) * hd].view(N, KV, hd), "self_attn.k_norm")
                 if a.rotates(i):  # EXAONE 4's full layers: NoPE
                     q, k = rotate(rope, q, cos, sin), rotate(rope, k, cos, sin)
             elif not a.rotates(i):  # SmolLM3's and Cohere 2's NoPE layers: q and k as projected
@@ -1139,17 +1155,17 @@ class ModelRunner:
             if m.q_temperature is not None:  # Ministral 3 past its original context
                 q = q * m.q_temperature
             att = self._linear(self._attention(q, k, v, i, m).reshape(N, H * hd), i, "o", m)
-            if a.family.parallel:  # Cohere: the MLP reads the attention's input; x + attention + MLP
+            if a.parallel:  # Cohere, StableLM's parallel residual: the MLP reads the attention's input
                 x = x + att
             elif attn_out is not None:  # Gemma 2/3, GLM-4, OLMo 2/3: the attention's output normed, then the
-                x = x + self._norm(att, norms[attn_out], m, a.norm_eps)  # MLP's input by its own norm or not
-                h = x if mlp_in is None else self._norm(x, norms[mlp_in], m, a.norm_eps)
+                x = x + norm(att, attn_out)  # MLP's input by its own norm or not
+                h = x if mlp_in is None else norm(x, mlp_in)
             else:
                 x = residual(a, x, att)
-                h = self._norm(x, norms[mlp_in], m, a.norm_eps)
+                h = norm(x, mlp_in)
             down = self._sparse(h, i, m) if a.family.moe else self._mlp(h, i, m)
             if mlp_out is not None:
-                down = self._norm(down, norms[mlp_out], m, a.norm_eps)
+                down = norm(down, mlp_out)
             x = residual(a, x, down)
         return x
 
@@ -1193,7 +1209,7 @@ class ModelRunner:
                 "single_norm": (m.logit_slots[0] + 1) if m.logit_norm_idx is None else 0,
             }
         )
-        h = self._norm(xl, self.slots.final_norm, sub, a.norm_eps)
+        h = self._norm(xl, self.slots.final_norm, sub, a.norm_eps, self.slots.final_norm_bias)
         return final_logits(a, self._logits(h, m))
 
     # -- start-up -------------------------------------------------------------------------------

@@ -9,9 +9,10 @@ mixes variants (the stack is the kernel's `signs_stack`/`alpha_stack`):
 
     signs[l][g]:  uint8 [n_slots, d_out_g, ceil(d_in_g/8)]
     alpha[l][g]:  fp32  [n_slots, d_out_g]
-    norms[l][n]:  dtype [n_slots + 1, size_n]   (every RMSNorm of the layer; index 0 = the base)
+    norms[l][n]:  dtype [n_slots + 1, size_n]   (every norm parameter of the layer, `ModelArgs.norm_params`:
+                                               each norm's weight, StableLM's biases too; index 0 = the base)
     biases[l][g]: dtype [n_slots + 1, d_out_g]  (groups whose base has biases; index 0 = the base)
-    final_norm:   dtype [n_slots + 1, dim]
+    final_norm:   dtype [n_slots + 1, dim]      (and final_norm_bias where the norms have biases)
 
 Projection groups gather the matrices that read the same input, so the base
 GEMM and the delta kernel run once per group: qkv = q ‖ k ‖ v, gate_up =
@@ -46,6 +47,7 @@ from bitdelta_kernels.bits import packed_cols
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
 FINAL_NORM = "model.norm.weight"
+FINAL_NORM_BIAS = "model.norm.bias"
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,8 @@ class ProjPlace:
 
 @dataclass(frozen=True)
 class NormPlace:
-    """Where one norm weight goes: `layer` = −1 for the final norm, else the layer's norm `name`."""
+    """Where one norm parameter goes: `layer` = −1 for the final norm (`name` "norm", or "norm.bias" for its
+    bias), else the layer's norm parameter `name` (a key of `ModelArgs.norm_params`)."""
 
     layer: int
     name: str
@@ -91,9 +94,11 @@ class SlotLayout:
                 if m.bias:
                     self.bias[f"model.layers.{i}.{m.name}.bias"] = place
         self.norms: dict[str, NormPlace] = {FINAL_NORM: NormPlace(-1, "norm", args.dim)}
+        if args.family.norm_bias:
+            self.norms[FINAL_NORM_BIAS] = NormPlace(-1, "norm.bias", args.dim)
         for i in range(args.n_layers):
-            for name, size in args.layer_norms():
-                self.norms[f"model.layers.{i}.{name}.weight"] = NormPlace(i, name, size)
+            for key, param, size in args.norm_params():
+                self.norms[f"model.layers.{i}.{param}"] = NormPlace(i, key, size)
         self.embed_shape = (args.vocab_size, args.dim)
         # group -> the d_out of each of its matrices, in order (the kernels' col_splits)
         self.group_rows: dict[str, tuple[int, ...]] = {}
@@ -215,6 +220,7 @@ class SlotTensors:
     norms: list[dict[str, torch.Tensor]] = field(default_factory=list)
     biases: list[dict[str, torch.Tensor]] = field(default_factory=list)
     final_norm: torch.Tensor | None = None
+    final_norm_bias: torch.Tensor | None = None  # StableLM's (Family.norm_bias)
     # Copy-on-write: the manager swaps in a new dict, the engine reads one snapshot per step.
     # Keyed by a delta's own slot (its first); a plain one-plane delta has no entry.
     extras: dict[int, SlotExtras] = field(default_factory=dict)
@@ -228,9 +234,10 @@ class SlotTensors:
         base_norms: list[dict[str, torch.Tensor]],
         base_final_norm: torch.Tensor,
         base_biases: list[dict[str, torch.Tensor]] | None = None,
+        base_final_norm_bias: torch.Tensor | None = None,
     ) -> SlotTensors:
         """Stacks for `n_slots` deltas; row 0 of the norm and bias stacks holds the base's
-        (base_norms[l][name], base_biases[l][group]: see runner.BaseWeights), every slot starts equal."""
+        (base_norms[l][key], base_biases[l][group]: see runner.BaseWeights), every slot starts equal."""
         st = cls(layout, n_slots, device)
         dt = layout.dtype
 
@@ -259,6 +266,10 @@ class SlotTensors:
                     f"layer {i}: base biases for {sorted(st.biases[i])}, layout has {layout.biased_groups}"
                 )
         st.final_norm = stack(base_final_norm)
+        if (base_final_norm_bias is not None) != layout.args.family.norm_bias:
+            raise ValueError(f"the final norm's bias: {base_final_norm_bias is not None}, the family's norms' biases: "
+                             f"{layout.args.family.norm_bias}")  # fmt: skip
+        st.final_norm_bias = None if base_final_norm_bias is None else stack(base_final_norm_bias)
         return st
 
     def reset_slot(self, slot: int) -> None:
@@ -269,6 +280,8 @@ class SlotTensors:
             for t in (*self.norms[i].values(), *self.biases[i].values()):
                 t[slot + 1] = t[0]
         self.final_norm[slot + 1] = self.final_norm[0]
+        if self.final_norm_bias is not None:
+            self.final_norm_bias[slot + 1] = self.final_norm_bias[0]
 
     def proj_views(self, slot: int, place: ProjPlace) -> tuple[torch.Tensor, torch.Tensor]:
         """signs uint8 [d_out, ceil(d_in/8)] and α fp32 [d_out] of one projection in one slot (views)."""
@@ -284,7 +297,7 @@ class SlotTensors:
     def norm_view(self, slot: int, place: NormPlace) -> torch.Tensor:
         """dtype [size] view of one norm weight of one slot."""
         if place.layer < 0:
-            return self.final_norm[slot + 1]
+            return (self.final_norm_bias if place.name == "norm.bias" else self.final_norm)[slot + 1]
         return self.norms[place.layer][place.name][slot + 1]
 
     @property
@@ -292,4 +305,5 @@ class SlotTensors:
         """Device bytes of the slot stacks (signs, α, norms); for the benchmarks' memory account
         (bench/worker.py)."""
         ts = [t for d in self.signs + self.alpha + self.norms + self.biases for t in d.values()]
-        return sum(t.numel() * t.element_size() for t in ts) + self.final_norm.numel() * self.final_norm.element_size()
+        ts += [t for t in (self.final_norm, self.final_norm_bias) if t is not None]
+        return sum(t.numel() * t.element_size() for t in ts)

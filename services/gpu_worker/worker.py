@@ -180,6 +180,7 @@ class Worker:
                 self.base.norms,
                 self.base.final_norm,
                 self.base.biases,
+                self.base.final_norm_bias,
             )
             kv_tokens = c.kv_cache // KVPool.bytes_per_token(self.args, self.dtype)
             n_blocks = kv_tokens // c.block_size

@@ -162,6 +162,7 @@ def test_fields_that_would_change_the_model_are_refused(bases):
         ("exaone4", "Exaone4Config"),
         ("ministral", "MinistralConfig"),
         ("internlm3", "InternLM3Config"),
+        ("stablelm", "StableLmConfig"),
     ],
 )
 def test_a_field_left_out_means_what_it_means_to_transformers(model_type, config_class):
@@ -525,6 +526,34 @@ def test_internlm3_and_ministral_configs_as_transformers_reads_them(bases):
         ModelArgs.from_hf({**cfg, "layer_types": ["sliding_attention"]})
 
 
+def test_stablelm_configs_as_transformers_reads_them(bases):
+    """StableLM: LayerNorms with biases (a norm parameter each, beside the weights), q/k/v biases by
+    use_qkv_bias, the rope over a quarter of each head by default (either spelling of the factor), a
+    parallel block by use_parallel_residual; StableLM 2's own switches accepted where they say what
+    transformers does; qk_layernorm (StableLM 2 12B's per-head LayerNorms) refused."""
+    cfg = read_config(bases["stablelm"])
+    a = ModelArgs.from_hf(cfg)
+    assert (a.layout, a.rope.dim, a.head_dim, a.parallel) == ("q,k,v,o,gate,up,down;bias=q,k,v", 4, 16, False)
+    assert a.norm_params() == (
+        ("input_layernorm", "input_layernorm.weight", 32),
+        ("post_attention_layernorm", "post_attention_layernorm.weight", 32),
+        ("input_layernorm.bias", "input_layernorm.bias", 32),
+        ("post_attention_layernorm.bias", "post_attention_layernorm.bias", 32),
+    )
+    p = ModelArgs.from_hf(read_config(bases["stablelm-parallel"]))
+    assert p.parallel and p.norm_roles() == ("input_layernorm", None, None, None)
+    old = {k: v for k, v in cfg.items() if k != "rope_parameters"} | {
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+    }
+    assert ModelArgs.from_hf(old) == a
+    assert ModelArgs.from_hf({**cfg, "use_norm_bias": False, "rotary_scaling_factor": 1.0}) == a
+    with pytest.raises(UnsupportedModel, match="rotary_scaling_factor"):
+        ModelArgs.from_hf({**cfg, "rotary_scaling_factor": 2.0})
+    with pytest.raises(UnsupportedModel, match="qk_layernorm"):
+        ModelArgs.from_hf({**cfg, "qk_layernorm": True})
+
+
 def test_gemma_configs_as_transformers_reads_them(bases):
     """Gemma 3's two rope spellings give one description; what Gemma's code would run otherwise is
     refused by name."""
@@ -720,4 +749,5 @@ def test_compression_and_distillation_run_on_each_family(tmp_path, bases, name, 
     shown = capsys.readouterr().out
     assert f"architecture      {args.model_type}, layout {args.layout}" in shown
     biases = int(re.search(r"\((\d+) of them biases\)", shown).group(1))
-    assert biases == sum(m.bias for m in args.matrices()) * args.n_layers  # a full fine-tune moved every bias
+    norm_biases = (len(args.layer_norms()) * args.n_layers + 1) if args.family.norm_bias else 0  # StableLM's
+    assert biases == sum(m.bias for m in args.matrices()) * args.n_layers + norm_biases  # a fine-tune moved every bias

@@ -54,7 +54,9 @@ def runner_and_slots(base, deltas, names):
         )
         plans[name] = plan_delta(layout, infos[name])
     n_slots = sum(p.planes for p in plans.values())
-    slots = SlotTensors.allocate(layout, n_slots, torch.device("cpu"), w.norms, w.final_norm, w.biases)
+    slots = SlotTensors.allocate(
+        layout, n_slots, torch.device("cpu"), w.norms, w.final_norm, w.biases, w.final_norm_bias
+    )
     extras, first, at = {}, {}, 0
     for name in names:
         info, plan = infos[name], plans[name]
@@ -245,8 +247,9 @@ def test_bf16_c_layers_rotate_as_the_layers_do(tmp_path, monkeypatch):
     """bf16, where roundings show: the C decode layers' step equals the layer-by-layer step bit for bit
     on ERNIE 4.5 (its interleaved rope rotated in fp32 and rounded once, `rope_fp32`), on GLM-4
     (interleaved, rounded at each step) and on Cohere and Cohere 2 (LayerNorm rounded once, the
-    parallel block, fp32 rotation from bf16 tables, NoPE layers) and EXAONE 4 (post-norms rounded as
-    Llama's); the C layers rotating ERNIE's pairs step by step do not."""
+    parallel block, fp32 rotation from bf16 tables, NoPE layers), EXAONE 4 (post-norms rounded as
+    Llama's) and StableLM (LayerNorms with biases, a partial rope); the C layers rotating ERNIE's pairs
+    step by step do not."""
     from services.gpu_worker import runner as R
     from services.gpu_worker.config import WorkerConfig
     from services.gpu_worker.worker import Worker
@@ -276,7 +279,7 @@ def test_bf16_c_layers_rotate_as_the_layers_do(tmp_path, monkeypatch):
         finally:
             await worker.close()
 
-    for name in ("ernie4.5", "glm4", "cohere", "cohere2", "exaone4"):
+    for name in ("ernie4.5", "glm4", "cohere", "cohere2", "exaone4", "stablelm"):
         c, layers = asyncio.run(steps(name, stepwise=False))
         assert torch.equal(c, layers), name
     c, layers = asyncio.run(steps("ernie4.5", stepwise=True))

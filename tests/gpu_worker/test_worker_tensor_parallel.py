@@ -121,7 +121,19 @@ async def test_a_corrupt_delta_is_data_loss_and_the_ranks_keep_serving(family):
 
 
 @pytest.mark.parametrize(
-    "member", ["gemma2", "gemma3", "mixtral", "qwen3-moe", "qwen2-moe", "ministral3-mm", "glm4", "cohere2", "exaone4"]
+    "member",
+    [
+        "gemma2",
+        "gemma3",
+        "mixtral",
+        "qwen3-moe",
+        "qwen2-moe",
+        "ministral3-mm",
+        "glm4",
+        "cohere2",
+        "exaone4",
+        "stablelm",
+    ],
 )
 async def test_family_layers_on_two_ranks_equal_one_process(tmp_path, member):
     """Gemma's layer on two ranks (sandwich norms, per-head q/k norms and the sliding layers' own rope
@@ -129,8 +141,9 @@ async def test_family_layers_on_two_ranks_equal_one_process(tmp_path, member):
     Mixtral, Qwen3-MoE and Qwen2-MoE (the router and the shared expert's gate whole on each rank,
     each expert's columns and the shared expert's split, one all-reduce per layer) and Cohere 2's
     parallel block (the attention's and the MLP's sums all-reduced apart, both from the one input
-    norm; NoPE and sliding layers) and EXAONE 4's post-norms with per-head q/k norms on each rank's
-    heads: the same greedy tokens as one process, each variant alone and all in one batch."""
+    norm; NoPE and sliding layers), EXAONE 4's post-norms with per-head q/k norms on each rank's
+    heads and StableLM's LayerNorm biases (whole on each rank, a variant's own among them): the same
+    greedy tokens as one process, each variant alone and all in one batch."""
     from bitdelta.compress import compress
     from bitdelta.testing.family import make_finetune
     from tests.support.archs import make_hf_base

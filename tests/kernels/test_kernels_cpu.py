@@ -637,15 +637,18 @@ def decode_layer_ref(
     planes = [[v] for v in slots] if planes is None else planes
     gemma = opts is not None and opts.gemma
     centered = opts is not None and opts.layer_norm  # Cohere's LayerNorm: the mean subtracted first
+    biases = dict(zip((id(n) for n in L.norms), L.norm_biases))  # StableLM's, beside its norm's weights
     if L.local:
         cos, sin = local
 
-    def norm(t, w):  # t [B, ..., n]: every row of the last dim with its slot's weights
+    def norm(t, w):  # t [B, ..., n]: every row of the last dim with its slot's weights (and bias)
+        b_ = biases.get(id(w))
         w = w.double() + (1.0 if gemma else 0.0)
         t = t - t.mean(-1, keepdim=True) if centered else t
-        return torch.stack(
+        out = torch.stack(
             [t[b] * torch.rsqrt(t[b].pow(2).mean(-1, keepdim=True) + eps) * w[slots[b] + 1] for b in range(len(t))]
         )
+        return out if b_ is None else out + torch.stack([b_.double()[slots[b] + 1] for b in range(len(t))])
 
     def proj(t, g):
         out = t @ L.weights[g].double().t()
@@ -778,7 +781,9 @@ def test_decode_layers_against_the_reference(isa, dims):
         assert torch.equal(one[0], got[1][b]), b
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "qwen3", "granite", "olmo2", "partial", "glm", "nope", "cohere"])
+@pytest.mark.parametrize(
+    "kind", ["gemma3", "gemma2", "qwen3", "granite", "olmo2", "partial", "glm", "nope", "cohere", "stablelm"]
+)
 def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     """What Gemma and Qwen3 change in the C decode layers, against the layer in float64: Gemma's
     (1 + w) norms in fp32, the sandwich norms, GELU's tanh form, the scores' own scale; Gemma 2's
@@ -786,7 +791,8 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     residual multiplier and scale; OLMo 2's post-norms and whole-projection q/k norms; Phi's partial
     rotary factor (a quarter of each head rotates); GLM's interleaved pairs over half of each head;
     SmolLM3's layer without a rotation (NoPE); Cohere's LayerNorm and parallel block (the MLP from the
-    input norm, one norm a layer) with interleaved pairs over the whole head; rows of
+    input norm, one norm a layer) with interleaved pairs over the whole head; StableLM's LayerNorms with
+    biases (a slot's own) and a quarter of each head rotating; rows of
     two variants and the base in one step, fp32; a row alone the same as in the batch."""
     import dataclasses
 
@@ -808,6 +814,8 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
         L = dataclasses.replace(L, norms=(None, post, None, ff), qk_norms=(norms(1, H * hd)[0], norms(1, KV * hd)[0]))
     elif kind == "cohere":
         L = dataclasses.replace(L, norms=(norms(1, D)[0], None))
+    elif kind == "stablelm":
+        L = dataclasses.replace(L, norms=norms(2, D), norm_biases=tuple(b - 1.0 for b in norms(2, D)))
     else:
         L = dataclasses.replace(
             L,
@@ -825,10 +833,10 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
         residual_multiplier=0.4 if kind == "granite" else 1.0,
         norm_once=kind == "olmo2",
         qk_full=kind == "olmo2",
-        rotary=hd // 4 if kind == "partial" else hd // 2 if kind == "glm" else 0,
+        rotary=hd // 4 if kind in ("partial", "stablelm") else hd // 2 if kind == "glm" else 0,
         interleaved=kind in ("glm", "cohere"),
         rope_fp32=kind == "cohere",
-        layer_norm=kind == "cohere",
+        layer_norm=kind in ("cohere", "stablelm"),
         parallel=kind == "cohere",
     )
     slots = [0, -1, 1, 0]

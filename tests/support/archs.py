@@ -176,6 +176,10 @@ def hf_config(name: str):
         )
     if name == "internlm3":  # Llama's layer, every projection biased (its qkv_bias and bias spellings)
         return tf.InternLM3Config(**COMMON, head_dim=16, qkv_bias=True, bias=True)
+    if name == "stablelm":  # LayerNorms with biases, q/k/v biases, the rope over a quarter of each 16-wide head
+        return tf.StableLmConfig(**{**COMMON, "num_attention_heads": 2, "num_key_value_heads": 1}, use_qkv_bias=True)
+    if name == "stablelm-parallel":  # + the parallel residual (the MLP from the input norm)
+        return tf.StableLmConfig(**hf_config("stablelm").to_dict() | {"use_parallel_residual": True})
     if name == "ministral3-mm":  # Ministral 3 as it ships (Mistral3ForConditionalGeneration, a Pixtral tower)
         text = {**hf_config("ministral3").to_dict(), "tie_word_embeddings": False}
         vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8)
@@ -243,8 +247,9 @@ FAMILY_MEMBERS = (
     "exaone4",
     "ministral",
     "internlm3",
+    "stablelm",
 )
-ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa")
+ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa", "stablelm-parallel")
 
 
 def make_hf_base(out: Path, name: str, seed: int = 0, std: float = 0.2) -> Path:
