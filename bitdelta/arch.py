@@ -57,6 +57,7 @@ SUPPORTED = (
     "exaone4",
     "internlm3",
     "stablelm",
+    "starcoder2",
 )
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -107,6 +108,10 @@ class Family:
     # use_parallel_residual (ModelArgs.parallel)
     parallel: bool = False
     norm_bias: bool = False  # StableLM: every LayerNorm has a bias (`<norm>.bias`, added before the rounding)
+    # StarCoder2: an ungated MLP, down(act(up(x))), under these (up, down) module names inside `mlp` (its up
+    # projection is the gate_up group alone); None: the gated one, down(act(gate(x)) · up(x))
+    ungated_mlp: tuple[str, str] | None = None
+    norm_eps_field: str = "rms_norm_eps"  # the config field of the norms' eps
     o_bias: bool = True  # attention_bias gives o_proj a bias too (GLM's: q, k, v only)
     # a sandwich layer's norms (Family.sandwich): of the attention's output, of the MLP's input, of the MLP's output
     sandwich_names: tuple[str, str, str] = (
@@ -354,6 +359,19 @@ FAMILIES: dict[str, Family] = {
         moe="mlp",
         moe_round=True,
     ),
+    # StarCoder2 (BigCode: 3B, 7B, 15B): Mistral's attention with every projection biased (use_bias), LayerNorms
+    # with biases (norm_epsilon), and an ungated MLP c_fc -> GELU (tanh form) -> c_proj
+    "starcoder2": Family(
+        "starcoder2",
+        False,
+        False,
+        False,
+        frozenset({"use_bias", "norm_epsilon", "sliding_window"}),
+        layer_norm=True,
+        norm_bias=True,
+        ungated_mlp=("c_fc", "c_proj"),
+        norm_eps_field="norm_epsilon",
+    ),
     # StableLM (Stability AI: StableLM 2 1.6B, StableLM-3B-4E1T, their Zephyrs): Llama's layer under LayerNorms with
     # biases, q/k/v biases where use_qkv_bias, the rope over the first partial_rotary_factor of each head
     # (0.25 by default), a parallel block where use_parallel_residual (qk_layernorm, StableLM 2 12B's per-head
@@ -366,6 +384,7 @@ FAMILIES: dict[str, Family] = {
         frozenset({"layer_norm_eps", "use_qkv_bias", "use_parallel_residual", "qk_layernorm"}),
         layer_norm=True,
         norm_bias=True,
+        norm_eps_field="layer_norm_eps",
     ),
     # EXAONE 4 (LG AI Research): OLMo 2's post-norms (rounded as Llama's), Qwen3's per-head q/k norms, sliding
     # windows on three layers of four where sliding_window is set, the full layers then without the rope (NoPE)
@@ -390,6 +409,7 @@ FAMILIES: dict[str, Family] = {
         fp32_rope=True,
         layer_norm=True,
         parallel=True,
+        norm_eps_field="layer_norm_eps",
     ),
     # Cohere 2 (Command R7B, Command A, Aya Vision's text): Cohere's layer, sliding windows on three layers
     # of four, the rope on those only (the full layers take none: NoPE), head_dim = hidden_size / heads
@@ -412,6 +432,7 @@ FAMILIES: dict[str, Family] = {
         fp32_rope=True,
         layer_norm=True,
         parallel=True,
+        norm_eps_field="layer_norm_eps",
     ),
 }
 # Other spellings of a family's fields (transformers' attribute_map: alias -> the field it sets)
@@ -703,6 +724,20 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "num_experts_per_tok": 8,
         "norm_topk_prob": False,
     },
+    "starcoder2": {
+        "vocab_size": 49152,
+        "hidden_size": 3072,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 2,
+        "hidden_act": "gelu_pytorch_tanh",
+        "max_position_embeddings": 4096,
+        "norm_epsilon": 1e-5,
+        "tie_word_embeddings": True,
+        "use_bias": True,
+        "sliding_window": None,
+    },
     "stablelm": {
         "vocab_size": 50304,
         "hidden_size": 2560,
@@ -868,6 +903,7 @@ IGNORED_FIELDS = frozenset(
         "router_jitter_noise",
         "residual_dropout",  # Seed-OSS's, in training only
         "hidden_dropout",  # StableLM's, in training only
+        "embedding_dropout",  # StarCoder2's, in training only
         "model_max_length",  # a tokenizer's limit some Cohere configs carry (max_position_embeddings is the model's)
     }
 )
@@ -1033,7 +1069,9 @@ class Matrix:
 
     @property
     def short(self) -> str:
-        return self.name.rsplit(".", 1)[1].removesuffix("_proj")
+        """The module's name without "_proj" (q, gate_up, w1), GPT-2-style names whole (StarCoder2's c_fc, c_proj)."""
+        last = self.name.rsplit(".", 1)[1]
+        return last if last.startswith("c_") else last.removesuffix("_proj")
 
 
 GROUP_ORDER = ("qkv", "o", "gate_up", "down")
@@ -1158,7 +1196,11 @@ class ModelArgs:
                 Matrix("self_attn.k_proj", "qkv", kv, d, self.qkv_bias),
                 Matrix("self_attn.v_proj", "qkv", kv, d, self.qkv_bias),
             ]
-        if self.family.fused or self.family.fused_mlp:
+        down = "mlp.down_proj"
+        if self.family.ungated_mlp is not None:  # StarCoder2: the up projection alone
+            up, down = (f"mlp.{n}" for n in self.family.ungated_mlp)
+            mlp = [Matrix(up, "gate_up", f, d, self.mlp_bias)]
+        elif self.family.fused or self.family.fused_mlp:
             mlp = [Matrix("mlp.gate_up_proj", "gate_up", 2 * f, d, self.mlp_bias)]
         else:
             mlp = [
@@ -1168,7 +1210,7 @@ class ModelArgs:
         o = Matrix("self_attn.o_proj", "o", d, q, self.o_bias)
         if self.family.moe is not None:
             return (*attn, o, *self.expert_matrices())
-        return (*attn, o, *mlp, Matrix("mlp.down_proj", "down", d, f, self.mlp_bias))
+        return (*attn, o, *mlp, Matrix(down, "down", d, f, self.mlp_bias))
 
     def expert_matrices(self) -> tuple[Matrix, ...]:
         """A sparse layer's router (group "router": [n_experts, dim]) and each expert e's gate and up
@@ -1459,7 +1501,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         n_heads=heads,
         n_kv_heads=cfg.get("num_key_value_heads") or heads,
         intermediate_size=ffn,
-        norm_eps=cfg["layer_norm_eps"] if fam.layer_norm else cfg["rms_norm_eps"],
+        norm_eps=cfg[fam.norm_eps_field],
         max_seq_len=max_pos,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         head_dim=head_dim,
@@ -1703,7 +1745,7 @@ def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int | None, ...
         if window is None and "sliding_attention" in types:
             raise UnsupportedModel("layer_types has sliding_attention layers but sliding_window is not set")
         out = tuple(int(window) if t == "sliding_attention" else None for t in types)
-    elif model_type in ("mistral", "ministral3", "phi3", "mixtral"):
+    elif model_type in ("mistral", "ministral3", "phi3", "mixtral", "starcoder2"):
         if window is None:
             return ()
         out = (int(window),) * n_layers

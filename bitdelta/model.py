@@ -274,7 +274,12 @@ class MLP(nn.Module):
         super().__init__()
         self.args = args
         self.fused = args.family.fused or args.family.fused_mlp
+        self.ungated = args.family.ungated_mlp  # StarCoder2's (up, down) names
         d, f = args.dim, args.intermediate_size
+        if self.ungated is not None:
+            setattr(self, self.ungated[0], nn.Linear(d, f, bias=args.mlp_bias))
+            setattr(self, self.ungated[1], nn.Linear(f, d, bias=args.mlp_bias))
+            return
         if self.fused:
             self.gate_up_proj = nn.Linear(d, 2 * f, bias=args.mlp_bias)
         else:
@@ -283,6 +288,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(f, d, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ungated is not None:  # StarCoder2: down(act(up(x)))
+            up, down = (getattr(self, n) for n in self.ungated)
+            return down(gate_act(self.args, up(x)))
         if self.fused:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:

@@ -236,6 +236,8 @@ class TPLayout:
             return ((q0 * hd, q1 * hd), (q + k0 * hd, q + k1 * hd), (q + kv + k0 * hd, q + kv + k1 * hd))
         if group_kind(group) == "gate_up":
             f, f0, f1 = self._group_ffn(group)
+            if self.args.family.ungated_mlp is not None:  # StarCoder2: up alone
+                return ((f0, f1),)
             return ((f0, f1), (f + f0, f + f1))
         raise ValueError(f"{group} is not a column-parallel group")
 

@@ -83,6 +83,7 @@ class _Opts(ctypes.Structure):
         ("layer_norm", ctypes.c_int32),
         ("parallel", ctypes.c_int32),
         ("final_norm_bias", ctypes.c_void_p),
+        ("ungated", ctypes.c_int32),
     ]
 
 
@@ -126,7 +127,8 @@ class DecodeOptions:
     (2i, 2i + 1) instead of (i, i + rotary/2); `rope_fp32`, ERNIE 4.5's and Cohere's rotation in fp32
     (from the tables as given), rounded once; `layer_norm`, Cohere's LayerNorm in place of every RMSNorm (the
     mean subtracted, × w in fp32, one rounding, no bias); `parallel`, Cohere's parallel block (the MLP reads
-    the input norm's output: x + attention + MLP; the layers' norms are the input one alone)."""
+    the input norm's output: x + attention + MLP; the layers' norms are the input one alone); `ungated`,
+    StarCoder2's MLP (the gate_up group is up alone, [intermediate, dim]: down(act(up)))."""
 
     gemma: bool = False
     gelu: bool = False
@@ -142,6 +144,7 @@ class DecodeOptions:
     rope_fp32: bool = False
     layer_norm: bool = False
     parallel: bool = False
+    ungated: bool = False
 
 
 @dataclass(frozen=True)
@@ -274,7 +277,8 @@ class EmbedPlanes:
 def _check(layers: list[DecodeLayer], shape: DecodeShape, dtype: torch.dtype, options: DecodeOptions) -> None:
     """Everything the C code indexes without checking (it would read out of bounds otherwise)."""
     D, H, KV, hd, F = shape.dim, shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.intermediate
-    want = {"qkv": ((H + 2 * KV) * hd, D), "o": (D, H * hd), "gate_up": (2 * F, D), "down": (D, F)}
+    up = F if options.ungated else 2 * F  # StarCoder2's up alone, else gate ‖ up
+    want = {"qkv": ((H + 2 * KV) * hd, D), "o": (D, H * hd), "gate_up": (up, D), "down": (D, F)}
     for i, L in enumerate(layers):
         for g, w, s, a, b in zip(GROUPS, L.weights, L.signs, L.alpha, L.biases):
             d_out, d_in = want[g]
@@ -633,6 +637,7 @@ class DecodeLayers:
             int(op.layer_norm),
             int(op.parallel),
             _ptr(self.final_norm_bias),
+            int(op.ungated),
         )
         rs, wr = _slots32(row_slot), _ints(write_rows, torch.int64)
         if rope_rows is None:

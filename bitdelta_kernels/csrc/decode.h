@@ -46,6 +46,7 @@ typedef struct {
     int32_t layer_norm;    /* Cohere's LayerNorm: round(w · (x − mean) · rsqrt(var + eps)), in fp32, no bias */
     int32_t parallel;      /* Cohere: the MLP reads the input norm's output too; x + attention + MLP */
     const void *final_norm_bias; /* StableLM: the final LayerNorm's bias [n_slots + 1, dim], or NULL */
+    int32_t ungated;       /* StarCoder2: the gate_up group is up alone [F, dim]; the MLP is down(act(up)) */
 } bd_decode_opts;
 
 /* How a norm rounds (norm_row): Llama's, Gemma's (1 + w, once), OLMo 2's (w, once) or Cohere's
@@ -235,28 +236,31 @@ static void residual_add(float *x, const float *o, int64_t n, int dtype, float m
 }
 
 /* act[b, k] = round(round(silu(g)) · u), g = gu[b, k], u = gu[b, F + k] (runner's MLP). */
-static void silu_mul(const float *gu, int64_t B, int64_t F, int dtype, float *act) {
+static void silu_mul(const float *gu, int64_t B, int64_t F, int dtype, int gated, float *act) {
     for (int64_t b = 0; b < B; ++b) {
-        const float *gb = gu + b * 2 * F, *ub = gb + F;
+        const float *gb = gu + b * (gated ? 2 * F : F), *ub = gb + F;
         float *ab = act + b * F;
         int64_t k = 0;
 #if defined(__AVX512F__) || defined(__AVX2__)
         for (; k + LANES <= F; k += LANES) {
             const vf g = V_LOAD(gb + k);
             const vf sg = round_vec(dtype, V_DIV(g, V_ADD(V_SET1(1.f), exp_vec(V_MUL(g, V_SET1(-1.f))))));
-            V_STORE(ab + k, round_vec(dtype, V_MUL(sg, V_LOAD(ub + k))));
+            V_STORE(ab + k, gated ? round_vec(dtype, V_MUL(sg, V_LOAD(ub + k))) : sg);
         }
 #endif
-        for (; k < F; ++k) ab[k] = round_to(dtype, round_to(dtype, gb[k] / (1.f + expf(-gb[k]))) * ub[k]);
+        for (; k < F; ++k) {
+            const float sg = round_to(dtype, gb[k] / (1.f + expf(-gb[k])));
+            ab[k] = gated ? round_to(dtype, sg * ub[k]) : sg;
+        }
     }
 }
 
 /* act[b, k] = round(round(gelu_tanh(g)) · u) (runner's MLP with Gemma's gate, torch's formula:
  * 0.5 · g · (1 + tanh(√(2/π) · (g + 0.044715 · g³))), tanh(y) = 1 − 2 / (e^{2y} + 1) in the lanes). */
-static void gelu_mul(const float *gu, int64_t B, int64_t F, int dtype, float *act) {
+static void gelu_mul(const float *gu, int64_t B, int64_t F, int dtype, int gated, float *act) {
     const float beta = 0.7978845608028654f, kappa = 0.044715f;
     for (int64_t b = 0; b < B; ++b) {
-        const float *gb = gu + b * 2 * F, *ub = gb + F;
+        const float *gb = gu + b * (gated ? 2 * F : F), *ub = gb + F;
         float *ab = act + b * F;
         int64_t k = 0;
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -266,12 +270,13 @@ static void gelu_mul(const float *gu, int64_t B, int64_t F, int dtype, float *ac
             const vf y = V_MUL(V_SET1(beta), V_ADD(g, V_MUL(V_SET1(kappa), V_MUL(g, V_MUL(g, g)))));
             const vf th = V_SUB(one, V_DIV(two, V_ADD(exp_vec(V_MUL(two, y)), one)));
             const vf ge = round_vec(dtype, V_MUL(V_MUL(half, g), V_ADD(one, th)));
-            V_STORE(ab + k, round_vec(dtype, V_MUL(ge, V_LOAD(ub + k))));
+            V_STORE(ab + k, gated ? round_vec(dtype, V_MUL(ge, V_LOAD(ub + k))) : ge);
         }
 #endif
         for (; k < F; ++k) {
             const float g = gb[k], y = beta * (g + kappa * g * g * g);
-            ab[k] = round_to(dtype, round_to(dtype, 0.5f * g * (1.f + tanhf(y))) * ub[k]);
+            const float ge = round_to(dtype, 0.5f * g * (1.f + tanhf(y)));
+            ab[k] = gated ? round_to(dtype, ge * ub[k]) : ge;
         }
     }
 }
@@ -431,7 +436,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
                      const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads,
                      int fuse, const bd_lowrank *const *lowrank, const bd_decode_opts *opts) {
     const int64_t Q = (H + 2 * KV) * hd, HD = H * hd;
-    const bd_decode_opts llama = {0, 0, 0.f, 0.f, NULL, NULL, 0.f, 0.f, 0, 0, 0, 0, 0, 0, 0, NULL};
+    const bd_decode_opts llama = {0, 0, 0.f, 0.f, NULL, NULL, 0.f, 0.f, 0, 0, 0, 0, 0, 0, 0, NULL, 0};
     const bd_decode_opts *o_ = opts ? opts : &llama;
     const int gemma = o_->gemma,
               style = gemma ? NORM_GEMMA : o_->layer_norm ? NORM_LAYER : o_->norm_once ? NORM_ONCE : NORM_LLAMA;
@@ -546,11 +551,14 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
             residual_add(x, o, B * D, dtype, rm);
             decode_norm(x, L->norm[1], L->norm_bias[1], row_slot, B, D, eps, dtype, style, h);
         }
-        if ((rc = decode_proj(L, 2, h, B, D, 2 * F, dtype, row_slot, slots, P, any_delta, one_pass, LOW(2), gu, n_threads))) break;
+        const int gated = !o_->ungated; /* StarCoder2's MLP: up alone, down(act(up)) */
+        if ((rc = decode_proj(L, 2, h, B, D, gated ? 2 * F : F, dtype, row_slot, slots, P, any_delta, one_pass, LOW(2),
+                              gu, n_threads)))
+            break;
         if (o_->gelu)
-            gelu_mul(gu, B, F, dtype, act);
+            gelu_mul(gu, B, F, dtype, gated, act);
         else
-            silu_mul(gu, B, F, dtype, act);
+            silu_mul(gu, B, F, dtype, gated, act);
         if ((rc = decode_proj(L, 3, act, B, F, D, dtype, row_slot, slots, P, any_delta, one_pass, LOW(3), dn, n_threads))) break;
         if (L->norm[3]) { /* the MLP's output normed before its residual add */
             decode_norm(dn, L->norm[3], L->norm_bias[3], row_slot, B, D, eps, dtype, style, h);

@@ -163,6 +163,7 @@ def test_fields_that_would_change_the_model_are_refused(bases):
         ("ministral", "MinistralConfig"),
         ("internlm3", "InternLM3Config"),
         ("stablelm", "StableLmConfig"),
+        ("starcoder2", "Starcoder2Config"),
     ],
 )
 def test_a_field_left_out_means_what_it_means_to_transformers(model_type, config_class):
@@ -552,6 +553,23 @@ def test_stablelm_configs_as_transformers_reads_them(bases):
         ModelArgs.from_hf({**cfg, "rotary_scaling_factor": 2.0})
     with pytest.raises(UnsupportedModel, match="qk_layernorm"):
         ModelArgs.from_hf({**cfg, "qk_layernorm": True})
+
+
+def test_starcoder2_configs_as_transformers_reads_them(bases):
+    """StarCoder2: every projection biased by use_bias, LayerNorms always biased (norm_epsilon), an ungated
+    MLP (c_fc, c_proj: the gate_up group is c_fc alone), windows on every layer where sliding_window is
+    set; on two tensor-parallel ranks c_fc's columns split alone."""
+    from bitdelta.shard import TPLayout
+
+    cfg = read_config(bases["starcoder2"])
+    a = ModelArgs.from_hf(cfg)
+    assert a.layout == "q,k,v,o,c_fc,c_proj;bias=q,k,v,o,c_fc,c_proj"
+    assert (a.group_shapes()["gate_up"], a.windows, a.act, a.norm_eps) == ((48, 32), (8, 8), "gelu_tanh", 1e-5)
+    assert ModelArgs.from_hf({**cfg, "use_bias": False}).layout == "q,k,v,o,c_fc,c_proj"
+    assert ModelArgs.from_hf({**cfg, "use_bias": False}).family.norm_bias  # the norms keep theirs
+    assert ModelArgs.from_hf({**cfg, "sliding_window": None}).windows == ()
+    assert ModelArgs.from_hf({**cfg, "norm_epsilon": 1e-6}).norm_eps == 1e-6
+    assert TPLayout(a, 2, 1).group_rows("gate_up") == ((24, 48),)
 
 
 def test_gemma_configs_as_transformers_reads_them(bases):

@@ -707,7 +707,7 @@ def decode_layer_ref(
     gu = proj(x_in, 2)  # Cohere's parallel block: from the attention's input norm
     gelu = opts is not None and opts.gelu
     act = torch.nn.functional.gelu(gu[:, :F], approximate="tanh") if gelu else torch.nn.functional.silu(gu[:, :F])
-    down = proj(act * gu[:, F:], 3)
+    down = proj(act if opts is not None and opts.ungated else act * gu[:, F:], 3)  # StarCoder2's: up alone
     return x + rm * (norm(down, L.norms[3]) if sandwich or post else down)
 
 
@@ -782,7 +782,8 @@ def test_decode_layers_against_the_reference(isa, dims):
 
 
 @pytest.mark.parametrize(
-    "kind", ["gemma3", "gemma2", "qwen3", "granite", "olmo2", "partial", "glm", "nope", "cohere", "stablelm"]
+    "kind",
+    ["gemma3", "gemma2", "qwen3", "granite", "olmo2", "partial", "glm", "nope", "cohere", "stablelm", "starcoder2"],
 )
 def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     """What Gemma and Qwen3 change in the C decode layers, against the layer in float64: Gemma's
@@ -792,7 +793,7 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     rotary factor (a quarter of each head rotates); GLM's interleaved pairs over half of each head;
     SmolLM3's layer without a rotation (NoPE); Cohere's LayerNorm and parallel block (the MLP from the
     input norm, one norm a layer) with interleaved pairs over the whole head; StableLM's LayerNorms with
-    biases (a slot's own) and a quarter of each head rotating; rows of
+    biases (a slot's own) and a quarter of each head rotating; StarCoder2's ungated GELU MLP; rows of
     two variants and the base in one step, fp32; a row alone the same as in the batch."""
     import dataclasses
 
@@ -801,7 +802,8 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     D, H, KV, hd, F = 96, 4, 2, 32, 160
     shape = DecodeShape(D, H, KV, hd, F, 1e-6)
     g = torch.Generator().manual_seed(7)
-    out_in = (((H + 2 * KV) * hd, D), (D, H * hd), (2 * F, D), (D, F))
+    up = F if kind == "starcoder2" else 2 * F  # StarCoder2's up alone
+    out_in = (((H + 2 * KV) * hd, D), (D, H * hd), (up, D), (D, F))
     bs, B, n_slots = 4, 4, 2
     L = random_layer(out_in, D, KV, hd, n_slots, torch.float32, 8 * bs, g)
     gemma = kind.startswith("gemma")
@@ -814,7 +816,7 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
         L = dataclasses.replace(L, norms=(None, post, None, ff), qk_norms=(norms(1, H * hd)[0], norms(1, KV * hd)[0]))
     elif kind == "cohere":
         L = dataclasses.replace(L, norms=(norms(1, D)[0], None))
-    elif kind == "stablelm":
+    elif kind in ("stablelm", "starcoder2"):
         L = dataclasses.replace(L, norms=norms(2, D), norm_biases=tuple(b - 1.0 for b in norms(2, D)))
     else:
         L = dataclasses.replace(
@@ -826,7 +828,7 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
         )
     opts = DecodeOptions(
         gemma=gemma,
-        gelu=gemma,
+        gelu=gemma or kind == "starcoder2",
         embed_scale=D**0.5 if gemma else 0.0,
         attn_scale=0.11 if gemma or kind == "granite" else None,
         attn_softcap=1.5 if kind == "gemma2" else None,
@@ -836,7 +838,8 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
         rotary=hd // 4 if kind in ("partial", "stablelm") else hd // 2 if kind == "glm" else 0,
         interleaved=kind in ("glm", "cohere"),
         rope_fp32=kind == "cohere",
-        layer_norm=kind in ("cohere", "stablelm"),
+        layer_norm=kind in ("cohere", "stablelm", "starcoder2"),
+        ungated=kind == "starcoder2",
         parallel=kind == "cohere",
     )
     slots = [0, -1, 1, 0]
@@ -850,7 +853,7 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     want = decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs, opts=opts, local=local)
     first = L.norms[:2] if None not in L.norms[:2] else (L.norms[0] if kind == "cohere" else L.norms[1],) * 2
     plain = decode_layer_ref(x, dataclasses.replace(L, norms=first, qk_norms=None, local=False, nope=False), slots, shape,
-                             *full, write_rows, tables, lens, bs)  # fmt: skip
+                             *full, write_rows, tables, lens, bs, opts=DecodeOptions(ungated=opts.ungated))  # fmt: skip
     assert rel_err(plain, want) > 1e-2  # what the family changes changes the numbers
     layers = DecodeLayers([L], shape, torch.float32, options=opts)
     loc = local if L.local else None

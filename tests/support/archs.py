@@ -180,6 +180,9 @@ def hf_config(name: str):
         return tf.StableLmConfig(**{**COMMON, "num_attention_heads": 2, "num_key_value_heads": 1}, use_qkv_bias=True)
     if name == "stablelm-parallel":  # + the parallel residual (the MLP from the input norm)
         return tf.StableLmConfig(**hf_config("stablelm").to_dict() | {"use_parallel_residual": True})
+    if name == "starcoder2":  # every projection and LayerNorm biased, an ungated GELU MLP, windows of 8 (untied:
+        # tied, this random base's greedy tokens repeat)
+        return tf.Starcoder2Config(**COMMON, sliding_window=8, tie_word_embeddings=False)
     if name == "ministral3-mm":  # Ministral 3 as it ships (Mistral3ForConditionalGeneration, a Pixtral tower)
         text = {**hf_config("ministral3").to_dict(), "tie_word_embeddings": False}
         vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8)
@@ -248,6 +251,7 @@ FAMILY_MEMBERS = (
     "ministral",
     "internlm3",
     "stablelm",
+    "starcoder2",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa", "stablelm-parallel")
 
