@@ -101,7 +101,8 @@ class Family:
     interleaved_rope: bool = False  # GLM: the rope's pairs are dims (2i, 2i + 1) (Rope.interleaved)
     fp32_rope: bool = False  # ERNIE 4.5, Cohere: the rotation in fp32, rounded once (Rope.fp32)
     fp32_rope_tables: bool = False  # ERNIE 4.5: its cos/sin tables kept in fp32 (Cohere's: the model's dtype)
-    # Cohere: LayerNorm in place of RMSNorm (the mean subtracted, no bias), w · x in fp32 and one rounding
+    # Cohere, StableLM, StarCoder2: LayerNorm in place of RMSNorm (the mean subtracted), w · x in fp32 and one
+    # rounding (a bias added before it where norm_bias)
     layer_norm: bool = False
     # Cohere: a parallel block, the attention and the MLP both read the one input norm's output and both
     # are added to the residual (x + attention + MLP, added in that order); StableLM's where
@@ -1566,6 +1567,13 @@ def _full_layers(cfg: dict, model_type: str, n_layers: int) -> tuple[bool, ...]:
     return out if any(out) else ()
 
 
+def _checked_types(types, n_layers: int) -> list[str]:
+    """A config's layer_types: n_layers entries, each 'full_attention' or 'sliding_attention'."""
+    if not isinstance(types, list) or len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise UnsupportedModel(f"layer_types {types!r}: expected {n_layers} of 'full_attention'/'sliding_attention'")
+    return types
+
+
 def _hybrid_types(cfg: dict, n_layers: int) -> list[str]:
     """Cohere 2's and EXAONE 4's layer types as transformers reads them: layer_types, or every
     sliding_window_pattern-th layer (from 1; 4 by default) full and the others sliding (EXAONE 4 needs
@@ -1579,9 +1587,7 @@ def _hybrid_types(cfg: dict, n_layers: int) -> list[str]:
                 f"sliding_window_pattern must be a positive integer without layer_types, got {every!r}"
             )
         types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
-    if not isinstance(types, list) or len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
-        raise UnsupportedModel(f"layer_types {types!r}: expected {n_layers} of 'full_attention'/'sliding_attention'")
-    return types
+    return _checked_types(types, n_layers)
 
 
 def _nope_layers(cfg: dict, n_layers: int) -> tuple[bool, ...]:
@@ -1702,10 +1708,7 @@ def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int | None, ...
         if types is None:
             first = cfg.get("max_window_layers", 28)
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
-        if len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
-            raise UnsupportedModel(
-                f"layer_types {types!r}: expected {n_layers} of 'full_attention'/'sliding_attention'"
-            )
+        _checked_types(types, n_layers)
         out = tuple(int(window) if t == "sliding_attention" else None for t in types)
     elif model_type == "qwen2_moe":
         # transformers' Qwen2-MoE: no window unless use_sliding_window (its sliding_window is then 0);
@@ -1719,10 +1722,7 @@ def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int | None, ...
         if types is None:
             first = cfg.get("max_window_layers", 28)
             types = ["sliding_attention" if i % 2 == 0 and i < first else "full_attention" for i in range(n_layers)]
-        if len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
-            raise UnsupportedModel(
-                f"layer_types {types!r}: expected {n_layers} of 'full_attention'/'sliding_attention'"
-            )
+        _checked_types(types, n_layers)
         if window is None and "sliding_attention" in types:
             raise UnsupportedModel("layer_types has sliding_attention layers but sliding_window is not set")
         out = tuple(int(window) if t == "sliding_attention" else None for t in types)
@@ -1734,14 +1734,7 @@ def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int | None, ...
         types = cfg.get("layer_types")
         if types is None:
             return () if window is None else (int(window),) * n_layers
-        if (
-            not isinstance(types, list)
-            or len(types) != n_layers
-            or set(types) - {"sliding_attention", "full_attention"}
-        ):
-            raise UnsupportedModel(
-                f"layer_types {types!r}: expected {n_layers} of 'full_attention'/'sliding_attention'"
-            )
+        _checked_types(types, n_layers)
         if window is None and "sliding_attention" in types:
             raise UnsupportedModel("layer_types has sliding_attention layers but sliding_window is not set")
         out = tuple(int(window) if t == "sliding_attention" else None for t in types)
@@ -1756,10 +1749,7 @@ def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int | None, ...
         if types is None:
             nope = _nope_layers(cfg, n_layers) or (False,) * n_layers
             types = ["sliding_attention" if n else "full_attention" for n in nope]
-        if len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
-            raise UnsupportedModel(
-                f"layer_types {types!r}: expected {n_layers} of 'full_attention'/'sliding_attention'"
-            )
+        _checked_types(types, n_layers)
         out = tuple(int(window) if t == "sliding_attention" else None for t in types)
     elif model_type in ("cohere2", "exaone4"):  # the sliding layers (the ones with the rope) see sliding_window
         if model_type == "exaone4" and window is None:  # EXAONE 4 without a window: every layer full, with the rope
@@ -1779,10 +1769,7 @@ def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int | None, ...
         if types is None:  # transformers' default pattern: every n-th layer (from 1) sees everything
             every = {"gemma2": 2, "olmo3": 4}.get(model_type) or int(cfg.get("sliding_window_pattern") or 6)
             types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
-        if len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
-            raise UnsupportedModel(
-                f"layer_types {types!r}: expected {n_layers} of 'full_attention'/'sliding_attention'"
-            )
+        _checked_types(types, n_layers)
         twin = cfg.get("sliding_window_size")
         if twin is not None and twin != window:
             raise UnsupportedModel(f"sliding_window_size {twin!r} and sliding_window {window!r} disagree")

@@ -125,8 +125,9 @@ class DecodeOptions:
     projection); `rotary`, the rotated dims of a head and the rope tables' width (0: head_dim; Phi's
     partial_rotary_factor: the rest of each head passes as it is); `interleaved`, GLM's rope over dims
     (2i, 2i + 1) instead of (i, i + rotary/2); `rope_fp32`, ERNIE 4.5's and Cohere's rotation in fp32
-    (from the tables as given), rounded once; `layer_norm`, Cohere's LayerNorm in place of every RMSNorm (the
-    mean subtracted, × w in fp32, one rounding, no bias); `parallel`, Cohere's parallel block (the MLP reads
+    (from the tables as given), rounded once; `layer_norm`, a LayerNorm in place of every RMSNorm (Cohere's,
+    StableLM's: the mean subtracted, × w in fp32, one rounding; StableLM's biases in `DecodeLayer.norm_biases`
+    and `final_norm_bias`); `parallel`, Cohere's and StableLM's parallel block (the MLP reads
     the input norm's output: x + attention + MLP; the layers' norms are the input one alone); `ungated`,
     StarCoder2's MLP (the gate_up group is up alone, [intermediate, dim]: down(act(up)))."""
 

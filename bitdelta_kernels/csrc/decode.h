@@ -43,14 +43,14 @@ typedef struct {
     int64_t rotary;        /* the rotated dims of a head, the tables' width (0: head_dim; Phi's partial_rotary_factor) */
     int32_t interleaved;   /* GLM: the rotated pairs are dims (2i, 2i + 1), not (i, i + rotary/2) */
     int32_t rope_fp32;     /* ERNIE 4.5, Cohere: the rotation's products and sums in fp32, rounded once */
-    int32_t layer_norm;    /* Cohere's LayerNorm: round(w · (x − mean) · rsqrt(var + eps)), in fp32, no bias */
-    int32_t parallel;      /* Cohere: the MLP reads the input norm's output too; x + attention + MLP */
+    int32_t layer_norm;    /* LayerNorm: round(w · (x − mean) · rsqrt(var + eps) [+ b]), in fp32 (b: norm_bias) */
+    int32_t parallel;      /* Cohere, StableLM: the MLP reads the input norm's output too; x + attention + MLP */
     const void *final_norm_bias; /* StableLM: the final LayerNorm's bias [n_slots + 1, dim], or NULL */
     int32_t ungated;       /* StarCoder2: the gate_up group is up alone [F, dim]; the MLP is down(act(up)) */
 } bd_decode_opts;
 
-/* How a norm rounds (norm_row): Llama's, Gemma's (1 + w, once), OLMo 2's (w, once) or Cohere's
- * LayerNorm (the mean subtracted, then as OLMo 2's). */
+/* How a norm rounds (norm_row): Llama's, Gemma's (1 + w, once), OLMo 2's (w, once) or a LayerNorm
+ * (Cohere's, StableLM's: the mean subtracted, then as OLMo 2's, a bias added before the rounding). */
 enum { NORM_LLAMA = 0, NORM_GEMMA = 1, NORM_ONCE = 2, NORM_LAYER = 3 };
 
 /* One slot's low-rank residual of one projection group (services/gpu_worker/slots.py LowRank):
@@ -235,7 +235,8 @@ static void residual_add(float *x, const float *o, int64_t n, int dtype, float m
     for (; i < n; ++i) x[i] = round_to(dtype, x[i] + o[i]);
 }
 
-/* act[b, k] = round(round(silu(g)) · u), g = gu[b, k], u = gu[b, F + k] (runner's MLP). */
+/* act[b, k] = round(round(silu(g)) · u), g = gu[b, k], u = gu[b, F + k] (runner's MLP); not `gated`
+ * (StarCoder2's MLP): round(silu(g)), g = gu[b, k] of rows of F. */
 static void silu_mul(const float *gu, int64_t B, int64_t F, int dtype, int gated, float *act) {
     for (int64_t b = 0; b < B; ++b) {
         const float *gb = gu + b * (gated ? 2 * F : F), *ub = gb + F;
@@ -255,7 +256,8 @@ static void silu_mul(const float *gu, int64_t B, int64_t F, int dtype, int gated
     }
 }
 
-/* act[b, k] = round(round(gelu_tanh(g)) · u) (runner's MLP with Gemma's gate, torch's formula:
+/* act[b, k] = round(round(gelu_tanh(g)) · u), or round(gelu_tanh(g)) where not `gated` (as silu_mul), (runner's MLP
+ * with Gemma's gate, torch's formula:
  * 0.5 · g · (1 + tanh(√(2/π) · (g + 0.044715 · g³))), tanh(y) = 1 − 2 / (e^{2y} + 1) in the lanes). */
 static void gelu_mul(const float *gu, int64_t B, int64_t F, int dtype, int gated, float *act) {
     const float beta = 0.7978845608028654f, kappa = 0.044715f;

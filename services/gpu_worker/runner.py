@@ -709,7 +709,7 @@ class ModelRunner:
             w = w[:, None, :]
         if self.args.family.gemma:
             return (xf * (1.0 + w.float())).to(x.dtype)
-        if self.args.family.norm_once or self.args.family.layer_norm:  # OLMo 2's, Cohere's: w · x in fp32, one rounding
+        if self.args.family.norm_once or self.args.family.layer_norm:  # OLMo 2's, the LayerNorms': w · x in fp32, once
             y = w.float() * xf
             if bias is not None:
                 y = y + (bias[m.single_norm] if m.norm_idx is None else bias[m.norm_idx]).float()
