@@ -40,7 +40,18 @@ N = 12
 T = 60
 SUFFIX = ".bitdelta.safetensors"
 PROMPT = "The adapter says"
-BASES = ("llama-3.2", "qwen2.5", "phi3-mini", "qwen3", "gemma3-mm", "mixtral", "qwen2-moe", "ministral3-mm")
+BASES = (
+    "llama-3.2",
+    "qwen2.5",
+    "phi3-mini",
+    "qwen3",
+    "gemma3-mm",
+    "mixtral",
+    "qwen2-moe",
+    "ministral3-mm",
+    "starcoder2",
+    "cohere2",
+)
 
 
 def each_layer(*params: str) -> set[str]:
@@ -103,6 +114,14 @@ ADAPTERS = {
         dict(target_modules=["o_proj"], modules_to_save=["q_norm", "k_norm"]),
         each_layer("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
     ),
+    # StarCoder2's ungated MLP (c_fc, c_proj) and a saved LayerNorm, its bias too
+    "ungated_mlp": (
+        "starcoder2",
+        dict(target_modules=["q_proj", "c_fc", "c_proj"], modules_to_save=["input_layernorm"]),
+        each_layer("input_layernorm.weight", "input_layernorm.bias"),
+    ),
+    # Cohere 2's parallel block: the attention's and the MLP's LoRA read the one input norm
+    "parallel_block": ("cohere2", dict(target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]), set()),
 }
 
 
