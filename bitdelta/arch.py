@@ -397,9 +397,9 @@ FAMILIES: dict[str, Family] = {
         frozenset({"sliding_window", "sliding_window_pattern", "layer_types"}),
         post_norm=True,
     ),
-    # Cohere (Command R, Aya 23, Aya Expanse): a parallel block under one LayerNorm, an interleaved rope rotated
-    # in fp32 from tables in the model's dtype, the logits × logit_scale, a tied head by default (use_qk_norm's
-    # per-head LayerNorms, Command R+'s, are refused)
+    # Cohere (Command R, Command R+, Aya 23, Aya Expanse): a parallel block under one LayerNorm, an interleaved rope
+    # rotated in fp32 from tables in the model's dtype, the logits × logit_scale, a tied head by default; where
+    # use_qk_norm (Command R+), q and k normed per head by LayerNorms of their own (ModelArgs.qk_heads)
     "cohere": Family(
         "cohere",
         False,
@@ -1126,6 +1126,9 @@ class ModelArgs:
     nope: tuple[bool, ...] = ()  # per layer: True where it takes no rope (SmolLM3's NoPE layers); (): rope everywhere
     # a parallel block (Family.parallel: Cohere's always, StableLM's where use_parallel_residual)
     parallel: bool = False
+    # Command R+'s use_qk_norm: q and k normed per head as Qwen3's, but each head by weights of its own
+    # (self_attn.q_norm [heads, head_dim], k_norm [kv heads, head_dim])
+    qk_heads: bool = False
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -1158,6 +1161,11 @@ class ModelArgs:
     @property
     def family(self) -> Family:
         return FAMILIES[self.model_type]
+
+    @property
+    def qk_norm(self) -> bool:
+        """q and k are normed per head (Qwen3's, Gemma 3's, EXAONE 4's; Command R+'s with per-head weights)."""
+        return self.family.qk_norm or self.qk_heads
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
@@ -1240,13 +1248,18 @@ class ModelArgs:
             ]
         return tuple(out)
 
-    def norm_params(self) -> tuple[tuple[str, str, int], ...]:
-        """(key, parameter path inside a layer, size) of each norm parameter of a layer: each norm's weight
-        (keyed by the norm's module path, `layer_norms`), then, for a family whose norms have biases
-        (StableLM), each one's bias (keyed `<norm>.bias`)."""
-        out = [(n, f"{n}.weight", size) for n, size in self.layer_norms()]
+    def norm_params(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+        """(key, parameter path inside a layer, shape in the checkpoint) of each norm parameter of a layer:
+        each norm's weight (keyed by the norm's module path, `layer_norms`; Command R+'s q and k norms
+        [heads, head_dim]), then, for a family whose norms have biases (StableLM), each one's bias (keyed
+        `<norm>.bias`)."""
+        hd = self.head_dim
+        heads = {"self_attn.q_norm": (self.n_heads, hd), "self_attn.k_norm": (self.n_kv_heads, hd)}
+        out = [
+            (n, f"{n}.weight", heads[n] if self.qk_heads and n in heads else (size,)) for n, size in self.layer_norms()
+        ]
         if self.family.norm_bias:
-            out += [(f"{n}.bias", f"{n}.bias", size) for n, size in self.layer_norms()]
+            out += [(f"{n}.bias", f"{n}.bias", (size,)) for n, size in self.layer_norms()]
         return tuple(out)
 
     def layer_norms(self) -> tuple[tuple[str, int], ...]:
@@ -1254,7 +1267,7 @@ class ModelArgs:
         q and k norms."""
         out = [(n, self.dim) for n in self.norm_roles() if n is not None]
         hd = self.head_dim
-        if self.family.qk_whole:  # OLMo 2, OLMoE: q and k normed whole
+        if self.family.qk_whole or self.qk_heads:  # OLMo 2, OLMoE: q and k normed whole; Command R+: per-head weights
             out += [("self_attn.q_norm", self.n_heads * hd), ("self_attn.k_norm", self.n_kv_heads * hd)]
         elif self.family.qk_norm:
             out += [("self_attn.q_norm", hd), ("self_attn.k_norm", hd)]
@@ -1299,13 +1312,13 @@ class ModelArgs:
         biased = [m.short for m in mats if m.bias]
         if biased:
             text += ";bias=" + ",".join(biased)
-        if self.family.qk_norm:
+        if self.qk_norm:
             text += ";qk_norm"
         return text
 
     def param_count(self) -> int:
         per_layer = sum(m.d_out * m.d_in + (m.d_out if m.bias else 0) for m in self.matrices())
-        per_layer += sum(n for _, _, n in self.norm_params())
+        per_layer += sum(math.prod(shape) for _, _, shape in self.norm_params())
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * per_layer + emb + self.dim * (2 if self.family.norm_bias else 1)
 
@@ -1467,8 +1480,6 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
             )
     if model_type == "stablelm" and cfg.get("qk_layernorm"):
         raise UnsupportedModel("qk_layernorm (StableLM 2 12B's per-head LayerNorms of q and k) is not supported")
-    if model_type == "cohere" and cfg.get("use_qk_norm"):
-        raise UnsupportedModel("use_qk_norm (Command R+'s per-head LayerNorms of q and k) is not supported")
     act = _activation(cfg, fam)
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -1534,6 +1545,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         temperature_original=temperature[1],
         nope=_nope_layers(cfg, n_layers) if model_type == "smollm3" else _full_layers(cfg, model_type, n_layers),
         parallel=fam.parallel or bool(cfg.get("use_parallel_residual", False)),
+        qk_heads=model_type == "cohere" and bool(cfg["use_qk_norm"]),
     )
 
 

@@ -45,7 +45,13 @@ class RMSNorm(nn.Module):
     first, its variance about the mean; StableLM's with a `bias` added before the rounding."""
 
     def __init__(
-        self, dim: int, eps: float, offset: bool = False, once: bool = False, centered: bool = False, bias: bool = False
+        self,
+        dim: int | tuple[int, ...],
+        eps: float,
+        offset: bool = False,
+        once: bool = False,
+        centered: bool = False,
+        bias: bool = False,
     ):
         super().__init__()
         self.eps, self.offset, self.once, self.centered = eps, offset, once or centered, centered
@@ -53,8 +59,8 @@ class RMSNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     @classmethod
-    def of(cls, args: ModelArgs, dim: int) -> RMSNorm:
-        """The family's norm of `dim` values."""
+    def of(cls, args: ModelArgs, dim: int | tuple[int, ...]) -> RMSNorm:
+        """The family's norm of `dim` values (a shape: weights of that shape over its last dim)."""
         fam = args.family
         return cls(dim, args.norm_eps, fam.gemma, fam.norm_once, fam.layer_norm, fam.norm_bias)
 
@@ -233,10 +239,10 @@ class Attention(nn.Module):
             self.k_proj = nn.Linear(d, kv, bias=args.qkv_bias)
             self.v_proj = nn.Linear(d, kv, bias=args.qkv_bias)
         self.o_proj = nn.Linear(q, d, bias=args.o_bias)
-        if args.family.qk_norm:
-            sizes = dict(args.layer_norms())
-            self.q_norm = RMSNorm.of(args, sizes["self_attn.q_norm"])
-            self.k_norm = RMSNorm.of(args, sizes["self_attn.k_norm"])
+        if args.qk_norm:
+            shapes = {key: shape for key, _, shape in args.norm_params()}  # Command R+'s: [heads, head_dim]
+            self.q_norm = RMSNorm.of(args, shapes["self_attn.q_norm"])
+            self.k_norm = RMSNorm.of(args, shapes["self_attn.k_norm"])
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -252,7 +258,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(B, T, a.n_heads, a.head_dim)
         k = k.reshape(B, T, a.n_kv_heads, a.head_dim)
-        if a.family.qk_norm and not a.family.qk_whole:
+        if a.qk_norm and not a.family.qk_whole:  # per head (Command R+'s weights [heads, head_dim] broadcast)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)

@@ -106,7 +106,7 @@ class Shape:
     def norm_params(self) -> int:
         """Every norm parameter (the layers' own, Qwen3's q/k norms, the final norm; StableLM's biases too)."""
         final = self.dim * (2 if self.args.family.norm_bias else 1)
-        return self.layers * sum(n for _, _, n in self.args.norm_params()) + final
+        return self.layers * sum(math.prod(shape) for _, _, shape in self.args.norm_params()) + final
 
     @property
     def bias_params(self) -> int:

@@ -137,6 +137,11 @@ class TPLayout:
                 f"{a.model_type}'s q and k norms span every head: a rank would need the others' heads "
                 f"(tensor parallelism serves the other families)"
             )
+        if n > 1 and a.qk_heads:
+            raise ShardError(
+                f"{a.model_type}'s q and k norms with each head's own weights (use_qk_norm) are not split by heads "
+                f"yet: serve it on one rank"
+            )
         if n > kv:
             if n % kv:
                 raise ShardError(

@@ -84,6 +84,7 @@ class _Opts(ctypes.Structure):
         ("parallel", ctypes.c_int32),
         ("final_norm_bias", ctypes.c_void_p),
         ("ungated", ctypes.c_int32),
+        ("qk_heads", ctypes.c_int32),
     ]
 
 
@@ -129,7 +130,8 @@ class DecodeOptions:
     StableLM's: the mean subtracted, × w in fp32, one rounding; StableLM's biases in `DecodeLayer.norm_biases`
     and `final_norm_bias`); `parallel`, Cohere's and StableLM's parallel block (the MLP reads
     the input norm's output: x + attention + MLP; the layers' norms are the input one alone); `ungated`,
-    StarCoder2's MLP (the gate_up group is up alone, [intermediate, dim]: down(act(up)))."""
+    StarCoder2's MLP (the gate_up group is up alone, [intermediate, dim]: down(act(up))); `qk_heads`, Command
+    R+'s q and k norms per head, each head by weights of its own (the stacks [n_slots + 1, heads · head_dim])."""
 
     gemma: bool = False
     gelu: bool = False
@@ -146,6 +148,7 @@ class DecodeOptions:
     layer_norm: bool = False
     parallel: bool = False
     ungated: bool = False
+    qk_heads: bool = False
 
 
 @dataclass(frozen=True)
@@ -317,7 +320,7 @@ def _check(layers: list[DecodeLayer], shape: DecodeShape, dtype: torch.dtype, op
         if len(L.norm_biases) > len(L.norms):
             raise ValueError(f"layer {i}: more norm biases than norms")
         for t, width in zip(L.qk_norms or (), (H, KV)):
-            size = width * hd if options.qk_full else hd
+            size = width * hd if options.qk_full or options.qk_heads else hd
             if t.dtype != dtype or tuple(t.shape) != (rows, size) or not t.is_contiguous():
                 raise ValueError(f"layer {i}: q/k norm stacks must be {dtype} [n_slots + 1, {size}], contiguous")
         if L.k.dtype != dtype or L.k.shape != L.v.shape or tuple(L.k.shape[1:]) != (KV, hd):
@@ -639,6 +642,7 @@ class DecodeLayers:
             int(op.parallel),
             _ptr(self.final_norm_bias),
             int(op.ungated),
+            int(op.qk_heads),
         )
         rs, wr = _slots32(row_slot), _ints(write_rows, torch.int64)
         if rope_rows is None:

@@ -47,6 +47,7 @@ typedef struct {
     int32_t parallel;      /* Cohere, StableLM: the MLP reads the input norm's output too; x + attention + MLP */
     const void *final_norm_bias; /* StableLM: the final LayerNorm's bias [n_slots + 1, dim], or NULL */
     int32_t ungated;       /* StarCoder2: the gate_up group is up alone [F, dim]; the MLP is down(act(up)) */
+    int32_t qk_heads;      /* Command R+: the per-head q and k norms' weights are each head's own [n_slots + 1, heads · hd] */
 } bd_decode_opts;
 
 /* How a norm rounds (norm_row): Llama's, Gemma's (1 + w, once), OLMo 2's (w, once) or a LayerNorm
@@ -438,7 +439,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
                      const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads,
                      int fuse, const bd_lowrank *const *lowrank, const bd_decode_opts *opts) {
     const int64_t Q = (H + 2 * KV) * hd, HD = H * hd;
-    const bd_decode_opts llama = {0, 0, 0.f, 0.f, NULL, NULL, 0.f, 0.f, 0, 0, 0, 0, 0, 0, 0, NULL, 0};
+    const bd_decode_opts llama = {0, 0, 0.f, 0.f, NULL, NULL, 0.f, 0.f, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0};
     const bd_decode_opts *o_ = opts ? opts : &llama;
     const int gemma = o_->gemma,
               style = gemma ? NORM_GEMMA : o_->layer_norm ? NORM_LAYER : o_->norm_once ? NORM_ONCE : NORM_LLAMA;
@@ -522,8 +523,11 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
                 norm_row(row, L->qk_norm[0], NULL, (row_slot[b] + 1) * HD, HD, eps, dtype, style, row);
                 norm_row(row + HD, L->qk_norm[1], NULL, (row_slot[b] + 1) * KV * hd, KV * hd, eps, dtype, style, row + HD);
             } else if (L->qk_norm[0])
-                for (int64_t j = 0; j < H + KV; ++j)
-                    norm_row(row + j * hd, L->qk_norm[j >= H], NULL, (row_slot[b] + 1) * hd, hd, eps, dtype, style, row + j * hd);
+                for (int64_t j = 0; j < H + KV; ++j) { /* head j's norm: shared by the heads, or (Command R+) its own */
+                    const int64_t n = j < H ? H : KV, head = j < H ? j : j - H;
+                    const int64_t off = o_->qk_heads ? ((row_slot[b] + 1) * n + head) * hd : (row_slot[b] + 1) * hd;
+                    norm_row(row + j * hd, L->qk_norm[j >= H], NULL, off, hd, eps, dtype, style, row + j * hd);
+                }
             if (!L->nope)
                 rope_heads(row, H + KV, hd, rot, (local ? lcs : cs) + b * hd, (local ? lsn : sn) + b * hd, dtype,
                            o_->interleaved, o_->rope_fp32);

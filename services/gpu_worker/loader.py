@@ -202,8 +202,9 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
             out.append(Placement(t, Kind.BIAS, proj=p))
         elif param in layout.norms:
             n = layout.norms[param]
-            if role != "dense" or t.shape != (n.size,) or t.dtype not in FLOAT_DTYPES:
-                raise _bad(info.name, t, f"must be a dense float [{n.size}] norm weight")
+            want = n.shape or (n.size,)
+            if role != "dense" or t.shape != want or t.dtype not in FLOAT_DTYPES:
+                raise _bad(info.name, t, f"must be a dense float {list(want)} norm weight")
             out.append(Placement(t, Kind.NORM, norm=n))
         elif role == "file":
             if param not in FILES or t.dtype != "U8" or len(t.shape) != 1:

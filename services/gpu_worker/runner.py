@@ -250,7 +250,8 @@ class BaseWeights:
                 biases.append(
                     {g: tensor(r, [f"{n}.bias" for n in ns]) for g, ns in groups.items() if f"{ns[0]}.bias" in r}
                 )
-                norms.append({key: tensor(r, [f"model.layers.{i}.{p}"]) for key, p, _ in args.norm_params()})
+                # Command R+'s q/k norms [heads, head_dim] flattened as the slots' stacks hold them
+                norms.append({key: tensor(r, [f"model.layers.{i}.{p}"]).view(-1) for key, p, _ in args.norm_params()})
             embed = tensor(r, [EMBED])
             head = embed if args.tie_embeddings else tensor(r, [HEAD])
             final = tensor(r, [FINAL_NORM])
@@ -705,7 +706,9 @@ class ModelRunner:
             xf = xf - xf.mean(-1, keepdim=True)
         xf = F.rms_norm(xf, (x.shape[-1],), eps=eps)  # one op for x·rsqrt(mean(x²) + eps)
         w = weights[m.single_norm] if m.norm_idx is None else weights[m.norm_idx]
-        if x.dim() == 3 and w.dim() == 2:
+        if x.dim() == 3 and w.shape[-1] != x.shape[-1]:  # Command R+'s: each head its own weights
+            w = w.view(*w.shape[:-1], *x.shape[1:])
+        elif x.dim() == 3 and w.dim() == 2:
             w = w[:, None, :]
         if self.args.family.gemma:
             return (xf * (1.0 + w.float())).to(x.dtype)
@@ -1066,9 +1069,7 @@ class ModelRunner:
                 k=self.kv.k[i],
                 v=self.kv.v[i],
                 window=a.window(i),
-                qk_norms=(sl.norms[i]["self_attn.q_norm"], sl.norms[i]["self_attn.k_norm"])
-                if a.family.qk_norm
-                else None,
+                qk_norms=(sl.norms[i]["self_attn.q_norm"], sl.norms[i]["self_attn.k_norm"]) if a.qk_norm else None,
                 local=a.local(i),
                 nope=not a.rotates(i),
             )
@@ -1093,6 +1094,7 @@ class ModelRunner:
             residual_multiplier=a.residual_multiplier,
             norm_once=a.family.norm_once,
             qk_full=a.family.qk_whole,
+            qk_heads=a.qk_heads,
             rotary=a.rope.dim,
             interleaved=a.rope.interleaved,
             rope_fp32=a.rope.fp32,
@@ -1143,7 +1145,7 @@ class ModelRunner:
                 k = norm(qkv[:, H * hd : (H + KV) * hd], "self_attn.k_norm").view(N, KV, hd)
                 if a.rotates(i):
                     q, k = rotate(rope, q, cos, sin), rotate(rope, k, cos, sin)
-            elif a.family.qk_norm:
+            elif a.qk_norm:
                 q = norm(qkv[:, : H * hd].view(N, H, hd), "self_attn.q_norm")
                 k = norm(qkv[:, H * hd : (H + KV) * hd].view(N, KV, hd), "self_attn.k_norm")
                 if a.rotates(i):  # EXAONE 4's full layers: NoPE

@@ -36,6 +36,7 @@ delta at load time (`SlotExtras`) and count against the same byte budget.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +70,7 @@ class NormPlace:
     layer: int
     name: str
     size: int
+    shape: tuple[int, ...] = ()  # the parameter's own shape (Command R+'s q/k norms: [heads, head_dim]); (): [size]
 
 
 class SlotLayout:
@@ -97,8 +99,8 @@ class SlotLayout:
         if args.family.norm_bias:
             self.norms[FINAL_NORM_BIAS] = NormPlace(-1, "norm.bias", args.dim)
         for i in range(args.n_layers):
-            for key, param, size in args.norm_params():
-                self.norms[f"model.layers.{i}.{param}"] = NormPlace(i, key, size)
+            for key, param, shape in args.norm_params():
+                self.norms[f"model.layers.{i}.{param}"] = NormPlace(i, key, math.prod(shape), shape)
         self.embed_shape = (args.vocab_size, args.dim)
         # group -> the d_out of each of its matrices, in order (the kernels' col_splits)
         self.group_rows: dict[str, tuple[int, ...]] = {}
@@ -295,10 +297,10 @@ class SlotTensors:
         return self.biases[place.layer][place.group][slot + 1, place.r0 : place.r1]
 
     def norm_view(self, slot: int, place: NormPlace) -> torch.Tensor:
-        """dtype [size] view of one norm weight of one slot."""
+        """dtype [size] view of one norm parameter of one slot (in the parameter's own shape)."""
         if place.layer < 0:
             return (self.final_norm_bias if place.name == "norm.bias" else self.final_norm)[slot + 1]
-        return self.norms[place.layer][place.name][slot + 1]
+        return self.norms[place.layer][place.name][slot + 1].view(place.shape or (place.size,))
 
     @property
     def stack_bytes(self) -> int:

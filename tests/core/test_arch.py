@@ -394,8 +394,9 @@ def test_cohere_configs_as_transformers_reads_them(bases):
     as transformers rotates it, bit for bit (fp32 products from tables in bf16: fp32 tables, as ERNIE's,
     differ). Cohere 2: the sliding layers take the rope, the full ones none, by layer_types or every
     sliding_window_pattern-th layer; the switches Command R7B's and Command A's config.json carry,
-    accepted where they say what transformers does and refused by name where not; Command R+'s
-    use_qk_norm, a head_dim transformers would overwrite and a null logit_scale refused."""
+    accepted where they say what transformers does and refused by name where not. Command R+'s
+    use_qk_norm read (q and k normed per head, each head by weights of its own); a head_dim transformers
+    would overwrite and a null logit_scale refused."""
     import transformers as tf
     from transformers.models.cohere.modeling_cohere import CohereRotaryEmbedding, apply_rotary_pos_emb
 
@@ -413,9 +414,9 @@ def test_cohere_configs_as_transformers_reads_them(bases):
     assert torch.equal(rotate(a.rope, q, ours_cos, ours_sin), want)
     fp32_tables = dataclasses.replace(a.rope, fp32_tables=True)
     assert not torch.equal(rotate(a.rope, q, *fp32_tables.tables(pos, torch.float32)), want)
-    for bad, match in ((True, "use_qk_norm"),):
-        with pytest.raises(UnsupportedModel, match=match):
-            ModelArgs.from_hf({**read_config(bases["cohere"]), "use_qk_norm": bad})
+    plus = ModelArgs.from_hf(read_config(bases["cohere-qk"]))  # Command R+: per-head q/k norms of their own
+    assert plus.qk_heads and plus.layout.endswith(";qk_norm")
+    assert dict((k, s) for k, _, s in plus.norm_params())["self_attn.q_norm"] == (4, 8)
     with pytest.raises(UnsupportedModel, match="logit_scale"):
         ModelArgs.from_hf({**read_config(bases["cohere"]), "logit_scale": None})
 

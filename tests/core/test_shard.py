@@ -230,6 +230,10 @@ def test_impossible_splits_are_refused_with_the_reason():
     assert TPLayout(olmo2, 1, 0).size == 1
     with pytest.raises(ShardError, match="olmo2's q and k norms span every head"):
         TPLayout(olmo2, 2, 0)
+    plus = tiny_args(model_type="cohere", qk_heads=True)  # Command R+: each head's own q/k norm weights
+    assert TPLayout(plus, 1, 0).size == 1
+    with pytest.raises(ShardError, match="each head's own weights"):
+        TPLayout(plus, 2, 0)
 
 
 def delta_tensors(a: ModelArgs):

@@ -644,6 +644,8 @@ def decode_layer_ref(
     def norm(t, w):  # t [B, ..., n]: every row of the last dim with its slot's weights (and bias)
         b_ = biases.get(id(w))
         w = w.double() + (1.0 if gemma else 0.0)
+        if w.shape[-1] != t.shape[-1]:  # Command R+'s per-head q/k norms: each head its own weights
+            w = w.view(w.shape[0], *t.shape[1:])
         t = t - t.mean(-1, keepdim=True) if centered else t
         out = torch.stack(
             [t[b] * torch.rsqrt(t[b].pow(2).mean(-1, keepdim=True) + eps) * w[slots[b] + 1] for b in range(len(t))]
@@ -783,7 +785,20 @@ def test_decode_layers_against_the_reference(isa, dims):
 
 @pytest.mark.parametrize(
     "kind",
-    ["gemma3", "gemma2", "qwen3", "granite", "olmo2", "partial", "glm", "nope", "cohere", "stablelm", "starcoder2"],
+    [
+        "gemma3",
+        "gemma2",
+        "qwen3",
+        "granite",
+        "olmo2",
+        "partial",
+        "glm",
+        "nope",
+        "cohere",
+        "stablelm",
+        "starcoder2",
+        "cohere-qk",
+    ],
 )
 def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     """What Gemma and Qwen3 change in the C decode layers, against the layer in float64: Gemma's
@@ -793,7 +808,8 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     rotary factor (a quarter of each head rotates); GLM's interleaved pairs over half of each head;
     SmolLM3's layer without a rotation (NoPE); Cohere's LayerNorm and parallel block (the MLP from the
     input norm, one norm a layer) with interleaved pairs over the whole head; StableLM's LayerNorms with
-    biases (a slot's own) and a quarter of each head rotating; StarCoder2's ungated GELU MLP; rows of
+    biases (a slot's own) and a quarter of each head rotating; StarCoder2's ungated GELU MLP; Command R+'s q
+    and k norms, each head by weights of its own; rows of
     two variants and the base in one step, fp32; a row alone the same as in the batch."""
     import dataclasses
 
@@ -814,8 +830,9 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     if kind == "olmo2":
         post, ff = norms(2, D)
         L = dataclasses.replace(L, norms=(None, post, None, ff), qk_norms=(norms(1, H * hd)[0], norms(1, KV * hd)[0]))
-    elif kind == "cohere":
-        L = dataclasses.replace(L, norms=(norms(1, D)[0], None))
+    elif kind.startswith("cohere"):
+        qk = (norms(1, H * hd)[0], norms(1, KV * hd)[0]) if kind == "cohere-qk" else None
+        L = dataclasses.replace(L, norms=(norms(1, D)[0], None), qk_norms=qk)
     elif kind in ("stablelm", "starcoder2"):
         L = dataclasses.replace(L, norms=norms(2, D), norm_biases=tuple(b - 1.0 for b in norms(2, D)))
     else:
@@ -836,11 +853,12 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
         norm_once=kind == "olmo2",
         qk_full=kind == "olmo2",
         rotary=hd // 4 if kind in ("partial", "stablelm") else hd // 2 if kind == "glm" else 0,
-        interleaved=kind in ("glm", "cohere"),
-        rope_fp32=kind == "cohere",
-        layer_norm=kind in ("cohere", "stablelm", "starcoder2"),
+        interleaved=kind in ("glm", "cohere", "cohere-qk"),
+        rope_fp32=kind.startswith("cohere"),
+        layer_norm=kind in ("cohere", "cohere-qk", "stablelm", "starcoder2"),
         ungated=kind == "starcoder2",
-        parallel=kind == "cohere",
+        parallel=kind.startswith("cohere"),
+        qk_heads=kind == "cohere-qk",
     )
     slots = [0, -1, 1, 0]
     cos, sin, tables, lens, write_rows, x = four_decode_rows(D, hd, bs, g)
@@ -851,7 +869,7 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     angle = torch.rand(4, hd // 2, generator=g) * 6.28
     local = (torch.cat([angle.cos()] * 2, 1), torch.cat([angle.sin()] * 2, 1))
     want = decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs, opts=opts, local=local)
-    first = L.norms[:2] if None not in L.norms[:2] else (L.norms[0] if kind == "cohere" else L.norms[1],) * 2
+    first = L.norms[:2] if None not in L.norms[:2] else (L.norms[0] if kind.startswith("cohere") else L.norms[1],) * 2
     plain = decode_layer_ref(x, dataclasses.replace(L, norms=first, qk_norms=None, local=False, nope=False), slots, shape,
                              *full, write_rows, tables, lens, bs, opts=DecodeOptions(ungated=opts.ungated))  # fmt: skip
     assert rel_err(plain, want) > 1e-2  # what the family changes changes the numbers

@@ -162,6 +162,8 @@ def hf_config(name: str):
     if name == "cohere":  # a parallel block under one LayerNorm, every projection of attention biased, an
         # interleaved rope in fp32 from tables in the model's dtype, the logits × logit_scale, a tied head
         return tf.CohereConfig(**COMMON, attention_bias=True, logit_scale=0.25)
+    if name == "cohere-qk":  # Command R+: + q and k normed per head by LayerNorms of their own
+        return tf.CohereConfig(**COMMON, logit_scale=0.25, use_qk_norm=True)
     if name == "cohere2":  # Cohere's layer, the first layer sliding over 8 tokens with the rope, the second full
         # without it (NoPE)
         return tf.Cohere2Config(
@@ -252,6 +254,7 @@ FAMILY_MEMBERS = (
     "internlm3",
     "stablelm",
     "starcoder2",
+    "cohere-qk",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa", "stablelm-parallel")
 
