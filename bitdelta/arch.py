@@ -510,6 +510,19 @@ _GLM = dict(
     tie_word_embeddings=False,
     attention_bias=True,
 )
+_COHERE = dict(
+    vocab_size=256000,
+    hidden_size=8192,
+    intermediate_size=22528,
+    num_hidden_layers=40,
+    num_attention_heads=64,
+    hidden_act="silu",
+    max_position_embeddings=8192,
+    layer_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    logit_scale=0.0625,
+    attention_bias=False,
+)
 FAMILY_DEFAULTS: dict[str, dict] = {
     "llama": {**_LLAMA_LIKE, "intermediate_size": 11008, "max_position_embeddings": 2048, "hidden_act": "silu"},
     "mistral": {
@@ -768,34 +781,8 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "sliding_window": 4096,
         "sliding_window_pattern": 4,
     },
-    "cohere": {
-        "vocab_size": 256000,
-        "hidden_size": 8192,
-        "intermediate_size": 22528,
-        "num_hidden_layers": 40,
-        "num_attention_heads": 64,
-        "hidden_act": "silu",
-        "max_position_embeddings": 8192,
-        "layer_norm_eps": 1e-5,
-        "tie_word_embeddings": True,
-        "logit_scale": 0.0625,
-        "attention_bias": False,
-        "use_qk_norm": False,
-    },
-    "cohere2": {
-        "vocab_size": 256000,
-        "hidden_size": 8192,
-        "intermediate_size": 22528,
-        "num_hidden_layers": 40,
-        "num_attention_heads": 64,
-        "hidden_act": "silu",
-        "max_position_embeddings": 8192,
-        "layer_norm_eps": 1e-5,
-        "tie_word_embeddings": True,
-        "logit_scale": 0.0625,
-        "attention_bias": False,
-        "sliding_window": 4096,
-    },
+    "cohere": {**_COHERE, "use_qk_norm": False},
+    "cohere2": {**_COHERE, "sliding_window": 4096},
 }
 # The rope's θ where a config names none, where transformers' class of the family has its own
 DEFAULT_THETA = {"mixtral": 1e6, "smollm3": 2e6, "gemma3_text": 1e6, "olmo3": 5e5, "ernie4_5": 5e5, "cohere": 5e5}

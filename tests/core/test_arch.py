@@ -371,22 +371,29 @@ def test_ernie_rope_as_transformers_computes_it(bases):
     each step, as GLM's, does not)."""
     from transformers.models.ernie4_5.modeling_ernie4_5 import Ernie4_5RotaryEmbedding, apply_rotary_pos_emb
 
-    from bitdelta.model import rope_tables, rotate
+    from bitdelta.model import rotate
 
     cfg = read_config(bases["ernie4.5"])
     a = ModelArgs.from_hf(cfg)
     assert a.layout == "q,k,v,o,gate,up,down;bias=q,k,v,o,gate,up,down" and a.tie_embeddings
     assert (a.rope.interleaved, a.rope.fp32, a.rope.table_dtype(torch.bfloat16)) == (True, True, torch.float32)
-    g = torch.Generator().manual_seed(6)
-    q = (torch.randn(1, 4, LONG, 16, generator=g) * 3).bfloat16()
-    pos = torch.arange(LONG)
-    cos, sin = Ernie4_5RotaryEmbedding(hf_model(bases["ernie4.5"]).config)(q, pos[None])
-    want, _ = apply_rotary_pos_emb(q, q, cos, sin)
-    ours_cos, ours_sin = rope_tables(a, pos, torch.bfloat16)
+    q, want, (ours_cos, ours_sin) = _bf16_rotations(a, bases["ernie4.5"], Ernie4_5RotaryEmbedding, apply_rotary_pos_emb)
     assert torch.equal(rotate(a.rope, q, ours_cos, ours_sin), want)
     rounded = dataclasses.replace(a.rope, fp32=False)
     stepwise = rotate(rounded, q, ours_cos.bfloat16(), ours_sin.bfloat16())
     assert not torch.equal(stepwise, want)
+
+
+def _bf16_rotations(a: ModelArgs, base, rotary_class, apply_rotary_pos_emb):
+    """A random bf16 q [1, heads, LONG, head_dim], transformers' rotation of it (its rotary embedding class
+    and apply function on `base`'s config), and our tables of LONG positions in bf16."""
+    from bitdelta.model import rope_tables
+
+    q = (torch.randn(1, a.n_heads, LONG, a.head_dim, generator=torch.Generator().manual_seed(6)) * 3).bfloat16()
+    pos = torch.arange(LONG)
+    cos, sin = rotary_class(hf_model(base).config)(q, pos[None])
+    want, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    return q, want, rope_tables(a, pos, torch.bfloat16)
 
 
 def test_cohere_configs_as_transformers_reads_them(bases):
@@ -400,20 +407,16 @@ def test_cohere_configs_as_transformers_reads_them(bases):
     import transformers as tf
     from transformers.models.cohere.modeling_cohere import CohereRotaryEmbedding, apply_rotary_pos_emb
 
-    from bitdelta.model import rope_tables, rotate
+    from bitdelta.model import rotate
 
     a = ModelArgs.from_hf(read_config(bases["cohere"]))
     assert (a.layout, a.logit_scale, a.tie_embeddings) == ("q,k,v,o,gate,up,down;bias=q,k,v,o", 0.25, True)
     assert a.norm_roles() == ("input_layernorm", None, None, None) and a.layer_norms() == (("input_layernorm", 32),)
     assert (a.rope.interleaved, a.rope.fp32, a.rope.table_dtype(torch.bfloat16)) == (True, True, torch.bfloat16)
-    q = (torch.randn(1, 4, LONG, 8, generator=torch.Generator().manual_seed(6)) * 3).bfloat16()
-    pos = torch.arange(LONG)
-    cos, sin = CohereRotaryEmbedding(hf_model(bases["cohere"]).config)(q, pos[None])
-    want, _ = apply_rotary_pos_emb(q, q, cos, sin)
-    ours_cos, ours_sin = rope_tables(a, pos, torch.bfloat16)
-    assert torch.equal(rotate(a.rope, q, ours_cos, ours_sin), want)
+    q, want, tables = _bf16_rotations(a, bases["cohere"], CohereRotaryEmbedding, apply_rotary_pos_emb)
+    assert torch.equal(rotate(a.rope, q, *tables), want)
     fp32_tables = dataclasses.replace(a.rope, fp32_tables=True)
-    assert not torch.equal(rotate(a.rope, q, *fp32_tables.tables(pos, torch.float32)), want)
+    assert not torch.equal(rotate(a.rope, q, *fp32_tables.tables(torch.arange(LONG), torch.float32)), want)
     plus = ModelArgs.from_hf(read_config(bases["cohere-qk"]))  # Command R+: per-head q/k norms of their own
     assert plus.qk_heads and plus.layout.endswith(";qk_norm")
     assert dict((k, s) for k, _, s in plus.norm_params())["self_attn.q_norm"] == (4, 8)
