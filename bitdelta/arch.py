@@ -442,6 +442,11 @@ ALIASES: dict[str, dict[str, str]] = {"internlm3": {"qkv_bias": "attention_bias"
 # value is what transformers' model does anyway (field -> (does the value agree, what transformers does)):
 # Command R7B's and Command A's config.json carry their training code's switches.
 AGREEING_FIELDS: dict[str, dict[str, tuple[Callable[[object, dict], bool], str]]] = {
+    # StarCoder2's config.json names its MLP and norm kinds; transformers builds these whatever they say
+    "starcoder2": {
+        "mlp_type": (lambda v, c: v == "default", "'default' (the ungated MLP)"),
+        "norm_type": (lambda v, c: v == "layer_norm", "'layer_norm'"),
+    },
     # StableLM 2's own code read these: transformers' StableLM biases every LayerNorm whatever use_norm_bias
     # says (the checkpoints store the biases: a missing one is refused at load) and scales no frequency
     "stablelm": {

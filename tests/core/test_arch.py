@@ -562,7 +562,8 @@ def test_stablelm_configs_as_transformers_reads_them(bases):
 def test_starcoder2_configs_as_transformers_reads_them(bases):
     """StarCoder2: every projection biased by use_bias, LayerNorms always biased (norm_epsilon), an ungated
     MLP (c_fc, c_proj: the gate_up group is c_fc alone), windows on every layer where sliding_window is
-    set; on two tensor-parallel ranks c_fc's columns split alone."""
+    set; on two tensor-parallel ranks c_fc's columns split alone; the mlp_type and norm_type its config.json
+    carries accepted where they say what transformers builds."""
     from bitdelta.shard import TPLayout
 
     cfg = read_config(bases["starcoder2"])
@@ -574,6 +575,11 @@ def test_starcoder2_configs_as_transformers_reads_them(bases):
     assert ModelArgs.from_hf({**cfg, "sliding_window": None}).windows == ()
     assert ModelArgs.from_hf({**cfg, "norm_epsilon": 1e-6}).norm_eps == 1e-6
     assert TPLayout(a, 2, 1).group_rows("gate_up") == ((24, 48),)
+    shipped = {**cfg, "mlp_type": "default", "norm_type": "layer_norm"}  # as StarCoder2's config.json has them
+    assert ModelArgs.from_hf(shipped) == a
+    for key, bad in (("mlp_type", "gated"), ("norm_type", "rms_norm")):
+        with pytest.raises(UnsupportedModel, match=key):
+            ModelArgs.from_hf({**shipped, key: bad})
 
 
 def test_gemma_configs_as_transformers_reads_them(bases):
