@@ -126,7 +126,7 @@ def test_fields_that_would_change_the_model_are_refused(bases):
         ("llava", "multimodal"),
     ):
         with pytest.raises(
-            UnsupportedModel, match=f"{model_type}.*{what}.*llama, mistral, ministral3, qwen2, qwen3, phi3"
+            UnsupportedModel, match=f"{model_type}.*{what}.*llama, mistral, ministral, ministral3, qwen2, qwen3, phi3"
         ):
             ModelArgs.from_hf({**llama, "model_type": model_type})
     with pytest.raises(UnsupportedModel, match="multimodal"):
@@ -540,10 +540,10 @@ def test_stablelm_configs_as_transformers_reads_them(bases):
     a = ModelArgs.from_hf(cfg)
     assert (a.layout, a.rope.dim, a.head_dim, a.parallel) == ("q,k,v,o,gate,up,down;bias=q,k,v", 4, 16, False)
     assert a.norm_params() == (
-        ("input_layernorm", "input_layernorm.weight", 32),
-        ("post_attention_layernorm", "post_attention_layernorm.weight", 32),
-        ("input_layernorm.bias", "input_layernorm.bias", 32),
-        ("post_attention_layernorm.bias", "post_attention_layernorm.bias", 32),
+        ("input_layernorm", "input_layernorm.weight", (32,)),
+        ("post_attention_layernorm", "post_attention_layernorm.weight", (32,)),
+        ("input_layernorm.bias", "input_layernorm.bias", (32,)),
+        ("post_attention_layernorm.bias", "post_attention_layernorm.bias", (32,)),
     )
     p = ModelArgs.from_hf(read_config(bases["stablelm-parallel"]))
     assert p.parallel and p.norm_roles() == ("input_layernorm", None, None, None)
