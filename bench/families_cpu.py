@@ -66,6 +66,22 @@ MEMBERS = {
     # GLM's interleaved rope pairs, rotated in fp32 and rounded once; transformers' class defaults are
     # ERNIE-4.5-0.3B's published config.json
     "ernie4.5-0.3b": ("Ernie4_5Config", {}),
+    # LayerNorms with biases, q/k/v biases, a quarter of each head rotating (StableLM 2 1.6B's config.json)
+    "stablelm-2-1.6b": (
+        "StableLmConfig",
+        dict(
+            vocab_size=100352,
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=24,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            max_position_embeddings=4096,
+            use_qkv_bias=True,
+            partial_rotary_factor=0.25,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 
