@@ -1308,11 +1308,15 @@ class ModelArgs:
             text += ";qk_norm"
         return text
 
+    def norm_param_count(self) -> int:
+        """Every norm parameter: each layer's (`norm_params`) and the final norm's weight (and bias)."""
+        per_layer = sum(math.prod(shape) for _, _, shape in self.norm_params())
+        return self.n_layers * per_layer + self.dim * (2 if self.family.norm_bias else 1)
+
     def param_count(self) -> int:
         per_layer = sum(m.d_out * m.d_in + (m.d_out if m.bias else 0) for m in self.matrices())
-        per_layer += sum(math.prod(shape) for _, _, shape in self.norm_params())
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        return self.n_layers * per_layer + emb + self.dim * (2 if self.family.norm_bias else 1)
+        return self.n_layers * per_layer + emb + self.norm_param_count()
 
     # -- configs --------------------------------------------------------------------------------
     @classmethod
@@ -1536,7 +1540,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         temperature_beta=temperature[0],
         temperature_original=temperature[1],
         nope=_nope_layers(cfg, n_layers) if model_type == "smollm3" else _full_layers(cfg, model_type, n_layers),
-        parallel=fam.parallel or bool(cfg.get("use_parallel_residual", False)),
+        parallel=bool(cfg.get("use_parallel_residual", False)),  # Cohere's: its family's (__post_init__)
         qk_heads=model_type == "cohere" and bool(cfg["use_qk_norm"]),
     )
 

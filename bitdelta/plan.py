@@ -105,8 +105,7 @@ class Shape:
     @property
     def norm_params(self) -> int:
         """Every norm parameter (the layers' own, Qwen3's q/k norms, the final norm; StableLM's biases too)."""
-        final = self.dim * (2 if self.args.family.norm_bias else 1)
-        return self.layers * sum(math.prod(shape) for _, _, shape in self.args.norm_params()) + final
+        return self.args.norm_param_count()
 
     @property
     def bias_params(self) -> int:

@@ -439,7 +439,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
                      const int64_t *head_alpha_stride, const int64_t *head_of_row, float *logits, int n_threads,
                      int fuse, const bd_lowrank *const *lowrank, const bd_decode_opts *opts) {
     const int64_t Q = (H + 2 * KV) * hd, HD = H * hd;
-    const bd_decode_opts llama = {0, 0, 0.f, 0.f, NULL, NULL, 0.f, 0.f, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0};
+    const bd_decode_opts llama = {0}; /* every field zero or NULL */
     const bd_decode_opts *o_ = opts ? opts : &llama;
     const int gemma = o_->gemma,
               style = gemma ? NORM_GEMMA : o_->layer_norm ? NORM_LAYER : o_->norm_once ? NORM_ONCE : NORM_LLAMA;

@@ -705,7 +705,11 @@ class ModelRunner:
         if self.args.family.layer_norm:
             xf = xf - xf.mean(-1, keepdim=True)
         xf = F.rms_norm(xf, (x.shape[-1],), eps=eps)  # one op for x·rsqrt(mean(x²) + eps)
-        w = weights[m.single_norm] if m.norm_idx is None else weights[m.norm_idx]
+
+        def rows(t: torch.Tensor) -> torch.Tensor:  # each row's slot's entry of a stack
+            return t[m.single_norm] if m.norm_idx is None else t[m.norm_idx]
+
+        w = rows(weights)
         if x.dim() == 3 and w.shape[-1] != x.shape[-1]:  # Command R+'s: each head its own weights
             w = w.view(*w.shape[:-1], *x.shape[1:])
         elif x.dim() == 3 and w.dim() == 2:
@@ -715,7 +719,7 @@ class ModelRunner:
         if self.args.family.norm_once or self.args.family.layer_norm:  # OLMo 2's, the LayerNorms': w · x in fp32, once
             y = w.float() * xf
             if bias is not None:
-                y = y + (bias[m.single_norm] if m.norm_idx is None else bias[m.norm_idx]).float()
+                y = y + rows(bias).float()
             return y.to(x.dtype)
         return w * xf.to(x.dtype)
 
