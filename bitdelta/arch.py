@@ -58,6 +58,8 @@ SUPPORTED = (
     "internlm3",
     "stablelm",
     "starcoder2",
+    "nemotron",
+    "arcee",
 )
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -109,8 +111,10 @@ class Family:
     # use_parallel_residual (ModelArgs.parallel)
     parallel: bool = False
     norm_bias: bool = False  # StableLM: every LayerNorm has a bias (`<norm>.bias`, added before the rounding)
-    # StarCoder2: an ungated MLP, down(act(up(x))), under these (up, down) module names inside `mlp` (its up
-    # projection is the gate_up group alone); None: the gated one, down(act(gate(x)) · up(x))
+    # Nemotron's LayerNorm1P: each LayerNorm scales by (w + 1), that sum rounded to the weights' dtype first
+    norm_plus_one: bool = False
+    # StarCoder2, Nemotron, Arcee: an ungated MLP, down(act(up(x))), under these (up, down) module names inside
+    # `mlp` (its up projection is the gate_up group alone); None: the gated one, down(act(gate(x)) · up(x))
     ungated_mlp: tuple[str, str] | None = None
     norm_eps_field: str = "rms_norm_eps"  # the config field of the norms' eps
     o_bias: bool = True  # attention_bias gives o_proj a bias too (GLM's: q, k, v only)
@@ -396,6 +400,25 @@ FAMILIES: dict[str, Family] = {
         False,
         frozenset({"sliding_window", "sliding_window_pattern", "layer_types"}),
         post_norm=True,
+    ),
+    # Nemotron (NVIDIA: Nemotron-4, Minitron 4B/8B, Nemotron-Mini-4B): Llama's attention (biases where attention_bias)
+    # under LayerNorm1P norms (LayerNorms with biases, scaling by w + 1), the rope over the first half of each head
+    # by default, an ungated MLP up_proj -> relu² -> down_proj (biases where mlp_bias)
+    "nemotron": Family(
+        "nemotron",
+        False,
+        False,
+        True,
+        frozenset({"attention_bias", "mlp_bias", "norm_eps"}),
+        layer_norm=True,
+        norm_bias=True,
+        norm_plus_one=True,
+        ungated_mlp=("up_proj", "down_proj"),
+        norm_eps_field="norm_eps",
+    ),
+    # Arcee (AFM-4.5B): Llama's layer with an ungated MLP up_proj -> relu² -> down_proj
+    "arcee": Family(
+        "arcee", False, False, False, frozenset({"attention_bias", "mlp_bias"}), ungated_mlp=("up_proj", "down_proj")
     ),
     # Cohere (Command R, Command R+, Aya 23, Aya Expanse): a parallel block under one LayerNorm, an interleaved rope
     # rotated in fp32 from tables in the model's dtype, the logits × logit_scale, a tied head by default; where
@@ -788,11 +811,37 @@ FAMILY_DEFAULTS: dict[str, dict] = {
     },
     "cohere": {**_COHERE, "use_qk_norm": False},
     "cohere2": {**_COHERE, "sliding_window": 4096},
+    "nemotron": {
+        "vocab_size": 256000,
+        "hidden_size": 6144,
+        "intermediate_size": 24576,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 48,
+        "hidden_act": "relu2",
+        "max_position_embeddings": 4096,
+        "norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+    "arcee": {
+        "vocab_size": 32000,
+        "hidden_size": 2560,
+        "intermediate_size": 18432,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "hidden_act": "relu2",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
 }
 # The rope's θ where a config names none, where transformers' class of the family has its own
 DEFAULT_THETA = {"mixtral": 1e6, "smollm3": 2e6, "gemma3_text": 1e6, "olmo3": 5e5, "ernie4_5": 5e5, "cohere": 5e5}
 # The partial_rotary_factor where a config names none, where transformers' class of the family has its own
-DEFAULT_PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5, "stablelm": 0.25}
+DEFAULT_PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5, "stablelm": 0.25, "nemotron": 0.5}
 # Families with a rope per layer type (ModelArgs.local_rope, `_layer_type_ropes`): where the old spelling
 # gives the sliding layers' θ (field, default); None: the full layers' θ
 LAYER_TYPE_ROPES: dict[str, tuple[str, float] | None] = {
@@ -835,8 +884,9 @@ WRAPPER_FIELDS: dict[str, frozenset[str]] = {
         }
     ),
 }
-# The MLP gate activations (config name -> the runner's name); Gemma's is GELU in its tanh form.
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# The MLP gate activations (config name -> the runner's name); Gemma's is GELU in its tanh form, Nemotron's
+# and Arcee's relu(x)² (transformers' relu2).
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "relu2"}
 
 # Fields every family reads.
 COMMON_FIELDS = frozenset(
@@ -1093,7 +1143,7 @@ class ModelArgs:
     o_bias: bool = False  # o_proj has a bias (Llama/Qwen3 attention_bias)
     mlp_bias: bool = False  # gate, up, down have biases (Llama mlp_bias)
     windows: tuple[int | None, ...] = ()  # per layer: sliding-window size, None = full attention; (): all full
-    act: str = "silu"  # the MLP's gate activation: "silu" or "gelu_tanh" (ACTIVATIONS)
+    act: str = "silu"  # the MLP's gate activation: "silu", "gelu_tanh" or "relu2" (ACTIVATIONS)
     # the scores' scale where it is not 1/√head_dim (Gemma 2/3's query_pre_attn_scalar ** -0.5, Granite's
     # attention_multiplier), else None (SDPA's own)
     attn_scale: float | None = None

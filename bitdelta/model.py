@@ -42,7 +42,8 @@ class RMSNorm(nn.Module):
     """Llama's: normalise in fp32, round, scale by w in the input dtype. Gemma's (`offset`): scale by
     (1 + w) in fp32, then round once (its weights start at 0). OLMo 2's (`once`): scale by w in fp32,
     then round once. Cohere's and StableLM's LayerNorm (`centered`, always `once`): the mean subtracted
-    first, its variance about the mean; StableLM's with a `bias` added before the rounding."""
+    first, its variance about the mean; StableLM's with a `bias` added before the rounding; Nemotron's
+    LayerNorm1P (`plus_one`) scales by (w + 1), that sum rounded to w's dtype first."""
 
     def __init__(
         self,
@@ -52,17 +53,19 @@ class RMSNorm(nn.Module):
         once: bool = False,
         centered: bool = False,
         bias: bool = False,
+        plus_one: bool = False,
     ):
         super().__init__()
         self.eps, self.offset, self.once, self.centered = eps, offset, once or centered, centered
-        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.plus_one = plus_one
+        self.weight = nn.Parameter(torch.zeros(dim) if offset or plus_one else torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     @classmethod
     def of(cls, args: ModelArgs, dim: int | tuple[int, ...]) -> RMSNorm:
         """The family's norm of `dim` values (a shape: weights of that shape over its last dim)."""
         fam = args.family
-        return cls(dim, args.norm_eps, fam.gemma, fam.norm_once, fam.layer_norm, fam.norm_bias)
+        return cls(dim, args.norm_eps, fam.gemma, fam.norm_once, fam.layer_norm, fam.norm_bias, fam.norm_plus_one)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -72,7 +75,7 @@ class RMSNorm(nn.Module):
         if self.offset:
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
         if self.once:
-            y = self.weight.float() * xf
+            y = (self.weight + 1 if self.plus_one else self.weight).float() * xf
             return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
@@ -83,7 +86,9 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 def gate_act(args: ModelArgs, x: torch.Tensor) -> torch.Tensor:
-    """The MLP's gate activation of the family."""
+    """The MLP's gate activation of the family (Nemotron's relu²: relu, then the square rounded once)."""
+    if args.act == "relu2":
+        return F.relu(x).square()
     return F.gelu(x, approximate="tanh") if args.act == "gelu_tanh" else F.silu(x)
 
 
@@ -280,7 +285,7 @@ class MLP(nn.Module):
         super().__init__()
         self.args = args
         self.fused = args.family.fused or args.family.fused_mlp
-        self.ungated = args.family.ungated_mlp  # StarCoder2's (up, down) names
+        self.ungated = args.family.ungated_mlp  # StarCoder2's, Nemotron's, Arcee's (up, down) names
         d, f = args.dim, args.intermediate_size
         if self.ungated is not None:
             setattr(self, self.ungated[0], nn.Linear(d, f, bias=args.mlp_bias))
@@ -294,7 +299,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(f, d, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ungated is not None:  # StarCoder2: down(act(up(x)))
+        if self.ungated is not None:  # StarCoder2, Nemotron, Arcee: down(act(up(x)))
             up, down = (getattr(self, n) for n in self.ungated)
             return down(gate_act(self.args, up(x)))
         if self.fused:
@@ -715,7 +720,9 @@ def init_random(args: ModelArgs, seed: int = 0, std: float = 0.02) -> Llama:
     model = Llama(args)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):  # RMSNorm weights (layers, q/k, final) near 1 (Gemma's: 1 + w near 1)
-            p.data = (0.0 if args.family.gemma else 1.0) + 0.1 * torch.randn(p.shape, generator=g)
+            p.data = (0.0 if args.family.gemma or args.family.norm_plus_one else 1.0) + 0.1 * torch.randn(
+                p.shape, generator=g
+            )
         else:
             p.data = torch.randn(p.shape, generator=g) * std
     if args.tie_embeddings:

@@ -68,7 +68,7 @@ class _Opts(ctypes.Structure):
 
     _fields_ = [
         ("gemma", ctypes.c_int32),
-        ("gelu", ctypes.c_int32),
+        ("act", ctypes.c_int32),
         ("embed_scale", ctypes.c_float),
         ("attn_softcap", ctypes.c_float),
         ("local_cos", ctypes.c_void_p),
@@ -85,7 +85,12 @@ class _Opts(ctypes.Structure):
         ("final_norm_bias", ctypes.c_void_p),
         ("ungated", ctypes.c_int32),
         ("qk_heads", ctypes.c_int32),
+        ("norm_plus_one", ctypes.c_int32),
     ]
+
+
+# The MLP gate activations the C layers compute (DecodeOptions.act -> bd_decode_opts' ACT_* code)
+ACTS = {"silu": 0, "gelu_tanh": 1, "relu2": 2}
 
 
 @dataclass(frozen=True)
@@ -118,8 +123,8 @@ class DecodeLayer:
 @dataclass(frozen=True)
 class DecodeOptions:
     """What a family changes in the layer (the defaults: Llama's): `gemma`, Gemma's RMSNorm (× (1 + w)
-    in fp32, one rounding) and token ids' embeddings × round(embed_scale); `gelu`, the MLP's gate
-    in GELU's tanh form; `attn_scale`, the scores' scale (None: 1/√head_dim); `attn_softcap`, Gemma 2's
+    in fp32, one rounding) and token ids' embeddings × round(embed_scale); `act`, the MLP's gate activation
+    (ACTS: "silu", GELU's tanh form "gelu_tanh", Nemotron's "relu2"); `attn_scale`, the scores' scale (None: 1/√head_dim); `attn_softcap`, Gemma 2's
     cap of the scores; Granite's `embed_multiplier` (token ids' embeddings × it, one rounding) and
     `residual_multiplier` (each sublayer's output × it, rounded, before its residual add); OLMo 2's
     `norm_once` (RMSNorm × w in fp32, one rounding) and `qk_full` (the q and k norms over the whole
@@ -131,10 +136,11 @@ class DecodeOptions:
     and `final_norm_bias`); `parallel`, Cohere's and StableLM's parallel block (the MLP reads
     the input norm's output: x + attention + MLP; the layers' norms are the input one alone); `ungated`,
     StarCoder2's MLP (the gate_up group is up alone, [intermediate, dim]: down(act(up))); `qk_heads`, Command
-    R+'s q and k norms per head, each head by weights of its own (the stacks [n_slots + 1, heads · head_dim])."""
+    R+'s q and k norms per head, each head by weights of its own (the stacks [n_slots + 1, heads · head_dim]);
+    `norm_plus_one`, Nemotron's LayerNorm1P (with `layer_norm`: × round(w + 1) in place of w)."""
 
     gemma: bool = False
-    gelu: bool = False
+    act: str = "silu"
     embed_scale: float = 0.0
     attn_scale: float | None = None
     attn_softcap: float | None = None
@@ -149,6 +155,13 @@ class DecodeOptions:
     parallel: bool = False
     ungated: bool = False
     qk_heads: bool = False
+    norm_plus_one: bool = False
+
+    def __post_init__(self):
+        if self.act not in ACTS:
+            raise ValueError(f"act {self.act!r} is not one of {sorted(ACTS)}")
+        if self.norm_plus_one and not self.layer_norm:
+            raise ValueError("norm_plus_one is a LayerNorm's (Nemotron's LayerNorm1P): it needs layer_norm")
 
 
 @dataclass(frozen=True)
@@ -627,7 +640,7 @@ class DecodeLayers:
         op = self.options
         opts = _Opts(
             int(op.gemma),
-            int(op.gelu),
+            ACTS[op.act],
             op.embed_scale,
             op.attn_softcap or 0.0,
             *((local[0].data_ptr(), local[1].data_ptr()) if self.any_local else (None, None)),
@@ -643,6 +656,7 @@ class DecodeLayers:
             _ptr(self.final_norm_bias),
             int(op.ungated),
             int(op.qk_heads),
+            int(op.norm_plus_one),
         )
         rs, wr = _slots32(row_slot), _ints(write_rows, torch.int64)
         if rope_rows is None:

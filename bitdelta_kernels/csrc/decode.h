@@ -32,7 +32,7 @@ typedef struct {
 typedef struct {
     int32_t gemma;         /* Gemma's RMSNorm: round(x · rsqrt(mean(x²) + eps) · (1 + w)), in fp32, and the
                             * embeddings of token ids × round(embed_scale) */
-    int32_t gelu;          /* the MLP's gate: GELU's tanh form (else SiLU) */
+    int32_t act;           /* the MLP's gate: ACT_SILU, ACT_GELU_TANH (GELU's tanh form) or ACT_RELU2 (relu²) */
     float embed_scale;
     float attn_softcap;    /* > 0: each score capped (bd_paged_decode's softcap) */
     const void *local_cos, *local_sin; /* the local layers' tables: rope_dtype, rows as rope_rows' */
@@ -48,11 +48,16 @@ typedef struct {
     const void *final_norm_bias; /* StableLM: the final LayerNorm's bias [n_slots + 1, dim], or NULL */
     int32_t ungated;       /* StarCoder2: the gate_up group is up alone [F, dim]; the MLP is down(act(up)) */
     int32_t qk_heads;      /* Command R+: the per-head q and k norms' weights are each head's own [n_slots + 1, heads · hd] */
+    int32_t norm_plus_one; /* Nemotron's LayerNorm1P: each LayerNorm scales by round(w + 1), not w */
 } bd_decode_opts;
 
+/* The MLP's gate activation (bd_decode_opts.act). */
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_RELU2 = 2 };
+
 /* How a norm rounds (norm_row): Llama's, Gemma's (1 + w, once), OLMo 2's (w, once) or a LayerNorm
- * (Cohere's, StableLM's: the mean subtracted, then as OLMo 2's, a bias added before the rounding). */
-enum { NORM_LLAMA = 0, NORM_GEMMA = 1, NORM_ONCE = 2, NORM_LAYER = 3 };
+ * (Cohere's, StableLM's: the mean subtracted, then as OLMo 2's, a bias added before the rounding;
+ * Nemotron's LayerNorm1P by round(w + 1)). */
+enum { NORM_LLAMA = 0, NORM_GEMMA = 1, NORM_ONCE = 2, NORM_LAYER = 3, NORM_LAYER_1P = 4 };
 
 /* One slot's low-rank residual of one projection group (services/gpu_worker/slots.py LowRank):
  * y += U_m · (V · x)[c0_m, c0_m + rank_m) into the group's rows [r0_m, r0_m + rows_m) for each of its
@@ -166,15 +171,17 @@ static void norm_row(const float *xb, const void *w, const void *bias, int64_t o
                      int style, float *hb) {
     int64_t k = 0;
     float ss = 0.f;
-    if (style == NORM_LAYER) { /* Cohere's LayerNorm: (x − mean) · rsqrt(mean((x − mean)²) + eps), × w in fp32
-                                * (+ StableLM's bias at the same offset), one rounding */
+    if (style == NORM_LAYER || style == NORM_LAYER_1P) { /* Cohere's LayerNorm: (x − mean) · rsqrt(mean((x −
+                                * mean)²) + eps), × w in fp32 (Nemotron's × round(w + 1)), + StableLM's bias at
+                                * the same offset, one rounding */
+        const int plus_one = style == NORM_LAYER_1P;
         float mean = 0.f;
         for (k = 0; k < D; ++k) mean += xb[k];
         mean /= (float)D;
         for (k = 0; k < D; ++k) ss += (xb[k] - mean) * (xb[k] - mean);
         const float inv = 1.f / sqrtf(ss / (float)D + eps);
         for (k = 0; k < D; ++k) {
-            const float y = w_at(w, dtype, off + k) * ((xb[k] - mean) * inv);
+            const float wk = w_at(w, dtype, off + k), y = (plus_one ? round_to(dtype, wk + 1.f) : wk) * ((xb[k] - mean) * inv);
             hb[k] = round_to(dtype, bias ? y + w_at(bias, dtype, off + k) : y);
         }
         return;
@@ -280,6 +287,27 @@ static void gelu_mul(const float *gu, int64_t B, int64_t F, int dtype, int gated
             const float g = gb[k], y = beta * (g + kappa * g * g * g);
             const float ge = round_to(dtype, 0.5f * g * (1.f + tanhf(y)));
             ab[k] = gated ? round_to(dtype, ge * ub[k]) : ge;
+        }
+    }
+}
+
+/* act[b, k] = round(round(relu(g)²) · u), or round(relu(g)²) where not `gated` (as silu_mul; Nemotron's and
+ * Arcee's MLP: transformers' relu2, relu exact, the square rounded once). */
+static void relu2_mul(const float *gu, int64_t B, int64_t F, int dtype, int gated, float *act) {
+    for (int64_t b = 0; b < B; ++b) {
+        const float *gb = gu + b * (gated ? 2 * F : F), *ub = gb + F;
+        float *ab = act + b * F;
+        int64_t k = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+        for (; k + LANES <= F; k += LANES) {
+            const vf r = V_MAX(V_ZERO(), V_LOAD(gb + k)); /* a NaN g (the second operand) stays NaN */
+            const vf sq = round_vec(dtype, V_MUL(r, r));
+            V_STORE(ab + k, gated ? round_vec(dtype, V_MUL(sq, V_LOAD(ub + k))) : sq);
+        }
+#endif
+        for (; k < F; ++k) {
+            const float r = gb[k] < 0.f ? 0.f : gb[k], sq = round_to(dtype, r * r);
+            ab[k] = gated ? round_to(dtype, sq * ub[k]) : sq;
         }
     }
 }
@@ -442,7 +470,10 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
     const bd_decode_opts llama = {0}; /* every field zero or NULL */
     const bd_decode_opts *o_ = opts ? opts : &llama;
     const int gemma = o_->gemma,
-              style = gemma ? NORM_GEMMA : o_->layer_norm ? NORM_LAYER : o_->norm_once ? NORM_ONCE : NORM_LLAMA;
+              style = gemma           ? NORM_GEMMA
+                      : o_->layer_norm ? (o_->norm_plus_one ? NORM_LAYER_1P : NORM_LAYER)
+                      : o_->norm_once  ? NORM_ONCE
+                                       : NORM_LLAMA;
     const float rm = o_->residual_multiplier > 0.f ? o_->residual_multiplier : 1.f;
     const int64_t rot = o_->rotary > 0 && o_->rotary <= hd ? o_->rotary : hd;
     /* row_planes: each row's plane slots ([B, n_planes], −1 past its variant's, all −1 for a variant
@@ -561,8 +592,10 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
         if ((rc = decode_proj(L, 2, h, B, D, gated ? 2 * F : F, dtype, row_slot, slots, P, any_delta, one_pass, LOW(2),
                               gu, n_threads)))
             break;
-        if (o_->gelu)
+        if (o_->act == ACT_GELU_TANH)
             gelu_mul(gu, B, F, dtype, gated, act);
+        else if (o_->act == ACT_RELU2)
+            relu2_mul(gu, B, F, dtype, gated, act);
         else
             silu_mul(gu, B, F, dtype, gated, act);
         if ((rc = decode_proj(L, 3, act, B, F, D, dtype, row_slot, slots, P, any_delta, one_pass, LOW(3), dn, n_threads))) break;

@@ -699,8 +699,8 @@ class ModelRunner:
         """RMSNorm over the last dim with a per-row weight. x: [N, size] or [N, heads, size] (Qwen3's
         per-head q/k norms); weights: [n_slots + 1, size] (row 0 = base). Gemma's scales by (1 + w)
         in fp32 and rounds once, OLMo 2's by w, Cohere's LayerNorm subtracts the mean first and scales
-        by w as OLMo 2's, StableLM's adds its per-row `bias` [n_slots + 1, size] before the rounding
-        (bitdelta.model.RMSNorm)."""
+        by w as OLMo 2's, StableLM's adds its per-row `bias` [n_slots + 1, size] before the rounding,
+        Nemotron's scales by (w + 1) rounded to w's dtype (bitdelta.model.RMSNorm)."""
         xf = x.float()
         if self.args.family.layer_norm:
             xf = xf - xf.mean(-1, keepdim=True)
@@ -717,7 +717,7 @@ class ModelRunner:
         if self.args.family.gemma:
             return (xf * (1.0 + w.float())).to(x.dtype)
         if self.args.family.norm_once or self.args.family.layer_norm:  # OLMo 2's, the LayerNorms': w · x in fp32, once
-            y = w.float() * xf
+            y = (w + 1 if self.args.family.norm_plus_one else w).float() * xf  # Nemotron's w + 1 in w's dtype
             if bias is not None:
                 y = y + rows(bias).float()
             return y.to(x.dtype)
@@ -1090,7 +1090,7 @@ class ModelRunner:
         embed = embed if embed.dtype == self.dtype and embed.is_contiguous() else None
         options = DecodeOptions(
             gemma=a.family.gemma,
-            gelu=a.act == "gelu_tanh",
+            act=a.act,
             embed_scale=a.embed_scale or 0.0,
             attn_scale=a.attn_scale,
             attn_softcap=a.attn_softcap,
@@ -1105,6 +1105,7 @@ class ModelRunner:
             layer_norm=a.family.layer_norm,
             parallel=a.parallel,
             ungated=a.family.ungated_mlp is not None,
+            norm_plus_one=a.family.norm_plus_one,
         )
         return DecodeLayers(
             layers,
@@ -1181,7 +1182,9 @@ class ModelRunner:
         gate_up.shared, down.shared) over rows h [n, dim]."""
         of = "" if expert is None else f".{expert}"
         gu = self._linear(h, layer, f"gate_up{of}", m)
-        if self.args.family.ungated_mlp is not None:  # StarCoder2: the group is up alone, down(act(up))
+        if (
+            self.args.family.ungated_mlp is not None
+        ):  # StarCoder2, Nemotron, Arcee: the group is up alone, down(act(up))
             return self._linear(gate_act(self.args, gu), layer, f"down{of}", m)
         f = gu.shape[1] // 2  # gate ‖ up
         return self._linear(gate_act(self.args, gu[:, :f]) * gu[:, f:], layer, f"down{of}", m)

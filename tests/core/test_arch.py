@@ -164,6 +164,8 @@ def test_fields_that_would_change_the_model_are_refused(bases):
         ("internlm3", "InternLM3Config"),
         ("stablelm", "StableLmConfig"),
         ("starcoder2", "Starcoder2Config"),
+        ("nemotron", "NemotronConfig"),
+        ("arcee", "ArceeConfig"),
     ],
 )
 def test_a_field_left_out_means_what_it_means_to_transformers(model_type, config_class):
@@ -580,6 +582,29 @@ def test_starcoder2_configs_as_transformers_reads_them(bases):
     for key, bad in (("mlp_type", "gated"), ("norm_type", "rms_norm")):
         with pytest.raises(UnsupportedModel, match=key):
             ModelArgs.from_hf({**shipped, key: bad})
+
+
+def test_nemotron_and_arcee_configs_as_transformers_reads_them(bases):
+    """Nemotron: LayerNorm1P (a LayerNorm with its bias, scaling by w + 1) under norm_eps, the rope over half of
+    each head by default, an ungated relu² MLP (up_proj, down_proj: the gate_up group is up alone), attention
+    and MLP biases by their switches; Arcee: Llama's layer with the same MLP; another activation refused."""
+    cfg = read_config(bases["nemotron"])
+    a = ModelArgs.from_hf(cfg)
+    assert a.layout == "q,k,v,o,up,down;bias=q,k,v,o,up,down"
+    assert (a.act, a.rope.dim, a.head_dim, a.norm_eps, a.group_shapes()["gate_up"]) == ("relu2", 8, 16, 1e-5, (48, 32))
+    assert a.family.norm_plus_one and a.family.norm_bias and not a.parallel
+    assert [k for k, _, _ in a.norm_params()][2:] == ["input_layernorm.bias", "post_attention_layernorm.bias"]
+    assert ModelArgs.from_hf({**cfg, "attention_bias": False, "mlp_bias": False}).layout == "q,k,v,o,up,down"
+    assert ModelArgs.from_hf({**cfg, "norm_eps": 1e-6}).norm_eps == 1e-6
+    old = {k: v for k, v in cfg.items() if k != "rope_parameters"} | {"rope_theta": 10000.0}
+    assert ModelArgs.from_hf(old) == a  # the older spelling, partial_rotary_factor left at the class's 0.5
+    assert ModelArgs.from_hf({**old, "partial_rotary_factor": 1.0}).rope.dim == 16
+    arcee = ModelArgs.from_hf(read_config(bases["arcee"]))
+    assert (arcee.layout, arcee.act, arcee.rope.kind) == ("q,k,v,o,up,down", "relu2", "yarn")
+    assert not arcee.family.layer_norm
+    for name in ("nemotron", "arcee"):
+        with pytest.raises(UnsupportedModel, match="hidden_act 'relu'"):
+            ModelArgs.from_hf({**read_config(bases[name]), "hidden_act": "relu"})
 
 
 def test_gemma_configs_as_transformers_reads_them(bases):

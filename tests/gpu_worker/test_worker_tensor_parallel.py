@@ -134,6 +134,7 @@ async def test_a_corrupt_delta_is_data_loss_and_the_ranks_keep_serving(family):
         "exaone4",
         "stablelm",
         "starcoder2",
+        "nemotron",
     ],
 )
 async def test_family_layers_on_two_ranks_equal_one_process(tmp_path, member):
@@ -144,7 +145,7 @@ async def test_family_layers_on_two_ranks_equal_one_process(tmp_path, member):
     parallel block (the attention's and the MLP's sums all-reduced apart, both from the one input
     norm; NoPE and sliding layers), EXAONE 4's post-norms with per-head q/k norms on each rank's
     heads, StableLM's LayerNorm biases (whole on each rank, a variant's own among them) and StarCoder2's
-    ungated MLP (its up projection's columns split alone): the same greedy tokens as one process, each
+    ungated MLP (its up projection's columns split alone; Nemotron's too, under LayerNorm1P): the same greedy tokens as one process, each
     variant alone and all in one batch."""
     from bitdelta.compress import compress
     from bitdelta.testing.family import make_finetune

@@ -630,20 +630,21 @@ def decode_layer_ref(
     default its slot) + the row's slot's low-rank terms (lowrank: (slot, group index) -> (v, [(r0, c0,
     U)])), rope over q's and k's heads, the new k, v written into copies of the pool, attention over
     the row's blocks, the residuals, silu · up. -> the layer's output [B, dim]. What a family
-    changes: opts (`DecodeOptions`: Gemma's (1 + w) norms, GELU's tanh form, the scores' scale and
-    cap, Cohere's LayerNorm and parallel block), L's q/k norms and sandwich norms, and with L.local the
+    changes: opts (`DecodeOptions`: Gemma's (1 + w) norms, the MLP's activation, the scores' scale and
+    cap, Cohere's LayerNorm and parallel block, Nemotron's (w + 1)), L's q/k norms and sandwich norms, and with L.local the
     rotation `local` (cos, sin)."""
     H, KV, hd, F, eps = shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.intermediate, shape.norm_eps
     planes = [[v] for v in slots] if planes is None else planes
     gemma = opts is not None and opts.gemma
     centered = opts is not None and opts.layer_norm  # Cohere's LayerNorm: the mean subtracted first
+    plus_one = opts is not None and opts.norm_plus_one  # Nemotron's LayerNorm1P: × (w + 1)
     biases = dict(zip((id(n) for n in L.norms), L.norm_biases))  # StableLM's, beside its norm's weights
     if L.local:
         cos, sin = local
 
     def norm(t, w):  # t [B, ..., n]: every row of the last dim with its slot's weights (and bias)
         b_ = biases.get(id(w))
-        w = w.double() + (1.0 if gemma else 0.0)
+        w = w.double() + (1.0 if gemma or plus_one else 0.0)
         if w.shape[-1] != t.shape[-1]:  # Command R+'s per-head q/k norms: each head its own weights
             w = w.view(w.shape[0], *t.shape[1:])
         t = t - t.mean(-1, keepdim=True) if centered else t
@@ -707,8 +708,12 @@ def decode_layer_ref(
     if opts is None or not opts.parallel:
         x_in = x if post else norm(x, L.norms[2 if sandwich else 1])
     gu = proj(x_in, 2)  # Cohere's parallel block: from the attention's input norm
-    gelu = opts is not None and opts.gelu
-    act = torch.nn.functional.gelu(gu[:, :F], approximate="tanh") if gelu else torch.nn.functional.silu(gu[:, :F])
+    g_, kind = gu[:, :F], "silu" if opts is None else opts.act
+    act = {
+        "gelu_tanh": lambda: torch.nn.functional.gelu(g_, approximate="tanh"),
+        "relu2": lambda: torch.nn.functional.relu(g_) ** 2,
+        "silu": lambda: torch.nn.functional.silu(g_),
+    }[kind]()
     down = proj(act if opts is not None and opts.ungated else act * gu[:, F:], 3)  # StarCoder2's: up alone
     return x + rm * (norm(down, L.norms[3]) if sandwich or post else down)
 
@@ -798,6 +803,8 @@ def test_decode_layers_against_the_reference(isa, dims):
         "stablelm",
         "starcoder2",
         "cohere-qk",
+        "nemotron",
+        "arcee",
     ],
 )
 def test_decode_layers_of_other_families_against_the_reference(isa, kind):
@@ -809,7 +816,8 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     SmolLM3's layer without a rotation (NoPE); Cohere's LayerNorm and parallel block (the MLP from the
     input norm, one norm a layer) with interleaved pairs over the whole head; StableLM's LayerNorms with
     biases (a slot's own) and a quarter of each head rotating; StarCoder2's ungated GELU MLP; Command R+'s q
-    and k norms, each head by weights of its own; rows of
+    and k norms, each head by weights of its own; Nemotron's LayerNorm1P (× (w + 1), with biases), half of
+    each head rotating and its ungated relu² MLP; Arcee's ungated relu² MLP under RMSNorms; rows of
     two variants and the base in one step, fp32; a row alone the same as in the batch."""
     import dataclasses
 
@@ -818,7 +826,8 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     D, H, KV, hd, F = 96, 4, 2, 32, 160
     shape = DecodeShape(D, H, KV, hd, F, 1e-6)
     g = torch.Generator().manual_seed(7)
-    up = F if kind == "starcoder2" else 2 * F  # StarCoder2's up alone
+    ungated = kind in ("starcoder2", "nemotron", "arcee")
+    up = F if ungated else 2 * F  # StarCoder2's, Nemotron's, Arcee's up alone
     out_in = (((H + 2 * KV) * hd, D), (D, H * hd), (up, D), (D, F))
     bs, B, n_slots = 4, 4, 2
     L = random_layer(out_in, D, KV, hd, n_slots, torch.float32, 8 * bs, g)
@@ -833,7 +842,7 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     elif kind.startswith("cohere"):
         qk = (norms(1, H * hd)[0], norms(1, KV * hd)[0]) if kind == "cohere-qk" else None
         L = dataclasses.replace(L, norms=(norms(1, D)[0], None), qk_norms=qk)
-    elif kind in ("stablelm", "starcoder2"):
+    elif kind in ("stablelm", "starcoder2", "nemotron"):
         L = dataclasses.replace(L, norms=norms(2, D), norm_biases=tuple(b - 1.0 for b in norms(2, D)))
     else:
         L = dataclasses.replace(
@@ -845,18 +854,19 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
         )
     opts = DecodeOptions(
         gemma=gemma,
-        gelu=gemma or kind == "starcoder2",
+        act="gelu_tanh" if gemma or kind == "starcoder2" else "relu2" if kind in ("nemotron", "arcee") else "silu",
         embed_scale=D**0.5 if gemma else 0.0,
         attn_scale=0.11 if gemma or kind == "granite" else None,
         attn_softcap=1.5 if kind == "gemma2" else None,
         residual_multiplier=0.4 if kind == "granite" else 1.0,
         norm_once=kind == "olmo2",
         qk_full=kind == "olmo2",
-        rotary=hd // 4 if kind in ("partial", "stablelm") else hd // 2 if kind == "glm" else 0,
+        rotary=hd // 4 if kind in ("partial", "stablelm") else hd // 2 if kind in ("glm", "nemotron") else 0,
         interleaved=kind in ("glm", "cohere", "cohere-qk"),
         rope_fp32=kind.startswith("cohere"),
-        layer_norm=kind in ("cohere", "cohere-qk", "stablelm", "starcoder2"),
-        ungated=kind == "starcoder2",
+        layer_norm=kind in ("cohere", "cohere-qk", "stablelm", "starcoder2", "nemotron"),
+        norm_plus_one=kind == "nemotron",
+        ungated=ungated,
         parallel=kind.startswith("cohere"),
         qk_heads=kind == "cohere-qk",
     )

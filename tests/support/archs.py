@@ -185,6 +185,12 @@ def hf_config(name: str):
     if name == "starcoder2":  # every projection and LayerNorm biased, an ungated GELU MLP, windows of 8 (untied:
         # tied, this random base's greedy tokens repeat)
         return tf.Starcoder2Config(**COMMON, sliding_window=8, tie_word_embeddings=False)
+    if name == "nemotron":  # LayerNorm1P (w + 1, biases), Llama's attention biased, the rope over half of each
+        # 16-wide head, an ungated relu² MLP with biases
+        return tf.NemotronConfig(**COMMON, head_dim=16, attention_bias=True, mlp_bias=True)
+    if name == "arcee":  # Llama's layer with an ungated relu² MLP, a yarn rope from an original context of 16
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": ORIGINAL}
+        return tf.ArceeConfig(**COMMON, rope_parameters=rope)
     if name == "ministral3-mm":  # Ministral 3 as it ships (Mistral3ForConditionalGeneration, a Pixtral tower)
         text = {**hf_config("ministral3").to_dict(), "tie_word_embeddings": False}
         vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8)
@@ -255,6 +261,8 @@ FAMILY_MEMBERS = (
     "stablelm",
     "starcoder2",
     "cohere-qk",
+    "nemotron",
+    "arcee",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa", "stablelm-parallel")
 
