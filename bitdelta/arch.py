@@ -60,6 +60,7 @@ SUPPORTED = (
     "starcoder2",
     "nemotron",
     "arcee",
+    "hunyuan_v1_dense",
 )
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -118,6 +119,9 @@ class Family:
     ungated_mlp: tuple[str, str] | None = None
     norm_eps_field: str = "rms_norm_eps"  # the config field of the norms' eps
     o_bias: bool = True  # attention_bias gives o_proj a bias too (GLM's: q, k, v only)
+    # the per-head q and k norms' module paths inside a layer (Hunyuan's self_attn.query_layernorm, key_layernorm)
+    qk_norm_names: tuple[str, str] = ("self_attn.q_norm", "self_attn.k_norm")
+    qk_after_rope: bool = False  # Hunyuan: q and k normed after the rope, not before
     # a sandwich layer's norms (Family.sandwich): of the attention's output, of the MLP's input, of the MLP's output
     sandwich_names: tuple[str, str, str] = (
         "post_attention_layernorm",
@@ -415,6 +419,17 @@ FAMILIES: dict[str, Family] = {
         norm_plus_one=True,
         ungated_mlp=("up_proj", "down_proj"),
         norm_eps_field="norm_eps",
+    ),
+    # Hunyuan dense (Tencent: Hunyuan-0.5B to 7B): Llama's layer, q and k normed per head after the rope (its
+    # query_layernorm, key_layernorm), the rope's θ stretched by a fixed NTK alpha (rope_parameters.alpha)
+    "hunyuan_v1_dense": Family(
+        "hunyuan_v1_dense",
+        False,
+        True,
+        False,
+        frozenset({"attention_bias"}),
+        qk_norm_names=("self_attn.query_layernorm", "self_attn.key_layernorm"),
+        qk_after_rope=True,
     ),
     # Arcee (AFM-4.5B): Llama's layer with an ungated MLP up_proj -> relu² -> down_proj
     "arcee": Family(
@@ -823,6 +838,18 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
+    },
+    "hunyuan_v1_dense": {
+        "vocab_size": 290943,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
     },
     "arcee": {
         "vocab_size": 32000,
@@ -1296,7 +1323,8 @@ class ModelArgs:
         [heads, head_dim]), then, for a family whose norms have biases (StableLM), each one's bias (keyed
         `<norm>.bias`)."""
         hd = self.head_dim
-        heads = {"self_attn.q_norm": (self.n_heads, hd), "self_attn.k_norm": (self.n_kv_heads, hd)}
+        qn, kn = self.family.qk_norm_names
+        heads = {qn: (self.n_heads, hd), kn: (self.n_kv_heads, hd)}
         out = [
             (n, f"{n}.weight", heads[n] if self.qk_heads and n in heads else (size,)) for n, size in self.layer_norms()
         ]
@@ -1310,9 +1338,12 @@ class ModelArgs:
         out = [(n, self.dim) for n in self.norm_roles() if n is not None]
         hd = self.head_dim
         if self.family.qk_whole or self.qk_heads:  # OLMo 2, OLMoE: q and k normed whole; Command R+: per-head weights
-            out += [("self_attn.q_norm", self.n_heads * hd), ("self_attn.k_norm", self.n_kv_heads * hd)]
+            out += [
+                (self.family.qk_norm_names[0], self.n_heads * hd),
+                (self.family.qk_norm_names[1], self.n_kv_heads * hd),
+            ]
         elif self.family.qk_norm:
-            out += [("self_attn.q_norm", hd), ("self_attn.k_norm", hd)]
+            out += [(n, hd) for n in self.family.qk_norm_names]
         return tuple(out)
 
     def norm_roles(self) -> tuple[str | None, str | None, str | None, str | None]:
@@ -1894,6 +1925,8 @@ def _rope_of(params: dict, cfg: dict, fam: Family, head_dim: int, max_pos: int) 
             f"rope type {kind!r} (rope_parameters.rope_type) is not supported; supported: {', '.join(ROPE_KINDS)}"
         )
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", DEFAULT_THETA.get(fam.model_type, 10000.0))))
+    if fam.model_type == "hunyuan_v1_dense" and kind == "dynamic" and params.get("alpha"):
+        kind, theta = "default", _ntk_alpha_theta(params, theta, head_dim)
     default_partial = DEFAULT_PARTIAL_ROTARY.get(fam.model_type, 1.0)
     partial = params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", default_partial))
     if partial is None:
@@ -1957,6 +1990,23 @@ def _rope_of(params: dict, cfg: dict, fam: Family, head_dim: int, max_pos: int) 
             att = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(kw["original_max"]))
         kw |= {"short_factor": short, "long_factor": long, "factor": factor, "attention_factor": float(att)}
     return Rope(**kw)
+
+
+# What Hunyuan's config.json carries beside its alpha, which transformers' fixed NTK-alpha rope does not read
+NTK_ALPHA_UNREAD = frozenset(
+    {"factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "original_max_position_embeddings"}
+)
+
+
+def _ntk_alpha_theta(params: dict, theta: float, head_dim: int) -> float:
+    """Hunyuan's rope "dynamic" with an `alpha`, as transformers runs it (its "ntk_alpha"): θ · alpha^(d / (d − 2))
+    over head_dim d, the same at every length (params: alpha and the fields it leaves unread are removed)."""
+    alpha = params.pop("alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0 or math.isinf(alpha):
+        raise UnsupportedModel(f"rope_parameters.alpha must be a positive number, got {alpha!r}")
+    for key in NTK_ALPHA_UNREAD:
+        params.pop(key, None)
+    return theta * alpha ** (head_dim / (head_dim - 2))
 
 
 def _yarn_attention_factor(factor: float, params: dict) -> float:

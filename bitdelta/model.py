@@ -244,11 +244,18 @@ class Attention(nn.Module):
             self.k_proj = nn.Linear(d, kv, bias=args.qkv_bias)
             self.v_proj = nn.Linear(d, kv, bias=args.qkv_bias)
         self.o_proj = nn.Linear(q, d, bias=args.o_bias)
+        # the q and k norms under the family's names (Hunyuan's query_layernorm, key_layernorm)
+        self.qk_names = tuple(n.rsplit(".", 1)[1] for n in args.family.qk_norm_names)
         if args.qk_norm:
             shapes = {key: shape for key, _, shape in args.norm_params()}  # Command R+'s: [heads, head_dim]
-            self.q_norm = RMSNorm.of(args, shapes["self_attn.q_norm"])
-            self.k_norm = RMSNorm.of(args, shapes["self_attn.k_norm"])
+            for name, path in zip(self.qk_names, args.family.qk_norm_names):
+                setattr(self, name, RMSNorm.of(args, shapes[path]))
         self.kv_cache: KVCache | None = None
+
+    def qk_norms(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k through their norms."""
+        qn, kn = (getattr(self, n) for n in self.qk_names)
+        return qn(q), kn(k)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         # x: [B, T, dim]; pos: [T] positions of the T tokens
@@ -260,15 +267,18 @@ class Attention(nn.Module):
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if a.family.qk_whole:  # OLMo 2, OLMoE: q and k normed whole, before the heads are split
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.qk_norms(q, k)
         q = q.reshape(B, T, a.n_heads, a.head_dim)
         k = k.reshape(B, T, a.n_kv_heads, a.head_dim)
-        if a.qk_norm and not a.family.qk_whole:  # per head (Command R+'s weights [heads, head_dim] broadcast)
-            q, k = self.q_norm(q), self.k_norm(k)
+        per_head = a.qk_norm and not a.family.qk_whole  # Command R+'s weights [heads, head_dim] broadcast
+        if per_head and not a.family.qk_after_rope:
+            q, k = self.qk_norms(q, k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
         if a.rotates(self.layer):  # SmolLM3's NoPE layers take none
             q, k = rotate(a.rope, q, cos, sin), rotate(a.rope, k, cos, sin)
+        if per_head and a.family.qk_after_rope:  # Hunyuan: normed after the rope
+            q, k = (t.transpose(1, 2) for t in self.qk_norms(q.transpose(1, 2), k.transpose(1, 2)))
         temperature = a.q_temperature(pos)  # Ministral 3: q × its position's factor, in q's dtype
         if temperature is not None:
             q = q * temperature.to(q.dtype)[:, None]

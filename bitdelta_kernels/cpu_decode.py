@@ -86,6 +86,7 @@ class _Opts(ctypes.Structure):
         ("ungated", ctypes.c_int32),
         ("qk_heads", ctypes.c_int32),
         ("norm_plus_one", ctypes.c_int32),
+        ("qk_after_rope", ctypes.c_int32),
     ]
 
 
@@ -137,7 +138,8 @@ class DecodeOptions:
     the input norm's output: x + attention + MLP; the layers' norms are the input one alone); `ungated`,
     StarCoder2's MLP (the gate_up group is up alone, [intermediate, dim]: down(act(up))); `qk_heads`, Command
     R+'s q and k norms per head, each head by weights of its own (the stacks [n_slots + 1, heads · head_dim]);
-    `norm_plus_one`, Nemotron's LayerNorm1P (with `layer_norm`: × round(w + 1) in place of w)."""
+    `norm_plus_one`, Nemotron's LayerNorm1P (with `layer_norm`: × round(w + 1) in place of w); `qk_after_rope`,
+    Hunyuan's per-head q and k norms after the rope, not before."""
 
     gemma: bool = False
     act: str = "silu"
@@ -156,6 +158,7 @@ class DecodeOptions:
     ungated: bool = False
     qk_heads: bool = False
     norm_plus_one: bool = False
+    qk_after_rope: bool = False
 
     def __post_init__(self):
         if self.act not in ACTS:
@@ -657,6 +660,7 @@ class DecodeLayers:
             int(op.ungated),
             int(op.qk_heads),
             int(op.norm_plus_one),
+            int(op.qk_after_rope),
         )
         rs, wr = _slots32(row_slot), _ints(write_rows, torch.int64)
         if rope_rows is None:

@@ -49,6 +49,7 @@ typedef struct {
     int32_t ungated;       /* StarCoder2: the gate_up group is up alone [F, dim]; the MLP is down(act(up)) */
     int32_t qk_heads;      /* Command R+: the per-head q and k norms' weights are each head's own [n_slots + 1, heads · hd] */
     int32_t norm_plus_one; /* Nemotron's LayerNorm1P: each LayerNorm scales by round(w + 1), not w */
+    int32_t qk_after_rope; /* Hunyuan: the per-head q and k norms after the rope, not before */
 } bd_decode_opts;
 
 /* The MLP's gate activation (bd_decode_opts.act). */
@@ -212,6 +213,17 @@ static void norm_row(const float *xb, const void *w, const void *bias, int64_t o
         for (; k < D; ++k) hb[k] = round_to(dtype, w_at(w, dtype, off + k) * (xb[k] * inv));
     else
         for (; k < D; ++k) hb[k] = round_to(dtype, w_at(w, dtype, off + k) * round_to(dtype, xb[k] * inv));
+}
+
+/* Each of q's H and k's KV heads of hd at row (adjacent) through its per-head norm, slot `slot`'s weights:
+ * shared by the heads, or (Command R+, `own`) each head's own. */
+static void qk_head_norms(const bd_decode_layer *L, float *row, int64_t slot, int64_t H, int64_t KV, int64_t hd,
+                          float eps, int dtype, int style, int own) {
+    for (int64_t j = 0; j < H + KV; ++j) {
+        const int64_t n = j < H ? H : KV, head = j < H ? j : j - H;
+        const int64_t off = own ? ((slot + 1) * n + head) * hd : (slot + 1) * hd;
+        norm_row(row + j * hd, L->qk_norm[j >= H], NULL, off, hd, eps, dtype, style, row + j * hd);
+    }
 }
 
 /* norm_row of each of B rows of D, with its slot's weights (row_slot[b] + 1 of the stack). */
@@ -553,15 +565,13 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
             if (L->qk_norm[0] && o_->qk_full) { /* OLMo 2: q's and k's every head in one norm each */
                 norm_row(row, L->qk_norm[0], NULL, (row_slot[b] + 1) * HD, HD, eps, dtype, style, row);
                 norm_row(row + HD, L->qk_norm[1], NULL, (row_slot[b] + 1) * KV * hd, KV * hd, eps, dtype, style, row + HD);
-            } else if (L->qk_norm[0])
-                for (int64_t j = 0; j < H + KV; ++j) { /* head j's norm: shared by the heads, or (Command R+) its own */
-                    const int64_t n = j < H ? H : KV, head = j < H ? j : j - H;
-                    const int64_t off = o_->qk_heads ? ((row_slot[b] + 1) * n + head) * hd : (row_slot[b] + 1) * hd;
-                    norm_row(row + j * hd, L->qk_norm[j >= H], NULL, off, hd, eps, dtype, style, row + j * hd);
-                }
+            } else if (L->qk_norm[0] && !o_->qk_after_rope)
+                qk_head_norms(L, row, row_slot[b], H, KV, hd, eps, dtype, style, o_->qk_heads);
             if (!L->nope)
                 rope_heads(row, H + KV, hd, rot, (local ? lcs : cs) + b * hd, (local ? lsn : sn) + b * hd, dtype,
                            o_->interleaved, o_->rope_fp32);
+            if (L->qk_norm[0] && !o_->qk_full && o_->qk_after_rope) /* Hunyuan: the norms after the rope */
+                qk_head_norms(L, row, row_slot[b], H, KV, hd, eps, dtype, style, o_->qk_heads);
             memcpy(q + b * HD, row, sizeof(float) * (size_t)HD);
             const int64_t off = write_rows[b] * KV * hd;
             for (int64_t i = 0; i < KV * hd; ++i) {

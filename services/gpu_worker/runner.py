@@ -1073,7 +1073,7 @@ class ModelRunner:
                 k=self.kv.k[i],
                 v=self.kv.v[i],
                 window=a.window(i),
-                qk_norms=(sl.norms[i]["self_attn.q_norm"], sl.norms[i]["self_attn.k_norm"]) if a.qk_norm else None,
+                qk_norms=tuple(sl.norms[i][n] for n in a.family.qk_norm_names) if a.qk_norm else None,
                 local=a.local(i),
                 nope=not a.rotates(i),
             )
@@ -1099,6 +1099,7 @@ class ModelRunner:
             norm_once=a.family.norm_once,
             qk_full=a.family.qk_whole,
             qk_heads=a.qk_heads,
+            qk_after_rope=a.family.qk_after_rope,
             rotary=a.rope.dim,
             interleaved=a.rope.interleaved,
             rope_fp32=a.rope.fp32,
@@ -1145,14 +1146,20 @@ class ModelRunner:
             h = x if inp is None else norm(x, inp)  # OLMo 2/3: no input norm
             qkv = self._linear(h, i, "qkv", m)
             v = qkv[:, (H + KV) * hd :].view(N, KV, hd)
+            qn, kn = a.family.qk_norm_names
             if a.family.qk_whole:  # OLMo 2, OLMoE: q and k normed whole, then split into heads
-                q = norm(qkv[:, : H * hd], "self_attn.q_norm").view(N, H, hd)
-                k = norm(qkv[:, H * hd : (H + KV) * hd], "self_attn.k_norm").view(N, KV, hd)
+                q = norm(qkv[:, : H * hd], qn).view(N, H, hd)
+                k = norm(qkv[:, H * hd : (H + KV) * hd], kn).view(N, KV, hd)
                 if a.rotates(i):
                     q, k = rotate(rope, q, cos, sin), rotate(rope, k, cos, sin)
+            elif a.qk_norm and a.family.qk_after_rope:  # Hunyuan: the rope, then the norms
+                qk = qkv[:, : (H + KV) * hd].view(N, H + KV, hd)
+                if a.rotates(i):
+                    qk = rotate(rope, qk, cos, sin)
+                q, k = norm(qk[:, :H], qn), norm(qk[:, H:], kn)
             elif a.qk_norm:
-                q = norm(qkv[:, : H * hd].view(N, H, hd), "self_attn.q_norm")
-                k = norm(qkv[:, H * hd : (H + KV) * hd].view(N, KV, hd), "self_attn.k_norm")
+                q = norm(qkv[:, : H * hd].view(N, H, hd), qn)
+                k = norm(qkv[:, H * hd : (H + KV) * hd].view(N, KV, hd), kn)
                 if a.rotates(i):  # EXAONE 4's full layers: NoPE
                     q, k = rotate(rope, q, cos, sin), rotate(rope, k, cos, sin)
             elif not a.rotates(i):  # SmolLM3's and Cohere 2's NoPE layers: q and k as projected

@@ -166,6 +166,7 @@ def test_fields_that_would_change_the_model_are_refused(bases):
         ("starcoder2", "Starcoder2Config"),
         ("nemotron", "NemotronConfig"),
         ("arcee", "ArceeConfig"),
+        ("hunyuan_v1_dense", "HunYuanDenseV1Config"),
     ],
 )
 def test_a_field_left_out_means_what_it_means_to_transformers(model_type, config_class):
@@ -605,6 +606,27 @@ def test_nemotron_and_arcee_configs_as_transformers_reads_them(bases):
     for name in ("nemotron", "arcee"):
         with pytest.raises(UnsupportedModel, match="hidden_act 'relu'"):
             ModelArgs.from_hf({**read_config(bases[name]), "hidden_act": "relu"})
+
+
+def test_hunyuan_configs_as_transformers_reads_them(bases):
+    """Hunyuan dense: per-head q and k norms under its names, after the rope; its rope "dynamic" with an alpha is
+    transformers' fixed NTK stretch of θ (the yarn-like fields its config.json carries beside it unread), without
+    one the length-dependent dynamic rope; a bad alpha and a field no rope reads refused."""
+    cfg = read_config(bases["hunyuan"])
+    a = ModelArgs.from_hf(cfg)
+    assert a.layout == "q,k,v,o,gate,up,down;qk_norm" and a.family.qk_after_rope
+    assert [k for k, _, _ in a.norm_params()][2:] == ["self_attn.query_layernorm", "self_attn.key_layernorm"]
+    assert (a.rope.kind, a.rope.theta) == ("default", 10000.0 * 1000.0 ** (16 / 14))
+    shipped = {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "beta_fast": 32, "beta_slow": 1}
+    shipped |= {"factor": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # as Hunyuan-7B's config.json has them
+    assert ModelArgs.from_hf({**cfg, "rope_parameters": shipped}) == a
+    plain = ModelArgs.from_hf({**cfg, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}})
+    assert plain.rope.kind == "dynamic" and plain.rope.theta == 1e4
+    for bad, why in ((-1.0, "alpha must be a positive number"), ("big", "alpha must be a positive number")):
+        with pytest.raises(UnsupportedModel, match=why):
+            ModelArgs.from_hf({**cfg, "rope_parameters": {**shipped, "alpha": bad}})
+    with pytest.raises(UnsupportedModel, match="low_freq_factor"):
+        ModelArgs.from_hf({**cfg, "rope_parameters": {**shipped, "low_freq_factor": 1.0}})
 
 
 def test_gemma_configs_as_transformers_reads_them(bases):

@@ -250,7 +250,7 @@ def test_bf16_c_layers_rotate_as_the_layers_do(tmp_path, monkeypatch):
     parallel block, fp32 rotation from bf16 tables, NoPE layers), EXAONE 4 (post-norms rounded as
     Llama's), StableLM (LayerNorms with biases, a partial rope), StarCoder2 (an ungated GELU MLP),
     Command R+ (q and k normed per head by weights of their own) and Nemotron (LayerNorm1P's w + 1 rounded
-    to bf16 first, an ungated relu² MLP); the C layers rotating ERNIE's pairs
+    to bf16 first, an ungated relu² MLP) and Hunyuan (q and k normed after the rope); the C layers rotating ERNIE's pairs
     step by step do not."""
     from services.gpu_worker import runner as R
     from services.gpu_worker.config import WorkerConfig
@@ -281,7 +281,18 @@ def test_bf16_c_layers_rotate_as_the_layers_do(tmp_path, monkeypatch):
         finally:
             await worker.close()
 
-    for name in ("ernie4.5", "glm4", "cohere", "cohere2", "exaone4", "stablelm", "starcoder2", "cohere-qk", "nemotron"):
+    for name in (
+        "ernie4.5",
+        "glm4",
+        "cohere",
+        "cohere2",
+        "exaone4",
+        "stablelm",
+        "starcoder2",
+        "cohere-qk",
+        "nemotron",
+        "hunyuan",
+    ):
         c, layers = asyncio.run(steps(name, stepwise=False))
         assert torch.equal(c, layers), name
     c, layers = asyncio.run(steps("ernie4.5", stepwise=True))

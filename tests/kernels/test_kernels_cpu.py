@@ -685,10 +685,13 @@ def decode_layer_ref(
     if L.qk_norms is not None and opts is not None and opts.qk_full:  # q and k normed whole
         q, k_new = norm(q, L.qk_norms[0]), norm(k_new, L.qk_norms[1])
     q, k_new = q.reshape(B, H, hd), k_new.reshape(B, KV, hd)
-    if L.qk_norms is not None and not (opts is not None and opts.qk_full):
+    after = opts is not None and opts.qk_after_rope  # Hunyuan: the q/k norms after the rope
+    if L.qk_norms is not None and not (opts is not None and opts.qk_full) and not after:
         q, k_new = norm(q, L.qk_norms[0]), norm(k_new, L.qk_norms[1])
     if not L.nope:  # SmolLM3's NoPE layers: no rotation
         q, k_new = rope(q), rope(k_new)
+    if L.qk_norms is not None and after:
+        q, k_new = norm(q, L.qk_norms[0]), norm(k_new, L.qk_norms[1])
     scale = hd**-0.5 if opts is None or opts.attn_scale is None else opts.attn_scale
     cap = None if opts is None else opts.attn_softcap
     k, v = L.k.double().clone(), L.v.double().clone()
@@ -805,6 +808,7 @@ def test_decode_layers_against_the_reference(isa, dims):
         "cohere-qk",
         "nemotron",
         "arcee",
+        "hunyuan",
     ],
 )
 def test_decode_layers_of_other_families_against_the_reference(isa, kind):
@@ -817,7 +821,8 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     input norm, one norm a layer) with interleaved pairs over the whole head; StableLM's LayerNorms with
     biases (a slot's own) and a quarter of each head rotating; StarCoder2's ungated GELU MLP; Command R+'s q
     and k norms, each head by weights of its own; Nemotron's LayerNorm1P (× (w + 1), with biases), half of
-    each head rotating and its ungated relu² MLP; Arcee's ungated relu² MLP under RMSNorms; rows of
+    each head rotating and its ungated relu² MLP; Arcee's ungated relu² MLP under RMSNorms; Hunyuan's per-head
+    q and k norms after the rope; rows of
     two variants and the base in one step, fp32; a row alone the same as in the batch."""
     import dataclasses
 
@@ -848,7 +853,7 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
         L = dataclasses.replace(
             L,
             norms=norms(4 if gemma else 2, D),
-            qk_norms=norms(2, hd) if kind in ("gemma3", "qwen3") else None,
+            qk_norms=norms(2, hd) if kind in ("gemma3", "qwen3", "hunyuan") else None,
             local=kind == "gemma3",
             nope=kind == "nope",
         )
@@ -866,6 +871,7 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
         rope_fp32=kind.startswith("cohere"),
         layer_norm=kind in ("cohere", "cohere-qk", "stablelm", "starcoder2", "nemotron"),
         norm_plus_one=kind == "nemotron",
+        qk_after_rope=kind == "hunyuan",
         ungated=ungated,
         parallel=kind.startswith("cohere"),
         qk_heads=kind == "cohere-qk",
