@@ -132,16 +132,6 @@ class TPLayout:
         if n < 1 or not 0 <= self.rank < n:
             raise ShardError(f"rank {self.rank} of {n}: the tensor-parallel size must be ≥ 1 and 0 ≤ rank < size")
         kv, group = a.n_kv_heads, a.n_heads // a.n_kv_heads
-        if n > 1 and a.family.qk_whole:
-            raise ShardError(
-                f"{a.model_type}'s q and k norms span every head: a rank would need the others' heads "
-                f"(tensor parallelism serves the other families)"
-            )
-        if n > 1 and a.qk_heads:
-            raise ShardError(
-                f"{a.model_type}'s q and k norms with each head's own weights (use_qk_norm) are not split by heads "
-                f"yet: serve it on one rank"
-            )
         if n > kv:
             if n % kv:
                 raise ShardError(
@@ -188,6 +178,12 @@ class TPLayout:
         q0, q1 = self.heads(r)
         group = a.n_heads // a.n_kv_heads
         return q0 // group, -(-q1 // group)
+
+    def kv_owner(self) -> bool:
+        """Whether this rank is the first of the ranks that hold its KV heads (with more ranks than KV heads,
+        a KV head is replicated on several): the one whose k counts in a sum over every head."""
+        mine = self.kv_heads()
+        return next(r for r in range(self.size) if self.kv_heads(r) == mine) == self.rank
 
     def ffn(self, rank: int | None = None, size: int | None = None) -> tuple[int, int]:
         """Intermediate columns [f0, f1) of a rank (8-column blocks, the last one cut at the size) of
@@ -289,8 +285,14 @@ class TPLayout:
             return TensorShard(Split.REPLICATED)  # the final norm
         module = param.split(".", 3)[3].rsplit(".", 1)[0]  # "self_attn.o_proj"
         mats = self._matrices()
+        a = self.args
+        if (a.qk_heads or a.family.qk_whole) and module in a.family.qk_norm_names:
+            # Command R+'s [heads, hd] (each head its own weights), OLMo 2's [heads · hd]: this rank's heads
+            h0, h1 = self.heads() if module == a.family.qk_norm_names[0] else self.kv_heads()
+            unit = 1 if a.qk_heads else a.head_dim
+            return TensorShard(Split.COLUMN, rows=((h0 * unit, h1 * unit),))
         if module not in mats:
-            return TensorShard(Split.REPLICATED)  # a norm (q/k norms included)
+            return TensorShard(Split.REPLICATED)  # a norm (the q/k norms of one head's weights included)
         group, r0, d_out = mats[module]
         if group in SPARSE_GROUPS:  # every rank routes every token: the router's tensors whole on each
             return TensorShard(Split.REPLICATED)

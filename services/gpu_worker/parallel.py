@@ -162,6 +162,22 @@ class ShardedRunner(ModelRunner):
             return y
         return y + (bias[m.single_norm] if m.norm_idx is None else bias[m.norm_idx])
 
+    def _whole_qk_norms(
+        self, q: torch.Tensor, k: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor], m: StepMeta, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMo 2's whole-projection q and k norms over this rank's heads: its rows' sums of squares of q
+        and of k (a KV head several ranks replicate counted by the first of them only), ONE all-reduce of
+        both for the layer, then each rank scales its own heads."""
+        full = self.tp.args
+        hd = full.head_dim
+        kf = k.float() if self.tp.kv_owner() else torch.zeros_like(k, dtype=torch.float32)
+        squares = torch.stack([q.float().pow(2).sum(-1), kf.pow(2).sum(-1)], 1)  # [N, 2]
+        self.comm.all_reduce(squares)
+        out = []
+        for t, w, s, width in zip((q, k), weights, squares.unbind(1), (full.n_heads * hd, full.n_kv_heads * hd)):
+            out.append(self._scaled(t, t.float() * torch.rsqrt(s / width + eps)[:, None], w, m))
+        return out[0], out[1]
+
     def _sparse(self, h: torch.Tensor, layer: int, m: StepMeta) -> torch.Tensor:
         """A sparse layer on this rank's columns of every expert: each rank routes every row the same
         way (the router and h are whole on each), sums its partial experts' outputs, then ONE

@@ -705,6 +705,20 @@ class ModelRunner:
         if self.args.family.layer_norm:
             xf = xf - xf.mean(-1, keepdim=True)
         xf = F.rms_norm(xf, (x.shape[-1],), eps=eps)  # one op for x·rsqrt(mean(x²) + eps)
+        return self._scaled(x, xf, weights, m, bias)
+
+    def _whole_qk_norms(
+        self, q: torch.Tensor, k: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor], m: StepMeta, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMo 2's, OLMo 3's and OLMoE's q and k [N, heads · hd], each normed over every head together (a
+        tensor-parallel rank holds some of the heads: `ShardedRunner` sums the squares across the ranks)."""
+        return self._norm(q, weights[0], m, eps), self._norm(k, weights[1], m, eps)
+
+    def _scaled(
+        self, x: torch.Tensor, xf: torch.Tensor, weights: torch.Tensor, m: StepMeta, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`_norm`'s second half: x normalised in fp32 (xf) scaled by each row's weights (and bias) as the
+        family rounds them, in x's dtype."""
 
         def rows(t: torch.Tensor) -> torch.Tensor:  # each row's slot's entry of a stack
             return t[m.single_norm] if m.norm_idx is None else t[m.norm_idx]
@@ -1148,8 +1162,10 @@ class ModelRunner:
             v = qkv[:, (H + KV) * hd :].view(N, KV, hd)
             qn, kn = a.family.qk_norm_names
             if a.family.qk_whole:  # OLMo 2, OLMoE: q and k normed whole, then split into heads
-                q = norm(qkv[:, : H * hd], qn).view(N, H, hd)
-                k = norm(qkv[:, H * hd : (H + KV) * hd], kn).view(N, KV, hd)
+                q, k = self._whole_qk_norms(
+                    qkv[:, : H * hd], qkv[:, H * hd : (H + KV) * hd], (norms[qn], norms[kn]), m, a.norm_eps
+                )
+                q, k = q.view(N, H, hd), k.view(N, KV, hd)
                 if a.rotates(i):
                     q, k = rotate(rope, q, cos, sin), rotate(rope, k, cos, sin)
             elif a.qk_norm and a.family.qk_after_rope:  # Hunyuan: the rope, then the norms

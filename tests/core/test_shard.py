@@ -226,14 +226,26 @@ def test_impossible_splits_are_refused_with_the_reason():
         TPLayout(tiny_args(n_heads=6, n_kv_heads=3), 4, 0)
     with pytest.raises(ShardError, match="whole sign byte"):
         TPLayout(tiny_args(dim=36, n_heads=9, n_kv_heads=9, head_dim=4), 2, 0)
-    olmo2 = tiny_args(model_type="olmo2")  # its q and k norms are over every head at once
-    assert TPLayout(olmo2, 1, 0).size == 1
-    with pytest.raises(ShardError, match="olmo2's q and k norms span every head"):
-        TPLayout(olmo2, 2, 0)
-    plus = tiny_args(model_type="cohere", qk_heads=True)  # Command R+: each head's own q/k norm weights
-    assert TPLayout(plus, 1, 0).size == 1
-    with pytest.raises(ShardError, match="each head's own weights"):
-        TPLayout(plus, 2, 0)
+
+
+def test_per_head_q_and_k_norm_weights_split_with_their_heads():
+    """OLMo 2's q and k norms over every head ([heads · hd]) and Command R+'s of each head's own weights
+    ([heads, hd]) split with the rank's heads; with one KV head on two ranks both hold k's whole and only
+    the first counts it in a sum over every head (`kv_owner`)."""
+    olmo2 = tiny_args(model_type="olmo2", n_heads=4, n_kv_heads=2)
+    hd = olmo2.head_dim
+    for rank, (q, k) in enumerate((((0, 2 * hd), (0, hd)), ((2 * hd, 4 * hd), (hd, 2 * hd)))):
+        t = TPLayout(olmo2, 2, rank)
+        assert t.shard_of("model.layers.0.self_attn.q_norm.weight", "weight", (4 * hd,)).rows == (q,)
+        assert t.shard_of("model.layers.0.self_attn.k_norm.weight", "dense", (2 * hd,)).rows == (k,)
+        assert t.kv_owner()
+    one_kv = tiny_args(model_type="olmo2", n_heads=4, n_kv_heads=1)
+    assert [TPLayout(one_kv, 2, r).kv_owner() for r in range(2)] == [True, False]
+    plus = tiny_args(model_type="cohere", qk_heads=True, n_heads=4, n_kv_heads=2)  # Command R+
+    t = TPLayout(plus, 2, 1)
+    assert t.shard_of("model.layers.0.self_attn.q_norm.weight", "weight", (4, plus.head_dim)).rows == ((2, 4),)
+    assert t.shard_of("model.layers.0.self_attn.k_norm.weight", "weight", (2, plus.head_dim)).rows == ((1, 2),)
+    assert t.shard_of("model.layers.0.input_layernorm.weight", "weight", (plus.dim,)).split is Split.REPLICATED
 
 
 def delta_tensors(a: ModelArgs):

@@ -135,6 +135,9 @@ async def test_a_corrupt_delta_is_data_loss_and_the_ranks_keep_serving(family):
         "stablelm",
         "starcoder2",
         "nemotron",
+        "cohere-qk",
+        "olmo2-1kv",
+        "olmoe",
     ],
 )
 async def test_family_layers_on_two_ranks_equal_one_process(tmp_path, member):
@@ -145,7 +148,10 @@ async def test_family_layers_on_two_ranks_equal_one_process(tmp_path, member):
     parallel block (the attention's and the MLP's sums all-reduced apart, both from the one input
     norm; NoPE and sliding layers), EXAONE 4's post-norms with per-head q/k norms on each rank's
     heads, StableLM's LayerNorm biases (whole on each rank, a variant's own among them) and StarCoder2's
-    ungated MLP (its up projection's columns split alone; Nemotron's too, under LayerNorm1P): the same greedy tokens as one process, each
+    ungated MLP (its up projection's columns split alone; Nemotron's too, under LayerNorm1P), Command R+'s q and k
+    norms (each rank its heads' weights) and the q and k norms over every head of OLMo 2 and OLMoE (each rank
+    its heads' sums of squares, one all-reduce of both a layer; OLMo 2's one KV head on both ranks counted
+    once): the same greedy tokens as one process, each
     variant alone and all in one batch."""
     from bitdelta.compress import compress
     from bitdelta.testing.family import make_finetune

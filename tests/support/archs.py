@@ -140,6 +140,8 @@ def hf_config(name: str):
         return tf.SmolLM3Config(**COMMON, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8)
     if name == "olmo2":  # norms after the sublayers only, q and k normed whole
         return tf.Olmo2Config(**COMMON)
+    if name == "olmo2-1kv":  # one KV head (on two tensor-parallel ranks: replicated, its k counted once)
+        return tf.Olmo2Config(**{**COMMON, "num_key_value_heads": 1})
     if name == "mixtral":  # a sparse layer of 4 experts, 2 per token (renormalised), windows of 8
         return tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=8)
     if name == "qwen3-moe":  # Qwen3's attention, 4 experts of 24, 2 per token, not renormalised
