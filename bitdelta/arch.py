@@ -61,6 +61,7 @@ SUPPORTED = (
     "nemotron",
     "arcee",
     "hunyuan_v1_dense",
+    "phi",
 )
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -122,6 +123,12 @@ class Family:
     # the per-head q and k norms' module paths inside a layer (Hunyuan's self_attn.query_layernorm, key_layernorm)
     qk_norm_names: tuple[str, str] = ("self_attn.q_norm", "self_attn.k_norm")
     qk_after_rope: bool = False  # Hunyuan: q and k normed after the rope, not before
+    o_name: str = "o_proj"  # the attention's output projection inside self_attn (Phi's dense)
+    final_norm: str = "norm"  # the final norm's module inside `model` (Phi's final_layernorm)
+    head_bias: bool = False  # Phi: the LM head has a bias (lm_head.bias)
+    # Phi: a parallel block's two outputs added first, then the residual ((attention + MLP) + x; Cohere's
+    # and StableLM's: (x + attention) + MLP)
+    sublayers_first: bool = False
     # a sandwich layer's norms (Family.sandwich): of the attention's output, of the MLP's input, of the MLP's output
     sandwich_names: tuple[str, str, str] = (
         "post_attention_layernorm",
@@ -430,6 +437,25 @@ FAMILIES: dict[str, Family] = {
         frozenset({"attention_bias"}),
         qk_norm_names=("self_attn.query_layernorm", "self_attn.key_layernorm"),
         qk_after_rope=True,
+    ),
+    # Phi (Phi-1, Phi-1.5, Phi-2; Microsoft): a parallel block under one LayerNorm with a bias, every projection
+    # biased (q, k, v, dense; the ungated MLP fc1 -> GELU (gelu_new) -> fc2), the rope over the first
+    # partial_rotary_factor of each head (0.5 by default), the final LayerNorm `final_layernorm`, a biased head
+    "phi": Family(
+        "phi",
+        False,
+        False,
+        True,
+        frozenset({"layer_norm_eps", "qk_layernorm"}),
+        layer_norm=True,
+        parallel=True,
+        norm_bias=True,
+        ungated_mlp=("fc1", "fc2"),
+        norm_eps_field="layer_norm_eps",
+        o_name="dense",
+        final_norm="final_layernorm",
+        head_bias=True,
+        sublayers_first=True,
     ),
     # Arcee (AFM-4.5B): Llama's layer with an ungated MLP up_proj -> relu² -> down_proj
     "arcee": Family(
@@ -851,6 +877,18 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "tie_word_embeddings": False,
         "attention_bias": False,
     },
+    "phi": {
+        "vocab_size": 51200,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 32,
+        "hidden_act": "gelu_new",
+        "max_position_embeddings": 2048,
+        "layer_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "qk_layernorm": False,
+    },
     "arcee": {
         "vocab_size": 32000,
         "hidden_size": 2560,
@@ -868,7 +906,7 @@ FAMILY_DEFAULTS: dict[str, dict] = {
 # The rope's θ where a config names none, where transformers' class of the family has its own
 DEFAULT_THETA = {"mixtral": 1e6, "smollm3": 2e6, "gemma3_text": 1e6, "olmo3": 5e5, "ernie4_5": 5e5, "cohere": 5e5}
 # The partial_rotary_factor where a config names none, where transformers' class of the family has its own
-DEFAULT_PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5, "stablelm": 0.25, "nemotron": 0.5}
+DEFAULT_PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5, "stablelm": 0.25, "nemotron": 0.5, "phi": 0.5}
 # Families with a rope per layer type (ModelArgs.local_rope, `_layer_type_ropes`): where the old spelling
 # gives the sliding layers' θ (field, default); None: the full layers' θ
 LAYER_TYPE_ROPES: dict[str, tuple[str, float] | None] = {
@@ -912,8 +950,9 @@ WRAPPER_FIELDS: dict[str, frozenset[str]] = {
     ),
 }
 # The MLP gate activations (config name -> the runner's name); Gemma's is GELU in its tanh form, Nemotron's
-# and Arcee's relu(x)² (transformers' relu2).
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "relu2"}
+# and Arcee's relu(x)² (transformers' relu2), Phi's GELU's tanh form written out op by op (gelu_new: each
+# op rounds to the model's dtype, as transformers' NewGELUActivation).
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "relu2", "gelu_new": "gelu_new"}
 
 # Fields every family reads.
 COMMON_FIELDS = frozenset(
@@ -1170,7 +1209,7 @@ class ModelArgs:
     o_bias: bool = False  # o_proj has a bias (Llama/Qwen3 attention_bias)
     mlp_bias: bool = False  # gate, up, down have biases (Llama mlp_bias)
     windows: tuple[int | None, ...] = ()  # per layer: sliding-window size, None = full attention; (): all full
-    act: str = "silu"  # the MLP's gate activation: "silu", "gelu_tanh" or "relu2" (ACTIVATIONS)
+    act: str = "silu"  # the MLP's gate activation: "silu", "gelu_tanh", "relu2" or "gelu_new" (ACTIVATIONS)
     # the scores' scale where it is not 1/√head_dim (Gemma 2/3's query_pre_attn_scalar ** -0.5, Granite's
     # attention_multiplier), else None (SDPA's own)
     attn_scale: float | None = None
@@ -1285,7 +1324,7 @@ class ModelArgs:
                 Matrix("mlp.gate_proj", "gate_up", f, d, self.mlp_bias),
                 Matrix("mlp.up_proj", "gate_up", f, d, self.mlp_bias),
             ]
-        o = Matrix("self_attn.o_proj", "o", d, q, self.o_bias)
+        o = Matrix(f"self_attn.{self.family.o_name}", "o", d, q, self.o_bias)
         if self.family.moe is not None:
             return (*attn, o, *self.expert_matrices())
         return (*attn, o, *mlp, Matrix(down, "down", d, f, self.mlp_bias))
@@ -1389,6 +1428,11 @@ class ModelArgs:
             text += ";qk_norm"
         return text
 
+    @property
+    def final_norm_path(self) -> str:
+        """The final norm's module path ("model.norm"; Phi's "model.final_layernorm")."""
+        return f"model.{self.family.final_norm}"
+
     def norm_param_count(self) -> int:
         """Every norm parameter: each layer's (`norm_params`) and the final norm's weight (and bias)."""
         per_layer = sum(math.prod(shape) for _, _, shape in self.norm_params())
@@ -1397,7 +1441,8 @@ class ModelArgs:
     def param_count(self) -> int:
         per_layer = sum(m.d_out * m.d_in + (m.d_out if m.bias else 0) for m in self.matrices())
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        return self.n_layers * per_layer + emb + self.norm_param_count()
+        head_bias = self.vocab_size if self.family.head_bias else 0
+        return self.n_layers * per_layer + emb + head_bias + self.norm_param_count()
 
     # -- configs --------------------------------------------------------------------------------
     @classmethod
@@ -1555,8 +1600,8 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
             raise UnsupportedModel(
                 "internlm3 with qkv_bias (attention_bias) different from bias (mlp_bias): transformers refuses it"
             )
-    if model_type == "stablelm" and cfg.get("qk_layernorm"):
-        raise UnsupportedModel("qk_layernorm (StableLM 2 12B's per-head LayerNorms of q and k) is not supported")
+    if model_type in ("stablelm", "phi") and cfg.get("qk_layernorm"):
+        raise UnsupportedModel(f"qk_layernorm ({model_type}'s LayerNorms of q and k) is not supported")
     act = _activation(cfg, fam)
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -1598,12 +1643,12 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         model_type=model_type,
         rope=rope,
-        qkv_bias=model_type == "qwen2"
+        qkv_bias=model_type in ("qwen2", "phi")
         or attn_bias
         or (model_type == "qwen2_moe" and bool(cfg["qkv_bias"]))
         or bool(cfg.get("use_qkv_bias", False)),
-        o_bias=(attn_bias and fam.o_bias) or bool(cfg.get("attention_out_bias", False)),
-        mlp_bias=bool(cfg.get("mlp_bias", False)) or bool(cfg.get("use_bias", False)),
+        o_bias=(attn_bias and fam.o_bias) or bool(cfg.get("attention_out_bias", False)) or model_type == "phi",
+        mlp_bias=bool(cfg.get("mlp_bias", False)) or bool(cfg.get("use_bias", False)) or model_type == "phi",
         windows=_windows(cfg, model_type, n_layers),
         act=act,
         attn_scale=attn_scale,

@@ -27,6 +27,7 @@ embeddings) replaced: `attach_delta` (a grown vocabulary's embedding and head to
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import torch
@@ -86,9 +87,12 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 def gate_act(args: ModelArgs, x: torch.Tensor) -> torch.Tensor:
-    """The MLP's gate activation of the family (Nemotron's relu²: relu, then the square rounded once)."""
+    """The MLP's gate activation of the family (Nemotron's relu²: relu, then the square rounded once; Phi's
+    gelu_new: GELU's tanh form op by op, each op rounded, as transformers' NewGELUActivation)."""
     if args.act == "relu2":
         return F.relu(x).square()
+    if args.act == "gelu_new":
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
     return F.gelu(x, approximate="tanh") if args.act == "gelu_tanh" else F.silu(x)
 
 
@@ -243,7 +247,7 @@ class Attention(nn.Module):
             self.q_proj = nn.Linear(d, q, bias=args.qkv_bias)
             self.k_proj = nn.Linear(d, kv, bias=args.qkv_bias)
             self.v_proj = nn.Linear(d, kv, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(q, d, bias=args.o_bias)
+        setattr(self, args.family.o_name, nn.Linear(q, d, bias=args.o_bias))  # Phi's dense
         # the q and k norms under the family's names (Hunyuan's query_layernorm, key_layernorm)
         self.qk_names = tuple(n.rsplit(".", 1)[1] for n in args.family.qk_norm_names)
         if args.qk_norm:
@@ -287,7 +291,8 @@ class Attention(nn.Module):
             out = attend(q, k, v, attention_mask(pos, torch.arange(k.shape[2], device=x.device), self.window), a)
         else:
             out = attend(q, k, v, None if self.window is None else attention_mask(pos, pos, self.window), a)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim))
+        o_proj = getattr(self, a.family.o_name)
+        return o_proj(out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim))
 
 
 class MLP(nn.Module):
@@ -392,7 +397,7 @@ class Block(nn.Module):
         att = self.self_attn(h, cos, sin, pos)
         ffn = getattr(self, self.ffn)
         if a.parallel:  # Cohere, StableLM's parallel residual: the MLP reads the attention's input; x + attention + MLP
-            return x + att + ffn(h)
+            return x + (att + ffn(h)) if a.family.sublayers_first else x + att + ffn(h)  # Phi's: (attention + MLP) + x
         if attn_out is None:  # Llama's layer
             x = residual(a, x, att)
             return residual(a, x, ffn(mlp_in(x)))
@@ -407,7 +412,7 @@ class Body(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm.of(args, args.dim)
+        setattr(self, args.family.final_norm, RMSNorm.of(args, args.dim))  # Phi's final_layernorm
 
 
 class Llama(nn.Module):
@@ -417,7 +422,7 @@ class Llama(nn.Module):
         super().__init__()
         self.args = args
         self.model = Body(args)
-        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=args.family.head_bias)
         if args.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -446,7 +451,7 @@ class Llama(nn.Module):
         local = None if a.local_rope is None else a.local_rope.tables(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, *(local if a.local(i) else (cos, sin)), positions)
-        return final_logits(a, self.lm_head(self.model.norm(x)).float())
+        return final_logits(a, self.lm_head(getattr(self.model, a.family.final_norm)(x)).float())
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:

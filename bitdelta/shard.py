@@ -44,6 +44,7 @@ from bitdelta.rpc.wire.delta_store import slice_runs
 
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
+HEAD_BIAS = "lm_head.bias"  # Phi's (Family.head_bias)
 COLUMN_GROUPS = ("qkv", "gate_up")
 ROW_GROUPS = ("o", "down")
 
@@ -277,6 +278,8 @@ class TPLayout:
         the header's parts; a column α of a square matrix has a row α's shape)."""
         kind = role.rstrip("0123456789")  # plane p's "signP" / "alphaP" split like plane 1's
         col_alpha = kind == "alpha" and axis == "col"
+        if param == HEAD_BIAS:  # Phi's: the head's rows
+            return TensorShard(Split.VOCAB, rows=(self.vocab(),))
         if param in (EMBED, HEAD):
             if (kind == "alpha" and tuple(shape) == (1,)) or kind == "lowrank_v":
                 return TensorShard(Split.REPLICATED)  # per-matrix α; V [r, dim] (dim is not split)

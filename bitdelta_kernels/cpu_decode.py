@@ -87,11 +87,12 @@ class _Opts(ctypes.Structure):
         ("qk_heads", ctypes.c_int32),
         ("norm_plus_one", ctypes.c_int32),
         ("qk_after_rope", ctypes.c_int32),
+        ("sublayers_first", ctypes.c_int32),
     ]
 
 
 # The MLP gate activations the C layers compute (DecodeOptions.act -> bd_decode_opts' ACT_* code)
-ACTS = {"silu": 0, "gelu_tanh": 1, "relu2": 2}
+ACTS = {"silu": 0, "gelu_tanh": 1, "relu2": 2, "gelu_new": 3}
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ class DecodeLayer:
 class DecodeOptions:
     """What a family changes in the layer (the defaults: Llama's): `gemma`, Gemma's RMSNorm (× (1 + w)
     in fp32, one rounding) and token ids' embeddings × round(embed_scale); `act`, the MLP's gate activation
-    (ACTS: "silu", GELU's tanh form "gelu_tanh", Nemotron's "relu2"); `attn_scale`, the scores' scale (None: 1/√head_dim); `attn_softcap`, Gemma 2's
+    (ACTS: "silu", GELU's tanh form "gelu_tanh", Nemotron's "relu2", Phi's op-by-op "gelu_new"); `attn_scale`, the scores' scale (None: 1/√head_dim); `attn_softcap`, Gemma 2's
     cap of the scores; Granite's `embed_multiplier` (token ids' embeddings × it, one rounding) and
     `residual_multiplier` (each sublayer's output × it, rounded, before its residual add); OLMo 2's
     `norm_once` (RMSNorm × w in fp32, one rounding) and `qk_full` (the q and k norms over the whole
@@ -139,7 +140,8 @@ class DecodeOptions:
     StarCoder2's MLP (the gate_up group is up alone, [intermediate, dim]: down(act(up))); `qk_heads`, Command
     R+'s q and k norms per head, each head by weights of its own (the stacks [n_slots + 1, heads · head_dim]);
     `norm_plus_one`, Nemotron's LayerNorm1P (with `layer_norm`: × round(w + 1) in place of w); `qk_after_rope`,
-    Hunyuan's per-head q and k norms after the rope, not before."""
+    Hunyuan's per-head q and k norms after the rope, not before; `sublayers_first`, Phi's parallel block
+    ((attention + MLP) + x, with `parallel`)."""
 
     gemma: bool = False
     act: str = "silu"
@@ -159,12 +161,15 @@ class DecodeOptions:
     qk_heads: bool = False
     norm_plus_one: bool = False
     qk_after_rope: bool = False
+    sublayers_first: bool = False
 
     def __post_init__(self):
         if self.act not in ACTS:
             raise ValueError(f"act {self.act!r} is not one of {sorted(ACTS)}")
         if self.norm_plus_one and not self.layer_norm:
             raise ValueError("norm_plus_one is a LayerNorm's (Nemotron's LayerNorm1P): it needs layer_norm")
+        if self.sublayers_first and not self.parallel:
+            raise ValueError("sublayers_first orders a parallel block's sums (Phi's): it needs parallel")
 
 
 @dataclass(frozen=True)
@@ -661,6 +666,7 @@ class DecodeLayers:
             int(op.qk_heads),
             int(op.norm_plus_one),
             int(op.qk_after_rope),
+            int(op.sublayers_first),
         )
         rs, wr = _slots32(row_slot), _ints(write_rows, torch.int64)
         if rope_rows is None:

@@ -50,10 +50,11 @@ typedef struct {
     int32_t qk_heads;      /* Command R+: the per-head q and k norms' weights are each head's own [n_slots + 1, heads · hd] */
     int32_t norm_plus_one; /* Nemotron's LayerNorm1P: each LayerNorm scales by round(w + 1), not w */
     int32_t qk_after_rope; /* Hunyuan: the per-head q and k norms after the rope, not before */
+    int32_t sublayers_first; /* Phi: a parallel block's attention and MLP outputs added first, then to x */
 } bd_decode_opts;
 
 /* The MLP's gate activation (bd_decode_opts.act). */
-enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_RELU2 = 2 };
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_RELU2 = 2, ACT_GELU_NEW = 3 };
 
 /* How a norm rounds (norm_row): Llama's, Gemma's (1 + w, once), OLMo 2's (w, once) or a LayerNorm
  * (Cohere's, StableLM's: the mean subtracted, then as OLMo 2's, a bias added before the rounding;
@@ -324,6 +325,39 @@ static void relu2_mul(const float *gu, int64_t B, int64_t F, int dtype, int gate
     }
 }
 
+/* act[b, k] = round(round(gelu_new(g)) · u), or round(gelu_new(g)) where not `gated` (as silu_mul; Phi's MLP):
+ * transformers' NewGELUActivation op by op, each op rounded to the dtype as torch rounds it:
+ * round(round(0.5 · g) · round(1 + round(tanh(round(√(2/π) · round(g + round(0.044715 · round(g³)))))))),
+ * round(g³) = round(round(g · g) · g) (torch's pow(g, 3) in bf16), tanh(y) = 1 − 2 / (e^{2y} + 1) in the lanes. */
+static void gelu_new_mul(const float *gu, int64_t B, int64_t F, int dtype, int gated, float *act) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
+    for (int64_t b = 0; b < B; ++b) {
+        const float *gb = gu + b * (gated ? 2 * F : F), *ub = gb + F;
+        float *ab = act + b * F;
+        int64_t k = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+        const vf one = V_SET1(1.f), two = V_SET1(2.f), half = V_SET1(0.5f);
+#define R_(v) round_vec(dtype, v)
+        for (; k + LANES <= F; k += LANES) {
+            const vf g = V_LOAD(gb + k);
+            const vf cube = R_(V_MUL(R_(V_MUL(g, g)), g));
+            const vf y = R_(V_MUL(V_SET1(beta), R_(V_ADD(g, R_(V_MUL(V_SET1(kappa), cube))))));
+            const vf th = R_(V_SUB(one, V_DIV(two, V_ADD(exp_vec(V_MUL(two, y)), one))));
+            const vf ge = R_(V_MUL(R_(V_MUL(half, g)), R_(V_ADD(one, th))));
+            V_STORE(ab + k, gated ? R_(V_MUL(ge, V_LOAD(ub + k))) : ge);
+        }
+#undef R_
+#endif
+        for (; k < F; ++k) {
+            const float g = gb[k], cube = round_to(dtype, round_to(dtype, g * g) * g);
+            const float y = round_to(dtype, beta * round_to(dtype, g + round_to(dtype, kappa * cube)));
+            const float th = round_to(dtype, tanhf(y));
+            const float ge = round_to(dtype, round_to(dtype, 0.5f * g) * round_to(dtype, 1.f + th));
+            ab[k] = gated ? round_to(dtype, ge * ub[k]) : ge;
+        }
+    }
+}
+
 /* Rope over n heads of hd values at xh, the rotation over each head's first r dims (r = hd but for a
  * partial_rotary_factor; the rest pass as they are; runner's rope):
  * lo' = round(round(lo·c) + round(−hi·s)), hi' = round(round(hi·c') + round(lo·s')). */
@@ -584,8 +618,10 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
             break;
         round_all(att, B * HD, dtype);
         if ((rc = decode_proj(L, 1, att, B, HD, D, dtype, row_slot, slots, P, any_delta, one_pass, LOW(1), o, n_threads))) break;
-        if (o_->parallel) /* Cohere: h still holds the input norm's output, the MLP's input */
-            residual_add(x, o, B * D, dtype, rm);
+        if (o_->parallel) { /* Cohere: h still holds the input norm's output, the MLP's input */
+            if (!o_->sublayers_first) /* Phi's: o kept, added to the MLP's output below */
+                residual_add(x, o, B * D, dtype, rm);
+        }
         else if (L->norm[2] || !L->norm[0]) { /* Gemma 2/3's sandwich, OLMo 2's post-norms: the attention's output
                                             * normed; the MLP's input by its own norm (Gemma), or not (OLMo 2) */
             decode_norm(o, L->norm[1], L->norm_bias[1], row_slot, B, D, eps, dtype, style, h);
@@ -606,9 +642,13 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
             gelu_mul(gu, B, F, dtype, gated, act);
         else if (o_->act == ACT_RELU2)
             relu2_mul(gu, B, F, dtype, gated, act);
+        else if (o_->act == ACT_GELU_NEW)
+            gelu_new_mul(gu, B, F, dtype, gated, act);
         else
             silu_mul(gu, B, F, dtype, gated, act);
         if ((rc = decode_proj(L, 3, act, B, F, D, dtype, row_slot, slots, P, any_delta, one_pass, LOW(3), dn, n_threads))) break;
+        if (o_->parallel && o_->sublayers_first) /* Phi: dn = round(attention + MLP), then x + dn */
+            residual_add(dn, o, B * D, dtype, 1.f);
         if (L->norm[3]) { /* the MLP's output normed before its residual add */
             decode_norm(dn, L->norm[3], L->norm_bias[3], row_slot, B, D, eps, dtype, style, h);
             residual_add(x, h, B * D, dtype, rm);

@@ -204,7 +204,8 @@ def plan_delta(layout: SlotLayout, info: DeltaInfo) -> DeltaPlan:
             n = layout.norms[param]
             want = n.shape or (n.size,)
             if role != "dense" or t.shape != want or t.dtype not in FLOAT_DTYPES:
-                raise _bad(info.name, t, f"must be a dense float {list(want)} norm weight")
+                what = "head bias" if n.name == "head.bias" else "norm weight"  # Phi's head bias sits among the norms
+                raise _bad(info.name, t, f"must be a dense float {list(want)} {what}")
             out.append(Placement(t, Kind.NORM, norm=n))
         elif role == "file":
             if param not in FILES or t.dtype != "U8" or len(t.shape) != 1:

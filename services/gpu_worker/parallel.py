@@ -249,7 +249,7 @@ def build_rank(
     layout = SlotLayout(local, dtype)
     n_slots = c.max_slots or c.delta_budget // SlotLayout(largest, dtype).slot_bytes
     slots = SlotTensors.allocate(
-        layout, n_slots, device, base.norms, base.final_norm, base.biases, base.final_norm_bias
+        layout, n_slots, device, base.norms, base.final_norm, base.biases, base.final_norm_bias, base.head_bias
     )
     n_blocks = c.kv_cache // KVPool.bytes_per_token(largest, dtype) // c.block_size
     if n_blocks < 1:

@@ -50,7 +50,7 @@ from bitdelta.model import (
     rotate,
     route,
 )
-from bitdelta.shard import EMBED, HEAD
+from bitdelta.shard import EMBED, HEAD, HEAD_BIAS
 from bitdelta_kernels import (
     backend_for,
     bitdelta_delta_batched,
@@ -75,7 +75,7 @@ from bitdelta_kernels.cpu_decode import (
 )
 from bitdelta_kernels.cpu_ops import dense_gemv_max_m
 from bitdelta_kernels.lowrank import factor_mm
-from services.gpu_worker.slots import FINAL_NORM, FINAL_NORM_BIAS, BigTensor, SlotExtras, SlotTensors
+from services.gpu_worker.slots import BigTensor, SlotExtras, SlotTensors
 
 
 @dataclass
@@ -214,6 +214,7 @@ class BaseWeights:
     final_norm: torch.Tensor  # [dim]
     head: torch.Tensor  # [vocab, dim]; the embedding itself when tied
     final_norm_bias: torch.Tensor | None = None  # [dim], StableLM's (Family.norm_bias)
+    head_bias: torch.Tensor | None = None  # [vocab], Phi's (Family.head_bias)
 
     @classmethod
     def load(cls, ckpt, dtype: torch.dtype, device: torch.device, part=None) -> tuple[BaseWeights, ModelArgs]:
@@ -254,8 +255,9 @@ class BaseWeights:
                 norms.append({key: tensor(r, [f"model.layers.{i}.{p}"]).view(-1) for key, p, _ in args.norm_params()})
             embed = tensor(r, [EMBED])
             head = embed if args.tie_embeddings else tensor(r, [HEAD])
-            final = tensor(r, [FINAL_NORM])
-            final_bias = tensor(r, [FINAL_NORM_BIAS]) if args.family.norm_bias else None
+            final = tensor(r, [f"{args.final_norm_path}.weight"])
+            final_bias = tensor(r, [f"{args.final_norm_path}.bias"]) if args.family.norm_bias else None
+            head_bias = tensor(r, [HEAD_BIAS]) if args.family.head_bias else None
             unexpected = [
                 k
                 for k in r.keys()
@@ -263,13 +265,12 @@ class BaseWeights:
             ]
         if unexpected:
             raise ValueError(f"{ckpt}: checkpoint does not match the config: unexpected {sorted(unexpected)[:5]}")
-        return cls(embed, layers, norms, biases, final, head, final_bias), args
+        return cls(embed, layers, norms, biases, final, head, final_bias, head_bias), args
 
     @property
     def nbytes(self) -> int:
         ts = [self.embed, self.final_norm] + [t for d in self.layers + self.norms + self.biases for t in d.values()]
-        if self.final_norm_bias is not None:
-            ts.append(self.final_norm_bias)
+        ts += [t for t in (self.final_norm_bias, self.head_bias) if t is not None]
         if self.head is not self.embed:
             ts.append(self.head)
         return sum(t.numel() * t.element_size() for t in ts)
@@ -812,10 +813,23 @@ class ModelRunner:
 
     def _logits(self, h: torch.Tensor, m: StepMeta) -> torch.Tensor:
         """h: [R, dim] (final-normed) -> fp32 logits [R, vocab], each row through its variant's head:
-        the base's, a dense one of its own, or the base's + its sign planes (`_sign_heads`)."""
+        the base's, a dense one of its own, or the base's + its sign planes (`_sign_heads`). Phi's head
+        bias (each row's variant's) is added to the products in fp32 and the sum rounded once to the
+        model's dtype, as transformers' Linear with a bias rounds it."""
+        bias = self.slots.head_bias
+        if bias is None:
+            return self._head_logits(h, m)
+        out = self._head_logits(h, m, fp32=True)
+        rows = bias[m.logit_slots[0] + 1] if m.logit_norm_idx is None else bias[m.logit_norm_idx]
+        n = bias.shape[1]
+        out[:, :n] = (out[:, :n] + rows.float()).to(self.dtype).float()
+        return out
+
+    def _head_logits(self, h: torch.Tensor, m: StepMeta, fp32: bool = False) -> torch.Tensor:
+        """`_logits` without the head's bias; `fp32`: the dense heads' products not rounded to the model's dtype."""
         sh = m.sign_heads
         if _base_head_only(m):
-            return dense_linear(h, self.base.head, backend=self.backend).float()
+            return dense_linear(h, self.base.head, out_fp32=fp32, backend=self.backend).float()
         if sh is not None and sh.rows is None:  # every row's head is signs on the base's
             return self._sign_heads(h, sh, m.extras)
         width = max(m.vocab, self.base.head.shape[0])  # a grown vocabulary's rows: −inf past each row's own
@@ -824,7 +838,7 @@ class ModelRunner:
         for s, rows in m.logit_groups:  # row indices built in prepare()
             hr = h[rows]
             head = self.base.head if s < 0 else m.extras[s].head.weight
-            out[rows, : head.shape[0]] = dense_linear(hr, head, backend=self.backend).float()
+            out[rows, : head.shape[0]] = dense_linear(hr, head, out_fp32=fp32, backend=self.backend).float()
         if sh is not None:
             out[sh.rows, : self.base.head.shape[0]] = self._sign_heads(h[sh.rows], sh, m.extras)
         return out
@@ -1097,8 +1111,11 @@ class ModelRunner:
         head = self.base.head
         # the head in the C call where the C GEMV is the one dense_linear takes for its rows
         work = head.numel()  # a 1-row head: more rows choose the same or "cpu"
-        fits = (
-            head.dtype == self.dtype and head.is_contiguous() and backend_for(self.device, work, self.backend) == "cpu"
+        fits = (  # Phi's head bias: the runner's _logits after the call
+            head.dtype == self.dtype
+            and head.is_contiguous()
+            and backend_for(self.device, work, self.backend) == "cpu"
+            and self.slots.head_bias is None
         )
         embed = self.base.embed  # the rows' embedding in the C call (run given token ids)
         embed = embed if embed.dtype == self.dtype and embed.is_contiguous() else None
@@ -1121,6 +1138,7 @@ class ModelRunner:
             parallel=a.parallel,
             ungated=a.family.ungated_mlp is not None,
             norm_plus_one=a.family.norm_plus_one,
+            sublayers_first=a.family.sublayers_first,
         )
         return DecodeLayers(
             layers,
@@ -1187,7 +1205,8 @@ class ModelRunner:
                 q = q * m.q_temperature
             att = self._linear(self._attention(q, k, v, i, m).reshape(N, H * hd), i, "o", m)
             if a.parallel:  # Cohere, StableLM's parallel residual: the MLP reads the attention's input
-                x = x + att
+                if not a.family.sublayers_first:  # Phi's: (attention + MLP) + x, below
+                    x = x + att
             elif attn_out is not None:  # Gemma 2/3, GLM-4, OLMo 2/3: the attention's output normed, then the
                 x = x + norm(att, attn_out)  # MLP's input by its own norm or not
                 h = x if mlp_in is None else norm(x, mlp_in)
@@ -1197,6 +1216,8 @@ class ModelRunner:
             down = self._sparse(h, i, m) if a.family.moe else self._mlp(h, i, m)
             if mlp_out is not None:
                 down = norm(down, mlp_out)
+            if a.parallel and a.family.sublayers_first:
+                down = att + down
             x = residual(a, x, down)
         return x
 

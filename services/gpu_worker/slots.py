@@ -43,12 +43,11 @@ import torch
 
 from bitdelta.arch import ModelArgs
 from bitdelta.format import LOWRANK_ROLES, split_role
+from bitdelta.shard import HEAD_BIAS
 from bitdelta_kernels.bits import packed_cols
 
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
-FINAL_NORM = "model.norm.weight"
-FINAL_NORM_BIAS = "model.norm.bias"
 
 
 @dataclass(frozen=True)
@@ -64,8 +63,9 @@ class ProjPlace:
 
 @dataclass(frozen=True)
 class NormPlace:
-    """Where one norm parameter goes: `layer` = −1 for the final norm (`name` "norm", or "norm.bias" for its
-    bias), else the layer's norm parameter `name` (a key of `ModelArgs.norm_params`)."""
+    """Where one norm parameter (or another dense vector a slot keeps whole) goes: `layer` = −1 for the final
+    norm (`name` "norm", or "norm.bias" for its bias) and Phi's head bias ("head.bias"), else the layer's norm
+    parameter `name` (a key of `ModelArgs.norm_params`)."""
 
     layer: int
     name: str
@@ -95,9 +95,12 @@ class SlotLayout:
                 self.proj[f"model.layers.{i}.{m.name}.weight"] = place
                 if m.bias:
                     self.bias[f"model.layers.{i}.{m.name}.bias"] = place
-        self.norms: dict[str, NormPlace] = {FINAL_NORM: NormPlace(-1, "norm", args.dim)}
+        final = args.final_norm_path  # "model.norm" (Phi's "model.final_layernorm")
+        self.norms: dict[str, NormPlace] = {f"{final}.weight": NormPlace(-1, "norm", args.dim)}
         if args.family.norm_bias:
-            self.norms[FINAL_NORM_BIAS] = NormPlace(-1, "norm.bias", args.dim)
+            self.norms[f"{final}.bias"] = NormPlace(-1, "norm.bias", args.dim)
+        if args.family.head_bias:  # Phi's, a variant's own kept whole like a norm's
+            self.norms[HEAD_BIAS] = NormPlace(-1, "head.bias", args.vocab_size)
         for i in range(args.n_layers):
             for key, param, shape in args.norm_params():
                 self.norms[f"model.layers.{i}.{param}"] = NormPlace(i, key, math.prod(shape), shape)
@@ -223,6 +226,7 @@ class SlotTensors:
     biases: list[dict[str, torch.Tensor]] = field(default_factory=list)
     final_norm: torch.Tensor | None = None
     final_norm_bias: torch.Tensor | None = None  # StableLM's (Family.norm_bias)
+    head_bias: torch.Tensor | None = None  # Phi's [n_slots + 1, vocab] (Family.head_bias)
     # Copy-on-write: the manager swaps in a new dict, the engine reads one snapshot per step.
     # Keyed by a delta's own slot (its first); a plain one-plane delta has no entry.
     extras: dict[int, SlotExtras] = field(default_factory=dict)
@@ -237,6 +241,7 @@ class SlotTensors:
         base_final_norm: torch.Tensor,
         base_biases: list[dict[str, torch.Tensor]] | None = None,
         base_final_norm_bias: torch.Tensor | None = None,
+        base_head_bias: torch.Tensor | None = None,
     ) -> SlotTensors:
         """Stacks for `n_slots` deltas; row 0 of the norm and bias stacks holds the base's
         (base_norms[l][key], base_biases[l][group]: see runner.BaseWeights), every slot starts equal."""
@@ -272,6 +277,11 @@ class SlotTensors:
             raise ValueError(f"the final norm's bias: {base_final_norm_bias is not None}, the family's norms' biases: "
                              f"{layout.args.family.norm_bias}")  # fmt: skip
         st.final_norm_bias = None if base_final_norm_bias is None else stack(base_final_norm_bias)
+        if (base_head_bias is not None) != layout.args.family.head_bias:
+            raise ValueError(
+                f"the head's bias: {base_head_bias is not None}, the family's: {layout.args.family.head_bias}"
+            )
+        st.head_bias = None if base_head_bias is None else stack(base_head_bias)
         return st
 
     def reset_slot(self, slot: int) -> None:
@@ -282,8 +292,9 @@ class SlotTensors:
             for t in (*self.norms[i].values(), *self.biases[i].values()):
                 t[slot + 1] = t[0]
         self.final_norm[slot + 1] = self.final_norm[0]
-        if self.final_norm_bias is not None:
-            self.final_norm_bias[slot + 1] = self.final_norm_bias[0]
+        for t in (self.final_norm_bias, self.head_bias):
+            if t is not None:
+                t[slot + 1] = t[0]
 
     def proj_views(self, slot: int, place: ProjPlace) -> tuple[torch.Tensor, torch.Tensor]:
         """signs uint8 [d_out, ceil(d_in/8)] and α fp32 [d_out] of one projection in one slot (views)."""
@@ -299,7 +310,8 @@ class SlotTensors:
     def norm_view(self, slot: int, place: NormPlace) -> torch.Tensor:
         """dtype [size] view of one norm parameter of one slot (in the parameter's own shape)."""
         if place.layer < 0:
-            return (self.final_norm_bias if place.name == "norm.bias" else self.final_norm)[slot + 1]
+            final = {"norm": self.final_norm, "norm.bias": self.final_norm_bias, "head.bias": self.head_bias}
+            return final[place.name][slot + 1]
         return self.norms[place.layer][place.name][slot + 1].view(place.shape or (place.size,))
 
     @property
@@ -307,5 +319,5 @@ class SlotTensors:
         """Device bytes of the slot stacks (signs, α, norms); for the benchmarks' memory account
         (bench/worker.py)."""
         ts = [t for d in self.signs + self.alpha + self.norms + self.biases for t in d.values()]
-        ts += [t for t in (self.final_norm, self.final_norm_bias) if t is not None]
+        ts += [t for t in (self.final_norm, self.final_norm_bias, self.head_bias) if t is not None]
         return sum(t.numel() * t.element_size() for t in ts)

@@ -181,6 +181,7 @@ class Worker:
                 self.base.final_norm,
                 self.base.biases,
                 self.base.final_norm_bias,
+                self.base.head_bias,
             )
             kv_tokens = c.kv_cache // KVPool.bytes_per_token(self.args, self.dtype)
             n_blocks = kv_tokens // c.block_size

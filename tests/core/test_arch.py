@@ -825,4 +825,5 @@ def test_compression_and_distillation_run_on_each_family(tmp_path, bases, name, 
     assert f"architecture      {args.model_type}, layout {args.layout}" in shown
     biases = int(re.search(r"\((\d+) of them biases\)", shown).group(1))
     norm_biases = (len(args.layer_norms()) * args.n_layers + 1) if args.family.norm_bias else 0  # StableLM's
-    assert biases == sum(m.bias for m in args.matrices()) * args.n_layers + norm_biases  # a fine-tune moved every bias
+    head_bias = 1 if args.family.head_bias else 0  # Phi's lm_head.bias
+    assert biases == sum(m.bias for m in args.matrices()) * args.n_layers + norm_biases + head_bias  # every bias moved

@@ -55,7 +55,7 @@ def runner_and_slots(base, deltas, names):
         plans[name] = plan_delta(layout, infos[name])
     n_slots = sum(p.planes for p in plans.values())
     slots = SlotTensors.allocate(
-        layout, n_slots, torch.device("cpu"), w.norms, w.final_norm, w.biases, w.final_norm_bias
+        layout, n_slots, torch.device("cpu"), w.norms, w.final_norm, w.biases, w.final_norm_bias, w.head_bias
     )
     extras, first, at = {}, {}, 0
     for name in names:
@@ -250,7 +250,8 @@ def test_bf16_c_layers_rotate_as_the_layers_do(tmp_path, monkeypatch):
     parallel block, fp32 rotation from bf16 tables, NoPE layers), EXAONE 4 (post-norms rounded as
     Llama's), StableLM (LayerNorms with biases, a partial rope), StarCoder2 (an ungated GELU MLP),
     Command R+ (q and k normed per head by weights of their own) and Nemotron (LayerNorm1P's w + 1 rounded
-    to bf16 first, an ungated relu² MLP) and Hunyuan (q and k normed after the rope); the C layers rotating ERNIE's pairs
+    to bf16 first, an ungated relu² MLP), Hunyuan (q and k normed after the rope) and Phi ((attention + MLP) + x,
+    gelu_new op by op, the head's bias after the call); the C layers rotating ERNIE's pairs
     step by step do not."""
     from services.gpu_worker import runner as R
     from services.gpu_worker.config import WorkerConfig
@@ -292,6 +293,7 @@ def test_bf16_c_layers_rotate_as_the_layers_do(tmp_path, monkeypatch):
         "cohere-qk",
         "nemotron",
         "hunyuan",
+        "phi",
     ):
         c, layers = asyncio.run(steps(name, stepwise=False))
         assert torch.equal(c, layers), name

@@ -138,6 +138,7 @@ async def test_a_corrupt_delta_is_data_loss_and_the_ranks_keep_serving(family):
         "cohere-qk",
         "olmo2-1kv",
         "olmoe",
+        "phi",
     ],
 )
 async def test_family_layers_on_two_ranks_equal_one_process(tmp_path, member):
@@ -151,7 +152,7 @@ async def test_family_layers_on_two_ranks_equal_one_process(tmp_path, member):
     ungated MLP (its up projection's columns split alone; Nemotron's too, under LayerNorm1P), Command R+'s q and k
     norms (each rank its heads' weights) and the q and k norms over every head of OLMo 2 and OLMoE (each rank
     its heads' sums of squares, one all-reduce of both a layer; OLMo 2's one KV head on both ranks counted
-    once): the same greedy tokens as one process, each
+    once) and Phi's head bias (each rank its vocabulary rows): the same greedy tokens as one process, each
     variant alone and all in one batch."""
     from bitdelta.compress import compress
     from bitdelta.testing.family import make_finetune

@@ -716,6 +716,7 @@ def decode_layer_ref(
         "gelu_tanh": lambda: torch.nn.functional.gelu(g_, approximate="tanh"),
         "relu2": lambda: torch.nn.functional.relu(g_) ** 2,
         "silu": lambda: torch.nn.functional.silu(g_),
+        "gelu_new": lambda: 0.5 * g_ * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g_ + 0.044715 * g_**3))),
     }[kind]()
     down = proj(act if opts is not None and opts.ungated else act * gu[:, F:], 3)  # StarCoder2's: up alone
     return x + rm * (norm(down, L.norms[3]) if sandwich or post else down)
@@ -809,6 +810,7 @@ def test_decode_layers_against_the_reference(isa, dims):
         "nemotron",
         "arcee",
         "hunyuan",
+        "phi",
     ],
 )
 def test_decode_layers_of_other_families_against_the_reference(isa, kind):
@@ -822,7 +824,8 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     biases (a slot's own) and a quarter of each head rotating; StarCoder2's ungated GELU MLP; Command R+'s q
     and k norms, each head by weights of its own; Nemotron's LayerNorm1P (× (w + 1), with biases), half of
     each head rotating and its ungated relu² MLP; Arcee's ungated relu² MLP under RMSNorms; Hunyuan's per-head
-    q and k norms after the rope; rows of
+    q and k norms after the rope; Phi's parallel block ((attention + MLP) + x) under one biased LayerNorm and its
+    ungated gelu_new MLP; rows of
     two variants and the base in one step, fp32; a row alone the same as in the batch."""
     import dataclasses
 
@@ -831,7 +834,7 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     D, H, KV, hd, F = 96, 4, 2, 32, 160
     shape = DecodeShape(D, H, KV, hd, F, 1e-6)
     g = torch.Generator().manual_seed(7)
-    ungated = kind in ("starcoder2", "nemotron", "arcee")
+    ungated = kind in ("starcoder2", "nemotron", "arcee", "phi")
     up = F if ungated else 2 * F  # StarCoder2's, Nemotron's, Arcee's up alone
     out_in = (((H + 2 * KV) * hd, D), (D, H * hd), (up, D), (D, F))
     bs, B, n_slots = 4, 4, 2
@@ -847,6 +850,8 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     elif kind.startswith("cohere"):
         qk = (norms(1, H * hd)[0], norms(1, KV * hd)[0]) if kind == "cohere-qk" else None
         L = dataclasses.replace(L, norms=(norms(1, D)[0], None), qk_norms=qk)
+    elif kind == "phi":  # one biased LayerNorm for both halves of the parallel block
+        L = dataclasses.replace(L, norms=(norms(1, D)[0], None), norm_biases=(norms(1, D)[0] - 1.0, None))
     elif kind in ("stablelm", "starcoder2", "nemotron"):
         L = dataclasses.replace(L, norms=norms(2, D), norm_biases=tuple(b - 1.0 for b in norms(2, D)))
     else:
@@ -859,21 +864,24 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
         )
     opts = DecodeOptions(
         gemma=gemma,
-        act="gelu_tanh" if gemma or kind == "starcoder2" else "relu2" if kind in ("nemotron", "arcee") else "silu",
+        act={"starcoder2": "gelu_tanh", "nemotron": "relu2", "arcee": "relu2", "phi": "gelu_new"}.get(
+            kind, "gelu_tanh" if gemma else "silu"
+        ),
         embed_scale=D**0.5 if gemma else 0.0,
         attn_scale=0.11 if gemma or kind == "granite" else None,
         attn_softcap=1.5 if kind == "gemma2" else None,
         residual_multiplier=0.4 if kind == "granite" else 1.0,
         norm_once=kind == "olmo2",
         qk_full=kind == "olmo2",
-        rotary=hd // 4 if kind in ("partial", "stablelm") else hd // 2 if kind in ("glm", "nemotron") else 0,
+        rotary=hd // 4 if kind in ("partial", "stablelm") else hd // 2 if kind in ("glm", "nemotron", "phi") else 0,
         interleaved=kind in ("glm", "cohere", "cohere-qk"),
         rope_fp32=kind.startswith("cohere"),
-        layer_norm=kind in ("cohere", "cohere-qk", "stablelm", "starcoder2", "nemotron"),
+        layer_norm=kind in ("cohere", "cohere-qk", "stablelm", "starcoder2", "nemotron", "phi"),
         norm_plus_one=kind == "nemotron",
         qk_after_rope=kind == "hunyuan",
         ungated=ungated,
-        parallel=kind.startswith("cohere"),
+        parallel=kind.startswith("cohere") or kind == "phi",
+        sublayers_first=kind == "phi",
         qk_heads=kind == "cohere-qk",
     )
     slots = [0, -1, 1, 0]
@@ -885,7 +893,8 @@ def test_decode_layers_of_other_families_against_the_reference(isa, kind):
     angle = torch.rand(4, hd // 2, generator=g) * 6.28
     local = (torch.cat([angle.cos()] * 2, 1), torch.cat([angle.sin()] * 2, 1))
     want = decode_layer_ref(x, L, slots, shape, cos, sin, write_rows, tables, lens, bs, opts=opts, local=local)
-    first = L.norms[:2] if None not in L.norms[:2] else (L.norms[0] if kind.startswith("cohere") else L.norms[1],) * 2
+    parallel_kind = kind.startswith("cohere") or kind == "phi"
+    first = L.norms[:2] if None not in L.norms[:2] else (L.norms[0] if parallel_kind else L.norms[1],) * 2
     plain = decode_layer_ref(x, dataclasses.replace(L, norms=first, qk_norms=None, local=False, nope=False), slots, shape,
                              *full, write_rows, tables, lens, bs, opts=DecodeOptions(ungated=opts.ungated))  # fmt: skip
     assert rel_err(plain, want) > 1e-2  # what the family changes changes the numbers

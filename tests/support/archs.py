@@ -196,6 +196,9 @@ def hf_config(name: str):
     if name == "hunyuan":  # Llama's layer, q and k normed per head after the rope, θ stretched by an NTK alpha
         rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0}
         return tf.HunYuanDenseV1Config(**COMMON, head_dim=16, rope_parameters=rope)
+    if name == "phi":  # Phi-2's layer: a parallel block under one biased LayerNorm, every projection and the head
+        # biased, an ungated gelu_new MLP, half of each head rotating
+        return tf.PhiConfig(**COMMON)
     if name == "ministral3-mm":  # Ministral 3 as it ships (Mistral3ForConditionalGeneration, a Pixtral tower)
         text = {**hf_config("ministral3").to_dict(), "tie_word_embeddings": False}
         vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8)
@@ -269,6 +272,7 @@ FAMILY_MEMBERS = (
     "nemotron",
     "arcee",
     "hunyuan",
+    "phi",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa", "stablelm-parallel")
 
