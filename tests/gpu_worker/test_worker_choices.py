@@ -15,6 +15,7 @@ from bitdelta.testing.family import make_test_family
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.worker import Worker
 
+pytestmark = pytest.mark.usefixtures("cpu_kernels")  # the C kernels (the Triton interpreter took ~37 s here)
 PROMPT = "a prompt of thirty bytes, or so"  # byte tokens: three 8-token chunks and a partial KV block
 N = 8
 

@@ -444,7 +444,8 @@ async def test_a_worker_that_answers_garbage(fc, clients, ref):
             async with RouterClient(rt.address, generate_timeout_s=T) as r:
                 await wait_for(lambda: all_up(r), what="the router to see the fake and the real worker up")
                 outcomes = []
-                for m in ["v0", "v1", "v3", "v0"]:
+                # nonsense: each call may run to its 5 s deadline, two show it (four cost ~20 s under load)
+                for m in ["v0", "v1", "v3", "v0"] if mode == "bytes" else ["v0", "v3"]:
                     try:
                         got = await tokens(r, m, timeout_s=5 if mode == "nonsense" else None)
                         outcomes.append("ok")
