@@ -517,6 +517,14 @@ AGREEING_FIELDS: dict[str, dict[str, tuple[Callable[[object, dict], bool], str]]
         "use_norm_bias": (lambda v, c: isinstance(v, bool), "true or false (every norm has its bias)"),
         "rotary_scaling_factor": (lambda v, c: v == 1.0, "1.0 (no scaling)"),
     },
+    # Tencent's config.json files carry their own code's switches; transformers' dense Hunyuan always norms q and k,
+    # rotates every layer, and shares no KV across layers (CLA) nor compresses it (MLA)
+    "hunyuan_v1_dense": {
+        "use_qk_norm": (lambda v, c: v is True, "true (q and k normed per head)"),
+        "use_rotary_pos_emb": (lambda v, c: v is True, "true (every layer rotates)"),
+        "use_cla": (lambda v, c: v is False, "false (each layer its own KV)"),
+        "use_mla": (lambda v, c: v is False, "false (no latent attention)"),
+    },
     "cohere2": {
         "order_of_interleaved_layers": (lambda v, c: v == "local_attn_first", "'local_attn_first'"),
         "position_embedding_type": (lambda v, c: v == "rope_gptj", "'rope_gptj' (the interleaved rope)"),

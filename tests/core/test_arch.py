@@ -627,6 +627,11 @@ def test_hunyuan_configs_as_transformers_reads_them(bases):
             ModelArgs.from_hf({**cfg, "rope_parameters": {**shipped, "alpha": bad}})
     with pytest.raises(UnsupportedModel, match="low_freq_factor"):
         ModelArgs.from_hf({**cfg, "rope_parameters": {**shipped, "low_freq_factor": 1.0}})
+    switches = {"use_qk_norm": True, "use_cla": False, "use_mla": False, "use_rotary_pos_emb": True}  # Tencent's
+    assert ModelArgs.from_hf({**cfg, **switches}) == a
+    for key, bad in (("use_cla", True), ("use_qk_norm", False)):
+        with pytest.raises(UnsupportedModel, match=key):
+            ModelArgs.from_hf({**cfg, **switches, key: bad})
 
 
 def test_gemma_configs_as_transformers_reads_them(bases):
