@@ -1226,9 +1226,7 @@ class ModelRunner:
         gate_up.shared, down.shared) over rows h [n, dim]."""
         of = "" if expert is None else f".{expert}"
         gu = self._linear(h, layer, f"gate_up{of}", m)
-        if (
-            self.args.family.ungated_mlp is not None
-        ):  # StarCoder2, Nemotron, Arcee: the group is up alone, down(act(up))
+        if self.args.family.ungated_mlp is not None:  # StarCoder2's, Nemotron's: up alone, down(act(up))
             return self._linear(gate_act(self.args, gu), layer, f"down{of}", m)
         f = gu.shape[1] // 2  # gate ‖ up
         return self._linear(gate_act(self.args, gu[:, :f]) * gu[:, f:], layer, f"down{of}", m)
