@@ -82,6 +82,21 @@ MEMBERS = {
             tie_word_embeddings=False,
         ),
     ),
+    # a parallel block summed (attention + MLP) + x, gelu_new, a biased head (run by the runner after the C
+    # call) (Phi-1.5's config.json)
+    "phi-1.5": (
+        "PhiConfig",
+        dict(
+            vocab_size=51200,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=24,
+            num_attention_heads=32,
+            max_position_embeddings=2048,
+            partial_rotary_factor=0.5,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 

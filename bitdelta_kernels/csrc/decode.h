@@ -256,104 +256,75 @@ static void residual_add(float *x, const float *o, int64_t n, int dtype, float m
     for (; i < n; ++i) x[i] = round_to(dtype, x[i] + o[i]);
 }
 
-/* act[b, k] = round(round(silu(g)) · u), g = gu[b, k], u = gu[b, F + k] (runner's MLP); not `gated`
- * (StarCoder2's MLP): round(silu(g)), g = gu[b, k] of rows of F. */
-static void silu_mul(const float *gu, int64_t B, int64_t F, int dtype, int gated, float *act) {
-    for (int64_t b = 0; b < B; ++b) {
-        const float *gb = gu + b * (gated ? 2 * F : F), *ub = gb + F;
-        float *ab = act + b * F;
-        int64_t k = 0;
-#if defined(__AVX512F__) || defined(__AVX2__)
-        for (; k + LANES <= F; k += LANES) {
-            const vf g = V_LOAD(gb + k);
-            const vf sg = round_vec(dtype, V_DIV(g, V_ADD(V_SET1(1.f), exp_vec(V_MUL(g, V_SET1(-1.f))))));
-            V_STORE(ab + k, gated ? round_vec(dtype, V_MUL(sg, V_LOAD(ub + k))) : sg);
-        }
-#endif
-        for (; k < F; ++k) {
-            const float sg = round_to(dtype, gb[k] / (1.f + expf(-gb[k])));
-            ab[k] = gated ? round_to(dtype, sg * ub[k]) : sg;
-        }
+/* The MLP's gate activations, each rounded to the dtype as the runner's torch ops round it (the lanes' and the
+ * scalar tail's forms of one formula): SiLU, g / (1 + e^{−g}); GELU's tanh form (Gemma's, StarCoder2's), torch's
+ * formula 0.5 · g · (1 + tanh(√(2/π) · (g + 0.044715 · g³))) in fp32, one rounding; relu² (Nemotron's, Arcee's:
+ * relu exact, the square rounded once); gelu_new (Phi's: transformers' NewGELUActivation op by op, each op rounded,
+ * round(round(0.5 · g) · round(1 + round(tanh(round(√(2/π) · round(g + round(0.044715 · round(g³)))))))), with
+ * round(g³) = round(round(g · g) · g) as torch's pow(g, 3) rounds in bf16). tanh(y) = 1 − 2 / (e^{2y} + 1) in the
+ * lanes. */
+#define GELU_BETA 0.7978845608028654f
+#define GELU_KAPPA 0.044715f
+static inline float act_one(int kind, float g, int dtype) {
+    switch (kind) {
+    case ACT_GELU_TANH:
+        return round_to(dtype, 0.5f * g * (1.f + tanhf(GELU_BETA * (g + GELU_KAPPA * g * g * g))));
+    case ACT_RELU2: {
+        const float r = g < 0.f ? 0.f : g; /* a NaN g stays NaN */
+        return round_to(dtype, r * r);
+    }
+    case ACT_GELU_NEW: {
+        const float cube = round_to(dtype, round_to(dtype, g * g) * g);
+        const float y = round_to(dtype, GELU_BETA * round_to(dtype, g + round_to(dtype, GELU_KAPPA * cube)));
+        return round_to(dtype, round_to(dtype, 0.5f * g) * round_to(dtype, 1.f + round_to(dtype, tanhf(y))));
+    }
+    default:
+        return round_to(dtype, g / (1.f + expf(-g)));
     }
 }
-
-/* act[b, k] = round(round(gelu_tanh(g)) · u), or round(gelu_tanh(g)) where not `gated` (as silu_mul), (runner's MLP
- * with Gemma's gate, torch's formula:
- * 0.5 · g · (1 + tanh(√(2/π) · (g + 0.044715 · g³))), tanh(y) = 1 − 2 / (e^{2y} + 1) in the lanes). */
-static void gelu_mul(const float *gu, int64_t B, int64_t F, int dtype, int gated, float *act) {
-    const float beta = 0.7978845608028654f, kappa = 0.044715f;
-    for (int64_t b = 0; b < B; ++b) {
-        const float *gb = gu + b * (gated ? 2 * F : F), *ub = gb + F;
-        float *ab = act + b * F;
-        int64_t k = 0;
 #if defined(__AVX512F__) || defined(__AVX2__)
-        const vf one = V_SET1(1.f), two = V_SET1(2.f), half = V_SET1(0.5f);
-        for (; k + LANES <= F; k += LANES) {
-            const vf g = V_LOAD(gb + k);
-            const vf y = V_MUL(V_SET1(beta), V_ADD(g, V_MUL(V_SET1(kappa), V_MUL(g, V_MUL(g, g)))));
-            const vf th = V_SUB(one, V_DIV(two, V_ADD(exp_vec(V_MUL(two, y)), one)));
-            const vf ge = round_vec(dtype, V_MUL(V_MUL(half, g), V_ADD(one, th)));
-            V_STORE(ab + k, gated ? round_vec(dtype, V_MUL(ge, V_LOAD(ub + k))) : ge);
-        }
-#endif
-        for (; k < F; ++k) {
-            const float g = gb[k], y = beta * (g + kappa * g * g * g);
-            const float ge = round_to(dtype, 0.5f * g * (1.f + tanhf(y)));
-            ab[k] = gated ? round_to(dtype, ge * ub[k]) : ge;
-        }
-    }
+static inline vf tanh_vec(vf y) {
+    const vf one = V_SET1(1.f), two = V_SET1(2.f);
+    return V_SUB(one, V_DIV(two, V_ADD(exp_vec(V_MUL(two, y)), one)));
 }
-
-/* act[b, k] = round(round(relu(g)²) · u), or round(relu(g)²) where not `gated` (as silu_mul; Nemotron's and
- * Arcee's MLP: transformers' relu2, relu exact, the square rounded once). */
-static void relu2_mul(const float *gu, int64_t B, int64_t F, int dtype, int gated, float *act) {
-    for (int64_t b = 0; b < B; ++b) {
-        const float *gb = gu + b * (gated ? 2 * F : F), *ub = gb + F;
-        float *ab = act + b * F;
-        int64_t k = 0;
-#if defined(__AVX512F__) || defined(__AVX2__)
-        for (; k + LANES <= F; k += LANES) {
-            const vf r = V_MAX(V_ZERO(), V_LOAD(gb + k)); /* a NaN g (the second operand) stays NaN */
-            const vf sq = round_vec(dtype, V_MUL(r, r));
-            V_STORE(ab + k, gated ? round_vec(dtype, V_MUL(sq, V_LOAD(ub + k))) : sq);
-        }
-#endif
-        for (; k < F; ++k) {
-            const float r = gb[k] < 0.f ? 0.f : gb[k], sq = round_to(dtype, r * r);
-            ab[k] = gated ? round_to(dtype, sq * ub[k]) : sq;
-        }
+static inline vf act_vec(int kind, vf g, int dtype) {
+    const vf one = V_SET1(1.f), half = V_SET1(0.5f), beta = V_SET1(GELU_BETA), kappa = V_SET1(GELU_KAPPA);
+    switch (kind) {
+    case ACT_GELU_TANH:
+        return round_vec(dtype, V_MUL(V_MUL(half, g), V_ADD(one, tanh_vec(V_MUL(beta, V_ADD(g, V_MUL(kappa, V_MUL(g, V_MUL(g, g)))))))));
+    case ACT_RELU2: {
+        const vf r = V_MAX(V_ZERO(), g); /* a NaN g (the second operand) stays NaN */
+        return round_vec(dtype, V_MUL(r, r));
     }
-}
-
-/* act[b, k] = round(round(gelu_new(g)) · u), or round(gelu_new(g)) where not `gated` (as silu_mul; Phi's MLP):
- * transformers' NewGELUActivation op by op, each op rounded to the dtype as torch rounds it:
- * round(round(0.5 · g) · round(1 + round(tanh(round(√(2/π) · round(g + round(0.044715 · round(g³)))))))),
- * round(g³) = round(round(g · g) · g) (torch's pow(g, 3) in bf16), tanh(y) = 1 − 2 / (e^{2y} + 1) in the lanes. */
-static void gelu_new_mul(const float *gu, int64_t B, int64_t F, int dtype, int gated, float *act) {
-    const float beta = 0.7978845608028654f, kappa = 0.044715f;
-    for (int64_t b = 0; b < B; ++b) {
-        const float *gb = gu + b * (gated ? 2 * F : F), *ub = gb + F;
-        float *ab = act + b * F;
-        int64_t k = 0;
-#if defined(__AVX512F__) || defined(__AVX2__)
-        const vf one = V_SET1(1.f), two = V_SET1(2.f), half = V_SET1(0.5f);
+    case ACT_GELU_NEW: {
 #define R_(v) round_vec(dtype, v)
-        for (; k + LANES <= F; k += LANES) {
-            const vf g = V_LOAD(gb + k);
-            const vf cube = R_(V_MUL(R_(V_MUL(g, g)), g));
-            const vf y = R_(V_MUL(V_SET1(beta), R_(V_ADD(g, R_(V_MUL(V_SET1(kappa), cube))))));
-            const vf th = R_(V_SUB(one, V_DIV(two, V_ADD(exp_vec(V_MUL(two, y)), one))));
-            const vf ge = R_(V_MUL(R_(V_MUL(half, g)), R_(V_ADD(one, th))));
-            V_STORE(ab + k, gated ? R_(V_MUL(ge, V_LOAD(ub + k))) : ge);
-        }
+        const vf cube = R_(V_MUL(R_(V_MUL(g, g)), g));
+        const vf y = R_(V_MUL(beta, R_(V_ADD(g, R_(V_MUL(kappa, cube))))));
+        return R_(V_MUL(R_(V_MUL(half, g)), R_(V_ADD(one, R_(tanh_vec(y))))));
 #undef R_
+    }
+    default:
+        return round_vec(dtype, V_DIV(g, V_ADD(one, exp_vec(V_MUL(g, V_SET1(-1.f))))));
+    }
+}
+#endif
+
+/* act[b, k] = round(act(g) · u), g = gu[b, k], u = gu[b, F + k] (the runner's gated MLP; act(g) rounded, act_one);
+ * not `gated` (StarCoder2's, Nemotron's, Phi's MLP): act(g), g = gu[b, k] of rows of F. kind: ACT_*. */
+static void gate_mul(const float *gu, int64_t B, int64_t F, int dtype, int gated, int kind, float *act) {
+    for (int64_t b = 0; b < B; ++b) {
+        const float *gb = gu + b * (gated ? 2 * F : F), *ub = gb + F;
+        float *ab = act + b * F;
+        int64_t k = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+        for (; k + LANES <= F; k += LANES) {
+            const vf a = act_vec(kind, V_LOAD(gb + k), dtype);
+            V_STORE(ab + k, gated ? round_vec(dtype, V_MUL(a, V_LOAD(ub + k))) : a);
+        }
 #endif
         for (; k < F; ++k) {
-            const float g = gb[k], cube = round_to(dtype, round_to(dtype, g * g) * g);
-            const float y = round_to(dtype, beta * round_to(dtype, g + round_to(dtype, kappa * cube)));
-            const float th = round_to(dtype, tanhf(y));
-            const float ge = round_to(dtype, round_to(dtype, 0.5f * g) * round_to(dtype, 1.f + th));
-            ab[k] = gated ? round_to(dtype, ge * ub[k]) : ge;
+            const float a = act_one(kind, gb[k], dtype);
+            ab[k] = gated ? round_to(dtype, a * ub[k]) : a;
         }
     }
 }
@@ -638,14 +609,7 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
         if ((rc = decode_proj(L, 2, h, B, D, gated ? 2 * F : F, dtype, row_slot, slots, P, any_delta, one_pass, LOW(2),
                               gu, n_threads)))
             break;
-        if (o_->act == ACT_GELU_TANH)
-            gelu_mul(gu, B, F, dtype, gated, act);
-        else if (o_->act == ACT_RELU2)
-            relu2_mul(gu, B, F, dtype, gated, act);
-        else if (o_->act == ACT_GELU_NEW)
-            gelu_new_mul(gu, B, F, dtype, gated, act);
-        else
-            silu_mul(gu, B, F, dtype, gated, act);
+        gate_mul(gu, B, F, dtype, gated, o_->act, act);
         if ((rc = decode_proj(L, 3, act, B, F, D, dtype, row_slot, slots, P, any_delta, one_pass, LOW(3), dn, n_threads))) break;
         if (o_->parallel && o_->sublayers_first) /* Phi: dn = round(attention + MLP), then x + dn */
             residual_add(dn, o, B * D, dtype, 1.f);

@@ -6,7 +6,8 @@ model (`PeftModel.from_pretrained` on the base, unmerged).
 Covered: `modules_to_save` (the LM head, the embedding, norms, Qwen3's q/k norms), embedding LoRA,
 LoRA on a tied LM head, `ensure_weight_tying`, trained biases (`bias="all"`, `"lora_only"`) and
 `lora_bias`, Phi-3's fused projections, on bases with a tied embedding (Llama 3.2), q/k/v biases
-(Qwen2.5), fused matrices (Phi-3), q/k norms (Qwen3) and sparse layers (Mixtral: LoRA on attention). Each variant's logits
+(Qwen2.5), fused matrices (Phi-3), q/k norms (Qwen3), sparse layers (Mixtral: LoRA on attention) and a
+biased head (Phi-2: its head saved whole, bias included). Each variant's logits
 through `bitdelta apply`'s dense model equal PEFT's, and the worker's greedy tokens equal PEFT's,
 each variant alone and all in one batch with the base. The factors are made fp16-exact (and every
 scale a power of two), so the file's one fp16 rounding changes nothing and the comparison is tight.
@@ -51,6 +52,7 @@ BASES = (
     "ministral3-mm",
     "starcoder2",
     "cohere2",
+    "phi",
 )
 
 
@@ -122,6 +124,12 @@ ADAPTERS = {
     ),
     # Cohere 2's parallel block: the attention's and the MLP's LoRA read the one input norm
     "parallel_block": ("cohere2", dict(target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]), set()),
+    # Phi-2 as its LoRA recipes tune it (q, k, v, dense, fc1, fc2), its biased head saved whole
+    "phi_head_saved": (
+        "phi",
+        dict(target_modules=["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"], modules_to_save=["lm_head"]),
+        {HEAD, "lm_head.bias"},
+    ),
 }
 
 
