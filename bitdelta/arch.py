@@ -126,6 +126,7 @@ class Family:
     o_name: str = "o_proj"  # the attention's output projection inside self_attn (Phi's dense)
     final_norm: str = "norm"  # the final norm's module inside `model` (Phi's final_layernorm)
     head_bias: bool = False  # Phi: the LM head has a bias (lm_head.bias)
+    biased: bool = False  # Phi: every projection has a bias, whatever the config says (it has no switch)
     # Phi: a parallel block's two outputs added first, then the residual ((attention + MLP) + x; Cohere's
     # and StableLM's: (x + attention) + MLP)
     sublayers_first: bool = False
@@ -455,6 +456,7 @@ FAMILIES: dict[str, Family] = {
         o_name="dense",
         final_norm="final_layernorm",
         head_bias=True,
+        biased=True,
         sublayers_first=True,
     ),
     # Arcee (AFM-4.5B): Llama's layer with an ungated MLP up_proj -> relu² -> down_proj
@@ -1651,12 +1653,13 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         model_type=model_type,
         rope=rope,
-        qkv_bias=model_type in ("qwen2", "phi")
+        qkv_bias=model_type == "qwen2"
+        or fam.biased
         or attn_bias
         or (model_type == "qwen2_moe" and bool(cfg["qkv_bias"]))
         or bool(cfg.get("use_qkv_bias", False)),
-        o_bias=(attn_bias and fam.o_bias) or bool(cfg.get("attention_out_bias", False)) or model_type == "phi",
-        mlp_bias=bool(cfg.get("mlp_bias", False)) or bool(cfg.get("use_bias", False)) or model_type == "phi",
+        o_bias=(attn_bias and fam.o_bias) or bool(cfg.get("attention_out_bias", False)) or fam.biased,
+        mlp_bias=bool(cfg.get("mlp_bias", False)) or bool(cfg.get("use_bias", False)) or fam.biased,
         windows=_windows(cfg, model_type, n_layers),
         act=act,
         attn_scale=attn_scale,

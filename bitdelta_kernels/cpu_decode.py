@@ -126,7 +126,8 @@ class DecodeLayer:
 class DecodeOptions:
     """What a family changes in the layer (the defaults: Llama's): `gemma`, Gemma's RMSNorm (× (1 + w)
     in fp32, one rounding) and token ids' embeddings × round(embed_scale); `act`, the MLP's gate activation
-    (ACTS: "silu", GELU's tanh form "gelu_tanh", Nemotron's "relu2", Phi's op-by-op "gelu_new"); `attn_scale`, the scores' scale (None: 1/√head_dim); `attn_softcap`, Gemma 2's
+    (ACTS: "silu", GELU's tanh form "gelu_tanh", Nemotron's "relu2", Phi's op-by-op "gelu_new");
+    `attn_scale`, the scores' scale (None: 1/√head_dim); `attn_softcap`, Gemma 2's
     cap of the scores; Granite's `embed_multiplier` (token ids' embeddings × it, one rounding) and
     `residual_multiplier` (each sublayer's output × it, rounded, before its residual add); OLMo 2's
     `norm_once` (RMSNorm × w in fp32, one rounding) and `qk_full` (the q and k norms over the whole

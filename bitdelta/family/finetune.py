@@ -64,7 +64,8 @@ def corpus_tokens(tokenizer_dir: str | os.PathLike, corpus: str, split: str, sub
     process tokenized before for the same tokenizer file (path, size, mtime) and config, corpus, split and
     subsets (a family build and its reports read each split once per mode: tokenizing took ~2 s each)."""
     tdir = Path(tokenizer_dir).resolve()
-    stamp = tuple((p.stat().st_size, p.stat().st_mtime_ns) for p in (tdir / "tokenizer.json", tdir / "config.json"))
+    stats = [(tdir / name).stat() for name in ("tokenizer.json", "config.json")]
+    stamp = tuple((s.st_size, s.st_mtime_ns) for s in stats)
     key = (str(tdir), stamp, corpus, split, None if subsets is None else tuple(subsets))
     return _corpus_tokens(*key).clone()
 

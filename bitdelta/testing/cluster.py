@@ -82,12 +82,16 @@ class Proc:
     def stop(self, timeout: float = 30) -> int:
         if self.alive():
             self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+            self.reap(timeout)
         return self.popen.returncode
+
+    def reap(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for the process to exit after its SIGTERM, then kill it."""
+        try:
+            self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
 
 
 class Cluster:
@@ -254,11 +258,7 @@ class Cluster:
             p.popen.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for p in procs:
-            try:
-                p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
-                p.popen.wait()
+            p.reap(max(0.0, deadline - time.monotonic()))
 
 
 def exited_processes(tail_chars: int = 3000) -> list[str]:

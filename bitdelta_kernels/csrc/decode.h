@@ -32,7 +32,8 @@ typedef struct {
 typedef struct {
     int32_t gemma;         /* Gemma's RMSNorm: round(x · rsqrt(mean(x²) + eps) · (1 + w)), in fp32, and the
                             * embeddings of token ids × round(embed_scale) */
-    int32_t act;           /* the MLP's gate: ACT_SILU, ACT_GELU_TANH (GELU's tanh form) or ACT_RELU2 (relu²) */
+    int32_t act;           /* the MLP's gate: ACT_SILU, ACT_GELU_TANH (GELU's tanh form), ACT_RELU2 (relu²) or
+                            * ACT_GELU_NEW (Phi's gelu_new, op by op) */
     float embed_scale;
     float attn_softcap;    /* > 0: each score capped (bd_paged_decode's softcap) */
     const void *local_cos, *local_sin; /* the local layers' tables: rope_dtype, rows as rope_rows' */

@@ -147,6 +147,7 @@ class ShardedRunner(ModelRunner):
     def __init__(self, base: BaseWeights, args: ModelArgs, slots, kv, comm: Collectives, tp: TPLayout, **kw):
         super().__init__(base, args, slots, kv, **kw)
         self.comm, self.tp = comm, tp
+        self.kv_owner = tp.kv_owner()  # whether this rank's k counts in a sum over every head
 
     def _linear(self, x: torch.Tensor, layer: int, group: str, m: StepMeta) -> torch.Tensor:
         if group_kind(group) not in ROW_GROUPS:
@@ -170,7 +171,7 @@ class ShardedRunner(ModelRunner):
         both for the layer, then each rank scales its own heads."""
         full = self.tp.args
         hd = full.head_dim
-        kf = k.float() if self.tp.kv_owner() else torch.zeros_like(k, dtype=torch.float32)
+        kf = k.float() if self.kv_owner else torch.zeros_like(k, dtype=torch.float32)
         squares = torch.stack([q.float().pow(2).sum(-1), kf.pow(2).sum(-1)], 1)  # [N, 2]
         self.comm.all_reduce(squares)
         out = []
