@@ -832,3 +832,31 @@ def test_compression_and_distillation_run_on_each_family(tmp_path, bases, name, 
     norm_biases = (len(args.layer_norms()) * args.n_layers + 1) if args.family.norm_bias else 0  # StableLM's
     head_bias = 1 if args.family.head_bias else 0  # Phi's lm_head.bias
     assert biases == sum(m.bias for m in args.matrices()) * args.n_layers + norm_biases + head_bias  # every bias moved
+
+
+@pytest.mark.parametrize("name", FAMILY_MEMBERS)
+def test_the_applied_checkpoint_decodes_as_the_variant(tmp_path, bases, name):
+    """`bitdelta compress` of a full fine-tune (every weight, bias and norm moved), then `bitdelta
+    apply`: transformers' greedy tokens on the applied (dense) checkpoint equal the compact model's
+    with the delta attached, from a prompt shorter than the original context into a continuation
+    past it and past the sliding windows. The worker's step equals the attached delta
+    (tests/gpu_worker/test_worker_families.py), so what a family's variant serves is what
+    transformers makes of `apply`'s output; a few members also as processes behind the router
+    (tests/router/test_router_families.py)."""
+    from bitdelta import cli
+    from bitdelta.format import load_delta
+    from bitdelta.model import attach_delta
+    from bitdelta.testing.family import make_finetune
+    from bitdelta_kernels.settings import configured
+
+    ft = make_finetune(bases[name], tmp_path / "ft", seed=20, scale=0.02)
+    delta, applied = tmp_path / "v.bitdelta.safetensors", tmp_path / "applied"
+    argv = ["--base", str(bases[name]), "--finetuned", str(ft), "--out", str(delta), "--variant", "v"]
+    assert not cli.main(["compress", *argv])
+    assert not cli.main(["apply", "--base", str(bases[name]), "--delta", str(delta), "--out", str(applied)])
+    prompt = torch.randint(0, 256, (ORIGINAL - 4,), generator=torch.Generator().manual_seed(3)).tolist()
+    n = LONG - len(prompt)
+    want = hf_greedy(applied, prompt, n, stop_at_eos=False)
+    assert want != hf_greedy(bases[name], prompt, n, stop_at_eos=False)  # the variant answers differently
+    with configured(backend="cpu"):  # the C kernels, as the worker on CPU (the interpreter: seconds a token)
+        assert attach_delta(load_model(bases[name]), load_delta(delta)).generate(prompt, n) == want

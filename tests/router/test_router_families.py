@@ -1,12 +1,16 @@
-"""Every supported family end to end, as a user runs it: a base of each family (built by
-transformers), a random full fine-tune (every weight, bias and norm moved), `bitdelta compress`
-and `bitdelta apply`; a delta store, the worker and the router as processes on loopback. The
-router's greedy tokens for the variant, and for the base, equal transformers' greedy tokens on
-the applied (dense) checkpoint, asked one at a time and all at once (one mixed batch). Several
-variants of each family in one worker step: tests/gpu_worker/test_worker_families.py.
+"""Families end to end, as a user runs them: a base (built by transformers), a random full
+fine-tune (every weight, bias and norm moved), `bitdelta compress` and `bitdelta apply`; a delta
+store, the worker and the router as processes on loopback. The router's greedy tokens for the
+variant, and for the base, equal transformers' greedy tokens on the applied (dense) checkpoint,
+asked one at a time and all at once (one mixed batch).
+
+As processes: one member of each kind of checkpoint and step (SERVED); every member is covered
+by the chain of the same equalities in process: `apply`'s checkpoint in transformers equals the
+compact model with the delta attached (tests/core/test_arch.py), which equals the worker's mixed
+step with several variants and the base (tests/gpu_worker/test_worker_families.py).
 
 The prompt plus the answer run past the rope's original context (llama3, LongRoPE) and past the
-sliding windows (Mistral, Qwen2)."""
+sliding windows (Gemma 3)."""
 
 from __future__ import annotations
 
@@ -22,6 +26,11 @@ from bitdelta.rpc.clients.router import RouterClient
 from bitdelta.testing.cluster import Cluster
 from bitdelta.testing.family import make_finetune
 from tests.support.archs import FAMILY_MEMBERS, ORIGINAL, hf_greedy, make_hf_base
+
+# llama3 rope; LongRoPE's switch with length; a multimodal checkpoint's names with local and global
+# layers; a sparse MoE; a parallel block with a biased head
+SERVED = ("llama-3.1", "phi3-longrope", "gemma3-mm", "qwen3-moe", "phi")
+assert set(SERVED) <= set(FAMILY_MEMBERS)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 PROMPT = "Family ties."  # 12 bytes: 12 tokens of the byte tokenizer
@@ -52,7 +61,7 @@ def served(tmp_path_factory):
     in front of it (all started at once: the processes start in parallel)."""
     root = tmp_path_factory.mktemp("families")
     deltas = root / "deltas"
-    members = {name: family(root / name, deltas, name) for name in FAMILY_MEMBERS}
+    members = {name: family(root / name, deltas, name) for name in SERVED}
     with Cluster(root / "cluster") as c:
         store = c.store(deltas)
         workers = {
@@ -70,7 +79,7 @@ async def tokens(router: RouterClient, model: str) -> list[int]:
     return [t.token_id async for m in router.generate_request(req) for t in m.tokens]
 
 
-@pytest.mark.parametrize("name", FAMILY_MEMBERS)
+@pytest.mark.parametrize("name", SERVED)
 async def test_router_serves_each_family_like_transformers(served, name):
     address, dense = served[name]
     prompt = list(PROMPT.encode())
