@@ -32,7 +32,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -52,6 +52,7 @@ from bitdelta.rpc.errors import without_addresses
 from bitdelta.rpc.metrics import GatewayMetrics
 from services.gateway import protocol as api
 from services.gateway import responses as rsp
+from services.gateway.adapters import Adapters, AdapterSettings
 from services.gateway.catalog import Catalog, Own
 from services.gateway.chat import ChatTemplate, ChatTemplateError
 from services.gateway.config import GatewayConfig
@@ -506,6 +507,8 @@ ROUTES = (
     "/metrics",
     "/tokenize",
     "/detokenize",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
 )
 
 
@@ -820,6 +823,28 @@ def create_app(
             raise api.invalid("tokens", f"tokens must be a list of token ids below {vocab}")
         return JSONResponse(tokens.detokenize(ids))
 
+    async def router_names(md: tuple[tuple[str, str], ...]) -> set[str]:
+        try:
+            return {m.model_id for m in await state["router"].list_models(metadata=md)}
+        except RouterCallError as e:
+            raise api.error_of_rpc(e.code, e.details or str(e)) from None
+
+    adapters = None
+    if config.lora_base is not None:
+        assert config.lora_root is not None and config.delta_store is not None  # GatewayConfig.check_lora
+        settings = AdapterSettings(
+            config.lora_base, config.lora_root, config.delta_store, config.channel_credentials(), config.lora_timeout_s
+        )
+        adapters = Adapters(settings, router_names)
+
+    async def load_lora_adapter(request: HttpRequest) -> Response:
+        assert adapters is not None
+        return PlainTextResponse(await adapters.load(await read_json(request), metadata(request)))
+
+    async def unload_lora_adapter(request: HttpRequest) -> Response:
+        assert adapters is not None
+        return PlainTextResponse(await adapters.unload(await read_json(request), metadata(request)))
+
     async def prometheus(request: HttpRequest) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -866,6 +891,11 @@ def create_app(
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
     ]
+    if adapters is not None:  # vLLM's runtime adapter routes (without: 404, as vLLM's)
+        routes += [
+            Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
+        ]
     return Starlette(
         routes=routes,
         lifespan=lifespan,

@@ -3,6 +3,7 @@ checked by the shared `bitdelta.rpc.config.ServiceConfig`."""
 
 from __future__ import annotations
 
+import importlib.util
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +95,25 @@ class GatewayConfig(ServiceConfig, TlsSettings):
         "ListModels) are kept before the gateway asks again",
     )
     owned_by: str = setting("bitdelta", "the `owned_by` of every model in /v1/models")
+    lora_base: Path | None = setting(
+        None,
+        "the base checkpoint's directory: turns on vLLM's runtime /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter (PEFT adapters imported as `bitdelta import-lora` does, in a child process "
+        "that needs torch, and put into --delta-store); without it they answer 404, as vLLM's without "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+    )
+    lora_root: Path | None = setting(
+        None, "with --lora-base: the directory a load's lora_path must lie under (links resolved)"
+    )
+    delta_store: str | None = setting(
+        None,
+        "with --lora-base: HOST:PORT of the delta store the adapters go into, called with each caller's "
+        "token (--tls-* as for the router)",
+        check=check_address,
+    )
+    lora_timeout_s: float = setting(
+        600.0, "with --lora-base: deadline of one adapter's import, and again of the router listing it"
+    )
     request_timeout_s: float = setting(600.0, "deadline of one generation at the router, seconds (beyond: 504)")
     call_timeout_s: float = setting(10.0, "deadline of the router's ListModels, seconds")
     completion_default_max_tokens: int = setting(
@@ -147,6 +167,27 @@ class GatewayConfig(ServiceConfig, TlsSettings):
                 raise ConfigError(f"{self.flag_of(name)} must be >= 1, got {getattr(self, name)}")
         if self.grace_s < 0:
             raise ConfigError(f"{self.flag_of('grace_s')} must be >= 0, got {self.grace_s}")
+        self.check_lora()
+
+    def check_lora(self) -> None:
+        if self.lora_base is None:
+            for name in ("lora_root", "delta_store"):
+                if getattr(self, name):
+                    raise ConfigError(f"{self.flag_of(name)} needs {self.flag_of('lora_base')}")
+            return
+        if not (Path(self.lora_base) / "config.json").is_file():
+            raise ConfigError(f"{self.flag_of('lora_base')} {self.lora_base}: no config.json in it")
+        if self.lora_root is None or not Path(self.lora_root).is_dir():
+            raise ConfigError(f"{self.flag_of('lora_base')} needs {self.flag_of('lora_root')}, a directory")
+        if not self.delta_store:
+            raise ConfigError(f"{self.flag_of('lora_base')} needs {self.flag_of('delta_store')}")
+        if importlib.util.find_spec("torch") is None:
+            raise ConfigError(
+                f"{self.flag_of('lora_base')} needs torch in the gateway's Python (an import reads the base); "
+                "the torch-free gateway serves adapters imported with `bitdelta import-lora` instead"
+            )
+        if not self.lora_timeout_s > 0:
+            raise ConfigError(f"{self.flag_of('lora_timeout_s')} must be > 0, got {self.lora_timeout_s}")
 
     def check_https(self) -> None:
         """ConfigError naming the flag for a partial HTTPS setting, or a file that is missing or does not

@@ -2,11 +2,13 @@
 itself, with a trained LM head and embedding LoRA on a tied base) imported by `bitdelta import-lora`
 into the store's directory, one more put into the running store by `bitdelta store put`, and an
 unchanged `openai` client asking for each by name through the whole system (store, worker,
-router, gateway as processes). Each answer's tokens are PEFT's own greedy tokens."""
+router, gateway as processes). Each answer's tokens are PEFT's own greedy tokens. vLLM's runtime
+routes too: /v1/load_lora_adapter and /v1/unload_lora_adapter, as a vLLM client calls them."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import openai
 import pytest
@@ -16,6 +18,7 @@ from bitdelta.testing.cluster import Cluster
 from tests.gpu_worker.test_worker_peft_adapters import greedy, make_adapter, peft_model
 from tests.support.archs import make_hf_base
 from tests.support.cli import run_cli
+from tests.support.gateway import http
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -28,6 +31,7 @@ IMPORTED = {
     "chat": dict(target_modules=["o_proj", "embed_tokens"]),
 }
 PUT = ("later", dict(target_modules=["gate_proj", "down_proj"]))  # joins the running system
+RUNTIME = ("runtime", dict(target_modules=["k_proj", "up_proj"]))  # loaded through the gateway
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +40,11 @@ def family(tmp_path_factory):
     base = make_hf_base(root / "base", "llama-3.2", seed=7)
     adapters = {
         name: make_adapter(base, root / "adapters" / name, 40 + i, **config)
-        for i, (name, config) in enumerate([*IMPORTED.items(), PUT])
+        for i, (name, config) in enumerate([*IMPORTED.items(), PUT, RUNTIME])
     }
+    bad = root / "adapters" / "broken"  # an adapter_config.json that is not one
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text('{"peft_type": "LORA", "r": "eight"}')
     return root, base, adapters
 
 
@@ -56,7 +63,8 @@ def cluster(family):
         c.w = c.worker(base, c.st.address, kv_cache="16MiB")
         c.r = c.router([c.w.address], c.st.address)
         c.wait_serving(c.st, c.w, c.r)
-        c.g = c.gateway(c.r.address)
+        lora = ("--lora-base", str(base), "--lora-root", str(root / "adapters"), "--delta-store", c.st.address)
+        c.g = c.gateway(c.r.address, extra=lora)
         yield c
 
 
@@ -99,3 +107,77 @@ async def test_imported_and_put_adapters_answer_peft_s_tokens_by_name(family, cl
     assert PUT[0] in await listed(client, {PUT[0]})
     got = await asyncio.gather(*[answer(client, name) for name in want])  # all in one batch
     assert dict(zip(want, got)) == want
+
+
+async def test_vllm_runtime_routes_load_and_unload_an_adapter(family, cluster, client):
+    """A vLLM client's calls, as vLLM answers them: a load answers once the adapter is served (its
+    tokens PEFT's), a second load of the name is refused, an unload answers once it is gone (404
+    for it after); bad paths, names and adapters are refused with nothing put, and the other
+    variants keep serving."""
+    root, base, adapters = family
+    name = RUNTIME[0]
+    want = greedy(peft_model(base, adapters[name]), PROMPT, N)
+    sql = greedy(peft_model(base, adapters["sql"]), PROMPT, N)
+
+    async def post(route: str, **body) -> tuple[int, object]:  # (status, JSON or text), off the loop
+        return await asyncio.to_thread(http, cluster.g, "POST", f"/v1/{route}_lora_adapter", json.dumps(body).encode())
+
+    async def refused(status: int, words: str, route: str = "load", **body) -> None:
+        code, got = await post(route, **body)
+        assert code == status and words in got["error"]["message"], (body, got)
+
+    await refused(400, "not under this server's adapter directory", lora_name="x", lora_path=str(root / "base"))
+    await refused(400, "not under this server's adapter directory", lora_name="x", lora_path="../base")
+    await refused(404, "No adapter found", lora_name="x", lora_path="nowhere")
+    await refused(400, "is not a model name", lora_name="../x", lora_path=name)
+    await refused(400, "Both 'lora_name' and 'lora_path'", lora_name=name)
+    await refused(400, "load_inplace is not supported", lora_name=name, lora_path=name, load_inplace=True)
+    code, got = await post("load", lora_name="broken", lora_path=str(root / "adapters" / "broken"))
+    assert code == 400 and "cannot load the adapter" in got["error"]["message"], got
+    assert str(base) not in json.dumps(got)  # the server's own paths stay out of the answer
+    assert not {name, "broken", "x"} & await listed(client, set())  # nothing was put
+
+    loading = asyncio.ensure_future(post("load", lora_name=name, lora_path=str(adapters[name])))
+    assert await answer(client, "sql") == sql  # the gateway serves while an import runs
+    assert await loading == (200, f"Success: LoRA adapter '{name}' added successfully.")
+    assert name in {m.id for m in (await client.models.list()).data}  # the answer came once the router listed it
+    assert await answer(client, name) == want
+    await refused(400, "has already been loaded", lora_name=name, lora_path=str(adapters[name]))
+
+    assert await post("unload", lora_name=name) == (200, f"Success: LoRA adapter '{name}' removed successfully.")
+    assert name not in {m.id for m in (await client.models.list()).data}
+    with pytest.raises(openai.NotFoundError):
+        await answer(client, name)
+    await refused(404, "cannot be found", route="unload", lora_name=name)
+    assert await answer(client, "sql") == sql
+
+    # two loads of one name at once: one is served, the other refused
+    twice = await asyncio.gather(*[post("load", lora_name="twin", lora_path=name) for _ in range(2)])
+    assert sorted(code for code, _ in twice) == [200, 400], twice
+    assert "has already been loaded" in str(twice)
+    assert await answer(client, "twin") == want  # a relative lora_path is taken from --lora-root
+    assert (await post("unload", lora_name="twin"))[0] == 200
+
+
+async def test_vllm_runtime_routes_need_their_flags(family):
+    """Without --lora-base the routes are not there (404, as vLLM's without runtime updating); the
+    flags that go with it are refused alone, and it is refused without them."""
+    from bitdelta.rpc.config import ConfigError
+    from services.gateway.app import create_app
+    from services.gateway.config import GatewayConfig
+
+    root, base, _ = family
+    router = ["--router", "127.0.0.1:1"]
+    paths = {getattr(r, "path", "") for r in create_app(GatewayConfig.from_args(router, env={})).routes}
+    assert "/v1/completions" in paths and not {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} & paths
+    with pytest.raises(ConfigError, match="delta-store.*needs --lora-base"):
+        GatewayConfig.from_args([*router, "--delta-store", "127.0.0.1:2"], env={})
+    with pytest.raises(ConfigError, match="needs --lora-root"):
+        GatewayConfig.from_args([*router, "--lora-base", str(base), "--delta-store", "127.0.0.1:2"], env={})
+    with pytest.raises(ConfigError, match="needs --delta-store"):
+        GatewayConfig.from_args([*router, "--lora-base", str(base), "--lora-root", str(root)], env={})
+    with pytest.raises(ConfigError, match="no config.json"):
+        GatewayConfig.from_args([*router, "--lora-base", str(root), "--lora-root", str(root)], env={})
+    full = [*router, "--lora-base", str(base), "--lora-root", str(root), "--delta-store", "127.0.0.1:2"]
+    paths = {getattr(r, "path", "") for r in create_app(GatewayConfig.from_args(full, env={})).routes}
+    assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= paths
