@@ -181,3 +181,38 @@ async def test_vllm_runtime_routes_need_their_flags(family):
     full = [*router, "--lora-base", str(base), "--lora-root", str(root), "--delta-store", "127.0.0.1:2"]
     paths = {getattr(r, "path", "") for r in create_app(GatewayConfig.from_args(full, env={})).routes}
     assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= paths
+
+
+async def test_a_runtime_load_puts_with_the_callers_token(family, tmp_path):
+    """Where the store checks tokens, a load carries the caller's own: a token without admin rights
+    gets 403 and nothing is put; an admin's is put. (The routes' Adapters in process, a store
+    process with a tokens file.)"""
+    from bitdelta.rpc.clients.delta_store import DeltaStoreClient
+    from services.gateway.adapters import Adapters, AdapterSettings
+    from services.gateway.protocol import ApiError
+
+    root, base, _ = family
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(
+        json.dumps({"user": {"name": "user", "variants": "*"}, "ops": {"name": "ops", "variants": "*", "admin": True}})
+    )
+    deltas = tmp_path / "deltas"
+    deltas.mkdir()
+    with Cluster(tmp_path / "cluster") as c:
+        st = c.store(deltas, extra=("--tokens-file", str(tokens)))
+        c.wait_serving(st)
+
+        async def names(metadata) -> set[str]:  # the router's list stands in: the store's
+            async with DeltaStoreClient(st.address, token="ops") as s:
+                return {d.name for d in await s.list()}
+
+        adapters = Adapters(AdapterSettings(base, root / "adapters", st.address, None, T), names)
+        body = {"lora_name": "tok", "lora_path": RUNTIME[0]}
+        with pytest.raises(ApiError) as e:
+            await adapters.load(body, (("authorization", "Bearer user"),))
+        assert e.value.status == 403, e.value.message
+        assert not list(deltas.glob("*.safetensors"))
+        assert await adapters.load(body, (("authorization", "Bearer ops"),)) == (
+            "Success: LoRA adapter 'tok' added successfully."
+        )
+        assert [p.name for p in deltas.glob("*.safetensors")] == ["tok.bitdelta.safetensors"]
