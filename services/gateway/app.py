@@ -58,6 +58,7 @@ from services.gateway.chat import ChatTemplate, ChatTemplateError
 from services.gateway.config import GatewayConfig
 from services.gateway.generation_config import GenerationConfigs
 from services.gateway.protocol import ApiError
+from services.gateway.reasoning import Reasoning, ReasoningStream
 from services.gateway.tools import CallStream, ToolFormat
 
 log = logging.getLogger("services.gateway")
@@ -364,10 +365,10 @@ class _Generation(Response):
             lps = api.logprobs(
                 r, [t.logprobs for t in mine if t.HasField("logprobs")], prompt=firsts[k].prompt_logprobs
             )
-            text = (self.echoes[k] if self.echoes else "") + "".join(t.text for t in mine)
+            text = "".join(t.text for t in mine)
             choices.append(
                 dataclasses.replace(
-                    api.with_tool_calls(r, text, finish),
+                    api.with_tool_calls(r, text, finish, self.echoes[k] if self.echoes else ""),
                     logprobs=lps,
                     prompt_logprobs=prompt_lps[k],
                     token_ids=[t.token_id for t in mine],
@@ -377,10 +378,20 @@ class _Generation(Response):
             )
             usages[i] = mine[-1].usage
         if self.responses is not None:  # one choice (to_chat sends no n)
-            c = choices[0]
-            return await self._send_json(
-                send, 200, rsp.whole(self.responses, r, c.text, c.finish, usages[0], c.tool_calls)
+            c, thinking = choices[0], ReasoningStream(r.reasoning) if r.reasoning is not None else None
+            for t in by_choice.get(0, []) if thinking is not None else ():  # the thinking's tokens, counted
+                thinking.add(t.text)
+            answer = rsp.whole(
+                self.responses,
+                r,
+                c.text,
+                c.finish,
+                usages[0],
+                c.tool_calls,
+                c.reasoning,
+                thinking.pieces if thinking else 0,
             )
+            return await self._send_json(send, 200, answer)
         await self._send_json(send, 200, api.response(r, choices, api.total_usage(usages, n)))
 
     async def _stream_responses(self, send: Send, merged: _Merged) -> None:
@@ -389,6 +400,7 @@ class _Generation(Response):
         ev = rsp.Events(self.responses, r)
         # tools: the text from where a call may begin is held, and sent as function_call items at the end
         calls = CallStream(r.tool_format) if r.tools is not None and r.tools.parsed else None
+        thinking = ReasoningStream(r.reasoning) if r.reasoning is not None else None  # a reasoning parser's
         await _start_events(send)
         out = [ev.start()]
         try:
@@ -398,11 +410,22 @@ class _Generation(Response):
                 if msg is None:
                     raise _truncated()
                 for tok in msg.tokens:
-                    text = tok.text if calls is None else calls.add(tok.text)
+                    thought, text = ("", tok.text) if thinking is None else thinking.add(tok.text)
+                    if thought:
+                        out.append(ev.thought(thought))
+                    text = text if calls is None else calls.add(text)
                     if text:
                         out.append(ev.delta(text))
                     if tok.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED or tok.HasField("usage"):
                         finish, made = self._finish(tok), ()
+                        if thinking is not None:  # what the parser held: a cut-off thinking, or content
+                            thought, held = thinking.finish()
+                            if thought:
+                                out.append(ev.thought(thought))
+                            held = held if calls is None else calls.add(held)
+                            if held:
+                                out.append(ev.delta(held))
+                            ev.reasoning_tokens = thinking.pieces
                         if calls is not None:
                             rest, made, finish = calls.finish(finish)
                             if rest:
@@ -448,6 +471,8 @@ class _Generation(Response):
         usages: dict[int, gen_pb.Usage] = {}
         # tools: each choice's text from where a call may begin is held, and sent as tool_calls at its end
         calls = [CallStream(r.tool_format) for _ in range(total)] if r.tools is not None and r.tools.parsed else None
+        # a reasoning parser: each choice's thinking sent as `reasoning`, only its content reaches the tools
+        thinking = [ReasoningStream(r.reasoning) for _ in range(total)] if r.reasoning is not None else None
         # One SSE event per token (the chunks a per-token stream gives), a router message's events in one
         # write: a message holds every token the router had ready, so a slow client costs fewer writes.
         events: list[bytes] = []
@@ -459,16 +484,30 @@ class _Generation(Response):
                 for tok in msg.tokens:
                     i = tok.index
                     lp = api.logprobs(r, [tok.logprobs], offsets[i]) if tok.HasField("logprobs") else None
-                    text = tok.text if calls is None else calls[i].add(tok.text)
-                    if text or lp is not None or r.return_token_ids:  # every token's id has its chunk
+                    thought, text = ("", tok.text) if thinking is None else thinking[i].add(tok.text)
+                    thought = thought if r.include_reasoning else ""
+                    text = text if calls is None else calls[i].add(text)
+                    if text or thought or lp is not None or r.return_token_ids:  # every token's id has its chunk
                         ids = prompt_ids.pop(i, None)
                         piece = api.chunk(
-                            r, text, logprobs=lp, index=i, token_ids=(tok.token_id,), prompt_token_ids=ids
+                            r,
+                            text if text or not thought else None,
+                            logprobs=lp,
+                            index=i,
+                            token_ids=(tok.token_id,),
+                            prompt_token_ids=ids,
+                            reasoning=thought,
                         )
                         events.append(_sse(piece))
                         offsets[i] += len(tok.text)
                     if tok.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED or tok.HasField("usage"):
                         finish = self._finish(tok)
+                        if thinking is not None:  # what the parser held: a cut-off thinking, or content
+                            thought, held = thinking[i].finish()
+                            held = held if calls is None else calls[i].add(held)
+                            if (thought and r.include_reasoning) or held:
+                                reasoning = thought if r.include_reasoning else ""
+                                events.append(_sse(api.chunk(r, held or None, index=i, reasoning=reasoning)))
                         if calls is not None:
                             rest, made, finish = calls[i].finish(finish)
                             if rest:
@@ -729,6 +768,7 @@ def create_app(
         request.state.model = req.model
         template = templates.for_model(req.model, own.template)
         tools = req.tools
+        req.reasoning = Reasoning.of(config.reasoning_parser, req.template_kwargs)
         try:
             text = template.render(
                 req.messages,
@@ -752,6 +792,13 @@ def create_app(
                     )
                 req.sampling = dataclasses.replace(req.sampling, constraint=c)
                 req.constraint_param = "tool_choice"
+        if req.reasoning is not None and req.reasoning.thinking and req.sampling.constraint is not None:
+            off = '; send chat_template_kwargs {"enable_thinking": false}' if req.reasoning.parser == "qwen3" else ""
+            raise api.invalid(
+                req.constraint_param,
+                f"{req.constraint_param} with --reasoning-parser {req.reasoning.parser}: the worker's grammar binds "
+                f"the output from its first token, so the model could not think (vLLM's binds it after the thinking){off}",
+            )
         await check_constraint(req)
         echo = req.chat_echo()
         return _Generation(

@@ -21,6 +21,7 @@ from bitdelta.rpc.config import (
 from bitdelta.rpc.security import TlsSettings
 from bitdelta.units import parse_bytes
 from services.gateway.chat import CONTENT_FORMATS
+from services.gateway.reasoning import PARSERS
 
 
 def check_variant_files(values: tuple[str, ...]) -> None:
@@ -33,6 +34,11 @@ def check_variant_files(values: tuple[str, ...]) -> None:
 def _check_content_format(value: str) -> None:
     if value not in CONTENT_FORMATS:
         raise ValueError(f"must be one of {', '.join(CONTENT_FORMATS)}")
+
+
+def _check_reasoning_parser(value: str) -> None:
+    if value not in PARSERS:
+        raise ValueError(f"must be one of {', '.join(PARSERS)}")
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,12 @@ class GatewayConfig(ServiceConfig, TlsSettings):
         "ListModels) are kept before the gateway asks again",
     )
     owned_by: str = setting("bitdelta", "the `owned_by` of every model in /v1/models")
+    reasoning_parser: str | None = setting(
+        None,
+        "as vLLM's flag: a thinking model's <think> … </think> answered as chat's `reasoning`, apart from "
+        "its content: deepseek_r1 (DeepSeek-R1 and its distills, QwQ) or qwen3",
+        check=_check_reasoning_parser,
+    )
     lora_base: Path | None = setting(
         None,
         "the base checkpoint's directory: turns on vLLM's runtime /v1/load_lora_adapter and "

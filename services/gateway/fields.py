@@ -221,6 +221,13 @@ FIELDS: tuple[Field, ...] = (
         "vLLM",
         "variables for the chat template (e.g. Qwen3's enable_thinking); not its own names",
     ),
+    Field(
+        "include_reasoning",
+        None,
+        HON,
+        "vLLM",
+        "with `--reasoning-parser`: false leaves the thinking out (`reasoning` null); default true",
+    ),
     Field("documents", None, REF, "vLLM", "not served"),
     Field("mm_processor_kwargs", None, REF, "vLLM", "text only"),
     Field("guided_json", HON, HON, "vLLM", "a JSON schema (an object or its JSON text): " + GUIDED),

@@ -36,6 +36,7 @@ from bitdelta.generation import (
 from bitdelta.rpc.errors import without_addresses
 from services.gateway import fields
 from services.gateway.chat import ChatTemplateError, check_template_kwargs
+from services.gateway.reasoning import Reasoning
 from services.gateway.tools import Call, CallStream, ToolError, ToolFormat, Tools, parse_tools
 
 MAX_STOP = 4  # OpenAI's limit on `stop` strings
@@ -156,6 +157,10 @@ class Request:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # chat, vLLM's --reasoning-parser (the app sets it): the thinking answered as `reasoning`, apart from
+    # the content; include_reasoning false drops it
+    reasoning: Reasoning | None = None
+    include_reasoning: bool = True
     tool_format: ToolFormat = ToolFormat.HERMES  # how the model's chat template writes a call (the app sets it)
     id: str = ""
     created: int = 0
@@ -631,6 +636,7 @@ def parse_chat(body: Any, defaults: SamplingDefaults = NEUTRAL) -> Request:
             r.template_kwargs = check_template_kwargs(body["chat_template_kwargs"])
         except ChatTemplateError as e:
             raise invalid("chat_template_kwargs", str(e)) from None
+    r.include_reasoning = _boolean(body, "include_reasoning", default=True)
     mt = _integer(body, "max_completion_tokens", 1, 1 << 31)
     mt = _integer(body, "max_tokens", 1, 1 << 31) if mt is None else mt
     if mt is None:  # the model's default, cut to the context the prompt leaves (vLLM's get_max_tokens)
@@ -727,6 +733,7 @@ def prompt_logprobs(r: Request, prompt: list[gen_pb.Logprobs]) -> list[dict | No
 class Choice:
     text: str | None
     finish: str
+    reasoning: str | None = None  # with a reasoning parser: the thinking (the text is the content)
     logprobs: dict | None = None
     tool_calls: tuple[Call, ...] = ()
     prompt_logprobs: list[dict | None] | None = None  # its prompt's (vLLM's prompt_logprobs)
@@ -735,15 +742,20 @@ class Choice:
     prompt_token_ids: list[int] = field(default_factory=list)  # its prompt's, as run (return_token_ids)
 
 
-def with_tool_calls(r: Request, text: str, finish: str) -> Choice:
-    """A finished chat choice, its tool calls parsed out of the text when the request has tools
-    (finish_reason "tool_calls" when it made any; an answer cut by max_tokens stays text)."""
-    if r.tools is None or not r.tools.parsed or finish != "stop":
-        return Choice(text, finish)
+def with_tool_calls(r: Request, text: str, finish: str, echo: str = "") -> Choice:
+    """A finished chat choice of `echo` + `text`: the reasoning split out of the text where the
+    request has a reasoning parser, then its tool calls parsed out of the content when the request
+    has tools (finish_reason "tool_calls" when it made any; an answer cut by max_tokens stays text)."""
+    reasoning, content = r.reasoning.split(text) if r.reasoning is not None else (None, text)
+    content = (echo + (content or "")) or (None if r.reasoning is not None else "")
+    if content is None or r.tools is None or not r.tools.parsed or finish != "stop":
+        return Choice(content, finish, reasoning=reasoning)
     s = CallStream(r.tool_format)  # as the stream would send it: the same content, the same calls
-    sent = s.add(text)
+    sent = s.add(content)
     rest, calls, finish = s.finish(finish)
-    return Choice((sent + rest) or None, finish, tool_calls=calls) if calls else Choice(text, finish)
+    if not calls:
+        return Choice(content, finish, reasoning=reasoning)
+    return Choice((sent + rest) or None, finish, reasoning=reasoning, tool_calls=calls)
 
 
 def response(r: Request, choices: list[Choice], u: gen_pb.Usage) -> dict:
@@ -776,6 +788,9 @@ def response(r: Request, choices: list[Choice], u: gen_pb.Usage) -> dict:
     out = []
     for i, c in enumerate(choices):
         message = {"role": r.role, "content": c.text}
+        if r.reasoning is not None:  # vLLM's field, and the name it had before (reasoning_content)
+            thought = c.reasoning if r.include_reasoning else None
+            message |= {"reasoning": thought, "reasoning_content": thought}
         if c.tool_calls:
             message["tool_calls"] = [t.to_openai() for t in c.tool_calls]
         out.append(
@@ -802,6 +817,7 @@ def chunk(
     token_ids: tuple[int, ...] = (),
     prompt_token_ids: tuple[int, ...] | None = None,
     stop_reason: str | int | None = None,
+    reasoning: str | None = None,
 ) -> dict:
     """One streamed piece of choice `index`: `text` added (chat: a delta, with the role on the
     first), or the finish. With return_token_ids, the piece's `token_ids`, and the prompt's ids where
@@ -823,6 +839,8 @@ def chunk(
         delta: dict[str, Any] = {}
         if first:
             delta["role"] = r.role
+        if reasoning:  # vLLM's delta field, and its older name
+            delta |= {"reasoning": reasoning, "reasoning_content": reasoning}
         if text is not None:
             delta["content"] = text
         if tool_calls:

@@ -274,14 +274,14 @@ def renamed(e: ApiError) -> ApiError:
     return ApiError(e.status, words(e.message), type=e.type, param=e.param and words(e.param), code=e.code)
 
 
-def _usage(u: gen_pb.Usage | None) -> dict | None:
+def _usage(u: gen_pb.Usage | None, reasoning_tokens: int = 0) -> dict | None:
     if u is None:
         return None
     return {
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": 0},  # the usage the router reports has no cached count
         "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},  # the thinking's (--reasoning-parser)
         "total_tokens": u.prompt_tokens + u.completion_tokens,
     }
 
@@ -289,6 +289,12 @@ def _usage(u: gen_pb.Usage | None) -> dict | None:
 def _message(item_id: str, text: str | None, status: str) -> dict:
     content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def _reasoning(item_id: str, text: str | None) -> dict:
+    """The thinking (a reasoning parser's) as the Responses API's reasoning item, before the message."""
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "encrypted_content": None}
 
 
 def _function_call(c: Call, arguments: str | None = None, status: str = "completed") -> dict:
@@ -305,6 +311,7 @@ def response(
     output: list[dict],
     finish: str | None = None,
     usage: gen_pb.Usage | None = None,
+    reasoning_tokens: int = 0,
 ) -> dict:
     """The response object: `status` in_progress, completed or incomplete (finish "length": the
     max_output_tokens reason)."""
@@ -333,34 +340,71 @@ def response(
         "tools": info.tools,
         "top_p": s.top_p,
         "truncation": "disabled",
-        "usage": _usage(usage),
+        "usage": _usage(usage, reasoning_tokens),
         "user": info.user,
         "metadata": info.metadata,
     }
 
 
 def whole(
-    info: ResponsesInfo, r: Request, text: str | None, finish: str, usage: gen_pb.Usage, calls: tuple[Call, ...] = ()
+    info: ResponsesInfo,
+    r: Request,
+    text: str | None,
+    finish: str,
+    usage: gen_pb.Usage,
+    calls: tuple[Call, ...] = (),
+    reasoning: str | None = None,
+    reasoning_tokens: int = 0,
 ) -> dict:
-    """The whole answer: an assistant message of one output_text part (unless the model only called
-    tools), then a function_call item per call."""
+    """The whole answer: a reasoning item where a reasoning parser found a thinking, an assistant
+    message of one output_text part (unless the model only called tools), then a function_call item
+    per call."""
     status = "incomplete" if finish == "length" else "completed"
-    output = [] if text is None and calls else [_message("msg_" + uuid.uuid4().hex, text or "", status)]
+    output = [_reasoning("rs_" + uuid.uuid4().hex, reasoning)] if reasoning else []  # as the stream: text only
+    if text is not None or not calls:
+        output.append(_message("msg_" + uuid.uuid4().hex, text or "", status))
     output += [_function_call(c) for c in calls]
-    return response(info, r, status, output, finish, usage)
+    return response(info, r, status, output, finish, usage, reasoning_tokens)
 
 
 class Events:
     """The stream's events in order, each with its sequence_number: `start()` (created, in_progress),
-    `delta(text)` per piece (the message and its text part added before the first), `end(finish,
-    usage, calls)` (the text, the part and the message done, then each function_call item added,
-    its arguments, done, then completed or incomplete), or `error(e)`."""
+    `thought(text)` per piece of a thinking (a reasoning parser's: the reasoning item added before
+    the first, done before the message), `delta(text)` per piece (the message and its text part added
+    before the first), `end(finish, usage, calls)` (the text, the part and the message done, then each
+    function_call item added, its arguments, done, then completed or incomplete), or `error(e)`."""
 
     def __init__(self, info: ResponsesInfo, r: Request):
         self.info, self.r, self.n = info, r, 0
         self.item = "msg_" + uuid.uuid4().hex
         self.text: list[str] = []
         self.started = False  # the message item is out (its first text came)
+        self.reasoning_item = "rs_" + uuid.uuid4().hex
+        self.thinking: list[str] | None = None  # the reasoning item's text, once it is out
+        self.reasoned: dict | None = None  # the reasoning item, done
+        self.at = 0  # the message's output_index: 1 after a reasoning item
+        self.reasoning_tokens = 0
+
+    def thought(self, text: str) -> bytes:
+        head = b""
+        if self.thinking is None:
+            self.thinking = []
+            item = {**_reasoning(self.reasoning_item, None), "status": "in_progress"}
+            head = self._event("response.output_item.added", output_index=0, item=item)
+        self.thinking.append(text)
+        return head + self._event(
+            "response.reasoning_text.delta", output_index=0, item_id=self.reasoning_item, content_index=0, delta=text
+        )
+
+    def _thinking_done(self) -> bytes:
+        if self.thinking is None or self.reasoned is not None:
+            return b""
+        text = "".join(self.thinking)
+        self.reasoned, self.at = _reasoning(self.reasoning_item, text), 1
+        at = {"output_index": 0, "item_id": self.reasoning_item, "content_index": 0}
+        return self._event("response.reasoning_text.done", **at, text=text) + self._event(
+            "response.output_item.done", output_index=0, item=self.reasoned
+        )
 
     def _event(self, kind: str, **fields) -> bytes:
         obj = {"type": kind, "sequence_number": self.n, **fields}
@@ -378,11 +422,11 @@ class Events:
 
     def _message_start(self) -> bytes:
         self.started = True
-        at = {"output_index": 0, "item_id": self.item, "content_index": 0}
+        at = {"output_index": self.at, "item_id": self.item, "content_index": 0}
         return b"".join(
             (
                 self._event(
-                    "response.output_item.added", output_index=0, item=_message(self.item, None, "in_progress")
+                    "response.output_item.added", output_index=self.at, item=_message(self.item, None, "in_progress")
                 ),
                 self._event(
                     "response.content_part.added",
@@ -393,26 +437,32 @@ class Events:
         )
 
     def delta(self, text: str) -> bytes:
-        head = b"" if self.started else self._message_start()
+        head = self._thinking_done() + (b"" if self.started else self._message_start())
         self.text.append(text)
         return head + self._event(
-            "response.output_text.delta", output_index=0, item_id=self.item, content_index=0, delta=text, logprobs=[]
+            "response.output_text.delta",
+            output_index=self.at,
+            item_id=self.item,
+            content_index=0,
+            delta=text,
+            logprobs=[],
         )
 
     def end(self, finish: str, usage: gen_pb.Usage, calls: tuple[Call, ...] = ()) -> bytes:
         text = "".join(self.text)
         status = "incomplete" if finish == "length" else "completed"
-        out, output = [], []
+        out = [self._thinking_done()]
+        output = [] if self.reasoned is None else [self.reasoned]
         if self.started or not calls:  # an answer of calls alone has no message
             if not self.started:
                 out.append(self._message_start())
-            at = {"output_index": 0, "item_id": self.item, "content_index": 0}
+            at = {"output_index": self.at, "item_id": self.item, "content_index": 0}
             message = _message(self.item, text, status)
             output.append(message)
             out += [
                 self._event("response.output_text.done", **at, text=text, logprobs=[]),
                 self._event("response.content_part.done", **at, part=message["content"][0]),
-                self._event("response.output_item.done", output_index=0, item=message),
+                self._event("response.output_item.done", output_index=self.at, item=message),
             ]
         for c in calls:  # each call whole: its arguments in one delta
             k, item = len(output), _function_call(c)
@@ -431,7 +481,7 @@ class Events:
                 self._event("response.output_item.done", output_index=k, item=item),
             ]
             output.append(item)
-        done = response(self.info, self.r, status, output, finish, usage)
+        done = response(self.info, self.r, status, output, finish, usage, self.reasoning_tokens)
         out.append(self._event("response.completed" if status == "completed" else "response.incomplete", response=done))
         return b"".join(out)
 

@@ -54,7 +54,7 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 @pytest.fixture(scope="module")
 def cluster(family, tmp_path_factory):
     """Store, one worker, one router; gateways: with the chat templates, without any, in front of a
-    router that is not there, and with a 1 s deadline per generation."""
+    router that is not there, with a 1 s deadline per generation, and with a reasoning parser."""
     work = tmp_path_factory.mktemp("gateway_cluster")
     root = work / "deltas"
     shutil.copytree(family.deltas, root)
@@ -76,6 +76,9 @@ def cluster(family, tmp_path_factory):
         c.g_plain = c.gateway(c.r.address, name="gateway-plain")
         c.g_dead = c.gateway(f"127.0.0.1:{free_port()}", name="gateway-dead")
         c.g_short = c.gateway(c.r.address, name="gateway-short", extra=("--request-timeout-s", "1"))
+        c.g_think = c.gateway(
+            c.r.address, name="gateway-think", chat_template=tok, extra=("--reasoning-parser", "qwen3")
+        )
         yield c
 
 
@@ -1442,3 +1445,82 @@ async def test_a_client_that_disconnects_mid_stream_frees_the_sequence(clients, 
         await asyncio.sleep(0.1)
     r = await clients[0].completions.create(model=base, prompt="after", max_tokens=2, temperature=0)
     assert r.usage.completion_tokens == 2
+
+
+# -- reasoning parser (vLLM's --reasoning-parser) ----------------------------------------------------------
+
+
+async def _chat_both(client, **kw) -> tuple[object, list]:
+    """The whole answer and the streamed chunks of one greedy chat request."""
+    whole = await client.chat.completions.create(model="base", messages=CHAT, temperature=0, **kw)
+    chunks = [
+        c
+        async for c in await client.chat.completions.create(
+            model="base", messages=CHAT, temperature=0, stream=True, **kw
+        )
+    ]
+    return whole, chunks
+
+
+def _joined(chunks, field: str) -> str | None:
+    parts = [getattr(c.choices[0].delta, field, None) for c in chunks if c.choices]
+    parts = [p for p in parts if p]
+    return "".join(parts) if parts else None
+
+
+async def test_reasoning_parser_answers_the_thinking_apart_as_vllm(clients, cluster):
+    """qwen3's parser: a thinking that is never closed (a random model writes no </think>) is all
+    reasoning, content null; a closed one (the output forced by a regex with thinking off, where the
+    model opens the thinking itself) splits at </think>; whole and streamed agree; include_reasoning
+    false leaves it out; a grammar while thinking is refused. The router's text is the reference."""
+    _, router, _ = clients
+    client = oai(cluster.g_think)
+    try:
+        req = rpb.GenerateRequest(
+            model_id="", prompt=BASE_RENDERED, sampling=Sampling(max_new_tokens=N).to_pb(), templated=True
+        )
+        want = "".join([t.text async for m in router.generate_request(req) for t in m.tokens])
+        whole, chunks = await _chat_both(client, max_tokens=N)
+        m = whole.choices[0].message
+        assert (m.reasoning, m.reasoning_content, m.content) == (want, want, None)
+        assert (_joined(chunks, "reasoning"), _joined(chunks, "content")) == (want, None)
+        assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "length"
+
+        off = {"chat_template_kwargs": {"enable_thinking": False}}
+        forced = {**off, "guided_regex": "<think>[a-z]{3}</think>[a-z]{4}"}
+        whole, chunks = await _chat_both(client, max_tokens=40, extra_body=forced)
+        m = whole.choices[0].message
+        assert len(m.reasoning) == 3 and len(m.content) == 4 and (m.reasoning + m.content).isalpha(), m
+        assert (_joined(chunks, "reasoning"), _joined(chunks, "content")) == (m.reasoning, m.content)
+        whole, chunks = await _chat_both(client, max_tokens=40, extra_body={**forced, "include_reasoning": False})
+        assert whole.choices[0].message.reasoning is None and whole.choices[0].message.content == m.content
+        assert (_joined(chunks, "reasoning"), _joined(chunks, "content")) == (None, m.content)
+        plain = {**off, "guided_regex": "[a-z]{5}"}  # thinking off and never opened: all content
+        whole, chunks = await _chat_both(client, max_tokens=40, extra_body=plain)
+        m = whole.choices[0].message
+        assert m.reasoning is None and len(m.content) == 5 and _joined(chunks, "content") == m.content
+
+        # the Responses API: the thinking as a reasoning item before the message, its tokens counted
+        resp = await client.responses.create(model="base", input=CHAT, max_output_tokens=N, temperature=0)
+        assert [o.type for o in resp.output] == ["reasoning", "message"]
+        assert resp.output[0].content[0].text == want and resp.output[1].content[0].text == ""
+        assert resp.usage.output_tokens_details.reasoning_tokens == resp.usage.output_tokens == N
+        events = [e async for e in await client.responses.create(
+            model="base", input=CHAT, max_output_tokens=N, temperature=0, stream=True
+        )]  # fmt: skip
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == want
+        done = events[-1].response
+        assert [o.type for o in done.output] == ["reasoning", "message"] and done.output[0].content[0].text == want
+        assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0, 1]
+        assert done.usage.output_tokens_details.reasoning_tokens == N
+
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(
+                model="base", messages=CHAT, max_tokens=4, response_format={"type": "json_object"}
+            )
+        assert_error_shape(e.value.response.json(), 400, e.value.status_code, "response_format", "enable_thinking")
+        no_parser = await clients[0].chat.completions.create(model="base", messages=CHAT, max_tokens=N, temperature=0)
+        assert no_parser.choices[0].message.content == want  # without the flag: the text as it came
+        assert "reasoning" not in no_parser.choices[0].message.model_dump(exclude_unset=True)
+    finally:
+        await client.close()
