@@ -21,6 +21,8 @@ from __future__ import annotations
 import enum
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +31,7 @@ from bitdelta.generation import Constraint, ConstraintKind
 from bitdelta.grammar import lark_json
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+MISTRAL_OPENER, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 MAX_TOOLS = 128
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -48,18 +51,29 @@ def invalid(param: str, message: str) -> ToolError:
 class ToolFormat(enum.Enum):
     HERMES = "hermes"
     LLAMA_JSON = "llama3_json"
+    # Mistral's: `[TOOL_CALLS]` then a JSON list of {name, arguments} (tokenizers before v11), or each
+    # call as `[TOOL_CALLS]name[ARGS]{arguments}` (v11 on); a call's id is 9 letters and digits, which
+    # Mistral's templates check when the conversation comes back
+    MISTRAL = "mistral"
 
     @classmethod
     def of_template(cls, source: str) -> ToolFormat:
-        """The convention a chat template teaches: Hermes' tags where it writes them, Llama's JSON where
-        it asks for "parameters" without them, else Hermes."""
+        """The convention a chat template teaches: Mistral's where it writes [TOOL_CALLS], Hermes' tags
+        where it writes them, Llama's JSON where it asks for "parameters" without them, else Hermes."""
+        if MISTRAL_OPENER in source:
+            return cls.MISTRAL
         if "<tool_call>" in source:
             return cls.HERMES
         return cls.LLAMA_JSON if '"parameters"' in source else cls.HERMES
 
     @property
     def arguments_key(self) -> str:
-        return "arguments" if self is ToolFormat.HERMES else "parameters"
+        return "parameters" if self is ToolFormat.LLAMA_JSON else "arguments"
+
+    @property
+    def opener(self) -> str:
+        """The text a call begins with (Llama's: an answer that begins with "{")."""
+        return {ToolFormat.HERMES: "<tool_call>", ToolFormat.MISTRAL: MISTRAL_OPENER}.get(self, "{")
 
 
 class Mode(enum.Enum):
@@ -122,6 +136,10 @@ class Tools:
         one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         if fmt is ToolFormat.LLAMA_JSON:
             return Constraint(ConstraintKind.GRAMMAR, f"start: {lark_json(one)}")
+        if fmt is ToolFormat.MISTRAL:  # the list form, which every Mistral parser reads
+            more = ' (", " call)*' if self.mode is Mode.REQUIRED and self.parallel else ""
+            text = f'start: "{MISTRAL_OPENER}[" call{more} "]"\ncall: {lark_json(one)}'
+            return Constraint(ConstraintKind.GRAMMAR, text)
         more = ' ("\\n" call)*' if self.mode is Mode.REQUIRED and self.parallel else ""
         text = f'start: call{more}\ncall: "<tool_call>\\n" {lark_json(one)} "\\n</tool_call>"'
         return Constraint(ConstraintKind.GRAMMAR, text)
@@ -200,7 +218,43 @@ def _call(obj: Any, fmt: ToolFormat) -> Call | None:
             return None
     if not isinstance(args, dict):
         return None
-    return Call(f"call_{uuid.uuid4().hex[:24]}", obj["name"], json.dumps(args, ensure_ascii=False))
+    if fmt is ToolFormat.MISTRAL:  # Mistral's templates accept only ids of 9 letters and digits
+        call_id = "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+    else:
+        call_id = f"call_{uuid.uuid4().hex[:24]}"
+    return Call(call_id, obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _mistral_calls(text: str) -> tuple[str | None, tuple[Call, ...]]:
+    """Mistral's calls after the first [TOOL_CALLS]: one JSON list (or object), or `name[ARGS]{...}`
+    after each [TOOL_CALLS]; the text before is content. Anything else: all content."""
+    at = text.find(MISTRAL_OPENER)
+    if at < 0:
+        return text, ()
+    content, rest, calls = text[:at], text[at:], []
+    decoder = json.JSONDecoder()
+    while rest.startswith(MISTRAL_OPENER):
+        rest = rest[len(MISTRAL_OPENER) :].lstrip()
+        name, sep, after = rest.partition(MISTRAL_ARGS)
+        try:
+            if rest[:1] in ("[", "{"):
+                obj, end = decoder.raw_decode(rest)
+                objs = obj if isinstance(obj, list) else [obj]
+            elif sep and NAME.fullmatch(name):
+                args, end = decoder.raw_decode(after)
+                objs, end = [{"name": name, "arguments": args}], len(name) + len(sep) + end
+            else:
+                return text, ()
+        except ValueError:
+            return text, ()
+        made = [_call(o, ToolFormat.MISTRAL) for o in objs]
+        if not made or any(c is None for c in made):
+            return text, ()
+        calls += made
+        rest = rest[end:].lstrip()
+    if rest:  # text after the calls: not a call answer
+        return text, ()
+    return (content if content.strip() else None), tuple(calls)
 
 
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -209,6 +263,8 @@ HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 def parse_calls(text: str, fmt: ToolFormat) -> tuple[str | None, tuple[Call, ...]]:
     """(content, calls) of a finished answer: every well-formed call, and the text that is not part of
     one (None when only blanks). An answer with no well-formed call is all content."""
+    if fmt is ToolFormat.MISTRAL:
+        return _mistral_calls(text)
     if fmt is ToolFormat.HERMES:
         calls, spans = [], []
         for m in HERMES_CALL.finditer(text):
@@ -238,12 +294,13 @@ def parse_calls(text: str, fmt: ToolFormat) -> tuple[str | None, tuple[Call, ...
 
 class CallStream:
     """One streamed choice's text: content goes out as it comes, except from where a tool call may
-    begin (Hermes' `<tool_call>`, or a prefix of it at the end; Llama's answer starting with "{"),
-    which is held until the answer ends and then sent as tool_calls, or as content if it is none."""
+    begin (Hermes' `<tool_call>` or Mistral's `[TOOL_CALLS]`, or a prefix of it at the end; Llama's
+    answer starting with "{"), which is held until the answer ends and then sent as tool_calls, or as
+    content if it is none."""
 
     def __init__(self, fmt: ToolFormat):
         self.fmt = fmt
-        self.opener = "<tool_call>" if fmt is ToolFormat.HERMES else "{"
+        self.opener = fmt.opener
         self.held, self.holding, self.started = "", False, False  # started: content other than blanks went out
 
     def add(self, text: str) -> str:
