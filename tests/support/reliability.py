@@ -145,7 +145,13 @@ def start_system(
     else:
         c.root = None
         c.st = c.start("store", "services.delta_store", [*store_args, "--grace-s", "5"])
-    c.w = [c.worker(family.base, c.st.address, name=f"worker{i}", delta_budget=DELTA_BUDGET) for i in range(n_workers)]
+    # a drain's grace long enough for the streams it lets finish on a loaded machine (a SIGTERM with
+    # nothing running ends at once)
+    grace = ("--grace-s", "30")
+    c.w = [
+        c.worker(family.base, c.st.address, name=f"worker{i}", delta_budget=DELTA_BUDGET, extra=grace)
+        for i in range(n_workers)
+    ]
     c.r = c.router([w.address for w in c.w], c.st.address, extra=("--call-timeout-s", "3", *router_extra))
     try:
         c.wait_serving(c.st, *c.w, c.r)
