@@ -452,6 +452,13 @@ class _Generation(Response):
 
         n = r.sampling.n
         total = n * len(r.prompts)
+        counts = [0] * total  # each choice's tokens so far (continuous usage)
+
+        def chunk(text: str | None, *args, index: int, **kw) -> dict:
+            """Choice `index`'s chunk; with continuous usage, its prompt's and its own tokens so far."""
+            so_far = (len(firsts[index // n].prompt_token_ids), counts[index]) if r.continuous_usage else None
+            return api.chunk(r, text, *args, index=index, usage_so_far=so_far, **kw)
+
         # return_token_ids: the prompt's ids once, on the stream's first chunk (chat, a response's field)
         # or on each choice's first (completions): popped by whichever chunk comes first
         prompt_ids: dict[int, tuple[int, ...]] = {}
@@ -459,7 +466,7 @@ class _Generation(Response):
             prompt_ids = {i: tuple(firsts[i // n].prompt_token_ids) for i in range(1 if r.kind == "chat" else total)}
         if r.kind == "chat":  # OpenAI's first chat chunk of each choice: the role
             for i in range(total):
-                await body(_sse(api.chunk(r, "", first=True, index=i, prompt_token_ids=prompt_ids.pop(i, None))))
+                await body(_sse(chunk("", first=True, index=i, prompt_token_ids=prompt_ids.pop(i, None))))
         offsets = [0] * total
         if self.echoes:  # each choice starts with its prompt (and its tokens' logprobs)
             for k, echo in enumerate(self.echoes):
@@ -467,7 +474,7 @@ class _Generation(Response):
                 offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp else 0
                 for i in range(k * n, (k + 1) * n):
                     offsets[i] = offset
-                    await body(_sse(api.chunk(r, echo, logprobs=lp, index=i, prompt_token_ids=prompt_ids.pop(i, None))))
+                    await body(_sse(chunk(echo, logprobs=lp, index=i, prompt_token_ids=prompt_ids.pop(i, None))))
         usages: dict[int, gen_pb.Usage] = {}
         # tools: each choice's text from where a call may begin is held, and sent as tool_calls at its end
         calls = [CallStream(r.tool_format) for _ in range(total)] if r.tools is not None and r.tools.parsed else None
@@ -483,14 +490,14 @@ class _Generation(Response):
                     raise _truncated()
                 for tok in msg.tokens:
                     i = tok.index
+                    counts[i] += 1
                     lp = api.logprobs(r, [tok.logprobs], offsets[i]) if tok.HasField("logprobs") else None
                     thought, text = ("", tok.text) if thinking is None else thinking[i].add(tok.text)
                     thought = thought if r.include_reasoning else ""
                     text = text if calls is None else calls[i].add(text)
                     if text or thought or lp is not None or r.return_token_ids:  # every token's id has its chunk
                         ids = prompt_ids.pop(i, None)
-                        piece = api.chunk(
-                            r,
+                        piece = chunk(
                             text if text or not thought else None,
                             logprobs=lp,
                             index=i,
@@ -507,16 +514,14 @@ class _Generation(Response):
                             held = held if calls is None else calls[i].add(held)
                             if (thought and r.include_reasoning) or held:
                                 reasoning = thought if r.include_reasoning else ""
-                                events.append(_sse(api.chunk(r, held or None, index=i, reasoning=reasoning)))
+                                events.append(_sse(chunk(held or None, index=i, reasoning=reasoning)))
                         if calls is not None:
                             rest, made, finish = calls[i].finish(finish)
                             if rest:
-                                events.append(_sse(api.chunk(r, rest, index=i)))
+                                events.append(_sse(chunk(rest, index=i)))
                             if made:
-                                events.append(_sse(api.chunk(r, None, tool_calls=made, index=i)))
-                        end = api.chunk(
-                            r, None if r.kind == "chat" else "", finish, index=i, stop_reason=stop_reason_of(tok)
-                        )
+                                events.append(_sse(chunk(None, tool_calls=made, index=i)))
+                        end = chunk(None if r.kind == "chat" else "", finish, index=i, stop_reason=stop_reason_of(tok))
                         events.append(_sse(end))
                         usages[i] = tok.usage
                         if len(usages) == total:

@@ -71,7 +71,14 @@ FIELDS: tuple[Field, ...] = (
     Field("stop", HON, HON, "OpenAI", "a string or up to 4 (not returned)"),
     Field("seed", HON, HON, "OpenAI", "same seed, same text, whatever else is batched"),
     Field("stream", HON, HON, "OpenAI", "server-sent events"),
-    Field("stream_options", HON, HON, "OpenAI", "`include_usage` (a boolean)"),
+    Field(
+        "stream_options",
+        HON,
+        HON,
+        "OpenAI",
+        "`include_usage` (a boolean); vLLM's `continuous_usage_stats`: with include_usage, every chunk's usage is its"
+        " prompt's tokens and its choice's so far",
+    ),
     Field("n", HON, HON, "OpenAI", "1–16 choices sharing one prefill; a seeded request's are reproducible"),
     Field(
         "logprobs",

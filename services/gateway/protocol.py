@@ -141,6 +141,7 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)  # max_new_tokens 0: the router's default
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     # completions: the prompt before each choice's text (and its logprobs); chat (vLLM's): the last
     # message's content before each choice's, when that message has the answer's role
     echo: bool = False
@@ -260,12 +261,16 @@ def _common(body: Any, kind: str, defaults: SamplingDefaults) -> Request:
     include_usage = (opts or {}).get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise invalid("stream_options", "stream_options.include_usage must be true or false")
-    if set(opts or {}) - {"include_usage"}:
+    continuous = (opts or {}).get("continuous_usage_stats", False)  # vLLM's: usage on every chunk
+    if not isinstance(continuous, bool):
+        raise invalid("stream_options", "stream_options.continuous_usage_stats must be true or false")
+    if set(opts or {}) - {"include_usage", "continuous_usage_stats"}:
         raise invalid(
             "stream_options",
-            f"stream_options: only include_usage is supported, got {sorted(opts)}"[:200],
+            f"stream_options: only include_usage and continuous_usage_stats are supported, got {sorted(opts)}"[:200],
             code="unsupported_parameter",
         )
+    continuous = include_usage and continuous  # vLLM's rule: only with include_usage
     if include_usage and not stream:
         raise invalid("stream_options", "stream_options is only allowed with stream: true")
     prompt_logprobs = _integer(body, "prompt_logprobs", 0, MAX_LOGPROBS)
@@ -281,7 +286,7 @@ def _common(body: Any, kind: str, defaults: SamplingDefaults) -> Request:
         n=_integer(body, "n", 1, MAX_N) or 1,
         truncate_prompt_tokens=_integer(body, "truncate_prompt_tokens", -1, 2**31 - 1),  # 0: Sampling.validate
         prompt_logprobs=prompt_logprobs,
-        return_prompt_token_ids=return_ids,
+        return_prompt_token_ids=return_ids or continuous,  # continuous usage counts the prompt's ids
         **_vllm_sampling(body),
     )
     return Request(
@@ -295,6 +300,7 @@ def _common(body: Any, kind: str, defaults: SamplingDefaults) -> Request:
         constraint_param=constraint_param,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous,
         priority=_integer(body, "priority", -(2**31), 2**31 - 1) or 0,
         cache_salt=_salt(body),
         id=("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex,
@@ -818,6 +824,7 @@ def chunk(
     prompt_token_ids: tuple[int, ...] | None = None,
     stop_reason: str | int | None = None,
     reasoning: str | None = None,
+    usage_so_far: tuple[int, int] | None = None,
 ) -> dict:
     """One streamed piece of choice `index`: `text` added (chat: a delta, with the role on the
     first), or the finish. With return_token_ids, the piece's `token_ids`, and the prompt's ids where
@@ -854,8 +861,11 @@ def chunk(
             **ids,
         }
         out = {**_envelope(r, "chat.completion.chunk"), "choices": [choice], **prompt_ids}
-    if r.include_usage:
-        out["usage"] = None
+    if r.include_usage:  # null, or with continuous_usage (prompt tokens, the choice's tokens so far)
+        p, c = usage_so_far or (0, 0)
+        out["usage"] = (
+            {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c} if r.continuous_usage else None
+        )
     return out
 
 

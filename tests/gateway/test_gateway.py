@@ -1524,3 +1524,32 @@ async def test_reasoning_parser_answers_the_thinking_apart_as_vllm(clients, clus
         assert "reasoning" not in no_parser.choices[0].message.model_dump(exclude_unset=True)
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+async def test_continuous_usage_stats_count_each_choices_tokens_as_vllm(clients, kind):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its prompt's tokens and its
+    choice's tokens so far (one more per token chunk), the last usage chunk the totals; without
+    include_usage it changes nothing (vLLM's rule)."""
+    client = clients[0]
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    kw = {"model": "v0", "max_tokens": N, "temperature": 0.7, "seed": 5, "n": 2, "stream": True}
+    kw["extra_body"] = {"return_token_ids": True}  # every token has its chunk, its id on it
+    if kind == "chat":
+        chunks = [c async for c in await client.chat.completions.create(messages=CHAT, stream_options=opts, **kw)]
+    else:
+        chunks = [c async for c in await client.completions.create(prompt="The fox", stream_options=opts, **kw)]
+    *pieces, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 2 * N
+    prompt = last.usage.prompt_tokens
+    seen = {0: 0, 1: 0}
+    for c in pieces:
+        i = c.choices[0].index
+        seen[i] += len(getattr(c.choices[0], "token_ids", None) or ())
+        assert c.usage.prompt_tokens == prompt and c.usage.completion_tokens == seen[i], (c, seen)
+        assert c.usage.total_tokens == prompt + seen[i]
+    assert seen == {0: N, 1: N}
+    alone = {"continuous_usage_stats": True}
+    if kind == "completion":
+        plain = [c async for c in await client.completions.create(prompt="The fox", stream_options=alone, **kw)]
+        assert all(c.usage is None for c in plain)
