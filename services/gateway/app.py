@@ -788,8 +788,8 @@ def create_app(
             raise api.invalid("messages", str(e), code="chat_template_error") from None
         if tools is not None:
             req.tool_format = ToolFormat.of_template(template.source)
-            if req.tool_format is ToolFormat.MISTRAL and tools.parsed:  # [TOOL_CALLS] is a special token:
-                req.sampling = dataclasses.replace(req.sampling, skip_special_tokens=False)  # its text kept, as vLLM
+            if req.tool_format.special_opener and tools.parsed:  # a call's opener is a special token: its
+                req.sampling = dataclasses.replace(req.sampling, skip_special_tokens=False)  # text kept, as vLLM's
             c = tools.constraint(req.tool_format)  # required / named: the grammar of the calls
             if c is not None:
                 if req.sampling.constraint is not None:

@@ -116,7 +116,7 @@ FIELDS: tuple[Field, ...] = (
         HON,
         "OpenAI",
         "function definitions, rendered by the chat template; calls parsed into `tool_calls` (Hermes `<tool_call>`,"
-        " Llama 3.1 JSON, Mistral `[TOOL_CALLS]`) (docs/structured-output.md)",
+        " Llama 3.1 JSON, Mistral `[TOOL_CALLS]`, Granite `<|tool_call|>`) (docs/structured-output.md)",
     ),
     Field(
         "tool_choice",

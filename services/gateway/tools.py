@@ -8,7 +8,11 @@ that enforces `required` and a named function, and the model's text parsed back 
 How a model writes a call is its chat template's convention (`ToolFormat.of_template`):
 - `HERMES` (Qwen2.5, Hermes, and the default): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
   one block per call, text before them is the message's content;
-- `LLAMA_JSON` (Llama 3.1/3.2's JSON tool calling): the whole answer is `{"name": ..., "parameters": {...}}`.
+- `LLAMA_JSON` (Llama 3.1/3.2's JSON tool calling): the whole answer is `{"name": ..., "parameters": {...}}`;
+- `MISTRAL` (Mistral 7B v0.3, Nemo, Small): `[TOOL_CALLS]` and a JSON list of {name, arguments}, or
+  `[TOOL_CALLS]name[ARGS]{...}` per call (tokenizers v11 on); ids of 9 letters and digits;
+- `GRANITE` (Granite 3): `<|tool_call|>` and a JSON list of {name, arguments}.
+Mistral's and Granite's openers are special tokens: a request with tools keeps special tokens' text.
 
 `required` is one or more calls (exactly one with `parallel_tool_calls: false`), a named function
 exactly one call of it; the grammar fixes the name to a defined tool and the arguments to its
@@ -32,6 +36,7 @@ from bitdelta.grammar import lark_json
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 MISTRAL_OPENER, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+GRANITE_OPENER = "<|tool_call|>"
 MAX_TOOLS = 128
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -55,13 +60,18 @@ class ToolFormat(enum.Enum):
     # call as `[TOOL_CALLS]name[ARGS]{arguments}` (v11 on); a call's id is 9 letters and digits, which
     # Mistral's templates check when the conversation comes back
     MISTRAL = "mistral"
+    # Granite 3's (vLLM's granite parser): `<|tool_call|>` then a JSON list of {name, arguments}
+    GRANITE = "granite"
 
     @classmethod
     def of_template(cls, source: str) -> ToolFormat:
-        """The convention a chat template teaches: Mistral's where it writes [TOOL_CALLS], Hermes' tags
-        where it writes them, Llama's JSON where it asks for "parameters" without them, else Hermes."""
+        """The convention a chat template teaches: Mistral's where it writes [TOOL_CALLS], Granite's
+        where it writes <|tool_call|>, Hermes' tags where it writes them, Llama's JSON where it asks
+        for "parameters" without them, else Hermes."""
         if MISTRAL_OPENER in source:
             return cls.MISTRAL
+        if GRANITE_OPENER in source:
+            return cls.GRANITE
         if "<tool_call>" in source:
             return cls.HERMES
         return cls.LLAMA_JSON if '"parameters"' in source else cls.HERMES
@@ -73,7 +83,16 @@ class ToolFormat(enum.Enum):
     @property
     def opener(self) -> str:
         """The text a call begins with (Llama's: an answer that begins with "{")."""
-        return {ToolFormat.HERMES: "<tool_call>", ToolFormat.MISTRAL: MISTRAL_OPENER}.get(self, "{")
+        return {ToolFormat.HERMES: "<tool_call>", ToolFormat.MISTRAL: MISTRAL_OPENER}.get(self, LISTED.get(self, "{"))
+
+    @property
+    def special_opener(self) -> bool:
+        """Whether a call begins with a special token (Mistral's, Granite's): its text must stay in the output."""
+        return self in LISTED
+
+
+# the formats whose calls follow an opener (a special token of their tokenizers) as a JSON list
+LISTED = {ToolFormat.MISTRAL: MISTRAL_OPENER, ToolFormat.GRANITE: GRANITE_OPENER}
 
 
 class Mode(enum.Enum):
@@ -136,9 +155,9 @@ class Tools:
         one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         if fmt is ToolFormat.LLAMA_JSON:
             return Constraint(ConstraintKind.GRAMMAR, f"start: {lark_json(one)}")
-        if fmt is ToolFormat.MISTRAL:  # the list form, which every Mistral parser reads
+        if fmt in LISTED:  # the opener and a list (Mistral's list form, which every Mistral parser reads)
             more = ' (", " call)*' if self.mode is Mode.REQUIRED and self.parallel else ""
-            text = f'start: "{MISTRAL_OPENER}[" call{more} "]"\ncall: {lark_json(one)}'
+            text = f'start: "{LISTED[fmt]}[" call{more} "]"\ncall: {lark_json(one)}'
             return Constraint(ConstraintKind.GRAMMAR, text)
         more = ' ("\\n" call)*' if self.mode is Mode.REQUIRED and self.parallel else ""
         text = f'start: call{more}\ncall: "<tool_call>\\n" {lark_json(one)} "\\n</tool_call>"'
@@ -225,29 +244,32 @@ def _call(obj: Any, fmt: ToolFormat) -> Call | None:
     return Call(call_id, obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _mistral_calls(text: str) -> tuple[str | None, tuple[Call, ...]]:
-    """Mistral's calls after the first [TOOL_CALLS]: one JSON list (or object), or `name[ARGS]{...}`
-    after each [TOOL_CALLS]; the text before is content. Anything else: all content."""
-    at = text.find(MISTRAL_OPENER)
+def _listed_calls(text: str, fmt: ToolFormat) -> tuple[str | None, tuple[Call, ...]]:
+    """The calls after the first opener (Mistral's [TOOL_CALLS], Granite's <|tool_call|>): one JSON
+    list (or object), or Mistral's `name[ARGS]{...}` after each [TOOL_CALLS]; the text before is
+    content (the openers are special tokens, whose text a request with tools keeps). Anything else:
+    all content."""
+    opener = LISTED[fmt]
+    at = text.find(opener)
     if at < 0:
         return text, ()
     content, rest, calls = text[:at], text[at:], []
     decoder = json.JSONDecoder()
-    while rest.startswith(MISTRAL_OPENER):
-        rest = rest[len(MISTRAL_OPENER) :].lstrip()
+    while rest.startswith(opener):
+        rest = rest[len(opener) :].lstrip()
         name, sep, after = rest.partition(MISTRAL_ARGS)
         try:
             if rest[:1] in ("[", "{"):
                 obj, end = decoder.raw_decode(rest)
                 objs = obj if isinstance(obj, list) else [obj]
-            elif sep and NAME.fullmatch(name):
+            elif fmt is ToolFormat.MISTRAL and sep and NAME.fullmatch(name):
                 args, end = decoder.raw_decode(after)
                 objs, end = [{"name": name, "arguments": args}], len(name) + len(sep) + end
             else:
                 return text, ()
         except ValueError:
             return text, ()
-        made = [_call(o, ToolFormat.MISTRAL) for o in objs]
+        made = [_call(o, fmt) for o in objs]
         if not made or any(c is None for c in made):
             return text, ()
         calls += made
@@ -263,8 +285,8 @@ HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 def parse_calls(text: str, fmt: ToolFormat) -> tuple[str | None, tuple[Call, ...]]:
     """(content, calls) of a finished answer: every well-formed call, and the text that is not part of
     one (None when only blanks). An answer with no well-formed call is all content."""
-    if fmt is ToolFormat.MISTRAL:
-        return _mistral_calls(text)
+    if fmt in LISTED:
+        return _listed_calls(text, fmt)
     if fmt is ToolFormat.HERMES:
         calls, spans = [], []
         for m in HERMES_CALL.finditer(text):

@@ -67,6 +67,14 @@ MISTRAL = (
     "[/TOOL_RESULTS]{%- else %}{{ m.content }}{% endif %}"
     "{%- endfor %}"
 )
+GRANITE = (
+    "{%- if tools %}<|start_of_role|>available_tools<|end_of_role|>{% for t in tools %} {{ t.function.name }}"
+    "{% endfor %}<|end_of_text|>\n{% endif %}"
+    "{%- for m in messages %}<|start_of_role|>{{ m.role }}<|end_of_role|>"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|tool_call|>"
+    "{{ m.tool_calls | map(attribute='function') | list | tojson }}{% else %}{{ m.content }}{% endif %}<|end_of_text|>\n"
+    "{%- endfor %}<|start_of_role|>assistant<|end_of_role|>"
+)
 WEATHER = {
     "type": "object",
     "properties": {
@@ -131,6 +139,7 @@ def cluster(family, tmp_path_factory):
     mistral = work / "mistral"
     mistral.mkdir()
     (mistral / "tokenizer_config.json").write_text(json.dumps({"chat_template": MISTRAL, "bos_token": BOS}))
+    (work / "granite.jinja").write_text(GRANITE)
     with Cluster(work) as c:
         c.st = c.store(root)
         c.w = c.worker(family.base, c.st.address, kv_cache="32MiB", extra=("--max-running", "48"))
@@ -141,7 +150,12 @@ def cluster(family, tmp_path_factory):
             chat_template=tok,
             extra=("--variant-chat-templates", f"v1={work / 'llama.jinja'}", "--tokenizer", str(family.base)),
         )
-        c.g_mistral = c.gateway(c.r.address, name="gateway-mistral", chat_template=mistral)
+        c.g_mistral = c.gateway(  # Mistral's template for the base and v1, Granite's for v0
+            c.r.address,
+            name="gateway-mistral",
+            chat_template=mistral,
+            extra=("--variant-chat-templates", f"v0={work / 'granite.jinja'}"),
+        )
         yield c
 
 
@@ -544,7 +558,7 @@ async def test_a_conversation_s_calls_and_results_are_input_items(client, cluste
 
 
 async def test_mistral_calls_are_read_and_their_ids_go_back_into_its_template(cluster):
-    """A Mistral template's answers: required and named calls (the grammar writes [TOOL_CALLS] and a
+    """A Mistral template's answers (the base's and v1's on this gateway): required and named calls (the grammar writes [TOOL_CALLS] and a
     list) come back as tool_calls with ids of 9 letters and digits, whole and streamed; a history
     with such ids renders and is served, one with OpenAI's ids is refused by the template (400)."""
     client = await gateway_client(cluster.g_mistral.address, {"v0"}, T)
@@ -558,14 +572,14 @@ async def test_mistral_calls_are_read_and_their_ids_go_back_into_its_template(cl
             assert finish == "tool_calls" and len(calls) == 1 and not content, (content, calls)
             assert_valid_call(*calls[0])
         r = await client.chat.completions.create(
-            model="v0", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=MAX, parallel_tool_calls=False
+            model="v1", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=MAX, parallel_tool_calls=False
         )
         made = r.choices[0].message.tool_calls[0]
         history = [*ASK, r.choices[0].message.model_dump(exclude_none=True)]
         history += [{"role": "tool", "tool_call_id": made.id, "content": "sunny"}, HISTORY[-1]]
         _, calls, finish = await chat(
             client,
-            "v0",
+            "v1",
             False,
             mistral_id,
             messages=history,
@@ -576,14 +590,15 @@ async def test_mistral_calls_are_read_and_their_ids_go_back_into_its_template(cl
         )
         assert finish == "tool_calls" and calls
         with pytest.raises(openai.BadRequestError, match="length 9"):
-            await client.chat.completions.create(model="v0", messages=HISTORY, tools=TOOLS, max_tokens=4)
+            await client.chat.completions.create(model="v1", messages=HISTORY, tools=TOOLS, max_tokens=4)
         # Mistral's [TOOL_CALLS] is a special token: with tools, special tokens' text stays in the
         # output (as vLLM's parser asks); a grammar writes one here (257, a special of the test's tokenizer)
         special = {"guided_grammar": 'start: "Hi" <[257]> "x"'}
-        r = await client.chat.completions.create(
-            model="v0", messages=ASK, tools=TOOLS, max_tokens=8, extra_body=special
-        )
-        assert r.choices[0].message.content == "Hi<|im_start|>x"
+        for model in ("v1", "v0"):  # Mistral's, and Granite's <|tool_call|>
+            r = await client.chat.completions.create(
+                model=model, messages=ASK, tools=TOOLS, max_tokens=8, extra_body=special
+            )
+            assert r.choices[0].message.content == "Hi<|im_start|>x", model
         hermes = await gateway_client(cluster.g.address, {"v0"}, T)
         r = await hermes.chat.completions.create(
             model="v0", messages=ASK, tools=TOOLS, max_tokens=8, extra_body=special
@@ -611,3 +626,41 @@ async def test_mistral_parse_calls_and_the_stream_holder():
     assert (rest, [c.name for c in made], finish) == ("", ["add"], "tool_calls")
     s = CallStream(fmt)
     assert s.add("a [TOOL") == "a " and s.add("S]") == "[TOOLS]"  # held only while it could begin a call
+
+
+async def test_granite_calls_are_read_whole_and_streamed(cluster):
+    """A Granite template (v0 on the second gateway): required and named calls (<|tool_call|> and a
+    list) come back as tool_calls, whole and streamed, in one mixed batch with a Mistral model; a
+    conversation with a call and its result is served."""
+    client = await gateway_client(cluster.g_mistral.address, {"v0"}, T)
+    try:
+        jobs = []
+        for model, rule in (("v0", openai_id), ("v1", mistral_id)):
+            for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+                for stream in (False, True):
+                    kw = {"messages": ASK, "tools": TOOLS, "tool_choice": choice, "max_tokens": MAX}
+                    jobs.append(chat(client, model, stream, rule, temperature=0, parallel_tool_calls=False, **kw))
+        for content, calls, finish in await asyncio.gather(*jobs):
+            assert finish == "tool_calls" and len(calls) == 1 and not content, (content, calls)
+            assert_valid_call(*calls[0])
+        _, calls, finish = await chat(
+            client, "v0", False, messages=HISTORY, tools=TOOLS, tool_choice="required", max_tokens=MAX,
+            parallel_tool_calls=False,
+        )  # fmt: skip
+        assert finish == "tool_calls" and calls
+    finally:
+        await client.close()
+
+
+async def test_granite_parse_calls_and_the_stream_holder():
+    fmt = ToolFormat.GRANITE
+    assert ToolFormat.of_template(GRANITE) is fmt
+    content, calls = parse_calls('<|tool_call|>[{"name": "add", "arguments": {"a": 1, "b": 2}}]', fmt)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]
+    assert all(openai_id(c.id) for c in calls)
+    for bad in ('[{"name": "add", "arguments": {}}]', "<|tool_call|>add[ARGS]{}", "<|tool_call|>[oops"):
+        assert parse_calls(bad, fmt) == (bad, ()), bad  # no opener, Mistral's other form, not JSON
+    s = CallStream(fmt)
+    assert [s.add(p) for p in ("Ok <|tool", '_call|>[{"name": "add", "arguments": {}}]')] == ["Ok ", ""]
+    rest, made, finish = s.finish("stop")
+    assert (rest, [c.name for c in made], finish) == ("Ok "[3:], ["add"], "tool_calls")
