@@ -158,6 +158,7 @@ MAX_N = 16  # choices of one request (each a running sequence after the shared p
 
 MAX_CONSTRAINT_CHARS = 65536  # a schema, regex or grammar; llguidance's own limits bound what it compiles to
 MAX_CHOICES, MAX_CHOICE_CHARS = 256, 1024
+MAX_AFTER_CHARS = 64  # Constraint.after: a closing tag
 
 
 class ConstraintKind(enum.Enum):
@@ -178,6 +179,9 @@ class Constraint:
     kind: ConstraintKind
     text: str = ""  # JSON_SCHEMA: the schema as JSON text; REGEX: the pattern; GRAMMAR: the grammar
     choices: tuple[str, ...] = ()  # CHOICE only
+    # non-empty: the output is free up to and including the first `after`, the constraint binds the rest
+    # (a reasoning model's thinking, closed by "</think>")
+    after: str = ""
 
     def validate(self) -> Constraint:
         """self, or GenerationError ("sampling.constraint: ...") for a constraint out of shape; whether
@@ -192,6 +196,8 @@ class Constraint:
             raise GenerationError(
                 f, f"the {k.value} is {len(self.text)} characters long; at most {MAX_CONSTRAINT_CHARS}"
             )
+        if len(self.after) > MAX_AFTER_CHARS:
+            raise GenerationError(f, f"the text the constraint binds after is at most {MAX_AFTER_CHARS} characters")
         if (k is ConstraintKind.CHOICE) != bool(self.choices):
             raise GenerationError(f, "choices belong to a choice constraint, and it needs at least one")
         if len(self.choices) > MAX_CHOICES:
@@ -209,7 +215,7 @@ class Constraint:
         return self
 
     def to_pb(self) -> pb.Constraint:
-        return pb.Constraint(kind=self.kind.to_pb(), text=self.text, choices=list(self.choices))
+        return pb.Constraint(kind=self.kind.to_pb(), text=self.text, choices=list(self.choices), after=self.after)
 
     @classmethod
     def from_pb(cls, m: pb.Constraint) -> Constraint | None:
@@ -219,7 +225,7 @@ class Constraint:
         kind = _KIND_OF_PB.get(m.kind)
         if kind is None:
             raise GenerationError("sampling.constraint", f"unknown constraint kind {m.kind}")
-        return cls(kind, m.text, tuple(m.choices))
+        return cls(kind, m.text, tuple(m.choices), m.after)
 
 
 _KIND_PB = {

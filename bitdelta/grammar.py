@@ -10,6 +10,7 @@ gateway checks requests with and the worker compiles, so both agree on what is r
 - A choice is the Lark alternation of its strings (each a JSON string literal, Lark's syntax).
 - A grammar is Lark (llguidance's dialect), or GBNF (llama.cpp's and vLLM's, recognised by "::=")
   converted to Lark.
+- `Constraint.after`: free text (any valid UTF-8) up to and including it, then the constraint.
 
 `check` is tokenizer-free (the gateway has no model); it runs llguidance's validator, which names
 the problem ("Unsatisfiable schema: minLength (5) is greater than maxLength (2)", an unknown rule, a
@@ -42,7 +43,18 @@ def limits() -> llguidance.LLParserLimits:
 
 
 def grammar_of(c: Constraint) -> str:
-    """The llguidance grammar (its JSON form) of `c`, unchecked."""
+    """The llguidance grammar (its JSON form) of `c`, unchecked; with `c.after`, free text up to and
+    including it (llguidance's `stop`), then `c`'s grammar as a named sub-grammar."""
+    if not c.after:
+        return _grammar_of(c)
+    raw = _grammar_of(c)  # a TopLevelGrammar's JSON, or (a Lark grammar) the Lark text itself
+    inner = json.loads(raw) if raw.lstrip().startswith("{") else {"grammars": [{"lark_grammar": raw}]}
+    first, *rest = inner["grammars"]
+    free = f"start: free @bound\nfree[stop={json.dumps(c.after, ensure_ascii=False)}]: /(?s:.*)/"
+    return json.dumps({**inner, "grammars": [{"lark_grammar": free}, {**first, "name": "bound"}, *rest]})
+
+
+def _grammar_of(c: Constraint) -> str:
     M = llguidance.LLMatcher
     if c.kind is ConstraintKind.JSON_SCHEMA:
         return M.grammar_from_json_schema(c.text, overrides=JSON_OPTIONS)

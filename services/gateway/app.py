@@ -58,7 +58,7 @@ from services.gateway.chat import ChatTemplate, ChatTemplateError
 from services.gateway.config import GatewayConfig
 from services.gateway.generation_config import GenerationConfigs
 from services.gateway.protocol import ApiError
-from services.gateway.reasoning import Reasoning, ReasoningStream
+from services.gateway.reasoning import END, Reasoning, ReasoningStream
 from services.gateway.tools import CallStream, ToolFormat
 
 log = logging.getLogger("services.gateway")
@@ -799,13 +799,10 @@ def create_app(
                     )
                 req.sampling = dataclasses.replace(req.sampling, constraint=c)
                 req.constraint_param = "tool_choice"
-        if req.reasoning is not None and req.reasoning.thinking and req.sampling.constraint is not None:
-            off = '; send chat_template_kwargs {"enable_thinking": false}' if req.reasoning.parser == "qwen3" else ""
-            raise api.invalid(
-                req.constraint_param,
-                f"{req.constraint_param} with --reasoning-parser {req.reasoning.parser}: the worker's grammar binds "
-                f"the output from its first token, so the model could not think (vLLM's binds it after the thinking){off}",
-            )
+        bound = req.sampling.constraint
+        if req.reasoning is not None and req.reasoning.thinking and bound is not None:
+            # as vLLM: the thinking is free, the constraint binds the answer after it
+            req.sampling = dataclasses.replace(req.sampling, constraint=dataclasses.replace(bound, after=END))
         await check_constraint(req)
         echo = req.chat_echo()
         return _Generation(

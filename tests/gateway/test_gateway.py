@@ -23,7 +23,7 @@ import pytest
 import pytest_asyncio
 
 from bitdelta.common.v1 import generation_pb2 as gen_pb
-from bitdelta.generation import Sampling
+from bitdelta.generation import Constraint, ConstraintKind, Sampling
 from bitdelta.router.v1 import router_pb2 as rpb
 from bitdelta.rpc.clients.router import RouterClient
 from bitdelta.rpc.clients.worker import WorkerClient
@@ -1472,7 +1472,9 @@ async def test_reasoning_parser_answers_the_thinking_apart_as_vllm(clients, clus
     """qwen3's parser: a thinking that is never closed (a random model writes no </think>) is all
     reasoning, content null; a closed one (the output forced by a regex with thinking off, where the
     model opens the thinking itself) splits at </think>; whole and streamed agree; include_reasoning
-    false leaves it out; a grammar while thinking is refused. The router's text is the reference."""
+    false leaves it out; a grammar while thinking binds only after it (the thinking is the free
+    text's: tests/gpu_worker/test_worker_constraints.py shows the binding). The router's text is the
+    reference."""
     _, router, _ = clients
     client = oai(cluster.g_think)
     try:
@@ -1514,11 +1516,21 @@ async def test_reasoning_parser_answers_the_thinking_apart_as_vllm(clients, clus
         assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0, 1]
         assert done.usage.output_tokens_details.reasoning_tokens == N
 
-        with pytest.raises(openai.BadRequestError) as e:
-            await client.chat.completions.create(
-                model="base", messages=CHAT, max_tokens=4, response_format={"type": "json_object"}
-            )
-        assert_error_shape(e.value.response.json(), 400, e.value.status_code, "response_format", "enable_thinking")
+        # a grammar binds the answer after the thinking (as vLLM's): the thinking is the model's own
+        # text (valid UTF-8: llguidance's free text), the router's with the constraint after </think>
+        bound = Constraint(ConstraintKind.JSON_OBJECT, after="</think>")
+        req = rpb.GenerateRequest(
+            model_id="",
+            prompt=BASE_RENDERED,
+            sampling=Sampling(max_new_tokens=N, constraint=bound).to_pb(),
+            templated=True,
+        )
+        thinking = "".join([t.text async for m in router.generate_request(req) for t in m.tokens])
+        assert not thinking.startswith("{")  # free: a random model writes no JSON by itself
+        whole, chunks = await _chat_both(client, max_tokens=N, response_format={"type": "json_object"})
+        m = whole.choices[0].message
+        assert (m.reasoning, m.content, whole.choices[0].finish_reason) == (thinking, None, "length")
+        assert _joined(chunks, "reasoning") == thinking
         no_parser = await clients[0].chat.completions.create(model="base", messages=CHAT, max_tokens=N, temperature=0)
         assert no_parser.choices[0].message.content == want  # without the flag: the text as it came
         assert "reasoning" not in no_parser.choices[0].message.model_dump(exclude_unset=True)

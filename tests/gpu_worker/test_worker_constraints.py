@@ -235,3 +235,26 @@ async def test_a_slow_compile_never_holds_the_event_loop(served):
     g = await task
     assert g.compile_ms > 10, "the schema compiled too fast to tell"
     assert ticks >= 3, (ticks, g.compile_ms)
+
+
+async def test_a_constraint_after_a_text_leaves_what_comes_before_free(served):
+    """Constraint.after (a reasoning model's thinking, closed by "</think>" in the gateway): the output
+    is free up to and including the first occurrence of the text, then bound. Here the text is "x" (one
+    byte, one token) and a bias on it ends the free part within a few tokens: what follows is the
+    regex's, then EOS; greedy, the free part is the unconstrained output's own beginning."""
+    worker, _ = served
+    c = Constraint(ConstraintKind.REGEX, "[0-9]{3}", after="x")
+    bias = ((ord("x"), 6.0),)
+    for model, t, seed in (("", 1.0, 1), ("v0", 1.0, 2), ("v0", 0.0, None)):
+        s = Sampling(max_new_tokens=BOUND, temperature=t, seed=seed, logit_bias=bias, constraint=c)
+        text, finish = (await run(worker, model, s))[0]
+        free, sep, bound = text.partition("x")
+        assert sep and finish is FinishReason.EOS and re.fullmatch("[0-9]{3}", bound), (model, t, text)
+        if t == 0.0:
+            alone = (await run(worker, model, Sampling(max_new_tokens=len(free) + 1, logit_bias=bias)))[0][0]
+            assert alone == free + "x", (alone, text)
+    with pytest.raises(GenerationError, match="at most 64"):
+        Constraint(ConstraintKind.JSON_OBJECT, after="x" * 65).validate()
+    assert Constraint.from_pb(c.to_pb()) == c
+    for kind, body in ((ConstraintKind.JSON_OBJECT, ""), (ConstraintKind.GRAMMAR, 'root ::= "a"')):
+        check(Constraint(kind, body, after="</think>"))  # every kind wraps, GBNF too
