@@ -43,11 +43,12 @@ def limits() -> llguidance.LLParserLimits:
 
 
 def grammar_of(c: Constraint) -> str:
-    """The llguidance grammar (its JSON form) of `c`, unchecked; with `c.after`, free text up to and
-    including it (llguidance's `stop`), then `c`'s grammar as a named sub-grammar."""
+    """The llguidance grammar of `c` (a TopLevelGrammar's JSON, or a Lark grammar's text), unchecked;
+    with `c.after`, free text up to and including it (llguidance's `stop`), then `c`'s grammar as a
+    named sub-grammar."""
+    raw = _grammar_of(c)
     if not c.after:
-        return _grammar_of(c)
-    raw = _grammar_of(c)  # a TopLevelGrammar's JSON, or (a Lark grammar) the Lark text itself
+        return raw
     inner = json.loads(raw) if raw.lstrip().startswith("{") else {"grammars": [{"lark_grammar": raw}]}
     first, *rest = inner["grammars"]
     free = f"start: free @bound\nfree[stop={json.dumps(c.after, ensure_ascii=False)}]: /(?s:.*)/"
