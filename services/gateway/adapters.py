@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import sys
 import tempfile
 import time
@@ -123,8 +122,7 @@ class Adapters:
             name,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-        )
+        )  # the gateway's own environment and directory: bitdelta as the gateway imports it
         try:
             _, err = await asyncio.wait_for(child.communicate(), self.settings.timeout_s)
         except (TimeoutError, asyncio.CancelledError):  # a client that leaves takes its import with it
