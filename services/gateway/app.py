@@ -365,10 +365,9 @@ class _Generation(Response):
             lps = api.logprobs(
                 r, [t.logprobs for t in mine if t.HasField("logprobs")], prompt=firsts[k].prompt_logprobs
             )
-            text = "".join(t.text for t in mine)
             choices.append(
                 dataclasses.replace(
-                    api.with_tool_calls(r, text, finish, self.echoes[k] if self.echoes else ""),
+                    api.with_tool_calls(r, [t.text for t in mine], finish, self.echoes[k] if self.echoes else ""),
                     logprobs=lps,
                     prompt_logprobs=prompt_lps[k],
                     token_ids=[t.token_id for t in mine],
@@ -378,18 +377,9 @@ class _Generation(Response):
             )
             usages[i] = mine[-1].usage
         if self.responses is not None:  # one choice (to_chat sends no n)
-            c, thinking = choices[0], ReasoningStream(r.reasoning) if r.reasoning is not None else None
-            for t in by_choice.get(0, []) if thinking is not None else ():  # the thinking's tokens, counted
-                thinking.add(t.text)
+            c = choices[0]
             answer = rsp.whole(
-                self.responses,
-                r,
-                c.text,
-                c.finish,
-                usages[0],
-                c.tool_calls,
-                c.reasoning,
-                thinking.pieces if thinking else 0,
+                self.responses, r, c.text, c.finish, usages[0], c.tool_calls, c.reasoning, c.reasoning_tokens
             )
             return await self._send_json(send, 200, answer)
         await self._send_json(send, 200, api.response(r, choices, api.total_usage(usages, n)))

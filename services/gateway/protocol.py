@@ -740,6 +740,7 @@ class Choice:
     text: str | None
     finish: str
     reasoning: str | None = None  # with a reasoning parser: the thinking (the text is the content)
+    reasoning_tokens: int = 0  # the thinking's tokens (the one that ends it included)
     logprobs: dict | None = None
     tool_calls: tuple[Call, ...] = ()
     prompt_logprobs: list[dict | None] | None = None  # its prompt's (vLLM's prompt_logprobs)
@@ -748,20 +749,25 @@ class Choice:
     prompt_token_ids: list[int] = field(default_factory=list)  # its prompt's, as run (return_token_ids)
 
 
-def with_tool_calls(r: Request, text: str, finish: str, echo: str = "") -> Choice:
-    """A finished chat choice of `echo` + `text`: the reasoning split out of the text where the
-    request has a reasoning parser, then its tool calls parsed out of the content when the request
-    has tools (finish_reason "tool_calls" when it made any; an answer cut by max_tokens stays text)."""
-    reasoning, content = r.reasoning.split(text) if r.reasoning is not None else (None, text)
-    content = (echo + (content or "")) or (None if r.reasoning is not None else "")
+def with_tool_calls(r: Request, pieces: list[str], finish: str, echo: str = "") -> Choice:
+    """A finished chat choice of `echo` + its tokens' texts (`pieces`): the reasoning split out where
+    the request has a reasoning parser (its tokens counted), then its tool calls parsed out of the
+    content when the request has tools (finish_reason "tool_calls" when it made any; an answer cut by
+    max_tokens stays text)."""
+    if r.reasoning is not None:
+        reasoning, content, thought = r.reasoning.split_pieces(pieces)
+        content = (echo + (content or "")) or None
+    else:
+        reasoning, content, thought = None, echo + "".join(pieces), 0
+    mine = {"reasoning": reasoning, "reasoning_tokens": thought}
     if content is None or r.tools is None or not r.tools.parsed or finish != "stop":
-        return Choice(content, finish, reasoning=reasoning)
+        return Choice(content, finish, **mine)
     s = CallStream(r.tool_format)  # as the stream would send it: the same content, the same calls
     sent = s.add(content)
     rest, calls, finish = s.finish(finish)
     if not calls:
-        return Choice(content, finish, reasoning=reasoning)
-    return Choice((sent + rest) or None, finish, reasoning=reasoning, tool_calls=calls)
+        return Choice(content, finish, **mine)
+    return Choice((sent + rest) or None, finish, tool_calls=calls, **mine)
 
 
 def response(r: Request, choices: list[Choice], u: gen_pb.Usage) -> dict:

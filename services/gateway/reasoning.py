@@ -19,6 +19,7 @@ same whole or streamed: `ReasoningStream` holds back only text that may be the s
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,11 +46,16 @@ class Reasoning:
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole output, as the stream sends them (None: none)."""
+        return self.split_pieces([text])[:2]
+
+    def split_pieces(self, pieces: Iterable[str]) -> tuple[str | None, str | None, int]:
+        """(reasoning, content, the thinking's pieces) of an output given piece by piece (its tokens'
+        texts), in one pass as the stream does."""
         s = ReasoningStream(self)
-        r1, c1 = s.add(text)
-        r2, c2 = s.finish()
-        reasoning, content = r1 + r2, c1 + c2
-        return (reasoning if s.reasoned else None), (content or None)
+        parts = [s.add(p) for p in pieces]
+        parts.append(s.finish())
+        reasoning, content = "".join(a for a, _ in parts), "".join(b for _, b in parts)
+        return (reasoning if s.reasoned else None), (content or None), s.pieces
 
 
 class ReasoningStream:

@@ -83,7 +83,7 @@ class ToolFormat(enum.Enum):
     @property
     def opener(self) -> str:
         """The text a call begins with (Llama's: an answer that begins with "{")."""
-        return {ToolFormat.HERMES: "<tool_call>", ToolFormat.MISTRAL: MISTRAL_OPENER}.get(self, LISTED.get(self, "{"))
+        return {ToolFormat.HERMES: "<tool_call>", **LISTED}.get(self, "{")
 
     @property
     def special_opener(self) -> bool:
