@@ -404,8 +404,8 @@ static inline void q24_load_chunk(const uint8_t *const *rows, int64_t n_bytes, i
 }
 
 /* tot_x[i] = Σ_{k: bit k of rows[i] set} x_x[k] for LROWS sign rows and NX (1 or 2) x rows given
- * by their tables tab[x] (x_row_tables): per chunk the 16 rows' bytes loaded, transposed and split
- * into nibbles once, then each x row's lookups in turn (one x row's accumulators, indices and
+ * by their tables tab[x] (x_row_tables): per chunk the 16 rows' bytes loaded and transposed once,
+ * then each x row's lookups in turn (one x row's accumulators, indices and
  * lookups fill AVX2's 16 registers). The same steps for a row whatever NX and the other rows.
  * row_stride is the AVX-512 loop's (gathers; unused here). */
 #define LROWS 16
@@ -424,25 +424,26 @@ static inline __attribute__((always_inline)) void lut_sums(const float *const *t
     __m256 acc[2][4];
     for (int x = 0; x < NX; ++x)
         for (int a = 0; a < 4; ++a) acc[x][a] = _mm256_setzero_ps();
-    __m256i v[16], hix[16]; /* the chunk's transposed bytes (then their low nibbles), their high nibbles */
+    __m256i v[16]; /* the chunk's transposed bytes */
     for (int64_t c = 0; c < nc; ++c) {
         for (int64_t l = c * per_chunk; l < (c + 1) * per_chunk && l < lines; ++l)
             _mm_prefetch((const char *)(rows[0] + ahead + 64 * l), _MM_HINT_T0);
         q24_load_chunk(rows, n_bytes, c, v);
         transpose16_bytes(v);
         const int np = q24_pairs(n_bytes, c);
-        for (int j = 0; j < np; ++j) { /* each pair's low and high nibbles, for every x row */
-            hix[j] = _mm256_and_si256(_mm256_srli_epi16(v[j], 4), nib);
-            v[j] = _mm256_and_si256(v[j], nib);
-        }
         for (int x = 0; x < NX; ++x) {
             const uint8_t *t = (const uint8_t *)tab[x] + c * Q24_CHUNK_BYTES;
             __m256i a0[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, a1[2] = {a0[0], a0[0]}, a2[2] = {a0[0], a0[0]};
             for (int j = 0; j < np; ++j, t += Q24_PAIR_BYTES) {
+                /* the pair's nibbles, split here for each x row rather than once into 32 vectors: AVX2's
+                 * 16 registers cannot hold those, so the split's stores and the lookups' index loads
+                 * cost more than three ALU operations (a C loop on one Zen 3 core: 1.07–1.16 × the
+                 * weights a ns, the same sums; docs/kernels.md) */
+                const __m256i lo_ = _mm256_and_si256(v[j], nib), hi_ = _mm256_and_si256(_mm256_srli_epi16(v[j], 4), nib);
 #define Q24_BYTE(k, acc, sgn)                                                                                        \
     {                                                                                                                   \
-        const __m256i l_ = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(t + 32 * (k))), v[j]);               \
-        const __m256i h_ = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(t + Q24_PAIR_BYTES / 2 + 32 * (k))), hix[j]);        \
+        const __m256i l_ = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(t + 32 * (k))), lo_);               \
+        const __m256i h_ = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(t + Q24_PAIR_BYTES / 2 + 32 * (k))), hi_);        \
         acc[0] = _mm256_add_epi16(acc[0], sgn ? _mm256_maddubs_epi16(ones8, _mm256_unpacklo_epi8(l_, h_))              \
                                               : _mm256_maddubs_epi16(_mm256_unpacklo_epi8(l_, h_), ones8));             \
         acc[1] = _mm256_add_epi16(acc[1], sgn ? _mm256_maddubs_epi16(ones8, _mm256_unpackhi_epi8(l_, h_))              \
