@@ -378,8 +378,9 @@ class _Generation(Response):
             usages[i] = mine[-1].usage
         if self.responses is not None:  # one choice (to_chat sends no n)
             c = choices[0]
+            lps = c.logprobs["content"] if c.logprobs else None  # to_chat asks for them where include says so
             answer = rsp.whole(
-                self.responses, r, c.text, c.finish, usages[0], c.tool_calls, c.reasoning, c.reasoning_tokens
+                self.responses, r, c.text, c.finish, usages[0], c.tool_calls, c.reasoning, c.reasoning_tokens, lps
             )
             return await self._send_json(send, 200, answer)
         await self._send_json(send, 200, api.response(r, choices, api.total_usage(usages, n)))
@@ -393,6 +394,7 @@ class _Generation(Response):
         thinking = ReasoningStream(r.reasoning) if r.reasoning is not None else None  # a reasoning parser's
         await _start_events(send)
         out = [ev.start()]
+        lps: list[dict] = []  # tokens' logprobs not yet sent (a token whose text the next one carries)
         try:
             ended = False
             while not ended:
@@ -400,12 +402,15 @@ class _Generation(Response):
                 if msg is None:
                     raise _truncated()
                 for tok in msg.tokens:
+                    if tok.HasField("logprobs") and r.sampling.logprobs is not None:  # no tools, no parser here
+                        lps += api.logprobs(r, [tok.logprobs])["content"]
                     thought, text = ("", tok.text) if thinking is None else thinking.add(tok.text)
                     if thought:
                         out.append(ev.thought(thought))
                     text = text if calls is None else calls.add(text)
                     if text:
-                        out.append(ev.delta(text))
+                        out.append(ev.delta(text, lps))
+                        lps = []
                     if tok.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED or tok.HasField("usage"):
                         finish, made = self._finish(tok), ()
                         if thinking is not None:  # what the parser held: a cut-off thinking, or content
@@ -420,6 +425,7 @@ class _Generation(Response):
                             rest, made, finish = calls.finish(finish)
                             if rest:
                                 out.append(ev.delta(rest))
+                        ev.logprobs += lps  # a last token of no text of its own
                         out.append(ev.end(finish, tok.usage, made))
                         ended = True
                         break
@@ -764,6 +770,12 @@ def create_app(
         template = templates.for_model(req.model, own.template)
         tools = req.tools
         req.reasoning = Reasoning.of(config.reasoning_parser, req.template_kwargs)
+        if responses is not None and responses.logprobs and req.reasoning is not None:
+            raise api.invalid(
+                "include",
+                "token logprobs beside a reasoning parser are not served by /v1/responses (the parser splits the "
+                "text the tokens make into a thinking and an answer)",
+            )
         try:
             text = template.render(
                 req.messages,

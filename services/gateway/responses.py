@@ -11,6 +11,11 @@ response.function_call_arguments.delta, ..., response.completed).
     whole(info, r, text, finish, usage, calls)   # the response object
     Events(info, r)                          # the stream's events, numbered
 
+Token logprobs as OpenAI's: `include: ["message.output_text.logprobs"]` (or `top_logprobs` > 0) puts
+each generated token's logprob, with `top_logprobs` alternatives, in the message's output_text part and
+in each text delta event (not beside function tools or a reasoning parser, whose split of the text
+the tokens do not follow: refused).
+
 Nothing is stored: `store` is answered false, and what needs a stored response or a tool this
 server does not run (`previous_response_id`, `conversation`, `background`, hosted tools such as
 web_search) is refused by name, as is any field this module does not know.
@@ -45,8 +50,11 @@ RENAMED = {
 PASSED = ("model", "temperature", "top_p", "stream", "top_k", "min_p", "repetition_penalty", "seed", "priority")
 PASSED += ("cache_salt", "stop", "chat_template_kwargs", "parallel_tool_calls")
 READ = ("instructions", "input", "max_output_tokens", "text", "metadata", "user", "tools", "tool_choice")
+READ += ("top_logprobs", "include")
 # Fields served only "off" (_check_off): no truncation, no reasoning options, ...
-OFF = ("background", "truncation", "reasoning", "top_logprobs", "include")
+OFF = ("background", "truncation", "reasoning")
+# What `include` may ask for here (OpenAI's other includables need hosted tools, images or stored state)
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # Fields that do not change the answer here
 IGNORED = ("safety_identifier", "prompt_cache_key", "service_tier", "store", "stream_options", "max_tool_calls")
 # Fields refused whatever their value (but null), with why
@@ -71,6 +79,8 @@ class ResponsesInfo:
     tools: list = field(default_factory=list)  # as the request gave them (function tools)
     tool_choice: Any = "auto"
     parallel_tool_calls: bool = True
+    logprobs: bool = False  # the output text's tokens' logprobs (include, top_logprobs)
+    top_logprobs: int | None = None  # as the request gave it (the alternatives per token)
 
 
 def _check_off(body: dict) -> None:
@@ -85,10 +95,22 @@ def _check_off(body: dict) -> None:
     reasoning = body.get("reasoning")
     if reasoning is not None and not (isinstance(reasoning, dict) and all(v is None for v in reasoning.values())):
         raise invalid("reasoning", "reasoning options are not served (the model's template decides)")
-    if body.get("top_logprobs") not in (None, 0):
-        raise invalid("top_logprobs", f"top_logprobs (0 to {MAX_LOGPROBS}) is not served by /v1/responses")
-    if body.get("include") not in (None, []):
-        raise invalid("include", "include: no extra output items are served")
+
+
+def _logprobs(body: dict) -> tuple[bool, int | None]:
+    """(whether the output text's token logprobs are asked for, top_logprobs as given): `include`
+    may name message.output_text.logprobs only; top_logprobs 0 to MAX_LOGPROBS, more than 0 asks too."""
+    include, top = body.get("include"), body.get("top_logprobs")
+    if include is None:
+        include = []
+    if not isinstance(include, list) or not all(isinstance(v, str) for v in include):
+        raise invalid("include", "include must be a list of strings")
+    other = next((v for v in include if v != LOGPROBS_INCLUDE), None)
+    if other is not None:
+        raise invalid("include", f"include: {other[:64]!r} is not served (only {LOGPROBS_INCLUDE!r})")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
+        raise invalid("top_logprobs", f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}")
+    return bool(include) or bool(top), top
 
 
 def _string(item: dict, key: str, where: str) -> str:
@@ -243,6 +265,15 @@ def to_chat(body: Any) -> tuple[dict, ResponsesInfo]:
     if response_format is not None:
         chat["response_format"] = response_format
     tools, choice = _tools(body)
+    logprobs, top = _logprobs(body)
+    if logprobs:
+        if tools:
+            raise invalid(
+                "include",
+                "token logprobs beside function tools are not served by /v1/responses (the calls are cut from "
+                "the text the tokens make)",
+            )
+        chat["logprobs"], chat["top_logprobs"] = True, top or 0
     if tools:
         chat["tools"] = tools
     if choice is not None:
@@ -259,6 +290,8 @@ def to_chat(body: Any) -> tuple[dict, ResponsesInfo]:
         tools=list(body.get("tools") or []),
         tool_choice=body.get("tool_choice") if body.get("tool_choice") is not None else "auto",
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
+        logprobs=logprobs,
+        top_logprobs=top,
     )
     return chat, info
 
@@ -286,8 +319,11 @@ def _usage(u: gen_pb.Usage | None, reasoning_tokens: int = 0) -> dict | None:
     }
 
 
-def _message(item_id: str, text: str | None, status: str) -> dict:
-    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+def _message(item_id: str, text: str | None, status: str, logprobs: list[dict] | None = None) -> dict:
+    """An assistant message item; logprobs: its tokens' (chat's content entries: token, logprob, bytes,
+    top_logprobs), OpenAI's output_text logprobs."""
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs or [])}
+    content = [] if text is None else [part]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
@@ -335,6 +371,7 @@ def response(
         "reasoning": None,
         "store": False,
         "temperature": s.temperature,
+        "top_logprobs": info.top_logprobs,
         "text": {"format": info.text_format},
         "tool_choice": info.tool_choice,
         "tools": info.tools,
@@ -355,14 +392,15 @@ def whole(
     calls: tuple[Call, ...] = (),
     reasoning: str | None = None,
     reasoning_tokens: int = 0,
+    logprobs: list[dict] | None = None,
 ) -> dict:
     """The whole answer: a reasoning item where a reasoning parser found a thinking, an assistant
-    message of one output_text part (unless the model only called tools), then a function_call item
-    per call."""
+    message of one output_text part (with its tokens' logprobs where asked: chat's content entries),
+    unless the model only called tools, then a function_call item per call."""
     status = "incomplete" if finish == "length" else "completed"
     output = [_reasoning("rs_" + uuid.uuid4().hex, reasoning)] if reasoning else []  # as the stream: text only
     if text is not None or not calls:
-        output.append(_message("msg_" + uuid.uuid4().hex, text or "", status))
+        output.append(_message("msg_" + uuid.uuid4().hex, text or "", status, logprobs))
     output += [_function_call(c) for c in calls]
     return response(info, r, status, output, finish, usage, reasoning_tokens)
 
@@ -370,14 +408,15 @@ def whole(
 class Events:
     """The stream's events in order, each with its sequence_number: `start()` (created, in_progress),
     `thought(text)` per piece of a thinking (a reasoning parser's: the reasoning item added before
-    the first, done before the message), `delta(text)` per piece (the message and its text part added
-    before the first), `end(finish, usage, calls)` (the text, the part and the message done, then each
+    the first, done before the message), `delta(text, logprobs)` per piece with its tokens' logprobs
+    (the message and its text part added before the first), `end(finish, usage, calls)` (the text, the part and the message done, then each
     function_call item added, its arguments, done, then completed or incomplete), or `error(e)`."""
 
     def __init__(self, info: ResponsesInfo, r: Request):
         self.info, self.r, self.n = info, r, 0
         self.item = "msg_" + uuid.uuid4().hex
         self.text: list[str] = []
+        self.logprobs: list[dict] = []  # the message's tokens' (chat's content entries), where asked
         self.started = False  # the message item is out (its first text came)
         self.reasoning_item = "rs_" + uuid.uuid4().hex
         self.thinking: list[str] | None = None  # the reasoning item's text, once it is out
@@ -436,16 +475,17 @@ class Events:
             )
         )
 
-    def delta(self, text: str) -> bytes:
+    def delta(self, text: str, logprobs: list[dict] = ()) -> bytes:
         head = self._thinking_done() + (b"" if self.started else self._message_start())
         self.text.append(text)
+        self.logprobs += logprobs
         return head + self._event(
             "response.output_text.delta",
             output_index=self.at,
             item_id=self.item,
             content_index=0,
             delta=text,
-            logprobs=[],
+            logprobs=list(logprobs),
         )
 
     def end(self, finish: str, usage: gen_pb.Usage, calls: tuple[Call, ...] = ()) -> bytes:
@@ -457,10 +497,10 @@ class Events:
             if not self.started:
                 out.append(self._message_start())
             at = {"output_index": self.at, "item_id": self.item, "content_index": 0}
-            message = _message(self.item, text, status)
+            message = _message(self.item, text, status, self.logprobs)
             output.append(message)
             out += [
-                self._event("response.output_text.done", **at, text=text, logprobs=[]),
+                self._event("response.output_text.done", **at, text=text, logprobs=self.logprobs),
                 self._event("response.content_part.done", **at, part=message["content"][0]),
                 self._event("response.output_item.done", output_index=self.at, item=message),
             ]

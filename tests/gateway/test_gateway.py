@@ -330,6 +330,66 @@ async def test_responses_refuse_what_they_do_not_serve(clients):
         assert_error_shape(e.value.response.json(), 400, e.value.status_code, param, words)
 
 
+async def test_responses_logprobs_are_chats(clients):
+    """/v1/responses with include message.output_text.logprobs and top_logprobs: each generated token's
+    logprob and alternatives in the output_text part, the chat answer's for the same request, whole and
+    streamed (each delta its tokens', in order; the done event and the final response all of them);
+    top_logprobs alone asks too, neither gives none; another include, top_logprobs past 20, and logprobs
+    beside function tools are 400 naming the field."""
+    client, router, _ = clients
+    base = (await router.list_models())[0].model_id
+    kw = dict(model=base, input=CHAT, max_output_tokens=N, temperature=0)
+    c = await client.chat.completions.create(
+        model=base, messages=CHAT, max_tokens=N, temperature=0, logprobs=True, top_logprobs=2
+    )
+    want = c.choices[0].logprobs.content
+
+    def same(got, k):
+        assert [e.token for e in got] == [e.token for e in want] and len(got) == N
+        assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-5)
+        for g, w in zip(got, want):
+            assert len(g.top_logprobs) == k and g.bytes == list(g.token.encode())
+            assert [t.logprob for t in g.top_logprobs] == pytest.approx(
+                [t.logprob for t in w.top_logprobs[:k]], abs=1e-5
+            )
+
+    r = await client.responses.create(include=["message.output_text.logprobs"], top_logprobs=2, **kw)
+    assert r.top_logprobs == 2 and r.output_text == c.choices[0].message.content
+    same(r.output[0].content[0].logprobs, 2)
+    same((await client.responses.create(top_logprobs=1, **kw)).output[0].content[0].logprobs, 1)
+    same(
+        (await client.responses.create(include=["message.output_text.logprobs"], **kw)).output[0].content[0].logprobs, 0
+    )
+    assert (await client.responses.create(**kw)).output[0].content[0].logprobs == []
+
+    events = [
+        e
+        async for e in await client.responses.create(
+            include=["message.output_text.logprobs"], top_logprobs=2, stream=True, **kw
+        )
+    ]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    streamed = [lp for e in deltas for lp in e.logprobs]
+    assert len(deltas) > 1 and all(e.logprobs for e in deltas)
+    assert [e.token for e in streamed] == [e.token for e in want]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in want], abs=1e-5)
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [e.token for e in done.logprobs] == [e.token for e in want]
+    same(events[-1].response.output[0].content[0].logprobs, 2)
+
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
+    for extra, param, words in (
+        ({"include": ["reasoning.encrypted_content"]}, "include", "only 'message.output_text.logprobs'"),
+        ({"include": "message.output_text.logprobs"}, "include", "list of strings"),
+        ({"top_logprobs": 21}, "top_logprobs", "from 0 to 20"),
+        ({"top_logprobs": True}, "top_logprobs", "integer"),
+        ({"top_logprobs": 1, "tools": [tool]}, "include", "beside function tools"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.responses.create(**kw, extra_body=extra)
+        assert_error_shape(e.value.response.json(), 400, e.value.status_code, param, words)
+
+
 async def test_chat_echo_and_role_are_vllms(clients):
     """vLLM's chat echo: the last message's content comes before the answer when that message has the
     answer's role (assistant after a generation prompt, else the last message's own: the prompt
@@ -1515,6 +1575,9 @@ async def test_reasoning_parser_answers_the_thinking_apart_as_vllm(clients, clus
         assert [o.type for o in done.output] == ["reasoning", "message"] and done.output[0].content[0].text == want
         assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0, 1]
         assert done.usage.output_tokens_details.reasoning_tokens == N
+        with pytest.raises(openai.BadRequestError) as e:  # the parser's split is not the tokens'
+            await client.responses.create(model="base", input=CHAT, max_output_tokens=N, top_logprobs=1)
+        assert_error_shape(e.value.response.json(), 400, e.value.status_code, "include", "reasoning parser")
 
         # a grammar binds the answer after the thinking (as vLLM's): the thinking is the model's own
         # text (valid UTF-8: llguidance's free text), the router's with the constraint after </think>
