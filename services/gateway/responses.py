@@ -409,8 +409,9 @@ class Events:
     """The stream's events in order, each with its sequence_number: `start()` (created, in_progress),
     `thought(text)` per piece of a thinking (a reasoning parser's: the reasoning item added before
     the first, done before the message), `delta(text, logprobs)` per piece with its tokens' logprobs
-    (the message and its text part added before the first), `end(finish, usage, calls)` (the text, the part and the message done, then each
-    function_call item added, its arguments, done, then completed or incomplete), or `error(e)`."""
+    (the message and its text part added before the first), `end(finish, usage, calls)` (the text,
+    the part and the message done, then each function_call item added, its arguments, done, then
+    completed or incomplete), or `error(e)`."""
 
     def __init__(self, info: ResponsesInfo, r: Request):
         self.info, self.r, self.n = info, r, 0
