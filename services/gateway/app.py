@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -215,11 +216,12 @@ class _Generation(Response):
         timeout_s: float,
         echoes: list[str] | None = None,
         responses: rsp.ResponsesInfo | None = None,
+        keep: Callable[[dict], None] | None = None,
     ):
         """responses: a /v1/responses request's (its chat request's answer goes out as a response
-        object or its events)."""
+        object or its events); keep: called with that response object once it is whole (the store's)."""
         self.router, self.req, self.metadata, self.timeout_s, self.echoes = router, req, metadata, timeout_s, echoes
-        self.responses = responses
+        self.responses, self.keep = responses, keep
         self.prompt_param = "prompt" if req.kind == "completion" else "input" if responses else "messages"
         self.background = None
 
@@ -382,6 +384,8 @@ class _Generation(Response):
             answer = rsp.whole(
                 self.responses, r, c.text, c.finish, usages[0], c.tool_calls, c.reasoning, c.reasoning_tokens, lps
             )
+            if self.keep is not None:
+                self.keep(answer)
             return await self._send_json(send, 200, answer)
         await self._send_json(send, 200, api.response(r, choices, api.total_usage(usages, n)))
 
@@ -427,6 +431,8 @@ class _Generation(Response):
                                 out.append(ev.delta(rest))
                         ev.logprobs += lps  # a last token of no text of its own
                         out.append(ev.end(finish, tok.usage, made))
+                        if self.keep is not None:
+                            self.keep(ev.final)
                         ended = True
                         break
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
@@ -596,6 +602,7 @@ def create_app(
     catalog = Catalog(lambda md: state["router"].list_models(metadata=md), ttl_s=config.model_refresh_s)
     state: dict[str, RouterClient] = {}
     metrics, known = GatewayMetrics(), set()  # known: models the router listed or served
+    kept = rsp.ResponseStore(config.responses_store, config.responses_store_bytes) if config.responses_store else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -749,20 +756,54 @@ def create_app(
 
     async def responses(request: HttpRequest) -> Response:
         body = await read_json(request)
-        chat, info = rsp.to_chat(body)
+        owner = rsp.ResponseStore.owner(request.headers.get("authorization"))
+        previous, prev_id = None, rsp.previous_id(body)
+        if prev_id is not None and kept is not None:
+            previous = kept.get(owner, prev_id)
+            if previous is None:
+                raise _no_response(prev_id, "previous_response_id")
+        chat, info = rsp.to_chat(body, previous, keeping=kept is not None)
         own, defaults = await own_of(request, body)
         try:
             req = api.parse_chat(chat, defaults)
         except ApiError as e:
             raise rsp.renamed(e) from None
         req.id = info.id
+        keep = (lambda answer: kept.put(owner, info, answer)) if info.store else None
         try:
-            return await chat_generation(request, req, own, info)
+            return await chat_generation(request, req, own, info, keep)
         except ApiError as e:
             raise rsp.renamed(e) from None
 
+    def _no_response(response_id: str, param: str | None = None) -> ApiError:
+        return ApiError(
+            404,
+            f"no stored response {response_id[:64]!r}"
+            + ("" if kept is not None else ": this server keeps none (start the gateway with --responses-store N)"),
+            param=param,
+            code="response_not_found",
+        )
+
+    async def stored_response(request: HttpRequest) -> Response:
+        """GET /v1/responses/{id}: a kept response object; DELETE: drop it (OpenAI's deleted object).
+        404 for one this caller's authorization header did not make."""
+        response_id = request.path_params["response_id"]
+        owner = rsp.ResponseStore.owner(request.headers.get("authorization"))
+        if request.method == "DELETE":
+            if kept is None or not kept.delete(owner, response_id):
+                raise _no_response(response_id)
+            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        got = None if kept is None else kept.get(owner, response_id)
+        if got is None:
+            raise _no_response(response_id)
+        return JSONResponse(got.response)
+
     async def chat_generation(
-        request: HttpRequest, req: api.Request, own: Own, responses: rsp.ResponsesInfo | None = None
+        request: HttpRequest,
+        req: api.Request,
+        own: Own,
+        responses: rsp.ResponsesInfo | None = None,
+        keep: Callable[[dict], None] | None = None,
     ) -> Response:
         """A parsed chat request rendered with its model's template (and its tools' grammar), checked,
         and run: its answer as chat's, or as a response object (`responses`)."""
@@ -814,6 +855,7 @@ def create_app(
             config.request_timeout_s,
             None if echo is None else [echo],
             responses=responses,
+            keep=keep,
         )
 
     async def known_model(request: HttpRequest, body: Any) -> str:
@@ -938,6 +980,7 @@ def create_app(
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),

@@ -126,6 +126,15 @@ class GatewayConfig(ServiceConfig, TlsSettings):
     lora_timeout_s: float = setting(
         600.0, "with --lora-base: deadline of one adapter's import, and again of the router listing it"
     )
+    responses_store: int = setting(
+        0,
+        "how many /v1/responses answers the gateway keeps in memory (the least recently used dropped) for "
+        "previous_response_id and GET / DELETE /v1/responses/{id}, as vLLM's VLLM_ENABLE_RESPONSES_API_STORE; "
+        "0: none (`store` is answered false, previous_response_id refused)",
+    )
+    responses_store_bytes: int = setting(
+        256 << 20, "with --responses-store: the most bytes (their JSON) the kept answers take", parse=parse_bytes
+    )
     request_timeout_s: float = setting(600.0, "deadline of one generation at the router, seconds (beyond: 504)")
     call_timeout_s: float = setting(10.0, "deadline of the router's ListModels, seconds")
     completion_default_max_tokens: int = setting(
@@ -174,11 +183,13 @@ class GatewayConfig(ServiceConfig, TlsSettings):
         for name in ("request_timeout_s", "call_timeout_s", "model_refresh_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{self.flag_of(name)} must be > 0, got {getattr(self, name)}")
-        for name in ("completion_default_max_tokens", "max_body_bytes"):
+        for name in ("completion_default_max_tokens", "max_body_bytes", "responses_store_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{self.flag_of(name)} must be >= 1, got {getattr(self, name)}")
         if self.grace_s < 0:
             raise ConfigError(f"{self.flag_of('grace_s')} must be >= 0, got {self.grace_s}")
+        if self.responses_store < 0:
+            raise ConfigError(f"{self.flag_of('responses_store')} must be >= 0, got {self.responses_store}")
         self.check_lora()
 
     def check_lora(self) -> None:

@@ -16,16 +16,23 @@ each generated token's logprob, with `top_logprobs` alternatives, in the message
 in each text delta event (not beside function tools or a reasoning parser, whose split of the text
 the tokens do not follow: refused).
 
-Nothing is stored: `store` is answered false, and what needs a stored response or a tool this
-server does not run (`previous_response_id`, `conversation`, `background`, hosted tools such as
-web_search) is refused by name, as is any field this module does not know.
+Stored responses, as vLLM's with VLLM_ENABLE_RESPONSES_API_STORE: where the gateway keeps some
+(`ResponseStore`, --responses-store), an answer with `store` (true by default, as OpenAI's) is kept
+with the conversation it ends, `previous_response_id` continues that conversation (its input and
+output turns before this request's input; its instructions are not carried over, as OpenAI says),
+and GET and DELETE /v1/responses/{id} read and drop it, each only for the caller whose
+authorization header made it. Without a store `store` is answered false and `previous_response_id`
+is refused. What needs a tool this server does not run (`conversation`, `background`, hosted tools
+such as web_search) is refused by name, as is any field this module does not know.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,16 +57,15 @@ RENAMED = {
 PASSED = ("model", "temperature", "top_p", "stream", "top_k", "min_p", "repetition_penalty", "seed", "priority")
 PASSED += ("cache_salt", "stop", "chat_template_kwargs", "parallel_tool_calls")
 READ = ("instructions", "input", "max_output_tokens", "text", "metadata", "user", "tools", "tool_choice")
-READ += ("top_logprobs", "include")
+READ += ("top_logprobs", "include", "store", "previous_response_id")
 # Fields served only "off" (_check_off): no truncation, no reasoning options, ...
 OFF = ("background", "truncation", "reasoning")
 # What `include` may ask for here (OpenAI's other includables need hosted tools, images or stored state)
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # Fields that do not change the answer here
-IGNORED = ("safety_identifier", "prompt_cache_key", "service_tier", "store", "stream_options", "max_tool_calls")
+IGNORED = ("safety_identifier", "prompt_cache_key", "service_tier", "stream_options", "max_tool_calls")
 # Fields refused whatever their value (but null), with why
 REFUSED = {
-    "previous_response_id": "this server keeps no responses (send the whole conversation as input)",
     "conversation": "this server keeps no conversations (send the whole conversation as input)",
     "prompt": "stored prompt templates are not served",
 }
@@ -81,6 +87,89 @@ class ResponsesInfo:
     parallel_tool_calls: bool = True
     logprobs: bool = False  # the output text's tokens' logprobs (include, top_logprobs)
     top_logprobs: int | None = None  # as the request gave it (the alternatives per token)
+    store: bool = False  # the answer is kept (a gateway with a store, and the request's `store`)
+    previous_response_id: str | None = None
+    # the turns this request continues and adds (a previous response's, then its input; no instructions):
+    # what a stored answer keeps for the next previous_response_id
+    conversation: tuple[dict, ...] = ()
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A kept answer: the conversation it ends (input and output turns, as chat messages) and the
+    response object."""
+
+    conversation: tuple[dict, ...]
+    response: dict
+
+
+class ResponseStore:
+    """The gateway's kept responses, in this process's memory (a replica keeps its own), the least
+    recently used dropped past `capacity` answers or `max_bytes` of their JSON. Each is read only
+    with the authorization header that made it (`owner`)."""
+
+    def __init__(self, capacity: int, max_bytes: int):
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self._kept: OrderedDict[tuple[str, str], tuple[Stored, int]] = OrderedDict()
+        self.bytes = 0
+
+    @staticmethod
+    def owner(authorization: str | None) -> str:
+        """Whose a response is: a digest of the caller's authorization header ("" without one)."""
+        return hashlib.sha256(authorization.encode()).hexdigest() if authorization else ""
+
+    def put(self, owner: str, info: ResponsesInfo, response: dict) -> None:
+        """Keep `response` (an answer to `info`'s request) with its conversation, unless alone it is
+        past max_bytes."""
+        kept = Stored((*info.conversation, *turns(response["output"])), response)
+        size = len(json.dumps([kept.conversation, response], ensure_ascii=False))
+        if size > self.max_bytes:
+            return
+        self.delete(owner, info.id)
+        self._kept[owner, info.id] = (kept, size)
+        self.bytes += size
+        while len(self._kept) > self.capacity or self.bytes > self.max_bytes:
+            _, (_, gone) = self._kept.popitem(last=False)
+            self.bytes -= gone
+
+    def get(self, owner: str, response_id: str) -> Stored | None:
+        got = self._kept.get((owner, response_id))
+        if got is None:
+            return None
+        self._kept.move_to_end((owner, response_id))
+        return got[0]
+
+    def delete(self, owner: str, response_id: str) -> bool:
+        got = self._kept.pop((owner, response_id), None)
+        if got is not None:
+            self.bytes -= got[1]
+        return got is not None
+
+
+def turns(output: list[dict]) -> list[dict]:
+    """A response's output items as the chat turns a next request continues: the message's text an
+    assistant turn, with the function calls that follow it as its tool_calls (reasoning left out, as
+    vLLM leaves it)."""
+    out: list[dict] = []
+    for item in output:
+        if item["type"] == "message":
+            text = "".join(p["text"] for p in item["content"] if p["type"] == "output_text")
+            out.append({"role": "assistant", "content": text})
+        elif item["type"] == "function_call":
+            call = {"id": item["call_id"], "type": "function"}
+            call["function"] = {"name": item["name"], "arguments": item["arguments"]}
+            if not out:  # calls alone: an assistant turn of no text
+                out.append({"role": "assistant", "content": None})
+            out[-1].setdefault("tool_calls", []).append(call)
+    return out
+
+
+def previous_id(body: Any) -> str | None:
+    """The request's previous_response_id (400 unless a string)."""
+    value = body.get("previous_response_id") if isinstance(body, dict) else None
+    if value is not None and (not isinstance(value, str) or not value):
+        raise invalid("previous_response_id", "previous_response_id must be a response's id (a string)")
+    return value
 
 
 def _check_off(body: dict) -> None:
@@ -127,6 +216,7 @@ def _call_item(item: dict, where: str) -> dict:
 
 
 def _messages(body: dict) -> list[dict]:
+    """The request's input as chat messages (its instructions apart)."""
     inp = body.get("input")
     if isinstance(inp, str):
         out = [{"role": "user", "content": inp}]
@@ -170,11 +260,6 @@ def _messages(body: dict) -> list[dict]:
             out.append({"role": role, "content": content})
     else:
         raise invalid("input", "input must be a string or a non-empty list of messages")
-    instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise invalid("instructions", "instructions must be a string")
-        out.insert(0, {"role": "system", "content": instructions})
     return out
 
 
@@ -245,9 +330,10 @@ def _metadata(body: dict) -> dict[str, str]:
     return dict(md)
 
 
-def to_chat(body: Any) -> tuple[dict, ResponsesInfo]:
+def to_chat(body: Any, previous: Stored | None = None, keeping: bool = False) -> tuple[dict, ResponsesInfo]:
     """The chat request a Responses request means, and what its answer echoes. 400 (ApiError) naming
-    the field for what is not served."""
+    the field for what is not served. previous: the stored response previous_response_id names (the
+    caller looked it up); keeping: whether the gateway keeps answers (a store)."""
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object", code="invalid_json")
     unknown = next((k for k in body if k not in (*PASSED, *READ, *OFF, *IGNORED, *REFUSED)), None)
@@ -257,8 +343,23 @@ def to_chat(body: Any) -> tuple[dict, ResponsesInfo]:
             shown, f"{shown} is not supported by /v1/responses (docs/gateway.md)", code="unsupported_parameter"
         )
     _check_off(body)
+    if previous_id(body) is not None and previous is None:
+        raise invalid(
+            "previous_response_id",
+            "previous_response_id is not supported by this server: it keeps no responses (start the gateway "
+            "with --responses-store N, or send the whole conversation as input)",
+            code="unsupported_parameter",
+        )
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise invalid("store", "store must be true or false")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise invalid("instructions", "instructions must be a string")
     chat = {k: body[k] for k in PASSED if k in body}
-    chat["messages"] = _messages(body)
+    conversation = (*(previous.conversation if previous else ()), *_messages(body))
+    system = [{"role": "system", "content": instructions}] if instructions is not None else []
+    chat["messages"] = [*system, *conversation]
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     echoed, response_format = _format(body)
@@ -292,6 +393,9 @@ def to_chat(body: Any) -> tuple[dict, ResponsesInfo]:
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
         logprobs=logprobs,
         top_logprobs=top,
+        store=keeping and store is not False,
+        previous_response_id=previous_id(body),
+        conversation=conversation,
     )
     return chat, info
 
@@ -367,9 +471,9 @@ def response(
         "model": r.model,
         "output": output,
         "parallel_tool_calls": info.parallel_tool_calls,
-        "previous_response_id": None,
+        "previous_response_id": info.previous_response_id,
         "reasoning": None,
-        "store": False,
+        "store": info.store,
         "temperature": s.temperature,
         "top_logprobs": info.top_logprobs,
         "text": {"format": info.text_format},
@@ -424,6 +528,7 @@ class Events:
         self.reasoned: dict | None = None  # the reasoning item, done
         self.at = 0  # the message's output_index: 1 after a reasoning item
         self.reasoning_tokens = 0
+        self.final: dict | None = None  # the response object, once end() made it
 
     def thought(self, text: str) -> bytes:
         head = b""
@@ -522,7 +627,7 @@ class Events:
                 self._event("response.output_item.done", output_index=k, item=item),
             ]
             output.append(item)
-        done = response(self.info, self.r, status, output, finish, usage, self.reasoning_tokens)
+        done = self.final = response(self.info, self.r, status, output, finish, usage, self.reasoning_tokens)
         out.append(self._event("response.completed" if status == "completed" else "response.incomplete", response=done))
         return b"".join(out)
 
@@ -530,4 +635,15 @@ class Events:
         return self._event("error", code=e.code, message=e.body()["error"]["message"], param=e.param)
 
 
-__all__ = ["Events", "ResponsesInfo", "renamed", "response", "to_chat", "whole"]
+__all__ = [
+    "Events",
+    "ResponseStore",
+    "ResponsesInfo",
+    "Stored",
+    "previous_id",
+    "renamed",
+    "response",
+    "to_chat",
+    "turns",
+    "whole",
+]

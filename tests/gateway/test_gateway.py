@@ -79,6 +79,7 @@ def cluster(family, tmp_path_factory):
         c.g_think = c.gateway(
             c.r.address, name="gateway-think", chat_template=tok, extra=("--reasoning-parser", "qwen3")
         )
+        c.g_store = c.gateway(c.r.address, name="gateway-store", chat_template=tok, extra=("--responses-store", "8"))
         yield c
 
 
@@ -388,6 +389,63 @@ async def test_responses_logprobs_are_chats(clients):
         with pytest.raises(openai.BadRequestError) as e:
             await client.responses.create(**kw, extra_body=extra)
         assert_error_shape(e.value.response.json(), 400, e.value.status_code, param, words)
+
+
+async def test_stored_responses_continue_their_conversation(clients, cluster):
+    """With --responses-store (vLLM's VLLM_ENABLE_RESPONSES_API_STORE): an answer is kept (store true by
+    default), whole or streamed; previous_response_id continues its conversation (its input and output
+    turns, then this input; its instructions not carried over), the router's text for that prompt;
+    GET /v1/responses/{id} returns it and DELETE drops it, for the caller whose key made it alone (another
+    key: 404, as for an id never kept); store false keeps nothing. Without a store: 404 and 400."""
+    _, router, _ = clients
+    client, other = oai(cluster.g_store), oai(cluster.g_store, api_key="another-key")
+    try:
+        kw = dict(model="v0", max_output_tokens=N, temperature=0)
+        first = await client.responses.create(instructions="Be brief.", input="Hi there", **kw)
+        want, _ = await router_text(router, "v0", BASE_RENDERED)
+        assert first.output_text == want and first.store is True
+        got = await client.responses.retrieve(first.id)
+        assert got.id == first.id and got.output_text == want and got.previous_response_id is None
+
+        second = await client.responses.create(previous_response_id=first.id, input="And then?", **kw)
+        turns = f"{BOS}user: Hi there\n{BOS}assistant: {want}\n{BOS}user: And then?\n{BOS}assistant: "
+        want2, _ = await router_text(router, "v0", turns)
+        assert second.output_text == want2 and second.previous_response_id == first.id
+        third = await client.responses.create(
+            previous_response_id=second.id, instructions="Be brief.", input="Why?", stream=True, **kw
+        )
+        events = [e async for e in third]
+        turns3 = f"{turns}{want2}\n{BOS}user: Why?\n{BOS}assistant: "
+        want3, _ = await router_text(router, "v0", f"{BOS}system: Be brief.\n{turns3}")
+        assert events[-1].response.output_text == want3
+        kept = await client.responses.retrieve(events[0].response.id)
+        assert kept.output_text == want3 and kept.status == events[-1].response.status
+
+        for call in (
+            other.responses.retrieve(first.id),
+            other.responses.create(previous_response_id=first.id, input="x", **kw),
+            client.responses.retrieve("resp_never"),
+        ):
+            with pytest.raises(openai.NotFoundError) as e:
+                await call
+            assert "no stored response" in e.value.response.json()["error"]["message"]
+        unkept = await client.responses.create(input="Hi there", store=False, **kw)
+        assert unkept.store is False
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(unkept.id)
+        await client.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(first.id)
+        assert (await client.responses.retrieve(second.id)).output_text == want2  # the others stay
+
+        plain = clients[0]  # a gateway without a store
+        with pytest.raises(openai.NotFoundError) as e:
+            await plain.responses.retrieve(second.id)
+        assert "--responses-store" in e.value.response.json()["error"]["message"]
+        assert (await plain.responses.create(input="Hi there", **kw)).store is False  # store: answered false
+    finally:
+        await client.close()
+        await other.close()
 
 
 async def test_chat_echo_and_role_are_vllms(clients):
