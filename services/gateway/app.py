@@ -543,6 +543,8 @@ class _Generation(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+# The metrics' route label of a path with an id in it (one series per route, whatever the ids)
+ROUTE_PREFIXES = (("/v1/models/", "/v1/models/{model}"), ("/v1/responses/", "/v1/responses/{response_id}"))
 ROUTES = (
     "/v1/models",
     "/v1/completions",
@@ -581,7 +583,9 @@ class _Measured:
             await self.app(scope, receive, watched)
         finally:
             path = scope["path"]
-            route = path if path in ROUTES else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+            route = (
+                path if path in ROUTES else next((r for p, r in ROUTE_PREFIXES if path.startswith(p)), "other")
+            )  # an id in the path: one label for the route, not one series per id
             model = scope.get("state", {}).get("model")
             if model and status == 200:
                 self.known.add(model)

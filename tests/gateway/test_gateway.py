@@ -437,6 +437,9 @@ async def test_stored_responses_continue_their_conversation(clients, cluster):
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(first.id)
         assert (await client.responses.retrieve(second.id)).output_text == want2  # the others stay
+        got, metrics = await asyncio.to_thread(http, cluster.g_store, "GET", "/metrics")  # one label, no ids
+        assert got == 200 and 'route="/v1/responses/{response_id}",status="404"' in metrics
+        assert first.id not in metrics
 
         plain = clients[0]  # a gateway without a store
         with pytest.raises(openai.NotFoundError) as e:
