@@ -792,12 +792,14 @@ def create_app(
         """GET /v1/responses/{id}: a kept response object; DELETE: drop it (OpenAI's deleted object).
         404 for one this caller's authorization header did not make."""
         response_id = request.path_params["response_id"]
+        if kept is None:
+            raise _no_response(response_id)
         owner = rsp.ResponseStore.owner(request.headers.get("authorization"))
         if request.method == "DELETE":
-            if kept is None or not kept.delete(owner, response_id):
+            if not kept.delete(owner, response_id):
                 raise _no_response(response_id)
             return JSONResponse({"id": response_id, "object": "response", "deleted": True})
-        got = None if kept is None else kept.get(owner, response_id)
+        got = kept.get(owner, response_id)
         if got is None:
             raise _no_response(response_id)
         return JSONResponse(got.response)

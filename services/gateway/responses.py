@@ -343,7 +343,8 @@ def to_chat(body: Any, previous: Stored | None = None, keeping: bool = False) ->
             shown, f"{shown} is not supported by /v1/responses (docs/gateway.md)", code="unsupported_parameter"
         )
     _check_off(body)
-    if previous_id(body) is not None and previous is None:
+    prev_id = previous_id(body)
+    if prev_id is not None and previous is None:
         raise invalid(
             "previous_response_id",
             "previous_response_id is not supported by this server: it keeps no responses (start the gateway "
@@ -394,7 +395,7 @@ def to_chat(body: Any, previous: Stored | None = None, keeping: bool = False) ->
         logprobs=logprobs,
         top_logprobs=top,
         store=keeping and store is not False,
-        previous_response_id=previous_id(body),
+        previous_response_id=prev_id,
         conversation=conversation,
     )
     return chat, info
