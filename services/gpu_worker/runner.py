@@ -27,9 +27,11 @@ scheduler's business, which delta sits in which slot is the manager's.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -182,7 +184,8 @@ class HostArena:
     matrices lie on 2 MB pages too: torch's allocator puts a buffer of 2 MB or more on transparent
     huge pages (the worker's process sets THP_MEM_ALLOC_ENABLE, services/gpu_worker/__main__.py),
     and a bf16 SmolLM2-135M has most of its matrices below that. A buffer's untouched rest is never
-    resident; its last partly used 2 MB page is (≤ 2 MB a buffer)."""
+    resident, except the rest of its last partly used 2 MB page (the kernel faults a huge page in
+    whole): `release_tails` gives that back once every tensor is carved."""
 
     CHUNK = 256 << 20  # bytes per buffer; a larger tensor gets one of its own
     ALIGN = 64  # each tensor starts on a cache line
@@ -190,16 +193,41 @@ class HostArena:
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
         self._used = 0
+        self._done: list[tuple[torch.Tensor, int]] = []  # earlier buffers and the bytes they hold
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         n = math.prod(shape) * dtype.itemsize
         if n > self.CHUNK:
             return torch.empty(shape, dtype=dtype)
         if self._buf is None or self._used + n > self.CHUNK:
+            if self._buf is not None:
+                self._done.append((self._buf, self._used))
             self._buf, self._used = torch.empty(self.CHUNK, dtype=torch.uint8), 0
         out = self._buf[self._used : self._used + n].view(dtype).view(shape)
         self._used = -(-(self._used + n) // self.ALIGN) * self.ALIGN
         return out
+
+    def release_tails(self) -> None:
+        """Give back each buffer's pages past its last tensor (`madvise(MADV_DONTNEED)`: the kernel
+        splits the partly used huge page and frees its rest, up to 2 MB a buffer). No tensor may be
+        carved after this. A kernel without madvise keeps them: nothing changes but the RSS."""
+        page = os.sysconf("SC_PAGE_SIZE")
+        bufs = self._done + ([(self._buf, self._used)] if self._buf is not None else [])
+        for buf, used in bufs:
+            start = -(-(buf.data_ptr() + used) // page) * page
+            end = buf.data_ptr() + buf.numel()
+            if end > start:
+                _madvise_dontneed(start, end - start)
+        self._buf, self._done = None, []
+
+
+def _madvise_dontneed(addr: int, length: int) -> None:
+    """madvise(addr, length, MADV_DONTNEED) where libc has it (Linux); else nothing."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), 4)  # MADV_DONTNEED
+    except (OSError, AttributeError):
+        pass
 
 
 @dataclass
@@ -265,6 +293,8 @@ class BaseWeights:
             ]
         if unexpected:
             raise ValueError(f"{ckpt}: checkpoint does not match the config: unexpected {sorted(unexpected)[:5]}")
+        if arena:
+            arena.release_tails()
         return cls(embed, layers, norms, biases, final, head, final_bias, head_bias), args
 
     @property

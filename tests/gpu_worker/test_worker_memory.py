@@ -17,6 +17,7 @@ import torch
 from bitdelta.testing.cluster import Cluster
 from bitdelta.testing.memory import EMPTY_FLAGS, EMPTY_KV, empty_base, huge_page_bytes, thp_mode, vm_rss
 from services.gpu_worker.memory import account, with_fixed
+from services.gpu_worker.runner import HostArena
 
 KV = 16 << 20
 # measured ÷ account may exceed 1 by this much (allocator and page noise of a process that loads a
@@ -85,3 +86,24 @@ def test_onednn_kernel_caches_are_bounded_in_the_worker_process():
     assert bounded < 100e6, f"the worker's oneDNN caches grew {bounded / 1e6:.0f} MB over 800 GEMM shapes"
     defaults = growth(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024", LRU_CACHE_CAPACITY="1024")
     assert defaults > 200e6, f"with torch's default bounds the caches grew only {defaults / 1e6:.0f} MB"
+
+
+def test_host_arena_gives_back_each_buffers_rest():
+    # The base's tensors are carved from a few large buffers (runner.HostArena); on 2 MB pages the
+    # rest of a buffer's last used page is resident though nothing is carved there. Here every page
+    # of two buffers is touched, as if all were huge pages, and release_tails must give back all
+    # but the carved bytes, and leave the carved tensors' values as they were.
+    arena = HostArena()
+    arena.CHUNK = 32 << 20
+    a = arena.empty((3 << 20,), torch.uint8)
+    a.untyped_storage().fill_(1)  # every page of the first buffer
+    a.fill_(5)
+    b = arena.empty((30 << 20,), torch.uint8)  # past the first buffer's room: a second one
+    assert b.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+    b.untyped_storage().fill_(1)
+    b.fill_(6)
+    before = vm_rss(os.getpid())
+    arena.release_tails()
+    freed = before - vm_rss(os.getpid())
+    assert freed >= 30 << 20, f"gave back {freed / 2**20:.1f} MiB of the 31 MiB past the carved tensors"
+    assert bool((a == 5).all()) and bool((b == 6).all())
