@@ -12,7 +12,9 @@ connection (`receive()` -> `http.disconnect`) for its whole life, streamed or no
 spec version the server declares (Starlette's StreamingResponse only watches under spec < 2.4;
 under 2.4 it notices a gone client at the next write, which may be a long delta load away). A
 client that goes away cancels the handler, which closes the router stream (`call.cancel()`), which
-cancels the worker call, which frees the sequence.
+cancels the worker call, which frees the sequence. A background response (/v1/responses with
+`background`) runs the same `_Generation` in a task of the app's lifespan instead, its answer
+written into the response store; POST /v1/responses/{id}/cancel cancels that task.
 """
 
 from __future__ import annotations
@@ -223,7 +225,6 @@ class _Generation(Response):
         self.router, self.req, self.metadata, self.timeout_s, self.echoes = router, req, metadata, timeout_s, echoes
         self.responses, self.keep = responses, keep
         self.prompt_param = "prompt" if req.kind == "completion" else "input" if responses else "messages"
-        self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with anyio.create_task_group() as tg:
@@ -238,7 +239,7 @@ class _Generation(Response):
             done = False
             tg.start_soon(watch)
             try:
-                await self._respond(send)
+                await self.run(send)
             finally:
                 done = True
                 tg.cancel_scope.cancel()
@@ -274,7 +275,9 @@ class _Generation(Response):
             cache_salt=r.cache_salt,
         )
 
-    async def _respond(self, send: Send) -> None:
+    async def run(self, send: Send) -> None:
+        """Run the generation and send its answer (or its error) through `send`, ASGI's messages: the
+        connection's, or a background response's collector. Cancelling it cancels the router calls."""
         r = self.req
         streams = [
             self.router.generate_request(self._request(k, p), timeout_s=self.timeout_s, metadata=self.metadata)
@@ -543,8 +546,13 @@ class _Generation(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-# The metrics' route label of a path with an id in it (one series per route, whatever the ids)
-ROUTE_PREFIXES = (("/v1/models/", "/v1/models/{model}"), ("/v1/responses/", "/v1/responses/{response_id}"))
+# The metrics' route label of a path with an id in it (one series per route, whatever the ids): its
+# prefix, the suffix after the id, the label; the first that matches
+ROUTE_PREFIXES = (
+    ("/v1/models/", "", "/v1/models/{model}"),
+    ("/v1/responses/", "/cancel", "/v1/responses/{response_id}/cancel"),
+    ("/v1/responses/", "", "/v1/responses/{response_id}"),
+)
 ROUTES = (
     "/v1/models",
     "/v1/completions",
@@ -584,7 +592,9 @@ class _Measured:
         finally:
             path = scope["path"]
             route = (
-                path if path in ROUTES else next((r for p, r in ROUTE_PREFIXES if path.startswith(p)), "other")
+                path
+                if path in ROUTES
+                else next((r for p, s, r in ROUTE_PREFIXES if path.startswith(p) and path.endswith(s)), "other")
             )  # an id in the path: one label for the route, not one series per id
             model = scope.get("state", {}).get("model")
             if model and status == 200:
@@ -607,6 +617,9 @@ def create_app(
     state: dict[str, RouterClient] = {}
     metrics, known = GatewayMetrics(), set()  # known: models the router listed or served
     kept = rsp.ResponseStore(config.responses_store, config.responses_store_bytes) if config.responses_store else None
+    # background responses running: (owner, id) -> the cancel scope of the task that runs it
+    running: dict[tuple[str, str], anyio.CancelScope] = {}
+    tasks: dict[str, anyio.abc.TaskGroup] = {}  # "background": the lifespan's task group
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -631,7 +644,12 @@ def create_app(
                     d.changed(),
                 )
         try:
-            yield
+            async with anyio.create_task_group() as tg:
+                tasks["background"] = tg
+                try:
+                    yield
+                finally:
+                    tg.cancel_scope.cancel()  # the background responses still running
         finally:
             await state["router"].close()
 
@@ -775,9 +793,56 @@ def create_app(
         req.id = info.id
         keep = (lambda answer: kept.put(owner, info, answer)) if info.store else None
         try:
-            return await chat_generation(request, req, own, info, keep)
+            gen = await chat_generation(request, req, own, info, keep)
         except ApiError as e:
             raise rsp.renamed(e) from None
+        if not info.background:
+            return gen
+        if len(running) >= config.responses_store:
+            raise ApiError(
+                429,
+                f"this gateway runs at most {config.responses_store} background responses at once (its store's size)",
+                type="rate_limit_error",
+                code="too_many_background_responses",
+            )
+        queued = rsp.response(info, req, "queued", [])
+        kept.put(owner, info, queued)
+        scope = running[owner, info.id] = anyio.CancelScope()
+        tasks["background"].start_soon(in_background, gen, owner, info, scope)
+        return JSONResponse(queued)
+
+    async def in_background(gen: _Generation, owner: str, info: rsp.ResponsesInfo, scope: anyio.CancelScope) -> None:
+        """Run a background response: in_progress, then its answer kept by the generation (completed
+        or incomplete), or failed with the error its caller would have been answered; a cancelled
+        one was stored by the cancel route."""
+        sent: dict[str, Any] = {"body": b""}
+
+        async def collect(message) -> None:
+            if message["type"] == "http.response.start":
+                sent["status"] = message["status"]
+            elif message["type"] == "http.response.body":
+                sent["body"] += message.get("body", b"")
+
+        try:
+            with scope:
+                if not scope.cancel_called:  # else cancelled before it started: it stays so
+                    kept.update(owner, info.id, rsp.response(info, gen.req, "in_progress", []))
+                await gen.run(collect)
+        except Exception:  # the response fails; the gateway and its other responses go on
+            log.exception("%s: the background response failed", info.id)
+            sent["status"] = 500
+        finally:
+            running.pop((owner, info.id), None)
+        if scope.cancel_called or sent.get("status") == 200:
+            return
+        try:
+            error = json.loads(sent["body"])["error"]
+        except (ValueError, KeyError, TypeError):
+            error = {"message": "the response could not be generated", "code": "server_error"}
+        failed = rsp.response(
+            info, gen.req, "failed", [], error={"code": error.get("code"), "message": error["message"]}
+        )
+        kept.update(owner, info.id, failed)
 
     def _no_response(response_id: str, param: str | None = None) -> ApiError:
         return ApiError(
@@ -798,11 +863,38 @@ def create_app(
         if request.method == "DELETE":
             if not kept.delete(owner, response_id):
                 raise _no_response(response_id)
+            scope = running.pop((owner, response_id), None)
+            if scope is not None:  # a background response still running: its generation stops
+                scope.cancel()
             return JSONResponse({"id": response_id, "object": "response", "deleted": True})
         got = kept.get(owner, response_id)
         if got is None:
             raise _no_response(response_id)
         return JSONResponse(got.response)
+
+    async def cancel_response(request: HttpRequest) -> Response:
+        """POST /v1/responses/{id}/cancel: a background response still queued or in progress stops and
+        is answered (and kept) as cancelled; any other is 400, one this caller did not make 404."""
+        response_id = request.path_params["response_id"]
+        if kept is None:
+            raise _no_response(response_id)
+        owner = rsp.ResponseStore.owner(request.headers.get("authorization"))
+        got = kept.get(owner, response_id)
+        if got is None:
+            raise _no_response(response_id)
+        status = got.response["status"]
+        scope = running.get((owner, response_id))
+        if scope is None or status not in rsp.RUNNING:
+            raise api.invalid(
+                "response_id",
+                f"cannot cancel a response that is already {status}"
+                if got.response.get("background")
+                else "cannot cancel a synchronous response (only a background one, while it runs)",
+            )
+        cancelled = {**got.response, "status": "cancelled"}
+        kept.update(owner, response_id, cancelled)
+        scope.cancel()
+        return JSONResponse(cancelled)
 
     async def chat_generation(
         request: HttpRequest,
@@ -810,7 +902,7 @@ def create_app(
         own: Own,
         responses: rsp.ResponsesInfo | None = None,
         keep: Callable[[dict], None] | None = None,
-    ) -> Response:
+    ) -> _Generation:
         """A parsed chat request rendered with its model's template (and its tools' grammar), checked,
         and run: its answer as chat's, or as a response object (`responses`)."""
         request.state.model = req.model
@@ -987,6 +1079,7 @@ def create_app(
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),

@@ -22,8 +22,14 @@ with the conversation it ends, `previous_response_id` continues that conversatio
 output turns before this request's input; its instructions are not carried over, as OpenAI says),
 and GET and DELETE /v1/responses/{id} read and drop it, each only for the caller whose
 authorization header made it. Without a store `store` is answered false and `previous_response_id`
-is refused. What needs a tool this server does not run (`conversation`, `background`, hosted tools
-such as web_search) is refused by name, as is any field this module does not know.
+is refused.
+
+Background responses, as OpenAI's and vLLM's (a store needed, `store` true): the request is checked,
+answered at once as a `queued` response, and run by the gateway (app.py) while the caller polls GET
+/v1/responses/{id} (`in_progress`, then `completed`, `incomplete` or `failed` with its error) or
+cancels it (POST /v1/responses/{id}/cancel: `cancelled`). What needs a tool this server does not run
+(`conversation`, hosted tools such as web_search) is refused by name, as is any field this module
+does not know.
 """
 
 from __future__ import annotations
@@ -57,9 +63,11 @@ RENAMED = {
 PASSED = ("model", "temperature", "top_p", "stream", "top_k", "min_p", "repetition_penalty", "seed", "priority")
 PASSED += ("cache_salt", "stop", "chat_template_kwargs", "parallel_tool_calls")
 READ = ("instructions", "input", "max_output_tokens", "text", "metadata", "user", "tools", "tool_choice")
-READ += ("top_logprobs", "include", "store", "previous_response_id")
-# Fields served only "off" (_check_off): no truncation, no reasoning options, ...
-OFF = ("background", "truncation", "reasoning")
+READ += ("top_logprobs", "include", "store", "previous_response_id", "background")
+# Fields served only "off" (_check_off): no truncation, no reasoning options
+OFF = ("truncation", "reasoning")
+# A response's statuses while it runs in the background, and those it ends in
+RUNNING = ("queued", "in_progress")
 # What `include` may ask for here (OpenAI's other includables need hosted tools, images or stored state)
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # Fields that do not change the answer here
@@ -89,6 +97,7 @@ class ResponsesInfo:
     top_logprobs: int | None = None  # as the request gave it (the alternatives per token)
     store: bool = False  # the answer is kept (a gateway with a store, and the request's `store`)
     previous_response_id: str | None = None
+    background: bool = False  # run by the gateway, read later from its store
     # the turns this request continues and adds (a previous response's, then its input; no instructions):
     # what a stored answer keeps for the next previous_response_id
     conversation: tuple[dict, ...] = ()
@@ -131,6 +140,14 @@ class ResponseStore:
         while len(self._kept) > self.capacity or self.bytes > self.max_bytes:
             _, (_, gone) = self._kept.popitem(last=False)
             self.bytes -= gone
+
+    def update(self, owner: str, response_id: str, response: dict) -> None:
+        """Replace a kept response's object (a background response's status), its conversation kept;
+        nothing if it is no longer kept."""
+        got = self._kept.get((owner, response_id))
+        if got is not None:
+            kept, size = got
+            self._kept[owner, response_id] = (Stored(kept.conversation, response), size)
 
     def get(self, owner: str, response_id: str) -> Stored | None:
         got = self._kept.get((owner, response_id))
@@ -177,8 +194,6 @@ def _check_off(body: dict) -> None:
     for name, why in REFUSED.items():
         if body.get(name) is not None:
             raise invalid(name, f"{name} is not supported by this server: {why}", code="unsupported_parameter")
-    if body.get("background"):
-        raise invalid("background", "background is not supported: responses are answered while the request waits")
     if body.get("truncation") not in (None, "disabled"):
         raise invalid("truncation", "truncation must be 'disabled': a prompt past the context is refused, not cut")
     reasoning = body.get("reasoning")
@@ -354,6 +369,26 @@ def to_chat(body: Any, previous: Stored | None = None, keeping: bool = False) ->
     store = body.get("store")
     if store is not None and not isinstance(store, bool):
         raise invalid("store", "store must be true or false")
+    if previous is not None and previous.response["status"] in RUNNING:
+        raise invalid("previous_response_id", f"response {prev_id[:64]!r} is still {previous.response['status']}")
+    background = body.get("background")
+    if background is not None and not isinstance(background, bool):
+        raise invalid("background", "background must be true or false")
+    if background and not keeping:
+        raise invalid(
+            "background",
+            "background responses are not supported by this server: it keeps no responses to read them from "
+            "(start the gateway with --responses-store N)",
+            code="unsupported_parameter",
+        )
+    if background and store is False:
+        raise invalid("background", "a background response is read from the store: store must be true")
+    if background and body.get("stream"):
+        raise invalid(
+            "background",
+            "background with stream is not served: poll GET /v1/responses/{id}, or stream without background",
+            code="unsupported_parameter",
+        )
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise invalid("instructions", "instructions must be a string")
@@ -396,6 +431,7 @@ def to_chat(body: Any, previous: Stored | None = None, keeping: bool = False) ->
         top_logprobs=top,
         store=keeping and store is not False,
         previous_response_id=prev_id,
+        background=bool(background),
         conversation=conversation,
     )
     return chat, info
@@ -453,17 +489,19 @@ def response(
     finish: str | None = None,
     usage: gen_pb.Usage | None = None,
     reasoning_tokens: int = 0,
+    error: dict | None = None,
 ) -> dict:
-    """The response object: `status` in_progress, completed or incomplete (finish "length": the
-    max_output_tokens reason)."""
+    """The response object: `status` queued or in_progress (running), completed or incomplete (finish
+    "length": the max_output_tokens reason), failed (`error`: its code and message) or cancelled."""
     s = r.sampling
     return {
         "id": info.id,
         "object": "response",
         "created_at": info.created_at,
         "status": status,
-        "completed_at": int(time.time()) if status != "in_progress" else None,
-        "error": None,
+        "background": info.background,
+        "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
+        "error": error,
         "incomplete_details": {"reason": "max_output_tokens"}
         if status == "incomplete" and finish == "length"
         else None,

@@ -451,6 +451,86 @@ async def test_stored_responses_continue_their_conversation(clients, cluster):
         await other.close()
 
 
+async def _settled(client: openai.AsyncOpenAI, response_id: str):
+    """The stored response once it is no longer queued or in progress."""
+    deadline = time.monotonic() + T
+    while (got := await client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, f"{response_id} still {got.status}"
+        await asyncio.sleep(0.05)
+    return got
+
+
+async def test_background_responses_run_while_the_caller_polls(clients, cluster):
+    """OpenAI's background mode (as vLLM's, with its store): the request is checked, answered at once
+    as queued, and run by the gateway; GET returns it in progress and then completed with the router's
+    text, or failed with the error a waiting caller would get; cancel stops a running one and keeps
+    it cancelled, and is 400 for a finished or synchronous one; DELETE stops one too. Refused: without
+    a store, with store false, with stream."""
+    _, router, _ = clients
+    client, other = oai(cluster.g_store), oai(cluster.g_store, api_key="another-key")
+    try:
+        kw = dict(model="v0", max_output_tokens=N, temperature=0)
+        bg = await client.responses.create(instructions="Be brief.", input="Hi there", background=True, **kw)
+        assert bg.status == "queued" and bg.background is True and bg.output == [] and bg.usage is None
+        done = await _settled(client, bg.id)
+        want, _ = await router_text(router, "v0", BASE_RENDERED)
+        waited = await client.responses.create(instructions="Be brief.", input="Hi there", store=False, **kw)
+        assert done.output_text == waited.output_text == want and done.background is True
+        assert done.status == waited.status and done.status in ("completed", "incomplete")
+        assert done.usage.output_tokens > 0 and done.error is None
+        nxt = await client.responses.create(previous_response_id=bg.id, input="And then?", **kw)  # continues it
+        turns = f"{BOS}user: Hi there\n{BOS}assistant: {want}\n{BOS}user: And then?\n{BOS}assistant: "
+        assert nxt.output_text == (await router_text(router, "v0", turns))[0]
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.responses.cancel(bg.id)
+        assert f"already {done.status}" in e.value.response.json()["error"]["message"]
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.responses.cancel(nxt.id)
+        assert "synchronous" in e.value.response.json()["error"]["message"]
+        with pytest.raises(openai.NotFoundError):
+            await other.responses.cancel(bg.id)  # another caller's
+
+        too_long = await client.responses.create(input="word " * 400, background=True, **kw)
+        failed = await _settled(client, too_long.id)
+        with pytest.raises(openai.BadRequestError) as e:  # what a waiting caller is answered
+            await client.responses.create(input="word " * 400, **kw)
+        assert failed.status == "failed" and failed.output == []
+        assert failed.error.message == e.value.response.json()["error"]["message"]
+
+        long = dict(kw, max_output_tokens=200)
+        for _ in range(3):  # cancelled while it runs (or before its task starts)
+            run = await client.responses.create(input="Hi there", background=True, **long)
+            cancelled = await client.responses.cancel(run.id)
+            assert cancelled.status == "cancelled" and cancelled.id == run.id
+            await asyncio.sleep(0.3)
+            assert (await client.responses.retrieve(run.id)).status == "cancelled"  # the run did not overwrite it
+            with pytest.raises(openai.BadRequestError):
+                await client.responses.cancel(run.id)
+        gone = await client.responses.create(input="Hi there", background=True, **long)
+        await client.responses.delete(gone.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(gone.id)
+        await asyncio.sleep(0.3)
+        with pytest.raises(openai.NotFoundError):  # its run, stopped, did not keep it again
+            await client.responses.retrieve(gone.id)
+        got, metrics = await asyncio.to_thread(http, cluster.g_store, "GET", "/metrics")
+        assert 'route="/v1/responses/{response_id}/cancel",status="200"' in metrics
+
+        for bad, plain, why in (
+            (dict(store=False), False, "store must be true"),
+            (dict(stream=True), False, "background with stream"),
+            ({}, True, "--responses-store"),
+        ):
+            c = clients[0] if plain else client
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.responses.create(input="Hi there", background=True, **kw, **bad)
+            err = e.value.response.json()["error"]
+            assert why in err["message"] and err["param"] == "background", err
+    finally:
+        await client.close()
+        await other.close()
+
+
 async def test_chat_echo_and_role_are_vllms(clients):
     """vLLM's chat echo: the last message's content comes before the answer when that message has the
     answer's role (assistant after a generation prompt, else the last message's own: the prompt
