@@ -915,6 +915,11 @@ def create_app(
                 "token logprobs beside a reasoning parser are not served by /v1/responses (the parser splits the "
                 "text the tokens make into a thinking and an answer)",
             )
+        if req.documents is not None and not template.reads_documents:
+            raise api.invalid(
+                "documents",
+                f"the chat template of {req.model!r} does not read documents: they would be left out of the prompt",
+            )
         try:
             text = template.render(
                 req.messages,
@@ -923,6 +928,7 @@ def create_app(
                 continue_final_message=req.continue_final_message,
                 template_kwargs=req.template_kwargs,
                 content_format=config.chat_template_content_format,
+                documents=req.documents,
             )
             req.prompts = (api.Prompt(text=text),)
         except ChatTemplateError as e:

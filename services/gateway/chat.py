@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from jinja2 import nodes
+from jinja2 import meta, nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -206,6 +206,16 @@ class ChatTemplate:
             object.__setattr__(self, "_format", fmt)
         return fmt
 
+    @property
+    def reads_documents(self) -> bool:
+        """Whether the template reads `documents` (a RAG form: Command R's, Granite's), where a
+        request's documents go."""
+        reads = self.__dict__.get("_documents")
+        if reads is None:
+            reads = "documents" in meta.find_undeclared_variables(_environment().parse(self.source))
+            object.__setattr__(self, "_documents", reads)
+        return reads
+
     def _compiled(self) -> jinja2.Template:
         cached = self.__dict__.get("_template")
         if cached is None:
@@ -224,6 +234,7 @@ class ChatTemplate:
         continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
         content_format: str = "auto",
+        documents: list[dict[str, str]] | None = None,
     ) -> str:
         """The prompt text for `messages` (OpenAI's role/content dicts, with assistant tool_calls and
         tool results), ending with the assistant's turn (`add_generation_prompt`); `tools` as
@@ -233,7 +244,8 @@ class ChatTemplate:
         marker after it and the text cut there; a template that does not write the content as it
         is refuses). `template_kwargs`: further template variables (`check_template_kwargs`).
         A message's content: a string, a list of {type: text, text} parts or None, handed over in
-        `content_format` (CONTENT_FORMATS; "auto": `self.content_format`)."""
+        `content_format` (CONTENT_FORMATS; "auto": `self.content_format`). `documents`: the template's
+        `documents` variable, as transformers passes it (a RAG template's; None: none)."""
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError("continue_final_message needs add_generation_prompt: false")
         fmt = self.content_format if content_format == "auto" else content_format
@@ -257,7 +269,7 @@ class ChatTemplate:
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
-                documents=None,
+                documents=documents,
                 **self.specials,
             )
         except _TemplateRaised as e:

@@ -116,7 +116,8 @@ FIELDS: tuple[Field, ...] = (
         HON,
         "OpenAI",
         "function definitions, rendered by the chat template; calls parsed into `tool_calls` (Hermes `<tool_call>`,"
-        " Llama 3.1 JSON, Mistral `[TOOL_CALLS]`, Granite `<|tool_call|>`) (docs/structured-output.md)",
+        " Llama 3.1 JSON, Mistral `[TOOL_CALLS]`, Granite `<|tool_call|>`, Phi-4-mini `functools[...]`)"
+        " (docs/structured-output.md)",
     ),
     Field(
         "tool_choice",
@@ -235,7 +236,14 @@ FIELDS: tuple[Field, ...] = (
         "vLLM",
         "with `--reasoning-parser`: false leaves the thinking out (`reasoning` null); default true",
     ),
-    Field("documents", None, REF, "vLLM", "not served"),
+    Field(
+        "documents",
+        None,
+        HON,
+        "vLLM",
+        "objects of string fields for a RAG template (Command R's, Granite's `documents`); 400 where the "
+        "model's template does not read them",
+    ),
     Field("mm_processor_kwargs", None, REF, "vLLM", "text only"),
     Field("guided_json", HON, HON, "vLLM", "a JSON schema (an object or its JSON text): " + GUIDED),
     Field("guided_regex", HON, HON, "vLLM", "the whole output matches it: " + GUIDED),

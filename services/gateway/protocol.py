@@ -158,6 +158,7 @@ class Request:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    documents: list[dict[str, str]] | None = None  # vLLM's: the template's documents (a RAG template's)
     # chat, vLLM's --reasoning-parser (the app sets it): the thinking answered as `reasoning`, apart from
     # the content; include_reasoning false drops it
     reasoning: Reasoning | None = None
@@ -643,6 +644,13 @@ def parse_chat(body: Any, defaults: SamplingDefaults = NEUTRAL) -> Request:
         except ChatTemplateError as e:
             raise invalid("chat_template_kwargs", str(e)) from None
     r.include_reasoning = _boolean(body, "include_reasoning", default=True)
+    docs = body.get("documents")
+    if docs is not None:
+        if not isinstance(docs, list) or not all(
+            isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in d.items()) for d in docs
+        ):
+            raise invalid("documents", "documents must be a list of objects of string fields (e.g. title, text)")
+        r.documents = [dict(d) for d in docs]
     mt = _integer(body, "max_completion_tokens", 1, 1 << 31)
     mt = _integer(body, "max_tokens", 1, 1 << 31) if mt is None else mt
     if mt is None:  # the model's default, cut to the context the prompt leaves (vLLM's get_max_tokens)

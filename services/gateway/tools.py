@@ -11,7 +11,9 @@ How a model writes a call is its chat template's convention (`ToolFormat.of_temp
 - `LLAMA_JSON` (Llama 3.1/3.2's JSON tool calling): the whole answer is `{"name": ..., "parameters": {...}}`;
 - `MISTRAL` (Mistral 7B v0.3, Nemo, Small): `[TOOL_CALLS]` and a JSON list of {name, arguments}, or
   `[TOOL_CALLS]name[ARGS]{...}` per call (tokenizers v11 on); ids of 9 letters and digits;
-- `GRANITE` (Granite 3): `<|tool_call|>` and a JSON list of {name, arguments}.
+- `GRANITE` (Granite 3): `<|tool_call|>` and a JSON list of {name, arguments};
+- `PHI4_MINI` (Phi-4-mini-instruct, with a template that teaches it, as vLLM's phi4_mini_json parser
+  reads it): `functools` and a JSON list of {name, arguments}.
 Mistral's and Granite's openers are special tokens: a request with tools keeps special tokens' text.
 
 `required` is one or more calls (exactly one with `parallel_tool_calls: false`), a named function
@@ -37,6 +39,7 @@ from bitdelta.grammar import lark_json
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 MISTRAL_OPENER, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 GRANITE_OPENER = "<|tool_call|>"
+PHI4_OPENER = "functools"
 MAX_TOOLS = 128
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -62,14 +65,18 @@ class ToolFormat(enum.Enum):
     MISTRAL = "mistral"
     # Granite 3's (vLLM's granite parser): `<|tool_call|>` then a JSON list of {name, arguments}
     GRANITE = "granite"
+    # Phi-4-mini's (vLLM's phi4_mini_json parser): `functools` then a JSON list of {name, arguments}
+    PHI4_MINI = "phi4_mini_json"
 
     @classmethod
     def of_template(cls, source: str) -> ToolFormat:
-        """The convention a chat template teaches: Mistral's where it writes [TOOL_CALLS], Granite's
-        where it writes <|tool_call|>, Hermes' tags where it writes them, Llama's JSON where it asks
-        for "parameters" without them, else Hermes."""
+        """The convention a chat template teaches: Mistral's where it writes [TOOL_CALLS], Phi-4-mini's
+        where it writes functools[, Granite's where it writes <|tool_call|>, Hermes' tags where it writes
+        them, Llama's JSON where it asks for "parameters" without them, else Hermes."""
         if MISTRAL_OPENER in source:
             return cls.MISTRAL
+        if PHI4_OPENER + "[" in source:
+            return cls.PHI4_MINI
         if GRANITE_OPENER in source:
             return cls.GRANITE
         if "<tool_call>" in source:
@@ -88,11 +95,12 @@ class ToolFormat(enum.Enum):
     @property
     def special_opener(self) -> bool:
         """Whether a call begins with a special token (Mistral's, Granite's): its text must stay in the output."""
-        return self in LISTED
+        return self in (ToolFormat.MISTRAL, ToolFormat.GRANITE)
 
 
-# the formats whose calls follow an opener (a special token of their tokenizers) as a JSON list
-LISTED = {ToolFormat.MISTRAL: MISTRAL_OPENER, ToolFormat.GRANITE: GRANITE_OPENER}
+# the formats whose calls follow an opener (Mistral's and Granite's special tokens, Phi-4-mini's word)
+# as a JSON list
+LISTED = {ToolFormat.MISTRAL: MISTRAL_OPENER, ToolFormat.GRANITE: GRANITE_OPENER, ToolFormat.PHI4_MINI: PHI4_OPENER}
 
 
 class Mode(enum.Enum):
@@ -245,10 +253,10 @@ def _call(obj: Any, fmt: ToolFormat) -> Call | None:
 
 
 def _listed_calls(text: str, fmt: ToolFormat) -> tuple[str | None, tuple[Call, ...]]:
-    """The calls after the first opener (Mistral's [TOOL_CALLS], Granite's <|tool_call|>): one JSON
-    list (or object), or Mistral's `name[ARGS]{...}` after each [TOOL_CALLS]; the text before is
-    content (the openers are special tokens, whose text a request with tools keeps). Anything else:
-    all content."""
+    """The calls after the first opener (Mistral's [TOOL_CALLS], Granite's <|tool_call|>, Phi-4-mini's
+    functools): one JSON list (or object), or Mistral's `name[ARGS]{...}` after each [TOOL_CALLS]; the
+    text before is content (Mistral's and Granite's openers are special tokens, whose text a request
+    with tools keeps). Anything else: all content."""
     opener = LISTED[fmt]
     at = text.find(opener)
     if at < 0:

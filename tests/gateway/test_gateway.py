@@ -43,7 +43,10 @@ BASE_TEMPLATE = (
     "{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}{{ bos_token }}assistant: {% endif %}"
 )
-V1_TEMPLATE = "{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}[ASSISTANT] "
+V1_TEMPLATE = (  # its documents as a RAG template writes them (Command R's, Granite's)
+    "{% if documents %}[DOCS]{% for d in documents %} {{ d.title }}: {{ d.text }}{% endfor %}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}[ASSISTANT] "
+)
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 BOS = "<s>"
 BASE_RENDERED = f"{BOS}system: Be brief.\n{BOS}user: Hi there\n{BOS}assistant: "  # BASE_TEMPLATE by hand
@@ -560,6 +563,28 @@ async def test_chat_echo_and_role_are_vllms(clients):
     with pytest.raises(openai.BadRequestError) as err:
         await client.chat.completions.create(messages=CHAT, tools=tools, extra_body={"echo": True}, **kw)
     assert err.value.body["param"] == "echo"
+
+
+async def test_documents_reach_a_rag_template(clients):
+    """vLLM's `documents` reach the chat template as transformers passes them (v1's reads them: the
+    router's text for the prompt rendered by hand); a template that does not read them is 400 (they
+    would be left out), as is a malformed list."""
+    client, router, _ = clients
+    kw = dict(max_tokens=N, temperature=0)
+    docs = [{"title": "Lima", "text": "Capital of Peru."}, {"title": "Quito", "text": "Capital of Ecuador."}]
+    want, _ = await router_text(
+        router, "v1", "[DOCS] Lima: Capital of Peru. Quito: Capital of Ecuador.\n" + V1_RENDERED
+    )
+    r = await client.chat.completions.create(model="v1", messages=CHAT, extra_body={"documents": docs}, **kw)
+    assert r.choices[0].message.content == want
+    for model, bad, words in (
+        ("v0", docs, "does not read documents"),
+        ("v1", {"title": "x"}, "list of objects"),
+        ("v1", [{"title": 1}], "string fields"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model=model, messages=CHAT, extra_body={"documents": bad}, **kw)
+        assert e.value.body["param"] == "documents" and words in e.value.body["message"], e.value.body
 
 
 async def test_chat_render_fields_of_vllm(clients, cluster):

@@ -75,6 +75,15 @@ GRANITE = (
     "{{ m.tool_calls | map(attribute='function') | list | tojson }}{% else %}{{ m.content }}{% endif %}<|end_of_text|>\n"
     "{%- endfor %}<|start_of_role|>assistant<|end_of_role|>"
 )
+# a Phi-4-mini template that teaches its calls (Phi-4-mini-instruct's own renders no `tools`; vLLM serves it
+# with one of its examples), written for the test
+PHI4 = (
+    '{%- if tools %}<|system|>To call functions answer functools[{"name": ..., "arguments": {...}}, ...]'
+    "<|tool|>{% for t in tools %} {{ t.function.name }}{% endfor %}<|/tool|><|end|>{% endif %}"
+    "{%- for m in messages %}<|{{ m.role }}|>"
+    "{%- if m.role == 'assistant' and m.tool_calls %}functools{{ m.tool_calls | map(attribute='function') | list | tojson }}"
+    "{%- else %}{{ m.content }}{% endif %}<|end|>{%- endfor %}<|assistant|>"
+)
 WEATHER = {
     "type": "object",
     "properties": {
@@ -140,6 +149,7 @@ def cluster(family, tmp_path_factory):
     mistral.mkdir()
     (mistral / "tokenizer_config.json").write_text(json.dumps({"chat_template": MISTRAL, "bos_token": BOS}))
     (work / "granite.jinja").write_text(GRANITE)
+    (work / "phi4.jinja").write_text(PHI4)
     with Cluster(work) as c:
         c.st = c.store(root)
         c.w = c.worker(family.base, c.st.address, kv_cache="32MiB", extra=("--max-running", "48"))
@@ -155,6 +165,12 @@ def cluster(family, tmp_path_factory):
             name="gateway-mistral",
             chat_template=mistral,
             extra=("--variant-chat-templates", f"v0={work / 'granite.jinja'}"),
+        )
+        c.g_phi = c.gateway(  # Phi-4-mini's for v1, Hermes' for the base and v0
+            c.r.address,
+            name="gateway-phi",
+            chat_template=tok,
+            extra=("--variant-chat-templates", f"v1={work / 'phi4.jinja'}"),
         )
         yield c
 
@@ -650,6 +666,53 @@ async def test_granite_calls_are_read_whole_and_streamed(cluster):
         assert finish == "tool_calls" and calls
     finally:
         await client.close()
+
+
+async def test_phi4_mini_calls_are_read_whole_and_streamed(cluster):
+    """A Phi-4-mini template (v1 on the third gateway; vLLM's phi4_mini_json parser): required and named
+    calls (functools and a list) come back as tool_calls, whole and streamed, in one mixed batch with a
+    Hermes model; `auto` and a conversation with a call and its result are served."""
+    client = await gateway_client(cluster.g_phi.address, {"v1"}, T)
+    try:
+        jobs = []
+        for model in ("v1", "v0"):
+            for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+                for stream in (False, True):
+                    kw = {"messages": ASK, "tools": TOOLS, "tool_choice": choice, "max_tokens": MAX}
+                    jobs.append(chat(client, model, stream, openai_id, temperature=0, parallel_tool_calls=False, **kw))
+        for content, calls, finish in await asyncio.gather(*jobs):
+            assert finish == "tool_calls" and len(calls) == 1 and not content, (content, calls)
+            assert_valid_call(*calls[0])
+        _, calls, finish = await chat(
+            client, "v1", False, messages=HISTORY, tools=TOOLS, tool_choice="required", max_tokens=MAX,
+            parallel_tool_calls=False,
+        )  # fmt: skip
+        assert finish == "tool_calls" and calls
+        r = await client.chat.completions.create(model="v1", messages=ASK, tools=TOOLS, max_tokens=8, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")  # auto: the model's free answer
+    finally:
+        await client.close()
+
+
+async def test_phi4_mini_parse_calls_and_the_stream_holder():
+    fmt = ToolFormat.PHI4_MINI
+    assert ToolFormat.of_template(PHI4) is fmt and not fmt.special_opener
+    text = 'Let me check. functools[{"name": "add", "arguments": {"a": 1}}, {"name": "neg", "arguments": {"x": 2}}]'
+    content, calls = parse_calls(text, fmt)
+    assert content == "Let me check. " and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("add", {"a": 1}),
+        ("neg", {"x": 2}),
+    ]
+    assert all(openai_id(c.id) for c in calls)
+    for bad in ('[{"name": "add", "arguments": {}}]', "functools[oops", 'functools[{"name": "a", "arguments": {}}] ok'):
+        assert parse_calls(bad, fmt) == (bad, ()), bad  # no opener, not JSON, text after the calls
+    assert parse_calls("the functools module", fmt) == ("the functools module", ())
+    s = CallStream(fmt)
+    assert [s.add(p) for p in ("Ok func", 'tools[{"name": "add", "arguments": {}}]')] == ["Ok ", ""]
+    rest, made, finish = s.finish("stop")
+    assert (rest, [c.name for c in made], finish) == ("", ["add"], "tool_calls")
+    s = CallStream(fmt)
+    assert s.add("have fun") == "have " and s.add(" today") == "fun today"  # held only while it could begin a call
 
 
 async def test_granite_parse_calls_and_the_stream_holder():
