@@ -69,3 +69,15 @@ def test_turns_are_the_assistant_text_with_its_calls_and_no_reasoning():
             "tool_calls": [{"id": "call_3", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
         }
     ]
+
+
+def test_update_replaces_the_object_and_keeps_the_conversation():
+    # a background response's status changes (queued, in_progress, failed, cancelled) in place
+    s = ResponseStore(capacity=4, max_bytes=10_000)
+    s.put("me", info("a"), {**answer(""), "status": "queued"})
+    s.update("me", "a", {**answer(""), "status": "failed"})
+    got = s.get("me", "a")
+    assert got.response["status"] == "failed" and got.conversation == ({"role": "user", "content": "a"},)
+    s.update("other", "a", {"status": "cancelled"})  # another owner's id: nothing
+    s.update("me", "gone", {"status": "cancelled"})  # not kept: nothing
+    assert s.get("me", "a").response["status"] == "failed" and s.get("me", "gone") is None
