@@ -107,9 +107,12 @@ class Tokens:
         if config.is_file():
             self.max_model_len = json.loads(config.read_text()).get("max_position_embeddings")
 
-    def tokenize(self, text: str, add_special_tokens: bool) -> dict:
+    def tokenize(self, text: str, add_special_tokens: bool, token_strs: bool = False) -> dict:
+        """vLLM's tokenize response: the ids, their count, the context and (`token_strs`) each id's
+        token as the vocabulary spells it (else null)."""
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        strs = [self.tokenizer.id_to_token(i) for i in ids] if token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
     def detokenize(self, ids: list[int]) -> dict:
         return {"prompt": self.tokenizer.decode(ids, skip_special_tokens=False)}
@@ -545,6 +548,11 @@ class _Generation(Response):
         await body(b"data: [DONE]\n\n")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+
+# vLLM's /tokenize fields, of a prompt and of messages (a field not named is 400)
+TOKENIZE_PROMPT = ("model", "prompt", "add_special_tokens", "return_token_strs")
+TOKENIZE_CHAT = ("model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens")
+TOKENIZE_CHAT += ("chat_template_kwargs", "tools", "return_token_strs")
 
 # The metrics' route label of a path with an id in it (one series per route, whatever the ids): its
 # prefix, the suffix after the id, the label; the first that matches
@@ -987,29 +995,38 @@ def create_app(
         return model
 
     async def tokenize(request: HttpRequest) -> Response:
+        """vLLM's /tokenize: a prompt, or messages rendered as chat renders them (their tools too)."""
         body = await read_json(request)
         model = await known_model(request, body)
-        if "messages" in body:
-            how = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "add_special_tokens")
-            r = api.parse_chat({"model": model, "messages": body["messages"], **{k: body[k] for k in how if k in body}})
+        chat = "messages" in body
+        unknown = next((k for k in body if k not in (TOKENIZE_CHAT if chat else TOKENIZE_PROMPT)), None)
+        if unknown is not None:
+            shown = str(unknown)[:64]
+            raise api.invalid(shown, f"{shown} is not a field of /tokenize with {'messages' if chat else 'a prompt'}")
+        strs = body.get("return_token_strs", False)
+        if not isinstance(strs, bool):
+            raise api.invalid("return_token_strs", "return_token_strs must be true or false")
+        if chat:
+            r = api.parse_chat({k: v for k, v in body.items() if k != "return_token_strs"})
             try:
                 text = templates.for_model(model, (await own_of(request, body))[0].template).render(
                     r.messages,
                     add_generation_prompt=r.add_generation_prompt,
+                    tools=[t.to_template() for t in r.tools.tools] if r.tools else None,
                     continue_final_message=r.continue_final_message,
                     template_kwargs=r.template_kwargs,
                     content_format=config.chat_template_content_format,
                 )
             except ChatTemplateError as e:
                 raise api.invalid("messages", str(e), code="chat_template_error") from None
-            return JSONResponse(tokens.tokenize(text, add_special_tokens=r.add_special_tokens))
+            return JSONResponse(tokens.tokenize(text, r.add_special_tokens, strs))
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise api.invalid("prompt", "prompt must be a string (or send messages)")
         add = body.get("add_special_tokens", True)
         if not isinstance(add, bool):
             raise api.invalid("add_special_tokens", "add_special_tokens must be true or false")
-        return JSONResponse(tokens.tokenize(prompt, add_special_tokens=add))
+        return JSONResponse(tokens.tokenize(prompt, add, strs))
 
     async def detokenize(request: HttpRequest) -> Response:
         body = await read_json(request)

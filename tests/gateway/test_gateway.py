@@ -1381,13 +1381,27 @@ async def test_a_models_card_names_its_base_and_size(clients, cluster, family):
 
 async def test_tokenize_and_detokenize_in_vllms_shapes(clients, cluster, family):
     """/tokenize gives the ids the worker counts as the prompt (a prompt, or messages through the
-    chat template); /detokenize gives the text back."""
+    chat template), with return_token_strs each id's token; /detokenize gives the text back; a field
+    /tokenize does not read is 400 naming it."""
+    from tokenizers import Tokenizer
+
     client, _, _ = clients
     prompt = "The quick brown fox"
     got, out = await asyncio.to_thread(
         http, cluster.g, "POST", "/tokenize", json.dumps({"model": "v0", "prompt": prompt}).encode()
     )
-    assert got == 200 and set(out) == {"count", "max_model_len", "tokens"}, out
+    assert got == 200 and set(out) == {"count", "max_model_len", "tokens", "token_strs"}, out
+    assert out["token_strs"] is None
+    got, named = await asyncio.to_thread(
+        http,
+        cluster.g,
+        "POST",
+        "/tokenize",
+        json.dumps({"model": "v0", "prompt": prompt, "return_token_strs": True}).encode(),
+    )
+    vocab = Tokenizer.from_file(str(family.base / "tokenizer.json"))
+    assert got == 200 and named["tokens"] == out["tokens"]
+    assert named["token_strs"] == [vocab.id_to_token(i) for i in out["tokens"]] and len(named["token_strs"]) > 1
     r = await client.completions.create(model="v0", prompt=prompt, max_tokens=1, temperature=0)
     assert out["count"] == len(out["tokens"]) == r.usage.prompt_tokens and out["max_model_len"] == 256
     got, back = await asyncio.to_thread(
@@ -1403,6 +1417,10 @@ async def test_tokenize_and_detokenize_in_vllms_shapes(clients, cluster, family)
         ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
         ("/detokenize", {"model": "v0", "tokens": [10**6]}, 400, "tokens"),
         ("/tokenize", {"model": "v0", "prompt": 5}, 400, "prompt"),
+        ("/tokenize", {"model": "v0", "prompt": "x", "messages_": []}, 400, "messages_"),
+        ("/tokenize", {"model": "v0", "prompt": "x", "tools": []}, 400, "tools"),
+        ("/tokenize", {"model": "v0", "messages": CHAT, "documents": []}, 400, "documents"),
+        ("/tokenize", {"model": "v0", "prompt": "x", "return_token_strs": 1}, 400, "return_token_strs"),
     ):
         got, err = await asyncio.to_thread(http, cluster.g, "POST", path, json.dumps(body).encode())
         assert_error_shape(err, status, got, param)

@@ -290,13 +290,14 @@ async def test_auto_text_that_is_no_call_is_content_and_none_is_text_only(client
 
 async def test_multi_turn_history_with_tool_calls_and_results_is_rendered(client, cluster):
     """An assistant turn with tool_calls and a tool turn with tool_call_id reach the template (the
-    prompt the worker gets, from /tokenize), and the next call is served."""
+    prompt the worker gets, from /tokenize: with the request's tools, vLLM's field, the prompt chat
+    renders for them), and the next call is served."""
     import urllib.request
 
-    def tokenize(model: str) -> str:
+    def tokenize(model: str, tools: list | None = None) -> str:
         req = urllib.request.Request(
             f"http://{cluster.g.address}/tokenize",
-            json.dumps({"model": model, "messages": HISTORY}).encode(),
+            json.dumps({"model": model, "messages": HISTORY, **({"tools": tools} if tools else {})}).encode(),
             {"content-type": "application/json"},
         )
         with urllib.request.urlopen(req, timeout=T) as r:
@@ -313,6 +314,11 @@ async def test_multi_turn_history_with_tool_calls_and_results_is_rendered(client
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima", "days": 2}}\n</tool_call>' in hermes
     assert "tool call_1: sunny, 24 C" in hermes and "user: And 1 + 2?" in hermes
     assert '{"name": "get_weather", "parameters": {"city": "Lima", "days": 2}}' in llama and "ipython: sunny" in llama
+    with_tools = await asyncio.to_thread(tokenize, "v0", TOOLS)
+    r = await client.chat.completions.create(model="v0", messages=HISTORY, tools=TOOLS, max_tokens=1, temperature=0)
+    assert len(with_tools.encode()) == r.usage.prompt_tokens > len(hermes.encode())  # the byte tokenizer
+    head = with_tools.removesuffix(hermes)  # the template's tools section before the same turns
+    assert head != with_tools and "system: tools:" in head and "get_weather" in head
     for model in ("v0", "v1"):
         _, calls, finish = await chat(
             client,
