@@ -24,7 +24,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -116,6 +116,51 @@ class Tokens:
 
     def detokenize(self, ids: list[int]) -> dict:
         return {"prompt": self.tokenizer.decode(ids, skip_special_tokens=False)}
+
+
+class EventLog:
+    """A background stream's server-sent events as they come, each with its sequence number, for
+    any number of readers: the request that started it and later GETs that resume it."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, bytes]] = []
+        self.error: dict | None = None  # the stream's error event, where it ended in one
+        self.closed = False
+        self._more = anyio.Event()
+
+    def add(self, data: bytes) -> None:
+        """A write of the stream: its events (`event: ...` and `data: {...}` lines, a blank line after)."""
+        for chunk in data.split(b"\n\n"):
+            line = next((x for x in chunk.split(b"\n") if x.startswith(b"data: ")), None)
+            if line is None:
+                continue
+            event = json.loads(line[len(b"data: ") :])
+            self.events.append((event.get("sequence_number", len(self.events)), chunk + b"\n\n"))
+            if event.get("type") == "error":
+                self.error = event
+        self._wake()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._more.set()
+        self._more = anyio.Event()
+
+    async def follow(self, after: int) -> AsyncIterator[bytes]:
+        """The events numbered past `after`, those to come too, until the stream ends."""
+        i = 0
+        while True:
+            more = self._more
+            while i < len(self.events):
+                seq, event = self.events[i]
+                i += 1
+                if seq > after:
+                    yield event
+            if self.closed:
+                return
+            await more.wait()
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -625,8 +670,10 @@ def create_app(
     state: dict[str, RouterClient] = {}
     metrics, known = GatewayMetrics(), set()  # known: models the router listed or served
     kept = rsp.ResponseStore(config.responses_store, config.responses_store_bytes) if config.responses_store else None
-    # background responses running: (owner, id) -> the cancel scope of the task that runs it
+    # background responses running: (owner, id) -> the cancel scope of the task that runs it, and
+    # the events of those that stream
     running: dict[tuple[str, str], anyio.CancelScope] = {}
+    streaming: dict[tuple[str, str], EventLog] = {}
     tasks: dict[str, anyio.abc.TaskGroup] = {}  # "background": the lifespan's task group
 
     @contextlib.asynccontextmanager
@@ -816,18 +863,25 @@ def create_app(
         queued = rsp.response(info, req, "queued", [])
         kept.put(owner, info, queued)
         scope = running[owner, info.id] = anyio.CancelScope()
-        tasks["background"].start_soon(in_background, gen, owner, info, scope)
-        return JSONResponse(queued)
+        events = streaming[owner, info.id] = EventLog() if req.stream else None
+        tasks["background"].start_soon(in_background, gen, owner, info, scope, events)
+        if events is None:
+            return JSONResponse(queued)
+        return _events(events, -1)  # a connection that goes away stops reading, not the response
 
-    async def in_background(gen: _Generation, owner: str, info: rsp.ResponsesInfo, scope: anyio.CancelScope) -> None:
+    async def in_background(
+        gen: _Generation, owner: str, info: rsp.ResponsesInfo, scope: anyio.CancelScope, events: EventLog | None
+    ) -> None:
         """Run a background response: in_progress, then its answer kept by the generation (completed
         or incomplete), or failed with the error its caller would have been answered; a cancelled
-        one was stored by the cancel route."""
+        one was stored by the cancel route. A stream's events go to `events` and are kept with it."""
         sent: dict[str, Any] = {"body": b""}
 
         async def collect(message) -> None:
             if message["type"] == "http.response.start":
                 sent["status"] = message["status"]
+            elif message["type"] == "http.response.body" and events is not None and sent.get("status") == 200:
+                events.add(message.get("body", b""))
             elif message["type"] == "http.response.body":
                 sent["body"] += message.get("body", b"")
 
@@ -841,16 +895,37 @@ def create_app(
             sent["status"] = 500
         finally:
             running.pop((owner, info.id), None)
-        if scope.cancel_called or sent.get("status") == 200:
+        error = None
+        if sent.get("status") != 200 and not scope.cancel_called:
+            try:
+                error = json.loads(sent["body"])["error"]
+            except (ValueError, KeyError, TypeError):
+                error = {"message": "the response could not be generated", "code": "server_error"}
+            if events is not None:  # refused before its first event: the stream's one event says why
+                body = {
+                    "type": "error",
+                    "sequence_number": 0,
+                    **{k: error.get(k) for k in ("code", "message", "param")},
+                }
+                events.add(b"event: error\ndata: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n")
+        elif events is not None and events.error is not None:
+            error = events.error
+        if events is not None:
+            events.close()
+            streaming.pop((owner, info.id), None)
+        got = kept.get(owner, info.id)  # cancelled: as the cancel route kept it
+        if got is None:  # dropped (DELETE, or evicted) while it ran
             return
-        try:
-            error = json.loads(sent["body"])["error"]
-        except (ValueError, KeyError, TypeError):
-            error = {"message": "the response could not be generated", "code": "server_error"}
-        failed = rsp.response(
-            info, gen.req, "failed", [], error={"code": error.get("code"), "message": error["message"]}
-        )
-        kept.update(owner, info.id, failed)
+        response = got.response
+        if error is not None:
+            response = rsp.response(
+                info, gen.req, "failed", [], error={"code": error.get("code"), "message": error["message"]}
+            )
+        if events is not None:  # kept with its events, for GET ?stream=true
+            kept.put(owner, info, response, tuple(events.events))
+        elif error is not None:
+            kept.update(owner, info.id, response)
+        # else: the generation kept its answer (completed or incomplete), or the cancel route its state
 
     def _no_response(response_id: str, param: str | None = None) -> ApiError:
         return ApiError(
@@ -878,7 +953,28 @@ def create_app(
         got = kept.get(owner, response_id)
         if got is None:
             raise _no_response(response_id)
-        return JSONResponse(got.response)
+        stream = request.query_params.get("stream", "false")
+        if stream not in ("true", "false"):
+            raise api.invalid("stream", "stream must be true or false")
+        if stream == "false":
+            return JSONResponse(got.response)
+        after = request.query_params.get("starting_after", "-1")
+        if not after.lstrip("-").isdigit() or int(after) < -1:
+            raise api.invalid("starting_after", "starting_after must be an event's sequence number (or -1)")
+        live = streaming.get((owner, response_id))
+        if live is None and not got.events:
+            raise api.invalid(
+                "stream",
+                f"response {response_id[:64]!r} has no events to stream (only a background response created with "
+                "stream keeps them): GET it without stream",
+            )
+        if live is None:
+            live = EventLog()
+            live.events, live.closed = list(got.events), True
+        return _events(live, int(after))
+
+    def _events(events: EventLog, after: int) -> StreamingResponse:
+        return StreamingResponse(events.follow(after), media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def cancel_response(request: HttpRequest) -> Response:
         """POST /v1/responses/{id}/cancel: a background response still queued or in progress stops and

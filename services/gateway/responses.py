@@ -27,13 +27,16 @@ is refused.
 Background responses, as OpenAI's and vLLM's (a store needed, `store` true): the request is checked,
 answered at once as a `queued` response, and run by the gateway (app.py) while the caller polls GET
 /v1/responses/{id} (`in_progress`, then `completed`, `incomplete` or `failed` with its error) or
-cancels it (POST /v1/responses/{id}/cancel: `cancelled`). What needs a tool this server does not run
+cancels it (POST /v1/responses/{id}/cancel: `cancelled`). With `stream` its events are sent as they
+come and kept: GET /v1/responses/{id}?stream=true&starting_after=N sends them again from N + 1 on
+(the rest as they come, while it runs), so a caller whose connection broke resumes. What needs a tool this server does not run
 (`conversation`, hosted tools such as web_search) is refused by name, as is any field this module
 does not know.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -105,11 +108,13 @@ class ResponsesInfo:
 
 @dataclass(frozen=True)
 class Stored:
-    """A kept answer: the conversation it ends (input and output turns, as chat messages) and the
-    response object."""
+    """A kept answer: the conversation it ends (input and output turns, as chat messages), the
+    response object, and a background stream's events (each server-sent event with its sequence
+    number: what GET ?stream=true replays)."""
 
     conversation: tuple[dict, ...]
     response: dict
+    events: tuple[tuple[int, bytes], ...] = ()
 
 
 class ResponseStore:
@@ -127,11 +132,11 @@ class ResponseStore:
         """Whose a response is: a digest of the caller's authorization header ("" without one)."""
         return hashlib.sha256(authorization.encode()).hexdigest() if authorization else ""
 
-    def put(self, owner: str, info: ResponsesInfo, response: dict) -> None:
-        """Keep `response` (an answer to `info`'s request) with its conversation, unless alone it is
-        past max_bytes."""
-        kept = Stored((*info.conversation, *turns(response["output"])), response)
-        size = len(json.dumps([kept.conversation, response], ensure_ascii=False))
+    def put(self, owner: str, info: ResponsesInfo, response: dict, events: tuple[tuple[int, bytes], ...] = ()) -> None:
+        """Keep `response` (an answer to `info`'s request) with its conversation (and its stream's
+        `events`), unless alone it is past max_bytes."""
+        kept = Stored((*info.conversation, *turns(response["output"])), response, events)
+        size = len(json.dumps([kept.conversation, response], ensure_ascii=False)) + sum(len(e) for _, e in events)
         if size > self.max_bytes:
             return
         self.delete(owner, info.id)
@@ -147,7 +152,7 @@ class ResponseStore:
         got = self._kept.get((owner, response_id))
         if got is not None:
             kept, size = got
-            self._kept[owner, response_id] = (Stored(kept.conversation, response), size)
+            self._kept[owner, response_id] = (dataclasses.replace(kept, response=response), size)
 
     def get(self, owner: str, response_id: str) -> Stored | None:
         got = self._kept.get((owner, response_id))
@@ -383,12 +388,6 @@ def to_chat(body: Any, previous: Stored | None = None, keeping: bool = False) ->
         )
     if background and store is False:
         raise invalid("background", "a background response is read from the store: store must be true")
-    if background and body.get("stream"):
-        raise invalid(
-            "background",
-            "background with stream is not served: poll GET /v1/responses/{id}, or stream without background",
-            code="unsupported_parameter",
-        )
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise invalid("instructions", "instructions must be a string")

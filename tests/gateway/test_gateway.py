@@ -468,7 +468,7 @@ async def test_background_responses_run_while_the_caller_polls(clients, cluster)
     as queued, and run by the gateway; GET returns it in progress and then completed with the router's
     text, or failed with the error a waiting caller would get; cancel stops a running one and keeps
     it cancelled, and is 400 for a finished or synchronous one; DELETE stops one too. Refused: without
-    a store, with store false, with stream."""
+    a store, with store false. (With stream: test_background_streams_resume.)"""
     _, router, _ = clients
     client, other = oai(cluster.g_store), oai(cluster.g_store, api_key="another-key")
     try:
@@ -521,7 +521,6 @@ async def test_background_responses_run_while_the_caller_polls(clients, cluster)
 
         for bad, plain, why in (
             (dict(store=False), False, "store must be true"),
-            (dict(stream=True), False, "background with stream"),
             ({}, True, "--responses-store"),
         ):
             c = clients[0] if plain else client
@@ -532,6 +531,52 @@ async def test_background_responses_run_while_the_caller_polls(clients, cluster)
     finally:
         await client.close()
         await other.close()
+
+
+async def test_background_streams_resume(clients, cluster):
+    """A background response with stream (OpenAI's resumable stream, as vLLM serves it): its events as
+    they come; a caller that stops reading leaves it running, and GET ?stream=true&starting_after=N
+    sends the events past N, live and after it ended (the same events); the answer is the waiting
+    stream's. Refused before its first event: one error event. GET with stream of a response that
+    kept no events is 400."""
+    _, router, _ = clients
+    client = oai(cluster.g_store)
+    try:
+        kw = dict(model="v0", max_output_tokens=N, temperature=0)
+        want, _ = await router_text(router, "v0", BASE_RENDERED)
+        whole = [e async for e in await client.responses.create(instructions="Be brief.", input="Hi there", background=True, stream=True, **kw)]  # fmt: skip
+        assert whole[-1].response.output_text == want and whole[-1].response.background is True
+        assert [e.sequence_number for e in whole] == list(range(len(whole)))
+        rid = whole[0].response.id
+        assert (await client.responses.retrieve(rid)).output_text == want
+        again = [e async for e in await client.responses.retrieve(rid, stream=True, starting_after=2)]
+        assert [e.model_dump() for e in again] == [e.model_dump() for e in whole[3:]]
+
+        long = dict(kw, max_output_tokens=120)
+        first = await client.responses.create(input="Hi there", background=True, stream=True, **long)
+        seen = []
+        async for e in first:
+            seen.append(e)
+            if len(seen) == 4:
+                break
+        await first.close()  # the caller goes away: the response goes on
+        rest = [e async for e in await client.responses.retrieve(seen[0].response.id, stream=True, starting_after=3)]
+        joined = seen + rest
+        assert [e.sequence_number for e in joined] == list(range(len(joined)))
+        assert joined[-1].type in ("response.completed", "response.incomplete")
+        replay = [e async for e in await client.responses.retrieve(seen[0].response.id, stream=True)]
+        assert [e.model_dump() for e in replay] == [e.model_dump() for e in joined]
+        done = await client.responses.retrieve(seen[0].response.id)
+        assert done.output_text == joined[-1].response.output_text and done.status == joined[-1].response.status
+
+        bad = [e async for e in await client.responses.create(input="word " * 400, background=True, stream=True, **kw)]
+        assert [e.type for e in bad] == ["error"] and "context" in bad[0].message
+        sync = await client.responses.create(input="Hi there", **kw)
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.responses.retrieve(sync.id, stream=True)
+        assert "no events to stream" in e.value.response.json()["error"]["message"]
+    finally:
+        await client.close()
 
 
 async def test_chat_echo_and_role_are_vllms(clients):
