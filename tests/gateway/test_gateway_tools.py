@@ -650,14 +650,24 @@ async def test_mistral_parse_calls_and_the_stream_holder():
     assert s.add("a [TOOL") == "a " and s.add("S]") == "[TOOLS]"  # held only while it could begin a call
 
 
-async def test_granite_calls_are_read_whole_and_streamed(cluster):
-    """A Granite template (v0 on the second gateway): required and named calls (<|tool_call|> and a
-    list) come back as tool_calls, whole and streamed, in one mixed batch with a Mistral model; a
-    conversation with a call and its result is served."""
-    client = await gateway_client(cluster.g_mistral.address, {"v0"}, T)
+@pytest.mark.parametrize(
+    "gateway, first, other, auto",
+    [
+        ("g_mistral", "v0", ("v1", mistral_id), None),  # Granite's v0 beside Mistral's v1
+        ("g_phi", "v1", ("v0", openai_id), 'functools[{"name": "add", "arguments": {"a": 1, "b": 2}}]'),
+    ],
+    ids=["granite", "phi4_mini"],
+)
+async def test_listed_calls_are_read_whole_and_streamed(cluster, gateway, first, other, auto):
+    """A Granite template (v0 on the second gateway) and a Phi-4-mini one (v1 on the third; vLLM's
+    phi4_mini_json parser): required and named calls (the opener and a list) come back as
+    tool_calls, whole and streamed, in one mixed batch with a model of another format; a
+    conversation with a call and its result is served; Phi-4-mini's `auto` answer that writes a call
+    (steered by a grammar) is read as one."""
+    client = await gateway_client(getattr(cluster, gateway).address, {first}, T)
     try:
         jobs = []
-        for model, rule in (("v0", openai_id), ("v1", mistral_id)):
+        for model, rule in ((first, openai_id), other):
             for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
                 for stream in (False, True):
                     kw = {"messages": ASK, "tools": TOOLS, "tool_choice": choice, "max_tokens": MAX}
@@ -666,38 +676,33 @@ async def test_granite_calls_are_read_whole_and_streamed(cluster):
             assert finish == "tool_calls" and len(calls) == 1 and not content, (content, calls)
             assert_valid_call(*calls[0])
         _, calls, finish = await chat(
-            client, "v0", False, messages=HISTORY, tools=TOOLS, tool_choice="required", max_tokens=MAX,
+            client, first, False, messages=HISTORY, tools=TOOLS, tool_choice="required", max_tokens=MAX,
             parallel_tool_calls=False,
         )  # fmt: skip
         assert finish == "tool_calls" and calls
+        if auto is not None:
+            steered = {"guided_grammar": f"start: {json.dumps(auto)}"}
+            for stream in (False, True):
+                content, calls, finish = await chat(
+                    client, first, stream, messages=ASK, tools=TOOLS, max_tokens=MAX, extra_body=steered
+                )
+                assert finish == "tool_calls" and not content and calls[0][0] == "add", (content, calls)
     finally:
         await client.close()
 
 
-async def test_phi4_mini_calls_are_read_whole_and_streamed(cluster):
-    """A Phi-4-mini template (v1 on the third gateway; vLLM's phi4_mini_json parser): required and named
-    calls (functools and a list) come back as tool_calls, whole and streamed, in one mixed batch with a
-    Hermes model; `auto` and a conversation with a call and its result are served."""
-    client = await gateway_client(cluster.g_phi.address, {"v1"}, T)
-    try:
-        jobs = []
-        for model in ("v1", "v0"):
-            for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-                for stream in (False, True):
-                    kw = {"messages": ASK, "tools": TOOLS, "tool_choice": choice, "max_tokens": MAX}
-                    jobs.append(chat(client, model, stream, openai_id, temperature=0, parallel_tool_calls=False, **kw))
-        for content, calls, finish in await asyncio.gather(*jobs):
-            assert finish == "tool_calls" and len(calls) == 1 and not content, (content, calls)
-            assert_valid_call(*calls[0])
-        _, calls, finish = await chat(
-            client, "v1", False, messages=HISTORY, tools=TOOLS, tool_choice="required", max_tokens=MAX,
-            parallel_tool_calls=False,
-        )  # fmt: skip
-        assert finish == "tool_calls" and calls
-        r = await client.chat.completions.create(model="v1", messages=ASK, tools=TOOLS, max_tokens=8, temperature=0)
-        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")  # auto: the model's free answer
-    finally:
-        await client.close()
+async def test_granite_parse_calls_and_the_stream_holder():
+    fmt = ToolFormat.GRANITE
+    assert ToolFormat.of_template(GRANITE) is fmt
+    content, calls = parse_calls('<|tool_call|>[{"name": "add", "arguments": {"a": 1, "b": 2}}]', fmt)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]
+    assert all(openai_id(c.id) for c in calls)
+    for bad in ('[{"name": "add", "arguments": {}}]', "<|tool_call|>add[ARGS]{}", "<|tool_call|>[oops"):
+        assert parse_calls(bad, fmt) == (bad, ()), bad  # no opener, Mistral's other form, not JSON
+    s = CallStream(fmt)
+    assert [s.add(p) for p in ("Ok <|tool", '_call|>[{"name": "add", "arguments": {}}]')] == ["Ok ", ""]
+    rest, made, finish = s.finish("stop")
+    assert (rest, [c.name for c in made], finish) == ("Ok "[3:], ["add"], "tool_calls")
 
 
 async def test_phi4_mini_parse_calls_and_the_stream_holder():
@@ -719,17 +724,3 @@ async def test_phi4_mini_parse_calls_and_the_stream_holder():
     assert (rest, [c.name for c in made], finish) == ("", ["add"], "tool_calls")
     s = CallStream(fmt)
     assert s.add("have fun") == "have " and s.add(" today") == "fun today"  # held only while it could begin a call
-
-
-async def test_granite_parse_calls_and_the_stream_holder():
-    fmt = ToolFormat.GRANITE
-    assert ToolFormat.of_template(GRANITE) is fmt
-    content, calls = parse_calls('<|tool_call|>[{"name": "add", "arguments": {"a": 1, "b": 2}}]', fmt)
-    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]
-    assert all(openai_id(c.id) for c in calls)
-    for bad in ('[{"name": "add", "arguments": {}}]', "<|tool_call|>add[ARGS]{}", "<|tool_call|>[oops"):
-        assert parse_calls(bad, fmt) == (bad, ()), bad  # no opener, Mistral's other form, not JSON
-    s = CallStream(fmt)
-    assert [s.add(p) for p in ("Ok <|tool", '_call|>[{"name": "add", "arguments": {}}]')] == ["Ok ", ""]
-    rest, made, finish = s.finish("stop")
-    assert (rest, [c.name for c in made], finish) == ("Ok "[3:], ["add"], "tool_calls")
