@@ -122,10 +122,11 @@ class EventLog:
     """A background stream's server-sent events as they come, each with its sequence number, for
     any number of readers: the request that started it and later GETs that resume it."""
 
-    def __init__(self) -> None:
-        self.events: list[tuple[int, bytes]] = []
+    def __init__(self, events: tuple[tuple[int, bytes], ...] = (), closed: bool = False) -> None:
+        """events: those of an ended stream (closed), kept with its response."""
+        self.events: list[tuple[int, bytes]] = list(events)
         self.error: dict | None = None  # the stream's error event, where it ended in one
-        self.closed = False
+        self.closed = closed
         self._more = anyio.Event()
 
     def add(self, data: bytes) -> None:
@@ -968,10 +969,7 @@ def create_app(
                 f"response {response_id[:64]!r} has no events to stream (only a background response created with "
                 "stream keeps them): GET it without stream",
             )
-        if live is None:
-            live = EventLog()
-            live.events, live.closed = list(got.events), True
-        return _events(live, int(after))
+        return _events(live or EventLog(got.events, closed=True), int(after))
 
     def _events(events: EventLog, after: int) -> StreamingResponse:
         return StreamingResponse(events.follow(after), media_type="text/event-stream", headers=SSE_HEADERS)
