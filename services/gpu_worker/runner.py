@@ -214,8 +214,10 @@ class HostArena:
         page = os.sysconf("SC_PAGE_SIZE")
         bufs = self._done + ([(self._buf, self._used)] if self._buf is not None else [])
         for buf, used in bufs:
+            # whole pages inside the buffer only: a buffer the allocator placed on its heap shares its
+            # first and last pages with its neighbours, which madvise would zero
             start = -(-(buf.data_ptr() + used) // page) * page
-            end = buf.data_ptr() + buf.numel()
+            end = (buf.data_ptr() + buf.numel()) // page * page
             if end > start:
                 _madvise_dontneed(start, end - start)
         self._buf, self._done = None, []
