@@ -887,46 +887,48 @@ def create_app(
                 sent["body"] += message.get("body", b"")
 
         try:
-            with scope:
-                if not scope.cancel_called:  # else cancelled before it started: it stays so
-                    kept.update(owner, info.id, rsp.response(info, gen.req, "in_progress", []))
-                await gen.run(collect)
-        except Exception:  # the response fails; the gateway and its other responses go on
-            log.exception("%s: the background response failed", info.id)
-            sent["status"] = 500
-        finally:
-            running.pop((owner, info.id), None)
-        error = None
-        if sent.get("status") != 200 and not scope.cancel_called:
             try:
-                error = json.loads(sent["body"])["error"]
-            except (ValueError, KeyError, TypeError):
-                error = {"message": "the response could not be generated", "code": "server_error"}
-            if events is not None:  # refused before its first event: the stream's one event says why
-                body = {
-                    "type": "error",
-                    "sequence_number": 0,
-                    **{k: error.get(k) for k in ("code", "message", "param")},
-                }
-                events.add(b"event: error\ndata: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n")
-        elif events is not None and events.error is not None:
-            error = events.error
-        if events is not None:
-            events.close()
-            streaming.pop((owner, info.id), None)
-        got = kept.get(owner, info.id)  # cancelled: as the cancel route kept it
-        if got is None:  # dropped (DELETE, or evicted) while it ran
-            return
-        response = got.response
-        if error is not None:
-            response = rsp.response(
-                info, gen.req, "failed", [], error={"code": error.get("code"), "message": error["message"]}
-            )
-        if events is not None:  # kept with its events, for GET ?stream=true
-            kept.put(owner, info, response, tuple(events.events))
-        elif error is not None:
-            kept.update(owner, info.id, response)
-        # else: the generation kept its answer (completed or incomplete), or the cancel route its state
+                with scope:
+                    if not scope.cancel_called:  # else cancelled before it started: it stays so
+                        kept.update(owner, info.id, rsp.response(info, gen.req, "in_progress", []))
+                    await gen.run(collect)
+            except Exception:  # the response fails; the gateway and its other responses go on
+                log.exception("%s: the background response failed", info.id)
+                sent["status"] = 500
+            finally:
+                running.pop((owner, info.id), None)
+            error = None
+            if sent.get("status") != 200 and not scope.cancel_called:
+                try:
+                    error = json.loads(sent["body"])["error"]
+                except (ValueError, KeyError, TypeError):
+                    error = {"message": "the response could not be generated", "code": "server_error"}
+                if events is not None:  # refused before its first event: the stream's one event says why
+                    body = {
+                        "type": "error",
+                        "sequence_number": 0,
+                        **{k: error.get(k) for k in ("code", "message", "param")},
+                    }
+                    events.add(b"event: error\ndata: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n")
+            elif events is not None and events.error is not None:
+                error = events.error
+            got = kept.get(owner, info.id)  # cancelled: as the cancel route kept it
+            if got is None:  # dropped (DELETE, or evicted) while it ran
+                return
+            response = got.response
+            if error is not None:
+                response = rsp.response(
+                    info, gen.req, "failed", [], error={"code": error.get("code"), "message": error["message"]}
+                )
+            if events is not None:  # kept with its events, for GET ?stream=true
+                kept.put(owner, info, response, tuple(events.events))
+            elif error is not None:
+                kept.update(owner, info.id, response)
+            # else: the generation kept its answer (completed or incomplete), or the cancel route its state
+        finally:  # also where the gateway stops it (shutdown): its readers end
+            if events is not None:
+                events.close()
+                streaming.pop((owner, info.id), None)
 
     def _no_response(response_id: str, param: str | None = None) -> ApiError:
         return ApiError(
