@@ -7,6 +7,7 @@ kernel has them. Real processes, the real SmolLM2-135M base, fp32 and bf16."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -131,3 +132,35 @@ def test_host_arena_gives_back_only_its_own_pages():
     # first bytes, glibc's chunk header: the process aborted or crashed later, in random test orders).
     out = subprocess.run([sys.executable, "-c", _HEAP_ARENA], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "intact", (out.returncode, out.stderr[-2000:])
+
+
+def test_loaded_deltas_cost_about_their_bytes(real_base, real_deltas, tmp_path):
+    # A delta written into its slot makes resident the pages its rows lie on: about its own bytes.
+    # The sign stacks stay buffers of their own (slots.py): carved from one buffer they went on 2 MB
+    # pages, and each loaded delta held a 2 MB page of every stack (fp32 SmolLM2-135M: 120 stacks,
+    # +514 MB for four deltas of 18 MB).
+    import asyncio
+
+    from bitdelta.rpc.clients.worker import WorkerClient
+
+    deltas = tmp_path / "deltas"
+    deltas.mkdir()
+    names = sorted(real_deltas)[:2]
+    for n in names:
+        shutil.copy(real_deltas[n], deltas / real_deltas[n].name)
+    size = sum(real_deltas[n].stat().st_size for n in names)
+    args = ["--base", str(real_base), "--delta-dir", str(deltas), "--device", "cpu", "--dtype", "float32"]
+    with Cluster(tmp_path) as c:
+        w = c.start("real", "services.gpu_worker", [*args, "--kv-cache", f"{KV}", "--grace-s", "2"])
+        c.wait_serving(w)
+
+        async def load() -> tuple[int, int]:
+            async with WorkerClient(w.address, generate_timeout_s=120) as client:
+                before = vm_rss(w.popen.pid)
+                for n in names:
+                    await client.load_delta(n)
+                return before, vm_rss(w.popen.pid)
+
+        before, after = asyncio.run(load())
+    grown = after - before
+    assert grown <= 2 * size + (32 << 20), f"two deltas of {size / 1e6:.0f} MB made {grown / 1e6:.0f} MB resident"
