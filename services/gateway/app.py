@@ -164,6 +164,14 @@ class EventLog:
             await more.wait()
 
 
+@dataclasses.dataclass(frozen=True)
+class Background:
+    """A background response while it runs: its task's cancel scope, and its events where it streams."""
+
+    scope: anyio.CancelScope
+    events: EventLog | None
+
+
 def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
@@ -671,10 +679,8 @@ def create_app(
     state: dict[str, RouterClient] = {}
     metrics, known = GatewayMetrics(), set()  # known: models the router listed or served
     kept = rsp.ResponseStore(config.responses_store, config.responses_store_bytes) if config.responses_store else None
-    # background responses running: (owner, id) -> the cancel scope of the task that runs it, and
-    # the events of those that stream
-    running: dict[tuple[str, str], anyio.CancelScope] = {}
-    streaming: dict[tuple[str, str], EventLog] = {}
+    # background responses running: (owner, id) -> its task's cancel scope and, streamed, its events
+    running: dict[tuple[str, str], Background] = {}
     tasks: dict[str, anyio.abc.TaskGroup] = {}  # "background": the lifespan's task group
 
     @contextlib.asynccontextmanager
@@ -863,19 +869,17 @@ def create_app(
             )
         queued = rsp.response(info, req, "queued", [])
         kept.put(owner, info, queued)
-        scope = running[owner, info.id] = anyio.CancelScope()
-        events = streaming[owner, info.id] = EventLog() if req.stream else None
-        tasks["background"].start_soon(in_background, gen, owner, info, scope, events)
-        if events is None:
+        bg = running[owner, info.id] = Background(anyio.CancelScope(), EventLog() if req.stream else None)
+        tasks["background"].start_soon(in_background, gen, owner, info, bg)
+        if bg.events is None:
             return JSONResponse(queued)
-        return _events(events, -1)  # a connection that goes away stops reading, not the response
+        return _events(bg.events, -1)  # a connection that goes away stops reading, not the response
 
-    async def in_background(
-        gen: _Generation, owner: str, info: rsp.ResponsesInfo, scope: anyio.CancelScope, events: EventLog | None
-    ) -> None:
+    async def in_background(gen: _Generation, owner: str, info: rsp.ResponsesInfo, bg: Background) -> None:
         """Run a background response: in_progress, then its answer kept by the generation (completed
         or incomplete), or failed with the error its caller would have been answered; a cancelled
         one was stored by the cancel route. A stream's events go to `events` and are kept with it."""
+        scope, events = bg.scope, bg.events
         sent: dict[str, Any] = {"body": b""}
 
         async def collect(message) -> None:
@@ -895,8 +899,6 @@ def create_app(
             except Exception:  # the response fails; the gateway and its other responses go on
                 log.exception("%s: the background response failed", info.id)
                 sent["status"] = 500
-            finally:
-                running.pop((owner, info.id), None)
             error = None
             if sent.get("status") != 200 and not scope.cancel_called:
                 try:
@@ -904,12 +906,9 @@ def create_app(
                 except (ValueError, KeyError, TypeError):
                     error = {"message": "the response could not be generated", "code": "server_error"}
                 if events is not None:  # refused before its first event: the stream's one event says why
-                    body = {
-                        "type": "error",
-                        "sequence_number": 0,
-                        **{k: error.get(k) for k in ("code", "message", "param")},
-                    }
-                    events.add(b"event: error\ndata: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n")
+                    events.add(
+                        rsp.Events(info, gen.req).failure(error.get("code"), error["message"], error.get("param"))
+                    )
             elif events is not None and events.error is not None:
                 error = events.error
             got = kept.get(owner, info.id)  # cancelled: as the cancel route kept it
@@ -926,9 +925,9 @@ def create_app(
                 kept.update(owner, info.id, response)
             # else: the generation kept its answer (completed or incomplete), or the cancel route its state
         finally:  # also where the gateway stops it (shutdown): its readers end
+            running.pop((owner, info.id), None)
             if events is not None:
                 events.close()
-                streaming.pop((owner, info.id), None)
 
     def _no_response(response_id: str, param: str | None = None) -> ApiError:
         return ApiError(
@@ -949,9 +948,9 @@ def create_app(
         if request.method == "DELETE":
             if not kept.delete(owner, response_id):
                 raise _no_response(response_id)
-            scope = running.pop((owner, response_id), None)
-            if scope is not None:  # a background response still running: its generation stops
-                scope.cancel()
+            bg = running.pop((owner, response_id), None)
+            if bg is not None:  # a background response still running: its generation stops
+                bg.scope.cancel()
             return JSONResponse({"id": response_id, "object": "response", "deleted": True})
         got = kept.get(owner, response_id)
         if got is None:
@@ -964,7 +963,8 @@ def create_app(
         after = request.query_params.get("starting_after", "-1")
         if not after.lstrip("-").isdigit() or int(after) < -1:
             raise api.invalid("starting_after", "starting_after must be an event's sequence number (or -1)")
-        live = streaming.get((owner, response_id))
+        bg = running.get((owner, response_id))
+        live = None if bg is None else bg.events
         if live is None and not got.events:
             raise api.invalid(
                 "stream",
@@ -987,8 +987,8 @@ def create_app(
         if got is None:
             raise _no_response(response_id)
         status = got.response["status"]
-        scope = running.get((owner, response_id))
-        if scope is None or status not in rsp.RUNNING:
+        bg = running.get((owner, response_id))
+        if bg is None or status not in rsp.RUNNING:
             raise api.invalid(
                 "response_id",
                 f"cannot cancel a response that is already {status}"
@@ -997,8 +997,24 @@ def create_app(
             )
         cancelled = {**got.response, "status": "cancelled"}
         kept.update(owner, response_id, cancelled)
-        scope.cancel()
+        bg.scope.cancel()
         return JSONResponse(cancelled)
+
+    def rendered(template: ChatTemplate, req: api.Request) -> str:
+        """A parsed chat request's prompt as its model's template writes it (messages, tools, documents
+        and the template's flags); 400 naming `messages` where the template refuses them."""
+        try:
+            return template.render(
+                req.messages,
+                add_generation_prompt=req.add_generation_prompt,
+                tools=[t.to_template() for t in req.tools.tools] if req.tools else None,
+                continue_final_message=req.continue_final_message,
+                template_kwargs=req.template_kwargs,
+                content_format=config.chat_template_content_format,
+                documents=req.documents,
+            )
+        except ChatTemplateError as e:
+            raise api.invalid("messages", str(e), code="chat_template_error") from None
 
     async def chat_generation(
         request: HttpRequest,
@@ -1024,19 +1040,7 @@ def create_app(
                 "documents",
                 f"the chat template of {req.model!r} does not read documents: they would be left out of the prompt",
             )
-        try:
-            text = template.render(
-                req.messages,
-                add_generation_prompt=req.add_generation_prompt,
-                tools=[t.to_template() for t in tools.tools] if tools else None,
-                continue_final_message=req.continue_final_message,
-                template_kwargs=req.template_kwargs,
-                content_format=config.chat_template_content_format,
-                documents=req.documents,
-            )
-            req.prompts = (api.Prompt(text=text),)
-        except ChatTemplateError as e:
-            raise api.invalid("messages", str(e), code="chat_template_error") from None
+        req.prompts = (api.Prompt(text=rendered(template, req)),)
         if tools is not None:
             req.tool_format = ToolFormat.of_template(template.source)
             if req.tool_format.special_opener and tools.parsed:  # a call's opener is a special token: its
@@ -1104,17 +1108,7 @@ def create_app(
             raise api.invalid("return_token_strs", "return_token_strs must be true or false")
         if chat:
             r = api.parse_chat({k: v for k, v in body.items() if k != "return_token_strs"})
-            try:
-                text = templates.for_model(model, (await own_of(request, body))[0].template).render(
-                    r.messages,
-                    add_generation_prompt=r.add_generation_prompt,
-                    tools=[t.to_template() for t in r.tools.tools] if r.tools else None,
-                    continue_final_message=r.continue_final_message,
-                    template_kwargs=r.template_kwargs,
-                    content_format=config.chat_template_content_format,
-                )
-            except ChatTemplateError as e:
-                raise api.invalid("messages", str(e), code="chat_template_error") from None
+            text = rendered(templates.for_model(model, (await own_of(request, body))[0].template), r)
             return JSONResponse(tokens.tokenize(text, r.add_special_tokens, strs))
         prompt = body.get("prompt")
         if not isinstance(prompt, str):

@@ -670,7 +670,11 @@ class Events:
         return b"".join(out)
 
     def error(self, e: ApiError) -> bytes:
-        return self._event("error", code=e.code, message=e.body()["error"]["message"], param=e.param)
+        return self.failure(e.code, e.body()["error"]["message"], e.param)
+
+    def failure(self, code: str | None, message: str, param: str | None) -> bytes:
+        """The error event (numbered as the next; a stream refused before its first: 0)."""
+        return self._event("error", code=code, message=message, param=param)
 
 
 __all__ = [
