@@ -45,6 +45,7 @@ SUPPORTED = (
     "seed_oss",
     "glm",
     "glm4",
+    "olmo",
     "olmo2",
     "olmo3",
     "smollm3",
@@ -108,6 +109,10 @@ class Family:
     # Cohere, StableLM, StarCoder2: LayerNorm in place of RMSNorm (the mean subtracted), w · x in fp32 and one
     # rounding (a bias added before it where norm_bias)
     layer_norm: bool = False
+    # OLMo 1: LayerNorms with neither weight nor bias. The checkpoint stores none; `implied_tensors` names each
+    # norm's weight as ones, which bitdelta.checkpoint's reader supplies and its writer leaves out (x̂ · 1 in fp32,
+    # rounded once, is x̂ rounded once: OLMo's own F.layer_norm(x.float()) cast back)
+    weightless_norms: bool = False
     # Cohere: a parallel block, the attention and the MLP both read the one input norm's output and both
     # are added to the residual (x + attention + MLP, added in that order); StableLM's where
     # use_parallel_residual (ModelArgs.parallel)
@@ -227,6 +232,11 @@ FAMILIES: dict[str, Family] = {
                 "logits_scaling",
             }
         ),
+    ),
+    # OLMo 1 (AI2: OLMo-1B, OLMo-7B and its 0424/0724 releases, transformers' `olmo`): Llama's layer under
+    # LayerNorms without parameters (eps 1e-5), q, k and v clipped to ±clip_qkv as projected where it is set
+    "olmo": Family(
+        "olmo", False, False, False, frozenset({"attention_bias", "clip_qkv"}), layer_norm=True, weightless_norms=True
     ),
     "olmo2": Family(
         "olmo2", False, True, False, frozenset({"attention_bias"}), post_norm=True, norm_once=True, qk_whole=True
@@ -365,13 +375,13 @@ FAMILIES: dict[str, Family] = {
         shared_expert=True,
     ),
     # OLMoE (AI2): Llama's pre-norm layer, q and k normed over their whole projections, 64 experts, 8 per
-    # token, not renormalised by default (clip_qkv is not implemented: refused when set)
+    # token, not renormalised by default; q, k (after their norms) and v clipped to ±clip_qkv where it is set
     "olmoe": Family(
         "olmoe",
         False,
         True,
         False,
-        _MOE_FIELDS | {"attention_bias", "norm_topk_prob"},
+        _MOE_FIELDS | {"attention_bias", "norm_topk_prob", "clip_qkv"},
         qk_whole=True,
         moe="mlp",
         moe_round=True,
@@ -527,6 +537,8 @@ AGREEING_FIELDS: dict[str, dict[str, tuple[Callable[[object, dict], bool], str]]
         "use_cla": (lambda v, c: v is False, "false (each layer its own KV)"),
         "use_mla": (lambda v, c: v is False, "false (no latent attention)"),
     },
+    # OLMo 1's LayerNorms take eps 1e-5 whatever the config says (transformers' OlmoLayerNorm)
+    "olmo": {"rms_norm_eps": (lambda v, c: v == 1e-5, "1e-5 (OLMo's LayerNorms have a fixed eps)")},
     "cohere2": {
         "order_of_interleaved_layers": (lambda v, c: v == "local_attn_first", "'local_attn_first'"),
         "position_embedding_type": (lambda v, c: v == "rope_gptj", "'rope_gptj' (the interleaved rope)"),
@@ -695,6 +707,17 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "final_logit_softcapping": 30.0,
     },
     "gemma3_text": {**_GEMMA_2_3, "vocab_size": 262208, "max_position_embeddings": 131072},
+    "olmo": {
+        **_LLAMA_LIKE,
+        "vocab_size": 50304,
+        "intermediate_size": 11008,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "clip_qkv": None,
+    },
     "olmo2": {
         **_LLAMA_LIKE,
         "vocab_size": 50304,
@@ -1247,6 +1270,9 @@ class ModelArgs:
     # Command R+'s use_qk_norm: q and k normed per head as Qwen3's, but each head by weights of its own
     # (self_attn.q_norm [heads, head_dim], k_norm [kv heads, head_dim])
     qk_heads: bool = False
+    # OLMo 1, OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] (in the model's dtype) before the heads are split,
+    # after a whole-projection q/k norm where the family has one (OLMoE's); None: not clipped
+    clip_qkv: float | None = None
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -1444,7 +1470,10 @@ class ModelArgs:
         return f"model.{self.family.final_norm}"
 
     def norm_param_count(self) -> int:
-        """Every norm parameter: each layer's (`norm_params`) and the final norm's weight (and bias)."""
+        """Every norm parameter: each layer's (`norm_params`) and the final norm's weight (and bias); none
+        where the norms have none (OLMo 1's, `Family.weightless_norms`)."""
+        if self.family.weightless_norms:
+            return 0
         per_layer = sum(math.prod(shape) for _, _, shape in self.norm_params())
         return self.n_layers * per_layer + self.dim * (2 if self.family.norm_bias else 1)
 
@@ -1576,6 +1605,17 @@ def text_model_config(cfg: dict) -> dict:
     return out
 
 
+def implied_tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """The tensors a checkpoint of config `cfg` does not store but its model reads as ones (OLMo 1's
+    LayerNorms, `Family.weightless_norms`): full name -> shape; {} for every other family."""
+    fam = FAMILIES.get(text_model_config(cfg).get("model_type", "llama"))
+    if fam is None or not fam.weightless_norms:
+        return {}
+    a = ModelArgs.from_hf(cfg)
+    out = {f"model.layers.{i}.{param}": shape for i in range(a.n_layers) for _, param, shape in a.norm_params()}
+    return out | {f"{a.final_norm_path}.weight": (a.dim,)}
+
+
 def _from_hf(cls, cfg: dict) -> ModelArgs:
     cfg = text_model_config(cfg)
     model_type = cfg.get("model_type", "llama")
@@ -1679,6 +1719,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         nope=_nope_layers(cfg, n_layers) if model_type == "smollm3" else _full_layers(cfg, model_type, n_layers),
         parallel=bool(cfg.get("use_parallel_residual", False)),  # Cohere's: its family's (__post_init__)
         qk_heads=model_type == "cohere" and bool(cfg["use_qk_norm"]),
+        clip_qkv=_positive(cfg, "clip_qkv") if "clip_qkv" in fam.fields else None,
     )
 
 

@@ -63,6 +63,8 @@ TEXT_MODEL_PREFIXES = (
     ("language_model.lm_head.", "lm_head."),
 )
 TOWER_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+# safetensors' dtype names of the dtypes a checkpoint's weights come in (an implied tensor takes its file's)
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
 def causal_lm_name(stored: str) -> str | None:
@@ -83,14 +85,20 @@ class CheckpointReader:
     A multimodal wrapper's checkpoint (Gemma 3's Gemma3ForConditionalGeneration, config.json's
     model_type in bitdelta.arch.TEXT_MODELS) reads as its text model's causal LM: its tensors under
     that model's names (`TEXT_MODEL_PREFIXES`), the vision tower's and projector's left out.
+
+    The tensors a family's checkpoints never store but its model reads as ones (OLMo 1's LayerNorm
+    weights: `bitdelta.arch.implied_tensors`, listed in `implied`) read as ones in the dtype of the
+    checkpoint's first tensor; such a tensor stored in the files is refused, since transformers would
+    not read it.
     """
 
     def __init__(self, ckpt: str | os.PathLike):
-        from bitdelta.arch import TEXT_MODELS
+        from bitdelta.arch import TEXT_MODELS, implied_tensors
 
         self.path = Path(ckpt)
-        cfg = self.path / "config.json"
-        wrapper = cfg.is_file() and json.loads(cfg.read_text()).get("model_type") in TEXT_MODELS
+        cfg_file = self.path / "config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        wrapper = cfg.get("model_type") in TEXT_MODELS
         self._handles = [safe_open(str(f), framework="pt") for f in weight_files(ckpt)]
         self._where: dict[str, tuple[object, str]] = {}  # name -> (file handle, the name stored there)
         for h in self._handles:
@@ -98,14 +106,27 @@ class CheckpointReader:
                 name = causal_lm_name(k) if wrapper else k
                 if name is not None:
                     self._where[name] = (h, k)
+        self.implied: dict[str, tuple[int, ...]] = implied_tensors(cfg) if cfg else {}
+        stored = sorted(n for n in self.implied if n in self._where)
+        if stored:
+            raise ValueError(
+                f"{self.path}: {stored[0]!r} is stored, but a {cfg.get('model_type')} model's norms have no "
+                f"weights (transformers would not read it)"
+            )
+        self._implied_dtype = torch.float32
+        if self.implied and self._where:
+            h, stored_name = next(iter(self._where.values()))
+            self._implied_dtype = _DTYPES.get(h.get_slice(stored_name).get_dtype(), torch.float32)
 
     def keys(self) -> list[str]:
-        return sorted(self._where)
+        return sorted([*self._where, *self.implied])
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return name in self._where or name in self.implied
 
     def get(self, name: str) -> torch.Tensor:
+        if name in self.implied:
+            return torch.ones(self.implied[name], dtype=self._implied_dtype)
         try:
             h, stored = self._where[name]
         except KeyError:
@@ -115,12 +136,18 @@ class CheckpointReader:
     __getitem__ = get
 
     def shape(self, name: str) -> list[int]:
+        if name in self.implied:
+            return list(self.implied[name])
         h, stored = self._where[name]
         return list(h.get_slice(stored).get_shape())
 
     def get_part(self, name: str, rows: tuple[tuple[int, int], ...] | None = None, cols: tuple[int, int] | None = None):
         """Rows (runs of the first dim, concatenated) and columns of one tensor, reading only those
         bytes from the file (a tensor-parallel rank's slice of a base: bitdelta.shard)."""
+        if name in self.implied:
+            t = self.get(name)
+            t = t if cols is None else t[:, slice(*cols)]
+            return t if rows is None else torch.cat([t[a:b] for a, b in rows])
         if name not in self._where:
             raise KeyError(f"{self.path}: no tensor {name!r}")
         h, stored = self._where[name]
@@ -214,6 +241,7 @@ def save_checkpoint(
                 if src.is_file():
                     shutil.copy2(src, tmp / name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        state = _without_implied(state, config)
         if generation_config is not None:
             (tmp / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
         for name, text in (files or {}).items():
@@ -222,3 +250,25 @@ def save_checkpoint(
             {k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"}
         )
     return Path(out)
+
+
+def is_implied(name: str, tensor: torch.Tensor, config: dict, implied: dict[str, tuple[int, ...]]) -> bool:
+    """Whether a checkpoint of `config` leaves tensor `name` out (one of its `implied` ones:
+    `bitdelta.arch.implied_tensors(config)`, OLMo 1's LayerNorm weights); such a tensor must be all
+    ones, since another value would be lost."""
+    if name not in implied:
+        return False
+    if not bool((tensor == 1).all()):
+        raise ValueError(
+            f"{name}: a {config.get('model_type')} model's norms have no weights, so a value other than 1 cannot be "
+            f"saved"
+        )
+    return True
+
+
+def _without_implied(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """state without the tensors a checkpoint of `config` does not store (`is_implied`)."""
+    from bitdelta.arch import implied_tensors
+
+    implied = implied_tensors(config)
+    return {k: v for k, v in state.items() if not is_implied(k, v, config, implied)}

@@ -272,6 +272,8 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if a.family.qk_whole:  # OLMo 2, OLMoE: q and k normed whole, before the heads are split
             q, k = self.qk_norms(q, k)
+        if a.clip_qkv is not None:  # OLMo 1, OLMoE: clipped as projected (OLMoE's q and k after their norms)
+            q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         q = q.reshape(B, T, a.n_heads, a.head_dim)
         k = k.reshape(B, T, a.n_kv_heads, a.head_dim)
         per_head = a.qk_norm and not a.family.qk_whole  # Command R+'s weights [heads, head_dim] broadcast

@@ -88,6 +88,7 @@ class _Opts(ctypes.Structure):
         ("norm_plus_one", ctypes.c_int32),
         ("qk_after_rope", ctypes.c_int32),
         ("sublayers_first", ctypes.c_int32),
+        ("clip_qkv", ctypes.c_float),
     ]
 
 
@@ -142,7 +143,8 @@ class DecodeOptions:
     R+'s q and k norms per head, each head by weights of its own (the stacks [n_slots + 1, heads · head_dim]);
     `norm_plus_one`, Nemotron's LayerNorm1P (with `layer_norm`: × round(w + 1) in place of w); `qk_after_rope`,
     Hunyuan's per-head q and k norms after the rope, not before; `sublayers_first`, Phi's parallel block
-    ((attention + MLP) + x, with `parallel`)."""
+    ((attention + MLP) + x, with `parallel`); `clip_qkv`, OLMo 1's and OLMoE's clipping of q, k and v to
+    ±clip_qkv before the heads are split (after `qk_full`'s norms; None: none)."""
 
     gemma: bool = False
     act: str = "silu"
@@ -163,6 +165,7 @@ class DecodeOptions:
     norm_plus_one: bool = False
     qk_after_rope: bool = False
     sublayers_first: bool = False
+    clip_qkv: float | None = None
 
     def __post_init__(self):
         if self.act not in ACTS:
@@ -171,6 +174,8 @@ class DecodeOptions:
             raise ValueError("norm_plus_one is a LayerNorm's (Nemotron's LayerNorm1P): it needs layer_norm")
         if self.sublayers_first and not self.parallel:
             raise ValueError("sublayers_first orders a parallel block's sums (Phi's): it needs parallel")
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            raise ValueError(f"clip_qkv must be positive or None, got {self.clip_qkv}")
 
 
 @dataclass(frozen=True)
@@ -668,6 +673,7 @@ class DecodeLayers:
             int(op.norm_plus_one),
             int(op.qk_after_rope),
             int(op.sublayers_first),
+            op.clip_qkv or 0.0,
         )
         rs, wr = _slots32(row_slot), _ints(write_rows, torch.int64)
         if rope_rows is None:

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from bitdelta.checkpoint import SIDE_FILES, read_config
+from bitdelta.arch import implied_tensors
+from bitdelta.checkpoint import SIDE_FILES, is_implied, read_config
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 
@@ -36,8 +37,12 @@ class ShardedWriter:
         self._pending_bytes = 0
         self._shards: list[tuple[Path, list[str]]] = []
         self._total = 0
+        self._config = read_config(self.config_from)
+        self._implied = implied_tensors(self._config)  # OLMo 1's norm weights: never written
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        if is_implied(name, tensor, self._config, self._implied):
+            return
         t = tensor.detach().contiguous()
         size = t.numel() * t.element_size()
         if self._pending and self._pending_bytes + size > self.max:

@@ -91,6 +91,8 @@ def make_finetune(base: Path, out: Path, seed: int, scale: float = 0.004, touch_
     state = {}
     with CheckpointReader(base) as r:
         for name, t in r:
+            if name in r.implied:  # OLMo 1's norms: no weights to move
+                continue
             t = t.float()
             if t.dim() == 2:
                 noise = (

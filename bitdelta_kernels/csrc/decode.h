@@ -52,6 +52,7 @@ typedef struct {
     int32_t norm_plus_one; /* Nemotron's LayerNorm1P: each LayerNorm scales by round(w + 1), not w */
     int32_t qk_after_rope; /* Hunyuan: the per-head q and k norms after the rope, not before */
     int32_t sublayers_first; /* Phi: a parallel block's attention and MLP outputs added first, then to x */
+    float clip_qkv;        /* OLMo 1, OLMoE: > 0: q, k, v clamped to ±clip_qkv (after qk_full's norms) */
 } bd_decode_opts;
 
 /* The MLP's gate activation (bd_decode_opts.act). */
@@ -571,7 +572,13 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
             if (L->qk_norm[0] && o_->qk_full) { /* OLMo 2: q's and k's every head in one norm each */
                 norm_row(row, L->qk_norm[0], NULL, (row_slot[b] + 1) * HD, HD, eps, dtype, style, row);
                 norm_row(row + HD, L->qk_norm[1], NULL, (row_slot[b] + 1) * KV * hd, KV * hd, eps, dtype, style, row + HD);
-            } else if (L->qk_norm[0] && !o_->qk_after_rope)
+            }
+            if (o_->clip_qkv > 0.f) { /* OLMo 1, OLMoE: q, k, v (rounded values) clamped, the bound in the dtype:
+                                       * round(min(v, c)) = min(v, round(c)) for a v of the dtype */
+                const float c = round_to(dtype, o_->clip_qkv);
+                for (int64_t i = 0; i < Q; ++i) row[i] = row[i] > c ? c : (row[i] < -c ? -c : row[i]);
+            }
+            if (L->qk_norm[0] && !o_->qk_full && !o_->qk_after_rope)
                 qk_head_norms(L, row, row_slot[b], H, KV, hd, eps, dtype, style, o_->qk_heads);
             if (!L->nope)
                 rope_heads(row, H + KV, hd, rot, (local ? lcs : cs) + b * hd, (local ? lsn : sn) + b * hd, dtype,

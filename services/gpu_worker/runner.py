@@ -1171,6 +1171,7 @@ class ModelRunner:
             ungated=a.family.ungated_mlp is not None,
             norm_plus_one=a.family.norm_plus_one,
             sublayers_first=a.family.sublayers_first,
+            clip_qkv=a.clip_qkv,
         )
         return DecodeLayers(
             layers,
@@ -1209,12 +1210,17 @@ class ModelRunner:
             rope = a.local_rope if a.local(i) else a.rope  # GLM's interleaved pairs, ERNIE's fp32 rotation
             h = x if inp is None else norm(x, inp)  # OLMo 2/3: no input norm
             qkv = self._linear(h, i, "qkv", m)
+            clip = a.clip_qkv  # OLMo 1, OLMoE: q, k and v clipped, OLMoE's q and k after their norms
+            if clip is not None and not a.family.qk_whole:
+                qkv = qkv.clamp(-clip, clip)
             v = qkv[:, (H + KV) * hd :].view(N, KV, hd)
             qn, kn = a.family.qk_norm_names
             if a.family.qk_whole:  # OLMo 2, OLMoE: q and k normed whole, then split into heads
                 q, k = self._whole_qk_norms(
                     qkv[:, : H * hd], qkv[:, H * hd : (H + KV) * hd], (norms[qn], norms[kn]), m, a.norm_eps
                 )
+                if clip is not None:
+                    q, k, v = q.clamp(-clip, clip), k.clamp(-clip, clip), v.clamp(-clip, clip)
                 q, k = q.view(N, H, hd), k.view(N, KV, hd)
                 if a.rotates(i):
                     q, k = rotate(rope, q, cos, sin), rotate(rope, k, cos, sin)

@@ -8,12 +8,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import re
 
 import pytest
 import torch
 
-from bitdelta.arch import ModelArgs, UnsupportedModel
+from bitdelta.arch import ModelArgs, UnsupportedModel, implied_tensors
 from bitdelta.checkpoint import read_config
 from bitdelta.model import load_model
 from tests.support.archs import (
@@ -75,10 +76,11 @@ def test_descriptions_of_the_families(bases):
     assert (long.kind, long.dim, long.original_max) == ("longrope", 4, ORIGINAL)
     assert long.attention_factor > 1  # sqrt(1 + ln(64/16) / ln 16)
     assert ModelArgs.from_hf(read_config(bases["qwen2-swa"])).windows == (None, 8)
-    for a in args.values():
+    for a in args.values():  # the compact model's own less a tied head and OLMo 1's implied norm weights
+        implied = implied_tensors(read_config(bases[_name(args, a)])).values()
         assert a.param_count() == sum(p.numel() for p in load_model(bases[_name(args, a)]).state_dict().values()) - (
             a.vocab_size * a.dim if a.tie_embeddings else 0
-        )
+        ) - sum(math.prod(s) for s in implied)
 
 
 def _name(args: dict, a: ModelArgs) -> str:
@@ -560,6 +562,59 @@ def test_stablelm_configs_as_transformers_reads_them(bases):
         ModelArgs.from_hf({**cfg, "rotary_scaling_factor": 2.0})
     with pytest.raises(UnsupportedModel, match="qk_layernorm"):
         ModelArgs.from_hf({**cfg, "qk_layernorm": True})
+
+
+def test_olmo_norms_are_ones_no_checkpoint_stores(tmp_path, bases):
+    """OLMo 1's LayerNorms have no parameters: the reader supplies each norm's weight as ones in the
+    checkpoint's dtype (and a slice of it, as a tensor-parallel rank reads), every writer leaves them out
+    (save_checkpoint and the merges' sharded writer; a value other than 1 refused, since it would be lost),
+    and a checkpoint that stores one is refused (transformers would not read it). clip_qkv is read as
+    transformers reads it (OLMoE's too); an rms_norm_eps other than OLMo's fixed 1e-5, and a clip that is not
+    a positive number, are refused."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from bitdelta.checkpoint import CheckpointReader, save_checkpoint
+    from bitdelta.merge.io import ShardedWriter
+
+    cfg = read_config(bases["olmo"])
+    a = ModelArgs.from_hf(cfg)
+    assert (a.layout, a.clip_qkv, a.norm_eps, a.family.layer_norm) == ("q,k,v,o,gate,up,down", 1.0, 1e-5, True)
+    assert ModelArgs.from_hf(read_config(bases["olmoe"])).clip_qkv == 1.5
+    norms = [f"model.layers.{i}.{n}.weight" for i in range(2) for n in ("input_layernorm", "post_attention_layernorm")]
+    with CheckpointReader(bases["olmo"]) as r:
+        assert sorted(r.implied) == sorted([*norms, "model.norm.weight"])
+        assert set(r.implied) <= set(r.keys()) and all(n in r for n in r.implied)
+        assert torch.equal(r.get(norms[0]), torch.ones(32)) and r.shape("model.norm.weight") == [32]
+        assert torch.equal(r.get_part(norms[1], rows=((4, 8), (20, 24))), torch.ones(8))
+        state = {k: t.to(torch.bfloat16) for k, t in r}  # the implied ones included
+    out = save_checkpoint(state, tmp_path / "bf16", {**cfg, "torch_dtype": "bfloat16"}, side_files_from=bases["olmo"])
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert not set(r.implied) & set(f.keys()) and "model.embed_tokens.weight" in f.keys()
+    with CheckpointReader(out) as r:  # read back in the checkpoint's own dtype
+        assert r.get("model.norm.weight").dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="norms have no weights, so a value other than 1"):
+        save_checkpoint({**state, norms[0]: torch.full((32,), 1.5)}, tmp_path / "moved", cfg)
+    assert not (tmp_path / "moved").exists()
+    w = ShardedWriter(tmp_path / "merged", bases["olmo"])
+    for k, t in state.items():
+        w.add(k, t)
+    with safe_open(str(w.close() / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(k for k in state if k not in r.implied)
+    stored = tmp_path / "stored"
+    save_checkpoint({k: t for k, t in state.items() if k not in r.implied}, stored, cfg, side_files_from=bases["olmo"])
+    save_file(
+        {**{k: t for k, t in state.items() if k not in r.implied}, norms[0]: torch.ones(32)},
+        str(stored / "model.safetensors"),
+    )
+    with pytest.raises(ValueError, match=r"'model.layers.0.input_layernorm.weight' is stored.*no weights"):
+        CheckpointReader(stored)
+    with pytest.raises(UnsupportedModel, match="rms_norm_eps.*1e-5"):
+        ModelArgs.from_hf({**cfg, "rms_norm_eps": 1e-6})
+    for clip in (0, -8.0, "8"):
+        with pytest.raises(UnsupportedModel, match="clip_qkv"):
+            ModelArgs.from_hf({**cfg, "clip_qkv": clip})
+    assert ModelArgs.from_hf({**cfg, "clip_qkv": None}).clip_qkv is None
 
 
 def test_starcoder2_configs_as_transformers_reads_them(bases):

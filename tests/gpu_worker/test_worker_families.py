@@ -251,7 +251,8 @@ def test_bf16_c_layers_rotate_as_the_layers_do(tmp_path, monkeypatch):
     Llama's), StableLM (LayerNorms with biases, a partial rope), StarCoder2 (an ungated GELU MLP),
     Command R+ (q and k normed per head by weights of their own) and Nemotron (LayerNorm1P's w + 1 rounded
     to bf16 first, an ungated relu² MLP), Hunyuan (q and k normed after the rope) and Phi ((attention + MLP) + x,
-    gelu_new op by op, the head's bias after the call); the C layers rotating ERNIE's pairs
+    gelu_new op by op, the head's bias after the call) and OLMo (LayerNorms of implied unit weights, q, k and v
+    clipped); the C layers rotating ERNIE's pairs
     step by step do not."""
     from services.gpu_worker import runner as R
     from services.gpu_worker.config import WorkerConfig
@@ -294,6 +295,7 @@ def test_bf16_c_layers_rotate_as_the_layers_do(tmp_path, monkeypatch):
         "nemotron",
         "hunyuan",
         "phi",
+        "olmo",
     ):
         c, layers = asyncio.run(steps(name, stepwise=False))
         assert torch.equal(c, layers), name

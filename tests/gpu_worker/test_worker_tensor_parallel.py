@@ -132,6 +132,7 @@ async def test_a_corrupt_delta_is_data_loss_and_the_ranks_keep_serving(family):
         "exaone4",
         "nemotron",
         "cohere-qk",
+        "olmo",
         "olmo2-1kv",
         "olmoe",
         "phi",
@@ -146,7 +147,8 @@ async def test_family_layers_on_two_ranks_equal_one_process(tmp_path, member):
     on each rank's heads, Nemotron's LayerNorm biases (whole on each rank, a variant's own among them) and
     ungated MLP (its up projection's columns split alone), Command R+'s q and k norms (each rank its heads'
     weights), the q and k norms over every head of OLMo 2 and OLMoE (each rank its heads' sums of squares,
-    one all-reduce of both a layer; OLMo 2's one KV head on both ranks counted once) and Phi's parallel
+    one all-reduce of both a layer; OLMo 2's one KV head on both ranks counted once; OLMoE's q, k and v
+    clipped after them, OLMo 1's as each rank projects them, its LayerNorms' implied weights) and Phi's parallel
     block and head bias (each rank its vocabulary rows): the same greedy tokens as one process, each
     variant alone and all in one batch. (Gemma 2, Mixtral, StableLM and StarCoder2 add nothing to a rank's
     split beyond these: their layers' own parts are checked on one process, test_worker_families.)"""

@@ -138,6 +138,9 @@ def hf_config(name: str):
         )
     if name == "smollm3":  # the second layer without the rope (NoPE) and sliding over 8 tokens, the first full
         return tf.SmolLM3Config(**COMMON, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8)
+    if name == "olmo":  # OLMo 1: LayerNorms without parameters (none stored), q, k and v clipped to ±1 (a third
+        # of this model's values)
+        return tf.OlmoConfig(**COMMON, clip_qkv=1.0)
     if name == "olmo2":  # norms after the sublayers only, q and k normed whole
         return tf.Olmo2Config(**COMMON)
     if name == "olmo2-1kv":  # one KV head (on two tensor-parallel ranks: replicated, its k counted once)
@@ -157,8 +160,9 @@ def hf_config(name: str):
             shared_expert_intermediate_size=40,
             norm_topk_prob=False,
         )
-    if name == "olmoe":  # OLMo's whole-projection q/k norms before the heads, 4 experts, 2 per token
-        return tf.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2)
+    if name == "olmoe":  # OLMo's whole-projection q/k norms before the heads, 4 experts, 2 per token, q and k
+        # (after their norms) and v clipped to ±1.5
+        return tf.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, clip_qkv=1.5)
     if name == "ministral3":  # yarn from an original context of 16, Llama 4's attention temperature past it
         return tf.Ministral3Config(**COMMON, head_dim=8, rope_parameters=MINISTRAL3_ROPE)
     if name == "cohere":  # a parallel block under one LayerNorm, every projection of attention biased, an
@@ -273,6 +277,7 @@ FAMILY_MEMBERS = (
     "arcee",
     "hunyuan",
     "phi",
+    "olmo",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa", "stablelm-parallel")
 
