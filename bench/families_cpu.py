@@ -97,6 +97,23 @@ MEMBERS = {
             tie_word_embeddings=False,
         ),
     ),
+    # GPT-NeoX's parallel block with the MLP's own norm, its exact GELU one value at a time (erff) in the C layers,
+    # stored fused and head-interleaved (Pythia-410M's config.json)
+    "pythia-410m": (
+        "GPTNeoXConfig",
+        dict(
+            vocab_size=50304,
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            max_position_embeddings=2048,
+            rotary_pct=0.25,
+            rotary_emb_base=10000,
+            use_parallel_residual=True,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 

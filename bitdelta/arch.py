@@ -63,6 +63,7 @@ SUPPORTED = (
     "arcee",
     "hunyuan_v1_dense",
     "phi",
+    "gpt_neox",
 )
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -132,9 +133,16 @@ class Family:
     final_norm: str = "norm"  # the final norm's module inside `model` (Phi's final_layernorm)
     head_bias: bool = False  # Phi: the LM head has a bias (lm_head.bias)
     biased: bool = False  # Phi: every projection has a bias, whatever the config says (it has no switch)
+    mlp_biased: bool = False  # GPT-NeoX: the MLP's projections have biases, whatever the config says
     # Phi: a parallel block's two outputs added first, then the residual ((attention + MLP) + x; Cohere's
     # and StableLM's: (x + attention) + MLP)
     sublayers_first: bool = False
+    # GPT-NeoX: a parallel block's MLP reads its own norm of the block's input (post_attention_layernorm), not the
+    # attention's input norm
+    parallel_mlp_norm: bool = False
+    # how the family's checkpoints name and fuse the tensors (bitdelta.checkpoint.STORED_FORMS; None: as the
+    # canonical names, `model.layers.N.self_attn.q_proj.weight`, ...)
+    stored_form: str | None = None
     # a sandwich layer's norms (Family.sandwich): of the attention's output, of the MLP's input, of the MLP's output
     sandwich_names: tuple[str, str, str] = (
         "post_attention_layernorm",
@@ -469,6 +477,28 @@ FAMILIES: dict[str, Family] = {
         biased=True,
         sublayers_first=True,
     ),
+    # GPT-NeoX (EleutherAI: Pythia 70M–12B and its fine-tunes, GPT-NeoX-20B, Dolly v2, RedPajama-INCITE): LayerNorms
+    # with biases, q/k/v (one fused, head-interleaved `query_key_value` as stored) and `dense` biased where
+    # attention_bias, an ungated biased MLP dense_h_to_4h -> GELU (exact) -> dense_4h_to_h, the rope over the first
+    # rotary_pct of each head (0.25 by default), a parallel block where use_parallel_residual (its default) whose MLP
+    # reads its own norm: x + (attention(ln1(x)) + MLP(ln2(x)))
+    "gpt_neox": Family(
+        "gpt_neox",
+        False,
+        False,
+        True,
+        frozenset({"layer_norm_eps", "use_parallel_residual", "attention_bias", "classifier_dropout"}),
+        layer_norm=True,
+        norm_bias=True,
+        ungated_mlp=("dense_h_to_4h", "dense_4h_to_h"),
+        norm_eps_field="layer_norm_eps",
+        o_name="dense",
+        final_norm="final_layer_norm",
+        mlp_biased=True,
+        sublayers_first=True,
+        parallel_mlp_norm=True,
+        stored_form="gpt_neox",
+    ),
     # Arcee (AFM-4.5B): Llama's layer with an ungated MLP up_proj -> relu² -> down_proj
     "arcee": Family(
         "arcee", False, False, False, frozenset({"attention_bias", "mlp_bias"}), ungated_mlp=("up_proj", "down_proj")
@@ -513,7 +543,10 @@ FAMILIES: dict[str, Family] = {
     ),
 }
 # Other spellings of a family's fields (transformers' attribute_map: alias -> the field it sets)
-ALIASES: dict[str, dict[str, str]] = {"internlm3": {"qkv_bias": "attention_bias", "bias": "mlp_bias"}}
+ALIASES: dict[str, dict[str, str]] = {
+    "internlm3": {"qkv_bias": "attention_bias", "bias": "mlp_bias"},
+    "gpt_neox": {"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},  # its configs' spellings
+}
 # Fields of a family's original release that transformers does not read, each accepted only where its
 # value is what transformers' model does anyway (field -> (does the value agree, what transformers does)):
 # Command R7B's and Command A's config.json carry their training code's switches.
@@ -536,6 +569,14 @@ AGREEING_FIELDS: dict[str, dict[str, tuple[Callable[[object, dict], bool], str]]
         "use_rotary_pos_emb": (lambda v, c: v is True, "true (every layer rotates)"),
         "use_cla": (lambda v, c: v is False, "false (each layer its own KV)"),
         "use_mla": (lambda v, c: v is False, "false (no latent attention)"),
+    },
+    # GPT-NeoX's heads are hidden_size / num_attention_heads wide, each with its own k and v, whatever the config says
+    "gpt_neox": {
+        "head_dim": (
+            lambda v, c: v == c["hidden_size"] // c["num_attention_heads"],
+            "hidden_size / num_attention_heads",
+        ),
+        "num_key_value_heads": (lambda v, c: v == c["num_attention_heads"], "num_attention_heads (no grouped KV)"),
     },
     # OLMo 1's LayerNorms take eps 1e-5 whatever the config says (transformers' OlmoLayerNorm)
     "olmo": {"rms_norm_eps": (lambda v, c: v == 1e-5, "1e-5 (OLMo's LayerNorms have a fixed eps)")},
@@ -922,6 +963,19 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "tie_word_embeddings": False,
         "qk_layernorm": False,
     },
+    "gpt_neox": {
+        "vocab_size": 50432,
+        "hidden_size": 6144,
+        "intermediate_size": 24576,
+        "num_hidden_layers": 44,
+        "num_attention_heads": 64,
+        "hidden_act": "gelu",
+        "max_position_embeddings": 2048,
+        "layer_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "use_parallel_residual": True,
+        "attention_bias": True,
+    },
     "arcee": {
         "vocab_size": 32000,
         "hidden_size": 2560,
@@ -939,7 +993,7 @@ FAMILY_DEFAULTS: dict[str, dict] = {
 # The rope's θ where a config names none, where transformers' class of the family has its own
 DEFAULT_THETA = {"mixtral": 1e6, "smollm3": 2e6, "gemma3_text": 1e6, "olmo3": 5e5, "ernie4_5": 5e5, "cohere": 5e5}
 # The partial_rotary_factor where a config names none, where transformers' class of the family has its own
-DEFAULT_PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5, "stablelm": 0.25, "nemotron": 0.5, "phi": 0.5}
+DEFAULT_PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5, "stablelm": 0.25, "nemotron": 0.5, "phi": 0.5, "gpt_neox": 0.25}
 # Families with a rope per layer type (ModelArgs.local_rope, `_layer_type_ropes`): where the old spelling
 # gives the sliding layers' θ (field, default); None: the full layers' θ
 LAYER_TYPE_ROPES: dict[str, tuple[str, float] | None] = {
@@ -984,8 +1038,14 @@ WRAPPER_FIELDS: dict[str, frozenset[str]] = {
 }
 # The MLP gate activations (config name -> the runner's name); Gemma's is GELU in its tanh form, Nemotron's
 # and Arcee's relu(x)² (transformers' relu2), Phi's GELU's tanh form written out op by op (gelu_new: each
-# op rounds to the model's dtype, as transformers' NewGELUActivation).
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "relu2", "gelu_new": "gelu_new"}
+# op rounds to the model's dtype, as transformers' NewGELUActivation), GPT-NeoX's the exact GELU (erf).
+ACTIVATIONS = {
+    "silu": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "relu2": "relu2",
+    "gelu_new": "gelu_new",
+    "gelu": "gelu",
+}
 
 # Fields every family reads.
 COMMON_FIELDS = frozenset(
@@ -1426,8 +1486,14 @@ class ModelArgs:
         output (a sandwich's, or OLMo's post-norm), of the MLP's input, of the MLP's output."""
         if self.family.post_norm:
             return (None, "post_attention_layernorm", None, "post_feedforward_layernorm")
-        if self.parallel:  # Cohere, StableLM's parallel residual: the MLP reads the input norm's output too
-            return ("input_layernorm", None, None, None)
+        if self.parallel:  # Cohere, StableLM's parallel residual: the MLP reads the input norm's output too;
+            # GPT-NeoX's its own norm of the block's input
+            return (
+                "input_layernorm",
+                None,
+                "post_attention_layernorm" if self.family.parallel_mlp_norm else None,
+                None,
+            )
         if self.family.sandwich:
             return ("input_layernorm", *self.family.sandwich_names)
         return ("input_layernorm", None, "post_attention_layernorm", None)
@@ -1699,7 +1765,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         or (model_type == "qwen2_moe" and bool(cfg["qkv_bias"]))
         or bool(cfg.get("use_qkv_bias", False)),
         o_bias=(attn_bias and fam.o_bias) or bool(cfg.get("attention_out_bias", False)) or fam.biased,
-        mlp_bias=bool(cfg.get("mlp_bias", False)) or bool(cfg.get("use_bias", False)) or fam.biased,
+        mlp_bias=bool(cfg.get("mlp_bias", False)) or bool(cfg.get("use_bias", False)) or fam.biased or fam.mlp_biased,
         windows=_windows(cfg, model_type, n_layers),
         act=act,
         attn_scale=attn_scale,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -63,6 +64,7 @@ TEXT_MODEL_PREFIXES = (
     ("language_model.lm_head.", "lm_head."),
 )
 TOWER_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+Runs = tuple[tuple[int, int], ...]  # rows of a tensor's first dim: runs [a, b), in order, concatenated
 # safetensors' dtype names of the dtypes a checkpoint's weights come in (an implied tensor takes its file's)
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
@@ -86,6 +88,10 @@ class CheckpointReader:
     model_type in bitdelta.arch.TEXT_MODELS) reads as its text model's causal LM: its tensors under
     that model's names (`TEXT_MODEL_PREFIXES`), the vision tower's and projector's left out.
 
+    A family whose checkpoints name or fuse tensors their own way (GPT-NeoX: `StoredForm`) reads under
+    the canonical names every other part of the system uses (`model.layers.N.self_attn.q_proj.weight`,
+    ...), a fused tensor's parts as rows of it.
+
     The tensors a family's checkpoints never store but its model reads as ones (OLMo 1's LayerNorm
     weights: `bitdelta.arch.implied_tensors`, listed in `implied`) read as ones in the dtype of the
     checkpoint's first tensor; such a tensor stored in the files is refused, since transformers would
@@ -99,13 +105,19 @@ class CheckpointReader:
         cfg_file = self.path / "config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
         wrapper = cfg.get("model_type") in TEXT_MODELS
+        form = stored_form(cfg) if cfg else None
         self._handles = [safe_open(str(f), framework="pt") for f in weight_files(ckpt)]
-        self._where: dict[str, tuple[object, str]] = {}  # name -> (file handle, the name stored there)
+        # name -> (file handle, the name stored there, the stored rows it is (runs; None: the whole tensor))
+        self._where: dict[str, tuple[object, str, Runs | None]] = {}
         for h in self._handles:
             for k in h.keys():
+                if form is not None:
+                    for name, runs in form.canonical(k):
+                        self._where[name] = (h, k, runs)
+                    continue
                 name = causal_lm_name(k) if wrapper else k
                 if name is not None:
-                    self._where[name] = (h, k)
+                    self._where[name] = (h, k, None)
         self.implied: dict[str, tuple[int, ...]] = implied_tensors(cfg) if cfg else {}
         stored = sorted(n for n in self.implied if n in self._where)
         if stored:
@@ -115,7 +127,7 @@ class CheckpointReader:
             )
         self._implied_dtype = torch.float32
         if self.implied and self._where:
-            h, stored_name = next(iter(self._where.values()))
+            h, stored_name, _ = next(iter(self._where.values()))
             self._implied_dtype = _DTYPES.get(h.get_slice(stored_name).get_dtype(), torch.float32)
 
     def keys(self) -> list[str]:
@@ -128,18 +140,19 @@ class CheckpointReader:
         if name in self.implied:
             return torch.ones(self.implied[name], dtype=self._implied_dtype)
         try:
-            h, stored = self._where[name]
+            h, stored, runs = self._where[name]
         except KeyError:
             raise KeyError(f"{self.path}: no tensor {name!r}") from None
-        return h.get_tensor(stored)
+        return h.get_tensor(stored) if runs is None else self.get_part(name)
 
     __getitem__ = get
 
     def shape(self, name: str) -> list[int]:
         if name in self.implied:
             return list(self.implied[name])
-        h, stored = self._where[name]
-        return list(h.get_slice(stored).get_shape())
+        h, stored, runs = self._where[name]
+        shape = list(h.get_slice(stored).get_shape())
+        return shape if runs is None else [sum(b - a for a, b in runs), *shape[1:]]
 
     def get_part(self, name: str, rows: tuple[tuple[int, int], ...] | None = None, cols: tuple[int, int] | None = None):
         """Rows (runs of the first dim, concatenated) and columns of one tensor, reading only those
@@ -150,7 +163,9 @@ class CheckpointReader:
             return t if rows is None else torch.cat([t[a:b] for a, b in rows])
         if name not in self._where:
             raise KeyError(f"{self.path}: no tensor {name!r}")
-        h, stored = self._where[name]
+        h, stored, runs = self._where[name]
+        if runs is not None:  # a part of a fused tensor: the requested rows among its rows
+            rows = _within(runs, rows if rows is not None else ((0, sum(b - a for a, b in runs)),))
         sl = h.get_slice(stored)
         c = slice(*cols) if cols is not None else slice(None)
         if rows is None:
@@ -242,6 +257,9 @@ def save_checkpoint(
                     shutil.copy2(src, tmp / name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         state = _without_implied(state, config)
+        form = stored_form(config)
+        if form is not None:  # GPT-NeoX's names, its q, k and v fused again
+            state = form.to_stored(state)
         if generation_config is not None:
             (tmp / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
         for name, text in (files or {}).items():
@@ -272,3 +290,109 @@ def _without_implied(state: dict[str, torch.Tensor], config: dict) -> dict[str, 
 
     implied = implied_tensors(config)
     return {k: v for k, v in state.items() if not is_implied(k, v, config, implied)}
+
+
+def _within(runs: Runs, want: Runs) -> Runs:
+    """The stored rows of rows `want` of a tensor made of stored rows `runs` (both concatenated in order)."""
+    out, total = [], sum(b - a for a, b in runs)
+    for a, b in want:
+        if not 0 <= a <= b <= total:
+            raise IndexError(f"rows [{a}, {b}) of a tensor of {total}")
+        at = 0
+        for s0, s1 in runs:
+            lo, hi = max(a, at), min(b, at + s1 - s0)
+            if lo < hi:
+                out.append((s0 + lo - at, s0 + hi - at))
+            at += s1 - s0
+    return tuple(out)
+
+
+class StoredForm:
+    """How one family's checkpoints name and fuse the canonical tensors (GPT-NeoX's, `GptNeoxForm`): the reader
+    reads the canonical ones from the stored ones, every writer writes the stored ones."""
+
+    def canonical(self, stored: str) -> list[tuple[str, Runs | None]]:
+        """The canonical tensors one stored tensor holds, each with its rows of it (None: all of it);
+        [] for a stored buffer the model does not read."""
+        raise NotImplementedError
+
+    def to_stored(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A canonical state as the family stores it (a fused tensor needs all its parts)."""
+        raise NotImplementedError
+
+    def fused_parts(self, name: str) -> tuple[str, ...]:
+        """The canonical tensors stored fused with `name` (itself among them); (name,) for one stored alone."""
+        return (name,)
+
+
+class GptNeoxForm(StoredForm):
+    """GPT-NeoX: `gpt_neox.` for `model.`, `attention` for `self_attn`, `embed_in` and `embed_out` for the
+    embedding and the head, and q, k, v (weights and biases) fused into one `query_key_value` whose rows are
+    head after head, each head's q, k and v rows in turn ([heads, 3, head_dim] flattened). An old
+    checkpoint's buffers (`attention.bias`, `attention.masked_bias`, `attention.rotary_emb.inv_freq`: the
+    causal mask and the rope's frequencies) are not read, as transformers does not read them."""
+
+    BUFFERS = ("attention.bias", "attention.masked_bias", "attention.rotary_emb.inv_freq")
+    RENAMES = (("gpt_neox.embed_in.", "model.embed_tokens."), ("embed_out.", "lm_head."), ("gpt_neox.", "model."))
+
+    def __init__(self, heads: int, head_dim: int):
+        self.heads, self.hd = heads, head_dim
+
+    def _runs(self, part: int) -> Runs:
+        step = 3 * self.hd
+        return tuple((h * step + part * self.hd, h * step + (part + 1) * self.hd) for h in range(self.heads))
+
+    def canonical(self, stored: str) -> list[tuple[str, Runs | None]]:
+        layer = re.fullmatch(r"gpt_neox\.layers\.(\d+)\.(.+)", stored)
+        if layer is not None:
+            i, rest = layer.groups()
+            if rest in self.BUFFERS:
+                return []
+            fused = re.fullmatch(r"attention\.query_key_value\.(weight|bias)", rest)
+            if fused is not None:
+                pre = f"model.layers.{i}.self_attn"
+                return [(f"{pre}.{p}_proj.{fused[1]}", self._runs(j)) for j, p in enumerate("qkv")]
+            return [(f"model.layers.{i}.{rest.replace('attention.', 'self_attn.', 1)}", None)]
+        for old, new in self.RENAMES:
+            if stored.startswith(old):
+                return [(new + stored[len(old) :], None)]
+        return [(stored, None)]
+
+    def fused_parts(self, name: str) -> tuple[str, ...]:
+        m = re.fullmatch(r"(model\.layers\.\d+\.self_attn\.)[qkv]_proj\.(weight|bias)", name)
+        return (name,) if m is None else tuple(f"{m[1]}{p}_proj.{m[2]}" for p in "qkv")
+
+    def _stored_name(self, name: str) -> str:
+        layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if layer is not None:
+            return f"gpt_neox.layers.{layer[1]}.{layer[2].replace('self_attn.', 'attention.', 1)}"
+        for old, new in self.RENAMES:
+            if name.startswith(new):
+                return old + name[len(new) :]
+        return name
+
+    def to_stored(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, t in state.items():
+            parts = self.fused_parts(name)
+            if parts == (name,):
+                out[self._stored_name(name)] = t
+            elif name == parts[0]:
+                missing = [p for p in parts if p not in state]
+                if missing:
+                    raise ValueError(f"{missing[0]}: GPT-NeoX stores q, k and v fused; all three are needed")
+                q, k, v = (state[p].reshape(self.heads, self.hd, *state[p].shape[1:]) for p in parts)
+                fused = torch.stack([q, k, v], dim=1).reshape(3 * self.heads * self.hd, *q.shape[2:])
+                out[self._stored_name(name).replace("attention.q_proj", "attention.query_key_value")] = fused
+        return out
+
+
+def stored_form(cfg: dict) -> StoredForm | None:
+    """The stored form of a checkpoint of config `cfg` (`Family.stored_form`); None: the canonical names."""
+    from bitdelta.arch import FAMILIES, ModelArgs
+
+    fam = FAMILIES.get(cfg.get("model_type", "llama"))
+    if fam is None or fam.stored_form is None:
+        return None
+    a = ModelArgs.from_hf(cfg)
+    return GptNeoxForm(a.n_heads, a.head_dim)

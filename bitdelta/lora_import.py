@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from bitdelta.arch import TEXT_MODELS, ModelArgs
-from bitdelta.checkpoint import CheckpointReader, causal_lm_name, fingerprint, read_config
+from bitdelta.checkpoint import CheckpointReader, StoredForm, causal_lm_name, fingerprint, read_config, stored_form
 from bitdelta.format import CompressedWeight, Delta, DeltaMeta, save_delta
 from bitdelta.merge.adapter import LoraAdapter, load_adapter
 from bitdelta.model_files import own_serving, own_tokenizer
@@ -53,6 +53,9 @@ def import_lora(
     tokenizer = own_tokenizer(base, adapter, args.vocab_size)  # ... and its own tokenizer, by the worker
     if cfg.get("model_type") in TEXT_MODELS:  # a multimodal wrapper's adapter: its text model's part
         lora = _text_model_part(lora)
+    form = stored_form(cfg)
+    if form is not None:  # GPT-NeoX's names, its fused query_key_value's factors split into q, k, v
+        lora = _canonical_part(lora, form)
     projections = set(args.compressed_names())
     compressed: dict[str, CompressedWeight] = {}
     with CheckpointReader(base) as rb:
@@ -94,6 +97,36 @@ def _text_model_part(lora: LoraAdapter) -> LoraAdapter:
 
     return dataclasses.replace(
         lora, modules=text(lora.modules), embeddings=text(lora.embeddings), params=text(lora.params)
+    )
+
+
+def _canonical_part(lora: LoraAdapter, form: StoredForm) -> LoraAdapter:
+    """An adapter of a family whose checkpoints name and fuse tensors their own way (GPT-NeoX's) under the
+    canonical names: each module's factors, B's rows (and a lora_bias's) split as the stored tensor's rows
+    are (q, k and v of `query_key_value` share A), and each whole tensor by its PEFT path (a `base_layer`
+    kept in the name) split the same way."""
+
+    def modules(d: dict) -> dict:
+        out = {}
+        for k, m in d.items():
+            for param, runs in form.canonical(k + ".weight"):
+                rows = (lambda t: t) if runs is None else (lambda t, r=runs: torch.cat([t[a:b] for a, b in r]))
+                bias = None if m.bias is None else rows(m.bias)
+                out[param.removesuffix(".weight")] = dataclasses.replace(m, B=rows(m.B), bias=bias)
+        return out
+
+    def params(d: dict) -> dict:
+        out = {}
+        for path, t in d.items():
+            module, _, leaf = path.rpartition(".")
+            base_layer = module.endswith(".base_layer")
+            for param, runs in form.canonical(f"{module.removesuffix('.base_layer')}.{leaf}"):
+                name = param if not base_layer else param.replace(f".{leaf}", f".base_layer.{leaf}")
+                out[name] = t if runs is None else torch.cat([t[a:b] for a, b in runs])
+        return out
+
+    return dataclasses.replace(
+        lora, modules=modules(lora.modules), embeddings=modules(lora.embeddings), params=params(lora.params)
     )
 
 

@@ -88,11 +88,14 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 def gate_act(args: ModelArgs, x: torch.Tensor) -> torch.Tensor:
     """The MLP's gate activation of the family (Nemotron's relu²: relu, then the square rounded once; Phi's
-    gelu_new: GELU's tanh form op by op, each op rounded, as transformers' NewGELUActivation)."""
+    gelu_new: GELU's tanh form op by op, each op rounded, as transformers' NewGELUActivation; GPT-NeoX's exact
+    GELU)."""
     if args.act == "relu2":
         return F.relu(x).square()
     if args.act == "gelu_new":
         return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    if args.act == "gelu":  # GPT-NeoX's: the exact GELU, x · Φ(x)
+        return F.gelu(x)
     return F.gelu(x, approximate="tanh") if args.act == "gelu_tanh" else F.silu(x)
 
 
@@ -399,7 +402,10 @@ class Block(nn.Module):
         att = self.self_attn(h, cos, sin, pos)
         ffn = getattr(self, self.ffn)
         if a.parallel:  # Cohere, StableLM's parallel residual: the MLP reads the attention's input; x + attention + MLP
-            return x + (att + ffn(h)) if a.family.sublayers_first else x + att + ffn(h)  # Phi's: (attention + MLP) + x
+            y = ffn(h if mlp_in is None else mlp_in(x))  # GPT-NeoX's: its own norm of x
+            return (
+                x + (att + y) if a.family.sublayers_first else x + att + y
+            )  # Phi's, GPT-NeoX's: (attention + MLP) + x
         if attn_out is None:  # Llama's layer
             x = residual(a, x, att)
             return residual(a, x, ffn(mlp_in(x)))

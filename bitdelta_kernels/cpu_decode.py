@@ -89,11 +89,12 @@ class _Opts(ctypes.Structure):
         ("qk_after_rope", ctypes.c_int32),
         ("sublayers_first", ctypes.c_int32),
         ("clip_qkv", ctypes.c_float),
+        ("parallel_mlp_norm", ctypes.c_int32),
     ]
 
 
 # The MLP gate activations the C layers compute (DecodeOptions.act -> bd_decode_opts' ACT_* code)
-ACTS = {"silu": 0, "gelu_tanh": 1, "relu2": 2, "gelu_new": 3}
+ACTS = {"silu": 0, "gelu_tanh": 1, "relu2": 2, "gelu_new": 3, "gelu": 4}
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,8 @@ class DecodeOptions:
     R+'s q and k norms per head, each head by weights of its own (the stacks [n_slots + 1, heads · head_dim]);
     `norm_plus_one`, Nemotron's LayerNorm1P (with `layer_norm`: × round(w + 1) in place of w); `qk_after_rope`,
     Hunyuan's per-head q and k norms after the rope, not before; `sublayers_first`, Phi's parallel block
-    ((attention + MLP) + x, with `parallel`); `clip_qkv`, OLMo 1's and OLMoE's clipping of q, k and v to
+    ((attention + MLP) + x, with `parallel`); `parallel_mlp_norm`, GPT-NeoX's parallel block, whose MLP reads its own
+    norm of the block's input (the layer's second norm stack; with `parallel` and `sublayers_first`); `clip_qkv`, OLMo 1's and OLMoE's clipping of q, k and v to
     ±clip_qkv before the heads are split (after `qk_full`'s norms; None: none)."""
 
     gemma: bool = False
@@ -165,6 +167,7 @@ class DecodeOptions:
     norm_plus_one: bool = False
     qk_after_rope: bool = False
     sublayers_first: bool = False
+    parallel_mlp_norm: bool = False
     clip_qkv: float | None = None
 
     def __post_init__(self):
@@ -174,6 +177,8 @@ class DecodeOptions:
             raise ValueError("norm_plus_one is a LayerNorm's (Nemotron's LayerNorm1P): it needs layer_norm")
         if self.sublayers_first and not self.parallel:
             raise ValueError("sublayers_first orders a parallel block's sums (Phi's): it needs parallel")
+        if self.parallel_mlp_norm and not self.sublayers_first:
+            raise ValueError("parallel_mlp_norm is GPT-NeoX's block, (attention + MLP) + x: it needs sublayers_first")
         if self.clip_qkv is not None and not self.clip_qkv > 0:
             raise ValueError(f"clip_qkv must be positive or None, got {self.clip_qkv}")
 
@@ -329,8 +334,16 @@ def _check(layers: list[DecodeLayer], shape: DecodeShape, dtype: torch.dtype, op
             if not ok:
                 raise ValueError(f"layer {i}, group {g}: tensors do not fit a [{d_out}, {d_in}] {dtype} projection")
         if options.parallel:
-            if len(L.norms) not in (2, 4) or L.norms[0] is None or any(n is not None for n in L.norms[1:]):
-                raise ValueError(f"layer {i}: a parallel block's layer has its input norm alone")
+            mlp_norm = [L.norms[1]] if options.parallel_mlp_norm and len(L.norms) > 1 else [None]
+            if (
+                len(L.norms) not in (2, 4)
+                or L.norms[0] is None
+                or (mlp_norm[0] is None) == options.parallel_mlp_norm
+                or any(n is not None for n in L.norms[2:])
+            ):
+                raise ValueError(
+                    f"layer {i}: a parallel block's layer has its input norm alone (GPT-NeoX's: and the MLP's, second)"
+                )
         elif len(L.norms) not in (2, 4) or L.norms[1] is None or (L.norms[0] is None and len(L.norms) == 2):
             raise ValueError(
                 f"layer {i}: 2 norm stacks, or 4 with the sandwich's or the post-norms' (None where absent)"
@@ -674,6 +687,7 @@ class DecodeLayers:
             int(op.qk_after_rope),
             int(op.sublayers_first),
             op.clip_qkv or 0.0,
+            int(op.parallel_mlp_norm),
         )
         rs, wr = _slots32(row_slot), _ints(write_rows, torch.int64)
         if rope_rows is None:

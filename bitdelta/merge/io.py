@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from bitdelta.arch import implied_tensors
-from bitdelta.checkpoint import SIDE_FILES, is_implied, read_config
+from bitdelta.checkpoint import SIDE_FILES, is_implied, read_config, stored_form
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 
@@ -39,10 +39,22 @@ class ShardedWriter:
         self._total = 0
         self._config = read_config(self.config_from)
         self._implied = implied_tensors(self._config)  # OLMo 1's norm weights: never written
+        self._form = stored_form(self._config)  # GPT-NeoX's names and fused q, k, v
+        self._parts: dict[str, torch.Tensor] = {}  # a fused tensor's parts until all are in
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if is_implied(name, tensor, self._config, self._implied):
             return
+        if self._form is None:
+            self._add(name, tensor)
+            return
+        parts = self._form.fused_parts(name)
+        self._parts[name] = tensor
+        if all(p in self._parts for p in parts):
+            for stored, t in self._form.to_stored({p: self._parts.pop(p) for p in parts}).items():
+                self._add(stored, t)
+
+    def _add(self, name: str, tensor: torch.Tensor) -> None:
         t = tensor.detach().contiguous()
         size = t.numel() * t.element_size()
         if self._pending and self._pending_bytes + size > self.max:
@@ -59,6 +71,8 @@ class ShardedWriter:
 
     def close(self, config: dict | None = None) -> Path:
         try:
+            if self._parts:
+                raise ValueError(f"{min(self._parts)}: the checkpoint stores it fused with parts never added")
             if self._pending or not self._shards:
                 self._flush()
             n = len(self._shards)

@@ -32,8 +32,8 @@ typedef struct {
 typedef struct {
     int32_t gemma;         /* Gemma's RMSNorm: round(x · rsqrt(mean(x²) + eps) · (1 + w)), in fp32, and the
                             * embeddings of token ids × round(embed_scale) */
-    int32_t act;           /* the MLP's gate: ACT_SILU, ACT_GELU_TANH (GELU's tanh form), ACT_RELU2 (relu²) or
-                            * ACT_GELU_NEW (Phi's gelu_new, op by op) */
+    int32_t act;           /* the MLP's gate: ACT_SILU, ACT_GELU_TANH (GELU's tanh form), ACT_RELU2 (relu²),
+                            * ACT_GELU_NEW (Phi's gelu_new, op by op) or ACT_GELU (GPT-NeoX's exact GELU) */
     float embed_scale;
     float attn_softcap;    /* > 0: each score capped (bd_paged_decode's softcap) */
     const void *local_cos, *local_sin; /* the local layers' tables: rope_dtype, rows as rope_rows' */
@@ -53,10 +53,12 @@ typedef struct {
     int32_t qk_after_rope; /* Hunyuan: the per-head q and k norms after the rope, not before */
     int32_t sublayers_first; /* Phi: a parallel block's attention and MLP outputs added first, then to x */
     float clip_qkv;        /* OLMo 1, OLMoE: > 0: q, k, v clamped to ±clip_qkv (after qk_full's norms) */
+    int32_t parallel_mlp_norm; /* GPT-NeoX: a parallel block's MLP reads norm[1] of the block's input (with
+                                * sublayers_first) */
 } bd_decode_opts;
 
 /* The MLP's gate activation (bd_decode_opts.act). */
-enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_RELU2 = 2, ACT_GELU_NEW = 3 };
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_RELU2 = 2, ACT_GELU_NEW = 3, ACT_GELU = 4 };
 
 /* How a norm rounds (norm_row): Llama's, Gemma's (1 + w, once), OLMo 2's (w, once) or a LayerNorm
  * (Cohere's, StableLM's: the mean subtracted, then as OLMo 2's, a bias added before the rounding;
@@ -275,6 +277,8 @@ static inline float act_one(int kind, float g, int dtype) {
         const float r = g < 0.f ? 0.f : g; /* a NaN g stays NaN */
         return round_to(dtype, r * r);
     }
+    case ACT_GELU:
+        return round_to(dtype, 0.5f * g * (1.f + erff(g * 0.7071067811865476f)));
     case ACT_GELU_NEW: {
         const float cube = round_to(dtype, round_to(dtype, g * g) * g);
         const float y = round_to(dtype, GELU_BETA * round_to(dtype, g + round_to(dtype, GELU_KAPPA * cube)));
@@ -319,7 +323,7 @@ static void gate_mul(const float *gu, int64_t B, int64_t F, int dtype, int gated
         float *ab = act + b * F;
         int64_t k = 0;
 #if defined(__AVX512F__) || defined(__AVX2__)
-        for (; k + LANES <= F; k += LANES) {
+        for (; kind != ACT_GELU && k + LANES <= F; k += LANES) { /* the exact GELU: erff, one value at a time */
             const vf a = act_vec(kind, V_LOAD(gb + k), dtype);
             V_STORE(ab + k, gated ? round_vec(dtype, V_MUL(a, V_LOAD(ub + k))) : a);
         }
@@ -598,6 +602,8 @@ int bd_decode_layers(const bd_decode_layer *layers, int64_t n_layers, int64_t n_
         round_all(att, B * HD, dtype);
         if ((rc = decode_proj(L, 1, att, B, HD, D, dtype, row_slot, slots, P, any_delta, one_pass, LOW(1), o, n_threads))) break;
         if (o_->parallel) { /* Cohere: h still holds the input norm's output, the MLP's input */
+            if (o_->parallel_mlp_norm) /* GPT-NeoX: the MLP's own norm of the block's input (x as it came) */
+                decode_norm(x, L->norm[1], L->norm_bias[1], row_slot, B, D, eps, dtype, style, h);
             if (!o_->sublayers_first) /* Phi's: o kept, added to the MLP's output below */
                 residual_add(x, o, B * D, dtype, rm);
         }

@@ -1168,9 +1168,10 @@ class ModelRunner:
             rope_fp32=a.rope.fp32,
             layer_norm=a.family.layer_norm,
             parallel=a.parallel,
+            parallel_mlp_norm=a.parallel and a.family.parallel_mlp_norm,
             ungated=a.family.ungated_mlp is not None,
             norm_plus_one=a.family.norm_plus_one,
-            sublayers_first=a.family.sublayers_first,
+            sublayers_first=a.parallel and a.family.sublayers_first,
             clip_qkv=a.clip_qkv,
         )
         return DecodeLayers(
@@ -1243,6 +1244,8 @@ class ModelRunner:
                 q = q * m.q_temperature
             att = self._linear(self._attention(q, k, v, i, m).reshape(N, H * hd), i, "o", m)
             if a.parallel:  # Cohere, StableLM's parallel residual: the MLP reads the attention's input
+                if mlp_in is not None:  # GPT-NeoX's: its own norm of the block's input
+                    h = norm(x, mlp_in)
                 if not a.family.sublayers_first:  # Phi's: (attention + MLP) + x, below
                     x = x + att
             elif attn_out is not None:  # Gemma 2/3, GLM-4, OLMo 2/3: the attention's output normed, then the

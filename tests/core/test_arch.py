@@ -109,7 +109,7 @@ def test_fields_that_would_change_the_model_are_refused(bases):
         "'num_local_experts'": {"num_local_experts": 8},
         "'quantization_config'": {"quantization_config": {"quant_method": "awq"}},
         "'final_logit_softcapping'": {"final_logit_softcapping": 30.0},
-        "hidden_act 'gelu'": {"hidden_act": "gelu"},
+        "hidden_act 'quick_gelu'": {"hidden_act": "quick_gelu"},
         "partial_rotary_factor": {"partial_rotary_factor": 0.5},  # Llama does not read it
         "rope type 'mrope'": {"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4}},
         "mrope_section": {"rope_parameters": {**llama["rope_parameters"], "mrope_section": [2, 1, 1]}},
@@ -615,6 +615,67 @@ def test_olmo_norms_are_ones_no_checkpoint_stores(tmp_path, bases):
         with pytest.raises(UnsupportedModel, match="clip_qkv"):
             ModelArgs.from_hf({**cfg, "clip_qkv": clip})
     assert ModelArgs.from_hf({**cfg, "clip_qkv": None}).clip_qkv is None
+
+
+def test_gpt_neox_checkpoints_read_and_write_in_their_own_names(tmp_path, bases):
+    """GPT-NeoX's checkpoints read under the canonical names: q, k and v as the rows of the fused,
+    head-interleaved query_key_value ([heads, 3, head_dim]; a tensor-parallel rank's rows of them read from
+    the file), `gpt_neox.` as `model.`, `embed_in`/`embed_out` as the embedding and the head; an old
+    checkpoint's buffers not read; every writer writes the stored form back bit for bit (a fused tensor with
+    a part missing refused); rotary_pct and rotary_emb_base read as transformers reads them; a head_dim or a
+    num_key_value_heads that transformers' GPT-NeoX would not honour refused."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from bitdelta.checkpoint import CheckpointReader, save_checkpoint
+    from bitdelta.merge.io import ShardedWriter
+
+    cfg = read_config(bases["gpt-neox"])
+    a = ModelArgs.from_hf(cfg)
+    assert (a.parallel, a.act, a.rope.dim, a.n_kv_heads, a.head_dim) == (True, "gelu", 4, 4, 8)
+    assert a.norm_roles() == ("input_layernorm", None, "post_attention_layernorm", None)
+    assert not ModelArgs.from_hf(read_config(bases["gpt-neox-seq"])).parallel
+    with safe_open(str(bases["gpt-neox"] / "model.safetensors"), "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    qkv = stored["gpt_neox.layers.1.attention.query_key_value.weight"].view(4, 3, 8, 32)
+    with CheckpointReader(bases["gpt-neox"]) as r:
+        assert "model.layers.1.self_attn.k_proj.weight" in r and "gpt_neox.embed_in.weight" not in r
+        assert torch.equal(r.get("model.layers.1.self_attn.k_proj.weight"), qkv[:, 1].reshape(32, 32))
+        assert torch.equal(r.get("model.embed_tokens.weight"), stored["gpt_neox.embed_in.weight"])
+        assert torch.equal(r.get("lm_head.weight"), stored["embed_out.weight"])
+        assert r.shape("model.layers.1.self_attn.v_proj.bias") == [32]
+        part = r.get_part("model.layers.1.self_attn.v_proj.weight", rows=((8, 24),), cols=(4, 20))
+        assert torch.equal(part, qkv[1:3, 2, :, 4:20].reshape(16, 16))  # heads 1 and 2 of v
+        state = dict(r)
+    assert not any(k.startswith(("gpt_neox.", "embed_")) for k in state)
+    out = save_checkpoint(state, tmp_path / "again", cfg, side_files_from=bases["gpt-neox"])
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(stored) and all(torch.equal(f.get_tensor(k), stored[k]) for k in stored)
+    w = ShardedWriter(tmp_path / "merged", bases["gpt-neox"])
+    for k, t in state.items():
+        w.add(k, t)
+    with safe_open(str(w.close() / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(stored)
+    w = ShardedWriter(tmp_path / "half", bases["gpt-neox"])
+    w.add("model.layers.0.self_attn.q_proj.weight", state["model.layers.0.self_attn.q_proj.weight"])
+    with pytest.raises(ValueError, match="q_proj.weight: the checkpoint stores it fused"):
+        w.close()
+    with pytest.raises(ValueError, match="k_proj.weight: GPT-NeoX stores q, k and v fused"):
+        save_checkpoint({"model.layers.0.self_attn.q_proj.weight": torch.zeros(32, 32)}, tmp_path / "q", cfg)
+    old = tmp_path / "old"  # an old checkpoint's buffers beside the weights
+    save_checkpoint(state, old, cfg, side_files_from=bases["gpt-neox"])
+    buffers = {
+        f"gpt_neox.layers.0.attention.{b}": torch.ones(2) for b in ("bias", "masked_bias", "rotary_emb.inv_freq")
+    }
+    save_file({**stored, **buffers}, str(old / "model.safetensors"))
+    with CheckpointReader(old) as r:
+        assert sorted(r.keys()) == sorted(state)
+    legacy = {k: v for k, v in cfg.items() if k != "rope_parameters"} | {"rotary_pct": 0.5, "rotary_emb_base": 10000}
+    assert ModelArgs.from_hf(legacy) == a
+    for key, value in (("head_dim", 16), ("num_key_value_heads", 2)):
+        with pytest.raises(UnsupportedModel, match=key):
+            ModelArgs.from_hf({**cfg, key: value})
+    assert ModelArgs.from_hf({**cfg, "head_dim": 8, "num_key_value_heads": 4}) == a
 
 
 def test_starcoder2_configs_as_transformers_reads_them(bases):

@@ -53,6 +53,7 @@ BASES = (
     "starcoder2",
     "cohere2",
     "phi",
+    "gpt-neox",
 )
 
 
@@ -129,6 +130,13 @@ ADAPTERS = {
         "phi",
         dict(target_modules=["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"], modules_to_save=["lm_head"]),
         {HEAD, "lm_head.bias"},
+    ),
+    # GPT-NeoX's fused, head-interleaved query_key_value: its B's rows split into q, k and v (one A), and the
+    # trained biases (the fused one's split too)
+    "neox_fused": (
+        "gpt-neox",
+        dict(target_modules=["query_key_value", "dense", "dense_4h_to_h"], bias="lora_only"),
+        each_layer(*(f"self_attn.{p}_proj.bias" for p in "qkv"), "self_attn.dense.bias", "mlp.dense_4h_to_h.bias"),
     ),
 }
 

@@ -141,6 +141,14 @@ def hf_config(name: str):
     if name == "olmo":  # OLMo 1: LayerNorms without parameters (none stored), q, k and v clipped to ±1 (a third
         # of this model's values)
         return tf.OlmoConfig(**COMMON, clip_qkv=1.0)
+    if name in ("gpt-neox", "gpt-neox-seq"):  # stored fused and head-interleaved under its own names; LayerNorms
+        # with biases, the exact GELU, half of each 8-wide head rotating (rotary_pct); a parallel block whose MLP
+        # reads its own norm, or (-seq) Llama's sequential layer with unbiased attention (a wider MLP: with 48
+        # columns this seed's greedy tokens repeat one word)
+        seq = name == "gpt-neox-seq"
+        common = {k: v for k, v in COMMON.items() if k != "num_key_value_heads"}  # no grouped KV
+        common |= {"intermediate_size": 64} if seq else {}
+        return tf.GPTNeoXConfig(**common, rotary_pct=0.5, use_parallel_residual=not seq, attention_bias=not seq)
     if name == "olmo2":  # norms after the sublayers only, q and k normed whole
         return tf.Olmo2Config(**COMMON)
     if name == "olmo2-1kv":  # one KV head (on two tensor-parallel ranks: replicated, its k counted once)
@@ -278,6 +286,8 @@ FAMILY_MEMBERS = (
     "hunyuan",
     "phi",
     "olmo",
+    "gpt-neox",
+    "gpt-neox-seq",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa", "stablelm-parallel")
 
