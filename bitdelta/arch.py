@@ -64,6 +64,7 @@ SUPPORTED = (
     "hunyuan_v1_dense",
     "phi",
     "gpt_neox",
+    "falcon",
 )
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -140,8 +141,8 @@ class Family:
     # GPT-NeoX: a parallel block's MLP reads its own norm of the block's input (post_attention_layernorm), not the
     # attention's input norm
     parallel_mlp_norm: bool = False
-    # how the family's checkpoints name and fuse the tensors (bitdelta.checkpoint.STORED_FORMS; None: as the
-    # canonical names, `model.layers.N.self_attn.q_proj.weight`, ...)
+    # how the family's checkpoints name and fuse the tensors (bitdelta.checkpoint.stored_form: "gpt_neox",
+    # "falcon"; None: as the canonical names, `model.layers.N.self_attn.q_proj.weight`, ...)
     stored_form: str | None = None
     # a sandwich layer's norms (Family.sandwich): of the attention's output, of the MLP's input, of the MLP's output
     sandwich_names: tuple[str, str, str] = (
@@ -499,6 +500,38 @@ FAMILIES: dict[str, Family] = {
         parallel_mlp_norm=True,
         stored_form="gpt_neox",
     ),
+    # Falcon (TII: Falcon-7B, -40B, -180B, Falcon 2 11B and their fine-tunes; not Falcon 3, which is Llama's): stored
+    # under its own names, q/k/v fused as its layout says (multi_query: all q heads, one k, one v; the new decoder
+    # architecture: grouped per KV head; else per head), LayerNorms with biases (layer_norm_epsilon), an ungated
+    # MLP dense_h_to_4h -> GELU (exact; `activation`) -> dense_4h_to_h of ffn_hidden_size (4 × hidden by default),
+    # a parallel block where parallel_attn (its default) under one norm, or two (ln_attn, ln_mlp) where the new
+    # architecture has num_ln_in_parallel_attn 2 (its default), ((MLP + attention) + x); a tied head by default
+    "falcon": Family(
+        "falcon",
+        False,
+        False,
+        False,
+        frozenset(
+            {
+                "layer_norm_epsilon",
+                "alibi",
+                "bias",
+                "multi_query",
+                "new_decoder_architecture",
+                "parallel_attn",
+                "num_kv_heads",
+                "num_ln_in_parallel_attn",
+            }
+        ),
+        layer_norm=True,
+        norm_bias=True,
+        ungated_mlp=("dense_h_to_4h", "dense_4h_to_h"),
+        norm_eps_field="layer_norm_epsilon",
+        o_name="dense",
+        final_norm="ln_f",
+        sublayers_first=True,
+        stored_form="falcon",
+    ),
     # Arcee (AFM-4.5B): Llama's layer with an ungated MLP up_proj -> relu² -> down_proj
     "arcee": Family(
         "arcee", False, False, False, frozenset({"attention_bias", "mlp_bias"}), ungated_mlp=("up_proj", "down_proj")
@@ -546,6 +579,15 @@ FAMILIES: dict[str, Family] = {
 ALIASES: dict[str, dict[str, str]] = {
     "internlm3": {"qkv_bias": "attention_bias", "bias": "mlp_bias"},
     "gpt_neox": {"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},  # its configs' spellings
+    # Falcon's (and its first configs' n_embed, n_head, n_layer, n_head_kv)
+    "falcon": {
+        "activation": "hidden_act",
+        "ffn_hidden_size": "intermediate_size",
+        "n_embed": "hidden_size",
+        "n_head": "num_attention_heads",
+        "n_layer": "num_hidden_layers",
+        "n_head_kv": "num_kv_heads",
+    },
 }
 # Fields of a family's original release that transformers does not read, each accepted only where its
 # value is what transformers' model does anyway (field -> (does the value agree, what transformers does)):
@@ -578,6 +620,8 @@ AGREEING_FIELDS: dict[str, dict[str, tuple[Callable[[object, dict], bool], str]]
         ),
         "num_key_value_heads": (lambda v, c: v == c["num_attention_heads"], "num_attention_heads (no grouped KV)"),
     },
+    # TII's own Falcon code read it; transformers' Falcon adds the residual to the layer's input, not its norm's output
+    "falcon": {"apply_residual_connection_post_layernorm": (lambda v, c: v is False, "false")},
     # OLMo 1's LayerNorms take eps 1e-5 whatever the config says (transformers' OlmoLayerNorm)
     "olmo": {"rms_norm_eps": (lambda v, c: v == 1e-5, "1e-5 (OLMo's LayerNorms have a fixed eps)")},
     "cohere2": {
@@ -976,6 +1020,21 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "use_parallel_residual": True,
         "attention_bias": True,
     },
+    "falcon": {
+        "vocab_size": 65024,
+        "hidden_size": 4544,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 71,
+        "hidden_act": "gelu",
+        "max_position_embeddings": 2048,
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": True,
+        "alibi": False,
+        "bias": False,
+        "multi_query": True,
+        "new_decoder_architecture": False,
+        "parallel_attn": True,
+    },
     "arcee": {
         "vocab_size": 32000,
         "hidden_size": 2560,
@@ -1330,6 +1389,9 @@ class ModelArgs:
     # Command R+'s use_qk_norm: q and k normed per head as Qwen3's, but each head by weights of its own
     # (self_attn.q_norm [heads, head_dim], k_norm [kv heads, head_dim])
     qk_heads: bool = False
+    # a parallel block whose MLP reads its own norm of the block's input (post_attention_layernorm): GPT-NeoX's
+    # (Family.parallel_mlp_norm), Falcon's new architecture with two norms
+    parallel_mlp_norm: bool = False
     # OLMo 1, OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] (in the model's dtype) before the heads are split,
     # after a whole-projection q/k norm where the family has one (OLMoE's); None: not clipped
     clip_qkv: float | None = None
@@ -1357,6 +1419,8 @@ class ModelArgs:
             )
         if self.family.parallel:
             self.parallel = True
+        if self.family.parallel_mlp_norm:
+            self.parallel_mlp_norm = True
         if self.family.shared_expert != (self.shared_intermediate_size > 0):
             raise ValueError(
                 f"{self.model_type}: a shared expert of {self.shared_intermediate_size} columns does not fit the family"
@@ -1491,7 +1555,7 @@ class ModelArgs:
             return (
                 "input_layernorm",
                 None,
-                "post_attention_layernorm" if self.family.parallel_mlp_norm else None,
+                "post_attention_layernorm" if self.parallel_mlp_norm else None,
                 None,
             )
         if self.family.sandwich:
@@ -1690,6 +1754,8 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
     fam = FAMILIES[model_type]
     cfg = _aliased(cfg, ALIASES.get(model_type, {}))
     cfg = {**FAMILY_DEFAULTS[model_type], **cfg}  # what transformers reads where the file says nothing
+    if model_type == "falcon":
+        cfg = _falcon(cfg)
     for key in ("text_config", "vision_config", "audio_config"):
         if _is_set(cfg.get(key)):
             raise UnsupportedModel(f"config field {key!r}: multimodal models are not supported")
@@ -1783,10 +1849,55 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         temperature_beta=temperature[0],
         temperature_original=temperature[1],
         nope=_nope_layers(cfg, n_layers) if model_type == "smollm3" else _full_layers(cfg, model_type, n_layers),
-        parallel=bool(cfg.get("use_parallel_residual", False)),  # Cohere's: its family's (__post_init__)
+        # Cohere's: its family's (__post_init__); Falcon's parallel_attn
+        parallel=bool(cfg.get("use_parallel_residual", False)) or bool(cfg.get("parallel_attn", False)),
+        parallel_mlp_norm=model_type == "falcon" and bool(cfg["parallel_attn"]) and _falcon_norms(cfg) == 2,
         qk_heads=model_type == "cohere" and bool(cfg["use_qk_norm"]),
         clip_qkv=_positive(cfg, "clip_qkv") if "clip_qkv" in fam.fields else None,
     )
+
+
+def _falcon_norms(cfg: dict) -> int:
+    """How many norms a Falcon layer has (transformers' FalconDecoderLayer): 2 for a parallel block of the new
+    decoder architecture with num_ln_in_parallel_attn 2 (its default there: ln_attn, ln_mlp); else 1 for a
+    parallel block (input_layernorm), 2 for the sequential layer (input_layernorm, post_attention_layernorm)."""
+    if not cfg.get("parallel_attn"):
+        return 2
+    if not cfg.get("new_decoder_architecture"):
+        return 1
+    n = cfg.get("num_ln_in_parallel_attn")
+    return 2 if n is None else int(n)
+
+
+def _falcon(cfg: dict) -> dict:
+    """A Falcon config's KV heads and MLP width as the common fields say them (num_key_value_heads: one for
+    multi_query, num_kv_heads for the new decoder architecture, every head else; intermediate_size: 4 × hidden
+    where ffn_hidden_size is unset); what transformers' Falcon runs otherwise, or this build does not, refused."""
+    if cfg.get("alibi"):
+        raise UnsupportedModel("alibi (Falcon-RW's position biases in place of the rope) is not supported")
+    if cfg.get("bias"):
+        raise UnsupportedModel(
+            "bias: Falcon's biased projections (transformers rounds the product, then adds the bias) are not supported"
+        )
+    if cfg.get("new_decoder_architecture") and not cfg.get("parallel_attn"):
+        raise UnsupportedModel(
+            "new_decoder_architecture without parallel_attn: transformers' Falcon builds no such layer"
+        )
+    if cfg.get("new_decoder_architecture") and cfg.get("parallel_attn") and _falcon_norms(cfg) not in (1, 2):
+        raise UnsupportedModel(f"num_ln_in_parallel_attn {cfg['num_ln_in_parallel_attn']!r}: 1 or 2")
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_kv_heads") or heads
+    kv = kv if cfg.get("new_decoder_architecture") or not cfg.get("multi_query") else 1
+    if cfg.get("num_key_value_heads") not in (None, kv):
+        raise UnsupportedModel(
+            f"num_key_value_heads {cfg['num_key_value_heads']!r}: transformers' Falcon runs {kv} (num_kv_heads, "
+            f"multi_query, new_decoder_architecture)"
+        )
+    return {
+        **cfg,
+        "num_key_value_heads": kv,
+        "intermediate_size": cfg.get("intermediate_size") or 4 * cfg["hidden_size"],
+    }
 
 
 def _aliased(cfg: dict, aliases: dict[str, str]) -> dict:

@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -308,7 +309,7 @@ def _within(runs: Runs, want: Runs) -> Runs:
 
 
 class StoredForm:
-    """How one family's checkpoints name and fuse the canonical tensors (GPT-NeoX's, `GptNeoxForm`): the reader
+    """How one family's checkpoints name and fuse the canonical tensors (GPT-NeoX's and Falcon's, `FusedForm`): the reader
     reads the canonical ones from the stored ones, every writer writes the stored ones."""
 
     def canonical(self, stored: str) -> list[tuple[str, Runs | None]]:
@@ -325,35 +326,48 @@ class StoredForm:
         return (name,)
 
 
-class GptNeoxForm(StoredForm):
-    """GPT-NeoX: `gpt_neox.` for `model.`, `attention` for `self_attn`, `embed_in` and `embed_out` for the
-    embedding and the head, and q, k, v (weights and biases) fused into one `query_key_value` whose rows are
-    head after head, each head's q, k and v rows in turn ([heads, 3, head_dim] flattened). An old
-    checkpoint's buffers (`attention.bias`, `attention.masked_bias`, `attention.rotary_emb.inv_freq`: the
-    causal mask and the rope's frequencies) are not read, as transformers does not read them."""
+@dataclass(frozen=True)
+class FusedForm(StoredForm):
+    """A family whose checkpoints rename the canonical modules and fuse q, k, v (weights and biases) into one
+    `query_key_value`: GPT-NeoX's and Falcon's. Its rows come in `groups` groups, each `heads / groups` q heads,
+    then one k head, then one v head ([groups, heads / groups + 2, head_dim] flattened): head after head,
+    q, k, v in turn, where groups = heads (GPT-NeoX's, Falcon's without multi-query); all q heads, then
+    k, then v, where groups = 1 (Falcon-7B's multi-query); one group per KV head (Falcon-40B's and
+    Falcon 2's). Stored buffers the model does not read (an old checkpoint's causal mask and rope
+    frequencies) are not read, as transformers does not read them."""
 
-    BUFFERS = ("attention.bias", "attention.masked_bias", "attention.rotary_emb.inv_freq")
-    RENAMES = (("gpt_neox.embed_in.", "model.embed_tokens."), ("embed_out.", "lm_head."), ("gpt_neox.", "model."))
-
-    def __init__(self, heads: int, head_dim: int):
-        self.heads, self.hd = heads, head_dim
+    heads: int
+    groups: int
+    head_dim: int
+    layers: str  # the stored prefix of layer N's modules, "gpt_neox.layers." (then N.)
+    attention: str  # the attention's module inside a layer ("attention.", Falcon's "self_attention.")
+    renames: tuple[tuple[str, str], ...]  # (stored prefix, canonical prefix) outside the layers, first match
+    norms: tuple[tuple[str, str], ...] = ()  # (stored, canonical) norm modules inside a layer (Falcon's ln_attn)
+    buffers: tuple[str, ...] = ()  # stored names inside a layer that are not read
 
     def _runs(self, part: int) -> Runs:
-        step = 3 * self.hd
-        return tuple((h * step + part * self.hd, h * step + (part + 1) * self.hd) for h in range(self.heads))
+        per = self.heads // self.groups  # q heads of a group
+        step, hd = (per + 2) * self.head_dim, self.head_dim
+        lo, hi = (0, per * hd) if part == 0 else ((per + part - 1) * hd, (per + part) * hd)
+        return tuple((g * step + lo, g * step + hi) for g in range(self.groups))
 
     def canonical(self, stored: str) -> list[tuple[str, Runs | None]]:
-        layer = re.fullmatch(r"gpt_neox\.layers\.(\d+)\.(.+)", stored)
+        layer = re.fullmatch(re.escape(self.layers) + r"(\d+)\.(.+)", stored)
         if layer is not None:
             i, rest = layer.groups()
-            if rest in self.BUFFERS:
+            if rest in self.buffers:
                 return []
-            fused = re.fullmatch(r"attention\.query_key_value\.(weight|bias)", rest)
+            fused = re.fullmatch(re.escape(self.attention) + r"query_key_value\.(weight|bias)", rest)
             if fused is not None:
                 pre = f"model.layers.{i}.self_attn"
                 return [(f"{pre}.{p}_proj.{fused[1]}", self._runs(j)) for j, p in enumerate("qkv")]
-            return [(f"model.layers.{i}.{rest.replace('attention.', 'self_attn.', 1)}", None)]
-        for old, new in self.RENAMES:
+            if rest.startswith(self.attention):
+                rest = "self_attn." + rest[len(self.attention) :]
+            for old, new in self.norms:
+                if rest.startswith(old + "."):
+                    rest = new + rest[len(old) :]
+            return [(f"model.layers.{i}.{rest}", None)]
+        for old, new in self.renames:
             if stored.startswith(old):
                 return [(new + stored[len(old) :], None)]
         return [(stored, None)]
@@ -365,14 +379,21 @@ class GptNeoxForm(StoredForm):
     def _stored_name(self, name: str) -> str:
         layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
         if layer is not None:
-            return f"gpt_neox.layers.{layer[1]}.{layer[2].replace('self_attn.', 'attention.', 1)}"
-        for old, new in self.RENAMES:
+            rest = layer[2]
+            if rest.startswith("self_attn."):
+                rest = self.attention + rest[len("self_attn.") :]
+            for old, new in self.norms:
+                if rest.startswith(new + "."):
+                    rest = old + rest[len(new) :]
+            return f"{self.layers}{layer[1]}.{rest}"
+        for old, new in self.renames:
             if name.startswith(new):
                 return old + name[len(new) :]
         return name
 
     def to_stored(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
+        per = self.heads // self.groups
         for name, t in state.items():
             parts = self.fused_parts(name)
             if parts == (name,):
@@ -380,10 +401,14 @@ class GptNeoxForm(StoredForm):
             elif name == parts[0]:
                 missing = [p for p in parts if p not in state]
                 if missing:
-                    raise ValueError(f"{missing[0]}: GPT-NeoX stores q, k and v fused; all three are needed")
-                q, k, v = (state[p].reshape(self.heads, self.hd, *state[p].shape[1:]) for p in parts)
-                fused = torch.stack([q, k, v], dim=1).reshape(3 * self.heads * self.hd, *q.shape[2:])
-                out[self._stored_name(name).replace("attention.q_proj", "attention.query_key_value")] = fused
+                    raise ValueError(f"{missing[0]}: this family stores q, k and v fused; all three are needed")
+                q, k, v = (state[p] for p in parts)
+                rest = q.shape[1:]
+                grouped = [q.reshape(self.groups, per, self.head_dim, *rest)]
+                grouped += [x.reshape(self.groups, 1, self.head_dim, *rest) for x in (k, v)]
+                fused = torch.cat(grouped, dim=1).reshape(-1, *rest)
+                stored = self._stored_name(name).replace(f"{self.attention}q_proj", f"{self.attention}query_key_value")
+                out[stored] = fused
         return out
 
 
@@ -395,4 +420,26 @@ def stored_form(cfg: dict) -> StoredForm | None:
     if fam is None or fam.stored_form is None:
         return None
     a = ModelArgs.from_hf(cfg)
-    return GptNeoxForm(a.n_heads, a.head_dim)
+    if fam.stored_form == "gpt_neox":
+        return FusedForm(
+            a.n_heads,
+            a.n_heads,
+            a.head_dim,
+            "gpt_neox.layers.",
+            "attention.",
+            (("gpt_neox.embed_in.", "model.embed_tokens."), ("embed_out.", "lm_head."), ("gpt_neox.", "model.")),
+            buffers=("attention.bias", "attention.masked_bias", "attention.rotary_emb.inv_freq"),
+        )
+    # Falcon: its q/k/v groups are its KV heads (one for multi-query), but for the old layer without
+    # multi-query, whose heads each hold their q, k, v; a parallel block's two norms stored as ln_attn, ln_mlp
+    per_head = not cfg.get("new_decoder_architecture") and not cfg.get("multi_query", True)
+    two = (("ln_attn", "input_layernorm"), ("ln_mlp", "post_attention_layernorm"))
+    return FusedForm(
+        a.n_heads,
+        a.n_heads if per_head else a.n_kv_heads,
+        a.head_dim,
+        "transformer.h.",
+        "self_attention.",
+        (("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.", "model.")),
+        norms=two if a.parallel_mlp_norm else (),
+    )

@@ -1168,7 +1168,7 @@ class ModelRunner:
             rope_fp32=a.rope.fp32,
             layer_norm=a.family.layer_norm,
             parallel=a.parallel,
-            parallel_mlp_norm=a.parallel and a.family.parallel_mlp_norm,
+            parallel_mlp_norm=a.parallel and a.parallel_mlp_norm,
             ungated=a.family.ungated_mlp is not None,
             norm_plus_one=a.family.norm_plus_one,
             sublayers_first=a.parallel and a.family.sublayers_first,

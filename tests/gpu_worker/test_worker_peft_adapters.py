@@ -54,6 +54,7 @@ BASES = (
     "cohere2",
     "phi",
     "gpt-neox",
+    "falcon-7b",
 )
 
 
@@ -133,6 +134,8 @@ ADAPTERS = {
     ),
     # GPT-NeoX's fused, head-interleaved query_key_value: its B's rows split into q, k and v (one A), and the
     # trained biases (the fused one's split too)
+    # Falcon-7B's multi-query query_key_value (all q heads, then one k, one v): B's rows split the same way
+    "falcon_fused": ("falcon-7b", dict(target_modules=["query_key_value", "dense_h_to_4h"]), set()),
     "neox_fused": (
         "gpt-neox",
         dict(target_modules=["query_key_value", "dense", "dense_4h_to_h"], bias="lora_only"),

@@ -149,6 +149,17 @@ def hf_config(name: str):
         common = {k: v for k, v in COMMON.items() if k != "num_key_value_heads"}  # no grouped KV
         common |= {"intermediate_size": 64} if seq else {}
         return tf.GPTNeoXConfig(**common, rotary_pct=0.5, use_parallel_residual=not seq, attention_bias=not seq)
+    if name.startswith("falcon"):  # stored fused under its own names; LayerNorms with biases, the exact GELU, a tied
+        # head. -7b: multi-query (all q heads, then one k, one v), a parallel block under one norm; -40b: the new
+        # decoder architecture, q/k/v grouped per KV head (2), its parallel block's two norms (ln_attn, ln_mlp);
+        # -seq: every head its own q, k, v, the sequential layer, an untied head
+        common = {k: v for k, v in COMMON.items() if k not in ("num_key_value_heads", "intermediate_size")}
+        layout = {
+            "falcon-7b": dict(multi_query=True),
+            "falcon-40b": dict(new_decoder_architecture=True, num_kv_heads=2),
+            "falcon-seq": dict(multi_query=False, parallel_attn=False, tie_word_embeddings=False),
+        }[name]
+        return tf.FalconConfig(**common, ffn_hidden_size=48, **layout)
     if name == "olmo2":  # norms after the sublayers only, q and k normed whole
         return tf.Olmo2Config(**COMMON)
     if name == "olmo2-1kv":  # one KV head (on two tensor-parallel ranks: replicated, its k counted once)
@@ -288,6 +299,9 @@ FAMILY_MEMBERS = (
     "olmo",
     "gpt-neox",
     "gpt-neox-seq",
+    "falcon-7b",
+    "falcon-40b",
+    "falcon-seq",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa", "stablelm-parallel")
 
