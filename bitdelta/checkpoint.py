@@ -89,7 +89,7 @@ class CheckpointReader:
     model_type in bitdelta.arch.TEXT_MODELS) reads as its text model's causal LM: its tensors under
     that model's names (`TEXT_MODEL_PREFIXES`), the vision tower's and projector's left out.
 
-    A family whose checkpoints name or fuse tensors their own way (GPT-NeoX: `StoredForm`) reads under
+    A family whose checkpoints name or fuse tensors their own way (GPT-NeoX's and Falcon's: `stored_form`) reads under
     the canonical names every other part of the system uses (`model.layers.N.self_attn.q_proj.weight`,
     ...), a fused tensor's parts as rows of it.
 
@@ -259,7 +259,7 @@ def save_checkpoint(
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         state = _without_implied(state, config)
         form = stored_form(config)
-        if form is not None:  # GPT-NeoX's names, its q, k and v fused again
+        if form is not None:  # GPT-NeoX's and Falcon's names, their q, k and v fused again
             state = form.to_stored(state)
         if generation_config is not None:
             (tmp / "generation_config.json").write_text(json.dumps(generation_config, indent=2))

@@ -39,7 +39,7 @@ class ShardedWriter:
         self._total = 0
         self._config = read_config(self.config_from)
         self._implied = implied_tensors(self._config)  # OLMo 1's norm weights: never written
-        self._form = stored_form(self._config)  # GPT-NeoX's names and fused q, k, v
+        self._form = stored_form(self._config)  # GPT-NeoX's and Falcon's names and fused q, k, v
         self._parts: dict[str, torch.Tensor] = {}  # a fused tensor's parts until all are in
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
