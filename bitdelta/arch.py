@@ -1883,8 +1883,14 @@ def _falcon(cfg: dict) -> dict:
         raise UnsupportedModel(
             "new_decoder_architecture without parallel_attn: transformers' Falcon builds no such layer"
         )
-    if cfg.get("new_decoder_architecture") and cfg.get("parallel_attn") and _falcon_norms(cfg) not in (1, 2):
-        raise UnsupportedModel(f"num_ln_in_parallel_attn {cfg['num_ln_in_parallel_attn']!r}: 1 or 2")
+    n = cfg.get("num_ln_in_parallel_attn")
+    if n is not None and (isinstance(n, bool) or n not in (1, 2)):
+        raise UnsupportedModel(f"num_ln_in_parallel_attn {n!r}: 1 or 2")
+    if n == 2 and cfg.get("parallel_attn") and not cfg.get("new_decoder_architecture"):
+        raise UnsupportedModel(
+            "num_ln_in_parallel_attn 2 without new_decoder_architecture: transformers' Falcon builds the two norms "
+            "but runs the one norm it did not build"
+        )
     heads = cfg["num_attention_heads"]
     kv = cfg.get("num_kv_heads") or heads
     kv = kv if cfg.get("new_decoder_architecture") or not cfg.get("multi_query") else 1

@@ -402,10 +402,10 @@ class Block(nn.Module):
         att = self.self_attn(h, cos, sin, pos)
         ffn = getattr(self, self.ffn)
         if a.parallel:  # Cohere, StableLM's parallel residual: the MLP reads the attention's input; x + attention + MLP
-            y = ffn(h if mlp_in is None else mlp_in(x))  # GPT-NeoX's: its own norm of x
-            return (
-                x + (att + y) if a.family.sublayers_first else x + att + y
-            )  # Phi's, GPT-NeoX's: (attention + MLP) + x
+            y = ffn(h if mlp_in is None else mlp_in(x))  # GPT-NeoX's MLP: its own norm of x
+            if a.family.sublayers_first:  # Phi's, GPT-NeoX's, Falcon's: (attention + MLP) + x
+                return x + (att + y)
+            return x + att + y
         if attn_out is None:  # Llama's layer
             x = residual(a, x, att)
             return residual(a, x, ffn(mlp_in(x)))

@@ -144,9 +144,10 @@ class DecodeOptions:
     R+'s q and k norms per head, each head by weights of its own (the stacks [n_slots + 1, heads · head_dim]);
     `norm_plus_one`, Nemotron's LayerNorm1P (with `layer_norm`: × round(w + 1) in place of w); `qk_after_rope`,
     Hunyuan's per-head q and k norms after the rope, not before; `sublayers_first`, Phi's parallel block
-    ((attention + MLP) + x, with `parallel`); `parallel_mlp_norm`, GPT-NeoX's parallel block, whose MLP reads its own
-    norm of the block's input (the layer's second norm stack; with `parallel` and `sublayers_first`); `clip_qkv`, OLMo 1's and OLMoE's clipping of q, k and v to
-    ±clip_qkv before the heads are split (after `qk_full`'s norms; None: none)."""
+    ((attention + MLP) + x, with `parallel`); `parallel_mlp_norm`, GPT-NeoX's parallel block, whose MLP reads
+    its own norm of the block's input (the layer's second norm stack; with `parallel` and `sublayers_first`);
+    `clip_qkv`, OLMo 1's and OLMoE's clipping of q, k and v to ±clip_qkv before the heads are split (after
+    `qk_full`'s norms; None: none)."""
 
     gemma: bool = False
     act: str = "silu"
@@ -334,11 +335,11 @@ def _check(layers: list[DecodeLayer], shape: DecodeShape, dtype: torch.dtype, op
             if not ok:
                 raise ValueError(f"layer {i}, group {g}: tensors do not fit a [{d_out}, {d_in}] {dtype} projection")
         if options.parallel:
-            mlp_norm = [L.norms[1]] if options.parallel_mlp_norm and len(L.norms) > 1 else [None]
+            own = L.norms[1] if len(L.norms) > 1 else None  # GPT-NeoX's: the MLP's own norm
             if (
                 len(L.norms) not in (2, 4)
                 or L.norms[0] is None
-                or (mlp_norm[0] is None) == options.parallel_mlp_norm
+                or (own is not None) != options.parallel_mlp_norm
                 or any(n is not None for n in L.norms[2:])
             ):
                 raise ValueError(

@@ -265,8 +265,9 @@ static void residual_add(float *x, const float *o, int64_t n, int dtype, float m
  * formula 0.5 · g · (1 + tanh(√(2/π) · (g + 0.044715 · g³))) in fp32, one rounding; relu² (Nemotron's, Arcee's:
  * relu exact, the square rounded once); gelu_new (Phi's: transformers' NewGELUActivation op by op, each op rounded,
  * round(round(0.5 · g) · round(1 + round(tanh(round(√(2/π) · round(g + round(0.044715 · round(g³)))))))), with
- * round(g³) = round(round(g · g) · g) as torch's pow(g, 3) rounds in bf16). tanh(y) = 1 − 2 / (e^{2y} + 1) in the
- * lanes. */
+ * round(g³) = round(round(g · g) · g) as torch's pow(g, 3) rounds in bf16); the exact GELU (GPT-NeoX's, Falcon's),
+ * 0.5 · g · (1 + erf(g / √2)) in fp32 by libm's erff, one rounding, one value at a time (no lanes' form). tanh(y) =
+ * 1 − 2 / (e^{2y} + 1) in the lanes. */
 #define GELU_BETA 0.7978845608028654f
 #define GELU_KAPPA 0.044715f
 static inline float act_one(int kind, float g, int dtype) {

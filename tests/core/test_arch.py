@@ -720,6 +720,7 @@ def test_falcon_configs_and_checkpoints_as_transformers_reads_them(tmp_path, bas
         "bias": {"bias": True},
         "without parallel_attn": {"parallel_attn": False},
         "num_ln_in_parallel_attn 3": {"num_ln_in_parallel_attn": 3},
+        "num_ln_in_parallel_attn 2 without": {"new_decoder_architecture": False, "num_ln_in_parallel_attn": 2},
         "num_key_value_heads 4": {"num_key_value_heads": 4},
         "apply_residual_connection_post_layernorm": {"apply_residual_connection_post_layernorm": True},
     }
