@@ -65,6 +65,7 @@ SUPPORTED = (
     "phi",
     "gpt_neox",
     "falcon",
+    "gptj",
 )
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -532,6 +533,29 @@ FAMILIES: dict[str, Family] = {
         sublayers_first=True,
         stored_form="falcon",
     ),
+    # GPT-J (EleutherAI: GPT-J-6B and its fine-tunes, GPT4All-J, Dolly v1, Pygmalion-6B): stored under its own
+    # names, q, k, v and out_proj unbiased, Phi's parallel block under one LayerNorm with a bias ((attention + MLP)
+    # + x), an ungated biased MLP fc_in -> gelu_new -> fc_out, GLM's interleaved rope over the first rotary_dim
+    # dims of each head (θ 10⁴), a biased head
+    "gptj": Family(
+        "gptj",
+        False,
+        False,
+        True,
+        frozenset({"layer_norm_epsilon", "attn_pdrop"}),
+        layer_norm=True,
+        parallel=True,
+        norm_bias=True,
+        ungated_mlp=("fc_in", "fc_out"),
+        norm_eps_field="layer_norm_epsilon",
+        o_name="out_proj",
+        final_norm="ln_f",
+        head_bias=True,
+        mlp_biased=True,
+        sublayers_first=True,
+        interleaved_rope=True,
+        stored_form="gptj",
+    ),
     # Arcee (AFM-4.5B): Llama's layer with an ungated MLP up_proj -> relu² -> down_proj
     "arcee": Family(
         "arcee", False, False, False, frozenset({"attention_bias", "mlp_bias"}), ungated_mlp=("up_proj", "down_proj")
@@ -579,6 +603,15 @@ FAMILIES: dict[str, Family] = {
 ALIASES: dict[str, dict[str, str]] = {
     "internlm3": {"qkv_bias": "attention_bias", "bias": "mlp_bias"},
     "gpt_neox": {"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},  # its configs' spellings
+    # GPT-J's (transformers' attribute_map, and its MLP's width and activation)
+    "gptj": {
+        "n_positions": "max_position_embeddings",
+        "n_embd": "hidden_size",
+        "n_head": "num_attention_heads",
+        "n_layer": "num_hidden_layers",
+        "n_inner": "intermediate_size",
+        "activation_function": "hidden_act",
+    },
     # Falcon's (and its first configs' n_embed, n_head, n_layer, n_head_kv)
     "falcon": {
         "activation": "hidden_act",
@@ -1019,6 +1052,17 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "tie_word_embeddings": False,
         "use_parallel_residual": True,
         "attention_bias": True,
+    },
+    "gptj": {
+        "vocab_size": 50400,
+        "max_position_embeddings": 2048,
+        "hidden_size": 4096,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "rotary_dim": 64,
+        "hidden_act": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": False,
     },
     "falcon": {
         "vocab_size": 65024,
@@ -1756,6 +1800,8 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
     cfg = {**FAMILY_DEFAULTS[model_type], **cfg}  # what transformers reads where the file says nothing
     if model_type == "falcon":
         cfg = _falcon(cfg)
+    if model_type == "gptj":
+        cfg = _gptj(cfg)
     for key in ("text_config", "vision_config", "audio_config"):
         if _is_set(cfg.get(key)):
             raise UnsupportedModel(f"config field {key!r}: multimodal models are not supported")
@@ -1855,6 +1901,24 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         qk_heads=model_type == "cohere" and bool(cfg["use_qk_norm"]),
         clip_qkv=_positive(cfg, "clip_qkv") if "clip_qkv" in fam.fields else None,
     )
+
+
+def _gptj(cfg: dict) -> dict:
+    """A GPT-J config's rope and MLP width as the common fields say them: partial_rotary_factor = rotary_dim ÷
+    head_dim (a null rotary_dim, which transformers' GPT-J cannot run unless one head spans the model, refused),
+    intermediate_size 4 × hidden where n_inner is unset; θ is 10⁴, the one its positions' table takes."""
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    dim = cfg.pop("rotary_dim", None)
+    if not isinstance(dim, int) or isinstance(dim, bool) or not 0 < dim <= head_dim:
+        raise UnsupportedModel(f"rotary_dim {dim!r}: GPT-J rotates the first rotary_dim dims of a {head_dim}-wide head")
+    for key in ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "head_dim"):
+        if _is_set(cfg.get(key)):
+            raise UnsupportedModel(f"config field {key!r}: transformers' GPT-J does not read it (its rope is fixed)")
+    return {
+        **cfg,
+        "partial_rotary_factor": dim / head_dim,
+        "intermediate_size": cfg.get("intermediate_size") or 4 * cfg["hidden_size"],
+    }
 
 
 def _falcon_norms(cfg: dict) -> int:

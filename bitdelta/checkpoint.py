@@ -328,13 +328,13 @@ class StoredForm:
 
 @dataclass(frozen=True)
 class FusedForm(StoredForm):
-    """A family whose checkpoints rename the canonical modules and fuse q, k, v (weights and biases) into one
-    `query_key_value`: GPT-NeoX's and Falcon's. Its rows come in `groups` groups, each `heads / groups` q heads,
-    then one k head, then one v head ([groups, heads / groups + 2, head_dim] flattened): head after head,
-    q, k, v in turn, where groups = heads (GPT-NeoX's, Falcon's without multi-query); all q heads, then
-    k, then v, where groups = 1 (Falcon-7B's multi-query); one group per KV head (Falcon-40B's and
-    Falcon 2's). Stored buffers the model does not read (an old checkpoint's causal mask and rope
-    frequencies) are not read, as transformers does not read them."""
+    """A family whose checkpoints rename the canonical modules (GPT-NeoX's, Falcon's, GPT-J's) and may fuse q, k, v
+    (weights and biases) into one `query_key_value`. Its rows come in `groups` groups, each `heads / groups` q
+    heads, then one k head, then one v head ([groups, heads / groups + 2, head_dim] flattened): head after
+    head, q, k, v in turn, where groups = heads (GPT-NeoX's, Falcon's without multi-query); all q heads, then
+    k, then v, where groups = 1 (Falcon-7B's multi-query); one group per KV head (Falcon-40B's and Falcon
+    2's); groups = 0: q, k, v stored apart (GPT-J's). Stored buffers the model does not read (an old
+    checkpoint's causal mask and rope frequencies) are not read, as transformers does not read them."""
 
     heads: int
     groups: int
@@ -358,7 +358,7 @@ class FusedForm(StoredForm):
             if rest in self.buffers:
                 return []
             fused = re.fullmatch(re.escape(self.attention) + r"query_key_value\.(weight|bias)", rest)
-            if fused is not None:
+            if fused is not None and self.groups:
                 pre = f"model.layers.{i}.self_attn"
                 return [(f"{pre}.{p}_proj.{fused[1]}", self._runs(j)) for j, p in enumerate("qkv")]
             if rest.startswith(self.attention):
@@ -374,7 +374,7 @@ class FusedForm(StoredForm):
 
     def fused_parts(self, name: str) -> tuple[str, ...]:
         m = re.fullmatch(r"(model\.layers\.\d+\.self_attn\.)[qkv]_proj\.(weight|bias)", name)
-        return (name,) if m is None else tuple(f"{m[1]}{p}_proj.{m[2]}" for p in "qkv")
+        return (name,) if m is None or not self.groups else tuple(f"{m[1]}{p}_proj.{m[2]}" for p in "qkv")
 
     def _stored_name(self, name: str) -> str:
         layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
@@ -393,7 +393,7 @@ class FusedForm(StoredForm):
 
     def to_stored(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        per = self.heads // self.groups
+        per = self.heads // max(self.groups, 1)
         for name, t in state.items():
             parts = self.fused_parts(name)
             if parts == (name,):
@@ -429,6 +429,17 @@ def stored_form(cfg: dict) -> StoredForm | None:
             "attention.",
             (("gpt_neox.embed_in.", "model.embed_tokens."), ("embed_out.", "lm_head."), ("gpt_neox.", "model.")),
             buffers=("attention.bias", "attention.masked_bias", "attention.rotary_emb.inv_freq"),
+        )
+    if fam.stored_form == "gptj":
+        return FusedForm(
+            a.n_heads,
+            0,
+            a.head_dim,
+            "transformer.h.",
+            "attn.",
+            (("transformer.wte.", "model.embed_tokens."), ("transformer.", "model.")),
+            norms=(("ln_1", "input_layernorm"),),
+            buffers=("attn.bias", "attn.masked_bias"),
         )
     # Falcon: its q/k/v groups are its KV heads (one for multi-query), but for the old layer without
     # multi-query, whose heads each hold their q, k, v; a parallel block's two norms stored as ln_attn, ln_mlp

@@ -729,6 +729,57 @@ def test_falcon_configs_and_checkpoints_as_transformers_reads_them(tmp_path, bas
             ModelArgs.from_hf({**cfg, **change})
 
 
+def test_gptj_configs_and_checkpoints_as_transformers_reads_them(tmp_path, bases):
+    """GPT-J: its spellings (n_embd, n_head, n_inner, activation_function, ...), GLM's interleaved rope over
+    rotary_dim dims of each head, a parallel block under one norm and a biased head; its checkpoints' names
+    (`transformer.h.N.attn.q_proj`, `ln_1`, `transformer.wte`) read as the canonical ones and written back bit
+    for bit, an old checkpoint's causal-mask buffers not read; a null rotary_dim (transformers' GPT-J cannot
+    run it) and rope fields it does not read refused."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from bitdelta.checkpoint import CheckpointReader, save_checkpoint
+
+    cfg = read_config(bases["gptj"])
+    a = ModelArgs.from_hf(cfg)
+    assert (a.dim, a.n_heads, a.intermediate_size, a.act, a.rope.dim, a.rope.interleaved) == (
+        32,
+        4,
+        80,
+        "gelu_new",
+        4,
+        True,
+    )
+    assert a.parallel and a.norm_roles() == ("input_layernorm", None, None, None) and a.family.head_bias
+    with safe_open(str(bases["gptj"] / "model.safetensors"), "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    with CheckpointReader(bases["gptj"]) as r:
+        assert torch.equal(
+            r.get("model.layers.1.self_attn.v_proj.weight"), stored["transformer.h.1.attn.v_proj.weight"]
+        )
+        assert torch.equal(r.get("model.layers.0.input_layernorm.bias"), stored["transformer.h.0.ln_1.bias"])
+        assert torch.equal(r.get("model.embed_tokens.weight"), stored["transformer.wte.weight"])
+        state = dict(r)
+    out = save_checkpoint(state, tmp_path / "again", cfg, side_files_from=bases["gptj"])
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(stored) and all(torch.equal(f.get_tensor(k), stored[k]) for k in stored)
+    save_file(
+        {**stored, "transformer.h.0.attn.bias": torch.ones(2), "transformer.h.1.attn.masked_bias": torch.ones(1)},
+        str(out / "model.safetensors"),
+    )
+    with CheckpointReader(out) as r:
+        assert sorted(r.keys()) == sorted(state)
+    wide = {k: v for k, v in cfg.items() if k != "n_inner"}
+    assert ModelArgs.from_hf(wide).intermediate_size == 128  # 4 × n_embd, as transformers' GPT-J
+    for why, change in {
+        "rotary_dim None": {"rotary_dim": None},
+        "rotary_dim 16": {"rotary_dim": 16},
+        "'rope_theta'": {"rope_theta": 5e5},
+    }.items():
+        with pytest.raises(UnsupportedModel, match=why):
+            ModelArgs.from_hf({**cfg, **change})
+
+
 def test_starcoder2_configs_as_transformers_reads_them(bases):
     """StarCoder2: every projection biased by use_bias, LayerNorms always biased (norm_epsilon), an ungated
     MLP (c_fc, c_proj: the gate_up group is c_fc alone), windows on every layer where sliding_window is

@@ -55,6 +55,7 @@ BASES = (
     "phi",
     "gpt-neox",
     "falcon-7b",
+    "gptj",
 )
 
 
@@ -136,6 +137,12 @@ ADAPTERS = {
     # trained biases (the fused one's split too)
     # Falcon-7B's multi-query query_key_value (all q heads, then one k, one v): B's rows split the same way
     "falcon_fused": ("falcon-7b", dict(target_modules=["query_key_value", "dense_h_to_4h"]), set()),
+    # GPT-J under its own names (transformer.h.N.attn.q_proj, mlp.fc_in), its biased head saved whole
+    "gptj_head_saved": (
+        "gptj",
+        dict(target_modules=["q_proj", "v_proj", "fc_in"], modules_to_save=["lm_head"]),
+        {HEAD, "lm_head.bias"},
+    ),
     "neox_fused": (
         "gpt-neox",
         dict(target_modules=["query_key_value", "dense", "dense_4h_to_h"], bias="lora_only"),

@@ -149,6 +149,10 @@ def hf_config(name: str):
         common = {k: v for k, v in COMMON.items() if k != "num_key_value_heads"}  # no grouped KV
         common |= {"intermediate_size": 64} if seq else {}
         return tf.GPTNeoXConfig(**common, rotary_pct=0.5, use_parallel_residual=not seq, attention_bias=not seq)
+    if name == "gptj":  # stored under its own names; Phi's parallel block, a biased head, gelu_new; GLM's interleaved
+        # rope over rotary_dim = half of each 8-wide head
+        common = {k: v for k, v in COMMON.items() if k not in ("num_key_value_heads", "intermediate_size")}
+        return tf.GPTJConfig(**common, n_inner=80, rotary_dim=4)  # 80: 48 repeats one word at this seed
     if name.startswith("falcon"):  # stored fused under its own names; LayerNorms with biases, the exact GELU, a tied
         # head. -7b: multi-query (all q heads, then one k, one v), a parallel block under one norm; -40b: the new
         # decoder architecture, q/k/v grouped per KV head (2), its parallel block's two norms (ln_attn, ln_mlp);
@@ -302,6 +306,7 @@ FAMILY_MEMBERS = (
     "falcon-7b",
     "falcon-40b",
     "falcon-seq",
+    "gptj",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa", "stablelm-parallel")
 
