@@ -409,10 +409,10 @@ FAMILIES: dict[str, Family] = {
         ungated_mlp=("c_fc", "c_proj"),
         norm_eps_field="norm_epsilon",
     ),
-    # StableLM (Stability AI: StableLM 2 1.6B, StableLM-3B-4E1T, their Zephyrs): Llama's layer under LayerNorms with
-    # biases, q/k/v biases where use_qkv_bias, the rope over the first partial_rotary_factor of each head
-    # (0.25 by default), a parallel block where use_parallel_residual (qk_layernorm, StableLM 2 12B's per-head
-    # LayerNorms, refused)
+    # StableLM (Stability AI: StableLM 2 1.6B and 12B, StableLM-3B-4E1T, their Zephyrs): Llama's layer under
+    # LayerNorms with biases, q/k/v biases where use_qkv_bias, the rope over the first partial_rotary_factor of each
+    # head (0.25 by default), a parallel block where use_parallel_residual; where qk_layernorm (StableLM 2 12B), q
+    # and k normed per head by unbiased LayerNorms of each head's own weights (stored one per head)
     "stablelm": Family(
         "stablelm",
         False,
@@ -422,6 +422,8 @@ FAMILIES: dict[str, Family] = {
         layer_norm=True,
         norm_bias=True,
         norm_eps_field="layer_norm_eps",
+        qk_norm_names=("self_attn.q_layernorm", "self_attn.k_layernorm"),
+        stored_form="stablelm",
     ),
     # EXAONE 4 (LG AI Research): OLMo 2's post-norms (rounded as Llama's), Qwen3's per-head q/k norms, sliding
     # windows on three layers of four where sliding_window is set, the full layers then without the rope (NoPE)
@@ -1571,8 +1573,8 @@ class ModelArgs:
         out = [
             (n, f"{n}.weight", heads[n] if self.qk_heads and n in heads else (size,)) for n, size in self.layer_norms()
         ]
-        if self.family.norm_bias:
-            out += [(f"{n}.bias", f"{n}.bias", (size,)) for n, size in self.layer_norms()]
+        if self.family.norm_bias:  # the layer's norms' (StableLM 2 12B's per-head q and k norms have none)
+            out += [(f"{n}.bias", f"{n}.bias", (size,)) for n, size in self.layer_norms() if n not in heads]
         return tuple(out)
 
     def layer_norms(self) -> tuple[tuple[str, int], ...]:
@@ -1828,7 +1830,7 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
             raise UnsupportedModel(
                 "internlm3 with qkv_bias (attention_bias) different from bias (mlp_bias): transformers refuses it"
             )
-    if model_type in ("stablelm", "phi") and cfg.get("qk_layernorm"):
+    if model_type == "phi" and cfg.get("qk_layernorm"):
         raise UnsupportedModel(f"qk_layernorm ({model_type}'s LayerNorms of q and k) is not supported")
     act = _activation(cfg, fam)
     heads = cfg["num_attention_heads"]
@@ -1898,7 +1900,9 @@ def _from_hf(cls, cfg: dict) -> ModelArgs:
         # Cohere's: its family's (__post_init__); Falcon's parallel_attn
         parallel=bool(cfg.get("use_parallel_residual", False)) or bool(cfg.get("parallel_attn", False)),
         parallel_mlp_norm=model_type == "falcon" and bool(cfg["parallel_attn"]) and _falcon_norms(cfg) == 2,
-        qk_heads=model_type == "cohere" and bool(cfg["use_qk_norm"]),
+        # Command R+'s use_qk_norm, StableLM 2 12B's qk_layernorm: q and k normed per head, each head by weights of its own
+        qk_heads=(model_type == "cohere" and bool(cfg["use_qk_norm"]))
+        or (model_type == "stablelm" and bool(cfg.get("qk_layernorm"))),
         clip_qkv=_positive(cfg, "clip_qkv") if "clip_qkv" in fam.fields else None,
     )
 

@@ -110,6 +110,12 @@ class CheckpointReader:
         self._handles = [safe_open(str(f), framework="pt") for f in weight_files(ckpt)]
         # name -> (file handle, the name stored there, the stored rows it is (runs; None: the whole tensor))
         self._where: dict[str, tuple[object, str, Runs | None]] = {}
+        # name -> the stored tensors (file handle, name) stacked to make it (StableLM 2 12B's per-head norms)
+        self._stacks: dict[str, list[tuple[object, str]]] = {}
+        handle_of = {k: h for h in self._handles for k in h.keys()}
+        if form is not None:
+            for name, parts in form.stacks(list(handle_of)).items():
+                self._stacks[name] = [(handle_of[k], k) for k in parts]
         for h in self._handles:
             for k in h.keys():
                 if form is not None:
@@ -132,14 +138,16 @@ class CheckpointReader:
             self._implied_dtype = _DTYPES.get(h.get_slice(stored_name).get_dtype(), torch.float32)
 
     def keys(self) -> list[str]:
-        return sorted([*self._where, *self.implied])
+        return sorted([*self._where, *self._stacks, *self.implied])
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where or name in self.implied
+        return name in self._where or name in self._stacks or name in self.implied
 
     def get(self, name: str) -> torch.Tensor:
         if name in self.implied:
             return torch.ones(self.implied[name], dtype=self._implied_dtype)
+        if name in self._stacks:
+            return torch.stack([h.get_tensor(k) for h, k in self._stacks[name]])
         try:
             h, stored, runs = self._where[name]
         except KeyError:
@@ -151,6 +159,9 @@ class CheckpointReader:
     def shape(self, name: str) -> list[int]:
         if name in self.implied:
             return list(self.implied[name])
+        if name in self._stacks:
+            h, k = self._stacks[name][0]
+            return [len(self._stacks[name]), *h.get_slice(k).get_shape()]
         h, stored, runs = self._where[name]
         shape = list(h.get_slice(stored).get_shape())
         return shape if runs is None else [sum(b - a for a, b in runs), *shape[1:]]
@@ -158,7 +169,7 @@ class CheckpointReader:
     def get_part(self, name: str, rows: tuple[tuple[int, int], ...] | None = None, cols: tuple[int, int] | None = None):
         """Rows (runs of the first dim, concatenated) and columns of one tensor, reading only those
         bytes from the file (a tensor-parallel rank's slice of a base: bitdelta.shard)."""
-        if name in self.implied:
+        if name in self.implied or name in self._stacks:  # small tensors: made whole, then cut
             t = self.get(name)
             t = t if cols is None else t[:, slice(*cols)]
             return t if rows is None else torch.cat([t[a:b] for a, b in rows])
@@ -181,6 +192,7 @@ class CheckpointReader:
     def close(self) -> None:
         self._handles.clear()
         self._where.clear()
+        self._stacks.clear()
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -325,6 +337,45 @@ class StoredForm:
         """The canonical tensors stored fused with `name` (itself among them); (name,) for one stored alone."""
         return (name,)
 
+    def stacks(self, stored: list[str]) -> dict[str, list[str]]:
+        """The canonical tensors stacked from several stored ones (StableLM 2 12B's per-head q and k norms):
+        canonical name -> its stored parts in order, each of which `canonical` maps to []."""
+        return {}
+
+
+class PerHeadNormsForm(StoredForm):
+    """StableLM 2 12B: its q and k LayerNorms stored one per head (`self_attn.q_layernorm.norms.H.weight`,
+    [head_dim] each), read as one [heads, head_dim] weight (`self_attn.q_layernorm.weight`, Command R+'s form)
+    and written back head by head; every other tensor under its canonical name."""
+
+    PART = re.compile(r"(model\.layers\.\d+\.self_attn\.[qk]_layernorm)\.norms\.(\d+)\.weight")
+    WHOLE = re.compile(r"model\.layers\.\d+\.self_attn\.[qk]_layernorm\.weight")
+
+    def canonical(self, stored: str) -> list[tuple[str, Runs | None]]:
+        return [] if self.PART.fullmatch(stored) else [(stored, None)]
+
+    def stacks(self, stored: list[str]) -> dict[str, list[str]]:
+        heads: dict[str, dict[int, str]] = {}
+        for k in stored:
+            if m := self.PART.fullmatch(k):
+                heads.setdefault(f"{m[1]}.weight", {})[int(m[2])] = k
+        out = {}
+        for name, parts in heads.items():
+            if sorted(parts) != list(range(len(parts))):
+                raise ValueError(f"{name}: the stored heads {sorted(parts)} are not 0 to {len(parts) - 1}")
+            out[name] = [parts[h] for h in range(len(parts))]
+        return out
+
+    def to_stored(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, t in state.items():
+            if self.WHOLE.fullmatch(name):
+                base = name.removesuffix(".weight")
+                out |= {f"{base}.norms.{h}.weight": t[h] for h in range(t.shape[0])}
+            else:
+                out[name] = t
+        return out
+
 
 @dataclass(frozen=True)
 class FusedForm(StoredForm):
@@ -419,6 +470,8 @@ def stored_form(cfg: dict) -> StoredForm | None:
     fam = FAMILIES.get(cfg.get("model_type", "llama"))
     if fam is None or fam.stored_form is None:
         return None
+    if fam.stored_form == "stablelm":  # only StableLM 2 12B's per-head q and k norms are its own
+        return PerHeadNormsForm() if cfg.get("qk_layernorm") else None
     a = ModelArgs.from_hf(cfg)
     if fam.stored_form == "gpt_neox":
         return FusedForm(

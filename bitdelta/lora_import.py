@@ -120,7 +120,10 @@ def _canonical_part(lora: LoraAdapter, form: StoredForm) -> LoraAdapter:
         for path, t in d.items():
             module, _, leaf = path.rpartition(".")
             base_layer = module.endswith(".base_layer")
-            for param, runs in form.canonical(f"{module.removesuffix('.base_layer')}.{leaf}"):
+            outs = form.canonical(f"{module.removesuffix('.base_layer')}.{leaf}")
+            if not outs:
+                raise ValueError(f"{path}: saved whole, it is one part of a tensor this base stores in parts")
+            for param, runs in outs:
                 name = param if not base_layer else param.replace(f".{leaf}", f".base_layer.{leaf}")
                 out[name] = t if runs is None else torch.cat([t[a:b] for a, b in runs])
         return out

@@ -63,10 +63,12 @@ class RMSNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     @classmethod
-    def of(cls, args: ModelArgs, dim: int | tuple[int, ...]) -> RMSNorm:
-        """The family's norm of `dim` values (a shape: weights of that shape over its last dim)."""
+    def of(cls, args: ModelArgs, dim: int | tuple[int, ...], bias: bool | None = None) -> RMSNorm:
+        """The family's norm of `dim` values (a shape: weights of that shape over its last dim); bias: whether
+        it has one (None: as the family's norms, `Family.norm_bias`)."""
         fam = args.family
-        return cls(dim, args.norm_eps, fam.gemma, fam.norm_once, fam.layer_norm, fam.norm_bias, fam.norm_plus_one)
+        bias = fam.norm_bias if bias is None else bias
+        return cls(dim, args.norm_eps, fam.gemma, fam.norm_once, fam.layer_norm, bias, fam.norm_plus_one)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -255,8 +257,8 @@ class Attention(nn.Module):
         self.qk_names = tuple(n.rsplit(".", 1)[1] for n in args.family.qk_norm_names)
         if args.qk_norm:
             shapes = {key: shape for key, _, shape in args.norm_params()}  # Command R+'s: [heads, head_dim]
-            for name, path in zip(self.qk_names, args.family.qk_norm_names):
-                setattr(self, name, RMSNorm.of(args, shapes[path]))
+            for name, path in zip(self.qk_names, args.family.qk_norm_names):  # no bias (StableLM's have none)
+                setattr(self, name, RMSNorm.of(args, shapes[path], bias=False))
         self.kv_cache: KVCache | None = None
 
     def qk_norms(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

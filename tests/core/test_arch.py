@@ -538,11 +538,13 @@ def test_internlm3_and_ministral_configs_as_transformers_reads_them(bases):
         ModelArgs.from_hf({**cfg, "layer_types": ["sliding_attention"]})
 
 
-def test_stablelm_configs_as_transformers_reads_them(bases):
+def test_stablelm_configs_as_transformers_reads_them(tmp_path, bases):
     """StableLM: LayerNorms with biases (a norm parameter each, beside the weights), q/k/v biases by
     use_qkv_bias, the rope over a quarter of each head by default (either spelling of the factor), a
     parallel block by use_parallel_residual; StableLM 2's own switches accepted where they say what
-    transformers does; qk_layernorm (StableLM 2 12B's per-head LayerNorms) refused."""
+    transformers does; qk_layernorm (StableLM 2 12B's): q and k normed per head by LayerNorms of their own,
+    without biases, stored one per head and read as one [heads, head_dim] weight each (written back head by
+    head); an adapter's saved part of one refused."""
     cfg = read_config(bases["stablelm"])
     a = ModelArgs.from_hf(cfg)
     assert (a.layout, a.rope.dim, a.head_dim, a.parallel) == ("q,k,v,o,gate,up,down;bias=q,k,v", 4, 16, False)
@@ -562,8 +564,28 @@ def test_stablelm_configs_as_transformers_reads_them(bases):
     assert ModelArgs.from_hf({**cfg, "use_norm_bias": False, "rotary_scaling_factor": 1.0}) == a
     with pytest.raises(UnsupportedModel, match="rotary_scaling_factor"):
         ModelArgs.from_hf({**cfg, "rotary_scaling_factor": 2.0})
-    with pytest.raises(UnsupportedModel, match="qk_layernorm"):
-        ModelArgs.from_hf({**cfg, "qk_layernorm": True})
+    qk = ModelArgs.from_hf(read_config(bases["stablelm-qk"]))
+    assert qk.qk_heads and qk.layout.endswith(";qk_norm")
+    params = dict((k, s) for k, _, s in qk.norm_params())
+    assert params["self_attn.q_layernorm"] == (4, 8) and params["self_attn.k_layernorm"] == (2, 8)
+    assert "self_attn.q_layernorm.bias" not in params and "input_layernorm.bias" in params
+    from safetensors import safe_open
+
+    from bitdelta.checkpoint import CheckpointReader, save_checkpoint
+
+    with safe_open(str(bases["stablelm-qk"] / "model.safetensors"), "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    with CheckpointReader(bases["stablelm-qk"]) as r:
+        k_norm = r.get("model.layers.1.self_attn.k_layernorm.weight")
+        assert r.shape("model.layers.1.self_attn.k_layernorm.weight") == [2, 8]
+        assert torch.equal(k_norm[1], stored["model.layers.1.self_attn.k_layernorm.norms.1.weight"])
+        assert "model.layers.1.self_attn.k_layernorm.norms.1.weight" not in r
+        state = dict(r)
+    out = save_checkpoint(state, tmp_path / "qk", read_config(bases["stablelm-qk"]))
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(stored) and all(torch.equal(f.get_tensor(k), stored[k]) for k in stored)
+    with pytest.raises(UnsupportedModel, match="qk_layernorm"):  # Phi's, one LayerNorm with a bias for all heads
+        ModelArgs.from_hf({**read_config(bases["phi"]), "qk_layernorm": True})
 
 
 def test_olmo_norms_are_ones_no_checkpoint_stores(tmp_path, bases):
@@ -1047,7 +1069,8 @@ def test_compression_and_distillation_run_on_each_family(tmp_path, bases, name, 
     shown = capsys.readouterr().out
     assert f"architecture      {args.model_type}, layout {args.layout}" in shown
     biases = int(re.search(r"\((\d+) of them biases\)", shown).group(1))
-    norm_biases = (len(args.layer_norms()) * args.n_layers + 1) if args.family.norm_bias else 0  # StableLM's
+    layer_biases = sum(key.endswith(".bias") for key, _, _ in args.norm_params())  # StableLM's (not its q/k norms')
+    norm_biases = (layer_biases * args.n_layers + 1) if args.family.norm_bias else 0
     head_bias = 1 if args.family.head_bias else 0  # Phi's lm_head.bias
     assert biases == sum(m.bias for m in args.matrices()) * args.n_layers + norm_biases + head_bias  # every bias moved
 

@@ -299,6 +299,7 @@ def test_bf16_c_layers_rotate_as_the_layers_do(tmp_path, monkeypatch):
         "gpt-neox",
         "falcon-40b",
         "gptj",
+        "stablelm-qk",
     ):
         c, layers = asyncio.run(steps(name, stepwise=False))
         assert torch.equal(c, layers), name

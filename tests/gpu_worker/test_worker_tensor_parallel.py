@@ -138,6 +138,7 @@ async def test_a_corrupt_delta_is_data_loss_and_the_ranks_keep_serving(family):
         "phi",
         "gpt-neox",
         "falcon-7b",
+        "stablelm-qk",
     ],
 )
 async def test_family_layers_on_two_ranks_equal_one_process(tmp_path, member):

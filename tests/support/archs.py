@@ -211,6 +211,9 @@ def hf_config(name: str):
         return tf.StableLmConfig(**{**COMMON, "num_attention_heads": 2, "num_key_value_heads": 1}, use_qkv_bias=True)
     if name == "stablelm-parallel":  # + the parallel residual (the MLP from the input norm)
         return tf.StableLmConfig(**hf_config("stablelm").to_dict() | {"use_parallel_residual": True})
+    if name == "stablelm-qk":  # StableLM 2 12B's: q and k normed per head by LayerNorms of their own (stored one per
+        # head, no bias), the parallel residual, 4 query heads over 2 KV heads
+        return tf.StableLmConfig(**COMMON, qk_layernorm=True, use_parallel_residual=True, partial_rotary_factor=0.5)
     if name == "starcoder2":  # every projection and LayerNorm biased, an ungated GELU MLP, windows of 8 (untied:
         # tied, this random base's greedy tokens repeat)
         return tf.Starcoder2Config(**COMMON, sliding_window=8, tie_word_embeddings=False)
@@ -307,6 +310,7 @@ FAMILY_MEMBERS = (
     "falcon-40b",
     "falcon-seq",
     "gptj",
+    "stablelm-qk",
 )
 ROPE_MEMBERS = ("llama-linear", "llama-dynamic", "llama-yarn", "llama-bias", "qwen2-swa", "stablelm-parallel")
 
