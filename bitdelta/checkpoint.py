@@ -94,13 +94,12 @@ class CheckpointReader:
     ...), a fused tensor's parts as rows of it.
 
     The tensors a family's checkpoints never store but its model reads as ones (OLMo 1's LayerNorm
-    weights: `bitdelta.arch.implied_tensors`, listed in `implied`) read as ones in the dtype of the
-    checkpoint's first tensor; such a tensor stored in the files is refused, since transformers would
-    not read it.
+    weights: its form's `implied`, listed in `implied`) read as ones in the dtype of the checkpoint's
+    first tensor; such a tensor stored in the files is refused, since transformers would not read it.
     """
 
     def __init__(self, ckpt: str | os.PathLike):
-        from bitdelta.arch import TEXT_MODELS, implied_tensors
+        from bitdelta.arch import TEXT_MODELS
 
         self.path = Path(ckpt)
         cfg_file = self.path / "config.json"
@@ -112,8 +111,8 @@ class CheckpointReader:
         self._where: dict[str, tuple[object, str, Runs | None]] = {}
         # name -> the stored tensors (file handle, name) stacked to make it (StableLM 2 12B's per-head norms)
         self._stacks: dict[str, list[tuple[object, str]]] = {}
-        handle_of = {k: h for h in self._handles for k in h.keys()}
         if form is not None:
+            handle_of = {k: h for h in self._handles for k in h.keys()}
             for name, parts in form.stacks(list(handle_of)).items():
                 self._stacks[name] = [(handle_of[k], k) for k in parts]
         for h in self._handles:
@@ -125,7 +124,7 @@ class CheckpointReader:
                 name = causal_lm_name(k) if wrapper else k
                 if name is not None:
                     self._where[name] = (h, k, None)
-        self.implied: dict[str, tuple[int, ...]] = implied_tensors(cfg) if cfg else {}
+        self.implied: dict[str, tuple[int, ...]] = form.implied if form is not None else {}
         stored = sorted(n for n in self.implied if n in self._where)
         if stored:
             raise ValueError(
@@ -171,8 +170,7 @@ class CheckpointReader:
         bytes from the file (a tensor-parallel rank's slice of a base: bitdelta.shard)."""
         if name in self.implied or name in self._stacks:  # small tensors: made whole, then cut
             t = self.get(name)
-            t = t if cols is None else t[:, slice(*cols)]
-            return t if rows is None else torch.cat([t[a:b] for a, b in rows])
+            return rows_of(t if cols is None else t[:, slice(*cols)], rows)
         if name not in self._where:
             raise KeyError(f"{self.path}: no tensor {name!r}")
         h, stored, runs = self._where[name]
@@ -269,9 +267,8 @@ def save_checkpoint(
                 if src.is_file():
                     shutil.copy2(src, tmp / name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        state = _without_implied(state, config)
         form = stored_form(config)
-        if form is not None:  # GPT-NeoX's and Falcon's names, their q, k and v fused again
+        if form is not None:  # the family's names, its fused and stacked tensors, without its implied ones
             state = form.to_stored(state)
         if generation_config is not None:
             (tmp / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
@@ -283,26 +280,9 @@ def save_checkpoint(
     return Path(out)
 
 
-def is_implied(name: str, tensor: torch.Tensor, config: dict, implied: dict[str, tuple[int, ...]]) -> bool:
-    """Whether a checkpoint of `config` leaves tensor `name` out (one of its `implied` ones:
-    `bitdelta.arch.implied_tensors(config)`, OLMo 1's LayerNorm weights); such a tensor must be all
-    ones, since another value would be lost."""
-    if name not in implied:
-        return False
-    if not bool((tensor == 1).all()):
-        raise ValueError(
-            f"{name}: a {config.get('model_type')} model's norms have no weights, so a value other than 1 cannot be "
-            f"saved"
-        )
-    return True
-
-
-def _without_implied(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
-    """state without the tensors a checkpoint of `config` does not store (`is_implied`)."""
-    from bitdelta.arch import implied_tensors
-
-    implied = implied_tensors(config)
-    return {k: v for k, v in state.items() if not is_implied(k, v, config, implied)}
+def rows_of(t: torch.Tensor, rows: Runs | None) -> torch.Tensor:
+    """Rows `rows` of t (runs of its first dim, concatenated); None: all of t."""
+    return t if rows is None else torch.cat([t[a:b] for a, b in rows])
 
 
 def _within(runs: Runs, want: Runs) -> Runs:
@@ -321,8 +301,12 @@ def _within(runs: Runs, want: Runs) -> Runs:
 
 
 class StoredForm:
-    """How one family's checkpoints name and fuse the canonical tensors (GPT-NeoX's and Falcon's, `FusedForm`): the reader
-    reads the canonical ones from the stored ones, every writer writes the stored ones."""
+    """How one family's checkpoints name, fuse, stack or leave out the canonical tensors (`FusedForm`,
+    `PerHeadNormsForm`, `ImpliedOnesForm`): the reader reads the canonical ones from the stored ones, every
+    writer writes the stored ones."""
+
+    # canonical tensors the checkpoints never store but the model reads as ones: full name -> shape
+    implied: dict[str, tuple[int, ...]] = {}
 
     def canonical(self, stored: str) -> list[tuple[str, Runs | None]]:
         """The canonical tensors one stored tensor holds, each with its rows of it (None: all of it);
@@ -341,6 +325,26 @@ class StoredForm:
         """The canonical tensors stacked from several stored ones (StableLM 2 12B's per-head q and k norms):
         canonical name -> its stored parts in order, each of which `canonical` maps to []."""
         return {}
+
+
+class ImpliedOnesForm(StoredForm):
+    """OLMo 1: its LayerNorms have no parameters, so its checkpoints store no norm weight; each reads as
+    ones (`bitdelta.arch.implied_tensors`), and a writer leaves them out, refusing a value other than 1
+    (it would be lost). Every other tensor under its canonical name."""
+
+    def __init__(self, implied: dict[str, tuple[int, ...]], model_type: str):
+        self.implied, self.model_type = implied, model_type
+
+    def canonical(self, stored: str) -> list[tuple[str, Runs | None]]:
+        return [(stored, None)]
+
+    def to_stored(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        for name in self.implied.keys() & state.keys():
+            if not bool((state[name] == 1).all()):
+                raise ValueError(
+                    f"{name}: a {self.model_type} model's norms have no weights, so a value other than 1 cannot be saved"
+                )
+        return {k: v for k, v in state.items() if k not in self.implied}
 
 
 class PerHeadNormsForm(StoredForm):
@@ -465,9 +469,11 @@ class FusedForm(StoredForm):
 
 def stored_form(cfg: dict) -> StoredForm | None:
     """The stored form of a checkpoint of config `cfg` (`Family.stored_form`); None: the canonical names."""
-    from bitdelta.arch import FAMILIES, ModelArgs
+    from bitdelta.arch import FAMILIES, ModelArgs, implied_tensors
 
     fam = FAMILIES.get(cfg.get("model_type", "llama"))
+    if fam is not None and fam.weightless_norms:  # OLMo 1
+        return ImpliedOnesForm(implied_tensors(cfg), fam.model_type)
     if fam is None or fam.stored_form is None:
         return None
     if fam.stored_form == "stablelm":  # only StableLM 2 12B's per-head q and k norms are its own

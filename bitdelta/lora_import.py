@@ -32,7 +32,15 @@ from pathlib import Path
 import torch
 
 from bitdelta.arch import TEXT_MODELS, ModelArgs
-from bitdelta.checkpoint import CheckpointReader, StoredForm, causal_lm_name, fingerprint, read_config, stored_form
+from bitdelta.checkpoint import (
+    CheckpointReader,
+    StoredForm,
+    causal_lm_name,
+    fingerprint,
+    read_config,
+    rows_of,
+    stored_form,
+)
 from bitdelta.format import CompressedWeight, Delta, DeltaMeta, save_delta
 from bitdelta.merge.adapter import LoraAdapter, load_adapter
 from bitdelta.model_files import own_serving, own_tokenizer
@@ -110,9 +118,8 @@ def _canonical_part(lora: LoraAdapter, form: StoredForm) -> LoraAdapter:
         out = {}
         for k, m in d.items():
             for param, runs in form.canonical(k + ".weight"):
-                rows = (lambda t: t) if runs is None else (lambda t, r=runs: torch.cat([t[a:b] for a, b in r]))
-                bias = None if m.bias is None else rows(m.bias)
-                out[param.removesuffix(".weight")] = dataclasses.replace(m, B=rows(m.B), bias=bias)
+                bias = None if m.bias is None else rows_of(m.bias, runs)
+                out[param.removesuffix(".weight")] = dataclasses.replace(m, B=rows_of(m.B, runs), bias=bias)
         return out
 
     def params(d: dict) -> dict:
@@ -125,7 +132,7 @@ def _canonical_part(lora: LoraAdapter, form: StoredForm) -> LoraAdapter:
                 raise ValueError(f"{path}: saved whole, it is one part of a tensor this base stores in parts")
             for param, runs in outs:
                 name = param if not base_layer else param.replace(f".{leaf}", f".base_layer.{leaf}")
-                out[name] = t if runs is None else torch.cat([t[a:b] for a, b in runs])
+                out[name] = rows_of(t, runs)
         return out
 
     return dataclasses.replace(

@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from bitdelta.arch import implied_tensors
-from bitdelta.checkpoint import SIDE_FILES, is_implied, read_config, stored_form
+from bitdelta.checkpoint import SIDE_FILES, read_config, stored_form
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 
@@ -37,14 +36,11 @@ class ShardedWriter:
         self._pending_bytes = 0
         self._shards: list[tuple[Path, list[str]]] = []
         self._total = 0
-        self._config = read_config(self.config_from)
-        self._implied = implied_tensors(self._config)  # OLMo 1's norm weights: never written
-        self._form = stored_form(self._config)  # GPT-NeoX's and Falcon's names and fused q, k, v
+        # the family's names, fused q, k, v and implied norms (bitdelta.checkpoint.stored_form)
+        self._form = stored_form(read_config(self.config_from))
         self._parts: dict[str, torch.Tensor] = {}  # a fused tensor's parts until all are in
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if is_implied(name, tensor, self._config, self._implied):
-            return
         if self._form is None:
             self._add(name, tensor)
             return
